@@ -1,0 +1,3 @@
+function(moetrain_warnings target)
+  target_compile_options(${target} PRIVATE -Wall -Wextra -Wno-unused-parameter)
+endfunction()

@@ -1,0 +1,14 @@
+// Each subcommand lives in its own file and registers itself on the CLI here; main() runs
+// whichever was chosen. A command returns the process exit code.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <functional>
+
+namespace moetrain::app {
+
+using Run = std::function<int()>;
+
+Run add_version_command(CLI::App& app);
+
+}  // namespace moetrain::app

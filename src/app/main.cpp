@@ -1,0 +1,53 @@
+// moetrain: the only catch site. Parse, run the chosen subcommand, turn errors into a message
+// and a non-zero exit (2 for bad usage, 1 for everything else).
+#include <cstdio>
+#include <map>
+
+#include "app/commands.h"
+#include "core/check.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moetrain: trains Mixture-of-Experts models on CPUs, across processes and machines"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", MOETRAIN_VERSION);
+
+  std::map<CLI::App*, moetrain::app::Run> runs;
+  auto add = [&](moetrain::app::Run run) { runs[app.get_subcommands({}).back()] = std::move(run); };
+  add(moetrain::app::add_version_command(app));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // Name the unknown subcommand rather than CLI11's generic "a subcommand is required".
+    bool known_sub = false;
+    std::string known;
+    for (auto* sub : app.get_subcommands({})) {
+      known += (known.empty() ? "" : ", ") + sub->get_name();
+      if (argc > 1 && sub->get_name() == argv[1]) known_sub = true;
+    }
+    if (argc > 1 && argv[1][0] != '-' && !known_sub) {
+      std::fprintf(stderr, "moetrain: unknown subcommand '%s' (known: %s); see 'moetrain --help'\n", argv[1],
+                   known.c_str());
+      return 2;
+    }
+    app.exit(e);
+    return 2;
+  }
+
+  try {
+    for (auto* sub : app.get_subcommands()) return runs.at(sub)();
+    return 2;
+  } catch (const moetrain::Error& e) {
+    std::fprintf(stderr, "moetrain: error: %s\n", e.describe().c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moetrain: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,18 @@
+// SiLU and SwiGLU, elementwise. silu(x) = x · sigmoid(x); swiglu(a, b) = silu(a) ⊙ b.
+#pragma once
+#include <cstdint>
+
+namespace moetrain {
+
+// out (n) = silu(inp)
+void silu_forward(float* out, const float* inp, int64_t n);
+// dinp (n) = dout · silu'(inp)
+void silu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
+
+// SwiGLU over the two halves of an expert's first projection: out = silu(a) ⊙ b.
+// out, a, b (n)
+void swiglu_forward(float* out, const float* a, const float* b, int64_t n);
+// da = dout ⊙ b ⊙ silu'(a);  db = dout ⊙ silu(a)
+void swiglu_backward(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n);
+
+}  // namespace moetrain
