@@ -7,8 +7,10 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "core/check.h"
+#include "core/log.h"
 
 namespace moetrain {
 
@@ -50,6 +52,10 @@ struct KeyHash {
 };
 
 std::mutex g_cache_mutex;
+// oneDNN runs bf16 matmul only on CPUs with AVX512_BF16 / AMX (or its emulation on AVX-512).
+// Elsewhere bf16 operands are widened to f32: the products of bf16 values are exact in f32, so
+// the result is the same, only the speed-up is lost — which is said once, at the first call.
+std::atomic<int> g_bf16_native{-1};
 std::unordered_map<Key, dnnl::matmul, KeyHash> g_cache;
 std::atomic<int64_t> g_built{0};
 
@@ -81,6 +87,33 @@ const dnnl::matmul& primitive(const Key& k) {
   return g_cache.emplace(k, dnnl::matmul(pd)).first->second;
 }
 
+bool bf16_native() {
+  int v = g_bf16_native.load();
+  if (v < 0) {
+    dnnl::memory::desc md({1, 1}, dt::bf16, {1, 1});
+    dnnl::memory::desc cd({1, 1}, dt::f32, {1, 1});
+    try {
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(md, md, cd), engine());
+      v = 1;
+    } catch (const dnnl::error&) {
+      v = 0;
+      log_warn("oneDNN has no bf16 matmul on this CPU ({}): bf16 GEMM operands are widened to f32 "
+               "(same result, no bf16 speed-up)",
+               gemm_backend_info());
+    }
+    g_bf16_native = v;
+  }
+  return v == 1;
+}
+
+// Widens a (rows, cols) matrix with leading dim ld into a packed f32 buffer.
+void widen(std::vector<float>& out, const bf16* in, int64_t rows, int64_t cols, int64_t ld) {
+  out.resize(static_cast<std::size_t>(rows * cols));
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = in[r * ld + c].to_float();
+}
+
 template <typename T>
 constexpr int dtype_code() {
   return std::is_same_v<T, float> ? 0 : 1;
@@ -97,6 +130,16 @@ void run_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, con
       for (int64_t i = 0; i < M; ++i) std::memset(C + i * ldc, 0, sizeof(float) * N);
     }
     return;
+  }
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (!bf16_native()) {
+      thread_local std::vector<float> a32, b32;
+      widen(a32, A, ta ? K : M, ta ? M : K, lda);
+      widen(b32, B, tb ? N : K, tb ? K : N, ldb);
+      run_gemm<float>(ta, tb, M, N, K, a32.data(), b32.data(), C, acc, ta ? M : K, tb ? K : N, ldc, runtime_m,
+                      runtime_k);
+      return;
+    }
   }
   Key key{dtype_code<T>(), ta, tb, M, N, K, lda, ldb, ldc, acc};
   // A leading dim equal to a runtime extent is runtime too.
