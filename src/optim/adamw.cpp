@@ -1,0 +1,72 @@
+#include "optim/adamw.h"
+
+#include <cmath>
+
+#include "core/check.h"
+
+namespace moetrain {
+
+namespace {
+
+struct AdamWScalars {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float decay;       // 1 − lr·wd
+  float step_size;   // lr / (1 − β1^t)
+  float bias2_sqrt;  // √(1 − β2^t)
+};
+
+// p, g, m, v (hi - lo, offset by lo); must run inside a parallel region (or serially).
+template <bool kDecay>
+void adamw_segment(float* p, const float* g, float* m, float* v, int64_t lo, int64_t hi,
+                   const AdamWScalars& s) {
+#pragma omp for simd schedule(static) nowait
+  for (int64_t i = lo; i < hi; ++i) {
+    float param = p[i];
+    if constexpr (kDecay) param *= s.decay;
+    const float grad = g[i];
+    const float mi = s.beta1 * m[i] + s.one_minus_beta1 * grad;
+    const float vi = s.beta2 * v[i] + s.one_minus_beta2 * (grad * grad);
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) / s.bias2_sqrt + s.eps;
+    p[i] = param - s.step_size * (mi / denom);
+  }
+}
+
+}  // namespace
+
+AdamW::AdamW(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
+             int64_t end)
+    : Optimizer(config, groups, begin, end), exp_avg_(size(), 0.0f), exp_avg_sq_(size(), 0.0f) {
+  MOETRAIN_CHECK(config.kind == OptimizerKind::AdamW, "AdamW built from a '{}' config",
+                 optimizer_kind_name(config.kind));
+}
+
+std::vector<StateBuffer> AdamW::state() {
+  return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}};
+}
+
+void AdamW::update(float* params, const float* grads, float lr) {
+  const OptimizerConfig& c = config();
+  const double t = static_cast<double>(step_count());
+  AdamWScalars s;
+  s.beta1 = static_cast<float>(c.beta1);
+  s.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
+  s.beta2 = static_cast<float>(c.beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
+  s.eps = static_cast<float>(c.eps);
+  s.decay = static_cast<float>(1.0 - double(lr) * c.weight_decay);
+  s.step_size = static_cast<float>(double(lr) / (1.0 - std::pow(c.beta1, t)));
+  s.bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(c.beta2, t)));
+  float* m = exp_avg_.data();
+  float* v = exp_avg_sq_.data();
+  for_each_segment([&](int64_t lo, int64_t hi, bool decay) {
+    if (decay && c.weight_decay != 0.0) {
+      adamw_segment<true>(params, grads, m, v, lo, hi, s);
+    } else {
+      adamw_segment<false>(params, grads, m, v, lo, hi, s);
+    }
+  });
+}
+
+}  // namespace moetrain

@@ -1,0 +1,156 @@
+// Optimizers over one flat parameter buffer. Gradients and optimizer state mirror the parameter
+// buffer (same offsets), so an optimizer is a loop over a range [begin, end) of it. An instance
+// owns one range and holds state for that range only: ZeRO-1 gives each data-parallel rank its
+// slice, the parameter server gives each server its key range. The update is elementwise, so an
+// element gets bitwise the same result whatever range (and thread count) it is updated in.
+//
+// Weight decay is chosen per parameter group: a list of ParamRange tiling the buffer (norm
+// weights and router biases get none). An optimizer intersects the groups with its range once, at
+// construction, into a few segments, and its loops run per segment.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+namespace moetrain {
+
+enum class OptimizerKind { AdamW, Sgd, AdaGrad, RmsProp };
+
+// "adamw" | "sgd" | "adagrad" | "rmsprop"; anything else throws, listing the allowed names.
+OptimizerKind parse_optimizer_kind(std::string_view name);
+std::string_view optimizer_kind_name(OptimizerKind kind);
+
+// Hyper-parameters of every kind; each kind reads the fields it uses. The learning rate is not
+// here: it comes from the schedule, one value per step() call.
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::AdamW;
+  double beta1 = 0.9;         // AdamW
+  double beta2 = 0.95;        // AdamW
+  double eps = 1e-8;          // AdamW, AdaGrad, RMSProp
+  double weight_decay = 0.1;  // AdamW: decoupled; SGD, AdaGrad, RMSProp: added to the gradient
+  double momentum = 0.0;      // SGD, RMSProp
+  bool nesterov = false;      // SGD (needs momentum > 0)
+  double alpha = 0.99;        // RMSProp smoothing constant
+  bool centered = false;      // RMSProp: divide by the estimated variance instead
+  double lr_decay = 0.0;      // AdaGrad: lr_t = lr / (1 + (t − 1)·lr_decay)
+  double initial_accumulator_value = 0.0;  // AdaGrad
+
+  // Throws naming the field and its value: β outside [0, 1), eps ≤ 0, negative decay or
+  // momentum, α outside [0, 1], nesterov without momentum, non-finite values.
+  void validate() const;
+};
+
+// The defaults of `kind`: PyTorch's, except AdamW (β2 0.95, weight decay 0.1, as LLM training
+// uses) and SGD (momentum 0.9, since plain SGD is rarely what is wanted). AdaGrad eps is 1e-10;
+// SGD, AdaGrad and RMSProp default to no weight decay.
+OptimizerConfig default_optimizer_config(OptimizerKind kind);
+inline OptimizerConfig default_optimizer_config(std::string_view name) {
+  return default_optimizer_config(parse_optimizer_kind(name));
+}
+
+// One parameter group: elements [offset, offset + size) of the flat buffer.
+struct ParamRange {
+  int64_t offset = 0;
+  int64_t size = 0;
+  bool weight_decay = true;
+};
+
+// A run of elements with one decay flag; begin/end are relative to the range the caller asked for.
+struct DecaySegment {
+  int64_t begin = 0;
+  int64_t end = 0;
+  bool weight_decay = true;
+};
+
+// Sum of the group sizes; throws unless the groups (in any order) tile [0, total) exactly.
+int64_t param_ranges_total(std::span<const ParamRange> groups);
+
+// The groups intersected with [begin, end), as segments relative to `begin`, adjacent segments
+// with the same flag merged, empty ones dropped. Throws unless the groups tile [0, total) and
+// 0 ≤ begin ≤ end ≤ total.
+std::vector<DecaySegment> decay_segments(std::span<const ParamRange> groups, int64_t begin,
+                                         int64_t end);
+
+// A named optimizer state buffer over the owned range (element i is flat element begin + i).
+struct StateBuffer {
+  std::string name;
+  std::span<float> values;  // (end - begin)
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // One update of the owned range at learning rate `lr` (finite, ≥ 0): advances the step count,
+  // then updates params and state. Element i of params / grads is flat element begin() + i, so
+  // a caller holding the whole buffer passes `buffer + begin()`.
+  // params, grads (end - begin)
+  void step(float* params, const float* grads, float lr);
+
+  // The state buffers by name, for checkpoints: AdamW "exp_avg", "exp_avg_sq"; SGD "momentum"
+  // (none when momentum is 0); AdaGrad "sum_sq"; RMSProp "square_avg", then "momentum" when
+  // momentum > 0 and "grad_avg" when centered. Loading writes into these spans.
+  virtual std::vector<StateBuffer> state() = 0;
+
+  // Number of step() calls applied to the state; part of the state (bias corrections, SGD's
+  // first momentum step, AdaGrad's lr decay depend on it). Set it when loading a checkpoint.
+  int64_t step_count() const { return step_count_; }
+  void set_step_count(int64_t steps);
+
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return end_; }
+  int64_t size() const { return end_ - begin_; }
+  const OptimizerConfig& config() const { return config_; }
+  const std::vector<DecaySegment>& segments() const { return segments_; }
+
+ protected:
+  Optimizer(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
+            int64_t end);
+  // Called by step() after the step count advanced; `step_count()` is the 1-based step t.
+  virtual void update(float* params, const float* grads, float lr) = 0;
+
+  // Runs body(lo, hi, weight_decay) for every segment, all inside one OpenMP parallel region
+  // (when the range is large enough). The body must split [lo, hi) with an orphaned
+  // `#pragma omp for ... nowait`: segments write disjoint elements, so no barrier is needed
+  // between them, and the result of each element does not depend on which thread computes it.
+  template <class Body>
+  void for_each_segment(Body&& body) const {
+    const int64_t n = size();
+#pragma omp parallel if (n > kParallelMin)
+    for (const DecaySegment& s : segments_) body(s.begin, s.end, s.weight_decay);
+  }
+
+  static constexpr int64_t kParallelMin = 1 << 14;
+
+ private:
+  OptimizerConfig config_;
+  int64_t begin_;
+  int64_t end_;
+  int64_t step_count_ = 0;
+  std::vector<DecaySegment> segments_;
+};
+
+// Calls f(std::true_type) or f(std::false_type): turns a runtime flag into a template argument, so
+// that hot loops are compiled once per combination, free of branches.
+template <class F>
+void with_flag(bool flag, F&& f) {
+  if (flag) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// Validates the config and builds the optimizer of config.kind for [begin, end) of the buffer
+// tiled by `groups`, with zero state (AdaGrad: initial_accumulator_value).
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config,
+                                          std::span<const ParamRange> groups, int64_t begin,
+                                          int64_t end);
+
+}  // namespace moetrain

@@ -1,0 +1,30 @@
+// RMSProp, torch.optim.RMSprop semantics:
+//   g ← g + wd·p                               (only where the group decays)
+//   sq ← α·sq + (1 − α)·g²
+//   centered: ga ← α·ga + (1 − α)·g,  d ← √(sq − ga²) + eps;  otherwise d ← √sq + eps
+//   momentum μ > 0: buf ← μ·buf + g / d,  p ← p − lr·buf;  otherwise p ← p − lr·g / d
+// Centered: sq − ga² ≥ 0 in exact arithmetic; a rounding-negative value is taken as 0 rather than
+// giving NaN (NaN inputs still propagate).
+#pragma once
+#include <vector>
+
+#include "optim/optimizer.h"
+
+namespace moetrain {
+
+class RmsProp final : public Optimizer {
+ public:
+  RmsProp(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
+          int64_t end);
+  std::vector<StateBuffer> state() override;
+
+ protected:
+  void update(float* params, const float* grads, float lr) override;
+
+ private:
+  std::vector<float> square_avg_;  // (end - begin)
+  std::vector<float> momentum_;    // (end - begin), empty when momentum is 0
+  std::vector<float> grad_avg_;    // (end - begin), empty unless centered
+};
+
+}  // namespace moetrain
