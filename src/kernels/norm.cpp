@@ -1,0 +1,70 @@
+#include "kernels/norm.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/check.h"
+
+namespace moetrain {
+
+namespace {
+// Rows (or column blocks) below this much work are cheaper on one thread than a fork/join.
+constexpr int64_t kParallelMin = 1 << 14;
+// Columns per dweight task: small enough to give each thread work at C = 1024, large enough that
+// each row visit reads a full run of cache lines.
+constexpr int64_t kColBlock = 128;
+}  // namespace
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps) {
+  MOETRAIN_CHECK(N >= 0 && C > 0, "rmsnorm_forward: need N >= 0 and C > 0, got N={} C={}", N, C);
+  MOETRAIN_CHECK(eps >= 0.0f, "rmsnorm_forward: eps must be >= 0, got {}", eps);
+#pragma omp parallel for schedule(static) if (N * C > kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    float* y = out + n * C;
+    // A double sum keeps mean(x²) accurate for wide rows at no measurable cost (memory bound).
+    double ss = 0.0;
+    for (int64_t c = 0; c < C; ++c) ss += double(x[c]) * x[c];
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / double(C) + double(eps)));
+    rstd[n] = r;
+    // HF order: normalise first, then scale by the weight.
+    for (int64_t c = 0; c < C; ++c) y[c] = weight[c] * (x[c] * r);
+  }
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C) {
+  MOETRAIN_CHECK(N >= 0 && C > 0, "rmsnorm_backward: need N >= 0 and C > 0, got N={} C={}", N, C);
+  // y_c = w_c x_c r with r = (mean(x²) + eps)^(-1/2) and dr/dx_j = −r³ x_j / C, so
+  // dx_j = r w_j dy_j − r³ x_j / C · Σ_c dy_c w_c x_c.
+#pragma omp parallel for schedule(static) if (N * C > kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    const float* dy = dout + n * C;
+    float* dx = dinp + n * C;
+    const double r = rstd[n];
+    double dot = 0.0;
+    for (int64_t c = 0; c < C; ++c) dot += double(dy[c]) * weight[c] * x[c];
+    const float k = static_cast<float>(r * r * r * dot / double(C));
+    const float rf = static_cast<float>(r);
+    for (int64_t c = 0; c < C; ++c) dx[c] = rf * weight[c] * dy[c] - k * x[c];
+  }
+  // dweight_c += Σ_n dy_nc x_nc r_n. Threads own disjoint column blocks and walk rows in order, so
+  // the sum order never depends on the thread count.
+  const int64_t blocks = (C + kColBlock - 1) / kColBlock;
+#pragma omp parallel for schedule(static) if (N * C > kParallelMin && blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t c0 = b * kColBlock, c1 = std::min(C, c0 + kColBlock);
+    double acc[kColBlock] = {};
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + n * C;
+      const float* dy = dout + n * C;
+      const double r = rstd[n];
+      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += double(dy[c]) * x[c] * r;
+    }
+    for (int64_t c = c0; c < c1; ++c) dweight[c] += static_cast<float>(acc[c - c0]);
+  }
+}
+
+}  // namespace moetrain

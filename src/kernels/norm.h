@@ -1,0 +1,16 @@
+// RMSNorm as Hugging Face Llama/Mixtral define it: y = weight ⊙ x / sqrt(mean(x²) + eps).
+#pragma once
+#include <cstdint>
+
+namespace moetrain {
+
+// out (N, C) = weight ⊙ (inp · rstd);  rstd (N) = 1 / sqrt(mean(inp²) + eps), saved for backward.
+// out may alias inp.
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps);
+// dinp (N, C) =  ;  dweight (C) +=  ;  dout, inp (N, C);  weight (C);  rstd (N) from the forward.
+// dweight is bitwise identical for any thread count: each column sums its rows in row order.
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C);
+
+}  // namespace moetrain

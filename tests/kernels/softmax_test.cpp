@@ -1,0 +1,187 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <tuple>
+
+#include "core/check.h"
+#include "kernels/softmax.h"
+#include "support/gradcheck.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+
+namespace {
+// Bitwise equality (memcmp would be handed null pointers for empty buffers).
+bool same_bits(const float* a, const float* b, int64_t n) {
+  return n == 0 || std::memcmp(a, b, sizeof(float) * n) == 0;
+}
+std::vector<double> softmax_ref(const std::vector<float>& x, int64_t N, int64_t V) {
+  std::vector<double> p(N * V);
+  for (int64_t n = 0; n < N; ++n) {
+    double m = -INFINITY, s = 0;
+    for (int64_t v = 0; v < V; ++v) m = std::max(m, double(x[n * V + v]));
+    for (int64_t v = 0; v < V; ++v) s += std::exp(x[n * V + v] - m);
+    for (int64_t v = 0; v < V; ++v) p[n * V + v] = std::exp(x[n * V + v] - m) / s;
+  }
+  return p;
+}
+
+double lse_ref(const float* x, int64_t V) {
+  double m = -INFINITY, s = 0;
+  for (int64_t v = 0; v < V; ++v) m = std::max(m, double(x[v]));
+  for (int64_t v = 0; v < V; ++v) s += std::exp(x[v] - m);
+  return m + std::log(s);
+}
+
+// Every third row ignored, the others a target spread over [0, V).
+std::vector<int32_t> make_targets(int64_t N, int64_t V) {
+  std::vector<int32_t> t(N);
+  for (int64_t n = 0; n < N; ++n) t[n] = n % 3 == 2 ? -1 : static_cast<int32_t>((n * 7919 + 3) % V);
+  return t;
+}
+
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no moetrain::Error thrown";
+  } catch (const moetrain::Error& e) {
+    const std::string msg = e.what();
+    for (const auto& s : needles)
+      EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
+  }
+}
+}  // namespace
+
+class SoftmaxTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(SoftmaxTest, ForwardBackward) {
+  const auto [N, V] = GetParam();
+  auto x = random_vector(N * V, 1, 3.0f), dy = random_vector(N * V, 2);
+  std::vector<float> out(N * V), dx(N * V);
+  softmax_forward(out.data(), x.data(), N, V);
+  auto p = softmax_ref(x, N, V);
+  expect_close(out.data(), p.data(), N * V, 1e-7, 1e-5, "softmax forward");
+
+  softmax_backward(dx.data(), dy.data(), out.data(), N, V);
+  std::vector<double> dref(N * V);
+  for (int64_t n = 0; n < N; ++n) {
+    double dot = 0;
+    for (int64_t v = 0; v < V; ++v) dot += dy[n * V + v] * p[n * V + v];
+    for (int64_t v = 0; v < V; ++v) dref[n * V + v] = p[n * V + v] * (dy[n * V + v] - dot);
+  }
+  expect_close(dx.data(), dref.data(), N * V, 1e-6, 1e-4, "softmax backward");
+  auto loss = [&] {
+    std::vector<float> o(N * V);
+    softmax_forward(o.data(), x.data(), N, V);
+    double s = 0;
+    for (int64_t i = 0; i < N * V; ++i) s += double(o[i]) * dy[i];
+    return s;
+  };
+  check_gradient(x.data(), dx.data(), N * V, loss, "softmax dinp (finite differences)");
+
+  // In place (out = inp, dinp = dout) gives the same bits.
+  std::vector<float> y = x;
+  softmax_forward(y.data(), y.data(), N, V);
+  EXPECT_TRUE(same_bits(y.data(), out.data(), N * V));
+  std::vector<float> g = dy;
+  softmax_backward(g.data(), g.data(), out.data(), N, V);
+  EXPECT_TRUE(same_bits(g.data(), dx.data(), N * V));
+}
+
+TEST_P(SoftmaxTest, XentForwardBackward) {
+  const auto [N, V] = GetParam();
+  auto x = random_vector(N * V, 3, 3.0f), dl = random_vector(N, 4);
+  auto t = make_targets(N, V);
+  std::vector<float> losses(N, -1.0f), lse(N), dx(N * V, 9.0f);
+  softmax_xent_forward(losses.data(), lse.data(), x.data(), t.data(), N, V);
+  std::vector<double> lref(N), lseref(N);
+  for (int64_t n = 0; n < N; ++n) {
+    lseref[n] = lse_ref(x.data() + n * V, V);
+    lref[n] = t[n] < 0 ? 0.0 : lseref[n] - x[n * V + t[n]];
+  }
+  expect_close(losses.data(), lref.data(), N, 1e-6, 1e-5, "xent losses");
+  expect_close(lse.data(), lseref.data(), N, 1e-6, 1e-6, "xent lse");
+
+  softmax_xent_backward(dx.data(), dl.data(), x.data(), lse.data(), t.data(), N, V);
+  auto p = softmax_ref(x, N, V);
+  std::vector<double> dref(N * V, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    if (t[n] < 0) continue;
+    for (int64_t v = 0; v < V; ++v)
+      dref[n * V + v] = dl[n] * (p[n * V + v] - (v == t[n] ? 1.0 : 0.0));
+  }
+  expect_close(dx.data(), dref.data(), N * V, 1e-6, 1e-5, "xent dlogits");
+  auto loss = [&] {
+    std::vector<float> l(N), s(N);
+    softmax_xent_forward(l.data(), s.data(), x.data(), t.data(), N, V);
+    double sum = 0;
+    for (int64_t n = 0; n < N; ++n) sum += double(l[n]) * dl[n];
+    return sum;
+  };
+  check_gradient(x.data(), dx.data(), N * V, loss, "xent dlogits (finite differences)");
+
+  // In place: dlogits overwrites the logits.
+  std::vector<float> inplace = x;
+  softmax_xent_backward(inplace.data(), dl.data(), inplace.data(), lse.data(), t.data(), N, V);
+  EXPECT_TRUE(same_bits(inplace.data(), dx.data(), N * V));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SoftmaxTest,
+                         ::testing::Values(std::make_tuple(0, 5), std::make_tuple(1, 1),
+                                           std::make_tuple(1, 7), std::make_tuple(7, 33),
+                                           std::make_tuple(64, 257), std::make_tuple(3, 40000)));
+
+TEST(SoftmaxXent, LargeLogitsStayFinite) {
+  const int64_t N = 6, V = 1000;
+  auto x = random_vector(N * V, 5, 1.0f);
+  for (auto& v : x) v = v > 0 ? 1e4f : -1e4f;
+  // Row 1 all equal at +1e4: loss must be exactly log V; row 2 mixes ±1e4 with a finite spread.
+  for (int64_t v = 0; v < V; ++v) x[V + v] = 1e4f;
+  for (int64_t v = 0; v < V; ++v) x[2 * V + v] = 1e4f * std::tanh(0.01f * (v - 500));
+  std::vector<int32_t> t = {0, 17, 3, 999, -1, 500};
+  std::vector<float> losses(N), lse(N), dl(N, 1.0f), dx(N * V);
+  softmax_xent_forward(losses.data(), lse.data(), x.data(), t.data(), N, V);
+  softmax_xent_backward(dx.data(), dl.data(), x.data(), lse.data(), t.data(), N, V);
+  for (int64_t n = 0; n < N; ++n) {
+    ASSERT_TRUE(std::isfinite(losses[n]) && std::isfinite(lse[n])) << "row " << n;
+    const double want = t[n] < 0 ? 0.0 : lse_ref(x.data() + n * V, V) - x[n * V + t[n]];
+    EXPECT_NEAR(losses[n], want, 1e-6 * std::abs(want) + 1e-5) << "row " << n;
+  }
+  EXPECT_NEAR(losses[1], std::log(double(V)), 1e-5);
+  for (int64_t n = 0; n < N; ++n) {
+    double sum = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      ASSERT_TRUE(std::isfinite(dx[n * V + v])) << "row " << n << " col " << v;
+      sum += dx[n * V + v];
+    }
+    // The saved lse is a float: near 1e4 its rounding (half an ulp, 5e-4) scales every probability
+    // by exp(±5e-4), so the row sums to 0 only within that.
+    if (t[n] < 0) continue;
+    const double ulp = std::nextafter(lse[n], INFINITY) - lse[n];
+    EXPECT_NEAR(sum, 0.0, 0.6 * ulp + 1e-5) << "gradient of row " << n << " must sum to 0";
+  }
+  std::vector<float> y(N * V);
+  softmax_forward(y.data(), x.data(), N, V);
+  for (float v : y) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(SoftmaxXent, RejectsBadTargets) {
+  const int64_t N = 4, V = 10;
+  auto x = random_vector(N * V, 6);
+  std::vector<float> losses(N), lse(N), dl(N, 1.0f), dx(N * V);
+  std::vector<int32_t> t = {1, 2, 10, 0};
+  expect_error([&] { softmax_xent_forward(losses.data(), lse.data(), x.data(), t.data(), N, V); },
+               {"row 2", "is 10", "[0, 10)"});
+  expect_error(
+      [&] { softmax_xent_backward(dx.data(), dl.data(), x.data(), lse.data(), t.data(), N, V); },
+      {"row 2", "is 10", "[0, 10)"});
+  t = {1, -2, 3, 0};
+  expect_error([&] { softmax_xent_forward(losses.data(), lse.data(), x.data(), t.data(), N, V); },
+               {"row 1", "is -2"});
+  t = {1, 2, 3, 9};
+  softmax_xent_forward(losses.data(), lse.data(), x.data(), t.data(), N, V);
+  EXPECT_THROW(softmax_forward(dx.data(), x.data(), N, 0), moetrain::Error);
+}
