@@ -11,8 +11,10 @@
 namespace moetrain::app {
 
 Run add_prepare_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("prepare", "Turn text files into byte-token shards: DIR/train.bin, DIR/val.bin, "
-                                            "DIR/meta.json");
+  auto* cmd =
+      app.add_subcommand("prepare",
+                         "Turn text files into byte-token shards: DIR/train.bin, DIR/val.bin, "
+                         "DIR/meta.json");
   struct Args {
     std::vector<std::string> inputs;
     std::string out;
@@ -20,12 +22,14 @@ Run add_prepare_command(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("--input", args->inputs,
-                  "Text files or directories (read recursively, sorted by path; symlinks, *.dat and binary files "
+                  "Text files or directories (read recursively, sorted by path; symlinks, *.dat "
+                  "and binary files "
                   "are skipped)")
       ->required();
   cmd->add_option("--out", args->out, "Output directory (created if missing)")->required();
-  cmd->add_option("--val-fraction", args->val_fraction,
-                  "Share of the text held out for validation, in [0, 1); spread over the corpus in chunks")
+  cmd->add_option(
+         "--val-fraction", args->val_fraction,
+         "Share of the text held out for validation, in [0, 1); spread over the corpus in chunks")
       ->capture_default_str();
   return [args] {
     PrepareOptions opts;
@@ -33,9 +37,11 @@ Run add_prepare_command(CLI::App& app) {
     opts.out_dir = args->out;
     opts.val_fraction = args->val_fraction;
     PrepareReport r = prepare_text_corpus(opts);
-    fmt::print("prepared {}: {} files ({} bytes) taken, {} skipped ({} bytes); train {} tokens, val {} tokens\n",
-               args->out, r.sources.size(), r.bytes_taken, r.skipped.size(), r.bytes_skipped, r.train_tokens,
-               r.val_tokens);
+    fmt::print(
+        "prepared {}: {} files ({} bytes) taken, {} skipped ({} bytes); train {} tokens, val {} "
+        "tokens\n",
+        args->out, r.sources.size(), r.bytes_taken, r.skipped.size(), r.bytes_skipped,
+        r.train_tokens, r.val_tokens);
     return 0;
   };
 }

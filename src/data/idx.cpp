@@ -25,8 +25,8 @@ constexpr uint64_t kMaxIdxBytes = uint64_t{1} << 34;
 class IdxSource {
  public:
   explicit IdxSource(const std::filesystem::path& path) : name_(path.string()) {
-    MOETRAIN_CHECK(std::filesystem::is_regular_file(path), "IDX file '{}' does not exist or is not a regular file",
-                   name_);
+    MOETRAIN_CHECK(std::filesystem::is_regular_file(path),
+                   "IDX file '{}' does not exist or is not a regular file", name_);
     file_ = MappedFile(path);
     gzip_ = file_.size() >= 2 && file_.data()[0] == 0x1f && file_.data()[1] == 0x8b;
     if (gzip_) {
@@ -72,13 +72,15 @@ class IdxSource {
           // Concatenated gzip members are one stream (gzip(1) semantics); anything else is garbage.
           const uint8_t* next = zs_.avail_in ? zs_.next_in : file_.data() + offset_;
           MOETRAIN_CHECK(input_left >= 2 && next[0] == 0x1f && next[1] == 0x8b,
-                         "IDX file '{}': {} bytes of garbage after the gzip stream", name_, input_left);
+                         "IDX file '{}': {} bytes of garbage after the gzip stream", name_,
+                         input_left);
           inflateReset(&zs_);
         }
       } else if (rc == Z_BUF_ERROR && input_left == 0) {
         MOETRAIN_FAIL("IDX file '{}': gzip stream is truncated", name_);
       } else {
-        MOETRAIN_CHECK(rc == Z_OK || rc == Z_BUF_ERROR, "IDX file '{}': gzip stream is damaged ({})", name_,
+        MOETRAIN_CHECK(rc == Z_OK || rc == Z_BUF_ERROR,
+                       "IDX file '{}': gzip stream is damaged ({})", name_,
                        zs_.msg ? zs_.msg : "zlib error " + std::to_string(rc));
       }
     }
@@ -107,12 +109,13 @@ IdxArray read_idx(const std::filesystem::path& path, int ndim) {
   uint8_t head[4 + 4 * 8];
   const std::size_t head_bytes = 4 + 4 * static_cast<std::size_t>(ndim);
   const std::size_t got_head = f.read(head, head_bytes);
-  MOETRAIN_CHECK(got_head == head_bytes, "IDX file '{}': {} bytes, shorter than the {}-byte header", name, got_head,
-                 head_bytes);
+  MOETRAIN_CHECK(got_head == head_bytes, "IDX file '{}': {} bytes, shorter than the {}-byte header",
+                 name, got_head, head_bytes);
   const uint32_t magic = big_endian_u32(head);
   const uint32_t expected_magic = 0x00000800u | static_cast<uint32_t>(ndim);
-  MOETRAIN_CHECK(magic == expected_magic, "IDX file '{}': magic 0x{:08x}, expected 0x{:08x} (unsigned bytes, {} dims)",
-                 name, magic, expected_magic, ndim);
+  MOETRAIN_CHECK(magic == expected_magic,
+                 "IDX file '{}': magic 0x{:08x}, expected 0x{:08x} (unsigned bytes, {} dims)", name,
+                 magic, expected_magic, ndim);
   IdxArray a;
   uint64_t total = 1;
   for (int d = 0; d < ndim; ++d) {
@@ -123,26 +126,29 @@ IdxArray read_idx(const std::filesystem::path& path, int ndim) {
   }
   a.data.reserve(static_cast<std::size_t>(std::min<uint64_t>(total, 64 * kReadPiece)));
   while (a.data.size() < total) {
-    const std::size_t want = static_cast<std::size_t>(std::min<uint64_t>(total - a.data.size(), kReadPiece));
+    const std::size_t want =
+        static_cast<std::size_t>(std::min<uint64_t>(total - a.data.size(), kReadPiece));
     const std::size_t at = a.data.size();
     a.data.resize(at + want);
     const std::size_t got = f.read(a.data.data() + at, want);
-    MOETRAIN_CHECK(got == want, "IDX file '{}': payload has {} bytes, dimensions {} need {}", name, at + got,
-                   fmt::join(a.dims, " x "), total);
+    MOETRAIN_CHECK(got == want, "IDX file '{}': payload has {} bytes, dimensions {} need {}", name,
+                   at + got, fmt::join(a.dims, " x "), total);
   }
   uint8_t extra;
-  MOETRAIN_CHECK(f.read(&extra, 1) == 0, "IDX file '{}': trailing bytes after the {}-byte payload ({})", name, total,
+  MOETRAIN_CHECK(f.read(&extra, 1) == 0,
+                 "IDX file '{}': trailing bytes after the {}-byte payload ({})", name, total,
                  fmt::join(a.dims, " x "));
   return a;
 }
 
-ImageDataset load_idx_dataset(const std::filesystem::path& images, const std::filesystem::path& labels,
-                              int32_t num_classes) {
-  MOETRAIN_CHECK(num_classes >= 1 && num_classes <= 256, "load_idx_dataset: num_classes {} outside [1, 256]",
-                 num_classes);
+ImageDataset load_idx_dataset(const std::filesystem::path& images,
+                              const std::filesystem::path& labels, int32_t num_classes) {
+  MOETRAIN_CHECK(num_classes >= 1 && num_classes <= 256,
+                 "load_idx_dataset: num_classes {} outside [1, 256]", num_classes);
   IdxArray img = read_idx(images, 3);
   IdxArray lab = read_idx(labels, 1);
-  MOETRAIN_CHECK(img.dims[0] == lab.dims[0], "IDX files '{}' ({} images) and '{}' ({} labels) disagree on the count",
+  MOETRAIN_CHECK(img.dims[0] == lab.dims[0],
+                 "IDX files '{}' ({} images) and '{}' ({} labels) disagree on the count",
                  images.string(), img.dims[0], labels.string(), lab.dims[0]);
   ImageDataset ds;
   ds.n = img.dims[0];
@@ -151,20 +157,23 @@ ImageDataset load_idx_dataset(const std::filesystem::path& images, const std::fi
   ds.num_classes = num_classes;
   ds.labels.resize(static_cast<std::size_t>(ds.n));
   for (int64_t i = 0; i < ds.n; ++i) {
-    MOETRAIN_CHECK(lab.data[i] < num_classes, "IDX file '{}': label {} of example {} is not below {} classes",
-                   labels.string(), lab.data[i], i, num_classes);
+    MOETRAIN_CHECK(lab.data[i] < num_classes,
+                   "IDX file '{}': label {} of example {} is not below {} classes", labels.string(),
+                   lab.data[i], i, num_classes);
     ds.labels[i] = lab.data[i];
   }
   ds.images.resize(img.data.size());
-  for (std::size_t i = 0; i < img.data.size(); ++i) ds.images[i] = static_cast<float>(img.data[i]) / 255.0f;
+  for (std::size_t i = 0; i < img.data.size(); ++i)
+    ds.images[i] = static_cast<float>(img.data[i]) / 255.0f;
   return ds;
 }
 
 ImageDataset load_fashion_mnist(std::string_view split, const std::filesystem::path& dir) {
-  MOETRAIN_CHECK(split == "train" || split == "t10k", "Fashion-MNIST split '{}' unknown (expected train or t10k)",
-                 split);
+  MOETRAIN_CHECK(split == "train" || split == "t10k",
+                 "Fashion-MNIST split '{}' unknown (expected train or t10k)", split);
   const std::string s(split);
-  return load_idx_dataset(dir / (s + "-images-idx3-ubyte.gz"), dir / (s + "-labels-idx1-ubyte.gz"), 10);
+  return load_idx_dataset(dir / (s + "-images-idx3-ubyte.gz"), dir / (s + "-labels-idx1-ubyte.gz"),
+                          10);
 }
 
 }  // namespace moetrain

@@ -29,9 +29,11 @@ struct ImageDataset {
 };
 
 // An idx3 image file and its idx1 label file: counts must match, labels must be < num_classes.
-ImageDataset load_idx_dataset(const std::filesystem::path& images, const std::filesystem::path& labels,
-                              int32_t num_classes);
-// split: "train" (60000 images) or "t10k" (10000), from `dir` (the Debian dataset-fashion-mnist layout).
-ImageDataset load_fashion_mnist(std::string_view split, const std::filesystem::path& dir = kFashionMnistDir);
+ImageDataset load_idx_dataset(const std::filesystem::path& images,
+                              const std::filesystem::path& labels, int32_t num_classes);
+// split: "train" (60000 images) or "t10k" (10000), from `dir` (the Debian dataset-fashion-mnist
+// layout).
+ImageDataset load_fashion_mnist(std::string_view split,
+                                const std::filesystem::path& dir = kFashionMnistDir);
 
 }  // namespace moetrain

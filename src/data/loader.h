@@ -15,7 +15,8 @@ namespace moetrain {
 // W·B windows at a step.
 class BatchLoader {
  public:
-  BatchLoader(const TokenShard& shard, int64_t B, int64_t T, uint64_t seed, int rank = 0, int world = 1);
+  BatchLoader(const TokenShard& shard, int64_t B, int64_t T, uint64_t seed, int rank = 0,
+              int world = 1);
 
   uint64_t window_start(int64_t step, int64_t micro, int64_t b) const;
   // inputs: (B, T) tokens [start, start+T); targets: (B, T) tokens [start+1, start+T+1).
@@ -39,7 +40,8 @@ class BatchLoader {
 class EvalLoader {
  public:
   // max_batches > 0 caps the global batches (and so the windows) used; 0 uses all.
-  EvalLoader(const TokenShard& shard, int64_t B, int64_t T, int64_t max_batches = 0, int rank = 0, int world = 1);
+  EvalLoader(const TokenShard& shard, int64_t B, int64_t T, int64_t max_batches = 0, int rank = 0,
+             int world = 1);
 
   int64_t num_windows() const { return windows_; }  // used, over all ranks
   int64_t num_batches() const { return batches_; }

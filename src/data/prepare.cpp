@@ -76,7 +76,8 @@ uint64_t file_size_or_zero(const fs::path& p) {
 
 // Regular files under `dir` in path order; symlinks, `.dat` indexes and special files go to
 // `skipped`. Symlinked directories are not followed (they would duplicate or loop).
-void collect_directory(const fs::path& dir, std::vector<fs::path>& files, std::vector<PrepareSkipped>& skipped) {
+void collect_directory(const fs::path& dir, std::vector<fs::path>& files,
+                       std::vector<PrepareSkipped>& skipped) {
   std::vector<fs::path> found;
   std::vector<PrepareSkipped> dropped;
   std::error_code ec;
@@ -100,7 +101,8 @@ void collect_directory(const fs::path& dir, std::vector<fs::path>& files, std::v
     }
   }
   std::sort(found.begin(), found.end());
-  std::sort(dropped.begin(), dropped.end(), [](const auto& a, const auto& b) { return a.path < b.path; });
+  std::sort(dropped.begin(), dropped.end(),
+            [](const auto& a, const auto& b) { return a.path < b.path; });
   files.insert(files.end(), found.begin(), found.end());
   skipped.insert(skipped.end(), dropped.begin(), dropped.end());
 }
@@ -108,10 +110,12 @@ void collect_directory(const fs::path& dir, std::vector<fs::path>& files, std::v
 void ensure_writable_dir(const fs::path& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
-  MOETRAIN_CHECK(!ec, "prepare: cannot create output directory '{}': {}", dir.string(), ec.message());
-  MOETRAIN_CHECK(fs::is_directory(dir, ec), "prepare: output path '{}' is not a directory", dir.string());
-  MOETRAIN_CHECK(::access(dir.c_str(), W_OK | X_OK) == 0, "prepare: output directory '{}' is not writable",
+  MOETRAIN_CHECK(!ec, "prepare: cannot create output directory '{}': {}", dir.string(),
+                 ec.message());
+  MOETRAIN_CHECK(fs::is_directory(dir, ec), "prepare: output path '{}' is not a directory",
                  dir.string());
+  MOETRAIN_CHECK(::access(dir.c_str(), W_OK | X_OK) == 0,
+                 "prepare: output directory '{}' is not writable", dir.string());
 }
 
 }  // namespace
@@ -142,7 +146,8 @@ PrepareReport prepare_text_corpus(const PrepareOptions& options) {
     if (fs::is_directory(st)) {
       collect_directory(input, candidates, report.skipped);
     } else {
-      MOETRAIN_CHECK(fs::is_regular_file(st), "prepare: input '{}' is neither a regular file nor a directory",
+      MOETRAIN_CHECK(fs::is_regular_file(st),
+                     "prepare: input '{}' is neither a regular file nor a directory",
                      input.string());
       candidates.push_back(input);
     }
@@ -189,7 +194,8 @@ PrepareReport prepare_text_corpus(const PrepareOptions& options) {
   }
   report.train_tokens = train.size();
   report.val_tokens = val.size();
-  if (f > 0 && val.empty()) log_warn("prepare: corpus of {} bytes too small for a val split at {}", total, f);
+  if (f > 0 && val.empty())
+    log_warn("prepare: corpus of {} bytes too small for a val split at {}", total, f);
 
   write_token_shard(options.out_dir / "train.bin", train.data(), train.size(), kByteVocab);
   write_token_shard(options.out_dir / "val.bin", val.data(), val.size(), kByteVocab);
@@ -201,21 +207,27 @@ PrepareReport prepare_text_corpus(const PrepareOptions& options) {
   meta["train_tokens"] = report.train_tokens;
   meta["val_tokens"] = report.val_tokens;
   meta["val_fraction"] = f;
-  meta["split"] = {{"rule", "chunk i of the '\\n'-joined stream is val iff floor((i+1)*f) > floor(i*f)"},
-                   {"chunk_bytes", report.chunk_bytes}};
+  meta["split"] = {
+      {"rule", "chunk i of the '\\n'-joined stream is val iff floor((i+1)*f) > floor(i*f)"},
+      {"chunk_bytes", report.chunk_bytes}};
   meta["bytes_taken"] = report.bytes_taken;
   meta["bytes_skipped"] = report.bytes_skipped;
   auto& sources = meta["sources"] = nlohmann::ordered_json::array();
   for (const auto& s : report.sources) sources.push_back({{"path", s.path}, {"bytes", s.bytes}});
   auto& skipped = meta["skipped"] = nlohmann::ordered_json::array();
-  for (const auto& s : report.skipped) skipped.push_back({{"path", s.path}, {"reason", s.reason}, {"bytes", s.bytes}});
-  // Written last: a meta.json means both shards are complete. Non-UTF-8 file names are replaced, not fatal.
-  write_file_atomic(options.out_dir / "meta.json",
-                    meta.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n");
+  for (const auto& s : report.skipped)
+    skipped.push_back({{"path", s.path}, {"reason", s.reason}, {"bytes", s.bytes}});
+  // Written last: a meta.json means both shards are complete. Non-UTF-8 file names are replaced,
+  // not fatal.
+  write_file_atomic(
+      options.out_dir / "meta.json",
+      meta.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n");
 
-  log_info("prepare: took {} files ({} bytes), skipped {} files ({} bytes); train {} tokens, val {} tokens -> {}",
-           report.sources.size(), report.bytes_taken, report.skipped.size(), report.bytes_skipped,
-           report.train_tokens, report.val_tokens, options.out_dir.string());
+  log_info(
+      "prepare: took {} files ({} bytes), skipped {} files ({} bytes); train {} tokens, val {} "
+      "tokens -> {}",
+      report.sources.size(), report.bytes_taken, report.skipped.size(), report.bytes_skipped,
+      report.train_tokens, report.val_tokens, options.out_dir.string());
   return report;
 }
 

@@ -37,7 +37,7 @@ struct PrepareSkipped {
 struct PrepareReport {
   std::vector<PrepareSource> sources;  // in concatenation order
   std::vector<PrepareSkipped> skipped;
-  uint64_t bytes_taken = 0;    // sum of source sizes (separators not counted)
+  uint64_t bytes_taken = 0;  // sum of source sizes (separators not counted)
   uint64_t bytes_skipped = 0;
   uint64_t chunk_bytes = 0;
   uint64_t train_tokens = 0;

@@ -23,7 +23,8 @@ constexpr std::size_t kShardHeaderBytes = 24;
 constexpr uint32_t kShardMaxVocab = 65536;  // token ids must fit uint16
 
 // Atomic (temporary file, fsync, rename). tokens: (n), each < vocab.
-void write_token_shard(const std::filesystem::path& path, const uint16_t* tokens, uint64_t n, uint32_t vocab);
+void write_token_shard(const std::filesystem::path& path, const uint16_t* tokens, uint64_t n,
+                       uint32_t vocab);
 
 class TokenShard {
  public:

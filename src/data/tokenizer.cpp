@@ -27,16 +27,21 @@ std::string decode(std::span<const T> tokens) {
       in_vocab = static_cast<uint32_t>(tokens[i]) < kByteVocab;
     }
     MOETRAIN_CHECK(in_vocab,
-                   "byte_decode: token {} at position {} is outside the byte vocabulary [0, {})", tokens[i], i,
-                   kByteVocab);
+                   "byte_decode: token {} at position {} is outside the byte vocabulary [0, {})",
+                   tokens[i], i, kByteVocab);
   }
   std::string out(tokens.size(), '\0');
-  for (std::size_t i = 0; i < tokens.size(); ++i) out[i] = static_cast<char>(static_cast<uint8_t>(tokens[i]));
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    out[i] = static_cast<char>(static_cast<uint8_t>(tokens[i]));
   return out;
 }
 }  // namespace
 
-std::string byte_decode(std::span<const uint16_t> tokens) { return decode(tokens); }
-std::string byte_decode(std::span<const int32_t> tokens) { return decode(tokens); }
+std::string byte_decode(std::span<const uint16_t> tokens) {
+  return decode(tokens);
+}
+std::string byte_decode(std::span<const int32_t> tokens) {
+  return decode(tokens);
+}
 
 }  // namespace moetrain

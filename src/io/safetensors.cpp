@@ -19,11 +19,14 @@
 namespace moetrain {
 
 static_assert(std::endian::native == std::endian::little,
-              "safetensors data and length fields are little-endian; this build assumes a little-endian host");
+              "safetensors data and length fields are little-endian; this build assumes a "
+              "little-endian host");
 
 namespace {
 
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+  return std::strerror(errno);
+}
 
 }  // namespace
 
@@ -57,7 +60,9 @@ MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {
   ::close(fd);  // the mapping outlives the descriptor
 }
 
-MappedFile::~MappedFile() { release(); }
+MappedFile::~MappedFile() {
+  release();
+}
 
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : path_(std::move(other.path_)),
@@ -107,7 +112,8 @@ void AtomicFileWriter::write(const void* data, std::size_t n) {
     // Linux moves at most ~2 GiB per call; partial writes are normal for big tensors.
     ssize_t w = ::write(fd_, p, std::min<std::size_t>(n, std::size_t{1} << 30));
     if (w < 0 && errno == EINTR) continue;
-    MOETRAIN_CHECK(w > 0, "cannot write '{}': {}", tmp_.string(), w < 0 ? errno_text() : "no progress");
+    MOETRAIN_CHECK(w > 0, "cannot write '{}': {}", tmp_.string(),
+                   w < 0 ? errno_text() : "no progress");
     p += w;
     n -= static_cast<std::size_t>(w);
   }
@@ -132,7 +138,8 @@ void AtomicFileWriter::commit() {
   std::filesystem::path dir = path_.parent_path();
   if (dir.empty()) dir = ".";
   int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  MOETRAIN_CHECK(dfd >= 0, "cannot open directory '{}' to fsync it: {}", dir.string(), errno_text());
+  MOETRAIN_CHECK(dfd >= 0, "cannot open directory '{}' to fsync it: {}", dir.string(),
+                 errno_text());
   rc = ::fsync(dfd);
   std::string why = rc != 0 ? errno_text() : "";
   ::close(dfd);
@@ -155,16 +162,32 @@ struct DTypeInfo {
   std::size_t size;
 };
 constexpr std::array<DTypeInfo, 15> kDTypes{{
-    {SafetensorsDType::BOOL, "BOOL", 1},   {SafetensorsDType::U8, "U8", 1},
-    {SafetensorsDType::I8, "I8", 1},       {SafetensorsDType::F8_E5M2, "F8_E5M2", 1},
-    {SafetensorsDType::F8_E4M3, "F8_E4M3", 1}, {SafetensorsDType::I16, "I16", 2},
-    {SafetensorsDType::U16, "U16", 2},     {SafetensorsDType::F16, "F16", 2},
-    {SafetensorsDType::BF16, "BF16", 2},   {SafetensorsDType::I32, "I32", 4},
-    {SafetensorsDType::U32, "U32", 4},     {SafetensorsDType::F32, "F32", 4},
-    {SafetensorsDType::F64, "F64", 8},     {SafetensorsDType::I64, "I64", 8},
+    {SafetensorsDType::BOOL, "BOOL", 1},
+    {SafetensorsDType::U8, "U8", 1},
+    {SafetensorsDType::I8, "I8", 1},
+    {SafetensorsDType::F8_E5M2, "F8_E5M2", 1},
+    {SafetensorsDType::F8_E4M3, "F8_E4M3", 1},
+    {SafetensorsDType::I16, "I16", 2},
+    {SafetensorsDType::U16, "U16", 2},
+    {SafetensorsDType::F16, "F16", 2},
+    {SafetensorsDType::BF16, "BF16", 2},
+    {SafetensorsDType::I32, "I32", 4},
+    {SafetensorsDType::U32, "U32", 4},
+    {SafetensorsDType::F32, "F32", 4},
+    {SafetensorsDType::F64, "F64", 8},
+    {SafetensorsDType::I64, "I64", 8},
     {SafetensorsDType::U64, "U64", 8},
 }};
-const DTypeInfo& dtype_info(SafetensorsDType t) { return kDTypes[static_cast<std::size_t>(t)]; }
+constexpr bool dtype_table_in_enum_order() {
+  for (std::size_t i = 0; i < kDTypes.size(); ++i) {
+    if (static_cast<std::size_t>(kDTypes[i].type) != i) return false;
+  }
+  return true;
+}
+static_assert(dtype_table_in_enum_order(), "kDTypes is indexed by SafetensorsDType");
+const DTypeInfo& dtype_info(SafetensorsDType t) {
+  return kDTypes[static_cast<std::size_t>(t)];
+}
 
 // numel * elem_size, or nullopt when a dimension is negative or the product overflows.
 std::optional<uint64_t> checked_nbytes(const Shape& shape, std::size_t elem_size) {
@@ -177,11 +200,17 @@ std::optional<uint64_t> checked_nbytes(const Shape& shape, std::size_t elem_size
   return n;
 }
 
-std::string shape_json(const Shape& s) { return nlohmann::json(s).dump(); }
+std::string shape_json(const Shape& s) {
+  return nlohmann::json(s).dump();
+}
 }  // namespace
 
-std::string_view safetensors_dtype_name(SafetensorsDType t) { return dtype_info(t).name; }
-std::size_t safetensors_dtype_size(SafetensorsDType t) { return dtype_info(t).size; }
+std::string_view safetensors_dtype_name(SafetensorsDType t) {
+  return dtype_info(t).name;
+}
+std::size_t safetensors_dtype_size(SafetensorsDType t) {
+  return dtype_info(t).size;
+}
 
 std::optional<SafetensorsDType> safetensors_dtype_from_name(std::string_view name) {
   for (const auto& d : kDTypes) {
@@ -198,24 +227,31 @@ SafetensorsDType to_safetensors_dtype(DType t) {
 // Writer
 
 void SafetensorsWriter::add_entry(Entry e) {
-  MOETRAIN_CHECK(e.name != "__metadata__", "safetensors: '__metadata__' is reserved and cannot name a tensor");
+  MOETRAIN_CHECK(e.name != "__metadata__",
+                 "safetensors: '__metadata__' is reserved and cannot name a tensor");
   MOETRAIN_CHECK(!index_.count(e.name), "safetensors: tensor '{}' added twice", e.name);
   auto nbytes = checked_nbytes(e.shape, safetensors_dtype_size(e.dtype));
-  MOETRAIN_CHECK(nbytes.has_value(), "safetensors: tensor '{}' has an invalid shape {}", e.name, shape_json(e.shape));
-  MOETRAIN_CHECK(e.nbytes == *nbytes, "safetensors: tensor '{}' ({} {}) needs {} bytes, got {}", e.name,
-                 safetensors_dtype_name(e.dtype), shape_json(e.shape), *nbytes, e.nbytes);
-  MOETRAIN_CHECK(e.data != nullptr || e.nbytes == 0, "safetensors: tensor '{}' has null data", e.name);
+  MOETRAIN_CHECK(nbytes.has_value(), "safetensors: tensor '{}' has an invalid shape {}", e.name,
+                 shape_json(e.shape));
+  MOETRAIN_CHECK(e.nbytes == *nbytes, "safetensors: tensor '{}' ({} {}) needs {} bytes, got {}",
+                 e.name, safetensors_dtype_name(e.dtype), shape_json(e.shape), *nbytes, e.nbytes);
+  MOETRAIN_CHECK(e.data != nullptr || e.nbytes == 0, "safetensors: tensor '{}' has null data",
+                 e.name);
   index_.emplace(e.name, entries_.size());
   entries_.push_back(std::move(e));
 }
 
-void SafetensorsWriter::add(std::string name, SafetensorsDType dtype, Shape shape, const void* data) {
+void SafetensorsWriter::add(std::string name, SafetensorsDType dtype, Shape shape,
+                            const void* data) {
   auto nbytes = checked_nbytes(shape, safetensors_dtype_size(dtype));
-  MOETRAIN_CHECK(nbytes.has_value(), "safetensors: tensor '{}' has an invalid shape {}", name, shape_json(shape));
-  add_entry(Entry{std::move(name), dtype, std::move(shape), data, static_cast<std::size_t>(*nbytes), {}});
+  MOETRAIN_CHECK(nbytes.has_value(), "safetensors: tensor '{}' has an invalid shape {}", name,
+                 shape_json(shape));
+  add_entry(
+      Entry{std::move(name), dtype, std::move(shape), data, static_cast<std::size_t>(*nbytes), {}});
 }
 
-void SafetensorsWriter::add_bytes(std::string name, SafetensorsDType dtype, Shape shape, std::vector<uint8_t> bytes) {
+void SafetensorsWriter::add_bytes(std::string name, SafetensorsDType dtype, Shape shape,
+                                  std::vector<uint8_t> bytes) {
   Entry e{std::move(name), dtype, std::move(shape), nullptr, bytes.size(), std::move(bytes)};
   e.data = e.owned.data();
   add_entry(std::move(e));
@@ -275,18 +311,24 @@ void SafetensorsWriter::write(const std::filesystem::path& path) const {
 // ---------------------------------------------------------------------------------------------
 // Reader
 
-SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : file_(path) { parse_header(); }
+SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : file_(path) {
+  parse_header();
+}
 
 void SafetensorsReader::parse_header() {
   const std::string file = file_.path().string();
   const uint64_t size = file_.size();
-  MOETRAIN_CHECK(size >= 8, "safetensors file '{}': {} bytes, too short for the 8-byte header length", file, size);
+  MOETRAIN_CHECK(size >= 8,
+                 "safetensors file '{}': {} bytes, too short for the 8-byte header length", file,
+                 size);
   uint64_t n = 0;
   std::memcpy(&n, file_.data(), 8);
-  MOETRAIN_CHECK(n <= kSafetensorsMaxHeader, "safetensors file '{}': header length {} exceeds the limit of {} bytes",
-                 file, n, kSafetensorsMaxHeader);
-  MOETRAIN_CHECK(n <= size - 8, "safetensors file '{}': header length {} exceeds the {} bytes that follow it", file,
-                 n, size - 8);
+  MOETRAIN_CHECK(n <= kSafetensorsMaxHeader,
+                 "safetensors file '{}': header length {} exceeds the limit of {} bytes", file, n,
+                 kSafetensorsMaxHeader);
+  MOETRAIN_CHECK(n <= size - 8,
+                 "safetensors file '{}': header length {} exceeds the {} bytes that follow it",
+                 file, n, size - 8);
   data_start_ = 8 + n;
   const uint64_t data_size = size - data_start_;
 
@@ -297,39 +339,50 @@ void SafetensorsReader::parse_header() {
   } catch (const nlohmann::json::exception& e) {
     MOETRAIN_FAIL("safetensors file '{}': header is not valid JSON: {}", file, e.what());
   }
-  MOETRAIN_CHECK(h.is_object(), "safetensors file '{}': header is a JSON {}, expected an object", file, h.type_name());
+  MOETRAIN_CHECK(h.is_object(), "safetensors file '{}': header is a JSON {}, expected an object",
+                 file, h.type_name());
 
   for (auto it = h.begin(); it != h.end(); ++it) {
     const std::string& name = it.key();
     const auto& v = it.value();
     if (name == "__metadata__") {
-      MOETRAIN_CHECK(v.is_object(), "safetensors file '{}': __metadata__ is a JSON {}, expected an object", file,
+      MOETRAIN_CHECK(v.is_object(),
+                     "safetensors file '{}': __metadata__ is a JSON {}, expected an object", file,
                      v.type_name());
       for (auto m = v.begin(); m != v.end(); ++m) {
-        MOETRAIN_CHECK(m.value().is_string(), "safetensors file '{}': __metadata__ value '{}' is a JSON {}, expected a string",
-                       file, m.key(), m.value().type_name());
+        MOETRAIN_CHECK(
+            m.value().is_string(),
+            "safetensors file '{}': __metadata__ value '{}' is a JSON {}, expected a string", file,
+            m.key(), m.value().type_name());
         metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
     const std::string where = fmt::format("safetensors file '{}': tensor '{}'", file, name);
-    MOETRAIN_CHECK(v.is_object(), "{}: entry is a JSON {}, expected an object", where, v.type_name());
-    MOETRAIN_CHECK(v.contains("dtype") && v["dtype"].is_string(), "{}: missing or non-string \"dtype\"", where);
-    MOETRAIN_CHECK(v.contains("shape") && v["shape"].is_array(), "{}: missing or non-array \"shape\"", where);
-    MOETRAIN_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,
-                   "{}: \"data_offsets\" must be an array [begin, end]", where);
+    MOETRAIN_CHECK(v.is_object(), "{}: entry is a JSON {}, expected an object", where,
+                   v.type_name());
+    MOETRAIN_CHECK(v.contains("dtype") && v["dtype"].is_string(),
+                   "{}: missing or non-string \"dtype\"", where);
+    MOETRAIN_CHECK(v.contains("shape") && v["shape"].is_array(),
+                   "{}: missing or non-array \"shape\"", where);
+    MOETRAIN_CHECK(
+        v.contains("data_offsets") && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,
+        "{}: \"data_offsets\" must be an array [begin, end]", where);
 
     SafetensorsEntry e;
     e.name = name;
     const std::string dtype_name = v["dtype"].get<std::string>();
     auto dtype = safetensors_dtype_from_name(dtype_name);
-    MOETRAIN_CHECK(dtype.has_value(), "{}: unknown dtype \"{}\" (expected one of BOOL, U8, I8, F8_E5M2, F8_E4M3, "
-                   "I16, U16, F16, BF16, I32, U32, F32, F64, I64, U64)", where, dtype_name);
+    MOETRAIN_CHECK(dtype.has_value(),
+                   "{}: unknown dtype \"{}\" (expected one of BOOL, U8, I8, F8_E5M2, F8_E4M3, "
+                   "I16, U16, F16, BF16, I32, U32, F32, F64, I64, U64)",
+                   where, dtype_name);
     e.dtype = *dtype;
     for (const auto& d : v["shape"]) {
-      MOETRAIN_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX),
-                     "{}: shape {} has an entry {} that is not a non-negative integer", where, v["shape"].dump(),
-                     d.dump());
+      MOETRAIN_CHECK(
+          d.is_number_unsigned() && d.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX),
+          "{}: shape {} has an entry {} that is not a non-negative integer", where,
+          v["shape"].dump(), d.dump());
       e.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
     }
     const auto& off = v["data_offsets"];
@@ -337,32 +390,41 @@ void SafetensorsReader::parse_header() {
                    "{}: data_offsets {} are not non-negative integers", where, off.dump());
     e.begin = off[0].get<uint64_t>();
     e.end = off[1].get<uint64_t>();
-    MOETRAIN_CHECK(e.begin <= e.end, "{}: data_offsets [{}, {}] end before they begin", where, e.begin, e.end);
-    MOETRAIN_CHECK(e.end <= data_size, "{}: data_offsets [{}, {}] run past the data section of {} bytes", where,
+    MOETRAIN_CHECK(e.begin <= e.end, "{}: data_offsets [{}, {}] end before they begin", where,
+                   e.begin, e.end);
+    MOETRAIN_CHECK(e.end <= data_size,
+                   "{}: data_offsets [{}, {}] run past the data section of {} bytes", where,
                    e.begin, e.end, data_size);
     auto expected = checked_nbytes(e.shape, safetensors_dtype_size(e.dtype));
     MOETRAIN_CHECK(expected.has_value(), "{}: shape {} overflows", where, shape_json(e.shape));
-    MOETRAIN_CHECK(e.end - e.begin == *expected, "{}: data_offsets [{}, {}] span {} bytes, expected {} for {} {}",
-                   where, e.begin, e.end, e.end - e.begin, *expected, dtype_name, shape_json(e.shape));
+    MOETRAIN_CHECK(e.end - e.begin == *expected,
+                   "{}: data_offsets [{}, {}] span {} bytes, expected {} for {} {}", where, e.begin,
+                   e.end, e.end - e.begin, *expected, dtype_name, shape_json(e.shape));
     entries_.push_back(std::move(e));
   }
 
   // The tensors must tile the data section exactly: no overlaps (two tensors aliasing bytes) and no
   // holes (bytes nobody owns, the sign of a truncated or spliced file).
-  std::sort(entries_.begin(), entries_.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
-    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
-  });
+  std::sort(entries_.begin(), entries_.end(),
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+              return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+            });
   uint64_t pos = 0;
   const SafetensorsEntry* prev = nullptr;
   for (const auto& e : entries_) {
-    MOETRAIN_CHECK(e.begin >= pos, "safetensors file '{}': tensor '{}' data_offsets [{}, {}] overlap tensor '{}' [{}, {}]",
-                   file, e.name, e.begin, e.end, prev ? prev->name : "", prev ? prev->begin : 0, pos);
-    MOETRAIN_CHECK(e.begin == pos, "safetensors file '{}': data bytes [{}, {}) before tensor '{}' belong to no tensor",
-                   file, pos, e.begin, e.name);
+    MOETRAIN_CHECK(
+        e.begin >= pos,
+        "safetensors file '{}': tensor '{}' data_offsets [{}, {}] overlap tensor '{}' [{}, {}]",
+        file, e.name, e.begin, e.end, prev ? prev->name : "", prev ? prev->begin : 0, pos);
+    MOETRAIN_CHECK(
+        e.begin == pos,
+        "safetensors file '{}': data bytes [{}, {}) before tensor '{}' belong to no tensor", file,
+        pos, e.begin, e.name);
     pos = e.end;
     prev = &e;
   }
-  MOETRAIN_CHECK(pos == data_size, "safetensors file '{}': data section is {} bytes but the tensors cover only {}",
+  MOETRAIN_CHECK(pos == data_size,
+                 "safetensors file '{}': data section is {} bytes but the tensors cover only {}",
                  file, data_size, pos);
   for (std::size_t i = 0; i < entries_.size(); ++i) index_.emplace(entries_[i].name, i);
 }
@@ -376,8 +438,8 @@ std::vector<std::string> SafetensorsReader::names() const {
 
 const SafetensorsEntry& SafetensorsReader::entry(const std::string& name) const {
   auto it = index_.find(name);
-  MOETRAIN_CHECK(it != index_.end(), "safetensors file '{}': no tensor named '{}' ({} tensors)", path().string(),
-                 name, entries_.size());
+  MOETRAIN_CHECK(it != index_.end(), "safetensors file '{}': no tensor named '{}' ({} tensors)",
+                 path().string(), name, entries_.size());
   return entries_[it->second];
 }
 
@@ -388,14 +450,17 @@ std::span<const uint8_t> SafetensorsReader::bytes(const std::string& name) const
 
 void SafetensorsReader::copy_bytes(const std::string& name, void* out, std::size_t nbytes) const {
   auto b = bytes(name);
-  MOETRAIN_CHECK(nbytes == b.size(), "safetensors file '{}': tensor '{}' has {} bytes, caller expects {}",
+  MOETRAIN_CHECK(nbytes == b.size(),
+                 "safetensors file '{}': tensor '{}' has {} bytes, caller expects {}",
                  path().string(), name, b.size(), nbytes);
   if (!b.empty()) std::memcpy(out, b.data(), b.size());
 }
 
-void SafetensorsReader::copy_to_f32(const std::string& name, float* out, int64_t n, bool convert_bf16) const {
+void SafetensorsReader::copy_to_f32(const std::string& name, float* out, int64_t n,
+                                    bool convert_bf16) const {
   const auto& e = entry(name);
-  MOETRAIN_CHECK(n == e.numel(), "safetensors file '{}': tensor '{}' {} has {} elements, caller expects {}",
+  MOETRAIN_CHECK(n == e.numel(),
+                 "safetensors file '{}': tensor '{}' {} has {} elements, caller expects {}",
                  path().string(), name, shape_json(e.shape), e.numel(), n);
   const uint8_t* src = file_.data() + data_start_ + e.begin;
   if (e.dtype == SafetensorsDType::F32) {
@@ -404,7 +469,8 @@ void SafetensorsReader::copy_to_f32(const std::string& name, float* out, int64_t
   }
   MOETRAIN_CHECK(e.dtype == SafetensorsDType::BF16 && convert_bf16,
                  "safetensors file '{}': tensor '{}' is {}, expected F32{}", path().string(), name,
-                 safetensors_dtype_name(e.dtype), e.dtype == SafetensorsDType::BF16 ? " (BF16 widening not requested)" : "");
+                 safetensors_dtype_name(e.dtype),
+                 e.dtype == SafetensorsDType::BF16 ? " (BF16 widening not requested)" : "");
   // The bytes may sit at an odd address (offsets follow the previous tensor), so go through memcpy.
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
   for (int64_t i = 0; i < n; ++i) {
@@ -423,8 +489,8 @@ std::vector<float> SafetensorsReader::read_f32(const std::string& name, bool con
 Tensor SafetensorsReader::load_tensor(const std::string& name) const {
   const auto& e = entry(name);
   MOETRAIN_CHECK(e.dtype == SafetensorsDType::F32 || e.dtype == SafetensorsDType::BF16,
-                 "safetensors file '{}': tensor '{}' is {}, a Tensor holds only F32 or BF16", path().string(), name,
-                 safetensors_dtype_name(e.dtype));
+                 "safetensors file '{}': tensor '{}' is {}, a Tensor holds only F32 or BF16",
+                 path().string(), name, safetensors_dtype_name(e.dtype));
   Tensor t(e.shape, e.dtype == SafetensorsDType::F32 ? DType::F32 : DType::BF16);
   copy_bytes(name, t.raw(), t.nbytes());
   return t;

@@ -52,9 +52,9 @@ class MappedFile {
   bool mapped_ = false;
 };
 
-// Writes `path.tmp`; commit() fsyncs it, renames it onto `path` and fsyncs the directory, so a crash
-// leaves either the old file or the complete new one under `path`, never a torn one. Destroyed
-// without commit() (an error on the way), it removes the temporary.
+// Writes `path.tmp`; commit() fsyncs it, renames it onto `path` and fsyncs the directory, so a
+// crash leaves either the old file or the complete new one under `path`, never a torn one.
+// Destroyed without commit() (an error on the way), it removes the temporary.
 class AtomicFileWriter {
  public:
   explicit AtomicFileWriter(std::filesystem::path path);
@@ -78,7 +78,23 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view bytes
 // ---------------------------------------------------------------------------------------------
 // Element types (the names are the format's own)
 
-enum class SafetensorsDType { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, F64, I64, U64 };
+enum class SafetensorsDType {
+  BOOL,
+  U8,
+  I8,
+  F8_E5M2,
+  F8_E4M3,
+  I16,
+  U16,
+  F16,
+  BF16,
+  I32,
+  U32,
+  F32,
+  F64,
+  I64,
+  U64
+};
 
 std::string_view safetensors_dtype_name(SafetensorsDType t);
 std::size_t safetensors_dtype_size(SafetensorsDType t);

@@ -18,16 +18,19 @@ using moetrain::testing::TempDir;
 namespace {
 
 std::string be32(uint32_t v) {
-  return {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8), static_cast<char>(v)};
+  return {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+          static_cast<char>(v)};
 }
 
-std::string idx_bytes(uint32_t magic, const std::vector<uint32_t>& dims, const std::string& payload) {
+std::string idx_bytes(uint32_t magic, const std::vector<uint32_t>& dims,
+                      const std::string& payload) {
   std::string s = be32(magic);
   for (uint32_t d : dims) s += be32(d);
   return s + payload;
 }
 
-std::filesystem::path write_gz(const TempDir& dir, const std::string& name, const std::string& bytes) {
+std::filesystem::path write_gz(const TempDir& dir, const std::string& name,
+                               const std::string& bytes) {
   auto p = dir / name;
   gzFile f = gzopen(p.c_str(), "wb");
   EXPECT_NE(f, nullptr);
@@ -71,14 +74,16 @@ TEST(Idx, FashionMnistTestSet) {
   std::vector<int> hist(10, 0);
   for (int32_t l : ds.labels) ++hist.at(l);
   EXPECT_EQ(hist, std::vector<int>(10, 1000));
-  EXPECT_EQ(std::vector<int32_t>(ds.labels.begin(), ds.labels.begin() + 6), (std::vector<int32_t>{9, 2, 1, 1, 6, 1}));
+  EXPECT_EQ(std::vector<int32_t>(ds.labels.begin(), ds.labels.begin() + 6),
+            (std::vector<int32_t>{9, 2, 1, 1, 6, 1}));
   EXPECT_EQ(*std::min_element(ds.images.begin(), ds.images.end()), 0.0f);
   EXPECT_EQ(*std::max_element(ds.images.begin(), ds.images.end()), 1.0f);
   double first = 0;  // the first image's pixel bytes sum to 33456
   for (int i = 0; i < 784; ++i) first += ds.images[i] * 255.0;
   EXPECT_NEAR(first, 33456.0, 1e-2);
 
-  IdxArray train_labels = read_idx(std::filesystem::path(kFashionMnistDir) / "train-labels-idx1-ubyte.gz", 1);
+  IdxArray train_labels =
+      read_idx(std::filesystem::path(kFashionMnistDir) / "train-labels-idx1-ubyte.gz", 1);
   ASSERT_EQ(train_labels.dims, std::vector<uint32_t>{60000});
   std::vector<int> th(10, 0);
   for (uint8_t l : train_labels.data) ++th.at(l);
@@ -117,35 +122,55 @@ TEST(Idx, CorruptFilesRejected) {
   auto labels = write_gz(dir, "labels.gz", idx_bytes(0x801, {50}, std::string(50, '\x03')));
   ASSERT_NO_THROW(load_idx_dataset(good, labels, 10));
 
-  auto bad = [&](const std::string& name, const std::string& raw) { return write_gz(dir, name, raw); };
-  expect_error_with([&] { read_idx(bad("magic1.gz", idx_bytes(0x801, {50, 28, 28}, px)), 3); },
-                    "magic 0x00000801, expected 0x00000803", "magic1.gz");
-  expect_error_with([&] { read_idx(bad("magic2.gz", idx_bytes(0x0D03, {50, 28, 28}, px)), 3); }, "magic",
-                    "magic2.gz");
+  auto bad = [&](const std::string& name, const std::string& raw) {
+    return write_gz(dir, name, raw);
+  };
+  expect_error_with(
+      [&] {
+        read_idx(bad("magic1.gz", idx_bytes(0x801, {50, 28, 28}, px)), 3);
+      },
+      "magic 0x00000801, expected 0x00000803", "magic1.gz");
+  expect_error_with(
+      [&] {
+        read_idx(bad("magic2.gz", idx_bytes(0x0D03, {50, 28, 28}, px)), 3);
+      },
+      "magic", "magic2.gz");
   expect_error_with([&] { read_idx(good, 1); }, "magic 0x00000803, expected 0x00000801", "good.gz");
-  expect_error_with([&] { read_idx(bad("short.gz", idx_bytes(0x803, {51, 28, 28}, px)), 3); },
-                    "payload has 39200 bytes", "short.gz");
-  expect_error_with([&] { read_idx(bad("trail.gz", good_raw + "x"), 3); }, "trailing bytes", "trail.gz");
-  expect_error_with([&] { read_idx(bad("hdr.gz", be32(0x803) + be32(50)), 3); }, "shorter than the 16-byte header",
-                    "hdr.gz");
+  expect_error_with(
+      [&] {
+        read_idx(bad("short.gz", idx_bytes(0x803, {51, 28, 28}, px)), 3);
+      },
+      "payload has 39200 bytes", "short.gz");
+  expect_error_with([&] { read_idx(bad("trail.gz", good_raw + "x"), 3); }, "trailing bytes",
+                    "trail.gz");
+  expect_error_with([&] { read_idx(bad("hdr.gz", be32(0x803) + be32(50)), 3); },
+                    "shorter than the 16-byte header", "hdr.gz");
   expect_error_with([&] { read_idx(bad("empty.gz", ""), 3); }, "shorter than", "empty.gz");
   // A header claiming ~800 MB fails on the short payload, without allocating what it claims.
-  expect_error_with([&] { read_idx(bad("lie.gz", idx_bytes(0x803, {1000000, 28, 28}, px)), 3); }, "payload has",
-                    "lie.gz");
-  expect_error_with([&] { read_idx(bad("huge.gz", idx_bytes(0x803, {0xFFFFFFFF, 0xFFFF, 28}, px)), 3); },
-                    "exceed", "huge.gz");
+  expect_error_with(
+      [&] {
+        read_idx(bad("lie.gz", idx_bytes(0x803, {1000000, 28, 28}, px)), 3);
+      },
+      "payload has", "lie.gz");
+  expect_error_with(
+      [&] {
+        read_idx(bad("huge.gz", idx_bytes(0x803, {0xFFFFFFFF, 0xFFFF, 28}, px)), 3);
+      },
+      "exceed", "huge.gz");
 
   // Damage to the compressed stream itself: truncation, and a flipped byte in the deflate body.
   const std::string gz = read_file_bytes(good);
   ASSERT_GT(gz.size(), 1000u);
   auto cut = dir.write("cut.gz", gz.substr(0, gz.size() / 2));
   expect_error_with([&] { read_idx(cut, 3); }, "gzip stream is truncated", "cut.gz");
-  // Only the trailer's length field lost: the payload decompresses completely, the stream does not end.
+  // Only the trailer's length field lost: the payload decompresses completely, the stream does not
+  // end.
   auto cut_tail = dir.write("cut_tail.gz", gz.substr(0, gz.size() - 4));
   expect_error_with([&] { read_idx(cut_tail, 3); }, "gzip stream is truncated", "cut_tail.gz");
   auto crc = dir.write("crc.gz", gz.substr(0, gz.size() - 8) + std::string("\x01\x02\x03\x04", 4) +
                                      gz.substr(gz.size() - 4));
-  expect_error_with([&] { read_idx(crc, 3); }, "gzip stream is damaged (incorrect data check)", "crc.gz");
+  expect_error_with([&] { read_idx(crc, 3); }, "gzip stream is damaged (incorrect data check)",
+                    "crc.gz");
   for (std::size_t at : {std::size_t{20}, gz.size() / 3, gz.size() / 2, gz.size() - 12}) {
     std::string flipped = gz;
     flipped[at] = static_cast<char>(flipped[at] ^ 0x5A);
@@ -154,8 +179,10 @@ TEST(Idx, CorruptFilesRejected) {
     expect_error_with([&] { read_idx(p, 3); }, "IDX file", p.filename().string());
   }
   auto garbage = dir.write("garbage.gz", gz + "junk");
-  expect_error_with([&] { read_idx(garbage, 3); }, "4 bytes of garbage after the gzip stream", "garbage.gz");
-  // Two gzip members are one stream (as gzip -d reads them): header+half the payload, then the rest.
+  expect_error_with([&] { read_idx(garbage, 3); }, "4 bytes of garbage after the gzip stream",
+                    "garbage.gz");
+  // Two gzip members are one stream (as gzip -d reads them): header+half the payload, then the
+  // rest.
   const std::string first = read_file_bytes(write_gz(dir, "m1.gz", good_raw.substr(0, 10000)));
   const std::string second = read_file_bytes(write_gz(dir, "m2.gz", good_raw.substr(10000)));
   auto members = dir.write("members.gz", first + second);
@@ -165,6 +192,7 @@ TEST(Idx, CorruptFilesRejected) {
   auto few = write_gz(dir, "few.gz", idx_bytes(0x801, {49}, std::string(49, '\x03')));
   expect_error_with([&] { load_idx_dataset(good, few, 10); }, "disagree on the count", "few.gz");
   auto high = write_gz(dir, "high.gz", idx_bytes(0x801, {50}, std::string(49, '\x03') + "\x0A"));
-  expect_error_with([&] { load_idx_dataset(good, high, 10); }, "label 10 of example 49 is not below 10", "high.gz");
+  expect_error_with([&] { load_idx_dataset(good, high, 10); },
+                    "label 10 of example 49 is not below 10", "high.gz");
   expect_error_with([&] { read_idx(dir / "missing.gz", 3); }, "does not exist", "missing.gz");
 }

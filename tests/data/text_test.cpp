@@ -71,7 +71,8 @@ TEST(ByteTokenizer, RoundTripsEveryByte) {
   std::vector<int32_t> bad = {65, -1};
   expect_error_with([&] { byte_decode(std::span<const int32_t>(bad)); }, "token -1 at position 1");
   std::vector<uint16_t> big = {256};
-  expect_error_with([&] { byte_decode(std::span<const uint16_t>(big)); }, "token 256 at position 0");
+  expect_error_with([&] { byte_decode(std::span<const uint16_t>(big)); },
+                    "token 256 at position 0");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -121,11 +122,12 @@ TEST(TokenShard, CorruptShardsRejected) {
   rejected(shard_bytes("MOETOK01", 1, 70000, 4, toks), "vocab size 70000");
   rejected(good.substr(0, good.size() - 1), "header says 4 tokens");  // odd payload
   rejected(good.substr(0, good.size() - 2), "header says 4 tokens");  // one token short
-  rejected(good + std::string(2, '\0'), "header says 4 tokens");       // one token extra
+  rejected(good + std::string(2, '\0'), "header says 4 tokens");      // one token extra
   rejected(shard_bytes("MOETOK01", 1, 256, ~uint64_t{0}, toks), "truncated or padded");
   rejected(good.substr(0, 20), "shorter than the 24-byte header");
   rejected("", "shorter than the 24-byte header");
-  rejected(shard_bytes("MOETOK01", 1, 4, 4, toks), "token 4 at position 3 is not below the vocab size 4");
+  rejected(shard_bytes("MOETOK01", 1, 4, 4, toks),
+           "token 4 at position 3 is not below the vocab size 4");
   rejected(shard_bytes("MOETOK01", 1, 256, 2, {7, 256}), "token 256 at position 1");
   expect_error_with([&] { TokenShard s(dir / "missing.bin"); }, "missing.bin");
 }
@@ -157,10 +159,12 @@ TEST(Prepare, SkipsBinaryIndexAndSymlinksAndCountsTokens) {
   EXPECT_EQ(r.sources[2].path, extra.string());
   EXPECT_EQ(r.bytes_taken, 5u + 6u + 1u);
   std::set<std::string> skipped;
-  for (const auto& s : r.skipped) skipped.insert(std::filesystem::path(s.path).filename().string() + ":" + s.reason);
+  for (const auto& s : r.skipped)
+    skipped.insert(std::filesystem::path(s.path).filename().string() + ":" + s.reason);
   EXPECT_EQ(skipped, (std::set<std::string>{"a.dat:index file (.dat)", "a.txt.u8:symlink",
-                                             "bin.txt:not text: NUL byte at offset 2",
-                                             "latin1.txt:not text: invalid UTF-8 at offset 3", "empty.txt:empty"}));
+                                            "bin.txt:not text: NUL byte at offset 2",
+                                            "latin1.txt:not text: invalid UTF-8 at offset 3",
+                                            "empty.txt:empty"}));
   EXPECT_EQ(r.bytes_skipped, 5u + 26u + 4u);
 
   const std::string expected = "hello\nworld\n\n!";
@@ -210,13 +214,16 @@ TEST(Prepare, ValIsSpreadOverTheCorpusInChunks) {
   std::string val = byte_decode(TokenShard(opt.out_dir / "val.bin").span());
   EXPECT_EQ(train, want_train);
   EXPECT_EQ(val, want_val);
-  EXPECT_NEAR(static_cast<double>(val.size()) / static_cast<double>(total), 0.1, 31.0 / static_cast<double>(total));
-  for (char c = 'a'; c <= 'e'; ++c) EXPECT_NE(val.find(c), std::string::npos) << "no val text from file " << c;
+  EXPECT_NEAR(static_cast<double>(val.size()) / static_cast<double>(total), 0.1,
+              31.0 / static_cast<double>(total));
+  for (char c = 'a'; c <= 'e'; ++c)
+    EXPECT_NE(val.find(c), std::string::npos) << "no val text from file " << c;
 
   // Same inputs, same shards.
   opt.out_dir = dir / "out2";
   prepare_text_corpus(opt);
-  EXPECT_EQ(read_file_bytes(dir / "out" / "train.bin"), read_file_bytes(dir / "out2" / "train.bin"));
+  EXPECT_EQ(read_file_bytes(dir / "out" / "train.bin"),
+            read_file_bytes(dir / "out2" / "train.bin"));
   EXPECT_EQ(read_file_bytes(dir / "out" / "val.bin"), read_file_bytes(dir / "out2" / "val.bin"));
 }
 
@@ -267,7 +274,8 @@ TEST(Prepare, Errors) {
 
 TEST(Prepare, DebianFortunes) {
   const std::filesystem::path fortunes = "/usr/share/games/fortunes";
-  ASSERT_TRUE(std::filesystem::is_directory(fortunes)) << "Debian package 'fortunes' is a project dependency";
+  ASSERT_TRUE(std::filesystem::is_directory(fortunes))
+      << "Debian package 'fortunes' is a project dependency";
   TempDir dir("prep");
   PrepareOptions opt;
   opt.inputs = {fortunes};
@@ -300,8 +308,8 @@ class LoaderTest : public ::testing::Test {
     shard_ = std::make_unique<TokenShard>(dir_ / "train.bin");
   }
   // Every row holds tokens [start, start+T) and its targets are the next tokens.
-  void expect_windows(const BatchLoader& l, int64_t step, int64_t micro, const std::vector<int32_t>& in,
-                      const std::vector<int32_t>& tgt) {
+  void expect_windows(const BatchLoader& l, int64_t step, int64_t micro,
+                      const std::vector<int32_t>& in, const std::vector<int32_t>& tgt) {
     const int64_t B = l.batch(), T = l.seq_len();
     for (int64_t b = 0; b < B; ++b) {
       const uint64_t s = l.window_start(step, micro, b);
@@ -375,8 +383,10 @@ TEST_F(LoaderTest, EveryStartIsReachableAndNoneOverruns) {
   for (int64_t step = 0; step < 200; ++step) {
     for (uint64_t s : starts(l, step, 0)) ++hits.at(s);
   }
-  for (std::size_t s = 0; s + T < small.size(); ++s) EXPECT_GT(hits[s], 0) << "start " << s << " never drawn";
-  for (std::size_t s = small.size() - T; s < small.size(); ++s) EXPECT_EQ(hits[s], 0) << "start " << s;
+  for (std::size_t s = 0; s + T < small.size(); ++s)
+    EXPECT_GT(hits[s], 0) << "start " << s << " never drawn";
+  for (std::size_t s = small.size() - T; s < small.size(); ++s)
+    EXPECT_EQ(hits[s], 0) << "start " << s;
 
   // Exactly one window of T+1 tokens: every row starts at 0.
   BatchLoader one(shard, 3, 20, 1);
@@ -414,12 +424,14 @@ TEST_F(LoaderTest, EvalCoversEveryWindowOnce) {
           ASSERT_GE(rows, 0);
           ASSERT_LE(rows, B);
           for (int64_t b = 0; b < rows; ++b) {
-            // Find the row by content among all aligned windows (the scrambled tokens make it unique).
+            // Find the row by content among all aligned windows (the scrambled tokens make it
+            // unique).
             int64_t found = -1;
             for (int64_t w = 0; w < 99 && found < 0; ++w) {
               bool match = true;
               for (int64_t t = 0; t < T && match; ++t) {
-                match = in[b * T + t] == tokens_[w * T + t] && tgt[b * T + t] == tokens_[w * T + t + 1];
+                match =
+                    in[b * T + t] == tokens_[w * T + t] && tgt[b * T + t] == tokens_[w * T + t + 1];
               }
               if (match) found = w;
             }
@@ -429,7 +441,8 @@ TEST_F(LoaderTest, EvalCoversEveryWindowOnce) {
           for (int64_t j = rows * T; j < B * T; ++j) ASSERT_EQ(in[j], 0);
         }
       }
-      for (int w = 0; w < 99; ++w) EXPECT_EQ(seen[w], 1) << "window " << w << " world " << world << " B " << B;
+      for (int w = 0; w < 99; ++w)
+        EXPECT_EQ(seen[w], 1) << "window " << w << " world " << world << " B " << B;
     }
   }
   EvalLoader capped(*shard_, 4, T, 3, 1, 2);

@@ -42,8 +42,10 @@ void expect_rejected(const std::filesystem::path& p, std::string_view needle) {
     ADD_FAILURE() << "loaded a corrupt file " << p << ", expected an error with '" << needle << "'";
   } catch (const Error& e) {
     std::string msg = e.what();
-    EXPECT_NE(msg.find(needle), std::string::npos) << "message: " << msg << "\nexpected to contain: " << needle;
-    EXPECT_NE(msg.find(p.filename().string()), std::string::npos) << "message does not name the file: " << msg;
+    EXPECT_NE(msg.find(needle), std::string::npos)
+        << "message: " << msg << "\nexpected to contain: " << needle;
+    EXPECT_NE(msg.find(p.filename().string()), std::string::npos)
+        << "message does not name the file: " << msg;
   }
 }
 
@@ -55,10 +57,10 @@ const char kFixtureHeader[] =
 
 std::string fixture_bytes() {
   std::string out = std::string("\xC0\0\0\0\0\0\0\0", 8) + kFixtureHeader;
-  const unsigned char data[] = {0x00, 0x00, 0xC0, 0x3F, 0x00, 0x00, 0x00, 0x40,   // a: 1.5, 2.0
-                                0x01, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00,   // b: 1, 2,
-                                0x03, 0x00, 0x00, 0x00,                           //    3
-                                0x80, 0x3F, 0x00, 0xC0};                          // c: bf16 1.0, -2.0
+  const unsigned char data[] = {0x00, 0x00, 0xC0, 0x3F, 0x00, 0x00, 0x00, 0x40,  // a: 1.5, 2.0
+                                0x01, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00,  // b: 1, 2,
+                                0x03, 0x00, 0x00, 0x00,                          //    3
+                                0x80, 0x3F, 0x00, 0xC0};  // c: bf16 1.0, -2.0
   out.append(reinterpret_cast<const char*>(data), sizeof(data));
   return out;
 }
@@ -166,7 +168,8 @@ TEST(Safetensors, RoundTripF32Bf16I32AndMetadata) {
   EXPECT_EQ(wr.header().size() % 8, 0u);
 
   SafetensorsReader r(path);
-  EXPECT_EQ(r.names(), (std::vector<std::string>{"model.w", "h", "empty", "ids", "tensor", "scalar", "odd", "after_odd"}));
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"model.w", "h", "empty", "ids", "tensor", "scalar",
+                                                 "odd", "after_odd"}));
   EXPECT_EQ(r.metadata(), (std::map<std::string, std::string>{{"format", "pt"}, {"step", "12"}}));
   EXPECT_EQ(r.dtype("model.w"), SafetensorsDType::F32);
   EXPECT_EQ(r.shape("model.w"), (Shape{5, 7}));
@@ -248,7 +251,8 @@ TEST(Safetensors, InteropWithPythonReference) {
   TempDir dir("st");
   if (!python_safetensors_available()) {
     // No reference library here: the byte-exact fixture (the reference's own layout) stands in.
-    std::cout << "python3 with safetensors+numpy not found: checking against the hand-built fixture\n";
+    std::cout
+        << "python3 with safetensors+numpy not found: checking against the hand-built fixture\n";
     check_hand_built_fixture(dir);
     return;
   }
@@ -326,13 +330,18 @@ TEST(Safetensors, CorruptFilesRejected) {
   const std::string good = fixture_writer(a, b, c).serialize();
   const std::string f32x2 = le_bytes<float>({1.0f, 2.0f});
   int k = 0;
-  auto file = [&](std::string_view bytes) { return dir.write("bad" + std::to_string(k++) + ".safetensors", bytes); };
-  auto header_file = [&](const std::string& header, std::string_view data) { return file(build_file(header, data)); };
+  auto file = [&](std::string_view bytes) {
+    return dir.write("bad" + std::to_string(k++) + ".safetensors", bytes);
+  };
+  auto header_file = [&](const std::string& header, std::string_view data) {
+    return file(build_file(header, data));
+  };
 
   expect_rejected(file(""), "too short");
   expect_rejected(file("abc"), "too short");
   expect_rejected(file(good.substr(0, 60)), "exceeds the 52 bytes");  // truncated inside the header
-  expect_rejected(file(good.substr(0, good.size() - 4)), "run past the data section");  // truncated data
+  expect_rejected(file(good.substr(0, good.size() - 4)),
+                  "run past the data section");  // truncated data
   {
     std::string huge = good;
     uint64_t n = uint64_t{1} << 40;
@@ -347,11 +356,13 @@ TEST(Safetensors, CorruptFilesRejected) {
   expect_rejected(header_file("{\"a\xFF\": {}}", ""), "not valid JSON");  // not UTF-8
   expect_rejected(header_file(R"({"a":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}})", f32x2),
                   "unknown dtype \"F33\"");
-  expect_rejected(header_file(R"({"a":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}})", "x"), "unknown dtype");
+  expect_rejected(header_file(R"({"a":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}})", "x"),
+                  "unknown dtype");
   expect_rejected(header_file(R"({"a":{"shape":[2],"data_offsets":[0,8]}})", f32x2), "\"dtype\"");
   expect_rejected(header_file(R"({"a":{"dtype":"F32","data_offsets":[0,8]}})", f32x2), "\"shape\"");
   expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[2]}})", f32x2), "data_offsets");
-  expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", f32x2), "data_offsets");
+  expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", f32x2),
+                  "data_offsets");
   expect_rejected(header_file(R"({"a":[1]})", f32x2), "tensor 'a'");
   expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", f32x2),
                   "not a non-negative integer");
@@ -359,12 +370,15 @@ TEST(Safetensors, CorruptFilesRejected) {
                   "not a non-negative integer");
   expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[-1,8]}})", f32x2),
                   "not non-negative integers");
-  expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}})",
-                              f32x2),
-                  "overflows");
+  expect_rejected(
+      header_file(
+          R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}})",
+          f32x2),
+      "overflows");
   expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,100]}})", f32x2),
                   "run past the data section of 8 bytes");
-  expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", f32x2), "end before");
+  expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", f32x2),
+                  "end before");
   expect_rejected(header_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f32x2),
                   "span 8 bytes, expected 12");
   const std::string f32x3 = le_bytes<float>({1, 2, 3});
@@ -415,7 +429,8 @@ TEST(Safetensors, RandomCorruptionLoadsOrThrows) {
     std::string bytes = good;
     switch (below(6)) {
       case 0:  // flip bits in the length field or header
-        for (uint64_t f = 1 + below(3); f > 0; --f) bytes[below(header_end)] ^= static_cast<char>(1u << below(8));
+        for (uint64_t f = 1 + below(3); f > 0; --f)
+          bytes[below(header_end)] ^= static_cast<char>(1u << below(8));
         break;
       case 1:  // flip a bit anywhere
         bytes[below(bytes.size())] ^= static_cast<char>(1u << below(8));
@@ -443,7 +458,8 @@ TEST(Safetensors, RandomCorruptionLoadsOrThrows) {
         auto b = r.bytes(name);
         volatile uint8_t sink = 0;
         for (uint8_t x : b) sink = sink ^ x;
-        if (r.dtype(name) == SafetensorsDType::F32 || r.dtype(name) == SafetensorsDType::BF16) r.read_f32(name, true);
+        if (r.dtype(name) == SafetensorsDType::F32 || r.dtype(name) == SafetensorsDType::BF16)
+          r.read_f32(name, true);
       }
       ++loaded;
     } catch (const Error&) {
