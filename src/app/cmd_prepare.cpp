@@ -1,6 +1,7 @@
 // `moetrain prepare`: text files -> byte-token shards (train.bin, val.bin) and meta.json.
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,11 +38,11 @@ Run add_prepare_command(CLI::App& app) {
     opts.out_dir = args->out;
     opts.val_fraction = args->val_fraction;
     PrepareReport r = prepare_text_corpus(opts);
-    fmt::print(
-        "prepared {}: {} files ({} bytes) taken, {} skipped ({} bytes); train {} tokens, val {} "
-        "tokens\n",
-        args->out, r.sources.size(), r.bytes_taken, r.skipped.size(), r.bytes_skipped,
-        r.train_tokens, r.val_tokens);
+    // The counts are in the library's log line; stdout names what was written.
+    const std::filesystem::path out = args->out;
+    fmt::print("wrote {} ({} tokens), {} ({} tokens), {}\n", (out / "train.bin").string(),
+               r.train_tokens, (out / "val.bin").string(), r.val_tokens,
+               (out / "meta.json").string());
     return 0;
   };
 }
