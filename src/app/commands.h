@@ -10,5 +10,6 @@ namespace moetrain::app {
 using Run = std::function<int()>;
 
 Run add_version_command(CLI::App& app);
+Run add_prepare_command(CLI::App& app);
 
 }  // namespace moetrain::app

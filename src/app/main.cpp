@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   std::map<CLI::App*, moetrain::app::Run> runs;
   auto add = [&](moetrain::app::Run run) { runs[app.get_subcommands({}).back()] = std::move(run); };
   add(moetrain::app::add_version_command(app));
+  add(moetrain::app::add_prepare_command(app));
 
   try {
     app.parse(argc, argv);

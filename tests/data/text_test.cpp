@@ -1,0 +1,457 @@
+// Byte tokenizer, token shards, `prepare` and the batch loaders.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "data/loader.h"
+#include "data/prepare.h"
+#include "data/shard.h"
+#include "data/tokenizer.h"
+#include "support/temp_dir.h"
+
+using namespace moetrain;
+using moetrain::testing::read_file_bytes;
+using moetrain::testing::TempDir;
+
+namespace {
+
+template <typename Fn>
+void expect_error_with(Fn&& fn, std::string_view needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
+}
+
+std::string shard_bytes(const char* magic, uint32_t version, uint32_t vocab, uint64_t count,
+                        const std::vector<uint16_t>& tokens) {
+  std::string s(magic, 8);
+  s.append(reinterpret_cast<const char*>(&version), 4);
+  s.append(reinterpret_cast<const char*>(&vocab), 4);
+  s.append(reinterpret_cast<const char*>(&count), 8);
+  s.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
+  return s;
+}
+
+// A shard whose token i is a scrambled function of i, so a window's content names its start.
+std::vector<uint16_t> scrambled_tokens(uint64_t n) {
+  std::vector<uint16_t> t(n);
+  for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>((i * 2654435761u) >> 7 & 0xFF);
+  return t;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Tokenizer
+
+TEST(ByteTokenizer, RoundTripsEveryByte) {
+  std::string all;
+  for (int c = 0; c < 256; ++c) all.push_back(static_cast<char>(c));
+  all += "h\xC3\xA9llo, w\xC3\xB6rld\n";
+  auto tokens = byte_encode(all);
+  ASSERT_EQ(tokens.size(), all.size());
+  for (std::size_t i = 0; i < all.size(); ++i) EXPECT_EQ(tokens[i], static_cast<uint8_t>(all[i]));
+  EXPECT_EQ(byte_decode(std::span<const uint16_t>(tokens)), all);
+  std::vector<int32_t> ids(tokens.begin(), tokens.end());
+  EXPECT_EQ(byte_decode(std::span<const int32_t>(ids)), all);
+  EXPECT_TRUE(byte_encode("").empty());
+  EXPECT_EQ(byte_decode(std::span<const uint16_t>()), "");
+
+  std::vector<int32_t> bad = {65, -1};
+  expect_error_with([&] { byte_decode(std::span<const int32_t>(bad)); }, "token -1 at position 1");
+  std::vector<uint16_t> big = {256};
+  expect_error_with([&] { byte_decode(std::span<const uint16_t>(big)); },
+                    "token 256 at position 0");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shards
+
+TEST(TokenShard, RoundTripAndExactLayout) {
+  TempDir dir("shard");
+  for (uint64_t n : {0u, 1u, 1001u}) {
+    auto tokens = scrambled_tokens(n);
+    auto path = dir / ("s" + std::to_string(n) + ".bin");
+    write_token_shard(path, tokens.data(), n, 256);
+    EXPECT_FALSE(std::filesystem::exists(path.string() + ".tmp"));
+    EXPECT_EQ(read_file_bytes(path), shard_bytes("MOETOK01", 1, 256, n, tokens));
+    TokenShard s(path);
+    EXPECT_EQ(s.size(), n);
+    EXPECT_EQ(s.vocab(), 256u);
+    EXPECT_EQ(std::vector<uint16_t>(s.span().begin(), s.span().end()), tokens);
+  }
+  // The largest vocabulary: every uint16 value is a valid token.
+  std::vector<uint16_t> wide = {0, 65535, 300, 1};
+  write_token_shard(dir / "wide.bin", wide.data(), wide.size(), 65536);
+  TokenShard w(dir / "wide.bin");
+  EXPECT_EQ(w.vocab(), 65536u);
+  EXPECT_EQ(w.tokens()[1], 65535);
+
+  expect_error_with([&] { write_token_shard(dir / "x.bin", wide.data(), wide.size(), 256); },
+                    "token 65535 at position 1 is not below the vocab size 256");
+  expect_error_with([&] { write_token_shard(dir / "x.bin", wide.data(), 0, 0); }, "vocab size 0");
+  EXPECT_FALSE(std::filesystem::exists(dir / "x.bin"));
+}
+
+TEST(TokenShard, CorruptShardsRejected) {
+  TempDir dir("shard");
+  const std::vector<uint16_t> toks = {1, 2, 3, 4};
+  int k = 0;
+  auto rejected = [&](const std::string& bytes, std::string_view needle) {
+    auto path = dir.write("bad" + std::to_string(k++) + ".bin", bytes);
+    expect_error_with([&] { TokenShard s(path); }, needle);
+    expect_error_with([&] { TokenShard s(path); }, path.filename().string());
+  };
+  const std::string good = shard_bytes("MOETOK01", 1, 256, 4, toks);
+  ASSERT_NO_THROW(TokenShard(dir.write("good.bin", good)));
+  rejected(shard_bytes("MOETOK02", 1, 256, 4, toks), "bad magic");
+  rejected(shard_bytes("GPT2TOKS", 1, 256, 4, toks), "bad magic");
+  rejected(shard_bytes("MOETOK01", 2, 256, 4, toks), "version 2");
+  rejected(shard_bytes("MOETOK01", 1, 0, 4, toks), "vocab size 0");
+  rejected(shard_bytes("MOETOK01", 1, 70000, 4, toks), "vocab size 70000");
+  rejected(good.substr(0, good.size() - 1), "header says 4 tokens");  // odd payload
+  rejected(good.substr(0, good.size() - 2), "header says 4 tokens");  // one token short
+  rejected(good + std::string(2, '\0'), "header says 4 tokens");      // one token extra
+  rejected(shard_bytes("MOETOK01", 1, 256, ~uint64_t{0}, toks), "truncated or padded");
+  rejected(good.substr(0, 20), "shorter than the 24-byte header");
+  rejected("", "shorter than the 24-byte header");
+  rejected(shard_bytes("MOETOK01", 1, 4, 4, toks),
+           "token 4 at position 3 is not below the vocab size 4");
+  rejected(shard_bytes("MOETOK01", 1, 256, 2, {7, 256}), "token 256 at position 1");
+  expect_error_with([&] { TokenShard s(dir / "missing.bin"); }, "missing.bin");
+}
+
+// ---------------------------------------------------------------------------------------------
+// prepare
+
+TEST(Prepare, SkipsBinaryIndexAndSymlinksAndCountsTokens) {
+  TempDir dir("prep");
+  auto in = dir / "in";
+  dir.write("in/a.txt", "hello");
+  dir.write("in/sub/b.txt", "world\n");
+  dir.write("in/bin.txt", std::string("ab\0cd", 5));
+  dir.write("in/a.dat", "plain-looking but an index");
+  dir.write("in/latin1.txt", "caf\xE9");
+  dir.write("in/empty.txt", "");
+  std::filesystem::create_symlink("a.txt", in / "a.txt.u8");
+  auto extra = dir.write("extra.txt", "!");
+
+  PrepareOptions opt;
+  opt.inputs = {in, extra};
+  opt.out_dir = dir / "out";
+  opt.val_fraction = 0.0;
+  PrepareReport r = prepare_text_corpus(opt);
+
+  ASSERT_EQ(r.sources.size(), 3u);
+  EXPECT_EQ(r.sources[0].path, (in / "a.txt").string());
+  EXPECT_EQ(r.sources[1].path, (in / "sub/b.txt").string());
+  EXPECT_EQ(r.sources[2].path, extra.string());
+  EXPECT_EQ(r.bytes_taken, 5u + 6u + 1u);
+  std::set<std::string> skipped;
+  for (const auto& s : r.skipped)
+    skipped.insert(std::filesystem::path(s.path).filename().string() + ":" + s.reason);
+  EXPECT_EQ(skipped, (std::set<std::string>{"a.dat:index file (.dat)", "a.txt.u8:symlink",
+                                            "bin.txt:not text: NUL byte at offset 2",
+                                            "latin1.txt:not text: invalid UTF-8 at offset 3",
+                                            "empty.txt:empty"}));
+  EXPECT_EQ(r.bytes_skipped, 5u + 26u + 4u);
+
+  const std::string expected = "hello\nworld\n\n!";
+  EXPECT_EQ(r.train_tokens, expected.size());
+  EXPECT_EQ(r.val_tokens, 0u);
+  TokenShard train(opt.out_dir / "train.bin"), val(opt.out_dir / "val.bin");
+  EXPECT_EQ(train.vocab(), 256u);
+  EXPECT_EQ(byte_decode(train.span()), expected);
+  EXPECT_EQ(val.size(), 0u);
+
+  auto meta = nlohmann::json::parse(read_file_bytes(opt.out_dir / "meta.json"));
+  EXPECT_EQ(meta["vocab_size"], 256);
+  EXPECT_EQ(meta["train_tokens"], expected.size());
+  EXPECT_EQ(meta["val_tokens"], 0);
+  EXPECT_EQ(meta["val_fraction"], 0.0);
+  EXPECT_EQ(meta["sources"].size(), 3u);
+  EXPECT_EQ(meta["sources"][1]["path"], (in / "sub/b.txt").string());
+  EXPECT_EQ(meta["skipped"].size(), 5u);
+}
+
+TEST(Prepare, ValIsSpreadOverTheCorpusInChunks) {
+  // Five files of one letter each: where val's letters come from shows where val was taken.
+  TempDir dir("prep");
+  std::string corpus;
+  for (char c = 'a'; c <= 'e'; ++c) {
+    std::string text(1000, c);
+    dir.write(std::string("in/") + c + ".txt", text);
+    corpus += (corpus.empty() ? "" : "\n") + text;
+  }
+  PrepareOptions opt;
+  opt.inputs = {dir / "in"};
+  opt.out_dir = dir / "out";
+  opt.val_fraction = 0.1;
+  PrepareReport r = prepare_text_corpus(opt);
+  const uint64_t total = corpus.size();
+  EXPECT_EQ(r.chunk_bytes, split_chunk_bytes(total, 0.1));
+  EXPECT_EQ(r.chunk_bytes, 31u);  // floor(5004 · 0.1 / 16)
+  EXPECT_EQ(r.train_tokens + r.val_tokens, total);
+
+  // Reference split, from the documented rule.
+  std::string want_train, want_val;
+  for (uint64_t i = 0; i * 31 < total; ++i) {
+    const bool val = std::floor((i + 1) * 0.1) > std::floor(i * 0.1);
+    (val ? want_val : want_train) += corpus.substr(i * 31, 31);
+  }
+  std::string train = byte_decode(TokenShard(opt.out_dir / "train.bin").span());
+  std::string val = byte_decode(TokenShard(opt.out_dir / "val.bin").span());
+  EXPECT_EQ(train, want_train);
+  EXPECT_EQ(val, want_val);
+  EXPECT_NEAR(static_cast<double>(val.size()) / static_cast<double>(total), 0.1,
+              31.0 / static_cast<double>(total));
+  for (char c = 'a'; c <= 'e'; ++c)
+    EXPECT_NE(val.find(c), std::string::npos) << "no val text from file " << c;
+
+  // Same inputs, same shards.
+  opt.out_dir = dir / "out2";
+  prepare_text_corpus(opt);
+  EXPECT_EQ(read_file_bytes(dir / "out" / "train.bin"),
+            read_file_bytes(dir / "out2" / "train.bin"));
+  EXPECT_EQ(read_file_bytes(dir / "out" / "val.bin"), read_file_bytes(dir / "out2" / "val.bin"));
+}
+
+TEST(Prepare, SplitRule) {
+  std::vector<uint64_t> val;
+  for (uint64_t i = 0; i < 12; ++i) {
+    if (is_val_chunk(i, 0.25)) val.push_back(i);
+  }
+  EXPECT_EQ(val, (std::vector<uint64_t>{3, 7, 11}));
+  int n05 = 0;
+  for (uint64_t i = 0; i < 1000; ++i) n05 += is_val_chunk(i, 0.05);
+  EXPECT_EQ(n05, 50);
+  for (uint64_t i = 0; i < 100; ++i) EXPECT_FALSE(is_val_chunk(i, 0.0));
+  EXPECT_FALSE(is_val_chunk(0, 0.99));  // chunk 0 always trains
+  EXPECT_EQ(split_chunk_bytes(4'000'000, 0.05), 8192u);
+  EXPECT_EQ(split_chunk_bytes(1600, 0.1), 10u);
+  EXPECT_EQ(split_chunk_bytes(3, 0.1), 1u);
+}
+
+TEST(Prepare, Errors) {
+  TempDir dir("prep");
+  auto good = dir.write("in/a.txt", "some text");
+  PrepareOptions opt;
+  opt.out_dir = dir / "out";
+
+  opt.inputs = {dir / "in" / "missing.txt"};
+  expect_error_with([&] { prepare_text_corpus(opt); }, "missing.txt' does not exist");
+
+  dir.write("bin/x.dat", "index");
+  dir.write("bin/y", std::string("\0\1\2", 3));
+  opt.inputs = {dir / "bin"};
+  expect_error_with([&] { prepare_text_corpus(opt); }, "hold no text");
+
+  opt.inputs = {good};
+  for (double f : {-0.1, 1.0, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
+    opt.val_fraction = f;
+    expect_error_with([&] { prepare_text_corpus(opt); }, "val fraction");
+  }
+  opt.val_fraction = 0.05;
+  opt.out_dir = good / "sub";  // below a regular file: cannot be created
+  expect_error_with([&] { prepare_text_corpus(opt); }, "cannot create output directory");
+  opt.out_dir = good;
+  expect_error_with([&] { prepare_text_corpus(opt); }, "output");
+  opt.inputs = {};
+  opt.out_dir = dir / "out";
+  expect_error_with([&] { prepare_text_corpus(opt); }, "no input");
+}
+
+TEST(Prepare, DebianFortunes) {
+  const std::filesystem::path fortunes = "/usr/share/games/fortunes";
+  ASSERT_TRUE(std::filesystem::is_directory(fortunes))
+      << "Debian package 'fortunes' is a project dependency";
+  TempDir dir("prep");
+  PrepareOptions opt;
+  opt.inputs = {fortunes};
+  opt.out_dir = dir / "out";
+  PrepareReport r = prepare_text_corpus(opt);
+  ASSERT_GT(r.sources.size(), 10u);
+  int dat = 0, links = 0;
+  for (const auto& s : r.sources) {
+    EXPECT_NE(std::filesystem::path(s.path).extension(), ".dat") << s.path;
+    EXPECT_NE(std::filesystem::path(s.path).extension(), ".u8") << s.path;
+  }
+  for (const auto& s : r.skipped) {
+    dat += s.reason == "index file (.dat)";
+    links += s.reason == "symlink";
+  }
+  EXPECT_EQ(dat, static_cast<int>(r.sources.size()));  // one index per text file
+  EXPECT_GT(links, 0);
+  EXPECT_EQ(r.train_tokens + r.val_tokens, r.bytes_taken + r.sources.size() - 1);
+  EXPECT_NEAR(static_cast<double>(r.val_tokens) / static_cast<double>(r.bytes_taken), 0.05, 0.005);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loaders
+
+class LoaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tokens_ = scrambled_tokens(997);
+    write_token_shard(dir_ / "train.bin", tokens_.data(), tokens_.size(), 256);
+    shard_ = std::make_unique<TokenShard>(dir_ / "train.bin");
+  }
+  // Every row holds tokens [start, start+T) and its targets are the next tokens.
+  void expect_windows(const BatchLoader& l, int64_t step, int64_t micro,
+                      const std::vector<int32_t>& in, const std::vector<int32_t>& tgt) {
+    const int64_t B = l.batch(), T = l.seq_len();
+    for (int64_t b = 0; b < B; ++b) {
+      const uint64_t s = l.window_start(step, micro, b);
+      ASSERT_LE(s + T + 1, tokens_.size());
+      for (int64_t t = 0; t < T; ++t) {
+        ASSERT_EQ(in[b * T + t], tokens_[s + t]);
+        ASSERT_EQ(tgt[b * T + t], tokens_[s + t + 1]);
+        if (t + 1 < T) {
+          ASSERT_EQ(tgt[b * T + t], in[b * T + t + 1]);
+        }
+      }
+    }
+  }
+  std::vector<uint64_t> starts(const BatchLoader& l, int64_t step, int64_t micro) {
+    std::vector<uint64_t> s;
+    for (int64_t b = 0; b < l.batch(); ++b) s.push_back(l.window_start(step, micro, b));
+    return s;
+  }
+
+  TempDir dir_{"loader"};
+  std::vector<uint16_t> tokens_;
+  std::unique_ptr<TokenShard> shard_;
+};
+
+TEST_F(LoaderTest, DeterministicWindowsAndShiftedTargets) {
+  const int64_t B = 4, T = 16;
+  BatchLoader a(*shard_, B, T, 1234), b(*shard_, B, T, 1234);
+  std::vector<int32_t> in(B * T), tgt(B * T), in2(B * T), tgt2(B * T);
+  // Out of order on purpose: a resumed run asks for step 7 first.
+  b.fill(7, 1, in2.data(), tgt2.data());
+  for (int64_t step = 0; step < 10; ++step) {
+    for (int64_t micro = 0; micro < 2; ++micro) {
+      a.fill(step, micro, in.data(), tgt.data());
+      expect_windows(a, step, micro, in, tgt);
+      if (step == 7 && micro == 1) {
+        EXPECT_EQ(in, in2);
+        EXPECT_EQ(tgt, tgt2);
+      }
+    }
+  }
+  EXPECT_EQ(starts(a, 3, 0), starts(b, 3, 0));
+  EXPECT_NE(starts(a, 3, 0), starts(a, 4, 0));
+  EXPECT_NE(starts(a, 3, 0), starts(a, 3, 1));
+  EXPECT_NE(starts(a, 3, 0), starts(BatchLoader(*shard_, B, T, 1235), 3, 0));
+}
+
+TEST_F(LoaderTest, RanksDifferAndAnySplitOfTheGlobalBatchAgrees) {
+  const int64_t T = 8;
+  BatchLoader r0(*shard_, 4, T, 99, 0, 2), r1(*shard_, 4, T, 99, 1, 2);
+  BatchLoader single(*shard_, 8, T, 99);
+  BatchLoader accum(*shard_, 4, T, 99);
+  for (int64_t step : {0, 5, 123456}) {
+    auto s0 = starts(r0, step, 0), s1 = starts(r1, step, 0);
+    EXPECT_NE(s0, s1);
+    std::vector<uint64_t> ranks = s0;
+    ranks.insert(ranks.end(), s1.begin(), s1.end());
+    EXPECT_EQ(ranks, starts(single, step, 0));
+    std::vector<uint64_t> micro = starts(accum, step, 0), m1 = starts(accum, step, 1);
+    micro.insert(micro.end(), m1.begin(), m1.end());
+    EXPECT_EQ(ranks, micro);
+  }
+}
+
+TEST_F(LoaderTest, EveryStartIsReachableAndNoneOverruns) {
+  std::vector<uint16_t> small = scrambled_tokens(21);
+  write_token_shard(dir_ / "small.bin", small.data(), small.size(), 256);
+  TokenShard shard(dir_ / "small.bin");
+  const int64_t T = 5;
+  BatchLoader l(shard, 8, T, 7);
+  std::vector<int> hits(small.size(), 0);
+  for (int64_t step = 0; step < 200; ++step) {
+    for (uint64_t s : starts(l, step, 0)) ++hits.at(s);
+  }
+  for (std::size_t s = 0; s + T < small.size(); ++s)
+    EXPECT_GT(hits[s], 0) << "start " << s << " never drawn";
+  for (std::size_t s = small.size() - T; s < small.size(); ++s)
+    EXPECT_EQ(hits[s], 0) << "start " << s;
+
+  // Exactly one window of T+1 tokens: every row starts at 0.
+  BatchLoader one(shard, 3, 20, 1);
+  EXPECT_EQ(starts(one, 9, 2), (std::vector<uint64_t>{0, 0, 0}));
+}
+
+TEST_F(LoaderTest, RejectsBadLayouts) {
+  expect_error_with([&] { BatchLoader(*shard_, 0, 8, 1); }, "B=0");
+  expect_error_with([&] { BatchLoader(*shard_, 2, 0, 1); }, "T=0");
+  expect_error_with([&] { BatchLoader(*shard_, 2, 8, 1, 2, 2); }, "rank 2 outside world of 2");
+  expect_error_with([&] { BatchLoader(*shard_, 2, 997, 1); }, "fewer than one window");
+  expect_error_with([&] { EvalLoader(*shard_, 2, 997); }, "fewer than one window");
+  expect_error_with([&] { EvalLoader(*shard_, 2, 8, -1); }, "max_batches");
+  BatchLoader l(*shard_, 2, 8, 1);
+  expect_error_with([&] { l.window_start(0, 0, 2); }, "row 2");
+  expect_error_with([&] { l.window_start(-1, 0, 0); }, "step -1");
+}
+
+TEST_F(LoaderTest, EvalCoversEveryWindowOnce) {
+  // 997 tokens, T = 10: windows 0..98 (window w needs tokens up to 10w + 10 ≤ 996).
+  const int64_t T = 10;
+  for (int world : {1, 2, 3}) {
+    for (int64_t B : {1, 4, 7}) {
+      std::vector<int> seen(99, 0);
+      int64_t batches = -1;
+      for (int rank = 0; rank < world; ++rank) {
+        EvalLoader ev(*shard_, B, T, 0, rank, world);
+        EXPECT_EQ(ev.num_windows(), 99);
+        if (batches < 0) batches = ev.num_batches();
+        EXPECT_EQ(ev.num_batches(), batches);  // same on every rank
+        EXPECT_EQ(batches, (99 + B * world - 1) / (B * world));
+        std::vector<int32_t> in(B * T, -5), tgt(B * T, -5);
+        for (int64_t i = 0; i < ev.num_batches(); ++i) {
+          int64_t rows = ev.fill(i, in.data(), tgt.data());
+          ASSERT_GE(rows, 0);
+          ASSERT_LE(rows, B);
+          for (int64_t b = 0; b < rows; ++b) {
+            // Find the row by content among all aligned windows (the scrambled tokens make it
+            // unique).
+            int64_t found = -1;
+            for (int64_t w = 0; w < 99 && found < 0; ++w) {
+              bool match = true;
+              for (int64_t t = 0; t < T && match; ++t) {
+                match =
+                    in[b * T + t] == tokens_[w * T + t] && tgt[b * T + t] == tokens_[w * T + t + 1];
+              }
+              if (match) found = w;
+            }
+            ASSERT_GE(found, 0) << "row " << b << " of batch " << i << " is not an aligned window";
+            ++seen[found];
+          }
+          for (int64_t j = rows * T; j < B * T; ++j) ASSERT_EQ(in[j], 0);
+        }
+      }
+      for (int w = 0; w < 99; ++w)
+        EXPECT_EQ(seen[w], 1) << "window " << w << " world " << world << " B " << B;
+    }
+  }
+  EvalLoader capped(*shard_, 4, T, 3, 1, 2);
+  EXPECT_EQ(capped.num_batches(), 3);
+  EXPECT_EQ(capped.num_windows(), 24);
+  EvalLoader all(*shard_, 4, T, 1000);
+  EXPECT_EQ(all.num_windows(), 99);
+  EXPECT_EQ(all.num_batches(), 25);
+  std::vector<int32_t> in(40), tgt(40);
+  EXPECT_EQ(all.fill(24, in.data(), tgt.data()), 3);
+  expect_error_with([&] { all.fill(25, in.data(), tgt.data()); }, "batch 25");
+}
