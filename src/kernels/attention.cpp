@@ -18,6 +18,11 @@ constexpr int64_t kMR = 4;   // register tile rows
 constexpr int64_t kNR = 16;  // register tile columns: two 8-float vectors
 constexpr int64_t kKC = 128;  // reduction chunk: a (kKC, kNR) panel of B is 8 KiB
 
+// Below these sizes a parallel region costs more than it saves (and far more when cores are
+// oversubscribed); thread count never changes results, so the cut-off is free to move.
+constexpr int64_t kParallelMinCopy = 1 << 16;  // floats copied
+constexpr int64_t kParallelMinWork = 1 << 20;  // multiply-adds, roughly
+
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // The build targets baseline x86-64; the AVX2 clone is picked at load time where the CPU has it.
@@ -86,7 +91,7 @@ MOETRAIN_ATTN_HOT void block_gemm(float* __restrict C, int64_t ldc, const float*
 // dst (B, H, HS, Tp) = src (B, T, H, HS) with each head's (T, HS) matrix transposed; columns t >= T
 // are zero. Scores then come out of block_gemm as rows of contiguous keys (or queries).
 void pack_transposed(float* dst, const float* src, int64_t B, int64_t T, int64_t H, int64_t HS, int64_t Tp) {
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= kParallelMinCopy)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       float* d = dst + (b * H + h) * HS * Tp;
@@ -113,7 +118,7 @@ class RowsPack {
       : src_(src), T_(T), H_(H), HS_(HS), HSp_(HSp) {
     if (HS == HSp) return;
     pack_.assign(B * H * T * HSp, 0.0f);
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= kParallelMinCopy)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t h = 0; h < H; ++h) {
@@ -157,7 +162,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   const RowsPack vrows(v, B, T, NKV, HS, HSp);
 
   const int64_t tasks = B * NH * nqb;
-#pragma omp parallel
+#pragma omp parallel if (B * NH * T * T * HS >= kParallelMinWork)
   {
     std::vector<float> s(kBlock * Tp);    // scores, then unnormalised probabilities
     std::vector<float> o(kBlock * HSp);  // unnormalised outputs
@@ -209,7 +214,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
   // dP·P summed over a row equals dout·out, which spares recomputing the whole row first.
   std::vector<float> D(B * NH * T);  // (B, NH, T)
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * NH * HS >= kParallelMinCopy)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t h = 0; h < NH; ++h) {
@@ -232,7 +237,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
   // dq: each task owns a block of queries of one head and sums over the keys it sees.
   const int64_t q_tasks = B * NH * nb;
-#pragma omp parallel
+  const bool parallel = B * NH * T * T * HS >= kParallelMinWork;
+#pragma omp parallel if (parallel)
   {
     std::vector<float> s(kBlock * Tp), dp(kBlock * Tp), acc(kBlock * HSp);
 #pragma omp for schedule(dynamic)
@@ -263,7 +269,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   // dk, dv: each task owns a block of keys of one kv head and sums over the query heads of its
   // group, then over the queries at or after each key, always in that order.
   const int64_t kv_tasks = B * NKV * nb;
-#pragma omp parallel
+#pragma omp parallel if (parallel)
   {
     std::vector<float> p(kBlock * Tp), ds(kBlock * Tp), dk_acc(kBlock * HSp), dv_acc(kBlock * HSp);
 #pragma omp for schedule(dynamic)
@@ -293,9 +299,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             dsrow[c] = pc * (dsrow[c] - Dh[c]);
           }
         }
-        const Rows dob = dorows.at(b, h, j0), qb = qrows.at(b, h, j0);
-        block_gemm(dv_acc.data(), HSp, p.data(), Tp, dob.p, dob.ld, M, HSp, nq, true);
-        block_gemm(dk_acc.data(), HSp, ds.data(), Tp, qb.p, qb.ld, M, HSp, nq, true);
+        const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
+        block_gemm(dv_acc.data(), HSp, p.data(), Tp, dor.p, dor.ld, M, HSp, nq, true);
+        block_gemm(dk_acc.data(), HSp, ds.data(), Tp, qr.p, qr.ld, M, HSp, nq, true);
       }
       for (int64_t r = 0; r < M; ++r) {
         float* dkd = dk + (krow + r * NKV) * HS;

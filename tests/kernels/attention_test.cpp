@@ -142,7 +142,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
                                            Shape{1, 37, 3, 3, 16},                       // MHA, odd T
                                            Shape{2, 37, 4, 1, 12},                       // multi-query
                                            Shape{1, 70, 4, 2, 64},                       // several blocks
-                                           Shape{1, 65, 6, 2, 33}),
+                                           Shape{1, 65, 6, 2, 33},
+                                           Shape{1, 300, 2, 1, 16}),  // reductions longer than one chunk
                          [](const auto& info) {
                            std::ostringstream os;
                            os << info.param;
@@ -179,7 +180,7 @@ TEST(Attention, GradientsMatchFiniteDifferences) {
 }
 
 TEST(Attention, BitwiseIdenticalAcrossThreadCounts) {
-  Problem p({3, 100, 4, 2, 24}, 21);
+  Problem p({3, 160, 4, 2, 24}, 21);
   const int saved = omp_get_max_threads();
   omp_set_num_threads(1);
   const Result one = run(p);
