@@ -26,44 +26,49 @@ double causal_product_flops(int64_t B, int64_t T, int64_t NH, int64_t HS) {
 }
 
 void BM_AttentionForward(benchmark::State& st) {
-  const int64_t B = st.range(0), T = st.range(1), NH = st.range(2), NKV = st.range(3), HS = st.range(4);
-  auto q = random(B * T * NH * HS, 1), k = random(B * T * NKV * HS, 2), v = random(B * T * NKV * HS, 3);
+  const int64_t B = st.range(0), T = st.range(1), NH = st.range(2), NKV = st.range(3),
+                HS = st.range(4);
+  auto q = random(B * T * NH * HS, 1), k = random(B * T * NKV * HS, 2),
+       v = random(B * T * NKV * HS, 3);
   std::vector<float> out(q.size()), lse(B * NH * T);
   for (auto _ : st) {
     attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), B, T, NH, NKV, HS);
     benchmark::DoNotOptimize(out.data());
   }
-  st.counters["GFLOP/s"] =
-      benchmark::Counter(2 * causal_product_flops(B, T, NH, HS) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["GFLOP/s"] = benchmark::Counter(2 * causal_product_flops(B, T, NH, HS) * 1e-9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_AttentionForwardBackward(benchmark::State& st) {
-  const int64_t B = st.range(0), T = st.range(1), NH = st.range(2), NKV = st.range(3), HS = st.range(4);
-  auto q = random(B * T * NH * HS, 1), k = random(B * T * NKV * HS, 2), v = random(B * T * NKV * HS, 3);
+  const int64_t B = st.range(0), T = st.range(1), NH = st.range(2), NKV = st.range(3),
+                HS = st.range(4);
+  auto q = random(B * T * NH * HS, 1), k = random(B * T * NKV * HS, 2),
+       v = random(B * T * NKV * HS, 3);
   auto dout = random(q.size(), 4);
   std::vector<float> out(q.size()), lse(B * NH * T), dq(q.size()), dk(k.size()), dv(v.size());
   for (auto _ : st) {
     attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), B, T, NH, NKV, HS);
-    attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
-                       lse.data(), B, T, NH, NKV, HS);
+    attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                       out.data(), lse.data(), B, T, NH, NKV, HS);
     benchmark::DoNotOptimize(dq.data());
   }
-  st.counters["GFLOP/s"] =
-      benchmark::Counter(9 * causal_product_flops(B, T, NH, HS) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["GFLOP/s"] = benchmark::Counter(9 * causal_product_flops(B, T, NH, HS) * 1e-9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Reference: the score product q·kᵀ for every (b, h) as one dense oneDNN GEMM each, counting only
 // its causal half so the rate is comparable (dense work is twice what the rate credits).
 void BM_ReferenceGemmScores(benchmark::State& st) {
-  const int64_t B = st.range(0), T = st.range(1), NH = st.range(2), NKV = st.range(3), HS = st.range(4);
+  const int64_t B = st.range(0), T = st.range(1), NH = st.range(2), NKV = st.range(3),
+                HS = st.range(4);
   auto q = random(B * T * NH * HS, 1), k = random(B * T * NKV * HS, 2);
   std::vector<float> s(T * T);
   const int64_t G = NH / NKV;
   auto scores = [&] {
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < NH; ++h) {
-        gemm(Trans::N, Trans::T, T, T, HS, q.data() + (b * T * NH + h) * HS, k.data() + (b * T * NKV + h / G) * HS,
-             s.data(), false, NH * HS, NKV * HS, T);
+        gemm(Trans::N, Trans::T, T, T, HS, q.data() + (b * T * NH + h) * HS,
+             k.data() + (b * T * NKV + h / G) * HS, s.data(), false, NH * HS, NKV * HS, T);
       }
     }
   };
@@ -72,12 +77,15 @@ void BM_ReferenceGemmScores(benchmark::State& st) {
     scores();
     benchmark::DoNotOptimize(s.data());
   }
-  st.counters["GFLOP/s"] =
-      benchmark::Counter(causal_product_flops(B, T, NH, HS) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["GFLOP/s"] = benchmark::Counter(causal_product_flops(B, T, NH, HS) * 1e-9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
-  b->Args({4, 256, 8, 2, 64})->Args({1, 1024, 8, 2, 64})->Args({16, 256, 8, 8, 32})->Unit(benchmark::kMillisecond);
+  b->Args({4, 256, 8, 2, 64})
+      ->Args({1, 1024, 8, 2, 64})
+      ->Args({16, 256, 8, 8, 32})
+      ->Unit(benchmark::kMillisecond);
   b->UseRealTime();
 }
 

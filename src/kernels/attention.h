@@ -13,16 +13,16 @@ namespace moetrain {
 // out (B, T, NH, HS) = softmax(q·kᵀ / sqrt(HS) + causal mask) · v
 // lse (B, NH, T) = log-sum-exp of each query row's scaled scores, kept for the backward pass.
 // q (B, T, NH, HS); k, v (B, T, NKV, HS); NH % NKV == 0.
-void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
-                       int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
 
 // Activation gradients, overwritten:
 // dq (B, T, NH, HS); dk, dv (B, T, NKV, HS).
 // dout, q, out (B, T, NH, HS); k, v (B, T, NKV, HS); lse (B, NH, T) from attention_forward.
 // Probabilities are recomputed from q, k and lse rather than stored (flash-attention style), with
 // D_t = sum(dout_t ⊙ out_t) standing in for the softmax Jacobian's row term.
-void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
-                        const float* v, const float* out, const float* lse, int64_t B, int64_t T, int64_t NH,
-                        int64_t NKV, int64_t HS);
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                        const float* k, const float* v, const float* out, const float* lse,
+                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
 
 }  // namespace moetrain

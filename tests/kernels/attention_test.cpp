@@ -67,7 +67,8 @@ Reference reference(const Problem& p) {
           double sc = -INFINITY;
           if (j <= i) {
             sc = 0;
-            for (int64_t x = 0; x < HS; ++x) sc += double(p.q[p.qi(b, i, h) + x]) * p.k[p.ki(b, j, g) + x];
+            for (int64_t x = 0; x < HS; ++x)
+              sc += double(p.q[p.qi(b, i, h) + x]) * p.k[p.ki(b, j, g) + x];
             sc *= scale;
           }
           P[i * T + j] = sc;
@@ -78,14 +79,16 @@ Reference reference(const Problem& p) {
         for (int64_t j = 0; j < T; ++j) P[i * T + j] /= l;
         r.lse[(b * NH + h) * T + i] = m + std::log(l);
         for (int64_t j = 0; j < T; ++j) {
-          for (int64_t x = 0; x < HS; ++x) r.out[p.qi(b, i, h) + x] += P[i * T + j] * p.v[p.ki(b, j, g) + x];
+          for (int64_t x = 0; x < HS; ++x)
+            r.out[p.qi(b, i, h) + x] += P[i * T + j] * p.v[p.ki(b, j, g) + x];
         }
       }
       for (int64_t i = 0; i < T; ++i) {
         double rowdot = 0;
         for (int64_t j = 0; j < T; ++j) {
           double d = 0;
-          for (int64_t x = 0; x < HS; ++x) d += double(p.dout[p.qi(b, i, h) + x]) * p.v[p.ki(b, j, g) + x];
+          for (int64_t x = 0; x < HS; ++x)
+            d += double(p.dout[p.qi(b, i, h) + x]) * p.v[p.ki(b, j, g) + x];
           dP[i * T + j] = d;
           rowdot += P[i * T + j] * d;
         }
@@ -111,9 +114,10 @@ Result run(const Problem& p) {
   const auto [B, T, NH, NKV, HS] = p.s;
   Result r{std::vector<float>(p.nq()), std::vector<float>(p.nlse()), std::vector<float>(p.nq()),
            std::vector<float>(p.nkv()), std::vector<float>(p.nkv())};
-  attention_forward(r.out.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(), B, T, NH, NKV, HS);
-  attention_backward(r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(), p.k.data(), p.v.data(),
-                     r.out.data(), r.lse.data(), B, T, NH, NKV, HS);
+  attention_forward(r.out.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(), B, T, NH, NKV,
+                    HS);
+  attention_backward(r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(), p.k.data(),
+                     p.v.data(), r.out.data(), r.lse.data(), B, T, NH, NKV, HS);
   return r;
 }
 
@@ -136,19 +140,20 @@ TEST_P(AttentionTest, ForwardBackwardMatchReference) {
   expect_close(got.dv.data(), want.dv.data(), p.nkv(), 1e-4, 1e-3, "dv");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
-                         ::testing::Values(Shape{0, 4, 2, 1, 8}, Shape{2, 0, 2, 1, 8}, Shape{1, 1, 1, 1, 1},
-                                           Shape{1, 1, 4, 2, 8}, Shape{2, 5, 4, 2, 8},   // GQA
-                                           Shape{1, 37, 3, 3, 16},                       // MHA, odd T
-                                           Shape{2, 37, 4, 1, 12},                       // multi-query
-                                           Shape{1, 70, 4, 2, 64},                       // several blocks
-                                           Shape{1, 65, 6, 2, 33},
-                                           Shape{1, 300, 2, 1, 16}),  // reductions longer than one chunk
-                         [](const auto& info) {
-                           std::ostringstream os;
-                           os << info.param;
-                           return os.str();
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionTest,
+    ::testing::Values(Shape{0, 4, 2, 1, 8}, Shape{2, 0, 2, 1, 8}, Shape{1, 1, 1, 1, 1},
+                      Shape{1, 1, 4, 2, 8}, Shape{2, 5, 4, 2, 8},  // GQA
+                      Shape{1, 37, 3, 3, 16},                      // MHA, odd T
+                      Shape{2, 37, 4, 1, 12},                      // multi-query
+                      Shape{1, 70, 4, 2, 64},                      // several blocks
+                      Shape{1, 65, 6, 2, 33},
+                      Shape{1, 300, 2, 1, 16}),  // reductions longer than one chunk
+    [](const auto& info) {
+      std::ostringstream os;
+      os << info.param;
+      return os.str();
+    });
 
 TEST(Attention, LargeScoresStayFinite) {
   // Scores in the hundreds overflow exp without the max subtraction.
@@ -168,7 +173,8 @@ TEST(Attention, GradientsMatchFiniteDifferences) {
     const Result got = run(p);  // dout plays R in the loss sum(out ⊙ R)
     auto loss = [&] {
       std::vector<float> out(p.nq()), lse(p.nlse());
-      attention_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s.B, s.T, s.NH, s.NKV, s.HS);
+      attention_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s.B, s.T, s.NH,
+                        s.NKV, s.HS);
       double sum = 0;
       for (int64_t i = 0; i < p.nq(); ++i) sum += double(out[i]) * p.dout[i];
       return sum;
