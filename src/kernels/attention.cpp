@@ -29,8 +29,8 @@ int64_t round_up(int64_t x, int64_t m) {
 }
 
 // The build targets baseline x86-64; the AVX2 clone is picked at load time where the CPU has it.
-// Both clones do the same float operations in the same order (no FMA contraction), so they agree
-// bitwise.
+// Both clones do the same float operations in the same order ("avx2" does not enable FMA, so
+// nothing gets contracted), so they agree bitwise.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOETRAIN_ATTN_HOT __attribute__((target_clones("avx2", "default")))
 #else
