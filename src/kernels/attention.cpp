@@ -1,0 +1,340 @@
+#include "kernels/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "core/check.h"
+
+namespace moetrain {
+
+namespace {
+
+// Rows (queries in the forward and dq passes, keys in the dk/dv pass) owned by one task.
+// A multiple of kNR, so a block's column window inside a transposed pack never runs past Tp.
+constexpr int64_t kBlock = 32;
+constexpr int64_t kMR = 4;    // register tile rows
+constexpr int64_t kNR = 16;   // register tile columns: two 8-float vectors
+constexpr int64_t kKC = 128;  // reduction chunk: a (kKC, kNR) panel of B is 8 KiB
+
+// Below these sizes a parallel region costs more than it saves (and far more when cores are
+// oversubscribed); thread count never changes results, so the cut-off is free to move.
+constexpr int64_t kParallelMinCopy = 1 << 16;  // floats copied
+constexpr int64_t kParallelMinWork = 1 << 20;  // multiply-adds, roughly
+
+int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+// The build targets baseline x86-64; the AVX2 clone is picked at load time where the CPU has it.
+// Both clones do the same float operations in the same order ("avx2" does not enable FMA, so
+// nothing gets contracted), so they agree bitwise.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOETRAIN_ATTN_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define MOETRAIN_ATTN_HOT
+#endif
+
+typedef float V8 __attribute__((vector_size(32)));
+
+[[gnu::always_inline]] inline void load8(V8& v, const float* p) {
+  std::memcpy(&v, p, sizeof v);
+}
+[[gnu::always_inline]] inline void store8(float* p, const V8& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// C (M, N) = A (M, K) · B (K, N)  [+ C], row-major with leading dimensions.
+// N is a multiple of kNR and B is readable over all N columns. C needs round_up(M, kMR) rows: the
+// last tile's surplus rows repeat A's last row and land in C's padding. Each C element is one
+// sequential sum over k (C is stored and reloaded between k chunks, which rounds nothing), so the
+// result does not depend on tiling or threads.
+// Loop order keeps a (kKC, kNR) panel of B in L1 while every row tile of the block passes over it.
+MOETRAIN_ATTN_HOT void block_gemm(float* __restrict C, int64_t ldc, const float* __restrict A,
+                                  int64_t lda, const float* __restrict B, int64_t ldb, int64_t M,
+                                  int64_t N, int64_t K, bool accumulate) {
+  for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kKC) {
+    const int64_t k1 = std::min(K, k0 + kKC);
+    const bool load_c = accumulate || k0 > 0;
+    for (int64_t j = 0; j < N; j += kNR) {
+      for (int64_t i = 0; i < M; i += kMR) {
+        const float* a[kMR];
+        for (int64_t r = 0; r < kMR; ++r) a[r] = A + std::min(i + r, M - 1) * lda;
+        V8 acc[kMR][2];
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kMR; ++r) {
+          if (load_c) {
+            load8(acc[r][0], C + (i + r) * ldc + j);
+            load8(acc[r][1], C + (i + r) * ldc + j + 8);
+          } else {
+            acc[r][0] = V8{};
+            acc[r][1] = V8{};
+          }
+        }
+        const float* b = B + k0 * ldb + j;
+        for (int64_t kk = k0; kk < k1; ++kk, b += ldb) {
+          V8 b0, b1;
+          load8(b0, b);
+          load8(b1, b + 8);
+#pragma GCC unroll 4
+          for (int64_t r = 0; r < kMR; ++r) {
+            const float ar = a[r][kk];
+            acc[r][0] += ar * b0;
+            acc[r][1] += ar * b1;
+          }
+        }
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kMR; ++r) {
+          store8(C + (i + r) * ldc + j, acc[r][0]);
+          store8(C + (i + r) * ldc + j + 8, acc[r][1]);
+        }
+      }
+    }
+  }
+}
+
+// dst (B, H, HS, Tp) = src (B, T, H, HS) with each head's (T, HS) matrix transposed; columns t >= T
+// are zero. Scores then come out of block_gemm as rows of contiguous keys (or queries).
+void pack_transposed(float* dst, const float* src, int64_t B, int64_t T, int64_t H, int64_t HS,
+                     int64_t Tp) {
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= kParallelMinCopy)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      float* d = dst + (b * H + h) * HS * Tp;
+      const float* s = src + (b * T * H + h) * HS;
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t x = 0; x < HS; ++x) d[x * Tp + t] = s[t * H * HS + x];
+      }
+      for (int64_t x = 0; x < HS; ++x) std::fill(d + x * Tp + T, d + (x + 1) * Tp, 0.0f);
+    }
+  }
+}
+
+// Packs are fully written before they are read; skipping the zero fill saves a pass over memory.
+std::unique_ptr<float[]> uninitialized(int64_t n) {
+  return std::unique_ptr<float[]>(new float[n]);
+}
+
+// One head's (T, HS) rows as block_gemm's B operand: readable over HSp = round_up(HS, kNR) columns.
+struct Rows {
+  const float* p;
+  int64_t ld;
+};
+
+// Where HS is not a multiple of kNR, heads are copied into (B, H, T, HSp) with zero columns on the
+// right; otherwise the source is used in place.
+class RowsPack {
+ public:
+  RowsPack(const float* src, int64_t B, int64_t T, int64_t H, int64_t HS, int64_t HSp)
+      : src_(src), T_(T), H_(H), HS_(HS), HSp_(HSp) {
+    if (HS == HSp) return;
+    pack_.assign(B * H * T * HSp, 0.0f);
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= kParallelMinCopy)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < H; ++h) {
+          std::copy_n(src + ((b * T + t) * H + h) * HS, HS,
+                      pack_.data() + ((b * H + h) * T + t) * HSp);
+        }
+      }
+    }
+  }
+  // Head h of batch b from row t on.
+  Rows at(int64_t b, int64_t h, int64_t t) const {
+    if (pack_.empty()) return {src_ + ((b * T_ + t) * H_ + h) * HS_, H_ * HS_};
+    return {pack_.data() + ((b * H_ + h) * T_ + t) * HSp_, HSp_};
+  }
+
+ private:
+  const float* src_;
+  int64_t T_, H_, HS_, HSp_;
+  std::vector<float> pack_;
+};
+
+void check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  MOETRAIN_CHECK(B >= 0 && T >= 0, "{}: batch B={} and sequence length T={} must be >= 0", fn, B,
+                 T);
+  MOETRAIN_CHECK(NH > 0 && NKV > 0, "{}: head counts must be positive, got NH={} NKV={}", fn, NH,
+                 NKV);
+  MOETRAIN_CHECK(NH % NKV == 0,
+                 "{}: NH={} query heads must be a multiple of NKV={} key/value heads", fn, NH, NKV);
+  MOETRAIN_CHECK(HS > 0, "{}: head size HS={} must be positive", fn, HS);
+}
+
+}  // namespace
+
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  check_args("attention_forward", B, T, NH, NKV, HS);
+  if (B == 0 || T == 0) return;
+  MOETRAIN_CHECK(out && lse && q && k && v, "attention_forward: null buffer for B={} T={}", B, T);
+  const int64_t G = NH / NKV, Tp = round_up(T, kBlock), HSp = round_up(HS, kNR), nqb = Tp / kBlock;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+
+  const auto kt = uninitialized(B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
+  pack_transposed(kt.get(), k, B, T, NKV, HS, Tp);
+  const RowsPack vrows(v, B, T, NKV, HS, HSp);
+
+  const int64_t tasks = B * NH * nqb;
+#pragma omp parallel if (B * NH * T * T * HS >= kParallelMinWork)
+  {
+    std::vector<float> s(kBlock * Tp);   // scores, then unnormalised probabilities
+    std::vector<float> o(kBlock * HSp);  // unnormalised outputs
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < tasks; ++task) {
+      // Late query blocks see the most keys; handing them out first evens the load.
+      const int64_t qb = nqb - 1 - task % nqb, b = task / nqb / NH, h = task / nqb % NH, g = h / G;
+      const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M;
+      const int64_t qrow = (b * T + i0) * NH + h;
+      block_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt.get() + (b * NKV + g) * HS * Tp, Tp, M,
+                 round_up(nk, kNR), HS, false);
+      float inv_l[kBlock];
+      for (int64_t r = 0; r < M; ++r) {
+        float* row = s.data() + r * Tp;
+        const int64_t last = i0 + r;  // the last key this query sees
+        float m = -INFINITY;
+        for (int64_t j = 0; j <= last; ++j) {
+          row[j] *= scale;
+          m = std::max(m, row[j]);
+        }
+        double l = 0;
+        for (int64_t j = 0; j <= last; ++j) {
+          row[j] = std::exp(row[j] - m);
+          l += row[j];
+        }
+        std::fill(row + last + 1, row + nk, 0.0f);
+        lse[(b * NH + h) * T + last] = m + static_cast<float>(std::log(l));
+        inv_l[r] = static_cast<float>(1.0 / l);
+      }
+      const Rows vb = vrows.at(b, g, 0);
+      block_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false);
+      for (int64_t r = 0; r < M; ++r) {
+        float* dst = out + (qrow + r * NH) * HS;
+        for (int64_t x = 0; x < HS; ++x) dst[x] = o[r * HSp + x] * inv_l[r];
+      }
+    }
+  }
+}
+
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                        const float* k, const float* v, const float* out, const float* lse,
+                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  check_args("attention_backward", B, T, NH, NKV, HS);
+  if (B == 0 || T == 0) return;
+  MOETRAIN_CHECK(dq && dk && dv && dout && q && k && v && out && lse,
+                 "attention_backward: null buffer for B={} T={}", B, T);
+  const int64_t G = NH / NKV, Tp = round_up(T, kBlock), HSp = round_up(HS, kNR), nb = Tp / kBlock;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+
+  // dP·P summed over a row equals dout·out, which spares recomputing the whole row first.
+  const auto D = uninitialized(B * NH * T);  // (B, NH, T)
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * NH * HS >= kParallelMinCopy)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < NH; ++h) {
+        const float* x = dout + ((b * T + t) * NH + h) * HS;
+        const float* y = out + ((b * T + t) * NH + h) * HS;
+        double sum = 0;
+        for (int64_t i = 0; i < HS; ++i) sum += double(x[i]) * y[i];
+        D[(b * NH + h) * T + t] = static_cast<float>(sum);
+      }
+    }
+  }
+
+  const auto kt = uninitialized(B * NKV * HS * Tp),
+             vt = uninitialized(B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
+  const auto qt = uninitialized(B * NH * HS * Tp),
+             dot = uninitialized(B * NH * HS * Tp);  // (B, NH, HS, Tp)
+  pack_transposed(kt.get(), k, B, T, NKV, HS, Tp);
+  pack_transposed(vt.get(), v, B, T, NKV, HS, Tp);
+  pack_transposed(qt.get(), q, B, T, NH, HS, Tp);
+  pack_transposed(dot.get(), dout, B, T, NH, HS, Tp);
+  const RowsPack krows(k, B, T, NKV, HS, HSp), qrows(q, B, T, NH, HS, HSp),
+      dorows(dout, B, T, NH, HS, HSp);
+
+  // dq: each task owns a block of queries of one head and sums over the keys it sees.
+  const int64_t q_tasks = B * NH * nb;
+  const bool parallel = B * NH * T * T * HS >= kParallelMinWork;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> s(kBlock * Tp), dp(kBlock * Tp), acc(kBlock * HSp);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < q_tasks; ++task) {
+      const int64_t qb = nb - 1 - task % nb, b = task / nb / NH, h = task / nb % NH, g = h / G;
+      const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M,
+                    N = round_up(nk, kNR);
+      const int64_t qrow = (b * T + i0) * NH + h;
+      block_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt.get() + (b * NKV + g) * HS * Tp, Tp, M, N,
+                 HS, false);
+      block_gemm(dp.data(), Tp, dout + qrow * HS, NH * HS, vt.get() + (b * NKV + g) * HS * Tp, Tp,
+                 M, N, HS, false);
+      for (int64_t r = 0; r < M; ++r) {
+        float* srow = s.data() + r * Tp;
+        const float* dprow = dp.data() + r * Tp;
+        const int64_t i = i0 + r;
+        const float L = lse[(b * NH + h) * T + i], Di = D[(b * NH + h) * T + i];
+        for (int64_t j = 0; j <= i; ++j) srow[j] = std::exp(srow[j] * scale - L) * (dprow[j] - Di);
+        std::fill(srow + i + 1, srow + nk, 0.0f);
+      }
+      const Rows kb = krows.at(b, g, 0);
+      block_gemm(acc.data(), HSp, s.data(), Tp, kb.p, kb.ld, M, HSp, nk, false);
+      for (int64_t r = 0; r < M; ++r) {
+        float* dst = dq + (qrow + r * NH) * HS;
+        for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;
+      }
+    }
+  }
+
+  // dk, dv: each task owns a block of keys of one kv head and sums over the query heads of its
+  // group, then over the queries at or after each key, always in that order.
+  const int64_t kv_tasks = B * NKV * nb;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> p(kBlock * Tp), ds(kBlock * Tp), dk_acc(kBlock * HSp), dv_acc(kBlock * HSp);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < kv_tasks; ++task) {
+      // Early key blocks are seen by the most queries; hand them out first.
+      const int64_t kb = task % nb, b = task / nb / NKV, g = task / nb % NKV;
+      const int64_t j0 = kb * kBlock, M = std::min(kBlock, T - j0), nq = T - j0,
+                    N = round_up(nq, kNR);
+      const int64_t krow = (b * T + j0) * NKV + g;
+      std::fill(dk_acc.begin(), dk_acc.end(), 0.0f);
+      std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+        // Column c of these (keys × queries) tiles is query j0 + c.
+        block_gemm(p.data(), Tp, k + krow * HS, NKV * HS, qt.get() + (b * NH + h) * HS * Tp + j0,
+                   Tp, M, N, HS, false);
+        block_gemm(ds.data(), Tp, v + krow * HS, NKV * HS, dot.get() + (b * NH + h) * HS * Tp + j0,
+                   Tp, M, N, HS, false);
+        const float* L = lse + (b * NH + h) * T + j0;
+        const float* Dh = D.get() + (b * NH + h) * T + j0;
+        for (int64_t r = 0; r < M; ++r) {
+          float* prow = p.data() + r * Tp;
+          float* dsrow = ds.data() + r * Tp;
+          std::fill(prow, prow + r, 0.0f);
+          std::fill(dsrow, dsrow + r, 0.0f);
+          for (int64_t c = r; c < nq; ++c) {
+            const float pc = std::exp(prow[c] * scale - L[c]);
+            prow[c] = pc;
+            dsrow[c] = pc * (dsrow[c] - Dh[c]);
+          }
+        }
+        const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
+        block_gemm(dv_acc.data(), HSp, p.data(), Tp, dor.p, dor.ld, M, HSp, nq, true);
+        block_gemm(dk_acc.data(), HSp, ds.data(), Tp, qr.p, qr.ld, M, HSp, nq, true);
+      }
+      for (int64_t r = 0; r < M; ++r) {
+        float* dkd = dk + (krow + r * NKV) * HS;
+        float* dvd = dv + (krow + r * NKV) * HS;
+        for (int64_t x = 0; x < HS; ++x) {
+          dkd[x] = dk_acc[r * HSp + x] * scale;
+          dvd[x] = dv_acc[r * HSp + x];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace moetrain

@@ -1,0 +1,28 @@
+// Exact causal multi-head self-attention with grouped-query heads (GQA), float32.
+// Query head h reads key/value head h / (NH / NKV), as Hugging Face's repeat_kv arranges it;
+// NKV == NH is plain multi-head attention, NKV == 1 multi-query attention.
+// Scores are q·kᵀ / sqrt(HS); query t sees keys 0..t.
+//
+// Results are bitwise identical whatever the OpenMP thread count: every output element is
+// produced by one thread in a fixed summation order.
+#pragma once
+#include <cstdint>
+
+namespace moetrain {
+
+// out (B, T, NH, HS) = softmax(q·kᵀ / sqrt(HS) + causal mask) · v
+// lse (B, NH, T) = log-sum-exp of each query row's scaled scores, kept for the backward pass.
+// q (B, T, NH, HS); k, v (B, T, NKV, HS); NH % NKV == 0.
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+
+// Activation gradients, overwritten:
+// dq (B, T, NH, HS); dk, dv (B, T, NKV, HS).
+// dout, q, out (B, T, NH, HS); k, v (B, T, NKV, HS); lse (B, NH, T) from attention_forward.
+// Probabilities are recomputed from q, k and lse rather than stored (flash-attention style), with
+// D_t = sum(dout_t ⊙ out_t) standing in for the softmax Jacobian's row term.
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                        const float* k, const float* v, const float* out, const float* lse,
+                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+
+}  // namespace moetrain

@@ -1,0 +1,253 @@
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/attention.h"
+#include "support/gradcheck.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+
+namespace {
+
+struct Shape {
+  int64_t B, T, NH, NKV, HS;
+};
+
+std::ostream& operator<<(std::ostream& os, const Shape& s) {
+  return os << "B" << s.B << "_T" << s.T << "_NH" << s.NH << "_NKV" << s.NKV << "_HS" << s.HS;
+}
+
+// Inputs and the double-precision reference results for one shape.
+struct Problem {
+  Shape s;
+  std::vector<float> q, k, v, dout;
+  int64_t nq() const { return s.B * s.T * s.NH * s.HS; }
+  int64_t nkv() const { return s.B * s.T * s.NKV * s.HS; }
+  int64_t nlse() const { return s.B * s.NH * s.T; }
+
+  explicit Problem(Shape shape, uint64_t seed = 1, float qk_std = 1.0f) : s(shape) {
+    q = random_vector(nq(), seed, qk_std);
+    k = random_vector(nkv(), seed + 1, qk_std);
+    v = random_vector(nkv(), seed + 2);
+    dout = random_vector(nq(), seed + 3);
+  }
+  int64_t qi(int64_t b, int64_t t, int64_t h) const { return ((b * s.T + t) * s.NH + h) * s.HS; }
+  int64_t ki(int64_t b, int64_t t, int64_t g) const { return ((b * s.T + t) * s.NKV + g) * s.HS; }
+};
+
+struct Reference {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+// Naive attention in double: the full (T, T) score matrix per (b, h), masked, softmaxed, applied,
+// then the textbook softmax backward.
+Reference reference(const Problem& p) {
+  const auto [B, T, NH, NKV, HS] = p.s;
+  const int64_t G = NH / NKV;
+  const double scale = 1.0 / std::sqrt(double(HS));
+  Reference r;
+  r.out.assign(p.nq(), 0);
+  r.lse.assign(p.nlse(), 0);
+  r.dq.assign(p.nq(), 0);
+  r.dk.assign(p.nkv(), 0);
+  r.dv.assign(p.nkv(), 0);
+  std::vector<double> P(T * T), dP(T * T);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < NH; ++h) {
+      const int64_t g = h / G;
+      for (int64_t i = 0; i < T; ++i) {
+        double m = -INFINITY;
+        for (int64_t j = 0; j < T; ++j) {
+          double sc = -INFINITY;
+          if (j <= i) {
+            sc = 0;
+            for (int64_t x = 0; x < HS; ++x)
+              sc += double(p.q[p.qi(b, i, h) + x]) * p.k[p.ki(b, j, g) + x];
+            sc *= scale;
+          }
+          P[i * T + j] = sc;
+          m = std::max(m, sc);
+        }
+        double l = 0;
+        for (int64_t j = 0; j < T; ++j) l += (P[i * T + j] = std::exp(P[i * T + j] - m));
+        for (int64_t j = 0; j < T; ++j) P[i * T + j] /= l;
+        r.lse[(b * NH + h) * T + i] = m + std::log(l);
+        for (int64_t j = 0; j < T; ++j) {
+          for (int64_t x = 0; x < HS; ++x)
+            r.out[p.qi(b, i, h) + x] += P[i * T + j] * p.v[p.ki(b, j, g) + x];
+        }
+      }
+      for (int64_t i = 0; i < T; ++i) {
+        double rowdot = 0;
+        for (int64_t j = 0; j < T; ++j) {
+          double d = 0;
+          for (int64_t x = 0; x < HS; ++x)
+            d += double(p.dout[p.qi(b, i, h) + x]) * p.v[p.ki(b, j, g) + x];
+          dP[i * T + j] = d;
+          rowdot += P[i * T + j] * d;
+        }
+        for (int64_t j = 0; j < T; ++j) {
+          const double ds = P[i * T + j] * (dP[i * T + j] - rowdot) * scale;
+          for (int64_t x = 0; x < HS; ++x) {
+            r.dq[p.qi(b, i, h) + x] += ds * p.k[p.ki(b, j, g) + x];
+            r.dk[p.ki(b, j, g) + x] += ds * p.q[p.qi(b, i, h) + x];
+            r.dv[p.ki(b, j, g) + x] += P[i * T + j] * p.dout[p.qi(b, i, h) + x];
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+struct Result {
+  std::vector<float> out, lse, dq, dk, dv;
+};
+
+Result run(const Problem& p) {
+  const auto [B, T, NH, NKV, HS] = p.s;
+  Result r{std::vector<float>(p.nq()), std::vector<float>(p.nlse()), std::vector<float>(p.nq()),
+           std::vector<float>(p.nkv()), std::vector<float>(p.nkv())};
+  attention_forward(r.out.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(), B, T, NH, NKV,
+                    HS);
+  attention_backward(r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(), p.k.data(),
+                     p.v.data(), r.out.data(), r.lse.data(), B, T, NH, NKV, HS);
+  return r;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+class AttentionTest : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(AttentionTest, ForwardBackwardMatchReference) {
+  Problem p(GetParam());
+  const Result got = run(p);
+  const Reference want = reference(p);
+  expect_close(got.out.data(), want.out.data(), p.nq(), 1e-5, 1e-4, "out");
+  expect_close(got.lse.data(), want.lse.data(), p.nlse(), 1e-5, 1e-5, "lse");
+  expect_close(got.dq.data(), want.dq.data(), p.nq(), 1e-4, 1e-3, "dq");
+  expect_close(got.dk.data(), want.dk.data(), p.nkv(), 1e-4, 1e-3, "dk");
+  expect_close(got.dv.data(), want.dv.data(), p.nkv(), 1e-4, 1e-3, "dv");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionTest,
+    ::testing::Values(Shape{0, 4, 2, 1, 8}, Shape{2, 0, 2, 1, 8}, Shape{1, 1, 1, 1, 1},
+                      Shape{1, 1, 4, 2, 8}, Shape{2, 5, 4, 2, 8},  // GQA
+                      Shape{1, 37, 3, 3, 16},                      // MHA, odd T
+                      Shape{2, 37, 4, 1, 12},                      // multi-query
+                      Shape{1, 70, 4, 2, 64},                      // several blocks
+                      Shape{1, 65, 6, 2, 33},
+                      Shape{1, 300, 2, 1, 16}),  // reductions longer than one chunk
+    [](const auto& info) {
+      std::ostringstream os;
+      os << info.param;
+      return os.str();
+    });
+
+TEST(Attention, LargeScoresStayFinite) {
+  // Scores in the hundreds overflow exp without the max subtraction.
+  Problem p({2, 19, 4, 2, 16}, 7, 12.0f);
+  const Result got = run(p);
+  const Reference want = reference(p);
+  expect_close(got.out.data(), want.out.data(), p.nq(), 1e-4, 1e-4, "out");
+  expect_close(got.lse.data(), want.lse.data(), p.nlse(), 1e-3, 1e-5, "lse");
+  for (float x : got.dq) ASSERT_TRUE(std::isfinite(x));
+  for (float x : got.dk) ASSERT_TRUE(std::isfinite(x));
+}
+
+TEST(Attention, GradientsMatchFiniteDifferences) {
+  for (Shape s : {Shape{1, 6, 4, 2, 8}, Shape{2, 9, 2, 1, 5}, Shape{1, 40, 2, 2, 4}}) {
+    SCOPED_TRACE(::testing::PrintToString(s));
+    Problem p(s, 11);
+    const Result got = run(p);  // dout plays R in the loss sum(out ⊙ R)
+    auto loss = [&] {
+      std::vector<float> out(p.nq()), lse(p.nlse());
+      attention_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), s.B, s.T, s.NH,
+                        s.NKV, s.HS);
+      double sum = 0;
+      for (int64_t i = 0; i < p.nq(); ++i) sum += double(out[i]) * p.dout[i];
+      return sum;
+    };
+    check_gradient(p.q.data(), got.dq.data(), p.nq(), loss, "dq");
+    check_gradient(p.k.data(), got.dk.data(), p.nkv(), loss, "dk");
+    check_gradient(p.v.data(), got.dv.data(), p.nkv(), loss, "dv");
+  }
+}
+
+TEST(Attention, BitwiseIdenticalAcrossThreadCounts) {
+  Problem p({3, 160, 4, 2, 24}, 21);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const Result one = run(p);
+  omp_set_num_threads(2);
+  const Result two = run(p);
+  omp_set_num_threads(saved);
+  EXPECT_TRUE(same_bits(one.out, two.out));
+  EXPECT_TRUE(same_bits(one.lse, two.lse));
+  EXPECT_TRUE(same_bits(one.dq, two.dq));
+  EXPECT_TRUE(same_bits(one.dk, two.dk));
+  EXPECT_TRUE(same_bits(one.dv, two.dv));
+}
+
+TEST(Attention, CausalMaskHidesLaterPositions) {
+  const Shape s{2, 45, 4, 2, 16};
+  Problem p(s, 31);
+  const Result base = run(p);
+  for (int64_t t : {1, 17, 33, 44}) {
+    Problem changed = p;
+    for (int64_t b = 0; b < s.B; ++b) {
+      for (int64_t g = 0; g < s.NKV; ++g) {
+        for (int64_t x = 0; x < s.HS; ++x) {
+          changed.k[p.ki(b, t, g) + x] += 5.0f;
+          changed.v[p.ki(b, t, g) + x] -= 3.0f;
+        }
+      }
+    }
+    const Result got = run(changed);
+    for (int64_t b = 0; b < s.B; ++b) {
+      for (int64_t h = 0; h < s.NH; ++h) {
+        for (int64_t i = 0; i < s.T; ++i) {
+          const int64_t at = p.qi(b, i, h), li = (b * s.NH + h) * s.T + i;
+          const bool same = std::memcmp(&got.out[at], &base.out[at], s.HS * sizeof(float)) == 0 &&
+                            got.lse[li] == base.lse[li] &&
+                            std::memcmp(&got.dq[at], &base.dq[at], s.HS * sizeof(float)) == 0;
+          // Earlier positions must not move at all; position t itself must.
+          if (i < t) {
+            EXPECT_TRUE(same) << "t=" << t << " changed b=" << b << " h=" << h << " i=" << i;
+          } else if (i == t) {
+            EXPECT_FALSE(same) << "t=" << t << " had no effect on itself";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Attention, RejectsBadArguments) {
+  std::vector<float> buf(4096);
+  float* f = buf.data();
+  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, 4, 6, 4, 8), Error);  // NH % NKV != 0
+  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, 4, 4, 0, 8), Error);
+  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, 4, 4, 2, 0), Error);
+  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, -1, 4, 2, 8), Error);
+  EXPECT_THROW(attention_forward(nullptr, f, f, f, f, 1, 4, 4, 2, 8), Error);
+  EXPECT_THROW(attention_backward(f, f, f, f, f, f, f, f, f, 1, 4, 6, 4, 8), Error);
+  EXPECT_THROW(attention_backward(f, f, f, f, f, f, f, f, f, -2, 4, 4, 2, 8), Error);
+  try {
+    attention_forward(f, f, f, f, f, 1, 4, 6, 4, 8);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NH=6"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("NKV=4"), std::string::npos) << e.what();
+  }
+}
