@@ -30,6 +30,46 @@ void check_counts(const int64_t* M, int64_t G, const char* what) {
 
 }  // namespace
 
+void task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* C,
+               bool accumulate) {
+  if (!is_small_gemm(M, N, K)) {
+    grouped_gemm(tb, 1, &M, N, K, A, B, 0, C, accumulate);
+    return;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float* a = A + m * K;
+    float* c = C + m * N;
+    if (tb == Trans::T) {
+      for (int64_t n = 0; n < N; ++n) {
+        float s = 0.0f;
+        for (int64_t k = 0; k < K; ++k) s += a[k] * B[n * K + k];
+        c[n] = accumulate ? c[n] + s : s;
+      }
+    } else {
+      if (!accumulate) std::memset(c, 0, sizeof(float) * N);
+      for (int64_t k = 0; k < K; ++k) {
+        const float* b = B + k * N;
+        for (int64_t n = 0; n < N; ++n) c[n] += a[k] * b[n];
+      }
+    }
+  }
+}
+
+void task_gemm_reduce(int64_t M, int64_t P, int64_t Q, const float* A, const float* B, float* C,
+                      bool accumulate) {
+  if (!is_small_gemm(M, P, Q)) {
+    grouped_gemm_reduce(1, &M, P, Q, A, B, C, 0, accumulate);
+    return;
+  }
+  if (!accumulate) std::memset(C, 0, sizeof(float) * P * Q);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t p = 0; p < P; ++p) {
+      const float a = A[m * P + p];
+      for (int64_t q = 0; q < Q; ++q) C[p * Q + q] += a * B[m * Q + q];
+    }
+  }
+}
+
 std::vector<RowBlock> row_blocks(const int64_t* M, int64_t G) {
   check_counts(M, G, "row_blocks");
   std::vector<RowBlock> blocks;
@@ -46,11 +86,11 @@ void grouped_gemm_det(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t 
   MOETRAIN_CHECK(N >= 0 && K >= 0, "grouped_gemm_det: negative size N={} K={}", N, K);
   const std::vector<RowBlock> blocks = row_blocks(M, G);
   const int64_t n = static_cast<int64_t>(blocks.size());
-#pragma omp parallel for schedule(dynamic, 1)
+  const int64_t R = n == 0 ? 0 : blocks.back().row0 + blocks.back().rows;
+#pragma omp parallel for schedule(dynamic, 1) if (!is_small_gemm(R, N, K))
   for (int64_t i = 0; i < n; ++i) {
     const RowBlock& t = blocks[i];
-    grouped_gemm(tb, 1, &t.rows, N, K, A + t.row0 * K, B + t.group * b_stride, 0, C + t.row0 * N,
-                 accumulate);
+    task_gemm(tb, t.rows, N, K, A + t.row0 * K, B + t.group * b_stride, C + t.row0 * N, accumulate);
   }
 }
 
@@ -66,11 +106,12 @@ void grouped_gemm_reduce_det(int64_t G, const int64_t* M, const ReduceProblem* p
   // scratch partials that are added afterwards, in chunk order.
   std::vector<Task> tasks;
   std::vector<RowBlock> chunks;
-  int64_t scratch_floats = 0;
+  int64_t scratch_floats = 0, macs = 0;
   for (int64_t p = 0; p < n_problems; ++p) {
     const ReduceProblem& pr = problems[p];
     MOETRAIN_CHECK(pr.P >= 0 && pr.Q >= 0, "grouped_gemm_reduce_det: negative size P={} Q={}", pr.P,
                    pr.Q);
+    macs += pr.P * pr.Q;
     int64_t row = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (M[g] == 0 && !accumulate) {
@@ -93,13 +134,15 @@ void grouped_gemm_reduce_det(int64_t G, const int64_t* M, const ReduceProblem* p
   thread_local FloatBuffer scratch;
   float* partials = scratch.ensure(scratch_floats);
   const int64_t n = static_cast<int64_t>(tasks.size());
-#pragma omp parallel for schedule(dynamic, 1)
+  int64_t R = 0;
+  for (int64_t g = 0; g < G; ++g) R += M[g];
+#pragma omp parallel for schedule(dynamic, 1) if (!is_small_gemm(R, macs, 1))
   for (int64_t i = 0; i < n; ++i) {
     const Task& t = tasks[i];
     const ReduceProblem& pr = problems[t.problem];
     float* out = t.partial < 0 ? pr.C + t.rows.group * pr.c_stride : partials + t.partial;
-    grouped_gemm_reduce(1, &t.rows.rows, pr.P, pr.Q, pr.A + t.rows.row0 * pr.P,
-                        pr.B + t.rows.row0 * pr.Q, out, 0, t.partial < 0 && accumulate);
+    task_gemm_reduce(t.rows.rows, pr.P, pr.Q, pr.A + t.rows.row0 * pr.P, pr.B + t.rows.row0 * pr.Q,
+                     out, t.partial < 0 && accumulate);
   }
   if (scratch_floats == 0) return;
   // Partials of one (problem, group) follow its direct task in the list, in chunk order.

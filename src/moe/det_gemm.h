@@ -15,6 +15,21 @@
 
 namespace moetrain {
 
+// Products below this many multiply-adds run as plain loops on the calling thread: a oneDNN call
+// and a parallel region cost more than they do, and the result is thread-count invariant too.
+constexpr int64_t kSmallGemmMacs = 1 << 15;
+inline bool is_small_gemm(int64_t M, int64_t N, int64_t K) {
+  return M * N * K < kSmallGemmMacs;
+}
+
+// One product of a task: C (M, N) = A (M, K) · op(B) (K, N) [+ C], all packed. Single-threaded
+// (plain loops when small, else oneDNN, which must then be called inside a parallel region).
+void task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* C,
+               bool accumulate);
+// C (P, Q) = Aᵀ (P, M) · B (M, Q) [+ C], all packed. As task_gemm.
+void task_gemm_reduce(int64_t M, int64_t P, int64_t Q, const float* A, const float* B, float* C,
+                      bool accumulate);
+
 // Rows [row0, row0 + rows) of the packed buffer, all in group `group`.
 struct RowBlock {
   int64_t group, row0, rows;

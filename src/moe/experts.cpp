@@ -46,17 +46,14 @@ void experts_forward(float* y, const float* xp, const int64_t* counts, const Exp
   float* g = acts.g.ensure(R * F);
   const int64_t block = F * C, n = static_cast<int64_t>(blocks.size());
   // A row block runs the whole expert while its hidden rows are still in cache.
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (!is_small_gemm(R, F, C))
   for (int64_t i = 0; i < n; ++i) {
     const RowBlock& t = blocks[i];
     const int64_t r0 = t.row0;
-    grouped_gemm(Trans::T, 1, &t.rows, F, C, xp + r0 * C, w.w1 + t.group * block, 0, a + r0 * F,
-                 false);
-    grouped_gemm(Trans::T, 1, &t.rows, F, C, xp + r0 * C, w.w3 + t.group * block, 0, b + r0 * F,
-                 false);
+    task_gemm(Trans::T, t.rows, F, C, xp + r0 * C, w.w1 + t.group * block, a + r0 * F, false);
+    task_gemm(Trans::T, t.rows, F, C, xp + r0 * C, w.w3 + t.group * block, b + r0 * F, false);
     swiglu_forward(g + r0 * F, a + r0 * F, b + r0 * F, t.rows * F);
-    grouped_gemm(Trans::T, 1, &t.rows, C, F, g + r0 * F, w.w2 + t.group * block, 0, y + r0 * C,
-                 false);
+    task_gemm(Trans::T, t.rows, C, F, g + r0 * F, w.w2 + t.group * block, y + r0 * C, false);
   }
 }
 
@@ -78,18 +75,15 @@ void experts_backward(float* dxp, const ExpertRange& dw, const float* dy, const 
   float* da = acts.da.ensure(R * F);
   float* db = acts.db.ensure(R * F);
   const int64_t block = F * C, n = static_cast<int64_t>(blocks.size());
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (!is_small_gemm(R, F, C))
   for (int64_t i = 0; i < n; ++i) {
     const RowBlock& t = blocks[i];
     const int64_t r0 = t.row0;
     // dg = dy · W2;  (da, db) = swiglu'(dg);  dxp = da · W1 + db · W3
-    grouped_gemm(Trans::N, 1, &t.rows, F, C, dy + r0 * C, w.w2 + t.group * block, 0, dg + r0 * F,
-                 false);
+    task_gemm(Trans::N, t.rows, F, C, dy + r0 * C, w.w2 + t.group * block, dg + r0 * F, false);
     swiglu_backward(da + r0 * F, db + r0 * F, dg + r0 * F, a + r0 * F, b + r0 * F, t.rows * F);
-    grouped_gemm(Trans::N, 1, &t.rows, C, F, da + r0 * F, w.w1 + t.group * block, 0, dxp + r0 * C,
-                 false);
-    grouped_gemm(Trans::N, 1, &t.rows, C, F, db + r0 * F, w.w3 + t.group * block, 0, dxp + r0 * C,
-                 true);
+    task_gemm(Trans::N, t.rows, C, F, da + r0 * F, w.w1 + t.group * block, dxp + r0 * C, false);
+    task_gemm(Trans::N, t.rows, C, F, db + r0 * F, w.w3 + t.group * block, dxp + r0 * C, true);
   }
   // dW2 (C, F) += dyᵀ · g;  dW1 (F, C) += daᵀ · xp;  dW3 (F, C) += dbᵀ · xp
   const ReduceProblem problems[3] = {

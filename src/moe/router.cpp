@@ -56,7 +56,7 @@ void expert_choice_select(Routing& r, const float* probs, int64_t N, int64_t E, 
   std::fill(r.selected.begin(), r.selected.end(), -1);
   std::fill(r.weight.begin(), r.weight.end(), 0.0f);
   if (cap == 0) return;
-#pragma omp parallel
+#pragma omp parallel if (N > kParallelRows)
   {
     std::vector<int32_t> order(N);
 #pragma omp for schedule(dynamic, 1)
