@@ -375,3 +375,42 @@ TEST(MoeLayer, RejectsBadArguments) {
 }
 
 }  // namespace
+
+namespace {
+
+// Sizes where the GEMMs run through oneDNN in row blocks (the cases above are small enough to
+// run as plain loops). The gate is not checked here: with 200 tokens some routing decision
+// flips under almost any perturbation of it; the small cases cover its gradient. One thread:
+// the results are the same with two (see the determinism test), and hundreds of short parallel
+// regions crawl when the machine is shared.
+TEST(MoeLayer, OneDnnSizesMatchReferenceAndFiniteDifferences) {
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  for (RouterKind r : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::ExpertChoice,
+                       RouterKind::SigmoidBias}) {
+    MoeConfig cfg;
+    cfg.C = 32, cfg.F = 24, cfg.E = 8, cfg.K = 2, cfg.router = r, cfg.shared_F = 16;
+    cfg.capacity_factor = 1.0f;
+    LayerData s(cfg, 200, 1100);
+    MoeLayer layer(cfg);
+    MoeStep step{true, 9, 8, 7};
+    expect_matches_reference(layer, s, step);
+    s.loss(layer, step);
+    const std::vector<int32_t> expert0 = layer.routing().expert, selected0 = layer.routing().selected;
+    std::vector<float> dinp(s.N * cfg.C);
+    layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f);
+    auto loss = [&] { return s.loss(layer, step); };
+    auto same = [&] { return layer.routing().expert == expert0 && layer.routing().selected == selected0; };
+    MoeParamSizes sz = moe_param_sizes(cfg);
+    std::string name(router_kind_name(r));
+    check_gradient_routed(s.inp.data(), dinp.data(), s.N * cfg.C, loss, same, name + " dinp", 12);
+    check_gradient_routed(s.w.w1, s.g.w1, sz.w1, loss, same, name + " dw1", 12);
+    check_gradient_routed(s.w.w3, s.g.w3, sz.w3, loss, same, name + " dw3", 12);
+    check_gradient_routed(s.w.w2, s.g.w2, sz.w2, loss, same, name + " dw2", 12);
+    check_gradient_routed(s.w.shared_w1, s.g.shared_w1, sz.shared_w1, loss, same, name + " dshared_w1", 12);
+    check_gradient_routed(s.w.shared_w2, s.g.shared_w2, sz.shared_w2, loss, same, name + " dshared_w2", 12);
+  }
+  omp_set_num_threads(saved_threads);
+}
+
+}  // namespace
