@@ -1,5 +1,7 @@
 #include "moe/moe_layer.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 #include "core/timer.h"
 #include "moe/balance.h"
@@ -33,7 +35,7 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
                  "MoeLayer::forward: shared_F={} needs shared_w1, shared_w3 and shared_w2",
                  cfg_.shared_F);
   timings_ = MoeTimings{};
-  has_forward_ = true;
+  has_forward_ = false;  // until this forward completes
   N_ = N;
   inp_ = inp;
 
@@ -94,11 +96,12 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
     for (int64_t s = 0; s < routing_.S; ++s) routed |= layout_.slot_row[t * routing_.S + s] >= 0;
     stats_.unrouted_tokens += !routed;
   }
+  has_forward_ = true;
 }
 
 void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, const MoeWeights& g,
                         float loss_weight) {
-  MOETRAIN_CHECK(has_forward_, "MoeLayer::backward called before any forward");
+  MOETRAIN_CHECK(has_forward_, "MoeLayer::backward called without a completed forward");
   const int64_t N = N_, C = cfg_.C, E = cfg_.E;
   if (N == 0) return;
   MOETRAIN_CHECK(dinp && dout, "MoeLayer::backward: null dinp or dout for N={}", N);

@@ -5,6 +5,7 @@
 #include <functional>
 #include <string>
 
+#include "kernels/gemm.h"
 #include "moe/moe_layer.h"
 #include "moe_reference.h"
 #include "support/gradcheck.h"
@@ -396,21 +397,46 @@ TEST(MoeLayer, OneDnnSizesMatchReferenceAndFiniteDifferences) {
     MoeStep step{true, 9, 8, 7};
     expect_matches_reference(layer, s, step);
     s.loss(layer, step);
-    const std::vector<int32_t> expert0 = layer.routing().expert, selected0 = layer.routing().selected;
+    const std::vector<int32_t> expert0 = layer.routing().expert,
+                               selected0 = layer.routing().selected;
     std::vector<float> dinp(s.N * cfg.C);
     layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f);
     auto loss = [&] { return s.loss(layer, step); };
-    auto same = [&] { return layer.routing().expert == expert0 && layer.routing().selected == selected0; };
+    auto same = [&] {
+      return layer.routing().expert == expert0 && layer.routing().selected == selected0;
+    };
     MoeParamSizes sz = moe_param_sizes(cfg);
     std::string name(router_kind_name(r));
     check_gradient_routed(s.inp.data(), dinp.data(), s.N * cfg.C, loss, same, name + " dinp", 12);
     check_gradient_routed(s.w.w1, s.g.w1, sz.w1, loss, same, name + " dw1", 12);
     check_gradient_routed(s.w.w3, s.g.w3, sz.w3, loss, same, name + " dw3", 12);
     check_gradient_routed(s.w.w2, s.g.w2, sz.w2, loss, same, name + " dw2", 12);
-    check_gradient_routed(s.w.shared_w1, s.g.shared_w1, sz.shared_w1, loss, same, name + " dshared_w1", 12);
-    check_gradient_routed(s.w.shared_w2, s.g.shared_w2, sz.shared_w2, loss, same, name + " dshared_w2", 12);
+    check_gradient_routed(s.w.shared_w1, s.g.shared_w1, sz.shared_w1, loss, same,
+                          name + " dshared_w1", 12);
+    check_gradient_routed(s.w.shared_w2, s.g.shared_w2, sz.shared_w2, loss, same,
+                          name + " dshared_w2", 12);
   }
   omp_set_num_threads(saved_threads);
+}
+
+// Every product runs on oneDNN primitives whose row (or reduction) count is bound at execution,
+// so a step with another batch size and another routing builds none.
+TEST(MoeLayer, LaterStepsBuildNoGemmPrimitives) {
+  MoeConfig cfg;
+  cfg.C = 32, cfg.F = 24, cfg.E = 4, cfg.K = 2, cfg.router = RouterKind::NoisyTopK,
+  cfg.shared_F = 16;
+  MoeLayer layer(cfg);
+  int64_t built = -1;
+  for (int64_t N : {300, 301, 517}) {
+    LayerData s(cfg, N, 1200 + N);
+    std::vector<float> out(N * cfg.C), dinp(N * cfg.C);
+    layer.forward(out.data(), s.inp.data(), N, s.w, MoeStep{true, 1, uint64_t(N), 0});
+    layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f);
+    if (built >= 0) {
+      EXPECT_EQ(gemm_primitives_built(), built) << "N=" << N;
+    }
+    built = gemm_primitives_built();
+  }
 }
 
 }  // namespace
