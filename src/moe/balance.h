@@ -1,0 +1,31 @@
+// Load balancing: the Switch/GShard auxiliary loss, the router z-loss and the aux-loss-free
+// bias update of DeepSeek-V3.
+//
+//   L_aux = E · Σ_i f_i · P_i,  f_i = (top-K selections of expert i, before dropping) / (N·K),
+//                               P_i = mean over tokens of the router probability of expert i.
+//           f is piecewise constant, so the gradient flows through P only.
+//   L_z   = mean over tokens of logsumexp(clean logits)²
+//   b_i  += γ · sign(mean_load − load_i)   once per optimizer step, outside autograd
+// Both losses are 0 for N = 0.
+#pragma once
+#include <cstdint>
+
+namespace moetrain {
+
+// f (E) = selection fractions; returns L_aux. probs (N, E), selected (N, S) with -1 for none.
+double aux_loss_forward(float* f, const float* probs, const int32_t* selected, int64_t N, int64_t E,
+                        int64_t S, int64_t K);
+// dprobs (N, E) = scale · ∂L_aux/∂probs = scale · E · f_i / N. f (E)
+void aux_loss_backward(float* dprobs, const float* f, int64_t N, int64_t E, float scale);
+
+// Returns L_z. lse (N)
+double z_loss_forward(const float* lse, int64_t N);
+// dlogits (N, E) = scale · ∂L_z/∂logits = scale · 2 · lse_t · softmax(logits)_t,e / N.
+// logits (N, E), lse (N)
+void z_loss_backward(float* dlogits, const float* logits, const float* lse, int64_t N, int64_t E,
+                     float scale);
+
+// bias (E) += rate · sign(mean(load) − load_i), sign(0) = 0. load (E)
+void bias_update(float* bias, const int64_t* load, int64_t E, float rate);
+
+}  // namespace moetrain

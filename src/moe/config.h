@@ -1,0 +1,70 @@
+// Configuration of one MoE layer, its parameter views and their sizes.
+#pragma once
+#include <cstdint>
+#include <string_view>
+
+namespace moetrain {
+
+enum class RouterKind { TopKSoftmax, NoisyTopK, ExpertChoice, SigmoidBias };
+
+// "topk_softmax" | "noisy_topk" | "expert_choice" | "sigmoid_bias"; anything else is an Error
+// that lists the allowed names.
+RouterKind parse_router_kind(std::string_view name);
+std::string_view router_kind_name(RouterKind kind);
+// Token-choice routers give every token K slots; expert choice lets every expert pick tokens.
+inline bool is_token_choice(RouterKind kind) {
+  return kind != RouterKind::ExpertChoice;
+}
+
+struct MoeConfig {
+  int64_t C = 0, F = 0, E = 0, K = 2;  // model dim, expert hidden, experts, top-k
+  RouterKind router = RouterKind::TopKSoftmax;
+  // Token-choice routers: divide the kept weights by their sum. noisy_topk always normalises
+  // (its weights are a softmax over the kept logits); expert_choice never does.
+  bool renormalize = true;
+  // Token choice: per-expert capacity ceil(N·K/E·cf), 0 = dropless. Expert choice: the same
+  // formula sets how many tokens each expert takes, with 0 read as 1.
+  float capacity_factor = 0.0f;
+  float aux_loss_coef = 1e-2f, z_loss_coef = 1e-3f;
+  float bias_update_rate = 1e-3f;  // sigmoid_bias γ
+  int64_t shared_F = 0;            // shared expert hidden size, 0 = none
+
+  // Throws an Error naming the first invalid field, its value and what is allowed.
+  void validate() const;
+};
+
+// Views into the model's flat parameter buffer; the gradient buffer has the same layout, so the
+// same struct points at gradients.
+struct MoeWeights {
+  float* gate = nullptr;   // (E, C)   HF block_sparse_moe.gate.weight
+  float* noise = nullptr;  // (E, C)   noisy_topk only
+  float* w1 = nullptr;     // (E, F, C) expert j at w1 + j*F*C  (HF experts.{j}.w1.weight is (F, C))
+  float* w3 = nullptr;     // (E, F, C)
+  float* w2 = nullptr;     // (E, C, F)
+  float* shared_w1 = nullptr;  // (Fs, C)
+  float* shared_w3 = nullptr;  // (Fs, C)
+  float* shared_w2 = nullptr;  // (C, Fs)
+};
+
+// Number of floats behind each MoeWeights field (0 for a field the config does not use).
+struct MoeParamSizes {
+  int64_t gate = 0, noise = 0, w1 = 0, w3 = 0, w2 = 0, shared_w1 = 0, shared_w3 = 0, shared_w2 = 0;
+  int64_t total() const { return gate + noise + w1 + w3 + w2 + shared_w1 + shared_w3 + shared_w2; }
+};
+MoeParamSizes moe_param_sizes(const MoeConfig& cfg);
+// Points the fields of a MoeWeights at consecutive blocks of `base` in the field order above;
+// `base` must hold moe_param_sizes(cfg).total() floats. Unused fields stay null.
+MoeWeights moe_weights_from_buffer(const MoeConfig& cfg, float* base);
+
+// ceil(N·K/E·cf) clamped to [0, N]: the most assignments one expert may take.
+int64_t expert_capacity(int64_t N, int64_t K, int64_t E, float capacity_factor);
+
+// Where a forward sits in training: noise is drawn from (seed, step, layer) and only when training.
+struct MoeStep {
+  bool training = true;
+  uint64_t seed = 0;
+  uint64_t step = 0;
+  uint64_t layer = 0;
+};
+
+}  // namespace moetrain

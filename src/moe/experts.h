@@ -1,0 +1,43 @@
+// Expert compute over the expert-grouped buffer: per expert j, SwiGLU
+//   y = W2_j · (silu(W1_j·x) ⊙ (W3_j·x))   (Mixtral's w1, w3, w2)
+// as grouped GEMMs over the rows of each expert. An expert with no rows costs nothing and its
+// weight gradients are left untouched.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "moe/config.h"
+#include "moe/workspace.h"
+
+namespace moetrain {
+
+// The weights of experts [first, first + count) by global expert id. Each pointer is at expert
+// `first`, so a process holding only its own experts passes its local buffers.
+struct ExpertRange {
+  int64_t first = 0, count = 0;
+  float* w1 = nullptr;  // (count, F, C)
+  float* w3 = nullptr;  // (count, F, C)
+  float* w2 = nullptr;  // (count, C, F)
+};
+// Experts [first, first + count) of a layer's full weight (or gradient) views.
+ExpertRange expert_range(const MoeWeights& w, const MoeConfig& cfg, int64_t first, int64_t count);
+// The shared expert as a one-expert range (Fs = cfg.shared_F).
+ExpertRange shared_expert_range(const MoeWeights& w);
+
+// What experts_backward needs from the forward, and its scratch. All (rows, F).
+struct ExpertActs {
+  FloatBuffer a, b, g;     // W1·x, W3·x, silu(a) ⊙ b
+  FloatBuffer dg, da, db;  // backward scratch
+};
+
+// y (R, C) = experts over xp (R, C), where the rows of expert first+i are the next counts[i]
+// rows (R = Σ counts). counts (w.count). F is the hidden size. Bitwise the same for any thread
+// count (see det_gemm.h).
+void experts_forward(float* y, const float* xp, const int64_t* counts, const ExpertRange& w,
+                     int64_t C, int64_t F, ExpertActs& acts);
+// dxp (R, C) =, dw (weight gradients) +=. dy (R, C), xp as in the forward.
+void experts_backward(float* dxp, const ExpertRange& dw, const float* dy, const float* xp,
+                      const int64_t* counts, const ExpertRange& w, int64_t C, int64_t F,
+                      ExpertActs& acts);
+
+}  // namespace moetrain

@@ -1,0 +1,65 @@
+// Routing policies: which experts each token goes to and with what combine weight.
+// Router math is f32 whatever the activation dtype.
+//
+//   topk_softmax   p = softmax(l); top-K of l; w = p_k / Σ_kept p (or p_k without renormalize)
+//   noisy_topk     H = l + softplus(x·Wnᵀ)·ε while training (ε ~ N(0,1) from the counter RNG at
+//                  index token·E + e), H = l in eval; top-K of H; w = softmax over the kept H
+//   expert_choice  p = softmax(l); expert e takes its top-Cap tokens by p[:, e]; w = p
+//   sigmoid_bias   s = σ(l); top-K of s + b; w = s_k / Σ_kept s (or s_k without renormalize)
+// with l = x·gateᵀ. Ties go to the lower expert (token) index.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "moe/config.h"
+
+namespace moetrain {
+
+// One forward's routing decision. Every token has S slots: K for token-choice routers, E for
+// expert choice (slot e is expert e). An expert id of -1 marks an empty or dropped slot.
+struct Routing {
+  int64_t N = 0, E = 0, S = 0;
+  std::vector<int32_t> selected;  // (N, S) the router's choice, before capacity dropping
+  std::vector<int32_t> expert;    // (N, S) what is dispatched, after dropping
+  std::vector<float> weight;      // (N, S) combine weight of each selected slot (0 where empty)
+};
+
+// What router_backward needs from the forward, and its scratch.
+struct RouterCache {
+  int64_t N = 0;
+  bool noisy = false;               // noise was added (noisy_topk while training)
+  std::vector<float> logits;        // (N, E) clean logits l
+  std::vector<float> noise_logits;  // (N, E) x·Wnᵀ (noisy_topk)
+  std::vector<float> eps;           // (N, E) ε (noisy_topk while training)
+  // (N, E) the scores the policy weighs with: softmax(l), softmax(H) for noisy_topk, σ(l) for
+  // sigmoid_bias. The aux loss reads these.
+  std::vector<float> probs;
+  std::vector<float> lse;                     // (N) logsumexp of the clean logits (z-loss)
+  std::vector<float> dlogits, dnoise_logits;  // (N, E) scratch for backward
+};
+
+// Routes N tokens and fills `r` with nothing dropped yet (expert == selected) and `cache`.
+// For expert choice the per-expert token count is expert_capacity(N, K, E, cf or 1).
+// inp (N, C), gate (E, C), noise (E, C) noisy_topk only, bias (E) sigmoid_bias only.
+void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
+                    const MoeConfig& cfg, const float* gate, const float* noise, const float* bias,
+                    const MoeStep& step);
+
+// Gradients that reach the router from the rest of the layer.
+struct RouterGrads {
+  const float* dweight = nullptr;  // (N, S) on Routing::weight; 0 on dropped and empty slots
+  const float* dprobs = nullptr;   // (N, E) on RouterCache::probs, or null
+  const float* dlogits = nullptr;  // (N, E) straight onto the clean logits, or null
+};
+
+// dinp (N, C) += (dinp may be null), dgate (E, C) +=, dnoise (E, C) += (noisy_topk while
+// training). inp, gate, noise as in the forward.
+void router_backward(float* dinp, float* dgate, float* dnoise, const RouterGrads& grads,
+                     const float* inp, const float* gate, const float* noise, const Routing& r,
+                     RouterCache& cache, const MoeConfig& cfg);
+
+// Indices of the K largest of key[0..E), largest first, ties to the lower index. vals is
+// scratch of K floats.
+void topk_indices(int32_t* idx, float* vals, const float* key, int64_t E, int64_t K);
+
+}  // namespace moetrain

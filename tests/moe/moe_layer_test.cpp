@@ -1,0 +1,442 @@
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "kernels/gemm.h"
+#include "moe/moe_layer.h"
+#include "moe_reference.h"
+#include "support/gradcheck.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+
+namespace {
+
+// A layer's parameters, gradients and data, all random.
+struct LayerData {
+  MoeConfig cfg;
+  int64_t N = 0;
+  std::vector<float> params, grads, inp, R;
+  MoeWeights w, g;
+
+  LayerData(const MoeConfig& c, int64_t n, uint64_t seed) : cfg(c), N(n) {
+    MoeParamSizes s = moe_param_sizes(cfg);
+    params.assign(s.total(), 0.0f);
+    grads.assign(s.total(), 0.0f);
+    w = moe_weights_from_buffer(cfg, params.data());
+    g = moe_weights_from_buffer(cfg, grads.data());
+    auto fill = [&](float* p, int64_t count, uint64_t sd, float stddev) {
+      auto v = random_vector(count, sd, stddev);
+      std::copy(v.begin(), v.end(), p);
+    };
+    fill(w.gate, s.gate, seed + 1, 1.0f);
+    if (s.noise) fill(w.noise, s.noise, seed + 2, 0.7f);
+    fill(w.w1, s.w1, seed + 3, 0.5f);
+    fill(w.w3, s.w3, seed + 4, 0.5f);
+    fill(w.w2, s.w2, seed + 5, 0.5f);
+    if (s.shared_w1) {
+      fill(w.shared_w1, s.shared_w1, seed + 6, 0.5f);
+      fill(w.shared_w3, s.shared_w3, seed + 7, 0.5f);
+      fill(w.shared_w2, s.shared_w2, seed + 8, 0.5f);
+    }
+    inp = random_vector(N * cfg.C, seed + 9);
+    R = random_vector(N * cfg.C, seed + 10);
+  }
+  // sum(out ⊙ R) + aux_coef·L_aux + z_coef·L_z, from a fresh forward.
+  double loss(MoeLayer& layer, const MoeStep& step, std::vector<float>* out_copy = nullptr) {
+    std::vector<float> out(N * cfg.C);
+    layer.forward(out.data(), inp.data(), N, w, step);
+    double s = 0;
+    for (int64_t i = 0; i < N * cfg.C; ++i) s += double(out[i]) * R[i];
+    if (out_copy) *out_copy = out;
+    return s + double(cfg.aux_loss_coef) * layer.aux_loss() +
+           double(cfg.z_loss_coef) * layer.z_loss();
+  }
+};
+
+// Central differences that skip an entry whose ±h perturbation changes the routing (a flip makes
+// the loss discontinuous there). Requires most entries to be checked.
+void check_gradient_routed(float* param, const float* analytic, int64_t n,
+                           const std::function<double()>& loss,
+                           const std::function<bool()>& same_routing, const std::string& what,
+                           int64_t max_checks = 40, double h = 1e-2) {
+  int64_t step = n <= max_checks ? 1 : n / max_checks;
+  int64_t tried = 0, checked = 0;
+  double worst = 0, worst_num = 0;
+  int64_t at = -1;
+  for (int64_t i = 0; i < n; i += step) {
+    ++tried;
+    float saved = param[i];
+    param[i] = saved + static_cast<float>(h);
+    double lp = loss();
+    bool ok = same_routing();
+    param[i] = saved - static_cast<float>(h);
+    double lm = loss();
+    ok = ok && same_routing();
+    param[i] = saved;
+    if (!ok) continue;
+    ++checked;
+    double num = (lp - lm) / (2 * h);
+    double err = std::abs(num - analytic[i]) / (2e-3 + 2e-2 * std::abs(num));
+    if (!(err <= worst)) worst = err, at = i, worst_num = num;
+  }
+  EXPECT_GE(2 * checked, tried) << what << ": only " << checked << " of " << tried
+                                << " entries kept their routing";
+  EXPECT_LE(worst, 1.0) << what << ": element " << at << " analytic "
+                        << (at >= 0 ? analytic[at] : 0) << " numeric " << worst_num;
+}
+
+struct Case {
+  RouterKind router;
+  float cf = 0.0f;
+  int64_t shared_F = 0;
+  int64_t N = 7, K = 2;
+  bool renormalize = true;
+  bool training = true;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  std::string s(router_kind_name(c.router));
+  s += c.cf > 0 ? "_cf" + std::to_string(int(c.cf * 100)) : "_dropless";
+  if (c.shared_F) s += "_shared";
+  s += "_N" + std::to_string(c.N) + "_K" + std::to_string(c.K);
+  if (!c.renormalize) s += "_raw";
+  if (!c.training) s += "_eval";
+  return s;
+}
+
+MoeConfig make_config(const Case& c) {
+  MoeConfig cfg;
+  cfg.C = 6, cfg.F = 5, cfg.E = 4, cfg.K = c.K;
+  cfg.router = c.router;
+  cfg.capacity_factor = c.cf;
+  cfg.shared_F = c.shared_F;
+  cfg.renormalize = c.renormalize;
+  // Large enough that a wrong balancing-loss gradient shows above the tolerance.
+  cfg.aux_loss_coef = 0.5f;
+  cfg.z_loss_coef = 0.3f;
+  return cfg;
+}
+
+void expect_matches_reference(MoeLayer& layer, LayerData& s, const MoeStep& step) {
+  std::vector<float> out(s.N * s.cfg.C);
+  layer.forward(out.data(), s.inp.data(), s.N, s.w, step);
+  MoeReference ref = moe_reference(s.cfg, s.inp.data(), s.N, s.w, layer.router_bias(), step);
+  expect_close(out.data(), ref.out.data(), s.N * s.cfg.C, 1e-5, 1e-4, "forward");
+  EXPECT_EQ(layer.stats().tokens_per_expert, ref.tokens_per_expert);
+  EXPECT_EQ(layer.stats().dropped, ref.dropped);
+  EXPECT_EQ(layer.stats().assignments, ref.assignments);
+  EXPECT_EQ(layer.stats().capacity, ref.capacity);
+  EXPECT_NEAR(layer.aux_loss(), ref.aux, 1e-5 + 1e-5 * ref.aux);
+  EXPECT_NEAR(layer.z_loss(), ref.z, 1e-5 + 1e-5 * ref.z);
+  if (ref.assignments > 0) {
+    EXPECT_DOUBLE_EQ(layer.stats().fraction_dropped, double(ref.dropped) / ref.assignments);
+  }
+}
+
+class MoeLayerCase : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLayerCase, ForwardMatchesReferenceAndGradientsMatchFiniteDifferences) {
+  const Case c = GetParam();
+  LayerData s(make_config(c), c.N, 100);
+  MoeLayer layer(s.cfg);
+  if (c.router == RouterKind::SigmoidBias) {
+    // A nonzero bias must steer selection without entering the weights.
+    float* b = layer.router_bias();
+    for (int64_t e = 0; e < s.cfg.E; ++e) b[e] = 0.15f * float(e % 3) - 0.1f;
+  }
+  MoeStep step{c.training, 1234, 5, 2};
+  expect_matches_reference(layer, s, step);
+
+  // Analytic gradients of loss = sum(out ⊙ R) + coefs · losses.
+  s.loss(layer, step);
+  const std::vector<int32_t> expert0 = layer.routing().expert, selected0 = layer.routing().selected;
+  std::vector<float> dinp(s.N * s.cfg.C);
+  layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f);
+  auto loss = [&] { return s.loss(layer, step); };
+  auto same = [&] {
+    return layer.routing().expert == expert0 && layer.routing().selected == selected0;
+  };
+  MoeParamSizes sz = moe_param_sizes(s.cfg);
+  check_gradient_routed(s.inp.data(), dinp.data(), s.N * s.cfg.C, loss, same, "dinp");
+  check_gradient_routed(s.w.gate, s.g.gate, sz.gate, loss, same, "dgate");
+  if (c.router == RouterKind::NoisyTopK) {
+    if (c.training) {
+      check_gradient_routed(s.w.noise, s.g.noise, sz.noise, loss, same, "dnoise");
+    } else {
+      for (int64_t i = 0; i < sz.noise; ++i)
+        ASSERT_EQ(s.g.noise[i], 0.0f) << "eval noise grad " << i;
+    }
+  }
+  check_gradient_routed(s.w.w1, s.g.w1, sz.w1, loss, same, "dw1");
+  check_gradient_routed(s.w.w3, s.g.w3, sz.w3, loss, same, "dw3");
+  check_gradient_routed(s.w.w2, s.g.w2, sz.w2, loss, same, "dw2");
+  if (c.shared_F) {
+    check_gradient_routed(s.w.shared_w1, s.g.shared_w1, sz.shared_w1, loss, same, "dshared_w1");
+    check_gradient_routed(s.w.shared_w3, s.g.shared_w3, sz.shared_w3, loss, same, "dshared_w3");
+    check_gradient_routed(s.w.shared_w2, s.g.shared_w2, sz.shared_w2, loss, same, "dshared_w2");
+  }
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (RouterKind r : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::ExpertChoice,
+                       RouterKind::SigmoidBias}) {
+    for (float cf : {0.0f, 0.5f}) {
+      for (int64_t sf : {0, 3}) cases.push_back({r, cf, sf});
+    }
+  }
+  cases.push_back({RouterKind::TopKSoftmax, 0.0f, 0, 7, 2, false});
+  cases.push_back({RouterKind::TopKSoftmax, 0.75f, 0, 7, 2, false});
+  cases.push_back({RouterKind::SigmoidBias, 0.0f, 0, 7, 2, false});
+  cases.push_back({RouterKind::NoisyTopK, 0.0f, 3, 7, 2, true, false});
+  cases.push_back({RouterKind::TopKSoftmax, 0.0f, 3, 1, 2});
+  cases.push_back({RouterKind::ExpertChoice, 0.0f, 0, 1, 2});
+  for (RouterKind r : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::SigmoidBias}) {
+    cases.push_back({r, 0.0f, 0, 7, 4});  // K = E
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Routers, MoeLayerCase, ::testing::ValuesIn(all_cases()), case_name);
+
+// The balancing losses alone: dout = 0, so every gradient is coef · loss_weight · ∂L.
+TEST(MoeLayer, BalancingLossGradientsScaleWithLossWeight) {
+  for (RouterKind r : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::ExpertChoice,
+                       RouterKind::SigmoidBias}) {
+    Case c{r};
+    LayerData s(make_config(c), 9, 300);
+    std::fill(s.R.begin(), s.R.end(), 0.0f);
+    MoeLayer layer(s.cfg);
+    MoeStep step{true, 7, 1, 0};
+    s.loss(layer, step);
+    const std::vector<int32_t> expert0 = layer.routing().expert,
+                               selected0 = layer.routing().selected;
+    std::vector<float> dinp(s.N * s.cfg.C);
+    layer.backward(dinp.data(), s.R.data(), s.w, s.g, 0.25f);
+    std::vector<float> dgate(s.g.gate, s.g.gate + s.cfg.E * s.cfg.C);
+    for (float& v : dgate) v *= 4.0f;
+    for (float& v : dinp) v *= 4.0f;
+    auto loss = [&] { return s.loss(layer, step); };
+    auto same = [&] {
+      return layer.routing().expert == expert0 && layer.routing().selected == selected0;
+    };
+    std::string name(router_kind_name(r));
+    check_gradient_routed(s.w.gate, dgate.data(), s.cfg.E * s.cfg.C, loss, same, name + " dgate");
+    check_gradient_routed(s.inp.data(), dinp.data(), s.N * s.cfg.C, loss, same, name + " dinp");
+    for (int64_t i = 0; i < s.cfg.E * s.cfg.F * s.cfg.C; ++i) ASSERT_EQ(s.g.w1[i], 0.0f);
+  }
+}
+
+TEST(MoeLayer, AllTokensToOneExpertLeaveTheOthersUntouched) {
+  MoeConfig cfg = make_config({RouterKind::TopKSoftmax});
+  cfg.K = 1;
+  LayerData s(cfg, 5, 400);
+  for (float& v : s.inp) v = std::abs(v) + 0.1f;
+  for (int64_t c = 0; c < cfg.C; ++c) {
+    s.w.gate[c] = 1.0f;
+    for (int64_t e = 1; e < cfg.E; ++e) s.w.gate[e * cfg.C + c] = -1.0f;
+  }
+  std::fill(s.grads.begin(), s.grads.end(), 7.0f);
+  MoeLayer layer(cfg);
+  MoeStep step;
+  expect_matches_reference(layer, s, step);
+  EXPECT_EQ(layer.stats().tokens_per_expert, (std::vector<int64_t>{5, 0, 0, 0}));
+  std::vector<float> dinp(s.N * cfg.C);
+  layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f);
+  const int64_t block = cfg.F * cfg.C;
+  for (float* gw : {s.g.w1, s.g.w3, s.g.w2}) {
+    int64_t changed = 0;
+    for (int64_t i = 0; i < block; ++i) changed += gw[i] != 7.0f;
+    EXPECT_GT(changed, 0);
+    for (int64_t i = block; i < cfg.E * block; ++i)
+      ASSERT_EQ(gw[i], 7.0f) << "idle expert gradient " << i;
+  }
+}
+
+TEST(MoeLayer, EmptyBatch) {
+  for (int64_t sf : {0, 3}) {
+    LayerData s(make_config({RouterKind::NoisyTopK, 0.5f, sf}), 0, 500);
+    std::fill(s.grads.begin(), s.grads.end(), 3.0f);
+    MoeLayer layer(s.cfg);
+    layer.forward(nullptr, nullptr, 0, s.w, MoeStep{});
+    EXPECT_EQ(layer.aux_loss(), 0.0f);
+    EXPECT_EQ(layer.z_loss(), 0.0f);
+    EXPECT_EQ(layer.stats().assignments, 0);
+    EXPECT_EQ(layer.stats().dropped, 0);
+    EXPECT_EQ(layer.stats().fraction_dropped, 0.0);
+    EXPECT_EQ(layer.stats().tokens_per_expert, std::vector<int64_t>(4, 0));
+    layer.backward(nullptr, nullptr, s.w, s.g, 1.0f);
+    for (float v : s.grads) ASSERT_EQ(v, 3.0f);
+  }
+}
+
+TEST(MoeLayer, TinyCapacityDropsMostAssignments) {
+  for (RouterKind r : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::SigmoidBias}) {
+    Case c{r, 0.25f};
+    LayerData s(make_config(c), 11, 600);
+    MoeLayer layer(s.cfg);
+    expect_matches_reference(layer, s, MoeStep{true, 3, 4, 5});
+    // ceil(11·2/4·0.25) = 2 per expert: at most 8 of 22 assignments survive.
+    EXPECT_EQ(layer.stats().capacity, 2);
+    EXPECT_GE(layer.stats().dropped, 14);
+    int64_t kept = 0;
+    for (int64_t n : layer.stats().tokens_per_expert) {
+      kept += n;
+      EXPECT_LE(n, 2);
+    }
+    EXPECT_EQ(kept + layer.stats().dropped, 22);
+  }
+}
+
+TEST(MoeLayer, NoisyTopKIsReproducibleAndStepDependent) {
+  LayerData s(make_config({RouterKind::NoisyTopK}), 16, 700);
+  MoeLayer layer(s.cfg);
+  std::vector<float> a, b, c;
+  s.loss(layer, MoeStep{true, 1, 10, 3}, &a);
+  s.loss(layer, MoeStep{true, 1, 10, 3}, &b);
+  s.loss(layer, MoeStep{true, 1, 11, 3}, &c);
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+  EXPECT_NE(0, std::memcmp(a.data(), c.data(), a.size() * sizeof(float)));
+}
+
+TEST(MoeLayer, SigmoidBiasPendingLoadAndUpdate) {
+  LayerData s(make_config({RouterKind::SigmoidBias, 0.5f}), 9, 800);
+  MoeLayer layer(s.cfg);
+  std::vector<float> out(s.N * s.cfg.C);
+  layer.forward(out.data(), s.inp.data(), s.N, s.w, MoeStep{true});
+  layer.forward(out.data(), s.inp.data(), s.N, s.w, MoeStep{true});
+  layer.forward(out.data(), s.inp.data(), s.N, s.w, MoeStep{false});  // eval does not count
+  std::vector<int64_t> expect(s.cfg.E, 0);
+  for (int32_t e : layer.routing().selected) expect[e] += 2;
+  std::vector<int64_t> pending(layer.pending_load(), layer.pending_load() + s.cfg.E);
+  EXPECT_EQ(pending, expect);               // counted before dropping
+  const int64_t global[4] = {10, 2, 6, 6};  // mean 6
+  layer.apply_bias_update(global);
+  const float* b = layer.router_bias();
+  EXPECT_FLOAT_EQ(b[0], -1e-3f);
+  EXPECT_FLOAT_EQ(b[1], 1e-3f);
+  EXPECT_EQ(b[2], 0.0f);
+  EXPECT_EQ(b[3], 0.0f);
+  for (int64_t e = 0; e < s.cfg.E; ++e) EXPECT_EQ(layer.pending_load()[e], 0);
+  MoeLayer topk(make_config({RouterKind::TopKSoftmax}));
+  EXPECT_THROW(topk.apply_bias_update(global), Error);
+}
+
+// Bitwise: twice in a row, in a fresh layer, and with 1 vs 2 threads, at sizes where the
+// parallel paths run.
+TEST(MoeLayer, DeterministicAcrossRunsAndThreadCounts) {
+  for (RouterKind r : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::ExpertChoice,
+                       RouterKind::SigmoidBias}) {
+    MoeConfig cfg;
+    cfg.C = 64, cfg.F = 48, cfg.E = 8, cfg.K = 2, cfg.router = r, cfg.shared_F = 32;
+    cfg.capacity_factor = r == RouterKind::ExpertChoice ? 0.0f : 1.1f;
+    const int64_t N = 700;
+    auto run = [&](int threads) {
+      omp_set_num_threads(threads);
+      LayerData s(cfg, N, 900);
+      MoeLayer layer(cfg);
+      std::vector<float> out(N * cfg.C), dinp(N * cfg.C);
+      layer.forward(out.data(), s.inp.data(), N, s.w, MoeStep{true, 5, 6, 7});
+      layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f);
+      std::vector<float> all = out;
+      all.insert(all.end(), dinp.begin(), dinp.end());
+      all.insert(all.end(), s.grads.begin(), s.grads.end());
+      all.push_back(layer.aux_loss());
+      all.push_back(layer.z_loss());
+      return all;
+    };
+    int saved = omp_get_max_threads();
+    auto a = run(2), b = run(2), c = run(1);
+    omp_set_num_threads(saved);
+    ASSERT_EQ(a.size(), c.size());
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+        << router_kind_name(r) << " run to run";
+    EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * sizeof(float)))
+        << router_kind_name(r) << " 1 vs 2 threads";
+  }
+}
+
+TEST(MoeLayer, RejectsBadArguments) {
+  LayerData s(make_config({RouterKind::NoisyTopK, 0.0f, 3}), 4, 1000);
+  MoeLayer layer(s.cfg);
+  std::vector<float> out(s.N * s.cfg.C), dinp(s.N * s.cfg.C);
+  EXPECT_THROW(layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f), Error);  // no forward yet
+  EXPECT_THROW(layer.forward(out.data(), s.inp.data(), -1, s.w, MoeStep{}), Error);
+  MoeWeights no_noise = s.w;
+  no_noise.noise = nullptr;
+  EXPECT_THROW(layer.forward(out.data(), s.inp.data(), s.N, no_noise, MoeStep{}), Error);
+  MoeWeights no_shared = s.w;
+  no_shared.shared_w2 = nullptr;
+  EXPECT_THROW(layer.forward(out.data(), s.inp.data(), s.N, no_shared, MoeStep{}), Error);
+}
+
+}  // namespace
+
+namespace {
+
+// Sizes where the GEMMs run through oneDNN in row blocks (the cases above are small enough to
+// run as plain loops). The gate is not checked here: with 200 tokens some routing decision
+// flips under almost any perturbation of it; the small cases cover its gradient. One thread:
+// the results are the same with two (see the determinism test), and hundreds of short parallel
+// regions crawl when the machine is shared.
+TEST(MoeLayer, OneDnnSizesMatchReferenceAndFiniteDifferences) {
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  for (RouterKind r : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::ExpertChoice,
+                       RouterKind::SigmoidBias}) {
+    MoeConfig cfg;
+    cfg.C = 32, cfg.F = 24, cfg.E = 8, cfg.K = 2, cfg.router = r, cfg.shared_F = 16;
+    cfg.capacity_factor = 1.0f;
+    LayerData s(cfg, 200, 1100);
+    MoeLayer layer(cfg);
+    MoeStep step{true, 9, 8, 7};
+    expect_matches_reference(layer, s, step);
+    s.loss(layer, step);
+    const std::vector<int32_t> expert0 = layer.routing().expert,
+                               selected0 = layer.routing().selected;
+    std::vector<float> dinp(s.N * cfg.C);
+    layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f);
+    auto loss = [&] { return s.loss(layer, step); };
+    auto same = [&] {
+      return layer.routing().expert == expert0 && layer.routing().selected == selected0;
+    };
+    MoeParamSizes sz = moe_param_sizes(cfg);
+    std::string name(router_kind_name(r));
+    check_gradient_routed(s.inp.data(), dinp.data(), s.N * cfg.C, loss, same, name + " dinp", 12);
+    check_gradient_routed(s.w.w1, s.g.w1, sz.w1, loss, same, name + " dw1", 12);
+    check_gradient_routed(s.w.w3, s.g.w3, sz.w3, loss, same, name + " dw3", 12);
+    check_gradient_routed(s.w.w2, s.g.w2, sz.w2, loss, same, name + " dw2", 12);
+    check_gradient_routed(s.w.shared_w1, s.g.shared_w1, sz.shared_w1, loss, same,
+                          name + " dshared_w1", 12);
+    check_gradient_routed(s.w.shared_w2, s.g.shared_w2, sz.shared_w2, loss, same,
+                          name + " dshared_w2", 12);
+  }
+  omp_set_num_threads(saved_threads);
+}
+
+// Every product runs on oneDNN primitives whose row (or reduction) count is bound at execution,
+// so a step with another batch size and another routing builds none.
+TEST(MoeLayer, LaterStepsBuildNoGemmPrimitives) {
+  MoeConfig cfg;
+  cfg.C = 32, cfg.F = 24, cfg.E = 4, cfg.K = 2, cfg.router = RouterKind::NoisyTopK,
+  cfg.shared_F = 16;
+  MoeLayer layer(cfg);
+  int64_t built = -1;
+  for (int64_t N : {300, 301, 517}) {
+    LayerData s(cfg, N, 1200 + N);
+    std::vector<float> out(N * cfg.C), dinp(N * cfg.C);
+    layer.forward(out.data(), s.inp.data(), N, s.w, MoeStep{true, 1, uint64_t(N), 0});
+    layer.backward(dinp.data(), s.R.data(), s.w, s.g, 1.0f);
+    if (built >= 0) {
+      EXPECT_EQ(gemm_primitives_built(), built) << "N=" << N;
+    }
+    built = gemm_primitives_built();
+  }
+}
+
+}  // namespace
