@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# make demo: until the trainer lands, shows the GEMM engine every layer runs on.
+# make demo: prepare the text of Debian's fortunes, train configs/tiny.toml on every core,
+# report the validation loss and print a sample.
 set -euo pipefail
 build=${1:-build}
-"$build/moetrain" version
-"$build/bench/bench_gemm" --benchmark_min_time=0.2
+bin="$build/moetrain"
+data=data/fortunes
+if [ ! -f "$data/train.bin" ] || [ ! -f "$data/val.bin" ]; then
+  "$bin" prepare --input /usr/share/games/fortunes --out "$data"
+fi
+"$bin" train --config configs/tiny.toml ${DEMO_ARGS:-}
+echo
+echo "== sample (temperature 0.8):"
+"$bin" sample --checkpoint runs/tiny --prompt "${DEMO_PROMPT:-The meaning of life is }" --max-tokens 300 --seed 7

@@ -1,0 +1,61 @@
+// `moetrain train` and `moetrain eval`.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <memory>
+
+#include "app/commands.h"
+#include "core/threads.h"
+#include "data/shard.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+namespace moetrain::app {
+
+Run add_train_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("train", "Train a model from a TOML config");
+  struct Args {
+    std::string config;
+    std::vector<std::string> overrides;
+    bool resume = false;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")->required();
+  cmd->add_option("--set", args->overrides, "Override a config key: --set model.dim=256 (repeatable)");
+  cmd->add_flag("--resume", args->resume, "Continue from the run directory's latest complete checkpoint");
+  return [args] {
+    RunConfig cfg = load_run_config(args->config, args->overrides);
+    Trainer trainer(cfg, args->resume);
+    TrainResult r = trainer.run();
+    fmt::print("steps {} | final train loss {:.4f} | validation loss {:.4f} nats/byte | {:.0f} tokens/s | {:.1f} s\n",
+               r.steps_done, r.final_loss, r.val_loss, r.tokens_per_s, r.seconds);
+    fmt::print("checkpoint: {}\n", r.last_checkpoint.string());
+    return 0;
+  };
+}
+
+Run add_eval_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("eval", "Validation loss of a checkpoint");
+  struct Args {
+    std::string checkpoint, data;
+    int64_t batches = 0;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint directory or run directory")->required();
+  cmd->add_option("--data", args->data, "Directory with val.bin (default: the run's data.dir)");
+  cmd->add_option("--batches", args->batches, "Batches to evaluate (default: the run's train.eval_batches)")
+      ->check(CLI::NonNegativeNumber);
+  return [args] {
+    init_threads();
+    LoadedModel m = load_model(args->checkpoint);
+    std::filesystem::path dir = args->data.empty() ? m.config.data.dir : args->data;
+    TokenShard val(dir / "val.bin");
+    int64_t batches = args->batches > 0 ? args->batches : m.config.train.eval_batches;
+    double loss = evaluate(*m.model, m.params.data(), val, m.config.train.batch_size, m.config.train.seq_len, batches);
+    fmt::print("step {} | validation loss {:.4f} nats/token over {} batches of {}x{}\n", m.step, loss, batches,
+               m.config.train.batch_size, m.config.train.seq_len);
+    return 0;
+  };
+}
+
+}  // namespace moetrain::app

@@ -1,0 +1,62 @@
+// One parameter table per model: every tensor is a named view into one contiguous float buffer,
+// laid out from the config. Gradients and optimizer moments mirror it (same offsets), so
+// reduction, sharding and checkpoints are loops over one flat buffer. Names are Hugging Face
+// Mixtral's, so a checkpoint loads in transformers.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+
+namespace moetrain {
+
+struct ParamInfo {
+  std::string name;  // e.g. "model.layers.0.self_attn.q_proj.weight"
+  Shape shape;
+  int64_t offset = 0;  // in floats, into the flat buffer
+  int64_t numel = 0;
+  bool decay = true;   // AdamW weight decay (off for norms)
+  int64_t expert = -1; // global expert id for expert weights, else -1
+};
+
+// Offsets of one block's tensors. An absent tensor has offset -1.
+struct LayerOffsets {
+  int64_t ln1, ln2;                  // (C)
+  int64_t wq, wk, wv, wo;            // (NH·HS, C), (NKV·HS, C), (NKV·HS, C), (C, NH·HS)
+  // MoE blocks
+  int64_t gate = -1, noise = -1;     // (E, C)
+  int64_t w1 = -1, w3 = -1, w2 = -1; // (E, F, C), (E, F, C), (E, C, F)
+  int64_t shared_w1 = -1, shared_w3 = -1, shared_w2 = -1;  // (Fs, C), (Fs, C), (C, Fs)
+  // dense blocks
+  int64_t mlp_w1 = -1, mlp_w3 = -1, mlp_w2 = -1;           // (Fd, C), (Fd, C), (C, Fd)
+};
+
+class ParamLayout {
+ public:
+  explicit ParamLayout(const ModelConfig& cfg);
+
+  int64_t size() const { return size_; }  // floats in the buffer
+  const std::vector<ParamInfo>& params() const { return params_; }
+  const ParamInfo& find(const std::string& name) const;  // throws naming the missing tensor
+  const ParamInfo* find_or_null(const std::string& name) const;
+
+  int64_t embed = 0;     // (V, C)
+  std::vector<LayerOffsets> layers;
+  int64_t final_norm = 0;  // (C)
+  int64_t lm_head = 0;     // (V, C)
+
+ private:
+  int64_t add(std::string name, Shape shape, bool decay, int64_t expert = -1);
+  int64_t add_experts(const std::string& prefix, const char* which, int64_t E, Shape per_expert);
+  std::vector<ParamInfo> params_;
+  int64_t size_ = 0;
+};
+
+// Fills a flat parameter buffer as the config says: normal(0, init_std) for matrices (output
+// projections scaled by 1/sqrt(2L), as GPT-2 does), ones for norms. Counter-based: the same
+// seed gives the same model whatever the thread count.
+void init_params(float* params, const ParamLayout& layout, const ModelConfig& cfg, uint64_t seed);
+
+}  // namespace moetrain

@@ -1,0 +1,226 @@
+#include "model/transformer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/check.h"
+#include "kernels/activation.h"
+#include "kernels/attention.h"
+#include "kernels/embedding.h"
+#include "kernels/gemm.h"
+#include "kernels/norm.h"
+#include "kernels/rope.h"
+#include "kernels/softmax.h"
+
+namespace moetrain {
+
+// What one block keeps for backward. N = B·T tokens.
+struct Transformer::LayerActs {
+  std::vector<float> ln1, rstd1;  // (N, C), (N)
+  std::vector<float> q, k, v;     // (N, NH·HS), (N, NKV·HS), (N, NKV·HS); q and k after RoPE
+  std::vector<float> att, lse;    // (N, NH·HS), (B, NH, T)
+  std::vector<float> xmid;        // (N, C) residual after attention
+  std::vector<float> ln2, rstd2;  // (N, C), (N)
+  std::vector<float> ffn;         // (N, C) MoE or dense output
+  std::vector<float> h1, h3, g;   // dense blocks only: (N, Fd) each
+};
+
+Transformer::Transformer(const ModelConfig& cfg) : cfg_(cfg), layout_(cfg) {
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    if (cfg_.is_dense_layer(l)) {
+      moe_index_.push_back(-1);
+    } else {
+      moe_index_.push_back(static_cast<int64_t>(moe_.size()));
+      moe_.push_back(std::make_unique<MoeLayer>(cfg_.moe()));
+    }
+    acts_.push_back(std::make_unique<LayerActs>());
+  }
+}
+
+Transformer::~Transformer() = default;
+
+std::vector<MoeLayer*> Transformer::moe_layers() {
+  std::vector<MoeLayer*> out;
+  for (auto& m : moe_) out.push_back(m.get());
+  return out;
+}
+
+void Transformer::ensure_capacity(int64_t N) {
+  if (N <= capacity_) return;
+  const int64_t C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();
+  const int64_t QD = cfg_.n_heads * HS, KD = cfg_.n_kv_heads * HS;
+  auto sz = [](int64_t n) { return static_cast<std::size_t>(n); };
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    LayerActs& a = *acts_[l];
+    a.ln1.resize(sz(N * C)), a.rstd1.resize(sz(N));
+    a.q.resize(sz(N * QD)), a.k.resize(sz(N * KD)), a.v.resize(sz(N * KD));
+    a.att.resize(sz(N * QD)), a.lse.resize(sz(N * cfg_.n_heads));
+    a.xmid.resize(sz(N * C)), a.ln2.resize(sz(N * C)), a.rstd2.resize(sz(N)), a.ffn.resize(sz(N * C));
+    if (cfg_.is_dense_layer(l)) {
+      const int64_t Fd = cfg_.dense_ffn_hidden();
+      a.h1.resize(sz(N * Fd)), a.h3.resize(sz(N * Fd)), a.g.resize(sz(N * Fd));
+    }
+  }
+  const int64_t Fd = cfg_.dense_every > 0 ? cfg_.dense_ffn_hidden() : 0;
+  inputs_.resize(sz(N)), targets_.resize(sz(N)), pos_.resize(sz(N));
+  resid_.resize(sz((cfg_.n_layers + 1) * N * C));
+  lnf_.resize(sz(N * C)), rstdf_.resize(sz(N));
+  logits_.resize(sz(N * V)), lse_.resize(sz(N)), losses_.resize(sz(N));
+  dresid_.resize(sz(N * C)), dxmid_.resize(sz(N * C)), dln_.resize(sz(N * C));
+  dq_.resize(sz(N * QD)), dk_.resize(sz(N * KD)), dv_.resize(sz(N * KD)), datt_.resize(sz(N * QD));
+  dh1_.resize(sz(N * Fd)), dh3_.resize(sz(N * Fd)), dg_.resize(sz(N * Fd));
+  dlogits_.resize(sz(N * V));
+  capacity_ = N;
+}
+
+namespace {
+MoeWeights moe_weights(float* base, const LayerOffsets& o) {
+  auto at = [base](int64_t off) { return off < 0 ? nullptr : base + off; };
+  MoeWeights w;
+  w.gate = at(o.gate), w.noise = at(o.noise);
+  w.w1 = at(o.w1), w.w3 = at(o.w3), w.w2 = at(o.w2);
+  w.shared_w1 = at(o.shared_w1), w.shared_w3 = at(o.shared_w3), w.shared_w2 = at(o.shared_w2);
+  return w;
+}
+}  // namespace
+
+LossParts Transformer::forward(const float* params, const int32_t* inputs, const int32_t* targets, int64_t B,
+                               int64_t T, const MoeStep& step) {
+  MOETRAIN_CHECK(B > 0 && T > 0, "forward: batch {} and sequence {} must be positive", B, T);
+  MOETRAIN_CHECK(T <= cfg_.max_seq_len, "forward: sequence length {} exceeds model.max_seq_len = {}", T,
+                 cfg_.max_seq_len);
+  const int64_t N = B * T, C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();
+  const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
+  const float eps = static_cast<float>(cfg_.norm_eps), theta = static_cast<float>(cfg_.rope_theta);
+  ensure_capacity(N);
+  B_ = B, T_ = T, have_targets_ = targets != nullptr;
+  std::memcpy(inputs_.data(), inputs, sizeof(int32_t) * N);
+  if (targets) std::memcpy(targets_.data(), targets, sizeof(int32_t) * N);
+  for (int64_t i = 0; i < N; ++i) pos_[i] = static_cast<int32_t>(i % T);
+  float* P = const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads them
+
+  embedding_forward(resid_.data(), inputs_.data(), params + layout_.embed, N, C, V);
+  LossParts parts;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    const LayerOffsets& o = layout_.layers[l];
+    LayerActs& a = *acts_[l];
+    const float* x = resid_.data() + l * N * C;
+    float* x_out = resid_.data() + (l + 1) * N * C;
+    rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, params + o.ln1, N, C, eps);
+    linear_forward(a.q.data(), a.ln1.data(), params + o.wq, N, C, QD);
+    linear_forward(a.k.data(), a.ln1.data(), params + o.wk, N, C, KD);
+    linear_forward(a.v.data(), a.ln1.data(), params + o.wv, N, C, KD);
+    rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta);
+    rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta);
+    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HS);
+    linear_forward(a.xmid.data(), a.att.data(), params + o.wo, N, QD, C);
+    for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
+    rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), params + o.ln2, N, C, eps);
+    if (moe_index_[l] >= 0) {
+      MoeLayer& moe = *moe_[moe_index_[l]];
+      MoeStep s = step;
+      s.layer = static_cast<uint64_t>(l);
+      moe.forward(a.ffn.data(), a.ln2.data(), N, moe_weights(P, o), s);
+      parts.aux += moe.aux_loss();
+      parts.z += moe.z_loss();
+    } else {
+      const int64_t Fd = cfg_.dense_ffn_hidden();
+      linear_forward(a.h1.data(), a.ln2.data(), params + o.mlp_w1, N, C, Fd);
+      linear_forward(a.h3.data(), a.ln2.data(), params + o.mlp_w3, N, C, Fd);
+      swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd);
+      linear_forward(a.ffn.data(), a.g.data(), params + o.mlp_w2, N, Fd, C);
+    }
+    for (int64_t i = 0; i < N * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
+  }
+  rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + cfg_.n_layers * N * C, params + layout_.final_norm, N,
+                  C, eps);
+  linear_forward(logits_.data(), lnf_.data(), params + layout_.lm_head, N, C, V);
+  const int64_t n_moe = cfg_.n_moe_layers();
+  if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
+  if (!targets) return parts;
+
+  softmax_xent_forward(losses_.data(), lse_.data(), logits_.data(), targets_.data(), N, V);
+  double sum = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (targets_[i] >= 0) sum += losses_[i], ++parts.targets;
+  }
+  parts.ce = parts.targets ? sum / parts.targets : 0.0;
+  parts.total = parts.ce + cfg_.aux_loss_coef * parts.aux + cfg_.z_loss_coef * parts.z;
+  return parts;
+}
+
+void Transformer::backward(const float* params, float* grads, float loss_weight) {
+  MOETRAIN_CHECK(have_targets_, "backward needs a forward with targets first");
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();
+  const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
+  const float theta = static_cast<float>(cfg_.rope_theta);
+  float* P = const_cast<float*>(params);
+
+  int64_t counted = 0;
+  for (int64_t i = 0; i < N; ++i) counted += targets_[i] >= 0;
+  // d(mean CE)/d loss_i = 1 / counted; positions with target −1 get no gradient.
+  std::vector<float> dlosses(static_cast<std::size_t>(N), counted ? loss_weight / static_cast<float>(counted) : 0.f);
+  softmax_xent_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(), targets_.data(), N, V);
+  linear_backward(dln_.data(), grads + layout_.lm_head, dlogits_.data(), lnf_.data(), params + layout_.lm_head, N, C,
+                  V);
+  rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(), resid_.data() + cfg_.n_layers * N * C,
+                   params + layout_.final_norm, rstdf_.data(), N, C);
+
+  // The balancing losses are means over MoE layers: each layer's share of their gradient.
+  const int64_t n_moe = cfg_.n_moe_layers();
+  const float moe_weight = n_moe > 0 ? loss_weight / static_cast<float>(n_moe) : 0.f;
+  for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
+    const LayerOffsets& o = layout_.layers[l];
+    LayerActs& a = *acts_[l];
+    const float* x = resid_.data() + l * N * C;
+    // dresid_ holds ∂L/∂(block output); it flows unchanged into the FFN output and the residual.
+    if (moe_index_[l] >= 0) {
+      moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(), moe_weights(P, o), moe_weights(grads, o), moe_weight);
+    } else {
+      const int64_t Fd = cfg_.dense_ffn_hidden();
+      linear_backward(dg_.data(), grads + o.mlp_w2, dresid_.data(), a.g.data(), params + o.mlp_w2, N, Fd, C);
+      swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
+      linear_backward(dln_.data(), grads + o.mlp_w1, dh1_.data(), a.ln2.data(), params + o.mlp_w1, N, C, Fd);
+      gemm(Trans::N, Trans::N, N, C, Fd, dh3_.data(), params + o.mlp_w3, dln_.data(), true);
+      linear_backward(nullptr, grads + o.mlp_w3, dh3_.data(), a.ln2.data(), params + o.mlp_w3, N, C, Fd);
+    }
+    rmsnorm_backward(dxmid_.data(), grads + o.ln2, dln_.data(), a.xmid.data(), params + o.ln2, a.rstd2.data(), N, C);
+    for (int64_t i = 0; i < N * C; ++i) dxmid_[i] += dresid_[i];
+
+    linear_backward(datt_.data(), grads + o.wo, dxmid_.data(), a.att.data(), params + o.wo, N, QD, C);
+    attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(), a.v.data(),
+                       a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
+    rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
+    rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
+    linear_backward(dln_.data(), grads + o.wq, dq_.data(), a.ln1.data(), params + o.wq, N, C, QD);
+    gemm(Trans::N, Trans::N, N, C, KD, dk_.data(), params + o.wk, dln_.data(), true);
+    gemm(Trans::N, Trans::N, N, C, KD, dv_.data(), params + o.wv, dln_.data(), true);
+    linear_backward(nullptr, grads + o.wk, dk_.data(), a.ln1.data(), params + o.wk, N, C, KD);
+    linear_backward(nullptr, grads + o.wv, dv_.data(), a.ln1.data(), params + o.wv, N, C, KD);
+    rmsnorm_backward(dresid_.data(), grads + o.ln1, dln_.data(), x, params + o.ln1, a.rstd1.data(), N, C);
+    for (int64_t i = 0; i < N * C; ++i) dresid_[i] += dxmid_[i];
+  }
+  embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
+}
+
+double Transformer::flops_per_token(int64_t T) const {
+  // Active parameters per token: everything but the unused experts and the embedding table
+  // (a lookup, not a matmul).
+  const int64_t C = cfg_.dim, HS = cfg_.head_dim();
+  double active = 0;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    active += double(C) * HS * (2 * cfg_.n_heads + 2 * cfg_.n_kv_heads);
+    if (cfg_.is_dense_layer(l)) {
+      active += 3.0 * C * cfg_.dense_ffn_hidden();
+    } else {
+      active += double(C) * cfg_.n_experts + 3.0 * C * cfg_.expert_hidden * cfg_.top_k;
+      active += 3.0 * C * cfg_.shared_expert_hidden;
+    }
+  }
+  active += double(C) * cfg_.vocab_size;
+  // Causal attention: QKᵀ and PV each 2·T/2·HS per head per token forward, ×3 with backward.
+  double attn = cfg_.n_layers * 3.0 * 2.0 * 2.0 * (T / 2.0) * HS * cfg_.n_heads;
+  return 6.0 * active + attn;
+}
+
+}  // namespace moetrain

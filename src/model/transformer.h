@@ -1,0 +1,67 @@
+// The Mixtral-style MoE decoder: token embedding; L blocks of [RMSNorm → causal self-attention
+// with RoPE and grouped-query heads → residual → RMSNorm → MoE (or dense SwiGLU) → residual];
+// final RMSNorm; untied LM head. Parameters live in the caller's flat buffer (see params.h);
+// activations for backward live here, sized for the largest (B, T) seen.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model/config.h"
+#include "model/params.h"
+#include "moe/moe_layer.h"
+
+namespace moetrain {
+
+struct LossParts {
+  double ce = 0;     // mean cross-entropy over counted targets
+  double aux = 0;    // mean over MoE layers of the unweighted aux loss
+  double z = 0;      // mean over MoE layers of the unweighted z-loss
+  double total = 0;  // ce + aux_coef·aux + z_coef·z
+  int64_t targets = 0;  // counted targets (≠ −1)
+};
+
+class Transformer {
+ public:
+  explicit Transformer(const ModelConfig& cfg);
+  ~Transformer();
+
+  const ModelConfig& config() const { return cfg_; }
+  const ParamLayout& layout() const { return layout_; }
+
+  // inputs, targets (B, T) int32; targets may be null (no loss; logits only) and −1 skips a position.
+  LossParts forward(const float* params, const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                    const MoeStep& step);
+  // grads += ∂(loss_weight · total)/∂params for the last forward (which must have had targets).
+  void backward(const float* params, float* grads, float loss_weight);
+
+  const float* logits() const { return logits_.data(); }  // (B·T, V) of the last forward
+  // The MoE layers (one per MoE block, in layer order) — stats, router biases, timings.
+  std::vector<MoeLayer*> moe_layers();
+  int64_t moe_index(int64_t layer) const { return moe_index_[layer]; }  // −1 for dense layers
+
+  // Model FLOPs per token for forward+backward (6·active params + attention), for MFU.
+  double flops_per_token(int64_t T) const;
+
+ private:
+  struct LayerActs;
+  void ensure_capacity(int64_t N);
+
+  ModelConfig cfg_;
+  ParamLayout layout_;
+  std::vector<std::unique_ptr<MoeLayer>> moe_;
+  std::vector<int64_t> moe_index_;
+  std::vector<std::unique_ptr<LayerActs>> acts_;
+  int64_t capacity_ = 0;  // tokens the buffers hold
+  int64_t B_ = 0, T_ = 0;
+  bool have_targets_ = false;
+
+  std::vector<int32_t> inputs_, targets_, pos_;
+  std::vector<float> resid_;            // (L+1, N, C): the residual stream entering each block, then the output
+  std::vector<float> lnf_, rstdf_;      // (N, C), (N)
+  std::vector<float> logits_, lse_, losses_;  // (N, V), (N), (N)
+  // backward scratch
+  std::vector<float> dresid_, dxmid_, dln_, dq_, dk_, dv_, datt_, dh1_, dh3_, dg_, dlogits_;
+};
+
+}  // namespace moetrain

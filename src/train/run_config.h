@@ -1,0 +1,66 @@
+// Everything a training run is told: the model, the data, the optimizer, the loop. Loaded from
+// a TOML file plus `--set key=value` overrides, validated once; an unknown key or a bad value is
+// an error naming the key and what is allowed.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "model/config.h"
+
+namespace moetrain {
+
+struct DataConfig {
+  std::string dir = "data/fortunes";  // holds train.bin and val.bin (written by `moetrain prepare`)
+};
+
+struct OptimSettings {
+  std::string name = "adamw";  // adamw | sgd | adagrad | rmsprop
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 50;
+  std::string schedule = "cosine";  // cosine | linear | constant
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.1;
+  double momentum = 0.9;  // sgd, rmsprop
+  double grad_clip = 1.0;  // 0 = off
+};
+
+struct TrainConfig {
+  int64_t steps = 1000;
+  int64_t batch_size = 16;  // sequences per micro-batch per process
+  int64_t seq_len = 128;
+  int64_t grad_accum = 1;   // micro-batches per optimizer step
+  uint64_t seed = 1234;
+  int64_t eval_every = 200;  // 0 = only at the end
+  int64_t eval_batches = 20;
+  int64_t checkpoint_every = 0;  // 0 = only at the end
+  int64_t keep_checkpoints = 2;
+  int64_t threads = 0;  // 0 = cores / local processes
+  std::string run_dir = "runs/default";
+  std::string progress = "auto";  // auto | bar | lines | off
+};
+
+struct RunConfig {
+  ModelConfig model;
+  DataConfig data;
+  OptimSettings optim;
+  TrainConfig train;
+
+  void validate() const;
+  nlohmann::json to_json() const;
+  // Hash of the settings that must match between a checkpoint and the run resuming it
+  // (the model and the data/optimizer semantics; not the step count or the run directory).
+  std::string config_hash() const;
+};
+
+// Loads `path` (may be empty: defaults only), then applies `overrides` ("model.dim=256").
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The inverse of RunConfig::to_json (as stored in a checkpoint's config.json); validated.
+RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where);
+// Every key this loader knows, "section.key", for help texts.
+std::vector<std::string> run_config_keys();
+
+}  // namespace moetrain

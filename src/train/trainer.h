@@ -1,0 +1,94 @@
+// The step loop: data → forward → backward → clip → optimizer → router-bias update, with
+// evaluation, metrics, progress and checkpoints. `app/` only parses arguments and calls this.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "io/checkpoint.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+#include "train/run_config.h"
+
+namespace moetrain {
+
+class TokenShard;
+
+struct TrainResult {
+  int64_t first_step = 0;   // the step the run started from (> 0 when resumed)
+  int64_t steps_done = 0;   // optimizer steps taken by this run
+  double final_loss = 0;    // training loss of the last step
+  double val_loss = -1;     // last validation loss (−1 when none was computed)
+  double seconds = 0;
+  double tokens_per_s = 0;
+  std::filesystem::path last_checkpoint;
+};
+
+// A model with its parameters, for evaluation, sampling and the forward dump.
+struct LoadedModel {
+  RunConfig config;
+  std::unique_ptr<Transformer> model;
+  std::vector<float> params;
+  std::vector<std::vector<float>> router_biases;  // per MoE layer (sigmoid_bias router)
+  int64_t step = 0;
+};
+
+// Loads a checkpoint directory, or a run directory (its latest complete checkpoint).
+LoadedModel load_model(const std::filesystem::path& dir);
+
+// Validation loss (mean next-token cross-entropy, nats per token) over up to `max_batches`
+// batches of (B, T) windows of the shard.
+double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B, int64_t T,
+                int64_t max_batches);
+
+class Trainer {
+ public:
+  // resume: continue from the run directory's latest complete checkpoint if there is one.
+  Trainer(RunConfig cfg, bool resume);
+  ~Trainer();
+
+  // Trains until train.steps (or until `stop_at` steps, when ≥ 0: the run stops there with a
+  // checkpoint, as if interrupted, and a later --resume continues it).
+  TrainResult run(int64_t stop_at = -1);
+
+  const RunConfig& config() const { return cfg_; }
+  Transformer& model() { return *model_; }
+  std::vector<float>& params() { return params_; }
+  std::vector<float>& grads() { return grads_; }
+  int64_t step() const { return step_; }
+
+  // The checkpoint's contents as views into this trainer's buffers (used to save and to load).
+  CheckpointContents checkpoint_views();
+  std::filesystem::path save_checkpoint();
+
+ private:
+  void load_checkpoint(const std::filesystem::path& dir);
+  double train_step();  // one optimizer step; returns the loss
+  void write_metrics_line(const nlohmann::json& line);
+
+  RunConfig cfg_;
+  std::unique_ptr<Transformer> model_;
+  std::vector<float> params_, grads_;
+  std::vector<ParamRange> groups_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<LrSchedule> schedule_;
+  std::unique_ptr<TokenShard> train_shard_, val_shard_;
+  int64_t step_ = 0;  // optimizer steps applied so far
+  std::vector<int32_t> inputs_, targets_;
+  // last step's figures, for metrics
+  LossParts last_parts_;
+  double last_grad_norm_ = 0, last_lr_ = 0;
+  nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
+};
+
+// Parameter groups of a layout for the optimizer: every tensor with its decay flag, and the
+// alignment gaps between tensors as no-decay filler, so the groups tile the whole buffer.
+std::vector<ParamRange> param_groups(const ParamLayout& layout);
+
+}  // namespace moetrain

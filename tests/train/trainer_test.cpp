@@ -1,0 +1,232 @@
+// The trainer end to end on real files: bit-exact resume, checkpoints that survive corruption,
+// configs that reject bad input.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "data/shard.h"
+#include "data/tokenizer.h"
+#include "io/checkpoint.h"
+#include "support/temp_dir.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A small corpus: real English from the fortunes package when present, else a fixed text.
+void write_corpus(const fs::path& dir) {
+  std::string text;
+  std::ifstream in("/usr/share/games/fortunes/fortunes", std::ios::binary);
+  if (in) text.assign(std::istreambuf_iterator<char>(in), {});
+  if (text.size() < 20000) {
+    text.clear();
+    for (int i = 0; i < 800; ++i) text += "The quick brown fox jumps over the lazy dog " + std::to_string(i) + ".\n";
+  }
+  text.resize(std::min<size_t>(text.size(), 60000));
+  auto tokens = byte_encode(text);
+  size_t val = tokens.size() / 10;
+  fs::create_directories(dir);
+  write_token_shard(dir / "train.bin", tokens.data(), tokens.size() - val, kByteVocab);
+  write_token_shard(dir / "val.bin", tokens.data() + tokens.size() - val, val, kByteVocab);
+}
+
+RunConfig small_run(const TempDir& tmp, const std::string& router = "topk_softmax") {
+  write_corpus(tmp / "data");
+  return load_run_config("", {"model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                              "model.expert_hidden=32", "model.n_experts=4", "model.top_k=2",
+                              "model.router=" + router, "model.max_seq_len=32", "train.batch_size=4",
+                              "train.seq_len=32", "train.steps=8", "train.grad_accum=2", "train.eval_every=3",
+                              "train.eval_batches=2", "train.checkpoint_every=0", "train.progress=off",
+                              "optim.warmup_steps=2", "data.dir=" + (tmp / "data").string(),
+                              "train.run_dir=" + (tmp / "run").string()});
+}
+
+// Per-step training losses from metrics.jsonl, as the exact doubles written.
+std::vector<double> step_losses(const fs::path& run_dir) {
+  std::vector<double> out;
+  std::ifstream in(run_dir / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+void expect_bitwise_resume(const std::string& router) {
+  TempDir straight_dir("straight"), resumed_dir("resumed");
+  RunConfig a = small_run(straight_dir, router);
+  std::vector<float> straight_params;
+  {
+    Trainer t(a, false);
+    t.run();
+    straight_params = t.params();
+  }
+  RunConfig b = small_run(resumed_dir, router);
+  {
+    Trainer t(b, false);
+    t.run(4);  // stop half way, as if interrupted
+  }
+  std::vector<float> resumed_params;
+  {
+    Trainer t(b, true);
+    EXPECT_EQ(t.step(), 4);
+    t.run();
+    resumed_params = t.params();
+  }
+  auto la = step_losses(a.train.run_dir), lb = step_losses(b.train.run_dir);
+  ASSERT_EQ(la.size(), 8u);
+  ASSERT_EQ(lb.size(), 8u);
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << router << " step " << i + 1;
+  ASSERT_EQ(straight_params.size(), resumed_params.size());
+  EXPECT_EQ(0, std::memcmp(straight_params.data(), resumed_params.data(), straight_params.size() * sizeof(float)))
+      << router << ": parameters differ after resume";
+  EXPECT_LT(la.back(), la.front());
+}
+
+}  // namespace
+
+TEST(Trainer, ResumeIsBitExact) { expect_bitwise_resume("topk_softmax"); }
+
+TEST(Trainer, ResumeIsBitExactWithRouterBiasState) { expect_bitwise_resume("sigmoid_bias"); }
+
+TEST(Trainer, CorruptLatestCheckpointFallsBackToThePreviousOne) {
+  TempDir tmp("ckpt");
+  RunConfig cfg = small_run(tmp);
+  cfg.train.checkpoint_every = 2;
+  cfg.train.keep_checkpoints = 3;
+  {
+    Trainer t(cfg, false);
+    t.run(6);
+  }
+  fs::path run = cfg.train.run_dir;
+  auto latest = find_latest_checkpoint(run);
+  ASSERT_TRUE(latest);
+  EXPECT_EQ(latest->filename(), "step_00000006");
+  // Flip one byte in the middle of the parameters.
+  {
+    fs::path p = *latest / "model.safetensors";
+    std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(p) / 2));
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(p) / 2));
+    c ^= 0x40;
+    f.write(&c, 1);
+  }
+  try {
+    verify_checkpoint(*latest);
+    FAIL() << "corrupt checkpoint verified";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CRC"), std::string::npos) << e.what();
+  }
+  auto fallback = find_latest_checkpoint(run);
+  ASSERT_TRUE(fallback);
+  EXPECT_EQ(fallback->filename(), "step_00000004");
+  // Truncate the optimizer state of step 4 as well: step 2 is next.
+  fs::resize_file(*fallback / "optimizer.safetensors", 100);
+  EXPECT_THROW(verify_checkpoint(*fallback), Error);
+  auto second = find_latest_checkpoint(run);
+  ASSERT_TRUE(second);
+  EXPECT_EQ(second->filename(), "step_00000002");
+  Trainer resumed(cfg, true);
+  EXPECT_EQ(resumed.step(), 2);
+  // An uncommitted checkpoint (no manifest) is never used.
+  fs::remove(*second / "manifest.json");
+  EXPECT_FALSE(find_latest_checkpoint(run));
+}
+
+TEST(Trainer, ResumeWithADifferentConfigIsRefused) {
+  TempDir tmp("hash");
+  RunConfig cfg = small_run(tmp);
+  {
+    Trainer t(cfg, false);
+    t.run(2);
+  }
+  cfg.optim.lr *= 2;
+  try {
+    Trainer t(cfg, true);
+    FAIL() << "resumed with a different configuration";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("different configuration"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Trainer, LoadModelMatchesTrainerAndWritesMixtralConfig) {
+  TempDir tmp("load");
+  RunConfig cfg = small_run(tmp);
+  std::vector<float> params;
+  {
+    Trainer t(cfg, false);
+    t.run(3);
+    params = t.params();
+  }
+  LoadedModel m = load_model(cfg.train.run_dir);
+  EXPECT_EQ(m.step, 3);
+  ASSERT_EQ(m.params.size(), params.size());
+  EXPECT_EQ(0, std::memcmp(m.params.data(), params.data(), params.size() * sizeof(float)));
+  auto j = read_checkpoint_json(*find_latest_checkpoint(cfg.train.run_dir), "config.json");
+  EXPECT_EQ(j["model_type"], "mixtral");
+  EXPECT_EQ(j["num_local_experts"], 4);
+  EXPECT_EQ(j["num_experts_per_tok"], 2);
+  EXPECT_EQ(j["hidden_size"], 32);
+}
+
+TEST(Trainer, MissingDataIsAClearError) {
+  TempDir tmp("nodata");
+  RunConfig cfg = small_run(tmp);
+  cfg.data.dir = (tmp / "nowhere").string();
+  try {
+    Trainer t(cfg, false);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("moetrain prepare"), std::string::npos) << e.what();
+  }
+}
+
+TEST(RunConfig, UnknownKeysAndBadValuesNameTheKey) {
+  TempDir tmp("cfg");
+  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      FAIL() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  fs::path bad_key = tmp.write("a.toml", "[model]\ndimm = 3\n");
+  expect_error([&] { load_run_config(bad_key.string()); }, "model.dimm");
+  fs::path bad_type = tmp.write("b.toml", "[model]\ndim = \"big\"\n");
+  expect_error([&] { load_run_config(bad_type.string()); }, "must be an integer");
+  fs::path bad_section = tmp.write("c.toml", "[modle]\ndim = 3\n");
+  expect_error([&] { load_run_config(bad_section.string()); }, "modle");
+  fs::path syntax = tmp.write("d.toml", "[model\n");
+  expect_error([&] { load_run_config(syntax.string()); }, "d.toml:1");
+  expect_error([&] { load_run_config("", {"optim.name=adam"}); }, "adamw, sgd, adagrad, rmsprop");
+  expect_error([&] { load_run_config("", {"train.steps=ten"}); }, "train.steps=ten");
+  expect_error([&] { load_run_config("", {"model.router=switch"}); }, "switch");
+  expect_error([&] { load_run_config("/no/such/file.toml"); }, "/no/such/file.toml");
+  RunConfig ok = load_run_config("", {"model.dim=64", "optim.lr=0.01", "model.renormalize=false"});
+  EXPECT_EQ(ok.model.dim, 64);
+  EXPECT_DOUBLE_EQ(ok.optim.lr, 0.01);
+  EXPECT_FALSE(ok.model.renormalize);
+  RunConfig round = run_config_from_json(ok.to_json(), "test");
+  EXPECT_EQ(round.to_json(), ok.to_json());
+  EXPECT_EQ(round.config_hash(), ok.config_hash());
+}
+
+TEST(RunConfig, ShippedConfigsLoad) {
+  for (const char* name : {"tiny.toml"}) {
+    RunConfig c = load_run_config(std::string(MOETRAIN_SOURCE_DIR) + "/configs/" + name);
+    EXPECT_GT(c.model.n_experts, 1) << name;
+  }
+}
