@@ -1,0 +1,93 @@
+// The command line as a user meets it: real processes of the built binary, exit codes and
+// messages.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include "support/temp_dir.h"
+
+namespace {
+
+struct Result {
+  int code;
+  std::string output;  // stdout and stderr together
+};
+
+Result run(const std::string& args) {
+  std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  EXPECT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+}  // namespace
+
+TEST(Cli, HelpAndVersion) {
+  Result help = run("--help");
+  EXPECT_EQ(help.code, 0);
+  for (const char* sub : {"train", "prepare", "eval", "sample", "forward", "version"})
+    EXPECT_NE(help.output.find(sub), std::string::npos) << sub << " missing from --help";
+  Result version = run("version");
+  EXPECT_EQ(version.code, 0);
+  EXPECT_NE(version.output.find("oneDNN"), std::string::npos) << version.output;
+  EXPECT_NE(version.output.find("threads:"), std::string::npos) << version.output;
+}
+
+TEST(Cli, UnknownSubcommandAndFlagExitWithTwo) {
+  Result sub = run("trian");
+  EXPECT_EQ(sub.code, 2);
+  EXPECT_NE(sub.output.find("unknown subcommand 'trian'"), std::string::npos) << sub.output;
+  Result flag = run("version --fast");
+  EXPECT_EQ(flag.code, 2);
+  EXPECT_NE(flag.output.find("--fast"), std::string::npos) << flag.output;
+  Result missing = run("train");
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.output.find("--config"), std::string::npos) << missing.output;
+}
+
+TEST(Cli, BadConfigIsAClearErrorNotACrash) {
+  moetrain::testing::TempDir tmp("cli");
+  auto cfg = tmp.write("bad.toml", "[model]\nn_experts = 0\n");
+  Result r = run("train --config " + cfg.string());
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.output.find("model.n_experts = 0"), std::string::npos) << r.output;
+  Result key = run("train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml --set model.dimm=3");
+  EXPECT_EQ(key.code, 1);
+  EXPECT_NE(key.output.find("model.dimm"), std::string::npos) << key.output;
+  Result ckpt = run("sample --checkpoint " + (tmp / "nothing").string() + " --prompt hi");
+  EXPECT_EQ(ckpt.code, 1);
+  EXPECT_NE(ckpt.output.find("nothing"), std::string::npos) << ckpt.output;
+}
+
+TEST(Cli, PrepareTrainSampleForwardEndToEnd) {
+  moetrain::testing::TempDir tmp("e2e");
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "All that glitters is not gold; all who wander are not lost. " + std::to_string(i) + "\n";
+  auto corpus = tmp.write("corpus.txt", text);
+  ASSERT_EQ(run("prepare --input " + corpus.string() + " --out " + (tmp / "data").string()).code, 0);
+  std::string sets = " --set model.dim=32 --set model.n_layers=1 --set model.n_heads=2 --set model.n_kv_heads=1"
+                     " --set model.expert_hidden=16 --set model.n_experts=4 --set train.steps=6"
+                     " --set train.batch_size=2 --set train.seq_len=32 --set train.eval_every=0"
+                     " --set train.eval_batches=2 --set train.progress=lines --set data.dir=" +
+                     (tmp / "data").string() + " --set train.run_dir=" + (tmp / "run").string();
+  Result train = run("train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml" + sets);
+  ASSERT_EQ(train.code, 0) << train.output;
+  EXPECT_NE(train.output.find("validation loss"), std::string::npos) << train.output;
+  Result sample = run("sample --checkpoint " + (tmp / "run").string() + " --prompt All --max-tokens 20");
+  EXPECT_EQ(sample.code, 0) << sample.output;
+  Result fwd = run("forward --checkpoint " + (tmp / "run").string() + " --input 'All that' --backward --out " +
+                   (tmp / "f.safetensors").string());
+  EXPECT_EQ(fwd.code, 0) << fwd.output;
+  EXPECT_TRUE(std::filesystem::exists(tmp / "f.safetensors"));
+  Result bad = run("forward --checkpoint " + (tmp / "run").string() + " --tokens 1,2,999 --out " +
+                   (tmp / "g.safetensors").string());
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.output.find("999"), std::string::npos) << bad.output;
+}
