@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Installs every dependency moetrain needs on Debian 12. Idempotent: a second run
-# installs nothing and finishes in about a second.
+# Installs every dependency moetrain needs on Debian 12. Idempotent: a second run installs
+# nothing and finishes in about a second.
+#
+# Two parts: Debian packages (apt), then a project-local virtualenv (.venv) holding a pinned
+# Hugging Face transformers for the interop test (tests/interop). The venv sees Debian's
+# python3-torch through --system-site-packages, so torch itself is never downloaded by pip.
+# Every venv python call runs with -s: a user's ~/.local packages (a numpy 2, say, which Debian's
+# torch 1.13 was not built for) must not shadow Debian's.
 set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 packages=(
   build-essential cmake pkg-config
@@ -18,7 +26,15 @@ packages=(
   libbenchmark-dev                  # benchmarks
   fortunes fortunes-min             # English text corpus for the demo
   dataset-fashion-mnist             # image data for the classifier
+  python3 python3-venv python3-pip  # the interop test's virtualenv
+  python3-torch                     # PyTorch 1.13 (Debian 12): the interop test's reference
 )
+
+# transformers' last releases that still support torch 1.13 are 4.4x; these pins are the set
+# the interop test was checked with. tokenizers and huggingface-hub are pinned so that pip never
+# resolves to a release needing a newer Python or torch.
+venv="$root/.venv"
+python_pins=(transformers==4.40.2 tokenizers==0.19.1 huggingface-hub==0.23.4 safetensors==0.4.3)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -26,17 +42,48 @@ for p in "${packages[@]}"; do
 done
 
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "setup: all ${#packages[@]} packages present"
-  exit 0
+  echo "setup: all ${#packages[@]} Debian packages present"
+else
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "setup: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+    SUDO=sudo
+  fi
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-  command -v sudo >/dev/null || { echo "setup: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
-  SUDO=sudo
+# The pins, checked by installed metadata: nothing to do when every one is already there.
+pins_present() {
+  [ -x "$venv/bin/python" ] || return 1
+  "$venv/bin/python" -s - "${python_pins[@]}" <<'EOF' 2>/dev/null
+import sys
+from importlib.metadata import version, PackageNotFoundError
+for pin in sys.argv[1:]:
+    name, want = pin.split("==")
+    try:
+        if version(name) != want:
+            sys.exit(1)
+    except PackageNotFoundError:
+        sys.exit(1)
+EOF
+}
+
+if pins_present; then
+  echo "setup: $venv has ${python_pins[*]}"
+else
+  # Always Debian's interpreter: torch comes from its dist-packages, whatever python3 is on PATH.
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "setup: creating $venv"
+    /usr/bin/python3 -m venv --system-site-packages "$venv"
+  fi
+  echo "setup: pip installing ${python_pins[*]} into $venv"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$venv/bin/python" -s -m pip install -q --no-input --prefer-binary \
+    "${python_pins[@]}"
+  pins_present || { echo "setup: $venv still lacks one of ${python_pins[*]}" >&2; exit 1; }
+  "$venv/bin/python" -s -c 'import torch, transformers, safetensors' ||
+    { echo "setup: torch / transformers / safetensors do not import in $venv" >&2; exit 1; }
 fi
-echo "setup: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 echo "setup: done"

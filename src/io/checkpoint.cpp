@@ -34,6 +34,9 @@ uint32_t crc32_of(const uint8_t* data, std::size_t n) {
 void write_tensors(const fs::path& path, const std::vector<NamedTensor>& tensors) {
   SafetensorsWriter w;
   for (const auto& t : tensors) w.add(t.name, SafetensorsDType::F32, t.shape, t.data);
+  // transformers' from_pretrained refuses a safetensors file whose metadata does not name the
+  // framework whose layout the tensors follow; ours are PyTorch's (row-major, (out, in) weights).
+  w.set_metadata("format", "pt");
   w.write(path);
 }
 

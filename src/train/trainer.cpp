@@ -194,6 +194,14 @@ CheckpointContents Trainer::checkpoint_views() {
   }
   c.state = bias_views(*model_);
   nlohmann::json hf = cfg_.model.to_hf_json();
+  if (std::string why; !cfg_.model.hf_mixtral_compatible(&why)) {
+    // Claiming Mixtral would let transformers load this model and compute something else (drop
+    // the shared expert or dense layers with a mere warning, route differently): name our own
+    // architecture and type so that AutoModel refuses it, and say why in the file itself.
+    hf["architectures"] = {"MoetrainForCausalLM"};
+    hf["model_type"] = "moetrain";
+    hf["moetrain_note"] = fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
+  }
   hf["moetrain"] = cfg_.to_json();
   c.config = hf;
   c.trainer = {{"step", step_},

@@ -12,6 +12,7 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "io/checkpoint.h"
+#include "io/safetensors.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -176,9 +177,30 @@ TEST(Trainer, LoadModelMatchesTrainerAndWritesMixtralConfig) {
   EXPECT_EQ(0, std::memcmp(m.params.data(), params.data(), params.size() * sizeof(float)));
   auto j = read_checkpoint_json(*find_latest_checkpoint(cfg.train.run_dir), "config.json");
   EXPECT_EQ(j["model_type"], "mixtral");
+  EXPECT_EQ(j["architectures"], nlohmann::json::array({"MixtralForCausalLM"}));
+  EXPECT_FALSE(j.contains("moetrain_note"));
   EXPECT_EQ(j["num_local_experts"], 4);
   EXPECT_EQ(j["num_experts_per_tok"], 2);
   EXPECT_EQ(j["hidden_size"], 32);
+  // transformers refuses a safetensors file that does not name its framework.
+  SafetensorsReader r(*find_latest_checkpoint(cfg.train.run_dir) / "model.safetensors");
+  EXPECT_EQ(r.metadata().at("format"), "pt");
+}
+
+TEST(Trainer, MoetrainOnlyModelDoesNotClaimMixtral) {
+  TempDir tmp("shared");
+  RunConfig cfg = small_run(tmp);
+  cfg.model.shared_expert_hidden = 16;
+  {
+    Trainer t(cfg, false);
+    t.run(1);
+  }
+  auto j = read_checkpoint_json(*find_latest_checkpoint(cfg.train.run_dir), "config.json");
+  EXPECT_EQ(j["architectures"], nlohmann::json::array({"MoetrainForCausalLM"}));
+  EXPECT_EQ(j["model_type"], "moetrain");
+  EXPECT_NE(j.value("moetrain_note", "").find("shared experts"), std::string::npos) << j.dump(2);
+  LoadedModel m = load_model(cfg.train.run_dir);  // still ours to load
+  EXPECT_EQ(m.config.model.shared_expert_hidden, 16);
 }
 
 TEST(Trainer, MissingDataIsAClearError) {
