@@ -2,7 +2,10 @@
 # Installs every dependency moetrain needs on Debian 12. Idempotent: a second run installs
 # nothing and finishes in about a second.
 #
-# Two parts: Debian packages (apt), then a project-local virtualenv (.venv) holding a pinned
+#   scripts/setup.sh           what building, training and benchmarking need (make demo, make bench)
+#   scripts/setup.sh --tests   also what the tests need (make test): the interop test's Python side
+#
+# Two parts: Debian packages (apt), then (--tests) a project-local virtualenv (.venv) holding a pinned
 # Hugging Face transformers for the interop test (tests/interop). The venv sees Debian's
 # python3-torch through --system-site-packages, so torch itself is never downloaded by pip.
 # Every venv python call runs with -s: a user's ~/.local packages (a numpy 2, say, which Debian's
@@ -26,9 +29,19 @@ packages=(
   libbenchmark-dev                  # benchmarks
   fortunes fortunes-min             # English text corpus for the demo
   dataset-fashion-mnist             # image data for the classifier
+)
+test_packages=(
   python3 python3-venv python3-pip  # the interop test's virtualenv
   python3-torch                     # PyTorch 1.13 (Debian 12): the interop test's reference
 )
+with_tests=0
+for arg in "$@"; do
+  case "$arg" in
+    --tests) with_tests=1 ;;
+    *) echo "setup: unknown option '$arg' (known: --tests)" >&2; exit 2 ;;
+  esac
+done
+[ "$with_tests" = 1 ] && packages+=("${test_packages[@]}")
 
 # transformers' last releases that still support torch 1.13 are 4.4x; these pins are the set
 # the interop test was checked with. tokenizers and huggingface-hub are pinned so that pip never
@@ -70,6 +83,11 @@ for pin in sys.argv[1:]:
         sys.exit(1)
 EOF
 }
+
+if [ "$with_tests" = 0 ]; then
+  echo "setup: done"
+  exit 0
+fi
 
 if pins_present; then
   echo "setup: $venv has ${python_pins[*]}"
