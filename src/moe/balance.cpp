@@ -1,6 +1,5 @@
 #include "moe/balance.h"
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -9,9 +8,9 @@
 namespace moetrain {
 
 namespace {
-// Sums over tokens run in fixed blocks whose partials are added in block order, so the value
-// does not depend on the thread count.
-constexpr int64_t kBlock = 256;
+// The loss sums are a few hundred thousand adds: one thread in token order is fast, fixed in
+// order, and never waits for a second thread on a busy machine.
+constexpr int64_t kParallelExp = 1 << 20;
 }  // namespace
 
 double aux_loss_forward(float* f, const float* probs, const int32_t* selected, int64_t N, int64_t E,
@@ -22,23 +21,15 @@ double aux_loss_forward(float* f, const float* probs, const int32_t* selected, i
   for (int64_t i = 0; i < N * S; ++i) {
     if (selected[i] >= 0) ++count[selected[i]];
   }
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  std::vector<double> partial(blocks * E, 0.0);
-#pragma omp parallel for schedule(static) if (blocks > 1)
-  for (int64_t b = 0; b < blocks; ++b) {
-    double* acc = partial.data() + b * E;
-    for (int64_t t = b * kBlock; t < std::min(N, (b + 1) * kBlock); ++t) {
-      for (int64_t e = 0; e < E; ++e) acc[e] += probs[t * E + e];
-    }
+  std::vector<double> P(E, 0.0);
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t e = 0; e < E; ++e) P[e] += probs[t * E + e];
   }
   double loss = 0.0;
   for (int64_t e = 0; e < E; ++e) {
-    double P = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) P += partial[b * E + e];
-    P /= static_cast<double>(N);
     double fe = static_cast<double>(count[e]) / static_cast<double>(N * K);
     f[e] = static_cast<float>(fe);
-    loss += fe * P;
+    loss += fe * P[e] / static_cast<double>(N);
   }
   return static_cast<double>(E) * loss;
 }
@@ -47,7 +38,6 @@ void aux_loss_backward(float* dprobs, const float* f, int64_t N, int64_t E, floa
   std::vector<float> g(E);
   for (int64_t e = 0; e < E; ++e)
     g[e] = scale * static_cast<float>(E) * f[e] / static_cast<float>(N);
-#pragma omp parallel for schedule(static) if (N * E > 65536)
   for (int64_t t = 0; t < N; ++t) {
     for (int64_t e = 0; e < E; ++e) dprobs[t * E + e] = g[e];
   }
@@ -62,7 +52,7 @@ double z_loss_forward(const float* lse, int64_t N) {
 void z_loss_backward(float* dlogits, const float* logits, const float* lse, int64_t N, int64_t E,
                      float scale) {
   const float c = 2.0f * scale / static_cast<float>(N);
-#pragma omp parallel for schedule(static) if (N * E > 65536)
+#pragma omp parallel for schedule(static) if (N * E > kParallelExp)
   for (int64_t t = 0; t < N; ++t) {
     const float* l = logits + t * E;
     float* d = dlogits + t * E;

@@ -6,8 +6,6 @@
 
 namespace moetrain {
 
-namespace {}  // namespace
-
 ExpertRange expert_range(const MoeWeights& w, const MoeConfig& cfg, int64_t first, int64_t count) {
   MOETRAIN_CHECK(first >= 0 && count >= 0 && first + count <= cfg.E,
                  "expert_range: experts [{}, {}) are outside [0, E={})", first, first + count,
