@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "support/temp_dir.h"
+#include "support/expect_error.h"
 
 using namespace moetrain;
 using moetrain::testing::read_file_bytes;
@@ -47,16 +48,11 @@ std::string pixels(std::size_t n, uint32_t seed) {
   return s;
 }
 
+
+// The message names the problem and the file.
 template <typename Fn>
 void expect_error_with(Fn&& fn, std::string_view needle, std::string_view file) {
-  try {
-    fn();
-    ADD_FAILURE() << file << ": no error; expected one containing '" << needle << "'";
-  } catch (const Error& e) {
-    std::string msg = e.what();
-    EXPECT_NE(msg.find(needle), std::string::npos) << "message: " << msg;
-    EXPECT_NE(msg.find(file), std::string::npos) << "message does not name " << file << ": " << msg;
-  }
+  moetrain::testing::expect_error(fn, {std::string(needle), std::string(file)});
 }
 
 }  // namespace

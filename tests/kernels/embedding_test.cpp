@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "kernels/embedding.h"
 #include "support/gradcheck.h"
+#include "support/expect_error.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -27,16 +28,6 @@ std::vector<int32_t> make_ids(int64_t N, int64_t V, uint64_t seed) {
   return ids;
 }
 
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "no moetrain::Error thrown";
-  } catch (const moetrain::Error& e) {
-    const std::string msg = e.what();
-    for (const auto& s : needles)
-      EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
-  }
-}
 }  // namespace
 
 class EmbeddingTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t>> {};

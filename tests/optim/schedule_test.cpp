@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "optim/schedule.h"
+#include "support/expect_error.h"
 
 using namespace moetrain;
 
@@ -24,13 +25,7 @@ ScheduleConfig make(ScheduleKind kind, double lr, double min_lr, int64_t warmup,
 }
 
 void expect_error_mentions(const ScheduleConfig& c, const std::string& needle) {
-  try {
-    LrSchedule s(c);
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what() << "' does not mention '" << needle << "'";
-  }
+  moetrain::testing::expect_error([&] { LrSchedule s(c); }, needle.c_str());
 }
 
 }  // namespace

@@ -1,0 +1,31 @@
+// Test support: expect a moetrain::Error whose message names every given piece.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/check.h"
+
+namespace moetrain::testing {
+
+inline void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no moetrain::Error thrown; expected one mentioning '" << (needles.empty() ? "" : needles[0])
+                  << "'";
+  } catch (const moetrain::Error& e) {
+    const std::string msg = e.what();
+    for (const auto& s : needles) EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
+  }
+}
+
+// One needle. (A const char* rather than a string: a braced pair of literals must not be taken
+// for a string's iterator range.)
+inline void expect_error(const std::function<void()>& fn, const char* needle) {
+  expect_error(fn, std::vector<std::string>{needle});
+}
+
+}  // namespace moetrain::testing
