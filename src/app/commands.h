@@ -15,5 +15,6 @@ Run add_train_command(CLI::App& app);
 Run add_eval_command(CLI::App& app);
 Run add_sample_command(CLI::App& app);
 Run add_forward_command(CLI::App& app);
+Run add_classify_command(CLI::App& app);
 
 }  // namespace moetrain::app

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   add(moetrain::app::add_eval_command(app));
   add(moetrain::app::add_sample_command(app));
   add(moetrain::app::add_forward_command(app));
+  add(moetrain::app::add_classify_command(app));
 
   try {
     app.parse(argc, argv);

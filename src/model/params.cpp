@@ -7,7 +7,7 @@
 
 namespace moetrain {
 
-int64_t ParamLayout::add(std::string name, Shape shape, bool decay, int64_t expert) {
+int64_t ParamTable::add(std::string name, Shape shape, bool decay, int64_t expert) {
   // 16-float (64-byte) alignment for every tensor: GEMM operands start on a cache line.
   size_ = (size_ + 15) / 16 * 16;
   ParamInfo p{std::move(name), shape, size_, shape_numel(shape), decay, expert};
@@ -18,7 +18,7 @@ int64_t ParamLayout::add(std::string name, Shape shape, bool decay, int64_t expe
 
 // Experts are one (E, ...) block so the grouped GEMM strides over them; each expert is still
 // listed under its own Hugging Face name as a view into that block.
-int64_t ParamLayout::add_experts(const std::string& prefix, const char* which, int64_t E, Shape per_expert) {
+int64_t ParamTable::add_experts(const std::string& prefix, const char* which, int64_t E, Shape per_expert) {
   size_ = (size_ + 15) / 16 * 16;
   int64_t base = size_;
   int64_t each = shape_numel(per_expert);
@@ -29,6 +29,8 @@ int64_t ParamLayout::add_experts(const std::string& prefix, const char* which, i
   size_ = base + E * each;
   return base;
 }
+
+void ParamTable::finish() { size_ = (size_ + 15) / 16 * 16; }
 
 ParamLayout::ParamLayout(const ModelConfig& cfg) {
   cfg.validate();
@@ -68,16 +70,16 @@ ParamLayout::ParamLayout(const ModelConfig& cfg) {
   }
   final_norm = add("model.norm.weight", {C}, false);
   lm_head = add("lm_head.weight", {V, C}, true);
-  size_ = (size_ + 15) / 16 * 16;
+  finish();
 }
 
-const ParamInfo* ParamLayout::find_or_null(const std::string& name) const {
+const ParamInfo* ParamTable::find_or_null(const std::string& name) const {
   for (const auto& p : params_)
     if (p.name == name) return &p;
   return nullptr;
 }
 
-const ParamInfo& ParamLayout::find(const std::string& name) const {
+const ParamInfo& ParamTable::find(const std::string& name) const {
   const ParamInfo* p = find_or_null(name);
   MOETRAIN_CHECK(p != nullptr, "no parameter named '{}' in this model", name);
   return *p;

@@ -33,25 +33,37 @@ struct LayerOffsets {
   int64_t mlp_w1 = -1, mlp_w3 = -1, mlp_w2 = -1;           // (Fd, C), (Fd, C), (C, Fd)
 };
 
-class ParamLayout {
+// A table of named tensors laid out one after another in a flat buffer, each on a 64-byte
+// boundary. Models build theirs from their config (ParamLayout, ClassifierLayout).
+class ParamTable {
  public:
-  explicit ParamLayout(const ModelConfig& cfg);
-
   int64_t size() const { return size_; }  // floats in the buffer
   const std::vector<ParamInfo>& params() const { return params_; }
   const ParamInfo& find(const std::string& name) const;  // throws naming the missing tensor
   const ParamInfo* find_or_null(const std::string& name) const;
 
+ protected:
+  // Appends a tensor and returns its offset.
+  int64_t add(std::string name, Shape shape, bool decay, int64_t expert = -1);
+  // E experts' `which` matrices as one (E, per_expert...) block, each listed under
+  // "{prefix}.experts.{j}.{which}.weight"; returns the block's offset.
+  int64_t add_experts(const std::string& prefix, const char* which, int64_t E, Shape per_expert);
+  // Pads the buffer to the alignment, after the last tensor.
+  void finish();
+
+ private:
+  std::vector<ParamInfo> params_;
+  int64_t size_ = 0;
+};
+
+class ParamLayout : public ParamTable {
+ public:
+  explicit ParamLayout(const ModelConfig& cfg);
+
   int64_t embed = 0;     // (V, C)
   std::vector<LayerOffsets> layers;
   int64_t final_norm = 0;  // (C)
   int64_t lm_head = 0;     // (V, C)
-
- private:
-  int64_t add(std::string name, Shape shape, bool decay, int64_t expert = -1);
-  int64_t add_experts(const std::string& prefix, const char* which, int64_t E, Shape per_expert);
-  std::vector<ParamInfo> params_;
-  int64_t size_ = 0;
 };
 
 // Fills a flat parameter buffer as the config says: normal(0, init_std) for matrices (output

@@ -9,6 +9,9 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "model/config.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+#include "train/config_schema.h"
 
 namespace moetrain {
 
@@ -26,7 +29,17 @@ struct OptimSettings {
   double weight_decay = 0.1;
   double momentum = 0.9;  // sgd, rmsprop
   double grad_clip = 1.0;  // 0 = off
+
+  // Throws naming the key ("optim.lr = -1: must be positive").
+  void validate() const;
+  // The optimizer these settings describe (the kind's defaults, overridden by the keys it uses).
+  OptimizerConfig optimizer_config() const;
+  // Warmup then the schedule over `total_steps`; warmup starts at lr / warmup_steps.
+  ScheduleConfig schedule_config(int64_t total_steps) const;
 };
+
+// The [optim] keys bound to `o`, appended to `fields` (shared by every run configuration).
+void add_optim_fields(std::vector<Field>& fields, OptimSettings& o);
 
 struct TrainConfig {
   int64_t steps = 1000;

@@ -21,7 +21,7 @@ namespace fs = std::filesystem;
 
 namespace moetrain {
 
-std::vector<ParamRange> param_groups(const ParamLayout& layout) {
+std::vector<ParamRange> param_groups(const ParamTable& layout) {
   std::vector<const ParamInfo*> sorted;
   for (const auto& p : layout.params()) sorted.push_back(&p);
   std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->offset < b->offset; });

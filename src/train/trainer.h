@@ -89,6 +89,6 @@ class Trainer {
 
 // Parameter groups of a layout for the optimizer: every tensor with its decay flag, and the
 // alignment gaps between tensors as no-decay filler, so the groups tile the whole buffer.
-std::vector<ParamRange> param_groups(const ParamLayout& layout);
+std::vector<ParamRange> param_groups(const ParamTable& layout);
 
 }  // namespace moetrain

@@ -1,0 +1,38 @@
+// `moetrain classify`: trains the MoE classifier on Fashion-MNIST.
+#include <fmt/format.h>
+
+#include <memory>
+
+#include "app/commands.h"
+#include "train/classifier_config.h"
+#include "train/classifier_trainer.h"
+
+namespace moetrain::app {
+
+Run add_classify_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "classify", "Train the MoE image classifier (Fashion-MNIST) from a TOML config");
+  struct Args {
+    std::string config;
+    std::vector<std::string> overrides;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/fashion_mnist.toml)")
+      ->required();
+  cmd->add_option("--set", args->overrides,
+                  "Override a config key: --set train.steps=500 (repeatable)");
+  return [args] {
+    ClassifierRunConfig cfg = load_classifier_config(args->config, args->overrides);
+    ClassifierTrainer trainer(cfg);
+    ClassifierTrainResult r = trainer.run();
+    fmt::print(
+        "steps {} | final train loss {:.4f} | test accuracy {:.2f}% | test loss {:.4f} | {:.0f} "
+        "images/s | "
+        "{:.1f} s\n",
+        r.steps_done, r.final_loss, 100 * r.test_accuracy, r.test_loss, r.images_per_s, r.seconds);
+    fmt::print("checkpoint: {}\n", r.checkpoint.string());
+    return 0;
+  };
+}
+
+}  // namespace moetrain::app
