@@ -11,6 +11,7 @@
 #include "core/rng.h"
 #include "core/threads.h"
 #include "kernels/gemm.h"
+#include "moe/det_gemm.h"
 
 using namespace moetrain;
 
@@ -79,6 +80,7 @@ void BM_onednn(benchmark::State& state) {
 }
 
 // 8 experts with uneven row counts summing to M, each with its own weights, vs one GEMM of M rows.
+template <bool kTaskParallel>
 void BM_grouped8(benchmark::State& state) {
   int64_t M = state.range(0), N = state.range(1), K = state.range(2);
   const int64_t G = 8;
@@ -93,7 +95,11 @@ void BM_grouped8(benchmark::State& state) {
   auto B = random_buffer<float>(G * N * K, 2);
   std::vector<float> C(M * N);
   for (auto _ : state) {
-    grouped_gemm(Trans::T, G, rows.data(), N, K, A.data(), B.data(), N * K, C.data(), false);
+    if constexpr (kTaskParallel) {
+      grouped_gemm_det(Trans::T, G, rows.data(), N, K, A.data(), B.data(), N * K, C.data(), false);
+    } else {
+      grouped_gemm(Trans::T, G, rows.data(), N, K, A.data(), B.data(), N * K, C.data(), false);
+    }
     benchmark::DoNotOptimize(C.data());
   }
   set_flops(state, 2.0 * M * N * K);
@@ -110,7 +116,10 @@ BENCHMARK(BM_onednn<float>)->Name("onednn/f32")->Apply(shapes);
 BENCHMARK(BM_ours<float>)->Name("ours/f32")->Apply(shapes);
 BENCHMARK(BM_onednn<bf16>)->Name("onednn/bf16")->Apply(shapes);
 BENCHMARK(BM_ours<bf16>)->Name("ours/bf16")->Apply(shapes);
-BENCHMARK(BM_grouped8)->Name("ours/grouped8_f32")->Apply(shapes);
+// Each group one multi-threaded oneDNN call, vs the experts' scheduler: 256-row tasks over the
+// threads, each a single-threaded oneDNN call (moe/det_gemm.h).
+BENCHMARK(BM_grouped8<false>)->Name("ours/grouped8_f32")->Apply(shapes);
+BENCHMARK(BM_grouped8<true>)->Name("ours/grouped8_tasks_f32")->Apply(shapes);
 
 int main(int argc, char** argv) {
   init_threads();

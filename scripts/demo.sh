@@ -8,7 +8,8 @@ data=data/fortunes
 if [ ! -f "$data/train.bin" ] || [ ! -f "$data/val.bin" ]; then
   "$bin" prepare --input /usr/share/games/fortunes --out "$data"
 fi
-"$bin" train --config configs/tiny.toml ${DEMO_ARGS:-}
+# --resume: a second `make demo` continues (or just re-evaluates) the run instead of redoing it.
+"$bin" train --config configs/tiny.toml --resume ${DEMO_ARGS:-}
 echo
 echo "== sample (temperature 0.8):"
 "$bin" sample --checkpoint runs/tiny --prompt "${DEMO_PROMPT:-The meaning of life is }" --max-tokens 300 --seed 7

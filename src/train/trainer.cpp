@@ -133,24 +133,8 @@ Trainer::Trainer(RunConfig cfg, bool resume) : cfg_(std::move(cfg)) {
   init_params(params_.data(), layout, cfg_.model, cfg_.train.seed);
   groups_ = param_groups(layout);
 
-  OptimizerConfig oc = default_optimizer_config(cfg_.optim.name);
-  oc.beta1 = cfg_.optim.beta1;
-  oc.beta2 = cfg_.optim.beta2;
-  oc.eps = cfg_.optim.eps;
-  oc.weight_decay = cfg_.optim.weight_decay;
-  if (oc.kind == OptimizerKind::Sgd || oc.kind == OptimizerKind::RmsProp) oc.momentum = cfg_.optim.momentum;
-  oc.validate();
-  optimizer_ = make_optimizer(oc, groups_, 0, layout.size());
-
-  ScheduleConfig sc;
-  sc.kind = parse_schedule_kind(cfg_.optim.schedule);
-  sc.lr = cfg_.optim.lr;
-  sc.min_lr = cfg_.optim.min_lr;
-  sc.warmup_steps = std::min(cfg_.optim.warmup_steps, cfg_.train.steps);
-  // Warmup starts at lr / warmup_steps rather than 0, so the first step is not wasted.
-  sc.warmup_init = sc.warmup_steps > 0 ? cfg_.optim.lr / static_cast<double>(sc.warmup_steps) : cfg_.optim.lr;
-  sc.total_steps = cfg_.train.steps;
-  schedule_ = std::make_unique<LrSchedule>(sc);
+  optimizer_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, 0, layout.size());
+  schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps));
 
   train_shard_ = open_shard(cfg_.data, "train.bin");
   val_shard_ = open_shard(cfg_.data, "val.bin");
@@ -165,6 +149,11 @@ Trainer::Trainer(RunConfig cfg, bool resume) : cfg_(std::move(cfg)) {
   targets_.resize(static_cast<std::size_t>(BT));
 
   fs::create_directories(cfg_.train.run_dir);
+  // A fresh run never overwrites (or prunes) another run's checkpoints.
+  MOETRAIN_CHECK(resume || !fs::exists(fs::path(cfg_.train.run_dir) / "checkpoints"),
+                 "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue it, or "
+                 "choose another train.run_dir (or remove that one)",
+                 cfg_.train.run_dir);
   std::optional<fs::path> ckpt = resume ? find_latest_checkpoint(cfg_.train.run_dir) : std::nullopt;
   if (ckpt) {
     load_checkpoint(*ckpt);

@@ -252,3 +252,21 @@ TEST(RunConfig, ShippedConfigsLoad) {
     EXPECT_GT(c.model.n_experts, 1) << name;
   }
 }
+
+TEST(Trainer, FreshRunNeverOverwritesAnotherRunsCheckpoints) {
+  TempDir tmp("reuse");
+  RunConfig cfg = small_run(tmp);
+  {
+    Trainer t(cfg, false);
+    t.run(2);
+  }
+  try {
+    Trainer t(cfg, false);
+    FAIL() << "a fresh run was allowed into a directory with checkpoints";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--resume"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fs::exists(checkpoint_dir(cfg.train.run_dir, 2)));
+  Trainer resumed(cfg, true);
+  EXPECT_EQ(resumed.step(), 2);
+}
