@@ -2,6 +2,7 @@
 // configs that reject bad input.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -269,4 +270,26 @@ TEST(Trainer, FreshRunNeverOverwritesAnotherRunsCheckpoints) {
   EXPECT_TRUE(fs::exists(checkpoint_dir(cfg.train.run_dir, 2)));
   Trainer resumed(cfg, true);
   EXPECT_EQ(resumed.step(), 2);
+}
+
+TEST(Trainer, NonFiniteLossStopsTheRunAndKeepsTheLastGoodCheckpoint) {
+  TempDir tmp("nan");
+  RunConfig cfg = small_run(tmp);
+  cfg.train.checkpoint_every = 2;
+  Trainer t(cfg, false);
+  t.run(2);
+  ASSERT_TRUE(fs::exists(checkpoint_dir(cfg.train.run_dir, 2)));
+  // A NaN in the embedding table poisons the forward of the next step.
+  for (int i = 0; i < 32 * 256; ++i) t.params()[t.model().layout().embed + i] = std::nanf("");
+  try {
+    t.run();
+    FAIL() << "a NaN loss did not stop the run";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 3"), std::string::npos) << e.what();
+  }
+  auto latest = find_latest_checkpoint(cfg.train.run_dir);
+  ASSERT_TRUE(latest);
+  EXPECT_EQ(latest->filename(), "step_00000002");
+  LoadedModel m = load_model(cfg.train.run_dir);
+  for (float v : m.params) ASSERT_TRUE(std::isfinite(v));
 }
