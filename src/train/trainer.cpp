@@ -271,7 +271,7 @@ double Trainer::train_step() {
   last_lr_ = schedule_->lr(step_);
   optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
   if (cfg_.model.moe().router == RouterKind::SigmoidBias)
-    for (MoeLayer* m : moe) m->apply_bias_update();
+    for (MoeBlock* m : moe) m->apply_bias_update(m->pending_load());
   ++step_;
   last_parts_ = sum;
 
