@@ -72,6 +72,10 @@ std::vector<Field> schema(RunConfig& c) {
       {"train.threads", &t.threads},
       {"train.run_dir", &t.run_dir},
       {"train.progress", &t.progress},
+      {"dist.ep", &c.dist.ep},
+      {"dist.zero", &c.dist.zero},
+      {"dist.bucket_first_mb", &c.dist.bucket_first_mb},
+      {"dist.bucket_mb", &c.dist.bucket_mb},
   };
 }
 
@@ -159,13 +163,13 @@ void walk(const toml::table& table, const std::string& prefix, std::vector<Field
   for (const auto& [k, node] : table) {
     std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
     if (const toml::table* sub = node.as_table()) {
-      MOETRAIN_CHECK(prefix.empty(), "{}unknown table [{}]; sections are [model], [data], [optim], [train]", where, key);
+      MOETRAIN_CHECK(prefix.empty(), "{}unknown table [{}]; sections are [model], [data], [optim], [train], [dist]", where, key);
       bool known_section = !known_keys(fields, key).empty();
-      MOETRAIN_CHECK(known_section, "{}unknown section [{}]; sections are [model], [data], [optim], [train]", where,
+      MOETRAIN_CHECK(known_section, "{}unknown section [{}]; sections are [model], [data], [optim], [train], [dist]", where,
                      key);
       walk(*sub, key, fields, where);
     } else {
-      MOETRAIN_CHECK(!prefix.empty(), "{}key '{}' must be inside a section ([model], [data], [optim], [train])",
+      MOETRAIN_CHECK(!prefix.empty(), "{}key '{}' must be inside a section ([model], [data], [optim], [train], [dist])",
                      where, key);
       Field& f = find_field(fields, key, where);
       set_from_toml(f, node, where);
@@ -237,6 +241,12 @@ void RunConfig::validate() const {
   MOETRAIN_CHECK(o.weight_decay >= 0, "optim.weight_decay = {}: must be ≥ 0", o.weight_decay);
   MOETRAIN_CHECK(o.momentum >= 0 && o.momentum < 1, "optim.momentum = {}: must be in [0, 1)", o.momentum);
   MOETRAIN_CHECK(o.grad_clip >= 0, "optim.grad_clip = {}: must be ≥ 0 (0 = off)", o.grad_clip);
+  MOETRAIN_CHECK(dist.ep >= 1, "dist.ep = {}: must be ≥ 1", dist.ep);
+  MOETRAIN_CHECK(dist.zero == 0 || dist.zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",
+                 dist.zero);
+  MOETRAIN_CHECK(dist.bucket_first_mb > 0 && dist.bucket_mb > 0 && dist.bucket_mb <= 1024,
+                 "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
+                 dist.bucket_first_mb, dist.bucket_mb);
 }
 
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where) {
@@ -288,6 +298,7 @@ std::string RunConfig::config_hash() const {
                         "run_dir", "progress"})
     j["train"].erase(k);
   j.erase("data");
+  j.erase("dist");
   std::string s = j.dump();
   uint64_t h = 1469598103934665603ull;
   for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
