@@ -135,6 +135,9 @@ class LocalComm final : public Comm {
   std::unique_ptr<Comm> dup(const std::string& name) override {
     return std::make_unique<LocalComm>(name);
   }
+  std::unique_ptr<Comm> split_shared(const SplitOptions& opts) override {
+    return std::make_unique<LocalComm>(opts.name.empty() ? name() : opts.name);
+  }
 
  private:
   static void copy(void* dst, const void* src, int64_t bytes) {

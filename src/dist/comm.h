@@ -70,6 +70,8 @@ class Comm {
   // The same ranks on a separate channel: each traffic class gets its own, so messages of one
   // class never match those of another.
   virtual std::unique_ptr<Comm> dup(const std::string& name) = 0;
+  // The ranks that share this machine's memory, ordered by rank (MPI_Comm_split_type).
+  virtual std::unique_ptr<Comm> split_shared(const SplitOptions& opts) = 0;
 
   // data (n) = elementwise op over ranks, identical bits on every rank.
   void allreduce(float* data, int64_t n, const AllreduceOptions& opts = {});

@@ -139,6 +139,12 @@ class MpiComm final : public Comm {
     return wrap(out, opts.name.empty() ? name() : opts.name);
   }
 
+  std::unique_ptr<Comm> split_shared(const SplitOptions& opts) override {
+    MPI_Comm out = MPI_COMM_NULL;
+    MOETRAIN_MPI(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &out), name());
+    return wrap(out, opts.name.empty() ? name() : opts.name);
+  }
+
   std::unique_ptr<Comm> dup(const std::string& name) override {
     MPI_Comm out = MPI_COMM_NULL;
     MOETRAIN_MPI(MPI_Comm_dup(comm_, &out), this->name());

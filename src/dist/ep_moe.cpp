@@ -15,8 +15,8 @@ bool has_aux_loss(RouterKind kind) {
 constexpr int64_t kTokenBlock = 256;  // fixed blocks for token sums: thread-count independent
 }  // namespace
 
-ExpertParallelMoe::ExpertParallelMoe(const MoeConfig& cfg, Comm& a2a, Comm& stats)
-    : cfg_(cfg), a2a_(a2a), stats_comm_(stats) {
+ExpertParallelMoe::ExpertParallelMoe(const MoeConfig& cfg, const A2aRoute& route, Comm& stats)
+    : cfg_(cfg), route_(route), a2a_(*route.group), stats_comm_(stats) {
   cfg_.validate();
   MOETRAIN_CHECK(cfg_.E % a2a_.size() == 0,
                  "expert parallelism over {} ranks needs a multiple of {} experts, the model has "
@@ -108,8 +108,8 @@ void ExpertParallelMoe::forward(float* out, const float* inp, int64_t N, const M
   const bool local = a2a_.size() == 1;
   {
     ScopedTimer timer(timings_.a2a);
-    a2a_plan(plan_, a2a_, layout_.counts.data(), E, C);
-    if (!local) a2a_dispatch(xr_.ensure(plan_.R_recv * C), xp_.data(), plan_, a2a_, staging_);
+    a2a_plan(plan_, route_, layout_.counts.data(), E, C);
+    if (!local) a2a_dispatch(xr_.ensure(plan_.R_recv * C), xp_.data(), plan_, route_, staging_);
   }
   const float* xr = local ? xp_.data() : xr_.data();
   float* yr = local ? y_.ensure(layout_.R * C) : yr_.ensure(plan_.R_recv * C);
@@ -120,7 +120,7 @@ void ExpertParallelMoe::forward(float* out, const float* inp, int64_t N, const M
   }
   if (!local) {
     ScopedTimer timer(timings_.a2a);
-    a2a_combine(y_.ensure(layout_.R * C), yr, plan_, a2a_, staging_);
+    a2a_combine(y_.ensure(layout_.R * C), yr, plan_, route_, staging_);
   }
   if (cfg_.shared_F > 0) {
     ScopedTimer timer(timings_.shared);
@@ -168,7 +168,7 @@ void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeight
   }
   if (!local) {
     ScopedTimer timer(timings_.a2a);
-    a2a_dispatch(dyr_.ensure(plan_.R_recv * C), dy_.data(), plan_, a2a_, staging_);
+    a2a_dispatch(dyr_.ensure(plan_.R_recv * C), dy_.data(), plan_, route_, staging_);
   }
   const float* dyr = local ? dy_.data() : dyr_.data();
   const float* xr = local ? xp_.data() : xr_.data();
@@ -181,7 +181,7 @@ void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeight
   }
   if (!local) {
     ScopedTimer timer(timings_.a2a);
-    a2a_combine(dxp_.ensure(R * C), dxr, plan_, a2a_, staging_);
+    a2a_combine(dxp_.ensure(R * C), dxr, plan_, route_, staging_);
   }
   if (N == 0) return;
   if (cfg_.shared_F > 0) {

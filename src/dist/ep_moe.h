@@ -26,9 +26,11 @@ namespace moetrain {
 
 class ExpertParallelMoe final : public MoeBlock {
  public:
-  // a2a: the EP group; its size must divide cfg.E. stats: every process that holds tokens.
-  // Both must outlive the layer.
-  ExpertParallelMoe(const MoeConfig& cfg, Comm& a2a, Comm& stats);
+  // route: the EP group (its size must divide cfg.E), flat or 2-D. stats: every process that
+  // holds tokens. The communicators must outlive the layer.
+  ExpertParallelMoe(const MoeConfig& cfg, const A2aRoute& route, Comm& stats);
+  ExpertParallelMoe(const MoeConfig& cfg, Comm& a2a, Comm& stats)
+      : ExpertParallelMoe(cfg, A2aRoute{&a2a}, stats) {}
 
   // Collective over a2a and stats: every rank calls it, with any N ≥ 0 (also 0).
   void forward(float* out, const float* inp, int64_t N, const MoeWeights& w,
@@ -56,6 +58,7 @@ class ExpertParallelMoe final : public MoeBlock {
   void balance_losses(int64_t N);
 
   MoeConfig cfg_;
+  A2aRoute route_;
   Comm& a2a_;
   Comm& stats_comm_;
   int64_t first_ = 0, E_local_ = 0;
@@ -75,7 +78,7 @@ class ExpertParallelMoe final : public MoeBlock {
   MoeTimings timings_;
   FloatBuffer xp_, y_, dy_, dxp_;       // (R_send, C) rows this rank routed
   FloatBuffer xr_, yr_, dyr_, dxr_;     // (R_recv, C) rows of this rank's experts
-  FloatBuffer staging_;                 // (R_recv, C) source-major rows in flight
+  A2aScratch staging_;                  // rows in flight
   ExpertActs acts_, shared_acts_;
   std::vector<float> dweight_, dprobs_, dz_;  // (N, S), (N, E), (N, E)
 };

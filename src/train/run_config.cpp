@@ -76,6 +76,8 @@ std::vector<Field> schema(RunConfig& c) {
       {"dist.zero", &c.dist.zero},
       {"dist.bucket_first_mb", &c.dist.bucket_first_mb},
       {"dist.bucket_mb", &c.dist.bucket_mb},
+      {"dist.hierarchical", &c.dist.hierarchical},
+      {"dist.ranks_per_node", &c.dist.ranks_per_node},
   };
 }
 
@@ -247,6 +249,7 @@ void RunConfig::validate() const {
   MOETRAIN_CHECK(dist.bucket_first_mb > 0 && dist.bucket_mb > 0 && dist.bucket_mb <= 1024,
                  "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
                  dist.bucket_first_mb, dist.bucket_mb);
+  MOETRAIN_CHECK(dist.ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)", dist.ranks_per_node);
 }
 
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where) {

@@ -51,6 +51,9 @@ struct DistSettings {
   int64_t zero = 0;  // 1: ZeRO-1, each data-parallel rank keeps optimizer state for its shard only
   double bucket_first_mb = 1.0;  // first gradient bucket of each kind, MiB
   double bucket_mb = 25.0;       // later buckets, MiB
+  // The expert all-to-all in two stages, within nodes then between them (dist/alltoall.h).
+  bool hierarchical = false;
+  int64_t ranks_per_node = 0;  // with hierarchical: > 0 sets the node size (emulation), 0 detects
 };
 
 struct RunConfig {

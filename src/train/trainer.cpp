@@ -13,6 +13,7 @@
 #include "core/timer.h"
 #include "data/loader.h"
 #include "data/shard.h"
+#include "dist/alltoall.h"
 #include "dist/ep_moe.h"
 #include "dist/grad_sync.h"
 #include "dist/groups.h"
@@ -145,8 +146,13 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   MoeFactory factory;
   if (W > 1) {
     if (cfg_.model.n_moe_layers() > 0) shard = expert_shard(cfg_.model.n_experts, pl.ep, pl.ep_index);
-    factory = [this](const MoeConfig& mc) -> std::unique_ptr<MoeBlock> {
-      return std::make_unique<ExpertParallelMoe>(mc, *pg_->a2a, *pg_->moe_stats);
+    A2aRoute route{pg_->a2a.get()};
+    if (cfg_.dist.hierarchical) {
+      hier_ = std::make_unique<A2aHierarchy>(make_a2a_hierarchy(*pg_->a2a, static_cast<int>(cfg_.dist.ranks_per_node)));
+      route = hier_->route(*pg_->a2a);
+    }
+    factory = [this, route](const MoeConfig& mc) -> std::unique_ptr<MoeBlock> {
+      return std::make_unique<ExpertParallelMoe>(mc, route, *pg_->moe_stats);
     };
   }
   model_ = std::make_unique<Transformer>(cfg_.model, factory);
@@ -229,8 +235,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   log_info("data: {} train / {} val tokens; {} tokens per step", train_shard_->size(), val_shard_->size(),
            BT * cfg_.train.grad_accum * W);
   if (W > 1)
-    log_info("{} processes: {} data-parallel x {} expert-parallel ({} experts each){}; {} gradient buckets",
-             W, pl.dp, pl.ep, shard.count, cfg_.dist.zero ? ", ZeRO-1" : "", sync_->buckets().size());
+    log_info("{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient buckets", W,
+             pl.dp, pl.ep, shard.count, cfg_.dist.zero ? ", ZeRO-1" : "",
+             hier_ ? fmt::format(", 2-D all-to-all ({} ranks per node)", hier_->intra->size()) : "",
+             sync_->buckets().size());
 }
 
 int Trainer::rank() const { return world_->rank(); }

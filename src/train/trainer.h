@@ -23,6 +23,7 @@ namespace moetrain {
 class TokenShard;
 class GradSync;
 class ShardedOptimizer;
+struct A2aHierarchy;
 struct ProcessGroups;
 
 struct TrainResult {
@@ -98,6 +99,7 @@ class Trainer {
   RunConfig cfg_;
   std::unique_ptr<Comm> world_;
   std::unique_ptr<ProcessGroups> pg_;  // before model_: its MoE layers hold the communicators
+  std::unique_ptr<A2aHierarchy> hier_;  // dist.hierarchical: the 2-D all-to-all's communicators
   std::unique_ptr<Transformer> model_;
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;

@@ -24,6 +24,7 @@ struct Case {
   RouterKind router = RouterKind::TopKSoftmax;
   int64_t E = 8, K = 2, shared_F = 0;
   bool one_rank_takes_all = false;  // every token goes to experts 0 and 1 (EP index 0)
+  int ranks_per_node = -1;          // ≥ 0: the 2-D all-to-all with this many ranks per node
 };
 
 // max |a − b| over max |b|, for messages and a relative bound.
@@ -76,7 +77,13 @@ void run_case(const Case& c, int ep) {
   ref.backward(ref_dinp.data(), R.data(), w, ref_g, 1.0f);
 
   // This rank's tokens through the expert-parallel layer.
-  ExpertParallelMoe layer(cfg, *groups.a2a, *groups.moe_stats);
+  A2aHierarchy hier;
+  A2aRoute route{groups.a2a.get()};
+  if (c.ranks_per_node >= 0) {
+    hier = make_a2a_hierarchy(*groups.a2a, c.ranks_per_node);
+    route = hier.route(*groups.a2a);
+  }
+  ExpertParallelMoe layer(cfg, route, *groups.moe_stats);
   std::vector<float> out(N * C + 1, 0.0f), dinp(N * C + 1, 0.0f), grads(sizes.total(), 0.0f);
   MoeWeights g = moe_weights_from_buffer(cfg, grads.data());
   layer.forward(out.data(), x.data() + first * C, N, w, step);
@@ -167,6 +174,17 @@ TEST(ExpertParallelMoe, MoreRanksThanTokensPerExpert) {
   Case c;
   c.E = 4, c.K = 1;  // few rows: most (rank, expert) pairs exchange nothing
   for (int ep : ep_sizes()) run_case(c, ep);
+}
+
+TEST(ExpertParallelMoe, TwoDimensionalAllToAllMatchesOneProcess) {
+  Case c;
+  for (int ep : ep_sizes()) {
+    for (int per_node = 1; per_node <= ep; ++per_node) {
+      if (ep % per_node != 0) continue;
+      c.ranks_per_node = per_node;
+      run_case(c, ep);
+    }
+  }
 }
 
 TEST(ExpertParallelMoe, RejectsExpertCountsTheGroupCannotSplit) {

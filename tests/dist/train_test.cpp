@@ -72,6 +72,7 @@ void write_corpus(const fs::path& dir) {
 struct RunSetup {
   std::string router = "topk_softmax";
   int64_t grad_accum = 1, shared_hidden = 0, ep = 1, zero = 0, checkpoint_every = 0;
+  int64_t ranks_per_node = -1;  // ≥ 0: the 2-D all-to-all
 };
 
 RunConfig make_config(const RunSetup& s, const fs::path& data, const fs::path& run, int64_t batch) {
@@ -84,7 +85,9 @@ RunConfig make_config(const RunSetup& s, const fs::path& data, const fs::path& r
            "train.checkpoint_every=" + std::to_string(s.checkpoint_every), "train.keep_checkpoints=3",
            "train.progress=off", "optim.warmup_steps=3", "optim.grad_clip=0.5", "data.dir=" + data.string(),
            "train.run_dir=" + run.string(), "dist.ep=" + std::to_string(s.ep),
-           "dist.zero=" + std::to_string(s.zero), "dist.bucket_first_mb=0.01", "dist.bucket_mb=0.05"});
+           "dist.zero=" + std::to_string(s.zero), "dist.bucket_first_mb=0.01", "dist.bucket_mb=0.05",
+           std::string("dist.hierarchical=") + (s.ranks_per_node >= 0 ? "true" : "false"),
+           "dist.ranks_per_node=" + std::to_string(std::max<int64_t>(0, s.ranks_per_node))});
 }
 
 std::vector<double> metric(const fs::path& run_dir, const char* key) {
@@ -252,6 +255,23 @@ TEST(DistTrain, ZeroOneEqualsReplicatedBitwiseAndResumesOnAnotherLayout) {
   if (world->rank() == 0) {
     ASSERT_EQ(relayout.losses.size(), zero.losses.size());
     EXPECT_LE(max_rel(relayout.losses, zero.losses), 1e-5);
+  }
+}
+
+TEST(DistTrain, HierarchicalAllToAllEqualsFlatBitwise) {
+  auto world = dist_world("hier");
+  const int W = world->size();
+  SharedDir dir(*world, "dist_hier");
+  if (world->rank() == 0) write_corpus(dir / "data");
+  world->barrier();
+  RunSetup s;
+  s.ep = W;
+  Outcome flat = run_distributed(s, dir / "data", dir / "flat");
+  s.ranks_per_node = W >= 4 ? 2 : 1;  // 2 nodes of 2, or 2 nodes of 1
+  Outcome two_d = run_distributed(s, dir / "data", dir / "two_d");
+  EXPECT_EQ(0, std::memcmp(flat.params.data(), two_d.params.data(), flat.params.size() * sizeof(float)));
+  if (world->rank() == 0) {
+    EXPECT_EQ(flat.losses, two_d.losses);
   }
 }
 
