@@ -109,6 +109,45 @@ class MpiComm final : public Comm {
                  name());
   }
 
+  void alltoallv_blocks(void* recv, std::span<const std::vector<ByteBlock>> recv_blocks, const void* send,
+                        std::span<const std::vector<ByteBlock>> send_blocks, const AlltoallvOptions&) override {
+    const int P = size();
+    MOETRAIN_CHECK(static_cast<int>(recv_blocks.size()) == P && static_cast<int>(send_blocks.size()) == P,
+                   "alltoallv_blocks on '{}': {} and {} block lists, expected one per rank ({})", name(),
+                   recv_blocks.size(), send_blocks.size(), P);
+    // One hindexed type per peer and direction, displacements from the buffer's start.
+    std::vector<MPI_Datatype> stypes(P, MPI_BYTE), rtypes(P, MPI_BYTE);
+    std::vector<int> scounts(P, 0), rcounts(P, 0), zeros(P, 0);
+    auto make = [&](const std::vector<ByteBlock>& blocks, MPI_Datatype& type, int& count) {
+      std::vector<int> lengths;
+      std::vector<MPI_Aint> displs;
+      for (const ByteBlock& b : blocks) {
+        MOETRAIN_CHECK(b.offset >= 0 && b.bytes >= 0, "alltoallv_blocks on '{}': block [{}, +{})", name(), b.offset,
+                       b.bytes);
+        if (b.bytes == 0) continue;
+        lengths.push_back(to_int(b.bytes, "alltoallv_blocks block", name()));
+        displs.push_back(static_cast<MPI_Aint>(b.offset));
+      }
+      if (lengths.empty()) return;
+      MOETRAIN_MPI(MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(), displs.data(),
+                                            MPI_BYTE, &type),
+                   name());
+      MOETRAIN_MPI(MPI_Type_commit(&type), name());
+      count = 1;
+    };
+    for (int q = 0; q < P; ++q) {
+      make(send_blocks[q], stypes[q], scounts[q]);
+      make(recv_blocks[q], rtypes[q], rcounts[q]);
+    }
+    int rc = MPI_Alltoallw(send, scounts.data(), zeros.data(), stypes.data(), recv, rcounts.data(), zeros.data(),
+                           rtypes.data(), comm_);
+    for (int q = 0; q < P; ++q) {
+      if (stypes[q] != MPI_BYTE) MPI_Type_free(&stypes[q]);
+      if (rtypes[q] != MPI_BYTE) MPI_Type_free(&rtypes[q]);
+    }
+    MOETRAIN_CHECK(rc == MPI_SUCCESS, "MPI_Alltoallw on communicator '{}' failed: {}", name(), error_text(rc));
+  }
+
   void allgatherv(void* recv, std::span<const int64_t> counts, std::span<const int64_t> displs,
                   const void* send, const AllgatherOptions&) override {
     check_counts(counts, "allgatherv counts");

@@ -24,6 +24,7 @@ ExpertParallelMoe::ExpertParallelMoe(const MoeConfig& cfg, const A2aRoute& route
                  a2a_.size(), a2a_.size(), cfg_.E);
   E_local_ = cfg_.E / a2a_.size();
   first_ = a2a_.rank() * E_local_;
+  acts_.resize(static_cast<std::size_t>(a2a_.size()));
   bias_.assign(cfg_.E, 0.0f);
   pending_load_.assign(cfg_.E, 0);
   frac_.assign(cfg_.E, 0.0f);
@@ -115,8 +116,12 @@ void ExpertParallelMoe::forward(float* out, const float* inp, int64_t N, const M
   float* yr = local ? y_.ensure(layout_.R * C) : yr_.ensure(plan_.R_recv * C);
   {
     ScopedTimer timer(timings_.experts);
-    experts_forward(yr, xr, plan_.expert_counts.data(), expert_range(w, cfg_, first_, E_local_), C,
-                    cfg_.F, acts_);
+    // One grouped pass per source rank's block (each grouped by expert): rows are never regrouped.
+    const ExpertRange range = expert_range(w, cfg_, first_, E_local_);
+    for (int q = 0; q < plan_.P; ++q) {
+      const int64_t at = plan_.recv_offset[q] * C;
+      experts_forward(yr + at, xr + at, plan_.recv_counts.data() + q * E_local_, range, C, cfg_.F, acts_[q]);
+    }
   }
   if (!local) {
     ScopedTimer timer(timings_.a2a);
@@ -175,9 +180,13 @@ void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeight
   float* dxr = local ? dxp_.ensure(R * C) : dxr_.ensure(plan_.R_recv * C);
   {
     ScopedTimer timer(timings_.experts);
-    experts_backward(dxr, expert_range(g, cfg_, first_, E_local_), dyr, xr,
-                     plan_.expert_counts.data(), expert_range(w, cfg_, first_, E_local_), C,
-                     cfg_.F, acts_);
+    const ExpertRange grad = expert_range(g, cfg_, first_, E_local_);
+    const ExpertRange range = expert_range(w, cfg_, first_, E_local_);
+    for (int q = 0; q < plan_.P; ++q) {
+      const int64_t at = plan_.recv_offset[q] * C;
+      experts_backward(dxr + at, grad, dyr + at, xr + at, plan_.recv_counts.data() + q * E_local_, range, C,
+                       cfg_.F, acts_[q]);
+    }
   }
   if (!local) {
     ScopedTimer timer(timings_.a2a);

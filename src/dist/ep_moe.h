@@ -77,9 +77,10 @@ class ExpertParallelMoe final : public MoeBlock {
   MoeStats stats_;
   MoeTimings timings_;
   FloatBuffer xp_, y_, dy_, dxp_;       // (R_send, C) rows this rank routed
-  FloatBuffer xr_, yr_, dyr_, dxr_;     // (R_recv, C) rows of this rank's experts
+  FloatBuffer xr_, yr_, dyr_, dxr_;     // (R_recv, C) rows of this rank's experts, source-major
   A2aScratch staging_;                  // rows in flight
-  ExpertActs acts_, shared_acts_;
+  std::vector<ExpertActs> acts_;  // (P) one per source block of received rows
+  ExpertActs shared_acts_;
   std::vector<float> dweight_, dprobs_, dz_;  // (N, S), (N, E), (N, E)
 };
 

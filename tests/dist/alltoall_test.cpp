@@ -1,5 +1,5 @@
-// The expert all-to-all on known patterns: every row arrives at its expert's owner, grouped by
-// local expert with sources ascending, and comes back to where it left; pairs with nothing to send
+// The expert all-to-all on known patterns: every row arrives at its expert's owner, by source rank
+// and within a source by local expert, and comes back to where it left; pairs with nothing to send
 // and ranks that receive nothing; the 2-D route gives the same bits as the flat one.
 #include <gtest/gtest.h>
 
@@ -51,17 +51,21 @@ Result run(Comm& group, const A2aRoute& route, int64_t El, int pattern) {
   out.received.assign(plan.R_recv * kC + 1, -1.0f);
   out.returned.assign(plan.R_send * kC + 1, -1.0f);
   a2a_dispatch(out.received.data(), send.data(), plan, route, scratch);
-  // Expert-major: local expert j, then source s ascending, rows in the order sent.
+  // Source-major: source s ascending, then local expert j, rows in the order sent.
   std::size_t at = 0;
   int64_t bad = 0;
-  for (int64_t j = 0; j < El; ++j) {
-    const int64_t e = r * El + j;
-    int64_t n = 0;
-    for (int s = 0; s < P; ++s)
-      for (int64_t i = 0; i < rows_for(s, e, pattern); ++i, ++n)
+  std::vector<int64_t> per_expert(El, 0);
+  for (int s = 0; s < P; ++s) {
+    EXPECT_EQ(plan.recv_offset[s] * kC, static_cast<int64_t>(at));
+    for (int64_t j = 0; j < El; ++j) {
+      const int64_t e = r * El + j;
+      EXPECT_EQ(plan.recv_counts[s * El + j], rows_for(s, e, pattern));
+      per_expert[j] += rows_for(s, e, pattern);
+      for (int64_t i = 0; i < rows_for(s, e, pattern); ++i)
         for (int64_t c = 0; c < kC; ++c) bad += out.received[at++] != value(s, e, i, c);
-    EXPECT_EQ(plan.expert_counts[j], n);
+    }
   }
+  EXPECT_EQ(plan.expert_counts, per_expert);
   EXPECT_EQ(bad, 0) << "misplaced rows on rank " << r;
   EXPECT_EQ(out.received.back(), -1.0f);
   a2a_combine(out.returned.data(), out.received.data(), plan, route, scratch);

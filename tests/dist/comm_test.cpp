@@ -162,6 +162,39 @@ TEST(Comm, AlltoallvEverythingToOneRankAndOddBytes) {
   EXPECT_EQ(recv.back(), '?');
 }
 
+TEST(Comm, AlltoallvBlocksGathersAndScatters) {
+  auto w = world();
+  const int P = w->size(), r = w->rank();
+  // To rank q: bytes "rq" then "s", taken from two places of the send buffer; received into two
+  // separate places per source, split at a different point than it was sent.
+  std::vector<char> send(8 * P, '.');
+  std::vector<std::vector<ByteBlock>> sb(P), rb(P);
+  for (int q = 0; q < P; ++q) {
+    send[8 * q] = static_cast<char>('a' + r), send[8 * q + 1] = static_cast<char>('A' + q);
+    send[8 * q + 5] = '!';
+    sb[q] = {{8 * q, 2}, {8 * q + 5, 1}};
+    rb[q] = {{10 * q + 7, 1}, {10 * q, 2}};
+  }
+  std::vector<char> recv(10 * P, '.');
+  w->alltoallv_blocks(recv.data(), rb, send.data(), sb);
+  for (int q = 0; q < P; ++q) {
+    EXPECT_EQ(recv[10 * q + 7], 'a' + q);
+    EXPECT_EQ(recv[10 * q], 'A' + r);
+    EXPECT_EQ(recv[10 * q + 1], '!');
+    EXPECT_EQ(recv[10 * q + 2], '.');
+  }
+  // One block per peer, zero-length blocks nowhere.
+  std::vector<std::vector<ByteBlock>> one(P), back(P);
+  std::vector<int32_t> mine(P), got(P, -1);
+  for (int q = 0; q < P; ++q) {
+    mine[q] = r * 100 + q;
+    one[q] = {{4 * q, 4}};
+    back[q] = {{4 * q, 4}};
+  }
+  w->alltoallv_blocks(got.data(), back, mine.data(), one);
+  for (int q = 0; q < P; ++q) EXPECT_EQ(got[q], q * 100 + r);
+}
+
 TEST(Comm, BroadcastFromTheLastRank) {
   auto w = world();
   std::vector<double> v(5, static_cast<double>(w->rank()));
