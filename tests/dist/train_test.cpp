@@ -73,6 +73,7 @@ struct RunSetup {
   std::string router = "topk_softmax";
   int64_t grad_accum = 1, shared_hidden = 0, ep = 1, zero = 0, checkpoint_every = 0;
   int64_t ranks_per_node = -1;  // ≥ 0: the 2-D all-to-all
+  int64_t a2a_chunks = 1;
 };
 
 RunConfig make_config(const RunSetup& s, const fs::path& data, const fs::path& run, int64_t batch) {
@@ -87,7 +88,8 @@ RunConfig make_config(const RunSetup& s, const fs::path& data, const fs::path& r
            "train.run_dir=" + run.string(), "dist.ep=" + std::to_string(s.ep),
            "dist.zero=" + std::to_string(s.zero), "dist.bucket_first_mb=0.01", "dist.bucket_mb=0.05",
            std::string("dist.hierarchical=") + (s.ranks_per_node >= 0 ? "true" : "false"),
-           "dist.ranks_per_node=" + std::to_string(std::max<int64_t>(0, s.ranks_per_node))});
+           "dist.ranks_per_node=" + std::to_string(std::max<int64_t>(0, s.ranks_per_node)),
+           "dist.a2a_chunks=" + std::to_string(s.a2a_chunks)});
 }
 
 std::vector<double> metric(const fs::path& run_dir, const char* key) {
@@ -192,6 +194,13 @@ void expect_matches_single(const RunSetup& s) {
 TEST(DistTrain, ExpertParallelMatchesOneProcess) {
   RunSetup s;
   s.ep = dist_world("ep")->size();
+  expect_matches_single(s);
+}
+
+TEST(DistTrain, OverlappedChunkedAllToAllMatchesOneProcess) {
+  RunSetup s;
+  s.ep = dist_world("chunks")->size();
+  s.a2a_chunks = 3;
   expect_matches_single(s);
 }
 
