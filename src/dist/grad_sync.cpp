@@ -1,6 +1,7 @@
 #include "dist/grad_sync.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "core/check.h"
@@ -95,6 +96,11 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
   close(0);
   close(1);
   shard_.assign(static_cast<std::size_t>(shard_size_), 0.0f);
+  for (const Bucket& b : buckets_) {
+    int64_t low = INT64_MAX;
+    for (const FlatRange& p : b.pieces) low = std::min(low, p.offset);
+    lowest_.push_back(low);
+  }
 }
 
 void GradSync::pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const {
@@ -115,13 +121,41 @@ void GradSync::unpack(float* flat, const float* src, const Bucket& b, int64_t lo
   }
 }
 
+void GradSync::reduce_bucket(std::size_t i, const float* grads) {
+  const Bucket& b = buckets_[i];
+  float* packed = packed_.ensure(b.size);
+  pack(packed, grads, b, 0, b.size);
+  ScopedTimer timer(seconds_);
+  group(b).reduce_scatter(shard_.data() + b.shard_offset, packed, b.counts);
+}
+
 void GradSync::reduce_scatter(const float* grads) {
-  for (const Bucket& b : buckets_) {
-    float* packed = packed_.ensure(b.size);
-    pack(packed, grads, b, 0, b.size);
-    ScopedTimer timer(seconds_);
-    group(b).reduce_scatter(shard_.data() + b.shard_offset, packed, b.counts);
+  MOETRAIN_CHECK(thread_ == nullptr, "GradSync::reduce_scatter while an overlapped reduction is in flight");
+  for (std::size_t i = 0; i < buckets_.size(); ++i) reduce_bucket(i, grads);
+}
+
+void GradSync::begin(CommThread& thread, const float* grads) {
+  MOETRAIN_CHECK(thread_ == nullptr, "GradSync::begin: the previous reduction was not finished");
+  thread_ = &thread;
+  grads_ = grads;
+  next_ = 0;
+}
+
+void GradSync::ready(int64_t from) {
+  if (thread_ == nullptr) return;
+  // In bucket order only, so every rank posts the same collectives in the same order.
+  for (; next_ < buckets_.size() && lowest_[next_] >= from; ++next_) {
+    const std::size_t i = next_;
+    thread_->post([this, i] { reduce_bucket(i, grads_); });
   }
+}
+
+void GradSync::finish() {
+  MOETRAIN_CHECK(thread_ != nullptr, "GradSync::finish without begin");
+  ready(INT64_MIN);
+  CommThread* thread = thread_;
+  thread_ = nullptr;
+  thread->drain();
 }
 
 double GradSync::shard_sum_squares() const {

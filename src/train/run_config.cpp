@@ -79,6 +79,7 @@ std::vector<Field> schema(RunConfig& c) {
       {"dist.hierarchical", &c.dist.hierarchical},
       {"dist.ranks_per_node", &c.dist.ranks_per_node},
       {"dist.a2a_chunks", &c.dist.a2a_chunks},
+      {"dist.overlap", &c.dist.overlap},
   };
 }
 

@@ -57,6 +57,8 @@ struct DistSettings {
   // > 1: each MoE layer cuts its tokens into this many chunks whose all-to-alls run on a
   // communication thread while the experts compute other chunks.
   int64_t a2a_chunks = 1;
+  // Reduce gradient buckets on a communication thread while backward produces the next ones.
+  bool overlap = true;
 };
 
 struct RunConfig {
