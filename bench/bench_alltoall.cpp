@@ -75,21 +75,24 @@ int main(int argc, char** argv) {
   MPI_Comm_dup(MPI_COMM_WORLD, &raw_comm);
 
   if (r == 0)
-    std::printf("ranks %d, 2-D route %d x %d, median of %d\n%8s %6s %10s %10s %10s %10s %8s %8s\n", P,
-                hier.inter->size(), hier.intra->size(), reps, "tokens", "C", "MiB/rank", "raw_ms", "ours_ms",
-                "ours2d_ms", "ratio", "ratio2d");
+    std::printf("ranks %d, 2-D route %d x %d, median of %d\n%8s %6s %10s %10s %10s %10s %8s %8s\n",
+                P, hier.inter->size(), hier.intra->size(), reps, "tokens", "C", "MiB/rank",
+                "raw_ms", "ours_ms", "ours2d_ms", "ratio", "ratio2d");
   const int64_t K = 2, E = 4 * P;
   for (int64_t N : {256, 2048, 8192}) {
     for (int64_t C : {256, 1024}) {
       // Each routed row picks an expert uniformly (from the rank's own stream).
-      Rng rng(7, rng_stream(RngPurpose::Test, static_cast<uint64_t>(N * C), static_cast<uint64_t>(r)));
+      Rng rng(7,
+              rng_stream(RngPurpose::Test, static_cast<uint64_t>(N * C), static_cast<uint64_t>(r)));
       std::vector<int64_t> counts(E, 0);
-      for (int64_t i = 0; i < N * K; ++i) ++counts[rng.below(static_cast<uint64_t>(i), static_cast<uint64_t>(E))];
+      for (int64_t i = 0; i < N * K; ++i)
+        ++counts[rng.below(static_cast<uint64_t>(i), static_cast<uint64_t>(E))];
       std::vector<float> x(static_cast<std::size_t>(N * K * C));
       rng_fill_uniform(x.data(), static_cast<int64_t>(x.size()), rng, -1.0f, 1.0f);
       A2aLayout plan, plan2;
       a2a_plan(plan, flat, counts.data(), E, C);
-      std::vector<float> xr(static_cast<std::size_t>(plan.R_recv * C)), back(x.size()), raw_recv(xr.size());
+      std::vector<float> xr(static_cast<std::size_t>(plan.R_recv * C)), back(x.size()),
+          raw_recv(xr.size());
       A2aScratch scratch;
       // Raw: the same byte counts as the plan, there and back.
       std::vector<int> sc(P), sd(P), rc(P), rd(P);
@@ -108,10 +111,10 @@ int main(int argc, char** argv) {
         a2a_combine(back.data(), xr.data(), plan2, two_d, scratch);
       };
       auto raw = [&] {
-        MPI_Alltoallv(x.data(), sc.data(), sd.data(), MPI_FLOAT, raw_recv.data(), rc.data(), rd.data(), MPI_FLOAT,
-                      raw_comm);
-        MPI_Alltoallv(raw_recv.data(), rc.data(), rd.data(), MPI_FLOAT, back.data(), sc.data(), sd.data(), MPI_FLOAT,
-                      raw_comm);
+        MPI_Alltoallv(x.data(), sc.data(), sd.data(), MPI_FLOAT, raw_recv.data(), rc.data(),
+                      rd.data(), MPI_FLOAT, raw_comm);
+        MPI_Alltoallv(raw_recv.data(), rc.data(), rd.data(), MPI_FLOAT, back.data(), sc.data(),
+                      sd.data(), MPI_FLOAT, raw_comm);
       };
       std::vector<double> t = time_interleaved({raw, ours, ours2d}, reps);
       if (std::memcmp(back.data(), x.data(), x.size() * sizeof(float)) != 0) {
@@ -119,9 +122,10 @@ int main(int argc, char** argv) {
         MPI_Abort(MPI_COMM_WORLD, 1);
       }
       if (r == 0)
-        std::printf("%8lld %6lld %10.2f %10.3f %10.3f %10.3f %8.3f %8.3f\n", static_cast<long long>(N),
-                    static_cast<long long>(C), static_cast<double>(N * K * C * 4) / (1 << 20), t[0] * 1e3,
-                    t[1] * 1e3, t[2] * 1e3, t[1] / t[0], t[2] / t[0]);
+        std::printf("%8lld %6lld %10.2f %10.3f %10.3f %10.3f %8.3f %8.3f\n",
+                    static_cast<long long>(N), static_cast<long long>(C),
+                    static_cast<double>(N * K * C * 4) / (1 << 20), t[0] * 1e3, t[1] * 1e3,
+                    t[2] * 1e3, t[1] / t[0], t[2] / t[0]);
     }
   }
   MPI_Comm_free(&raw_comm);

@@ -8,12 +8,14 @@
 namespace moetrain {
 
 A2aHierarchy make_a2a_hierarchy(Comm& group, int ranks_per_node) {
-  MOETRAIN_CHECK(ranks_per_node >= 0, "ranks per node {} must be >= 0 (0 = detect)", ranks_per_node);
+  MOETRAIN_CHECK(ranks_per_node >= 0, "ranks per node {} must be >= 0 (0 = detect)",
+                 ranks_per_node);
   const int P = group.size(), q = group.rank();
   std::unique_ptr<Comm> node;
   if (ranks_per_node > 0) {
     MOETRAIN_CHECK(P % ranks_per_node == 0,
-                   "--ranks-per-node {} must divide the {} ranks of the expert-parallel group", ranks_per_node, P);
+                   "--ranks-per-node {} must divide the {} ranks of the expert-parallel group",
+                   ranks_per_node, P);
     node = group.split(q / ranks_per_node, q, {"a2a_intra"});
   } else {
     node = group.split_shared({"a2a_intra"});
@@ -25,8 +27,10 @@ A2aHierarchy make_a2a_hierarchy(Comm& group, int ranks_per_node) {
   const std::vector<int64_t> sizes = group.allgather_one(L);
   for (int r = 0; r < P; ++r) {
     MOETRAIN_CHECK(all_ok[r] == 1 && sizes[r] == L,
-                   "the 2-D all-to-all needs the same number of ranks on every node, packed by rank (rank r on node "
-                   "r div L); rank {} has {} ranks on its node, rank {} has {} (use --ranks-per-node or place ranks "
+                   "the 2-D all-to-all needs the same number of ranks on every node, packed by "
+                   "rank (rank r on node "
+                   "r div L); rank {} has {} ranks on its node, rank {} has {} (use "
+                   "--ranks-per-node or place ranks "
                    "by node, e.g. mpirun --map-by node:PE=1 --rank-by slot)",
                    q, L, r, sizes[r]);
   }
@@ -71,8 +75,8 @@ void a2a_plan(A2aLayout& plan, const A2aRoute& route, const int64_t* counts, int
   plan.rows.clear();
   if (route.two_d()) {
     MOETRAIN_CHECK(route.intra->size() * route.inter->size() == P,
-                   "a2a_plan: a 2-D route of {} x {} ranks over an EP group of {}", route.intra->size(),
-                   route.inter->size(), P);
+                   "a2a_plan: a 2-D route of {} x {} ranks over an EP group of {}",
+                   route.intra->size(), route.inter->size(), P);
     // Relaying ranks need to know what passes through them: every rank's row counts.
     plan.rows.resize(static_cast<std::size_t>(P) * P);
     comm.allgather(plan.rows.data(), plan.send_rows.data(), std::vector<int64_t>(P, P));
@@ -91,8 +95,13 @@ struct TwoD {
   int64_t m(int s, int d) const { return plan.rows[static_cast<std::size_t>(s) * P + d]; }
 
   TwoD(const A2aLayout& p, const A2aRoute& route)
-      : P(p.P), L(route.intra->size()), nodes(route.inter->size()), n(route.group->rank() / L),
-        l(route.group->rank() % L), row(p.C * static_cast<int64_t>(sizeof(float))), plan(p) {}
+      : P(p.P),
+        L(route.intra->size()),
+        nodes(route.inter->size()),
+        n(route.group->rank() / L),
+        l(route.group->rank() % L),
+        row(p.C * static_cast<int64_t>(sizeof(float))),
+        plan(p) {}
 
   // Stage 1, to local rank k: my rows for ranks (d, k), d ascending, from the destination-ordered
   // send buffer.
@@ -103,7 +112,8 @@ struct TwoD {
     for (int k = 0; k < L; ++k)
       for (int d = 0; d < nodes; ++d) {
         const int dest = d * L + k;
-        if (plan.send_rows[dest] > 0) out[k].push_back({dest_offset[dest] * row, plan.send_rows[dest] * row});
+        if (plan.send_rows[dest] > 0)
+          out[k].push_back({dest_offset[dest] * row, plan.send_rows[dest] * row});
       }
     return out;
   }
@@ -169,8 +179,8 @@ struct Runs {
 void a2a_dispatch(float* out, const float* in, const A2aLayout& plan, const A2aRoute& route,
                   A2aScratch& scratch) {
   Comm& comm = *route.group;
-  MOETRAIN_CHECK(comm.size() == plan.P, "a2a_dispatch: plan for {} ranks used on a group of {}", plan.P,
-                 comm.size());
+  MOETRAIN_CHECK(comm.size() == plan.P, "a2a_dispatch: plan for {} ranks used on a group of {}",
+                 plan.P, comm.size());
   const int64_t C = plan.C;
   if (!route.two_d()) {
     const Runs r(plan.recv_rows, C), s(plan.send_rows, C);
@@ -187,8 +197,8 @@ void a2a_dispatch(float* out, const float* in, const A2aLayout& plan, const A2aR
 void a2a_combine(float* out, const float* in, const A2aLayout& plan, const A2aRoute& route,
                  A2aScratch& scratch) {
   Comm& comm = *route.group;
-  MOETRAIN_CHECK(comm.size() == plan.P, "a2a_combine: plan for {} ranks used on a group of {}", plan.P,
-                 comm.size());
+  MOETRAIN_CHECK(comm.size() == plan.P, "a2a_combine: plan for {} ranks used on a group of {}",
+                 plan.P, comm.size());
   const int64_t C = plan.C;
   if (!route.two_d()) {
     const Runs r(plan.send_rows, C), s(plan.recv_rows, C);

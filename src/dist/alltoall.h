@@ -44,11 +44,11 @@ struct A2aHierarchy {
 A2aHierarchy make_a2a_hierarchy(Comm& group, int ranks_per_node);
 
 struct A2aLayout {
-  int P = 1;             // ranks of the EP group
-  int64_t E_local = 0;   // experts per rank, El
-  int64_t C = 0;         // floats per row
-  int64_t R_send = 0;    // rows this rank sends (its routed rows)
-  int64_t R_recv = 0;    // rows this rank receives (its experts' rows)
+  int P = 1;                           // ranks of the EP group
+  int64_t E_local = 0;                 // experts per rank, El
+  int64_t C = 0;                       // floats per row
+  int64_t R_send = 0;                  // rows this rank sends (its routed rows)
+  int64_t R_recv = 0;                  // rows this rank receives (its experts' rows)
   std::vector<int64_t> send_rows;      // (P) rows to rank q
   std::vector<int64_t> recv_rows;      // (P) rows from rank q
   std::vector<int64_t> recv_counts;    // (P, El) rows from rank q for local expert j

@@ -69,7 +69,8 @@ class Comm {
   // and scatter (MPI_Alltoallw), which saves a packing copy but may move bytes less directly
   // than alltoallv: use alltoallv when every message is one run.
   virtual void alltoallv_blocks(void* recv, std::span<const std::vector<ByteBlock>> recv_blocks,
-                                const void* send, std::span<const std::vector<ByteBlock>> send_blocks,
+                                const void* send,
+                                std::span<const std::vector<ByteBlock>> send_blocks,
                                 const AlltoallvOptions& opts = {}) = 0;
   // Byte all-gather: rank q's counts[q] bytes from `send` land at recv + displs[q] on every rank.
   virtual void allgatherv(void* recv, std::span<const int64_t> counts,
@@ -131,7 +132,9 @@ class Comm {
 };
 
 // Chunk q of n elements split over P parts: [n·q/P, n·(q+1)/P).
-inline int64_t chunk_begin(int64_t n, int q, int P) { return n * q / P; }
+inline int64_t chunk_begin(int64_t n, int q, int P) {
+  return n * q / P;
+}
 
 // A one-process communicator: every collective is a copy or a no-op.
 std::unique_ptr<Comm> make_local_comm(const std::string& name = "local");

@@ -28,9 +28,10 @@ ExpertParallelMoe::ExpertParallelMoe(const MoeConfig& cfg, const A2aRoute& route
                                      const EpOptions& opts)
     : cfg_(cfg), route_(route), a2a_(*route.group), stats_comm_(stats), opts_(opts) {
   cfg_.validate();
-  MOETRAIN_CHECK(cfg_.E % a2a_.size() == 0,
-                 "expert parallelism over {} ranks needs a multiple of {} experts, the model has {}", a2a_.size(),
-                 a2a_.size(), cfg_.E);
+  MOETRAIN_CHECK(
+      cfg_.E % a2a_.size() == 0,
+      "expert parallelism over {} ranks needs a multiple of {} experts, the model has {}",
+      a2a_.size(), a2a_.size(), cfg_.E);
   MOETRAIN_CHECK(opts_.chunks >= 1, "all-to-all chunks = {}: must be at least 1", opts_.chunks);
   E_local_ = cfg_.E / a2a_.size();
   first_ = a2a_.rank() * E_local_;
@@ -109,7 +110,8 @@ void ExpertParallelMoe::experts(Chunk& k, const MoeWeights& w, bool forward, con
     float* yr = local ? k.y.ensure(k.layout.R * C) : k.yr.ensure(plan.R_recv * C);
     for (int q = 0; q < plan.P; ++q) {
       const int64_t at = plan.recv_offset[q] * C;
-      experts_forward(yr + at, xr + at, plan.recv_counts.data() + q * E_local_, range, C, cfg_.F, k.acts[q]);
+      experts_forward(yr + at, xr + at, plan.recv_counts.data() + q * E_local_, range, C, cfg_.F,
+                      k.acts[q]);
     }
     return;
   }
@@ -119,8 +121,8 @@ void ExpertParallelMoe::experts(Chunk& k, const MoeWeights& w, bool forward, con
   float* dxr = local ? k.dxp.ensure(k.layout.R * C) : k.dxr.ensure(plan.R_recv * C);
   for (int q = 0; q < plan.P; ++q) {
     const int64_t at = plan.recv_offset[q] * C;
-    experts_backward(dxr + at, grad, dyr + at, xr + at, plan.recv_counts.data() + q * E_local_, range, C, cfg_.F,
-                     k.acts[q]);
+    experts_backward(dxr + at, grad, dyr + at, xr + at, plan.recv_counts.data() + q * E_local_,
+                     range, C, cfg_.F, k.acts[q]);
   }
 }
 
@@ -129,11 +131,13 @@ void ExpertParallelMoe::forward(float* out, const float* inp, int64_t N, const M
   const int64_t C = cfg_.C, E = cfg_.E, K = cfg_.K;
   MOETRAIN_CHECK(N >= 0, "ExpertParallelMoe::forward: N is {}, must be >= 0", N);
   MOETRAIN_CHECK(N == 0 || (out && inp), "ExpertParallelMoe::forward: null out or inp for N={}", N);
-  MOETRAIN_CHECK(w.gate && w.w1 && w.w3 && w.w2, "ExpertParallelMoe::forward: gate, w1, w3 and w2 must all be set");
+  MOETRAIN_CHECK(w.gate && w.w1 && w.w3 && w.w2,
+                 "ExpertParallelMoe::forward: gate, w1, w3 and w2 must all be set");
   MOETRAIN_CHECK(cfg_.router != RouterKind::NoisyTopK || w.noise,
                  "ExpertParallelMoe::forward: noisy_topk needs w.noise");
   MOETRAIN_CHECK(cfg_.shared_F == 0 || (w.shared_w1 && w.shared_w3 && w.shared_w2),
-                 "ExpertParallelMoe::forward: shared_F={} needs the shared expert weights", cfg_.shared_F);
+                 "ExpertParallelMoe::forward: shared_F={} needs the shared expert weights",
+                 cfg_.shared_F);
   timings_ = MoeTimings{};
   a2a_busy_ = 0;
   has_forward_ = false;
@@ -178,7 +182,8 @@ void ExpertParallelMoe::forward(float* out, const float* inp, int64_t N, const M
     Chunk* k = &chunks_[c];
     landed[c] = communicate([this, k, E, C, local] {
       a2a_plan(k->plan, route_, k->layout.counts.data(), E, C);
-      if (!local) a2a_dispatch(k->xr.ensure(k->plan.R_recv * C), k->xp.data(), k->plan, route_, k->scratch);
+      if (!local)
+        a2a_dispatch(k->xr.ensure(k->plan.R_recv * C), k->xp.data(), k->plan, route_, k->scratch);
     });
   }
   if (cfg_.shared_F > 0) {
@@ -220,16 +225,19 @@ void ExpertParallelMoe::forward(float* out, const float* inp, int64_t N, const M
   has_forward_ = true;
 }
 
-void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeights& w, const MoeWeights& g,
-                                 float loss_weight) {
+void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeights& w,
+                                 const MoeWeights& g, float loss_weight) {
   MOETRAIN_CHECK(has_forward_, "ExpertParallelMoe::backward called without a completed forward");
   const int64_t N = N_, C = cfg_.C, E = cfg_.E, S = routing_.S;
-  MOETRAIN_CHECK(N == 0 || (dinp && dout), "ExpertParallelMoe::backward: null dinp or dout for N={}", N);
+  MOETRAIN_CHECK(N == 0 || (dinp && dout),
+                 "ExpertParallelMoe::backward: null dinp or dout for N={}", N);
   MOETRAIN_CHECK(g.gate && g.w1 && g.w3 && g.w2,
                  "ExpertParallelMoe::backward: gradients of gate, w1, w3 and w2 must be set");
-  MOETRAIN_CHECK(!router_cache_.noisy || g.noise, "ExpertParallelMoe::backward: noisy_topk in training needs g.noise");
+  MOETRAIN_CHECK(!router_cache_.noisy || g.noise,
+                 "ExpertParallelMoe::backward: noisy_topk in training needs g.noise");
   MOETRAIN_CHECK(cfg_.shared_F == 0 || (g.shared_w1 && g.shared_w3 && g.shared_w2),
-                 "ExpertParallelMoe::backward: shared_F={} needs the shared expert gradients", cfg_.shared_F);
+                 "ExpertParallelMoe::backward: shared_F={} needs the shared expert gradients",
+                 cfg_.shared_F);
   a2a_busy_ = 0;
   const bool local = a2a_.size() == 1;
   const int n = static_cast<int>(chunks_.size());
@@ -239,8 +247,8 @@ void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeight
     Chunk* k = &chunks_[c];
     {
       ScopedTimer timer(timings_.combine);
-      combine_backward(k->dy.ensure(k->layout.R * C), dweight_.data() + k->t0 * S, dout + k->t0 * C, k->y.data(),
-                       k->layout, C);
+      combine_backward(k->dy.ensure(k->layout.R * C), dweight_.data() + k->t0 * S, dout + k->t0 * C,
+                       k->y.data(), k->layout, C);
     }
     if (!local)
       landed[c] = communicate([this, k, C] {
@@ -249,8 +257,8 @@ void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeight
   }
   if (cfg_.shared_F > 0 && N > 0) {
     ScopedTimer timer(timings_.shared);
-    experts_backward(dinp, shared_expert_range(g), dout, inp_, &N_, shared_expert_range(w), C, cfg_.shared_F,
-                     shared_acts_);
+    experts_backward(dinp, shared_expert_range(g), dout, inp_, &N_, shared_expert_range(w), C,
+                     cfg_.shared_F, shared_acts_);
   }
   for (int c = 0; c < n; ++c) {
     Chunk* k = &chunks_[c];
@@ -283,18 +291,21 @@ void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeight
     const float z_scale = cfg_.z_loss_coef * loss_weight;
     if (z_scale != 0.0f) {
       dz_.resize(N * E);
-      z_loss_backward(dz_.data(), router_cache_.logits.data(), router_cache_.lse.data(), N, E, z_scale);
+      z_loss_backward(dz_.data(), router_cache_.logits.data(), router_cache_.lse.data(), N, E,
+                      z_scale);
       grads.dlogits = dz_.data();
     }
   }
   {
     ScopedTimer timer(timings_.router);
-    router_backward(dinp, g.gate, g.noise, grads, inp_, w.gate, w.noise, routing_, router_cache_, cfg_);
+    router_backward(dinp, g.gate, g.noise, grads, inp_, w.gate, w.noise, routing_, router_cache_,
+                    cfg_);
   }
 }
 
 void ExpertParallelMoe::apply_bias_update(const int64_t* global_load) {
-  MOETRAIN_CHECK(cfg_.router == RouterKind::SigmoidBias, "apply_bias_update: router is {}, only sigmoid_bias has a bias",
+  MOETRAIN_CHECK(cfg_.router == RouterKind::SigmoidBias,
+                 "apply_bias_update: router is {}, only sigmoid_bias has a bias",
                  router_kind_name(cfg_.router));
   MOETRAIN_CHECK(global_load != nullptr, "apply_bias_update: null load");
   bias_update(bias_.data(), global_load, cfg_.E, cfg_.bias_update_rate);

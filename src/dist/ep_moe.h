@@ -39,7 +39,8 @@ class ExpertParallelMoe final : public MoeBlock {
  public:
   // route: the EP group (its size must divide cfg.E), flat or 2-D. stats: every process that
   // holds tokens. The communicators must outlive the layer.
-  ExpertParallelMoe(const MoeConfig& cfg, const A2aRoute& route, Comm& stats, const EpOptions& opts = {});
+  ExpertParallelMoe(const MoeConfig& cfg, const A2aRoute& route, Comm& stats,
+                    const EpOptions& opts = {});
   ExpertParallelMoe(const MoeConfig& cfg, Comm& a2a, Comm& stats)
       : ExpertParallelMoe(cfg, A2aRoute{&a2a}, stats) {}
 
@@ -68,13 +69,13 @@ class ExpertParallelMoe final : public MoeBlock {
  private:
   // One run of consecutive tokens with its own layout and exchange.
   struct Chunk {
-    int64_t t0 = 0, N = 0;          // tokens [t0, t0 + N)
-    Routing routing;                // the chunk's slice of the routing
+    int64_t t0 = 0, N = 0;  // tokens [t0, t0 + N)
+    Routing routing;        // the chunk's slice of the routing
     DispatchLayout layout;
     A2aLayout plan;
-    FloatBuffer xp, y, dy, dxp;     // (R_send, C) rows this rank routed
-    FloatBuffer xr, yr, dyr, dxr;   // (R_recv, C) rows of this rank's experts, source-major
-    std::vector<ExpertActs> acts;   // (P) one per source block
+    FloatBuffer xp, y, dy, dxp;    // (R_send, C) rows this rank routed
+    FloatBuffer xr, yr, dyr, dxr;  // (R_recv, C) rows of this rank's experts, source-major
+    std::vector<ExpertActs> acts;  // (P) one per source block
     A2aScratch scratch;
   };
 

@@ -98,10 +98,10 @@ class GradSync {
   Comm& dense_;
   Comm& expert_;
   std::vector<Bucket> buckets_;
-  std::vector<int64_t> lowest_;  // (buckets) lowest flat offset in each
+  std::vector<int64_t> lowest_;   // (buckets) lowest flat offset in each
   CommThread* thread_ = nullptr;  // between begin() and finish()
   const float* grads_ = nullptr;
-  std::size_t next_ = 0;          // first bucket not yet posted
+  std::size_t next_ = 0;  // first bucket not yet posted
   int64_t shard_size_ = 0;
   std::vector<float> shard_;
   FloatBuffer packed_;

@@ -13,7 +13,9 @@ using namespace moetrain;
 
 namespace {
 
-std::unique_ptr<Comm> world() { return dist_world("test"); }
+std::unique_ptr<Comm> world() {
+  return dist_world("test");
+}
 
 // The bits of v on every rank, so a test can check that all ranks hold the same result.
 template <class T>
@@ -126,7 +128,8 @@ TEST(Comm, AllgatherVariableCounts) {
 TEST(Comm, AlltoallvKnownPatternWithZeroCounts) {
   auto w = world();
   const int P = w->size(), r = w->rank();
-  // Rank s sends (s + q) % 3 floats to rank q (so some pairs send nothing), valued s·1000 + q·10 + i.
+  // Rank s sends (s + q) % 3 floats to rank q (so some pairs send nothing), valued s·1000 + q·10 +
+  // i.
   auto count = [](int s, int q) { return static_cast<int64_t>((s + q) % 3); };
   std::vector<int64_t> sc(P), sd(P), rc(P), rd(P);
   int64_t sn = 0, rn = 0;
@@ -136,7 +139,8 @@ TEST(Comm, AlltoallvKnownPatternWithZeroCounts) {
   }
   std::vector<float> send(sn), recv(rn, -1.0f);
   for (int q = 0, at = 0; q < P; ++q)
-    for (int64_t i = 0; i < count(r, q); ++i) send[at++] = static_cast<float>(r * 1000 + q * 10 + i);
+    for (int64_t i = 0; i < count(r, q); ++i)
+      send[at++] = static_cast<float>(r * 1000 + q * 10 + i);
   w->alltoallv(recv.data(), rc, rd, send.data(), sc, sd);
   for (int q = 0, at = 0; q < P; ++q)
     for (int64_t i = 0; i < count(q, r); ++i)

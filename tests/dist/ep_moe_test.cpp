@@ -40,7 +40,9 @@ double rel_diff(const float* a, const float* b, int64_t n) {
 }
 
 // Tokens of rank r: 5 + 3r, except rank 1, which holds none.
-int64_t tokens_of(int r) { return r == 1 ? 0 : 5 + 3 * r; }
+int64_t tokens_of(int r) {
+  return r == 1 ? 0 : 5 + 3 * r;
+}
 
 // The layer's output and input gradient on this rank, for comparing configurations bitwise.
 struct Bits {
