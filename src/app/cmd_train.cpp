@@ -18,8 +18,8 @@ Run add_train_command(CLI::App& app) {
     std::string config;
     std::vector<std::string> overrides;
     bool resume = false;
-    int64_t ep = 0, zero = -1, ranks_per_node = -1;
-    bool hierarchical = false;
+    int64_t ep = 0, zero = -1, ranks_per_node = -1, a2a_chunks = 0;
+    bool hierarchical = false, no_overlap = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")->required();
@@ -36,8 +36,15 @@ Run add_train_command(CLI::App& app) {
                   "With the two-stage all-to-all: ranks per node, overriding detection (emulates nodes); implies "
                   "--hierarchical")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--a2a-chunks", args->a2a_chunks,
+                  "Split each MoE all-to-all into n chunks overlapped with expert compute (dist.a2a_chunks)")
+      ->check(CLI::Range(1, 64));
+  cmd->add_flag("--no-overlap", args->no_overlap,
+                "Reduce gradients after backward instead of during it (dist.overlap = false)");
   return [args] {
     std::vector<std::string> overrides = args->overrides;
+    if (args->no_overlap) overrides.push_back("dist.overlap=false");
+    if (args->a2a_chunks > 0) overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));
     if (args->ep > 0) overrides.push_back(fmt::format("dist.ep={}", args->ep));
     if (args->zero >= 0) overrides.push_back(fmt::format("dist.zero={}", args->zero));
     if (args->hierarchical || args->ranks_per_node >= 0) overrides.push_back("dist.hierarchical=true");

@@ -5,10 +5,10 @@
 // versa) reuse it.
 //
 // On the sending side rows are grouped by global expert (DispatchLayout order), and the experts
-// of rank q are [q·El, (q+1)·El), so the rows for rank q are one contiguous run. The receiving
-// side gets them source-major (rank 0's rows for each local expert, then rank 1's, ...) and
-// regroups them expert-major (all rows of local expert 0, source rank ascending, then expert 1),
-// which is what the grouped expert GEMMs take.
+// of rank q are [q·El, (q+1)·El), so the rows for rank q are one contiguous run. They arrive
+// source-major: rank 0's rows (by local expert), then rank 1's, ... Each source's block is itself
+// grouped by expert, so the expert stage runs once per source block (recv_counts) and no row is
+// ever regrouped: a flat dispatch or combine is exactly one MPI_Alltoallv.
 //
 // Two routes, identical results to the bit (they only move bytes, into the same places):
 //   flat  one MPI_Alltoallv over the EP group;
@@ -44,33 +44,32 @@ struct A2aHierarchy {
 A2aHierarchy make_a2a_hierarchy(Comm& group, int ranks_per_node);
 
 struct A2aLayout {
-  int P = 1;             // ranks of the EP group
-  int64_t E_local = 0;   // experts per rank, El
-  int64_t C = 0;         // floats per row
-  int64_t R_send = 0;    // rows this rank sends (its routed rows)
-  int64_t R_recv = 0;    // rows this rank receives (its experts' rows)
+  int P = 1;                           // ranks of the EP group
+  int64_t E_local = 0;                 // experts per rank, El
+  int64_t C = 0;                       // floats per row
+  int64_t R_send = 0;                  // rows this rank sends (its routed rows)
+  int64_t R_recv = 0;                  // rows this rank receives (its experts' rows)
   std::vector<int64_t> send_rows;      // (P) rows to rank q
   std::vector<int64_t> recv_rows;      // (P) rows from rank q
   std::vector<int64_t> recv_counts;    // (P, El) rows from rank q for local expert j
+  std::vector<int64_t> recv_offset;    // (P + 1) first received row from rank q
   std::vector<int64_t> expert_counts;  // (El) rows per local expert, summed over sources
-  std::vector<int64_t> src_offset;     // (P, El) first row of block (q, j), source-major
-  std::vector<int64_t> exp_offset;     // (P, El) first row of block (q, j), expert-major
   std::vector<int64_t> rows;           // 2-D only: (P, P) rows from rank s to rank d
 };
 
-// Staging buffers, grown as needed and reused.
+// The 2-D route's relay buffer (rows between the two stages), grown as needed and reused.
 struct A2aScratch {
-  FloatBuffer staged, pack, relay;
+  FloatBuffer relay;
 };
 
 // Collective over the route. counts (E): rows this rank routes to each global expert; E must be a
 // multiple of the group size.
 void a2a_plan(A2aLayout& plan, const A2aRoute& route, const int64_t* counts, int64_t E, int64_t C);
 
-// Collective. out (R_recv, C) expert-major = the rows of in (R_send, C) sent by every rank.
+// Collective. out (R_recv, C) source-major = the rows of in (R_send, C) sent by every rank.
 void a2a_dispatch(float* out, const float* in, const A2aLayout& plan, const A2aRoute& route,
                   A2aScratch& scratch);
-// Collective, the reverse. out (R_send, C) = the rows of in (R_recv, C, expert-major) returned to
+// Collective, the reverse. out (R_send, C) = the rows of in (R_recv, C, source-major) returned to
 // the ranks and positions they were dispatched from.
 void a2a_combine(float* out, const float* in, const A2aLayout& plan, const A2aRoute& route,
                  A2aScratch& scratch);

@@ -18,8 +18,7 @@ void Comm::check_counts(std::span<const int64_t> counts, const char* what) const
 }
 
 template <class T>
-void Comm::reduce_scatter_impl(T* out, const T* in, std::span<const int64_t> counts,
-                               ReduceOp op) {
+void Comm::reduce_scatter_impl(T* out, const T* in, std::span<const int64_t> counts, ReduceOp op) {
   check_counts(counts, "reduce_scatter");
   const int P = size_;
   const int64_t mine = counts[rank_];
@@ -110,8 +109,36 @@ class LocalComm final : public Comm {
     MOETRAIN_CHECK(recv_counts[0] == send_counts[0],
                    "alltoallv on '{}': sending {} bytes to itself but expecting {}", name(),
                    send_counts[0], recv_counts[0]);
-    copy(static_cast<char*>(recv) + recv_displs[0],
-         static_cast<const char*>(send) + send_displs[0], send_counts[0]);
+    copy(static_cast<char*>(recv) + recv_displs[0], static_cast<const char*>(send) + send_displs[0],
+         send_counts[0]);
+  }
+
+  void alltoallv_blocks(void* recv, std::span<const std::vector<ByteBlock>> recv_blocks,
+                        const void* send, std::span<const std::vector<ByteBlock>> send_blocks,
+                        const AlltoallvOptions&) override {
+    MOETRAIN_CHECK(recv_blocks.size() == 1 && send_blocks.size() == 1,
+                   "alltoallv_blocks on '{}': {} and {} block lists for a world of 1", name(),
+                   recv_blocks.size(), send_blocks.size());
+    // Walk both lists at once: a run ends where either block ends.
+    const auto& in = send_blocks[0];
+    const auto& out = recv_blocks[0];
+    std::size_t i = 0, o = 0;
+    int64_t at_in = 0, at_out = 0;
+    while (i < in.size() && o < out.size()) {
+      const int64_t n = std::min(in[i].bytes - at_in, out[o].bytes - at_out);
+      copy(static_cast<char*>(recv) + out[o].offset + at_out,
+           static_cast<const char*>(send) + in[i].offset + at_in, n);
+      at_in += n, at_out += n;
+      if (at_in == in[i].bytes) ++i, at_in = 0;
+      if (at_out == out[o].bytes) ++o, at_out = 0;
+    }
+    auto rest = [](const std::vector<ByteBlock>& v, std::size_t k, int64_t at) {
+      int64_t n = -at;
+      for (; k < v.size(); ++k) n += v[k].bytes;
+      return n;
+    };
+    MOETRAIN_CHECK(rest(in, i, at_in) <= 0 && rest(out, o, at_out) <= 0,
+                   "alltoallv_blocks on '{}': the send and receive blocks differ in size", name());
   }
 
   void allgatherv(void* recv, std::span<const int64_t> counts, std::span<const int64_t> displs,
@@ -124,8 +151,8 @@ class LocalComm final : public Comm {
   void broadcast(void* data, int64_t bytes, const BroadcastOptions& opts) override {
     MOETRAIN_CHECK(opts.root == 0, "broadcast on '{}': root {} outside a world of 1", name(),
                    opts.root);
-    MOETRAIN_CHECK(bytes >= 0 && (bytes == 0 || data), "broadcast on '{}': {} bytes at {}",
-                   name(), bytes, data);
+    MOETRAIN_CHECK(bytes >= 0 && (bytes == 0 || data), "broadcast on '{}': {} bytes at {}", name(),
+                   bytes, data);
   }
 
   std::unique_ptr<Comm> split(int color, int, const SplitOptions& opts) override {

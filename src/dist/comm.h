@@ -37,6 +37,11 @@ struct SplitOptions {
   std::string name;  // traffic class of the new communicator, for messages
 };
 
+// Bytes [offset, offset + bytes) of a buffer.
+struct ByteBlock {
+  int64_t offset = 0, bytes = 0;
+};
+
 class Comm {
  public:
   virtual ~Comm() = default;
@@ -58,6 +63,15 @@ class Comm {
                          std::span<const int64_t> recv_displs, const void* send,
                          std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
                          const AlltoallvOptions& opts = {}) = 0;
+  // alltoallv where each peer's message is gathered from, and scattered into, lists of blocks:
+  // the bytes for rank q are send's send_blocks[q] one after another, and rank q's bytes fill
+  // recv's recv_blocks[q] in order (the sizes must agree pairwise). MPI datatypes do the gather
+  // and scatter (MPI_Alltoallw), which saves a packing copy but may move bytes less directly
+  // than alltoallv: use alltoallv when every message is one run.
+  virtual void alltoallv_blocks(void* recv, std::span<const std::vector<ByteBlock>> recv_blocks,
+                                const void* send,
+                                std::span<const std::vector<ByteBlock>> send_blocks,
+                                const AlltoallvOptions& opts = {}) = 0;
   // Byte all-gather: rank q's counts[q] bytes from `send` land at recv + displs[q] on every rank.
   virtual void allgatherv(void* recv, std::span<const int64_t> counts,
                           std::span<const int64_t> displs, const void* send,
@@ -118,7 +132,9 @@ class Comm {
 };
 
 // Chunk q of n elements split over P parts: [n·q/P, n·(q+1)/P).
-inline int64_t chunk_begin(int64_t n, int q, int P) { return n * q / P; }
+inline int64_t chunk_begin(int64_t n, int q, int P) {
+  return n * q / P;
+}
 
 // A one-process communicator: every collective is a copy or a no-op.
 std::unique_ptr<Comm> make_local_comm(const std::string& name = "local");

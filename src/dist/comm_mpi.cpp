@@ -20,11 +20,11 @@ std::string error_text(int code) {
   return std::string(text, static_cast<std::size_t>(len));
 }
 
-#define MOETRAIN_MPI(call, comm_name)                                                     \
-  do {                                                                                    \
-    int rc_ = (call);                                                                     \
-    MOETRAIN_CHECK(rc_ == MPI_SUCCESS, "{} on communicator '{}' failed: {}", #call,       \
-                   comm_name, error_text(rc_));                                           \
+#define MOETRAIN_MPI(call, comm_name)                                                          \
+  do {                                                                                         \
+    int rc_ = (call);                                                                          \
+    MOETRAIN_CHECK(rc_ == MPI_SUCCESS, "{} on communicator '{}' failed: {}", #call, comm_name, \
+                   error_text(rc_));                                                           \
   } while (0)
 
 int to_int(int64_t v, const char* what, const std::string& comm) {
@@ -104,9 +104,51 @@ class MpiComm final : public Comm {
     auto sc = scaled(send_counts, unit, "alltoallv send count", name());
     auto sd = scaled(send_displs, unit, "alltoallv send displacement", name());
     MPI_Datatype type = unit_type(unit);
-    MOETRAIN_MPI(MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type,
-                               comm_),
-                 name());
+    MOETRAIN_MPI(
+        MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, comm_),
+        name());
+  }
+
+  void alltoallv_blocks(void* recv, std::span<const std::vector<ByteBlock>> recv_blocks,
+                        const void* send, std::span<const std::vector<ByteBlock>> send_blocks,
+                        const AlltoallvOptions&) override {
+    const int P = size();
+    MOETRAIN_CHECK(
+        static_cast<int>(recv_blocks.size()) == P && static_cast<int>(send_blocks.size()) == P,
+        "alltoallv_blocks on '{}': {} and {} block lists, expected one per rank ({})", name(),
+        recv_blocks.size(), send_blocks.size(), P);
+    // One hindexed type per peer and direction, displacements from the buffer's start.
+    std::vector<MPI_Datatype> stypes(P, MPI_BYTE), rtypes(P, MPI_BYTE);
+    std::vector<int> scounts(P, 0), rcounts(P, 0), zeros(P, 0);
+    auto make = [&](const std::vector<ByteBlock>& blocks, MPI_Datatype& type, int& count) {
+      std::vector<int> lengths;
+      std::vector<MPI_Aint> displs;
+      for (const ByteBlock& b : blocks) {
+        MOETRAIN_CHECK(b.offset >= 0 && b.bytes >= 0, "alltoallv_blocks on '{}': block [{}, +{})",
+                       name(), b.offset, b.bytes);
+        if (b.bytes == 0) continue;
+        lengths.push_back(to_int(b.bytes, "alltoallv_blocks block", name()));
+        displs.push_back(static_cast<MPI_Aint>(b.offset));
+      }
+      if (lengths.empty()) return;
+      MOETRAIN_MPI(MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                            displs.data(), MPI_BYTE, &type),
+                   name());
+      MOETRAIN_MPI(MPI_Type_commit(&type), name());
+      count = 1;
+    };
+    for (int q = 0; q < P; ++q) {
+      make(send_blocks[q], stypes[q], scounts[q]);
+      make(recv_blocks[q], rtypes[q], rcounts[q]);
+    }
+    int rc = MPI_Alltoallw(send, scounts.data(), zeros.data(), stypes.data(), recv, rcounts.data(),
+                           zeros.data(), rtypes.data(), comm_);
+    for (int q = 0; q < P; ++q) {
+      if (stypes[q] != MPI_BYTE) MPI_Type_free(&stypes[q]);
+      if (rtypes[q] != MPI_BYTE) MPI_Type_free(&rtypes[q]);
+    }
+    MOETRAIN_CHECK(rc == MPI_SUCCESS, "MPI_Alltoallw on communicator '{}' failed: {}", name(),
+                   error_text(rc));
   }
 
   void allgatherv(void* recv, std::span<const int64_t> counts, std::span<const int64_t> displs,
@@ -124,8 +166,8 @@ class MpiComm final : public Comm {
   void broadcast(void* data, int64_t bytes, const BroadcastOptions& opts) override {
     MOETRAIN_CHECK(opts.root >= 0 && opts.root < size(),
                    "broadcast on '{}': root {} outside [0, {})", name(), opts.root, size());
-    MOETRAIN_CHECK(bytes >= 0 && (bytes == 0 || data), "broadcast on '{}': {} bytes at {}",
-                   name(), bytes, data);
+    MOETRAIN_CHECK(bytes >= 0 && (bytes == 0 || data), "broadcast on '{}': {} bytes at {}", name(),
+                   bytes, data);
     const int unit = common_unit({std::span<const int64_t>(&bytes, 1)});
     MOETRAIN_MPI(MPI_Bcast(data, to_int(bytes / unit, "broadcast size", name()), unit_type(unit),
                            opts.root, comm_),
@@ -141,7 +183,8 @@ class MpiComm final : public Comm {
 
   std::unique_ptr<Comm> split_shared(const SplitOptions& opts) override {
     MPI_Comm out = MPI_COMM_NULL;
-    MOETRAIN_MPI(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &out), name());
+    MOETRAIN_MPI(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &out),
+                 name());
     return wrap(out, opts.name.empty() ? name() : opts.name);
   }
 

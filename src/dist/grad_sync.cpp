@@ -1,6 +1,7 @@
 #include "dist/grad_sync.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "core/check.h"
@@ -13,7 +14,8 @@ namespace {
 
 // Sorted, adjacent ranges joined.
 std::vector<FlatRange> merged(std::vector<FlatRange> v) {
-  std::sort(v.begin(), v.end(), [](const FlatRange& a, const FlatRange& b) { return a.offset < b.offset; });
+  std::sort(v.begin(), v.end(),
+            [](const FlatRange& a, const FlatRange& b) { return a.offset < b.offset; });
   std::vector<FlatRange> out;
   for (const FlatRange& r : v) {
     if (r.size == 0) continue;
@@ -33,7 +35,8 @@ SyncRanges sync_ranges(const ParamLayout& layout, const ExpertShard& shard) {
   for (const ParamInfo& p : layout.params()) {
     if (p.expert < 0) continue;
     all_experts.push_back({p.offset, p.numel});
-    if (p.expert >= shard.first && p.expert < shard.first + shard.count) own.push_back({p.offset, p.numel});
+    if (p.expert >= shard.first && p.expert < shard.first + shard.count)
+      own.push_back({p.offset, p.numel});
   }
   SyncRanges out;
   out.expert = merged(own);
@@ -58,7 +61,8 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
   std::vector<Run> runs;
   for (const FlatRange& r : ranges.dense) runs.push_back({r, false});
   for (const FlatRange& r : ranges.expert) runs.push_back({r, true});
-  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.range.offset > b.range.offset; });
+  std::sort(runs.begin(), runs.end(),
+            [](const Run& a, const Run& b) { return a.range.offset > b.range.offset; });
 
   Bucket open[2];
   bool first[2] = {true, true};
@@ -72,7 +76,8 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
     Comm& comm = group(b);
     const int P = comm.size(), q = comm.rank();
     b.counts.resize(P);
-    for (int p = 0; p < P; ++p) b.counts[p] = chunk_begin(b.size, p + 1, P) - chunk_begin(b.size, p, P);
+    for (int p = 0; p < P; ++p)
+      b.counts[p] = chunk_begin(b.size, p + 1, P) - chunk_begin(b.size, p, P);
     b.chunk_begin = chunk_begin(b.size, q, P);
     b.shard_offset = shard_size_;
     shard_size_ += b.counts[q];
@@ -95,33 +100,72 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
   close(0);
   close(1);
   shard_.assign(static_cast<std::size_t>(shard_size_), 0.0f);
+  for (const Bucket& b : buckets_) {
+    int64_t low = INT64_MAX;
+    for (const FlatRange& p : b.pieces) low = std::min(low, p.offset);
+    lowest_.push_back(low);
+  }
 }
 
 void GradSync::pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const {
   int64_t pos = 0;
   for (const FlatRange& p : b.pieces) {
     const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
-    if (a < z) std::memcpy(dst + (a - lo), flat + p.offset + (a - pos), static_cast<std::size_t>(z - a) * sizeof(float));
+    if (a < z)
+      std::memcpy(dst + (a - lo), flat + p.offset + (a - pos),
+                  static_cast<std::size_t>(z - a) * sizeof(float));
     pos += p.size;
   }
 }
 
-void GradSync::unpack(float* flat, const float* src, const Bucket& b, int64_t lo, int64_t hi) const {
+void GradSync::unpack(float* flat, const float* src, const Bucket& b, int64_t lo,
+                      int64_t hi) const {
   int64_t pos = 0;
   for (const FlatRange& p : b.pieces) {
     const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
-    if (a < z) std::memcpy(flat + p.offset + (a - pos), src + (a - lo), static_cast<std::size_t>(z - a) * sizeof(float));
+    if (a < z)
+      std::memcpy(flat + p.offset + (a - pos), src + (a - lo),
+                  static_cast<std::size_t>(z - a) * sizeof(float));
     pos += p.size;
   }
 }
 
+void GradSync::reduce_bucket(std::size_t i, const float* grads) {
+  const Bucket& b = buckets_[i];
+  float* packed = packed_.ensure(b.size);
+  pack(packed, grads, b, 0, b.size);
+  ScopedTimer timer(seconds_);
+  group(b).reduce_scatter(shard_.data() + b.shard_offset, packed, b.counts);
+}
+
 void GradSync::reduce_scatter(const float* grads) {
-  for (const Bucket& b : buckets_) {
-    float* packed = packed_.ensure(b.size);
-    pack(packed, grads, b, 0, b.size);
-    ScopedTimer timer(seconds_);
-    group(b).reduce_scatter(shard_.data() + b.shard_offset, packed, b.counts);
+  MOETRAIN_CHECK(thread_ == nullptr,
+                 "GradSync::reduce_scatter while an overlapped reduction is in flight");
+  for (std::size_t i = 0; i < buckets_.size(); ++i) reduce_bucket(i, grads);
+}
+
+void GradSync::begin(CommThread& thread, const float* grads) {
+  MOETRAIN_CHECK(thread_ == nullptr, "GradSync::begin: the previous reduction was not finished");
+  thread_ = &thread;
+  grads_ = grads;
+  next_ = 0;
+}
+
+void GradSync::ready(int64_t from) {
+  if (thread_ == nullptr) return;
+  // In bucket order only, so every rank posts the same collectives in the same order.
+  for (; next_ < buckets_.size() && lowest_[next_] >= from; ++next_) {
+    const std::size_t i = next_;
+    thread_->post([this, i] { reduce_bucket(i, grads_); });
   }
+}
+
+void GradSync::finish() {
+  MOETRAIN_CHECK(thread_ != nullptr, "GradSync::finish without begin");
+  ready(INT64_MIN);
+  CommThread* thread = thread_;
+  thread_ = nullptr;
+  thread->drain();
 }
 
 double GradSync::shard_sum_squares() const {
@@ -131,9 +175,13 @@ double GradSync::shard_sum_squares() const {
   return sum;
 }
 
-bool GradSync::shard_has_non_finite() const { return has_non_finite(shard_.data(), shard_size_); }
+bool GradSync::shard_has_non_finite() const {
+  return has_non_finite(shard_.data(), shard_size_);
+}
 
-void GradSync::scale_shard(float scale) { scale_gradients(shard_.data(), shard_size_, scale); }
+void GradSync::scale_shard(float scale) {
+  scale_gradients(shard_.data(), shard_size_, scale);
+}
 
 void GradSync::unpack_shard(float* grads) const {
   for (const Bucket& b : buckets_) {
@@ -179,8 +227,9 @@ std::vector<ShardPiece> GradSync::shard_pieces() const {
   std::vector<ShardPiece> out;
   for (const FlatRange& r : merged(dense)) out.push_back({r, false});
   for (const FlatRange& r : merged(expert)) out.push_back({r, true});
-  std::sort(out.begin(), out.end(),
-            [](const ShardPiece& a, const ShardPiece& b) { return a.range.offset < b.range.offset; });
+  std::sort(out.begin(), out.end(), [](const ShardPiece& a, const ShardPiece& b) {
+    return a.range.offset < b.range.offset;
+  });
   return out;
 }
 

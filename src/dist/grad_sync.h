@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dist/comm.h"
+#include "dist/comm_thread.h"
 #include "dist/groups.h"
 #include "model/params.h"
 #include "moe/workspace.h"
@@ -63,6 +64,14 @@ class GradSync {
 
   // Collective. shard = this rank's chunk of every bucket of grads (flat), summed over the group.
   void reduce_scatter(const float* grads);
+  // The same, overlapped with backward: begin() before the step's last backward, ready(from)
+  // whenever the gradients at offsets ≥ from are final (each bucket that is then complete is
+  // reduced on `thread`, buckets in their fixed order), finish() after backward (the rest, then
+  // waits). The result is the bits reduce_scatter gives. While buckets are in flight only
+  // `thread` may call MPI.
+  void begin(CommThread& thread, const float* grads);
+  void ready(int64_t from);
+  void finish();
   // Σ shard² in double, buckets in order (grad_sum_squares per chunk): this rank's part of the
   // global squared norm; the chunks of all ranks cover every gradient element exactly once.
   double shard_sum_squares() const;
@@ -84,10 +93,15 @@ class GradSync {
   void pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const;
   void unpack(float* flat, const float* src, const Bucket& b, int64_t lo, int64_t hi) const;
   void allgather_into(float* flat, const Bucket& b, const float* mine);
+  void reduce_bucket(std::size_t i, const float* grads);
 
   Comm& dense_;
   Comm& expert_;
   std::vector<Bucket> buckets_;
+  std::vector<int64_t> lowest_;   // (buckets) lowest flat offset in each
+  CommThread* thread_ = nullptr;  // between begin() and finish()
+  const float* grads_ = nullptr;
+  std::size_t next_ = 0;  // first bucket not yet posted
   int64_t shard_size_ = 0;
   std::vector<float> shard_;
   FloatBuffer packed_;

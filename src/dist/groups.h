@@ -13,7 +13,7 @@ namespace moetrain {
 
 struct ParallelLayout {
   int world = 1, rank = 0;
-  int ep = 1, dp = 1;             // EP group size, number of EP groups (= EDP group size)
+  int ep = 1, dp = 1;              // EP group size, number of EP groups (= EDP group size)
   int ep_index = 0, dp_index = 0;  // this rank's place in its EP group and in its EDP group
 };
 

@@ -33,7 +33,8 @@ void gather_pieces(Comm& comm, std::span<const FlatPiece> pieces, float* full, i
   std::vector<float> packed(static_cast<std::size_t>(floats));
   int64_t at = 0;
   for (const FlatPiece& p : pieces) {
-    if (p.size > 0) std::memcpy(packed.data() + at, p.data, static_cast<std::size_t>(p.size) * sizeof(float));
+    if (p.size > 0)
+      std::memcpy(packed.data() + at, p.data, static_cast<std::size_t>(p.size) * sizeof(float));
     at += p.size;
   }
   sc[root] = floats * static_cast<int64_t>(sizeof(float));
@@ -54,18 +55,22 @@ void gather_pieces(Comm& comm, std::span<const FlatPiece> pieces, float* full, i
   MOETRAIN_CHECK(full != nullptr || total == 0, "gather_pieces: null destination on root");
   at = 0;
   for (std::size_t m = 0; m < all_meta.size(); m += 2) {
-    std::memcpy(full + all_meta[m], all.data() + at, static_cast<std::size_t>(all_meta[m + 1]) * sizeof(float));
+    std::memcpy(full + all_meta[m], all.data() + at,
+                static_cast<std::size_t>(all_meta[m + 1]) * sizeof(float));
     at += all_meta[m + 1];
   }
 }
 
-ShardedOptimizer::ShardedOptimizer(const OptimizerConfig& config, std::span<const ParamRange> groups,
+ShardedOptimizer::ShardedOptimizer(const OptimizerConfig& config,
+                                   std::span<const ParamRange> groups,
                                    std::vector<OptimPiece> pieces)
     : pieces_(std::move(pieces)) {
   // An empty range gives the state names even to a rank without pieces.
-  for (const StateBuffer& sb : make_optimizer(config, groups, 0, 0)->state()) names_.push_back(sb.name);
+  for (const StateBuffer& sb : make_optimizer(config, groups, 0, 0)->state())
+    names_.push_back(sb.name);
   for (const OptimPiece& p : pieces_) {
-    MOETRAIN_CHECK(p.offset >= 0 && p.size >= 0, "optimizer piece [{}, +{}) is invalid", p.offset, p.size);
+    MOETRAIN_CHECK(p.offset >= 0 && p.size >= 0, "optimizer piece [{}, +{}) is invalid", p.offset,
+                   p.size);
     opts_.push_back(make_optimizer(config, groups, p.offset, p.offset + p.size));
   }
 }

@@ -165,6 +165,7 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
                   V);
   rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(), resid_.data() + cfg_.n_layers * N * C,
                    params + layout_.final_norm, rstdf_.data(), N, C);
+  if (grads_ready_) grads_ready_(layout_.final_norm);
 
   // The balancing losses are means over MoE layers: each layer's share of their gradient.
   const int64_t n_moe = cfg_.n_moe_layers();
@@ -199,8 +200,10 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
     linear_backward(nullptr, grads + o.wv, dv_.data(), a.ln1.data(), params + o.wv, N, C, KD);
     rmsnorm_backward(dresid_.data(), grads + o.ln1, dln_.data(), x, params + o.ln1, a.rstd1.data(), N, C);
     for (int64_t i = 0; i < N * C; ++i) dresid_[i] += dxmid_[i];
+    if (grads_ready_) grads_ready_(o.ln1);  // the block's first tensor
   }
   embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
+  if (grads_ready_) grads_ready_(0);
 }
 
 double Transformer::flops_per_token(int64_t T) const {

@@ -39,6 +39,10 @@ class Transformer {
                     const MoeStep& step);
   // grads += ∂(loss_weight · total)/∂params for the last forward (which must have had targets).
   void backward(const float* params, float* grads, float loss_weight);
+  // Called during backward whenever the gradients at flat offsets ≥ `ready_from` are final (the
+  // layout runs embedding, blocks, final norm, head, and backward visits them in reverse), so a
+  // distributed trainer can start reducing them while backward goes on. Empty: no calls.
+  void set_grads_ready_hook(std::function<void(int64_t ready_from)> hook) { grads_ready_ = std::move(hook); }
 
   const float* logits() const { return logits_.data(); }  // (B·T, V) of the last forward
   // The MoE layers (one per MoE block, in layer order) — stats, router biases, timings.
@@ -60,6 +64,7 @@ class Transformer {
   int64_t capacity_ = 0;  // tokens the buffers hold
   int64_t B_ = 0, T_ = 0;
   bool have_targets_ = false;
+  std::function<void(int64_t)> grads_ready_;
 
   std::vector<int32_t> inputs_, targets_, pos_;
   std::vector<float> resid_;            // (L+1, N, C): the residual stream entering each block, then the output

@@ -19,9 +19,12 @@ struct MoeStats {
 };
 
 // Seconds spent per stage in the last forward plus the backward that followed it.
-// a2a: exchanging token rows with other processes (expert parallelism), 0 on one process.
+// a2a: exchanging token rows with other processes (expert parallelism; 0 on one process);
+// a2a_wait: the part of it the layer waited for, not hidden behind compute (= a2a without
+// overlap; not counted again in total()).
 struct MoeTimings {
   double router = 0, permute = 0, experts = 0, shared = 0, combine = 0, losses = 0, a2a = 0;
+  double a2a_wait = 0;
   double total() const { return router + permute + experts + shared + combine + losses + a2a; }
 };
 

@@ -76,6 +76,8 @@ ConfigSchema schema(RunConfig& c) {
       {"dist.bucket_mb", &c.dist.bucket_mb},
       {"dist.hierarchical", &c.dist.hierarchical},
       {"dist.ranks_per_node", &c.dist.ranks_per_node},
+      {"dist.a2a_chunks", &c.dist.a2a_chunks},
+      {"dist.overlap", &c.dist.overlap},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -162,6 +164,8 @@ void RunConfig::validate() const {
                  "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
                  dist.bucket_first_mb, dist.bucket_mb);
   MOETRAIN_CHECK(dist.ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)", dist.ranks_per_node);
+  MOETRAIN_CHECK(dist.a2a_chunks >= 1 && dist.a2a_chunks <= 64, "dist.a2a_chunks = {}: must be in [1, 64]",
+                 dist.a2a_chunks);
 }
 
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where) {

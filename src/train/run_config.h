@@ -67,6 +67,11 @@ struct DistSettings {
   // The expert all-to-all in two stages, within nodes then between them (dist/alltoall.h).
   bool hierarchical = false;
   int64_t ranks_per_node = 0;  // with hierarchical: > 0 sets the node size (emulation), 0 detects
+  // > 1: each MoE layer cuts its tokens into this many chunks whose all-to-alls run on a
+  // communication thread while the experts compute other chunks.
+  int64_t a2a_chunks = 1;
+  // Reduce gradient buckets on a communication thread while backward produces the next ones.
+  bool overlap = true;
 };
 
 struct RunConfig {

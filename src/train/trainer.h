@@ -24,6 +24,7 @@ class TokenShard;
 class GradSync;
 class ShardedOptimizer;
 struct A2aHierarchy;
+class CommThread;
 struct ProcessGroups;
 
 struct TrainResult {
@@ -100,6 +101,9 @@ class Trainer {
   std::unique_ptr<Comm> world_;
   std::unique_ptr<ProcessGroups> pg_;  // before model_: its MoE layers hold the communicators
   std::unique_ptr<A2aHierarchy> hier_;  // dist.hierarchical: the 2-D all-to-all's communicators
+  // dist.overlap or dist.a2a_chunks > 1: makes the gradient reductions and the MoE all-to-alls
+  // (all MPI calls during a step's backward) while the main thread computes.
+  std::unique_ptr<CommThread> comm_thread_;
   std::unique_ptr<Transformer> model_;
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;
@@ -114,7 +118,7 @@ class Trainer {
   // last step's figures, for metrics
   LossParts last_parts_;
   double last_grad_norm_ = 0, last_lr_ = 0;
-  double last_a2a_s_ = 0, last_sync_s_ = 0;
+  double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
 };
 

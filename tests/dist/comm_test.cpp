@@ -13,7 +13,9 @@ using namespace moetrain;
 
 namespace {
 
-std::unique_ptr<Comm> world() { return dist_world("test"); }
+std::unique_ptr<Comm> world() {
+  return dist_world("test");
+}
 
 // The bits of v on every rank, so a test can check that all ranks hold the same result.
 template <class T>
@@ -126,7 +128,8 @@ TEST(Comm, AllgatherVariableCounts) {
 TEST(Comm, AlltoallvKnownPatternWithZeroCounts) {
   auto w = world();
   const int P = w->size(), r = w->rank();
-  // Rank s sends (s + q) % 3 floats to rank q (so some pairs send nothing), valued s·1000 + q·10 + i.
+  // Rank s sends (s + q) % 3 floats to rank q (so some pairs send nothing), valued s·1000 + q·10 +
+  // i.
   auto count = [](int s, int q) { return static_cast<int64_t>((s + q) % 3); };
   std::vector<int64_t> sc(P), sd(P), rc(P), rd(P);
   int64_t sn = 0, rn = 0;
@@ -136,7 +139,8 @@ TEST(Comm, AlltoallvKnownPatternWithZeroCounts) {
   }
   std::vector<float> send(sn), recv(rn, -1.0f);
   for (int q = 0, at = 0; q < P; ++q)
-    for (int64_t i = 0; i < count(r, q); ++i) send[at++] = static_cast<float>(r * 1000 + q * 10 + i);
+    for (int64_t i = 0; i < count(r, q); ++i)
+      send[at++] = static_cast<float>(r * 1000 + q * 10 + i);
   w->alltoallv(recv.data(), rc, rd, send.data(), sc, sd);
   for (int q = 0, at = 0; q < P; ++q)
     for (int64_t i = 0; i < count(q, r); ++i)
@@ -160,6 +164,39 @@ TEST(Comm, AlltoallvEverythingToOneRankAndOddBytes) {
       for (int i = 0; i <= q; ++i) EXPECT_EQ(recv[at++], 'a' + q);
   }
   EXPECT_EQ(recv.back(), '?');
+}
+
+TEST(Comm, AlltoallvBlocksGathersAndScatters) {
+  auto w = world();
+  const int P = w->size(), r = w->rank();
+  // To rank q: bytes "rq" then "s", taken from two places of the send buffer; received into two
+  // separate places per source, split at a different point than it was sent.
+  std::vector<char> send(8 * P, '.');
+  std::vector<std::vector<ByteBlock>> sb(P), rb(P);
+  for (int q = 0; q < P; ++q) {
+    send[8 * q] = static_cast<char>('a' + r), send[8 * q + 1] = static_cast<char>('A' + q);
+    send[8 * q + 5] = '!';
+    sb[q] = {{8 * q, 2}, {8 * q + 5, 1}};
+    rb[q] = {{10 * q + 7, 1}, {10 * q, 2}};
+  }
+  std::vector<char> recv(10 * P, '.');
+  w->alltoallv_blocks(recv.data(), rb, send.data(), sb);
+  for (int q = 0; q < P; ++q) {
+    EXPECT_EQ(recv[10 * q + 7], 'a' + q);
+    EXPECT_EQ(recv[10 * q], 'A' + r);
+    EXPECT_EQ(recv[10 * q + 1], '!');
+    EXPECT_EQ(recv[10 * q + 2], '.');
+  }
+  // One block per peer, zero-length blocks nowhere.
+  std::vector<std::vector<ByteBlock>> one(P), back(P);
+  std::vector<int32_t> mine(P), got(P, -1);
+  for (int q = 0; q < P; ++q) {
+    mine[q] = r * 100 + q;
+    one[q] = {{4 * q, 4}};
+    back[q] = {{4 * q, 4}};
+  }
+  w->alltoallv_blocks(got.data(), back, mine.data(), one);
+  for (int q = 0; q < P; ++q) EXPECT_EQ(got[q], q * 100 + r);
 }
 
 TEST(Comm, BroadcastFromTheLastRank) {

@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   moetrain::set_log_rank(rank);
-  moetrain::set_log_level(moetrain::LogLevel::Warn);  // the trainers' progress lines would drown the report
+  moetrain::set_log_level(
+      moetrain::LogLevel::Warn);  // the trainers' progress lines would drown the report
   ::testing::InitGoogleTest(&argc, argv);
   if (rank != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();

@@ -59,7 +59,8 @@ void write_corpus(const fs::path& dir) {
   if (in) text.assign(std::istreambuf_iterator<char>(in), {});
   if (text.size() < 20000) {
     text.clear();
-    for (int i = 0; i < 800; ++i) text += "The quick brown fox jumps over the lazy dog " + std::to_string(i) + ".\n";
+    for (int i = 0; i < 800; ++i)
+      text += "The quick brown fox jumps over the lazy dog " + std::to_string(i) + ".\n";
   }
   text.resize(std::min<size_t>(text.size(), 40000));
   auto tokens = byte_encode(text);
@@ -73,21 +74,44 @@ struct RunSetup {
   std::string router = "topk_softmax";
   int64_t grad_accum = 1, shared_hidden = 0, ep = 1, zero = 0, checkpoint_every = 0;
   int64_t ranks_per_node = -1;  // ≥ 0: the 2-D all-to-all
+  int64_t a2a_chunks = 1;
+  bool overlap = true;  // gradient buckets reduced during backward
 };
 
 RunConfig make_config(const RunSetup& s, const fs::path& data, const fs::path& run, int64_t batch) {
   return load_run_config(
-      "", {"model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.expert_hidden=24",
-           "model.n_experts=4", "model.top_k=2", "model.router=" + s.router, "model.max_seq_len=16",
-           "model.shared_expert_hidden=" + std::to_string(s.shared_hidden), "model.bias_update_rate=0.01",
-           "train.batch_size=" + std::to_string(batch), "train.seq_len=16", "train.steps=" + std::to_string(kSteps),
-           "train.grad_accum=" + std::to_string(s.grad_accum), "train.eval_every=10", "train.eval_batches=2",
-           "train.checkpoint_every=" + std::to_string(s.checkpoint_every), "train.keep_checkpoints=3",
-           "train.progress=off", "optim.warmup_steps=3", "optim.grad_clip=0.5", "data.dir=" + data.string(),
-           "train.run_dir=" + run.string(), "dist.ep=" + std::to_string(s.ep),
-           "dist.zero=" + std::to_string(s.zero), "dist.bucket_first_mb=0.01", "dist.bucket_mb=0.05",
+      "", {"model.dim=32",
+           "model.n_layers=2",
+           "model.n_heads=4",
+           "model.n_kv_heads=2",
+           "model.expert_hidden=24",
+           "model.n_experts=4",
+           "model.top_k=2",
+           "model.router=" + s.router,
+           "model.max_seq_len=16",
+           "model.shared_expert_hidden=" + std::to_string(s.shared_hidden),
+           "model.bias_update_rate=0.01",
+           "train.batch_size=" + std::to_string(batch),
+           "train.seq_len=16",
+           "train.steps=" + std::to_string(kSteps),
+           "train.grad_accum=" + std::to_string(s.grad_accum),
+           "train.eval_every=10",
+           "train.eval_batches=2",
+           "train.checkpoint_every=" + std::to_string(s.checkpoint_every),
+           "train.keep_checkpoints=3",
+           "train.progress=off",
+           "optim.warmup_steps=3",
+           "optim.grad_clip=0.5",
+           "data.dir=" + data.string(),
+           "train.run_dir=" + run.string(),
+           "dist.ep=" + std::to_string(s.ep),
+           "dist.zero=" + std::to_string(s.zero),
+           "dist.bucket_first_mb=0.01",
+           "dist.bucket_mb=0.05",
            std::string("dist.hierarchical=") + (s.ranks_per_node >= 0 ? "true" : "false"),
-           "dist.ranks_per_node=" + std::to_string(std::max<int64_t>(0, s.ranks_per_node))});
+           "dist.ranks_per_node=" + std::to_string(std::max<int64_t>(0, s.ranks_per_node)),
+           "dist.a2a_chunks=" + std::to_string(s.a2a_chunks),
+           std::string("dist.overlap=") + (s.overlap ? "true" : "false")});
 }
 
 std::vector<double> metric(const fs::path& run_dir, const char* key) {
@@ -107,7 +131,7 @@ std::string file_bytes(const fs::path& p) {
 
 struct Outcome {
   std::vector<float> params;
-  std::vector<char> held;                  // 1 where this rank holds the value: all but others' experts
+  std::vector<char> held;  // 1 where this rank holds the value: all but others' experts
   std::vector<double> losses, val_losses, grad_norms;  // rank 0 only
 };
 
@@ -122,8 +146,8 @@ Outcome run_single(const RunSetup& s, const fs::path& data, int world) {
           metric(run.path(), "val_loss"), metric(run.path(), "grad_norm")};
 }
 
-Outcome run_distributed(const RunSetup& s, const fs::path& data, const fs::path& run, int64_t stop_at = -1,
-                        bool resume = false) {
+Outcome run_distributed(const RunSetup& s, const fs::path& data, const fs::path& run,
+                        int64_t stop_at = -1, bool resume = false) {
   Trainer t(make_config(s, data, run, kRowsPerRank), resume, dist_world("train_test"));
   t.run(stop_at);
   Outcome o{t.params(), std::vector<char>(t.params().size(), 1), {}, {}, {}};
@@ -183,7 +207,8 @@ void expect_matches_single(const RunSetup& s) {
   EXPECT_EQ(m.step, kSteps);
   ASSERT_EQ(m.params.size(), got.params.size());
   int64_t differ = 0;
-  for (std::size_t i = 0; i < m.params.size(); ++i) differ += got.held[i] && m.params[i] != got.params[i];
+  for (std::size_t i = 0; i < m.params.size(); ++i)
+    differ += got.held[i] && m.params[i] != got.params[i];
   EXPECT_EQ(differ, 0) << "checkpointed parameters differ from their holder's";
 }
 
@@ -192,6 +217,13 @@ void expect_matches_single(const RunSetup& s) {
 TEST(DistTrain, ExpertParallelMatchesOneProcess) {
   RunSetup s;
   s.ep = dist_world("ep")->size();
+  expect_matches_single(s);
+}
+
+TEST(DistTrain, OverlappedChunkedAllToAllMatchesOneProcess) {
+  RunSetup s;
+  s.ep = dist_world("chunks")->size();
+  s.a2a_chunks = 3;
   expect_matches_single(s);
 }
 
@@ -231,7 +263,8 @@ TEST(DistTrain, ZeroOneEqualsReplicatedBitwiseAndResumesOnAnotherLayout) {
     EXPECT_EQ(plain.losses, zero.losses);
     for (const char* f : {"model.safetensors", "optimizer.safetensors", "state.safetensors"}) {
       const std::string step = "checkpoints/step_00000020/";
-      EXPECT_TRUE(file_bytes(dir / ("plain/" + step + f)) == file_bytes(dir / ("zero/" + step + f))) << f;
+      EXPECT_TRUE(file_bytes(dir / ("plain/" + step + f)) == file_bytes(dir / ("zero/" + step + f)))
+          << f;
     }
   }
   // Interrupted at step 10 and resumed with ZeRO-1 on the same layout: the same bits.
@@ -258,18 +291,28 @@ TEST(DistTrain, ZeroOneEqualsReplicatedBitwiseAndResumesOnAnotherLayout) {
   }
 }
 
-TEST(DistTrain, HierarchicalAllToAllEqualsFlatBitwise) {
+TEST(DistTrain, HierarchicalAllToAllAndOverlapChangeNoBit) {
   auto world = dist_world("hier");
   const int W = world->size();
   SharedDir dir(*world, "dist_hier");
   if (world->rank() == 0) write_corpus(dir / "data");
   world->barrier();
   RunSetup s;
-  s.ep = W;
+  s.ep = W >= 4 ? 2 : W;
+  s.overlap = false;
+  Outcome blocking = run_distributed(s, dir / "data", dir / "blocking");
+  s.overlap = true;
   Outcome flat = run_distributed(s, dir / "data", dir / "flat");
-  s.ranks_per_node = W >= 4 ? 2 : 1;  // 2 nodes of 2, or 2 nodes of 1
+  EXPECT_EQ(0, std::memcmp(flat.params.data(), blocking.params.data(),
+                           flat.params.size() * sizeof(float)))
+      << "reducing during backward changed the result";
+  if (world->rank() == 0) {
+    EXPECT_EQ(flat.losses, blocking.losses);
+  }
+  s.ranks_per_node = 1;  // every rank its own node: both stages carry traffic
   Outcome two_d = run_distributed(s, dir / "data", dir / "two_d");
-  EXPECT_EQ(0, std::memcmp(flat.params.data(), two_d.params.data(), flat.params.size() * sizeof(float)));
+  EXPECT_EQ(
+      0, std::memcmp(flat.params.data(), two_d.params.data(), flat.params.size() * sizeof(float)));
   if (world->rank() == 0) {
     EXPECT_EQ(flat.losses, two_d.losses);
   }
@@ -282,7 +325,8 @@ TEST(DistTrain, LayoutsThatCannotSplitAreRefused) {
   world->barrier();
   RunSetup s;
   s.ep = world->size() + 1;  // does not divide the world
-  EXPECT_THROW(Trainer(make_config(s, dir / "data", dir / "run", 2), false, dist_world("t")), Error);
+  EXPECT_THROW(Trainer(make_config(s, dir / "data", dir / "run", 2), false, dist_world("t")),
+               Error);
   s.ep = world->size();
   RunConfig c = make_config(s, dir / "data", dir / "run", 2);
   c.model.n_experts = world->size() + 1;  // does not split over the EP group
