@@ -71,7 +71,7 @@ void BM_train_step(benchmark::State& state) {
     model.backward(params.data(), grads.data(), 1.0f);
     opt->step(params.data(), grads.data(), 1e-4f);
     ++ms.step;
-    for (MoeLayer* m : model.moe_layers()) moe_experts += m->timings().experts, moe_total += m->timings().total();
+    for (MoeBlock* m : model.moe_layers()) moe_experts += m->timings().experts, moe_total += m->timings().total();
   }
   const double tokens = static_cast<double>(p.B * p.T);
   const double gemm = raw_gemm_gflops(p.B * p.T * p.K / p.E, p.F, p.C);

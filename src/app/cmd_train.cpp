@@ -18,13 +18,38 @@ Run add_train_command(CLI::App& app) {
     std::string config;
     std::vector<std::string> overrides;
     bool resume = false;
+    int64_t ep = 0, zero = -1, ranks_per_node = -1, a2a_chunks = 0;
+    bool hierarchical = false, no_overlap = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")->required();
   cmd->add_option("--set", args->overrides, "Override a config key: --set model.dim=256 (repeatable)");
   cmd->add_flag("--resume", args->resume, "Continue from the run directory's latest complete checkpoint");
+  cmd->add_option("--ep", args->ep,
+                  "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--zero", args->zero, "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)")
+      ->check(CLI::Range(0, 1));
+  cmd->add_flag("--hierarchical", args->hierarchical,
+                "Two-stage expert all-to-all: within nodes, then between them (dist.hierarchical)");
+  cmd->add_option("--ranks-per-node", args->ranks_per_node,
+                  "With the two-stage all-to-all: ranks per node, overriding detection (emulates nodes); implies "
+                  "--hierarchical")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--a2a-chunks", args->a2a_chunks,
+                  "Split each MoE all-to-all into n chunks overlapped with expert compute (dist.a2a_chunks)")
+      ->check(CLI::Range(1, 64));
+  cmd->add_flag("--no-overlap", args->no_overlap,
+                "Reduce gradients after backward instead of during it (dist.overlap = false)");
   return [args] {
-    RunConfig cfg = load_run_config(args->config, args->overrides);
+    std::vector<std::string> overrides = args->overrides;
+    if (args->no_overlap) overrides.push_back("dist.overlap=false");
+    if (args->a2a_chunks > 0) overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));
+    if (args->ep > 0) overrides.push_back(fmt::format("dist.ep={}", args->ep));
+    if (args->zero >= 0) overrides.push_back(fmt::format("dist.zero={}", args->zero));
+    if (args->hierarchical || args->ranks_per_node >= 0) overrides.push_back("dist.hierarchical=true");
+    if (args->ranks_per_node >= 0) overrides.push_back(fmt::format("dist.ranks_per_node={}", args->ranks_per_node));
+    RunConfig cfg = load_run_config(args->config, overrides);
     Trainer trainer(cfg, args->resume);
     TrainResult r = trainer.run();
     fmt::print("steps {} | final train loss {:.4f} | validation loss {:.4f} nats/byte | {:.0f} tokens/s | {:.1f} s\n",

@@ -1,12 +1,16 @@
 // moetrain: the only catch site. Parse, run the chosen subcommand, turn errors into a message
-// and a non-zero exit (2 for bad usage, 1 for everything else).
+// and a non-zero exit (2 for bad usage, 1 for everything else). Under an MPI launcher an error
+// ends every process of the run (MPI_Abort), so no rank is left waiting in a collective.
 #include <cstdio>
 #include <map>
 
 #include "app/commands.h"
 #include "core/check.h"
+#include "dist/runtime.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_command(int argc, char** argv) {
   CLI::App app{"moetrain: trains Mixture-of-Experts models on CPUs, across processes and machines"};
   app.require_subcommand(1);
   app.set_version_flag("--version", MOETRAIN_VERSION);
@@ -46,14 +50,29 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  for (auto* sub : app.get_subcommands()) return runs.at(sub)();
+  return 2;
+}
+
+int fail(const char* message) {
+  std::fprintf(stderr, "moetrain: error: %s\n", message);
+  std::fflush(stderr);
+  if (moetrain::dist_mpi_active()) moetrain::dist_abort(1);
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int code = 1;
   try {
-    for (auto* sub : app.get_subcommands()) return runs.at(sub)();
-    return 2;
+    moetrain::dist_init(&argc, &argv);
+    code = run_command(argc, argv);
   } catch (const moetrain::Error& e) {
-    std::fprintf(stderr, "moetrain: error: %s\n", e.describe().c_str());
-    return 1;
+    return fail(e.describe().c_str());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "moetrain: error: %s\n", e.what());
-    return 1;
+    return fail(e.what());
   }
+  moetrain::dist_finalize();
+  return code;
 }

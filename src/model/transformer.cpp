@@ -25,13 +25,13 @@ struct Transformer::LayerActs {
   std::vector<float> h1, h3, g;   // dense blocks only: (N, Fd) each
 };
 
-Transformer::Transformer(const ModelConfig& cfg) : cfg_(cfg), layout_(cfg) {
+Transformer::Transformer(const ModelConfig& cfg, const MoeFactory& make_moe) : cfg_(cfg), layout_(cfg) {
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     if (cfg_.is_dense_layer(l)) {
       moe_index_.push_back(-1);
     } else {
       moe_index_.push_back(static_cast<int64_t>(moe_.size()));
-      moe_.push_back(std::make_unique<MoeLayer>(cfg_.moe()));
+      moe_.push_back(make_moe ? make_moe(cfg_.moe()) : std::make_unique<MoeLayer>(cfg_.moe()));
     }
     acts_.push_back(std::make_unique<LayerActs>());
   }
@@ -39,8 +39,8 @@ Transformer::Transformer(const ModelConfig& cfg) : cfg_(cfg), layout_(cfg) {
 
 Transformer::~Transformer() = default;
 
-std::vector<MoeLayer*> Transformer::moe_layers() {
-  std::vector<MoeLayer*> out;
+std::vector<MoeBlock*> Transformer::moe_layers() {
+  std::vector<MoeBlock*> out;
   for (auto& m : moe_) out.push_back(m.get());
   return out;
 }
@@ -117,7 +117,7 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
     for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
     rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), params + o.ln2, N, C, eps);
     if (moe_index_[l] >= 0) {
-      MoeLayer& moe = *moe_[moe_index_[l]];
+      MoeBlock& moe = *moe_[moe_index_[l]];
       MoeStep s = step;
       s.layer = static_cast<uint64_t>(l);
       moe.forward(a.ffn.data(), a.ln2.data(), N, moe_weights(P, o), s);
@@ -165,6 +165,7 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
                   V);
   rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(), resid_.data() + cfg_.n_layers * N * C,
                    params + layout_.final_norm, rstdf_.data(), N, C);
+  if (grads_ready_) grads_ready_(layout_.final_norm);
 
   // The balancing losses are means over MoE layers: each layer's share of their gradient.
   const int64_t n_moe = cfg_.n_moe_layers();
@@ -199,8 +200,10 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
     linear_backward(nullptr, grads + o.wv, dv_.data(), a.ln1.data(), params + o.wv, N, C, KD);
     rmsnorm_backward(dresid_.data(), grads + o.ln1, dln_.data(), x, params + o.ln1, a.rstd1.data(), N, C);
     for (int64_t i = 0; i < N * C; ++i) dresid_[i] += dxmid_[i];
+    if (grads_ready_) grads_ready_(o.ln1);  // the block's first tensor
   }
   embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
+  if (grads_ready_) grads_ready_(0);
 }
 
 double Transformer::flops_per_token(int64_t T) const {

@@ -4,6 +4,7 @@
 // activations for backward live here, sized for the largest (B, T) seen.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -21,9 +22,13 @@ struct LossParts {
   int64_t targets = 0;  // counted targets (≠ −1)
 };
 
+// Builds the layer that runs each MoE block; the default is a MoeLayer on this process. A
+// distributed trainer passes one that builds expert-parallel layers (the model never sees MPI).
+using MoeFactory = std::function<std::unique_ptr<MoeBlock>(const MoeConfig&)>;
+
 class Transformer {
  public:
-  explicit Transformer(const ModelConfig& cfg);
+  explicit Transformer(const ModelConfig& cfg, const MoeFactory& make_moe = {});
   ~Transformer();
 
   const ModelConfig& config() const { return cfg_; }
@@ -34,10 +39,14 @@ class Transformer {
                     const MoeStep& step);
   // grads += ∂(loss_weight · total)/∂params for the last forward (which must have had targets).
   void backward(const float* params, float* grads, float loss_weight);
+  // Called during backward whenever the gradients at flat offsets ≥ `ready_from` are final (the
+  // layout runs embedding, blocks, final norm, head, and backward visits them in reverse), so a
+  // distributed trainer can start reducing them while backward goes on. Empty: no calls.
+  void set_grads_ready_hook(std::function<void(int64_t ready_from)> hook) { grads_ready_ = std::move(hook); }
 
   const float* logits() const { return logits_.data(); }  // (B·T, V) of the last forward
   // The MoE layers (one per MoE block, in layer order) — stats, router biases, timings.
-  std::vector<MoeLayer*> moe_layers();
+  std::vector<MoeBlock*> moe_layers();
   int64_t moe_index(int64_t layer) const { return moe_index_[layer]; }  // −1 for dense layers
 
   // Model FLOPs per token for forward+backward (6·active params + attention), for MFU.
@@ -49,12 +58,13 @@ class Transformer {
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  std::vector<std::unique_ptr<MoeLayer>> moe_;
+  std::vector<std::unique_ptr<MoeBlock>> moe_;
   std::vector<int64_t> moe_index_;
   std::vector<std::unique_ptr<LayerActs>> acts_;
   int64_t capacity_ = 0;  // tokens the buffers hold
   int64_t B_ = 0, T_ = 0;
   bool have_targets_ = false;
+  std::function<void(int64_t)> grads_ready_;
 
   std::vector<int32_t> inputs_, targets_, pos_;
   std::vector<float> resid_;            // (L+1, N, C): the residual stream entering each block, then the output

@@ -9,56 +9,42 @@
 #include "moe/config.h"
 #include "moe/dispatch.h"
 #include "moe/experts.h"
+#include "moe/moe_block.h"
 #include "moe/router.h"
 #include "moe/workspace.h"
 
 namespace moetrain {
 
-// Routing outcome of the last forward.
-struct MoeStats {
-  std::vector<int64_t> tokens_per_expert;  // (E) assignments each expert computed, after dropping
-  int64_t assignments = 0;                 // assignments the router made, before dropping
-  int64_t dropped = 0;                     // assignments dropped for capacity
-  double fraction_dropped = 0.0;           // dropped / assignments (0 when there are none)
-  int64_t capacity = 0;                    // per-expert capacity in force, 0 = dropless
-  int64_t unrouted_tokens = 0;             // tokens that reached no expert
-};
-
-// Seconds spent per stage in the last forward plus the backward that followed it.
-struct MoeTimings {
-  double router = 0, permute = 0, experts = 0, shared = 0, combine = 0, losses = 0;
-  double total() const { return router + permute + experts + shared + combine + losses; }
-};
-
-class MoeLayer {
+class MoeLayer : public MoeBlock {
  public:
   explicit MoeLayer(const MoeConfig& cfg);
 
   // out (N, C) = MoE(inp (N, C)). Keeps what backward needs until the next forward; inp is not
   // copied, so it must stay valid and unchanged until backward has run.
-  void forward(float* out, const float* inp, int64_t N, const MoeWeights& w, const MoeStep& step);
+  void forward(float* out, const float* inp, int64_t N, const MoeWeights& w,
+               const MoeStep& step) override;
   // dinp (N, C) =; parameter gradients += into g (an expert that got no tokens is left untouched);
   // adds loss_weight · (aux_loss_coef · ∂L_aux + z_loss_coef · ∂L_z). dout (N, C)
   void backward(float* dinp, const float* dout, const MoeWeights& w, const MoeWeights& g,
-                float loss_weight);
+                float loss_weight) override;
 
   // Unweighted balancing losses of the last forward (aux is 0 for expert_choice and sigmoid_bias).
-  float aux_loss() const { return aux_loss_; }
-  float z_loss() const { return z_loss_; }
-  const MoeStats& stats() const { return stats_; }
-  const MoeTimings& timings() const { return timings_; }
+  float aux_loss() const override { return aux_loss_; }
+  float z_loss() const override { return z_loss_; }
+  const MoeStats& stats() const override { return stats_; }
+  const MoeTimings& timings() const override { return timings_; }
   const Routing& routing() const { return routing_; }
   const DispatchLayout& layout() const { return layout_; }
-  const MoeConfig& config() const { return cfg_; }
+  const MoeConfig& config() const override { return cfg_; }
 
   // sigmoid_bias. Assignments per expert (E) chosen by training forwards since the last update,
   // before capacity dropping; a distributed trainer sums them over ranks and hands the sum to
   // apply_bias_update, which applies b_i += γ·sign(mean − load_i) and clears the pending counts.
-  const int64_t* pending_load() const { return pending_load_.data(); }
-  void apply_bias_update(const int64_t* global_load);
+  const int64_t* pending_load() const override { return pending_load_.data(); }
+  void apply_bias_update(const int64_t* global_load) override;
   void apply_bias_update() { apply_bias_update(pending_load_.data()); }
   // The bias b (E), for checkpoints.
-  float* router_bias() { return bias_.data(); }
+  float* router_bias() override { return bias_.data(); }
   const float* router_bias() const { return bias_.data(); }
 
  private:

@@ -70,6 +70,14 @@ ConfigSchema schema(RunConfig& c) {
       {"train.threads", &t.threads},
       {"train.run_dir", &t.run_dir},
       {"train.progress", &t.progress},
+      {"dist.ep", &c.dist.ep},
+      {"dist.zero", &c.dist.zero},
+      {"dist.bucket_first_mb", &c.dist.bucket_first_mb},
+      {"dist.bucket_mb", &c.dist.bucket_mb},
+      {"dist.hierarchical", &c.dist.hierarchical},
+      {"dist.ranks_per_node", &c.dist.ranks_per_node},
+      {"dist.a2a_chunks", &c.dist.a2a_chunks},
+      {"dist.overlap", &c.dist.overlap},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -149,6 +157,15 @@ void RunConfig::validate() const {
   MOETRAIN_CHECK(t.progress == "auto" || t.progress == "bar" || t.progress == "lines" || t.progress == "off",
                  "train.progress = '{}': allowed are auto, bar, lines, off", t.progress);
   optim.validate();
+  MOETRAIN_CHECK(dist.ep >= 1, "dist.ep = {}: must be ≥ 1", dist.ep);
+  MOETRAIN_CHECK(dist.zero == 0 || dist.zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",
+                 dist.zero);
+  MOETRAIN_CHECK(dist.bucket_first_mb > 0 && dist.bucket_mb > 0 && dist.bucket_mb <= 1024,
+                 "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
+                 dist.bucket_first_mb, dist.bucket_mb);
+  MOETRAIN_CHECK(dist.ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)", dist.ranks_per_node);
+  MOETRAIN_CHECK(dist.a2a_chunks >= 1 && dist.a2a_chunks <= 64, "dist.a2a_chunks = {}: must be in [1, 64]",
+                 dist.a2a_chunks);
 }
 
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where) {
@@ -170,6 +187,7 @@ std::string RunConfig::config_hash() const {
                         "run_dir", "progress"})
     j["train"].erase(k);
   j.erase("data");
+  j.erase("dist");
   std::string s = j.dump();
   uint64_t h = 1469598103934665603ull;
   for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;

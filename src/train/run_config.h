@@ -56,11 +56,30 @@ struct TrainConfig {
   std::string progress = "auto";  // auto | bar | lines | off
 };
 
+// How a run under mpirun spreads over its processes (ignored by a single process). World =
+// DP × EP: train.batch_size sequences per process, so the global batch is processes ×
+// batch_size × grad_accum. Not part of the config hash: a checkpoint resumes on any layout.
+struct DistSettings {
+  int64_t ep = 1;    // expert-parallel group size; divides the processes and model.n_experts
+  int64_t zero = 0;  // 1: ZeRO-1, each data-parallel rank keeps optimizer state for its shard only
+  double bucket_first_mb = 1.0;  // first gradient bucket of each kind, MiB
+  double bucket_mb = 25.0;       // later buckets, MiB
+  // The expert all-to-all in two stages, within nodes then between them (dist/alltoall.h).
+  bool hierarchical = false;
+  int64_t ranks_per_node = 0;  // with hierarchical: > 0 sets the node size (emulation), 0 detects
+  // > 1: each MoE layer cuts its tokens into this many chunks whose all-to-alls run on a
+  // communication thread while the experts compute other chunks.
+  int64_t a2a_chunks = 1;
+  // Reduce gradient buckets on a communication thread while backward produces the next ones.
+  bool overlap = true;
+};
+
 struct RunConfig {
   ModelConfig model;
   DataConfig data;
   OptimSettings optim;
   TrainConfig train;
+  DistSettings dist;
 
   void validate() const;
   nlohmann::json to_json() const;

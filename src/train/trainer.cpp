@@ -13,6 +13,13 @@
 #include "core/timer.h"
 #include "data/loader.h"
 #include "data/shard.h"
+#include "dist/alltoall.h"
+#include "dist/comm_thread.h"
+#include "dist/ep_moe.h"
+#include "dist/grad_sync.h"
+#include "dist/groups.h"
+#include "dist/runtime.h"
+#include "dist/sharded_optimizer.h"
 #include "model/params.h"
 #include "optim/clip.h"
 #include "train/progress.h"
@@ -79,20 +86,26 @@ double imbalance(const std::vector<int64_t>& load) {
 }  // namespace
 
 double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B, int64_t T,
-                int64_t max_batches) {
-  EvalLoader loader(shard, B, T, max_batches);
+                int64_t max_batches, Comm* comm) {
+  const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
+  EvalLoader loader(shard, B, T, max_batches, rank, world);
   std::vector<int32_t> inputs(static_cast<std::size_t>(B * T)), targets(inputs.size());
   double sum = 0;
   int64_t count = 0;
   for (int64_t i = 0; i < loader.num_batches(); ++i) {
     int64_t rows = loader.fill(i, inputs.data(), targets.data());
-    if (rows == 0) continue;
+    // Several processes: every rank runs every batch (the MoE layers are collective), even empty.
+    if (rows == 0 && world == 1) continue;
     std::fill(targets.begin() + rows * T, targets.end(), -1);  // rows past the data count nothing
     MoeStep step;
     step.training = false;
     LossParts parts = model.forward(params, inputs.data(), targets.data(), B, T, step);
     sum += parts.ce * static_cast<double>(parts.targets);
     count += parts.targets;
+  }
+  if (world > 1) {
+    comm->allreduce(&sum, 1);
+    comm->allreduce(&count, 1);
   }
   MOETRAIN_CHECK(count > 0, "validation shard {} has too few tokens for one window of {}", shard.path().string(), T);
   return sum / static_cast<double>(count);
@@ -123,17 +136,63 @@ LoadedModel load_model(const fs::path& dir) {
   return out;
 }
 
-Trainer::Trainer(RunConfig cfg, bool resume) : cfg_(std::move(cfg)) {
+Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_(std::move(cfg)) {
   cfg_.validate();
-  int threads = init_threads(static_cast<int>(cfg_.train.threads));
-  model_ = std::make_unique<Transformer>(cfg_.model);
+  world_ = world ? std::move(world) : dist_world("trainer");
+  const int W = world_->size();
+  int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
+  pg_ = std::make_unique<ProcessGroups>(make_process_groups(*world_, static_cast<int>(cfg_.dist.ep)));
+  const ParallelLayout& pl = pg_->layout;
+  ExpertShard shard{0, cfg_.model.n_experts};
+  MoeFactory factory;
+  if (W > 1) {
+    if (cfg_.model.n_moe_layers() > 0) shard = expert_shard(cfg_.model.n_experts, pl.ep, pl.ep_index);
+    A2aRoute route{pg_->a2a.get()};
+    if (cfg_.dist.hierarchical) {
+      hier_ = std::make_unique<A2aHierarchy>(make_a2a_hierarchy(*pg_->a2a, static_cast<int>(cfg_.dist.ranks_per_node)));
+      route = hier_->route(*pg_->a2a);
+    }
+    EpOptions ep_opts;
+    ep_opts.chunks = static_cast<int>(cfg_.dist.a2a_chunks);
+    if (ep_opts.chunks > 1 || cfg_.dist.overlap) {
+      // MPI runs SERIALIZED: once gradient buckets reduce during backward, the all-to-alls must
+      // go through the same thread.
+      comm_thread_ = std::make_unique<CommThread>();
+      ep_opts.thread = comm_thread_.get();
+    }
+    factory = [this, route, ep_opts](const MoeConfig& mc) -> std::unique_ptr<MoeBlock> {
+      return std::make_unique<ExpertParallelMoe>(mc, route, *pg_->moe_stats, ep_opts);
+    };
+  }
+  model_ = std::make_unique<Transformer>(cfg_.model, factory);
   const ParamLayout& layout = model_->layout();
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
   grads_.assign(params_.size(), 0.0f);
   init_params(params_.data(), layout, cfg_.model, cfg_.train.seed);
   groups_ = param_groups(layout);
 
-  optimizer_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, 0, layout.size());
+  const OptimizerConfig oc = cfg_.optim.optimizer_config();
+  SyncRanges ranges = sync_ranges(layout, shard);
+  for (const FlatRange& r : ranges.expert) own_experts_.push_back({r.offset, r.size});
+  std::vector<OptimPiece> pieces;
+  if (W == 1) {
+    pieces.push_back({0, layout.size(), true});
+  } else {
+    GradSyncConfig gc;
+    gc.first_bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_first_mb * 1024 * 1024);
+    gc.bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_mb * 1024 * 1024);
+    sync_ = std::make_unique<GradSync>(ranges, *pg_->grads, *pg_->expert_grads, gc);
+    if (cfg_.dist.overlap) model_->set_grads_ready_hook([this](int64_t from) { sync_->ready(from); });
+    if (cfg_.dist.zero == 1) {
+      for (const ShardPiece& p : sync_->shard_pieces()) pieces.push_back({p.range.offset, p.range.size, true});
+    } else {
+      // Replicated everywhere: rank 0 writes them. Experts: the first rank of their EDP group.
+      for (const FlatRange& r : ranges.dense) pieces.push_back({r.offset, r.size, pl.rank == 0});
+      for (const FlatRange& r : ranges.expert) pieces.push_back({r.offset, r.size, pl.dp_index == 0});
+    }
+  }
+  optimizer_ = std::make_unique<ShardedOptimizer>(oc, groups_, std::move(pieces));
+
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps));
 
   train_shard_ = open_shard(cfg_.data, "train.bin");
@@ -148,27 +207,48 @@ Trainer::Trainer(RunConfig cfg, bool resume) : cfg_(std::move(cfg)) {
   inputs_.resize(static_cast<std::size_t>(BT));
   targets_.resize(static_cast<std::size_t>(BT));
 
-  fs::create_directories(cfg_.train.run_dir);
+  if (pl.rank == 0) fs::create_directories(cfg_.train.run_dir);
+  pg_->control->barrier();
   // A fresh run never overwrites (or prunes) another run's checkpoints.
   MOETRAIN_CHECK(resume || !fs::exists(fs::path(cfg_.train.run_dir) / "checkpoints"),
                  "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue it, or "
                  "choose another train.run_dir (or remove that one)",
                  cfg_.train.run_dir);
   std::optional<fs::path> ckpt = resume ? find_latest_checkpoint(cfg_.train.run_dir) : std::nullopt;
+  // Every rank must resume from the same checkpoint (or none).
+  int64_t found = ckpt ? 1 : 0;
+  pg_->control->allreduce(&found, 1);
+  MOETRAIN_CHECK(found == 0 || found == W, "only {} of {} processes see a checkpoint in {}: the run directory must be "
+                 "the same shared directory for all", found, W, cfg_.train.run_dir);
   if (ckpt) {
     load_checkpoint(*ckpt);
   } else {
     if (resume) log_info("no checkpoint in {}: starting from step 0", cfg_.train.run_dir);
-    std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::trunc);
+    if (pl.rank == 0) std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::trunc);
   }
-  write_file_atomic(fs::path(cfg_.train.run_dir) / "config.json", cfg_.to_json().dump(2) + "\n");
+  if (pl.rank == 0)
+    write_file_atomic(fs::path(cfg_.train.run_dir) / "config.json", cfg_.to_json().dump(2) + "\n");
 
   int64_t n_params = layout.size();
   log_info("model: {} layers, {} experts (top-{}), {:.2f}M parameters, {:.1f} MFLOP/token; {} threads",
            cfg_.model.n_layers, cfg_.model.n_experts, cfg_.model.top_k, static_cast<double>(n_params) / 1e6,
            model_->flops_per_token(cfg_.train.seq_len) / 1e6, threads);
   log_info("data: {} train / {} val tokens; {} tokens per step", train_shard_->size(), val_shard_->size(),
-           BT * cfg_.train.grad_accum);
+           BT * cfg_.train.grad_accum * W);
+  if (W > 1)
+    log_info("{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient buckets", W,
+             pl.dp, pl.ep, shard.count, cfg_.dist.zero ? ", ZeRO-1" : "",
+             hier_ ? fmt::format(", 2-D all-to-all ({} ranks per node)", hier_->intra->size()) : "",
+             sync_->buckets().size());
+}
+
+int Trainer::rank() const { return world_->rank(); }
+int Trainer::world_size() const { return world_->size(); }
+bool Trainer::distributed() const { return world_->size() > 1; }
+
+void Trainer::ensure_full_state() {
+  full_state_.resize(optimizer_->state_names().size());
+  for (auto& v : full_state_) v.assign(params_.size(), 0.0f);
 }
 
 Trainer::~Trainer() = default;
@@ -177,9 +257,11 @@ CheckpointContents Trainer::checkpoint_views() {
   CheckpointContents c;
   const ParamLayout& layout = model_->layout();
   c.model = model_views(layout, params_.data());
-  for (const StateBuffer& sb : optimizer_->state()) {
-    for (const auto& p : layout.params())
-      c.optimizer.push_back({sb.name + "." + p.name, p.shape, sb.values.data() + p.offset});
+  const auto& names = optimizer_->state_names();
+  if (distributed() && full_state_.size() != names.size()) ensure_full_state();
+  for (std::size_t s = 0; s < names.size(); ++s) {
+    float* base = distributed() ? full_state_[s].data() : optimizer_->whole_state(static_cast<int>(s)).data();
+    for (const auto& p : layout.params()) c.optimizer.push_back({names[s] + "." + p.name, p.shape, base + p.offset});
   }
   c.state = bias_views(*model_);
   nlohmann::json hf = cfg_.model.to_hf_json();
@@ -202,7 +284,23 @@ CheckpointContents Trainer::checkpoint_views() {
 }
 
 fs::path Trainer::save_checkpoint() {
-  fs::path dir = write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(), cfg_.train.keep_checkpoints);
+  if (!distributed())
+    return write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(), cfg_.train.keep_checkpoints);
+  // Rank 0 assembles the whole model and optimizer state: experts from the first rank of each
+  // EDP group, optimizer state from each element's writer.
+  Comm& control = *pg_->control;
+  const bool root = control.rank() == 0;
+  std::vector<FlatPiece> experts;
+  if (pg_->layout.dp_index == 0)
+    for (auto [offset, size] : own_experts_) experts.push_back({offset, size, params_.data() + offset});
+  gather_pieces(control, experts, params_.data());
+  if (root) ensure_full_state();
+  for (std::size_t s = 0; s < optimizer_->state_names().size(); ++s)
+    optimizer_->gather_state(control, static_cast<int>(s), root ? full_state_[s].data() : nullptr);
+  fs::path dir = checkpoint_dir(cfg_.train.run_dir, step_);
+  if (root) dir = write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(), cfg_.train.keep_checkpoints);
+  full_state_.clear();
+  control.barrier();  // the checkpoint is complete when any rank returns
   return dir;
 }
 
@@ -216,6 +314,12 @@ void Trainer::load_checkpoint(const fs::path& dir) {
                  dir.string(), hash, cfg_.config_hash());
   step_ = c.trainer.value("step", int64_t{0});
   optimizer_->set_step_count(c.trainer["optimizer"].value("step_count", int64_t{0}));
+  if (distributed()) {
+    for (std::size_t s = 0; s < full_state_.size(); ++s)
+      optimizer_->load_state(static_cast<int>(s), full_state_[s].data());
+    full_state_.clear();
+  }
+  if (rank() != 0) return;
   // Metrics past the checkpoint belong to a run that is being replaced.
   fs::path mpath = fs::path(cfg_.train.run_dir) / "metrics.jsonl";
   std::vector<std::string> keep;
@@ -233,12 +337,17 @@ void Trainer::load_checkpoint(const fs::path& dir) {
 double Trainer::train_step() {
   const int64_t B = cfg_.train.batch_size, T = cfg_.train.seq_len, A = cfg_.train.grad_accum;
   const int64_t E = cfg_.model.n_experts;
-  BatchLoader loader(*train_shard_, B, T, cfg_.train.seed);
+  const int W = world_size();
+  BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
   std::fill(grads_.begin(), grads_.end(), 0.0f);
   LossParts sum;
   auto moe = model_->moe_layers();
   std::vector<std::vector<int64_t>> load(moe.size(), std::vector<int64_t>(static_cast<std::size_t>(E), 0));
   std::vector<double> dropped(moe.size(), 0.0);
+  last_a2a_s_ = 0, last_a2a_wait_s_ = 0;
+  // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
+  // (the reduction) then gives the mean.
+  const float loss_weight = 1.0f / static_cast<float>(A * W);
   for (int64_t micro = 0; micro < A; ++micro) {
     loader.fill(step_, micro, inputs_.data(), targets_.data());
     MoeStep ms;
@@ -250,26 +359,50 @@ double Trainer::train_step() {
                    "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. The last good checkpoint "
                    "is kept in {}/checkpoints; lower optim.lr or raise optim.warmup_steps",
                    step_ + 1, p.total, p.ce, p.aux, p.z, cfg_.train.run_dir);
-    model_->backward(params_.data(), grads_.data(), 1.0f / static_cast<float>(A));
+    // The last micro-batch's backward finishes the gradients: reduce buckets as they complete.
+    if (W > 1 && cfg_.dist.overlap && micro == A - 1) sync_->begin(*comm_thread_, grads_.data());
+    model_->backward(params_.data(), grads_.data(), loss_weight);
     sum.ce += p.ce / A, sum.aux += p.aux / A, sum.z += p.z / A, sum.total += p.total / A;
     sum.targets += p.targets;
     for (std::size_t m = 0; m < moe.size(); ++m) {
       const MoeStats& s = moe[m]->stats();
       for (int64_t e = 0; e < E; ++e) load[m][e] += s.tokens_per_expert[e];
-      dropped[m] += s.fraction_dropped / static_cast<double>(A);
+      dropped[m] += s.fraction_dropped / static_cast<double>(A * W);
+      last_a2a_s_ += moe[m]->timings().a2a;
+      last_a2a_wait_s_ += moe[m]->timings().a2a_wait;
     }
   }
-  const int64_t n = static_cast<int64_t>(grads_.size());
-  MOETRAIN_CHECK(!has_non_finite(grads_.data(), n),
-                 "step {}: non-finite gradient; stopping. The last good checkpoint is kept in {}/checkpoints",
-                 step_ + 1, cfg_.train.run_dir);
-  last_grad_norm_ = cfg_.optim.grad_clip > 0 ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
-                                             : grad_norm(grads_.data(), n);
   last_lr_ = schedule_->lr(step_);
-  optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
-  if (cfg_.model.moe().router == RouterKind::SigmoidBias)
-    for (MoeLayer* m : moe) m->apply_bias_update();
+  if (W == 1) {
+    const int64_t n = static_cast<int64_t>(grads_.size());
+    MOETRAIN_CHECK(!has_non_finite(grads_.data(), n),
+                   "step {}: non-finite gradient; stopping. The last good checkpoint is kept in {}/checkpoints",
+                   step_ + 1, cfg_.train.run_dir);
+    last_grad_norm_ = cfg_.optim.grad_clip > 0 ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
+                                               : grad_norm(grads_.data(), n);
+    optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+  } else {
+    distributed_update(static_cast<float>(last_lr_));
+  }
+  if (cfg_.model.moe().router == RouterKind::SigmoidBias && !moe.empty()) {
+    std::vector<int64_t> global(moe.size() * E);
+    for (std::size_t m = 0; m < moe.size(); ++m) std::copy_n(moe[m]->pending_load(), E, global.begin() + m * E);
+    pg_->control->allreduce(global.data(), static_cast<int64_t>(global.size()));
+    for (std::size_t m = 0; m < moe.size(); ++m) moe[m]->apply_bias_update(global.data() + m * E);
+  }
   ++step_;
+  if (W > 1) {
+    // Every rank's losses are means over the same number of tokens: their mean is the global one.
+    double parts[4] = {sum.ce, sum.aux, sum.z, sum.total};
+    pg_->control->allreduce(parts, 4);
+    sum.ce = parts[0] / W, sum.aux = parts[1] / W, sum.z = parts[2] / W, sum.total = parts[3] / W;
+    pg_->control->allreduce(&sum.targets, 1);
+    std::vector<int64_t> flat;
+    for (const auto& l : load) flat.insert(flat.end(), l.begin(), l.end());
+    pg_->control->allreduce(flat.data(), static_cast<int64_t>(flat.size()));
+    for (std::size_t m = 0; m < moe.size(); ++m) std::copy_n(flat.begin() + m * E, E, load[m].begin());
+    pg_->control->allreduce(dropped.data(), static_cast<int64_t>(dropped.size()));
+  }
   last_parts_ = sum;
 
   nlohmann::json line = {{"step", step_},       {"loss", sum.total},  {"ce", sum.ce},
@@ -284,7 +417,46 @@ double Trainer::train_step() {
   return sum.total;
 }
 
+void Trainer::distributed_update(float lr) {
+  const double sync_before = sync_->seconds();
+  Timer wall;
+  double update_s = 0;
+  if (cfg_.dist.overlap) {
+    sync_->finish();
+  } else {
+    sync_->reduce_scatter(grads_.data());
+  }
+  // Every element of the global gradient lies in exactly one rank's shard: the norm and the
+  // non-finite check are sums over shards, the same bits on every rank.
+  int64_t bad = sync_->shard_has_non_finite() ? 1 : 0;
+  pg_->control->allreduce(&bad, 1);
+  MOETRAIN_CHECK(bad == 0, "step {}: non-finite gradient on {} process(es); stopping. The last good checkpoint is "
+                 "kept in {}/checkpoints", step_ + 1, bad, cfg_.train.run_dir);
+  double sq = sync_->shard_sum_squares();
+  pg_->control->allreduce(&sq, 1);
+  last_grad_norm_ = std::sqrt(sq);
+  if (cfg_.optim.grad_clip > 0) {
+    const double coef = clip_coefficient(last_grad_norm_, cfg_.optim.grad_clip);
+    if (coef != 1.0) sync_->scale_shard(static_cast<float>(coef));
+  }
+  if (cfg_.dist.zero == 1) {
+    sync_->unpack_shard(grads_.data());
+    {
+      ScopedTimer timer(update_s);
+      optimizer_->step(params_.data(), grads_.data(), lr);
+    }
+    sync_->allgather_params(params_.data());
+  } else {
+    sync_->allgather_grads(grads_.data());
+    ScopedTimer timer(update_s);
+    optimizer_->step(params_.data(), grads_.data(), lr);
+  }
+  last_sync_s_ = sync_->seconds() - sync_before;
+  last_sync_exposed_s_ = wall.seconds() - update_s;
+}
+
 void Trainer::write_metrics_line(const nlohmann::json& line) {
+  if (rank() != 0) return;
   std::ofstream out(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::app);
   out << line.dump() << "\n";
 }
@@ -294,8 +466,8 @@ TrainResult Trainer::run(int64_t stop_at) {
   result.first_step = step_;
   const int64_t total = stop_at >= 0 ? std::min(stop_at, cfg_.train.steps) : cfg_.train.steps;
   const double tokens_per_step =
-      static_cast<double>(cfg_.train.batch_size * cfg_.train.seq_len * cfg_.train.grad_accum);
-  Progress progress(parse_progress_mode(cfg_.train.progress), step_, cfg_.train.steps);
+      static_cast<double>(cfg_.train.batch_size * cfg_.train.seq_len * cfg_.train.grad_accum * world_size());
+  Progress progress(parse_progress_mode(rank() == 0 ? cfg_.train.progress : "off"), step_, cfg_.train.steps);
   Timer run_timer;
   double train_seconds = 0;
   while (step_ < total) {
@@ -305,13 +477,22 @@ TrainResult Trainer::run(int64_t stop_at) {
     train_seconds += dt;
     pending_metrics_["step_time_s"] = dt;
     pending_metrics_["tokens_per_s"] = tokens_per_step / dt;
+    // Exposed: the time the step waited for communication (all-to-alls not hidden behind expert
+    // compute; the gradient reduction not hidden behind backward, and its all-gather).
+    const double exposed = last_a2a_wait_s_ + last_sync_exposed_s_;
+    const double compute = std::max(0.0, dt - exposed);
+    pending_metrics_["a2a_s"] = last_a2a_s_;
+    pending_metrics_["grad_sync_s"] = last_sync_s_;
+    pending_metrics_["exposed_comm_s"] = exposed;
+    pending_metrics_["compute_s"] = compute;
+    pending_metrics_["comm_efficiency"] = compute + exposed > 0 ? compute / (compute + exposed) : 1.0;
     write_metrics_line(pending_metrics_);
     progress.update({step_, cfg_.train.steps, result.final_loss, tokens_per_step / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});
     bool last = step_ == total;
     if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0 && !last) {
       result.val_loss = evaluate(*model_, params_.data(), *val_shard_, cfg_.train.batch_size, cfg_.train.seq_len,
-                                 cfg_.train.eval_batches);
+                                 cfg_.train.eval_batches, pg_->control.get());
       write_metrics_line({{"step", step_}, {"val_loss", result.val_loss}});
       progress.note(fmt::format("step {}: validation loss {:.4f} nats/byte", step_, result.val_loss));
     }
@@ -326,7 +507,7 @@ TrainResult Trainer::run(int64_t stop_at) {
   result.tokens_per_s = train_seconds > 0 ? tokens_per_step * static_cast<double>(result.steps_done) / train_seconds
                                           : 0.0;
   result.val_loss = evaluate(*model_, params_.data(), *val_shard_, cfg_.train.batch_size, cfg_.train.seq_len,
-                             cfg_.train.eval_batches);
+                             cfg_.train.eval_batches, pg_->control.get());
   write_metrics_line({{"step", step_}, {"val_loss", result.val_loss}});
   result.last_checkpoint = save_checkpoint();
   log_info("done: {} steps in {:.1f} s ({:.0f} tokens/s); validation loss {:.4f} nats/byte; checkpoint {}",

@@ -6,10 +6,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "dist/comm.h"
 #include "io/checkpoint.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
@@ -19,6 +21,11 @@
 namespace moetrain {
 
 class TokenShard;
+class GradSync;
+class ShardedOptimizer;
+struct A2aHierarchy;
+class CommThread;
+struct ProcessGroups;
 
 struct TrainResult {
   int64_t first_step = 0;   // the step the run started from (> 0 when resumed)
@@ -43,14 +50,24 @@ struct LoadedModel {
 LoadedModel load_model(const std::filesystem::path& dir);
 
 // Validation loss (mean next-token cross-entropy, nats per token) over up to `max_batches`
-// batches of (B, T) windows of the shard.
+// batches of (B, T) windows of the shard. With a communicator of several processes (collective:
+// every rank calls it), each rank takes its B windows of every global batch and the result is the
+// loss over all of them, the same on every rank.
 double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B, int64_t T,
-                int64_t max_batches);
+                int64_t max_batches, Comm* comm = nullptr);
 
+// Under mpirun every process builds a Trainer and runs it in step (every method is collective).
+// World = DP × EP (dist.ep): each process reads its own train.batch_size sequences per
+// micro-batch, experts are sharded over the EP group (dist/ep_moe.h), gradients are reduced over
+// the processes holding each parameter (dist/grad_sync.h) and averaged, so a run on P processes
+// follows the single-process run with a P times larger batch. Only rank 0 writes metrics,
+// progress and checkpoints; a checkpoint holds the whole model whatever the layout.
 class Trainer {
  public:
   // resume: continue from the run directory's latest complete checkpoint if there is one.
-  Trainer(RunConfig cfg, bool resume);
+  // world: the processes of the run; null means every process of the launch (dist_world()), or
+  // just this one without MPI.
+  Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world = nullptr);
   ~Trainer();
 
   // Trains until train.steps (or until `stop_at` steps, when ≥ 0: the run stops there with a
@@ -62,6 +79,10 @@ class Trainer {
   std::vector<float>& params() { return params_; }
   std::vector<float>& grads() { return grads_; }
   int64_t step() const { return step_; }
+  int rank() const;
+  int world_size() const;
+  // This rank's experts as flat ranges (every expert on a single process).
+  const std::vector<std::pair<int64_t, int64_t>>& own_expert_ranges() const { return own_experts_; }
 
   // The checkpoint's contents as views into this trainer's buffers (used to save and to load).
   CheckpointContents checkpoint_views();
@@ -70,13 +91,26 @@ class Trainer {
  private:
   void load_checkpoint(const std::filesystem::path& dir);
   double train_step();  // one optimizer step; returns the loss
+  // Distributed: reduce gradients, clip by the global norm, update (plain DP or ZeRO-1).
+  void distributed_update(float lr);
   void write_metrics_line(const nlohmann::json& line);
+  void ensure_full_state();
+  bool distributed() const;
 
   RunConfig cfg_;
+  std::unique_ptr<Comm> world_;
+  std::unique_ptr<ProcessGroups> pg_;  // before model_: its MoE layers hold the communicators
+  std::unique_ptr<A2aHierarchy> hier_;  // dist.hierarchical: the 2-D all-to-all's communicators
+  // dist.overlap or dist.a2a_chunks > 1: makes the gradient reductions and the MoE all-to-alls
+  // (all MPI calls during a step's backward) while the main thread computes.
+  std::unique_ptr<CommThread> comm_thread_;
   std::unique_ptr<Transformer> model_;
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;
-  std::unique_ptr<Optimizer> optimizer_;
+  std::vector<std::pair<int64_t, int64_t>> own_experts_;  // (offset, size)
+  std::unique_ptr<GradSync> sync_;  // distributed runs only
+  std::unique_ptr<ShardedOptimizer> optimizer_;
+  std::vector<std::vector<float>> full_state_;  // distributed: whole optimizer state, for checkpoints
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
   int64_t step_ = 0;  // optimizer steps applied so far
@@ -84,6 +118,7 @@ class Trainer {
   // last step's figures, for metrics
   LossParts last_parts_;
   double last_grad_norm_ = 0, last_lr_ = 0;
+  double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
 };
 

@@ -1,0 +1,268 @@
+// The MPI backend: every call's return code is checked and turned into an Error naming the call,
+// the communicator and MPI's own message.
+#include "dist/comm_mpi.h"
+
+#include <mpi.h>
+
+#include <climits>
+#include <cstdlib>
+
+#include "core/check.h"
+
+namespace moetrain::mpi {
+
+namespace {
+
+std::string error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+#define MOETRAIN_MPI(call, comm_name)                                                          \
+  do {                                                                                         \
+    int rc_ = (call);                                                                          \
+    MOETRAIN_CHECK(rc_ == MPI_SUCCESS, "{} on communicator '{}' failed: {}", #call, comm_name, \
+                   error_text(rc_));                                                           \
+  } while (0)
+
+int to_int(int64_t v, const char* what, const std::string& comm) {
+  MOETRAIN_CHECK(v >= 0 && v <= INT_MAX,
+                 "{} on communicator '{}': {} does not fit MPI's int counts (max {}); use smaller "
+                 "buckets or fewer tokens per step",
+                 what, comm, v, INT_MAX);
+  return static_cast<int>(v);
+}
+
+// The largest power-of-two unit (≤ 64 bytes) dividing every count and displacement, so that
+// byte counts up to 64·INT_MAX fit MPI's int arguments.
+int common_unit(std::initializer_list<std::span<const int64_t>> lists) {
+  int64_t acc = 64;
+  for (auto list : lists)
+    for (int64_t v : list)
+      while (acc > 1 && v % acc != 0) acc /= 2;
+  return static_cast<int>(acc);
+}
+
+MPI_Datatype unit_type(int unit) {
+  // Built once per unit and kept for the process: MPI frees them at finalize.
+  static MPI_Datatype types[7] = {MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL,
+                                  MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL,
+                                  MPI_DATATYPE_NULL};
+  int i = 0;
+  while ((1 << i) < unit) ++i;
+  if (i == 0) return MPI_BYTE;
+  if (types[i] == MPI_DATATYPE_NULL) {
+    MOETRAIN_MPI(MPI_Type_contiguous(unit, MPI_BYTE, &types[i]), "-");
+    MOETRAIN_MPI(MPI_Type_commit(&types[i]), "-");
+  }
+  return types[i];
+}
+
+std::vector<int> scaled(std::span<const int64_t> v, int unit, const char* what,
+                        const std::string& comm) {
+  std::vector<int> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_int(v[i] / unit, what, comm);
+  return out;
+}
+
+class MpiComm final : public Comm {
+ public:
+  MpiComm(MPI_Comm comm, int rank, int size, std::string name)
+      : Comm(rank, size, std::move(name)), comm_(comm) {}
+
+  ~MpiComm() override {
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+
+  static std::unique_ptr<Comm> wrap(MPI_Comm comm, const std::string& name) {
+    MOETRAIN_MPI(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), name);
+    int rank = 0, size = 0;
+    MOETRAIN_MPI(MPI_Comm_rank(comm, &rank), name);
+    MOETRAIN_MPI(MPI_Comm_size(comm, &size), name);
+    return std::make_unique<MpiComm>(comm, rank, size, name);
+  }
+
+  const char* backend() const override { return "mpi"; }
+
+  void barrier(const BarrierOptions&) override { MOETRAIN_MPI(MPI_Barrier(comm_), name()); }
+
+  void alltoallv(void* recv, std::span<const int64_t> recv_counts,
+                 std::span<const int64_t> recv_displs, const void* send,
+                 std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
+                 const AlltoallvOptions&) override {
+    check_counts(recv_counts, "alltoallv receive counts");
+    check_counts(recv_displs, "alltoallv receive displacements");
+    check_counts(send_counts, "alltoallv send counts");
+    check_counts(send_displs, "alltoallv send displacements");
+    const int unit = common_unit({recv_counts, recv_displs, send_counts, send_displs});
+    auto rc = scaled(recv_counts, unit, "alltoallv receive count", name());
+    auto rd = scaled(recv_displs, unit, "alltoallv receive displacement", name());
+    auto sc = scaled(send_counts, unit, "alltoallv send count", name());
+    auto sd = scaled(send_displs, unit, "alltoallv send displacement", name());
+    MPI_Datatype type = unit_type(unit);
+    MOETRAIN_MPI(
+        MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, comm_),
+        name());
+  }
+
+  void alltoallv_blocks(void* recv, std::span<const std::vector<ByteBlock>> recv_blocks,
+                        const void* send, std::span<const std::vector<ByteBlock>> send_blocks,
+                        const AlltoallvOptions&) override {
+    const int P = size();
+    MOETRAIN_CHECK(
+        static_cast<int>(recv_blocks.size()) == P && static_cast<int>(send_blocks.size()) == P,
+        "alltoallv_blocks on '{}': {} and {} block lists, expected one per rank ({})", name(),
+        recv_blocks.size(), send_blocks.size(), P);
+    // One hindexed type per peer and direction, displacements from the buffer's start.
+    std::vector<MPI_Datatype> stypes(P, MPI_BYTE), rtypes(P, MPI_BYTE);
+    std::vector<int> scounts(P, 0), rcounts(P, 0), zeros(P, 0);
+    auto make = [&](const std::vector<ByteBlock>& blocks, MPI_Datatype& type, int& count) {
+      std::vector<int> lengths;
+      std::vector<MPI_Aint> displs;
+      for (const ByteBlock& b : blocks) {
+        MOETRAIN_CHECK(b.offset >= 0 && b.bytes >= 0, "alltoallv_blocks on '{}': block [{}, +{})",
+                       name(), b.offset, b.bytes);
+        if (b.bytes == 0) continue;
+        lengths.push_back(to_int(b.bytes, "alltoallv_blocks block", name()));
+        displs.push_back(static_cast<MPI_Aint>(b.offset));
+      }
+      if (lengths.empty()) return;
+      MOETRAIN_MPI(MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                            displs.data(), MPI_BYTE, &type),
+                   name());
+      MOETRAIN_MPI(MPI_Type_commit(&type), name());
+      count = 1;
+    };
+    for (int q = 0; q < P; ++q) {
+      make(send_blocks[q], stypes[q], scounts[q]);
+      make(recv_blocks[q], rtypes[q], rcounts[q]);
+    }
+    int rc = MPI_Alltoallw(send, scounts.data(), zeros.data(), stypes.data(), recv, rcounts.data(),
+                           zeros.data(), rtypes.data(), comm_);
+    for (int q = 0; q < P; ++q) {
+      if (stypes[q] != MPI_BYTE) MPI_Type_free(&stypes[q]);
+      if (rtypes[q] != MPI_BYTE) MPI_Type_free(&rtypes[q]);
+    }
+    MOETRAIN_CHECK(rc == MPI_SUCCESS, "MPI_Alltoallw on communicator '{}' failed: {}", name(),
+                   error_text(rc));
+  }
+
+  void allgatherv(void* recv, std::span<const int64_t> counts, std::span<const int64_t> displs,
+                  const void* send, const AllgatherOptions&) override {
+    check_counts(counts, "allgatherv counts");
+    check_counts(displs, "allgatherv displacements");
+    const int unit = common_unit({counts, displs});
+    auto c = scaled(counts, unit, "allgatherv count", name());
+    auto d = scaled(displs, unit, "allgatherv displacement", name());
+    MPI_Datatype type = unit_type(unit);
+    MOETRAIN_MPI(MPI_Allgatherv(send, c[rank()], type, recv, c.data(), d.data(), type, comm_),
+                 name());
+  }
+
+  void broadcast(void* data, int64_t bytes, const BroadcastOptions& opts) override {
+    MOETRAIN_CHECK(opts.root >= 0 && opts.root < size(),
+                   "broadcast on '{}': root {} outside [0, {})", name(), opts.root, size());
+    MOETRAIN_CHECK(bytes >= 0 && (bytes == 0 || data), "broadcast on '{}': {} bytes at {}", name(),
+                   bytes, data);
+    const int unit = common_unit({std::span<const int64_t>(&bytes, 1)});
+    MOETRAIN_MPI(MPI_Bcast(data, to_int(bytes / unit, "broadcast size", name()), unit_type(unit),
+                           opts.root, comm_),
+                 name());
+  }
+
+  std::unique_ptr<Comm> split(int color, int key, const SplitOptions& opts) override {
+    MOETRAIN_CHECK(color >= 0, "split of '{}': color {} must be >= 0", name(), color);
+    MPI_Comm out = MPI_COMM_NULL;
+    MOETRAIN_MPI(MPI_Comm_split(comm_, color, key, &out), name());
+    return wrap(out, opts.name.empty() ? name() : opts.name);
+  }
+
+  std::unique_ptr<Comm> split_shared(const SplitOptions& opts) override {
+    MPI_Comm out = MPI_COMM_NULL;
+    MOETRAIN_MPI(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &out),
+                 name());
+    return wrap(out, opts.name.empty() ? name() : opts.name);
+  }
+
+  std::unique_ptr<Comm> dup(const std::string& name) override {
+    MPI_Comm out = MPI_COMM_NULL;
+    MOETRAIN_MPI(MPI_Comm_dup(comm_, &out), this->name());
+    return wrap(out, name);
+  }
+
+ private:
+  MPI_Comm comm_;
+};
+
+int g_local_size = 0, g_local_rank = 0;  // 0: not asked yet
+
+// The ranks sharing this machine's memory; computed on first use, whichever code started MPI.
+void find_local() {
+  if (g_local_size > 0) return;
+  MOETRAIN_CHECK(initialized(), "MPI is not initialised: start the program with mpirun");
+  MPI_Comm node = MPI_COMM_NULL;
+  MOETRAIN_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+               "world");
+  MOETRAIN_MPI(MPI_Comm_size(node, &g_local_size), "node");
+  MOETRAIN_MPI(MPI_Comm_rank(node, &g_local_rank), "node");
+  MOETRAIN_MPI(MPI_Comm_free(&node), "node");
+}
+
+}  // namespace
+
+bool launched() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
+    if (std::getenv(var)) return true;
+  }
+  return false;
+}
+
+bool initialized() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  return init && !fin;
+}
+
+void initialize(int* argc, char*** argv) {
+  if (initialized()) return;
+  int provided = 0;
+  int rc = MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided);
+  MOETRAIN_CHECK(rc == MPI_SUCCESS, "MPI_Init_thread failed: {}", error_text(rc));
+  MOETRAIN_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "world");
+  MOETRAIN_CHECK(provided >= MPI_THREAD_SERIALIZED,
+                 "the MPI library provides thread level {}, below MPI_THREAD_SERIALIZED ({}) "
+                 "which the trainer needs",
+                 provided, MPI_THREAD_SERIALIZED);
+}
+
+std::unique_ptr<Comm> world(const std::string& name) {
+  MOETRAIN_CHECK(initialized(), "MPI is not initialised: start the program with mpirun");
+  MPI_Comm out = MPI_COMM_NULL;
+  MOETRAIN_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &out), "world");
+  return MpiComm::wrap(out, name);
+}
+
+int local_size() {
+  find_local();
+  return g_local_size;
+}
+int local_rank() {
+  find_local();
+  return g_local_rank;
+}
+
+void finalize() {
+  if (initialized()) MPI_Finalize();
+}
+
+void abort(int code) {
+  if (initialized()) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+}  // namespace moetrain::mpi

@@ -1,0 +1,236 @@
+#include "dist/grad_sync.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "core/check.h"
+#include "core/timer.h"
+#include "optim/clip.h"
+
+namespace moetrain {
+
+namespace {
+
+// Sorted, adjacent ranges joined.
+std::vector<FlatRange> merged(std::vector<FlatRange> v) {
+  std::sort(v.begin(), v.end(),
+            [](const FlatRange& a, const FlatRange& b) { return a.offset < b.offset; });
+  std::vector<FlatRange> out;
+  for (const FlatRange& r : v) {
+    if (r.size == 0) continue;
+    if (!out.empty() && out.back().offset + out.back().size == r.offset) {
+      out.back().size += r.size;
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+SyncRanges sync_ranges(const ParamLayout& layout, const ExpertShard& shard) {
+  std::vector<FlatRange> all_experts, own;
+  for (const ParamInfo& p : layout.params()) {
+    if (p.expert < 0) continue;
+    all_experts.push_back({p.offset, p.numel});
+    if (p.expert >= shard.first && p.expert < shard.first + shard.count)
+      own.push_back({p.offset, p.numel});
+  }
+  SyncRanges out;
+  out.expert = merged(own);
+  int64_t at = 0;
+  for (const FlatRange& r : merged(all_experts)) {
+    if (r.offset > at) out.dense.push_back({at, r.offset - at});
+    at = r.offset + r.size;
+  }
+  if (layout.size() > at) out.dense.push_back({at, layout.size() - at});
+  return out;
+}
+
+GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const GradSyncConfig& cfg)
+    : dense_(dense), expert_(expert) {
+  MOETRAIN_CHECK(cfg.first_bucket_bytes >= 4 && cfg.bucket_bytes >= 4,
+                 "gradient buckets of {} and {} bytes: each must hold at least one float",
+                 cfg.first_bucket_bytes, cfg.bucket_bytes);
+  struct Run {
+    FlatRange range;
+    bool expert;
+  };
+  std::vector<Run> runs;
+  for (const FlatRange& r : ranges.dense) runs.push_back({r, false});
+  for (const FlatRange& r : ranges.expert) runs.push_back({r, true});
+  std::sort(runs.begin(), runs.end(),
+            [](const Run& a, const Run& b) { return a.range.offset > b.range.offset; });
+
+  Bucket open[2];
+  bool first[2] = {true, true};
+  auto cap = [&](int k) {
+    return std::max<int64_t>(1, (first[k] ? cfg.first_bucket_bytes : cfg.bucket_bytes) / 4);
+  };
+  auto close = [&](int k) {
+    Bucket& b = open[k];
+    if (b.size == 0) return;
+    b.expert = k == 1;
+    Comm& comm = group(b);
+    const int P = comm.size(), q = comm.rank();
+    b.counts.resize(P);
+    for (int p = 0; p < P; ++p)
+      b.counts[p] = chunk_begin(b.size, p + 1, P) - chunk_begin(b.size, p, P);
+    b.chunk_begin = chunk_begin(b.size, q, P);
+    b.shard_offset = shard_size_;
+    shard_size_ += b.counts[q];
+    buckets_.push_back(std::move(b));
+    open[k] = Bucket{};
+    first[k] = false;
+  };
+  // From the end of the buffer down: the order in which backward finishes gradients.
+  for (const Run& run : runs) {
+    const int k = run.expert ? 1 : 0;
+    int64_t end = run.range.offset + run.range.size;
+    while (end > run.range.offset) {
+      const int64_t take = std::min(end - run.range.offset, cap(k) - open[k].size);
+      open[k].pieces.push_back({end - take, take});
+      open[k].size += take;
+      end -= take;
+      if (open[k].size == cap(k)) close(k);
+    }
+  }
+  close(0);
+  close(1);
+  shard_.assign(static_cast<std::size_t>(shard_size_), 0.0f);
+  for (const Bucket& b : buckets_) {
+    int64_t low = INT64_MAX;
+    for (const FlatRange& p : b.pieces) low = std::min(low, p.offset);
+    lowest_.push_back(low);
+  }
+}
+
+void GradSync::pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const {
+  int64_t pos = 0;
+  for (const FlatRange& p : b.pieces) {
+    const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
+    if (a < z)
+      std::memcpy(dst + (a - lo), flat + p.offset + (a - pos),
+                  static_cast<std::size_t>(z - a) * sizeof(float));
+    pos += p.size;
+  }
+}
+
+void GradSync::unpack(float* flat, const float* src, const Bucket& b, int64_t lo,
+                      int64_t hi) const {
+  int64_t pos = 0;
+  for (const FlatRange& p : b.pieces) {
+    const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
+    if (a < z)
+      std::memcpy(flat + p.offset + (a - pos), src + (a - lo),
+                  static_cast<std::size_t>(z - a) * sizeof(float));
+    pos += p.size;
+  }
+}
+
+void GradSync::reduce_bucket(std::size_t i, const float* grads) {
+  const Bucket& b = buckets_[i];
+  float* packed = packed_.ensure(b.size);
+  pack(packed, grads, b, 0, b.size);
+  ScopedTimer timer(seconds_);
+  group(b).reduce_scatter(shard_.data() + b.shard_offset, packed, b.counts);
+}
+
+void GradSync::reduce_scatter(const float* grads) {
+  MOETRAIN_CHECK(thread_ == nullptr,
+                 "GradSync::reduce_scatter while an overlapped reduction is in flight");
+  for (std::size_t i = 0; i < buckets_.size(); ++i) reduce_bucket(i, grads);
+}
+
+void GradSync::begin(CommThread& thread, const float* grads) {
+  MOETRAIN_CHECK(thread_ == nullptr, "GradSync::begin: the previous reduction was not finished");
+  thread_ = &thread;
+  grads_ = grads;
+  next_ = 0;
+}
+
+void GradSync::ready(int64_t from) {
+  if (thread_ == nullptr) return;
+  // In bucket order only, so every rank posts the same collectives in the same order.
+  for (; next_ < buckets_.size() && lowest_[next_] >= from; ++next_) {
+    const std::size_t i = next_;
+    thread_->post([this, i] { reduce_bucket(i, grads_); });
+  }
+}
+
+void GradSync::finish() {
+  MOETRAIN_CHECK(thread_ != nullptr, "GradSync::finish without begin");
+  ready(INT64_MIN);
+  CommThread* thread = thread_;
+  thread_ = nullptr;
+  thread->drain();
+}
+
+double GradSync::shard_sum_squares() const {
+  double sum = 0.0;
+  for (const Bucket& b : buckets_)
+    sum += grad_sum_squares(shard_.data() + b.shard_offset, b.counts[group(b).rank()]);
+  return sum;
+}
+
+bool GradSync::shard_has_non_finite() const {
+  return has_non_finite(shard_.data(), shard_size_);
+}
+
+void GradSync::scale_shard(float scale) {
+  scale_gradients(shard_.data(), shard_size_, scale);
+}
+
+void GradSync::unpack_shard(float* grads) const {
+  for (const Bucket& b : buckets_) {
+    const int64_t n = b.counts[group(b).rank()];
+    unpack(grads, shard_.data() + b.shard_offset, b, b.chunk_begin, b.chunk_begin + n);
+  }
+}
+
+void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine) {
+  float* packed = packed_.ensure(b.size);
+  {
+    ScopedTimer timer(seconds_);
+    group(b).allgather(packed, mine, b.counts);
+  }
+  unpack(flat, packed, b, 0, b.size);
+}
+
+void GradSync::allgather_grads(float* grads) {
+  for (const Bucket& b : buckets_) allgather_into(grads, b, shard_.data() + b.shard_offset);
+}
+
+void GradSync::allgather_params(float* params) {
+  std::vector<float> mine;
+  for (const Bucket& b : buckets_) {
+    const int64_t n = b.counts[group(b).rank()];
+    mine.resize(static_cast<std::size_t>(n));
+    pack(mine.data(), params, b, b.chunk_begin, b.chunk_begin + n);
+    allgather_into(params, b, mine.data());
+  }
+}
+
+std::vector<ShardPiece> GradSync::shard_pieces() const {
+  std::vector<FlatRange> dense, expert;
+  for (const Bucket& b : buckets_) {
+    const int64_t lo = b.chunk_begin, hi = lo + b.counts[group(b).rank()];
+    int64_t pos = 0;
+    for (const FlatRange& p : b.pieces) {
+      const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
+      if (a < z) (b.expert ? expert : dense).push_back({p.offset + (a - pos), z - a});
+      pos += p.size;
+    }
+  }
+  std::vector<ShardPiece> out;
+  for (const FlatRange& r : merged(dense)) out.push_back({r, false});
+  for (const FlatRange& r : merged(expert)) out.push_back({r, true});
+  std::sort(out.begin(), out.end(), [](const ShardPiece& a, const ShardPiece& b) {
+    return a.range.offset < b.range.offset;
+  });
+  return out;
+}
+
+}  // namespace moetrain

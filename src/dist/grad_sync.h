@@ -1,0 +1,111 @@
+// Data-parallel gradient reduction over the flat gradient buffer, in buckets. Every bucket is
+// reduced as reduce-scatter then all-gather (Comm sums in rank order), so plain data parallelism
+// and ZeRO-1 share one summation path and give the same bits:
+//   plain DP: reduce_scatter → (norm, clip on the shard) → allgather_grads → full optimizer step
+//   ZeRO-1:   reduce_scatter → (norm, clip on the shard) → unpack_shard → step on the shard only
+//             → allgather_params
+// Replicated parameters reduce over every rank (`dense` communicator); this rank's experts over
+// its expert-data-parallel group (`expert`). Buckets are cut walking the buffer from its end,
+// the order backward produces gradients in: the first bucket of each kind is small (1 MiB by
+// default) so reduction can start early, the rest larger (25 MiB). A bucket holds pieces of one
+// kind only and its P chunks are [n·q/P, n·(q+1)/P) of its packed elements; chunk q is rank q's
+// shard. Every rank of a group cuts the same buckets, in the same order.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "dist/comm.h"
+#include "dist/comm_thread.h"
+#include "dist/groups.h"
+#include "model/params.h"
+#include "moe/workspace.h"
+
+namespace moetrain {
+
+struct GradSyncConfig {
+  int64_t first_bucket_bytes = int64_t{1} << 20;
+  int64_t bucket_bytes = int64_t{25} << 20;
+};
+
+// Elements [offset, offset + size) of the flat buffer.
+struct FlatRange {
+  int64_t offset = 0, size = 0;
+};
+
+// The ranges of the flat buffer a rank reduces: everything outside the expert blocks (alignment
+// gaps included), and this rank's experts within each (layer, projection) block.
+struct SyncRanges {
+  std::vector<FlatRange> dense;
+  std::vector<FlatRange> expert;
+};
+SyncRanges sync_ranges(const ParamLayout& layout, const ExpertShard& shard);
+
+// A piece of this rank's shard: flat range and whether it is expert (EDP-reduced).
+struct ShardPiece {
+  FlatRange range;
+  bool expert = false;
+};
+
+class GradSync {
+ public:
+  // dense, expert: communicators that must outlive this object.
+  GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const GradSyncConfig& cfg);
+
+  struct Bucket {
+    bool expert = false;
+    std::vector<FlatRange> pieces;  // packing order
+    int64_t size = 0;               // packed elements
+    std::vector<int64_t> counts;    // (group size) chunk sizes
+    int64_t chunk_begin = 0;        // this rank's chunk, in packed elements
+    int64_t shard_offset = 0;       // where that chunk sits in the shard
+  };
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  int64_t shard_size() const { return shard_size_; }
+
+  // Collective. shard = this rank's chunk of every bucket of grads (flat), summed over the group.
+  void reduce_scatter(const float* grads);
+  // The same, overlapped with backward: begin() before the step's last backward, ready(from)
+  // whenever the gradients at offsets ≥ from are final (each bucket that is then complete is
+  // reduced on `thread`, buckets in their fixed order), finish() after backward (the rest, then
+  // waits). The result is the bits reduce_scatter gives. While buckets are in flight only
+  // `thread` may call MPI.
+  void begin(CommThread& thread, const float* grads);
+  void ready(int64_t from);
+  void finish();
+  // Σ shard² in double, buckets in order (grad_sum_squares per chunk): this rank's part of the
+  // global squared norm; the chunks of all ranks cover every gradient element exactly once.
+  double shard_sum_squares() const;
+  bool shard_has_non_finite() const;
+  void scale_shard(float scale);
+  // grads at the shard's flat positions = the shard.
+  void unpack_shard(float* grads) const;
+  // Collective. Every bucket's reduced chunks from every rank of its group → grads (flat).
+  void allgather_grads(float* grads);
+  // Collective. params at every rank's shard positions → params on every rank of the group.
+  void allgather_params(float* params);
+  // The flat ranges of this rank's shard (ZeRO-1 updates exactly these).
+  std::vector<ShardPiece> shard_pieces() const;
+
+  double seconds() const { return seconds_; }  // spent in the collective calls so far
+
+ private:
+  Comm& group(const Bucket& b) const { return b.expert ? expert_ : dense_; }
+  void pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const;
+  void unpack(float* flat, const float* src, const Bucket& b, int64_t lo, int64_t hi) const;
+  void allgather_into(float* flat, const Bucket& b, const float* mine);
+  void reduce_bucket(std::size_t i, const float* grads);
+
+  Comm& dense_;
+  Comm& expert_;
+  std::vector<Bucket> buckets_;
+  std::vector<int64_t> lowest_;   // (buckets) lowest flat offset in each
+  CommThread* thread_ = nullptr;  // between begin() and finish()
+  const float* grads_ = nullptr;
+  std::size_t next_ = 0;  // first bucket not yet posted
+  int64_t shard_size_ = 0;
+  std::vector<float> shard_;
+  FloatBuffer packed_;
+  double seconds_ = 0;
+};
+
+}  // namespace moetrain
