@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# make bench: every benchmark, figures to stdout and JSON under out/bench/.
+# make bench: every benchmark; Google Benchmark ones also write JSON under out/bench/.
+# The MPI benchmarks (their own main) run under mpiexec with 2 processes.
 set -euo pipefail
 build=${1:-build}
 mkdir -p out/bench
+mpi_run=(mpiexec -n 2 --oversubscribe)
+[ "$(id -u)" -eq 0 ] && mpi_run+=(--allow-run-as-root)
 for b in "$build"/bench/bench_*; do
   [ -x "$b" ] || continue
   name=$(basename "$b")
   echo "== $name"
-  "$b" --benchmark_repetitions=${BENCH_REPS:-5} --benchmark_report_aggregates_only=true \
-       --benchmark_out="out/bench/$name.json" --benchmark_out_format=json
+  case "$name" in
+    bench_alltoall | bench_dist_train_step)
+      OMP_NUM_THREADS=1 "${mpi_run[@]}" "$b" ;;
+    *)
+      "$b" --benchmark_repetitions="${BENCH_REPS:-5}" --benchmark_report_aggregates_only=true \
+           --benchmark_out="out/bench/$name.json" --benchmark_out_format=json ;;
+  esac
 done

@@ -175,6 +175,17 @@ class LocalComm final : public Comm {
 
 }  // namespace
 
+namespace {
+thread_local bool t_poll_politely = false;
+}  // namespace
+
+void comm_poll_politely(bool on) {
+  t_poll_politely = on;
+}
+bool comm_polls_politely() {
+  return t_poll_politely;
+}
+
 std::unique_ptr<Comm> make_local_comm(const std::string& name) {
   return std::make_unique<LocalComm>(name);
 }

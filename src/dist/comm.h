@@ -136,6 +136,13 @@ inline int64_t chunk_begin(int64_t n, int q, int P) {
   return n * q / P;
 }
 
+// How collectives called on this thread wait for their peers. By default they block inside MPI
+// (lowest latency; Open MPI spins). A communication thread turns polite polling on: nonblocking
+// collectives tested with short sleeps, so that waiting for peers that still compute costs this
+// process's compute threads no core.
+void comm_poll_politely(bool on);
+bool comm_polls_politely();
+
 // A one-process communicator: every collective is a copy or a no-op.
 std::unique_ptr<Comm> make_local_comm(const std::string& name = "local");
 

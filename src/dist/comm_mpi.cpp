@@ -4,8 +4,10 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <thread>
 
 #include "core/check.h"
 
@@ -67,6 +69,35 @@ std::vector<int> scaled(std::span<const int64_t> v, int unit, const char* what,
   return out;
 }
 
+// Completes a nonblocking collective by polling MPI_Test: busily for the first 50 µs (short
+// exchanges end there), then with 50 µs sleeps, so that a thread waiting for peers that are still
+// computing does not take a core from this process's compute. Open MPI has no progress thread:
+// the message moves inside these calls.
+int wait_polling(MPI_Request& request) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  int done = 0;
+  for (;;) {
+    int rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS || done) return rc;
+    if (Clock::now() - start > std::chrono::microseconds(50))
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+// A collective as the blocking call, or on a thread that polls politely (comm_polls_politely)
+// as the nonblocking call (which sets request_) completed by wait_polling.
+#define MOETRAIN_MPI_COLLECTIVE(blocking, nonblocking, comm_name) \
+  do {                                                            \
+    if (comm_polls_politely()) {                                  \
+      MPI_Request request_ = MPI_REQUEST_NULL;                    \
+      MOETRAIN_MPI(nonblocking, comm_name);                       \
+      MOETRAIN_MPI(wait_polling(request_), comm_name);            \
+    } else {                                                      \
+      MOETRAIN_MPI(blocking, comm_name);                          \
+    }                                                             \
+  } while (0)
+
 class MpiComm final : public Comm {
  public:
   MpiComm(MPI_Comm comm, int rank, int size, std::string name)
@@ -88,7 +119,9 @@ class MpiComm final : public Comm {
 
   const char* backend() const override { return "mpi"; }
 
-  void barrier(const BarrierOptions&) override { MOETRAIN_MPI(MPI_Barrier(comm_), name()); }
+  void barrier(const BarrierOptions&) override {
+    MOETRAIN_MPI_COLLECTIVE(MPI_Barrier(comm_), MPI_Ibarrier(comm_, &request_), name());
+  }
 
   void alltoallv(void* recv, std::span<const int64_t> recv_counts,
                  std::span<const int64_t> recv_displs, const void* send,
@@ -104,8 +137,10 @@ class MpiComm final : public Comm {
     auto sc = scaled(send_counts, unit, "alltoallv send count", name());
     auto sd = scaled(send_displs, unit, "alltoallv send displacement", name());
     MPI_Datatype type = unit_type(unit);
-    MOETRAIN_MPI(
+    MOETRAIN_MPI_COLLECTIVE(
         MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, comm_),
+        MPI_Ialltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, comm_,
+                       &request_),
         name());
   }
 
@@ -141,8 +176,17 @@ class MpiComm final : public Comm {
       make(send_blocks[q], stypes[q], scounts[q]);
       make(recv_blocks[q], rtypes[q], rcounts[q]);
     }
-    int rc = MPI_Alltoallw(send, scounts.data(), zeros.data(), stypes.data(), recv, rcounts.data(),
-                           zeros.data(), rtypes.data(), comm_);
+    int rc = MPI_SUCCESS;
+    if (comm_polls_politely()) {
+      MPI_Request request = MPI_REQUEST_NULL;
+      rc = MPI_Ialltoallw(send, scounts.data(), zeros.data(), stypes.data(), recv, rcounts.data(),
+                          zeros.data(), rtypes.data(), comm_, &request);
+      if (rc == MPI_SUCCESS) rc = wait_polling(request);
+    } else {
+      rc = MPI_Alltoallw(send, scounts.data(), zeros.data(), stypes.data(), recv, rcounts.data(),
+                         zeros.data(), rtypes.data(), comm_);
+    }
+    // Freed once the exchange is complete (MPI keeps committed types alive while in use anyway).
     for (int q = 0; q < P; ++q) {
       if (stypes[q] != MPI_BYTE) MPI_Type_free(&stypes[q]);
       if (rtypes[q] != MPI_BYTE) MPI_Type_free(&rtypes[q]);
@@ -159,8 +203,10 @@ class MpiComm final : public Comm {
     auto c = scaled(counts, unit, "allgatherv count", name());
     auto d = scaled(displs, unit, "allgatherv displacement", name());
     MPI_Datatype type = unit_type(unit);
-    MOETRAIN_MPI(MPI_Allgatherv(send, c[rank()], type, recv, c.data(), d.data(), type, comm_),
-                 name());
+    MOETRAIN_MPI_COLLECTIVE(
+        MPI_Allgatherv(send, c[rank()], type, recv, c.data(), d.data(), type, comm_),
+        MPI_Iallgatherv(send, c[rank()], type, recv, c.data(), d.data(), type, comm_, &request_),
+        name());
   }
 
   void broadcast(void* data, int64_t bytes, const BroadcastOptions& opts) override {
@@ -169,9 +215,10 @@ class MpiComm final : public Comm {
     MOETRAIN_CHECK(bytes >= 0 && (bytes == 0 || data), "broadcast on '{}': {} bytes at {}", name(),
                    bytes, data);
     const int unit = common_unit({std::span<const int64_t>(&bytes, 1)});
-    MOETRAIN_MPI(MPI_Bcast(data, to_int(bytes / unit, "broadcast size", name()), unit_type(unit),
-                           opts.root, comm_),
-                 name());
+    const int count = to_int(bytes / unit, "broadcast size", name());
+    MOETRAIN_MPI_COLLECTIVE(MPI_Bcast(data, count, unit_type(unit), opts.root, comm_),
+                            MPI_Ibcast(data, count, unit_type(unit), opts.root, comm_, &request_),
+                            name());
   }
 
   std::unique_ptr<Comm> split(int color, int key, const SplitOptions& opts) override {

@@ -1,6 +1,7 @@
 #include "dist/comm_thread.h"
 
 #include "core/timer.h"
+#include "dist/comm.h"
 
 namespace moetrain {
 
@@ -45,6 +46,7 @@ void CommThread::drain() {
 }
 
 void CommThread::loop() {
+  comm_poll_politely(true);  // this thread mostly waits for peers that are still computing
   for (;;) {
     std::function<void()> task;
     {

@@ -1,0 +1,145 @@
+// Training steps under mpiexec with expert parallelism, communication overlap off and on, in the
+// same run: each configuration trains `rounds` times, the configurations taking turns so that a
+// shared machine's load drifts over all of them alike. Per configuration, medians over the steps
+// (after two warm-up steps of each run) of the trainer's own per-step metrics:
+//   step_ms      wall time of a step (slowest rank decides, since every step ends collectively)
+//   compute_ms   step time minus exposed communication
+//   a2a_ms       time inside the expert all-to-alls (rank 0; overlapped or not)
+//   sync_ms      time inside the gradient reductions (rank 0; overlapped or not)
+//   exposed_ms   communication the step waited for
+//   efficiency   compute / (compute + exposed)
+// Configurations: "blocking" (reductions after backward, one all-to-all per layer and direction),
+// "overlap" (buckets reduced during backward), "overlap+chunks" (also --a2a-chunks 2).
+//   mpiexec -n 2 build/bench/bench_dist_train_step [--steps 8] [--rounds 3] [--ep 2] [--dim 128]
+//   [--batch 8]
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/log.h"
+#include "data/shard.h"
+#include "data/tokenizer.h"
+#include "dist/runtime.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+using namespace moetrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void write_corpus(const fs::path& dir) {
+  std::string text;
+  std::ifstream in("/usr/share/games/fortunes/fortunes", std::ios::binary);
+  if (in) text.assign(std::istreambuf_iterator<char>(in), {});
+  while (text.size() < 200000) text += "The quick brown fox jumps over the lazy dog.\n" + text;
+  auto tokens = byte_encode(text);
+  const size_t val = tokens.size() / 10;
+  fs::create_directories(dir);
+  write_token_shard(dir / "train.bin", tokens.data(), tokens.size() - val, kByteVocab);
+  write_token_shard(dir / "val.bin", tokens.data() + tokens.size() - val, val, kByteVocab);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
+  int steps = 8, rounds = 3, ep = 0, dim = 128, batch = 8;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--steps") == 0) steps = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--rounds") == 0) rounds = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--ep") == 0) ep = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--dim") == 0) dim = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--batch") == 0) batch = std::atoi(argv[i + 1]);
+  }
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  set_log_rank(rank);
+  set_log_level(LogLevel::Warn);
+  if (ep <= 0) ep = world;
+  // One directory for all ranks: rank 0 names it.
+  char dir_name[256] = {};
+  if (rank == 0) {
+    std::snprintf(dir_name, sizeof(dir_name), "%s/moetrain_bench_train_%d",
+                  fs::temp_directory_path().c_str(), static_cast<int>(getpid()));
+    write_corpus(fs::path(dir_name) / "data");
+  }
+  MPI_Bcast(dir_name, sizeof(dir_name), MPI_CHAR, 0, MPI_COMM_WORLD);
+  const fs::path dir = dir_name;
+
+  struct Variant {
+    const char* name;
+    bool overlap;
+    int chunks;
+  };
+  const Variant variants[] = {
+      {"blocking", false, 1}, {"overlap", true, 1}, {"overlap+chunks", true, 2}};
+  if (rank == 0)
+    std::printf(
+        "ranks %d, EP %d, dim %d, 8 experts top-2, %d sequences of 128 per rank, median of %d "
+        "steps\n"
+        "%-16s %9s %10s %9s %9s %11s %10s\n",
+        world, ep, dim, batch, (steps - 2) * rounds, "config", "step_ms", "compute_ms", "a2a_ms",
+        "sync_ms", "exposed_ms", "efficiency");
+  constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
+  // Per variant: step, compute, a2a, sync, exposed, efficiency samples (rank 0).
+  std::vector<std::vector<double>> samples[kVariants];
+  for (auto& v : samples) v.resize(6);
+  for (int round = 0; round < rounds; ++round) {
+    for (int vi = 0; vi < kVariants; ++vi) {
+      const Variant& v = variants[vi];
+      const fs::path run = dir / (std::string(v.name) + "_" + std::to_string(round));
+      RunConfig cfg = load_run_config(
+          "", {"model.dim=" + std::to_string(dim), "model.n_layers=2", "model.n_heads=4",
+               "model.n_kv_heads=2", "model.expert_hidden=" + std::to_string(2 * dim),
+               "model.n_experts=8", "model.top_k=2", "model.max_seq_len=128", "train.seq_len=128",
+               "train.batch_size=" + std::to_string(batch), "train.steps=" + std::to_string(steps),
+               "train.eval_every=0", "train.eval_batches=1", "train.progress=off",
+               "data.dir=" + (dir / "data").string(), "train.run_dir=" + run.string(),
+               "dist.ep=" + std::to_string(ep),
+               std::string("dist.overlap=") + (v.overlap ? "true" : "false"),
+               "dist.a2a_chunks=" + std::to_string(v.chunks)});
+      {
+        Trainer t(cfg, false);
+        t.run();
+      }
+      if (rank != 0) continue;
+      std::ifstream in(run / "metrics.jsonl");
+      for (std::string line; std::getline(in, line);) {
+        auto j = nlohmann::json::parse(line);
+        if (!j.contains("step_time_s") || j["step"].get<int>() <= 2) continue;
+        int k = 0;
+        for (const char* key :
+             {"step_time_s", "compute_s", "a2a_s", "grad_sync_s", "exposed_comm_s"})
+          samples[vi][k++].push_back(j[key].get<double>() * 1e3);
+        samples[vi][k].push_back(j["comm_efficiency"].get<double>());
+      }
+    }
+  }
+  for (int vi = 0; vi < kVariants && rank == 0; ++vi) {
+    const auto& m = samples[vi];
+    std::printf("%-16s %9.2f %10.2f %9.2f %9.2f %11.2f %10.3f\n", variants[vi].name, median(m[0]),
+                median(m[1]), median(m[2]), median(m[3]), median(m[4]), median(m[5]));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 0) fs::remove_all(dir);
+  MPI_Finalize();
+  return 0;
+}
