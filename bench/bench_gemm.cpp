@@ -18,7 +18,8 @@ using namespace moetrain;
 namespace {
 
 // (M, N, K): tokens × out × in. M ≥ 64 everywhere, the regime the wrapper target is set for.
-const std::vector<std::vector<int64_t>> kShapes = {{4096, 1024, 512}, {1024, 512, 1024}, {512, 1024, 256}};
+const std::vector<std::vector<int64_t>> kShapes = {
+    {4096, 1024, 512}, {1024, 512, 1024}, {512, 1024, 256}};
 
 template <typename T>
 std::vector<T> random_buffer(int64_t n, uint64_t seed) {
@@ -34,7 +35,8 @@ std::vector<T> random_buffer(int64_t n, uint64_t seed) {
 }
 
 void set_flops(benchmark::State& state, double flops_per_iter) {
-  state.counters["GFLOPs"] = benchmark::Counter(flops_per_iter * state.iterations() * 1e-9, benchmark::Counter::kIsRate);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(flops_per_iter * state.iterations() * 1e-9, benchmark::Counter::kIsRate);
 }
 
 // C (M,N) = A (M,K) · Bᵀ, B stored (N,K): the layout of a Linear layer's forward.
@@ -58,7 +60,8 @@ void BM_onednn(benchmark::State& state) {
   dt in = std::is_same_v<T, float> ? dt::f32 : dt::bf16;
   dnnl::engine eng(dnnl::engine::kind::cpu, 0);
   dnnl::stream strm(eng);
-  dnnl::memory::desc a_md({M, K}, in, {K, 1}), b_md({K, N}, in, {1, K}), c_md({M, N}, dt::f32, {N, 1});
+  dnnl::memory::desc a_md({M, K}, in, {K, 1}), b_md({K, N}, in, {1, K}),
+      c_md({M, N}, dt::f32, {N, 1});
   dnnl::matmul::primitive_desc pd;
   try {
     pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), eng);

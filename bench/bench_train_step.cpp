@@ -23,7 +23,8 @@ struct Preset {
   int64_t C, L, NH, NKV, F, E, K, B, T;
 };
 // tiny: configs/tiny.toml; large: the larger config (C=512, 8 layers, E=8, k=2, T=256).
-const Preset kPresets[] = {{"tiny", 128, 4, 4, 2, 256, 8, 2, 16, 128}, {"large", 512, 8, 8, 8, 1024, 8, 2, 8, 256}};
+const Preset kPresets[] = {{"tiny", 128, 4, 4, 2, 256, 8, 2, 16, 128},
+                           {"large", 512, 8, 8, 8, 1024, 8, 2, 8, 256}};
 
 ModelConfig model_of(const Preset& p) {
   ModelConfig c;
@@ -36,7 +37,8 @@ double raw_gemm_gflops(int64_t M, int64_t N, int64_t K) {
   using dt = dnnl::memory::data_type;
   dnnl::engine eng(dnnl::engine::kind::cpu, 0);
   dnnl::stream s(eng);
-  dnnl::memory::desc a({M, K}, dt::f32, {K, 1}), b({K, N}, dt::f32, {1, K}), c({M, N}, dt::f32, {N, 1});
+  dnnl::memory::desc a({M, K}, dt::f32, {K, 1}), b({K, N}, dt::f32, {1, K}),
+      c({M, N}, dt::f32, {N, 1});
   dnnl::matmul prim(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), eng));
   std::vector<float> A(M * K, 0.5f), B(N * K, 0.25f), C(M * N);
   dnnl::memory am(a, eng, A.data()), bm(b, eng, B.data()), cm(c, eng, C.data());
@@ -59,10 +61,12 @@ void BM_train_step(benchmark::State& state) {
   std::vector<float> params(layout.size()), grads(layout.size());
   init_params(params.data(), layout, cfg, 1);
   auto groups = param_groups(layout);
-  auto opt = make_optimizer(default_optimizer_config(OptimizerKind::AdamW), groups, 0, layout.size());
+  auto opt =
+      make_optimizer(default_optimizer_config(OptimizerKind::AdamW), groups, 0, layout.size());
   std::vector<int32_t> in(p.B * p.T), tg(p.B * p.T);
   Rng rng(5, 5);
-  for (size_t i = 0; i < in.size(); ++i) in[i] = rng.below(2 * i, 256), tg[i] = rng.below(2 * i + 1, 256);
+  for (size_t i = 0; i < in.size(); ++i)
+    in[i] = rng.below(2 * i, 256), tg[i] = rng.below(2 * i + 1, 256);
   MoeStep ms;
   double moe_experts = 0, moe_total = 0;
   for (auto _ : state) {
@@ -71,13 +75,15 @@ void BM_train_step(benchmark::State& state) {
     model.backward(params.data(), grads.data(), 1.0f);
     opt->step(params.data(), grads.data(), 1e-4f);
     ++ms.step;
-    for (MoeBlock* m : model.moe_layers()) moe_experts += m->timings().experts, moe_total += m->timings().total();
+    for (MoeBlock* m : model.moe_layers())
+      moe_experts += m->timings().experts, moe_total += m->timings().total();
   }
   const double tokens = static_cast<double>(p.B * p.T);
   const double gemm = raw_gemm_gflops(p.B * p.T * p.K / p.E, p.F, p.C);
-  state.counters["tokens_per_s"] = benchmark::Counter(tokens * state.iterations(), benchmark::Counter::kIsRate);
-  state.counters["model_GFLOPs"] =
-      benchmark::Counter(model.flops_per_token(p.T) * tokens * state.iterations() * 1e-9, benchmark::Counter::kIsRate);
+  state.counters["tokens_per_s"] =
+      benchmark::Counter(tokens * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["model_GFLOPs"] = benchmark::Counter(
+      model.flops_per_token(p.T) * tokens * state.iterations() * 1e-9, benchmark::Counter::kIsRate);
   state.counters["raw_gemm_GFLOPs"] = gemm;
   state.counters["moe_expert_share"] = moe_total > 0 ? moe_experts / moe_total : 0;
   state.SetLabel(p.name);
@@ -85,7 +91,13 @@ void BM_train_step(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_train_step)->Arg(0)->Arg(1)->ArgName("preset")->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+BENCHMARK(BM_train_step)
+    ->Arg(0)
+    ->Arg(1)
+    ->ArgName("preset")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(2.0);
 
 int main(int argc, char** argv) {
   init_threads();

@@ -17,13 +17,15 @@
 namespace moetrain::app {
 
 Run add_forward_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("forward", "Dump logits, loss and gradients of one sequence to safetensors");
+  auto* cmd = app.add_subcommand("forward",
+                                 "Dump logits, loss and gradients of one sequence to safetensors");
   struct Args {
     std::string checkpoint, input, tokens, out;
     bool backward = false;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint directory or run directory")->required();
+  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint directory or run directory")
+      ->required();
   auto* in = cmd->add_option("--input", args->input, "Text (byte tokens)");
   auto* tk = cmd->add_option("--tokens", args->tokens, "Token ids, comma or space separated");
   in->excludes(tk);
@@ -48,8 +50,8 @@ Run add_forward_command(CLI::App& app) {
         } catch (const std::logic_error&) {
           MOETRAIN_FAIL("--tokens: '{}' is not an integer", w);
         }
-        MOETRAIN_CHECK(v >= 0 && v < cfg.vocab_size, "--tokens: id {} is outside the vocabulary [0, {})", v,
-                       cfg.vocab_size);
+        MOETRAIN_CHECK(v >= 0 && v < cfg.vocab_size,
+                       "--tokens: id {} is outside the vocabulary [0, {})", v, cfg.vocab_size);
         tokens.push_back(static_cast<int32_t>(v));
       }
     } else {
@@ -57,8 +59,10 @@ Run add_forward_command(CLI::App& app) {
       for (uint16_t t : byte_encode(args->input)) tokens.push_back(t);
     }
     const int64_t T = static_cast<int64_t>(tokens.size());
-    MOETRAIN_CHECK(T >= 2, "forward: need at least 2 tokens (the loss predicts each next token), got {}", T);
-    MOETRAIN_CHECK(T <= cfg.max_seq_len, "forward: {} tokens exceed model.max_seq_len = {}", T, cfg.max_seq_len);
+    MOETRAIN_CHECK(
+        T >= 2, "forward: need at least 2 tokens (the loss predicts each next token), got {}", T);
+    MOETRAIN_CHECK(T <= cfg.max_seq_len, "forward: {} tokens exceed model.max_seq_len = {}", T,
+                   cfg.max_seq_len);
     std::vector<int32_t> targets(tokens.begin() + 1, tokens.end());
     targets.push_back(-1);
     MoeStep step;
@@ -80,11 +84,13 @@ Run add_forward_command(CLI::App& app) {
       for (const auto& p : m.model->layout().params())
         w.add(p.name, SafetensorsDType::F32, p.shape, grads.data() + p.offset);
     }
-    w.set_metadata("loss", "cross-entropy (mean over next-token targets) + aux_coef*aux + z_coef*z");
-    w.set_metadata("gradients", args->backward ? "d loss / d parameter, under each parameter's name" : "none");
+    w.set_metadata("loss",
+                   "cross-entropy (mean over next-token targets) + aux_coef*aux + z_coef*z");
+    w.set_metadata("gradients",
+                   args->backward ? "d loss / d parameter, under each parameter's name" : "none");
     w.write(args->out);
-    fmt::print("loss {:.6f} (cross-entropy {:.6f}, aux {:.6f}, z {:.6f}) over {} tokens -> {}\n", parts.total,
-               parts.ce, parts.aux, parts.z, T, args->out);
+    fmt::print("loss {:.6f} (cross-entropy {:.6f}, aux {:.6f}, z {:.6f}) over {} tokens -> {}\n",
+               parts.total, parts.ce, parts.aux, parts.z, T, args->out);
     return 0;
   };
 }

@@ -24,17 +24,22 @@ Run add_sample_command(CLI::App& app) {
     uint64_t seed = 1;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint directory or run directory")->required();
+  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint directory or run directory")
+      ->required();
   cmd->add_option("--prompt", args->prompt, "Text to continue");
-  cmd->add_option("--temperature", args->temperature, "Softmax temperature (0 = greedy)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens (0 = all)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--max-tokens", args->max_tokens, "Tokens to generate")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--temperature", args->temperature, "Softmax temperature (0 = greedy)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-tokens", args->max_tokens, "Tokens to generate")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--seed", args->seed, "Random seed");
   return [args] {
     init_threads();
     LoadedModel m = load_model(args->checkpoint);
     const ModelConfig& cfg = m.config.model;
-    MOETRAIN_CHECK(cfg.vocab_size >= kByteVocab, "sample: the model's vocabulary ({}) is not the byte tokenizer's",
+    MOETRAIN_CHECK(cfg.vocab_size >= kByteVocab,
+                   "sample: the model's vocabulary ({}) is not the byte tokenizer's",
                    cfg.vocab_size);
     std::vector<int32_t> tokens;
     for (uint16_t t : byte_encode(args->prompt)) tokens.push_back(t);
@@ -59,11 +64,13 @@ Run add_sample_command(CLI::App& app) {
       } else {
         for (int64_t v = 0; v < V; ++v) cand[v] = {logits[v], static_cast<int32_t>(v)};
         int64_t k = args->top_k > 0 ? std::min(args->top_k, V) : V;
-        std::partial_sort(cand.begin(), cand.begin() + k, cand.end(),
-                          [](auto& a, auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+        std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [](auto& a, auto& b) {
+          return a.first > b.first || (a.first == b.first && a.second < b.second);
+        });
         double mx = cand[0].first, total = 0;
         std::vector<double> p(static_cast<std::size_t>(k));
-        for (int64_t j = 0; j < k; ++j) total += p[j] = std::exp((cand[j].first - mx) / args->temperature);
+        for (int64_t j = 0; j < k; ++j)
+          total += p[j] = std::exp((cand[j].first - mx) / args->temperature);
         double u = rng.uniform(static_cast<uint64_t>(i)) * total;
         next = cand[k - 1].second;
         for (int64_t j = 0; j < k; ++j) {
@@ -75,7 +82,8 @@ Run add_sample_command(CLI::App& app) {
       }
       tokens.push_back(next);
       generated.push_back(next);
-      if (next < static_cast<int32_t>(kByteVocab)) std::fputc(static_cast<unsigned char>(next), stdout);
+      if (next < static_cast<int32_t>(kByteVocab))
+        std::fputc(static_cast<unsigned char>(next), stdout);
       std::fflush(stdout);
     }
     fmt::print("\n");

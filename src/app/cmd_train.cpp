@@ -22,38 +22,50 @@ Run add_train_command(CLI::App& app) {
     bool hierarchical = false, no_overlap = false;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")->required();
-  cmd->add_option("--set", args->overrides, "Override a config key: --set model.dim=256 (repeatable)");
-  cmd->add_flag("--resume", args->resume, "Continue from the run directory's latest complete checkpoint");
-  cmd->add_option("--ep", args->ep,
-                  "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP")
+  cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")
+      ->required();
+  cmd->add_option("--set", args->overrides,
+                  "Override a config key: --set model.dim=256 (repeatable)");
+  cmd->add_flag("--resume", args->resume,
+                "Continue from the run directory's latest complete checkpoint");
+  cmd->add_option(
+         "--ep", args->ep,
+         "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--zero", args->zero, "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)")
+  cmd->add_option("--zero", args->zero,
+                  "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)")
       ->check(CLI::Range(0, 1));
   cmd->add_flag("--hierarchical", args->hierarchical,
                 "Two-stage expert all-to-all: within nodes, then between them (dist.hierarchical)");
   cmd->add_option("--ranks-per-node", args->ranks_per_node,
-                  "With the two-stage all-to-all: ranks per node, overriding detection (emulates nodes); implies "
+                  "With the two-stage all-to-all: ranks per node, overriding detection (emulates "
+                  "nodes); implies "
                   "--hierarchical")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--a2a-chunks", args->a2a_chunks,
-                  "Split each MoE all-to-all into n chunks overlapped with expert compute (dist.a2a_chunks)")
+  cmd->add_option(
+         "--a2a-chunks", args->a2a_chunks,
+         "Split each MoE all-to-all into n chunks overlapped with expert compute (dist.a2a_chunks)")
       ->check(CLI::Range(1, 64));
   cmd->add_flag("--no-overlap", args->no_overlap,
                 "Reduce gradients after backward instead of during it (dist.overlap = false)");
   return [args] {
     std::vector<std::string> overrides = args->overrides;
     if (args->no_overlap) overrides.push_back("dist.overlap=false");
-    if (args->a2a_chunks > 0) overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));
+    if (args->a2a_chunks > 0)
+      overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));
     if (args->ep > 0) overrides.push_back(fmt::format("dist.ep={}", args->ep));
     if (args->zero >= 0) overrides.push_back(fmt::format("dist.zero={}", args->zero));
-    if (args->hierarchical || args->ranks_per_node >= 0) overrides.push_back("dist.hierarchical=true");
-    if (args->ranks_per_node >= 0) overrides.push_back(fmt::format("dist.ranks_per_node={}", args->ranks_per_node));
+    if (args->hierarchical || args->ranks_per_node >= 0)
+      overrides.push_back("dist.hierarchical=true");
+    if (args->ranks_per_node >= 0)
+      overrides.push_back(fmt::format("dist.ranks_per_node={}", args->ranks_per_node));
     RunConfig cfg = load_run_config(args->config, overrides);
     Trainer trainer(cfg, args->resume);
     TrainResult r = trainer.run();
-    fmt::print("steps {} | final train loss {:.4f} | validation loss {:.4f} nats/byte | {:.0f} tokens/s | {:.1f} s\n",
-               r.steps_done, r.final_loss, r.val_loss, r.tokens_per_s, r.seconds);
+    fmt::print(
+        "steps {} | final train loss {:.4f} | validation loss {:.4f} nats/byte | {:.0f} tokens/s | "
+        "{:.1f} s\n",
+        r.steps_done, r.final_loss, r.val_loss, r.tokens_per_s, r.seconds);
     fmt::print("checkpoint: {}\n", r.last_checkpoint.string());
     return 0;
   };
@@ -66,9 +78,11 @@ Run add_eval_command(CLI::App& app) {
     int64_t batches = 0;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint directory or run directory")->required();
+  cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint directory or run directory")
+      ->required();
   cmd->add_option("--data", args->data, "Directory with val.bin (default: the run's data.dir)");
-  cmd->add_option("--batches", args->batches, "Batches to evaluate (default: the run's train.eval_batches)")
+  cmd->add_option("--batches", args->batches,
+                  "Batches to evaluate (default: the run's train.eval_batches)")
       ->check(CLI::NonNegativeNumber);
   return [args] {
     init_threads();
@@ -76,9 +90,10 @@ Run add_eval_command(CLI::App& app) {
     std::filesystem::path dir = args->data.empty() ? m.config.data.dir : args->data;
     TokenShard val(dir / "val.bin");
     int64_t batches = args->batches > 0 ? args->batches : m.config.train.eval_batches;
-    double loss = evaluate(*m.model, m.params.data(), val, m.config.train.batch_size, m.config.train.seq_len, batches);
-    fmt::print("step {} | validation loss {:.4f} nats/token over {} batches of {}x{}\n", m.step, loss, batches,
-               m.config.train.batch_size, m.config.train.seq_len);
+    double loss = evaluate(*m.model, m.params.data(), val, m.config.train.batch_size,
+                           m.config.train.seq_len, batches);
+    fmt::print("step {} | validation loss {:.4f} nats/token over {} batches of {}x{}\n", m.step,
+               loss, batches, m.config.train.batch_size, m.config.train.seq_len);
     return 0;
   };
 }

@@ -15,7 +15,8 @@
 namespace moetrain::app {
 
 Run add_version_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("version", "Print the version, the GEMM backend and its ISA, MPI, ZeroMQ, threads");
+  auto* cmd = app.add_subcommand(
+      "version", "Print the version, the GEMM backend and its ISA, MPI, ZeroMQ, threads");
   (void)cmd;
   return [] {
     fmt::print("moetrain {}\n", MOETRAIN_VERSION);

@@ -42,8 +42,8 @@ int run_command(int argc, char** argv) {
       if (argc > 1 && sub->get_name() == argv[1]) known_sub = true;
     }
     if (argc > 1 && argv[1][0] != '-' && !known_sub) {
-      std::fprintf(stderr, "moetrain: unknown subcommand '%s' (known: %s); see 'moetrain --help'\n", argv[1],
-                   known.c_str());
+      std::fprintf(stderr, "moetrain: unknown subcommand '%s' (known: %s); see 'moetrain --help'\n",
+                   argv[1], known.c_str());
       return 2;
     }
     app.exit(e);

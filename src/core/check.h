@@ -28,11 +28,12 @@ namespace detail {
 
 }  // namespace moetrain
 
-#define MOETRAIN_CHECK(cond, ...)                                                           \
-  do {                                                                                      \
-    if (!(cond)) [[unlikely]] {                                                             \
-      ::moetrain::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__));      \
-    }                                                                                       \
+#define MOETRAIN_CHECK(cond, ...)                                                      \
+  do {                                                                                 \
+    if (!(cond)) [[unlikely]] {                                                        \
+      ::moetrain::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
+    }                                                                                  \
   } while (0)
 
-#define MOETRAIN_FAIL(...) ::moetrain::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__))
+#define MOETRAIN_FAIL(...) \
+  ::moetrain::detail::throw_error(__FILE__, __LINE__, ::fmt::format(__VA_ARGS__))

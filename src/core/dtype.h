@@ -9,8 +9,12 @@ namespace moetrain {
 
 enum class DType { F32, BF16 };
 
-constexpr std::size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
-constexpr std::string_view dtype_name(DType t) { return t == DType::F32 ? "f32" : "bf16"; }
+constexpr std::size_t dtype_size(DType t) {
+  return t == DType::F32 ? 4 : 2;
+}
+constexpr std::string_view dtype_name(DType t) {
+  return t == DType::F32 ? "f32" : "bf16";
+}
 
 struct bf16 {
   uint16_t bits = 0;
@@ -32,12 +36,16 @@ struct bf16 {
     uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
     bits = static_cast<uint16_t>((u + rounding) >> 16);
   }
-  explicit operator float() const { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+  explicit operator float() const {
+    return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+  }
   float to_float() const { return static_cast<float>(*this); }
 };
 static_assert(sizeof(bf16) == 2);
 
-inline float bf16_round(float f) { return bf16(f).to_float(); }
+inline float bf16_round(float f) {
+  return bf16(f).to_float();
+}
 
 // Bulk conversions (OpenMP parallel for large n).
 void f32_to_bf16(bf16* out, const float* in, std::size_t n);

@@ -13,11 +13,21 @@ std::atomic<int> g_level{static_cast<int>(LogLevel::Info)};
 std::mutex g_mutex;
 }  // namespace
 
-void set_log_rank(int rank) { g_rank = rank; }
-int log_rank() { return g_rank; }
-void set_log_all_ranks(bool all) { g_all = all; }
-void set_log_level(LogLevel level) { g_level = static_cast<int>(level); }
-LogLevel log_level() { return static_cast<LogLevel>(g_level.load()); }
+void set_log_rank(int rank) {
+  g_rank = rank;
+}
+int log_rank() {
+  return g_rank;
+}
+void set_log_all_ranks(bool all) {
+  g_all = all;
+}
+void set_log_level(LogLevel level) {
+  g_level = static_cast<int>(level);
+}
+LogLevel log_level() {
+  return static_cast<LogLevel>(g_level.load());
+}
 
 void log_message(LogLevel level, bool every_rank, const std::string& text) {
   int rank = g_rank;
@@ -28,7 +38,8 @@ void log_message(LogLevel level, bool every_rank, const std::string& text) {
   if (level == LogLevel::Info) {
     std::fprintf(stderr, "%s%s\n", prefix.c_str(), text.c_str());
   } else {
-    std::fprintf(stderr, "%s%s: %s\n", prefix.c_str(), kTags[static_cast<int>(level)], text.c_str());
+    std::fprintf(stderr, "%s%s: %s\n", prefix.c_str(), kTags[static_cast<int>(level)],
+                 text.c_str());
   }
 }
 

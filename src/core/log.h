@@ -18,11 +18,13 @@ void log_message(LogLevel level, bool every_rank, const std::string& text);
 
 template <typename... Args>
 void log_debug(fmt::format_string<Args...> f, Args&&... args) {
-  if (log_level() <= LogLevel::Debug) log_message(LogLevel::Debug, false, fmt::format(f, std::forward<Args>(args)...));
+  if (log_level() <= LogLevel::Debug)
+    log_message(LogLevel::Debug, false, fmt::format(f, std::forward<Args>(args)...));
 }
 template <typename... Args>
 void log_info(fmt::format_string<Args...> f, Args&&... args) {
-  if (log_level() <= LogLevel::Info) log_message(LogLevel::Info, false, fmt::format(f, std::forward<Args>(args)...));
+  if (log_level() <= LogLevel::Info)
+    log_message(LogLevel::Info, false, fmt::format(f, std::forward<Args>(args)...));
 }
 template <typename... Args>
 void log_warn(fmt::format_string<Args...> f, Args&&... args) {

@@ -65,7 +65,8 @@ void rng_fill_uniform(float* out, int64_t n, const Rng& rng, float lo, float hi,
   for (int64_t i = 0; i < n; ++i) out[i] = lo + (hi - lo) * rng.uniform(offset + i);
 }
 
-void rng_fill_normal(float* out, int64_t n, const Rng& rng, float mean, float stddev, uint64_t offset) {
+void rng_fill_normal(float* out, int64_t n, const Rng& rng, float mean, float stddev,
+                     uint64_t offset) {
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) out[i] = mean + stddev * rng.normal(offset + i);
 }

@@ -8,7 +8,14 @@
 namespace moetrain {
 
 // What a stream is for; part of the stream id so that purposes never share numbers.
-enum class RngPurpose : uint32_t { Init = 1, Data = 2, Dropout = 3, RouterNoise = 4, Sample = 5, Test = 6 };
+enum class RngPurpose : uint32_t {
+  Init = 1,
+  Data = 2,
+  Dropout = 3,
+  RouterNoise = 4,
+  Sample = 5,
+  Test = 6
+};
 
 // A stream id from (purpose, step, rank): distinct inputs give distinct, well-mixed ids.
 uint64_t rng_stream(RngPurpose purpose, uint64_t step, uint64_t rank);
@@ -40,7 +47,9 @@ class Rng {
 };
 
 // out[i] = value number (offset + i): identical for any OpenMP thread count.
-void rng_fill_uniform(float* out, int64_t n, const Rng& rng, float lo, float hi, uint64_t offset = 0);
-void rng_fill_normal(float* out, int64_t n, const Rng& rng, float mean, float stddev, uint64_t offset = 0);
+void rng_fill_uniform(float* out, int64_t n, const Rng& rng, float lo, float hi,
+                      uint64_t offset = 0);
+void rng_fill_normal(float* out, int64_t n, const Rng& rng, float mean, float stddev,
+                     uint64_t offset = 0);
 
 }  // namespace moetrain

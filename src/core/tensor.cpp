@@ -65,11 +65,12 @@ Tensor Tensor::view(Shape shape) const {
     }
   }
   if (infer >= 0) {
-    MOETRAIN_CHECK(known > 0 && numel_ % known == 0, "cannot view {} as {}", shape_str(shape_), shape_str(shape));
+    MOETRAIN_CHECK(known > 0 && numel_ % known == 0, "cannot view {} as {}", shape_str(shape_),
+                   shape_str(shape));
     shape[infer] = numel_ / known;
   }
-  MOETRAIN_CHECK(shape_numel(shape) == numel_, "cannot view {} ({} elements) as {}", shape_str(shape_), numel_,
-                 shape_str(shape));
+  MOETRAIN_CHECK(shape_numel(shape) == numel_, "cannot view {} ({} elements) as {}",
+                 shape_str(shape_), numel_, shape_str(shape));
   Tensor t = *this;
   t.shape_ = std::move(shape);
   return t;
@@ -77,8 +78,8 @@ Tensor Tensor::view(Shape shape) const {
 
 Tensor Tensor::slice(int64_t begin, int64_t end) const {
   MOETRAIN_CHECK(ndim() >= 1, "slice of a scalar tensor");
-  MOETRAIN_CHECK(0 <= begin && begin <= end && end <= shape_[0], "slice [{}, {}) out of range for {}", begin, end,
-                 shape_str(shape_));
+  MOETRAIN_CHECK(0 <= begin && begin <= end && end <= shape_[0],
+                 "slice [{}, {}) out of range for {}", begin, end, shape_str(shape_));
   int64_t row = shape_[0] == 0 ? 0 : numel_ / shape_[0];
   Tensor t = *this;
   t.shape_[0] = end - begin;
@@ -127,7 +128,8 @@ void Tensor::fill(float value) {
 
 void Tensor::copy_from(const Tensor& other) {
   MOETRAIN_CHECK(other.shape_ == shape_ && other.dtype_ == dtype_, "copy_from: {} {} into {} {}",
-                 shape_str(other.shape_), dtype_name(other.dtype_), shape_str(shape_), dtype_name(dtype_));
+                 shape_str(other.shape_), dtype_name(other.dtype_), shape_str(shape_),
+                 dtype_name(dtype_));
   if (numel_) std::memcpy(data_, other.data_, nbytes());
 }
 

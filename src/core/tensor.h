@@ -22,7 +22,9 @@ class Tensor {
   Tensor() = default;
   // Zero-filled, 64-byte aligned.
   Tensor(Shape shape, DType dtype = DType::F32);
-  static Tensor zeros(Shape shape, DType dtype = DType::F32) { return Tensor(std::move(shape), dtype); }
+  static Tensor zeros(Shape shape, DType dtype = DType::F32) {
+    return Tensor(std::move(shape), dtype);
+  }
   // Non-owning wrapper over external memory (caller keeps it alive).
   static Tensor wrap(void* data, Shape shape, DType dtype = DType::F32);
 
@@ -60,9 +62,11 @@ class Tensor {
   template <typename T>
   void check_type() const {
     if constexpr (std::is_same_v<T, float>) {
-      MOETRAIN_CHECK(dtype_ == DType::F32, "tensor {} is {}, asked for f32", shape_str(shape_), dtype_name(dtype_));
+      MOETRAIN_CHECK(dtype_ == DType::F32, "tensor {} is {}, asked for f32", shape_str(shape_),
+                     dtype_name(dtype_));
     } else if constexpr (std::is_same_v<T, bf16>) {
-      MOETRAIN_CHECK(dtype_ == DType::BF16, "tensor {} is {}, asked for bf16", shape_str(shape_), dtype_name(dtype_));
+      MOETRAIN_CHECK(dtype_ == DType::BF16, "tensor {} is {}, asked for bf16", shape_str(shape_),
+                     dtype_name(dtype_));
     }
   }
 

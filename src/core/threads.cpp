@@ -8,7 +8,9 @@
 
 namespace moetrain {
 
-int hardware_cores() { return std::max(1u, std::thread::hardware_concurrency()); }
+int hardware_cores() {
+  return std::max(1u, std::thread::hardware_concurrency());
+}
 
 int init_threads(int requested, int local_processes) {
   int n = requested;
@@ -23,6 +25,8 @@ int init_threads(int requested, int local_processes) {
   return n;
 }
 
-int num_threads() { return omp_get_max_threads(); }
+int num_threads() {
+  return omp_get_max_threads();
+}
 
 }  // namespace moetrain

@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 #include <zlib.h>
 
-#include <algorithm>
 #include <fcntl.h>
 #include <unistd.h>
+#include <algorithm>
 
 #include "core/check.h"
 #include "core/log.h"
@@ -17,8 +17,8 @@ namespace moetrain {
 
 namespace {
 
-constexpr const char* kFiles[] = {"model.safetensors", "config.json", "optimizer.safetensors", "state.safetensors",
-                                  "trainer_state.json"};
+constexpr const char* kFiles[] = {"model.safetensors", "config.json", "optimizer.safetensors",
+                                  "state.safetensors", "trainer_state.json"};
 
 uint32_t crc32_of(const uint8_t* data, std::size_t n) {
   uLong crc = crc32(0L, Z_NULL, 0);
@@ -44,10 +44,11 @@ void read_tensors(const fs::path& path, const std::vector<NamedTensor>& tensors)
   if (tensors.empty()) return;
   SafetensorsReader r(path);
   for (const auto& t : tensors) {
-    MOETRAIN_CHECK(r.contains(t.name), "{}: no tensor '{}' (the checkpoint is of a different model or run?)",
+    MOETRAIN_CHECK(r.contains(t.name),
+                   "{}: no tensor '{}' (the checkpoint is of a different model or run?)",
                    path.string(), t.name);
-    MOETRAIN_CHECK(r.shape(t.name) == t.shape, "{}: tensor '{}' has shape {}, this run expects {}", path.string(),
-                   t.name, shape_str(r.shape(t.name)), shape_str(t.shape));
+    MOETRAIN_CHECK(r.shape(t.name) == t.shape, "{}: tensor '{}' has shape {}, this run expects {}",
+                   path.string(), t.name, shape_str(r.shape(t.name)), shape_str(t.shape));
     r.copy_to_f32(t.name, t.data, shape_numel(t.shape));
   }
 }
@@ -75,7 +76,8 @@ fs::path checkpoint_dir(const fs::path& run_dir, int64_t step) {
   return run_dir / "checkpoints" / fmt::format("step_{:08}", step);
 }
 
-fs::path write_checkpoint(const fs::path& run_dir, int64_t step, const CheckpointContents& c, int64_t keep) {
+fs::path write_checkpoint(const fs::path& run_dir, int64_t step, const CheckpointContents& c,
+                          int64_t keep) {
   fs::path root = run_dir / "checkpoints";
   fs::path final_dir = checkpoint_dir(run_dir, step);
   fs::path tmp = root / fmt::format(".tmp_step_{:08}_{}", step, ::getpid());
@@ -111,7 +113,8 @@ fs::path write_checkpoint(const fs::path& run_dir, int64_t step, const Checkpoin
   std::vector<fs::path> dirs;
   for (const auto& e : fs::directory_iterator(root))
     if (e.is_directory() && step_of(e.path()) >= 0) dirs.push_back(e.path());
-  std::sort(dirs.begin(), dirs.end(), [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
+  std::sort(dirs.begin(), dirs.end(),
+            [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
   for (std::size_t i = static_cast<std::size_t>(std::max<int64_t>(keep, 1)); i < dirs.size(); ++i) {
     fs::remove_all(dirs[i], ec);
   }
@@ -120,7 +123,8 @@ fs::path write_checkpoint(const fs::path& run_dir, int64_t step, const Checkpoin
 
 void verify_checkpoint(const fs::path& dir) {
   fs::path mpath = dir / "manifest.json";
-  MOETRAIN_CHECK(fs::is_regular_file(mpath), "{}: no manifest.json (an incomplete checkpoint)", dir.string());
+  MOETRAIN_CHECK(fs::is_regular_file(mpath), "{}: no manifest.json (an incomplete checkpoint)",
+                 dir.string());
   nlohmann::json manifest;
   {
     MappedFile m(mpath);
@@ -130,17 +134,20 @@ void verify_checkpoint(const fs::path& dir) {
                      manifest["files"].is_object(),
                  "{}: manifest.json is not a valid checkpoint manifest", dir.string());
   for (const char* f : kFiles) {
-    MOETRAIN_CHECK(manifest["files"].contains(f), "{}: manifest.json does not list {}", dir.string(), f);
+    MOETRAIN_CHECK(manifest["files"].contains(f), "{}: manifest.json does not list {}",
+                   dir.string(), f);
     const auto& entry = manifest["files"][f];
     fs::path p = dir / f;
     MOETRAIN_CHECK(fs::is_regular_file(p), "{}: missing", p.string());
     MappedFile m(p);
     uint64_t want_bytes = entry.value("bytes", uint64_t{0});
-    MOETRAIN_CHECK(m.size() == want_bytes, "{}: {} bytes, the manifest says {} (truncated or replaced)", p.string(),
+    MOETRAIN_CHECK(m.size() == want_bytes,
+                   "{}: {} bytes, the manifest says {} (truncated or replaced)", p.string(),
                    m.size(), want_bytes);
     uint32_t crc = crc32_of(m.data(), m.size());
     uint32_t want_crc = entry.value("crc32", uint32_t{0});
-    MOETRAIN_CHECK(crc == want_crc, "{}: CRC-32 {:08x}, the manifest says {:08x} (the file is corrupt)", p.string(),
+    MOETRAIN_CHECK(crc == want_crc,
+                   "{}: CRC-32 {:08x}, the manifest says {:08x} (the file is corrupt)", p.string(),
                    crc, want_crc);
   }
 }
@@ -158,7 +165,8 @@ std::optional<fs::path> find_latest_checkpoint(const fs::path& run_dir) {
   std::vector<fs::path> dirs;
   for (const auto& e : fs::directory_iterator(root))
     if (e.is_directory() && step_of(e.path()) >= 0) dirs.push_back(e.path());
-  std::sort(dirs.begin(), dirs.end(), [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
+  std::sort(dirs.begin(), dirs.end(),
+            [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
   for (const auto& d : dirs)
     if (candidates.empty() || d != candidates.front()) candidates.push_back(d);
   for (const auto& dir : candidates) {
@@ -174,7 +182,8 @@ std::optional<fs::path> find_latest_checkpoint(const fs::path& run_dir) {
 
 nlohmann::json read_checkpoint_json(const fs::path& dir, const std::string& file) {
   fs::path p = dir / file;
-  MOETRAIN_CHECK(fs::is_regular_file(p), "{}: missing (is {} a checkpoint directory?)", p.string(), dir.string());
+  MOETRAIN_CHECK(fs::is_regular_file(p), "{}: missing (is {} a checkpoint directory?)", p.string(),
+                 dir.string());
   MappedFile m(p);
   auto j = nlohmann::json::parse(m.data(), m.data() + m.size(), nullptr, false);
   MOETRAIN_CHECK(!j.is_discarded() && j.is_object(), "{}: not a valid JSON object", p.string());

@@ -6,7 +6,9 @@ namespace moetrain {
 
 namespace {
 constexpr int64_t kParallelMin = 1 << 14;
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) {
+  return 1.0f / (1.0f + std::exp(-x));
+}
 // d/dx [x·σ(x)] = σ(x)·(1 + x·(1 − σ(x)))
 inline float silu_grad(float x) {
   float s = sigmoid(x);
@@ -29,7 +31,8 @@ void swiglu_forward(float* out, const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] * sigmoid(a[i]) * b[i];
 }
 
-void swiglu_backward(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n) {
+void swiglu_backward(float* da, float* db, const float* dout, const float* a, const float* b,
+                     int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
     float s = sigmoid(a[i]);

@@ -13,6 +13,7 @@ void silu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
 // out, a, b (n)
 void swiglu_forward(float* out, const float* a, const float* b, int64_t n);
 // da = dout ⊙ b ⊙ silu'(a);  db = dout ⊙ silu(a)
-void swiglu_backward(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n);
+void swiglu_backward(float* da, float* db, const float* dout, const float* a, const float* b,
+                     int64_t n);
 
 }  // namespace moetrain

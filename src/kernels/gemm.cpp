@@ -45,7 +45,8 @@ struct KeyHash {
   std::size_t operator()(const Key& k) const {
     std::size_t h = 1469598103934665603ull;
     auto mix = [&h](int64_t v) { h = (h ^ static_cast<std::size_t>(v)) * 1099511628211ull; };
-    mix(k.dtype), mix(k.ta), mix(k.tb), mix(k.M), mix(k.N), mix(k.K), mix(k.lda), mix(k.ldb), mix(k.ldc);
+    mix(k.dtype), mix(k.ta), mix(k.tb), mix(k.M), mix(k.N), mix(k.K), mix(k.lda), mix(k.ldb),
+        mix(k.ldc);
     mix(k.accumulate);
     return h;
   }
@@ -59,8 +60,11 @@ std::atomic<int> g_bf16_native{-1};
 std::unordered_map<Key, dnnl::matmul, KeyHash> g_cache;
 std::atomic<int64_t> g_built{0};
 
-// Strides of a row-major (rows, cols) view of a matrix stored transposed or not with leading dim ld.
-dnnl::memory::dims strides_of(bool trans, int64_t ld) { return trans ? dnnl::memory::dims{1, ld} : dnnl::memory::dims{ld, 1}; }
+// Strides of a row-major (rows, cols) view of a matrix stored transposed or not with leading dim
+// ld.
+dnnl::memory::dims strides_of(bool trans, int64_t ld) {
+  return trans ? dnnl::memory::dims{1, ld} : dnnl::memory::dims{ld, 1};
+}
 
 const dnnl::matmul& primitive(const Key& k) {
   std::lock_guard<std::mutex> lock(g_cache_mutex);
@@ -80,8 +84,8 @@ const dnnl::matmul& primitive(const Key& k) {
   try {
     pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), attr, engine());
   } catch (const dnnl::error& e) {
-    MOETRAIN_FAIL("oneDNN matmul ({}x{}x{}, {}) cannot be created: {}", k.M == kRuntime ? -1 : k.M, k.N,
-                  k.K == kRuntime ? -1 : k.K, k.dtype == 0 ? "f32" : "bf16", e.what());
+    MOETRAIN_FAIL("oneDNN matmul ({}x{}x{}, {}) cannot be created: {}", k.M == kRuntime ? -1 : k.M,
+                  k.N, k.K == kRuntime ? -1 : k.K, k.dtype == 0 ? "f32" : "bf16", e.what());
   }
   ++g_built;
   return g_cache.emplace(k, dnnl::matmul(pd)).first->second;
@@ -97,9 +101,10 @@ bool bf16_native() {
       v = 1;
     } catch (const dnnl::error&) {
       v = 0;
-      log_warn("oneDNN has no bf16 matmul on this CPU ({}): bf16 GEMM operands are widened to f32 "
-               "(same result, no bf16 speed-up)",
-               gemm_backend_info());
+      log_warn(
+          "oneDNN has no bf16 matmul on this CPU ({}): bf16 GEMM operands are widened to f32 "
+          "(same result, no bf16 speed-up)",
+          gemm_backend_info());
     }
     g_bf16_native = v;
   }
@@ -122,8 +127,8 @@ constexpr int dtype_code() {
 // Runs C = op(A) op(B) [+ C]. runtime_m / runtime_k bind that dimension (and the leading dims
 // that follow from it) at execution.
 template <typename T>
-void run_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B, float* C, bool acc,
-              int64_t lda, int64_t ldb, int64_t ldc, bool runtime_m, bool runtime_k) {
+void run_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B, float* C,
+              bool acc, int64_t lda, int64_t ldb, int64_t ldc, bool runtime_m, bool runtime_k) {
   if (M == 0 || N == 0) return;
   if (K == 0) {
     if (!acc) {
@@ -136,8 +141,8 @@ void run_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, con
       thread_local std::vector<float> a32, b32;
       widen(a32, A, ta ? K : M, ta ? M : K, lda);
       widen(b32, B, tb ? N : K, tb ? K : N, ldb);
-      run_gemm<float>(ta, tb, M, N, K, a32.data(), b32.data(), C, acc, ta ? M : K, tb ? K : N, ldc, runtime_m,
-                      runtime_k);
+      run_gemm<float>(ta, tb, M, N, K, a32.data(), b32.data(), C, acc, ta ? M : K, tb ? K : N, ldc,
+                      runtime_m, runtime_k);
       return;
     }
   }
@@ -162,97 +167,118 @@ void run_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, con
 }
 
 template <typename T>
-void gemm_impl(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B, float* C, bool acc,
-               int64_t lda, int64_t ldb, int64_t ldc) {
+void gemm_impl(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B,
+               float* C, bool acc, int64_t lda, int64_t ldb, int64_t ldc) {
   MOETRAIN_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm: negative size M={} N={} K={}", M, N, K);
   bool a_t = ta == Trans::T, b_t = tb == Trans::T;
   if (lda == 0) lda = a_t ? M : K;
   if (ldb == 0) ldb = b_t ? K : N;
   if (ldc == 0) ldc = N;
   MOETRAIN_CHECK(lda >= (a_t ? M : K) && ldb >= (b_t ? K : N) && ldc >= N,
-                 "gemm: leading dimensions lda={} ldb={} ldc={} too small for M={} N={} K={}", lda, ldb, ldc, M, N, K);
+                 "gemm: leading dimensions lda={} ldb={} ldc={} too small for M={} N={} K={}", lda,
+                 ldb, ldc, M, N, K);
   run_gemm(a_t, b_t, M, N, K, A, B, C, acc, lda, ldb, ldc, false, false);
 }
 
 template <typename T>
-void grouped_impl(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const T* A, const T* B,
-                  int64_t b_stride, float* C, bool acc) {
+void grouped_impl(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const T* A,
+                  const T* B, int64_t b_stride, float* C, bool acc) {
   MOETRAIN_CHECK(G >= 0 && N >= 0 && K >= 0, "grouped_gemm: negative size G={} N={} K={}", G, N, K);
   bool b_t = tb == Trans::T;
   int64_t row = 0;
   for (int64_t g = 0; g < G; ++g) {
     MOETRAIN_CHECK(M[g] >= 0, "grouped_gemm: group {} has negative row count {}", g, M[g]);
-    run_gemm(false, b_t, M[g], N, K, A + row * K, B + g * b_stride, C + row * N, acc, K, b_t ? K : N, N, true,
-             false);
+    run_gemm(false, b_t, M[g], N, K, A + row * K, B + g * b_stride, C + row * N, acc, K,
+             b_t ? K : N, N, true, false);
     row += M[g];
   }
 }
 
 template <typename T>
-void grouped_reduce_impl(int64_t G, const int64_t* M, int64_t P, int64_t Q, const T* A, const T* B, float* C,
-                         int64_t c_stride, bool acc) {
-  MOETRAIN_CHECK(G >= 0 && P >= 0 && Q >= 0, "grouped_gemm_reduce: negative size G={} P={} Q={}", G, P, Q);
+void grouped_reduce_impl(int64_t G, const int64_t* M, int64_t P, int64_t Q, const T* A, const T* B,
+                         float* C, int64_t c_stride, bool acc) {
+  MOETRAIN_CHECK(G >= 0 && P >= 0 && Q >= 0, "grouped_gemm_reduce: negative size G={} P={} Q={}", G,
+                 P, Q);
   int64_t row = 0;
   for (int64_t g = 0; g < G; ++g) {
     MOETRAIN_CHECK(M[g] >= 0, "grouped_gemm_reduce: group {} has negative row count {}", g, M[g]);
-    run_gemm(true, false, P, Q, M[g], A + row * P, B + row * Q, C + g * c_stride, acc, P, Q, Q, false, true);
+    run_gemm(true, false, P, Q, M[g], A + row * P, B + row * Q, C + g * c_stride, acc, P, Q, Q,
+             false, true);
     row += M[g];
   }
 }
 
 }  // namespace
 
-void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* C,
-          bool accumulate, int64_t lda, int64_t ldb, int64_t ldc) {
+void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B,
+          float* C, bool accumulate, int64_t lda, int64_t ldb, int64_t ldc) {
   gemm_impl(ta, tb, M, N, K, A, B, C, accumulate, lda, ldb, ldc);
 }
-void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const bf16* A, const bf16* B, float* C,
-          bool accumulate, int64_t lda, int64_t ldb, int64_t ldc) {
+void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const bf16* A, const bf16* B,
+          float* C, bool accumulate, int64_t lda, int64_t ldb, int64_t ldc) {
   gemm_impl(ta, tb, M, N, K, A, B, C, accumulate, lda, ldb, ldc);
 }
 
-void linear_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t IC, int64_t OC) {
+void linear_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t IC,
+                    int64_t OC) {
   gemm(Trans::N, Trans::T, N, OC, IC, inp, weight, out, false);
 }
 
-void linear_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
-                     int64_t N, int64_t IC, int64_t OC) {
+void linear_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t IC, int64_t OC) {
   if (dinp) gemm(Trans::N, Trans::N, N, IC, OC, dout, weight, dinp, false);
   if (dweight) gemm(Trans::T, Trans::N, OC, IC, N, dout, inp, dweight, true);
 }
 
-void grouped_gemm(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const float* A, const float* B,
-                  int64_t b_stride, float* C, bool accumulate) {
+void grouped_gemm(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const float* A,
+                  const float* B, int64_t b_stride, float* C, bool accumulate) {
   grouped_impl(tb, G, M, N, K, A, B, b_stride, C, accumulate);
 }
-void grouped_gemm(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const bf16* A, const bf16* B,
-                  int64_t b_stride, float* C, bool accumulate) {
+void grouped_gemm(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const bf16* A,
+                  const bf16* B, int64_t b_stride, float* C, bool accumulate) {
   grouped_impl(tb, G, M, N, K, A, B, b_stride, C, accumulate);
 }
-void grouped_gemm_reduce(int64_t G, const int64_t* M, int64_t P, int64_t Q, const float* A, const float* B, float* C,
-                         int64_t c_stride, bool accumulate) {
+void grouped_gemm_reduce(int64_t G, const int64_t* M, int64_t P, int64_t Q, const float* A,
+                         const float* B, float* C, int64_t c_stride, bool accumulate) {
   grouped_reduce_impl(G, M, P, Q, A, B, C, c_stride, accumulate);
 }
-void grouped_gemm_reduce(int64_t G, const int64_t* M, int64_t P, int64_t Q, const bf16* A, const bf16* B, float* C,
-                         int64_t c_stride, bool accumulate) {
+void grouped_gemm_reduce(int64_t G, const int64_t* M, int64_t P, int64_t Q, const bf16* A,
+                         const bf16* B, float* C, int64_t c_stride, bool accumulate) {
   grouped_reduce_impl(G, M, P, Q, A, B, C, c_stride, accumulate);
 }
 
-int64_t gemm_primitives_built() { return g_built.load(); }
+int64_t gemm_primitives_built() {
+  return g_built.load();
+}
 
 const char* gemm_backend_info() {
   static std::string info = [] {
     const dnnl_version_t* v = dnnl_version();
     const char* isa = "unknown";
     switch (dnnl::get_effective_cpu_isa()) {
-      case dnnl::cpu_isa::sse41: isa = "sse41"; break;
-      case dnnl::cpu_isa::avx: isa = "avx"; break;
-      case dnnl::cpu_isa::avx2: isa = "avx2"; break;
-      case dnnl::cpu_isa::avx512_core: isa = "avx512_core"; break;
-      case dnnl::cpu_isa::avx512_core_vnni: isa = "avx512_core_vnni"; break;
-      case dnnl::cpu_isa::avx512_core_bf16: isa = "avx512_core_bf16"; break;
-      case dnnl::cpu_isa::avx512_core_amx: isa = "avx512_core_amx"; break;
-      default: break;
+      case dnnl::cpu_isa::sse41:
+        isa = "sse41";
+        break;
+      case dnnl::cpu_isa::avx:
+        isa = "avx";
+        break;
+      case dnnl::cpu_isa::avx2:
+        isa = "avx2";
+        break;
+      case dnnl::cpu_isa::avx512_core:
+        isa = "avx512_core";
+        break;
+      case dnnl::cpu_isa::avx512_core_vnni:
+        isa = "avx512_core_vnni";
+        break;
+      case dnnl::cpu_isa::avx512_core_bf16:
+        isa = "avx512_core_bf16";
+        break;
+      case dnnl::cpu_isa::avx512_core_amx:
+        isa = "avx512_core_amx";
+        break;
+      default:
+        break;
     }
     return fmt::format("oneDNN {}.{}.{}, {}", v->major, v->minor, v->patch, isa);
   }();

@@ -40,22 +40,26 @@ void ModelConfig::validate() const {
   positive("expert_hidden", expert_hidden);
   positive("n_experts", n_experts);
   positive("max_seq_len", max_seq_len);
-  MOETRAIN_CHECK(vocab_size <= 65536, "model.vocab_size = {}: token shards store uint16, so at most 65536",
-                 vocab_size);
-  MOETRAIN_CHECK(dim % n_heads == 0, "model.n_heads = {}: must divide model.dim = {}", n_heads, dim);
-  MOETRAIN_CHECK(n_heads % n_kv_heads == 0, "model.n_kv_heads = {}: must divide model.n_heads = {}", n_kv_heads,
-                 n_heads);
-  MOETRAIN_CHECK(head_dim() % 2 == 0, "model.dim / model.n_heads = {}: the head size must be even for RoPE",
-                 head_dim());
-  MOETRAIN_CHECK(top_k >= 1 && top_k <= n_experts, "model.top_k = {}: must be in [1, model.n_experts = {}]", top_k,
-                 n_experts);
-  MOETRAIN_CHECK(capacity_factor >= 0, "model.capacity_factor = {}: must be ≥ 0 (0 = dropless)", capacity_factor);
+  MOETRAIN_CHECK(vocab_size <= 65536,
+                 "model.vocab_size = {}: token shards store uint16, so at most 65536", vocab_size);
+  MOETRAIN_CHECK(dim % n_heads == 0, "model.n_heads = {}: must divide model.dim = {}", n_heads,
+                 dim);
+  MOETRAIN_CHECK(n_heads % n_kv_heads == 0, "model.n_kv_heads = {}: must divide model.n_heads = {}",
+                 n_kv_heads, n_heads);
+  MOETRAIN_CHECK(head_dim() % 2 == 0,
+                 "model.dim / model.n_heads = {}: the head size must be even for RoPE", head_dim());
+  MOETRAIN_CHECK(top_k >= 1 && top_k <= n_experts,
+                 "model.top_k = {}: must be in [1, model.n_experts = {}]", top_k, n_experts);
+  MOETRAIN_CHECK(capacity_factor >= 0, "model.capacity_factor = {}: must be ≥ 0 (0 = dropless)",
+                 capacity_factor);
   MOETRAIN_CHECK(aux_loss_coef >= 0, "model.aux_loss_coef = {}: must be ≥ 0", aux_loss_coef);
   MOETRAIN_CHECK(z_loss_coef >= 0, "model.z_loss_coef = {}: must be ≥ 0", z_loss_coef);
-  MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0", bias_update_rate);
-  MOETRAIN_CHECK(shared_expert_hidden >= 0, "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)",
-                 shared_expert_hidden);
-  MOETRAIN_CHECK(dense_every >= 0, "model.dense_every = {}: must be ≥ 0 (0 = every layer is MoE)", dense_every);
+  MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0",
+                 bias_update_rate);
+  MOETRAIN_CHECK(shared_expert_hidden >= 0,
+                 "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)", shared_expert_hidden);
+  MOETRAIN_CHECK(dense_every >= 0, "model.dense_every = {}: must be ≥ 0 (0 = every layer is MoE)",
+                 dense_every);
   MOETRAIN_CHECK(dense_hidden >= 0, "model.dense_hidden = {}: must be ≥ 0", dense_hidden);
   MOETRAIN_CHECK(rope_theta > 0, "model.rope_theta = {}: must be positive", rope_theta);
   MOETRAIN_CHECK(norm_eps > 0, "model.norm_eps = {}: must be positive", norm_eps);
@@ -68,7 +72,8 @@ bool ModelConfig::hf_mixtral_compatible(std::string* why) const {
     if (why) *why = reason;
     return false;
   };
-  if (router != "topk_softmax") return no("only the topk_softmax router exists in transformers' Mixtral");
+  if (router != "topk_softmax")
+    return no("only the topk_softmax router exists in transformers' Mixtral");
   if (!renormalize) return no("Mixtral always renormalises the top-k weights");
   if (shared_expert_hidden > 0) return no("Mixtral has no shared experts");
   if (dense_every > 0) return no("Mixtral has no dense layers");

@@ -10,14 +10,14 @@
 namespace moetrain {
 
 struct ModelConfig {
-  int64_t vocab_size = 256;      // V
-  int64_t dim = 128;             // C
-  int64_t n_layers = 4;          // L
-  int64_t n_heads = 4;           // NH
-  int64_t n_kv_heads = 2;        // NKV (grouped-query attention)
-  int64_t expert_hidden = 256;   // F: each expert's SwiGLU hidden size (HF intermediate_size)
-  int64_t n_experts = 8;         // E
-  int64_t top_k = 2;             // K
+  int64_t vocab_size = 256;     // V
+  int64_t dim = 128;            // C
+  int64_t n_layers = 4;         // L
+  int64_t n_heads = 4;          // NH
+  int64_t n_kv_heads = 2;       // NKV (grouped-query attention)
+  int64_t expert_hidden = 256;  // F: each expert's SwiGLU hidden size (HF intermediate_size)
+  int64_t n_experts = 8;        // E
+  int64_t top_k = 2;            // K
   std::string router = "topk_softmax";
   bool renormalize = true;
   double capacity_factor = 0.0;  // 0 = dropless
@@ -25,16 +25,21 @@ struct ModelConfig {
   double z_loss_coef = 1e-3;
   double bias_update_rate = 1e-3;
   int64_t shared_expert_hidden = 0;  // 0 = no shared expert
-  int64_t dense_every = 0;           // every n-th layer (1-based: layers n-1, 2n-1, ...) a dense FFN; 0 = none
-  int64_t dense_hidden = 0;          // dense FFN hidden size (0 = expert_hidden · top_k)
+  int64_t dense_every =
+      0;  // every n-th layer (1-based: layers n-1, 2n-1, ...) a dense FFN; 0 = none
+  int64_t dense_hidden = 0;  // dense FFN hidden size (0 = expert_hidden · top_k)
   int64_t max_seq_len = 256;
-  double rope_theta = 1e6;       // Mixtral's
+  double rope_theta = 1e6;  // Mixtral's
   double norm_eps = 1e-5;
   double init_std = 0.02;
 
   int64_t head_dim() const { return dim / n_heads; }  // HS
-  bool is_dense_layer(int64_t layer) const { return dense_every > 0 && (layer + 1) % dense_every == 0; }
-  int64_t dense_ffn_hidden() const { return dense_hidden > 0 ? dense_hidden : expert_hidden * top_k; }
+  bool is_dense_layer(int64_t layer) const {
+    return dense_every > 0 && (layer + 1) % dense_every == 0;
+  }
+  int64_t dense_ffn_hidden() const {
+    return dense_hidden > 0 ? dense_hidden : expert_hidden * top_k;
+  }
   int64_t n_moe_layers() const;
   // The MoE layer configuration this model uses for its MoE blocks.
   MoeConfig moe() const;

@@ -18,19 +18,22 @@ int64_t ParamTable::add(std::string name, Shape shape, bool decay, int64_t exper
 
 // Experts are one (E, ...) block so the grouped GEMM strides over them; each expert is still
 // listed under its own Hugging Face name as a view into that block.
-int64_t ParamTable::add_experts(const std::string& prefix, const char* which, int64_t E, Shape per_expert) {
+int64_t ParamTable::add_experts(const std::string& prefix, const char* which, int64_t E,
+                                Shape per_expert) {
   size_ = (size_ + 15) / 16 * 16;
   int64_t base = size_;
   int64_t each = shape_numel(per_expert);
   for (int64_t j = 0; j < E; ++j) {
-    params_.push_back({fmt::format("{}.experts.{}.{}.weight", prefix, j, which), per_expert, base + j * each, each,
-                       true, j});
+    params_.push_back({fmt::format("{}.experts.{}.{}.weight", prefix, j, which), per_expert,
+                       base + j * each, each, true, j});
   }
   size_ = base + E * each;
   return base;
 }
 
-void ParamTable::finish() { size_ = (size_ + 15) / 16 * 16; }
+void ParamTable::finish() {
+  size_ = (size_ + 15) / 16 * 16;
+}
 
 ParamLayout::ParamLayout(const ModelConfig& cfg) {
   cfg.validate();
@@ -55,7 +58,8 @@ ParamLayout::ParamLayout(const ModelConfig& cfg) {
       std::string m = p + ".block_sparse_moe";
       // The router is a parameter like any other; decaying it would pull routing towards uniform.
       o.gate = add(m + ".gate.weight", {E, C}, false);
-      if (cfg.moe().router == RouterKind::NoisyTopK) o.noise = add(m + ".noise.weight", {E, C}, false);
+      if (cfg.moe().router == RouterKind::NoisyTopK)
+        o.noise = add(m + ".noise.weight", {E, C}, false);
       o.w1 = add_experts(m, "w1", E, {F, C});
       o.w3 = add_experts(m, "w3", E, {F, C});
       o.w2 = add_experts(m, "w2", E, {C, F});

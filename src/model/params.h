@@ -17,20 +17,20 @@ struct ParamInfo {
   Shape shape;
   int64_t offset = 0;  // in floats, into the flat buffer
   int64_t numel = 0;
-  bool decay = true;   // AdamW weight decay (off for norms)
-  int64_t expert = -1; // global expert id for expert weights, else -1
+  bool decay = true;    // AdamW weight decay (off for norms)
+  int64_t expert = -1;  // global expert id for expert weights, else -1
 };
 
 // Offsets of one block's tensors. An absent tensor has offset -1.
 struct LayerOffsets {
-  int64_t ln1, ln2;                  // (C)
-  int64_t wq, wk, wv, wo;            // (NH·HS, C), (NKV·HS, C), (NKV·HS, C), (C, NH·HS)
+  int64_t ln1, ln2;        // (C)
+  int64_t wq, wk, wv, wo;  // (NH·HS, C), (NKV·HS, C), (NKV·HS, C), (C, NH·HS)
   // MoE blocks
-  int64_t gate = -1, noise = -1;     // (E, C)
-  int64_t w1 = -1, w3 = -1, w2 = -1; // (E, F, C), (E, F, C), (E, C, F)
+  int64_t gate = -1, noise = -1;                           // (E, C)
+  int64_t w1 = -1, w3 = -1, w2 = -1;                       // (E, F, C), (E, F, C), (E, C, F)
   int64_t shared_w1 = -1, shared_w3 = -1, shared_w2 = -1;  // (Fs, C), (Fs, C), (C, Fs)
   // dense blocks
-  int64_t mlp_w1 = -1, mlp_w3 = -1, mlp_w2 = -1;           // (Fd, C), (Fd, C), (C, Fd)
+  int64_t mlp_w1 = -1, mlp_w3 = -1, mlp_w2 = -1;  // (Fd, C), (Fd, C), (C, Fd)
 };
 
 // A table of named tensors laid out one after another in a flat buffer, each on a 64-byte
@@ -60,7 +60,7 @@ class ParamLayout : public ParamTable {
  public:
   explicit ParamLayout(const ModelConfig& cfg);
 
-  int64_t embed = 0;     // (V, C)
+  int64_t embed = 0;  // (V, C)
   std::vector<LayerOffsets> layers;
   int64_t final_norm = 0;  // (C)
   int64_t lm_head = 0;     // (V, C)

@@ -25,7 +25,8 @@ struct Transformer::LayerActs {
   std::vector<float> h1, h3, g;   // dense blocks only: (N, Fd) each
 };
 
-Transformer::Transformer(const ModelConfig& cfg, const MoeFactory& make_moe) : cfg_(cfg), layout_(cfg) {
+Transformer::Transformer(const ModelConfig& cfg, const MoeFactory& make_moe)
+    : cfg_(cfg), layout_(cfg) {
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     if (cfg_.is_dense_layer(l)) {
       moe_index_.push_back(-1);
@@ -55,7 +56,8 @@ void Transformer::ensure_capacity(int64_t N) {
     a.ln1.resize(sz(N * C)), a.rstd1.resize(sz(N));
     a.q.resize(sz(N * QD)), a.k.resize(sz(N * KD)), a.v.resize(sz(N * KD));
     a.att.resize(sz(N * QD)), a.lse.resize(sz(N * cfg_.n_heads));
-    a.xmid.resize(sz(N * C)), a.ln2.resize(sz(N * C)), a.rstd2.resize(sz(N)), a.ffn.resize(sz(N * C));
+    a.xmid.resize(sz(N * C)), a.ln2.resize(sz(N * C)), a.rstd2.resize(sz(N)),
+        a.ffn.resize(sz(N * C));
     if (cfg_.is_dense_layer(l)) {
       const int64_t Fd = cfg_.dense_ffn_hidden();
       a.h1.resize(sz(N * Fd)), a.h3.resize(sz(N * Fd)), a.g.resize(sz(N * Fd));
@@ -84,11 +86,11 @@ MoeWeights moe_weights(float* base, const LayerOffsets& o) {
 }
 }  // namespace
 
-LossParts Transformer::forward(const float* params, const int32_t* inputs, const int32_t* targets, int64_t B,
-                               int64_t T, const MoeStep& step) {
+LossParts Transformer::forward(const float* params, const int32_t* inputs, const int32_t* targets,
+                               int64_t B, int64_t T, const MoeStep& step) {
   MOETRAIN_CHECK(B > 0 && T > 0, "forward: batch {} and sequence {} must be positive", B, T);
-  MOETRAIN_CHECK(T <= cfg_.max_seq_len, "forward: sequence length {} exceeds model.max_seq_len = {}", T,
-                 cfg_.max_seq_len);
+  MOETRAIN_CHECK(T <= cfg_.max_seq_len,
+                 "forward: sequence length {} exceeds model.max_seq_len = {}", T, cfg_.max_seq_len);
   const int64_t N = B * T, C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();
   const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
   const float eps = static_cast<float>(cfg_.norm_eps), theta = static_cast<float>(cfg_.rope_theta);
@@ -97,7 +99,8 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   std::memcpy(inputs_.data(), inputs, sizeof(int32_t) * N);
   if (targets) std::memcpy(targets_.data(), targets, sizeof(int32_t) * N);
   for (int64_t i = 0; i < N; ++i) pos_[i] = static_cast<int32_t>(i % T);
-  float* P = const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads them
+  float* P =
+      const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads them
 
   embedding_forward(resid_.data(), inputs_.data(), params + layout_.embed, N, C, V);
   LossParts parts;
@@ -112,7 +115,8 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
     linear_forward(a.v.data(), a.ln1.data(), params + o.wv, N, C, KD);
     rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta);
     rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta);
-    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HS);
+    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV,
+                      HS);
     linear_forward(a.xmid.data(), a.att.data(), params + o.wo, N, QD, C);
     for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
     rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), params + o.ln2, N, C, eps);
@@ -132,8 +136,8 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
     }
     for (int64_t i = 0; i < N * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
   }
-  rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + cfg_.n_layers * N * C, params + layout_.final_norm, N,
-                  C, eps);
+  rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + cfg_.n_layers * N * C,
+                  params + layout_.final_norm, N, C, eps);
   linear_forward(logits_.data(), lnf_.data(), params + layout_.lm_head, N, C, V);
   const int64_t n_moe = cfg_.n_moe_layers();
   if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
@@ -159,12 +163,15 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
   int64_t counted = 0;
   for (int64_t i = 0; i < N; ++i) counted += targets_[i] >= 0;
   // d(mean CE)/d loss_i = 1 / counted; positions with target −1 get no gradient.
-  std::vector<float> dlosses(static_cast<std::size_t>(N), counted ? loss_weight / static_cast<float>(counted) : 0.f);
-  softmax_xent_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(), targets_.data(), N, V);
-  linear_backward(dln_.data(), grads + layout_.lm_head, dlogits_.data(), lnf_.data(), params + layout_.lm_head, N, C,
-                  V);
-  rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(), resid_.data() + cfg_.n_layers * N * C,
-                   params + layout_.final_norm, rstdf_.data(), N, C);
+  std::vector<float> dlosses(static_cast<std::size_t>(N),
+                             counted ? loss_weight / static_cast<float>(counted) : 0.f);
+  softmax_xent_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(),
+                        targets_.data(), N, V);
+  linear_backward(dln_.data(), grads + layout_.lm_head, dlogits_.data(), lnf_.data(),
+                  params + layout_.lm_head, N, C, V);
+  rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(),
+                   resid_.data() + cfg_.n_layers * N * C, params + layout_.final_norm,
+                   rstdf_.data(), N, C);
   if (grads_ready_) grads_ready_(layout_.final_norm);
 
   // The balancing losses are means over MoE layers: each layer's share of their gradient.
@@ -176,21 +183,27 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
     const float* x = resid_.data() + l * N * C;
     // dresid_ holds ∂L/∂(block output); it flows unchanged into the FFN output and the residual.
     if (moe_index_[l] >= 0) {
-      moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(), moe_weights(P, o), moe_weights(grads, o), moe_weight);
+      moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(), moe_weights(P, o),
+                                    moe_weights(grads, o), moe_weight);
     } else {
       const int64_t Fd = cfg_.dense_ffn_hidden();
-      linear_backward(dg_.data(), grads + o.mlp_w2, dresid_.data(), a.g.data(), params + o.mlp_w2, N, Fd, C);
+      linear_backward(dg_.data(), grads + o.mlp_w2, dresid_.data(), a.g.data(), params + o.mlp_w2,
+                      N, Fd, C);
       swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
-      linear_backward(dln_.data(), grads + o.mlp_w1, dh1_.data(), a.ln2.data(), params + o.mlp_w1, N, C, Fd);
+      linear_backward(dln_.data(), grads + o.mlp_w1, dh1_.data(), a.ln2.data(), params + o.mlp_w1,
+                      N, C, Fd);
       gemm(Trans::N, Trans::N, N, C, Fd, dh3_.data(), params + o.mlp_w3, dln_.data(), true);
-      linear_backward(nullptr, grads + o.mlp_w3, dh3_.data(), a.ln2.data(), params + o.mlp_w3, N, C, Fd);
+      linear_backward(nullptr, grads + o.mlp_w3, dh3_.data(), a.ln2.data(), params + o.mlp_w3, N, C,
+                      Fd);
     }
-    rmsnorm_backward(dxmid_.data(), grads + o.ln2, dln_.data(), a.xmid.data(), params + o.ln2, a.rstd2.data(), N, C);
+    rmsnorm_backward(dxmid_.data(), grads + o.ln2, dln_.data(), a.xmid.data(), params + o.ln2,
+                     a.rstd2.data(), N, C);
     for (int64_t i = 0; i < N * C; ++i) dxmid_[i] += dresid_[i];
 
-    linear_backward(datt_.data(), grads + o.wo, dxmid_.data(), a.att.data(), params + o.wo, N, QD, C);
-    attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(), a.v.data(),
-                       a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
+    linear_backward(datt_.data(), grads + o.wo, dxmid_.data(), a.att.data(), params + o.wo, N, QD,
+                    C);
+    attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(),
+                       a.v.data(), a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
     rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
     rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
     linear_backward(dln_.data(), grads + o.wq, dq_.data(), a.ln1.data(), params + o.wq, N, C, QD);
@@ -198,7 +211,8 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
     gemm(Trans::N, Trans::N, N, C, KD, dv_.data(), params + o.wv, dln_.data(), true);
     linear_backward(nullptr, grads + o.wk, dk_.data(), a.ln1.data(), params + o.wk, N, C, KD);
     linear_backward(nullptr, grads + o.wv, dv_.data(), a.ln1.data(), params + o.wv, N, C, KD);
-    rmsnorm_backward(dresid_.data(), grads + o.ln1, dln_.data(), x, params + o.ln1, a.rstd1.data(), N, C);
+    rmsnorm_backward(dresid_.data(), grads + o.ln1, dln_.data(), x, params + o.ln1, a.rstd1.data(),
+                     N, C);
     for (int64_t i = 0; i < N * C; ++i) dresid_[i] += dxmid_[i];
     if (grads_ready_) grads_ready_(o.ln1);  // the block's first tensor
   }

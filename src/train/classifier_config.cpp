@@ -35,14 +35,10 @@ ConfigSchema schema(ClassifierRunConfig& c) {
   };
   add_optim_fields(fields, c.optim);
   const Field train[] = {
-      {"train.steps", &t.steps},
-      {"train.epochs", &t.epochs},
-      {"train.batch_size", &t.batch_size},
-      {"train.seed", &t.seed},
-      {"train.eval_every", &t.eval_every},
-      {"train.eval_batch_size", &t.eval_batch_size},
-      {"train.threads", &t.threads},
-      {"train.run_dir", &t.run_dir},
+      {"train.steps", &t.steps},           {"train.epochs", &t.epochs},
+      {"train.batch_size", &t.batch_size}, {"train.seed", &t.seed},
+      {"train.eval_every", &t.eval_every}, {"train.eval_batch_size", &t.eval_batch_size},
+      {"train.threads", &t.threads},       {"train.run_dir", &t.run_dir},
       {"train.progress", &t.progress},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));

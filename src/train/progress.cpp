@@ -21,7 +21,9 @@ ProgressMode parse_progress_mode(const std::string& name) {
 }
 
 Progress::Progress(ProgressMode mode, int64_t first_step, int64_t total_steps)
-    : mode_(log_rank() == 0 ? mode : ProgressMode::Off), first_step_(first_step), total_(total_steps) {}
+    : mode_(log_rank() == 0 ? mode : ProgressMode::Off),
+      first_step_(first_step),
+      total_(total_steps) {}
 
 std::string Progress::format_eta(double seconds) {
   if (!(seconds >= 0) || seconds > 1e7) return "--:--";
@@ -34,12 +36,16 @@ std::string Progress::render(const ProgressLine& p, int width) const {
   double done = static_cast<double>(p.step - first_step_);
   double elapsed = timer_.seconds();
   double eta = done > 0 ? elapsed / done * static_cast<double>(p.total - p.step) : -1;
-  std::string stats = fmt::format(" loss {:.4f} | {:.0f} tok/s | lr {:.2e} | load max/mean {:.2f} | ETA {}", p.loss,
-                                  p.tokens_per_s, p.lr, p.imbalance, format_eta(eta));
+  std::string stats =
+      fmt::format(" loss {:.4f} | {:.0f} tok/s | lr {:.2e} | load max/mean {:.2f} | ETA {}", p.loss,
+                  p.tokens_per_s, p.lr, p.imbalance, format_eta(eta));
   std::string head = fmt::format("step {}/{} ", p.step, p.total);
   if (mode_ != ProgressMode::Bar) return head + stats.substr(1);
   int bar = std::max(10, std::min(30, width - static_cast<int>(head.size() + stats.size()) - 3));
-  int filled = p.total > 0 ? static_cast<int>(bar * static_cast<double>(p.step) / static_cast<double>(p.total)) : bar;
+  int filled =
+      p.total > 0
+          ? static_cast<int>(bar * static_cast<double>(p.step) / static_cast<double>(p.total))
+          : bar;
   return head + "[" + std::string(filled, '#') + std::string(bar - filled, '.') + "]" + stats;
 }
 

@@ -106,14 +106,15 @@ void OptimSettings::validate() const {
   MOETRAIN_CHECK(o.schedule == "cosine" || o.schedule == "linear" || o.schedule == "constant",
                  "optim.schedule = '{}': allowed are cosine, linear, constant", o.schedule);
   MOETRAIN_CHECK(o.lr > 0, "optim.lr = {}: must be positive", o.lr);
-  MOETRAIN_CHECK(o.min_lr >= 0 && o.min_lr <= o.lr, "optim.min_lr = {}: must be in [0, optim.lr = {}]", o.min_lr,
-                 o.lr);
+  MOETRAIN_CHECK(o.min_lr >= 0 && o.min_lr <= o.lr,
+                 "optim.min_lr = {}: must be in [0, optim.lr = {}]", o.min_lr, o.lr);
   MOETRAIN_CHECK(o.warmup_steps >= 0, "optim.warmup_steps = {}: must be ≥ 0", o.warmup_steps);
   MOETRAIN_CHECK(o.beta1 >= 0 && o.beta1 < 1, "optim.beta1 = {}: must be in [0, 1)", o.beta1);
   MOETRAIN_CHECK(o.beta2 >= 0 && o.beta2 < 1, "optim.beta2 = {}: must be in [0, 1)", o.beta2);
   MOETRAIN_CHECK(o.eps > 0, "optim.eps = {}: must be positive", o.eps);
   MOETRAIN_CHECK(o.weight_decay >= 0, "optim.weight_decay = {}: must be ≥ 0", o.weight_decay);
-  MOETRAIN_CHECK(o.momentum >= 0 && o.momentum < 1, "optim.momentum = {}: must be in [0, 1)", o.momentum);
+  MOETRAIN_CHECK(o.momentum >= 0 && o.momentum < 1, "optim.momentum = {}: must be in [0, 1)",
+                 o.momentum);
   MOETRAIN_CHECK(o.grad_clip >= 0, "optim.grad_clip = {}: must be ≥ 0 (0 = off)", o.grad_clip);
 }
 
@@ -146,26 +147,32 @@ void RunConfig::validate() const {
   MOETRAIN_CHECK(t.steps >= 0, "train.steps = {}: must be ≥ 0", t.steps);
   MOETRAIN_CHECK(t.batch_size > 0, "train.batch_size = {}: must be positive", t.batch_size);
   MOETRAIN_CHECK(t.seq_len > 0 && t.seq_len <= model.max_seq_len,
-                 "train.seq_len = {}: must be in [1, model.max_seq_len = {}]", t.seq_len, model.max_seq_len);
+                 "train.seq_len = {}: must be in [1, model.max_seq_len = {}]", t.seq_len,
+                 model.max_seq_len);
   MOETRAIN_CHECK(t.grad_accum > 0, "train.grad_accum = {}: must be positive", t.grad_accum);
   MOETRAIN_CHECK(t.eval_every >= 0, "train.eval_every = {}: must be ≥ 0", t.eval_every);
   MOETRAIN_CHECK(t.eval_batches > 0, "train.eval_batches = {}: must be positive", t.eval_batches);
-  MOETRAIN_CHECK(t.checkpoint_every >= 0, "train.checkpoint_every = {}: must be ≥ 0", t.checkpoint_every);
-  MOETRAIN_CHECK(t.keep_checkpoints >= 1, "train.keep_checkpoints = {}: must be ≥ 1", t.keep_checkpoints);
+  MOETRAIN_CHECK(t.checkpoint_every >= 0, "train.checkpoint_every = {}: must be ≥ 0",
+                 t.checkpoint_every);
+  MOETRAIN_CHECK(t.keep_checkpoints >= 1, "train.keep_checkpoints = {}: must be ≥ 1",
+                 t.keep_checkpoints);
   MOETRAIN_CHECK(t.threads >= 0, "train.threads = {}: must be ≥ 0 (0 = all cores)", t.threads);
   MOETRAIN_CHECK(!t.run_dir.empty(), "train.run_dir must not be empty");
-  MOETRAIN_CHECK(t.progress == "auto" || t.progress == "bar" || t.progress == "lines" || t.progress == "off",
-                 "train.progress = '{}': allowed are auto, bar, lines, off", t.progress);
+  MOETRAIN_CHECK(
+      t.progress == "auto" || t.progress == "bar" || t.progress == "lines" || t.progress == "off",
+      "train.progress = '{}': allowed are auto, bar, lines, off", t.progress);
   optim.validate();
   MOETRAIN_CHECK(dist.ep >= 1, "dist.ep = {}: must be ≥ 1", dist.ep);
-  MOETRAIN_CHECK(dist.zero == 0 || dist.zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",
-                 dist.zero);
-  MOETRAIN_CHECK(dist.bucket_first_mb > 0 && dist.bucket_mb > 0 && dist.bucket_mb <= 1024,
-                 "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
-                 dist.bucket_first_mb, dist.bucket_mb);
-  MOETRAIN_CHECK(dist.ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)", dist.ranks_per_node);
-  MOETRAIN_CHECK(dist.a2a_chunks >= 1 && dist.a2a_chunks <= 64, "dist.a2a_chunks = {}: must be in [1, 64]",
-                 dist.a2a_chunks);
+  MOETRAIN_CHECK(dist.zero == 0 || dist.zero == 1,
+                 "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)", dist.zero);
+  MOETRAIN_CHECK(
+      dist.bucket_first_mb > 0 && dist.bucket_mb > 0 && dist.bucket_mb <= 1024,
+      "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
+      dist.bucket_first_mb, dist.bucket_mb);
+  MOETRAIN_CHECK(dist.ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)",
+                 dist.ranks_per_node);
+  MOETRAIN_CHECK(dist.a2a_chunks >= 1 && dist.a2a_chunks <= 64,
+                 "dist.a2a_chunks = {}: must be in [1, 64]", dist.a2a_chunks);
 }
 
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where) {
@@ -183,8 +190,8 @@ nlohmann::json RunConfig::to_json() const {
 std::string RunConfig::config_hash() const {
   nlohmann::json j = to_json();
   // What may change between a run and its resumption without changing what is computed.
-  for (const char* k : {"steps", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "threads",
-                        "run_dir", "progress"})
+  for (const char* k : {"steps", "eval_every", "eval_batches", "checkpoint_every",
+                        "keep_checkpoints", "threads", "run_dir", "progress"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");

@@ -27,7 +27,7 @@ struct OptimSettings {
   std::string schedule = "cosine";  // cosine | linear | constant
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;
-  double momentum = 0.9;  // sgd, rmsprop
+  double momentum = 0.9;   // sgd, rmsprop
   double grad_clip = 1.0;  // 0 = off
 
   // Throws naming the key ("optim.lr = -1: must be positive").
@@ -45,7 +45,7 @@ struct TrainConfig {
   int64_t steps = 1000;
   int64_t batch_size = 16;  // sequences per micro-batch per process
   int64_t seq_len = 128;
-  int64_t grad_accum = 1;   // micro-batches per optimizer step
+  int64_t grad_accum = 1;  // micro-batches per optimizer step
   uint64_t seed = 1234;
   int64_t eval_every = 200;  // 0 = only at the end
   int64_t eval_batches = 20;

@@ -62,7 +62,8 @@ std::vector<NamedTensor> bias_views(Transformer& model) {
   if (cfg.moe().router != RouterKind::SigmoidBias) return out;
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     int64_t m = model.moe_index(l);
-    if (m >= 0) out.push_back({router_bias_name(l), {cfg.n_experts}, model.moe_layers()[m]->router_bias()});
+    if (m >= 0)
+      out.push_back({router_bias_name(l), {cfg.n_experts}, model.moe_layers()[m]->router_bias()});
   }
   return out;
 }
@@ -80,13 +81,15 @@ double imbalance(const std::vector<int64_t>& load) {
   if (load.empty()) return 1.0;
   int64_t mx = 0, sum = 0;
   for (int64_t v : load) mx = std::max(mx, v), sum += v;
-  return sum > 0 ? static_cast<double>(mx) * static_cast<double>(load.size()) / static_cast<double>(sum) : 1.0;
+  return sum > 0
+             ? static_cast<double>(mx) * static_cast<double>(load.size()) / static_cast<double>(sum)
+             : 1.0;
 }
 
 }  // namespace
 
-double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B, int64_t T,
-                int64_t max_batches, Comm* comm) {
+double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B,
+                int64_t T, int64_t max_batches, Comm* comm) {
   const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
   EvalLoader loader(shard, B, T, max_batches, rank, world);
   std::vector<int32_t> inputs(static_cast<std::size_t>(B * T)), targets(inputs.size());
@@ -107,7 +110,8 @@ double evaluate(Transformer& model, const float* params, const TokenShard& shard
     comm->allreduce(&sum, 1);
     comm->allreduce(&count, 1);
   }
-  MOETRAIN_CHECK(count > 0, "validation shard {} has too few tokens for one window of {}", shard.path().string(), T);
+  MOETRAIN_CHECK(count > 0, "validation shard {} has too few tokens for one window of {}",
+                 shard.path().string(), T);
   return sum / static_cast<double>(count);
 }
 
@@ -115,14 +119,16 @@ LoadedModel load_model(const fs::path& dir) {
   fs::path ckpt = dir;
   if (!fs::is_regular_file(dir / "manifest.json")) {
     auto latest = find_latest_checkpoint(dir);
-    MOETRAIN_CHECK(latest.has_value(), "{}: neither a checkpoint directory nor a run directory with a complete "
-                                       "checkpoint", dir.string());
+    MOETRAIN_CHECK(latest.has_value(),
+                   "{}: neither a checkpoint directory nor a run directory with a complete "
+                   "checkpoint",
+                   dir.string());
     ckpt = *latest;
   }
   verify_checkpoint(ckpt);
   nlohmann::json config = read_checkpoint_json(ckpt, "config.json");
-  MOETRAIN_CHECK(config.contains("moetrain"), "{}/config.json: no 'moetrain' section (not written by moetrain)",
-                 ckpt.string());
+  MOETRAIN_CHECK(config.contains("moetrain"),
+                 "{}/config.json: no 'moetrain' section (not written by moetrain)", ckpt.string());
   LoadedModel out;
   out.config = run_config_from_json(config["moetrain"], (ckpt / "config.json").string());
   out.model = std::make_unique<Transformer>(out.config.model);
@@ -141,15 +147,18 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   world_ = world ? std::move(world) : dist_world("trainer");
   const int W = world_->size();
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
-  pg_ = std::make_unique<ProcessGroups>(make_process_groups(*world_, static_cast<int>(cfg_.dist.ep)));
+  pg_ =
+      std::make_unique<ProcessGroups>(make_process_groups(*world_, static_cast<int>(cfg_.dist.ep)));
   const ParallelLayout& pl = pg_->layout;
   ExpertShard shard{0, cfg_.model.n_experts};
   MoeFactory factory;
   if (W > 1) {
-    if (cfg_.model.n_moe_layers() > 0) shard = expert_shard(cfg_.model.n_experts, pl.ep, pl.ep_index);
+    if (cfg_.model.n_moe_layers() > 0)
+      shard = expert_shard(cfg_.model.n_experts, pl.ep, pl.ep_index);
     A2aRoute route{pg_->a2a.get()};
     if (cfg_.dist.hierarchical) {
-      hier_ = std::make_unique<A2aHierarchy>(make_a2a_hierarchy(*pg_->a2a, static_cast<int>(cfg_.dist.ranks_per_node)));
+      hier_ = std::make_unique<A2aHierarchy>(
+          make_a2a_hierarchy(*pg_->a2a, static_cast<int>(cfg_.dist.ranks_per_node)));
       route = hier_->route(*pg_->a2a);
     }
     EpOptions ep_opts;
@@ -182,13 +191,16 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     gc.first_bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_first_mb * 1024 * 1024);
     gc.bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_mb * 1024 * 1024);
     sync_ = std::make_unique<GradSync>(ranges, *pg_->grads, *pg_->expert_grads, gc);
-    if (cfg_.dist.overlap) model_->set_grads_ready_hook([this](int64_t from) { sync_->ready(from); });
+    if (cfg_.dist.overlap)
+      model_->set_grads_ready_hook([this](int64_t from) { sync_->ready(from); });
     if (cfg_.dist.zero == 1) {
-      for (const ShardPiece& p : sync_->shard_pieces()) pieces.push_back({p.range.offset, p.range.size, true});
+      for (const ShardPiece& p : sync_->shard_pieces())
+        pieces.push_back({p.range.offset, p.range.size, true});
     } else {
       // Replicated everywhere: rank 0 writes them. Experts: the first rank of their EDP group.
       for (const FlatRange& r : ranges.dense) pieces.push_back({r.offset, r.size, pl.rank == 0});
-      for (const FlatRange& r : ranges.expert) pieces.push_back({r.offset, r.size, pl.dp_index == 0});
+      for (const FlatRange& r : ranges.expert)
+        pieces.push_back({r.offset, r.size, pl.dp_index == 0});
     }
   }
   optimizer_ = std::make_unique<ShardedOptimizer>(oc, groups_, std::move(pieces));
@@ -198,8 +210,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   train_shard_ = open_shard(cfg_.data, "train.bin");
   val_shard_ = open_shard(cfg_.data, "val.bin");
   MOETRAIN_CHECK(train_shard_->vocab() <= static_cast<uint32_t>(cfg_.model.vocab_size),
-                 "{} has vocabulary {}, larger than model.vocab_size = {}", train_shard_->path().string(),
-                 train_shard_->vocab(), cfg_.model.vocab_size);
+                 "{} has vocabulary {}, larger than model.vocab_size = {}",
+                 train_shard_->path().string(), train_shard_->vocab(), cfg_.model.vocab_size);
   MOETRAIN_CHECK(train_shard_->size() > static_cast<uint64_t>(cfg_.train.seq_len) + 1,
                  "{} has {} tokens, too few for train.seq_len = {}", train_shard_->path().string(),
                  train_shard_->size(), cfg_.train.seq_len);
@@ -210,41 +222,55 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   if (pl.rank == 0) fs::create_directories(cfg_.train.run_dir);
   pg_->control->barrier();
   // A fresh run never overwrites (or prunes) another run's checkpoints.
-  MOETRAIN_CHECK(resume || !fs::exists(fs::path(cfg_.train.run_dir) / "checkpoints"),
-                 "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue it, or "
-                 "choose another train.run_dir (or remove that one)",
-                 cfg_.train.run_dir);
+  MOETRAIN_CHECK(
+      resume || !fs::exists(fs::path(cfg_.train.run_dir) / "checkpoints"),
+      "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue it, or "
+      "choose another train.run_dir (or remove that one)",
+      cfg_.train.run_dir);
   std::optional<fs::path> ckpt = resume ? find_latest_checkpoint(cfg_.train.run_dir) : std::nullopt;
   // Every rank must resume from the same checkpoint (or none).
   int64_t found = ckpt ? 1 : 0;
   pg_->control->allreduce(&found, 1);
-  MOETRAIN_CHECK(found == 0 || found == W, "only {} of {} processes see a checkpoint in {}: the run directory must be "
-                 "the same shared directory for all", found, W, cfg_.train.run_dir);
+  MOETRAIN_CHECK(found == 0 || found == W,
+                 "only {} of {} processes see a checkpoint in {}: the run directory must be "
+                 "the same shared directory for all",
+                 found, W, cfg_.train.run_dir);
   if (ckpt) {
     load_checkpoint(*ckpt);
   } else {
     if (resume) log_info("no checkpoint in {}: starting from step 0", cfg_.train.run_dir);
-    if (pl.rank == 0) std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::trunc);
+    if (pl.rank == 0)
+      std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::trunc);
   }
   if (pl.rank == 0)
     write_file_atomic(fs::path(cfg_.train.run_dir) / "config.json", cfg_.to_json().dump(2) + "\n");
 
   int64_t n_params = layout.size();
-  log_info("model: {} layers, {} experts (top-{}), {:.2f}M parameters, {:.1f} MFLOP/token; {} threads",
-           cfg_.model.n_layers, cfg_.model.n_experts, cfg_.model.top_k, static_cast<double>(n_params) / 1e6,
-           model_->flops_per_token(cfg_.train.seq_len) / 1e6, threads);
-  log_info("data: {} train / {} val tokens; {} tokens per step", train_shard_->size(), val_shard_->size(),
-           BT * cfg_.train.grad_accum * W);
+  log_info(
+      "model: {} layers, {} experts (top-{}), {:.2f}M parameters, {:.1f} MFLOP/token; {} threads",
+      cfg_.model.n_layers, cfg_.model.n_experts, cfg_.model.top_k,
+      static_cast<double>(n_params) / 1e6, model_->flops_per_token(cfg_.train.seq_len) / 1e6,
+      threads);
+  log_info("data: {} train / {} val tokens; {} tokens per step", train_shard_->size(),
+           val_shard_->size(), BT * cfg_.train.grad_accum * W);
   if (W > 1)
-    log_info("{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient buckets", W,
-             pl.dp, pl.ep, shard.count, cfg_.dist.zero ? ", ZeRO-1" : "",
-             hier_ ? fmt::format(", 2-D all-to-all ({} ranks per node)", hier_->intra->size()) : "",
-             sync_->buckets().size());
+    log_info(
+        "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
+        "buckets",
+        W, pl.dp, pl.ep, shard.count, cfg_.dist.zero ? ", ZeRO-1" : "",
+        hier_ ? fmt::format(", 2-D all-to-all ({} ranks per node)", hier_->intra->size()) : "",
+        sync_->buckets().size());
 }
 
-int Trainer::rank() const { return world_->rank(); }
-int Trainer::world_size() const { return world_->size(); }
-bool Trainer::distributed() const { return world_->size() > 1; }
+int Trainer::rank() const {
+  return world_->rank();
+}
+int Trainer::world_size() const {
+  return world_->size();
+}
+bool Trainer::distributed() const {
+  return world_->size() > 1;
+}
 
 void Trainer::ensure_full_state() {
   full_state_.resize(optimizer_->state_names().size());
@@ -260,8 +286,10 @@ CheckpointContents Trainer::checkpoint_views() {
   const auto& names = optimizer_->state_names();
   if (distributed() && full_state_.size() != names.size()) ensure_full_state();
   for (std::size_t s = 0; s < names.size(); ++s) {
-    float* base = distributed() ? full_state_[s].data() : optimizer_->whole_state(static_cast<int>(s)).data();
-    for (const auto& p : layout.params()) c.optimizer.push_back({names[s] + "." + p.name, p.shape, base + p.offset});
+    float* base =
+        distributed() ? full_state_[s].data() : optimizer_->whole_state(static_cast<int>(s)).data();
+    for (const auto& p : layout.params())
+      c.optimizer.push_back({names[s] + "." + p.name, p.shape, base + p.offset});
   }
   c.state = bias_views(*model_);
   nlohmann::json hf = cfg_.model.to_hf_json();
@@ -285,20 +313,24 @@ CheckpointContents Trainer::checkpoint_views() {
 
 fs::path Trainer::save_checkpoint() {
   if (!distributed())
-    return write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(), cfg_.train.keep_checkpoints);
+    return write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(),
+                            cfg_.train.keep_checkpoints);
   // Rank 0 assembles the whole model and optimizer state: experts from the first rank of each
   // EDP group, optimizer state from each element's writer.
   Comm& control = *pg_->control;
   const bool root = control.rank() == 0;
   std::vector<FlatPiece> experts;
   if (pg_->layout.dp_index == 0)
-    for (auto [offset, size] : own_experts_) experts.push_back({offset, size, params_.data() + offset});
+    for (auto [offset, size] : own_experts_)
+      experts.push_back({offset, size, params_.data() + offset});
   gather_pieces(control, experts, params_.data());
   if (root) ensure_full_state();
   for (std::size_t s = 0; s < optimizer_->state_names().size(); ++s)
     optimizer_->gather_state(control, static_cast<int>(s), root ? full_state_[s].data() : nullptr);
   fs::path dir = checkpoint_dir(cfg_.train.run_dir, step_);
-  if (root) dir = write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(), cfg_.train.keep_checkpoints);
+  if (root)
+    dir = write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(),
+                           cfg_.train.keep_checkpoints);
   full_state_.clear();
   control.barrier();  // the checkpoint is complete when any rank returns
   return dir;
@@ -309,7 +341,8 @@ void Trainer::load_checkpoint(const fs::path& dir) {
   read_checkpoint(dir, c);
   std::string hash = c.trainer.value("config_hash", std::string());
   MOETRAIN_CHECK(hash == cfg_.config_hash(),
-                 "{} was written with a different configuration (hash {} vs this run's {}): resume with the same "
+                 "{} was written with a different configuration (hash {} vs this run's {}): resume "
+                 "with the same "
                  "model, optimizer and batch settings, or use a new train.run_dir",
                  dir.string(), hash, cfg_.config_hash());
   step_ = c.trainer.value("step", int64_t{0});
@@ -342,7 +375,8 @@ double Trainer::train_step() {
   std::fill(grads_.begin(), grads_.end(), 0.0f);
   LossParts sum;
   auto moe = model_->moe_layers();
-  std::vector<std::vector<int64_t>> load(moe.size(), std::vector<int64_t>(static_cast<std::size_t>(E), 0));
+  std::vector<std::vector<int64_t>> load(moe.size(),
+                                         std::vector<int64_t>(static_cast<std::size_t>(E), 0));
   std::vector<double> dropped(moe.size(), 0.0);
   last_a2a_s_ = 0, last_a2a_wait_s_ = 0;
   // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
@@ -356,7 +390,8 @@ double Trainer::train_step() {
     ms.step = static_cast<uint64_t>(step_ * A + micro);
     LossParts p = model_->forward(params_.data(), inputs_.data(), targets_.data(), B, T, ms);
     MOETRAIN_CHECK(std::isfinite(p.total),
-                   "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. The last good checkpoint "
+                   "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. The last "
+                   "good checkpoint "
                    "is kept in {}/checkpoints; lower optim.lr or raise optim.warmup_steps",
                    step_ + 1, p.total, p.ce, p.aux, p.z, cfg_.train.run_dir);
     // The last micro-batch's backward finishes the gradients: reduce buckets as they complete.
@@ -376,17 +411,20 @@ double Trainer::train_step() {
   if (W == 1) {
     const int64_t n = static_cast<int64_t>(grads_.size());
     MOETRAIN_CHECK(!has_non_finite(grads_.data(), n),
-                   "step {}: non-finite gradient; stopping. The last good checkpoint is kept in {}/checkpoints",
+                   "step {}: non-finite gradient; stopping. The last good checkpoint is kept in "
+                   "{}/checkpoints",
                    step_ + 1, cfg_.train.run_dir);
-    last_grad_norm_ = cfg_.optim.grad_clip > 0 ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
-                                               : grad_norm(grads_.data(), n);
+    last_grad_norm_ = cfg_.optim.grad_clip > 0
+                          ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
+                          : grad_norm(grads_.data(), n);
     optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
   } else {
     distributed_update(static_cast<float>(last_lr_));
   }
   if (cfg_.model.moe().router == RouterKind::SigmoidBias && !moe.empty()) {
     std::vector<int64_t> global(moe.size() * E);
-    for (std::size_t m = 0; m < moe.size(); ++m) std::copy_n(moe[m]->pending_load(), E, global.begin() + m * E);
+    for (std::size_t m = 0; m < moe.size(); ++m)
+      std::copy_n(moe[m]->pending_load(), E, global.begin() + m * E);
     pg_->control->allreduce(global.data(), static_cast<int64_t>(global.size()));
     for (std::size_t m = 0; m < moe.size(); ++m) moe[m]->apply_bias_update(global.data() + m * E);
   }
@@ -400,13 +438,18 @@ double Trainer::train_step() {
     std::vector<int64_t> flat;
     for (const auto& l : load) flat.insert(flat.end(), l.begin(), l.end());
     pg_->control->allreduce(flat.data(), static_cast<int64_t>(flat.size()));
-    for (std::size_t m = 0; m < moe.size(); ++m) std::copy_n(flat.begin() + m * E, E, load[m].begin());
+    for (std::size_t m = 0; m < moe.size(); ++m)
+      std::copy_n(flat.begin() + m * E, E, load[m].begin());
     pg_->control->allreduce(dropped.data(), static_cast<int64_t>(dropped.size()));
   }
   last_parts_ = sum;
 
-  nlohmann::json line = {{"step", step_},       {"loss", sum.total},  {"ce", sum.ce},
-                         {"aux", sum.aux},      {"z", sum.z},         {"lr", last_lr_},
+  nlohmann::json line = {{"step", step_},
+                         {"loss", sum.total},
+                         {"ce", sum.ce},
+                         {"aux", sum.aux},
+                         {"z", sum.z},
+                         {"lr", last_lr_},
                          {"grad_norm", last_grad_norm_}};
   line["tokens_per_expert"] = load;
   line["dropped_fraction"] = dropped;
@@ -430,8 +473,11 @@ void Trainer::distributed_update(float lr) {
   // non-finite check are sums over shards, the same bits on every rank.
   int64_t bad = sync_->shard_has_non_finite() ? 1 : 0;
   pg_->control->allreduce(&bad, 1);
-  MOETRAIN_CHECK(bad == 0, "step {}: non-finite gradient on {} process(es); stopping. The last good checkpoint is "
-                 "kept in {}/checkpoints", step_ + 1, bad, cfg_.train.run_dir);
+  MOETRAIN_CHECK(
+      bad == 0,
+      "step {}: non-finite gradient on {} process(es); stopping. The last good checkpoint is "
+      "kept in {}/checkpoints",
+      step_ + 1, bad, cfg_.train.run_dir);
   double sq = sync_->shard_sum_squares();
   pg_->control->allreduce(&sq, 1);
   last_grad_norm_ = std::sqrt(sq);
@@ -465,9 +511,10 @@ TrainResult Trainer::run(int64_t stop_at) {
   TrainResult result;
   result.first_step = step_;
   const int64_t total = stop_at >= 0 ? std::min(stop_at, cfg_.train.steps) : cfg_.train.steps;
-  const double tokens_per_step =
-      static_cast<double>(cfg_.train.batch_size * cfg_.train.seq_len * cfg_.train.grad_accum * world_size());
-  Progress progress(parse_progress_mode(rank() == 0 ? cfg_.train.progress : "off"), step_, cfg_.train.steps);
+  const double tokens_per_step = static_cast<double>(cfg_.train.batch_size * cfg_.train.seq_len *
+                                                     cfg_.train.grad_accum * world_size());
+  Progress progress(parse_progress_mode(rank() == 0 ? cfg_.train.progress : "off"), step_,
+                    cfg_.train.steps);
   Timer run_timer;
   double train_seconds = 0;
   while (step_ < total) {
@@ -485,16 +532,18 @@ TrainResult Trainer::run(int64_t stop_at) {
     pending_metrics_["grad_sync_s"] = last_sync_s_;
     pending_metrics_["exposed_comm_s"] = exposed;
     pending_metrics_["compute_s"] = compute;
-    pending_metrics_["comm_efficiency"] = compute + exposed > 0 ? compute / (compute + exposed) : 1.0;
+    pending_metrics_["comm_efficiency"] =
+        compute + exposed > 0 ? compute / (compute + exposed) : 1.0;
     write_metrics_line(pending_metrics_);
     progress.update({step_, cfg_.train.steps, result.final_loss, tokens_per_step / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});
     bool last = step_ == total;
     if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0 && !last) {
-      result.val_loss = evaluate(*model_, params_.data(), *val_shard_, cfg_.train.batch_size, cfg_.train.seq_len,
-                                 cfg_.train.eval_batches, pg_->control.get());
+      result.val_loss = evaluate(*model_, params_.data(), *val_shard_, cfg_.train.batch_size,
+                                 cfg_.train.seq_len, cfg_.train.eval_batches, pg_->control.get());
       write_metrics_line({{"step", step_}, {"val_loss", result.val_loss}});
-      progress.note(fmt::format("step {}: validation loss {:.4f} nats/byte", step_, result.val_loss));
+      progress.note(
+          fmt::format("step {}: validation loss {:.4f} nats/byte", step_, result.val_loss));
     }
     if (cfg_.train.checkpoint_every > 0 && step_ % cfg_.train.checkpoint_every == 0 && !last) {
       result.last_checkpoint = save_checkpoint();
@@ -504,14 +553,18 @@ TrainResult Trainer::run(int64_t stop_at) {
   progress.finish();
   result.steps_done = step_ - result.first_step;
   result.seconds = run_timer.seconds();
-  result.tokens_per_s = train_seconds > 0 ? tokens_per_step * static_cast<double>(result.steps_done) / train_seconds
-                                          : 0.0;
-  result.val_loss = evaluate(*model_, params_.data(), *val_shard_, cfg_.train.batch_size, cfg_.train.seq_len,
-                             cfg_.train.eval_batches, pg_->control.get());
+  result.tokens_per_s =
+      train_seconds > 0 ? tokens_per_step * static_cast<double>(result.steps_done) / train_seconds
+                        : 0.0;
+  result.val_loss = evaluate(*model_, params_.data(), *val_shard_, cfg_.train.batch_size,
+                             cfg_.train.seq_len, cfg_.train.eval_batches, pg_->control.get());
   write_metrics_line({{"step", step_}, {"val_loss", result.val_loss}});
   result.last_checkpoint = save_checkpoint();
-  log_info("done: {} steps in {:.1f} s ({:.0f} tokens/s); validation loss {:.4f} nats/byte; checkpoint {}",
-           result.steps_done, result.seconds, result.tokens_per_s, result.val_loss, result.last_checkpoint.string());
+  log_info(
+      "done: {} steps in {:.1f} s ({:.0f} tokens/s); validation loss {:.4f} nats/byte; checkpoint "
+      "{}",
+      result.steps_done, result.seconds, result.tokens_per_s, result.val_loss,
+      result.last_checkpoint.string());
   return result;
 }
 

@@ -28,10 +28,10 @@ class CommThread;
 struct ProcessGroups;
 
 struct TrainResult {
-  int64_t first_step = 0;   // the step the run started from (> 0 when resumed)
-  int64_t steps_done = 0;   // optimizer steps taken by this run
-  double final_loss = 0;    // training loss of the last step
-  double val_loss = -1;     // last validation loss (−1 when none was computed)
+  int64_t first_step = 0;  // the step the run started from (> 0 when resumed)
+  int64_t steps_done = 0;  // optimizer steps taken by this run
+  double final_loss = 0;   // training loss of the last step
+  double val_loss = -1;    // last validation loss (−1 when none was computed)
   double seconds = 0;
   double tokens_per_s = 0;
   std::filesystem::path last_checkpoint;
@@ -53,8 +53,8 @@ LoadedModel load_model(const std::filesystem::path& dir);
 // batches of (B, T) windows of the shard. With a communicator of several processes (collective:
 // every rank calls it), each rank takes its B windows of every global batch and the result is the
 // loss over all of them, the same on every rank.
-double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B, int64_t T,
-                int64_t max_batches, Comm* comm = nullptr);
+double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B,
+                int64_t T, int64_t max_batches, Comm* comm = nullptr);
 
 // Under mpirun every process builds a Trainer and runs it in step (every method is collective).
 // World = DP × EP (dist.ep): each process reads its own train.batch_size sequences per
@@ -99,7 +99,7 @@ class Trainer {
 
   RunConfig cfg_;
   std::unique_ptr<Comm> world_;
-  std::unique_ptr<ProcessGroups> pg_;  // before model_: its MoE layers hold the communicators
+  std::unique_ptr<ProcessGroups> pg_;   // before model_: its MoE layers hold the communicators
   std::unique_ptr<A2aHierarchy> hier_;  // dist.hierarchical: the 2-D all-to-all's communicators
   // dist.overlap or dist.a2a_chunks > 1: makes the gradient reductions and the MoE all-to-alls
   // (all MPI calls during a step's backward) while the main thread computes.
@@ -108,9 +108,10 @@ class Trainer {
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;
   std::vector<std::pair<int64_t, int64_t>> own_experts_;  // (offset, size)
-  std::unique_ptr<GradSync> sync_;  // distributed runs only
+  std::unique_ptr<GradSync> sync_;                        // distributed runs only
   std::unique_ptr<ShardedOptimizer> optimizer_;
-  std::vector<std::vector<float>> full_state_;  // distributed: whole optimizer state, for checkpoints
+  std::vector<std::vector<float>>
+      full_state_;  // distributed: whole optimizer state, for checkpoints
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
   int64_t step_ = 0;  // optimizer steps applied so far

@@ -58,7 +58,8 @@ TEST(Cli, BadConfigIsAClearErrorNotACrash) {
   Result r = run("train --config " + cfg.string());
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.output.find("model.n_experts = 0"), std::string::npos) << r.output;
-  Result key = run("train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml --set model.dimm=3");
+  Result key = run("train --config " + std::string(MOETRAIN_SOURCE_DIR) +
+                   "/configs/tiny.toml --set model.dimm=3");
   EXPECT_EQ(key.code, 1);
   EXPECT_NE(key.output.find("model.dimm"), std::string::npos) << key.output;
   Result ckpt = run("sample --checkpoint " + (tmp / "nothing").string() + " --prompt hi");
@@ -69,21 +70,27 @@ TEST(Cli, BadConfigIsAClearErrorNotACrash) {
 TEST(Cli, PrepareTrainSampleForwardEndToEnd) {
   moetrain::testing::TempDir tmp("e2e");
   std::string text;
-  for (int i = 0; i < 400; ++i) text += "All that glitters is not gold; all who wander are not lost. " + std::to_string(i) + "\n";
+  for (int i = 0; i < 400; ++i)
+    text +=
+        "All that glitters is not gold; all who wander are not lost. " + std::to_string(i) + "\n";
   auto corpus = tmp.write("corpus.txt", text);
-  ASSERT_EQ(run("prepare --input " + corpus.string() + " --out " + (tmp / "data").string()).code, 0);
-  std::string sets = " --set model.dim=32 --set model.n_layers=1 --set model.n_heads=2 --set model.n_kv_heads=1"
-                     " --set model.expert_hidden=16 --set model.n_experts=4 --set train.steps=6"
-                     " --set train.batch_size=2 --set train.seq_len=32 --set train.eval_every=0"
-                     " --set train.eval_batches=2 --set train.progress=lines --set data.dir=" +
-                     (tmp / "data").string() + " --set train.run_dir=" + (tmp / "run").string();
-  Result train = run("train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml" + sets);
+  ASSERT_EQ(run("prepare --input " + corpus.string() + " --out " + (tmp / "data").string()).code,
+            0);
+  std::string sets =
+      " --set model.dim=32 --set model.n_layers=1 --set model.n_heads=2 --set model.n_kv_heads=1"
+      " --set model.expert_hidden=16 --set model.n_experts=4 --set train.steps=6"
+      " --set train.batch_size=2 --set train.seq_len=32 --set train.eval_every=0"
+      " --set train.eval_batches=2 --set train.progress=lines --set data.dir=" +
+      (tmp / "data").string() + " --set train.run_dir=" + (tmp / "run").string();
+  Result train =
+      run("train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml" + sets);
   ASSERT_EQ(train.code, 0) << train.output;
   EXPECT_NE(train.output.find("validation loss"), std::string::npos) << train.output;
-  Result sample = run("sample --checkpoint " + (tmp / "run").string() + " --prompt All --max-tokens 20");
+  Result sample =
+      run("sample --checkpoint " + (tmp / "run").string() + " --prompt All --max-tokens 20");
   EXPECT_EQ(sample.code, 0) << sample.output;
-  Result fwd = run("forward --checkpoint " + (tmp / "run").string() + " --input 'All that' --backward --out " +
-                   (tmp / "f.safetensors").string());
+  Result fwd = run("forward --checkpoint " + (tmp / "run").string() +
+                   " --input 'All that' --backward --out " + (tmp / "f.safetensors").string());
   EXPECT_EQ(fwd.code, 0) << fwd.output;
   EXPECT_TRUE(std::filesystem::exists(tmp / "f.safetensors"));
   Result bad = run("forward --checkpoint " + (tmp / "run").string() + " --tokens 1,2,999 --out " +

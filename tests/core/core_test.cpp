@@ -14,8 +14,12 @@
 using namespace moetrain;
 
 namespace {
-uint16_t bits_of(float f) { return bf16(f).bits; }
-float from_bits32(uint32_t u) { return std::bit_cast<float>(u); }
+uint16_t bits_of(float f) {
+  return bf16(f).bits;
+}
+float from_bits32(uint32_t u) {
+  return std::bit_cast<float>(u);
+}
 }  // namespace
 
 TEST(Check, CarriesFileLineAndValues) {
@@ -113,7 +117,8 @@ TEST(Rng, SameOutputWhateverTheThreadCount) {
   omp_set_num_threads(2);
   rng_fill_normal(b.data(), n, rng, 0, 1);
   omp_set_num_threads(saved);
-  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(std::bit_cast<uint32_t>(a[i]), std::bit_cast<uint32_t>(b[i]));
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_EQ(std::bit_cast<uint32_t>(a[i]), std::bit_cast<uint32_t>(b[i]));
   // Moments of the normal draw.
   double mean = 0, var = 0;
   for (float v : a) mean += v;

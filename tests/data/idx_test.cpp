@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "core/check.h"
-#include "support/temp_dir.h"
 #include "support/expect_error.h"
+#include "support/temp_dir.h"
 
 using namespace moetrain;
 using moetrain::testing::read_file_bytes;
@@ -47,7 +47,6 @@ std::string pixels(std::size_t n, uint32_t seed) {
   for (std::size_t i = 0; i < n; ++i) s[i] = static_cast<char>((i * 2654435761u + seed) >> 11);
   return s;
 }
-
 
 // The message names the problem and the file.
 template <typename Fn>

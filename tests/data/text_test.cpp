@@ -15,8 +15,8 @@
 #include "data/prepare.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
-#include "support/temp_dir.h"
 #include "support/expect_error.h"
+#include "support/temp_dir.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -24,7 +24,6 @@ using moetrain::testing::read_file_bytes;
 using moetrain::testing::TempDir;
 
 namespace {
-
 
 std::string shard_bytes(const char* magic, uint32_t version, uint32_t vocab, uint64_t count,
                         const std::vector<uint16_t>& tokens) {
@@ -64,8 +63,7 @@ TEST(ByteTokenizer, RoundTripsEveryByte) {
   std::vector<int32_t> bad = {65, -1};
   expect_error([&] { byte_decode(std::span<const int32_t>(bad)); }, "token -1 at position 1");
   std::vector<uint16_t> big = {256};
-  expect_error([&] { byte_decode(std::span<const uint16_t>(big)); },
-                    "token 256 at position 0");
+  expect_error([&] { byte_decode(std::span<const uint16_t>(big)); }, "token 256 at position 0");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -92,7 +90,7 @@ TEST(TokenShard, RoundTripAndExactLayout) {
   EXPECT_EQ(w.tokens()[1], 65535);
 
   expect_error([&] { write_token_shard(dir / "x.bin", wide.data(), wide.size(), 256); },
-                    "token 65535 at position 1 is not below the vocab size 256");
+               "token 65535 at position 1 is not below the vocab size 256");
   expect_error([&] { write_token_shard(dir / "x.bin", wide.data(), 0, 0); }, "vocab size 0");
   EXPECT_FALSE(std::filesystem::exists(dir / "x.bin"));
 }

@@ -9,7 +9,9 @@ using namespace moetrain;
 using namespace moetrain::testing;
 
 namespace {
-double silu_ref(double x) { return x / (1.0 + std::exp(-x)); }
+double silu_ref(double x) {
+  return x / (1.0 + std::exp(-x));
+}
 }  // namespace
 
 class ActivationTest : public ::testing::TestWithParam<int64_t> {};

@@ -8,8 +8,8 @@
 
 #include "core/check.h"
 #include "kernels/embedding.h"
-#include "support/gradcheck.h"
 #include "support/expect_error.h"
+#include "support/gradcheck.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;

@@ -14,8 +14,8 @@ using namespace moetrain::testing;
 namespace {
 
 // C (M,N) = op(A) · op(B) in double, A/B stored as gemm() documents.
-std::vector<double> ref_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B,
-                             int64_t lda, int64_t ldb) {
+std::vector<double> ref_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A,
+                             const float* B, int64_t lda, int64_t ldb) {
   std::vector<double> C(M * N, 0.0);
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
@@ -46,12 +46,14 @@ TEST_P(GemmTest, F32MatchesDoubleReference) {
   auto [M, N, K, ta, tb] = GetParam();
   auto A = random_vector(M * K, 1), B = random_vector(K * N, 2);
   std::vector<float> C(M * N, 123.0f);
-  gemm(ta ? Trans::T : Trans::N, tb ? Trans::T : Trans::N, M, N, K, A.data(), B.data(), C.data(), false);
+  gemm(ta ? Trans::T : Trans::N, tb ? Trans::T : Trans::N, M, N, K, A.data(), B.data(), C.data(),
+       false);
   auto ref = ref_gemm(ta, tb, M, N, K, A.data(), B.data(), ta ? M : K, tb ? K : N);
   expect_close(C.data(), ref.data(), M * N, 1e-4, 1e-4, "f32 gemm");
 
   // Accumulate: C += op(A)·op(B) on top of the previous result.
-  gemm(ta ? Trans::T : Trans::N, tb ? Trans::T : Trans::N, M, N, K, A.data(), B.data(), C.data(), true);
+  gemm(ta ? Trans::T : Trans::N, tb ? Trans::T : Trans::N, M, N, K, A.data(), B.data(), C.data(),
+       true);
   for (auto& r : ref) r *= 2;
   expect_close(C.data(), ref.data(), M * N, 1e-4, 1e-4, "f32 gemm accumulate");
 }
@@ -63,7 +65,8 @@ TEST_P(GemmTest, Bf16MatchesF32WithinBf16Tolerance) {
   f32_to_bf16(Ab.data(), A.data(), A.size());
   f32_to_bf16(Bb.data(), B.data(), B.size());
   std::vector<float> C(M * N);
-  gemm(ta ? Trans::T : Trans::N, tb ? Trans::T : Trans::N, M, N, K, Ab.data(), Bb.data(), C.data(), false);
+  gemm(ta ? Trans::T : Trans::N, tb ? Trans::T : Trans::N, M, N, K, Ab.data(), Bb.data(), C.data(),
+       false);
   // Exact products of the bf16-rounded inputs, accumulated in f32: tight against that reference.
   auto Ar = rounded_bf16(A), Br = rounded_bf16(B);
   auto ref = ref_gemm(ta, tb, M, N, K, Ar.data(), Br.data(), ta ? M : K, tb ? K : N);
@@ -74,19 +77,22 @@ TEST_P(GemmTest, Bf16MatchesF32WithinBf16Tolerance) {
   expect_close(C.data(), ref32.data(), M * N, tol, 0.0, "bf16 gemm vs f32");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest,
-                         ::testing::Values(GemmShape{0, 5, 3, false, false}, GemmShape{5, 0, 3, false, true},
-                                           GemmShape{4, 3, 0, false, false}, GemmShape{1, 1, 1, false, false},
-                                           GemmShape{1, 1, 1, true, true}, GemmShape{7, 13, 5, false, false},
-                                           GemmShape{7, 13, 5, true, false}, GemmShape{7, 13, 5, false, true},
-                                           GemmShape{7, 13, 5, true, true}, GemmShape{64, 33, 129, false, true},
-                                           GemmShape{130, 64, 96, true, false}));
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemmTest,
+    ::testing::Values(GemmShape{0, 5, 3, false, false}, GemmShape{5, 0, 3, false, true},
+                      GemmShape{4, 3, 0, false, false}, GemmShape{1, 1, 1, false, false},
+                      GemmShape{1, 1, 1, true, true}, GemmShape{7, 13, 5, false, false},
+                      GemmShape{7, 13, 5, true, false}, GemmShape{7, 13, 5, false, true},
+                      GemmShape{7, 13, 5, true, true}, GemmShape{64, 33, 129, false, true},
+                      GemmShape{130, 64, 96, true, false}));
 
 TEST(Gemm, ZeroKClearsOrKeeps) {
   std::vector<float> C(6, 5.0f);
-  gemm(Trans::N, Trans::N, 2, 3, 0, static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), C.data(), true);
+  gemm(Trans::N, Trans::N, 2, 3, 0, static_cast<const float*>(nullptr),
+       static_cast<const float*>(nullptr), C.data(), true);
   for (float c : C) EXPECT_EQ(c, 5.0f);
-  gemm(Trans::N, Trans::N, 2, 3, 0, static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), C.data(), false);
+  gemm(Trans::N, Trans::N, 2, 3, 0, static_cast<const float*>(nullptr),
+       static_cast<const float*>(nullptr), C.data(), false);
   for (float c : C) EXPECT_EQ(c, 0.0f);
 }
 
@@ -100,7 +106,8 @@ TEST(Gemm, LeadingDimensions) {
     expect_close(C.data() + i * 6, ref.data() + i * 5, 5, 1e-5, 1e-5, "row");
     EXPECT_EQ(C[i * 6 + 5], -7.0f) << "column outside C touched";
   }
-  EXPECT_THROW(gemm(Trans::N, Trans::N, 4, 5, 3, A.data(), B.data(), C.data(), false, 2, 5, 6), Error);
+  EXPECT_THROW(gemm(Trans::N, Trans::N, 4, 5, 3, A.data(), B.data(), C.data(), false, 2, 5, 6),
+               Error);
 }
 
 TEST(Linear, ForwardBackwardFiniteDifferences) {
@@ -136,21 +143,26 @@ TEST_P(GroupedGemmTest, MatchesLoopOfPlainGemmsWithEmptyGroups) {
   for (auto m : M) total += m;
   auto A = random_vector(total * K, 10), B = random_vector(G * K * N, 11);
   std::vector<float> C(total * N, 9.0f), C_ref(total * N, 0.0f);
-  grouped_gemm(tb ? Trans::T : Trans::N, G, M.data(), N, K, A.data(), B.data(), K * N, C.data(), false);
+  grouped_gemm(tb ? Trans::T : Trans::N, G, M.data(), N, K, A.data(), B.data(), K * N, C.data(),
+               false);
   int64_t row = 0;
   for (int64_t g = 0; g < G; ++g) {
     gemm(Trans::N, tb ? Trans::T : Trans::N, M[g], N, K, A.data() + row * K, B.data() + g * K * N,
          C_ref.data() + row * N, false);
     row += M[g];
   }
-  for (int64_t i = 0; i < total * N; ++i) ASSERT_EQ(C[i], C_ref[i]) << i;  // same primitive math: bitwise
-  auto full = ref_gemm(false, tb, M[5], N, K, A.data() + (total - 64) * K, B.data() + 5 * K * N, K, tb ? K : N);
-  expect_close(C.data() + (total - 64) * N, full.data(), 64 * N, 1e-4, 1e-4, "last group vs double");
+  for (int64_t i = 0; i < total * N; ++i)
+    ASSERT_EQ(C[i], C_ref[i]) << i;  // same primitive math: bitwise
+  auto full = ref_gemm(false, tb, M[5], N, K, A.data() + (total - 64) * K, B.data() + 5 * K * N, K,
+                       tb ? K : N);
+  expect_close(C.data() + (total - 64) * N, full.data(), 64 * N, 1e-4, 1e-4,
+               "last group vs double");
 
   // Changing the row counts must not build new primitives (runtime M).
   int64_t built = gemm_primitives_built();
   const std::vector<int64_t> M2 = {3, 9, 0, 0, 50, 25};
-  grouped_gemm(tb ? Trans::T : Trans::N, G, M2.data(), N, K, A.data(), B.data(), K * N, C.data(), false);
+  grouped_gemm(tb ? Trans::T : Trans::N, G, M2.data(), N, K, A.data(), B.data(), K * N, C.data(),
+               false);
   EXPECT_EQ(gemm_primitives_built(), built);
 }
 
@@ -165,8 +177,10 @@ TEST_P(GroupedGemmTest, Bf16MatchesF32Loop) {
   f32_to_bf16(Ab.data(), A.data(), A.size());
   f32_to_bf16(Bb.data(), B.data(), B.size());
   std::vector<float> C(total * N), C_ref(total * N);
-  grouped_gemm(tb ? Trans::T : Trans::N, G, M.data(), N, K, Ab.data(), Bb.data(), K * N, C.data(), false);
-  grouped_gemm(tb ? Trans::T : Trans::N, G, M.data(), N, K, Ar.data(), Br.data(), K * N, C_ref.data(), false);
+  grouped_gemm(tb ? Trans::T : Trans::N, G, M.data(), N, K, Ab.data(), Bb.data(), K * N, C.data(),
+               false);
+  grouped_gemm(tb ? Trans::T : Trans::N, G, M.data(), N, K, Ar.data(), Br.data(), K * N,
+               C_ref.data(), false);
   expect_close(C.data(), C_ref.data(), total * N, 1e-4, 1e-4, "bf16 grouped");
 }
 

@@ -55,13 +55,15 @@ void check_model_gradients(const ModelConfig& cfg) {
   EXPECT_GT(base.aux, 0.0);
   EXPECT_GT(base.z, 0.0);
   model.backward(params.data(), grads.data(), 1.0f);
-  auto loss = [&] { return model.forward(params.data(), inputs.data(), targets.data(), B, T, step).total; };
+  auto loss = [&] {
+    return model.forward(params.data(), inputs.data(), targets.data(), B, T, step).total;
+  };
   std::set<std::string> groups;
   for (const auto& p : layout.params()) {
     // Every tensor of every kind; experts: a few per projection keep the test fast.
     if (p.expert > 1) continue;
-    check_gradient(params.data() + p.offset, grads.data() + p.offset, p.numel, loss, p.name.c_str(), 1e-2, 1e-3,
-                   3e-2, 12);
+    check_gradient(params.data() + p.offset, grads.data() + p.offset, p.numel, loss, p.name.c_str(),
+                   1e-2, 1e-3, 3e-2, 12);
     groups.insert(p.name.substr(p.name.rfind('.', p.name.size() - 8) + 1));
   }
   EXPECT_GE(groups.size(), 8u);
@@ -69,7 +71,9 @@ void check_model_gradients(const ModelConfig& cfg) {
 
 }  // namespace
 
-TEST(Transformer, GradientsOfEveryParameterGroup) { check_model_gradients(tiny_config()); }
+TEST(Transformer, GradientsOfEveryParameterGroup) {
+  check_model_gradients(tiny_config());
+}
 
 TEST(Transformer, GradientsWithSharedExpertAndDenseLayer) {
   ModelConfig c = tiny_config();
@@ -85,7 +89,8 @@ TEST(Transformer, HuggingFaceNamesAndLayout) {
   EXPECT_EQ(layout.find("model.embed_tokens.weight").shape, (Shape{24, 16}));
   EXPECT_EQ(layout.find("model.layers.1.self_attn.k_proj.weight").shape, (Shape{8, 16}));
   EXPECT_EQ(layout.find("model.layers.0.block_sparse_moe.gate.weight").shape, (Shape{4, 16}));
-  EXPECT_EQ(layout.find("model.layers.0.block_sparse_moe.experts.3.w2.weight").shape, (Shape{16, 12}));
+  EXPECT_EQ(layout.find("model.layers.0.block_sparse_moe.experts.3.w2.weight").shape,
+            (Shape{16, 12}));
   EXPECT_EQ(layout.find("lm_head.weight").shape, (Shape{24, 16}));
   EXPECT_FALSE(layout.find("model.norm.weight").decay);
   // Tensors never overlap and stay inside the buffer.
@@ -126,7 +131,8 @@ TEST(Transformer, OverfitsAFixedBatch) {
   init_params(params.data(), layout, c, 3);
   OptimizerConfig oc = default_optimizer_config(OptimizerKind::AdamW);
   oc.weight_decay = 0.0;
-  auto opt = make_optimizer(oc, std::vector<ParamRange>{{0, layout.size(), false}}, 0, layout.size());
+  auto opt =
+      make_optimizer(oc, std::vector<ParamRange>{{0, layout.size(), false}}, 0, layout.size());
   const int64_t B = 2, T = 16;
   std::vector<int32_t> inputs(B * T), targets(B * T);
   for (int64_t i = 0; i < B * T; ++i) {

@@ -9,8 +9,8 @@
 #include "core/check.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
-#include "support/gradcheck.h"
 #include "support/expect_error.h"
+#include "support/gradcheck.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -373,8 +373,7 @@ TEST(DecaySegments, IntersectsAndMerges) {
   EXPECT_EQ(one[0].end, 1);
 }
 
-namespace {
-}  // namespace
+namespace {}  // namespace
 
 TEST(DecaySegments, RejectsBadTilingAndRanges) {
   std::vector<ParamRange> gap{{0, 10, true}, {11, 5, false}};

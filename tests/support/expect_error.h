@@ -14,11 +14,12 @@ namespace moetrain::testing {
 inline void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
   try {
     fn();
-    ADD_FAILURE() << "no moetrain::Error thrown; expected one mentioning '" << (needles.empty() ? "" : needles[0])
-                  << "'";
+    ADD_FAILURE() << "no moetrain::Error thrown; expected one mentioning '"
+                  << (needles.empty() ? "" : needles[0]) << "'";
   } catch (const moetrain::Error& e) {
     const std::string msg = e.what();
-    for (const auto& s : needles) EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
+    for (const auto& s : needles)
+      EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
   }
 }
 

@@ -27,8 +27,8 @@ inline void expect_close(const float* a, const double* ref, int64_t n, double at
     double err = std::abs(double(a[i]) - ref[i]) / (atol + rtol * std::abs(ref[i]));
     if (!(err <= worst)) worst = err, at = i;  // NaN lands here too
   }
-  EXPECT_LE(worst, 1.0) << what << ": worst element " << at << " got " << (at >= 0 ? a[at] : 0) << " want "
-                        << (at >= 0 ? ref[at] : 0);
+  EXPECT_LE(worst, 1.0) << what << ": worst element " << at << " got " << (at >= 0 ? a[at] : 0)
+                        << " want " << (at >= 0 ? ref[at] : 0);
 }
 
 inline void expect_close(const float* a, const float* b, int64_t n, double atol, double rtol,
@@ -40,9 +40,9 @@ inline void expect_close(const float* a, const float* b, int64_t n, double atol,
 // Central differences of a scalar loss in double-checked float: for each of up to `max_checks`
 // entries of `param` (spread over it), compares (L(p+h) − L(p−h)) / 2h with `analytic`.
 // `loss` must recompute the forward from scratch.
-inline void check_gradient(float* param, const float* analytic, int64_t n, const std::function<double()>& loss,
-                           const char* what, double h = 1e-2, double atol = 2e-3, double rtol = 2e-2,
-                           int64_t max_checks = 64) {
+inline void check_gradient(float* param, const float* analytic, int64_t n,
+                           const std::function<double()>& loss, const char* what, double h = 1e-2,
+                           double atol = 2e-3, double rtol = 2e-2, int64_t max_checks = 64) {
   int64_t step = n <= max_checks ? 1 : n / max_checks;
   double worst = 0;
   int64_t at = -1;
@@ -58,8 +58,8 @@ inline void check_gradient(float* param, const float* analytic, int64_t n, const
     double err = std::abs(num - analytic[i]) / (atol + rtol * std::abs(num));
     if (!(err <= worst)) worst = err, at = i, worst_num = num;
   }
-  EXPECT_LE(worst, 1.0) << what << ": element " << at << " analytic " << (at >= 0 ? analytic[at] : 0)
-                        << " numeric " << worst_num;
+  EXPECT_LE(worst, 1.0) << what << ": element " << at << " analytic "
+                        << (at >= 0 ? analytic[at] : 0) << " numeric " << worst_num;
 }
 
 }  // namespace moetrain::testing

@@ -31,7 +31,8 @@ void write_corpus(const fs::path& dir) {
   if (in) text.assign(std::istreambuf_iterator<char>(in), {});
   if (text.size() < 20000) {
     text.clear();
-    for (int i = 0; i < 800; ++i) text += "The quick brown fox jumps over the lazy dog " + std::to_string(i) + ".\n";
+    for (int i = 0; i < 800; ++i)
+      text += "The quick brown fox jumps over the lazy dog " + std::to_string(i) + ".\n";
   }
   text.resize(std::min<size_t>(text.size(), 60000));
   auto tokens = byte_encode(text);
@@ -43,12 +44,25 @@ void write_corpus(const fs::path& dir) {
 
 RunConfig small_run(const TempDir& tmp, const std::string& router = "topk_softmax") {
   write_corpus(tmp / "data");
-  return load_run_config("", {"model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                              "model.expert_hidden=32", "model.n_experts=4", "model.top_k=2",
-                              "model.router=" + router, "model.max_seq_len=32", "train.batch_size=4",
-                              "train.seq_len=32", "train.steps=8", "train.grad_accum=2", "train.eval_every=3",
-                              "train.eval_batches=2", "train.checkpoint_every=0", "train.progress=off",
-                              "optim.warmup_steps=2", "data.dir=" + (tmp / "data").string(),
+  return load_run_config("", {"model.dim=32",
+                              "model.n_layers=2",
+                              "model.n_heads=4",
+                              "model.n_kv_heads=2",
+                              "model.expert_hidden=32",
+                              "model.n_experts=4",
+                              "model.top_k=2",
+                              "model.router=" + router,
+                              "model.max_seq_len=32",
+                              "train.batch_size=4",
+                              "train.seq_len=32",
+                              "train.steps=8",
+                              "train.grad_accum=2",
+                              "train.eval_every=3",
+                              "train.eval_batches=2",
+                              "train.checkpoint_every=0",
+                              "train.progress=off",
+                              "optim.warmup_steps=2",
+                              "data.dir=" + (tmp / "data").string(),
                               "train.run_dir=" + (tmp / "run").string()});
 }
 
@@ -89,16 +103,21 @@ void expect_bitwise_resume(const std::string& router) {
   ASSERT_EQ(lb.size(), 8u);
   for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << router << " step " << i + 1;
   ASSERT_EQ(straight_params.size(), resumed_params.size());
-  EXPECT_EQ(0, std::memcmp(straight_params.data(), resumed_params.data(), straight_params.size() * sizeof(float)))
+  EXPECT_EQ(0, std::memcmp(straight_params.data(), resumed_params.data(),
+                           straight_params.size() * sizeof(float)))
       << router << ": parameters differ after resume";
   EXPECT_LT(la.back(), la.front());
 }
 
 }  // namespace
 
-TEST(Trainer, ResumeIsBitExact) { expect_bitwise_resume("topk_softmax"); }
+TEST(Trainer, ResumeIsBitExact) {
+  expect_bitwise_resume("topk_softmax");
+}
 
-TEST(Trainer, ResumeIsBitExactWithRouterBiasState) { expect_bitwise_resume("sigmoid_bias"); }
+TEST(Trainer, ResumeIsBitExactWithRouterBiasState) {
+  expect_bitwise_resume("sigmoid_bias");
+}
 
 TEST(Trainer, CorruptLatestCheckpointFallsBackToThePreviousOne) {
   TempDir tmp("ckpt");
