@@ -22,7 +22,7 @@ packages=(
   libzmq3-dev cppzmq-dev            # parameter-server transport
   libtomlplusplus-dev               # configs
   libcli11-dev                      # command line
-  nlohmann-json3-dev                # safetensors headers, config.json, metrics
+  nlohmann-json3-dev                # nlohmann_json: safetensors headers, config.json, metrics
   libfmt-dev                        # formatting
   zlib1g-dev                        # gzip IDX files (Fashion-MNIST)
   libgtest-dev googletest           # tests
