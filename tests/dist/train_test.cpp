@@ -16,6 +16,7 @@
 #include "data/tokenizer.h"
 #include "dist/runtime.h"
 #include "model/params.h"
+#include "support/corpus.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -52,23 +53,6 @@ class SharedDir {
   std::unique_ptr<TempDir> own_;
   fs::path path_;
 };
-
-void write_corpus(const fs::path& dir) {
-  std::string text;
-  std::ifstream in("/usr/share/games/fortunes/fortunes", std::ios::binary);
-  if (in) text.assign(std::istreambuf_iterator<char>(in), {});
-  if (text.size() < 20000) {
-    text.clear();
-    for (int i = 0; i < 800; ++i)
-      text += "The quick brown fox jumps over the lazy dog " + std::to_string(i) + ".\n";
-  }
-  text.resize(std::min<size_t>(text.size(), 40000));
-  auto tokens = byte_encode(text);
-  size_t val = tokens.size() / 10;
-  fs::create_directories(dir);
-  write_token_shard(dir / "train.bin", tokens.data(), tokens.size() - val, kByteVocab);
-  write_token_shard(dir / "val.bin", tokens.data() + tokens.size() - val, val, kByteVocab);
-}
 
 struct RunSetup {
   std::string router = "topk_softmax";
@@ -186,7 +170,7 @@ void expect_params_close(const Outcome& got, const std::vector<float>& ref, doub
 void expect_matches_single(const RunSetup& s) {
   auto world = dist_world("equiv");
   SharedDir dir(*world, "dist_equiv");
-  if (world->rank() == 0) write_corpus(dir / "data");
+  if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
   Outcome ref = run_single(s, dir / "data", world->size());
   Outcome got = run_distributed(s, dir / "data", dir / "run");
@@ -245,7 +229,7 @@ TEST(DistTrain, ZeroOneEqualsReplicatedBitwiseAndResumesOnAnotherLayout) {
   auto world = dist_world("zero");
   const int W = world->size();
   SharedDir dir(*world, "dist_zero");
-  if (world->rank() == 0) write_corpus(dir / "data");
+  if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
   RunSetup s;
   s.ep = W >= 4 ? 2 : W, s.checkpoint_every = 10;
@@ -295,7 +279,7 @@ TEST(DistTrain, HierarchicalAllToAllAndOverlapChangeNoBit) {
   auto world = dist_world("hier");
   const int W = world->size();
   SharedDir dir(*world, "dist_hier");
-  if (world->rank() == 0) write_corpus(dir / "data");
+  if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
   RunSetup s;
   s.ep = W >= 4 ? 2 : W;
@@ -321,7 +305,7 @@ TEST(DistTrain, HierarchicalAllToAllAndOverlapChangeNoBit) {
 TEST(DistTrain, LayoutsThatCannotSplitAreRefused) {
   auto world = dist_world("refuse");
   SharedDir dir(*world, "dist_refuse");
-  if (world->rank() == 0) write_corpus(dir / "data");
+  if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
   RunSetup s;
   s.ep = world->size() + 1;  // does not divide the world

@@ -14,6 +14,7 @@
 #include "data/tokenizer.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
+#include "support/corpus.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -24,26 +25,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A small corpus: real English from the fortunes package when present, else a fixed text.
-void write_corpus(const fs::path& dir) {
-  std::string text;
-  std::ifstream in("/usr/share/games/fortunes/fortunes", std::ios::binary);
-  if (in) text.assign(std::istreambuf_iterator<char>(in), {});
-  if (text.size() < 20000) {
-    text.clear();
-    for (int i = 0; i < 800; ++i)
-      text += "The quick brown fox jumps over the lazy dog " + std::to_string(i) + ".\n";
-  }
-  text.resize(std::min<size_t>(text.size(), 60000));
-  auto tokens = byte_encode(text);
-  size_t val = tokens.size() / 10;
-  fs::create_directories(dir);
-  write_token_shard(dir / "train.bin", tokens.data(), tokens.size() - val, kByteVocab);
-  write_token_shard(dir / "val.bin", tokens.data() + tokens.size() - val, val, kByteVocab);
-}
-
 RunConfig small_run(const TempDir& tmp, const std::string& router = "topk_softmax") {
-  write_corpus(tmp / "data");
+  write_corpus(tmp / "data", 60000);
   return load_run_config("", {"model.dim=32",
                               "model.n_layers=2",
                               "model.n_heads=4",
