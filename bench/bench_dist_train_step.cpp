@@ -11,7 +11,9 @@
 // Configurations: "blocking" (reductions after backward, one all-to-all per layer and direction),
 // "overlap" (buckets reduced during backward), "overlap+chunks" (also --a2a-chunks 2).
 //   mpiexec -n 2 build/bench/bench_dist_train_step [--steps 8] [--rounds 3] [--ep 2] [--dim 128]
-//   [--batch 8]
+//   [--batch 8] [--layers 2] [--bucket-mb 25]
+// --bucket-mb sets the gradient bucket size (the first bucket too): a small model fits in one
+// default 25 MiB bucket, which completes only at the end of backward and so overlaps nothing.
 #include <mpi.h>
 
 #include <algorithm>
@@ -60,13 +62,16 @@ void write_corpus(const fs::path& dir) {
 int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
-  int steps = 8, rounds = 3, ep = 0, dim = 128, batch = 8;
+  int steps = 8, rounds = 3, ep = 0, dim = 128, batch = 8, layers = 2;
+  double bucket_mb = 0;  // 0: the trainer's defaults
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--steps") == 0) steps = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--rounds") == 0) rounds = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--ep") == 0) ep = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--dim") == 0) dim = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--batch") == 0) batch = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--layers") == 0) layers = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--bucket-mb") == 0) bucket_mb = std::atof(argv[i + 1]);
   }
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -93,11 +98,12 @@ int main(int argc, char** argv) {
       {"blocking", false, 1}, {"overlap", true, 1}, {"overlap+chunks", true, 2}};
   if (rank == 0)
     std::printf(
-        "ranks %d, EP %d, dim %d, 8 experts top-2, %d sequences of 128 per rank, median of %d "
-        "steps\n"
+        "ranks %d, EP %d, dim %d, %d layers, 8 experts top-2, %d sequences of 128 per rank, "
+        "buckets %s MiB, median of %d steps\n"
         "%-16s %9s %10s %9s %9s %11s %10s\n",
-        world, ep, dim, batch, (steps - 2) * rounds, "config", "step_ms", "compute_ms", "a2a_ms",
-        "sync_ms", "exposed_ms", "efficiency");
+        world, ep, dim, layers, batch, bucket_mb > 0 ? std::to_string(bucket_mb).c_str() : "1 + 25",
+        (steps - 2) * rounds, "config", "step_ms", "compute_ms", "a2a_ms", "sync_ms", "exposed_ms",
+        "efficiency");
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
   // Per variant: step, compute, a2a, sync, exposed, efficiency samples (rank 0).
   std::vector<std::vector<double>> samples[kVariants];
@@ -106,16 +112,31 @@ int main(int argc, char** argv) {
     for (int vi = 0; vi < kVariants; ++vi) {
       const Variant& v = variants[vi];
       const fs::path run = dir / (std::string(v.name) + "_" + std::to_string(round));
-      RunConfig cfg = load_run_config(
-          "", {"model.dim=" + std::to_string(dim), "model.n_layers=2", "model.n_heads=4",
-               "model.n_kv_heads=2", "model.expert_hidden=" + std::to_string(2 * dim),
-               "model.n_experts=8", "model.top_k=2", "model.max_seq_len=128", "train.seq_len=128",
-               "train.batch_size=" + std::to_string(batch), "train.steps=" + std::to_string(steps),
-               "train.eval_every=0", "train.eval_batches=1", "train.progress=off",
-               "data.dir=" + (dir / "data").string(), "train.run_dir=" + run.string(),
-               "dist.ep=" + std::to_string(ep),
-               std::string("dist.overlap=") + (v.overlap ? "true" : "false"),
-               "dist.a2a_chunks=" + std::to_string(v.chunks)});
+      std::vector<std::string> sets = {
+          "model.dim=" + std::to_string(dim),
+          "model.n_layers=" + std::to_string(layers),
+          "model.n_heads=4",
+          "model.n_kv_heads=2",
+          "model.expert_hidden=" + std::to_string(2 * dim),
+          "model.n_experts=8",
+          "model.top_k=2",
+          "model.max_seq_len=128",
+          "train.seq_len=128",
+          "train.batch_size=" + std::to_string(batch),
+          "train.steps=" + std::to_string(steps),
+          "train.eval_every=0",
+          "train.eval_batches=1",
+          "train.progress=off",
+          "data.dir=" + (dir / "data").string(),
+          "train.run_dir=" + run.string(),
+          "dist.ep=" + std::to_string(ep),
+          std::string("dist.overlap=") + (v.overlap ? "true" : "false"),
+          "dist.a2a_chunks=" + std::to_string(v.chunks)};
+      if (bucket_mb > 0) {
+        sets.push_back("dist.bucket_first_mb=" + std::to_string(bucket_mb));
+        sets.push_back("dist.bucket_mb=" + std::to_string(bucket_mb));
+      }
+      RunConfig cfg = load_run_config("", sets);
       {
         Trainer t(cfg, false);
         t.run();

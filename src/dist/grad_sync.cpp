@@ -144,10 +144,11 @@ void GradSync::reduce_scatter(const float* grads) {
   for (std::size_t i = 0; i < buckets_.size(); ++i) reduce_bucket(i, grads);
 }
 
-void GradSync::begin(CommThread& thread, const float* grads) {
+void GradSync::begin(CommThread& thread, float* grads, bool gather) {
   MOETRAIN_CHECK(thread_ == nullptr, "GradSync::begin: the previous reduction was not finished");
   thread_ = &thread;
   grads_ = grads;
+  gather_ = gather;
   next_ = 0;
 }
 
@@ -156,7 +157,12 @@ void GradSync::ready(int64_t from) {
   // In bucket order only, so every rank posts the same collectives in the same order.
   for (; next_ < buckets_.size() && lowest_[next_] >= from; ++next_) {
     const std::size_t i = next_;
-    thread_->post([this, i] { reduce_bucket(i, grads_); });
+    thread_->post([this, i] {
+      reduce_bucket(i, grads_);
+      // The bucket's gradients are final (backward only writes lower offsets now), so its
+      // reduced values can land in place while backward goes on.
+      if (gather_) allgather_into(grads_, buckets_[i], shard_.data() + buckets_[i].shard_offset);
+    });
   }
 }
 
@@ -181,6 +187,11 @@ bool GradSync::shard_has_non_finite() const {
 
 void GradSync::scale_shard(float scale) {
   scale_gradients(shard_.data(), shard_size_, scale);
+}
+
+void GradSync::scale_reduced(float* grads, float scale) const {
+  for (const Bucket& b : buckets_)
+    for (const FlatRange& p : b.pieces) scale_gradients(grads + p.offset, p.size, scale);
 }
 
 void GradSync::unpack_shard(float* grads) const {

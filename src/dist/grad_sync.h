@@ -68,8 +68,11 @@ class GradSync {
   // whenever the gradients at offsets ≥ from are final (each bucket that is then complete is
   // reduced on `thread`, buckets in their fixed order), finish() after backward (the rest, then
   // waits). The result is the bits reduce_scatter gives. While buckets are in flight only
-  // `thread` may call MPI.
-  void begin(CommThread& thread, const float* grads);
+  // `thread` may call MPI. gather (plain data parallelism): each bucket's reduced chunks are also
+  // all-gathered back into `grads` right after its reduce-scatter, so that both halves of the
+  // traffic overlap backward; grads then holds what allgather_grads would give (unclipped: see
+  // scale_reduced).
+  void begin(CommThread& thread, float* grads, bool gather);
   void ready(int64_t from);
   void finish();
   // Σ shard² in double, buckets in order (grad_sum_squares per chunk): this rank's part of the
@@ -77,6 +80,9 @@ class GradSync {
   double shard_sum_squares() const;
   bool shard_has_non_finite() const;
   void scale_shard(float scale);
+  // grads at every reduced position *= scale: after a gathering begin(), the same bits as
+  // scale_shard followed by allgather_grads (one multiply per element either way).
+  void scale_reduced(float* grads, float scale) const;
   // grads at the shard's flat positions = the shard.
   void unpack_shard(float* grads) const;
   // Collective. Every bucket's reduced chunks from every rank of its group → grads (flat).
@@ -100,7 +106,8 @@ class GradSync {
   std::vector<Bucket> buckets_;
   std::vector<int64_t> lowest_;   // (buckets) lowest flat offset in each
   CommThread* thread_ = nullptr;  // between begin() and finish()
-  const float* grads_ = nullptr;
+  float* grads_ = nullptr;
+  bool gather_ = false;
   std::size_t next_ = 0;  // first bucket not yet posted
   int64_t shard_size_ = 0;
   std::vector<float> shard_;

@@ -395,7 +395,8 @@ double Trainer::train_step() {
                    "is kept in {}/checkpoints; lower optim.lr or raise optim.warmup_steps",
                    step_ + 1, p.total, p.ce, p.aux, p.z, cfg_.train.run_dir);
     // The last micro-batch's backward finishes the gradients: reduce buckets as they complete.
-    if (W > 1 && cfg_.dist.overlap && micro == A - 1) sync_->begin(*comm_thread_, grads_.data());
+    if (W > 1 && cfg_.dist.overlap && micro == A - 1)
+      sync_->begin(*comm_thread_, grads_.data(), /*gather=*/cfg_.dist.zero == 0);
     model_->backward(params_.data(), grads_.data(), loss_weight);
     sum.ce += p.ce / A, sum.aux += p.aux / A, sum.z += p.z / A, sum.total += p.total / A;
     sum.targets += p.targets;
@@ -481,9 +482,13 @@ void Trainer::distributed_update(float lr) {
   double sq = sync_->shard_sum_squares();
   pg_->control->allreduce(&sq, 1);
   last_grad_norm_ = std::sqrt(sq);
+  // Plain DP with overlap gathered each bucket during backward; otherwise the shard is clipped
+  // and gathered below. Either way one multiply per element: the same bits.
+  const bool gathered = cfg_.dist.overlap && cfg_.dist.zero == 0;
   if (cfg_.optim.grad_clip > 0) {
     const double coef = clip_coefficient(last_grad_norm_, cfg_.optim.grad_clip);
-    if (coef != 1.0) sync_->scale_shard(static_cast<float>(coef));
+    if (coef != 1.0 && gathered) sync_->scale_reduced(grads_.data(), static_cast<float>(coef));
+    if (coef != 1.0 && !gathered) sync_->scale_shard(static_cast<float>(coef));
   }
   if (cfg_.dist.zero == 1) {
     sync_->unpack_shard(grads_.data());
@@ -493,7 +498,7 @@ void Trainer::distributed_update(float lr) {
     }
     sync_->allgather_params(params_.data());
   } else {
-    sync_->allgather_grads(grads_.data());
+    if (!gathered) sync_->allgather_grads(grads_.data());
     ScopedTimer timer(update_s);
     optimizer_->step(params_.data(), grads_.data(), lr);
   }
