@@ -181,6 +181,7 @@ Run add_ps_command(CLI::App& app) {
     std::string scheduler, endpoint_file, bind = "tcp://127.0.0.1:*", config;
     std::vector<std::string> overrides, slowdowns, rest;
     double slowdown = 1.0, timeout = 0;
+    int64_t index = -1;
   };
   auto args = std::make_shared<Args>();
 
@@ -203,6 +204,8 @@ Run add_ps_command(CLI::App& app) {
   worker->add_option("--scheduler", args->scheduler, "tcp://HOST:PORT of the scheduler")->required();
   worker->add_option("--slowdown", args->slowdown,
                      "Emulate a straggler: each step takes this many times its compute time");
+  worker->add_option("--index", args->index,
+                     "Ask for this worker index (data rows, sum order); granted when free");
 
   auto* launch = ps_cmd->add_subcommand(
       "launch", "Start a whole job on this machine: ps launch --servers S --workers W -- train "
@@ -226,7 +229,7 @@ Run add_ps_command(CLI::App& app) {
       init_threads(1);
       return ps::run_server({args->scheduler, args->bind});
     }
-    if (worker->parsed()) return ps::run_worker({args->scheduler, args->slowdown});
+    if (worker->parsed()) return ps::run_worker({args->scheduler, args->slowdown, args->index});
     if (!launch->parsed()) return 2;
 
     // Validate everything before starting anything.
@@ -291,7 +294,8 @@ Run add_ps_command(CLI::App& app) {
       children.push_back({fmt::format("server {}", s),
                           spawn({"moetrain", "ps", "server", "--scheduler", endpoint}, 1)});
     for (int64_t w = 0; w < args->opts.workers; ++w) {
-      std::vector<std::string> wa = {"moetrain", "ps", "worker", "--scheduler", endpoint};
+      std::vector<std::string> wa = {"moetrain", "ps",    "worker", "--scheduler",
+                                     endpoint,   "--index", std::to_string(w)};
       if (slow.count(w)) wa.insert(wa.end(), {"--slowdown", slow[w]});
       children.push_back({fmt::format("worker {}", w), spawn(wa, worker_threads)});
     }

@@ -187,6 +187,10 @@ class Scheduler {
       for (Node* w : alive_workers()) used.push_back(w->index);
       int64_t idx = 0;
       while (std::find(used.begin(), used.end(), idx) != used.end()) ++idx;
+      // A worker may ask for its index (a launcher naming its stragglers, a restarted worker
+      // taking its old place); it gets it when free.
+      const int64_t want = j.value("want_index", int64_t{-1});
+      if (want >= 0 && std::find(used.begin(), used.end(), want) == used.end()) idx = want;
       n.index = idx;
     }
     nodes_[n.id] = n;

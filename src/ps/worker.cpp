@@ -156,7 +156,8 @@ class Worker {
   explicit Worker(const WorkerArgs& a) : args_(a) {
     MOETRAIN_CHECK(std::isfinite(a.slowdown) && a.slowdown >= 1.0,
                    "--slowdown {}: must be a number ≥ 1", a.slowdown);
-    link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "worker");
+    link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "worker",
+                                       nlohmann::json{{"want_index", a.index}});
     index_ = link_->index();
     who_ = fmt::format("ps worker {}", index_);
   }

@@ -76,6 +76,7 @@ class KvWorker {
 struct WorkerArgs {
   std::string scheduler;  // tcp://HOST:PORT
   double slowdown = 1.0;  // ≥ 1: each step takes this many times its compute time (a straggler)
+  int64_t index = -1;     // ≥ 0: the worker index asked for (granted when free)
 };
 
 int run_worker(const WorkerArgs& args);
