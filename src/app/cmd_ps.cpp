@@ -190,8 +190,8 @@ Run add_ps_command(CLI::App& app) {
                     "Address to bind, tcp://HOST:PORT (PORT * picks a free one)")
       ->required();
   sched->add_option("--endpoint-file", args->endpoint_file, "Write the bound address here");
-  sched->add_option("-c,--config", args->config, "Training config (TOML), as for `moetrain train`")
-      ->required();
+  sched->add_option("-c,--config", args->config,
+                    "Training config (TOML), as for `moetrain train` (none: defaults and --set)");
   sched->add_option("--set", args->overrides, "Override a config key (repeatable)");
   add_job_options(sched, args->opts);
 
@@ -212,7 +212,8 @@ Run add_ps_command(CLI::App& app) {
                 "--config FILE [--set k=v]");
   add_job_options(launch, args->opts);
   launch->add_option("--slowdown", args->slowdowns,
-                     "WORKER=FACTOR: slow that worker down (repeatable), e.g. --slowdown 1=2");
+                     "WORKER=FACTOR: slow that worker down (repeatable), e.g. --slowdown 1=2")
+      ->allow_extra_args(false);
   launch->add_option("--timeout", args->timeout, "Stop the job after this many seconds (0: none)");
   launch->add_option("rest", args->rest, "-- train --config FILE [--set key=value ...]");
 
@@ -234,7 +235,6 @@ Run add_ps_command(CLI::App& app) {
 
     // Validate everything before starting anything.
     TrainArgs t = parse_train_args(args->rest);
-    MOETRAIN_CHECK(!t.config.empty(), "ps launch: `-- train` needs --config FILE");
     RunConfig cfg = load_run_config(t.config, t.overrides);
     ps::check_ps_run_config(cfg);
     args->opts.validate();
@@ -263,7 +263,8 @@ Run add_ps_command(CLI::App& app) {
     std::vector<Child> children;
     std::vector<std::string> sargs = {"moetrain", "ps", "scheduler", "--scheduler",
                                       "tcp://127.0.0.1:*", "--endpoint-file",
-                                      endpoint_file.string(), "--config", t.config};
+                                      endpoint_file.string()};
+    if (!t.config.empty()) sargs.insert(sargs.end(), {"--config", t.config});
     for (const auto& o : t.overrides) sargs.insert(sargs.end(), {"--set", o});
     for (const auto& o : job_option_args(args->opts)) sargs.push_back(o);
     children.push_back({"scheduler", spawn(sargs, 1)});
