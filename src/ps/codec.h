@@ -1,0 +1,49 @@
+// Payload encodings for gradient pushes and parameter pulls: f32, bf16 (round to nearest even)
+// and int8 with one f32 scale per block of kInt8Block values. A sparse push sends only some
+// ranges of its key range (the dense parameters and the experts that received tokens): a list of
+// (offset, size) pairs relative to key_begin precedes the values of those ranges.
+//
+// int8 error feedback: what quantisation loses is kept by the worker (`residual`, one float per
+// element of the key range) and added to the next push, so no gradient is lost for good, only
+// delayed.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ps/message.h"
+
+namespace moetrain::ps {
+
+constexpr int64_t kInt8Block = 256;
+
+struct Span {
+  int64_t offset = 0;  // relative to the key range's start
+  int64_t size = 0;
+};
+
+// "none" | "bf16" | "int8" (push compression names); throws listing the allowed ones.
+Encoding parse_compression(std::string_view name);
+std::string_view compression_name(Encoding e);
+
+// Bytes that n values take in encoding e.
+std::size_t encoded_size(Encoding e, int64_t n);
+
+// Appends the encoding of values[0, n) to out. With int8 and a residual (n floats), encodes
+// values + residual and stores in residual what the encoding lost.
+void append_values(Encoding e, const float* values, int64_t n, float* residual, std::string& out);
+// dst[0, n) = decoded values; `bytes` must be exactly encoded_size(e, n) (throws otherwise).
+void decode_values(Encoding e, const char* data, std::size_t bytes, int64_t n, float* dst);
+
+// A push payload for values[0, n) (the whole key range): dense when `ranges` is null, else the
+// listed ranges only (sorted, disjoint, inside [0, n); possibly none).
+std::string encode_push(Encoding e, const float* values, int64_t n,
+                        const std::vector<Span>* ranges, float* residual);
+// Decodes a push payload (flags say dense or sparse) into dst (n): elements outside the ranges
+// are zero. The ranges that were sent are returned in *ranges (the whole range when dense).
+// Throws naming what is malformed: range count, a range outside [0, n), sizes that disagree.
+void decode_push(const Header& h, const char* payload, int64_t n, float* dst,
+                 std::vector<Span>* ranges);
+
+}  // namespace moetrain::ps

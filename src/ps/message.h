@@ -1,0 +1,79 @@
+// The parameter-server wire format: every message is one ZeroMQ frame holding a fixed 88-byte
+// little-endian header followed by `bytes` of payload. The checksum (CRC-32) covers the header
+// (with the checksum field zeroed) and the payload, so a flipped bit anywhere is caught. Control
+// messages carry JSON; data messages (push, pull replies) carry floats in the encoding that the
+// flags name (see codec.h).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace moetrain::ps {
+
+enum class Kind : uint16_t {
+  Register = 1,   // node → scheduler: JSON {role, ...}
+  Setup,          // scheduler → node: JSON job layout (config, servers, workers, options)
+  Heartbeat,      // node → scheduler; value = worker throughput (rows/s)
+  HeartbeatAck,   // scheduler → node
+  Push,           // worker → server: gradients of [key_begin, key_end) at `clock`
+  PushAck,        // server → worker
+  Pull,           // worker → server: parameters once `clock` allows (consistency mode)
+  PullReply,      // server → worker: parameters; aux0 = the clock the worker should continue at
+  Done,           // worker → scheduler: all steps pushed
+  Finish,         // scheduler → node: the job is over (JSON {lead: bool} for workers)
+  FinishAck,      // node → scheduler: final state written
+  Shutdown,       // scheduler → node: stop now (JSON {reason}); non-zero exit unless ok
+};
+constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::Shutdown);
+std::string_view kind_name(Kind kind);
+
+constexpr uint32_t kMagic = 0x5350544du;  // "MTPS" read as little-endian bytes
+constexpr uint16_t kWireVersion = 1;
+// A push of the whole parameter vector of a model of a few hundred million floats still fits.
+constexpr uint64_t kMaxPayload = uint64_t{1} << 32;
+
+// Payload encodings (flags bits 0..3) and the sparse bit (a range list precedes the values).
+enum class Encoding : uint32_t { F32 = 0, Bf16 = 1, Int8 = 2, Json = 3 };
+constexpr uint32_t kEncodingMask = 0xf;
+constexpr uint32_t kSparseFlag = 0x10;
+
+struct Header {
+  uint32_t magic = kMagic;
+  uint16_t version = kWireVersion;
+  uint16_t kind = 0;
+  int32_t sender = -1;  // node id (−1: not yet registered)
+  uint32_t flags = 0;
+  int64_t clock = 0;
+  int64_t key_begin = 0;  // [key_begin, key_end) of the flat parameter vector
+  int64_t key_end = 0;
+  int64_t ticket = 0;  // request id, echoed by replies
+  int64_t aux0 = 0;    // kind-specific (Push: rows of the worker's batch)
+  int64_t aux1 = 0;    // kind-specific (Push: rows of the global batch)
+  double value = 0;    // kind-specific (Push: the worker's loss)
+  uint64_t bytes = 0;  // payload size
+  uint32_t checksum = 0;
+  uint32_t reserved = 0;
+
+  Kind kind_enum() const { return static_cast<Kind>(kind); }
+  Encoding encoding() const { return static_cast<Encoding>(flags & kEncodingMask); }
+};
+static_assert(sizeof(Header) == 88, "the wire header is 88 bytes");
+
+// Header + payload as one frame, checksum filled in.
+std::string encode(Header h, std::string_view payload);
+
+// A validated view of a frame: the header and a pointer to the payload inside `data`.
+struct Decoded {
+  Header header;
+  const char* payload = nullptr;
+};
+
+// Validates a frame: size ≥ header, magic, version, a known kind, the declared size against the
+// limit and the frame, flags, key range, checksum. Throws an Error saying which check failed and
+// with what value; never reads outside [data, data + size).
+Decoded decode(const void* data, std::size_t size);
+
+uint32_t crc32_bytes(const void* data, std::size_t size, uint32_t crc = 0);
+
+}  // namespace moetrain::ps

@@ -1,0 +1,107 @@
+#include "ps/node.h"
+
+#include <unistd.h>
+
+#include <chrono>
+
+#include "core/check.h"
+#include "core/log.h"
+
+namespace moetrain::ps {
+
+using Clock = std::chrono::steady_clock;
+
+NodeLink::NodeLink(zmq::context_t& ctx, const std::string& scheduler, const std::string& role,
+                   nlohmann::json extra)
+    : scheduler_(scheduler), ctx_(ctx), socket_(make_dealer(ctx, scheduler)) {
+  nlohmann::json body = extra.is_object() ? extra : nlohmann::json::object();
+  body["role"] = role;
+  body["pid"] = static_cast<int64_t>(::getpid());
+  send(socket_, json_frame(Kind::Register, -1, body));
+  // The scheduler answers at once; silence means a wrong address or a dead scheduler.
+  const auto start = Clock::now();
+  for (;;) {
+    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+    poll_sockets(&item, 1, 100);
+    if (auto in = try_receive(socket_, false, rejects_, "ps " + role)) {
+      if (in->header.kind_enum() == Kind::Shutdown)
+        MOETRAIN_FAIL("the scheduler at {} refused this {}: {}", scheduler, role,
+                      in->json().value("reason", ""));
+      if (in->header.kind_enum() != Kind::HeartbeatAck) continue;
+      nlohmann::json j = in->json();
+      node_id_ = j.at("node_id").get<int32_t>();
+      index_ = j.at("index").get<int64_t>();
+      timeout_ = j.at("heartbeat_timeout").get<double>();
+      thread_ = std::thread(&NodeLink::heartbeat_loop, this, scheduler,
+                            j.at("heartbeat_interval").get<double>());
+      return;
+    }
+    MOETRAIN_CHECK(std::chrono::duration<double>(Clock::now() - start).count() < 30,
+                   "no answer from the scheduler at {} within 30 s: is it running there?",
+                   scheduler);
+  }
+}
+
+NodeLink::~NodeLink() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void NodeLink::check() const {
+  MOETRAIN_CHECK(!dead_, "the scheduler declared this node dead (missed heartbeats); restart it "
+                         "to rejoin the job");
+  MOETRAIN_CHECK(!lost_,
+                 "the scheduler at {} has not answered for {:.1f} s: it is gone, and with it the "
+                 "job's membership (it holds only metadata; parameters and checkpoints are on "
+                 "the servers and in the run directory); the job ends",
+                 scheduler_, timeout_);
+}
+
+void NodeLink::heartbeat_loop(std::string scheduler, double interval) {
+  zmq::socket_t s = make_dealer(ctx_, scheduler);
+  RejectStats rejects;
+  auto last_ack = Clock::now();
+  auto next = Clock::now();
+  while (!stop_) {
+    if (Clock::now() >= next) {
+      Header h;
+      h.kind = static_cast<uint16_t>(Kind::Heartbeat);
+      h.sender = node_id_;
+      h.value = throughput_.load();
+      send(s, encode(h, {}));
+      next = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(interval));
+    }
+    zmq::pollitem_t item{s.handle(), 0, ZMQ_POLLIN, 0};
+    poll_sockets(&item, 1, 20);
+    while (auto in = try_receive(s, false, rejects, "ps heartbeat")) {
+      if (in->header.kind_enum() == Kind::HeartbeatAck) last_ack = Clock::now();
+      if (in->header.kind_enum() == Kind::Shutdown) dead_ = true;
+    }
+    if (std::chrono::duration<double>(Clock::now() - last_ack).count() > timeout_) lost_ = true;
+  }
+}
+
+std::optional<Incoming> NodeLink::next_control(int64_t timeout_ms, bool* ok_shutdown) {
+  const auto start = Clock::now();
+  for (;;) {
+    check();
+    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+    poll_sockets(&item, 1, std::min<int64_t>(timeout_ms, 50));
+    if (auto in = try_receive(socket_, false, rejects_, "ps node")) {
+      if (in->header.kind_enum() == Kind::Shutdown) {
+        nlohmann::json j = in->json();
+        MOETRAIN_CHECK(j.value("ok", false), "the scheduler stopped the job: {}",
+                       j.value("reason", std::string("no reason given")));
+        if (ok_shutdown) *ok_shutdown = true;
+        return std::nullopt;
+      }
+      return in;
+    }
+    if (std::chrono::duration<double>(Clock::now() - start).count() * 1000 >=
+        static_cast<double>(timeout_ms))
+      return std::nullopt;
+  }
+}
+
+}  // namespace moetrain::ps

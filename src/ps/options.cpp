@@ -1,0 +1,138 @@
+#include "ps/options.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/check.h"
+
+namespace moetrain::ps {
+
+Consistency parse_consistency(const std::string& name) {
+  if (name == "sync") return Consistency::Sync;
+  if (name == "quorum") return Consistency::Quorum;
+  if (name == "async") return Consistency::Async;
+  if (name == "ssp") return Consistency::Ssp;
+  MOETRAIN_FAIL("--consistency '{}': allowed are sync, quorum, async, ssp", name);
+}
+
+Assign parse_assign(const std::string& name) {
+  if (name == "uniform") return Assign::Uniform;
+  if (name == "capability") return Assign::Capability;
+  MOETRAIN_FAIL("--assign '{}': allowed are uniform, capability", name);
+}
+
+void PsOptions::validate() const {
+  MOETRAIN_CHECK(servers >= 1 && servers <= 64, "--servers {}: must be in 1..64", servers);
+  MOETRAIN_CHECK(workers >= 1 && workers <= 256, "--workers {}: must be in 1..256", workers);
+  const Consistency c = consistency_kind();
+  if (c == Consistency::Quorum) {
+    MOETRAIN_CHECK(quorum >= 1 && quorum <= workers,
+                   "--quorum {}: with --consistency quorum it must be in 1..{} (the workers)",
+                   quorum, workers);
+  } else {
+    MOETRAIN_CHECK(quorum == 0, "--quorum {} is only meaningful with --consistency quorum",
+                   quorum);
+  }
+  if (c == Consistency::Ssp) {
+    MOETRAIN_CHECK(staleness >= 0, "--staleness {}: must be ≥ 0", staleness);
+  } else {
+    MOETRAIN_CHECK(staleness == 0, "--staleness {} is only meaningful with --consistency ssp",
+                   staleness);
+  }
+  (void)compression();
+  (void)assign_kind();
+  MOETRAIN_CHECK(std::isfinite(heartbeat_interval) && heartbeat_interval > 0,
+                 "--heartbeat-interval {}: must be a positive number of seconds",
+                 heartbeat_interval);
+  MOETRAIN_CHECK(std::isfinite(heartbeat_timeout) && heartbeat_timeout >= 2 * heartbeat_interval,
+                 "--heartbeat-timeout {}: must be at least twice --heartbeat-interval ({})",
+                 heartbeat_timeout, heartbeat_interval);
+}
+
+nlohmann::json PsOptions::to_json() const {
+  return {{"servers", servers},
+          {"workers", workers},
+          {"consistency", consistency},
+          {"quorum", quorum},
+          {"staleness", staleness},
+          {"push_compression", push_compression},
+          {"sparse_push", sparse_push},
+          {"assign", assign},
+          {"heartbeat_interval", heartbeat_interval},
+          {"heartbeat_timeout", heartbeat_timeout}};
+}
+
+PsOptions PsOptions::from_json(const nlohmann::json& j) {
+  PsOptions o;
+  try {
+    o.servers = j.at("servers").get<int64_t>();
+    o.workers = j.at("workers").get<int64_t>();
+    o.consistency = j.at("consistency").get<std::string>();
+    o.quorum = j.at("quorum").get<int64_t>();
+    o.staleness = j.at("staleness").get<int64_t>();
+    o.push_compression = j.at("push_compression").get<std::string>();
+    o.sparse_push = j.at("sparse_push").get<bool>();
+    o.assign = j.at("assign").get<std::string>();
+    o.heartbeat_interval = j.at("heartbeat_interval").get<double>();
+    o.heartbeat_timeout = j.at("heartbeat_timeout").get<double>();
+  } catch (const nlohmann::json::exception& e) {
+    MOETRAIN_FAIL("parameter-server options in the setup message: {}", e.what());
+  }
+  o.validate();
+  return o;
+}
+
+void check_ps_run_config(const RunConfig& cfg) {
+  cfg.validate();
+  MOETRAIN_CHECK(cfg.optim.grad_clip == 0,
+                 "optim.grad_clip = {}: parameter-server mode does not clip by the global norm "
+                 "(the norm spans every server's shard); set --set optim.grad_clip=0",
+                 cfg.optim.grad_clip);
+  MOETRAIN_CHECK(cfg.model.router != "sigmoid_bias",
+                 "model.router = sigmoid_bias: its bias update needs every worker's expert loads "
+                 "at each step, which parameter-server mode does not gather; use topk_softmax, "
+                 "noisy_topk or expert_choice");
+}
+
+std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {
+  MOETRAIN_CHECK(servers >= 1 && total >= 0, "cannot split {} keys over {} servers", total,
+                 servers);
+  constexpr int64_t kAlign = 16;
+  std::vector<KeyRange> out;
+  int64_t at = 0;
+  for (int64_t s = 0; s < servers; ++s) {
+    int64_t end = s + 1 == servers ? total : (total * (s + 1) / servers) / kAlign * kAlign;
+    end = std::clamp(end, at, total);
+    out.push_back({at, end});
+    at = end;
+  }
+  return out;
+}
+
+std::vector<int64_t> split_rows(int64_t rows, const std::vector<double>& weights) {
+  const auto n = static_cast<int64_t>(weights.size());
+  MOETRAIN_CHECK(n >= 1 && rows >= n, "a global batch of {} rows cannot feed {} workers", rows, n);
+  double sum = 0;
+  for (double w : weights) {
+    MOETRAIN_CHECK(std::isfinite(w) && w > 0, "worker weight {} must be positive", w);
+    sum += w;
+  }
+  // One row each first, then the rest in proportion.
+  const int64_t spare = rows - n;
+  std::vector<int64_t> out(weights.size(), 1);
+  std::vector<std::pair<double, int64_t>> rem;
+  int64_t given = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double share = static_cast<double>(spare) * weights[i] / sum;
+    const auto whole = static_cast<int64_t>(std::floor(share));
+    out[i] += whole;
+    given += whole;
+    rem.push_back({share - static_cast<double>(whole), i});
+  }
+  std::stable_sort(rem.begin(), rem.end(), [](auto a, auto b) { return a.first > b.first; });
+  for (int64_t k = 0; given < spare; ++k, ++given) out[rem[k % n].second] += 1;
+  return out;
+}
+
+}  // namespace moetrain::ps

@@ -1,0 +1,60 @@
+// Options of a parameter-server job. The scheduler holds them and hands them to every node in
+// its setup message, so servers and workers need only the scheduler's address.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ps/codec.h"
+#include "train/run_config.h"
+
+namespace moetrain::ps {
+
+enum class Consistency { Sync, Quorum, Async, Ssp };
+enum class Assign { Uniform, Capability };
+
+Consistency parse_consistency(const std::string& name);  // sync | quorum | async | ssp
+Assign parse_assign(const std::string& name);            // uniform | capability
+
+struct PsOptions {
+  int64_t servers = 1;
+  int64_t workers = 1;                 // workers to wait for before the first clock
+  std::string consistency = "sync";   // sync | quorum | async | ssp
+  int64_t quorum = 0;                  // quorum: pushes that apply a clock (1..workers)
+  int64_t staleness = 0;               // ssp: how many clocks the fastest may lead the slowest
+  std::string push_compression = "none";  // none | bf16 | int8
+  bool sparse_push = true;             // experts without tokens are left out of pushes
+  std::string assign = "uniform";      // uniform | capability
+  double heartbeat_interval = 0.5;     // seconds between heartbeats
+  double heartbeat_timeout = 5.0;      // silence after which a node is declared dead
+
+  // Throws naming the option and what is allowed (e.g. "--quorum 5: must be in 1..4").
+  void validate() const;
+  Consistency consistency_kind() const { return parse_consistency(consistency); }
+  Assign assign_kind() const { return parse_assign(assign); }
+  Encoding compression() const { return parse_compression(push_compression); }
+  nlohmann::json to_json() const;
+  static PsOptions from_json(const nlohmann::json& j);  // validated
+};
+
+// The training settings that parameter-server mode cannot honour, refused with the reason:
+// global-norm clipping (the norm spans every server's shard) and the sigmoid_bias router (its
+// bias update needs every worker's expert loads at each step).
+void check_ps_run_config(const RunConfig& cfg);
+
+struct KeyRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+// [0, total) cut into `servers` contiguous ranges of nearly equal size, each boundary on a
+// 16-float (64-byte) multiple, so every range starts cache-line aligned.
+std::vector<KeyRange> split_keys(int64_t total, int64_t servers);
+
+// `rows` rows of the global batch spread over workers in proportion to `weights` (all equal:
+// uniform), largest remainder first, every worker getting at least one. Requires rows ≥ count.
+std::vector<int64_t> split_rows(int64_t rows, const std::vector<double>& weights);
+
+}  // namespace moetrain::ps

@@ -1,0 +1,356 @@
+#include "ps/scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "io/safetensors.h"
+#include "model/params.h"
+#include "ps/transport.h"
+
+namespace fs = std::filesystem;
+
+namespace moetrain::ps {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+struct Node {
+  int32_t id = -1;
+  std::string role;  // "server" | "worker"
+  std::string identity;
+  int64_t index = -1;  // server index or worker index (data rank, sum order)
+  std::string endpoint;
+  Clock::time_point last_seen;
+  bool alive = true;
+  bool done = false;
+  double throughput = 0;  // worker rows/s, from heartbeats
+  int64_t pid = 0;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerArgs& a) : args_(a), router_(ctx_, zmq::socket_type::router) {
+    check_ps_run_config(args_.config);
+    args_.options.validate();
+    total_keys_ = ParamLayout(args_.config.model).size();
+    global_rows_ = args_.options.workers * args_.config.train.batch_size;
+    endpoint_ = bind_router(router_, args_.bind);
+    fs::create_directories(fs::path(args_.config.train.run_dir) / "ps");
+    if (!args_.endpoint_file.empty()) write_file_atomic(args_.endpoint_file, endpoint_ + "\n");
+    log_info("ps scheduler at {}: waiting for {} server(s) and {} worker(s)", endpoint_,
+             args_.options.servers, args_.options.workers);
+  }
+
+  int run() {
+    const auto hb_timeout = args_.options.heartbeat_timeout;
+    for (;;) {
+      zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
+      poll_sockets(&item, 1, 50);
+      while (auto in = try_receive(router_, true, rejects_, "ps scheduler")) handle(*in);
+      if (finished_) return exit_code_;
+      // Liveness.
+      for (auto& [id, n] : nodes_) {
+        if (!n.alive || since(n.last_seen) <= hb_timeout) continue;
+        n.alive = false;
+        if (n.role == "server") {
+          shutdown_all(fmt::format(
+              "server {} (node {}, pid {}) sent no heartbeat for {:.1f} s and has no replica: the "
+              "job stops (its checkpointed state is in {}/ps)",
+              n.index, id, n.pid, hb_timeout, args_.config.train.run_dir));
+          return 1;
+        }
+        log_warn("ps scheduler: worker {} (node {}, pid {}) sent no heartbeat for {:.1f} s: "
+                 "declared dead, its rows go to the others",
+                 n.index, id, n.pid, hb_timeout);
+        ++workers_lost_;
+        if (finishing_ && id == lead_) finishing_ = false;  // another worker will lead
+        if (started_) replan();
+      }
+      if (started_ && !finishing_) {
+        if (alive_workers().empty()) {
+          if (since(last_worker_seen_) > hb_timeout) {
+            shutdown_all("every worker is gone and none rejoined within the heartbeat timeout");
+            return 1;
+          }
+        } else {
+          last_worker_seen_ = Clock::now();
+        }
+        maybe_rebalance();
+        maybe_finish();
+      }
+      if (finishing_ && since(finish_started_) > 10 * hb_timeout + 60) {
+        shutdown_all("the final checkpoint and summaries were not written in time");
+        return 1;
+      }
+    }
+  }
+
+ private:
+  std::vector<Node*> alive_workers() {
+    std::vector<Node*> out;
+    for (auto& [id, n] : nodes_)
+      if (n.alive && n.role == "worker") out.push_back(&n);
+    std::sort(out.begin(), out.end(), [](Node* a, Node* b) { return a->index < b->index; });
+    return out;
+  }
+  std::vector<Node*> alive_servers() {
+    std::vector<Node*> out;
+    for (auto& [id, n] : nodes_)
+      if (n.alive && n.role == "server") out.push_back(&n);
+    std::sort(out.begin(), out.end(), [](Node* a, Node* b) { return a->index < b->index; });
+    return out;
+  }
+
+  void handle(const Incoming& in) {
+    const Header& h = in.header;
+    Node* node = nullptr;
+    if (auto it = nodes_.find(h.sender); it != nodes_.end()) node = &it->second;
+    if (node) {
+      if (!node->alive) {
+        // Declared dead (e.g. stopped, then continued): it must not rejoin under its old id.
+        send_to(router_, in.identity,
+                json_frame(Kind::Shutdown, -1,
+                           {{"ok", false},
+                            {"reason", "this node was declared dead after missing heartbeats; "
+                                       "restart it to rejoin"}}));
+        return;
+      }
+      node->last_seen = Clock::now();
+    }
+    try {
+      switch (h.kind_enum()) {
+        case Kind::Register: on_register(in); break;
+        case Kind::Heartbeat:
+          if (!node) return;
+          if (node->role == "worker" && h.value > 0) node->throughput = h.value;
+          send_to(router_, in.identity, json_frame(Kind::HeartbeatAck, -1, {{"node_id", node->id}}));
+          break;
+        case Kind::Done:
+          if (node && node->role == "worker") node->done = true;
+          break;
+        case Kind::FinishAck:
+          if (node) on_finish_ack(*node);
+          break;
+        default:
+          log_warn("ps scheduler: ignored a {} message from node {}", kind_name(h.kind_enum()),
+                   h.sender);
+      }
+    } catch (const Error& e) {
+      ++rejects_.rejected;
+      log_warn("ps scheduler: rejected a {} message from node {}: {}", kind_name(h.kind_enum()),
+               h.sender, e.what());
+    }
+  }
+
+  void on_register(const Incoming& in) {
+    nlohmann::json j = in.json();
+    const std::string role = j.value("role", "");
+    MOETRAIN_CHECK(role == "server" || role == "worker", "register: role '{}' (expected server or worker)",
+                   role);
+    Node n;
+    n.id = next_id_++;
+    n.role = role;
+    n.identity = in.identity;
+    n.last_seen = Clock::now();
+    n.pid = j.value("pid", int64_t{0});
+    auto reply = [&](const nlohmann::json& body) {
+      send_to(router_, in.identity, json_frame(Kind::HeartbeatAck, -1, body));
+    };
+    if (role == "server") {
+      n.endpoint = j.value("endpoint", "");
+      MOETRAIN_CHECK(n.endpoint.starts_with("tcp://"), "register: server endpoint '{}'",
+                     n.endpoint);
+      if (started_ || static_cast<int64_t>(alive_servers().size()) >= args_.options.servers) {
+        send_to(router_, in.identity,
+                json_frame(Kind::Shutdown, -1,
+                           {{"ok", false},
+                            {"reason", fmt::format("the job already has its {} server(s)",
+                                                   args_.options.servers)}}));
+        return;
+      }
+      n.index = static_cast<int64_t>(alive_servers().size());
+    } else {
+      // The lowest free index: a restarted worker takes the place (and sum position) of the one
+      // it replaces.
+      std::vector<int64_t> used;
+      for (Node* w : alive_workers()) used.push_back(w->index);
+      int64_t idx = 0;
+      while (std::find(used.begin(), used.end(), idx) != used.end()) ++idx;
+      // A worker may ask for its index (a launcher naming its stragglers, a restarted worker
+      // taking its old place); it gets it when free.
+      const int64_t want = j.value("want_index", int64_t{-1});
+      if (want >= 0 && std::find(used.begin(), used.end(), want) == used.end()) idx = want;
+      n.index = idx;
+    }
+    nodes_[n.id] = n;
+    reply({{"node_id", n.id},
+           {"index", n.index},
+           {"heartbeat_interval", args_.options.heartbeat_interval},
+           {"heartbeat_timeout", args_.options.heartbeat_timeout}});
+    log_info("ps scheduler: {} {} registered (node {}, pid {})", role, n.index, n.id, n.pid);
+    if (!started_) {
+      if (static_cast<int64_t>(alive_servers().size()) == args_.options.servers &&
+          static_cast<int64_t>(alive_workers().size()) >= args_.options.workers) {
+        started_ = true;
+        last_worker_seen_ = Clock::now();
+        log_info("ps scheduler: job starts ({} keys over {} server(s), {} rows per step)",
+                 total_keys_, args_.options.servers, global_rows_);
+        replan();
+      }
+    } else if (role == "worker") {
+      ++workers_joined_;
+      replan();
+    }
+  }
+
+  // New row assignment and membership, sent to every live node.
+  void replan() {
+    auto workers = alive_workers();
+    if (!workers.empty()) {
+      std::vector<double> weights(workers.size(), 1.0);
+      if (args_.options.assign_kind() == Assign::Capability) {
+        bool all = std::all_of(workers.begin(), workers.end(),
+                               [](Node* w) { return w->throughput > 0; });
+        if (all)
+          for (std::size_t i = 0; i < workers.size(); ++i) weights[i] = workers[i]->throughput;
+      }
+      rows_ = split_rows(global_rows_, weights);
+    }
+    ++epoch_;
+    broadcast_setup();
+  }
+
+  void maybe_rebalance() {
+    if (args_.options.assign_kind() != Assign::Capability || since(last_rebalance_) < 2.0) return;
+    last_rebalance_ = Clock::now();
+    auto workers = alive_workers();
+    if (workers.empty()) return;
+    std::vector<double> weights;
+    for (Node* w : workers) {
+      if (w->throughput <= 0) return;
+      weights.push_back(w->throughput);
+    }
+    std::vector<int64_t> rows = split_rows(global_rows_, weights);
+    if (rows == rows_) return;
+    log_info("ps scheduler: capability assignment: rows per worker {}", fmt::join(rows, ", "));
+    rows_ = rows;
+    ++epoch_;
+    broadcast_setup();
+  }
+
+  void broadcast_setup() {
+    auto servers = alive_servers();
+    auto workers = alive_workers();
+    auto keys = split_keys(total_keys_, static_cast<int64_t>(servers.size()));
+    nlohmann::json js = nlohmann::json::array(), jw = nlohmann::json::array();
+    for (std::size_t s = 0; s < servers.size(); ++s)
+      js.push_back({{"index", servers[s]->index},
+                    {"endpoint", servers[s]->endpoint},
+                    {"begin", keys[s].begin},
+                    {"end", keys[s].end}});
+    int64_t row = 0;
+    for (std::size_t w = 0; w < workers.size(); ++w) {
+      jw.push_back({{"index", workers[w]->index}, {"row_begin", row}, {"rows", rows_[w]}});
+      row += rows_[w];
+    }
+    nlohmann::json base = {{"epoch", epoch_},
+                           {"config", args_.config.to_json()},
+                           {"options", args_.options.to_json()},
+                           {"servers", js},
+                           {"workers", jw},
+                           {"global_rows", global_rows_},
+                           {"total_keys", total_keys_}};
+    for (auto& [id, n] : nodes_) {
+      if (!n.alive) continue;
+      nlohmann::json j = base;
+      j["node_id"] = n.id;
+      j["role"] = n.role;
+      j["index"] = n.index;
+      send_to(router_, n.identity, json_frame(Kind::Setup, -1, j));
+    }
+    nlohmann::json job = {{"scheduler", endpoint_}, {"epoch", epoch_}, {"servers", js},
+                          {"workers", jw}};
+    write_file_atomic(fs::path(args_.config.train.run_dir) / "ps" / "job.json", job.dump(2) + "\n");
+  }
+
+  void maybe_finish() {
+    auto workers = alive_workers();
+    if (workers.empty()) return;
+    for (Node* w : workers)
+      if (!w->done) return;
+    finishing_ = true;
+    finish_started_ = Clock::now();
+    lead_ = workers.front()->id;
+    send_to(router_, workers.front()->identity, json_frame(Kind::Finish, -1, {{"lead", true}}));
+    log_info("ps scheduler: every worker is done; worker {} writes the final checkpoint",
+             workers.front()->index);
+  }
+
+  void on_finish_ack(Node& n) {
+    if (n.role == "worker" && n.id == lead_) {
+      for (Node* s : alive_servers()) send_to(router_, s->identity, json_frame(Kind::Finish, -1, {}));
+      servers_acked_ = 0;
+    } else if (n.role == "server") {
+      if (++servers_acked_ == static_cast<int64_t>(alive_servers().size())) {
+        nlohmann::json summary = {{"workers_lost", workers_lost_},
+                                  {"workers_joined", workers_joined_},
+                                  {"rejected_messages", rejects_.rejected},
+                                  {"epochs", epoch_}};
+        write_file_atomic(fs::path(args_.config.train.run_dir) / "ps" / "scheduler.json",
+                          summary.dump(2) + "\n");
+        for (auto& [id, node] : nodes_)
+          if (node.alive)
+            send_to(router_, node.identity,
+                    json_frame(Kind::Shutdown, -1, {{"ok", true}, {"reason", "job complete"}}));
+        log_info("ps scheduler: job complete");
+        finished_ = true;
+        exit_code_ = 0;
+      }
+    }
+  }
+
+  void shutdown_all(const std::string& reason) {
+    log_error("ps scheduler: {}", reason);
+    for (auto& [id, n] : nodes_)
+      if (n.alive)
+        send_to(router_, n.identity, json_frame(Kind::Shutdown, -1, {{"ok", false}, {"reason", reason}}));
+    // Let the sends leave before the context closes.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+
+  SchedulerArgs args_;
+  zmq::context_t ctx_;
+  zmq::socket_t router_;
+  std::string endpoint_;
+  RejectStats rejects_;
+  std::map<int32_t, Node> nodes_;
+  int32_t next_id_ = 0;
+  int64_t total_keys_ = 0, global_rows_ = 0, epoch_ = 0;
+  std::vector<int64_t> rows_;
+  bool started_ = false, finishing_ = false, finished_ = false;
+  int exit_code_ = 1;
+  int32_t lead_ = -1;
+  int64_t servers_acked_ = 0, workers_lost_ = 0, workers_joined_ = 0;
+  Clock::time_point last_worker_seen_ = Clock::now(), last_rebalance_ = Clock::now(),
+                    finish_started_ = Clock::now();
+};
+
+}  // namespace
+
+int run_scheduler(const SchedulerArgs& args) {
+  Scheduler s(args);
+  return s.run();
+}
+
+}  // namespace moetrain::ps

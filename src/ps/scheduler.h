@@ -1,0 +1,26 @@
+// The scheduler ("gatekeeper") of a parameter-server job. It holds only metadata: who is alive,
+// which key range each server holds, which rows of each step's global batch each worker reads.
+// It starts the job once the expected servers and workers have registered, re-plans when a
+// worker dies or joins (a dead worker's rows go to the others, a newcomer starts at the current
+// clock), ends the job when a server dies (no replica to promote), and closes it when every
+// worker is done: the lead worker writes the final checkpoint, then the servers their summaries.
+#pragma once
+#include <string>
+
+#include "ps/options.h"
+#include "train/run_config.h"
+
+namespace moetrain::ps {
+
+struct SchedulerArgs {
+  RunConfig config;
+  PsOptions options;
+  std::string bind = "tcp://127.0.0.1:*";  // ROUTER endpoint; * picks a free port
+  std::string endpoint_file;               // when set, the bound endpoint is written there
+};
+
+// Runs the job to its end; returns 0 when every worker finished and the final checkpoint was
+// written, non-zero (with the reason logged) when the job had to stop.
+int run_scheduler(const SchedulerArgs& args);
+
+}  // namespace moetrain::ps

@@ -1,0 +1,378 @@
+#include "ps/worker.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "core/threads.h"
+#include "core/timer.h"
+#include "data/loader.h"
+#include "data/shard.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "model/transformer.h"
+#include "ps/node.h"
+#include "ps/options.h"
+#include "train/trainer.h"
+
+namespace fs = std::filesystem;
+
+namespace moetrain::ps {
+
+KvWorker::KvWorker(zmq::context_t& ctx, int32_t worker_index, std::vector<ServerInfo> servers,
+                   std::function<void()> on_idle)
+    : index_(worker_index), servers_(std::move(servers)), on_idle_(std::move(on_idle)) {
+  for (const ServerInfo& s : servers_) sockets_.push_back(make_dealer(ctx, s.endpoint));
+}
+
+int64_t KvWorker::push(int64_t clock, const float* grads, const std::vector<Span>& skip,
+                       Encoding enc, const PushMeta& meta, float* residual) {
+  const int64_t ticket = next_ticket_++;
+  pending_[ticket] = {};
+  for (std::size_t s = 0; s < servers_.size(); ++s) {
+    const int64_t b = servers_[s].begin, e = servers_[s].end;
+    // This server's part of the kept ranges: [b, e) minus the skipped ones.
+    std::vector<Span> keep;
+    int64_t at = b;
+    bool sparse = false;
+    for (const Span& k : skip) {
+      const int64_t lo = std::max(k.offset, b), hi = std::min(k.offset + k.size, e);
+      if (lo >= hi) continue;
+      sparse = true;
+      if (lo > at) keep.push_back({at - b, lo - at});
+      at = hi;
+    }
+    if (at < e) keep.push_back({at - b, e - at});
+    Header h;
+    h.kind = static_cast<uint16_t>(Kind::Push);
+    h.sender = index_;
+    h.flags = static_cast<uint32_t>(enc) | (sparse ? kSparseFlag : 0u);
+    h.clock = clock;
+    h.key_begin = b;
+    h.key_end = e;
+    h.ticket = ticket;
+    h.aux0 = meta.rows;
+    h.aux1 = meta.global_rows;
+    h.value = meta.loss;
+    const std::string frame =
+        encode(h, encode_push(enc, grads + b, e - b, sparse ? &keep : nullptr,
+                              enc == Encoding::Int8 && residual ? residual + b : nullptr));
+    push_bytes_ += static_cast<int64_t>(frame.size());
+    dense_push_bytes_ += static_cast<int64_t>(sizeof(Header)) + 4 * (e - b);
+    send(sockets_[s], frame);
+  }
+  return ticket;
+}
+
+int64_t KvWorker::pull(int64_t clock, float* params) {
+  const int64_t ticket = next_ticket_++;
+  pending_[ticket] = {params, 0, INT64_MAX};
+  for (std::size_t s = 0; s < servers_.size(); ++s) {
+    Header h;
+    h.kind = static_cast<uint16_t>(Kind::Pull);
+    h.sender = index_;
+    h.clock = clock;
+    h.key_begin = servers_[s].begin;
+    h.key_end = servers_[s].end;
+    h.ticket = ticket;
+    send(sockets_[s], encode(h, {}));
+  }
+  return ticket;
+}
+
+void KvWorker::receive_all() {
+  for (std::size_t s = 0; s < sockets_.size(); ++s) {
+    while (auto in = try_receive(sockets_[s], false, rejects_, "ps worker")) {
+      const Header& h = in->header;
+      auto it = pending_.find(h.ticket);
+      if (it == pending_.end()) {
+        log_warn("ps worker {}: a {} for unknown ticket {} from server {}; ignored", index_,
+                 kind_name(h.kind_enum()), h.ticket, servers_[s].index);
+        continue;
+      }
+      Pending& p = it->second;
+      if (h.kind_enum() == Kind::PullReply) {
+        const int64_t n = servers_[s].end - servers_[s].begin;
+        if (!p.params || h.key_begin != servers_[s].begin || h.key_end != servers_[s].end ||
+            h.bytes != static_cast<uint64_t>(4 * n) || h.encoding() != Encoding::F32) {
+          log_warn("ps worker {}: malformed pull reply from server {} (keys [{}, {}), {} bytes)",
+                   index_, servers_[s].index, h.key_begin, h.key_end, h.bytes);
+          continue;
+        }
+        std::memcpy(p.params + h.key_begin, in->payload, h.bytes);
+        pull_bytes_ += static_cast<int64_t>(in->frame.size());
+        p.clock = std::min(p.clock, h.aux0);
+      } else if (h.kind_enum() == Kind::PushAck) {
+        p.clock = std::min(p.clock, h.clock);
+      } else {
+        log_warn("ps worker {}: unexpected {} from server {}", index_, kind_name(h.kind_enum()),
+                 servers_[s].index);
+        continue;
+      }
+      ++p.answered;
+    }
+  }
+}
+
+int64_t KvWorker::wait(int64_t ticket) {
+  auto it = pending_.find(ticket);
+  MOETRAIN_CHECK(it != pending_.end(), "wait on unknown ticket {}", ticket);
+  Timer t;
+  std::vector<zmq::pollitem_t> items;
+  for (auto& s : sockets_) items.push_back({s.handle(), 0, ZMQ_POLLIN, 0});
+  for (;;) {
+    receive_all();
+    if (it->second.answered >= static_cast<int64_t>(servers_.size())) break;
+    on_idle_();
+    poll_sockets(items.data(), static_cast<int>(items.size()), 20);
+  }
+  const int64_t clock = it->second.clock;
+  pending_.erase(it);
+  wait_s_ += t.seconds();
+  return clock;
+}
+
+namespace {
+
+struct Assignment {
+  int64_t row_begin = 0, rows = 0, global_rows = 0, epoch = 0;
+};
+
+Assignment assignment_of(const nlohmann::json& setup, int64_t index) {
+  for (const auto& w : setup.at("workers"))
+    if (w.at("index").get<int64_t>() == index)
+      return {w.at("row_begin").get<int64_t>(), w.at("rows").get<int64_t>(),
+              setup.at("global_rows").get<int64_t>(), setup.at("epoch").get<int64_t>()};
+  MOETRAIN_FAIL("the scheduler's setup has no rows for worker {}", index);
+}
+
+class Worker {
+ public:
+  explicit Worker(const WorkerArgs& a) : args_(a) {
+    MOETRAIN_CHECK(std::isfinite(a.slowdown) && a.slowdown >= 1.0,
+                   "--slowdown {}: must be a number ≥ 1", a.slowdown);
+    link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "worker",
+                                       nlohmann::json{{"want_index", a.index}});
+    index_ = link_->index();
+    who_ = fmt::format("ps worker {}", index_);
+  }
+
+  int run() {
+    bool ok = false;
+    nlohmann::json setup;
+    while (setup.is_null()) {
+      auto in = link_->next_control(1000, &ok);
+      MOETRAIN_CHECK(!ok, "the job ended before this worker was given work");
+      if (in && in->header.kind_enum() == Kind::Setup) setup = in->json();
+    }
+    cfg_ = run_config_from_json(setup.at("config"), "the scheduler's setup message");
+    check_ps_run_config(cfg_);
+    opts_ = PsOptions::from_json(setup.at("options"));
+    assign_ = assignment_of(setup, index_);
+    std::vector<ServerInfo> servers;
+    for (const auto& s : setup.at("servers"))
+      servers.push_back({s.at("index").get<int64_t>(), s.at("endpoint").get<std::string>(),
+                         s.at("begin").get<int64_t>(), s.at("end").get<int64_t>()});
+    init_threads(static_cast<int>(cfg_.train.threads));
+    model_ = std::make_unique<Transformer>(cfg_.model);
+    const int64_t P = model_->layout().size();
+    params_.assign(static_cast<std::size_t>(P), 0.0f);
+    grads_.assign(params_.size(), 0.0f);
+    if (opts_.compression() == Encoding::Int8) residual_.assign(params_.size(), 0.0f);
+    train_ = std::make_unique<TokenShard>(fs::path(cfg_.data.dir) / "train.bin");
+    MOETRAIN_CHECK(train_->size() > static_cast<uint64_t>(cfg_.train.seq_len) + 1,
+                   "{} has {} tokens, too few for train.seq_len = {}", train_->path().string(),
+                   train_->size(), cfg_.train.seq_len);
+    kv_ = std::make_unique<KvWorker>(ctx_, static_cast<int32_t>(index_), servers,
+                                     [this] { poll_control(); });
+
+    int64_t clock = kv_->wait(kv_->pull(-1, params_.data()));
+    const int64_t first = clock;
+    log_info("{}: starts at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
+             assign_.rows, assign_.global_rows);
+    while (clock < cfg_.train.steps) {
+      const PushMeta meta = compute(clock);
+      const int64_t tp = kv_->push(clock, grads_.data(), skip_, opts_.compression(), meta,
+                                   residual_.empty() ? nullptr : residual_.data());
+      const int64_t tl = kv_->pull(clock + 1, params_.data());
+      kv_->wait(tp);
+      // The servers say where to go on: the next clock, or later when this worker's push came
+      // too late for a quorum, or when it joined mid-run.
+      clock = std::max(clock + 1, kv_->wait(tl));
+      ++steps_;
+    }
+    write_stats(first, clock);
+    send(link_->socket(), json_frame(Kind::Done, link_->node_id(), {{"clock", clock}}));
+    // Wait for the end of the job; the lead worker writes the final checkpoint.
+    while (!ok) {
+      auto in = link_->next_control(1000, &ok);
+      if (in && in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
+        finish(kv_->wait(kv_->pull(-1, params_.data())));
+        send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
+      }
+    }
+    return 0;
+  }
+
+ private:
+  void poll_control() {
+    link_->check();
+    while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) {
+      const Kind k = in->header.kind_enum();
+      if (k == Kind::Setup) {
+        assign_ = assignment_of(in->json(), index_);
+      } else if (k == Kind::Shutdown) {
+        nlohmann::json j = in->json();
+        MOETRAIN_FAIL("the scheduler stopped the job: {}", j.value("reason", std::string()));
+      }
+    }
+  }
+
+  // Gradients of this worker's rows of step `clock`, weighted by their share of the global
+  // batch, into grads_; records which experts got no tokens (skip_).
+  PushMeta compute(int64_t clock) {
+    Timer timer;
+    const Assignment a = assign_;
+    const int64_t T = cfg_.train.seq_len, A = cfg_.train.grad_accum, R = a.rows;
+    const int64_t E = cfg_.model.n_experts;
+    inputs_.resize(static_cast<std::size_t>(R * T));
+    targets_.resize(inputs_.size());
+    std::fill(grads_.begin(), grads_.end(), 0.0f);
+    auto moe = model_->moe_layers();
+    std::vector<int64_t> tokens(moe.size() * static_cast<std::size_t>(E), 0);
+    double loss = 0;
+    const float weight = static_cast<float>(static_cast<double>(R) /
+                                            static_cast<double>(a.global_rows * A));
+    for (int64_t micro = 0; micro < A; ++micro) {
+      // Row r of the global batch is the window the single-process run draws for its row r.
+      for (int64_t b = 0; b < R; ++b) {
+        BatchLoader one(*train_, 1, T, cfg_.train.seed, static_cast<int>(a.row_begin + b),
+                        static_cast<int>(a.global_rows));
+        one.fill(clock, micro, inputs_.data() + b * T, targets_.data() + b * T);
+      }
+      MoeStep ms;
+      ms.training = true;
+      ms.seed = cfg_.train.seed;
+      ms.step = static_cast<uint64_t>(clock * A + micro);
+      LossParts p = model_->forward(params_.data(), inputs_.data(), targets_.data(), R, T, ms);
+      MOETRAIN_CHECK(std::isfinite(p.total),
+                     "clock {}: the loss is {} on worker {}; stopping. Lower optim.lr or raise "
+                     "optim.warmup_steps",
+                     clock, p.total, index_);
+      model_->backward(params_.data(), grads_.data(), weight);
+      loss += p.total / static_cast<double>(A);
+      for (std::size_t m = 0; m < moe.size(); ++m)
+        for (int64_t e = 0; e < E; ++e) tokens[m * E + e] += moe[m]->stats().tokens_per_expert[e];
+    }
+    skip_.clear();
+    if (opts_.sparse_push) {
+      const ParamLayout& layout = model_->layout();
+      const int64_t per = cfg_.model.expert_hidden * cfg_.model.dim;
+      for (int64_t l = 0; l < cfg_.model.n_layers; ++l) {
+        const int64_t m = model_->moe_index(l);
+        if (m < 0) continue;
+        const LayerOffsets& o = layout.layers[l];
+        for (int64_t e = 0; e < E; ++e)
+          if (tokens[m * E + e] == 0)
+            for (int64_t base : {o.w1, o.w3, o.w2}) skip_.push_back({base + e * per, per});
+      }
+      std::sort(skip_.begin(), skip_.end(),
+                [](const Span& x, const Span& y) { return x.offset < y.offset; });
+    }
+    const double t = timer.seconds();
+    compute_s_ += t;
+    if (args_.slowdown > 1.0)
+      std::this_thread::sleep_for(std::chrono::duration<double>((args_.slowdown - 1.0) * t));
+    link_->set_throughput(static_cast<double>(R) / (t * args_.slowdown));
+    rows_done_ += R;
+    return {R, a.global_rows, loss};
+  }
+
+  void write_stats(int64_t first, int64_t last) {
+    nlohmann::json j = {{"index", index_},
+                        {"node", link_->node_id()},
+                        {"first_clock", first},
+                        {"last_clock", last},
+                        {"steps", steps_},
+                        {"rows", rows_done_},
+                        {"compute_s", compute_s_},
+                        {"wait_s", kv_->wait_seconds()},
+                        {"push_bytes", kv_->push_bytes()},
+                        {"dense_push_bytes", kv_->dense_push_bytes()},
+                        {"pull_bytes", kv_->pull_bytes()},
+                        {"slowdown", args_.slowdown}};
+    fs::path dir = fs::path(cfg_.train.run_dir) / "ps";
+    fs::create_directories(dir);
+    write_file_atomic(dir / fmt::format("worker_node{}.json", link_->node_id()), j.dump(2) + "\n");
+    // The int8 error-feedback residual is this worker's state: a worker restarted in its place
+    // (same index) could continue from it.
+    if (!residual_.empty())
+      write_file_atomic(dir / fmt::format("residual_worker{}.f32", index_),
+                        std::string_view(reinterpret_cast<const char*>(residual_.data()),
+                                         residual_.size() * 4));
+    const double saved = kv_->dense_push_bytes() > 0
+                             ? 1.0 - static_cast<double>(kv_->push_bytes()) /
+                                         static_cast<double>(kv_->dense_push_bytes())
+                             : 0.0;
+    log_info("{}: {} steps, pushed {} bytes ({:.1f}% less than dense f32), waited {:.2f} s", who_,
+             steps_, kv_->push_bytes(), 100.0 * saved, kv_->wait_seconds());
+  }
+
+  // The lead worker: the final parameters as a normal checkpoint, and the validation loss.
+  void finish(int64_t clock) {
+    const ParamLayout& layout = model_->layout();
+    CheckpointContents c;
+    for (const auto& p : layout.params()) c.model.push_back({p.name, p.shape, params_.data() + p.offset});
+    nlohmann::json hf = cfg_.model.to_hf_json();
+    if (std::string why; !cfg_.model.hf_mixtral_compatible(&why)) {
+      hf["architectures"] = {"MoetrainForCausalLM"};
+      hf["model_type"] = "moetrain";
+      hf["moetrain_note"] = fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
+    }
+    hf["moetrain"] = cfg_.to_json();
+    c.config = hf;
+    c.trainer = {{"step", clock},
+                 {"config_hash", cfg_.config_hash()},
+                 {"seed", cfg_.train.seed},
+                 {"parameter_server", opts_.to_json()}};
+    fs::path dir = write_checkpoint(cfg_.train.run_dir, clock, c, cfg_.train.keep_checkpoints);
+    TokenShard val(fs::path(cfg_.data.dir) / "val.bin");
+    const double v = evaluate(*model_, params_.data(), val, cfg_.train.batch_size,
+                              cfg_.train.seq_len, cfg_.train.eval_batches);
+    std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::app)
+        << nlohmann::json{{"step", clock}, {"val_loss", v}}.dump() << "\n";
+    log_info("{}: final checkpoint {} (clock {}); validation loss {:.4f}", who_, dir.string(), clock,
+             v);
+  }
+
+  WorkerArgs args_;
+  zmq::context_t ctx_;
+  std::unique_ptr<NodeLink> link_;
+  int64_t index_ = 0;
+  std::string who_;
+  RunConfig cfg_;
+  PsOptions opts_;
+  Assignment assign_;
+  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<TokenShard> train_;
+  std::unique_ptr<KvWorker> kv_;
+  std::vector<float> params_, grads_, residual_;
+  std::vector<int32_t> inputs_, targets_;
+  std::vector<Span> skip_;
+  int64_t steps_ = 0, rows_done_ = 0;
+  double compute_s_ = 0;
+};
+
+}  // namespace
+
+int run_worker(const WorkerArgs& args) {
+  Worker w(args);
+  return w.run();
+}
+
+}  // namespace moetrain::ps

@@ -1,0 +1,84 @@
+// A parameter-server worker: a full model replica that computes gradients on its rows of each
+// step's global batch and exchanges them with the servers through KvWorker.
+#pragma once
+#include <zmq.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ps/codec.h"
+#include "ps/transport.h"
+
+namespace moetrain::ps {
+
+struct ServerInfo {
+  int64_t index = 0;
+  std::string endpoint;
+  int64_t begin = 0, end = 0;  // key range
+};
+
+// What a worker tells the server about a push.
+struct PushMeta {
+  int64_t rows = 0;         // rows of the global batch behind this gradient
+  int64_t global_rows = 0;  // rows of the global batch
+  double loss = 0;          // mean loss over those rows
+};
+
+// The client side of the key-value store (as ps-lite's KVWorker): push and pull return a ticket
+// at once, the messages go out in the background (ZeroMQ's I/O thread); wait(ticket) blocks until
+// every server has answered it. Replies for other tickets that arrive meanwhile are kept.
+class KvWorker {
+ public:
+  // `on_idle` runs while wait() blocks (control messages from the scheduler; it may throw).
+  KvWorker(zmq::context_t& ctx, int32_t worker_index, std::vector<ServerInfo> servers,
+           std::function<void()> on_idle);
+
+  // Pushes grads (the whole flat vector, P floats) at `clock`. `skip` lists global ranges left
+  // out (sorted, disjoint: experts that received no tokens); `residual` (P floats) enables int8
+  // error feedback.
+  int64_t push(int64_t clock, const float* grads, const std::vector<Span>& skip, Encoding enc,
+               const PushMeta& meta, float* residual);
+  // Pulls every server's range into params (P floats) once the consistency mode allows clock
+  // `clock`; clock < 0 reads now (joining, final read).
+  int64_t pull(int64_t clock, float* params);
+  // Blocks until every server answered; for a pull returns the clock to continue at (the least
+  // any server reported), for a push the servers' version.
+  int64_t wait(int64_t ticket);
+
+  int64_t push_bytes() const { return push_bytes_; }
+  int64_t dense_push_bytes() const { return dense_push_bytes_; }
+  int64_t pull_bytes() const { return pull_bytes_; }
+  double wait_seconds() const { return wait_s_; }
+  const std::vector<ServerInfo>& servers() const { return servers_; }
+
+ private:
+  struct Pending {
+    float* params = nullptr;  // pulls: where replies go
+    int64_t answered = 0;
+    int64_t clock = INT64_MAX;
+  };
+  void receive_all();
+
+  int32_t index_;
+  std::vector<ServerInfo> servers_;
+  std::vector<zmq::socket_t> sockets_;
+  std::function<void()> on_idle_;
+  RejectStats rejects_;
+  std::map<int64_t, Pending> pending_;
+  int64_t next_ticket_ = 1;
+  int64_t push_bytes_ = 0, dense_push_bytes_ = 0, pull_bytes_ = 0;
+  double wait_s_ = 0;
+};
+
+struct WorkerArgs {
+  std::string scheduler;  // tcp://HOST:PORT
+  double slowdown = 1.0;  // ≥ 1: each step takes this many times its compute time (a straggler)
+  int64_t index = -1;     // ≥ 0: the worker index asked for (granted when free)
+};
+
+int run_worker(const WorkerArgs& args);
+
+}  // namespace moetrain::ps

@@ -1,0 +1,217 @@
+// Parameter-server jobs as real processes on loopback: `moetrain ps launch` forks the scheduler,
+// servers and workers of the built binary; they talk over real ZeroMQ sockets on ports the
+// system picks, so parallel test runs do not collide.
+#include <gtest/gtest.h>
+
+#include <zmq.hpp>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "io/checkpoint.h"
+#include "ps/message.h"
+#include "ps/process.h"  // tests/ps/process.h
+#include "support/corpus.h"
+#include "support/temp_dir.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Job {
+  int code = -1;
+  std::string output;
+};
+
+Job launch(const TempDir& tmp, const std::vector<std::string>& ps_args, int steps, int batch,
+           const std::string& run = "run") {
+  write_corpus(tmp / "data", 60000);
+  std::vector<std::string> args = {"ps", "launch", "--timeout", "150"};
+  args.insert(args.end(), ps_args.begin(), ps_args.end());
+  args.insert(args.end(), {"--", "train"});
+  for (const auto& s : as_set_args(tiny_ps_overrides(tmp / "data", tmp / run, steps, batch)))
+    args.push_back(s);
+  Process p(args, tmp / (run + ".log"));
+  Job j;
+  j.code = p.wait(180);
+  j.output = p.output();
+  return j;
+}
+
+std::map<int64_t, double> losses(const fs::path& run) {
+  std::map<int64_t, double> out;
+  std::ifstream in(run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  }
+  return out;
+}
+
+double final_val_loss(const fs::path& run) {
+  double v = -1;
+  std::ifstream in(run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) v = j["val_loss"].get<double>();
+  }
+  return v;
+}
+
+// The sync job equals the single-process run over the same global batch.
+TEST(PsJob, SyncEqualsSingleProcess) {
+  TempDir tmp("ps_sync");
+  const int steps = 20, W = 2, B = 4;
+  Job job = launch(tmp, {"--servers", "2", "--workers", "2", "--consistency", "sync"}, steps, B);
+  ASSERT_EQ(job.code, 0) << job.output;
+
+  RunConfig ref = load_run_config("", tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B));
+  std::vector<float> ref_params;
+  {
+    Trainer t(ref, false);
+    t.run();
+    ref_params = t.params();
+  }
+  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
+  for (auto [step, loss] : b) {
+    ASSERT_TRUE(a.count(step)) << step;
+    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  }
+  LoadedModel m = load_model(tmp / "run");
+  EXPECT_EQ(m.step, steps);
+  ASSERT_EQ(m.params.size(), ref_params.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref_params.size(); ++i) {
+    const double d = m.params[i] - ref_params[i];
+    num += d * d;
+    den += static_cast<double>(ref_params[i]) * ref_params[i];
+  }
+  EXPECT_LE(std::sqrt(num / den), 1e-5);
+  EXPECT_NE(job.output.find("pushes:"), std::string::npos) << job.output;
+}
+
+// Random bytes, truncated frames, a wrong version, a huge declared size, a multi-frame message:
+// each is rejected, the server answers the next good request, and the job completes.
+TEST(PsJob, ServerSurvivesBadMessages) {
+  TempDir tmp("ps_bad");
+  write_corpus(tmp / "data", 60000);
+  std::vector<std::string> args = {"ps", "launch", "--timeout", "150", "--servers", "1",
+                                   "--workers", "1", "--slowdown", "0=3", "--", "train"};
+  for (const auto& s : as_set_args(tiny_ps_overrides(tmp / "data", tmp / "run", 200, 2)))
+    args.push_back(s);
+  Process job(args, tmp / "launch.log");
+  ASSERT_TRUE(wait_for_file(tmp / "run" / "ps" / "job.json", 60)) << job.output();
+  const std::string server = read_json(tmp / "run" / "ps" / "job.json")["servers"][0]["endpoint"];
+
+  zmq::context_t ctx;
+  zmq::socket_t s(ctx, zmq::socket_type::dealer);
+  s.set(zmq::sockopt::linger, 0);
+  s.connect(server);
+  ps::Header pull;
+  pull.kind = static_cast<uint16_t>(ps::Kind::Pull);
+  pull.sender = 77;
+  pull.clock = -1;
+  pull.ticket = 5;
+  const std::string good = ps::encode(pull, {});
+  std::string junk(500, '\0');
+  for (std::size_t i = 0; i < junk.size(); ++i) junk[i] = static_cast<char>(i * 131 + 7);
+  std::string wrong_version = good;
+  wrong_version[4] = 9;
+  std::string huge = good;
+  const uint64_t big = uint64_t{1} << 40;
+  std::memcpy(huge.data() + 72, &big, 8);
+  for (const std::string& bad :
+       {junk, good.substr(0, 40), good.substr(0, good.size() - 1) + "", wrong_version, huge}) {
+    s.send(zmq::buffer(bad), zmq::send_flags::none);
+  }
+  s.send(zmq::buffer(good), zmq::send_flags::sndmore);
+  s.send(zmq::buffer(good), zmq::send_flags::none);  // two frames: refused as a whole
+  s.send(zmq::buffer(good), zmq::send_flags::none);
+
+  zmq::pollitem_t item{s.handle(), 0, ZMQ_POLLIN, 0};
+  ASSERT_GT(zmq::poll(&item, 1, std::chrono::milliseconds(20000)), 0) << "no reply";
+  zmq::message_t reply;
+  ASSERT_TRUE(s.recv(reply));
+  ps::Decoded d = ps::decode(reply.data(), reply.size());
+  EXPECT_EQ(d.header.kind_enum(), ps::Kind::PullReply);
+  EXPECT_EQ(d.header.ticket, 5);
+  EXPECT_EQ(d.header.bytes, static_cast<uint64_t>(4 * (d.header.key_end - d.header.key_begin)));
+
+  ASSERT_EQ(job.wait(150), 0) << job.output();
+  auto summary = read_json(tmp / "run" / "ps" / "server_0.json");
+  EXPECT_GE(summary["rejected_messages"].get<int64_t>(), 6) << summary.dump();
+  EXPECT_EQ(summary["updates"].get<int64_t>(), 200);
+}
+
+TEST(PsJob, QuorumDropsLatePushes) {
+  TempDir tmp("ps_quorum");
+  Job job = launch(tmp, {"--servers", "1", "--workers", "3", "--consistency", "quorum", "--quorum",
+                         "2", "--slowdown", "2=4"},
+                   30, 2);
+  ASSERT_EQ(job.code, 0) << job.output;
+  auto s = read_json(tmp / "run" / "ps" / "server_0.json");
+  EXPECT_EQ(s["updates"].get<int64_t>(), 30);
+  EXPECT_GT(s["late_dropped"].get<int64_t>(), 0) << s.dump();
+  for (auto [step, loss] : losses(tmp / "run")) EXPECT_TRUE(std::isfinite(loss)) << step;
+}
+
+TEST(PsJob, SspBoundsStalenessAndBlocksTheFastWorker) {
+  TempDir tmp("ps_ssp");
+  const int s_bound = 1;
+  Job job = launch(tmp, {"--servers", "1", "--workers", "2", "--consistency", "ssp", "--staleness",
+                         std::to_string(s_bound), "--slowdown", "1=4"},
+                   30, 2);
+  ASSERT_EQ(job.code, 0) << job.output;
+  auto s = read_json(tmp / "run" / "ps" / "server_0.json");
+  EXPECT_LE(s["max_staleness"].get<int64_t>(), s_bound);
+  EXPECT_GE(s["max_staleness"].get<int64_t>(), 1) << "the slowed worker never fell behind";
+  EXPECT_GT(s["blocked_pulls"].value("0", int64_t{0}), 10) << s.dump();
+  EXPECT_EQ(s["updates"].get<int64_t>(), 60);
+}
+
+// Async trains: the tiny LM (byte vocabulary, ~5.5 nats at the start) gets below 3.9 nats/byte.
+TEST(PsJob, AsyncTrains) {
+  TempDir tmp("ps_async");
+  Job job = launch(tmp, {"--servers", "2", "--workers", "2", "--consistency", "async"}, 40, 4);
+  ASSERT_EQ(job.code, 0) << job.output;
+  const double v = final_val_loss(tmp / "run");
+  EXPECT_GT(v, 0);
+  EXPECT_LT(v, 3.9);
+}
+
+// int8 pushes with error feedback: a quarter of the dense bytes, and training still converges
+// like the uncompressed run.
+TEST(PsJob, Int8PushesAreSmallAndTrain) {
+  TempDir tmp("ps_int8");
+  Job dense = launch(tmp, {"--servers", "1", "--workers", "2"}, 30, 4, "dense");
+  ASSERT_EQ(dense.code, 0) << dense.output;
+  Job q = launch(tmp, {"--servers", "1", "--workers", "2", "--push-compression", "int8"}, 30, 4,
+                 "int8");
+  ASSERT_EQ(q.code, 0) << q.output;
+  auto w = read_json(tmp / "int8" / "ps" / "server_0.json");
+  EXPECT_LT(w["push_bytes"].get<double>(), 0.3 * w["dense_push_bytes"].get<double>());
+  EXPECT_NEAR(final_val_loss(tmp / "int8"), final_val_loss(tmp / "dense"), 0.1);
+}
+
+TEST(PsJob, BadOptionsStopBeforeStarting) {
+  TempDir tmp("ps_opts");
+  Job a = launch(tmp, {"--consistency", "eventual"}, 5, 2);
+  EXPECT_NE(a.code, 0);
+  EXPECT_NE(a.output.find("--consistency 'eventual'"), std::string::npos) << a.output;
+  Job b = launch(tmp, {"--workers", "2"}, 5, 2, "clip");
+  EXPECT_EQ(b.code, 0) << b.output;  // the defaults are fine
+  write_corpus(tmp / "data", 60000);
+  Process c({"ps", "launch", "--", "train", "--set", "optim.grad_clip=1", "--set",
+             "train.run_dir=" + (tmp / "c").string()},
+            tmp / "c.log");
+  EXPECT_NE(c.wait(60), 0);
+  EXPECT_NE(c.output().find("optim.grad_clip"), std::string::npos) << c.output();
+}
+
+}  // namespace

@@ -1,0 +1,126 @@
+// Test support for tests/ps: real `moetrain` processes, each reaped however the test ends (the
+// destructor kills what still runs; PR_SET_PDEATHSIG kills it if the test process dies), with
+// its output in a file, and a tiny run configuration for jobs.
+#pragma once
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace moetrain::testing {
+
+class Process {
+ public:
+  Process(std::vector<std::string> args, const std::filesystem::path& log) : log_(log) {
+    args.insert(args.begin(), MOETRAIN_BINARY);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      FILE* f = std::fopen(log.c_str(), "w");
+      if (f) {
+        dup2(fileno(f), 1);
+        dup2(fileno(f), 2);
+      }
+      setenv("OMP_NUM_THREADS", "1", 1);
+      execv(MOETRAIN_BINARY, argv.data());
+      _exit(127);
+    }
+  }
+  ~Process() { kill(SIGKILL); }
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool running() {
+    poll();
+    return running_;
+  }
+  void kill(int sig) {
+    if (!running()) return;
+    ::kill(pid_, sig);
+    if (sig == SIGKILL) {
+      waitpid(pid_, &status_, 0);
+      running_ = false;
+    }
+  }
+  // Waits up to `seconds`; kills the process when it is still running then. Returns the exit
+  // code, 128 + signal when killed, or −1 on timeout.
+  int wait(double seconds) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (running() && std::chrono::steady_clock::now() < end)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (running()) {
+      kill(SIGKILL);
+      return -1;
+    }
+    if (WIFEXITED(status_)) return WEXITSTATUS(status_);
+    return 128 + WTERMSIG(status_);
+  }
+  std::string output() const {
+    std::ifstream in(log_);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+
+ private:
+  void poll() {
+    if (running_ && waitpid(pid_, &status_, WNOHANG) == pid_) running_ = false;
+  }
+  std::filesystem::path log_;
+  pid_t pid_ = -1;
+  int status_ = 0;
+  bool running_ = true;
+};
+
+// The small dropless top-k MoE of the tests, as `--set` arguments (no clipping: ps mode has none;
+// no aux loss: the Switch loss of a split batch is not the loss of the whole batch).
+inline std::vector<std::string> tiny_ps_overrides(const std::filesystem::path& data,
+                                                  const std::filesystem::path& run, int steps,
+                                                  int batch) {
+  std::vector<std::string> kv = {"model.dim=32",          "model.n_layers=2",
+                                 "model.n_heads=4",       "model.n_kv_heads=2",
+                                 "model.expert_hidden=32", "model.n_experts=4",
+                                 "model.top_k=2",         "model.router=topk_softmax",
+                                 "model.capacity_factor=0", "model.aux_loss_coef=0",
+                                 "model.max_seq_len=32",  "train.seq_len=32",
+                                 "train.eval_batches=4",  "train.eval_every=0",
+                                 "train.progress=off",    "optim.grad_clip=0",
+                                 "optim.warmup_steps=2",  "data.dir=" + data.string(),
+                                 "train.run_dir=" + run.string(),
+                                 "train.steps=" + std::to_string(steps),
+                                 "train.batch_size=" + std::to_string(batch)};
+  return kv;
+}
+
+inline std::vector<std::string> as_set_args(const std::vector<std::string>& kv) {
+  std::vector<std::string> out;
+  for (const auto& s : kv) out.insert(out.end(), {"--set", s});
+  return out;
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+
+// Waits until `p` exists (or `seconds` pass); returns whether it does.
+inline bool wait_for_file(const std::filesystem::path& p, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!std::filesystem::exists(p) && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return std::filesystem::exists(p);
+}
+
+}  // namespace moetrain::testing
