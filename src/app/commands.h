@@ -16,5 +16,6 @@ Run add_eval_command(CLI::App& app);
 Run add_sample_command(CLI::App& app);
 Run add_forward_command(CLI::App& app);
 Run add_classify_command(CLI::App& app);
+Run add_launch_command(CLI::App& app);
 
 }  // namespace moetrain::app

@@ -24,6 +24,7 @@ int run_command(int argc, char** argv) {
   add(moetrain::app::add_sample_command(app));
   add(moetrain::app::add_forward_command(app));
   add(moetrain::app::add_classify_command(app));
+  add(moetrain::app::add_launch_command(app));
 
   try {
     app.parse(argc, argv);

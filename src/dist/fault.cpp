@@ -127,7 +127,8 @@ void fault_point(const char* where, int64_t step) {
   const Armed& a = armed();
   if (!a.spec || a.spec->step != step || a.spec->where != where) return;
   static const char* kNames[] = {"kill", "stop", "exit"};
-  std::fprintf(stderr, "moetrain: fault injection: %s rank %d at %s, step %lld (attempt %lld)\n",
+  std::fprintf(stderr,
+               "moetrain: fault injection: %s rank %d at %s point, step %lld (attempt %lld)\n",
                kNames[static_cast<int>(a.spec->action)], a.rank, where,
                static_cast<long long>(step), static_cast<long long>(a.attempt));
   std::fflush(stderr);
