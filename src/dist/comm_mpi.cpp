@@ -310,13 +310,24 @@ void MpiCall::check_pairwise(std::span<const int64_t> send_bytes,
       MPI_Ialltoall(send_bytes.data(), 1, MPI_INT64_T, expected.data(), 1, MPI_INT64_T, comm_.comm_,
                     &request_),
       comm_.name());
-  for (int q = 0; q < P; ++q) {
-    MOETRAIN_CHECK(expected[q] == recv_bytes[q],
+  // The first disagreement seen by each rank, {sender, bytes sent, bytes expected}, shared so
+  // that every rank stops (a rank that went on into the exchange would wait forever).
+  int64_t mine[3] = {-1, 0, 0};
+  for (int q = 0; q < P && mine[0] < 0; ++q)
+    if (expected[q] != recv_bytes[q]) mine[0] = q, mine[1] = expected[q], mine[2] = recv_bytes[q];
+  std::vector<int64_t> all(static_cast<std::size_t>(3 * P));
+  MOETRAIN_MPI_COLLECTIVE(
+      MPI_Allgather(mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm_.comm_),
+      MPI_Iallgather(mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm_.comm_, &request_),
+      comm_.name());
+  for (int r = 0; r < P; ++r) {
+    const int64_t* d = all.data() + 3 * r;
+    MOETRAIN_CHECK(d[0] < 0,
                    "collective mismatch on communicator '{}': in {} #{} rank {} sends {} bytes to "
                    "rank {}, which expects {}",
                    comm_.name(),
                    collective_kind_name(static_cast<CollectiveKind>(scope_.fingerprint().kind)),
-                   scope_.fingerprint().seq, q, expected[q], comm_.rank(), recv_bytes[q]);
+                   scope_.fingerprint().seq, d[0], d[1], r, d[2]);
   }
 }
 
