@@ -9,6 +9,7 @@
 #include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "app/commands.h"
 #include "dist/runtime.h"
@@ -85,7 +86,10 @@ Run add_launch_command(CLI::App& app) {
     std::vector<std::string> mpi_args, command;
   };
   auto args = std::make_shared<Args>();
-  cmd->allow_extras();  // a command given without `--` is reported below, by name
+  // The command is read below from the process's own arguments (CLI11 does not say whether `--`
+  // was given); extras are let through so that a command without `--` is named as such.
+  cmd->allow_extras();
+  cmd->add_option("command", args->command, "-- then the moetrain command to run: train ...");
   cmd->add_option("-n,--np", args->procs, "Processes to run (mpirun -n)")->required();
   cmd->add_option("--max-restarts", args->max_restarts,
                   "Restarts after a failure before giving up (default 3)")
@@ -108,7 +112,6 @@ Run add_launch_command(CLI::App& app) {
                   "After SIGINT/SIGTERM: seconds the job has to end before it is killed "
                   "(default 10)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("command", args->command, "-- then the moetrain command to run: train ...");
   return [args] {
     if (dist_mpi_active())
       return usage_error("runs mpirun itself: start it directly, not under mpirun or srun");
@@ -116,9 +119,11 @@ Run add_launch_command(CLI::App& app) {
     if (args->min_procs > args->procs)
       return usage_error(
           fmt::format("--min-procs {} is more than -n {}", args->min_procs, args->procs));
-    // The command is everything after the first `--` that follows "launch".
+    // The command is everything after the first `--` that follows "launch". CLI11 lets extras
+    // through (so that a command without `--` is named as such), so the words before `--` are
+    // checked here: launch's own options and their values only.
     const std::vector<std::string> argv = own_arguments();
-    std::vector<std::string> command;
+    std::vector<std::string> before, command;
     bool seen_launch = false, seen_dashes = false;
     for (const auto& a : argv) {
       if (seen_dashes) {
@@ -127,16 +132,31 @@ Run add_launch_command(CLI::App& app) {
         seen_launch = a == "launch";
       } else if (a == "--") {
         seen_dashes = true;
+      } else {
+        before.push_back(a);
       }
     }
     if (!seen_dashes)
       return usage_error(
           "missing `--` before the command to run, e.g. moetrain launch -n 4 -- train -c "
           "configs/tiny.toml");
-    if (command != args->command)
-      return usage_error(
-          "unexpected arguments before `--`: launch options go before it, the "
-          "command after it");
+    static const std::set<std::string> kValued = {"-n",          "--np",     "--max-restarts",
+                                                  "--backoff",   "--grace",  "--hostfile",
+                                                  "--min-procs", "--mpirun", "--mpi-arg"};
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      const std::string& w = before[i];
+      const std::string name = w.substr(0, w.find('='));
+      if (kValued.count(name) && name != w) continue;  // --option=value
+      if (kValued.count(w)) {
+        ++i;  // its value
+        continue;
+      }
+      if (w.size() > 2 && w.rfind("-n", 0) == 0 && w[2] != '-') continue;  // -n4
+      return usage_error(fmt::format(
+          "'{}' before `--` is not a launch option: launch options go before `--`, the command "
+          "after it (see moetrain launch --help)",
+          w));
+    }
     if (command.empty())
       return usage_error(
           "nothing after `--`: give the command to run, e.g. -- train -c "
