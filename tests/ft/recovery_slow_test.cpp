@@ -91,8 +91,9 @@ TEST_F(Recovery, KillNineAtARandomStepResumesToTheSameParameters) {
   EXPECT_EQ(r.count("moetrain: fault injection: kill"), 1) << r.output();
   EXPECT_TRUE(has(r.output(), "signal 9")) << r.output();
   EXPECT_TRUE(has(r.output(), "succeeded after 2 attempt(s)")) << r.output();
-  // The restart resumes from the last complete checkpoint: at most one interval of work lost.
-  const int last_ckpt = step / kCheckpointEvery * kCheckpointEvery;
+  // The fault fires after step `step`, before its checkpoint: the restart resumes from the one
+  // before, so at most one checkpoint interval of work is lost.
+  const int last_ckpt = (step - 1) / kCheckpointEvery * kCheckpointEvery;
   if (last_ckpt > 0) {
     EXPECT_TRUE(has(r.output(), fmt::format("at step {}", last_ckpt))) << r.output();
   }
