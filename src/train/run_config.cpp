@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <nlohmann/json.hpp>
 
@@ -78,6 +79,9 @@ ConfigSchema schema(RunConfig& c) {
       {"dist.ranks_per_node", &c.dist.ranks_per_node},
       {"dist.a2a_chunks", &c.dist.a2a_chunks},
       {"dist.overlap", &c.dist.overlap},
+      {"dist.collective_warn", &c.dist.collective_warn},
+      {"dist.collective_timeout", &c.dist.collective_timeout},
+      {"dist.debug_collectives", &c.dist.debug_collectives},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -173,6 +177,12 @@ void RunConfig::validate() const {
                  dist.ranks_per_node);
   MOETRAIN_CHECK(dist.a2a_chunks >= 1 && dist.a2a_chunks <= 64,
                  "dist.a2a_chunks = {}: must be in [1, 64]", dist.a2a_chunks);
+  MOETRAIN_CHECK(std::isfinite(dist.collective_warn) && dist.collective_warn >= 0,
+                 "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
+                 dist.collective_warn);
+  MOETRAIN_CHECK(std::isfinite(dist.collective_timeout) && dist.collective_timeout >= 0,
+                 "dist.collective_timeout = {}: must be seconds ≥ 0 (0 = never abort)",
+                 dist.collective_timeout);
 }
 
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where) {

@@ -72,6 +72,13 @@ struct DistSettings {
   int64_t a2a_chunks = 1;
   // Reduce gradient buckets on a communication thread while backward produces the next ones.
   bool overlap = true;
+  // The collective watchdog (dist/watchdog.h), seconds a collective may wait: a warning after
+  // collective_warn, after collective_timeout the job is aborted for `moetrain launch` to
+  // restart (0 = off).
+  double collective_warn = 60;
+  double collective_timeout = 300;
+  // Ranks compare a fingerprint of every collective before it runs (slower; for debugging).
+  bool debug_collectives = false;
 };
 
 struct RunConfig {

@@ -16,6 +16,7 @@
 #include "dist/alltoall.h"
 #include "dist/comm_thread.h"
 #include "dist/ep_moe.h"
+#include "dist/fault.h"
 #include "dist/grad_sync.h"
 #include "dist/groups.h"
 #include "dist/runtime.h"
@@ -328,6 +329,7 @@ fs::path Trainer::save_checkpoint() {
   for (std::size_t s = 0; s < optimizer_->state_names().size(); ++s)
     optimizer_->gather_state(control, static_cast<int>(s), root ? full_state_[s].data() : nullptr);
   fs::path dir = checkpoint_dir(cfg_.train.run_dir, step_);
+  fault_point("checkpoint_write", step_);  // the other ranks die while rank 0 writes
   if (root)
     dir = write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(),
                            cfg_.train.keep_checkpoints);
@@ -525,6 +527,7 @@ TrainResult Trainer::run(int64_t stop_at) {
   while (step_ < total) {
     Timer t;
     result.final_loss = train_step();
+    fault_point("step", step_);
     double dt = t.seconds();
     train_seconds += dt;
     pending_metrics_["step_time_s"] = dt;
