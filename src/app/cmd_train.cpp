@@ -20,6 +20,7 @@ Run add_train_command(CLI::App& app) {
     bool resume = false;
     int64_t ep = 0, zero = -1, ranks_per_node = -1, a2a_chunks = 0;
     bool hierarchical = false, no_overlap = false;
+    std::string precision, grad_reduce_dtype, a2a_dtype;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")
@@ -48,8 +49,21 @@ Run add_train_command(CLI::App& app) {
       ->check(CLI::Range(1, 64));
   cmd->add_flag("--no-overlap", args->no_overlap,
                 "Reduce gradients after backward instead of during it (dist.overlap = false)");
+  cmd->add_option("--precision", args->precision,
+                  "GEMM operand precision: f32, bf16, or fp16 with dynamic loss scaling "
+                  "(train.precision)");
+  cmd->add_option(
+      "--grad-reduce-dtype", args->grad_reduce_dtype,
+      "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)");
+  cmd->add_option("--a2a-dtype", args->a2a_dtype,
+                  "Expert all-to-all payloads on the wire: f32 or bf16 (dist.a2a_dtype)");
   return [args] {
     std::vector<std::string> overrides = args->overrides;
+    // Checked with the rest of the configuration, which names the key and the allowed values.
+    if (!args->precision.empty()) overrides.push_back("train.precision=" + args->precision);
+    if (!args->grad_reduce_dtype.empty())
+      overrides.push_back("dist.grad_reduce_dtype=" + args->grad_reduce_dtype);
+    if (!args->a2a_dtype.empty()) overrides.push_back("dist.a2a_dtype=" + args->a2a_dtype);
     if (args->no_overlap) overrides.push_back("dist.overlap=false");
     if (args->a2a_chunks > 0)
       overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));

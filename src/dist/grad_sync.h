@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/dtype.h"
 #include "dist/comm.h"
 #include "dist/comm_thread.h"
 #include "dist/groups.h"
@@ -25,6 +26,12 @@ namespace moetrain {
 struct GradSyncConfig {
   int64_t first_bucket_bytes = int64_t{1} << 20;
   int64_t bucket_bytes = int64_t{25} << 20;
+  // Element type on the wire for the gradient reduce-scatter and all-gather: F32 or BF16. In
+  // bf16 every rank's gradients are rounded to bf16 before they are sent (its own chunk too, so
+  // the sum is symmetric in the ranks), summed in f32 in rank order, and the reduced chunks are
+  // all-gathered as bf16 again (each rank's own chunk included, so every rank holds the same
+  // bits). Half the bytes; bucket sizes stay in f32 bytes. Parameters (ZeRO-1) travel in f32.
+  DType reduce_dtype = DType::F32;
 };
 
 // Elements [offset, offset + size) of the flat buffer.
@@ -87,12 +94,14 @@ class GradSync {
   std::vector<ShardPiece> shard_pieces() const;
 
   double seconds() const { return seconds_; }  // spent in the collective calls so far
+  // Bytes this rank has sent to other ranks so far (reductions, gradient and parameter gathers).
+  int64_t bytes_sent() const { return bytes_sent_; }
 
  private:
   Comm& group(const Bucket& b) const { return b.expert ? expert_ : dense_; }
   void pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const;
   void unpack(float* flat, const float* src, const Bucket& b, int64_t lo, int64_t hi) const;
-  void allgather_into(float* flat, const Bucket& b, const float* mine);
+  void allgather_into(float* flat, const Bucket& b, const float* mine, DType wire);
   void reduce_bucket(std::size_t i, const float* grads);
 
   Comm& dense_;
@@ -105,7 +114,10 @@ class GradSync {
   int64_t shard_size_ = 0;
   std::vector<float> shard_;
   FloatBuffer packed_;
+  DType wire_ = DType::F32;
+  std::vector<bf16> wire_send_, wire_recv_;  // bf16 reduction: packed bucket, received parts
   double seconds_ = 0;
+  int64_t bytes_sent_ = 0;
 };
 
 }  // namespace moetrain

@@ -163,6 +163,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     }
     EpOptions ep_opts;
     ep_opts.chunks = static_cast<int>(cfg_.dist.a2a_chunks);
+    ep_opts.a2a_dtype = parse_dtype(cfg_.dist.a2a_dtype, "dist.a2a_dtype");
     if (ep_opts.chunks > 1 || cfg_.dist.overlap) {
       // MPI runs SERIALIZED: once gradient buckets reduce during backward, the all-to-alls must
       // go through the same thread.
@@ -174,6 +175,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     };
   }
   model_ = std::make_unique<Transformer>(cfg_.model, factory);
+  model_->set_precision(cfg_.train.precision_dtype());
+  if (cfg_.train.precision_dtype() == DType::F16)
+    scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());
   const ParamLayout& layout = model_->layout();
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
   grads_.assign(params_.size(), 0.0f);
@@ -190,6 +194,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     GradSyncConfig gc;
     gc.first_bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_first_mb * 1024 * 1024);
     gc.bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_mb * 1024 * 1024);
+    gc.reduce_dtype = parse_dtype(cfg_.dist.grad_reduce_dtype, "dist.grad_reduce_dtype");
     sync_ = std::make_unique<GradSync>(ranges, *pg_->grads, *pg_->expert_grads, gc);
     if (cfg_.dist.overlap)
       model_->set_grads_ready_hook([this](int64_t from) { sync_->ready(from); });
@@ -308,6 +313,11 @@ CheckpointContents Trainer::checkpoint_views() {
                {"seed", cfg_.train.seed},
                {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
                {"data", {{"next_step", step_}, {"train_tokens", train_shard_->size()}}}};
+  if (scaler_) {
+    c.trainer["loss_scale"] = {{"scale", scaler_->raw_scale()},
+                               {"good_steps", scaler_->good_steps()},
+                               {"skipped_steps", scaler_->skipped_steps()}};
+  }
   return c;
 }
 
@@ -347,6 +357,12 @@ void Trainer::load_checkpoint(const fs::path& dir) {
                  dir.string(), hash, cfg_.config_hash());
   step_ = c.trainer.value("step", int64_t{0});
   optimizer_->set_step_count(c.trainer["optimizer"].value("step_count", int64_t{0}));
+  if (scaler_ && c.trainer.contains("loss_scale")) {
+    const nlohmann::json& ls = c.trainer["loss_scale"];
+    scaler_->restore(ls.value("scale", 1.0), ls.value("good_steps", int64_t{0}),
+                     ls.value("skipped_steps", int64_t{0}));
+  }
+  model_->weights_changed();
   if (distributed()) {
     for (std::size_t s = 0; s < full_state_.size(); ++s)
       optimizer_->load_state(static_cast<int>(s), full_state_[s].data());
@@ -373,6 +389,7 @@ double Trainer::train_step() {
   const int W = world_size();
   BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
   std::fill(grads_.begin(), grads_.end(), 0.0f);
+  const int64_t sync_bytes_before = sync_ ? sync_->bytes_sent() : 0;
   LossParts sum;
   auto moe = model_->moe_layers();
   std::vector<std::vector<int64_t>> load(moe.size(),
@@ -381,7 +398,10 @@ double Trainer::train_step() {
   last_a2a_s_ = 0, last_a2a_wait_s_ = 0;
   // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
   // (the reduction) then gives the mean.
-  const float loss_weight = 1.0f / static_cast<float>(A * W);
+  // fp16: the loss is scaled so that small gradients survive the fp16 GEMM operands.
+  last_scale_ = scaler_ ? scaler_->scale() : 1.0;
+  last_skipped_ = false;
+  const float loss_weight = static_cast<float>(last_scale_) / static_cast<float>(A * W);
   for (int64_t micro = 0; micro < A; ++micro) {
     loader.fill(step_, micro, inputs_.data(), targets_.data());
     MoeStep ms;
@@ -410,16 +430,30 @@ double Trainer::train_step() {
   last_lr_ = schedule_->lr(step_);
   if (W == 1) {
     const int64_t n = static_cast<int64_t>(grads_.size());
-    MOETRAIN_CHECK(!has_non_finite(grads_.data(), n),
-                   "step {}: non-finite gradient; stopping. The last good checkpoint is kept in "
-                   "{}/checkpoints",
-                   step_ + 1, cfg_.train.run_dir);
-    last_grad_norm_ = cfg_.optim.grad_clip > 0
-                          ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
-                          : grad_norm(grads_.data(), n);
-    optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+    const bool bad = has_non_finite(grads_.data(), n);
+    if (scaler_) {
+      last_skipped_ = !scaler_->update(bad);
+      if (!last_skipped_) scale_gradients(grads_.data(), n, static_cast<float>(1.0 / last_scale_));
+    } else {
+      MOETRAIN_CHECK(!bad,
+                     "step {}: non-finite gradient; stopping. The last good checkpoint is kept in "
+                     "{}/checkpoints",
+                     step_ + 1, cfg_.train.run_dir);
+    }
+    if (!last_skipped_) {
+      last_grad_norm_ = cfg_.optim.grad_clip > 0
+                            ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
+                            : grad_norm(grads_.data(), n);
+      optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+    }
   } else {
     distributed_update(static_cast<float>(last_lr_));
+  }
+  if (last_skipped_) {
+    log_warn("step {}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
+             step_ + 1, last_scale_, scaler_->raw_scale());
+  } else {
+    model_->weights_changed();
   }
   if (cfg_.model.moe().router == RouterKind::SigmoidBias && !moe.empty()) {
     std::vector<int64_t> global(moe.size() * E);
@@ -451,6 +485,11 @@ double Trainer::train_step() {
                          {"z", sum.z},
                          {"lr", last_lr_},
                          {"grad_norm", last_grad_norm_}};
+  if (scaler_) {
+    line["loss_scale"] = last_scale_;
+    line["skipped"] = last_skipped_;
+  }
+  if (sync_) line["grad_sync_bytes"] = sync_->bytes_sent() - sync_bytes_before;
   line["tokens_per_expert"] = load;
   line["dropped_fraction"] = dropped;
   double imb = 0;
@@ -473,6 +512,16 @@ void Trainer::distributed_update(float lr) {
   // non-finite check are sums over shards, the same bits on every rank.
   int64_t bad = sync_->shard_has_non_finite() ? 1 : 0;
   pg_->control->allreduce(&bad, 1);
+  if (scaler_) {
+    // The summed flag: every rank takes the same decision and keeps the same scale.
+    last_skipped_ = !scaler_->update(bad > 0);
+    if (last_skipped_) {
+      last_sync_s_ = sync_->seconds() - sync_before;
+      last_sync_exposed_s_ = wall.seconds();
+      return;
+    }
+    sync_->scale_shard(static_cast<float>(1.0 / last_scale_));
+  }
   MOETRAIN_CHECK(
       bad == 0,
       "step {}: non-finite gradient on {} process(es); stopping. The last good checkpoint is "
