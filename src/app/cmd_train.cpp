@@ -24,6 +24,7 @@ Run add_train_command(CLI::App& app) {
     bool hierarchical = false, no_overlap = false;
     double collective_warn = -1, collective_timeout = -1;
     bool debug_collectives = false;
+    std::string precision, grad_reduce_dtype, a2a_dtype;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")
@@ -65,6 +66,14 @@ Run add_train_command(CLI::App& app) {
                 "Under mpirun: ranks compare every collective's fingerprint (sequence, kind, "
                 "element size, counts) before running it; a mismatch fails at once "
                 "(dist.debug_collectives)");
+  cmd->add_option("--precision", args->precision,
+                  "GEMM operand precision: f32, bf16, or fp16 with dynamic loss scaling "
+                  "(train.precision)");
+  cmd->add_option(
+      "--grad-reduce-dtype", args->grad_reduce_dtype,
+      "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)");
+  cmd->add_option("--a2a-dtype", args->a2a_dtype,
+                  "Expert all-to-all payloads on the wire: f32 or bf16 (dist.a2a_dtype)");
   return [args] {
     std::vector<std::string> overrides = args->overrides;
     if (args->collective_warn >= 0)
@@ -72,6 +81,11 @@ Run add_train_command(CLI::App& app) {
     if (args->collective_timeout >= 0)
       overrides.push_back(fmt::format("dist.collective_timeout={}", args->collective_timeout));
     if (args->debug_collectives) overrides.push_back("dist.debug_collectives=true");
+    // Checked with the rest of the configuration, which names the key and the allowed values.
+    if (!args->precision.empty()) overrides.push_back("train.precision=" + args->precision);
+    if (!args->grad_reduce_dtype.empty())
+      overrides.push_back("dist.grad_reduce_dtype=" + args->grad_reduce_dtype);
+    if (!args->a2a_dtype.empty()) overrides.push_back("dist.a2a_dtype=" + args->a2a_dtype);
     if (args->no_overlap) overrides.push_back("dist.overlap=false");
     if (args->a2a_chunks > 0)
       overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));

@@ -164,6 +164,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     }
     EpOptions ep_opts;
     ep_opts.chunks = static_cast<int>(cfg_.dist.a2a_chunks);
+    ep_opts.a2a_dtype = parse_dtype(cfg_.dist.a2a_dtype, "dist.a2a_dtype");
     if (ep_opts.chunks > 1 || cfg_.dist.overlap) {
       // MPI runs SERIALIZED: once gradient buckets reduce during backward, the all-to-alls must
       // go through the same thread.
@@ -175,6 +176,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     };
   }
   model_ = std::make_unique<Transformer>(cfg_.model, factory);
+  model_->set_precision(cfg_.train.precision_dtype());
+  if (cfg_.train.precision_dtype() == DType::F16)
+    scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());
   const ParamLayout& layout = model_->layout();
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
   grads_.assign(params_.size(), 0.0f);
@@ -191,6 +195,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     GradSyncConfig gc;
     gc.first_bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_first_mb * 1024 * 1024);
     gc.bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_mb * 1024 * 1024);
+    gc.reduce_dtype = parse_dtype(cfg_.dist.grad_reduce_dtype, "dist.grad_reduce_dtype");
     sync_ = std::make_unique<GradSync>(ranges, *pg_->grads, *pg_->expert_grads, gc);
     if (cfg_.dist.overlap)
       model_->set_grads_ready_hook([this](int64_t from) { sync_->ready(from); });
@@ -309,6 +314,11 @@ CheckpointContents Trainer::checkpoint_views() {
                {"seed", cfg_.train.seed},
                {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
                {"data", {{"next_step", step_}, {"train_tokens", train_shard_->size()}}}};
+  if (scaler_) {
+    c.trainer["loss_scale"] = {{"scale", scaler_->raw_scale()},
+                               {"good_steps", scaler_->good_steps()},
+                               {"skipped_steps", scaler_->skipped_steps()}};
+  }
   return c;
 }
 
@@ -349,6 +359,12 @@ void Trainer::load_checkpoint(const fs::path& dir) {
                  dir.string(), hash, cfg_.config_hash());
   step_ = c.trainer.value("step", int64_t{0});
   optimizer_->set_step_count(c.trainer["optimizer"].value("step_count", int64_t{0}));
+  if (scaler_ && c.trainer.contains("loss_scale")) {
+    const nlohmann::json& ls = c.trainer["loss_scale"];
+    scaler_->restore(ls.value("scale", 1.0), ls.value("good_steps", int64_t{0}),
+                     ls.value("skipped_steps", int64_t{0}));
+  }
+  model_->weights_changed();
   if (distributed()) {
     for (std::size_t s = 0; s < full_state_.size(); ++s)
       optimizer_->load_state(static_cast<int>(s), full_state_[s].data());
@@ -375,6 +391,7 @@ double Trainer::train_step() {
   const int W = world_size();
   BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
   std::fill(grads_.begin(), grads_.end(), 0.0f);
+  const int64_t sync_bytes_before = sync_ ? sync_->bytes_sent() : 0;
   LossParts sum;
   auto moe = model_->moe_layers();
   std::vector<std::vector<int64_t>> load(moe.size(),
@@ -383,7 +400,10 @@ double Trainer::train_step() {
   last_a2a_s_ = 0, last_a2a_wait_s_ = 0;
   // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
   // (the reduction) then gives the mean.
-  const float loss_weight = 1.0f / static_cast<float>(A * W);
+  // fp16: the loss is scaled so that small gradients survive the fp16 GEMM operands.
+  last_scale_ = scaler_ ? scaler_->scale() : 1.0;
+  last_skipped_ = false;
+  const float loss_weight = static_cast<float>(last_scale_) / static_cast<float>(A * W);
   for (int64_t micro = 0; micro < A; ++micro) {
     loader.fill(step_, micro, inputs_.data(), targets_.data());
     MoeStep ms;
@@ -413,16 +433,30 @@ double Trainer::train_step() {
   last_lr_ = schedule_->lr(step_);
   if (W == 1) {
     const int64_t n = static_cast<int64_t>(grads_.size());
-    MOETRAIN_CHECK(!has_non_finite(grads_.data(), n),
-                   "step {}: non-finite gradient; stopping. The last good checkpoint is kept in "
-                   "{}/checkpoints",
-                   step_ + 1, cfg_.train.run_dir);
-    last_grad_norm_ = cfg_.optim.grad_clip > 0
-                          ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
-                          : grad_norm(grads_.data(), n);
-    optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+    const bool bad = has_non_finite(grads_.data(), n);
+    if (scaler_) {
+      last_skipped_ = !scaler_->update(bad);
+      if (!last_skipped_) scale_gradients(grads_.data(), n, static_cast<float>(1.0 / last_scale_));
+    } else {
+      MOETRAIN_CHECK(!bad,
+                     "step {}: non-finite gradient; stopping. The last good checkpoint is kept in "
+                     "{}/checkpoints",
+                     step_ + 1, cfg_.train.run_dir);
+    }
+    if (!last_skipped_) {
+      last_grad_norm_ = cfg_.optim.grad_clip > 0
+                            ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
+                            : grad_norm(grads_.data(), n);
+      optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+    }
   } else {
     distributed_update(static_cast<float>(last_lr_));
+  }
+  if (last_skipped_) {
+    log_warn("step {}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
+             step_ + 1, last_scale_, scaler_->raw_scale());
+  } else {
+    model_->weights_changed();
   }
   if (cfg_.model.moe().router == RouterKind::SigmoidBias && !moe.empty()) {
     std::vector<int64_t> global(moe.size() * E);
@@ -454,6 +488,11 @@ double Trainer::train_step() {
                          {"z", sum.z},
                          {"lr", last_lr_},
                          {"grad_norm", last_grad_norm_}};
+  if (scaler_) {
+    line["loss_scale"] = last_scale_;
+    line["skipped"] = last_skipped_;
+  }
+  if (sync_) line["grad_sync_bytes"] = sync_->bytes_sent() - sync_bytes_before;
   line["tokens_per_expert"] = load;
   line["dropped_fraction"] = dropped;
   double imb = 0;
@@ -467,15 +506,35 @@ void Trainer::distributed_update(float lr) {
   const double sync_before = sync_->seconds();
   Timer wall;
   double update_s = 0;
+  // Plain DP: the reduced gradients are gathered into grads_ before any scaling (during
+  // backward with overlap, right after the reduce-scatter without), and the unscale and clip
+  // multiply them in place: the same bits either way, whatever the wire type. ZeRO-1 scales the
+  // shard it updates.
+  const bool plain = cfg_.dist.zero == 0;
   if (cfg_.dist.overlap) {
     sync_->finish();
   } else {
     sync_->reduce_scatter(grads_.data());
+    if (plain) sync_->allgather_grads(grads_.data());
   }
+  auto scale = [&](double factor) {
+    sync_->scale_shard(static_cast<float>(factor));  // the norm is taken over the shard
+    if (plain) sync_->scale_reduced(grads_.data(), static_cast<float>(factor));
+  };
   // Every element of the global gradient lies in exactly one rank's shard: the norm and the
   // non-finite check are sums over shards, the same bits on every rank.
   int64_t bad = sync_->shard_has_non_finite() ? 1 : 0;
   pg_->control->allreduce(&bad, 1);
+  if (scaler_) {
+    // The summed flag: every rank takes the same decision and keeps the same scale.
+    last_skipped_ = !scaler_->update(bad > 0);
+    if (last_skipped_) {
+      last_sync_s_ = sync_->seconds() - sync_before;
+      last_sync_exposed_s_ = wall.seconds();
+      return;
+    }
+    scale(1.0 / last_scale_);
+  }
   MOETRAIN_CHECK(
       bad == 0,
       "step {}: non-finite gradient on {} process(es); stopping. The last good checkpoint is "
@@ -484,15 +543,11 @@ void Trainer::distributed_update(float lr) {
   double sq = sync_->shard_sum_squares();
   pg_->control->allreduce(&sq, 1);
   last_grad_norm_ = std::sqrt(sq);
-  // Plain DP with overlap gathered each bucket during backward; otherwise the shard is clipped
-  // and gathered below. Either way one multiply per element: the same bits.
-  const bool gathered = cfg_.dist.overlap && cfg_.dist.zero == 0;
   if (cfg_.optim.grad_clip > 0) {
     const double coef = clip_coefficient(last_grad_norm_, cfg_.optim.grad_clip);
-    if (coef != 1.0 && gathered) sync_->scale_reduced(grads_.data(), static_cast<float>(coef));
-    if (coef != 1.0 && !gathered) sync_->scale_shard(static_cast<float>(coef));
+    if (coef != 1.0) scale(coef);
   }
-  if (cfg_.dist.zero == 1) {
+  if (!plain) {
     sync_->unpack_shard(grads_.data());
     {
       ScopedTimer timer(update_s);
@@ -500,7 +555,6 @@ void Trainer::distributed_update(float lr) {
     }
     sync_->allgather_params(params_.data());
   } else {
-    if (!gathered) sync_->allgather_grads(grads_.data());
     ScopedTimer timer(update_s);
     optimizer_->step(params_.data(), grads_.data(), lr);
   }

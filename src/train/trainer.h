@@ -14,6 +14,7 @@
 #include "dist/comm.h"
 #include "io/checkpoint.h"
 #include "model/transformer.h"
+#include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/run_config.h"
@@ -84,6 +85,9 @@ class Trainer {
   // This rank's experts as flat ranges (every expert on a single process).
   const std::vector<std::pair<int64_t, int64_t>>& own_expert_ranges() const { return own_experts_; }
 
+  // fp16 runs: the dynamic loss scaler (null otherwise).
+  const LossScaler* loss_scaler() const { return scaler_.get(); }
+
   // The checkpoint's contents as views into this trainer's buffers (used to save and to load).
   CheckpointContents checkpoint_views();
   std::filesystem::path save_checkpoint();
@@ -119,6 +123,10 @@ class Trainer {
   // last step's figures, for metrics
   LossParts last_parts_;
   double last_grad_norm_ = 0, last_lr_ = 0;
+  // Mixed precision: fp16's loss scaler, the scale the last step used, whether it was skipped.
+  std::unique_ptr<LossScaler> scaler_;
+  double last_scale_ = 1;
+  bool last_skipped_ = false;
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
 };
