@@ -32,8 +32,7 @@ constexpr Tables make_tables() {
 constexpr Tables kTables = make_tables();
 
 #ifdef MOETRAIN_CRC32C_X86
-__attribute__((target("sse4.2"))) uint32_t hw_update(const uint8_t* p, std::size_t n,
-                                                     uint32_t c) {
+__attribute__((target("sse4.2"))) uint32_t hw_update(const uint8_t* p, std::size_t n, uint32_t c) {
   while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7u) != 0) {
     c = _mm_crc32_u8(c, *p++);
     --n;

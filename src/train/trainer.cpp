@@ -409,9 +409,10 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
                  "process count that does",
                  dir.string(), global, world_size(), cfg_.train.batch_size, per_micro);
   if (global / per_micro != cfg_.train.grad_accum)
-    log_info("train.grad_accum = {} instead of {}: {} processes keep the global batch of {} "
-             "sequences per step",
-             global / per_micro, cfg_.train.grad_accum, world_size(), global);
+    log_info(
+        "train.grad_accum = {} instead of {}: {} processes keep the global batch of {} "
+        "sequences per step",
+        global / per_micro, cfg_.train.grad_accum, world_size(), global);
   cfg_.train.grad_accum = global / per_micro;
   if (data.value("train_tokens", uint64_t{0}) != train_shard_->size())
     log_warn("{}: the training data had {} tokens, {} has {}: batches will differ", where,

@@ -63,8 +63,8 @@ struct RankShare {
 
 fs::path write_step(Comm& comm, const fs::path& run, int64_t step, int64_t keep = 3) {
   RankShare mine(comm.rank(), comm.size(), step);
-  return write_checkpoint(comm, run, step, mine.share,
-                          {{{"model_type", "test"}}, {{"step", step}}}, keep);
+  return write_checkpoint(comm, run, step, mine.share, {{{"model_type", "test"}}, {{"step", step}}},
+                          keep);
 }
 
 }  // namespace

@@ -37,7 +37,8 @@ std::vector<KnownAnswer> known_answers() {
   out.push_back({std::vector<uint8_t>(32, 0x00), 0x8A9136AAu});
   out.push_back({std::vector<uint8_t>(32, 0xFF), 0x62A8AB43u});
   std::vector<uint8_t> up(32), down(32);
-  for (int i = 0; i < 32; ++i) up[i] = static_cast<uint8_t>(i), down[i] = static_cast<uint8_t>(31 - i);
+  for (int i = 0; i < 32; ++i)
+    up[i] = static_cast<uint8_t>(i), down[i] = static_cast<uint8_t>(31 - i);
   out.push_back({up, 0x46DD794Eu});
   out.push_back({down, 0x113FDB5Cu});
   out.push_back({{}, 0u});
@@ -77,8 +78,8 @@ struct Tensors {
 
 fs::path write(const fs::path& run, int64_t step, Tensors& t, int64_t keep = 3) {
   auto comm = make_local_comm();
-  return write_checkpoint(*comm, run, step, t.share(),
-                          {{{"model_type", "test"}}, {{"step", step}}}, keep);
+  return write_checkpoint(*comm, run, step, t.share(), {{{"model_type", "test"}}, {{"step", step}}},
+                          keep);
 }
 
 }  // namespace
@@ -177,8 +178,7 @@ TEST(Checkpoint, WrongNamesShapesAndRangesAreClearErrors) {
   // A model tensor in part would not load in transformers.
   CheckpointShare partial = t.share();
   partial.model[0].end = 10;
-  expect_error([&] { write_checkpoint(*comm, tmp.path(), 2, partial, {}, 3); },
-               "written in part");
+  expect_error([&] { write_checkpoint(*comm, tmp.path(), 2, partial, {}, 3); }, "written in part");
 }
 
 TEST(Checkpoint, EveryKindOfDamageFallsBackToThePreviousCheckpoint) {

@@ -48,22 +48,43 @@ bool have_mpiexec() {
   return shell("command -v mpiexec").code == 0;
 }
 
-// `mpiexec -n np moetrain train` on the test's model; `extra` are more flags.
+// `moetrain train` on the test's model, with `extra` flags.
+std::string train_args(const fs::path& data, const fs::path& run, int64_t steps,
+                       const std::string& extra) {
+  std::string cmd = std::string(MOETRAIN_BINARY) + " train --config " + MOETRAIN_SOURCE_DIR +
+                    "/configs/tiny.toml";
+  const std::vector<std::string> sets = {"model.dim=32",
+                                         "model.n_layers=2",
+                                         "model.n_heads=4",
+                                         "model.n_kv_heads=2",
+                                         "model.expert_hidden=24",
+                                         "model.n_experts=8",
+                                         "model.top_k=2",
+                                         "model.router=sigmoid_bias",
+                                         "model.bias_update_rate=0.01",
+                                         "model.max_seq_len=16",
+                                         "train.batch_size=1",
+                                         "train.seq_len=16",
+                                         "train.grad_accum=6",
+                                         "train.eval_every=0",
+                                         "train.eval_batches=1",
+                                         "train.checkpoint_every=0",
+                                         "train.progress=off",
+                                         "optim.warmup_steps=1",
+                                         "data.dir=" + data.string(),
+                                         "train.run_dir=" + run.string(),
+                                         "train.steps=" + std::to_string(steps)};
+  for (const std::string& s : sets) cmd += " --set " + s;
+  return cmd + " " + extra;
+}
+
+constexpr const char* kMpiexec = "mpiexec --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1";
+
+// `mpiexec -n np moetrain train ...`.
 Result train(int np, const fs::path& data, const fs::path& run, int64_t steps,
              const std::string& extra) {
-  std::string cmd = "mpiexec --allow-run-as-root --oversubscribe -x OMP_NUM_THREADS=1 -n " +
-                    std::to_string(np) + " " + MOETRAIN_BINARY + " train --config " +
-                    MOETRAIN_SOURCE_DIR + "/configs/tiny.toml";
-  for (const std::string& s : std::vector<std::string>{
-           "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.expert_hidden=24", "model.n_experts=8", "model.top_k=2",
-        "model.router=sigmoid_bias", "model.bias_update_rate=0.01", "model.max_seq_len=16",
-        "train.batch_size=1", "train.seq_len=16", "train.grad_accum=6", "train.eval_every=0",
-        "train.eval_batches=1", "train.checkpoint_every=0", "train.progress=off",
-        "optim.warmup_steps=1", "data.dir=" + data.string(), "train.run_dir=" + run.string(),
-        "train.steps=" + std::to_string(steps)})
-    cmd += " --set " + s;
-  return shell(cmd + " " + extra);
+  return shell(std::string(kMpiexec) + " -n " + std::to_string(np) + " " +
+               train_args(data, run, steps, extra));
 }
 
 std::vector<double> losses(const fs::path& run_dir) {
@@ -188,4 +209,15 @@ TEST_F(ElasticResume, AProcessCountThatCannotKeepTheGlobalBatchIsRefused) {
   EXPECT_NE(r.output.find("5 processes"), std::string::npos) << r.output;
   // Nothing was written: the checkpoint is the 4-process one.
   EXPECT_EQ(read_checkpoint_json(checkpoint_dir(run, kSavedAt), "manifest.json")["world_size"], 4);
+}
+
+TEST_F(ElasticResume, RanksStartedWithDifferentConfigurationsFailAtOnce) {
+  // One launch, two programs (MPMD): the second rank's learning rate differs.
+  const fs::path run = *tmp_ / "mismatch";
+  Result r = shell(std::string(kMpiexec) + " -n 1 " + train_args(*tmp_ / "data", run, 2, "") +
+                   " : -n 1 " + train_args(*tmp_ / "data", run, 2, "--set optim.lr=0.01"));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("rank 1 has configuration hash"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 0 has"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(run / "checkpoints"));
 }
