@@ -1,7 +1,5 @@
 #include "dist/sharded_optimizer.h"
 
-#include <cstring>
-
 #include "core/check.h"
 
 namespace moetrain {

@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "dist/comm.h"
 #include "optim/optimizer.h"
 
 namespace moetrain {

@@ -60,7 +60,7 @@ double evaluate(Transformer& model, const float* params, const TokenShard& shard
 // World = DP × EP (dist.ep): each process reads its own train.batch_size sequences per
 // micro-batch, experts are sharded over the EP group (dist/ep_moe.h), gradients are reduced over
 // the processes holding each parameter (dist/grad_sync.h) and averaged, so a run on P processes
-// follows the single-process run with a P times larger batch. Only rank 0 writes metrics,
+// follows the single-process run with a P times larger batch. Only rank 0 writes metrics and
 // progress; every rank writes its share of each checkpoint, which holds the whole model and loads
 // on any layout (io/checkpoint.h).
 class Trainer {
