@@ -224,7 +224,9 @@ nlohmann::json RunConfig::to_json() const {
 std::string RunConfig::config_hash() const {
   nlohmann::json j = to_json();
   // What may change between a run and its resumption without changing what is computed.
-  for (const char* k : {"steps", "eval_every", "eval_batches", "checkpoint_every",
+  // grad_accum: a resumed run on another process count sets it to keep the global batch, which
+  // the checkpoint records and the resume checks instead.
+  for (const char* k : {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
                         "keep_checkpoints", "threads", "run_dir", "progress"})
     j["train"].erase(k);
   j.erase("data");

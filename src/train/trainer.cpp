@@ -78,6 +78,35 @@ std::unique_ptr<TokenShard> open_shard(const DataConfig& data, const char* file)
   return std::make_unique<TokenShard>(p);
 }
 
+// Which rank writes each tensor of the layout (layout order) into checkpoints: an expert's, a rank
+// of the EDP group that holds it (experts spread over its DP ranks); a replicated tensor, the
+// rank with the fewest bytes so far, biggest tensors first, so that all ranks write about as much.
+std::vector<int> checkpoint_writers(const ParamLayout& layout, const ParallelLayout& pl,
+                                    int64_t E) {
+  const std::vector<ParamInfo>& params = layout.params();
+  std::vector<int> writer(params.size(), 0);
+  std::vector<int64_t> bytes(static_cast<std::size_t>(pl.world), 0);
+  std::vector<std::size_t> replicated;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params[i];
+    if (p.expert < 0) {
+      replicated.push_back(i);
+      continue;
+    }
+    const int ep_index = static_cast<int>(p.expert / (E / pl.ep));
+    const int dp_index = static_cast<int>(p.expert % pl.dp);
+    writer[i] = dp_index * pl.ep + ep_index;
+    bytes[writer[i]] += p.numel;
+  }
+  std::stable_sort(replicated.begin(), replicated.end(),
+                   [&](std::size_t a, std::size_t b) { return params[a].numel > params[b].numel; });
+  for (std::size_t i : replicated) {
+    writer[i] = static_cast<int>(std::min_element(bytes.begin(), bytes.end()) - bytes.begin());
+    bytes[writer[i]] += params[i].numel;
+  }
+  return writer;
+}
+
 double imbalance(const std::vector<int64_t>& load) {
   if (load.empty()) return 1.0;
   int64_t mx = 0, sum = 0;
@@ -126,7 +155,6 @@ LoadedModel load_model(const fs::path& dir) {
                    dir.string());
     ckpt = *latest;
   }
-  verify_checkpoint(ckpt);
   nlohmann::json config = read_checkpoint_json(ckpt, "config.json");
   MOETRAIN_CHECK(config.contains("moetrain"),
                  "{}/config.json: no 'moetrain' section (not written by moetrain)", ckpt.string());
@@ -151,7 +179,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   pg_ =
       std::make_unique<ProcessGroups>(make_process_groups(*world_, static_cast<int>(cfg_.dist.ep)));
   const ParallelLayout& pl = pg_->layout;
-  ExpertShard shard{0, cfg_.model.n_experts};
+  ExpertShard& shard = expert_shard_;
+  shard = {0, cfg_.model.n_experts};
   MoeFactory factory;
   if (W > 1) {
     if (cfg_.model.n_moe_layers() > 0)
@@ -190,7 +219,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   for (const FlatRange& r : ranges.expert) own_experts_.push_back({r.offset, r.size});
   std::vector<OptimPiece> pieces;
   if (W == 1) {
-    pieces.push_back({0, layout.size(), true});
+    pieces.push_back({0, layout.size()});
   } else {
     GradSyncConfig gc;
     gc.first_bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_first_mb * 1024 * 1024);
@@ -201,15 +230,14 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       model_->set_grads_ready_hook([this](int64_t from) { sync_->ready(from); });
     if (cfg_.dist.zero == 1) {
       for (const ShardPiece& p : sync_->shard_pieces())
-        pieces.push_back({p.range.offset, p.range.size, true});
+        pieces.push_back({p.range.offset, p.range.size});
     } else {
-      // Replicated everywhere: rank 0 writes them. Experts: the first rank of their EDP group.
-      for (const FlatRange& r : ranges.dense) pieces.push_back({r.offset, r.size, pl.rank == 0});
-      for (const FlatRange& r : ranges.expert)
-        pieces.push_back({r.offset, r.size, pl.dp_index == 0});
+      for (const FlatRange& r : ranges.dense) pieces.push_back({r.offset, r.size});
+      for (const FlatRange& r : ranges.expert) pieces.push_back({r.offset, r.size});
     }
   }
   optimizer_ = std::make_unique<ShardedOptimizer>(oc, groups_, std::move(pieces));
+  writers_ = checkpoint_writers(layout, pl, cfg_.model.n_experts);
 
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps));
 
@@ -233,14 +261,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue it, or "
       "choose another train.run_dir (or remove that one)",
       cfg_.train.run_dir);
-  std::optional<fs::path> ckpt = resume ? find_latest_checkpoint(cfg_.train.run_dir) : std::nullopt;
-  // Every rank must resume from the same checkpoint (or none).
-  int64_t found = ckpt ? 1 : 0;
-  pg_->control->allreduce(&found, 1);
-  MOETRAIN_CHECK(found == 0 || found == W,
-                 "only {} of {} processes see a checkpoint in {}: the run directory must be "
-                 "the same shared directory for all",
-                 found, W, cfg_.train.run_dir);
+  // Collective: every rank gets the same checkpoint (or none).
+  std::optional<fs::path> ckpt =
+      resume ? find_latest_checkpoint(cfg_.train.run_dir, pg_->control.get()) : std::nullopt;
   if (ckpt) {
     load_checkpoint(*ckpt);
   } else {
@@ -248,6 +271,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     if (pl.rank == 0)
       std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::trunc);
   }
+  check_ranks_agree();
   if (pl.rank == 0)
     write_file_atomic(fs::path(cfg_.train.run_dir) / "config.json", cfg_.to_json().dump(2) + "\n");
 
@@ -278,26 +302,81 @@ bool Trainer::distributed() const {
   return world_->size() > 1;
 }
 
-void Trainer::ensure_full_state() {
-  full_state_.resize(optimizer_->state_names().size());
-  for (auto& v : full_state_) v.assign(params_.size(), 0.0f);
-}
-
 Trainer::~Trainer() = default;
 
-CheckpointContents Trainer::checkpoint_views() {
-  CheckpointContents c;
-  const ParamLayout& layout = model_->layout();
-  c.model = model_views(layout, params_.data());
-  const auto& names = optimizer_->state_names();
-  if (distributed() && full_state_.size() != names.size()) ensure_full_state();
-  for (std::size_t s = 0; s < names.size(); ++s) {
-    float* base =
-        distributed() ? full_state_[s].data() : optimizer_->whole_state(static_cast<int>(s)).data();
-    for (const auto& p : layout.params())
-      c.optimizer.push_back({names[s] + "." + p.name, p.shape, base + p.offset});
+CheckpointShare Trainer::checkpoint_share(bool reading) {
+  CheckpointShare share;
+  const std::vector<ParamInfo>& params = model_->layout().params();
+  const int me = rank();
+  auto holds = [&](const ParamInfo& p) {
+    return p.expert < 0 || (p.expert >= expert_shard_.first &&
+                            p.expert < expert_shard_.first + expert_shard_.count);
+  };
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params[i];
+    if (reading ? holds(p) : writers_[i] == me)
+      share.model.push_back(whole_tensor(p.name, p.shape, params_.data() + p.offset));
   }
-  c.state = bias_views(*model_);
+  // Optimizer state by parameter name and element range: this rank's pieces cut at tensor
+  // boundaries (the alignment gaps between tensors hold no state worth keeping: always zero).
+  // Under ZeRO-1 the pieces of all ranks tile the buffer; otherwise state is replicated like the
+  // parameters and each tensor's writer saves it.
+  const bool sharded = distributed() && cfg_.dist.zero == 1;
+  const std::vector<std::string>& names = optimizer_->state_names();
+  const std::vector<OptimPiece>& pieces = optimizer_->pieces();
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    const int64_t from = pieces[k].offset, to = from + pieces[k].size;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const ParamInfo& p = params[i];
+      const int64_t lo = std::max(from, p.offset), hi = std::min(to, p.offset + p.numel);
+      if (lo >= hi || (!reading && !sharded && writers_[i] != me)) continue;
+      for (std::size_t s = 0; s < names.size(); ++s)
+        share.optimizer.push_back(
+            {names[s] + "." + p.name, p.shape, lo - p.offset, hi - p.offset,
+             optimizer_->piece_state(k, static_cast<int>(s)).data() + (lo - from)});
+    }
+  }
+  if (reading || me == 0)
+    for (const NamedTensor& t : bias_views(*model_))
+      share.state.push_back(whole_tensor(t.name, t.shape, t.data));
+  return share;
+}
+
+nlohmann::json Trainer::trainer_state() const {
+  const int64_t B = cfg_.train.batch_size, A = cfg_.train.grad_accum, W = world_size();
+  nlohmann::json t = {
+      {"step", step_},
+      {"config_hash", cfg_.config_hash()},
+      {"seed", cfg_.train.seed},
+      {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
+      {"schedule",
+       {{"position", step_}, {"total_steps", cfg_.train.steps}, {"next_lr", schedule_->lr(step_)}}},
+      // Batches are a pure function of (seed, step, row of the global batch): the next step and
+      // the global batch say where the data stands, whatever the layout.
+      {"data",
+       {{"next_step", step_},
+        {"global_batch", B * A * W},
+        {"batch_size", B},
+        {"seq_len", cfg_.train.seq_len},
+        {"train_tokens", train_shard_->size()}}},
+      // Every random stream is counter-based (seed, step, purpose): the seed and the step are
+      // the whole generator state.
+      {"rng", {{"seed", cfg_.train.seed}, {"next_step", step_}}},
+      {"layout",
+       {{"processes", W},
+        {"ep", pg_->layout.ep},
+        {"dp", pg_->layout.dp},
+        {"zero", cfg_.dist.zero},
+        {"grad_accum", A}}}};
+  if (scaler_) {
+    t["loss_scale"] = {{"scale", scaler_->raw_scale()},
+                       {"good_steps", scaler_->good_steps()},
+                       {"skipped_steps", scaler_->skipped_steps()}};
+  }
+  return t;
+}
+
+CheckpointDocs Trainer::checkpoint_docs() const {
   nlohmann::json hf = cfg_.model.to_hf_json();
   if (std::string why; !cfg_.model.hf_mixtral_compatible(&why)) {
     // Claiming Mixtral would let transformers load this model and compute something else (drop
@@ -308,68 +387,61 @@ CheckpointContents Trainer::checkpoint_views() {
     hf["moetrain_note"] = fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
   }
   hf["moetrain"] = cfg_.to_json();
-  c.config = hf;
-  c.trainer = {{"step", step_},
-               {"config_hash", cfg_.config_hash()},
-               {"seed", cfg_.train.seed},
-               {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
-               {"data", {{"next_step", step_}, {"train_tokens", train_shard_->size()}}}};
-  if (scaler_) {
-    c.trainer["loss_scale"] = {{"scale", scaler_->raw_scale()},
-                               {"good_steps", scaler_->good_steps()},
-                               {"skipped_steps", scaler_->skipped_steps()}};
-  }
-  return c;
+  return {hf, trainer_state()};
 }
 
 fs::path Trainer::save_checkpoint() {
-  if (!distributed())
-    return write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(),
-                            cfg_.train.keep_checkpoints);
-  // Rank 0 assembles the whole model and optimizer state: experts from the first rank of each
-  // EDP group, optimizer state from each element's writer.
-  Comm& control = *pg_->control;
-  const bool root = control.rank() == 0;
-  std::vector<FlatPiece> experts;
-  if (pg_->layout.dp_index == 0)
-    for (auto [offset, size] : own_experts_)
-      experts.push_back({offset, size, params_.data() + offset});
-  gather_pieces(control, experts, params_.data());
-  if (root) ensure_full_state();
-  for (std::size_t s = 0; s < optimizer_->state_names().size(); ++s)
-    optimizer_->gather_state(control, static_cast<int>(s), root ? full_state_[s].data() : nullptr);
-  fs::path dir = checkpoint_dir(cfg_.train.run_dir, step_);
-  fault_point("checkpoint_write", step_);  // the other ranks die while rank 0 writes
-  if (root)
-    dir = write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(),
-                           cfg_.train.keep_checkpoints);
-  full_state_.clear();
-  control.barrier();  // the checkpoint is complete when any rank returns
-  return dir;
+  // Every rank writes its own pieces; the checkpoint is complete when any rank returns.
+  return write_checkpoint(*pg_->control, cfg_.train.run_dir, step_, checkpoint_share(false),
+                          checkpoint_docs(), cfg_.train.keep_checkpoints);
 }
 
-void Trainer::load_checkpoint(const fs::path& dir) {
-  CheckpointContents c = checkpoint_views();
-  read_checkpoint(dir, c);
-  std::string hash = c.trainer.value("config_hash", std::string());
+void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir) {
+  const std::string where = (dir / "trainer_state.json").string();
+  auto need = [&](const nlohmann::json& j, const char* key) -> const nlohmann::json& {
+    MOETRAIN_CHECK(j.is_object() && j.contains(key), "{}: no '{}'", where, key);
+    return j.at(key);
+  };
+  const std::string hash = need(t, "config_hash").get<std::string>();
   MOETRAIN_CHECK(hash == cfg_.config_hash(),
                  "{} was written with a different configuration (hash {} vs this run's {}): resume "
-                 "with the same "
-                 "model, optimizer and batch settings, or use a new train.run_dir",
+                 "with the same model, optimizer and batch settings, or use a new train.run_dir",
                  dir.string(), hash, cfg_.config_hash());
-  step_ = c.trainer.value("step", int64_t{0});
-  optimizer_->set_step_count(c.trainer["optimizer"].value("step_count", int64_t{0}));
-  if (scaler_ && c.trainer.contains("loss_scale")) {
-    const nlohmann::json& ls = c.trainer["loss_scale"];
+  step_ = need(t, "step").get<int64_t>();
+  optimizer_->set_step_count(need(need(t, "optimizer"), "step_count").get<int64_t>());
+  if (scaler_ && t.contains("loss_scale")) {
+    const nlohmann::json& ls = t["loss_scale"];
     scaler_->restore(ls.value("scale", 1.0), ls.value("good_steps", int64_t{0}),
                      ls.value("skipped_steps", int64_t{0}));
   }
-  model_->weights_changed();
-  if (distributed()) {
-    for (std::size_t s = 0; s < full_state_.size(); ++s)
-      optimizer_->load_state(static_cast<int>(s), full_state_[s].data());
-    full_state_.clear();
-  }
+
+  // The global batch stays what it was: a different number of processes changes the number of
+  // micro-batches per step (the windows of a step do not depend on how they are split).
+  const nlohmann::json& data = need(t, "data");
+  const int64_t global = need(data, "global_batch").get<int64_t>();
+  const int64_t per_micro = cfg_.train.batch_size * world_size();
+  MOETRAIN_CHECK(global > 0 && global % per_micro == 0,
+                 "{} was trained with a global batch of {} sequences per step; {} processes x "
+                 "train.batch_size {} = {} sequences per micro-batch do not divide it: resume on a "
+                 "process count that does",
+                 dir.string(), global, world_size(), cfg_.train.batch_size, per_micro);
+  if (global / per_micro != cfg_.train.grad_accum)
+    log_info(
+        "train.grad_accum = {} instead of {}: {} processes keep the global batch of {} "
+        "sequences per step",
+        global / per_micro, cfg_.train.grad_accum, world_size(), global);
+  cfg_.train.grad_accum = global / per_micro;
+  if (data.value("train_tokens", uint64_t{0}) != train_shard_->size())
+    log_warn("{}: the training data had {} tokens, {} has {}: batches will differ", where,
+             data.value("train_tokens", uint64_t{0}), train_shard_->path().string(),
+             train_shard_->size());
+}
+
+void Trainer::load_checkpoint(const fs::path& dir) {
+  restore_trainer_state(read_checkpoint_json(dir, "trainer_state.json"), dir);
+  // Each rank reads the ranges it holds, from whichever files hold them.
+  read_checkpoint_pieces(dir, checkpoint_share(true));
+  model_->weights_changed();  // the low-precision weight copies follow the loaded weights
   if (rank() != 0) return;
   // Metrics past the checkpoint belong to a run that is being replaced.
   fs::path mpath = fs::path(cfg_.train.run_dir) / "metrics.jsonl";
@@ -383,6 +455,24 @@ void Trainer::load_checkpoint(const fs::path& dir) {
   std::ofstream out(mpath, std::ios::trunc);
   for (const auto& line : keep) out << line << "\n";
   log_info("resumed from {} at step {}", dir.string(), step_);
+}
+
+void Trainer::check_ranks_agree() {
+  Comm& comm = *pg_->control;
+  if (comm.size() == 1) return;
+  const uint64_t hash = std::stoull(cfg_.config_hash(), nullptr, 16);
+  std::vector<int64_t> hashes = comm.allgather_one(static_cast<int64_t>(hash));
+  std::vector<int64_t> steps = comm.allgather_one(step_);
+  for (int q = 1; q < comm.size(); ++q) {
+    MOETRAIN_CHECK(hashes[q] == hashes[0],
+                   "rank {} has configuration hash {:016x}, rank 0 has {:016x}: every process "
+                   "must run the same model, optimizer and batch settings",
+                   q, static_cast<uint64_t>(hashes[q]), static_cast<uint64_t>(hashes[0]));
+    MOETRAIN_CHECK(steps[q] == steps[0],
+                   "rank {} starts at step {}, rank 0 at step {}: the processes resumed from "
+                   "different checkpoints",
+                   q, steps[q], steps[0]);
+  }
 }
 
 double Trainer::train_step() {
