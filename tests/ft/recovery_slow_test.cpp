@@ -151,4 +151,6 @@ TEST_F(Recovery, FewerSlotsAfterAFailureRestartOnFewerProcesses) {
   EXPECT_TRUE(has(r.output(), "attempt 1: 2 process(es)")) << r.output();
   EXPECT_TRUE(has(r.output(), "attempt 2: 1 process(es)")) << r.output();
   EXPECT_TRUE(has(r.output(), "reached step 12")) << r.output();
+  // The resumed run on one process takes two micro-batches per step: the global batch is kept.
+  EXPECT_TRUE(has(r.output(), "train.grad_accum = 2 instead of 1")) << r.output();
 }
