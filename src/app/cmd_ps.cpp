@@ -44,6 +44,12 @@ void add_job_options(CLI::App* cmd, ps::PsOptions& o) {
   cmd->add_option("--heartbeat-interval", o.heartbeat_interval, "Seconds between heartbeats");
   cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout,
                   "Seconds of silence after which a node is declared dead");
+  cmd->add_option("--server-replicas", o.server_replicas,
+                  "2: each server streams every applied update to a backup that takes over");
+  cmd->add_option("--checkpoint-every", o.checkpoint_every,
+                  "Clocks between server checkpoints of shard and optimizer state (0: none)");
+  cmd->add_option("--server-wait", o.server_wait,
+                  "Seconds to wait for a dead server's replacement before the job stops");
 }
 
 std::vector<std::string> job_option_args(const ps::PsOptions& o) {
@@ -53,7 +59,10 @@ std::vector<std::string> job_option_args(const ps::PsOptions& o) {
                                 std::to_string(o.staleness), "--push-compression",
                                 o.push_compression, "--assign", o.assign,
                                 "--heartbeat-interval", fmt::format("{}", o.heartbeat_interval),
-                                "--heartbeat-timeout", fmt::format("{}", o.heartbeat_timeout)};
+                                "--heartbeat-timeout", fmt::format("{}", o.heartbeat_timeout),
+                                "--server-replicas", std::to_string(o.server_replicas),
+                                "--checkpoint-every", std::to_string(o.checkpoint_every),
+                                "--server-wait", fmt::format("{}", o.server_wait)};
   if (!o.sparse_push) a.push_back("--dense-push");
   return a;
 }

@@ -25,6 +25,12 @@ std::string_view kind_name(Kind kind) {
     case Kind::Finish: return "finish";
     case Kind::FinishAck: return "finish-ack";
     case Kind::Shutdown: return "shutdown";
+    case Kind::Replicate: return "replicate";
+    case Kind::ReplicateAck: return "replicate-ack";
+    case Kind::CheckpointQuery: return "checkpoint-query";
+    case Kind::CheckpointList: return "checkpoint-list";
+    case Kind::Restore: return "restore";
+    case Kind::Restored: return "restored";
   }
   return "unknown";
 }
@@ -50,6 +56,18 @@ uint32_t frame_checksum(Header h, const char* payload, std::size_t bytes) {
 }
 
 }  // namespace
+
+void seal(void* frame, std::size_t size) {
+  MOETRAIN_CHECK(size >= sizeof(Header), "frame of {} bytes has no room for the header", size);
+  Header h;
+  std::memcpy(&h, frame, sizeof(h));
+  MOETRAIN_CHECK(h.bytes == size - sizeof(Header), "header declares {} payload bytes, frame holds {}",
+                 h.bytes, size - sizeof(Header));
+  h.magic = kMagic;
+  h.version = kWireVersion;
+  h.checksum = frame_checksum(h, static_cast<const char*>(frame) + sizeof(Header), h.bytes);
+  std::memcpy(frame, &h, sizeof(h));
+}
 
 std::string encode(Header h, std::string_view payload) {
   h.magic = kMagic;

@@ -29,6 +29,9 @@ struct PsOptions {
   std::string assign = "uniform";      // uniform | capability
   double heartbeat_interval = 0.5;     // seconds between heartbeats
   double heartbeat_timeout = 5.0;      // silence after which a node is declared dead
+  int64_t server_replicas = 1;         // 2: every server streams its updates to a backup
+  int64_t checkpoint_every = 20;       // clocks between server checkpoints (0: none)
+  double server_wait = 60;             // seconds to wait for a dead server's replacement
 
   // Throws naming the option and what is allowed (e.g. "--quorum 5: must be in 1..4").
   void validate() const;
