@@ -23,10 +23,14 @@ Encoding parse_compression(std::string_view name) {
 
 std::string_view compression_name(Encoding e) {
   switch (e) {
-    case Encoding::F32: return "none";
-    case Encoding::Bf16: return "bf16";
-    case Encoding::Int8: return "int8";
-    case Encoding::Json: return "json";
+    case Encoding::F32:
+      return "none";
+    case Encoding::Bf16:
+      return "bf16";
+    case Encoding::Int8:
+      return "int8";
+    case Encoding::Json:
+      return "json";
   }
   return "unknown";
 }
@@ -34,13 +38,16 @@ std::string_view compression_name(Encoding e) {
 std::size_t encoded_size(Encoding e, int64_t n) {
   const auto un = static_cast<std::size_t>(n);
   switch (e) {
-    case Encoding::F32: return un * 4;
-    case Encoding::Bf16: return un * 2;
+    case Encoding::F32:
+      return un * 4;
+    case Encoding::Bf16:
+      return un * 2;
     case Encoding::Int8: {
       const std::size_t blocks = (un + kInt8Block - 1) / kInt8Block;
       return blocks * 4 + un;
     }
-    case Encoding::Json: break;
+    case Encoding::Json:
+      break;
   }
   MOETRAIN_FAIL("encoding {} does not carry float values", static_cast<uint32_t>(e));
 }
@@ -69,7 +76,8 @@ __attribute__((target("avx2"))) float amax_avx2(const float* v, int64_t len) {
   __m256 m = _mm256_setzero_ps();
   int64_t i = 0;
   // max(|v|, m) returns m when |v| is NaN: NaN is skipped, as std::max(amax, NaN) does.
-  for (; i + 8 <= len; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask), m);
+  for (; i + 8 <= len; i += 8)
+    m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask), m);
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, m);
   float amax = 0;
@@ -90,9 +98,12 @@ __attribute__((target("avx2"))) void quantize_avx2(const float* v, int64_t len, 
     __m256 r = _mm256_round_ps(_mm256_div_ps(x, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
     const __m256i r32 = _mm256_cvtps_epi32(r);
-    const __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1));
+    const __m128i r16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(r16, r16));
-    if (residual) _mm256_storeu_ps(residual + i, _mm256_sub_ps(x, _mm256_mul_ps(r, s)));
+    // Through the integer, as the scalar path: −0 comes back as +0.
+    if (residual)
+      _mm256_storeu_ps(residual + i, _mm256_sub_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(r32), s)));
   }
   quantize_scalar(v + i, len - i, scale, q + i, residual ? residual + i : nullptr);
 }
@@ -236,8 +247,8 @@ void write_push(Encoding e, const float* values, int64_t n, const std::vector<Sp
   }
 }
 
-std::string encode_push(Encoding e, const float* values, int64_t n,
-                        const std::vector<Span>* ranges, float* residual) {
+std::string encode_push(Encoding e, const float* values, int64_t n, const std::vector<Span>* ranges,
+                        float* residual) {
   std::string out(push_payload_size(e, n, ranges), '\0');
   write_push(e, values, n, ranges, residual, out.data());
   return out;

@@ -45,8 +45,8 @@ void write_push(Encoding e, const float* values, int64_t n, const std::vector<Sp
                 float* residual, char* out);
 // A push payload for values[0, n) (the whole key range): dense when `ranges` is null, else the
 // listed ranges only (sorted, disjoint, inside [0, n); possibly none).
-std::string encode_push(Encoding e, const float* values, int64_t n,
-                        const std::vector<Span>* ranges, float* residual);
+std::string encode_push(Encoding e, const float* values, int64_t n, const std::vector<Span>* ranges,
+                        float* residual);
 // Decodes a push payload (flags say dense or sparse) into dst (n): elements outside the ranges
 // are zero. The ranges that were sent are returned in *ranges (the whole range when dense).
 // Throws naming what is malformed: range count, a range outside [0, n), sizes that disagree.

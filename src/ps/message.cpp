@@ -13,24 +13,42 @@ static_assert(std::endian::native == std::endian::little, "the wire format is li
 
 std::string_view kind_name(Kind kind) {
   switch (kind) {
-    case Kind::Register: return "register";
-    case Kind::Setup: return "setup";
-    case Kind::Heartbeat: return "heartbeat";
-    case Kind::HeartbeatAck: return "heartbeat-ack";
-    case Kind::Push: return "push";
-    case Kind::PushAck: return "push-ack";
-    case Kind::Pull: return "pull";
-    case Kind::PullReply: return "pull-reply";
-    case Kind::Done: return "done";
-    case Kind::Finish: return "finish";
-    case Kind::FinishAck: return "finish-ack";
-    case Kind::Shutdown: return "shutdown";
-    case Kind::Replicate: return "replicate";
-    case Kind::ReplicateAck: return "replicate-ack";
-    case Kind::CheckpointQuery: return "checkpoint-query";
-    case Kind::CheckpointList: return "checkpoint-list";
-    case Kind::Restore: return "restore";
-    case Kind::Restored: return "restored";
+    case Kind::Register:
+      return "register";
+    case Kind::Setup:
+      return "setup";
+    case Kind::Heartbeat:
+      return "heartbeat";
+    case Kind::HeartbeatAck:
+      return "heartbeat-ack";
+    case Kind::Push:
+      return "push";
+    case Kind::PushAck:
+      return "push-ack";
+    case Kind::Pull:
+      return "pull";
+    case Kind::PullReply:
+      return "pull-reply";
+    case Kind::Done:
+      return "done";
+    case Kind::Finish:
+      return "finish";
+    case Kind::FinishAck:
+      return "finish-ack";
+    case Kind::Shutdown:
+      return "shutdown";
+    case Kind::Replicate:
+      return "replicate";
+    case Kind::ReplicateAck:
+      return "replicate-ack";
+    case Kind::CheckpointQuery:
+      return "checkpoint-query";
+    case Kind::CheckpointList:
+      return "checkpoint-list";
+    case Kind::Restore:
+      return "restore";
+    case Kind::Restored:
+      return "restored";
   }
   return "unknown";
 }
@@ -61,8 +79,9 @@ void seal(void* frame, std::size_t size) {
   MOETRAIN_CHECK(size >= sizeof(Header), "frame of {} bytes has no room for the header", size);
   Header h;
   std::memcpy(&h, frame, sizeof(h));
-  MOETRAIN_CHECK(h.bytes == size - sizeof(Header), "header declares {} payload bytes, frame holds {}",
-                 h.bytes, size - sizeof(Header));
+  MOETRAIN_CHECK(h.bytes == size - sizeof(Header),
+                 "header declares {} payload bytes, frame holds {}", h.bytes,
+                 size - sizeof(Header));
   h.magic = kMagic;
   h.version = kWireVersion;
   h.checksum = frame_checksum(h, static_cast<const char*>(frame) + sizeof(Header), h.bytes);
@@ -86,8 +105,8 @@ Decoded decode(const void* data, std::size_t size) {
   Decoded d;
   std::memcpy(&d.header, data, sizeof(Header));
   const Header& h = d.header;
-  MOETRAIN_CHECK(h.magic == kMagic, "bad magic 0x{:08x} (expected 0x{:08x}): not a moetrain message",
-                 h.magic, kMagic);
+  MOETRAIN_CHECK(h.magic == kMagic,
+                 "bad magic 0x{:08x} (expected 0x{:08x}): not a moetrain message", h.magic, kMagic);
   MOETRAIN_CHECK(h.version == kWireVersion, "wire version {} (this build speaks version {})",
                  h.version, kWireVersion);
   MOETRAIN_CHECK(h.kind >= 1 && h.kind <= kMaxKind, "unknown message kind {} (known: 1..{})",
@@ -104,8 +123,9 @@ Decoded decode(const void* data, std::size_t size) {
                  h.key_begin, h.key_end);
   d.payload = static_cast<const char*>(data) + sizeof(Header);
   const uint32_t crc = frame_checksum(h, d.payload, h.bytes);
-  MOETRAIN_CHECK(crc == h.checksum, "checksum mismatch (header says 0x{:08x}, contents give 0x{:08x})",
-                 h.checksum, crc);
+  MOETRAIN_CHECK(crc == h.checksum,
+                 "checksum mismatch (header says 0x{:08x}, contents give 0x{:08x})", h.checksum,
+                 crc);
   return d;
 }
 

@@ -12,22 +12,22 @@
 namespace moetrain::ps {
 
 enum class Kind : uint16_t {
-  Register = 1,   // node → scheduler: JSON {role, ...}
-  Setup,          // scheduler → node: JSON job layout (config, servers, workers, options)
-  Heartbeat,      // node → scheduler; value = worker throughput (rows/s)
-  HeartbeatAck,   // scheduler → node
-  Push,           // worker → server: gradients of [key_begin, key_end) at `clock`
-  PushAck,        // server → worker
-  Pull,           // worker → server: parameters once `clock` allows (consistency mode)
-  PullReply,      // server → worker: parameters; aux0 = the clock the worker should continue at
-  Done,           // worker → scheduler: all steps pushed
-  Finish,         // scheduler → node: the job is over (JSON {lead: bool} for workers)
-  FinishAck,      // node → scheduler: final state written
-  Shutdown,       // scheduler → node: stop now (JSON {reason}); non-zero exit unless ok
-  Replicate,      // primary server → its backup: one applied update (f32 summed gradient);
-                  // clock = the update's clock, value = lr, aux0 = optimizer step,
-                  // aux1 = the pushing worker and ticket = its clock after the push (async, ssp)
-  ReplicateAck,   // backup → primary: clock = the backup's version after applying
+  Register = 1,     // node → scheduler: JSON {role, ...}
+  Setup,            // scheduler → node: JSON job layout (config, servers, workers, options)
+  Heartbeat,        // node → scheduler; value = worker throughput (rows/s)
+  HeartbeatAck,     // scheduler → node
+  Push,             // worker → server: gradients of [key_begin, key_end) at `clock`
+  PushAck,          // server → worker
+  Pull,             // worker → server: parameters once `clock` allows (consistency mode)
+  PullReply,        // server → worker: parameters; aux0 = the clock the worker should continue at
+  Done,             // worker → scheduler: all steps pushed
+  Finish,           // scheduler → node: the job is over (JSON {lead: bool} for workers)
+  FinishAck,        // node → scheduler: final state written
+  Shutdown,         // scheduler → node: stop now (JSON {reason}); non-zero exit unless ok
+  Replicate,        // primary server → its backup: one applied update (f32 summed gradient);
+                    // clock = the update's clock, value = lr, aux0 = optimizer step,
+                    // aux1 = the pushing worker and ticket = its clock after the push (async, ssp)
+  ReplicateAck,     // backup → primary: clock = the backup's version after applying
   CheckpointQuery,  // scheduler → server: which checkpointed clocks do you hold?
   CheckpointList,   // server → scheduler: JSON {clocks: [...]}
   Restore,          // scheduler → server: JSON {clock, generation}: roll back to that checkpoint

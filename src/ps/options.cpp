@@ -31,8 +31,7 @@ void PsOptions::validate() const {
                    "--quorum {}: with --consistency quorum it must be in 1..{} (the workers)",
                    quorum, workers);
   } else {
-    MOETRAIN_CHECK(quorum == 0, "--quorum {} is only meaningful with --consistency quorum",
-                   quorum);
+    MOETRAIN_CHECK(quorum == 0, "--quorum {} is only meaningful with --consistency quorum", quorum);
   }
   if (c == Consistency::Ssp) {
     MOETRAIN_CHECK(staleness >= 0, "--staleness {}: must be ≥ 0", staleness);

@@ -68,9 +68,10 @@ class Scheduler {
           if (!on_server_lost(n)) return 1;
           continue;
         }
-        log_warn("ps scheduler: worker {} (node {}, pid {}) sent no heartbeat for {:.1f} s: "
-                 "declared dead, its rows go to the others",
-                 n.index, id, n.pid, hb_timeout);
+        log_warn(
+            "ps scheduler: worker {} (node {}, pid {}) sent no heartbeat for {:.1f} s: "
+            "declared dead, its rows go to the others",
+            n.index, id, n.pid, hb_timeout);
         ++workers_lost_;
         if (finishing_ && id == lead_) finishing_ = false;  // another worker will lead
         if (started_) replan();
@@ -128,19 +129,23 @@ class Scheduler {
         send_to(router_, in.identity,
                 json_frame(Kind::Shutdown, -1,
                            {{"ok", false},
-                            {"reason", "this node was declared dead after missing heartbeats; "
-                                       "restart it to rejoin"}}));
+                            {"reason",
+                             "this node was declared dead after missing heartbeats; "
+                             "restart it to rejoin"}}));
         return;
       }
       node->last_seen = Clock::now();
     }
     try {
       switch (h.kind_enum()) {
-        case Kind::Register: on_register(in); break;
+        case Kind::Register:
+          on_register(in);
+          break;
         case Kind::Heartbeat:
           if (!node) return;
           if (node->role == "worker" && h.value > 0) node->throughput = h.value;
-          send_to(router_, in.identity, json_frame(Kind::HeartbeatAck, -1, {{"node_id", node->id}}));
+          send_to(router_, in.identity,
+                  json_frame(Kind::HeartbeatAck, -1, {{"node_id", node->id}}));
           break;
         case Kind::Done:
           // A Done of a generation that a roll-back undid does not count.
@@ -171,8 +176,8 @@ class Scheduler {
   void on_register(const Incoming& in) {
     nlohmann::json j = in.json();
     const std::string role = j.value("role", "");
-    MOETRAIN_CHECK(role == "server" || role == "worker", "register: role '{}' (expected server or worker)",
-                   role);
+    MOETRAIN_CHECK(role == "server" || role == "worker",
+                   "register: role '{}' (expected server or worker)", role);
     Node n;
     n.id = next_id_++;
     n.role = role;
@@ -196,14 +201,19 @@ class Scheduler {
       } else if (!down_.empty() && !restoring_) {
         idx = down_.begin()->first;  // a replacement for a dead server without a replica
       }
-      if (idx < 0) {
-        send_to(router_, in.identity,
-                json_frame(Kind::Shutdown, -1,
-                           {{"ok", false},
-                            {"reason", fmt::format("the job already has its {} server(s){}",
-                                                   S, args_.options.server_replicas == 2
-                                                          ? " and their backups"
-                                                          : "")}}));
+      // Without replicas, an extra server waits as a spare and replaces the next one that dies
+      // (a restarted server may register before the dead one's heartbeats ran out).
+      const bool spare = idx < 0 && started_ && args_.options.server_replicas == 1 &&
+                         args_.options.checkpoint_every > 0;
+      if (idx < 0 && !spare) {
+        send_to(
+            router_, in.identity,
+            json_frame(
+                Kind::Shutdown, -1,
+                {{"ok", false},
+                 {"reason",
+                  fmt::format("the job already has its {} server(s){}", S,
+                              args_.options.server_replicas == 2 ? " and their backups" : "")}}));
         return;
       }
       n.index = idx;
@@ -226,7 +236,10 @@ class Scheduler {
            {"heartbeat_interval", args_.options.heartbeat_interval},
            {"heartbeat_timeout", args_.options.heartbeat_timeout}});
     log_info("ps scheduler: {} {}{} registered (node {}, pid {})", role, n.index,
-             role == "server" && !n.primary ? " (backup)" : "", n.id, n.pid);
+             role == "server" && !n.primary    ? " (backup)"
+             : role == "server" && n.index < 0 ? " (spare)"
+                                               : "",
+             n.id, n.pid);
     if (!started_) {
       if (static_cast<int64_t>(alive_servers().size()) ==
               args_.options.servers * args_.options.server_replicas &&
@@ -240,9 +253,17 @@ class Scheduler {
     } else if (role == "worker") {
       ++workers_joined_;
       replan();
-    } else {
+    } else if (n.index >= 0) {
       begin_restore(n.index);
     }
+  }
+
+  // Servers that hold a key range (primaries and backups; not spares).
+  std::vector<Node*> serving() {
+    std::vector<Node*> out;
+    for (Node* s : alive_servers())
+      if (s->index >= 0) out.push_back(s);
+    return out;
   }
 
   Node* primary_of(int64_t index) {
@@ -259,15 +280,20 @@ class Scheduler {
   // A server went silent. Returns false when the job has to stop.
   bool on_server_lost(Node& n) {
     const double hb_timeout = args_.options.heartbeat_timeout;
+    if (n.index < 0) {
+      log_warn("ps scheduler: spare server (node {}, pid {}) is gone", n.id, n.pid);
+      return true;
+    }
     if (!started_) {
       shutdown_all(fmt::format("server {} (node {}, pid {}) died before the job started", n.index,
                                n.id, n.pid));
       return false;
     }
     if (!n.primary) {
-      log_warn("ps scheduler: the backup of server {} (node {}, pid {}) sent no heartbeat for "
-               "{:.1f} s; its primary goes on without a replica",
-               n.index, n.id, n.pid, hb_timeout);
+      log_warn(
+          "ps scheduler: the backup of server {} (node {}, pid {}) sent no heartbeat for "
+          "{:.1f} s; its primary goes on without a replica",
+          n.index, n.id, n.pid, hb_timeout);
       ++servers_lost_;
       broadcast_setup();
       return true;
@@ -276,9 +302,10 @@ class Scheduler {
     if (Node* b = backup_of(n.index)) {
       b->primary = true;
       ++failovers_;
-      log_warn("ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s: its "
-               "backup (node {}, pid {}) is promoted; workers re-route to {}",
-               n.index, n.id, n.pid, hb_timeout, b->id, b->pid, b->endpoint);
+      log_warn(
+          "ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s: its "
+          "backup (node {}, pid {}) is promoted; workers re-route to {}",
+          n.index, n.id, n.pid, hb_timeout, b->id, b->pid, b->endpoint);
       ++epoch_;
       broadcast_setup();
       return true;
@@ -293,10 +320,21 @@ class Scheduler {
     }
     down_[n.index] = Clock::now();
     finishing_ = false;
-    log_warn("ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s and has no "
-             "replica: waiting up to {} s for a replacement (`moetrain ps server --scheduler {}`), "
-             "which restores from its checkpoint",
-             n.index, n.id, n.pid, hb_timeout, args_.options.server_wait, endpoint_);
+    for (Node* s : alive_servers())
+      if (s->index < 0) {
+        s->index = n.index;
+        log_warn(
+            "ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s: the "
+            "spare (node {}, pid {}) replaces it",
+            n.index, n.id, n.pid, hb_timeout, s->id, s->pid);
+        begin_restore(n.index);
+        return true;
+      }
+    log_warn(
+        "ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s and has no "
+        "replica: waiting up to {} s for a replacement (`moetrain ps server --scheduler {}`), "
+        "which restores from its checkpoint",
+        n.index, n.id, n.pid, hb_timeout, args_.options.server_wait, endpoint_);
     ++epoch_;
     broadcast_setup();
     return true;
@@ -311,7 +349,8 @@ class Scheduler {
     ++epoch_;
     broadcast_setup();  // the replacement learns its range; workers still see the index down
     for (int64_t i = 0; i < args_.options.servers; ++i)
-      if (Node* p = primary_of(i)) send_to(router_, p->identity, json_frame(Kind::CheckpointQuery, -1, {}));
+      if (Node* p = primary_of(i))
+        send_to(router_, p->identity, json_frame(Kind::CheckpointQuery, -1, {}));
   }
 
   // Step 2: the newest clock every server holds (clock 0, the initialisation, always exists).
@@ -330,17 +369,14 @@ class Scheduler {
     restored_ = 0;
     log_warn("ps scheduler: every server rolls back to clock {} (generation {})", clock,
              generation_);
-    for (auto& [id, s] : nodes_)
-      if (s.alive && s.role == "server")
-        send_to(router_, s.identity,
-                json_frame(Kind::Restore, -1, {{"clock", clock}, {"generation", generation_}}));
+    for (Node* s : serving())
+      send_to(router_, s->identity,
+              json_frame(Kind::Restore, -1, {{"clock", clock}, {"generation", generation_}}));
   }
 
   // Step 3: once every server restored, workers drop what they were doing and pull.
   void on_restored() {
-    int64_t servers = 0;
-    for (auto& [id, s] : nodes_) servers += s.alive && s.role == "server";
-    if (++restored_ < servers) return;
+    if (++restored_ < static_cast<int64_t>(serving().size())) return;
     restoring_ = false;
     down_.clear();
     ++rollbacks_;
@@ -358,8 +394,8 @@ class Scheduler {
     if (!workers.empty()) {
       std::vector<double> weights(workers.size(), 1.0);
       if (args_.options.assign_kind() == Assign::Capability) {
-        bool all = std::all_of(workers.begin(), workers.end(),
-                               [](Node* w) { return w->throughput > 0; });
+        bool all =
+            std::all_of(workers.begin(), workers.end(), [](Node* w) { return w->throughput > 0; });
         if (all)
           for (std::size_t i = 0; i < workers.size(); ++i) weights[i] = workers[i]->throughput;
       }
@@ -420,7 +456,7 @@ class Scheduler {
                            {"global_rows", global_rows_},
                            {"total_keys", total_keys_}};
     for (auto& [id, n] : nodes_) {
-      if (!n.alive) continue;
+      if (!n.alive || (n.role == "server" && n.index < 0)) continue;
       nlohmann::json j = base;
       j["node_id"] = n.id;
       j["role"] = n.role;
@@ -428,12 +464,16 @@ class Scheduler {
       if (n.role == "server") j["replica"] = n.primary ? "primary" : "backup";
       send_to(router_, n.identity, json_frame(Kind::Setup, -1, j));
     }
-    nlohmann::json job = {{"scheduler", endpoint_}, {"epoch", epoch_}, {"generation", generation_},
-                          {"servers", js}, {"workers", jw}};
+    nlohmann::json job = {{"scheduler", endpoint_},
+                          {"epoch", epoch_},
+                          {"generation", generation_},
+                          {"servers", js},
+                          {"workers", jw}};
     nlohmann::json pids = nlohmann::json::array();
     for (auto& [id, n] : nodes_)
       if (n.alive)
-        pids.push_back({{"role", n.role}, {"index", n.index}, {"pid", n.pid}, {"primary", n.primary}});
+        pids.push_back(
+            {{"role", n.role}, {"index", n.index}, {"pid", n.pid}, {"primary", n.primary}});
     job["nodes"] = pids;
     write_file_atomic(fs::path(args_.config.train.run_dir) / "ps" / "job.json", job.dump(2) + "\n");
   }
@@ -453,10 +493,10 @@ class Scheduler {
 
   void on_finish_ack(Node& n) {
     if (n.role == "worker" && n.id == lead_) {
-      for (Node* s : alive_servers()) send_to(router_, s->identity, json_frame(Kind::Finish, -1, {}));
+      for (Node* s : serving()) send_to(router_, s->identity, json_frame(Kind::Finish, -1, {}));
       servers_acked_ = 0;
     } else if (n.role == "server") {
-      if (++servers_acked_ == static_cast<int64_t>(alive_servers().size())) {
+      if (++servers_acked_ == static_cast<int64_t>(serving().size())) {
         nlohmann::json summary = {{"workers_lost", workers_lost_},
                                   {"workers_joined", workers_joined_},
                                   {"servers_lost", servers_lost_},
@@ -481,7 +521,8 @@ class Scheduler {
     log_error("ps scheduler: {}", reason);
     for (auto& [id, n] : nodes_)
       if (n.alive)
-        send_to(router_, n.identity, json_frame(Kind::Shutdown, -1, {{"ok", false}, {"reason", reason}}));
+        send_to(router_, n.identity,
+                json_frame(Kind::Shutdown, -1, {{"ok", false}, {"reason", reason}}));
     // Let the sends leave before the context closes.
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
@@ -496,7 +537,7 @@ class Scheduler {
   int64_t total_keys_ = 0, global_rows_ = 0, epoch_ = 0;
   std::vector<int64_t> rows_;
   bool started_ = false, finishing_ = false, finished_ = false, restoring_ = false;
-  std::map<int64_t, Clock::time_point> down_;  // server index → when it was declared dead
+  std::map<int64_t, Clock::time_point> down_;      // server index → when it was declared dead
   std::map<int64_t, std::vector<int64_t>> lists_;  // roll-back: checkpointed clocks per server
   int64_t restore_index_ = -1, rollback_clock_ = 0, restored_ = 0;
   uint32_t generation_ = 0;

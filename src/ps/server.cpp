@@ -25,8 +25,8 @@ namespace moetrain::ps {
 namespace {
 
 struct Push {
-  zmq::message_t frame;      // a dense f32 push: the gradient is read where it arrived
-  std::vector<float> owned;  // other encodings: decoded here
+  zmq::message_t frame;          // a dense f32 push: the gradient is read where it arrived
+  std::vector<float> owned;      // other encodings: decoded here
   const float* grads = nullptr;  // (key range)
   int64_t rows = 0, global_rows = 0;
   double loss = 0;
@@ -47,7 +47,10 @@ class Server {
     endpoint_ = bind_router(router_, args_.bind);
     link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "server",
                                        nlohmann::json{{"endpoint", endpoint_}});
-    who_ = fmt::format("ps server {}", link_->index());
+    index_ = link_->index();
+    who_ = index_ >= 0 ? fmt::format("ps server {}", index_) : "ps server (spare)";
+    if (index_ < 0)
+      log_info("{}: the job has its servers; waiting as a spare to replace one that dies", who_);
   }
 
   int run() {
@@ -91,7 +94,7 @@ class Server {
       if (primary_) write_summary();
       send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
     } else if (k == Kind::CheckpointQuery) {
-      std::vector<int64_t> clocks = list_server_checkpoints(run_dir_, link_->index());
+      std::vector<int64_t> clocks = list_server_checkpoints(run_dir_, index_);
       send(link_->socket(),
            json_frame(Kind::CheckpointList, link_->node_id(), {{"clocks", clocks}}));
     } else if (k == Kind::Restore) {
@@ -109,11 +112,14 @@ class Server {
 
   void on_setup(const nlohmann::json& j) {
     if (!opt_) {
+      // A spare learns its index when it takes a dead server's place.
+      index_ = j.at("index").get<int64_t>();
+      who_ = fmt::format("ps server {}", index_);
       cfg_ = run_config_from_json(j.at("config"), "the scheduler's setup message");
       check_ps_run_config(cfg_);
       opts_ = PsOptions::from_json(j.at("options"));
       mode_ = opts_.consistency_kind();
-      const nlohmann::json& r = j.at("ranges").at(static_cast<std::size_t>(link_->index()));
+      const nlohmann::json& r = j.at("ranges").at(static_cast<std::size_t>(index_));
       begin_ = r.at(0).get<int64_t>(), end_ = r.at(1).get<int64_t>();
       const int64_t n = end_ - begin_;
       ParamLayout layout(cfg_.model);
@@ -127,7 +133,8 @@ class Server {
             for (int64_t base : {l.w1, l.w3, l.w2}) {
               const int64_t off = base + e * per;
               if (off >= begin_ && off < end_)
-                experts_.push_back({off - begin_, static_cast<int64_t>(&l - layout.layers.data()), e});
+                experts_.push_back(
+                    {off - begin_, static_cast<int64_t>(&l - layout.layers.data()), e});
             }
         }
       contributors_.assign(static_cast<std::size_t>(cfg_.model.n_layers * cfg_.model.n_experts), 0);
@@ -135,7 +142,7 @@ class Server {
       config_hash_ = cfg_.config_hash();
       fs::create_directories(fs::path(run_dir_) / "ps");
       // Only the job's first setup starts the metrics; a replacement server appends.
-      if (link_->index() == 0 && j.at("epoch").get<int64_t>() == 1 &&
+      if (index_ == 0 && j.at("epoch").get<int64_t>() == 1 &&
           j.value("replica", "primary") == "primary")
         std::ofstream(fs::path(run_dir_) / "metrics.jsonl", std::ios::trunc);
       log_info("{}: keys [{}, {}) ({} floats), {} consistency, {}", who_, begin_, end_, n,
@@ -146,12 +153,12 @@ class Server {
     if (primary_ && !was_primary && first_setup_done_)
       log_warn("{}: promoted from backup to primary at clock {}", who_, version_);
     first_setup_done_ = true;
-    lead_ = primary_ && link_->index() == 0;
+    lead_ = primary_ && index_ == 0;
     // This primary's backup, if any.
     std::string backup;
     if (primary_)
       for (const auto& s : j.at("servers"))
-        if (s.at("index").get<int64_t>() == link_->index()) backup = s.value("backup", "");
+        if (s.at("index").get<int64_t>() == index_) backup = s.value("backup", "");
     if (backup != backup_endpoint_) {
       backup_.reset();
       backup_endpoint_ = backup;
@@ -168,7 +175,7 @@ class Server {
     std::sort(active_.begin(), active_.end());
     for (auto it = clocks_.begin(); it != clocks_.end();)
       it = std::find(active_.begin(), active_.end(), it->first) == active_.end() ? clocks_.erase(it)
-                                                                                  : std::next(it);
+                                                                                 : std::next(it);
     try_apply();
     serve_pulls();
   }
@@ -192,8 +199,8 @@ class Server {
       init_state();
       clocks_.clear();
     } else {
-      ServerCheckpoint c = read_server_checkpoint(
-          server_checkpoint_path(run_dir_, link_->index(), clock), begin_, end_, config_hash_);
+      ServerCheckpoint c = read_server_checkpoint(server_checkpoint_path(run_dir_, index_, clock),
+                                                  begin_, end_, config_hash_);
       params_ = std::move(c.params);
       restore_optimizer(c, *opt_);
       clocks_ = c.worker_clocks;
@@ -208,12 +215,16 @@ class Server {
              from, clock, generation);
     if (lead_)
       std::ofstream(fs::path(run_dir_) / "metrics.jsonl", std::ios::app)
-          << nlohmann::json{{"rollback_to", clock}, {"generation", generation}, {"time", unix_seconds()}}
+          << nlohmann::json{{"rollback_to", clock},
+                            {"generation", generation},
+                            {"time", unix_seconds()}}
                  .dump()
           << "\n";
   }
 
-  bool is_active(int64_t w) const { return std::find(active_.begin(), active_.end(), w) != active_.end(); }
+  bool is_active(int64_t w) const {
+    return std::find(active_.begin(), active_.end(), w) != active_.end();
+  }
 
   void on_data(Incoming& in) {
     const Header& h = in.header;
@@ -312,7 +323,7 @@ class Server {
     ++replicated_in_;
     Header a;
     a.kind = static_cast<uint16_t>(Kind::ReplicateAck);
-    a.sender = static_cast<int32_t>(link_->index());
+    a.sender = static_cast<int32_t>(index_);
     a.clock = version_;
     send_to(router_, in.identity, encode(a, {}));
   }
@@ -320,7 +331,7 @@ class Server {
   std::string ack(const Header& req) {
     Header h;
     h.kind = static_cast<uint16_t>(Kind::PushAck);
-    h.sender = static_cast<int32_t>(link_->index());
+    h.sender = static_cast<int32_t>(index_);
     h.ticket = req.ticket;
     h.clock = version_;
     h.generation = generation_;
@@ -353,7 +364,8 @@ class Server {
           in.push_back({w, &p->second});
         }
       } else {
-        const auto q = std::min<std::size_t>(static_cast<std::size_t>(opts_.quorum), active_.size());
+        const auto q =
+            std::min<std::size_t>(static_cast<std::size_t>(opts_.quorum), active_.size());
         if (got.size() < q) return;
         for (const auto& [w, p] : got) in.push_back({w, &p});  // std::map: worker-index order
       }
@@ -365,8 +377,8 @@ class Server {
 
   // One optimizer step with the sum of `in` (in worker-index order). async / ssp name the
   // pushing worker and its clock after the push, for the backup.
-  void apply(const std::vector<std::pair<int64_t, const Push*>>& in, int64_t clock,
-             int64_t worker, int64_t worker_clock) {
+  void apply(const std::vector<std::pair<int64_t, const Push*>>& in, int64_t clock, int64_t worker,
+             int64_t worker_clock) {
     const std::size_t n = sum_.size();
     std::copy(in[0].second->grads, in[0].second->grads + n, sum_.begin());
     int64_t rows = in[0].second->rows;
@@ -398,8 +410,8 @@ class Server {
     if (backup_) replicate(version_, lr, worker, worker_clock);
     ++version_;
     if (primary_ && opts_.checkpoint_every > 0 && version_ % opts_.checkpoint_every == 0)
-      write_server_checkpoint(run_dir_, link_->index(), version_, begin_, end_, params_.data(),
-                              *opt_, clocks_, config_hash_);
+      write_server_checkpoint(run_dir_, index_, version_, begin_, end_, params_.data(), *opt_,
+                              clocks_, config_hash_);
     if (lead_) {
       nlohmann::json line = {{"step", version_},
                              {"loss", loss / static_cast<double>(rows)},
@@ -417,7 +429,7 @@ class Server {
   void replicate(int64_t clock, double lr, int64_t worker, int64_t worker_clock) {
     Header h;
     h.kind = static_cast<uint16_t>(Kind::Replicate);
-    h.sender = static_cast<int32_t>(link_->index());
+    h.sender = static_cast<int32_t>(index_);
     h.flags = static_cast<uint32_t>(Encoding::F32);
     h.clock = clock;
     h.key_begin = begin_;
@@ -445,8 +457,10 @@ class Server {
     if (h.clock < 0) return true;  // a join or a final read: now
     switch (mode_) {
       case Consistency::Sync:
-      case Consistency::Quorum: return version_ >= h.clock;
-      case Consistency::Async: return true;
+      case Consistency::Quorum:
+        return version_ >= h.clock;
+      case Consistency::Async:
+        return true;
       case Consistency::Ssp: {
         if (!is_active(h.sender)) return true;
         const int64_t m = min_clock(-1);
@@ -465,7 +479,7 @@ class Server {
       const Header& r = it->h;
       Header h;
       h.kind = static_cast<uint16_t>(Kind::PullReply);
-      h.sender = static_cast<int32_t>(link_->index());
+      h.sender = static_cast<int32_t>(index_);
       h.ticket = r.ticket;
       h.key_begin = begin_;
       h.key_end = end_;
@@ -500,7 +514,7 @@ class Server {
   void write_summary() {
     nlohmann::json blocked = nlohmann::json::object();
     for (auto [w, c] : blocked_) blocked[std::to_string(w)] = c;
-    nlohmann::json j = {{"index", link_->index()},
+    nlohmann::json j = {{"index", index_},
                         {"keys", {begin_, end_}},
                         {"updates", version_},
                         {"pushes", pushes_},
@@ -516,11 +530,12 @@ class Server {
                         {"rollbacks", rollbacks_},
                         {"updates_replicated_in", replicated_in_},
                         {"expert_contributors", contributors_}};
-    write_file_atomic(fs::path(run_dir_) / "ps" / fmt::format("server_{}.json", link_->index()),
+    write_file_atomic(fs::path(run_dir_) / "ps" / fmt::format("server_{}.json", index_),
                       j.dump(2) + "\n");
-    log_info("{}: {} updates, {} pushes ({} late, dropped), {} bad messages rejected, largest "
-             "staleness {}",
-             who_, version_, pushes_, late_dropped_, rejects_.rejected, max_staleness_);
+    log_info(
+        "{}: {} updates, {} pushes ({} late, dropped), {} bad messages rejected, largest "
+        "staleness {}",
+        who_, version_, pushes_, late_dropped_, rejects_.rejected, max_staleness_);
   }
 
   ServerArgs args_;
@@ -533,6 +548,7 @@ class Server {
   RunConfig cfg_;
   PsOptions opts_;
   Consistency mode_ = Consistency::Sync;
+  int64_t index_ = -1;
   int64_t begin_ = 0, end_ = 0, version_ = 0, workers_at_start_ = 1;
   int64_t replicated_ = 0;  // the backup holds every update before this clock
   uint32_t generation_ = 0;

@@ -22,7 +22,7 @@
 namespace moetrain::ps {
 
 struct ServerArgs {
-  std::string scheduler;            // tcp://HOST:PORT
+  std::string scheduler;                   // tcp://HOST:PORT
   std::string bind = "tcp://127.0.0.1:*";  // where workers reach this server
 };
 

@@ -25,8 +25,7 @@ int64_t meta_int(const SafetensorsReader& r, const std::string& key) {
     MOETRAIN_CHECK(used == it->second.size(), "trailing characters");
     return v;
   } catch (const std::exception&) {
-    MOETRAIN_FAIL("{}: metadata '{}' = '{}' is not an integer", r.path().string(), key,
-                  it->second);
+    MOETRAIN_FAIL("{}: metadata '{}' = '{}' is not an integer", r.path().string(), key, it->second);
   }
 }
 
@@ -83,9 +82,9 @@ ServerCheckpoint read_server_checkpoint(const fs::path& path, int64_t key_begin,
                                         const std::string& config_hash) {
   SafetensorsReader r(path);
   const std::string file = path.string();
-  MOETRAIN_CHECK(r.metadata().count("format") &&
-                     r.metadata().at("format") == "moetrain-ps-server-checkpoint",
-                 "{}: not a parameter-server checkpoint", file);
+  MOETRAIN_CHECK(
+      r.metadata().count("format") && r.metadata().at("format") == "moetrain-ps-server-checkpoint",
+      "{}: not a parameter-server checkpoint", file);
   ServerCheckpoint c;
   c.index = meta_int(r, "server_index");
   c.clock = meta_int(r, "clock");
@@ -96,9 +95,8 @@ ServerCheckpoint read_server_checkpoint(const fs::path& path, int64_t key_begin,
   MOETRAIN_CHECK(c.key_begin == key_begin && c.key_end == key_end,
                  "{}: holds keys [{}, {}), this server holds [{}, {})", file, c.key_begin,
                  c.key_end, key_begin, key_end);
-  MOETRAIN_CHECK(c.config_hash == config_hash,
-                 "{}: written for configuration {}, this job's is {}", file, c.config_hash,
-                 config_hash);
+  MOETRAIN_CHECK(c.config_hash == config_hash, "{}: written for configuration {}, this job's is {}",
+                 file, c.config_hash, config_hash);
   const int64_t n = key_end - key_begin;
   uint32_t crc = 0;
   auto f32 = [&](const std::string& name) {
@@ -136,8 +134,8 @@ std::vector<int64_t> list_server_checkpoints(const fs::path& run_dir, int64_t in
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     if (!name.starts_with(kPrefix) || !name.ends_with(kSuffix)) continue;
-    const std::string digits =
-        name.substr(std::strlen(kPrefix), name.size() - std::strlen(kPrefix) - std::strlen(kSuffix));
+    const std::string digits = name.substr(
+        std::strlen(kPrefix), name.size() - std::strlen(kPrefix) - std::strlen(kSuffix));
     if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
     out.push_back(std::stoll(digits));
   }

@@ -21,9 +21,9 @@ struct ServerCheckpoint {
   int64_t key_begin = 0, key_end = 0;
   int64_t optimizer_steps = 0;
   std::string config_hash;
-  std::vector<float> params;                             // (key_end − key_begin)
+  std::vector<float> params;                            // (key_end − key_begin)
   std::map<std::string, std::vector<float>> optimizer;  // state buffer → (key_end − key_begin)
-  std::map<int64_t, int64_t> worker_clocks;              // async / ssp: worker → clock
+  std::map<int64_t, int64_t> worker_clocks;             // async / ssp: worker → clock
 };
 
 std::filesystem::path server_checkpoint_dir(const std::filesystem::path& run_dir, int64_t index);

@@ -9,8 +9,9 @@
 namespace moetrain::ps {
 
 nlohmann::json Incoming::json() const {
-  MOETRAIN_CHECK(header.encoding() == Encoding::Json, "{} message does not carry JSON (flags 0x{:x})",
-                 kind_name(header.kind_enum()), header.flags);
+  MOETRAIN_CHECK(header.encoding() == Encoding::Json,
+                 "{} message does not carry JSON (flags 0x{:x})", kind_name(header.kind_enum()),
+                 header.flags);
   auto j = nlohmann::json::parse(payload, payload + header.bytes, nullptr, false);
   MOETRAIN_CHECK(!j.is_discarded() && j.is_object(), "{} message carries malformed JSON",
                  kind_name(header.kind_enum()));

@@ -44,7 +44,9 @@ void send_to(zmq::socket_t& router, const std::string& identity, std::string_vie
 // payload at frame_payload(), seals it (seal() in message.h), and sends the message itself,
 // which ZeroMQ's I/O thread transmits from that buffer.
 zmq::message_t new_frame(Header h, std::size_t payload_bytes);
-inline char* frame_payload(zmq::message_t& m) { return m.data<char>() + sizeof(Header); }
+inline char* frame_payload(zmq::message_t& m) {
+  return m.data<char>() + sizeof(Header);
+}
 void send(zmq::socket_t& dealer, zmq::message_t&& frame);
 void send_to(zmq::socket_t& router, const std::string& identity, zmq::message_t&& frame);
 

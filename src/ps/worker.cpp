@@ -32,6 +32,7 @@ KvWorker::KvWorker(zmq::context_t& ctx, int32_t worker_index, std::vector<Server
       servers_(std::move(servers)),
       on_idle_(std::move(on_idle)) {
   sockets_.resize(servers_.size());
+  last_push_.resize(servers_.size());
   for (std::size_t s = 0; s < servers_.size(); ++s) connect(s);
 }
 
@@ -59,8 +60,13 @@ void KvWorker::update_servers(const std::vector<ServerInfo>& servers) {
     servers_[s].endpoint = servers[s].endpoint;
     connect(s);
     if (!sockets_[s]) continue;
+    if (last_push_[s].size() > 0) {
+      zmq::message_t again;
+      again.copy(last_push_[s]);
+      send(*sockets_[s], std::move(again));
+    }
     for (auto& [ticket, p] : pending_)
-      if (!p.done[s]) {
+      if (!p.done[s] && p.params) {  // pulls; the push went above
         zmq::message_t again;
         again.copy(p.frames[s]);
         send(*sockets_[s], std::move(again));
@@ -70,6 +76,7 @@ void KvWorker::update_servers(const std::vector<ServerInfo>& servers) {
 
 void KvWorker::reset(const std::vector<ServerInfo>& servers, uint32_t generation) {
   pending_.clear();
+  for (auto& m : last_push_) m = zmq::message_t();
   generation_ = generation;
   for (std::size_t s = 0; s < servers.size(); ++s)
     if (servers[s].endpoint != servers_[s].endpoint) {
@@ -117,6 +124,7 @@ int64_t KvWorker::push(int64_t clock, const float* grads, const std::vector<Span
     seal(m.data(), m.size());
     push_bytes_ += static_cast<int64_t>(m.size());
     dense_push_bytes_ += static_cast<int64_t>(sizeof(Header)) + 4 * (e - b);
+    last_push_[s].copy(m);
     send_request(p, s, std::move(m));
   }
   return ticket;
@@ -338,8 +346,8 @@ class Worker {
     auto moe = model_->moe_layers();
     std::vector<int64_t> tokens(moe.size() * static_cast<std::size_t>(E), 0);
     double loss = 0;
-    const float weight = static_cast<float>(static_cast<double>(R) /
-                                            static_cast<double>(a.global_rows * A));
+    const float weight =
+        static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A));
     for (int64_t micro = 0; micro < A; ++micro) {
       // Row r of the global batch is the window the single-process run draws for its row r.
       for (int64_t b = 0; b < R; ++b) {
@@ -404,9 +412,9 @@ class Worker {
     // The int8 error-feedback residual is this worker's state: a worker restarted in its place
     // (same index) could continue from it.
     if (!residual_.empty())
-      write_file_atomic(dir / fmt::format("residual_worker{}.f32", index_),
-                        std::string_view(reinterpret_cast<const char*>(residual_.data()),
-                                         residual_.size() * 4));
+      write_file_atomic(
+          dir / fmt::format("residual_worker{}.f32", index_),
+          std::string_view(reinterpret_cast<const char*>(residual_.data()), residual_.size() * 4));
     const double saved = kv_->dense_push_bytes() > 0
                              ? 1.0 - static_cast<double>(kv_->push_bytes()) /
                                          static_cast<double>(kv_->dense_push_bytes())
@@ -419,12 +427,14 @@ class Worker {
   void finish(int64_t clock) {
     const ParamLayout& layout = model_->layout();
     CheckpointContents c;
-    for (const auto& p : layout.params()) c.model.push_back({p.name, p.shape, params_.data() + p.offset});
+    for (const auto& p : layout.params())
+      c.model.push_back({p.name, p.shape, params_.data() + p.offset});
     nlohmann::json hf = cfg_.model.to_hf_json();
     if (std::string why; !cfg_.model.hf_mixtral_compatible(&why)) {
       hf["architectures"] = {"MoetrainForCausalLM"};
       hf["model_type"] = "moetrain";
-      hf["moetrain_note"] = fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
+      hf["moetrain_note"] =
+          fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
     }
     hf["moetrain"] = cfg_.to_json();
     c.config = hf;
@@ -438,8 +448,8 @@ class Worker {
                               cfg_.train.seq_len, cfg_.train.eval_batches);
     std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::app)
         << nlohmann::json{{"step", clock}, {"val_loss", v}}.dump() << "\n";
-    log_info("{}: final checkpoint {} (clock {}); validation loss {:.4f}", who_, dir.string(), clock,
-             v);
+    log_info("{}: final checkpoint {} (clock {}); validation loss {:.4f}", who_, dir.string(),
+             clock, v);
   }
 
   WorkerArgs args_;

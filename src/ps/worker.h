@@ -17,7 +17,7 @@ namespace moetrain::ps {
 
 struct ServerInfo {
   int64_t index = 0;
-  std::string endpoint;  // empty: the server is down (waits for it block until it is back)
+  std::string endpoint;        // empty: the server is down (waits for it block until it is back)
   int64_t begin = 0, end = 0;  // key range
 };
 
@@ -34,7 +34,8 @@ struct PushMeta {
 //
 // Outgoing frames are built in place in ZeroMQ messages and kept (shared, not copied) until
 // their server answered, so that when a server's backup takes over (update_servers) what the
-// dead primary had not answered goes again to the new endpoint.
+// dead primary had not answered goes again to the new endpoint, and so does the latest push
+// (the dead primary may have acknowledged it without applying it).
 class KvWorker {
  public:
   // `on_idle` runs while wait() blocks (control messages from the scheduler; it may throw).
@@ -72,8 +73,8 @@ class KvWorker {
     float* params = nullptr;  // pulls: where replies go
     int64_t answered = 0;
     int64_t clock = INT64_MAX;
-    std::vector<char> done;               // per server: answered
-    std::vector<zmq::message_t> frames;   // per server: the request, until answered
+    std::vector<char> done;              // per server: answered
+    std::vector<zmq::message_t> frames;  // per server: the request, until answered
   };
   void receive_all();
   void connect(std::size_t s);
@@ -84,6 +85,9 @@ class KvWorker {
   uint32_t generation_ = 0;
   std::vector<ServerInfo> servers_;
   std::vector<std::unique_ptr<zmq::socket_t>> sockets_;  // null while a server is down
+  // Per server, the latest push: an acknowledgement means received, not applied and replicated,
+  // so it goes again to a promoted backup.
+  std::vector<zmq::message_t> last_push_;
   std::function<void()> on_idle_;
   RejectStats rejects_;
   std::map<int64_t, Pending> pending_;
