@@ -1,5 +1,5 @@
-// MoE layer forward+backward (f32, topk_softmax, dropless) against a raw oneDNN matmul doing the
-// same expert GEMM work, in the same run:
+// MoE layer forward+backward (f32 or bf16 GEMM operands, topk_softmax, dropless) against a raw
+// oneDNN matmul doing the same expert GEMM work, in the same run:
 //   moe_layer/...  one forward + backward per iteration; counters:
 //     expert_GFLOPs      expert GEMM FLOPs / time of the expert stage (its GEMMs and the SwiGLU
 //                        between them, which run fused per row block)
@@ -11,10 +11,15 @@
 //                        combine, losses (target ≤ 0.1)
 //     *_ms               stage times per iteration
 //   raw_expert_gemms/... the raw reference alone.
+//   moe_layer/topk_softmax_bf16, raw_expert_gemms/bf16: the same with bf16 operands (f32
+//     accumulation); the raw reference is the nine GEMMs through kernels/gemm.h with bf16
+//     operands, i.e. oneDNN's bf16 matmul where the CPU has it (bf16_native = 1) and the widened
+//     f32 path elsewhere (bf16_native = 0: then no bf16 speed-up can be measured).
 // Expert GEMM FLOPs per routed row: forward 3·2CF, backward 6·2CF (data + weight gradients).
 #include <benchmark/benchmark.h>
 
 #include <dnnl.hpp>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -80,6 +85,40 @@ class RawExpertGemms {
   std::vector<float> x_, w1_, w2_, a_, b_, y_, dw1_, dw2_;
 };
 
+// The nine expert GEMMs through kernels/gemm.h on bf16 operands (cached oneDNN primitives).
+class RawExpertGemmsBf16 {
+ public:
+  RawExpertGemmsBf16(int64_t M, int64_t C, int64_t F) : M_(M), C_(C), F_(F) {
+    x_ = lp(random_buffer(M * C, 1, 1.0f)), w1_ = lp(random_buffer(F * C, 2, 0.05f));
+    w2_ = lp(random_buffer(C * F, 3, 0.05f));
+    a_ = lp(random_buffer(M * F, 4, 1.0f)), b_ = lp(random_buffer(M * F, 5, 1.0f));
+    y_ = lp(random_buffer(M * C, 6, 1.0f));
+    oa_.resize(M * F), ob_.resize(M * F), oy_.resize(M * C), dw1_.resize(F * C), dw2_.resize(C * F);
+  }
+  void run() {
+    const int64_t M = M_, C = C_, F = F_;
+    gemm(Trans::N, Trans::T, M, F, C, x_.data(), w1_.data(), oa_.data(), false);  // a = x·W1ᵀ
+    gemm(Trans::N, Trans::T, M, F, C, x_.data(), w1_.data(), ob_.data(), false);  // b = x·W3ᵀ
+    gemm(Trans::N, Trans::T, M, C, F, a_.data(), w2_.data(), oy_.data(), false);  // y = g·W2ᵀ
+    gemm(Trans::N, Trans::N, M, F, C, y_.data(), w2_.data(), oa_.data(), false);  // dg = dy·W2
+    gemm(Trans::N, Trans::N, M, C, F, a_.data(), w1_.data(), oy_.data(), false);  // dx = da·W1
+    gemm(Trans::N, Trans::N, M, C, F, b_.data(), w1_.data(), oy_.data(), true);   // dx += db·W3
+    gemm(Trans::T, Trans::N, C, F, M, y_.data(), a_.data(), dw2_.data(), false);  // dW2 = dyᵀ·g
+    gemm(Trans::T, Trans::N, F, C, M, a_.data(), x_.data(), dw1_.data(), false);  // dW1 = daᵀ·x
+    gemm(Trans::T, Trans::N, F, C, M, b_.data(), x_.data(), dw1_.data(), false);  // dW3 = dbᵀ·x
+  }
+
+ private:
+  static std::vector<bf16> lp(const std::vector<float>& v) {
+    std::vector<bf16> out(v.size());
+    f32_to_bf16(out.data(), v.data(), v.size());
+    return out;
+  }
+  int64_t M_, C_, F_;
+  std::vector<bf16> x_, w1_, w2_, a_, b_, y_;
+  std::vector<float> oa_, ob_, oy_, dw1_, dw2_;
+};
+
 double expert_flops(int64_t rows, int64_t C, int64_t F) {
   return 18.0 * double(rows) * double(C) * double(F);
 }
@@ -96,15 +135,30 @@ void BM_MoeLayer(benchmark::State& state) {
   std::vector<float> inp = random_buffer(N * cfg.C, 8, 1.0f),
                      dout = random_buffer(N * cfg.C, 9, 1e-3f);
   std::vector<float> out(N * cfg.C), dinp(N * cfg.C);
+  const bool bf = state.range(5) == 1;
+  std::vector<bf16> copy;
+  if (bf) {
+    // The bf16 weight copy a mixed-precision model refreshes after each optimizer step.
+    copy.resize(params.size());
+    f32_to_bf16(copy.data(), params.data(), params.size());
+    auto at = [&](const float* f) -> const void* {
+      return f ? copy.data() + (f - params.data()) : nullptr;
+    };
+    w.lp = DType::BF16;
+    w.w1_lp = at(w.w1), w.w3_lp = at(w.w3), w.w2_lp = at(w.w2);
+  }
   MoeLayer layer(cfg);
   MoeStep step;
   const int64_t rows = N * cfg.K;
   const double flops = expert_flops(rows, cfg.C, cfg.F);
-  RawExpertGemms raw(rows, cfg.C, cfg.F);
+  RawExpertGemms raw32(rows, cfg.C, cfg.F);
+  std::unique_ptr<RawExpertGemmsBf16> raw16;
+  if (bf) raw16 = std::make_unique<RawExpertGemmsBf16>(rows, cfg.C, cfg.F);
+  auto raw_run = [&] { bf ? raw16->run() : raw32.run(); };
   // Warm-up: primitives, buffers.
   layer.forward(out.data(), inp.data(), N, w, step);
   layer.backward(dinp.data(), dout.data(), w, g, 1.0f);
-  raw.run();
+  raw_run();
 
   MoeTimings sum;
   double wall = 0, raw_total = 0;
@@ -119,7 +173,7 @@ void BM_MoeLayer(benchmark::State& state) {
     benchmark::DoNotOptimize(dinp.data());
     state.PauseTiming();
     Timer r;
-    raw.run();
+    raw_run();
     raw_total += r.seconds();
     state.ResumeTiming();
   }
@@ -136,6 +190,7 @@ void BM_MoeLayer(benchmark::State& state) {
   c["permute_ms"] = sum.permute / iters * 1e3;
   c["combine_ms"] = sum.combine / iters * 1e3;
   c["losses_ms"] = sum.losses / iters * 1e3;
+  if (bf) c["bf16_native"] = gemm_is_native(DType::BF16) ? 1 : 0;
 }
 
 void BM_RawExpertGemms(benchmark::State& state) {
@@ -147,16 +202,30 @@ void BM_RawExpertGemms(benchmark::State& state) {
       expert_flops(N * K, C, F) * double(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
+void BM_RawExpertGemmsBf16(benchmark::State& state) {
+  const int64_t C = state.range(0), F = state.range(1), K = state.range(3), N = state.range(4);
+  RawExpertGemmsBf16 raw(N * K, C, F);
+  raw.run();
+  for (auto _ : state) raw.run();
+  state.counters["bf16_native"] = gemm_is_native(DType::BF16) ? 1 : 0;
+  state.counters["GFLOPs"] = benchmark::Counter(
+      expert_flops(N * K, C, F) * double(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
+// The last argument picks the GEMM operand type of the layer: 0 f32, 1 bf16.
+template <int kBf16>
 void shapes(benchmark::internal::Benchmark* b) {
-  b->Args({512, 1024, 8, 2, 4096});  // Mixtral-like
-  b->Args({512, 256, 64, 6, 4096});  // fine-grained (DeepSeekMoE-like)
-  b->ArgNames({"C", "F", "E", "K", "N"})->Unit(benchmark::kMillisecond)->UseRealTime();
+  b->Args({512, 1024, 8, 2, 4096, kBf16});  // Mixtral-like
+  b->Args({512, 256, 64, 6, 4096, kBf16});  // fine-grained (DeepSeekMoE-like)
+  b->ArgNames({"C", "F", "E", "K", "N", "bf16"})->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
 }  // namespace
 
-BENCHMARK(BM_MoeLayer)->Name("moe_layer/topk_softmax_f32")->Apply(shapes);
-BENCHMARK(BM_RawExpertGemms)->Name("raw_expert_gemms/f32")->Apply(shapes);
+BENCHMARK(BM_MoeLayer)->Name("moe_layer/topk_softmax_f32")->Apply(shapes<0>);
+BENCHMARK(BM_RawExpertGemms)->Name("raw_expert_gemms/f32")->Apply(shapes<0>);
+BENCHMARK(BM_MoeLayer)->Name("moe_layer/topk_softmax_bf16")->Apply(shapes<1>);
+BENCHMARK(BM_RawExpertGemmsBf16)->Name("raw_expert_gemms/bf16")->Apply(shapes<1>);
 
 int main(int argc, char** argv) {
   init_threads();

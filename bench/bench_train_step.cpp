@@ -1,14 +1,19 @@
 // One optimizer step of the LM (forward, backward, AdamW) in tokens/s, and model FLOP utilisation:
 // achieved model FLOP/s over the f32 rate of a raw oneDNN GEMM measured in the same run at the
-// model's expert shape (M = B·T·k/E rows, N = F, K = C).
+// model's expert shape (M = B·T·k/E rows, N = F, K = C). precision 1 runs the model with bf16
+// GEMM operands (Transformer::set_precision) and also measures the raw bf16 GEMM rate at that
+// shape through kernels/gemm.h (oneDNN bf16 where the CPU has it; bf16_native says whether it
+// did, else the operands were widened to f32 and no bf16 speed-up is possible).
 #include <benchmark/benchmark.h>
 
 #include <dnnl.hpp>
+#include <string>
 #include <vector>
 
 #include "core/rng.h"
 #include "core/threads.h"
 #include "core/timer.h"
+#include "kernels/gemm.h"
 #include "model/params.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
@@ -31,6 +36,17 @@ ModelConfig model_of(const Preset& p) {
   c.dim = p.C, c.n_layers = p.L, c.n_heads = p.NH, c.n_kv_heads = p.NKV;
   c.expert_hidden = p.F, c.n_experts = p.E, c.top_k = p.K, c.max_seq_len = p.T;
   return c;
+}
+
+double raw_bf16_gemm_gflops(int64_t M, int64_t N, int64_t K) {
+  std::vector<bf16> A(M * K, bf16(0.5f)), B(N * K, bf16(0.25f));
+  std::vector<float> C(M * N);
+  auto run = [&] { gemm(Trans::N, Trans::T, M, N, K, A.data(), B.data(), C.data(), false); };
+  run();
+  Timer t;
+  int iters = 0;
+  while (t.seconds() < 0.3 || iters < 3) run(), ++iters;
+  return 2.0 * M * N * K * iters / t.seconds() * 1e-9;
 }
 
 double raw_gemm_gflops(int64_t M, int64_t N, int64_t K) {
@@ -57,6 +73,8 @@ void BM_train_step(benchmark::State& state) {
   const Preset& p = kPresets[state.range(0)];
   ModelConfig cfg = model_of(p);
   Transformer model(cfg);
+  const bool bf = state.range(1) == 1;
+  if (bf) model.set_precision(DType::BF16);
   const ParamLayout& layout = model.layout();
   std::vector<float> params(layout.size()), grads(layout.size());
   init_params(params.data(), layout, cfg, 1);
@@ -74,6 +92,7 @@ void BM_train_step(benchmark::State& state) {
     model.forward(params.data(), in.data(), tg.data(), p.B, p.T, ms);
     model.backward(params.data(), grads.data(), 1.0f);
     opt->step(params.data(), grads.data(), 1e-4f);
+    model.weights_changed();  // bf16: the weight copy is refreshed at the next forward
     ++ms.step;
     for (MoeBlock* m : model.moe_layers())
       moe_experts += m->timings().experts, moe_total += m->timings().total();
@@ -85,16 +104,22 @@ void BM_train_step(benchmark::State& state) {
   state.counters["model_GFLOPs"] = benchmark::Counter(
       model.flops_per_token(p.T) * tokens * state.iterations() * 1e-9, benchmark::Counter::kIsRate);
   state.counters["raw_gemm_GFLOPs"] = gemm;
+  if (bf) {
+    state.counters["raw_bf16_gemm_GFLOPs"] = raw_bf16_gemm_gflops(p.B * p.T * p.K / p.E, p.F, p.C);
+    state.counters["bf16_native"] = gemm_is_native(DType::BF16) ? 1 : 0;
+  }
   state.counters["moe_expert_share"] = moe_total > 0 ? moe_experts / moe_total : 0;
-  state.SetLabel(p.name);
+  state.SetLabel(std::string(p.name) + (bf ? "_bf16" : "_f32"));
 }
 
 }  // namespace
 
 BENCHMARK(BM_train_step)
-    ->Arg(0)
-    ->Arg(1)
-    ->ArgName("preset")
+    ->Args({0, 0})
+    ->Args({0, 1})
+    ->Args({1, 0})
+    ->Args({1, 1})
+    ->ArgNames({"preset", "bf16"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->MinTime(2.0);

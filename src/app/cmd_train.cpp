@@ -7,6 +7,8 @@
 #include "app/commands.h"
 #include "core/threads.h"
 #include "data/shard.h"
+#include "dist/runtime.h"
+#include "dist/watchdog.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -20,6 +22,9 @@ Run add_train_command(CLI::App& app) {
     bool resume = false;
     int64_t ep = 0, zero = -1, ranks_per_node = -1, a2a_chunks = 0;
     bool hierarchical = false, no_overlap = false;
+    double collective_warn = -1, collective_timeout = -1;
+    bool debug_collectives = false;
+    std::string precision, grad_reduce_dtype, a2a_dtype;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")
@@ -48,8 +53,39 @@ Run add_train_command(CLI::App& app) {
       ->check(CLI::Range(1, 64));
   cmd->add_flag("--no-overlap", args->no_overlap,
                 "Reduce gradients after backward instead of during it (dist.overlap = false)");
+  cmd->add_option("--collective-warn", args->collective_warn,
+                  "Under mpirun: warn when a collective has waited this many seconds "
+                  "(dist.collective_warn, default 60; 0 = off)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--collective-timeout", args->collective_timeout,
+                  "Under mpirun: abort the job when a collective has waited this many seconds, "
+                  "naming it, so that `moetrain launch` restarts it (dist.collective_timeout, "
+                  "default 300; 0 = off)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--debug-collectives", args->debug_collectives,
+                "Under mpirun: ranks compare every collective's fingerprint (sequence, kind, "
+                "element size, counts) before running it; a mismatch fails at once "
+                "(dist.debug_collectives)");
+  cmd->add_option("--precision", args->precision,
+                  "GEMM operand precision: f32, bf16, or fp16 with dynamic loss scaling "
+                  "(train.precision)");
+  cmd->add_option(
+      "--grad-reduce-dtype", args->grad_reduce_dtype,
+      "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)");
+  cmd->add_option("--a2a-dtype", args->a2a_dtype,
+                  "Expert all-to-all payloads on the wire: f32 or bf16 (dist.a2a_dtype)");
   return [args] {
     std::vector<std::string> overrides = args->overrides;
+    if (args->collective_warn >= 0)
+      overrides.push_back(fmt::format("dist.collective_warn={}", args->collective_warn));
+    if (args->collective_timeout >= 0)
+      overrides.push_back(fmt::format("dist.collective_timeout={}", args->collective_timeout));
+    if (args->debug_collectives) overrides.push_back("dist.debug_collectives=true");
+    // Checked with the rest of the configuration, which names the key and the allowed values.
+    if (!args->precision.empty()) overrides.push_back("train.precision=" + args->precision);
+    if (!args->grad_reduce_dtype.empty())
+      overrides.push_back("dist.grad_reduce_dtype=" + args->grad_reduce_dtype);
+    if (!args->a2a_dtype.empty()) overrides.push_back("dist.a2a_dtype=" + args->a2a_dtype);
     if (args->no_overlap) overrides.push_back("dist.overlap=false");
     if (args->a2a_chunks > 0)
       overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));
@@ -60,6 +96,13 @@ Run add_train_command(CLI::App& app) {
     if (args->ranks_per_node >= 0)
       overrides.push_back(fmt::format("dist.ranks_per_node={}", args->ranks_per_node));
     RunConfig cfg = load_run_config(args->config, overrides);
+    // Collectives exist only under mpirun; the watchdog watches them for the whole run.
+    std::unique_ptr<CollectiveWatchdog> watchdog;
+    if (dist_mpi_active()) {
+      set_debug_collectives(cfg.dist.debug_collectives);
+      watchdog = std::make_unique<CollectiveWatchdog>(
+          WatchdogSettings{cfg.dist.collective_warn, cfg.dist.collective_timeout});
+    }
     Trainer trainer(cfg, args->resume);
     TrainResult r = trainer.run();
     fmt::print(

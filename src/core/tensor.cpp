@@ -103,10 +103,12 @@ Tensor Tensor::clone() const {
 Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return clone();
   Tensor t(shape_, dtype);
-  if (dtype == DType::BF16) {
-    f32_to_bf16(t.bf(), f32(), numel_);
+  if (dtype_ == DType::F32) {
+    f32_to_dtype(dtype, t.raw(), f32(), numel_);
+  } else if (dtype == DType::F32) {
+    dtype_to_f32(dtype_, t.f32(), raw(), numel_);
   } else {
-    bf16_to_f32(t.f32(), bf(), numel_);
+    return to(DType::F32).to(dtype);
   }
   return t;
 }
@@ -119,9 +121,13 @@ void Tensor::fill(float value) {
   if (dtype_ == DType::F32) {
     float* p = f32();
     for (int64_t i = 0; i < numel_; ++i) p[i] = value;
-  } else {
+  } else if (dtype_ == DType::BF16) {
     bf16* p = bf();
     bf16 v(value);
+    for (int64_t i = 0; i < numel_; ++i) p[i] = v;
+  } else {
+    fp16* p = static_cast<fp16*>(data_);
+    fp16 v(value);
     for (int64_t i = 0; i < numel_; ++i) p[i] = v;
   }
 }

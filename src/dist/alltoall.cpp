@@ -94,13 +94,13 @@ struct TwoD {
   const A2aLayout& plan;
   int64_t m(int s, int d) const { return plan.rows[static_cast<std::size_t>(s) * P + d]; }
 
-  TwoD(const A2aLayout& p, const A2aRoute& route)
+  TwoD(const A2aLayout& p, const A2aRoute& route, int64_t elem_bytes)
       : P(p.P),
         L(route.intra->size()),
         nodes(route.inter->size()),
         n(route.group->rank() / L),
         l(route.group->rank() % L),
-        row(p.C * static_cast<int64_t>(sizeof(float))),
+        row(p.C * elem_bytes),
         plan(p) {}
 
   // Stage 1, to local rank k: my rows for ranks (d, k), d ascending, from the destination-ordered
@@ -163,8 +163,9 @@ struct TwoD {
 // Byte counts and displacements of row runs laid out one after another.
 struct Runs {
   std::vector<int64_t> counts, displs;
-  Runs(const std::vector<int64_t>& rows, int64_t C) : counts(rows.size()), displs(rows.size()) {
-    const int64_t row = C * static_cast<int64_t>(sizeof(float));
+  Runs(const std::vector<int64_t>& rows, int64_t C, int64_t elem_bytes)
+      : counts(rows.size()), displs(rows.size()) {
+    const int64_t row = C * elem_bytes;
     int64_t at = 0;
     for (std::size_t q = 0; q < rows.size(); ++q) {
       counts[q] = rows[q] * row;
@@ -174,43 +175,71 @@ struct Runs {
   }
 };
 
+// Moves rows of elem_bytes-wide elements; dispatch, or (reverse) combine.
+void exchange(void* out, const void* in, const A2aLayout& plan, const A2aRoute& route,
+              A2aScratch& scratch, int64_t elem, bool reverse) {
+  Comm& comm = *route.group;
+  const char* what = reverse ? "a2a_combine" : "a2a_dispatch";
+  MOETRAIN_CHECK(comm.size() == plan.P, "{}: plan for {} ranks used on a group of {}", what, plan.P,
+                 comm.size());
+  const int64_t C = plan.C;
+  if (!route.two_d()) {
+    const Runs a(plan.recv_rows, C, elem), b(plan.send_rows, C, elem);
+    if (reverse) {
+      comm.alltoallv(out, b.counts, b.displs, in, a.counts, a.displs);
+    } else {
+      comm.alltoallv(out, a.counts, a.displs, in, b.counts, b.displs);
+    }
+    return;
+  }
+  MOETRAIN_CHECK(!plan.rows.empty(), "{}: the plan was made for a flat route", what);
+  const TwoD t(plan, route, elem);
+  // The relay holds relayed() rows of C elements of elem bytes: at most as many floats.
+  float* relay = scratch.relay.ensure(t.relayed() * C);
+  if (reverse) {
+    // The dispatch with every message going the other way.
+    route.inter->alltoallv_blocks(relay, t.stage2_send(), in, t.stage2_recv());
+    route.intra->alltoallv_blocks(out, t.stage1_send(), relay, t.stage1_relay());
+  } else {
+    route.intra->alltoallv_blocks(relay, t.stage1_relay(), in, t.stage1_send());
+    route.inter->alltoallv_blocks(out, t.stage2_recv(), relay, t.stage2_send());
+  }
+}
+
+// Serial on purpose: exchanges may run on the communication thread, whose conversions must not
+// start a parallel region that competes with the compute threads.
+void exchange_bf16(float* out, const float* in, int64_t rows_in, int64_t rows_out,
+                   const A2aLayout& plan, const A2aRoute& route, A2aScratch& scratch,
+                   bool reverse) {
+  const int64_t n_in = rows_in * plan.C, n_out = rows_out * plan.C;
+  bf16* send = static_cast<bf16*>(scratch.send_lp.ensure(n_in));
+  bf16* recv = static_cast<bf16*>(scratch.recv_lp.ensure(n_out));
+  for (int64_t i = 0; i < n_in; ++i) send[i] = bf16(in[i]);
+  exchange(recv, send, plan, route, scratch, 2, reverse);
+  for (int64_t i = 0; i < n_out; ++i) out[i] = recv[i].to_float();
+}
+
+void check_wire(DType wire) {
+  MOETRAIN_CHECK(wire == DType::F32 || wire == DType::BF16,
+                 "expert all-to-all payloads in {}: allowed are f32 and bf16", dtype_name(wire));
+}
+
 }  // namespace
 
 void a2a_dispatch(float* out, const float* in, const A2aLayout& plan, const A2aRoute& route,
-                  A2aScratch& scratch) {
-  Comm& comm = *route.group;
-  MOETRAIN_CHECK(comm.size() == plan.P, "a2a_dispatch: plan for {} ranks used on a group of {}",
-                 plan.P, comm.size());
-  const int64_t C = plan.C;
-  if (!route.two_d()) {
-    const Runs r(plan.recv_rows, C), s(plan.send_rows, C);
-    comm.alltoallv(out, r.counts, r.displs, in, s.counts, s.displs);
-    return;
-  }
-  MOETRAIN_CHECK(!plan.rows.empty(), "a2a_dispatch: the plan was made for a flat route");
-  const TwoD t(plan, route);
-  float* relay = scratch.relay.ensure(t.relayed() * C);
-  route.intra->alltoallv_blocks(relay, t.stage1_relay(), in, t.stage1_send());
-  route.inter->alltoallv_blocks(out, t.stage2_recv(), relay, t.stage2_send());
+                  A2aScratch& scratch, DType wire) {
+  check_wire(wire);
+  if (wire == DType::BF16)
+    return exchange_bf16(out, in, plan.R_send, plan.R_recv, plan, route, scratch, false);
+  exchange(out, in, plan, route, scratch, sizeof(float), false);
 }
 
 void a2a_combine(float* out, const float* in, const A2aLayout& plan, const A2aRoute& route,
-                 A2aScratch& scratch) {
-  Comm& comm = *route.group;
-  MOETRAIN_CHECK(comm.size() == plan.P, "a2a_combine: plan for {} ranks used on a group of {}",
-                 plan.P, comm.size());
-  const int64_t C = plan.C;
-  if (!route.two_d()) {
-    const Runs r(plan.send_rows, C), s(plan.recv_rows, C);
-    comm.alltoallv(out, r.counts, r.displs, in, s.counts, s.displs);
-    return;
-  }
-  MOETRAIN_CHECK(!plan.rows.empty(), "a2a_combine: the plan was made for a flat route");
-  // The dispatch with every message going the other way.
-  const TwoD t(plan, route);
-  float* relay = scratch.relay.ensure(t.relayed() * C);
-  route.inter->alltoallv_blocks(relay, t.stage2_send(), in, t.stage2_recv());
-  route.intra->alltoallv_blocks(out, t.stage1_send(), relay, t.stage1_relay());
+                 A2aScratch& scratch, DType wire) {
+  check_wire(wire);
+  if (wire == DType::BF16)
+    return exchange_bf16(out, in, plan.R_recv, plan.R_send, plan, route, scratch, true);
+  exchange(out, in, plan, route, scratch, sizeof(float), true);
 }
 
 }  // namespace moetrain

@@ -57,9 +57,11 @@ struct A2aLayout {
   std::vector<int64_t> rows;           // 2-D only: (P, P) rows from rank s to rank d
 };
 
-// The 2-D route's relay buffer (rows between the two stages), grown as needed and reused.
+// The 2-D route's relay buffer (rows between the two stages), and the bf16 rows of a bf16
+// exchange; grown as needed and reused.
 struct A2aScratch {
   FloatBuffer relay;
+  HalfBuffer send_lp, recv_lp;
 };
 
 // Collective over the route. counts (E): rows this rank routes to each global expert; E must be a
@@ -67,11 +69,13 @@ struct A2aScratch {
 void a2a_plan(A2aLayout& plan, const A2aRoute& route, const int64_t* counts, int64_t E, int64_t C);
 
 // Collective. out (R_recv, C) source-major = the rows of in (R_send, C) sent by every rank.
+// wire = BF16 sends the rows rounded to bf16 (half the bytes) and widens them on arrival: out is
+// then in rounded to bf16. Every rank of the group must pass the same wire type.
 void a2a_dispatch(float* out, const float* in, const A2aLayout& plan, const A2aRoute& route,
-                  A2aScratch& scratch);
+                  A2aScratch& scratch, DType wire = DType::F32);
 // Collective, the reverse. out (R_send, C) = the rows of in (R_recv, C, source-major) returned to
 // the ranks and positions they were dispatched from.
 void a2a_combine(float* out, const float* in, const A2aLayout& plan, const A2aRoute& route,
-                 A2aScratch& scratch);
+                 A2aScratch& scratch, DType wire = DType::F32);
 
 }  // namespace moetrain

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "dist/watchdog.h"
 
 namespace moetrain {
 
@@ -20,6 +21,7 @@ void Comm::check_counts(std::span<const int64_t> counts, const char* what) const
 template <class T>
 void Comm::reduce_scatter_impl(T* out, const T* in, std::span<const int64_t> counts, ReduceOp op) {
   check_counts(counts, "reduce_scatter");
+  CollectiveOpScope scope(CollectiveOp::ReduceScatter, sizeof(T));
   const int P = size_;
   const int64_t mine = counts[rank_];
   constexpr auto kSize = static_cast<int64_t>(sizeof(T));
@@ -52,6 +54,7 @@ void Comm::allreduce_impl(T* data, int64_t n, ReduceOp op) {
   MOETRAIN_CHECK(n >= 0 && (n == 0 || data), "allreduce on '{}': n = {} with data {}", name_, n,
                  static_cast<const void*>(data));
   if (size_ == 1) return;
+  CollectiveOpScope scope(CollectiveOp::Allreduce, sizeof(T));
   const int P = size_;
   std::vector<int64_t> counts(P);
   for (int q = 0; q < P; ++q) counts[q] = chunk_begin(n, q + 1, P) - chunk_begin(n, q, P);
@@ -86,6 +89,7 @@ void Comm::reduce_scatter(int64_t* out, const int64_t* in, std::span<const int64
 std::vector<int64_t> Comm::allgather_one(int64_t value) {
   std::vector<int64_t> out(static_cast<std::size_t>(size_));
   std::vector<int64_t> ones(static_cast<std::size_t>(size_), 1);
+  CollectiveOpScope scope(CollectiveOp::AllgatherOne, sizeof(int64_t));
   allgather(out.data(), &value, ones);
   return out;
 }

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/check.h"
+#include "dist/watchdog.h"
 
 namespace moetrain::mpi {
 
@@ -45,6 +46,12 @@ int common_unit(std::initializer_list<std::span<const int64_t>> lists) {
     for (int64_t v : list)
       while (acc > 1 && v % acc != 0) acc /= 2;
   return static_cast<int>(acc);
+}
+
+int64_t sum(std::span<const int64_t> v) {
+  int64_t total = 0;
+  for (int64_t x : v) total += x;
+  return total;
 }
 
 MPI_Datatype unit_type(int unit) {
@@ -98,6 +105,22 @@ int wait_polling(MPI_Request& request) {
     }                                                             \
   } while (0)
 
+class MpiComm;
+
+// One collective call of an MpiComm: registered with the watchdog for its lifetime, and with
+// --debug-collectives checked against the other ranks' calls before any data moves.
+class MpiCall {
+ public:
+  MpiCall(MpiComm& comm, CollectiveKind kind, int64_t bytes, int64_t agree = 0);
+  // With --debug-collectives: every rank's send count to each peer equals that peer's receive
+  // count from it (bytes, one entry per rank).
+  void check_pairwise(std::span<const int64_t> send_bytes, std::span<const int64_t> recv_bytes);
+
+ private:
+  MpiComm& comm_;
+  CollectiveScope scope_;
+};
+
 class MpiComm final : public Comm {
  public:
   MpiComm(MPI_Comm comm, int rank, int size, std::string name)
@@ -120,6 +143,7 @@ class MpiComm final : public Comm {
   const char* backend() const override { return "mpi"; }
 
   void barrier(const BarrierOptions&) override {
+    MpiCall call(*this, CollectiveKind::Barrier, 0);
     MOETRAIN_MPI_COLLECTIVE(MPI_Barrier(comm_), MPI_Ibarrier(comm_, &request_), name());
   }
 
@@ -136,6 +160,8 @@ class MpiComm final : public Comm {
     auto rd = scaled(recv_displs, unit, "alltoallv receive displacement", name());
     auto sc = scaled(send_counts, unit, "alltoallv send count", name());
     auto sd = scaled(send_displs, unit, "alltoallv send displacement", name());
+    MpiCall call(*this, CollectiveKind::Alltoallv, sum(send_counts));
+    call.check_pairwise(send_counts, recv_counts);
     MPI_Datatype type = unit_type(unit);
     MOETRAIN_MPI_COLLECTIVE(
         MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, comm_),
@@ -152,6 +178,13 @@ class MpiComm final : public Comm {
         static_cast<int>(recv_blocks.size()) == P && static_cast<int>(send_blocks.size()) == P,
         "alltoallv_blocks on '{}': {} and {} block lists, expected one per rank ({})", name(),
         recv_blocks.size(), send_blocks.size(), P);
+    std::vector<int64_t> send_bytes(P), recv_bytes(P);
+    for (int q = 0; q < P; ++q) {
+      for (const ByteBlock& b : send_blocks[q]) send_bytes[q] += b.bytes;
+      for (const ByteBlock& b : recv_blocks[q]) recv_bytes[q] += b.bytes;
+    }
+    MpiCall call(*this, CollectiveKind::AlltoallvBlocks, sum(send_bytes));
+    call.check_pairwise(send_bytes, recv_bytes);
     // One hindexed type per peer and direction, displacements from the buffer's start.
     std::vector<MPI_Datatype> stypes(P, MPI_BYTE), rtypes(P, MPI_BYTE);
     std::vector<int> scounts(P, 0), rcounts(P, 0), zeros(P, 0);
@@ -202,6 +235,7 @@ class MpiComm final : public Comm {
     const int unit = common_unit({counts, displs});
     auto c = scaled(counts, unit, "allgatherv count", name());
     auto d = scaled(displs, unit, "allgatherv displacement", name());
+    MpiCall call(*this, CollectiveKind::Allgatherv, sum(counts), hash_sizes(counts));
     MPI_Datatype type = unit_type(unit);
     MOETRAIN_MPI_COLLECTIVE(
         MPI_Allgatherv(send, c[rank()], type, recv, c.data(), d.data(), type, comm_),
@@ -216,6 +250,8 @@ class MpiComm final : public Comm {
                    bytes, data);
     const int unit = common_unit({std::span<const int64_t>(&bytes, 1)});
     const int count = to_int(bytes / unit, "broadcast size", name());
+    const int64_t shape[2] = {bytes, opts.root};
+    MpiCall call(*this, CollectiveKind::Broadcast, bytes, hash_sizes(shape));
     MOETRAIN_MPI_COLLECTIVE(MPI_Bcast(data, count, unit_type(unit), opts.root, comm_),
                             MPI_Ibcast(data, count, unit_type(unit), opts.root, comm_, &request_),
                             name());
@@ -223,12 +259,14 @@ class MpiComm final : public Comm {
 
   std::unique_ptr<Comm> split(int color, int key, const SplitOptions& opts) override {
     MOETRAIN_CHECK(color >= 0, "split of '{}': color {} must be >= 0", name(), color);
+    MpiCall call(*this, CollectiveKind::Split, 0);
     MPI_Comm out = MPI_COMM_NULL;
     MOETRAIN_MPI(MPI_Comm_split(comm_, color, key, &out), name());
     return wrap(out, opts.name.empty() ? name() : opts.name);
   }
 
   std::unique_ptr<Comm> split_shared(const SplitOptions& opts) override {
+    MpiCall call(*this, CollectiveKind::SplitShared, 0);
     MPI_Comm out = MPI_COMM_NULL;
     MOETRAIN_MPI(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &out),
                  name());
@@ -236,14 +274,62 @@ class MpiComm final : public Comm {
   }
 
   std::unique_ptr<Comm> dup(const std::string& name) override {
+    MpiCall call(*this, CollectiveKind::Dup, 0);
     MPI_Comm out = MPI_COMM_NULL;
     MOETRAIN_MPI(MPI_Comm_dup(comm_, &out), this->name());
     return wrap(out, name);
   }
 
  private:
+  friend class MpiCall;
   MPI_Comm comm_;
+  int64_t seq_ = 0;  // collectives issued on this communicator
 };
+
+MpiCall::MpiCall(MpiComm& comm, CollectiveKind kind, int64_t bytes, int64_t agree)
+    : comm_(comm), scope_(comm.name(), comm.rank(), ++comm.seq_, kind, bytes, agree) {
+  if (!debug_collectives()) return;
+  const CollectiveFingerprint& mine = scope_.fingerprint();
+  std::vector<CollectiveFingerprint> all(static_cast<std::size_t>(comm.size()));
+  constexpr int kBytes = sizeof(CollectiveFingerprint);
+  MOETRAIN_MPI_COLLECTIVE(
+      MPI_Allgather(&mine, kBytes, MPI_BYTE, all.data(), kBytes, MPI_BYTE, comm.comm_),
+      MPI_Iallgather(&mine, kBytes, MPI_BYTE, all.data(), kBytes, MPI_BYTE, comm.comm_, &request_),
+      comm.name());
+  std::string mismatch = fingerprint_mismatch(all, comm.rank(), comm.name());
+  MOETRAIN_CHECK(mismatch.empty(), "{}", mismatch);
+}
+
+void MpiCall::check_pairwise(std::span<const int64_t> send_bytes,
+                             std::span<const int64_t> recv_bytes) {
+  if (!debug_collectives()) return;
+  const int P = comm_.size();
+  std::vector<int64_t> expected(static_cast<std::size_t>(P));  // what each peer will send here
+  MOETRAIN_MPI_COLLECTIVE(
+      MPI_Alltoall(send_bytes.data(), 1, MPI_INT64_T, expected.data(), 1, MPI_INT64_T, comm_.comm_),
+      MPI_Ialltoall(send_bytes.data(), 1, MPI_INT64_T, expected.data(), 1, MPI_INT64_T, comm_.comm_,
+                    &request_),
+      comm_.name());
+  // The first disagreement seen by each rank, {sender, bytes sent, bytes expected}, shared so
+  // that every rank stops (a rank that went on into the exchange would wait forever).
+  int64_t mine[3] = {-1, 0, 0};
+  for (int q = 0; q < P && mine[0] < 0; ++q)
+    if (expected[q] != recv_bytes[q]) mine[0] = q, mine[1] = expected[q], mine[2] = recv_bytes[q];
+  std::vector<int64_t> all(static_cast<std::size_t>(3 * P));
+  MOETRAIN_MPI_COLLECTIVE(
+      MPI_Allgather(mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm_.comm_),
+      MPI_Iallgather(mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm_.comm_, &request_),
+      comm_.name());
+  for (int r = 0; r < P; ++r) {
+    const int64_t* d = all.data() + 3 * r;
+    MOETRAIN_CHECK(d[0] < 0,
+                   "collective mismatch on communicator '{}': in {} #{} rank {} sends {} bytes to "
+                   "rank {}, which expects {}",
+                   comm_.name(),
+                   collective_kind_name(static_cast<CollectiveKind>(scope_.fingerprint().kind)),
+                   scope_.fingerprint().seq, d[0], d[1], r, d[2]);
+  }
+}
 
 int g_local_size = 0, g_local_rank = 0;  // 0: not asked yet
 

@@ -33,6 +33,9 @@ ExpertParallelMoe::ExpertParallelMoe(const MoeConfig& cfg, const A2aRoute& route
       "expert parallelism over {} ranks needs a multiple of {} experts, the model has {}",
       a2a_.size(), a2a_.size(), cfg_.E);
   MOETRAIN_CHECK(opts_.chunks >= 1, "all-to-all chunks = {}: must be at least 1", opts_.chunks);
+  MOETRAIN_CHECK(opts_.a2a_dtype == DType::F32 || opts_.a2a_dtype == DType::BF16,
+                 "all-to-all payloads in {}: allowed are f32 and bf16",
+                 dtype_name(opts_.a2a_dtype));
   E_local_ = cfg_.E / a2a_.size();
   first_ = a2a_.rank() * E_local_;
   bias_.assign(cfg_.E, 0.0f);
@@ -183,7 +186,8 @@ void ExpertParallelMoe::forward(float* out, const float* inp, int64_t N, const M
     landed[c] = communicate([this, k, E, C, local] {
       a2a_plan(k->plan, route_, k->layout.counts.data(), E, C);
       if (!local)
-        a2a_dispatch(k->xr.ensure(k->plan.R_recv * C), k->xp.data(), k->plan, route_, k->scratch);
+        a2a_dispatch(k->xr.ensure(k->plan.R_recv * C), k->xp.data(), k->plan, route_, k->scratch,
+                     opts_.a2a_dtype);
     });
   }
   if (cfg_.shared_F > 0) {
@@ -196,7 +200,8 @@ void ExpertParallelMoe::forward(float* out, const float* inp, int64_t N, const M
     experts(*k, w, true, nullptr);
     if (!local)
       returned[c] = communicate([this, k, C] {
-        a2a_combine(k->y.ensure(k->layout.R * C), k->yr.data(), k->plan, route_, k->scratch);
+        a2a_combine(k->y.ensure(k->layout.R * C), k->yr.data(), k->plan, route_, k->scratch,
+                    opts_.a2a_dtype);
       });
   }
   if (!local && n > 0) wait(returned[n - 1]);
@@ -252,7 +257,8 @@ void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeight
     }
     if (!local)
       landed[c] = communicate([this, k, C] {
-        a2a_dispatch(k->dyr.ensure(k->plan.R_recv * C), k->dy.data(), k->plan, route_, k->scratch);
+        a2a_dispatch(k->dyr.ensure(k->plan.R_recv * C), k->dy.data(), k->plan, route_, k->scratch,
+                     opts_.a2a_dtype);
       });
   }
   if (cfg_.shared_F > 0 && N > 0) {
@@ -266,7 +272,8 @@ void ExpertParallelMoe::backward(float* dinp, const float* dout, const MoeWeight
     experts(*k, w, false, &g);
     if (!local)
       returned[c] = communicate([this, k, C] {
-        a2a_combine(k->dxp.ensure(k->layout.R * C), k->dxr.data(), k->plan, route_, k->scratch);
+        a2a_combine(k->dxp.ensure(k->layout.R * C), k->dxr.data(), k->plan, route_, k->scratch,
+                    opts_.a2a_dtype);
       });
   }
   if (!local && n > 0) wait(returned[n - 1]);

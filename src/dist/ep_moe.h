@@ -33,6 +33,10 @@ namespace moetrain {
 struct EpOptions {
   int chunks = 1;                // token chunks per exchange (≥ 1)
   CommThread* thread = nullptr;  // runs the exchanges when set (must outlive the layer)
+  // Element type of the token rows and their gradients on the wire (F32 or BF16, half the
+  // bytes). In bf16 the rows arrive rounded; the experts and the combine still compute in f32
+  // (or in the model's precision).
+  DType a2a_dtype = DType::F32;
 };
 
 class ExpertParallelMoe final : public MoeBlock {

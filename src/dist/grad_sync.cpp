@@ -50,7 +50,9 @@ SyncRanges sync_ranges(const ParamLayout& layout, const ExpertShard& shard) {
 }
 
 GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const GradSyncConfig& cfg)
-    : dense_(dense), expert_(expert) {
+    : dense_(dense), expert_(expert), wire_(cfg.reduce_dtype) {
+  MOETRAIN_CHECK(wire_ == DType::F32 || wire_ == DType::BF16,
+                 "gradient reduction in {}: allowed are f32 and bf16", dtype_name(wire_));
   MOETRAIN_CHECK(cfg.first_bucket_bytes >= 4 && cfg.bucket_bytes >= 4,
                  "gradient buckets of {} and {} bytes: each must hold at least one float",
                  cfg.first_bucket_bytes, cfg.bucket_bytes);
@@ -132,10 +134,42 @@ void GradSync::unpack(float* flat, const float* src, const Bucket& b, int64_t lo
 
 void GradSync::reduce_bucket(std::size_t i, const float* grads) {
   const Bucket& b = buckets_[i];
+  Comm& comm = group(b);
+  const int P = comm.size(), me = comm.rank();
+  const int64_t mine = b.counts[me];
+  bytes_sent_ += (b.size - mine) * static_cast<int64_t>(dtype_size(wire_));
   float* packed = packed_.ensure(b.size);
   pack(packed, grads, b, 0, b.size);
-  ScopedTimer timer(seconds_);
-  group(b).reduce_scatter(shard_.data() + b.shard_offset, packed, b.counts);
+  float* out = shard_.data() + b.shard_offset;
+  if (wire_ == DType::F32) {
+    ScopedTimer timer(seconds_);
+    comm.reduce_scatter(out, packed, b.counts);
+    return;
+  }
+  // bf16 on the wire: chunk q of the rounded bucket to rank q; rank q's P parts summed in f32 in
+  // rank order, as Comm::reduce_scatter does for f32.
+  wire_send_.resize(static_cast<std::size_t>(b.size));
+  f32_to_bf16(wire_send_.data(), packed, static_cast<std::size_t>(b.size));
+  wire_recv_.resize(static_cast<std::size_t>(P * mine));
+  constexpr int64_t kBytes = 2;
+  std::vector<int64_t> send_counts(P), send_displs(P), recv_counts(P), recv_displs(P);
+  for (int q = 0; q < P; ++q) {
+    send_counts[q] = b.counts[q] * kBytes;
+    send_displs[q] = chunk_begin(b.size, q, P) * kBytes;
+    recv_counts[q] = mine * kBytes;
+    recv_displs[q] = q * mine * kBytes;
+  }
+  {
+    ScopedTimer timer(seconds_);
+    comm.alltoallv(wire_recv_.data(), recv_counts, recv_displs, wire_send_.data(), send_counts,
+                   send_displs);
+  }
+  const bf16* parts = wire_recv_.data();
+  for (int64_t e = 0; e < mine; ++e) out[e] = parts[e].to_float();
+  for (int q = 1; q < P; ++q) {
+    const bf16* src = parts + q * mine;
+    for (int64_t e = 0; e < mine; ++e) out[e] += src[e].to_float();
+  }
 }
 
 void GradSync::reduce_scatter(const float* grads) {
@@ -161,7 +195,8 @@ void GradSync::ready(int64_t from) {
       reduce_bucket(i, grads_);
       // The bucket's gradients are final (backward only writes lower offsets now), so its
       // reduced values can land in place while backward goes on.
-      if (gather_) allgather_into(grads_, buckets_[i], shard_.data() + buckets_[i].shard_offset);
+      if (gather_)
+        allgather_into(grads_, buckets_[i], shard_.data() + buckets_[i].shard_offset, wire_);
     });
   }
 }
@@ -201,17 +236,29 @@ void GradSync::unpack_shard(float* grads) const {
   }
 }
 
-void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine) {
+void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, DType wire) {
+  Comm& comm = group(b);
+  const int64_t n = b.counts[comm.rank()];
+  bytes_sent_ += n * (comm.size() - 1) * static_cast<int64_t>(dtype_size(wire));
   float* packed = packed_.ensure(b.size);
-  {
+  if (wire == DType::F32) {
     ScopedTimer timer(seconds_);
-    group(b).allgather(packed, mine, b.counts);
+    comm.allgather(packed, mine, b.counts);
+  } else {
+    wire_send_.resize(static_cast<std::size_t>(n));
+    f32_to_bf16(wire_send_.data(), mine, static_cast<std::size_t>(n));
+    wire_recv_.resize(static_cast<std::size_t>(b.size));
+    {
+      ScopedTimer timer(seconds_);
+      comm.allgather(wire_recv_.data(), wire_send_.data(), b.counts);
+    }
+    bf16_to_f32(packed, wire_recv_.data(), static_cast<std::size_t>(b.size));
   }
   unpack(flat, packed, b, 0, b.size);
 }
 
 void GradSync::allgather_grads(float* grads) {
-  for (const Bucket& b : buckets_) allgather_into(grads, b, shard_.data() + b.shard_offset);
+  for (const Bucket& b : buckets_) allgather_into(grads, b, shard_.data() + b.shard_offset, wire_);
 }
 
 void GradSync::allgather_params(float* params) {
@@ -220,7 +267,7 @@ void GradSync::allgather_params(float* params) {
     const int64_t n = b.counts[group(b).rank()];
     mine.resize(static_cast<std::size_t>(n));
     pack(mine.data(), params, b, b.chunk_begin, b.chunk_begin + n);
-    allgather_into(params, b, mine.data());
+    allgather_into(params, b, mine.data(), DType::F32);  // master weights stay f32
   }
 }
 

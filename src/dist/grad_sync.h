@@ -1,7 +1,8 @@
 // Data-parallel gradient reduction over the flat gradient buffer, in buckets. Every bucket is
 // reduced as reduce-scatter then all-gather (Comm sums in rank order), so plain data parallelism
 // and ZeRO-1 share one summation path and give the same bits:
-//   plain DP: reduce_scatter → (norm, clip on the shard) → allgather_grads → full optimizer step
+//   plain DP: reduce_scatter → allgather_grads → (norm on the shard; unscale, clip in place
+//             with scale_reduced) → full optimizer step
 //   ZeRO-1:   reduce_scatter → (norm, clip on the shard) → unpack_shard → step on the shard only
 //             → allgather_params
 // Replicated parameters reduce over every rank (`dense` communicator); this rank's experts over
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/dtype.h"
 #include "dist/comm.h"
 #include "dist/comm_thread.h"
 #include "dist/groups.h"
@@ -25,6 +27,12 @@ namespace moetrain {
 struct GradSyncConfig {
   int64_t first_bucket_bytes = int64_t{1} << 20;
   int64_t bucket_bytes = int64_t{25} << 20;
+  // Element type on the wire for the gradient reduce-scatter and all-gather: F32 or BF16. In
+  // bf16 every rank's gradients are rounded to bf16 before they are sent (its own chunk too, so
+  // the sum is symmetric in the ranks), summed in f32 in rank order, and the reduced chunks are
+  // all-gathered as bf16 again (each rank's own chunk included, so every rank holds the same
+  // bits). Half the bytes; bucket sizes stay in f32 bytes. Parameters (ZeRO-1) travel in f32.
+  DType reduce_dtype = DType::F32;
 };
 
 // Elements [offset, offset + size) of the flat buffer.
@@ -70,8 +78,7 @@ class GradSync {
   // waits). The result is the bits reduce_scatter gives. While buckets are in flight only
   // `thread` may call MPI. gather (plain data parallelism): each bucket's reduced chunks are also
   // all-gathered back into `grads` right after its reduce-scatter, so that both halves of the
-  // traffic overlap backward; grads then holds what allgather_grads would give (unclipped: see
-  // scale_reduced).
+  // traffic overlap backward; grads then holds what allgather_grads would give.
   void begin(CommThread& thread, float* grads, bool gather);
   void ready(int64_t from);
   void finish();
@@ -80,8 +87,8 @@ class GradSync {
   double shard_sum_squares() const;
   bool shard_has_non_finite() const;
   void scale_shard(float scale);
-  // grads at every reduced position *= scale: after a gathering begin(), the same bits as
-  // scale_shard followed by allgather_grads (one multiply per element either way).
+  // grads at every reduced position *= scale (plain DP scales the gathered gradients in place,
+  // so that the overlapped and the blocking paths give the same bits).
   void scale_reduced(float* grads, float scale) const;
   // grads at the shard's flat positions = the shard.
   void unpack_shard(float* grads) const;
@@ -93,12 +100,14 @@ class GradSync {
   std::vector<ShardPiece> shard_pieces() const;
 
   double seconds() const { return seconds_; }  // spent in the collective calls so far
+  // Bytes this rank has sent to other ranks so far (reductions, gradient and parameter gathers).
+  int64_t bytes_sent() const { return bytes_sent_; }
 
  private:
   Comm& group(const Bucket& b) const { return b.expert ? expert_ : dense_; }
   void pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const;
   void unpack(float* flat, const float* src, const Bucket& b, int64_t lo, int64_t hi) const;
-  void allgather_into(float* flat, const Bucket& b, const float* mine);
+  void allgather_into(float* flat, const Bucket& b, const float* mine, DType wire);
   void reduce_bucket(std::size_t i, const float* grads);
 
   Comm& dense_;
@@ -112,7 +121,10 @@ class GradSync {
   int64_t shard_size_ = 0;
   std::vector<float> shard_;
   FloatBuffer packed_;
+  DType wire_ = DType::F32;
+  std::vector<bf16> wire_send_, wire_recv_;  // bf16 reduction: packed bucket, received parts
   double seconds_ = 0;
+  int64_t bytes_sent_ = 0;
 };
 
 }  // namespace moetrain

@@ -1,13 +1,22 @@
-// Checkpoint directories. A checkpoint is RUN_DIR/checkpoints/step_NNNNNNNN/ holding
-//   model.safetensors      parameters under their Hugging Face names
+// Checkpoints: world-size independent, written by every rank in parallel, checksummed, committed
+// atomically. A checkpoint is RUN_DIR/checkpoints/step_NNNNNNNN/ holding
+//   model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+//                          parameters under their Hugging Face names, whole tensors (transformers'
+//                          sharded layout when several ranks write them)
+//   optimizer[-0000i-of-0000n].safetensors   optimizer moments, "<state>.<parameter name>", whole
+//                          tensors or element ranges of them (ZeRO-1 slices)
+//   state[-0000i-of-0000n].safetensors       training state that is not a parameter
 //   config.json            the model in MixtralConfig form (plus moetrain's own run config)
-//   optimizer.safetensors  optimizer moments, by "<state>.<parameter name>"
-//   state.safetensors      training state that is not a parameter (router biases, ...)
-//   trainer_state.json     step, seeds, config hash, optimizer step count
-//   manifest.json          every file above with its size and CRC-32, written last
-// The directory is built under a temporary name, fsynced, and renamed into place; the file
-// RUN_DIR/checkpoints/latest is updated after that. A checkpoint without a valid manifest, or
-// whose files do not match it, is refused and the previous complete one is used.
+//   trainer_state.json     step, schedule and data position, seeds, config hash, global batch
+//   manifest.json          every file with its size and CRC-32C, every tensor with its pieces
+// Every tensor is saved by global name and global element range, so a checkpoint written by N
+// processes loads on any M: each rank reads the ranges it needs, wherever they were written.
+//
+// Commit protocol (write_checkpoint): every rank writes its files into checkpoints/.tmp_step_N/;
+// rank 0 then writes the JSON files and, last, manifest.json; fsyncs the directory and renames it
+// to step_N (the commit point), then writes `latest`. A directory without a valid manifest, a
+// leftover .tmp_ one, or one whose files do not match the manifest is refused, and the previous
+// complete checkpoint is used.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -18,10 +27,66 @@
 #include <nlohmann/json.hpp>
 
 #include "core/tensor.h"
+#include "dist/comm.h"
 
 namespace moetrain {
 
-// A named float tensor in the caller's memory: written from, or read into.
+// Elements [begin, end) of the flattened float tensor `name`, whose whole shape is `shape`,
+// in the caller's memory (end − begin floats at data): written from, or read into.
+struct TensorPiece {
+  std::string name;
+  Shape shape;
+  int64_t begin = 0, end = 0;
+  float* data = nullptr;
+};
+
+// A whole tensor as one piece.
+TensorPiece whole_tensor(std::string name, Shape shape, float* data);
+
+// The pieces one rank writes (each element of each tensor by exactly one rank), or wants to read
+// (any ranges). Three file families: parameters, optimizer state, other training state.
+struct CheckpointShare {
+  std::vector<TensorPiece> model, optimizer, state;
+};
+
+// The JSON documents of a checkpoint (rank 0's are written).
+struct CheckpointDocs {
+  nlohmann::json config;   // config.json
+  nlohmann::json trainer;  // trainer_state.json
+};
+
+std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
+
+// Collective over comm. Writes this rank's share, then (rank 0) the docs and the manifest, commits
+// the checkpoint for `step`, points `latest` at it and removes all but the newest `keep`.
+// Throws on every rank if any rank fails, or if the ranks' pieces do not cover every element of
+// every tensor exactly once. Returns the checkpoint's directory.
+std::filesystem::path write_checkpoint(Comm& comm, const std::filesystem::path& run_dir,
+                                       int64_t step, const CheckpointShare& mine,
+                                       const CheckpointDocs& docs, int64_t keep);
+
+// Verifies a checkpoint directory against its manifest: every file's size, every file's CRC-32C,
+// every tensor's pieces. With a communicator (collective), each rank checksums a share of the
+// files and all throw the same message if any fails. Throws naming the file and what is wrong.
+void verify_checkpoint(const std::filesystem::path& dir, Comm* comm = nullptr);
+
+// The newest complete checkpoint of a run: `latest` if it verifies, else the newest older one
+// that does (each refusal is logged with its reason). nullopt if there is none. Collective when
+// given a communicator: every rank returns the same answer.
+std::optional<std::filesystem::path> find_latest_checkpoint(const std::filesystem::path& run_dir,
+                                                            Comm* comm = nullptr);
+
+// A JSON file of a checkpoint (config.json, trainer_state.json, manifest.json).
+nlohmann::json read_checkpoint_json(const std::filesystem::path& dir, const std::string& file);
+
+// Fills every piece of `into` from the saved pieces that overlap it (any layout, any ranges).
+// Throws if a tensor is missing, has another shape, or an element is not covered. Does not
+// verify checksums: do that first (find_latest_checkpoint and verify_checkpoint do).
+void read_checkpoint_pieces(const std::filesystem::path& dir, const CheckpointShare& into);
+
+// --- One process -------------------------------------------------------------------------------
+
+// A named whole tensor in the caller's memory.
 struct NamedTensor {
   std::string name;
   Shape shape;
@@ -36,26 +101,12 @@ struct CheckpointContents {
   nlohmann::json trainer;  // trainer_state.json
 };
 
-std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
-
-// Writes the checkpoint for `step` atomically, points `latest` at it, and removes all but the
-// newest `keep` complete checkpoints. Returns its directory.
+// write_checkpoint by a single process holding everything.
 std::filesystem::path write_checkpoint(const std::filesystem::path& run_dir, int64_t step,
                                        const CheckpointContents& contents, int64_t keep);
 
-// Verifies a checkpoint directory against its manifest (sizes and CRC-32s); throws naming the
-// file and what is wrong.
-void verify_checkpoint(const std::filesystem::path& dir);
-
-// The newest complete checkpoint of a run: `latest` if it verifies, else the newest older one
-// that does (each refusal is logged with its reason). nullopt if there is none.
-std::optional<std::filesystem::path> find_latest_checkpoint(const std::filesystem::path& run_dir);
-
-// Reads config.json and trainer_state.json only (to rebuild a model before loading tensors).
-nlohmann::json read_checkpoint_json(const std::filesystem::path& dir, const std::string& file);
-
-// Fills every tensor listed in `into` from the checkpoint (names and shapes must match exactly;
-// an empty group is not read). Also fills into.config / into.trainer. Verifies first.
+// Verifies, then fills every tensor listed in `into` (an empty group is not read) and
+// into.config / into.trainer.
 void read_checkpoint(const std::filesystem::path& dir, CheckpointContents& into);
 
 }  // namespace moetrain

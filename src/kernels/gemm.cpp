@@ -53,12 +53,21 @@ struct KeyHash {
 };
 
 std::mutex g_cache_mutex;
-// oneDNN runs bf16 matmul only on CPUs with AVX512_BF16 / AMX (or its emulation on AVX-512).
-// Elsewhere bf16 operands are widened to f32: the products of bf16 values are exact in f32, so
-// the result is the same, only the speed-up is lost — which is said once, at the first call.
-std::atomic<int> g_bf16_native{-1};
+// oneDNN runs bf16 matmul only on CPUs with AVX512_BF16 / AMX (or its emulation on AVX-512), and
+// f16 matmul only where the CPU has AVX512_FP16. Elsewhere the 16-bit operands are widened to
+// f32: the product of two bf16 (8-bit significand) or two fp16 (11-bit) values is exact in f32,
+// so the result is that of a low-precision-input, f32-accumulate GEMM, only the speed-up is lost
+// — which is said once per type, at its first call. Indexed by dtype code; -1 = not yet asked.
+std::atomic<int> g_native[3] = {1, -1, -1};
 std::unordered_map<Key, dnnl::matmul, KeyHash> g_cache;
 std::atomic<int64_t> g_built{0};
+
+constexpr dt data_type(int code) {
+  return code == 0 ? dt::f32 : code == 1 ? dt::bf16 : dt::f16;
+}
+constexpr const char* code_name(int code) {
+  return code == 0 ? "f32" : code == 1 ? "bf16" : "fp16";
+}
 
 // Strides of a row-major (rows, cols) view of a matrix stored transposed or not with leading dim
 // ld.
@@ -70,7 +79,7 @@ const dnnl::matmul& primitive(const Key& k) {
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   auto it = g_cache.find(k);
   if (it != g_cache.end()) return it->second;
-  dt in_type = k.dtype == 0 ? dt::f32 : dt::bf16;
+  dt in_type = data_type(k.dtype);
   dnnl::memory::desc a_md({k.M, k.K}, in_type, strides_of(k.ta, k.lda));
   dnnl::memory::desc b_md({k.K, k.N}, in_type, strides_of(k.tb, k.ldb));
   dnnl::memory::desc c_md({k.M, k.N}, dt::f32, {k.ldc, 1});
@@ -85,16 +94,16 @@ const dnnl::matmul& primitive(const Key& k) {
     pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), attr, engine());
   } catch (const dnnl::error& e) {
     MOETRAIN_FAIL("oneDNN matmul ({}x{}x{}, {}) cannot be created: {}", k.M == kRuntime ? -1 : k.M,
-                  k.N, k.K == kRuntime ? -1 : k.K, k.dtype == 0 ? "f32" : "bf16", e.what());
+                  k.N, k.K == kRuntime ? -1 : k.K, code_name(k.dtype), e.what());
   }
   ++g_built;
   return g_cache.emplace(k, dnnl::matmul(pd)).first->second;
 }
 
-bool bf16_native() {
-  int v = g_bf16_native.load();
+bool native(int code) {
+  int v = g_native[code].load();
   if (v < 0) {
-    dnnl::memory::desc md({1, 1}, dt::bf16, {1, 1});
+    dnnl::memory::desc md({1, 1}, data_type(code), {1, 1});
     dnnl::memory::desc cd({1, 1}, dt::f32, {1, 1});
     try {
       dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(md, md, cd), engine());
@@ -102,17 +111,18 @@ bool bf16_native() {
     } catch (const dnnl::error&) {
       v = 0;
       log_warn(
-          "oneDNN has no bf16 matmul on this CPU ({}): bf16 GEMM operands are widened to f32 "
-          "(same result, no bf16 speed-up)",
-          gemm_backend_info());
+          "oneDNN has no {} matmul on this CPU ({}): {} GEMM operands are widened to f32 "
+          "(same result, no speed-up)",
+          code_name(code), gemm_backend_info(), code_name(code));
     }
-    g_bf16_native = v;
+    g_native[code] = v;
   }
   return v == 1;
 }
 
 // Widens a (rows, cols) matrix with leading dim ld into a packed f32 buffer.
-void widen(std::vector<float>& out, const bf16* in, int64_t rows, int64_t cols, int64_t ld) {
+template <typename T>
+void widen(std::vector<float>& out, const T* in, int64_t rows, int64_t cols, int64_t ld) {
   out.resize(static_cast<std::size_t>(rows * cols));
 #pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
   for (int64_t r = 0; r < rows; ++r)
@@ -121,7 +131,7 @@ void widen(std::vector<float>& out, const bf16* in, int64_t rows, int64_t cols, 
 
 template <typename T>
 constexpr int dtype_code() {
-  return std::is_same_v<T, float> ? 0 : 1;
+  return std::is_same_v<T, float> ? 0 : std::is_same_v<T, bf16> ? 1 : 2;
 }
 
 // Runs C = op(A) op(B) [+ C]. runtime_m / runtime_k bind that dimension (and the leading dims
@@ -136,8 +146,8 @@ void run_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, con
     }
     return;
   }
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (!bf16_native()) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (!native(dtype_code<T>())) {
       thread_local std::vector<float> a32, b32;
       widen(a32, A, ta ? K : M, ta ? M : K, lda);
       widen(b32, B, tb ? N : K, tb ? K : N, ldb);
@@ -158,7 +168,7 @@ void run_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, con
     if (tb) key.ldb = kRuntime;
   }
   const dnnl::matmul& prim = primitive(key);
-  dt in_type = dtype_code<T>() == 0 ? dt::f32 : dt::bf16;
+  dt in_type = data_type(dtype_code<T>());
   dnnl::memory a({{M, K}, in_type, strides_of(ta, lda)}, engine(), const_cast<T*>(A));
   dnnl::memory b({{K, N}, in_type, strides_of(tb, ldb)}, engine(), const_cast<T*>(B));
   dnnl::memory c({{M, N}, dt::f32, {ldc, 1}}, engine(), C);
@@ -219,6 +229,29 @@ void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const bf16* A, co
   gemm_impl(ta, tb, M, N, K, A, B, C, accumulate, lda, ldb, ldc);
 }
 
+void gemm(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const fp16* A, const fp16* B,
+          float* C, bool accumulate, int64_t lda, int64_t ldb, int64_t ldc) {
+  gemm_impl(ta, tb, M, N, K, A, B, C, accumulate, lda, ldb, ldc);
+}
+void gemm(DType t, Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const void* A,
+          const void* B, float* C, bool accumulate, int64_t lda, int64_t ldb, int64_t ldc) {
+  switch (t) {
+    case DType::F32:
+      return gemm(ta, tb, M, N, K, static_cast<const float*>(A), static_cast<const float*>(B), C,
+                  accumulate, lda, ldb, ldc);
+    case DType::BF16:
+      return gemm(ta, tb, M, N, K, static_cast<const bf16*>(A), static_cast<const bf16*>(B), C,
+                  accumulate, lda, ldb, ldc);
+    case DType::F16:
+      return gemm(ta, tb, M, N, K, static_cast<const fp16*>(A), static_cast<const fp16*>(B), C,
+                  accumulate, lda, ldb, ldc);
+  }
+}
+
+bool gemm_is_native(DType t) {
+  return native(t == DType::F32 ? 0 : t == DType::BF16 ? 1 : 2);
+}
+
 void linear_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t IC,
                     int64_t OC) {
   gemm(Trans::N, Trans::T, N, OC, IC, inp, weight, out, false);
@@ -238,12 +271,21 @@ void grouped_gemm(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, c
                   const bf16* B, int64_t b_stride, float* C, bool accumulate) {
   grouped_impl(tb, G, M, N, K, A, B, b_stride, C, accumulate);
 }
+void grouped_gemm(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const fp16* A,
+                  const fp16* B, int64_t b_stride, float* C, bool accumulate) {
+  grouped_impl(tb, G, M, N, K, A, B, b_stride, C, accumulate);
+}
 void grouped_gemm_reduce(int64_t G, const int64_t* M, int64_t P, int64_t Q, const float* A,
                          const float* B, float* C, int64_t c_stride, bool accumulate) {
   grouped_reduce_impl(G, M, P, Q, A, B, C, c_stride, accumulate);
 }
 void grouped_gemm_reduce(int64_t G, const int64_t* M, int64_t P, int64_t Q, const bf16* A,
                          const bf16* B, float* C, int64_t c_stride, bool accumulate) {
+  grouped_reduce_impl(G, M, P, Q, A, B, C, c_stride, accumulate);
+}
+
+void grouped_gemm_reduce(int64_t G, const int64_t* M, int64_t P, int64_t Q, const fp16* A,
+                         const fp16* B, float* C, int64_t c_stride, bool accumulate) {
   grouped_reduce_impl(G, M, P, Q, A, B, C, c_stride, accumulate);
 }
 

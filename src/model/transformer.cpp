@@ -23,6 +23,9 @@ struct Transformer::LayerActs {
   std::vector<float> ln2, rstd2;  // (N, C), (N)
   std::vector<float> ffn;         // (N, C) MoE or dense output
   std::vector<float> h1, h3, g;   // dense blocks only: (N, Fd) each
+  // Mixed precision: GEMM inputs rounded, kept for the weight gradients. (N, C), (N, NH·HS),
+  // (N, C) dense blocks only, (N, Fd) dense blocks only.
+  HalfBuffer ln1_lp, att_lp, ln2_lp, g_lp;
 };
 
 Transformer::Transformer(const ModelConfig& cfg, const MoeFactory& make_moe)
@@ -39,6 +42,21 @@ Transformer::Transformer(const ModelConfig& cfg, const MoeFactory& make_moe)
 }
 
 Transformer::~Transformer() = default;
+
+void Transformer::set_precision(DType t) {
+  lp_ = t;
+  lp_stale_ = true;
+}
+
+const void* Transformer::lp_weight(int64_t offset) const {
+  return static_cast<const char*>(params_lp_.data()) + offset * 2;
+}
+
+const void* Transformer::rounded(HalfBuffer& buf, const float* x, int64_t n) {
+  void* p = buf.ensure(n);
+  f32_to_dtype(lp_, p, x, static_cast<std::size_t>(n));
+  return p;
+}
 
 std::vector<MoeBlock*> Transformer::moe_layers() {
   std::vector<MoeBlock*> out;
@@ -86,6 +104,29 @@ MoeWeights moe_weights(float* base, const LayerOffsets& o) {
 }
 }  // namespace
 
+namespace {
+// The layer's MoE weights with, in mixed precision, their rounded copies in lp_base (the same
+// offsets, 2-byte elements).
+MoeWeights moe_weights_of(float* base, const LayerOffsets& o, DType lp, const void* lp_base) {
+  MoeWeights w = moe_weights(base, o);
+  if (lp == DType::F32) return w;
+  auto at = [lp_base](int64_t off) -> const void* {
+    return off < 0 ? nullptr : static_cast<const char*>(lp_base) + off * 2;
+  };
+  w.lp = lp;
+  w.w1_lp = at(o.w1), w.w3_lp = at(o.w3), w.w2_lp = at(o.w2);
+  w.shared_w1_lp = at(o.shared_w1), w.shared_w3_lp = at(o.shared_w3);
+  w.shared_w2_lp = at(o.shared_w2);
+  return w;
+}
+
+// C (M, N) = A (M, K) · Bᵀ: the forward of a layer with weights stored (OC, IC), in t.
+void lp_linear(DType t, float* out, const void* inp, const void* w, int64_t N, int64_t IC,
+               int64_t OC) {
+  gemm(t, Trans::N, Trans::T, N, OC, IC, inp, w, out, false);
+}
+}  // namespace
+
 LossParts Transformer::forward(const float* params, const int32_t* inputs, const int32_t* targets,
                                int64_t B, int64_t T, const MoeStep& step) {
   MOETRAIN_CHECK(B > 0 && T > 0, "forward: batch {} and sequence {} must be positive", B, T);
@@ -101,6 +142,22 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   for (int64_t i = 0; i < N; ++i) pos_[i] = static_cast<int32_t>(i % T);
   float* P =
       const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads them
+  const bool mixed = lp_ != DType::F32;
+  if (mixed && (lp_stale_ || params != lp_source_)) {
+    f32_to_dtype(lp_, params_lp_.ensure(layout_.size()), params,
+                 static_cast<std::size_t>(layout_.size()));
+    lp_source_ = params;
+    lp_stale_ = false;
+  }
+  // out (N, OC) = inp (N, IC) · Wᵀ; in mixed precision from inp_lp, inp rounded.
+  auto linear = [&](float* out, const float* inp, const void* inp_lp, int64_t w, int64_t IC,
+                    int64_t OC) {
+    if (mixed) {
+      lp_linear(lp_, out, inp_lp, lp_weight(w), N, IC, OC);
+    } else {
+      linear_forward(out, inp, params + w, N, IC, OC);
+    }
+  };
 
   embedding_forward(resid_.data(), inputs_.data(), params + layout_.embed, N, C, V);
   LossParts parts;
@@ -110,35 +167,40 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
     const float* x = resid_.data() + l * N * C;
     float* x_out = resid_.data() + (l + 1) * N * C;
     rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, params + o.ln1, N, C, eps);
-    linear_forward(a.q.data(), a.ln1.data(), params + o.wq, N, C, QD);
-    linear_forward(a.k.data(), a.ln1.data(), params + o.wk, N, C, KD);
-    linear_forward(a.v.data(), a.ln1.data(), params + o.wv, N, C, KD);
+    const void* ln1 = mixed ? rounded(a.ln1_lp, a.ln1.data(), N * C) : nullptr;
+    linear(a.q.data(), a.ln1.data(), ln1, o.wq, C, QD);
+    linear(a.k.data(), a.ln1.data(), ln1, o.wk, C, KD);
+    linear(a.v.data(), a.ln1.data(), ln1, o.wv, C, KD);
     rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta);
     rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta);
     attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV,
                       HS);
-    linear_forward(a.xmid.data(), a.att.data(), params + o.wo, N, QD, C);
+    const void* att = mixed ? rounded(a.att_lp, a.att.data(), N * QD) : nullptr;
+    linear(a.xmid.data(), a.att.data(), att, o.wo, QD, C);
     for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
     rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), params + o.ln2, N, C, eps);
     if (moe_index_[l] >= 0) {
       MoeBlock& moe = *moe_[moe_index_[l]];
       MoeStep s = step;
       s.layer = static_cast<uint64_t>(l);
-      moe.forward(a.ffn.data(), a.ln2.data(), N, moe_weights(P, o), s);
+      moe.forward(a.ffn.data(), a.ln2.data(), N, moe_weights_of(P, o, lp_, params_lp_.data()), s);
       parts.aux += moe.aux_loss();
       parts.z += moe.z_loss();
     } else {
       const int64_t Fd = cfg_.dense_ffn_hidden();
-      linear_forward(a.h1.data(), a.ln2.data(), params + o.mlp_w1, N, C, Fd);
-      linear_forward(a.h3.data(), a.ln2.data(), params + o.mlp_w3, N, C, Fd);
+      const void* ln2 = mixed ? rounded(a.ln2_lp, a.ln2.data(), N * C) : nullptr;
+      linear(a.h1.data(), a.ln2.data(), ln2, o.mlp_w1, C, Fd);
+      linear(a.h3.data(), a.ln2.data(), ln2, o.mlp_w3, C, Fd);
       swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd);
-      linear_forward(a.ffn.data(), a.g.data(), params + o.mlp_w2, N, Fd, C);
+      const void* g = mixed ? rounded(a.g_lp, a.g.data(), N * Fd) : nullptr;
+      linear(a.ffn.data(), a.g.data(), g, o.mlp_w2, Fd, C);
     }
     for (int64_t i = 0; i < N * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
   }
   rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + cfg_.n_layers * N * C,
                   params + layout_.final_norm, N, C, eps);
-  linear_forward(logits_.data(), lnf_.data(), params + layout_.lm_head, N, C, V);
+  const void* lnf = mixed ? rounded(lnf_lp_, lnf_.data(), N * C) : nullptr;
+  linear(logits_.data(), lnf_.data(), lnf, layout_.lm_head, C, V);
   const int64_t n_moe = cfg_.n_moe_layers();
   if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
   if (!targets) return parts;
@@ -159,6 +221,20 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
   const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
   const float theta = static_cast<float>(cfg_.rope_theta);
   float* P = const_cast<float*>(params);
+  const bool mixed = lp_ != DType::F32;
+  // dinp (N, IC) = (or += with acc) dout (N, OC) · W (may be null); dweight (OC, IC) += doutᵀ ·
+  // inp. In mixed precision dout is rounded here and inp_lp is the forward's rounded inp.
+  auto linear_bwd = [&](float* dinp, bool acc, float* dweight, const float* dout, const float* inp,
+                        const void* inp_lp, int64_t w, int64_t IC, int64_t OC) {
+    if (!mixed) {
+      if (dinp) gemm(Trans::N, Trans::N, N, IC, OC, dout, params + w, dinp, acc);
+      gemm(Trans::T, Trans::N, OC, IC, N, dout, inp, dweight, true);
+      return;
+    }
+    const void* d = rounded(dout_lp_, dout, N * OC);
+    if (dinp) gemm(lp_, Trans::N, Trans::N, N, IC, OC, d, lp_weight(w), dinp, acc);
+    gemm(lp_, Trans::T, Trans::N, OC, IC, N, d, inp_lp, dweight, true);
+  };
 
   int64_t counted = 0;
   for (int64_t i = 0; i < N; ++i) counted += targets_[i] >= 0;
@@ -167,8 +243,8 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
                              counted ? loss_weight / static_cast<float>(counted) : 0.f);
   softmax_xent_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(),
                         targets_.data(), N, V);
-  linear_backward(dln_.data(), grads + layout_.lm_head, dlogits_.data(), lnf_.data(),
-                  params + layout_.lm_head, N, C, V);
+  linear_bwd(dln_.data(), false, grads + layout_.lm_head, dlogits_.data(), lnf_.data(),
+             lnf_lp_.data(), layout_.lm_head, C, V);
   rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(),
                    resid_.data() + cfg_.n_layers * N * C, params + layout_.final_norm,
                    rstdf_.data(), N, C);
@@ -183,34 +259,35 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
     const float* x = resid_.data() + l * N * C;
     // dresid_ holds ∂L/∂(block output); it flows unchanged into the FFN output and the residual.
     if (moe_index_[l] >= 0) {
-      moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(), moe_weights(P, o),
+      moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(),
+                                    moe_weights_of(P, o, lp_, params_lp_.data()),
                                     moe_weights(grads, o), moe_weight);
     } else {
       const int64_t Fd = cfg_.dense_ffn_hidden();
-      linear_backward(dg_.data(), grads + o.mlp_w2, dresid_.data(), a.g.data(), params + o.mlp_w2,
-                      N, Fd, C);
+      linear_bwd(dg_.data(), false, grads + o.mlp_w2, dresid_.data(), a.g.data(), a.g_lp.data(),
+                 o.mlp_w2, Fd, C);
       swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
-      linear_backward(dln_.data(), grads + o.mlp_w1, dh1_.data(), a.ln2.data(), params + o.mlp_w1,
-                      N, C, Fd);
-      gemm(Trans::N, Trans::N, N, C, Fd, dh3_.data(), params + o.mlp_w3, dln_.data(), true);
-      linear_backward(nullptr, grads + o.mlp_w3, dh3_.data(), a.ln2.data(), params + o.mlp_w3, N, C,
-                      Fd);
+      linear_bwd(dln_.data(), false, grads + o.mlp_w1, dh1_.data(), a.ln2.data(), a.ln2_lp.data(),
+                 o.mlp_w1, C, Fd);
+      linear_bwd(dln_.data(), true, grads + o.mlp_w3, dh3_.data(), a.ln2.data(), a.ln2_lp.data(),
+                 o.mlp_w3, C, Fd);
     }
     rmsnorm_backward(dxmid_.data(), grads + o.ln2, dln_.data(), a.xmid.data(), params + o.ln2,
                      a.rstd2.data(), N, C);
     for (int64_t i = 0; i < N * C; ++i) dxmid_[i] += dresid_[i];
 
-    linear_backward(datt_.data(), grads + o.wo, dxmid_.data(), a.att.data(), params + o.wo, N, QD,
-                    C);
+    linear_bwd(datt_.data(), false, grads + o.wo, dxmid_.data(), a.att.data(), a.att_lp.data(),
+               o.wo, QD, C);
     attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(),
                        a.v.data(), a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
     rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
     rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
-    linear_backward(dln_.data(), grads + o.wq, dq_.data(), a.ln1.data(), params + o.wq, N, C, QD);
-    gemm(Trans::N, Trans::N, N, C, KD, dk_.data(), params + o.wk, dln_.data(), true);
-    gemm(Trans::N, Trans::N, N, C, KD, dv_.data(), params + o.wv, dln_.data(), true);
-    linear_backward(nullptr, grads + o.wk, dk_.data(), a.ln1.data(), params + o.wk, N, C, KD);
-    linear_backward(nullptr, grads + o.wv, dv_.data(), a.ln1.data(), params + o.wv, N, C, KD);
+    linear_bwd(dln_.data(), false, grads + o.wq, dq_.data(), a.ln1.data(), a.ln1_lp.data(), o.wq, C,
+               QD);
+    linear_bwd(dln_.data(), true, grads + o.wk, dk_.data(), a.ln1.data(), a.ln1_lp.data(), o.wk, C,
+               KD);
+    linear_bwd(dln_.data(), true, grads + o.wv, dv_.data(), a.ln1.data(), a.ln1_lp.data(), o.wv, C,
+               KD);
     rmsnorm_backward(dresid_.data(), grads + o.ln1, dln_.data(), x, params + o.ln1, a.rstd1.data(),
                      N, C);
     for (int64_t i = 0; i < N * C; ++i) dresid_[i] += dxmid_[i];

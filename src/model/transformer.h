@@ -52,12 +52,26 @@ class Transformer {
   std::vector<MoeBlock*> moe_layers();
   int64_t moe_index(int64_t layer) const { return moe_index_[layer]; }  // −1 for dense layers
 
+  // Mixed precision. F32 (the default) computes everything in f32. BF16 / F16: every GEMM of
+  // the model (projections, experts, dense FFN, LM head) takes its operands rounded to that type
+  // — the activations, and a copy of the weights refreshed from the f32 parameters — and
+  // accumulates in f32; embedding, norms, RoPE, attention scores and softmax, the router, the
+  // losses and every gradient stay f32. The router computes in f32 even then: its top-k
+  // decisions are discontinuous, and rounding its inputs would flip near-tied choices.
+  void set_precision(DType t);
+  DType precision() const { return lp_; }
+  // The weight copy is rebuilt at the next forward: call after changing the parameters in place
+  // (an optimizer step, a load). A forward with a different params pointer rebuilds it anyway.
+  void weights_changed() { lp_stale_ = true; }
+
   // Model FLOPs per token for forward+backward (6·active params + attention), for MFU.
   double flops_per_token(int64_t T) const;
 
  private:
   struct LayerActs;
   void ensure_capacity(int64_t N);
+  const void* lp_weight(int64_t offset) const;                      // into params_lp_
+  const void* rounded(HalfBuffer& buf, const float* x, int64_t n);  // x rounded to lp_
 
   ModelConfig cfg_;
   ParamLayout layout_;
@@ -68,6 +82,11 @@ class Transformer {
   int64_t B_ = 0, T_ = 0;
   bool have_targets_ = false;
   std::function<void(int64_t)> grads_ready_;
+  DType lp_ = DType::F32;
+  HalfBuffer params_lp_;  // (layout size) the parameters rounded to lp_
+  const float* lp_source_ = nullptr;
+  bool lp_stale_ = true;
+  HalfBuffer lnf_lp_, dout_lp_;  // (N, C), backward scratch (N, max output width)
 
   std::vector<int32_t> inputs_, targets_, pos_;
   std::vector<float>

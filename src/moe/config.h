@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <string_view>
 
+#include "core/dtype.h"
+
 namespace moetrain {
 
 enum class RouterKind { TopKSoftmax, NoisyTopK, ExpertChoice, SigmoidBias };
@@ -44,6 +46,16 @@ struct MoeWeights {
   float* shared_w1 = nullptr;  // (Fs, C)
   float* shared_w3 = nullptr;  // (Fs, C)
   float* shared_w2 = nullptr;  // (C, Fs)
+  // Mixed precision: the expert weights rounded to `lp` (bf16 or fp16), same shapes, which the
+  // expert GEMMs then use with low-precision activations. F32 (the default): the experts compute
+  // in f32 and these stay null. The gate has no copy: the router always computes in f32.
+  DType lp = DType::F32;
+  const void* w1_lp = nullptr;         // (E, F, C)
+  const void* w3_lp = nullptr;         // (E, F, C)
+  const void* w2_lp = nullptr;         // (E, C, F)
+  const void* shared_w1_lp = nullptr;  // (Fs, C)
+  const void* shared_w3_lp = nullptr;  // (Fs, C)
+  const void* shared_w2_lp = nullptr;  // (C, Fs)
 };
 
 // Number of floats behind each MoeWeights field (0 for a field the config does not use).

@@ -28,34 +28,47 @@ void check_counts(const int64_t* M, int64_t G, const char* what) {
   }
 }
 
+inline float to_f(float x) {
+  return x;
+}
+inline float to_f(bf16 x) {
+  return x.to_float();
+}
+inline float to_f(fp16 x) {
+  return x.to_float();
+}
+
 }  // namespace
 
-void task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* C,
+template <class T>
+void task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B, float* C,
                bool accumulate) {
   if (!is_small_gemm(M, N, K)) {
     grouped_gemm(tb, 1, &M, N, K, A, B, 0, C, accumulate);
     return;
   }
   for (int64_t m = 0; m < M; ++m) {
-    const float* a = A + m * K;
+    const T* a = A + m * K;
     float* c = C + m * N;
     if (tb == Trans::T) {
       for (int64_t n = 0; n < N; ++n) {
         float s = 0.0f;
-        for (int64_t k = 0; k < K; ++k) s += a[k] * B[n * K + k];
+        for (int64_t k = 0; k < K; ++k) s += to_f(a[k]) * to_f(B[n * K + k]);
         c[n] = accumulate ? c[n] + s : s;
       }
     } else {
       if (!accumulate) std::memset(c, 0, sizeof(float) * N);
       for (int64_t k = 0; k < K; ++k) {
-        const float* b = B + k * N;
-        for (int64_t n = 0; n < N; ++n) c[n] += a[k] * b[n];
+        const T* b = B + k * N;
+        const float ak = to_f(a[k]);
+        for (int64_t n = 0; n < N; ++n) c[n] += ak * to_f(b[n]);
       }
     }
   }
 }
 
-void task_gemm_reduce(int64_t M, int64_t P, int64_t Q, const float* A, const float* B, float* C,
+template <class T>
+void task_gemm_reduce(int64_t M, int64_t P, int64_t Q, const T* A, const T* B, float* C,
                       bool accumulate) {
   if (!is_small_gemm(M, P, Q)) {
     grouped_gemm_reduce(1, &M, P, Q, A, B, C, 0, accumulate);
@@ -64,11 +77,38 @@ void task_gemm_reduce(int64_t M, int64_t P, int64_t Q, const float* A, const flo
   if (!accumulate) std::memset(C, 0, sizeof(float) * P * Q);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t p = 0; p < P; ++p) {
-      const float a = A[m * P + p];
-      for (int64_t q = 0; q < Q; ++q) C[p * Q + q] += a * B[m * Q + q];
+      const float a = to_f(A[m * P + p]);
+      for (int64_t q = 0; q < Q; ++q) C[p * Q + q] += a * to_f(B[m * Q + q]);
     }
   }
 }
+
+template void task_gemm(Trans, int64_t, int64_t, int64_t, const float*, const float*, float*, bool);
+template void task_gemm(Trans, int64_t, int64_t, int64_t, const bf16*, const bf16*, float*, bool);
+template void task_gemm(Trans, int64_t, int64_t, int64_t, const fp16*, const fp16*, float*, bool);
+template void task_gemm_reduce(int64_t, int64_t, int64_t, const float*, const float*, float*, bool);
+template void task_gemm_reduce(int64_t, int64_t, int64_t, const bf16*, const bf16*, float*, bool);
+template void task_gemm_reduce(int64_t, int64_t, int64_t, const fp16*, const fp16*, float*, bool);
+
+namespace {
+// One reduce task on the problem's operand type.
+void reduce_task(const ReduceProblem& pr, const RowBlock& rows, float* out, bool accumulate) {
+  const int64_t es = static_cast<int64_t>(dtype_size(pr.dtype));
+  const char* a = static_cast<const char*>(pr.A) + rows.row0 * pr.P * es;
+  const char* b = static_cast<const char*>(pr.B) + rows.row0 * pr.Q * es;
+  switch (pr.dtype) {
+    case DType::F32:
+      return task_gemm_reduce(rows.rows, pr.P, pr.Q, reinterpret_cast<const float*>(a),
+                              reinterpret_cast<const float*>(b), out, accumulate);
+    case DType::BF16:
+      return task_gemm_reduce(rows.rows, pr.P, pr.Q, reinterpret_cast<const bf16*>(a),
+                              reinterpret_cast<const bf16*>(b), out, accumulate);
+    case DType::F16:
+      return task_gemm_reduce(rows.rows, pr.P, pr.Q, reinterpret_cast<const fp16*>(a),
+                              reinterpret_cast<const fp16*>(b), out, accumulate);
+  }
+}
+}  // namespace
 
 std::vector<RowBlock> row_blocks(const int64_t* M, int64_t G) {
   check_counts(M, G, "row_blocks");
@@ -141,8 +181,7 @@ void grouped_gemm_reduce_det(int64_t G, const int64_t* M, const ReduceProblem* p
     const Task& t = tasks[i];
     const ReduceProblem& pr = problems[t.problem];
     float* out = t.partial < 0 ? pr.C + t.rows.group * pr.c_stride : partials + t.partial;
-    task_gemm_reduce(t.rows.rows, pr.P, pr.Q, pr.A + t.rows.row0 * pr.P, pr.B + t.rows.row0 * pr.Q,
-                     out, t.partial < 0 && accumulate);
+    reduce_task(pr, t.rows, out, t.partial < 0 && accumulate);
   }
   if (scratch_floats == 0) return;
   // Partials of one (problem, group) follow its direct task in the list, in chunk order.

@@ -24,10 +24,13 @@ inline bool is_small_gemm(int64_t M, int64_t N, int64_t K) {
 
 // One product of a task: C (M, N) = A (M, K) · op(B) (K, N) [+ C], all packed. Single-threaded
 // (plain loops when small, else oneDNN, which must then be called inside a parallel region).
-void task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* C,
+// T: float, bf16 or fp16 operands; f32 accumulation and output.
+template <class T>
+void task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B, float* C,
                bool accumulate);
 // C (P, Q) = Aᵀ (P, M) · B (M, Q) [+ C], all packed. As task_gemm.
-void task_gemm_reduce(int64_t M, int64_t P, int64_t Q, const float* A, const float* B, float* C,
+template <class T>
+void task_gemm_reduce(int64_t M, int64_t P, int64_t Q, const T* A, const T* B, float* C,
                       bool accumulate);
 
 // Rows [row0, row0 + rows) of the packed buffer, all in group `group`.
@@ -47,12 +50,14 @@ void grouped_gemm_det(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t 
 
 // One weight-gradient product over the groups: C_g (P, Q) [+]= A_gᵀ (P, M_g) · B_g (M_g, Q),
 // C_g = C + g·c_stride, A_g (M_g, P) and B_g (M_g, Q) packed group after group.
+// A and B hold elements of `dtype` (mixed precision: bf16 or fp16 operands, f32 C).
 struct ReduceProblem {
   int64_t P = 0, Q = 0;
-  const float* A = nullptr;
-  const float* B = nullptr;
+  const void* A = nullptr;
+  const void* B = nullptr;
   float* C = nullptr;
   int64_t c_stride = 0;
+  DType dtype = DType::F32;
 };
 // Runs several problems that share the groups' row counts in one parallel pass. A group with
 // M_g = 0 is left untouched when accumulating, zeroed otherwise (as grouped_gemm_reduce).

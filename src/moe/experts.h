@@ -18,18 +18,28 @@ struct ExpertRange {
   float* w1 = nullptr;  // (count, F, C)
   float* w3 = nullptr;  // (count, F, C)
   float* w2 = nullptr;  // (count, C, F)
+  // Mixed precision (see MoeWeights::lp): copies of w1, w3, w2 in `lp` at expert `first`.
+  DType lp = DType::F32;
+  const void* w1_lp = nullptr;  // (count, F, C)
+  const void* w3_lp = nullptr;  // (count, F, C)
+  const void* w2_lp = nullptr;  // (count, C, F)
 };
 // Experts [first, first + count) of a layer's full weight (or gradient) views.
 ExpertRange expert_range(const MoeWeights& w, const MoeConfig& cfg, int64_t first, int64_t count);
 // The shared expert as a one-expert range (Fs = cfg.shared_F).
 ExpertRange shared_expert_range(const MoeWeights& w);
 
-// What experts_backward needs from the forward, and its scratch. All (rows, F).
+// What experts_backward needs from the forward, and its scratch. All (rows, F) but xp_lp and
+// dy_lp (rows, C). The *_lp buffers are used in mixed precision only: the GEMM operands rounded
+// to the weights' lp type (the rounded xp and g are what the weight gradients need).
 struct ExpertActs {
   FloatBuffer a, b, g;     // W1·x, W3·x, silu(a) ⊙ b
   FloatBuffer dg, da, db;  // backward scratch
+  HalfBuffer xp_lp, g_lp, dy_lp, da_lp, db_lp;
 };
 
+// In mixed precision (w.lp bf16 or fp16) every GEMM takes its operands rounded to w.lp and
+// accumulates in f32; SwiGLU and its gradient stay f32.
 // y (R, C) = experts over xp (R, C), where the rows of expert first+i are the next counts[i]
 // rows (R = Σ counts). counts (w.count). F is the hidden size. Bitwise the same for any thread
 // count (see det_gemm.h).

@@ -265,7 +265,8 @@ void router_backward(float* dinp, float* dgate, float* dnoise, const RouterGrads
     grouped_gemm_det(Trans::N, 1, &N, C, E, dl, gate, 0, dinp, true);
     if (cache.noisy) grouped_gemm_det(Trans::N, 1, &N, C, E, dnl, noise, 0, dinp, true);
   }
-  const ReduceProblem problems[2] = {{E, C, dl, inp, dgate, 0}, {E, C, dnl, inp, dnoise, 0}};
+  const ReduceProblem problems[2] = {{E, C, dl, inp, dgate, 0, DType::F32},
+                                     {E, C, dnl, inp, dnoise, 0, DType::F32}};
   grouped_gemm_reduce_det(1, &N, problems, cache.noisy ? 2 : 1, true);
 }
 

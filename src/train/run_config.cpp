@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <nlohmann/json.hpp>
 
@@ -70,6 +71,11 @@ ConfigSchema schema(RunConfig& c) {
       {"train.threads", &t.threads},
       {"train.run_dir", &t.run_dir},
       {"train.progress", &t.progress},
+      {"train.precision", &t.precision},
+      {"train.loss_scale_init", &t.loss_scale_init},
+      {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
+      {"train.loss_scale_growth_factor", &t.loss_scale_growth_factor},
+      {"train.loss_scale_backoff_factor", &t.loss_scale_backoff_factor},
       {"dist.ep", &c.dist.ep},
       {"dist.zero", &c.dist.zero},
       {"dist.bucket_first_mb", &c.dist.bucket_first_mb},
@@ -78,6 +84,11 @@ ConfigSchema schema(RunConfig& c) {
       {"dist.ranks_per_node", &c.dist.ranks_per_node},
       {"dist.a2a_chunks", &c.dist.a2a_chunks},
       {"dist.overlap", &c.dist.overlap},
+      {"dist.collective_warn", &c.dist.collective_warn},
+      {"dist.collective_timeout", &c.dist.collective_timeout},
+      {"dist.debug_collectives", &c.dist.debug_collectives},
+      {"dist.grad_reduce_dtype", &c.dist.grad_reduce_dtype},
+      {"dist.a2a_dtype", &c.dist.a2a_dtype},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -161,7 +172,11 @@ void RunConfig::validate() const {
   MOETRAIN_CHECK(
       t.progress == "auto" || t.progress == "bar" || t.progress == "lines" || t.progress == "off",
       "train.progress = '{}': allowed are auto, bar, lines, off", t.progress);
+  t.precision_dtype();
+  if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
   optim.validate();
+  parse_dtype(dist.grad_reduce_dtype, "dist.grad_reduce_dtype", {DType::F32, DType::BF16});
+  parse_dtype(dist.a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
   MOETRAIN_CHECK(dist.ep >= 1, "dist.ep = {}: must be ≥ 1", dist.ep);
   MOETRAIN_CHECK(dist.zero == 0 || dist.zero == 1,
                  "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)", dist.zero);
@@ -173,6 +188,25 @@ void RunConfig::validate() const {
                  dist.ranks_per_node);
   MOETRAIN_CHECK(dist.a2a_chunks >= 1 && dist.a2a_chunks <= 64,
                  "dist.a2a_chunks = {}: must be in [1, 64]", dist.a2a_chunks);
+  MOETRAIN_CHECK(std::isfinite(dist.collective_warn) && dist.collective_warn >= 0,
+                 "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
+                 dist.collective_warn);
+  MOETRAIN_CHECK(std::isfinite(dist.collective_timeout) && dist.collective_timeout >= 0,
+                 "dist.collective_timeout = {}: must be seconds ≥ 0 (0 = never abort)",
+                 dist.collective_timeout);
+}
+
+DType TrainConfig::precision_dtype() const {
+  return parse_dtype(precision, "train.precision");
+}
+
+LossScaleConfig TrainConfig::loss_scale() const {
+  LossScaleConfig c;
+  c.init = loss_scale_init;
+  c.growth_interval = loss_scale_growth_interval;
+  c.growth_factor = loss_scale_growth_factor;
+  c.backoff_factor = loss_scale_backoff_factor;
+  return c;
 }
 
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where) {
@@ -190,11 +224,21 @@ nlohmann::json RunConfig::to_json() const {
 std::string RunConfig::config_hash() const {
   nlohmann::json j = to_json();
   // What may change between a run and its resumption without changing what is computed.
-  for (const char* k : {"steps", "eval_every", "eval_batches", "checkpoint_every",
+  // grad_accum: a resumed run on another process count sets it to keep the global batch, which
+  // the checkpoint records and the resume checks instead.
+  for (const char* k : {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
                         "keep_checkpoints", "threads", "run_dir", "progress"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");
+  // f32 runs hash as they did before mixed precision existed (their checkpoints still resume);
+  // the loss-scale settings only matter in fp16.
+  if (train.precision_dtype() != DType::F16) {
+    for (const char* k : {"loss_scale_init", "loss_scale_growth_interval",
+                          "loss_scale_growth_factor", "loss_scale_backoff_factor"})
+      j["train"].erase(k);
+  }
+  if (train.precision_dtype() == DType::F32) j["train"].erase("precision");
   std::string s = j.dump();
   uint64_t h = 1469598103934665603ull;
   for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;

@@ -8,7 +8,9 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "core/dtype.h"
 #include "model/config.h"
+#include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/config_schema.h"
@@ -54,6 +56,16 @@ struct TrainConfig {
   int64_t threads = 0;  // 0 = cores / local processes
   std::string run_dir = "runs/default";
   std::string progress = "auto";  // auto | bar | lines | off
+  // Mixed precision (Transformer::set_precision): f32 | bf16 | fp16. fp16 adds dynamic loss
+  // scaling with the loss_scale_* settings (optim/loss_scale.h); they are ignored otherwise.
+  std::string precision = "f32";
+  double loss_scale_init = 65536.0;
+  int64_t loss_scale_growth_interval = 2000;
+  double loss_scale_growth_factor = 2.0;
+  double loss_scale_backoff_factor = 0.5;
+
+  DType precision_dtype() const;  // precision parsed (validated with the rest)
+  LossScaleConfig loss_scale() const;
 };
 
 // How a run under mpirun spreads over its processes (ignored by a single process). World =
@@ -72,6 +84,18 @@ struct DistSettings {
   int64_t a2a_chunks = 1;
   // Reduce gradient buckets on a communication thread while backward produces the next ones.
   bool overlap = true;
+  // The collective watchdog (dist/watchdog.h), seconds a collective may wait: a warning after
+  // collective_warn, after collective_timeout the job is aborted for `moetrain launch` to
+  // restart (0 = off).
+  double collective_warn = 60;
+  double collective_timeout = 300;
+  // Ranks compare a fingerprint of every collective before it runs (slower; for debugging).
+  bool debug_collectives = false;
+  // Element type of the data-parallel gradient reduction on the wire (f32 | bf16): bf16 halves
+  // the bytes; the sums are still taken in f32, in rank order.
+  std::string grad_reduce_dtype = "f32";
+  // Element type of the expert all-to-all payloads (token rows and their gradients): f32 | bf16.
+  std::string a2a_dtype = "f32";
 };
 
 struct RunConfig {

@@ -16,6 +16,7 @@
 #include "dist/alltoall.h"
 #include "dist/comm_thread.h"
 #include "dist/ep_moe.h"
+#include "dist/fault.h"
 #include "dist/grad_sync.h"
 #include "dist/groups.h"
 #include "dist/runtime.h"
@@ -77,6 +78,35 @@ std::unique_ptr<TokenShard> open_shard(const DataConfig& data, const char* file)
   return std::make_unique<TokenShard>(p);
 }
 
+// Which rank writes each tensor of the layout (layout order) into checkpoints: an expert's, a rank
+// of the EDP group that holds it (experts spread over its DP ranks); a replicated tensor, the
+// rank with the fewest bytes so far, biggest tensors first, so that all ranks write about as much.
+std::vector<int> checkpoint_writers(const ParamLayout& layout, const ParallelLayout& pl,
+                                    int64_t E) {
+  const std::vector<ParamInfo>& params = layout.params();
+  std::vector<int> writer(params.size(), 0);
+  std::vector<int64_t> bytes(static_cast<std::size_t>(pl.world), 0);
+  std::vector<std::size_t> replicated;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params[i];
+    if (p.expert < 0) {
+      replicated.push_back(i);
+      continue;
+    }
+    const int ep_index = static_cast<int>(p.expert / (E / pl.ep));
+    const int dp_index = static_cast<int>(p.expert % pl.dp);
+    writer[i] = dp_index * pl.ep + ep_index;
+    bytes[writer[i]] += p.numel;
+  }
+  std::stable_sort(replicated.begin(), replicated.end(),
+                   [&](std::size_t a, std::size_t b) { return params[a].numel > params[b].numel; });
+  for (std::size_t i : replicated) {
+    writer[i] = static_cast<int>(std::min_element(bytes.begin(), bytes.end()) - bytes.begin());
+    bytes[writer[i]] += params[i].numel;
+  }
+  return writer;
+}
+
 double imbalance(const std::vector<int64_t>& load) {
   if (load.empty()) return 1.0;
   int64_t mx = 0, sum = 0;
@@ -125,7 +155,6 @@ LoadedModel load_model(const fs::path& dir) {
                    dir.string());
     ckpt = *latest;
   }
-  verify_checkpoint(ckpt);
   nlohmann::json config = read_checkpoint_json(ckpt, "config.json");
   MOETRAIN_CHECK(config.contains("moetrain"),
                  "{}/config.json: no 'moetrain' section (not written by moetrain)", ckpt.string());
@@ -150,7 +179,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   pg_ =
       std::make_unique<ProcessGroups>(make_process_groups(*world_, static_cast<int>(cfg_.dist.ep)));
   const ParallelLayout& pl = pg_->layout;
-  ExpertShard shard{0, cfg_.model.n_experts};
+  ExpertShard& shard = expert_shard_;
+  shard = {0, cfg_.model.n_experts};
   MoeFactory factory;
   if (W > 1) {
     if (cfg_.model.n_moe_layers() > 0)
@@ -163,6 +193,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     }
     EpOptions ep_opts;
     ep_opts.chunks = static_cast<int>(cfg_.dist.a2a_chunks);
+    ep_opts.a2a_dtype = parse_dtype(cfg_.dist.a2a_dtype, "dist.a2a_dtype");
     if (ep_opts.chunks > 1 || cfg_.dist.overlap) {
       // MPI runs SERIALIZED: once gradient buckets reduce during backward, the all-to-alls must
       // go through the same thread.
@@ -174,6 +205,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     };
   }
   model_ = std::make_unique<Transformer>(cfg_.model, factory);
+  model_->set_precision(cfg_.train.precision_dtype());
+  if (cfg_.train.precision_dtype() == DType::F16)
+    scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());
   const ParamLayout& layout = model_->layout();
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
   grads_.assign(params_.size(), 0.0f);
@@ -185,25 +219,25 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   for (const FlatRange& r : ranges.expert) own_experts_.push_back({r.offset, r.size});
   std::vector<OptimPiece> pieces;
   if (W == 1) {
-    pieces.push_back({0, layout.size(), true});
+    pieces.push_back({0, layout.size()});
   } else {
     GradSyncConfig gc;
     gc.first_bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_first_mb * 1024 * 1024);
     gc.bucket_bytes = static_cast<int64_t>(cfg_.dist.bucket_mb * 1024 * 1024);
+    gc.reduce_dtype = parse_dtype(cfg_.dist.grad_reduce_dtype, "dist.grad_reduce_dtype");
     sync_ = std::make_unique<GradSync>(ranges, *pg_->grads, *pg_->expert_grads, gc);
     if (cfg_.dist.overlap)
       model_->set_grads_ready_hook([this](int64_t from) { sync_->ready(from); });
     if (cfg_.dist.zero == 1) {
       for (const ShardPiece& p : sync_->shard_pieces())
-        pieces.push_back({p.range.offset, p.range.size, true});
+        pieces.push_back({p.range.offset, p.range.size});
     } else {
-      // Replicated everywhere: rank 0 writes them. Experts: the first rank of their EDP group.
-      for (const FlatRange& r : ranges.dense) pieces.push_back({r.offset, r.size, pl.rank == 0});
-      for (const FlatRange& r : ranges.expert)
-        pieces.push_back({r.offset, r.size, pl.dp_index == 0});
+      for (const FlatRange& r : ranges.dense) pieces.push_back({r.offset, r.size});
+      for (const FlatRange& r : ranges.expert) pieces.push_back({r.offset, r.size});
     }
   }
   optimizer_ = std::make_unique<ShardedOptimizer>(oc, groups_, std::move(pieces));
+  writers_ = checkpoint_writers(layout, pl, cfg_.model.n_experts);
 
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps));
 
@@ -227,14 +261,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue it, or "
       "choose another train.run_dir (or remove that one)",
       cfg_.train.run_dir);
-  std::optional<fs::path> ckpt = resume ? find_latest_checkpoint(cfg_.train.run_dir) : std::nullopt;
-  // Every rank must resume from the same checkpoint (or none).
-  int64_t found = ckpt ? 1 : 0;
-  pg_->control->allreduce(&found, 1);
-  MOETRAIN_CHECK(found == 0 || found == W,
-                 "only {} of {} processes see a checkpoint in {}: the run directory must be "
-                 "the same shared directory for all",
-                 found, W, cfg_.train.run_dir);
+  // Collective: every rank gets the same checkpoint (or none).
+  std::optional<fs::path> ckpt =
+      resume ? find_latest_checkpoint(cfg_.train.run_dir, pg_->control.get()) : std::nullopt;
   if (ckpt) {
     load_checkpoint(*ckpt);
   } else {
@@ -242,6 +271,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     if (pl.rank == 0)
       std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::trunc);
   }
+  check_ranks_agree();
   if (pl.rank == 0)
     write_file_atomic(fs::path(cfg_.train.run_dir) / "config.json", cfg_.to_json().dump(2) + "\n");
 
@@ -272,26 +302,81 @@ bool Trainer::distributed() const {
   return world_->size() > 1;
 }
 
-void Trainer::ensure_full_state() {
-  full_state_.resize(optimizer_->state_names().size());
-  for (auto& v : full_state_) v.assign(params_.size(), 0.0f);
-}
-
 Trainer::~Trainer() = default;
 
-CheckpointContents Trainer::checkpoint_views() {
-  CheckpointContents c;
-  const ParamLayout& layout = model_->layout();
-  c.model = model_views(layout, params_.data());
-  const auto& names = optimizer_->state_names();
-  if (distributed() && full_state_.size() != names.size()) ensure_full_state();
-  for (std::size_t s = 0; s < names.size(); ++s) {
-    float* base =
-        distributed() ? full_state_[s].data() : optimizer_->whole_state(static_cast<int>(s)).data();
-    for (const auto& p : layout.params())
-      c.optimizer.push_back({names[s] + "." + p.name, p.shape, base + p.offset});
+CheckpointShare Trainer::checkpoint_share(bool reading) {
+  CheckpointShare share;
+  const std::vector<ParamInfo>& params = model_->layout().params();
+  const int me = rank();
+  auto holds = [&](const ParamInfo& p) {
+    return p.expert < 0 || (p.expert >= expert_shard_.first &&
+                            p.expert < expert_shard_.first + expert_shard_.count);
+  };
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params[i];
+    if (reading ? holds(p) : writers_[i] == me)
+      share.model.push_back(whole_tensor(p.name, p.shape, params_.data() + p.offset));
   }
-  c.state = bias_views(*model_);
+  // Optimizer state by parameter name and element range: this rank's pieces cut at tensor
+  // boundaries (the alignment gaps between tensors hold no state worth keeping: always zero).
+  // Under ZeRO-1 the pieces of all ranks tile the buffer; otherwise state is replicated like the
+  // parameters and each tensor's writer saves it.
+  const bool sharded = distributed() && cfg_.dist.zero == 1;
+  const std::vector<std::string>& names = optimizer_->state_names();
+  const std::vector<OptimPiece>& pieces = optimizer_->pieces();
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    const int64_t from = pieces[k].offset, to = from + pieces[k].size;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const ParamInfo& p = params[i];
+      const int64_t lo = std::max(from, p.offset), hi = std::min(to, p.offset + p.numel);
+      if (lo >= hi || (!reading && !sharded && writers_[i] != me)) continue;
+      for (std::size_t s = 0; s < names.size(); ++s)
+        share.optimizer.push_back(
+            {names[s] + "." + p.name, p.shape, lo - p.offset, hi - p.offset,
+             optimizer_->piece_state(k, static_cast<int>(s)).data() + (lo - from)});
+    }
+  }
+  if (reading || me == 0)
+    for (const NamedTensor& t : bias_views(*model_))
+      share.state.push_back(whole_tensor(t.name, t.shape, t.data));
+  return share;
+}
+
+nlohmann::json Trainer::trainer_state() const {
+  const int64_t B = cfg_.train.batch_size, A = cfg_.train.grad_accum, W = world_size();
+  nlohmann::json t = {
+      {"step", step_},
+      {"config_hash", cfg_.config_hash()},
+      {"seed", cfg_.train.seed},
+      {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
+      {"schedule",
+       {{"position", step_}, {"total_steps", cfg_.train.steps}, {"next_lr", schedule_->lr(step_)}}},
+      // Batches are a pure function of (seed, step, row of the global batch): the next step and
+      // the global batch say where the data stands, whatever the layout.
+      {"data",
+       {{"next_step", step_},
+        {"global_batch", B * A * W},
+        {"batch_size", B},
+        {"seq_len", cfg_.train.seq_len},
+        {"train_tokens", train_shard_->size()}}},
+      // Every random stream is counter-based (seed, step, purpose): the seed and the step are
+      // the whole generator state.
+      {"rng", {{"seed", cfg_.train.seed}, {"next_step", step_}}},
+      {"layout",
+       {{"processes", W},
+        {"ep", pg_->layout.ep},
+        {"dp", pg_->layout.dp},
+        {"zero", cfg_.dist.zero},
+        {"grad_accum", A}}}};
+  if (scaler_) {
+    t["loss_scale"] = {{"scale", scaler_->raw_scale()},
+                       {"good_steps", scaler_->good_steps()},
+                       {"skipped_steps", scaler_->skipped_steps()}};
+  }
+  return t;
+}
+
+CheckpointDocs Trainer::checkpoint_docs() const {
   nlohmann::json hf = cfg_.model.to_hf_json();
   if (std::string why; !cfg_.model.hf_mixtral_compatible(&why)) {
     // Claiming Mixtral would let transformers load this model and compute something else (drop
@@ -302,56 +387,61 @@ CheckpointContents Trainer::checkpoint_views() {
     hf["moetrain_note"] = fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
   }
   hf["moetrain"] = cfg_.to_json();
-  c.config = hf;
-  c.trainer = {{"step", step_},
-               {"config_hash", cfg_.config_hash()},
-               {"seed", cfg_.train.seed},
-               {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
-               {"data", {{"next_step", step_}, {"train_tokens", train_shard_->size()}}}};
-  return c;
+  return {hf, trainer_state()};
 }
 
 fs::path Trainer::save_checkpoint() {
-  if (!distributed())
-    return write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(),
-                            cfg_.train.keep_checkpoints);
-  // Rank 0 assembles the whole model and optimizer state: experts from the first rank of each
-  // EDP group, optimizer state from each element's writer.
-  Comm& control = *pg_->control;
-  const bool root = control.rank() == 0;
-  std::vector<FlatPiece> experts;
-  if (pg_->layout.dp_index == 0)
-    for (auto [offset, size] : own_experts_)
-      experts.push_back({offset, size, params_.data() + offset});
-  gather_pieces(control, experts, params_.data());
-  if (root) ensure_full_state();
-  for (std::size_t s = 0; s < optimizer_->state_names().size(); ++s)
-    optimizer_->gather_state(control, static_cast<int>(s), root ? full_state_[s].data() : nullptr);
-  fs::path dir = checkpoint_dir(cfg_.train.run_dir, step_);
-  if (root)
-    dir = write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(),
-                           cfg_.train.keep_checkpoints);
-  full_state_.clear();
-  control.barrier();  // the checkpoint is complete when any rank returns
-  return dir;
+  // Every rank writes its own pieces; the checkpoint is complete when any rank returns.
+  return write_checkpoint(*pg_->control, cfg_.train.run_dir, step_, checkpoint_share(false),
+                          checkpoint_docs(), cfg_.train.keep_checkpoints);
+}
+
+void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir) {
+  const std::string where = (dir / "trainer_state.json").string();
+  auto need = [&](const nlohmann::json& j, const char* key) -> const nlohmann::json& {
+    MOETRAIN_CHECK(j.is_object() && j.contains(key), "{}: no '{}'", where, key);
+    return j.at(key);
+  };
+  const std::string hash = need(t, "config_hash").get<std::string>();
+  MOETRAIN_CHECK(hash == cfg_.config_hash(),
+                 "{} was written with a different configuration (hash {} vs this run's {}): resume "
+                 "with the same model, optimizer and batch settings, or use a new train.run_dir",
+                 dir.string(), hash, cfg_.config_hash());
+  step_ = need(t, "step").get<int64_t>();
+  optimizer_->set_step_count(need(need(t, "optimizer"), "step_count").get<int64_t>());
+  if (scaler_ && t.contains("loss_scale")) {
+    const nlohmann::json& ls = t["loss_scale"];
+    scaler_->restore(ls.value("scale", 1.0), ls.value("good_steps", int64_t{0}),
+                     ls.value("skipped_steps", int64_t{0}));
+  }
+
+  // The global batch stays what it was: a different number of processes changes the number of
+  // micro-batches per step (the windows of a step do not depend on how they are split).
+  const nlohmann::json& data = need(t, "data");
+  const int64_t global = need(data, "global_batch").get<int64_t>();
+  const int64_t per_micro = cfg_.train.batch_size * world_size();
+  MOETRAIN_CHECK(global > 0 && global % per_micro == 0,
+                 "{} was trained with a global batch of {} sequences per step; {} processes x "
+                 "train.batch_size {} = {} sequences per micro-batch do not divide it: resume on a "
+                 "process count that does",
+                 dir.string(), global, world_size(), cfg_.train.batch_size, per_micro);
+  if (global / per_micro != cfg_.train.grad_accum)
+    log_info(
+        "train.grad_accum = {} instead of {}: {} processes keep the global batch of {} "
+        "sequences per step",
+        global / per_micro, cfg_.train.grad_accum, world_size(), global);
+  cfg_.train.grad_accum = global / per_micro;
+  if (data.value("train_tokens", uint64_t{0}) != train_shard_->size())
+    log_warn("{}: the training data had {} tokens, {} has {}: batches will differ", where,
+             data.value("train_tokens", uint64_t{0}), train_shard_->path().string(),
+             train_shard_->size());
 }
 
 void Trainer::load_checkpoint(const fs::path& dir) {
-  CheckpointContents c = checkpoint_views();
-  read_checkpoint(dir, c);
-  std::string hash = c.trainer.value("config_hash", std::string());
-  MOETRAIN_CHECK(hash == cfg_.config_hash(),
-                 "{} was written with a different configuration (hash {} vs this run's {}): resume "
-                 "with the same "
-                 "model, optimizer and batch settings, or use a new train.run_dir",
-                 dir.string(), hash, cfg_.config_hash());
-  step_ = c.trainer.value("step", int64_t{0});
-  optimizer_->set_step_count(c.trainer["optimizer"].value("step_count", int64_t{0}));
-  if (distributed()) {
-    for (std::size_t s = 0; s < full_state_.size(); ++s)
-      optimizer_->load_state(static_cast<int>(s), full_state_[s].data());
-    full_state_.clear();
-  }
+  restore_trainer_state(read_checkpoint_json(dir, "trainer_state.json"), dir);
+  // Each rank reads the ranges it holds, from whichever files hold them.
+  read_checkpoint_pieces(dir, checkpoint_share(true));
+  model_->weights_changed();  // the low-precision weight copies follow the loaded weights
   if (rank() != 0) return;
   // Metrics past the checkpoint belong to a run that is being replaced.
   fs::path mpath = fs::path(cfg_.train.run_dir) / "metrics.jsonl";
@@ -367,12 +457,31 @@ void Trainer::load_checkpoint(const fs::path& dir) {
   log_info("resumed from {} at step {}", dir.string(), step_);
 }
 
+void Trainer::check_ranks_agree() {
+  Comm& comm = *pg_->control;
+  if (comm.size() == 1) return;
+  const uint64_t hash = std::stoull(cfg_.config_hash(), nullptr, 16);
+  std::vector<int64_t> hashes = comm.allgather_one(static_cast<int64_t>(hash));
+  std::vector<int64_t> steps = comm.allgather_one(step_);
+  for (int q = 1; q < comm.size(); ++q) {
+    MOETRAIN_CHECK(hashes[q] == hashes[0],
+                   "rank {} has configuration hash {:016x}, rank 0 has {:016x}: every process "
+                   "must run the same model, optimizer and batch settings",
+                   q, static_cast<uint64_t>(hashes[q]), static_cast<uint64_t>(hashes[0]));
+    MOETRAIN_CHECK(steps[q] == steps[0],
+                   "rank {} starts at step {}, rank 0 at step {}: the processes resumed from "
+                   "different checkpoints",
+                   q, steps[q], steps[0]);
+  }
+}
+
 double Trainer::train_step() {
   const int64_t B = cfg_.train.batch_size, T = cfg_.train.seq_len, A = cfg_.train.grad_accum;
   const int64_t E = cfg_.model.n_experts;
   const int W = world_size();
   BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
   std::fill(grads_.begin(), grads_.end(), 0.0f);
+  const int64_t sync_bytes_before = sync_ ? sync_->bytes_sent() : 0;
   LossParts sum;
   auto moe = model_->moe_layers();
   std::vector<std::vector<int64_t>> load(moe.size(),
@@ -381,7 +490,10 @@ double Trainer::train_step() {
   last_a2a_s_ = 0, last_a2a_wait_s_ = 0;
   // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
   // (the reduction) then gives the mean.
-  const float loss_weight = 1.0f / static_cast<float>(A * W);
+  // fp16: the loss is scaled so that small gradients survive the fp16 GEMM operands.
+  last_scale_ = scaler_ ? scaler_->scale() : 1.0;
+  last_skipped_ = false;
+  const float loss_weight = static_cast<float>(last_scale_) / static_cast<float>(A * W);
   for (int64_t micro = 0; micro < A; ++micro) {
     loader.fill(step_, micro, inputs_.data(), targets_.data());
     MoeStep ms;
@@ -411,16 +523,30 @@ double Trainer::train_step() {
   last_lr_ = schedule_->lr(step_);
   if (W == 1) {
     const int64_t n = static_cast<int64_t>(grads_.size());
-    MOETRAIN_CHECK(!has_non_finite(grads_.data(), n),
-                   "step {}: non-finite gradient; stopping. The last good checkpoint is kept in "
-                   "{}/checkpoints",
-                   step_ + 1, cfg_.train.run_dir);
-    last_grad_norm_ = cfg_.optim.grad_clip > 0
-                          ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
-                          : grad_norm(grads_.data(), n);
-    optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+    const bool bad = has_non_finite(grads_.data(), n);
+    if (scaler_) {
+      last_skipped_ = !scaler_->update(bad);
+      if (!last_skipped_) scale_gradients(grads_.data(), n, static_cast<float>(1.0 / last_scale_));
+    } else {
+      MOETRAIN_CHECK(!bad,
+                     "step {}: non-finite gradient; stopping. The last good checkpoint is kept in "
+                     "{}/checkpoints",
+                     step_ + 1, cfg_.train.run_dir);
+    }
+    if (!last_skipped_) {
+      last_grad_norm_ = cfg_.optim.grad_clip > 0
+                            ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
+                            : grad_norm(grads_.data(), n);
+      optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+    }
   } else {
     distributed_update(static_cast<float>(last_lr_));
+  }
+  if (last_skipped_) {
+    log_warn("step {}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
+             step_ + 1, last_scale_, scaler_->raw_scale());
+  } else {
+    model_->weights_changed();
   }
   if (cfg_.model.moe().router == RouterKind::SigmoidBias && !moe.empty()) {
     std::vector<int64_t> global(moe.size() * E);
@@ -452,6 +578,11 @@ double Trainer::train_step() {
                          {"z", sum.z},
                          {"lr", last_lr_},
                          {"grad_norm", last_grad_norm_}};
+  if (scaler_) {
+    line["loss_scale"] = last_scale_;
+    line["skipped"] = last_skipped_;
+  }
+  if (sync_) line["grad_sync_bytes"] = sync_->bytes_sent() - sync_bytes_before;
   line["tokens_per_expert"] = load;
   line["dropped_fraction"] = dropped;
   double imb = 0;
@@ -465,15 +596,35 @@ void Trainer::distributed_update(float lr) {
   const double sync_before = sync_->seconds();
   Timer wall;
   double update_s = 0;
+  // Plain DP: the reduced gradients are gathered into grads_ before any scaling (during
+  // backward with overlap, right after the reduce-scatter without), and the unscale and clip
+  // multiply them in place: the same bits either way, whatever the wire type. ZeRO-1 scales the
+  // shard it updates.
+  const bool plain = cfg_.dist.zero == 0;
   if (cfg_.dist.overlap) {
     sync_->finish();
   } else {
     sync_->reduce_scatter(grads_.data());
+    if (plain) sync_->allgather_grads(grads_.data());
   }
+  auto scale = [&](double factor) {
+    sync_->scale_shard(static_cast<float>(factor));  // the norm is taken over the shard
+    if (plain) sync_->scale_reduced(grads_.data(), static_cast<float>(factor));
+  };
   // Every element of the global gradient lies in exactly one rank's shard: the norm and the
   // non-finite check are sums over shards, the same bits on every rank.
   int64_t bad = sync_->shard_has_non_finite() ? 1 : 0;
   pg_->control->allreduce(&bad, 1);
+  if (scaler_) {
+    // The summed flag: every rank takes the same decision and keeps the same scale.
+    last_skipped_ = !scaler_->update(bad > 0);
+    if (last_skipped_) {
+      last_sync_s_ = sync_->seconds() - sync_before;
+      last_sync_exposed_s_ = wall.seconds();
+      return;
+    }
+    scale(1.0 / last_scale_);
+  }
   MOETRAIN_CHECK(
       bad == 0,
       "step {}: non-finite gradient on {} process(es); stopping. The last good checkpoint is "
@@ -482,15 +633,11 @@ void Trainer::distributed_update(float lr) {
   double sq = sync_->shard_sum_squares();
   pg_->control->allreduce(&sq, 1);
   last_grad_norm_ = std::sqrt(sq);
-  // Plain DP with overlap gathered each bucket during backward; otherwise the shard is clipped
-  // and gathered below. Either way one multiply per element: the same bits.
-  const bool gathered = cfg_.dist.overlap && cfg_.dist.zero == 0;
   if (cfg_.optim.grad_clip > 0) {
     const double coef = clip_coefficient(last_grad_norm_, cfg_.optim.grad_clip);
-    if (coef != 1.0 && gathered) sync_->scale_reduced(grads_.data(), static_cast<float>(coef));
-    if (coef != 1.0 && !gathered) sync_->scale_shard(static_cast<float>(coef));
+    if (coef != 1.0) scale(coef);
   }
-  if (cfg_.dist.zero == 1) {
+  if (!plain) {
     sync_->unpack_shard(grads_.data());
     {
       ScopedTimer timer(update_s);
@@ -498,7 +645,6 @@ void Trainer::distributed_update(float lr) {
     }
     sync_->allgather_params(params_.data());
   } else {
-    if (!gathered) sync_->allgather_grads(grads_.data());
     ScopedTimer timer(update_s);
     optimizer_->step(params_.data(), grads_.data(), lr);
   }
@@ -525,6 +671,7 @@ TrainResult Trainer::run(int64_t stop_at) {
   while (step_ < total) {
     Timer t;
     result.final_loss = train_step();
+    fault_point("step", step_);
     double dt = t.seconds();
     train_seconds += dt;
     pending_metrics_["step_time_s"] = dt;

@@ -12,8 +12,10 @@
 #include <nlohmann/json.hpp>
 
 #include "dist/comm.h"
+#include "dist/groups.h"
 #include "io/checkpoint.h"
 #include "model/transformer.h"
+#include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/run_config.h"
@@ -25,7 +27,6 @@ class GradSync;
 class ShardedOptimizer;
 struct A2aHierarchy;
 class CommThread;
-struct ProcessGroups;
 
 struct TrainResult {
   int64_t first_step = 0;  // the step the run started from (> 0 when resumed)
@@ -60,8 +61,9 @@ double evaluate(Transformer& model, const float* params, const TokenShard& shard
 // World = DP × EP (dist.ep): each process reads its own train.batch_size sequences per
 // micro-batch, experts are sharded over the EP group (dist/ep_moe.h), gradients are reduced over
 // the processes holding each parameter (dist/grad_sync.h) and averaged, so a run on P processes
-// follows the single-process run with a P times larger batch. Only rank 0 writes metrics,
-// progress and checkpoints; a checkpoint holds the whole model whatever the layout.
+// follows the single-process run with a P times larger batch. Only rank 0 writes metrics and
+// progress; every rank writes its share of each checkpoint, which holds the whole model and loads
+// on any layout (io/checkpoint.h).
 class Trainer {
  public:
   // resume: continue from the run directory's latest complete checkpoint if there is one.
@@ -84,17 +86,28 @@ class Trainer {
   // This rank's experts as flat ranges (every expert on a single process).
   const std::vector<std::pair<int64_t, int64_t>>& own_expert_ranges() const { return own_experts_; }
 
-  // The checkpoint's contents as views into this trainer's buffers (used to save and to load).
-  CheckpointContents checkpoint_views();
+  // fp16 runs: the dynamic loss scaler (null otherwise).
+  const LossScaler* loss_scaler() const { return scaler_.get(); }
+
+  // Collective: every rank writes its share of the checkpoint of the current step.
   std::filesystem::path save_checkpoint();
 
  private:
   void load_checkpoint(const std::filesystem::path& dir);
+  // What this rank writes into a checkpoint (reading = false: each element by one rank), or
+  // reads from one (reading = true: every value it holds), as views into its buffers.
+  CheckpointShare checkpoint_share(bool reading);
+  CheckpointDocs checkpoint_docs() const;
+  // trainer_state.json: everything but tensors that a resumed run needs. To carry more state,
+  // add it here and restore it in restore_trainer_state.
+  nlohmann::json trainer_state() const;
+  void restore_trainer_state(const nlohmann::json& state, const std::filesystem::path& dir);
+  // Collective: the ranks run the same configuration from the same step, or all fail.
+  void check_ranks_agree();
   double train_step();  // one optimizer step; returns the loss
   // Distributed: reduce gradients, clip by the global norm, update (plain DP or ZeRO-1).
   void distributed_update(float lr);
   void write_metrics_line(const nlohmann::json& line);
-  void ensure_full_state();
   bool distributed() const;
 
   RunConfig cfg_;
@@ -110,8 +123,8 @@ class Trainer {
   std::vector<std::pair<int64_t, int64_t>> own_experts_;  // (offset, size)
   std::unique_ptr<GradSync> sync_;                        // distributed runs only
   std::unique_ptr<ShardedOptimizer> optimizer_;
-  std::vector<std::vector<float>>
-      full_state_;  // distributed: whole optimizer state, for checkpoints
+  ExpertShard expert_shard_;  // the experts this rank holds
+  std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
   int64_t step_ = 0;  // optimizer steps applied so far
@@ -119,6 +132,10 @@ class Trainer {
   // last step's figures, for metrics
   LossParts last_parts_;
   double last_grad_norm_ = 0, last_lr_ = 0;
+  // Mixed precision: fp16's loss scaler, the scale the last step used, whether it was skipped.
+  std::unique_ptr<LossScaler> scaler_;
+  double last_scale_ = 1;
+  bool last_skipped_ = false;
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
 };

@@ -64,10 +64,10 @@ def run(cmd):
     return res.stdout
 
 
-def train(moetrain, scratch, name, extra):
+def train(moetrain, scratch, name, extra, launcher=()):
     run_dir = scratch / name
     sets = TINY + [f"train.run_dir={run_dir}", f"data.dir={scratch / 'data'}"] + extra
-    cmd = [moetrain, "train", "--config", SOURCE_DIR / "configs" / "tiny.toml"]
+    cmd = [*launcher, moetrain, "train", "--config", SOURCE_DIR / "configs" / "tiny.toml"]
     for s in sets:
         cmd += ["--set", s]
     run(cmd)
@@ -224,6 +224,35 @@ def test_balance_run(moetrain, scratch):
     return res
 
 
+def test_sharded_run(moetrain, scratch):
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        print("run 'sharded': skipped, no mpiexec on PATH")
+        return None
+    print("run 'sharded' (2 processes, expert parallel): transformers reads the sharded checkpoint")
+    # Each process writes its own model shard; the global batch is the single-process runs'.
+    ckpt = train(moetrain, scratch, "sharded",
+                 ["model.aux_loss_coef=0", "model.z_loss_coef=0", "train.batch_size=2", "dist.ep=2"],
+                 launcher=[mpiexec, "-n", "2", "--oversubscribe", "--allow-run-as-root"])
+    index = ckpt / "model.safetensors.index.json"
+    if not index.is_file() or (ckpt / "model.safetensors").exists():
+        raise Mismatch(f"{ckpt}: two writers must leave model-0000i-of-00002.safetensors shards and "
+                       f"{index.name}, not a single model.safetensors")
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    print(f"  shards: {', '.join(shards)}")
+    if shards != ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]:
+        raise Mismatch(f"{index}: weight_map names {shards}")
+    ours = forward(moetrain, ckpt, scratch / "sharded_out.safetensors")
+    model = load_hf(ckpt)
+    ids = ours["tokens"].long()[None]
+    out = model(input_ids=ids, labels=ids)
+    res = {"logits": check_logits(ours, out.logits[0].detach())}
+    res["loss_ce"] = check_loss("cross-entropy", ours["loss_ce"].item(), out.loss.item())
+    out.loss.backward()
+    res["grads"] = check_grads(ours, model)
+    return res
+
+
 def test_shared_run(moetrain, scratch):
     print("run 'shared' (a shared expert, moetrain-only): config.json must not claim Mixtral")
     ckpt = train(moetrain, scratch, "shared", ["model.shared_expert_hidden=32", "train.steps=1"])
@@ -271,6 +300,7 @@ def main():
         run([moetrain, "prepare", "--input", corpus, "--out", scratch / "data"])
         test_ce_run(moetrain, scratch)
         test_balance_run(moetrain, scratch)
+        test_sharded_run(moetrain, scratch)
         test_shared_run(moetrain, scratch)
     except Mismatch as e:
         print(f"FAIL: {e}", file=sys.stderr)

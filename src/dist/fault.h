@@ -1,0 +1,40 @@
+// Fault injection, for the fault-tolerance tests and for measuring recovery. The environment
+// variable MOETRAIN_FAULT describes one fault, fired on one rank at a named point of the trainer:
+//
+//   MOETRAIN_FAULT=ACTION:rank=R:step=S[:where=W][:attempt=A][:code=C]
+//
+//   ACTION   kill (SIGKILL itself, as `kill -9` would), stop (SIGSTOP itself: a stalled process),
+//            exit (leave at once with exit code C, default 3)
+//   rank     the MPI world rank that fails (default 0)
+//   step     the trainer step at which it fails (required)
+//   where    step: after optimizer step S completed (default);
+//            checkpoint_write: while the checkpoint of step S is being written
+//   attempt  the `moetrain launch` attempt on which it fires (MOETRAIN_ATTEMPT, which the
+//            supervisor exports; 1 without it); 0 = every attempt (default 1)
+//
+// e.g. MOETRAIN_FAULT=kill:rank=1:step=7:where=checkpoint_write. Without the variable a fault
+// point costs one check of a flag.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace moetrain {
+
+enum class FaultAction { Kill, Stop, Exit };
+
+struct FaultSpec {
+  FaultAction action = FaultAction::Kill;
+  int rank = 0;
+  int64_t step = -1;
+  std::string where = "step";
+  int64_t attempt = 1;  // 0: every attempt
+  int exit_code = 3;
+};
+
+// Parses a MOETRAIN_FAULT value; an Error names the bad field and what is allowed.
+FaultSpec parse_fault_spec(const std::string& text);
+
+// Fires MOETRAIN_FAULT when `where`, `step`, this process's rank and the attempt match it.
+void fault_point(const char* where, int64_t step);
+
+}  // namespace moetrain

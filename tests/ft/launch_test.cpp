@@ -1,0 +1,176 @@
+// `moetrain launch` as a user meets it (real processes of the built binary, real mpirun), and
+// the pieces behind it: fault specs, hostfile slots, job status, fingerprints, config keys.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "dist/fault.h"
+#include "dist/supervisor.h"
+#include "dist/watchdog.h"
+#include "ft/ft_support.h"
+#include "support/expect_error.h"
+#include "support/temp_dir.h"
+#include "train/run_config.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+
+namespace {
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEST(FaultSpec, ParsesEveryFieldAndNamesBadOnes) {
+  FaultSpec s = parse_fault_spec("kill:rank=1:step=7:where=checkpoint_write");
+  EXPECT_EQ(s.action, FaultAction::Kill);
+  EXPECT_EQ(s.rank, 1);
+  EXPECT_EQ(s.step, 7);
+  EXPECT_EQ(s.where, "checkpoint_write");
+  EXPECT_EQ(s.attempt, 1);
+  s = parse_fault_spec("exit:step=2:attempt=0:code=9");
+  EXPECT_EQ(s.action, FaultAction::Exit);
+  EXPECT_EQ(s.rank, 0);
+  EXPECT_EQ(s.attempt, 0);
+  EXPECT_EQ(s.exit_code, 9);
+  EXPECT_EQ(parse_fault_spec("stop:step=3").action, FaultAction::Stop);
+  expect_error([] { parse_fault_spec("explode:step=1"); }, {"explode", "kill, stop, exit"});
+  expect_error([] { parse_fault_spec("kill:rank=1"); }, "step=S is required");
+  expect_error([] { parse_fault_spec("kill:step=x"); }, {"step = 'x'", "integer"});
+  expect_error([] { parse_fault_spec("kill:step=1:where=forward"); }, {"forward", "checkpoint"});
+  expect_error([] { parse_fault_spec("kill:step=1:colour=red"); }, "key 'colour' unknown");
+  expect_error([] { parse_fault_spec("kill:step"); }, "not key=value");
+  expect_error([] { parse_fault_spec("exit:step=1:code=0"); }, "code = 0");
+}
+
+TEST(Hostfile, CountsSlotsAndNamesBadLines) {
+  TempDir tmp("hostfile");
+  auto good = tmp.write("hosts", "# cluster\nnode1 slots=4\nnode2 slots=2 max_slots=8\nnode3\n\n");
+  EXPECT_EQ(hostfile_slots(good.string()), 7);
+  auto bad = tmp.write("bad", "node1 slots=4\nnode2 cores=2\n");
+  expect_error([&] { hostfile_slots(bad.string()); }, {"line 2", "cores=2"});
+  auto neg = tmp.write("neg", "node1 slots=-1\n");
+  expect_error([&] { hostfile_slots(neg.string()); }, {"line 1", "slots"});
+  expect_error([&] { hostfile_slots((tmp / "missing").string()); }, "cannot be read");
+  EXPECT_GE(machine_slots(), 1);
+}
+
+TEST(JobStatus, NamesHowTheJobEnded) {
+  EXPECT_EQ(describe_job_status(0), "completed");
+  EXPECT_TRUE(has(describe_job_status(3 << 8), "exit code 3"));
+  EXPECT_TRUE(has(describe_job_status(kCollectiveTimeoutExit << 8), "collective watchdog"));
+  EXPECT_TRUE(has(describe_job_status(137 << 8), "signal 9"));
+  EXPECT_TRUE(has(describe_job_status(SIGKILL), "mpirun died of signal 9"));
+}
+
+TEST(Fingerprint, MismatchNamesBothRanksAndCalls) {
+  CollectiveFingerprint a{5, static_cast<int32_t>(CollectiveKind::Alltoallv),
+                          static_cast<int32_t>(CollectiveOp::Allreduce), 4, 0};
+  CollectiveFingerprint b = a;
+  std::vector<CollectiveFingerprint> same = {a, a, a};
+  EXPECT_EQ(fingerprint_mismatch(same, 1, "grads"), "");
+  b.kind = static_cast<int32_t>(CollectiveKind::Barrier);
+  b.op = 0;
+  std::vector<CollectiveFingerprint> skip = {a, a, b};
+  const std::string m = fingerprint_mismatch(skip, 0, "grads");
+  EXPECT_TRUE(has(m, "'grads'")) << m;
+  EXPECT_TRUE(has(m, "rank 0 calls alltoallv #5 (in allreduce of 4-byte elements)")) << m;
+  EXPECT_TRUE(has(m, "rank 2 calls barrier #5")) << m;
+  std::vector<CollectiveFingerprint> sizes = {a, a};
+  sizes[1].agree = 7;
+  EXPECT_TRUE(has(fingerprint_mismatch(sizes, 1, "c"), "different sizes"));
+}
+
+TEST(RunConfigKeys, WatchdogKeysAreValidated) {
+  RunConfig c = load_run_config(
+      "", {"dist.collective_warn=5", "dist.collective_timeout=20", "dist.debug_collectives=true"});
+  EXPECT_EQ(c.dist.collective_warn, 5);
+  EXPECT_EQ(c.dist.collective_timeout, 20);
+  EXPECT_TRUE(c.dist.debug_collectives);
+  expect_error([] { load_run_config("", {"dist.collective_timeout=-1"}); },
+               "dist.collective_timeout = -1");
+  expect_error([] { load_run_config("", {"dist.collective_warn=-2"}); }, "dist.collective_warn");
+  // Not part of the config hash: a run may resume with another timeout.
+  EXPECT_EQ(load_run_config("", {"dist.collective_timeout=3"}).config_hash(),
+            RunConfig().config_hash());
+}
+
+TEST(Launch, BadFlagsAreClearErrorsWithExitTwo) {
+  TempDir tmp("launch_flags");
+  const std::string cfg = write_tiny_run(tmp.path(), 4, 2).string();
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{"launch", "-n", "0", "--", "train", "-c", cfg}, "-n 0: must be ≥ 1"},
+      {{"launch", "-n", "2", "train", "-c", cfg}, "missing `--`"},
+      {{"launch", "-n", "2", "--", "trian", "-c", cfg}, "'trian' after `--`"},
+      {{"launch", "-n", "2", "--"}, "nothing after `--`"},
+      {{"launch", "-n", "2", "--", "train", "-c", cfg, "--bogus"}, "--bogus"},
+      {{"launch", "-n", "2", "--min-procs", "3", "--", "train", "-c", cfg}, "--min-procs 3"},
+      {{"launch", "-n", "2", "--fast", "--", "train", "-c", cfg}, "'--fast' before `--`"},
+      {{"launch", "-n", "2", "train", "--", "train", "-c", cfg}, "not expected"},
+      {{"launch", "--", "train", "-c", cfg}, "-n"},
+  };
+  for (const Case& c : cases) {
+    ProcessResult r = run_moetrain(c.args, mpi_env(), 30);
+    EXPECT_EQ(r.code, 2) << r.output();
+    EXPECT_TRUE(has(r.output(), c.expect)) << "expected '" << c.expect << "' in:\n" << r.output();
+    EXPECT_EQ(r.count("attempt 1"), 0) << r.output();  // nothing was launched
+  }
+}
+
+TEST(Launch, ABadConfigOrLauncherStopsWithoutRetrying) {
+  TempDir tmp("launch_bad");
+  ProcessResult cfg = run_moetrain(
+      {"launch", "-n", "2", "--", "train", "-c", (tmp / "absent.toml").string()}, mpi_env(), 30);
+  EXPECT_EQ(cfg.code, 1) << cfg.output();
+  EXPECT_TRUE(has(cfg.output(), "absent.toml")) << cfg.output();
+  EXPECT_EQ(cfg.count("attempt 1"), 0) << cfg.output();
+  const std::string config = write_tiny_run(tmp.path(), 4, 2).string();
+  ProcessResult mpirun = run_moetrain(
+      {"launch", "-n", "2", "--mpirun", (tmp / "no-mpirun").string(), "--", "train", "-c", config},
+      mpi_env(), 30);
+  EXPECT_EQ(mpirun.code, 1) << mpirun.output();
+  EXPECT_TRUE(has(mpirun.output(), "cannot run")) << mpirun.output();
+  EXPECT_EQ(mpirun.count("attempt 2"), 0) << mpirun.output();
+}
+
+TEST(Launch, TooFewSlotsForMinProcsIsNeverLaunched) {
+  TempDir tmp("launch_slots");
+  const std::string cfg = write_tiny_run(tmp.path(), 4, 2).string();
+  const auto hosts = tmp.write("hosts", "localhost slots=1\n");
+  ProcessResult r =
+      run_moetrain({"launch", "-n", "2", "--min-procs", "2", "--hostfile", hosts.string(),
+                    "--max-restarts", "1", "--backoff", "0", "--", "train", "-c", cfg},
+                   mpi_env(), 30);
+  EXPECT_EQ(r.code, 1) << r.output();
+  EXPECT_EQ(r.count("not launched, only 1 slot(s) available"), 2) << r.output();
+  EXPECT_TRUE(has(r.output(), "restart budget spent (--max-restarts 1)")) << r.output();
+  EXPECT_EQ(r.count("mpirun --hostfile"), 0) << r.output();
+}
+
+TEST(Launch, RestartBudgetSpentByAFailureOnEveryAttempt) {
+  TempDir tmp("launch_budget");
+  const std::string cfg = write_tiny_run(tmp.path(), 6, 2).string();
+  auto env = mpi_env();
+  env.push_back({"MOETRAIN_FAULT", "exit:rank=1:step=1:attempt=0:code=3"});
+  ProcessResult r = run_moetrain(
+      {"launch", "-n", "2", "--max-restarts", "2", "--backoff", "0.1", "--mpi-arg=--oversubscribe",
+       "--", "train", "-c", cfg, "--set", "train.run_dir=" + (tmp / "run").string()},
+      env, 120);
+  ASSERT_FALSE(r.timed_out) << r.output();
+  EXPECT_EQ(r.code, 1) << r.output();
+  EXPECT_FALSE(r.left_processes);
+  EXPECT_EQ(r.count("moetrain: fault injection: exit rank 1"), 3) << r.output();
+  EXPECT_TRUE(has(r.output(), "failed after 3 attempt(s)")) << r.output();
+  EXPECT_TRUE(has(r.output(), "restart budget spent (--max-restarts 2); last failure: exit code 3"))
+      << r.output();
+  // Later attempts resume; the summary lists each attempt with its reason.
+  EXPECT_EQ(r.count("--resume"), 2) << r.output();
+  EXPECT_EQ(r.count("  attempt "), 3) << r.output();
+}
