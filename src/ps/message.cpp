@@ -1,11 +1,10 @@
 #include "ps/message.h"
 
-#include <zlib.h>
-
 #include <bit>
 #include <cstring>
 
 #include "core/check.h"
+#include "io/crc32c.h"
 
 namespace moetrain::ps {
 
@@ -54,15 +53,7 @@ std::string_view kind_name(Kind kind) {
 }
 
 uint32_t crc32_bytes(const void* data, std::size_t size, uint32_t crc) {
-  const auto* p = static_cast<const Bytef*>(data);
-  // zlib takes uInt lengths: feed large payloads in pieces.
-  while (size > 0) {
-    const auto n = static_cast<uInt>(std::min<std::size_t>(size, 1u << 30));
-    crc = static_cast<uint32_t>(::crc32(crc, p, n));
-    p += n;
-    size -= n;
-  }
-  return crc;
+  return crc32c(data, size, crc);
 }
 
 namespace {

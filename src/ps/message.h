@@ -88,6 +88,7 @@ struct Decoded {
 // with what value; never reads outside [data, data + size).
 Decoded decode(const void* data, std::size_t size);
 
+// CRC-32C (io/crc32c.h: the SSE4.2 instruction where the CPU has it), continued from `crc`.
 uint32_t crc32_bytes(const void* data, std::size_t size, uint32_t crc = 0);
 
 }  // namespace moetrain::ps
