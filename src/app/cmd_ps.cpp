@@ -329,7 +329,8 @@ Run add_ps_command(CLI::App& app) {
     }
     const int cores = hardware_cores();
     const int worker_threads = std::max(1, cores / static_cast<int>(args->opts.workers));
-    for (int64_t s = 0; s < args->opts.servers; ++s)
+    // With replicas, the first S servers to register become primaries, the next S backups.
+    for (int64_t s = 0; s < args->opts.servers * args->opts.server_replicas; ++s)
       children.push_back({fmt::format("server {}", s),
                           spawn({"moetrain", "ps", "server", "--scheduler", endpoint}, 1)});
     for (int64_t w = 0; w < args->opts.workers; ++w) {

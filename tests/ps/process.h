@@ -137,8 +137,8 @@ inline bool wait_for_file(const std::filesystem::path& p, double seconds) {
 }
 
 // A job started role by role, as on separate machines: a scheduler (heartbeats every 0.1 s, dead
-// after 1 s), `servers` server processes, `n_workers` workers asking for indices 0.., each with
-// its log file; every process reaped when the cluster goes out of scope.
+// after `heartbeat_timeout` s), `servers` server processes, `n_workers` workers asking for indices
+// 0.., each with its log file; every process reaped when the cluster goes out of scope.
 struct Cluster {
   std::filesystem::path dir, run;
   std::string name, endpoint;
@@ -146,7 +146,8 @@ struct Cluster {
   std::vector<std::unique_ptr<Process>> servers, workers;
 
   Cluster(const std::filesystem::path& tmp, const std::string& job, int n_workers, int steps,
-          int n_servers = 1, std::vector<std::string> job_args = {})
+          int n_servers = 1, std::vector<std::string> job_args = {},
+          const std::string& heartbeat_timeout = "1")
       : dir(tmp), run(tmp / job), name(job) {
     write_corpus(dir / "data", 60000);
     std::vector<std::string> args = {"ps",

@@ -29,7 +29,7 @@ class PsServerFault : public ::testing::Test {
   // One undisturbed sync run (2 servers, 2 workers) for every test of the suite.
   static void SetUpTestSuite() {
     tmp_ = new TempDir("ps_server_fault");
-    Cluster ref(tmp_->path(), "ref", 2, kSteps, 2, {"--servers", "2"});
+    Cluster ref(tmp_->path(), "ref", 2, kSteps, 2, {"--servers", "2"}, "2");
     ASSERT_EQ(ref.scheduler->wait(150), 0) << ref.logs();
     reference_ = new std::vector<float>(load_model(ref.run).params);
   }
@@ -58,7 +58,8 @@ TempDir* PsServerFault::tmp_ = nullptr;
 std::vector<float>* PsServerFault::reference_ = nullptr;
 
 TEST_F(PsServerFault, KilledPrimaryIsReplacedByItsBackupWithNoUpdateLost) {
-  Cluster c(tmp_->path(), "replica", 2, kSteps, 4, {"--servers", "2", "--server-replicas", "2"});
+  Cluster c(tmp_->path(), "replica", 2, kSteps, 4, {"--servers", "2", "--server-replicas", "2"},
+            "2");
   ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 30; }, 60)) << c.logs();
   // Server 0's primary also writes the metrics: its backup must take that over too.
   Process* primary = c.find("server", 0, true);
@@ -80,14 +81,15 @@ TEST_F(PsServerFault, KilledPrimaryIsReplacedByItsBackupWithNoUpdateLost) {
 }
 
 TEST_F(PsServerFault, RestartedServerRestoresItsCheckpointAndTheJobRollsBack) {
-  Cluster c(tmp_->path(), "restart", 2, kSteps, 2, {"--servers", "2", "--checkpoint-every", "10"});
+  Cluster c(tmp_->path(), "restart", 2, kSteps, 2, {"--servers", "2", "--checkpoint-every", "10"},
+            "2");
   ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 35; }, 60)) << c.logs();
   Process* victim = c.find("server", 1);
   ASSERT_NE(victim, nullptr) << c.logs();
   victim->kill(SIGKILL);
   const int64_t at_kill = applied_steps(c.run);
   ASSERT_LT(at_kill, kSteps) << "the job ended before the kill";
-  // Restarted by hand once the scheduler noticed (1 s heartbeat timeout) and waits for it.
+  // Restarted by hand once the scheduler noticed (2 s heartbeat timeout) and waits for it.
   ASSERT_TRUE(wait_until(
       [&] { return c.scheduler->output().find("waiting up to") != std::string::npos; }, 30))
       << c.logs();
