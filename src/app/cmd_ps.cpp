@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -44,16 +45,39 @@ void add_job_options(CLI::App* cmd, ps::PsOptions& o) {
   cmd->add_option("--heartbeat-interval", o.heartbeat_interval, "Seconds between heartbeats");
   cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout,
                   "Seconds of silence after which a node is declared dead");
+  cmd->add_option("--server-replicas", o.server_replicas,
+                  "2: each server streams every applied update to a backup that takes over");
+  cmd->add_option("--checkpoint-every", o.checkpoint_every,
+                  "Clocks between server checkpoints of shard and optimizer state (0: none)");
+  cmd->add_option("--server-wait", o.server_wait,
+                  "Seconds to wait for a dead server's replacement before the job stops");
 }
 
 std::vector<std::string> job_option_args(const ps::PsOptions& o) {
-  std::vector<std::string> a = {"--servers", std::to_string(o.servers), "--workers",
-                                std::to_string(o.workers), "--consistency", o.consistency,
-                                "--quorum", std::to_string(o.quorum), "--staleness",
-                                std::to_string(o.staleness), "--push-compression",
-                                o.push_compression, "--assign", o.assign,
-                                "--heartbeat-interval", fmt::format("{}", o.heartbeat_interval),
-                                "--heartbeat-timeout", fmt::format("{}", o.heartbeat_timeout)};
+  std::vector<std::string> a = {"--servers",
+                                std::to_string(o.servers),
+                                "--workers",
+                                std::to_string(o.workers),
+                                "--consistency",
+                                o.consistency,
+                                "--quorum",
+                                std::to_string(o.quorum),
+                                "--staleness",
+                                std::to_string(o.staleness),
+                                "--push-compression",
+                                o.push_compression,
+                                "--assign",
+                                o.assign,
+                                "--heartbeat-interval",
+                                fmt::format("{}", o.heartbeat_interval),
+                                "--heartbeat-timeout",
+                                fmt::format("{}", o.heartbeat_timeout),
+                                "--server-replicas",
+                                std::to_string(o.server_replicas),
+                                "--checkpoint-every",
+                                std::to_string(o.checkpoint_every),
+                                "--server-wait",
+                                fmt::format("{}", o.server_wait)};
   if (!o.sparse_push) a.push_back("--dense-push");
   return a;
 }
@@ -102,8 +126,10 @@ void kill_all(std::vector<Child>& children) {
     bool any = false;
     for (auto& c : children)
       if (c.running) {
-        if (waitpid(c.pid, &c.status, WNOHANG) == c.pid) c.running = false;
-        else any = true;
+        if (waitpid(c.pid, &c.status, WNOHANG) == c.pid)
+          c.running = false;
+        else
+          any = true;
       }
     if (!any) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -127,11 +153,11 @@ void print_summary(const fs::path& run_dir) {
     auto j = nlohmann::json::parse(in, nullptr, false);
     if (j.is_discarded()) continue;
     if (name.starts_with("server_")) {
-      fmt::print("server {}: {} updates, {} pushes, {} late pushes dropped, largest staleness {}, "
-                 "{} bad messages rejected\n",
-                 j.value("index", 0), j.value("updates", 0), j.value("pushes", 0),
-                 j.value("late_dropped", 0), j.value("max_staleness", 0),
-                 j.value("rejected_messages", 0));
+      fmt::print(
+          "server {}: {} updates, {} pushes, {} late pushes dropped, largest staleness {}, "
+          "{} bad messages rejected\n",
+          j.value("index", 0), j.value("updates", 0), j.value("pushes", 0),
+          j.value("late_dropped", 0), j.value("max_staleness", 0), j.value("rejected_messages", 0));
     } else if (name.starts_with("worker_")) {
       push += j.value("push_bytes", int64_t{0});
       dense += j.value("dense_push_bytes", int64_t{0});
@@ -185,9 +211,11 @@ Run add_ps_command(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
 
-  auto* sched = ps_cmd->add_subcommand("scheduler", "The gatekeeper: membership, key ranges, clocks");
-  sched->add_option("--scheduler", args->scheduler,
-                    "Address to bind, tcp://HOST:PORT (PORT * picks a free one)")
+  auto* sched =
+      ps_cmd->add_subcommand("scheduler", "The gatekeeper: membership, key ranges, clocks");
+  sched
+      ->add_option("--scheduler", args->scheduler,
+                   "Address to bind, tcp://HOST:PORT (PORT * picks a free one)")
       ->required();
   sched->add_option("--endpoint-file", args->endpoint_file, "Write the bound address here");
   sched->add_option("-c,--config", args->config,
@@ -196,23 +224,28 @@ Run add_ps_command(CLI::App& app) {
   add_job_options(sched, args->opts);
 
   auto* server = ps_cmd->add_subcommand("server", "A parameter server (one key range)");
-  server->add_option("--scheduler", args->scheduler, "tcp://HOST:PORT of the scheduler")->required();
-  server->add_option("--bind", args->bind, "Where workers reach this server (default: loopback, "
-                                           "free port)");
+  server->add_option("--scheduler", args->scheduler, "tcp://HOST:PORT of the scheduler")
+      ->required();
+  server->add_option("--bind", args->bind,
+                     "Where workers reach this server (default: loopback, "
+                     "free port)");
 
   auto* worker = ps_cmd->add_subcommand("worker", "A worker (a full model replica)");
-  worker->add_option("--scheduler", args->scheduler, "tcp://HOST:PORT of the scheduler")->required();
+  worker->add_option("--scheduler", args->scheduler, "tcp://HOST:PORT of the scheduler")
+      ->required();
   worker->add_option("--slowdown", args->slowdown,
                      "Emulate a straggler: each step takes this many times its compute time");
   worker->add_option("--index", args->index,
                      "Ask for this worker index (data rows, sum order); granted when free");
 
   auto* launch = ps_cmd->add_subcommand(
-      "launch", "Start a whole job on this machine: ps launch --servers S --workers W -- train "
-                "--config FILE [--set k=v]");
+      "launch",
+      "Start a whole job on this machine: ps launch --servers S --workers W -- train "
+      "--config FILE [--set k=v]");
   add_job_options(launch, args->opts);
-  launch->add_option("--slowdown", args->slowdowns,
-                     "WORKER=FACTOR: slow that worker down (repeatable), e.g. --slowdown 1=2")
+  launch
+      ->add_option("--slowdown", args->slowdowns,
+                   "WORKER=FACTOR: slow that worker down (repeatable), e.g. --slowdown 1=2")
       ->allow_extra_args(false);
   launch->add_option("--timeout", args->timeout, "Stop the job after this many seconds (0: none)");
   launch->add_option("rest", args->rest, "-- train --config FILE [--set key=value ...]");
@@ -244,7 +277,8 @@ Run add_ps_command(CLI::App& app) {
       int64_t w = -1;
       double f = 0;
       try {
-        if (eq != std::string::npos) w = std::stoll(s.substr(0, eq)), f = std::stod(s.substr(eq + 1));
+        if (eq != std::string::npos)
+          w = std::stoll(s.substr(0, eq)), f = std::stod(s.substr(eq + 1));
       } catch (const std::exception&) {
         w = -1;
       }
@@ -261,8 +295,12 @@ Run add_ps_command(CLI::App& app) {
     signal(SIGINT, on_stop_signal);
     signal(SIGTERM, on_stop_signal);
     std::vector<Child> children;
-    std::vector<std::string> sargs = {"moetrain", "ps", "scheduler", "--scheduler",
-                                      "tcp://127.0.0.1:*", "--endpoint-file",
+    std::vector<std::string> sargs = {"moetrain",
+                                      "ps",
+                                      "scheduler",
+                                      "--scheduler",
+                                      "tcp://127.0.0.1:*",
+                                      "--endpoint-file",
                                       endpoint_file.string()};
     if (!t.config.empty()) sargs.insert(sargs.end(), {"--config", t.config});
     for (const auto& o : t.overrides) sargs.insert(sargs.end(), {"--set", o});
@@ -291,37 +329,70 @@ Run add_ps_command(CLI::App& app) {
     }
     const int cores = hardware_cores();
     const int worker_threads = std::max(1, cores / static_cast<int>(args->opts.workers));
-    for (int64_t s = 0; s < args->opts.servers; ++s)
+    // With replicas, the first S servers to register become primaries, the next S backups.
+    for (int64_t s = 0; s < args->opts.servers * args->opts.server_replicas; ++s)
       children.push_back({fmt::format("server {}", s),
                           spawn({"moetrain", "ps", "server", "--scheduler", endpoint}, 1)});
     for (int64_t w = 0; w < args->opts.workers; ++w) {
-      std::vector<std::string> wa = {"moetrain", "ps",    "worker", "--scheduler",
+      std::vector<std::string> wa = {"moetrain", "ps",      "worker",         "--scheduler",
                                      endpoint,   "--index", std::to_string(w)};
       if (slow.count(w)) wa.insert(wa.end(), {"--slowdown", slow[w]});
       children.push_back({fmt::format("worker {}", w), spawn(wa, worker_threads)});
     }
-    log_info("ps launch: scheduler at {}, {} server(s), {} worker(s)", endpoint,
-             args->opts.servers, args->opts.workers);
+    log_info("ps launch: scheduler at {}, {} server(s), {} worker(s)", endpoint, args->opts.servers,
+             args->opts.workers);
 
+    // The scheduler decides whether the job survives a lost node: launch fails with it, and
+    // restarts a dead server (which then restores from its checkpoint) when that is the way
+    // the job recovers, i.e. without replicas.
+    const bool restart_servers = args->opts.server_replicas == 1 && args->opts.checkpoint_every > 0;
+    std::map<std::string, int> restarts;
     bool failed = false;
     std::string why;
     for (;;) {
       bool any = false;
+      std::vector<Child> respawned;
       for (auto& c : children) {
         if (!c.running) continue;
         if (waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
           c.running = false;
           const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
-          if (!ok) {
-            failed = true;
-            log_error("ps launch: {} (pid {}) {}", c.name, c.pid, describe_status(c.status));
-            // A lost worker is the scheduler's to handle; without the scheduler or a server the
-            // job cannot go on.
-            if (!c.name.starts_with("worker") && why.empty())
-              why = fmt::format("{} {}", c.name, describe_status(c.status));
+          if (c.name == "scheduler") {
+            if (!ok) why = fmt::format("the scheduler {}", describe_status(c.status));
+            continue;
+          }
+          if (ok) continue;
+          log_error("ps launch: {} (pid {}) {}", c.name, c.pid, describe_status(c.status));
+          if (c.name.starts_with("server") && restart_servers && restarts[c.name] < 3) {
+            ++restarts[c.name];
+            log_warn(
+                "ps launch: restarting {} (restart {} of at most 3); it restores from its "
+                "checkpoint",
+                c.name, restarts[c.name]);
+            respawned.push_back(
+                {c.name, spawn({"moetrain", "ps", "server", "--scheduler", endpoint}, 1)});
           }
         } else {
           any = true;
+        }
+      }
+      for (auto& r : respawned) children.push_back(r);
+      any = any || !respawned.empty();
+      if (!children[0].running) {
+        // The scheduler is done: give the others a moment to finish their own way.
+        for (int i = 0; i < 100; ++i) {
+          bool left = false;
+          for (auto& c : children)
+            if (c.running && waitpid(c.pid, &c.status, WNOHANG) == c.pid)
+              c.running = false;
+            else
+              left = left || c.running;
+          if (!left) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        if (why.empty()) {
+          kill_all(children);
+          break;
         }
       }
       if (!any) break;

@@ -30,20 +30,35 @@ std::string_view compression_name(Encoding e);
 // Bytes that n values take in encoding e.
 std::size_t encoded_size(Encoding e, int64_t n);
 
-// Appends the encoding of values[0, n) to out. With int8 and a residual (n floats), encodes
-// values + residual and stores in residual what the encoding lost.
+// Writes the encoding of values[0, n) to out (encoded_size(e, n) bytes). With int8 and a
+// residual (n floats), encodes values + residual and stores in residual what the encoding lost.
+void write_values(Encoding e, const float* values, int64_t n, float* residual, char* out);
+// The same, appended to a string.
 void append_values(Encoding e, const float* values, int64_t n, float* residual, std::string& out);
 // dst[0, n) = decoded values; `bytes` must be exactly encoded_size(e, n) (throws otherwise).
 void decode_values(Encoding e, const char* data, std::size_t bytes, int64_t n, float* dst);
 
+// Bytes of a push payload for n values: dense when `ranges` is null, else the listed ranges.
+std::size_t push_payload_size(Encoding e, int64_t n, const std::vector<Span>* ranges);
+// Writes the push payload (push_payload_size bytes) to out, in place in the outgoing frame.
+void write_push(Encoding e, const float* values, int64_t n, const std::vector<Span>* ranges,
+                float* residual, char* out);
 // A push payload for values[0, n) (the whole key range): dense when `ranges` is null, else the
 // listed ranges only (sorted, disjoint, inside [0, n); possibly none).
-std::string encode_push(Encoding e, const float* values, int64_t n,
-                        const std::vector<Span>* ranges, float* residual);
+std::string encode_push(Encoding e, const float* values, int64_t n, const std::vector<Span>* ranges,
+                        float* residual);
 // Decodes a push payload (flags say dense or sparse) into dst (n): elements outside the ranges
 // are zero. The ranges that were sent are returned in *ranges (the whole range when dense).
 // Throws naming what is malformed: range count, a range outside [0, n), sizes that disagree.
 void decode_push(const Header& h, const char* payload, int64_t n, float* dst,
                  std::vector<Span>* ranges);
+
+// int8 block kernels, exposed so tests can hold the AVX2 path to the scalar one bit for bit.
+// amax = max |v| (NaN ignored); q = clamp(nearbyint(v / scale), ±127), residual = v − q·scale
+// (q = 0 when scale is 0).
+float int8_block_amax(const float* v, int64_t len, bool vector_path);
+void int8_block_quantize(const float* v, int64_t len, float scale, int8_t* q, float* residual,
+                         bool vector_path);
+bool int8_vector_path_available();
 
 }  // namespace moetrain::ps

@@ -1,11 +1,10 @@
 #include "ps/message.h"
 
-#include <zlib.h>
-
 #include <bit>
 #include <cstring>
 
 #include "core/check.h"
+#include "io/crc32c.h"
 
 namespace moetrain::ps {
 
@@ -13,32 +12,48 @@ static_assert(std::endian::native == std::endian::little, "the wire format is li
 
 std::string_view kind_name(Kind kind) {
   switch (kind) {
-    case Kind::Register: return "register";
-    case Kind::Setup: return "setup";
-    case Kind::Heartbeat: return "heartbeat";
-    case Kind::HeartbeatAck: return "heartbeat-ack";
-    case Kind::Push: return "push";
-    case Kind::PushAck: return "push-ack";
-    case Kind::Pull: return "pull";
-    case Kind::PullReply: return "pull-reply";
-    case Kind::Done: return "done";
-    case Kind::Finish: return "finish";
-    case Kind::FinishAck: return "finish-ack";
-    case Kind::Shutdown: return "shutdown";
+    case Kind::Register:
+      return "register";
+    case Kind::Setup:
+      return "setup";
+    case Kind::Heartbeat:
+      return "heartbeat";
+    case Kind::HeartbeatAck:
+      return "heartbeat-ack";
+    case Kind::Push:
+      return "push";
+    case Kind::PushAck:
+      return "push-ack";
+    case Kind::Pull:
+      return "pull";
+    case Kind::PullReply:
+      return "pull-reply";
+    case Kind::Done:
+      return "done";
+    case Kind::Finish:
+      return "finish";
+    case Kind::FinishAck:
+      return "finish-ack";
+    case Kind::Shutdown:
+      return "shutdown";
+    case Kind::Replicate:
+      return "replicate";
+    case Kind::ReplicateAck:
+      return "replicate-ack";
+    case Kind::CheckpointQuery:
+      return "checkpoint-query";
+    case Kind::CheckpointList:
+      return "checkpoint-list";
+    case Kind::Restore:
+      return "restore";
+    case Kind::Restored:
+      return "restored";
   }
   return "unknown";
 }
 
 uint32_t crc32_bytes(const void* data, std::size_t size, uint32_t crc) {
-  const auto* p = static_cast<const Bytef*>(data);
-  // zlib takes uInt lengths: feed large payloads in pieces.
-  while (size > 0) {
-    const auto n = static_cast<uInt>(std::min<std::size_t>(size, 1u << 30));
-    crc = static_cast<uint32_t>(::crc32(crc, p, n));
-    p += n;
-    size -= n;
-  }
-  return crc;
+  return crc32c(data, size, crc);
 }
 
 namespace {
@@ -50,6 +65,19 @@ uint32_t frame_checksum(Header h, const char* payload, std::size_t bytes) {
 }
 
 }  // namespace
+
+void seal(void* frame, std::size_t size) {
+  MOETRAIN_CHECK(size >= sizeof(Header), "frame of {} bytes has no room for the header", size);
+  Header h;
+  std::memcpy(&h, frame, sizeof(h));
+  MOETRAIN_CHECK(h.bytes == size - sizeof(Header),
+                 "header declares {} payload bytes, frame holds {}", h.bytes,
+                 size - sizeof(Header));
+  h.magic = kMagic;
+  h.version = kWireVersion;
+  h.checksum = frame_checksum(h, static_cast<const char*>(frame) + sizeof(Header), h.bytes);
+  std::memcpy(frame, &h, sizeof(h));
+}
 
 std::string encode(Header h, std::string_view payload) {
   h.magic = kMagic;
@@ -68,8 +96,8 @@ Decoded decode(const void* data, std::size_t size) {
   Decoded d;
   std::memcpy(&d.header, data, sizeof(Header));
   const Header& h = d.header;
-  MOETRAIN_CHECK(h.magic == kMagic, "bad magic 0x{:08x} (expected 0x{:08x}): not a moetrain message",
-                 h.magic, kMagic);
+  MOETRAIN_CHECK(h.magic == kMagic,
+                 "bad magic 0x{:08x} (expected 0x{:08x}): not a moetrain message", h.magic, kMagic);
   MOETRAIN_CHECK(h.version == kWireVersion, "wire version {} (this build speaks version {})",
                  h.version, kWireVersion);
   MOETRAIN_CHECK(h.kind >= 1 && h.kind <= kMaxKind, "unknown message kind {} (known: 1..{})",
@@ -86,8 +114,9 @@ Decoded decode(const void* data, std::size_t size) {
                  h.key_begin, h.key_end);
   d.payload = static_cast<const char*>(data) + sizeof(Header);
   const uint32_t crc = frame_checksum(h, d.payload, h.bytes);
-  MOETRAIN_CHECK(crc == h.checksum, "checksum mismatch (header says 0x{:08x}, contents give 0x{:08x})",
-                 h.checksum, crc);
+  MOETRAIN_CHECK(crc == h.checksum,
+                 "checksum mismatch (header says 0x{:08x}, contents give 0x{:08x})", h.checksum,
+                 crc);
   return d;
 }
 

@@ -1,5 +1,5 @@
 // The parameter-server wire format: every message is one ZeroMQ frame holding a fixed 88-byte
-// little-endian header followed by `bytes` of payload. The checksum (CRC-32) covers the header
+// little-endian header followed by `bytes` of payload. The checksum (CRC-32C) covers the header
 // (with the checksum field zeroed) and the payload, so a flipped bit anywhere is caught. Control
 // messages carry JSON; data messages (push, pull replies) carry floats in the encoding that the
 // flags name (see codec.h).
@@ -12,24 +12,32 @@
 namespace moetrain::ps {
 
 enum class Kind : uint16_t {
-  Register = 1,   // node → scheduler: JSON {role, ...}
-  Setup,          // scheduler → node: JSON job layout (config, servers, workers, options)
-  Heartbeat,      // node → scheduler; value = worker throughput (rows/s)
-  HeartbeatAck,   // scheduler → node
-  Push,           // worker → server: gradients of [key_begin, key_end) at `clock`
-  PushAck,        // server → worker
-  Pull,           // worker → server: parameters once `clock` allows (consistency mode)
-  PullReply,      // server → worker: parameters; aux0 = the clock the worker should continue at
-  Done,           // worker → scheduler: all steps pushed
-  Finish,         // scheduler → node: the job is over (JSON {lead: bool} for workers)
-  FinishAck,      // node → scheduler: final state written
-  Shutdown,       // scheduler → node: stop now (JSON {reason}); non-zero exit unless ok
+  Register = 1,     // node → scheduler: JSON {role, ...}
+  Setup,            // scheduler → node: JSON job layout (config, servers, workers, options)
+  Heartbeat,        // node → scheduler; value = worker throughput (rows/s)
+  HeartbeatAck,     // scheduler → node
+  Push,             // worker → server: gradients of [key_begin, key_end) at `clock`
+  PushAck,          // server → worker
+  Pull,             // worker → server: parameters once `clock` allows (consistency mode)
+  PullReply,        // server → worker: parameters; aux0 = the clock the worker should continue at
+  Done,             // worker → scheduler: all steps pushed
+  Finish,           // scheduler → node: the job is over (JSON {lead: bool} for workers)
+  FinishAck,        // node → scheduler: final state written
+  Shutdown,         // scheduler → node: stop now (JSON {reason}); non-zero exit unless ok
+  Replicate,        // primary server → its backup: one applied update (f32 summed gradient);
+                    // clock = the update's clock, value = lr, aux0 = optimizer step,
+                    // aux1 = the pushing worker and ticket = its clock after the push (async, ssp)
+  ReplicateAck,     // backup → primary: clock = the backup's version after applying
+  CheckpointQuery,  // scheduler → server: which checkpointed clocks do you hold?
+  CheckpointList,   // server → scheduler: JSON {clocks: [...]}
+  Restore,          // scheduler → server: JSON {clock, generation}: roll back to that checkpoint
+  Restored,         // server → scheduler: JSON {clock}
 };
-constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::Shutdown);
+constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::Restored);
 std::string_view kind_name(Kind kind);
 
 constexpr uint32_t kMagic = 0x5350544du;  // "MTPS" read as little-endian bytes
-constexpr uint16_t kWireVersion = 1;
+constexpr uint16_t kWireVersion = 2;
 // A push of the whole parameter vector of a model of a few hundred million floats still fits.
 constexpr uint64_t kMaxPayload = uint64_t{1} << 32;
 
@@ -53,7 +61,9 @@ struct Header {
   double value = 0;    // kind-specific (Push: the worker's loss)
   uint64_t bytes = 0;  // payload size
   uint32_t checksum = 0;
-  uint32_t reserved = 0;
+  // Bumped by every roll-back to a server checkpoint; servers drop pushes and pulls of an older
+  // generation (they belong to the clocks that were undone).
+  uint32_t generation = 0;
 
   Kind kind_enum() const { return static_cast<Kind>(kind); }
   Encoding encoding() const { return static_cast<Encoding>(flags & kEncodingMask); }
@@ -62,6 +72,10 @@ static_assert(sizeof(Header) == 88, "the wire header is 88 bytes");
 
 // Header + payload as one frame, checksum filled in.
 std::string encode(Header h, std::string_view payload);
+
+// For frames built in place: `frame` (size bytes) holds a header whose `bytes` says size − 88
+// and the payload after it; fills in magic, version and the checksum.
+void seal(void* frame, std::size_t size);
 
 // A validated view of a frame: the header and a pointer to the payload inside `data`.
 struct Decoded {
@@ -74,6 +88,7 @@ struct Decoded {
 // with what value; never reads outside [data, data + size).
 Decoded decode(const void* data, std::size_t size);
 
+// CRC-32C (io/crc32c.h: the SSE4.2 instruction where the CPU has it), continued from `crc`.
 uint32_t crc32_bytes(const void* data, std::size_t size, uint32_t crc = 0);
 
 }  // namespace moetrain::ps

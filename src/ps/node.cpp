@@ -48,8 +48,9 @@ NodeLink::~NodeLink() {
 }
 
 void NodeLink::check() const {
-  MOETRAIN_CHECK(!dead_, "the scheduler declared this node dead (missed heartbeats); restart it "
-                         "to rejoin the job");
+  MOETRAIN_CHECK(!dead_,
+                 "the scheduler declared this node dead (missed heartbeats); restart it "
+                 "to rejoin the job");
   MOETRAIN_CHECK(!lost_,
                  "the scheduler at {} has not answered for {:.1f} s: it is gone, and with it the "
                  "job's membership (it holds only metadata; parameters and checkpoints are on "
@@ -69,8 +70,8 @@ void NodeLink::heartbeat_loop(std::string scheduler, double interval) {
       h.sender = node_id_;
       h.value = throughput_.load();
       send(s, encode(h, {}));
-      next = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(interval));
+      next = Clock::now() +
+             std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(interval));
     }
     zmq::pollitem_t item{s.handle(), 0, ZMQ_POLLIN, 0};
     poll_sockets(&item, 1, 20);

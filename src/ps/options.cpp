@@ -31,8 +31,7 @@ void PsOptions::validate() const {
                    "--quorum {}: with --consistency quorum it must be in 1..{} (the workers)",
                    quorum, workers);
   } else {
-    MOETRAIN_CHECK(quorum == 0, "--quorum {} is only meaningful with --consistency quorum",
-                   quorum);
+    MOETRAIN_CHECK(quorum == 0, "--quorum {} is only meaningful with --consistency quorum", quorum);
   }
   if (c == Consistency::Ssp) {
     MOETRAIN_CHECK(staleness >= 0, "--staleness {}: must be ≥ 0", staleness);
@@ -48,6 +47,13 @@ void PsOptions::validate() const {
   MOETRAIN_CHECK(std::isfinite(heartbeat_timeout) && heartbeat_timeout >= 2 * heartbeat_interval,
                  "--heartbeat-timeout {}: must be at least twice --heartbeat-interval ({})",
                  heartbeat_timeout, heartbeat_interval);
+  MOETRAIN_CHECK(server_replicas == 1 || server_replicas == 2,
+                 "--server-replicas {}: must be 1 (checkpoints only) or 2 (a backup per server)",
+                 server_replicas);
+  MOETRAIN_CHECK(checkpoint_every >= 0, "--checkpoint-every {}: must be ≥ 0 clocks (0: none)",
+                 checkpoint_every);
+  MOETRAIN_CHECK(std::isfinite(server_wait) && server_wait > 0,
+                 "--server-wait {}: must be a positive number of seconds", server_wait);
 }
 
 nlohmann::json PsOptions::to_json() const {
@@ -60,7 +66,10 @@ nlohmann::json PsOptions::to_json() const {
           {"sparse_push", sparse_push},
           {"assign", assign},
           {"heartbeat_interval", heartbeat_interval},
-          {"heartbeat_timeout", heartbeat_timeout}};
+          {"heartbeat_timeout", heartbeat_timeout},
+          {"server_replicas", server_replicas},
+          {"checkpoint_every", checkpoint_every},
+          {"server_wait", server_wait}};
 }
 
 PsOptions PsOptions::from_json(const nlohmann::json& j) {
@@ -76,6 +85,9 @@ PsOptions PsOptions::from_json(const nlohmann::json& j) {
     o.assign = j.at("assign").get<std::string>();
     o.heartbeat_interval = j.at("heartbeat_interval").get<double>();
     o.heartbeat_timeout = j.at("heartbeat_timeout").get<double>();
+    o.server_replicas = j.at("server_replicas").get<int64_t>();
+    o.checkpoint_every = j.at("checkpoint_every").get<int64_t>();
+    o.server_wait = j.at("server_wait").get<double>();
   } catch (const nlohmann::json::exception& e) {
     MOETRAIN_FAIL("parameter-server options in the setup message: {}", e.what());
   }

@@ -20,15 +20,18 @@ Assign parse_assign(const std::string& name);            // uniform | capability
 
 struct PsOptions {
   int64_t servers = 1;
-  int64_t workers = 1;                 // workers to wait for before the first clock
-  std::string consistency = "sync";   // sync | quorum | async | ssp
-  int64_t quorum = 0;                  // quorum: pushes that apply a clock (1..workers)
-  int64_t staleness = 0;               // ssp: how many clocks the fastest may lead the slowest
+  int64_t workers = 1;                    // workers to wait for before the first clock
+  std::string consistency = "sync";       // sync | quorum | async | ssp
+  int64_t quorum = 0;                     // quorum: pushes that apply a clock (1..workers)
+  int64_t staleness = 0;                  // ssp: how many clocks the fastest may lead the slowest
   std::string push_compression = "none";  // none | bf16 | int8
-  bool sparse_push = true;             // experts without tokens are left out of pushes
-  std::string assign = "uniform";      // uniform | capability
-  double heartbeat_interval = 0.5;     // seconds between heartbeats
-  double heartbeat_timeout = 5.0;      // silence after which a node is declared dead
+  bool sparse_push = true;                // experts without tokens are left out of pushes
+  std::string assign = "uniform";         // uniform | capability
+  double heartbeat_interval = 0.5;        // seconds between heartbeats
+  double heartbeat_timeout = 5.0;         // silence after which a node is declared dead
+  int64_t server_replicas = 1;            // 2: every server streams its updates to a backup
+  int64_t checkpoint_every = 20;          // clocks between server checkpoints (0: none)
+  double server_wait = 60;                // seconds to wait for a dead server's replacement
 
   // Throws naming the option and what is allowed (e.g. "--quorum 5: must be in 1..4").
   void validate() const;

@@ -36,6 +36,7 @@ struct Node {
   bool done = false;
   double throughput = 0;  // worker rows/s, from heartbeats
   int64_t pid = 0;
+  bool primary = true;  // servers: primary or backup of its index
 };
 
 class Scheduler {
@@ -64,20 +65,26 @@ class Scheduler {
         if (!n.alive || since(n.last_seen) <= hb_timeout) continue;
         n.alive = false;
         if (n.role == "server") {
-          shutdown_all(fmt::format(
-              "server {} (node {}, pid {}) sent no heartbeat for {:.1f} s and has no replica: the "
-              "job stops (its checkpointed state is in {}/ps)",
-              n.index, id, n.pid, hb_timeout, args_.config.train.run_dir));
-          return 1;
+          if (!on_server_lost(n)) return 1;
+          continue;
         }
-        log_warn("ps scheduler: worker {} (node {}, pid {}) sent no heartbeat for {:.1f} s: "
-                 "declared dead, its rows go to the others",
-                 n.index, id, n.pid, hb_timeout);
+        log_warn(
+            "ps scheduler: worker {} (node {}, pid {}) sent no heartbeat for {:.1f} s: "
+            "declared dead, its rows go to the others",
+            n.index, id, n.pid, hb_timeout);
         ++workers_lost_;
         if (finishing_ && id == lead_) finishing_ = false;  // another worker will lead
         if (started_) replan();
       }
-      if (started_ && !finishing_) {
+      for (auto& [index, t] : down_)
+        if (since(t) > args_.options.server_wait) {
+          shutdown_all(fmt::format(
+              "server {} died and no replacement registered within --server-wait {} s (start one "
+              "with `moetrain ps server --scheduler {}`; it restores from {}/ps/server_{})",
+              index, args_.options.server_wait, endpoint_, args_.config.train.run_dir, index));
+          return 1;
+        }
+      if (started_ && !finishing_ && down_.empty()) {
         if (alive_workers().empty()) {
           if (since(last_worker_seen_) > hb_timeout) {
             shutdown_all("every worker is gone and none rejoined within the heartbeat timeout");
@@ -122,22 +129,35 @@ class Scheduler {
         send_to(router_, in.identity,
                 json_frame(Kind::Shutdown, -1,
                            {{"ok", false},
-                            {"reason", "this node was declared dead after missing heartbeats; "
-                                       "restart it to rejoin"}}));
+                            {"reason",
+                             "this node was declared dead after missing heartbeats; "
+                             "restart it to rejoin"}}));
         return;
       }
       node->last_seen = Clock::now();
     }
     try {
       switch (h.kind_enum()) {
-        case Kind::Register: on_register(in); break;
+        case Kind::Register:
+          on_register(in);
+          break;
         case Kind::Heartbeat:
           if (!node) return;
           if (node->role == "worker" && h.value > 0) node->throughput = h.value;
-          send_to(router_, in.identity, json_frame(Kind::HeartbeatAck, -1, {{"node_id", node->id}}));
+          send_to(router_, in.identity,
+                  json_frame(Kind::HeartbeatAck, -1, {{"node_id", node->id}}));
           break;
         case Kind::Done:
-          if (node && node->role == "worker") node->done = true;
+          // A Done of a generation that a roll-back undid does not count.
+          if (node && node->role == "worker" &&
+              in.json().value("generation", int64_t{0}) == static_cast<int64_t>(generation_))
+            node->done = true;
+          break;
+        case Kind::CheckpointList:
+          if (node && node->role == "server" && restoring_) on_checkpoint_list(*node, in.json());
+          break;
+        case Kind::Restored:
+          if (node && node->role == "server" && restoring_) on_restored();
           break;
         case Kind::FinishAck:
           if (node) on_finish_ack(*node);
@@ -156,8 +176,8 @@ class Scheduler {
   void on_register(const Incoming& in) {
     nlohmann::json j = in.json();
     const std::string role = j.value("role", "");
-    MOETRAIN_CHECK(role == "server" || role == "worker", "register: role '{}' (expected server or worker)",
-                   role);
+    MOETRAIN_CHECK(role == "server" || role == "worker",
+                   "register: role '{}' (expected server or worker)", role);
     Node n;
     n.id = next_id_++;
     n.role = role;
@@ -171,15 +191,32 @@ class Scheduler {
       n.endpoint = j.value("endpoint", "");
       MOETRAIN_CHECK(n.endpoint.starts_with("tcp://"), "register: server endpoint '{}'",
                      n.endpoint);
-      if (started_ || static_cast<int64_t>(alive_servers().size()) >= args_.options.servers) {
-        send_to(router_, in.identity,
-                json_frame(Kind::Shutdown, -1,
-                           {{"ok", false},
-                            {"reason", fmt::format("the job already has its {} server(s)",
-                                                   args_.options.servers)}}));
+      const int64_t S = args_.options.servers;
+      int64_t idx = -1;
+      if (!started_) {
+        for (int64_t i = 0; i < S && idx < 0; ++i)
+          if (!primary_of(i)) idx = i;
+        for (int64_t i = 0; i < S && idx < 0 && args_.options.server_replicas == 2; ++i)
+          if (!backup_of(i)) idx = i, n.primary = false;
+      } else if (!down_.empty() && !restoring_) {
+        idx = down_.begin()->first;  // a replacement for a dead server without a replica
+      }
+      // Without replicas, an extra server waits as a spare and replaces the next one that dies
+      // (a restarted server may register before the dead one's heartbeats ran out).
+      const bool spare = idx < 0 && started_ && args_.options.server_replicas == 1 &&
+                         args_.options.checkpoint_every > 0;
+      if (idx < 0 && !spare) {
+        send_to(
+            router_, in.identity,
+            json_frame(
+                Kind::Shutdown, -1,
+                {{"ok", false},
+                 {"reason",
+                  fmt::format("the job already has its {} server(s){}", S,
+                              args_.options.server_replicas == 2 ? " and their backups" : "")}}));
         return;
       }
-      n.index = static_cast<int64_t>(alive_servers().size());
+      n.index = idx;
     } else {
       // The lowest free index: a restarted worker takes the place (and sum position) of the one
       // it replaces.
@@ -198,9 +235,14 @@ class Scheduler {
            {"index", n.index},
            {"heartbeat_interval", args_.options.heartbeat_interval},
            {"heartbeat_timeout", args_.options.heartbeat_timeout}});
-    log_info("ps scheduler: {} {} registered (node {}, pid {})", role, n.index, n.id, n.pid);
+    log_info("ps scheduler: {} {}{} registered (node {}, pid {})", role, n.index,
+             role == "server" && !n.primary    ? " (backup)"
+             : role == "server" && n.index < 0 ? " (spare)"
+                                               : "",
+             n.id, n.pid);
     if (!started_) {
-      if (static_cast<int64_t>(alive_servers().size()) == args_.options.servers &&
+      if (static_cast<int64_t>(alive_servers().size()) ==
+              args_.options.servers * args_.options.server_replicas &&
           static_cast<int64_t>(alive_workers().size()) >= args_.options.workers) {
         started_ = true;
         last_worker_seen_ = Clock::now();
@@ -211,7 +253,139 @@ class Scheduler {
     } else if (role == "worker") {
       ++workers_joined_;
       replan();
+    } else if (n.index >= 0) {
+      begin_restore(n.index);
     }
+  }
+
+  // Servers that hold a key range (primaries and backups; not spares).
+  std::vector<Node*> serving() {
+    std::vector<Node*> out;
+    for (Node* s : alive_servers())
+      if (s->index >= 0) out.push_back(s);
+    return out;
+  }
+
+  Node* primary_of(int64_t index) {
+    for (auto& [id, n] : nodes_)
+      if (n.alive && n.role == "server" && n.primary && n.index == index) return &n;
+    return nullptr;
+  }
+  Node* backup_of(int64_t index) {
+    for (auto& [id, n] : nodes_)
+      if (n.alive && n.role == "server" && !n.primary && n.index == index) return &n;
+    return nullptr;
+  }
+
+  // A server went silent. Returns false when the job has to stop.
+  bool on_server_lost(Node& n) {
+    const double hb_timeout = args_.options.heartbeat_timeout;
+    if (n.index < 0) {
+      log_warn("ps scheduler: spare server (node {}, pid {}) is gone", n.id, n.pid);
+      return true;
+    }
+    if (!started_) {
+      shutdown_all(fmt::format("server {} (node {}, pid {}) died before the job started", n.index,
+                               n.id, n.pid));
+      return false;
+    }
+    if (!n.primary) {
+      log_warn(
+          "ps scheduler: the backup of server {} (node {}, pid {}) sent no heartbeat for "
+          "{:.1f} s; its primary goes on without a replica",
+          n.index, n.id, n.pid, hb_timeout);
+      ++servers_lost_;
+      broadcast_setup();
+      return true;
+    }
+    ++servers_lost_;
+    if (Node* b = backup_of(n.index)) {
+      b->primary = true;
+      ++failovers_;
+      log_warn(
+          "ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s: its "
+          "backup (node {}, pid {}) is promoted; workers re-route to {}",
+          n.index, n.id, n.pid, hb_timeout, b->id, b->pid, b->endpoint);
+      ++epoch_;
+      broadcast_setup();
+      return true;
+    }
+    if (args_.options.checkpoint_every == 0 || restoring_) {
+      shutdown_all(fmt::format(
+          "server {} (node {}, pid {}) sent no heartbeat for {:.1f} s and has no replica{}: the "
+          "job stops",
+          n.index, n.id, n.pid, hb_timeout,
+          restoring_ ? " (during a roll-back)" : " and no checkpoints (--checkpoint-every 0)"));
+      return false;
+    }
+    down_[n.index] = Clock::now();
+    finishing_ = false;
+    for (Node* s : alive_servers())
+      if (s->index < 0) {
+        s->index = n.index;
+        log_warn(
+            "ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s: the "
+            "spare (node {}, pid {}) replaces it",
+            n.index, n.id, n.pid, hb_timeout, s->id, s->pid);
+        begin_restore(n.index);
+        return true;
+      }
+    log_warn(
+        "ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s and has no "
+        "replica: waiting up to {} s for a replacement (`moetrain ps server --scheduler {}`), "
+        "which restores from its checkpoint",
+        n.index, n.id, n.pid, hb_timeout, args_.options.server_wait, endpoint_);
+    ++epoch_;
+    broadcast_setup();
+    return true;
+  }
+
+  // Roll-back, step 1: a replacement server registered; every primary says which checkpointed
+  // clocks it holds.
+  void begin_restore(int64_t index) {
+    restoring_ = true;
+    restore_index_ = index;
+    lists_.clear();
+    ++epoch_;
+    broadcast_setup();  // the replacement learns its range; workers still see the index down
+    for (int64_t i = 0; i < args_.options.servers; ++i)
+      if (Node* p = primary_of(i))
+        send_to(router_, p->identity, json_frame(Kind::CheckpointQuery, -1, {}));
+  }
+
+  // Step 2: the newest clock every server holds (clock 0, the initialisation, always exists).
+  void on_checkpoint_list(const Node& n, const nlohmann::json& j) {
+    if (!n.primary) return;
+    lists_[n.index] = j.at("clocks").get<std::vector<int64_t>>();
+    if (static_cast<int64_t>(lists_.size()) < args_.options.servers) return;
+    int64_t clock = 0;
+    for (int64_t c : lists_.begin()->second) {
+      bool everywhere = true;
+      for (const auto& [i, l] : lists_) everywhere &= std::find(l.begin(), l.end(), c) != l.end();
+      if (everywhere) clock = std::max(clock, c);
+    }
+    ++generation_;
+    rollback_clock_ = clock;
+    restored_ = 0;
+    log_warn("ps scheduler: every server rolls back to clock {} (generation {})", clock,
+             generation_);
+    for (Node* s : serving())
+      send_to(router_, s->identity,
+              json_frame(Kind::Restore, -1, {{"clock", clock}, {"generation", generation_}}));
+  }
+
+  // Step 3: once every server restored, workers drop what they were doing and pull.
+  void on_restored() {
+    if (++restored_ < static_cast<int64_t>(serving().size())) return;
+    restoring_ = false;
+    down_.clear();
+    ++rollbacks_;
+    for (auto& [id, w] : nodes_) w.done = false;
+    finishing_ = false;
+    log_warn("ps scheduler: server {} restored; the job continues from clock {}", restore_index_,
+             rollback_clock_);
+    ++epoch_;
+    broadcast_setup();
   }
 
   // New row assignment and membership, sent to every live node.
@@ -220,8 +394,8 @@ class Scheduler {
     if (!workers.empty()) {
       std::vector<double> weights(workers.size(), 1.0);
       if (args_.options.assign_kind() == Assign::Capability) {
-        bool all = std::all_of(workers.begin(), workers.end(),
-                               [](Node* w) { return w->throughput > 0; });
+        bool all =
+            std::all_of(workers.begin(), workers.end(), [](Node* w) { return w->throughput > 0; });
         if (all)
           for (std::size_t i = 0; i < workers.size(); ++i) weights[i] = workers[i]->throughput;
       }
@@ -250,37 +424,57 @@ class Scheduler {
   }
 
   void broadcast_setup() {
-    auto servers = alive_servers();
     auto workers = alive_workers();
-    auto keys = split_keys(total_keys_, static_cast<int64_t>(servers.size()));
-    nlohmann::json js = nlohmann::json::array(), jw = nlohmann::json::array();
-    for (std::size_t s = 0; s < servers.size(); ++s)
-      js.push_back({{"index", servers[s]->index},
-                    {"endpoint", servers[s]->endpoint},
+    auto keys = split_keys(total_keys_, args_.options.servers);
+    nlohmann::json js = nlohmann::json::array(), jw = nlohmann::json::array(),
+                   ranges = nlohmann::json::array();
+    for (int64_t s = 0; s < args_.options.servers; ++s) {
+      Node* p = primary_of(s);
+      Node* b = backup_of(s);
+      // A server that is down, or restoring, is listed without an endpoint: workers wait.
+      const bool up = p && !down_.count(s) && !(restoring_ && s == restore_index_);
+      js.push_back({{"index", s},
+                    {"endpoint", up ? p->endpoint : ""},
+                    {"backup", b ? b->endpoint : ""},
                     {"begin", keys[s].begin},
                     {"end", keys[s].end}});
+      ranges.push_back({keys[s].begin, keys[s].end});
+    }
     int64_t row = 0;
     for (std::size_t w = 0; w < workers.size(); ++w) {
       jw.push_back({{"index", workers[w]->index}, {"row_begin", row}, {"rows", rows_[w]}});
       row += rows_[w];
     }
     nlohmann::json base = {{"epoch", epoch_},
+                           {"generation", generation_},
+                           {"rollback_to", rollback_clock_},
                            {"config", args_.config.to_json()},
                            {"options", args_.options.to_json()},
                            {"servers", js},
+                           {"ranges", ranges},
                            {"workers", jw},
                            {"global_rows", global_rows_},
                            {"total_keys", total_keys_}};
     for (auto& [id, n] : nodes_) {
-      if (!n.alive) continue;
+      if (!n.alive || (n.role == "server" && n.index < 0)) continue;
       nlohmann::json j = base;
       j["node_id"] = n.id;
       j["role"] = n.role;
       j["index"] = n.index;
+      if (n.role == "server") j["replica"] = n.primary ? "primary" : "backup";
       send_to(router_, n.identity, json_frame(Kind::Setup, -1, j));
     }
-    nlohmann::json job = {{"scheduler", endpoint_}, {"epoch", epoch_}, {"servers", js},
+    nlohmann::json job = {{"scheduler", endpoint_},
+                          {"epoch", epoch_},
+                          {"generation", generation_},
+                          {"servers", js},
                           {"workers", jw}};
+    nlohmann::json pids = nlohmann::json::array();
+    for (auto& [id, n] : nodes_)
+      if (n.alive)
+        pids.push_back(
+            {{"role", n.role}, {"index", n.index}, {"pid", n.pid}, {"primary", n.primary}});
+    job["nodes"] = pids;
     write_file_atomic(fs::path(args_.config.train.run_dir) / "ps" / "job.json", job.dump(2) + "\n");
   }
 
@@ -299,12 +493,15 @@ class Scheduler {
 
   void on_finish_ack(Node& n) {
     if (n.role == "worker" && n.id == lead_) {
-      for (Node* s : alive_servers()) send_to(router_, s->identity, json_frame(Kind::Finish, -1, {}));
+      for (Node* s : serving()) send_to(router_, s->identity, json_frame(Kind::Finish, -1, {}));
       servers_acked_ = 0;
     } else if (n.role == "server") {
-      if (++servers_acked_ == static_cast<int64_t>(alive_servers().size())) {
+      if (++servers_acked_ == static_cast<int64_t>(serving().size())) {
         nlohmann::json summary = {{"workers_lost", workers_lost_},
                                   {"workers_joined", workers_joined_},
+                                  {"servers_lost", servers_lost_},
+                                  {"failovers", failovers_},
+                                  {"rollbacks", rollbacks_},
                                   {"rejected_messages", rejects_.rejected},
                                   {"epochs", epoch_}};
         write_file_atomic(fs::path(args_.config.train.run_dir) / "ps" / "scheduler.json",
@@ -324,7 +521,8 @@ class Scheduler {
     log_error("ps scheduler: {}", reason);
     for (auto& [id, n] : nodes_)
       if (n.alive)
-        send_to(router_, n.identity, json_frame(Kind::Shutdown, -1, {{"ok", false}, {"reason", reason}}));
+        send_to(router_, n.identity,
+                json_frame(Kind::Shutdown, -1, {{"ok", false}, {"reason", reason}}));
     // Let the sends leave before the context closes.
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
@@ -338,7 +536,12 @@ class Scheduler {
   int32_t next_id_ = 0;
   int64_t total_keys_ = 0, global_rows_ = 0, epoch_ = 0;
   std::vector<int64_t> rows_;
-  bool started_ = false, finishing_ = false, finished_ = false;
+  bool started_ = false, finishing_ = false, finished_ = false, restoring_ = false;
+  std::map<int64_t, Clock::time_point> down_;      // server index → when it was declared dead
+  std::map<int64_t, std::vector<int64_t>> lists_;  // roll-back: checkpointed clocks per server
+  int64_t restore_index_ = -1, rollback_clock_ = 0, restored_ = 0;
+  uint32_t generation_ = 0;
+  int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0;
   int exit_code_ = 1;
   int32_t lead_ = -1;
   int64_t servers_acked_ = 0, workers_lost_ = 0, workers_joined_ = 0;

@@ -2,8 +2,11 @@
 // which key range each server holds, which rows of each step's global batch each worker reads.
 // It starts the job once the expected servers and workers have registered, re-plans when a
 // worker dies or joins (a dead worker's rows go to the others, a newcomer starts at the current
-// clock), ends the job when a server dies (no replica to promote), and closes it when every
-// worker is done: the lead worker writes the final checkpoint, then the servers their summaries.
+// clock), and closes the job when every worker is done: the lead worker writes the final
+// checkpoint, then the servers their summaries. When a server dies it promotes its backup
+// (--server-replicas 2); without one it waits for a replacement (a restarted server, or a spare
+// that registered earlier) and rolls every server back to the newest checkpoint they all hold,
+// then tells the workers, which drop what they were doing and pull (generation + 1).
 #pragma once
 #include <string>
 

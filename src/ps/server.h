@@ -8,13 +8,21 @@
 //   ssp     each push on arrival; a pull from a worker at clock c waits until the slowest active
 //           worker has reached c − s
 // Bad messages are rejected with a log line and counted; the server goes on serving.
+//
+// Failures. A primary checkpoints its range and optimizer state every `--checkpoint-every`
+// clocks (server_checkpoint.h). With `--server-replicas 2` it also streams every applied update
+// (the summed gradient and the learning rate, the exact input of its optimizer step) to a backup
+// that applies it the same way, and answers a pull only once the backup has confirmed every
+// update the reply contains: nothing a worker has seen can be lost when the primary dies and
+// the scheduler promotes the backup. Without a replica, a replacement server and every other
+// server roll back to the newest checkpoint they all hold (Restore from the scheduler).
 #pragma once
 #include <string>
 
 namespace moetrain::ps {
 
 struct ServerArgs {
-  std::string scheduler;            // tcp://HOST:PORT
+  std::string scheduler;                   // tcp://HOST:PORT
   std::string bind = "tcp://127.0.0.1:*";  // where workers reach this server
 };
 

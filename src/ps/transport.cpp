@@ -3,13 +3,15 @@
 #include "core/check.h"
 #include "core/log.h"
 
+#include <cstring>
 #include <vector>
 
 namespace moetrain::ps {
 
 nlohmann::json Incoming::json() const {
-  MOETRAIN_CHECK(header.encoding() == Encoding::Json, "{} message does not carry JSON (flags 0x{:x})",
-                 kind_name(header.kind_enum()), header.flags);
+  MOETRAIN_CHECK(header.encoding() == Encoding::Json,
+                 "{} message does not carry JSON (flags 0x{:x})", kind_name(header.kind_enum()),
+                 header.flags);
   auto j = nlohmann::json::parse(payload, payload + header.bytes, nullptr, false);
   MOETRAIN_CHECK(!j.is_discarded() && j.is_object(), "{} message carries malformed JSON",
                  kind_name(header.kind_enum()));
@@ -53,6 +55,23 @@ void send(zmq::socket_t& dealer, std::string_view frame) {
 void send_to(zmq::socket_t& router, const std::string& identity, std::string_view frame) {
   router.send(zmq::buffer(identity), zmq::send_flags::sndmore);
   router.send(zmq::buffer(frame.data(), frame.size()), zmq::send_flags::none);
+}
+
+zmq::message_t new_frame(Header h, std::size_t payload_bytes) {
+  zmq::message_t m(sizeof(Header) + payload_bytes);
+  h.bytes = payload_bytes;
+  h.checksum = 0;
+  std::memcpy(m.data(), &h, sizeof(h));
+  return m;
+}
+
+void send(zmq::socket_t& dealer, zmq::message_t&& frame) {
+  dealer.send(frame, zmq::send_flags::none);
+}
+
+void send_to(zmq::socket_t& router, const std::string& identity, zmq::message_t&& frame) {
+  router.send(zmq::buffer(identity), zmq::send_flags::sndmore);
+  router.send(frame, zmq::send_flags::none);
 }
 
 std::string json_frame(Kind kind, int32_t sender, const nlohmann::json& body, int64_t clock) {

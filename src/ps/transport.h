@@ -39,6 +39,17 @@ std::string bind_router(zmq::socket_t& router, const std::string& endpoint);
 void send(zmq::socket_t& dealer, std::string_view frame);
 void send_to(zmq::socket_t& router, const std::string& identity, std::string_view frame);
 
+// Frames built in place (no copy of the payload on the way out): new_frame() writes the header
+// (h.bytes = payload_bytes) into a message of 88 + payload_bytes bytes; the caller writes the
+// payload at frame_payload(), seals it (seal() in message.h), and sends the message itself,
+// which ZeroMQ's I/O thread transmits from that buffer.
+zmq::message_t new_frame(Header h, std::size_t payload_bytes);
+inline char* frame_payload(zmq::message_t& m) {
+  return m.data<char>() + sizeof(Header);
+}
+void send(zmq::socket_t& dealer, zmq::message_t&& frame);
+void send_to(zmq::socket_t& router, const std::string& identity, zmq::message_t&& frame);
+
 // A JSON control message.
 std::string json_frame(Kind kind, int32_t sender, const nlohmann::json& body, int64_t clock = 0);
 

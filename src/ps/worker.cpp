@@ -25,15 +25,72 @@ namespace fs = std::filesystem;
 namespace moetrain::ps {
 
 KvWorker::KvWorker(zmq::context_t& ctx, int32_t worker_index, std::vector<ServerInfo> servers,
-                   std::function<void()> on_idle)
-    : index_(worker_index), servers_(std::move(servers)), on_idle_(std::move(on_idle)) {
-  for (const ServerInfo& s : servers_) sockets_.push_back(make_dealer(ctx, s.endpoint));
+                   uint32_t generation, std::function<void()> on_idle)
+    : ctx_(ctx),
+      index_(worker_index),
+      generation_(generation),
+      servers_(std::move(servers)),
+      on_idle_(std::move(on_idle)) {
+  sockets_.resize(servers_.size());
+  last_push_.resize(servers_.size());
+  for (std::size_t s = 0; s < servers_.size(); ++s) connect(s);
+}
+
+void KvWorker::connect(std::size_t s) {
+  sockets_[s].reset();
+  if (!servers_[s].endpoint.empty())
+    sockets_[s] = std::make_unique<zmq::socket_t>(make_dealer(ctx_, servers_[s].endpoint));
+}
+
+void KvWorker::send_request(Pending& p, std::size_t s, zmq::message_t&& frame) {
+  // The kept copy shares the buffer with the one ZeroMQ sends (a reference count, no copy).
+  p.frames[s].copy(frame);
+  if (sockets_[s]) send(*sockets_[s], std::move(frame));
+}
+
+void KvWorker::update_servers(const std::vector<ServerInfo>& servers) {
+  MOETRAIN_CHECK(servers.size() == servers_.size(), "the job has {} servers, the setup lists {}",
+                 servers_.size(), servers.size());
+  for (std::size_t s = 0; s < servers.size(); ++s) {
+    MOETRAIN_CHECK(servers[s].begin == servers_[s].begin && servers[s].end == servers_[s].end,
+                   "server {}'s key range changed", s);
+    if (servers[s].endpoint == servers_[s].endpoint) continue;
+    log_info("ps worker {}: server {} is now at '{}'", index_, servers[s].index,
+             servers[s].endpoint);
+    servers_[s].endpoint = servers[s].endpoint;
+    connect(s);
+    if (!sockets_[s]) continue;
+    if (last_push_[s].size() > 0) {
+      zmq::message_t again;
+      again.copy(last_push_[s]);
+      send(*sockets_[s], std::move(again));
+    }
+    for (auto& [ticket, p] : pending_)
+      if (!p.done[s] && p.params) {  // pulls; the push went above
+        zmq::message_t again;
+        again.copy(p.frames[s]);
+        send(*sockets_[s], std::move(again));
+      }
+  }
+}
+
+void KvWorker::reset(const std::vector<ServerInfo>& servers, uint32_t generation) {
+  pending_.clear();
+  for (auto& m : last_push_) m = zmq::message_t();
+  generation_ = generation;
+  for (std::size_t s = 0; s < servers.size(); ++s)
+    if (servers[s].endpoint != servers_[s].endpoint) {
+      servers_[s].endpoint = servers[s].endpoint;
+      connect(s);
+    }
 }
 
 int64_t KvWorker::push(int64_t clock, const float* grads, const std::vector<Span>& skip,
                        Encoding enc, const PushMeta& meta, float* residual) {
   const int64_t ticket = next_ticket_++;
-  pending_[ticket] = {};
+  Pending& p = pending_[ticket];
+  p.done.assign(servers_.size(), 0);
+  p.frames.resize(servers_.size());
   for (std::size_t s = 0; s < servers_.size(); ++s) {
     const int64_t b = servers_[s].begin, e = servers_[s].end;
     // This server's part of the kept ranges: [b, e) minus the skipped ones.
@@ -59,19 +116,26 @@ int64_t KvWorker::push(int64_t clock, const float* grads, const std::vector<Span
     h.aux0 = meta.rows;
     h.aux1 = meta.global_rows;
     h.value = meta.loss;
-    const std::string frame =
-        encode(h, encode_push(enc, grads + b, e - b, sparse ? &keep : nullptr,
-                              enc == Encoding::Int8 && residual ? residual + b : nullptr));
-    push_bytes_ += static_cast<int64_t>(frame.size());
+    h.generation = generation_;
+    const std::vector<Span>* ranges = sparse ? &keep : nullptr;
+    zmq::message_t m = new_frame(h, push_payload_size(enc, e - b, ranges));
+    write_push(enc, grads + b, e - b, ranges,
+               enc == Encoding::Int8 && residual ? residual + b : nullptr, frame_payload(m));
+    seal(m.data(), m.size());
+    push_bytes_ += static_cast<int64_t>(m.size());
     dense_push_bytes_ += static_cast<int64_t>(sizeof(Header)) + 4 * (e - b);
-    send(sockets_[s], frame);
+    last_push_[s].copy(m);
+    send_request(p, s, std::move(m));
   }
   return ticket;
 }
 
 int64_t KvWorker::pull(int64_t clock, float* params) {
   const int64_t ticket = next_ticket_++;
-  pending_[ticket] = {params, 0, INT64_MAX};
+  Pending& p = pending_[ticket];
+  p.params = params;
+  p.done.assign(servers_.size(), 0);
+  p.frames.resize(servers_.size());
   for (std::size_t s = 0; s < servers_.size(); ++s) {
     Header h;
     h.kind = static_cast<uint16_t>(Kind::Pull);
@@ -80,21 +144,22 @@ int64_t KvWorker::pull(int64_t clock, float* params) {
     h.key_begin = servers_[s].begin;
     h.key_end = servers_[s].end;
     h.ticket = ticket;
-    send(sockets_[s], encode(h, {}));
+    h.generation = generation_;
+    zmq::message_t m = new_frame(h, 0);
+    seal(m.data(), m.size());
+    send_request(p, s, std::move(m));
   }
   return ticket;
 }
 
 void KvWorker::receive_all() {
   for (std::size_t s = 0; s < sockets_.size(); ++s) {
-    while (auto in = try_receive(sockets_[s], false, rejects_, "ps worker")) {
+    if (!sockets_[s]) continue;
+    while (auto in = try_receive(*sockets_[s], false, rejects_, "ps worker")) {
       const Header& h = in->header;
       auto it = pending_.find(h.ticket);
-      if (it == pending_.end()) {
-        log_warn("ps worker {}: a {} for unknown ticket {} from server {}; ignored", index_,
-                 kind_name(h.kind_enum()), h.ticket, servers_[s].index);
-        continue;
-      }
+      // Forgotten by a roll-back, or answered already by the server this one replaced.
+      if (it == pending_.end() || it->second.done[s]) continue;
       Pending& p = it->second;
       if (h.kind_enum() == Kind::PullReply) {
         const int64_t n = servers_[s].end - servers_[s].begin;
@@ -114,6 +179,8 @@ void KvWorker::receive_all() {
                  servers_[s].index);
         continue;
       }
+      p.done[s] = 1;
+      p.frames[s] = zmq::message_t();
       ++p.answered;
     }
   }
@@ -123,12 +190,13 @@ int64_t KvWorker::wait(int64_t ticket) {
   auto it = pending_.find(ticket);
   MOETRAIN_CHECK(it != pending_.end(), "wait on unknown ticket {}", ticket);
   Timer t;
-  std::vector<zmq::pollitem_t> items;
-  for (auto& s : sockets_) items.push_back({s.handle(), 0, ZMQ_POLLIN, 0});
   for (;;) {
     receive_all();
     if (it->second.answered >= static_cast<int64_t>(servers_.size())) break;
-    on_idle_();
+    on_idle_();  // may re-route (update_servers) or roll back (reset, then it throws)
+    std::vector<zmq::pollitem_t> items;
+    for (auto& s : sockets_)
+      if (s) items.push_back({s->handle(), 0, ZMQ_POLLIN, 0});
     poll_sockets(items.data(), static_cast<int>(items.size()), 20);
   }
   const int64_t clock = it->second.clock;
@@ -142,6 +210,19 @@ namespace {
 struct Assignment {
   int64_t row_begin = 0, rows = 0, global_rows = 0, epoch = 0;
 };
+
+// Thrown out of a wait when the scheduler announces a roll-back to a server checkpoint.
+struct RolledBack {
+  int64_t clock;
+};
+
+std::vector<ServerInfo> servers_of(const nlohmann::json& setup) {
+  std::vector<ServerInfo> servers;
+  for (const auto& s : setup.at("servers"))
+    servers.push_back({s.at("index").get<int64_t>(), s.at("endpoint").get<std::string>(),
+                       s.at("begin").get<int64_t>(), s.at("end").get<int64_t>()});
+  return servers;
+}
 
 Assignment assignment_of(const nlohmann::json& setup, int64_t index) {
   for (const auto& w : setup.at("workers"))
@@ -174,62 +255,81 @@ class Worker {
     check_ps_run_config(cfg_);
     opts_ = PsOptions::from_json(setup.at("options"));
     assign_ = assignment_of(setup, index_);
-    std::vector<ServerInfo> servers;
-    for (const auto& s : setup.at("servers"))
-      servers.push_back({s.at("index").get<int64_t>(), s.at("endpoint").get<std::string>(),
-                         s.at("begin").get<int64_t>(), s.at("end").get<int64_t>()});
     init_threads(static_cast<int>(cfg_.train.threads));
     model_ = std::make_unique<Transformer>(cfg_.model);
     const int64_t P = model_->layout().size();
     params_.assign(static_cast<std::size_t>(P), 0.0f);
     grads_.assign(params_.size(), 0.0f);
+    // A worker started in place of a dead one begins with a zero residual: see docs/ps.md.
     if (opts_.compression() == Encoding::Int8) residual_.assign(params_.size(), 0.0f);
     train_ = std::make_unique<TokenShard>(fs::path(cfg_.data.dir) / "train.bin");
     MOETRAIN_CHECK(train_->size() > static_cast<uint64_t>(cfg_.train.seq_len) + 1,
                    "{} has {} tokens, too few for train.seq_len = {}", train_->path().string(),
                    train_->size(), cfg_.train.seq_len);
-    kv_ = std::make_unique<KvWorker>(ctx_, static_cast<int32_t>(index_), servers,
+    kv_ = std::make_unique<KvWorker>(ctx_, static_cast<int32_t>(index_), servers_of(setup),
+                                     setup.at("generation").get<uint32_t>(),
                                      [this] { poll_control(); });
-
-    int64_t clock = kv_->wait(kv_->pull(-1, params_.data()));
-    const int64_t first = clock;
-    log_info("{}: starts at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
-             assign_.rows, assign_.global_rows);
-    while (clock < cfg_.train.steps) {
-      const PushMeta meta = compute(clock);
-      const int64_t tp = kv_->push(clock, grads_.data(), skip_, opts_.compression(), meta,
-                                   residual_.empty() ? nullptr : residual_.data());
-      const int64_t tl = kv_->pull(clock + 1, params_.data());
-      kv_->wait(tp);
-      // The servers say where to go on: the next clock, or later when this worker's push came
-      // too late for a quorum, or when it joined mid-run.
-      clock = std::max(clock + 1, kv_->wait(tl));
-      ++steps_;
-    }
-    write_stats(first, clock);
-    send(link_->socket(), json_frame(Kind::Done, link_->node_id(), {{"clock", clock}}));
-    // Wait for the end of the job; the lead worker writes the final checkpoint.
-    while (!ok) {
-      auto in = link_->next_control(1000, &ok);
-      if (in && in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
-        finish(kv_->wait(kv_->pull(-1, params_.data())));
-        send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
+    int64_t first = -1;
+    for (;;) {
+      try {
+        int64_t clock = kv_->wait(kv_->pull(-1, params_.data()));
+        if (first < 0) first = clock;
+        log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
+                 assign_.rows, assign_.global_rows);
+        while (clock < cfg_.train.steps) {
+          const PushMeta meta = compute(clock);
+          const int64_t tp = kv_->push(clock, grads_.data(), skip_, opts_.compression(), meta,
+                                       residual_.empty() ? nullptr : residual_.data());
+          const int64_t tl = kv_->pull(clock + 1, params_.data());
+          kv_->wait(tp);
+          // The servers say where to go on: the next clock, or later when this worker's push
+          // came too late for a quorum, or when it joined mid-run.
+          clock = std::max(clock + 1, kv_->wait(tl));
+          ++steps_;
+        }
+        write_stats(first, clock);
+        send(link_->socket(), json_frame(Kind::Done, link_->node_id(),
+                                         {{"clock", clock}, {"generation", kv_->generation()}}));
+        // Wait for the end of the job; the lead worker writes the final checkpoint.
+        bool ok = false;
+        while (!ok) {
+          auto in = link_->next_control(1000, &ok);
+          if (!in) continue;
+          if (in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
+            finish(kv_->wait(kv_->pull(-1, params_.data())));
+            send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
+          } else {
+            on_control(*in);
+          }
+        }
+        return 0;
+      } catch (const RolledBack& r) {
+        log_warn("{}: the servers rolled back to clock {}; pulling and going on from there", who_,
+                 r.clock);
       }
     }
-    return 0;
   }
 
  private:
   void poll_control() {
     link_->check();
-    while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) {
-      const Kind k = in->header.kind_enum();
-      if (k == Kind::Setup) {
-        assign_ = assignment_of(in->json(), index_);
-      } else if (k == Kind::Shutdown) {
-        nlohmann::json j = in->json();
-        MOETRAIN_FAIL("the scheduler stopped the job: {}", j.value("reason", std::string()));
+    while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) on_control(*in);
+  }
+
+  void on_control(const Incoming& in) {
+    const Kind k = in.header.kind_enum();
+    if (k == Kind::Setup) {
+      const nlohmann::json j = in.json();
+      assign_ = assignment_of(j, index_);
+      const auto generation = j.at("generation").get<uint32_t>();
+      if (generation != kv_->generation()) {
+        kv_->reset(servers_of(j), generation);
+        throw RolledBack{j.value("rollback_to", int64_t{-1})};
       }
+      kv_->update_servers(servers_of(j));
+    } else if (k == Kind::Shutdown) {
+      nlohmann::json j = in.json();
+      MOETRAIN_FAIL("the scheduler stopped the job: {}", j.value("reason", std::string()));
     }
   }
 
@@ -246,8 +346,8 @@ class Worker {
     auto moe = model_->moe_layers();
     std::vector<int64_t> tokens(moe.size() * static_cast<std::size_t>(E), 0);
     double loss = 0;
-    const float weight = static_cast<float>(static_cast<double>(R) /
-                                            static_cast<double>(a.global_rows * A));
+    const float weight =
+        static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A));
     for (int64_t micro = 0; micro < A; ++micro) {
       // Row r of the global batch is the window the single-process run draws for its row r.
       for (int64_t b = 0; b < R; ++b) {
@@ -312,9 +412,9 @@ class Worker {
     // The int8 error-feedback residual is this worker's state: a worker restarted in its place
     // (same index) could continue from it.
     if (!residual_.empty())
-      write_file_atomic(dir / fmt::format("residual_worker{}.f32", index_),
-                        std::string_view(reinterpret_cast<const char*>(residual_.data()),
-                                         residual_.size() * 4));
+      write_file_atomic(
+          dir / fmt::format("residual_worker{}.f32", index_),
+          std::string_view(reinterpret_cast<const char*>(residual_.data()), residual_.size() * 4));
     const double saved = kv_->dense_push_bytes() > 0
                              ? 1.0 - static_cast<double>(kv_->push_bytes()) /
                                          static_cast<double>(kv_->dense_push_bytes())
@@ -327,12 +427,14 @@ class Worker {
   void finish(int64_t clock) {
     const ParamLayout& layout = model_->layout();
     CheckpointContents c;
-    for (const auto& p : layout.params()) c.model.push_back({p.name, p.shape, params_.data() + p.offset});
+    for (const auto& p : layout.params())
+      c.model.push_back({p.name, p.shape, params_.data() + p.offset});
     nlohmann::json hf = cfg_.model.to_hf_json();
     if (std::string why; !cfg_.model.hf_mixtral_compatible(&why)) {
       hf["architectures"] = {"MoetrainForCausalLM"};
       hf["model_type"] = "moetrain";
-      hf["moetrain_note"] = fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
+      hf["moetrain_note"] =
+          fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
     }
     hf["moetrain"] = cfg_.to_json();
     c.config = hf;
@@ -346,8 +448,8 @@ class Worker {
                               cfg_.train.seq_len, cfg_.train.eval_batches);
     std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::app)
         << nlohmann::json{{"step", clock}, {"val_loss", v}}.dump() << "\n";
-    log_info("{}: final checkpoint {} (clock {}); validation loss {:.4f}", who_, dir.string(), clock,
-             v);
+    log_info("{}: final checkpoint {} (clock {}); validation loss {:.4f}", who_, dir.string(),
+             clock, v);
   }
 
   WorkerArgs args_;

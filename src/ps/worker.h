@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,7 +17,7 @@ namespace moetrain::ps {
 
 struct ServerInfo {
   int64_t index = 0;
-  std::string endpoint;
+  std::string endpoint;        // empty: the server is down (waits for it block until it is back)
   int64_t begin = 0, end = 0;  // key range
 };
 
@@ -30,11 +31,24 @@ struct PushMeta {
 // The client side of the key-value store (as ps-lite's KVWorker): push and pull return a ticket
 // at once, the messages go out in the background (ZeroMQ's I/O thread); wait(ticket) blocks until
 // every server has answered it. Replies for other tickets that arrive meanwhile are kept.
+//
+// Outgoing frames are built in place in ZeroMQ messages and kept (shared, not copied) until
+// their server answered, so that when a server's backup takes over (update_servers) what the
+// dead primary had not answered goes again to the new endpoint, and so does the latest push
+// (the dead primary may have acknowledged it without applying it).
 class KvWorker {
  public:
   // `on_idle` runs while wait() blocks (control messages from the scheduler; it may throw).
   KvWorker(zmq::context_t& ctx, int32_t worker_index, std::vector<ServerInfo> servers,
-           std::function<void()> on_idle);
+           uint32_t generation, std::function<void()> on_idle);
+
+  // New endpoints (a backup promoted, a server down or back): requests that a re-routed server
+  // has not answered are sent again to its new endpoint. Key ranges never change.
+  void update_servers(const std::vector<ServerInfo>& servers);
+  // A roll-back to a server checkpoint: every outstanding request is forgotten (its replies are
+  // ignored) and later ones carry `generation`.
+  void reset(const std::vector<ServerInfo>& servers, uint32_t generation);
+  uint32_t generation() const { return generation_; }
 
   // Pushes grads (the whole flat vector, P floats) at `clock`. `skip` lists global ranges left
   // out (sorted, disjoint: experts that received no tokens); `residual` (P floats) enables int8
@@ -59,12 +73,21 @@ class KvWorker {
     float* params = nullptr;  // pulls: where replies go
     int64_t answered = 0;
     int64_t clock = INT64_MAX;
+    std::vector<char> done;              // per server: answered
+    std::vector<zmq::message_t> frames;  // per server: the request, until answered
   };
   void receive_all();
+  void connect(std::size_t s);
+  void send_request(Pending& p, std::size_t s, zmq::message_t&& frame);
 
+  zmq::context_t& ctx_;
   int32_t index_;
+  uint32_t generation_ = 0;
   std::vector<ServerInfo> servers_;
-  std::vector<zmq::socket_t> sockets_;
+  std::vector<std::unique_ptr<zmq::socket_t>> sockets_;  // null while a server is down
+  // Per server, the latest push: an acknowledgement means received, not applied and replicated,
+  // so it goes again to a promoted backup.
+  std::vector<zmq::message_t> last_push_;
   std::function<void()> on_idle_;
   RejectStats rejects_;
   std::map<int64_t, Pending> pending_;

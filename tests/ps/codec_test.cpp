@@ -131,15 +131,24 @@ TEST(PsCodec, SparseKeepsOnlyTheRanges) {
   // A range reaching past the key range, and ranges out of order, are refused.
   std::vector<Span> over = {{290, 20}};
   std::string q = encode_push(Encoding::F32, v.data(), 320, &over, nullptr);
-  expect_error([&] { decode_push(push_header(Encoding::F32, true, q.size()), q.data(), n, out.data(), nullptr); },
-               "outside");
+  expect_error(
+      [&] {
+        decode_push(push_header(Encoding::F32, true, q.size()), q.data(), n, out.data(), nullptr);
+      },
+      "outside");
   std::string r = p;
   uint32_t big = 1u << 30;
   std::memcpy(r.data(), &big, 4);
-  expect_error([&] { decode_push(push_header(Encoding::F32, true, r.size()), r.data(), n, out.data(), nullptr); },
-               "ranges");
-  expect_error([&] { decode_push(push_header(Encoding::F32, false, p.size()), p.data(), n, out.data(), nullptr); },
-               "take");
+  expect_error(
+      [&] {
+        decode_push(push_header(Encoding::F32, true, r.size()), r.data(), n, out.data(), nullptr);
+      },
+      "ranges");
+  expect_error(
+      [&] {
+        decode_push(push_header(Encoding::F32, false, p.size()), p.data(), n, out.data(), nullptr);
+      },
+      "take");
 }
 
 TEST(PsCodec, Int8ErrorFeedbackLosesNothingOverTime) {
@@ -199,6 +208,46 @@ TEST(PsOptions, RejectBadValuesByName) {
   expect_error([&] { o.validate(); }, "--heartbeat-timeout");
   RunConfig cfg;
   expect_error([&] { check_ps_run_config(cfg); }, "optim.grad_clip");
+}
+
+// The AVX2 int8 kernels give the scalar kernels' bits: amax, codes and residuals, on blocks of
+// every length up to one block, with values spanning many magnitudes and exact zeros.
+TEST(PsCodec, Int8VectorPathEqualsScalar) {
+  if (!int8_vector_path_available()) GTEST_SKIP() << "this CPU has no AVX2";
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t len = 1; len <= kInt8Block; len += (len < 20 ? 1 : 13)) {
+    std::vector<float> v(static_cast<std::size_t>(len));
+    for (auto& x : v) x = nd(rng) * std::pow(10.0f, static_cast<float>(rng() % 9) - 4.0f);
+    if (len > 3) v[2] = 0.0f, v[3] = -0.0f;
+    const float a = int8_block_amax(v.data(), len, false);
+    ASSERT_EQ(a, int8_block_amax(v.data(), len, true)) << len;
+    for (float scale : {a / 127.0f, 0.0f}) {
+      std::vector<int8_t> q0(v.size()), q1(v.size());
+      std::vector<float> r0(v.size()), r1(v.size());
+      int8_block_quantize(v.data(), len, scale, q0.data(), r0.data(), false);
+      int8_block_quantize(v.data(), len, scale, q1.data(), r1.data(), true);
+      ASSERT_EQ(q0, q1) << len;
+      ASSERT_EQ(0, std::memcmp(r0.data(), r1.data(), r0.size() * 4)) << len;
+    }
+  }
+}
+
+// A frame built in place and sealed decodes like the encoded one.
+TEST(PsMessage, SealedInPlaceEqualsEncoded) {
+  Header h;
+  h.kind = static_cast<uint16_t>(Kind::PullReply);
+  h.clock = 4;
+  h.generation = 2;
+  const std::string payload(1000, 'z');
+  const std::string a = encode(h, payload);
+  std::string b(sizeof(Header) + payload.size(), '\0');
+  h.bytes = payload.size();
+  std::memcpy(b.data(), &h, sizeof h);
+  std::memcpy(b.data() + sizeof h, payload.data(), payload.size());
+  seal(b.data(), b.size());
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(decode(b.data(), b.size()).header.generation, 2u);
 }
 
 }  // namespace

@@ -101,8 +101,9 @@ TEST(PsJob, SyncEqualsSingleProcess) {
 TEST(PsJob, ServerSurvivesBadMessages) {
   TempDir tmp("ps_bad");
   write_corpus(tmp / "data", 60000);
-  std::vector<std::string> args = {"ps", "launch", "--timeout", "150", "--servers", "1",
-                                   "--workers", "1", "--slowdown", "0=3", "--", "train"};
+  std::vector<std::string> args = {"ps",         "launch", "--timeout", "150",
+                                   "--servers",  "1",      "--workers", "1",
+                                   "--slowdown", "0=3",    "--",        "train"};
   for (const auto& s : as_set_args(tiny_ps_overrides(tmp / "data", tmp / "run", 200, 2)))
     args.push_back(s);
   Process job(args, tmp / "launch.log");
@@ -151,8 +152,9 @@ TEST(PsJob, ServerSurvivesBadMessages) {
 
 TEST(PsJob, QuorumDropsLatePushes) {
   TempDir tmp("ps_quorum");
-  Job job = launch(tmp, {"--servers", "1", "--workers", "3", "--consistency", "quorum", "--quorum",
-                         "2", "--slowdown", "2=4"},
+  Job job = launch(tmp,
+                   {"--servers", "1", "--workers", "3", "--consistency", "quorum", "--quorum", "2",
+                    "--slowdown", "2=4"},
                    30, 2);
   ASSERT_EQ(job.code, 0) << job.output;
   auto s = read_json(tmp / "run" / "ps" / "server_0.json");
@@ -164,8 +166,9 @@ TEST(PsJob, QuorumDropsLatePushes) {
 TEST(PsJob, SspBoundsStalenessAndBlocksTheFastWorker) {
   TempDir tmp("ps_ssp");
   const int s_bound = 1;
-  Job job = launch(tmp, {"--servers", "1", "--workers", "2", "--consistency", "ssp", "--staleness",
-                         std::to_string(s_bound), "--slowdown", "1=4"},
+  Job job = launch(tmp,
+                   {"--servers", "1", "--workers", "2", "--consistency", "ssp", "--staleness",
+                    std::to_string(s_bound), "--slowdown", "1=4"},
                    30, 2);
   ASSERT_EQ(job.code, 0) << job.output;
   auto s = read_json(tmp / "run" / "ps" / "server_0.json");

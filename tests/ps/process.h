@@ -11,11 +11,15 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "support/corpus.h"
 
 namespace moetrain::testing {
 
@@ -89,15 +93,24 @@ class Process {
 inline std::vector<std::string> tiny_ps_overrides(const std::filesystem::path& data,
                                                   const std::filesystem::path& run, int steps,
                                                   int batch) {
-  std::vector<std::string> kv = {"model.dim=32",          "model.n_layers=2",
-                                 "model.n_heads=4",       "model.n_kv_heads=2",
-                                 "model.expert_hidden=32", "model.n_experts=4",
-                                 "model.top_k=2",         "model.router=topk_softmax",
-                                 "model.capacity_factor=0", "model.aux_loss_coef=0",
-                                 "model.max_seq_len=32",  "train.seq_len=32",
-                                 "train.eval_batches=4",  "train.eval_every=0",
-                                 "train.progress=off",    "optim.grad_clip=0",
-                                 "optim.warmup_steps=2",  "data.dir=" + data.string(),
+  std::vector<std::string> kv = {"model.dim=32",
+                                 "model.n_layers=2",
+                                 "model.n_heads=4",
+                                 "model.n_kv_heads=2",
+                                 "model.expert_hidden=32",
+                                 "model.n_experts=4",
+                                 "model.top_k=2",
+                                 "model.router=topk_softmax",
+                                 "model.capacity_factor=0",
+                                 "model.aux_loss_coef=0",
+                                 "model.max_seq_len=32",
+                                 "train.seq_len=32",
+                                 "train.eval_batches=4",
+                                 "train.eval_every=0",
+                                 "train.progress=off",
+                                 "optim.grad_clip=0",
+                                 "optim.warmup_steps=2",
+                                 "data.dir=" + data.string(),
                                  "train.run_dir=" + run.string(),
                                  "train.steps=" + std::to_string(steps),
                                  "train.batch_size=" + std::to_string(batch)};
@@ -121,6 +134,96 @@ inline bool wait_for_file(const std::filesystem::path& p, double seconds) {
   while (!std::filesystem::exists(p) && std::chrono::steady_clock::now() < end)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   return std::filesystem::exists(p);
+}
+
+// A job started role by role, as on separate machines: a scheduler (heartbeats every 0.1 s, dead
+// after `heartbeat_timeout` s), `servers` server processes, `n_workers` workers asking for indices
+// 0.., each with its log file; every process reaped when the cluster goes out of scope.
+struct Cluster {
+  std::filesystem::path dir, run;
+  std::string name, endpoint;
+  std::unique_ptr<Process> scheduler;
+  std::vector<std::unique_ptr<Process>> servers, workers;
+
+  Cluster(const std::filesystem::path& tmp, const std::string& job, int n_workers, int steps,
+          int n_servers = 1, std::vector<std::string> job_args = {},
+          const std::string& heartbeat_timeout = "1")
+      : dir(tmp), run(tmp / job), name(job) {
+    write_corpus(dir / "data", 60000);
+    std::vector<std::string> args = {"ps",
+                                     "scheduler",
+                                     "--scheduler",
+                                     "tcp://127.0.0.1:*",
+                                     "--endpoint-file",
+                                     (dir / (name + ".endpoint")).string(),
+                                     "--workers",
+                                     std::to_string(n_workers),
+                                     "--heartbeat-interval",
+                                     "0.1",
+                                     "--heartbeat-timeout",
+                                     "1"};
+    args.insert(args.end(), job_args.begin(), job_args.end());
+    for (const auto& s : as_set_args(tiny_ps_overrides(dir / "data", run, steps, 2)))
+      args.push_back(s);
+    scheduler = std::make_unique<Process>(args, dir / (name + "_scheduler.log"));
+    wait_for_file(dir / (name + ".endpoint"), 30);
+    std::ifstream(dir / (name + ".endpoint")) >> endpoint;
+    for (int s = 0; s < n_servers; ++s) add_server();
+    for (int w = 0; w < n_workers; ++w) add_worker(w, 1.0);
+  }
+  void add_server() {
+    servers.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"ps", "server", "--scheduler", endpoint},
+        dir / (name + "_server" + std::to_string(servers.size()) + ".log")));
+  }
+  void add_worker(int index, double slowdown) {
+    workers.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"ps", "worker", "--scheduler", endpoint, "--index",
+                                 std::to_string(index), "--slowdown", std::to_string(slowdown)},
+        dir / (name + "_worker" + std::to_string(workers.size()) + ".log")));
+  }
+  // The process of a node in job.json (role "server" or "worker", its index, primary or not).
+  Process* find(const std::string& role, int64_t index, bool primary = true) {
+    auto job = read_json(run / "ps" / "job.json");
+    for (const auto& n : job["nodes"]) {
+      if (n["role"] != role || n["index"] != index || (role == "server" && n["primary"] != primary))
+        continue;
+      for (auto* list : {&servers, &workers})
+        for (auto& p : *list)
+          if (p->pid() == n["pid"].get<pid_t>()) return p.get();
+    }
+    return nullptr;
+  }
+  std::string logs() const {
+    std::string out = "scheduler:\n" + scheduler->output();
+    for (const auto& s : servers) out += "server:\n" + s->output();
+    for (const auto& w : workers) out += "worker:\n" + w->output();
+    return out;
+  }
+};
+
+inline int64_t applied_steps(const std::filesystem::path& run) {
+  int64_t n = 0;
+  std::ifstream in(run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) n += line.find("\"loss\"") != std::string::npos;
+  return n;
+}
+
+inline double val_loss(const std::filesystem::path& run) {
+  double v = -1;
+  std::ifstream in(run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) v = j["val_loss"].get<double>();
+  }
+  return v;
+}
+
+inline bool wait_until(const std::function<bool()>& cond, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!cond() && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return cond();
 }
 
 }  // namespace moetrain::testing

@@ -1,0 +1,157 @@
+// Server failures of real processes. A primary killed with SIGKILL while its backup streams
+// every applied update: the backup is promoted, workers re-route, and the final parameters are
+// bitwise those of the undisturbed sync run (the backup applies the primary's exact optimizer
+// input with the same code, and a pull is answered only with updates the backup confirmed).
+// A server without a replica killed and started again by hand: every server rolls back to the
+// newest checkpoint they all hold, workers go back to its clock and re-pull, and the final
+// parameters are again bitwise those of the undisturbed run (sync replays the same clocks on the
+// same rows from the same state).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "ps/process.h"  // tests/ps/process.h
+#include "support/temp_dir.h"
+#include "train/trainer.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kSteps = 120;
+
+class PsServerFault : public ::testing::Test {
+ protected:
+  // One undisturbed sync run (2 servers, 2 workers) for every test of the suite.
+  static void SetUpTestSuite() {
+    tmp_ = new TempDir("ps_server_fault");
+    Cluster ref(tmp_->path(), "ref", 2, kSteps, 2, {"--servers", "2"}, "2");
+    ASSERT_EQ(ref.scheduler->wait(150), 0) << ref.logs();
+    reference_ = new std::vector<float>(load_model(ref.run).params);
+  }
+  static void TearDownTestSuite() {
+    delete reference_;
+    delete tmp_;
+  }
+  static void expect_reference_params(const fs::path& run) {
+    LoadedModel m = load_model(run);
+    EXPECT_EQ(m.step, kSteps);
+    ASSERT_EQ(m.params.size(), reference_->size());
+    int64_t differ = 0;
+    double worst = 0;
+    for (std::size_t i = 0; i < m.params.size(); ++i) {
+      differ += m.params[i] != (*reference_)[i];
+      worst = std::max(worst, std::fabs(static_cast<double>(m.params[i]) - (*reference_)[i]));
+    }
+    EXPECT_EQ(differ, 0) << "parameters differ from the undisturbed run's (largest difference "
+                         << worst << ")";
+  }
+  static TempDir* tmp_;
+  static std::vector<float>* reference_;
+};
+
+TempDir* PsServerFault::tmp_ = nullptr;
+std::vector<float>* PsServerFault::reference_ = nullptr;
+
+TEST_F(PsServerFault, KilledPrimaryIsReplacedByItsBackupWithNoUpdateLost) {
+  Cluster c(tmp_->path(), "replica", 2, kSteps, 4, {"--servers", "2", "--server-replicas", "2"},
+            "2");
+  ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 30; }, 60)) << c.logs();
+  // Server 0's primary also writes the metrics: its backup must take that over too.
+  Process* primary = c.find("server", 0, true);
+  ASSERT_NE(primary, nullptr) << c.logs();
+  primary->kill(SIGKILL);
+  const int64_t at_kill = applied_steps(c.run);
+  ASSERT_LT(at_kill, kSteps) << "the job ended before the kill";
+  ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+  for (auto& w : c.workers) EXPECT_EQ(w->wait(30), 0) << c.logs();
+
+  auto sched = read_json(c.run / "ps" / "scheduler.json");
+  EXPECT_EQ(sched["failovers"].get<int64_t>(), 1);
+  EXPECT_EQ(sched["rollbacks"].get<int64_t>(), 0);
+  auto s0 = read_json(c.run / "ps" / "server_0.json");
+  EXPECT_GE(s0["updates_replicated_in"].get<int64_t>(), 30) << s0.dump();
+  EXPECT_EQ(s0["updates"].get<int64_t>(), kSteps);
+  EXPECT_EQ(applied_steps(c.run), kSteps) << "every clock applied exactly once";
+  expect_reference_params(c.run);
+}
+
+TEST_F(PsServerFault, RestartedServerRestoresItsCheckpointAndTheJobRollsBack) {
+  Cluster c(tmp_->path(), "restart", 2, kSteps, 2, {"--servers", "2", "--checkpoint-every", "10"},
+            "2");
+  ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 35; }, 60)) << c.logs();
+  Process* victim = c.find("server", 1);
+  ASSERT_NE(victim, nullptr) << c.logs();
+  victim->kill(SIGKILL);
+  const int64_t at_kill = applied_steps(c.run);
+  ASSERT_LT(at_kill, kSteps) << "the job ended before the kill";
+  // Restarted by hand once the scheduler noticed (2 s heartbeat timeout) and waits for it.
+  ASSERT_TRUE(wait_until(
+      [&] { return c.scheduler->output().find("waiting up to") != std::string::npos; }, 30))
+      << c.logs();
+  c.add_server();
+  ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+  for (auto& w : c.workers) EXPECT_EQ(w->wait(30), 0) << c.logs();
+
+  auto sched = read_json(c.run / "ps" / "scheduler.json");
+  EXPECT_EQ(sched["rollbacks"].get<int64_t>(), 1);
+  EXPECT_EQ(read_json(c.run / "ps" / "server_1.json")["rollbacks"].get<int64_t>(), 1);
+  // The roll-back went to a checkpointed clock at most 10 clocks (plus the one in flight) back.
+  int64_t rollback = -1;
+  std::ifstream in(c.run / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("rollback_to")) rollback = j["rollback_to"].get<int64_t>();
+  }
+  EXPECT_EQ(rollback % 10, 0);
+  EXPECT_GE(rollback, 30);
+  EXPECT_LE(rollback, at_kill + 1);
+  // Only the newest three checkpoints of each server are kept.
+  for (int s = 0; s < 2; ++s) {
+    const fs::path d = c.run / "ps" / ("server_" + std::to_string(s));
+    const auto files = std::distance(fs::directory_iterator(d), fs::directory_iterator());
+    EXPECT_EQ(files, 3) << d;
+  }
+  expect_reference_params(c.run);
+}
+
+// `ps launch` restarts a server that died; the job rolls back and completes as undisturbed.
+TEST_F(PsServerFault, LaunchRestartsAKilledServer) {
+  const fs::path run = tmp_->path() / "launch";
+  std::vector<std::string> args = {"ps",
+                                   "launch",
+                                   "--timeout",
+                                   "150",
+                                   "--servers",
+                                   "2",
+                                   "--workers",
+                                   "2",
+                                   "--checkpoint-every",
+                                   "10",
+                                   "--heartbeat-interval",
+                                   "0.1",
+                                   "--heartbeat-timeout",
+                                   "1",
+                                   "--",
+                                   "train"};
+  for (const auto& s : as_set_args(tiny_ps_overrides(tmp_->path() / "data", run, kSteps, 2)))
+    args.push_back(s);
+  Process job(args, tmp_->path() / "launch.log");
+  ASSERT_TRUE(wait_until([&] { return applied_steps(run) >= 35; }, 60)) << job.output();
+  pid_t victim = -1;
+  const auto job_json = read_json(run / "ps" / "job.json");
+  for (const auto& n : job_json["nodes"])
+    if (n["role"] == "server" && n["index"] == 0) victim = n["pid"].get<pid_t>();
+  ASSERT_GT(victim, 0) << job_json.dump();
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ASSERT_EQ(job.wait(150), 0) << job.output();
+  EXPECT_NE(job.output().find("restarting server"), std::string::npos) << job.output();
+  EXPECT_EQ(read_json(run / "ps" / "scheduler.json")["rollbacks"].get<int64_t>(), 1);
+  expect_reference_params(run);
+}
+
+}  // namespace
