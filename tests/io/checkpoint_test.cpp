@@ -113,6 +113,22 @@ TEST(Crc32c, IncrementalAndUnalignedAgreeWithTheTable) {
   EXPECT_NE(crc32c(data.data(), data.size()), whole);
 }
 
+TEST(Crc32c, LongInputsTakeThreeStreamsAndAgreeWithTheTable) {
+  // Above 3 × 8 KiB the hardware path joins three side-by-side streams; around and across that
+  // size, at odd offsets and continued from a previous CRC, it must give the table's value.
+  std::mt19937 gen(11);
+  std::vector<uint8_t> data(200003);
+  for (auto& v : data) v = static_cast<uint8_t>(gen());
+  for (std::size_t off : {0, 3})
+    for (std::size_t n : {24575, 24576, 24577, 49152 + 5, 100000, 199999}) {
+      const uint32_t want = crc32c_table(data.data() + off, n);
+      EXPECT_EQ(crc32c(data.data() + off, n), want) << off << " " << n;
+      const uint32_t head = crc32c(data.data(), off + 17);
+      EXPECT_EQ(crc32c(data.data() + off + 17, n, head), crc32c_table(data.data(), off + 17 + n))
+          << off << " " << n;
+    }
+}
+
 TEST(Checkpoint, PiecesReadBackInAnyCut) {
   TempDir tmp("ckpt_pieces");
   Tensors t(1.0f);
