@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "core/check.h"
@@ -142,9 +143,14 @@ void write_values(Encoding e, const float* values, int64_t n, float* residual, c
   if (e == Encoding::F32) {
     std::memcpy(dst, values, static_cast<std::size_t>(n) * 4);
   } else if (e == Encoding::Bf16) {
-    for (int64_t i = 0; i < n; ++i) {
-      const uint16_t b = bf16(values[i]).bits;
-      std::memcpy(dst + 2 * i, &b, 2);
+    // Frames place bf16 values at even offsets; the bulk conversion (core/dtype) needs that.
+    if (reinterpret_cast<std::uintptr_t>(dst) % alignof(bf16) == 0) {
+      f32_to_bf16(reinterpret_cast<bf16*>(dst), values, static_cast<std::size_t>(n));
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t b = bf16(values[i]).bits;
+        std::memcpy(dst + 2 * i, &b, 2);
+      }
     }
   } else {
     // Per block: the f32 scale, then the block's int8 values.
@@ -179,10 +185,14 @@ void decode_values(Encoding e, const char* data, std::size_t bytes, int64_t n, f
   if (e == Encoding::F32) {
     std::memcpy(dst, data, bytes);
   } else if (e == Encoding::Bf16) {
-    for (int64_t i = 0; i < n; ++i) {
-      uint16_t b;
-      std::memcpy(&b, data + 2 * i, 2);
-      dst[i] = static_cast<float>(bf16::from_bits(b));
+    if (reinterpret_cast<std::uintptr_t>(data) % alignof(bf16) == 0) {
+      bf16_to_f32(dst, reinterpret_cast<const bf16*>(data), static_cast<std::size_t>(n));
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t b;
+        std::memcpy(&b, data + 2 * i, 2);
+        dst[i] = static_cast<float>(bf16::from_bits(b));
+      }
     }
   } else {
     for (int64_t b0 = 0; b0 < n; b0 += kInt8Block) {

@@ -267,6 +267,19 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   if (ckpt) {
     load_checkpoint(*ckpt);
   } else {
+    // Committed checkpoints that all fail verification are not silently replaced: a run from
+    // step 0 would prune them. (An uncommitted .tmp_ directory is no checkpoint.)
+    int64_t refused = 0;
+    const fs::path cdir = fs::path(cfg_.train.run_dir) / "checkpoints";
+    if (resume && fs::is_directory(cdir))
+      for (const auto& entry : fs::directory_iterator(cdir))
+        if (entry.is_directory() && entry.path().filename().string().rfind("step_", 0) == 0)
+          ++refused;
+    MOETRAIN_CHECK(refused == 0,
+                   "{} holds {} checkpoint(s) and none can be loaded (the reasons are logged "
+                   "above): move them away to start this run from step 0, or point "
+                   "train.run_dir elsewhere",
+                   cdir.string(), refused);
     if (resume) log_info("no checkpoint in {}: starting from step 0", cfg_.train.run_dir);
     if (pl.rank == 0)
       std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::trunc);

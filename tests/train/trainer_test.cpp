@@ -150,6 +150,16 @@ TEST(Trainer, CorruptLatestCheckpointFallsBackToThePreviousOne) {
   // An uncommitted checkpoint (no manifest) is never used.
   fs::remove(*second / "manifest.json");
   EXPECT_FALSE(find_latest_checkpoint(run));
+  // With every checkpoint refused, --resume stops instead of training from step 0 over them
+  // (which would prune them), and leaves them where they are.
+  try {
+    Trainer again(cfg, true);
+    FAIL() << "resumed over checkpoints that all fail verification";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("none can be loaded"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fs::exists(*second / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(*latest / "model.safetensors"));
 }
 
 TEST(Trainer, ResumeWithADifferentConfigIsRefused) {
