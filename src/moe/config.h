@@ -77,6 +77,10 @@ struct MoeStep {
   uint64_t seed = 0;
   uint64_t step = 0;
   uint64_t layer = 0;
+  // Index of this batch's first token in the step's global batch (a data-parallel rank's rows
+  // start at rank · B · T). Router noise is drawn per global token, so a run split over
+  // processes draws the same noise for a token as the one-process run.
+  uint64_t token_offset = 0;
 };
 
 }  // namespace moetrain

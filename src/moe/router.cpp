@@ -129,7 +129,8 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
     if (cache.noisy) {
       cache.eps.resize(N * E);
       Rng rng(step.seed, rng_stream(RngPurpose::RouterNoise, step.step, step.layer));
-      rng_fill_normal(cache.eps.data(), N * E, rng, 0.0f, 1.0f);
+      rng_fill_normal(cache.eps.data(), N * E, rng, 0.0f, 1.0f,
+                      step.token_offset * static_cast<uint64_t>(E));
     }
   }
   const bool renorm = cfg.renormalize;

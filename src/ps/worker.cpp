@@ -359,6 +359,7 @@ class Worker {
       ms.training = true;
       ms.seed = cfg_.train.seed;
       ms.step = static_cast<uint64_t>(clock * A + micro);
+      ms.token_offset = static_cast<uint64_t>(a.row_begin * T);  // router noise per global token
       LossParts p = model_->forward(params_.data(), inputs_.data(), targets_.data(), R, T, ms);
       MOETRAIN_CHECK(std::isfinite(p.total),
                      "clock {}: the loss is {} on worker {}; stopping. Lower optim.lr or raise "

@@ -513,6 +513,7 @@ double Trainer::train_step() {
     ms.training = true;
     ms.seed = cfg_.train.seed;
     ms.step = static_cast<uint64_t>(step_ * A + micro);
+    ms.token_offset = static_cast<uint64_t>(rank() * B * T);  // this rank's rows of the batch
     LossParts p = model_->forward(params_.data(), inputs_.data(), targets_.data(), B, T, ms);
     MOETRAIN_CHECK(std::isfinite(p.total),
                    "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. The last "

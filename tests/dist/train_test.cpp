@@ -190,6 +190,17 @@ TEST(DistTrain, DataParallelMatchesOneProcessWithAccumulationAndRouterBias) {
   expect_matches_single(s);
 }
 
+TEST(DistTrain, NoisyTopKDrawsTheOneProcessNoiseWhenSplit) {
+  // The router noise of a token depends on its place in the global batch, not on the rank that
+  // holds it: data and expert parallel runs route exactly as the one-process run.
+  RunSetup s;
+  s.router = "noisy_topk";
+  s.ep = dist_world("noisy")->size();
+  expect_matches_single(s);
+  s.ep = 1;
+  expect_matches_single(s);
+}
+
 TEST(DistTrain, DataTimesExpertParallelMatchesOneProcess) {
   const int W = dist_world("dpxep")->size();
   if (W < 4) GTEST_SKIP() << "needs 4 processes for DP x EP = 2 x 2";
