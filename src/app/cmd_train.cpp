@@ -105,6 +105,7 @@ Run add_train_command(CLI::App& app) {
     }
     Trainer trainer(cfg, args->resume);
     TrainResult r = trainer.run();
+    if (trainer.rank() != 0) return 0;  // one summary for the whole run
     fmt::print(
         "steps {} | final train loss {:.4f} | validation loss {:.4f} nats/byte | {:.0f} tokens/s | "
         "{:.1f} s\n",
