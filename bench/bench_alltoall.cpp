@@ -1,4 +1,4 @@
-// The expert all-to-all (dist/alltoall.h) against raw MPI_Alltoallv moving the same bytes, in
+// The expert all-to-all (parallel/alltoall.h) against raw MPI_Alltoallv moving the same bytes, in
 // the same run. One iteration = dispatch + combine of N·K routed rows of C floats per rank:
 //   ours      a2a_plan (per-expert count exchange) + a2a_dispatch + a2a_combine, flat route
 //   ours_2d   the same over the two-stage route (--ranks-per-node, default P/2 when P ≥ 4)
@@ -19,8 +19,8 @@
 #include "core/rng.h"
 #include "core/threads.h"
 #include "core/timer.h"
-#include "dist/alltoall.h"
-#include "dist/runtime.h"
+#include "parallel/alltoall.h"
+#include "parallel/runtime.h"
 
 using namespace moetrain;
 

@@ -26,10 +26,10 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "core/timer.h"
-#include "dist/runtime.h"
 #include "io/checkpoint.h"
 #include "io/crc32c.h"
 #include "model/params.h"
+#include "parallel/runtime.h"
 
 using namespace moetrain;
 namespace fs = std::filesystem;

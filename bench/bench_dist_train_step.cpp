@@ -30,7 +30,7 @@
 #include "core/log.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
-#include "dist/runtime.h"
+#include "parallel/runtime.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 

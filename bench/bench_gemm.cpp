@@ -10,8 +10,8 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "core/threads.h"
+#include "kernels/det_gemm.h"
 #include "kernels/gemm.h"
-#include "moe/det_gemm.h"
 
 using namespace moetrain;
 

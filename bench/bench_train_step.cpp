@@ -17,6 +17,7 @@
 #include "model/params.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
+#include "optim/param_groups.h"
 #include "train/trainer.h"
 
 using namespace moetrain;

@@ -1,4 +1,4 @@
-// `moetrain launch -n N [options] -- train ...`: the supervisor (dist/supervisor.h).
+// `moetrain launch -n N [options] -- train ...`: the supervisor (parallel/supervisor.h).
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -12,9 +12,9 @@
 #include <set>
 
 #include "app/commands.h"
-#include "dist/runtime.h"
-#include "dist/supervisor.h"
 #include "io/checkpoint.h"
+#include "parallel/runtime.h"
+#include "parallel/supervisor.h"
 #include "train/run_config.h"
 
 namespace fs = std::filesystem;

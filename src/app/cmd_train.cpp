@@ -7,8 +7,9 @@
 #include "app/commands.h"
 #include "core/threads.h"
 #include "data/shard.h"
-#include "dist/runtime.h"
-#include "dist/watchdog.h"
+#include "parallel/runtime.h"
+#include "parallel/watchdog.h"
+#include "train/evaluate.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 

@@ -6,7 +6,7 @@
 
 #include "app/commands.h"
 #include "core/check.h"
-#include "dist/runtime.h"
+#include "parallel/runtime.h"
 
 namespace {
 

@@ -65,12 +65,4 @@ void dtype_to_f32(DType t, float* out, const void* in, std::size_t n) {
   }
 }
 
-void* HalfBuffer::ensure(int64_t n) {
-  if (n > capacity_) {
-    data_.reset(aligned_alloc64(static_cast<std::size_t>(n) * 2));
-    capacity_ = n;
-  }
-  return data_.get();
-}
-
 }  // namespace moetrain

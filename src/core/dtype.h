@@ -119,24 +119,4 @@ void fp16_to_f32(float* out, const fp16* in, std::size_t n);
 void f32_to_dtype(DType t, void* out, const float* in, std::size_t n);
 void dtype_to_f32(DType t, float* out, const void* in, std::size_t n);
 
-// Grow-only, 64-byte aligned buffer of 16-bit elements (bf16 or fp16, chosen by its user).
-class HalfBuffer {
- public:
-  // At least n elements; the contents are unspecified after growth.
-  void* ensure(int64_t n);
-  void* data() const { return data_.get(); }
-  template <class T>
-  T* as() const {
-    static_assert(sizeof(T) == 2);
-    return static_cast<T*>(data_.get());
-  }
-
- private:
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<void, Free> data_;
-  int64_t capacity_ = 0;
-};
-
 }  // namespace moetrain

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "core/check.h"
-#include "io/safetensors.h"
+#include "io/file.h"
 
 namespace moetrain {
 

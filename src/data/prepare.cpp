@@ -14,7 +14,7 @@
 #include "core/log.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
-#include "io/safetensors.h"
+#include "io/file.h"
 
 namespace moetrain {
 

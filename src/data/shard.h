@@ -13,7 +13,7 @@
 #include <filesystem>
 #include <span>
 
-#include "io/safetensors.h"
+#include "io/file.h"
 
 namespace moetrain {
 

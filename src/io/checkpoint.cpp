@@ -12,7 +12,7 @@
 #include <memory>
 
 #include "core/check.h"
-#include "dist/fault.h"
+#include "core/fault.h"
 #include "core/log.h"
 #include "io/crc32c.h"
 #include "io/safetensors.h"

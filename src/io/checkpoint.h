@@ -26,8 +26,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/comm.h"
 #include "core/tensor.h"
-#include "dist/comm.h"
 
 namespace moetrain {
 

@@ -6,10 +6,10 @@
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "kernels/det_gemm.h"
 #include "kernels/gemm.h"
 #include "kernels/norm.h"
 #include "kernels/softmax.h"
-#include "moe/det_gemm.h"
 
 namespace moetrain {
 

@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/buffer.h"
 #include "model/config.h"
 #include "model/params.h"
 #include "moe/moe_layer.h"

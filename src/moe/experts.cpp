@@ -2,7 +2,7 @@
 
 #include "core/check.h"
 #include "kernels/activation.h"
-#include "moe/det_gemm.h"
+#include "kernels/det_gemm.h"
 
 namespace moetrain {
 

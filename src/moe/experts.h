@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/buffer.h"
 #include "moe/config.h"
-#include "moe/workspace.h"
 
 namespace moetrain {
 

@@ -1,5 +1,5 @@
 // What the model needs from an MoE layer, whatever runs it: MoeLayer on one process, or an
-// expert-parallel layer (dist/ep_moe.h) that sends token rows to the ranks owning the experts.
+// expert-parallel layer (parallel/ep_moe.h) that sends token rows to the ranks owning the experts.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -6,12 +6,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/buffer.h"
 #include "moe/config.h"
 #include "moe/dispatch.h"
 #include "moe/experts.h"
 #include "moe/moe_block.h"
 #include "moe/router.h"
-#include "moe/workspace.h"
 
 namespace moetrain {
 

@@ -6,7 +6,7 @@
 
 #include "core/check.h"
 #include "core/rng.h"
-#include "moe/det_gemm.h"
+#include "kernels/det_gemm.h"
 
 namespace moetrain {
 

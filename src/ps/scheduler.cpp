@@ -9,7 +9,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
-#include "io/safetensors.h"
+#include "io/file.h"
 #include "model/params.h"
 #include "ps/transport.h"
 

@@ -10,13 +10,13 @@
 
 #include "core/check.h"
 #include "core/log.h"
-#include "io/safetensors.h"
+#include "io/file.h"
 #include "model/params.h"
 #include "optim/clip.h"
+#include "optim/param_groups.h"
 #include "ps/node.h"
 #include "ps/options.h"
 #include "ps/server_checkpoint.h"
-#include "train/trainer.h"
 
 namespace fs = std::filesystem;
 

@@ -14,11 +14,11 @@
 #include "data/loader.h"
 #include "data/shard.h"
 #include "io/checkpoint.h"
-#include "io/safetensors.h"
+#include "io/file.h"
 #include "model/transformer.h"
 #include "ps/node.h"
 #include "ps/options.h"
-#include "train/trainer.h"
+#include "train/evaluate.h"
 
 namespace fs = std::filesystem;
 

@@ -13,8 +13,8 @@
 #include "core/threads.h"
 #include "core/timer.h"
 #include "optim/clip.h"
+#include "optim/param_groups.h"
 #include "train/progress.h"
-#include "train/trainer.h"
 
 namespace fs = std::filesystem;
 

@@ -76,7 +76,7 @@ struct DistSettings {
   int64_t zero = 0;  // 1: ZeRO-1, each data-parallel rank keeps optimizer state for its shard only
   double bucket_first_mb = 1.0;  // first gradient bucket of each kind, MiB
   double bucket_mb = 25.0;       // later buckets, MiB
-  // The expert all-to-all in two stages, within nodes then between them (dist/alltoall.h).
+  // The expert all-to-all in two stages, within nodes then between them (parallel/alltoall.h).
   bool hierarchical = false;
   int64_t ranks_per_node = 0;  // with hierarchical: > 0 sets the node size (emulation), 0 detects
   // > 1: each MoE layer cuts its tokens into this many chunks whose all-to-alls run on a
@@ -84,7 +84,7 @@ struct DistSettings {
   int64_t a2a_chunks = 1;
   // Reduce gradient buckets on a communication thread while backward produces the next ones.
   bool overlap = true;
-  // The collective watchdog (dist/watchdog.h), seconds a collective may wait: a warning after
+  // The collective watchdog (parallel/watchdog.h), seconds a collective may wait: a warning after
   // collective_warn, after collective_timeout the job is aborted for `moetrain launch` to
   // restart (0 = off).
   double collective_warn = 60;

@@ -8,41 +8,28 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "core/fault.h"
 #include "core/log.h"
 #include "core/threads.h"
 #include "core/timer.h"
 #include "data/loader.h"
 #include "data/shard.h"
-#include "dist/alltoall.h"
-#include "dist/comm_thread.h"
-#include "dist/ep_moe.h"
-#include "dist/fault.h"
-#include "dist/grad_sync.h"
-#include "dist/groups.h"
-#include "dist/runtime.h"
-#include "dist/sharded_optimizer.h"
 #include "model/params.h"
 #include "optim/clip.h"
+#include "optim/param_groups.h"
+#include "parallel/alltoall.h"
+#include "parallel/comm_thread.h"
+#include "parallel/ep_moe.h"
+#include "parallel/grad_sync.h"
+#include "parallel/groups.h"
+#include "parallel/runtime.h"
+#include "parallel/sharded_optimizer.h"
+#include "train/evaluate.h"
 #include "train/progress.h"
 
 namespace fs = std::filesystem;
 
 namespace moetrain {
-
-std::vector<ParamRange> param_groups(const ParamTable& layout) {
-  std::vector<const ParamInfo*> sorted;
-  for (const auto& p : layout.params()) sorted.push_back(&p);
-  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
-  std::vector<ParamRange> groups;
-  int64_t at = 0;
-  for (const ParamInfo* p : sorted) {
-    if (p->offset > at) groups.push_back({at, p->offset - at, false});
-    groups.push_back({p->offset, p->numel, p->decay});
-    at = p->offset + p->numel;
-  }
-  if (layout.size() > at) groups.push_back({at, layout.size() - at, false});
-  return groups;
-}
 
 namespace {
 
@@ -117,33 +104,6 @@ double imbalance(const std::vector<int64_t>& load) {
 }
 
 }  // namespace
-
-double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B,
-                int64_t T, int64_t max_batches, Comm* comm) {
-  const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
-  EvalLoader loader(shard, B, T, max_batches, rank, world);
-  std::vector<int32_t> inputs(static_cast<std::size_t>(B * T)), targets(inputs.size());
-  double sum = 0;
-  int64_t count = 0;
-  for (int64_t i = 0; i < loader.num_batches(); ++i) {
-    int64_t rows = loader.fill(i, inputs.data(), targets.data());
-    // Several processes: every rank runs every batch (the MoE layers are collective), even empty.
-    if (rows == 0 && world == 1) continue;
-    std::fill(targets.begin() + rows * T, targets.end(), -1);  // rows past the data count nothing
-    MoeStep step;
-    step.training = false;
-    LossParts parts = model.forward(params, inputs.data(), targets.data(), B, T, step);
-    sum += parts.ce * static_cast<double>(parts.targets);
-    count += parts.targets;
-  }
-  if (world > 1) {
-    comm->allreduce(&sum, 1);
-    comm->allreduce(&count, 1);
-  }
-  MOETRAIN_CHECK(count > 0, "validation shard {} has too few tokens for one window of {}",
-                 shard.path().string(), T);
-  return sum / static_cast<double>(count);
-}
 
 LoadedModel load_model(const fs::path& dir) {
   fs::path ckpt = dir;

@@ -11,13 +11,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dist/comm.h"
-#include "dist/groups.h"
+#include "core/comm.h"
 #include "io/checkpoint.h"
 #include "model/transformer.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "parallel/groups.h"
 #include "train/run_config.h"
 
 namespace moetrain {
@@ -50,20 +50,13 @@ struct LoadedModel {
 // Loads a checkpoint directory, or a run directory (its latest complete checkpoint).
 LoadedModel load_model(const std::filesystem::path& dir);
 
-// Validation loss (mean next-token cross-entropy, nats per token) over up to `max_batches`
-// batches of (B, T) windows of the shard. With a communicator of several processes (collective:
-// every rank calls it), each rank takes its B windows of every global batch and the result is the
-// loss over all of them, the same on every rank.
-double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B,
-                int64_t T, int64_t max_batches, Comm* comm = nullptr);
-
 // Under mpirun every process builds a Trainer and runs it in step (every method is collective).
 // World = DP × EP (dist.ep): each process reads its own train.batch_size sequences per
-// micro-batch, experts are sharded over the EP group (dist/ep_moe.h), gradients are reduced over
-// the processes holding each parameter (dist/grad_sync.h) and averaged, so a run on P processes
-// follows the single-process run with a P times larger batch. Only rank 0 writes metrics and
-// progress; every rank writes its share of each checkpoint, which holds the whole model and loads
-// on any layout (io/checkpoint.h).
+// micro-batch, experts are sharded over the EP group (parallel/ep_moe.h), gradients are reduced
+// over the processes holding each parameter (parallel/grad_sync.h) and averaged, so a run on P
+// processes follows the single-process run with a P times larger batch. Only rank 0 writes metrics
+// and progress; every rank writes its share of each checkpoint, which holds the whole model and
+// loads on any layout (io/checkpoint.h).
 class Trainer {
  public:
   // resume: continue from the run directory's latest complete checkpoint if there is one.
@@ -139,9 +132,5 @@ class Trainer {
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
 };
-
-// Parameter groups of a layout for the optimizer: every tensor with its decay flag, and the
-// alignment gaps between tensors as no-decay filler, so the groups tile the whole buffer.
-std::vector<ParamRange> param_groups(const ParamTable& layout);
 
 }  // namespace moetrain

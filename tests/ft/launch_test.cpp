@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
-#include "dist/fault.h"
-#include "dist/supervisor.h"
-#include "dist/watchdog.h"
+#include "core/fault.h"
 #include "ft/ft_support.h"
+#include "parallel/supervisor.h"
+#include "parallel/watchdog.h"
 #include "support/expect_error.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"

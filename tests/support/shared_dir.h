@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "dist/comm.h"
+#include "core/comm.h"
 #include "support/temp_dir.h"
 
 namespace moetrain::testing {

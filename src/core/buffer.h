@@ -1,0 +1,58 @@
+// Grow-only, 64-byte aligned scratch for a layer's activations: resizing it every forward costs
+// nothing once the largest batch has been seen, and nothing is zero-filled.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+
+#include "core/tensor.h"
+
+namespace moetrain {
+
+// n elements of `ElemBytes` bytes each, at least; the contents are unspecified after growth.
+template <std::size_t ElemBytes>
+class GrowBuffer {
+ public:
+  void* grow(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(aligned_alloc64(static_cast<std::size_t>(n) * ElemBytes));
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+  void* raw() const { return data_.get(); }
+
+ private:
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  std::unique_ptr<void, Free> data_;
+  int64_t capacity_ = 0;
+};
+
+// f32 activations.
+class FloatBuffer {
+ public:
+  float* ensure(int64_t n) { return static_cast<float*>(buf_.grow(n)); }
+  float* data() const { return static_cast<float*>(buf_.raw()); }
+
+ private:
+  GrowBuffer<sizeof(float)> buf_;
+};
+
+// 16-bit elements (bf16 or fp16, chosen by its user).
+class HalfBuffer {
+ public:
+  void* ensure(int64_t n) { return buf_.grow(n); }
+  void* data() const { return buf_.raw(); }
+  template <class T>
+  T* as() const {
+    static_assert(sizeof(T) == 2);
+    return static_cast<T*>(buf_.raw());
+  }
+
+ private:
+  GrowBuffer<2> buf_;
+};
+
+}  // namespace moetrain

@@ -1,0 +1,64 @@
+#include "io/metrics.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <utility>
+
+#include "core/check.h"
+#include "io/file.h"
+
+namespace fs = std::filesystem;
+
+namespace moetrain {
+
+MetricsWriter::MetricsWriter(const fs::path& run_dir, Open mode) : path_(run_dir / kMetricsFile) {
+  file_ = std::fopen(path_.c_str(), mode == Open::Fresh ? "w" : "a");
+  MOETRAIN_CHECK(file_ != nullptr, "cannot open {} for writing: {}", path_.string(),
+                 std::strerror(errno));
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (file_) std::fclose(file_);
+}
+
+MetricsWriter::MetricsWriter(MetricsWriter&& o) noexcept
+    : path_(std::move(o.path_)), file_(std::exchange(o.file_, nullptr)) {}
+
+MetricsWriter& MetricsWriter::operator=(MetricsWriter&& o) noexcept {
+  if (this != &o) {
+    if (file_) std::fclose(file_);
+    path_ = std::move(o.path_);
+    file_ = std::exchange(o.file_, nullptr);
+  }
+  return *this;
+}
+
+MetricsWriter MetricsWriter::resume(const fs::path& run_dir, int64_t step) {
+  std::string keep;
+  for (const nlohmann::json& j : read_metrics(run_dir))
+    if (j.value("step", int64_t{0}) <= step) keep += j.dump() + "\n";
+  write_file_atomic(run_dir / kMetricsFile, keep);
+  return MetricsWriter(run_dir, Open::Append);
+}
+
+void MetricsWriter::write(const nlohmann::json& line) {
+  if (!file_) return;
+  const std::string text = line.dump() + "\n";
+  const bool ok =
+      std::fwrite(text.data(), 1, text.size(), file_) == text.size() && std::fflush(file_) == 0;
+  MOETRAIN_CHECK(ok, "cannot write {}: {}", path_.string(), std::strerror(errno));
+}
+
+std::vector<nlohmann::json> read_metrics(const fs::path& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(run_dir / kMetricsFile);
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.is_object()) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+}  // namespace moetrain

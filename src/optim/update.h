@@ -1,0 +1,67 @@
+// The one update step every trainer takes after its gradients are complete (and reduced, when
+// several processes hold them):
+//
+//   non-finite check → (fp16) loss-scaler decision → unscale → global norm → clip → step
+//
+// The gradient is seen through GradientShard: the elements this process is responsible for
+// (all of them on one process; its shard of the reduced gradient under data parallelism). The
+// check and the norm are this process's part summed over `comm` — every element of the global
+// gradient lies in exactly one process's part — so every process takes the same decision and
+// clips by the same factor. With a local communicator the sums are the process's own values.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "core/comm.h"
+#include "optim/loss_scale.h"
+
+namespace moetrain {
+
+class GradientShard {
+ public:
+  virtual ~GradientShard() = default;
+  // Whether this process's part holds a NaN or an Inf.
+  virtual bool has_non_finite() const = 0;
+  // Σ g² over this process's part, with the fixed blocking of optim/clip.h.
+  virtual double sum_squares() const = 0;
+  // This process's part (and every copy of it the optimizer reads) *= factor.
+  virtual void scale(float factor) = 0;
+};
+
+// One flat buffer of n gradients, all of them this process's.
+class FlatGradient final : public GradientShard {
+ public:
+  FlatGradient(float* g, int64_t n) : g_(g), n_(n) {}
+  bool has_non_finite() const override;
+  double sum_squares() const override;
+  void scale(float factor) override;
+
+ private:
+  float* g_;
+  int64_t n_;
+};
+
+struct UpdateOptions {
+  double grad_clip = 0;           // clip to this global L2 norm; ≤ 0: no clipping
+  LossScaler* scaler = nullptr;   // fp16: the gradients are scaled by scaler->scale()
+  // Names the step in errors: "step 12", "clock 7 on server 1".
+  std::string where;
+  // Appended to the non-finite error: what the user can do, where the good state is.
+  std::string advice;
+};
+
+struct UpdateOutcome {
+  bool skipped = false;    // fp16 overflow: no step was taken, the scale backed off
+  double grad_norm = 0;    // global norm after unscaling, before clipping
+  double loss_scale = 1;   // the scale the gradients carried
+  double clip_coef = 1;    // the factor clipping applied
+};
+
+// Collective over `comm`. Runs the sequence above and calls step() (the optimizer step on the
+// unscaled, clipped gradients) unless the step is skipped. Without a scaler a non-finite gradient
+// is an Error naming opts.where and the number of processes that saw one.
+UpdateOutcome apply_update(GradientShard& grads, Comm& comm, const UpdateOptions& opts,
+                           const std::function<void()>& step);
+
+}  // namespace moetrain

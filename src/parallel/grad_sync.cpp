@@ -1,0 +1,294 @@
+#include "parallel/grad_sync.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "core/check.h"
+#include "core/timer.h"
+#include "optim/clip.h"
+
+namespace moetrain {
+
+namespace {
+
+// Sorted, adjacent ranges joined.
+std::vector<FlatRange> merged(std::vector<FlatRange> v) {
+  std::sort(v.begin(), v.end(),
+            [](const FlatRange& a, const FlatRange& b) { return a.offset < b.offset; });
+  std::vector<FlatRange> out;
+  for (const FlatRange& r : v) {
+    if (r.size == 0) continue;
+    if (!out.empty() && out.back().offset + out.back().size == r.offset) {
+      out.back().size += r.size;
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+SyncRanges sync_ranges(const ParamLayout& layout, const ExpertShard& shard) {
+  std::vector<FlatRange> all_experts, own;
+  for (const ParamInfo& p : layout.params()) {
+    if (p.expert < 0) continue;
+    all_experts.push_back({p.offset, p.numel});
+    if (p.expert >= shard.first && p.expert < shard.first + shard.count)
+      own.push_back({p.offset, p.numel});
+  }
+  SyncRanges out;
+  out.expert = merged(own);
+  int64_t at = 0;
+  for (const FlatRange& r : merged(all_experts)) {
+    if (r.offset > at) out.dense.push_back({at, r.offset - at});
+    at = r.offset + r.size;
+  }
+  if (layout.size() > at) out.dense.push_back({at, layout.size() - at});
+  return out;
+}
+
+GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const GradSyncConfig& cfg)
+    : dense_(dense), expert_(expert), wire_(cfg.reduce_dtype) {
+  MOETRAIN_CHECK(wire_ == DType::F32 || wire_ == DType::BF16,
+                 "gradient reduction in {}: allowed are f32 and bf16", dtype_name(wire_));
+  MOETRAIN_CHECK(cfg.first_bucket_bytes >= 4 && cfg.bucket_bytes >= 4,
+                 "gradient buckets of {} and {} bytes: each must hold at least one float",
+                 cfg.first_bucket_bytes, cfg.bucket_bytes);
+  struct Run {
+    FlatRange range;
+    bool expert;
+  };
+  std::vector<Run> runs;
+  for (const FlatRange& r : ranges.dense) runs.push_back({r, false});
+  for (const FlatRange& r : ranges.expert) runs.push_back({r, true});
+  std::sort(runs.begin(), runs.end(),
+            [](const Run& a, const Run& b) { return a.range.offset > b.range.offset; });
+
+  Bucket open[2];
+  bool first[2] = {true, true};
+  auto cap = [&](int k) {
+    return std::max<int64_t>(1, (first[k] ? cfg.first_bucket_bytes : cfg.bucket_bytes) / 4);
+  };
+  auto close = [&](int k) {
+    Bucket& b = open[k];
+    if (b.size == 0) return;
+    b.expert = k == 1;
+    Comm& comm = group(b);
+    const int P = comm.size(), q = comm.rank();
+    b.counts.resize(P);
+    for (int p = 0; p < P; ++p)
+      b.counts[p] = chunk_begin(b.size, p + 1, P) - chunk_begin(b.size, p, P);
+    b.chunk_begin = chunk_begin(b.size, q, P);
+    b.shard_offset = shard_size_;
+    shard_size_ += b.counts[q];
+    buckets_.push_back(std::move(b));
+    open[k] = Bucket{};
+    first[k] = false;
+  };
+  // From the end of the buffer down: the order in which backward finishes gradients.
+  for (const Run& run : runs) {
+    const int k = run.expert ? 1 : 0;
+    int64_t end = run.range.offset + run.range.size;
+    while (end > run.range.offset) {
+      const int64_t take = std::min(end - run.range.offset, cap(k) - open[k].size);
+      open[k].pieces.push_back({end - take, take});
+      open[k].size += take;
+      end -= take;
+      if (open[k].size == cap(k)) close(k);
+    }
+  }
+  close(0);
+  close(1);
+  shard_.assign(static_cast<std::size_t>(shard_size_), 0.0f);
+  for (const Bucket& b : buckets_) {
+    int64_t low = INT64_MAX;
+    for (const FlatRange& p : b.pieces) low = std::min(low, p.offset);
+    lowest_.push_back(low);
+  }
+}
+
+void GradSync::pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const {
+  int64_t pos = 0;
+  for (const FlatRange& p : b.pieces) {
+    const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
+    if (a < z)
+      std::memcpy(dst + (a - lo), flat + p.offset + (a - pos),
+                  static_cast<std::size_t>(z - a) * sizeof(float));
+    pos += p.size;
+  }
+}
+
+void GradSync::unpack(float* flat, const float* src, const Bucket& b, int64_t lo,
+                      int64_t hi) const {
+  int64_t pos = 0;
+  for (const FlatRange& p : b.pieces) {
+    const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
+    if (a < z)
+      std::memcpy(flat + p.offset + (a - pos), src + (a - lo),
+                  static_cast<std::size_t>(z - a) * sizeof(float));
+    pos += p.size;
+  }
+}
+
+void GradSync::reduce_bucket(std::size_t i, const float* grads) {
+  const Bucket& b = buckets_[i];
+  Comm& comm = group(b);
+  const int P = comm.size(), me = comm.rank();
+  const int64_t mine = b.counts[me];
+  bytes_sent_ += (b.size - mine) * static_cast<int64_t>(dtype_size(wire_));
+  float* packed = packed_.ensure(b.size);
+  pack(packed, grads, b, 0, b.size);
+  float* out = shard_.data() + b.shard_offset;
+  if (wire_ == DType::F32) {
+    ScopedTimer timer(seconds_);
+    comm.reduce_scatter(out, packed, b.counts);
+    return;
+  }
+  // bf16 on the wire: chunk q of the rounded bucket to rank q; rank q's P parts summed in f32 in
+  // rank order, as Comm::reduce_scatter does for f32.
+  wire_send_.resize(static_cast<std::size_t>(b.size));
+  f32_to_bf16(wire_send_.data(), packed, static_cast<std::size_t>(b.size));
+  wire_recv_.resize(static_cast<std::size_t>(P * mine));
+  constexpr int64_t kBytes = 2;
+  std::vector<int64_t> send_counts(P), send_displs(P), recv_counts(P), recv_displs(P);
+  for (int q = 0; q < P; ++q) {
+    send_counts[q] = b.counts[q] * kBytes;
+    send_displs[q] = chunk_begin(b.size, q, P) * kBytes;
+    recv_counts[q] = mine * kBytes;
+    recv_displs[q] = q * mine * kBytes;
+  }
+  {
+    ScopedTimer timer(seconds_);
+    comm.alltoallv(wire_recv_.data(), recv_counts, recv_displs, wire_send_.data(), send_counts,
+                   send_displs);
+  }
+  const bf16* parts = wire_recv_.data();
+  for (int64_t e = 0; e < mine; ++e) out[e] = parts[e].to_float();
+  for (int q = 1; q < P; ++q) {
+    const bf16* src = parts + q * mine;
+    for (int64_t e = 0; e < mine; ++e) out[e] += src[e].to_float();
+  }
+}
+
+void GradSync::reduce_scatter(const float* grads) {
+  MOETRAIN_CHECK(thread_ == nullptr,
+                 "GradSync::reduce_scatter while an overlapped reduction is in flight");
+  for (std::size_t i = 0; i < buckets_.size(); ++i) reduce_bucket(i, grads);
+}
+
+void GradSync::begin(CommThread& thread, float* grads, bool gather) {
+  MOETRAIN_CHECK(thread_ == nullptr, "GradSync::begin: the previous reduction was not finished");
+  thread_ = &thread;
+  grads_ = grads;
+  gather_ = gather;
+  next_ = 0;
+}
+
+void GradSync::ready(int64_t from) {
+  if (thread_ == nullptr) return;
+  // In bucket order only, so every rank posts the same collectives in the same order.
+  for (; next_ < buckets_.size() && lowest_[next_] >= from; ++next_) {
+    const std::size_t i = next_;
+    thread_->post([this, i] {
+      reduce_bucket(i, grads_);
+      // The bucket's gradients are final (backward only writes lower offsets now), so its
+      // reduced values can land in place while backward goes on.
+      if (gather_)
+        allgather_into(grads_, buckets_[i], shard_.data() + buckets_[i].shard_offset, wire_);
+    });
+  }
+}
+
+void GradSync::finish() {
+  MOETRAIN_CHECK(thread_ != nullptr, "GradSync::finish without begin");
+  ready(INT64_MIN);
+  CommThread* thread = thread_;
+  thread_ = nullptr;
+  thread->drain();
+}
+
+double GradSync::shard_sum_squares() const {
+  double sum = 0.0;
+  for (const Bucket& b : buckets_)
+    sum += grad_sum_squares(shard_.data() + b.shard_offset, b.counts[group(b).rank()]);
+  return sum;
+}
+
+bool GradSync::shard_has_non_finite() const {
+  return has_non_finite(shard_.data(), shard_size_);
+}
+
+void GradSync::scale_shard(float scale) {
+  scale_gradients(shard_.data(), shard_size_, scale);
+}
+
+void GradSync::scale_reduced(float* grads, float scale) const {
+  for (const Bucket& b : buckets_)
+    for (const FlatRange& p : b.pieces) scale_gradients(grads + p.offset, p.size, scale);
+}
+
+void GradSync::unpack_shard(float* grads) const {
+  for (const Bucket& b : buckets_) {
+    const int64_t n = b.counts[group(b).rank()];
+    unpack(grads, shard_.data() + b.shard_offset, b, b.chunk_begin, b.chunk_begin + n);
+  }
+}
+
+void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, DType wire) {
+  Comm& comm = group(b);
+  const int64_t n = b.counts[comm.rank()];
+  bytes_sent_ += n * (comm.size() - 1) * static_cast<int64_t>(dtype_size(wire));
+  float* packed = packed_.ensure(b.size);
+  if (wire == DType::F32) {
+    ScopedTimer timer(seconds_);
+    comm.allgather(packed, mine, b.counts);
+  } else {
+    wire_send_.resize(static_cast<std::size_t>(n));
+    f32_to_bf16(wire_send_.data(), mine, static_cast<std::size_t>(n));
+    wire_recv_.resize(static_cast<std::size_t>(b.size));
+    {
+      ScopedTimer timer(seconds_);
+      comm.allgather(wire_recv_.data(), wire_send_.data(), b.counts);
+    }
+    bf16_to_f32(packed, wire_recv_.data(), static_cast<std::size_t>(b.size));
+  }
+  unpack(flat, packed, b, 0, b.size);
+}
+
+void GradSync::allgather_grads(float* grads) {
+  for (const Bucket& b : buckets_) allgather_into(grads, b, shard_.data() + b.shard_offset, wire_);
+}
+
+void GradSync::allgather_params(float* params) {
+  std::vector<float> mine;
+  for (const Bucket& b : buckets_) {
+    const int64_t n = b.counts[group(b).rank()];
+    mine.resize(static_cast<std::size_t>(n));
+    pack(mine.data(), params, b, b.chunk_begin, b.chunk_begin + n);
+    allgather_into(params, b, mine.data(), DType::F32);  // master weights stay f32
+  }
+}
+
+std::vector<ShardPiece> GradSync::shard_pieces() const {
+  std::vector<FlatRange> dense, expert;
+  for (const Bucket& b : buckets_) {
+    const int64_t lo = b.chunk_begin, hi = lo + b.counts[group(b).rank()];
+    int64_t pos = 0;
+    for (const FlatRange& p : b.pieces) {
+      const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
+      if (a < z) (b.expert ? expert : dense).push_back({p.offset + (a - pos), z - a});
+      pos += p.size;
+    }
+  }
+  std::vector<ShardPiece> out;
+  for (const FlatRange& r : merged(dense)) out.push_back({r, false});
+  for (const FlatRange& r : merged(expert)) out.push_back({r, true});
+  std::sort(out.begin(), out.end(), [](const ShardPiece& a, const ShardPiece& b) {
+    return a.range.offset < b.range.offset;
+  });
+  return out;
+}
+
+}  // namespace moetrain
