@@ -17,6 +17,16 @@ void Comm::check_counts(std::span<const int64_t> counts, const char* what) const
   }
 }
 
+void Comm::check_alltoallv_args(std::span<const int64_t> recv_counts,
+                                std::span<const int64_t> recv_displs,
+                                std::span<const int64_t> send_counts,
+                                std::span<const int64_t> send_displs) const {
+  check_counts(recv_counts, "alltoallv receive counts");
+  check_counts(recv_displs, "alltoallv receive displacements");
+  check_counts(send_counts, "alltoallv send counts");
+  check_counts(send_displs, "alltoallv send displacements");
+}
+
 template <class T>
 void Comm::reduce_scatter_impl(T* out, const T* in, std::span<const int64_t> counts, ReduceOp op) {
   check_counts(counts, "reduce_scatter");
@@ -105,10 +115,7 @@ class LocalComm final : public Comm {
                  std::span<const int64_t> recv_displs, const void* send,
                  std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
                  const AlltoallvOptions&) override {
-    check_counts(recv_counts, "alltoallv receive counts");
-    check_counts(recv_displs, "alltoallv receive displacements");
-    check_counts(send_counts, "alltoallv send counts");
-    check_counts(send_displs, "alltoallv send displacements");
+    check_alltoallv_args(recv_counts, recv_displs, send_counts, send_displs);
     MOETRAIN_CHECK(recv_counts[0] == send_counts[0],
                    "alltoallv on '{}': sending {} bytes to itself but expecting {}", name(),
                    send_counts[0], recv_counts[0]);

@@ -120,6 +120,11 @@ class Comm {
   Comm(int rank, int size, std::string name) : rank_(rank), size_(size), name_(std::move(name)) {}
   // Throws unless a span argument of `what` has size() entries of non-negative counts.
   void check_counts(std::span<const int64_t> counts, const char* what) const;
+  // check_counts on each of alltoallv's four count and displacement spans.
+  void check_alltoallv_args(std::span<const int64_t> recv_counts,
+                            std::span<const int64_t> recv_displs,
+                            std::span<const int64_t> send_counts,
+                            std::span<const int64_t> send_displs) const;
 
  private:
   template <class T>

@@ -151,10 +151,7 @@ class MpiComm final : public Comm {
                  std::span<const int64_t> recv_displs, const void* send,
                  std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
                  const AlltoallvOptions&) override {
-    check_counts(recv_counts, "alltoallv receive counts");
-    check_counts(recv_displs, "alltoallv receive displacements");
-    check_counts(send_counts, "alltoallv send counts");
-    check_counts(send_displs, "alltoallv send displacements");
+    check_alltoallv_args(recv_counts, recv_displs, send_counts, send_displs);
     const int unit = common_unit({recv_counts, recv_displs, send_counts, send_displs});
     auto rc = scaled(recv_counts, unit, "alltoallv receive count", name());
     auto rd = scaled(recv_displs, unit, "alltoallv receive displacement", name());
