@@ -100,10 +100,10 @@ class ConsistencyRules {
 
   ConsistencyConfig cfg_;
   int64_t version_ = 0;
-  std::vector<int64_t> active_;                          // sorted
+  std::vector<int64_t> active_;                            // sorted
   std::map<int64_t, std::map<int64_t, int64_t>> pending_;  // sync/quorum: clock → worker → id
-  std::optional<Update> ready_;                          // async/ssp: the push just arrived
-  std::map<int64_t, int64_t> clocks_;                    // async/ssp: worker → pushes done
+  std::optional<Update> ready_;                            // async/ssp: the push just arrived
+  std::map<int64_t, int64_t> clocks_;                      // async/ssp: worker → pushes done
   int64_t max_staleness_ = 0;
 };
 

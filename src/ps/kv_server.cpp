@@ -15,8 +15,8 @@ KvServer::KvServer(zmq::context_t& ctx, const std::string& bind)
 
 void KvServer::start(int64_t index, int64_t begin, int64_t end, std::vector<float> values,
                      const ConsistencyConfig& rules, KvServerHandlers handlers) {
-  MOETRAIN_CHECK(end - begin == static_cast<int64_t>(values.size()),
-                 "keys [{}, {}) with {} values", begin, end, values.size());
+  MOETRAIN_CHECK(end - begin == static_cast<int64_t>(values.size()), "keys [{}, {}) with {} values",
+                 begin, end, values.size());
   index_ = index;
   begin_ = begin;
   end_ = end;
@@ -201,8 +201,8 @@ void KvServer::apply(const Update& u) {
   }
   const int64_t n = end_ - begin_;
   const SumResult s = sum_pushes(in, n, sum_.data());
-  const double lr = handlers_.update(
-      {u.version, u.clock, rules_.schedule_step(), sum_.data(), n}, values_.data());
+  const double lr = handlers_.update({u.version, u.clock, rules_.schedule_step(), sum_.data(), n},
+                                     values_.data());
   if (backup_) replicate(u.version, lr, u.worker, u.worker_clock);
   for (int64_t id : rules_.applied(u)) pushes_.erase(id);
   if (handlers_.applied)

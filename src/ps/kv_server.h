@@ -127,7 +127,7 @@ class KvServer {
   bool started_ = false;
   int64_t index_ = -1, begin_ = 0, end_ = 0;
   uint32_t generation_ = 0;
-  int64_t replicated_ = 0;  // the backup holds every update before this version
+  int64_t replicated_ = 0;           // the backup holds every update before this version
   std::vector<float> values_, sum_;  // (key range) each
   ConsistencyRules rules_;
   KvServerHandlers handlers_;

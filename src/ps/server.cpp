@@ -100,7 +100,8 @@ class Server {
     first_setup_done_ = true;
     lead_ = primary_ && index_ == 0;
     // A promoted backup of server 0 goes on with the job's metrics.
-    if (lead_ && !metrics_.active()) metrics_ = MetricsWriter(run_dir_, MetricsWriter::Open::Append);
+    if (lead_ && !metrics_.active())
+      metrics_ = MetricsWriter(run_dir_, MetricsWriter::Open::Append);
     // This primary's backup, if any.
     std::string backup;
     if (primary_)
@@ -131,7 +132,8 @@ class Server {
           for (int64_t base : {l.w1, l.w3, l.w2}) {
             const int64_t off = base + e * per;
             if (off >= begin_ && off < end_)
-              experts_.push_back({off - begin_, static_cast<int64_t>(&l - layout.layers.data()), e});
+              experts_.push_back(
+                  {off - begin_, static_cast<int64_t>(&l - layout.layers.data()), e});
           }
       }
     contributors_.assign(static_cast<std::size_t>(cfg_.model.n_layers * cfg_.model.n_experts), 0);
@@ -154,8 +156,8 @@ class Server {
     h.applied = [this](const UpdateApplied& a) { applied(a); };
     h.push_ranges = [this](const std::vector<Span>& ranges) { count_contributors(ranges); };
     kv_.start(index_, begin_, end_, init_state(), rules, std::move(h));
-    log_info("{}: keys [{}, {}) ({} floats), {} consistency, {}", who_, begin_, end_,
-             end_ - begin_, opts_.consistency, j.value("replica", "primary"));
+    log_info("{}: keys [{}, {}) ({} floats), {} consistency, {}", who_, begin_, end_, end_ - begin_,
+             opts_.consistency, j.value("replica", "primary"));
   }
 
   // The state of clock 0: the run's initialisation of this range, a fresh optimizer.
@@ -185,11 +187,11 @@ class Server {
 
   void applied(const UpdateApplied& a) {
     if (primary_ && opts_.checkpoint_every > 0 && a.version % opts_.checkpoint_every == 0)
-      write_server_checkpoint(run_dir_, index_, a.version, begin_, end_, kv_.values().data(),
-                              *opt_, kv_.rules().worker_clocks(), config_hash_);
+      write_server_checkpoint(run_dir_, index_, a.version, begin_, end_, kv_.values().data(), *opt_,
+                              kv_.rules().worker_clocks(), config_hash_);
     if (!lead_) return;
-    nlohmann::json line = {{"step", a.version}, {"loss", a.loss},     {"lr", a.lr},
-                           {"clock", a.clock},  {"pushes", a.pushes}, {"rows", a.rows},
+    nlohmann::json line = {{"step", a.version},     {"loss", a.loss},     {"lr", a.lr},
+                           {"clock", a.clock},      {"pushes", a.pushes}, {"rows", a.rows},
                            {"time", unix_seconds()}};
     const Consistency mode = opts_.consistency_kind();
     if (mode == Consistency::Ssp || mode == Consistency::Async) line["worker"] = a.worker;
@@ -211,7 +213,8 @@ class Server {
     log_warn("{}: rolled back from clock {} to the checkpoint of clock {} (generation {})", who_,
              from, clock, generation);
     if (lead_)
-      metrics_.write({{"rollback_to", clock}, {"generation", generation}, {"time", unix_seconds()}});
+      metrics_.write(
+          {{"rollback_to", clock}, {"generation", generation}, {"time", unix_seconds()}});
   }
 
   void count_contributors(const std::vector<Span>& ranges) {
