@@ -3,14 +3,16 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "core/check.h"
 #include "core/log.h"
 #include "io/file.h"
 #include "model/params.h"
+#include "ps/job_plan.h"
+#include "ps/membership.h"
 #include "ps/transport.h"
 
 namespace fs = std::filesystem;
@@ -24,20 +26,6 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
-
-struct Node {
-  int32_t id = -1;
-  std::string role;  // "server" | "worker"
-  std::string identity;
-  int64_t index = -1;  // server index or worker index (data rank, sum order)
-  std::string endpoint;
-  Clock::time_point last_seen;
-  bool alive = true;
-  bool done = false;
-  double throughput = 0;  // worker rows/s, from heartbeats
-  int64_t pid = 0;
-  bool primary = true;  // servers: primary or backup of its index
-};
 
 class Scheduler {
  public:
@@ -61,7 +49,7 @@ class Scheduler {
       while (auto in = try_receive(router_, true, rejects_, "ps scheduler")) handle(*in);
       if (finished_) return exit_code_;
       // Liveness.
-      for (auto& [id, n] : nodes_) {
+      for (auto& [id, n] : members_.nodes()) {
         if (!n.alive || since(n.last_seen) <= hb_timeout) continue;
         n.alive = false;
         if (n.role == "server") {
@@ -85,7 +73,7 @@ class Scheduler {
           return 1;
         }
       if (started_ && !finishing_ && down_.empty()) {
-        if (alive_workers().empty()) {
+        if (members_.alive_workers().empty()) {
           if (since(last_worker_seen_) > hb_timeout) {
             shutdown_all("every worker is gone and none rejoined within the heartbeat timeout");
             return 1;
@@ -104,25 +92,9 @@ class Scheduler {
   }
 
  private:
-  std::vector<Node*> alive_workers() {
-    std::vector<Node*> out;
-    for (auto& [id, n] : nodes_)
-      if (n.alive && n.role == "worker") out.push_back(&n);
-    std::sort(out.begin(), out.end(), [](Node* a, Node* b) { return a->index < b->index; });
-    return out;
-  }
-  std::vector<Node*> alive_servers() {
-    std::vector<Node*> out;
-    for (auto& [id, n] : nodes_)
-      if (n.alive && n.role == "server") out.push_back(&n);
-    std::sort(out.begin(), out.end(), [](Node* a, Node* b) { return a->index < b->index; });
-    return out;
-  }
-
   void handle(const Incoming& in) {
     const Header& h = in.header;
-    Node* node = nullptr;
-    if (auto it = nodes_.find(h.sender); it != nodes_.end()) node = &it->second;
+    Node* node = members_.find(h.sender);
     if (node) {
       if (!node->alive) {
         // Declared dead (e.g. stopped, then continued): it must not rejoin under its old id.
@@ -195,9 +167,9 @@ class Scheduler {
       int64_t idx = -1;
       if (!started_) {
         for (int64_t i = 0; i < S && idx < 0; ++i)
-          if (!primary_of(i)) idx = i;
+          if (!members_.primary_of(i)) idx = i;
         for (int64_t i = 0; i < S && idx < 0 && args_.options.server_replicas == 2; ++i)
-          if (!backup_of(i)) idx = i, n.primary = false;
+          if (!members_.backup_of(i)) idx = i, n.primary = false;
       } else if (!down_.empty() && !restoring_) {
         idx = down_.begin()->first;  // a replacement for a dead server without a replica
       }
@@ -218,19 +190,9 @@ class Scheduler {
       }
       n.index = idx;
     } else {
-      // The lowest free index: a restarted worker takes the place (and sum position) of the one
-      // it replaces.
-      std::vector<int64_t> used;
-      for (Node* w : alive_workers()) used.push_back(w->index);
-      int64_t idx = 0;
-      while (std::find(used.begin(), used.end(), idx) != used.end()) ++idx;
-      // A worker may ask for its index (a launcher naming its stragglers, a restarted worker
-      // taking its old place); it gets it when free.
-      const int64_t want = j.value("want_index", int64_t{-1});
-      if (want >= 0 && std::find(used.begin(), used.end(), want) == used.end()) idx = want;
-      n.index = idx;
+      n.index = members_.free_worker_index(j.value("want_index", int64_t{-1}));
     }
-    nodes_[n.id] = n;
+    members_.nodes()[n.id] = n;
     reply({{"node_id", n.id},
            {"index", n.index},
            {"heartbeat_interval", args_.options.heartbeat_interval},
@@ -241,9 +203,9 @@ class Scheduler {
                                                : "",
              n.id, n.pid);
     if (!started_) {
-      if (static_cast<int64_t>(alive_servers().size()) ==
+      if (static_cast<int64_t>(members_.alive_servers().size()) ==
               args_.options.servers * args_.options.server_replicas &&
-          static_cast<int64_t>(alive_workers().size()) >= args_.options.workers) {
+          static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers) {
         started_ = true;
         last_worker_seen_ = Clock::now();
         log_info("ps scheduler: job starts ({} keys over {} server(s), {} rows per step)",
@@ -256,25 +218,6 @@ class Scheduler {
     } else if (n.index >= 0) {
       begin_restore(n.index);
     }
-  }
-
-  // Servers that hold a key range (primaries and backups; not spares).
-  std::vector<Node*> serving() {
-    std::vector<Node*> out;
-    for (Node* s : alive_servers())
-      if (s->index >= 0) out.push_back(s);
-    return out;
-  }
-
-  Node* primary_of(int64_t index) {
-    for (auto& [id, n] : nodes_)
-      if (n.alive && n.role == "server" && n.primary && n.index == index) return &n;
-    return nullptr;
-  }
-  Node* backup_of(int64_t index) {
-    for (auto& [id, n] : nodes_)
-      if (n.alive && n.role == "server" && !n.primary && n.index == index) return &n;
-    return nullptr;
   }
 
   // A server went silent. Returns false when the job has to stop.
@@ -299,7 +242,7 @@ class Scheduler {
       return true;
     }
     ++servers_lost_;
-    if (Node* b = backup_of(n.index)) {
+    if (Node* b = members_.backup_of(n.index)) {
       b->primary = true;
       ++failovers_;
       log_warn(
@@ -320,7 +263,7 @@ class Scheduler {
     }
     down_[n.index] = Clock::now();
     finishing_ = false;
-    for (Node* s : alive_servers())
+    for (Node* s : members_.alive_servers())
       if (s->index < 0) {
         s->index = n.index;
         log_warn(
@@ -349,7 +292,7 @@ class Scheduler {
     ++epoch_;
     broadcast_setup();  // the replacement learns its range; workers still see the index down
     for (int64_t i = 0; i < args_.options.servers; ++i)
-      if (Node* p = primary_of(i))
+      if (Node* p = members_.primary_of(i))
         send_to(router_, p->identity, json_frame(Kind::CheckpointQuery, -1, {}));
   }
 
@@ -358,29 +301,24 @@ class Scheduler {
     if (!n.primary) return;
     lists_[n.index] = j.at("clocks").get<std::vector<int64_t>>();
     if (static_cast<int64_t>(lists_.size()) < args_.options.servers) return;
-    int64_t clock = 0;
-    for (int64_t c : lists_.begin()->second) {
-      bool everywhere = true;
-      for (const auto& [i, l] : lists_) everywhere &= std::find(l.begin(), l.end(), c) != l.end();
-      if (everywhere) clock = std::max(clock, c);
-    }
+    const int64_t clock = newest_common_clock(lists_);
     ++generation_;
     rollback_clock_ = clock;
     restored_ = 0;
     log_warn("ps scheduler: every server rolls back to clock {} (generation {})", clock,
              generation_);
-    for (Node* s : serving())
+    for (Node* s : members_.serving())
       send_to(router_, s->identity,
               json_frame(Kind::Restore, -1, {{"clock", clock}, {"generation", generation_}}));
   }
 
   // Step 3: once every server restored, workers drop what they were doing and pull.
   void on_restored() {
-    if (++restored_ < static_cast<int64_t>(serving().size())) return;
+    if (++restored_ < static_cast<int64_t>(members_.serving().size())) return;
     restoring_ = false;
     down_.clear();
     ++rollbacks_;
-    for (auto& [id, w] : nodes_) w.done = false;
+    for (auto& [id, w] : members_.nodes()) w.done = false;
     finishing_ = false;
     log_warn("ps scheduler: server {} restored; the job continues from clock {}", restore_index_,
              rollback_clock_);
@@ -390,16 +328,12 @@ class Scheduler {
 
   // New row assignment and membership, sent to every live node.
   void replan() {
-    auto workers = alive_workers();
+    auto workers = members_.alive_workers();
     if (!workers.empty()) {
-      std::vector<double> weights(workers.size(), 1.0);
-      if (args_.options.assign_kind() == Assign::Capability) {
-        bool all =
-            std::all_of(workers.begin(), workers.end(), [](Node* w) { return w->throughput > 0; });
-        if (all)
-          for (std::size_t i = 0; i < workers.size(); ++i) weights[i] = workers[i]->throughput;
-      }
-      rows_ = split_rows(global_rows_, weights);
+      std::optional<std::vector<double>> weights;
+      if (args_.options.assign_kind() == Assign::Capability)
+        weights = capability_weights(throughputs(workers));
+      rows_ = split_rows(global_rows_, weights.value_or(std::vector<double>(workers.size(), 1.0)));
     }
     ++epoch_;
     broadcast_setup();
@@ -408,14 +342,11 @@ class Scheduler {
   void maybe_rebalance() {
     if (args_.options.assign_kind() != Assign::Capability || since(last_rebalance_) < 2.0) return;
     last_rebalance_ = Clock::now();
-    auto workers = alive_workers();
+    auto workers = members_.alive_workers();
     if (workers.empty()) return;
-    std::vector<double> weights;
-    for (Node* w : workers) {
-      if (w->throughput <= 0) return;
-      weights.push_back(w->throughput);
-    }
-    std::vector<int64_t> rows = split_rows(global_rows_, weights);
+    const auto weights = capability_weights(throughputs(workers));
+    if (!weights) return;
+    std::vector<int64_t> rows = split_rows(global_rows_, *weights);
     if (rows == rows_) return;
     log_info("ps scheduler: capability assignment: rows per worker {}", fmt::join(rows, ", "));
     rows_ = rows;
@@ -424,27 +355,20 @@ class Scheduler {
   }
 
   void broadcast_setup() {
-    auto workers = alive_workers();
     auto keys = split_keys(total_keys_, args_.options.servers);
-    nlohmann::json js = nlohmann::json::array(), jw = nlohmann::json::array(),
-                   ranges = nlohmann::json::array();
+    std::vector<ServerSlot> slots;
+    nlohmann::json ranges = nlohmann::json::array();
     for (int64_t s = 0; s < args_.options.servers; ++s) {
-      Node* p = primary_of(s);
-      Node* b = backup_of(s);
+      Node* p = members_.primary_of(s);
+      Node* b = members_.backup_of(s);
       // A server that is down, or restoring, is listed without an endpoint: workers wait.
       const bool up = p && !down_.count(s) && !(restoring_ && s == restore_index_);
-      js.push_back({{"index", s},
-                    {"endpoint", up ? p->endpoint : ""},
-                    {"backup", b ? b->endpoint : ""},
-                    {"begin", keys[s].begin},
-                    {"end", keys[s].end}});
+      slots.push_back({up ? p->endpoint : "", b ? b->endpoint : ""});
       ranges.push_back({keys[s].begin, keys[s].end});
     }
-    int64_t row = 0;
-    for (std::size_t w = 0; w < workers.size(); ++w) {
-      jw.push_back({{"index", workers[w]->index}, {"row_begin", row}, {"rows", rows_[w]}});
-      row += rows_[w];
-    }
+    std::vector<int64_t> indices;
+    for (Node* w : members_.alive_workers()) indices.push_back(w->index);
+    const nlohmann::json js = setup_servers(slots, keys), jw = setup_workers(indices, rows_);
     nlohmann::json base = {{"epoch", epoch_},
                            {"generation", generation_},
                            {"rollback_to", rollback_clock_},
@@ -455,7 +379,7 @@ class Scheduler {
                            {"workers", jw},
                            {"global_rows", global_rows_},
                            {"total_keys", total_keys_}};
-    for (auto& [id, n] : nodes_) {
+    for (auto& [id, n] : members_.nodes()) {
       if (!n.alive || (n.role == "server" && n.index < 0)) continue;
       nlohmann::json j = base;
       j["node_id"] = n.id;
@@ -470,7 +394,7 @@ class Scheduler {
                           {"servers", js},
                           {"workers", jw}};
     nlohmann::json pids = nlohmann::json::array();
-    for (auto& [id, n] : nodes_)
+    for (auto& [id, n] : members_.nodes())
       if (n.alive)
         pids.push_back(
             {{"role", n.role}, {"index", n.index}, {"pid", n.pid}, {"primary", n.primary}});
@@ -479,7 +403,7 @@ class Scheduler {
   }
 
   void maybe_finish() {
-    auto workers = alive_workers();
+    auto workers = members_.alive_workers();
     if (workers.empty()) return;
     for (Node* w : workers)
       if (!w->done) return;
@@ -493,10 +417,11 @@ class Scheduler {
 
   void on_finish_ack(Node& n) {
     if (n.role == "worker" && n.id == lead_) {
-      for (Node* s : serving()) send_to(router_, s->identity, json_frame(Kind::Finish, -1, {}));
+      for (Node* s : members_.serving())
+        send_to(router_, s->identity, json_frame(Kind::Finish, -1, {}));
       servers_acked_ = 0;
     } else if (n.role == "server") {
-      if (++servers_acked_ == static_cast<int64_t>(serving().size())) {
+      if (++servers_acked_ == static_cast<int64_t>(members_.serving().size())) {
         nlohmann::json summary = {{"workers_lost", workers_lost_},
                                   {"workers_joined", workers_joined_},
                                   {"servers_lost", servers_lost_},
@@ -506,7 +431,7 @@ class Scheduler {
                                   {"epochs", epoch_}};
         write_file_atomic(fs::path(args_.config.train.run_dir) / "ps" / "scheduler.json",
                           summary.dump(2) + "\n");
-        for (auto& [id, node] : nodes_)
+        for (auto& [id, node] : members_.nodes())
           if (node.alive)
             send_to(router_, node.identity,
                     json_frame(Kind::Shutdown, -1, {{"ok", true}, {"reason", "job complete"}}));
@@ -519,7 +444,7 @@ class Scheduler {
 
   void shutdown_all(const std::string& reason) {
     log_error("ps scheduler: {}", reason);
-    for (auto& [id, n] : nodes_)
+    for (auto& [id, n] : members_.nodes())
       if (n.alive)
         send_to(router_, n.identity,
                 json_frame(Kind::Shutdown, -1, {{"ok", false}, {"reason", reason}}));
@@ -532,7 +457,7 @@ class Scheduler {
   zmq::socket_t router_;
   std::string endpoint_;
   RejectStats rejects_;
-  std::map<int32_t, Node> nodes_;
+  Membership members_;
   int32_t next_id_ = 0;
   int64_t total_keys_ = 0, global_rows_ = 0, epoch_ = 0;
   std::vector<int64_t> rows_;

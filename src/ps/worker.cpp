@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <thread>
 
 #include "core/check.h"
@@ -15,7 +14,9 @@
 #include "data/shard.h"
 #include "io/checkpoint.h"
 #include "io/file.h"
+#include "io/metrics.h"
 #include "model/transformer.h"
+#include "ps/kv_worker.h"
 #include "ps/node.h"
 #include "ps/options.h"
 #include "train/evaluate.h"
@@ -24,196 +25,16 @@ namespace fs = std::filesystem;
 
 namespace moetrain::ps {
 
-KvWorker::KvWorker(zmq::context_t& ctx, int32_t worker_index, std::vector<ServerInfo> servers,
-                   uint32_t generation, std::function<void()> on_idle)
-    : ctx_(ctx),
-      index_(worker_index),
-      generation_(generation),
-      servers_(std::move(servers)),
-      on_idle_(std::move(on_idle)) {
-  sockets_.resize(servers_.size());
-  last_push_.resize(servers_.size());
-  for (std::size_t s = 0; s < servers_.size(); ++s) connect(s);
-}
-
-void KvWorker::connect(std::size_t s) {
-  sockets_[s].reset();
-  if (!servers_[s].endpoint.empty())
-    sockets_[s] = std::make_unique<zmq::socket_t>(make_dealer(ctx_, servers_[s].endpoint));
-}
-
-void KvWorker::send_request(Pending& p, std::size_t s, zmq::message_t&& frame) {
-  // The kept copy shares the buffer with the one ZeroMQ sends (a reference count, no copy).
-  p.frames[s].copy(frame);
-  if (sockets_[s]) send(*sockets_[s], std::move(frame));
-}
-
-void KvWorker::update_servers(const std::vector<ServerInfo>& servers) {
-  MOETRAIN_CHECK(servers.size() == servers_.size(), "the job has {} servers, the setup lists {}",
-                 servers_.size(), servers.size());
-  for (std::size_t s = 0; s < servers.size(); ++s) {
-    MOETRAIN_CHECK(servers[s].begin == servers_[s].begin && servers[s].end == servers_[s].end,
-                   "server {}'s key range changed", s);
-    if (servers[s].endpoint == servers_[s].endpoint) continue;
-    log_info("ps worker {}: server {} is now at '{}'", index_, servers[s].index,
-             servers[s].endpoint);
-    servers_[s].endpoint = servers[s].endpoint;
-    connect(s);
-    if (!sockets_[s]) continue;
-    if (last_push_[s].size() > 0) {
-      zmq::message_t again;
-      again.copy(last_push_[s]);
-      send(*sockets_[s], std::move(again));
-    }
-    for (auto& [ticket, p] : pending_)
-      if (!p.done[s] && p.params) {  // pulls; the push went above
-        zmq::message_t again;
-        again.copy(p.frames[s]);
-        send(*sockets_[s], std::move(again));
-      }
-  }
-}
-
-void KvWorker::reset(const std::vector<ServerInfo>& servers, uint32_t generation) {
-  pending_.clear();
-  for (auto& m : last_push_) m = zmq::message_t();
-  generation_ = generation;
-  for (std::size_t s = 0; s < servers.size(); ++s)
-    if (servers[s].endpoint != servers_[s].endpoint) {
-      servers_[s].endpoint = servers[s].endpoint;
-      connect(s);
-    }
-}
-
-int64_t KvWorker::push(int64_t clock, const float* grads, const std::vector<Span>& skip,
-                       Encoding enc, const PushMeta& meta, float* residual) {
-  const int64_t ticket = next_ticket_++;
-  Pending& p = pending_[ticket];
-  p.done.assign(servers_.size(), 0);
-  p.frames.resize(servers_.size());
-  for (std::size_t s = 0; s < servers_.size(); ++s) {
-    const int64_t b = servers_[s].begin, e = servers_[s].end;
-    // This server's part of the kept ranges: [b, e) minus the skipped ones.
-    std::vector<Span> keep;
-    int64_t at = b;
-    bool sparse = false;
-    for (const Span& k : skip) {
-      const int64_t lo = std::max(k.offset, b), hi = std::min(k.offset + k.size, e);
-      if (lo >= hi) continue;
-      sparse = true;
-      if (lo > at) keep.push_back({at - b, lo - at});
-      at = hi;
-    }
-    if (at < e) keep.push_back({at - b, e - at});
-    Header h;
-    h.kind = static_cast<uint16_t>(Kind::Push);
-    h.sender = index_;
-    h.flags = static_cast<uint32_t>(enc) | (sparse ? kSparseFlag : 0u);
-    h.clock = clock;
-    h.key_begin = b;
-    h.key_end = e;
-    h.ticket = ticket;
-    h.aux0 = meta.rows;
-    h.aux1 = meta.global_rows;
-    h.value = meta.loss;
-    h.generation = generation_;
-    const std::vector<Span>* ranges = sparse ? &keep : nullptr;
-    zmq::message_t m = new_frame(h, push_payload_size(enc, e - b, ranges));
-    write_push(enc, grads + b, e - b, ranges,
-               enc == Encoding::Int8 && residual ? residual + b : nullptr, frame_payload(m));
-    seal(m.data(), m.size());
-    push_bytes_ += static_cast<int64_t>(m.size());
-    dense_push_bytes_ += static_cast<int64_t>(sizeof(Header)) + 4 * (e - b);
-    last_push_[s].copy(m);
-    send_request(p, s, std::move(m));
-  }
-  return ticket;
-}
-
-int64_t KvWorker::pull(int64_t clock, float* params) {
-  const int64_t ticket = next_ticket_++;
-  Pending& p = pending_[ticket];
-  p.params = params;
-  p.done.assign(servers_.size(), 0);
-  p.frames.resize(servers_.size());
-  for (std::size_t s = 0; s < servers_.size(); ++s) {
-    Header h;
-    h.kind = static_cast<uint16_t>(Kind::Pull);
-    h.sender = index_;
-    h.clock = clock;
-    h.key_begin = servers_[s].begin;
-    h.key_end = servers_[s].end;
-    h.ticket = ticket;
-    h.generation = generation_;
-    zmq::message_t m = new_frame(h, 0);
-    seal(m.data(), m.size());
-    send_request(p, s, std::move(m));
-  }
-  return ticket;
-}
-
-void KvWorker::receive_all() {
-  for (std::size_t s = 0; s < sockets_.size(); ++s) {
-    if (!sockets_[s]) continue;
-    while (auto in = try_receive(*sockets_[s], false, rejects_, "ps worker")) {
-      const Header& h = in->header;
-      auto it = pending_.find(h.ticket);
-      // Forgotten by a roll-back, or answered already by the server this one replaced.
-      if (it == pending_.end() || it->second.done[s]) continue;
-      Pending& p = it->second;
-      if (h.kind_enum() == Kind::PullReply) {
-        const int64_t n = servers_[s].end - servers_[s].begin;
-        if (!p.params || h.key_begin != servers_[s].begin || h.key_end != servers_[s].end ||
-            h.bytes != static_cast<uint64_t>(4 * n) || h.encoding() != Encoding::F32) {
-          log_warn("ps worker {}: malformed pull reply from server {} (keys [{}, {}), {} bytes)",
-                   index_, servers_[s].index, h.key_begin, h.key_end, h.bytes);
-          continue;
-        }
-        std::memcpy(p.params + h.key_begin, in->payload, h.bytes);
-        pull_bytes_ += static_cast<int64_t>(in->frame.size());
-        p.clock = std::min(p.clock, h.aux0);
-      } else if (h.kind_enum() == Kind::PushAck) {
-        p.clock = std::min(p.clock, h.clock);
-      } else {
-        log_warn("ps worker {}: unexpected {} from server {}", index_, kind_name(h.kind_enum()),
-                 servers_[s].index);
-        continue;
-      }
-      p.done[s] = 1;
-      p.frames[s] = zmq::message_t();
-      ++p.answered;
-    }
-  }
-}
-
-int64_t KvWorker::wait(int64_t ticket) {
-  auto it = pending_.find(ticket);
-  MOETRAIN_CHECK(it != pending_.end(), "wait on unknown ticket {}", ticket);
-  Timer t;
-  for (;;) {
-    receive_all();
-    if (it->second.answered >= static_cast<int64_t>(servers_.size())) break;
-    on_idle_();  // may re-route (update_servers) or roll back (reset, then it throws)
-    std::vector<zmq::pollitem_t> items;
-    for (auto& s : sockets_)
-      if (s) items.push_back({s->handle(), 0, ZMQ_POLLIN, 0});
-    poll_sockets(items.data(), static_cast<int>(items.size()), 20);
-  }
-  const int64_t clock = it->second.clock;
-  pending_.erase(it);
-  wait_s_ += t.seconds();
-  return clock;
-}
-
 namespace {
 
 struct Assignment {
   int64_t row_begin = 0, rows = 0, global_rows = 0, epoch = 0;
 };
 
-// Thrown out of a wait when the scheduler announces a roll-back to a server checkpoint.
-struct RolledBack {
-  int64_t clock;
+// How one pass of the training loop ended.
+enum class Outcome {
+  Done,        // the job is complete
+  RolledBack,  // the servers rolled back to a checkpoint: pull and go on from there
 };
 
 std::vector<ServerInfo> servers_of(const nlohmann::json& setup) {
@@ -270,53 +91,62 @@ class Worker {
                                      setup.at("generation").get<uint32_t>(),
                                      [this] { poll_control(); });
     int64_t first = -1;
-    for (;;) {
-      try {
-        int64_t clock = kv_->wait(kv_->pull(-1, params_.data()));
-        if (first < 0) first = clock;
-        log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
-                 assign_.rows, assign_.global_rows);
-        while (clock < cfg_.train.steps) {
-          const PushMeta meta = compute(clock);
-          const int64_t tp = kv_->push(clock, grads_.data(), skip_, opts_.compression(), meta,
-                                       residual_.empty() ? nullptr : residual_.data());
-          const int64_t tl = kv_->pull(clock + 1, params_.data());
-          kv_->wait(tp);
-          // The servers say where to go on: the next clock, or later when this worker's push
-          // came too late for a quorum, or when it joined mid-run.
-          clock = std::max(clock + 1, kv_->wait(tl));
-          ++steps_;
-        }
-        write_stats(first, clock);
-        send(link_->socket(), json_frame(Kind::Done, link_->node_id(),
-                                         {{"clock", clock}, {"generation", kv_->generation()}}));
-        // Wait for the end of the job; the lead worker writes the final checkpoint.
-        bool ok = false;
-        while (!ok) {
-          auto in = link_->next_control(1000, &ok);
-          if (!in) continue;
-          if (in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
-            finish(kv_->wait(kv_->pull(-1, params_.data())));
-            send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
-          } else {
-            on_control(*in);
-          }
-        }
-        return 0;
-      } catch (const RolledBack& r) {
-        log_warn("{}: the servers rolled back to clock {}; pulling and going on from there", who_,
-                 r.clock);
-      }
-    }
+    while (train(first) == Outcome::RolledBack)
+      log_warn("{}: the servers rolled back to clock {}; pulling and going on from there", who_,
+               rollback_to_);
+    return 0;
   }
 
  private:
+  // From a pull of the current parameters to the end of the job, unless the servers roll back.
+  Outcome train(int64_t& first) {
+    WaitResult r = kv_->wait(kv_->pull(-1, params_.data()));
+    if (r.rolled_back) return Outcome::RolledBack;
+    int64_t clock = r.clock;
+    if (first < 0) first = clock;
+    log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
+             assign_.rows, assign_.global_rows);
+    while (clock < cfg_.train.steps) {
+      const PushMeta meta = compute(clock);
+      const int64_t tp = kv_->push(clock, grads_.data(), skip_, opts_.compression(), meta,
+                                   residual_.empty() ? nullptr : residual_.data());
+      const int64_t tl = kv_->pull(clock + 1, params_.data());
+      if (kv_->wait(tp).rolled_back) return Outcome::RolledBack;
+      r = kv_->wait(tl);
+      if (r.rolled_back) return Outcome::RolledBack;
+      // The servers say where to go on: the next clock, or later when this worker's push came
+      // too late for a quorum, or when it joined mid-run.
+      clock = std::max(clock + 1, r.clock);
+      ++steps_;
+    }
+    write_stats(first, clock);
+    send(link_->socket(), json_frame(Kind::Done, link_->node_id(),
+                                     {{"clock", clock}, {"generation", kv_->generation()}}));
+    // Wait for the end of the job; the lead worker writes the final checkpoint.
+    bool ok = false;
+    while (!ok) {
+      auto in = link_->next_control(1000, &ok);
+      if (!in) continue;
+      if (in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
+        r = kv_->wait(kv_->pull(-1, params_.data()));
+        if (r.rolled_back) return Outcome::RolledBack;
+        finish(r.clock);
+        send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
+      } else if (on_control(*in)) {
+        return Outcome::RolledBack;
+      }
+    }
+    return Outcome::Done;
+  }
+
+  // While a wait blocks. A roll-back resets the KvWorker, whose wait then returns rolled_back.
   void poll_control() {
     link_->check();
     while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) on_control(*in);
   }
 
-  void on_control(const Incoming& in) {
+  // Returns true when the message rolled the job back to a server checkpoint.
+  bool on_control(const Incoming& in) {
     const Kind k = in.header.kind_enum();
     if (k == Kind::Setup) {
       const nlohmann::json j = in.json();
@@ -324,13 +154,15 @@ class Worker {
       const auto generation = j.at("generation").get<uint32_t>();
       if (generation != kv_->generation()) {
         kv_->reset(servers_of(j), generation);
-        throw RolledBack{j.value("rollback_to", int64_t{-1})};
+        rollback_to_ = j.value("rollback_to", int64_t{-1});
+        return true;
       }
       kv_->update_servers(servers_of(j));
     } else if (k == Kind::Shutdown) {
       nlohmann::json j = in.json();
       MOETRAIN_FAIL("the scheduler stopped the job: {}", j.value("reason", std::string()));
     }
+    return false;
   }
 
   // Gradients of this worker's rows of step `clock`, weighted by their share of the global
@@ -447,8 +279,8 @@ class Worker {
     TokenShard val(fs::path(cfg_.data.dir) / "val.bin");
     const double v = evaluate(*model_, params_.data(), val, cfg_.train.batch_size,
                               cfg_.train.seq_len, cfg_.train.eval_batches);
-    std::ofstream(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::app)
-        << nlohmann::json{{"step", clock}, {"val_loss", v}}.dump() << "\n";
+    MetricsWriter(cfg_.train.run_dir, MetricsWriter::Open::Append)
+        .write({{"step", clock}, {"val_loss", v}});
     log_info("{}: final checkpoint {} (clock {}); validation loss {:.4f}", who_, dir.string(),
              clock, v);
   }
@@ -467,7 +299,7 @@ class Worker {
   std::vector<float> params_, grads_, residual_;
   std::vector<int32_t> inputs_, targets_;
   std::vector<Span> skip_;
-  int64_t steps_ = 0, rows_done_ = 0;
+  int64_t steps_ = 0, rows_done_ = 0, rollback_to_ = -1;
   double compute_s_ = 0;
 };
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "io/checkpoint.h"
+#include "io/metrics.h"
 #include "ps/message.h"
 #include "ps/process.h"  // tests/ps/process.h
 #include "support/corpus.h"
@@ -45,21 +46,15 @@ Job launch(const TempDir& tmp, const std::vector<std::string>& ps_args, int step
 
 std::map<int64_t, double> losses(const fs::path& run) {
   std::map<int64_t, double> out;
-  std::ifstream in(run / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
+  for (const auto& j : read_metrics(run))
     if (j.contains("loss")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
-  }
   return out;
 }
 
 double final_val_loss(const fs::path& run) {
   double v = -1;
-  std::ifstream in(run / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
+  for (const auto& j : read_metrics(run))
     if (j.contains("val_loss")) v = j["val_loss"].get<double>();
-  }
   return v;
 }
 

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "io/metrics.h"
 #include "support/corpus.h"
 
 namespace moetrain::testing {
@@ -204,18 +205,14 @@ struct Cluster {
 
 inline int64_t applied_steps(const std::filesystem::path& run) {
   int64_t n = 0;
-  std::ifstream in(run / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) n += line.find("\"loss\"") != std::string::npos;
+  for (const auto& j : read_metrics(run)) n += j.contains("loss");
   return n;
 }
 
 inline double val_loss(const std::filesystem::path& run) {
   double v = -1;
-  std::ifstream in(run / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
+  for (const auto& j : read_metrics(run))
     if (j.contains("val_loss")) v = j["val_loss"].get<double>();
-  }
   return v;
 }
 

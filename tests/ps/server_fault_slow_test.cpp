@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "io/metrics.h"
 #include "ps/process.h"  // tests/ps/process.h
 #include "support/temp_dir.h"
 #include "train/trainer.h"
@@ -102,11 +103,8 @@ TEST_F(PsServerFault, RestartedServerRestoresItsCheckpointAndTheJobRollsBack) {
   EXPECT_EQ(read_json(c.run / "ps" / "server_1.json")["rollbacks"].get<int64_t>(), 1);
   // The roll-back went to a checkpointed clock at most 10 clocks (plus the one in flight) back.
   int64_t rollback = -1;
-  std::ifstream in(c.run / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
+  for (const auto& j : read_metrics(c.run))
     if (j.contains("rollback_to")) rollback = j["rollback_to"].get<int64_t>();
-  }
   EXPECT_EQ(rollback % 10, 0);
   EXPECT_GE(rollback, 30);
   EXPECT_LE(rollback, at_kill + 1);

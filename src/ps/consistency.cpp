@@ -1,0 +1,181 @@
+#include "ps/consistency.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "core/check.h"
+
+namespace moetrain::ps {
+
+bool ConsistencyRules::is_active(int64_t worker) const {
+  return std::binary_search(active_.begin(), active_.end(), worker);
+}
+
+void ConsistencyRules::set_active(std::vector<int64_t> workers) {
+  std::sort(workers.begin(), workers.end());
+  active_ = std::move(workers);
+  for (auto it = clocks_.begin(); it != clocks_.end();)
+    it = is_active(it->first) ? std::next(it) : clocks_.erase(it);
+}
+
+PushFate ConsistencyRules::push(int64_t worker, int64_t clock, int64_t id) {
+  if (!is_active(worker)) return PushFate::NotActive;
+  if (summed_per_clock()) {
+    if (clock < version_) return PushFate::Late;
+    pending_[clock][worker] = id;
+    return next_update_possible() ? PushFate::Ready : PushFate::Queued;
+  }
+  int64_t& c = clocks_[worker];
+  c = std::max(c, clock + 1);
+  Update u;
+  u.version = version_;
+  u.clock = clock;
+  u.ids = {id};
+  u.workers = {worker};
+  u.worker = worker;
+  u.worker_clock = c;
+  ready_ = std::move(u);
+  return PushFate::Ready;
+}
+
+bool ConsistencyRules::next_update_possible() const {
+  if (!summed_per_clock()) return ready_.has_value();
+  auto it = pending_.find(version_);
+  if (it == pending_.end() || active_.empty()) return false;
+  const auto& got = it->second;
+  if (cfg_.mode == Consistency::Sync) {
+    for (int64_t w : active_)
+      if (!got.count(w)) return false;
+    return true;
+  }
+  const auto q = std::min<std::size_t>(static_cast<std::size_t>(cfg_.quorum), active_.size());
+  return got.size() >= q;
+}
+
+std::optional<Update> ConsistencyRules::next_update() {
+  if (!next_update_possible()) return std::nullopt;
+  if (!summed_per_clock()) {
+    std::optional<Update> u = std::move(ready_);
+    ready_.reset();
+    return u;
+  }
+  const auto& got = pending_.at(version_);
+  Update u;
+  u.version = u.clock = version_;
+  if (cfg_.mode == Consistency::Sync) {
+    for (int64_t w : active_) {
+      u.ids.push_back(got.at(w));
+      u.workers.push_back(w);
+    }
+  } else {
+    for (const auto& [w, id] : got) {  // std::map: worker-index order
+      u.ids.push_back(id);
+      u.workers.push_back(w);
+    }
+  }
+  return u;
+}
+
+std::vector<int64_t> ConsistencyRules::applied(const Update& u) {
+  MOETRAIN_CHECK(u.version == version_, "update of version {} applied at version {}", u.version,
+                 version_);
+  std::vector<int64_t> freed = u.ids;
+  if (summed_per_clock()) {
+    freed.clear();
+    // What else is pending for this clock (a worker no longer active) is past too.
+    const auto end = pending_.upper_bound(u.clock);
+    for (auto it = pending_.begin(); it != end; ++it)
+      for (const auto& [w, id] : it->second) freed.push_back(id);
+    pending_.erase(pending_.begin(), end);
+  }
+  ++version_;
+  return freed;
+}
+
+int64_t ConsistencyRules::schedule_step() const {
+  return summed_per_clock() ? version_ : version_ / std::max<int64_t>(1, cfg_.workers_at_start);
+}
+
+int64_t ConsistencyRules::min_clock(int64_t except) const {
+  int64_t m = INT64_MAX;
+  for (const auto& [w, c] : clocks_)
+    if (w != except) m = std::min(m, c);
+  return m;
+}
+
+bool ConsistencyRules::pull_ready(int64_t worker, int64_t clock) const {
+  if (clock < 0) return true;
+  switch (cfg_.mode) {
+    case Consistency::Sync:
+    case Consistency::Quorum:
+      return version_ >= clock;
+    case Consistency::Async:
+      return true;
+    case Consistency::Ssp: {
+      if (!is_active(worker)) return true;
+      const int64_t m = min_clock(-1);
+      return m == INT64_MAX || m >= clock - cfg_.staleness;
+    }
+  }
+  return true;
+}
+
+int64_t ConsistencyRules::pull_answered(int64_t worker, int64_t clock) {
+  if (summed_per_clock()) return version_;
+  int64_t next = 0;
+  if (auto c = clocks_.find(worker); c != clocks_.end()) {
+    next = c->second;
+  } else {
+    const int64_t m = min_clock(worker);
+    next = m == INT64_MAX ? 0 : m;
+    if (is_active(worker)) clocks_[worker] = next;
+  }
+  if (cfg_.mode == Consistency::Ssp && clock >= 0) {
+    const int64_t m = min_clock(-1);
+    if (m != INT64_MAX) max_staleness_ = std::max(max_staleness_, clock - m);
+  }
+  return next;
+}
+
+void ConsistencyRules::replayed(int64_t worker, int64_t worker_clock) {
+  ++version_;
+  if (worker >= 0) clocks_[worker] = std::max(clocks_[worker], worker_clock);
+}
+
+std::vector<int64_t> ConsistencyRules::restore(int64_t clock,
+                                               std::map<int64_t, int64_t> worker_clocks) {
+  std::vector<int64_t> freed;
+  for (const auto& [c, got] : pending_)
+    for (const auto& [w, id] : got) freed.push_back(id);
+  if (ready_) freed.insert(freed.end(), ready_->ids.begin(), ready_->ids.end());
+  pending_.clear();
+  ready_.reset();
+  clocks_ = std::move(worker_clocks);
+  version_ = clock;
+  return freed;
+}
+
+SumResult sum_pushes(const std::vector<PushView>& in, int64_t n, float* out) {
+  MOETRAIN_CHECK(!in.empty(), "an update with no pushes");
+  const auto N = static_cast<std::size_t>(n);
+  std::copy(in[0].grads, in[0].grads + N, out);
+  int64_t rows = in[0].rows;
+  double loss = in[0].loss * static_cast<double>(in[0].rows);
+  for (std::size_t k = 1; k < in.size(); ++k) {
+    const float* g = in[k].grads;
+    for (std::size_t i = 0; i < N; ++i) out[i] += g[i];
+    rows += in[k].rows;
+    loss += in[k].loss * static_cast<double>(in[k].rows);
+  }
+  // Each worker weighted its gradient by its share of the global batch; when fewer rows than
+  // the global batch arrived (a quorum, an async push, a worker lost mid-clock), rescale to the
+  // mean over the rows that did.
+  const int64_t global = in[0].global_rows;
+  if (rows != global) {
+    const float s = static_cast<float>(global) / static_cast<float>(rows);
+    for (std::size_t i = 0; i < N; ++i) out[i] *= s;
+  }
+  return {rows, loss / static_cast<double>(rows)};
+}
+
+}  // namespace moetrain::ps

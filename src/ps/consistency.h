@@ -1,0 +1,124 @@
+// The consistency rules of a parameter server, as a pure state machine (no sockets, no model):
+// which pushes an update sums and in which order, when it applies, what is dropped, and when a
+// pull may be answered.
+//   sync    every active worker's push for the clock, summed in worker-index order
+//   quorum  the first q pushes for the clock (all that arrived once q did, in worker-index
+//           order); later ones for an old clock are dropped, counted
+//   async   each push on arrival
+//   ssp     each push on arrival; a pull from a worker at clock c waits until the slowest active
+//           worker has reached c − s
+// The server (kv_server.h) names each push it queues by an id and holds its gradient; an Update
+// lists the ids to sum, and every id the rules let go of is returned so the server frees it.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "ps/options.h"
+
+namespace moetrain::ps {
+
+// One update ready to apply: the pushes it sums, in this order.
+struct Update {
+  int64_t version = 0;           // the server's version before the update
+  int64_t clock = 0;             // the clock the pushes were computed at (sync / quorum: version)
+  std::vector<int64_t> ids;      // push ids, in worker-index order
+  std::vector<int64_t> workers;  // the pushing workers, same order
+  // async / ssp: the pushing worker and its clock after the push (what a backup must record);
+  // sync / quorum: −1, 0.
+  int64_t worker = -1, worker_clock = 0;
+};
+
+enum class PushFate {
+  Queued,     // waits for the other pushes of its clock (sync, quorum)
+  Ready,      // an update can apply now (next_update())
+  Late,       // sync / quorum: for a clock already applied; dropped
+  NotActive,  // from a worker the job does not count now; dropped
+};
+
+struct ConsistencyConfig {
+  Consistency mode = Consistency::Sync;
+  int64_t quorum = 0;            // quorum: pushes that apply a clock
+  int64_t staleness = 0;         // ssp: how many clocks the fastest may lead the slowest
+  int64_t workers_at_start = 1;  // async / ssp: pushes per global step of the lr schedule
+};
+
+class ConsistencyRules {
+ public:
+  explicit ConsistencyRules(const ConsistencyConfig& c = {}) : cfg_(c) {}
+
+  const ConsistencyConfig& config() const { return cfg_; }
+  int64_t version() const { return version_; }  // updates applied
+  const std::vector<int64_t>& active() const { return active_; }
+  bool is_active(int64_t worker) const;
+  // async / ssp: worker → pushes done (its clock); a checkpoint keeps it.
+  const std::map<int64_t, int64_t>& worker_clocks() const { return clocks_; }
+  int64_t max_staleness() const { return max_staleness_; }
+
+  // The workers the job counts now (a worker lost, one joined). Clocks of workers no longer
+  // active are forgotten; a sync clock may become complete (see next_update()).
+  void set_active(std::vector<int64_t> workers);
+
+  // A push of `worker` at `clock`, held by the caller under `id`. Late and NotActive pushes are
+  // not kept (the caller frees them).
+  PushFate push(int64_t worker, int64_t clock, int64_t id);
+
+  // The next update that may apply, if any. The caller applies it, then calls applied(). An
+  // async / ssp update is handed out once: if applying it fails, the push is lost (the caller
+  // frees it), as a sync clock is not: its pushes stay pending.
+  std::optional<Update> next_update();
+  // The update is applied: the version advances. Returns the ids of pushes the caller may free
+  // (those summed, and any others of clocks now past).
+  std::vector<int64_t> applied(const Update& u);
+
+  // The lr schedule's step for the update about to apply: async updates come one push at a
+  // time, and the schedule advances once per global step.
+  int64_t schedule_step() const;
+
+  // Whether a pull from `worker` for `clock` may be answered now (clock < 0: a join or a final
+  // read, answered at once).
+  bool pull_ready(int64_t worker, int64_t clock) const;
+  // For an answered pull: the clock the worker should continue at. A worker the rules do not
+  // know yet (async / ssp) starts level with the slowest, so it holds no one back.
+  int64_t pull_answered(int64_t worker, int64_t clock);
+
+  // A backup replays its primary's update: the version advances, and (async / ssp) the pushing
+  // worker's clock is raised to what the primary recorded.
+  void replayed(int64_t worker, int64_t worker_clock);
+
+  // Back to `clock` with these worker clocks (a checkpoint); everything pending is dropped and
+  // returned for freeing.
+  std::vector<int64_t> restore(int64_t clock, std::map<int64_t, int64_t> worker_clocks);
+
+ private:
+  bool summed_per_clock() const {
+    return cfg_.mode == Consistency::Sync || cfg_.mode == Consistency::Quorum;
+  }
+  int64_t min_clock(int64_t except) const;
+  bool next_update_possible() const;
+
+  ConsistencyConfig cfg_;
+  int64_t version_ = 0;
+  std::vector<int64_t> active_;                            // sorted
+  std::map<int64_t, std::map<int64_t, int64_t>> pending_;  // sync/quorum: clock → worker → id
+  std::optional<Update> ready_;                            // async/ssp: the push just arrived
+  std::map<int64_t, int64_t> clocks_;                      // async/ssp: worker → pushes done
+  int64_t max_staleness_ = 0;
+};
+
+// The sum of the pushes of one update into out[0, n), in the given order (bit-exact order
+// matters: float addition does not commute with regrouping), rescaled to the global batch when
+// fewer rows arrived. Returns the rows that arrived and the row-weighted mean loss.
+struct PushView {
+  const float* grads = nullptr;  // (n)
+  int64_t rows = 0, global_rows = 0;
+  double loss = 0;
+};
+struct SumResult {
+  int64_t rows = 0;
+  double loss = 0;  // mean over the rows
+};
+SumResult sum_pushes(const std::vector<PushView>& in, int64_t n, float* out);
+
+}  // namespace moetrain::ps

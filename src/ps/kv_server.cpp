@@ -1,0 +1,263 @@
+#include "ps/kv_server.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/check.h"
+#include "core/log.h"
+
+namespace moetrain::ps {
+
+KvServer::KvServer(zmq::context_t& ctx, const std::string& bind)
+    : ctx_(ctx), router_(ctx, zmq::socket_type::router) {
+  endpoint_ = bind_router(router_, bind);
+}
+
+void KvServer::start(int64_t index, int64_t begin, int64_t end, std::vector<float> values,
+                     const ConsistencyConfig& rules, KvServerHandlers handlers) {
+  MOETRAIN_CHECK(end - begin == static_cast<int64_t>(values.size()), "keys [{}, {}) with {} values",
+                 begin, end, values.size());
+  index_ = index;
+  begin_ = begin;
+  end_ = end;
+  values_ = std::move(values);
+  sum_.assign(values_.size(), 0.0f);
+  rules_ = ConsistencyRules(rules);
+  handlers_ = std::move(handlers);
+  started_ = true;
+}
+
+void KvServer::set_active(const std::vector<int64_t>& workers) {
+  rules_.set_active(workers);
+  apply_ready();
+  serve_pulls();
+}
+
+bool KvServer::set_backup(const std::string& endpoint) {
+  if (endpoint == backup_endpoint_) return false;
+  backup_.reset();
+  backup_endpoint_ = endpoint;
+  if (!endpoint.empty()) {
+    // Backups are attached when the job starts (or restores), both at the same state.
+    backup_ = std::make_unique<zmq::socket_t>(make_dealer(ctx_, endpoint));
+    replicated_ = rules_.version();
+  }
+  return true;
+}
+
+void KvServer::restore(int64_t clock, uint32_t generation, std::vector<float> values,
+                       std::map<int64_t, int64_t> worker_clocks) {
+  MOETRAIN_CHECK(values.size() == values_.size(), "restore of {} values into keys [{}, {})",
+                 values.size(), begin_, end_);
+  values_ = std::move(values);
+  for (int64_t id : rules_.restore(clock, std::move(worker_clocks))) pushes_.erase(id);
+  replicated_ = clock;
+  generation_ = generation;
+  pulls_.clear();
+}
+
+void KvServer::poll(zmq::socket_t& also, int64_t timeout_ms) {
+  zmq::pollitem_t items[3] = {{also.handle(), 0, ZMQ_POLLIN, 0},
+                              {router_.handle(), 0, ZMQ_POLLIN, 0},
+                              {backup_ ? backup_->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
+  poll_sockets(items, backup_ ? 3 : 2, timeout_ms);
+  while (auto in = try_receive(router_, true, rejects_, who_)) on_data(*in);
+  while (backup_) {
+    auto in = try_receive(*backup_, false, rejects_, who_);
+    if (!in) break;
+    if (in->header.kind_enum() == Kind::ReplicateAck) {
+      replicated_ = std::max(replicated_, in->header.clock);
+      serve_pulls();
+    }
+  }
+}
+
+void KvServer::on_data(Incoming& in) {
+  const Header& h = in.header;
+  try {
+    MOETRAIN_CHECK(started_, "{} before the job started", kind_name(h.kind_enum()));
+    if (h.kind_enum() == Kind::Push) {
+      on_push(in);
+    } else if (h.kind_enum() == Kind::Pull) {
+      if (h.generation < generation_) {
+        ++stats_.stale_dropped;
+        return;
+      }
+      pulls_.push_back({in.identity, h});
+      if (!ready(h)) ++stats_.blocked_pulls[h.sender];
+      serve_pulls();
+    } else if (h.kind_enum() == Kind::Replicate) {
+      on_replicate(in);
+    } else {
+      MOETRAIN_FAIL("a {} message is not for a server", kind_name(h.kind_enum()));
+    }
+  } catch (const Error& e) {
+    ++rejects_.rejected;
+    rejects_.last_reason = e.what();
+    log_warn("{}: rejected a {} from {}: {}", who_, kind_name(h.kind_enum()), h.sender, e.what());
+  }
+}
+
+void KvServer::on_push(Incoming& in) {
+  const Header& h = in.header;
+  const int64_t n = end_ - begin_;
+  MOETRAIN_CHECK(h.key_begin == begin_ && h.key_end == end_,
+                 "push for keys [{}, {}), this server holds [{}, {})", h.key_begin, h.key_end,
+                 begin_, end_);
+  MOETRAIN_CHECK(h.aux0 >= 1 && h.aux1 >= h.aux0, "push with {} of {} rows", h.aux0, h.aux1);
+  MOETRAIN_CHECK(std::isfinite(h.value), "push with loss {}", h.value);
+  Push p;
+  std::vector<Span> ranges;
+  if (h.encoding() == Encoding::F32 && !(h.flags & kSparseFlag) &&
+      reinterpret_cast<uintptr_t>(in.payload) % alignof(float) == 0) {
+    MOETRAIN_CHECK(h.bytes == static_cast<uint64_t>(4 * n),
+                   "{} values in none take {} bytes, the message has {}", n, 4 * n, h.bytes);
+    ranges.push_back({0, n});
+    p.frame = std::move(in.frame);
+    p.grads = reinterpret_cast<const float*>(p.frame.data<char>() + sizeof(Header));
+  } else {
+    p.owned.resize(static_cast<std::size_t>(n));
+    decode_push(h, in.payload, n, p.owned.data(), &ranges);
+    p.grads = p.owned.data();
+  }
+  p.rows = h.aux0, p.global_rows = h.aux1, p.loss = h.value;
+  stats_.push_bytes += static_cast<int64_t>(sizeof(Header) + h.bytes);
+  stats_.dense_push_bytes += static_cast<int64_t>(sizeof(Header)) + 4 * n;
+  ++stats_.pushes;
+  if (handlers_.push_ranges) handlers_.push_ranges(ranges);
+  send_to(router_, in.identity, ack(h));
+  if (h.generation < generation_) {
+    ++stats_.stale_dropped;
+    return;
+  }
+  const int64_t id = next_push_id_++;
+  switch (rules_.push(h.sender, h.clock, id)) {
+    case PushFate::NotActive:
+      ++stats_.refused;
+      log_warn("{}: push from worker {} which is not active; ignored", who_, h.sender);
+      return;
+    case PushFate::Late:
+      ++stats_.late_dropped;
+      return;
+    case PushFate::Queued:
+    case PushFate::Ready:
+      pushes_.emplace(id, std::move(p));
+      break;
+  }
+  apply_ready();
+  serve_pulls();
+}
+
+// A backup applies its primary's update exactly as the primary did.
+void KvServer::on_replicate(const Incoming& in) {
+  const Header& h = in.header;
+  const int64_t n = end_ - begin_;
+  MOETRAIN_CHECK(h.key_begin == begin_ && h.key_end == end_ && h.encoding() == Encoding::F32 &&
+                     h.bytes == static_cast<uint64_t>(4 * n),
+                 "replicate for keys [{}, {}) with {} bytes, this server holds [{}, {})",
+                 h.key_begin, h.key_end, h.bytes, begin_, end_);
+  MOETRAIN_CHECK(h.clock == rules_.version(), "replicate of clock {}, this backup is at clock {}",
+                 h.clock, rules_.version());
+  MOETRAIN_CHECK(std::isfinite(h.value) && h.value >= 0, "replicate with lr {}", h.value);
+  std::memcpy(sum_.data(), in.payload, h.bytes);
+  handlers_.replay(sum_.data(), h.value, values_.data());
+  rules_.replayed(h.aux1, h.ticket);
+  ++stats_.replicated_in;
+  Header a;
+  a.kind = static_cast<uint16_t>(Kind::ReplicateAck);
+  a.sender = static_cast<int32_t>(index_);
+  a.clock = rules_.version();
+  send_to(router_, in.identity, encode(a, {}));
+}
+
+std::string KvServer::ack(const Header& req) const {
+  Header h;
+  h.kind = static_cast<uint16_t>(Kind::PushAck);
+  h.sender = static_cast<int32_t>(index_);
+  h.ticket = req.ticket;
+  h.clock = rules_.version();
+  h.generation = generation_;
+  return encode(h, {});
+}
+
+void KvServer::apply_ready() {
+  while (auto u = rules_.next_update()) {
+    try {
+      apply(*u);
+    } catch (...) {
+      // An async push the rules handed out is gone from them; a sync clock stays pending.
+      if (u->worker >= 0)
+        for (int64_t id : u->ids) pushes_.erase(id);
+      throw;
+    }
+  }
+}
+
+void KvServer::apply(const Update& u) {
+  std::vector<PushView> in;
+  for (int64_t id : u.ids) {
+    const Push& p = pushes_.at(id);
+    in.push_back({p.grads, p.rows, p.global_rows, p.loss});
+  }
+  const int64_t n = end_ - begin_;
+  const SumResult s = sum_pushes(in, n, sum_.data());
+  const double lr = handlers_.update({u.version, u.clock, rules_.schedule_step(), sum_.data(), n},
+                                     values_.data());
+  if (backup_) replicate(u.version, lr, u.worker, u.worker_clock);
+  for (int64_t id : rules_.applied(u)) pushes_.erase(id);
+  if (handlers_.applied)
+    handlers_.applied({rules_.version(), u.clock, lr, static_cast<int64_t>(u.ids.size()), s.rows,
+                       s.loss, u.worker});
+}
+
+// The exact input of the update rule just applied, to the backup.
+void KvServer::replicate(int64_t version, double lr, int64_t worker, int64_t worker_clock) {
+  Header h;
+  h.kind = static_cast<uint16_t>(Kind::Replicate);
+  h.sender = static_cast<int32_t>(index_);
+  h.flags = static_cast<uint32_t>(Encoding::F32);
+  h.clock = version;
+  h.key_begin = begin_;
+  h.key_end = end_;
+  h.value = lr;
+  h.aux1 = worker;
+  h.ticket = worker_clock;
+  h.generation = generation_;
+  zmq::message_t m = new_frame(h, sum_.size() * 4);
+  std::memcpy(frame_payload(m), sum_.data(), sum_.size() * 4);
+  seal(m.data(), m.size());
+  send(*backup_, std::move(m));
+}
+
+bool KvServer::ready(const Header& pull) const {
+  // A reply shows only updates the backup holds too, so none a worker saw can be lost.
+  if (backup_ && replicated_ < rules_.version()) return false;
+  return rules_.pull_ready(pull.sender, pull.clock);
+}
+
+void KvServer::serve_pulls() {
+  for (auto it = pulls_.begin(); it != pulls_.end();) {
+    if (!ready(it->h)) {
+      ++it;
+      continue;
+    }
+    const Header& r = it->h;
+    Header h;
+    h.kind = static_cast<uint16_t>(Kind::PullReply);
+    h.sender = static_cast<int32_t>(index_);
+    h.ticket = r.ticket;
+    h.key_begin = begin_;
+    h.key_end = end_;
+    h.clock = rules_.version();
+    h.generation = generation_;
+    h.aux0 = rules_.pull_answered(r.sender, r.clock);
+    h.flags = static_cast<uint32_t>(Encoding::F32);
+    zmq::message_t m = new_frame(h, values_.size() * 4);
+    std::memcpy(frame_payload(m), values_.data(), values_.size() * 4);
+    seal(m.data(), m.size());
+    send_to(router_, it->identity, std::move(m));
+    it = pulls_.erase(it);
+  }
+}
+
+}  // namespace moetrain::ps

@@ -1,0 +1,205 @@
+// The consistency rules without sockets: which pushes each update sums and in which order, when
+// it applies, what is dropped, and when a pull may be answered.
+#include "ps/consistency.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+using namespace moetrain::ps;
+
+namespace {
+
+ConsistencyRules rules(Consistency mode, std::vector<int64_t> workers, int64_t quorum = 0,
+                       int64_t staleness = 0) {
+  ConsistencyConfig c;
+  c.mode = mode;
+  c.quorum = quorum;
+  c.staleness = staleness;
+  c.workers_at_start = static_cast<int64_t>(workers.size());
+  ConsistencyRules r(c);
+  r.set_active(std::move(workers));
+  return r;
+}
+
+}  // namespace
+
+TEST(Consistency, SyncWaitsForEveryActiveWorkerAndSumsInWorkerOrder) {
+  ConsistencyRules r = rules(Consistency::Sync, {2, 0, 1});
+  EXPECT_EQ(r.push(2, 0, 20), PushFate::Queued);
+  EXPECT_EQ(r.push(0, 0, 0), PushFate::Queued);
+  EXPECT_FALSE(r.next_update());
+  EXPECT_FALSE(r.pull_ready(0, 1));
+  EXPECT_TRUE(r.pull_ready(0, 0));
+  EXPECT_TRUE(r.pull_ready(0, -1));  // a join reads now
+  // A push for the next clock waits behind the current one.
+  EXPECT_EQ(r.push(0, 1, 100), PushFate::Queued);
+  EXPECT_EQ(r.push(1, 0, 10), PushFate::Ready);
+  auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->version, 0);
+  EXPECT_EQ(u->clock, 0);
+  EXPECT_EQ(u->workers, (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{0, 10, 20}));
+  EXPECT_EQ(u->worker, -1);
+  EXPECT_EQ(r.schedule_step(), 0);
+  EXPECT_EQ(r.applied(*u), (std::vector<int64_t>{0, 10, 20}));
+  EXPECT_EQ(r.version(), 1);
+  EXPECT_TRUE(r.pull_ready(0, 1));
+  EXPECT_EQ(r.pull_answered(0, 1), 1);
+  EXPECT_FALSE(r.next_update());  // clock 1 has one push of three
+  // A push for a clock already applied is late.
+  EXPECT_EQ(r.push(2, 0, 21), PushFate::Late);
+}
+
+TEST(Consistency, SyncWorkerLostMidClockCompletesTheClock) {
+  ConsistencyRules r = rules(Consistency::Sync, {0, 1});
+  EXPECT_EQ(r.push(0, 0, 1), PushFate::Queued);
+  r.set_active({0});  // worker 1 died before pushing
+  auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{1}));
+  r.applied(*u);
+  // Its push, arriving after it was declared dead, is refused.
+  EXPECT_EQ(r.push(1, 1, 2), PushFate::NotActive);
+}
+
+TEST(Consistency, SyncRejoinCountsTheNewWorkerFromTheNextClock) {
+  ConsistencyRules r = rules(Consistency::Sync, {0});
+  r.push(0, 0, 1);
+  r.applied(*r.next_update());
+  r.set_active({0, 1});
+  EXPECT_EQ(r.pull_answered(1, -1), 1);  // the newcomer starts at the current clock
+  EXPECT_EQ(r.push(0, 1, 2), PushFate::Queued);
+  EXPECT_FALSE(r.next_update());
+  EXPECT_EQ(r.push(1, 1, 3), PushFate::Ready);
+  EXPECT_EQ(r.next_update()->ids, (std::vector<int64_t>{2, 3}));
+}
+
+TEST(Consistency, QuorumTakesTheFirstQAndDropsLateOnes) {
+  ConsistencyRules r = rules(Consistency::Quorum, {0, 1, 2}, 2);
+  EXPECT_EQ(r.push(2, 0, 20), PushFate::Queued);
+  EXPECT_EQ(r.push(1, 0, 10), PushFate::Ready);
+  auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->workers, (std::vector<int64_t>{1, 2}));  // worker-index order, not arrival
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{10, 20}));
+  r.applied(*u);
+  EXPECT_EQ(r.push(0, 0, 0), PushFate::Late);
+  // The late worker is told to go on at the current clock.
+  EXPECT_EQ(r.pull_answered(0, 1), 1);
+}
+
+TEST(Consistency, QuorumIsCappedByTheActiveWorkers) {
+  ConsistencyRules r = rules(Consistency::Quorum, {0, 1, 2}, 3);
+  r.push(0, 0, 0);
+  r.push(1, 0, 1);
+  EXPECT_FALSE(r.next_update());
+  r.set_active({0, 1});  // worker 2 lost: 2 of 2 suffice
+  auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{0, 1}));
+}
+
+TEST(Consistency, AsyncAppliesEachPush) {
+  ConsistencyRules r = rules(Consistency::Async, {0, 1});
+  EXPECT_EQ(r.push(1, 0, 7), PushFate::Ready);
+  auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{7}));
+  EXPECT_EQ(u->clock, 0);
+  EXPECT_EQ(u->worker, 1);
+  EXPECT_EQ(u->worker_clock, 1);
+  EXPECT_FALSE(r.next_update());  // handed out once
+  EXPECT_EQ(r.applied(*u), (std::vector<int64_t>{7}));
+  EXPECT_EQ(r.push(1, 1, 8), PushFate::Ready);
+  u = r.next_update();
+  EXPECT_EQ(u->version, 1);
+  r.applied(*u);
+  // Two workers: the schedule advances once per two pushes.
+  EXPECT_EQ(r.schedule_step(), 1);
+  EXPECT_TRUE(r.pull_ready(0, 100));
+  EXPECT_EQ(r.worker_clocks().at(1), 2);
+}
+
+TEST(Consistency, SspBlocksAPullUntilTheSlowestIsWithinTheStaleness) {
+  ConsistencyRules r = rules(Consistency::Ssp, {0, 1}, 0, 2);
+  EXPECT_EQ(r.pull_answered(0, -1), 0);
+  EXPECT_EQ(r.pull_answered(1, -1), 0);
+  for (int64_t c = 0; c < 3; ++c) {
+    r.push(0, c, c);
+    r.applied(*r.next_update());
+  }
+  // Worker 0 is at clock 3, worker 1 at 0: a pull for clock 3 needs the slowest at 1.
+  EXPECT_TRUE(r.pull_ready(0, 2));
+  EXPECT_FALSE(r.pull_ready(0, 3));
+  r.push(1, 0, 10);
+  r.applied(*r.next_update());
+  EXPECT_TRUE(r.pull_ready(0, 3));
+  EXPECT_EQ(r.pull_answered(0, 3), 3);
+  EXPECT_EQ(r.max_staleness(), 2);
+  // A worker not active is never held back.
+  EXPECT_TRUE(r.pull_ready(5, 100));
+}
+
+TEST(Consistency, SspLostWorkerNoLongerHoldsOthersBackAndARejoinStartsLevel) {
+  ConsistencyRules r = rules(Consistency::Ssp, {0, 1}, 0, 0);
+  r.pull_answered(0, -1);
+  r.pull_answered(1, -1);
+  r.push(0, 0, 0);
+  r.applied(*r.next_update());
+  EXPECT_FALSE(r.pull_ready(0, 1));  // worker 1 is still at 0
+  r.set_active({0});
+  EXPECT_TRUE(r.pull_ready(0, 1));
+  EXPECT_FALSE(r.worker_clocks().count(1));
+  // Rejoining, it starts level with the slowest other worker.
+  r.set_active({0, 1});
+  EXPECT_EQ(r.pull_answered(1, -1), 1);
+  EXPECT_EQ(r.worker_clocks().at(1), 1);
+}
+
+TEST(Consistency, RestoreDropsEverythingPending) {
+  ConsistencyRules r = rules(Consistency::Sync, {0, 1});
+  r.push(0, 0, 0);
+  r.push(1, 0, 1);
+  r.applied(*r.next_update());
+  EXPECT_EQ(r.version(), 1);
+  r.push(0, 1, 5);
+  r.push(1, 2, 6);
+  auto freed = r.restore(0, {{0, 3}});
+  std::sort(freed.begin(), freed.end());
+  EXPECT_EQ(freed, (std::vector<int64_t>{5, 6}));
+  EXPECT_EQ(r.version(), 0);
+  EXPECT_EQ(r.worker_clocks().at(0), 3);
+  EXPECT_FALSE(r.next_update());
+  // The clock undone is pushed again.
+  EXPECT_EQ(r.push(0, 0, 7), PushFate::Queued);
+}
+
+TEST(Consistency, BackupReplayAdvancesVersionAndWorkerClock) {
+  ConsistencyRules r = rules(Consistency::Async, {0, 1});
+  r.replayed(1, 4);
+  r.replayed(-1, 0);
+  EXPECT_EQ(r.version(), 2);
+  EXPECT_EQ(r.worker_clocks().at(1), 4);
+}
+
+TEST(SumPushes, SumsInTheGivenOrderAndRescalesToTheGlobalBatch) {
+  // 1e8 + 1 − 1e8: the order decides whether the 1 survives in f32.
+  const float a[1] = {1e8f}, b[1] = {1.0f}, c[1] = {-1e8f};
+  float out[2];  // (2): the last case sums two values
+  SumResult s = sum_pushes({{a, 2, 6, 1.0}, {b, 2, 6, 2.0}, {c, 2, 6, 3.0}}, 1, out);
+  EXPECT_EQ(out[0], (1e8f + 1.0f) + -1e8f);
+  EXPECT_EQ(s.rows, 6);
+  EXPECT_DOUBLE_EQ(s.loss, 2.0);
+  sum_pushes({{a, 2, 6, 0}, {c, 2, 6, 0}, {b, 2, 6, 0}}, 1, out);
+  EXPECT_EQ(out[0], 1.0f);
+  // Two of three workers' rows: the mean over the rows that came.
+  const float g[2] = {0.5f, -1.0f};
+  s = sum_pushes({{g, 2, 6, 4.0}, {g, 2, 6, 2.0}}, 2, out);
+  EXPECT_EQ(out[0], 1.0f * (6.0f / 4.0f));
+  EXPECT_EQ(out[1], -2.0f * (6.0f / 4.0f));
+  EXPECT_EQ(s.rows, 4);
+  EXPECT_DOUBLE_EQ(s.loss, 3.0);
+}
