@@ -95,7 +95,7 @@ void BM_train_step(benchmark::State& state) {
     opt->step(params.data(), grads.data(), 1e-4f);
     model.weights_changed();  // bf16: the weight copy is refreshed at the next forward
     ++ms.step;
-    for (MoeBlock* m : model.moe_layers())
+    for (MoeLayer* m : model.moe_layers())
       moe_experts += m->timings().experts, moe_total += m->timings().total();
   }
   const double tokens = static_cast<double>(p.B * p.T);

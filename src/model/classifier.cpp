@@ -13,22 +13,6 @@
 
 namespace moetrain {
 
-MoeConfig ClassifierConfig::moe() const {
-  MoeConfig m;
-  m.C = dim;
-  m.F = expert_hidden;
-  m.E = n_experts;
-  m.K = top_k;
-  m.router = parse_router_kind(router);
-  m.renormalize = renormalize;
-  m.capacity_factor = static_cast<float>(capacity_factor);
-  m.aux_loss_coef = static_cast<float>(aux_loss_coef);
-  m.z_loss_coef = static_cast<float>(z_loss_coef);
-  m.bias_update_rate = static_cast<float>(bias_update_rate);
-  m.shared_F = shared_expert_hidden;
-  return m;
-}
-
 void ClassifierConfig::validate() const {
   auto positive = [](const char* key, int64_t v) {
     MOETRAIN_CHECK(v > 0, "model.{} = {}: must be a positive integer", key, v);
@@ -36,51 +20,22 @@ void ClassifierConfig::validate() const {
   positive("input_dim", input_dim);
   positive("dim", dim);
   positive("n_layers", n_layers);
-  positive("expert_hidden", expert_hidden);
-  positive("n_experts", n_experts);
   MOETRAIN_CHECK(n_classes >= 2, "model.n_classes = {}: must be ≥ 2", n_classes);
-  MOETRAIN_CHECK(top_k >= 1 && top_k <= n_experts,
-                 "model.top_k = {}: must be in [1, model.n_experts = {}]", top_k, n_experts);
-  MOETRAIN_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor),
-                 "model.capacity_factor = {}: must be ≥ 0 (0 = dropless)", capacity_factor);
-  MOETRAIN_CHECK(aux_loss_coef >= 0, "model.aux_loss_coef = {}: must be ≥ 0", aux_loss_coef);
-  MOETRAIN_CHECK(z_loss_coef >= 0, "model.z_loss_coef = {}: must be ≥ 0", z_loss_coef);
-  MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0",
-                 bias_update_rate);
-  MOETRAIN_CHECK(shared_expert_hidden >= 0,
-                 "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)", shared_expert_hidden);
   MOETRAIN_CHECK(norm_eps > 0, "model.norm_eps = {}: must be positive", norm_eps);
   MOETRAIN_CHECK(init_std > 0, "model.init_std = {}: must be positive", init_std);
-  try {
-    moe().validate();
-  } catch (const Error& e) {
-    MOETRAIN_FAIL("model.router = '{}': {}", router, e.what());
-  }
+  validate_moe();
 }
 
 ClassifierLayout::ClassifierLayout(const ClassifierConfig& cfg) {
   cfg.validate();
-  const int64_t C = cfg.dim, D = cfg.input_dim, E = cfg.n_experts, F = cfg.expert_hidden;
+  const int64_t C = cfg.dim, D = cfg.input_dim;
   input_proj = add("model.input_proj.weight", {C, D}, true);
   if (cfg.input_bias) input_bias = add("model.input_proj.bias", {C}, false);
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     std::string p = fmt::format("model.layers.{}", l);
-    std::string m = p + ".block_sparse_moe";
     ClassifierBlockOffsets o;
     o.norm = add(p + ".norm.weight", {C}, false);
-    // Undecayed router, as in the LM: decay would pull routing towards uniform.
-    o.gate = add(m + ".gate.weight", {E, C}, false);
-    if (cfg.moe().router == RouterKind::NoisyTopK)
-      o.noise = add(m + ".noise.weight", {E, C}, false);
-    o.w1 = add_experts(m, "w1", E, {F, C});
-    o.w3 = add_experts(m, "w3", E, {F, C});
-    o.w2 = add_experts(m, "w2", E, {C, F});
-    if (cfg.shared_expert_hidden > 0) {
-      const int64_t Fs = cfg.shared_expert_hidden;
-      o.shared_w1 = add(m + ".shared_expert.gate_proj.weight", {Fs, C}, true);
-      o.shared_w3 = add(m + ".shared_expert.up_proj.weight", {Fs, C}, true);
-      o.shared_w2 = add(m + ".shared_expert.down_proj.weight", {C, Fs}, true);
-    }
+    static_cast<MoeBlockOffsets&>(o) = add_moe_block(p + ".block_sparse_moe", cfg.moe());
     blocks.push_back(o);
   }
   final_norm = add("model.norm.weight", {C}, false);
@@ -107,9 +62,10 @@ void init_classifier_params(float* params, const ClassifierLayout& layout,
   }
 }
 
-Classifier::Classifier(const ClassifierConfig& cfg) : cfg_(cfg), layout_(cfg) {
+Classifier::Classifier(const ClassifierConfig& cfg, const MoeContext& ctx)
+    : cfg_(cfg), layout_(cfg) {
   for (int64_t l = 0; l < cfg_.n_layers; ++l)
-    moe_.push_back(std::make_unique<MoeLayer>(cfg_.moe()));
+    moe_.push_back(std::make_unique<MoeLayer>(cfg_.moe(), ctx));
 }
 
 Classifier::~Classifier() = default;
@@ -174,15 +130,6 @@ void dense_backward(float* dinp, float* dW, const float* dout, const float* inp,
       gemm(Trans::T, Trans::N, n, IC, N, dout + r0, inp, dW + r0 * IC, true, OC, IC, IC);
     }
   }
-}
-
-MoeWeights moe_weights(float* base, const ClassifierBlockOffsets& o) {
-  auto at = [base](int64_t off) { return off < 0 ? nullptr : base + off; };
-  MoeWeights w;
-  w.gate = at(o.gate), w.noise = at(o.noise);
-  w.w1 = at(o.w1), w.w3 = at(o.w3), w.w2 = at(o.w2);
-  w.shared_w1 = at(o.shared_w1), w.shared_w3 = at(o.shared_w3), w.shared_w2 = at(o.shared_w2);
-  return w;
 }
 
 }  // namespace

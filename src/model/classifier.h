@@ -9,41 +9,31 @@
 #include <string>
 #include <vector>
 
+#include "model/config.h"
 #include "model/params.h"
 #include "moe/moe_layer.h"
 
 namespace moetrain {
 
-struct ClassifierConfig {
-  int64_t input_dim = 784;      // D (28·28 pixels)
-  int64_t n_classes = 10;       // V
-  int64_t dim = 128;            // C
-  int64_t n_layers = 2;         // L
-  int64_t expert_hidden = 128;  // F
-  int64_t n_experts = 8;        // E
-  int64_t top_k = 2;            // K
-  std::string router = "topk_softmax";
-  bool renormalize = true;
-  double capacity_factor = 0.0;  // 0 = dropless
-  double aux_loss_coef = 1e-2;
-  double z_loss_coef = 1e-3;
-  double bias_update_rate = 1e-3;
-  int64_t shared_expert_hidden = 0;  // 0 = no shared expert
-  bool input_bias = true;            // a bias on the input projection
+struct ClassifierConfig : MoeModelConfig {
+  ClassifierConfig() { expert_hidden = 128; }
+
+  int64_t input_dim = 784;  // D (28·28 pixels)
+  int64_t n_classes = 10;   // V
+  int64_t dim = 128;        // C
+  int64_t n_layers = 2;     // L
+  bool input_bias = true;   // a bias on the input projection
   double norm_eps = 1e-5;
   double init_std = 0.02;
 
-  MoeConfig moe() const;
+  MoeConfig moe() const { return moe_config(dim); }
   // Throws naming the key ("model.top_k = 9: must be in [1, model.n_experts = 8]").
   void validate() const;
 };
 
-// Offsets of one block's tensors; an absent tensor has offset −1.
-struct ClassifierBlockOffsets {
-  int64_t norm = -1;                                       // (C)
-  int64_t gate = -1, noise = -1;                           // (E, C)
-  int64_t w1 = -1, w3 = -1, w2 = -1;                       // (E, F, C), (E, F, C), (E, C, F)
-  int64_t shared_w1 = -1, shared_w3 = -1, shared_w2 = -1;  // (Fs, C), (Fs, C), (C, Fs)
+// Offsets of one block's tensors (the MoE ones in MoeBlockOffsets); an absent tensor has offset −1.
+struct ClassifierBlockOffsets : MoeBlockOffsets {
+  int64_t norm = -1;  // (C)
 };
 
 // Tensor names follow the LM's Hugging Face style: "model.input_proj.weight",
@@ -76,7 +66,8 @@ struct ClassifierLoss {
 
 class Classifier {
  public:
-  explicit Classifier(const ClassifierConfig& cfg);
+  // ctx: what runs the MoE layers (default: this process alone).
+  explicit Classifier(const ClassifierConfig& cfg, const MoeContext& ctx = {});
   ~Classifier();
 
   const ClassifierConfig& config() const { return cfg_; }

@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
@@ -12,7 +14,7 @@ int64_t ModelConfig::n_moe_layers() const {
   return n;
 }
 
-MoeConfig ModelConfig::moe() const {
+MoeConfig MoeModelConfig::moe_config(int64_t dim) const {
   MoeConfig m;
   m.C = dim;
   m.F = expert_hidden;
@@ -28,6 +30,27 @@ MoeConfig ModelConfig::moe() const {
   return m;
 }
 
+void MoeModelConfig::validate_moe() const {
+  MOETRAIN_CHECK(expert_hidden > 0, "model.expert_hidden = {}: must be a positive integer",
+                 expert_hidden);
+  MOETRAIN_CHECK(n_experts > 0, "model.n_experts = {}: must be a positive integer", n_experts);
+  MOETRAIN_CHECK(top_k >= 1 && top_k <= n_experts,
+                 "model.top_k = {}: must be in [1, model.n_experts = {}]", top_k, n_experts);
+  MOETRAIN_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor),
+                 "model.capacity_factor = {}: must be ≥ 0 (0 = dropless)", capacity_factor);
+  MOETRAIN_CHECK(aux_loss_coef >= 0, "model.aux_loss_coef = {}: must be ≥ 0", aux_loss_coef);
+  MOETRAIN_CHECK(z_loss_coef >= 0, "model.z_loss_coef = {}: must be ≥ 0", z_loss_coef);
+  MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0",
+                 bias_update_rate);
+  MOETRAIN_CHECK(shared_expert_hidden >= 0,
+                 "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)", shared_expert_hidden);
+  try {
+    moe_config(1).validate();  // also rejects unknown router names, listing the allowed ones
+  } catch (const Error& e) {
+    MOETRAIN_FAIL("model.router = '{}': {}", router, e.what());
+  }
+}
+
 void ModelConfig::validate() const {
   auto positive = [](const char* key, int64_t v) {
     MOETRAIN_CHECK(v > 0, "model.{} = {}: must be a positive integer", key, v);
@@ -37,8 +60,6 @@ void ModelConfig::validate() const {
   positive("n_layers", n_layers);
   positive("n_heads", n_heads);
   positive("n_kv_heads", n_kv_heads);
-  positive("expert_hidden", expert_hidden);
-  positive("n_experts", n_experts);
   positive("max_seq_len", max_seq_len);
   MOETRAIN_CHECK(vocab_size <= 65536,
                  "model.vocab_size = {}: token shards store uint16, so at most 65536", vocab_size);
@@ -48,23 +69,13 @@ void ModelConfig::validate() const {
                  n_kv_heads, n_heads);
   MOETRAIN_CHECK(head_dim() % 2 == 0,
                  "model.dim / model.n_heads = {}: the head size must be even for RoPE", head_dim());
-  MOETRAIN_CHECK(top_k >= 1 && top_k <= n_experts,
-                 "model.top_k = {}: must be in [1, model.n_experts = {}]", top_k, n_experts);
-  MOETRAIN_CHECK(capacity_factor >= 0, "model.capacity_factor = {}: must be ≥ 0 (0 = dropless)",
-                 capacity_factor);
-  MOETRAIN_CHECK(aux_loss_coef >= 0, "model.aux_loss_coef = {}: must be ≥ 0", aux_loss_coef);
-  MOETRAIN_CHECK(z_loss_coef >= 0, "model.z_loss_coef = {}: must be ≥ 0", z_loss_coef);
-  MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0",
-                 bias_update_rate);
-  MOETRAIN_CHECK(shared_expert_hidden >= 0,
-                 "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)", shared_expert_hidden);
   MOETRAIN_CHECK(dense_every >= 0, "model.dense_every = {}: must be ≥ 0 (0 = every layer is MoE)",
                  dense_every);
   MOETRAIN_CHECK(dense_hidden >= 0, "model.dense_hidden = {}: must be ≥ 0", dense_hidden);
   MOETRAIN_CHECK(rope_theta > 0, "model.rope_theta = {}: must be positive", rope_theta);
   MOETRAIN_CHECK(norm_eps > 0, "model.norm_eps = {}: must be positive", norm_eps);
   MOETRAIN_CHECK(init_std > 0, "model.init_std = {}: must be positive", init_std);
-  moe().validate();  // also rejects unknown router names, listing the allowed ones
+  validate_moe();
 }
 
 bool ModelConfig::hf_mixtral_compatible(std::string* why) const {

@@ -9,12 +9,8 @@
 
 namespace moetrain {
 
-struct ModelConfig {
-  int64_t vocab_size = 256;     // V
-  int64_t dim = 128;            // C
-  int64_t n_layers = 4;         // L
-  int64_t n_heads = 4;          // NH
-  int64_t n_kv_heads = 2;       // NKV (grouped-query attention)
+// The MoE keys every model's config has (model.n_experts, model.router, ...), in one place.
+struct MoeModelConfig {
   int64_t expert_hidden = 256;  // F: each expert's SwiGLU hidden size (HF intermediate_size)
   int64_t n_experts = 8;        // E
   int64_t top_k = 2;            // K
@@ -25,6 +21,19 @@ struct ModelConfig {
   double z_loss_coef = 1e-3;
   double bias_update_rate = 1e-3;
   int64_t shared_expert_hidden = 0;  // 0 = no shared expert
+
+  // The layer configuration of an MoE block over model dimension `dim`.
+  MoeConfig moe_config(int64_t dim) const;
+  // Throws naming the key ("model.top_k = 9: must be in [1, model.n_experts = 8]").
+  void validate_moe() const;
+};
+
+struct ModelConfig : MoeModelConfig {
+  int64_t vocab_size = 256;  // V
+  int64_t dim = 128;         // C
+  int64_t n_layers = 4;      // L
+  int64_t n_heads = 4;       // NH
+  int64_t n_kv_heads = 2;    // NKV (grouped-query attention)
   int64_t dense_every =
       0;  // every n-th layer (1-based: layers n-1, 2n-1, ...) a dense FFN; 0 = none
   int64_t dense_hidden = 0;  // dense FFN hidden size (0 = expert_hidden · top_k)
@@ -42,7 +51,7 @@ struct ModelConfig {
   }
   int64_t n_moe_layers() const;
   // The MoE layer configuration this model uses for its MoE blocks.
-  MoeConfig moe() const;
+  MoeConfig moe() const { return moe_config(dim); }
   // Throws naming the key ("model.n_heads = 3: must divide model.dim = 128") on any invalid value.
   void validate() const;
   // True when a checkpoint of this model loads in transformers' MixtralForCausalLM as is.

@@ -31,6 +31,40 @@ int64_t ParamTable::add_experts(const std::string& prefix, const char* which, in
   return base;
 }
 
+MoeBlockOffsets ParamTable::add_moe_block(const std::string& prefix, const MoeConfig& m) {
+  const int64_t C = m.C, E = m.E, F = m.F, Fs = m.shared_F;
+  MoeBlockOffsets o;
+  // The router is a parameter like any other; decaying it would pull routing towards uniform.
+  o.gate = add(prefix + ".gate.weight", {E, C}, false);
+  if (m.router == RouterKind::NoisyTopK) o.noise = add(prefix + ".noise.weight", {E, C}, false);
+  o.w1 = add_experts(prefix, "w1", E, {F, C});
+  o.w3 = add_experts(prefix, "w3", E, {F, C});
+  o.w2 = add_experts(prefix, "w2", E, {C, F});
+  if (Fs > 0) {
+    o.shared_w1 = add(prefix + ".shared_expert.gate_proj.weight", {Fs, C}, true);
+    o.shared_w3 = add(prefix + ".shared_expert.up_proj.weight", {Fs, C}, true);
+    o.shared_w2 = add(prefix + ".shared_expert.down_proj.weight", {C, Fs}, true);
+  }
+  return o;
+}
+
+MoeWeights moe_weights(float* base, const MoeBlockOffsets& o, DType lp, const void* lp_base) {
+  auto at = [base](int64_t off) { return off < 0 ? nullptr : base + off; };
+  MoeWeights w;
+  w.gate = at(o.gate), w.noise = at(o.noise);
+  w.w1 = at(o.w1), w.w3 = at(o.w3), w.w2 = at(o.w2);
+  w.shared_w1 = at(o.shared_w1), w.shared_w3 = at(o.shared_w3), w.shared_w2 = at(o.shared_w2);
+  if (lp == DType::F32) return w;
+  auto lp_at = [lp_base](int64_t off) -> const void* {
+    return off < 0 ? nullptr : static_cast<const char*>(lp_base) + off * 2;
+  };
+  w.lp = lp;
+  w.w1_lp = lp_at(o.w1), w.w3_lp = lp_at(o.w3), w.w2_lp = lp_at(o.w2);
+  w.shared_w1_lp = lp_at(o.shared_w1), w.shared_w3_lp = lp_at(o.shared_w3);
+  w.shared_w2_lp = lp_at(o.shared_w2);
+  return w;
+}
+
 void ParamTable::finish() {
   size_ = (size_ + 15) / 16 * 16;
 }
@@ -38,7 +72,6 @@ void ParamTable::finish() {
 ParamLayout::ParamLayout(const ModelConfig& cfg) {
   cfg.validate();
   const int64_t C = cfg.dim, V = cfg.vocab_size, HS = cfg.head_dim();
-  const int64_t E = cfg.n_experts, F = cfg.expert_hidden;
   embed = add("model.embed_tokens.weight", {V, C}, true);
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     std::string p = fmt::format("model.layers.{}", l);
@@ -55,20 +88,7 @@ ParamLayout::ParamLayout(const ModelConfig& cfg) {
       o.mlp_w3 = add(p + ".mlp.up_proj.weight", {Fd, C}, true);
       o.mlp_w2 = add(p + ".mlp.down_proj.weight", {C, Fd}, true);
     } else {
-      std::string m = p + ".block_sparse_moe";
-      // The router is a parameter like any other; decaying it would pull routing towards uniform.
-      o.gate = add(m + ".gate.weight", {E, C}, false);
-      if (cfg.moe().router == RouterKind::NoisyTopK)
-        o.noise = add(m + ".noise.weight", {E, C}, false);
-      o.w1 = add_experts(m, "w1", E, {F, C});
-      o.w3 = add_experts(m, "w3", E, {F, C});
-      o.w2 = add_experts(m, "w2", E, {C, F});
-      if (cfg.shared_expert_hidden > 0) {
-        const int64_t Fs = cfg.shared_expert_hidden;
-        o.shared_w1 = add(m + ".shared_expert.gate_proj.weight", {Fs, C}, true);
-        o.shared_w3 = add(m + ".shared_expert.up_proj.weight", {Fs, C}, true);
-        o.shared_w2 = add(m + ".shared_expert.down_proj.weight", {C, Fs}, true);
-      }
+      static_cast<MoeBlockOffsets&>(o) = add_moe_block(p + ".block_sparse_moe", cfg.moe());
     }
     layers.push_back(o);
   }

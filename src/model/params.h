@@ -21,14 +21,23 @@ struct ParamInfo {
   int64_t expert = -1;  // global expert id for expert weights, else -1
 };
 
-// Offsets of one block's tensors. An absent tensor has offset -1.
-struct LayerOffsets {
-  int64_t ln1, ln2;        // (C)
-  int64_t wq, wk, wv, wo;  // (NH·HS, C), (NKV·HS, C), (NKV·HS, C), (C, NH·HS)
-  // MoE blocks
+// Offsets of an MoE block's tensors, in any model. An absent tensor has offset -1.
+struct MoeBlockOffsets {
   int64_t gate = -1, noise = -1;                           // (E, C)
   int64_t w1 = -1, w3 = -1, w2 = -1;                       // (E, F, C), (E, F, C), (E, C, F)
   int64_t shared_w1 = -1, shared_w3 = -1, shared_w2 = -1;  // (Fs, C), (Fs, C), (C, Fs)
+};
+
+// The MoE weights of a block as views into a flat buffer (parameters or gradients), with, in
+// mixed precision (lp bf16 or fp16), the experts' rounded copies in lp_base at the same offsets
+// (2-byte elements).
+MoeWeights moe_weights(float* base, const MoeBlockOffsets& o, DType lp = DType::F32,
+                       const void* lp_base = nullptr);
+
+// Offsets of one block's tensors (MoE blocks: MoeBlockOffsets). An absent tensor has offset -1.
+struct LayerOffsets : MoeBlockOffsets {
+  int64_t ln1, ln2;        // (C)
+  int64_t wq, wk, wv, wo;  // (NH·HS, C), (NKV·HS, C), (NKV·HS, C), (C, NH·HS)
   // dense blocks
   int64_t mlp_w1 = -1, mlp_w3 = -1, mlp_w2 = -1;  // (Fd, C), (Fd, C), (C, Fd)
 };
@@ -48,6 +57,10 @@ class ParamTable {
   // E experts' `which` matrices as one (E, per_expert...) block, each listed under
   // "{prefix}.experts.{j}.{which}.weight"; returns the block's offset.
   int64_t add_experts(const std::string& prefix, const char* which, int64_t E, Shape per_expert);
+  // An MoE block's tensors under "{prefix}.gate.weight", "{prefix}.experts.{j}.w1.weight", ...
+  // (prefix e.g. "model.layers.0.block_sparse_moe"): gate, noise (noisy_topk), the experts'
+  // w1, w3, w2, the shared expert's gate, up and down projections (shared_F > 0).
+  MoeBlockOffsets add_moe_block(const std::string& prefix, const MoeConfig& m);
   // Pads the buffer to the alignment, after the last tensor.
   void finish();
 

@@ -28,14 +28,13 @@ struct Transformer::LayerActs {
   HalfBuffer ln1_lp, att_lp, ln2_lp, g_lp;
 };
 
-Transformer::Transformer(const ModelConfig& cfg, const MoeFactory& make_moe)
-    : cfg_(cfg), layout_(cfg) {
+Transformer::Transformer(const ModelConfig& cfg, const MoeContext& ctx) : cfg_(cfg), layout_(cfg) {
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     if (cfg_.is_dense_layer(l)) {
       moe_index_.push_back(-1);
     } else {
       moe_index_.push_back(static_cast<int64_t>(moe_.size()));
-      moe_.push_back(make_moe ? make_moe(cfg_.moe()) : std::make_unique<MoeLayer>(cfg_.moe()));
+      moe_.push_back(std::make_unique<MoeLayer>(cfg_.moe(), ctx));
     }
     acts_.push_back(std::make_unique<LayerActs>());
   }
@@ -58,8 +57,8 @@ const void* Transformer::rounded(HalfBuffer& buf, const float* x, int64_t n) {
   return p;
 }
 
-std::vector<MoeBlock*> Transformer::moe_layers() {
-  std::vector<MoeBlock*> out;
+std::vector<MoeLayer*> Transformer::moe_layers() {
+  std::vector<MoeLayer*> out;
   for (auto& m : moe_) out.push_back(m.get());
   return out;
 }
@@ -94,32 +93,6 @@ void Transformer::ensure_capacity(int64_t N) {
 }
 
 namespace {
-MoeWeights moe_weights(float* base, const LayerOffsets& o) {
-  auto at = [base](int64_t off) { return off < 0 ? nullptr : base + off; };
-  MoeWeights w;
-  w.gate = at(o.gate), w.noise = at(o.noise);
-  w.w1 = at(o.w1), w.w3 = at(o.w3), w.w2 = at(o.w2);
-  w.shared_w1 = at(o.shared_w1), w.shared_w3 = at(o.shared_w3), w.shared_w2 = at(o.shared_w2);
-  return w;
-}
-}  // namespace
-
-namespace {
-// The layer's MoE weights with, in mixed precision, their rounded copies in lp_base (the same
-// offsets, 2-byte elements).
-MoeWeights moe_weights_of(float* base, const LayerOffsets& o, DType lp, const void* lp_base) {
-  MoeWeights w = moe_weights(base, o);
-  if (lp == DType::F32) return w;
-  auto at = [lp_base](int64_t off) -> const void* {
-    return off < 0 ? nullptr : static_cast<const char*>(lp_base) + off * 2;
-  };
-  w.lp = lp;
-  w.w1_lp = at(o.w1), w.w3_lp = at(o.w3), w.w2_lp = at(o.w2);
-  w.shared_w1_lp = at(o.shared_w1), w.shared_w3_lp = at(o.shared_w3);
-  w.shared_w2_lp = at(o.shared_w2);
-  return w;
-}
-
 // C (M, N) = A (M, K) · Bᵀ: the forward of a layer with weights stored (OC, IC), in t.
 void lp_linear(DType t, float* out, const void* inp, const void* w, int64_t N, int64_t IC,
                int64_t OC) {
@@ -180,10 +153,10 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
     for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
     rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), params + o.ln2, N, C, eps);
     if (moe_index_[l] >= 0) {
-      MoeBlock& moe = *moe_[moe_index_[l]];
+      MoeLayer& moe = *moe_[moe_index_[l]];
       MoeStep s = step;
       s.layer = static_cast<uint64_t>(l);
-      moe.forward(a.ffn.data(), a.ln2.data(), N, moe_weights_of(P, o, lp_, params_lp_.data()), s);
+      moe.forward(a.ffn.data(), a.ln2.data(), N, moe_weights(P, o, lp_, params_lp_.data()), s);
       parts.aux += moe.aux_loss();
       parts.z += moe.z_loss();
     } else {
@@ -260,7 +233,7 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
     // dresid_ holds ∂L/∂(block output); it flows unchanged into the FFN output and the residual.
     if (moe_index_[l] >= 0) {
       moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(),
-                                    moe_weights_of(P, o, lp_, params_lp_.data()),
+                                    moe_weights(P, o, lp_, params_lp_.data()),
                                     moe_weights(grads, o), moe_weight);
     } else {
       const int64_t Fd = cfg_.dense_ffn_hidden();

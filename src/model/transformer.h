@@ -23,13 +23,12 @@ struct LossParts {
   int64_t targets = 0;  // counted targets (≠ −1)
 };
 
-// Builds the layer that runs each MoE block; the default is a MoeLayer on this process. A
-// distributed trainer passes one that builds expert-parallel layers (the model never sees MPI).
-using MoeFactory = std::function<std::unique_ptr<MoeBlock>(const MoeConfig&)>;
-
 class Transformer {
  public:
-  explicit Transformer(const ModelConfig& cfg, const MoeFactory& make_moe = {});
+  // ctx: what runs the MoE layers besides this process — the expert exchange and the statistics
+  // communicator (default: this process alone). A distributed trainer passes an MPI exchange;
+  // the model never sees MPI.
+  explicit Transformer(const ModelConfig& cfg, const MoeContext& ctx = {});
   ~Transformer();
 
   const ModelConfig& config() const { return cfg_; }
@@ -50,7 +49,7 @@ class Transformer {
 
   const float* logits() const { return logits_.data(); }  // (B·T, V) of the last forward
   // The MoE layers (one per MoE block, in layer order) — stats, router biases, timings.
-  std::vector<MoeBlock*> moe_layers();
+  std::vector<MoeLayer*> moe_layers();
   int64_t moe_index(int64_t layer) const { return moe_index_[layer]; }  // −1 for dense layers
 
   // Mixed precision. F32 (the default) computes everything in f32. BF16 / F16: every GEMM of
@@ -76,7 +75,7 @@ class Transformer {
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  std::vector<std::unique_ptr<MoeBlock>> moe_;
+  std::vector<std::unique_ptr<MoeLayer>> moe_;
   std::vector<int64_t> moe_index_;
   std::vector<std::unique_ptr<LayerActs>> acts_;
   int64_t capacity_ = 0;  // tokens the buffers hold

@@ -1,9 +1,11 @@
 #include "moe/balance.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "core/check.h"
+#include "core/comm.h"
 
 namespace moetrain {
 
@@ -11,25 +13,32 @@ namespace {
 // The loss sums are a few hundred thousand adds: one thread in token order is fast, fixed in
 // order, and never waits for a second thread on a busy machine.
 constexpr int64_t kParallelExp = 1 << 20;
+constexpr int64_t kTokenBlock = 256;  // fixed blocks for token sums: thread-count independent
 }  // namespace
 
 double aux_loss_forward(float* f, const float* probs, const int32_t* selected, int64_t N, int64_t E,
-                        int64_t S, int64_t K) {
+                        int64_t S, int64_t K, Comm* stats) {
   for (int64_t e = 0; e < E; ++e) f[e] = 0.0f;
-  if (N == 0) return 0.0;
-  std::vector<int64_t> count(E, 0);
-  for (int64_t i = 0; i < N * S; ++i) {
-    if (selected[i] >= 0) ++count[selected[i]];
+  // sums: (E) selections before dropping, N, (E) Σ_t p[t, e]; the counts stay exact in double.
+  std::vector<double> sums(2 * E + 1, 0.0), partial(E);
+  for (int64_t i = 0; i < N * S; ++i)
+    if (selected[i] >= 0) sums[selected[i]] += 1.0;
+  sums[E] = static_cast<double>(N);
+  double* psum = sums.data() + E + 1;
+  for (int64_t b = 0; b < N; b += kTokenBlock) {
+    std::fill(partial.begin(), partial.end(), 0.0);
+    for (int64_t t = b; t < std::min(N, b + kTokenBlock); ++t)
+      for (int64_t e = 0; e < E; ++e) partial[e] += probs[t * E + e];
+    for (int64_t e = 0; e < E; ++e) psum[e] += partial[e];
   }
-  std::vector<double> P(E, 0.0);
-  for (int64_t t = 0; t < N; ++t) {
-    for (int64_t e = 0; e < E; ++e) P[e] += probs[t * E + e];
-  }
+  if (stats) stats->allreduce(sums.data(), 2 * E + 1);
+  const double Ng = sums[E];
+  if (Ng == 0) return 0.0;
   double loss = 0.0;
   for (int64_t e = 0; e < E; ++e) {
-    double fe = static_cast<double>(count[e]) / static_cast<double>(N * K);
+    const double fe = sums[e] / (Ng * static_cast<double>(K));
     f[e] = static_cast<float>(fe);
-    loss += fe * P[e] / static_cast<double>(N);
+    loss += fe * (psum[e] / Ng);
   }
   return static_cast<double>(E) * loss;
 }
@@ -43,10 +52,16 @@ void aux_loss_backward(float* dprobs, const float* f, int64_t N, int64_t E, floa
   }
 }
 
-double z_loss_forward(const float* lse, int64_t N) {
-  double sum = 0.0;
-  for (int64_t t = 0; t < N; ++t) sum += static_cast<double>(lse[t]) * lse[t];
-  return N > 0 ? sum / static_cast<double>(N) : 0.0;
+double z_loss_forward(const float* lse, int64_t N, Comm* stats) {
+  double sums[2] = {0.0, static_cast<double>(N)};  // Σ lse², N
+  for (int64_t b = 0; b < N; b += kTokenBlock) {
+    double partial = 0.0;
+    for (int64_t t = b; t < std::min(N, b + kTokenBlock); ++t)
+      partial += static_cast<double>(lse[t]) * lse[t];
+    sums[0] += partial;
+  }
+  if (stats) stats->allreduce(sums, 2);
+  return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
 }
 
 void z_loss_backward(float* dlogits, const float* logits, const float* lse, int64_t N, int64_t E,

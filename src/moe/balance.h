@@ -6,20 +6,30 @@
 //           f is piecewise constant, so the gradient flows through P only.
 //   L_z   = mean over tokens of logsumexp(clean logits)²
 //   b_i  += γ · sign(mean_load − load_i)   once per optimizer step, outside autograd
-// Both losses are 0 for N = 0.
+// Both losses are 0 when no process has tokens.
+//
+// The forwards are taken over the tokens of every process of `stats` (null: this process only,
+// as with a local communicator): per-process sums in fixed blocks of 256 tokens (independent of
+// the thread count), then summed over the processes in rank order. A run split over processes
+// thus gets the losses of the one-process run over all its tokens. The backwards take the local
+// token count N: with the loss weight 1/processes and equal shares of tokens, that is each
+// process's share of the gradient of the global mean.
 #pragma once
 #include <cstdint>
 
 namespace moetrain {
 
-// f (E) = selection fractions; returns L_aux. probs (N, E), selected (N, S) with -1 for none.
+class Comm;
+
+// f (E) = selection fractions over every process; returns L_aux. probs (N, E), selected (N, S)
+// with -1 for none.
 double aux_loss_forward(float* f, const float* probs, const int32_t* selected, int64_t N, int64_t E,
-                        int64_t S, int64_t K);
+                        int64_t S, int64_t K, Comm* stats = nullptr);
 // dprobs (N, E) = scale · ∂L_aux/∂probs = scale · E · f_i / N. f (E)
 void aux_loss_backward(float* dprobs, const float* f, int64_t N, int64_t E, float scale);
 
-// Returns L_z. lse (N)
-double z_loss_forward(const float* lse, int64_t N);
+// Returns L_z over every process. lse (N)
+double z_loss_forward(const float* lse, int64_t N, Comm* stats = nullptr);
 // dlogits (N, E) = scale · ∂L_z/∂logits = scale · 2 · lse_t · softmax(logits)_t,e / N.
 // logits (N, E), lse (N)
 void z_loss_backward(float* dlogits, const float* logits, const float* lse, int64_t N, int64_t E,

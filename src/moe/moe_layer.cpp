@@ -12,10 +12,18 @@ namespace {
 bool has_aux_loss(RouterKind kind) {
   return kind == RouterKind::TopKSoftmax || kind == RouterKind::NoisyTopK;
 }
+const MoeConfig& validated(const MoeConfig& cfg) {
+  cfg.validate();
+  return cfg;
+}
 }  // namespace
 
-MoeLayer::MoeLayer(const MoeConfig& cfg) : cfg_(cfg) {
-  cfg_.validate();
+MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeContext& ctx)
+    : cfg_(validated(cfg)),
+      own_exchange_(ctx.exchange ? nullptr : std::make_unique<LocalExchange>()),
+      own_stats_(ctx.stats ? nullptr : make_local_comm("moe_stats")),
+      stats_comm_(ctx.stats ? *ctx.stats : *own_stats_),
+      pipeline_(cfg_, ctx.exchange ? *ctx.exchange : *own_exchange_) {
   bias_.assign(cfg_.E, 0.0f);
   pending_load_.assign(cfg_.E, 0);
   frac_.assign(cfg_.E, 0.0f);
@@ -53,49 +61,36 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
     }
   }
   {
+    // Collective over stats_comm_: the exchange is idle here, every layer drains it before
+    // returning.
     ScopedTimer timer(timings_.losses);
     const int64_t S = routing_.S;
     aux_loss_ = 0.0f;
+    std::fill(frac_.begin(), frac_.end(), 0.0f);
     if (has_aux_loss(cfg_.router)) {
       aux_loss_ = static_cast<float>(aux_loss_forward(frac_.data(), router_cache_.probs.data(),
-                                                      routing_.selected.data(), N, E, S, K));
+                                                      routing_.selected.data(), N, E, S, K,
+                                                      &stats_comm_));
     }
-    z_loss_ = static_cast<float>(z_loss_forward(router_cache_.lse.data(), N));
+    z_loss_ = static_cast<float>(z_loss_forward(router_cache_.lse.data(), N, &stats_comm_));
     if (cfg_.router == RouterKind::SigmoidBias && step.training) {
       for (int64_t i = 0; i < N * S; ++i) ++pending_load_[routing_.selected[i]];
     }
   }
-  {
-    ScopedTimer timer(timings_.permute);
-    build_layout(layout_, routing_);
-    permute_forward(xp_.ensure(layout_.R * C), inp, layout_, C);
-  }
-  {
-    ScopedTimer timer(timings_.experts);
-    experts_forward(y_.ensure(layout_.R * C), xp_.data(), layout_.counts.data(),
-                    expert_range(w, cfg_, 0, E), C, cfg_.F, acts_);
-  }
+  pipeline_.send(inp, routing_, timings_);
   if (cfg_.shared_F > 0) {
     ScopedTimer timer(timings_.shared);
     experts_forward(out, inp, &N_, shared_expert_range(w), C, cfg_.shared_F, shared_acts_);
   }
-  {
-    ScopedTimer timer(timings_.combine);
-    combine_forward(out, y_.data(), layout_, C, cfg_.shared_F > 0);
-  }
+  pipeline_.compute(w, timings_);
+  pipeline_.combine(out, cfg_.shared_F > 0, timings_);
 
-  stats_.tokens_per_expert = layout_.counts;
+  pipeline_.routed_counts(stats_.tokens_per_expert.data(), &stats_.unrouted_tokens);
   stats_.assignments = 0;
   for (int32_t e : routing_.selected) stats_.assignments += e >= 0;
   stats_.fraction_dropped = stats_.assignments > 0 ? static_cast<double>(stats_.dropped) /
                                                          static_cast<double>(stats_.assignments)
                                                    : 0.0;
-  stats_.unrouted_tokens = 0;
-  for (int64_t t = 0; t < N; ++t) {
-    bool routed = false;
-    for (int64_t s = 0; s < routing_.S; ++s) routed |= layout_.slot_row[t * routing_.S + s] >= 0;
-    stats_.unrouted_tokens += !routed;
-  }
   has_forward_ = true;
 }
 
@@ -103,8 +98,7 @@ void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, con
                         float loss_weight) {
   MOETRAIN_CHECK(has_forward_, "MoeLayer::backward called without a completed forward");
   const int64_t N = N_, C = cfg_.C, E = cfg_.E;
-  if (N == 0) return;
-  MOETRAIN_CHECK(dinp && dout, "MoeLayer::backward: null dinp or dout for N={}", N);
+  MOETRAIN_CHECK(N == 0 || (dinp && dout), "MoeLayer::backward: null dinp or dout for N={}", N);
   MOETRAIN_CHECK(g.gate && g.w1 && g.w3 && g.w2,
                  "MoeLayer::backward: gradients of gate, w1, w3 and w2 must be set");
   MOETRAIN_CHECK(!router_cache_.noisy || g.noise,
@@ -112,26 +106,16 @@ void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, con
   MOETRAIN_CHECK(cfg_.shared_F == 0 || (g.shared_w1 && g.shared_w3 && g.shared_w2),
                  "MoeLayer::backward: shared_F={} needs the shared expert gradients",
                  cfg_.shared_F);
-  const int64_t R = layout_.R;
   dweight_.resize(N * routing_.S);
-  {
-    ScopedTimer timer(timings_.combine);
-    combine_backward(dy_.ensure(R * C), dweight_.data(), dout, y_.data(), layout_, C);
-  }
-  {
-    ScopedTimer timer(timings_.experts);
-    experts_backward(dxp_.ensure(R * C), expert_range(g, cfg_, 0, E), dy_.data(), xp_.data(),
-                     layout_.counts.data(), expert_range(w, cfg_, 0, E), C, cfg_.F, acts_);
-  }
-  if (cfg_.shared_F > 0) {
+  pipeline_.send_backward(dweight_.data(), dout, timings_);
+  if (cfg_.shared_F > 0 && N > 0) {
     ScopedTimer timer(timings_.shared);
     experts_backward(dinp, shared_expert_range(g), dout, inp_, &N_, shared_expert_range(w), C,
                      cfg_.shared_F, shared_acts_);
   }
-  {
-    ScopedTimer timer(timings_.permute);
-    permute_backward(dinp, dxp_.data(), layout_, C, cfg_.shared_F > 0);
-  }
+  pipeline_.compute_backward(w, g, timings_);
+  pipeline_.combine_backward(dinp, cfg_.shared_F > 0, timings_);
+  if (N == 0) return;
   RouterGrads grads;
   grads.dweight = dweight_.data();
   {
@@ -139,6 +123,7 @@ void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, con
     const float aux_scale = cfg_.aux_loss_coef * loss_weight;
     if (has_aux_loss(cfg_.router) && aux_scale != 0.0f) {
       dprobs_.resize(N * E);
+      // Global f_i, local token count: this process's share of ∂(E Σ f_i P_i).
       aux_loss_backward(dprobs_.data(), frac_.data(), N, E, aux_scale);
       grads.dprobs = dprobs_.data();
     }

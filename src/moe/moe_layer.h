@@ -1,54 +1,97 @@
-// One Mixture-of-Experts layer: tokens (N, C) in, (N, C) out, exact backward.
+// The Mixture-of-Experts layer: tokens (N, C) in, (N, C) out, exact backward, on one process or
+// with its experts spread over an expert-parallel group — the ExpertExchange decides which.
 // The forward runs as separable stages, each a public function of its own file:
-//   route (router.h) → capacity + layout (dispatch.h) → permute → experts (experts.h) → combine
-// so that an expert-parallel layer can put an all-to-all after permute and after experts.
+//   route (router.h) → capacity → balancing losses (balance.h) → layout + permute (dispatch.h)
+//   → dispatch (exchange.h) → experts (experts.h) → combine (exchange.h) → weighted combine
+// The stages from the layout to the combine run per chunk (expert_pipeline.h); the backward
+// runs them in reverse over the same layouts.
+//
+// Every process routes its own tokens; with an EP group of P processes, process q computes
+// experts [q·E/P, (q+1)·E/P) for the tokens of the whole group. The layer is collective over the
+// exchange and the stats communicator: every process calls forward and backward, with any N ≥ 0
+// (also 0: zero-size messages are still exchanged).
+//
+// What the layer computes over every process of the run (the `stats` communicator, so that P
+// processes with B sequences each compute what one process computes with P·B):
+//   - the aux loss, with the global f_i and P_i (its gradient on this process's tokens is
+//     E·f_i/N_local times the loss weight, which the trainer sets to 1/processes), and the
+//     z-loss, the mean over every token (gradient likewise);
+// Per process, as on one process with that process's tokens: capacity dropping (each process's
+// own capacity), expert_choice selection, the statistics in MoeStats and sigmoid_bias loads
+// (pending_load(); the trainer sums them over the run). noisy_topk noise is drawn per global
+// token (MoeStep::token_offset), so a split run draws what the one-process run draws.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
-#include "core/buffer.h"
+#include "core/comm.h"
 #include "moe/config.h"
-#include "moe/dispatch.h"
-#include "moe/experts.h"
-#include "moe/moe_block.h"
+#include "moe/exchange.h"
+#include "moe/expert_pipeline.h"
 #include "moe/router.h"
 
 namespace moetrain {
 
-class MoeLayer : public MoeBlock {
+// Routing outcome of the last forward, on this process's tokens.
+struct MoeStats {
+  std::vector<int64_t> tokens_per_expert;  // (E) assignments each expert computed, after dropping
+  int64_t assignments = 0;                 // assignments the router made, before dropping
+  int64_t dropped = 0;                     // assignments dropped for capacity
+  double fraction_dropped = 0.0;           // dropped / assignments (0 when there are none)
+  int64_t capacity = 0;                    // per-expert capacity in force, 0 = dropless
+  int64_t unrouted_tokens = 0;             // tokens that reached no expert
+};
+
+// What runs the MoE layers of a model besides this process's compute. Null members: local ones
+// (every expert here, statistics over this process), owned by the layer.
+struct MoeContext {
+  ExpertExchange* exchange = nullptr;  // must outlive the layers
+  Comm* stats = nullptr;               // every process that holds tokens; must outlive the layers
+};
+
+class MoeLayer {
  public:
-  explicit MoeLayer(const MoeConfig& cfg);
+  explicit MoeLayer(const MoeConfig& cfg, const MoeContext& ctx = {});
 
   // out (N, C) = MoE(inp (N, C)). Keeps what backward needs until the next forward; inp is not
   // copied, so it must stay valid and unchanged until backward has run.
-  void forward(float* out, const float* inp, int64_t N, const MoeWeights& w,
-               const MoeStep& step) override;
-  // dinp (N, C) =; parameter gradients += into g (an expert that got no tokens is left untouched);
-  // adds loss_weight · (aux_loss_coef · ∂L_aux + z_loss_coef · ∂L_z). dout (N, C)
+  void forward(float* out, const float* inp, int64_t N, const MoeWeights& w, const MoeStep& step);
+  // dinp (N, C) =; parameter gradients += into g (an expert that got no tokens is left untouched,
+  // and so are the experts of other processes); adds loss_weight · (aux_loss_coef · ∂L_aux +
+  // z_loss_coef · ∂L_z). dout (N, C)
   void backward(float* dinp, const float* dout, const MoeWeights& w, const MoeWeights& g,
-                float loss_weight) override;
+                float loss_weight);
 
   // Unweighted balancing losses of the last forward (aux is 0 for expert_choice and sigmoid_bias).
-  float aux_loss() const override { return aux_loss_; }
-  float z_loss() const override { return z_loss_; }
-  const MoeStats& stats() const override { return stats_; }
-  const MoeTimings& timings() const override { return timings_; }
+  float aux_loss() const { return aux_loss_; }
+  float z_loss() const { return z_loss_; }
+  const MoeStats& stats() const { return stats_; }
+  const MoeTimings& timings() const { return timings_; }
   const Routing& routing() const { return routing_; }
-  const DispatchLayout& layout() const { return layout_; }
-  const MoeConfig& config() const override { return cfg_; }
+  const MoeConfig& config() const { return cfg_; }
+  // This process's experts [first_expert(), first_expert() + local_experts()).
+  int64_t first_expert() const { return pipeline_.first_expert(); }
+  int64_t local_experts() const { return pipeline_.local_experts(); }
+  // Rows this process's experts received in the last forward, over all chunks.
+  int64_t received_rows() const { return pipeline_.received_rows(); }
 
   // sigmoid_bias. Assignments per expert (E) chosen by training forwards since the last update,
-  // before capacity dropping; a distributed trainer sums them over ranks and hands the sum to
+  // before capacity dropping; a distributed trainer sums them over processes and hands the sum to
   // apply_bias_update, which applies b_i += γ·sign(mean − load_i) and clears the pending counts.
-  const int64_t* pending_load() const override { return pending_load_.data(); }
-  void apply_bias_update(const int64_t* global_load) override;
+  const int64_t* pending_load() const { return pending_load_.data(); }
+  void apply_bias_update(const int64_t* global_load);
   void apply_bias_update() { apply_bias_update(pending_load_.data()); }
   // The bias b (E), for checkpoints.
-  float* router_bias() override { return bias_.data(); }
+  float* router_bias() { return bias_.data(); }
   const float* router_bias() const { return bias_.data(); }
 
  private:
   MoeConfig cfg_;
+  std::unique_ptr<ExpertExchange> own_exchange_;  // when the context has none
+  std::unique_ptr<Comm> own_stats_;               // when the context has none
+  Comm& stats_comm_;
+  ExpertPipeline pipeline_;
   std::vector<float> bias_;
   std::vector<int64_t> pending_load_;
 
@@ -58,13 +101,11 @@ class MoeLayer : public MoeBlock {
   const float* inp_ = nullptr;
   Routing routing_;
   RouterCache router_cache_;
-  DispatchLayout layout_;
-  std::vector<float> frac_;  // (E) f_i of the aux loss
+  std::vector<float> frac_;  // (E) global f_i of the aux loss
   float aux_loss_ = 0.0f, z_loss_ = 0.0f;
   MoeStats stats_;
   MoeTimings timings_;
-  FloatBuffer xp_, y_, dy_, dxp_;  // (R, C)
-  ExpertActs acts_, shared_acts_;
+  ExpertActs shared_acts_;
   std::vector<float> dweight_, dprobs_, dz_;  // (N, S), (N, E), (N, E)
 };
 

@@ -24,6 +24,7 @@
 
 #include "core/buffer.h"
 #include "core/comm.h"
+#include "moe/exchange.h"
 
 namespace moetrain {
 
@@ -43,19 +44,8 @@ struct A2aHierarchy {
 };
 A2aHierarchy make_a2a_hierarchy(Comm& group, int ranks_per_node);
 
-struct A2aLayout {
-  int P = 1;                           // ranks of the EP group
-  int64_t E_local = 0;                 // experts per rank, El
-  int64_t C = 0;                       // floats per row
-  int64_t R_send = 0;                  // rows this rank sends (its routed rows)
-  int64_t R_recv = 0;                  // rows this rank receives (its experts' rows)
-  std::vector<int64_t> send_rows;      // (P) rows to rank q
-  std::vector<int64_t> recv_rows;      // (P) rows from rank q
-  std::vector<int64_t> recv_counts;    // (P, El) rows from rank q for local expert j
-  std::vector<int64_t> recv_offset;    // (P + 1) first received row from rank q
-  std::vector<int64_t> expert_counts;  // (El) rows per local expert, summed over sources
-  std::vector<int64_t> rows;           // 2-D only: (P, P) rows from rank s to rank d
-};
+// The layout handle (moe/exchange.h), which the MoE layer reads to run its experts per source.
+using A2aLayout = ExchangeLayout;
 
 // The 2-D route's relay buffer (rows between the two stages), and the bf16 rows of a bf16
 // exchange; grown as needed and reused.

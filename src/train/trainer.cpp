@@ -19,7 +19,7 @@
 #include "optim/param_groups.h"
 #include "parallel/alltoall.h"
 #include "parallel/comm_thread.h"
-#include "parallel/ep_moe.h"
+#include "parallel/moe_exchange_setup.h"
 #include "parallel/grad_sync.h"
 #include "parallel/groups.h"
 #include "parallel/runtime.h"
@@ -141,30 +141,20 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   const ParallelLayout& pl = pg_->layout;
   ExpertShard& shard = expert_shard_;
   shard = {0, cfg_.model.n_experts};
-  MoeFactory factory;
+  MoeContext moe_ctx;
   if (W > 1) {
     if (cfg_.model.n_moe_layers() > 0)
       shard = expert_shard(cfg_.model.n_experts, pl.ep, pl.ep_index);
-    A2aRoute route{pg_->a2a.get()};
-    if (cfg_.dist.hierarchical) {
-      hier_ = std::make_unique<A2aHierarchy>(
-          make_a2a_hierarchy(*pg_->a2a, static_cast<int>(cfg_.dist.ranks_per_node)));
-      route = hier_->route(*pg_->a2a);
-    }
-    EpOptions ep_opts;
-    ep_opts.chunks = static_cast<int>(cfg_.dist.a2a_chunks);
-    ep_opts.a2a_dtype = parse_dtype(cfg_.dist.a2a_dtype, "dist.a2a_dtype");
-    if (ep_opts.chunks > 1 || cfg_.dist.overlap) {
-      // MPI runs SERIALIZED: once gradient buckets reduce during backward, the all-to-alls must
-      // go through the same thread.
-      comm_thread_ = std::make_unique<CommThread>();
-      ep_opts.thread = comm_thread_.get();
-    }
-    factory = [this, route, ep_opts](const MoeConfig& mc) -> std::unique_ptr<MoeBlock> {
-      return std::make_unique<ExpertParallelMoe>(mc, route, *pg_->moe_stats, ep_opts);
-    };
+    ExpertParallelSetup ep = make_expert_parallel(
+        {cfg_.dist.hierarchical, static_cast<int>(cfg_.dist.ranks_per_node),
+         static_cast<int>(cfg_.dist.a2a_chunks), parse_dtype(cfg_.dist.a2a_dtype, "dist.a2a_dtype"),
+         cfg_.dist.overlap},
+        *pg_);
+    moe_ctx = ep.context(*pg_);
+    hier_ = std::move(ep.hierarchy), comm_thread_ = std::move(ep.comm_thread);
+    exchange_ = std::move(ep.exchange);
   }
-  model_ = std::make_unique<Transformer>(cfg_.model, factory);
+  model_ = std::make_unique<Transformer>(cfg_.model, moe_ctx);
   model_->set_precision(cfg_.train.precision_dtype());
   if (cfg_.train.precision_dtype() == DType::F16)
     scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());

@@ -27,6 +27,7 @@ class GradSync;
 class ShardedOptimizer;
 struct A2aHierarchy;
 class CommThread;
+class MpiExchange;
 
 struct TrainResult {
   int64_t first_step = 0;  // the step the run started from (> 0 when resumed)
@@ -52,7 +53,7 @@ LoadedModel load_model(const std::filesystem::path& dir);
 
 // Under mpirun every process builds a Trainer and runs it in step (every method is collective).
 // World = DP × EP (dist.ep): each process reads its own train.batch_size sequences per
-// micro-batch, experts are sharded over the EP group (parallel/ep_moe.h), gradients are reduced
+// micro-batch, experts are sharded over the EP group (parallel/mpi_exchange.h), gradients are reduced
 // over the processes holding each parameter (parallel/grad_sync.h) and averaged, so a run on P
 // processes follows the single-process run with a P times larger batch. Only rank 0 writes metrics
 // and progress; every rank writes its share of each checkpoint, which holds the whole model and
@@ -110,6 +111,7 @@ class Trainer {
   // dist.overlap or dist.a2a_chunks > 1: makes the gradient reductions and the MoE all-to-alls
   // (all MPI calls during a step's backward) while the main thread computes.
   std::unique_ptr<CommThread> comm_thread_;
+  std::unique_ptr<MpiExchange> exchange_;  // the MoE layers' expert exchange (distributed runs)
   std::unique_ptr<Transformer> model_;
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;

@@ -1,4 +1,4 @@
-// The expert-parallel MoE layer against MoeLayer on one process holding every rank's tokens:
+// The MoE layer over the MPI expert exchange against the layer on one process holding every rank's tokens:
 // outputs, input gradients, balancing losses, gate and expert gradients, router loads. Ranks hold
 // different numbers of tokens (one holds none), experts may get no rows anywhere, and a router can
 // send everything to the experts of one rank.
@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "moe/moe_layer.h"
-#include "parallel/ep_moe.h"
 #include "parallel/groups.h"
+#include "parallel/mpi_exchange.h"
 #include "parallel/runtime.h"
 #include "support/gradcheck.h"
 
@@ -50,7 +50,7 @@ struct Bits {
 };
 
 Bits run_case(const Case& c, int ep) {
-  auto world = dist_world("ep_moe_test");
+  auto world = dist_world("mpi_exchange_test");
   const int P = world->size(), r = world->rank();
   ProcessGroups groups = make_process_groups(*world, ep);
   MoeConfig cfg;
@@ -93,10 +93,11 @@ Bits run_case(const Case& c, int ep) {
     route = hier.route(*groups.a2a);
   }
   CommThread thread;
-  EpOptions opts;
+  MpiExchangeOptions opts;
   opts.chunks = c.chunks;
   if (c.threaded) opts.thread = &thread;
-  ExpertParallelMoe layer(cfg, route, *groups.moe_stats, opts);
+  MpiExchange exchange(route, opts);
+  MoeLayer layer(cfg, {&exchange, groups.moe_stats.get()});
   std::vector<float> out(N * C + 1, 0.0f), dinp(N * C + 1, 0.0f), grads(sizes.total(), 0.0f);
   MoeWeights g = moe_weights_from_buffer(cfg, grads.data());
   layer.forward(out.data(), x.data() + first * C, N, w, step);
@@ -168,29 +169,29 @@ std::vector<int> ep_sizes() {
 
 }  // namespace
 
-TEST(ExpertParallelMoe, TopKSoftmaxMatchesOneProcess) {
+TEST(MpiExchangeMoe, TopKSoftmaxMatchesOneProcess) {
   for (int ep : ep_sizes()) run_case({}, ep);
 }
 
-TEST(ExpertParallelMoe, SigmoidBiasWithSharedExpertMatchesOneProcess) {
+TEST(MpiExchangeMoe, SigmoidBiasWithSharedExpertMatchesOneProcess) {
   Case c;
   c.router = RouterKind::SigmoidBias, c.shared_F = 8, c.K = 3;
   for (int ep : ep_sizes()) run_case(c, ep);
 }
 
-TEST(ExpertParallelMoe, EverythingToOneRanksExpertsNeitherHangsNorLosesTokens) {
+TEST(MpiExchangeMoe, EverythingToOneRanksExpertsNeitherHangsNorLosesTokens) {
   Case c;
   c.one_rank_takes_all = true;
   for (int ep : ep_sizes()) run_case(c, ep);
 }
 
-TEST(ExpertParallelMoe, MoreRanksThanTokensPerExpert) {
+TEST(MpiExchangeMoe, MoreRanksThanTokensPerExpert) {
   Case c;
   c.E = 4, c.K = 1;  // few rows: most (rank, expert) pairs exchange nothing
   for (int ep : ep_sizes()) run_case(c, ep);
 }
 
-TEST(ExpertParallelMoe, TwoDimensionalAllToAllMatchesOneProcess) {
+TEST(MpiExchangeMoe, TwoDimensionalAllToAllMatchesOneProcess) {
   Case c;
   for (int ep : ep_sizes()) {
     for (int per_node = 1; per_node <= ep; ++per_node) {
@@ -201,7 +202,7 @@ TEST(ExpertParallelMoe, TwoDimensionalAllToAllMatchesOneProcess) {
   }
 }
 
-TEST(ExpertParallelMoe, ChunkedExchangesMatchOneProcessWithOrWithoutTheCommThread) {
+TEST(MpiExchangeMoe, ChunkedExchangesMatchOneProcessWithOrWithoutTheCommThread) {
   for (int ep : ep_sizes()) {
     for (int chunks : {2, 5}) {
       Case c;
@@ -217,10 +218,11 @@ TEST(ExpertParallelMoe, ChunkedExchangesMatchOneProcessWithOrWithoutTheCommThrea
   }
 }
 
-TEST(ExpertParallelMoe, RejectsExpertCountsTheGroupCannotSplit) {
+TEST(MpiExchangeMoe, RejectsExpertCountsTheGroupCannotSplit) {
   auto world = dist_world("ep_reject");
   if (world->size() < 2) GTEST_SKIP() << "needs 2 or more processes (ctest runs it with 2 and 4)";
   MoeConfig cfg;
   cfg.C = 8, cfg.F = 8, cfg.E = world->size() + 1, cfg.K = 1;
-  EXPECT_THROW(ExpertParallelMoe(cfg, *world, *world), Error);
+  MpiExchange exchange(A2aRoute{world.get()});
+  EXPECT_THROW(MoeLayer(cfg, {&exchange, world.get()}), Error);
 }

@@ -1,0 +1,161 @@
+#include "moe/expert_pipeline.h"
+
+#include "core/check.h"
+#include "core/timer.h"
+
+namespace moetrain {
+
+namespace {
+// Tokens [t0, t0 + n) of r.
+void slice_routing(Routing& out, const Routing& r, int64_t t0, int64_t n) {
+  const int64_t S = r.S;
+  out.N = n, out.E = r.E, out.S = S;
+  out.selected.assign(r.selected.begin() + t0 * S, r.selected.begin() + (t0 + n) * S);
+  out.expert.assign(r.expert.begin() + t0 * S, r.expert.begin() + (t0 + n) * S);
+  out.weight.assign(r.weight.begin() + t0 * S, r.weight.begin() + (t0 + n) * S);
+}
+}  // namespace
+
+ExpertPipeline::ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange)
+    : cfg_(cfg), ex_(exchange) {
+  const ExpertOwnership own = ex_.ownership();
+  MOETRAIN_CHECK(own.P >= 1 && own.q >= 0 && own.q < own.P,
+                 "expert exchange: process {} of a group of {}", own.q, own.P);
+  MOETRAIN_CHECK(
+      cfg_.E % own.P == 0,
+      "expert parallelism over {} ranks needs a multiple of {} experts, the model has {}", own.P,
+      own.P, cfg_.E);
+  const int n = ex_.chunks();
+  MOETRAIN_CHECK(n >= 1, "all-to-all chunks = {}: must be at least 1", n);
+  E_local_ = own.count(cfg_.E);
+  first_ = own.first(cfg_.E);
+  chunks_.resize(static_cast<std::size_t>(n));
+  for (Chunk& k : chunks_) k.acts.resize(static_cast<std::size_t>(own.P));
+  landed_.assign(chunks_.size(), 0);
+  returned_.assign(chunks_.size(), 0);
+}
+
+int64_t ExpertPipeline::received_rows() const {
+  int64_t n = 0;
+  for (const Chunk& k : chunks_) n += k.plan.R_recv;
+  return n;
+}
+
+void ExpertPipeline::routed_counts(int64_t* tokens_per_expert, int64_t* unrouted_tokens) const {
+  for (int64_t e = 0; e < cfg_.E; ++e) tokens_per_expert[e] = 0;
+  *unrouted_tokens = 0;
+  for (const Chunk& k : chunks_) {
+    const int64_t S = k.routing.S;
+    for (int64_t e = 0; e < cfg_.E; ++e) tokens_per_expert[e] += k.layout.counts[e];
+    for (int64_t t = 0; t < k.N; ++t) {
+      bool routed = false;
+      for (int64_t s = 0; s < S; ++s) routed |= k.layout.slot_row[t * S + s] >= 0;
+      *unrouted_tokens += !routed;
+    }
+  }
+}
+
+void ExpertPipeline::add_times(MoeTimings& t) {
+  const ExchangeTimes x = ex_.take_times();
+  t.a2a += x.busy;
+  t.a2a_wait += x.waited;
+}
+
+// The chunk's rows through this process's experts, one grouped pass per source's block.
+void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t) {
+  ScopedTimer timer(t.experts);
+  const int64_t C = cfg_.C;
+  const ExpertRange range = expert_range(w, cfg_, first_, E_local_);
+  const ExchangeLayout& plan = k.plan;
+  if (!g) {
+    float* yr = k.yr.ensure(plan.R_recv * C);
+    for (int q = 0; q < plan.P; ++q) {
+      const int64_t at = plan.recv_offset[q] * C;
+      experts_forward(yr + at, k.xr_rows + at, plan.recv_counts.data() + q * E_local_, range, C,
+                      cfg_.F, k.acts[q]);
+    }
+    return;
+  }
+  const ExpertRange grad = expert_range(*g, cfg_, first_, E_local_);
+  float* dxr = k.dxr.ensure(plan.R_recv * C);
+  for (int q = 0; q < plan.P; ++q) {
+    const int64_t at = plan.recv_offset[q] * C;
+    experts_backward(dxr + at, grad, k.dyr_rows + at, k.xr_rows + at,
+                     plan.recv_counts.data() + q * E_local_, range, C, cfg_.F, k.acts[q]);
+  }
+}
+
+void ExpertPipeline::send(const float* inp, const Routing& routing, MoeTimings& t) {
+  const int64_t C = cfg_.C, E = cfg_.E, N = routing.N;
+  const int n = static_cast<int>(chunks_.size());
+  ex_.take_times();  // what earlier work left behind is not this forward's
+  {
+    ScopedTimer timer(t.permute);
+    for (int c = 0; c < n; ++c) {
+      Chunk& k = chunks_[c];
+      k.t0 = N * c / n;
+      k.N = N * (c + 1) / n - k.t0;
+      slice_routing(k.routing, routing, k.t0, k.N);
+      build_layout(k.layout, k.routing);
+      permute_forward(k.xp.ensure(k.layout.R * C), inp + k.t0 * C, k.layout, C);
+    }
+  }
+  for (int c = 0; c < n; ++c) {
+    Chunk* k = &chunks_[c];
+    landed_[c] = ex_.post([this, k, E, C] {
+      ex_.plan(k->plan, k->layout.counts.data(), E, C);
+      k->xr_rows = ex_.dispatch(k->xp.data(), k->plan, k->xr);
+    });
+  }
+}
+
+void ExpertPipeline::compute(const MoeWeights& w, MoeTimings& t) {
+  for (std::size_t c = 0; c < chunks_.size(); ++c) {
+    Chunk* k = &chunks_[c];
+    ex_.wait(landed_[c]);
+    experts(*k, w, nullptr, t);
+    returned_[c] = ex_.post([this, k] { k->y_rows = ex_.combine(k->yr.data(), k->plan, k->y); });
+  }
+}
+
+void ExpertPipeline::combine(float* out, bool accumulate, MoeTimings& t) {
+  ex_.wait(returned_.back());
+  add_times(t);
+  ScopedTimer timer(t.combine);
+  for (Chunk& k : chunks_)
+    if (k.N > 0) combine_forward(out + k.t0 * cfg_.C, k.y_rows, k.layout, cfg_.C, accumulate);
+}
+
+void ExpertPipeline::send_backward(float* dweight, const float* dout, MoeTimings& t) {
+  const int64_t C = cfg_.C;
+  ex_.take_times();
+  for (std::size_t c = 0; c < chunks_.size(); ++c) {
+    Chunk* k = &chunks_[c];
+    {
+      ScopedTimer timer(t.combine);
+      moetrain::combine_backward(k->dy.ensure(k->layout.R * C), dweight + k->t0 * k->routing.S,
+                                 dout + k->t0 * C, k->y_rows, k->layout, C);
+    }
+    landed_[c] = ex_.post([this, k] { k->dyr_rows = ex_.dispatch(k->dy.data(), k->plan, k->dyr); });
+  }
+}
+
+void ExpertPipeline::compute_backward(const MoeWeights& w, const MoeWeights& g, MoeTimings& t) {
+  for (std::size_t c = 0; c < chunks_.size(); ++c) {
+    Chunk* k = &chunks_[c];
+    ex_.wait(landed_[c]);
+    experts(*k, w, &g, t);
+    returned_[c] =
+        ex_.post([this, k] { k->dxp_rows = ex_.combine(k->dxr.data(), k->plan, k->dxp); });
+  }
+}
+
+void ExpertPipeline::combine_backward(float* dinp, bool accumulate, MoeTimings& t) {
+  ex_.wait(returned_.back());
+  add_times(t);
+  ScopedTimer timer(t.permute);
+  for (Chunk& k : chunks_)
+    if (k.N > 0) permute_backward(dinp + k.t0 * cfg_.C, k.dxp_rows, k.layout, cfg_.C, accumulate);
+}
+
+}  // namespace moetrain

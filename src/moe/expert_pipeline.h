@@ -1,0 +1,87 @@
+// The part of the MoE layer between routing and the weighted combine: the routed rows of a batch
+// grouped by expert (dispatch.h), sent to the experts' owners (exchange.h), run through this
+// process's experts (experts.h) and brought back — and the same in reverse for the backward.
+//
+// Chunks: the exchange's chunks() = n cuts the batch into n consecutive runs of tokens, each with
+// its own layout and exchange. With a communication thread the exchange of one chunk runs while
+// the experts compute another (forward: every dispatch is posted at once, each combine as soon as
+// its experts are done; the backward likewise). Results depend on n, never on the thread.
+// Between posting the dispatches and computing the experts the caller runs its own work (the
+// shared expert), which overlaps the first exchange.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/buffer.h"
+#include "moe/config.h"
+#include "moe/dispatch.h"
+#include "moe/exchange.h"
+#include "moe/experts.h"
+#include "moe/router.h"
+
+namespace moetrain {
+
+// Seconds spent per stage in the last forward plus the backward that followed it.
+// a2a: exchanging token rows with other processes (0 when nothing moves); a2a_wait: the part of
+// it the layer waited for, not hidden behind compute (= a2a without overlap; not counted again in
+// total()).
+struct MoeTimings {
+  double router = 0, permute = 0, experts = 0, shared = 0, combine = 0, losses = 0, a2a = 0;
+  double a2a_wait = 0;
+  double total() const { return router + permute + experts + shared + combine + losses + a2a; }
+};
+
+class ExpertPipeline {
+ public:
+  // Throws unless the exchange's group size divides cfg.E and it asks for at least one chunk.
+  ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange);
+
+  int64_t first_expert() const { return first_; }
+  int64_t local_experts() const { return E_local_; }
+  int64_t received_rows() const;
+  // Per expert (E): rows this process routed in the last forward; tokens with no row.
+  void routed_counts(int64_t* tokens_per_expert, int64_t* unrouted_tokens) const;
+
+  // Forward, in three calls: send lays out and permutes inp (N, C) by the routing and posts the
+  // exchanges; compute runs this process's experts as the rows land and posts the returns;
+  // combine waits for them and adds the weighted rows into out (N, C) (= without accumulate).
+  // routing must stay unchanged until backward has run.
+  void send(const float* inp, const Routing& routing, MoeTimings& t);
+  void compute(const MoeWeights& w, MoeTimings& t);
+  void combine(float* out, bool accumulate, MoeTimings& t);
+
+  // Backward, in the same three calls: send takes dout (N, C) and writes dweight (N, S) (the
+  // gradient on the routing weights) and posts the exchanges; compute adds this process's
+  // expert gradients into g; combine waits and writes dinp (N, C) (+= with accumulate).
+  void send_backward(float* dweight, const float* dout, MoeTimings& t);
+  void compute_backward(const MoeWeights& w, const MoeWeights& g, MoeTimings& t);
+  void combine_backward(float* dinp, bool accumulate, MoeTimings& t);
+
+ private:
+  // One run of consecutive tokens with its own layout and exchange.
+  struct Chunk {
+    int64_t t0 = 0, N = 0;  // tokens [t0, t0 + N)
+    Routing routing;        // the chunk's slice of the routing
+    DispatchLayout layout;
+    ExchangeLayout plan;
+    FloatBuffer xp, y, dy, dxp;    // (R_send, C) rows this process routed
+    FloatBuffer xr, yr, dyr, dxr;  // (R_recv, C) rows of this process's experts, source-major
+    // Where the exchange left the rows: a buffer above, or the rows sent when nothing moves.
+    const float* xr_rows = nullptr;   // (R_recv, C)
+    const float* y_rows = nullptr;    // (R_send, C)
+    const float* dyr_rows = nullptr;  // (R_recv, C)
+    const float* dxp_rows = nullptr;  // (R_send, C)
+    std::vector<ExpertActs> acts;     // (P) one per source block
+  };
+
+  void experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t);
+  void add_times(MoeTimings& t);
+
+  MoeConfig cfg_;
+  ExpertExchange& ex_;
+  int64_t first_ = 0, E_local_ = 0;
+  std::vector<Chunk> chunks_;
+  std::vector<ExpertExchange::Ticket> landed_, returned_;  // (chunks)
+};
+
+}  // namespace moetrain

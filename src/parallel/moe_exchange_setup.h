@@ -1,0 +1,39 @@
+// Everything expert parallelism needs besides the MoE layers themselves, built in one place from
+// the run's dist settings: the route of the token all-to-all (flat, or 2-D over nodes), the
+// communication thread (chunked exchanges, and gradient reduction during backward, share it:
+// MPI runs SERIALIZED) and the MPI expert exchange handed to the model.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "core/dtype.h"
+#include "moe/moe_layer.h"
+#include "parallel/alltoall.h"
+#include "parallel/comm_thread.h"
+#include "parallel/groups.h"
+#include "parallel/mpi_exchange.h"
+
+namespace moetrain {
+
+struct ExpertParallelOptions {
+  bool hierarchical = false;  // the 2-D all-to-all, within nodes then between them
+  int ranks_per_node = 0;     // with hierarchical: > 0 sets the node size, 0 detects
+  int chunks = 1;             // token chunks per exchange
+  DType wire = DType::F32;    // token rows on the wire: f32 or bf16
+  // A communication thread even with one chunk (gradient buckets reduced during backward).
+  bool overlap = false;
+};
+
+struct ExpertParallelSetup {
+  std::unique_ptr<A2aHierarchy> hierarchy;  // hierarchical only
+  std::unique_ptr<CommThread> comm_thread;  // chunks > 1 or overlap
+  std::unique_ptr<MpiExchange> exchange;    // over the groups' EP group
+  // What the model's MoE layers run with: this exchange, statistics over groups.moe_stats.
+  MoeContext context(ProcessGroups& groups) const { return {exchange.get(), groups.moe_stats.get()}; }
+};
+
+// Collective over the groups (the 2-D route splits communicators). The groups must outlive the
+// setup.
+ExpertParallelSetup make_expert_parallel(const ExpertParallelOptions& opts, ProcessGroups& groups);
+
+}  // namespace moetrain

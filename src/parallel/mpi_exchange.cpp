@@ -1,0 +1,63 @@
+#include "parallel/mpi_exchange.h"
+
+#include "core/check.h"
+#include "core/timer.h"
+
+namespace moetrain {
+
+MpiExchange::MpiExchange(const A2aRoute& route, const MpiExchangeOptions& opts)
+    : route_(route), opts_(opts) {
+  MOETRAIN_CHECK(route_.group != nullptr, "MpiExchange: the route has no EP group");
+  MOETRAIN_CHECK(opts_.chunks >= 1, "all-to-all chunks = {}: must be at least 1", opts_.chunks);
+  MOETRAIN_CHECK(opts_.wire == DType::F32 || opts_.wire == DType::BF16,
+                 "all-to-all payloads in {}: allowed are f32 and bf16", dtype_name(opts_.wire));
+}
+
+ExpertOwnership MpiExchange::ownership() const {
+  return {route_.group->size(), route_.group->rank()};
+}
+
+ExpertExchange::Ticket MpiExchange::post(std::function<void()> work) {
+  auto timed = [this, work = std::move(work)] {
+    ScopedTimer timer(times_.busy);
+    work();
+  };
+  if (opts_.thread) return opts_.thread->post(std::move(timed));
+  ScopedTimer timer(times_.waited);
+  timed();
+  return 0;
+}
+
+void MpiExchange::wait(Ticket t) {
+  if (!opts_.thread || t == 0) return;
+  ScopedTimer timer(times_.waited);
+  opts_.thread->wait(t);
+}
+
+ExchangeTimes MpiExchange::take_times() {
+  const ExchangeTimes t = times_;
+  times_ = {};
+  return t;
+}
+
+void MpiExchange::plan(ExchangeLayout& layout, const int64_t* counts, int64_t E, int64_t C) {
+  a2a_plan(layout, route_, counts, E, C);
+}
+
+const float* MpiExchange::dispatch(const float* send, const ExchangeLayout& layout,
+                                   FloatBuffer& recv) {
+  if (layout.P == 1) return send;
+  float* out = recv.ensure(layout.R_recv * layout.C);
+  a2a_dispatch(out, send, layout, route_, scratch_, opts_.wire);
+  return out;
+}
+
+const float* MpiExchange::combine(const float* rows, const ExchangeLayout& layout,
+                                  FloatBuffer& back) {
+  if (layout.P == 1) return rows;
+  float* out = back.ensure(layout.R_send * layout.C);
+  a2a_combine(out, rows, layout, route_, scratch_, opts_.wire);
+  return out;
+}
+
+}  // namespace moetrain

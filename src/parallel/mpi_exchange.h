@@ -1,0 +1,49 @@
+// The expert exchange over an MPI expert-parallel group (moe/exchange.h): plan, dispatch and
+// combine are the all-to-alls of parallel/alltoall.h over a flat or 2-D route, optionally with
+// bf16 rows on the wire, run on a communication thread when there is one (overlap) or inline.
+// A group of one process moves no rows (nothing is rounded to the wire type either).
+#pragma once
+#include <cstdint>
+#include <functional>
+
+#include "core/dtype.h"
+#include "moe/exchange.h"
+#include "parallel/alltoall.h"
+#include "parallel/comm_thread.h"
+
+namespace moetrain {
+
+struct MpiExchangeOptions {
+  int chunks = 1;                // token chunks per exchange (≥ 1)
+  CommThread* thread = nullptr;  // runs the exchanges when set (must outlive the exchange)
+  // Element type of the token rows and their gradients on the wire (F32 or BF16, half the
+  // bytes). In bf16 the rows arrive rounded; the experts and the combine still compute in f32
+  // (or in the model's precision).
+  DType wire = DType::F32;
+};
+
+class MpiExchange final : public ExpertExchange {
+ public:
+  // route: the EP group (its size must divide the experts of every layer), flat or 2-D; its
+  // communicators must outlive the exchange.
+  explicit MpiExchange(const A2aRoute& route, const MpiExchangeOptions& opts = {});
+
+  ExpertOwnership ownership() const override;
+  int chunks() const override { return opts_.chunks; }
+  Ticket post(std::function<void()> work) override;
+  void wait(Ticket t) override;
+  ExchangeTimes take_times() override;
+  void plan(ExchangeLayout& layout, const int64_t* counts, int64_t E, int64_t C) override;
+  const float* dispatch(const float* send, const ExchangeLayout& layout,
+                        FloatBuffer& recv) override;
+  const float* combine(const float* rows, const ExchangeLayout& layout,
+                       FloatBuffer& back) override;
+
+ private:
+  A2aRoute route_;
+  MpiExchangeOptions opts_;
+  A2aScratch scratch_;  // one task runs at a time, so one scratch serves every layer and chunk
+  ExchangeTimes times_;  // busy: written by the work, on the comm thread when there is one
+};
+
+}  // namespace moetrain
