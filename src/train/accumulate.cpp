@@ -1,5 +1,7 @@
 #include "train/accumulate.h"
 
+#include <algorithm>
+
 namespace moetrain {
 
 MicroLoss forward_micro(Transformer& model, const float* params, const TokenBatch& batch,
@@ -11,6 +13,15 @@ MicroLoss forward_micro(Classifier& model, const float* params, const ImageBatch
                         const MoeStep& step) {
   const ClassifierLoss l = model.forward(params, batch.inputs, batch.labels, batch.N, step);
   return {{l.ce, l.aux, l.z, l.total, l.n}, l.correct};
+}
+
+void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& comm) {
+  if (moe.empty()) return;
+  std::vector<int64_t> global(moe.size() * E);
+  for (std::size_t m = 0; m < moe.size(); ++m)
+    std::copy_n(moe[m]->pending_load(), E, global.begin() + m * E);
+  comm.allreduce(global.data(), static_cast<int64_t>(global.size()));
+  for (std::size_t m = 0; m < moe.size(); ++m) moe[m]->apply_bias_update(global.data() + m * E);
 }
 
 namespace detail {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/comm.h"
 #include "model/classifier.h"
 #include "model/transformer.h"
 #include "moe/moe_block.h"
@@ -74,6 +75,10 @@ struct Accumulated {
 template <class Model, class Batch>
 Accumulated accumulate(Model& model, const float* params, float* grads, int64_t n,
                        const AccumulateArgs<Batch>& args);
+
+// Collective over comm: the aux-loss-free router's bias update from the load every process's
+// micro-batches gave each expert (E per layer), the same on every process.
+void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& comm);
 
 // --- implementation ------------------------------------------------------------------------------
 

@@ -276,14 +276,8 @@ double ClassifierTrainer::train_step() {
       });
   last_grad_norm_ = outcome.grad_norm;
 
-  auto moe = model_->moe_layers();
-  if (cfg_.model.moe().router == RouterKind::SigmoidBias && !moe.empty()) {
-    std::vector<int64_t> global(moe.size() * E);
-    for (std::size_t m = 0; m < moe.size(); ++m)
-      std::copy_n(moe[m]->pending_load(), E, global.begin() + m * E);
-    pg_->control->allreduce(global.data(), static_cast<int64_t>(global.size()));
-    for (std::size_t m = 0; m < moe.size(); ++m) moe[m]->apply_bias_update(global.data() + m * E);
-  }
+  if (cfg_.model.moe().router == RouterKind::SigmoidBias)
+    update_router_biases(detail::moe_blocks(*model_), E, *pg_->control);
   ++step_;
   reduce_step_figures(*pg_->control, acc);
   StepFigures f;

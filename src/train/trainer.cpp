@@ -173,7 +173,6 @@ double Trainer::train_step() {
   const int W = world_size();
   BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
   const int64_t sync_bytes_before = reducer_->bytes_sent();
-  auto moe = model_->moe_layers();
   // fp16: the loss is scaled so that small gradients survive the fp16 GEMM operands.
   last_scale_ = scaler_ ? scaler_->scale() : 1.0;
   last_skipped_ = false;
@@ -241,13 +240,8 @@ double Trainer::train_step() {
   } else {
     model_->weights_changed();
   }
-  if (cfg_.model.moe().router == RouterKind::SigmoidBias && !moe.empty()) {
-    std::vector<int64_t> global(moe.size() * E);
-    for (std::size_t m = 0; m < moe.size(); ++m)
-      std::copy_n(moe[m]->pending_load(), E, global.begin() + m * E);
-    pg_->control->allreduce(global.data(), static_cast<int64_t>(global.size()));
-    for (std::size_t m = 0; m < moe.size(); ++m) moe[m]->apply_bias_update(global.data() + m * E);
-  }
+  if (cfg_.model.moe().router == RouterKind::SigmoidBias)
+    update_router_biases(detail::moe_blocks(*model_), E, *pg_->control);
   ++step_;
   reduce_step_figures(*pg_->control, acc);
   last_parts_ = acc.loss;
