@@ -24,6 +24,16 @@ void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& co
   for (std::size_t m = 0; m < moe.size(); ++m) moe[m]->apply_bias_update(global.data() + m * E);
 }
 
+std::vector<MoeBlock*> moe_blocks(Transformer& model) {
+  return model.moe_layers();
+}
+
+std::vector<MoeBlock*> moe_blocks(Classifier& model) {
+  std::vector<MoeBlock*> out;
+  for (MoeLayer* m : model.moe_layers()) out.push_back(m);
+  return out;
+}
+
 namespace detail {
 
 void accumulate_stats(const std::vector<MoeBlock*>& moe, double dropped_divisor, Accumulated& acc) {
@@ -35,16 +45,6 @@ void accumulate_stats(const std::vector<MoeBlock*>& moe, double dropped_divisor,
     acc.a2a_s += moe[m]->timings().a2a;
     acc.a2a_wait_s += moe[m]->timings().a2a_wait;
   }
-}
-
-std::vector<MoeBlock*> moe_blocks(Transformer& model) {
-  return model.moe_layers();
-}
-
-std::vector<MoeBlock*> moe_blocks(Classifier& model) {
-  std::vector<MoeBlock*> out;
-  for (MoeLayer* m : model.moe_layers()) out.push_back(m);
-  return out;
 }
 
 }  // namespace detail

@@ -82,10 +82,12 @@ void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& co
 
 // --- implementation ------------------------------------------------------------------------------
 
-namespace detail {
-void accumulate_stats(const std::vector<MoeBlock*>& moe, double dropped_divisor, Accumulated& acc);
+// A model's MoE layers, in layer order.
 std::vector<MoeBlock*> moe_blocks(Transformer& model);
 std::vector<MoeBlock*> moe_blocks(Classifier& model);
+
+namespace detail {
+void accumulate_stats(const std::vector<MoeBlock*>& moe, double dropped_divisor, Accumulated& acc);
 }  // namespace detail
 
 template <class Model, class Batch>
@@ -94,7 +96,7 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
   const int64_t A = args.micro_batches;
   MOETRAIN_CHECK(A > 0, "accumulate: {} micro-batches, needs at least one", A);
   std::fill(grads, grads + n, 0.0f);
-  const std::vector<MoeBlock*> moe = detail::moe_blocks(model);
+  const std::vector<MoeBlock*> moe = moe_blocks(model);
   Accumulated acc;
   acc.dropped.assign(moe.size(), 0.0);
   acc.tokens_per_expert.assign(moe.size(),
