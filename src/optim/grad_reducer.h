@@ -27,7 +27,7 @@ class GradReducer {
   // Runs optimizer_step (which updates what this process holds the state of), then makes params
   // whole again on every process.
   virtual void update(float* params, float* grads, const std::function<void()>& optimizer_step) = 0;
-  virtual double seconds() const = 0;     // spent in collectives so far
+  virtual double seconds() const = 0;      // spent in collectives so far
   virtual int64_t bytes_sent() const = 0;  // sent to other processes so far
 };
 

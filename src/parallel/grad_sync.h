@@ -127,7 +127,7 @@ class GradSync final : public GradientShard {
   float* grads_ = nullptr;
   bool gather_ = false;
   float* gathered_ = nullptr;  // the flat buffer holding this step's gathered reduced gradients
-  std::size_t next_ = 0;  // first bucket not yet posted
+  std::size_t next_ = 0;       // first bucket not yet posted
   int64_t shard_size_ = 0;
   std::vector<float> shard_;
   FloatBuffer packed_;

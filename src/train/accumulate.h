@@ -99,8 +99,8 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
   const std::vector<MoeBlock*> moe = moe_blocks(model);
   Accumulated acc;
   acc.dropped.assign(moe.size(), 0.0);
-  acc.tokens_per_expert.assign(moe.size(),
-                               std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
+  acc.tokens_per_expert.assign(
+      moe.size(), std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
   LossParts& sum = acc.loss;
   for (int64_t micro = 0; micro < A; ++micro) {
     const Batch batch = args.fill(micro);

@@ -4,8 +4,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
-#include "train/run_state.h"
 #include "train/config_schema.h"
+#include "train/run_state.h"
 
 namespace moetrain {
 

@@ -261,8 +261,8 @@ double ClassifierTrainer::train_step() {
         "raise optim.warmup_steps",
         step_ + 1, p.total, p.ce, p.aux, p.z);
   };
-  Accumulated acc = accumulate(*model_, params_.data(), grads_.data(),
-                               static_cast<int64_t>(grads_.size()), args);
+  Accumulated acc =
+      accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
   const int64_t sync_bytes_before = reducer_->bytes_sent();
   last_lr_ = schedule_->lr(step_);
   UpdateOptions opts;
@@ -280,15 +280,14 @@ double ClassifierTrainer::train_step() {
     update_router_biases(moe_blocks(*model_), E, *pg_->control);
   ++step_;
   reduce_step_figures(*pg_->control, acc);
-  StepFigures f;
-  f.step = step_;
-  f.acc = &acc;
-  f.lr = last_lr_;
-  f.grad_norm = last_grad_norm_;
-  f.update = &outcome;
-  f.grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before;
-  f.accuracy_rows = B;
-  pending_metrics_ = step_metrics_line(f);
+  pending_metrics_ =
+      step_metrics_line({.step = step_,
+                         .acc = &acc,
+                         .lr = last_lr_,
+                         .grad_norm = last_grad_norm_,
+                         .update = &outcome,
+                         .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
+                         .accuracy_rows = B});
   return acc.loss.total;
 }
 
@@ -343,9 +342,9 @@ ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
   result.test_accuracy = ev.accuracy;
   result.checkpoint = save_checkpoint();
   result.seconds = run_timer.seconds();
-  result.images_per_s = result.train_seconds > 0 ? static_cast<double>(B * result.steps_done) /
-                                                       result.train_seconds
-                                                 : 0.0;
+  result.images_per_s = result.train_seconds > 0
+                            ? static_cast<double>(B * result.steps_done) / result.train_seconds
+                            : 0.0;
   log_info(
       "done: {} steps in {:.1f} s ({:.0f} images/s); test accuracy {:.2f}% ({}/{}), loss {:.4f}; "
       "checkpoint {}",
@@ -365,12 +364,7 @@ LoadedClassifier load_classifier(const fs::path& dir) {
   LoadedClassifier out;
   out.config = classifier_config_from_json(config["moetrain"], (ckpt / "config.json").string());
   out.model = std::make_unique<Classifier>(out.config.model);
-  out.params.assign(static_cast<std::size_t>(out.model->layout().size()), 0.0f);
-  CheckpointContents c;
-  c.model = model_views(out.model->layout(), out.params.data());
-  c.state = bias_views(*out.model);
-  read_checkpoint(ckpt, c);
-  out.step = c.trainer.value("step", int64_t{0});
+  out.step = read_weights(ckpt, *out.model, out.params);
   return out;
 }
 

@@ -30,7 +30,8 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
     for (const FlatRange& r : ranges.dense) out.pieces.push_back({r.offset, r.size});
     for (const FlatRange& r : ranges.expert) out.pieces.push_back({r.offset, r.size});
   }
-  auto reducer = std::make_unique<MpiGradReducer>(std::move(sync), settings.overlap, settings.zero1);
+  auto reducer =
+      std::make_unique<MpiGradReducer>(std::move(sync), settings.overlap, settings.zero1);
   if (settings.overlap) {
     MpiGradReducer* r = reducer.get();
     out.grads_ready = [r](int64_t from) { r->ready(from); };
@@ -39,8 +40,7 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
   return out;
 }
 
-std::vector<int> checkpoint_writers(const ParamTable& layout, const ParallelLayout& pl,
-                                    int64_t E) {
+std::vector<int> checkpoint_writers(const ParamTable& layout, const ParallelLayout& pl, int64_t E) {
   const std::vector<ParamInfo>& params = layout.params();
   std::vector<int> writer(params.size(), 0);
   std::vector<int64_t> bytes(static_cast<std::size_t>(pl.world), 0);

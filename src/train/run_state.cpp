@@ -127,6 +127,28 @@ CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
   return share;
 }
 
+namespace {
+
+template <class Model>
+int64_t read_weights_of(const fs::path& ckpt, Model& model, std::vector<float>& params) {
+  params.assign(static_cast<std::size_t>(model.layout().size()), 0.0f);
+  CheckpointContents c;
+  c.model = model_views(model.layout(), params.data());
+  c.state = bias_views(model);
+  read_checkpoint(ckpt, c);
+  return c.trainer.value("step", int64_t{0});
+}
+
+}  // namespace
+
+int64_t read_weights(const fs::path& ckpt, Transformer& model, std::vector<float>& params) {
+  return read_weights_of(ckpt, model, params);
+}
+
+int64_t read_weights(const fs::path& ckpt, Classifier& model, std::vector<float>& params) {
+  return read_weights_of(ckpt, model, params);
+}
+
 fs::path resolve_checkpoint(const fs::path& dir) {
   if (fs::is_regular_file(dir / "manifest.json")) return dir;
   auto latest = find_latest_checkpoint(dir);

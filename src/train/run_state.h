@@ -47,6 +47,13 @@ CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
                                  const ExpertShard& held, int rank, bool sharded,
                                  const std::vector<NamedTensor>& state, bool reading);
 
+// params = the checkpoint's parameters (sized to the model's layout), and the model's router
+// biases; returns the step the checkpoint was written at.
+int64_t read_weights(const std::filesystem::path& ckpt, Transformer& model,
+                     std::vector<float>& params);
+int64_t read_weights(const std::filesystem::path& ckpt, Classifier& model,
+                     std::vector<float>& params);
+
 // A checkpoint directory, or a run directory's latest complete checkpoint.
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& dir);
 

@@ -34,8 +34,8 @@ void reduce_step_figures(Comm& comm, Accumulated& acc) {
 nlohmann::json step_metrics_line(const StepFigures& f) {
   const Accumulated& acc = *f.acc;
   const LossParts& sum = acc.loss;
-  nlohmann::json line = {{"step", f.step},   {"loss", sum.total}, {"ce", sum.ce},
-                         {"aux", sum.aux},   {"z", sum.z},        {"lr", f.lr},
+  nlohmann::json line = {{"step", f.step},          {"loss", sum.total}, {"ce", sum.ce},
+                         {"aux", sum.aux},          {"z", sum.z},        {"lr", f.lr},
                          {"grad_norm", f.grad_norm}};
   if (f.fp16) {
     line["loss_scale"] = f.update->loss_scale;

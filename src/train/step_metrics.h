@@ -21,7 +21,7 @@ double imbalance(const std::vector<int64_t>& load);
 void reduce_step_figures(Comm& comm, Accumulated& acc);
 
 struct StepFigures {
-  int64_t step = 0;             // optimizer steps applied, this one included
+  int64_t step = 0;                  // optimizer steps applied, this one included
   const Accumulated* acc = nullptr;  // reduced over processes
   double lr = 0, grad_norm = 0;
   const UpdateOutcome* update = nullptr;

@@ -201,8 +201,8 @@ double Trainer::train_step() {
         "checkpoint is kept in {}/checkpoints; lower optim.lr or raise optim.warmup_steps",
         step_ + 1, p.total, p.ce, p.aux, p.z, cfg_.train.run_dir);
   };
-  Accumulated acc = accumulate(*model_, params_.data(), grads_.data(),
-                               static_cast<int64_t>(grads_.size()), args);
+  Accumulated acc =
+      accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
   last_a2a_s_ = acc.a2a_s, last_a2a_wait_s_ = acc.a2a_wait_s;
   last_lr_ = schedule_->lr(step_);
   UpdateOutcome outcome;
@@ -245,15 +245,14 @@ double Trainer::train_step() {
   ++step_;
   reduce_step_figures(*pg_->control, acc);
   last_parts_ = acc.loss;
-  StepFigures f;
-  f.step = step_;
-  f.acc = &acc;
-  f.lr = last_lr_;
-  f.grad_norm = last_grad_norm_;
-  f.update = &outcome;
-  f.fp16 = scaler_ != nullptr;
-  f.grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before;
-  pending_metrics_ = step_metrics_line(f);
+  pending_metrics_ =
+      step_metrics_line({.step = step_,
+                         .acc = &acc,
+                         .lr = last_lr_,
+                         .grad_norm = last_grad_norm_,
+                         .update = &outcome,
+                         .fp16 = scaler_ != nullptr,
+                         .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before});
   return acc.loss.total;
 }
 

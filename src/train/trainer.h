@@ -114,7 +114,7 @@ class Trainer {
   std::vector<ParamRange> groups_;
   std::vector<std::pair<int64_t, int64_t>> own_experts_;  // (offset, size)
   std::unique_ptr<GradReducer> reducer_;  // local identity on one process, GradSync under MPI
-  int64_t buckets_ = 0;                    // gradient buckets (0 on one process)
+  int64_t buckets_ = 0;                   // gradient buckets (0 on one process)
   std::unique_ptr<ShardedOptimizer> optimizer_;
   ExpertShard expert_shard_;  // the experts this rank holds
   std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints

@@ -21,12 +21,7 @@ LoadedModel load_model(const fs::path& dir) {
   LoadedModel out;
   out.config = run_config_from_json(config["moetrain"], (ckpt / "config.json").string());
   out.model = std::make_unique<Transformer>(out.config.model);
-  out.params.assign(static_cast<std::size_t>(out.model->layout().size()), 0.0f);
-  CheckpointContents c;
-  c.model = model_views(out.model->layout(), out.params.data());
-  c.state = bias_views(*out.model);
-  read_checkpoint(ckpt, c);
-  out.step = c.trainer.value("step", int64_t{0});
+  out.step = read_weights(ckpt, *out.model, out.params);
   log_info("loaded {} (step {})", ckpt.string(), out.step);
   return out;
 }

@@ -127,7 +127,9 @@ TEST(Accumulate, NonFiniteLossIsAnErrorWithTheCallersText) {
   AccumulateArgs<TokenBatch> args;
   args.fill = [&](int64_t) { return TokenBatch{t.data(), t.data() + kB * kT, kB, kT}; };
   args.moe_step = step_of;
-  args.bad_loss = [](const LossParts& p) { return "clock 3: the loss is " + std::to_string(p.total); };
+  args.bad_loss = [](const LossParts& p) {
+    return "clock 3: the loss is " + std::to_string(p.total);
+  };
   try {
     accumulate(model, params.data(), grads.data(), n, args);
     ADD_FAILURE() << "no error";
