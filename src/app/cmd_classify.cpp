@@ -15,15 +15,18 @@ Run add_classify_command(CLI::App& app) {
   struct Args {
     std::string config;
     std::vector<std::string> overrides;
+    bool resume = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/fashion_mnist.toml)")
       ->required();
   cmd->add_option("--set", args->overrides,
                   "Override a config key: --set train.steps=500 (repeatable)");
+  cmd->add_flag("--resume", args->resume,
+                "Continue from the run directory's latest complete checkpoint");
   return [args] {
     ClassifierRunConfig cfg = load_classifier_config(args->config, args->overrides);
-    ClassifierTrainer trainer(cfg);
+    ClassifierTrainer trainer(cfg, {}, args->resume);
     ClassifierTrainResult r = trainer.run();
     fmt::print(
         "steps {} | final train loss {:.4f} | test accuracy {:.2f}% | test loss {:.4f} | {:.0f} "

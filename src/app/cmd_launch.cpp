@@ -13,6 +13,7 @@
 
 #include "app/commands.h"
 #include "io/checkpoint.h"
+#include "io/metrics.h"
 #include "parallel/runtime.h"
 #include "parallel/supervisor.h"
 #include "train/run_config.h"
@@ -51,15 +52,11 @@ int usage_error(const std::string& message) {
 // "reached step 7; last complete checkpoint: step 6", from the run directory.
 std::string run_progress(const fs::path& run_dir) {
   std::string reached = "no step recorded";
-  if (std::ifstream in(run_dir / "metrics.jsonl"); in) {
-    int64_t step = -1;
-    for (std::string line; std::getline(in, line);) {
-      auto j = nlohmann::json::parse(line, nullptr, false);
-      if (!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number())
-        step = std::max(step, j["step"].get<int64_t>());
-    }
-    if (step >= 0) reached = fmt::format("reached step {}", step);
-  }
+  int64_t step = -1;
+  for (const nlohmann::json& j : read_metrics(run_dir))
+    if (j.contains("step") && j["step"].is_number())
+      step = std::max(step, j["step"].get<int64_t>());
+  if (step >= 0) reached = fmt::format("reached step {}", step);
   std::string ckpt = "no complete checkpoint";
   try {
     if (auto latest = find_latest_checkpoint(run_dir)) {

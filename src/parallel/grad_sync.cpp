@@ -30,7 +30,7 @@ std::vector<FlatRange> merged(std::vector<FlatRange> v) {
 
 }  // namespace
 
-SyncRanges sync_ranges(const ParamLayout& layout, const ExpertShard& shard) {
+SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard) {
   std::vector<FlatRange> all_experts, own;
   for (const ParamInfo& p : layout.params()) {
     if (p.expert < 0) continue;
@@ -175,6 +175,7 @@ void GradSync::reduce_bucket(std::size_t i, const float* grads) {
 void GradSync::reduce_scatter(const float* grads) {
   MOETRAIN_CHECK(thread_ == nullptr,
                  "GradSync::reduce_scatter while an overlapped reduction is in flight");
+  gathered_ = nullptr;
   for (std::size_t i = 0; i < buckets_.size(); ++i) reduce_bucket(i, grads);
 }
 
@@ -183,6 +184,7 @@ void GradSync::begin(CommThread& thread, float* grads, bool gather) {
   thread_ = &thread;
   grads_ = grads;
   gather_ = gather;
+  gathered_ = nullptr;
   next_ = 0;
 }
 
@@ -207,6 +209,7 @@ void GradSync::finish() {
   CommThread* thread = thread_;
   thread_ = nullptr;
   thread->drain();
+  if (gather_) gathered_ = grads_;
 }
 
 double GradSync::shard_sum_squares() const {
@@ -217,11 +220,16 @@ double GradSync::shard_sum_squares() const {
 }
 
 bool GradSync::shard_has_non_finite() const {
-  return has_non_finite(shard_.data(), shard_size_);
+  return moetrain::has_non_finite(shard_.data(), shard_size_);
 }
 
 void GradSync::scale_shard(float scale) {
   scale_gradients(shard_.data(), shard_size_, scale);
+}
+
+void GradSync::scale(float factor) {
+  scale_shard(factor);
+  if (gathered_) scale_reduced(gathered_, factor);
 }
 
 void GradSync::scale_reduced(float* grads, float scale) const {
@@ -258,6 +266,7 @@ void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, D
 }
 
 void GradSync::allgather_grads(float* grads) {
+  gathered_ = grads;
   for (const Bucket& b : buckets_) allgather_into(grads, b, shard_.data() + b.shard_offset, wire_);
 }
 

@@ -19,6 +19,7 @@
 #include "core/comm.h"
 #include "core/dtype.h"
 #include "model/params.h"
+#include "optim/update.h"
 #include "parallel/comm_thread.h"
 #include "parallel/groups.h"
 
@@ -46,7 +47,7 @@ struct SyncRanges {
   std::vector<FlatRange> dense;
   std::vector<FlatRange> expert;
 };
-SyncRanges sync_ranges(const ParamLayout& layout, const ExpertShard& shard);
+SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard);
 
 // A piece of this rank's shard: flat range and whether it is expert (EDP-reduced).
 struct ShardPiece {
@@ -54,7 +55,10 @@ struct ShardPiece {
   bool expert = false;
 };
 
-class GradSync {
+// As a GradientShard (optim/update.h) it is this rank's shard of the reduced gradient: the
+// non-finite check and the norm read the shard, and scale() multiplies the shard and, under plain
+// data parallelism, the reduced copy gathered into the flat buffer (the one the optimizer reads).
+class GradSync final : public GradientShard {
  public:
   // dense, expert: communicators that must outlive this object.
   GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const GradSyncConfig& cfg);
@@ -87,6 +91,11 @@ class GradSync {
   double shard_sum_squares() const;
   bool shard_has_non_finite() const;
   void scale_shard(float scale);
+  bool has_non_finite() const override { return shard_has_non_finite(); }
+  double sum_squares() const override { return shard_sum_squares(); }
+  // The shard, and the gathered copy when this step's reduced gradients were gathered into the
+  // flat buffer (allgather_grads, or begin with gather).
+  void scale(float factor) override;
   // grads at every reduced position *= scale (plain DP scales the gathered gradients in place,
   // so that the overlapped and the blocking paths give the same bits).
   void scale_reduced(float* grads, float scale) const;
@@ -117,7 +126,8 @@ class GradSync {
   CommThread* thread_ = nullptr;  // between begin() and finish()
   float* grads_ = nullptr;
   bool gather_ = false;
-  std::size_t next_ = 0;  // first bucket not yet posted
+  float* gathered_ = nullptr;  // the flat buffer holding this step's gathered reduced gradients
+  std::size_t next_ = 0;       // first bucket not yet posted
   int64_t shard_size_ = 0;
   std::vector<float> shard_;
   FloatBuffer packed_;

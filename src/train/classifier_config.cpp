@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "train/config_schema.h"
+#include "train/run_state.h"
 
 namespace moetrain {
 
@@ -39,7 +40,7 @@ ConfigSchema schema(ClassifierRunConfig& c) {
       {"train.batch_size", &t.batch_size}, {"train.seed", &t.seed},
       {"train.eval_every", &t.eval_every}, {"train.eval_batch_size", &t.eval_batch_size},
       {"train.threads", &t.threads},       {"train.run_dir", &t.run_dir},
-      {"train.progress", &t.progress},
+      {"train.progress", &t.progress},     {"train.checkpoint_every", &t.checkpoint_every},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -83,6 +84,9 @@ void ClassifierRunConfig::validate() const {
                  t.eval_every);
   MOETRAIN_CHECK(t.eval_batch_size > 0, "train.eval_batch_size = {}: must be positive",
                  t.eval_batch_size);
+  MOETRAIN_CHECK(t.checkpoint_every >= 0,
+                 "train.checkpoint_every = {}: must be ≥ 0 (0 = only at the end)",
+                 t.checkpoint_every);
   MOETRAIN_CHECK(t.threads >= 0, "train.threads = {}: must be ≥ 0 (0 = all cores)", t.threads);
   MOETRAIN_CHECK(!t.run_dir.empty(), "train.run_dir must not be empty");
   MOETRAIN_CHECK(
@@ -95,6 +99,16 @@ int64_t ClassifierRunConfig::total_steps(int64_t n_train) const {
   if (train.epochs == 0) return train.steps;
   MOETRAIN_CHECK(n_train > 0, "train.epochs = {}: the training set is empty", train.epochs);
   return (train.epochs * n_train + train.batch_size - 1) / train.batch_size;
+}
+
+std::string ClassifierRunConfig::config_hash() const {
+  nlohmann::json j = to_json();
+  // What may change between a run and its resumption without changing what is computed.
+  for (const char* k : {"steps", "epochs", "eval_every", "eval_batch_size", "checkpoint_every",
+                        "threads", "run_dir", "progress"})
+    j["train"].erase(k);
+  j.erase("data");
+  return json_hash(j);
 }
 
 nlohmann::json ClassifierRunConfig::to_json() const {

@@ -28,6 +28,7 @@ struct ClassifierTrainConfig {
   int64_t threads = 0;             // 0 = all cores
   std::string run_dir = "runs/fashion_mnist";
   std::string progress = "auto";  // auto | bar | lines | off
+  int64_t checkpoint_every = 0;   // a checkpoint every n steps (besides the last); 0 = none
 };
 
 struct ClassifierRunConfig {
@@ -38,6 +39,8 @@ struct ClassifierRunConfig {
 
   void validate() const;
   nlohmann::json to_json() const;
+  // What a resumed run must share with the run that wrote its checkpoint, as 16 hex digits.
+  std::string config_hash() const;
   // Optimizer steps of the run for a training set of n_train rows.
   int64_t total_steps(int64_t n_train) const;
 };

@@ -5,16 +5,23 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 
 #include "core/check.h"
+#include "core/fault.h"
 #include "core/log.h"
 #include "core/rng.h"
 #include "core/threads.h"
 #include "core/timer.h"
-#include "optim/clip.h"
+#include "optim/grad_reducer.h"
 #include "optim/param_groups.h"
+#include "optim/update.h"
+#include "parallel/runtime.h"
+#include "parallel/sharded_optimizer.h"
+#include "train/accumulate.h"
+#include "train/parallel_setup.h"
 #include "train/progress.h"
+#include "train/run_state.h"
+#include "train/step_metrics.h"
 
 namespace fs = std::filesystem;
 
@@ -91,27 +98,6 @@ ClassifierEval evaluate_classifier(Classifier& model, const float* params, const
 
 namespace {
 
-std::string router_bias_name(int64_t layer) {
-  return fmt::format("model.layers.{}.block_sparse_moe.router_bias", layer);
-}
-
-std::vector<NamedTensor> model_views(const ParamTable& layout, float* params) {
-  std::vector<NamedTensor> out;
-  for (const auto& p : layout.params()) out.push_back({p.name, p.shape, params + p.offset});
-  return out;
-}
-
-// Router biases of the aux-loss-free router: state, not parameters.
-std::vector<NamedTensor> bias_views(Classifier& model) {
-  std::vector<NamedTensor> out;
-  const ClassifierConfig& cfg = model.config();
-  if (cfg.moe().router != RouterKind::SigmoidBias) return out;
-  auto moe = model.moe_layers();
-  for (int64_t l = 0; l < cfg.n_layers; ++l)
-    out.push_back({router_bias_name(l), {cfg.n_experts}, moe[l]->router_bias()});
-  return out;
-}
-
 void check_dataset(const ImageDataset& d, const ClassifierConfig& m, const char* which) {
   MOETRAIN_CHECK(d.n > 0, "the {} set is empty", which);
   MOETRAIN_CHECK(d.rows * d.cols == m.input_dim,
@@ -122,20 +108,22 @@ void check_dataset(const ImageDataset& d, const ClassifierConfig& m, const char*
                  m.n_classes);
 }
 
-double imbalance(const std::vector<int64_t>& load) {
-  int64_t mx = 0, sum = 0;
-  for (int64_t v : load) mx = std::max(mx, v), sum += v;
-  return sum > 0
-             ? static_cast<double>(mx) * static_cast<double>(load.size()) / static_cast<double>(sum)
-             : 1.0;
-}
-
 }  // namespace
 
-ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData data)
+ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData data, bool resume,
+                                     std::unique_ptr<Comm> world)
     : cfg_(std::move(cfg)), data_(std::move(data)) {
   cfg_.validate();
-  int threads = init_threads(static_cast<int>(cfg_.train.threads));
+  world_ = world ? std::move(world) : dist_world("classifier");
+  const int W = world_->size();
+  int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
+  pg_ = std::make_unique<ProcessGroups>(make_process_groups(*world_, 1));
+  const int64_t B = cfg_.train.batch_size;
+  MOETRAIN_CHECK(B % W == 0,
+                 "train.batch_size = {} rows cannot be split evenly over {} processes: each takes "
+                 "train.batch_size / processes rows of every batch",
+                 B, W);
+  rows_per_rank_ = B / W;
   if (!data_.train || !data_.test) {
     ClassifierData loaded = load_classifier_data(cfg_);
     if (!data_.train) data_.train = loaded.train;
@@ -151,155 +139,212 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   grads_.assign(params_.size(), 0.0f);
   init_classifier_params(params_.data(), layout, cfg_.model, cfg_.train.seed);
   groups_ = param_groups(layout);
-  optimizer_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, 0, layout.size());
+  expert_shard_ = {0, cfg_.model.n_experts};
+  DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, ReduceSettings{});
+  reducer_ = std::move(dp.reducer);
+  optimizer_ = std::make_unique<ShardedOptimizer>(cfg_.optim.optimizer_config(), groups_,
+                                                  std::move(dp.pieces));
+  writers_ = checkpoint_writers(layout, pg_->layout, cfg_.model.n_experts);
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(total_steps_));
   sampler_ = std::make_unique<EpochSampler>(data_.train->n, cfg_.train.seed);
 
-  const int64_t B = cfg_.train.batch_size;
   rows_.resize(static_cast<std::size_t>(B));
-  inputs_.resize(static_cast<std::size_t>(B * cfg_.model.input_dim));
-  labels_.resize(static_cast<std::size_t>(B));
+  inputs_.resize(static_cast<std::size_t>(rows_per_rank_ * cfg_.model.input_dim));
+  labels_.resize(static_cast<std::size_t>(rows_per_rank_));
 
-  // A fresh run replaces what an earlier run left in the directory, metrics and checkpoints alike
-  // (checkpoints are kept by step number, so a longer old run's would outrank this run's).
   const fs::path run_dir = cfg_.train.run_dir;
-  fs::create_directories(run_dir);
-  if (fs::exists(run_dir / "checkpoints")) {
-    log_info("{}: removing the checkpoints of an earlier run", run_dir.string());
-    fs::remove_all(run_dir / "checkpoints");
+  if (rank() == 0) {
+    fs::create_directories(run_dir);
+    // A fresh run replaces what an earlier run left in the directory, metrics and checkpoints
+    // alike (checkpoints are kept by step number, so a longer old run's would outrank this one's).
+    if (!resume && fs::exists(run_dir / "checkpoints")) {
+      log_info("{}: removing the checkpoints of an earlier run", run_dir.string());
+      fs::remove_all(run_dir / "checkpoints");
+    }
   }
-  std::ofstream(run_dir / "metrics.jsonl", std::ios::trunc);
+  pg_->control->barrier();
+  const std::optional<fs::path> ckpt = checkpoint_to_resume(run_dir, resume, *pg_->control);
+  if (ckpt) load_checkpoint(*ckpt);
+  metrics_ = open_metrics(run_dir, rank(), ckpt ? std::optional<int64_t>(step_) : std::nullopt);
+  if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);
+  check_ranks_agree(*pg_->control, std::stoull(cfg_.config_hash(), nullptr, 16), step_);
 
   log_info(
       "classifier: {} blocks of {} experts (top-{}), C = {}, F = {}, {:.3f}M parameters; {} "
       "threads",
       cfg_.model.n_layers, cfg_.model.n_experts, cfg_.model.top_k, cfg_.model.dim,
       cfg_.model.expert_hidden, static_cast<double>(layout.size()) / 1e6, threads);
-  log_info("data: {} training / {} test images; {} steps of {} ({:.2f} epochs)", data_.train->n,
+  log_info("data: {} training / {} test images; {} steps of {} ({:.2f} epochs){}", data_.train->n,
            data_.test->n, total_steps_, B,
-           static_cast<double>(total_steps_ * B) / static_cast<double>(data_.train->n));
+           static_cast<double>(total_steps_ * B) / static_cast<double>(data_.train->n),
+           W > 1 ? fmt::format("; {} data-parallel processes", W) : std::string());
 }
 
 ClassifierTrainer::~ClassifierTrainer() = default;
 
-CheckpointContents ClassifierTrainer::checkpoint_views() {
-  CheckpointContents c;
-  const ClassifierLayout& layout = model_->layout();
-  c.model = model_views(layout, params_.data());
-  for (const StateBuffer& sb : optimizer_->state()) {
-    for (const auto& p : layout.params())
-      c.optimizer.push_back({sb.name + "." + p.name, p.shape, sb.values.data() + p.offset});
-  }
-  c.state = bias_views(*model_);
-  c.config = {{"model_type", "moe_classifier"},
-              {"num_labels", cfg_.model.n_classes},
-              {"input_dim", cfg_.model.input_dim},
-              {"moetrain", cfg_.to_json()}};
-  c.trainer = {{"step", step_},
-               {"seed", cfg_.train.seed},
-               {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
-               {"data", {{"next_step", step_}, {"train_rows", data_.train->n}}}};
-  return c;
+CheckpointShare ClassifierTrainer::checkpoint_share(bool reading) {
+  return moetrain::checkpoint_share(model_->layout(), params_.data(), *optimizer_, writers_,
+                                    expert_shard_, rank(), /*sharded=*/false, bias_views(*model_),
+                                    reading);
+}
+
+nlohmann::json ClassifierTrainer::trainer_state() const {
+  return {{"step", step_},
+          {"config_hash", cfg_.config_hash()},
+          {"seed", cfg_.train.seed},
+          {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
+          // Batches are a pure function of (seed, step): the step says where the data stands.
+          {"data",
+           {{"next_step", step_},
+            {"global_batch", cfg_.train.batch_size},
+            {"train_rows", data_.train->n}}},
+          {"layout", {{"processes", world_size()}}}};
+}
+
+fs::path ClassifierTrainer::save_checkpoint() {
+  CheckpointDocs docs;
+  docs.config = {{"model_type", "moe_classifier"},
+                 {"num_labels", cfg_.model.n_classes},
+                 {"input_dim", cfg_.model.input_dim},
+                 {"moetrain", cfg_.to_json()}};
+  docs.trainer = trainer_state();
+  return write_checkpoint(*pg_->control, cfg_.train.run_dir, step_, checkpoint_share(false), docs,
+                          /*keep=*/1);
+}
+
+void ClassifierTrainer::load_checkpoint(const fs::path& dir) {
+  const nlohmann::json t = read_checkpoint_json(dir, "trainer_state.json");
+  const std::string where = (dir / "trainer_state.json").string();
+  MOETRAIN_CHECK(t.value("config_hash", std::string()) == cfg_.config_hash(),
+                 "{} was written with a different configuration (hash '{}' vs this run's {}): "
+                 "resume with the same model, optimizer and batch settings, or use a new "
+                 "train.run_dir",
+                 dir.string(), t.value("config_hash", std::string()), cfg_.config_hash());
+  MOETRAIN_CHECK(t.contains("step") && t.contains("optimizer"), "{}: no 'step' or 'optimizer'",
+                 where);
+  step_ = t["step"].get<int64_t>();
+  optimizer_->set_step_count(t["optimizer"].value("step_count", step_));
+  read_checkpoint_pieces(dir, checkpoint_share(true));
 }
 
 double ClassifierTrainer::train_step() {
-  const int64_t B = cfg_.train.batch_size, D = cfg_.model.input_dim;
+  const int64_t B = cfg_.train.batch_size, D = cfg_.model.input_dim, Bl = rows_per_rank_;
+  const int64_t E = cfg_.model.n_experts;
+  const int W = world_size();
   const ImageDataset& train = *data_.train;
   sampler_->batch(step_, B, rows_.data());
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(inputs_.data() + b * D, train.images.data() + rows_[b] * D, sizeof(float) * D);
-    labels_[b] = train.labels[rows_[b]];
-  }
-  std::fill(grads_.begin(), grads_.end(), 0.0f);
-  MoeStep ms;
-  ms.training = true;
-  ms.seed = cfg_.train.seed;
-  ms.step = static_cast<uint64_t>(step_);
-  ClassifierLoss p = model_->forward(params_.data(), inputs_.data(), labels_.data(), B, ms);
-  MOETRAIN_CHECK(
-      std::isfinite(p.total),
-      "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. Lower optim.lr or raise "
-      "optim.warmup_steps",
-      step_ + 1, p.total, p.ce, p.aux, p.z);
-  model_->backward(params_.data(), grads_.data(), 1.0f);
-  const int64_t n = static_cast<int64_t>(grads_.size());
-  MOETRAIN_CHECK(!has_non_finite(grads_.data(), n), "step {}: non-finite gradient; stopping",
-                 step_ + 1);
-  const double gnorm = cfg_.optim.grad_clip > 0
-                           ? clip_grad_norm(grads_.data(), n, cfg_.optim.grad_clip)
-                           : grad_norm(grads_.data(), n);
+  const int64_t first = rank() * Bl;  // this rank's rows of the global batch
+  AccumulateArgs<ImageBatch> args;
+  args.micro_batches = 1;
+  // Each rank's loss is a mean over Bl rows: 1/P of it summed over ranks is the global mean.
+  args.loss_weight = 1.0f / static_cast<float>(W);
+  args.dropped_divisor = W;
+  args.fill = [&](int64_t) {
+    for (int64_t b = 0; b < Bl; ++b) {
+      const int64_t row = rows_[first + b];
+      std::memcpy(inputs_.data() + b * D, train.images.data() + row * D, sizeof(float) * D);
+      labels_[b] = train.labels[row];
+    }
+    return ImageBatch{inputs_.data(), labels_.data(), Bl};
+  };
+  args.moe_step = [&](int64_t) {
+    MoeStep ms;
+    ms.training = true;
+    ms.seed = cfg_.train.seed;
+    ms.step = static_cast<uint64_t>(step_);
+    ms.token_offset = static_cast<uint64_t>(first);  // router noise per global row
+    return ms;
+  };
+  args.bad_loss = [&](const LossParts& p) {
+    return fmt::format(
+        "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. Lower optim.lr or "
+        "raise optim.warmup_steps",
+        step_ + 1, p.total, p.ce, p.aux, p.z);
+  };
+  Accumulated acc =
+      accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
+  const int64_t sync_bytes_before = reducer_->bytes_sent();
   last_lr_ = schedule_->lr(step_);
-  optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+  UpdateOptions opts;
+  opts.grad_clip = cfg_.optim.grad_clip;
+  opts.where = fmt::format("step {}", step_ + 1);
+  const UpdateOutcome outcome =
+      apply_update(reducer_->reduce(grads_.data()), *pg_->control, opts, [&] {
+        reducer_->update(params_.data(), grads_.data(), [&] {
+          optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
+        });
+      });
+  last_grad_norm_ = outcome.grad_norm;
 
-  auto moe = model_->moe_layers();
   if (cfg_.model.moe().router == RouterKind::SigmoidBias)
-    for (MoeLayer* m : moe) m->apply_bias_update();
-  std::vector<std::vector<int64_t>> load;
-  std::vector<double> dropped;
-  double imb = 0;
-  for (MoeLayer* m : moe) {
-    const MoeStats& s = m->stats();
-    load.push_back(s.tokens_per_expert);
-    dropped.push_back(s.fraction_dropped);
-    imb += imbalance(load.back());
-  }
+    update_router_biases(moe_blocks(*model_), E, *pg_->control);
   ++step_;
-  pending_metrics_ = {{"step", step_},
-                      {"loss", p.total},
-                      {"ce", p.ce},
-                      {"aux", p.aux},
-                      {"z", p.z},
-                      {"accuracy", static_cast<double>(p.correct) / static_cast<double>(B)},
-                      {"lr", last_lr_},
-                      {"grad_norm", gnorm},
-                      {"tokens_per_expert", load},
-                      {"dropped_fraction", dropped},
-                      {"imbalance", imb / static_cast<double>(moe.size())}};
-  return p.total;
+  reduce_step_figures(*pg_->control, acc);
+  pending_metrics_ =
+      step_metrics_line({.step = step_,
+                         .acc = &acc,
+                         .lr = last_lr_,
+                         .grad_norm = last_grad_norm_,
+                         .update = &outcome,
+                         .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
+                         .accuracy_rows = B});
+  return acc.loss.total;
 }
 
-void ClassifierTrainer::write_metrics_line(const nlohmann::json& line) {
-  std::ofstream out(fs::path(cfg_.train.run_dir) / "metrics.jsonl", std::ios::app);
-  out << line.dump() << "\n";
-}
-
-ClassifierTrainResult ClassifierTrainer::run() {
+ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
   ClassifierTrainResult result;
   const int64_t B = cfg_.train.batch_size, eval_batch = cfg_.train.eval_batch_size;
-  Progress progress(parse_progress_mode(cfg_.train.progress), step_, total_steps_);
+  const int64_t first_step = step_;
+  const int64_t total = stop_at >= 0 ? std::min(stop_at, total_steps_) : total_steps_;
+  Progress progress(parse_progress_mode(rank() == 0 ? cfg_.train.progress : "off"), step_,
+                    total_steps_);
   Timer run_timer;
+  // Every rank evaluates the whole test set (the replicated model gives every rank the figures).
   auto evaluate = [&] {
     ClassifierEval ev = evaluate_classifier(*model_, params_.data(), *data_.test, eval_batch);
-    write_metrics_line({{"step", step_}, {"test_loss", ev.loss}, {"test_accuracy", ev.accuracy}});
+    metrics_.write({{"step", step_}, {"test_loss", ev.loss}, {"test_accuracy", ev.accuracy}});
     return ev;
   };
-  while (step_ < total_steps_) {
+  while (step_ < total) {
     Timer t;
     result.final_loss = train_step();
+    fault_point("step", step_);
     const double dt = t.seconds();
     result.train_seconds += dt;
     // Timings live under their own keys so that everything else in a line is reproducible bit for
     // bit.
     pending_metrics_["step_time_s"] = dt;
     pending_metrics_["images_per_s"] = static_cast<double>(B) / dt;
-    write_metrics_line(pending_metrics_);
+    metrics_.write(pending_metrics_);
     progress.update({step_, total_steps_, result.final_loss, static_cast<double>(B) / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});
+    const bool last = step_ == total;
     if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0 && step_ < total_steps_) {
       ClassifierEval ev = evaluate();
       progress.note(fmt::format("step {}: test accuracy {:.2f}%, loss {:.4f}", step_,
                                 100 * ev.accuracy, ev.loss));
     }
+    if (cfg_.train.checkpoint_every > 0 && step_ % cfg_.train.checkpoint_every == 0 && !last) {
+      const fs::path c = save_checkpoint();
+      progress.note(fmt::format("step {}: checkpoint {}", step_, c.string()));
+    }
   }
   progress.finish();
+  result.steps_done = step_ - first_step;
+  if (step_ < total_steps_) {
+    // Stopped early, as if interrupted: a checkpoint to resume from, no final evaluation.
+    result.checkpoint = save_checkpoint();
+    result.seconds = run_timer.seconds();
+    return result;
+  }
   ClassifierEval ev = evaluate();
   result.test_loss = ev.loss;
   result.test_accuracy = ev.accuracy;
-  result.checkpoint = write_checkpoint(cfg_.train.run_dir, step_, checkpoint_views(), 1);
-  result.steps_done = step_;
+  result.checkpoint = save_checkpoint();
   result.seconds = run_timer.seconds();
-  result.images_per_s =
-      result.train_seconds > 0 ? static_cast<double>(B * step_) / result.train_seconds : 0.0;
+  result.images_per_s = result.train_seconds > 0
+                            ? static_cast<double>(B * result.steps_done) / result.train_seconds
+                            : 0.0;
   log_info(
       "done: {} steps in {:.1f} s ({:.0f} images/s); test accuracy {:.2f}% ({}/{}), loss {:.4f}; "
       "checkpoint {}",
@@ -309,15 +354,7 @@ ClassifierTrainResult ClassifierTrainer::run() {
 }
 
 LoadedClassifier load_classifier(const fs::path& dir) {
-  fs::path ckpt = dir;
-  if (!fs::is_regular_file(dir / "manifest.json")) {
-    auto latest = find_latest_checkpoint(dir);
-    MOETRAIN_CHECK(
-        latest.has_value(),
-        "{}: neither a checkpoint directory nor a run directory with a complete checkpoint",
-        dir.string());
-    ckpt = *latest;
-  }
+  const fs::path ckpt = resolve_checkpoint(dir);
   verify_checkpoint(ckpt);
   nlohmann::json config = read_checkpoint_json(ckpt, "config.json");
   MOETRAIN_CHECK(
@@ -327,12 +364,7 @@ LoadedClassifier load_classifier(const fs::path& dir) {
   LoadedClassifier out;
   out.config = classifier_config_from_json(config["moetrain"], (ckpt / "config.json").string());
   out.model = std::make_unique<Classifier>(out.config.model);
-  out.params.assign(static_cast<std::size_t>(out.model->layout().size()), 0.0f);
-  CheckpointContents c;
-  c.model = model_views(out.model->layout(), out.params.data());
-  c.state = bias_views(*out.model);
-  read_checkpoint(ckpt, c);
-  out.step = c.trainer.value("step", int64_t{0});
+  out.step = read_weights(ckpt, *out.model, out.params);
   return out;
 }
 

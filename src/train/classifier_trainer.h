@@ -1,5 +1,7 @@
-// Training the MoE classifier: deterministic mini-batches → forward → backward → clip → optimizer
-// → router-bias update, with test-set evaluation, metrics, progress and a final checkpoint.
+// Training the MoE classifier through the LM trainer's machinery: deterministic mini-batches →
+// the accumulation routine (train/accumulate.h) → the gradient reducer and the one update step
+// (optim/grad_reducer.h, optim/update.h) → router-bias update, with test-set evaluation, the
+// metrics writer, progress and collective checkpoints that resume bit for bit (train/run_state.h).
 // `app/cmd_classify.cpp` only parses arguments and calls this.
 #pragma once
 #include <cstdint>
@@ -9,11 +11,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/comm.h"
 #include "data/idx.h"
 #include "io/checkpoint.h"
+#include "io/metrics.h"
 #include "model/classifier.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "parallel/groups.h"
 #include "train/classifier_config.h"
 
 namespace moetrain {
@@ -64,41 +69,65 @@ struct ClassifierTrainResult {
   std::filesystem::path checkpoint;
 };
 
+class GradReducer;
+class ShardedOptimizer;
+
+// Under mpirun every process builds a ClassifierTrainer and runs it in step (every method is
+// collective): data parallelism with the experts replicated. Each rank takes its contiguous
+// train.batch_size / P rows of every global batch, the gradients are summed by the reducer, rank
+// 0 writes the metrics, every rank writes its share of each checkpoint. Expert parallelism needs
+// the classifier to take an expert exchange; the ExpertShard held here is where it plugs in.
 class ClassifierTrainer {
  public:
-  explicit ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData data = {});
+  // resume: continue from the run directory's latest complete checkpoint if there is one (a fresh
+  // run replaces an earlier run's checkpoints and metrics). world: the processes of the run; null
+  // means every process of the launch, or just this one without MPI.
+  explicit ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData data = {}, bool resume = false,
+                             std::unique_ptr<Comm> world = nullptr);
   ~ClassifierTrainer();
 
   // Trains for the configured steps (or epochs), evaluates on the test set, writes the checkpoint.
-  ClassifierTrainResult run();
+  // stop_at ≥ 0: stops there with a checkpoint, as if interrupted; a resumed run continues it.
+  ClassifierTrainResult run(int64_t stop_at = -1);
 
   const ClassifierRunConfig& config() const { return cfg_; }
   Classifier& model() { return *model_; }
   std::vector<float>& params() { return params_; }
   int64_t step() const { return step_; }
   int64_t total_steps() const { return total_steps_; }
+  int rank() const { return world_->rank(); }
+  int world_size() const { return world_->size(); }
 
-  // The checkpoint's contents as views into this trainer's buffers.
-  CheckpointContents checkpoint_views();
+  // Collective: every rank writes its share of the checkpoint of the current step.
+  std::filesystem::path save_checkpoint();
 
  private:
   double train_step();  // one optimizer step; returns the loss
-  void write_metrics_line(const nlohmann::json& line);
+  CheckpointShare checkpoint_share(bool reading);
+  nlohmann::json trainer_state() const;
+  void load_checkpoint(const std::filesystem::path& dir);
 
   ClassifierRunConfig cfg_;
   ClassifierData data_;
+  std::unique_ptr<Comm> world_;
+  std::unique_ptr<ProcessGroups> pg_;
   std::unique_ptr<Classifier> model_;
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;
-  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<ShardedOptimizer> optimizer_;
+  ExpertShard expert_shard_;  // every expert: replicated over the data-parallel ranks
+  std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<EpochSampler> sampler_;
   int64_t step_ = 0, total_steps_ = 0;
-  std::vector<int64_t> rows_;    // (B)
-  std::vector<float> inputs_;    // (B, D)
-  std::vector<int32_t> labels_;  // (B)
-  double last_lr_ = 0;
+  int64_t rows_per_rank_ = 0;    // Bl = B / P
+  std::vector<int64_t> rows_;    // (B) the global batch's rows
+  std::vector<float> inputs_;    // (Bl, D) this rank's
+  std::vector<int32_t> labels_;  // (Bl)
+  double last_lr_ = 0, last_grad_norm_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
+  MetricsWriter metrics_;           // rank 0's; inactive on the others
 };
 
 // A trained classifier read back from a checkpoint directory or a run directory (its latest

@@ -13,6 +13,7 @@
 
 #include "core/comm.h"
 #include "io/checkpoint.h"
+#include "io/metrics.h"
 #include "model/transformer.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
@@ -23,7 +24,7 @@
 namespace moetrain {
 
 class TokenShard;
-class GradSync;
+class GradReducer;
 class ShardedOptimizer;
 struct A2aHierarchy;
 class CommThread;
@@ -99,10 +100,8 @@ class Trainer {
   // Collective: the ranks run the same configuration from the same step, or all fail.
   void check_ranks_agree();
   double train_step();  // one optimizer step; returns the loss
-  // Distributed: reduce gradients, clip by the global norm, update (plain DP or ZeRO-1).
-  void distributed_update(float lr);
-  void write_metrics_line(const nlohmann::json& line);
-  bool distributed() const;
+  // Reduce the gradients, then apply_update (optim/update.h): unscale, clip, step.
+  void update();
 
   RunConfig cfg_;
   std::unique_ptr<Comm> world_;
@@ -116,7 +115,8 @@ class Trainer {
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;
   std::vector<std::pair<int64_t, int64_t>> own_experts_;  // (offset, size)
-  std::unique_ptr<GradSync> sync_;                        // distributed runs only
+  std::unique_ptr<GradReducer> reducer_;  // local identity on one process, GradSync under MPI
+  int64_t buckets_ = 0;                   // gradient buckets (0 on one process)
   std::unique_ptr<ShardedOptimizer> optimizer_;
   ExpertShard expert_shard_;  // the experts this rank holds
   std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints
@@ -133,6 +133,7 @@ class Trainer {
   bool last_skipped_ = false;
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
+  MetricsWriter metrics_;           // rank 0's; inactive on the others
 };
 
 }  // namespace moetrain

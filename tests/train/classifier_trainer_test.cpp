@@ -213,6 +213,47 @@ TEST(ClassifierTrainer, CheckpointHoldsTheClassifierAndLoadsBack) {
   EXPECT_EQ(metrics(cfg.train.run_dir).size(), 6u);
 }
 
+TEST(ClassifierTrainer, ResumeIsBitExact) {
+  // Stopped at step 7 (a checkpoint, as if interrupted) and resumed: the same metrics, parameters
+  // and router biases as the uninterrupted run, bit for bit.
+  TempDir a("straight"), b("resumed");
+  const std::vector<std::string> extra = {"model.router=sigmoid_bias", "train.steps=16",
+                                          "train.eval_every=5", "train.checkpoint_every=3"};
+  ClassifierData data = small_data();
+  std::vector<float> straight, resumed;
+  {
+    ClassifierTrainer t(small_run(a, extra), data);
+    t.run();
+    straight = t.params();
+  }
+  {
+    ClassifierTrainer t(small_run(b, extra), data);
+    ClassifierTrainResult r = t.run(7);
+    EXPECT_EQ(r.steps_done, 7);
+    EXPECT_EQ(r.checkpoint.filename(), "step_00000007");
+  }
+  {
+    ClassifierTrainer t(small_run(b, extra), data, /*resume=*/true);
+    EXPECT_EQ(t.step(), 7);
+    ClassifierTrainResult r = t.run();
+    EXPECT_EQ(r.steps_done, 9);
+    resumed = t.params();
+  }
+  ASSERT_EQ(straight.size(), resumed.size());
+  EXPECT_EQ(0, std::memcmp(straight.data(), resumed.data(), straight.size() * sizeof(float)));
+  std::vector<nlohmann::json> ma = metrics(a / "run"), mb = metrics(b / "run");
+  ASSERT_EQ(ma.size(), mb.size());
+  for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i].dump(), mb[i].dump()) << "line " << i;
+
+  // Another configuration does not resume this run's checkpoint.
+  expect_error(
+      [&] {
+        ClassifierTrainer t(small_run(b, {"model.router=sigmoid_bias", "train.batch_size=16"}),
+                            data, /*resume=*/true);
+      },
+      "different configuration");
+}
+
 TEST(ClassifierTrainer, EpochsSetTheRunLength) {
   TempDir tmp("epochs");
   ClassifierRunConfig cfg =

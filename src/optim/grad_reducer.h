@@ -1,0 +1,51 @@
+// Gradient reduction between the last backward and the update step, as one interface: every
+// trainer makes the same calls whatever the number of processes (llm.c's reduce returns at once on
+// one rank). The local reducer is the identity; the MPI one (parallel/grad_reducer.h) sums over
+// the data-parallel ranks in buckets, plain or ZeRO-1. A trainer picks one at construction.
+//
+//   reducer.begin(grads)            before the step's last backward (overlapped reduction)
+//   backward ...                    (the model's grads-ready hook may feed the reducer)
+//   GradientShard& g = reducer.reduce(grads)
+//   apply_update(g, comm, opts, [&] { reducer.update(params, grads, optimizer_step); })
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <optional>
+
+#include "optim/update.h"
+
+namespace moetrain {
+
+class GradReducer {
+ public:
+  virtual ~GradReducer() = default;
+  // Before the step's last backward: reduction may start as backward finishes gradients.
+  virtual void begin(float* grads) = 0;
+  // Completes the reduction of grads (the flat buffer); returns the part of the summed gradient
+  // this process is responsible for, valid until the next begin/reduce.
+  virtual GradientShard& reduce(float* grads) = 0;
+  // Runs optimizer_step (which updates what this process holds the state of), then makes params
+  // whole again on every process.
+  virtual void update(float* params, float* grads, const std::function<void()>& optimizer_step) = 0;
+  virtual double seconds() const = 0;      // spent in collectives so far
+  virtual int64_t bytes_sent() const = 0;  // sent to other processes so far
+};
+
+// One process: the gradients are already the sum; the whole buffer is this process's part.
+class LocalGradReducer final : public GradReducer {
+ public:
+  explicit LocalGradReducer(int64_t n) : n_(n) {}
+  void begin(float*) override {}
+  GradientShard& reduce(float* grads) override { return shard_.emplace(grads, n_); }
+  void update(float*, float*, const std::function<void()>& optimizer_step) override {
+    optimizer_step();
+  }
+  double seconds() const override { return 0; }
+  int64_t bytes_sent() const override { return 0; }
+
+ private:
+  int64_t n_;  // floats in the flat buffer
+  std::optional<FlatGradient> shard_;
+};
+
+}  // namespace moetrain

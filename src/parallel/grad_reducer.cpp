@@ -1,0 +1,39 @@
+#include "parallel/grad_reducer.h"
+
+#include <utility>
+
+namespace moetrain {
+
+MpiGradReducer::MpiGradReducer(std::unique_ptr<GradSync> sync, CommThread* overlap, bool zero1)
+    : sync_(std::move(sync)), overlap_(overlap), zero1_(zero1) {}
+
+void MpiGradReducer::begin(float* grads) {
+  // Plain DP gathers each bucket right after its reduce-scatter, so both halves overlap backward.
+  if (overlap_) sync_->begin(*overlap_, grads, /*gather=*/!zero1_);
+}
+
+GradientShard& MpiGradReducer::reduce(float* grads) {
+  // Plain DP: the reduced gradients are gathered into grads before any scaling, and the unscale
+  // and clip multiply them in place (GradSync::scale): the same bits with or without overlap,
+  // whatever the wire type. ZeRO-1 scales the shard it updates.
+  if (overlap_) {
+    sync_->finish();
+  } else {
+    sync_->reduce_scatter(grads);
+    if (!zero1_) sync_->allgather_grads(grads);
+  }
+  return *sync_;
+}
+
+void MpiGradReducer::update(float* params, float* grads,
+                            const std::function<void()>& optimizer_step) {
+  if (!zero1_) {
+    optimizer_step();
+    return;
+  }
+  sync_->unpack_shard(grads);
+  optimizer_step();
+  sync_->allgather_params(params);
+}
+
+}  // namespace moetrain

@@ -1,0 +1,35 @@
+// The MPI GradReducer: GradSync's bucketed reduce-scatter, plain data parallelism (the reduced
+// gradients gathered back into the flat buffer, the whole optimizer step) or ZeRO-1 (the step on
+// this rank's shard only, then the parameters all-gathered).
+#pragma once
+#include <memory>
+
+#include "optim/grad_reducer.h"
+#include "parallel/comm_thread.h"
+#include "parallel/grad_sync.h"
+
+namespace moetrain {
+
+class MpiGradReducer final : public GradReducer {
+ public:
+  // overlap: the thread that reduces buckets during backward (null: reduce after backward).
+  // zero1: ZeRO-1 (the optimizer holds state for this rank's shard only).
+  MpiGradReducer(std::unique_ptr<GradSync> sync, CommThread* overlap, bool zero1);
+
+  void begin(float* grads) override;
+  // The model's grads-ready hook: gradients at offsets ≥ from are final.
+  void ready(int64_t from) { sync_->ready(from); }
+  GradientShard& reduce(float* grads) override;
+  void update(float* params, float* grads, const std::function<void()>& optimizer_step) override;
+  double seconds() const override { return sync_->seconds(); }
+  int64_t bytes_sent() const override { return sync_->bytes_sent(); }
+
+  const GradSync& sync() const { return *sync_; }
+
+ private:
+  std::unique_ptr<GradSync> sync_;
+  CommThread* overlap_;
+  bool zero1_;
+};
+
+}  // namespace moetrain

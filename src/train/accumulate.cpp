@@ -1,0 +1,51 @@
+#include "train/accumulate.h"
+
+#include <algorithm>
+
+namespace moetrain {
+
+MicroLoss forward_micro(Transformer& model, const float* params, const TokenBatch& batch,
+                        const MoeStep& step) {
+  return {model.forward(params, batch.inputs, batch.targets, batch.B, batch.T, step), 0};
+}
+
+MicroLoss forward_micro(Classifier& model, const float* params, const ImageBatch& batch,
+                        const MoeStep& step) {
+  const ClassifierLoss l = model.forward(params, batch.inputs, batch.labels, batch.N, step);
+  return {{l.ce, l.aux, l.z, l.total, l.n}, l.correct};
+}
+
+void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& comm) {
+  if (moe.empty()) return;
+  std::vector<int64_t> global(moe.size() * E);
+  for (std::size_t m = 0; m < moe.size(); ++m)
+    std::copy_n(moe[m]->pending_load(), E, global.begin() + m * E);
+  comm.allreduce(global.data(), static_cast<int64_t>(global.size()));
+  for (std::size_t m = 0; m < moe.size(); ++m) moe[m]->apply_bias_update(global.data() + m * E);
+}
+
+std::vector<MoeBlock*> moe_blocks(Transformer& model) {
+  return model.moe_layers();
+}
+
+std::vector<MoeBlock*> moe_blocks(Classifier& model) {
+  std::vector<MoeBlock*> out;
+  for (MoeLayer* m : model.moe_layers()) out.push_back(m);
+  return out;
+}
+
+namespace detail {
+
+void accumulate_stats(const std::vector<MoeBlock*>& moe, double dropped_divisor, Accumulated& acc) {
+  for (std::size_t m = 0; m < moe.size(); ++m) {
+    const MoeStats& s = moe[m]->stats();
+    std::vector<int64_t>& load = acc.tokens_per_expert[m];
+    for (std::size_t e = 0; e < load.size(); ++e) load[e] += s.tokens_per_expert[e];
+    acc.dropped[m] += s.fraction_dropped / dropped_divisor;
+    acc.a2a_s += moe[m]->timings().a2a;
+    acc.a2a_wait_s += moe[m]->timings().a2a_wait;
+  }
+}
+
+}  // namespace detail
+}  // namespace moetrain

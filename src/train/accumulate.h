@@ -1,0 +1,121 @@
+// The one micro-batch accumulation routine of every trainer (the LM trainer, the classifier, a
+// parameter-server worker): zero the gradients, then for each of A micro-batches
+//   fill → forward → loss finite check → (before the last backward: the overlap hook) →
+//   backward with the loss weight
+// summing the loss parts, the tokens each expert received, the dropped fractions and the
+// all-to-all timings. What differs between trainers comes in as callbacks: how a micro-batch is
+// filled (returning the batch the model's forward takes), which MoeStep it runs under (router
+// noise is drawn per global token), and what a non-finite loss error says.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "core/comm.h"
+#include "model/classifier.h"
+#include "model/transformer.h"
+#include "moe/moe_block.h"
+
+namespace moetrain {
+
+// One micro-batch of token windows: inputs, targets (B, T).
+struct TokenBatch {
+  const int32_t* inputs = nullptr;
+  const int32_t* targets = nullptr;
+  int64_t B = 0, T = 0;
+};
+
+// One micro-batch of images: inputs (N, D), labels (N). Read again by backward.
+struct ImageBatch {
+  const float* inputs = nullptr;
+  const int32_t* labels = nullptr;
+  int64_t N = 0;
+};
+
+// A micro-batch's loss parts; correct: rows whose arg-max is the label (classifier only).
+struct MicroLoss {
+  LossParts parts;
+  int64_t correct = 0;
+};
+
+MicroLoss forward_micro(Transformer& model, const float* params, const TokenBatch& batch,
+                        const MoeStep& step);
+MicroLoss forward_micro(Classifier& model, const float* params, const ImageBatch& batch,
+                        const MoeStep& step);
+
+template <class Batch>
+struct AccumulateArgs {
+  int64_t micro_batches = 1;  // A
+  // backward's weight of each micro-batch's total loss (1/(A·W), times the fp16 loss scale).
+  float loss_weight = 1;
+  // Each layer's dropped fraction is summed divided by this (A·W: the mean over every process's
+  // micro-batches once summed over processes).
+  double dropped_divisor = 1;
+  std::function<Batch(int64_t micro)> fill;
+  std::function<MoeStep(int64_t micro)> moe_step;
+  // Called right before the last micro-batch's backward (overlapped gradient reduction). May be
+  // empty.
+  std::function<void()> before_last_backward;
+  // The error text for a non-finite loss (what stopped, what to do). Called only then.
+  std::function<std::string(const LossParts&)> bad_loss;
+};
+
+struct Accumulated {
+  LossParts loss;       // ce, aux, z, total: means over the micro-batches; targets: summed
+  int64_t correct = 0;  // summed (classifier)
+  std::vector<std::vector<int64_t>> tokens_per_expert;  // (MoE layers, E) summed
+  std::vector<double> dropped;                          // (MoE layers) Σ fraction / divisor
+  double a2a_s = 0, a2a_wait_s = 0;                     // summed over layers and micro-batches
+};
+
+// grads (n) = Σ over micro-batches of ∂(loss_weight · total)/∂params.
+template <class Model, class Batch>
+Accumulated accumulate(Model& model, const float* params, float* grads, int64_t n,
+                       const AccumulateArgs<Batch>& args);
+
+// Collective over comm: the aux-loss-free router's bias update from the load every process's
+// micro-batches gave each expert (E per layer), the same on every process.
+void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& comm);
+
+// --- implementation ------------------------------------------------------------------------------
+
+// A model's MoE layers, in layer order.
+std::vector<MoeBlock*> moe_blocks(Transformer& model);
+std::vector<MoeBlock*> moe_blocks(Classifier& model);
+
+namespace detail {
+void accumulate_stats(const std::vector<MoeBlock*>& moe, double dropped_divisor, Accumulated& acc);
+}  // namespace detail
+
+template <class Model, class Batch>
+Accumulated accumulate(Model& model, const float* params, float* grads, int64_t n,
+                       const AccumulateArgs<Batch>& args) {
+  const int64_t A = args.micro_batches;
+  MOETRAIN_CHECK(A > 0, "accumulate: {} micro-batches, needs at least one", A);
+  std::fill(grads, grads + n, 0.0f);
+  const std::vector<MoeBlock*> moe = moe_blocks(model);
+  Accumulated acc;
+  acc.dropped.assign(moe.size(), 0.0);
+  acc.tokens_per_expert.assign(
+      moe.size(), std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
+  LossParts& sum = acc.loss;
+  for (int64_t micro = 0; micro < A; ++micro) {
+    const Batch batch = args.fill(micro);
+    const MicroLoss p = forward_micro(model, params, batch, args.moe_step(micro));
+    MOETRAIN_CHECK(std::isfinite(p.parts.total), "{}", args.bad_loss(p.parts));
+    // The last micro-batch's backward finishes the gradients: reduction may start now.
+    if (micro == A - 1 && args.before_last_backward) args.before_last_backward();
+    model.backward(params, grads, args.loss_weight);
+    sum.ce += p.parts.ce / A, sum.aux += p.parts.aux / A, sum.z += p.parts.z / A;
+    sum.total += p.parts.total / A;
+    sum.targets += p.parts.targets;
+    acc.correct += p.correct;
+    detail::accumulate_stats(moe, args.dropped_divisor, acc);
+  }
+  return acc;
+}
+
+}  // namespace moetrain

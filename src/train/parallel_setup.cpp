@@ -1,0 +1,68 @@
+#include "train/parallel_setup.h"
+
+#include <algorithm>
+
+#include "core/dtype.h"
+#include "parallel/grad_reducer.h"
+#include "parallel/grad_sync.h"
+
+namespace moetrain {
+
+DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& held,
+                                ProcessGroups& groups, const ReduceSettings& settings) {
+  DataParallel out;
+  if (groups.layout.world == 1) {
+    out.reducer = std::make_unique<LocalGradReducer>(layout.size());
+    out.pieces.push_back({0, layout.size()});
+    return out;
+  }
+  const SyncRanges ranges = sync_ranges(layout, held);
+  GradSyncConfig gc;
+  gc.first_bucket_bytes = static_cast<int64_t>(settings.bucket_first_mb * 1024 * 1024);
+  gc.bucket_bytes = static_cast<int64_t>(settings.bucket_mb * 1024 * 1024);
+  gc.reduce_dtype = parse_dtype(settings.grad_reduce_dtype, "dist.grad_reduce_dtype");
+  auto sync = std::make_unique<GradSync>(ranges, *groups.grads, *groups.expert_grads, gc);
+  out.buckets = static_cast<int64_t>(sync->buckets().size());
+  if (settings.zero1) {
+    for (const ShardPiece& p : sync->shard_pieces())
+      out.pieces.push_back({p.range.offset, p.range.size});
+  } else {
+    for (const FlatRange& r : ranges.dense) out.pieces.push_back({r.offset, r.size});
+    for (const FlatRange& r : ranges.expert) out.pieces.push_back({r.offset, r.size});
+  }
+  auto reducer =
+      std::make_unique<MpiGradReducer>(std::move(sync), settings.overlap, settings.zero1);
+  if (settings.overlap) {
+    MpiGradReducer* r = reducer.get();
+    out.grads_ready = [r](int64_t from) { r->ready(from); };
+  }
+  out.reducer = std::move(reducer);
+  return out;
+}
+
+std::vector<int> checkpoint_writers(const ParamTable& layout, const ParallelLayout& pl, int64_t E) {
+  const std::vector<ParamInfo>& params = layout.params();
+  std::vector<int> writer(params.size(), 0);
+  std::vector<int64_t> bytes(static_cast<std::size_t>(pl.world), 0);
+  std::vector<std::size_t> replicated;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params[i];
+    if (p.expert < 0) {
+      replicated.push_back(i);
+      continue;
+    }
+    const int ep_index = static_cast<int>(p.expert / (E / pl.ep));
+    const int dp_index = static_cast<int>(p.expert % pl.dp);
+    writer[i] = dp_index * pl.ep + ep_index;
+    bytes[writer[i]] += p.numel;
+  }
+  std::stable_sort(replicated.begin(), replicated.end(),
+                   [&](std::size_t a, std::size_t b) { return params[a].numel > params[b].numel; });
+  for (std::size_t i : replicated) {
+    writer[i] = static_cast<int>(std::min_element(bytes.begin(), bytes.end()) - bytes.begin());
+    bytes[writer[i]] += params[i].numel;
+  }
+  return writer;
+}
+
+}  // namespace moetrain

@@ -1,0 +1,169 @@
+#include "train/run_state.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "core/check.h"
+#include "core/log.h"
+
+namespace fs = std::filesystem;
+
+namespace moetrain {
+
+namespace {
+
+std::string router_bias_name(int64_t layer) {
+  return fmt::format("model.layers.{}.block_sparse_moe.router_bias", layer);
+}
+
+}  // namespace
+
+std::optional<fs::path> checkpoint_to_resume(const fs::path& run_dir, bool resume, Comm& control) {
+  std::optional<fs::path> ckpt = resume ? find_latest_checkpoint(run_dir, &control) : std::nullopt;
+  if (ckpt || !resume) return ckpt;
+  // Committed checkpoints that all fail verification are not silently replaced: a run from
+  // step 0 would prune them. (An uncommitted .tmp_ directory is no checkpoint.)
+  int64_t refused = 0;
+  const fs::path cdir = run_dir / "checkpoints";
+  if (fs::is_directory(cdir))
+    for (const auto& entry : fs::directory_iterator(cdir))
+      if (entry.is_directory() && entry.path().filename().string().rfind("step_", 0) == 0)
+        ++refused;
+  MOETRAIN_CHECK(refused == 0,
+                 "{} holds {} checkpoint(s) and none can be loaded (the reasons are logged "
+                 "above): move them away to start this run from step 0, or point "
+                 "train.run_dir elsewhere",
+                 cdir.string(), refused);
+  log_info("no checkpoint in {}: starting from step 0", run_dir.string());
+  return ckpt;
+}
+
+void check_ranks_agree(Comm& comm, uint64_t hash, int64_t step) {
+  if (comm.size() == 1) return;
+  std::vector<int64_t> hashes = comm.allgather_one(static_cast<int64_t>(hash));
+  std::vector<int64_t> steps = comm.allgather_one(step);
+  for (int q = 1; q < comm.size(); ++q) {
+    MOETRAIN_CHECK(hashes[q] == hashes[0],
+                   "rank {} has configuration hash {:016x}, rank 0 has {:016x}: every process "
+                   "must run the same model, optimizer and batch settings",
+                   q, static_cast<uint64_t>(hashes[q]), static_cast<uint64_t>(hashes[0]));
+    MOETRAIN_CHECK(steps[q] == steps[0],
+                   "rank {} starts at step {}, rank 0 at step {}: the processes resumed from "
+                   "different checkpoints",
+                   q, steps[q], steps[0]);
+  }
+}
+
+MetricsWriter open_metrics(const fs::path& run_dir, int rank, std::optional<int64_t> resumed) {
+  if (rank != 0) return {};
+  // Metrics past the checkpoint belong to a run that is being replaced.
+  if (resumed) return MetricsWriter::resume(run_dir, *resumed);
+  return MetricsWriter(run_dir, MetricsWriter::Open::Fresh);
+}
+
+std::vector<NamedTensor> model_views(const ParamTable& layout, float* params) {
+  std::vector<NamedTensor> out;
+  for (const auto& p : layout.params()) out.push_back({p.name, p.shape, params + p.offset});
+  return out;
+}
+
+std::vector<NamedTensor> bias_views(Transformer& model) {
+  std::vector<NamedTensor> out;
+  const ModelConfig& cfg = model.config();
+  if (cfg.moe().router != RouterKind::SigmoidBias) return out;
+  for (int64_t l = 0; l < cfg.n_layers; ++l) {
+    int64_t m = model.moe_index(l);
+    if (m >= 0)
+      out.push_back({router_bias_name(l), {cfg.n_experts}, model.moe_layers()[m]->router_bias()});
+  }
+  return out;
+}
+
+std::vector<NamedTensor> bias_views(Classifier& model) {
+  std::vector<NamedTensor> out;
+  const ClassifierConfig& cfg = model.config();
+  if (cfg.moe().router != RouterKind::SigmoidBias) return out;
+  auto moe = model.moe_layers();
+  for (int64_t l = 0; l < cfg.n_layers; ++l)
+    out.push_back({router_bias_name(l), {cfg.n_experts}, moe[l]->router_bias()});
+  return out;
+}
+
+CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
+                                 ShardedOptimizer& optimizer, const std::vector<int>& writers,
+                                 const ExpertShard& held, int me, bool sharded,
+                                 const std::vector<NamedTensor>& state, bool reading) {
+  CheckpointShare share;
+  const std::vector<ParamInfo>& infos = layout.params();
+  auto holds = [&](const ParamInfo& p) {
+    return p.expert < 0 || (p.expert >= held.first && p.expert < held.first + held.count);
+  };
+  for (std::size_t i = 0; i < infos.size(); ++i) {
+    const ParamInfo& p = infos[i];
+    if (reading ? holds(p) : writers[i] == me)
+      share.model.push_back(whole_tensor(p.name, p.shape, params + p.offset));
+  }
+  // Optimizer state by parameter name and element range: this rank's pieces cut at tensor
+  // boundaries (the alignment gaps between tensors hold no state worth keeping: always zero).
+  // Under ZeRO-1 the pieces of all ranks tile the buffer; otherwise state is replicated like the
+  // parameters and each tensor's writer saves it.
+  const std::vector<std::string>& names = optimizer.state_names();
+  const std::vector<OptimPiece>& pieces = optimizer.pieces();
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    const int64_t from = pieces[k].offset, to = from + pieces[k].size;
+    for (std::size_t i = 0; i < infos.size(); ++i) {
+      const ParamInfo& p = infos[i];
+      const int64_t lo = std::max(from, p.offset), hi = std::min(to, p.offset + p.numel);
+      if (lo >= hi || (!reading && !sharded && writers[i] != me)) continue;
+      for (std::size_t s = 0; s < names.size(); ++s)
+        share.optimizer.push_back(
+            {names[s] + "." + p.name, p.shape, lo - p.offset, hi - p.offset,
+             optimizer.piece_state(k, static_cast<int>(s)).data() + (lo - from)});
+    }
+  }
+  if (reading || me == 0)
+    for (const NamedTensor& t : state) share.state.push_back(whole_tensor(t.name, t.shape, t.data));
+  return share;
+}
+
+namespace {
+
+template <class Model>
+int64_t read_weights_of(const fs::path& ckpt, Model& model, std::vector<float>& params) {
+  params.assign(static_cast<std::size_t>(model.layout().size()), 0.0f);
+  CheckpointContents c;
+  c.model = model_views(model.layout(), params.data());
+  c.state = bias_views(model);
+  read_checkpoint(ckpt, c);
+  return c.trainer.value("step", int64_t{0});
+}
+
+}  // namespace
+
+int64_t read_weights(const fs::path& ckpt, Transformer& model, std::vector<float>& params) {
+  return read_weights_of(ckpt, model, params);
+}
+
+int64_t read_weights(const fs::path& ckpt, Classifier& model, std::vector<float>& params) {
+  return read_weights_of(ckpt, model, params);
+}
+
+fs::path resolve_checkpoint(const fs::path& dir) {
+  if (fs::is_regular_file(dir / "manifest.json")) return dir;
+  auto latest = find_latest_checkpoint(dir);
+  MOETRAIN_CHECK(latest.has_value(),
+                 "{}: neither a checkpoint directory nor a run directory with a complete "
+                 "checkpoint",
+                 dir.string());
+  return *latest;
+}
+
+std::string json_hash(const nlohmann::json& j) {
+  const std::string s = j.dump();
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
+  return fmt::format("{:016x}", h);
+}
+
+}  // namespace moetrain

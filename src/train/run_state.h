@@ -1,0 +1,63 @@
+// Run state shared by every collective trainer (the LM and the classifier): where a run starts
+// (the checkpoint to resume from, or a fresh run directory), that every rank agrees on it, the
+// metrics writer it appends to, and what each rank writes into and reads from a checkpoint.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/comm.h"
+#include "io/checkpoint.h"
+#include "io/metrics.h"
+#include "model/classifier.h"
+#include "model/params.h"
+#include "model/transformer.h"
+#include "parallel/groups.h"
+#include "parallel/sharded_optimizer.h"
+
+namespace moetrain {
+
+// Collective over control. resume: the run directory's latest complete checkpoint (nullopt when
+// it has none; an error when it has committed checkpoints and none of them loads, since a run from
+// step 0 would prune them). Not resuming: nullopt.
+std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem::path& run_dir,
+                                                          bool resume, Comm& control);
+
+// Collective: the ranks run the same configuration (hash) from the same step, or all fail.
+void check_ranks_agree(Comm& control, uint64_t config_hash, int64_t step);
+
+// The metrics writer of rank 0 (inactive elsewhere): a fresh file, or the lines up to `resumed`.
+MetricsWriter open_metrics(const std::filesystem::path& run_dir, int rank,
+                           std::optional<int64_t> resumed);
+
+// Parameters as named whole tensors over the flat buffer.
+std::vector<NamedTensor> model_views(const ParamTable& layout, float* params);
+// Router biases of the aux-loss-free router: state, not parameters.
+std::vector<NamedTensor> bias_views(Transformer& model);
+std::vector<NamedTensor> bias_views(Classifier& model);
+
+// What this rank writes into a checkpoint (reading = false: each element by one rank, writers[i]
+// for tensor i of the layout, optimizer state by the tensor's writer unless sharded (ZeRO-1:
+// every rank its pieces), state by rank 0) or reads from one (reading = true: every value it
+// holds), as views into its buffers. held: the experts this rank holds.
+CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
+                                 ShardedOptimizer& optimizer, const std::vector<int>& writers,
+                                 const ExpertShard& held, int rank, bool sharded,
+                                 const std::vector<NamedTensor>& state, bool reading);
+
+// params = the checkpoint's parameters (sized to the model's layout), and the model's router
+// biases; returns the step the checkpoint was written at.
+int64_t read_weights(const std::filesystem::path& ckpt, Transformer& model,
+                     std::vector<float>& params);
+int64_t read_weights(const std::filesystem::path& ckpt, Classifier& model,
+                     std::vector<float>& params);
+
+// A checkpoint directory, or a run directory's latest complete checkpoint.
+std::filesystem::path resolve_checkpoint(const std::filesystem::path& dir);
+
+// Fnv-1a of a JSON document's text, as 16 hex digits.
+std::string json_hash(const nlohmann::json& j);
+
+}  // namespace moetrain
