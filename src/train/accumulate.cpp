@@ -15,7 +15,7 @@ MicroLoss forward_micro(Classifier& model, const float* params, const ImageBatch
   return {{l.ce, l.aux, l.z, l.total, l.n}, l.correct};
 }
 
-void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& comm) {
+void update_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& comm) {
   if (moe.empty()) return;
   std::vector<int64_t> global(moe.size() * E);
   for (std::size_t m = 0; m < moe.size(); ++m)
@@ -24,19 +24,9 @@ void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& co
   for (std::size_t m = 0; m < moe.size(); ++m) moe[m]->apply_bias_update(global.data() + m * E);
 }
 
-std::vector<MoeBlock*> moe_blocks(Transformer& model) {
-  return model.moe_layers();
-}
-
-std::vector<MoeBlock*> moe_blocks(Classifier& model) {
-  std::vector<MoeBlock*> out;
-  for (MoeLayer* m : model.moe_layers()) out.push_back(m);
-  return out;
-}
-
 namespace detail {
 
-void accumulate_stats(const std::vector<MoeBlock*>& moe, double dropped_divisor, Accumulated& acc) {
+void accumulate_stats(const std::vector<MoeLayer*>& moe, double dropped_divisor, Accumulated& acc) {
   for (std::size_t m = 0; m < moe.size(); ++m) {
     const MoeStats& s = moe[m]->stats();
     std::vector<int64_t>& load = acc.tokens_per_expert[m];

@@ -17,7 +17,7 @@
 #include "core/comm.h"
 #include "model/classifier.h"
 #include "model/transformer.h"
-#include "moe/moe_block.h"
+#include "moe/moe_layer.h"
 
 namespace moetrain {
 
@@ -78,16 +78,12 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
 
 // Collective over comm: the aux-loss-free router's bias update from the load every process's
 // micro-batches gave each expert (E per layer), the same on every process.
-void update_router_biases(const std::vector<MoeBlock*>& moe, int64_t E, Comm& comm);
+void update_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& comm);
 
 // --- implementation ------------------------------------------------------------------------------
 
-// A model's MoE layers, in layer order.
-std::vector<MoeBlock*> moe_blocks(Transformer& model);
-std::vector<MoeBlock*> moe_blocks(Classifier& model);
-
 namespace detail {
-void accumulate_stats(const std::vector<MoeBlock*>& moe, double dropped_divisor, Accumulated& acc);
+void accumulate_stats(const std::vector<MoeLayer*>& moe, double dropped_divisor, Accumulated& acc);
 }  // namespace detail
 
 template <class Model, class Batch>
@@ -96,7 +92,7 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
   const int64_t A = args.micro_batches;
   MOETRAIN_CHECK(A > 0, "accumulate: {} micro-batches, needs at least one", A);
   std::fill(grads, grads + n, 0.0f);
-  const std::vector<MoeBlock*> moe = moe_blocks(model);
+  const std::vector<MoeLayer*> moe = model.moe_layers();
   Accumulated acc;
   acc.dropped.assign(moe.size(), 0.0);
   acc.tokens_per_expert.assign(

@@ -277,7 +277,7 @@ double ClassifierTrainer::train_step() {
   last_grad_norm_ = outcome.grad_norm;
 
   if (cfg_.model.moe().router == RouterKind::SigmoidBias)
-    update_router_biases(moe_blocks(*model_), E, *pg_->control);
+    update_router_biases(model_->moe_layers(), E, *pg_->control);
   ++step_;
   reduce_step_figures(*pg_->control, acc);
   pending_metrics_ =

@@ -231,7 +231,7 @@ double Trainer::train_step() {
     model_->weights_changed();
   }
   if (cfg_.model.moe().router == RouterKind::SigmoidBias)
-    update_router_biases(moe_blocks(*model_), E, *pg_->control);
+    update_router_biases(model_->moe_layers(), E, *pg_->control);
   ++step_;
   reduce_step_figures(*pg_->control, acc);
   last_parts_ = acc.loss;
