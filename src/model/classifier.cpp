@@ -95,7 +95,7 @@ namespace {
 // The dense products of the classifier, cut into tasks of kColBlock output columns whose shapes
 // depend only on the problem. Each task is a single-threaded oneDNN call (oneDNN runs
 // sequentially inside an active parallel region, which is why even one task runs inside one) and
-// no reduction is split, so the results are the same for any thread count (see moe/det_gemm.h).
+// no reduction is split, so the results are the same for any thread count (see kernels/det_gemm.h).
 // Small products are plain loops on the calling thread, without a parallel region.
 constexpr int64_t kColBlock = 32;
 

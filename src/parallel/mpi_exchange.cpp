@@ -44,20 +44,22 @@ void MpiExchange::plan(ExchangeLayout& layout, const int64_t* counts, int64_t E,
   a2a_plan(layout, route_, counts, E, C);
 }
 
+const float* MpiExchange::exchange(Move move, const float* in, const ExchangeLayout& layout,
+                                   int64_t rows, FloatBuffer& out) {
+  if (layout.P == 1) return in;
+  float* to = out.ensure(rows * layout.C);
+  move(to, in, layout, route_, scratch_, opts_.wire);
+  return to;
+}
+
 const float* MpiExchange::dispatch(const float* send, const ExchangeLayout& layout,
                                    FloatBuffer& recv) {
-  if (layout.P == 1) return send;
-  float* out = recv.ensure(layout.R_recv * layout.C);
-  a2a_dispatch(out, send, layout, route_, scratch_, opts_.wire);
-  return out;
+  return exchange(&a2a_dispatch, send, layout, layout.R_recv, recv);
 }
 
 const float* MpiExchange::combine(const float* rows, const ExchangeLayout& layout,
                                   FloatBuffer& back) {
-  if (layout.P == 1) return rows;
-  float* out = back.ensure(layout.R_send * layout.C);
-  a2a_combine(out, rows, layout, route_, scratch_, opts_.wire);
-  return out;
+  return exchange(&a2a_combine, rows, layout, layout.R_send, back);
 }
 
 }  // namespace moetrain

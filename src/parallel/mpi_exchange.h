@@ -40,6 +40,13 @@ class MpiExchange final : public ExpertExchange {
                        FloatBuffer& back) override;
 
  private:
+  // The rows of `in` moved by `move` (a2a_dispatch or a2a_combine) into `out`, which holds
+  // `rows` rows afterwards; an EP group of one moves nothing and hands `in` back.
+  using Move = void (*)(float*, const float*, const A2aLayout&, const A2aRoute&, A2aScratch&,
+                        DType);
+  const float* exchange(Move move, const float* in, const ExchangeLayout& layout, int64_t rows,
+                        FloatBuffer& out);
+
   A2aRoute route_;
   MpiExchangeOptions opts_;
   A2aScratch scratch_;  // one task runs at a time, so one scratch serves every layer and chunk
