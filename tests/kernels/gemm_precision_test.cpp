@@ -8,9 +8,14 @@
 
 #include "core/dtype.h"
 #include "kernels/gemm.h"
+#include "support/error_bound.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;
+using moetrain::testing::Bounded;
+using moetrain::testing::BoundedSum;
+using moetrain::testing::expect_agree;
+using moetrain::testing::expect_within;
 
 namespace {
 
@@ -23,6 +28,22 @@ std::vector<float> rounded(DType t, std::vector<float> x) {
   for (float& v : x) v = round_to(t, v);
   return x;
 }
+// C (M, N) = A (M, K) · op(B) [+ C0] over operands already rounded, with the bound of an f32
+// accumulation (support/error_bound.h); B stored (K, N) or, transposed, (N, K).
+std::vector<Bounded> ref_gemm(int64_t M, int64_t N, int64_t K, const std::vector<float>& A,
+                              const std::vector<float>& B, Trans tb, const float* C0 = nullptr) {
+  std::vector<Bounded> C(M * N);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      BoundedSum s;
+      if (C0) s.add(Bounded{C0[i * N + j]});
+      for (int64_t k = 0; k < K; ++k)
+        s.add(A[i * K + k], tb == Trans::T ? B[j * K + k] : B[k * N + j]);
+      C[i * N + j] = s.result();
+    }
+  return C;
+}
+
 double rel_norm_error(const std::vector<float>& a, const std::vector<float>& ref) {
   double num = 0, den = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
@@ -45,14 +66,17 @@ TEST(GemmPrecision, LowPrecisionGemmIsTheF32GemmOfRoundedOperands) {
       gemm(Trans::N, tb, M, N, K, Ar.data(), Br.data(), want.data(), false);
       const auto Al = to_lp(t, A), Bl = to_lp(t, B);
       gemm(t, Trans::N, tb, M, N, K, Al.data(), Bl.data(), got.data(), false);
-      // Native low-precision kernels may sum in another order; the widened path is bit-equal.
-      moetrain::testing::expect_close(got.data(), want.data(), M * N, 1e-5, 1e-5,
-                                      dtype_name(t).data());
+      // Both are f32 accumulations of the same exact products, each within the f32 bound; a
+      // native low-precision kernel may sum in another order (the widened path is bit-equal).
+      const auto ref = ref_gemm(M, N, K, Ar, Br, tb);
+      expect_within(got.data(), ref.data(), M * N, dtype_name(t).data());
+      expect_agree(got.data(), want.data(), ref, "low precision vs f32 of rounded operands");
       // accumulate adds into C
       std::vector<float> acc(M * N, 1.0f);
       gemm(t, Trans::N, tb, M, N, K, Al.data(), Bl.data(), acc.data(), true);
-      for (auto& v : want) v += 1.0f;
-      moetrain::testing::expect_close(acc.data(), want.data(), M * N, 1e-5, 1e-5, "accumulate");
+      const std::vector<float> ones(M * N, 1.0f);
+      const auto ref_acc = ref_gemm(M, N, K, Ar, Br, tb, ones.data());
+      expect_within(acc.data(), ref_acc.data(), M * N, "accumulate");
     }
   }
   EXPECT_TRUE(gemm_is_native(DType::F32));
@@ -69,7 +93,15 @@ TEST(GemmPrecision, GroupedFp16MatchesPerGroupGemm) {
                reinterpret_cast<const fp16*>(Bl.data()), N * K, got.data(), false);
   const std::vector<float> Ar = rounded(DType::F16, A), Br = rounded(DType::F16, B);
   grouped_gemm(Trans::T, G, M, N, K, Ar.data(), Br.data(), N * K, want.data(), false);
-  moetrain::testing::expect_close(got.data(), want.data(), 22 * N, 1e-5, 1e-5, "grouped fp16");
+  // Each group's rows against its own weights; both computations within the f32 bound.
+  std::vector<Bounded> ref;
+  for (int64_t g = 0, row = 0; g < G; row += M[g], ++g) {
+    const std::vector<float> Ag(Ar.begin() + row * K, Ar.begin() + (row + M[g]) * K),
+        Bg(Br.begin() + g * N * K, Br.begin() + (g + 1) * N * K);
+    const auto part = ref_gemm(M[g], N, K, Ag, Bg, Trans::T);
+    ref.insert(ref.end(), part.begin(), part.end());
+  }
+  expect_agree(got.data(), want.data(), ref, "grouped fp16");
   std::vector<float> dw(G * 6 * 7, 0.0f), dw_want(G * 6 * 7, 0.0f);
   const std::vector<float> X = moetrain::testing::random_vector(22 * 6, 5),
                            Y = moetrain::testing::random_vector(22 * 7, 6);
@@ -78,8 +110,18 @@ TEST(GemmPrecision, GroupedFp16MatchesPerGroupGemm) {
                       reinterpret_cast<const fp16*>(Yl.data()), dw.data(), 42, true);
   const std::vector<float> Xr = rounded(DType::F16, X), Yr = rounded(DType::F16, Y);
   grouped_gemm_reduce(G, M, 6, 7, Xr.data(), Yr.data(), dw_want.data(), 42, true);
-  moetrain::testing::expect_close(dw.data(), dw_want.data(), G * 42, 1e-5, 1e-5,
-                                  "grouped reduce fp16");
+  // dw_g (6, 7) = X_gᵀ Y_g accumulated onto zeros: M_g + 1 terms per element.
+  std::vector<Bounded> dw_ref(G * 42);
+  for (int64_t g = 0, row = 0; g < G; row += M[g], ++g)
+    for (int64_t p = 0; p < 6; ++p)
+      for (int64_t q = 0; q < 7; ++q) {
+        BoundedSum s;
+        s.add(Bounded{0.0});
+        for (int64_t m = row; m < row + M[g]; ++m) s.add(Xr[m * 6 + p], Yr[m * 7 + q]);
+        dw_ref[g * 42 + p * 7 + q] = s.result();
+      }
+  expect_within(dw.data(), dw_ref.data(), G * 42, "grouped reduce fp16");
+  expect_agree(dw.data(), dw_want.data(), dw_ref, "grouped reduce fp16 vs f32");
 }
 
 // A linear layer (out = x·Wᵀ, dx = dout·W, dW = doutᵀ·x) with every operand rounded: within 1%

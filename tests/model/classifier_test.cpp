@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <set>
 #include <vector>
 
 #include "core/check.h"
 #include "model/classifier.h"
 #include "moe/moe_reference.h"
+#include "support/error_bound.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;
@@ -69,65 +71,104 @@ MoeWeights views(float* base, const ClassifierBlockOffsets& o) {
 }
 
 struct Reference {
-  std::vector<double> logits;  // (N, V)
-  double ce = 0, aux = 0, z = 0, total = 0;
+  std::vector<Bounded> logits;  // (N, V)
+  Bounded ce, aux, z, total;
   int64_t correct = 0;
 };
 
-// The whole classifier in double, token by token; the MoE layers through moe_reference.h (which
-// takes its input as float, so the normalised stream is rounded once per layer).
+// RMSNorm, y_c = w_c·x_c·r with r = (mean(x²) + eps)^(-1/2), of rows that the model holds
+// within in[i].e of in[i].v: mean(x²) moves by at most Σ(2|x|e + e²)/C, r by the largest slope
+// of t^(-1/2) over that range times as much, and y_c by |w_c|·(|x_c|Δr + r·e_c + e_c·Δr); the
+// kernel adds the rounding of r and eps to float and of its two multiplies.
+std::vector<Bounded> rmsnorm_bounded(const std::vector<Bounded>& in, const float* w, int64_t N,
+                                     int64_t C, double eps) {
+  std::vector<Bounded> out(N * C);
+  for (int64_t i = 0; i < N; ++i) {
+    const Bounded* x = in.data() + i * C;
+    double ms = 0, dms = 0;
+    for (int64_t c = 0; c < C; ++c) {
+      ms += x[c].v * x[c].v / double(C);
+      dms += (2 * std::abs(x[c].v) + x[c].e) * x[c].e / double(C);
+    }
+    const double r = 1.0 / std::sqrt(ms + eps);
+    const double dr = 0.5 * std::pow(std::max(ms - dms, 0.0) + eps, -1.5) * dms;
+    for (int64_t c = 0; c < C; ++c) {
+      const double v = double(w[c]) * x[c].v * r;
+      const double carried = std::abs(w[c]) * (std::abs(x[c].v) * dr + (r + dr) * x[c].e);
+      out[i * C + c] = {v, carried + gamma_n(4) * (std::abs(v) + carried)};
+    }
+  }
+  return out;
+}
+
+// The whole classifier in double, token by token, with the bound of the model's float forward
+// (support/error_bound.h); the MoE layers through moe_reference.h, which takes its input as
+// float: the reference's stream rounded, with the model's distance from that as input error.
 Reference reference(const ClassifierConfig& cfg, const ClassifierLayout& layout,
                     std::vector<float>& params, const std::vector<float>& x,
                     const std::vector<int32_t>& labels, int64_t N, const MoeStep& step) {
   const int64_t C = cfg.dim, D = cfg.input_dim, V = cfg.n_classes, L = cfg.n_layers;
   const double eps = cfg.norm_eps;
   const float* P = params.data();
-  auto rmsnorm = [&](const std::vector<double>& in, const float* w) {
-    std::vector<double> out(N * C);
-    for (int64_t i = 0; i < N; ++i) {
-      double ss = 0;
-      for (int64_t c = 0; c < C; ++c) ss += in[i * C + c] * in[i * C + c];
-      double r = 1.0 / std::sqrt(ss / double(C) + eps);
-      for (int64_t c = 0; c < C; ++c) out[i * C + c] = double(w[c]) * in[i * C + c] * r;
-    }
-    return out;
-  };
-  std::vector<double> h(N * C, 0.0);
+  // Input projection, then the bias added to it: one sum of D + 1 terms.
+  std::vector<Bounded> h(N * C);
   for (int64_t i = 0; i < N; ++i)
     for (int64_t c = 0; c < C; ++c) {
-      double s = layout.input_bias >= 0 ? double(P[layout.input_bias + c]) : 0.0;
-      for (int64_t d = 0; d < D; ++d) s += double(P[layout.input_proj + c * D + d]) * x[i * D + d];
-      h[i * C + c] = s;
+      BoundedSum s;
+      for (int64_t d = 0; d < D; ++d) s.add(P[layout.input_proj + c * D + d], x[i * D + d]);
+      if (layout.input_bias >= 0) s.add(Bounded{P[layout.input_bias + c]});
+      h[i * C + c] = s.result();
     }
   Reference ref;
   std::vector<float> bias(cfg.n_experts, 0.0f);
   for (int64_t l = 0; l < L; ++l) {
-    std::vector<double> ln = rmsnorm(h, P + layout.blocks[l].norm);
-    std::vector<float> lnf(ln.begin(), ln.end());
+    const std::vector<Bounded> ln = rmsnorm_bounded(h, P + layout.blocks[l].norm, N, C, eps);
+    std::vector<float> lnf(N * C);
+    std::vector<double> ln_err(N * C);
+    for (int64_t i = 0; i < N * C; ++i) {
+      lnf[i] = static_cast<float>(ln[i].v);
+      ln_err[i] = ln[i].e + std::abs(double(lnf[i]) - ln[i].v);
+    }
     MoeStep s = step;
     s.layer = static_cast<uint64_t>(l);
     MoeReference m = moe_reference(cfg.moe(), lnf.data(), N, views(params.data(), layout.blocks[l]),
-                                   bias.data(), s);
-    for (int64_t i = 0; i < N * C; ++i) h[i] += m.out[i];
-    ref.aux += m.aux / double(L), ref.z += m.z / double(L);
+                                   bias.data(), s, ln_err.data());
+    // The residual add: one float add per element.
+    for (int64_t i = 0; i < N * C; ++i) {
+      BoundedSum r;
+      r.add(h[i]);
+      r.add(m.out[i]);
+      h[i] = r.result();
+    }
+    ref.aux.v += m.aux.v / double(L), ref.aux.e += m.aux.e / double(L);
+    ref.z.v += m.z.v / double(L), ref.z.e += m.z.e / double(L);
   }
-  std::vector<double> hf = rmsnorm(h, P + layout.final_norm);
-  ref.logits.assign(N * V, 0.0);
+  const std::vector<Bounded> hf = rmsnorm_bounded(h, P + layout.final_norm, N, C, eps);
+  ref.logits.resize(N * V);
   for (int64_t i = 0; i < N; ++i) {
-    double mx = -1e300;
+    double mx = -1e300, mn = 1e300, dmax = 0;
     int64_t best = 0;
     for (int64_t v = 0; v < V; ++v) {
-      double s = 0;
-      for (int64_t c = 0; c < C; ++c) s += double(P[layout.head + v * C + c]) * hf[i * C + c];
-      ref.logits[i * V + v] = s;
-      if (s > mx) mx = s, best = v;
+      BoundedSum s;
+      for (int64_t c = 0; c < C; ++c) s.add(Bounded{P[layout.head + v * C + c]}, hf[i * C + c]);
+      const Bounded lv = s.result();
+      ref.logits[i * V + v] = lv;
+      dmax = std::max(dmax, lv.e), mn = std::min(mn, lv.v);
+      if (lv.v > mx) mx = lv.v, best = v;
     }
     double se = 0;
-    for (int64_t v = 0; v < V; ++v) se += std::exp(ref.logits[i * V + v] - mx);
-    ref.ce += (mx + std::log(se) - ref.logits[i * V + labels[i]]) / double(N);
+    for (int64_t v = 0; v < V; ++v) se += std::exp(ref.logits[i * V + v].v - mx);
+    const double loss = mx + std::log(se) - ref.logits[i * V + labels[i]].v;
+    // The kernel's lse: float terms e^(x − m) (the rounded subtraction, then expf) summed and
+    // logged in double; |Δ lse| ≤ max Δlogit, and the loss also moves with the label's logit.
+    const double term = std::expm1(kUnitF32 * (mx - mn + 2 * dmax)) + gamma_n(kLibmUnits);
+    double loss_err = 2 * dmax - std::log1p(-term);
+    loss_err += gamma_n(1) * (std::abs(loss) + loss_err);
+    ref.ce.v += loss / double(N), ref.ce.e += loss_err / double(N);
     ref.correct += best == labels[i];
   }
-  ref.total = ref.ce + cfg.aux_loss_coef * ref.aux + cfg.z_loss_coef * ref.z;
+  ref.total.v = ref.ce.v + cfg.aux_loss_coef * ref.aux.v + cfg.z_loss_coef * ref.z.v;
+  ref.total.e = ref.ce.e + cfg.aux_loss_coef * ref.aux.e + cfg.z_loss_coef * ref.z.e;
   return ref;
 }
 
@@ -150,13 +191,31 @@ void check_against_reference(const ClassifierConfig& cfg, int64_t N) {
   step.training = false;
   ClassifierLoss got = model.forward(params.data(), x.data(), labels.data(), N, step);
   Reference ref = reference(cfg, model.layout(), params, x, labels, N, step);
-  expect_close(model.logits(), ref.logits.data(), N * cfg.n_classes, 1e-4, 1e-4, "logits");
-  EXPECT_NEAR(got.ce, ref.ce, 1e-4 * (1 + ref.ce));
-  EXPECT_NEAR(got.aux, ref.aux, 1e-5 * (1 + ref.aux));
-  EXPECT_NEAR(got.z, ref.z, 1e-4 * (1 + ref.z));
-  EXPECT_NEAR(got.total, ref.total, 1e-4 * (1 + ref.total));
+  expect_within(model.logits(), ref.logits.data(), N * cfg.n_classes, "logits");
+  expect_within(got.ce, ref.ce, "ce");
+  expect_within(got.aux, ref.aux, "aux");
+  expect_within(got.z, ref.z, "z");
+  expect_within(got.total, ref.total, "total");
   EXPECT_EQ(got.correct, ref.correct);
   EXPECT_EQ(got.n, N);
+}
+
+// The fraction of the model's logits outside the bounds of a reference computed with `bug`
+// applied to the parameters.
+double outside_with_bug(const ClassifierConfig& cfg, int64_t N,
+                        const std::function<void(const ClassifierLayout&, float*)>& bug) {
+  Classifier model(cfg);
+  std::vector<float> params = make_params(model, 5);
+  std::vector<float> x;
+  std::vector<int32_t> labels;
+  inputs_for(N, cfg, x, labels);
+  MoeStep step;
+  step.training = false;
+  model.forward(params.data(), x.data(), labels.data(), N, step);
+  bug(model.layout(), params.data());
+  Reference ref = reference(cfg, model.layout(), params, x, labels, N, step);
+  const int64_t n = N * cfg.n_classes;
+  return double(count_outside(model.logits(), ref.logits.data(), n)) / double(n);
 }
 
 void check_model_gradients(const ClassifierConfig& cfg, bool training, int64_t N = 9) {
@@ -229,6 +288,46 @@ TEST(Classifier, ForwardMatchesDoubleReference) {
   // Dense products large enough for the blocked oneDNN path, with a partial last block.
   c = wide_config();
   check_against_reference(c, 40);
+}
+
+// The bounds compound over the layers but stay far below what a wiring bug moves: with one put
+// into the reference, the correct model's logits fall outside them in many places.
+TEST(Classifier, ReferenceBoundsCatchABugInTheReference) {
+  const ClassifierConfig wide = wide_config();
+  const int64_t C = wide.dim, F = wide.expert_hidden;
+  EXPECT_EQ(outside_with_bug(wide, 40, [](const ClassifierLayout&, float*) {}), 0.0);
+  EXPECT_GT(outside_with_bug(wide, 40,
+                             [&](const ClassifierLayout& l, float* p) {
+                               std::fill(p + l.input_bias, p + l.input_bias + C, 0.0f);
+                             }),
+            0.2);
+  EXPECT_GT(outside_with_bug(wide, 40,
+                             [&](const ClassifierLayout& l, float* p) {
+                               std::fill(p + l.final_norm, p + l.final_norm + C, 1.0f);
+                             }),
+            0.4);
+  EXPECT_GT(outside_with_bug(wide, 40,
+                             [&](const ClassifierLayout& l, float* p) {
+                               for (int64_t r = 0; r < wide.n_experts * F; ++r)
+                                 p[l.blocks[0].w1 + r * C + C - 1] = 0.0f;
+                             }),
+            0.3);
+  EXPECT_GT(outside_with_bug(wide, 40,
+                             [&](const ClassifierLayout& l, float* p) {
+                               for (int64_t v = 0; v < wide.n_classes; ++v)
+                                 p[l.head + v * C + C - 1] = 0.0f;
+                             }),
+            0.5);
+  // Through two layers: the first layer's experts 0 and 1 exchanged.
+  ClassifierConfig deep = tiny_config();
+  deep.top_k = 2;
+  const int64_t block = deep.dim * deep.expert_hidden;
+  EXPECT_GT(outside_with_bug(deep, 33,
+                             [&](const ClassifierLayout& l, float* p) {
+                               for (int64_t o : {l.blocks[0].w1, l.blocks[0].w3, l.blocks[0].w2})
+                                 std::swap_ranges(p + o, p + o + block, p + o + block);
+                             }),
+            0.4);
 }
 
 TEST(Classifier, GradientsOfEveryParameterGroup) {

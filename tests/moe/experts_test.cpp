@@ -7,6 +7,8 @@
 
 #include "core/check.h"
 #include "moe/experts.h"
+#include "moe_reference.h"
+#include "support/error_bound.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;
@@ -19,20 +21,45 @@ struct ExpertShape {
   int64_t C, F;
 };
 
-// Double-precision forward and exact gradients of loss = Σ y ⊙ dy for the experts.
+// Double-precision forward and exact gradients of loss = Σ y ⊙ dy for the experts, each with
+// the bound of the float kernels' evaluation (support/error_bound.h). Gradients accumulate onto
+// `init` (the test's sentinel).
 struct ExpertsReference {
-  std::vector<double> y, dx, dw1, dw3, dw2;
+  std::vector<Bounded> y, dx, dw1, dw3, dw2;
 };
 
+// SwiGLU's backward as the kernel evaluates it from computed a, b and dh:
+//   s = σ(a);  da = dh·b·s·(1 + a·(1 − s));  db = dh·(a·s)
+// i.e. da = dh·b·silu'(a), db = dh·silu(a). The errors of a, b and dh are carried through with
+// |silu'| ≤ 1.1 and |silu''| ≤ 1/2; the evaluation's own: s within γ(libm + 2) relative, then
+// six operations on it (γ_6 of the expression with every term taken in absolute value).
+void swiglu_backward_bounded(Bounded a, Bounded b, Bounded dh, Bounded& da, Bounded& db) {
+  const double s = 1.0 / (1.0 + std::exp(-a.v));
+  const double silu = a.v * s, dsilu = s * (1.0 + a.v * (1.0 - s));
+  const double s_err = gamma_n(kLibmUnits + 2);
+  // Where the kernel evaluates: |a| and |dh·b| at most these, s and 1 − s within [0, 1].
+  const double am = a.mag(), pm = b.mag() * dh.mag();
+  da.v = dh.v * b.v * dsilu;
+  da.e = kSiluCurvature * a.e * pm +
+         std::abs(dsilu) * (std::abs(b.v) * dh.e + std::abs(dh.v) * b.e + b.e * dh.e) +
+         gamma_n(6) * pm * (1.0 + 2.0 * am) + pm * s_err * (1.0 + 2.0 * am) * (1.0 + s_err);
+  db.v = dh.v * silu;
+  db.e = kSiluSlope * a.e * dh.mag() + std::abs(silu) * dh.e +
+         gamma_n(kLibmUnits + 4) * (std::abs(silu) + kSiluSlope * a.e) * dh.mag();
+}
+
 ExpertsReference reference(const ExpertShape& sh, const float* x, const float* w1, const float* w3,
-                           const float* w2, const float* dy) {
+                           const float* w2, const float* dy, float init = 0.0f) {
   const int64_t C = sh.C, F = sh.F, G = sh.counts.size();
   int64_t R = 0;
   for (int64_t n : sh.counts) R += n;
   ExpertsReference ref;
-  ref.y.assign(R * C, 0), ref.dx.assign(R * C, 0);
-  ref.dw1.assign(G * F * C, 0), ref.dw3.assign(G * F * C, 0), ref.dw2.assign(G * C * F, 0);
-  std::vector<double> a(F), b(F), h(F), dh(F);
+  ref.y.resize(R * C), ref.dx.resize(R * C);
+  // Weight gradients: one float sum over the expert's rows, onto `init`.
+  std::vector<BoundedSum> dw1(G * F * C), dw3(G * F * C), dw2(G * C * F);
+  for (auto* v : {&dw1, &dw3, &dw2})
+    for (BoundedSum& b : *v) b.add(Bounded{init});
+  std::vector<Bounded> a(F), b(F), h(F), da(F), db(F);
   int64_t row = 0;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t o = g * F * C;
@@ -40,29 +67,47 @@ ExpertsReference reference(const ExpertShape& sh, const float* x, const float* w
       const float* xr = x + r * C;
       const float* dyr = dy + r * C;
       for (int64_t f = 0; f < F; ++f) {
-        a[f] = b[f] = 0;
+        BoundedSum sa, sb;
         for (int64_t c = 0; c < C; ++c)
-          a[f] += double(w1[o + f * C + c]) * xr[c], b[f] += double(w3[o + f * C + c]) * xr[c];
-        h[f] = a[f] / (1 + std::exp(-a[f])) * b[f];
+          sa.add(w1[o + f * C + c], xr[c]), sb.add(w3[o + f * C + c], xr[c]);
+        a[f] = sa.result(), b[f] = sb.result();
+        h[f] = swiglu_bounded(a[f], b[f]);
       }
       for (int64_t c = 0; c < C; ++c) {
-        for (int64_t f = 0; f < F; ++f) ref.y[r * C + c] += double(w2[o + c * F + f]) * h[f];
+        BoundedSum sy;
+        for (int64_t f = 0; f < F; ++f) sy.add(Bounded{w2[o + c * F + f]}, h[f]);
+        ref.y[r * C + c] = sy.result();
       }
       for (int64_t f = 0; f < F; ++f) {
-        dh[f] = 0;
-        for (int64_t c = 0; c < C; ++c)
-          dh[f] += double(dyr[c]) * w2[o + c * F + f], ref.dw2[o + c * F + f] += dyr[c] * h[f];
-        double s = 1 / (1 + std::exp(-a[f]));
-        double da = dh[f] * b[f] * s * (1 + a[f] * (1 - s)), db = dh[f] * a[f] * s;
+        BoundedSum dh;
         for (int64_t c = 0; c < C; ++c) {
-          ref.dx[r * C + c] += da * w1[o + f * C + c] + db * w3[o + f * C + c];
-          ref.dw1[o + f * C + c] += da * xr[c];
-          ref.dw3[o + f * C + c] += db * xr[c];
+          dh.add(dyr[c], w2[o + c * F + f]);
+          dw2[o + c * F + f].add(Bounded{dyr[c]}, h[f]);
         }
+        swiglu_backward_bounded(a[f], b[f], dh.result(), da[f], db[f]);
+        for (int64_t c = 0; c < C; ++c) {
+          dw1[o + f * C + c].add(da[f], Bounded{xr[c]});
+          dw3[o + f * C + c].add(db[f], Bounded{xr[c]});
+        }
+      }
+      // dx = da·W1 + db·W3: two products into one buffer, one sum of 2F terms.
+      for (int64_t c = 0; c < C; ++c) {
+        BoundedSum sx;
+        for (int64_t f = 0; f < F; ++f) {
+          sx.add(da[f], Bounded{w1[o + f * C + c]});
+          sx.add(db[f], Bounded{w3[o + f * C + c]});
+        }
+        ref.dx[r * C + c] = sx.result();
       }
     }
     row += sh.counts[g];
   }
+  auto results = [](const std::vector<BoundedSum>& sums) {
+    std::vector<Bounded> out;
+    for (const BoundedSum& b : sums) out.push_back(b.result());
+    return out;
+  };
+  ref.dw1 = results(dw1), ref.dw3 = results(dw3), ref.dw2 = results(dw2);
   return ref;
 }
 
@@ -86,15 +131,12 @@ TEST_P(ExpertsTest, ForwardAndBackwardMatchReference) {
   ExpertActs acts;
   experts_forward(y.data(), x.data(), sh.counts.data(), w, C, F, acts);
   experts_backward(dx.data(), dw, dy.data(), x.data(), sh.counts.data(), w, C, F, acts);
-  ExpertsReference ref = reference(sh, x.data(), w1.data(), w3.data(), w2.data(), dy.data());
-  for (auto* v : {&ref.dw1, &ref.dw3, &ref.dw2}) {
-    for (double& d : *v) d += 0.25;
-  }
-  expect_close(y.data(), ref.y.data(), R * C, 1e-4, 1e-4, "y");
-  expect_close(dx.data(), ref.dx.data(), R * C, 1e-4, 1e-4, "dx");
-  expect_close(g1.data(), ref.dw1.data(), G * F * C, 1e-3, 1e-4, "dw1");
-  expect_close(g3.data(), ref.dw3.data(), G * F * C, 1e-3, 1e-4, "dw3");
-  expect_close(g2.data(), ref.dw2.data(), G * C * F, 1e-3, 1e-4, "dw2");
+  ExpertsReference ref = reference(sh, x.data(), w1.data(), w3.data(), w2.data(), dy.data(), 0.25f);
+  expect_within(y, ref.y, "y");
+  expect_within(dx, ref.dx, "dx");
+  expect_within(g1, ref.dw1, "dw1");
+  expect_within(g3, ref.dw3, "dw3");
+  expect_within(g2, ref.dw2, "dw2");
   for (int64_t g = 0; g < G; ++g) {
     if (sh.counts[g] > 0) continue;
     for (int64_t i = g * F * C; i < (g + 1) * F * C; ++i) {
@@ -147,10 +189,14 @@ TEST(Experts, FiniteDifferencesAgreeWithTheReferenceGradients) {
   auto loss = [&] {
     ExpertsReference r = reference(sh, x.data(), w1.data(), w3.data(), w2.data(), dy.data());
     double s = 0;
-    for (int64_t i = 0; i < R * C; ++i) s += r.y[i] * dy[i];
+    for (int64_t i = 0; i < R * C; ++i) s += r.y[i].v * dy[i];
     return s;
   };
-  auto to_f = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  auto to_f = [](const std::vector<Bounded>& v) {
+    std::vector<float> f;
+    for (const Bounded& b : v) f.push_back(static_cast<float>(b.v));
+    return f;
+  };
   check_gradient(x.data(), to_f(ref.dx).data(), R * C, loss, "dx");
   check_gradient(w1.data(), to_f(ref.dw1).data(), G * F * C, loss, "dw1");
   check_gradient(w3.data(), to_f(ref.dw3).data(), G * F * C, loss, "dw3");

@@ -8,6 +8,7 @@
 #include "kernels/gemm.h"
 #include "moe/moe_layer.h"
 #include "moe_reference.h"
+#include "support/error_bound.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;
@@ -126,13 +127,13 @@ void expect_matches_reference(MoeLayer& layer, LayerData& s, const MoeStep& step
   std::vector<float> out(s.N * s.cfg.C);
   layer.forward(out.data(), s.inp.data(), s.N, s.w, step);
   MoeReference ref = moe_reference(s.cfg, s.inp.data(), s.N, s.w, layer.router_bias(), step);
-  expect_close(out.data(), ref.out.data(), s.N * s.cfg.C, 1e-5, 1e-4, "forward");
   EXPECT_EQ(layer.stats().tokens_per_expert, ref.tokens_per_expert);
   EXPECT_EQ(layer.stats().dropped, ref.dropped);
   EXPECT_EQ(layer.stats().assignments, ref.assignments);
   EXPECT_EQ(layer.stats().capacity, ref.capacity);
-  EXPECT_NEAR(layer.aux_loss(), ref.aux, 1e-5 + 1e-5 * ref.aux);
-  EXPECT_NEAR(layer.z_loss(), ref.z, 1e-5 + 1e-5 * ref.z);
+  expect_within(out.data(), ref.out.data(), s.N * s.cfg.C, "forward");
+  expect_within(layer.aux_loss(), ref.aux, "aux loss");
+  expect_within(layer.z_loss(), ref.z, "z loss");
   if (ref.assignments > 0) {
     EXPECT_DOUBLE_EQ(layer.stats().fraction_dropped, double(ref.dropped) / ref.assignments);
   }
@@ -417,6 +418,55 @@ TEST(MoeLayer, OneDnnSizesMatchReferenceAndFiniteDifferences) {
                           name + " dshared_w2", 12);
   }
   omp_set_num_threads(saved_threads);
+}
+
+// The reference's bounds are worst-case rounding bounds, yet still far below what a real bug
+// moves: with one put into the reference (a dropped term, a wrong expert, a missing shared
+// expert, unnormalised routing weights), the correct layer falls outside them in many elements.
+TEST(MoeLayer, ReferenceBoundsCatchABugInTheReference) {
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  MoeConfig cfg;
+  cfg.C = 32, cfg.F = 24, cfg.E = 8, cfg.K = 2, cfg.shared_F = 16;
+  LayerData s(cfg, 200, 1300);
+  MoeLayer layer(cfg);
+  const MoeStep step{true, 9, 8, 7};
+  std::vector<float> out(s.N * cfg.C);
+  layer.forward(out.data(), s.inp.data(), s.N, s.w, step);
+  omp_set_num_threads(saved_threads);
+  const int64_t n = s.N * cfg.C, block = cfg.F * cfg.C;
+  auto outside = [&](const std::function<void(MoeConfig&, std::vector<float>&)>& bug) {
+    MoeConfig c = cfg;
+    std::vector<float> p = s.params;
+    bug(c, p);
+    MoeReference ref = moe_reference(c, s.inp.data(), s.N, moe_weights_from_buffer(c, p.data()),
+                                     layer.router_bias(), step);
+    return double(count_outside(out.data(), ref.out.data(), n)) / double(n);
+  };
+  EXPECT_EQ(outside([](MoeConfig&, std::vector<float>&) {}), 0.0);
+  // W1·x summed over C − 1 inputs, W2·h over F − 1 hidden units: every output moves.
+  EXPECT_GT(outside([&](MoeConfig& c, std::vector<float>& p) {
+              MoeWeights w = moe_weights_from_buffer(c, p.data());
+              for (int64_t r = 0; r < c.E * c.F; ++r) w.w1[r * c.C + c.C - 1] = 0.0f;
+            }),
+            0.9);
+  EXPECT_GT(outside([&](MoeConfig& c, std::vector<float>& p) {
+              MoeWeights w = moe_weights_from_buffer(c, p.data());
+              for (int64_t r = 0; r < c.E * c.C; ++r) w.w2[r * c.F + c.F - 1] = 0.0f;
+            }),
+            0.9);
+  // Experts 0 and 1 exchanged: the tokens routed to either (about half) move.
+  EXPECT_GT(outside([&](MoeConfig& c, std::vector<float>& p) {
+              MoeWeights w = moe_weights_from_buffer(c, p.data());
+              for (float* m : {w.w1, w.w3, w.w2}) std::swap_ranges(m, m + block, m + block);
+            }),
+            0.25);
+  EXPECT_GT(outside([&](MoeConfig& c, std::vector<float>& p) {
+              MoeWeights w = moe_weights_from_buffer(c, p.data());
+              std::fill(w.shared_w2, w.shared_w2 + c.C * c.shared_F, 0.0f);
+            }),
+            0.9);
+  EXPECT_GT(outside([](MoeConfig& c, std::vector<float>&) { c.renormalize = false; }), 0.5);
 }
 
 // Every product runs on oneDNN primitives whose row (or reduction) count is bound at execution,
