@@ -11,6 +11,7 @@
 #include "moe/exchange.h"
 #include "moe/moe_layer.h"
 #include "moe_reference.h"
+#include "support/error_bound.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;
@@ -123,12 +124,12 @@ TEST(LocalExchangeLayer, MatchesTheReferenceAndTheDefaultContext) {
       EXPECT_EQ(plain.timings().a2a, 0.0) << what << ": nothing moves on one process";
 
       MoeReference ref = moe_reference(d.cfg, d.inp.data(), N, d.w, plain.router_bias(), step);
-      expect_close(a.out.data(), ref.out.data(), N * d.cfg.C, 1e-5, 1e-4, what.c_str());
+      expect_within(a.out.data(), ref.out.data(), N * d.cfg.C, what.c_str());
       EXPECT_EQ(a.stats.tokens_per_expert, ref.tokens_per_expert) << what;
       EXPECT_EQ(a.stats.dropped, ref.dropped) << what;
       EXPECT_EQ(a.stats.capacity, ref.capacity) << what;
-      EXPECT_NEAR(a.aux, ref.aux, 1e-5 + 1e-5 * ref.aux) << what;
-      EXPECT_NEAR(a.z, ref.z, 1e-5 + 1e-5 * ref.z) << what;
+      expect_within(a.aux, ref.aux, (what + " aux").c_str());
+      expect_within(a.z, ref.z, (what + " z").c_str());
     }
   }
 }
