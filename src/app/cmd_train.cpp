@@ -85,7 +85,8 @@ const std::vector<ConfigFlag>& train_config_flags() {
       {.name = "--grad-reduce-dtype",
        .kind = Kind::Text,
        .key = "dist.grad_reduce_dtype",
-       .help = "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)"},
+       .help =
+           "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)"},
       {.name = "--a2a-dtype",
        .kind = Kind::Text,
        .key = "dist.a2a_dtype",

@@ -37,7 +37,8 @@ std::shared_ptr<ConfigFlagValues> add_config_flags(CLI::App* cmd,
         opt = cmd->add_option_function<std::string>(f.name, as_text, f.help);
         break;
       case ConfigFlag::Kind::Switch:
-        opt = cmd->add_flag_callback(f.name, [given, value = f.value] { *given = value; }, f.help);
+        opt = cmd->add_flag_callback(
+            f.name, [given, value = f.value] { *given = value; }, f.help);
         break;
     }
     if (f.check) opt->check(*f.check);

@@ -41,6 +41,7 @@ class ConfigFlagValues {
 
 // Adds the table's options to cmd in its order; the values land in the returned object once cmd
 // has parsed.
-std::shared_ptr<ConfigFlagValues> add_config_flags(CLI::App* cmd, std::span<const ConfigFlag> flags);
+std::shared_ptr<ConfigFlagValues> add_config_flags(CLI::App* cmd,
+                                                   std::span<const ConfigFlag> flags);
 
 }  // namespace moetrain::app

@@ -189,13 +189,9 @@ class Worker {
       }
       return TokenBatch{inputs_.data(), targets_.data(), R, T};
     };
+    // This worker's rows start at row_begin of the global batch.
     args.moe_step = [&](int64_t micro) {
-      MoeStep ms;
-      ms.training = true;
-      ms.seed = cfg_.train.seed;
-      ms.step = static_cast<uint64_t>(clock * A + micro);
-      ms.token_offset = static_cast<uint64_t>(a.row_begin * T);  // router noise per global token
-      return ms;
+      return micro_batch_step(cfg_.train.seed, clock, A, micro, a.row_begin * T);
     };
     args.bad_loss = [&](const LossParts& p) {
       return fmt::format(
