@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "app/commands.h"
 #include "core/check.h"
@@ -31,54 +32,49 @@ namespace moetrain::app {
 
 namespace {
 
-// The job options every role that reads them accepts (scheduler, launch).
+// Every job option once, as f(name, member, help): what the scheduler and launch accept, and
+// what launch hands on to the scheduler it starts.
+template <class Options, class F>
+void for_each_job_option(Options& o, F&& f) {
+  f("--servers", o.servers, "Parameter servers (key ranges)");
+  f("--workers", o.workers, "Workers to wait for before the first clock");
+  f("--consistency", o.consistency, "sync | quorum | async | ssp");
+  f("--quorum", o.quorum, "quorum: pushes that apply a clock");
+  f("--staleness", o.staleness, "ssp: clocks the fastest worker may lead");
+  f("--push-compression", o.push_compression, "none | bf16 | int8");
+  // A switch that clears the member when given.
+  f("!--dense-push", o.sparse_push,
+    "Push every expert's gradient, also of experts that received no tokens");
+  f("--assign", o.assign, "uniform | capability (rows by measured throughput)");
+  f("--heartbeat-interval", o.heartbeat_interval, "Seconds between heartbeats");
+  f("--heartbeat-timeout", o.heartbeat_timeout,
+    "Seconds of silence after which a node is declared dead");
+  f("--server-replicas", o.server_replicas,
+    "2: each server streams every applied update to a backup that takes over");
+  f("--checkpoint-every", o.checkpoint_every,
+    "Clocks between server checkpoints of shard and optimizer state (0: none)");
+  f("--server-wait", o.server_wait,
+    "Seconds to wait for a dead server's replacement before the job stops");
+}
+
 void add_job_options(CLI::App* cmd, ps::PsOptions& o) {
-  cmd->add_option("--servers", o.servers, "Parameter servers (key ranges)");
-  cmd->add_option("--workers", o.workers, "Workers to wait for before the first clock");
-  cmd->add_option("--consistency", o.consistency, "sync | quorum | async | ssp");
-  cmd->add_option("--quorum", o.quorum, "quorum: pushes that apply a clock");
-  cmd->add_option("--staleness", o.staleness, "ssp: clocks the fastest worker may lead");
-  cmd->add_option("--push-compression", o.push_compression, "none | bf16 | int8");
-  cmd->add_flag("!--dense-push", o.sparse_push,
-                "Push every expert's gradient, also of experts that received no tokens");
-  cmd->add_option("--assign", o.assign, "uniform | capability (rows by measured throughput)");
-  cmd->add_option("--heartbeat-interval", o.heartbeat_interval, "Seconds between heartbeats");
-  cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout,
-                  "Seconds of silence after which a node is declared dead");
-  cmd->add_option("--server-replicas", o.server_replicas,
-                  "2: each server streams every applied update to a backup that takes over");
-  cmd->add_option("--checkpoint-every", o.checkpoint_every,
-                  "Clocks between server checkpoints of shard and optimizer state (0: none)");
-  cmd->add_option("--server-wait", o.server_wait,
-                  "Seconds to wait for a dead server's replacement before the job stops");
+  for_each_job_option(o, [cmd](const char* name, auto& member, const char* help) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(member)>, bool>)
+      cmd->add_flag(name, member, help);
+    else
+      cmd->add_option(name, member, help);
+  });
 }
 
 std::vector<std::string> job_option_args(const ps::PsOptions& o) {
-  std::vector<std::string> a = {"--servers",
-                                std::to_string(o.servers),
-                                "--workers",
-                                std::to_string(o.workers),
-                                "--consistency",
-                                o.consistency,
-                                "--quorum",
-                                std::to_string(o.quorum),
-                                "--staleness",
-                                std::to_string(o.staleness),
-                                "--push-compression",
-                                o.push_compression,
-                                "--assign",
-                                o.assign,
-                                "--heartbeat-interval",
-                                fmt::format("{}", o.heartbeat_interval),
-                                "--heartbeat-timeout",
-                                fmt::format("{}", o.heartbeat_timeout),
-                                "--server-replicas",
-                                std::to_string(o.server_replicas),
-                                "--checkpoint-every",
-                                std::to_string(o.checkpoint_every),
-                                "--server-wait",
-                                fmt::format("{}", o.server_wait)};
-  if (!o.sparse_push) a.push_back("--dense-push");
+  std::vector<std::string> a;
+  for_each_job_option(o, [&a](const char* name, const auto& member, const char*) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(member)>, bool>) {
+      if (!member) a.emplace_back(name + 1);  // the switch, without CLI11's "!"
+    } else {
+      a.insert(a.end(), {name, fmt::format("{}", member)});
+    }
+  });
   return a;
 }
 

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "app/commands.h"
+#include "app/options.h"
 #include "core/threads.h"
 #include "data/shard.h"
 #include "parallel/runtime.h"
@@ -15,17 +16,93 @@
 
 namespace moetrain::app {
 
+namespace {
+
+using Kind = ConfigFlag::Kind;
+
+// train's options that set configuration keys.
+const std::vector<ConfigFlag>& train_config_flags() {
+  static const std::vector<ConfigFlag> flags = {
+      {.name = "--ep",
+       .kind = Kind::Int,
+       .key = "dist.ep",
+       .help = "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP",
+       .check = CLI::PositiveNumber},
+      {.name = "--zero",
+       .kind = Kind::Int,
+       .key = "dist.zero",
+       .help = "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)",
+       .check = CLI::Range(0, 1)},
+      {.name = "--hierarchical",
+       .kind = Kind::Switch,
+       .key = "dist.hierarchical",
+       .help = "Two-stage expert all-to-all: within nodes, then between them (dist.hierarchical)",
+       .value = "true"},
+      {.name = "--ranks-per-node",
+       .kind = Kind::Int,
+       .key = "dist.ranks_per_node",
+       .help = "With the two-stage all-to-all: ranks per node, overriding detection (emulates "
+               "nodes); implies --hierarchical",
+       .implies = "dist.hierarchical=true",
+       .check = CLI::NonNegativeNumber},
+      {.name = "--a2a-chunks",
+       .kind = Kind::Int,
+       .key = "dist.a2a_chunks",
+       .help = "Split each MoE all-to-all into n chunks overlapped with expert compute "
+               "(dist.a2a_chunks)",
+       .check = CLI::Range(1, 64)},
+      {.name = "--no-overlap",
+       .kind = Kind::Switch,
+       .key = "dist.overlap",
+       .help = "Reduce gradients after backward instead of during it (dist.overlap = false)",
+       .value = "false"},
+      {.name = "--collective-warn",
+       .kind = Kind::Number,
+       .key = "dist.collective_warn",
+       .help = "Under mpirun: warn when a collective has waited this many seconds "
+               "(dist.collective_warn, default 60; 0 = off)",
+       .check = CLI::NonNegativeNumber},
+      {.name = "--collective-timeout",
+       .kind = Kind::Number,
+       .key = "dist.collective_timeout",
+       .help = "Under mpirun: abort the job when a collective has waited this many seconds, "
+               "naming it, so that `moetrain launch` restarts it (dist.collective_timeout, "
+               "default 300; 0 = off)",
+       .check = CLI::NonNegativeNumber},
+      {.name = "--debug-collectives",
+       .kind = Kind::Switch,
+       .key = "dist.debug_collectives",
+       .help = "Under mpirun: ranks compare every collective's fingerprint (sequence, kind, "
+               "element size, counts) before running it; a mismatch fails at once "
+               "(dist.debug_collectives)",
+       .value = "true"},
+      // Checked with the rest of the configuration, which names the key and the allowed values.
+      {.name = "--precision",
+       .kind = Kind::Text,
+       .key = "train.precision",
+       .help = "GEMM operand precision: f32, bf16, or fp16 with dynamic loss scaling "
+               "(train.precision)"},
+      {.name = "--grad-reduce-dtype",
+       .kind = Kind::Text,
+       .key = "dist.grad_reduce_dtype",
+       .help =
+           "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)"},
+      {.name = "--a2a-dtype",
+       .kind = Kind::Text,
+       .key = "dist.a2a_dtype",
+       .help = "Expert all-to-all payloads on the wire: f32 or bf16 (dist.a2a_dtype)"},
+  };
+  return flags;
+}
+
+}  // namespace
+
 Run add_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "Train a model from a TOML config");
   struct Args {
     std::string config;
     std::vector<std::string> overrides;
     bool resume = false;
-    int64_t ep = 0, zero = -1, ranks_per_node = -1, a2a_chunks = 0;
-    bool hierarchical = false, no_overlap = false;
-    double collective_warn = -1, collective_timeout = -1;
-    bool debug_collectives = false;
-    std::string precision, grad_reduce_dtype, a2a_dtype;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")
@@ -34,68 +111,9 @@ Run add_train_command(CLI::App& app) {
                   "Override a config key: --set model.dim=256 (repeatable)");
   cmd->add_flag("--resume", args->resume,
                 "Continue from the run directory's latest complete checkpoint");
-  cmd->add_option(
-         "--ep", args->ep,
-         "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--zero", args->zero,
-                  "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)")
-      ->check(CLI::Range(0, 1));
-  cmd->add_flag("--hierarchical", args->hierarchical,
-                "Two-stage expert all-to-all: within nodes, then between them (dist.hierarchical)");
-  cmd->add_option("--ranks-per-node", args->ranks_per_node,
-                  "With the two-stage all-to-all: ranks per node, overriding detection (emulates "
-                  "nodes); implies "
-                  "--hierarchical")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option(
-         "--a2a-chunks", args->a2a_chunks,
-         "Split each MoE all-to-all into n chunks overlapped with expert compute (dist.a2a_chunks)")
-      ->check(CLI::Range(1, 64));
-  cmd->add_flag("--no-overlap", args->no_overlap,
-                "Reduce gradients after backward instead of during it (dist.overlap = false)");
-  cmd->add_option("--collective-warn", args->collective_warn,
-                  "Under mpirun: warn when a collective has waited this many seconds "
-                  "(dist.collective_warn, default 60; 0 = off)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--collective-timeout", args->collective_timeout,
-                  "Under mpirun: abort the job when a collective has waited this many seconds, "
-                  "naming it, so that `moetrain launch` restarts it (dist.collective_timeout, "
-                  "default 300; 0 = off)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_flag("--debug-collectives", args->debug_collectives,
-                "Under mpirun: ranks compare every collective's fingerprint (sequence, kind, "
-                "element size, counts) before running it; a mismatch fails at once "
-                "(dist.debug_collectives)");
-  cmd->add_option("--precision", args->precision,
-                  "GEMM operand precision: f32, bf16, or fp16 with dynamic loss scaling "
-                  "(train.precision)");
-  cmd->add_option(
-      "--grad-reduce-dtype", args->grad_reduce_dtype,
-      "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)");
-  cmd->add_option("--a2a-dtype", args->a2a_dtype,
-                  "Expert all-to-all payloads on the wire: f32 or bf16 (dist.a2a_dtype)");
-  return [args] {
-    std::vector<std::string> overrides = args->overrides;
-    if (args->collective_warn >= 0)
-      overrides.push_back(fmt::format("dist.collective_warn={}", args->collective_warn));
-    if (args->collective_timeout >= 0)
-      overrides.push_back(fmt::format("dist.collective_timeout={}", args->collective_timeout));
-    if (args->debug_collectives) overrides.push_back("dist.debug_collectives=true");
-    // Checked with the rest of the configuration, which names the key and the allowed values.
-    if (!args->precision.empty()) overrides.push_back("train.precision=" + args->precision);
-    if (!args->grad_reduce_dtype.empty())
-      overrides.push_back("dist.grad_reduce_dtype=" + args->grad_reduce_dtype);
-    if (!args->a2a_dtype.empty()) overrides.push_back("dist.a2a_dtype=" + args->a2a_dtype);
-    if (args->no_overlap) overrides.push_back("dist.overlap=false");
-    if (args->a2a_chunks > 0)
-      overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));
-    if (args->ep > 0) overrides.push_back(fmt::format("dist.ep={}", args->ep));
-    if (args->zero >= 0) overrides.push_back(fmt::format("dist.zero={}", args->zero));
-    if (args->hierarchical || args->ranks_per_node >= 0)
-      overrides.push_back("dist.hierarchical=true");
-    if (args->ranks_per_node >= 0)
-      overrides.push_back(fmt::format("dist.ranks_per_node={}", args->ranks_per_node));
+  auto flags = add_config_flags(cmd, train_config_flags());
+  return [args, flags] {
+    const std::vector<std::string> overrides = flags->apply(args->overrides);
     RunConfig cfg = load_run_config(args->config, overrides);
     // Collectives exist only under mpirun; the watchdog watches them for the whole run.
     std::unique_ptr<CollectiveWatchdog> watchdog;

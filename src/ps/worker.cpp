@@ -19,6 +19,7 @@
 #include "ps/kv_worker.h"
 #include "ps/node.h"
 #include "ps/options.h"
+#include "train/accumulate.h"
 #include "train/evaluate.h"
 
 namespace fs = std::filesystem;
@@ -174,34 +175,32 @@ class Worker {
     const int64_t E = cfg_.model.n_experts;
     inputs_.resize(static_cast<std::size_t>(R * T));
     targets_.resize(inputs_.size());
-    std::fill(grads_.begin(), grads_.end(), 0.0f);
-    auto moe = model_->moe_layers();
-    std::vector<int64_t> tokens(moe.size() * static_cast<std::size_t>(E), 0);
-    double loss = 0;
-    const float weight =
+    AccumulateArgs<TokenBatch> args;
+    args.micro_batches = A;
+    // This worker's rows' share of the global batch: the servers sum the workers' pushes.
+    args.loss_weight =
         static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A));
-    for (int64_t micro = 0; micro < A; ++micro) {
+    args.fill = [&](int64_t micro) {
       // Row r of the global batch is the window the single-process run draws for its row r.
       for (int64_t b = 0; b < R; ++b) {
         BatchLoader one(*train_, 1, T, cfg_.train.seed, static_cast<int>(a.row_begin + b),
                         static_cast<int>(a.global_rows));
         one.fill(clock, micro, inputs_.data() + b * T, targets_.data() + b * T);
       }
-      MoeStep ms;
-      ms.training = true;
-      ms.seed = cfg_.train.seed;
-      ms.step = static_cast<uint64_t>(clock * A + micro);
-      ms.token_offset = static_cast<uint64_t>(a.row_begin * T);  // router noise per global token
-      LossParts p = model_->forward(params_.data(), inputs_.data(), targets_.data(), R, T, ms);
-      MOETRAIN_CHECK(std::isfinite(p.total),
-                     "clock {}: the loss is {} on worker {}; stopping. Lower optim.lr or raise "
-                     "optim.warmup_steps",
-                     clock, p.total, index_);
-      model_->backward(params_.data(), grads_.data(), weight);
-      loss += p.total / static_cast<double>(A);
-      for (std::size_t m = 0; m < moe.size(); ++m)
-        for (int64_t e = 0; e < E; ++e) tokens[m * E + e] += moe[m]->stats().tokens_per_expert[e];
-    }
+      return TokenBatch{inputs_.data(), targets_.data(), R, T};
+    };
+    // This worker's rows start at row_begin of the global batch.
+    args.moe_step = [&](int64_t micro) {
+      return micro_batch_step(cfg_.train.seed, clock, A, micro, a.row_begin * T);
+    };
+    args.bad_loss = [&](const LossParts& p) {
+      return fmt::format(
+          "clock {}: the loss is {} on worker {}; stopping. Lower optim.lr or raise "
+          "optim.warmup_steps",
+          clock, p.total, index_);
+    };
+    const Accumulated acc = accumulate(*model_, params_.data(), grads_.data(),
+                                       static_cast<int64_t>(grads_.size()), args);
     skip_.clear();
     if (opts_.sparse_push) {
       const ParamLayout& layout = model_->layout();
@@ -210,8 +209,9 @@ class Worker {
         const int64_t m = model_->moe_index(l);
         if (m < 0) continue;
         const LayerOffsets& o = layout.layers[l];
+        const std::vector<int64_t>& load = acc.tokens_per_expert[static_cast<std::size_t>(m)];
         for (int64_t e = 0; e < E; ++e)
-          if (tokens[m * E + e] == 0)
+          if (load[static_cast<std::size_t>(e)] == 0)
             for (int64_t base : {o.w1, o.w3, o.w2}) skip_.push_back({base + e * per, per});
       }
       std::sort(skip_.begin(), skip_.end(),
@@ -223,7 +223,7 @@ class Worker {
       std::this_thread::sleep_for(std::chrono::duration<double>((args_.slowdown - 1.0) * t));
     link_->set_throughput(static_cast<double>(R) / (t * args_.slowdown));
     rows_done_ += R;
-    return {R, a.global_rows, loss};
+    return {R, a.global_rows, acc.loss.total};
   }
 
   void write_stats(int64_t first, int64_t last) {

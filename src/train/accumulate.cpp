@@ -15,6 +15,16 @@ MicroLoss forward_micro(Classifier& model, const float* params, const ImageBatch
   return {{l.ce, l.aux, l.z, l.total, l.n}, l.correct};
 }
 
+MoeStep micro_batch_step(uint64_t seed, int64_t step, int64_t micro_batches, int64_t micro,
+                         int64_t token_offset) {
+  MoeStep ms;
+  ms.training = true;
+  ms.seed = seed;
+  ms.step = static_cast<uint64_t>(step * micro_batches + micro);
+  ms.token_offset = static_cast<uint64_t>(token_offset);
+  return ms;
+}
+
 void update_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& comm) {
   if (moe.empty()) return;
   std::vector<int64_t> global(moe.size() * E);

@@ -46,6 +46,12 @@ MicroLoss forward_micro(Transformer& model, const float* params, const TokenBatc
 MicroLoss forward_micro(Classifier& model, const float* params, const ImageBatch& batch,
                         const MoeStep& step);
 
+// The MoeStep of micro-batch `micro` of training step `step` (A micro-batches a step): numbered
+// step·A + micro, and a process's rows start at token `token_offset` of the step's global batch,
+// so that router noise is the same however the batch is split over processes.
+MoeStep micro_batch_step(uint64_t seed, int64_t step, int64_t micro_batches, int64_t micro,
+                         int64_t token_offset);
+
 template <class Batch>
 struct AccumulateArgs {
   int64_t micro_batches = 1;  // A

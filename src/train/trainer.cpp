@@ -177,12 +177,7 @@ double Trainer::train_step() {
     return TokenBatch{inputs_.data(), targets_.data(), B, T};
   };
   args.moe_step = [&](int64_t micro) {
-    MoeStep ms;
-    ms.training = true;
-    ms.seed = cfg_.train.seed;
-    ms.step = static_cast<uint64_t>(step_ * A + micro);
-    ms.token_offset = static_cast<uint64_t>(rank() * B * T);  // this rank's rows of the batch
-    return ms;
+    return micro_batch_step(cfg_.train.seed, step_, A, micro, rank() * B * T);  // this rank's rows
   };
   args.before_last_backward = [&] { reducer_->begin(grads_.data()); };
   args.bad_loss = [&](const LossParts& p) {
