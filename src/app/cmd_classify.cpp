@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "app/commands.h"
+#include "app/dist_options.h"
 #include "train/classifier_config.h"
 #include "train/classifier_trainer.h"
 
@@ -16,6 +17,7 @@ Run add_classify_command(CLI::App& app) {
     std::string config;
     std::vector<std::string> overrides;
     bool resume = false;
+    DistOptions dist;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/fashion_mnist.toml)")
@@ -24,10 +26,15 @@ Run add_classify_command(CLI::App& app) {
                   "Override a config key: --set train.steps=500 (repeatable)");
   cmd->add_flag("--resume", args->resume,
                 "Continue from the run directory's latest complete checkpoint");
+  add_dist_options(cmd, args->dist);
   return [args] {
-    ClassifierRunConfig cfg = load_classifier_config(args->config, args->overrides);
+    std::vector<std::string> overrides = args->overrides;
+    append_dist_overrides(args->dist, overrides);
+    ClassifierRunConfig cfg = load_classifier_config(args->config, overrides);
+    const std::unique_ptr<CollectiveWatchdog> watchdog = watch_collectives(cfg.dist);
     ClassifierTrainer trainer(cfg, {}, args->resume);
     ClassifierTrainResult r = trainer.run();
+    if (trainer.rank() != 0) return 0;  // one summary for the whole run
     fmt::print(
         "steps {} | final train loss {:.4f} | test accuracy {:.2f}% | test loss {:.4f} | {:.0f} "
         "images/s | "

@@ -5,10 +5,9 @@
 #include <memory>
 
 #include "app/commands.h"
+#include "app/dist_options.h"
 #include "core/threads.h"
 #include "data/shard.h"
-#include "parallel/runtime.h"
-#include "parallel/watchdog.h"
 #include "train/evaluate.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -21,7 +20,8 @@ Run add_train_command(CLI::App& app) {
     std::string config;
     std::vector<std::string> overrides;
     bool resume = false;
-    int64_t ep = 0, zero = -1, ranks_per_node = -1, a2a_chunks = 0;
+    DistOptions dist;
+    int64_t ranks_per_node = -1, a2a_chunks = 0;
     bool hierarchical = false, no_overlap = false;
     double collective_warn = -1, collective_timeout = -1;
     bool debug_collectives = false;
@@ -34,13 +34,7 @@ Run add_train_command(CLI::App& app) {
                   "Override a config key: --set model.dim=256 (repeatable)");
   cmd->add_flag("--resume", args->resume,
                 "Continue from the run directory's latest complete checkpoint");
-  cmd->add_option(
-         "--ep", args->ep,
-         "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--zero", args->zero,
-                  "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)")
-      ->check(CLI::Range(0, 1));
+  add_dist_options(cmd, args->dist);
   cmd->add_flag("--hierarchical", args->hierarchical,
                 "Two-stage expert all-to-all: within nodes, then between them (dist.hierarchical)");
   cmd->add_option("--ranks-per-node", args->ranks_per_node,
@@ -90,20 +84,13 @@ Run add_train_command(CLI::App& app) {
     if (args->no_overlap) overrides.push_back("dist.overlap=false");
     if (args->a2a_chunks > 0)
       overrides.push_back(fmt::format("dist.a2a_chunks={}", args->a2a_chunks));
-    if (args->ep > 0) overrides.push_back(fmt::format("dist.ep={}", args->ep));
-    if (args->zero >= 0) overrides.push_back(fmt::format("dist.zero={}", args->zero));
+    append_dist_overrides(args->dist, overrides);
     if (args->hierarchical || args->ranks_per_node >= 0)
       overrides.push_back("dist.hierarchical=true");
     if (args->ranks_per_node >= 0)
       overrides.push_back(fmt::format("dist.ranks_per_node={}", args->ranks_per_node));
     RunConfig cfg = load_run_config(args->config, overrides);
-    // Collectives exist only under mpirun; the watchdog watches them for the whole run.
-    std::unique_ptr<CollectiveWatchdog> watchdog;
-    if (dist_mpi_active()) {
-      set_debug_collectives(cfg.dist.debug_collectives);
-      watchdog = std::make_unique<CollectiveWatchdog>(
-          WatchdogSettings{cfg.dist.collective_warn, cfg.dist.collective_timeout});
-    }
+    const std::unique_ptr<CollectiveWatchdog> watchdog = watch_collectives(cfg.dist);
     Trainer trainer(cfg, args->resume);
     TrainResult r = trainer.run();
     if (trainer.rank() != 0) return 0;  // one summary for the whole run

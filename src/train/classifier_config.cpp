@@ -19,21 +19,15 @@ ConfigSchema schema(ClassifierRunConfig& c) {
       {"model.n_classes", &m.n_classes},
       {"model.dim", &m.dim},
       {"model.n_layers", &m.n_layers},
-      {"model.expert_hidden", &m.expert_hidden},
-      {"model.n_experts", &m.n_experts},
-      {"model.top_k", &m.top_k},
-      {"model.router", &m.router},
-      {"model.renormalize", &m.renormalize},
-      {"model.capacity_factor", &m.capacity_factor},
-      {"model.aux_loss_coef", &m.aux_loss_coef},
-      {"model.z_loss_coef", &m.z_loss_coef},
-      {"model.bias_update_rate", &m.bias_update_rate},
-      {"model.shared_expert_hidden", &m.shared_expert_hidden},
+  };
+  add_moe_fields(fields, m);
+  const Field model[] = {
       {"model.input_bias", &m.input_bias},
       {"model.norm_eps", &m.norm_eps},
       {"model.init_std", &m.init_std},
       {"data.dir", &c.data.dir},
   };
+  fields.insert(fields.end(), std::begin(model), std::end(model));
   add_optim_fields(fields, c.optim);
   const Field train[] = {
       {"train.steps", &t.steps},           {"train.epochs", &t.epochs},
@@ -43,6 +37,7 @@ ConfigSchema schema(ClassifierRunConfig& c) {
       {"train.progress", &t.progress},     {"train.checkpoint_every", &t.checkpoint_every},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
+  add_dist_fields(fields, c.dist);
   return ConfigSchema(std::move(fields));
 }
 
@@ -93,6 +88,7 @@ void ClassifierRunConfig::validate() const {
       t.progress == "auto" || t.progress == "bar" || t.progress == "lines" || t.progress == "off",
       "train.progress = '{}': allowed are auto, bar, lines, off", t.progress);
   optim.validate();
+  dist.validate();
 }
 
 int64_t ClassifierRunConfig::total_steps(int64_t n_train) const {
@@ -108,6 +104,7 @@ std::string ClassifierRunConfig::config_hash() const {
                         "threads", "run_dir", "progress"})
     j["train"].erase(k);
   j.erase("data");
+  j.erase("dist");
   return json_hash(j);
 }
 

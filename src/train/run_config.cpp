@@ -28,17 +28,8 @@ void add_optim_fields(std::vector<Field>& fields, OptimSettings& o) {
   fields.insert(fields.end(), std::begin(optim), std::end(optim));
 }
 
-namespace {
-
-ConfigSchema schema(RunConfig& c) {
-  ModelConfig& m = c.model;
-  TrainConfig& t = c.train;
-  std::vector<Field> fields = {
-      {"model.vocab_size", &m.vocab_size},
-      {"model.dim", &m.dim},
-      {"model.n_layers", &m.n_layers},
-      {"model.n_heads", &m.n_heads},
-      {"model.n_kv_heads", &m.n_kv_heads},
+void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
+  const Field moe[] = {
       {"model.expert_hidden", &m.expert_hidden},
       {"model.n_experts", &m.n_experts},
       {"model.top_k", &m.top_k},
@@ -49,6 +40,41 @@ ConfigSchema schema(RunConfig& c) {
       {"model.z_loss_coef", &m.z_loss_coef},
       {"model.bias_update_rate", &m.bias_update_rate},
       {"model.shared_expert_hidden", &m.shared_expert_hidden},
+  };
+  fields.insert(fields.end(), std::begin(moe), std::end(moe));
+}
+
+void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
+  const Field dist[] = {
+      {"dist.ep", &d.ep},
+      {"dist.zero", &d.zero},
+      {"dist.bucket_first_mb", &d.bucket_first_mb},
+      {"dist.bucket_mb", &d.bucket_mb},
+      {"dist.hierarchical", &d.hierarchical},
+      {"dist.ranks_per_node", &d.ranks_per_node},
+      {"dist.a2a_chunks", &d.a2a_chunks},
+      {"dist.overlap", &d.overlap},
+      {"dist.collective_warn", &d.collective_warn},
+      {"dist.collective_timeout", &d.collective_timeout},
+      {"dist.debug_collectives", &d.debug_collectives},
+      {"dist.grad_reduce_dtype", &d.grad_reduce_dtype},
+      {"dist.a2a_dtype", &d.a2a_dtype},
+  };
+  fields.insert(fields.end(), std::begin(dist), std::end(dist));
+}
+
+namespace {
+
+ConfigSchema schema(RunConfig& c) {
+  ModelConfig& m = c.model;
+  TrainConfig& t = c.train;
+  std::vector<Field> fields = {
+      {"model.vocab_size", &m.vocab_size}, {"model.dim", &m.dim},
+      {"model.n_layers", &m.n_layers},     {"model.n_heads", &m.n_heads},
+      {"model.n_kv_heads", &m.n_kv_heads},
+  };
+  add_moe_fields(fields, m);
+  const Field model[] = {
       {"model.dense_every", &m.dense_every},
       {"model.dense_hidden", &m.dense_hidden},
       {"model.max_seq_len", &m.max_seq_len},
@@ -57,6 +83,7 @@ ConfigSchema schema(RunConfig& c) {
       {"model.init_std", &m.init_std},
       {"data.dir", &c.data.dir},
   };
+  fields.insert(fields.end(), std::begin(model), std::end(model));
   add_optim_fields(fields, c.optim);
   const Field train[] = {
       {"train.steps", &t.steps},
@@ -76,21 +103,9 @@ ConfigSchema schema(RunConfig& c) {
       {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
       {"train.loss_scale_growth_factor", &t.loss_scale_growth_factor},
       {"train.loss_scale_backoff_factor", &t.loss_scale_backoff_factor},
-      {"dist.ep", &c.dist.ep},
-      {"dist.zero", &c.dist.zero},
-      {"dist.bucket_first_mb", &c.dist.bucket_first_mb},
-      {"dist.bucket_mb", &c.dist.bucket_mb},
-      {"dist.hierarchical", &c.dist.hierarchical},
-      {"dist.ranks_per_node", &c.dist.ranks_per_node},
-      {"dist.a2a_chunks", &c.dist.a2a_chunks},
-      {"dist.overlap", &c.dist.overlap},
-      {"dist.collective_warn", &c.dist.collective_warn},
-      {"dist.collective_timeout", &c.dist.collective_timeout},
-      {"dist.debug_collectives", &c.dist.debug_collectives},
-      {"dist.grad_reduce_dtype", &c.dist.grad_reduce_dtype},
-      {"dist.a2a_dtype", &c.dist.a2a_dtype},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
+  add_dist_fields(fields, c.dist);
   return ConfigSchema(std::move(fields));
 }
 
@@ -175,25 +190,29 @@ void RunConfig::validate() const {
   t.precision_dtype();
   if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
   optim.validate();
-  parse_dtype(dist.grad_reduce_dtype, "dist.grad_reduce_dtype", {DType::F32, DType::BF16});
-  parse_dtype(dist.a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
-  MOETRAIN_CHECK(dist.ep >= 1, "dist.ep = {}: must be ≥ 1", dist.ep);
-  MOETRAIN_CHECK(dist.zero == 0 || dist.zero == 1,
-                 "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)", dist.zero);
+  dist.validate();
+}
+
+void DistSettings::validate() const {
+  parse_dtype(grad_reduce_dtype, "dist.grad_reduce_dtype", {DType::F32, DType::BF16});
+  parse_dtype(a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
+  MOETRAIN_CHECK(ep >= 1, "dist.ep = {}: must be ≥ 1", ep);
+  MOETRAIN_CHECK(zero == 0 || zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",
+                 zero);
   MOETRAIN_CHECK(
-      dist.bucket_first_mb > 0 && dist.bucket_mb > 0 && dist.bucket_mb <= 1024,
+      bucket_first_mb > 0 && bucket_mb > 0 && bucket_mb <= 1024,
       "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
-      dist.bucket_first_mb, dist.bucket_mb);
-  MOETRAIN_CHECK(dist.ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)",
-                 dist.ranks_per_node);
-  MOETRAIN_CHECK(dist.a2a_chunks >= 1 && dist.a2a_chunks <= 64,
-                 "dist.a2a_chunks = {}: must be in [1, 64]", dist.a2a_chunks);
-  MOETRAIN_CHECK(std::isfinite(dist.collective_warn) && dist.collective_warn >= 0,
+      bucket_first_mb, bucket_mb);
+  MOETRAIN_CHECK(ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)",
+                 ranks_per_node);
+  MOETRAIN_CHECK(a2a_chunks >= 1 && a2a_chunks <= 64, "dist.a2a_chunks = {}: must be in [1, 64]",
+                 a2a_chunks);
+  MOETRAIN_CHECK(std::isfinite(collective_warn) && collective_warn >= 0,
                  "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
-                 dist.collective_warn);
-  MOETRAIN_CHECK(std::isfinite(dist.collective_timeout) && dist.collective_timeout >= 0,
+                 collective_warn);
+  MOETRAIN_CHECK(std::isfinite(collective_timeout) && collective_timeout >= 0,
                  "dist.collective_timeout = {}: must be seconds ≥ 0 (0 = never abort)",
-                 dist.collective_timeout);
+                 collective_timeout);
 }
 
 DType TrainConfig::precision_dtype() const {

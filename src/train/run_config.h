@@ -69,8 +69,9 @@ struct TrainConfig {
 };
 
 // How a run under mpirun spreads over its processes (ignored by a single process). World =
-// DP × EP: train.batch_size sequences per process, so the global batch is processes ×
-// batch_size × grad_accum. Not part of the config hash: a checkpoint resumes on any layout.
+// DP × EP: the LM reads train.batch_size sequences per process (a global batch of processes ×
+// batch_size × grad_accum); the classifier splits its train.batch_size rows over the processes.
+// Not part of the config hash: a checkpoint resumes on any layout.
 struct DistSettings {
   int64_t ep = 1;    // expert-parallel group size; divides the processes and model.n_experts
   int64_t zero = 0;  // 1: ZeRO-1, each data-parallel rank keeps optimizer state for its shard only
@@ -96,7 +97,16 @@ struct DistSettings {
   std::string grad_reduce_dtype = "f32";
   // Element type of the expert all-to-all payloads (token rows and their gradients): f32 | bf16.
   std::string a2a_dtype = "f32";
+
+  // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
+  // where the process groups are made.
+  void validate() const;
 };
+
+// The [dist] keys bound to `d`, appended to `fields` (shared by every run configuration).
+void add_dist_fields(std::vector<Field>& fields, DistSettings& d);
+// The MoE [model] keys bound to `m` (shared by every model's configuration).
+void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m);
 
 struct RunConfig {
   ModelConfig model;
