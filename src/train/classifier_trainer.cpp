@@ -256,14 +256,13 @@ double ClassifierTrainer::train_step() {
     }
     return ImageBatch{inputs_.data(), labels_.data(), Bl};
   };
+  // Router noise is drawn per global row: this rank's start at `first`.
   args.moe_step = [&](int64_t) {
-    MoeStep ms;
-    ms.training = true;
-    ms.seed = cfg_.train.seed;
-    ms.step = static_cast<uint64_t>(step_);
-    ms.token_offset = static_cast<uint64_t>(first);  // router noise per global row
-    return ms;
+    return MoeStep{.seed = cfg_.train.seed,
+                   .step = static_cast<uint64_t>(step_),
+                   .token_offset = static_cast<uint64_t>(first)};
   };
+
   args.before_last_backward = [&] { reducer_->begin(grads_.data()); };
   args.bad_loss = [&](const LossParts& p) {
     return fmt::format(
@@ -281,13 +280,12 @@ double ClassifierTrainer::train_step() {
                                           grads_.data(), static_cast<float>(last_lr_), opts);
   last_grad_norm_ = up.outcome.grad_norm;
   ++step_;
-  pending_metrics_ = finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc,
-                                 {.step = step_,
-                                  .lr = last_lr_,
-                                  .grad_norm = last_grad_norm_,
-                                  .update = &up.outcome,
-                                  .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
-                                  .accuracy_rows = B});
+  StepFigures figures{.step = step_, .lr = last_lr_, .grad_norm = last_grad_norm_};
+  figures.update = &up.outcome;
+  figures.grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before;
+  figures.accuracy_rows = B;
+  pending_metrics_ =
+      finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc, figures);
   return acc.loss.total;
 }
 

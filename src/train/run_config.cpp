@@ -71,7 +71,8 @@ ConfigSchema schema(RunConfig& c) {
   std::vector<Field> fields = {
       {"model.vocab_size", &m.vocab_size}, {"model.dim", &m.dim},
       {"model.n_layers", &m.n_layers},     {"model.n_heads", &m.n_heads},
-      {"model.n_kv_heads", &m.n_kv_heads},
+      {"model.n_kv_heads", &m.n_kv_heads}, {"model.norm_eps", &m.norm_eps},
+      {"model.init_std", &m.init_std},
   };
   add_moe_fields(fields, m);
   const Field model[] = {
@@ -79,25 +80,14 @@ ConfigSchema schema(RunConfig& c) {
       {"model.dense_hidden", &m.dense_hidden},
       {"model.max_seq_len", &m.max_seq_len},
       {"model.rope_theta", &m.rope_theta},
-      {"model.norm_eps", &m.norm_eps},
-      {"model.init_std", &m.init_std},
-      {"data.dir", &c.data.dir},
   };
   fields.insert(fields.end(), std::begin(model), std::end(model));
-  add_optim_fields(fields, c.optim);
+  add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
-      {"train.steps", &t.steps},
-      {"train.batch_size", &t.batch_size},
       {"train.seq_len", &t.seq_len},
       {"train.grad_accum", &t.grad_accum},
-      {"train.seed", &t.seed},
-      {"train.eval_every", &t.eval_every},
       {"train.eval_batches", &t.eval_batches},
-      {"train.checkpoint_every", &t.checkpoint_every},
       {"train.keep_checkpoints", &t.keep_checkpoints},
-      {"train.threads", &t.threads},
-      {"train.run_dir", &t.run_dir},
-      {"train.progress", &t.progress},
       {"train.precision", &t.precision},
       {"train.loss_scale_init", &t.loss_scale_init},
       {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
@@ -105,7 +95,6 @@ ConfigSchema schema(RunConfig& c) {
       {"train.loss_scale_backoff_factor", &t.loss_scale_backoff_factor},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
-  add_dist_fields(fields, c.dist);
   return ConfigSchema(std::move(fields));
 }
 
@@ -170,23 +159,14 @@ ScheduleConfig OptimSettings::schedule_config(int64_t total_steps) const {
 void RunConfig::validate() const {
   model.validate();
   const TrainConfig& t = train;
-  MOETRAIN_CHECK(t.steps >= 0, "train.steps = {}: must be ≥ 0", t.steps);
-  MOETRAIN_CHECK(t.batch_size > 0, "train.batch_size = {}: must be positive", t.batch_size);
+  validate_loop(t);
   MOETRAIN_CHECK(t.seq_len > 0 && t.seq_len <= model.max_seq_len,
                  "train.seq_len = {}: must be in [1, model.max_seq_len = {}]", t.seq_len,
                  model.max_seq_len);
   MOETRAIN_CHECK(t.grad_accum > 0, "train.grad_accum = {}: must be positive", t.grad_accum);
-  MOETRAIN_CHECK(t.eval_every >= 0, "train.eval_every = {}: must be ≥ 0", t.eval_every);
   MOETRAIN_CHECK(t.eval_batches > 0, "train.eval_batches = {}: must be positive", t.eval_batches);
-  MOETRAIN_CHECK(t.checkpoint_every >= 0, "train.checkpoint_every = {}: must be ≥ 0",
-                 t.checkpoint_every);
   MOETRAIN_CHECK(t.keep_checkpoints >= 1, "train.keep_checkpoints = {}: must be ≥ 1",
                  t.keep_checkpoints);
-  MOETRAIN_CHECK(t.threads >= 0, "train.threads = {}: must be ≥ 0 (0 = all cores)", t.threads);
-  MOETRAIN_CHECK(!t.run_dir.empty(), "train.run_dir must not be empty");
-  MOETRAIN_CHECK(
-      t.progress == "auto" || t.progress == "bar" || t.progress == "lines" || t.progress == "off",
-      "train.progress = '{}': allowed are auto, bar, lines, off", t.progress);
   t.precision_dtype();
   if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
   optim.validate();

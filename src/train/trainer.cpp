@@ -160,14 +160,13 @@ double Trainer::train_step() {
     loader.fill(step_, micro, inputs_.data(), targets_.data());
     return TokenBatch{inputs_.data(), targets_.data(), B, T};
   };
+  // Router noise is drawn per global token: this rank's rows of the batch start at rank · B · T.
   args.moe_step = [&](int64_t micro) {
-    MoeStep ms;
-    ms.training = true;
-    ms.seed = cfg_.train.seed;
-    ms.step = static_cast<uint64_t>(step_ * A + micro);
-    ms.token_offset = static_cast<uint64_t>(rank() * B * T);  // this rank's rows of the batch
-    return ms;
+    return MoeStep{.seed = cfg_.train.seed,
+                   .step = static_cast<uint64_t>(step_ * A + micro),
+                   .token_offset = static_cast<uint64_t>(rank() * B * T)};
   };
+
   args.before_last_backward = [&] { reducer_->begin(grads_.data()); };
   args.bad_loss = [&](const LossParts& p) {
     return fmt::format(

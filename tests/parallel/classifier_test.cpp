@@ -98,7 +98,7 @@ const std::vector<float>& reference(const fs::path& run) {
   return params;
 }
 
-void expect_matches_one_process(const std::string& name, const std::vector<std::string>& dist) {
+void expect_matches_one_process(const char* name, const std::vector<std::string>& dist) {
   auto world = dist_world("classifier");
   SharedDir dir(*world, name);
   static TempDir single("single");
