@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "app/commands.h"
+#include "app/dist_options.h"
 #include "train/classifier_config.h"
 #include "train/classifier_trainer.h"
 
@@ -24,10 +25,14 @@ Run add_classify_command(CLI::App& app) {
                   "Override a config key: --set train.steps=500 (repeatable)");
   cmd->add_flag("--resume", args->resume,
                 "Continue from the run directory's latest complete checkpoint");
-  return [args] {
-    ClassifierRunConfig cfg = load_classifier_config(args->config, args->overrides);
+  auto flags = add_config_flags(cmd, dist_config_flags());
+  return [args, flags] {
+    const std::vector<std::string> overrides = flags->apply(args->overrides);
+    ClassifierRunConfig cfg = load_classifier_config(args->config, overrides);
+    const std::unique_ptr<CollectiveWatchdog> watchdog = watch_collectives(cfg.dist);
     ClassifierTrainer trainer(cfg, {}, args->resume);
     ClassifierTrainResult r = trainer.run();
+    if (trainer.rank() != 0) return 0;  // one summary for the whole run
     fmt::print(
         "steps {} | final train loss {:.4f} | test accuracy {:.2f}% | test loss {:.4f} | {:.0f} "
         "images/s | "

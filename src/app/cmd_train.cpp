@@ -5,11 +5,10 @@
 #include <memory>
 
 #include "app/commands.h"
-#include "app/options.h"
+#include "app/dist_options.h"
 #include "core/threads.h"
 #include "data/shard.h"
 #include "parallel/runtime.h"
-#include "parallel/watchdog.h"
 #include "train/evaluate.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -20,78 +19,18 @@ namespace {
 
 using Kind = ConfigFlag::Kind;
 
-// train's options that set configuration keys.
+// train's options that set configuration keys: the shared [dist] ones, then the precision.
 const std::vector<ConfigFlag>& train_config_flags() {
-  static const std::vector<ConfigFlag> flags = {
-      {.name = "--ep",
-       .kind = Kind::Int,
-       .key = "dist.ep",
-       .help = "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP",
-       .check = CLI::PositiveNumber},
-      {.name = "--zero",
-       .kind = Kind::Int,
-       .key = "dist.zero",
-       .help = "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)",
-       .check = CLI::Range(0, 1)},
-      {.name = "--hierarchical",
-       .kind = Kind::Switch,
-       .key = "dist.hierarchical",
-       .help = "Two-stage expert all-to-all: within nodes, then between them (dist.hierarchical)",
-       .value = "true"},
-      {.name = "--ranks-per-node",
-       .kind = Kind::Int,
-       .key = "dist.ranks_per_node",
-       .help = "With the two-stage all-to-all: ranks per node, overriding detection (emulates "
-               "nodes); implies --hierarchical",
-       .implies = "dist.hierarchical=true",
-       .check = CLI::NonNegativeNumber},
-      {.name = "--a2a-chunks",
-       .kind = Kind::Int,
-       .key = "dist.a2a_chunks",
-       .help = "Split each MoE all-to-all into n chunks overlapped with expert compute "
-               "(dist.a2a_chunks)",
-       .check = CLI::Range(1, 64)},
-      {.name = "--no-overlap",
-       .kind = Kind::Switch,
-       .key = "dist.overlap",
-       .help = "Reduce gradients after backward instead of during it (dist.overlap = false)",
-       .value = "false"},
-      {.name = "--collective-warn",
-       .kind = Kind::Number,
-       .key = "dist.collective_warn",
-       .help = "Under mpirun: warn when a collective has waited this many seconds "
-               "(dist.collective_warn, default 60; 0 = off)",
-       .check = CLI::NonNegativeNumber},
-      {.name = "--collective-timeout",
-       .kind = Kind::Number,
-       .key = "dist.collective_timeout",
-       .help = "Under mpirun: abort the job when a collective has waited this many seconds, "
-               "naming it, so that `moetrain launch` restarts it (dist.collective_timeout, "
-               "default 300; 0 = off)",
-       .check = CLI::NonNegativeNumber},
-      {.name = "--debug-collectives",
-       .kind = Kind::Switch,
-       .key = "dist.debug_collectives",
-       .help = "Under mpirun: ranks compare every collective's fingerprint (sequence, kind, "
-               "element size, counts) before running it; a mismatch fails at once "
-               "(dist.debug_collectives)",
-       .value = "true"},
-      // Checked with the rest of the configuration, which names the key and the allowed values.
-      {.name = "--precision",
-       .kind = Kind::Text,
-       .key = "train.precision",
-       .help = "GEMM operand precision: f32, bf16, or fp16 with dynamic loss scaling "
-               "(train.precision)"},
-      {.name = "--grad-reduce-dtype",
-       .kind = Kind::Text,
-       .key = "dist.grad_reduce_dtype",
-       .help =
-           "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)"},
-      {.name = "--a2a-dtype",
-       .kind = Kind::Text,
-       .key = "dist.a2a_dtype",
-       .help = "Expert all-to-all payloads on the wire: f32 or bf16 (dist.a2a_dtype)"},
-  };
+  static const std::vector<ConfigFlag> flags = [] {
+    std::vector<ConfigFlag> f = dist_config_flags();
+    // Checked with the rest of the configuration, which names the key and the allowed values.
+    f.push_back({.name = "--precision",
+                 .kind = Kind::Text,
+                 .key = "train.precision",
+                 .help = "GEMM operand precision: f32, bf16, or fp16 with dynamic loss scaling "
+                         "(train.precision)"});
+    return f;
+  }();
   return flags;
 }
 
@@ -115,13 +54,7 @@ Run add_train_command(CLI::App& app) {
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);
     RunConfig cfg = load_run_config(args->config, overrides);
-    // Collectives exist only under mpirun; the watchdog watches them for the whole run.
-    std::unique_ptr<CollectiveWatchdog> watchdog;
-    if (dist_mpi_active()) {
-      set_debug_collectives(cfg.dist.debug_collectives);
-      watchdog = std::make_unique<CollectiveWatchdog>(
-          WatchdogSettings{cfg.dist.collective_warn, cfg.dist.collective_timeout});
-    }
+    const std::unique_ptr<CollectiveWatchdog> watchdog = watch_collectives(cfg.dist);
     Trainer trainer(cfg, args->resume);
     TrainResult r = trainer.run();
     if (trainer.rank() != 0) return 0;  // one summary for the whole run

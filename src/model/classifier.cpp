@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "core/check.h"
-#include "core/rng.h"
 #include "kernels/det_gemm.h"
 #include "kernels/gemm.h"
 #include "kernels/norm.h"
@@ -45,21 +44,7 @@ ClassifierLayout::ClassifierLayout(const ClassifierConfig& cfg) {
 
 void init_classifier_params(float* params, const ClassifierLayout& layout,
                             const ClassifierConfig& cfg, uint64_t seed) {
-  const float std_dev = static_cast<float>(cfg.init_std);
-  const float out_std = std_dev / std::sqrt(2.0f * static_cast<float>(cfg.n_layers));
-  for (std::size_t i = 0; i < layout.params().size(); ++i) {
-    const ParamInfo& p = layout.params()[i];
-    float* dst = params + p.offset;
-    if (p.shape.size() == 1) {
-      const float v = p.name.ends_with(".bias") ? 0.0f : 1.0f;
-      for (int64_t j = 0; j < p.numel; ++j) dst[j] = v;
-      continue;
-    }
-    // Residual-branch outputs start small so the stream is dominated by the input at first.
-    bool is_output = p.name.ends_with(".w2.weight") || p.name.ends_with("down_proj.weight");
-    Rng rng(seed, rng_stream(RngPurpose::Init, i, 0));
-    rng_fill_normal(dst, p.numel, rng, 0.0f, is_output ? out_std : std_dev);
-  }
+  init_table_params(params, layout, cfg.init_std, cfg.n_layers, seed);
 }
 
 Classifier::Classifier(const ClassifierConfig& cfg, const MoeContext& ctx)

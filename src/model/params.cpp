@@ -109,22 +109,29 @@ const ParamInfo& ParamTable::find(const std::string& name) const {
   return *p;
 }
 
-void init_params(float* params, const ParamLayout& layout, const ModelConfig& cfg, uint64_t seed) {
-  const float std_dev = static_cast<float>(cfg.init_std);
-  const float out_std = std_dev / std::sqrt(2.0f * static_cast<float>(cfg.n_layers));
-  for (std::size_t i = 0; i < layout.params().size(); ++i) {
-    const ParamInfo& p = layout.params()[i];
+void init_table_params(float* params, const ParamTable& table, double init_std, int64_t n_layers,
+                       uint64_t seed) {
+  const float std_dev = static_cast<float>(init_std);
+  const float out_std = std_dev / std::sqrt(2.0f * static_cast<float>(n_layers));
+  for (std::size_t i = 0; i < table.params().size(); ++i) {
+    const ParamInfo& p = table.params()[i];
     float* dst = params + p.offset;
     if (p.shape.size() == 1) {
-      for (int64_t j = 0; j < p.numel; ++j) dst[j] = 1.0f;
+      const float v = p.name.ends_with(".bias") ? 0.0f : 1.0f;
+      for (int64_t j = 0; j < p.numel; ++j) dst[j] = v;
       continue;
     }
+    // Residual-branch outputs start small so the stream is dominated by its input at first.
     bool is_output = p.name.ends_with("o_proj.weight") || p.name.ends_with(".w2.weight") ||
                      p.name.ends_with("down_proj.weight");
     // One stream per tensor (by its index in the table): adding a tensor never reshuffles others.
     Rng rng(seed, rng_stream(RngPurpose::Init, i, 0));
     rng_fill_normal(dst, p.numel, rng, 0.0f, is_output ? out_std : std_dev);
   }
+}
+
+void init_params(float* params, const ParamLayout& layout, const ModelConfig& cfg, uint64_t seed) {
+  init_table_params(params, layout, cfg.init_std, cfg.n_layers, seed);
 }
 
 }  // namespace moetrain

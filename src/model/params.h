@@ -84,4 +84,10 @@ class ParamLayout : public ParamTable {
 // seed gives the same model whatever the thread count.
 void init_params(float* params, const ParamLayout& layout, const ModelConfig& cfg, uint64_t seed);
 
+// What every model's init is: normal(0, init_std) for matrices, residual-branch outputs
+// (o_proj, the experts' w2, down_proj) scaled by 1/sqrt(2·n_layers); ones for vectors, zeros for
+// biases. One counter-based stream per tensor of the table.
+void init_table_params(float* params, const ParamTable& table, double init_std, int64_t n_layers,
+                       uint64_t seed);
+
 }  // namespace moetrain

@@ -1,6 +1,7 @@
 // Everything a classifier training run is told: [model] (ClassifierConfig), [data], [optim]
-// (the LM's OptimSettings) and [train]. Loaded from TOML plus `--set key=value` overrides through
-// the shared ConfigSchema, validated once; errors name the key and what is allowed.
+// (the LM's OptimSettings), [train] and [dist] (the LM's DistSettings). Loaded from TOML plus
+// `--set key=value` overrides through the shared ConfigSchema, validated once; errors name the key
+// and what is allowed.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -36,6 +37,7 @@ struct ClassifierRunConfig {
   ClassifierDataConfig data;
   OptimSettings optim;
   ClassifierTrainConfig train;
+  DistSettings dist;
 
   void validate() const;
   nlohmann::json to_json() const;

@@ -22,6 +22,7 @@
 #include "train/progress.h"
 #include "train/run_state.h"
 #include "train/step_metrics.h"
+#include "train/step_update.h"
 
 namespace fs = std::filesystem;
 
@@ -117,7 +118,6 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   world_ = world ? std::move(world) : dist_world("classifier");
   const int W = world_->size();
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
-  pg_ = std::make_unique<ProcessGroups>(make_process_groups(*world_, 1));
   const int64_t B = cfg_.train.batch_size;
   MOETRAIN_CHECK(B % W == 0,
                  "train.batch_size = {} rows cannot be split evenly over {} processes: each takes "
@@ -133,14 +133,19 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   check_dataset(*data_.test, cfg_.model, "test");
   total_steps_ = cfg_.total_steps(data_.train->n);
 
-  model_ = std::make_unique<Classifier>(cfg_.model);
+  // Every process holds rows of the batch, so the MoE statistics (balancing losses, capacities)
+  // are reduced over all of them: the run follows the one-process run on the global batch.
+  RunParallel rp =
+      make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_layers > 0);
+  model_ = std::make_unique<Classifier>(cfg_.model, rp.moe_context());
+  pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ClassifierLayout& layout = model_->layout();
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
   grads_.assign(params_.size(), 0.0f);
   init_classifier_params(params_.data(), layout, cfg_.model, cfg_.train.seed);
   groups_ = param_groups(layout);
-  expert_shard_ = {0, cfg_.model.n_experts};
-  DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, ReduceSettings{});
+  DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_,
+                                       reduce_settings(cfg_.dist, ep_.comm_thread.get()));
   reducer_ = std::move(dp.reducer);
   optimizer_ = std::make_unique<ShardedOptimizer>(cfg_.optim.optimizer_config(), groups_,
                                                   std::move(dp.pieces));
@@ -177,15 +182,19 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   log_info("data: {} training / {} test images; {} steps of {} ({:.2f} epochs){}", data_.train->n,
            data_.test->n, total_steps_, B,
            static_cast<double>(total_steps_ * B) / static_cast<double>(data_.train->n),
-           W > 1 ? fmt::format("; {} data-parallel processes", W) : std::string());
+           W > 1 ? fmt::format("; {} processes: {} data-parallel x {} expert-parallel ({} experts "
+                               "each){}",
+                               W, pg_->layout.dp, pg_->layout.ep, expert_shard_.count,
+                               cfg_.dist.zero ? ", ZeRO-1" : "")
+                 : std::string());
 }
 
 ClassifierTrainer::~ClassifierTrainer() = default;
 
 CheckpointShare ClassifierTrainer::checkpoint_share(bool reading) {
   return moetrain::checkpoint_share(model_->layout(), params_.data(), *optimizer_, writers_,
-                                    expert_shard_, rank(), /*sharded=*/false, bias_views(*model_),
-                                    reading);
+                                    expert_shard_, rank(), world_size() > 1 && cfg_.dist.zero == 1,
+                                    bias_views(*model_), reading);
 }
 
 nlohmann::json ClassifierTrainer::trainer_state() const {
@@ -229,9 +238,9 @@ void ClassifierTrainer::load_checkpoint(const fs::path& dir) {
 
 double ClassifierTrainer::train_step() {
   const int64_t B = cfg_.train.batch_size, D = cfg_.model.input_dim, Bl = rows_per_rank_;
-  const int64_t E = cfg_.model.n_experts;
   const int W = world_size();
   const ImageDataset& train = *data_.train;
+  const int64_t sync_bytes_before = reducer_->bytes_sent();  // overlap reduces during backward
   sampler_->batch(step_, B, rows_.data());
   const int64_t first = rank() * Bl;  // this rank's rows of the global batch
   AccumulateArgs<ImageBatch> args;
@@ -247,14 +256,14 @@ double ClassifierTrainer::train_step() {
     }
     return ImageBatch{inputs_.data(), labels_.data(), Bl};
   };
+  // Router noise is drawn per global row: this rank's start at `first`.
   args.moe_step = [&](int64_t) {
-    MoeStep ms;
-    ms.training = true;
-    ms.seed = cfg_.train.seed;
-    ms.step = static_cast<uint64_t>(step_);
-    ms.token_offset = static_cast<uint64_t>(first);  // router noise per global row
-    return ms;
+    return MoeStep{.seed = cfg_.train.seed,
+                   .step = static_cast<uint64_t>(step_),
+                   .token_offset = static_cast<uint64_t>(first)};
   };
+
+  args.before_last_backward = [&] { reducer_->begin(grads_.data()); };
   args.bad_loss = [&](const LossParts& p) {
     return fmt::format(
         "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. Lower optim.lr or "
@@ -263,31 +272,20 @@ double ClassifierTrainer::train_step() {
   };
   Accumulated acc =
       accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
-  const int64_t sync_bytes_before = reducer_->bytes_sent();
   last_lr_ = schedule_->lr(step_);
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
   opts.where = fmt::format("step {}", step_ + 1);
-  const UpdateOutcome outcome =
-      apply_update(reducer_->reduce(grads_.data()), *pg_->control, opts, [&] {
-        reducer_->update(params_.data(), grads_.data(), [&] {
-          optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
-        });
-      });
-  last_grad_norm_ = outcome.grad_norm;
-
-  if (cfg_.model.moe().router == RouterKind::SigmoidBias)
-    update_router_biases(model_->moe_layers(), E, *pg_->control);
+  const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
+                                          grads_.data(), static_cast<float>(last_lr_), opts);
+  last_grad_norm_ = up.outcome.grad_norm;
   ++step_;
-  reduce_step_figures(*pg_->control, acc);
+  StepFigures figures{.step = step_, .lr = last_lr_, .grad_norm = last_grad_norm_};
+  figures.update = &up.outcome;
+  figures.grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before;
+  figures.accuracy_rows = B;
   pending_metrics_ =
-      step_metrics_line({.step = step_,
-                         .acc = &acc,
-                         .lr = last_lr_,
-                         .grad_norm = last_grad_norm_,
-                         .update = &outcome,
-                         .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
-                         .accuracy_rows = B});
+      finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc, figures);
   return acc.loss.total;
 }
 

@@ -19,6 +19,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "parallel/groups.h"
+#include "parallel/moe_exchange_setup.h"
 #include "train/classifier_config.h"
 
 namespace moetrain {
@@ -73,10 +74,11 @@ class GradReducer;
 class ShardedOptimizer;
 
 // Under mpirun every process builds a ClassifierTrainer and runs it in step (every method is
-// collective): data parallelism with the experts replicated. Each rank takes its contiguous
-// train.batch_size / P rows of every global batch, the gradients are summed by the reducer, rank
-// 0 writes the metrics, every rank writes its share of each checkpoint. Expert parallelism needs
-// the classifier to take an expert exchange; the ExpertShard held here is where it plugs in.
+// collective), laid out as the LM trainer is (world = DP × dist.ep, train/parallel_setup.h). Each
+// rank takes its contiguous train.batch_size / P rows of every global batch; its MoE layers send
+// tokens to the experts' owners over the EP group and reduce their balancing statistics over every
+// process; the gradients are summed by the reducer (ZeRO-1 with dist.zero = 1); rank 0 writes the
+// metrics; every rank writes its share of each checkpoint, which loads on any layout.
 class ClassifierTrainer {
  public:
   // resume: continue from the run directory's latest complete checkpoint if there is one (a fresh
@@ -97,6 +99,8 @@ class ClassifierTrainer {
   int64_t total_steps() const { return total_steps_; }
   int rank() const { return world_->rank(); }
   int world_size() const { return world_->size(); }
+  // The experts whose parameters this rank holds (params() is stale elsewhere).
+  const ExpertShard& expert_shard() const { return expert_shard_; }
 
   // Collective: every rank writes its share of the checkpoint of the current step.
   std::filesystem::path save_checkpoint();
@@ -110,13 +114,14 @@ class ClassifierTrainer {
   ClassifierRunConfig cfg_;
   ClassifierData data_;
   std::unique_ptr<Comm> world_;
-  std::unique_ptr<ProcessGroups> pg_;
+  std::unique_ptr<ProcessGroups> pg_;  // before model_: its MoE layers hold the communicators
+  ExpertParallelSetup ep_;             // the MoE layers' expert exchange (distributed runs)
   std::unique_ptr<Classifier> model_;
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<ShardedOptimizer> optimizer_;
-  ExpertShard expert_shard_;  // every expert: replicated over the data-parallel ranks
+  ExpertShard expert_shard_;  // the experts this rank holds (all but with dist.ep > 1)
   std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<EpochSampler> sampler_;

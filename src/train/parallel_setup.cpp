@@ -8,6 +8,36 @@
 
 namespace moetrain {
 
+MoeContext RunParallel::moe_context() {
+  return groups->layout.world > 1 ? ep.context(*groups) : MoeContext{};
+}
+
+RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_experts,
+                              bool has_moe_layers) {
+  RunParallel out;
+  out.groups =
+      std::make_unique<ProcessGroups>(make_process_groups(world, static_cast<int>(dist.ep)));
+  const ParallelLayout& pl = out.groups->layout;
+  out.experts = {0, n_experts};
+  if (pl.world == 1) return out;
+  if (has_moe_layers) out.experts = expert_shard(n_experts, pl.ep, pl.ep_index);
+  out.ep = make_expert_parallel(
+      {dist.hierarchical, static_cast<int>(dist.ranks_per_node), static_cast<int>(dist.a2a_chunks),
+       parse_dtype(dist.a2a_dtype, "dist.a2a_dtype"), dist.overlap},
+      *out.groups);
+  return out;
+}
+
+ReduceSettings reduce_settings(const DistSettings& dist, CommThread* comm_thread) {
+  ReduceSettings rs;
+  rs.bucket_first_mb = dist.bucket_first_mb;
+  rs.bucket_mb = dist.bucket_mb;
+  rs.grad_reduce_dtype = dist.grad_reduce_dtype;
+  rs.zero1 = dist.zero == 1;
+  rs.overlap = dist.overlap ? comm_thread : nullptr;
+  return rs;
+}
+
 DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& held,
                                 ProcessGroups& groups, const ReduceSettings& settings) {
   DataParallel out;

@@ -1,4 +1,5 @@
-// How a trainer spreads its work over processes, decided once at construction: the gradient
+// How a trainer spreads its work over processes, decided once at construction: the process
+// groups, the experts this rank holds and the expert exchange its MoE layers run with, the gradient
 // reducer (local identity on one process, GradSync's buckets under MPI), the pieces of the flat
 // buffer its optimizer updates (all of it; this rank's ZeRO-1 shard; or what it holds), and which
 // rank writes each tensor into checkpoints.
@@ -12,7 +13,9 @@
 #include "optim/grad_reducer.h"
 #include "parallel/comm_thread.h"
 #include "parallel/groups.h"
+#include "parallel/moe_exchange_setup.h"
 #include "parallel/sharded_optimizer.h"
+#include "train/run_config.h"
 
 namespace moetrain {
 
@@ -24,6 +27,22 @@ struct ReduceSettings {
   CommThread* overlap = nullptr;
 };
 
+// The processes of a run and its experts over them (world = DP × dist.ep).
+struct RunParallel {
+  std::unique_ptr<ProcessGroups> groups;
+  ExpertShard experts;     // the experts this rank holds (every one on one process)
+  ExpertParallelSetup ep;  // the expert exchange, its route and thread (empty on one process)
+  // What the model's MoE layers run with: the exchange and statistics over every process holding
+  // tokens, so balancing losses and capacities are the global batch's; local on one process.
+  // Its pointers stay valid when the members are moved out.
+  MoeContext moe_context();
+};
+
+// Collective over world. has_moe_layers = false keeps every expert on every rank (nothing to
+// shard).
+RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_experts,
+                              bool has_moe_layers);
+
 struct DataParallel {
   std::unique_ptr<GradReducer> reducer;
   std::vector<OptimPiece> pieces;  // what this rank's optimizer updates
@@ -31,6 +50,10 @@ struct DataParallel {
   // Set as the model's grads-ready hook when buckets reduce during backward; empty otherwise.
   std::function<void(int64_t)> grads_ready;
 };
+
+// The dist settings that shape the gradient reduction; comm_thread reduces buckets during backward
+// when dist.overlap (null: after backward).
+ReduceSettings reduce_settings(const DistSettings& dist, CommThread* comm_thread);
 
 // The parameters of `layout` held by this rank (all but other ranks' experts) reduced over
 // groups.grads (replicated) and groups.expert_grads (experts). One process: the local reducer.

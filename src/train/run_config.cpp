@@ -28,17 +28,8 @@ void add_optim_fields(std::vector<Field>& fields, OptimSettings& o) {
   fields.insert(fields.end(), std::begin(optim), std::end(optim));
 }
 
-namespace {
-
-ConfigSchema schema(RunConfig& c) {
-  ModelConfig& m = c.model;
-  TrainConfig& t = c.train;
-  std::vector<Field> fields = {
-      {"model.vocab_size", &m.vocab_size},
-      {"model.dim", &m.dim},
-      {"model.n_layers", &m.n_layers},
-      {"model.n_heads", &m.n_heads},
-      {"model.n_kv_heads", &m.n_kv_heads},
+void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
+  const Field moe[] = {
       {"model.expert_hidden", &m.expert_hidden},
       {"model.n_experts", &m.n_experts},
       {"model.top_k", &m.top_k},
@@ -49,46 +40,59 @@ ConfigSchema schema(RunConfig& c) {
       {"model.z_loss_coef", &m.z_loss_coef},
       {"model.bias_update_rate", &m.bias_update_rate},
       {"model.shared_expert_hidden", &m.shared_expert_hidden},
+  };
+  fields.insert(fields.end(), std::begin(moe), std::end(moe));
+}
+
+void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
+  const Field dist[] = {
+      {"dist.ep", &d.ep},
+      {"dist.zero", &d.zero},
+      {"dist.bucket_first_mb", &d.bucket_first_mb},
+      {"dist.bucket_mb", &d.bucket_mb},
+      {"dist.hierarchical", &d.hierarchical},
+      {"dist.ranks_per_node", &d.ranks_per_node},
+      {"dist.a2a_chunks", &d.a2a_chunks},
+      {"dist.overlap", &d.overlap},
+      {"dist.collective_warn", &d.collective_warn},
+      {"dist.collective_timeout", &d.collective_timeout},
+      {"dist.debug_collectives", &d.debug_collectives},
+      {"dist.grad_reduce_dtype", &d.grad_reduce_dtype},
+      {"dist.a2a_dtype", &d.a2a_dtype},
+  };
+  fields.insert(fields.end(), std::begin(dist), std::end(dist));
+}
+
+namespace {
+
+ConfigSchema schema(RunConfig& c) {
+  ModelConfig& m = c.model;
+  TrainConfig& t = c.train;
+  std::vector<Field> fields = {
+      {"model.vocab_size", &m.vocab_size}, {"model.dim", &m.dim},
+      {"model.n_layers", &m.n_layers},     {"model.n_heads", &m.n_heads},
+      {"model.n_kv_heads", &m.n_kv_heads}, {"model.norm_eps", &m.norm_eps},
+      {"model.init_std", &m.init_std},
+  };
+  add_moe_fields(fields, m);
+  const Field model[] = {
       {"model.dense_every", &m.dense_every},
       {"model.dense_hidden", &m.dense_hidden},
       {"model.max_seq_len", &m.max_seq_len},
       {"model.rope_theta", &m.rope_theta},
-      {"model.norm_eps", &m.norm_eps},
-      {"model.init_std", &m.init_std},
-      {"data.dir", &c.data.dir},
   };
-  add_optim_fields(fields, c.optim);
+  fields.insert(fields.end(), std::begin(model), std::end(model));
+  add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
-      {"train.steps", &t.steps},
-      {"train.batch_size", &t.batch_size},
       {"train.seq_len", &t.seq_len},
       {"train.grad_accum", &t.grad_accum},
-      {"train.seed", &t.seed},
-      {"train.eval_every", &t.eval_every},
       {"train.eval_batches", &t.eval_batches},
-      {"train.checkpoint_every", &t.checkpoint_every},
       {"train.keep_checkpoints", &t.keep_checkpoints},
-      {"train.threads", &t.threads},
-      {"train.run_dir", &t.run_dir},
-      {"train.progress", &t.progress},
       {"train.precision", &t.precision},
       {"train.loss_scale_init", &t.loss_scale_init},
       {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
       {"train.loss_scale_growth_factor", &t.loss_scale_growth_factor},
       {"train.loss_scale_backoff_factor", &t.loss_scale_backoff_factor},
-      {"dist.ep", &c.dist.ep},
-      {"dist.zero", &c.dist.zero},
-      {"dist.bucket_first_mb", &c.dist.bucket_first_mb},
-      {"dist.bucket_mb", &c.dist.bucket_mb},
-      {"dist.hierarchical", &c.dist.hierarchical},
-      {"dist.ranks_per_node", &c.dist.ranks_per_node},
-      {"dist.a2a_chunks", &c.dist.a2a_chunks},
-      {"dist.overlap", &c.dist.overlap},
-      {"dist.collective_warn", &c.dist.collective_warn},
-      {"dist.collective_timeout", &c.dist.collective_timeout},
-      {"dist.debug_collectives", &c.dist.debug_collectives},
-      {"dist.grad_reduce_dtype", &c.dist.grad_reduce_dtype},
-      {"dist.a2a_dtype", &c.dist.a2a_dtype},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -155,45 +159,40 @@ ScheduleConfig OptimSettings::schedule_config(int64_t total_steps) const {
 void RunConfig::validate() const {
   model.validate();
   const TrainConfig& t = train;
-  MOETRAIN_CHECK(t.steps >= 0, "train.steps = {}: must be ≥ 0", t.steps);
-  MOETRAIN_CHECK(t.batch_size > 0, "train.batch_size = {}: must be positive", t.batch_size);
+  validate_loop(t);
   MOETRAIN_CHECK(t.seq_len > 0 && t.seq_len <= model.max_seq_len,
                  "train.seq_len = {}: must be in [1, model.max_seq_len = {}]", t.seq_len,
                  model.max_seq_len);
   MOETRAIN_CHECK(t.grad_accum > 0, "train.grad_accum = {}: must be positive", t.grad_accum);
-  MOETRAIN_CHECK(t.eval_every >= 0, "train.eval_every = {}: must be ≥ 0", t.eval_every);
   MOETRAIN_CHECK(t.eval_batches > 0, "train.eval_batches = {}: must be positive", t.eval_batches);
-  MOETRAIN_CHECK(t.checkpoint_every >= 0, "train.checkpoint_every = {}: must be ≥ 0",
-                 t.checkpoint_every);
   MOETRAIN_CHECK(t.keep_checkpoints >= 1, "train.keep_checkpoints = {}: must be ≥ 1",
                  t.keep_checkpoints);
-  MOETRAIN_CHECK(t.threads >= 0, "train.threads = {}: must be ≥ 0 (0 = all cores)", t.threads);
-  MOETRAIN_CHECK(!t.run_dir.empty(), "train.run_dir must not be empty");
-  MOETRAIN_CHECK(
-      t.progress == "auto" || t.progress == "bar" || t.progress == "lines" || t.progress == "off",
-      "train.progress = '{}': allowed are auto, bar, lines, off", t.progress);
   t.precision_dtype();
   if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
   optim.validate();
-  parse_dtype(dist.grad_reduce_dtype, "dist.grad_reduce_dtype", {DType::F32, DType::BF16});
-  parse_dtype(dist.a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
-  MOETRAIN_CHECK(dist.ep >= 1, "dist.ep = {}: must be ≥ 1", dist.ep);
-  MOETRAIN_CHECK(dist.zero == 0 || dist.zero == 1,
-                 "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)", dist.zero);
+  dist.validate();
+}
+
+void DistSettings::validate() const {
+  parse_dtype(grad_reduce_dtype, "dist.grad_reduce_dtype", {DType::F32, DType::BF16});
+  parse_dtype(a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
+  MOETRAIN_CHECK(ep >= 1, "dist.ep = {}: must be ≥ 1", ep);
+  MOETRAIN_CHECK(zero == 0 || zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",
+                 zero);
   MOETRAIN_CHECK(
-      dist.bucket_first_mb > 0 && dist.bucket_mb > 0 && dist.bucket_mb <= 1024,
+      bucket_first_mb > 0 && bucket_mb > 0 && bucket_mb <= 1024,
       "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
-      dist.bucket_first_mb, dist.bucket_mb);
-  MOETRAIN_CHECK(dist.ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)",
-                 dist.ranks_per_node);
-  MOETRAIN_CHECK(dist.a2a_chunks >= 1 && dist.a2a_chunks <= 64,
-                 "dist.a2a_chunks = {}: must be in [1, 64]", dist.a2a_chunks);
-  MOETRAIN_CHECK(std::isfinite(dist.collective_warn) && dist.collective_warn >= 0,
+      bucket_first_mb, bucket_mb);
+  MOETRAIN_CHECK(ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)",
+                 ranks_per_node);
+  MOETRAIN_CHECK(a2a_chunks >= 1 && a2a_chunks <= 64, "dist.a2a_chunks = {}: must be in [1, 64]",
+                 a2a_chunks);
+  MOETRAIN_CHECK(std::isfinite(collective_warn) && collective_warn >= 0,
                  "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
-                 dist.collective_warn);
-  MOETRAIN_CHECK(std::isfinite(dist.collective_timeout) && dist.collective_timeout >= 0,
+                 collective_warn);
+  MOETRAIN_CHECK(std::isfinite(collective_timeout) && collective_timeout >= 0,
                  "dist.collective_timeout = {}: must be seconds ≥ 0 (0 = never abort)",
-                 dist.collective_timeout);
+                 collective_timeout);
 }
 
 DType TrainConfig::precision_dtype() const {

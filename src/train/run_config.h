@@ -3,11 +3,13 @@
 // an error naming the key and what is allowed.
 #pragma once
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "core/check.h"
 #include "core/dtype.h"
 #include "model/config.h"
 #include "optim/loss_scale.h"
@@ -43,6 +45,21 @@ struct OptimSettings {
 // The [optim] keys bound to `o`, appended to `fields` (shared by every run configuration).
 void add_optim_fields(std::vector<Field>& fields, OptimSettings& o);
 
+// The [train] keys every trainer's loop has, bound to the members of `t` with those names
+// (steps, batch_size, seed, eval_every, checkpoint_every, threads, run_dir, progress), appended to
+// `fields`; and their checks.
+template <class Train>
+void add_loop_fields(std::vector<Field>& fields, Train& t);
+template <class Train>
+void validate_loop(const Train& t);
+
+struct DistSettings;
+// data.dir, the [optim] keys, the loop's [train] keys and the [dist] keys: what every run
+// configuration has besides its model and its own [train] keys.
+template <class Train>
+void add_run_fields(std::vector<Field>& fields, std::string& data_dir, OptimSettings& optim,
+                    Train& train, DistSettings& dist);
+
 struct TrainConfig {
   int64_t steps = 1000;
   int64_t batch_size = 16;  // sequences per micro-batch per process
@@ -69,8 +86,9 @@ struct TrainConfig {
 };
 
 // How a run under mpirun spreads over its processes (ignored by a single process). World =
-// DP × EP: train.batch_size sequences per process, so the global batch is processes ×
-// batch_size × grad_accum. Not part of the config hash: a checkpoint resumes on any layout.
+// DP × EP: the LM reads train.batch_size sequences per process (a global batch of processes ×
+// batch_size × grad_accum); the classifier splits its train.batch_size rows over the processes.
+// Not part of the config hash: a checkpoint resumes on any layout.
 struct DistSettings {
   int64_t ep = 1;    // expert-parallel group size; divides the processes and model.n_experts
   int64_t zero = 0;  // 1: ZeRO-1, each data-parallel rank keeps optimizer state for its shard only
@@ -96,7 +114,16 @@ struct DistSettings {
   std::string grad_reduce_dtype = "f32";
   // Element type of the expert all-to-all payloads (token rows and their gradients): f32 | bf16.
   std::string a2a_dtype = "f32";
+
+  // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
+  // where the process groups are made.
+  void validate() const;
 };
+
+// The [dist] keys bound to `d`, appended to `fields` (shared by every run configuration).
+void add_dist_fields(std::vector<Field>& fields, DistSettings& d);
+// The MoE [model] keys bound to `m` (shared by every model's configuration).
+void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m);
 
 struct RunConfig {
   ModelConfig model;
@@ -118,5 +145,47 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where);
 // Every key this loader knows, "section.key", for help texts.
 std::vector<std::string> run_config_keys();
+
+// --- implementation ------------------------------------------------------------------------------
+
+template <class Train>
+void add_loop_fields(std::vector<Field>& fields, Train& t) {
+  const Field loop[] = {
+      {"train.steps", &t.steps},
+      {"train.batch_size", &t.batch_size},
+      {"train.seed", &t.seed},
+      {"train.eval_every", &t.eval_every},
+      {"train.checkpoint_every", &t.checkpoint_every},
+      {"train.threads", &t.threads},
+      {"train.run_dir", &t.run_dir},
+      {"train.progress", &t.progress},
+  };
+  fields.insert(fields.end(), std::begin(loop), std::end(loop));
+}
+
+template <class Train>
+void add_run_fields(std::vector<Field>& fields, std::string& data_dir, OptimSettings& optim,
+                    Train& train, DistSettings& dist) {
+  fields.push_back({"data.dir", &data_dir});
+  add_optim_fields(fields, optim);
+  add_loop_fields(fields, train);
+  add_dist_fields(fields, dist);
+}
+
+template <class Train>
+void validate_loop(const Train& t) {
+  MOETRAIN_CHECK(t.steps >= 0, "train.steps = {}: must be ≥ 0", t.steps);
+  MOETRAIN_CHECK(t.batch_size > 0, "train.batch_size = {}: must be positive", t.batch_size);
+  MOETRAIN_CHECK(t.eval_every >= 0, "train.eval_every = {}: must be ≥ 0 (0 = only at the end)",
+                 t.eval_every);
+  MOETRAIN_CHECK(t.checkpoint_every >= 0,
+                 "train.checkpoint_every = {}: must be ≥ 0 (0 = only at the end)",
+                 t.checkpoint_every);
+  MOETRAIN_CHECK(t.threads >= 0, "train.threads = {}: must be ≥ 0 (0 = all cores)", t.threads);
+  MOETRAIN_CHECK(!t.run_dir.empty(), "train.run_dir must not be empty");
+  MOETRAIN_CHECK(
+      t.progress == "auto" || t.progress == "bar" || t.progress == "lines" || t.progress == "off",
+      "train.progress = '{}': allowed are auto, bar, lines, off", t.progress);
+}
 
 }  // namespace moetrain

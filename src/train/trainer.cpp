@@ -20,9 +20,9 @@
 #include "optim/update.h"
 #include "parallel/alltoall.h"
 #include "parallel/comm_thread.h"
-#include "parallel/moe_exchange_setup.h"
 #include "parallel/grad_sync.h"
 #include "parallel/groups.h"
+#include "parallel/moe_exchange_setup.h"
 #include "parallel/runtime.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/accumulate.h"
@@ -31,6 +31,7 @@
 #include "train/progress.h"
 #include "train/run_state.h"
 #include "train/step_metrics.h"
+#include "train/step_update.h"
 
 namespace fs = std::filesystem;
 
@@ -54,25 +55,12 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   world_ = world ? std::move(world) : dist_world("trainer");
   const int W = world_->size();
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
-  pg_ =
-      std::make_unique<ProcessGroups>(make_process_groups(*world_, static_cast<int>(cfg_.dist.ep)));
+  RunParallel rp =
+      make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);
+  model_ = std::make_unique<Transformer>(cfg_.model, rp.moe_context());
+  pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ParallelLayout& pl = pg_->layout;
-  ExpertShard& shard = expert_shard_;
-  shard = {0, cfg_.model.n_experts};
-  MoeContext moe_ctx;
-  if (W > 1) {
-    if (cfg_.model.n_moe_layers() > 0)
-      shard = expert_shard(cfg_.model.n_experts, pl.ep, pl.ep_index);
-    ExpertParallelSetup ep = make_expert_parallel(
-        {cfg_.dist.hierarchical, static_cast<int>(cfg_.dist.ranks_per_node),
-         static_cast<int>(cfg_.dist.a2a_chunks), parse_dtype(cfg_.dist.a2a_dtype, "dist.a2a_dtype"),
-         cfg_.dist.overlap},
-        *pg_);
-    moe_ctx = ep.context(*pg_);
-    hier_ = std::move(ep.hierarchy), comm_thread_ = std::move(ep.comm_thread);
-    exchange_ = std::move(ep.exchange);
-  }
-  model_ = std::make_unique<Transformer>(cfg_.model, moe_ctx);
+  const ExpertShard& shard = expert_shard_;
   model_->set_precision(cfg_.train.precision_dtype());
   if (cfg_.train.precision_dtype() == DType::F16)
     scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());
@@ -82,13 +70,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   init_params(params_.data(), layout, cfg_.model, cfg_.train.seed);
   groups_ = param_groups(layout);
 
-  ReduceSettings rs;
-  rs.bucket_first_mb = cfg_.dist.bucket_first_mb;
-  rs.bucket_mb = cfg_.dist.bucket_mb;
-  rs.grad_reduce_dtype = cfg_.dist.grad_reduce_dtype;
-  rs.zero1 = cfg_.dist.zero == 1;
-  rs.overlap = cfg_.dist.overlap ? comm_thread_.get() : nullptr;
-  DataParallel dp = make_data_parallel(layout, shard, *pg_, rs);
+  DataParallel dp =
+      make_data_parallel(layout, shard, *pg_, reduce_settings(cfg_.dist, ep_.comm_thread.get()));
   reducer_ = std::move(dp.reducer);
   buckets_ = dp.buckets;
   if (dp.grads_ready) model_->set_grads_ready_hook(std::move(dp.grads_ready));
@@ -144,7 +127,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
         "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
         "buckets",
         W, pl.dp, pl.ep, shard.count, cfg_.dist.zero ? ", ZeRO-1" : "",
-        hier_ ? fmt::format(", 2-D all-to-all ({} ranks per node)", hier_->intra->size()) : "",
+        ep_.hierarchy
+            ? fmt::format(", 2-D all-to-all ({} ranks per node)", ep_.hierarchy->intra->size())
+            : "",
         buckets_);
 }
 
@@ -159,7 +144,6 @@ Trainer::~Trainer() = default;
 
 double Trainer::train_step() {
   const int64_t B = cfg_.train.batch_size, T = cfg_.train.seq_len, A = cfg_.train.grad_accum;
-  const int64_t E = cfg_.model.n_experts;
   const int W = world_size();
   BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
   const int64_t sync_bytes_before = reducer_->bytes_sent();
@@ -176,9 +160,11 @@ double Trainer::train_step() {
     loader.fill(step_, micro, inputs_.data(), targets_.data());
     return TokenBatch{inputs_.data(), targets_.data(), B, T};
   };
+  // Router noise is drawn per global token: this rank's rows of the batch start at rank · B · T.
   args.moe_step = [&](int64_t micro) {
-    return micro_batch_step(cfg_.train.seed, step_, A, micro, rank() * B * T);  // this rank's rows
+    return micro_batch_step(cfg_.train.seed, step_, A, micro, rank() * B * T);
   };
+
   args.before_last_backward = [&] { reducer_->begin(grads_.data()); };
   args.bad_loss = [&](const LossParts& p) {
     return fmt::format(
@@ -190,54 +176,32 @@ double Trainer::train_step() {
       accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
   last_a2a_s_ = acc.a2a_s, last_a2a_wait_s_ = acc.a2a_wait_s;
   last_lr_ = schedule_->lr(step_);
-  UpdateOutcome outcome;
-  {
-    const double sync_before = reducer_->seconds();
-    double exposed = 0;
-    GradientShard* shard = nullptr;
-    {
-      ScopedTimer timer(exposed);
-      shard = &reducer_->reduce(grads_.data());
-    }
-    UpdateOptions opts;
-    opts.grad_clip = cfg_.optim.grad_clip;
-    opts.scaler = scaler_.get();
-    opts.where = fmt::format("step {}", step_ + 1);
-    opts.advice =
-        fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.train.run_dir);
-    outcome = apply_update(*shard, *pg_->control, opts, [&] {
-      Timer outside;
-      double update_s = 0;
-      reducer_->update(params_.data(), grads_.data(), [&] {
-        ScopedTimer timer(update_s);
-        optimizer_->step(params_.data(), grads_.data(), static_cast<float>(last_lr_));
-      });
-      exposed += outside.seconds() - update_s;  // the ZeRO-1 parameter all-gather
-    });
-    last_sync_s_ = reducer_->seconds() - sync_before;
-    last_sync_exposed_s_ = exposed;
-  }
-  last_skipped_ = outcome.skipped;
-  if (!last_skipped_) last_grad_norm_ = outcome.grad_norm;
+  UpdateOptions opts;
+  opts.grad_clip = cfg_.optim.grad_clip;
+  opts.scaler = scaler_.get();
+  opts.where = fmt::format("step {}", step_ + 1);
+  opts.advice =
+      fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.train.run_dir);
+  const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
+                                          grads_.data(), static_cast<float>(last_lr_), opts);
+  last_sync_s_ = up.sync_s, last_sync_exposed_s_ = up.sync_exposed_s;
+  last_skipped_ = up.outcome.skipped;
+  if (!last_skipped_) last_grad_norm_ = up.outcome.grad_norm;
   if (last_skipped_) {
     log_warn("step {}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
              step_ + 1, last_scale_, scaler_->raw_scale());
   } else {
     model_->weights_changed();
   }
-  if (cfg_.model.moe().router == RouterKind::SigmoidBias)
-    update_router_biases(model_->moe_layers(), E, *pg_->control);
   ++step_;
-  reduce_step_figures(*pg_->control, acc);
+  pending_metrics_ = finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc,
+                                 {.step = step_,
+                                  .lr = last_lr_,
+                                  .grad_norm = last_grad_norm_,
+                                  .update = &up.outcome,
+                                  .fp16 = scaler_ != nullptr,
+                                  .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before});
   last_parts_ = acc.loss;
-  pending_metrics_ =
-      step_metrics_line({.step = step_,
-                         .acc = &acc,
-                         .lr = last_lr_,
-                         .grad_norm = last_grad_norm_,
-                         .update = &outcome,
-                         .fp16 = scaler_ != nullptr,
-                         .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before});
   return acc.loss.total;
 }
 

@@ -19,6 +19,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "parallel/groups.h"
+#include "parallel/moe_exchange_setup.h"
 #include "train/run_config.h"
 
 namespace moetrain {
@@ -26,9 +27,6 @@ namespace moetrain {
 class TokenShard;
 class GradReducer;
 class ShardedOptimizer;
-struct A2aHierarchy;
-class CommThread;
-class MpiExchange;
 
 struct TrainResult {
   int64_t first_step = 0;  // the step the run started from (> 0 when resumed)
@@ -54,11 +52,11 @@ LoadedModel load_model(const std::filesystem::path& dir);
 
 // Under mpirun every process builds a Trainer and runs it in step (every method is collective).
 // World = DP × EP (dist.ep): each process reads its own train.batch_size sequences per
-// micro-batch, experts are sharded over the EP group (parallel/mpi_exchange.h), gradients are reduced
-// over the processes holding each parameter (parallel/grad_sync.h) and averaged, so a run on P
-// processes follows the single-process run with a P times larger batch. Only rank 0 writes metrics
-// and progress; every rank writes its share of each checkpoint, which holds the whole model and
-// loads on any layout (io/checkpoint.h).
+// micro-batch, experts are sharded over the EP group (parallel/mpi_exchange.h), gradients are
+// reduced over the processes holding each parameter (parallel/grad_sync.h) and averaged, so a run
+// on P processes follows the single-process run with a P times larger batch. Only rank 0 writes
+// metrics and progress; every rank writes its share of each checkpoint, which holds the whole model
+// and loads on any layout (io/checkpoint.h).
 class Trainer {
  public:
   // resume: continue from the run directory's latest complete checkpoint if there is one.
@@ -105,12 +103,11 @@ class Trainer {
 
   RunConfig cfg_;
   std::unique_ptr<Comm> world_;
-  std::unique_ptr<ProcessGroups> pg_;   // before model_: its MoE layers hold the communicators
-  std::unique_ptr<A2aHierarchy> hier_;  // dist.hierarchical: the 2-D all-to-all's communicators
-  // dist.overlap or dist.a2a_chunks > 1: makes the gradient reductions and the MoE all-to-alls
-  // (all MPI calls during a step's backward) while the main thread computes.
-  std::unique_ptr<CommThread> comm_thread_;
-  std::unique_ptr<MpiExchange> exchange_;  // the MoE layers' expert exchange (distributed runs)
+  std::unique_ptr<ProcessGroups> pg_;  // before model_: its MoE layers hold the communicators
+  // The MoE layers' expert exchange, its 2-D route (dist.hierarchical) and the communication
+  // thread that makes the gradient reductions and the chunked all-to-alls while the main thread
+  // computes (distributed runs).
+  ExpertParallelSetup ep_;
   std::unique_ptr<Transformer> model_;
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;

@@ -1,0 +1,85 @@
+#include "app/dist_options.h"
+
+#include "parallel/runtime.h"
+
+namespace moetrain::app {
+
+using Kind = ConfigFlag::Kind;
+
+const std::vector<ConfigFlag>& dist_config_flags() {
+  static const std::vector<ConfigFlag> flags = {
+      {.name = "--ep",
+       .kind = Kind::Int,
+       .key = "dist.ep",
+       .help = "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP",
+       .check = CLI::PositiveNumber},
+      {.name = "--zero",
+       .kind = Kind::Int,
+       .key = "dist.zero",
+       .help = "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)",
+       .check = CLI::Range(0, 1)},
+      {.name = "--hierarchical",
+       .kind = Kind::Switch,
+       .key = "dist.hierarchical",
+       .help = "Two-stage expert all-to-all: within nodes, then between them (dist.hierarchical)",
+       .value = "true"},
+      {.name = "--ranks-per-node",
+       .kind = Kind::Int,
+       .key = "dist.ranks_per_node",
+       .help = "With the two-stage all-to-all: ranks per node, overriding detection (emulates "
+               "nodes); implies --hierarchical",
+       .implies = "dist.hierarchical=true",
+       .check = CLI::NonNegativeNumber},
+      {.name = "--a2a-chunks",
+       .kind = Kind::Int,
+       .key = "dist.a2a_chunks",
+       .help = "Split each MoE all-to-all into n chunks overlapped with expert compute "
+               "(dist.a2a_chunks)",
+       .check = CLI::Range(1, 64)},
+      {.name = "--no-overlap",
+       .kind = Kind::Switch,
+       .key = "dist.overlap",
+       .help = "Reduce gradients after backward instead of during it (dist.overlap = false)",
+       .value = "false"},
+      {.name = "--collective-warn",
+       .kind = Kind::Number,
+       .key = "dist.collective_warn",
+       .help = "Under mpirun: warn when a collective has waited this many seconds "
+               "(dist.collective_warn, default 60; 0 = off)",
+       .check = CLI::NonNegativeNumber},
+      {.name = "--collective-timeout",
+       .kind = Kind::Number,
+       .key = "dist.collective_timeout",
+       .help = "Under mpirun: abort the job when a collective has waited this many seconds, "
+               "naming it, so that `moetrain launch` restarts it (dist.collective_timeout, "
+               "default 300; 0 = off)",
+       .check = CLI::NonNegativeNumber},
+      {.name = "--debug-collectives",
+       .kind = Kind::Switch,
+       .key = "dist.debug_collectives",
+       .help = "Under mpirun: ranks compare every collective's fingerprint (sequence, kind, "
+               "element size, counts) before running it; a mismatch fails at once "
+               "(dist.debug_collectives)",
+       .value = "true"},
+      {.name = "--grad-reduce-dtype",
+       .kind = Kind::Text,
+       .key = "dist.grad_reduce_dtype",
+       .help =
+           "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)"},
+      {.name = "--a2a-dtype",
+       .kind = Kind::Text,
+       .key = "dist.a2a_dtype",
+       .help = "Expert all-to-all payloads on the wire: f32 or bf16 (dist.a2a_dtype)"},
+  };
+  return flags;
+}
+
+std::unique_ptr<CollectiveWatchdog> watch_collectives(const DistSettings& dist) {
+  // Collectives exist only under mpirun; the watchdog watches them for the whole run.
+  if (!dist_mpi_active()) return nullptr;
+  set_debug_collectives(dist.debug_collectives);
+  return std::make_unique<CollectiveWatchdog>(
+      WatchdogSettings{dist.collective_warn, dist.collective_timeout});
+}
+
+}  // namespace moetrain::app

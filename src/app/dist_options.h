@@ -1,0 +1,21 @@
+// The [dist] options that `moetrain train` and `moetrain classify` share — each sets a dist.* key
+// through the configuration, which checks it with the rest — and the collective watchdog both
+// run under mpirun.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "app/options.h"
+#include "parallel/watchdog.h"
+#include "train/run_config.h"
+
+namespace moetrain::app {
+
+// --ep, --zero, --hierarchical, --ranks-per-node, --a2a-chunks, --no-overlap, the watchdog's
+// settings and the wire types.
+const std::vector<ConfigFlag>& dist_config_flags();
+
+// Under mpirun: sets debug_collectives and starts the watchdog for the run; null on one process.
+std::unique_ptr<CollectiveWatchdog> watch_collectives(const DistSettings& dist);
+
+}  // namespace moetrain::app

@@ -1,0 +1,36 @@
+// The end of every trainer's step, after the accumulation routine: the gradient reduction and
+// the one update step (optim/update.h) with the optimizer, then the aux-loss-free router's bias
+// update, the step's figures reduced over the processes and its metrics line.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/comm.h"
+#include "moe/config.h"
+#include "optim/grad_reducer.h"
+#include "optim/update.h"
+#include "parallel/sharded_optimizer.h"
+#include "train/accumulate.h"
+#include "train/step_metrics.h"
+
+namespace moetrain {
+
+struct StepUpdate {
+  UpdateOutcome outcome;
+  double sync_s = 0;          // in the reducer's collectives during the update
+  double sync_exposed_s = 0;  // the main thread waited for the reduction and the all-gather
+};
+
+// Collective over control and the reducer's groups: params (n) stepped at lr by the optimizer
+// from the reduced grads (n), unless apply_update skips the step.
+StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
+                             float* params, float* grads, float lr, const UpdateOptions& opts);
+
+// Collective over control: the router-bias update (sigmoid_bias routers), acc reduced over the
+// processes, and the metrics line of figures (whose acc is set to &acc here).
+nlohmann::json finish_step(const std::vector<MoeLayer*>& moe, const MoeConfig& moe_cfg,
+                           Comm& control, Accumulated& acc, StepFigures figures);
+
+}  // namespace moetrain
