@@ -22,9 +22,9 @@ std::shared_ptr<ConfigFlagValues> add_config_flags(CLI::App* cmd,
   values->given_.assign(flags.size(), std::string());
   for (std::size_t i = 0; i < flags.size(); ++i) {
     const ConfigFlag& f = flags[i];
-    // The values object outlives cmd's parse: main keeps the subcommand's Run, which holds it.
-    std::string* given = &values->given_[i];
-    auto as_text = [given](const auto& v) { *given = fmt::format("{}", v); };
+    // The callbacks share ownership of the values: a command line may be parsed after the
+    // caller dropped its handle (`moetrain launch` checks the train command it will run).
+    auto as_text = [values, i](const auto& v) { values->given_[i] = fmt::format("{}", v); };
     CLI::Option* opt = nullptr;
     switch (f.kind) {
       case ConfigFlag::Kind::Int:
@@ -38,7 +38,7 @@ std::shared_ptr<ConfigFlagValues> add_config_flags(CLI::App* cmd,
         break;
       case ConfigFlag::Kind::Switch:
         opt = cmd->add_flag_callback(
-            f.name, [given, value = f.value] { *given = value; }, f.help);
+            f.name, [values, i, value = f.value] { values->given_[i] = value; }, f.help);
         break;
     }
     if (f.check) opt->check(*f.check);

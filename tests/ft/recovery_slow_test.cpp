@@ -33,10 +33,16 @@ class Recovery : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new TempDir("recovery");
     config_ = write_tiny_run(dir_->path(), kSteps, kCheckpointEvery).string();
+    // A failure here must fail every test: gtest would report a failed suite set-up as skipped
+    // tests, which ctest counts as passing.
     ProcessResult r = launch("reference", {}, {"--ep", "2"});
-    ASSERT_EQ(r.code, 0) << r.output();
+    if (r.code != 0) {
+      reference_error_ = fmt::format("the reference run exited {}:\n{}", r.code, r.output());
+      return;
+    }
     reference_ = load_model(dir_->path() / "reference").params;
   }
+  void SetUp() override { ASSERT_TRUE(reference_error_.empty()) << reference_error_; }
   static void TearDownTestSuite() {
     delete dir_;
     dir_ = nullptr;
@@ -78,6 +84,7 @@ class Recovery : public ::testing::Test {
   static inline TempDir* dir_ = nullptr;
   static inline std::string config_;
   static inline std::vector<float> reference_;
+  static inline std::string reference_error_;
 };
 
 }  // namespace

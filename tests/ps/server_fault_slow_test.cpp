@@ -31,9 +31,16 @@ class PsServerFault : public ::testing::Test {
   static void SetUpTestSuite() {
     tmp_ = new TempDir("ps_server_fault");
     Cluster ref(tmp_->path(), "ref", 2, kSteps, 2, {"--servers", "2"}, "2");
-    ASSERT_EQ(ref.scheduler->wait(150), 0) << ref.logs();
+    // A failure here must fail every test: gtest would report a failed suite set-up as skipped
+    // tests, which ctest counts as passing.
+    if (const int code = ref.scheduler->wait(150); code != 0) {
+      reference_error_ = "the reference job's scheduler exited " + std::to_string(code) + ":\n" +
+                         ref.logs();
+      return;
+    }
     reference_ = new std::vector<float>(load_model(ref.run).params);
   }
+  void SetUp() override { ASSERT_TRUE(reference_error_.empty()) << reference_error_; }
   static void TearDownTestSuite() {
     delete reference_;
     delete tmp_;
@@ -53,6 +60,7 @@ class PsServerFault : public ::testing::Test {
   }
   static TempDir* tmp_;
   static std::vector<float>* reference_;
+  static inline std::string reference_error_;
 };
 
 TempDir* PsServerFault::tmp_ = nullptr;
