@@ -45,9 +45,12 @@ done
 
 # transformers' last releases that still support torch 1.13 are 4.4x; these pins are the set
 # the interop test was checked with. tokenizers and huggingface-hub are pinned so that pip never
-# resolves to a release needing a newer Python or torch.
+# resolves to a release needing a newer Python or torch. tensorboard is the TensorBoard test's
+# reader (EventAccumulator); protobuf is pinned with it because Debian's python3-protobuf is not
+# installed, and an unpinned one would resolve to the newest major release.
 venv="$root/.venv"
-python_pins=(transformers==4.40.2 tokenizers==0.19.1 huggingface-hub==0.23.4 safetensors==0.4.3)
+python_pins=(transformers==4.40.2 tokenizers==0.19.1 huggingface-hub==0.23.4 safetensors==0.4.3
+             tensorboard==2.16.2 protobuf==4.25.3)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -101,7 +104,8 @@ else
   PIP_DISABLE_PIP_VERSION_CHECK=1 "$venv/bin/python" -s -m pip install -q --no-input --prefer-binary \
     "${python_pins[@]}"
   pins_present || { echo "setup: $venv still lacks one of ${python_pins[*]}" >&2; exit 1; }
-  "$venv/bin/python" -s -c 'import torch, transformers, safetensors' ||
-    { echo "setup: torch / transformers / safetensors do not import in $venv" >&2; exit 1; }
+  "$venv/bin/python" -s -c 'import torch, transformers, safetensors
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator' ||
+    { echo "setup: torch / transformers / safetensors / tensorboard do not import in $venv" >&2; exit 1; }
 fi
 echo "setup: done"

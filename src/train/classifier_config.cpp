@@ -41,6 +41,7 @@ ConfigSchema schema(ClassifierRunConfig& c) {
       {"train.eval_every", &t.eval_every}, {"train.eval_batch_size", &t.eval_batch_size},
       {"train.threads", &t.threads},       {"train.run_dir", &t.run_dir},
       {"train.progress", &t.progress},     {"train.checkpoint_every", &t.checkpoint_every},
+      {"train.tensorboard", &t.tensorboard},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -105,7 +106,7 @@ std::string ClassifierRunConfig::config_hash() const {
   nlohmann::json j = to_json();
   // What may change between a run and its resumption without changing what is computed.
   for (const char* k : {"steps", "epochs", "eval_every", "eval_batch_size", "checkpoint_every",
-                        "threads", "run_dir", "progress"})
+                        "threads", "run_dir", "progress", "tensorboard"})
     j["train"].erase(k);
   j.erase("data");
   return json_hash(j);

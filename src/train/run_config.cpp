@@ -71,6 +71,7 @@ ConfigSchema schema(RunConfig& c) {
       {"train.threads", &t.threads},
       {"train.run_dir", &t.run_dir},
       {"train.progress", &t.progress},
+      {"train.tensorboard", &t.tensorboard},
       {"train.precision", &t.precision},
       {"train.loss_scale_init", &t.loss_scale_init},
       {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
@@ -227,7 +228,7 @@ std::string RunConfig::config_hash() const {
   // grad_accum: a resumed run on another process count sets it to keep the global batch, which
   // the checkpoint records and the resume checks instead.
   for (const char* k : {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
-                        "keep_checkpoints", "threads", "run_dir", "progress"})
+                        "keep_checkpoints", "threads", "run_dir", "progress", "tensorboard"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");
