@@ -33,8 +33,8 @@ MetricsWriter::MetricsWriter(const fs::path& run_dir, Open mode, bool tensorboar
   file_ = std::fopen(path_.c_str(), mode == Open::Fresh ? "w" : "a");
   MOETRAIN_CHECK(file_ != nullptr, "cannot open {} for writing: {}", path_.string(),
                  std::strerror(errno));
-  if (!tensorboard) return;
   if (mode == Open::Fresh) remove_event_files(run_dir / kTensorboardDir);
+  if (!tensorboard) return;
   events_ = EventFileWriter(run_dir / kTensorboardDir);
 }
 

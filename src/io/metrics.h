@@ -33,8 +33,9 @@ class MetricsWriter {
   };
   // A writer that writes nothing (processes other than the one that keeps the metrics).
   MetricsWriter() = default;
-  // tensorboard: also write a new event file in RUN_DIR/tb (Fresh first removes the event files
-  // an earlier run left there; Append keeps them, and TensorBoard shows them together).
+  // tensorboard: also write a new event file in RUN_DIR/tb. Fresh removes the event files an
+  // earlier run left there (with or without tensorboard); Append keeps them, and TensorBoard
+  // shows them together.
   MetricsWriter(const std::filesystem::path& run_dir, Open mode, bool tensorboard = false);
   ~MetricsWriter();
   MetricsWriter(MetricsWriter&&) noexcept;
