@@ -62,7 +62,10 @@ MetricsWriter MetricsWriter::resume(const fs::path& run_dir, int64_t step, bool 
   for (const nlohmann::json& j : read_metrics(run_dir))
     if (j.value("step", int64_t{0}) <= step) keep += j.dump() + "\n";
   write_file_atomic(run_dir / kMetricsFile, keep);
-  return MetricsWriter(run_dir, Open::Append, tensorboard);
+  MetricsWriter w(run_dir, Open::Append, tensorboard);
+  // The earlier files' events after the checkpoint are the replaced run's, like the lines dropped.
+  w.events_.write_restart(step + 1);
+  return w;
 }
 
 void MetricsWriter::write(const nlohmann::json& line) {

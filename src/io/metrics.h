@@ -43,8 +43,8 @@ class MetricsWriter {
 
   // Opens RUN_DIR/metrics.jsonl for a run resumed at `step`: lines of later steps belong to the
   // run being replaced and are dropped (atomically: the kept lines are rewritten, then renamed).
-  // The event files are kept: a new one is started, and TensorBoard, seeing a step go back,
-  // drops the older events from that step on.
+  // The event files are kept and a new one is started with a restart mark at step + 1, from
+  // which on TensorBoard drops the earlier files' events.
   static MetricsWriter resume(const std::filesystem::path& run_dir, int64_t step,
                               bool tensorboard = false);
 

@@ -23,7 +23,11 @@ enum Wire : uint32_t { kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32
 
 // tensorflow.Event, tensorflow.Summary, Summary.Value and HistogramProto field numbers
 // (tensorflow/core/util/event.proto, tensorflow/core/framework/summary.proto).
-enum EventField : uint32_t { kWallTime = 1, kStep = 2, kFileVersion = 3, kSummary = 5 };
+enum EventField : uint32_t {
+  kWallTime = 1, kStep = 2, kFileVersion = 3, kSummary = 5, kSessionLog = 7
+};
+enum SessionLogField : uint32_t { kStatus = 1 };
+constexpr uint64_t kSessionStart = 1;  // SessionLog.SessionStatus.START
 enum SummaryField : uint32_t { kValue = 1 };
 enum ValueField : uint32_t { kTag = 1, kSimpleValue = 2, kHisto = 5 };
 enum HistoField : uint32_t {
@@ -151,12 +155,30 @@ std::string encode_file_version_event(double wall_time) {
   return e;
 }
 
-std::string encode_summary_event(double wall_time, int64_t step, const Summary& summary) {
+namespace {
+
+std::string event_head(double wall_time, int64_t step) {
   std::string e;
   put_double(e, kWallTime, wall_time);
   put_tag(e, kStep, kVarint);
   put_varint(e, static_cast<uint64_t>(step));  // int64: negatives as 10-byte two's complement
+  return e;
+}
+
+}  // namespace
+
+std::string encode_summary_event(double wall_time, int64_t step, const Summary& summary) {
+  std::string e = event_head(wall_time, step);
   put_bytes(e, kSummary, summary.bytes());
+  return e;
+}
+
+std::string encode_restart_event(double wall_time, int64_t step) {
+  std::string e = event_head(wall_time, step);
+  std::string log;
+  put_tag(log, kStatus, kVarint);
+  put_varint(log, kSessionStart);
+  put_bytes(e, kSessionLog, log);
   return e;
 }
 
@@ -201,6 +223,10 @@ EventFileWriter& EventFileWriter::operator=(EventFileWriter&& o) noexcept {
 void EventFileWriter::write(int64_t step, const Summary& summary) {
   if (!file_ || summary.empty()) return;
   append(encode_summary_event(wall_time_now(), step, summary));
+}
+
+void EventFileWriter::write_restart(int64_t step) {
+  if (file_) append(encode_restart_event(wall_time_now(), step));
 }
 
 void EventFileWriter::append(const std::string& event) {

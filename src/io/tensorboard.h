@@ -61,6 +61,8 @@ class Summary {
 // Serialized tensorflow.Event messages.
 std::string encode_file_version_event(double wall_time);
 std::string encode_summary_event(double wall_time, int64_t step, const Summary& summary);
+// SessionLog START at `step`: what TensorFlow writes when a run restarts from a checkpoint.
+std::string encode_restart_event(double wall_time, int64_t step);
 
 // Seconds since the epoch, as TensorBoard's wall_time.
 double wall_time_now();
@@ -80,6 +82,9 @@ class EventFileWriter {
   const std::filesystem::path& path() const { return path_; }
   // One event at `step` holding `summary` (nothing when it is empty); appended and flushed.
   void write(int64_t step, const Summary& summary);
+  // Marks a restart: TensorBoard's readers drop the events of step ≥ `step` read before this
+  // one (an earlier file's, from the run a resumption replaces).
+  void write_restart(int64_t step);
 
  private:
   void append(const std::string& event);

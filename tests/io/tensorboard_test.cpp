@@ -106,6 +106,7 @@ TEST(TensorboardTest, EventsMatchTensorboardsProtobuf) {
   zero.add_scalar("x", 0.0f);
   EXPECT_EQ(encode_summary_event(2.0, -1, zero),
             from_hex("09000000000000004010ffffffffffffffffff012a0a0a080a01781500000000"));
+  EXPECT_EQ(encode_restart_event(2.0, 4), from_hex("09000000000000004010043a020801"));
   Histogram bad;
   bad.bucket = {1};
   expect_error([&] { Summary().add_histogram("bad", bad); }, "histogram 'bad'");
@@ -191,6 +192,9 @@ TEST(TensorboardTest, MetricsWriterSecondSink) {
   {
     MetricsWriter w = MetricsWriter::resume(dir.path(), 1, true);  // a new file beside the first
     w.write({{"step", 2}, {"loss", 2.0}});
+    const std::vector<std::string> records = read_tfrecords(w.tensorboard_path());
+    ASSERT_EQ(records.size(), 3u);  // file version, restart, step 2
+    EXPECT_EQ(records[1].substr(9), encode_restart_event(0, 2).substr(9));  // but the wall time
   }
   EXPECT_EQ(event_files(tb).size(), 2u);
   {
