@@ -6,7 +6,7 @@
 #   scripts/setup.sh --tests   also what the tests need (make test): the interop test's Python side
 #
 # Two parts: Debian packages (apt), then (--tests) a project-local virtualenv (.venv) holding a pinned
-# Hugging Face transformers for the interop test (tests/interop). The venv sees Debian's
+# Hugging Face transformers and TensorBoard for the interop tests (tests/interop). The venv sees Debian's
 # python3-torch through --system-site-packages, so torch itself is never downloaded by pip.
 # Every venv python call runs with -s: a user's ~/.local packages (a numpy 2, say, which Debian's
 # torch 1.13 was not built for) must not shadow Debian's.
