@@ -24,14 +24,24 @@ enum Wire : uint32_t { kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32
 // tensorflow.Event, tensorflow.Summary, Summary.Value and HistogramProto field numbers
 // (tensorflow/core/util/event.proto, tensorflow/core/framework/summary.proto).
 enum EventField : uint32_t {
-  kWallTime = 1, kStep = 2, kFileVersion = 3, kSummary = 5, kSessionLog = 7
+  kWallTime = 1,
+  kStep = 2,
+  kFileVersion = 3,
+  kSummary = 5,
+  kSessionLog = 7
 };
 enum SessionLogField : uint32_t { kStatus = 1 };
 constexpr uint64_t kSessionStart = 1;  // SessionLog.SessionStatus.START
 enum SummaryField : uint32_t { kValue = 1 };
 enum ValueField : uint32_t { kTag = 1, kSimpleValue = 2, kHisto = 5 };
 enum HistoField : uint32_t {
-  kMin = 1, kMax = 2, kNum = 3, kSum = 4, kSumSquares = 5, kBucketLimit = 6, kBucket = 7
+  kMin = 1,
+  kMax = 2,
+  kNum = 3,
+  kSum = 4,
+  kSumSquares = 5,
+  kBucketLimit = 6,
+  kBucket = 7
 };
 
 void put_varint(std::string& out, uint64_t v) {
@@ -42,7 +52,9 @@ void put_varint(std::string& out, uint64_t v) {
   out.push_back(static_cast<char>(v));
 }
 
-void put_tag(std::string& out, uint32_t field, Wire wire) { put_varint(out, field << 3 | wire); }
+void put_tag(std::string& out, uint32_t field, Wire wire) {
+  put_varint(out, field << 3 | wire);
+}
 
 template <class T>
 void put_le(std::string& out, T v) {
@@ -103,9 +115,10 @@ std::vector<std::string> read_tfrecords(const fs::path& path) {
     uint32_t len_crc = 0;
     std::memcpy(&len, p + at, 8);
     std::memcpy(&len_crc, p + at + 8, 4);
-    MOETRAIN_CHECK(masked_crc32c(p + at, 8) == len_crc,
-                   "{}: the record at byte {} has a corrupt length (checksum {:08x}, stored {:08x})",
-                   path.string(), at, masked_crc32c(p + at, 8), len_crc);
+    MOETRAIN_CHECK(
+        masked_crc32c(p + at, 8) == len_crc,
+        "{}: the record at byte {} has a corrupt length (checksum {:08x}, stored {:08x})",
+        path.string(), at, masked_crc32c(p + at, 8), len_crc);
     if (len > n - at - 12 || n - at - 12 - len < 4) break;  // torn: the file ends inside it
     const uint8_t* data = p + at + 12;
     uint32_t data_crc = 0;
@@ -183,8 +196,7 @@ std::string encode_restart_event(double wall_time, int64_t step) {
 }
 
 double wall_time_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 EventFileWriter::EventFileWriter(const fs::path& dir) {
@@ -192,8 +204,8 @@ EventFileWriter::EventFileWriter(const fs::path& dir) {
   fs::create_directories(dir, ec);
   MOETRAIN_CHECK(!ec, "cannot create {}: {}", dir.string(), ec.message());
   const double now = wall_time_now();
-  const std::string base = "events.out.tfevents." +
-                           std::to_string(static_cast<int64_t>(now)) + "." + host_name();
+  const std::string base =
+      "events.out.tfevents." + std::to_string(static_cast<int64_t>(now)) + "." + host_name();
   // "x": never append to another writer's file.
   for (int n = 0; !file_; ++n) {
     path_ = dir / (n == 0 ? base : base + "." + std::to_string(n));

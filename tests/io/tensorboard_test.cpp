@@ -170,10 +170,9 @@ TEST(TensorboardTest, MetricsLineToValues) {
   // nlohmann::json keeps keys sorted.
   EXPECT_EQ(tags_of(s), (std::vector<std::string>{
                             "dropped_fraction/layer_0", "dropped_fraction/layer_1", "loss",
-                            "skipped", "tokens_per_expert/layer_0",
-                            "expert_utilisation/layer_0", "max_mean_load/layer_0",
-                            "tokens_per_expert/layer_1", "expert_utilisation/layer_1",
-                            "max_mean_load/layer_1"}));
+                            "skipped", "tokens_per_expert/layer_0", "expert_utilisation/layer_0",
+                            "max_mean_load/layer_0", "tokens_per_expert/layer_1",
+                            "expert_utilisation/layer_1", "max_mean_load/layer_1"}));
   Summary none;
   EXPECT_FALSE(metrics_summary({{"rollback_to", 3}}, step, none));
   EXPECT_TRUE(none.empty());
