@@ -6,7 +6,7 @@
 #   scripts/setup.sh --tests   also what the tests need (make test): the interop test's Python side
 #
 # Two parts: Debian packages (apt), then (--tests) a project-local virtualenv (.venv) holding a pinned
-# Hugging Face transformers for the interop test (tests/interop). The venv sees Debian's
+# Hugging Face transformers and TensorBoard for the interop tests (tests/interop). The venv sees Debian's
 # python3-torch through --system-site-packages, so torch itself is never downloaded by pip.
 # Every venv python call runs with -s: a user's ~/.local packages (a numpy 2, say, which Debian's
 # torch 1.13 was not built for) must not shadow Debian's.
@@ -45,9 +45,12 @@ done
 
 # transformers' last releases that still support torch 1.13 are 4.4x; these pins are the set
 # the interop test was checked with. tokenizers and huggingface-hub are pinned so that pip never
-# resolves to a release needing a newer Python or torch.
+# resolves to a release needing a newer Python or torch. tensorboard is the TensorBoard test's
+# reader (EventAccumulator); protobuf is pinned with it because Debian's python3-protobuf is not
+# installed, and an unpinned one would resolve to the newest major release.
 venv="$root/.venv"
-python_pins=(transformers==4.40.2 tokenizers==0.19.1 huggingface-hub==0.23.4 safetensors==0.4.3)
+python_pins=(transformers==4.40.2 tokenizers==0.19.1 huggingface-hub==0.23.4 safetensors==0.4.3
+             tensorboard==2.16.2 protobuf==4.25.3)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -101,7 +104,8 @@ else
   PIP_DISABLE_PIP_VERSION_CHECK=1 "$venv/bin/python" -s -m pip install -q --no-input --prefer-binary \
     "${python_pins[@]}"
   pins_present || { echo "setup: $venv still lacks one of ${python_pins[*]}" >&2; exit 1; }
-  "$venv/bin/python" -s -c 'import torch, transformers, safetensors' ||
-    { echo "setup: torch / transformers / safetensors do not import in $venv" >&2; exit 1; }
+  "$venv/bin/python" -s -c 'import torch, transformers, safetensors
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator' ||
+    { echo "setup: torch / transformers / safetensors / tensorboard do not import in $venv" >&2; exit 1; }
 fi
 echo "setup: done"

@@ -13,10 +13,29 @@ namespace fs = std::filesystem;
 
 namespace moetrain {
 
-MetricsWriter::MetricsWriter(const fs::path& run_dir, Open mode) : path_(run_dir / kMetricsFile) {
+namespace {
+
+// Removes the event files in `dir` (only those: TensorBoard would show them with the new run's).
+void remove_event_files(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().starts_with("events.out.tfevents.")) {
+      fs::remove(e.path(), ec);
+      MOETRAIN_CHECK(!ec, "cannot remove {}: {}", e.path().string(), ec.message());
+    }
+}
+
+}  // namespace
+
+MetricsWriter::MetricsWriter(const fs::path& run_dir, Open mode, bool tensorboard)
+    : path_(run_dir / kMetricsFile) {
   file_ = std::fopen(path_.c_str(), mode == Open::Fresh ? "w" : "a");
   MOETRAIN_CHECK(file_ != nullptr, "cannot open {} for writing: {}", path_.string(),
                  std::strerror(errno));
+  if (mode == Open::Fresh) remove_event_files(run_dir / kTensorboardDir);
+  if (!tensorboard) return;
+  events_ = EventFileWriter(run_dir / kTensorboardDir);
 }
 
 MetricsWriter::~MetricsWriter() {
@@ -24,23 +43,29 @@ MetricsWriter::~MetricsWriter() {
 }
 
 MetricsWriter::MetricsWriter(MetricsWriter&& o) noexcept
-    : path_(std::move(o.path_)), file_(std::exchange(o.file_, nullptr)) {}
+    : path_(std::move(o.path_)),
+      file_(std::exchange(o.file_, nullptr)),
+      events_(std::move(o.events_)) {}
 
 MetricsWriter& MetricsWriter::operator=(MetricsWriter&& o) noexcept {
   if (this != &o) {
     if (file_) std::fclose(file_);
     path_ = std::move(o.path_);
     file_ = std::exchange(o.file_, nullptr);
+    events_ = std::move(o.events_);
   }
   return *this;
 }
 
-MetricsWriter MetricsWriter::resume(const fs::path& run_dir, int64_t step) {
+MetricsWriter MetricsWriter::resume(const fs::path& run_dir, int64_t step, bool tensorboard) {
   std::string keep;
   for (const nlohmann::json& j : read_metrics(run_dir))
     if (j.value("step", int64_t{0}) <= step) keep += j.dump() + "\n";
   write_file_atomic(run_dir / kMetricsFile, keep);
-  return MetricsWriter(run_dir, Open::Append);
+  MetricsWriter w(run_dir, Open::Append, tensorboard);
+  // The earlier files' events after the checkpoint are the replaced run's, like the lines dropped.
+  w.events_.write_restart(step + 1);
+  return w;
 }
 
 void MetricsWriter::write(const nlohmann::json& line) {
@@ -49,6 +74,10 @@ void MetricsWriter::write(const nlohmann::json& line) {
   const bool ok =
       std::fwrite(text.data(), 1, text.size(), file_) == text.size() && std::fflush(file_) == 0;
   MOETRAIN_CHECK(ok, "cannot write {}: {}", path_.string(), std::strerror(errno));
+  if (!events_.active()) return;
+  int64_t step = 0;
+  Summary summary;
+  if (metrics_summary(line, step, summary)) events_.write(step, summary);
 }
 
 std::vector<nlohmann::json> read_metrics(const fs::path& run_dir) {

@@ -5,6 +5,10 @@
 // Each line is written whole and flushed, so a crash leaves complete lines (at most the last one
 // torn, which read_metrics skips). A failed write (a full disk) is an Error naming the file: a run
 // never goes on silently without its metrics.
+//
+// TensorBoard is a second sink of the same writer: with it on, every line that has a "step" is
+// also appended to an event file in RUN_DIR/tb (io/tensorboard.h) as one event at that step, its
+// numbers as scalars and histograms (metrics_summary says which), so the two never disagree.
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +17,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "io/tensorboard.h"
 
 namespace moetrain {
 
@@ -27,24 +33,42 @@ class MetricsWriter {
   };
   // A writer that writes nothing (processes other than the one that keeps the metrics).
   MetricsWriter() = default;
-  MetricsWriter(const std::filesystem::path& run_dir, Open mode);
+  // tensorboard: also write a new event file in RUN_DIR/tb. Fresh removes the event files an
+  // earlier run left there (with or without tensorboard); Append keeps them, and TensorBoard
+  // shows them together.
+  MetricsWriter(const std::filesystem::path& run_dir, Open mode, bool tensorboard = false);
   ~MetricsWriter();
   MetricsWriter(MetricsWriter&&) noexcept;
   MetricsWriter& operator=(MetricsWriter&&) noexcept;
 
   // Opens RUN_DIR/metrics.jsonl for a run resumed at `step`: lines of later steps belong to the
   // run being replaced and are dropped (atomically: the kept lines are rewritten, then renamed).
-  static MetricsWriter resume(const std::filesystem::path& run_dir, int64_t step);
+  // The event files are kept and a new one is started with a restart mark at step + 1, from
+  // which on TensorBoard drops the earlier files' events.
+  static MetricsWriter resume(const std::filesystem::path& run_dir, int64_t step,
+                              bool tensorboard = false);
 
   bool active() const { return file_ != nullptr; }
   const std::filesystem::path& path() const { return path_; }
-  // Appends `line` (a JSON object) and flushes. No-op on an inactive writer.
+  // The event file (empty without TensorBoard).
+  const std::filesystem::path& tensorboard_path() const { return events_.path(); }
+  // Appends `line` (a JSON object) and flushes, then its event. No-op on an inactive writer.
   void write(const nlohmann::json& line);
 
  private:
   std::filesystem::path path_;
   std::FILE* file_ = nullptr;
+  EventFileWriter events_;  // inactive without TensorBoard
 };
+
+// The TensorBoard values of a metrics line, and its step; false (nothing added) when the line has
+// no "step". Numbers and booleans (0/1) become scalars tagged with their key; a list of numbers
+// (one per MoE layer) scalars "key/layer_i"; a list of lists of numbers (layers × experts) a
+// histogram "key/layer_i" per layer whose bucket e [e, e+1) holds expert e's count, and for
+// tokens_per_expert also the scalars "expert_utilisation/layer_i" (the fraction of experts that
+// received a token) and "max_mean_load/layer_i" (the busiest expert's tokens over the mean).
+// Strings, objects and nulls are skipped.
+bool metrics_summary(const nlohmann::json& line, int64_t& step, Summary& out);
 
 // Every complete JSON object line of RUN_DIR/metrics.jsonl (empty when there is no file).
 std::vector<nlohmann::json> read_metrics(const std::filesystem::path& run_dir);

@@ -101,7 +101,7 @@ class Server {
     lead_ = primary_ && index_ == 0;
     // A promoted backup of server 0 goes on with the job's metrics.
     if (lead_ && !metrics_.active())
-      metrics_ = MetricsWriter(run_dir_, MetricsWriter::Open::Append);
+      metrics_ = MetricsWriter(run_dir_, MetricsWriter::Open::Append, cfg_.train.tensorboard);
     // This primary's backup, if any.
     std::string backup;
     if (primary_)
@@ -142,7 +142,7 @@ class Server {
     fs::create_directories(fs::path(run_dir_) / "ps");
     // Only the job's first setup starts the metrics; a replacement server appends.
     if (index_ == 0 && j.at("epoch").get<int64_t>() == 1 && primary)
-      metrics_ = MetricsWriter(run_dir_, MetricsWriter::Open::Fresh);
+      metrics_ = MetricsWriter(run_dir_, MetricsWriter::Open::Fresh, cfg_.train.tensorboard);
     ConsistencyConfig rules;
     rules.mode = opts_.consistency_kind();
     rules.quorum = opts_.quorum;

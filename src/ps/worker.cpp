@@ -279,7 +279,7 @@ class Worker {
     TokenShard val(fs::path(cfg_.data.dir) / "val.bin");
     const double v = evaluate(*model_, params_.data(), val, cfg_.train.batch_size,
                               cfg_.train.seq_len, cfg_.train.eval_batches);
-    MetricsWriter(cfg_.train.run_dir, MetricsWriter::Open::Append)
+    MetricsWriter(cfg_.train.run_dir, MetricsWriter::Open::Append, cfg_.train.tensorboard)
         .write({{"step", clock}, {"val_loss", v}});
     log_info("{}: final checkpoint {} (clock {}); validation loss {:.4f}", who_, dir.string(),
              clock, v);

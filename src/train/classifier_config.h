@@ -29,6 +29,7 @@ struct ClassifierTrainConfig {
   int64_t threads = 0;             // 0 = all cores
   std::string run_dir = "runs/fashion_mnist";
   std::string progress = "auto";  // auto | bar | lines | off
+  bool tensorboard = true;        // metrics also as TensorBoard events in run_dir/tb
   int64_t checkpoint_every = 0;   // a checkpoint every n steps (besides the last); 0 = none
 };
 

@@ -170,7 +170,8 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   pg_->control->barrier();
   const std::optional<fs::path> ckpt = checkpoint_to_resume(run_dir, resume, *pg_->control);
   if (ckpt) load_checkpoint(*ckpt);
-  metrics_ = open_metrics(run_dir, rank(), ckpt ? std::optional<int64_t>(step_) : std::nullopt);
+  metrics_ = open_metrics(run_dir, rank(), ckpt ? std::optional<int64_t>(step_) : std::nullopt,
+                          cfg_.train.tensorboard);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);
   check_ranks_agree(*pg_->control, std::stoull(cfg_.config_hash(), nullptr, 16), step_);
 

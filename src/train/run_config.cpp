@@ -226,7 +226,7 @@ std::string RunConfig::config_hash() const {
   // grad_accum: a resumed run on another process count sets it to keep the global batch, which
   // the checkpoint records and the resume checks instead.
   for (const char* k : {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
-                        "keep_checkpoints", "threads", "run_dir", "progress"})
+                        "keep_checkpoints", "threads", "run_dir", "progress", "tensorboard"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");

@@ -73,6 +73,7 @@ struct TrainConfig {
   int64_t threads = 0;  // 0 = cores / local processes
   std::string run_dir = "runs/default";
   std::string progress = "auto";  // auto | bar | lines | off
+  bool tensorboard = true;        // metrics also as TensorBoard events in run_dir/tb
   // Mixed precision (Transformer::set_precision): f32 | bf16 | fp16. fp16 adds dynamic loss
   // scaling with the loss_scale_* settings (optim/loss_scale.h); they are ignored otherwise.
   std::string precision = "f32";
@@ -159,6 +160,7 @@ void add_loop_fields(std::vector<Field>& fields, Train& t) {
       {"train.threads", &t.threads},
       {"train.run_dir", &t.run_dir},
       {"train.progress", &t.progress},
+      {"train.tensorboard", &t.tensorboard},
   };
   fields.insert(fields.end(), std::begin(loop), std::end(loop));
 }

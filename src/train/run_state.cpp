@@ -55,11 +55,12 @@ void check_ranks_agree(Comm& comm, uint64_t hash, int64_t step) {
   }
 }
 
-MetricsWriter open_metrics(const fs::path& run_dir, int rank, std::optional<int64_t> resumed) {
+MetricsWriter open_metrics(const fs::path& run_dir, int rank, std::optional<int64_t> resumed,
+                           bool tensorboard) {
   if (rank != 0) return {};
   // Metrics past the checkpoint belong to a run that is being replaced.
-  if (resumed) return MetricsWriter::resume(run_dir, *resumed);
-  return MetricsWriter(run_dir, MetricsWriter::Open::Fresh);
+  if (resumed) return MetricsWriter::resume(run_dir, *resumed, tensorboard);
+  return MetricsWriter(run_dir, MetricsWriter::Open::Fresh, tensorboard);
 }
 
 std::vector<NamedTensor> model_views(const ParamTable& layout, float* params) {

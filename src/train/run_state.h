@@ -28,9 +28,10 @@ std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem:
 // Collective: the ranks run the same configuration (hash) from the same step, or all fail.
 void check_ranks_agree(Comm& control, uint64_t config_hash, int64_t step);
 
-// The metrics writer of rank 0 (inactive elsewhere): a fresh file, or the lines up to `resumed`.
+// The metrics writer of rank 0 (inactive elsewhere): a fresh file, or the lines up to `resumed`;
+// with `tensorboard`, also a new event file in run_dir/tb.
 MetricsWriter open_metrics(const std::filesystem::path& run_dir, int rank,
-                           std::optional<int64_t> resumed);
+                           std::optional<int64_t> resumed, bool tensorboard);
 
 // Parameters as named whole tensors over the flat buffer.
 std::vector<NamedTensor> model_views(const ParamTable& layout, float* params);

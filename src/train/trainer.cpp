@@ -108,7 +108,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       checkpoint_to_resume(cfg_.train.run_dir, resume, *pg_->control);
   if (ckpt) load_checkpoint(*ckpt);
   metrics_ = open_metrics(cfg_.train.run_dir, pl.rank,
-                          ckpt ? std::optional<int64_t>(step_) : std::nullopt);
+                          ckpt ? std::optional<int64_t>(step_) : std::nullopt,
+                          cfg_.train.tensorboard);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);
   check_ranks_agree();
   if (pl.rank == 0)
