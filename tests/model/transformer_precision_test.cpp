@@ -9,21 +9,14 @@
 
 #include "model/params.h"
 #include "model/transformer.h"
+#include "support/small_lm.h"
 
 using namespace moetrain;
 
 namespace {
 
 ModelConfig config() {
-  ModelConfig c;
-  c.vocab_size = 40;
-  c.dim = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.expert_hidden = 24;
-  c.n_experts = 4;
-  c.top_k = 2;
+  ModelConfig c = moetrain::testing::small_lm(40, 32, 24, 2);
   c.shared_expert_hidden = 16;
   c.dense_every = 2;  // layer 1 dense: every kind of GEMM of the model
   c.max_seq_len = 32;

@@ -10,6 +10,7 @@
 #include "model/transformer.h"
 #include "optim/optimizer.h"
 #include "support/gradcheck.h"
+#include "support/small_lm.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -17,15 +18,8 @@ using namespace moetrain::testing;
 namespace {
 
 ModelConfig tiny_config() {
-  ModelConfig c;
-  c.vocab_size = 24;
-  c.dim = 16;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.expert_hidden = 12;
-  c.n_experts = 4;
-  c.top_k = 4;  // every expert: routing is smooth, so finite differences are meaningful everywhere
+  // top-k = every expert: routing is smooth, so finite differences are meaningful everywhere.
+  ModelConfig c = moetrain::testing::small_lm(24, 16, 12, 4);
   c.max_seq_len = 16;
   c.init_std = 0.3;  // larger weights than training uses: gradients well above float noise
   c.aux_loss_coef = 0.1;

@@ -18,6 +18,7 @@
 #include "parallel/runtime.h"
 #include "support/corpus.h"
 #include "support/gradcheck.h"
+#include "support/small_lm.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -29,15 +30,7 @@ namespace fs = std::filesystem;
 namespace {
 
 ModelConfig small_model() {
-  ModelConfig c;
-  c.vocab_size = 64;
-  c.dim = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.expert_hidden = 24;
-  c.n_experts = 4;
-  c.top_k = 2;
+  ModelConfig c = moetrain::testing::small_lm(64, 32, 24, 2);
   c.max_seq_len = 16;
   return c;
 }

@@ -12,6 +12,7 @@
 #include "core/check.h"
 #include "core/rng.h"
 #include "model/params.h"
+#include "support/small_lm.h"
 #include "train/accumulate.h"
 
 using namespace moetrain;
@@ -19,15 +20,7 @@ using namespace moetrain;
 namespace {
 
 ModelConfig tiny_lm() {
-  ModelConfig c;
-  c.vocab_size = 24;
-  c.dim = 16;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.expert_hidden = 12;
-  c.n_experts = 4;
-  c.top_k = 2;
+  ModelConfig c = moetrain::testing::small_lm(24, 16, 12, 2);
   c.capacity_factor = 1.0f;  // some tokens dropped: the dropped fractions are not all zero
   c.max_seq_len = 16;
   return c;
