@@ -17,6 +17,7 @@ Run add_sample_command(CLI::App& app);
 Run add_forward_command(CLI::App& app);
 Run add_classify_command(CLI::App& app);
 Run add_launch_command(CLI::App& app);
+Run add_report_command(CLI::App& app);
 #ifdef MOETRAIN_WITH_ZMQ
 Run add_ps_command(CLI::App& app);
 #endif

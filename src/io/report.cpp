@@ -1,0 +1,370 @@
+#include "io/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <system_error>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "io/file.h"
+#include "io/metrics.h"
+#include "io/svg_chart.h"
+
+namespace moetrain {
+namespace fs = std::filesystem;
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr std::size_t kMaxHeatmapColumns = 120;
+
+constexpr const char* kStyle = R"(
+body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 920px; color: #222; }
+h1 { font-size: 1.5em; margin-bottom: 4px; }
+h2 { font-size: 1.15em; margin: 0 0 6px 0; }
+section { margin: 22px 0; padding-top: 8px; border-top: 1px solid #ddd; }
+.notes { background: #fff6d6; border: 1px solid #e8d48a; padding: 6px 12px; }
+.summary td, table.kv td, table.kv th { padding: 2px 10px 2px 0; text-align: left; }
+table.kv { border-collapse: collapse; font-size: 0.9em; }
+table.kv tr:nth-child(even) { background: #f4f4f4; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+svg.chart { display: block; max-width: 100%; height: auto; }
+svg .plot { fill: #fcfcfc; stroke: #999; }
+svg .grid { stroke: #e4e4e4; }
+svg .tick { font-size: 11px; fill: #444; }
+svg .axis-label { font-size: 12px; fill: #222; }
+pre.sample { white-space: pre-wrap; background: #f6f6f6; padding: 10px; }
+p.empty { color: #777; }
+)";
+
+// (step, value) of every line with a step whose `key` is a number.
+Series series_of(const std::vector<Json>& lines, const std::string& key, std::string name = {}) {
+  Series s{name.empty() ? key : std::move(name), {}, {}};
+  for (const auto& j : lines) {
+    auto step = j.find("step");
+    auto v = j.find(key);
+    if (step == j.end() || v == j.end() || !step->is_number() || !v->is_number()) continue;
+    s.x.push_back(step->get<double>());
+    s.y.push_back(v->get<double>());
+  }
+  return s;
+}
+
+bool any_points(const std::vector<Series>& all) {
+  return std::any_of(all.begin(), all.end(), [](const Series& s) { return !s.x.empty(); });
+}
+
+// tokens_per_expert of a line as numbers (layers × experts); empty when absent or malformed.
+std::vector<std::vector<double>> expert_load(const Json& line) {
+  std::vector<std::vector<double>> out;
+  auto it = line.find("tokens_per_expert");
+  if (it == line.end() || !it->is_array()) return {};
+  for (const auto& layer : *it) {
+    if (!layer.is_array()) return {};
+    auto& row = out.emplace_back();
+    for (const auto& v : layer) row.push_back(v.is_number() ? v.get<double>() : NAN);
+  }
+  return out;
+}
+
+std::string section(const std::string& id, const std::string& title, const std::string& body,
+                    const std::string& empty_note) {
+  return fmt::format("<section id=\"{}\">\n<h2>{}</h2>\n{}</section>\n", id, html_escape(title),
+                     body.empty() ? fmt::format("<p class=\"empty\">{}</p>\n", html_escape(empty_note))
+                                  : body);
+}
+
+std::string chart(const std::string& id, const std::string& title, const std::vector<Series>& s,
+                  const LineChartSpec& spec, const std::string& empty_note) {
+  return section(id, title, any_points(s) ? line_chart(s, spec) : std::string(), empty_note);
+}
+
+void flatten(const Json& j, const std::string& prefix, std::vector<std::pair<std::string, std::string>>& out) {
+  if (j.is_object()) {
+    for (auto it = j.begin(); it != j.end(); ++it)
+      flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
+    return;
+  }
+  out.emplace_back(prefix, j.is_string() ? j.get<std::string>() : j.dump());
+}
+
+std::string human_bytes(std::uintmax_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  return u == 0 ? fmt::format("{} B", n) : fmt::format("{:.1f} {}", v, units[u]);
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Inputs {
+  std::vector<Json> lines;  // metrics lines
+  std::vector<std::string> notes;
+  Json config;  // null when missing or unreadable
+};
+
+Inputs read_inputs(const fs::path& run_dir) {
+  Inputs in;
+  const fs::path metrics = run_dir / kMetricsFile;
+  std::error_code ec;
+  if (!fs::exists(metrics, ec)) {
+    in.notes.push_back(fmt::format("{} does not exist: no training metrics yet", metrics.string()));
+  } else {
+    in.lines = read_metrics(run_dir);
+    std::size_t text_lines = 0;
+    std::ifstream f(metrics);
+    for (std::string l; std::getline(f, l);)
+      if (!l.empty()) ++text_lines;
+    if (text_lines == 0)
+      in.notes.push_back(fmt::format("{} is empty: no step finished yet", metrics.string()));
+    else if (text_lines > in.lines.size())
+      in.notes.push_back(fmt::format(
+          "{}: {} of {} lines are not complete JSON objects and were skipped (a run still writing, "
+          "or one that stopped mid-line)",
+          metrics.string(), text_lines - in.lines.size(), text_lines));
+  }
+  const fs::path config = run_dir / "config.json";
+  if (!fs::exists(config, ec)) {
+    in.notes.push_back(fmt::format("{} does not exist", config.string()));
+  } else {
+    in.config = Json::parse(read_text(config), nullptr, false);
+    if (in.config.is_discarded() || !in.config.is_object()) {
+      in.notes.push_back(fmt::format("{} is not a JSON object; the config is left out", config.string()));
+      in.config = nullptr;
+    }
+  }
+  return in;
+}
+
+std::string summary(const Inputs& in) {
+  std::string rows;
+  auto row = [&](const std::string& k, const std::string& v) {
+    rows += fmt::format("<tr><td>{}</td><td>{}</td></tr>\n", html_escape(k), html_escape(v));
+  };
+  int64_t last_step = -1;
+  for (const auto& j : in.lines)
+    if (auto s = j.find("step"); s != j.end() && s->is_number_integer())
+      last_step = std::max(last_step, s->get<int64_t>());
+  int64_t planned = -1;
+  if (in.config.is_object() && in.config.contains("train") && in.config["train"].is_object())
+    if (auto s = in.config["train"].find("steps"); s != in.config["train"].end() && s->is_number_integer())
+      planned = s->get<int64_t>();
+  if (last_step >= 0)
+    row("steps", planned > 0 ? fmt::format("{} of {}{}", last_step, planned,
+                                           last_step < planned ? " (in progress or stopped)" : "")
+                             : std::to_string(last_step));
+  for (const char* key : {"loss", "val_loss", "test_loss", "accuracy", "test_accuracy", "tokens_per_s"}) {
+    Series s = series_of(in.lines, key);
+    if (!s.y.empty()) row(fmt::format("last {} (step {})", key, s.x.back()), s.y.back() >= 1e4 ? fmt::format("{:.0f}", s.y.back()) : fmt::format("{:.4g}", s.y.back()));
+  }
+  return rows.empty() ? std::string() : "<table class=\"summary\">\n" + rows + "</table>\n";
+}
+
+std::string expert_sections(const std::vector<Json>& lines) {
+  // Steps that carry a load table, in order.
+  std::vector<std::pair<double, std::vector<std::vector<double>>>> loads;
+  for (const auto& j : lines)
+    if (auto s = j.find("step"); s != j.end() && s->is_number())
+      if (auto l = expert_load(j); !l.empty()) loads.emplace_back(s->get<double>(), std::move(l));
+  std::string out;
+  const std::string none = "no tokens_per_expert in metrics.jsonl (a dense model, or no step yet)";
+
+  std::string last_map;
+  if (!loads.empty()) {
+    const auto& [step, last] = loads.back();
+    HeatmapSpec spec;
+    std::size_t experts = 0;
+    for (std::size_t l = 0; l < last.size(); ++l) {
+      spec.row_labels.push_back(fmt::format("layer {}", l));
+      experts = std::max(experts, last[l].size());
+    }
+    for (std::size_t e = 0; e < experts; ++e) spec.col_labels.push_back(std::to_string(e));
+    spec.x_label = "expert";
+    spec.y_label = "MoE layer";
+    spec.value_label = "tokens";
+    last_map = heatmap(last, spec);
+    out += section("expert-load", fmt::format("Expert load at step {} (tokens per expert)", step),
+                   last_map, none);
+  } else {
+    out += section("expert-load", "Expert load (tokens per expert)", "", none);
+  }
+
+  // Each expert's share of its layer's tokens over the run, steps averaged into at most
+  // kMaxHeatmapColumns columns: a collapsing router shows as one row going dark.
+  std::string over_time;
+  if (!loads.empty()) {
+    const std::size_t n = loads.size();
+    const std::size_t cols = std::min(n, kMaxHeatmapColumns);
+    std::vector<std::vector<double>> cells;
+    HeatmapSpec spec;
+    const auto& shape = loads.back().second;
+    for (std::size_t l = 0; l < shape.size(); ++l)
+      for (std::size_t e = 0; e < shape[l].size(); ++e) {
+        spec.row_labels.push_back(fmt::format("L{} e{}", l, e));
+        auto& row = cells.emplace_back(cols, 0.0);
+        std::vector<int> count(cols, 0);
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto& load = loads[i].second;
+          if (l >= load.size() || e >= load[l].size()) continue;
+          double total = 0;
+          for (double v : load[l]) total += std::isfinite(v) ? v : 0;
+          const std::size_t c = i * cols / n;
+          row[c] += total > 0 ? load[l][e] / total : 0;
+          ++count[c];
+        }
+        for (std::size_t c = 0; c < cols; ++c) row[c] = count[c] ? row[c] / count[c] : NAN;
+      }
+    for (std::size_t c = 0; c < cols; ++c)
+      spec.col_labels.push_back(fmt::format("{}", loads[c * n / cols].first));
+    spec.x_label = "step";
+    spec.y_label = "layer, expert";
+    spec.value_label = "share of layer";
+    over_time = heatmap(cells, spec);
+  }
+  out += section("expert-load-steps", "Expert load over steps (share of each layer's tokens)",
+                 over_time, none);
+
+  // Busiest expert over the mean, per layer (from the tables), else the run's averaged key.
+  std::vector<Series> imbalance;
+  if (!loads.empty()) {
+    for (const auto& [step, load] : loads)
+      for (std::size_t l = 0; l < load.size(); ++l) {
+        if (imbalance.size() <= l) imbalance.push_back({fmt::format("layer {}", l), {}, {}});
+        double total = 0, peak = 0;
+        for (double v : load[l]) total += v, peak = std::max(peak, v);
+        imbalance[l].x.push_back(step);
+        imbalance[l].y.push_back(total > 0 ? peak / (total / load[l].size()) : 1.0);
+      }
+  } else {
+    imbalance.push_back(series_of(lines, "imbalance"));
+  }
+  out += chart("imbalance", "Load imbalance (busiest expert's tokens over the mean)", imbalance,
+               {.y_label = "max / mean"}, none);
+
+  // Utilisation: fraction of a layer's experts that got a token; dropped: over capacity. Both
+  // averaged over the MoE layers.
+  Series util{"expert utilisation", {}, {}}, dropped{"dropped fraction", {}, {}};
+  for (const auto& [step, load] : loads) {
+    double u = 0;
+    for (const auto& layer : load) {
+      std::size_t used = 0;
+      for (double v : layer) used += v > 0;
+      u += layer.empty() ? 0 : static_cast<double>(used) / layer.size();
+    }
+    util.x.push_back(step);
+    util.y.push_back(u / load.size());
+  }
+  for (const auto& j : lines) {
+    auto s = j.find("step");
+    auto d = j.find("dropped_fraction");
+    if (s == j.end() || d == j.end() || !s->is_number() || !d->is_array() || d->empty()) continue;
+    double sum = 0;
+    for (const auto& v : *d) sum += v.is_number() ? v.get<double>() : 0;
+    dropped.x.push_back(s->get<double>());
+    dropped.y.push_back(sum / d->size());
+  }
+  out += chart("utilisation", "Expert utilisation and dropped fraction", {util, dropped},
+               {.y_label = "fraction"}, none);
+  return out;
+}
+
+std::string config_section(const Json& config) {
+  if (config.is_null()) return section("config", "Config", "", "no readable config.json");
+  std::vector<std::pair<std::string, std::string>> kv;
+  flatten(config, "", kv);
+  std::string body = "<table class=\"kv\">\n<tr><th>key</th><th>value</th></tr>\n";
+  for (const auto& [k, v] : kv)
+    body += fmt::format("<tr><td>{}</td><td>{}</td></tr>\n", html_escape(k), html_escape(v));
+  return section("config", "Config", body + "</table>\n", "");
+}
+
+std::string checkpoints_section(const fs::path& run_dir) {
+  const fs::path root = run_dir / "checkpoints";
+  std::error_code ec;
+  std::map<std::string, std::pair<std::size_t, std::uintmax_t>> found;  // name -> files, bytes
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!it->is_directory(ec) || name.rfind("step_", 0) != 0 || name.find(".tmp") != std::string::npos)
+      continue;
+    auto& [files, bytes] = found[name];
+    for (fs::recursive_directory_iterator f(it->path(), ec), fend; !ec && f != fend; f.increment(ec))
+      if (f->is_regular_file(ec)) ++files, bytes += f->file_size(ec);
+  }
+  if (found.empty())
+    return section("checkpoints", "Checkpoints", "", fmt::format("no checkpoints in {}", root.string()));
+  std::string body =
+      "<table class=\"kv\">\n<tr><th>step</th><th>directory</th><th>files</th><th>size</th></tr>\n";
+  for (const auto& [name, fb] : found) {
+    const std::string digits = name.substr(5);
+    const bool numeric = !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos;
+    body += fmt::format("<tr><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>\n",
+                        numeric ? std::to_string(std::stoll(digits)) : "?", html_escape(name), fb.first,
+                        human_bytes(fb.second));
+  }
+  return section("checkpoints", "Checkpoints", body + "</table>\n", "");
+}
+
+}  // namespace
+
+std::string render_report(const fs::path& run_dir) {
+  std::error_code ec;
+  MOETRAIN_CHECK(fs::is_directory(run_dir, ec),
+                 "report: run directory {} does not exist (expected a train run's RUN_DIR)",
+                 run_dir.string());
+  const Inputs in = read_inputs(run_dir);
+  const auto& lines = in.lines;
+  const std::string title = "moetrain run: " + fs::absolute(run_dir, ec).lexically_normal().filename().string();
+
+  std::string html = "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n";
+  html += fmt::format("<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n", html_escape(title), kStyle);
+  html += fmt::format("<h1>{}</h1>\n<p>{}</p>\n", html_escape(title), html_escape(fs::absolute(run_dir, ec).string()));
+  if (!in.notes.empty()) {
+    html += "<div class=\"notes\"><ul>\n";
+    for (const auto& n : in.notes) html += fmt::format("<li>{}</li>\n", html_escape(n));
+    html += "</ul></div>\n";
+  }
+  html += summary(in);
+
+  const std::string no_metrics = "not in metrics.jsonl yet";
+  html += chart("loss", "Loss",
+                {series_of(lines, "loss", "train loss"), series_of(lines, "val_loss", "validation loss"),
+                 series_of(lines, "test_loss", "test loss")},
+                {.y_label = "loss"}, no_metrics);
+  html += chart("lr", "Learning rate", {series_of(lines, "lr")}, {.y_label = "learning rate"}, no_metrics);
+  html += chart("throughput", "Throughput",
+                {series_of(lines, "tokens_per_s", "tokens/s"), series_of(lines, "images_per_s", "images/s")},
+                {.y_label = "per second"}, no_metrics);
+  html += expert_sections(lines);
+  html += chart("time", "Compute and communication time per step",
+                {series_of(lines, "compute_s", "compute"), series_of(lines, "exposed_comm_s", "exposed communication"),
+                 series_of(lines, "a2a_s", "all-to-all"), series_of(lines, "grad_sync_s", "gradient sync")},
+                {.y_label = "seconds"}, no_metrics);
+  html += config_section(in.config);
+  html += checkpoints_section(run_dir);
+  const fs::path sample = run_dir / kSampleFile;
+  if (fs::is_regular_file(sample, ec))
+    html += section("sample", "Sample text",
+                    fmt::format("<pre class=\"sample\">{}</pre>\n", html_escape(read_text(sample))), "");
+  html += "</body>\n</html>\n";
+  return html;
+}
+
+fs::path write_report(const fs::path& run_dir, const fs::path& out) {
+  const fs::path path = out.empty() ? run_dir / "report.html" : out;
+  const std::string html = render_report(run_dir);
+  write_file_atomic(path, html);
+  return path;
+}
+
+}  // namespace moetrain

@@ -1,0 +1,41 @@
+// Inline SVG charts for the run report (io/report.h): line charts with axes, tick labels and a
+// legend, and heatmaps. Plain strings in, one `<svg class="chart">` element out, so the report
+// stays one self-contained file with no script and nothing fetched.
+#pragma once
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moetrain {
+
+// Text made safe for HTML/SVG element content and attribute values.
+std::string html_escape(std::string_view text);
+
+struct Series {
+  std::string name;
+  std::vector<double> x, y;  // same length; non-finite points are left out
+};
+
+struct LineChartSpec {
+  std::string x_label = "step";
+  std::string y_label;
+  bool log_y = false;        // falls back to linear when a value is <= 0
+  std::size_t max_points = 1500;  // per series; longer ones are thinned evenly (last point kept)
+};
+
+// One polyline per non-empty series (a circle where a series has a single point), axes with tick
+// labels, and a legend when there is more than one series. Empty string when no series has a
+// finite point.
+std::string line_chart(const std::vector<Series>& series, const LineChartSpec& spec);
+
+struct HeatmapSpec {
+  std::vector<std::string> row_labels;  // one per row of cells
+  std::vector<std::string> col_labels;  // one per column; only some are drawn when there are many
+  std::string x_label, y_label, value_label;
+};
+
+// cells[row][col]: colour from the smallest (light) to the largest value (dark), with a scale bar
+// naming both ends. Rows may be ragged; missing cells are left blank.
+std::string heatmap(const std::vector<std::vector<double>>& cells, const HeatmapSpec& spec);
+
+}  // namespace moetrain
