@@ -1,0 +1,178 @@
+// The run report built from run directories written here: one section per chart, the expected
+// points in each curve, escaped text, and runs that are missing, empty, torn or still going.
+#include "io/report.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "support/expect_error.h"
+#include "support/temp_dir.h"
+
+namespace moetrain {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+std::size_t count(const std::string& text, const std::string& needle) {
+  std::size_t n = 0;
+  for (auto p = text.find(needle); p != std::string::npos; p = text.find(needle, p + 1)) ++n;
+  return n;
+}
+
+// The <section> with this id ("" when there is none).
+std::string section(const std::string& html, const std::string& id) {
+  const auto start = html.find("<section id=\"" + id + "\">");
+  if (start == std::string::npos) return {};
+  return html.substr(start, html.find("</section>", start) - start);
+}
+
+// Number of points of each polyline of a section, in order.
+std::vector<std::size_t> polyline_points(const std::string& sec) {
+  std::vector<std::size_t> out;
+  for (auto p = sec.find("<polyline"); p != std::string::npos; p = sec.find("<polyline", p + 1)) {
+    const auto a = sec.find("points=\"", p) + 8;
+    const std::string pts = sec.substr(a, sec.find('"', a) - a);
+    out.push_back(count(pts, ",") );
+  }
+  return out;
+}
+
+// Five training steps of a two-layer, three-expert model, validation at steps 2 and 4.
+std::string metrics_lines(int steps = 5) {
+  std::string out;
+  for (int s = 1; s <= steps; ++s) {
+    nlohmann::json j = {{"step", s}, {"loss", 5.0 - 0.5 * s}, {"ce", 4.9}, {"aux", 0.01},
+                        {"lr", 1e-3 * s}, {"tokens_per_s", 1000.0 + s}, {"compute_s", 0.1},
+                        {"exposed_comm_s", 0.01}, {"a2a_s", 0.02}, {"grad_sync_s", 0.03},
+                        {"imbalance", 1.2}, {"dropped_fraction", {0.0, 0.1 * s}},
+                        {"tokens_per_expert", {{10, 20, 30}, {0, 30, 30 + s}}}};
+    out += j.dump() + "\n";
+    if (s % 2 == 0) out += nlohmann::json{{"step", s}, {"val_loss", 4.0 - 0.1 * s}}.dump() + "\n";
+  }
+  return out;
+}
+
+void write_run(const TempDir& dir, const std::string& metrics, int64_t planned_steps = 5) {
+  dir.write("metrics.jsonl", metrics);
+  nlohmann::json config = {{"model", {{"n_experts", 3}, {"name", "<script>alert(1)</script>"}}},
+                           {"train", {{"steps", planned_steps}, {"run_dir", "runs/x"}}}};
+  dir.write("config.json", config.dump(2));
+}
+
+TEST(Report, OneSectionPerChartWithEveryPoint) {
+  TempDir dir("report");
+  write_run(dir, metrics_lines());
+  dir.write("checkpoints/step_00000004/model.safetensors", std::string(10, 'x'));
+  dir.write("checkpoints/step_00000004/config.json", std::string(20, 'y'));
+  dir.write("sample.txt", "Fortune <b>& \"cookie\"");
+  const std::string html = render_report(dir.path());
+
+  EXPECT_EQ(count(html, "<svg class=\"chart\""), 8u);
+  for (const char* id : {"loss", "lr", "throughput", "expert-load", "expert-load-steps", "imbalance",
+                         "utilisation", "time"}) {
+    const std::string sec = section(html, id);
+    ASSERT_FALSE(sec.empty()) << id;
+    EXPECT_EQ(count(sec, "<h2>"), 1u) << id;
+    EXPECT_EQ(count(sec, "<svg class=\"chart\""), 1u) << id;
+  }
+  EXPECT_EQ(polyline_points(section(html, "loss")), (std::vector<std::size_t>{5, 2}));
+  EXPECT_EQ(polyline_points(section(html, "lr")), (std::vector<std::size_t>{5}));
+  EXPECT_EQ(polyline_points(section(html, "throughput")), (std::vector<std::size_t>{5}));
+  EXPECT_EQ(polyline_points(section(html, "imbalance")), (std::vector<std::size_t>{5, 5}));
+  EXPECT_EQ(polyline_points(section(html, "utilisation")), (std::vector<std::size_t>{5, 5}));
+  EXPECT_EQ(polyline_points(section(html, "time")), (std::vector<std::size_t>{5, 5, 5, 5}));
+  // Heatmap cells carry a <title>: layers × experts, and (layer, expert) × steps.
+  EXPECT_EQ(count(section(html, "expert-load"), "<title>"), 6u);
+  EXPECT_EQ(count(section(html, "expert-load-steps"), "<title>"), 30u);
+  // Legends where there are several series.
+  EXPECT_NE(section(html, "loss").find("validation loss"), std::string::npos);
+  EXPECT_NE(section(html, "time").find("exposed communication"), std::string::npos);
+  EXPECT_EQ(section(html, "lr").find("class=\"legend\""), std::string::npos);
+
+  const std::string ckpt = section(html, "checkpoints");
+  EXPECT_NE(ckpt.find("<td class=\"num\">4</td><td>step_00000004</td><td class=\"num\">2</td>"
+                      "<td class=\"num\">30 B</td>"),
+            std::string::npos)
+      << ckpt;
+  EXPECT_NE(section(html, "config").find("model.n_experts"), std::string::npos);
+  // Text from the run is escaped, never markup.
+  EXPECT_EQ(html.find("<script>"), std::string::npos);
+  EXPECT_NE(html.find("&lt;script&gt;alert(1)&lt;/script&gt;"), std::string::npos);
+  EXPECT_NE(section(html, "sample").find("Fortune &lt;b&gt;&amp; &quot;cookie&quot;"), std::string::npos);
+  EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));  // nothing fetched
+  EXPECT_EQ(html.find("https://"), std::string::npos);
+}
+
+TEST(Report, WritesRunDirReportByDefault) {
+  TempDir dir("report");
+  write_run(dir, metrics_lines());
+  EXPECT_EQ(write_report(dir.path()), dir.path() / "report.html");
+  EXPECT_TRUE(fs::is_regular_file(dir.path() / "report.html"));
+  const fs::path out = dir.path() / "elsewhere.html";
+  EXPECT_EQ(write_report(dir.path(), out), out);
+  EXPECT_GT(fs::file_size(out), 1000u);
+}
+
+TEST(Report, MissingDirectoryIsAnErrorNamingIt) {
+  TempDir dir("report");
+  const fs::path missing = dir.path() / "no_such_run";
+  testing::expect_error([&] { render_report(missing); }, {"no_such_run", "does not exist"});
+  EXPECT_FALSE(fs::exists(missing / "report.html"));
+}
+
+TEST(Report, EmptyRunDirectoryNamesWhatIsMissing) {
+  TempDir dir("report");
+  std::string html = render_report(dir.path());
+  EXPECT_NE(html.find("metrics.jsonl does not exist"), std::string::npos);
+  EXPECT_NE(html.find("config.json does not exist"), std::string::npos);
+  EXPECT_EQ(count(html, "<svg class=\"chart\""), 0u);
+  EXPECT_EQ(count(html, "<section"), 10u);  // each chart says it has no data yet
+
+  dir.write("metrics.jsonl", "");
+  html = render_report(dir.path());
+  EXPECT_NE(html.find("metrics.jsonl is empty"), std::string::npos);
+}
+
+TEST(Report, TornLastLineAndRunInProgress) {
+  TempDir dir("report");
+  write_run(dir, metrics_lines() + R"({"step": 6, "loss": 2.)", 100);
+  const std::string html = render_report(dir.path());
+  EXPECT_NE(html.find("1 of 8 lines are not complete JSON"), std::string::npos);
+  EXPECT_NE(html.find("5 of 100 (in progress or stopped)"), std::string::npos);
+  EXPECT_EQ(polyline_points(section(html, "loss")), (std::vector<std::size_t>{5, 2}));
+}
+
+TEST(Report, MalformedValuesAndConfigAreLeftOut) {
+  TempDir dir("report");
+  dir.write("metrics.jsonl",
+            R"({"step": 1, "loss": null, "lr": "fast", "tokens_per_expert": "many", "dropped_fraction": 3})"
+            "\n"
+            R"({"step": 2, "loss": 1.5, "tokens_per_expert": [[1, "x"], 7]})"
+            "\n[1, 2]\n");
+  dir.write("config.json", "{\"model\": ");
+  const std::string html = render_report(dir.path());
+  EXPECT_NE(html.find("config.json is not a JSON object"), std::string::npos);
+  EXPECT_NE(html.find("1 of 3 lines are not complete JSON"), std::string::npos);
+  // One finite loss point: a marker, not a line.
+  EXPECT_EQ(count(section(html, "loss"), "<circle"), 1u);
+  EXPECT_EQ(count(section(html, "expert-load"), "<svg"), 0u);
+}
+
+TEST(Report, LongRunsAreThinned) {
+  TempDir dir("report");
+  write_run(dir, metrics_lines(4000), 4000);
+  const std::string html = render_report(dir.path());
+  EXPECT_EQ(polyline_points(section(html, "lr")), (std::vector<std::size_t>{1500}));
+  // Steps are averaged into at most 120 columns per heatmap row.
+  EXPECT_EQ(count(section(html, "expert-load-steps"), "<title>"), 6u * 120u);
+}
+
+}  // namespace
+}  // namespace moetrain
