@@ -33,6 +33,7 @@ packages=(
 test_packages=(
   python3 python3-venv python3-pip  # the interop test's virtualenv
   python3-torch                     # PyTorch 1.13 (Debian 12): the interop test's reference
+  chromium                          # headless browser: renders the run report (interop.report_browser)
 )
 with_tests=0
 for arg in "$@"; do

@@ -19,7 +19,8 @@ constexpr const char* kColours[] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7",
 std::string num(double v) {
   if (v == 0) return "0";
   const double a = std::fabs(v);
-  if (a >= 1e5 || a < 1e-3) return fmt::format("{:.2g}", v);
+  if (a >= 1e4 && a < 1e7) return fmt::format("{:.0f}", v);
+  if (a >= 1e7 || a < 1e-3) return fmt::format("{:.2g}", v);
   return fmt::format("{:.4g}", v);
 }
 

@@ -32,7 +32,7 @@ Result run(const std::string& args) {
 TEST(Cli, HelpAndVersion) {
   Result help = run("--help");
   EXPECT_EQ(help.code, 0);
-  for (const char* sub : {"train", "prepare", "eval", "sample", "forward", "version"})
+  for (const char* sub : {"train", "prepare", "eval", "sample", "forward", "version", "report"})
     EXPECT_NE(help.output.find(sub), std::string::npos) << sub << " missing from --help";
   Result version = run("version");
   EXPECT_EQ(version.code, 0);
@@ -65,6 +65,19 @@ TEST(Cli, BadConfigIsAClearErrorNotACrash) {
   Result ckpt = run("sample --checkpoint " + (tmp / "nothing").string() + " --prompt hi");
   EXPECT_EQ(ckpt.code, 1);
   EXPECT_NE(ckpt.output.find("nothing"), std::string::npos) << ckpt.output;
+}
+
+TEST(Cli, ReportNamesAMissingRunAndWritesWhatIsThere) {
+  moetrain::testing::TempDir tmp("cli");
+  Result missing = run("report " + (tmp / "no_run").string());
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_NE(missing.output.find("no_run"), std::string::npos) << missing.output;
+  tmp.write("run/metrics.jsonl", "{\"step\": 1, \"loss\": 3.5}\n{\"step\": 2, \"lo");
+  const auto out = tmp / "r.html";
+  Result torn = run("report " + (tmp / "run").string() + " --out " + out.string());
+  EXPECT_EQ(torn.code, 0) << torn.output;
+  EXPECT_NE(torn.output.find(out.string()), std::string::npos) << torn.output;
+  EXPECT_TRUE(std::filesystem::is_regular_file(out));
 }
 
 TEST(Cli, PrepareTrainSampleForwardEndToEnd) {
