@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make demo: prepare the text of Debian's fortunes, train configs/tiny.toml on every core,
-# report the validation loss and print a sample.
+# report the validation loss, print a sample and write the run's HTML report.
 set -euo pipefail
 build=${1:-build}
 bin="$build/moetrain"
@@ -12,4 +12,9 @@ fi
 "$bin" train --config configs/tiny.toml --resume ${DEMO_ARGS:-}
 echo
 echo "== sample (temperature 0.8):"
-"$bin" sample --checkpoint runs/tiny --prompt "${DEMO_PROMPT:-The meaning of life is }" --max-tokens 300 --seed 7
+# The sample is also kept in the run directory, where the report shows it.
+"$bin" sample --checkpoint runs/tiny --prompt "${DEMO_PROMPT:-The meaning of life is }" --max-tokens 300 --seed 7 \
+  | tee runs/tiny/sample.txt
+echo
+echo "== report (open it in a browser):"
+"$bin" report runs/tiny
