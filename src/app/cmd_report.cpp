@@ -10,7 +10,8 @@ namespace moetrain::app {
 
 Run add_report_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
-      "report", "Write a self-contained HTML report of a run: curves, expert load, config, checkpoints");
+      "report",
+      "Write a self-contained HTML report of a run: curves, expert load, config, checkpoints");
   struct Args {
     std::string run_dir, out;
   };

@@ -74,9 +74,9 @@ std::vector<std::vector<double>> expert_load(const Json& line) {
 
 std::string section(const std::string& id, const std::string& title, const std::string& body,
                     const std::string& empty_note) {
-  return fmt::format("<section id=\"{}\">\n<h2>{}</h2>\n{}</section>\n", id, html_escape(title),
-                     body.empty() ? fmt::format("<p class=\"empty\">{}</p>\n", html_escape(empty_note))
-                                  : body);
+  return fmt::format(
+      "<section id=\"{}\">\n<h2>{}</h2>\n{}</section>\n", id, html_escape(title),
+      body.empty() ? fmt::format("<p class=\"empty\">{}</p>\n", html_escape(empty_note)) : body);
 }
 
 std::string chart(const std::string& id, const std::string& title, const std::vector<Series>& s,
@@ -84,7 +84,8 @@ std::string chart(const std::string& id, const std::string& title, const std::ve
   return section(id, title, any_points(s) ? line_chart(s, spec) : std::string(), empty_note);
 }
 
-void flatten(const Json& j, const std::string& prefix, std::vector<std::pair<std::string, std::string>>& out) {
+void flatten(const Json& j, const std::string& prefix,
+             std::vector<std::pair<std::string, std::string>>& out) {
   if (j.is_object()) {
     for (auto it = j.begin(); it != j.end(); ++it)
       flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
@@ -140,7 +141,8 @@ Inputs read_inputs(const fs::path& run_dir) {
   } else {
     in.config = Json::parse(read_text(config), nullptr, false);
     if (in.config.is_discarded() || !in.config.is_object()) {
-      in.notes.push_back(fmt::format("{} is not a JSON object; the config is left out", config.string()));
+      in.notes.push_back(
+          fmt::format("{} is not a JSON object; the config is left out", config.string()));
       in.config = nullptr;
     }
   }
@@ -158,15 +160,20 @@ std::string summary(const Inputs& in) {
       last_step = std::max(last_step, s->get<int64_t>());
   int64_t planned = -1;
   if (in.config.is_object() && in.config.contains("train") && in.config["train"].is_object())
-    if (auto s = in.config["train"].find("steps"); s != in.config["train"].end() && s->is_number_integer())
+    if (auto s = in.config["train"].find("steps");
+        s != in.config["train"].end() && s->is_number_integer())
       planned = s->get<int64_t>();
   if (last_step >= 0)
     row("steps", planned > 0 ? fmt::format("{} of {}{}", last_step, planned,
                                            last_step < planned ? " (in progress or stopped)" : "")
                              : std::to_string(last_step));
-  for (const char* key : {"loss", "val_loss", "test_loss", "accuracy", "test_accuracy", "tokens_per_s"}) {
+  for (const char* key :
+       {"loss", "val_loss", "test_loss", "accuracy", "test_accuracy", "tokens_per_s"}) {
     Series s = series_of(in.lines, key);
-    if (!s.y.empty()) row(fmt::format("last {} (step {})", key, s.x.back()), s.y.back() >= 1e4 ? fmt::format("{:.0f}", s.y.back()) : fmt::format("{:.4g}", s.y.back()));
+    if (!s.y.empty())
+      row(fmt::format("last {} (step {})", key, s.x.back()),
+          s.y.back() >= 1e4 ? fmt::format("{:.0f}", s.y.back())
+                            : fmt::format("{:.4g}", s.y.back()));
   }
   return rows.empty() ? std::string() : "<table class=\"summary\">\n" + rows + "</table>\n";
 }
@@ -295,22 +302,28 @@ std::string checkpoints_section(const fs::path& run_dir) {
   std::map<std::string, std::pair<std::size_t, std::uintmax_t>> found;  // name -> files, bytes
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (!it->is_directory(ec) || name.rfind("step_", 0) != 0 || name.find(".tmp") != std::string::npos)
+    if (!it->is_directory(ec) || name.rfind("step_", 0) != 0 ||
+        name.find(".tmp") != std::string::npos)
       continue;
     auto& [files, bytes] = found[name];
-    for (fs::recursive_directory_iterator f(it->path(), ec), fend; !ec && f != fend; f.increment(ec))
+    for (fs::recursive_directory_iterator f(it->path(), ec), fend; !ec && f != fend;
+         f.increment(ec))
       if (f->is_regular_file(ec)) ++files, bytes += f->file_size(ec);
   }
   if (found.empty())
-    return section("checkpoints", "Checkpoints", "", fmt::format("no checkpoints in {}", root.string()));
+    return section("checkpoints", "Checkpoints", "",
+                   fmt::format("no checkpoints in {}", root.string()));
   std::string body =
       "<table class=\"kv\">\n<tr><th>step</th><th>directory</th><th>files</th><th>size</th></tr>\n";
   for (const auto& [name, fb] : found) {
     const std::string digits = name.substr(5);
-    const bool numeric = !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos;
-    body += fmt::format("<tr><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>\n",
-                        numeric ? std::to_string(std::stoll(digits)) : "?", html_escape(name), fb.first,
-                        human_bytes(fb.second));
+    const bool numeric =
+        !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos;
+    body += fmt::format(
+        "<tr><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}</td><td "
+        "class=\"num\">{}</td></tr>\n",
+        numeric ? std::to_string(std::stoll(digits)) : "?", html_escape(name), fb.first,
+        human_bytes(fb.second));
   }
   return section("checkpoints", "Checkpoints", body + "</table>\n", "");
 }
@@ -324,11 +337,14 @@ std::string render_report(const fs::path& run_dir) {
                  run_dir.string());
   const Inputs in = read_inputs(run_dir);
   const auto& lines = in.lines;
-  const std::string title = "moetrain run: " + fs::absolute(run_dir, ec).lexically_normal().filename().string();
+  const std::string title =
+      "moetrain run: " + fs::absolute(run_dir, ec).lexically_normal().filename().string();
 
   std::string html = "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n";
-  html += fmt::format("<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n", html_escape(title), kStyle);
-  html += fmt::format("<h1>{}</h1>\n<p>{}</p>\n", html_escape(title), html_escape(fs::absolute(run_dir, ec).string()));
+  html += fmt::format("<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n", html_escape(title),
+                      kStyle);
+  html += fmt::format("<h1>{}</h1>\n<p>{}</p>\n", html_escape(title),
+                      html_escape(fs::absolute(run_dir, ec).string()));
   if (!in.notes.empty()) {
     html += "<div class=\"notes\"><ul>\n";
     for (const auto& n : in.notes) html += fmt::format("<li>{}</li>\n", html_escape(n));
@@ -337,25 +353,31 @@ std::string render_report(const fs::path& run_dir) {
   html += summary(in);
 
   const std::string no_metrics = "not in metrics.jsonl yet";
-  html += chart("loss", "Loss",
-                {series_of(lines, "loss", "train loss"), series_of(lines, "val_loss", "validation loss"),
-                 series_of(lines, "test_loss", "test loss")},
-                {.y_label = "loss"}, no_metrics);
-  html += chart("lr", "Learning rate", {series_of(lines, "lr")}, {.y_label = "learning rate"}, no_metrics);
-  html += chart("throughput", "Throughput",
-                {series_of(lines, "tokens_per_s", "tokens/s"), series_of(lines, "images_per_s", "images/s")},
-                {.y_label = "per second"}, no_metrics);
+  html += chart(
+      "loss", "Loss",
+      {series_of(lines, "loss", "train loss"), series_of(lines, "val_loss", "validation loss"),
+       series_of(lines, "test_loss", "test loss")},
+      {.y_label = "loss"}, no_metrics);
+  html += chart("lr", "Learning rate", {series_of(lines, "lr")}, {.y_label = "learning rate"},
+                no_metrics);
+  html += chart(
+      "throughput", "Throughput",
+      {series_of(lines, "tokens_per_s", "tokens/s"), series_of(lines, "images_per_s", "images/s")},
+      {.y_label = "per second"}, no_metrics);
   html += expert_sections(lines);
-  html += chart("time", "Compute and communication time per step",
-                {series_of(lines, "compute_s", "compute"), series_of(lines, "exposed_comm_s", "exposed communication"),
-                 series_of(lines, "a2a_s", "all-to-all"), series_of(lines, "grad_sync_s", "gradient sync")},
-                {.y_label = "seconds"}, no_metrics);
+  html += chart(
+      "time", "Compute and communication time per step",
+      {series_of(lines, "compute_s", "compute"),
+       series_of(lines, "exposed_comm_s", "exposed communication"),
+       series_of(lines, "a2a_s", "all-to-all"), series_of(lines, "grad_sync_s", "gradient sync")},
+      {.y_label = "seconds"}, no_metrics);
   html += config_section(in.config);
   html += checkpoints_section(run_dir);
   const fs::path sample = run_dir / kSampleFile;
   if (fs::is_regular_file(sample, ec))
     html += section("sample", "Sample text",
-                    fmt::format("<pre class=\"sample\">{}</pre>\n", html_escape(read_text(sample))), "");
+                    fmt::format("<pre class=\"sample\">{}</pre>\n", html_escape(read_text(sample))),
+                    "");
   html += "</body>\n</html>\n";
   return html;
 }

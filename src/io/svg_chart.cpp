@@ -64,8 +64,9 @@ std::string axis_label(double x, double y, std::string_view text, bool vertical)
         "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" transform=\"rotate(-90 {:.1f} "
         "{:.1f})\" class=\"axis-label\">{}</text>\n",
         x, y, x, y, html_escape(text));
-  return fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" class=\"axis-label\">{}</text>\n",
-                     x, y, html_escape(text));
+  return fmt::format(
+      "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" class=\"axis-label\">{}</text>\n", x,
+      y, html_escape(text));
 }
 
 }  // namespace
@@ -75,12 +76,23 @@ std::string html_escape(std::string_view text) {
   out.reserve(text.size());
   for (char c : text) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -127,10 +139,12 @@ std::string line_chart(const std::vector<Series>& series, const LineChartSpec& s
   out += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" class=\"plot\"/>\n", kLeft,
                      kTop, pw, ph);
   for (double t : ticks(xr.lo, xr.hi, 8)) {
-    out += fmt::format("<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2}\" class=\"grid\"/>\n",
-                       sx(t), kTop, kTop + ph);
-    out += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\" class=\"tick\">{}</text>\n",
-                       sx(t), kTop + ph + 16, num(t));
+    out +=
+        fmt::format("<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2}\" class=\"grid\"/>\n",
+                    sx(t), kTop, kTop + ph);
+    out +=
+        fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\" class=\"tick\">{}</text>\n",
+                    sx(t), kTop + ph + 16, num(t));
   }
   if (log_y) {
     for (double e = std::floor(yr.lo); e <= std::ceil(yr.hi); e += 1.0)
@@ -138,17 +152,21 @@ std::string line_chart(const std::vector<Series>& series, const LineChartSpec& s
         const double lv = e + std::log10(m);
         if (lv < yr.lo || lv > yr.hi) continue;
         const double y = std::pow(10.0, lv);
-        out += fmt::format("<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" class=\"grid\"/>\n",
-                           kLeft, kLeft + pw, sy(y));
-        out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\" class=\"tick\">{}</text>\n",
-                           kLeft - 6, sy(y) + 4, num(y));
+        out += fmt::format(
+            "<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" class=\"grid\"/>\n", kLeft,
+            kLeft + pw, sy(y));
+        out += fmt::format(
+            "<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\" class=\"tick\">{}</text>\n", kLeft - 6,
+            sy(y) + 4, num(y));
       }
   } else {
     for (double t : ticks(yr.lo, yr.hi, 6)) {
-      out += fmt::format("<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" class=\"grid\"/>\n",
-                         kLeft, kLeft + pw, sy(t));
-      out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\" class=\"tick\">{}</text>\n",
-                         kLeft - 6, sy(t) + 4, num(t));
+      out += fmt::format(
+          "<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" class=\"grid\"/>\n", kLeft,
+          kLeft + pw, sy(t));
+      out +=
+          fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\" class=\"tick\">{}</text>\n",
+                      kLeft - 6, sy(t) + 4, num(t));
     }
   }
   out += axis_label(kLeft + pw / 2, kHeight - 6, spec.x_label, false);
@@ -161,10 +179,12 @@ std::string line_chart(const std::vector<Series>& series, const LineChartSpec& s
       out += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"{}\"/>\n",
                          sx(pts[s][0].first), sy(pts[s][0].second), colour);
     } else {
-      out += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" data-series=\"{}\" points=\"",
-                         colour, html_escape(series[s].name));
+      out += fmt::format(
+          "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" data-series=\"{}\" points=\"",
+          colour, html_escape(series[s].name));
       for (std::size_t i = 0; i < pts[s].size(); ++i)
-        out += fmt::format("{}{:.1f},{:.1f}", i ? " " : "", sx(pts[s][i].first), sy(pts[s][i].second));
+        out +=
+            fmt::format("{}{:.1f},{:.1f}", i ? " " : "", sx(pts[s][i].first), sy(pts[s][i].second));
       out += "\"/>\n";
     }
     ++drawn;
@@ -174,10 +194,10 @@ std::string line_chart(const std::vector<Series>& series, const LineChartSpec& s
     out += "<g class=\"legend\">\n";
     for (std::size_t s = 0; s < series.size(); ++s) {
       if (pts[s].empty()) continue;
-      out += fmt::format("<rect x=\"{:.1f}\" y=\"{}\" width=\"14\" height=\"4\" fill=\"{}\"/>"
-                         "<text x=\"{:.1f}\" y=\"{}\" class=\"tick\">{}</text>\n",
-                         lx, 8, kColours[s % std::size(kColours)], lx + 18, 13,
-                         html_escape(series[s].name));
+      out += fmt::format(
+          "<rect x=\"{:.1f}\" y=\"{}\" width=\"14\" height=\"4\" fill=\"{}\"/>"
+          "<text x=\"{:.1f}\" y=\"{}\" class=\"tick\">{}</text>\n",
+          lx, 8, kColours[s % std::size(kColours)], lx + 18, 13, html_escape(series[s].name));
       lx += 30 + 7.0 * static_cast<double>(series[s].name.size());
     }
     out += "</g>\n";
@@ -214,39 +234,45 @@ std::string heatmap(const std::vector<std::vector<double>>& cells, const Heatmap
   for (std::size_t r = 0; r < cells.size(); ++r)
     for (std::size_t c = 0; c < cells[r].size(); ++c) {
       if (!std::isfinite(cells[r][c])) continue;
-      out += fmt::format("<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\">"
-                         "<title>{} {}, {} {}: {}</title></rect>\n",
-                         kLeft + cw * c, kTop + cell_h * r, cw + 0.3, cell_h + 0.3, colour(cells[r][c]),
-                         html_escape(spec.y_label),
-                         html_escape(r < spec.row_labels.size() ? spec.row_labels[r] : std::to_string(r)),
-                         html_escape(spec.x_label),
-                         html_escape(c < spec.col_labels.size() ? spec.col_labels[c] : std::to_string(c)),
-                         num(cells[r][c]));
+      out += fmt::format(
+          "<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\">"
+          "<title>{} {}, {} {}: {}</title></rect>\n",
+          kLeft + cw * c, kTop + cell_h * r, cw + 0.3, cell_h + 0.3, colour(cells[r][c]),
+          html_escape(spec.y_label),
+          html_escape(r < spec.row_labels.size() ? spec.row_labels[r] : std::to_string(r)),
+          html_escape(spec.x_label),
+          html_escape(c < spec.col_labels.size() ? spec.col_labels[c] : std::to_string(c)),
+          num(cells[r][c]));
     }
   // Row labels only where they do not overlap; column labels at about ten places.
   const std::size_t row_every = static_cast<std::size_t>(std::ceil(12.0 / cell_h));
   for (std::size_t r = 0; r < cells.size(); r += row_every)
-    out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\" class=\"tick\">{}</text>\n",
-                       kLeft - 6, kTop + cell_h * (r + 0.5) + 4,
-                       html_escape(r < spec.row_labels.size() ? spec.row_labels[r] : std::to_string(r)));
+    out += fmt::format(
+        "<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\" class=\"tick\">{}</text>\n", kLeft - 6,
+        kTop + cell_h * (r + 0.5) + 4,
+        html_escape(r < spec.row_labels.size() ? spec.row_labels[r] : std::to_string(r)));
   const std::size_t col_every = std::max<std::size_t>(1, (cols + 9) / 10);
   for (std::size_t c = 0; c < cols; c += col_every)
-    out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" class=\"tick\">{}</text>\n",
-                       kLeft + cw * (c + 0.5), kTop + ph + 16,
-                       html_escape(c < spec.col_labels.size() ? spec.col_labels[c] : std::to_string(c)));
+    out += fmt::format(
+        "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" class=\"tick\">{}</text>\n",
+        kLeft + cw * (c + 0.5), kTop + ph + 16,
+        html_escape(c < spec.col_labels.size() ? spec.col_labels[c] : std::to_string(c)));
   out += axis_label(kLeft + pw / 2, height - 6, spec.x_label, false);
   out += axis_label(16, kTop + ph / 2, spec.y_label, true);
   // Scale bar: the smallest value at the bottom, the largest at the top.
   const double bx = kLeft + pw + 16;
   for (int i = 0; i < 20; ++i) {
     const double v = vr.hi - span * i / 19.0;
-    out += fmt::format("<rect x=\"{:.1f}\" y=\"{:.2f}\" width=\"14\" height=\"{:.2f}\" fill=\"{}\"/>\n",
-                       bx, kTop + ph * i / 20.0, ph / 20.0 + 0.3, colour(v));
+    out += fmt::format(
+        "<rect x=\"{:.1f}\" y=\"{:.2f}\" width=\"14\" height=\"{:.2f}\" fill=\"{}\"/>\n", bx,
+        kTop + ph * i / 20.0, ph / 20.0 + 0.3, colour(v));
   }
-  out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n", bx + 18, kTop + 9, num(vr.hi));
-  out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n", bx + 18, kTop + ph, num(vr.lo));
-  out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n", bx, kTop + ph + 16,
-                     html_escape(spec.value_label));
+  out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n", bx + 18,
+                     kTop + 9, num(vr.hi));
+  out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n", bx + 18,
+                     kTop + ph, num(vr.lo));
+  out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n", bx,
+                     kTop + ph + 16, html_escape(spec.value_label));
   out += "</svg>\n";
   return out;
 }

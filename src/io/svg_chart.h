@@ -19,7 +19,7 @@ struct Series {
 struct LineChartSpec {
   std::string x_label = "step";
   std::string y_label;
-  bool log_y = false;        // falls back to linear when a value is <= 0
+  bool log_y = false;             // falls back to linear when a value is <= 0
   std::size_t max_points = 1500;  // per series; longer ones are thinned evenly (last point kept)
 };
 

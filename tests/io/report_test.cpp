@@ -39,7 +39,7 @@ std::vector<std::size_t> polyline_points(const std::string& sec) {
   for (auto p = sec.find("<polyline"); p != std::string::npos; p = sec.find("<polyline", p + 1)) {
     const auto a = sec.find("points=\"", p) + 8;
     const std::string pts = sec.substr(a, sec.find('"', a) - a);
-    out.push_back(count(pts, ",") );
+    out.push_back(count(pts, ","));
   }
   return out;
 }
@@ -48,10 +48,18 @@ std::vector<std::size_t> polyline_points(const std::string& sec) {
 std::string metrics_lines(int steps = 5) {
   std::string out;
   for (int s = 1; s <= steps; ++s) {
-    nlohmann::json j = {{"step", s}, {"loss", 5.0 - 0.5 * s}, {"ce", 4.9}, {"aux", 0.01},
-                        {"lr", 1e-3 * s}, {"tokens_per_s", 1000.0 + s}, {"compute_s", 0.1},
-                        {"exposed_comm_s", 0.01}, {"a2a_s", 0.02}, {"grad_sync_s", 0.03},
-                        {"imbalance", 1.2}, {"dropped_fraction", {0.0, 0.1 * s}},
+    nlohmann::json j = {{"step", s},
+                        {"loss", 5.0 - 0.5 * s},
+                        {"ce", 4.9},
+                        {"aux", 0.01},
+                        {"lr", 1e-3 * s},
+                        {"tokens_per_s", 1000.0 + s},
+                        {"compute_s", 0.1},
+                        {"exposed_comm_s", 0.01},
+                        {"a2a_s", 0.02},
+                        {"grad_sync_s", 0.03},
+                        {"imbalance", 1.2},
+                        {"dropped_fraction", {0.0, 0.1 * s}},
                         {"tokens_per_expert", {{10, 20, 30}, {0, 30, 30 + s}}}};
     out += j.dump() + "\n";
     if (s % 2 == 0) out += nlohmann::json{{"step", s}, {"val_loss", 4.0 - 0.1 * s}}.dump() + "\n";
@@ -75,8 +83,8 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
   const std::string html = render_report(dir.path());
 
   EXPECT_EQ(count(html, "<svg class=\"chart\""), 8u);
-  for (const char* id : {"loss", "lr", "throughput", "expert-load", "expert-load-steps", "imbalance",
-                         "utilisation", "time"}) {
+  for (const char* id : {"loss", "lr", "throughput", "expert-load", "expert-load-steps",
+                         "imbalance", "utilisation", "time"}) {
     const std::string sec = section(html, id);
     ASSERT_FALSE(sec.empty()) << id;
     EXPECT_EQ(count(sec, "<h2>"), 1u) << id;
@@ -105,7 +113,8 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
   // Text from the run is escaped, never markup.
   EXPECT_EQ(html.find("<script>"), std::string::npos);
   EXPECT_NE(html.find("&lt;script&gt;alert(1)&lt;/script&gt;"), std::string::npos);
-  EXPECT_NE(section(html, "sample").find("Fortune &lt;b&gt;&amp; &quot;cookie&quot;"), std::string::npos);
+  EXPECT_NE(section(html, "sample").find("Fortune &lt;b&gt;&amp; &quot;cookie&quot;"),
+            std::string::npos);
   EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));  // nothing fetched
   EXPECT_EQ(html.find("https://"), std::string::npos);
 }
@@ -151,11 +160,12 @@ TEST(Report, TornLastLineAndRunInProgress) {
 
 TEST(Report, MalformedValuesAndConfigAreLeftOut) {
   TempDir dir("report");
-  dir.write("metrics.jsonl",
-            R"({"step": 1, "loss": null, "lr": "fast", "tokens_per_expert": "many", "dropped_fraction": 3})"
-            "\n"
-            R"({"step": 2, "loss": 1.5, "tokens_per_expert": [[1, "x"], 7]})"
-            "\n[1, 2]\n");
+  dir.write(
+      "metrics.jsonl",
+      R"({"step": 1, "loss": null, "lr": "fast", "tokens_per_expert": "many", "dropped_fraction": 3})"
+      "\n"
+      R"({"step": 2, "loss": 1.5, "tokens_per_expert": [[1, "x"], 7]})"
+      "\n[1, 2]\n");
   dir.write("config.json", "{\"model\": ");
   const std::string html = render_report(dir.path());
   EXPECT_NE(html.find("config.json is not a JSON object"), std::string::npos);
