@@ -85,7 +85,8 @@ json read_manifest(const fs::path& dir) {
 }
 
 // `latest` is a hint written after the commit (a full disk can leave it behind): the committed
-// checkpoints, newest first, are the candidates.
+// checkpoints, newest first, are the candidates. A hint naming anything but one of this run
+// directory's checkpoints is refused with a warning.
 std::vector<fs::path> candidates(const fs::path& run_dir) {
   const fs::path root = run_dir / "checkpoints";
   std::vector<fs::path> out;
@@ -99,7 +100,11 @@ std::vector<fs::path> candidates(const fs::path& run_dir) {
     MappedFile m(root / "latest");
     std::string name(reinterpret_cast<const char*>(m.data()), m.size());
     while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-    if (!out.empty() && out.front().filename() != fs::path(name))
+    const fs::path named(name);
+    if (name.empty() || named.is_absolute() || named.has_parent_path() || step_of(name) < 0)
+      log_warn("{}: '{}' is not a checkpoint of this run directory (expected step_N): ignored",
+               (root / "latest").string(), name);
+    else if (!out.empty() && out.front().filename() != named)
       log_warn("{} names {}, but {} is newer: trying the newest first", (root / "latest").string(),
                name, out.front().filename().string());
   }

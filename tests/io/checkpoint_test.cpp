@@ -14,6 +14,7 @@
 #include "core/check.h"
 #include "io/checkpoint.h"
 #include "io/crc32c.h"
+#include "io/file.h"
 #include "io/safetensors.h"
 #include "support/expect_error.h"
 #include "support/temp_dir.h"
@@ -287,3 +288,24 @@ TEST(Checkpoint, StaleLatestNeitherHidesNorRotatesOutANewerCommittedCheckpoint) 
   EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 10));
 }
 
+
+// `latest` naming a checkpoint of another run (relative or absolute) is refused with a warning;
+// the run's own newest checkpoint is taken.
+TEST(Checkpoint, LatestOutsideTheRunDirectoryIsRefused) {
+  TempDir tmp("ckpt_escape");
+  const fs::path run = tmp.path() / "run", other = tmp.path() / "other";
+  Tensors mine(5.0f), theirs(10.0f);
+  write(run, 5, mine);
+  write(other, 10, theirs);
+  for (const std::string& hint : {std::string("../../other/checkpoints/step_00000010"),
+                                  checkpoint_dir(other, 10).string()}) {
+    write_file_atomic(run / "checkpoints" / "latest", hint + "\n");
+    ::testing::internal::CaptureStderr();
+    const auto found = find_latest_checkpoint(run);
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(found, checkpoint_dir(run, 5)) << hint;
+    EXPECT_NE(log.find("'" + hint + "' is not a checkpoint of this run directory"),
+              std::string::npos)
+        << log;
+  }
+}
