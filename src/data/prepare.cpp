@@ -153,8 +153,16 @@ PrepareReport prepare_text_corpus(const PrepareOptions& options) {
     }
   }
 
+  // Prepared into one of its own inputs, a second run would ingest the first's meta.json.
+  std::vector<fs::path> outputs;
+  for (const char* name : {"train.bin", "val.bin", "meta.json"})
+    outputs.push_back(fs::weakly_canonical(options.out_dir / name));
   std::string corpus;
   for (const auto& p : candidates) {
+    if (std::find(outputs.begin(), outputs.end(), fs::weakly_canonical(p)) != outputs.end()) {
+      report.skipped.push_back({p.string(), "an output of this prepare", file_size_or_zero(p)});
+      continue;
+    }
     std::string text = read_whole_file(p);
     std::string reason;
     if (text.empty()) {

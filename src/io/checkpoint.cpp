@@ -84,22 +84,30 @@ json read_manifest(const fs::path& dir) {
   return m;
 }
 
+// `latest` is a hint written after the commit (a full disk can leave it behind): the committed
+// checkpoints, newest first, are the candidates. A hint naming anything but one of this run
+// directory's checkpoints is refused with a warning.
 std::vector<fs::path> candidates(const fs::path& run_dir) {
   const fs::path root = run_dir / "checkpoints";
   std::vector<fs::path> out;
   if (!fs::is_directory(root)) return out;
-  if (fs::is_regular_file(root / "latest")) {
-    MappedFile m(root / "latest");
-    std::string name(reinterpret_cast<const char*>(m.data()), m.size());
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-    if (step_of(name) >= 0 && fs::is_directory(root / name)) out.push_back(root / name);
-  }
   std::vector<std::pair<int64_t, fs::path>> dirs;
   for (const auto& e : fs::directory_iterator(root))
     if (e.is_directory() && step_of(e.path()) >= 0) dirs.push_back({step_of(e.path()), e.path()});
   std::sort(dirs.begin(), dirs.end(), [](auto& a, auto& b) { return a.first > b.first; });
-  for (const auto& [s, d] : dirs)
-    if (out.empty() || d != out.front()) out.push_back(d);
+  for (const auto& d : dirs) out.push_back(d.second);
+  if (fs::is_regular_file(root / "latest")) {
+    MappedFile m(root / "latest");
+    std::string name(reinterpret_cast<const char*>(m.data()), m.size());
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    const fs::path named(name);
+    if (name.empty() || named.is_absolute() || named.has_parent_path() || step_of(name) < 0)
+      log_warn("{}: '{}' is not a checkpoint of this run directory (expected step_N): ignored",
+               (root / "latest").string(), name);
+    else if (!out.empty() && out.front().filename() != named)
+      log_warn("{} names {}, but {} is newer: trying the newest first", (root / "latest").string(),
+               name, out.front().filename().string());
+  }
   return out;
 }
 

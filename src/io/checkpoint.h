@@ -58,7 +58,8 @@ struct CheckpointDocs {
 std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
 
 // Collective over comm. Writes this rank's share, then (rank 0) the docs and the manifest, commits
-// the checkpoint for `step`, points `latest` at it and removes all but the newest `keep`.
+// the checkpoint for `step`, points `latest` at it and removes all but the newest `keep` of those
+// up to `step` (a newer one is never removed).
 // Throws on every rank if any rank fails, or if the ranks' pieces do not cover every element of
 // every tensor exactly once. Returns the checkpoint's directory.
 std::filesystem::path write_checkpoint(Comm& comm, const std::filesystem::path& run_dir,
@@ -70,8 +71,9 @@ std::filesystem::path write_checkpoint(Comm& comm, const std::filesystem::path& 
 // files and all throw the same message if any fails. Throws naming the file and what is wrong.
 void verify_checkpoint(const std::filesystem::path& dir, Comm* comm = nullptr);
 
-// The newest complete checkpoint of a run: `latest` if it verifies, else the newest older one
-// that does (each refusal is logged with its reason). nullopt if there is none. Collective when
+// The newest complete checkpoint of a run: the newest committed one that verifies (each refusal
+// is logged with its reason); `latest` is only a hint, and one naming anything outside the run's
+// checkpoints directory is ignored with a warning. nullopt if there is none. Collective when
 // given a communicator: every rank returns the same answer.
 std::optional<std::filesystem::path> find_latest_checkpoint(const std::filesystem::path& run_dir,
                                                             Comm* comm = nullptr);

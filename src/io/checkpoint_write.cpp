@@ -76,12 +76,9 @@ void prune(const fs::path& root, int64_t step, int64_t keep) {
     if (!e.is_directory()) continue;
     const fs::path& p = e.path();
     if (int64_t s = step_of(p); s >= 0) {
-      // Checkpoints past this one belong to a run this one was resumed from before they were
-      // written: another timeline, never to be resumed.
-      if (s > step)
-        fs::remove_all(p, ec);
-      else
-        complete.push_back({s, p});
+      // A run resumes from the newest checkpoint that verifies, so one past this step is one
+      // that could not be verified then (or a newer run's): never removed here, nor counted.
+      if (s <= step) complete.push_back({s, p});
     } else if (step_of(p, ".tmp_step_") >= 0 || step_of(p, ".replaced_step_") >= 0) {
       fs::remove_all(p, ec);  // left by a writer that died
     }

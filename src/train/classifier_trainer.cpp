@@ -173,7 +173,10 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   metrics_ = open_metrics(run_dir, rank(), ckpt ? std::optional<int64_t>(step_) : std::nullopt,
                           cfg_.train.tensorboard);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);
-  check_ranks_agree(*pg_->control, std::stoull(cfg_.config_hash(), nullptr, 16), step_);
+  check_ranks_agree(*pg_->control,
+                    rank_settings(cfg_.to_json(), {{"data.train_images", data_.train->n},
+                                                   {"data.test_images", data_.test->n}}),
+                    std::stoull(cfg_.config_hash(), nullptr, 16), step_);
 
   log_info(
       "classifier: {} blocks of {} experts (top-{}), C = {}, F = {}, {:.3f}M parameters; {} "

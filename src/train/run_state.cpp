@@ -39,8 +39,53 @@ std::optional<fs::path> checkpoint_to_resume(const fs::path& run_dir, bool resum
   return ckpt;
 }
 
-void check_ranks_agree(Comm& comm, uint64_t hash, int64_t step) {
+nlohmann::json rank_settings(const nlohmann::json& config, const nlohmann::json& extra) {
+  // Per-process: threads follow each machine's cores; progress and event files are rank 0's.
+  static const char* const kLocal[] = {"train.threads", "train.progress", "train.tensorboard"};
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [section, keys] : config.items()) {
+    if (!keys.is_object()) {
+      out[section] = keys;
+      continue;
+    }
+    for (const auto& [key, value] : keys.items()) {
+      const std::string name = section + "." + key;
+      if (std::find_if(std::begin(kLocal), std::end(kLocal),
+                       [&](const char* l) { return name == l; }) == std::end(kLocal))
+        out[name] = value;
+    }
+  }
+  for (const auto& [key, value] : extra.items()) out[key] = value;
+  return out;
+}
+
+void check_ranks_agree(Comm& comm, const nlohmann::json& settings, uint64_t hash, int64_t step) {
   if (comm.size() == 1) return;
+  // Every rank gathers every rank's settings, so all of them reach the same verdict and fail
+  // together (one rank failing alone would leave the others waiting in a collective).
+  const std::string mine = settings.dump();
+  std::vector<int64_t> lengths = comm.allgather_one(static_cast<int64_t>(mine.size()));
+  int64_t total = 0;
+  for (int64_t n : lengths) total += n;
+  std::string all(static_cast<std::size_t>(total), '\0');
+  comm.allgather(all.data(), mine.data(), lengths);
+  std::vector<nlohmann::json> ranks;
+  for (int64_t q = 0, at = 0; q < comm.size(); at += lengths[q++])
+    ranks.push_back(nlohmann::json::parse(all.substr(at, lengths[q])));
+  for (int q = 1; q < comm.size(); ++q) {
+    for (const auto& [key, value] : ranks[0].items()) {
+      const std::string theirs = ranks[q].contains(key) ? ranks[q][key].dump() : "(unset)";
+      MOETRAIN_CHECK(theirs == value.dump(),
+                     "rank {} has {} = {}, rank 0 has {} = {}: every process must run the same "
+                     "settings",
+                     q, key, theirs, key, value.dump());
+    }
+    for (const auto& [key, value] : ranks[q].items())
+      MOETRAIN_CHECK(ranks[0].contains(key),
+                     "rank {} has {} = {}, rank 0 has {} unset: every process must run the same "
+                     "settings",
+                     q, key, value.dump(), key);
+  }
   std::vector<int64_t> hashes = comm.allgather_one(static_cast<int64_t>(hash));
   std::vector<int64_t> steps = comm.allgather_one(step);
   for (int q = 1; q < comm.size(); ++q) {

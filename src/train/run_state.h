@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/comm.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
@@ -25,8 +27,15 @@ namespace moetrain {
 std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem::path& run_dir,
                                                           bool resume, Comm& control);
 
-// Collective: the ranks run the same configuration (hash) from the same step, or all fail.
-void check_ranks_agree(Comm& control, uint64_t config_hash, int64_t step);
+// The settings every rank must share, flattened to "section.key" → value: the whole
+// configuration (its hash leaves out what a resume may change, yet the ranks must still agree on
+// it) but for what each process may set for itself, plus `extra` (e.g. the data's sizes).
+nlohmann::json rank_settings(const nlohmann::json& config, const nlohmann::json& extra);
+
+// Collective: the ranks run the same settings (rank_settings) and configuration (hash) from the
+// same step, or all fail with a message naming the first key that differs and both values.
+void check_ranks_agree(Comm& control, const nlohmann::json& settings, uint64_t config_hash,
+                       int64_t step);
 
 // The metrics writer of rank 0 (inactive elsewhere): a fresh file, or the lines up to `resumed`;
 // with `tensorboard`, also a new event file in run_dir/tb.

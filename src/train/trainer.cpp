@@ -91,6 +91,12 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   MOETRAIN_CHECK(train_shard_->size() > static_cast<uint64_t>(cfg_.train.seq_len) + 1,
                  "{} has {} tokens, too few for train.seq_len = {}", train_shard_->path().string(),
                  train_shard_->size(), cfg_.train.seq_len);
+  // Found here rather than at the first evaluation, after the training it would waste.
+  MOETRAIN_CHECK(val_shard_->size() > static_cast<uint64_t>(cfg_.train.seq_len),
+                 "{} has {} tokens, too few for train.seq_len = {} (validation needs at least {}; "
+                 "prepare with a larger --val-fraction)",
+                 val_shard_->path().string(), val_shard_->size(), cfg_.train.seq_len,
+                 cfg_.train.seq_len + 1);
   const int64_t BT = cfg_.train.batch_size * cfg_.train.seq_len;
   inputs_.resize(static_cast<std::size_t>(BT));
   targets_.resize(static_cast<std::size_t>(BT));

@@ -135,7 +135,11 @@ void Trainer::load_checkpoint(const fs::path& dir) {
 }
 
 void Trainer::check_ranks_agree() {
-  moetrain::check_ranks_agree(*pg_->control, std::stoull(cfg_.config_hash(), nullptr, 16), step_);
+  // The data's sizes: the same data.dir may hold different files on different machines.
+  const nlohmann::json data = {{"data.train_tokens", train_shard_->size()},
+                               {"data.val_tokens", val_shard_->size()}};
+  moetrain::check_ranks_agree(*pg_->control, rank_settings(cfg_.to_json(), data),
+                              std::stoull(cfg_.config_hash(), nullptr, 16), step_);
 }
 
 }  // namespace moetrain

@@ -175,6 +175,28 @@ TEST(Prepare, SkipsBinaryIndexAndSymlinksAndCountsTokens) {
   EXPECT_EQ(meta["skipped"].size(), 5u);
 }
 
+// Prepared into its own input directory, a second run skips the first's outputs (its meta.json
+// is text and would otherwise join the corpus).
+TEST(Prepare, IntoItsOwnInputDirectorySkipsItsOwnOutputs) {
+  TempDir dir("prep_self");
+  dir.write("in/a.txt", "hello");
+  PrepareOptions opt;
+  opt.inputs = {dir / "in"};
+  opt.out_dir = dir / "in";
+  opt.val_fraction = 0.0;
+  prepare_text_corpus(opt);
+  PrepareReport again = prepare_text_corpus(opt);
+  ASSERT_EQ(again.sources.size(), 1u);
+  EXPECT_EQ(again.sources[0].path, (dir / "in" / "a.txt").string());
+  EXPECT_EQ(again.train_tokens, 5u);
+  std::set<std::string> skipped;
+  for (const auto& s : again.skipped)
+    skipped.insert(std::filesystem::path(s.path).filename().string() + ":" + s.reason);
+  EXPECT_EQ(skipped, (std::set<std::string>{"meta.json:an output of this prepare",
+                                            "train.bin:an output of this prepare",
+                                            "val.bin:an output of this prepare"}));
+}
+
 TEST(Prepare, ValIsSpreadOverTheCorpusInChunks) {
   // Five files of one letter each: where val's letters come from shows where val was taken.
   TempDir dir("prep");

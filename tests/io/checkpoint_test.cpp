@@ -14,6 +14,7 @@
 #include "core/check.h"
 #include "io/checkpoint.h"
 #include "io/crc32c.h"
+#include "io/file.h"
 #include "io/safetensors.h"
 #include "support/expect_error.h"
 #include "support/temp_dir.h"
@@ -245,7 +246,7 @@ TEST(Checkpoint, EveryKindOfDamageFallsBackToThePreviousCheckpoint) {
   EXPECT_FALSE(fs::exists(step3));
 }
 
-TEST(Checkpoint, KeepsTheNewestKAndDropsAnAbandonedFuture) {
+TEST(Checkpoint, KeepsTheNewestKAndNeverRemovesANewerCheckpoint) {
   TempDir tmp("ckpt_keep");
   for (int64_t step : {2, 4, 6}) {
     Tensors t(static_cast<float>(step));
@@ -253,12 +254,13 @@ TEST(Checkpoint, KeepsTheNewestKAndDropsAnAbandonedFuture) {
   }
   EXPECT_FALSE(fs::exists(checkpoint_dir(tmp.path(), 2)));
   EXPECT_TRUE(fs::exists(checkpoint_dir(tmp.path(), 4)));
-  // Resumed from step 4 and checkpointed at 5: the old step 6 is another timeline.
+  // Checkpointed at 5 while step 6 exists (it could not be verified at the resume): 6 is kept and
+  // not counted, 4 and 5 are the newest two up to 5.
   Tensors t(5.0f);
   write(tmp.path(), 5, t, /*keep=*/2);
-  EXPECT_FALSE(fs::exists(checkpoint_dir(tmp.path(), 6)));
+  EXPECT_TRUE(fs::exists(checkpoint_dir(tmp.path(), 6)));
   EXPECT_TRUE(fs::exists(checkpoint_dir(tmp.path(), 4)));
-  EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 5));
+  EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 6));
   // Rewriting a step replaces it whole.
   Tensors again(50.0f);
   write(tmp.path(), 5, again, /*keep=*/2);
@@ -267,4 +269,43 @@ TEST(Checkpoint, KeepsTheNewestKAndDropsAnAbandonedFuture) {
   want.model = {whole_tensor("w", {6, 5}, w.data())};
   read_checkpoint_pieces(checkpoint_dir(tmp.path(), 5), want);
   EXPECT_EQ(w, again.w);
+}
+
+// A full disk at the write of `latest` leaves it at step 5 while step 10 is committed: the
+// resume takes 10, and rotation after a resume from an older step never removes 10.
+TEST(Checkpoint, StaleLatestNeitherHidesNorRotatesOutANewerCommittedCheckpoint) {
+  TempDir tmp("ckpt_stale");
+  Tensors five(5.0f), ten(10.0f);
+  write(tmp.path(), 5, five, /*keep=*/3);
+  write(tmp.path(), 10, ten, /*keep=*/3);
+  write_file_atomic(tmp.path() / "checkpoints" / "latest", "step_00000005\n");
+  EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 10));
+
+  Tensors seven(7.0f);
+  write(tmp.path(), 7, seven, /*keep=*/1);
+  EXPECT_TRUE(fs::exists(checkpoint_dir(tmp.path(), 10)));
+  EXPECT_FALSE(fs::exists(checkpoint_dir(tmp.path(), 5)));
+  EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 10));
+}
+
+
+// `latest` naming a checkpoint of another run (relative or absolute) is refused with a warning;
+// the run's own newest checkpoint is taken.
+TEST(Checkpoint, LatestOutsideTheRunDirectoryIsRefused) {
+  TempDir tmp("ckpt_escape");
+  const fs::path run = tmp.path() / "run", other = tmp.path() / "other";
+  Tensors mine(5.0f), theirs(10.0f);
+  write(run, 5, mine);
+  write(other, 10, theirs);
+  for (const std::string& hint : {std::string("../../other/checkpoints/step_00000010"),
+                                  checkpoint_dir(other, 10).string()}) {
+    write_file_atomic(run / "checkpoints" / "latest", hint + "\n");
+    ::testing::internal::CaptureStderr();
+    const auto found = find_latest_checkpoint(run);
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(found, checkpoint_dir(run, 5)) << hint;
+    EXPECT_NE(log.find("'" + hint + "' is not a checkpoint of this run directory"),
+              std::string::npos)
+        << log;
+  }
 }

@@ -310,3 +310,31 @@ TEST(DistTrain, LayoutsThatCannotSplitAreRefused) {
   c.model.n_experts = world->size() + 1;  // does not split over the EP group
   EXPECT_THROW(Trainer(c, false, dist_world("t")), Error);
 }
+
+// A setting that changes control flow (when to evaluate, which data) differs on rank 1: every
+// rank stops at start-up naming the key and both values, instead of hanging in a collective the
+// others never enter or training on different data.
+TEST(DistTrain, RanksThatDisagreeOnASettingStopAtStartNamingIt) {
+  auto world = dist_world("agree");
+  SharedDir dir(*world, "dist_agree");
+  if (world->rank() == 0) {
+    write_corpus(dir / "data", 40000);
+    fs::copy(dir / "data", dir / "other");
+  }
+  world->barrier();
+  auto expect_refused = [&](const char* run, auto change, const std::string& message) {
+    RunConfig cfg = make_config(RunSetup{}, dir / "data", dir / run, kRowsPerRank);
+    if (world->rank() == 1) change(cfg);
+    try {
+      Trainer t(cfg, false, dist_world("agree_run"));
+      ADD_FAILURE() << "rank " << world->rank() << " started despite " << message;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  expect_refused("eval", [](RunConfig& c) { c.train.eval_every = 5; },
+                 "rank 1 has train.eval_every = 5, rank 0 has train.eval_every = 10");
+  expect_refused("data", [&](RunConfig& c) { c.data.dir = (dir / "other").string(); },
+                 "rank 1 has data.dir = \"" + (dir / "other").string() + "\", rank 0 has data.dir = \"" +
+                     (dir / "data").string() + "\"");
+}

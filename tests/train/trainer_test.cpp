@@ -2,6 +2,8 @@
 // configs that reject bad input.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -228,6 +230,27 @@ TEST(Trainer, MissingDataIsAClearError) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("moetrain prepare"), std::string::npos) << e.what();
+  }
+}
+
+// A validation split too small for one window (empty, or seq_len tokens) is refused at start,
+// naming the file, its size and train.seq_len, before any training it would waste.
+TEST(Trainer, TooSmallValidationSplitIsRefusedAtStart) {
+  TempDir tmp("smallval");
+  RunConfig cfg = small_run(tmp);
+  const fs::path val = tmp / "data" / "val.bin";
+  for (uint64_t n : {uint64_t{0}, uint64_t{32}}) {
+    std::vector<uint16_t> tokens(n, 65);
+    write_token_shard(val, tokens.data(), n, 256);
+    try {
+      Trainer t(cfg, false);
+      FAIL() << "started with " << n << " validation tokens";
+    } catch (const Error& e) {
+      const std::string want =
+          fmt::format("{} has {} tokens, too few for train.seq_len = 32", val.string(), n);
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(tmp / "run" / "metrics.jsonl"));
   }
 }
 
