@@ -158,8 +158,9 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   labels_.resize(static_cast<std::size_t>(rows_per_rank_));
 
   const fs::path run_dir = cfg_.train.run_dir;
+  // Before anything in the run directory is read or written: a second run on it stops here.
+  run_lock_ = lock_run_dir(run_dir, *pg_->control);
   if (rank() == 0) {
-    fs::create_directories(run_dir);
     // A fresh run replaces what an earlier run left in the directory, metrics and checkpoints
     // alike (checkpoints are kept by step number, so a longer old run's would outrank this one's).
     if (!resume && fs::exists(run_dir / "checkpoints")) {

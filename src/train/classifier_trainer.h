@@ -15,6 +15,7 @@
 #include "data/idx.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
+#include "io/run_lock.h"
 #include "model/classifier.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -132,6 +133,7 @@ class ClassifierTrainer {
   std::vector<int32_t> labels_;  // (Bl)
   double last_lr_ = 0, last_grad_norm_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
+  RunLock run_lock_;  // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;           // rank 0's; inactive on the others
 };
 

@@ -14,6 +14,7 @@
 #include "data/loader.h"
 #include "data/shard.h"
 #include "io/file.h"
+#include "io/run_lock.h"
 #include "model/params.h"
 #include "optim/grad_reducer.h"
 #include "optim/param_groups.h"
@@ -101,8 +102,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   inputs_.resize(static_cast<std::size_t>(BT));
   targets_.resize(static_cast<std::size_t>(BT));
 
-  if (pl.rank == 0) fs::create_directories(cfg_.train.run_dir);
-  pg_->control->barrier();
+  // Before anything in the run directory is read or written: a second run on it stops here.
+  run_lock_ = lock_run_dir(cfg_.train.run_dir, *pg_->control);
   // A fresh run never overwrites (or prunes) another run's checkpoints.
   MOETRAIN_CHECK(
       resume || !fs::exists(fs::path(cfg_.train.run_dir) / "checkpoints"),

@@ -14,6 +14,7 @@
 #include "core/comm.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
+#include "io/run_lock.h"
 #include "model/transformer.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
@@ -130,6 +131,7 @@ class Trainer {
   bool last_skipped_ = false;
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
+  RunLock run_lock_;  // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;           // rank 0's; inactive on the others
 };
 

@@ -107,8 +107,10 @@ void expect_matches_one_process(const char* name, const std::vector<std::string>
   std::vector<float> got;
   std::vector<bool> held;
   {
-    ClassifierTrainer a(config(run, dist), data(), false, dist_world("a"));
-    a.run(5);
+    {
+      ClassifierTrainer a(config(run, dist), data(), false, dist_world("a"));
+      a.run(5);
+    }  // one run at a time holds the directory
     ClassifierTrainer t(config(run, dist), data(), true, dist_world("b"));
     EXPECT_EQ(t.step(), 5);
     t.run();

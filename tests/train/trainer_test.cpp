@@ -147,8 +147,10 @@ TEST(Trainer, CorruptLatestCheckpointFallsBackToThePreviousOne) {
   // A directory a writer left before its commit, even a complete-looking one, is never used.
   fs::copy(*second, run / "checkpoints" / ".tmp_step_00000008");
   EXPECT_EQ(find_latest_checkpoint(run), *second);
-  Trainer resumed(cfg, true);
-  EXPECT_EQ(resumed.step(), 2);
+  {
+    Trainer resumed(cfg, true);
+    EXPECT_EQ(resumed.step(), 2);
+  }  // one run at a time holds the directory
   // An uncommitted checkpoint (no manifest) is never used.
   fs::remove(*second / "manifest.json");
   EXPECT_FALSE(find_latest_checkpoint(run));
