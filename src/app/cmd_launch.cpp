@@ -7,10 +7,12 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "app/checks.h"
 #include "app/commands.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
@@ -90,10 +92,10 @@ Run add_launch_command(CLI::App& app) {
   cmd->add_option("-n,--np", args->procs, "Processes to run (mpirun -n)")->required();
   cmd->add_option("--max-restarts", args->max_restarts,
                   "Restarts after a failure before giving up (default 3)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0, std::numeric_limits<int>::max()));
   cmd->add_option("--backoff", args->backoff,
                   "Seconds before the first restart, doubled for each further one (default 2)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(number_at_least(0));
   cmd->add_option("--hostfile", args->hostfile,
                   "Open MPI hostfile (lines 'host slots=N'), passed to mpirun and re-read before "
                   "every attempt to count the available slots")
@@ -101,14 +103,14 @@ Run add_launch_command(CLI::App& app) {
   cmd->add_option("--min-procs", args->min_procs,
                   "Elastic: when fewer slots than -n are available (hostfile, else this machine's "
                   "processors), run on as few as this many")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, std::numeric_limits<int>::max()));
   cmd->add_option("--mpirun", args->mpirun, "The MPI launcher (default: mpirun from PATH)");
   cmd->add_option("--mpi-arg", args->mpi_args,
                   "An argument for mpirun, repeatable: --mpi-arg=--oversubscribe");
   cmd->add_option("--grace", args->grace,
                   "After SIGINT/SIGTERM: seconds the job has to end before it is killed "
                   "(default 10)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(number_at_least(0));
   return [args] {
     if (dist_mpi_active())
       return usage_error("runs mpirun itself: start it directly, not under mpirun or srun");

@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "app/checks.h"
 #include "app/commands.h"
 #include "core/check.h"
 #include "core/rng.h"
@@ -28,12 +29,12 @@ Run add_sample_command(CLI::App& app) {
       ->required();
   cmd->add_option("--prompt", args->prompt, "Text to continue");
   cmd->add_option("--temperature", args->temperature, "Softmax temperature (0 = greedy)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(number_at_least(0));
   cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens (0 = all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0));
   cmd->add_option("--max-tokens", args->max_tokens, "Tokens to generate")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--seed", args->seed, "Random seed");
+      ->check(integer_in(0));
+  cmd->add_option("--seed", args->seed, "Random seed")->check(unsigned_integer());
   return [args] {
     init_threads();
     LoadedModel m = load_model(args->checkpoint);

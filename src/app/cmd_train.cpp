@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "app/checks.h"
 #include "app/commands.h"
 #include "app/dist_options.h"
 #include "core/threads.h"
@@ -79,7 +80,7 @@ Run add_eval_command(CLI::App& app) {
   cmd->add_option("--data", args->data, "Directory with val.bin (default: the run's data.dir)");
   cmd->add_option("--batches", args->batches,
                   "Batches to evaluate (default: the run's train.eval_batches)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(1));
   return [args] {
     init_threads();
     LoadedModel m = load_model(args->checkpoint);

@@ -1,5 +1,7 @@
 #include "app/dist_options.h"
 
+#include "app/checks.h"
+
 #include "parallel/runtime.h"
 
 namespace moetrain::app {
@@ -12,12 +14,12 @@ const std::vector<ConfigFlag>& dist_config_flags() {
        .kind = Kind::Int,
        .key = "dist.ep",
        .help = "Expert-parallel group size under mpirun (same as --set dist.ep=E): world = DP x EP",
-       .check = CLI::PositiveNumber},
+       .check = integer_in(1)},
       {.name = "--zero",
        .kind = Kind::Int,
        .key = "dist.zero",
        .help = "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)",
-       .check = CLI::Range(0, 1)},
+       .check = integer_in(0, 1)},
       {.name = "--hierarchical",
        .kind = Kind::Switch,
        .key = "dist.hierarchical",
@@ -29,13 +31,13 @@ const std::vector<ConfigFlag>& dist_config_flags() {
        .help = "With the two-stage all-to-all: ranks per node, overriding detection (emulates "
                "nodes); implies --hierarchical",
        .implies = "dist.hierarchical=true",
-       .check = CLI::NonNegativeNumber},
+       .check = integer_in(0)},
       {.name = "--a2a-chunks",
        .kind = Kind::Int,
        .key = "dist.a2a_chunks",
        .help = "Split each MoE all-to-all into n chunks overlapped with expert compute "
                "(dist.a2a_chunks)",
-       .check = CLI::Range(1, 64)},
+       .check = integer_in(1, 64)},
       {.name = "--no-overlap",
        .kind = Kind::Switch,
        .key = "dist.overlap",
@@ -46,14 +48,14 @@ const std::vector<ConfigFlag>& dist_config_flags() {
        .key = "dist.collective_warn",
        .help = "Under mpirun: warn when a collective has waited this many seconds "
                "(dist.collective_warn, default 60; 0 = off)",
-       .check = CLI::NonNegativeNumber},
+       .check = number_at_least(0)},
       {.name = "--collective-timeout",
        .kind = Kind::Number,
        .key = "dist.collective_timeout",
        .help = "Under mpirun: abort the job when a collective has waited this many seconds, "
                "naming it, so that `moetrain launch` restarts it (dist.collective_timeout, "
                "default 300; 0 = off)",
-       .check = CLI::NonNegativeNumber},
+       .check = number_at_least(0)},
       {.name = "--debug-collectives",
        .kind = Kind::Switch,
        .key = "dist.debug_collectives",

@@ -111,3 +111,30 @@ TEST(Cli, PrepareTrainSampleForwardEndToEnd) {
   EXPECT_EQ(bad.code, 1);
   EXPECT_NE(bad.output.find("999"), std::string::npos) << bad.output;
 }
+
+TEST(Cli, OutOfRangeValuesAreRefusedWithAReadableRule) {
+  struct Case {
+    const char* args;
+    const char* says;
+  };
+  for (const Case& c : {
+           Case{"sample --checkpoint x --temperature nan", "--temperature: nan is not a finite"},
+           Case{"sample --checkpoint x --temperature inf", "--temperature: inf is not a finite"},
+           Case{"sample --checkpoint x --temperature -0.5", "--temperature: -0.5 must be >= 0"},
+           Case{"sample --checkpoint x --max-tokens 9223372036854775808", "out of range"},
+           Case{"sample --checkpoint x --seed -1", "--seed: -1 is not a non-negative integer"},
+           Case{"eval --checkpoint x --batches 0", "--batches: 0 must be >= 1"},
+           Case{"launch -n 2 --backoff -1 -- train", "--backoff: -1 must be >= 0"},
+           Case{"train -c x --collective-warn -1", "--collective-warn: -1 must be >= 0"},
+       }) {
+    Result r = run(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << c.args << "\n" << r.output;
+    // CLI11's own checks printed the type's limits (DBL_MAX in 309 digits).
+    EXPECT_LT(r.output.size(), 400u) << c.args << "\n" << r.output;
+  }
+  // In range, the values pass the checks (and the missing checkpoint is what stops the run).
+  Result ok = run("sample --checkpoint /nonexistent_ckpt --temperature 0.7 --seed 7 --max-tokens 3");
+  EXPECT_EQ(ok.code, 1) << ok.output;
+  EXPECT_NE(ok.output.find("nonexistent_ckpt"), std::string::npos) << ok.output;
+}
