@@ -73,10 +73,11 @@ json read_manifest(const fs::path& dir) {
     m = json::parse(f.data(), f.data() + f.size(), nullptr, false);
   }
   MOETRAIN_CHECK(!m.is_discarded() && m.is_object(), "{}: not valid JSON", path.string());
-  MOETRAIN_CHECK(m.value("format", std::string()) == "moetrain-checkpoint" &&
-                     m.value("version", 0) == kVersion,
+  const auto [format, version] = reading_json(
+      path, [&] { return std::pair(m.value("format", std::string()), m.value("version", 0)); });
+  MOETRAIN_CHECK(format == "moetrain-checkpoint" && version == kVersion,
                  "{}: format '{}' version {}, expected moetrain-checkpoint version {}",
-                 path.string(), m.value("format", std::string()), m.value("version", 0), kVersion);
+                 path.string(), format, version, kVersion);
   const json& files = member(m, "files", path);
   MOETRAIN_CHECK(files.is_object(), "{}: 'files' is not an object", path.string());
   member(m, "tensors", path);
@@ -126,28 +127,30 @@ void verify_checkpoint(const fs::path& dir, Comm* comm) {
   const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
   on_every_rank(comm, [&] {
     json m = read_manifest(dir);
-    // Sizes on every rank (cheap); checksums of a share of the files each, the biggest first.
-    std::vector<std::pair<uint64_t, std::string>> by_size;
-    for (auto& [name, entry] : m["files"].items()) {
-      const fs::path p = dir / name;
-      MOETRAIN_CHECK(fs::is_regular_file(p), "{}: missing (listed in the manifest)", p.string());
-      const uint64_t want = entry.value("bytes", uint64_t{0}), got = fs::file_size(p);
-      MOETRAIN_CHECK(got == want, "{}: {} bytes, the manifest says {} (truncated or replaced)",
-                     p.string(), got, want);
-      by_size.push_back({want, name});
-    }
-    std::stable_sort(by_size.begin(), by_size.end(),
-                     [](auto& a, auto& b) { return a.first > b.first; });
-    for (std::size_t i = static_cast<std::size_t>(rank); i < by_size.size();
-         i += static_cast<std::size_t>(world)) {
-      const std::string& name = by_size[i].second;
-      MappedFile f(dir / name);
-      const uint32_t crc = crc32c(f.data(), f.size());
-      const uint32_t want = m["files"][name].value("crc32c", uint32_t{0});
-      MOETRAIN_CHECK(crc == want,
-                     "{}: CRC-32C {:08x}, the manifest says {:08x} (the file is corrupt)",
-                     (dir / name).string(), crc, want);
-    }
+    reading_json(dir / kManifest, [&] {
+      // Sizes on every rank (cheap); checksums of a share of the files each, the biggest first.
+      std::vector<std::pair<uint64_t, std::string>> by_size;
+      for (auto& [name, entry] : m["files"].items()) {
+        const fs::path p = dir / name;
+        MOETRAIN_CHECK(fs::is_regular_file(p), "{}: missing (listed in the manifest)", p.string());
+        const uint64_t want = entry.value("bytes", uint64_t{0}), got = fs::file_size(p);
+        MOETRAIN_CHECK(got == want, "{}: {} bytes, the manifest says {} (truncated or replaced)",
+                       p.string(), got, want);
+        by_size.push_back({want, name});
+      }
+      std::stable_sort(by_size.begin(), by_size.end(),
+                       [](auto& a, auto& b) { return a.first > b.first; });
+      for (std::size_t i = static_cast<std::size_t>(rank); i < by_size.size();
+           i += static_cast<std::size_t>(world)) {
+        const std::string& name = by_size[i].second;
+        MappedFile f(dir / name);
+        const uint32_t crc = crc32c(f.data(), f.size());
+        const uint32_t want = m["files"][name].value("crc32c", uint32_t{0});
+        MOETRAIN_CHECK(crc == want,
+                       "{}: CRC-32C {:08x}, the manifest says {:08x} (the file is corrupt)",
+                       (dir / name).string(), crc, want);
+      }
+    });
   });
 }
 
@@ -177,6 +180,10 @@ std::optional<fs::path> find_latest_checkpoint(const fs::path& run_dir, Comm* co
     }
   }
   return std::nullopt;
+}
+
+void throw_json_error(const fs::path& file, const std::exception& e) {
+  MOETRAIN_FAIL("{}: {} (a key is missing or has the wrong type)", file.string(), e.what());
 }
 
 json read_checkpoint_json(const fs::path& dir, const std::string& file) {

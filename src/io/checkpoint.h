@@ -81,6 +81,18 @@ std::optional<std::filesystem::path> find_latest_checkpoint(const std::filesyste
 // A JSON file of a checkpoint (config.json, trainer_state.json, manifest.json).
 nlohmann::json read_checkpoint_json(const std::filesystem::path& dir, const std::string& file);
 
+[[noreturn]] void throw_json_error(const std::filesystem::path& file, const std::exception& e);
+// fn(), with nlohmann's errors (a key of the wrong type: "type must be number, but is string")
+// rethrown as an Error that names `file`, the JSON document fn reads.
+template <typename F>
+decltype(auto) reading_json(const std::filesystem::path& file, F&& fn) {
+  try {
+    return fn();
+  } catch (const nlohmann::json::exception& e) {
+    throw_json_error(file, e);
+  }
+}
+
 // Fills every piece of `into` from the saved pieces that overlap it (any layout, any ranges).
 // Throws if a tensor is missing, has another shape, or an element is not covered. Does not
 // verify checksums: do that first (find_latest_checkpoint and verify_checkpoint do).

@@ -236,8 +236,10 @@ void ClassifierTrainer::load_checkpoint(const fs::path& dir) {
                  dir.string(), t.value("config_hash", std::string()), cfg_.config_hash());
   MOETRAIN_CHECK(t.contains("step") && t.contains("optimizer"), "{}: no 'step' or 'optimizer'",
                  where);
-  step_ = t["step"].get<int64_t>();
-  optimizer_->set_step_count(t["optimizer"].value("step_count", step_));
+  reading_json(where, [&] {
+    step_ = t["step"].get<int64_t>();
+    optimizer_->set_step_count(t["optimizer"].value("step_count", step_));
+  });
   read_checkpoint_pieces(dir, checkpoint_share(true));
 }
 

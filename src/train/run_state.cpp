@@ -182,7 +182,8 @@ int64_t read_weights_of(const fs::path& ckpt, Model& model, std::vector<float>& 
   c.model = model_views(model.layout(), params.data());
   c.state = bias_views(model);
   read_checkpoint(ckpt, c);
-  return c.trainer.value("step", int64_t{0});
+  return reading_json(ckpt / "trainer_state.json",
+                      [&] { return c.trainer.value("step", int64_t{0}); });
 }
 
 }  // namespace

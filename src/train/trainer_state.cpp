@@ -128,7 +128,9 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
 }
 
 void Trainer::load_checkpoint(const fs::path& dir) {
-  restore_trainer_state(read_checkpoint_json(dir, "trainer_state.json"), dir);
+  reading_json(dir / "trainer_state.json", [&] {
+    restore_trainer_state(read_checkpoint_json(dir, "trainer_state.json"), dir);
+  });
   // Each rank reads the ranges it holds, from whichever files hold them.
   read_checkpoint_pieces(dir, checkpoint_share(true));
   model_->weights_changed();  // the low-precision weight copies follow the loaded weights

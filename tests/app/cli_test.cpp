@@ -134,7 +134,8 @@ TEST(Cli, OutOfRangeValuesAreRefusedWithAReadableRule) {
     EXPECT_LT(r.output.size(), 400u) << c.args << "\n" << r.output;
   }
   // In range, the values pass the checks (and the missing checkpoint is what stops the run).
-  Result ok = run("sample --checkpoint /nonexistent_ckpt --temperature 0.7 --seed 7 --max-tokens 3");
+  Result ok =
+      run("sample --checkpoint /nonexistent_ckpt --temperature 0.7 --seed 7 --max-tokens 3");
   EXPECT_EQ(ok.code, 1) << ok.output;
   EXPECT_NE(ok.output.find("nonexistent_ckpt"), std::string::npos) << ok.output;
 }

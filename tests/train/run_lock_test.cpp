@@ -25,12 +25,22 @@ namespace fs = std::filesystem;
 namespace {
 
 std::vector<std::string> small_settings(const TempDir& tmp) {
-  return {"model.dim=32",         "model.n_layers=1",      "model.n_heads=4",
-          "model.n_kv_heads=2",   "model.expert_hidden=32", "model.n_experts=4",
-          "model.top_k=2",        "model.max_seq_len=32",  "train.batch_size=4",
-          "train.seq_len=32",     "train.steps=2",         "train.eval_every=0",
-          "train.checkpoint_every=0", "train.progress=off",
-          "data.dir=" + (tmp / "data").string(), "train.run_dir=" + (tmp / "run").string()};
+  return {"model.dim=32",
+          "model.n_layers=1",
+          "model.n_heads=4",
+          "model.n_kv_heads=2",
+          "model.expert_hidden=32",
+          "model.n_experts=4",
+          "model.top_k=2",
+          "model.max_seq_len=32",
+          "train.batch_size=4",
+          "train.seq_len=32",
+          "train.steps=2",
+          "train.eval_every=0",
+          "train.checkpoint_every=0",
+          "train.progress=off",
+          "data.dir=" + (tmp / "data").string(),
+          "train.run_dir=" + (tmp / "run").string()};
 }
 
 std::string read_text(const fs::path& p) {

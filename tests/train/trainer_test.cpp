@@ -15,6 +15,7 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "io/checkpoint.h"
+#include "io/crc32c.h"
 #include "io/safetensors.h"
 #include "support/corpus.h"
 #include "support/temp_dir.h"
@@ -332,4 +333,31 @@ TEST(Trainer, NonFiniteLossStopsTheRunAndKeepsTheLastGoodCheckpoint) {
   EXPECT_EQ(latest->filename(), "step_00000002");
   LoadedModel m = load_model(cfg.train.run_dir);
   for (float v : m.params) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(Trainer, AWrongTypeInTrainerStateNamesTheFile) {
+  TempDir tmp("badstate");
+  RunConfig cfg = small_run(tmp);
+  cfg.train.checkpoint_every = 2;
+  {
+    Trainer t(cfg, false);
+    t.run(2);
+  }
+  const fs::path dir = checkpoint_dir(cfg.train.run_dir, 2);
+  // A well-formed file with a key of the wrong type, which the manifest vouches for.
+  nlohmann::json state = read_checkpoint_json(dir, "trainer_state.json");
+  state["step"] = "two";
+  const std::string text = state.dump(2);
+  std::ofstream(dir / "trainer_state.json", std::ios::binary | std::ios::trunc) << text;
+  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
+  manifest["files"]["trainer_state.json"]["bytes"] = text.size();
+  manifest["files"]["trainer_state.json"]["crc32c"] = crc32c(text.data(), text.size());
+  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+  try {
+    Trainer resumed(cfg, true);
+    FAIL() << "resumed from a trainer_state.json whose step is a string";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find((dir / "trainer_state.json").string()), std::string::npos)
+        << e.what();
+  }
 }
