@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "core/check.h"
+#include "core/log.h"
 
 namespace moetrain {
 
@@ -150,6 +151,9 @@ Field& ConfigSchema::find(const std::string& key, const std::string& where) {
 }
 
 void ConfigSchema::apply_toml_file(const std::string& path) {
+  MOETRAIN_CHECK(!std::filesystem::is_directory(path),
+                 "config file '{}' is a directory: pass a TOML file (e.g. configs/tiny.toml)",
+                 path);
   MOETRAIN_CHECK(std::filesystem::is_regular_file(path), "config file '{}' does not exist", path);
   toml::table table;
   try {
@@ -159,6 +163,19 @@ void ConfigSchema::apply_toml_file(const std::string& path) {
                   e.source().begin.column, e.description());
   }
   walk(table, "", *this, path + ": ");
+  // A file that sets nothing (empty, or all comments) is most likely not the one meant.
+  if (table.empty()) {
+    log_warn("config file '{}' sets no key: every setting takes its default", path);
+    return;
+  }
+  std::string left;
+  for (const auto& f : fields_) {
+    const std::string section = section_of(f.key);
+    if (!section.empty() && !table.contains(section) && left.find("[" + section + "]") == left.npos)
+      left += (left.empty() ? "[" : ", [") + section + "]";
+  }
+  if (!left.empty())
+    log_info("config file '{}' has no {}: those keys take their defaults", path, left);
 }
 
 void ConfigSchema::apply_overrides(const std::vector<std::string>& overrides) {

@@ -139,3 +139,26 @@ TEST(Cli, OutOfRangeValuesAreRefusedWithAReadableRule) {
   EXPECT_EQ(ok.code, 1) << ok.output;
   EXPECT_NE(ok.output.find("nonexistent_ckpt"), std::string::npos) << ok.output;
 }
+
+TEST(Cli, ConfigThatIsADirectoryOrSetsNothingIsNamedAsSuch) {
+  moetrain::testing::TempDir tmp("cli");
+  std::filesystem::create_directories(tmp / "configs.d");
+  Result dir = run("train --config " + (tmp / "configs.d").string());
+  EXPECT_EQ(dir.code, 1) << dir.output;
+  EXPECT_NE(dir.output.find("is a directory"), std::string::npos) << dir.output;
+  // An empty file trains with every default: said before anything else happens (here the
+  // missing data stops the run).
+  auto empty = tmp.write("empty.toml", "# nothing yet\n");
+  Result none =
+      run("train --config " + empty.string() + " --set data.dir=" + (tmp / "no_data").string() +
+          " --set train.run_dir=" + (tmp / "run").string());
+  EXPECT_EQ(none.code, 1) << none.output;
+  EXPECT_NE(none.output.find("sets no key: every setting takes its default"), std::string::npos)
+      << none.output;
+  auto partial = tmp.write("model.toml", "[model]\ndim = 32\n");
+  Result some =
+      run("train --config " + partial.string() + " --set data.dir=" + (tmp / "no_data").string() +
+          " --set train.run_dir=" + (tmp / "run").string());
+  EXPECT_NE(some.output.find("has no [data], [optim], [train], [dist]"), std::string::npos)
+      << some.output;
+}
