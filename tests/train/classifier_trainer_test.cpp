@@ -1,6 +1,7 @@
 // The classifier trainer on the real Fashion-MNIST files: accuracy on the t10k set, bitwise
 // reproducible runs, checkpoints that load back, deterministic batches, configs that name the key.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <fstream>
@@ -355,4 +356,17 @@ TEST(ClassifierConfig, ShippedConfigLoads) {
   EXPECT_GT(c.model.n_experts, 1);
   EXPECT_EQ(c.optim.name, "adamw");
   EXPECT_EQ(c.data.dir, kFashionMnistDir);
+}
+
+TEST(ClassifierTrainer, SecondRunOnAHeldRunDirectoryStopsAndRemovesNothing) {
+  TempDir tmp("cls_lock");
+  ClassifierRunConfig cfg = small_run(tmp, {"train.steps=2", "train.checkpoint_every=1"});
+  ClassifierData data = small_data();
+  ClassifierTrainer first(cfg, data);
+  first.run();
+  ASSERT_TRUE(fs::is_directory(tmp / "run" / "checkpoints"));
+  // A fresh run would remove the earlier run's checkpoints: it must stop before that.
+  expect_error([&] { ClassifierTrainer second(cfg, data); },
+               "in use by pid " + std::to_string(::getpid()));
+  EXPECT_TRUE(find_latest_checkpoint(tmp / "run").has_value());
 }
