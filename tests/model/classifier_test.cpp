@@ -16,6 +16,7 @@
 #include "moe/moe_reference.h"
 #include "support/error_bound.h"
 #include "support/gradcheck.h"
+#include "support/small_models.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -23,14 +24,8 @@ using namespace moetrain::testing;
 namespace {
 
 ClassifierConfig tiny_config(const std::string& router = "topk_softmax") {
-  ClassifierConfig c;
-  c.input_dim = 13;
-  c.n_classes = 5;
-  c.dim = 16;
-  c.n_layers = 2;
-  c.expert_hidden = 12;
-  c.n_experts = 4;
-  c.top_k = 4;  // every expert: routing is smooth, so finite differences are meaningful everywhere
+  // top-k = every expert: routing is smooth, so finite differences are meaningful everywhere.
+  ClassifierConfig c = moetrain::testing::small_classifier(4);
   c.router = router;
   c.shared_expert_hidden = 8;
   c.init_std = 0.3;  // larger weights than training uses: gradients well above float noise

@@ -9,7 +9,7 @@
 
 #include "model/params.h"
 #include "model/transformer.h"
-#include "support/small_lm.h"
+#include "support/small_models.h"
 
 using namespace moetrain;
 

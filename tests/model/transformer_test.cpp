@@ -10,7 +10,7 @@
 #include "model/transformer.h"
 #include "optim/optimizer.h"
 #include "support/gradcheck.h"
-#include "support/small_lm.h"
+#include "support/small_models.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;

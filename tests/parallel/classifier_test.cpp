@@ -21,6 +21,7 @@
 #include "data/idx.h"
 #include "io/metrics.h"
 #include "parallel/runtime.h"
+#include "support/image_rows.h"
 #include "support/shared_dir.h"
 #include "support/temp_dir.h"
 #include "train/classifier_config.h"
@@ -34,18 +35,9 @@ namespace {
 
 constexpr int64_t kSteps = 12;
 
-std::shared_ptr<const ImageDataset> rows(const ImageDataset& d, int64_t begin, int64_t n) {
-  auto out = std::make_shared<ImageDataset>();
-  const int64_t D = d.rows * d.cols;
-  out->n = n, out->rows = d.rows, out->cols = d.cols, out->num_classes = d.num_classes;
-  out->images.assign(d.images.begin() + begin * D, d.images.begin() + (begin + n) * D);
-  out->labels.assign(d.labels.begin() + begin, d.labels.begin() + begin + n);
-  return out;
-}
-
 const ClassifierData& data() {
   static const ImageDataset t10k = load_fashion_mnist("t10k");
-  static const ClassifierData d{rows(t10k, 0, 2000), rows(t10k, 2000, 300)};
+  static const ClassifierData d{image_rows(t10k, 0, 2000), image_rows(t10k, 2000, 300)};
   return d;
 }
 

@@ -18,7 +18,7 @@
 #include "parallel/runtime.h"
 #include "support/corpus.h"
 #include "support/gradcheck.h"
-#include "support/small_lm.h"
+#include "support/small_models.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 #include "train/trainer.h"

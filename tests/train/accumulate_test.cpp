@@ -12,7 +12,7 @@
 #include "core/check.h"
 #include "core/rng.h"
 #include "model/params.h"
-#include "support/small_lm.h"
+#include "support/small_models.h"
 #include "train/accumulate.h"
 
 using namespace moetrain;
@@ -132,14 +132,7 @@ TEST(Accumulate, NonFiniteLossIsAnErrorWithTheCallersText) {
 }
 
 TEST(Accumulate, ClassifierCountsCorrectRows) {
-  ClassifierConfig c;
-  c.input_dim = 13;
-  c.n_classes = 5;
-  c.dim = 16;
-  c.n_layers = 2;
-  c.expert_hidden = 12;
-  c.n_experts = 4;
-  c.top_k = 2;
+  ClassifierConfig c = moetrain::testing::small_classifier(2);
   Classifier model(c);
   const int64_t n = model.layout().size(), N = 6;
   std::vector<float> params(n), grads(n), x(N * c.input_dim);

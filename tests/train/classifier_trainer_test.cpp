@@ -14,6 +14,7 @@
 #include "core/check.h"
 #include "core/timer.h"
 #include "io/checkpoint.h"
+#include "support/image_rows.h"
 #include "support/temp_dir.h"
 #include "train/classifier_config.h"
 #include "train/classifier_trainer.h"
@@ -30,19 +31,9 @@ const ImageDataset& t10k() {
   return data;
 }
 
-// Rows [begin, begin + n) of a data set.
-std::shared_ptr<const ImageDataset> rows(const ImageDataset& d, int64_t begin, int64_t n) {
-  auto out = std::make_shared<ImageDataset>();
-  const int64_t D = d.rows * d.cols;
-  out->n = n, out->rows = d.rows, out->cols = d.cols, out->num_classes = d.num_classes;
-  out->images.assign(d.images.begin() + begin * D, d.images.begin() + (begin + n) * D);
-  out->labels.assign(d.labels.begin() + begin, d.labels.begin() + begin + n);
-  return out;
-}
-
 // Small disjoint training and test sets, for runs that check mechanics rather than accuracy.
 ClassifierData small_data() {
-  return {rows(t10k(), 0, 3000), rows(t10k(), 3000, 500)};
+  return {image_rows(t10k(), 0, 3000), image_rows(t10k(), 3000, 500)};
 }
 
 ClassifierRunConfig small_run(const TempDir& tmp, std::vector<std::string> extra = {}) {
