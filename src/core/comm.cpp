@@ -103,6 +103,15 @@ std::vector<int64_t> Comm::allgather_one(int64_t value) {
   return out;
 }
 
+std::vector<double> Comm::allgather_same(std::span<const double> mine) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  std::vector<double> out(static_cast<std::size_t>(n * size_));
+  std::vector<int64_t> counts(static_cast<std::size_t>(size_), n);
+  CollectiveOpScope scope(CollectiveOp::AllgatherOne, sizeof(double));
+  allgather(out.data(), mine.data(), counts);
+  return out;
+}
+
 namespace {
 
 class LocalComm final : public Comm {

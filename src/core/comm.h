@@ -115,6 +115,9 @@ class Comm {
   }
   // Every rank's single value, in rank order.
   std::vector<int64_t> allgather_one(int64_t value);
+  // Every rank's `mine` (the same length on every rank), in rank order: rank q's values at
+  // [q·n, (q+1)·n) of the result.
+  std::vector<double> allgather_same(std::span<const double> mine);
 
  protected:
   Comm(int rank, int size, std::string name) : rank_(rank), size_(size), name_(std::move(name)) {}

@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/check.h"
@@ -84,15 +86,17 @@ FaultSpec parse_fault_spec(const std::string& text) {
     spec.action = FaultAction::Stop;
   } else if (action == "exit") {
     spec.action = FaultAction::Exit;
+  } else if (action == "slow") {
+    spec.action = FaultAction::Slow;
   } else {
-    MOETRAIN_FAIL("MOETRAIN_FAULT = '{}': action '{}' unknown (allowed: kill, stop, exit)", text,
-                  action);
+    MOETRAIN_FAIL("MOETRAIN_FAULT = '{}': action '{}' unknown (allowed: kill, stop, exit, slow)",
+                  text, action);
   }
   for (std::size_t i = 1; i < parts.size(); ++i) {
     const std::size_t eq = parts[i].find('=');
     MOETRAIN_CHECK(eq != std::string::npos,
                    "MOETRAIN_FAULT = '{}': '{}' is not key=value (keys: rank, step, where, "
-                   "attempt, code)",
+                   "attempt, code, ms)",
                    text, parts[i]);
     const std::string key = parts[i].substr(0, eq), value = parts[i].substr(eq + 1);
     if (key == "rank") {
@@ -105,6 +109,8 @@ FaultSpec parse_fault_spec(const std::string& text) {
       spec.exit_code = static_cast<int>(parse_int(value, key, text));
       MOETRAIN_CHECK(spec.exit_code >= 1 && spec.exit_code <= 255,
                      "MOETRAIN_FAULT = '{}': code = {} must be in [1, 255]", text, spec.exit_code);
+    } else if (key == "ms") {
+      spec.slow_ms = parse_int(value, key, text);
     } else if (key == "where") {
       bool known = false;
       for (const char* p : kPoints) known = known || value == p;
@@ -115,7 +121,7 @@ FaultSpec parse_fault_spec(const std::string& text) {
       spec.where = value;
     } else {
       MOETRAIN_FAIL(
-          "MOETRAIN_FAULT = '{}': key '{}' unknown (allowed: rank, step, where, attempt, code)",
+          "MOETRAIN_FAULT = '{}': key '{}' unknown (allowed: rank, step, where, attempt, code, ms)",
           text, key);
     }
   }
@@ -125,7 +131,13 @@ FaultSpec parse_fault_spec(const std::string& text) {
 
 void fault_point(const char* where, int64_t step) {
   const Armed& a = armed();
-  if (!a.spec || a.spec->step != step || a.spec->where != where) return;
+  if (!a.spec || a.spec->where != where) return;
+  if (a.spec->action == FaultAction::Slow) {
+    if (step >= a.spec->step)
+      std::this_thread::sleep_for(std::chrono::milliseconds(a.spec->slow_ms));
+    return;
+  }
+  if (a.spec->step != step) return;
   static const char* kNames[] = {"kill", "stop", "exit"};
   std::fprintf(stderr,
                "moetrain: fault injection: %s rank %d at %s point, step %lld (attempt %lld)\n",
@@ -141,6 +153,8 @@ void fault_point(const char* where, int64_t step) {
       break;
     case FaultAction::Exit:
       ::_exit(a.spec->exit_code);
+    case FaultAction::Slow:
+      break;
   }
 }
 

@@ -1,10 +1,11 @@
 // Fault injection, for the fault-tolerance tests and for measuring recovery. The environment
 // variable MOETRAIN_FAULT describes one fault, fired on one rank at a named point of the trainer:
 //
-//   MOETRAIN_FAULT=ACTION:rank=R:step=S[:where=W][:attempt=A][:code=C]
+//   MOETRAIN_FAULT=ACTION:rank=R:step=S[:where=W][:attempt=A][:code=C][:ms=M]
 //
 //   ACTION   kill (SIGKILL itself, as `kill -9` would), stop (SIGSTOP itself: a stalled process),
-//            exit (leave at once with exit code C, default 3)
+//            exit (leave at once with exit code C, default 3),
+//            slow (sleep M ms at every step point from S on: a straggler that keeps running)
 //   rank     the MPI world rank that fails (default 0)
 //   step     the trainer step at which it fails (required)
 //   where    step: after optimizer step S completed (default);
@@ -20,7 +21,7 @@
 
 namespace moetrain {
 
-enum class FaultAction { Kill, Stop, Exit };
+enum class FaultAction { Kill, Stop, Exit, Slow };
 
 struct FaultSpec {
   FaultAction action = FaultAction::Kill;
@@ -29,6 +30,7 @@ struct FaultSpec {
   std::string where = "step";
   int64_t attempt = 1;  // 0: every attempt
   int exit_code = 3;
+  int64_t slow_ms = 100;  // Slow: the sleep per step
 };
 
 // Parses a MOETRAIN_FAULT value; an Error names the bad field and what is allowed.

@@ -63,7 +63,8 @@ class MetricsWriter {
 
 // The TensorBoard values of a metrics line, and its step; false (nothing added) when the line has
 // no "step". Numbers and booleans (0/1) become scalars tagged with their key; a list of numbers
-// (one per MoE layer) scalars "key/layer_i"; a list of lists of numbers (layers × experts) a
+// whose key starts with "rank_" (one per rank) a histogram "key" whose bucket r [r, r+1) holds
+// rank r's value; any other list of numbers (one per MoE layer) scalars "key/layer_i"; a list of lists of numbers (layers × experts) a
 // histogram "key/layer_i" per layer whose bucket e [e, e+1) holds expert e's count, and for
 // tokens_per_expert also the scalars "expert_utilisation/layer_i" (the fraction of experts that
 // received a token) and "max_mean_load/layer_i" (the busiest expert's tokens over the mean).

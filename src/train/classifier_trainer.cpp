@@ -21,6 +21,7 @@
 #include "train/parallel_setup.h"
 #include "train/progress.h"
 #include "train/run_state.h"
+#include "train/rank_timing.h"
 #include "train/step_metrics.h"
 #include "train/step_update.h"
 
@@ -320,6 +321,7 @@ ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
     // bit.
     pending_metrics_["step_time_s"] = dt;
     pending_metrics_["images_per_s"] = static_cast<double>(B) / dt;
+    add_rank_timing(*pg_->control, {.step_s = dt}, pending_metrics_);
     metrics_.write(pending_metrics_);
     progress.update({step_, total_steps_, result.final_loss, static_cast<double>(B) / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});

@@ -31,6 +31,7 @@
 #include "train/parallel_setup.h"
 #include "train/progress.h"
 #include "train/run_state.h"
+#include "train/rank_timing.h"
 #include "train/step_metrics.h"
 #include "train/step_update.h"
 
@@ -241,6 +242,7 @@ TrainResult Trainer::run(int64_t stop_at) {
     pending_metrics_["compute_s"] = compute;
     pending_metrics_["comm_efficiency"] =
         compute + exposed > 0 ? compute / (compute + exposed) : 1.0;
+    add_rank_timing(*pg_->control, {dt, compute}, pending_metrics_);
     metrics_.write(pending_metrics_);
     progress.update({step_, cfg_.train.steps, result.final_loss, tokens_per_step / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});

@@ -178,6 +178,22 @@ TEST(TensorboardTest, MetricsLineToValues) {
   EXPECT_TRUE(none.empty());
 }
 
+TEST(TensorboardTest, PerRankListIsOneHistogram) {
+  const nlohmann::json line = {{"step", 3},
+                               {"rank_step_time_s", {0.5, 1.5}},
+                               {"rank_compute_s", {0.25, 1.25}}};
+  Summary s, want;
+  int64_t step = 0;
+  ASSERT_TRUE(metrics_summary(line, step, s));
+  EXPECT_EQ(tags_of(s), (std::vector<std::string>{"rank_compute_s", "rank_step_time_s"}));
+  Histogram h;
+  h.min = 0, h.max = 1, h.num = 2, h.sum = 1.5, h.sum_squares = 1.5;
+  h.bucket_limit = {1, 2}, h.bucket = {0.5, 1.5};
+  want.add_histogram("rank_compute_s", {0, 1, 1.5, 1.25, 1.25, {1, 2}, {0.25, 1.25}});
+  want.add_histogram("rank_step_time_s", h);
+  EXPECT_EQ(s.bytes(), want.bytes());
+}
+
 TEST(TensorboardTest, MetricsWriterSecondSink) {
   TempDir dir("tb");
   const fs::path tb = dir.path() / kTensorboardDir;

@@ -125,6 +125,20 @@ TEST(Comm, AllgatherVariableCounts) {
   for (int q = 0; q < P; ++q) EXPECT_EQ(ones[q], 7 * q);
 }
 
+TEST(Comm, AllgatherSameOrdersRanks) {
+  auto w = world();
+  const int P = w->size(), r = w->rank();
+  const double mine[2] = {r + 0.5, -r - 0.25};
+  const std::vector<double> all = w->allgather_same(mine);
+  ASSERT_EQ(all.size(), static_cast<std::size_t>(2 * P));
+  for (int q = 0; q < P; ++q) {
+    EXPECT_EQ(all[2 * q], q + 0.5);
+    EXPECT_EQ(all[2 * q + 1], -q - 0.25);
+  }
+  auto local = make_local_comm();
+  EXPECT_EQ(local->allgather_same(mine), std::vector<double>(mine, mine + 2));
+}
+
 TEST(Comm, AlltoallvKnownPatternWithZeroCounts) {
   auto w = world();
   const int P = w->size(), r = w->rank();

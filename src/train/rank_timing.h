@@ -1,0 +1,21 @@
+// Per-rank step times for metrics.jsonl: each process's own figures gathered to every process
+// (rank 0 writes them), so that a straggler shows as the largest entry instead of being hidden in
+// rank 0's time, which every synchronous collective stretches to the slowest rank's.
+#pragma once
+#include <nlohmann/json.hpp>
+
+#include "core/comm.h"
+
+namespace moetrain {
+
+struct RankTiming {
+  double step_s = 0;      // this process's wall time of the step
+  double compute_s = -1;  // < 0: the trainer does not split compute from communication
+};
+
+// Collective over comm (called after the step's timer stopped, so the wait for the slowest rank
+// lands in no rank's figure). Sets line["rank_step_time_s"] (and "rank_compute_s" when measured)
+// to one entry per rank, in rank order. A one-process comm adds nothing.
+void add_rank_timing(Comm& comm, const RankTiming& mine, nlohmann::json& line);
+
+}  // namespace moetrain
