@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <filesystem>
@@ -192,6 +193,21 @@ Run add_launch_command(CLI::App& app) {
     sc.program = self_executable();
     sc.command = command;
     sc.progress = [run_dir] { return run_progress(run_dir); };
+    // One line per attempt with its cause: the report's restarts table.
+    auto launcher = std::make_shared<MetricsWriter>(
+        MetricsWriter::role(run_dir, "launcher", MetricsWriter::Open::Fresh));
+    sc.on_attempt = [launcher](const AttemptResult& a) {
+      launcher->write({{"event", a.success ? "attempt_succeeded" : "attempt_failed"},
+                       {"time", std::chrono::duration<double>(
+                                    std::chrono::system_clock::now().time_since_epoch())
+                                    .count()},
+                       {"attempt", a.attempt},
+                       {"procs", a.procs},
+                       {"seconds", a.seconds},
+                       {"cause", a.reason},
+                       {"watchdog", a.reason.find("watchdog") != std::string::npos},
+                       {"progress", a.progress}});
+    };
     SupervisorResult r = supervise(sc);
     std::fputs(r.summary.c_str(), stderr);
     return r.exit_code;

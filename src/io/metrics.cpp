@@ -38,6 +38,32 @@ MetricsWriter::MetricsWriter(const fs::path& run_dir, Open mode, bool tensorboar
   events_ = EventFileWriter(run_dir / kTensorboardDir);
 }
 
+MetricsWriter MetricsWriter::role(const fs::path& run_dir, const std::string& role, Open mode) {
+  const fs::path dir = run_dir / kRoleMetricsDir;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  MOETRAIN_CHECK(!ec, "cannot make {}: {}", dir.string(), ec.message());
+  MetricsWriter w;
+  w.path_ = dir / (role + ".jsonl");
+  w.file_ = std::fopen(w.path_.c_str(), mode == Open::Fresh ? "w" : "a");
+  MOETRAIN_CHECK(w.file_ != nullptr, "cannot open {} for writing: {}", w.path_.string(),
+                 std::strerror(errno));
+  return w;
+}
+
+void MetricsWriter::remove_roles(const fs::path& run_dir, const std::string& prefix) {
+  const fs::path dir = run_dir / kRoleMetricsDir;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with(prefix) && name.ends_with(".jsonl")) {
+      fs::remove(e.path(), ec);
+      MOETRAIN_CHECK(!ec, "cannot remove {}: {}", e.path().string(), ec.message());
+    }
+  }
+}
+
 MetricsWriter::~MetricsWriter() {
   if (file_) std::fclose(file_);
 }
@@ -81,8 +107,23 @@ void MetricsWriter::write(const nlohmann::json& line) {
 }
 
 std::vector<nlohmann::json> read_metrics(const fs::path& run_dir) {
+  return read_metrics_file(run_dir / kMetricsFile);
+}
+
+std::map<std::string, std::vector<nlohmann::json>> read_role_metrics(const fs::path& run_dir) {
+  std::map<std::string, std::vector<nlohmann::json>> out;
+  const fs::path dir = run_dir / kRoleMetricsDir;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec))
+    if (e.path().extension() == ".jsonl")
+      out[e.path().stem().string()] = read_metrics_file(e.path());
+  return out;
+}
+
+std::vector<nlohmann::json> read_metrics_file(const fs::path& file) {
   std::vector<nlohmann::json> out;
-  std::ifstream in(run_dir / kMetricsFile);
+  std::ifstream in(file);
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line, nullptr, false);
     if (!j.is_discarded() && j.is_object()) out.push_back(std::move(j));

@@ -13,7 +13,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -24,6 +26,9 @@ namespace moetrain {
 
 // The file name inside a run directory.
 inline constexpr const char* kMetricsFile = "metrics.jsonl";
+// The folder of the per-process files of parameter-server and launched jobs: ROLE.jsonl each
+// (worker_0, server_1, scheduler, launcher), merged by `moetrain report`.
+inline constexpr const char* kRoleMetricsDir = "metrics";
 
 class MetricsWriter {
  public:
@@ -47,6 +52,14 @@ class MetricsWriter {
   // which on TensorBoard drops the earlier files' events.
   static MetricsWriter resume(const std::filesystem::path& run_dir, int64_t step,
                               bool tensorboard = false);
+
+  // RUN_DIR/metrics/ROLE.jsonl (the folder made when missing), without TensorBoard. Append: a
+  // process restarted in the same role goes on in its predecessor's file.
+  static MetricsWriter role(const std::filesystem::path& run_dir, const std::string& role,
+                            Open mode = Open::Append);
+  // Removes RUN_DIR/metrics/ROLE.jsonl of every role whose name starts with `prefix` (a new job
+  // replaces the files an earlier one left).
+  static void remove_roles(const std::filesystem::path& run_dir, const std::string& prefix);
 
   bool active() const { return file_ != nullptr; }
   const std::filesystem::path& path() const { return path_; }
@@ -73,5 +86,10 @@ bool metrics_summary(const nlohmann::json& line, int64_t& step, Summary& out);
 
 // Every complete JSON object line of RUN_DIR/metrics.jsonl (empty when there is no file).
 std::vector<nlohmann::json> read_metrics(const std::filesystem::path& run_dir);
+// The same for one file.
+std::vector<nlohmann::json> read_metrics_file(const std::filesystem::path& file);
+// Every RUN_DIR/metrics/ROLE.jsonl by role, in name order (empty when there is no folder).
+std::map<std::string, std::vector<nlohmann::json>> read_role_metrics(
+    const std::filesystem::path& run_dir);
 
 }  // namespace moetrain

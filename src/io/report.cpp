@@ -13,6 +13,7 @@
 #include "core/check.h"
 #include "io/file.h"
 #include "io/metrics.h"
+#include "io/report_jobs.h"
 #include "io/svg_chart.h"
 
 namespace moetrain {
@@ -74,9 +75,7 @@ std::vector<std::vector<double>> expert_load(const Json& line) {
 
 std::string section(const std::string& id, const std::string& title, const std::string& body,
                     const std::string& empty_note) {
-  return fmt::format(
-      "<section id=\"{}\">\n<h2>{}</h2>\n{}</section>\n", id, html_escape(title),
-      body.empty() ? fmt::format("<p class=\"empty\">{}</p>\n", html_escape(empty_note)) : body);
+  return report_section(id, title, body, empty_note);
 }
 
 std::string chart(const std::string& id, const std::string& title, const std::vector<Series>& s,
@@ -371,6 +370,8 @@ std::string render_report(const fs::path& run_dir) {
        series_of(lines, "exposed_comm_s", "exposed communication"),
        series_of(lines, "a2a_s", "all-to-all"), series_of(lines, "grad_sync_s", "gradient sync")},
       {.y_label = "seconds"}, no_metrics);
+  html += rank_time_section(lines);
+  html += job_sections(run_dir);
   html += config_section(in.config);
   html += checkpoints_section(run_dir);
   const fs::path sample = run_dir / kSampleFile;

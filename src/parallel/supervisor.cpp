@@ -347,6 +347,7 @@ SupervisorResult supervise(const SupervisorConfig& cfg) {
     if (cfg.progress) a.progress = cfg.progress();
     log("attempt {} {} after {:.1f} s: {}{}", attempt, a.success ? "succeeded" : "failed",
         a.seconds, a.reason, a.progress.empty() ? "" : "; " + a.progress);
+    if (cfg.on_attempt) cfg.on_attempt(a);
     result.attempts.push_back(a);
     if (a.success) break;
     if (stop_signal) {

@@ -19,6 +19,8 @@
 
 namespace moetrain {
 
+struct AttemptResult;
+
 struct SupervisorConfig {
   int procs = 1;      // processes asked for (mpirun -n)
   int min_procs = 0;  // > 0: run on as few as this many when fewer slots are available
@@ -33,6 +35,8 @@ struct SupervisorConfig {
   double grace_s = 10;                   // after a forwarded signal, before killing the job
   // "reached step 7; last complete checkpoint: step 6", asked after each attempt (optional).
   std::function<std::string()> progress;
+  // Told each attempt's outcome as it ends (launcher.jsonl; optional).
+  std::function<void(const AttemptResult&)> on_attempt;
 };
 
 struct AttemptResult {

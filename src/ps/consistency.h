@@ -55,6 +55,12 @@ class ConsistencyRules {
   // async / ssp: worker → pushes done (its clock); a checkpoint keeps it.
   const std::map<int64_t, int64_t>& worker_clocks() const { return clocks_; }
   int64_t max_staleness() const { return max_staleness_; }
+  // Pushes received and not yet applied (sync / quorum: of incomplete clocks).
+  int64_t pending_pushes() const {
+    int64_t n = ready_ ? 1 : 0;
+    for (const auto& [clock, by_worker] : pending_) n += static_cast<int64_t>(by_worker.size());
+    return n;
+  }
 
   // The workers the job counts now (a worker lost, one joined). Clocks of workers no longer
   // active are forgotten; a sync clock may become complete (see next_update()).

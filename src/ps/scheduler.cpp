@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "io/file.h"
 #include "model/params.h"
+#include "ps/job_events.h"
 #include "ps/job_plan.h"
 #include "ps/membership.h"
 #include "ps/transport.h"
@@ -37,6 +38,7 @@ class Scheduler {
     endpoint_ = bind_router(router_, args_.bind);
     fs::create_directories(fs::path(args_.config.train.run_dir) / "ps");
     if (!args_.endpoint_file.empty()) write_file_atomic(args_.endpoint_file, endpoint_ + "\n");
+    events_ = JobEvents(args_.config.train.run_dir);
     log_info("ps scheduler at {}: waiting for {} server(s) and {} worker(s)", endpoint_,
              args_.options.servers, args_.options.workers);
   }
@@ -60,6 +62,7 @@ class Scheduler {
             "ps scheduler: worker {} (node {}, pid {}) sent no heartbeat for {:.1f} s: "
             "declared dead, its rows go to the others",
             n.index, id, n.pid, hb_timeout);
+        events_.node("worker_lost", n, fmt::format("no heartbeat for {:.1f} s", hb_timeout));
         ++workers_lost_;
         if (finishing_ && id == lead_) finishing_ = false;  // another worker will lead
         if (started_) replan();
@@ -208,11 +211,13 @@ class Scheduler {
           static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers) {
         started_ = true;
         last_worker_seen_ = Clock::now();
+        events_.job("job_start");
         log_info("ps scheduler: job starts ({} keys over {} server(s), {} rows per step)",
                  total_keys_, args_.options.servers, global_rows_);
         replan();
       }
     } else if (role == "worker") {
+      events_.node("worker_joined", n, "registered after the start");
       ++workers_joined_;
       replan();
     } else if (n.index >= 0) {
@@ -223,6 +228,8 @@ class Scheduler {
   // A server went silent. Returns false when the job has to stop.
   bool on_server_lost(Node& n) {
     const double hb_timeout = args_.options.heartbeat_timeout;
+    events_.node(n.primary ? "server_lost" : "backup_lost", n,
+                 fmt::format("no heartbeat for {:.1f} s", hb_timeout));
     if (n.index < 0) {
       log_warn("ps scheduler: spare server (node {}, pid {}) is gone", n.id, n.pid);
       return true;
@@ -245,6 +252,7 @@ class Scheduler {
     if (Node* b = members_.backup_of(n.index)) {
       b->primary = true;
       ++failovers_;
+      events_.node("failover", *b, fmt::format("server {} lost; its backup is promoted", n.index));
       log_warn(
           "ps scheduler: server {} (node {}, pid {}) sent no heartbeat for {:.1f} s: its "
           "backup (node {}, pid {}) is promoted; workers re-route to {}",
@@ -322,6 +330,8 @@ class Scheduler {
     finishing_ = false;
     log_warn("ps scheduler: server {} restored; the job continues from clock {}", restore_index_,
              rollback_clock_);
+    events_.job("rollback", fmt::format("server {} replaced", restore_index_),
+                {{"index", restore_index_}, {"clock", rollback_clock_}});
     ++epoch_;
     broadcast_setup();
   }
@@ -436,6 +446,7 @@ class Scheduler {
             send_to(router_, node.identity,
                     json_frame(Kind::Shutdown, -1, {{"ok", true}, {"reason", "job complete"}}));
         log_info("ps scheduler: job complete");
+        events_.job("job_complete");
         finished_ = true;
         exit_code_ = 0;
       }
@@ -444,6 +455,7 @@ class Scheduler {
 
   void shutdown_all(const std::string& reason) {
     log_error("ps scheduler: {}", reason);
+    events_.job("job_stopped", reason);
     for (auto& [id, n] : members_.nodes())
       if (n.alive)
         send_to(router_, n.identity,
@@ -458,6 +470,7 @@ class Scheduler {
   std::string endpoint_;
   RejectStats rejects_;
   Membership members_;
+  JobEvents events_;
   int32_t next_id_ = 0;
   int64_t total_keys_ = 0, global_rows_ = 0, epoch_ = 0;
   std::vector<int64_t> rows_;

@@ -12,6 +12,7 @@
 #include "model/params.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
+#include "ps/job_events.h"
 #include "ps/kv_server.h"
 #include "ps/node.h"
 #include "ps/options.h"
@@ -27,10 +28,6 @@ struct ExpertSlice {
   int64_t offset;  // relative to the key range
   int64_t layer, expert;
 };
-
-double unix_seconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
 
 class Server {
  public:
@@ -189,6 +186,7 @@ class Server {
     if (primary_ && opts_.checkpoint_every > 0 && a.version % opts_.checkpoint_every == 0)
       write_server_checkpoint(run_dir_, index_, a.version, begin_, end_, kv_.values().data(), *opt_,
                               kv_.rules().worker_clocks(), config_hash_);
+    if (primary_) write_apply_line(a);
     if (!lead_) return;
     nlohmann::json line = {{"step", a.version},     {"loss", a.loss},     {"lr", a.lr},
                            {"clock", a.clock},      {"pushes", a.pushes}, {"rows", a.rows},
@@ -196,6 +194,24 @@ class Server {
     const Consistency mode = opts_.consistency_kind();
     if (mode == Consistency::Ssp || mode == Consistency::Async) line["worker"] = a.worker;
     metrics_.write(line);
+  }
+
+  // RUN_DIR/metrics/server_I.jsonl: this primary's apply rate (updates applied by this process
+  // over the seconds since its first) and the pushes still waiting.
+  void write_apply_line(const UpdateApplied& a) {
+    const double now = unix_seconds();
+    if (!role_metrics_.active()) {
+      role_metrics_ = MetricsWriter::role(run_dir_, fmt::format("server_{}", index_));
+      first_apply_ = now;
+    }
+    ++applied_;
+    nlohmann::json line = {{"step", a.version},   {"time", now},
+                           {"clock", a.clock},    {"pushes", a.pushes},
+                           {"updates", applied_}, {"pending", kv_.rules().pending_pushes()}};
+    if (applied_ > 1 && now > first_apply_)
+      line["updates_per_s"] = static_cast<double>(applied_ - 1) / (now - first_apply_);
+    if (a.worker >= 0) line["worker"] = a.worker;
+    role_metrics_.write(line);
   }
 
   // Every server of the job goes back to the same clock (the scheduler's Restore).
@@ -273,6 +289,9 @@ class Server {
   std::unique_ptr<LrSchedule> schedule_;
   std::vector<ExpertSlice> experts_;
   std::vector<int64_t> contributors_;
+  MetricsWriter role_metrics_;  // RUN_DIR/metrics/server_I.jsonl, once this process applied
+  int64_t applied_ = 0;
+  double first_apply_ = 0;
   MetricsWriter metrics_;  // the lead primary's (server 0): the job's metrics.jsonl
   bool lead_ = false, primary_ = false, first_setup_done_ = false;
   int64_t rollbacks_ = 0;

@@ -16,6 +16,7 @@
 #include "io/file.h"
 #include "io/metrics.h"
 #include "model/transformer.h"
+#include "ps/job_events.h"
 #include "ps/kv_worker.h"
 #include "ps/node.h"
 #include "ps/options.h"
@@ -108,6 +109,7 @@ class Worker {
     log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
              assign_.rows, assign_.global_rows);
     while (clock < cfg_.train.steps) {
+      Timer step_timer;
       const PushMeta meta = compute(clock);
       const int64_t tp = kv_->push(clock, grads_.data(), skip_, opts_.compression(), meta,
                                    residual_.empty() ? nullptr : residual_.data());
@@ -115,6 +117,7 @@ class Worker {
       if (kv_->wait(tp).rolled_back) return Outcome::RolledBack;
       r = kv_->wait(tl);
       if (r.rolled_back) return Outcome::RolledBack;
+      write_step_line(clock, meta.rows, step_timer.seconds(), r.clock);
       // The servers say where to go on: the next clock, or later when this worker's push came
       // too late for a quorum, or when it joined mid-run.
       clock = std::max(clock + 1, r.clock);
@@ -226,6 +229,23 @@ class Worker {
     return {R, a.global_rows, acc.loss.total};
   }
 
+  // RUN_DIR/metrics/worker_I.jsonl: the step's throughput (its rows over its wall time, compute
+  // and the wait for the servers both) and the staleness of its push: how many clocks the
+  // servers had gone past it when the pull after it was answered (0 in lock-step).
+  void write_step_line(int64_t clock, int64_t rows, double seconds, int64_t server_clock) {
+    if (!role_metrics_.active())
+      role_metrics_ = MetricsWriter::role(cfg_.train.run_dir, fmt::format("worker_{}", index_));
+    role_metrics_.write(
+        {{"step", clock + 1},
+         {"time", unix_seconds()},
+         {"rows", rows},
+         {"step_time_s", seconds},
+         {"rows_per_s", static_cast<double>(rows) / seconds},
+         {"tokens_per_s",
+          static_cast<double>(rows * cfg_.train.seq_len * cfg_.train.grad_accum) / seconds},
+         {"staleness", std::max<int64_t>(0, server_clock - clock - 1)}});
+  }
+
   void write_stats(int64_t first, int64_t last) {
     nlohmann::json j = {{"index", index_},
                         {"node", link_->node_id()},
@@ -296,6 +316,7 @@ class Worker {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<TokenShard> train_;
   std::unique_ptr<KvWorker> kv_;
+  MetricsWriter role_metrics_;  // RUN_DIR/metrics/worker_I.jsonl, from the first step on
   std::vector<float> params_, grads_, residual_;
   std::vector<int32_t> inputs_, targets_;
   std::vector<Span> skip_;

@@ -7,6 +7,7 @@
 
 #include "core/fault.h"
 #include "ft/ft_support.h"
+#include "io/metrics.h"
 #include "parallel/supervisor.h"
 #include "parallel/watchdog.h"
 #include "support/expect_error.h"
@@ -44,6 +45,11 @@ TEST(FaultSpec, ParsesEveryFieldAndNamesBadOnes) {
   expect_error([] { parse_fault_spec("kill:step=1:colour=red"); }, "key 'colour' unknown");
   expect_error([] { parse_fault_spec("kill:step"); }, "not key=value");
   expect_error([] { parse_fault_spec("exit:step=1:code=0"); }, "code = 0");
+  s = parse_fault_spec("slow:rank=1:step=2:ms=40");
+  EXPECT_EQ(s.action, FaultAction::Slow);
+  EXPECT_EQ(s.slow_ms, 40);
+  EXPECT_EQ(parse_fault_spec("slow:step=0").slow_ms, 100);
+  expect_error([] { parse_fault_spec("slow:step=1:ms=-5"); }, {"ms = '-5'", "integer"});
 }
 
 TEST(Hostfile, CountsSlotsAndNamesBadLines) {
@@ -173,4 +179,12 @@ TEST(Launch, RestartBudgetSpentByAFailureOnEveryAttempt) {
   // Later attempts resume; the summary lists each attempt with its reason.
   EXPECT_EQ(r.count("--resume"), 2) << r.output();
   EXPECT_EQ(r.count("  attempt "), 3) << r.output();
+  // One launcher.jsonl line per attempt, with its cause.
+  const auto lines = read_role_metrics(tmp / "run").at("launcher");
+  ASSERT_EQ(lines.size(), 3u);
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_EQ(lines[i].at("attempt").get<int>(), static_cast<int>(i) + 1);
+    EXPECT_EQ(lines[i].at("event").get<std::string>(), "attempt_failed");
+    EXPECT_EQ(lines[i].at("cause").get<std::string>(), "exit code 3");
+  }
 }

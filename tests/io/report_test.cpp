@@ -184,5 +184,80 @@ TEST(Report, LongRunsAreThinned) {
   EXPECT_EQ(count(section(html, "expert-load-steps"), "<title>"), 6u * 120u);
 }
 
+// The per-process files of a parameter-server job launched under `moetrain launch`, each ending
+// in a torn line, and per-rank step times in metrics.jsonl.
+void write_job_files(const TempDir& dir) {
+  std::string rank_lines;
+  for (int s = 1; s <= 4; ++s)
+    rank_lines += nlohmann::json{{"step", s}, {"rank_step_time_s", {0.1, 0.3, 0.1}}}.dump() + "\n";
+  write_run(dir, metrics_lines() + rank_lines);
+  for (int w = 0; w < 2; ++w) {
+    std::string lines;
+    for (int s = 1; s <= 3; ++s)
+      lines +=
+          nlohmann::json{{"step", s}, {"rows_per_s", 10.0 * (w + 1)}, {"staleness", w}}.dump() +
+          "\n";
+    dir.write("metrics/worker_" + std::to_string(w) + ".jsonl", lines + R"({"step": 4, "ro)");
+  }
+  std::string server;
+  for (int s = 1; s <= 4; ++s)
+    server +=
+        nlohmann::json{{"step", s}, {"updates", s}, {"updates_per_s", 5.0}, {"pending", 0}}.dump() +
+        "\n";
+  dir.write("metrics/server_0.jsonl", server);
+  dir.write("metrics/scheduler.jsonl",
+            nlohmann::json{{"event", "job_start"}, {"time", 1.0}}.dump() + "\n" +
+                nlohmann::json{{"event", "worker_lost"},
+                               {"time", 2.0},
+                               {"role", "worker"},
+                               {"index", 1},
+                               {"cause", "no heartbeat for 3.0 s <x>"}}
+                    .dump() +
+                "\n{\"event\": \"job_comp");
+  dir.write(
+      "metrics/launcher.jsonl",
+      nlohmann::json{
+          {"event", "attempt_failed"}, {"time", 1.5}, {"attempt", 1}, {"cause", "exit code 137"}}
+              .dump() +
+          "\n");
+}
+
+TEST(Report, JobFilesGiveWorkerServerAndEventSections) {
+  TempDir dir("report");
+  write_job_files(dir);
+  const std::string html = render_report(dir.path());
+  for (const char* id : {"rank-time", "rank-straggler", "workers", "worker-staleness", "servers",
+                         "server-pending"}) {
+    const std::string sec = section(html, id);
+    ASSERT_FALSE(sec.empty()) << id;
+    EXPECT_EQ(count(sec, "<svg class=\"chart\""), 1u) << id;
+  }
+  EXPECT_EQ(polyline_points(section(html, "rank-time")), (std::vector<std::size_t>{4, 4, 4}));
+  EXPECT_EQ(polyline_points(section(html, "rank-straggler")), (std::vector<std::size_t>{4}));
+  EXPECT_EQ(polyline_points(section(html, "workers")), (std::vector<std::size_t>{3, 3}));
+  EXPECT_NE(section(html, "workers").find("worker_1"), std::string::npos);
+  EXPECT_EQ(polyline_points(section(html, "servers")), (std::vector<std::size_t>{4}));
+  const std::string events = section(html, "events");
+  ASSERT_FALSE(events.empty());
+  // In time order, the torn line left out, causes escaped.
+  EXPECT_EQ(count(events, "<tr>"), 4u);  // header + 3 events
+  const auto start = events.find("job_start"), failed = events.find("attempt_failed"),
+             lost = events.find("worker_lost");
+  EXPECT_LT(start, failed);
+  EXPECT_LT(failed, lost);
+  EXPECT_NE(events.find("exit code 137"), std::string::npos);
+  EXPECT_NE(events.find("no heartbeat for 3.0 s &lt;x&gt;"), std::string::npos);
+}
+
+TEST(Report, WithoutJobFilesThoseSectionsAreLeftOut) {
+  TempDir dir("report");
+  write_run(dir, metrics_lines());
+  dir.write("metrics/notes.txt", "not metrics");
+  const std::string html = render_report(dir.path());
+  for (const char* id : {"rank-time", "rank-straggler", "workers", "worker-staleness", "servers",
+                         "server-pending", "events"})
+    EXPECT_EQ(html.find(std::string("<section id=\"") + id + "\""), std::string::npos) << id;
+}
+
 }  // namespace
 }  // namespace moetrain

@@ -11,6 +11,7 @@
 
 #include "io/checkpoint.h"
 #include "io/metrics.h"
+#include "io/report.h"
 #include "ps/message.h"
 #include "ps/process.h"  // tests/ps/process.h
 #include "support/corpus.h"
@@ -171,6 +172,43 @@ TEST(PsJob, SspBoundsStalenessAndBlocksTheFastWorker) {
   EXPECT_GE(s["max_staleness"].get<int64_t>(), 1) << "the slowed worker never fell behind";
   EXPECT_GT(s["blocked_pulls"].value("0", int64_t{0}), 10) << s.dump();
   EXPECT_EQ(s["updates"].get<int64_t>(), 60);
+}
+
+// Each process of the job writes its own metrics file; `moetrain report` merges them.
+TEST(PsJob, PerProcessMetricsFiles) {
+  TempDir tmp("ps_metrics");
+  const int steps = 10, S = 2, W = 2;
+  Job job = launch(tmp, {"--servers", std::to_string(S), "--workers", std::to_string(W)}, steps, 2);
+  ASSERT_EQ(job.code, 0) << job.output;
+  const auto roles = read_role_metrics(tmp / "run");
+  for (int w = 0; w < W; ++w) {
+    const std::string role = "worker_" + std::to_string(w);
+    ASSERT_TRUE(roles.contains(role)) << role;
+    const auto& lines = roles.at(role);
+    EXPECT_EQ(lines.size(), static_cast<std::size_t>(steps)) << role;
+    for (const auto& j : lines) {
+      EXPECT_GT(j.at("rows_per_s").get<double>(), 0) << j.dump();
+      EXPECT_EQ(j.at("staleness").get<int64_t>(), 0) << "sync pushes are never stale";
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const std::string role = "server_" + std::to_string(s);
+    ASSERT_TRUE(roles.contains(role)) << role;
+    const auto& lines = roles.at(role);
+    const int64_t updates =
+        read_json(tmp / "run" / "ps" / (role + ".json")).at("updates").get<int64_t>();
+    EXPECT_EQ(updates, steps);
+    ASSERT_EQ(lines.size(), static_cast<std::size_t>(updates)) << role;
+    EXPECT_EQ(lines.back().at("updates").get<int64_t>(), updates);
+    EXPECT_GT(lines.back().at("updates_per_s").get<double>(), 0);
+  }
+  ASSERT_TRUE(roles.contains("scheduler"));
+  std::vector<std::string> events;
+  for (const auto& j : roles.at("scheduler")) events.push_back(j.at("event").get<std::string>());
+  EXPECT_EQ(events, (std::vector<std::string>{"job_start", "job_complete"}));
+  const std::string html = render_report(tmp / "run");
+  for (const char* id : {"workers", "servers", "events"})
+    EXPECT_NE(html.find(std::string("<section id=\"") + id + "\""), std::string::npos) << id;
 }
 
 // Async trains: the tiny LM (byte vocabulary, ~5.5 nats at the start) gets below 3.9 nats/byte.
