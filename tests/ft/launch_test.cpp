@@ -180,7 +180,9 @@ TEST(Launch, RestartBudgetSpentByAFailureOnEveryAttempt) {
   EXPECT_EQ(r.count("--resume"), 2) << r.output();
   EXPECT_EQ(r.count("  attempt "), 3) << r.output();
   // One launcher.jsonl line per attempt, with its cause.
-  const auto lines = read_role_metrics(tmp / "run").at("launcher");
+  const auto roles = read_role_metrics(tmp / "run");
+  ASSERT_TRUE(roles.contains("launcher")) << "no RUN_DIR/metrics/launcher.jsonl";
+  const auto& lines = roles.at("launcher");
   ASSERT_EQ(lines.size(), 3u);
   for (std::size_t i = 0; i < lines.size(); ++i) {
     EXPECT_EQ(lines[i].at("attempt").get<int>(), static_cast<int>(i) + 1);

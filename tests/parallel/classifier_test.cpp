@@ -122,6 +122,14 @@ void expect_matches_one_process(const char* name, const std::vector<std::string>
     EXPECT_LE(max_rel(metric(b, "grad_norm"), metric(a, "grad_norm")), 1e-4);
     EXPECT_LE(max_rel(metric(b, "test_loss"), metric(a, "test_loss")), 1e-5);
     EXPECT_EQ(metric(b, "test_loss").size(), metric(a, "test_loss").size());
+    // Every step line has each rank's own step time; the one-process run has none.
+    for (const auto& j : b)
+      if (j.contains("step_time_s")) {
+        const auto t = j.value("rank_step_time_s", std::vector<double>{});
+        ASSERT_EQ(t.size(), static_cast<std::size_t>(world->size())) << j.dump();
+        for (double x : t) EXPECT_GT(x, 0);
+      }
+    for (const auto& j : a) EXPECT_FALSE(j.contains("rank_step_time_s"));
   }
   // The collective checkpoint holds the whole model: against the one-process run, and bit for bit
   // the values each rank holds.
