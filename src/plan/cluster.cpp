@@ -64,6 +64,7 @@ DeviceModel device_from_table(const toml::table& t, const std::string& where) {
                  d.gemm_max_efficiency);
   d.memory_bytes = positive(t, "device", "memory_bytes", where);
   d.memory_bandwidth = positive(t, "device", "memory_bandwidth", where);
+  d.norm_bandwidth = optional(t, "device", "norm_bandwidth", 0, where);
   d.gemm_small_dim = optional(t, "device", "gemm_small_dim", 0, where);
   d.gemm_call_s = optional(t, "device", "gemm_call_s", 0, where);
   d.attention_flops = optional(t, "device", "attention_flops", 0, where);
@@ -120,6 +121,7 @@ void save_profile(const DeviceModel& d, double intra_bandwidth, double intra_lat
   s += fmt::format("gemm_max_efficiency = {}\n", d.gemm_max_efficiency);
   s += fmt::format("memory_bytes = {:.6e}\n", d.memory_bytes);
   s += fmt::format("memory_bandwidth = {:.6e}\n", d.memory_bandwidth);
+  s += fmt::format("norm_bandwidth = {:.6e}\n", d.norm_bandwidth);
   s += fmt::format("gemm_small_dim = {:.6g}\n", d.gemm_small_dim);
   s += fmt::format("gemm_call_s = {:.6e}\n", d.gemm_call_s);
   s += fmt::format("attention_flops = {:.6e}\n", d.attention_flops);
@@ -171,6 +173,7 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs) {
   c.device.peak_flops_bf16 *= share;
   c.device.attention_flops *= share;
   c.device.memory_bandwidth *= share;
+  c.device.norm_bandwidth *= share;
   c.device.memory_bytes /= static_cast<double>(procs);
   c.devices_per_node = procs;
   c.nodes = 1;

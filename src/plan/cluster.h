@@ -15,6 +15,9 @@ struct DeviceModel {
   double gemm_max_efficiency = 1;  // the best fraction of peak a large GEMM reaches
   double memory_bytes = 0;
   double memory_bandwidth = 0;  // bytes/s, what element-wise kernels stream at
+  // RMSNorm forward + backward, bytes/s at the bytes the cost model counts (its backward sums
+  // the weight gradient column by column, slower than a stream); 0 = memory_bandwidth.
+  double norm_bandwidth = 0;
   // GEMM time = flops / P · (1 + gemm_small_dim / d) + gemm_call_s, P = peak · max efficiency,
   // d = min(M, N, K):
   // the efficiency d / (d + gemm_small_dim) of a GEMM whose smallest side is d (docs/plan.md), plus

@@ -42,6 +42,11 @@ double stream_time(const DeviceModel& dev, double bytes) {
   return bytes / dev.memory_bandwidth;
 }
 
+// RMSNorm at its own measured rate where the profile has one.
+double norm_time(const DeviceModel& dev, double bytes) {
+  return bytes / (dev.norm_bandwidth > 0 ? dev.norm_bandwidth : dev.memory_bandwidth);
+}
+
 // Sending `bytes` as `messages` messages over a link: α·messages + bytes / β.
 double link_time(double messages, double latency, double bytes, double bandwidth) {
   return messages * latency + bytes / bandwidth;
@@ -236,7 +241,7 @@ Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layou
     // RoPE on q and k: read and write, forward and backward.
     s.attention += stream_time(dev, 2 * 2 * 4 * N * (m.n_heads + m.n_kv_heads) * HS);
     // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
-    s.norms += stream_time(dev, 3 * (2 * 2 * 4 * N * C + 2 * 3 * 4 * N * C));
+    s.norms += norm_time(dev, 3 * 2 * 2 * 4 * N * C) + stream_time(dev, 3 * 2 * 3 * 4 * N * C);
     if (m.is_dense_layer(l)) {
       const double Fd = m.dense_ffn_hidden();
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
@@ -289,7 +294,7 @@ Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layou
   }
   // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
   // read and write them backward).
-  s.norms += stream_time(dev, 3 * 2 * 4 * N * C + 3 * 4 * N * C);
+  s.norms += norm_time(dev, 3 * 2 * 4 * N * C) + stream_time(dev, 3 * 4 * N * C);
   s.lm_head += linear_fb_time(dev, prec, N, V, C) + stream_time(dev, 3 * 4 * N * V);
   if (p.a2a_kind.empty()) p.a2a_kind = "none";
 
