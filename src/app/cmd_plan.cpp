@@ -98,11 +98,7 @@ Run add_plan_command(CLI::App& app) {
                                    : parse_sweep(args->sweep);
     std::vector<plan::Prediction> ps;
     for (int64_t ep : eps) ps.push_back(plan::predict(cfg, cluster, {args->procs, ep}, load));
-    if (ps.size() == 1)
-      MOETRAIN_CHECK(ps[0].fits,
-                     "the model does not fit: it needs {:.3f} GiB per device, the device has "
-                     "{:.3f} GiB (device.memory_bytes)",
-                     ps[0].memory.total() / 1073741824.0, cluster.device.memory_bytes / 1073741824.0);
+    if (ps.size() == 1) plan::check_fits(ps[0], cluster);
     const plan::Prediction* best = nullptr;
     for (const auto& p : ps)
       if (p.fits && (best == nullptr || p.step_time_s < best->step_time_s)) best = &p;

@@ -340,4 +340,14 @@ Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layou
   return p;
 }
 
+void check_fits(const Prediction& p, const ClusterSpec& cluster) {
+  MOETRAIN_CHECK(p.fits,
+                 "the model does not fit: it needs {:.3f} GiB per device (parameters {:.3f}, "
+                 "gradients {:.3f}, optimizer {:.3f}, activations {:.3f}), the device has {:.3f} "
+                 "GiB (device.memory_bytes)",
+                 p.memory.total() / 1073741824.0, p.memory.params / 1073741824.0,
+                 p.memory.grads / 1073741824.0, p.memory.optimizer / 1073741824.0,
+                 p.memory.activations / 1073741824.0, cluster.device.memory_bytes / 1073741824.0);
+}
+
 }  // namespace moetrain::plan

@@ -74,6 +74,9 @@ struct Prediction {
 Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
                    const LoadModel& load);
 
+// Throws "does not fit: needs X GiB per device" when the prediction exceeds device.memory_bytes.
+void check_fits(const Prediction& p, const ClusterSpec& cluster);
+
 nlohmann::json to_json(const Prediction& p);
 // A human-readable table of one or several predictions (a sweep).
 std::string format_table(const std::vector<Prediction>& ps);
