@@ -73,15 +73,14 @@ Run add_plan_command(CLI::App& app) {
       MOETRAIN_CHECK(!args->out.empty(), "plan --calibrate needs --out PROFILE.toml");
       init_threads();
       const plan::Calibration cal = plan::calibrate();
-      plan::save_profile(cal.device, cal.intra_node_bandwidth, cal.intra_node_latency, args->out);
+      plan::save_profile(cal.device, cal.single_thread, cal.intra_node_bandwidth, cal.intra_node_latency, args->out);
       const auto& d = cal.device;
       fmt::print(
-          "{}: {} threads, GEMM f32 {:.1f} GFLOP/s (half speed at min side {:.0f}, {:.1f} µs a "
-          "call), bf16 {:.1f} GFLOP/s, norm {:.1f} GB/s, copy {:.1f} GB/s, attention "
-          "{:.1f} GFLOP/s; GEMM fit within {:.0f}%\n",
-          args->out, d.threads, d.peak_flops_f32 * 1e-9, d.gemm_small_dim, d.gemm_call_s * 1e6,
-          d.peak_flops_bf16 * 1e-9, d.norm_bandwidth * 1e-9, cal.copy_bandwidth * 1e-9,
-          d.attention_flops * 1e-9, cal.fit_error * 100);
+          "{}: {} threads, GEMM f32 up to {:.1f} GFLOP/s ({:.1f} at smallest side {:.0f}), bf16 "
+          "up to {:.1f} GFLOP/s, norm {:.1f} GB/s, copy {:.1f} GB/s, attention {:.1f} GFLOP/s\n",
+          args->out, d.threads, d.peak_flops_f32 * 1e-9, d.gemm_f32_flops.front() * 1e-9,
+          d.gemm_f32_dims.front(), d.peak_flops_bf16 * 1e-9, d.norm_bandwidth * 1e-9,
+          cal.copy_bandwidth * 1e-9, d.attention_flops * 1e-9);
       return 0;
     }
     MOETRAIN_CHECK(!args->config.empty(), "plan needs --config C.toml (or --calibrate)");

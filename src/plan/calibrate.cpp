@@ -6,6 +6,8 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <omp.h>
 #include <vector>
 
 #include "core/check.h"
@@ -40,47 +42,14 @@ double seconds_per_call(F&& f, int reps = 5) {
   return t[reps / 2];
 }
 
-struct GemmFit {
-  double peak = 0, small_dim = 0, call_s = 0, worst = 0;
+struct GemmTable {
+  std::vector<double> dims, rates;  // smallest side ascending, FLOP/s
 };
-
-// Least squares of t = a·flops + b·flops/d + c over the measured shapes (the form of the cost
-// model's GEMM time), weighted by 1/t so that small shapes count as much as large ones:
-// peak = 1/a, small_dim = b/a, call = c. Coefficients are kept ≥ 0.
-GemmFit fit_gemm(const std::vector<std::array<double, 4>>& obs) {  // flops, d, t, unused
-  double m[3][4] = {};
-  for (const auto& o : obs) {
-    const double x[3] = {o[0] / o[2], o[0] / o[1] / o[2], 1 / o[2]};  // divided by t: weight
-    for (int i = 0; i < 3; ++i) {
-      for (int j = 0; j < 3; ++j) m[i][j] += x[i] * x[j];
-      m[i][3] += x[i];  // target t / t = 1
-    }
-  }
-  for (int i = 0; i < 3; ++i) {  // Gauss-Jordan, 3 × 3
-    int piv = i;
-    for (int r = i + 1; r < 3; ++r)
-      if (std::fabs(m[r][i]) > std::fabs(m[piv][i])) piv = r;
-    std::swap(m[i], m[piv]);
-    for (int r = 0; r < 3; ++r) {
-      if (r == i || m[i][i] == 0) continue;
-      const double f = m[r][i] / m[i][i];
-      for (int c = 0; c < 4; ++c) m[r][c] -= f * m[i][c];
-    }
-  }
-  double a = m[0][3] / m[0][0], b = m[1][3] / m[1][1], c = m[2][3] / m[2][2];
-  MOETRAIN_CHECK(a > 0 && std::isfinite(a), "calibration: the GEMM fit gave no positive rate");
-  b = std::max(0.0, b);
-  c = std::max(0.0, c);
-  GemmFit fit{1 / a, b / a, c, 0};
-  for (const auto& o : obs)
-    fit.worst = std::max(fit.worst, std::fabs(a * o[0] + b * o[0] / o[1] + c - o[2]) / o[2]);
-  return fit;
-}
 
 // GEMMs at the shapes a Linear layer's forward and backward take in the MoE models (tokens ×
 // out × in, from thin expert slices to square ones). Not below 32 rows: there the weights stay in
 // cache and the curve's form (compute bound, thinning to memory bound) no longer holds.
-GemmFit measure_gemm(DType t) {
+GemmTable measure_gemm(DType t) {
   const std::vector<std::array<int64_t, 3>> shapes = {
       {4096, 512, 256}, {1024, 1024, 1024}, {2048, 256, 128}, {256, 2048, 512},
       {128, 512, 512},  {512, 128, 1024},   {32, 512, 512},   {64, 1024, 256}};
@@ -92,7 +61,7 @@ GemmFit measure_gemm(DType t) {
   std::vector<bf16> a16(most), b16(most);
   f32_to_bf16(a16.data(), a.data(), a.size());
   f32_to_bf16(b16.data(), b.data(), b.size());
-  std::vector<std::array<double, 4>> obs;
+  std::map<int64_t, std::vector<double>> by_dim;
   for (const auto& [M, N, K] : shapes) {
     const double sec = seconds_per_call([&] {
       if (t == DType::F32)
@@ -100,27 +69,37 @@ GemmFit measure_gemm(DType t) {
       else
         gemm(Trans::N, Trans::T, M, N, K, a16.data(), b16.data(), c.data(), false);
     });
-    obs.push_back({2.0 * M * N * K, static_cast<double>(std::min({M, N, K})), sec, 0});
+    by_dim[std::min({M, N, K})].push_back(2.0 * M * N * K / sec);
   }
-  return fit_gemm(obs);
+  // Shapes sharing a smallest side: their median rate.
+  GemmTable table;
+  for (auto& [d, rates] : by_dim) {
+    std::sort(rates.begin(), rates.end());
+    table.dims.push_back(static_cast<double>(d));
+    table.rates.push_back(rates[rates.size() / 2]);
+  }
+  return table;
 }
 
 }  // namespace
 
-Calibration calibrate() {
-  Calibration cal;
-  DeviceModel& d = cal.device;
+namespace {
+
+DeviceModel measure_device(Calibration& cal) {
+  DeviceModel dev;
+  DeviceModel& d = dev;
   d.name = "cpu";
-  d.threads = num_threads();
-  const GemmFit f32 = measure_gemm(DType::F32);
-  d.peak_flops_f32 = f32.peak;
-  d.gemm_small_dim = f32.small_dim;
-  d.gemm_call_s = f32.call_s;
-  cal.fit_error = f32.worst;
+  d.threads = omp_in_parallel() ? 1 : num_threads();
+  // MFU is quoted against the best measured GEMM rate of the precision.
+  const GemmTable f32 = measure_gemm(DType::F32);
+  d.gemm_f32_dims = f32.dims;
+  d.gemm_f32_flops = f32.rates;
+  d.peak_flops_f32 = *std::max_element(f32.rates.begin(), f32.rates.end());
   if (gemm_is_native(DType::BF16)) {
-    const GemmFit b16 = measure_gemm(DType::BF16);
-    d.peak_flops_bf16 = b16.peak;
-    cal.fit_error = std::max(cal.fit_error, b16.worst);
+    const GemmTable b16 = measure_gemm(DType::BF16);
+    d.gemm_bf16_dims = b16.dims;
+    d.gemm_bf16_flops = b16.rates;
+    d.peak_flops_bf16 = *std::max_element(b16.rates.begin(), b16.rates.end());
   }
   // Element-wise rate: RMSNorm forward + backward at a training shape, in the bytes the cost
   // model charges for it (forward reads and writes N·C, backward about twice that).
@@ -171,6 +150,30 @@ Calibration calibrate() {
   }
   d.memory_bytes = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
                    static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  return dev;
+}
+
+}  // namespace
+
+Calibration calibrate() {
+  Calibration cal;
+  const int threads = num_threads();
+  cal.device = measure_device(cal);
+  const double intra = cal.intra_node_bandwidth, copy = cal.copy_bandwidth;
+  // One thread per process, every core busy at once (as when the processes of a run share the
+  // machine): each thread measures on its own buffers, the kernels inside run single-threaded
+  // (nested regions are serial); the first thread's figures are kept.
+#pragma omp parallel num_threads(threads)
+  {
+    Calibration mine;
+    DeviceModel single = measure_device(mine);
+#pragma omp master
+    cal.single_thread = single;
+  }
+  cal.single_thread.threads = 1;
+  // The link figures of the whole machine (every process copies at once).
+  cal.intra_node_bandwidth = intra;
+  cal.copy_bandwidth = copy;
   return cal;
 }
 

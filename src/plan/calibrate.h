@@ -8,13 +8,13 @@
 namespace moetrain::plan {
 
 struct Calibration {
-  DeviceModel device;
+  DeviceModel device;         // every thread in force
+  DeviceModel single_thread;  // the same with one thread (a process among several)
   double copy_bandwidth = 0;  // bytes/s of a parallel stream copy (read + write)
   double intra_node_bandwidth = 0, intra_node_latency = 0;
-  double fit_error = 0;  // worst relative error of the GEMM fit over the measured shapes
 };
 
-// Uses every thread in force (init_threads). Writes nothing.
+// Measures with every thread in force (init_threads), then with one. Writes nothing.
 Calibration calibrate();
 
 }  // namespace moetrain::plan

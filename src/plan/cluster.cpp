@@ -53,22 +53,58 @@ int64_t positive_int(const toml::table& t, const std::string& section, const cha
   return static_cast<int64_t>(v);
 }
 
-DeviceModel device_from_table(const toml::table& t, const std::string& where) {
+// A list of positive numbers (a measured table); empty when the key is absent.
+std::vector<double> positive_list(const toml::table& t, const std::string& sec, const char* key,
+                                  const std::string& where) {
+  std::vector<double> out;
+  const auto* node = t[sec][key].node();
+  if (node == nullptr) return out;
+  const auto* arr = node->as_array();
+  MOETRAIN_CHECK(arr != nullptr, "{}: {}.{} must be a list of numbers", where, sec, key);
+  for (const auto& v : *arr) {
+    const auto x = v.value<double>();
+    MOETRAIN_CHECK(x.has_value() && std::isfinite(*x) && *x > 0,
+                   "{}: {}.{} must hold positive numbers", where, sec, key);
+    out.push_back(*x);
+  }
+  return out;
+}
+
+void read_table(const toml::table& t, const std::string& sec, const char* dims_key, const char* rates_key,
+                std::vector<double>& dims, std::vector<double>& rates, const std::string& where) {
+  dims = positive_list(t, sec, dims_key, where);
+  rates = positive_list(t, sec, rates_key, where);
+  MOETRAIN_CHECK(dims.size() == rates.size(), "{}: device.{} and device.{} differ in length",
+                 where, dims_key, rates_key);
+  for (std::size_t i = 1; i < dims.size(); ++i)
+    MOETRAIN_CHECK(dims[i] > dims[i - 1], "{}: device.{} must ascend", where, dims_key);
+}
+
+std::string list(const std::vector<double>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += fmt::format("{}{:.6e}", i ? ", " : "", v[i]);
+  return s + "]";
+}
+
+DeviceModel device_from_table(const toml::table& t, const std::string& where,
+                              const std::string& sec = "device") {
   DeviceModel d;
-  d.name = t["device"]["name"].value_or(std::string("custom"));
-  d.peak_flops_f32 = positive(t, "device", "peak_flops_f32", where);
-  d.peak_flops_bf16 = optional(t, "device", "peak_flops_bf16", 0, where);
-  d.gemm_max_efficiency = optional(t, "device", "gemm_max_efficiency", 1, where);
+  d.name = t[sec]["name"].value_or(std::string("custom"));
+  d.peak_flops_f32 = positive(t, sec, "peak_flops_f32", where);
+  d.peak_flops_bf16 = optional(t, sec, "peak_flops_bf16", 0, where);
+  d.gemm_max_efficiency = optional(t, sec, "gemm_max_efficiency", 1, where);
   MOETRAIN_CHECK(d.gemm_max_efficiency > 0 && d.gemm_max_efficiency <= 1,
                  "{}: device.gemm_max_efficiency = {}: must be in (0, 1]", where,
                  d.gemm_max_efficiency);
-  d.memory_bytes = positive(t, "device", "memory_bytes", where);
-  d.memory_bandwidth = positive(t, "device", "memory_bandwidth", where);
-  d.norm_bandwidth = optional(t, "device", "norm_bandwidth", 0, where);
-  d.gemm_small_dim = optional(t, "device", "gemm_small_dim", 0, where);
-  d.gemm_call_s = optional(t, "device", "gemm_call_s", 0, where);
-  d.attention_flops = optional(t, "device", "attention_flops", 0, where);
-  d.threads = static_cast<int64_t>(optional(t, "device", "threads", 0, where));
+  d.memory_bytes = positive(t, sec, "memory_bytes", where);
+  d.memory_bandwidth = positive(t, sec, "memory_bandwidth", where);
+  d.norm_bandwidth = optional(t, sec, "norm_bandwidth", 0, where);
+  d.gemm_small_dim = optional(t, sec, "gemm_small_dim", 0, where);
+  d.gemm_call_s = optional(t, sec, "gemm_call_s", 0, where);
+  d.attention_flops = optional(t, sec, "attention_flops", 0, where);
+  d.threads = static_cast<int64_t>(optional(t, sec, "threads", 0, where));
+  read_table(t, sec, "gemm_f32_dims", "gemm_f32_flops", d.gemm_f32_dims, d.gemm_f32_flops, where);
+  read_table(t, sec, "gemm_bf16_dims", "gemm_bf16_flops", d.gemm_bf16_dims, d.gemm_bf16_flops, where);
   return d;
 }
 
@@ -112,9 +148,10 @@ DeviceModel load_profile(const std::string& path) {
   return device_from_table(t, "profile " + path);
 }
 
-void save_profile(const DeviceModel& d, double intra_bandwidth, double intra_latency,
-                  const std::string& path) {
-  std::string s = "# Written by `moetrain plan --calibrate`: this machine, measured.\n[device]\n";
+namespace {
+
+std::string device_section(const DeviceModel& d, const char* sec) {
+  std::string s = fmt::format("[{}]\n", sec);
   s += fmt::format("name = \"{}\"\n", d.name);
   s += fmt::format("peak_flops_f32 = {:.6e}\n", d.peak_flops_f32);
   s += fmt::format("peak_flops_bf16 = {:.6e}\n", d.peak_flops_bf16);
@@ -126,6 +163,22 @@ void save_profile(const DeviceModel& d, double intra_bandwidth, double intra_lat
   s += fmt::format("gemm_call_s = {:.6e}\n", d.gemm_call_s);
   s += fmt::format("attention_flops = {:.6e}\n", d.attention_flops);
   s += fmt::format("threads = {}\n", d.threads);
+  s += "# GEMM FLOP/s measured by the smallest side of the shape\n";
+  s += fmt::format("gemm_f32_dims = {}\ngemm_f32_flops = {}\n", list(d.gemm_f32_dims),
+                   list(d.gemm_f32_flops));
+  if (!d.gemm_bf16_dims.empty())
+    s += fmt::format("gemm_bf16_dims = {}\ngemm_bf16_flops = {}\n", list(d.gemm_bf16_dims),
+                     list(d.gemm_bf16_flops));
+  return s;
+}
+
+}  // namespace
+
+void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_bandwidth,
+                  double intra_latency, const std::string& path) {
+  std::string s = "# Written by `moetrain plan --calibrate`: this machine, measured with every\n"
+                  "# thread ([device]) and with one ([single_thread]).\n";
+  s += device_section(d, "device") + "\n" + device_section(single, "single_thread");
   s += "\n[cluster]\n";
   s += fmt::format("intra_node_bandwidth = {:.6e}\n", intra_bandwidth);
   s += fmt::format("intra_node_latency = {:.6e}\n", intra_latency);
@@ -166,14 +219,24 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs) {
   c.device = device_from_table(t, where);
   MOETRAIN_CHECK(c.device.threads > 0, "{}: device.threads is missing (a positive number)", where);
   // Processes split the cores (train.threads = 0 gives each cores / processes threads): each
-  // process is a device with its share of the measured rates. Memory is shared too.
-  const double threads = static_cast<double>(c.device.threads);
-  const double share = std::max(1.0, std::floor(threads / static_cast<double>(procs))) / threads;
+  // process is a device with the rates measured at its thread count — all threads, or one —
+  // and in between the one-thread rates times its threads (threads rarely scale better).
+  // Memory is shared too.
+  const int64_t mine = std::max<int64_t>(1, c.device.threads / procs);
+  double share = 1;
+  if (mine < c.device.threads) {
+    MOETRAIN_CHECK(t["single_thread"].is_table(),
+                   "{}: [single_thread] is missing (calibrate again with this version)", where);
+    c.device = device_from_table(t, where, "single_thread");
+    share = static_cast<double>(mine);
+  }
   c.device.peak_flops_f32 *= share;
   c.device.peak_flops_bf16 *= share;
   c.device.attention_flops *= share;
   c.device.memory_bandwidth *= share;
   c.device.norm_bandwidth *= share;
+  for (auto* rates : {&c.device.gemm_f32_flops, &c.device.gemm_bf16_flops})
+    for (double& r : *rates) r *= share;
   c.device.memory_bytes /= static_cast<double>(procs);
   c.devices_per_node = procs;
   c.nodes = 1;

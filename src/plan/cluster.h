@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moetrain::plan {
 
@@ -24,6 +25,10 @@ struct DeviceModel {
   // a fixed cost per call (kernel launch, primitive dispatch).
   double gemm_small_dim = 0;
   double gemm_call_s = 0;
+  // Measured GEMM rates (CPU profiles): FLOP/s by the smallest side d of the shape, d ascending.
+  // When present they replace the curve: a shape's rate is interpolated in log d (clamped at
+  // the ends), call costs included.
+  std::vector<double> gemm_f32_dims, gemm_f32_flops, gemm_bf16_dims, gemm_bf16_flops;
   // Attention (scores, softmax, values; forward and backward) in FLOP/s at the counted FLOPs;
   // 0 = the GEMM curve at the (T, T, HS) shape.
   double attention_flops = 0;
@@ -48,8 +53,8 @@ struct ClusterSpec {
 DeviceModel builtin_device(const std::string& name);
 // A device from a profile written by `moetrain plan --calibrate` (the [device] table).
 DeviceModel load_profile(const std::string& path);
-void save_profile(const DeviceModel& d, double intra_bandwidth, double intra_latency,
-                  const std::string& path);
+void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_bandwidth,
+                  double intra_latency, const std::string& path);
 // A cluster file: [cluster] devices_per_node, nodes, intra/inter_node_bandwidth and _latency,
 // and device = "a100" | "h100" | "cpu", or a [device] table with every DeviceModel key.
 // `profile` (may be empty) is the device when the file names "cpu" or has none.

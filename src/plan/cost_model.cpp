@@ -23,6 +23,24 @@ double elem_bytes(DType t) {
 // plus the fixed cost of one call. Written as flops/peak · (1 + small/d) + call.
 double gemm_time(const DeviceModel& dev, DType t, double M, double N, double K) {
   if (M <= 0 || N <= 0 || K <= 0) return 0;
+  // A measured table (this CPU): the rate at the nearest measured smallest sides, interpolated
+  // in log d, because GEMM efficiency grows roughly with the logarithm of the thin side there.
+  const bool lp = t != DType::F32 && !dev.gemm_bf16_dims.empty();
+  const auto& dims = lp ? dev.gemm_bf16_dims : dev.gemm_f32_dims;
+  const auto& rates = lp ? dev.gemm_bf16_flops : dev.gemm_f32_flops;
+  if (!dims.empty()) {
+    const double d = std::min({M, N, K});
+    double rate = rates.front();
+    if (d >= dims.back()) {
+      rate = rates.back();
+    } else if (d > dims.front()) {
+      const std::size_t i = static_cast<std::size_t>(
+          std::upper_bound(dims.begin(), dims.end(), d) - dims.begin());
+      const double w = std::log(d / dims[i - 1]) / std::log(dims[i] / dims[i - 1]);
+      rate = rates[i - 1] + w * (rates[i] - rates[i - 1]);
+    }
+    return 2 * M * N * K / rate;
+  }
   const double peak =
       (t != DType::F32 && dev.peak_flops_bf16 > 0 ? dev.peak_flops_bf16 : dev.peak_flops_f32) *
       dev.gemm_max_efficiency;
