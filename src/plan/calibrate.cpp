@@ -23,15 +23,15 @@ namespace moetrain::plan {
 
 namespace {
 
-// Median seconds of one call of f over `reps` timed batches, each long enough (≥ 20 ms) to
+// Median seconds of one call of f over `reps` timed batches, each long enough (≥ 10 ms) to
 // swamp the timer; the median keeps a neighbour's burst on a shared machine out.
 template <class F>
-double seconds_per_call(F&& f, int reps = 5) {
+double seconds_per_call(F&& f, int reps = 3) {
   f();  // warm-up: builds the oneDNN primitive, faults the pages in
   Timer probe;
   f();
   const double once = std::max(probe.seconds(), 1e-7);
-  const int inner = std::max(1, static_cast<int>(0.02 / once));
+  const int inner = std::max(1, static_cast<int>(0.01 / once));
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     Timer timer;
