@@ -26,6 +26,7 @@ int run_command(int argc, char** argv) {
   add(moetrain::app::add_classify_command(app));
   add(moetrain::app::add_launch_command(app));
   add(moetrain::app::add_report_command(app));
+  add(moetrain::app::add_plan_command(app));
 #ifdef MOETRAIN_WITH_ZMQ
   add(moetrain::app::add_ps_command(app));
 #endif

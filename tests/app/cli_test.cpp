@@ -32,7 +32,7 @@ Result run(const std::string& args) {
 TEST(Cli, HelpAndVersion) {
   Result help = run("--help");
   EXPECT_EQ(help.code, 0);
-  for (const char* sub : {"train", "prepare", "eval", "sample", "forward", "version", "report"})
+  for (const char* sub : {"train", "prepare", "eval", "sample", "forward", "version", "report", "plan"})
     EXPECT_NE(help.output.find(sub), std::string::npos) << sub << " missing from --help";
   Result version = run("version");
   EXPECT_EQ(version.code, 0);

@@ -1,0 +1,20 @@
+// Measures this machine for the planner, with the kernels training runs (kernels/gemm, the ones
+// bench_gemm times; kernels/attention; kernels/norm): a few seconds, no training.
+#pragma once
+#include <string>
+
+#include "plan/cluster.h"
+
+namespace moetrain::plan {
+
+struct Calibration {
+  DeviceModel device;         // every thread in force
+  DeviceModel single_thread;  // the same with one thread (a process among several)
+  double copy_bandwidth = 0;  // bytes/s of a parallel stream copy (read + write)
+  double intra_node_bandwidth = 0, intra_node_latency = 0;
+};
+
+// Measures with every thread in force (init_threads), then with one. Writes nothing.
+Calibration calibrate();
+
+}  // namespace moetrain::plan

@@ -1,0 +1,263 @@
+#include "plan/cluster.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <filesystem>
+#include <toml++/toml.h>
+
+#include "core/check.h"
+#include "io/file.h"
+
+namespace moetrain::plan {
+
+namespace {
+
+toml::table parse_toml(const std::string& path, const char* what) {
+  MOETRAIN_CHECK(std::filesystem::is_regular_file(path), "{} file '{}' does not exist", what,
+                 path);
+  try {
+    return toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    MOETRAIN_FAIL("{} file {}:{}:{}: TOML syntax error: {}", what, path, e.source().begin.line,
+                  e.source().begin.column, e.description());
+  }
+}
+
+// A required positive number: missing, not a number or ≤ 0 is an error naming the key.
+double positive(const toml::table& t, const std::string& section, const char* key,
+                const std::string& where) {
+  const auto* node = t[section][key].node();
+  MOETRAIN_CHECK(node != nullptr, "{}: {}.{} is missing (a positive number)", where, section, key);
+  const auto v = node->value<double>();
+  MOETRAIN_CHECK(v.has_value(), "{}: {}.{} must be a number", where, section, key);
+  MOETRAIN_CHECK(std::isfinite(*v) && *v > 0, "{}: {}.{} = {}: must be positive", where, section,
+                 key, *v);
+  return *v;
+}
+
+double optional(const toml::table& t, const std::string& section, const char* key, double dflt,
+                const std::string& where) {
+  if (!t[section][key]) return dflt;
+  const auto v = t[section][key].value<double>();
+  MOETRAIN_CHECK(v.has_value() && std::isfinite(*v) && *v >= 0,
+                 "{}: {}.{} must be a number ≥ 0", where, section, key);
+  return *v;
+}
+
+int64_t positive_int(const toml::table& t, const std::string& section, const char* key,
+                     const std::string& where) {
+  const double v = positive(t, section, key, where);
+  MOETRAIN_CHECK(v == std::floor(v), "{}: {}.{} = {}: must be a whole number", where, section, key,
+                 v);
+  return static_cast<int64_t>(v);
+}
+
+// A list of positive numbers (a measured table); empty when the key is absent.
+std::vector<double> positive_list(const toml::table& t, const std::string& sec, const char* key,
+                                  const std::string& where) {
+  std::vector<double> out;
+  const auto* node = t[sec][key].node();
+  if (node == nullptr) return out;
+  const auto* arr = node->as_array();
+  MOETRAIN_CHECK(arr != nullptr, "{}: {}.{} must be a list of numbers", where, sec, key);
+  for (const auto& v : *arr) {
+    const auto x = v.value<double>();
+    MOETRAIN_CHECK(x.has_value() && std::isfinite(*x) && *x > 0,
+                   "{}: {}.{} must hold positive numbers", where, sec, key);
+    out.push_back(*x);
+  }
+  return out;
+}
+
+void read_table(const toml::table& t, const std::string& sec, const char* dims_key, const char* rates_key,
+                std::vector<double>& dims, std::vector<double>& rates, const std::string& where) {
+  dims = positive_list(t, sec, dims_key, where);
+  rates = positive_list(t, sec, rates_key, where);
+  MOETRAIN_CHECK(dims.size() == rates.size(), "{}: device.{} and device.{} differ in length",
+                 where, dims_key, rates_key);
+  for (std::size_t i = 1; i < dims.size(); ++i)
+    MOETRAIN_CHECK(dims[i] > dims[i - 1], "{}: device.{} must ascend", where, dims_key);
+}
+
+std::string list(const std::vector<double>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += fmt::format("{}{:.6e}", i ? ", " : "", v[i]);
+  return s + "]";
+}
+
+DeviceModel device_from_table(const toml::table& t, const std::string& where,
+                              const std::string& sec = "device") {
+  DeviceModel d;
+  d.name = t[sec]["name"].value_or(std::string("custom"));
+  d.peak_flops_f32 = positive(t, sec, "peak_flops_f32", where);
+  d.peak_flops_bf16 = optional(t, sec, "peak_flops_bf16", 0, where);
+  d.gemm_max_efficiency = optional(t, sec, "gemm_max_efficiency", 1, where);
+  MOETRAIN_CHECK(d.gemm_max_efficiency > 0 && d.gemm_max_efficiency <= 1,
+                 "{}: device.gemm_max_efficiency = {}: must be in (0, 1]", where,
+                 d.gemm_max_efficiency);
+  d.memory_bytes = positive(t, sec, "memory_bytes", where);
+  d.memory_bandwidth = positive(t, sec, "memory_bandwidth", where);
+  d.norm_bandwidth = optional(t, sec, "norm_bandwidth", 0, where);
+  d.gemm_small_dim = optional(t, sec, "gemm_small_dim", 0, where);
+  d.gemm_call_s = optional(t, sec, "gemm_call_s", 0, where);
+  d.attention_flops = optional(t, sec, "attention_flops", 0, where);
+  d.threads = static_cast<int64_t>(optional(t, sec, "threads", 0, where));
+  read_table(t, sec, "gemm_f32_dims", "gemm_f32_flops", d.gemm_f32_dims, d.gemm_f32_flops, where);
+  read_table(t, sec, "gemm_bf16_dims", "gemm_bf16_flops", d.gemm_bf16_dims, d.gemm_bf16_flops, where);
+  return d;
+}
+
+}  // namespace
+
+// Datasheet peaks (dense, no sparsity). f32 is the plain FP32 rate: the trainer's f32 GEMMs do
+// not use TF32. The GEMM curve is the same for both and set from the datasheet, not fitted:
+//  - gemm_max_efficiency 0.8: large cuBLAS bf16 GEMMs reach about 80% of the tensor-core peak
+//    on both parts (clock throttling and tile quantisation take the rest);
+//  - gemm_small_dim = peak_bf16 / memory_bandwidth, the roofline ridge in FLOP per byte. A bf16
+//    GEMM whose smallest side is d does about d FLOPs per byte of the larger operand it streams,
+//    so at d below the ridge it is memory bound; d / (d + ridge) joins the two regimes.
+//  - gemm_call_s 5 µs: one kernel launch.
+DeviceModel builtin_device(const std::string& name) {
+  DeviceModel d;
+  d.name = name;
+  d.gemm_max_efficiency = 0.8;
+  d.gemm_call_s = 5e-6;
+  if (name == "a100") {  // A100 SXM 80 GB
+    d.peak_flops_f32 = 19.5e12;
+    d.peak_flops_bf16 = 312e12;
+    d.memory_bytes = 80e9;
+    d.memory_bandwidth = 2.039e12;
+  } else if (name == "h100") {  // H100 SXM 80 GB
+    d.peak_flops_f32 = 67e12;
+    d.peak_flops_bf16 = 989e12;
+    d.memory_bytes = 80e9;
+    d.memory_bandwidth = 3.35e12;
+  } else {
+    MOETRAIN_CHECK(name != "cpu",
+                   "device 'cpu' has no built-in figures: measure this machine with `moetrain "
+                   "plan --calibrate --out PROFILE.toml` and pass --profile PROFILE.toml");
+    MOETRAIN_CHECK(false, "device '{}': allowed are a100, h100, cpu (with --profile)", name);
+  }
+  d.gemm_small_dim = d.peak_flops_bf16 / d.memory_bandwidth;
+  return d;
+}
+
+DeviceModel load_profile(const std::string& path) {
+  const auto t = parse_toml(path, "profile");
+  return device_from_table(t, "profile " + path);
+}
+
+namespace {
+
+std::string device_section(const DeviceModel& d, const char* sec) {
+  std::string s = fmt::format("[{}]\n", sec);
+  s += fmt::format("name = \"{}\"\n", d.name);
+  s += fmt::format("peak_flops_f32 = {:.6e}\n", d.peak_flops_f32);
+  s += fmt::format("peak_flops_bf16 = {:.6e}\n", d.peak_flops_bf16);
+  s += fmt::format("gemm_max_efficiency = {}\n", d.gemm_max_efficiency);
+  s += fmt::format("memory_bytes = {:.6e}\n", d.memory_bytes);
+  s += fmt::format("memory_bandwidth = {:.6e}\n", d.memory_bandwidth);
+  s += fmt::format("norm_bandwidth = {:.6e}\n", d.norm_bandwidth);
+  s += fmt::format("gemm_small_dim = {:.6g}\n", d.gemm_small_dim);
+  s += fmt::format("gemm_call_s = {:.6e}\n", d.gemm_call_s);
+  s += fmt::format("attention_flops = {:.6e}\n", d.attention_flops);
+  s += fmt::format("threads = {}\n", d.threads);
+  s += "# GEMM FLOP/s measured by the smallest side of the shape\n";
+  s += fmt::format("gemm_f32_dims = {}\ngemm_f32_flops = {}\n", list(d.gemm_f32_dims),
+                   list(d.gemm_f32_flops));
+  if (!d.gemm_bf16_dims.empty())
+    s += fmt::format("gemm_bf16_dims = {}\ngemm_bf16_flops = {}\n", list(d.gemm_bf16_dims),
+                     list(d.gemm_bf16_flops));
+  return s;
+}
+
+}  // namespace
+
+void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_bandwidth,
+                  double intra_latency, const std::string& path) {
+  std::string s = "# Written by `moetrain plan --calibrate`: this machine, measured with every\n"
+                  "# thread ([device]) and with one ([single_thread]).\n";
+  s += device_section(d, "device") + "\n" + device_section(single, "single_thread");
+  s += "\n[cluster]\n";
+  s += fmt::format("intra_node_bandwidth = {:.6e}\n", intra_bandwidth);
+  s += fmt::format("intra_node_latency = {:.6e}\n", intra_latency);
+  write_file_atomic(path, s);
+}
+
+ClusterSpec load_cluster(const std::string& path, const std::string& profile) {
+  const auto t = parse_toml(path, "cluster");
+  const std::string where = "cluster " + path;
+  ClusterSpec c;
+  const std::string dev = t["cluster"]["device"].value_or(std::string());
+  if (t["device"].is_table()) {
+    c.device = device_from_table(t, where);
+  } else if (dev == "cpu" || dev.empty()) {
+    MOETRAIN_CHECK(!profile.empty(),
+                   "{}: cluster.device is {} and there is no [device] table: name a100 or h100, "
+                   "or pass --profile PROFILE.toml (moetrain plan --calibrate)",
+                   where, dev.empty() ? "missing" : "'cpu'");
+    c.device = load_profile(profile);
+  } else {
+    c.device = builtin_device(dev);
+  }
+  c.devices_per_node = positive_int(t, "cluster", "devices_per_node", where);
+  c.nodes = positive_int(t, "cluster", "nodes", where);
+  c.intra_node_bandwidth = positive(t, "cluster", "intra_node_bandwidth", where);
+  c.inter_node_bandwidth = positive(t, "cluster", "inter_node_bandwidth", where);
+  c.intra_node_latency = positive(t, "cluster", "intra_node_latency", where);
+  c.inter_node_latency = positive(t, "cluster", "inter_node_latency", where);
+  validate(c, where);
+  return c;
+}
+
+ClusterSpec local_cluster(const std::string& profile, int64_t procs) {
+  MOETRAIN_CHECK(procs >= 1, "--procs {}: must be ≥ 1", procs);
+  const auto t = parse_toml(profile, "profile");
+  const std::string where = "profile " + profile;
+  ClusterSpec c;
+  c.device = device_from_table(t, where);
+  MOETRAIN_CHECK(c.device.threads > 0, "{}: device.threads is missing (a positive number)", where);
+  // Processes split the cores (train.threads = 0 gives each cores / processes threads): each
+  // process is a device with the rates measured at its thread count — all threads, or one —
+  // and in between the one-thread rates times its threads (threads rarely scale better).
+  // Memory is shared too.
+  const int64_t mine = std::max<int64_t>(1, c.device.threads / procs);
+  double share = 1;
+  if (mine < c.device.threads) {
+    MOETRAIN_CHECK(t["single_thread"].is_table(),
+                   "{}: [single_thread] is missing (calibrate again with this version)", where);
+    c.device = device_from_table(t, where, "single_thread");
+    share = static_cast<double>(mine);
+  }
+  c.device.peak_flops_f32 *= share;
+  c.device.peak_flops_bf16 *= share;
+  c.device.attention_flops *= share;
+  c.device.memory_bandwidth *= share;
+  c.device.norm_bandwidth *= share;
+  for (auto* rates : {&c.device.gemm_f32_flops, &c.device.gemm_bf16_flops})
+    for (double& r : *rates) r *= share;
+  c.device.memory_bytes /= static_cast<double>(procs);
+  c.devices_per_node = procs;
+  c.nodes = 1;
+  c.intra_node_bandwidth = positive(t, "cluster", "intra_node_bandwidth", where);
+  c.intra_node_latency = positive(t, "cluster", "intra_node_latency", where);
+  c.inter_node_bandwidth = c.intra_node_bandwidth;  // one node: never used
+  c.inter_node_latency = c.intra_node_latency;
+  validate(c, where);
+  return c;
+}
+
+void validate(const ClusterSpec& c, const std::string& where) {
+  const DeviceModel& d = c.device;
+  MOETRAIN_CHECK(d.peak_flops_f32 > 0, "{}: device.peak_flops_f32 must be positive", where);
+  MOETRAIN_CHECK(d.memory_bandwidth > 0, "{}: device.memory_bandwidth must be positive", where);
+  MOETRAIN_CHECK(d.memory_bytes > 0, "{}: device.memory_bytes must be positive", where);
+  MOETRAIN_CHECK(c.devices_per_node > 0 && c.nodes > 0,
+                 "{}: cluster.devices_per_node and cluster.nodes must be positive", where);
+  MOETRAIN_CHECK(c.intra_node_bandwidth > 0 && c.inter_node_bandwidth > 0,
+                 "{}: cluster.intra_node_bandwidth and inter_node_bandwidth must be positive",
+                 where);
+}
+
+}  // namespace moetrain::plan

@@ -1,0 +1,67 @@
+// What the planner knows of the machines a run would use: one device's speeds (a built-in model
+// or a calibrated profile of this CPU) and how devices are wired (a cluster file). Loaded from
+// TOML (toml++), validated once; a missing or non-positive key is an error naming it.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moetrain::plan {
+
+// One device (a GPU, or one process's share of this CPU).
+struct DeviceModel {
+  std::string name = "cpu";
+  double peak_flops_f32 = 0;   // FLOP/s (datasheet; a CPU profile: the measured GEMM asymptote)
+  double peak_flops_bf16 = 0;  // FLOP/s; 0 = no native bf16 (bf16 runs at the f32 rate)
+  double gemm_max_efficiency = 1;  // the best fraction of peak a large GEMM reaches
+  double memory_bytes = 0;
+  double memory_bandwidth = 0;  // bytes/s, what element-wise kernels stream at
+  // RMSNorm forward + backward, bytes/s at the bytes the cost model counts (its backward sums
+  // the weight gradient column by column, slower than a stream); 0 = memory_bandwidth.
+  double norm_bandwidth = 0;
+  // GEMM time = flops / P · (1 + gemm_small_dim / d) + gemm_call_s, P = peak · max efficiency,
+  // d = min(M, N, K):
+  // the efficiency d / (d + gemm_small_dim) of a GEMM whose smallest side is d (docs/plan.md), plus
+  // a fixed cost per call (kernel launch, primitive dispatch).
+  double gemm_small_dim = 0;
+  double gemm_call_s = 0;
+  // Measured GEMM rates (CPU profiles): FLOP/s by the smallest side d of the shape, d ascending.
+  // When present they replace the curve: a shape's rate is interpolated in log d (clamped at
+  // the ends), call costs included.
+  std::vector<double> gemm_f32_dims, gemm_f32_flops, gemm_bf16_dims, gemm_bf16_flops;
+  // Attention (scores, softmax, values; forward and backward) in FLOP/s at the counted FLOPs;
+  // 0 = the GEMM curve at the (T, T, HS) shape.
+  double attention_flops = 0;
+  // Cores behind the calibrated figures (CPU profiles): a process with fewer threads gets that
+  // share. 0 for accelerators.
+  int64_t threads = 0;
+};
+
+struct ClusterSpec {
+  DeviceModel device;
+  int64_t devices_per_node = 1;
+  int64_t nodes = 1;
+  double intra_node_bandwidth = 0;  // bytes/s per device (NVLink, shared memory)
+  double inter_node_bandwidth = 0;  // bytes/s per node (its NICs), shared by its devices
+  double intra_node_latency = 0;    // seconds per message
+  double inter_node_latency = 0;
+
+  int64_t devices() const { return devices_per_node * nodes; }
+};
+
+// Built-in devices: "a100", "h100" (datasheet peaks); "cpu" needs a profile (calibrate).
+DeviceModel builtin_device(const std::string& name);
+// A device from a profile written by `moetrain plan --calibrate` (the [device] table).
+DeviceModel load_profile(const std::string& path);
+void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_bandwidth,
+                  double intra_latency, const std::string& path);
+// A cluster file: [cluster] devices_per_node, nodes, intra/inter_node_bandwidth and _latency,
+// and device = "a100" | "h100" | "cpu", or a [device] table with every DeviceModel key.
+// `profile` (may be empty) is the device when the file names "cpu" or has none.
+ClusterSpec load_cluster(const std::string& path, const std::string& profile);
+// This machine as a one-node cluster of `procs` processes sharing its cores, from a profile.
+ClusterSpec local_cluster(const std::string& profile, int64_t procs);
+// Throws naming the first missing or non-positive key.
+void validate(const ClusterSpec& c, const std::string& where);
+
+}  // namespace moetrain::plan

@@ -1,0 +1,371 @@
+// Every formula of the planner, once, each with the reason it has that form. Times are seconds,
+// sizes bytes, rates per second. One "process" is one device (a GPU, or a share of this CPU).
+#include "plan/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/check.h"
+#include "core/dtype.h"
+#include "model/params.h"
+
+namespace moetrain::plan {
+
+namespace {
+
+double elem_bytes(DType t) {
+  return t == DType::F32 ? 4.0 : 2.0;
+}
+
+// GEMM (M, N, K): 2·M·N·K FLOPs at the device's peak for the operand type, slowed by the shape
+// efficiency d / (d + gemm_small_dim) with d the smallest side (a GEMM thinner than the kernel's
+// register/tensor-core tile wastes the rest of the tile and cannot amortise loading its operands),
+// plus the fixed cost of one call. Written as flops/peak · (1 + small/d) + call.
+double gemm_time(const DeviceModel& dev, DType t, double M, double N, double K) {
+  if (M <= 0 || N <= 0 || K <= 0) return 0;
+  // A measured table (this CPU): the rate at the nearest measured smallest sides, interpolated
+  // in log d, because GEMM efficiency grows roughly with the logarithm of the thin side there.
+  const bool lp = t != DType::F32 && !dev.gemm_bf16_dims.empty();
+  const auto& dims = lp ? dev.gemm_bf16_dims : dev.gemm_f32_dims;
+  const auto& rates = lp ? dev.gemm_bf16_flops : dev.gemm_f32_flops;
+  if (!dims.empty()) {
+    const double d = std::min({M, N, K});
+    double rate = rates.front();
+    if (d >= dims.back()) {
+      rate = rates.back();
+    } else if (d > dims.front()) {
+      const std::size_t i = static_cast<std::size_t>(
+          std::upper_bound(dims.begin(), dims.end(), d) - dims.begin());
+      const double w = std::log(d / dims[i - 1]) / std::log(dims[i] / dims[i - 1]);
+      rate = rates[i - 1] + w * (rates[i] - rates[i - 1]);
+    }
+    return 2 * M * N * K / rate;
+  }
+  const double peak =
+      (t != DType::F32 && dev.peak_flops_bf16 > 0 ? dev.peak_flops_bf16 : dev.peak_flops_f32) *
+      dev.gemm_max_efficiency;
+  const double d = std::min({M, N, K});
+  return 2 * M * N * K / peak * (1 + dev.gemm_small_dim / d) + dev.gemm_call_s;
+}
+
+// A Linear layer's forward (M, N, K) and its backward: the input gradient (M, K, N) and the
+// weight gradient (N, K, M) — the same FLOPs each, so backward = 2× forward, but at their own
+// shapes (a weight gradient reduces over the tokens).
+double linear_fb_time(const DeviceModel& dev, DType t, double M, double N, double K) {
+  return gemm_time(dev, t, M, N, K) + gemm_time(dev, t, M, K, N) + gemm_time(dev, t, N, K, M);
+}
+
+// Element-wise kernels are bound by memory traffic: bytes moved / bandwidth.
+double stream_time(const DeviceModel& dev, double bytes) {
+  return bytes / dev.memory_bandwidth;
+}
+
+// RMSNorm at its own measured rate where the profile has one.
+double norm_time(const DeviceModel& dev, double bytes) {
+  return bytes / (dev.norm_bandwidth > 0 ? dev.norm_bandwidth : dev.memory_bandwidth);
+}
+
+// Sending `bytes` as `messages` messages over a link: α·messages + bytes / β.
+double link_time(double messages, double latency, double bytes, double bandwidth) {
+  return messages * latency + bytes / bandwidth;
+}
+
+// Ring all-reduce (or reduce-scatter + all-gather, the same traffic) over p ranks: 2(p − 1)
+// steps, each sending bytes / p. A ring that leaves a node goes at the node link's speed.
+double allreduce_time(const ClusterSpec& c, double bytes, int64_t p, bool crosses_nodes) {
+  if (p <= 1 || bytes <= 0) return 0;
+  const double bw = crosses_nodes ? std::min(c.intra_node_bandwidth, c.inter_node_bandwidth)
+                                  : c.intra_node_bandwidth;
+  const double lat = crosses_nodes ? c.inter_node_latency : c.intra_node_latency;
+  return link_time(2.0 * static_cast<double>(p - 1), lat, ring_allreduce_bytes(bytes, p), bw);
+}
+
+struct A2a {
+  double time = 0;
+  std::string kind = "none";
+};
+
+// One expert all-to-all in which each rank of an EP group of `ep` sends `bytes` to the others
+// (its own share stays home). Ranks of a group are consecutive, g of them per node, nn nodes.
+// Every rank of a node exchanges at the same time, so the node's link is divided by its
+// devices_per_node ranks.
+//  flat: every rank sends to each of the ep − 1 others directly: the intra-node part over the
+//        device's link, the inter-node part over its share of the node's link, in parallel.
+//  hierarchical (2-D): first within the node (g − 1 messages, all rows regrouped by destination
+//        node), then between nodes to the same-position rank (nn − 1 messages): fewer, larger
+//        inter-node messages, the rows crossing the device link twice.
+A2a alltoall_time(const ClusterSpec& c, double bytes, int64_t ep, bool hierarchical) {
+  A2a r;
+  if (ep <= 1) return r;
+  const int64_t g = std::min(ep, c.devices_per_node);
+  const int64_t nn = (ep + g - 1) / g;
+  const double node_share = c.inter_node_bandwidth / static_cast<double>(c.devices_per_node);
+  const double all = bytes * static_cast<double>(ep) / static_cast<double>(ep - 1);
+  if (!hierarchical || nn == 1) {
+    const double intra = bytes * static_cast<double>(g - 1) / static_cast<double>(ep - 1);
+    const double inter = bytes - intra;
+    r.time = static_cast<double>(g - 1) * c.intra_node_latency +
+             static_cast<double>(ep - g) * c.inter_node_latency +
+             std::max(intra / c.intra_node_bandwidth, inter > 0 ? inter / node_share : 0.0);
+    r.kind = "flat";
+    return r;
+  }
+  const double phase1 = link_time(static_cast<double>(g - 1), c.intra_node_latency,
+                                  all * static_cast<double>(g - 1) / static_cast<double>(g),
+                                  c.intra_node_bandwidth);
+  const double phase2 = link_time(static_cast<double>(nn - 1), c.inter_node_latency,
+                                  all * static_cast<double>(nn - 1) / static_cast<double>(nn),
+                                  node_share);
+  r.time = phase1 + phase2;
+  r.kind = "hierarchical";
+  return r;
+}
+
+// Optimizer bytes per parameter per step: read parameter, gradient and the state slots, write
+// parameter and slots; plus the clip's read of the gradient and the zeroing write, and the
+// low-precision copy written after the update.
+double optimizer_bytes_per_param(const std::string& name, DType precision) {
+  const double slots = name == "adamw" ? 2 : (name == "sgd" ? 1 : 1);
+  return 4 * (2 + slots) + 4 * (1 + slots) + 4 + 4 + (precision == DType::F32 ? 0 : 2);
+}
+
+double optimizer_state_floats(const std::string& name) {
+  return name == "adamw" ? 2 : 1;
+}
+
+struct ParamCounts {
+  double dense = 0, expert = 0;  // floats: every dense tensor; all experts of all layers
+};
+
+ParamCounts count_params(const ModelConfig& m) {
+  ParamCounts c;
+  const ParamLayout layout(m);
+  for (const auto& p : layout.params())
+    (p.expert >= 0 ? c.expert : c.dense) += static_cast<double>(p.numel);
+  return c;
+}
+
+}  // namespace
+
+LoadModel uniform_load(int64_t E) {
+  return {"uniform", {std::vector<double>(static_cast<std::size_t>(E), 1.0 / E)}};
+}
+
+LoadModel zipf_load(int64_t E, double s) {
+  MOETRAIN_CHECK(s >= 0 && std::isfinite(s), "zipf s = {}: must be ≥ 0", s);
+  std::vector<double> p(static_cast<std::size_t>(E));
+  double sum = 0;
+  for (int64_t e = 0; e < E; ++e) sum += p[e] = 1.0 / std::pow(e + 1.0, s);
+  for (double& v : p) v /= sum;
+  return {"zipf", {p}};
+}
+
+ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
+  ForwardFlops f;
+  const double N = static_cast<double>(B * T), C = m.dim, HS = m.head_dim();
+  const double L = m.n_layers, Lm = m.n_moe_layers(), Ld = L - Lm;
+  // Q, O: C × NH·HS each; K, V: C × NKV·HS each (grouped-query attention).
+  f.attention_proj = L * 2 * N * C * HS * (2 * m.n_heads + 2 * m.n_kv_heads);
+  // q·kᵀ and p·v, causal: query t meets t + 1 keys, T(T + 1)/2 pairs per head, 2 GEMM-like
+  // products of HS each.
+  f.attention_scores = L * 2 * 2 * B * m.n_heads * (T * (T + 1) / 2.0) * HS;
+  f.router = Lm * 2 * N * C * m.n_experts;
+  // Each token's K experts run the SwiGLU FFN: w1, w3 (C → F) and w2 (F → C).
+  f.experts = Lm * 3 * 2 * N * m.top_k * C * m.expert_hidden;
+  f.shared = Lm * 3 * 2 * N * C * m.shared_expert_hidden + Ld * 3 * 2 * N * C * m.dense_ffn_hidden();
+  f.lm_head = 2 * N * C * m.vocab_size;
+  return f;
+}
+
+double ring_allreduce_bytes(double bytes, int64_t p) {
+  return p <= 1 ? 0.0 : 2.0 * static_cast<double>(p - 1) / static_cast<double>(p) * bytes;
+}
+
+Memory memory_per_device(const RunConfig& cfg, const Layout& layout) {
+  const ModelConfig& m = cfg.model;
+  const ParamCounts pc = count_params(m);
+  // Each process keeps every dense tensor and E / EP experts of each layer.
+  const double local = pc.dense + pc.expert / static_cast<double>(layout.ep);
+  Memory mem;
+  mem.params = 4 * local;
+  mem.grads = 4 * local;
+  mem.optimizer_without_zero = 4 * optimizer_state_floats(cfg.optim.name) * local;
+  // ZeRO-1 shards the state of dense tensors over all processes and of each expert over the
+  // DP ranks that hold a replica of it.
+  mem.optimizer = cfg.dist.zero == 1
+                      ? 4 * optimizer_state_floats(cfg.optim.name) *
+                            (pc.dense / static_cast<double>(layout.procs) +
+                             pc.expert / static_cast<double>(layout.ep * layout.dp()))
+                      : mem.optimizer_without_zero;
+  const DType prec = cfg.train.precision_dtype();
+  mem.low_precision = prec == DType::F32 ? 0 : elem_bytes(prec) * local;
+  // Activations kept for backward of one micro-batch (f32 masters of every saved tensor): per
+  // layer the norm inputs and rstd, q/k/v, attention output and lse, the residual, router
+  // probabilities, dispatched rows, the experts' h1/h3/act and outputs; then the logits.
+  const double N = static_cast<double>(cfg.train.batch_size * cfg.train.seq_len);
+  const double C = m.dim, HS = m.head_dim(), K = m.top_k, F = m.expert_hidden;
+  double per_layer_moe = N * (3 * C + 2 + (2 * m.n_heads + 2 * m.n_kv_heads) * HS + 2 * m.n_experts +
+                              2 * K * C + 3 * K * F + 3 * m.shared_expert_hidden) +
+                         static_cast<double>(cfg.train.batch_size * m.n_heads * cfg.train.seq_len);
+  double per_layer_dense = N * (3 * C + 2 + (2 * m.n_heads + 2 * m.n_kv_heads) * HS +
+                                3 * m.dense_ffn_hidden());
+  mem.activations = 4 * (static_cast<double>(m.n_moe_layers()) * per_layer_moe +
+                         static_cast<double>(m.n_layers - m.n_moe_layers()) * per_layer_dense +
+                         N * (2 * C + m.vocab_size));
+  return mem;
+}
+
+Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
+                   const LoadModel& load) {
+  const ModelConfig& m = cfg.model;
+  const DeviceModel& dev = cluster.device;
+  MOETRAIN_CHECK(layout.procs >= 1 && layout.ep >= 1, "--procs {} --ep {}: both must be ≥ 1",
+                 layout.procs, layout.ep);
+  MOETRAIN_CHECK(layout.procs % layout.ep == 0,
+                 "dist.ep = {} must divide the processes ({}): world = DP × EP", layout.ep,
+                 layout.procs);
+  MOETRAIN_CHECK(m.n_experts % layout.ep == 0, "dist.ep = {} must divide model.n_experts = {}",
+                 layout.ep, m.n_experts);
+  MOETRAIN_CHECK(layout.procs <= cluster.devices(),
+                 "{} processes but the cluster has {} devices (devices_per_node {} × nodes {})",
+                 layout.procs, cluster.devices(), cluster.devices_per_node, cluster.nodes);
+  MOETRAIN_CHECK(!load.fractions.empty(), "the load model has no expert fractions");
+  for (const auto& row : load.fractions)
+    MOETRAIN_CHECK(static_cast<int64_t>(row.size()) == m.n_experts,
+                   "the load model has {} experts per layer, model.n_experts = {}", row.size(),
+                   m.n_experts);
+
+  Prediction p;
+  p.layout = layout;
+  const DType prec = cfg.train.precision_dtype();
+  const int64_t B = cfg.train.batch_size, T = cfg.train.seq_len, A = cfg.train.grad_accum;
+  const double N = static_cast<double>(B * T), C = m.dim, HS = m.head_dim(), V = m.vocab_size;
+  const double E = m.n_experts, K = m.top_k, F = m.expert_hidden;
+  const int64_t ep = layout.ep, e_local = m.n_experts / ep;
+  StepParts& s = p.parts;
+
+  // --- compute of one micro-batch, forward + backward ---
+  for (int64_t l = 0; l < m.n_layers; ++l) {
+    s.attention += linear_fb_time(dev, prec, N, m.n_heads * HS, C) +
+                   2 * linear_fb_time(dev, prec, N, m.n_kv_heads * HS, C) +
+                   linear_fb_time(dev, prec, N, C, m.n_heads * HS);
+    // Scores and values: forward 2 products; a flash-style backward recomputes the scores and
+    // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
+    const double score_flops = 3.5 * 2 * B * m.n_heads * (T * (T + 1) / 2.0) * HS;
+    s.attention += dev.attention_flops > 0
+                       ? score_flops / dev.attention_flops
+                       : score_flops / (dev.peak_flops_f32 * dev.gemm_max_efficiency) *
+                             (1 + dev.gemm_small_dim / HS);
+    // RoPE on q and k: read and write, forward and backward.
+    s.attention += stream_time(dev, 2 * 2 * 4 * N * (m.n_heads + m.n_kv_heads) * HS);
+    // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
+    s.norms += norm_time(dev, 3 * 2 * 2 * 4 * N * C) + stream_time(dev, 3 * 2 * 3 * 4 * N * C);
+    if (m.is_dense_layer(l)) {
+      const double Fd = m.dense_ffn_hidden();
+      s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
+                         linear_fb_time(dev, prec, N, C, Fd) +
+                         stream_time(dev, 3 * 3 * 4 * N * Fd);
+      continue;
+    }
+    s.router += linear_fb_time(dev, DType::F32, N, E, C) + stream_time(dev, 3 * 2 * 4 * N * E);
+    // Dispatch (gather rows) and combine (weighted scatter-add), forward and backward.
+    s.norms += stream_time(dev, 2 * 2 * 2 * 4 * N * K * C);
+    if (m.shared_expert_hidden > 0) {
+      const double Fs = m.shared_expert_hidden;
+      s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fs, C) +
+                         linear_fb_time(dev, prec, N, C, Fs) + stream_time(dev, 3 * 3 * 4 * N * Fs);
+    }
+    // Experts: the EP group's ep·N·K assignments spread by the load model (capacity clips an
+    // expert's rows); rank r holds experts [r·E/ep, (r+1)·E/ep). The slowest rank sets the step.
+    const auto& frac = load.fractions[std::min<std::size_t>(l, load.fractions.size() - 1)];
+    const double assignments = static_cast<double>(ep) * N * K;
+    const double cap = m.capacity_factor > 0
+                           ? std::ceil(assignments / E * m.capacity_factor)
+                           : assignments;
+    double worst = 0, sum = 0, worst_rows = 0, rows_sum = 0;
+    for (int64_t r = 0; r < ep; ++r) {
+      double t = 0, rows = 0;
+      for (int64_t e = r * e_local; e < (r + 1) * e_local; ++e) {
+        const double n = std::min(cap, std::round(assignments * frac[e]));
+        rows += n;
+        t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
+             stream_time(dev, 3 * 3 * 4 * n * F);
+      }
+      sum += t;
+      rows_sum += rows;
+      if (t > worst) {
+        worst = t;
+        worst_rows = rows;
+      }
+    }
+    s.experts += worst;
+    s.experts_mean += sum / static_cast<double>(ep);
+    p.imbalance = std::max(p.imbalance, rows_sum > 0 ? worst_rows * ep / rows_sum : 1.0);
+    // Four all-to-alls per layer (dispatch and combine, forward and backward). A rank sends its
+    // rows bound elsewhere; the hot rank receives its share of the whole group's rows.
+    const double row_bytes = C * elem_bytes(parse_dtype(cfg.dist.a2a_dtype, "dist.a2a_dtype"));
+    const double send = N * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
+    const double recv = worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
+    const A2a a = alltoall_time(cluster, std::max(send, recv), ep, cfg.dist.hierarchical);
+    s.a2a += 4 * a.time;
+    p.a2a_kind = a.kind;
+  }
+  // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
+  // read and write them backward).
+  s.norms += norm_time(dev, 3 * 2 * 4 * N * C) + stream_time(dev, 3 * 4 * N * C);
+  s.lm_head += linear_fb_time(dev, prec, N, V, C) + stream_time(dev, 3 * 4 * N * V);
+  if (p.a2a_kind.empty()) p.a2a_kind = "none";
+
+  // Everything above is one micro-batch; the step runs A of them.
+  for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
+                    &s.norms, &s.lm_head, &s.a2a})
+    *v *= static_cast<double>(A);
+  // Chunked all-to-all: while one chunk's rows travel, the experts compute another, so of the
+  // (c − 1)/c of the traffic that has a neighbour chunk, min(comm, compute) is hidden.
+  const double c = static_cast<double>(std::max<int64_t>(1, cfg.dist.a2a_chunks));
+  s.a2a_exposed = s.a2a - (c - 1) / c * std::min(s.a2a, s.experts);
+
+  // --- once per step: gradient reduction and the update ---
+  const ParamCounts pc = count_params(m);
+  const double grad_elem = elem_bytes(parse_dtype(cfg.dist.grad_reduce_dtype, "dist.grad_reduce_dtype"));
+  const bool multi_node = layout.procs > cluster.devices_per_node;
+  s.grad_sync = allreduce_time(cluster, pc.dense * grad_elem, layout.procs, multi_node) +
+                allreduce_time(cluster, pc.expert / static_cast<double>(ep) * grad_elem,
+                               layout.dp(), multi_node);
+  // With overlap, buckets reduce while backward still runs: only what outlasts the backward, and
+  // at least the last bucket, is exposed. Backward is two thirds of the compute.
+  const double grad_bytes = (pc.dense + pc.expert / static_cast<double>(ep)) * grad_elem;
+  const double buckets = std::max(1.0, std::ceil(grad_bytes / (cfg.dist.bucket_mb * 1048576.0)));
+  const double backward = 2.0 / 3.0 * (s.compute() - s.experts_mean + s.experts);
+  s.grad_sync_exposed = cfg.dist.overlap && s.grad_sync > 0
+                            ? std::max(s.grad_sync / buckets, s.grad_sync - backward)
+                            : s.grad_sync;
+  const double local = pc.dense + pc.expert / static_cast<double>(ep);
+  const double updated = cfg.dist.zero == 1 ? pc.dense / static_cast<double>(layout.procs) +
+                                                  pc.expert / static_cast<double>(ep * layout.dp())
+                                            : local;
+  s.optimizer = stream_time(dev, updated * optimizer_bytes_per_param(cfg.optim.name, prec)) +
+                stream_time(dev, 8 * (local - updated));  // grads zeroed, clip read: everywhere
+
+  p.step_time_s = s.compute() + s.a2a_exposed + s.grad_sync_exposed;
+  p.flops_per_step = 3 * forward_flops(m, B, T).total() * static_cast<double>(A * layout.procs);
+  const double peak =
+      prec != DType::F32 && dev.peak_flops_bf16 > 0 ? dev.peak_flops_bf16 : dev.peak_flops_f32;
+  p.mfu = p.flops_per_step / (p.step_time_s * static_cast<double>(layout.procs) * peak);
+  p.tokens_per_s = N * static_cast<double>(A * layout.procs) / p.step_time_s;
+  p.memory = memory_per_device(cfg, layout);
+  p.fits = dev.memory_bytes <= 0 || p.memory.total() <= dev.memory_bytes;
+  return p;
+}
+
+void check_fits(const Prediction& p, const ClusterSpec& cluster) {
+  MOETRAIN_CHECK(p.fits,
+                 "the model does not fit: it needs {:.3f} GiB per device (parameters {:.3f}, "
+                 "gradients {:.3f}, optimizer {:.3f}, activations {:.3f}), the device has {:.3f} "
+                 "GiB (device.memory_bytes)",
+                 p.memory.total() / 1073741824.0, p.memory.params / 1073741824.0,
+                 p.memory.grads / 1073741824.0, p.memory.optimizer / 1073741824.0,
+                 p.memory.activations / 1073741824.0, cluster.device.memory_bytes / 1073741824.0);
+}
+
+}  // namespace moetrain::plan

@@ -1,0 +1,100 @@
+// The planner's cost model: step time, memory and scaling of a training run predicted from the
+// same RunConfig the trainer reads, on a ClusterSpec, under a load model. Pure arithmetic: it
+// runs no training and opens no files (load models from metrics are read in load_model.h).
+//
+// Layout: world = DP × EP processes (dist.ep); tensor and pipeline parallelism are absent (as in
+// the trainer), so every process holds every dense weight and E / EP experts per MoE layer.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "plan/cluster.h"
+#include "train/run_config.h"
+
+namespace moetrain::plan {
+
+// How tokens spread over experts: fractions per MoE layer (each sums to 1). One row is used for
+// every layer when fewer rows than layers are given.
+struct LoadModel {
+  std::string kind = "uniform";  // uniform | zipf | measured
+  std::vector<std::vector<double>> fractions;  // (layers or 1, E)
+};
+LoadModel uniform_load(int64_t E);
+// p_e ∝ 1 / (e + 1)^s: the hottest experts sit together on the first EP rank (worst placement).
+LoadModel zipf_load(int64_t E, double s);
+
+struct Layout {
+  int64_t procs = 1;
+  int64_t ep = 1;
+  int64_t dp() const { return procs / ep; }
+};
+
+// Seconds of one optimizer step (all micro-batches), by part; forward + backward together.
+struct StepParts {
+  double attention = 0;     // QKV/O projections, scores and values, RoPE
+  double router = 0;        // gate GEMM, softmax / top-k
+  double experts = 0;       // the slowest rank's expert GEMMs and SwiGLU (sets the step)
+  double experts_mean = 0;  // the same at the mean load (what perfect balance would take)
+  double shared_expert = 0;  // shared expert and dense FFN layers
+  double norms = 0;          // RMSNorms, residual adds, dispatch/combine copies, embedding
+  double lm_head = 0;        // LM head GEMM and cross-entropy
+  double optimizer = 0;      // clip + update over this process's parameters and state
+  double a2a = 0;            // expert all-to-alls, total
+  double a2a_exposed = 0;    // what chunking did not hide
+  double grad_sync = 0;      // gradient all-reduce (or reduce-scatter + all-gather), total
+  double grad_sync_exposed = 0;
+  double compute() const {
+    return attention + router + experts + shared_expert + norms + lm_head + optimizer;
+  }
+};
+
+struct Memory {  // bytes per device
+  double params = 0, grads = 0, optimizer = 0, low_precision = 0, activations = 0;
+  double optimizer_without_zero = 0;  // what the optimizer state would take without ZeRO-1
+  double total() const { return params + grads + optimizer + low_precision + activations; }
+};
+
+struct Prediction {
+  Layout layout;
+  StepParts parts;
+  Memory memory;
+  double step_time_s = 0;
+  double flops_per_step = 0;  // model FLOPs (forward + backward) of the whole step, all processes
+  double mfu = 0;             // flops_per_step / (step_time_s · devices · peak of the precision)
+  double tokens_per_s = 0;
+  double imbalance = 1;  // slowest rank's expert tokens over the mean
+  bool fits = true;
+  std::string a2a_kind;  // flat | hierarchical | none
+};
+
+// Throws (naming the key) when the layout does not divide or the model does not fit.
+Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
+                   const LoadModel& load);
+
+// Throws "does not fit: needs X GiB per device" when the prediction exceeds device.memory_bytes.
+void check_fits(const Prediction& p, const ClusterSpec& cluster);
+
+nlohmann::json to_json(const Prediction& p);
+// A human-readable table of one or several predictions (a sweep).
+std::string format_table(const std::vector<Prediction>& ps);
+
+// --- formulas, exposed for the unit tests ---------------------------------------------------------
+
+// Forward FLOPs of one micro-batch of one process at uniform load, by part (no backward).
+struct ForwardFlops {
+  double attention_proj = 0, attention_scores = 0, router = 0, experts = 0, shared = 0,
+         lm_head = 0;
+  double total() const {
+    return attention_proj + attention_scores + router + experts + shared + lm_head;
+  }
+};
+ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
+// Bytes each rank sends in a ring all-reduce of `bytes` over p ranks: 2 (p − 1) / p · bytes.
+double ring_allreduce_bytes(double bytes, int64_t p);
+// Memory per device (ZeRO-1 as the config says).
+Memory memory_per_device(const RunConfig& cfg, const Layout& layout);
+
+}  // namespace moetrain::plan

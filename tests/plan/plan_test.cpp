@@ -1,0 +1,211 @@
+// The planner's formulas against hand counts, and its refusals of bad input.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "core/check.h"
+#include "model/params.h"
+#include "plan/cluster.h"
+#include "plan/cost_model.h"
+#include "plan/load_model.h"
+#include "support/temp_dir.h"
+
+using namespace moetrain;
+using namespace moetrain::plan;
+
+namespace {
+
+ModelConfig tiny_shape() {
+  ModelConfig m;
+  m.vocab_size = 16;
+  m.dim = 8;
+  m.n_layers = 1;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.expert_hidden = 4;
+  m.n_experts = 4;
+  m.top_k = 2;
+  m.max_seq_len = 4;
+  return m;
+}
+
+ClusterSpec gpu_cluster(int64_t per_node, int64_t nodes) {
+  ClusterSpec c;
+  c.device = builtin_device("h100");
+  c.devices_per_node = per_node;
+  c.nodes = nodes;
+  c.intra_node_bandwidth = 450e9;
+  c.inter_node_bandwidth = 400e9;
+  c.intra_node_latency = 3e-6;
+  c.inter_node_latency = 10e-6;
+  return c;
+}
+
+RunConfig small_run() {
+  RunConfig cfg;
+  cfg.model.vocab_size = 256;
+  cfg.model.dim = 256;
+  cfg.model.n_layers = 2;
+  cfg.model.n_heads = 4;
+  cfg.model.n_kv_heads = 2;
+  cfg.model.expert_hidden = 512;
+  cfg.model.n_experts = 8;
+  cfg.model.top_k = 2;
+  cfg.train.batch_size = 8;
+  cfg.train.seq_len = 256;
+  cfg.model.max_seq_len = 256;
+  return cfg;
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+// Hand count, B = 1, T = 4, C = 8, NH = 2, NKV = 1 (HS = 4), F = 4, E = 4, K = 2, V = 16.
+TEST(PlanFormulas, ForwardFlopsMatchAHandCount) {
+  const ForwardFlops f = forward_flops(tiny_shape(), 1, 4);
+  // Q (8→8) and O (8→8): 2·4·8·8 = 512 each; K and V (8→4): 256 each.
+  EXPECT_DOUBLE_EQ(f.attention_proj, 512 + 512 + 256 + 256);
+  // 10 causal (query, key) pairs per head, 2 heads, q·k and p·v of 4 multiply-adds each.
+  EXPECT_DOUBLE_EQ(f.attention_scores, 10 * 2 * 2 * (2 * 4));
+  EXPECT_DOUBLE_EQ(f.router, 2 * 4 * 8 * 4);
+  // 4 tokens × 2 experts, each w1, w3 (8→4) and w2 (4→8): 3 · 2·8·4 FLOPs.
+  EXPECT_DOUBLE_EQ(f.experts, 4 * 2 * 3 * (2 * 8 * 4));
+  EXPECT_DOUBLE_EQ(f.lm_head, 2 * 4 * 8 * 16);
+  EXPECT_DOUBLE_EQ(f.shared, 0);
+}
+
+TEST(PlanFormulas, RingAllReduceSendsTwiceTheShareOfTheOthers) {
+  EXPECT_DOUBLE_EQ(ring_allreduce_bytes(100, 4), 150);
+  EXPECT_DOUBLE_EQ(ring_allreduce_bytes(100, 2), 100);
+  EXPECT_DOUBLE_EQ(ring_allreduce_bytes(100, 1), 0);
+}
+
+TEST(PlanFormulas, MemoryWithAndWithoutZero1) {
+  RunConfig cfg = small_run();
+  double dense = 0, expert = 0;
+  const ParamLayout layout(cfg.model);
+  for (const auto& p : layout.params()) (p.expert >= 0 ? expert : dense) += p.numel;
+  const Layout l{8, 2};  // DP 4 × EP 2
+  const Memory plain = memory_per_device(cfg, l);
+  EXPECT_DOUBLE_EQ(plain.params, 4 * (dense + expert / 2));
+  EXPECT_DOUBLE_EQ(plain.grads, plain.params);
+  EXPECT_DOUBLE_EQ(plain.optimizer, 2 * 4 * (dense + expert / 2));  // AdamW: m and v
+  EXPECT_DOUBLE_EQ(plain.low_precision, 0);
+  cfg.dist.zero = 1;
+  const Memory zero = memory_per_device(cfg, l);
+  EXPECT_DOUBLE_EQ(zero.optimizer, 2 * 4 * (dense / 8 + expert / (2 * 4)));
+  EXPECT_DOUBLE_EQ(zero.optimizer_without_zero, plain.optimizer);
+  cfg.train.precision = "bf16";
+  EXPECT_DOUBLE_EQ(memory_per_device(cfg, l).low_precision, 2 * (dense + expert / 2));
+}
+
+TEST(PlanModel, SkewedLoadSlowsTheStepAndTheHotRankSetsIt) {
+  const RunConfig cfg = small_run();
+  const ClusterSpec c = gpu_cluster(8, 1);
+  const Prediction even = predict(cfg, c, {8, 4}, uniform_load(8));
+  const Prediction skew = predict(cfg, c, {8, 4}, zipf_load(8, 1.2));
+  EXPECT_NEAR(even.imbalance, 1.0, 1e-9);
+  EXPECT_GT(skew.imbalance, 1.5);
+  EXPECT_GT(skew.parts.experts, 1.3 * skew.parts.experts_mean);
+  EXPECT_GT(skew.step_time_s, even.step_time_s);
+  EXPECT_GT(skew.parts.a2a, even.parts.a2a);  // the hot rank receives more rows
+}
+
+TEST(PlanModel, HierarchicalAllToAllPaysFewerInterNodeLatencies) {
+  RunConfig cfg = small_run();
+  cfg.train.batch_size = 1;
+  cfg.train.seq_len = 8;  // tiny messages: latency-bound
+  ClusterSpec c = gpu_cluster(4, 4);
+  c.inter_node_latency = 1e-3;
+  const Prediction flat = predict(cfg, c, {16, 8}, uniform_load(8));
+  cfg.dist.hierarchical = true;
+  const Prediction hier = predict(cfg, c, {16, 8}, uniform_load(8));
+  EXPECT_EQ(flat.a2a_kind, "flat");
+  EXPECT_EQ(hier.a2a_kind, "hierarchical");
+  // flat: 4 off-node peers per all-to-all; 2-D: 1 (two nodes per group of 8).
+  EXPECT_LT(hier.parts.a2a, 0.5 * flat.parts.a2a);
+}
+
+TEST(PlanModel, ChunkedAllToAllHidesBehindExperts) {
+  RunConfig cfg = small_run();
+  const ClusterSpec c = gpu_cluster(8, 1);
+  const Prediction one = predict(cfg, c, {8, 8}, uniform_load(8));
+  cfg.dist.a2a_chunks = 4;
+  const Prediction four = predict(cfg, c, {8, 8}, uniform_load(8));
+  EXPECT_DOUBLE_EQ(one.parts.a2a_exposed, one.parts.a2a);
+  EXPECT_NEAR(four.parts.a2a_exposed,
+              four.parts.a2a - 0.75 * std::min(four.parts.a2a, four.parts.experts), 1e-12);
+  EXPECT_LT(four.step_time_s, one.step_time_s);
+}
+
+TEST(PlanBadInput, LayoutThatDoesNotDivide) {
+  const RunConfig cfg = small_run();
+  const ClusterSpec c = gpu_cluster(8, 2);
+  EXPECT_NE(error_of([&] { predict(cfg, c, {6, 4}, uniform_load(8)); }).find("dist.ep = 4"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { predict(cfg, c, {6, 3}, uniform_load(8)); }).find("model.n_experts"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { predict(cfg, c, {32, 8}, uniform_load(8)); }).find("16 devices"),
+            std::string::npos);
+}
+
+TEST(PlanBadInput, ModelThatDoesNotFitSaysWhatItNeeds) {
+  RunConfig cfg = small_run();
+  cfg.model.dim = 4096;
+  cfg.model.expert_hidden = 14336;
+  cfg.model.n_layers = 32;
+  cfg.model.n_heads = 32;
+  cfg.model.n_kv_heads = 8;
+  cfg.model.vocab_size = 32000;
+  cfg.model.max_seq_len = 4096;
+  ClusterSpec c = gpu_cluster(8, 1);
+  const Prediction p = predict(cfg, c, {8, 8}, uniform_load(8));
+  EXPECT_FALSE(p.fits);
+  const std::string e = error_of([&] { check_fits(p, c); });
+  EXPECT_NE(e.find("does not fit"), std::string::npos) << e;
+  EXPECT_NE(e.find("GiB per device"), std::string::npos) << e;
+  EXPECT_NE(e.find("device.memory_bytes"), std::string::npos) << e;
+}
+
+TEST(PlanBadInput, ClusterFileKeysAreNamed) {
+  moetrain::testing::TempDir tmp("plan_cluster");
+  const std::string good =
+      "[cluster]\ndevice = \"a100\"\ndevices_per_node = 8\nnodes = 4\n"
+      "intra_node_bandwidth = 300e9\ninter_node_bandwidth = 200e9\n"
+      "intra_node_latency = 3e-6\ninter_node_latency = 5e-6\n";
+  auto write = [&](const std::string& text) {
+    const auto path = (tmp.path() / "c.toml").string();
+    std::ofstream(path) << text;
+    return path;
+  };
+  const ClusterSpec c = load_cluster(write(good), "");
+  EXPECT_EQ(c.devices(), 32);
+  EXPECT_DOUBLE_EQ(c.device.peak_flops_bf16, 312e12);
+  auto without = [&](const std::string& key) {
+    std::string t = good;
+    const auto at = t.find(key);
+    t.erase(at, t.find('\n', at) - at + 1);
+    return t;
+  };
+  std::string e = error_of([&] { load_cluster(write(without("inter_node_bandwidth")), ""); });
+  EXPECT_NE(e.find("cluster.inter_node_bandwidth is missing"), std::string::npos) << e;
+  std::string zero = good;
+  zero.replace(zero.find("nodes = 4"), 9, "nodes = 0");
+  e = error_of([&] { load_cluster(write(zero), ""); });
+  EXPECT_NE(e.find("cluster.nodes = 0: must be positive"), std::string::npos) << e;
+  e = error_of([&] { load_cluster(write(without("device = ")), ""); });
+  EXPECT_NE(e.find("--profile"), std::string::npos) << e;
+  e = error_of([&] { builtin_device("v100"); });
+  EXPECT_NE(e.find("allowed are a100, h100"), std::string::npos) << e;
+  e = error_of([&] { parse_load("zipf:x", 8); });
+  EXPECT_NE(e.find("zipf:S"), std::string::npos) << e;
+}
