@@ -117,6 +117,9 @@ Bits run_case(const Case& c, int ep) {
   MpiExchangeOptions opts;
   opts.chunks = c.chunks;
   if (c.threaded) opts.thread = &thread;
+  // Pure EP over a flat route: every rank its own node, so every row that leaves a rank counts.
+  const bool count_bytes = ep == P && c.ranks_per_node < 0 && !c.local_groups();
+  if (count_bytes) opts.ranks_per_node = 1;
   MpiExchange exchange(route, opts);
   MoeLayer layer(cfg, {&exchange, groups.moe_stats.get()});
   std::vector<float> out(N * C + 1, 0.0f), dinp(N * C + 1, 0.0f), grads(sizes.total(), 0.0f);
@@ -126,6 +129,20 @@ Bits run_case(const Case& c, int ep) {
   layer.backward(dinp.data(), R.data() + first * C, w, g, static_cast<float>(N) / Ng);
 
   const std::string where = "rank " + std::to_string(r) + " ep " + std::to_string(ep);
+  if (count_bytes) {
+    // Each routed row crosses four times: dispatch and combine, forward and backward.
+    int64_t bytes = exchange.take_cross_node_bytes(), want = 0;
+    groups.control->allreduce(&bytes, 1);
+    const Routing& rt = ref.routing();
+    for (int64_t t = 0, q = 0, end = tokens_of(0, false); t < Ng; ++t) {
+      while (t >= end) end += tokens_of(static_cast<int>(++q), false);
+      for (int64_t k = 0; k < rt.S; ++k) {
+        const int32_t e = rt.expert[t * rt.S + k];
+        want += e >= 0 && e / (E / P) != q ? 4 * C * int64_t(sizeof(float)) : 0;
+      }
+    }
+    EXPECT_EQ(bytes, want) << where;
+  }
   EXPECT_LE(rel_diff(out.data(), ref_out.data() + first * C, N * C), 1e-5) << where;
   EXPECT_LE(rel_diff(dinp.data(), ref_dinp.data() + first * C, N * C), 1e-5) << where;
   if (!local) {
