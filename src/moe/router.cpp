@@ -82,10 +82,12 @@ struct GroupScratch {
   std::vector<float> vals, gscore, gvals;
   std::vector<int32_t> idx, gidx;
   std::vector<char> kept;
-  GroupScratch(const MoeConfig& cfg) {
+  explicit GroupScratch(const MoeConfig& cfg) {
     const int64_t G = std::max<int64_t>(cfg.route_groups, 1);
     const int64_t J = std::min(cfg.K, cfg.E / G), M = std::max<int64_t>(cfg.route_group_topk, 1);
-    vals.resize(J), idx.resize(J), gscore.resize(G), gvals.resize(M), gidx.resize(M), kept.resize(G);
+    vals.resize(J), idx.resize(J);
+    gscore.resize(G), kept.resize(G);
+    gvals.resize(M), gidx.resize(M);
   }
 };
 

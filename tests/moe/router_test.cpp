@@ -220,7 +220,8 @@ TEST(GroupLimited, TokensStayInTheirBestGroups) {
   const int64_t N = 64, Eg = 2;
   std::vector<float> inp = random_vector(N * cfg.C, 7), gate = random_vector(cfg.E * cfg.C, 8),
                      noise = random_vector(cfg.E * cfg.C, 9), bias = random_vector(cfg.E, 10, 0.3f);
-  for (RouterKind kind : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::SigmoidBias}) {
+  for (RouterKind kind :
+       {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::SigmoidBias}) {
     cfg.router = kind;
     MoeConfig off = cfg;
     off.route_groups = 0;

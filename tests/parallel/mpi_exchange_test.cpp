@@ -1,8 +1,8 @@
-// The MoE layer over the MPI expert exchange against the layer on one process holding every rank's tokens:
-// outputs, input gradients, balancing losses, gate and expert gradients, router loads. Ranks hold
-// different numbers of tokens (one holds none), experts may get no rows anywhere, and a router can
-// send everything to the experts of one rank. Capacity dropping and expert choice decide per rank
-// (GShard's local groups): their reference runs each rank's tokens as a batch of its own.
+// The MoE layer over the MPI expert exchange against the layer on one process holding every rank's
+// tokens: outputs, input gradients, balancing losses, gate and expert gradients, router loads.
+// Ranks hold different numbers of tokens (one holds none), experts may get no rows anywhere, and a
+// router can send everything to the experts of one rank. Capacity dropping and expert choice decide
+// per rank (GShard's local groups): their reference runs each rank's tokens as a batch of its own.
 #include <gtest/gtest.h>
 
 #include <algorithm>
