@@ -27,6 +27,8 @@ MoeConfig MoeModelConfig::moe_config(int64_t dim) const {
   m.z_loss_coef = static_cast<float>(z_loss_coef);
   m.bias_update_rate = static_cast<float>(bias_update_rate);
   m.shared_F = shared_expert_hidden;
+  m.route_groups = route_groups;
+  m.route_group_topk = route_group_topk;
   return m;
 }
 
@@ -44,8 +46,15 @@ void MoeModelConfig::validate_moe() const {
                  bias_update_rate);
   MOETRAIN_CHECK(shared_expert_hidden >= 0,
                  "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)", shared_expert_hidden);
+  MoeConfig m;
   try {
-    moe_config(1).validate();  // also rejects unknown router names, listing the allowed ones
+    m = moe_config(1);  // rejects unknown router names, listing the allowed ones
+  } catch (const Error& e) {
+    MOETRAIN_FAIL("model.router = '{}': {}", router, e.what());
+  }
+  m.validate_route_groups();  // its messages name the model.route_* keys
+  try {
+    m.validate();
   } catch (const Error& e) {
     MOETRAIN_FAIL("model.router = '{}': {}", router, e.what());
   }
@@ -89,6 +98,7 @@ bool ModelConfig::hf_mixtral_compatible(std::string* why) const {
   if (shared_expert_hidden > 0) return no("Mixtral has no shared experts");
   if (dense_every > 0) return no("Mixtral has no dense layers");
   if (capacity_factor > 0) return no("Mixtral does not drop tokens (capacity_factor must be 0)");
+  if (route_groups > 1) return no("Mixtral has no group-limited routing (route_groups must be 0)");
   return true;
 }
 

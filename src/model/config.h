@@ -21,6 +21,8 @@ struct MoeModelConfig {
   double z_loss_coef = 1e-3;
   double bias_update_rate = 1e-3;
   int64_t shared_expert_hidden = 0;  // 0 = no shared expert
+  int64_t route_groups = 0;          // G expert groups for group-limited routing, 0 or 1 = off
+  int64_t route_group_topk = 0;      // M groups each token may route to
 
   // The layer configuration of an MoE block over model dimension `dim`.
   MoeConfig moe_config(int64_t dim) const;

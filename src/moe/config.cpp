@@ -50,6 +50,29 @@ void MoeConfig::validate() const {
   MOETRAIN_CHECK(shared_F >= 0,
                  "moe config: shared_F (shared expert hidden size) is {}, must be >= 0 (0 = none)",
                  shared_F);
+  validate_route_groups();
+}
+
+void MoeConfig::validate_route_groups() const {
+  MOETRAIN_CHECK(route_groups >= 0, "model.route_groups = {}: must be >= 0 (0 or 1 = off)",
+                 route_groups);
+  if (!group_limited()) return;
+  MOETRAIN_CHECK(is_token_choice(router),
+                 "model.route_groups = {}: group-limited routing needs a token-choice router; "
+                 "model.router = expert_choice lets experts pick tokens (set route_groups = 0)",
+                 route_groups);
+  MOETRAIN_CHECK(E % route_groups == 0,
+                 "model.route_groups = {}: must divide model.n_experts = {} (the groups are equal "
+                 "and contiguous)",
+                 route_groups, E);
+  MOETRAIN_CHECK(route_group_topk >= 1 && route_group_topk <= route_groups,
+                 "model.route_group_topk = {}: must be in [1, model.route_groups = {}]",
+                 route_group_topk, route_groups);
+  MOETRAIN_CHECK(route_group_topk * (E / route_groups) >= K,
+                 "model.route_group_topk = {}: the kept groups hold {} · {} = {} experts, fewer "
+                 "than model.top_k = {}",
+                 route_group_topk, route_group_topk, E / route_groups,
+                 route_group_topk * (E / route_groups), K);
 }
 
 MoeParamSizes moe_param_sizes(const MoeConfig& cfg) {

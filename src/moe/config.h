@@ -30,9 +30,18 @@ struct MoeConfig {
   float aux_loss_coef = 1e-2f, z_loss_coef = 1e-3f;
   float bias_update_rate = 1e-3f;  // sigmoid_bias γ
   int64_t shared_F = 0;            // shared expert hidden size, 0 = none
+  // Group-limited routing (token-choice routers): the experts form G contiguous groups; a token
+  // keeps its best M groups, ranked by the sum of its top-min(K, E/G) scores in each, and picks
+  // its top-K among their experts only. G ≤ 1 = off.
+  int64_t route_groups = 0;      // G
+  int64_t route_group_topk = 0;  // M
+
+  bool group_limited() const { return route_groups > 1; }
 
   // Throws an Error naming the first invalid field, its value and what is allowed.
   void validate() const;
+  // The group-limited routing part of validate(), with messages naming the model.* keys.
+  void validate_route_groups() const;
 };
 
 // Views into the model's flat parameter buffer; the gradient buffer has the same layout, so the

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "core/check.h"
@@ -76,6 +77,42 @@ void expert_choice_select(Routing& r, const float* probs, int64_t N, int64_t E, 
   }
 }
 
+// Per-thread scratch of keep_best_groups.
+struct GroupScratch {
+  std::vector<float> vals, gscore, gvals;
+  std::vector<int32_t> idx, gidx;
+  std::vector<char> kept;
+  explicit GroupScratch(const MoeConfig& cfg) {
+    const int64_t G = std::max<int64_t>(cfg.route_groups, 1);
+    const int64_t J = std::min(cfg.K, cfg.E / G), M = std::max<int64_t>(cfg.route_group_topk, 1);
+    vals.resize(J), idx.resize(J);
+    gscore.resize(G), kept.resize(G);
+    gvals.resize(M), gidx.resize(M);
+  }
+};
+
+// Group-limited routing: key[e] = -inf for the experts outside the token's best M groups, a group
+// ranked by the sum of its J = min(K, E/G) largest scores (ties to the lower group). J = K because
+// no token can take more than K experts of one group, so the sum is the most that group could add
+// to the token's top-K. score may alias key: every group is scored before anything is masked.
+void keep_best_groups(float* key, const float* score, const MoeConfig& cfg, GroupScratch& s) {
+  const int64_t G = cfg.route_groups, M = cfg.route_group_topk, Eg = cfg.E / G;
+  const int64_t J = std::min(cfg.K, Eg);
+  for (int64_t g = 0; g < G; ++g) {
+    topk_indices(s.idx.data(), s.vals.data(), score + g * Eg, Eg, J);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < J; ++j) sum += s.vals[j];
+    s.gscore[g] = sum;
+  }
+  topk_indices(s.gidx.data(), s.gvals.data(), s.gscore.data(), G, M);
+  std::fill(s.kept.begin(), s.kept.end(), 0);
+  for (int64_t m = 0; m < M; ++m) s.kept[s.gidx[m]] = 1;
+  for (int64_t g = 0; g < G; ++g) {
+    if (s.kept[g]) continue;
+    std::fill(key + g * Eg, key + (g + 1) * Eg, -std::numeric_limits<float>::infinity());
+  }
+}
+
 }  // namespace
 
 void topk_indices(int32_t* idx, float* vals, const float* key, int64_t E, int64_t K) {
@@ -134,9 +171,14 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
     }
   }
   const bool renorm = cfg.renormalize;
+  const bool grouped = cfg.group_limited();
+  MOETRAIN_CHECK(!grouped || is_token_choice(kind),
+                 "router_forward: model.route_groups = {} needs a token-choice router, not {}",
+                 cfg.route_groups, router_kind_name(kind));
 #pragma omp parallel if (N > kParallelRows)
   {
-    std::vector<float> key(E), vals(K);
+    std::vector<float> key(E), score(grouped ? E : 0), vals(K);
+    GroupScratch groups(cfg);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < N; ++t) {
       const float* l = cache.logits.data() + t * E;
@@ -146,7 +188,11 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
       switch (kind) {
         case RouterKind::TopKSoftmax:
           cache.lse[t] = softmax_row(p, l, E);
-          topk_indices(sel, vals.data(), l, E, K);
+          if (grouped) {
+            std::copy(l, l + E, key.data());
+            keep_best_groups(key.data(), p, cfg, groups);
+          }
+          topk_indices(sel, vals.data(), grouped ? key.data() : l, E, K);
           kept_weights(w, sel, p, K, renorm);
           break;
         case RouterKind::NoisyTopK: {
@@ -158,7 +204,13 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
           } else {
             std::copy(l, l + E, p);
           }
-          topk_indices(sel, vals.data(), p, E, K);
+          if (grouped) {
+            // Groups are ranked by the noisy probabilities softmax(H), experts by H.
+            softmax_row(score.data(), p, E);
+            std::copy(p, p + E, key.data());
+            keep_best_groups(key.data(), score.data(), cfg, groups);
+          }
+          topk_indices(sel, vals.data(), grouped ? key.data() : p, E, K);
           softmax_row(p, p, E);
           // Σ_kept p renormalised equals the softmax over the kept entries of H.
           kept_weights(w, sel, p, K, true);
@@ -173,6 +225,8 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
             p[e] = sigmoid(l[e]);
             key[e] = p[e] + bias[e];
           }
+          // As in DeepSeek-V3, groups are ranked by the biased scores that select the experts.
+          if (grouped) keep_best_groups(key.data(), key.data(), cfg, groups);
           topk_indices(sel, vals.data(), key.data(), E, K);
           kept_weights(w, sel, p, K, renorm);
           break;

@@ -7,6 +7,13 @@
 //   expert_choice  p = softmax(l); expert e takes its top-Cap tokens by p[:, e]; w = p
 //   sigmoid_bias   s = σ(l); top-K of s + b; w = s_k / Σ_kept s (or s_k without renormalize)
 // with l = x·gateᵀ. Ties go to the lower expert (token) index.
+//
+// Group-limited routing (MoeConfig::route_groups G > 1, token-choice routers): before the top-K,
+// each token keeps its best route_group_topk groups of E/G contiguous experts, a group ranked by
+// the sum of its top-min(K, E/G) scores (p for topk_softmax, softmax(H) for noisy_topk, s + b for
+// sigmoid_bias), and the top-K is taken among the kept experts only. The mask is a selection like
+// the top-K itself, so the weights and the backward above hold unchanged: masked experts get no
+// weight and no gradient through the weights.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -12,6 +12,7 @@ ExpertParallelSetup make_expert_parallel(const ExpertParallelOptions& opts, Proc
   MpiExchangeOptions ex;
   ex.chunks = opts.chunks;
   ex.wire = opts.wire;
+  ex.ranks_per_node = opts.ranks_per_node;
   if (opts.chunks > 1 || opts.overlap) {
     s.comm_thread = std::make_unique<CommThread>();
     ex.thread = s.comm_thread.get();

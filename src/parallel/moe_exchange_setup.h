@@ -17,7 +17,9 @@ namespace moetrain {
 
 struct ExpertParallelOptions {
   bool hierarchical = false;  // the 2-D all-to-all, within nodes then between them
-  int ranks_per_node = 0;     // with hierarchical: > 0 sets the node size, 0 detects
+  // > 0 sets the node size (hierarchical: of the 2-D route; always: for counting the all-to-all
+  // bytes that cross nodes); with hierarchical, 0 detects.
+  int ranks_per_node = 0;
   int chunks = 1;             // token chunks per exchange
   DType wire = DType::F32;    // token rows on the wire: f32 or bf16
   // A communication thread even with one chunk (gradient buckets reduced during backward).

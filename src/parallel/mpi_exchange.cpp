@@ -11,6 +11,10 @@ MpiExchange::MpiExchange(const A2aRoute& route, const MpiExchangeOptions& opts)
   MOETRAIN_CHECK(opts_.chunks >= 1, "all-to-all chunks = {}: must be at least 1", opts_.chunks);
   MOETRAIN_CHECK(opts_.wire == DType::F32 || opts_.wire == DType::BF16,
                  "all-to-all payloads in {}: allowed are f32 and bf16", dtype_name(opts_.wire));
+  MOETRAIN_CHECK(opts_.ranks_per_node >= 0, "all-to-all ranks per node = {}: must be >= 0",
+                 opts_.ranks_per_node);
+  ranks_per_node_ = opts_.ranks_per_node;
+  if (ranks_per_node_ == 0 && route_.two_d()) ranks_per_node_ = route_.intra->size();
 }
 
 ExpertOwnership MpiExchange::ownership() const {
@@ -49,6 +53,14 @@ const float* MpiExchange::exchange(Move move, const float* in, const ExchangeLay
   if (layout.P == 1) return in;
   float* to = out.ensure(rows * layout.C);
   move(to, in, layout, route_, scratch_, opts_.wire);
+  if (ranks_per_node_ > 0) {
+    // A dispatch sends this process's routed rows out; a combine sends its experts' rows back.
+    const std::vector<int64_t>& sent = move == &a2a_dispatch ? layout.send_rows : layout.recv_rows;
+    const int me = route_.group->rank() / ranks_per_node_;
+    int64_t n = 0;
+    for (int q = 0; q < layout.P; ++q) n += q / ranks_per_node_ != me ? sent[q] : 0;
+    cross_node_bytes_ += n * layout.C * static_cast<int64_t>(dtype_size(opts_.wire));
+  }
   return to;
 }
 

@@ -3,6 +3,7 @@
 // bf16 rows on the wire, run on a communication thread when there is one (overlap) or inline.
 // A group of one process moves no rows (nothing is rounded to the wire type either).
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
 
@@ -20,6 +21,9 @@ struct MpiExchangeOptions {
   // bytes). In bf16 the rows arrive rounded; the experts and the combine still compute in f32
   // (or in the model's precision).
   DType wire = DType::F32;
+  // Node size for counting the bytes that cross nodes (node = EP rank div this); 0 takes it from
+  // a 2-D route, and with a flat route counts nothing.
+  int ranks_per_node = 0;
 };
 
 class MpiExchange final : public ExpertExchange {
@@ -33,6 +37,9 @@ class MpiExchange final : public ExpertExchange {
   Ticket post(std::function<void()> work) override;
   void wait(Ticket t) override;
   ExchangeTimes take_times() override;
+  // Payload bytes this process sent to processes on another node (dispatch rows out, combine rows
+  // back) since the last call; 0 when the node size is unknown.
+  int64_t take_cross_node_bytes() { return cross_node_bytes_.exchange(0); }
   void plan(ExchangeLayout& layout, const int64_t* counts, int64_t E, int64_t C) override;
   const float* dispatch(const float* send, const ExchangeLayout& layout,
                         FloatBuffer& recv) override;
@@ -51,6 +58,8 @@ class MpiExchange final : public ExpertExchange {
   MpiExchangeOptions opts_;
   A2aScratch scratch_;  // one task runs at a time, so one scratch serves every layer and chunk
   ExchangeTimes times_;  // busy: written by the work, on the comm thread when there is one
+  int ranks_per_node_ = 0;
+  std::atomic<int64_t> cross_node_bytes_{0};  // written on the comm thread when there is one
 };
 
 }  // namespace moetrain

@@ -40,6 +40,8 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.z_loss_coef", &m.z_loss_coef},
       {"model.bias_update_rate", &m.bias_update_rate},
       {"model.shared_expert_hidden", &m.shared_expert_hidden},
+      {"model.route_groups", &m.route_groups},
+      {"model.route_group_topk", &m.route_group_topk},
   };
   fields.insert(fields.end(), std::begin(moe), std::end(moe));
 }

@@ -226,6 +226,7 @@ TrainResult Trainer::run(int64_t stop_at) {
   double train_seconds = 0;
   while (step_ < total) {
     Timer t;
+    if (ep_.exchange) ep_.exchange->take_cross_node_bytes();  // an evaluation's are not the step's
     result.final_loss = train_step();
     fault_point("step", step_);
     double dt = t.seconds();
@@ -237,6 +238,9 @@ TrainResult Trainer::run(int64_t stop_at) {
     const double exposed = last_a2a_wait_s_ + last_sync_exposed_s_;
     const double compute = std::max(0.0, dt - exposed);
     pending_metrics_["a2a_s"] = last_a2a_s_;
+    if (ep_.exchange) {
+      pending_metrics_["a2a_cross_node_bytes"] = ep_.exchange->take_cross_node_bytes();
+    }
     pending_metrics_["grad_sync_s"] = last_sync_s_;
     pending_metrics_["exposed_comm_s"] = exposed;
     pending_metrics_["compute_s"] = compute;

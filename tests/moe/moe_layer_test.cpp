@@ -97,6 +97,7 @@ struct Case {
   int64_t N = 7, K = 2;
   bool renormalize = true;
   bool training = true;
+  int64_t E = 4, G = 0, M = 0;  // experts, route groups, groups kept
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
@@ -107,12 +108,14 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   s += "_N" + std::to_string(c.N) + "_K" + std::to_string(c.K);
   if (!c.renormalize) s += "_raw";
   if (!c.training) s += "_eval";
+  if (c.G > 1) s += "_G" + std::to_string(c.G) + "M" + std::to_string(c.M);
   return s;
 }
 
 MoeConfig make_config(const Case& c) {
   MoeConfig cfg;
-  cfg.C = 6, cfg.F = 5, cfg.E = 4, cfg.K = c.K;
+  cfg.C = 6, cfg.F = 5, cfg.E = c.E, cfg.K = c.K;
+  cfg.route_groups = c.G, cfg.route_group_topk = c.M;
   cfg.router = c.router;
   cfg.capacity_factor = c.cf;
   cfg.shared_F = c.shared_F;
@@ -199,7 +202,11 @@ std::vector<Case> all_cases() {
   cases.push_back({RouterKind::ExpertChoice, 0.0f, 0, 1, 2});
   for (RouterKind r : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::SigmoidBias}) {
     cases.push_back({r, 0.0f, 0, 7, 4});  // K = E
+    // Group-limited: 4 groups of 2, each token keeps 2 (and with cf, some are dropped).
+    cases.push_back({r, 0.0f, 0, 16, 2, true, true, 8, 4, 2});
+    cases.push_back({r, 0.5f, 0, 9, 3, true, true, 8, 4, 2});
   }
+  cases.push_back({RouterKind::TopKSoftmax, 0.0f, 0, 16, 2, false, true, 8, 2, 1});
   return cases;
 }
 

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -86,6 +88,25 @@ inline std::vector<int> ref_topk(const std::vector<double>& key, int64_t K) {
   return idx;
 }
 
+// Group-limited routing: key[e] = -inf for the experts outside the best route_group_topk groups,
+// a group ranked by the sum of its top-min(K, E/G) scores. Nothing changes when it is off.
+inline void ref_mask_groups(std::vector<double>& key, const std::vector<double>& score,
+                            const MoeConfig& cfg) {
+  if (!cfg.group_limited()) return;
+  const int64_t G = cfg.route_groups, Eg = cfg.E / G, J = std::min(cfg.K, Eg);
+  std::vector<double> group_score(G);
+  for (int64_t g = 0; g < G; ++g) {
+    std::vector<double> part(score.begin() + g * Eg, score.begin() + (g + 1) * Eg);
+    std::sort(part.begin(), part.end(), std::greater<>());
+    for (int64_t j = 0; j < J; ++j) group_score[g] += part[j];
+  }
+  std::vector<bool> kept(G, false);
+  for (int g : ref_topk(group_score, cfg.route_group_topk)) kept[g] = true;
+  for (int64_t e = 0; e < cfg.E; ++e) {
+    if (!kept[e / Eg]) key[e] = -std::numeric_limits<double>::infinity();
+  }
+}
+
 // inp_err (N, C), if given: how far the layer's input may lie from inp (the reference of a whole
 // model hands its own float stream in, which differs from the model's by that much).
 inline MoeReference moe_reference(const MoeConfig& cfg, const float* inp, int64_t N,
@@ -138,7 +159,9 @@ inline MoeReference moe_reference(const MoeConfig& cfg, const float* inp, int64_
     double w_rel = 0;  // relative bound of the kept weights
     switch (cfg.router) {
       case RouterKind::TopKSoftmax: {
-        top = ref_topk(l, K);
+        std::vector<double> key = l;
+        ref_mask_groups(key, p, cfg);
+        top = ref_topk(key, K);
         double sum = 0;
         for (int e : top) sum += p[e];
         for (int e : top) wt.push_back(cfg.renormalize ? p[e] / sum : p[e]);
@@ -170,12 +193,14 @@ inline MoeReference moe_reference(const MoeConfig& cfg, const float* inp, int64_
         std::vector<double> Hv(E);
         double dH = 0;
         for (int64_t e = 0; e < E; ++e) Hv[e] = H[e].v, dH = std::max(dH, H[e].e);
-        top = ref_topk(Hv, K);
         const auto [hmin, hmax] = std::minmax_element(Hv.begin(), Hv.end());
         const RouterRounding rh = router_rounding(*hmax - *hmin + 2 * dH, E);
         double hm = *hmax, hs = 0, ks = 0;
         for (double v : Hv) hs += std::exp(v - hm);
         for (int64_t e = 0; e < E; ++e) p[e] = std::exp(Hv[e] - hm) / hs;
+        std::vector<double> key = Hv;
+        ref_mask_groups(key, p, cfg);
+        top = ref_topk(key, K);
         for (int e : top) ks += std::exp(Hv[e] - hm);
         for (int e : top) wt.push_back(std::exp(Hv[e] - hm) / ks);
         p_rel = compose(std::expm1(2 * dH), rh.softmax);
@@ -186,6 +211,7 @@ inline MoeReference moe_reference(const MoeConfig& cfg, const float* inp, int64_
         std::vector<double> sg(E), key(E);
         for (int64_t e = 0; e < E; ++e)
           sg[e] = 1.0 / (1.0 + std::exp(-l[e])), key[e] = sg[e] + bias[e];
+        ref_mask_groups(key, std::vector<double>(key), cfg);
         top = ref_topk(key, K);
         double sum = 0;
         for (int e : top) sum += sg[e];

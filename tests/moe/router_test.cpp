@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -66,6 +67,19 @@ TEST(MoeConfig, EachInvalidFieldIsNamed) {
       {[inf](MoeConfig& c) { c.z_loss_coef = inf; }, "z_loss_coef is inf"},
       {[](MoeConfig& c) { c.bias_update_rate = -1e-3f; }, "bias_update_rate is -0.001"},
       {[](MoeConfig& c) { c.shared_F = -1; }, "shared_F (shared expert hidden size) is -1"},
+      {[](MoeConfig& c) { c.route_groups = -1; }, "model.route_groups = -1: must be >= 0"},
+      {[](MoeConfig& c) { c.route_groups = 3, c.route_group_topk = 1; },
+       "model.route_groups = 3: must divide model.n_experts = 4"},
+      {[](MoeConfig& c) { c.route_groups = 2, c.route_group_topk = 3; },
+       "model.route_group_topk = 3: must be in [1, model.route_groups = 2]"},
+      {[](MoeConfig& c) { c.route_groups = 2; }, "model.route_group_topk = 0: must be in [1"},
+      {[](MoeConfig& c) { c.route_groups = 4, c.route_group_topk = 1; },
+       "model.route_group_topk = 1: the kept groups hold 1 · 1 = 1 experts, fewer than "
+       "model.top_k = 2"},
+      {[](MoeConfig& c) {
+         c.route_groups = 2, c.route_group_topk = 1, c.router = RouterKind::ExpertChoice;
+       },
+       "model.router = expert_choice"},
   };
   for (const Bad& b : bad) {
     MoeConfig cfg = valid_config();
@@ -195,6 +209,50 @@ TEST(SigmoidBias, BiasSteersSelectionButNotWeights) {
     EXPECT_FLOAT_EQ(r.weight[t * 2], s[3] / sum);
     EXPECT_FLOAT_EQ(r.weight[t * 2 + 1], s[other] / sum);
     EXPECT_NEAR(s[3], 1.0 / (1.0 + std::exp(-double(cache.logits[t * cfg.E + 3]))), 1e-6);
+  }
+}
+
+// Every token's experts lie in at most M groups, and those are its best M by the sum of its top-K
+// scores in each group; without the limit some token would route elsewhere.
+TEST(GroupLimited, TokensStayInTheirBestGroups) {
+  MoeConfig cfg = valid_config();
+  cfg.E = 8, cfg.K = 2, cfg.route_groups = 4, cfg.route_group_topk = 2;
+  const int64_t N = 64, Eg = 2;
+  std::vector<float> inp = random_vector(N * cfg.C, 7), gate = random_vector(cfg.E * cfg.C, 8),
+                     noise = random_vector(cfg.E * cfg.C, 9), bias = random_vector(cfg.E, 10, 0.3f);
+  for (RouterKind kind :
+       {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::SigmoidBias}) {
+    cfg.router = kind;
+    MoeConfig off = cfg;
+    off.route_groups = 0;
+    Routing r, r_off;
+    RouterCache cache, cache_off;
+    const MoeStep step{true, 11, 3, 0};
+    router_forward(r, cache, inp.data(), N, cfg, gate.data(), noise.data(), bias.data(), step);
+    router_forward(r_off, cache_off, inp.data(), N, off, gate.data(), noise.data(), bias.data(),
+                   step);
+    int64_t moved = 0;
+    for (int64_t t = 0; t < N; ++t) {
+      // The group scores from the layer's own scores (for sigmoid_bias: s + b).
+      std::vector<double> gs(4, 0.0);
+      for (int64_t g = 0; g < 4; ++g) {
+        for (int64_t j = 0; j < Eg; ++j) {
+          const int64_t e = g * Eg + j;
+          gs[g] += cache.probs[t * cfg.E + e] + (kind == RouterKind::SigmoidBias ? bias[e] : 0.0);
+        }
+      }
+      std::vector<double> sorted = gs;
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      for (int64_t k = 0; k < cfg.K; ++k) {
+        const int32_t e = r.selected[t * cfg.K + k];
+        EXPECT_GE(gs[e / Eg], sorted[1] - 1e-6) << router_kind_name(kind) << " token " << t;
+        EXPECT_GT(r.weight[t * cfg.K + k], 0.0f);
+      }
+      moved += r.selected[t * cfg.K] != r_off.selected[t * cfg.K] ||
+               r.selected[t * cfg.K + 1] != r_off.selected[t * cfg.K + 1];
+    }
+    EXPECT_GT(moved, 0) << router_kind_name(kind);
+    EXPECT_LT(moved, N) << router_kind_name(kind);
   }
 }
 

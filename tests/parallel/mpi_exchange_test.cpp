@@ -1,7 +1,8 @@
-// The MoE layer over the MPI expert exchange against the layer on one process holding every rank's tokens:
-// outputs, input gradients, balancing losses, gate and expert gradients, router loads. Ranks hold
-// different numbers of tokens (one holds none), experts may get no rows anywhere, and a router can
-// send everything to the experts of one rank.
+// The MoE layer over the MPI expert exchange against the layer on one process holding every rank's
+// tokens: outputs, input gradients, balancing losses, gate and expert gradients, router loads.
+// Ranks hold different numbers of tokens (one holds none), experts may get no rows anywhere, and a
+// router can send everything to the experts of one rank. Capacity dropping and expert choice decide
+// per rank (GShard's local groups): their reference runs each rank's tokens as a batch of its own.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,6 +28,10 @@ struct Case {
   int ranks_per_node = -1;          // ≥ 0: the 2-D all-to-all with this many ranks per node
   int chunks = 1;                   // token chunks per exchange
   bool threaded = false;            // exchanges on a CommThread
+  float cf = 0.0f;                  // capacity factor
+  // Capacity and expert choice decide per rank (GShard's local groups): the reference then runs
+  // each rank's tokens as a batch of their own. Set for cf > 0 and expert_choice.
+  bool local_groups() const { return cf > 0.0f || router == RouterKind::ExpertChoice; }
 };
 
 // max |a − b| over max |b|, for messages and a relative bound.
@@ -39,8 +44,10 @@ double rel_diff(const float* a, const float* b, int64_t n) {
   return d / m;
 }
 
-// Tokens of rank r: 5 + 3r, except rank 1, which holds none.
-int64_t tokens_of(int r) {
+// Tokens of rank r: 5 + 3r, except rank 1, which holds none. With per-rank groups, 6 + 3r except
+// rank 3, so that two ranks already make two different groups.
+int64_t tokens_of(int r, bool local_groups) {
+  if (local_groups) return r == 3 ? 0 : 6 + 3 * r;
   return r == 1 ? 0 : 5 + 3 * r;
 }
 
@@ -57,14 +64,17 @@ Bits run_case(const Case& c, int ep) {
   cfg.C = 16, cfg.F = 12, cfg.E = c.E, cfg.K = c.K, cfg.router = c.router;
   cfg.aux_loss_coef = 0.1f, cfg.z_loss_coef = 0.05f, cfg.shared_F = c.shared_F;
   cfg.bias_update_rate = 0.01f;
+  cfg.capacity_factor = c.cf;
+  // The aux loss reads loads over all ranks, which per-rank groups cannot reproduce.
+  if (c.local_groups()) cfg.aux_loss_coef = 0.0f;
   const int64_t C = cfg.C, E = cfg.E;
 
   int64_t Ng = 0, first = 0;
   for (int q = 0; q < P; ++q) {
     if (q == r) first = Ng;
-    Ng += tokens_of(q);
+    Ng += tokens_of(q, c.local_groups());
   }
-  const int64_t N = tokens_of(r);
+  const int64_t N = tokens_of(r, c.local_groups());
 
   MoeParamSizes sizes = moe_param_sizes(cfg);
   std::vector<float> params = random_vector(sizes.total(), 11, 0.5f);
@@ -78,12 +88,23 @@ Bits run_case(const Case& c, int ep) {
   MoeStep step;
   step.training = true, step.seed = 5, step.step = 3;
 
-  // One process, every token.
+  // One process, every token: in one batch, or rank by rank for per-rank groups.
   MoeLayer ref(cfg);
   std::vector<float> ref_out(Ng * C), ref_dinp(Ng * C), ref_grads(sizes.total(), 0.0f);
   MoeWeights ref_g = moe_weights_from_buffer(cfg, ref_grads.data());
-  ref.forward(ref_out.data(), x.data(), Ng, w, step);
-  ref.backward(ref_dinp.data(), R.data(), w, ref_g, 1.0f);
+  double ref_z = 0;
+  std::vector<int64_t> ref_load(E, 0);
+  int64_t ref_dropped = 0;
+  const bool local = c.local_groups();
+  for (int64_t q = 0, at = 0; q < (local ? P : 1); ++q) {
+    const int64_t n = local ? tokens_of(static_cast<int>(q), true) : Ng;
+    ref.forward(ref_out.data() + at * C, x.data() + at * C, n, w, step);
+    ref.backward(ref_dinp.data() + at * C, R.data() + at * C, w, ref_g, double(n) / Ng);
+    ref_z += ref.z_loss() * double(n) / Ng;
+    for (int64_t e = 0; e < E; ++e) ref_load[e] += ref.stats().tokens_per_expert[e];
+    ref_dropped += ref.stats().dropped;
+    at += n;
+  }
 
   // This rank's tokens through the expert-parallel layer.
   A2aHierarchy hier;
@@ -96,6 +117,9 @@ Bits run_case(const Case& c, int ep) {
   MpiExchangeOptions opts;
   opts.chunks = c.chunks;
   if (c.threaded) opts.thread = &thread;
+  // Pure EP over a flat route: every rank its own node, so every row that leaves a rank counts.
+  const bool count_bytes = ep == P && c.ranks_per_node < 0 && !c.local_groups();
+  if (count_bytes) opts.ranks_per_node = 1;
   MpiExchange exchange(route, opts);
   MoeLayer layer(cfg, {&exchange, groups.moe_stats.get()});
   std::vector<float> out(N * C + 1, 0.0f), dinp(N * C + 1, 0.0f), grads(sizes.total(), 0.0f);
@@ -105,12 +129,28 @@ Bits run_case(const Case& c, int ep) {
   layer.backward(dinp.data(), R.data() + first * C, w, g, static_cast<float>(N) / Ng);
 
   const std::string where = "rank " + std::to_string(r) + " ep " + std::to_string(ep);
+  if (count_bytes) {
+    // Each routed row crosses four times: dispatch and combine, forward and backward.
+    int64_t bytes = exchange.take_cross_node_bytes(), want = 0;
+    groups.control->allreduce(&bytes, 1);
+    const Routing& rt = ref.routing();
+    for (int64_t t = 0, q = 0, end = tokens_of(0, false); t < Ng; ++t) {
+      while (t >= end) end += tokens_of(static_cast<int>(++q), false);
+      for (int64_t k = 0; k < rt.S; ++k) {
+        const int32_t e = rt.expert[t * rt.S + k];
+        want += e >= 0 && e / (E / P) != q ? 4 * C * int64_t(sizeof(float)) : 0;
+      }
+    }
+    EXPECT_EQ(bytes, want) << where;
+  }
   EXPECT_LE(rel_diff(out.data(), ref_out.data() + first * C, N * C), 1e-5) << where;
   EXPECT_LE(rel_diff(dinp.data(), ref_dinp.data() + first * C, N * C), 1e-5) << where;
-  EXPECT_NEAR(layer.aux_loss(), ref.aux_loss(), 1e-6 * (1 + ref.aux_loss())) << where;
+  if (!local) {
+    EXPECT_NEAR(layer.aux_loss(), ref.aux_loss(), 1e-6 * (1 + ref.aux_loss())) << where;
+  }
   double z = layer.z_loss() * static_cast<double>(N) / Ng;
   groups.control->allreduce(&z, 1);
-  EXPECT_NEAR(z, ref.z_loss(), 1e-5 * ref.z_loss()) << where;
+  EXPECT_NEAR(z, ref_z, 1e-5 * ref_z) << where;
 
   // Replicated parameters: the sum over all ranks. Experts: this rank's, summed over its EDP group.
   std::vector<float> gate(g.gate, g.gate + sizes.gate);
@@ -139,14 +179,20 @@ Bits run_case(const Case& c, int ep) {
   // Routed rows summed over ranks = what one process routes; sigmoid_bias loads likewise.
   std::vector<int64_t> load = layer.stats().tokens_per_expert;
   groups.control->allreduce(load.data(), E);
-  EXPECT_EQ(load, ref.stats().tokens_per_expert) << where;
+  EXPECT_EQ(load, ref_load) << where;
+  int64_t dropped = layer.stats().dropped;
+  groups.control->allreduce(&dropped, 1);
+  EXPECT_EQ(dropped, ref_dropped) << where;
+  if (c.cf > 0.0f && c.router != RouterKind::ExpertChoice) {
+    EXPECT_GT(dropped, 0) << "nothing dropped";
+  }
   if (c.one_rank_takes_all) {
     EXPECT_EQ(load[0] + load[1], Ng * c.K) << "tokens lost";
     int64_t group_tokens = N;  // tokens of this EP group, all sent to EP index 0
     groups.a2a->allreduce(&group_tokens, 1);
     EXPECT_EQ(layer.received_rows(), e0 == 0 ? group_tokens * c.K : 0) << where;
   }
-  if (c.router == RouterKind::SigmoidBias) {
+  if (c.router == RouterKind::SigmoidBias && !local) {
     std::vector<int64_t> pending(layer.pending_load(), layer.pending_load() + E);
     groups.control->allreduce(pending.data(), E);
     EXPECT_EQ(pending, std::vector<int64_t>(ref.pending_load(), ref.pending_load() + E));
@@ -216,6 +262,22 @@ TEST(MpiExchangeMoe, ChunkedExchangesMatchOneProcessWithOrWithoutTheCommThread) 
       EXPECT_EQ(inline_run.grads, threaded.grads);
     }
   }
+}
+
+TEST(MpiExchangeMoe, CapacityDropsPerRankAsLocalGroups) {
+  Case c;
+  c.cf = 1.0f;
+  for (int ep : ep_sizes()) run_case(c, ep);
+  c.router = RouterKind::SigmoidBias, c.cf = 0.75f, c.shared_F = 8;
+  for (int ep : ep_sizes()) run_case(c, ep);
+}
+
+TEST(MpiExchangeMoe, ExpertChoicePicksPerRankAsLocalGroups) {
+  Case c;
+  c.router = RouterKind::ExpertChoice;
+  for (int ep : ep_sizes()) run_case(c, ep);
+  c.cf = 2.0f, c.ranks_per_node = 1;
+  for (int ep : ep_sizes()) run_case(c, ep);
 }
 
 TEST(MpiExchangeMoe, RejectsExpertCountsTheGroupCannotSplit) {
