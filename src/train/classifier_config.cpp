@@ -90,8 +90,7 @@ std::string ClassifierRunConfig::config_hash() const {
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");
-  j["model"].erase("capacity");  // fixed: checked by validate
-  j.erase("balance");
+  j["model"].erase("capacity");  // always fixed: validate refuses dynamic
   return json_hash(j);
 }
 

@@ -43,6 +43,9 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.shared_expert_hidden", &m.shared_expert_hidden},
   };
   fields.insert(fields.end(), std::begin(moe), std::end(moe));
+}
+
+void add_balance_fields(std::vector<Field>& fields, MoeModelConfig& m) {
   CapacityControlConfig& b = m.balance;
   const Field balance[] = {
       {"balance.cf_min", &b.cf_min},
@@ -95,6 +98,7 @@ ConfigSchema schema(RunConfig& c) {
       {"model.rope_theta", &m.rope_theta},
   };
   fields.insert(fields.end(), std::begin(model), std::end(model));
+  add_balance_fields(fields, m);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
       {"train.seq_len", &t.seq_len},
