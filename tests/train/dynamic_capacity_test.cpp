@@ -13,6 +13,7 @@
 #include "support/corpus.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
+#include "train/step_metrics.h"
 #include "train/trainer.h"
 
 using namespace moetrain;
@@ -130,4 +131,20 @@ TEST(DynamicCapacity, BadSettingsNameTheKey) {
   expect_error(tmp, "balance.window=1", "balance.window");
   expect_error(tmp, "model.capacity_factor=0", "model.capacity_factor");
   expect_error(tmp, "model.router=expert_choice", "model.router");
+}
+
+TEST(LoadMetrics, EntropyRankLoadsAndUtilisation) {
+  EXPECT_DOUBLE_EQ(load_entropy({5, 5, 5, 5}), 1.0);
+  EXPECT_DOUBLE_EQ(load_entropy({9, 0, 0, 0}), 0.0);
+  EXPECT_DOUBLE_EQ(load_entropy({0, 0, 0, 0}), 0.0);
+  // Two of four experts equally loaded: ln 2 / ln 4.
+  EXPECT_NEAR(load_entropy({3, 0, 3, 0}), 0.5, 1e-15);
+  EXPECT_EQ(rank_loads({1, 2, 3, 4}, 2), (std::vector<int64_t>{3, 7}));
+  EXPECT_EQ(rank_loads({1, 2, 3, 4}, 1), (std::vector<int64_t>{10}));
+  EXPECT_DOUBLE_EQ(imbalance(rank_loads({1, 2, 3, 4}, 2)), 1.4);  // 7 over the mean 5
+  Accumulated acc;
+  acc.capacity_slots = {40, 0};
+  acc.computed = {30, 12};
+  EXPECT_DOUBLE_EQ(capacity_utilisation(acc, 0), 0.75);
+  EXPECT_DOUBLE_EQ(capacity_utilisation(acc, 1), 1.0);
 }
