@@ -32,10 +32,14 @@ void CapacityControlConfig::validate() const {
 
 const char* capacity_rule_name(CapacityRule rule) {
   switch (rule) {
-    case CapacityRule::Shrink: return "shrink";
-    case CapacityRule::Grow: return "grow";
-    case CapacityRule::Trend: return "trend";
-    case CapacityRule::Keep: break;
+    case CapacityRule::Shrink:
+      return "shrink";
+    case CapacityRule::Grow:
+      return "grow";
+    case CapacityRule::Trend:
+      return "trend";
+    case CapacityRule::Keep:
+      break;
   }
   return "keep";
 }

@@ -22,17 +22,17 @@ constexpr int64_t kSteps = 6;
 
 RunConfig dynamic_config(const fs::path& data, const fs::path& run, int ep) {
   return load_run_config(
-      "", {"model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-           "model.expert_hidden=24", "model.n_experts=4", "model.top_k=2", "model.max_seq_len=16",
-           // Capped mode at 2: the bound (2·N·K/E) is above what any expert needs, so without
-           // agreement each rank's capacity would be its own largest load.
-           "model.capacity=dynamic", "model.capacity_factor=-2", "balance.window=3",
-           "balance.util_low=0.97", "balance.util_high=0.99", "balance.imbalance_high=1.0",
-           "balance.imbalance_low=1.0", "train.batch_size=2", "train.seq_len=16",
-           "train.steps=" + std::to_string(kSteps), "train.eval_every=0",
-           "train.checkpoint_every=0", "train.progress=off", "optim.warmup_steps=2",
-           "data.dir=" + data.string(), "train.run_dir=" + run.string(),
-           "dist.ep=" + std::to_string(ep)});
+      "",
+      {"model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+       "model.expert_hidden=24", "model.n_experts=4", "model.top_k=2", "model.max_seq_len=16",
+       // Capped mode at 2: the bound (2·N·K/E) is above what any expert needs, so without
+       // agreement each rank's capacity would be its own largest load.
+       "model.capacity=dynamic", "model.capacity_factor=-2", "balance.window=3",
+       "balance.util_low=0.97", "balance.util_high=0.99", "balance.imbalance_high=1.0",
+       "balance.imbalance_low=1.0", "train.batch_size=2", "train.seq_len=16",
+       "train.steps=" + std::to_string(kSteps), "train.eval_every=0", "train.checkpoint_every=0",
+       "train.progress=off", "optim.warmup_steps=2", "data.dir=" + data.string(),
+       "train.run_dir=" + run.string(), "dist.ep=" + std::to_string(ep)});
 }
 
 }  // namespace

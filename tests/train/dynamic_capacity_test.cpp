@@ -23,32 +23,15 @@ namespace fs = std::filesystem;
 namespace {
 
 std::vector<std::string> dynamic_keys(const TempDir& tmp) {
-  return {"model.dim=32",
-          "model.n_layers=2",
-          "model.n_heads=4",
-          "model.n_kv_heads=2",
-          "model.expert_hidden=32",
-          "model.n_experts=4",
-          "model.top_k=2",
-          "model.max_seq_len=32",
-          "model.capacity=dynamic",
-          "model.capacity_factor=1.5",
+  return {"model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+          "model.expert_hidden=32", "model.n_experts=4", "model.top_k=2", "model.max_seq_len=32",
+          "model.capacity=dynamic", "model.capacity_factor=1.5",
           // Thresholds that make the rules fire on this small model: the factor moves every step.
-          "balance.window=3",
-          "balance.util_low=0.97",
-          "balance.util_high=0.99",
-          "balance.imbalance_high=1.0",
-          "balance.imbalance_low=1.0",
-          "train.batch_size=4",
-          "train.seq_len=32",
-          "train.steps=8",
-          "train.grad_accum=2",
-          "train.eval_every=0",
-          "train.checkpoint_every=0",
-          "train.progress=off",
-          "optim.warmup_steps=2",
-          "data.dir=" + (tmp / "data").string(),
-          "train.run_dir=" + (tmp / "run").string()};
+          "balance.window=3", "balance.util_low=0.97", "balance.util_high=0.99",
+          "balance.imbalance_high=1.0", "balance.imbalance_low=1.0", "train.batch_size=4",
+          "train.seq_len=32", "train.steps=8", "train.grad_accum=2", "train.eval_every=0",
+          "train.checkpoint_every=0", "train.progress=off", "optim.warmup_steps=2",
+          "data.dir=" + (tmp / "data").string(), "train.run_dir=" + (tmp / "run").string()};
 }
 
 RunConfig dynamic_run(const TempDir& tmp) {
