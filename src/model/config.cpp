@@ -38,8 +38,23 @@ void MoeModelConfig::validate_moe() const {
   MOETRAIN_CHECK(n_experts > 0, "model.n_experts = {}: must be a positive integer", n_experts);
   MOETRAIN_CHECK(top_k >= 1 && top_k <= n_experts,
                  "model.top_k = {}: must be in [1, model.n_experts = {}]", top_k, n_experts);
-  MOETRAIN_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor),
-                 "model.capacity_factor = {}: must be ≥ 0 (0 = dropless)", capacity_factor);
+  MOETRAIN_CHECK(std::isfinite(capacity_factor),
+                 "model.capacity_factor = {}: must be finite (> 0 fixed, 0 = dropless, < 0 "
+                 "min(|cf|, the load needed))",
+                 capacity_factor);
+  MOETRAIN_CHECK(capacity_factor >= 0 || router != "expert_choice",
+                 "model.capacity_factor = {}: must be ≥ 0 with model.router = expert_choice",
+                 capacity_factor);
+  MOETRAIN_CHECK(capacity == "fixed" || capacity == "dynamic",
+                 "model.capacity = '{}': allowed are fixed, dynamic", capacity);
+  balance.validate();
+  if (capacity == "dynamic") {
+    MOETRAIN_CHECK(capacity_factor != 0,
+                   "model.capacity = dynamic needs model.capacity_factor ≠ 0 (the starting "
+                   "factor; < 0 for min(|cf|, the load needed)), not the dropless 0");
+    MOETRAIN_CHECK(router != "expert_choice",
+                   "model.capacity = dynamic needs a token-choice model.router, not expert_choice");
+  }
   MOETRAIN_CHECK(aux_loss_coef >= 0, "model.aux_loss_coef = {}: must be ≥ 0", aux_loss_coef);
   MOETRAIN_CHECK(z_loss_coef >= 0, "model.z_loss_coef = {}: must be ≥ 0", z_loss_coef);
   MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0",

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "moe/capacity_controller.h"
 #include "moe/config.h"
 
 namespace moetrain {
@@ -16,7 +17,11 @@ struct MoeModelConfig {
   int64_t top_k = 2;            // K
   std::string router = "topk_softmax";
   bool renormalize = true;
-  double capacity_factor = 0.0;  // 0 = dropless
+  double capacity_factor = 0.0;  // > 0 fixed, 0 = dropless, < 0 min(|cf|, needed)
+  // "fixed": capacity_factor as set; "dynamic": the controller of [balance] moves its magnitude
+  // each step (capacity_factor must then be non-zero: its sign keeps the mode).
+  std::string capacity = "fixed";
+  CapacityControlConfig balance;  // [balance]: the dynamic capacity controller
   double aux_loss_coef = 1e-2;
   double z_loss_coef = 1e-3;
   double bias_update_rate = 1e-3;

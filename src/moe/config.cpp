@@ -37,8 +37,12 @@ void MoeConfig::validate() const {
                  "moe config: router is {}, must be one of topk_softmax, noisy_topk, "
                  "expert_choice, sigmoid_bias",
                  r);
-  MOETRAIN_CHECK(std::isfinite(capacity_factor) && capacity_factor >= 0.0f,
-                 "moe config: capacity_factor is {}, must be a finite value >= 0 (0 = dropless)",
+  MOETRAIN_CHECK(std::isfinite(capacity_factor),
+                 "moe config: capacity_factor is {}, must be finite (0 = dropless)",
+                 capacity_factor);
+  MOETRAIN_CHECK(capacity_factor >= 0.0f || is_token_choice(router),
+                 "moe config: capacity_factor is {}, must be >= 0 with expert_choice (a negative "
+                 "factor caps a token-choice router's capacity at the load it needs)",
                  capacity_factor);
   MOETRAIN_CHECK(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0.0f,
                  "moe config: aux_loss_coef is {}, must be a finite value >= 0", aux_loss_coef);

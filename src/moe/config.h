@@ -24,8 +24,12 @@ struct MoeConfig {
   // Token-choice routers: divide the kept weights by their sum. noisy_topk always normalises
   // (its weights are a softmax over the kept logits); expert_choice never does.
   bool renormalize = true;
-  // Token choice: per-expert capacity ceil(N·K/E·cf), 0 = dropless. Expert choice: the same
-  // formula sets how many tokens each expert takes, with 0 read as 1.
+  // Token choice, Tutel's modes: cf > 0 a per-expert capacity ceil(N·K/E·cf); cf = 0 dropless
+  // (every expert computes exactly the rows it got: the grouped GEMM takes groups of any size, so
+  // nothing is padded); cf < 0 the capacity min(ceil(N·K/E·|cf|), the largest load any expert
+  // needs), that largest load taken over every process of the stats communicator so that they
+  // all use one capacity. Expert choice: ceil(N·K/E·cf) tokens per expert, 0 read as 1, < 0 an
+  // error.
   float capacity_factor = 0.0f;
   float aux_loss_coef = 1e-2f, z_loss_coef = 1e-3f;
   float bias_update_rate = 1e-3f;  // sigmoid_bias γ

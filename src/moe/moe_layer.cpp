@@ -1,6 +1,7 @@
 #include "moe/moe_layer.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/check.h"
 #include "core/timer.h"
@@ -12,6 +13,13 @@ namespace {
 bool has_aux_loss(RouterKind kind) {
   return kind == RouterKind::TopKSoftmax || kind == RouterKind::NoisyTopK;
 }
+// The most assignments the router gave one expert (before dropping).
+int64_t largest_load(const Routing& r) {
+  std::vector<int64_t> load(r.E, 0);
+  for (int32_t e : r.selected)
+    if (e >= 0) ++load[e];
+  return load.empty() ? 0 : *std::max_element(load.begin(), load.end());
+}
 const MoeConfig& validated(const MoeConfig& cfg) {
   cfg.validate();
   return cfg;
@@ -20,6 +28,7 @@ const MoeConfig& validated(const MoeConfig& cfg) {
 
 MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeContext& ctx)
     : cfg_(validated(cfg)),
+      cf_(cfg_.capacity_factor),
       own_exchange_(ctx.exchange ? nullptr : std::make_unique<LocalExchange>()),
       own_stats_(ctx.stats ? nullptr : make_local_comm("moe_stats")),
       stats_comm_(ctx.stats ? *ctx.stats : *own_stats_),
@@ -52,8 +61,17 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
   {
     ScopedTimer timer(timings_.router);
     router_forward(routing_, router_cache_, inp, N, cfg_, w.gate, w.noise, bias_.data(), step);
-    if (is_token_choice(cfg_.router) && cfg_.capacity_factor > 0.0f) {
-      stats_.capacity = expert_capacity(N, K, E, cfg_.capacity_factor);
+    stats_.capacity_factor = cf_;
+    stats_.needed = largest_load(routing_);
+    if (is_token_choice(cfg_.router) && cf_ > 0.0f) {
+      stats_.capacity = expert_capacity(N, K, E, cf_);
+      stats_.dropped = apply_capacity(routing_, stats_.capacity);
+    } else if (is_token_choice(cfg_.router) && cf_ < 0.0f) {
+      // Max over processes of the bound and of the need: every process gets the same capacity.
+      int64_t agreed[2] = {expert_capacity(N, K, E, -cf_), stats_.needed};
+      stats_comm_.allreduce(agreed, 2, {.op = ReduceOp::Max});
+      stats_.needed = agreed[1];
+      stats_.capacity = std::min(agreed[0], agreed[1]);
       stats_.dropped = apply_capacity(routing_, stats_.capacity);
     } else if (cfg_.router == RouterKind::ExpertChoice) {
       float cf = cfg_.capacity_factor > 0.0f ? cfg_.capacity_factor : 1.0f;
@@ -140,6 +158,14 @@ void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, con
     router_backward(dinp, g.gate, g.noise, grads, inp_, w.gate, w.noise, routing_, router_cache_,
                     cfg_);
   }
+}
+
+void MoeLayer::set_capacity_factor(float cf) {
+  MOETRAIN_CHECK(is_token_choice(cfg_.router),
+                 "set_capacity_factor: router {} sets its capacity from model.capacity_factor only",
+                 router_kind_name(cfg_.router));
+  MOETRAIN_CHECK(std::isfinite(cf), "set_capacity_factor: capacity factor {} is not finite", cf);
+  cf_ = cf;
 }
 
 void MoeLayer::apply_bias_update(const int64_t* global_load) {

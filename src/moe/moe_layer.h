@@ -17,7 +17,8 @@
 //     E·f_i/N_local times the loss weight, which the trainer sets to 1/processes), and the
 //     z-loss, the mean over every token (gradient likewise);
 // Per process, as on one process with that process's tokens: capacity dropping (each process's
-// own capacity), expert_choice selection, the statistics in MoeStats and sigmoid_bias loads
+// own capacity; with capacity_factor < 0 one capacity for all, from the largest load needed on
+// any process), expert_choice selection, the statistics in MoeStats and sigmoid_bias loads
 // (pending_load(); the trainer sums them over the run). noisy_topk noise is drawn per global
 // token (MoeStep::token_offset), so a split run draws what the one-process run draws.
 #pragma once
@@ -40,6 +41,9 @@ struct MoeStats {
   int64_t dropped = 0;                     // assignments dropped for capacity
   double fraction_dropped = 0.0;           // dropped / assignments (0 when there are none)
   int64_t capacity = 0;                    // per-expert capacity in force, 0 = dropless
+  int64_t needed = 0;        // largest load any expert got before dropping (over the stats comm
+                             // when capacity_factor < 0, else this process's)
+  float capacity_factor = 0; // the factor in effect
   int64_t unrouted_tokens = 0;             // tokens that reached no expert
 };
 
@@ -70,6 +74,10 @@ class MoeLayer {
   const MoeTimings& timings() const { return timings_; }
   const Routing& routing() const { return routing_; }
   const MoeConfig& config() const { return cfg_; }
+  // The capacity factor of the next forwards (the dynamic capacity controller moves it); the
+  // sign picks the mode as in MoeConfig::capacity_factor. Token-choice routers only.
+  void set_capacity_factor(float cf);
+  float capacity_factor() const { return cf_; }
   // This process's experts [first_expert(), first_expert() + local_experts()).
   int64_t first_expert() const { return pipeline_.first_expert(); }
   int64_t local_experts() const { return pipeline_.local_experts(); }
@@ -88,6 +96,7 @@ class MoeLayer {
 
  private:
   MoeConfig cfg_;
+  float cf_ = 0.0f;
   std::unique_ptr<ExpertExchange> own_exchange_;  // when the context has none
   std::unique_ptr<Comm> own_stats_;               // when the context has none
   Comm& stats_comm_;

@@ -105,6 +105,11 @@ void check_ps_run_config(const RunConfig& cfg) {
                  "model.router = sigmoid_bias: its bias update needs every worker's expert loads "
                  "at each step, which parameter-server mode does not gather; use topk_softmax, "
                  "noisy_topk or expert_choice");
+  MOETRAIN_CHECK(cfg.model.capacity == "fixed",
+                 "model.capacity = {}: the dynamic capacity controller needs every worker's "
+                 "figures at each step, which parameter-server mode does not gather; use "
+                 "model.capacity = fixed",
+                 cfg.model.capacity);
 }
 
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {

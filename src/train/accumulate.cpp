@@ -42,6 +42,11 @@ void accumulate_stats(const std::vector<MoeLayer*>& moe, double dropped_divisor,
     std::vector<int64_t>& load = acc.tokens_per_expert[m];
     for (std::size_t e = 0; e < load.size(); ++e) load[e] += s.tokens_per_expert[e];
     acc.dropped[m] += s.fraction_dropped / dropped_divisor;
+    const int64_t computed = s.assignments - s.dropped;
+    acc.computed[m] += computed;
+    acc.capacity_slots[m] +=
+        s.capacity > 0 ? static_cast<int64_t>(load.size()) * s.capacity : computed;
+    acc.capacity_factor[m] = s.capacity_factor;
     acc.a2a_s += moe[m]->timings().a2a;
     acc.a2a_wait_s += moe[m]->timings().a2a_wait;
   }

@@ -74,6 +74,10 @@ struct Accumulated {
   int64_t correct = 0;  // summed (classifier)
   std::vector<std::vector<int64_t>> tokens_per_expert;  // (MoE layers, E) summed
   std::vector<double> dropped;                          // (MoE layers) Σ fraction / divisor
+  // (MoE layers) capacity slots (E · capacity; the rows computed when dropless) and the
+  // assignments the experts computed, summed; the capacity factor in effect.
+  std::vector<int64_t> capacity_slots, computed;
+  std::vector<double> capacity_factor;
   double a2a_s = 0, a2a_wait_s = 0;                     // summed over layers and micro-batches
 };
 
@@ -101,6 +105,9 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
   const std::vector<MoeLayer*> moe = model.moe_layers();
   Accumulated acc;
   acc.dropped.assign(moe.size(), 0.0);
+  acc.capacity_slots.assign(moe.size(), 0);
+  acc.computed.assign(moe.size(), 0);
+  acc.capacity_factor.assign(moe.size(), 0.0);
   acc.tokens_per_expert.assign(
       moe.size(), std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
   LossParts& sum = acc.loss;

@@ -59,6 +59,10 @@ ClassifierRunConfig classifier_config_from_json(const nlohmann::json& j, const s
 
 void ClassifierRunConfig::validate() const {
   model.validate();
+  MOETRAIN_CHECK(model.capacity == "fixed",
+                 "model.capacity = '{}': the classifier trainer keeps a fixed capacity factor "
+                 "(model.capacity = dynamic is for the language-model trainer)",
+                 model.capacity);
   MOETRAIN_CHECK(!data.dir.empty(), "data.dir must not be empty");
   const ClassifierTrainConfig& t = train;
   validate_loop(t);
@@ -86,6 +90,7 @@ std::string ClassifierRunConfig::config_hash() const {
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");
+  j["model"].erase("capacity");  // always fixed: validate refuses dynamic
   return json_hash(j);
 }
 

@@ -292,6 +292,7 @@ double ClassifierTrainer::train_step() {
   figures.update = &up.outcome;
   figures.grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before;
   figures.accuracy_rows = B;
+  figures.ep = pg_->layout.ep;
   pending_metrics_ =
       finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc, figures);
   return acc.loss.total;

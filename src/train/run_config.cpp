@@ -36,6 +36,7 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.router", &m.router},
       {"model.renormalize", &m.renormalize},
       {"model.capacity_factor", &m.capacity_factor},
+      {"model.capacity", &m.capacity},
       {"model.aux_loss_coef", &m.aux_loss_coef},
       {"model.z_loss_coef", &m.z_loss_coef},
       {"model.bias_update_rate", &m.bias_update_rate},
@@ -44,6 +45,21 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.route_group_topk", &m.route_group_topk},
   };
   fields.insert(fields.end(), std::begin(moe), std::end(moe));
+}
+
+void add_balance_fields(std::vector<Field>& fields, MoeModelConfig& m) {
+  CapacityControlConfig& b = m.balance;
+  const Field balance[] = {
+      {"balance.cf_min", &b.cf_min},
+      {"balance.cf_max", &b.cf_max},
+      {"balance.window", &b.window},
+      {"balance.util_low", &b.util_low},
+      {"balance.util_high", &b.util_high},
+      {"balance.imbalance_low", &b.imbalance_low},
+      {"balance.imbalance_high", &b.imbalance_high},
+      {"balance.slope_tol", &b.slope_tol},
+  };
+  fields.insert(fields.end(), std::begin(balance), std::end(balance));
 }
 
 void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
@@ -84,6 +100,7 @@ ConfigSchema schema(RunConfig& c) {
       {"model.rope_theta", &m.rope_theta},
   };
   fields.insert(fields.end(), std::begin(model), std::end(model));
+  add_balance_fields(fields, m);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
       {"train.seq_len", &t.seq_len},
@@ -240,6 +257,11 @@ std::string RunConfig::config_hash() const {
       j["train"].erase(k);
   }
   if (train.precision_dtype() == DType::F32) j["train"].erase("precision");
+  // Likewise fixed-capacity runs: the controller's settings do not touch them.
+  if (model.capacity == "fixed") {
+    j["model"].erase("capacity");
+    j.erase("balance");
+  }
   std::string s = j.dump();
   uint64_t h = 1469598103934665603ull;
   for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;

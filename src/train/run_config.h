@@ -125,6 +125,8 @@ struct DistSettings {
 void add_dist_fields(std::vector<Field>& fields, DistSettings& d);
 // The MoE [model] keys bound to `m` (shared by every model's configuration).
 void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m);
+// The [balance] keys (the dynamic capacity controller) bound to `m`.
+void add_balance_fields(std::vector<Field>& fields, MoeModelConfig& m);
 
 struct RunConfig {
   ModelConfig model;

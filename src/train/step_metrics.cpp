@@ -1,6 +1,7 @@
 #include "train/step_metrics.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace moetrain {
 
@@ -11,6 +12,34 @@ double imbalance(const std::vector<int64_t>& load) {
   return sum > 0
              ? static_cast<double>(mx) * static_cast<double>(load.size()) / static_cast<double>(sum)
              : 1.0;
+}
+
+double load_entropy(const std::vector<int64_t>& load) {
+  int64_t sum = 0;
+  for (int64_t v : load) sum += v;
+  if (load.size() < 2 || sum == 0) return 0.0;
+  double h = 0;
+  for (int64_t v : load) {
+    if (v == 0) continue;
+    const double p = static_cast<double>(v) / static_cast<double>(sum);
+    h -= p * std::log(p);
+  }
+  return h / std::log(static_cast<double>(load.size()));
+}
+
+std::vector<int64_t> rank_loads(const std::vector<int64_t>& load, int64_t ranks) {
+  const int64_t E = static_cast<int64_t>(load.size());
+  std::vector<int64_t> out(static_cast<std::size_t>(std::max<int64_t>(ranks, 1)), 0);
+  for (std::size_t q = 0; q < out.size(); ++q)
+    for (int64_t e = chunk_begin(E, static_cast<int>(q), static_cast<int>(out.size()));
+         e < chunk_begin(E, static_cast<int>(q) + 1, static_cast<int>(out.size())); ++e)
+      out[q] += load[e];
+  return out;
+}
+
+double capacity_utilisation(const Accumulated& acc, std::size_t m) {
+  const int64_t slots = acc.capacity_slots[m];
+  return slots > 0 ? static_cast<double>(acc.computed[m]) / static_cast<double>(slots) : 1.0;
 }
 
 void reduce_step_figures(Comm& comm, Accumulated& acc) {
@@ -29,6 +58,12 @@ void reduce_step_figures(Comm& comm, Accumulated& acc) {
   for (auto& l : acc.tokens_per_expert)
     for (int64_t& v : l) v = flat[at++];
   comm.allreduce(acc.dropped.data(), static_cast<int64_t>(acc.dropped.size()));
+  std::vector<int64_t> used(acc.capacity_slots);
+  used.insert(used.end(), acc.computed.begin(), acc.computed.end());
+  comm.allreduce(used.data(), static_cast<int64_t>(used.size()));
+  const std::size_t L = acc.capacity_slots.size();
+  std::copy_n(used.begin(), L, acc.capacity_slots.begin());
+  std::copy_n(used.begin() + static_cast<std::ptrdiff_t>(L), L, acc.computed.begin());
 }
 
 nlohmann::json step_metrics_line(const StepFigures& f) {
@@ -50,6 +85,16 @@ nlohmann::json step_metrics_line(const StepFigures& f) {
   for (const auto& l : acc.tokens_per_expert) imb += imbalance(l);
   const std::size_t layers = acc.tokens_per_expert.size();
   line["imbalance"] = layers == 0 ? 1.0 : imb / static_cast<double>(layers);
+  std::vector<double> entropy, rank_imb, util;
+  for (std::size_t m = 0; m < layers; ++m) {
+    entropy.push_back(load_entropy(acc.tokens_per_expert[m]));
+    rank_imb.push_back(imbalance(rank_loads(acc.tokens_per_expert[m], f.ep)));
+    util.push_back(capacity_utilisation(acc, m));
+  }
+  line["load_entropy"] = entropy;
+  line["rank_max_mean_load"] = rank_imb;
+  line["capacity_factor"] = acc.capacity_factor;
+  line["capacity_utilisation"] = util;
   return line;
 }
 

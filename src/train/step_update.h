@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/comm.h"
+#include "moe/capacity_controller.h"
 #include "moe/config.h"
 #include "optim/grad_reducer.h"
 #include "optim/update.h"
@@ -29,8 +30,17 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
                              float* params, float* grads, float lr, const UpdateOptions& opts);
 
 // Collective over control: the router-bias update (sigmoid_bias routers), acc reduced over the
-// processes, and the metrics line of figures (whose acc is set to &acc here).
+// processes, and the metrics line of figures (whose acc is set to &acc here). capacity (one
+// controller per MoE layer, or null for a fixed capacity): each is updated from its layer's
+// reduced utilisation and imbalance, the figures the line records, and sets its layer's factor
+// for the next step — the same on every process.
 nlohmann::json finish_step(const std::vector<MoeLayer*>& moe, const MoeConfig& moe_cfg,
-                           Comm& control, Accumulated& acc, StepFigures figures);
+                           Comm& control, Accumulated& acc, StepFigures figures,
+                           std::vector<CapacityController>* capacity = nullptr);
+
+// Sets each layer's capacity factor from its controller, keeping the sign of the layer's
+// configured factor (its mode).
+void apply_capacity_factors(const std::vector<CapacityController>& capacity,
+                            const std::vector<MoeLayer*>& moe);
 
 }  // namespace moetrain

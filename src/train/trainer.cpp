@@ -60,6 +60,11 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   RunParallel rp =
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);
   model_ = std::make_unique<Transformer>(cfg_.model, rp.moe_context());
+  if (cfg_.model.capacity == "dynamic") {
+    capacity_.assign(model_->moe_layers().size(),
+                     CapacityController(cfg_.model.balance, std::abs(cfg_.model.capacity_factor)));
+    apply_capacity_factors(capacity_, model_->moe_layers());
+  }
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ParallelLayout& pl = pg_->layout;
   const ExpertShard& shard = expert_shard_;
@@ -209,7 +214,9 @@ double Trainer::train_step() {
                                   .grad_norm = last_grad_norm_,
                                   .update = &up.outcome,
                                   .fp16 = scaler_ != nullptr,
-                                  .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before});
+                                  .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
+                                  .ep = pg_->layout.ep},
+                                 capacity_.empty() ? nullptr : &capacity_);
   last_parts_ = acc.loss;
   return acc.loss.total;
 }

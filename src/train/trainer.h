@@ -16,6 +16,7 @@
 #include "io/metrics.h"
 #include "io/run_lock.h"
 #include "model/transformer.h"
+#include "moe/capacity_controller.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -127,6 +128,8 @@ class Trainer {
   double last_grad_norm_ = 0, last_lr_ = 0;
   // Mixed precision: fp16's loss scaler, the scale the last step used, whether it was skipped.
   std::unique_ptr<LossScaler> scaler_;
+  // model.capacity = dynamic: one controller per MoE layer (empty for a fixed capacity).
+  std::vector<CapacityController> capacity_;
   double last_scale_ = 1;
   bool last_skipped_ = false;
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;

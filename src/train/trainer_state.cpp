@@ -7,6 +7,7 @@
 #include "data/shard.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/run_state.h"
+#include "train/step_update.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -63,6 +64,11 @@ nlohmann::json Trainer::trainer_state() const {
                        {"good_steps", scaler_->good_steps()},
                        {"skipped_steps", scaler_->skipped_steps()}};
   }
+  if (!capacity_.empty()) {
+    nlohmann::json c = nlohmann::json::array();
+    for (const CapacityController& k : capacity_) c.push_back(k.to_json());
+    t["capacity_controller"] = c;
+  }
   return t;
 }
 
@@ -103,6 +109,15 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
     const nlohmann::json& ls = t["loss_scale"];
     scaler_->restore(ls.value("scale", 1.0), ls.value("good_steps", int64_t{0}),
                      ls.value("skipped_steps", int64_t{0}));
+  }
+
+  if (!capacity_.empty()) {
+    const nlohmann::json& c = need(t, "capacity_controller");
+    MOETRAIN_CHECK(c.is_array() && c.size() == capacity_.size(),
+                   "{}: 'capacity_controller' must hold one state per MoE layer ({})", where,
+                   capacity_.size());
+    for (std::size_t m = 0; m < capacity_.size(); ++m) capacity_[m].restore(c[m], where);
+    apply_capacity_factors(capacity_, model_->moe_layers());
   }
 
   // The global batch stays what it was: a different number of processes changes the number of

@@ -208,6 +208,10 @@ TEST(PsOptions, RejectBadValuesByName) {
   expect_error([&] { o.validate(); }, "--heartbeat-timeout");
   RunConfig cfg;
   expect_error([&] { check_ps_run_config(cfg); }, "optim.grad_clip");
+  cfg.optim.grad_clip = 0;
+  cfg.model.capacity = "dynamic";
+  cfg.model.capacity_factor = 1.0;
+  expect_error([&] { check_ps_run_config(cfg); }, "model.capacity = dynamic");
 }
 
 // The AVX2 int8 kernels give the scalar kernels' bits: amax, codes and residuals, on blocks of

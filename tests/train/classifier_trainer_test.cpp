@@ -305,6 +305,11 @@ TEST(ClassifierConfig, BadKeysAndValuesNameTheKey) {
   expect_error([&] { load_classifier_config("", {"train.batch_size=many"}); },
                "train.batch_size=many");
   expect_error([&] { load_classifier_config("", {"model.top_k=9"}); }, "model.top_k = 9");
+  expect_error(
+      [&] {
+        load_classifier_config("", {"model.capacity=dynamic", "model.capacity_factor=1"});
+      },
+      "model.capacity = 'dynamic'");
   expect_error([&] { load_classifier_config("", {"model.router=switch"}); },
                "model.router = 'switch'");
   expect_error([&] { load_classifier_config("", {"train.epochs=2"}); },
