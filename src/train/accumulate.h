@@ -18,6 +18,7 @@
 #include "model/classifier.h"
 #include "model/transformer.h"
 #include "moe/moe_layer.h"
+#include "train/stop_signal.h"
 
 namespace moetrain {
 
@@ -75,6 +76,7 @@ struct Accumulated {
   std::vector<std::vector<int64_t>> tokens_per_expert;  // (MoE layers, E) summed
   std::vector<double> dropped;                          // (MoE layers) Σ fraction / divisor
   double a2a_s = 0, a2a_wait_s = 0;                     // summed over layers and micro-batches
+  StopVotes stop;  // signals asking to stop, summed over processes by reduce_step_figures
 };
 
 // grads (n) = Σ over micro-batches of ∂(loss_weight · total)/∂params.

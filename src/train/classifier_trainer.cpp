@@ -23,6 +23,7 @@
 #include "train/run_state.h"
 #include "train/step_metrics.h"
 #include "train/step_update.h"
+#include "train/stop_signal.h"
 
 namespace fs = std::filesystem;
 
@@ -293,6 +294,7 @@ double ClassifierTrainer::train_step() {
   figures.accuracy_rows = B;
   pending_metrics_ =
       finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc, figures);
+  stop_ = acc.stop;
   return acc.loss.total;
 }
 
@@ -304,6 +306,7 @@ ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
   Progress progress(parse_progress_mode(rank() == 0 ? cfg_.train.progress : "off"), step_,
                     total_steps_);
   Timer run_timer;
+  const StopSignals signals;
   // Every rank evaluates the whole test set (the replicated model gives every rank the figures).
   auto evaluate = [&] {
     ClassifierEval ev = evaluate_classifier(*model_, params_.data(), *data_.test, eval_batch);
@@ -323,6 +326,15 @@ ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
     metrics_.write(pending_metrics_);
     progress.update({step_, total_steps_, result.final_loss, static_cast<double>(B) / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});
+    if (stop_.any()) {
+      result.checkpoint = save_checkpoint();
+      result.exit_code = stop_.exit_code();
+      result.steps_done = step_ - first_step;
+      result.seconds = run_timer.seconds();
+      progress.finish();
+      log_message(LogLevel::Warn, true, stop_message(stop_, step_, result.checkpoint.string()));
+      return result;
+    }
     const bool last = step_ == total;
     if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0 && step_ < total_steps_) {
       ClassifierEval ev = evaluate();

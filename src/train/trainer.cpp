@@ -33,6 +33,7 @@
 #include "train/run_state.h"
 #include "train/step_metrics.h"
 #include "train/step_update.h"
+#include "train/stop_signal.h"
 
 namespace fs = std::filesystem;
 
@@ -114,9 +115,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   const std::optional<fs::path> ckpt =
       checkpoint_to_resume(cfg_.train.run_dir, resume, *pg_->control);
   if (ckpt) load_checkpoint(*ckpt);
-  metrics_ = open_metrics(cfg_.train.run_dir, pl.rank,
-                          ckpt ? std::optional<int64_t>(step_) : std::nullopt,
-                          cfg_.train.tensorboard);
+  metrics_ =
+      open_metrics(cfg_.train.run_dir, pl.rank, ckpt ? std::optional<int64_t>(step_) : std::nullopt,
+                   cfg_.train.tensorboard);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);
   check_ranks_agree();
   if (pl.rank == 0)
@@ -210,6 +211,7 @@ double Trainer::train_step() {
                                   .fp16 = scaler_ != nullptr,
                                   .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before});
   last_parts_ = acc.loss;
+  stop_ = acc.stop;
   return acc.loss.total;
 }
 
@@ -223,6 +225,7 @@ TrainResult Trainer::run(int64_t stop_at) {
                     cfg_.train.steps);
   Timer run_timer;
   double train_seconds = 0;
+  const StopSignals signals;
   while (step_ < total) {
     Timer t;
     result.final_loss = train_step();
@@ -244,6 +247,17 @@ TrainResult Trainer::run(int64_t stop_at) {
     metrics_.write(pending_metrics_);
     progress.update({step_, cfg_.train.steps, result.final_loss, tokens_per_step / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});
+    if (stop_.any()) {
+      result.last_checkpoint = save_checkpoint();
+      result.exit_code = stop_.exit_code();
+      result.steps_done = step_ - result.first_step;
+      result.seconds = run_timer.seconds();
+      progress.finish();
+      // Every rank says where it stopped: they agree on the step.
+      log_message(LogLevel::Warn, true,
+                  stop_message(stop_, step_, result.last_checkpoint.string()));
+      return result;
+    }
     bool last = step_ == total;
     if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0 && !last) {
       result.val_loss = evaluate(*model_, params_.data(), *val_shard_, cfg_.train.batch_size,
