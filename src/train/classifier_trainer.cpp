@@ -170,8 +170,8 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
     }
   }
   pg_->control->barrier();
-  const std::optional<fs::path> ckpt = checkpoint_to_resume(run_dir, resume, *pg_->control);
-  if (ckpt) load_checkpoint(*ckpt);
+  const std::optional<fs::path> ckpt = checkpoint_to_resume(
+      run_dir, resume, *pg_->control, [&](const fs::path& p) { load_checkpoint(p); });
   metrics_ = open_metrics(run_dir, rank(), ckpt ? std::optional<int64_t>(step_) : std::nullopt,
                           cfg_.train.tensorboard);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);

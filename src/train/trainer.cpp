@@ -112,9 +112,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       "choose another train.run_dir (or remove that one)",
       cfg_.train.run_dir);
   // Collective: every rank gets the same checkpoint (or none).
-  const std::optional<fs::path> ckpt =
-      checkpoint_to_resume(cfg_.train.run_dir, resume, *pg_->control);
-  if (ckpt) load_checkpoint(*ckpt);
+  const std::optional<fs::path> ckpt = checkpoint_to_resume(
+      cfg_.train.run_dir, resume, *pg_->control, [&](const fs::path& p) { load_checkpoint(p); });
   metrics_ =
       open_metrics(cfg_.train.run_dir, pl.rank, ckpt ? std::optional<int64_t>(step_) : std::nullopt,
                    cfg_.train.tensorboard);
