@@ -18,6 +18,7 @@
 #include "parallel/runtime.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/accumulate.h"
+#include "train/memory_estimate.h"
 #include "train/parallel_setup.h"
 #include "train/progress.h"
 #include "train/run_state.h"
@@ -118,6 +119,9 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   cfg_.validate();
   world_ = world ? std::move(world) : dist_world("classifier");
   const int W = world_->size();
+  // Before the model is allocated: a config that cannot fit stops here, not in std::bad_alloc.
+  check_memory(estimate_memory(cfg_.model, cfg_.train.batch_size), W > 1 ? dist_local_size() : 1,
+               "this run");
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
   const int64_t B = cfg_.train.batch_size;
   MOETRAIN_CHECK(B % W == 0,

@@ -28,6 +28,7 @@
 #include "parallel/sharded_optimizer.h"
 #include "train/accumulate.h"
 #include "train/evaluate.h"
+#include "train/memory_estimate.h"
 #include "train/parallel_setup.h"
 #include "train/progress.h"
 #include "train/run_state.h"
@@ -56,6 +57,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   cfg_.validate();
   world_ = world ? std::move(world) : dist_world("trainer");
   const int W = world_->size();
+  // Before the model is allocated: a config that cannot fit stops here, not in std::bad_alloc.
+  check_memory(estimate_memory(cfg_.model, cfg_.train.batch_size, cfg_.train.seq_len,
+                               cfg_.train.precision_dtype() == DType::F32 ? 0 : 2),
+               W > 1 ? dist_local_size() : 1, "this run");
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
   RunParallel rp =
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);
