@@ -32,6 +32,7 @@ Run add_classify_command(CLI::App& app) {
     const std::unique_ptr<CollectiveWatchdog> watchdog = watch_collectives(cfg.dist);
     ClassifierTrainer trainer(cfg, {}, args->resume);
     ClassifierTrainResult r = trainer.run();
+    if (r.exit_code != 0) return r.exit_code;
     if (trainer.rank() != 0) return 0;  // one summary for the whole run
     fmt::print(
         "steps {} | final train loss {:.4f} | test accuracy {:.2f}% | test loss {:.4f} | {:.0f} "

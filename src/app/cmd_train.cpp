@@ -58,6 +58,7 @@ Run add_train_command(CLI::App& app) {
     const std::unique_ptr<CollectiveWatchdog> watchdog = watch_collectives(cfg.dist);
     Trainer trainer(cfg, args->resume);
     TrainResult r = trainer.run();
+    if (r.exit_code != 0) return r.exit_code;
     if (trainer.rank() != 0) return 0;  // one summary for the whole run
     fmt::print(
         "steps {} | final train loss {:.4f} | validation loss {:.4f} nats/byte | {:.0f} tokens/s | "

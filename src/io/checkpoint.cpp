@@ -112,6 +112,25 @@ std::vector<fs::path> candidates(const fs::path& run_dir) {
   return out;
 }
 
+// The step is in three places: the directory's name, the manifest and trainer_state.json. A
+// disagreement is a corrupt (or re-signed) checkpoint: trusting trainer_state.json alone would
+// make the run write, and rotate towards, a step it never reached.
+void check_steps(const fs::path& dir, const json& m) {
+  const fs::path path = dir / kManifest;
+  const int64_t step = reading_json(path, [&] { return member(m, "step", path).get<int64_t>(); });
+  const int64_t named = step_of(dir.filename());
+  MOETRAIN_CHECK(named < 0 || named == step,
+                 "{}: step {}, but the directory is {} (a corrupt or re-signed checkpoint)",
+                 path.string(), step, dir.filename().string());
+  if (!m["files"].contains("trainer_state.json")) return;
+  const fs::path state_path = dir / "trainer_state.json";
+  const json state = read_checkpoint_json(dir, "trainer_state.json");
+  if (!state.contains("step")) return;
+  MOETRAIN_CHECK(state["step"].is_number_integer() && state["step"].get<int64_t>() == step,
+                 "{}: step {}, the manifest says {} (a corrupt or re-signed checkpoint)",
+                 state_path.string(), state["step"].dump(), step);
+}
+
 }  // namespace
 
 TensorPiece whole_tensor(std::string name, Shape shape, float* data) {
@@ -151,10 +170,13 @@ void verify_checkpoint(const fs::path& dir, Comm* comm) {
                        (dir / name).string(), crc, want);
       }
     });
+    check_steps(dir, m);
   });
 }
 
-std::optional<fs::path> find_latest_checkpoint(const fs::path& run_dir, Comm* comm) {
+std::optional<fs::path> find_latest_checkpoint(const fs::path& run_dir, Comm* comm,
+                                               const CheckpointLoad& load,
+                                               std::vector<std::string>* refusals) {
   std::vector<fs::path> list = candidates(run_dir);
   if (comm != nullptr && comm->size() > 1) {
     std::vector<int64_t> seen = comm->allgather_one(static_cast<int64_t>(list.size()));
@@ -174,9 +196,13 @@ std::optional<fs::path> find_latest_checkpoint(const fs::path& run_dir, Comm* co
   for (const fs::path& dir : list) {
     try {
       verify_checkpoint(dir, comm);
+      // Checksums pass but the contents may still not parse or fit: that is a corrupt
+      // checkpoint too, and the previous one is tried.
+      if (load) on_every_rank(comm, [&] { load(dir); });
       return dir;
     } catch (const std::exception& e) {
       log_warn("refusing checkpoint {}: {}", dir.string(), e.what());
+      if (refusals) refusals->push_back(fmt::format("{}: {}", dir.string(), e.what()));
     }
   }
   return std::nullopt;

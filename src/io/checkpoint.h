@@ -20,6 +20,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,7 +68,8 @@ std::filesystem::path write_checkpoint(Comm& comm, const std::filesystem::path& 
                                        const CheckpointDocs& docs, int64_t keep);
 
 // Verifies a checkpoint directory against its manifest: every file's size, every file's CRC-32C,
-// every tensor's pieces. With a communicator (collective), each rank checksums a share of the
+// every tensor's pieces, and that the directory's name, the manifest and trainer_state.json
+// name the same step. With a communicator (collective), each rank checksums a share of the
 // files and all throw the same message if any fails. Throws naming the file and what is wrong.
 void verify_checkpoint(const std::filesystem::path& dir, Comm* comm = nullptr);
 
@@ -75,8 +77,12 @@ void verify_checkpoint(const std::filesystem::path& dir, Comm* comm = nullptr);
 // is logged with its reason); `latest` is only a hint, and one naming anything outside the run's
 // checkpoints directory is ignored with a warning. nullopt if there is none. Collective when
 // given a communicator: every rank returns the same answer.
-std::optional<std::filesystem::path> find_latest_checkpoint(const std::filesystem::path& run_dir,
-                                                            Comm* comm = nullptr);
+// `load`, when given, reads the verified checkpoint (on every rank); if it throws, the checkpoint
+// is refused like one that fails verification. `refusals` collects each refusal's reason.
+using CheckpointLoad = std::function<void(const std::filesystem::path&)>;
+std::optional<std::filesystem::path> find_latest_checkpoint(
+    const std::filesystem::path& run_dir, Comm* comm = nullptr, const CheckpointLoad& load = {},
+    std::vector<std::string>* refusals = nullptr);
 
 // A JSON file of a checkpoint (config.json, trainer_state.json, manifest.json).
 nlohmann::json read_checkpoint_json(const std::filesystem::path& dir, const std::string& file);

@@ -138,6 +138,24 @@ void AtomicFileWriter::commit() {
   MOETRAIN_CHECK(rc == 0, "cannot fsync directory '{}': {}", dir.string(), why);
 }
 
+void append_whole(int fd, const std::filesystem::path& path, std::string_view bytes) {
+  const off_t start = ::lseek(fd, 0, SEEK_END);
+  MOETRAIN_CHECK(start >= 0, "cannot write {}: {}", path.string(), errno_text());
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const std::string why = w < 0 ? errno_text() : std::string("no progress");
+      // Best effort: the error below is what matters, and a file that cannot shrink keeps a tail.
+      [[maybe_unused]] const int rc = ::ftruncate(fd, start);
+      MOETRAIN_FAIL("cannot write {}: {} (the run stops; the file ends at its last whole entry)",
+                    path.string(), why);
+    }
+    done += static_cast<std::size_t>(w);
+  }
+}
+
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes) {
   AtomicFileWriter w(path);
   w.write(bytes.data(), bytes.size());

@@ -54,6 +54,11 @@ class AtomicFileWriter {
   int fd_ = -1;
 };
 
+// Appends `bytes` to the end of the file open as `fd` (`path` names it in errors) whole or not at
+// all: a short or failed write (a full disk, a file-size limit) is cut back off before the error
+// is thrown, so a line or a record is never left half-written.
+void append_whole(int fd, const std::filesystem::path& path, std::string_view bytes);
+
 // Writes `bytes` to `path` through an AtomicFileWriter.
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes);
 

@@ -1,5 +1,7 @@
 #include "io/metrics.h"
 
+#include <stdio.h>
+
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -97,9 +99,7 @@ MetricsWriter MetricsWriter::resume(const fs::path& run_dir, int64_t step, bool 
 void MetricsWriter::write(const nlohmann::json& line) {
   if (!file_) return;
   const std::string text = line.dump() + "\n";
-  const bool ok =
-      std::fwrite(text.data(), 1, text.size(), file_) == text.size() && std::fflush(file_) == 0;
-  MOETRAIN_CHECK(ok, "cannot write {}: {}", path_.string(), std::strerror(errno));
+  append_whole(::fileno(file_), path_, text);
   if (!events_.active()) return;
   int64_t step = 0;
   Summary summary;

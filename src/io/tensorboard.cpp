@@ -243,9 +243,7 @@ void EventFileWriter::write_restart(int64_t step) {
 
 void EventFileWriter::append(const std::string& event) {
   const std::string record = tfrecord_frame(event);
-  const bool ok = std::fwrite(record.data(), 1, record.size(), file_) == record.size() &&
-                  std::fflush(file_) == 0;
-  MOETRAIN_CHECK(ok, "cannot write {}: {}", path_.string(), std::strerror(errno));
+  append_whole(::fileno(file_), path_, record);
 }
 
 }  // namespace moetrain

@@ -179,6 +179,10 @@ int wait_job(pid_t pid, const sigset_t& signals, double grace_s, int& stop_signa
   }
 }
 
+bool requested_stop(int exit_code) {
+  return exit_code == 128 + SIGINT || exit_code == 128 + SIGTERM;
+}
+
 // Sleeps `seconds` unless SIGINT/SIGTERM/SIGHUP arrives; returns that signal or 0.
 int sleep_unless_signalled(double seconds, const sigset_t& signals) {
   const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -342,6 +346,7 @@ SupervisorResult supervise(const SupervisorConfig& cfg) {
       kill_leftovers();
       a.seconds = log.seconds() - started;
       a.success = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      a.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
       a.reason = describe_job_status(status);
     }
     if (cfg.progress) a.progress = cfg.progress();
@@ -352,6 +357,14 @@ SupervisorResult supervise(const SupervisorConfig& cfg) {
     if (a.success) break;
     if (stop_signal) {
       stop_reason = fmt::format("stopped by {}", strsignal(stop_signal));
+      break;
+    }
+    // 130/143: the processes were asked to stop (a signal sent to them, not to the supervisor)
+    // and wrote a checkpoint; restarting would undo the request.
+    if (requested_stop(a.exit_code)) {
+      stop_signal = a.exit_code - 128;
+      stop_reason = fmt::format("the job stopped on request ({}, exit code {}); not restarting",
+                                strsignal(stop_signal), a.exit_code);
       break;
     }
     if (attempt > cfg.max_restarts) {

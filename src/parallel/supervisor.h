@@ -43,6 +43,7 @@ struct AttemptResult {
   int attempt = 0;  // 1, 2, ...
   int procs = 0;    // 0: not launched (too few slots)
   bool success = false;
+  int exit_code = -1;  // the job's exit code; -1 when it died of a signal or never ran
   std::string reason;  // "completed", "a process died of signal 9 (Killed)", ...
   double seconds = 0;
   std::string progress;

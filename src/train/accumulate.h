@@ -18,6 +18,7 @@
 #include "model/classifier.h"
 #include "model/transformer.h"
 #include "moe/moe_layer.h"
+#include "train/stop_signal.h"
 
 namespace moetrain {
 
@@ -79,6 +80,7 @@ struct Accumulated {
   std::vector<int64_t> capacity_slots, computed;
   std::vector<double> capacity_factor;
   double a2a_s = 0, a2a_wait_s = 0;                     // summed over layers and micro-batches
+  StopVotes stop;  // signals asking to stop, summed over processes by reduce_step_figures
 };
 
 // grads (n) = Σ over micro-batches of ∂(loss_weight · total)/∂params.

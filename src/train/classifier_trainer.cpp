@@ -18,12 +18,14 @@
 #include "parallel/runtime.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/accumulate.h"
+#include "train/memory_estimate.h"
 #include "train/parallel_setup.h"
 #include "train/progress.h"
 #include "train/run_state.h"
 #include "train/rank_timing.h"
 #include "train/step_metrics.h"
 #include "train/step_update.h"
+#include "train/stop_signal.h"
 
 namespace fs = std::filesystem;
 
@@ -118,6 +120,9 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   cfg_.validate();
   world_ = world ? std::move(world) : dist_world("classifier");
   const int W = world_->size();
+  // Before the model is allocated: a config that cannot fit stops here, not in std::bad_alloc.
+  check_memory(estimate_memory(cfg_.model, cfg_.train.batch_size), W > 1 ? dist_local_size() : 1,
+               "this run");
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
   const int64_t B = cfg_.train.batch_size;
   MOETRAIN_CHECK(B % W == 0,
@@ -170,8 +175,8 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
     }
   }
   pg_->control->barrier();
-  const std::optional<fs::path> ckpt = checkpoint_to_resume(run_dir, resume, *pg_->control);
-  if (ckpt) load_checkpoint(*ckpt);
+  const std::optional<fs::path> ckpt = checkpoint_to_resume(
+      run_dir, resume, *pg_->control, [&](const fs::path& p) { load_checkpoint(p); });
   metrics_ = open_metrics(run_dir, rank(), ckpt ? std::optional<int64_t>(step_) : std::nullopt,
                           cfg_.train.tensorboard);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);
@@ -295,6 +300,7 @@ double ClassifierTrainer::train_step() {
   figures.ep = pg_->layout.ep;
   pending_metrics_ =
       finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc, figures);
+  stop_ = acc.stop;
   return acc.loss.total;
 }
 
@@ -306,6 +312,7 @@ ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
   Progress progress(parse_progress_mode(rank() == 0 ? cfg_.train.progress : "off"), step_,
                     total_steps_);
   Timer run_timer;
+  const StopSignals signals;
   // Every rank evaluates the whole test set (the replicated model gives every rank the figures).
   auto evaluate = [&] {
     ClassifierEval ev = evaluate_classifier(*model_, params_.data(), *data_.test, eval_batch);
@@ -326,6 +333,15 @@ ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
     metrics_.write(pending_metrics_);
     progress.update({step_, total_steps_, result.final_loss, static_cast<double>(B) / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});
+    if (stop_.any()) {
+      result.checkpoint = save_checkpoint();
+      result.exit_code = stop_.exit_code();
+      result.steps_done = step_ - first_step;
+      result.seconds = run_timer.seconds();
+      progress.finish();
+      log_message(LogLevel::Warn, true, stop_message(stop_, step_, result.checkpoint.string()));
+      return result;
+    }
     const bool last = step_ == total;
     if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0 && step_ < total_steps_) {
       ClassifierEval ev = evaluate();

@@ -22,6 +22,7 @@
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
 #include "train/classifier_config.h"
+#include "train/stop_signal.h"
 
 namespace moetrain {
 
@@ -69,6 +70,7 @@ struct ClassifierTrainResult {
   double train_seconds = 0;  // the steps alone
   double images_per_s = 0;
   std::filesystem::path checkpoint;
+  int exit_code = 0;  // 130 / 143: stopped early by SIGINT / SIGTERM, with a checkpoint
 };
 
 class GradReducer;
@@ -132,8 +134,9 @@ class ClassifierTrainer {
   std::vector<float> inputs_;    // (Bl, D) this rank's
   std::vector<int32_t> labels_;  // (Bl)
   double last_lr_ = 0, last_grad_norm_ = 0;
+  StopVotes stop_;                  // the last step's, agreed by every process
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
-  RunLock run_lock_;  // rank 0's (before metrics_: released after its last write)
+  RunLock run_lock_;                // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;           // rank 0's; inactive on the others
 };
 

@@ -19,8 +19,11 @@ std::string router_bias_name(int64_t layer) {
 
 }  // namespace
 
-std::optional<fs::path> checkpoint_to_resume(const fs::path& run_dir, bool resume, Comm& control) {
-  std::optional<fs::path> ckpt = resume ? find_latest_checkpoint(run_dir, &control) : std::nullopt;
+std::optional<fs::path> checkpoint_to_resume(const fs::path& run_dir, bool resume, Comm& control,
+                                             const CheckpointLoad& load) {
+  std::vector<std::string> refusals;
+  std::optional<fs::path> ckpt =
+      resume ? find_latest_checkpoint(run_dir, &control, load, &refusals) : std::nullopt;
   if (ckpt || !resume) return ckpt;
   // Committed checkpoints that all fail verification are not silently replaced: a run from
   // step 0 would prune them. (An uncommitted .tmp_ directory is no checkpoint.)
@@ -31,10 +34,10 @@ std::optional<fs::path> checkpoint_to_resume(const fs::path& run_dir, bool resum
       if (entry.is_directory() && entry.path().filename().string().rfind("step_", 0) == 0)
         ++refused;
   MOETRAIN_CHECK(refused == 0,
-                 "{} holds {} checkpoint(s) and none can be loaded (the reasons are logged "
-                 "above): move them away to start this run from step 0, or point "
+                 "{} holds {} checkpoint(s) and none can be loaded (the newest: {}; the others "
+                 "are logged above): move them away to start this run from step 0, or point "
                  "train.run_dir elsewhere",
-                 cdir.string(), refused);
+                 cdir.string(), refused, refusals.empty() ? "not committed" : refusals.front());
   log_info("no checkpoint in {}: starting from step 0", run_dir.string());
   return ckpt;
 }
@@ -198,7 +201,8 @@ int64_t read_weights(const fs::path& ckpt, Classifier& model, std::vector<float>
 
 fs::path resolve_checkpoint(const fs::path& dir) {
   if (fs::is_regular_file(dir / "manifest.json")) return dir;
-  auto latest = find_latest_checkpoint(dir);
+  auto latest = find_latest_checkpoint(
+      dir, nullptr, [](const fs::path& c) { read_checkpoint_json(c, "config.json"); });
   MOETRAIN_CHECK(latest.has_value(),
                  "{}: neither a checkpoint directory nor a run directory with a complete "
                  "checkpoint",

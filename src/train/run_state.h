@@ -24,8 +24,11 @@ namespace moetrain {
 // Collective over control. resume: the run directory's latest complete checkpoint (nullopt when
 // it has none; an error when it has committed checkpoints and none of them loads, since a run from
 // step 0 would prune them). Not resuming: nullopt.
+// `load` reads a verified checkpoint into the trainer; one that fails to load (bad contents
+// behind good checksums) is refused and the previous one tried.
 std::optional<std::filesystem::path> checkpoint_to_resume(const std::filesystem::path& run_dir,
-                                                          bool resume, Comm& control);
+                                                          bool resume, Comm& control,
+                                                          const CheckpointLoad& load);
 
 // The settings every rank must share, flattened to "section.key" → value: the whole
 // configuration (its hash leaves out what a resume may change, yet the ranks must still agree on

@@ -48,9 +48,12 @@ void reduce_step_figures(Comm& comm, Accumulated& acc) {
   double parts[4] = {sum.ce, sum.aux, sum.z, sum.total};
   comm.allreduce(parts, 4);
   sum.ce = parts[0] / W, sum.aux = parts[1] / W, sum.z = parts[2] / W, sum.total = parts[3] / W;
-  int64_t counts[2] = {sum.targets, acc.correct};
-  comm.allreduce(counts, 2);
+  // A requested stop rides on this reduction, so that every process stops after the same step.
+  const StopVotes here = StopVotes::local();
+  int64_t counts[4] = {sum.targets, acc.correct, here.interrupt, here.terminate};
+  comm.allreduce(counts, 4);
   sum.targets = counts[0], acc.correct = counts[1];
+  acc.stop = {counts[2], counts[3]};
   std::vector<int64_t> flat;
   for (const auto& l : acc.tokens_per_expert) flat.insert(flat.end(), l.begin(), l.end());
   comm.allreduce(flat.data(), static_cast<int64_t>(flat.size()));

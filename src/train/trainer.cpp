@@ -28,12 +28,14 @@
 #include "parallel/sharded_optimizer.h"
 #include "train/accumulate.h"
 #include "train/evaluate.h"
+#include "train/memory_estimate.h"
 #include "train/parallel_setup.h"
 #include "train/progress.h"
 #include "train/run_state.h"
 #include "train/rank_timing.h"
 #include "train/step_metrics.h"
 #include "train/step_update.h"
+#include "train/stop_signal.h"
 
 namespace fs = std::filesystem;
 
@@ -56,6 +58,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   cfg_.validate();
   world_ = world ? std::move(world) : dist_world("trainer");
   const int W = world_->size();
+  // Before the model is allocated: a config that cannot fit stops here, not in std::bad_alloc.
+  check_memory(estimate_memory(cfg_.model, cfg_.train.batch_size, cfg_.train.seq_len,
+                               cfg_.train.precision_dtype() == DType::F32 ? 0 : 2),
+               W > 1 ? dist_local_size() : 1, "this run");
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
   RunParallel rp =
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);
@@ -117,12 +123,11 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       "choose another train.run_dir (or remove that one)",
       cfg_.train.run_dir);
   // Collective: every rank gets the same checkpoint (or none).
-  const std::optional<fs::path> ckpt =
-      checkpoint_to_resume(cfg_.train.run_dir, resume, *pg_->control);
-  if (ckpt) load_checkpoint(*ckpt);
-  metrics_ = open_metrics(cfg_.train.run_dir, pl.rank,
-                          ckpt ? std::optional<int64_t>(step_) : std::nullopt,
-                          cfg_.train.tensorboard);
+  const std::optional<fs::path> ckpt = checkpoint_to_resume(
+      cfg_.train.run_dir, resume, *pg_->control, [&](const fs::path& p) { load_checkpoint(p); });
+  metrics_ =
+      open_metrics(cfg_.train.run_dir, pl.rank, ckpt ? std::optional<int64_t>(step_) : std::nullopt,
+                   cfg_.train.tensorboard);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);
   check_ranks_agree();
   if (pl.rank == 0)
@@ -218,6 +223,7 @@ double Trainer::train_step() {
                                   .ep = pg_->layout.ep},
                                  capacity_.empty() ? nullptr : &capacity_);
   last_parts_ = acc.loss;
+  stop_ = acc.stop;
   return acc.loss.total;
 }
 
@@ -231,6 +237,7 @@ TrainResult Trainer::run(int64_t stop_at) {
                     cfg_.train.steps);
   Timer run_timer;
   double train_seconds = 0;
+  const StopSignals signals;
   while (step_ < total) {
     Timer t;
     if (ep_.exchange) ep_.exchange->take_cross_node_bytes();  // an evaluation's are not the step's
@@ -257,6 +264,17 @@ TrainResult Trainer::run(int64_t stop_at) {
     metrics_.write(pending_metrics_);
     progress.update({step_, cfg_.train.steps, result.final_loss, tokens_per_step / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});
+    if (stop_.any()) {
+      result.last_checkpoint = save_checkpoint();
+      result.exit_code = stop_.exit_code();
+      result.steps_done = step_ - result.first_step;
+      result.seconds = run_timer.seconds();
+      progress.finish();
+      // Every rank says where it stopped: they agree on the step.
+      log_message(LogLevel::Warn, true,
+                  stop_message(stop_, step_, result.last_checkpoint.string()));
+      return result;
+    }
     bool last = step_ == total;
     if (cfg_.train.eval_every > 0 && step_ % cfg_.train.eval_every == 0 && !last) {
       result.val_loss = evaluate(*model_, params_.data(), *val_shard_, cfg_.train.batch_size,

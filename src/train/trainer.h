@@ -23,6 +23,7 @@
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
 #include "train/run_config.h"
+#include "train/stop_signal.h"
 
 namespace moetrain {
 
@@ -38,6 +39,7 @@ struct TrainResult {
   double seconds = 0;
   double tokens_per_s = 0;
   std::filesystem::path last_checkpoint;
+  int exit_code = 0;  // 130 / 143: stopped early by SIGINT / SIGTERM, with a checkpoint
 };
 
 // A model with its parameters, for evaluation, sampling and the forward dump.
@@ -132,9 +134,10 @@ class Trainer {
   std::vector<CapacityController> capacity_;
   double last_scale_ = 1;
   bool last_skipped_ = false;
+  StopVotes stop_;  // the last step's, agreed by every process
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
-  RunLock run_lock_;  // rank 0's (before metrics_: released after its last write)
+  RunLock run_lock_;                // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;           // rank 0's; inactive on the others
 };
 

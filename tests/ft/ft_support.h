@@ -58,11 +58,13 @@ inline std::vector<std::pair<std::string, std::string>> mpi_env() {
 }
 
 // Runs MOETRAIN_BINARY with `args`. Past `timeout_s` the process gets SIGTERM (the supervisor
-// then ends its job), and SIGKILL 15 s later; `on_line` sees every line as it arrives.
+// then ends its job), and SIGKILL 15 s later; `on_line` sees every line as it arrives, and
+// `on_tick` is called with the child's pid about every 100 ms while it runs.
 inline ProcessResult run_moetrain(const std::vector<std::string>& args,
                                   const std::vector<std::pair<std::string, std::string>>& env,
                                   double timeout_s,
-                                  const std::function<void(const OutputLine&)>& on_line = {}) {
+                                  const std::function<void(const OutputLine&)>& on_line = {},
+                                  const std::function<void(pid_t)>& on_tick = {}) {
   using Clock = std::chrono::steady_clock;
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return {};
@@ -110,6 +112,7 @@ inline ProcessResult run_moetrain(const std::vector<std::string>& args,
       pending.append(buf, static_cast<std::size_t>(n));
       flush_lines(false);
     }
+    if (exited_at < 0 && on_tick) on_tick(pid);
     if (exited_at < 0 && seconds() > kill_at) {
       r.timed_out = true;
       ::kill(pid, terminated ? SIGKILL : SIGTERM);

@@ -288,7 +288,6 @@ TEST(Checkpoint, StaleLatestNeitherHidesNorRotatesOutANewerCommittedCheckpoint) 
   EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 10));
 }
 
-
 // `latest` naming a checkpoint of another run (relative or absolute) is refused with a warning;
 // the run's own newest checkpoint is taken.
 TEST(Checkpoint, LatestOutsideTheRunDirectoryIsRefused) {
@@ -297,8 +296,8 @@ TEST(Checkpoint, LatestOutsideTheRunDirectoryIsRefused) {
   Tensors mine(5.0f), theirs(10.0f);
   write(run, 5, mine);
   write(other, 10, theirs);
-  for (const std::string& hint : {std::string("../../other/checkpoints/step_00000010"),
-                                  checkpoint_dir(other, 10).string()}) {
+  for (const std::string& hint :
+       {std::string("../../other/checkpoints/step_00000010"), checkpoint_dir(other, 10).string()}) {
     write_file_atomic(run / "checkpoints" / "latest", hint + "\n");
     ::testing::internal::CaptureStderr();
     const auto found = find_latest_checkpoint(run);
@@ -308,4 +307,75 @@ TEST(Checkpoint, LatestOutsideTheRunDirectoryIsRefused) {
               std::string::npos)
         << log;
   }
+}
+
+namespace {
+
+// Rewrites `file` of a checkpoint and signs it again in the manifest: the checksums pass.
+void resign(const fs::path& dir, const std::string& file, const std::string& text) {
+  std::ofstream(dir / file, std::ios::binary | std::ios::trunc) << text;
+  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
+  manifest["files"][file]["bytes"] = text.size();
+  manifest["files"][file]["crc32c"] = crc32c(text.data(), text.size());
+  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+}
+
+std::string latest_with_log(const fs::path& run, std::optional<fs::path>& found,
+                            const CheckpointLoad& load = {}) {
+  ::testing::internal::CaptureStderr();
+  found = find_latest_checkpoint(run, nullptr, load);
+  return ::testing::internal::GetCapturedStderr();
+}
+
+}  // namespace
+
+// A re-signed trainer_state.json (bad JSON, or a step the manifest does not name) and a manifest
+// whose step is not its directory's: each is a corrupt checkpoint, and the previous one is taken
+// with a warning naming the file.
+TEST(Checkpoint, StepsThatDisagreeOrStateThatDoesNotParseFallBack) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"trainer_state.json", "{\"step\": 999}"},
+      {"trainer_state.json", "{\"step\": "},
+      {"manifest.json", ""}};
+  for (const auto& [file, text] : cases) {
+    TempDir tmp("ckpt_resigned");
+    Tensors five(5.0f), ten(10.0f);
+    write(tmp.path(), 5, five);
+    const fs::path dir = write(tmp.path(), 10, ten);
+    if (file == "manifest.json") {
+      nlohmann::json m = read_checkpoint_json(dir, "manifest.json");
+      m["step"] = 999;
+      std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << m.dump(2);
+    } else {
+      resign(dir, file, text);
+    }
+    std::optional<fs::path> found;
+    const std::string log = latest_with_log(tmp.path(), found);
+    EXPECT_EQ(found, checkpoint_dir(tmp.path(), 5)) << file << " " << text << "\n" << log;
+    EXPECT_NE(log.find((dir / file).string()), std::string::npos) << log;
+  }
+}
+
+// A manifest whose tensors do not match what the reader needs: the load fails, the previous
+// checkpoint is taken.
+TEST(Checkpoint, ACheckpointThatFailsToLoadFallsBackToThePreviousOne) {
+  TempDir tmp("ckpt_noload");
+  Tensors five(5.0f), ten(10.0f);
+  write(tmp.path(), 5, five);
+  const fs::path dir = write(tmp.path(), 10, ten);
+  nlohmann::json m = read_checkpoint_json(dir, "manifest.json");
+  m["tensors"]["model"]["w_renamed"] = m["tensors"]["model"]["w"];
+  m["tensors"]["model"].erase("w");
+  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << m.dump(2);
+  std::vector<float> w(30);
+  auto load = [&](const fs::path& c) {
+    CheckpointShare want;
+    want.model = {whole_tensor("w", {6, 5}, w.data())};
+    read_checkpoint_pieces(c, want);
+  };
+  std::optional<fs::path> found;
+  const std::string log = latest_with_log(tmp.path(), found, load);
+  EXPECT_EQ(found, checkpoint_dir(tmp.path(), 5)) << log;
+  EXPECT_NE(log.find("refusing checkpoint " + dir.string()), std::string::npos) << log;
+  EXPECT_EQ(w, five.w);
 }

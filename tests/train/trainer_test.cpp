@@ -361,3 +361,36 @@ TEST(Trainer, AWrongTypeInTrainerStateNamesTheFile) {
         << e.what();
   }
 }
+
+// A re-signed trainer_state.json claiming step 999: the resume refuses that checkpoint (naming the
+// file), continues from the previous one, and never writes a step the run did not reach.
+TEST(Trainer, AResignedStepFallsBackAndIsNeverWritten) {
+  TempDir tmp("resigned_step");
+  RunConfig cfg = small_run(tmp);
+  cfg.train.checkpoint_every = 2;
+  cfg.train.keep_checkpoints = 3;
+  {
+    Trainer t(cfg, false);
+    t.run(4);
+  }
+  const fs::path dir = checkpoint_dir(cfg.train.run_dir, 4);
+  nlohmann::json state = read_checkpoint_json(dir, "trainer_state.json");
+  state["step"] = 999;
+  const std::string text = state.dump(2);
+  std::ofstream(dir / "trainer_state.json", std::ios::binary | std::ios::trunc) << text;
+  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
+  manifest["files"]["trainer_state.json"]["bytes"] = text.size();
+  manifest["files"]["trainer_state.json"]["crc32c"] = crc32c(text.data(), text.size());
+  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+  ::testing::internal::CaptureStderr();
+  {
+    Trainer resumed(cfg, true);
+    EXPECT_EQ(resumed.step(), 2);
+    resumed.run(6);
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find((dir / "trainer_state.json").string()), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(checkpoint_dir(cfg.train.run_dir, 999)));
+  EXPECT_TRUE(fs::exists(checkpoint_dir(cfg.train.run_dir, 6)));
+  EXPECT_EQ(read_checkpoint_json(dir, "trainer_state.json")["step"], 4);  // rewritten at step 4
+}

@@ -1,0 +1,135 @@
+#include "train/memory_estimate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "core/check.h"
+
+namespace moetrain {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string gib(double bytes) {
+  return fmt::format("{:.2f} GiB", bytes / kGiB);
+}
+
+// Per parameter: itself, its gradient, two moments; plus its low-precision copy.
+MemoryEstimate from_counts(double params, double activation_floats, int precision_bytes) {
+  MemoryEstimate e;
+  e.parameters = 4 * params;
+  e.gradients = 4 * params;
+  e.optimizer = 8 * params;
+  e.low_precision = static_cast<double>(precision_bytes) * params;
+  e.activations = 4 * activation_floats;
+  return e;
+}
+
+double expert_params(const MoeModelConfig& m, double dim) {
+  return static_cast<double>(m.n_experts) * 3 * dim * static_cast<double>(m.expert_hidden) +
+         dim * static_cast<double>(m.n_experts) +  // router
+         3 * dim * static_cast<double>(m.shared_expert_hidden);
+}
+
+// Saved per token of an MoE block: norms, residuals and projections (~12 C), each chosen
+// expert's gate, up and activation (3 K F), the shared expert's, the router's probabilities.
+double moe_token_floats(const MoeModelConfig& m, double dim) {
+  return 12 * dim + 3 * static_cast<double>(m.top_k * m.expert_hidden) +
+         3 * static_cast<double>(m.shared_expert_hidden) + static_cast<double>(m.n_experts);
+}
+
+double read_number(const char* path) {
+  std::ifstream in(path);
+  std::string word;
+  if (!(in >> word) || word == "max") return -1;
+  try {
+    return std::stod(word);
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+std::string MemoryEstimate::breakdown() const {
+  return fmt::format(
+      "parameters {}, gradients {}, optimizer state {}, low-precision copies {}, activations {}",
+      gib(parameters), gib(gradients), gib(optimizer), gib(low_precision), gib(activations));
+}
+
+MemoryEstimate estimate_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
+                               int precision_bytes) {
+  const double C = static_cast<double>(m.dim), V = static_cast<double>(m.vocab_size);
+  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
+  const double attention = 2 * C * C + 2 * C * kv + 2 * C;  // q, o, k, v; two norms
+  const double T = static_cast<double>(seq_len);
+  // Layers (l + 1) % dense_every == 0 are dense: L / dense_every of them.
+  const double L = static_cast<double>(m.n_layers);
+  const double dense = m.dense_every > 0 ? static_cast<double>(m.n_layers / m.dense_every) : 0;
+  const double F = static_cast<double>(m.dense_ffn_hidden());
+  // Embedding, head, final norm; per layer attention (and its scores: one row of T per head).
+  const double params =
+      2 * V * C + C + L * attention + dense * 3 * C * F + (L - dense) * expert_params(m, C);
+  // The logits and their gradient; per layer the attention scores and the FFN's buffers.
+  const double per_token = 2 * V + L * static_cast<double>(m.n_heads) * T +
+                           dense * (12 * C + 3 * F) + (L - dense) * moe_token_floats(m, C);
+  return from_counts(params, static_cast<double>(batch) * T * per_token, precision_bytes);
+}
+
+MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch) {
+  const double C = static_cast<double>(m.dim), L = static_cast<double>(m.n_layers);
+  const double D = static_cast<double>(m.input_dim), V = static_cast<double>(m.n_classes);
+  const double params = D * C + C + L * (C + expert_params(m, C)) + C * V;
+  const double per_row = D + 2 * V + L * moe_token_floats(m, C);
+  return from_counts(params, static_cast<double>(batch) * per_row, 0);
+}
+
+double available_memory(std::string* source) {
+  double avail = -1;
+  {
+    std::ifstream in("/proc/meminfo");
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("MemAvailable:", 0) == 0) {
+        std::istringstream s(line.substr(13));
+        double kb = 0;
+        if (s >> kb) avail = kb * 1024;
+      }
+  }
+  if (source) *source = "MemAvailable in /proc/meminfo";
+  double limit = read_number("/sys/fs/cgroup/memory.max");
+  double used = read_number("/sys/fs/cgroup/memory.current");
+  const char* cgroup = "the cgroup's memory.max";
+  if (limit < 0) {
+    limit = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+    used = read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes");
+  }
+  // cgroup v1 writes "no limit" as a huge number.
+  if (limit > 0 && limit < 1e18) {
+    const double left = limit - std::max(used, 0.0);
+    if (avail < 0 || left < avail) {
+      avail = left;
+      if (source) *source = cgroup;
+    }
+  }
+  return avail;
+}
+
+void check_memory(const MemoryEstimate& e, int processes, const std::string& what) {
+  std::string source;
+  const double avail = available_memory(&source);
+  if (avail < 0) return;  // nothing to compare with
+  const double need = e.total() * static_cast<double>(std::max(processes, 1));
+  MOETRAIN_CHECK(need <= avail,
+                 "{} needs about {} of memory{} ({}{}), more than the {} available ({}): make the "
+                 "model (model.n_layers, model.dim, model.n_experts, model.expert_hidden) or the "
+                 "batch (train.batch_size, train.seq_len) smaller",
+                 what, gib(need),
+                 processes > 1 ? fmt::format(" for {} processes on this machine", processes) : "",
+                 processes > 1 ? "each: " : "", e.breakdown(), gib(avail), source);
+}
+
+}  // namespace moetrain
