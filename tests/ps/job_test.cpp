@@ -14,6 +14,7 @@
 #include "io/report.h"
 #include "ps/message.h"
 #include "ps/process.h"  // tests/ps/process.h
+#include "ps/security.h"
 #include "support/corpus.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
@@ -109,6 +110,11 @@ TEST(PsJob, ServerSurvivesBadMessages) {
   zmq::context_t ctx;
   zmq::socket_t s(ctx, zmq::socket_type::dealer);
   s.set(zmq::sockopt::linger, 0);
+  // A member of the job (it holds the job key) gone wrong: the bytes reach the server.
+  const ps::JobKeys keys = ps::read_job_keys(tmp / "run" / "ps" / "keys");
+  s.set(zmq::sockopt::curve_serverkey, keys.public_key);
+  s.set(zmq::sockopt::curve_publickey, keys.public_key);
+  s.set(zmq::sockopt::curve_secretkey, keys.secret_key);
   s.connect(server);
   ps::Header pull;
   pull.kind = static_cast<uint16_t>(ps::Kind::Pull);
