@@ -7,6 +7,9 @@
 //   pull  a header-only request; the server copies its range into a frame built in place and
 //         seals it; the worker validates it and copies the values into its parameters.
 //         Raw: an empty request, the same number of bytes back from a buffer.
+//   curve the ps path over CURVE sockets with the job-key scheme of ps/security.h (ZAP handler
+//         included), against the same path in plaintext.
+// Every variant does one untimed round trip first (the connection, and CURVE's handshake).
 // Prints medians of 5 runs. Only in builds with ZeroMQ.
 #ifdef MOETRAIN_WITH_ZMQ
 #include <zmq.hpp>
@@ -20,6 +23,7 @@
 #include "core/timer.h"
 #include "ps/codec.h"
 #include "ps/message.h"
+#include "ps/security.h"
 #include "ps/transport.h"
 
 using namespace moetrain;
@@ -29,11 +33,20 @@ namespace {
 
 enum class Op { Push, Pull };
 
-double round_trips(int64_t n, int iters, bool ps, Encoding enc, Op op) {
+JobKeys g_keys;
+
+double round_trips(int64_t n, int iters, bool ps, Encoding enc, Op op, bool curve = false) {
+  if (curve)
+    use_curve(g_keys);
+  else
+    use_plaintext();
   zmq::context_t ctx;
   zmq::socket_t router(ctx, zmq::socket_type::router), dealer(ctx, zmq::socket_type::dealer);
+  secure_server(ctx, router);
   router.bind("tcp://127.0.0.1:*");
+  secure_client(dealer);
   dealer.connect(router.get(zmq::sockopt::last_endpoint));
+  ++iters;  // the first, untimed
   const std::size_t bytes = op == Op::Push ? encoded_size(enc, n) : static_cast<std::size_t>(n) * 4;
   std::thread server([&] {
     std::vector<float> dst(static_cast<std::size_t>(n)), params(dst.size(), 0.5f);
@@ -78,6 +91,7 @@ double round_trips(int64_t n, int iters, bool ps, Encoding enc, Op op) {
   const std::string raw(bytes, 'x');
   Timer t;
   for (int i = 0; i < iters; ++i) {
+    if (i == 1) t.reset();
     zmq::message_t reply;
     if (!ps) {
       if (op == Op::Push) dealer.send(zmq::buffer(raw), zmq::send_flags::none);
@@ -109,7 +123,7 @@ double round_trips(int64_t n, int iters, bool ps, Encoding enc, Op op) {
   }
   const double s = t.seconds();
   server.join();
-  return s / iters;
+  return s / (iters - 1);
 }
 
 double median(std::vector<double> v) {
@@ -120,26 +134,34 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main() {
-  std::printf("%-5s %-10s %-6s %12s %12s %12s %8s\n", "op", "floats", "enc", "bytes", "raw_us",
-              "ps_us", "ps/raw");
+  char pub[41] = {}, sec[41] = {};
+  if (zmq_curve_keypair(pub, sec) != 0) {
+    std::printf("bench_ps: this libzmq has no CURVE\n");
+    return 1;
+  }
+  g_keys = {pub, sec};
+  std::printf("%-5s %-10s %-6s %12s %12s %12s %8s %12s %10s\n", "op", "floats", "enc", "bytes",
+              "raw_us", "ps_us", "ps/raw", "curve_us", "curve/ps");
   for (Op op : {Op::Push, Op::Pull}) {
     for (int64_t n : {int64_t{1} << 16, int64_t{1} << 20, int64_t{1} << 22}) {
       for (Encoding enc : {Encoding::F32, Encoding::Bf16, Encoding::Int8}) {
         if (op == Op::Pull && enc != Encoding::F32) continue;  // pulls are f32
         const int iters = n >= (1 << 22) ? 10 : 50;
-        std::vector<double> raw, ps;
+        std::vector<double> raw, ps, cur;
         // Interleaved, so both see the same machine load.
         for (int r = 0; r < 5; ++r) {
           raw.push_back(round_trips(n, iters, false, enc, op));
           ps.push_back(round_trips(n, iters, true, enc, op));
+          cur.push_back(round_trips(n, iters, true, enc, op, true));
         }
-        const double a = median(raw), b = median(ps);
+        const double a = median(raw), b = median(ps), c = median(cur);
         const std::size_t bytes =
             (op == Op::Push ? encoded_size(enc, n) : static_cast<std::size_t>(n) * 4) +
             sizeof(Header);
-        std::printf("%-5s %-10lld %-6s %12zu %12.1f %12.1f %8.2f\n",
+        std::printf("%-5s %-10lld %-6s %12zu %12.1f %12.1f %8.2f %12.1f %10.2f\n",
                     op == Op::Push ? "push" : "pull", static_cast<long long>(n),
-                    std::string(compression_name(enc)).c_str(), bytes, a * 1e6, b * 1e6, b / a);
+                    std::string(compression_name(enc)).c_str(), bytes, a * 1e6, b * 1e6, b / a,
+                    c * 1e6, c / b);
       }
     }
   }

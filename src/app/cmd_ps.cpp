@@ -1,4 +1,4 @@
-// `moetrain ps scheduler|server|worker|launch`: the parameter-server mode. Each role is its own
+// `moetrain ps scheduler|server|worker|launch|keygen`: the parameter-server mode. Each role is its own
 // process; `launch` starts a whole job on this machine (loopback) and waits for it. Built only
 // with ZeroMQ (MOETRAIN_WITH_ZMQ).
 #ifdef MOETRAIN_WITH_ZMQ
@@ -22,6 +22,7 @@
 #include "core/threads.h"
 #include "ps/options.h"
 #include "ps/scheduler.h"
+#include "ps/security.h"
 #include "ps/server.h"
 #include "ps/worker.h"
 #include "train/run_config.h"
@@ -164,6 +165,29 @@ void print_summary(const fs::path& run_dir) {
                100.0 * (1.0 - static_cast<double>(push) / static_cast<double>(dense)));
 }
 
+// Every role's sockets are CURVE with the job key pair in --keys DIR, or plaintext with an
+// explicit --insecure; nothing in between.
+void add_security_options(CLI::App* cmd, std::string& keys, bool& insecure) {
+  cmd->add_option("--keys", keys, "Directory with the job key pair (moetrain ps keygen DIR)");
+  cmd->add_flag("--insecure", insecure,
+                "Plaintext sockets: anyone who reaches a port can join the job");
+}
+
+void choose_security(const std::string& role, const std::string& keys, bool insecure) {
+  MOETRAIN_CHECK(keys.empty() || !insecure, "ps {}: --keys and --insecure exclude each other",
+                 role);
+  MOETRAIN_CHECK(!keys.empty() || insecure,
+                 "ps {}: give --keys DIR (a job key pair from `moetrain ps keygen DIR`) or "
+                 "--insecure for plaintext sockets",
+                 role);
+  if (insecure) {
+    ps::use_plaintext();
+    log_warn("ps {}: plaintext sockets (--insecure): anyone who reaches its port can join", role);
+  } else {
+    ps::use_curve(ps::read_job_keys(keys));
+  }
+}
+
 struct TrainArgs {
   std::string config;
   std::vector<std::string> overrides;
@@ -200,7 +224,8 @@ Run add_ps_command(CLI::App& app) {
 
   struct Args {
     ps::PsOptions opts;
-    std::string scheduler, endpoint_file, bind = "tcp://127.0.0.1:*", config;
+    std::string scheduler, endpoint_file, bind = "tcp://127.0.0.1:*", config, keys, keygen_dir;
+    bool insecure = false;
     std::vector<std::string> overrides, slowdowns, rest;
     double slowdown = 1.0, timeout = 0;
     int64_t index = -1;
@@ -218,6 +243,7 @@ Run add_ps_command(CLI::App& app) {
                     "Training config (TOML), as for `moetrain train` (none: defaults and --set)");
   sched->add_option("--set", args->overrides, "Override a config key (repeatable)");
   add_job_options(sched, args->opts);
+  add_security_options(sched, args->keys, args->insecure);
 
   auto* server = ps_cmd->add_subcommand("server", "A parameter server (one key range)");
   server->add_option("--scheduler", args->scheduler, "tcp://HOST:PORT of the scheduler")
@@ -225,6 +251,7 @@ Run add_ps_command(CLI::App& app) {
   server->add_option("--bind", args->bind,
                      "Where workers reach this server (default: loopback, "
                      "free port)");
+  add_security_options(server, args->keys, args->insecure);
 
   auto* worker = ps_cmd->add_subcommand("worker", "A worker (a full model replica)");
   worker->add_option("--scheduler", args->scheduler, "tcp://HOST:PORT of the scheduler")
@@ -233,12 +260,17 @@ Run add_ps_command(CLI::App& app) {
                      "Emulate a straggler: each step takes this many times its compute time");
   worker->add_option("--index", args->index,
                      "Ask for this worker index (data rows, sum order); granted when free");
+  add_security_options(worker, args->keys, args->insecure);
 
   auto* launch = ps_cmd->add_subcommand(
       "launch",
       "Start a whole job on this machine: ps launch --servers S --workers W -- train "
       "--config FILE [--set k=v]");
   add_job_options(launch, args->opts);
+  launch->add_option("--keys", args->keys,
+                     "Job key pair directory (default: RUN_DIR/ps/keys, made when missing)");
+  launch->add_flag("--insecure", args->insecure,
+                   "Plaintext sockets: anyone who reaches a port can join the job");
   launch
       ->add_option("--slowdown", args->slowdowns,
                    "WORKER=FACTOR: slow that worker down (repeatable), e.g. --slowdown 1=2")
@@ -246,7 +278,19 @@ Run add_ps_command(CLI::App& app) {
   launch->add_option("--timeout", args->timeout, "Stop the job after this many seconds (0: none)");
   launch->add_option("rest", args->rest, "-- train --config FILE [--set key=value ...]");
 
-  return [args, sched, server, worker, launch]() -> int {
+  auto* keygen = ps_cmd->add_subcommand(
+      "keygen", "Write a job key pair (CURVE, Z85 text, mode 0600): DIR/job.public, DIR/job.secret");
+  keygen->add_option("dir", args->keygen_dir, "Directory for the key pair")->required();
+
+  return [args, sched, server, worker, launch, keygen]() -> int {
+    if (keygen->parsed()) {
+      ps::write_job_keys(args->keygen_dir);
+      fmt::print("ps keygen: job key pair written to {}\n", args->keygen_dir);
+      return 0;
+    }
+    if (!launch->parsed())
+      choose_security(sched->parsed() ? "scheduler" : server->parsed() ? "server" : "worker",
+                      args->keys, args->insecure);
     if (sched->parsed()) {
       ps::SchedulerArgs a;
       a.config = load_run_config(args->config, args->overrides);
@@ -283,8 +327,19 @@ Run add_ps_command(CLI::App& app) {
                      s, args->opts.workers - 1);
       slow[w] = s.substr(eq + 1);
     }
+    MOETRAIN_CHECK(args->keys.empty() || !args->insecure,
+                   "ps launch: --keys and --insecure exclude each other");
     fs::path ps_dir = fs::path(cfg.train.run_dir) / "ps";
     fs::create_directories(ps_dir);
+    std::vector<std::string> security = {"--insecure"};
+    if (!args->insecure) {
+      fs::path keys = args->keys.empty() ? ps_dir / "keys" : fs::path(args->keys);
+      if (args->keys.empty() && !fs::exists(keys / ps::kSecretKeyFile)) ps::write_job_keys(keys);
+      (void)ps::read_job_keys(keys);  // a bad pair stops the launch before anything starts
+      security = {"--keys", keys.string()};
+    }
+    if (args->insecure)
+      log_warn("ps launch: plaintext sockets (--insecure): anyone who reaches a port can join");
     const fs::path endpoint_file = ps_dir / "scheduler.endpoint";
     fs::remove(endpoint_file);
 
@@ -301,6 +356,7 @@ Run add_ps_command(CLI::App& app) {
     if (!t.config.empty()) sargs.insert(sargs.end(), {"--config", t.config});
     for (const auto& o : t.overrides) sargs.insert(sargs.end(), {"--set", o});
     for (const auto& o : job_option_args(args->opts)) sargs.push_back(o);
+    sargs.insert(sargs.end(), security.begin(), security.end());
     children.push_back({"scheduler", spawn(sargs, 1)});
 
     const auto start = std::chrono::steady_clock::now();
@@ -323,16 +379,18 @@ Run add_ps_command(CLI::App& app) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     }
+    std::vector<std::string> server_args = {"moetrain", "ps", "server", "--scheduler", endpoint};
+    server_args.insert(server_args.end(), security.begin(), security.end());
     const int cores = hardware_cores();
     const int worker_threads = std::max(1, cores / static_cast<int>(args->opts.workers));
     // With replicas, the first S servers to register become primaries, the next S backups.
     for (int64_t s = 0; s < args->opts.servers * args->opts.server_replicas; ++s)
-      children.push_back({fmt::format("server {}", s),
-                          spawn({"moetrain", "ps", "server", "--scheduler", endpoint}, 1)});
+      children.push_back({fmt::format("server {}", s), spawn(server_args, 1)});
     for (int64_t w = 0; w < args->opts.workers; ++w) {
       std::vector<std::string> wa = {"moetrain", "ps",      "worker",         "--scheduler",
                                      endpoint,   "--index", std::to_string(w)};
       if (slow.count(w)) wa.insert(wa.end(), {"--slowdown", slow[w]});
+      wa.insert(wa.end(), security.begin(), security.end());
       children.push_back({fmt::format("worker {}", w), spawn(wa, worker_threads)});
     }
     log_info("ps launch: scheduler at {}, {} server(s), {} worker(s)", endpoint, args->opts.servers,
@@ -366,7 +424,7 @@ Run add_ps_command(CLI::App& app) {
                 "checkpoint",
                 c.name, restarts[c.name]);
             respawned.push_back(
-                {c.name, spawn({"moetrain", "ps", "server", "--scheduler", endpoint}, 1)});
+                {c.name, spawn(server_args, 1)});
           }
         } else {
           any = true;

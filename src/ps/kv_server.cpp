@@ -10,7 +10,7 @@ namespace moetrain::ps {
 
 KvServer::KvServer(zmq::context_t& ctx, const std::string& bind)
     : ctx_(ctx), router_(ctx, zmq::socket_type::router) {
-  endpoint_ = bind_router(router_, bind);
+  endpoint_ = bind_router(ctx_, router_, bind);
 }
 
 void KvServer::start(int64_t index, int64_t begin, int64_t end, std::vector<float> values,

@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "ps/security.h"
 
 namespace moetrain::ps {
 
@@ -37,8 +38,12 @@ NodeLink::NodeLink(zmq::context_t& ctx, const std::string& scheduler, const std:
       return;
     }
     MOETRAIN_CHECK(std::chrono::duration<double>(Clock::now() - start).count() < 30,
-                   "no answer from the scheduler at {} within 30 s: is it running there?",
-                   scheduler);
+                   "no answer from the scheduler at {} within 30 s: is it running there{}?",
+                   scheduler,
+                   curve_enabled() ? ", and is --keys this job's key pair (a wrong key is "
+                                     "refused at the handshake without an answer)"
+                                   : ", and does it run --insecure too (a keyed scheduler "
+                                     "refuses plaintext peers at the handshake)");
   }
 }
 

@@ -35,7 +35,7 @@ class Scheduler {
     args_.options.validate();
     total_keys_ = ParamLayout(args_.config.model).size();
     global_rows_ = args_.options.workers * args_.config.train.batch_size;
-    endpoint_ = bind_router(router_, args_.bind);
+    endpoint_ = bind_router(ctx_, router_, args_.bind);
     fs::create_directories(fs::path(args_.config.train.run_dir) / "ps");
     if (!args_.endpoint_file.empty()) write_file_atomic(args_.endpoint_file, endpoint_ + "\n");
     events_ = JobEvents(args_.config.train.run_dir);

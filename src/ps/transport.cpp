@@ -2,6 +2,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "ps/security.h"
 
 #include <cstring>
 #include <vector>
@@ -25,6 +26,7 @@ zmq::socket_t make_dealer(zmq::context_t& ctx, const std::string& endpoint) {
   // (one outstanding push per server per worker).
   s.set(zmq::sockopt::sndhwm, 0);
   s.set(zmq::sockopt::rcvhwm, 0);
+  secure_client(s);
   try {
     s.connect(endpoint);
   } catch (const zmq::error_t& e) {
@@ -33,19 +35,22 @@ zmq::socket_t make_dealer(zmq::context_t& ctx, const std::string& endpoint) {
   return s;
 }
 
-std::string bind_router(zmq::socket_t& router, const std::string& endpoint) {
+std::string bind_router(zmq::context_t& ctx, zmq::socket_t& router, const std::string& endpoint) {
   router.set(zmq::sockopt::linger, 0);
   router.set(zmq::sockopt::sndhwm, 0);
   router.set(zmq::sockopt::rcvhwm, 0);
   // A peer that vanished must not block sends to the others.
   router.set(zmq::sockopt::router_mandatory, false);
+  secure_server(ctx, router);
   try {
     router.bind(endpoint);
   } catch (const zmq::error_t& e) {
     MOETRAIN_FAIL("cannot bind '{}': {} (expected tcp://HOST:PORT, a free port or *)", endpoint,
                   e.what());
   }
-  return router.get(zmq::sockopt::last_endpoint);
+  std::string bound = router.get(zmq::sockopt::last_endpoint);
+  watch_handshakes(ctx, router, "ps " + bound);
+  return bound;
 }
 
 void send(zmq::socket_t& dealer, std::string_view frame) {

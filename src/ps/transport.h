@@ -31,10 +31,12 @@ struct RejectStats {
   std::string last_reason;
 };
 
+// Both are CURVE once security.h's use_curve() was called (the job key; see security.h), and the
+// router logs every peer it refuses at the handshake.
 zmq::socket_t make_dealer(zmq::context_t& ctx, const std::string& endpoint);
-// Binds a ROUTER to `endpoint` ("tcp://HOST:PORT", or "tcp://HOST:*" for an ephemeral port) and
-// returns the endpoint actually bound.
-std::string bind_router(zmq::socket_t& router, const std::string& endpoint);
+// Binds a ROUTER of `ctx` to `endpoint` ("tcp://HOST:PORT", or "tcp://HOST:*" for an ephemeral
+// port) and returns the endpoint actually bound.
+std::string bind_router(zmq::context_t& ctx, zmq::socket_t& router, const std::string& endpoint);
 
 void send(zmq::socket_t& dealer, std::string_view frame);
 void send_to(zmq::socket_t& router, const std::string& identity, std::string_view frame);

@@ -14,6 +14,7 @@
 #include "io/report.h"
 #include "ps/message.h"
 #include "ps/process.h"  // tests/ps/process.h
+#include "ps/security.h"
 #include "support/corpus.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
@@ -109,6 +110,11 @@ TEST(PsJob, ServerSurvivesBadMessages) {
   zmq::context_t ctx;
   zmq::socket_t s(ctx, zmq::socket_type::dealer);
   s.set(zmq::sockopt::linger, 0);
+  // A member of the job (it holds the job key) gone wrong: the bytes reach the server.
+  const ps::JobKeys keys = ps::read_job_keys(tmp / "run" / "ps" / "keys");
+  s.set(zmq::sockopt::curve_serverkey, keys.public_key);
+  s.set(zmq::sockopt::curve_publickey, keys.public_key);
+  s.set(zmq::sockopt::curve_secretkey, keys.secret_key);
   s.connect(server);
   ps::Header pull;
   pull.kind = static_cast<uint16_t>(ps::Kind::Pull);
@@ -146,18 +152,7 @@ TEST(PsJob, ServerSurvivesBadMessages) {
   EXPECT_EQ(summary["updates"].get<int64_t>(), 200);
 }
 
-TEST(PsJob, QuorumDropsLatePushes) {
-  TempDir tmp("ps_quorum");
-  Job job = launch(tmp,
-                   {"--servers", "1", "--workers", "3", "--consistency", "quorum", "--quorum", "2",
-                    "--slowdown", "2=4"},
-                   30, 2);
-  ASSERT_EQ(job.code, 0) << job.output;
-  auto s = read_json(tmp / "run" / "ps" / "server_0.json");
-  EXPECT_EQ(s["updates"].get<int64_t>(), 30);
-  EXPECT_GT(s["late_dropped"].get<int64_t>(), 0) << s.dump();
-  for (auto [step, loss] : losses(tmp / "run")) EXPECT_TRUE(std::isfinite(loss)) << step;
-}
+// Quorum and async: tests/ps/bounds_test.cpp.
 
 TEST(PsJob, SspBoundsStalenessAndBlocksTheFastWorker) {
   TempDir tmp("ps_ssp");
@@ -209,16 +204,6 @@ TEST(PsJob, PerProcessMetricsFiles) {
   const std::string html = render_report(tmp / "run");
   for (const char* id : {"workers", "servers", "events"})
     EXPECT_NE(html.find(std::string("<section id=\"") + id + "\""), std::string::npos) << id;
-}
-
-// Async trains: the tiny LM (byte vocabulary, ~5.5 nats at the start) gets below 3.9 nats/byte.
-TEST(PsJob, AsyncTrains) {
-  TempDir tmp("ps_async");
-  Job job = launch(tmp, {"--servers", "2", "--workers", "2", "--consistency", "async"}, 40, 4);
-  ASSERT_EQ(job.code, 0) << job.output;
-  const double v = final_val_loss(tmp / "run");
-  EXPECT_GT(v, 0);
-  EXPECT_LT(v, 3.9);
 }
 
 // int8 pushes with error feedback: a quarter of the dense bytes, and training still converges

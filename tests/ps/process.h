@@ -142,7 +142,7 @@ inline bool wait_for_file(const std::filesystem::path& p, double seconds) {
 // 0.., each with its log file; every process reaped when the cluster goes out of scope.
 struct Cluster {
   std::filesystem::path dir, run;
-  std::string name, endpoint;
+  std::string name, endpoint, keys;  // keys: the job key pair's directory
   std::unique_ptr<Process> scheduler;
   std::vector<std::unique_ptr<Process>> servers, workers;
 
@@ -151,8 +151,12 @@ struct Cluster {
           const std::string& heartbeat_timeout = "1")
       : dir(tmp), run(tmp / job), name(job) {
     write_corpus(dir / "data", 60000);
+    keys = (dir / (name + "_keys")).string();
+    Process({"ps", "keygen", keys}, dir / (name + "_keygen.log")).wait(30);
     std::vector<std::string> args = {"ps",
                                      "scheduler",
+                                     "--keys",
+                                     keys,
                                      "--scheduler",
                                      "tcp://127.0.0.1:*",
                                      "--endpoint-file",
@@ -174,13 +178,14 @@ struct Cluster {
   }
   void add_server() {
     servers.push_back(std::make_unique<Process>(
-        std::vector<std::string>{"ps", "server", "--scheduler", endpoint},
+        std::vector<std::string>{"ps", "server", "--scheduler", endpoint, "--keys", keys},
         dir / (name + "_server" + std::to_string(servers.size()) + ".log")));
   }
   void add_worker(int index, double slowdown) {
     workers.push_back(std::make_unique<Process>(
-        std::vector<std::string>{"ps", "worker", "--scheduler", endpoint, "--index",
-                                 std::to_string(index), "--slowdown", std::to_string(slowdown)},
+        std::vector<std::string>{"ps", "worker", "--scheduler", endpoint, "--keys", keys,
+                                 "--index", std::to_string(index), "--slowdown",
+                                 std::to_string(slowdown)},
         dir / (name + "_worker" + std::to_string(workers.size()) + ".log")));
   }
   // The process of a node in job.json (role "server" or "worker", its index, primary or not).
