@@ -46,6 +46,9 @@ struct LoadedModel {
   std::vector<float> params;
   std::vector<std::vector<float>> router_biases;  // per MoE layer (sigmoid_bias router)
   int64_t step = 0;
+  // Sequence length the model was trained on (train.seq_len of the checkpoint's run config); a
+  // checkpoint that does not record it gives model.max_seq_len.
+  int64_t trained_context = 0;
 };
 
 // Loads a checkpoint directory, or a run directory (its latest complete checkpoint).

@@ -22,6 +22,14 @@ LoadedModel load_model(const fs::path& dir) {
   out.config = run_config_from_json(config["moetrain"], (ckpt / "config.json").string());
   out.model = std::make_unique<Transformer>(out.config.model);
   out.step = read_weights(ckpt, *out.model, out.params);
+  const nlohmann::json& train = config["moetrain"].value("train", nlohmann::json::object());
+  if (train.contains("seq_len")) {
+    out.trained_context = out.config.train.seq_len;
+  } else {
+    out.trained_context = out.config.model.max_seq_len;
+    log_info("{}/config.json records no train.seq_len: taking model.max_seq_len = {} as the "
+             "trained context", ckpt.string(), out.trained_context);
+  }
   log_info("loaded {} (step {})", ckpt.string(), out.step);
   return out;
 }

@@ -186,6 +186,7 @@ TEST(Trainer, ResumeWithADifferentConfigIsRefused) {
 TEST(Trainer, LoadModelMatchesTrainerAndWritesMixtralConfig) {
   TempDir tmp("load");
   RunConfig cfg = small_run(tmp);
+  cfg.train.seq_len = 16;
   std::vector<float> params;
   {
     Trainer t(cfg, false);
@@ -194,6 +195,9 @@ TEST(Trainer, LoadModelMatchesTrainerAndWritesMixtralConfig) {
   }
   LoadedModel m = load_model(cfg.train.run_dir);
   EXPECT_EQ(m.step, 3);
+  // Sampling stays within the context the model was trained on, not the model's limit.
+  ASSERT_LT(cfg.train.seq_len, cfg.model.max_seq_len);
+  EXPECT_EQ(m.trained_context, cfg.train.seq_len);
   ASSERT_EQ(m.params.size(), params.size());
   EXPECT_EQ(0, std::memcmp(m.params.data(), params.data(), params.size() * sizeof(float)));
   auto j = read_checkpoint_json(*find_latest_checkpoint(cfg.train.run_dir), "config.json");
