@@ -29,6 +29,7 @@
 #include "train/accumulate.h"
 #include "train/evaluate.h"
 #include "train/parallel_setup.h"
+#include "train/precision.h"
 #include "train/progress.h"
 #include "train/run_state.h"
 #include "train/rank_timing.h"
@@ -54,6 +55,15 @@ std::unique_ptr<TokenShard> open_shard(const DataConfig& data, const char* file)
 
 Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_(std::move(cfg)) {
   cfg_.validate();
+  auto_precision_ = cfg_.train.precision == "auto";
+  if (auto_precision_) {
+    // Resolved once and recorded as the run's own value: config.json, the checkpoints and the
+    // config hash say what the run computed, not what "auto" would pick on another machine.
+    const std::string isa = onednn_cpu_isa();
+    cfg_.train.precision = resolve_precision("auto", isa);
+    log_info("train.precision = auto: {} (oneDNN dispatches to {}{})", cfg_.train.precision, isa,
+             has_native_bf16(isa) ? ", a native bf16 matmul" : ", no native bf16 matmul");
+  }
   world_ = world ? std::move(world) : dist_world("trainer");
   const int W = world_->size();
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);

@@ -130,6 +130,7 @@ class Trainer {
   double last_grad_norm_ = 0, last_lr_ = 0;
   // Mixed precision: fp16's loss scaler, the scale the last step used, whether it was skipped.
   std::unique_ptr<LossScaler> scaler_;
+  bool auto_precision_ = false;  // train.precision was "auto" (a resume adopts the recorded one)
   double last_scale_ = 1;
   bool last_skipped_ = false;
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;

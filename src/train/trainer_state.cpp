@@ -45,6 +45,7 @@ nlohmann::json Trainer::trainer_state() const {
   nlohmann::json t = {
       {"step", step_},
       {"config_hash", cfg_.config_hash()},
+      {"precision", cfg_.train.precision},
       {"seed", cfg_.train.seed},
       {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
       {"schedule",
@@ -100,6 +101,17 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
     MOETRAIN_CHECK(j.is_object() && j.contains(key), "{}: no '{}'", where, key);
     return j.at(key);
   };
+  if (auto_precision_ && t.contains("precision") &&
+      t["precision"].get<std::string>() != cfg_.train.precision) {
+    // The run keeps the precision it started with, wherever it resumes.
+    const std::string used = t["precision"].get<std::string>();
+    log_info("train.precision = auto: resuming in {} as the run was trained ({} here)", used,
+             cfg_.train.precision);
+    cfg_.train.precision = used;
+    model_->set_precision(cfg_.train.precision_dtype());
+    if (cfg_.train.precision_dtype() == DType::F16 && !scaler_)
+      scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());
+  }
   const std::string hash = need(t, "config_hash").get<std::string>();
   MOETRAIN_CHECK(hash == cfg_.config_hash(),
                  "{} was written with a different configuration (hash {} vs this run's {}): resume "
