@@ -19,11 +19,18 @@ LoadedModel load_model(const fs::path& dir) {
   MOETRAIN_CHECK(config.contains("moetrain"),
                  "{}/config.json: no 'moetrain' section (not written by moetrain)", ckpt.string());
   LoadedModel out;
-  out.config = run_config_from_json(config["moetrain"], (ckpt / "config.json").string());
+  nlohmann::json& run = config["moetrain"];
+  // A checkpoint that records no trained context: its default (128) need not even fit the model.
+  const bool has_seq_len =
+      run.is_object() && run.contains("train") && run["train"].is_object() &&
+      run["train"].contains("seq_len");
+  if (!has_seq_len && run.is_object() && (!run.contains("train") || run["train"].is_object()) &&
+      run.contains("model") && run["model"].is_object() && run["model"].contains("max_seq_len"))
+    run["train"]["seq_len"] = run["model"]["max_seq_len"];
+  out.config = run_config_from_json(run, (ckpt / "config.json").string());
   out.model = std::make_unique<Transformer>(out.config.model);
   out.step = read_weights(ckpt, *out.model, out.params);
-  const nlohmann::json& train = config["moetrain"].value("train", nlohmann::json::object());
-  if (train.contains("seq_len")) {
+  if (has_seq_len) {
     out.trained_context = out.config.train.seq_len;
   } else {
     out.trained_context = out.config.model.max_seq_len;
@@ -101,7 +108,7 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
     MOETRAIN_CHECK(j.is_object() && j.contains(key), "{}: no '{}'", where, key);
     return j.at(key);
   };
-  if (auto_precision_ && t.contains("precision") &&
+  if (auto_precision_ && t.contains("precision") && t["precision"].is_string() &&
       t["precision"].get<std::string>() != cfg_.train.precision) {
     // The run keeps the precision it started with, wherever it resumes.
     const std::string used = t["precision"].get<std::string>();

@@ -365,3 +365,25 @@ TEST(Trainer, AWrongTypeInTrainerStateNamesTheFile) {
         << e.what();
   }
 }
+
+TEST(Trainer, CheckpointWithoutSeqLenSamplesWithinMaxSeqLen) {
+  TempDir tmp("noseqlen");
+  RunConfig cfg = small_run(tmp);
+  cfg.train.seq_len = 16;
+  {
+    Trainer t(cfg, false);
+    t.run(1);
+  }
+  // A checkpoint from before the trained context was relied on: no train.seq_len recorded.
+  const fs::path dir = *find_latest_checkpoint(cfg.train.run_dir);
+  nlohmann::json config = read_checkpoint_json(dir, "config.json");
+  ASSERT_TRUE(config["moetrain"]["train"].contains("seq_len"));
+  config["moetrain"]["train"].erase("seq_len");
+  const std::string text = config.dump(2);
+  std::ofstream(dir / "config.json", std::ios::binary | std::ios::trunc) << text;
+  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
+  manifest["files"]["config.json"]["bytes"] = text.size();
+  manifest["files"]["config.json"]["crc32c"] = crc32c(text.data(), text.size());
+  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+  EXPECT_EQ(load_model(dir).trained_context, cfg.model.max_seq_len);
+}
