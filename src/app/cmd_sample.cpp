@@ -1,27 +1,33 @@
 // `moetrain sample`: continue a prompt with a trained model.
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <cmath>
+#include <cstdio>
 #include <memory>
 #include <vector>
 
 #include "app/checks.h"
 #include "app/commands.h"
 #include "core/check.h"
-#include "core/rng.h"
 #include "core/threads.h"
 #include "data/tokenizer.h"
+#include "model/sampler.h"
 #include "train/trainer.h"
 
 namespace moetrain::app {
 
 Run add_sample_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("sample", "Generate text from a checkpoint");
+  auto* cmd = app.add_subcommand(
+      "sample",
+      "Generate text from a checkpoint. The model reads at most the context it was trained on "
+      "(train.seq_len, or --context) at positions counted from the window's start; when the "
+      "window is full it restarts with its last half, so every token sees between T/2 and T "
+      "tokens. A KV cache makes each token one decode step (linear in the length); models whose "
+      "routing depends on other tokens (expert_choice, capacity_factor > 0) recompute the window "
+      "per token instead.");
   struct Args {
     std::string checkpoint, prompt = "\n";
     double temperature = 0.8;
-    int64_t top_k = 40, max_tokens = 200;
+    int64_t top_k = 40, max_tokens = 200, context = 0;
     uint64_t seed = 1;
   };
   auto args = std::make_shared<Args>();
@@ -34,6 +40,9 @@ Run add_sample_command(CLI::App& app) {
       ->check(integer_in(0));
   cmd->add_option("--max-tokens", args->max_tokens, "Tokens to generate")
       ->check(integer_in(0));
+  cmd->add_option("--context", args->context,
+                  "Window T in tokens (0 = the trained context, train.seq_len of the checkpoint)")
+      ->check(integer_in(0));
   cmd->add_option("--seed", args->seed, "Random seed")->check(unsigned_integer());
   return [args] {
     init_threads();
@@ -42,51 +51,24 @@ Run add_sample_command(CLI::App& app) {
     MOETRAIN_CHECK(cfg.vocab_size >= kByteVocab,
                    "sample: the model's vocabulary ({}) is not the byte tokenizer's",
                    cfg.vocab_size);
-    std::vector<int32_t> tokens;
-    for (uint16_t t : byte_encode(args->prompt)) tokens.push_back(t);
-    MOETRAIN_CHECK(!tokens.empty(), "sample: --prompt must not be empty");
-    const int64_t V = cfg.vocab_size;
-    Rng rng(args->seed, rng_stream(RngPurpose::Sample, 0, 0));
-    std::vector<int32_t> generated;
-    std::vector<std::pair<float, int32_t>> cand(static_cast<std::size_t>(V));
+    std::vector<int32_t> prompt;
+    for (uint16_t t : byte_encode(args->prompt)) prompt.push_back(t);
+    MOETRAIN_CHECK(!prompt.empty(), "sample: --prompt must not be empty");
+    SampleOptions opt;
+    opt.context = args->context > 0 ? args->context : m.trained_context;
+    opt.temperature = args->temperature;
+    opt.top_k = args->top_k;
+    opt.max_tokens = args->max_tokens;
+    opt.seed = args->seed;
+    MOETRAIN_CHECK(opt.context <= cfg.max_seq_len,
+                   "sample: --context {} exceeds the model's model.max_seq_len = {}", opt.context,
+                   cfg.max_seq_len);
+    WindowDecoder dec(*m.model, m.params.data(), opt.context);
     fmt::print("{}", args->prompt);
-    for (int64_t i = 0; i < args->max_tokens; ++i) {
-      // The whole context (its last max_seq_len tokens) is recomputed each step: exact, and at
-      // these model sizes fast enough without a KV cache.
-      int64_t T = std::min<int64_t>(static_cast<int64_t>(tokens.size()), cfg.max_seq_len);
-      const int32_t* ctx = tokens.data() + tokens.size() - T;
-      MoeStep step;
-      step.training = false;
-      m.model->forward(m.params.data(), ctx, nullptr, 1, T, step);
-      const float* logits = m.model->logits() + (T - 1) * V;
-      int32_t next = 0;
-      if (args->temperature <= 0) {
-        next = static_cast<int32_t>(std::max_element(logits, logits + V) - logits);
-      } else {
-        for (int64_t v = 0; v < V; ++v) cand[v] = {logits[v], static_cast<int32_t>(v)};
-        int64_t k = args->top_k > 0 ? std::min(args->top_k, V) : V;
-        std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [](auto& a, auto& b) {
-          return a.first > b.first || (a.first == b.first && a.second < b.second);
-        });
-        double mx = cand[0].first, total = 0;
-        std::vector<double> p(static_cast<std::size_t>(k));
-        for (int64_t j = 0; j < k; ++j)
-          total += p[j] = std::exp((cand[j].first - mx) / args->temperature);
-        double u = rng.uniform(static_cast<uint64_t>(i)) * total;
-        next = cand[k - 1].second;
-        for (int64_t j = 0; j < k; ++j) {
-          if ((u -= p[j]) < 0) {
-            next = cand[j].second;
-            break;
-          }
-        }
-      }
-      tokens.push_back(next);
-      generated.push_back(next);
-      if (next < static_cast<int32_t>(kByteVocab))
-        std::fputc(static_cast<unsigned char>(next), stdout);
+    sample_tokens(dec, prompt, opt, [](int32_t t) {
+      if (t < static_cast<int32_t>(kByteVocab)) std::fputc(static_cast<unsigned char>(t), stdout);
       std::fflush(stdout);
-    }
+    });
     fmt::print("\n");
     return 0;
   };

@@ -28,8 +28,9 @@ const std::vector<ConfigFlag>& train_config_flags() {
     f.push_back({.name = "--precision",
                  .kind = Kind::Text,
                  .key = "train.precision",
-                 .help = "GEMM operand precision: f32, bf16, or fp16 with dynamic loss scaling "
-                         "(train.precision)"});
+                 .help = "GEMM operand precision: f32, bf16, fp16 with dynamic loss scaling, or "
+                         "auto (bf16 where oneDNN has a native bf16 matmul, else f32; recorded, "
+                         "and kept on resume) (train.precision)"});
     return f;
   }();
   return flags;

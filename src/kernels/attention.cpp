@@ -337,4 +337,36 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   }
 }
 
+void attention_decode(float* out, const float* q, const float* k, const float* v, int64_t n,
+                      int64_t NH, int64_t NKV, int64_t HS) {
+  MOETRAIN_CHECK(n > 0 && NH > 0 && NKV > 0 && NH % NKV == 0 && HS > 0,
+                 "attention_decode: n={} NH={} NKV={} HS={}: need n, HS > 0 and NH % NKV == 0", n,
+                 NH, NKV, HS);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+  const int64_t group = NH / NKV, KD = NKV * HS;
+  // One token's work is small (n·HS per head): a parallel region would cost more than it saves.
+  std::vector<float> p(static_cast<std::size_t>(n));
+  for (int64_t h = 0; h < NH; ++h) {
+    const float* qh = q + h * HS;
+    const int64_t kv = (h / group) * HS;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + j * KD + kv;
+      float s = 0.0f;
+      for (int64_t x = 0; x < HS; ++x) s += qh[x] * kj[x];
+      p[j] = s * scale;
+      mx = std::max(mx, p[j]);
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - mx);
+    float* oh = out + h * HS;
+    std::fill(oh, oh + HS, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = p[j] / sum;
+      const float* vj = v + j * KD + kv;
+      for (int64_t x = 0; x < HS; ++x) oh[x] += w * vj[x];
+    }
+  }
+}
+
 }  // namespace moetrain

@@ -25,4 +25,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* k, const float* v, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
 
+// One new query against a cache of n keys (a decode step): the causal row of attention_forward
+// for a query at position n − 1. out, q (NH, HS); k, v (n, NKV, HS) with q and k already rotated.
+// Reads exactly n keys per head: the work is n·HS multiply-adds per head, twice.
+void attention_decode(float* out, const float* q, const float* k, const float* v, int64_t n,
+                      int64_t NH, int64_t NKV, int64_t HS);
+
 }  // namespace moetrain

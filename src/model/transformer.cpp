@@ -1,5 +1,6 @@
 #include "model/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -92,6 +93,14 @@ void Transformer::ensure_capacity(int64_t N) {
   capacity_ = N;
 }
 
+void Transformer::refresh_lp_weights(const float* params) {
+  if (lp_ == DType::F32 || (!lp_stale_ && params == lp_source_)) return;
+  f32_to_dtype(lp_, params_lp_.ensure(layout_.size()), params,
+               static_cast<std::size_t>(layout_.size()));
+  lp_source_ = params;
+  lp_stale_ = false;
+}
+
 namespace {
 // C (M, N) = A (M, K) · Bᵀ: the forward of a layer with weights stored (OC, IC), in t.
 void lp_linear(DType t, float* out, const void* inp, const void* w, int64_t N, int64_t IC,
@@ -116,12 +125,7 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   float* P =
       const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads them
   const bool mixed = lp_ != DType::F32;
-  if (mixed && (lp_stale_ || params != lp_source_)) {
-    f32_to_dtype(lp_, params_lp_.ensure(layout_.size()), params,
-                 static_cast<std::size_t>(layout_.size()));
-    lp_source_ = params;
-    lp_stale_ = false;
-  }
+  refresh_lp_weights(params);
   // out (N, OC) = inp (N, IC) · Wᵀ; in mixed precision from inp_lp, inp rounded.
   auto linear = [&](float* out, const float* inp, const void* inp_lp, int64_t w, int64_t IC,
                     int64_t OC) {
@@ -186,6 +190,37 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   parts.ce = parts.targets ? sum / parts.targets : 0.0;
   parts.total = parts.ce + cfg_.aux_loss_coef * parts.aux + cfg_.z_loss_coef * parts.z;
   return parts;
+}
+
+KvCache Transformer::make_kv_cache(int64_t capacity) const {
+  MOETRAIN_CHECK(capacity > 0 && capacity <= cfg_.max_seq_len,
+                 "KV cache of {} positions: must be in [1, model.max_seq_len = {}]", capacity,
+                 cfg_.max_seq_len);
+  KvCache c;
+  c.capacity = capacity;
+  const auto n = static_cast<std::size_t>(capacity * cfg_.n_kv_heads * cfg_.head_dim());
+  c.k.assign(static_cast<std::size_t>(cfg_.n_layers), std::vector<float>(n));
+  c.v = c.k;
+  return c;
+}
+
+const float* Transformer::prefill(const float* params, const int32_t* tokens, int64_t n,
+                                  KvCache& cache) {
+  MOETRAIN_CHECK(n > 0 && n <= cache.capacity,
+                 "prefill: {} tokens for a KV cache of {} positions", n, cache.capacity);
+  MOETRAIN_CHECK(static_cast<int64_t>(cache.k.size()) == cfg_.n_layers,
+                 "prefill: the KV cache has {} layers, the model {}", cache.k.size(),
+                 cfg_.n_layers);
+  MoeStep step;
+  step.training = false;
+  forward(params, tokens, nullptr, 1, n, step);
+  const int64_t KD = cfg_.n_kv_heads * cfg_.head_dim();
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    std::copy_n(acts_[l]->k.data(), n * KD, cache.k[l].data());
+    std::copy_n(acts_[l]->v.data(), n * KD, cache.v[l].data());
+  }
+  cache.length = n;
+  return logits_.data() + (n - 1) * cfg_.vocab_size;
 }
 
 void Transformer::backward(const float* params, float* grads, float loss_weight) {

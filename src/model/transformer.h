@@ -23,6 +23,17 @@ struct LossParts {
   int64_t targets = 0;  // counted targets (≠ −1)
 };
 
+// Keys (after RoPE) and values of one sequence, per layer, for decoding a token at a time.
+struct KvCache {
+  int64_t capacity = 0;                  // positions it can hold (≤ model.max_seq_len)
+  int64_t length = 0;                    // positions filled: the next token's position
+  std::vector<std::vector<float>> k, v;  // per layer (capacity, NKV·HS)
+  // Work done by decode(), counted so that tests can check it without timing: keys one query of
+  // one layer attended to, summed, and the most of them for any one query.
+  int64_t keys_attended = 0;
+  int64_t max_keys = 0;
+};
+
 class Transformer {
  public:
   // ctx: what runs the MoE layers besides this process — the expert exchange and the statistics
@@ -48,6 +59,16 @@ class Transformer {
   }
 
   const float* logits() const { return logits_.data(); }  // (B·T, V) of the last forward
+
+  // Inference with a KV cache (no targets, MoE layers in inference mode). The cache's positions
+  // are absolute from its first token: RoPE position i is the cache's i-th token.
+  KvCache make_kv_cache(int64_t capacity) const;
+  // Empties the cache and fills it with tokens (n ≤ capacity) at positions 0..n−1 by one full
+  // forward; returns the last position's logits (V).
+  const float* prefill(const float* params, const int32_t* tokens, int64_t n, KvCache& cache);
+  // One token at position cache.length, attending over the cache and itself; appends its keys and
+  // values and returns its logits (V). The cache must not be full.
+  const float* decode(const float* params, int32_t token, KvCache& cache);
   // The MoE layers (one per MoE block, in layer order) — stats, router biases, timings.
   std::vector<MoeLayer*> moe_layers();
   int64_t moe_index(int64_t layer) const { return moe_index_[layer]; }  // −1 for dense layers
@@ -70,6 +91,7 @@ class Transformer {
  private:
   struct LayerActs;
   void ensure_capacity(int64_t N);
+  void refresh_lp_weights(const float* params);
   const void* lp_weight(int64_t offset) const;                      // into params_lp_
   const void* rounded(HalfBuffer& buf, const float* x, int64_t n);  // x rounded to lp_
 
@@ -94,6 +116,10 @@ class Transformer {
   std::vector<float> lnf_, rstdf_;            // (N, C), (N)
   std::vector<float> logits_, lse_, losses_;  // (N, V), (N), (N)
   // backward scratch
+  // decode scratch, one token: (C), (C), (C), (NH·HS), (KD), (KD), (NH·HS), (C), (Fd) ×3, (V)
+  std::vector<float> dx_, dln_tok_, dmid_, dq_tok_, dk_tok_, dv_tok_, datt_tok_, dffn_, dh1_tok_,
+      dh3_tok_, dg_tok_, dlogits_tok_;
+  HalfBuffer dlp_;
   std::vector<float> dresid_, dxmid_, dln_, dq_, dk_, dv_, datt_, dh1_, dh3_, dg_, dlogits_;
 };
 

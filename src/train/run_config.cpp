@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "train/precision.h"
 
 namespace moetrain {
 
@@ -215,7 +216,12 @@ void DistSettings::validate() const {
 }
 
 DType TrainConfig::precision_dtype() const {
-  return parse_dtype(precision, "train.precision");
+  // The Trainer replaces "auto" with what it resolved to before anything records the config.
+  const std::string p = precision == "auto" ? resolve_precision(precision, onednn_cpu_isa())
+                                            : precision;
+  for (DType t : {DType::F32, DType::BF16, DType::F16})
+    if (p == dtype_name(t)) return t;
+  MOETRAIN_FAIL("train.precision = '{}': allowed are auto, f32, bf16, fp16", precision);
 }
 
 LossScaleConfig TrainConfig::loss_scale() const {

@@ -30,6 +30,7 @@
 #include "train/evaluate.h"
 #include "train/memory_estimate.h"
 #include "train/parallel_setup.h"
+#include "train/precision.h"
 #include "train/progress.h"
 #include "train/run_state.h"
 #include "train/rank_timing.h"
@@ -56,6 +57,15 @@ std::unique_ptr<TokenShard> open_shard(const DataConfig& data, const char* file)
 
 Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_(std::move(cfg)) {
   cfg_.validate();
+  auto_precision_ = cfg_.train.precision == "auto";
+  if (auto_precision_) {
+    // Resolved once and recorded as the run's own value: config.json, the checkpoints and the
+    // config hash say what the run computed, not what "auto" would pick on another machine.
+    const std::string isa = onednn_cpu_isa();
+    cfg_.train.precision = resolve_precision("auto", isa);
+    log_info("train.precision = auto: {} (oneDNN dispatches to {}{})", cfg_.train.precision, isa,
+             has_native_bf16(isa) ? ", a native bf16 matmul" : ", no native bf16 matmul");
+  }
   world_ = world ? std::move(world) : dist_world("trainer");
   const int W = world_->size();
   // Before the model is allocated: a config that cannot fit stops here, not in std::bad_alloc.

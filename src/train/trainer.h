@@ -49,6 +49,9 @@ struct LoadedModel {
   std::vector<float> params;
   std::vector<std::vector<float>> router_biases;  // per MoE layer (sigmoid_bias router)
   int64_t step = 0;
+  // Sequence length the model was trained on (train.seq_len of the checkpoint's run config); a
+  // checkpoint that does not record it gives model.max_seq_len.
+  int64_t trained_context = 0;
 };
 
 // Loads a checkpoint directory, or a run directory (its latest complete checkpoint).
@@ -132,6 +135,7 @@ class Trainer {
   std::unique_ptr<LossScaler> scaler_;
   // model.capacity = dynamic: one controller per MoE layer (empty for a fixed capacity).
   std::vector<CapacityController> capacity_;
+  bool auto_precision_ = false;  // train.precision was "auto" (a resume adopts the recorded one)
   double last_scale_ = 1;
   bool last_skipped_ = false;
   StopVotes stop_;  // the last step's, agreed by every process

@@ -20,9 +20,24 @@ LoadedModel load_model(const fs::path& dir) {
   MOETRAIN_CHECK(config.contains("moetrain"),
                  "{}/config.json: no 'moetrain' section (not written by moetrain)", ckpt.string());
   LoadedModel out;
-  out.config = run_config_from_json(config["moetrain"], (ckpt / "config.json").string());
+  nlohmann::json& run = config["moetrain"];
+  // A checkpoint that records no trained context: its default (128) need not even fit the model.
+  const bool has_seq_len =
+      run.is_object() && run.contains("train") && run["train"].is_object() &&
+      run["train"].contains("seq_len");
+  if (!has_seq_len && run.is_object() && (!run.contains("train") || run["train"].is_object()) &&
+      run.contains("model") && run["model"].is_object() && run["model"].contains("max_seq_len"))
+    run["train"]["seq_len"] = run["model"]["max_seq_len"];
+  out.config = run_config_from_json(run, (ckpt / "config.json").string());
   out.model = std::make_unique<Transformer>(out.config.model);
   out.step = read_weights(ckpt, *out.model, out.params);
+  if (has_seq_len) {
+    out.trained_context = out.config.train.seq_len;
+  } else {
+    out.trained_context = out.config.model.max_seq_len;
+    log_info("{}/config.json records no train.seq_len: taking model.max_seq_len = {} as the "
+             "trained context", ckpt.string(), out.trained_context);
+  }
   log_info("loaded {} (step {})", ckpt.string(), out.step);
   return out;
 }
@@ -38,6 +53,7 @@ nlohmann::json Trainer::trainer_state() const {
   nlohmann::json t = {
       {"step", step_},
       {"config_hash", cfg_.config_hash()},
+      {"precision", cfg_.train.precision},
       {"seed", cfg_.train.seed},
       {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
       {"schedule",
@@ -98,6 +114,17 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
     MOETRAIN_CHECK(j.is_object() && j.contains(key), "{}: no '{}'", where, key);
     return j.at(key);
   };
+  if (auto_precision_ && t.contains("precision") && t["precision"].is_string() &&
+      t["precision"].get<std::string>() != cfg_.train.precision) {
+    // The run keeps the precision it started with, wherever it resumes.
+    const std::string used = t["precision"].get<std::string>();
+    log_info("train.precision = auto: resuming in {} as the run was trained ({} here)", used,
+             cfg_.train.precision);
+    cfg_.train.precision = used;
+    model_->set_precision(cfg_.train.precision_dtype());
+    if (cfg_.train.precision_dtype() == DType::F16 && !scaler_)
+      scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());
+  }
   const std::string hash = need(t, "config_hash").get<std::string>();
   MOETRAIN_CHECK(hash == cfg_.config_hash(),
                  "{} was written with a different configuration (hash {} vs this run's {}): resume "

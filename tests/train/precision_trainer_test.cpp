@@ -1,5 +1,6 @@
 // Mixed-precision training end to end on real text: bf16 and fp16 runs track the f32 run, resume
-// bit-exactly (fp16 with its loss scale), and an fp16 overflow skips the step and backs off.
+// bit-exactly (fp16 with its loss scale), and an fp16 overflow skips the step and backs off;
+// precision = "auto" resolves by instruction set, is recorded, and is kept on resume.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,9 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "io/checkpoint.h"
 #include "support/corpus.h"
 #include "support/expect_error.h"
 #include "support/temp_dir.h"
+#include "train/precision.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -151,7 +154,7 @@ TEST(PrecisionTrainer, LowPrecisionTrainingTracksF32) {
 TEST(PrecisionTrainer, BadPrecisionSettingsNameTheKey) {
   TempDir tmp("bad");
   expect_error([&] { run_config(tmp, "fp8"); },
-               "train.precision = 'fp8': allowed are f32, bf16, fp16");
+               "train.precision = 'fp8': allowed are auto, f32, bf16, fp16");
   expect_error([&] { run_config(tmp, "fp16", {"train.loss_scale_backoff_factor=2"}); },
                "train.loss_scale_backoff_factor = 2");
   expect_error([&] { run_config(tmp, "f32", {"dist.grad_reduce_dtype=fp16"}); },
@@ -161,4 +164,58 @@ TEST(PrecisionTrainer, BadPrecisionSettingsNameTheKey) {
   RunConfig a = run_config(tmp, "f32"), b = run_config(tmp, "f32", {"train.loss_scale_init=8"});
   EXPECT_EQ(a.config_hash(), b.config_hash());
   EXPECT_NE(a.config_hash(), run_config(tmp, "bf16").config_hash());
+}
+
+TEST(PrecisionTrainer, AutoResolvesByTheInstructionSet) {
+  // oneDNN's names (dnnl::cpu_isa): a native bf16 matmul from AVX512_BF16 on.
+  for (const char* isa : {"avx512_core_bf16", "avx512_core_amx"}) {
+    EXPECT_TRUE(has_native_bf16(isa)) << isa;
+    EXPECT_EQ(resolve_precision("auto", isa), "bf16") << isa;
+  }
+  for (const char* isa : {"sse41", "avx", "avx2", "avx512_core", "avx512_core_vnni", "unknown"}) {
+    EXPECT_FALSE(has_native_bf16(isa)) << isa;
+    EXPECT_EQ(resolve_precision("auto", isa), "f32") << isa;
+  }
+  // Explicit settings are never overridden.
+  for (const char* p : {"f32", "bf16", "fp16"}) {
+    EXPECT_EQ(resolve_precision(p, "avx2"), p);
+    EXPECT_EQ(resolve_precision(p, "avx512_core_bf16"), p);
+  }
+}
+
+TEST(PrecisionTrainer, AutoTrainsAndRecordsWhatItResolvedTo) {
+  TempDir tmp("auto");
+  RunConfig cfg = run_config(tmp, "auto");
+  const std::string resolved = resolve_precision("auto", onednn_cpu_isa());
+  std::printf("oneDNN ISA %s: auto is %s\n", onednn_cpu_isa().c_str(), resolved.c_str());
+  {
+    Trainer t(cfg, false);
+    EXPECT_EQ(t.model().precision(), cfg.train.precision_dtype());
+    EXPECT_TRUE(std::isfinite(t.run().val_loss));
+  }
+  std::ifstream in(fs::path(cfg.train.run_dir) / "config.json");
+  const nlohmann::json run = nlohmann::json::parse(in);
+  EXPECT_EQ(run["train"]["precision"], resolved);
+  const auto ckpt = find_latest_checkpoint(cfg.train.run_dir);
+  ASSERT_TRUE(ckpt);
+  EXPECT_EQ(read_checkpoint_json(*ckpt, "config.json")["moetrain"]["train"]["precision"], resolved);
+  EXPECT_EQ(read_checkpoint_json(*ckpt, "trainer_state.json")["precision"], resolved);
+}
+
+TEST(PrecisionTrainer, AutoResumeKeepsThePrecisionTheRunUsed) {
+  // Whatever this machine would pick, a run resumed with "auto" goes on in the precision its
+  // checkpoint records: as on a machine whose instruction set resolves differently.
+  for (const char* used : {"f32", "bf16"}) {
+    TempDir tmp(used);
+    {
+      Trainer t(run_config(tmp, used), false);
+      t.run(4);
+    }
+    Trainer t(run_config(tmp, "auto"), true);
+    EXPECT_EQ(t.step(), 4);
+    EXPECT_EQ(dtype_name(t.model().precision()), used);
+    t.run();
+    std::ifstream in(tmp / "run" / "config.json");
+    EXPECT_EQ(nlohmann::json::parse(in)["train"]["precision"], used);
+  }
 }

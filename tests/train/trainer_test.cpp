@@ -186,6 +186,7 @@ TEST(Trainer, ResumeWithADifferentConfigIsRefused) {
 TEST(Trainer, LoadModelMatchesTrainerAndWritesMixtralConfig) {
   TempDir tmp("load");
   RunConfig cfg = small_run(tmp);
+  cfg.train.seq_len = 16;
   std::vector<float> params;
   {
     Trainer t(cfg, false);
@@ -194,6 +195,9 @@ TEST(Trainer, LoadModelMatchesTrainerAndWritesMixtralConfig) {
   }
   LoadedModel m = load_model(cfg.train.run_dir);
   EXPECT_EQ(m.step, 3);
+  // Sampling stays within the context the model was trained on, not the model's limit.
+  ASSERT_LT(cfg.train.seq_len, cfg.model.max_seq_len);
+  EXPECT_EQ(m.trained_context, cfg.train.seq_len);
   ASSERT_EQ(m.params.size(), params.size());
   EXPECT_EQ(0, std::memcmp(m.params.data(), params.data(), params.size() * sizeof(float)));
   auto j = read_checkpoint_json(*find_latest_checkpoint(cfg.train.run_dir), "config.json");
@@ -393,4 +397,26 @@ TEST(Trainer, AResignedStepFallsBackAndIsNeverWritten) {
   EXPECT_FALSE(fs::exists(checkpoint_dir(cfg.train.run_dir, 999)));
   EXPECT_TRUE(fs::exists(checkpoint_dir(cfg.train.run_dir, 6)));
   EXPECT_EQ(read_checkpoint_json(dir, "trainer_state.json")["step"], 4);  // rewritten at step 4
+}
+
+TEST(Trainer, CheckpointWithoutSeqLenSamplesWithinMaxSeqLen) {
+  TempDir tmp("noseqlen");
+  RunConfig cfg = small_run(tmp);
+  cfg.train.seq_len = 16;
+  {
+    Trainer t(cfg, false);
+    t.run(1);
+  }
+  // A checkpoint from before the trained context was relied on: no train.seq_len recorded.
+  const fs::path dir = *find_latest_checkpoint(cfg.train.run_dir);
+  nlohmann::json config = read_checkpoint_json(dir, "config.json");
+  ASSERT_TRUE(config["moetrain"]["train"].contains("seq_len"));
+  config["moetrain"]["train"].erase("seq_len");
+  const std::string text = config.dump(2);
+  std::ofstream(dir / "config.json", std::ios::binary | std::ios::trunc) << text;
+  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
+  manifest["files"]["config.json"]["bytes"] = text.size();
+  manifest["files"]["config.json"]["crc32c"] = crc32c(text.data(), text.size());
+  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+  EXPECT_EQ(load_model(dir).trained_context, cfg.model.max_seq_len);
 }
