@@ -115,6 +115,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   const std::optional<fs::path> ckpt =
       checkpoint_to_resume(cfg_.train.run_dir, resume, *pg_->control);
   if (ckpt) load_checkpoint(*ckpt);
+  resumed_ = ckpt.has_value();
   metrics_ = open_metrics(cfg_.train.run_dir, pl.rank,
                           ckpt ? std::optional<int64_t>(step_) : std::nullopt,
                           cfg_.train.tensorboard);
