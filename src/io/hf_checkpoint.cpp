@@ -52,7 +52,11 @@ void read_hf_tensors(const fs::path& dir, const std::vector<NamedTensor>& into) 
   // Every tensor name of the directory → the reader of the file that holds it.
   std::vector<std::unique_ptr<SafetensorsReader>> files;
   std::map<std::string, const SafetensorsReader*> where;
-  if (fs::is_regular_file(dir / kIndex)) {
+  // Where the names come from: the index when there is one (a shard it does not list is not
+  // part of the model, as in transformers), else the one file.
+  const bool sharded = fs::is_regular_file(dir / kIndex);
+  const fs::path listing = dir / (sharded ? kIndex : kSingle);
+  if (sharded) {
     const fs::path index = dir / kIndex;
     const json doc = read_checkpoint_json(dir, kIndex);
     MOETRAIN_CHECK(doc.is_object() && doc.contains("weight_map") && doc["weight_map"].is_object(),
@@ -87,9 +91,8 @@ void read_hf_tensors(const fs::path& dir, const std::vector<NamedTensor>& into) 
   for (const NamedTensor& t : into) {
     wanted.insert(t.name);
     auto it = where.find(t.name);
-    MOETRAIN_CHECK(it != where.end(), "{}: no tensor '{}' (shape {}) in {}", dir.string(), t.name,
-                   shape_text(t.shape),
-                   files.size() == 1 ? files[0]->path().string() : std::string(kIndex));
+    MOETRAIN_CHECK(it != where.end(), "{}: no tensor '{}' (shape {})", listing.string(), t.name,
+                   shape_text(t.shape));
     const SafetensorsReader& r = *it->second;
     const SafetensorsEntry& e = r.entry(t.name);
     MOETRAIN_CHECK(e.shape == t.shape, "{}: tensor '{}' has shape {}, the model expects {}",
