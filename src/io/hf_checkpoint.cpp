@@ -99,9 +99,15 @@ void read_hf_tensors(const fs::path& dir, const std::vector<NamedTensor>& into) 
                    r.path().string(), t.name, shape_text(e.shape), shape_text(t.shape));
     DType from;
     switch (e.dtype) {
-      case SafetensorsDType::F32: from = DType::F32; break;
-      case SafetensorsDType::BF16: from = DType::BF16; break;
-      case SafetensorsDType::F16: from = DType::F16; break;
+      case SafetensorsDType::F32:
+        from = DType::F32;
+        break;
+      case SafetensorsDType::BF16:
+        from = DType::BF16;
+        break;
+      case SafetensorsDType::F16:
+        from = DType::F16;
+        break;
       default:
         MOETRAIN_FAIL("{}: tensor '{}' is {}; weights must be F32, BF16 or F16", r.path().string(),
                       t.name, safetensors_dtype_name(e.dtype));

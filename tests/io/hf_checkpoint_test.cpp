@@ -187,7 +187,9 @@ TEST(HfTensors, RefusesMissingExtraMisshapenAndOtherTypes) {
     fill(w);
     w.write(file);
   };
-  write([&](SafetensorsWriter& w) { w.add("a.weight", SafetensorsDType::F32, {2, 3}, d.a.data()); });
+  write([&](SafetensorsWriter& w) {
+    w.add("a.weight", SafetensorsDType::F32, {2, 3}, d.a.data());
+  });
   expect_error([&] { read_hf_tensors(d.tmp.path(), d.wanted()); },
                {"no tensor 'b.weight'", "[2]", "model.safetensors"});
   float extra = 0;
