@@ -43,6 +43,7 @@ Run add_train_command(CLI::App& app) {
   struct Args {
     std::string config;
     std::vector<std::string> overrides;
+    std::string init_from;
     bool resume = false;
   };
   auto args = std::make_shared<Args>();
@@ -52,12 +53,20 @@ Run add_train_command(CLI::App& app) {
                   "Override a config key: --set model.dim=256 (repeatable)");
   cmd->add_flag("--resume", args->resume,
                 "Continue from the run directory's latest complete checkpoint");
+  cmd->add_option("--init-from", args->init_from,
+                  "Start from these weights (a checkpoint, run or Hugging Face Mixtral directory) "
+                  "at step 0 with fresh optimizer state; the model takes its architecture");
   auto flags = add_config_flags(cmd, train_config_flags());
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);
     RunConfig cfg = load_run_config(args->config, overrides);
+    if (!args->init_from.empty()) {
+      adopt_architecture(cfg.model, model_config_of(args->init_from), args->init_from);
+      cfg.validate();
+    }
     const std::unique_ptr<CollectiveWatchdog> watchdog = watch_collectives(cfg.dist);
     Trainer trainer(cfg, args->resume);
+    if (!args->init_from.empty()) trainer.init_weights_from(args->init_from);
     TrainResult r = trainer.run();
     if (r.exit_code != 0) return r.exit_code;
     if (trainer.rank() != 0) return 0;  // one summary for the whole run

@@ -65,6 +65,11 @@ struct ModelConfig : MoeModelConfig {
   bool hf_mixtral_compatible(std::string* why = nullptr) const;
   // transformers' MixtralConfig fields (config.json of a checkpoint).
   nlohmann::json to_hf_json() const;
+  // The inverse, for a config.json that transformers wrote (`where` names it in errors): absent
+  // optional fields take MixtralConfig's defaults; a field whose value this model cannot compute
+  // (another activation, tied embeddings, a sliding window shorter than the context, RoPE
+  // scaling, ...) is refused, naming the field and its value. Mixtral has no z-loss: 0.
+  static ModelConfig from_hf_json(const nlohmann::json& hf, const std::string& where);
 };
 
 }  // namespace moetrain

@@ -204,8 +204,9 @@ fs::path resolve_checkpoint(const fs::path& dir) {
   auto latest = find_latest_checkpoint(
       dir, nullptr, [](const fs::path& c) { read_checkpoint_json(c, "config.json"); });
   MOETRAIN_CHECK(latest.has_value(),
-                 "{}: neither a checkpoint directory nor a run directory with a complete "
-                 "checkpoint",
+                 "{}: neither a checkpoint directory, a run directory with a complete "
+                 "checkpoint, nor a Hugging Face model directory (config.json with "
+                 "model.safetensors or model.safetensors.index.json)",
                  dir.string());
   return *latest;
 }

@@ -135,6 +135,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   // Collective: every rank gets the same checkpoint (or none).
   const std::optional<fs::path> ckpt = checkpoint_to_resume(
       cfg_.train.run_dir, resume, *pg_->control, [&](const fs::path& p) { load_checkpoint(p); });
+  resumed_ = ckpt.has_value();
   metrics_ =
       open_metrics(cfg_.train.run_dir, pl.rank, ckpt ? std::optional<int64_t>(step_) : std::nullopt,
                    cfg_.train.tensorboard);

@@ -54,8 +54,17 @@ struct LoadedModel {
   int64_t trained_context = 0;
 };
 
-// Loads a checkpoint directory, or a run directory (its latest complete checkpoint).
+// Loads a checkpoint directory, a run directory (its latest complete checkpoint), or a plain
+// Hugging Face Mixtral directory (io/hf_checkpoint.h: step 0, the default run settings).
 LoadedModel load_model(const std::filesystem::path& dir);
+
+// The model configuration of any directory load_model takes.
+ModelConfig model_config_of(const std::filesystem::path& dir);
+
+// `train --init-from DIR`: `model` takes DIR's architecture (every key that changes the tensors or
+// what they compute; each one that differs is logged), keeping the run's training coefficients
+// (aux_loss_coef, z_loss_coef, bias_update_rate, init_std).
+void adopt_architecture(ModelConfig& model, const ModelConfig& from, const std::string& where);
 
 // Under mpirun every process builds a Trainer and runs it in step (every method is collective).
 // World = DP × EP (dist.ep): each process reads its own train.batch_size sequences per
@@ -91,6 +100,10 @@ class Trainer {
 
   // Collective: every rank writes its share of the checkpoint of the current step.
   std::filesystem::path save_checkpoint();
+  // The parameters (and router biases) of any directory load_model takes, in place of the
+  // random init, before the first step; the optimizer state stays fresh. A resumed run keeps its
+  // checkpoint's weights instead. The model must have DIR's architecture (adopt_architecture).
+  void init_weights_from(const std::filesystem::path& dir);
 
  private:
   void load_checkpoint(const std::filesystem::path& dir);
@@ -127,6 +140,7 @@ class Trainer {
   std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
   int64_t step_ = 0;  // optimizer steps applied so far
+  bool resumed_ = false;
   std::vector<int32_t> inputs_, targets_;
   // last step's figures, for metrics
   LossParts last_parts_;
