@@ -9,6 +9,7 @@
 #include "app/commands.h"
 #include "core/check.h"
 #include "core/threads.h"
+#include "plan/ablation.h"
 #include "plan/calibrate.h"
 #include "plan/cost_model.h"
 #include "plan/load_model.h"
@@ -49,8 +50,9 @@ Run add_plan_command(CLI::App& app) {
     bool calibrate = false;
     std::string out, config, cluster, profile, sweep, load = "uniform";
     std::vector<std::string> overrides;
-    int64_t procs = 1, ep = 0;
-    bool json = false;
+    int64_t procs = 1, ep = 0, tp = 1, pp = 1, vp = 1;
+    double ablation_zipf = 1.0;
+    bool json = false, ablation = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_flag("--calibrate", args->calibrate,
@@ -65,6 +67,17 @@ Run add_plan_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--ep", args->ep, "Expert-parallel size (default: the config's dist.ep)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--tp", args->tp, "Tensor-parallel size (planner only, modelled simply)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--pp", args->pp, "Pipeline stages (planner only, modelled simply)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--vp", args->vp, "Virtual pipeline stages per rank (interleaved schedule)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_flag("--ablation", args->ablation,
+                "Baseline, + balancing, + communication, + gradients, all (docs/plan.md)");
+  cmd->add_option("--ablation-zipf", args->ablation_zipf,
+                  "Zipf exponent of the ablation's unbalanced load (default 1.0)")
+      ->check(CLI::Range(0.0, 10.0));
   cmd->add_option("--sweep", args->sweep, "Predict several layouts: ep=1,2,4");
   cmd->add_option("--load", args->load, "Expert load: uniform, zipf:S or metrics:RUN_DIR");
   cmd->add_flag("--json", args->json, "Print JSON instead of the table");
@@ -73,7 +86,8 @@ Run add_plan_command(CLI::App& app) {
       MOETRAIN_CHECK(!args->out.empty(), "plan --calibrate needs --out PROFILE.toml");
       init_threads();
       const plan::Calibration cal = plan::calibrate();
-      plan::save_profile(cal.device, cal.single_thread, cal.intra_node_bandwidth, cal.intra_node_latency, args->out);
+      plan::save_profile(cal.device, cal.single_thread, cal.intra_node_bandwidth,
+                         cal.intra_node_latency, args->out);
       const auto& d = cal.device;
       fmt::print(
           "{}: {} threads, GEMM f32 up to {:.1f} GFLOP/s ({:.1f} at smallest side {:.0f}), bf16 "
@@ -92,11 +106,33 @@ Run add_plan_command(CLI::App& app) {
                                           ? plan::local_cluster(args->profile, args->procs)
                                           : plan::load_cluster(args->cluster, args->profile);
     const plan::LoadModel load = plan::parse_load(args->load, cfg.model.n_experts);
-    std::vector<int64_t> eps = args->sweep.empty()
-                                   ? std::vector<int64_t>{args->ep > 0 ? args->ep : cfg.dist.ep}
-                                   : parse_sweep(args->sweep);
+    const int64_t cfg_ep = args->ep > 0 ? args->ep : cfg.dist.ep;
+    if (args->ablation) {
+      const auto rows = plan::ablation(
+          cfg, cluster, {args->procs, cfg_ep, args->tp, args->pp, args->vp}, args->ablation_zipf);
+      if (args->json) {
+        nlohmann::json j = nlohmann::json::array();
+        for (const auto& r : rows) {
+          nlohmann::json row = plan::to_json(r.prediction);
+          row["row"] = r.name;
+          row["settings"] = r.settings;
+          row["samples_per_s"] = r.prediction.tokens_per_s / static_cast<double>(cfg.train.seq_len);
+          j.push_back(row);
+        }
+        fmt::print("{}\n", nlohmann::json{{"ablation", j}}.dump(2));
+      } else {
+        fmt::print("{} on {} × {} (zipf s = {} where unbalanced)\n", args->config, args->procs,
+                   cluster.device.name, args->ablation_zipf);
+        fmt::print("{}", plan::format_ablation(rows, cfg.train.seq_len));
+      }
+      return 0;
+    }
+    std::vector<int64_t> eps =
+        args->sweep.empty() ? std::vector<int64_t>{cfg_ep} : parse_sweep(args->sweep);
     std::vector<plan::Prediction> ps;
-    for (int64_t ep : eps) ps.push_back(plan::predict(cfg, cluster, {args->procs, ep}, load));
+    for (int64_t ep : eps)
+      ps.push_back(
+          plan::predict(cfg, cluster, {args->procs, ep, args->tp, args->pp, args->vp}, load));
     if (ps.size() == 1) plan::check_fits(ps[0], cluster);
     const plan::Prediction* best = nullptr;
     for (const auto& p : ps)
