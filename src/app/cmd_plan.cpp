@@ -50,7 +50,8 @@ Run add_plan_command(CLI::App& app) {
     bool calibrate = false;
     std::string out, config, cluster, profile, sweep, load = "uniform";
     std::vector<std::string> overrides;
-    int64_t procs = 1, ep = 0, tp = 1, pp = 1, vp = 1;
+    int64_t procs = 1, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0;
+    bool no_bf16 = false;
     double ablation_zipf = 1.0;
     bool json = false, ablation = false;
   };
@@ -58,6 +59,12 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_flag("--calibrate", args->calibrate,
                 "Measure this machine (GEMM, memory, attention rates) and write --out");
   cmd->add_option("--out", args->out, "Profile file --calibrate writes (TOML)");
+  cmd->add_flag("--no-bf16", args->no_bf16,
+                "With --calibrate: skip the bf16 GEMMs (f32 runs; half the time)");
+  cmd->add_option("--threads", args->threads,
+                  "OpenMP threads per process on this machine (train.threads; default cores / "
+                  "processes)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
   cmd->add_option("-c,--config", args->config, "The run's TOML config (as for train)");
   cmd->add_option("--set", args->overrides, "Override a config key (repeatable)");
   cmd->add_option("--cluster", args->cluster,
@@ -85,7 +92,7 @@ Run add_plan_command(CLI::App& app) {
     if (args->calibrate) {
       MOETRAIN_CHECK(!args->out.empty(), "plan --calibrate needs --out PROFILE.toml");
       init_threads();
-      const plan::Calibration cal = plan::calibrate();
+      const plan::Calibration cal = plan::calibrate(!args->no_bf16);
       plan::save_profile(cal.device, cal.single_thread, cal.intra_node_bandwidth,
                          cal.intra_node_latency, args->out);
       const auto& d = cal.device;
@@ -102,9 +109,9 @@ Run add_plan_command(CLI::App& app) {
                    "plan needs --cluster CLUSTER.toml or --profile PROFILE.toml (this machine, "
                    "from `moetrain plan --calibrate --out PROFILE.toml`)");
     const RunConfig cfg = load_run_config(args->config, args->overrides);
-    const plan::ClusterSpec cluster = args->cluster.empty()
-                                          ? plan::local_cluster(args->profile, args->procs)
-                                          : plan::load_cluster(args->cluster, args->profile);
+    const plan::ClusterSpec cluster =
+        args->cluster.empty() ? plan::local_cluster(args->profile, args->procs, args->threads)
+                              : plan::load_cluster(args->cluster, args->profile);
     const plan::LoadModel load = plan::parse_load(args->load, cfg.model.n_experts);
     const int64_t cfg_ep = args->ep > 0 ? args->ep : cfg.dist.ep;
     if (args->ablation) {
