@@ -2,12 +2,12 @@
 
 #include <unistd.h>
 
+#include <omp.h>
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
-#include <omp.h>
 #include <vector>
 
 #include "core/check.h"
@@ -85,7 +85,7 @@ GemmTable measure_gemm(DType t) {
 
 namespace {
 
-DeviceModel measure_device(Calibration& cal) {
+DeviceModel measure_device(Calibration& cal, bool bf16) {
   DeviceModel dev;
   DeviceModel& d = dev;
   d.name = "cpu";
@@ -95,7 +95,7 @@ DeviceModel measure_device(Calibration& cal) {
   d.gemm_f32_dims = f32.dims;
   d.gemm_f32_flops = f32.rates;
   d.peak_flops_f32 = *std::max_element(f32.rates.begin(), f32.rates.end());
-  if (gemm_is_native(DType::BF16)) {
+  if (bf16 && gemm_is_native(DType::BF16)) {
     const GemmTable b16 = measure_gemm(DType::BF16);
     d.gemm_bf16_dims = b16.dims;
     d.gemm_bf16_flops = b16.rates;
@@ -155,10 +155,10 @@ DeviceModel measure_device(Calibration& cal) {
 
 }  // namespace
 
-Calibration calibrate() {
+Calibration calibrate(bool bf16) {
   Calibration cal;
   const int threads = num_threads();
-  cal.device = measure_device(cal);
+  cal.device = measure_device(cal, bf16);
   const double intra = cal.intra_node_bandwidth, copy = cal.copy_bandwidth;
   // One thread per process, every core busy at once (as when the processes of a run share the
   // machine): each thread measures on its own buffers, the kernels inside run single-threaded
@@ -166,7 +166,7 @@ Calibration calibrate() {
 #pragma omp parallel num_threads(threads)
   {
     Calibration mine;
-    DeviceModel single = measure_device(mine);
+    DeviceModel single = measure_device(mine, bf16);
 #pragma omp master
     cal.single_thread = single;
   }

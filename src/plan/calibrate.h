@@ -15,6 +15,8 @@ struct Calibration {
 };
 
 // Measures with every thread in force (init_threads), then with one. Writes nothing.
-Calibration calibrate();
+// `bf16` = false skips the bf16 GEMMs (an f32 run needs none; the calibration takes about half
+// as long, so that a test can calibrate right before each run it measures).
+Calibration calibrate(bool bf16 = true);
 
 }  // namespace moetrain::plan

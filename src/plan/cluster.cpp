@@ -2,9 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <toml++/toml.h>
 #include <cmath>
 #include <filesystem>
-#include <toml++/toml.h>
 
 #include "core/check.h"
 #include "io/file.h"
@@ -14,8 +14,7 @@ namespace moetrain::plan {
 namespace {
 
 toml::table parse_toml(const std::string& path, const char* what) {
-  MOETRAIN_CHECK(std::filesystem::is_regular_file(path), "{} file '{}' does not exist", what,
-                 path);
+  MOETRAIN_CHECK(std::filesystem::is_regular_file(path), "{} file '{}' does not exist", what, path);
   try {
     return toml::parse_file(path);
   } catch (const toml::parse_error& e) {
@@ -40,8 +39,8 @@ double optional(const toml::table& t, const std::string& section, const char* ke
                 const std::string& where) {
   if (!t[section][key]) return dflt;
   const auto v = t[section][key].value<double>();
-  MOETRAIN_CHECK(v.has_value() && std::isfinite(*v) && *v >= 0,
-                 "{}: {}.{} must be a number ≥ 0", where, section, key);
+  MOETRAIN_CHECK(v.has_value() && std::isfinite(*v) && *v >= 0, "{}: {}.{} must be a number ≥ 0",
+                 where, section, key);
   return *v;
 }
 
@@ -70,12 +69,13 @@ std::vector<double> positive_list(const toml::table& t, const std::string& sec, 
   return out;
 }
 
-void read_table(const toml::table& t, const std::string& sec, const char* dims_key, const char* rates_key,
-                std::vector<double>& dims, std::vector<double>& rates, const std::string& where) {
+void read_table(const toml::table& t, const std::string& sec, const char* dims_key,
+                const char* rates_key, std::vector<double>& dims, std::vector<double>& rates,
+                const std::string& where) {
   dims = positive_list(t, sec, dims_key, where);
   rates = positive_list(t, sec, rates_key, where);
-  MOETRAIN_CHECK(dims.size() == rates.size(), "{}: device.{} and device.{} differ in length",
-                 where, dims_key, rates_key);
+  MOETRAIN_CHECK(dims.size() == rates.size(), "{}: device.{} and device.{} differ in length", where,
+                 dims_key, rates_key);
   for (std::size_t i = 1; i < dims.size(); ++i)
     MOETRAIN_CHECK(dims[i] > dims[i - 1], "{}: device.{} must ascend", where, dims_key);
 }
@@ -104,7 +104,8 @@ DeviceModel device_from_table(const toml::table& t, const std::string& where,
   d.attention_flops = optional(t, sec, "attention_flops", 0, where);
   d.threads = static_cast<int64_t>(optional(t, sec, "threads", 0, where));
   read_table(t, sec, "gemm_f32_dims", "gemm_f32_flops", d.gemm_f32_dims, d.gemm_f32_flops, where);
-  read_table(t, sec, "gemm_bf16_dims", "gemm_bf16_flops", d.gemm_bf16_dims, d.gemm_bf16_flops, where);
+  read_table(t, sec, "gemm_bf16_dims", "gemm_bf16_flops", d.gemm_bf16_dims, d.gemm_bf16_flops,
+             where);
   return d;
 }
 
@@ -176,8 +177,9 @@ std::string device_section(const DeviceModel& d, const char* sec) {
 
 void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_bandwidth,
                   double intra_latency, const std::string& path) {
-  std::string s = "# Written by `moetrain plan --calibrate`: this machine, measured with every\n"
-                  "# thread ([device]) and with one ([single_thread]).\n";
+  std::string s =
+      "# Written by `moetrain plan --calibrate`: this machine, measured with every\n"
+      "# thread ([device]) and with one ([single_thread]).\n";
   s += device_section(d, "device") + "\n" + device_section(single, "single_thread");
   s += "\n[cluster]\n";
   s += fmt::format("intra_node_bandwidth = {:.6e}\n", intra_bandwidth);
@@ -211,8 +213,9 @@ ClusterSpec load_cluster(const std::string& path, const std::string& profile) {
   return c;
 }
 
-ClusterSpec local_cluster(const std::string& profile, int64_t procs) {
+ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t threads) {
   MOETRAIN_CHECK(procs >= 1, "--procs {}: must be ≥ 1", procs);
+  MOETRAIN_CHECK(threads >= 0, "--threads {}: must be ≥ 0 (0 = cores / processes)", threads);
   const auto t = parse_toml(profile, "profile");
   const std::string where = "profile " + profile;
   ClusterSpec c;
@@ -221,14 +224,20 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs) {
   // Processes split the cores (train.threads = 0 gives each cores / processes threads): each
   // process is a device with the rates measured at its thread count — all threads, or one —
   // and in between the one-thread rates times its threads (threads rarely scale better).
+  // Oversubscribed (processes × threads > cores), a process gets its fair share of the cores,
+  // cores / processes, whatever its thread count: more threads than cores add no speed.
   // Memory is shared too.
-  const int64_t mine = std::max<int64_t>(1, c.device.threads / procs);
+  const int64_t cores = c.device.threads;
+  const int64_t asked = threads > 0 ? threads : std::max<int64_t>(1, cores / procs);
+  // Cores' worth of one-thread speed this process gets (below 1 when processes outnumber cores).
+  const double mine =
+      std::min(static_cast<double>(asked), static_cast<double>(cores) / static_cast<double>(procs));
   double share = 1;
-  if (mine < c.device.threads) {
+  if (mine < static_cast<double>(cores)) {
     MOETRAIN_CHECK(t["single_thread"].is_table(),
                    "{}: [single_thread] is missing (calibrate again with this version)", where);
     c.device = device_from_table(t, where, "single_thread");
-    share = static_cast<double>(mine);
+    share = mine;
   }
   c.device.peak_flops_f32 *= share;
   c.device.peak_flops_bf16 *= share;

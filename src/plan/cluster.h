@@ -11,8 +11,8 @@ namespace moetrain::plan {
 // One device (a GPU, or one process's share of this CPU).
 struct DeviceModel {
   std::string name = "cpu";
-  double peak_flops_f32 = 0;   // FLOP/s (datasheet; a CPU profile: the measured GEMM asymptote)
-  double peak_flops_bf16 = 0;  // FLOP/s; 0 = no native bf16 (bf16 runs at the f32 rate)
+  double peak_flops_f32 = 0;       // FLOP/s (datasheet; a CPU profile: the measured GEMM asymptote)
+  double peak_flops_bf16 = 0;      // FLOP/s; 0 = no native bf16 (bf16 runs at the f32 rate)
   double gemm_max_efficiency = 1;  // the best fraction of peak a large GEMM reaches
   double memory_bytes = 0;
   double memory_bandwidth = 0;  // bytes/s, what element-wise kernels stream at
@@ -59,8 +59,9 @@ void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_
 // and device = "a100" | "h100" | "cpu", or a [device] table with every DeviceModel key.
 // `profile` (may be empty) is the device when the file names "cpu" or has none.
 ClusterSpec load_cluster(const std::string& path, const std::string& profile);
-// This machine as a one-node cluster of `procs` processes sharing its cores, from a profile.
-ClusterSpec local_cluster(const std::string& profile, int64_t procs);
+// This machine as a one-node cluster of `procs` processes sharing its cores, from a profile, each
+// process running `threads` OpenMP threads (0: the trainer's default, cores / procs).
+ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t threads = 0);
 // Throws naming the first missing or non-positive key.
 void validate(const ClusterSpec& c, const std::string& where);
 

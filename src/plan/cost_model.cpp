@@ -2,6 +2,8 @@
 // sizes bytes, rates per second. One "process" is one device (a GPU, or a share of this CPU).
 #include "plan/cost_model.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -34,8 +36,8 @@ double gemm_time(const DeviceModel& dev, DType t, double M, double N, double K) 
     if (d >= dims.back()) {
       rate = rates.back();
     } else if (d > dims.front()) {
-      const std::size_t i = static_cast<std::size_t>(
-          std::upper_bound(dims.begin(), dims.end(), d) - dims.begin());
+      const std::size_t i =
+          static_cast<std::size_t>(std::upper_bound(dims.begin(), dims.end(), d) - dims.begin());
       const double w = std::log(d / dims[i - 1]) / std::log(dims[i] / dims[i - 1]);
       rate = rates[i - 1] + w * (rates[i] - rates[i - 1]);
     }
@@ -53,6 +55,11 @@ double gemm_time(const DeviceModel& dev, DType t, double M, double N, double K) 
 // shapes (a weight gradient reduces over the tokens).
 double linear_fb_time(const DeviceModel& dev, DType t, double M, double N, double K) {
   return gemm_time(dev, t, M, N, K) + gemm_time(dev, t, M, K, N) + gemm_time(dev, t, N, K, M);
+}
+
+// The peak of the operand type: bf16/fp16 on tensor cores where the device has them.
+double peak_of(const DeviceModel& dev, DType t) {
+  return t != DType::F32 && dev.peak_flops_bf16 > 0 ? dev.peak_flops_bf16 : dev.peak_flops_f32;
 }
 
 // Element-wise kernels are bound by memory traffic: bytes moved / bandwidth.
@@ -110,12 +117,12 @@ A2a alltoall_time(const ClusterSpec& c, double bytes, int64_t ep, bool hierarchi
     r.kind = "flat";
     return r;
   }
-  const double phase1 = link_time(static_cast<double>(g - 1), c.intra_node_latency,
-                                  all * static_cast<double>(g - 1) / static_cast<double>(g),
-                                  c.intra_node_bandwidth);
-  const double phase2 = link_time(static_cast<double>(nn - 1), c.inter_node_latency,
-                                  all * static_cast<double>(nn - 1) / static_cast<double>(nn),
-                                  node_share);
+  const double phase1 =
+      link_time(static_cast<double>(g - 1), c.intra_node_latency,
+                all * static_cast<double>(g - 1) / static_cast<double>(g), c.intra_node_bandwidth);
+  const double phase2 =
+      link_time(static_cast<double>(nn - 1), c.inter_node_latency,
+                all * static_cast<double>(nn - 1) / static_cast<double>(nn), node_share);
   r.time = phase1 + phase2;
   r.kind = "hierarchical";
   return r;
@@ -172,7 +179,8 @@ ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
   f.router = Lm * 2 * N * C * m.n_experts;
   // Each token's K experts run the SwiGLU FFN: w1, w3 (C → F) and w2 (F → C).
   f.experts = Lm * 3 * 2 * N * m.top_k * C * m.expert_hidden;
-  f.shared = Lm * 3 * 2 * N * C * m.shared_expert_hidden + Ld * 3 * 2 * N * C * m.dense_ffn_hidden();
+  f.shared =
+      Lm * 3 * 2 * N * C * m.shared_expert_hidden + Ld * 3 * 2 * N * C * m.dense_ffn_hidden();
   f.lm_head = 2 * N * C * m.vocab_size;
   return f;
 }
@@ -181,11 +189,13 @@ double ring_allreduce_bytes(double bytes, int64_t p) {
   return p <= 1 ? 0.0 : 2.0 * static_cast<double>(p - 1) / static_cast<double>(p) * bytes;
 }
 
-Memory memory_per_device(const RunConfig& cfg, const Layout& layout) {
+Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator) {
   const ModelConfig& m = cfg.model;
   const ParamCounts pc = count_params(m);
-  // Each process keeps every dense tensor and E / EP experts of each layer.
-  const double local = pc.dense + pc.expert / static_cast<double>(layout.ep);
+  // Each process keeps its tensor shard of the dense tensors of its stage's layers and E / EP
+  // experts of each of them.
+  const double tp = static_cast<double>(layout.tp), pp = static_cast<double>(layout.pp);
+  const double local = pc.dense / (tp * pp) + pc.expert / static_cast<double>(layout.ep) / pp;
   Memory mem;
   mem.params = 4 * local;
   mem.grads = 4 * local;
@@ -194,8 +204,8 @@ Memory memory_per_device(const RunConfig& cfg, const Layout& layout) {
   // DP ranks that hold a replica of it.
   mem.optimizer = cfg.dist.zero == 1
                       ? 4 * optimizer_state_floats(cfg.optim.name) *
-                            (pc.dense / static_cast<double>(layout.procs) +
-                             pc.expert / static_cast<double>(layout.ep * layout.dp()))
+                            (pc.dense / (tp * pp * static_cast<double>(layout.stage())) +
+                             pc.expert / (pp * static_cast<double>(layout.ep * layout.dp())))
                       : mem.optimizer_without_zero;
   const DType prec = cfg.train.precision_dtype();
   mem.low_precision = prec == DType::F32 ? 0 : elem_bytes(prec) * local;
@@ -204,26 +214,48 @@ Memory memory_per_device(const RunConfig& cfg, const Layout& layout) {
   // probabilities, dispatched rows, the experts' h1/h3/act and outputs; then the logits.
   const double N = static_cast<double>(cfg.train.batch_size * cfg.train.seq_len);
   const double C = m.dim, HS = m.head_dim(), K = m.top_k, F = m.expert_hidden;
-  double per_layer_moe = N * (3 * C + 2 + (2 * m.n_heads + 2 * m.n_kv_heads) * HS + 2 * m.n_experts +
-                              2 * K * C + 3 * K * F + 3 * m.shared_expert_hidden) +
-                         static_cast<double>(cfg.train.batch_size * m.n_heads * cfg.train.seq_len);
-  double per_layer_dense = N * (3 * C + 2 + (2 * m.n_heads + 2 * m.n_kv_heads) * HS +
-                                3 * m.dense_ffn_hidden());
-  mem.activations = 4 * (static_cast<double>(m.n_moe_layers()) * per_layer_moe +
-                         static_cast<double>(m.n_layers - m.n_moe_layers()) * per_layer_dense +
-                         N * (2 * C + m.vocab_size));
+  double per_layer_moe =
+      N * (3 * C + 2 + (2 * m.n_heads + 2 * m.n_kv_heads) * HS + 2 * m.n_experts + 2 * K * C +
+           3 * K * F + 3 * m.shared_expert_hidden) +
+      static_cast<double>(cfg.train.batch_size * m.n_heads * cfg.train.seq_len);
+  double per_layer_dense =
+      N * (3 * C + 2 + (2 * m.n_heads + 2 * m.n_kv_heads) * HS + 3 * m.dense_ffn_hidden());
+  // Pipelining (1F1B) keeps pp micro-batches of L / pp layers on the first stage: the same as one
+  // micro-batch of every layer. Tensor parallelism shards them (taken as all of them: approximate).
+  // This trainer keeps f32 masters of them; GPU trainers (Megatron, DeepSpeed) keep bf16/fp16
+  // ones in a low-precision run.
+  const double act_bytes = accelerator && prec != DType::F32 ? elem_bytes(prec) : 4.0;
+  mem.activations = act_bytes / tp *
+                    (static_cast<double>(m.n_moe_layers()) * per_layer_moe +
+                     static_cast<double>(m.n_layers - m.n_moe_layers()) * per_layer_dense +
+                     N * (2 * C + m.vocab_size));
   return mem;
 }
 
-Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
-                   const LoadModel& load) {
+namespace {
+
+Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
+                        const LoadModel& load, bool reference) {
   const ModelConfig& m = cfg.model;
   const DeviceModel& dev = cluster.device;
   MOETRAIN_CHECK(layout.procs >= 1 && layout.ep >= 1, "--procs {} --ep {}: both must be ≥ 1",
                  layout.procs, layout.ep);
-  MOETRAIN_CHECK(layout.procs % layout.ep == 0,
-                 "dist.ep = {} must divide the processes ({}): world = DP × EP", layout.ep,
+  MOETRAIN_CHECK(layout.tp >= 1 && layout.pp >= 1 && layout.vp >= 1,
+                 "--tp {} --pp {} --vp {}: each must be ≥ 1", layout.tp, layout.pp, layout.vp);
+  MOETRAIN_CHECK(layout.procs % (layout.tp * layout.pp) == 0,
+                 "--tp {} × --pp {} must divide the processes ({})", layout.tp, layout.pp,
                  layout.procs);
+  MOETRAIN_CHECK(layout.stage() % layout.ep == 0,
+                 "dist.ep = {} must divide the processes ({}): world = DP × EP", layout.ep,
+                 layout.stage() == layout.procs
+                     ? fmt::format("{}", layout.procs)
+                     : fmt::format("{} per pipeline stage and tensor shard", layout.stage()));
+  MOETRAIN_CHECK(m.n_layers % (layout.pp * layout.vp) == 0,
+                 "model.n_layers = {} must be divisible by --pp {} × --vp {}", m.n_layers,
+                 layout.pp, layout.vp);
+  MOETRAIN_CHECK(m.n_heads % layout.tp == 0 && m.n_kv_heads % layout.tp == 0,
+                 "--tp {} must divide model.n_heads = {} and model.n_kv_heads = {}", layout.tp,
+                 m.n_heads, m.n_kv_heads);
   MOETRAIN_CHECK(m.n_experts % layout.ep == 0, "dist.ep = {} must divide model.n_experts = {}",
                  layout.ep, m.n_experts);
   MOETRAIN_CHECK(layout.procs <= cluster.devices(),
@@ -242,36 +274,42 @@ Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layou
   const double N = static_cast<double>(B * T), C = m.dim, HS = m.head_dim(), V = m.vocab_size;
   const double E = m.n_experts, K = m.top_k, F = m.expert_hidden;
   const int64_t ep = layout.ep, e_local = m.n_experts / ep;
+  const int64_t tp = layout.tp, NHt = m.n_heads / tp, NKVt = m.n_kv_heads / tp;
   StepParts& s = p.parts;
 
   // --- compute of one micro-batch, forward + backward ---
   for (int64_t l = 0; l < m.n_layers; ++l) {
-    s.attention += linear_fb_time(dev, prec, N, m.n_heads * HS, C) +
-                   2 * linear_fb_time(dev, prec, N, m.n_kv_heads * HS, C) +
-                   linear_fb_time(dev, prec, N, C, m.n_heads * HS);
+    // Tensor parallelism splits heads (Q, K, V by columns, O by rows) and FFN hidden sizes.
+    s.attention += linear_fb_time(dev, prec, N, NHt * HS, C) +
+                   2 * linear_fb_time(dev, prec, N, NKVt * HS, C) +
+                   linear_fb_time(dev, prec, N, C, NHt * HS);
+    // Megatron's tensor parallelism: an all-reduce of the (N, C) activations after attention
+    // and after the FFN, forward and backward, on the critical path.
+    s.tensor_parallel += 4 * allreduce_time(cluster, N * C * elem_bytes(prec), tp, false);
     // Scores and values: forward 2 products; a flash-style backward recomputes the scores and
     // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
-    const double score_flops = 3.5 * 2 * B * m.n_heads * (T * (T + 1) / 2.0) * HS;
+    // Without a measured rate (accelerators), a fused (flash) kernel at the precision's
+    // tensor-core peak, thinned by the head size as a GEMM of smallest side HS would be.
+    const double score_flops = 3.5 * 2 * B * NHt * (T * (T + 1) / 2.0) * HS;
     s.attention += dev.attention_flops > 0
                        ? score_flops / dev.attention_flops
-                       : score_flops / (dev.peak_flops_f32 * dev.gemm_max_efficiency) *
+                       : score_flops / (peak_of(dev, prec) * dev.gemm_max_efficiency) *
                              (1 + dev.gemm_small_dim / HS);
     // RoPE on q and k: read and write, forward and backward.
-    s.attention += stream_time(dev, 2 * 2 * 4 * N * (m.n_heads + m.n_kv_heads) * HS);
+    s.attention += stream_time(dev, 2 * 2 * 4 * N * static_cast<double>(NHt + NKVt) * HS);
     // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
     s.norms += norm_time(dev, 3 * 2 * 2 * 4 * N * C) + stream_time(dev, 3 * 2 * 3 * 4 * N * C);
     if (m.is_dense_layer(l)) {
-      const double Fd = m.dense_ffn_hidden();
+      const double Fd = static_cast<double>(m.dense_ffn_hidden() / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
-                         linear_fb_time(dev, prec, N, C, Fd) +
-                         stream_time(dev, 3 * 3 * 4 * N * Fd);
+                         linear_fb_time(dev, prec, N, C, Fd) + stream_time(dev, 3 * 3 * 4 * N * Fd);
       continue;
     }
     s.router += linear_fb_time(dev, DType::F32, N, E, C) + stream_time(dev, 3 * 2 * 4 * N * E);
     // Dispatch (gather rows) and combine (weighted scatter-add), forward and backward.
     s.norms += stream_time(dev, 2 * 2 * 2 * 4 * N * K * C);
     if (m.shared_expert_hidden > 0) {
-      const double Fs = m.shared_expert_hidden;
+      const double Fs = static_cast<double>(m.shared_expert_hidden / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fs, C) +
                          linear_fb_time(dev, prec, N, C, Fs) + stream_time(dev, 3 * 3 * 4 * N * Fs);
     }
@@ -279,9 +317,8 @@ Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layou
     // expert's rows); rank r holds experts [r·E/ep, (r+1)·E/ep). The slowest rank sets the step.
     const auto& frac = load.fractions[std::min<std::size_t>(l, load.fractions.size() - 1)];
     const double assignments = static_cast<double>(ep) * N * K;
-    const double cap = m.capacity_factor > 0
-                           ? std::ceil(assignments / E * m.capacity_factor)
-                           : assignments;
+    const double cap =
+        m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
     double worst = 0, sum = 0, worst_rows = 0, rows_sum = 0;
     for (int64_t r = 0; r < ep; ++r) {
       double t = 0, rows = 0;
@@ -305,20 +342,28 @@ Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layou
     // rows bound elsewhere; the hot rank receives its share of the whole group's rows.
     const double row_bytes = C * elem_bytes(parse_dtype(cfg.dist.a2a_dtype, "dist.a2a_dtype"));
     const double send = N * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
-    const double recv = worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
+    const double recv =
+        worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const A2a a = alltoall_time(cluster, std::max(send, recv), ep, cfg.dist.hierarchical);
     s.a2a += 4 * a.time;
     p.a2a_kind = a.kind;
   }
+  // Pipelining: a stage runs L / pp layers (their mean: dense and MoE layers are taken as spread
+  // evenly over the stages).
+  for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
+                    &s.norms, &s.a2a, &s.tensor_parallel})
+    *v /= static_cast<double>(layout.pp);
   // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
   // read and write them backward).
   s.norms += norm_time(dev, 3 * 2 * 4 * N * C) + stream_time(dev, 3 * 4 * N * C);
-  s.lm_head += linear_fb_time(dev, prec, N, V, C) + stream_time(dev, 3 * 4 * N * V);
+  // The LM head sits on the last stage, which it makes the slowest (no layers are moved off it).
+  s.lm_head += linear_fb_time(dev, prec, N, V / static_cast<double>(tp), C) +
+               stream_time(dev, 3 * 4 * N * V / static_cast<double>(tp));
   if (p.a2a_kind.empty()) p.a2a_kind = "none";
 
   // Everything above is one micro-batch; the step runs A of them.
   for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
-                    &s.norms, &s.lm_head, &s.a2a})
+                    &s.norms, &s.lm_head, &s.a2a, &s.tensor_parallel})
     *v *= static_cast<double>(A);
   // Chunked all-to-all: while one chunk's rows travel, the experts compute another, so of the
   // (c − 1)/c of the traffic that has a neighbour chunk, min(comm, compute) is hidden.
@@ -327,35 +372,68 @@ Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layou
 
   // --- once per step: gradient reduction and the update ---
   const ParamCounts pc = count_params(m);
-  const double grad_elem = elem_bytes(parse_dtype(cfg.dist.grad_reduce_dtype, "dist.grad_reduce_dtype"));
-  const bool multi_node = layout.procs > cluster.devices_per_node;
-  s.grad_sync = allreduce_time(cluster, pc.dense * grad_elem, layout.procs, multi_node) +
-                allreduce_time(cluster, pc.expert / static_cast<double>(ep) * grad_elem,
-                               layout.dp(), multi_node);
+  const double grad_elem =
+      elem_bytes(parse_dtype(cfg.dist.grad_reduce_dtype, "dist.grad_reduce_dtype"));
+  // A stage's data-parallel ranks (tensor shards innermost) span nodes when there are more of
+  // them than a node holds.
+  const bool multi_node = layout.stage() * tp > cluster.devices_per_node;
+  const double shard = static_cast<double>(tp * layout.pp);
+  const double dense_local = pc.dense / shard;
+  const double expert_local = pc.expert / static_cast<double>(ep * layout.pp);
+  s.grad_sync = allreduce_time(cluster, dense_local * grad_elem, layout.stage(), multi_node) +
+                allreduce_time(cluster, expert_local * grad_elem, layout.dp(), multi_node);
   // With overlap, buckets reduce while backward still runs: only what outlasts the backward, and
   // at least the last bucket, is exposed. Backward is two thirds of the compute.
-  const double grad_bytes = (pc.dense + pc.expert / static_cast<double>(ep)) * grad_elem;
+  const double grad_bytes = (dense_local + expert_local) * grad_elem;
   const double buckets = std::max(1.0, std::ceil(grad_bytes / (cfg.dist.bucket_mb * 1048576.0)));
   const double backward = 2.0 / 3.0 * (s.compute() - s.experts_mean + s.experts);
   s.grad_sync_exposed = cfg.dist.overlap && s.grad_sync > 0
                             ? std::max(s.grad_sync / buckets, s.grad_sync - backward)
                             : s.grad_sync;
-  const double local = pc.dense + pc.expert / static_cast<double>(ep);
-  const double updated = cfg.dist.zero == 1 ? pc.dense / static_cast<double>(layout.procs) +
-                                                  pc.expert / static_cast<double>(ep * layout.dp())
+  const double local = dense_local + expert_local;
+  const double updated = cfg.dist.zero == 1 ? dense_local / static_cast<double>(layout.stage()) +
+                                                  expert_local / static_cast<double>(layout.dp())
                                             : local;
   s.optimizer = stream_time(dev, updated * optimizer_bytes_per_param(cfg.optim.name, prec)) +
                 stream_time(dev, 8 * (local - updated));  // grads zeroed, clip read: everywhere
 
-  p.step_time_s = s.compute() + s.a2a_exposed + s.grad_sync_exposed;
-  p.flops_per_step = 3 * forward_flops(m, B, T).total() * static_cast<double>(A * layout.procs);
-  const double peak =
-      prec != DType::F32 && dev.peak_flops_bf16 > 0 ? dev.peak_flops_bf16 : dev.peak_flops_f32;
-  p.mfu = p.flops_per_step / (p.step_time_s * static_cast<double>(layout.procs) * peak);
-  p.tokens_per_s = N * static_cast<double>(A * layout.procs) / p.step_time_s;
-  p.memory = memory_per_device(cfg, layout);
+  // Pipeline bubble: with pp stages and A micro-batches, a stage idles for (pp − 1) micro-batch
+  // times; vp virtual stages per rank shorten each by vp. Activation sends between stages are
+  // taken as overlapped with compute (Megatron's interleaved schedule does), not charged.
+  if (layout.pp > 1) {
+    const double per_mb =
+        (s.compute() - s.optimizer - s.lm_head + s.a2a_exposed + s.tensor_parallel) /
+        static_cast<double>(A);
+    s.pipeline_bubble =
+        static_cast<double>(layout.pp - 1) / static_cast<double>(layout.vp) * per_mb;
+  }
+
+  p.step_time_s =
+      s.compute() + s.a2a_exposed + s.grad_sync_exposed + s.tensor_parallel + s.pipeline_bubble;
+  // Model FLOPs: every stage replica (stage() of them) runs the whole model on its samples.
+  const double procs = static_cast<double>(layout.procs);
+  p.flops_per_step = 3 * forward_flops(m, B, T).total() * static_cast<double>(A * layout.stage());
+  p.flops_per_device_s = p.flops_per_step / (p.step_time_s * procs);
+  p.mfu = p.flops_per_device_s / peak_of(dev, prec);
+  p.tokens_per_s = N * static_cast<double>(A * layout.stage()) / p.step_time_s;
+  p.utilisation = (s.compute() - s.experts + s.experts_mean) / p.step_time_s;
+  const double comm = s.a2a + s.grad_sync + s.tensor_parallel;
+  if (!reference && comm > 0) {
+    ClusterSpec ideal = cluster;
+    ideal.intra_node_latency = ideal.inter_node_latency = 0;
+    const Prediction r = predict_impl(cfg, ideal, layout, uniform_load(m.n_experts), true);
+    p.comm_efficiency = (r.parts.a2a + r.parts.grad_sync + r.parts.tensor_parallel) / comm;
+  }
+  p.memory = memory_per_device(cfg, layout, dev.threads == 0);
   p.fits = dev.memory_bytes <= 0 || p.memory.total() <= dev.memory_bytes;
   return p;
+}
+
+}  // namespace
+
+Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
+                   const LoadModel& load) {
+  return predict_impl(cfg, cluster, layout, load, false);
 }
 
 void check_fits(const Prediction& p, const ClusterSpec& cluster) {

@@ -19,25 +19,31 @@ namespace moetrain::plan {
 // How tokens spread over experts: fractions per MoE layer (each sums to 1). One row is used for
 // every layer when fewer rows than layers are given.
 struct LoadModel {
-  std::string kind = "uniform";  // uniform | zipf | measured
+  std::string kind = "uniform";                // uniform | zipf | measured
   std::vector<std::vector<double>> fractions;  // (layers or 1, E)
 };
 LoadModel uniform_load(int64_t E);
 // p_e ∝ 1 / (e + 1)^s: the hottest experts sit together on the first EP rank (worst placement).
 LoadModel zipf_load(int64_t E, double s);
 
+// world = PP × TP × (DP × EP). Tensor (tp) and pipeline (pp, with vp virtual stages per rank)
+// parallelism exist in the planner only, modelled simply (docs/plan.md), for published runs that
+// use them; the trainer runs tp = pp = 1.
 struct Layout {
   int64_t procs = 1;
   int64_t ep = 1;
-  int64_t dp() const { return procs / ep; }
+  int64_t tp = 1, pp = 1, vp = 1;
+  // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
+  int64_t stage() const { return procs / (tp * pp); }
+  int64_t dp() const { return stage() / ep; }  // replicas of each expert
 };
 
 // Seconds of one optimizer step (all micro-batches), by part; forward + backward together.
 struct StepParts {
-  double attention = 0;     // QKV/O projections, scores and values, RoPE
-  double router = 0;        // gate GEMM, softmax / top-k
-  double experts = 0;       // the slowest rank's expert GEMMs and SwiGLU (sets the step)
-  double experts_mean = 0;  // the same at the mean load (what perfect balance would take)
+  double attention = 0;      // QKV/O projections, scores and values, RoPE
+  double router = 0;         // gate GEMM, softmax / top-k
+  double experts = 0;        // the slowest rank's expert GEMMs and SwiGLU (sets the step)
+  double experts_mean = 0;   // the same at the mean load (what perfect balance would take)
   double shared_expert = 0;  // shared expert and dense FFN layers
   double norms = 0;          // RMSNorms, residual adds, dispatch/combine copies, embedding
   double lm_head = 0;        // LM head GEMM and cross-entropy
@@ -46,6 +52,8 @@ struct StepParts {
   double a2a_exposed = 0;    // what chunking did not hide
   double grad_sync = 0;      // gradient all-reduce (or reduce-scatter + all-gather), total
   double grad_sync_exposed = 0;
+  double tensor_parallel = 0;  // TP all-reduces of activations (not overlapped)
+  double pipeline_bubble = 0;  // (pp − 1) / vp micro-batch times of an idle stage, and p2p sends
   double compute() const {
     return attention + router + experts + shared_expert + norms + lm_head + optimizer;
   }
@@ -65,6 +73,12 @@ struct Prediction {
   double flops_per_step = 0;  // model FLOPs (forward + backward) of the whole step, all processes
   double mfu = 0;             // flops_per_step / (step_time_s · devices · peak of the precision)
   double tokens_per_s = 0;
+  double flops_per_device_s = 0;  // model FLOP/s per device (what published runs quote)
+  // Busy fraction: compute at the balanced expert load over the step time.
+  double utilisation = 0;
+  // Bandwidth-only time of the same traffic at uniform load (no latency) over the time the
+  // all-to-alls and reductions take: 1 = the links run at their full rate.
+  double comm_efficiency = 1;
   double imbalance = 1;  // slowest rank's expert tokens over the mean
   bool fits = true;
   std::string a2a_kind;  // flat | hierarchical | none
@@ -81,12 +95,12 @@ nlohmann::json to_json(const Prediction& p);
 // A human-readable table of one or several predictions (a sweep).
 std::string format_table(const std::vector<Prediction>& ps);
 
-// --- formulas, exposed for the unit tests ---------------------------------------------------------
+// --- formulas, exposed for the unit tests
+// ---------------------------------------------------------
 
 // Forward FLOPs of one micro-batch of one process at uniform load, by part (no backward).
 struct ForwardFlops {
-  double attention_proj = 0, attention_scores = 0, router = 0, experts = 0, shared = 0,
-         lm_head = 0;
+  double attention_proj = 0, attention_scores = 0, router = 0, experts = 0, shared = 0, lm_head = 0;
   double total() const {
     return attention_proj + attention_scores + router + experts + shared + lm_head;
   }
@@ -94,7 +108,8 @@ struct ForwardFlops {
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
 // Bytes each rank sends in a ring all-reduce of `bytes` over p ranks: 2 (p − 1) / p · bytes.
 double ring_allreduce_bytes(double bytes, int64_t p);
-// Memory per device (ZeRO-1 as the config says).
-Memory memory_per_device(const RunConfig& cfg, const Layout& layout);
+// Memory per device (ZeRO-1 as the config says). `accelerator`: a GPU (built-in or [device]
+// table, not a calibrated CPU) keeps low-precision activations in a bf16/fp16 run.
+Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator = false);
 
 }  // namespace moetrain::plan

@@ -1,6 +1,7 @@
 // The planner's outputs: JSON (one object per prediction) and the table `moetrain plan` prints.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "plan/cost_model.h"
@@ -14,6 +15,12 @@ nlohmann::json to_json(const Prediction& p) {
       {"procs", p.layout.procs},
       {"ep", p.layout.ep},
       {"dp", p.layout.dp()},
+      {"tp", p.layout.tp},
+      {"pp", p.layout.pp},
+      {"vp", p.layout.vp},
+      {"flops_per_device_s", p.flops_per_device_s},
+      {"utilisation", p.utilisation},
+      {"comm_efficiency", p.comm_efficiency},
       {"step_time_s", p.step_time_s},
       {"tokens_per_s", p.tokens_per_s},
       {"mfu", p.mfu},
@@ -33,7 +40,9 @@ nlohmann::json to_json(const Prediction& p) {
         {"a2a_s", s.a2a},
         {"a2a_exposed_s", s.a2a_exposed},
         {"grad_sync_s", s.grad_sync},
-        {"grad_sync_exposed_s", s.grad_sync_exposed}}},
+        {"grad_sync_exposed_s", s.grad_sync_exposed},
+        {"tensor_parallel_s", s.tensor_parallel},
+        {"pipeline_bubble_s", s.pipeline_bubble}}},
       {"memory",
        {{"params_bytes", m.params},
         {"grads_bytes", m.grads},
@@ -68,6 +77,11 @@ std::string format_table(const std::vector<Prediction>& ps) {
   row("layout (procs/ep/dp)", [](const Prediction& p) {
     return fmt::format("{}/{}/{}", p.layout.procs, p.layout.ep, p.layout.dp());
   });
+  if (std::any_of(ps.begin(), ps.end(),
+                  [](const Prediction& p) { return p.layout.tp * p.layout.pp > 1; }))
+    row("tp/pp/vp", [](const Prediction& p) {
+      return fmt::format("{}/{}/{}", p.layout.tp, p.layout.pp, p.layout.vp);
+    });
   row("step time ms", [](const Prediction& p) { return ms(p.step_time_s); });
   row("  attention ms", [](const Prediction& p) { return ms(p.parts.attention); });
   row("  router ms", [](const Prediction& p) { return ms(p.parts.router); });
@@ -82,14 +96,23 @@ std::string format_table(const std::vector<Prediction>& ps) {
   row("    kind", [](const Prediction& p) { return p.a2a_kind; });
   row("  grad reduction ms", [](const Prediction& p) { return ms(p.parts.grad_sync); });
   row("    exposed ms", [](const Prediction& p) { return ms(p.parts.grad_sync_exposed); });
-  row("imbalance (max/mean)", [](const Prediction& p) { return fmt::format("{:.2f}", p.imbalance); });
+  row("  tensor-parallel ms", [](const Prediction& p) { return ms(p.parts.tensor_parallel); });
+  row("  pipeline bubble ms", [](const Prediction& p) { return ms(p.parts.pipeline_bubble); });
+  row("imbalance (max/mean)",
+      [](const Prediction& p) { return fmt::format("{:.2f}", p.imbalance); });
   row("tokens/s", [](const Prediction& p) { return fmt::format("{:.0f}", p.tokens_per_s); });
   row("MFU", [](const Prediction& p) { return fmt::format("{:.3f}", p.mfu); });
+  row("TFLOP/s per device",
+      [](const Prediction& p) { return fmt::format("{:.1f}", p.flops_per_device_s * 1e-12); });
+  row("utilisation", [](const Prediction& p) { return fmt::format("{:.2f}", p.utilisation); });
+  row("comm efficiency",
+      [](const Prediction& p) { return fmt::format("{:.2f}", p.comm_efficiency); });
   row("memory MiB/device", [](const Prediction& p) { return mib(p.memory.total()); });
   row("  params", [](const Prediction& p) { return mib(p.memory.params); });
   row("  grads", [](const Prediction& p) { return mib(p.memory.grads); });
   row("  optimizer", [](const Prediction& p) { return mib(p.memory.optimizer); });
-  row("  (without ZeRO-1)", [](const Prediction& p) { return mib(p.memory.optimizer_without_zero); });
+  row("  (without ZeRO-1)",
+      [](const Prediction& p) { return mib(p.memory.optimizer_without_zero); });
   row("  low-precision copies", [](const Prediction& p) { return mib(p.memory.low_precision); });
   row("  activations", [](const Prediction& p) { return mib(p.memory.activations); });
   row("fits", [](const Prediction& p) { return p.fits ? "yes" : "NO"; });

@@ -1,16 +1,19 @@
-// The planner against this machine: calibrate, train a few steps of configs/tiny.toml with one
-// process and with two (EP 2, then DP 2) and compare the predicted step time with the median
-// measured one (steps after the first). Calibration and training run back to back so that both
-// see the same neighbours on a shared machine, and the machine is calibrated again afterwards:
-// when the two calibrations predict step times more than 15% apart, the machine's own speed
-// moved more than the tolerance during the test and the comparison cannot be judged — the test
-// is skipped with the table, rather than passing or failing by chance.
+// The planner against this machine: train a few steps of configs/tiny.toml with one process and
+// with two (EP 2, then DP 2) and compare the predicted step time with the median measured one.
+// A shared machine's speed moves, so each run is bracketed by calibrations: the one right before
+// it predicts it, the one right after tells whether the machine stayed the same speed meanwhile.
+// Every run states its thread count (train.threads and OMP_NUM_THREADS), and the planner is told
+// it (--threads), so no process oversubscribes the cores behind the planner's back. When a
+// bracket's two calibrations predict more than 15% apart, the comparison cannot be judged and
+// the test says so loudly, with the figures (the only case it skips); otherwise the worst error
+// must be under 15%.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "ft/ft_support.h"
 #include "io/metrics.h"
@@ -20,29 +23,57 @@ using namespace moetrain::testing;
 
 namespace {
 
+using Env = std::vector<std::pair<std::string, std::string>>;
+
 // Fewer sequences than the demo's 16 keep the test under a minute; the planner is given the
 // same override.
-const std::vector<std::string> kSets = {"--set", "train.batch_size=8", "--set", "train.steps=4",
-                                        "--set", "train.eval_every=0", "--set",
-                                        "train.eval_batches=1", "--set", "train.progress=off",
-                                        "--set", "train.tensorboard=false"};
+const std::vector<std::string> kSets = {
+    "--set", "train.batch_size=8", "--set", "train.steps=5",
+    "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
+    "--set", "train.progress=off", "--set", "train.tensorboard=false"};
+// Steps 1 and 2 warm up (primitive creation, page faults, the first collectives): not measured.
+constexpr int64_t kWarmupSteps = 2;
+
+int cores() {
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 double median_step_time(const std::filesystem::path& run_dir) {
   std::vector<double> t;
   for (const auto& line : moetrain::read_metrics(run_dir))
-    if (line.contains("step_time_s") && line["step"].get<int64_t>() > 1)
+    if (line.contains("step_time_s") && line["step"].get<int64_t>() > kWarmupSteps)
       t.push_back(line["step_time_s"].get<double>());
   if (t.empty()) return -1;
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
 
-double predicted_step_time(const std::string& profile, const std::string& config, int procs,
-                           int ep) {
-  std::vector<std::string> args = {"plan", "-c", config, "--profile", profile, "--procs",
-                                   std::to_string(procs), "--ep", std::to_string(ep), "--json"};
+// Calibrates with every core (the profile holds the all-thread and the one-thread-per-core
+// figures), f32 only: tiny.toml trains in f32.
+std::string calibrate(const std::filesystem::path& dir, int i) {
+  const std::string out = (dir / fmt::format("profile_{}.toml", i)).string();
+  const ProcessResult r = run_moetrain({"plan", "--calibrate", "--no-bf16", "--out", out},
+                                       {{"OMP_NUM_THREADS", std::to_string(cores())}}, 60);
+  EXPECT_EQ(r.code, 0) << r.output();
+  return out;
+}
+
+double predicted_step_time(const std::string& profile, const std::string& config, int procs, int ep,
+                           int threads) {
+  std::vector<std::string> args = {"plan",
+                                   "-c",
+                                   config,
+                                   "--profile",
+                                   profile,
+                                   "--procs",
+                                   std::to_string(procs),
+                                   "--ep",
+                                   std::to_string(ep),
+                                   "--threads",
+                                   std::to_string(threads),
+                                   "--json"};
   args.insert(args.end(), kSets.begin(), kSets.end());
-  const ProcessResult r = run_moetrain(args, {{"OMP_NUM_THREADS", "2"}}, 60);
+  const ProcessResult r = run_moetrain(args, {{"OMP_NUM_THREADS", "1"}}, 60);
   EXPECT_EQ(r.code, 0) << r.output();
   std::string text;
   for (const auto& l : r.lines)
@@ -57,59 +88,65 @@ TEST(PlanValidation, PredictsTinyStepTimeWithin15Percent) {
   TempDir tmp("plan_validation");
   write_corpus(tmp.path() / "data", 60000);
   const std::string config = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
-  const std::string profile = (tmp.path() / "profile.toml").string();
-  const ProcessResult cal = run_moetrain({"plan", "--calibrate", "--out", profile},
-                                         {{"OMP_NUM_THREADS", "2"}}, 60);
-  ASSERT_EQ(cal.code, 0) << cal.output();
-  std::cout << cal.output();
-
   struct Case {
     const char* name;
     int procs, ep;
   };
-  std::string table = "layout        measured ms  predicted ms  error\n";
-  double worst = 0;
-  for (const Case c : {Case{"1 process", 1, 1}, Case{"2 procs EP=2", 2, 2},
-                       Case{"2 procs DP=2", 2, 1}}) {
-    const auto run_dir = tmp.path() / ("run_" + std::to_string(c.procs) + std::to_string(c.ep));
-    std::vector<std::string> train = {"train", "-c", config, "--set",
-                                      "data.dir=" + (tmp.path() / "data").string(), "--set",
-                                      "train.run_dir=" + run_dir.string()};
+  std::string table = fmt::format(
+      "{} cores; layout, threads per process, measured ms (median of steps {}+), predicted ms "
+      "from the calibration before / after the run, error\n",
+      cores(), kWarmupSteps + 1);
+  double worst = 0, drift = 0;
+  std::string before = calibrate(tmp.path(), 0);
+  int i = 0;
+  for (const Case c :
+       {Case{"1 process", 1, 1}, Case{"2 procs EP=2", 2, 2}, Case{"2 procs DP=2", 2, 1}}) {
+    ++i;
+    const int threads = std::max(1, cores() / c.procs);
+    const auto run_dir = tmp.path() / fmt::format("run_{}", i);
+    std::vector<std::string> train = {"train",
+                                      "-c",
+                                      config,
+                                      "--set",
+                                      "data.dir=" + (tmp.path() / "data").string(),
+                                      "--set",
+                                      "train.run_dir=" + run_dir.string(),
+                                      "--set",
+                                      fmt::format("train.threads={}", threads)};
     train.insert(train.end(), kSets.begin(), kSets.end());
     std::vector<std::string> args = train;
-    auto env = mpi_env();
-    if (c.procs == 1) {
-      env = {{"OMP_NUM_THREADS", "2"}};
-    } else {
+    Env env = {{"OMP_NUM_THREADS", std::to_string(threads)}};
+    if (c.procs > 1) {
+      env = mpi_env();
+      for (auto& [k, v] : env)
+        if (k == "OMP_NUM_THREADS") v = std::to_string(threads);
       args = {"launch", "-n", std::to_string(c.procs), "--"};
       args.insert(args.end(), train.begin(), train.end());
       args.insert(args.end(), {"--ep", std::to_string(c.ep)});
     }
     const ProcessResult r = run_moetrain(args, env, 120);
     ASSERT_EQ(r.code, 0) << r.output();
+    const std::string after = calibrate(tmp.path(), i);
     const double measured = median_step_time(run_dir);
     ASSERT_GT(measured, 0) << "no step_time_s in " << run_dir;
-    const double predicted = predicted_step_time(profile, config, c.procs, c.ep);
+    const double predicted = predicted_step_time(before, config, c.procs, c.ep, threads);
+    const double predicted_after = predicted_step_time(after, config, c.procs, c.ep, threads);
     const double err = (predicted - measured) / measured;
     worst = std::max(worst, std::fabs(err));
-    table += fmt::format("{:<13} {:>11.1f} {:>13.1f} {:>+6.0f}%\n", c.name, measured * 1e3,
-                         predicted * 1e3, err * 100);
+    drift = std::max(drift, std::fabs(predicted_after - predicted) / predicted);
+    table += fmt::format("{:<13} {:>2} {:>9.1f} {:>9.1f} / {:>9.1f} {:>+6.0f}%\n", c.name, threads,
+                         measured * 1e3, predicted * 1e3, predicted_after * 1e3, err * 100);
+    before = after;
   }
   std::cout << table;
-  const std::string after = (tmp.path() / "profile_after.toml").string();
-  const ProcessResult cal2 = run_moetrain({"plan", "--calibrate", "--out", after},
-                                          {{"OMP_NUM_THREADS", "2"}}, 60);
-  ASSERT_EQ(cal2.code, 0) << cal2.output();
-  double drift = 0;
-  for (const auto& [procs, ep] : {std::pair{1, 1}, std::pair{2, 2}}) {
-    const double a = predicted_step_time(profile, config, procs, ep);
-    const double b = predicted_step_time(after, config, procs, ep);
-    drift = std::max(drift, std::fabs(b - a) / a);
+  if (drift > 0.15) {
+    const std::string why = fmt::format(
+        "PLAN VALIDATION NOT JUDGED: this machine's speed moved {:.0f}% between the calibrations "
+        "bracketing one run (other jobs on its cores); a 15% check cannot be told from the "
+        "noise. Worst error this time {:.0f}%.\n{}",
+        drift * 100, worst * 100, table);
+    std::cerr << why;
+    GTEST_SKIP() << why;
   }
-  if (drift > 0.15)
-    GTEST_SKIP() << fmt::format(
-        "this machine's speed moved {:.0f}% between the calibrations before and after the "
-        "runs (shared, noisy): a 15% check cannot be judged\n{}",
-        drift * 100, table);
   EXPECT_LT(worst, 0.15) << table;
 }

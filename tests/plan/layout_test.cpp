@@ -1,0 +1,110 @@
+// The planner's layout models: pipeline stages and their bubble, and processes sharing this
+// machine's cores (oversubscription). Pure arithmetic on hand-made inputs.
+#include <gtest/gtest.h>
+
+#include "plan/cluster.h"
+#include "plan/cost_model.h"
+#include "support/temp_dir.h"
+
+using namespace moetrain;
+using namespace moetrain::plan;
+
+namespace {
+
+RunConfig run(int64_t grad_accum) {
+  RunConfig cfg;
+  cfg.model.vocab_size = 256;
+  cfg.model.dim = 512;
+  cfg.model.n_layers = 8;
+  cfg.model.n_heads = 8;
+  cfg.model.n_kv_heads = 4;
+  cfg.model.expert_hidden = 1024;
+  cfg.model.n_experts = 8;
+  cfg.model.top_k = 2;
+  cfg.model.max_seq_len = 512;
+  cfg.train.batch_size = 2;
+  cfg.train.seq_len = 512;
+  cfg.train.grad_accum = grad_accum;
+  cfg.train.precision = "bf16";
+  return cfg;
+}
+
+ClusterSpec h100s(int64_t nodes) {
+  ClusterSpec c;
+  c.device = builtin_device("h100");
+  c.devices_per_node = 8;
+  c.nodes = nodes;
+  c.intra_node_bandwidth = 450e9;
+  c.inter_node_bandwidth = 400e9;
+  c.intra_node_latency = 3e-6;
+  c.inter_node_latency = 10e-6;
+  return c;
+}
+
+// One micro-batch of a stage: what the bubble is counted in.
+double stage_microbatch(const Prediction& p, int64_t A) {
+  const StepParts& s = p.parts;
+  return (s.compute() - s.optimizer - s.lm_head + s.a2a_exposed + s.tensor_parallel) /
+         static_cast<double>(A);
+}
+
+}  // namespace
+
+TEST(PlanLayout, PipelineBubbleIsPMinusOneOverVMicroBatches) {
+  const ClusterSpec c = h100s(2);
+  const RunConfig cfg = run(8);
+  const LoadModel load = uniform_load(8);
+  const Prediction flat = predict(cfg, c, {.procs = 16, .ep = 8}, load);
+  const Prediction pp4 = predict(cfg, c, {.procs = 16, .ep = 4, .pp = 4}, load);
+  const Prediction vp2 = predict(cfg, c, {.procs = 16, .ep = 4, .pp = 4, .vp = 2}, load);
+  EXPECT_EQ(flat.parts.pipeline_bubble, 0);
+  EXPECT_NEAR(pp4.parts.pipeline_bubble / stage_microbatch(pp4, 8), 3.0, 1e-9);
+  EXPECT_NEAR(vp2.parts.pipeline_bubble / stage_microbatch(vp2, 8), 1.5, 1e-9);
+  // A stage holds a quarter of the layers: its dense parameters are a quarter (the embedding
+  // and LM head included, spread as the rest), its attention a quarter of the time.
+  EXPECT_NEAR(pp4.parts.attention * 4, flat.parts.attention, flat.parts.attention * 1e-9);
+  EXPECT_LT(pp4.memory.params, flat.memory.params / 2);
+  // Every stage replica runs the whole model: 16 / 4 = 4 replicas of 8 micro-batches.
+  EXPECT_NEAR(pp4.tokens_per_s * pp4.step_time_s, 4.0 * 8 * 2 * 512, 1e-6);
+}
+
+TEST(PlanLayout, TensorParallelShardsAttentionAndPaysItsAllReduces) {
+  const ClusterSpec c = h100s(1);
+  const RunConfig cfg = run(1);
+  const LoadModel load = uniform_load(8);
+  const Prediction tp1 = predict(cfg, c, {.procs = 8, .ep = 8}, load);
+  const Prediction tp2 = predict(cfg, c, {.procs = 8, .ep = 4, .tp = 2}, load);
+  EXPECT_EQ(tp1.parts.tensor_parallel, 0);
+  EXPECT_GT(tp2.parts.tensor_parallel, 0);
+  EXPECT_LT(tp2.parts.attention, tp1.parts.attention);
+  EXPECT_LT(tp2.memory.activations, tp1.memory.activations);
+}
+
+TEST(PlanLayout, OversubscribedProcessesGetTheirShareOfTheCores) {
+  moetrain::testing::TempDir tmp("plan_layout");
+  DeviceModel all;
+  all.peak_flops_f32 = 40e9;
+  all.memory_bytes = 8e9;
+  all.memory_bandwidth = 20e9;
+  all.threads = 2;
+  all.gemm_f32_dims = {32, 1024};
+  all.gemm_f32_flops = {10e9, 40e9};
+  DeviceModel one = all;
+  one.threads = 1;
+  one.peak_flops_f32 = 18e9;
+  one.memory_bandwidth = 9e9;
+  one.gemm_f32_flops = {4e9, 18e9};
+  const std::string profile = (tmp.path() / "profile.toml").string();
+  save_profile(all, one, 5e9, 3e-6, profile);
+  // One process, its two threads: the all-thread figures.
+  EXPECT_DOUBLE_EQ(local_cluster(profile, 1, 2).device.peak_flops_f32, 40e9);
+  // Two processes of one thread each: one-thread figures.
+  EXPECT_DOUBLE_EQ(local_cluster(profile, 2, 1).device.peak_flops_f32, 18e9);
+  // Two processes of two threads on two cores: no faster than one thread each.
+  EXPECT_DOUBLE_EQ(local_cluster(profile, 2, 2).device.peak_flops_f32, 18e9);
+  // Four one-thread processes on two cores: half a core each.
+  const ClusterSpec four = local_cluster(profile, 4, 1);
+  EXPECT_DOUBLE_EQ(four.device.peak_flops_f32, 9e9);
+  EXPECT_DOUBLE_EQ(four.device.gemm_f32_flops.back(), 9e9);
+  EXPECT_DOUBLE_EQ(four.device.memory_bandwidth, 4.5e9);
+}

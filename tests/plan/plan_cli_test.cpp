@@ -1,0 +1,75 @@
+// `moetrain plan` refusing bad input through the binary: a clear message naming the key, a
+// non-zero exit, and for a model that does not fit, the memory per device it needs.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "ft/ft_support.h"
+#include "support/temp_dir.h"
+
+using namespace moetrain::testing;
+
+namespace {
+
+std::string plan_file(const std::string& name) {
+  return std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/" + name;
+}
+
+ProcessResult plan(const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {"plan"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_moetrain(args, {{"OMP_NUM_THREADS", "1"}}, 60);
+}
+
+}  // namespace
+
+TEST(PlanCli, ClusterFileWithAMissingKeyIsNamed) {
+  TempDir tmp("plan_cli");
+  const std::string cluster = (tmp.path() / "cluster.toml").string();
+  std::ofstream(cluster) << "[cluster]\ndevice = \"h100\"\ndevices_per_node = 8\nnodes = 8\n"
+                            "intra_node_bandwidth = 450e9\ninter_node_bandwidth = 400e9\n"
+                            "intra_node_latency = 3e-6\n";
+  const ProcessResult r = plan({"-c", plan_file("mixtral_8x7b_megatron.toml"), "--cluster", cluster,
+                                "--procs", "64", "--pp", "4", "--vp", "8"});
+  EXPECT_NE(r.code, 0) << r.output();
+  EXPECT_NE(r.output().find("cluster.inter_node_latency is missing"), std::string::npos)
+      << r.output();
+  std::ofstream(cluster, std::ios::app) << "inter_node_latency = 0\n";
+  const ProcessResult z = plan({"-c", plan_file("mixtral_8x7b_megatron.toml"), "--cluster", cluster,
+                                "--procs", "64", "--pp", "4", "--vp", "8"});
+  EXPECT_NE(z.code, 0) << z.output();
+  EXPECT_NE(z.output().find("cluster.inter_node_latency = 0: must be positive"), std::string::npos)
+      << z.output();
+}
+
+TEST(PlanCli, LayoutThatDoesNotDivideIsRefused) {
+  const std::string cfg = plan_file("mixtral_8x7b_megatron.toml");
+  const std::string cluster = plan_file("dgx_h100_8nodes.toml");
+  const ProcessResult ep = plan({"-c", cfg, "--cluster", cluster, "--procs", "12", "--ep", "8"});
+  EXPECT_NE(ep.code, 0) << ep.output();
+  EXPECT_NE(ep.output().find("dist.ep = 8 must divide the processes (12)"), std::string::npos)
+      << ep.output();
+  const ProcessResult pp =
+      plan({"-c", cfg, "--cluster", cluster, "--procs", "48", "--pp", "3", "--ep", "8"});
+  EXPECT_NE(pp.code, 0) << pp.output();
+  EXPECT_NE(pp.output().find("model.n_layers = 32 must be divisible by --pp 3"), std::string::npos)
+      << pp.output();
+  const ProcessResult many = plan({"-c", cfg, "--cluster", cluster, "--procs", "128"});
+  EXPECT_NE(many.code, 0) << many.output();
+  EXPECT_NE(many.output().find("128 processes but the cluster has 64 devices"), std::string::npos)
+      << many.output();
+}
+
+// Mixtral 8×7B without pipeline stages: every process holds 32 layers' dense weights and one
+// expert per layer, in f32 with gradients and optimizer state: far over 80 GB.
+TEST(PlanCli, ModelThatDoesNotFitSaysTheMemoryPerDevice) {
+  const ProcessResult r = plan({"-c", plan_file("mixtral_8x7b_megatron.toml"), "--cluster",
+                                plan_file("dgx_h100_8nodes.toml"), "--procs", "64"});
+  EXPECT_NE(r.code, 0) << r.output();
+  const std::string out = r.output();
+  EXPECT_NE(out.find("the model does not fit: it needs "), std::string::npos) << out;
+  EXPECT_NE(out.find("GiB per device"), std::string::npos) << out;
+  EXPECT_NE(out.find("device.memory_bytes"), std::string::npos) << out;
+  // Nothing but the error: no table of a run that cannot happen.
+  EXPECT_EQ(out.find("step time ms"), std::string::npos) << out;
+}
