@@ -41,10 +41,10 @@ struct MoeStats {
   int64_t dropped = 0;                     // assignments dropped for capacity
   double fraction_dropped = 0.0;           // dropped / assignments (0 when there are none)
   int64_t capacity = 0;                    // per-expert capacity in force, 0 = dropless
-  int64_t needed = 0;        // largest load any expert got before dropping (over the stats comm
-                             // when capacity_factor < 0, else this process's)
-  float capacity_factor = 0; // the factor in effect
-  int64_t unrouted_tokens = 0;             // tokens that reached no expert
+  int64_t needed = 0;           // largest load any expert got before dropping (over the stats comm
+                                // when capacity_factor < 0, else this process's)
+  float capacity_factor = 0;    // the factor in effect
+  int64_t unrouted_tokens = 0;  // tokens that reached no expert
 };
 
 // What runs the MoE layers of a model besides this process's compute. Null members: local ones
@@ -81,6 +81,13 @@ class MoeLayer {
   // This process's experts [first_expert(), first_expert() + local_experts()).
   int64_t first_expert() const { return pipeline_.first_expert(); }
   int64_t local_experts() const { return pipeline_.local_experts(); }
+  // Hot-expert replication (moe/placement.h): the next forwards route each assignment to one of
+  // its expert's replica slots (moe/slot_routing.h) and this process computes its slots of p.
+  // Call again after p changes; null: one slot per expert. The replicas' weights must equal their
+  // logical experts' (parallel/replica_sync.h), and their gradients land at the logical experts'
+  // in g, on whichever process computed them.
+  void set_placement(const Placement* p);
+  const Placement* placement() const { return placement_; }
   // Rows this process's experts received in the last forward, over all chunks.
   int64_t received_rows() const { return pipeline_.received_rows(); }
 
@@ -103,6 +110,8 @@ class MoeLayer {
   ExpertPipeline pipeline_;
   std::vector<float> bias_;
   std::vector<int64_t> pending_load_;
+  const Placement* placement_ = nullptr;
+  Routing slot_routing_;  // routing_ over the placement's slots
 
   // State of the last forward.
   bool has_forward_ = false;
