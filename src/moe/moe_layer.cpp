@@ -87,9 +87,9 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
     aux_loss_ = 0.0f;
     std::fill(frac_.begin(), frac_.end(), 0.0f);
     if (has_aux_loss(cfg_.router)) {
-      aux_loss_ =
-          static_cast<float>(aux_loss_forward(frac_.data(), router_cache_.probs.data(),
-                                              routing_.selected.data(), N, E, S, K, &stats_comm_));
+      aux_loss_ = static_cast<float>(aux_loss_forward(frac_.data(), router_cache_.probs.data(),
+                                                      routing_.selected.data(), N, E, S, K,
+                                                      &stats_comm_));
     }
     z_loss_ = static_cast<float>(z_loss_forward(router_cache_.lse.data(), N, &stats_comm_));
     if (cfg_.router == RouterKind::SigmoidBias && step.training) {

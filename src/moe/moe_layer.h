@@ -41,10 +41,10 @@ struct MoeStats {
   int64_t dropped = 0;                     // assignments dropped for capacity
   double fraction_dropped = 0.0;           // dropped / assignments (0 when there are none)
   int64_t capacity = 0;                    // per-expert capacity in force, 0 = dropless
-  int64_t needed = 0;           // largest load any expert got before dropping (over the stats comm
-                                // when capacity_factor < 0, else this process's)
-  float capacity_factor = 0;    // the factor in effect
-  int64_t unrouted_tokens = 0;  // tokens that reached no expert
+  int64_t needed = 0;        // largest load any expert got before dropping (over the stats comm
+                             // when capacity_factor < 0, else this process's)
+  float capacity_factor = 0; // the factor in effect
+  int64_t unrouted_tokens = 0;             // tokens that reached no expert
 };
 
 // What runs the MoE layers of a model besides this process's compute. Null members: local ones
