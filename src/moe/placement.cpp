@@ -11,11 +11,12 @@
 namespace moetrain {
 
 void PlacementConfig::validate(int64_t E, int64_t P) const {
-  MOETRAIN_CHECK(P >= 1 && E % P == 0, "placement: {} experts over {} ranks", E, P);
-  MOETRAIN_CHECK(spare_slots >= 0 && spare_slots <= E / P,
+  // Experts that the ranks do not divide are refused where dist.ep is checked.
+  const int64_t El = P >= 1 ? E / P : E;
+  MOETRAIN_CHECK(spare_slots >= 0 && spare_slots <= El,
                  "placement.spare_slots = {}: must be in [0, {}] (experts per rank, {} experts "
                  "over {} ranks)",
-                 spare_slots, E / P, E, P);
+                 spare_slots, El, E, P);
   MOETRAIN_CHECK(every >= 1, "placement.every = {}: must be at least 1 (optimizer steps)", every);
   MOETRAIN_CHECK(std::isfinite(decay) && decay >= 0.0 && decay < 1.0,
                  "placement.decay = {}: must be in [0, 1)", decay);

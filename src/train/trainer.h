@@ -29,6 +29,7 @@ namespace moetrain {
 class TokenShard;
 class GradReducer;
 class ShardedOptimizer;
+class ExpertPlacement;
 
 struct TrainResult {
   int64_t first_step = 0;  // the step the run started from (> 0 when resumed)
@@ -130,6 +131,7 @@ class Trainer {
   std::unique_ptr<LossScaler> scaler_;
   // model.capacity = dynamic: one controller per MoE layer (empty for a fixed capacity).
   std::vector<CapacityController> capacity_;
+  std::unique_ptr<ExpertPlacement> placement_;  // placement.spare_slots > 0
   double last_scale_ = 1;
   bool last_skipped_ = false;
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
