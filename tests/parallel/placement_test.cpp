@@ -191,15 +191,36 @@ TEST(DistPlacement, TrainerWithReplicationFollowsTheStaticRun) {
   SharedDir dir(*world, "dist_placement");
   if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
+  // This rank's own experts: initial, after the static run, after the replicated run.
+  std::vector<float> init, wa, wb;
+  auto own = [](Trainer& t) {
+    std::vector<float> v;
+    for (const auto& [offset, size] : t.own_expert_ranges())
+      v.insert(v.end(), t.params().begin() + offset, t.params().begin() + offset + size);
+    return v;
+  };
   {
     Trainer t(trainer_config(dir / "data", dir / "static", P, 0), false, dist_world("static"));
+    init = own(t);
     t.run();
+    wa = own(t);
   }
   {
     Trainer t(trainer_config(dir / "data", dir / "replicated", P, 1), false,
               dist_world("replicated"));
     t.run();
+    wb = own(t);
   }
+  // The replicas' gradients reach the owners: the experts move as they do without replicas, up
+  // to the reduction-order bound relative to how far they moved.
+  const double tol_w = 4.0 * 4 * 2.0 * gamma_n(P * 2 * 16 * 2 + 32 + 24);
+  double moved = 0, gap = 0;
+  for (std::size_t i = 0; i < init.size(); ++i) {
+    moved = std::max(moved, std::abs(double(wa[i]) - double(init[i])));
+    gap = std::max(gap, std::abs(double(wb[i]) - double(wa[i])));
+  }
+  EXPECT_GT(moved, 0.0);
+  EXPECT_LE(gap, tol_w * moved) << "rank " << world->rank() << ": moved " << moved;
   if (world->rank() != 0) return;
   const std::vector<nlohmann::json> a = metric_lines(dir / "static"),
                                     b = metric_lines(dir / "replicated");
