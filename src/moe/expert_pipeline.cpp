@@ -2,6 +2,7 @@
 
 #include "core/check.h"
 #include "core/timer.h"
+#include "moe/slot_routing.h"
 
 namespace moetrain {
 
@@ -27,12 +28,26 @@ ExpertPipeline::ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange)
       own.P, cfg_.E);
   const int n = ex_.chunks();
   MOETRAIN_CHECK(n >= 1, "all-to-all chunks = {}: must be at least 1", n);
-  E_local_ = own.count(cfg_.E);
-  first_ = own.first(cfg_.E);
+  P_ = own.P, q_ = own.q;
   chunks_.resize(static_cast<std::size_t>(n));
-  for (Chunk& k : chunks_) k.acts.resize(static_cast<std::size_t>(own.P));
   landed_.assign(chunks_.size(), 0);
   returned_.assign(chunks_.size(), 0);
+  set_placement(nullptr);
+}
+
+void ExpertPipeline::set_placement(const Placement* p) {
+  MOETRAIN_CHECK(!p || (p->E == cfg_.E && p->P == P_),
+                 "expert placement over {} experts and {} ranks for a layer of {} experts on {}",
+                 p ? p->E : 0, p ? p->P : 0, cfg_.E, P_);
+  placement_ = p;
+  E_ex_ = p ? p->slots() : cfg_.E;
+  E_local_ = p ? p->slots_per_rank : cfg_.E / P_;
+  first_ = q_ * E_local_;
+  slot_expert_.clear();
+  if (p)
+    slot_expert_.assign(p->slot_expert.begin() + first_,
+                        p->slot_expert.begin() + first_ + E_local_);
+  for (Chunk& k : chunks_) k.acts.resize(static_cast<std::size_t>(p ? P_ * E_local_ : P_));
 }
 
 int64_t ExpertPipeline::received_rows() const {
@@ -44,9 +59,14 @@ int64_t ExpertPipeline::received_rows() const {
 void ExpertPipeline::routed_counts(int64_t* tokens_per_expert, int64_t* unrouted_tokens) const {
   for (int64_t e = 0; e < cfg_.E; ++e) tokens_per_expert[e] = 0;
   *unrouted_tokens = 0;
+  std::vector<int64_t> per_expert(static_cast<std::size_t>(cfg_.E));
   for (const Chunk& k : chunks_) {
     const int64_t S = k.routing.S;
-    for (int64_t e = 0; e < cfg_.E; ++e) tokens_per_expert[e] += k.layout.counts[e];
+    if (placement_ && static_cast<int64_t>(k.layout.counts.size()) == E_ex_)
+      slot_counts_to_experts(per_expert.data(), k.layout.counts.data(), *placement_);
+    else
+      per_expert.assign(k.layout.counts.begin(), k.layout.counts.end());
+    for (int64_t e = 0; e < cfg_.E; ++e) tokens_per_expert[e] += per_expert[e];
     for (int64_t t = 0; t < k.N; ++t) {
       bool routed = false;
       for (int64_t s = 0; s < S; ++s) routed |= k.layout.slot_row[t * S + s] >= 0;
@@ -65,8 +85,30 @@ void ExpertPipeline::add_times(MoeTimings& t) {
 void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t) {
   ScopedTimer timer(t.experts);
   const int64_t C = cfg_.C;
-  const ExpertRange range = expert_range(w, cfg_, first_, E_local_);
   const ExchangeLayout& plan = k.plan;
+  if (placement_) {
+    // Slot by slot: a slot's rows run through its logical expert's weights (and gradients).
+    float* out = g ? k.dxr.ensure(plan.R_recv * C) : k.yr.ensure(plan.R_recv * C);
+    for (int q = 0; q < plan.P; ++q) {
+      int64_t at = plan.recv_offset[q];
+      for (int64_t j = 0; j < E_local_; ++j) {
+        const int64_t* rows = plan.recv_counts.data() + q * E_local_ + j;
+        if (*rows == 0) continue;
+        const int64_t e = slot_expert_[j];
+        MOETRAIN_CHECK(e >= 0, "expert slot {} has rows but no expert", first_ + j);
+        const ExpertRange range = expert_range(w, cfg_, e, 1);
+        ExpertActs& acts = k.acts[q * E_local_ + j];
+        if (!g)
+          experts_forward(out + at * C, k.xr_rows + at * C, rows, range, C, cfg_.F, acts);
+        else
+          experts_backward(out + at * C, expert_range(*g, cfg_, e, 1), k.dyr_rows + at * C,
+                           k.xr_rows + at * C, rows, range, C, cfg_.F, acts);
+        at += *rows;
+      }
+    }
+    return;
+  }
+  const ExpertRange range = expert_range(w, cfg_, first_, E_local_);
   if (!g) {
     float* yr = k.yr.ensure(plan.R_recv * C);
     for (int q = 0; q < plan.P; ++q) {
@@ -86,7 +128,9 @@ void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g,
 }
 
 void ExpertPipeline::send(const float* inp, const Routing& routing, MoeTimings& t) {
-  const int64_t C = cfg_.C, E = cfg_.E, N = routing.N;
+  const int64_t C = cfg_.C, E = E_ex_, N = routing.N;
+  MOETRAIN_CHECK(routing.E == E, "expert pipeline: a routing over {} experts, the exchange has {}",
+                 routing.E, E);
   const int n = static_cast<int>(chunks_.size());
   ex_.take_times();  // what earlier work left behind is not this forward's
   {

@@ -17,6 +17,7 @@
 #include "moe/dispatch.h"
 #include "moe/exchange.h"
 #include "moe/experts.h"
+#include "moe/placement.h"
 #include "moe/router.h"
 
 namespace moetrain {
@@ -36,8 +37,14 @@ class ExpertPipeline {
   // Throws unless the exchange's group size divides cfg.E and it asks for at least one chunk.
   ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange);
 
+  // This process's experts (its slots under a placement).
   int64_t first_expert() const { return first_; }
   int64_t local_experts() const { return E_local_; }
+  // Hot-expert replication (moe/placement.h, moe/slot_routing.h): the exchange carries p's slots
+  // and this process computes its slots, each with its logical expert's weights; send() then
+  // takes a routing over the slots. p (same E, same group size) must outlive its use; null
+  // restores one slot per expert.
+  void set_placement(const Placement* p);
   int64_t received_rows() const;
   // Per expert (E): rows this process routed in the last forward; tokens with no row.
   void routed_counts(int64_t* tokens_per_expert, int64_t* unrouted_tokens) const;
@@ -71,7 +78,7 @@ class ExpertPipeline {
     const float* y_rows = nullptr;    // (R_send, C)
     const float* dyr_rows = nullptr;  // (R_recv, C)
     const float* dxp_rows = nullptr;  // (R_send, C)
-    std::vector<ExpertActs> acts;     // (P) one per source block
+    std::vector<ExpertActs> acts;     // (P) one per source block; (P, El) under a placement
   };
 
   void experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t);
@@ -80,6 +87,10 @@ class ExpertPipeline {
   MoeConfig cfg_;
   ExpertExchange& ex_;
   int64_t first_ = 0, E_local_ = 0;
+  int64_t E_ex_ = 0;  // experts the exchange sees: E, or the placement's slots
+  int P_ = 1, q_ = 0;
+  const Placement* placement_ = nullptr;
+  std::vector<int32_t> slot_expert_;  // (El) logical expert of each local slot, under a placement
   std::vector<Chunk> chunks_;
   std::vector<ExpertExchange::Ticket> landed_, returned_;  // (chunks)
 };

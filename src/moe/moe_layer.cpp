@@ -6,6 +6,7 @@
 #include "core/check.h"
 #include "core/timer.h"
 #include "moe/balance.h"
+#include "moe/slot_routing.h"
 
 namespace moetrain {
 
@@ -95,7 +96,11 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
       for (int64_t i = 0; i < N * S; ++i) ++pending_load_[routing_.selected[i]];
     }
   }
-  pipeline_.send(inp, routing_, timings_);
+  if (placement_) {
+    ScopedTimer timer(timings_.permute);
+    route_to_slots(slot_routing_, routing_, *placement_);
+  }
+  pipeline_.send(inp, placement_ ? slot_routing_ : routing_, timings_);
   if (cfg_.shared_F > 0) {
     ScopedTimer timer(timings_.shared);
     experts_forward(out, inp, &N_, shared_expert_range(w), C, cfg_.shared_F, shared_acts_);
@@ -166,6 +171,11 @@ void MoeLayer::set_capacity_factor(float cf) {
                  router_kind_name(cfg_.router));
   MOETRAIN_CHECK(std::isfinite(cf), "set_capacity_factor: capacity factor {} is not finite", cf);
   cf_ = cf;
+}
+
+void MoeLayer::set_placement(const Placement* p) {
+  pipeline_.set_placement(p);
+  placement_ = p;
 }
 
 void MoeLayer::apply_bias_update(const int64_t* global_load) {

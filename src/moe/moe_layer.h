@@ -81,6 +81,13 @@ class MoeLayer {
   // This process's experts [first_expert(), first_expert() + local_experts()).
   int64_t first_expert() const { return pipeline_.first_expert(); }
   int64_t local_experts() const { return pipeline_.local_experts(); }
+  // Hot-expert replication (moe/placement.h): the next forwards route each assignment to one of
+  // its expert's replica slots (moe/slot_routing.h) and this process computes its slots of p.
+  // Call again after p changes; null: one slot per expert. The replicas' weights must equal their
+  // logical experts' (parallel/replica_sync.h), and their gradients land at the logical experts'
+  // in g, on whichever process computed them.
+  void set_placement(const Placement* p);
+  const Placement* placement() const { return placement_; }
   // Rows this process's experts received in the last forward, over all chunks.
   int64_t received_rows() const { return pipeline_.received_rows(); }
 
@@ -103,6 +110,8 @@ class MoeLayer {
   ExpertPipeline pipeline_;
   std::vector<float> bias_;
   std::vector<int64_t> pending_load_;
+  const Placement* placement_ = nullptr;
+  Routing slot_routing_;  // routing_ over the placement's slots
 
   // State of the last forward.
   bool has_forward_ = false;

@@ -110,6 +110,10 @@ void check_ps_run_config(const RunConfig& cfg) {
                  "figures at each step, which parameter-server mode does not gather; use "
                  "model.capacity = fixed",
                  cfg.model.capacity);
+  MOETRAIN_CHECK(cfg.placement.spare_slots == 0,
+                 "placement.spare_slots = {}: hot-expert replication needs expert parallelism, "
+                 "which parameter-server mode does not run; set placement.spare_slots = 0",
+                 cfg.placement.spare_slots);
 }
 
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {

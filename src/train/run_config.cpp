@@ -102,6 +102,12 @@ ConfigSchema schema(RunConfig& c) {
   };
   fields.insert(fields.end(), std::begin(model), std::end(model));
   add_balance_fields(fields, m);
+  const Field placement[] = {
+      {"placement.spare_slots", &c.placement.spare_slots},
+      {"placement.every", &c.placement.every},
+      {"placement.decay", &c.placement.decay},
+  };
+  fields.insert(fields.end(), std::begin(placement), std::end(placement));
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
       {"train.seq_len", &t.seq_len},
@@ -191,6 +197,7 @@ void RunConfig::validate() const {
   if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
   optim.validate();
   dist.validate();
+  if (model.n_moe_layers() > 0) placement.validate(model.n_experts, dist.ep);
 }
 
 void DistSettings::validate() const {
@@ -255,6 +262,8 @@ std::string RunConfig::config_hash() const {
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");
+  // Replicas compute what their logical experts compute, and checkpoints hold logical experts.
+  j.erase("placement");
   // f32 runs hash as they did before mixed precision existed (their checkpoints still resume);
   // the loss-scale settings only matter in fp16.
   if (train.precision_dtype() != DType::F16) {

@@ -12,6 +12,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "model/config.h"
+#include "moe/placement.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -136,6 +137,7 @@ struct RunConfig {
   OptimSettings optim;
   TrainConfig train;
   DistSettings dist;
+  PlacementConfig placement;  // [placement]: hot-expert replication
 
   void validate() const;
   nlohmann::json to_json() const;

@@ -29,6 +29,7 @@
 #include "train/accumulate.h"
 #include "train/evaluate.h"
 #include "train/memory_estimate.h"
+#include "train/expert_placement.h"
 #include "train/parallel_setup.h"
 #include "train/precision.h"
 #include "train/progress.h"
@@ -97,7 +98,15 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       make_data_parallel(layout, shard, *pg_, reduce_settings(cfg_.dist, ep_.comm_thread.get()));
   reducer_ = std::move(dp.reducer);
   buckets_ = dp.buckets;
-  if (dp.grads_ready) model_->set_grads_ready_hook(std::move(dp.grads_ready));
+  if (cfg_.placement.enabled() && cfg_.model.n_moe_layers() > 0) {
+    const int64_t rpn = ep_.hierarchy ? ep_.hierarchy->intra->size() : cfg_.dist.ranks_per_node;
+    // A communicator of its own: the exchange may run on the communication thread.
+    placement_ = std::make_unique<ExpertPlacement>(cfg_.placement, *model_,
+                                                   pg_->a2a->dup("replicas"), rpn);
+    model_->set_grads_ready_hook(placement_->grads_ready(std::move(dp.grads_ready), grads_.data()));
+  } else if (dp.grads_ready) {
+    model_->set_grads_ready_hook(std::move(dp.grads_ready));
+  }
   for (const FlatRange& r : sync_ranges(layout, shard).expert)
     own_experts_.push_back({r.offset, r.size});
   optimizer_ = std::make_unique<ShardedOptimizer>(cfg_.optim.optimizer_config(), groups_,
@@ -233,6 +242,13 @@ double Trainer::train_step() {
                                   .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
                                   .ep = pg_->layout.ep},
                                  capacity_.empty() ? nullptr : &capacity_);
+  if (placement_) {
+    // The loads are the step's, over every process (finish_step reduced them).
+    pending_metrics_["rank_max_mean_load"] = placement_->rank_max_mean_load(acc.tokens_per_expert);
+    pending_metrics_["replicas_per_expert"] = placement_->replicas_per_expert();
+    placement_->after_step(step_, acc.tokens_per_expert, params_.data());
+    model_->weights_changed();
+  }
   last_parts_ = acc.loss;
   stop_ = acc.stop;
   return acc.loss.total;

@@ -30,6 +30,7 @@ namespace moetrain {
 class TokenShard;
 class GradReducer;
 class ShardedOptimizer;
+class ExpertPlacement;
 
 struct TrainResult {
   int64_t first_step = 0;  // the step the run started from (> 0 when resumed)
@@ -150,6 +151,7 @@ class Trainer {
   // model.capacity = dynamic: one controller per MoE layer (empty for a fixed capacity).
   std::vector<CapacityController> capacity_;
   bool auto_precision_ = false;  // train.precision was "auto" (a resume adopts the recorded one)
+  std::unique_ptr<ExpertPlacement> placement_;  // placement.spare_slots > 0
   double last_scale_ = 1;
   bool last_skipped_ = false;
   StopVotes stop_;  // the last step's, agreed by every process
