@@ -150,6 +150,26 @@ class Server {
     h.replay = [this](float* sum, double lr, float* values) {
       opt_->step(values, sum, static_cast<float>(lr));
     };
+    h.save_state = [this] {
+      RuleState st;
+      for (const StateBuffer& b : opt_->state())
+        st.buffers.emplace_back(b.values.begin(), b.values.end());
+      st.steps = opt_->step_count();
+      return st;
+    };
+    h.load_state = [this](const RuleState& st) {
+      std::vector<StateBuffer> state = opt_->state();
+      MOETRAIN_CHECK(state.size() == st.buffers.size(),
+                     "the primary's snapshot holds {} optimizer buffers, this optimizer has {}",
+                     st.buffers.size(), state.size());
+      for (std::size_t i = 0; i < state.size(); ++i) {
+        MOETRAIN_CHECK(st.buffers[i].size() == state[i].values.size(),
+                       "optimizer buffer '{}': {} values in the snapshot, {} here", state[i].name,
+                       st.buffers[i].size(), state[i].values.size());
+        std::copy(st.buffers[i].begin(), st.buffers[i].end(), state[i].values.begin());
+      }
+      opt_->set_step_count(st.steps);
+    };
     h.applied = [this](const UpdateApplied& a) { applied(a); };
     h.push_ranges = [this](const std::vector<Span>& ranges) { count_contributors(ranges); };
     kv_.start(index_, begin_, end_, init_state(), rules, std::move(h));
@@ -265,6 +285,8 @@ class Server {
                         {"dense_push_bytes", s.dense_push_bytes},
                         {"rollbacks", rollbacks_},
                         {"updates_replicated_in", s.replicated_in},
+                        {"snapshots_in", s.snapshots_in},
+                        {"snapshots_out", s.snapshots_out},
                         {"expert_contributors", contributors_}};
     write_file_atomic(fs::path(run_dir_) / "ps" / fmt::format("server_{}.json", index_),
                       j.dump(2) + "\n");
