@@ -24,7 +24,7 @@ Scheduler::Scheduler(const SchedulerArgs& a) : args_(a), router_(ctx_, zmq::sock
   endpoint_ = bind_router(ctx_, router_, args_.bind);
   fs::create_directories(fs::path(args_.config.train.run_dir) / "ps");
   if (!args_.endpoint_file.empty()) write_file_atomic(args_.endpoint_file, endpoint_ + "\n");
-  events_ = JobEvents(args_.config.train.run_dir);
+  events_ = JobEvents(args_.config.train.run_dir, !args_.standby);
   log_info("ps scheduler at {}: waiting for {} server(s) and {} worker(s)", endpoint_,
            args_.options.servers, args_.options.workers);
 }
@@ -73,6 +73,7 @@ int Scheduler::run() {
       maybe_rebalance();
       maybe_finish();
     }
+    if (taking_over_ && !maybe_take_over()) return 1;
     if (finishing_ && since(finish_started_) > 10 * hb_timeout + 60) {
       shutdown_all("the final checkpoint and summaries were not written in time");
       return 1;
@@ -140,6 +141,10 @@ void Scheduler::on_register(const Incoming& in) {
   const std::string role = j.value("role", "");
   MOETRAIN_CHECK(role == "server" || role == "worker",
                  "register: role '{}' (expected server or worker)", role);
+  if (j.value("rejoin", false)) {
+    on_rejoin(in, j);
+    return;
+  }
   Node n;
   n.id = next_id_++;
   n.role = role;

@@ -36,6 +36,8 @@ class Scheduler {
   void on_restored();
   void replan();
   void maybe_rebalance();
+  void on_rejoin(const Incoming& in, const nlohmann::json& j);
+  bool maybe_take_over();
   void on_rows_ready(const Node& n, const nlohmann::json& j);
   void broadcast_setup();
   void maybe_finish();
@@ -58,7 +60,12 @@ class Scheduler {
     std::map<int32_t, int64_t> next_clock;  // node id → the clock it would start next
   };
   std::optional<RowsQuery> rows_query_;
-  int64_t rows_from_ = -1;  // the current split applies from this clock (−1: at once)
+  int64_t rows_from_ = -1;
+  // A standby taking over from a dead scheduler: the nodes that registered again, their rows.
+  bool taking_over_ = false;
+  Clock::time_point takeover_started_ = Clock::now();
+  std::map<int64_t, int64_t> rejoin_rows_;  // worker index → rows  // the current split applies
+                                            // from this clock (−1: at once)
   bool started_ = false, finishing_ = false, finished_ = false, restoring_ = false;
   std::map<int64_t, Clock::time_point> down_;      // server index → when it was declared dead
   std::map<int64_t, std::vector<int64_t>> lists_;  // roll-back: checkpointed clocks per server

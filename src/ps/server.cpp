@@ -33,7 +33,12 @@ class Server {
  public:
   explicit Server(const ServerArgs& a) : args_(a), kv_(ctx_, a.bind) {
     link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "server",
-                                       nlohmann::json{{"endpoint", kv_.endpoint()}});
+                                       nlohmann::json{{"endpoint", kv_.endpoint()}}, args_.standby);
+    link_->set_rejoin_state([this] {
+      return nlohmann::json{
+          {"endpoint", kv_.endpoint()}, {"index", index_}, {"primary", primary_},
+          {"clock", kv_.version()},     {"epoch", epoch_}, {"generation", generation_}};
+    });
     index_ = link_->index();
     who_ = index_ >= 0 ? fmt::format("ps server {}", index_) : "ps server (spare)";
     kv_.set_name(who_);
@@ -89,6 +94,8 @@ class Server {
 
   void on_setup(const nlohmann::json& j) {
     const bool primary = j.value("replica", "primary") == "primary";
+    epoch_ = j.at("epoch").get<int64_t>();
+    generation_ = j.at("generation").get<int64_t>();
     if (!kv_.started()) start(j, primary);
     const bool was_primary = primary_;
     primary_ = primary;
@@ -316,6 +323,7 @@ class Server {
   double first_apply_ = 0;
   MetricsWriter metrics_;  // the lead primary's (server 0): the job's metrics.jsonl
   bool lead_ = false, primary_ = false, first_setup_done_ = false;
+  int64_t epoch_ = 0, generation_ = 0;  // of the latest setup, for a standby scheduler
   int64_t rollbacks_ = 0;
 };
 

@@ -62,7 +62,14 @@ class Worker {
     MOETRAIN_CHECK(std::isfinite(a.slowdown) && a.slowdown >= 1.0,
                    "--slowdown {}: must be a number ≥ 1", a.slowdown);
     link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "worker",
-                                       nlohmann::json{{"want_index", a.index}});
+                                       nlohmann::json{{"want_index", a.index}}, args_.standby);
+    link_->set_rejoin_state([this] {
+      return nlohmann::json{{"done", done_},
+                            {"epoch", assign_.epoch},
+                            {"generation", kv_ ? kv_->generation() : 0},
+                            {"row_begin", assign_.row_begin},
+                            {"rows", assign_.rows}};
+    });
     index_ = link_->index();
     who_ = fmt::format("ps worker {}", index_);
   }
@@ -103,6 +110,7 @@ class Worker {
  private:
   // From a pull of the current parameters to the end of the job, unless the servers roll back.
   Outcome train(int64_t& first) {
+    done_ = false;
     WaitResult r = kv_->wait(kv_->pull(-1, params_.data()));
     if (r.rolled_back) return Outcome::RolledBack;
     int64_t clock = r.clock;
@@ -127,6 +135,7 @@ class Worker {
       ++steps_;
     }
     write_stats(first, clock);
+    done_ = true;
     send(link_->socket(), json_frame(Kind::Done, link_->node_id(),
                                      {{"clock", clock}, {"generation", kv_->generation()}}));
     // Wait for the end of the job; the lead worker writes the final checkpoint.
@@ -353,7 +362,7 @@ class Worker {
   Assignment assign_;
   std::optional<Assignment> next_assign_;  // the split from clock switch_at_ on
   int64_t switch_at_ = 0, started_clock_ = -1;
-  bool rows_paused_ = false;
+  bool rows_paused_ = false, done_ = false;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<TokenShard> train_;
   std::unique_ptr<KvWorker> kv_;

@@ -11,11 +11,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "io/metrics.h"
 #include "ps/process.h"  // tests/ps/process.h
+#include "support/corpus.h"
 #include "support/temp_dir.h"
 #include "train/trainer.h"
 
@@ -137,6 +140,79 @@ TEST_F(PsServerFault, PromotedPrimaryGetsANewBackupAndSurvivesASecondFailure) {
   EXPECT_GE(applied_steps(c.run), kSteps - 2);
   EXPECT_LE(applied_steps(c.run), kSteps);
   expect_reference_params(c.run);
+}
+
+// The scheduler killed mid-run: every node finds it silent, registers with the standby (started
+// up front, its address given to every node) as the node it was, and the standby runs the job to
+// its end. The scheduler is not on the data path, so sync training is undisturbed: bitwise the
+// reference parameters.
+TEST_F(PsServerFault, StandbySchedulerTakesOverAKilledScheduler) {
+  const fs::path dir = tmp_->path();
+  const std::string name = "standby";
+  write_corpus(dir / "data", 60000);
+  const std::string keys = (dir / "standby_keys").string();
+  Process({"ps", "keygen", keys}, dir / "standby_keygen.log").wait(30);
+  std::vector<std::string> common = {"--keys",
+                                     keys,
+                                     "--workers",
+                                     "2",
+                                     "--servers",
+                                     "2",
+                                     "--heartbeat-interval",
+                                     "0.1",
+                                     "--heartbeat-timeout",
+                                     "1"};
+  for (const auto& s : as_set_args(tiny_ps_overrides(dir / "data", dir / name, kSteps, 2)))
+    common.push_back(s);
+  auto scheduler_args = [&](const std::string& which, bool standby) {
+    std::vector<std::string> a = {"ps",
+                                  "scheduler",
+                                  "--scheduler",
+                                  "tcp://127.0.0.1:*",
+                                  "--endpoint-file",
+                                  (dir / (which + ".endpoint")).string()};
+    if (standby) a.push_back("--standby");
+    a.insert(a.end(), common.begin(), common.end());
+    return a;
+  };
+  Process first(scheduler_args("first", false), dir / "standby_first.log");
+  Process second(scheduler_args("second", true), dir / "standby_second.log");
+  ASSERT_TRUE(wait_for_file(dir / "first.endpoint", 30));
+  ASSERT_TRUE(wait_for_file(dir / "second.endpoint", 30));
+  std::string ep1, ep2;
+  std::ifstream(dir / "first.endpoint") >> ep1;
+  std::ifstream(dir / "second.endpoint") >> ep2;
+  std::vector<std::unique_ptr<Process>> nodes;
+  for (int s = 0; s < 2; ++s)
+    nodes.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"ps", "server", "--scheduler", ep1, "--standby-scheduler", ep2,
+                                 "--keys", keys},
+        dir / ("standby_server" + std::to_string(s) + ".log")));
+  for (int w = 0; w < 2; ++w)
+    nodes.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"ps", "worker", "--scheduler", ep1, "--standby-scheduler", ep2,
+                                 "--keys", keys, "--index", std::to_string(w), "--slowdown",
+                                 w == 1 ? "30" : "1"},
+        dir / ("standby_worker" + std::to_string(w) + ".log")));
+  auto logs = [&] {
+    std::string out = "scheduler:\n" + first.output() + "standby:\n" + second.output();
+    for (auto& n : nodes) out += "node:\n" + n->output();
+    return out;
+  };
+  const fs::path run = dir / name;
+  ASSERT_TRUE(wait_until([&] { return applied_steps(run) >= 20; }, 60)) << logs();
+  first.kill(SIGKILL);
+  ASSERT_LT(applied_steps(run), kSteps) << "the job ended before the kill";
+  // Training goes on without a scheduler; the standby takes over while it still runs (worker 1
+  // at --slowdown 30 keeps the run long enough) and then ends it.
+  ASSERT_TRUE(wait_until(
+      [&] { return second.output().find("the standby takes over") != std::string::npos; }, 30))
+      << logs();
+  EXPECT_LT(applied_steps(run), kSteps) << "the takeover came after the last clock";
+  ASSERT_EQ(second.wait(150), 0) << logs();
+  for (auto& n : nodes) EXPECT_EQ(n->wait(30), 0) << logs();
+  EXPECT_EQ(applied_steps(run), kSteps) << "every clock applied exactly once";
+  expect_reference_params(run);
 }
 
 TEST_F(PsServerFault, RestartedServerRestoresItsCheckpointAndTheJobRollsBack) {
