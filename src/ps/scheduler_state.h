@@ -7,6 +7,7 @@
 #include <chrono>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -64,8 +65,9 @@ class Scheduler {
   // A standby taking over from a dead scheduler: the nodes that registered again, their rows.
   bool taking_over_ = false;
   Clock::time_point takeover_started_ = Clock::now();
-  std::map<int64_t, int64_t> rejoin_rows_;  // worker index → rows  // the current split applies
-                                            // from this clock (−1: at once)
+  std::map<int64_t, int64_t> rejoin_rows_;  // worker index → rows
+  std::set<uint32_t> rejoin_generations_;   // the servers' roll-back generations  // the current
+                                           // split applies from this clock (−1: at once)
   bool started_ = false, finishing_ = false, finished_ = false, restoring_ = false;
   std::map<int64_t, Clock::time_point> down_;      // server index → when it was declared dead
   std::map<int64_t, std::vector<int64_t>> lists_;  // roll-back: checkpointed clocks per server

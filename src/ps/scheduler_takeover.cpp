@@ -25,6 +25,7 @@ void Scheduler::on_rejoin(const Incoming& in, const nlohmann::json& j) {
   if (n.role == "server") {
     n.endpoint = j.at("endpoint").get<std::string>();
     n.primary = j.at("primary").get<bool>();
+    rejoin_generations_.insert(j.value("generation", uint32_t{0}));
   } else {
     n.done = j.value("done", false);
     rejoin_rows_[n.index] = j.at("rows").get<int64_t>();
@@ -61,6 +62,14 @@ bool Scheduler::maybe_take_over() {
           2 * args_.options.heartbeat_timeout));
       return false;
     }
+  // Servers of different generations: the scheduler died within a roll-back, which only it knew
+  // the state of (which servers restored); going on would mix clocks.
+  if (rejoin_generations_.size() > 1) {
+    shutdown_all(
+        "the scheduler died during a roll-back (the servers are at different generations); the "
+        "job stops");
+    return false;
+  }
   taking_over_ = false;
   started_ = true;
   last_worker_seen_ = Clock::now();
