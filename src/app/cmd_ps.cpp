@@ -1,5 +1,5 @@
-// `moetrain ps scheduler|server|worker|launch|keygen`: the parameter-server mode. Each role is its own
-// process; `launch` starts a whole job on this machine (loopback) and waits for it. Built only
+// `moetrain ps scheduler|server|worker|launch|keygen`: the parameter-server mode. Each role is its
+// own process; `launch` starts a whole job on this machine (loopback) and waits for it. Built only
 // with ZeroMQ (MOETRAIN_WITH_ZMQ).
 #ifdef MOETRAIN_WITH_ZMQ
 #include <fmt/format.h>
@@ -224,8 +224,9 @@ Run add_ps_command(CLI::App& app) {
 
   struct Args {
     ps::PsOptions opts;
-    std::string scheduler, endpoint_file, bind = "tcp://127.0.0.1:*", config, keys, keygen_dir;
-    bool insecure = false;
+    std::string scheduler, standby, endpoint_file, bind = "tcp://127.0.0.1:*", config, keys,
+                                                   keygen_dir;
+    bool insecure = false, standby_flag = false;
     std::vector<std::string> overrides, slowdowns, rest;
     double slowdown = 1.0, timeout = 0;
     int64_t index = -1;
@@ -242,6 +243,9 @@ Run add_ps_command(CLI::App& app) {
   sched->add_option("-c,--config", args->config,
                     "Training config (TOML), as for `moetrain train` (none: defaults and --set)");
   sched->add_option("--set", args->overrides, "Override a config key (repeatable)");
+  sched->add_flag("--standby", args->standby_flag,
+                  "Stand by for the job's scheduler: take over when its nodes (started with "
+                  "--standby-scheduler at this address) find it gone");
   add_job_options(sched, args->opts);
   add_security_options(sched, args->keys, args->insecure);
 
@@ -251,6 +255,9 @@ Run add_ps_command(CLI::App& app) {
   server->add_option("--bind", args->bind,
                      "Where workers reach this server (default: loopback, "
                      "free port)");
+  server->add_option("--standby-scheduler", args->standby,
+                     "tcp://HOST:PORT of the standby scheduler that takes over when the "
+                     "scheduler stops answering");
   add_security_options(server, args->keys, args->insecure);
 
   auto* worker = ps_cmd->add_subcommand("worker", "A worker (a full model replica)");
@@ -260,6 +267,9 @@ Run add_ps_command(CLI::App& app) {
                      "Emulate a straggler: each step takes this many times its compute time");
   worker->add_option("--index", args->index,
                      "Ask for this worker index (data rows, sum order); granted when free");
+  worker->add_option("--standby-scheduler", args->standby,
+                     "tcp://HOST:PORT of the standby scheduler that takes over when the "
+                     "scheduler stops answering");
   add_security_options(worker, args->keys, args->insecure);
 
   auto* launch = ps_cmd->add_subcommand(
@@ -279,7 +289,8 @@ Run add_ps_command(CLI::App& app) {
   launch->add_option("rest", args->rest, "-- train --config FILE [--set key=value ...]");
 
   auto* keygen = ps_cmd->add_subcommand(
-      "keygen", "Write a job key pair (CURVE, Z85 text, mode 0600): DIR/job.public, DIR/job.secret");
+      "keygen",
+      "Write a job key pair (CURVE, Z85 text, mode 0600): DIR/job.public, DIR/job.secret");
   keygen->add_option("dir", args->keygen_dir, "Directory for the key pair")->required();
 
   return [args, sched, server, worker, launch, keygen]() -> int {
@@ -289,7 +300,9 @@ Run add_ps_command(CLI::App& app) {
       return 0;
     }
     if (!launch->parsed())
-      choose_security(sched->parsed() ? "scheduler" : server->parsed() ? "server" : "worker",
+      choose_security(sched->parsed()    ? "scheduler"
+                      : server->parsed() ? "server"
+                                         : "worker",
                       args->keys, args->insecure);
     if (sched->parsed()) {
       ps::SchedulerArgs a;
@@ -297,13 +310,15 @@ Run add_ps_command(CLI::App& app) {
       a.options = args->opts;
       a.bind = args->scheduler;
       a.endpoint_file = args->endpoint_file;
+      a.standby = args->standby_flag;
       return ps::run_scheduler(a);
     }
     if (server->parsed()) {
       init_threads(1);
-      return ps::run_server({args->scheduler, args->bind});
+      return ps::run_server({args->scheduler, args->bind, args->standby});
     }
-    if (worker->parsed()) return ps::run_worker({args->scheduler, args->slowdown, args->index});
+    if (worker->parsed())
+      return ps::run_worker({args->scheduler, args->slowdown, args->index, args->standby});
     if (!launch->parsed()) return 2;
 
     // Validate everything before starting anything.
@@ -423,8 +438,7 @@ Run add_ps_command(CLI::App& app) {
                 "ps launch: restarting {} (restart {} of at most 3); it restores from its "
                 "checkpoint",
                 c.name, restarts[c.name]);
-            respawned.push_back(
-                {c.name, spawn(server_args, 1)});
+            respawned.push_back({c.name, spawn(server_args, 1)});
           }
         } else {
           any = true;

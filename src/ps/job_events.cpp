@@ -8,10 +8,12 @@ double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-JobEvents::JobEvents(const std::filesystem::path& run_dir) {
-  for (const char* role : {"worker_", "server_", "scheduler"})
-    MetricsWriter::remove_roles(run_dir, role);
-  file_ = MetricsWriter::role(run_dir, "scheduler", MetricsWriter::Open::Fresh);
+JobEvents::JobEvents(const std::filesystem::path& run_dir, bool fresh) {
+  if (fresh)
+    for (const char* role : {"worker_", "server_", "scheduler"})
+      MetricsWriter::remove_roles(run_dir, role);
+  file_ = MetricsWriter::role(run_dir, "scheduler",
+                              fresh ? MetricsWriter::Open::Fresh : MetricsWriter::Open::Append);
 }
 
 void JobEvents::node(const char* event, const Node& n, const std::string& cause) {

@@ -14,7 +14,9 @@ class JobEvents {
  public:
   JobEvents() = default;
   // A new job in run_dir: removes the worker, server and scheduler files an earlier job left.
-  explicit JobEvents(const std::filesystem::path& run_dir);
+  // `fresh`: a new job, whose scheduler clears the role files of an earlier one; a standby
+  // scheduler appends to the running job's.
+  explicit JobEvents(const std::filesystem::path& run_dir, bool fresh = true);
 
   // e.g. worker_lost, worker_joined, server_lost, backup_lost, failover.
   void node(const char* event, const Node& n, const std::string& cause);

@@ -38,9 +38,15 @@ bool KvServer::set_backup(const std::string& endpoint) {
   backup_.reset();
   backup_endpoint_ = endpoint;
   if (!endpoint.empty()) {
-    // Backups are attached when the job starts (or restores), both at the same state.
     backup_ = std::make_unique<zmq::socket_t>(make_dealer(ctx_, endpoint));
-    replicated_ = rules_.version();
+    // At the job's start the backup holds the same initial state; a backup attached later
+    // (after a promotion) does not, and no pull is answered until it confirmed the snapshot.
+    if (rules_.version() == 0) {
+      replicated_ = 0;
+    } else {
+      replicated_ = -1;
+      send_snapshot();
+    }
   }
   return true;
 }
@@ -88,6 +94,8 @@ void KvServer::on_data(Incoming& in) {
       serve_pulls();
     } else if (h.kind_enum() == Kind::Replicate) {
       on_replicate(in);
+    } else if (h.kind_enum() == Kind::Snapshot) {
+      on_snapshot(in);
     } else {
       MOETRAIN_FAIL("a {} message is not for a server", kind_name(h.kind_enum()));
     }
@@ -163,6 +171,84 @@ void KvServer::on_replicate(const Incoming& in) {
   handlers_.replay(sum_.data(), h.value, values_.data());
   rules_.replayed(h.aux1, h.ticket);
   ++stats_.replicated_in;
+  Header a;
+  a.kind = static_cast<uint16_t>(Kind::ReplicateAck);
+  a.sender = static_cast<int32_t>(index_);
+  a.clock = rules_.version();
+  send_to(router_, in.identity, encode(a, {}));
+}
+
+// This server's whole state to its (new) backup, ahead of the updates that follow.
+void KvServer::send_snapshot() {
+  const RuleState st = handlers_.save_state();
+  const std::map<int64_t, int64_t> clocks = rules_.worker_clocks();
+  const std::size_t n = values_.size();
+  Header h;
+  h.kind = static_cast<uint16_t>(Kind::Snapshot);
+  h.sender = static_cast<int32_t>(index_);
+  h.flags = static_cast<uint32_t>(Encoding::F32);
+  h.clock = rules_.version();
+  h.key_begin = begin_;
+  h.key_end = end_;
+  h.aux0 = st.steps;
+  h.aux1 = static_cast<int64_t>(st.buffers.size());
+  h.generation = generation_;
+  zmq::message_t m = new_frame(h, 4 * n * (1 + st.buffers.size()) + 16 * clocks.size());
+  char* p = static_cast<char*>(frame_payload(m));
+  std::memcpy(p, values_.data(), 4 * n);
+  p += 4 * n;
+  for (const auto& b : st.buffers) {
+    MOETRAIN_CHECK(b.size() == n, "a state buffer of {} values for keys [{}, {})", b.size(), begin_,
+                   end_);
+    std::memcpy(p, b.data(), 4 * n);
+    p += 4 * n;
+  }
+  for (auto [w, c] : clocks) {
+    const int64_t pair[2] = {w, c};
+    std::memcpy(p, pair, 16);
+    p += 16;
+  }
+  seal(m.data(), m.size());
+  send(*backup_, std::move(m));
+  ++stats_.snapshots_out;
+  log_info("{}: sent its state at clock {} to its new backup {}", who_, h.clock, backup_endpoint_);
+}
+
+// A new backup takes its primary's whole state; the primary's updates follow.
+void KvServer::on_snapshot(const Incoming& in) {
+  const Header& h = in.header;
+  const uint64_t n = static_cast<uint64_t>(end_ - begin_);
+  MOETRAIN_CHECK(h.key_begin == begin_ && h.key_end == end_ && h.encoding() == Encoding::F32,
+                 "snapshot for keys [{}, {}), this server holds [{}, {})", h.key_begin, h.key_end,
+                 begin_, end_);
+  MOETRAIN_CHECK(h.aux1 >= 0 && h.aux1 <= 16 && h.aux0 >= 0 && h.clock >= 0,
+                 "snapshot with {} state buffers, {} rule steps at clock {}", h.aux1, h.aux0,
+                 h.clock);
+  const uint64_t dense = 4 * n * (1 + static_cast<uint64_t>(h.aux1));
+  MOETRAIN_CHECK(h.bytes >= dense && (h.bytes - dense) % 16 == 0,
+                 "snapshot of {} bytes for {} values and {} state buffers", h.bytes, n, h.aux1);
+  const char* p = in.payload;
+  std::memcpy(values_.data(), p, 4 * n);
+  p += 4 * n;
+  RuleState st;
+  st.steps = h.aux0;
+  st.buffers.resize(static_cast<std::size_t>(h.aux1), std::vector<float>(n));
+  for (auto& b : st.buffers) {
+    std::memcpy(b.data(), p, 4 * n);
+    p += 4 * n;
+  }
+  std::map<int64_t, int64_t> clocks;
+  for (uint64_t k = 0; k < (h.bytes - dense) / 16; ++k) {
+    int64_t pair[2];
+    std::memcpy(pair, p, 16);
+    p += 16;
+    clocks[pair[0]] = pair[1];
+  }
+  handlers_.load_state(st);
+  for (int64_t id : rules_.restore(h.clock, std::move(clocks))) pushes_.erase(id);
+  generation_ = h.generation;
+  ++stats_.snapshots_in;
+  log_info("{}: took its primary's state at clock {}", who_, h.clock);
   Header a;
   a.kind = static_cast<uint16_t>(Kind::ReplicateAck);
   a.sender = static_cast<int32_t>(index_);

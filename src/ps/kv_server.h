@@ -8,7 +8,10 @@
 // Replication (`--server-replicas 2`): after each update the exact input of the update rule
 // (the summed gradient and the learning rate) goes to the backup, which replays it through its
 // own handler; a pull is answered only once the backup confirmed every update in the reply, so
-// nothing a worker has seen can be lost when the primary dies and the backup is promoted.
+// nothing a worker has seen can be lost when the primary dies and the backup is promoted. A
+// backup attached later (a promoted primary's new one) first receives a snapshot of the whole
+// state (values, the update rule's state, the worker clocks) on the same socket, so the updates
+// that follow apply to exactly the primary's state; pulls wait until it confirmed the snapshot.
 #pragma once
 #include <zmq.hpp>
 
@@ -44,12 +47,22 @@ struct UpdateApplied {
   int64_t worker = -1;  // async / ssp: the pushing worker
 };
 
+// The update rule's own state over the key range (optimizer buffers and step count), for a
+// snapshot to a new backup.
+struct RuleState {
+  std::vector<std::vector<float>> buffers;  // each (key range)
+  int64_t steps = 0;
+};
+
 struct KvServerHandlers {
   // The update rule: steps the values with input.sum; returns the learning rate it used. May
   // throw (a non-finite gradient): the update is not applied.
   std::function<double(const UpdateInput&, float* values)> update;
   // A backup replays its primary's update: the same rule's step with exactly this input.
   std::function<void(float* sum, double lr, float* values)> replay;
+  // The update rule's state, saved on a primary and loaded on a new backup.
+  std::function<RuleState()> save_state;
+  std::function<void(const RuleState&)> load_state;
   // After an update applied on a primary (checkpoints, metrics).
   std::function<void(const UpdateApplied&)> applied;
   // The ranges a push carried (relative to the key range), for counting expert contributors.
@@ -59,6 +72,7 @@ struct KvServerHandlers {
 struct KvServerStats {
   int64_t pushes = 0, late_dropped = 0, stale_dropped = 0, refused = 0;
   int64_t push_bytes = 0, dense_push_bytes = 0, replicated_in = 0;
+  int64_t snapshots_in = 0, snapshots_out = 0;
   std::map<int64_t, int64_t> blocked_pulls;  // worker → pulls that had to wait
 };
 
@@ -76,7 +90,7 @@ class KvServer {
   // The workers that count now; updates that become complete apply, pulls that may be answered
   // are.
   void set_active(const std::vector<int64_t>& workers);
-  // The backup's endpoint ("" for none). A new backup is at this server's version.
+  // The backup's endpoint ("" for none). A new backup is sent this server's state first.
   // Returns whether it changed.
   bool set_backup(const std::string& endpoint);
   bool has_backup() const { return backup_ != nullptr; }
@@ -113,6 +127,8 @@ class KvServer {
   void on_data(Incoming& in);
   void on_push(Incoming& in);
   void on_replicate(const Incoming& in);
+  void on_snapshot(const Incoming& in);
+  void send_snapshot();
   void apply_ready();
   void apply(const Update& u);
   void replicate(int64_t version, double lr, int64_t worker, int64_t worker_clock);

@@ -48,6 +48,12 @@ std::string_view kind_name(Kind kind) {
       return "restore";
     case Kind::Restored:
       return "restored";
+    case Kind::Snapshot:
+      return "snapshot";
+    case Kind::RowsQuery:
+      return "rows-query";
+    case Kind::RowsReady:
+      return "rows-ready";
   }
   return "unknown";
 }

@@ -32,8 +32,13 @@ enum class Kind : uint16_t {
   CheckpointList,   // server → scheduler: JSON {clocks: [...]}
   Restore,          // scheduler → server: JSON {clock, generation}: roll back to that checkpoint
   Restored,         // server → scheduler: JSON {clock}
+  Snapshot,         // primary server → a new backup: its whole state at version `clock`
+                    // (f32 values, then aux1 state buffers of the update rule, then the worker
+                    // clocks as int64 pairs); aux0 = the update rule's step count
+  RowsQuery,        // scheduler → worker: a new row split is coming; stop before the next clock
+  RowsReady,        // worker → scheduler: JSON {clock}: the next clock it would start
 };
-constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::Restored);
+constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::RowsReady);
 std::string_view kind_name(Kind kind);
 
 constexpr uint32_t kMagic = 0x5350544du;  // "MTPS" read as little-endian bytes

@@ -13,8 +13,12 @@ namespace moetrain::ps {
 using Clock = std::chrono::steady_clock;
 
 NodeLink::NodeLink(zmq::context_t& ctx, const std::string& scheduler, const std::string& role,
-                   nlohmann::json extra)
-    : scheduler_(scheduler), ctx_(ctx), socket_(make_dealer(ctx, scheduler)) {
+                   nlohmann::json extra, std::string standby)
+    : scheduler_(scheduler),
+      standby_(std::move(standby)),
+      role_(role),
+      ctx_(ctx),
+      socket_(make_dealer(ctx, scheduler)) {
   nlohmann::json body = extra.is_object() ? extra : nlohmann::json::object();
   body["role"] = role;
   body["pid"] = static_cast<int64_t>(::getpid());
@@ -52,7 +56,8 @@ NodeLink::~NodeLink() {
   if (thread_.joinable()) thread_.join();
 }
 
-void NodeLink::check() const {
+void NodeLink::check() {
+  if (lost_ && !standby_.empty() && !rejoined_) rejoin();
   MOETRAIN_CHECK(!dead_,
                  "the scheduler declared this node dead (missed heartbeats); restart it "
                  "to rejoin the job");
@@ -61,6 +66,39 @@ void NodeLink::check() const {
                  "job's membership (it holds only metadata; parameters and checkpoints are on "
                  "the servers and in the run directory); the job ends",
                  scheduler_, timeout_);
+}
+
+// The scheduler went silent: register with the standby as the node this is (id, index, role's
+// state); the standby rebuilds the job's membership and assignment from these.
+void NodeLink::rejoin() {
+  rejoined_ = true;
+  log_warn("ps {} (node {}): the scheduler at {} is silent; moving to the standby at {}", role_,
+           node_id_, scheduler_, standby_);
+  socket_ = make_dealer(ctx_, standby_);
+  nlohmann::json body = rejoin_state_ ? rejoin_state_() : nlohmann::json::object();
+  body["role"] = role_;
+  body["pid"] = static_cast<int64_t>(::getpid());
+  body["rejoin"] = true;
+  body["node_id"] = node_id_;
+  body["index"] = index_;
+  send(socket_, json_frame(Kind::Register, node_id_, body));
+  const auto start = Clock::now();
+  for (;;) {
+    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+    poll_sockets(&item, 1, 100);
+    if (auto in = try_receive(socket_, false, rejects_, "ps " + role_)) {
+      if (in->header.kind_enum() == Kind::Shutdown)
+        MOETRAIN_FAIL("the standby scheduler at {} refused this {}: {}", standby_, role_,
+                      in->json().value("reason", ""));
+      if (in->header.kind_enum() != Kind::HeartbeatAck) continue;
+      scheduler_ = standby_;
+      lost_ = false;
+      return;
+    }
+    MOETRAIN_CHECK(std::chrono::duration<double>(Clock::now() - start).count() < 30,
+                   "the scheduler is gone and the standby at {} did not answer within 30 s",
+                   standby_);
+  }
 }
 
 void NodeLink::heartbeat_loop(std::string scheduler, double interval) {
@@ -84,7 +122,15 @@ void NodeLink::heartbeat_loop(std::string scheduler, double interval) {
       if (in->header.kind_enum() == Kind::HeartbeatAck) last_ack = Clock::now();
       if (in->header.kind_enum() == Kind::Shutdown) dead_ = true;
     }
-    if (std::chrono::duration<double>(Clock::now() - last_ack).count() > timeout_) lost_ = true;
+    if (std::chrono::duration<double>(Clock::now() - last_ack).count() > timeout_) {
+      lost_ = true;
+      if (!standby_.empty() && !moved_) {
+        // Heartbeats go to the standby from now on; it answers once this node registered there.
+        moved_ = true;
+        s = make_dealer(ctx_, standby_);
+        last_ack = Clock::now();
+      }
+    }
   }
 }
 

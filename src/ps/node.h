@@ -4,6 +4,7 @@
 #include <zmq.hpp>
 
 #include <atomic>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -15,9 +16,11 @@ namespace moetrain::ps {
 
 class NodeLink {
  public:
-  // Registers (role "server" or "worker", plus `extra` fields) and starts heartbeating.
+  // Registers (role "server" or "worker", plus `extra` fields) and starts heartbeating. With a
+  // `standby` scheduler, a scheduler that stops answering is replaced by it: the node registers
+  // there again with what `rejoin_state` says (its id, index and role's state) and goes on.
   NodeLink(zmq::context_t& ctx, const std::string& scheduler, const std::string& role,
-           nlohmann::json extra = {});
+           nlohmann::json extra = {}, std::string standby = "");
   ~NodeLink();
   NodeLink(const NodeLink&) = delete;
   NodeLink& operator=(const NodeLink&) = delete;
@@ -31,9 +34,12 @@ class NodeLink {
 
   // Worker throughput (rows/s) for the capability assignment, sent with every heartbeat.
   void set_throughput(double rows_per_s) { throughput_.store(rows_per_s); }
-  // Throws (a clear message) once the scheduler is unreachable for the heartbeat timeout, or
-  // declared this node dead.
-  void check() const;
+  // What this node tells a standby scheduler that takes over (merged into its Register).
+  void set_rejoin_state(std::function<nlohmann::json()> f) { rejoin_state_ = std::move(f); }
+  // Throws (a clear message) once the scheduler is unreachable for the heartbeat timeout (and
+  // there is no standby, or the standby does not answer either), or declared this node dead.
+  // Moves to the standby when the scheduler went silent.
+  void check();
 
   // Waits for the next control message (Setup, Finish, Shutdown), calling check() meanwhile.
   // A Shutdown throws unless it says ok; then `ok_shutdown` is set and nullopt returned.
@@ -41,8 +47,11 @@ class NodeLink {
 
  private:
   void heartbeat_loop(std::string scheduler, double interval);
+  void rejoin();
 
-  std::string scheduler_;
+  std::string scheduler_, standby_, role_;
+  std::function<nlohmann::json()> rejoin_state_;
+  bool rejoined_ = false;
   zmq::context_t& ctx_;
   zmq::socket_t socket_;
   RejectStats rejects_;
@@ -50,7 +59,7 @@ class NodeLink {
   int64_t index_ = -1;
   double timeout_ = 5;
   std::atomic<double> throughput_{0};
-  std::atomic<bool> stop_{false}, lost_{false}, dead_{false};
+  std::atomic<bool> stop_{false}, lost_{false}, dead_{false}, moved_{false};
   std::thread thread_;
 };
 

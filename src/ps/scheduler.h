@@ -20,6 +20,9 @@ struct SchedulerArgs {
   PsOptions options;
   std::string bind = "tcp://127.0.0.1:*";  // ROUTER endpoint; * picks a free port
   std::string endpoint_file;               // when set, the bound endpoint is written there
+  // A standby: it waits for the nodes of a running job to register again when its scheduler
+  // dies (they know its address from --standby-scheduler), then runs the job on.
+  bool standby = false;
 };
 
 // Runs the job to its end; returns 0 when every worker finished and the final checkpoint was

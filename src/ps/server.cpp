@@ -33,7 +33,12 @@ class Server {
  public:
   explicit Server(const ServerArgs& a) : args_(a), kv_(ctx_, a.bind) {
     link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "server",
-                                       nlohmann::json{{"endpoint", kv_.endpoint()}});
+                                       nlohmann::json{{"endpoint", kv_.endpoint()}}, args_.standby);
+    link_->set_rejoin_state([this] {
+      return nlohmann::json{
+          {"endpoint", kv_.endpoint()}, {"index", index_}, {"primary", primary_},
+          {"clock", kv_.version()},     {"epoch", epoch_}, {"generation", generation_}};
+    });
     index_ = link_->index();
     who_ = index_ >= 0 ? fmt::format("ps server {}", index_) : "ps server (spare)";
     kv_.set_name(who_);
@@ -89,6 +94,8 @@ class Server {
 
   void on_setup(const nlohmann::json& j) {
     const bool primary = j.value("replica", "primary") == "primary";
+    epoch_ = j.at("epoch").get<int64_t>();
+    generation_ = j.at("generation").get<int64_t>();
     if (!kv_.started()) start(j, primary);
     const bool was_primary = primary_;
     primary_ = primary;
@@ -149,6 +156,26 @@ class Server {
     h.update = [this](const UpdateInput& in, float* values) { return update(in, values); };
     h.replay = [this](float* sum, double lr, float* values) {
       opt_->step(values, sum, static_cast<float>(lr));
+    };
+    h.save_state = [this] {
+      RuleState st;
+      for (const StateBuffer& b : opt_->state())
+        st.buffers.emplace_back(b.values.begin(), b.values.end());
+      st.steps = opt_->step_count();
+      return st;
+    };
+    h.load_state = [this](const RuleState& st) {
+      std::vector<StateBuffer> state = opt_->state();
+      MOETRAIN_CHECK(state.size() == st.buffers.size(),
+                     "the primary's snapshot holds {} optimizer buffers, this optimizer has {}",
+                     st.buffers.size(), state.size());
+      for (std::size_t i = 0; i < state.size(); ++i) {
+        MOETRAIN_CHECK(st.buffers[i].size() == state[i].values.size(),
+                       "optimizer buffer '{}': {} values in the snapshot, {} here", state[i].name,
+                       st.buffers[i].size(), state[i].values.size());
+        std::copy(st.buffers[i].begin(), st.buffers[i].end(), state[i].values.begin());
+      }
+      opt_->set_step_count(st.steps);
     };
     h.applied = [this](const UpdateApplied& a) { applied(a); };
     h.push_ranges = [this](const std::vector<Span>& ranges) { count_contributors(ranges); };
@@ -265,6 +292,8 @@ class Server {
                         {"dense_push_bytes", s.dense_push_bytes},
                         {"rollbacks", rollbacks_},
                         {"updates_replicated_in", s.replicated_in},
+                        {"snapshots_in", s.snapshots_in},
+                        {"snapshots_out", s.snapshots_out},
                         {"expert_contributors", contributors_}};
     write_file_atomic(fs::path(run_dir_) / "ps" / fmt::format("server_{}.json", index_),
                       j.dump(2) + "\n");
@@ -294,6 +323,7 @@ class Server {
   double first_apply_ = 0;
   MetricsWriter metrics_;  // the lead primary's (server 0): the job's metrics.jsonl
   bool lead_ = false, primary_ = false, first_setup_done_ = false;
+  int64_t epoch_ = 0, generation_ = 0;  // of the latest setup, for a standby scheduler
   int64_t rollbacks_ = 0;
 };
 

@@ -18,6 +18,7 @@ namespace moetrain::ps {
 struct ServerArgs {
   std::string scheduler;                   // tcp://HOST:PORT
   std::string bind = "tcp://127.0.0.1:*";  // where workers reach this server
+  std::string standby;                     // the standby scheduler's tcp://HOST:PORT, if any
 };
 
 int run_server(const ServerArgs& args);

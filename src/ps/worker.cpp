@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "core/check.h"
@@ -61,7 +62,14 @@ class Worker {
     MOETRAIN_CHECK(std::isfinite(a.slowdown) && a.slowdown >= 1.0,
                    "--slowdown {}: must be a number ≥ 1", a.slowdown);
     link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "worker",
-                                       nlohmann::json{{"want_index", a.index}});
+                                       nlohmann::json{{"want_index", a.index}}, args_.standby);
+    link_->set_rejoin_state([this] {
+      return nlohmann::json{{"done", done_},
+                            {"epoch", assign_.epoch},
+                            {"generation", kv_ ? kv_->generation() : 0},
+                            {"row_begin", assign_.row_begin},
+                            {"rows", assign_.rows}};
+    });
     index_ = link_->index();
     who_ = fmt::format("ps worker {}", index_);
   }
@@ -102,6 +110,7 @@ class Worker {
  private:
   // From a pull of the current parameters to the end of the job, unless the servers roll back.
   Outcome train(int64_t& first) {
+    done_ = false;
     WaitResult r = kv_->wait(kv_->pull(-1, params_.data()));
     if (r.rolled_back) return Outcome::RolledBack;
     int64_t clock = r.clock;
@@ -109,7 +118,9 @@ class Worker {
     log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
              assign_.rows, assign_.global_rows);
     while (clock < cfg_.train.steps) {
+      if (!wait_for_rows()) return Outcome::RolledBack;
       Timer step_timer;
+      started_clock_ = clock;
       const PushMeta meta = compute(clock);
       const int64_t tp = kv_->push(clock, grads_.data(), skip_, opts_.compression(), meta,
                                    residual_.empty() ? nullptr : residual_.data());
@@ -124,6 +135,7 @@ class Worker {
       ++steps_;
     }
     write_stats(first, clock);
+    done_ = true;
     send(link_->socket(), json_frame(Kind::Done, link_->node_id(),
                                      {{"clock", clock}, {"generation", kv_->generation()}}));
     // Wait for the end of the job; the lead worker writes the final checkpoint.
@@ -149,12 +161,38 @@ class Worker {
     while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) on_control(*in);
   }
 
+  // A new row split applies from one clock on for every worker: asked (RowsQuery), a worker
+  // finishes the clock it is in and waits; the scheduler takes the largest clock any worker would
+  // start next and sends the split with that clock (rows_from_clock), so no clock is computed
+  // with the old split by one worker and the new one by another. Returns false on a roll-back.
+  bool wait_for_rows() {
+    while (rows_paused_) {
+      bool ok = false;
+      auto in = link_->next_control(100, &ok);
+      MOETRAIN_CHECK(!ok, "the job ended while this worker waited for its rows");
+      if (in && on_control(*in)) return false;
+    }
+    return true;
+  }
+
   // Returns true when the message rolled the job back to a server checkpoint.
   bool on_control(const Incoming& in) {
     const Kind k = in.header.kind_enum();
-    if (k == Kind::Setup) {
+    if (k == Kind::RowsQuery) {
+      rows_paused_ = true;
+      send(link_->socket(),
+           json_frame(Kind::RowsReady, link_->node_id(), {{"clock", started_clock_ + 1}}));
+    } else if (k == Kind::Setup) {
       const nlohmann::json j = in.json();
-      assign_ = assignment_of(j, index_);
+      rows_paused_ = false;
+      const int64_t from = j.value("rows_from_clock", int64_t{-1});
+      if (from >= 0) {
+        next_assign_ = assignment_of(j, index_);
+        switch_at_ = from;
+      } else {
+        assign_ = assignment_of(j, index_);
+        next_assign_.reset();
+      }
       const auto generation = j.at("generation").get<uint32_t>();
       if (generation != kv_->generation()) {
         kv_->reset(servers_of(j), generation);
@@ -173,6 +211,10 @@ class Worker {
   // batch, into grads_; records which experts got no tokens (skip_).
   PushMeta compute(int64_t clock) {
     Timer timer;
+    if (next_assign_ && clock >= switch_at_) {
+      assign_ = *next_assign_;
+      next_assign_.reset();
+    }
     const Assignment a = assign_;
     const int64_t T = cfg_.train.seq_len, A = cfg_.train.grad_accum, R = a.rows;
     const int64_t E = cfg_.model.n_experts;
@@ -224,7 +266,12 @@ class Worker {
     compute_s_ += t;
     if (args_.slowdown > 1.0)
       std::this_thread::sleep_for(std::chrono::duration<double>((args_.slowdown - 1.0) * t));
-    link_->set_throughput(static_cast<double>(R) / (t * args_.slowdown));
+    // Rows over seconds of the recent steps (each older step weighs 0.9 of the next): one step of
+    // a small model is a few milliseconds, so a single step's rate is mostly noise, and the
+    // capability split would follow the noise.
+    rate_rows_ = 0.9 * rate_rows_ + static_cast<double>(R);
+    rate_seconds_ = 0.9 * rate_seconds_ + t * args_.slowdown;
+    link_->set_throughput(rate_rows_ / rate_seconds_);
     rows_done_ += R;
     return {R, a.global_rows, acc.loss.total};
   }
@@ -313,6 +360,9 @@ class Worker {
   RunConfig cfg_;
   PsOptions opts_;
   Assignment assign_;
+  std::optional<Assignment> next_assign_;  // the split from clock switch_at_ on
+  int64_t switch_at_ = 0, started_clock_ = -1;
+  bool rows_paused_ = false, done_ = false;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<TokenShard> train_;
   std::unique_ptr<KvWorker> kv_;
@@ -322,6 +372,7 @@ class Worker {
   std::vector<Span> skip_;
   int64_t steps_ = 0, rows_done_ = 0, rollback_to_ = -1;
   double compute_s_ = 0;
+  double rate_rows_ = 0, rate_seconds_ = 0;  // the reported throughput's running sums
 };
 
 }  // namespace

@@ -2,6 +2,8 @@
 // every applied update: the backup is promoted, workers re-route, and the final parameters are
 // bitwise those of the undisturbed sync run (the backup applies the primary's exact optimizer
 // input with the same code, and a pull is answered only with updates the backup confirmed).
+// A promoted primary gets a new backup (the restarted server), which streams from it, so a second
+// failure of the same shard is survived the same way.
 // A server without a replica killed and started again by hand: every server rolls back to the
 // newest checkpoint they all hold, workers go back to its clock and re-pull, and the final
 // parameters are again bitwise those of the undisturbed run (sync replays the same clocks on the
@@ -9,11 +11,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "io/metrics.h"
 #include "ps/process.h"  // tests/ps/process.h
+#include "support/corpus.h"
 #include "support/temp_dir.h"
 #include "train/trainer.h"
 
@@ -34,8 +39,8 @@ class PsServerFault : public ::testing::Test {
     // A failure here must fail every test: gtest would report a failed suite set-up as skipped
     // tests, which ctest counts as passing.
     if (const int code = ref.scheduler->wait(150); code != 0) {
-      reference_error_ = "the reference job's scheduler exited " + std::to_string(code) + ":\n" +
-                         ref.logs();
+      reference_error_ =
+          "the reference job's scheduler exited " + std::to_string(code) + ":\n" + ref.logs();
       return;
     }
     reference_ = new std::vector<float>(load_model(ref.run).params);
@@ -87,6 +92,127 @@ TEST_F(PsServerFault, KilledPrimaryIsReplacedByItsBackupWithNoUpdateLost) {
   EXPECT_EQ(s0["updates"].get<int64_t>(), kSteps);
   EXPECT_EQ(applied_steps(c.run), kSteps) << "every clock applied exactly once";
   expect_reference_params(c.run);
+}
+
+// After the promotion the restarted server becomes the promoted primary's new backup: it takes the
+// primary's whole state (values, optimizer state, clock), then its replicated updates, so when the
+// promoted one is killed too, it is promoted in turn and still no update is lost.
+TEST_F(PsServerFault, PromotedPrimaryGetsANewBackupAndSurvivesASecondFailure) {
+  Cluster c(tmp_->path(), "second", 2, kSteps, 4, {"--servers", "2", "--server-replicas", "2"},
+            "2");
+  ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 20; }, 60)) << c.logs();
+  Process* first = c.find("server", 0, true);
+  ASSERT_NE(first, nullptr) << c.logs();
+  first->kill(SIGKILL);
+  ASSERT_TRUE(wait_until(
+      [&] { return c.scheduler->output().find("is promoted") != std::string::npos; }, 30))
+      << c.logs();
+  const int64_t at_first = applied_steps(c.run);
+  ASSERT_LT(at_first, kSteps) << "the job ended before the first kill";
+  c.add_server();  // the restarted old primary
+  ASSERT_TRUE(wait_until(
+      [&] {
+        return c.servers.back()->output().find("took its primary's state") != std::string::npos;
+      },
+      30))
+      << c.logs();
+  // Updates now stream to the new backup; then the promoted primary dies as well.
+  const int64_t at_snapshot = applied_steps(c.run);
+  ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= at_snapshot + 10; }, 60)) << c.logs();
+  Process* second = c.find("server", 0, true);
+  ASSERT_NE(second, nullptr) << c.logs();
+  ASSERT_NE(second, first);
+  second->kill(SIGKILL);
+  ASSERT_LT(applied_steps(c.run), kSteps) << "the job ended before the second kill";
+  ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+  for (auto& w : c.workers) EXPECT_EQ(w->wait(30), 0) << c.logs();
+
+  auto sched = read_json(c.run / "ps" / "scheduler.json");
+  EXPECT_EQ(sched["failovers"].get<int64_t>(), 2);
+  EXPECT_EQ(sched["backups_attached"].get<int64_t>(), 1);
+  EXPECT_EQ(sched["rollbacks"].get<int64_t>(), 0);
+  auto s0 = read_json(c.run / "ps" / "server_0.json");
+  EXPECT_EQ(s0["snapshots_in"].get<int64_t>(), 1) << s0.dump();
+  EXPECT_GE(s0["updates_replicated_in"].get<int64_t>(), 5) << s0.dump();
+  EXPECT_EQ(s0["updates"].get<int64_t>(), kSteps);
+  // Each killed primary may die between applying an update (and streaming it to its backup) and
+  // appending that update's line to metrics.jsonl: at most one line per kill is missing.
+  EXPECT_GE(applied_steps(c.run), kSteps - 2);
+  EXPECT_LE(applied_steps(c.run), kSteps);
+  expect_reference_params(c.run);
+}
+
+// The scheduler killed mid-run: every node finds it silent, registers with the standby (started
+// up front, its address given to every node) as the node it was, and the standby runs the job to
+// its end. The scheduler is not on the data path, so sync training is undisturbed: bitwise the
+// reference parameters.
+TEST_F(PsServerFault, StandbySchedulerTakesOverAKilledScheduler) {
+  const fs::path dir = tmp_->path();
+  const std::string name = "standby";
+  write_corpus(dir / "data", 60000);
+  const std::string keys = (dir / "standby_keys").string();
+  Process({"ps", "keygen", keys}, dir / "standby_keygen.log").wait(30);
+  std::vector<std::string> common = {"--keys",
+                                     keys,
+                                     "--workers",
+                                     "2",
+                                     "--servers",
+                                     "2",
+                                     "--heartbeat-interval",
+                                     "0.1",
+                                     "--heartbeat-timeout",
+                                     "1"};
+  for (const auto& s : as_set_args(tiny_ps_overrides(dir / "data", dir / name, kSteps, 2)))
+    common.push_back(s);
+  auto scheduler_args = [&](const std::string& which, bool standby) {
+    std::vector<std::string> a = {"ps",
+                                  "scheduler",
+                                  "--scheduler",
+                                  "tcp://127.0.0.1:*",
+                                  "--endpoint-file",
+                                  (dir / (which + ".endpoint")).string()};
+    if (standby) a.push_back("--standby");
+    a.insert(a.end(), common.begin(), common.end());
+    return a;
+  };
+  Process first(scheduler_args("first", false), dir / "standby_first.log");
+  Process second(scheduler_args("second", true), dir / "standby_second.log");
+  ASSERT_TRUE(wait_for_file(dir / "first.endpoint", 30));
+  ASSERT_TRUE(wait_for_file(dir / "second.endpoint", 30));
+  std::string ep1, ep2;
+  std::ifstream(dir / "first.endpoint") >> ep1;
+  std::ifstream(dir / "second.endpoint") >> ep2;
+  std::vector<std::unique_ptr<Process>> nodes;
+  for (int s = 0; s < 2; ++s)
+    nodes.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"ps", "server", "--scheduler", ep1, "--standby-scheduler", ep2,
+                                 "--keys", keys},
+        dir / ("standby_server" + std::to_string(s) + ".log")));
+  for (int w = 0; w < 2; ++w)
+    nodes.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"ps", "worker", "--scheduler", ep1, "--standby-scheduler", ep2,
+                                 "--keys", keys, "--index", std::to_string(w), "--slowdown",
+                                 w == 1 ? "30" : "1"},
+        dir / ("standby_worker" + std::to_string(w) + ".log")));
+  auto logs = [&] {
+    std::string out = "scheduler:\n" + first.output() + "standby:\n" + second.output();
+    for (auto& n : nodes) out += "node:\n" + n->output();
+    return out;
+  };
+  const fs::path run = dir / name;
+  ASSERT_TRUE(wait_until([&] { return applied_steps(run) >= 20; }, 60)) << logs();
+  first.kill(SIGKILL);
+  ASSERT_LT(applied_steps(run), kSteps) << "the job ended before the kill";
+  // Training goes on without a scheduler; the standby takes over while it still runs (worker 1
+  // at --slowdown 30 keeps the run long enough) and then ends it.
+  ASSERT_TRUE(wait_until(
+      [&] { return second.output().find("the standby takes over") != std::string::npos; }, 30))
+      << logs();
+  EXPECT_LT(applied_steps(run), kSteps) << "the takeover came after the last clock";
+  ASSERT_EQ(second.wait(150), 0) << logs();
+  for (auto& n : nodes) EXPECT_EQ(n->wait(30), 0) << logs();
+  EXPECT_EQ(applied_steps(run), kSteps) << "every clock applied exactly once";
+  expect_reference_params(run);
 }
 
 TEST_F(PsServerFault, RestartedServerRestoresItsCheckpointAndTheJobRollsBack) {

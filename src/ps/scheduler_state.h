@@ -1,0 +1,88 @@
+// The scheduler's state and its handlers, shared by scheduler.cpp (registration, heartbeats,
+// assignment, the end of the job) and scheduler_servers.cpp (server failures: promotion of a
+// backup, a new backup for a promoted primary, replacement and roll-back). Internal to src/ps.
+#pragma once
+#include <zmq.hpp>
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ps/job_events.h"
+#include "ps/membership.h"
+#include "ps/scheduler.h"
+#include "ps/transport.h"
+
+namespace moetrain::ps {
+
+class Scheduler {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit Scheduler(const SchedulerArgs& a);
+  int run();
+
+ private:
+  void handle(const Incoming& in);
+  void on_register(const Incoming& in);
+  bool on_server_lost(Node& n);
+  void begin_restore(int64_t index);
+  int64_t shard_without_backup();
+  bool attach_spare();
+  void backup_attached(const Node& b, const std::string& cause);
+  void on_checkpoint_list(const Node& n, const nlohmann::json& j);
+  void on_restored();
+  void replan();
+  void maybe_rebalance();
+  void on_rejoin(const Incoming& in, const nlohmann::json& j);
+  bool maybe_take_over();
+  void on_rows_ready(const Node& n, const nlohmann::json& j);
+  void broadcast_setup();
+  void maybe_finish();
+  void on_finish_ack(Node& n);
+  void shutdown_all(const std::string& reason);
+
+  SchedulerArgs args_;
+  zmq::context_t ctx_;
+  zmq::socket_t router_;
+  std::string endpoint_;
+  RejectStats rejects_;
+  Membership members_;
+  JobEvents events_;
+  int32_t next_id_ = 0;
+  int64_t total_keys_ = 0, global_rows_ = 0, epoch_ = 0;
+  std::vector<int64_t> rows_;
+  // A capability rebalance being agreed on: the new split and each worker's next clock.
+  struct RowsQuery {
+    std::vector<int64_t> rows;
+    std::map<int32_t, int64_t> next_clock;  // node id → the clock it would start next
+  };
+  std::optional<RowsQuery> rows_query_;
+  int64_t rows_from_ = -1;
+  // A standby taking over from a dead scheduler: the nodes that registered again, their rows.
+  bool taking_over_ = false;
+  Clock::time_point takeover_started_ = Clock::now();
+  std::map<int64_t, int64_t> rejoin_rows_;  // worker index → rows
+  std::set<uint32_t> rejoin_generations_;   // the servers' roll-back generations  // the current
+                                           // split applies from this clock (−1: at once)
+  bool started_ = false, finishing_ = false, finished_ = false, restoring_ = false;
+  std::map<int64_t, Clock::time_point> down_;      // server index → when it was declared dead
+  std::map<int64_t, std::vector<int64_t>> lists_;  // roll-back: checkpointed clocks per server
+  int64_t restore_index_ = -1, rollback_clock_ = 0, restored_ = 0;
+  uint32_t generation_ = 0;
+  int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0, backups_attached_ = 0;
+  int exit_code_ = 1;
+  int32_t lead_ = -1;
+  int64_t servers_acked_ = 0, workers_lost_ = 0, workers_joined_ = 0;
+  Clock::time_point last_worker_seen_ = Clock::now(), last_rebalance_ = Clock::now(),
+                    finish_started_ = Clock::now();
+};
+
+inline double since(Scheduler::Clock::time_point t) {
+  return std::chrono::duration<double>(Scheduler::Clock::now() - t).count();
+}
+
+}  // namespace moetrain::ps

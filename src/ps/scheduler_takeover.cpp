@@ -1,0 +1,95 @@
+// A standby scheduler taking over a job whose scheduler died (see scheduler.h). The scheduler
+// holds only metadata, and all of it lives on in the nodes: servers know their index, replica
+// role and endpoint, workers their index, rows and whether they are done, both the roll-back
+// generation. Each node that finds the scheduler silent registers with the standby as the node it
+// was; once every expected node came (or twice the heartbeat timeout passed and every server
+// index has its primary), the standby rebuilds membership and assignment from them and sends the
+// next layout. Training does not stop meanwhile: workers and servers talk to each other directly.
+#include <algorithm>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "ps/scheduler_state.h"
+
+namespace moetrain::ps {
+
+void Scheduler::on_rejoin(const Incoming& in, const nlohmann::json& j) {
+  Node n;
+  n.id = j.at("node_id").get<int32_t>();
+  n.role = j.at("role").get<std::string>();
+  MOETRAIN_CHECK(n.id >= 0 && !members_.find(n.id), "rejoin of node {}: no id, or taken", n.id);
+  n.identity = in.identity;
+  n.last_seen = Clock::now();
+  n.pid = j.value("pid", int64_t{0});
+  n.index = j.at("index").get<int64_t>();
+  if (n.role == "server") {
+    n.endpoint = j.at("endpoint").get<std::string>();
+    n.primary = j.at("primary").get<bool>();
+    rejoin_generations_.insert(j.value("generation", uint32_t{0}));
+  } else {
+    n.done = j.value("done", false);
+    rejoin_rows_[n.index] = j.at("rows").get<int64_t>();
+  }
+  generation_ = std::max(generation_, j.value("generation", uint32_t{0}));
+  epoch_ = std::max(epoch_, j.value("epoch", int64_t{0}));
+  next_id_ = std::max(next_id_, n.id + 1);
+  members_.nodes()[n.id] = n;
+  send_to(router_, in.identity,
+          json_frame(Kind::HeartbeatAck, -1,
+                     {{"node_id", n.id},
+                      {"index", n.index},
+                      {"heartbeat_interval", args_.options.heartbeat_interval},
+                      {"heartbeat_timeout", args_.options.heartbeat_timeout}}));
+  log_warn("ps scheduler: {} {} (node {}, pid {}) registered again: its scheduler is gone", n.role,
+           n.index, n.id, n.pid);
+  if (!taking_over_ && !started_) {
+    taking_over_ = true;
+    takeover_started_ = Clock::now();
+  }
+}
+
+// Returns false when the job cannot go on.
+bool Scheduler::maybe_take_over() {
+  const int64_t S = args_.options.servers;
+  const bool everyone =
+      static_cast<int64_t>(members_.alive_servers().size()) == S * args_.options.server_replicas &&
+      static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers;
+  if (!everyone && since(takeover_started_) <= 2 * args_.options.heartbeat_timeout) return true;
+  for (int64_t i = 0; i < S; ++i)
+    if (!members_.primary_of(i)) {
+      shutdown_all(fmt::format(
+          "the scheduler died and server {} did not register with the standby within {:.1f} s", i,
+          2 * args_.options.heartbeat_timeout));
+      return false;
+    }
+  // Servers of different generations: the scheduler died within a roll-back, which only it knew
+  // the state of (which servers restored); going on would mix clocks.
+  if (rejoin_generations_.size() > 1) {
+    shutdown_all(
+        "the scheduler died during a roll-back (the servers are at different generations); the "
+        "job stops");
+    return false;
+  }
+  taking_over_ = false;
+  started_ = true;
+  last_worker_seen_ = Clock::now();
+  rows_.clear();
+  int64_t sum = 0;
+  for (Node* w : members_.alive_workers()) {
+    rows_.push_back(rejoin_rows_[w->index]);
+    sum += rows_.back();
+  }
+  log_warn("ps scheduler: the standby takes over the job ({} server(s), {} worker(s))",
+           members_.serving().size(), members_.alive_workers().size());
+  events_.job("scheduler_takeover", "the scheduler stopped answering");
+  // A worker that did not come back leaves rows that nobody reads: re-plan then.
+  if (sum == global_rows_) {
+    ++epoch_;
+    broadcast_setup();
+  } else {
+    replan();
+  }
+  return true;
+}
+
+}  // namespace moetrain::ps
