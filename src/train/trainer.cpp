@@ -30,8 +30,8 @@
 #include "train/evaluate.h"
 #include "train/parallel_setup.h"
 #include "train/progress.h"
-#include "train/run_state.h"
 #include "train/rank_timing.h"
+#include "train/run_state.h"
 #include "train/step_metrics.h"
 #include "train/step_update.h"
 
@@ -64,6 +64,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     capacity_.assign(model_->moe_layers().size(),
                      CapacityController(cfg_.model.balance, std::abs(cfg_.model.capacity_factor)));
     apply_capacity_factors(capacity_, model_->moe_layers());
+  }
+  if (parse_router_controller(cfg_.model.router_controller) == RouterControllerKind::Rl) {
+    for (std::size_t m = 0; m < model_->moe_layers().size(); ++m)
+      gating_.emplace_back(cfg_.model.gating, cfg_.model.n_experts, cfg_.train.seed, m);
   }
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ParallelLayout& pl = pg_->layout;
@@ -120,9 +124,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   const std::optional<fs::path> ckpt =
       checkpoint_to_resume(cfg_.train.run_dir, resume, *pg_->control);
   if (ckpt) load_checkpoint(*ckpt);
-  metrics_ = open_metrics(cfg_.train.run_dir, pl.rank,
-                          ckpt ? std::optional<int64_t>(step_) : std::nullopt,
-                          cfg_.train.tensorboard);
+  metrics_ =
+      open_metrics(cfg_.train.run_dir, pl.rank, ckpt ? std::optional<int64_t>(step_) : std::nullopt,
+                   cfg_.train.tensorboard);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step_);
   check_ranks_agree();
   if (pl.rank == 0)
@@ -159,6 +163,7 @@ Trainer::~Trainer() = default;
 double Trainer::train_step() {
   const int64_t B = cfg_.train.batch_size, T = cfg_.train.seq_len, A = cfg_.train.grad_accum;
   const int W = world_size();
+  Timer step_timer;
   BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
   const int64_t sync_bytes_before = reducer_->bytes_sent();
   // fp16: the loss is scaled so that small gradients survive the fp16 GEMM operands.
@@ -216,7 +221,10 @@ double Trainer::train_step() {
                                   .fp16 = scaler_ != nullptr,
                                   .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
                                   .ep = pg_->layout.ep},
-                                 capacity_.empty() ? nullptr : &capacity_);
+                                 capacity_.empty() ? nullptr : &capacity_,
+                                 {.gating = gating_.empty() ? nullptr : &gating_,
+                                  .step_s = step_timer.seconds(),
+                                  .tokens = static_cast<double>(B * T * A * W)});
   last_parts_ = acc.loss;
   return acc.loss.total;
 }

@@ -17,6 +17,7 @@
 #include "io/run_lock.h"
 #include "model/transformer.h"
 #include "moe/capacity_controller.h"
+#include "moe/gating_controller.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -130,11 +131,12 @@ class Trainer {
   std::unique_ptr<LossScaler> scaler_;
   // model.capacity = dynamic: one controller per MoE layer (empty for a fixed capacity).
   std::vector<CapacityController> capacity_;
+  std::vector<GatingController> gating_;  // one per MoE layer with model.router_controller = rl
   double last_scale_ = 1;
   bool last_skipped_ = false;
   double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
-  RunLock run_lock_;  // rank 0's (before metrics_: released after its last write)
+  RunLock run_lock_;                // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;           // rank 0's; inactive on the others
 };
 
