@@ -10,7 +10,7 @@
 //   group_limited  route_groups = processes, route_group_topk = 1: each token stays within one
 //                  rank's experts (dropless)
 //   all            dynamic and group-limited together
-// (hot-expert replication joins when moe/placement lands.)
+// Hot-expert replication (placement.spare_slots) is not a variant yet.
 // Every process runs the same fixed number of iterations (a collective per iteration); the
 // iteration time is the slowest process's (manual time). Counters:
 //   rank_max_mean   max / mean of the rows each rank's experts computed (1 = balanced)
