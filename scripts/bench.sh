@@ -13,6 +13,12 @@ for b in "$build"/bench/bench_*; do
   case "$name" in
     bench_alltoall | bench_dist_train_step)
       OMP_NUM_THREADS=1 "${mpi_run[@]}" "$b" ;;
+    bench_balance)
+      # Step time on 2 ranks with a core each; the 4-rank run is for its load counters.
+      OMP_NUM_THREADS=1 "${mpi_run[@]}" --bind-to core "$b" \
+        --benchmark_out="out/bench/$name.json" --benchmark_out_format=json
+      OMP_NUM_THREADS=1 mpiexec -n 4 --oversubscribe "${mpi_run[@]:4}" "$b" \
+        --benchmark_out="out/bench/${name}_4ranks.json" --benchmark_out_format=json ;;
     *)
       "$b" --benchmark_repetitions="${BENCH_REPS:-5}" --benchmark_report_aggregates_only=true \
            --benchmark_out="out/bench/$name.json" --benchmark_out_format=json ;;

@@ -14,7 +14,8 @@ enum class RngPurpose : uint32_t {
   Dropout = 3,
   RouterNoise = 4,
   Sample = 5,
-  Test = 6
+  Test = 6,
+  Gating = 7
 };
 
 // A stream id from (purpose, step, rank): distinct inputs give distinct, well-mixed ids.

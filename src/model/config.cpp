@@ -55,6 +55,12 @@ void MoeModelConfig::validate_moe() const {
     MOETRAIN_CHECK(router != "expert_choice",
                    "model.capacity = dynamic needs a token-choice model.router, not expert_choice");
   }
+  if (parse_router_controller(router_controller) == RouterControllerKind::Rl)
+    MOETRAIN_CHECK(router == "sigmoid_bias",
+                   "model.router_controller = rl needs model.router = sigmoid_bias (the controller "
+                   "moves its selection bias), not {}",
+                   router);
+  gating.validate();
   MOETRAIN_CHECK(aux_loss_coef >= 0, "model.aux_loss_coef = {}: must be ≥ 0", aux_loss_coef);
   MOETRAIN_CHECK(z_loss_coef >= 0, "model.z_loss_coef = {}: must be ≥ 0", z_loss_coef);
   MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0",

@@ -7,6 +7,7 @@
 
 #include "moe/capacity_controller.h"
 #include "moe/config.h"
+#include "moe/gating_controller.h"
 
 namespace moetrain {
 
@@ -25,6 +26,10 @@ struct MoeModelConfig {
   double aux_loss_coef = 1e-2;
   double z_loss_coef = 1e-3;
   double bias_update_rate = 1e-3;
+  // "none": sigmoid_bias moves its bias by the sign rule; "rl": the gating controller of
+  // [gating] moves it (needs model.router = sigmoid_bias).
+  std::string router_controller = "none";
+  GatingControlConfig gating;        // [gating]
   int64_t shared_expert_hidden = 0;  // 0 = no shared expert
   int64_t route_groups = 0;          // G expert groups for group-limited routing, 0 or 1 = off
   int64_t route_group_topk = 0;      // M groups each token may route to

@@ -187,4 +187,14 @@ void MoeLayer::apply_bias_update(const int64_t* global_load) {
   std::fill(pending_load_.begin(), pending_load_.end(), 0);
 }
 
+void MoeLayer::apply_bias_delta(const double* delta) {
+  MOETRAIN_CHECK(cfg_.router == RouterKind::SigmoidBias,
+                 "apply_bias_delta: router is {}, only sigmoid_bias has a bias",
+                 router_kind_name(cfg_.router));
+  MOETRAIN_CHECK(delta != nullptr, "apply_bias_delta: null delta");
+  for (int64_t e = 0; e < cfg_.E; ++e)
+    bias_[e] += static_cast<float>(cfg_.bias_update_rate * delta[e]);
+  std::fill(pending_load_.begin(), pending_load_.end(), 0);
+}
+
 }  // namespace moetrain

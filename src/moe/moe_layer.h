@@ -97,6 +97,9 @@ class MoeLayer {
   const int64_t* pending_load() const { return pending_load_.data(); }
   void apply_bias_update(const int64_t* global_load);
   void apply_bias_update() { apply_bias_update(pending_load_.data()); }
+  // The same under a gating controller: b_i += γ·delta_i (delta (E) its action), then the
+  // pending counts are cleared.
+  void apply_bias_delta(const double* delta);
   // The bias b (E), for checkpoints.
   float* router_bias() { return bias_.data(); }
   const float* router_bias() const { return bias_.data(); }

@@ -63,6 +63,10 @@ void ClassifierRunConfig::validate() const {
                  "model.capacity = '{}': the classifier trainer keeps a fixed capacity factor "
                  "(model.capacity = dynamic is for the language-model trainer)",
                  model.capacity);
+  MOETRAIN_CHECK(model.router_controller == "none",
+                 "model.router_controller = '{}': the classifier trainer keeps the sign rule "
+                 "(model.router_controller = rl is for the language-model trainer)",
+                 model.router_controller);
   MOETRAIN_CHECK(!data.dir.empty(), "data.dir must not be empty");
   const ClassifierTrainConfig& t = train;
   validate_loop(t);
@@ -90,7 +94,9 @@ std::string ClassifierRunConfig::config_hash() const {
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");
-  j["model"].erase("capacity");  // always fixed: validate refuses dynamic
+  j["model"].erase("capacity");           // always fixed: validate refuses dynamic
+  j["model"].erase("router_controller");  // always none: validate refuses rl
+  j.erase("gating");
   return json_hash(j);
 }
 

@@ -41,6 +41,7 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.aux_loss_coef", &m.aux_loss_coef},
       {"model.z_loss_coef", &m.z_loss_coef},
       {"model.bias_update_rate", &m.bias_update_rate},
+      {"model.router_controller", &m.router_controller},
       {"model.shared_expert_hidden", &m.shared_expert_hidden},
       {"model.route_groups", &m.route_groups},
       {"model.route_group_topk", &m.route_group_topk},
@@ -61,6 +62,14 @@ void add_balance_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"balance.slope_tol", &b.slope_tol},
   };
   fields.insert(fields.end(), std::begin(balance), std::end(balance));
+  GatingControlConfig& g = m.gating;
+  const Field gating[] = {
+      {"gating.lr", &g.lr},
+      {"gating.sigma", &g.sigma},
+      {"gating.baseline_lr", &g.baseline_lr},
+      {"gating.time_decay", &g.time_decay},
+  };
+  fields.insert(fields.end(), std::begin(gating), std::end(gating));
 }
 
 void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
@@ -276,6 +285,10 @@ std::string RunConfig::config_hash() const {
   if (model.capacity == "fixed") {
     j["model"].erase("capacity");
     j.erase("balance");
+  }
+  if (model.router_controller == "none") {
+    j["model"].erase("router_controller");
+    j.erase("gating");
   }
   std::string s = j.dump();
   uint64_t h = 1469598103934665603ull;

@@ -1,9 +1,30 @@
 #include "train/step_update.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 #include "core/timer.h"
 
 namespace moetrain {
+
+void steer_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& control,
+                         std::vector<GatingController>& gating, double step_s, double tokens,
+                         uint64_t step) {
+  MOETRAIN_CHECK(gating.size() == moe.size(),
+                 "finish_step: {} gating controllers for {} MoE layers", gating.size(), moe.size());
+  if (moe.empty()) return;
+  std::vector<int64_t> global(moe.size() * E);
+  for (std::size_t m = 0; m < moe.size(); ++m)
+    std::copy_n(moe[m]->pending_load(), E, global.begin() + m * E);
+  control.allreduce(global.data(), static_cast<int64_t>(global.size()));
+  // The slowest process sets the step time; every process then feeds the same figures.
+  control.allreduce(&step_s, 1, {.op = ReduceOp::Max});
+  for (std::size_t m = 0; m < moe.size(); ++m) {
+    const std::vector<double> delta =
+        gating[m].update({global.data() + m * E, step_s, tokens}, step);
+    moe[m]->apply_bias_delta(delta.data());
+  }
+}
 
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
                              float* params, float* grads, float lr, const UpdateOptions& opts) {
@@ -31,8 +52,13 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
 
 nlohmann::json finish_step(const std::vector<MoeLayer*>& moe, const MoeConfig& moe_cfg,
                            Comm& control, Accumulated& acc, StepFigures figures,
-                           std::vector<CapacityController>* capacity) {
-  if (moe_cfg.router == RouterKind::SigmoidBias) update_router_biases(moe, moe_cfg.E, control);
+                           std::vector<CapacityController>* capacity, const GatingStep& gating) {
+  if (gating.gating) {
+    steer_router_biases(moe, moe_cfg.E, control, *gating.gating, gating.step_s, gating.tokens,
+                        static_cast<uint64_t>(figures.step));
+  } else if (moe_cfg.router == RouterKind::SigmoidBias) {
+    update_router_biases(moe, moe_cfg.E, control);
+  }
   reduce_step_figures(control, acc);
   figures.acc = &acc;
   nlohmann::json line = step_metrics_line(figures);
@@ -43,6 +69,11 @@ nlohmann::json finish_step(const std::vector<MoeLayer*>& moe, const MoeConfig& m
     for (std::size_t m = 0; m < moe.size(); ++m)
       (*capacity)[m].update(capacity_utilisation(acc, m), imbalance(acc.tokens_per_expert[m]));
     apply_capacity_factors(*capacity, moe);
+  }
+  if (gating.gating) {
+    nlohmann::json rewards = nlohmann::json::array();
+    for (const GatingController& g : *gating.gating) rewards.push_back(g.last_reward());
+    line["gating_reward"] = rewards;
   }
   return line;
 }

@@ -10,6 +10,7 @@
 #include "core/comm.h"
 #include "moe/capacity_controller.h"
 #include "moe/config.h"
+#include "moe/gating_controller.h"
 #include "optim/grad_reducer.h"
 #include "optim/update.h"
 #include "parallel/sharded_optimizer.h"
@@ -34,9 +35,23 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
 // controller per MoE layer, or null for a fixed capacity): each is updated from its layer's
 // reduced utilisation and imbalance, the figures the line records, and sets its layer's factor
 // for the next step — the same on every process.
+// gating (one controller per MoE layer, or null for the sign rule): each takes its layer's
+// reduced load, the slowest process's step_s and the step's tokens, and sets its layer's bias;
+// the line records its reward.
+struct GatingStep {
+  std::vector<GatingController>* gating = nullptr;
+  double step_s = 0;  // this process's time for the step so far
+  double tokens = 0;  // trained on by every process
+};
 nlohmann::json finish_step(const std::vector<MoeLayer*>& moe, const MoeConfig& moe_cfg,
                            Comm& control, Accumulated& acc, StepFigures figures,
-                           std::vector<CapacityController>* capacity = nullptr);
+                           std::vector<CapacityController>* capacity = nullptr,
+                           const GatingStep& gating = {});
+
+// Collective over control: the gating controllers' bias update in place of the sign rule.
+void steer_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& control,
+                         std::vector<GatingController>& gating, double step_s, double tokens,
+                         uint64_t step);
 
 // Sets each layer's capacity factor from its controller, keeping the sign of the layer's
 // configured factor (its mode).

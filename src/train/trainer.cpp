@@ -82,6 +82,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
                      CapacityController(cfg_.model.balance, std::abs(cfg_.model.capacity_factor)));
     apply_capacity_factors(capacity_, model_->moe_layers());
   }
+  if (parse_router_controller(cfg_.model.router_controller) == RouterControllerKind::Rl) {
+    for (std::size_t m = 0; m < model_->moe_layers().size(); ++m)
+      gating_.emplace_back(cfg_.model.gating, cfg_.model.n_experts, cfg_.train.seed, m);
+  }
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ParallelLayout& pl = pg_->layout;
   const ExpertShard& shard = expert_shard_;
@@ -184,6 +188,7 @@ Trainer::~Trainer() = default;
 double Trainer::train_step() {
   const int64_t B = cfg_.train.batch_size, T = cfg_.train.seq_len, A = cfg_.train.grad_accum;
   const int W = world_size();
+  Timer step_timer;
   BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
   const int64_t sync_bytes_before = reducer_->bytes_sent();
   // fp16: the loss is scaled so that small gradients survive the fp16 GEMM operands.
@@ -241,7 +246,10 @@ double Trainer::train_step() {
                                   .fp16 = scaler_ != nullptr,
                                   .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
                                   .ep = pg_->layout.ep},
-                                 capacity_.empty() ? nullptr : &capacity_);
+                                 capacity_.empty() ? nullptr : &capacity_,
+                                 {.gating = gating_.empty() ? nullptr : &gating_,
+                                  .step_s = step_timer.seconds(),
+                                  .tokens = static_cast<double>(B * T * A * W)});
   if (placement_) {
     // The loads are the step's, over every process (finish_step reduced them).
     pending_metrics_["rank_max_mean_load"] = placement_->rank_max_mean_load(acc.tokens_per_expert);

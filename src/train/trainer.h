@@ -17,6 +17,7 @@
 #include "io/run_lock.h"
 #include "model/transformer.h"
 #include "moe/capacity_controller.h"
+#include "moe/gating_controller.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -152,6 +153,7 @@ class Trainer {
   std::vector<CapacityController> capacity_;
   bool auto_precision_ = false;  // train.precision was "auto" (a resume adopts the recorded one)
   std::unique_ptr<ExpertPlacement> placement_;  // placement.spare_slots > 0
+  std::vector<GatingController> gating_;  // one per MoE layer with model.router_controller = rl
   double last_scale_ = 1;
   bool last_skipped_ = false;
   StopVotes stop_;  // the last step's, agreed by every process

@@ -166,6 +166,11 @@ nlohmann::json Trainer::trainer_state() const {
     for (const CapacityController& k : capacity_) c.push_back(k.to_json());
     t["capacity_controller"] = c;
   }
+  if (!gating_.empty()) {
+    nlohmann::json g = nlohmann::json::array();
+    for (const GatingController& k : gating_) g.push_back(k.to_json());
+    t["gating_controller"] = g;
+  }
   return t;
 }
 
@@ -226,6 +231,13 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
                    capacity_.size());
     for (std::size_t m = 0; m < capacity_.size(); ++m) capacity_[m].restore(c[m], where);
     apply_capacity_factors(capacity_, model_->moe_layers());
+  }
+  if (!gating_.empty()) {
+    const nlohmann::json& g = need(t, "gating_controller");
+    MOETRAIN_CHECK(g.is_array() && g.size() == gating_.size(),
+                   "{}: 'gating_controller' must hold one state per MoE layer ({})", where,
+                   gating_.size());
+    for (std::size_t m = 0; m < gating_.size(); ++m) gating_[m].restore(g[m], where);
   }
 
   // The global batch stays what it was: a different number of processes changes the number of

@@ -310,6 +310,11 @@ TEST(ClassifierConfig, BadKeysAndValuesNameTheKey) {
         load_classifier_config("", {"model.capacity=dynamic", "model.capacity_factor=1"});
       },
       "model.capacity = 'dynamic'");
+  expect_error(
+      [&] {
+        load_classifier_config("", {"model.router=sigmoid_bias", "model.router_controller=rl"});
+      },
+      "model.router_controller = 'rl'");
   expect_error([&] { load_classifier_config("", {"model.router=switch"}); },
                "model.router = 'switch'");
   expect_error([&] { load_classifier_config("", {"train.epochs=2"}); },
