@@ -60,7 +60,7 @@ bool metrics_summary(const nlohmann::json& line, int64_t& step, Summary& out) {
       out.add_scalar(key, v.get<bool>() ? 1.0f : 0.0f);
     } else if (v.is_number()) {
       out.add_scalar(key, static_cast<float>(v.get<double>()));
-    } else if (is_number_list(v) && key.starts_with("rank_")) {
+    } else if (is_number_list(v) && (key == "rank_step_time_s" || key == "rank_compute_s")) {
       // One entry per rank: bucket r is rank r's value, so a straggler is the tall bar.
       out.add_histogram(key, index_histogram(v.get<std::vector<double>>()));
     } else if (is_number_list(v)) {
