@@ -24,3 +24,8 @@ for b in "$build"/bench/bench_*; do
            --benchmark_out="out/bench/$name.json" --benchmark_out_format=json ;;
   esac
 done
+# The planner's predicted step times against measured ones on this machine (docs/plan.md).
+if [ -x "$build/tests/plan_validation_test" ]; then
+  echo "== plan_validation_test"
+  "$build/tests/plan_validation_test"
+fi
