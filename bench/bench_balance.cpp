@@ -10,10 +10,14 @@
 //   group_limited  route_groups = processes, route_group_topk = 1: each token stays within one
 //                  rank's experts (dropless)
 //   all            dynamic and group-limited together
-// Hot-expert replication (placement.spare_slots) is not a variant yet.
+//   static         dropless, static contiguous placement: the reference for replicated
+//   replicated     dropless, placement.spare_slots = 1 re-planned every 2 iterations from the
+//                  loads' moving average (decay 0.5); its time includes summing the replicas'
+//                  gradients into their owners and refreshing the replicas' weights
 // Every process runs the same fixed number of iterations (a collective per iteration); the
 // iteration time is the slowest process's (manual time). Counters:
-//   rank_max_mean   max / mean of the rows each rank's experts computed (1 = balanced)
+//   rank_max_mean   max / mean of the rows each rank's experts (or slots) computed in the last
+//                   iteration (1 = balanced)
 //   expert_util     share of experts that computed at least one row
 //   capacity_util   rows computed / capacity slots (1 when dropless)
 //   dropped         share of assignments dropped for capacity
@@ -34,8 +38,10 @@
 #include "core/rng.h"
 #include "moe/capacity_controller.h"
 #include "moe/moe_layer.h"
+#include "moe/placement.h"
 #include "parallel/groups.h"
 #include "parallel/mpi_exchange.h"
+#include "parallel/replica_sync.h"
 #include "parallel/runtime.h"
 
 using namespace moetrain;
@@ -47,7 +53,7 @@ constexpr double kZipf = 1.2;
 constexpr float kCf = 1.25f;
 
 struct Variant {
-  bool dynamic = false, grouped = false;
+  bool dynamic = false, grouped = false, dropless = false, replicate = false;
 };
 
 void BM_Balance(benchmark::State& state, Variant v) {
@@ -57,7 +63,7 @@ void BM_Balance(benchmark::State& state, Variant v) {
   MoeConfig cfg;
   cfg.C = kC, cfg.F = kF, cfg.E = kE, cfg.K = kK;
   cfg.aux_loss_coef = 0, cfg.z_loss_coef = 0;
-  cfg.capacity_factor = v.grouped && !v.dynamic ? 0.0f : kCf;
+  cfg.capacity_factor = (v.grouped && !v.dynamic) || v.dropless ? 0.0f : kCf;
   if (v.grouped && P > 1 && kE % P == 0) cfg.route_groups = P, cfg.route_group_topk = 1;
   MoeParamSizes sizes = moe_param_sizes(cfg);
   std::vector<float> params(sizes.total()), grads(sizes.total(), 0.0f);
@@ -80,6 +86,10 @@ void BM_Balance(benchmark::State& state, Variant v) {
   MpiExchange exchange(A2aRoute{groups.a2a.get()}, MpiExchangeOptions{});
   MoeLayer layer(cfg, {&exchange, groups.moe_stats.get()});
   CapacityController controller(CapacityControlConfig{}, kCf);
+  PlacementPlanner planner({.spare_slots = v.replicate ? 1 : 0, .every = 2, .decay = 0.5}, 1, kE,
+                           P, 0);
+  ReplicaSync sync(*groups.a2a, cfg);
+  int64_t iteration = 0;
   MoeStep step;
   std::vector<int64_t> load(kE);
   double rank_max_mean = 0, expert_util = 0, capacity_util = 0, dropped = 0;
@@ -88,6 +98,7 @@ void BM_Balance(benchmark::State& state, Variant v) {
     const double t0 = MPI_Wtime();
     layer.forward(out.data(), x.data(), kTokens, w, step);
     layer.backward(dinp.data(), dout.data(), w, g, 1.0f);
+    if (layer.placement()) sync.reduce_grads(*layer.placement(), g);
     double dt = MPI_Wtime() - t0;
     world->allreduce(&dt, 1, {.op = ReduceOp::Max});
     state.SetIterationTime(dt);
@@ -97,14 +108,15 @@ void BM_Balance(benchmark::State& state, Variant v) {
     int64_t figures[3] = {s.assignments, s.dropped, s.capacity > 0 ? kE * s.capacity : 0};
     world->allreduce(load.data(), kE);
     world->allreduce(figures, 3);
-    std::vector<double> rank_load(P, 0.0);
+    const std::vector<int64_t> rows = world->allgather_one(layer.received_rows());
     int64_t total = 0, used = 0, max_expert = 0;
-    for (int64_t e = 0; e < kE; ++e) {
-      rank_load[e * P / kE] += static_cast<double>(load[e]);
+    for (int64_t e = 0; e < kE; ++e)
       total += load[e], used += load[e] > 0, max_expert = std::max(max_expert, load[e]);
-    }
-    const double mean = static_cast<double>(total) / P;
-    rank_max_mean = mean > 0 ? *std::max_element(rank_load.begin(), rank_load.end()) / mean : 1;
+    int64_t rows_sum = 0;
+    for (int64_t n : rows) rows_sum += n;
+    rank_max_mean = rows_sum > 0 ? static_cast<double>(*std::max_element(rows.begin(), rows.end())) *
+                                       P / static_cast<double>(rows_sum)
+                                 : 1.0;
     expert_util = static_cast<double>(used) / kE;
     capacity_util = figures[2] > 0 ? static_cast<double>(total) / figures[2] : 1.0;
     dropped = figures[0] > 0 ? static_cast<double>(figures[1]) / figures[0] : 0.0;
@@ -112,6 +124,21 @@ void BM_Balance(benchmark::State& state, Variant v) {
       const double imbalance = total > 0 ? double(max_expert) * kE / double(total) : 1.0;
       controller.update(capacity_util, imbalance);
       layer.set_capacity_factor(static_cast<float>(controller.cf()));
+    }
+    if (v.replicate) {
+      planner.observe(0, load.data());
+      if (planner.due(++iteration)) {
+        planner.replan(0);
+        layer.set_placement(&planner.placement(0));
+      }
+      if (layer.placement()) {
+        world->barrier();
+        const double r0 = MPI_Wtime();
+        sync.refresh(*layer.placement(), w);
+        double dr = MPI_Wtime() - r0;
+        world->allreduce(&dr, 1, {.op = ReduceOp::Max});
+        state.SetIterationTime(dr);  // adds to the iteration's time
+      }
     }
   }
   auto& c = state.counters;
@@ -141,7 +168,10 @@ int main(int argc, char** argv) {
   for (const auto& [name, v] : {std::pair{"balance/fixed_cf", Variant{}},
                                 std::pair{"balance/dynamic_cf", Variant{true, false}},
                                 std::pair{"balance/group_limited", Variant{false, true}},
-                                std::pair{"balance/all", Variant{true, true}}})
+                                std::pair{"balance/all", Variant{true, true}},
+                                std::pair{"balance/static", Variant{.dropless = true}},
+                                std::pair{"balance/replicated",
+                                          Variant{.dropless = true, .replicate = true}}})
     benchmark::RegisterBenchmark(name, BM_Balance, v)
         ->Iterations(30)
         ->UseManualTime()
