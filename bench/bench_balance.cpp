@@ -14,6 +14,8 @@
 //   replicated     dropless, placement.spare_slots = 1 re-planned every 2 iterations from the
 //                  loads' moving average (decay 0.5); its time includes summing the replicas'
 //                  gradients into their owners and refreshing the replicas' weights
+//   all_replicated dynamic, group-limited and replicated together (the groups are the static
+//                  placement's ranks; replicas then spread a group's tokens over other ranks)
 // Every process runs the same fixed number of iterations (a collective per iteration); the
 // iteration time is the slowest process's (manual time). Counters:
 //   rank_max_mean   max / mean of the rows each rank's experts (or slots) computed in the last
@@ -171,7 +173,9 @@ int main(int argc, char** argv) {
                                 std::pair{"balance/all", Variant{true, true}},
                                 std::pair{"balance/static", Variant{.dropless = true}},
                                 std::pair{"balance/replicated",
-                                          Variant{.dropless = true, .replicate = true}}})
+                                          Variant{.dropless = true, .replicate = true}},
+                                std::pair{"balance/all_replicated",
+                                          Variant{true, true, false, true}}})
     benchmark::RegisterBenchmark(name, BM_Balance, v)
         ->Iterations(30)
         ->UseManualTime()
