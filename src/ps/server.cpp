@@ -103,9 +103,11 @@ class Server {
       log_warn("{}: promoted from backup to primary at clock {}", who_, kv_.version());
     first_setup_done_ = true;
     lead_ = primary_ && index_ == 0;
-    // A promoted backup of server 0 goes on with the job's metrics.
+    // A promoted backup of server 0 goes on with the job's metrics. Lines past the state it holds
+    // are of updates that died with the old primary before reaching this backup: they are applied
+    // again (and written again), so they are dropped rather than left twice in the file.
     if (lead_ && !metrics_.active())
-      metrics_ = MetricsWriter(run_dir_, MetricsWriter::Open::Append, cfg_.train.tensorboard);
+      metrics_ = MetricsWriter::resume(run_dir_, kv_.version(), cfg_.train.tensorboard);
     // This primary's backup, if any.
     std::string backup;
     if (primary_)
