@@ -17,6 +17,7 @@
 #include "io/file.h"
 #include "io/safetensors.h"
 #include "support/expect_error.h"
+#include "support/resign.h"
 #include "support/temp_dir.h"
 
 using namespace moetrain;
@@ -311,15 +312,6 @@ TEST(Checkpoint, LatestOutsideTheRunDirectoryIsRefused) {
 
 namespace {
 
-// Rewrites `file` of a checkpoint and signs it again in the manifest: the checksums pass.
-void resign(const fs::path& dir, const std::string& file, const std::string& text) {
-  std::ofstream(dir / file, std::ios::binary | std::ios::trunc) << text;
-  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
-  manifest["files"][file]["bytes"] = text.size();
-  manifest["files"][file]["crc32c"] = crc32c(text.data(), text.size());
-  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
-}
-
 std::string latest_with_log(const fs::path& run, std::optional<fs::path>& found,
                             const CheckpointLoad& load = {}) {
   ::testing::internal::CaptureStderr();
@@ -347,7 +339,7 @@ TEST(Checkpoint, StepsThatDisagreeOrStateThatDoesNotParseFallBack) {
       m["step"] = 999;
       std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << m.dump(2);
     } else {
-      resign(dir, file, text);
+      resign_checkpoint_file(dir, file, text);
     }
     std::optional<fs::path> found;
     const std::string log = latest_with_log(tmp.path(), found);

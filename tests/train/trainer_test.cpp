@@ -18,6 +18,7 @@
 #include "io/crc32c.h"
 #include "io/safetensors.h"
 #include "support/corpus.h"
+#include "support/resign.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -351,12 +352,7 @@ TEST(Trainer, AWrongTypeInTrainerStateNamesTheFile) {
   // A well-formed file with a key of the wrong type, which the manifest vouches for.
   nlohmann::json state = read_checkpoint_json(dir, "trainer_state.json");
   state["step"] = "two";
-  const std::string text = state.dump(2);
-  std::ofstream(dir / "trainer_state.json", std::ios::binary | std::ios::trunc) << text;
-  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
-  manifest["files"]["trainer_state.json"]["bytes"] = text.size();
-  manifest["files"]["trainer_state.json"]["crc32c"] = crc32c(text.data(), text.size());
-  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+  resign_checkpoint_file(dir, "trainer_state.json", state.dump(2));
   try {
     Trainer resumed(cfg, true);
     FAIL() << "resumed from a trainer_state.json whose step is a string";
@@ -380,12 +376,7 @@ TEST(Trainer, AResignedStepFallsBackAndIsNeverWritten) {
   const fs::path dir = checkpoint_dir(cfg.train.run_dir, 4);
   nlohmann::json state = read_checkpoint_json(dir, "trainer_state.json");
   state["step"] = 999;
-  const std::string text = state.dump(2);
-  std::ofstream(dir / "trainer_state.json", std::ios::binary | std::ios::trunc) << text;
-  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
-  manifest["files"]["trainer_state.json"]["bytes"] = text.size();
-  manifest["files"]["trainer_state.json"]["crc32c"] = crc32c(text.data(), text.size());
-  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+  resign_checkpoint_file(dir, "trainer_state.json", state.dump(2));
   ::testing::internal::CaptureStderr();
   {
     Trainer resumed(cfg, true);
@@ -412,11 +403,6 @@ TEST(Trainer, CheckpointWithoutSeqLenSamplesWithinMaxSeqLen) {
   nlohmann::json config = read_checkpoint_json(dir, "config.json");
   ASSERT_TRUE(config["moetrain"]["train"].contains("seq_len"));
   config["moetrain"]["train"].erase("seq_len");
-  const std::string text = config.dump(2);
-  std::ofstream(dir / "config.json", std::ios::binary | std::ios::trunc) << text;
-  nlohmann::json manifest = read_checkpoint_json(dir, "manifest.json");
-  manifest["files"]["config.json"]["bytes"] = text.size();
-  manifest["files"]["config.json"]["crc32c"] = crc32c(text.data(), text.size());
-  std::ofstream(dir / "manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+  resign_checkpoint_file(dir, "config.json", config.dump(2));
   EXPECT_EQ(load_model(dir).trained_context, cfg.model.max_seq_len);
 }
