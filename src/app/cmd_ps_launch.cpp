@@ -1,5 +1,7 @@
 // `moetrain ps launch`: a whole parameter-server job on this machine (loopback), its processes
-// forked from this binary and supervised until the job ends. Built only with ZeroMQ.
+// forked from this binary and supervised until the job ends: the scheduler, optionally a standby
+// scheduler that takes over when the scheduler dies, the servers (with backups and spares as
+// asked) and the workers. Built only with ZeroMQ.
 #ifdef MOETRAIN_WITH_ZMQ
 #include <fmt/format.h>
 #include <signal.h>
@@ -12,12 +14,16 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "app/cmd_ps.h"
 #include "core/check.h"
 #include "core/log.h"
 #include "core/threads.h"
+#include "io/file.h"
 #include "ps/options.h"
 #include "ps/security.h"
 #include "train/run_config.h"
@@ -27,6 +33,9 @@ namespace fs = std::filesystem;
 namespace moetrain::app {
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
 struct Child {
   std::string name;
   pid_t pid = -1;
@@ -64,6 +73,10 @@ std::string describe_status(int status) {
   return "ended";
 }
 
+bool exited_ok(int status) {
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
 void kill_all(std::vector<Child>& children) {
   for (auto& c : children)
     if (c.running) kill(c.pid, SIGTERM);
@@ -85,6 +98,15 @@ void kill_all(std::vector<Child>& children) {
       waitpid(c.pid, &c.status, 0);
       c.running = false;
     }
+}
+
+// RUN_DIR/ps/launch.json: every process of the job by name and pid (what to watch or kill).
+void write_pids(const fs::path& file, const std::vector<Child>& children) {
+  nlohmann::json procs = nlohmann::json::array();
+  for (const auto& c : children)
+    procs.push_back({{"name", c.name}, {"pid", c.pid}, {"running", c.running}});
+  const nlohmann::json j = {{"launcher", static_cast<int64_t>(::getpid())}, {"processes", procs}};
+  write_file_atomic(file, j.dump(2) + "\n");
 }
 
 void print_summary(const fs::path& run_dir) {
@@ -141,22 +163,247 @@ TrainArgs parse_train_args(const std::vector<std::string>& rest) {
 }
 
 
+
+struct LaunchArgs {
+  ps::PsOptions opts;
+  std::string keys;
+  bool insecure = false, standby = false;
+  int64_t spare_servers = 0;
+  std::vector<std::string> slowdowns, rest;
+  double timeout = 0;
+};
+
+// WORKER=FACTOR of --slowdown, by worker.
+std::map<int64_t, std::string> parse_slowdowns(const LaunchArgs& a) {
+  std::map<int64_t, std::string> slow;
+  for (const std::string& s : a.slowdowns) {
+    auto eq = s.find('=');
+    int64_t w = -1;
+    double f = 0;
+    try {
+      if (eq != std::string::npos) w = std::stoll(s.substr(0, eq)), f = std::stod(s.substr(eq + 1));
+    } catch (const std::exception&) {
+      w = -1;
+    }
+    MOETRAIN_CHECK(w >= 0 && w < a.opts.workers && f >= 1,
+                   "--slowdown '{}': expected WORKER=FACTOR with WORKER in 0..{} and FACTOR ≥ 1", s,
+                   a.opts.workers - 1);
+    slow[w] = s.substr(eq + 1);
+  }
+  return slow;
+}
+
+// Waits until the scheduler children[i] wrote its bound address to `file`.
+std::string wait_for_endpoint(std::vector<Child>& children, std::size_t i, const fs::path& file) {
+  const auto start = Clock::now();
+  for (;;) {
+    int status;
+    if (waitpid(children[i].pid, &status, WNOHANG) == children[i].pid) {
+      children[i].running = false;
+      kill_all(children);
+      MOETRAIN_FAIL("ps launch: the {} {} before it was ready", children[i].name,
+                    describe_status(status));
+    }
+    std::string endpoint;
+    if (std::ifstream in(file); in) std::getline(in, endpoint);
+    if (!endpoint.empty()) return endpoint;
+    if (std::chrono::duration<double>(Clock::now() - start).count() > 30) {
+      kill_all(children);
+      MOETRAIN_FAIL("ps launch: the {} did not bind within 30 s", children[i].name);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+int run_launch(const LaunchArgs& a) {
+  // Validate everything before starting anything.
+  TrainArgs t = parse_train_args(a.rest);
+  RunConfig cfg = load_run_config(t.config, t.overrides);
+  ps::check_ps_run_config(cfg);
+  a.opts.validate();
+  const std::map<int64_t, std::string> slow = parse_slowdowns(a);
+  MOETRAIN_CHECK(a.spare_servers >= 0 && a.spare_servers <= 64,
+                 "--spare-servers {}: must be in 0..64", a.spare_servers);
+  MOETRAIN_CHECK(a.spare_servers == 0 || a.opts.server_replicas == 2 || a.opts.checkpoint_every > 0,
+                 "--spare-servers {}: a spare becomes a lost server's new backup "
+                 "(--server-replicas 2) or takes its place from its checkpoint "
+                 "(--checkpoint-every N > 0); with neither it would never be used",
+                 a.spare_servers);
+  MOETRAIN_CHECK(a.keys.empty() || !a.insecure,
+                 "ps launch: --keys and --insecure exclude each other");
+  const fs::path ps_dir = fs::path(cfg.train.run_dir) / "ps";
+  fs::create_directories(ps_dir);
+  std::vector<std::string> security = {"--insecure"};
+  if (!a.insecure) {
+    fs::path keys = a.keys.empty() ? ps_dir / "keys" : fs::path(a.keys);
+    if (a.keys.empty() && !fs::exists(keys / ps::kSecretKeyFile)) ps::write_job_keys(keys);
+    (void)ps::read_job_keys(keys);  // a bad pair stops the launch before anything starts
+    security = {"--keys", keys.string()};
+  }
+  if (a.insecure)
+    log_warn("ps launch: plaintext sockets (--insecure): anyone who reaches a port can join");
+  const fs::path endpoint_file = ps_dir / "scheduler.endpoint",
+                 standby_file = ps_dir / "standby_scheduler.endpoint",
+                 pids_file = ps_dir / "launch.json";
+  for (const auto& f : {endpoint_file, standby_file, pids_file}) fs::remove(f);
+
+  signal(SIGINT, on_stop_signal);
+  signal(SIGTERM, on_stop_signal);
+  // Both schedulers get the same config, job options and keys; the standby waits until the
+  // nodes find the scheduler silent and register with it.
+  auto scheduler_args = [&](const fs::path& file, bool standby) {
+    std::vector<std::string> s = {
+        "moetrain", "ps", "scheduler", "--scheduler", "tcp://127.0.0.1:*", "--endpoint-file",
+        file.string()};
+    if (standby) s.push_back("--standby");
+    if (!t.config.empty()) s.insert(s.end(), {"--config", t.config});
+    for (const auto& o : t.overrides) s.insert(s.end(), {"--set", o});
+    for (const auto& o : job_option_args(a.opts)) s.push_back(o);
+    s.insert(s.end(), security.begin(), security.end());
+    return s;
+  };
+  std::vector<Child> children;
+  children.push_back({"scheduler", spawn(scheduler_args(endpoint_file, false), 1)});
+  if (a.standby)
+    children.push_back({"standby scheduler", spawn(scheduler_args(standby_file, true), 1)});
+  const std::size_t first_node = children.size();
+  const auto start = Clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  const std::string endpoint = wait_for_endpoint(children, 0, endpoint_file);
+  const std::string standby_ep = a.standby ? wait_for_endpoint(children, 1, standby_file) : "";
+  auto node_args = [&](const std::string& role, const std::string& scheduler, bool with_standby) {
+    std::vector<std::string> n = {"moetrain", "ps", role, "--scheduler", scheduler};
+    if (with_standby) n.insert(n.end(), {"--standby-scheduler", standby_ep});
+    n.insert(n.end(), security.begin(), security.end());
+    return n;
+  };
+  std::vector<std::string> server_args = node_args("server", endpoint, a.standby);
+  const int cores = hardware_cores();
+  const int worker_threads = std::max(1, cores / static_cast<int>(a.opts.workers));
+  // The first S (with replicas 2S) servers to register hold the key ranges, the rest wait as
+  // spares.
+  const int64_t n_servers = a.opts.servers * a.opts.server_replicas + a.spare_servers;
+  for (int64_t s = 0; s < n_servers; ++s)
+    children.push_back({fmt::format("server {}", s), spawn(server_args, 1)});
+  for (int64_t w = 0; w < a.opts.workers; ++w) {
+    std::vector<std::string> wa = node_args("worker", endpoint, a.standby);
+    wa.insert(wa.end(), {"--index", std::to_string(w)});
+    if (slow.count(w)) wa.insert(wa.end(), {"--slowdown", slow.at(w)});
+    children.push_back({fmt::format("worker {}", w), spawn(wa, worker_threads)});
+  }
+  write_pids(pids_file, children);
+  log_info("ps launch: scheduler at {}{}, {} server(s){}{}, {} worker(s)", endpoint,
+           a.standby ? fmt::format(", standby scheduler at {}", standby_ep) : "", a.opts.servers,
+           a.opts.server_replicas == 2 ? " with backups" : "",
+           a.spare_servers > 0 ? fmt::format(" and {} spare(s)", a.spare_servers) : "",
+           a.opts.workers);
+
+  // The scheduler in charge decides whether the job survives a lost node: launch succeeds or
+  // fails with it. When the scheduler dies and a standby runs, the standby is in charge (the
+  // nodes move to it by themselves). Without replicas launch restarts a dead server (which then
+  // restores from its checkpoint), as that is the way the job recovers.
+  const bool restart_servers = a.opts.server_replicas == 1 && a.opts.checkpoint_every > 0;
+  std::size_t in_charge = 0;
+  std::map<std::string, int> restarts;
+  bool completed = false;
+  std::string why;
+  std::optional<Clock::time_point> nodes_gone;
+  while (!completed && why.empty()) {
+    std::vector<Child> respawned;
+    for (std::size_t i = 0; i < children.size(); ++i) {
+      Child& c = children[i];
+      if (!c.running || waitpid(c.pid, &c.status, WNOHANG) != c.pid) continue;
+      c.running = false;
+      const bool ok = exited_ok(c.status);
+      if (i < first_node && i != in_charge) {
+        log_warn("ps launch: the standby scheduler (pid {}) {}; the job goes on without one",
+                 c.pid, describe_status(c.status));
+      } else if (i < first_node && ok) {
+        completed = true;
+      } else if (i < first_node && i == 0 && a.standby && children[1].running) {
+        in_charge = 1;
+        log_warn(
+            "ps launch: the scheduler (pid {}) {}; the standby scheduler (pid {}) at {} takes "
+            "over once the nodes find it silent",
+            c.pid, describe_status(c.status), children[1].pid, standby_ep);
+        // A server restarted from now on registers with the standby.
+        server_args = node_args("server", standby_ep, false);
+      } else if (i < first_node) {
+        why = fmt::format("the {} {}", c.name, describe_status(c.status));
+      } else if (!ok) {
+        log_error("ps launch: {} (pid {}) {}", c.name, c.pid, describe_status(c.status));
+        if (c.name.starts_with("server") && restart_servers && restarts[c.name] < 3) {
+          ++restarts[c.name];
+          log_warn(
+              "ps launch: restarting {} (restart {} of at most 3); it restores from its "
+              "checkpoint",
+              c.name, restarts[c.name]);
+          respawned.push_back({c.name, spawn(server_args, 1)});
+        }
+      }
+    }
+    if (!respawned.empty()) {
+      children.insert(children.end(), respawned.begin(), respawned.end());
+      write_pids(pids_file, children);
+    }
+    if (completed || !why.empty()) break;
+    // The scheduler died and every node ended too (e.g. it had stopped the job before it died):
+    // nobody is left to register with the standby.
+    bool nodes_left = false;
+    for (std::size_t i = first_node; i < children.size(); ++i) nodes_left |= children[i].running;
+    if (in_charge != 0 && !nodes_left) {
+      if (!nodes_gone) nodes_gone = Clock::now();
+      if (std::chrono::duration<double>(Clock::now() - *nodes_gone).count() > 10)
+        why = "the scheduler died and every server and worker ended without the standby "
+              "scheduler ending the job";
+    }
+    if (g_stop_signal) why = fmt::format("stopped by signal {}", static_cast<int>(g_stop_signal));
+    if (a.timeout > 0 && elapsed() > a.timeout)
+      why = fmt::format("the job ran past --timeout {} s", a.timeout);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (completed) {
+    // The scheduler in charge is done: give the nodes a moment to finish their own way; an idle
+    // standby is stopped with whatever is left.
+    for (int i = 0; i < 100; ++i) {
+      bool left = false;
+      for (std::size_t k = first_node; k < children.size(); ++k) {
+        Child& c = children[k];
+        if (c.running && waitpid(c.pid, &c.status, WNOHANG) == c.pid) c.running = false;
+        left = left || c.running;
+      }
+      if (!left) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  kill_all(children);
+  if (!why.empty()) log_error("ps launch: {}; every process of the job was stopped", why);
+  print_summary(cfg.train.run_dir);
+  if (!why.empty()) {
+    fmt::print(stderr, "ps launch: the job failed\n");
+    return 1;
+  }
+  fmt::print("ps launch: the job completed in {:.1f} s; checkpoint in {}/checkpoints\n", elapsed(),
+             cfg.train.run_dir);
+  return 0;
+}
+
 }  // namespace
 
 Run add_ps_launch_command(CLI::App* ps_cmd) {
-  struct Args {
-    ps::PsOptions opts;
-    std::string keys;
-    bool insecure = false;
-    std::vector<std::string> slowdowns, rest;
-    double timeout = 0;
-  };
-  auto args = std::make_shared<Args>();
+  auto args = std::make_shared<LaunchArgs>();
   auto* launch = ps_cmd->add_subcommand(
       "launch",
       "Start a whole job on this machine: ps launch --servers S --workers W -- train "
       "--config FILE [--set k=v]");
   add_job_options(launch, args->opts);
+  launch->add_flag("--standby-scheduler", args->standby,
+                   "Also start a standby scheduler, its address given to every node: when the "
+                   "scheduler dies it takes over and the job goes on");
+  launch->add_option("--spare-servers", args->spare_servers,
+                     "Extra servers that wait as spares: each becomes the new backup of a shard "
+                     "that lost one (--server-replicas 2) or replaces a dead server from its "
+                     "checkpoint");
   launch->add_option("--keys", args->keys,
                      "Job key pair directory (default: RUN_DIR/ps/keys, made when missing)");
   launch->add_flag("--insecure", args->insecure,
@@ -167,177 +414,7 @@ Run add_ps_launch_command(CLI::App* ps_cmd) {
       ->allow_extra_args(false);
   launch->add_option("--timeout", args->timeout, "Stop the job after this many seconds (0: none)");
   launch->add_option("rest", args->rest, "-- train --config FILE [--set key=value ...]");
-
-  return [args, launch]() -> int {
-    if (!launch->parsed()) return 2;
-    // Validate everything before starting anything.
-    TrainArgs t = parse_train_args(args->rest);
-    RunConfig cfg = load_run_config(t.config, t.overrides);
-    ps::check_ps_run_config(cfg);
-    args->opts.validate();
-    std::map<int64_t, std::string> slow;
-    for (const std::string& s : args->slowdowns) {
-      auto eq = s.find('=');
-      int64_t w = -1;
-      double f = 0;
-      try {
-        if (eq != std::string::npos)
-          w = std::stoll(s.substr(0, eq)), f = std::stod(s.substr(eq + 1));
-      } catch (const std::exception&) {
-        w = -1;
-      }
-      MOETRAIN_CHECK(w >= 0 && w < args->opts.workers && f >= 1,
-                     "--slowdown '{}': expected WORKER=FACTOR with WORKER in 0..{} and FACTOR ≥ 1",
-                     s, args->opts.workers - 1);
-      slow[w] = s.substr(eq + 1);
-    }
-    MOETRAIN_CHECK(args->keys.empty() || !args->insecure,
-                   "ps launch: --keys and --insecure exclude each other");
-    fs::path ps_dir = fs::path(cfg.train.run_dir) / "ps";
-    fs::create_directories(ps_dir);
-    std::vector<std::string> security = {"--insecure"};
-    if (!args->insecure) {
-      fs::path keys = args->keys.empty() ? ps_dir / "keys" : fs::path(args->keys);
-      if (args->keys.empty() && !fs::exists(keys / ps::kSecretKeyFile)) ps::write_job_keys(keys);
-      (void)ps::read_job_keys(keys);  // a bad pair stops the launch before anything starts
-      security = {"--keys", keys.string()};
-    }
-    if (args->insecure)
-      log_warn("ps launch: plaintext sockets (--insecure): anyone who reaches a port can join");
-    const fs::path endpoint_file = ps_dir / "scheduler.endpoint";
-    fs::remove(endpoint_file);
-
-    signal(SIGINT, on_stop_signal);
-    signal(SIGTERM, on_stop_signal);
-    std::vector<Child> children;
-    std::vector<std::string> sargs = {"moetrain",
-                                      "ps",
-                                      "scheduler",
-                                      "--scheduler",
-                                      "tcp://127.0.0.1:*",
-                                      "--endpoint-file",
-                                      endpoint_file.string()};
-    if (!t.config.empty()) sargs.insert(sargs.end(), {"--config", t.config});
-    for (const auto& o : t.overrides) sargs.insert(sargs.end(), {"--set", o});
-    for (const auto& o : job_option_args(args->opts)) sargs.push_back(o);
-    sargs.insert(sargs.end(), security.begin(), security.end());
-    children.push_back({"scheduler", spawn(sargs, 1)});
-
-    const auto start = std::chrono::steady_clock::now();
-    auto elapsed = [&] {
-      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    };
-    std::string endpoint;
-    while (endpoint.empty()) {
-      int status;
-      if (waitpid(children[0].pid, &status, WNOHANG) == children[0].pid) {
-        children[0].running = false;
-        MOETRAIN_FAIL("ps launch: the scheduler {} before it was ready", describe_status(status));
-      }
-      if (std::ifstream in(endpoint_file); in) std::getline(in, endpoint);
-      if (endpoint.empty()) {
-        if (elapsed() > 30) {
-          kill_all(children);
-          MOETRAIN_FAIL("ps launch: the scheduler did not bind within 30 s");
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-    std::vector<std::string> server_args = {"moetrain", "ps", "server", "--scheduler", endpoint};
-    server_args.insert(server_args.end(), security.begin(), security.end());
-    const int cores = hardware_cores();
-    const int worker_threads = std::max(1, cores / static_cast<int>(args->opts.workers));
-    // With replicas, the first S servers to register become primaries, the next S backups.
-    for (int64_t s = 0; s < args->opts.servers * args->opts.server_replicas; ++s)
-      children.push_back({fmt::format("server {}", s), spawn(server_args, 1)});
-    for (int64_t w = 0; w < args->opts.workers; ++w) {
-      std::vector<std::string> wa = {"moetrain", "ps",      "worker",         "--scheduler",
-                                     endpoint,   "--index", std::to_string(w)};
-      if (slow.count(w)) wa.insert(wa.end(), {"--slowdown", slow[w]});
-      wa.insert(wa.end(), security.begin(), security.end());
-      children.push_back({fmt::format("worker {}", w), spawn(wa, worker_threads)});
-    }
-    log_info("ps launch: scheduler at {}, {} server(s), {} worker(s)", endpoint, args->opts.servers,
-             args->opts.workers);
-
-    // The scheduler decides whether the job survives a lost node: launch fails with it, and
-    // restarts a dead server (which then restores from its checkpoint) when that is the way
-    // the job recovers, i.e. without replicas.
-    const bool restart_servers = args->opts.server_replicas == 1 && args->opts.checkpoint_every > 0;
-    std::map<std::string, int> restarts;
-    bool failed = false;
-    std::string why;
-    for (;;) {
-      bool any = false;
-      std::vector<Child> respawned;
-      for (auto& c : children) {
-        if (!c.running) continue;
-        if (waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
-          c.running = false;
-          const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
-          if (c.name == "scheduler") {
-            if (!ok) why = fmt::format("the scheduler {}", describe_status(c.status));
-            continue;
-          }
-          if (ok) continue;
-          log_error("ps launch: {} (pid {}) {}", c.name, c.pid, describe_status(c.status));
-          if (c.name.starts_with("server") && restart_servers && restarts[c.name] < 3) {
-            ++restarts[c.name];
-            log_warn(
-                "ps launch: restarting {} (restart {} of at most 3); it restores from its "
-                "checkpoint",
-                c.name, restarts[c.name]);
-            respawned.push_back({c.name, spawn(server_args, 1)});
-          }
-        } else {
-          any = true;
-        }
-      }
-      for (auto& r : respawned) children.push_back(r);
-      any = any || !respawned.empty();
-      if (!children[0].running) {
-        // The scheduler is done: give the others a moment to finish their own way.
-        for (int i = 0; i < 100; ++i) {
-          bool left = false;
-          for (auto& c : children)
-            if (c.running && waitpid(c.pid, &c.status, WNOHANG) == c.pid)
-              c.running = false;
-            else
-              left = left || c.running;
-          if (!left) break;
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-        if (why.empty()) {
-          kill_all(children);
-          break;
-        }
-      }
-      if (!any) break;
-      if (!why.empty()) break;
-      if (g_stop_signal) {
-        why = fmt::format("stopped by signal {}", static_cast<int>(g_stop_signal));
-        break;
-      }
-      if (args->timeout > 0 && elapsed() > args->timeout) {
-        why = fmt::format("the job ran past --timeout {} s", args->timeout);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (!why.empty()) {
-      failed = true;
-      kill_all(children);
-      log_error("ps launch: {}; every process of the job was stopped", why);
-    }
-    print_summary(cfg.train.run_dir);
-    if (failed) {
-      fmt::print(stderr, "ps launch: the job failed\n");
-      return 1;
-    }
-    fmt::print("ps launch: the job completed in {:.1f} s; checkpoint in {}/checkpoints\n",
-               elapsed(), cfg.train.run_dir);
-    return 0;
-  };
+  return [args, launch]() -> int { return launch->parsed() ? run_launch(*args) : 2; };
 }
 
 }  // namespace moetrain::app

@@ -172,9 +172,10 @@ void Scheduler::on_register(const Incoming& in) {
     }
     // An extra server waits as a spare: without replicas it replaces the next one that dies (a
     // restarted server may register before the dead one's heartbeats ran out), with replicas it
-    // becomes the new backup of the next shard that loses one.
-    const bool spare = idx < 0 && started_ &&
-                       (args_.options.server_replicas == 2 || args_.options.checkpoint_every > 0);
+    // becomes the new backup of the next shard that loses one. Spares may come before the start
+    // too (`ps launch --spare-servers` starts them with the others).
+    const bool spare =
+        idx < 0 && (args_.options.server_replicas == 2 || args_.options.checkpoint_every > 0);
     if (idx < 0 && !spare) {
       send_to(router_, in.identity,
               json_frame(
@@ -200,7 +201,7 @@ void Scheduler::on_register(const Incoming& in) {
                                              : "",
            n.id, n.pid);
   if (!started_) {
-    if (static_cast<int64_t>(members_.alive_servers().size()) ==
+    if (static_cast<int64_t>(members_.serving().size()) ==
             args_.options.servers * args_.options.server_replicas &&
         static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers) {
       started_ = true;

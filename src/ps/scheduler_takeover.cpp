@@ -25,7 +25,8 @@ void Scheduler::on_rejoin(const Incoming& in, const nlohmann::json& j) {
   if (n.role == "server") {
     n.endpoint = j.at("endpoint").get<std::string>();
     n.primary = j.at("primary").get<bool>();
-    rejoin_generations_.insert(j.value("generation", uint32_t{0}));
+    // A spare holds no state, so its generation (that of the last setup it saw) says nothing.
+    if (n.index >= 0) rejoin_generations_.insert(j.value("generation", uint32_t{0}));
   } else {
     n.done = j.value("done", false);
     rejoin_rows_[n.index] = j.at("rows").get<int64_t>();
@@ -52,7 +53,7 @@ void Scheduler::on_rejoin(const Incoming& in, const nlohmann::json& j) {
 bool Scheduler::maybe_take_over() {
   const int64_t S = args_.options.servers;
   const bool everyone =
-      static_cast<int64_t>(members_.alive_servers().size()) == S * args_.options.server_replicas &&
+      static_cast<int64_t>(members_.serving().size()) == S * args_.options.server_replicas &&
       static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers;
   if (!everyone && since(takeover_started_) <= 2 * args_.options.heartbeat_timeout) return true;
   for (int64_t i = 0; i < S; ++i)

@@ -233,6 +233,11 @@ TEST(PsJob, BadOptionsStopBeforeStarting) {
             tmp / "c.log");
   EXPECT_NE(c.wait(60), 0);
   EXPECT_NE(c.output().find("optim.grad_clip"), std::string::npos) << c.output();
+  // A spare needs a backup to become or a checkpoint to restore from.
+  Job d = launch(tmp, {"--spare-servers", "1", "--checkpoint-every", "0"}, 5, 2, "spare");
+  EXPECT_NE(d.code, 0);
+  EXPECT_NE(d.output.find("--spare-servers 1"), std::string::npos) << d.output;
+  EXPECT_FALSE(fs::exists(tmp / "spare" / "ps" / "launch.json")) << "something was started";
 }
 
 }  // namespace

@@ -291,4 +291,63 @@ TEST_F(PsServerFault, LaunchRestartsAKilledServer) {
   expect_reference_params(run);
 }
 
+// `ps launch --standby-scheduler` starts the standby and gives its address to every node; a spare
+// server comes along (`--spare-servers 1`) and waits unused. The scheduler launch started is
+// killed mid-run (its pid from RUN_DIR/ps/launch.json): launch does not stop the job, the standby
+// takes over, launch waits for the workers and exits 0, and the parameters are bitwise the
+// undisturbed run's, as in StandbySchedulerTakesOverAKilledScheduler.
+TEST_F(PsServerFault, LaunchedStandbySchedulerTakesOverAKilledScheduler) {
+  const fs::path run = tmp_->path() / "launch_standby";
+  std::vector<std::string> args = {"ps",
+                                   "launch",
+                                   "--timeout",
+                                   "150",
+                                   "--servers",
+                                   "2",
+                                   "--workers",
+                                   "2",
+                                   "--standby-scheduler",
+                                   "--spare-servers",
+                                   "1",
+                                   "--heartbeat-interval",
+                                   "0.1",
+                                   "--heartbeat-timeout",
+                                   "1",
+                                   "--slowdown",
+                                   "1=30",
+                                   "--",
+                                   "train"};
+  for (const auto& s : as_set_args(tiny_ps_overrides(tmp_->path() / "data", run, kSteps, 2)))
+    args.push_back(s);
+  Process job(args, tmp_->path() / "launch_standby.log");
+  ASSERT_TRUE(wait_until([&] { return applied_steps(run) >= 20; }, 60)) << job.output();
+  pid_t scheduler = -1, standby = -1;
+  const auto pids = read_json(run / "ps" / "launch.json");
+  for (const auto& p : pids["processes"]) {
+    if (p["name"] == "scheduler") scheduler = p["pid"].get<pid_t>();
+    if (p["name"] == "standby scheduler") standby = p["pid"].get<pid_t>();
+  }
+  ASSERT_GT(scheduler, 0) << pids.dump();
+  ASSERT_GT(standby, 0) << pids.dump();
+  EXPECT_EQ(pids["processes"].size(), 7u) << "2 schedulers, 2 servers, 1 spare, 2 workers: "
+                                          << pids.dump();
+  ASSERT_EQ(::kill(scheduler, SIGKILL), 0);
+  ASSERT_LT(applied_steps(run), kSteps) << "the job ended before the kill";
+  ASSERT_TRUE(wait_until(
+      [&] { return job.output().find("the standby takes over") != std::string::npos; }, 30))
+      << job.output();
+  EXPECT_LT(applied_steps(run), kSteps) << "the takeover came after the last clock";
+  ASSERT_EQ(job.wait(150), 0) << job.output();
+  const std::string out = job.output();
+  EXPECT_NE(out.find("the standby scheduler (pid " + std::to_string(standby)), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("waiting as a spare"), std::string::npos) << out;
+  int spares = 0;
+  for (std::size_t at = 0; (at = out.find("(spare) registered", at)) != std::string::npos; ++at)
+    ++spares;
+  EXPECT_EQ(spares, 1) << out;
+  EXPECT_EQ(applied_steps(run), kSteps) << "every clock applied exactly once";
+  expect_reference_params(run);
+}
+
 }  // namespace
