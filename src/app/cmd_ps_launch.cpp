@@ -162,8 +162,6 @@ TrainArgs parse_train_args(const std::vector<std::string>& rest) {
   return t;
 }
 
-
-
 struct LaunchArgs {
   ps::PsOptions opts;
   std::string keys;
@@ -253,8 +251,8 @@ int run_launch(const LaunchArgs& a) {
   // nodes find the scheduler silent and register with it.
   auto scheduler_args = [&](const fs::path& file, bool standby) {
     std::vector<std::string> s = {
-        "moetrain", "ps", "scheduler", "--scheduler", "tcp://127.0.0.1:*", "--endpoint-file",
-        file.string()};
+        "moetrain",        "ps",         "scheduler", "--scheduler", "tcp://127.0.0.1:*",
+        "--endpoint-file", file.string()};
     if (standby) s.push_back("--standby");
     if (!t.config.empty()) s.insert(s.end(), {"--config", t.config});
     for (const auto& o : t.overrides) s.insert(s.end(), {"--set", o});
@@ -316,8 +314,8 @@ int run_launch(const LaunchArgs& a) {
       c.running = false;
       const bool ok = exited_ok(c.status);
       if (i < first_node && i != in_charge) {
-        log_warn("ps launch: the standby scheduler (pid {}) {}; the job goes on without one",
-                 c.pid, describe_status(c.status));
+        log_warn("ps launch: the standby scheduler (pid {}) {}; the job goes on without one", c.pid,
+                 describe_status(c.status));
       } else if (i < first_node && ok) {
         completed = true;
       } else if (i < first_node && i == 0 && a.standby && children[1].running) {
@@ -354,8 +352,9 @@ int run_launch(const LaunchArgs& a) {
     if (in_charge != 0 && !nodes_left) {
       if (!nodes_gone) nodes_gone = Clock::now();
       if (std::chrono::duration<double>(Clock::now() - *nodes_gone).count() > 10)
-        why = "the scheduler died and every server and worker ended without the standby "
-              "scheduler ending the job";
+        why =
+            "the scheduler died and every server and worker ended without the standby "
+            "scheduler ending the job";
     }
     if (g_stop_signal) why = fmt::format("stopped by signal {}", static_cast<int>(g_stop_signal));
     if (a.timeout > 0 && elapsed() > a.timeout)

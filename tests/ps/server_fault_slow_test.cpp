@@ -329,8 +329,8 @@ TEST_F(PsServerFault, LaunchedStandbySchedulerTakesOverAKilledScheduler) {
   }
   ASSERT_GT(scheduler, 0) << pids.dump();
   ASSERT_GT(standby, 0) << pids.dump();
-  EXPECT_EQ(pids["processes"].size(), 7u) << "2 schedulers, 2 servers, 1 spare, 2 workers: "
-                                          << pids.dump();
+  EXPECT_EQ(pids["processes"].size(), 7u)
+      << "2 schedulers, 2 servers, 1 spare, 2 workers: " << pids.dump();
   ASSERT_EQ(::kill(scheduler, SIGKILL), 0);
   ASSERT_LT(applied_steps(run), kSteps) << "the job ended before the kill";
   ASSERT_TRUE(wait_until(
