@@ -4,12 +4,18 @@
 // GEMM operands (Transformer::set_precision) and also measures the raw bf16 GEMM rate at that
 // shape through kernels/gemm.h (oneDNN bf16 where the CPU has it; bf16_native says whether it
 // did, else the operands were widened to f32 and no bf16 speed-up is possible).
+// --profile prints, instead, where one step's time goes phase by phase (core/profile.h), and the
+// optimizer's memory rate against a streaming kernel measured in the same run.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <dnnl.hpp>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "core/profile.h"
 #include "core/rng.h"
 #include "core/threads.h"
 #include "core/timer.h"
@@ -70,31 +76,52 @@ double raw_gemm_gflops(int64_t M, int64_t N, int64_t K) {
   return 2.0 * M * N * K * iters / t.seconds() * 1e-9;
 }
 
-void BM_train_step(benchmark::State& state) {
-  const Preset& p = kPresets[state.range(0)];
-  ModelConfig cfg = model_of(p);
-  Transformer model(cfg);
-  const bool bf = state.range(1) == 1;
-  if (bf) model.set_precision(DType::BF16);
-  const ParamLayout& layout = model.layout();
-  std::vector<float> params(layout.size()), grads(layout.size());
-  init_params(params.data(), layout, cfg, 1);
-  auto groups = param_groups(layout);
-  auto opt =
-      make_optimizer(default_optimizer_config(OptimizerKind::AdamW), groups, 0, layout.size());
-  std::vector<int32_t> in(p.B * p.T), tg(p.B * p.T);
-  Rng rng(5, 5);
-  for (size_t i = 0; i < in.size(); ++i)
-    in[i] = rng.below(2 * i, 256), tg[i] = rng.below(2 * i + 1, 256);
+// One preset's model, parameters, optimizer and a fixed batch: what one step touches.
+struct StepRig {
+  const Preset& p;
+  ModelConfig cfg;
+  Transformer model;
+  std::vector<float> params, grads;
+  std::vector<ParamRange> groups;  // the optimizer keeps a view of them
+  std::unique_ptr<Optimizer> opt;
+  std::vector<int32_t> in, tg;
   MoeStep ms;
-  double moe_experts = 0, moe_total = 0;
-  for (auto _ : state) {
-    std::fill(grads.begin(), grads.end(), 0.0f);
+
+  StepRig(const Preset& preset, bool bf)
+      : p(preset), cfg(model_of(preset)), model(cfg), in(p.B * p.T), tg(p.B * p.T) {
+    if (bf) model.set_precision(DType::BF16);
+    const ParamLayout& layout = model.layout();
+    params.resize(layout.size());
+    grads.resize(layout.size());
+    init_params(params.data(), layout, cfg, 1);
+    groups = param_groups(layout);
+    opt = make_optimizer(default_optimizer_config(OptimizerKind::AdamW), groups, 0, layout.size());
+    Rng rng(5, 5);
+    for (size_t i = 0; i < in.size(); ++i)
+      in[i] = rng.below(2 * i, 256), tg[i] = rng.below(2 * i + 1, 256);
+  }
+
+  void step() {
+    {
+      PhaseScope zero(Phase::GradZero);
+      std::fill(grads.begin(), grads.end(), 0.0f);
+    }
     model.forward(params.data(), in.data(), tg.data(), p.B, p.T, ms);
     model.backward(params.data(), grads.data(), 1.0f);
     opt->step(params.data(), grads.data(), 1e-4f);
     model.weights_changed();  // bf16: the weight copy is refreshed at the next forward
     ++ms.step;
+  }
+};
+
+void BM_train_step(benchmark::State& state) {
+  const Preset& p = kPresets[state.range(0)];
+  const bool bf = state.range(1) == 1;
+  StepRig rig(p, bf);
+  Transformer& model = rig.model;
+  double moe_experts = 0, moe_total = 0;
+  for (auto _ : state) {
+    rig.step();
     for (MoeLayer* m : model.moe_layers())
       moe_experts += m->timings().experts, moe_total += m->timings().total();
   }
@@ -113,6 +140,63 @@ void BM_train_step(benchmark::State& state) {
   state.SetLabel(std::string(p.name) + (bf ? "_bf16" : "_f32"));
 }
 
+// A streaming a[i] = b[i] + s·c[i] over arrays far larger than the caches: the memory bandwidth
+// the optimizer (which reads parameters, gradients and two moments and writes three) can reach.
+double stream_gbps() {
+  const int64_t n = int64_t{1} << 24;
+  std::vector<float> a(n, 0.0f), b(n, 1.0f), c(n, 2.0f);
+  auto run = [&] {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
+  };
+  run();
+  Timer t;
+  int iters = 0;
+  while (t.seconds() < 0.3 || iters < 3) run(), ++iters;
+  benchmark::DoNotOptimize(a.data());
+  return 3.0 * 4.0 * static_cast<double>(n) * iters / t.seconds() * 1e-9;
+}
+
+// bench_train_step --profile: where one step's time goes, phase by phase (core/profile.h).
+void print_profile(int preset, bool bf, int steps, double stream) {
+  const Preset& p = kPresets[preset];
+  StepRig rig(p, bf);
+  rig.step();
+  rig.step();
+  Timer t;
+  profile::start();
+  for (int i = 0; i < steps; ++i) rig.step();
+  const PhaseTable table = profile::stop();
+  const double step_s = t.seconds() / steps;
+  std::printf("\n%s %s: %.1f ms per step (%d steps), %.0f tokens/s\n", p.name,
+              bf ? "bf16" : "f32", step_s * 1e3, steps, static_cast<double>(p.B * p.T) / step_s);
+  std::printf("  %-26s %10s %7s %10s\n", "phase", "ms/step", "share", "calls/step");
+  std::vector<int> order;
+  double in_phases = 0;
+  for (int i = 0; i < static_cast<int>(Phase::kCount); ++i) {
+    order.push_back(i);
+    in_phases += table[i].seconds;
+  }
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return table[a].seconds > table[b].seconds; });
+  for (int i : order) {
+    if (table[i].calls == 0) continue;
+    const double s = table[i].seconds / steps;
+    std::printf("  %-26s %10.2f %6.1f%% %10.1f\n", std::string(phase_name(Phase(i))).c_str(),
+                s * 1e3, 100.0 * s / step_s, static_cast<double>(table[i].calls) / steps);
+  }
+  const double other = step_s - in_phases / steps;
+  std::printf("  %-26s %10.2f %6.1f%%\n", "(outside every phase)", other * 1e3,
+              100.0 * other / step_s);
+  const PhaseTotals& o = table[static_cast<int>(Phase::Optimizer)];
+  const double opt_bytes = 7.0 * 4.0 * static_cast<double>(rig.params.size());
+  if (o.seconds > 0)
+    std::printf("  optimizer: %.1f M parameters, %.2f GB/s (7 x 4 bytes per parameter) against "
+                "%.2f GB/s streaming: %.0f%%\n",
+                static_cast<double>(rig.params.size()) / 1e6, opt_bytes * steps / o.seconds * 1e-9,
+                stream, 100.0 * opt_bytes * steps / o.seconds * 1e-9 / stream);
+}
+
 }  // namespace
 
 BENCHMARK(BM_train_step)
@@ -127,6 +211,25 @@ BENCHMARK(BM_train_step)
 
 int main(int argc, char** argv) {
   init_threads();
+  bool profile_mode = false;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--profile") {
+      profile_mode = true;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  if (profile_mode) {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
+    const double stream = stream_gbps();
+    std::printf("threads %d; %s; memory bandwidth (streaming) %.2f GB/s\n", num_threads(),
+                gemm_backend_info(), stream);
+    for (int preset = 0; preset < 2; ++preset)
+      for (bool bf : {false, true}) print_profile(preset, bf, 5, stream);
+    return 0;
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("threads", std::to_string(num_threads()));

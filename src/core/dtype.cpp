@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "core/tensor.h"
 
 namespace moetrain {
@@ -22,6 +23,7 @@ DType parse_dtype(std::string_view name, std::string_view key,
 namespace {
 template <class To, class From, class Fn>
 void convert(To* out, const From* in, std::size_t n, Fn fn) {
+  PhaseScope phase_scope(Phase::Convert);
   const std::ptrdiff_t sn = static_cast<std::ptrdiff_t>(n);
 #pragma omp parallel for schedule(static) if (sn > (1 << 16))
   for (std::ptrdiff_t i = 0; i < sn; ++i) out[i] = fn(in[i]);

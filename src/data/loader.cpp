@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "core/rng.h"
 
 namespace moetrain {
@@ -44,6 +45,7 @@ uint64_t BatchLoader::window_start(int64_t step, int64_t micro, int64_t b) const
 }
 
 void BatchLoader::fill(int64_t step, int64_t micro, int32_t* inputs, int32_t* targets) const {
+  PhaseScope phase_scope(Phase::Data);
   MOETRAIN_CHECK(step >= 0 && micro >= 0,
                  "BatchLoader: step {} and micro-batch {} must be non-negative", step, micro);
   for (int64_t b = 0; b < B_; ++b) {

@@ -1,5 +1,7 @@
 #include "kernels/activation.h"
 
+#include "core/profile.h"
+
 #include <cmath>
 
 namespace moetrain {
@@ -17,22 +19,26 @@ inline float silu_grad(float x) {
 }  // namespace
 
 void silu_forward(float* out, const float* inp, int64_t n) {
+  PhaseScope phase_scope(Phase::Activation);
 #pragma omp parallel for simd schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) out[i] = inp[i] * sigmoid(inp[i]);
 }
 
 void silu_backward(float* dinp, const float* dout, const float* inp, int64_t n) {
+  PhaseScope phase_scope(Phase::Activation);
 #pragma omp parallel for simd schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) dinp[i] = dout[i] * silu_grad(inp[i]);
 }
 
 void swiglu_forward(float* out, const float* a, const float* b, int64_t n) {
+  PhaseScope phase_scope(Phase::Activation);
 #pragma omp parallel for simd schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] * sigmoid(a[i]) * b[i];
 }
 
 void swiglu_backward(float* da, float* db, const float* dout, const float* a, const float* b,
                      int64_t n) {
+  PhaseScope phase_scope(Phase::Activation);
 #pragma omp parallel for simd schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
     float s = sigmoid(a[i]);

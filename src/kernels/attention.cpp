@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -167,6 +168,7 @@ void check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV, i
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  PhaseScope phase_scope(Phase::Attention);
   check_args("attention_forward", B, T, NH, NKV, HS);
   if (B == 0 || T == 0) return;
   MOETRAIN_CHECK(out && lse && q && k && v, "attention_forward: null buffer for B={} T={}", B, T);
@@ -221,6 +223,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  PhaseScope phase_scope(Phase::Attention);
   check_args("attention_backward", B, T, NH, NKV, HS);
   if (B == 0 || T == 0) return;
   MOETRAIN_CHECK(dq && dk && dv && dout && q && k && v && out && lse,

@@ -4,6 +4,7 @@
 
 #include "core/buffer.h"
 #include "core/check.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -136,6 +137,7 @@ void grouped_gemm_det(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t 
 
 void grouped_gemm_reduce_det(int64_t G, const int64_t* M, const ReduceProblem* problems,
                              int64_t n_problems, bool accumulate) {
+  PhaseScope phase_scope(Phase::ExpertWgrad);
   check_counts(M, G, "grouped_gemm_reduce_det");
   struct Task {
     int64_t problem;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -25,6 +26,7 @@ void check_args(const char* fn, const int32_t* ids, int64_t N, int64_t C, int64_
 
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C,
                        int64_t V) {
+  PhaseScope phase_scope(Phase::Embedding);
   check_args("embedding_forward", ids, N, C, V);
   if (C == 0) return;
 #pragma omp parallel for schedule(static) if (N * C > kParallelMin)
@@ -33,6 +35,7 @@ void embedding_forward(float* out, const int32_t* ids, const float* table, int64
 
 void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t C,
                         int64_t V) {
+  PhaseScope phase_scope(Phase::Embedding);
   check_args("embedding_backward", ids, N, C, V);
   if (N == 0 || C == 0) return;
   // Group token positions by id, keeping token order inside a group; each group then owns its

@@ -11,6 +11,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -179,6 +180,7 @@ void run_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, con
 template <typename T>
 void gemm_impl(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B,
                float* C, bool acc, int64_t lda, int64_t ldb, int64_t ldc) {
+  PhaseScope phase_scope(Phase::Gemm);
   MOETRAIN_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm: negative size M={} N={} K={}", M, N, K);
   bool a_t = ta == Trans::T, b_t = tb == Trans::T;
   if (lda == 0) lda = a_t ? M : K;
@@ -193,6 +195,7 @@ void gemm_impl(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const T* A, 
 template <typename T>
 void grouped_impl(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const T* A,
                   const T* B, int64_t b_stride, float* C, bool acc) {
+  PhaseScope phase_scope(Phase::Gemm);
   MOETRAIN_CHECK(G >= 0 && N >= 0 && K >= 0, "grouped_gemm: negative size G={} N={} K={}", G, N, K);
   bool b_t = tb == Trans::T;
   int64_t row = 0;
@@ -207,6 +210,7 @@ void grouped_impl(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, c
 template <typename T>
 void grouped_reduce_impl(int64_t G, const int64_t* M, int64_t P, int64_t Q, const T* A, const T* B,
                          float* C, int64_t c_stride, bool acc) {
+  PhaseScope phase_scope(Phase::Gemm);
   MOETRAIN_CHECK(G >= 0 && P >= 0 && Q >= 0, "grouped_gemm_reduce: negative size G={} P={} Q={}", G,
                  P, Q);
   int64_t row = 0;

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -17,6 +18,7 @@ constexpr int64_t kColBlock = 128;
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
                      int64_t C, float eps) {
+  PhaseScope phase_scope(Phase::Norm);
   MOETRAIN_CHECK(N >= 0 && C > 0, "rmsnorm_forward: need N >= 0 and C > 0, got N={} C={}", N, C);
   MOETRAIN_CHECK(eps >= 0.0f, "rmsnorm_forward: eps must be >= 0, got {}", eps);
 #pragma omp parallel for schedule(static) if (N * C > kParallelMin)
@@ -35,6 +37,7 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
 
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
                       const float* weight, const float* rstd, int64_t N, int64_t C) {
+  PhaseScope phase_scope(Phase::Norm);
   MOETRAIN_CHECK(N >= 0 && C > 0, "rmsnorm_backward: need N >= 0 and C > 0, got N={} C={}", N, C);
   // y_c = w_c x_c r with r = (mean(x²) + eps)^(-1/2) and dr/dx_j = −r³ x_j / C, so
   // dx_j = r w_j dy_j − r³ x_j / C · Σ_c dy_c w_c x_c.

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -98,6 +99,7 @@ constexpr int64_t kMaxPos = int64_t{1} << 24;
 
 void rope_forward(float* out, const float* inp, const int32_t* pos, int64_t N, int64_t NH,
                   int64_t HS, float theta) {
+  PhaseScope phase_scope(Phase::Rope);
   check_theta("rope_forward", theta);
   check_args("rope_forward", pos, N, NH, HS, kMaxPos);
   rope_apply(out, inp, pos, N, NH, HS, theta, 1.0f);
@@ -105,6 +107,7 @@ void rope_forward(float* out, const float* inp, const int32_t* pos, int64_t N, i
 
 void rope_backward(float* dinp, const float* dout, const int32_t* pos, int64_t N, int64_t NH,
                    int64_t HS, float theta) {
+  PhaseScope phase_scope(Phase::Rope);
   check_theta("rope_backward", theta);
   check_args("rope_backward", pos, N, NH, HS, kMaxPos);
   rope_apply(dinp, dout, pos, N, NH, HS, theta, -1.0f);
@@ -130,6 +133,7 @@ RopeTable::RopeTable(int64_t max_pos, int64_t HS, float theta)
 
 void rope_forward(float* out, const float* inp, const int32_t* pos, int64_t N, int64_t NH,
                   int64_t HS, const RopeTable& table) {
+  PhaseScope phase_scope(Phase::Rope);
   check_table("rope_forward", HS, table);
   check_args("rope_forward", pos, N, NH, HS, table.max_pos());
   rope_apply(out, inp, pos, N, NH, table, 1.0f);
@@ -137,6 +141,7 @@ void rope_forward(float* out, const float* inp, const int32_t* pos, int64_t N, i
 
 void rope_backward(float* dinp, const float* dout, const int32_t* pos, int64_t N, int64_t NH,
                    int64_t HS, const RopeTable& table) {
+  PhaseScope phase_scope(Phase::Rope);
   check_table("rope_backward", HS, table);
   check_args("rope_backward", pos, N, NH, HS, table.max_pos());
   rope_apply(dinp, dout, pos, N, NH, table, -1.0f);

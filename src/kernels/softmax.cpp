@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -69,6 +70,7 @@ void softmax_backward(float* dinp, const float* dout, const float* out, int64_t 
 
 void softmax_xent_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
                           int64_t N, int64_t V) {
+  PhaseScope phase_scope(Phase::Loss);
   MOETRAIN_CHECK(N >= 0 && V > 0, "softmax_xent_forward: need N >= 0 and V > 0, got N={} V={}", N,
                  V);
   check_targets("softmax_xent_forward", targets, N, V);
@@ -84,6 +86,7 @@ void softmax_xent_forward(float* losses, float* lse, const float* logits, const 
 
 void softmax_xent_backward(float* dlogits, const float* dlosses, const float* logits,
                            const float* lse, const int32_t* targets, int64_t N, int64_t V) {
+  PhaseScope phase_scope(Phase::Loss);
   MOETRAIN_CHECK(N >= 0 && V > 0, "softmax_xent_backward: need N >= 0 and V > 0, got N={} V={}", N,
                  V);
   check_targets("softmax_xent_backward", targets, N, V);

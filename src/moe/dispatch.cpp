@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -13,6 +14,7 @@ constexpr int64_t kParallelFloats = 1 << 15;
 }  // namespace
 
 int64_t apply_capacity(Routing& r, int64_t capacity) {
+  PhaseScope phase_scope(Phase::Dispatch);
   const int64_t N = r.N, E = r.E, S = r.S;
   MOETRAIN_CHECK(capacity >= 0, "apply_capacity: capacity is {}, must be >= 0", capacity);
   r.expert = r.selected;
@@ -45,6 +47,7 @@ int64_t apply_capacity(Routing& r, int64_t capacity) {
 }
 
 void build_layout(DispatchLayout& layout, const Routing& r) {
+  PhaseScope phase_scope(Phase::Dispatch);
   const int64_t N = r.N, E = r.E, S = r.S;
   layout.N = N, layout.E = E, layout.S = S;
   layout.counts.assign(E, 0);
@@ -79,6 +82,7 @@ void build_layout(DispatchLayout& layout, const Routing& r) {
 }
 
 void permute_forward(float* xp, const float* inp, const DispatchLayout& layout, int64_t C) {
+  PhaseScope phase_scope(Phase::Dispatch);
   const int64_t R = layout.R;
   const int32_t* tok = layout.row_token.data();
 #pragma omp parallel for schedule(static) if (R * C > kParallelFloats)
@@ -87,6 +91,7 @@ void permute_forward(float* xp, const float* inp, const DispatchLayout& layout, 
 
 void permute_backward(float* dinp, const float* dxp, const DispatchLayout& layout, int64_t C,
                       bool accumulate) {
+  PhaseScope phase_scope(Phase::Dispatch);
   const int64_t N = layout.N, S = layout.S;
   const int32_t* slot_row = layout.slot_row.data();
 #pragma omp parallel for schedule(static) if (N * S * C > kParallelFloats)
@@ -105,6 +110,7 @@ void permute_backward(float* dinp, const float* dxp, const DispatchLayout& layou
 
 void combine_forward(float* out, const float* y, const DispatchLayout& layout, int64_t C,
                      bool accumulate) {
+  PhaseScope phase_scope(Phase::Dispatch);
   const int64_t N = layout.N, S = layout.S;
   const int32_t* slot_row = layout.slot_row.data();
   const float* rw = layout.row_weight.data();
@@ -125,6 +131,7 @@ void combine_forward(float* out, const float* y, const DispatchLayout& layout, i
 
 void combine_backward(float* dy, float* dweight, const float* dout, const float* y,
                       const DispatchLayout& layout, int64_t C) {
+  PhaseScope phase_scope(Phase::Dispatch);
   const int64_t N = layout.N, S = layout.S;
   const int32_t* slot_row = layout.slot_row.data();
   const float* rw = layout.row_weight.data();

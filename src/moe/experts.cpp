@@ -1,6 +1,7 @@
 #include "moe/experts.h"
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "kernels/activation.h"
 #include "kernels/det_gemm.h"
 
@@ -117,6 +118,7 @@ void experts_backward_lp(float* dxp, const ExpertRange& dw, const float* dy,
 
 void experts_forward(float* y, const float* xp, const int64_t* counts, const ExpertRange& w,
                      int64_t C, int64_t F, ExpertActs& acts) {
+  PhaseScope phase_scope(Phase::Experts);
   const int64_t G = w.count;
   MOETRAIN_CHECK(G >= 0 && C > 0 && F > 0, "experts_forward: count={} C={} F={}", G, C, F);
   const std::vector<RowBlock> blocks = row_blocks(counts, G);
@@ -145,6 +147,7 @@ void experts_forward(float* y, const float* xp, const int64_t* counts, const Exp
 void experts_backward(float* dxp, const ExpertRange& dw, const float* dy, const float* xp,
                       const int64_t* counts, const ExpertRange& w, int64_t C, int64_t F,
                       ExpertActs& acts) {
+  PhaseScope phase_scope(Phase::Experts);
   const int64_t G = w.count;
   MOETRAIN_CHECK(dw.count == G, "experts_backward: gradient range has {} experts, weights {}",
                  dw.count, G);

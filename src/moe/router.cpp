@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "core/rng.h"
 #include "kernels/det_gemm.h"
 
@@ -140,6 +141,7 @@ void topk_indices(int32_t* idx, float* vals, const float* key, int64_t E, int64_
 void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
                     const MoeConfig& cfg, const float* gate, const float* noise, const float* bias,
                     const MoeStep& step) {
+  PhaseScope phase_scope(Phase::Router);
   const int64_t C = cfg.C, E = cfg.E, K = cfg.K;
   const RouterKind kind = cfg.router;
   MOETRAIN_CHECK(N >= 0, "router_forward: N is {}, must be >= 0", N);
@@ -243,6 +245,7 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
 void router_backward(float* dinp, float* dgate, float* dnoise, const RouterGrads& grads,
                      const float* inp, const float* gate, const float* noise, const Routing& r,
                      RouterCache& cache, const MoeConfig& cfg) {
+  PhaseScope phase_scope(Phase::Router);
   const int64_t N = r.N, E = cfg.E, C = cfg.C, S = r.S;
   const RouterKind kind = cfg.router;
   MOETRAIN_CHECK(cache.N == N && r.E == E,

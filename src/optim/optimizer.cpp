@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "optim/adagrad.h"
 #include "optim/adamw.h"
 #include "optim/rmsprop.h"
@@ -152,6 +153,7 @@ void Optimizer::set_step_count(int64_t steps) {
 }
 
 void Optimizer::step(float* params, const float* grads, float lr) {
+  PhaseScope phase_scope(Phase::Optimizer);
   MOETRAIN_CHECK(std::isfinite(lr) && lr >= 0.0f, "optimizer step: lr = {} must be finite and >= 0",
                  lr);
   MOETRAIN_CHECK(size() == 0 || (params != nullptr && grads != nullptr),

@@ -1,6 +1,7 @@
 #include "parallel/mpi_exchange.h"
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "core/timer.h"
 
 namespace moetrain {
@@ -66,11 +67,13 @@ const float* MpiExchange::exchange(Move move, const float* in, const ExchangeLay
 
 const float* MpiExchange::dispatch(const float* send, const ExchangeLayout& layout,
                                    FloatBuffer& recv) {
+  PhaseScope phase_scope(Phase::Exchange);
   return exchange(&a2a_dispatch, send, layout, layout.R_recv, recv);
 }
 
 const float* MpiExchange::combine(const float* rows, const ExchangeLayout& layout,
                                   FloatBuffer& back) {
+  PhaseScope phase_scope(Phase::Exchange);
   return exchange(&a2a_combine, rows, layout, layout.R_send, back);
 }
 

@@ -15,6 +15,7 @@
 
 #include "core/check.h"
 #include "core/comm.h"
+#include "core/profile.h"
 #include "model/classifier.h"
 #include "model/transformer.h"
 #include "moe/moe_layer.h"
@@ -103,7 +104,10 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
                        const AccumulateArgs<Batch>& args) {
   const int64_t A = args.micro_batches;
   MOETRAIN_CHECK(A > 0, "accumulate: {} micro-batches, needs at least one", A);
-  std::fill(grads, grads + n, 0.0f);
+  {
+    PhaseScope zero(Phase::GradZero);
+    std::fill(grads, grads + n, 0.0f);
+  }
   const std::vector<MoeLayer*> moe = model.moe_layers();
   Accumulated acc;
   acc.dropped.assign(moe.size(), 0.0);
