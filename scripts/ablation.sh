@@ -60,8 +60,18 @@ cleanup() {
   fi
   rm -rf "$tmp"
 }
+# A run is waited for in the background, so that Ctrl-C or a TERM reaches this shell at once: it
+# stops mpirun (which stops its job), then the EXIT trap removes the namespaces.
+child=0
+on_signal() {
+  if [ "$child" != 0 ]; then
+    kill -TERM "$child" 2> /dev/null || true
+    wait "$child" 2> /dev/null || true
+  fi
+  exit 130
+}
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+trap on_signal INT TERM
 
 mode=loopback why=""
 if [ "${NETNS:-auto}" = off ]; then
@@ -73,7 +83,7 @@ elif ! ip netns list > /dev/null 2>&1; then
 else
   for n in "$ns0" "$ns1"; do
     if ip netns list | awk '{print $1}' | grep -qx "$n"; then
-      die "network namespace $n exists already (another ablation run, or someone else's): " \
+      die "network namespace $n exists already (another ablation run, or someone else's):" \
         "remove it with \`ip netns del $n\` once nothing uses it"
     fi
   done
@@ -197,11 +207,15 @@ for row in "${names[@]}"; do
     mkdir -p "$dir"
     echo "== $row run $k/$runs ($((SECONDS - start)) s)"
     # shellcheck disable=SC2086
-    if ! "${launch[@]}" "$bin" train --config "$config" ${args[$row]} --set train.steps="$steps" \
-      --set train.seed=$((1233 + k)) --set train.run_dir="$dir" > "$dir/log.txt" 2>&1; then
+    "${launch[@]}" "$bin" train --config "$config" ${args[$row]} --set train.steps="$steps" \
+      --set train.seed=$((1233 + k)) --set train.run_dir="$dir" > "$dir/log.txt" 2>&1 &
+    child=$!
+    if ! wait "$child"; then
+      child=0
       tail -20 "$dir/log.txt" >&2
       die "row $row run $k failed (log: $dir/log.txt)"
     fi
+    child=0
     rm -rf "$dir"/checkpoints "$dir"/step_*  # only the metrics are read
   done
 done
