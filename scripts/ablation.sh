@@ -24,7 +24,7 @@
 #   ABLATION_SKIP_UNKNOWN=1  drop a row's settings that this build refuses (a key or value not
 #                         built yet), with a warning that setup.txt keeps; default: stop there
 #   UPDATE_DOCS=1         also copy the chart to docs/ablation.svg
-# Whole run (RUNS=3, STEPS=40) on 2 cores: about 15 minutes.
+# Whole run (RUNS=3, STEPS=40): meant to stay within about 15 minutes on 2 quiet cores.
 set -euo pipefail
 build=${1:-build}
 bin="$build/moetrain"
