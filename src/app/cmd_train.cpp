@@ -60,8 +60,8 @@ Run add_train_command(CLI::App& app) {
                   "Start from these weights (a checkpoint, run or Hugging Face Mixtral directory) "
                   "at step 0 with fresh optimizer state; the model takes its architecture");
   cmd->add_flag("--dry-run", args->dry_run,
-                 "Validate the configuration (file, --set and flags), print it as JSON and exit; "
-                 "trains nothing, reads no data");
+                "Validate the configuration (file, --set and flags), print it as JSON and exit; "
+                "trains nothing, reads no data");
   auto flags = add_config_flags(cmd, train_config_flags());
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);

@@ -202,8 +202,7 @@ std::string ablation_svg(const AblationTable& t) {
     series.push_back(std::move(s));
   }
   std::string x_label = "row:";
-  for (std::size_t i = 0; i < t.rows.size(); ++i)
-    x_label += fmt::format(" {}", t.rows[i].name);
+  for (std::size_t i = 0; i < t.rows.size(); ++i) x_label += fmt::format(" {}", t.rows[i].name);
   std::string svg =
       line_chart(series, {.x_label = x_label, .y_label = "relative to the baseline (row 1)"});
   MOETRAIN_CHECK(!svg.empty(), "ablation chart: no row has a finite figure");

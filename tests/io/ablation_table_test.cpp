@@ -23,18 +23,20 @@ namespace {
 void write_run(const TempDir& tmp, const std::string& dir, double dt, double efficiency,
                double val_loss) {
   tmp.write(dir + "/config.json", R"({"train": {"seq_len": 10}})");
-  std::string lines = fmt::format(
-      R"({{"step":1,"step_time_s":100,"tokens_per_s":0.01,"comm_efficiency":0,)"
-      R"("tokens_per_expert":[[8,0],[8,0]]}})"
-      "\n");
+  std::string lines =
+      fmt::format(R"({{"step":1,"step_time_s":100,"tokens_per_s":0.01,"comm_efficiency":0,)"
+                  R"("tokens_per_expert":[[8,0],[8,0]]}})"
+                  "\n");
   for (int step = 2; step <= 3; ++step)
-    lines += fmt::format(
-        R"({{"step":{},"step_time_s":{},"tokens_per_s":{},"comm_efficiency":{},)"
-        R"("tokens_per_expert":[[3,1],[2,2]]}})"
-        "\n",
-        step, dt, 40 / dt, efficiency);
-  lines += R"({"step":2,"val_loss":9.0})" "\n";  // an earlier evaluation
-  lines += fmt::format(R"({{"step":3,"val_loss":{}}})" "\n", val_loss);
+    lines += fmt::format(R"({{"step":{},"step_time_s":{},"tokens_per_s":{},"comm_efficiency":{},)"
+                         R"("tokens_per_expert":[[3,1],[2,2]]}})"
+                         "\n",
+                         step, dt, 40 / dt, efficiency);
+  lines += R"({"step":2,"val_loss":9.0})"
+           "\n";  // an earlier evaluation
+  lines += fmt::format(R"({{"step":3,"val_loss":{}}})"
+                       "\n",
+                       val_loss);
   tmp.write(dir + "/metrics.jsonl", lines);
 }
 
@@ -100,7 +102,8 @@ TEST(AblationTable, AnUnfinishedRunOrAMissingFolderIsNamed) {
   EXPECT_THROW(read_ablation(tmp.path(), 1), Error);
   tmp.write("runs/1_baseline/1/config.json", R"({"train": {"seq_len": 10}})");
   tmp.write("runs/1_baseline/1/metrics.jsonl",
-            R"({"step":2,"step_time_s":1,"tokens_per_s":10,"tokens_per_expert":[[1,1]]})" "\n");
+            R"({"step":2,"step_time_s":1,"tokens_per_s":10,"tokens_per_expert":[[1,1]]})"
+            "\n");
   try {
     read_ablation(tmp.path(), 1);
     FAIL() << "a run without its final evaluation was accepted";
