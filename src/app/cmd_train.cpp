@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <memory>
 
+#include <nlohmann/json.hpp>
+
 #include "app/checks.h"
 #include "app/commands.h"
 #include "app/dist_options.h"
@@ -45,6 +47,7 @@ Run add_train_command(CLI::App& app) {
     std::vector<std::string> overrides;
     std::string init_from;
     bool resume = false;
+    bool dry_run = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")
@@ -56,10 +59,17 @@ Run add_train_command(CLI::App& app) {
   cmd->add_option("--init-from", args->init_from,
                   "Start from these weights (a checkpoint, run or Hugging Face Mixtral directory) "
                   "at step 0 with fresh optimizer state; the model takes its architecture");
+  cmd->add_flag("--dry-run", args->dry_run,
+                "Validate the configuration (file, --set and flags), print it as JSON and exit; "
+                "trains nothing, reads no data");
   auto flags = add_config_flags(cmd, train_config_flags());
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);
     RunConfig cfg = load_run_config(args->config, overrides);
+    if (args->dry_run) {
+      fmt::print("{}\n", cfg.to_json().dump(2));
+      return 0;
+    }
     if (!args->init_from.empty()) {
       adopt_architecture(cfg.model, model_config_of(args->init_from), args->init_from);
       cfg.validate();

@@ -29,6 +29,7 @@ MoeConfig MoeModelConfig::moe_config(int64_t dim) const {
   m.shared_F = shared_expert_hidden;
   m.route_groups = route_groups;
   m.route_group_topk = route_group_topk;
+  m.router_skew = static_cast<float>(router_skew);
   return m;
 }
 
@@ -65,6 +66,8 @@ void MoeModelConfig::validate_moe() const {
   MOETRAIN_CHECK(z_loss_coef >= 0, "model.z_loss_coef = {}: must be ≥ 0", z_loss_coef);
   MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0",
                  bias_update_rate);
+  MOETRAIN_CHECK(std::isfinite(router_skew) && router_skew >= 0,
+                 "model.router_skew = {}: must be a finite value >= 0 (0 = off)", router_skew);
   MOETRAIN_CHECK(shared_expert_hidden >= 0,
                  "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)", shared_expert_hidden);
   MoeConfig m;
@@ -120,6 +123,7 @@ bool ModelConfig::hf_mixtral_compatible(std::string* why) const {
   if (dense_every > 0) return no("Mixtral has no dense layers");
   if (capacity_factor > 0) return no("Mixtral does not drop tokens (capacity_factor must be 0)");
   if (route_groups > 1) return no("Mixtral has no group-limited routing (route_groups must be 0)");
+  if (router_skew != 0) return no("Mixtral has no router skew (router_skew must be 0)");
   return true;
 }
 

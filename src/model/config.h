@@ -33,6 +33,7 @@ struct MoeModelConfig {
   int64_t shared_expert_hidden = 0;  // 0 = no shared expert
   int64_t route_groups = 0;          // G expert groups for group-limited routing, 0 or 1 = off
   int64_t route_group_topk = 0;      // M groups each token may route to
+  double router_skew = 0.0;          // Zipf skew of the routing (MoeConfig::router_skew), 0 = off
 
   // The layer configuration of an MoE block over model dimension `dim`.
   MoeConfig moe_config(int64_t dim) const;

@@ -54,6 +54,8 @@ void MoeConfig::validate() const {
   MOETRAIN_CHECK(shared_F >= 0,
                  "moe config: shared_F (shared expert hidden size) is {}, must be >= 0 (0 = none)",
                  shared_F);
+  MOETRAIN_CHECK(std::isfinite(router_skew) && router_skew >= 0.0f,
+                 "model.router_skew = {}: must be a finite value >= 0 (0 = off)", router_skew);
   validate_route_groups();
 }
 

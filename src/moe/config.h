@@ -39,6 +39,10 @@ struct MoeConfig {
   // its top-K among their experts only. G ≤ 1 = off.
   int64_t route_groups = 0;      // G
   int64_t route_group_topk = 0;  // M
+  // A fixed Zipf skew s ≥ 0 on the routing: expert e's logit gets −s·ln(e + 1) (so its share of
+  // an otherwise uniform router goes as (e + 1)^−s), the skewed workload of bench_balance in a
+  // trained model; the offset is constant, so the backward is unchanged. 0 = off.
+  float router_skew = 0.0f;
 
   bool group_limited() const { return route_groups > 1; }
 

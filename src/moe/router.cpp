@@ -165,6 +165,13 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
       cache.noise_logits.resize(N * E);
       grouped_gemm_det(Trans::T, 1, &N, E, C, inp, noise, 0, cache.noise_logits.data(), false);
     }
+    if (cfg.router_skew > 0.0f) {
+      std::vector<float> offset(E);
+      for (int64_t e = 0; e < E; ++e)
+        offset[e] = -cfg.router_skew * std::log(static_cast<float>(e + 1));
+      for (int64_t t = 0; t < N; ++t)
+        for (int64_t e = 0; e < E; ++e) cache.logits[t * E + e] += offset[e];
+    }
     if (cache.noisy) {
       cache.eps.resize(N * E);
       Rng rng(step.seed, rng_stream(RngPurpose::RouterNoise, step.step, step.layer));

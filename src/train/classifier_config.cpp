@@ -97,6 +97,7 @@ std::string ClassifierRunConfig::config_hash() const {
   j["model"].erase("capacity");           // always fixed: validate refuses dynamic
   j["model"].erase("router_controller");  // always none: validate refuses rl
   j.erase("gating");
+  if (model.router_skew == 0) j["model"].erase("router_skew");  // older checkpoints resume
   return json_hash(j);
 }
 

@@ -45,6 +45,7 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.shared_expert_hidden", &m.shared_expert_hidden},
       {"model.route_groups", &m.route_groups},
       {"model.route_group_topk", &m.route_group_topk},
+      {"model.router_skew", &m.router_skew},
   };
   fields.insert(fields.end(), std::begin(moe), std::end(moe));
 }
@@ -286,6 +287,8 @@ std::string RunConfig::config_hash() const {
     j["model"].erase("capacity");
     j.erase("balance");
   }
+  // Likewise unskewed routers (the benchmark knob came later than many checkpoints).
+  if (model.router_skew == 0) j["model"].erase("router_skew");
   if (model.router_controller == "none") {
     j["model"].erase("router_controller");
     j.erase("gating");

@@ -162,3 +162,18 @@ TEST(Cli, ConfigThatIsADirectoryOrSetsNothingIsNamedAsSuch) {
   EXPECT_NE(some.output.find("has no [balance], [gating], [placement], [data], [optim], [train], [dist]"), std::string::npos)
       << some.output;
 }
+
+// --dry-run validates and prints the configuration without training: nothing is written, and a
+// bad key fails exactly as a real run would.
+TEST(Cli, TrainDryRunValidatesWithoutTraining) {
+  moetrain::testing::TempDir tmp("cli_dry");
+  const std::string base = "train --dry-run --config " + std::string(MOETRAIN_SOURCE_DIR) +
+                           "/configs/tiny.toml --set train.run_dir=" + (tmp / "run").string();
+  Result ok = run(base + " --set model.router_skew=1.2");
+  EXPECT_EQ(ok.code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("\"router_skew\": 1.2"), std::string::npos) << ok.output;
+  EXPECT_FALSE(std::filesystem::exists(tmp / "run"));
+  Result bad = run(base + " --set dist.grad_reduce_dtype=f64");
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.output.find("dist.grad_reduce_dtype"), std::string::npos) << bad.output;
+}

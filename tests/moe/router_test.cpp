@@ -68,6 +68,7 @@ TEST(MoeConfig, EachInvalidFieldIsNamed) {
       {[inf](MoeConfig& c) { c.z_loss_coef = inf; }, "z_loss_coef is inf"},
       {[](MoeConfig& c) { c.bias_update_rate = -1e-3f; }, "bias_update_rate is -0.001"},
       {[](MoeConfig& c) { c.shared_F = -1; }, "shared_F (shared expert hidden size) is -1"},
+      {[](MoeConfig& c) { c.router_skew = -0.5f; }, "model.router_skew = -0.5: must be"},
       {[](MoeConfig& c) { c.route_groups = -1; }, "model.route_groups = -1: must be >= 0"},
       {[](MoeConfig& c) { c.route_groups = 3, c.route_group_topk = 1; },
        "model.route_groups = 3: must divide model.n_experts = 4"},
@@ -125,6 +126,27 @@ TEST(MoeConfig, ParameterSizesAndBufferLayout) {
   w = moe_weights_from_buffer(cfg, buf.data());
   EXPECT_EQ(w.noise, nullptr);
   EXPECT_EQ(w.shared_w1, nullptr);
+}
+
+// The skew is a fixed offset −s·ln(e + 1) on every token's logits: with a zero gate the logits are
+// exactly the offsets, and a skewed random router sends expert 0 more than the last expert.
+TEST(RouterSkew, OffsetsEveryLogitByZipf) {
+  MoeConfig cfg = valid_config();
+  cfg.router_skew = 1.2f;
+  const int64_t N = 64;
+  std::vector<float> inp(N * cfg.C), gate(cfg.E * cfg.C, 0.0f);
+  for (std::size_t i = 0; i < inp.size(); ++i) inp[i] = std::sin(0.37f * static_cast<float>(i));
+  Routing r;
+  RouterCache cache;
+  router_forward(r, cache, inp.data(), N, cfg, gate.data(), nullptr, nullptr, MoeStep{});
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t e = 0; e < cfg.E; ++e)
+      EXPECT_NEAR(cache.logits[t * cfg.E + e], -1.2 * std::log(double(e + 1)), 1e-5);
+  for (std::size_t i = 0; i < gate.size(); ++i) gate[i] = 0.3f * std::cos(1.3f * float(i));
+  int64_t first = 0, last = 0;
+  router_forward(r, cache, inp.data(), N, cfg, gate.data(), nullptr, nullptr, MoeStep{});
+  for (int32_t e : r.selected) first += e == 0, last += e == cfg.E - 1;
+  EXPECT_GT(first, 2 * last);
 }
 
 TEST(ExpertCapacity, IsCeilOfNKOverETimesCf) {

@@ -294,7 +294,7 @@ TEST(RunConfig, UnknownKeysAndBadValuesNameTheKey) {
 }
 
 TEST(RunConfig, ShippedConfigsLoad) {
-  for (const char* name : {"tiny.toml"}) {
+  for (const char* name : {"tiny.toml", "ablation/model.toml"}) {
     RunConfig c = load_run_config(std::string(MOETRAIN_SOURCE_DIR) + "/configs/" + name);
     EXPECT_GT(c.model.n_experts, 1) << name;
   }

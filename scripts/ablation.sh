@@ -1,0 +1,225 @@
+#!/usr/bin/env bash
+# The optimisation ablation table (docs/ablation.md): every row of configs/ablation/rows.conf
+# trained RUNS times on configs/ablation/model.toml by 4 MPI processes as 2 "nodes" of 2, then
+# `moetrain report --ablation` writes OUT/table.md, OUT/table.json and OUT/ablation.svg.
+#
+#   scripts/ablation.sh [BUILD_DIR]        after `make build`; installs nothing
+#
+# The nodes are two network namespaces (mt-node0, mt-node1) joined by a veth pair whose both ends
+# are rate-limited with tc (tbf at RATE, plus netem DELAY where the kernel has netem). Within a
+# node the ranks talk over Open MPI's shared memory (vader), between nodes over TCP on the veth.
+# mpirun runs inside mt-node0 and starts node 1's daemon through an rsh agent that does
+# `ip netns exec mt-node1` instead of ssh. Each node also gets a host name of its own (a UTS
+# namespace): Open MPI names its shared-memory segments after the host, and two nodes called
+# alike would open each other's. Without root or without `ip netns` (or NETNS=off) the
+# script says so and runs all 4 ranks on one host over loopback; setup.txt (quoted in the table)
+# records which mode ran.
+#
+# Environment:
+#   RATE=1gbit DELAY=     the inter-node link (DELAY e.g. 1ms; empty = none)
+#   RUNS=3 STEPS=40 WARMUP=5   runs per row (medians), optimizer steps per run, untimed steps
+#   QUICK=1               1 run per row, 8 steps, 2 warm-up: checks the machinery, not a figure
+#   OUT=out/ablation      output folder (its runs/ are replaced)
+#   NETNS=auto|off        off: loopback even where namespaces work
+#   ABLATION_SKIP_UNKNOWN=1  drop a row's settings that this build refuses (a key or value not
+#                         built yet), with a warning that setup.txt keeps; default: stop there
+#   UPDATE_DOCS=1         also copy the chart to docs/ablation.svg
+# Whole run (RUNS=3, STEPS=40): meant to stay within about 15 minutes on 2 quiet cores.
+set -euo pipefail
+build=${1:-build}
+bin="$build/moetrain"
+config=configs/ablation/model.toml
+rows_file=configs/ablation/rows.conf
+out=${OUT:-out/ablation}
+rate=${RATE:-1gbit}
+delay=${DELAY:-}
+if [ "${QUICK:-0}" = 1 ]; then
+  runs=${RUNS:-1} steps=${STEPS:-8} warmup=${WARMUP:-2}
+else
+  runs=${RUNS:-3} steps=${STEPS:-40} warmup=${WARMUP:-5}
+fi
+ns0=mt-node0 ns1=mt-node1 veth0=mt-veth0 veth1=mt-veth1
+net=10.231.77 ip0=10.231.77.1 ip1=10.231.77.2
+
+die() { echo "ablation.sh: $*" >&2; exit 1; }
+[ -x "$bin" ] || die "$bin not found: run \`make build\` first (or pass the build folder)"
+[ -f "$rows_file" ] && [ -f "$config" ] || die "run from the repository root ($rows_file)"
+command -v mpirun > /dev/null || die "mpirun not found (Open MPI)"
+[ "$steps" -gt "$warmup" ] || die "STEPS=$steps must exceed WARMUP=$warmup"
+if [ ! -f data/fortunes/train.bin ] || [ ! -f data/fortunes/val.bin ]; then
+  "$bin" prepare --input /usr/share/games/fortunes --out data/fortunes
+fi
+
+# --- the two nodes ------------------------------------------------------------------------------
+tmp=$(mktemp -d)
+created=0
+cleanup() {
+  if [ "$created" = 1 ]; then
+    ip netns del "$ns0" 2> /dev/null || true
+    ip netns del "$ns1" 2> /dev/null || true
+  fi
+  rm -rf "$tmp"
+}
+# A run is waited for in the background, so that Ctrl-C or a TERM reaches this shell at once: it
+# stops mpirun (which stops its job), then the EXIT trap removes the namespaces.
+child=0
+on_signal() {
+  if [ "$child" != 0 ]; then
+    kill -TERM "$child" 2> /dev/null || true
+    wait "$child" 2> /dev/null || true
+  fi
+  exit 130
+}
+trap cleanup EXIT
+trap on_signal INT TERM
+
+mode=loopback why=""
+if [ "${NETNS:-auto}" = off ]; then
+  why="NETNS=off"
+elif [ "$(id -u)" != 0 ]; then
+  why="not root"
+elif ! ip netns list > /dev/null 2>&1; then
+  why="\`ip netns\` is unavailable"
+else
+  for n in "$ns0" "$ns1"; do
+    if ip netns list | awk '{print $1}' | grep -qx "$n"; then
+      die "network namespace $n exists already (another ablation run, or someone else's):" \
+        "remove it with \`ip netns del $n\` once nothing uses it"
+    fi
+  done
+  created=1
+  if ip netns add "$ns0" && ip netns add "$ns1" &&
+    ip link add "$veth0" type veth peer name "$veth1" &&
+    ip link set "$veth0" netns "$ns0" && ip link set "$veth1" netns "$ns1" &&
+    ip -n "$ns0" addr add "$ip0/24" dev "$veth0" && ip -n "$ns1" addr add "$ip1/24" dev "$veth1" &&
+    ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up &&
+    ip -n "$ns0" link set "$veth0" up && ip -n "$ns1" link set "$veth1" up; then
+    mode=netns
+  else
+    why="creating the namespaces and their veth pair failed"
+  fi
+fi
+link="loopback, no rate limit"
+if [ "$mode" = netns ]; then
+  link="veth $rate"
+  for pair in "$ns0:$veth0" "$ns1:$veth1"; do
+    n=${pair%%:*} dev=${pair#*:} parent=root
+    if [ -n "$delay" ]; then
+      if ip netns exec "$n" tc qdisc add dev "$dev" root handle 1: netem delay "$delay" 2> /dev/null
+      then
+        parent="parent 1:"
+      else
+        echo "ablation.sh: tc netem is unavailable here: DELAY=$delay is not applied" >&2
+        delay=""
+      fi
+    fi
+    # shellcheck disable=SC2086
+    ip netns exec "$n" tc qdisc add dev "$dev" $parent handle 2: tbf rate "$rate" burst 256kb \
+      latency 100ms || die "tc could not limit $dev in $n to $rate"
+  done
+  [ -n "$delay" ] && link="$link, delay $delay"
+  # mpirun's rsh agent: "HOST COMMAND..." → the command inside HOST's namespace.
+  cat > "$tmp/netns_rsh" << EOF
+#!/usr/bin/env bash
+host=\$1; shift
+case \$host in $ip0) ns=$ns0 ;; $ip1) ns=$ns1 ;; *) echo "netns_rsh: unknown host \$host" >&2; exit 1 ;; esac
+exec ip netns exec "\$ns" unshare --uts bash -c "hostname \$ns && \$*"
+EOF
+  chmod +x "$tmp/netns_rsh"
+  printf '%s slots=2\n%s slots=2\n' "$ip0" "$ip1" > "$tmp/hosts"
+  launch=(ip netns exec "$ns0" unshare --uts bash -c "hostname $ns0 && exec \"\$@\"" _
+    mpirun -n 4 --hostfile "$tmp/hosts" --map-by slot
+    --mca plm_rsh_agent "$tmp/netns_rsh" --mca oob_tcp_if_include "$net.0/24"
+    --mca btl self,vader,tcp --mca btl_tcp_if_include "$net.0/24")
+else
+  echo "ablation.sh: no network namespaces ($why): all 4 ranks on this host over loopback" >&2
+  launch=(mpirun -n 4 --oversubscribe --mca btl self,vader,tcp)
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+launch+=(--bind-to none -x OMP_NUM_THREADS=1 -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM)
+
+# --- the rows -----------------------------------------------------------------------------------
+names=()
+declare -A sets=()
+while IFS= read -r line || [ -n "$line" ]; do
+  line=${line%%#*}
+  line=$(echo "$line" | xargs)
+  [ -z "$line" ] && continue
+  if [[ $line == row\ * ]]; then
+    names+=("${line#row }")
+    sets[${line#row }]=""
+  else
+    [ ${#names[@]} -gt 0 ] || die "$rows_file: '$line' comes before the first \`row NAME\`"
+    [[ $line == *=* ]] || die "$rows_file: '$line' is not key=value"
+    sets[${names[-1]}]+="$line"$'\n'
+  fi
+done < "$rows_file"
+[ ${#names[@]} -gt 0 ] || die "$rows_file defines no row"
+
+rm -rf "$out/runs"
+mkdir -p "$out/runs"
+out=$(cd "$out" && pwd)  # the runs' directories are given to processes in other namespaces
+notes=()
+# Each row's settings, checked together by the binary itself (a dry run validates and trains
+# nothing). Skipping: the setting whose key the error names is dropped, and the rest checked again.
+declare -A args=()
+for row in "${names[@]}"; do
+  kvs=()
+  while IFS= read -r kv; do [ -n "$kv" ] && kvs+=("$kv"); done <<< "${sets[$row]}"
+  while :; do
+    a=()
+    for kv in "${kvs[@]}"; do a+=(--set "$kv"); done
+    err=$("$bin" train --dry-run --config "$config" "${a[@]}" 2>&1 > /dev/null) && break
+    err=${err##*error: }
+    err=${err%%; known keys*}  # an unknown key's message lists every known one
+    [ "${ABLATION_SKIP_UNKNOWN:-0}" = 1 ] ||
+      die "row $row is refused: ${err:0:300} (ABLATION_SKIP_UNKNOWN=1 drops such settings)"
+    keep=() dropped=""
+    for kv in "${kvs[@]}"; do
+      key=${kv%%=*}
+      if [ -z "$dropped" ] && [[ $err == *"'$key'"* || $err == *"$key = "* ]]; then
+        dropped=$kv
+      else
+        keep+=("$kv")
+      fi
+    done
+    [ -n "$dropped" ] || die "row $row is refused, and by no setting of its own: ${err:0:300}"
+    echo "ablation.sh: row $row: dropping $dropped: ${err:0:150}" >&2
+    notes+=("row $row: \`$dropped\` dropped (this build refuses it)")
+    kvs=("${keep[@]}")
+  done
+  args[$row]="${a[*]}"
+done
+
+{
+  echo "Setup: mode **$mode**$([ "$mode" = loopback ] && echo " ($why)") — 4 MPI ranks as 2 nodes of 2" \
+    "(link: $link), EP = 4, OMP_NUM_THREADS=1, $(nproc) cores, $steps steps per run" \
+    "$([ "${QUICK:-0}" = 1 ] && echo "— **QUICK run: checks the machinery, the figures mean nothing**")."
+  [ ${#notes[@]} -eq 0 ] || echo
+  for n in "${notes[@]}"; do echo "- Note: $n."; done
+} > "$out/setup.txt"
+cat "$out/setup.txt"
+
+start=$SECONDS
+for row in "${names[@]}"; do
+  for k in $(seq 1 "$runs"); do
+    dir="$out/runs/$row/$k"
+    mkdir -p "$dir"
+    echo "== $row run $k/$runs ($((SECONDS - start)) s)"
+    # shellcheck disable=SC2086
+    "${launch[@]}" "$bin" train --config "$config" ${args[$row]} --set train.steps="$steps" \
+      --set train.seed=$((1233 + k)) --set train.run_dir="$dir" > "$dir/log.txt" 2>&1 &
+    child=$!
+    if ! wait "$child"; then
+      child=0
+      tail -20 "$dir/log.txt" >&2
+      die "row $row run $k failed (log: $dir/log.txt)"
+    fi
+    child=0
+    rm -rf "$dir"/checkpoints "$dir"/step_*  # only the metrics are read
+  done
+done
+echo "== all runs: $((SECONDS - start)) s"
+"$bin" report --ablation "$out" --warmup "$warmup"
+cat "$out/table.md"
+if [ "${UPDATE_DOCS:-0}" = 1 ]; then cp "$out/ablation.svg" docs/ablation.svg; fi
