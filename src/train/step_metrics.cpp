@@ -100,6 +100,10 @@ nlohmann::json step_metrics_line(const StepFigures& f) {
   return line;
 }
 
+double grad_accum_efficiency(double computations, double discarded) {
+  return computations > 0 ? std::clamp(1.0 - discarded / computations, 0.0, 1.0) : 1.0;
+}
+
 CommFigures comm_figures(const CommParts& p) {
   CommFigures f;
   f.total_s = std::max(0.0, p.thread_s) + std::max(0.0, p.inline_s);
@@ -108,10 +112,7 @@ CommFigures comm_figures(const CommParts& p) {
   const double busy = f.compute_s + f.exposed_s;
   f.comm_efficiency = busy > 0 ? f.compute_s / busy : 1.0;
   f.overlap_ratio = f.total_s > 0 ? 1.0 - f.exposed_s / f.total_s : 1.0;
-  f.grad_accum_efficiency =
-      p.grad_computations > 0
-          ? std::clamp(1.0 - p.grad_discarded / p.grad_computations, 0.0, 1.0)
-          : 1.0;
+  f.grad_accum_efficiency = grad_accum_efficiency(p.grad_computations, p.grad_discarded);
   return f;
 }
 

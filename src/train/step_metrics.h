@@ -69,6 +69,8 @@ struct CommFigures {
   double overlap_ratio = 1;          // 1 − exposed / total; 1 when nothing was communicated
   double grad_accum_efficiency = 1;  // (computations − discarded) / computations
 };
+// (computations − discarded) / computations, in [0, 1]; 1 when nothing was computed.
+double grad_accum_efficiency(double computations, double discarded);
 // Exposed time is capped by the total: the compute thread's own hand-off around a call (a wake-up,
 // a timer) is not communication. Without a communication thread, exposed = total exactly.
 CommFigures comm_figures(const CommParts& p);

@@ -36,8 +36,8 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
 class StepCommMeter {
  public:
   StepCommMeter(CommThread* thread, const GradReducer& reducer);
-  // After reduce_and_update. step_s is left to the caller (the step's wall time). skipped: the
-  // update discarded the step's micro_batches gradient computations.
+  // After reduce_and_update. step_s is left to the caller (the step's wall time); a skipped
+  // update discards the step's micro_batches gradient computations.
   CommParts parts(const Accumulated& acc, const StepUpdate& up, double micro_batches) const;
 
  private:
