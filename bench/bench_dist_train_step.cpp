@@ -147,8 +147,7 @@ int main(int argc, char** argv) {
         auto j = nlohmann::json::parse(line);
         if (!j.contains("step_time_s") || j["step"].get<int>() <= 2) continue;
         int k = 0;
-        for (const char* key :
-             {"step_time_s", "compute_s", "comm_total_s", "comm_exposed_s"})
+        for (const char* key : {"step_time_s", "compute_s", "comm_total_s", "comm_exposed_s"})
           samples[vi][k++].push_back(j[key].get<double>() * 1e3);
         samples[vi][k++].push_back(j["comm_efficiency"].get<double>());
         samples[vi][k].push_back(j["overlap_ratio"].get<double>());

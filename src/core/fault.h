@@ -15,8 +15,8 @@
 //   attempt  the `moetrain launch` attempt on which it fires (MOETRAIN_ATTEMPT, which the
 //            supervisor exports; 1 without it); 0 = every attempt (default 1)
 //
-// e.g. MOETRAIN_FAULT=kill:rank=1:step=7:where=checkpoint_write, MOETRAIN_FAULT=comm_delay:ms=20. Without the variable a fault
-// point costs one check of a flag.
+// e.g. MOETRAIN_FAULT=kill:rank=1:step=7:where=checkpoint_write, MOETRAIN_FAULT=comm_delay:ms=20.
+// Without the variable a fault point costs one check of a flag.
 #pragma once
 #include <cstdint>
 #include <string>

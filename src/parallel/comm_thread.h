@@ -46,7 +46,7 @@ class CommThread {
   std::exception_ptr error_;
   bool stop_ = false;
   double waited_ = 0;
-  double busy_ = 0;  // guarded by mutex_
+  double busy_ = 0;     // guarded by mutex_
   std::thread thread_;  // last: started once the members above exist
 };
 

@@ -228,8 +228,8 @@ class Server {
     const KvServerStats& s = kv_.stats();
     const int64_t dropped = s.late_dropped + s.stale_dropped - dropped_before_;
     dropped_before_ = s.late_dropped + s.stale_dropped;
-    line["grad_accum_efficiency"] = grad_accum_efficiency(
-        static_cast<double>(a.pushes + dropped), static_cast<double>(dropped));
+    line["grad_accum_efficiency"] = grad_accum_efficiency(static_cast<double>(a.pushes + dropped),
+                                                          static_cast<double>(dropped));
     metrics_.write(line);
   }
 
@@ -287,15 +287,16 @@ class Server {
     const KvServerStats& s = kv_.stats();
     nlohmann::json blocked = nlohmann::json::object();
     for (auto [w, c] : s.blocked_pulls) blocked[std::to_string(w)] = c;
+    // Pushes computed by the workers that no update applied.
+    const double accum_eff = grad_accum_efficiency(
+        static_cast<double>(s.pushes), static_cast<double>(s.late_dropped + s.stale_dropped));
     nlohmann::json j = {{"index", index_},
                         {"keys", {begin_, end_}},
                         {"updates", kv_.version()},
                         {"pushes", s.pushes},
                         {"late_dropped", s.late_dropped},
                         {"stale_generation_dropped", s.stale_dropped},
-                        {"grad_accum_efficiency",
-                         grad_accum_efficiency(static_cast<double>(s.pushes),
-                                               static_cast<double>(s.late_dropped + s.stale_dropped))},
+                        {"grad_accum_efficiency", accum_eff},
                         {"refused", s.refused},
                         {"max_staleness", kv_.rules().max_staleness()},
                         {"blocked_pulls", blocked},

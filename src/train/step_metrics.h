@@ -62,9 +62,9 @@ struct CommParts {
 };
 
 struct CommFigures {
-  double total_s = 0;    // thread_s + inline_s
-  double exposed_s = 0;  // blocked_s, at most total_s
-  double compute_s = 0;  // step_s − exposed_s
+  double total_s = 0;                // thread_s + inline_s
+  double exposed_s = 0;              // blocked_s, at most total_s
+  double compute_s = 0;              // step_s − exposed_s
   double comm_efficiency = 1;        // compute / (compute + exposed); 1 for an empty step
   double overlap_ratio = 1;          // 1 − exposed / total; 1 when nothing was communicated
   double grad_accum_efficiency = 1;  // (computations − discarded) / computations

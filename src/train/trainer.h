@@ -158,7 +158,7 @@ class Trainer {
   double last_scale_ = 1;
   bool last_skipped_ = false;
   StopVotes stop_;  // the last step's, agreed by every process
-  CommParts last_comm_;  // the last step's communication; run() adds its wall time
+  CommParts last_comm_;             // the last step's communication; run() adds its wall time
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
   RunLock run_lock_;                // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;           // rank 0's; inactive on the others

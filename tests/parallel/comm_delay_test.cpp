@@ -28,14 +28,26 @@ TEST(CommDelay, TheInjectedDelayIsCommunicationTimeAndExposed) {
   SharedDir dir(*world, "comm_delay");
   if (world->rank() == 0) write_corpus(dir / "data", 20000);
   world->barrier();
-  RunConfig cfg = load_run_config(
-      "", {"model.dim=16", "model.n_layers=" + std::to_string(kMoeLayers), "model.n_heads=2",
-           "model.n_kv_heads=1", "model.expert_hidden=16", "model.n_experts=4", "model.top_k=2",
-           "model.max_seq_len=8", "train.batch_size=2", "train.seq_len=8",
-           "train.grad_accum=" + std::to_string(kAccum), "train.steps=" + std::to_string(kSteps),
-           "train.eval_every=0", "train.checkpoint_every=0", "train.progress=off",
-           "dist.ep=" + std::to_string(W), "dist.overlap=true", "dist.a2a_chunks=1",
-           "data.dir=" + (dir / "data").string(), "train.run_dir=" + (dir / "run").string()});
+  RunConfig cfg = load_run_config("", {"model.dim=16",
+                                       "model.n_layers=" + std::to_string(kMoeLayers),
+                                       "model.n_heads=2",
+                                       "model.n_kv_heads=1",
+                                       "model.expert_hidden=16",
+                                       "model.n_experts=4",
+                                       "model.top_k=2",
+                                       "model.max_seq_len=8",
+                                       "train.batch_size=2",
+                                       "train.seq_len=8",
+                                       "train.grad_accum=" + std::to_string(kAccum),
+                                       "train.steps=" + std::to_string(kSteps),
+                                       "train.eval_every=0",
+                                       "train.checkpoint_every=0",
+                                       "train.progress=off",
+                                       "dist.ep=" + std::to_string(W),
+                                       "dist.overlap=true",
+                                       "dist.a2a_chunks=1",
+                                       "data.dir=" + (dir / "data").string(),
+                                       "train.run_dir=" + (dir / "run").string()});
   ASSERT_EQ(cfg.model.n_moe_layers(), kMoeLayers);
   Trainer(cfg, false, dist_world("comm_delay_train")).run();
   world->barrier();

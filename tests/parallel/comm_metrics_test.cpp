@@ -28,14 +28,23 @@ constexpr int64_t kSteps = 4;
 
 RunConfig config(const fs::path& dir, const std::string& name,
                  const std::vector<std::string>& extra) {
-  std::vector<std::string> keys = {
-      "model.dim=16",          "model.n_layers=1",      "model.n_heads=2",
-      "model.n_kv_heads=1",    "model.expert_hidden=16", "model.n_experts=4",
-      "model.top_k=2",         "model.max_seq_len=8",   "train.batch_size=2",
-      "train.seq_len=8",       "train.grad_accum=2",    "train.eval_every=0",
-      "train.checkpoint_every=0", "train.progress=off",
-      "train.steps=" + std::to_string(kSteps), "data.dir=" + (dir / "data").string(),
-      "train.run_dir=" + (dir / name).string()};
+  std::vector<std::string> keys = {"model.dim=16",
+                                   "model.n_layers=1",
+                                   "model.n_heads=2",
+                                   "model.n_kv_heads=1",
+                                   "model.expert_hidden=16",
+                                   "model.n_experts=4",
+                                   "model.top_k=2",
+                                   "model.max_seq_len=8",
+                                   "train.batch_size=2",
+                                   "train.seq_len=8",
+                                   "train.grad_accum=2",
+                                   "train.eval_every=0",
+                                   "train.checkpoint_every=0",
+                                   "train.progress=off",
+                                   "train.steps=" + std::to_string(kSteps),
+                                   "data.dir=" + (dir / "data").string(),
+                                   "train.run_dir=" + (dir / name).string()};
   keys.insert(keys.end(), extra.begin(), extra.end());
   return load_run_config("", keys);
 }
@@ -117,8 +126,7 @@ TEST(CommMetrics, GradientBytesAreTheBucketArithmetic) {
   const ParamLayout layout(cfg.model);
   const SyncRanges ranges = sync_ranges(layout, {0, cfg.model.n_experts});
   const GradSync sync(ranges, *world, *world, {});
-  const int64_t want =
-      4 * (layout.size() + static_cast<int64_t>(W - 2) * sync.shard_size());
+  const int64_t want = 4 * (layout.size() + static_cast<int64_t>(W - 2) * sync.shard_size());
   world->barrier();
   if (world->rank() != 0) return;
   const std::vector<nlohmann::json> lines = step_lines(dir / "dp");

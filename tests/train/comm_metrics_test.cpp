@@ -9,8 +9,8 @@ using namespace moetrain;
 
 TEST(CommFigures, OverlappedCommunication) {
   // 0.3 s on the communication thread and 0.1 s inline; the compute thread was blocked 0.15 s.
-  const CommFigures f = comm_figures(
-      {.step_s = 1.0, .thread_s = 0.3, .inline_s = 0.1, .blocked_s = 0.15});
+  const CommFigures f =
+      comm_figures({.step_s = 1.0, .thread_s = 0.3, .inline_s = 0.1, .blocked_s = 0.15});
   EXPECT_DOUBLE_EQ(f.total_s, 0.4);
   EXPECT_DOUBLE_EQ(f.exposed_s, 0.15);
   EXPECT_DOUBLE_EQ(f.compute_s, 0.85);
@@ -42,8 +42,7 @@ TEST(CommFigures, NothingCommunicated) {
 
 TEST(CommFigures, GradAccumulationEfficiency) {
   // A skipped fp16 step discards all 4 micro-batches; a hook discarding 1 of 4 leaves 0.75.
-  EXPECT_EQ(comm_figures({.grad_computations = 4, .grad_discarded = 4}).grad_accum_efficiency,
-            0.0);
+  EXPECT_EQ(comm_figures({.grad_computations = 4, .grad_discarded = 4}).grad_accum_efficiency, 0.0);
   EXPECT_DOUBLE_EQ(
       comm_figures({.grad_computations = 4, .grad_discarded = 1}).grad_accum_efficiency, 0.75);
   EXPECT_EQ(comm_figures({.grad_computations = 0}).grad_accum_efficiency, 1.0);
