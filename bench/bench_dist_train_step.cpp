@@ -100,12 +100,12 @@ int main(int argc, char** argv) {
     std::printf(
         "ranks %d, EP %d, dim %d, %d layers, 8 experts top-2, %d sequences of 128 per rank, "
         "buckets %s MiB, median of %d steps\n"
-        "%-16s %9s %10s %9s %9s %11s %10s\n",
+        "%-16s %9s %10s %9s %11s %10s %8s\n",
         world, ep, dim, layers, batch, bucket_mb > 0 ? std::to_string(bucket_mb).c_str() : "1 + 25",
-        (steps - 2) * rounds, "config", "step_ms", "compute_ms", "a2a_ms", "sync_ms", "exposed_ms",
-        "efficiency");
+        (steps - 2) * rounds, "config", "step_ms", "compute_ms", "comm_ms", "exposed_ms",
+        "efficiency", "overlap");
   constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
-  // Per variant: step, compute, a2a, sync, exposed, efficiency samples (rank 0).
+  // Per variant: step, compute, communication, exposed, efficiency, overlap samples (rank 0).
   std::vector<std::vector<double>> samples[kVariants];
   for (auto& v : samples) v.resize(6);
   for (int round = 0; round < rounds; ++round) {
@@ -147,16 +147,16 @@ int main(int argc, char** argv) {
         auto j = nlohmann::json::parse(line);
         if (!j.contains("step_time_s") || j["step"].get<int>() <= 2) continue;
         int k = 0;
-        for (const char* key :
-             {"step_time_s", "compute_s", "a2a_s", "grad_sync_s", "exposed_comm_s"})
+        for (const char* key : {"step_time_s", "compute_s", "comm_total_s", "comm_exposed_s"})
           samples[vi][k++].push_back(j[key].get<double>() * 1e3);
-        samples[vi][k].push_back(j["comm_efficiency"].get<double>());
+        samples[vi][k++].push_back(j["comm_efficiency"].get<double>());
+        samples[vi][k].push_back(j["overlap_ratio"].get<double>());
       }
     }
   }
   for (int vi = 0; vi < kVariants && rank == 0; ++vi) {
     const auto& m = samples[vi];
-    std::printf("%-16s %9.2f %10.2f %9.2f %9.2f %11.2f %10.3f\n", variants[vi].name, median(m[0]),
+    std::printf("%-16s %9.2f %10.2f %9.2f %11.2f %10.3f %8.3f\n", variants[vi].name, median(m[0]),
                 median(m[1]), median(m[2]), median(m[3]), median(m[4]), median(m[5]));
   }
   MPI_Barrier(MPI_COMM_WORLD);

@@ -88,9 +88,12 @@ FaultSpec parse_fault_spec(const std::string& text) {
     spec.action = FaultAction::Exit;
   } else if (action == "slow") {
     spec.action = FaultAction::Slow;
+  } else if (action == "comm_delay") {
+    spec.action = FaultAction::CommDelay;
   } else {
-    MOETRAIN_FAIL("MOETRAIN_FAULT = '{}': action '{}' unknown (allowed: kill, stop, exit, slow)",
-                  text, action);
+    MOETRAIN_FAIL(
+        "MOETRAIN_FAULT = '{}': action '{}' unknown (allowed: kill, stop, exit, slow, comm_delay)",
+        text, action);
   }
   for (std::size_t i = 1; i < parts.size(); ++i) {
     const std::size_t eq = parts[i].find('=');
@@ -125,13 +128,14 @@ FaultSpec parse_fault_spec(const std::string& text) {
           text, key);
     }
   }
-  MOETRAIN_CHECK(spec.step >= 0, "MOETRAIN_FAULT = '{}': step=S is required", text);
+  MOETRAIN_CHECK(spec.step >= 0 || spec.action == FaultAction::CommDelay,
+                 "MOETRAIN_FAULT = '{}': step=S is required", text);
   return spec;
 }
 
 void fault_point(const char* where, int64_t step) {
   const Armed& a = armed();
-  if (!a.spec || a.spec->where != where) return;
+  if (!a.spec || a.spec->where != where || a.spec->action == FaultAction::CommDelay) return;
   if (a.spec->action == FaultAction::Slow) {
     if (step >= a.spec->step)
       std::this_thread::sleep_for(std::chrono::milliseconds(a.spec->slow_ms));
@@ -154,8 +158,15 @@ void fault_point(const char* where, int64_t step) {
     case FaultAction::Exit:
       ::_exit(a.spec->exit_code);
     case FaultAction::Slow:
+    case FaultAction::CommDelay:
       break;
   }
+}
+
+void fault_comm_job() {
+  const Armed& a = armed();
+  if (a.spec && a.spec->action == FaultAction::CommDelay)
+    std::this_thread::sleep_for(std::chrono::milliseconds(a.spec->slow_ms));
 }
 
 }  // namespace moetrain

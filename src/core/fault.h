@@ -5,23 +5,25 @@
 //
 //   ACTION   kill (SIGKILL itself, as `kill -9` would), stop (SIGSTOP itself: a stalled process),
 //            exit (leave at once with exit code C, default 3),
-//            slow (sleep M ms at every step point from S on: a straggler that keeps running)
+//            slow (sleep M ms at every step point from S on: a straggler that keeps running),
+//            comm_delay (sleep M ms inside every job the communication thread runs, from the
+//            process's start: a slow link; `step` is not used)
 //   rank     the MPI world rank that fails (default 0)
-//   step     the trainer step at which it fails (required)
+//   step     the trainer step at which it fails (required, except for comm_delay)
 //   where    step: after optimizer step S completed (default);
 //            checkpoint_write: while the checkpoint of step S is being written
 //   attempt  the `moetrain launch` attempt on which it fires (MOETRAIN_ATTEMPT, which the
 //            supervisor exports; 1 without it); 0 = every attempt (default 1)
 //
-// e.g. MOETRAIN_FAULT=kill:rank=1:step=7:where=checkpoint_write. Without the variable a fault
-// point costs one check of a flag.
+// e.g. MOETRAIN_FAULT=kill:rank=1:step=7:where=checkpoint_write, MOETRAIN_FAULT=comm_delay:ms=20.
+// Without the variable a fault point costs one check of a flag.
 #pragma once
 #include <cstdint>
 #include <string>
 
 namespace moetrain {
 
-enum class FaultAction { Kill, Stop, Exit, Slow };
+enum class FaultAction { Kill, Stop, Exit, Slow, CommDelay };
 
 struct FaultSpec {
   FaultAction action = FaultAction::Kill;
@@ -30,7 +32,7 @@ struct FaultSpec {
   std::string where = "step";
   int64_t attempt = 1;  // 0: every attempt
   int exit_code = 3;
-  int64_t slow_ms = 100;  // Slow: the sleep per step
+  int64_t slow_ms = 100;  // Slow: the sleep per step; CommDelay: per communication job
 };
 
 // Parses a MOETRAIN_FAULT value; an Error names the bad field and what is allowed.
@@ -38,5 +40,9 @@ FaultSpec parse_fault_spec(const std::string& text);
 
 // Fires MOETRAIN_FAULT when `where`, `step`, this process's rank and the attempt match it.
 void fault_point(const char* where, int64_t step);
+
+// The communication thread calls this inside each job it runs: sleeps when MOETRAIN_FAULT is a
+// comm_delay for this process.
+void fault_comm_job();
 
 }  // namespace moetrain

@@ -364,12 +364,11 @@ std::string render_report(const fs::path& run_dir) {
       {series_of(lines, "tokens_per_s", "tokens/s"), series_of(lines, "images_per_s", "images/s")},
       {.y_label = "per second"}, no_metrics);
   html += expert_sections(lines);
-  html += chart(
-      "time", "Compute and communication time per step",
-      {series_of(lines, "compute_s", "compute"),
-       series_of(lines, "exposed_comm_s", "exposed communication"),
-       series_of(lines, "a2a_s", "all-to-all"), series_of(lines, "grad_sync_s", "gradient sync")},
-      {.y_label = "seconds"}, no_metrics);
+  html += chart("time", "Compute and communication time per step",
+                {series_of(lines, "compute_s", "compute"),
+                 series_of(lines, "comm_exposed_s", "exposed communication"),
+                 series_of(lines, "comm_total_s", "communication (all-to-all and gradients)")},
+                {.y_label = "seconds"}, no_metrics);
   html += rank_time_section(lines);
   html += job_sections(run_dir);
   html += config_section(in.config);

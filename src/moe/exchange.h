@@ -49,10 +49,13 @@ struct ExchangeLayout {
   std::vector<int64_t> rows;           // 2-D routes only: (P, P) rows from process s to d
 };
 
-// Seconds spent in exchange work and waiting for it, since the last take_times().
+// Seconds spent in exchange work and waiting for it, and bytes sent, since the last take_times().
 struct ExchangeTimes {
   double busy = 0;    // inside plan / dispatch / combine, wherever they ran
   double waited = 0;  // the caller blocked: work run inline, or wait() on queued work
+  // Sent by this process to the others of its group: the plan's row counts and the rows of
+  // dispatches and combines, in the wire type (nothing to itself).
+  int64_t bytes = 0;
 };
 
 class ExpertExchange {

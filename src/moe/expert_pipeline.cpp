@@ -79,6 +79,7 @@ void ExpertPipeline::add_times(MoeTimings& t) {
   const ExchangeTimes x = ex_.take_times();
   t.a2a += x.busy;
   t.a2a_wait += x.waited;
+  t.a2a_bytes += x.bytes;
 }
 
 // The chunk's rows through this process's experts, one grouped pass per source's block.

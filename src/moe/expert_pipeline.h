@@ -29,6 +29,7 @@ namespace moetrain {
 struct MoeTimings {
   double router = 0, permute = 0, experts = 0, shared = 0, combine = 0, losses = 0, a2a = 0;
   double a2a_wait = 0;
+  int64_t a2a_bytes = 0;  // sent to other processes in the exchanges (ExchangeTimes::bytes)
   double total() const { return router + permute + experts + shared + combine + losses + a2a; }
 };
 

@@ -27,8 +27,12 @@ class GradReducer {
   // Runs optimizer_step (which updates what this process holds the state of), then makes params
   // whole again on every process.
   virtual void update(float* params, float* grads, const std::function<void()>& optimizer_step) = 0;
-  virtual double seconds() const = 0;      // spent in collectives so far
-  virtual int64_t bytes_sent() const = 0;  // sent to other processes so far
+  // Seconds the calling thread has spent communicating so far: the reduction when it does not
+  // overlap backward, and ZeRO-1's parameter gather. Work handed to a communication thread is
+  // timed there (CommThread::busy_seconds), and the wait for it by whoever waits.
+  virtual double inline_seconds() const = 0;
+  // Bytes sent to other processes so far: reductions, gradient and parameter gathers.
+  virtual int64_t bytes_sent() const = 0;
 };
 
 // One process: the gradients are already the sum; the whole buffer is this process's part.
@@ -40,7 +44,7 @@ class LocalGradReducer final : public GradReducer {
   void update(float*, float*, const std::function<void()>& optimizer_step) override {
     optimizer_step();
   }
-  double seconds() const override { return 0; }
+  double inline_seconds() const override { return 0; }
   int64_t bytes_sent() const override { return 0; }
 
  private:

@@ -1,6 +1,7 @@
 #include "parallel/comm_thread.h"
 
 #include "core/comm.h"
+#include "core/fault.h"
 #include "core/timer.h"
 
 namespace moetrain {
@@ -45,6 +46,11 @@ void CommThread::drain() {
   wait(t);
 }
 
+double CommThread::busy_seconds() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return busy_;
+}
+
 void CommThread::loop() {
   comm_poll_politely(true);  // this thread mostly waits for peers that are still computing
   for (;;) {
@@ -57,15 +63,19 @@ void CommThread::loop() {
       queue_.pop_front();
     }
     std::exception_ptr failed;
+    Timer busy;
     if (!error_) {
       try {
+        fault_comm_job();  // MOETRAIN_FAULT=comm_delay: a slow link, inside the job's time
         task();
       } catch (...) {
         failed = std::current_exception();
       }
     }
+    const double seconds = busy.seconds();
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      busy_ += seconds;
       if (failed && !error_) error_ = failed;
       ++finished_;
     }

@@ -32,6 +32,9 @@ class CommThread {
   // Seconds the calling thread spent blocked in wait/drain: communication not hidden by compute.
   double waited_seconds() const { return waited_; }
   void reset_waited() { waited_ = 0; }
+  // Seconds this thread has spent running tasks so far: the communication it carried out,
+  // hidden or not (read it between drains for a step's figure).
+  double busy_seconds();
 
  private:
   void loop();
@@ -43,6 +46,7 @@ class CommThread {
   std::exception_ptr error_;
   bool stop_ = false;
   double waited_ = 0;
+  double busy_ = 0;     // guarded by mutex_
   std::thread thread_;  // last: started once the members above exist
 };
 

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "core/timer.h"
+
 namespace moetrain {
 
 MpiGradReducer::MpiGradReducer(std::unique_ptr<GradSync> sync, CommThread* overlap, bool zero1)
@@ -19,6 +21,7 @@ GradientShard& MpiGradReducer::reduce(float* grads) {
   if (overlap_) {
     sync_->finish();
   } else {
+    ScopedTimer timer(inline_s_);
     sync_->reduce_scatter(grads);
     if (!zero1_) sync_->allgather_grads(grads);
   }
@@ -33,6 +36,7 @@ void MpiGradReducer::update(float* params, float* grads,
   }
   sync_->unpack_shard(grads);
   optimizer_step();
+  ScopedTimer timer(inline_s_);
   sync_->allgather_params(params);
 }
 

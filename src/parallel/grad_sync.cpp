@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "core/check.h"
-#include "core/timer.h"
 #include "optim/clip.h"
 
 namespace moetrain {
@@ -142,7 +141,6 @@ void GradSync::reduce_bucket(std::size_t i, const float* grads) {
   pack(packed, grads, b, 0, b.size);
   float* out = shard_.data() + b.shard_offset;
   if (wire_ == DType::F32) {
-    ScopedTimer timer(seconds_);
     comm.reduce_scatter(out, packed, b.counts);
     return;
   }
@@ -159,11 +157,8 @@ void GradSync::reduce_bucket(std::size_t i, const float* grads) {
     recv_counts[q] = mine * kBytes;
     recv_displs[q] = q * mine * kBytes;
   }
-  {
-    ScopedTimer timer(seconds_);
-    comm.alltoallv(wire_recv_.data(), recv_counts, recv_displs, wire_send_.data(), send_counts,
-                   send_displs);
-  }
+  comm.alltoallv(wire_recv_.data(), recv_counts, recv_displs, wire_send_.data(), send_counts,
+                 send_displs);
   const bf16* parts = wire_recv_.data();
   for (int64_t e = 0; e < mine; ++e) out[e] = parts[e].to_float();
   for (int q = 1; q < P; ++q) {
@@ -250,16 +245,12 @@ void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, D
   bytes_sent_ += n * (comm.size() - 1) * static_cast<int64_t>(dtype_size(wire));
   float* packed = packed_.ensure(b.size);
   if (wire == DType::F32) {
-    ScopedTimer timer(seconds_);
     comm.allgather(packed, mine, b.counts);
   } else {
     wire_send_.resize(static_cast<std::size_t>(n));
     f32_to_bf16(wire_send_.data(), mine, static_cast<std::size_t>(n));
     wire_recv_.resize(static_cast<std::size_t>(b.size));
-    {
-      ScopedTimer timer(seconds_);
-      comm.allgather(wire_recv_.data(), wire_send_.data(), b.counts);
-    }
+    comm.allgather(wire_recv_.data(), wire_send_.data(), b.counts);
     bf16_to_f32(packed, wire_recv_.data(), static_cast<std::size_t>(b.size));
   }
   unpack(flat, packed, b, 0, b.size);

@@ -108,7 +108,6 @@ class GradSync final : public GradientShard {
   // The flat ranges of this rank's shard (ZeRO-1 updates exactly these).
   std::vector<ShardPiece> shard_pieces() const;
 
-  double seconds() const { return seconds_; }  // spent in the collective calls so far
   // Bytes this rank has sent to other ranks so far (reductions, gradient and parameter gathers).
   int64_t bytes_sent() const { return bytes_sent_; }
 
@@ -133,7 +132,6 @@ class GradSync final : public GradientShard {
   FloatBuffer packed_;
   DType wire_ = DType::F32;
   std::vector<bf16> wire_send_, wire_recv_;  // bf16 reduction: packed bucket, received parts
-  double seconds_ = 0;
   int64_t bytes_sent_ = 0;
 };
 

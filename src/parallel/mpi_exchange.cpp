@@ -47,6 +47,9 @@ ExchangeTimes MpiExchange::take_times() {
 
 void MpiExchange::plan(ExchangeLayout& layout, const int64_t* counts, int64_t E, int64_t C) {
   a2a_plan(layout, route_, counts, E, C);
+  // E/P counts to each other rank; a 2-D route also gathers every rank's P row totals.
+  const int64_t P = layout.P, word = static_cast<int64_t>(sizeof(int64_t));
+  times_.bytes += (P - 1) * (E / P) * word + (route_.two_d() ? (P - 1) * P * word : 0);
 }
 
 const float* MpiExchange::exchange(Move move, const float* in, const ExchangeLayout& layout,
@@ -54,9 +57,14 @@ const float* MpiExchange::exchange(Move move, const float* in, const ExchangeLay
   if (layout.P == 1) return in;
   float* to = out.ensure(rows * layout.C);
   move(to, in, layout, route_, scratch_, opts_.wire);
+  // A dispatch sends this process's routed rows out; a combine sends its experts' rows back.
+  const std::vector<int64_t>& sent = move == &a2a_dispatch ? layout.send_rows : layout.recv_rows;
+  const int64_t row_bytes = layout.C * static_cast<int64_t>(dtype_size(opts_.wire));
+  // A 2-D route relays rows inside a node once more; those relays are not counted again.
+  int64_t others = 0;
+  for (int q = 0; q < layout.P; ++q) others += q != route_.group->rank() ? sent[q] : 0;
+  times_.bytes += others * row_bytes;
   if (ranks_per_node_ > 0) {
-    // A dispatch sends this process's routed rows out; a combine sends its experts' rows back.
-    const std::vector<int64_t>& sent = move == &a2a_dispatch ? layout.send_rows : layout.recv_rows;
     const int me = route_.group->rank() / ranks_per_node_;
     int64_t n = 0;
     for (int q = 0; q < layout.P; ++q) n += q / ranks_per_node_ != me ? sent[q] : 0;

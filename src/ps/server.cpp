@@ -17,6 +17,7 @@
 #include "ps/node.h"
 #include "ps/options.h"
 #include "ps/server_checkpoint.h"
+#include "train/step_metrics.h"
 
 namespace fs = std::filesystem;
 
@@ -222,6 +223,13 @@ class Server {
                            {"time", unix_seconds()}};
     const Consistency mode = opts_.consistency_kind();
     if (mode == Consistency::Ssp || mode == Consistency::Async) line["worker"] = a.worker;
+    // Pushes dropped since the last update (late for an applied clock, or of an older
+    // generation) were computed by the workers and never applied.
+    const KvServerStats& s = kv_.stats();
+    const int64_t dropped = s.late_dropped + s.stale_dropped - dropped_before_;
+    dropped_before_ = s.late_dropped + s.stale_dropped;
+    line["grad_accum_efficiency"] = grad_accum_efficiency(static_cast<double>(a.pushes + dropped),
+                                                          static_cast<double>(dropped));
     metrics_.write(line);
   }
 
@@ -279,12 +287,16 @@ class Server {
     const KvServerStats& s = kv_.stats();
     nlohmann::json blocked = nlohmann::json::object();
     for (auto [w, c] : s.blocked_pulls) blocked[std::to_string(w)] = c;
+    // Pushes computed by the workers that no update applied.
+    const double accum_eff = grad_accum_efficiency(
+        static_cast<double>(s.pushes), static_cast<double>(s.late_dropped + s.stale_dropped));
     nlohmann::json j = {{"index", index_},
                         {"keys", {begin_, end_}},
                         {"updates", kv_.version()},
                         {"pushes", s.pushes},
                         {"late_dropped", s.late_dropped},
                         {"stale_generation_dropped", s.stale_dropped},
+                        {"grad_accum_efficiency", accum_eff},
                         {"refused", s.refused},
                         {"max_staleness", kv_.rules().max_staleness()},
                         {"blocked_pulls", blocked},
@@ -322,6 +334,7 @@ class Server {
   std::vector<int64_t> contributors_;
   MetricsWriter role_metrics_;  // RUN_DIR/metrics/server_I.jsonl, once this process applied
   int64_t applied_ = 0;
+  int64_t dropped_before_ = 0;  // pushes dropped up to the last metrics line
   double first_apply_ = 0;
   MetricsWriter metrics_;  // the lead primary's (server 0): the job's metrics.jsonl
   bool lead_ = false, primary_ = false, first_setup_done_ = false;

@@ -49,6 +49,7 @@ void accumulate_stats(const std::vector<MoeLayer*>& moe, double dropped_divisor,
     acc.capacity_factor[m] = s.capacity_factor;
     acc.a2a_s += moe[m]->timings().a2a;
     acc.a2a_wait_s += moe[m]->timings().a2a_wait;
+    acc.a2a_bytes += moe[m]->timings().a2a_bytes;
   }
 }
 

@@ -81,6 +81,7 @@ struct Accumulated {
   std::vector<int64_t> capacity_slots, computed;
   std::vector<double> capacity_factor;
   double a2a_s = 0, a2a_wait_s = 0;                     // summed over layers and micro-batches
+  int64_t a2a_bytes = 0;  // sent by this process in the exchanges, summed likewise
   StopVotes stop;  // signals asking to stop, summed over processes by reduce_step_figures
 };
 

@@ -253,7 +253,7 @@ double ClassifierTrainer::train_step() {
   const int64_t B = cfg_.train.batch_size, D = cfg_.model.input_dim, Bl = rows_per_rank_;
   const int W = world_size();
   const ImageDataset& train = *data_.train;
-  const int64_t sync_bytes_before = reducer_->bytes_sent();  // overlap reduces during backward
+  const StepCommMeter comm_meter(ep_.comm_thread.get(), *reducer_);
   sampler_->batch(step_, B, rows_.data());
   const int64_t first = rank() * Bl;  // this rank's rows of the global batch
   AccumulateArgs<ImageBatch> args;
@@ -292,10 +292,10 @@ double ClassifierTrainer::train_step() {
   const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
                                           grads_.data(), static_cast<float>(last_lr_), opts);
   last_grad_norm_ = up.outcome.grad_norm;
+  last_comm_ = comm_meter.parts(acc, up, 1.0);
   ++step_;
   StepFigures figures{.step = step_, .lr = last_lr_, .grad_norm = last_grad_norm_};
   figures.update = &up.outcome;
-  figures.grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before;
   figures.accuracy_rows = B;
   figures.ep = pg_->layout.ep;
   pending_metrics_ =
@@ -329,7 +329,9 @@ ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
     // bit.
     pending_metrics_["step_time_s"] = dt;
     pending_metrics_["images_per_s"] = static_cast<double>(B) / dt;
-    add_rank_timing(*pg_->control, {.step_s = dt}, pending_metrics_);
+    last_comm_.step_s = dt;
+    add_comm_metrics(last_comm_, pending_metrics_);
+    add_rank_timing(*pg_->control, {dt, comm_figures(last_comm_).compute_s}, pending_metrics_);
     metrics_.write(pending_metrics_);
     progress.update({step_, total_steps_, result.final_loss, static_cast<double>(B) / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});

@@ -22,6 +22,7 @@
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
 #include "train/classifier_config.h"
+#include "train/step_metrics.h"
 #include "train/stop_signal.h"
 
 namespace moetrain {
@@ -136,6 +137,7 @@ class ClassifierTrainer {
   double last_lr_ = 0, last_grad_norm_ = 0;
   StopVotes stop_;                  // the last step's, agreed by every process
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
+  CommParts last_comm_;             // the last step's communication; run() adds its wall time
   RunLock run_lock_;                // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;           // rank 0's; inactive on the others
 };

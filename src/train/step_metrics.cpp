@@ -81,7 +81,6 @@ nlohmann::json step_metrics_line(const StepFigures& f) {
   }
   if (f.accuracy_rows > 0)
     line["accuracy"] = static_cast<double>(acc.correct) / static_cast<double>(f.accuracy_rows);
-  line["grad_sync_bytes"] = f.grad_sync_bytes;
   line["tokens_per_expert"] = acc.tokens_per_expert;
   line["dropped_fraction"] = acc.dropped;
   double imb = 0;
@@ -99,6 +98,34 @@ nlohmann::json step_metrics_line(const StepFigures& f) {
   line["capacity_factor"] = acc.capacity_factor;
   line["capacity_utilisation"] = util;
   return line;
+}
+
+double grad_accum_efficiency(double computations, double discarded) {
+  return computations > 0 ? std::clamp(1.0 - discarded / computations, 0.0, 1.0) : 1.0;
+}
+
+CommFigures comm_figures(const CommParts& p) {
+  CommFigures f;
+  f.total_s = std::max(0.0, p.thread_s) + std::max(0.0, p.inline_s);
+  f.exposed_s = std::clamp(p.blocked_s, 0.0, f.total_s);
+  f.compute_s = std::max(0.0, p.step_s - f.exposed_s);
+  const double busy = f.compute_s + f.exposed_s;
+  f.comm_efficiency = busy > 0 ? f.compute_s / busy : 1.0;
+  f.overlap_ratio = f.total_s > 0 ? 1.0 - f.exposed_s / f.total_s : 1.0;
+  f.grad_accum_efficiency = grad_accum_efficiency(p.grad_computations, p.grad_discarded);
+  return f;
+}
+
+void add_comm_metrics(const CommParts& p, nlohmann::json& line) {
+  const CommFigures f = comm_figures(p);
+  line["comm_total_s"] = f.total_s;
+  line["comm_exposed_s"] = f.exposed_s;
+  line["compute_s"] = f.compute_s;
+  line["bytes_a2a"] = p.bytes_a2a;
+  line["bytes_grad"] = p.bytes_grad;
+  line["comm_efficiency"] = f.comm_efficiency;
+  line["overlap_ratio"] = f.overlap_ratio;
+  line["grad_accum_efficiency"] = f.grad_accum_efficiency;
 }
 
 }  // namespace moetrain

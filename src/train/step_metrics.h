@@ -34,12 +34,48 @@ struct StepFigures {
   double lr = 0, grad_norm = 0;
   const UpdateOutcome* update = nullptr;
   bool fp16 = false;            // the loss scale and the skip go into the line
-  int64_t grad_sync_bytes = 0;  // sent by this process during the step
   int64_t accuracy_rows = 0;    // > 0: the line holds accuracy = correct / accuracy_rows
   int64_t ep = 1;               // expert-parallel ranks the experts are sharded over
 };
 
 // The reproducible part of the line: losses, lr, norm, expert loads; no wall-clock figures.
 nlohmann::json step_metrics_line(const StepFigures& f);
+
+// What a step's communication cost this process, measured where it ran: on the communication
+// thread for overlapped work (its busy time, whatever the compute thread did meanwhile), on the
+// compute thread otherwise. Communication = the expert all-to-alls, the gradient reduction and
+// its gathers (ZeRO-1's parameter gather included).
+struct CommParts {
+  double step_s = 0;    // wall time of the step
+  double thread_s = 0;  // the communication thread ran jobs (overlapped communication)
+  double inline_s = 0;  // the compute thread communicated itself (nothing to hide it behind)
+  // The compute thread was blocked on communication: its inline part and its waits for the
+  // communication thread.
+  double blocked_s = 0;
+  int64_t bytes_a2a = 0;   // sent to other processes in the all-to-alls (forward and backward)
+  int64_t bytes_grad = 0;  // sent by the gradient reduction and the gathers
+  // Gradient computations of the step (micro-batches) and how many of them no update used: a
+  // skipped fp16 step discards all of them; features that drop gradients (masked experts,
+  // dropped pushes) add their share here.
+  double grad_computations = 1;
+  double grad_discarded = 0;
+};
+
+struct CommFigures {
+  double total_s = 0;                // thread_s + inline_s
+  double exposed_s = 0;              // blocked_s, at most total_s
+  double compute_s = 0;              // step_s − exposed_s
+  double comm_efficiency = 1;        // compute / (compute + exposed); 1 for an empty step
+  double overlap_ratio = 1;          // 1 − exposed / total; 1 when nothing was communicated
+  double grad_accum_efficiency = 1;  // (computations − discarded) / computations
+};
+// (computations − discarded) / computations, in [0, 1]; 1 when nothing was computed.
+double grad_accum_efficiency(double computations, double discarded);
+// Exposed time is capped by the total: the compute thread's own hand-off around a call (a wake-up,
+// a timer) is not communication. Without a communication thread, exposed = total exactly.
+CommFigures comm_figures(const CommParts& p);
+// Sets comm_total_s, comm_exposed_s, compute_s, bytes_a2a, bytes_grad, comm_efficiency,
+// overlap_ratio and grad_accum_efficiency of a metrics line.
+void add_comm_metrics(const CommParts& p, nlohmann::json& line);
 
 }  // namespace moetrain

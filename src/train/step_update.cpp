@@ -29,7 +29,7 @@ void steer_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& con
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
                              float* params, float* grads, float lr, const UpdateOptions& opts) {
   StepUpdate out;
-  const double sync_before = reducer.seconds();
+  const double inline_before = reducer.inline_seconds();
   double exposed = 0;
   GradientShard* shard = nullptr;
   {
@@ -45,9 +45,29 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
     });
     exposed += outside.seconds() - update_s;  // the ZeRO-1 parameter all-gather
   });
-  out.sync_s = reducer.seconds() - sync_before;
-  out.sync_exposed_s = exposed;
+  out.inline_s = reducer.inline_seconds() - inline_before;
+  out.blocked_s = exposed;
   return out;
+}
+
+StepCommMeter::StepCommMeter(CommThread* thread, const GradReducer& reducer)
+    : thread_(thread),
+      reducer_(reducer),
+      thread_before_(thread ? thread->busy_seconds() : 0.0),
+      bytes_before_(reducer.bytes_sent()) {}
+
+CommParts StepCommMeter::parts(const Accumulated& acc, const StepUpdate& up,
+                               double micro_batches) const {
+  CommParts p;
+  p.thread_s = thread_ ? thread_->busy_seconds() - thread_before_ : 0.0;
+  // Without a communication thread the all-to-alls ran inline; with one, its busy time has them.
+  p.inline_s = (thread_ ? 0.0 : acc.a2a_s) + up.inline_s;
+  p.blocked_s = acc.a2a_wait_s + up.blocked_s;
+  p.bytes_a2a = acc.a2a_bytes;
+  p.bytes_grad = reducer_.bytes_sent() - bytes_before_;
+  p.grad_computations = micro_batches;
+  p.grad_discarded = up.outcome.skipped ? micro_batches : 0.0;
+  return p;
 }
 
 nlohmann::json finish_step(const std::vector<MoeLayer*>& moe, const MoeConfig& moe_cfg,

@@ -13,6 +13,7 @@
 #include "moe/gating_controller.h"
 #include "optim/grad_reducer.h"
 #include "optim/update.h"
+#include "parallel/comm_thread.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/accumulate.h"
 #include "train/step_metrics.h"
@@ -21,14 +22,30 @@ namespace moetrain {
 
 struct StepUpdate {
   UpdateOutcome outcome;
-  double sync_s = 0;          // in the reducer's collectives during the update
-  double sync_exposed_s = 0;  // the main thread waited for the reduction and the all-gather
+  double inline_s = 0;   // the reducer communicated on this thread (GradReducer::inline_seconds)
+  double blocked_s = 0;  // this thread ran or waited for the reduction and the gathers
 };
 
 // Collective over control and the reducer's groups: params (n) stepped at lr by the optimizer
 // from the reduced grads (n), unless apply_update skips the step.
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
                              float* params, float* grads, float lr, const UpdateOptions& opts);
+
+// A step's communication (train/step_metrics.h CommParts), from readings taken at its start.
+// thread: the communication thread (null: none), which runs the all-to-alls when there is one.
+class StepCommMeter {
+ public:
+  StepCommMeter(CommThread* thread, const GradReducer& reducer);
+  // After reduce_and_update. step_s is left to the caller (the step's wall time); a skipped
+  // update discards the step's micro_batches gradient computations.
+  CommParts parts(const Accumulated& acc, const StepUpdate& up, double micro_batches) const;
+
+ private:
+  CommThread* thread_;
+  const GradReducer& reducer_;
+  double thread_before_ = 0;
+  int64_t bytes_before_ = 0;
+};
 
 // Collective over control: the router-bias update (sigmoid_bias routers), acc reduced over the
 // processes, and the metrics line of figures (whose acc is set to &acc here). capacity (one

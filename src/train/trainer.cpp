@@ -190,7 +190,7 @@ double Trainer::train_step() {
   const int W = world_size();
   Timer step_timer;
   BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
-  const int64_t sync_bytes_before = reducer_->bytes_sent();
+  const StepCommMeter comm_meter(ep_.comm_thread.get(), *reducer_);
   // fp16: the loss is scaled so that small gradients survive the fp16 GEMM operands.
   last_scale_ = scaler_ ? scaler_->scale() : 1.0;
   last_skipped_ = false;
@@ -218,7 +218,6 @@ double Trainer::train_step() {
   };
   Accumulated acc =
       accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
-  last_a2a_s_ = acc.a2a_s, last_a2a_wait_s_ = acc.a2a_wait_s;
   last_lr_ = schedule_->lr(step_);
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
@@ -228,7 +227,7 @@ double Trainer::train_step() {
       fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.train.run_dir);
   const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
                                           grads_.data(), static_cast<float>(last_lr_), opts);
-  last_sync_s_ = up.sync_s, last_sync_exposed_s_ = up.sync_exposed_s;
+  last_comm_ = comm_meter.parts(acc, up, static_cast<double>(A));
   last_skipped_ = up.outcome.skipped;
   if (!last_skipped_) last_grad_norm_ = up.outcome.grad_norm;
   if (last_skipped_) {
@@ -244,7 +243,6 @@ double Trainer::train_step() {
                                   .grad_norm = last_grad_norm_,
                                   .update = &up.outcome,
                                   .fp16 = scaler_ != nullptr,
-                                  .grad_sync_bytes = reducer_->bytes_sent() - sync_bytes_before,
                                   .ep = pg_->layout.ep},
                                  capacity_.empty() ? nullptr : &capacity_,
                                  {.gating = gating_.empty() ? nullptr : &gating_,
@@ -282,20 +280,12 @@ TrainResult Trainer::run(int64_t stop_at) {
     train_seconds += dt;
     pending_metrics_["step_time_s"] = dt;
     pending_metrics_["tokens_per_s"] = tokens_per_step / dt;
-    // Exposed: the time the step waited for communication (all-to-alls not hidden behind expert
-    // compute; the gradient reduction not hidden behind backward, and its all-gather).
-    const double exposed = last_a2a_wait_s_ + last_sync_exposed_s_;
-    const double compute = std::max(0.0, dt - exposed);
-    pending_metrics_["a2a_s"] = last_a2a_s_;
     if (ep_.exchange) {
       pending_metrics_["a2a_cross_node_bytes"] = ep_.exchange->take_cross_node_bytes();
     }
-    pending_metrics_["grad_sync_s"] = last_sync_s_;
-    pending_metrics_["exposed_comm_s"] = exposed;
-    pending_metrics_["compute_s"] = compute;
-    pending_metrics_["comm_efficiency"] =
-        compute + exposed > 0 ? compute / (compute + exposed) : 1.0;
-    add_rank_timing(*pg_->control, {dt, compute}, pending_metrics_);
+    last_comm_.step_s = dt;
+    add_comm_metrics(last_comm_, pending_metrics_);
+    add_rank_timing(*pg_->control, {dt, comm_figures(last_comm_).compute_s}, pending_metrics_);
     metrics_.write(pending_metrics_);
     progress.update({step_, cfg_.train.steps, result.final_loss, tokens_per_step / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});

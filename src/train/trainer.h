@@ -24,6 +24,7 @@
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
 #include "train/run_config.h"
+#include "train/step_metrics.h"
 #include "train/stop_signal.h"
 
 namespace moetrain {
@@ -157,7 +158,7 @@ class Trainer {
   double last_scale_ = 1;
   bool last_skipped_ = false;
   StopVotes stop_;  // the last step's, agreed by every process
-  double last_a2a_s_ = 0, last_a2a_wait_s_ = 0, last_sync_s_ = 0, last_sync_exposed_s_ = 0;
+  CommParts last_comm_;             // the last step's communication; run() adds its wall time
   nlohmann::json pending_metrics_;  // the last step's metrics line, completed by run()
   RunLock run_lock_;                // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;           // rank 0's; inactive on the others

@@ -48,6 +48,12 @@ TEST(FaultSpec, ParsesEveryFieldAndNamesBadOnes) {
   s = parse_fault_spec("slow:rank=1:step=2:ms=40");
   EXPECT_EQ(s.action, FaultAction::Slow);
   EXPECT_EQ(s.slow_ms, 40);
+  // A slow link from the start: no step needed.
+  s = parse_fault_spec("comm_delay:rank=1:ms=25");
+  EXPECT_EQ(s.action, FaultAction::CommDelay);
+  EXPECT_EQ(s.rank, 1);
+  EXPECT_EQ(s.slow_ms, 25);
+  expect_error([] { parse_fault_spec("explode:step=1"); }, "comm_delay");
   EXPECT_EQ(parse_fault_spec("slow:step=0").slow_ms, 100);
   expect_error([] { parse_fault_spec("slow:step=1:ms=-5"); }, {"ms = '-5'", "integer"});
 }

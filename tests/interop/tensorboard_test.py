@@ -87,7 +87,8 @@ def check(run_dir, what):
     acc.Reload()
     scalars, histos = expected(run_dir)
     for want in ("loss", "ce", "aux", "z", "lr", "grad_norm", "tokens_per_s", "val_loss",
-                 "imbalance", "comm_efficiency", "dropped_fraction/layer_0",
+                 "imbalance", "comm_efficiency", "comm_total_s", "comm_exposed_s",
+                 "overlap_ratio", "bytes_grad", "dropped_fraction/layer_0",
                  "expert_utilisation/layer_1", "max_mean_load/layer_0"):
         if want not in scalars:
             raise Mismatch(f"{what}: metrics.jsonl has no '{want}' (the test's premise)")

@@ -55,9 +55,8 @@ std::string metrics_lines(int steps = 5) {
                         {"lr", 1e-3 * s},
                         {"tokens_per_s", 1000.0 + s},
                         {"compute_s", 0.1},
-                        {"exposed_comm_s", 0.01},
-                        {"a2a_s", 0.02},
-                        {"grad_sync_s", 0.03},
+                        {"comm_exposed_s", 0.01},
+                        {"comm_total_s", 0.05},
                         {"imbalance", 1.2},
                         {"dropped_fraction", {0.0, 0.1 * s}},
                         {"tokens_per_expert", {{10, 20, 30}, {0, 30, 30 + s}}}};
@@ -95,13 +94,15 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
   EXPECT_EQ(polyline_points(section(html, "throughput")), (std::vector<std::size_t>{5}));
   EXPECT_EQ(polyline_points(section(html, "imbalance")), (std::vector<std::size_t>{5, 5}));
   EXPECT_EQ(polyline_points(section(html, "utilisation")), (std::vector<std::size_t>{5, 5}));
-  EXPECT_EQ(polyline_points(section(html, "time")), (std::vector<std::size_t>{5, 5, 5, 5}));
+  EXPECT_EQ(polyline_points(section(html, "time")), (std::vector<std::size_t>{5, 5, 5}));
   // Heatmap cells carry a <title>: layers × experts, and (layer, expert) × steps.
   EXPECT_EQ(count(section(html, "expert-load"), "<title>"), 6u);
   EXPECT_EQ(count(section(html, "expert-load-steps"), "<title>"), 30u);
   // Legends where there are several series.
   EXPECT_NE(section(html, "loss").find("validation loss"), std::string::npos);
   EXPECT_NE(section(html, "time").find("exposed communication"), std::string::npos);
+  EXPECT_NE(section(html, "time").find("communication (all-to-all and gradients)"),
+            std::string::npos);
   EXPECT_EQ(section(html, "lr").find("class=\"legend\""), std::string::npos);
 
   const std::string ckpt = section(html, "checkpoints");

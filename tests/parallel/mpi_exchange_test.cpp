@@ -142,6 +142,12 @@ Bits run_case(const Case& c, int ep) {
       }
     }
     EXPECT_EQ(bytes, want) << where;
+    // Every byte sent to another rank: the same rows, plus each plan's E/P row counts to each of
+    // the P − 1 others (one plan per chunk; a flat route).
+    int64_t sent = layer.timings().a2a_bytes;
+    groups.control->allreduce(&sent, 1);
+    EXPECT_EQ(sent, want + int64_t{P} * c.chunks * (P - 1) * (E / P) * int64_t(sizeof(int64_t)))
+        << where;
   }
   EXPECT_LE(rel_diff(out.data(), ref_out.data() + first * C, N * C), 1e-5) << where;
   EXPECT_LE(rel_diff(dinp.data(), ref_dinp.data() + first * C, N * C), 1e-5) << where;

@@ -200,8 +200,8 @@ TEST(DistPrecision, Bf16TrainingWithBf16CommunicationMatchesOneProcess) {
     const auto a = lines("f32"), b = lines("bf16");
     ASSERT_EQ(a.size(), 12u);
     ASSERT_EQ(b.size(), 12u);
-    const int64_t bytes32 = a.back()["grad_sync_bytes"].get<int64_t>();
-    const int64_t bytes16 = b.back()["grad_sync_bytes"].get<int64_t>();
+    const int64_t bytes32 = a.back()["bytes_grad"].get<int64_t>();
+    const int64_t bytes16 = b.back()["bytes_grad"].get<int64_t>();
     EXPECT_EQ(bytes16 * 2, bytes32);
     std::printf(
         "%d ranks, ep %lld: gradient sync %lld bytes per step per rank in f32, %lld in "

@@ -140,6 +140,14 @@ TEST(PsBounds, QuorumAppliesOnlyFreshPushesWithinTheSyncBand) {
     summed += n;
   }
   EXPECT_EQ(summed + late, pushes) << "every push is either summed once or dropped";
+  // Dropped pushes were computed and never applied: the job's gradient-accumulation efficiency
+  // is the summed share. (The slowed worker's pushes mostly arrive after the fast ones finished
+  // the job, so the per-update lines of metrics.jsonl see few of them.)
+  EXPECT_DOUBLE_EQ(quorum.servers[0].at("grad_accum_efficiency").get<double>(),
+                   static_cast<double>(summed) / static_cast<double>(pushes));
+  EXPECT_LT(quorum.servers[0].at("grad_accum_efficiency").get<double>(), 1.0);
+  for (const auto& j : read_metrics(quorum.dir))
+    if (j.contains("pushes")) EXPECT_LE(j.at("grad_accum_efficiency").get<double>(), 1.0);
   expect_in_sync_band(quorum, sync, half, "quorum");
 }
 

@@ -60,8 +60,9 @@ std::vector<nlohmann::json> metrics(const fs::path& run_dir) {
   std::ifstream in(run_dir / "metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line);
-    j.erase("step_time_s");
-    j.erase("images_per_s");
+    for (const char* key : {"step_time_s", "images_per_s", "compute_s", "comm_total_s",
+                            "comm_exposed_s", "comm_efficiency", "overlap_ratio"})
+      j.erase(key);
     out.push_back(j);
   }
   return out;
