@@ -67,7 +67,7 @@ const std::vector<ConfigFlag>& dist_config_flags() {
        .kind = Kind::Text,
        .key = "dist.grad_reduce_dtype",
        .help =
-           "Data-parallel gradient reduction on the wire: f32 or bf16 (dist.grad_reduce_dtype)"},
+           "Data-parallel gradient reduction on the wire: f32, bf16 or int8 (dist.grad_reduce_dtype)"},
       {.name = "--a2a-dtype",
        .kind = Kind::Text,
        .key = "dist.a2a_dtype",

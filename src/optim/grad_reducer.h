@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <vector>
 
 #include "optim/update.h"
 
@@ -27,6 +28,9 @@ class GradReducer {
   // Runs optimizer_step (which updates what this process holds the state of), then makes params
   // whole again on every process.
   virtual void update(float* params, float* grads, const std::function<void()>& optimizer_step) = 0;
+  // State the reduction carries from one step to the next (int8's error-feedback residual),
+  // which a checkpoint must save for a bit-exact resume; null when there is none.
+  virtual std::vector<float>* carried() { return nullptr; }
   virtual double seconds() const = 0;      // spent in collectives so far
   virtual int64_t bytes_sent() const = 0;  // sent to other processes so far
 };

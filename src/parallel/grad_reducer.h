@@ -21,6 +21,9 @@ class MpiGradReducer final : public GradReducer {
   void ready(int64_t from) { sync_->ready(from); }
   GradientShard& reduce(float* grads) override;
   void update(float* params, float* grads, const std::function<void()>& optimizer_step) override;
+  std::vector<float>* carried() override {
+    return sync_->residual().empty() ? nullptr : &sync_->residual();
+  }
   double seconds() const override { return sync_->seconds(); }
   int64_t bytes_sent() const override { return sync_->bytes_sent(); }
 

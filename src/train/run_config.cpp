@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "parallel/grad_wire.h"
 #include "train/precision.h"
 
 namespace moetrain {
@@ -206,11 +207,16 @@ void RunConfig::validate() const {
   if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
   optim.validate();
   dist.validate();
+  // The error-feedback residual would carry loss-scaled gradients across changes of the scale.
+  MOETRAIN_CHECK(!(dist.grad_reduce_dtype == "int8" && t.precision_dtype() == DType::F16),
+                 "dist.grad_reduce_dtype = int8 with train.precision = fp16: the error-feedback "
+                 "residual cannot follow the loss scale; use train.precision = bf16 or f32, or "
+                 "dist.grad_reduce_dtype = bf16");
   if (model.n_moe_layers() > 0) placement.validate(model.n_experts, dist.ep);
 }
 
 void DistSettings::validate() const {
-  parse_dtype(grad_reduce_dtype, "dist.grad_reduce_dtype", {DType::F32, DType::BF16});
+  parse_grad_wire(grad_reduce_dtype, "dist.grad_reduce_dtype");
   parse_dtype(a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
   MOETRAIN_CHECK(ep >= 1, "dist.ep = {}: must be ≥ 1", ep);
   MOETRAIN_CHECK(zero == 0 || zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",

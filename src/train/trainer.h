@@ -143,6 +143,7 @@ class Trainer {
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
   int64_t step_ = 0;  // optimizer steps applied so far
   bool resumed_ = false;
+  bool read_carried_ = false;  // the checkpoint being read holds this run's gradient residual
   std::vector<int32_t> inputs_, targets_;
   // last step's figures, for metrics
   LossParts last_parts_;

@@ -125,8 +125,11 @@ void Trainer::init_weights_from(const fs::path& dir) {
 
 CheckpointShare Trainer::checkpoint_share(bool reading) {
   const bool sharded = world_size() > 1 && cfg_.dist.zero == 1;
-  return moetrain::checkpoint_share(model_->layout(), params_.data(), *optimizer_, writers_,
-                                    expert_shard_, rank(), sharded, bias_views(*model_), reading);
+  CheckpointShare share =
+      moetrain::checkpoint_share(model_->layout(), params_.data(), *optimizer_, writers_,
+                                 expert_shard_, rank(), sharded, bias_views(*model_), reading);
+  if (!reading || read_carried_) add_carried_state(share, *reducer_, rank(), world_size());
+  return share;
 }
 
 nlohmann::json Trainer::trainer_state() const {
@@ -156,6 +159,8 @@ nlohmann::json Trainer::trainer_state() const {
         {"dp", pg_->layout.dp},
         {"zero", cfg_.dist.zero},
         {"grad_accum", A}}}};
+  if (nlohmann::json r = carried_state_record(*reducer_, world_size()); !r.is_null())
+    t["grad_residual"] = r;
   if (scaler_) {
     t["loss_scale"] = {{"scale", scaler_->raw_scale()},
                        {"good_steps", scaler_->good_steps()},
@@ -217,6 +222,7 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
                  "with the same model, optimizer and batch settings, or use a new train.run_dir",
                  dir.string(), hash, cfg_.config_hash());
   step_ = need(t, "step").get<int64_t>();
+  read_carried_ = carried_state_matches(t, *reducer_, world_size());
   optimizer_->set_step_count(need(need(t, "optimizer"), "step_count").get<int64_t>());
   if (scaler_ && t.contains("loss_scale")) {
     const nlohmann::json& ls = t["loss_scale"];
