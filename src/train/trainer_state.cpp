@@ -194,6 +194,9 @@ CheckpointDocs Trainer::checkpoint_docs() const {
 }
 
 fs::path Trainer::save_checkpoint() {
+  // Local steps: a checkpoint holds one model (train.checkpoint_every is a multiple of
+  // dist.sync_every, so only a stop between averagings averages early).
+  average_replicas();
   // Every rank writes its own pieces; the checkpoint is complete when any rank returns.
   return write_checkpoint(*pg_->control, cfg_.train.run_dir, step_, checkpoint_share(false),
                           checkpoint_docs(), cfg_.train.keep_checkpoints);
@@ -274,7 +277,8 @@ void Trainer::load_checkpoint(const fs::path& dir) {
   });
   // Each rank reads the ranges it holds, from whichever files hold them.
   read_checkpoint_pieces(dir, checkpoint_share(true));
-  model_->weights_changed();  // the low-precision weight copies follow the loaded weights
+  model_->weights_changed();
+  averaged_at_ = step_;  // a checkpoint holds averaged parameters  // the low-precision weight copies follow the loaded weights
 }
 
 void Trainer::check_ranks_agree() {
