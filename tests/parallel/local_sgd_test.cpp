@@ -1,6 +1,7 @@
 // Local SGD (dist.sync = params) on real MPI processes: with H = 1 and plain SGD, averaging the
 // parameters after every local step is averaging the gradients (within reduction order); with
-// H = 4 the replicas drift apart between averagings and hold the same bits after each; ZeRO-1,
+// H = 4 the replicas drift apart between averagings, hold the same bits after each, and a resume
+// from the checkpoint after an averaging is bit-exact; ZeRO-1,
 // a checkpoint interval that is not a multiple of H and bad values are refused.
 #include <gtest/gtest.h>
 
@@ -151,6 +152,15 @@ TEST(DistLocalSgd, ReplicasDriftBetweenAveragingsAndAgreeAfterEach) {
     EXPECT_GT(d[0].second, 0.0);
     EXPECT_GT(d[1].second, 0.0);
   }
+  // Stopped right after the step-4 averaging and resumed (moments averaged too): the bits of the
+  // straight run.
+  {
+    Trainer first(make_config(dir.path(), "h4_resumed", 1, h4), false, dist_world("r1"));
+    first.run(4);
+  }
+  Trainer resumed(make_config(dir.path(), "h4_resumed", 1, h4), true, dist_world("r2"));
+  resumed.run();
+  EXPECT_EQ(hash_of(resumed.params()), hash_of(t.params())) << "resumed run differs";
   world->barrier();
 }
 
