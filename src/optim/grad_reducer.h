@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <vector>
 
 #include "optim/update.h"
 
@@ -33,6 +34,9 @@ class GradReducer {
   virtual double inline_seconds() const = 0;
   // Bytes sent to other processes so far: reductions, gradient and parameter gathers.
   virtual int64_t bytes_sent() const = 0;
+  // State the reduction carries from one step to the next (int8's error-feedback residual),
+  // which a checkpoint must save for a bit-exact resume; null when there is none.
+  virtual std::vector<float>* carried() { return nullptr; }
 };
 
 // One process: the gradients are already the sum; the whole buffer is this process's part.

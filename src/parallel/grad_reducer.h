@@ -22,6 +22,9 @@ class MpiGradReducer final : public GradReducer {
   GradientShard& reduce(float* grads) override;
   void update(float* params, float* grads, const std::function<void()>& optimizer_step) override;
   double inline_seconds() const override { return inline_s_; }
+  std::vector<float>* carried() override {
+    return sync_->residual().empty() ? nullptr : &sync_->residual();
+  }
   int64_t bytes_sent() const override { return sync_->bytes_sent(); }
 
   const GradSync& sync() const { return *sync_; }

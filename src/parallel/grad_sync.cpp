@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "optim/clip.h"
+#include "parallel/block_quant.h"
 
 namespace moetrain {
 
@@ -49,9 +50,7 @@ SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard) {
 }
 
 GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const GradSyncConfig& cfg)
-    : dense_(dense), expert_(expert), wire_(cfg.reduce_dtype) {
-  MOETRAIN_CHECK(wire_ == DType::F32 || wire_ == DType::BF16,
-                 "gradient reduction in {}: allowed are f32 and bf16", dtype_name(wire_));
+    : dense_(dense), expert_(expert), wire_(cfg.wire) {
   MOETRAIN_CHECK(cfg.first_bucket_bytes >= 4 && cfg.bucket_bytes >= 4,
                  "gradient buckets of {} and {} bytes: each must hold at least one float",
                  cfg.first_bucket_bytes, cfg.bucket_bytes);
@@ -81,7 +80,9 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
       b.counts[p] = chunk_begin(b.size, p + 1, P) - chunk_begin(b.size, p, P);
     b.chunk_begin = chunk_begin(b.size, q, P);
     b.shard_offset = shard_size_;
+    b.packed_offset = packed_size_;
     shard_size_ += b.counts[q];
+    packed_size_ += b.size;
     buckets_.push_back(std::move(b));
     open[k] = Bucket{};
     first[k] = false;
@@ -101,6 +102,14 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
   close(0);
   close(1);
   shard_.assign(static_cast<std::size_t>(shard_size_), 0.0f);
+  if (wire_ == GradWire::Int8) {
+    int64_t largest_shard = 0;
+    for (const Bucket& b : buckets_) {
+      const int64_t P = group(b).size();
+      largest_shard += (b.size + P - 1) / P;
+    }
+    residual_.assign(static_cast<std::size_t>(packed_size_ + largest_shard), 0.0f);
+  }
   for (const Bucket& b : buckets_) {
     int64_t low = INT64_MAX;
     for (const FlatRange& p : b.pieces) low = std::min(low, p.offset);
@@ -136,11 +145,16 @@ void GradSync::reduce_bucket(std::size_t i, const float* grads) {
   Comm& comm = group(b);
   const int P = comm.size(), me = comm.rank();
   const int64_t mine = b.counts[me];
-  bytes_sent_ += (b.size - mine) * static_cast<int64_t>(dtype_size(wire_));
   float* packed = packed_.ensure(b.size);
   pack(packed, grads, b, 0, b.size);
   float* out = shard_.data() + b.shard_offset;
-  if (wire_ == DType::F32) {
+  // A group of one sends nothing: int8 would only add its error.
+  if (wire_ == GradWire::Int8 && P > 1) {
+    reduce_bucket_int8(b, packed, out);
+    return;
+  }
+  bytes_sent_ += (b.size - mine) * (wire_ == GradWire::BF16 ? 2 : 4);
+  if (wire_ != GradWire::BF16) {
     comm.reduce_scatter(out, packed, b.counts);
     return;
   }
@@ -165,6 +179,63 @@ void GradSync::reduce_bucket(std::size_t i, const float* grads) {
     const bf16* src = parts + q * mine;
     for (int64_t e = 0; e < mine; ++e) out[e] += src[e].to_float();
   }
+}
+
+void GradSync::reduce_bucket_int8(const Bucket& b, const float* packed, float* out) {
+  // Chunk q quantised (with this rank's residual at its packed positions) to rank q, its own
+  // chunk included so that the sum is symmetric in the ranks; each part is dequantised and
+  // added in f32 in rank order.
+  Comm& comm = group(b);
+  const int P = comm.size(), me = comm.rank();
+  const int64_t mine = b.counts[me];
+  std::vector<int64_t> send_counts(P), send_displs(P), recv_counts(P), recv_displs(P);
+  int64_t send_total = 0;
+  for (int q = 0; q < P; ++q) {
+    send_counts[q] = quant_wire_bytes(b.counts[q]);
+    send_displs[q] = send_total;
+    send_total += send_counts[q];
+    recv_counts[q] = quant_wire_bytes(mine);
+    recv_displs[q] = q * recv_counts[q];
+    if (q != me) bytes_sent_ += send_counts[q];
+  }
+  q_send_.resize(static_cast<std::size_t>(send_total));
+  q_recv_.resize(static_cast<std::size_t>(P * recv_counts[0]));
+  float* residual = residual_.data() + b.packed_offset;
+  for (int q = 0; q < P; ++q) {
+    const int64_t at = chunk_begin(b.size, q, P);
+    quantise_int8_feedback(q_send_.data() + send_displs[q], packed + at, residual + at,
+                           b.counts[q]);
+  }
+  comm.alltoallv(q_recv_.data(), recv_counts, recv_displs, q_send_.data(), send_counts,
+                 send_displs);
+  dequantise_int8(out, q_recv_.data(), mine);
+  for (int q = 1; q < P; ++q) accumulate_int8(out, q_recv_.data() + recv_displs[q], mine);
+}
+
+void GradSync::allgather_int8(float* flat, const Bucket& b, float* mine) {
+  // The reduced chunk quantised with the shard's own residual; this rank keeps what the others
+  // will decode, so the shard (norm, clip) and every rank's gathered copy are the same bits.
+  Comm& comm = group(b);
+  const int P = comm.size(), me = comm.rank();
+  const int64_t n = b.counts[me];
+  std::vector<int64_t> bytes(P), displs(P);
+  int64_t total = 0;
+  for (int q = 0; q < P; ++q) {
+    bytes[q] = quant_wire_bytes(b.counts[q]);
+    displs[q] = total;
+    total += bytes[q];
+  }
+  bytes_sent_ += bytes[me] * (P - 1);
+  q_send_.resize(static_cast<std::size_t>(bytes[me]));
+  quantise_int8_feedback(q_send_.data(), mine, residual_.data() + packed_size_ + b.shard_offset,
+                         n);
+  q_recv_.resize(static_cast<std::size_t>(total));
+  comm.allgatherv(q_recv_.data(), bytes, displs, q_send_.data());
+  float* packed = packed_.ensure(b.size);
+  for (int q = 0; q < P; ++q)
+    dequantise_int8(packed + chunk_begin(b.size, q, P), q_recv_.data() + displs[q], b.counts[q]);
+  std::memcpy(mine, packed + b.chunk_begin, static_cast<std::size_t>(n) * sizeof(float));
+  unpack(flat, packed, b, 0, b.size);
 }
 
 void GradSync::reduce_scatter(const float* grads) {
@@ -192,8 +263,7 @@ void GradSync::ready(int64_t from) {
       reduce_bucket(i, grads_);
       // The bucket's gradients are final (backward only writes lower offsets now), so its
       // reduced values can land in place while backward goes on.
-      if (gather_)
-        allgather_into(grads_, buckets_[i], shard_.data() + buckets_[i].shard_offset, wire_);
+      if (gather_) gather_bucket(i);
     });
   }
 }
@@ -239,12 +309,26 @@ void GradSync::unpack_shard(float* grads) const {
   }
 }
 
-void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, DType wire) {
+void GradSync::gather_bucket(std::size_t i) {
+  const Bucket& b = buckets_[i];
+  float* mine = shard_.data() + b.shard_offset;
+  if (wire_ == GradWire::Int8) {
+    if (group(b).size() > 1) {
+      allgather_int8(grads_, b, mine);
+    } else {
+      allgather_into(grads_, b, mine, GradWire::F32);
+    }
+  } else {
+    allgather_into(grads_, b, mine, wire_);
+  }
+}
+
+void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, GradWire wire) {
   Comm& comm = group(b);
   const int64_t n = b.counts[comm.rank()];
-  bytes_sent_ += n * (comm.size() - 1) * static_cast<int64_t>(dtype_size(wire));
+  bytes_sent_ += n * (comm.size() - 1) * (wire == GradWire::F32 ? 4 : 2);
   float* packed = packed_.ensure(b.size);
-  if (wire == DType::F32) {
+  if (wire == GradWire::F32) {
     comm.allgather(packed, mine, b.counts);
   } else {
     wire_send_.resize(static_cast<std::size_t>(n));
@@ -258,7 +342,8 @@ void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, D
 
 void GradSync::allgather_grads(float* grads) {
   gathered_ = grads;
-  for (const Bucket& b : buckets_) allgather_into(grads, b, shard_.data() + b.shard_offset, wire_);
+  grads_ = grads;
+  for (std::size_t i = 0; i < buckets_.size(); ++i) gather_bucket(i);
 }
 
 void GradSync::allgather_params(float* params) {
@@ -267,7 +352,7 @@ void GradSync::allgather_params(float* params) {
     const int64_t n = b.counts[group(b).rank()];
     mine.resize(static_cast<std::size_t>(n));
     pack(mine.data(), params, b, b.chunk_begin, b.chunk_begin + n);
-    allgather_into(params, b, mine.data(), DType::F32);  // master weights stay f32
+    allgather_into(params, b, mine.data(), GradWire::F32);  // master weights stay f32
   }
 }
 

@@ -21,6 +21,7 @@
 #include "model/params.h"
 #include "optim/update.h"
 #include "parallel/comm_thread.h"
+#include "parallel/grad_wire.h"
 #include "parallel/groups.h"
 
 namespace moetrain {
@@ -28,12 +29,18 @@ namespace moetrain {
 struct GradSyncConfig {
   int64_t first_bucket_bytes = int64_t{1} << 20;
   int64_t bucket_bytes = int64_t{25} << 20;
-  // Element type on the wire for the gradient reduce-scatter and all-gather: F32 or BF16. In
-  // bf16 every rank's gradients are rounded to bf16 before they are sent (its own chunk too, so
-  // the sum is symmetric in the ranks), summed in f32 in rank order, and the reduced chunks are
-  // all-gathered as bf16 again (each rank's own chunk included, so every rank holds the same
-  // bits). Half the bytes; bucket sizes stay in f32 bytes. Parameters (ZeRO-1) travel in f32.
-  DType reduce_dtype = DType::F32;
+  // What the gradient reduce-scatter and all-gather put on the wire. In bf16 every rank's
+  // gradients are rounded to bf16 before they are sent (its own chunk too, so the sum is
+  // symmetric in the ranks), summed in f32 in rank order, and the reduced chunks are all-gathered
+  // as bf16 again (each rank's own chunk included, so every rank holds the same bits). Half the
+  // bytes; bucket sizes stay in f32 bytes. Parameters (ZeRO-1) travel in f32.
+  // int8 (parallel/block_quant.h): each chunk is quantised in blocks of 256 with error feedback
+  // (residual() holds what quantising lost, per packed element this rank sends), the P parts are
+  // dequantised and summed in f32 in rank order; under plain data parallelism the reduced chunk is
+  // quantised again, with a second residual on the shard, and all-gathered as int8 (each rank's
+  // own chunk replaced by what the others receive, so every rank holds the same bits). About a
+  // quarter of the f32 bytes.
+  GradWire wire = GradWire::F32;
 };
 
 // Elements [offset, offset + size) of the flat buffer.
@@ -70,6 +77,7 @@ class GradSync final : public GradientShard {
     std::vector<int64_t> counts;    // (group size) chunk sizes
     int64_t chunk_begin = 0;        // this rank's chunk, in packed elements
     int64_t shard_offset = 0;       // where that chunk sits in the shard
+    int64_t packed_offset = 0;      // Σ size of the buckets before it
   };
   const std::vector<Bucket>& buckets() const { return buckets_; }
   int64_t shard_size() const { return shard_size_; }
@@ -108,6 +116,10 @@ class GradSync final : public GradientShard {
   // The flat ranges of this rank's shard (ZeRO-1 updates exactly these).
   std::vector<ShardPiece> shard_pieces() const;
 
+  // int8 error feedback: per packed element sent (Σ bucket sizes), then per element of the
+  // largest shard any rank of the group can hold (Σ ceil(size / P)), so that its length is the
+  // same on every rank. Empty for f32 and bf16. A checkpoint saves it; resume restores it.
+  std::vector<float>& residual() { return residual_; }
   // Bytes this rank has sent to other ranks so far (reductions, gradient and parameter gathers).
   int64_t bytes_sent() const { return bytes_sent_; }
 
@@ -115,7 +127,10 @@ class GradSync final : public GradientShard {
   Comm& group(const Bucket& b) const { return b.expert ? expert_ : dense_; }
   void pack(float* dst, const float* flat, const Bucket& b, int64_t lo, int64_t hi) const;
   void unpack(float* flat, const float* src, const Bucket& b, int64_t lo, int64_t hi) const;
-  void allgather_into(float* flat, const Bucket& b, const float* mine, DType wire);
+  void allgather_into(float* flat, const Bucket& b, const float* mine, GradWire wire);
+  void reduce_bucket_int8(const Bucket& b, const float* packed, float* out);
+  void allgather_int8(float* flat, const Bucket& b, float* mine);
+  void gather_bucket(std::size_t i);  // bucket i's reduced chunks → grads_, in wire_
   void reduce_bucket(std::size_t i, const float* grads);
 
   Comm& dense_;
@@ -130,8 +145,11 @@ class GradSync final : public GradientShard {
   int64_t shard_size_ = 0;
   std::vector<float> shard_;
   FloatBuffer packed_;
-  DType wire_ = DType::F32;
+  GradWire wire_ = GradWire::F32;
   std::vector<bf16> wire_send_, wire_recv_;  // bf16 reduction: packed bucket, received parts
+  std::vector<uint8_t> q_send_, q_recv_;     // int8 reduction: quantised chunks, received parts
+  std::vector<float> residual_;
+  int64_t packed_size_ = 0;  // Σ bucket sizes: where the shard part of residual_ starts
   int64_t bytes_sent_ = 0;
 };
 

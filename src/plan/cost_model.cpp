@@ -10,6 +10,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "model/params.h"
+#include "parallel/grad_wire.h"
 
 namespace moetrain::plan {
 
@@ -373,7 +374,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   // --- once per step: gradient reduction and the update ---
   const ParamCounts pc = count_params(m);
   const double grad_elem =
-      elem_bytes(parse_dtype(cfg.dist.grad_reduce_dtype, "dist.grad_reduce_dtype"));
+      grad_wire_bytes(parse_grad_wire(cfg.dist.grad_reduce_dtype, "dist.grad_reduce_dtype"));
   // A stage's data-parallel ranks (tensor shards innermost) span nodes when there are more of
   // them than a node holds.
   const bool multi_node = layout.stage() * tp > cluster.devices_per_node;

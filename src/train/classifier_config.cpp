@@ -78,6 +78,9 @@ void ClassifierRunConfig::validate() const {
                  t.eval_batch_size);
   optim.validate();
   dist.validate();
+  MOETRAIN_CHECK(!dist.local_steps(),
+                 "dist.sync = params: the classifier trainer reduces gradients every step "
+                 "(local SGD is for the language-model trainer)");
 }
 
 int64_t ClassifierRunConfig::total_steps(int64_t n_train) const {

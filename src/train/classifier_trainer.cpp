@@ -203,13 +203,15 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
 ClassifierTrainer::~ClassifierTrainer() = default;
 
 CheckpointShare ClassifierTrainer::checkpoint_share(bool reading) {
-  return moetrain::checkpoint_share(model_->layout(), params_.data(), *optimizer_, writers_,
-                                    expert_shard_, rank(), world_size() > 1 && cfg_.dist.zero == 1,
-                                    bias_views(*model_), reading);
+  CheckpointShare share = moetrain::checkpoint_share(
+      model_->layout(), params_.data(), *optimizer_, writers_, expert_shard_, rank(),
+      world_size() > 1 && cfg_.dist.zero == 1, bias_views(*model_), reading);
+  if (!reading || read_carried_) add_carried_state(share, *reducer_, rank(), world_size());
+  return share;
 }
 
 nlohmann::json ClassifierTrainer::trainer_state() const {
-  return {{"step", step_},
+  nlohmann::json t = {{"step", step_},
           {"config_hash", cfg_.config_hash()},
           {"seed", cfg_.train.seed},
           {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
@@ -219,6 +221,9 @@ nlohmann::json ClassifierTrainer::trainer_state() const {
             {"global_batch", cfg_.train.batch_size},
             {"train_rows", data_.train->n}}},
           {"layout", {{"processes", world_size()}}}};
+  if (nlohmann::json r = carried_state_record(*reducer_, world_size()); !r.is_null())
+    t["grad_residual"] = r;
+  return t;
 }
 
 fs::path ClassifierTrainer::save_checkpoint() {
@@ -245,6 +250,7 @@ void ClassifierTrainer::load_checkpoint(const fs::path& dir) {
   reading_json(where, [&] {
     step_ = t["step"].get<int64_t>();
     optimizer_->set_step_count(t["optimizer"].value("step_count", step_));
+    read_carried_ = carried_state_matches(t, *reducer_, world_size());
   });
   read_checkpoint_pieces(dir, checkpoint_share(true));
 }

@@ -124,6 +124,7 @@ class ClassifierTrainer {
   std::vector<float> params_, grads_;
   std::vector<ParamRange> groups_;
   std::unique_ptr<GradReducer> reducer_;
+  bool read_carried_ = false;  // the checkpoint being read holds this run's gradient residual
   std::unique_ptr<ShardedOptimizer> optimizer_;
   ExpertShard expert_shard_;  // the experts this rank holds (all but with dist.ep > 1)
   std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints

@@ -34,6 +34,7 @@ ReduceSettings reduce_settings(const DistSettings& dist, CommThread* comm_thread
   rs.bucket_mb = dist.bucket_mb;
   rs.grad_reduce_dtype = dist.grad_reduce_dtype;
   rs.zero1 = dist.zero == 1;
+  rs.local_steps = dist.local_steps();
   rs.overlap = dist.overlap ? comm_thread : nullptr;
   return rs;
 }
@@ -47,10 +48,18 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
     return out;
   }
   const SyncRanges ranges = sync_ranges(layout, held);
+  if (settings.local_steps) {
+    // Each rank steps on its own gradients over what it holds; GradSync's groups average.
+    out.reducer = std::make_unique<LocalGradReducer>(layout.size());
+    for (const FlatRange& r : ranges.dense) out.pieces.push_back({r.offset, r.size});
+    for (const FlatRange& r : ranges.expert) out.pieces.push_back({r.offset, r.size});
+    out.averager = std::make_unique<ParamAverager>(ranges, *groups.grads, *groups.expert_grads);
+    return out;
+  }
   GradSyncConfig gc;
   gc.first_bucket_bytes = static_cast<int64_t>(settings.bucket_first_mb * 1024 * 1024);
   gc.bucket_bytes = static_cast<int64_t>(settings.bucket_mb * 1024 * 1024);
-  gc.reduce_dtype = parse_dtype(settings.grad_reduce_dtype, "dist.grad_reduce_dtype");
+  gc.wire = parse_grad_wire(settings.grad_reduce_dtype, "dist.grad_reduce_dtype");
   auto sync = std::make_unique<GradSync>(ranges, *groups.grads, *groups.expert_grads, gc);
   out.buckets = static_cast<int64_t>(sync->buckets().size());
   if (settings.zero1) {

@@ -14,6 +14,7 @@
 #include "parallel/comm_thread.h"
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
+#include "parallel/param_averaging.h"
 #include "parallel/sharded_optimizer.h"
 #include "train/run_config.h"
 
@@ -23,6 +24,7 @@ struct ReduceSettings {
   double bucket_first_mb = 1, bucket_mb = 25;
   std::string grad_reduce_dtype = "f32";
   bool zero1 = false;
+  bool local_steps = false;  // dist.sync = params: no gradient reduction, parameter averaging
   // Reduces gradient buckets during backward on this thread (null: after backward).
   CommThread* overlap = nullptr;
 };
@@ -47,6 +49,8 @@ struct DataParallel {
   std::unique_ptr<GradReducer> reducer;
   std::vector<OptimPiece> pieces;  // what this rank's optimizer updates
   int64_t buckets = 0;             // gradient buckets (0 on one process)
+  // dist.sync = params under MPI: what averages the replicas (the reducer is then the local one).
+  std::unique_ptr<ParamAverager> averager;
   // Set as the model's grads-ready hook when buckets reduce during backward; empty otherwise.
   std::function<void(int64_t)> grads_ready;
 };

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "parallel/grad_wire.h"
 #include "train/precision.h"
 
 namespace moetrain {
@@ -88,6 +89,9 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
       {"dist.debug_collectives", &d.debug_collectives},
       {"dist.grad_reduce_dtype", &d.grad_reduce_dtype},
       {"dist.a2a_dtype", &d.a2a_dtype},
+      {"dist.sync", &d.sync},
+      {"dist.sync_every", &d.sync_every},
+      {"dist.sync_moments", &d.sync_moments},
   };
   fields.insert(fields.end(), std::begin(dist), std::end(dist));
 }
@@ -207,13 +211,32 @@ void RunConfig::validate() const {
   if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
   optim.validate();
   dist.validate();
+  // Checkpoints are taken right after an averaging, when every replica holds the same values.
+  MOETRAIN_CHECK(!dist.local_steps() || t.checkpoint_every % dist.sync_every == 0,
+                 "train.checkpoint_every = {} with dist.sync = params: must be a multiple of "
+                 "dist.sync_every = {} (checkpoints are written right after an averaging)",
+                 t.checkpoint_every, dist.sync_every);
+  MOETRAIN_CHECK(!(dist.local_steps() && t.precision_dtype() == DType::F16),
+                 "dist.sync = params with train.precision = fp16: each replica would skip steps "
+                 "and move its loss scale on its own; use train.precision = bf16 or f32");
+  // The error-feedback residual would carry loss-scaled gradients across changes of the scale.
+  MOETRAIN_CHECK(!(dist.grad_reduce_dtype == "int8" && t.precision_dtype() == DType::F16),
+                 "dist.grad_reduce_dtype = int8 with train.precision = fp16: the error-feedback "
+                 "residual cannot follow the loss scale; use train.precision = bf16 or f32, or "
+                 "dist.grad_reduce_dtype = bf16");
   if (model.n_moe_layers() > 0) placement.validate(model.n_experts, dist.ep);
 }
 
 void DistSettings::validate() const {
-  parse_dtype(grad_reduce_dtype, "dist.grad_reduce_dtype", {DType::F32, DType::BF16});
+  parse_grad_wire(grad_reduce_dtype, "dist.grad_reduce_dtype");
   parse_dtype(a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
   MOETRAIN_CHECK(ep >= 1, "dist.ep = {}: must be ≥ 1", ep);
+  MOETRAIN_CHECK(sync == "grads" || sync == "params", "dist.sync = '{}': allowed are grads, params",
+                 sync);
+  MOETRAIN_CHECK(sync_every >= 1, "dist.sync_every = {}: must be ≥ 1", sync_every);
+  MOETRAIN_CHECK(!(local_steps() && zero == 1),
+                 "dist.sync = params with dist.zero = 1: ZeRO-1 shards one optimizer state over "
+                 "the replicas, local steps need a whole one on each; use dist.zero = 0");
   MOETRAIN_CHECK(zero == 0 || zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",
                  zero);
   MOETRAIN_CHECK(

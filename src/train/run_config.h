@@ -113,11 +113,19 @@ struct DistSettings {
   double collective_timeout = 300;
   // Ranks compare a fingerprint of every collective before it runs (slower; for debugging).
   bool debug_collectives = false;
-  // Element type of the data-parallel gradient reduction on the wire (f32 | bf16): bf16 halves
-  // the bytes; the sums are still taken in f32, in rank order.
+  // What the data-parallel gradient reduction puts on the wire (f32 | bf16 | int8): bf16 halves
+  // the bytes, int8 (block-quantised with error feedback, parallel/block_quant.h) takes about a
+  // quarter; the sums are still taken in f32, in rank order.
   std::string grad_reduce_dtype = "f32";
   // Element type of the expert all-to-all payloads (token rows and their gradients): f32 | bf16.
   std::string a2a_dtype = "f32";
+  // What data-parallel replicas synchronise (parallel/param_averaging.h): "grads" reduces the
+  // gradients every step; "params" (local SGD) lets every rank step on its own gradients and
+  // averages the parameters every sync_every steps (and the optimizer moments with sync_moments).
+  std::string sync = "grads";
+  int64_t sync_every = 1;
+  bool sync_moments = false;
+  bool local_steps() const { return sync == "params"; }
 
   // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
   // where the process groups are made.

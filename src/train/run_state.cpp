@@ -218,4 +218,30 @@ std::string json_hash(const nlohmann::json& j) {
   return fmt::format("{:016x}", h);
 }
 
+nlohmann::json carried_state_record(GradReducer& reducer, int world) {
+  const std::vector<float>* c = reducer.carried();
+  if (!c) return nullptr;
+  return nlohmann::json::array({world, static_cast<int64_t>(c->size())});
+}
+
+bool carried_state_matches(const nlohmann::json& trainer_state, GradReducer& reducer, int world) {
+  const nlohmann::json mine = carried_state_record(reducer, world);
+  if (mine.is_null()) return false;
+  const nlohmann::json saved = trainer_state.value("grad_residual", nlohmann::json());
+  if (saved == mine) return true;
+  log_warn("the checkpoint holds no gradient residual for {} processes of {} values (it has {}): "
+           "the int8 error feedback starts from zero, so the run is not bit-exact with an "
+           "uninterrupted one",
+           world, mine[1].get<int64_t>(), saved.is_null() ? "none" : saved.dump());
+  return false;
+}
+
+void add_carried_state(CheckpointShare& share, GradReducer& reducer, int rank, int world) {
+  std::vector<float>* c = reducer.carried();
+  if (!c) return;
+  const int64_t n = static_cast<int64_t>(c->size());
+  share.state.push_back(
+      {"grad_sync.residual", {world, n}, rank * n, (rank + 1) * n, c->data()});
+}
+
 }  // namespace moetrain

@@ -16,6 +16,7 @@
 #include "model/classifier.h"
 #include "model/params.h"
 #include "model/transformer.h"
+#include "optim/grad_reducer.h"
 #include "parallel/groups.h"
 #include "parallel/sharded_optimizer.h"
 
@@ -59,6 +60,17 @@ CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
                                  ShardedOptimizer& optimizer, const std::vector<int>& writers,
                                  const ExpertShard& held, int rank, bool sharded,
                                  const std::vector<NamedTensor>& state, bool reading);
+
+// The state the gradient reducer carries between steps (GradReducer::carried, int8's error
+// feedback) is per rank: row `rank` of a [world, n] tensor "grad_sync.residual" in the state
+// files, each rank writing and reading its own row. It belongs to the process layout, so
+// trainer_state.json records its shape ("grad_residual": [world, n]; absent when there is none).
+nlohmann::json carried_state_record(GradReducer& reducer, int world);
+// On resume: whether the checkpoint's record matches what this run carries (then its row is
+// read). When the run carries state and the record does not match (another layout, or a run
+// without int8), logs that the residual starts from zero.
+bool carried_state_matches(const nlohmann::json& trainer_state, GradReducer& reducer, int world);
+void add_carried_state(CheckpointShare& share, GradReducer& reducer, int rank, int world);
 
 // params = the checkpoint's parameters (sized to the model's layout), and the model's router
 // biases; returns the step the checkpoint was written at.

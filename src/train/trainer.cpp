@@ -16,6 +16,7 @@
 #include "io/file.h"
 #include "io/run_lock.h"
 #include "model/params.h"
+#include "optim/clip.h"
 #include "optim/grad_reducer.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
@@ -102,6 +103,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       make_data_parallel(layout, shard, *pg_, reduce_settings(cfg_.dist, ep_.comm_thread.get()));
   reducer_ = std::move(dp.reducer);
   buckets_ = dp.buckets;
+  averager_ = std::move(dp.averager);
+  if (averager_) local_comm_ = make_local_comm();
   if (cfg_.placement.enabled() && cfg_.model.n_moe_layers() > 0) {
     const int64_t rpn = ep_.hierarchy ? ep_.hierarchy->intra->size() : cfg_.dist.ranks_per_node;
     // A communicator of its own: the exchange may run on the communication thread.
@@ -197,8 +200,9 @@ double Trainer::train_step() {
   AccumulateArgs<TokenBatch> args;
   args.micro_batches = A;
   // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
-  // (the reduction) then gives the mean.
-  args.loss_weight = static_cast<float>(last_scale_) / static_cast<float>(A * W);
+  // (the reduction) then gives the mean. Local steps: the mean over this rank's own.
+  const int replicas = averager_ ? 1 : W;
+  args.loss_weight = static_cast<float>(last_scale_) / static_cast<float>(A * replicas);
   args.dropped_divisor = static_cast<double>(A * W);
   args.fill = [&](int64_t micro) {
     loader.fill(step_, micro, inputs_.data(), targets_.data());
@@ -218,6 +222,11 @@ double Trainer::train_step() {
   };
   Accumulated acc =
       accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
+  // Local steps under EP: this rank's experts summed the local means of the ep ranks whose tokens
+  // they computed; their mean is the gradient of those tokens' mean loss.
+  if (averager_ && pg_->layout.ep > 1)
+    for (auto [offset, size] : own_experts_)
+      scale_gradients(grads_.data() + offset, size, 1.0f / static_cast<float>(pg_->layout.ep));
   last_lr_ = schedule_->lr(step_);
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
@@ -225,8 +234,11 @@ double Trainer::train_step() {
   opts.where = fmt::format("step {}", step_ + 1);
   opts.advice =
       fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.train.run_dir);
-  const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
-                                          grads_.data(), static_cast<float>(last_lr_), opts);
+  const int64_t avg_bytes_before = averager_ ? averager_->bytes_sent() : 0;
+  // Local steps: each replica checks, clips and steps on its own gradients.
+  const StepUpdate up =
+      reduce_and_update(*reducer_, *optimizer_, averager_ ? *local_comm_ : *pg_->control,
+                        params_.data(), grads_.data(), static_cast<float>(last_lr_), opts);
   last_comm_ = comm_meter.parts(acc, up, static_cast<double>(A));
   last_skipped_ = up.outcome.skipped;
   if (!last_skipped_) last_grad_norm_ = up.outcome.grad_norm;
@@ -237,6 +249,14 @@ double Trainer::train_step() {
     model_->weights_changed();
   }
   ++step_;
+  if (averager_ && step_ % cfg_.dist.sync_every == 0) {
+    // The averaging runs inline on this thread: communication nothing hides.
+    Timer averaging;
+    average_replicas();
+    last_comm_.inline_s += averaging.seconds();
+    last_comm_.blocked_s += averaging.seconds();
+    last_comm_.bytes_grad += averager_->bytes_sent() - avg_bytes_before;
+  }
   pending_metrics_ = finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc,
                                  {.step = step_,
                                   .lr = last_lr_,
@@ -314,6 +334,7 @@ TrainResult Trainer::run(int64_t stop_at) {
     }
   }
   progress.finish();
+  average_replicas();  // the final evaluation and checkpoint see one model
   result.steps_done = step_ - result.first_step;
   result.seconds = run_timer.seconds();
   result.tokens_per_s =
@@ -329,6 +350,17 @@ TrainResult Trainer::run(int64_t stop_at) {
       result.steps_done, result.seconds, result.tokens_per_s, result.val_loss,
       result.last_checkpoint.string());
   return result;
+}
+
+void Trainer::average_replicas() {
+  if (!averager_ || averaged_at_ == step_) return;
+  double drift = averager_->average_params(params_.data());
+  if (cfg_.dist.sync_moments) averager_->average_moments(*optimizer_);
+  model_->weights_changed();
+  averaged_at_ = step_;
+  // How far the replicas had drifted apart: the largest distance of a parameter from the mean.
+  pg_->control->allreduce(&drift, 1, {.op = ReduceOp::Max});
+  metrics_.write({{"step", step_}, {"replica_drift", drift}});
 }
 
 }  // namespace moetrain

@@ -23,6 +23,7 @@
 #include "optim/schedule.h"
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
+#include "parallel/param_averaging.h"
 #include "train/run_config.h"
 #include "train/step_metrics.h"
 #include "train/stop_signal.h"
@@ -123,6 +124,9 @@ class Trainer {
   double train_step();  // one optimizer step; returns the loss
   // Reduce the gradients, then apply_update (optim/update.h): unscale, clip, step.
   void update();
+  // dist.sync = params: collective, the replicas' parameters (and moments with
+  // dist.sync_moments) averaged, unless they already were at this step.
+  void average_replicas();
 
   RunConfig cfg_;
   std::unique_ptr<Comm> world_;
@@ -137,6 +141,11 @@ class Trainer {
   std::vector<std::pair<int64_t, int64_t>> own_experts_;  // (offset, size)
   std::unique_ptr<GradReducer> reducer_;  // local identity on one process, GradSync under MPI
   int64_t buckets_ = 0;                   // gradient buckets (0 on one process)
+  // dist.sync = params under MPI: the replicas step alone (on local_comm_) and are averaged
+  // every dist.sync_every steps; averaged_at_ is the step they last were.
+  std::unique_ptr<ParamAverager> averager_;
+  std::unique_ptr<Comm> local_comm_;
+  int64_t averaged_at_ = -1;
   std::unique_ptr<ShardedOptimizer> optimizer_;
   ExpertShard expert_shard_;  // the experts this rank holds
   std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints
@@ -144,6 +153,7 @@ class Trainer {
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
   int64_t step_ = 0;  // optimizer steps applied so far
   bool resumed_ = false;
+  bool read_carried_ = false;  // the checkpoint being read holds this run's gradient residual
   std::vector<int32_t> inputs_, targets_;
   // last step's figures, for metrics
   LossParts last_parts_;

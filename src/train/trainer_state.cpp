@@ -125,8 +125,11 @@ void Trainer::init_weights_from(const fs::path& dir) {
 
 CheckpointShare Trainer::checkpoint_share(bool reading) {
   const bool sharded = world_size() > 1 && cfg_.dist.zero == 1;
-  return moetrain::checkpoint_share(model_->layout(), params_.data(), *optimizer_, writers_,
-                                    expert_shard_, rank(), sharded, bias_views(*model_), reading);
+  CheckpointShare share =
+      moetrain::checkpoint_share(model_->layout(), params_.data(), *optimizer_, writers_,
+                                 expert_shard_, rank(), sharded, bias_views(*model_), reading);
+  if (!reading || read_carried_) add_carried_state(share, *reducer_, rank(), world_size());
+  return share;
 }
 
 nlohmann::json Trainer::trainer_state() const {
@@ -156,6 +159,8 @@ nlohmann::json Trainer::trainer_state() const {
         {"dp", pg_->layout.dp},
         {"zero", cfg_.dist.zero},
         {"grad_accum", A}}}};
+  if (nlohmann::json r = carried_state_record(*reducer_, world_size()); !r.is_null())
+    t["grad_residual"] = r;
   if (scaler_) {
     t["loss_scale"] = {{"scale", scaler_->raw_scale()},
                        {"good_steps", scaler_->good_steps()},
@@ -189,6 +194,9 @@ CheckpointDocs Trainer::checkpoint_docs() const {
 }
 
 fs::path Trainer::save_checkpoint() {
+  // Local steps: a checkpoint holds one model (train.checkpoint_every is a multiple of
+  // dist.sync_every, so only a stop between averagings averages early).
+  average_replicas();
   // Every rank writes its own pieces; the checkpoint is complete when any rank returns.
   return write_checkpoint(*pg_->control, cfg_.train.run_dir, step_, checkpoint_share(false),
                           checkpoint_docs(), cfg_.train.keep_checkpoints);
@@ -217,6 +225,7 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
                  "with the same model, optimizer and batch settings, or use a new train.run_dir",
                  dir.string(), hash, cfg_.config_hash());
   step_ = need(t, "step").get<int64_t>();
+  read_carried_ = carried_state_matches(t, *reducer_, world_size());
   optimizer_->set_step_count(need(need(t, "optimizer"), "step_count").get<int64_t>());
   if (scaler_ && t.contains("loss_scale")) {
     const nlohmann::json& ls = t["loss_scale"];
@@ -268,7 +277,8 @@ void Trainer::load_checkpoint(const fs::path& dir) {
   });
   // Each rank reads the ranges it holds, from whichever files hold them.
   read_checkpoint_pieces(dir, checkpoint_share(true));
-  model_->weights_changed();  // the low-precision weight copies follow the loaded weights
+  model_->weights_changed();
+  averaged_at_ = step_;  // a checkpoint holds averaged parameters  // the low-precision weight copies follow the loaded weights
 }
 
 void Trainer::check_ranks_agree() {

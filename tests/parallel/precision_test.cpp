@@ -55,11 +55,11 @@ struct Reduced {
   int64_t bytes = 0;
 };
 
-Reduced reduce(const ParamLayout& layout, ProcessGroups& pg, DType wire, int rank) {
+Reduced reduce(const ParamLayout& layout, ProcessGroups& pg, GradWire wire, int rank) {
   GradSyncConfig gc;
   gc.first_bucket_bytes = 4096;  // several buckets of each kind
   gc.bucket_bytes = 20000;
-  gc.reduce_dtype = wire;
+  gc.wire = wire;
   GradSync sync(sync_ranges(layout, {0, small_model().n_experts}), *pg.grads, *pg.expert_grads, gc);
   Reduced r;
   r.grads = grads_of(rank, layout.size());
@@ -77,8 +77,8 @@ TEST(DistPrecision, Bf16GradientReductionIsItsClosedFormOnEveryRank) {
   ProcessGroups pg = make_process_groups(*world, 1);
   ParamLayout layout(small_model());
   const int64_t n = layout.size();
-  const Reduced f32 = reduce(layout, pg, DType::F32, rank);
-  const Reduced bf = reduce(layout, pg, DType::BF16, rank);
+  const Reduced f32 = reduce(layout, pg, GradWire::F32, rank);
+  const Reduced bf = reduce(layout, pg, GradWire::BF16, rank);
   // Closed form: round each rank's gradients to bf16, add in rank order in f32, round to bf16.
   std::vector<std::vector<float>> all;
   for (int q = 0; q < P; ++q) all.push_back(grads_of(q, n));
@@ -101,7 +101,7 @@ TEST(DistPrecision, Bf16GradientReductionIsItsClosedFormOnEveryRank) {
   // The same bits on every rank, and run to run.
   const std::vector<int64_t> hashes = world->allgather_one(static_cast<int64_t>(hash_of(bf.grads)));
   for (int q = 0; q < P; ++q) EXPECT_EQ(hashes[q], hashes[0]) << "rank " << q;
-  EXPECT_EQ(hash_of(reduce(layout, pg, DType::BF16, rank).grads), hash_of(bf.grads));
+  EXPECT_EQ(hash_of(reduce(layout, pg, GradWire::BF16, rank).grads), hash_of(bf.grads));
   // Half the bytes on the wire.
   EXPECT_GT(f32.bytes, 0);
   EXPECT_EQ(bf.bytes * 2, f32.bytes);
