@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 
 #include "optim/update.h"
 
@@ -27,6 +28,12 @@ class GradReducer {
   // Runs optimizer_step (which updates what this process holds the state of), then makes params
   // whole again on every process.
   virtual void update(float* params, float* grads, const std::function<void()>& optimizer_step) = 0;
+  // Sparse experts (optim/sparse_experts.h): before begin(), the step's mask by expert key;
+  // buckets of inactive experts are neither sent nor gathered, their reduced values read 0.
+  // Empty: every bucket is reduced. The local reducer has nothing to skip.
+  virtual void set_active_experts(std::span<const uint8_t> /*active*/) {}
+  // Bytes that skipped buckets would have sent, so far.
+  virtual int64_t bytes_skipped() const { return 0; }
   virtual double seconds() const = 0;      // spent in collectives so far
   virtual int64_t bytes_sent() const = 0;  // sent to other processes so far
 };

@@ -21,6 +21,10 @@ class MpiGradReducer final : public GradReducer {
   void ready(int64_t from) { sync_->ready(from); }
   GradientShard& reduce(float* grads) override;
   void update(float* params, float* grads, const std::function<void()>& optimizer_step) override;
+  void set_active_experts(std::span<const uint8_t> active) override {
+    sync_->set_active_experts(active);
+  }
+  int64_t bytes_skipped() const override { return sync_->bytes_skipped(); }
   double seconds() const override { return sync_->seconds(); }
   int64_t bytes_sent() const override { return sync_->bytes_sent(); }
 

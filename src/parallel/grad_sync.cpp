@@ -32,13 +32,18 @@ std::vector<FlatRange> merged(std::vector<FlatRange> v) {
 
 SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard) {
   std::vector<FlatRange> all_experts, own;
+  SyncRanges out;
+  const std::vector<ExpertPiece> keyed = expert_pieces(layout);
+  std::size_t k = 0;
   for (const ParamInfo& p : layout.params()) {
     if (p.expert < 0) continue;
     all_experts.push_back({p.offset, p.numel});
-    if (p.expert >= shard.first && p.expert < shard.first + shard.count)
+    const ExpertPiece& piece = keyed[k++];
+    if (p.expert >= shard.first && p.expert < shard.first + shard.count) {
       own.push_back({p.offset, p.numel});
+      out.expert_keyed.push_back(piece);
+    }
   }
-  SyncRanges out;
   out.expert = merged(own);
   int64_t at = 0;
   for (const FlatRange& r : merged(all_experts)) {
@@ -59,10 +64,16 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
   struct Run {
     FlatRange range;
     bool expert;
+    int64_t key = -1;
   };
   std::vector<Run> runs;
   for (const FlatRange& r : ranges.dense) runs.push_back({r, false});
-  for (const FlatRange& r : ranges.expert) runs.push_back({r, true});
+  if (cfg.sparse_experts) {
+    for (const ExpertPiece& p : ranges.expert_keyed)
+      runs.push_back({{p.offset, p.size}, true, p.key});
+  } else {
+    for (const FlatRange& r : ranges.expert) runs.push_back({r, true});
+  }
   std::sort(runs.begin(), runs.end(),
             [](const Run& a, const Run& b) { return a.range.offset > b.range.offset; });
 
@@ -84,12 +95,17 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
     b.shard_offset = shard_size_;
     shard_size_ += b.counts[q];
     buckets_.push_back(std::move(b));
+    const int64_t key = b.key;
     open[k] = Bucket{};
+    open[k].key = key;
     first[k] = false;
   };
   // From the end of the buffer down: the order in which backward finishes gradients.
   for (const Run& run : runs) {
     const int k = run.expert ? 1 : 0;
+    // One expert per bucket when sparse, so that a bucket is skipped or sent as a whole.
+    if (run.expert && open[1].size > 0 && open[1].key != run.key) close(1);
+    open[k].key = run.key;
     int64_t end = run.range.offset + run.range.size;
     while (end > run.range.offset) {
       const int64_t take = std::min(end - run.range.offset, cap(k) - open[k].size);
@@ -102,6 +118,7 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
   close(0);
   close(1);
   shard_.assign(static_cast<std::size_t>(shard_size_), 0.0f);
+  skip_.assign(buckets_.size(), 0);
   for (const Bucket& b : buckets_) {
     int64_t low = INT64_MAX;
     for (const FlatRange& p : b.pieces) low = std::min(low, p.offset);
@@ -132,11 +149,28 @@ void GradSync::unpack(float* flat, const float* src, const Bucket& b, int64_t lo
   }
 }
 
+void GradSync::set_active_experts(std::span<const uint8_t> active) {
+  MOETRAIN_CHECK(thread_ == nullptr,
+                 "GradSync::set_active_experts while an overlapped reduction is in flight");
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    const int64_t key = buckets_[i].key;
+    MOETRAIN_CHECK(key < 0 || active.empty() || key < static_cast<int64_t>(active.size()),
+                   "gradient bucket of expert key {} outside the mask of {}", key, active.size());
+    skip_[i] = key >= 0 && !active.empty() && !active[key];
+  }
+}
+
 void GradSync::reduce_bucket(std::size_t i, const float* grads) {
   const Bucket& b = buckets_[i];
   Comm& comm = group(b);
   const int P = comm.size(), me = comm.rank();
   const int64_t mine = b.counts[me];
+  if (skip_[i]) {
+    // What the reduce-scatter and the gradient all-gather would have sent.
+    bytes_skipped_ += (b.size - mine + mine * (P - 1)) * static_cast<int64_t>(dtype_size(wire_));
+    std::fill_n(shard_.data() + b.shard_offset, mine, 0.0f);
+    return;
+  }
   bytes_sent_ += (b.size - mine) * static_cast<int64_t>(dtype_size(wire_));
   float* packed = packed_.ensure(b.size);
   pack(packed, grads, b, 0, b.size);
@@ -197,7 +231,7 @@ void GradSync::ready(int64_t from) {
       reduce_bucket(i, grads_);
       // The bucket's gradients are final (backward only writes lower offsets now), so its
       // reduced values can land in place while backward goes on.
-      if (gather_)
+      if (gather_ && !skip_[i])
         allgather_into(grads_, buckets_[i], shard_.data() + buckets_[i].shard_offset, wire_);
     });
   }
@@ -233,8 +267,10 @@ void GradSync::scale(float factor) {
 }
 
 void GradSync::scale_reduced(float* grads, float scale) const {
-  for (const Bucket& b : buckets_)
-    for (const FlatRange& p : b.pieces) scale_gradients(grads + p.offset, p.size, scale);
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    if (skip_[i]) continue;
+    for (const FlatRange& p : buckets_[i].pieces) scale_gradients(grads + p.offset, p.size, scale);
+  }
 }
 
 void GradSync::unpack_shard(float* grads) const {
@@ -267,12 +303,18 @@ void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, D
 
 void GradSync::allgather_grads(float* grads) {
   gathered_ = grads;
-  for (const Bucket& b : buckets_) allgather_into(grads, b, shard_.data() + b.shard_offset, wire_);
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    if (skip_[i]) continue;
+    allgather_into(grads, buckets_[i], shard_.data() + buckets_[i].shard_offset, wire_);
+  }
 }
 
 void GradSync::allgather_params(float* params) {
   std::vector<float> mine;
-  for (const Bucket& b : buckets_) {
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    // Every rank left the skipped expert's parameters as they were.
+    if (skip_[i]) continue;
+    const Bucket& b = buckets_[i];
     const int64_t n = b.counts[group(b).rank()];
     mine.resize(static_cast<std::size_t>(n));
     pack(mine.data(), params, b, b.chunk_begin, b.chunk_begin + n);

@@ -13,12 +13,14 @@
 // shard. Every rank of a group cuts the same buckets, in the same order.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/buffer.h"
 #include "core/comm.h"
 #include "core/dtype.h"
 #include "model/params.h"
+#include "optim/sparse_experts.h"
 #include "optim/update.h"
 #include "parallel/comm_thread.h"
 #include "parallel/groups.h"
@@ -34,6 +36,9 @@ struct GradSyncConfig {
   // all-gathered as bf16 again (each rank's own chunk included, so every rank holds the same
   // bits). Half the bytes; bucket sizes stay in f32 bytes. Parameters (ZeRO-1) travel in f32.
   DType reduce_dtype = DType::F32;
+  // Sparse experts: expert buckets are cut at expert boundaries (each holds one expert's rows
+  // only, SyncRanges::expert_keyed), so a bucket of an inactive expert can be skipped.
+  bool sparse_experts = false;
 };
 
 // Elements [offset, offset + size) of the flat buffer.
@@ -46,6 +51,8 @@ struct FlatRange {
 struct SyncRanges {
   std::vector<FlatRange> dense;
   std::vector<FlatRange> expert;
+  // This rank's expert tensors one by one with their keys (optim/sparse_experts.h), layout order.
+  std::vector<ExpertPiece> expert_keyed;
 };
 SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard);
 
@@ -70,6 +77,7 @@ class GradSync final : public GradientShard {
     std::vector<int64_t> counts;    // (group size) chunk sizes
     int64_t chunk_begin = 0;        // this rank's chunk, in packed elements
     int64_t shard_offset = 0;       // where that chunk sits in the shard
+    int64_t key = -1;               // sparse experts: the expert key of every piece, else -1
   };
   const std::vector<Bucket>& buckets() const { return buckets_; }
   int64_t shard_size() const { return shard_size_; }
@@ -108,6 +116,14 @@ class GradSync final : public GradientShard {
   // The flat ranges of this rank's shard (ZeRO-1 updates exactly these).
   std::vector<ShardPiece> shard_pieces() const;
 
+  // Sparse experts: buckets whose key is inactive in `active` are skipped by every collective
+  // until the next call (their shard chunk reads 0; plain DP leaves their flat gradients as they
+  // are, and ZeRO-1 their parameters, which the optimizer leaves alone). Empty: none skipped.
+  // Every rank of a group must pass the same mask, before begin() / reduce_scatter().
+  void set_active_experts(std::span<const uint8_t> active);
+  // Bytes this rank would have sent for the skipped buckets, so far.
+  int64_t bytes_skipped() const { return bytes_skipped_; }
+
   double seconds() const { return seconds_; }  // spent in the collective calls so far
   // Bytes this rank has sent to other ranks so far (reductions, gradient and parameter gathers).
   int64_t bytes_sent() const { return bytes_sent_; }
@@ -135,6 +151,8 @@ class GradSync final : public GradientShard {
   std::vector<bf16> wire_send_, wire_recv_;  // bf16 reduction: packed bucket, received parts
   double seconds_ = 0;
   int64_t bytes_sent_ = 0;
+  std::vector<uint8_t> skip_;  // (buckets) set_active_experts
+  int64_t bytes_skipped_ = 0;
 };
 
 }  // namespace moetrain

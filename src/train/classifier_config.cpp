@@ -25,6 +25,7 @@ ConfigSchema schema(ClassifierRunConfig& c) {
   };
   add_moe_fields(fields, m);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
+  add_grad_fields(fields, c.grad);
   const Field train[] = {
       {"train.epochs", &t.epochs},
       {"train.eval_batch_size", &t.eval_batch_size},
@@ -78,6 +79,7 @@ void ClassifierRunConfig::validate() const {
                  t.eval_batch_size);
   optim.validate();
   dist.validate();
+  grad.validate();
 }
 
 int64_t ClassifierRunConfig::total_steps(int64_t n_train) const {
@@ -97,6 +99,11 @@ std::string ClassifierRunConfig::config_hash() const {
   j["model"].erase("capacity");           // always fixed: validate refuses dynamic
   j["model"].erase("router_controller");  // always none: validate refuses rl
   j.erase("gating");
+  if (!grad.sparse_experts) {
+    j["grad"].erase("sparse_experts");
+    j["grad"].erase("min_accum_fraction");
+  }
+  if (j["grad"].empty()) j.erase("grad");
   return json_hash(j);
 }
 

@@ -26,9 +26,11 @@ struct StepUpdate {
 };
 
 // Collective over control and the reducer's groups: params (n) stepped at lr by the optimizer
-// from the reduced grads (n), unless apply_update skips the step.
+// from the reduced grads (n), unless apply_update skips the step. The optimizer leaves the frozen
+// ranges alone (sparse experts).
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
-                             float* params, float* grads, float lr, const UpdateOptions& opts);
+                             float* params, float* grads, float lr, const UpdateOptions& opts,
+                             std::span<const FrozenRange> frozen = {});
 
 // Collective over control: the router-bias update (sigmoid_bias routers), acc reduced over the
 // processes, and the metrics line of figures (whose acc is set to &acc here). capacity (one

@@ -23,6 +23,7 @@
 #include "optim/schedule.h"
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
+#include "optim/sparse_experts.h"
 #include "train/run_config.h"
 #include "train/stop_signal.h"
 
@@ -153,6 +154,7 @@ class Trainer {
   std::vector<CapacityController> capacity_;
   bool auto_precision_ = false;  // train.precision was "auto" (a resume adopts the recorded one)
   std::unique_ptr<ExpertPlacement> placement_;  // placement.spare_slots > 0
+  std::unique_ptr<SparseExperts> sparse_;        // grad.sparse_experts (with MoE layers)
   std::vector<GatingController> gating_;  // one per MoE layer with model.router_controller = rl
   double last_scale_ = 1;
   bool last_skipped_ = false;
