@@ -92,6 +92,7 @@ class Trainer {
   Transformer& model() { return *model_; }
   std::vector<float>& params() { return params_; }
   std::vector<float>& grads() { return grads_; }
+  ShardedOptimizer& optimizer() { return *optimizer_; }
   int64_t step() const { return step_; }
   int rank() const;
   int world_size() const;
