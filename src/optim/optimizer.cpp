@@ -160,7 +160,8 @@ std::vector<DecaySegment> without_frozen(const std::vector<DecaySegment>& segmen
   for (const DecaySegment& s : segments) {
     int64_t at = s.begin;
     for (const FrozenRange& f : cuts) {
-      const int64_t lo = std::max(f.offset - begin, at), hi = std::min(f.offset + f.size - begin, s.end);
+      const int64_t lo = std::max(f.offset - begin, at),
+                    hi = std::min(f.offset + f.size - begin, s.end);
       if (hi <= lo) continue;
       if (lo > at) out.push_back({at, lo, s.weight_decay});
       at = hi;

@@ -19,8 +19,8 @@ std::vector<ExpertPiece> expert_pieces(const ParamTable& layout) {
     const std::size_t at = p.name.find(".experts.");
     MOETRAIN_CHECK(at != std::string::npos,
                    "expert tensor '{}' is not named <block>.experts.<j>.<name>", p.name);
-    const auto [it, fresh] = block_of.try_emplace(p.name.substr(0, at),
-                                                  static_cast<int64_t>(block_of.size()));
+    const auto [it, fresh] =
+        block_of.try_emplace(p.name.substr(0, at), static_cast<int64_t>(block_of.size()));
     found.emplace_back(it->second, &p);
     E = std::max(E, p.expert + 1);
   }
@@ -86,11 +86,6 @@ void SparseExperts::record(int64_t micro, int64_t layer, const int64_t* tokens_p
   MOETRAIN_CHECK(micro >= 0 && micro < A_ && layer >= 0 && layer < layers_,
                  "sparse experts: micro-batch {} of {}, layer {} of {}", micro, A_, layer, layers_);
   std::copy_n(tokens_per_expert, E_, counts_.begin() + (micro * layers_ + layer) * E_);
-}
-
-void SparseExperts::record(int64_t micro, std::span<const std::vector<int64_t>> tokens_per_layer) {
-  for (std::size_t m = 0; m < tokens_per_layer.size(); ++m)
-    record(micro, static_cast<int64_t>(m), tokens_per_layer[m].data());
 }
 
 void SparseExperts::agree(Comm& comm) {

@@ -57,7 +57,6 @@ class SparseExperts {
   void start_step();
   // After micro-batch `micro`'s forward: tokens_per_expert of each MoE layer (this process's,
   // after dropping).
-  void record(int64_t micro, std::span<const std::vector<int64_t>> tokens_per_layer);
   void record(int64_t micro, int64_t layer, const int64_t* tokens_per_expert);
   // Collective over comm (every process holding tokens): the mask from every micro-batch.
   void agree(Comm& comm);

@@ -124,7 +124,8 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
     MOETRAIN_CHECK(std::isfinite(p.parts.total), "{}", args.bad_loss(p.parts));
     if (args.sparse) {
       for (std::size_t m = 0; m < moe.size(); ++m)
-        args.sparse->record(micro, static_cast<int64_t>(m), moe[m]->stats().tokens_per_expert.data());
+        args.sparse->record(micro, static_cast<int64_t>(m),
+                            moe[m]->stats().tokens_per_expert.data());
     }
     // The last micro-batch's backward finishes the gradients: reduction may start now.
     if (micro == A - 1 && args.before_last_backward) args.before_last_backward();

@@ -302,9 +302,11 @@ double ClassifierTrainer::train_step() {
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
   opts.where = fmt::format("step {}", step_ + 1);
-  const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
-                                          grads_.data(), static_cast<float>(last_lr_), opts,
-                                          sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{});
+  const std::span<const FrozenRange> frozen =
+      sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{};
+  const StepUpdate up =
+      reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(), grads_.data(),
+                        static_cast<float>(last_lr_), opts, frozen);
   last_grad_norm_ = up.outcome.grad_norm;
   ++step_;
   StepFigures figures{.step = step_, .lr = last_lr_, .grad_norm = last_grad_norm_};

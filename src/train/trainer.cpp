@@ -242,9 +242,11 @@ double Trainer::train_step() {
   opts.where = fmt::format("step {}", step_ + 1);
   opts.advice =
       fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.train.run_dir);
-  const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
-                                          grads_.data(), static_cast<float>(last_lr_), opts,
-                                          sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{});
+  const std::span<const FrozenRange> frozen =
+      sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{};
+  const StepUpdate up =
+      reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(), grads_.data(),
+                        static_cast<float>(last_lr_), opts, frozen);
   last_sync_s_ = up.sync_s, last_sync_exposed_s_ = up.sync_exposed_s;
   last_skipped_ = up.outcome.skipped;
   if (!last_skipped_) last_grad_norm_ = up.outcome.grad_norm;

@@ -254,51 +254,6 @@ TEST_P(OptimizerTest, SubRangesGiveBitwiseSameResult) {
   }
 }
 
-TEST_P(OptimizerTest, FrozenRangesKeepParamsAndStateBitwiseAndTheRestStepsAsUsual) {
-  // Sparse experts: a frozen range is left exactly as it was (no decay, no moment update) while
-  // every other element gets the bits of an unfrozen step.
-  const Case& c = GetParam();
-  const int64_t n = 1000;
-  auto groups = make_groups(n);
-  auto frozen_params = random_vector(n, 9), plain_params = frozen_params;
-  auto frozen = make_optimizer(c.config, groups, 0, n), plain = make_optimizer(c.config, groups, 0, n);
-  for (int s = 0; s < 3; ++s) {
-    const auto grads = step_grads(n, s);
-    frozen->step(frozen_params.data(), grads.data(), step_lr(c, s));
-    plain->step(plain_params.data(), grads.data(), step_lr(c, s));
-  }
-  const std::vector<float> params_before = frozen_params;
-  std::vector<std::vector<float>> state_before;
-  for (const StateBuffer& s : frozen->state()) state_before.emplace_back(s.values.begin(), s.values.end());
-  // Overlapping, unsorted, one reaching past the end.
-  const FrozenRange cuts[] = {{600, 37}, {100, 50}, {120, 40}, {990, 100}};
-  auto is_frozen = [&](int64_t i) {
-    for (const FrozenRange& f : cuts)
-      if (i >= f.offset && i < f.offset + f.size) return true;
-    return false;
-  };
-  const auto grads = step_grads(n, 3);
-  frozen->step(frozen_params.data(), grads.data(), step_lr(c, 3), cuts);
-  plain->step(plain_params.data(), grads.data(), step_lr(c, 3));
-  EXPECT_EQ(frozen->step_count(), 4);
-  int64_t kept = 0, changed = 0;
-  auto fs = frozen->state(), ps = plain->state();
-  for (int64_t i = 0; i < n; ++i) {
-    const float want = is_frozen(i) ? params_before[i] : plain_params[i];
-    EXPECT_EQ(0, std::memcmp(&frozen_params[i], &want, sizeof(float))) << c.label << " param " << i;
-    for (std::size_t b = 0; b < fs.size(); ++b) {
-      const float w = is_frozen(i) ? state_before[b][i] : ps[b].values[i];
-      EXPECT_EQ(0, std::memcmp(&fs[b].values[i], &w, sizeof(float)))
-          << c.label << " " << fs[b].name << " " << i;
-    }
-    if (is_frozen(i)) kept += plain_params[i] != params_before[i];
-    changed += !is_frozen(i) && frozen_params[i] != params_before[i];
-  }
-  // An unfrozen step would have moved the frozen elements: the test can tell the two apart.
-  EXPECT_GT(kept, 0);
-  EXPECT_GT(changed, 0);
-}
-
 TEST_P(OptimizerTest, ThreadCountDoesNotChangeBits) {
   const Case& c = GetParam();
   const int64_t n = 70001;  // above the parallel threshold, odd

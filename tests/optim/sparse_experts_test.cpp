@@ -2,11 +2,15 @@
 // micro-batch threshold of grad.min_accum_fraction, and the ranges the optimizer leaves alone.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/comm.h"
 #include "model/params.h"
+#include "optim/optimizer.h"
 #include "optim/sparse_experts.h"
 #include "support/small_models.h"
 
@@ -61,7 +65,8 @@ TEST(SparseExperts, MinAccumFractionMasksAnExpertTouchedInOneOfFourMicroBatches)
     int64_t frozen = 0;
     for (const FrozenRange& r : sparse.frozen()) frozen += r.size;
     int64_t want = 0;
-    for (const ExpertPiece& piece : expert_pieces(layout)) want += active[piece.key] ? 0 : piece.size;
+    for (const ExpertPiece& piece : expert_pieces(layout))
+      want += active[piece.key] ? 0 : piece.size;
     EXPECT_EQ(frozen, want);
     std::vector<float> grads(static_cast<std::size_t>(layout.size()), 1.0f);
     sparse.zero_frozen(grads.data());
@@ -80,4 +85,62 @@ TEST(SparseExperts, FrozenRangesJoinAdjacentInactivePieces) {
   EXPECT_EQ(r[0].size, 20);
   EXPECT_EQ(r[1].offset, 30);
   EXPECT_EQ(r[1].size, 10);
+}
+
+TEST(SparseExperts, FrozenRangesKeepParamsAndStateBitwiseAndTheRestStepsAsUsual) {
+  // A frozen range is left exactly as it was (no decay, no state update) by every optimizer,
+  // while every other element gets the bits of an unfrozen step.
+  const int64_t n = 1000;
+  const ParamRange groups[] = {{0, 400, true}, {400, 100, false}, {500, 500, true}};
+  std::vector<OptimizerConfig> configs;
+  for (const char* name : {"adamw", "sgd", "adagrad", "rmsprop"}) {
+    OptimizerConfig c = default_optimizer_config(name);
+    c.weight_decay = 0.05;
+    if (c.kind == OptimizerKind::RmsProp) c.momentum = 0.5, c.centered = true;
+    configs.push_back(c);
+  }
+  // Overlapping, unsorted, one reaching past the end.
+  const FrozenRange cuts[] = {{600, 37}, {100, 50}, {120, 40}, {390, 20}, {990, 100}};
+  auto is_frozen = [&](int64_t i) {
+    for (const FrozenRange& f : cuts)
+      if (i >= f.offset && i < f.offset + f.size) return true;
+    return false;
+  };
+  auto values = [](int64_t count, int seed) {
+    std::vector<float> v(static_cast<std::size_t>(count));
+    for (int64_t i = 0; i < count; ++i) v[i] = std::sin(0.37f * float(i) + float(seed)) * 0.5f;
+    return v;
+  };
+  for (const OptimizerConfig& c : configs) {
+    const std::string kind(optimizer_kind_name(c.kind));
+    auto frozen = make_optimizer(c, groups, 0, n), plain = make_optimizer(c, groups, 0, n);
+    std::vector<float> fp = values(n, 1), pp = fp;
+    for (int s = 0; s < 3; ++s) {
+      const auto g = values(n, 10 + s);
+      frozen->step(fp.data(), g.data(), 0.01f);
+      plain->step(pp.data(), g.data(), 0.01f);
+    }
+    const std::vector<float> before = fp;
+    std::vector<std::vector<float>> state_before;
+    for (const StateBuffer& b : frozen->state())
+      state_before.emplace_back(b.values.begin(), b.values.end());
+    const auto g = values(n, 20);
+    frozen->step(fp.data(), g.data(), 0.01f, cuts);
+    plain->step(pp.data(), g.data(), 0.01f);
+    EXPECT_EQ(frozen->step_count(), 4) << kind;
+    int64_t would_move = 0, bad = 0;
+    auto fs = frozen->state(), ps = plain->state();
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = is_frozen(i) ? before[i] : pp[i];
+      bad += std::memcmp(&fp[i], &want, sizeof(float)) != 0;
+      for (std::size_t b = 0; b < fs.size(); ++b) {
+        const float w = is_frozen(i) ? state_before[b][i] : ps[b].values[i];
+        bad += std::memcmp(&fs[b].values[i], &w, sizeof(float)) != 0;
+      }
+      would_move += is_frozen(i) && pp[i] != before[i];
+    }
+    EXPECT_EQ(bad, 0) << kind << ": elements differing from the frozen / unfrozen expectation";
+    // An unfrozen step would have moved the frozen elements: the test tells the two apart.
+    EXPECT_GT(would_move, 0) << kind;
+  }
 }

@@ -32,20 +32,34 @@ struct SparseSetup {
 };
 
 // 8 experts, top-1, 8 tokens per process and micro-batch: most experts get no token in a step.
-RunConfig make_config(const SparseSetup& s, const fs::path& data, const fs::path& run, int64_t rows) {
-  return load_run_config(
-      "", {"model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-           "model.expert_hidden=24", "model.n_experts=8", "model.top_k=1", "model.max_seq_len=8",
-           "train.batch_size=" + std::to_string(rows), "train.seq_len=8",
-           "train.steps=" + std::to_string(kSteps),
-           "train.grad_accum=" + std::to_string(s.grad_accum), "train.eval_every=0",
-           "train.eval_batches=1", "train.progress=off", "optim.warmup_steps=2",
-           "optim.grad_clip=0.5", "data.dir=" + data.string(), "train.run_dir=" + run.string(),
-           "dist.ep=" + std::to_string(s.ep), "dist.zero=" + std::to_string(s.zero),
-           "dist.bucket_first_mb=0.01", "dist.bucket_mb=0.05",
-           std::string("dist.overlap=") + (s.overlap ? "true" : "false"),
-           std::string("grad.sparse_experts=") + (s.sparse ? "true" : "false"),
-           "grad.min_accum_fraction=" + std::to_string(s.min_accum_fraction)});
+RunConfig make_config(const SparseSetup& s, const fs::path& data, const fs::path& run,
+                      int64_t rows) {
+  return load_run_config("", {"model.dim=32",
+                              "model.n_layers=2",
+                              "model.n_heads=4",
+                              "model.n_kv_heads=2",
+                              "model.expert_hidden=24",
+                              "model.n_experts=8",
+                              "model.top_k=1",
+                              "model.max_seq_len=8",
+                              "train.batch_size=" + std::to_string(rows),
+                              "train.seq_len=8",
+                              "train.steps=" + std::to_string(kSteps),
+                              "train.grad_accum=" + std::to_string(s.grad_accum),
+                              "train.eval_every=0",
+                              "train.eval_batches=1",
+                              "train.progress=off",
+                              "optim.warmup_steps=2",
+                              "optim.grad_clip=0.5",
+                              "data.dir=" + data.string(),
+                              "train.run_dir=" + run.string(),
+                              "dist.ep=" + std::to_string(s.ep),
+                              "dist.zero=" + std::to_string(s.zero),
+                              "dist.bucket_first_mb=0.01",
+                              "dist.bucket_mb=0.05",
+                              std::string("dist.overlap=") + (s.overlap ? "true" : "false"),
+                              std::string("grad.sparse_experts=") + (s.sparse ? "true" : "false"),
+                              "grad.min_accum_fraction=" + std::to_string(s.min_accum_fraction)});
 }
 
 std::vector<double> metric(const fs::path& run_dir, const char* key) {

@@ -142,8 +142,14 @@ TEST(SparseExpertsTrain, KeysRefuseWhatTheyCannotDo) {
   TempDir tmp("sparse_keys");
   expect_error([&] { sparse_run(tmp, {"grad.min_accum_fraction=0.5"}); },
                "grad.min_accum_fraction = 0.5 needs grad.sparse_experts = true");
-  expect_error([&] { sparse_run(tmp, {"grad.sparse_experts=true", "grad.min_accum_fraction=2"}); },
-               "grad.min_accum_fraction = 2: must be in [0, 1]");
-  expect_error([&] { sparse_run(tmp, {"grad.sparse_experts=true", "placement.spare_slots=1"}); },
-               "replicated experts are not supported with sparse expert gradients");
+  expect_error(
+      [&] {
+        sparse_run(tmp, {"grad.sparse_experts=true", "grad.min_accum_fraction=2"});
+      },
+      "grad.min_accum_fraction = 2: must be in [0, 1]");
+  expect_error(
+      [&] {
+        sparse_run(tmp, {"grad.sparse_experts=true", "placement.spare_slots=1"});
+      },
+      "replicated experts are not supported with sparse expert gradients");
 }
