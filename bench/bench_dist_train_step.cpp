@@ -8,10 +8,15 @@
 //   sync_ms      time inside the gradient reductions (rank 0; overlapped or not)
 //   exposed_ms   communication the step waited for
 //   efficiency   compute / (compute + exposed)
+//   grad_kb      gradient bytes this rank sent (rank 0)
 // Configurations: "blocking" (reductions after backward, one all-to-all per layer and direction),
-// "overlap" (buckets reduced during backward), "overlap+chunks" (also --a2a-chunks 2).
+// "overlap" (buckets reduced during backward), "overlap+chunks" (also --a2a-chunks 2). With
+// --sparse 1 instead "dense" and "sparse" (grad.sparse_experts), both overlapped: what skipping
+// the experts no token reached saves, e.g. many experts and few tokens:
+//   mpiexec -n 2 build/bench/bench_dist_train_step --ep 1 --experts 64 --top-k 2 --seq 16
+//   --batch 1 --dim 64 --bucket-mb 1 --sparse 1
 //   mpiexec -n 2 build/bench/bench_dist_train_step [--steps 8] [--rounds 3] [--ep 2] [--dim 128]
-//   [--batch 8] [--layers 2] [--bucket-mb 25]
+//   [--batch 8] [--layers 2] [--bucket-mb 25] [--experts 8] [--top-k 2] [--seq 128] [--sparse 0]
 // --bucket-mb sets the gradient bucket size (the first bucket too): a small model fits in one
 // default 25 MiB bucket, which completes only at the end of backward and so overlaps nothing.
 #include <mpi.h>
@@ -63,6 +68,7 @@ int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
   int steps = 8, rounds = 3, ep = 0, dim = 128, batch = 8, layers = 2;
+  int experts = 8, top_k = 2, seq = 128, sparse = 0;
   double bucket_mb = 0;  // 0: the trainer's defaults
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--steps") == 0) steps = std::atoi(argv[i + 1]);
@@ -72,6 +78,10 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--batch") == 0) batch = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--layers") == 0) layers = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--bucket-mb") == 0) bucket_mb = std::atof(argv[i + 1]);
+    if (std::strcmp(argv[i], "--experts") == 0) experts = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--top-k") == 0) top_k = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--seq") == 0) seq = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--sparse") == 0) sparse = std::atoi(argv[i + 1]);
   }
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -93,21 +103,26 @@ int main(int argc, char** argv) {
     const char* name;
     bool overlap;
     int chunks;
+    bool sparse = false;
   };
-  const Variant variants[] = {
-      {"blocking", false, 1}, {"overlap", true, 1}, {"overlap+chunks", true, 2}};
+  const std::vector<Variant> variants =
+      sparse ? std::vector<Variant>{{"dense", true, 1}, {"sparse", true, 1, true}}
+             : std::vector<Variant>{
+                   {"blocking", false, 1}, {"overlap", true, 1}, {"overlap+chunks", true, 2}};
   if (rank == 0)
     std::printf(
-        "ranks %d, EP %d, dim %d, %d layers, 8 experts top-2, %d sequences of 128 per rank, "
+        "ranks %d, EP %d, dim %d, %d layers, %d experts top-%d, %d sequences of %d per rank, "
         "buckets %s MiB, median of %d steps\n"
-        "%-16s %9s %10s %9s %11s %10s %8s\n",
-        world, ep, dim, layers, batch, bucket_mb > 0 ? std::to_string(bucket_mb).c_str() : "1 + 25",
-        (steps - 2) * rounds, "config", "step_ms", "compute_ms", "comm_ms", "exposed_ms",
-        "efficiency", "overlap");
-  constexpr int kVariants = sizeof(variants) / sizeof(variants[0]);
-  // Per variant: step, compute, communication, exposed, efficiency, overlap samples (rank 0).
-  std::vector<std::vector<double>> samples[kVariants];
-  for (auto& v : samples) v.resize(6);
+        "%-16s %9s %10s %9s %11s %10s %8s %9s\n",
+        world, ep, dim, layers, experts, top_k, batch, seq,
+        bucket_mb > 0 ? std::to_string(bucket_mb).c_str() : "1 + 25", (steps - 2) * rounds,
+        "config", "step_ms", "compute_ms", "comm_ms", "exposed_ms", "efficiency", "overlap",
+        "grad_kb");
+  const int kVariants = static_cast<int>(variants.size());
+  // Per variant: step, compute, communication, exposed, efficiency, overlap, bytes samples
+  // (rank 0).
+  std::vector<std::vector<std::vector<double>>> samples(variants.size());
+  for (auto& v : samples) v.resize(7);
   for (int round = 0; round < rounds; ++round) {
     for (int vi = 0; vi < kVariants; ++vi) {
       const Variant& v = variants[vi];
@@ -118,10 +133,11 @@ int main(int argc, char** argv) {
           "model.n_heads=4",
           "model.n_kv_heads=2",
           "model.expert_hidden=" + std::to_string(2 * dim),
-          "model.n_experts=8",
-          "model.top_k=2",
-          "model.max_seq_len=128",
-          "train.seq_len=128",
+          "model.n_experts=" + std::to_string(experts),
+          "model.top_k=" + std::to_string(top_k),
+          "model.max_seq_len=" + std::to_string(seq),
+          "train.seq_len=" + std::to_string(seq),
+          std::string("grad.sparse_experts=") + (v.sparse ? "true" : "false"),
           "train.batch_size=" + std::to_string(batch),
           "train.steps=" + std::to_string(steps),
           "train.eval_every=0",
@@ -150,14 +166,16 @@ int main(int argc, char** argv) {
         for (const char* key : {"step_time_s", "compute_s", "comm_total_s", "comm_exposed_s"})
           samples[vi][k++].push_back(j[key].get<double>() * 1e3);
         samples[vi][k++].push_back(j["comm_efficiency"].get<double>());
-        samples[vi][k].push_back(j["overlap_ratio"].get<double>());
+        samples[vi][k++].push_back(j["overlap_ratio"].get<double>());
+        samples[vi][k].push_back(j["bytes_grad"].get<double>() / 1024);
       }
     }
   }
   for (int vi = 0; vi < kVariants && rank == 0; ++vi) {
     const auto& m = samples[vi];
-    std::printf("%-16s %9.2f %10.2f %9.2f %11.2f %10.3f %8.3f\n", variants[vi].name, median(m[0]),
-                median(m[1]), median(m[2]), median(m[3]), median(m[4]), median(m[5]));
+    std::printf("%-16s %9.2f %10.2f %9.2f %11.2f %10.3f %8.3f %9.1f\n", variants[vi].name,
+                median(m[0]), median(m[1]), median(m[2]), median(m[3]), median(m[4]), median(m[5]),
+                median(m[6]));
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (rank == 0) fs::remove_all(dir);

@@ -12,6 +12,7 @@
 #include <functional>
 #include <optional>
 #include <vector>
+#include <span>
 
 #include "optim/update.h"
 
@@ -37,6 +38,12 @@ class GradReducer {
   // State the reduction carries from one step to the next (int8's error-feedback residual),
   // which a checkpoint must save for a bit-exact resume; null when there is none.
   virtual std::vector<float>* carried() { return nullptr; }
+  // Sparse experts (optim/sparse_experts.h): before begin(), the step's mask by expert key;
+  // buckets of inactive experts are neither sent nor gathered, their reduced values read 0.
+  // Empty: every bucket is reduced. The local reducer has nothing to skip.
+  virtual void set_active_experts(std::span<const uint8_t> /*active*/) {}
+  // Bytes that skipped buckets would have sent, so far.
+  virtual int64_t bytes_skipped() const { return 0; }
 };
 
 // One process: the gradients are already the sum; the whole buffer is this process's part.

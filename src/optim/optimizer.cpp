@@ -152,14 +152,47 @@ void Optimizer::set_step_count(int64_t steps) {
   step_count_ = steps;
 }
 
-void Optimizer::step(float* params, const float* grads, float lr) {
+std::vector<DecaySegment> without_frozen(const std::vector<DecaySegment>& segments, int64_t begin,
+                                         std::span<const FrozenRange> frozen) {
+  std::vector<FrozenRange> cuts(frozen.begin(), frozen.end());
+  std::sort(cuts.begin(), cuts.end(),
+            [](const FrozenRange& a, const FrozenRange& b) { return a.offset < b.offset; });
+  std::vector<DecaySegment> out;
+  for (const DecaySegment& s : segments) {
+    int64_t at = s.begin;
+    for (const FrozenRange& f : cuts) {
+      const int64_t lo = std::max(f.offset - begin, at),
+                    hi = std::min(f.offset + f.size - begin, s.end);
+      if (hi <= lo) continue;
+      if (lo > at) out.push_back({at, lo, s.weight_decay});
+      at = hi;
+    }
+    if (at < s.end) out.push_back({at, s.end, s.weight_decay});
+  }
+  return out;
+}
+
+void Optimizer::step(float* params, const float* grads, float lr,
+                     std::span<const FrozenRange> frozen) {
   PhaseScope phase_scope(Phase::Optimizer);
   MOETRAIN_CHECK(std::isfinite(lr) && lr >= 0.0f, "optimizer step: lr = {} must be finite and >= 0",
                  lr);
   MOETRAIN_CHECK(size() == 0 || (params != nullptr && grads != nullptr),
                  "optimizer step: null params or grads for a range of {} elements", size());
   ++step_count_;
-  update(params, grads, lr);
+  if (frozen.empty()) {
+    update(params, grads, lr);
+    return;
+  }
+  const std::vector<DecaySegment> active = without_frozen(segments_, begin_, frozen);
+  active_ = &active;
+  try {
+    update(params, grads, lr);
+  } catch (...) {
+    active_ = nullptr;
+    throw;
+  }
+  active_ = nullptr;
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config,

@@ -75,6 +75,18 @@ int64_t param_ranges_total(std::span<const ParamRange> groups);
 std::vector<DecaySegment> decay_segments(std::span<const ParamRange> groups, int64_t begin,
                                          int64_t end);
 
+// Elements [offset, offset + size) of the flat buffer that one step leaves exactly as they are:
+// parameters and state (sparse experts, optim/sparse_experts.h: the rows of an expert no token
+// reached). The step count still advances for the whole range, as in PyTorch's SparseAdam, whose
+// `step` is per tensor, not per row: a row updated again later is bias-corrected with the global t.
+struct FrozenRange {
+  int64_t offset = 0, size = 0;
+};
+
+// segments (relative to `begin`) minus the frozen ranges (absolute, any order, may overlap).
+std::vector<DecaySegment> without_frozen(const std::vector<DecaySegment>& segments, int64_t begin,
+                                         std::span<const FrozenRange> frozen);
+
 // A named optimizer state buffer over the owned range (element i is flat element begin + i).
 struct StateBuffer {
   std::string name;
@@ -90,8 +102,9 @@ class Optimizer {
   // One update of the owned range at learning rate `lr` (finite, ≥ 0): advances the step count,
   // then updates params and state. Element i of params / grads is flat element begin() + i, so
   // a caller holding the whole buffer passes `buffer + begin()`.
-  // params, grads (end - begin)
-  void step(float* params, const float* grads, float lr);
+  // params, grads (end - begin). Elements inside `frozen` (absolute flat offsets) are skipped:
+  // no decay, no state update, no parameter change.
+  void step(float* params, const float* grads, float lr, std::span<const FrozenRange> frozen = {});
 
   // The state buffers by name, for checkpoints: AdamW "exp_avg", "exp_avg_sq"; SGD "momentum"
   // (none when momentum is 0); AdaGrad "sum_sq"; RMSProp "square_avg", then "momentum" when
@@ -122,8 +135,9 @@ class Optimizer {
   template <class Body>
   void for_each_segment(Body&& body) const {
     const int64_t n = size();
+    const std::vector<DecaySegment>& segs = active_ ? *active_ : segments_;
 #pragma omp parallel if (n > kParallelMin)
-    for (const DecaySegment& s : segments_) body(s.begin, s.end, s.weight_decay);
+    for (const DecaySegment& s : segs) body(s.begin, s.end, s.weight_decay);
   }
 
   static constexpr int64_t kParallelMin = 1 << 14;
@@ -134,6 +148,8 @@ class Optimizer {
   int64_t end_;
   int64_t step_count_ = 0;
   std::vector<DecaySegment> segments_;
+  // During a step with frozen ranges: segments_ without them (else null).
+  const std::vector<DecaySegment>* active_ = nullptr;
 };
 
 // Calls f(std::true_type) or f(std::false_type): turns a runtime flag into a template argument, so

@@ -25,6 +25,10 @@ class MpiGradReducer final : public GradReducer {
   std::vector<float>* carried() override {
     return sync_->residual().empty() ? nullptr : &sync_->residual();
   }
+  void set_active_experts(std::span<const uint8_t> active) override {
+    sync_->set_active_experts(active);
+  }
+  int64_t bytes_skipped() const override { return sync_->bytes_skipped(); }
   int64_t bytes_sent() const override { return sync_->bytes_sent(); }
 
   const GradSync& sync() const { return *sync_; }

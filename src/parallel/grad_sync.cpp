@@ -32,13 +32,18 @@ std::vector<FlatRange> merged(std::vector<FlatRange> v) {
 
 SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard) {
   std::vector<FlatRange> all_experts, own;
+  SyncRanges out;
+  const std::vector<ExpertPiece> keyed = expert_pieces(layout);
+  std::size_t k = 0;
   for (const ParamInfo& p : layout.params()) {
     if (p.expert < 0) continue;
     all_experts.push_back({p.offset, p.numel});
-    if (p.expert >= shard.first && p.expert < shard.first + shard.count)
+    const ExpertPiece& piece = keyed[k++];
+    if (p.expert >= shard.first && p.expert < shard.first + shard.count) {
       own.push_back({p.offset, p.numel});
+      out.expert_keyed.push_back(piece);
+    }
   }
-  SyncRanges out;
   out.expert = merged(own);
   int64_t at = 0;
   for (const FlatRange& r : merged(all_experts)) {
@@ -57,10 +62,16 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
   struct Run {
     FlatRange range;
     bool expert;
+    int64_t key = -1;
   };
   std::vector<Run> runs;
   for (const FlatRange& r : ranges.dense) runs.push_back({r, false});
-  for (const FlatRange& r : ranges.expert) runs.push_back({r, true});
+  if (cfg.sparse_experts) {
+    for (const ExpertPiece& p : ranges.expert_keyed)
+      runs.push_back({{p.offset, p.size}, true, p.key});
+  } else {
+    for (const FlatRange& r : ranges.expert) runs.push_back({r, true});
+  }
   std::sort(runs.begin(), runs.end(),
             [](const Run& a, const Run& b) { return a.range.offset > b.range.offset; });
 
@@ -84,12 +95,17 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
     shard_size_ += b.counts[q];
     packed_size_ += b.size;
     buckets_.push_back(std::move(b));
+    const int64_t key = b.key;
     open[k] = Bucket{};
+    open[k].key = key;
     first[k] = false;
   };
   // From the end of the buffer down: the order in which backward finishes gradients.
   for (const Run& run : runs) {
     const int k = run.expert ? 1 : 0;
+    // One expert per bucket when sparse, so that a bucket is skipped or sent as a whole.
+    if (run.expert && open[1].size > 0 && open[1].key != run.key) close(1);
+    open[k].key = run.key;
     int64_t end = run.range.offset + run.range.size;
     while (end > run.range.offset) {
       const int64_t take = std::min(end - run.range.offset, cap(k) - open[k].size);
@@ -110,6 +126,7 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
     }
     residual_.assign(static_cast<std::size_t>(packed_size_ + largest_shard), 0.0f);
   }
+  skip_.assign(buckets_.size(), 0);
   for (const Bucket& b : buckets_) {
     int64_t low = INT64_MAX;
     for (const FlatRange& p : b.pieces) low = std::min(low, p.offset);
@@ -140,11 +157,37 @@ void GradSync::unpack(float* flat, const float* src, const Bucket& b, int64_t lo
   }
 }
 
+void GradSync::set_active_experts(std::span<const uint8_t> active) {
+  MOETRAIN_CHECK(thread_ == nullptr,
+                 "GradSync::set_active_experts while an overlapped reduction is in flight");
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    const int64_t key = buckets_[i].key;
+    MOETRAIN_CHECK(key < 0 || active.empty() || key < static_cast<int64_t>(active.size()),
+                   "gradient bucket of expert key {} outside the mask of {}", key, active.size());
+    skip_[i] = key >= 0 && !active.empty() && !active[key];
+  }
+}
+
+int64_t GradSync::wire_bytes(int64_t n) const {
+  switch (wire_) {
+    case GradWire::F32: return 4 * n;
+    case GradWire::BF16: return 2 * n;
+    case GradWire::Int8: return quant_wire_bytes(n);
+  }
+  return 4 * n;
+}
+
 void GradSync::reduce_bucket(std::size_t i, const float* grads) {
   const Bucket& b = buckets_[i];
   Comm& comm = group(b);
   const int P = comm.size(), me = comm.rank();
   const int64_t mine = b.counts[me];
+  if (skip_[i]) {
+    // What the reduce-scatter and the gradient all-gather would have sent.
+    bytes_skipped_ += wire_bytes(b.size - mine) + wire_bytes(mine) * (P - 1);
+    std::fill_n(shard_.data() + b.shard_offset, mine, 0.0f);
+    return;
+  }
   float* packed = packed_.ensure(b.size);
   pack(packed, grads, b, 0, b.size);
   float* out = shard_.data() + b.shard_offset;
@@ -263,7 +306,7 @@ void GradSync::ready(int64_t from) {
       reduce_bucket(i, grads_);
       // The bucket's gradients are final (backward only writes lower offsets now), so its
       // reduced values can land in place while backward goes on.
-      if (gather_) gather_bucket(i);
+      if (gather_ && !skip_[i]) gather_bucket(i);
     });
   }
 }
@@ -298,8 +341,10 @@ void GradSync::scale(float factor) {
 }
 
 void GradSync::scale_reduced(float* grads, float scale) const {
-  for (const Bucket& b : buckets_)
-    for (const FlatRange& p : b.pieces) scale_gradients(grads + p.offset, p.size, scale);
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    if (skip_[i]) continue;
+    for (const FlatRange& p : buckets_[i].pieces) scale_gradients(grads + p.offset, p.size, scale);
+  }
 }
 
 void GradSync::unpack_shard(float* grads) const {
@@ -343,12 +388,16 @@ void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, G
 void GradSync::allgather_grads(float* grads) {
   gathered_ = grads;
   grads_ = grads;
-  for (std::size_t i = 0; i < buckets_.size(); ++i) gather_bucket(i);
+  for (std::size_t i = 0; i < buckets_.size(); ++i)
+    if (!skip_[i]) gather_bucket(i);
 }
 
 void GradSync::allgather_params(float* params) {
   std::vector<float> mine;
-  for (const Bucket& b : buckets_) {
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    // Every rank left the skipped expert's parameters as they were.
+    if (skip_[i]) continue;
+    const Bucket& b = buckets_[i];
     const int64_t n = b.counts[group(b).rank()];
     mine.resize(static_cast<std::size_t>(n));
     pack(mine.data(), params, b, b.chunk_begin, b.chunk_begin + n);

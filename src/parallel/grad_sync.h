@@ -13,12 +13,14 @@
 // shard. Every rank of a group cuts the same buckets, in the same order.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/buffer.h"
 #include "core/comm.h"
 #include "core/dtype.h"
 #include "model/params.h"
+#include "optim/sparse_experts.h"
 #include "optim/update.h"
 #include "parallel/comm_thread.h"
 #include "parallel/grad_wire.h"
@@ -41,6 +43,9 @@ struct GradSyncConfig {
   // own chunk replaced by what the others receive, so every rank holds the same bits). About a
   // quarter of the f32 bytes.
   GradWire wire = GradWire::F32;
+  // Sparse experts: expert buckets are cut at expert boundaries (each holds one expert's rows
+  // only, SyncRanges::expert_keyed), so a bucket of an inactive expert can be skipped.
+  bool sparse_experts = false;
 };
 
 // Elements [offset, offset + size) of the flat buffer.
@@ -53,6 +58,8 @@ struct FlatRange {
 struct SyncRanges {
   std::vector<FlatRange> dense;
   std::vector<FlatRange> expert;
+  // This rank's expert tensors one by one with their keys (optim/sparse_experts.h), layout order.
+  std::vector<ExpertPiece> expert_keyed;
 };
 SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard);
 
@@ -78,6 +85,7 @@ class GradSync final : public GradientShard {
     int64_t chunk_begin = 0;        // this rank's chunk, in packed elements
     int64_t shard_offset = 0;       // where that chunk sits in the shard
     int64_t packed_offset = 0;      // Σ size of the buckets before it
+    int64_t key = -1;               // sparse experts: the expert key of every piece, else -1
   };
   const std::vector<Bucket>& buckets() const { return buckets_; }
   int64_t shard_size() const { return shard_size_; }
@@ -120,6 +128,16 @@ class GradSync final : public GradientShard {
   // largest shard any rank of the group can hold (Σ ceil(size / P)), so that its length is the
   // same on every rank. Empty for f32 and bf16. A checkpoint saves it; resume restores it.
   std::vector<float>& residual() { return residual_; }
+  // Sparse experts: buckets whose key is inactive in `active` are skipped by every collective
+  // until the next call (their shard chunk reads 0; plain DP leaves their flat gradients as they
+  // are, and ZeRO-1 their parameters, which the optimizer leaves alone). Empty: none skipped.
+  // Every rank of a group must pass the same mask, before begin() / reduce_scatter().
+  void set_active_experts(std::span<const uint8_t> active);
+  // Bytes this rank would have sent for the skipped buckets, so far.
+  int64_t bytes_skipped() const { return bytes_skipped_; }
+  // Bytes of n gradient values on the wire.
+  int64_t wire_bytes(int64_t n) const;
+
   // Bytes this rank has sent to other ranks so far (reductions, gradient and parameter gathers).
   int64_t bytes_sent() const { return bytes_sent_; }
 
@@ -151,6 +169,8 @@ class GradSync final : public GradientShard {
   std::vector<float> residual_;
   int64_t packed_size_ = 0;  // Σ bucket sizes: where the shard part of residual_ starts
   int64_t bytes_sent_ = 0;
+  std::vector<uint8_t> skip_;  // (buckets) set_active_experts
+  int64_t bytes_skipped_ = 0;
 };
 
 }  // namespace moetrain

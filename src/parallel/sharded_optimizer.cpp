@@ -18,8 +18,9 @@ ShardedOptimizer::ShardedOptimizer(const OptimizerConfig& config,
   }
 }
 
-void ShardedOptimizer::step(float* params, const float* grads, float lr) {
-  for (auto& o : opts_) o->step(params + o->begin(), grads + o->begin(), lr);
+void ShardedOptimizer::step(float* params, const float* grads, float lr,
+                            std::span<const FrozenRange> frozen) {
+  for (auto& o : opts_) o->step(params + o->begin(), grads + o->begin(), lr, frozen);
   ++step_count_;
 }
 

@@ -23,8 +23,9 @@ class ShardedOptimizer {
   ShardedOptimizer(const OptimizerConfig& config, std::span<const ParamRange> groups,
                    std::vector<OptimPiece> pieces);
 
-  // params, grads: the whole flat buffers; only the pieces are read and written.
-  void step(float* params, const float* grads, float lr);
+  // params, grads: the whole flat buffers; only the pieces are read and written, less the frozen
+  // ranges (Optimizer::step).
+  void step(float* params, const float* grads, float lr, std::span<const FrozenRange> frozen = {});
   int64_t step_count() const { return step_count_; }
   void set_step_count(int64_t steps);
 

@@ -114,6 +114,9 @@ void check_ps_run_config(const RunConfig& cfg) {
                  "placement.spare_slots = {}: hot-expert replication needs expert parallelism, "
                  "which parameter-server mode does not run; set placement.spare_slots = 0",
                  cfg.placement.spare_slots);
+  MOETRAIN_CHECK(!cfg.grad.sparse_experts,
+                 "grad.sparse_experts = true: parameter-server mode pushes whole key ranges and "
+                 "has no touched-expert mask; set grad.sparse_experts = false");
 }
 
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {

@@ -19,6 +19,7 @@
 #include "model/classifier.h"
 #include "model/transformer.h"
 #include "moe/moe_layer.h"
+#include "optim/sparse_experts.h"
 #include "train/stop_signal.h"
 
 namespace moetrain {
@@ -67,6 +68,9 @@ struct AccumulateArgs {
   // Called right before the last micro-batch's backward (overlapped gradient reduction). May be
   // empty.
   std::function<void()> before_last_backward;
+  // Sparse expert gradients: each micro-batch's routing is recorded here right after its forward
+  // (so that before_last_backward can agree on the mask). May be null.
+  SparseExperts* sparse = nullptr;
   // The error text for a non-finite loss (what stopped, what to do). Called only then.
   std::function<std::string(const LossParts&)> bad_loss;
 };
@@ -118,10 +122,16 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
   acc.tokens_per_expert.assign(
       moe.size(), std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
   LossParts& sum = acc.loss;
+  if (args.sparse) args.sparse->start_step();
   for (int64_t micro = 0; micro < A; ++micro) {
     const Batch batch = args.fill(micro);
     const MicroLoss p = forward_micro(model, params, batch, args.moe_step(micro));
     MOETRAIN_CHECK(std::isfinite(p.parts.total), "{}", args.bad_loss(p.parts));
+    if (args.sparse) {
+      for (std::size_t m = 0; m < moe.size(); ++m)
+        args.sparse->record(micro, static_cast<int64_t>(m),
+                            moe[m]->stats().tokens_per_expert.data());
+    }
     // The last micro-batch's backward finishes the gradients: reduction may start now.
     if (micro == A - 1 && args.before_last_backward) args.before_last_backward();
     model.backward(params, grads, args.loss_weight);

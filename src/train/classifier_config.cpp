@@ -25,6 +25,7 @@ ConfigSchema schema(ClassifierRunConfig& c) {
   };
   add_moe_fields(fields, m);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
+  add_grad_fields(fields, c.grad);
   const Field train[] = {
       {"train.epochs", &t.epochs},
       {"train.eval_batch_size", &t.eval_batch_size},
@@ -81,6 +82,7 @@ void ClassifierRunConfig::validate() const {
   MOETRAIN_CHECK(!dist.local_steps(),
                  "dist.sync = params: the classifier trainer reduces gradients every step "
                  "(local SGD is for the language-model trainer)");
+  grad.validate();
 }
 
 int64_t ClassifierRunConfig::total_steps(int64_t n_train) const {
@@ -101,6 +103,11 @@ std::string ClassifierRunConfig::config_hash() const {
   j["model"].erase("router_controller");  // always none: validate refuses rl
   j.erase("gating");
   if (model.router_skew == 0) j["model"].erase("router_skew");  // older checkpoints resume
+  if (!grad.sparse_experts) {
+    j["grad"].erase("sparse_experts");
+    j["grad"].erase("min_accum_fraction");
+  }
+  if (j["grad"].empty()) j.erase("grad");
   return json_hash(j);
 }
 

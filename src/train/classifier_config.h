@@ -39,6 +39,7 @@ struct ClassifierRunConfig {
   OptimSettings optim;
   ClassifierTrainConfig train;
   DistSettings dist;
+  GradSettings grad;  // [grad]: sparse_experts (one micro-batch a step: A = 1)
 
   void validate() const;
   nlohmann::json to_json() const;

@@ -150,8 +150,13 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   grads_.assign(params_.size(), 0.0f);
   init_classifier_params(params_.data(), layout, cfg_.model, cfg_.train.seed);
   groups_ = param_groups(layout);
-  DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_,
-                                       reduce_settings(cfg_.dist, ep_.comm_thread.get()));
+  ReduceSettings rs = reduce_settings(cfg_.dist, ep_.comm_thread.get());
+  rs.sparse_experts = cfg_.grad.sparse_experts;
+  DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
+  if (cfg_.grad.sparse_experts && !model_->moe_layers().empty())
+    sparse_ = std::make_unique<SparseExperts>(
+        layout, static_cast<int64_t>(model_->moe_layers().size()), cfg_.model.n_experts, 1,
+        cfg_.grad.min_accum_fraction);
   reducer_ = std::move(dp.reducer);
   optimizer_ = std::make_unique<ShardedOptimizer>(cfg_.optim.optimizer_config(), groups_,
                                                   std::move(dp.pieces));
@@ -282,7 +287,14 @@ double ClassifierTrainer::train_step() {
                    .token_offset = static_cast<uint64_t>(first)};
   };
 
-  args.before_last_backward = [&] { reducer_->begin(grads_.data()); };
+  args.sparse = sparse_.get();
+  args.before_last_backward = [&] {
+    if (sparse_) {
+      sparse_->agree(*pg_->control);
+      reducer_->set_active_experts(sparse_->active());
+    }
+    reducer_->begin(grads_.data());
+  };
   args.bad_loss = [&](const LossParts& p) {
     return fmt::format(
         "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. Lower optim.lr or "
@@ -291,12 +303,16 @@ double ClassifierTrainer::train_step() {
   };
   Accumulated acc =
       accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
+  if (sparse_) sparse_->zero_frozen(grads_.data());
   last_lr_ = schedule_->lr(step_);
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
   opts.where = fmt::format("step {}", step_ + 1);
-  const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
-                                          grads_.data(), static_cast<float>(last_lr_), opts);
+  const std::span<const FrozenRange> frozen =
+      sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{};
+  const StepUpdate up =
+      reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(), grads_.data(),
+                        static_cast<float>(last_lr_), opts, frozen);
   last_grad_norm_ = up.outcome.grad_norm;
   last_comm_ = comm_meter.parts(acc, up, 1.0);
   ++step_;

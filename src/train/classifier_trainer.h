@@ -16,6 +16,7 @@
 #include "io/checkpoint.h"
 #include "io/metrics.h"
 #include "io/run_lock.h"
+#include "optim/sparse_experts.h"
 #include "model/classifier.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -126,6 +127,7 @@ class ClassifierTrainer {
   std::unique_ptr<GradReducer> reducer_;
   bool read_carried_ = false;  // the checkpoint being read holds this run's gradient residual
   std::unique_ptr<ShardedOptimizer> optimizer_;
+  std::unique_ptr<SparseExperts> sparse_;  // grad.sparse_experts (with MoE layers)
   ExpertShard expert_shard_;  // the experts this rank holds (all but with dist.ep > 1)
   std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints
   std::unique_ptr<LrSchedule> schedule_;

@@ -27,6 +27,8 @@ struct ReduceSettings {
   bool local_steps = false;  // dist.sync = params: no gradient reduction, parameter averaging
   // Reduces gradient buckets during backward on this thread (null: after backward).
   CommThread* overlap = nullptr;
+  // grad.sparse_experts: expert buckets cut per expert, so inactive ones can be skipped.
+  bool sparse_experts = false;
 };
 
 // The processes of a run and its experts over them (world = DP × dist.ep).

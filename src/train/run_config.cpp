@@ -96,6 +96,23 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
   fields.insert(fields.end(), std::begin(dist), std::end(dist));
 }
 
+void add_grad_fields(std::vector<Field>& fields, GradSettings& g) {
+  const Field grad[] = {
+      {"grad.sparse_experts", &g.sparse_experts},
+      {"grad.min_accum_fraction", &g.min_accum_fraction},
+  };
+  fields.insert(fields.end(), std::begin(grad), std::end(grad));
+}
+
+void GradSettings::validate() const {
+  MOETRAIN_CHECK(std::isfinite(min_accum_fraction) && min_accum_fraction >= 0 &&
+                     min_accum_fraction <= 1,
+                 "grad.min_accum_fraction = {}: must be in [0, 1]", min_accum_fraction);
+  MOETRAIN_CHECK(min_accum_fraction == 0 || sparse_experts,
+                 "grad.min_accum_fraction = {} needs grad.sparse_experts = true",
+                 min_accum_fraction);
+}
+
 namespace {
 
 ConfigSchema schema(RunConfig& c) {
@@ -122,6 +139,7 @@ ConfigSchema schema(RunConfig& c) {
       {"placement.decay", &c.placement.decay},
   };
   fields.insert(fields.end(), std::begin(placement), std::end(placement));
+  add_grad_fields(fields, c.grad);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
       {"train.seq_len", &t.seq_len},
@@ -225,6 +243,13 @@ void RunConfig::validate() const {
                  "residual cannot follow the loss scale; use train.precision = bf16 or f32, or "
                  "dist.grad_reduce_dtype = bf16");
   if (model.n_moe_layers() > 0) placement.validate(model.n_experts, dist.ep);
+  grad.validate();
+  // A replica's gradient is folded into its expert's by the placement exchange, after the
+  // touched mask would have to be known.
+  MOETRAIN_CHECK(!grad.sparse_experts || !placement.enabled(),
+                 "grad.sparse_experts = true with placement.spare_slots = {}: replicated experts "
+                 "are not supported with sparse expert gradients; set one of them off",
+                 placement.spare_slots);
 }
 
 void DistSettings::validate() const {
@@ -297,6 +322,12 @@ std::string RunConfig::config_hash() const {
   j.erase("dist");
   // Replicas compute what their logical experts compute, and checkpoints hold logical experts.
   j.erase("placement");
+  // Runs without the [grad] options hash as they did before the section existed.
+  if (!grad.sparse_experts) {
+    j["grad"].erase("sparse_experts");
+    j["grad"].erase("min_accum_fraction");
+  }
+  if (j["grad"].empty()) j.erase("grad");
   // f32 runs hash as they did before mixed precision existed (their checkpoints still resume);
   // the loss-scale settings only matter in fp16.
   if (train.precision_dtype() != DType::F16) {

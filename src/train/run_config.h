@@ -139,6 +139,22 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m);
 // The [balance] keys (the dynamic capacity controller) bound to `m`.
 void add_balance_fields(std::vector<Field>& fields, MoeModelConfig& m);
 
+// [grad]: what happens to gradients between backward and the update.
+struct GradSettings {
+  // Sparse expert gradients (optim/sparse_experts.h): an expert no token reached in a step is not
+  // reduced and not updated (lazy Adam). Off: every expert is reduced and stepped (dense).
+  bool sparse_experts = false;
+  // With sparse_experts: update an expert only if it received tokens in at least ceil(p·A) of the
+  // step's A micro-batches (0 = in one). Others are left as they were for the step.
+  double min_accum_fraction = 0.0;
+
+  // Throws naming the key.
+  void validate() const;
+};
+
+// The [grad] keys bound to `g`, appended to `fields`.
+void add_grad_fields(std::vector<Field>& fields, GradSettings& g);
+
 struct RunConfig {
   ModelConfig model;
   DataConfig data;
@@ -146,6 +162,7 @@ struct RunConfig {
   TrainConfig train;
   DistSettings dist;
   PlacementConfig placement;  // [placement]: hot-expert replication
+  GradSettings grad;          // [grad]
 
   void validate() const;
   nlohmann::json to_json() const;

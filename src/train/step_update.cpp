@@ -27,7 +27,8 @@ void steer_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& con
 }
 
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
-                             float* params, float* grads, float lr, const UpdateOptions& opts) {
+                             float* params, float* grads, float lr, const UpdateOptions& opts,
+                             std::span<const FrozenRange> frozen) {
   StepUpdate out;
   const double inline_before = reducer.inline_seconds();
   double exposed = 0;
@@ -41,7 +42,7 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
     double update_s = 0;
     reducer.update(params, grads, [&] {
       ScopedTimer timer(update_s);
-      optimizer.step(params, grads, lr);
+      optimizer.step(params, grads, lr, frozen);
     });
     exposed += outside.seconds() - update_s;  // the ZeRO-1 parameter all-gather
   });

@@ -27,9 +27,11 @@ struct StepUpdate {
 };
 
 // Collective over control and the reducer's groups: params (n) stepped at lr by the optimizer
-// from the reduced grads (n), unless apply_update skips the step.
+// from the reduced grads (n), unless apply_update skips the step. The optimizer leaves the frozen
+// ranges alone (sparse experts).
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
-                             float* params, float* grads, float lr, const UpdateOptions& opts);
+                             float* params, float* grads, float lr, const UpdateOptions& opts,
+                             std::span<const FrozenRange> frozen = {});
 
 // A step's communication (train/step_metrics.h CommParts), from readings taken at its start.
 // thread: the communication thread (null: none), which runs the all-to-alls when there is one.

@@ -99,8 +99,13 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   init_params(params_.data(), layout, cfg_.model, cfg_.train.seed);
   groups_ = param_groups(layout);
 
-  DataParallel dp =
-      make_data_parallel(layout, shard, *pg_, reduce_settings(cfg_.dist, ep_.comm_thread.get()));
+  ReduceSettings rs = reduce_settings(cfg_.dist, ep_.comm_thread.get());
+  rs.sparse_experts = cfg_.grad.sparse_experts;
+  DataParallel dp = make_data_parallel(layout, shard, *pg_, rs);
+  if (cfg_.grad.sparse_experts && cfg_.model.n_moe_layers() > 0)
+    sparse_ = std::make_unique<SparseExperts>(layout, cfg_.model.n_moe_layers(),
+                                              cfg_.model.n_experts, cfg_.train.grad_accum,
+                                              cfg_.grad.min_accum_fraction);
   reducer_ = std::move(dp.reducer);
   buckets_ = dp.buckets;
   averager_ = std::move(dp.averager);
@@ -213,7 +218,16 @@ double Trainer::train_step() {
     return micro_batch_step(cfg_.train.seed, step_, A, micro, rank() * B * T);
   };
 
-  args.before_last_backward = [&] { reducer_->begin(grads_.data()); };
+  const int64_t skipped_before = reducer_->bytes_skipped();
+  args.sparse = sparse_.get();
+  args.before_last_backward = [&] {
+    // Every micro-batch is routed: the mask is known before the first bucket is posted.
+    if (sparse_) {
+      sparse_->agree(*pg_->control);
+      reducer_->set_active_experts(sparse_->active());
+    }
+    reducer_->begin(grads_.data());
+  };
   args.bad_loss = [&](const LossParts& p) {
     return fmt::format(
         "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. The last good "
@@ -227,6 +241,8 @@ double Trainer::train_step() {
   if (averager_ && pg_->layout.ep > 1)
     for (auto [offset, size] : own_experts_)
       scale_gradients(grads_.data() + offset, size, 1.0f / static_cast<float>(pg_->layout.ep));
+  // A masked expert's accumulated gradient is discarded: nothing reads it, and the norm skips it.
+  if (sparse_) sparse_->zero_frozen(grads_.data());
   last_lr_ = schedule_->lr(step_);
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
@@ -235,11 +251,16 @@ double Trainer::train_step() {
   opts.advice =
       fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.train.run_dir);
   const int64_t avg_bytes_before = averager_ ? averager_->bytes_sent() : 0;
+  const std::span<const FrozenRange> frozen =
+      sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{};
   // Local steps: each replica checks, clips and steps on its own gradients.
   const StepUpdate up =
       reduce_and_update(*reducer_, *optimizer_, averager_ ? *local_comm_ : *pg_->control,
-                        params_.data(), grads_.data(), static_cast<float>(last_lr_), opts);
+                        params_.data(), grads_.data(), static_cast<float>(last_lr_), opts, frozen);
   last_comm_ = comm_meter.parts(acc, up, static_cast<double>(A));
+  // Masked experts' gradient computations were made and thrown away.
+  if (sparse_ && !up.outcome.skipped)
+    last_comm_.grad_discarded += static_cast<double>(A) * sparse_->masked_share();
   last_skipped_ = up.outcome.skipped;
   if (!last_skipped_) last_grad_norm_ = up.outcome.grad_norm;
   if (last_skipped_) {
@@ -268,6 +289,10 @@ double Trainer::train_step() {
                                  {.gating = gating_.empty() ? nullptr : &gating_,
                                   .step_s = step_timer.seconds(),
                                   .tokens = static_cast<double>(B * T * A * W)});
+  if (sparse_) {
+    pending_metrics_["experts_frozen"] = sparse_->inactive();
+    pending_metrics_["bytes_grad_skipped"] = reducer_->bytes_skipped() - skipped_before;
+  }
   if (placement_) {
     // The loads are the step's, over every process (finish_step reduced them).
     pending_metrics_["rank_max_mean_load"] = placement_->rank_max_mean_load(acc.tokens_per_expert);

@@ -23,6 +23,7 @@
 #include "optim/schedule.h"
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
+#include "optim/sparse_experts.h"
 #include "parallel/param_averaging.h"
 #include "train/run_config.h"
 #include "train/step_metrics.h"
@@ -93,6 +94,7 @@ class Trainer {
   Transformer& model() { return *model_; }
   std::vector<float>& params() { return params_; }
   std::vector<float>& grads() { return grads_; }
+  ShardedOptimizer& optimizer() { return *optimizer_; }
   int64_t step() const { return step_; }
   int rank() const;
   int world_size() const;
@@ -164,6 +166,7 @@ class Trainer {
   std::vector<CapacityController> capacity_;
   bool auto_precision_ = false;  // train.precision was "auto" (a resume adopts the recorded one)
   std::unique_ptr<ExpertPlacement> placement_;  // placement.spare_slots > 0
+  std::unique_ptr<SparseExperts> sparse_;        // grad.sparse_experts (with MoE layers)
   std::vector<GatingController> gating_;  // one per MoE layer with model.router_controller = rl
   double last_scale_ = 1;
   bool last_skipped_ = false;
