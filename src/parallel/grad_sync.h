@@ -13,6 +13,7 @@
 // shard. Every rank of a group cuts the same buckets, in the same order.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/buffer.h"
@@ -96,6 +97,9 @@ class GradSync final : public GradientShard {
   // The shard, and the gathered copy when this step's reduced gradients were gathered into the
   // flat buffer (allgather_grads, or begin with gather).
   void scale(float factor) override;
+  void range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
+                  double* sq_sum) const override;
+  void scale_ranges(const std::vector<WeightedRange>& ranges) override;
   // grads at every reduced position *= scale (plain DP scales the gathered gradients in place,
   // so that the overlapped and the blocking paths give the same bits).
   void scale_reduced(float* grads, float scale) const;
@@ -118,6 +122,8 @@ class GradSync final : public GradientShard {
   void unpack(float* flat, const float* src, const Bucket& b, int64_t lo, int64_t hi) const;
   void allgather_into(float* flat, const Bucket& b, const float* mine, DType wire);
   void reduce_bucket(std::size_t i, const float* grads);
+  // fn(flat offset, position in shard_, n) for each contiguous piece of this rank's shard.
+  void for_each_shard_piece(const std::function<void(int64_t, int64_t, int64_t)>& fn) const;
 
   Comm& dense_;
   Comm& expert_;

@@ -91,6 +91,30 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
   fields.insert(fields.end(), std::begin(dist), std::end(dist));
 }
 
+void add_grad_fields(std::vector<Field>& fields, GradSettings& g) {
+  const Field grad[] = {
+      {"grad.expert_reweight", &g.expert_reweight},
+      {"grad.reweight_decay", &g.reweight_decay},
+      {"grad.util_low", &g.util_low},
+      {"grad.util_high", &g.util_high},
+  };
+  fields.insert(fields.end(), std::begin(grad), std::end(grad));
+}
+
+void GradSettings::validate() const {
+  parse_expert_reweight(expert_reweight);
+  MOETRAIN_CHECK(reweight_decay >= 0 && reweight_decay < 1,
+                 "grad.reweight_decay = {}: must be in [0, 1)", reweight_decay);
+  MOETRAIN_CHECK(std::isfinite(util_low) && util_low >= 0,
+                 "grad.util_low = {}: must be a multiple of the mean load ≥ 0", util_low);
+  MOETRAIN_CHECK(std::isfinite(util_high) && util_high >= util_low,
+                 "grad.util_high = {}: must be ≥ grad.util_low = {}", util_high, util_low);
+}
+
+ExpertReweightConfig GradSettings::expert_reweight_config() const {
+  return {parse_expert_reweight(expert_reweight), reweight_decay, util_low, util_high};
+}
+
 namespace {
 
 ConfigSchema schema(RunConfig& c) {
@@ -117,6 +141,7 @@ ConfigSchema schema(RunConfig& c) {
       {"placement.decay", &c.placement.decay},
   };
   fields.insert(fields.end(), std::begin(placement), std::end(placement));
+  add_grad_fields(fields, c.grad);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
       {"train.seq_len", &t.seq_len},
@@ -207,6 +232,9 @@ void RunConfig::validate() const {
   optim.validate();
   dist.validate();
   if (model.n_moe_layers() > 0) placement.validate(model.n_experts, dist.ep);
+  grad.validate();
+  MOETRAIN_CHECK(grad.expert_reweight == "none" || model.n_moe_layers() > 0,
+                 "grad.expert_reweight = '{}' needs a model with MoE layers", grad.expert_reweight);
 }
 
 void DistSettings::validate() const {
@@ -286,6 +314,11 @@ std::string RunConfig::config_hash() const {
     j["model"].erase("capacity");
     j.erase("balance");
   }
+  // Runs that do not reweight hash as they did before [grad] existed.
+  if (grad.expert_reweight == "none")
+    for (const char* k : {"expert_reweight", "reweight_decay", "util_low", "util_high"})
+      j["grad"].erase(k);
+  if (j["grad"].empty()) j.erase("grad");
   if (model.router_controller == "none") {
     j["model"].erase("router_controller");
     j.erase("gating");

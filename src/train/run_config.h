@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "model/config.h"
 #include "moe/placement.h"
+#include "optim/expert_reweight.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -131,6 +132,23 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m);
 // The [balance] keys (the dynamic capacity controller) bound to `m`.
 void add_balance_fields(std::vector<Field>& fields, MoeModelConfig& m);
 
+// The [grad] keys: what is done to the gradients between the backward and the update step.
+struct GradSettings {
+  // Per-expert factors on the reduced gradients before the clip (optim/expert_reweight.h):
+  // none | importance | utilisation | grad_norm.
+  std::string expert_reweight = "none";
+  double reweight_decay = 0.9;  // importance: moving-average decay, in [0, 1)
+  double util_low = 0.5;        // utilisation: below util_low × mean load → ×2
+  double util_high = 2.0;       // utilisation: above util_high × mean load → ×0.5
+
+  // Throws naming the key ("grad.util_low = -1: must be ...").
+  void validate() const;
+  ExpertReweightConfig expert_reweight_config() const;
+};
+
+// The [grad] keys bound to `g`, appended to `fields`.
+void add_grad_fields(std::vector<Field>& fields, GradSettings& g);
+
 struct RunConfig {
   ModelConfig model;
   DataConfig data;
@@ -138,6 +156,7 @@ struct RunConfig {
   TrainConfig train;
   DistSettings dist;
   PlacementConfig placement;  // [placement]: hot-expert replication
+  GradSettings grad;          // [grad]
 
   void validate() const;
   nlohmann::json to_json() const;
