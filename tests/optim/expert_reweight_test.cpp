@@ -128,12 +128,20 @@ TEST(ExpertReweight, ImportanceStateRoundTrips) {
   expect_factors(a.factors()[0], {2.0 / 3, 4.0 / 3});
   ExpertReweighter b({ExpertReweightMode::Importance, 0.9}, table);
   b.restore(nlohmann::json::parse(a.to_json().dump()), "test");
+  // A second step with another gradient: the average carries the first step's values.
+  for (float& v : g) v = v * v + 1;
   std::vector<float> ga = g, gb = g;
   FlatGradient fa(ga.data(), static_cast<int64_t>(ga.size()));
   FlatGradient fb(gb.data(), static_cast<int64_t>(gb.size()));
   a.apply(fa, *comm);
   b.apply(fb, *comm);
   EXPECT_EQ(ga, gb);
+  // Without the restored state b would take the step's own values, not the average.
+  ExpertReweighter fresh({ExpertReweightMode::Importance, 0.9}, table);
+  std::vector<float> gc = g;
+  FlatGradient fc(gc.data(), static_cast<int64_t>(gc.size()));
+  fresh.apply(fc, *comm);
+  EXPECT_NE(ga, gc);
   EXPECT_THROW(b.restore({{"steps", 1}, {"importance_avg", {{1.0}}}}, "test"), Error);
 }
 
