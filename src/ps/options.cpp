@@ -114,6 +114,11 @@ void check_ps_run_config(const RunConfig& cfg) {
                  "placement.spare_slots = {}: hot-expert replication needs expert parallelism, "
                  "which parameter-server mode does not run; set placement.spare_slots = 0",
                  cfg.placement.spare_slots);
+  MOETRAIN_CHECK(cfg.grad.expert_reweight == "none",
+                 "grad.expert_reweight = {}: the factors need every expert's whole gradient at "
+                 "each step, which parameter-server mode splits over servers and workers; set "
+                 "grad.expert_reweight = none",
+                 cfg.grad.expert_reweight);
 }
 
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {

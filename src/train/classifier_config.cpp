@@ -24,6 +24,7 @@ ConfigSchema schema(ClassifierRunConfig& c) {
       {"model.input_bias", &m.input_bias},
   };
   add_moe_fields(fields, m);
+  add_grad_fields(fields, c.grad);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
       {"train.epochs", &t.epochs},
@@ -78,6 +79,7 @@ void ClassifierRunConfig::validate() const {
                  t.eval_batch_size);
   optim.validate();
   dist.validate();
+  grad.validate();
 }
 
 int64_t ClassifierRunConfig::total_steps(int64_t n_train) const {
@@ -97,6 +99,7 @@ std::string ClassifierRunConfig::config_hash() const {
   j["model"].erase("capacity");           // always fixed: validate refuses dynamic
   j["model"].erase("router_controller");  // always none: validate refuses rl
   j.erase("gating");
+  erase_inert_grad_keys(j, grad);
   return json_hash(j);
 }
 

@@ -144,6 +144,9 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   RunParallel rp =
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_layers > 0);
   model_ = std::make_unique<Classifier>(cfg_.model, rp.moe_context());
+  if (cfg_.grad.expert_reweight != "none")
+    reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(),
+                                                   model_->layout());
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ClassifierLayout& layout = model_->layout();
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
@@ -209,7 +212,7 @@ CheckpointShare ClassifierTrainer::checkpoint_share(bool reading) {
 }
 
 nlohmann::json ClassifierTrainer::trainer_state() const {
-  return {{"step", step_},
+  nlohmann::json t = {{"step", step_},
           {"config_hash", cfg_.config_hash()},
           {"seed", cfg_.train.seed},
           {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
@@ -219,6 +222,8 @@ nlohmann::json ClassifierTrainer::trainer_state() const {
             {"global_batch", cfg_.train.batch_size},
             {"train_rows", data_.train->n}}},
           {"layout", {{"processes", world_size()}}}};
+  if (reweight_) t["expert_reweight"] = reweight_->to_json();
+  return t;
 }
 
 fs::path ClassifierTrainer::save_checkpoint() {
@@ -246,6 +251,10 @@ void ClassifierTrainer::load_checkpoint(const fs::path& dir) {
     step_ = t["step"].get<int64_t>();
     optimizer_->set_step_count(t["optimizer"].value("step_count", step_));
   });
+  if (reweight_) {
+    MOETRAIN_CHECK(t.contains("expert_reweight"), "{}: no 'expert_reweight'", where);
+    reweight_->restore(t["expert_reweight"], where);
+  }
   read_checkpoint_pieces(dir, checkpoint_share(true));
 }
 
@@ -288,6 +297,9 @@ double ClassifierTrainer::train_step() {
   last_lr_ = schedule_->lr(step_);
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
+  opts.reweight = reweight_.get();
+  if (reweight_ && cfg_.grad.expert_reweight == "utilisation")
+    reweight_->set_loads(reduced_loads(*pg_->control, acc));
   opts.where = fmt::format("step {}", step_ + 1);
   const StepUpdate up = reduce_and_update(*reducer_, *optimizer_, *pg_->control, params_.data(),
                                           grads_.data(), static_cast<float>(last_lr_), opts);
@@ -300,6 +312,10 @@ double ClassifierTrainer::train_step() {
   figures.ep = pg_->layout.ep;
   pending_metrics_ =
       finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc, figures);
+  if (reweight_) {
+    pending_metrics_["expert_reweight_min"] = reweight_->layer_min();
+    pending_metrics_["expert_reweight_max"] = reweight_->layer_max();
+  }
   stop_ = acc.stop;
   return acc.loss.total;
 }

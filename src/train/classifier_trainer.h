@@ -124,6 +124,7 @@ class ClassifierTrainer {
   std::vector<ParamRange> groups_;
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<ShardedOptimizer> optimizer_;
+  std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight ≠ none
   ExpertShard expert_shard_;  // the experts this rank holds (all but with dist.ep > 1)
   std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints
   std::unique_ptr<LrSchedule> schedule_;

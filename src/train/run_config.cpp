@@ -111,6 +111,14 @@ void GradSettings::validate() const {
                  "grad.util_high = {}: must be ≥ grad.util_low = {}", util_high, util_low);
 }
 
+void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g) {
+  if (!j.contains("grad")) return;
+  if (g.expert_reweight == "none")
+    for (const char* k : {"expert_reweight", "reweight_decay", "util_low", "util_high"})
+      j["grad"].erase(k);
+  if (j["grad"].empty()) j.erase("grad");
+}
+
 ExpertReweightConfig GradSettings::expert_reweight_config() const {
   return {parse_expert_reweight(expert_reweight), reweight_decay, util_low, util_high};
 }
@@ -314,11 +322,7 @@ std::string RunConfig::config_hash() const {
     j["model"].erase("capacity");
     j.erase("balance");
   }
-  // Runs that do not reweight hash as they did before [grad] existed.
-  if (grad.expert_reweight == "none")
-    for (const char* k : {"expert_reweight", "reweight_decay", "util_low", "util_high"})
-      j["grad"].erase(k);
-  if (j["grad"].empty()) j.erase("grad");
+  erase_inert_grad_keys(j, grad);
   if (model.router_controller == "none") {
     j["model"].erase("router_controller");
     j.erase("gating");

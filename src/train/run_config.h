@@ -148,6 +148,9 @@ struct GradSettings {
 
 // The [grad] keys bound to `g`, appended to `fields`.
 void add_grad_fields(std::vector<Field>& fields, GradSettings& g);
+// Drops from a config's JSON (for its hash) the [grad] keys that do not change what `g` computes,
+// and [grad] itself when nothing is left: runs that do not use them hash as before [grad].
+void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g);
 
 struct RunConfig {
   ModelConfig model;

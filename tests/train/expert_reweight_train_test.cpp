@@ -10,10 +10,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/idx.h"
 #include "support/corpus.h"
 #include "support/expect_error.h"
+#include "support/image_rows.h"
 #include "support/small_run.h"
 #include "support/temp_dir.h"
+#include "train/classifier_config.h"
+#include "train/classifier_trainer.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -110,6 +114,48 @@ TEST(ExpertReweightTrain, ImportanceResumesBitExactly) {
     EXPECT_EQ(la[i]["loss"].get<double>(), lb[i]["loss"].get<double>()) << "step " << i + 1;
     EXPECT_EQ(la[i]["expert_reweight_max"], lb[i]["expert_reweight_max"]) << "step " << i + 1;
   }
+}
+
+TEST(ExpertReweightTrain, ClassifierReweightsAndResumesBitExactly) {
+  const ImageDataset t10k = load_fashion_mnist("t10k");
+  auto data = [&] { return ClassifierData{image_rows(t10k, 0, 1000), image_rows(t10k, 1000, 200)}; };
+  auto config = [&](const TempDir& tmp, const std::string& mode) {
+    return load_classifier_config(
+        "", {"model.dim=32", "model.n_layers=2", "model.expert_hidden=32", "model.n_experts=4",
+             "model.top_k=2", "train.steps=8", "train.batch_size=32", "train.eval_every=0",
+             "train.eval_batch_size=100", "train.progress=off", "optim.warmup_steps=2",
+             "train.threads=1", "grad.expert_reweight=" + mode,
+             "train.run_dir=" + (tmp / "run").string()});
+  };
+  TempDir none_dir("c_none"), straight_dir("c_straight"), resumed_dir("c_resumed");
+  std::vector<float> base, straight, resumed;
+  {
+    ClassifierTrainer t(config(none_dir, "none"), data());
+    t.run();
+    base = t.params();
+  }
+  {
+    ClassifierTrainer t(config(straight_dir, "importance"), data());
+    t.run();
+    straight = t.params();
+  }
+  {
+    ClassifierTrainer t(config(resumed_dir, "importance"), data());
+    t.run(4);
+  }
+  {
+    ClassifierTrainer t(config(resumed_dir, "importance"), data(), true);
+    t.run();
+    resumed = t.params();
+  }
+  ASSERT_EQ(base.size(), straight.size());
+  EXPECT_NE(0, std::memcmp(base.data(), straight.data(), base.size() * sizeof(float)));
+  ASSERT_EQ(straight.size(), resumed.size());
+  EXPECT_EQ(0, std::memcmp(straight.data(), resumed.data(), straight.size() * sizeof(float)))
+      << "classifier parameters differ after resume";
+  const std::vector<nlohmann::json> lines = step_lines(straight_dir / "run");
+  ASSERT_FALSE(lines.empty());
+  EXPECT_TRUE(lines.back().contains("expert_reweight_max"));
 }
 
 TEST(ExpertReweightTrain, BadSettingsNameTheKey) {
