@@ -24,8 +24,8 @@ ConfigSchema schema(ClassifierRunConfig& c) {
       {"model.input_bias", &m.input_bias},
   };
   add_moe_fields(fields, m);
-  add_grad_fields(fields, c.grad);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
+  add_grad_fields(fields, c.grad);
   const Field train[] = {
       {"train.epochs", &t.epochs},
       {"train.eval_batch_size", &t.eval_batch_size},

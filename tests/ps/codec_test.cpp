@@ -212,6 +212,9 @@ TEST(PsOptions, RejectBadValuesByName) {
   cfg.model.capacity = "dynamic";
   cfg.model.capacity_factor = 1.0;
   expect_error([&] { check_ps_run_config(cfg); }, "model.capacity = dynamic");
+  cfg.model.capacity = "fixed";
+  cfg.grad.expert_reweight = "grad_norm";
+  expect_error([&] { check_ps_run_config(cfg); }, "grad.expert_reweight = grad_norm");
 }
 
 // The AVX2 int8 kernels give the scalar kernels' bits: amax, codes and residuals, on blocks of
