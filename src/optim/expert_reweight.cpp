@@ -54,8 +54,9 @@ std::vector<double> grad_norm_factors(const std::vector<double>& norm) {
   return normalise_mean_one(raw);
 }
 
-std::vector<double> importance_factors(std::vector<double>& avg, const std::vector<double>& mean_abs,
-                                       double decay, bool first) {
+std::vector<double> importance_factors(std::vector<double>& avg,
+                                       const std::vector<double>& mean_abs, double decay,
+                                       bool first) {
   MOETRAIN_CHECK(avg.size() == mean_abs.size(), "importance_factors: {} averages for {} experts",
                  avg.size(), mean_abs.size());
   for (std::size_t e = 0; e < avg.size(); ++e)

@@ -43,8 +43,9 @@ std::vector<double> utilisation_factors(const std::vector<int64_t>& load, double
 // (E) 1 / norm, normalised.
 std::vector<double> grad_norm_factors(const std::vector<double>& norm);
 // avg (E) ← decay·avg + (1 − decay)·mean_abs, or mean_abs when first; returns avg normalised.
-std::vector<double> importance_factors(std::vector<double>& avg, const std::vector<double>& mean_abs,
-                                       double decay, bool first);
+std::vector<double> importance_factors(std::vector<double>& avg,
+                                       const std::vector<double>& mean_abs, double decay,
+                                       bool first);
 
 class ExpertReweighter {
  public:

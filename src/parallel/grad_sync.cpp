@@ -32,9 +32,9 @@ std::vector<FlatRange> merged(std::vector<FlatRange> v) {
 // [a, z) being the overlap.
 template <class Fn>
 void overlaps(const std::vector<WeightedRange>& ranges, int64_t lo, int64_t hi, Fn&& fn) {
-  auto it = std::upper_bound(ranges.begin(), ranges.end(), lo, [](int64_t x, const WeightedRange& r) {
-    return x < r.offset + r.size;
-  });
+  auto it =
+      std::upper_bound(ranges.begin(), ranges.end(), lo,
+                       [](int64_t x, const WeightedRange& r) { return x < r.offset + r.size; });
   for (; it != ranges.end() && it->offset < hi; ++it) {
     const int64_t a = std::max(lo, it->offset), z = std::min(hi, it->offset + it->size);
     if (a < z) fn(static_cast<std::size_t>(it - ranges.begin()), a, z);

@@ -145,8 +145,8 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_layers > 0);
   model_ = std::make_unique<Classifier>(cfg_.model, rp.moe_context());
   if (cfg_.grad.expert_reweight != "none")
-    reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(),
-                                                   model_->layout());
+    reweight_ =
+        std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), model_->layout());
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ClassifierLayout& layout = model_->layout();
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
@@ -212,16 +212,17 @@ CheckpointShare ClassifierTrainer::checkpoint_share(bool reading) {
 }
 
 nlohmann::json ClassifierTrainer::trainer_state() const {
-  nlohmann::json t = {{"step", step_},
-          {"config_hash", cfg_.config_hash()},
-          {"seed", cfg_.train.seed},
-          {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
-          // Batches are a pure function of (seed, step): the step says where the data stands.
-          {"data",
-           {{"next_step", step_},
-            {"global_batch", cfg_.train.batch_size},
-            {"train_rows", data_.train->n}}},
-          {"layout", {{"processes", world_size()}}}};
+  nlohmann::json t = {
+      {"step", step_},
+      {"config_hash", cfg_.config_hash()},
+      {"seed", cfg_.train.seed},
+      {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}},
+      // Batches are a pure function of (seed, step): the step says where the data stands.
+      {"data",
+       {{"next_step", step_},
+        {"global_batch", cfg_.train.batch_size},
+        {"train_rows", data_.train->n}}},
+      {"layout", {{"processes", world_size()}}}};
   if (reweight_) t["expert_reweight"] = reweight_->to_json();
   return t;
 }

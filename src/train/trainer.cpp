@@ -87,8 +87,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       gating_.emplace_back(cfg_.model.gating, cfg_.model.n_experts, cfg_.train.seed, m);
   }
   if (cfg_.grad.expert_reweight != "none")
-    reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(),
-                                                   model_->layout());
+    reweight_ =
+        std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), model_->layout());
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ParallelLayout& pl = pg_->layout;
   const ExpertShard& shard = expert_shard_;

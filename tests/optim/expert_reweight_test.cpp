@@ -54,8 +54,7 @@ TEST(ExpertReweight, ParsesModesAndNamesTheKey) {
     parse_expert_reweight("utilization");
     FAIL() << "accepted an unknown mode";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("grad.expert_reweight = 'utilization'"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("grad.expert_reweight = 'utilization'"), std::string::npos)
         << e.what();
   }
 }
@@ -97,8 +96,8 @@ TEST(ExpertReweight, AppliesEachExpertsFactorToItsRangesOnly) {
   EXPECT_EQ(rw.experts(), 2);
   // Layer 0: e0 {3, 0, 4, 0} (‖‖ = 5), e1 {6, 0, 8, 0} (10): factors {4/3, 2/3}.
   // Layer 1: e0 and e1 both of norm 1: factors {1, 1}.
-  std::vector<float> g = table_grads(table, {1, 1, 1, 1,  3, 0, 6, 0, 4, 0, 8, 0,  7, 7,
-                                             1, 0, 0, 1, 0, 0, 0, 0});
+  std::vector<float> g =
+      table_grads(table, {1, 1, 1, 1, 3, 0, 6, 0, 4, 0, 8, 0, 7, 7, 1, 0, 0, 1, 0, 0, 0, 0});
   const std::vector<float> before = g;
   FlatGradient flat(g.data(), static_cast<int64_t>(g.size()));
   auto comm = make_local_comm();
@@ -118,8 +117,8 @@ TEST(ExpertReweight, AppliesEachExpertsFactorToItsRangesOnly) {
 TEST(ExpertReweight, ImportanceStateRoundTrips) {
   const TwoLayerTable table;
   ExpertReweighter a({ExpertReweightMode::Importance, 0.9}, table);
-  std::vector<float> g = table_grads(table, {1, 1, 1, 1,  3, 0, 6, 0, 4, 0, 8, 0,  7, 7,
-                                             1, 0, 0, 1, 0, 0, 0, 0});
+  std::vector<float> g =
+      table_grads(table, {1, 1, 1, 1, 3, 0, 6, 0, 4, 0, 8, 0, 7, 7, 1, 0, 0, 1, 0, 0, 0, 0});
   auto comm = make_local_comm();
   std::vector<float> g1 = g;
   FlatGradient f1(g1.data(), static_cast<int64_t>(g1.size()));
@@ -150,8 +149,8 @@ TEST(ExpertReweight, AppliedBeforeTheClip) {
   // apply_update reports and clips by is the reweighted gradient's.
   const TwoLayerTable table;
   ExpertReweighter rw({ExpertReweightMode::GradNorm}, table);
-  std::vector<float> g = table_grads(table, {0, 0, 0, 0,  3, 0, 6, 0, 4, 0, 8, 0,  0, 0,
-                                             1, 0, 0, 1, 0, 0, 0, 0});
+  std::vector<float> g =
+      table_grads(table, {0, 0, 0, 0, 3, 0, 6, 0, 4, 0, 8, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0});
   // Reweighted: layer 0 experts both of norm 20/3, layer 1 of norm 1 → ‖g‖² = 2·400/9 + 2.
   const double reweighted = std::sqrt(800.0 / 9 + 2);
   FlatGradient flat(g.data(), static_cast<int64_t>(g.size()));

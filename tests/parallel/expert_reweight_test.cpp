@@ -34,10 +34,10 @@ struct RunSetup {
 RunConfig make_config(const RunSetup& s, const fs::path& data, const fs::path& run, int64_t batch) {
   return load_run_config(
       "", {"model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-           "model.expert_hidden=24", "model.n_experts=4", "model.top_k=2",
-           "model.max_seq_len=16", "train.batch_size=" + std::to_string(batch),
-           "train.seq_len=16", "train.steps=" + std::to_string(kSteps), "train.eval_every=0",
-           "train.eval_batches=2", "train.progress=off", "optim.warmup_steps=3",
+           "model.expert_hidden=24", "model.n_experts=4", "model.top_k=2", "model.max_seq_len=16",
+           "train.batch_size=" + std::to_string(batch), "train.seq_len=16",
+           "train.steps=" + std::to_string(kSteps), "train.eval_every=0", "train.eval_batches=2",
+           "train.progress=off", "optim.warmup_steps=3",
            // Small enough that every step clips: the factors must come before it.
            "optim.grad_clip=0.05", "grad.expert_reweight=" + s.reweight, "grad.util_low=0.9",
            "grad.util_high=1.1", "data.dir=" + data.string(), "train.run_dir=" + run.string(),
@@ -55,7 +55,9 @@ std::vector<nlohmann::json> step_lines(const fs::path& run_dir) {
   return out;
 }
 
-double rel(double a, double b) { return std::abs(a - b) / std::max(1e-30, std::abs(b)); }
+double rel(double a, double b) {
+  return std::abs(a - b) / std::max(1e-30, std::abs(b));
+}
 
 void expect_matches_single(const RunSetup& s) {
   auto world = dist_world("reweight");

@@ -118,7 +118,9 @@ TEST(ExpertReweightTrain, ImportanceResumesBitExactly) {
 
 TEST(ExpertReweightTrain, ClassifierReweightsAndResumesBitExactly) {
   const ImageDataset t10k = load_fashion_mnist("t10k");
-  auto data = [&] { return ClassifierData{image_rows(t10k, 0, 1000), image_rows(t10k, 1000, 200)}; };
+  auto data = [&] {
+    return ClassifierData{image_rows(t10k, 0, 1000), image_rows(t10k, 1000, 200)};
+  };
   auto config = [&](const TempDir& tmp, const std::string& mode) {
     return load_classifier_config(
         "", {"model.dim=32", "model.n_layers=2", "model.expert_hidden=32", "model.n_experts=4",
