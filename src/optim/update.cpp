@@ -4,6 +4,7 @@
 
 #include "core/check.h"
 #include "optim/clip.h"
+#include "optim/expert_reweight.h"
 
 namespace moetrain {
 
@@ -17,6 +18,27 @@ double FlatGradient::sum_squares() const {
 
 void FlatGradient::scale(float factor) {
   scale_gradients(g_, n_, factor);
+}
+
+void add_range_sums(const float* g, int64_t n, double& abs_sum, double& sq_sum) {
+  double a = 0, q = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = g[i];
+    a += std::fabs(x);
+    q += x * x;
+  }
+  abs_sum += a;
+  sq_sum += q;
+}
+
+void FlatGradient::range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
+                              double* sq_sum) const {
+  for (std::size_t r = 0; r < ranges.size(); ++r)
+    add_range_sums(g_ + ranges[r].offset, ranges[r].size, abs_sum[r], sq_sum[r]);
+}
+
+void FlatGradient::scale_ranges(const std::vector<WeightedRange>& ranges) {
+  for (const WeightedRange& r : ranges) scale_gradients(g_ + r.offset, r.size, r.factor);
 }
 
 UpdateOutcome apply_update(GradientShard& grads, Comm& comm, const UpdateOptions& opts,
@@ -34,6 +56,7 @@ UpdateOutcome apply_update(GradientShard& grads, Comm& comm, const UpdateOptions
   MOETRAIN_CHECK(bad == 0, "{}: non-finite gradient{}; stopping.{}{}", opts.where,
                  comm.size() > 1 ? fmt::format(" on {} process(es)", bad) : std::string(),
                  opts.advice.empty() ? "" : " ", opts.advice);
+  if (opts.reweight) opts.reweight->apply(grads, comm);
   double sq = grads.sum_squares();
   comm.allreduce(&sq, 1);
   out.grad_norm = std::sqrt(sq);

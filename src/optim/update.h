@@ -1,7 +1,8 @@
 // The one update step every trainer takes after its gradients are complete (and reduced, when
 // several processes hold them):
 //
-//   non-finite check → (fp16) loss-scaler decision → unscale → global norm → clip → step
+//   non-finite check → (fp16) loss-scaler decision → unscale → expert reweighting → global norm
+//   → clip → step
 //
 // The gradient is seen through GradientShard: the elements this process is responsible for
 // (all of them on one process; its shard of the reduced gradient under data parallelism). The
@@ -12,11 +13,23 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/comm.h"
 #include "optim/loss_scale.h"
 
 namespace moetrain {
+
+// Elements [offset, offset + size) of the flat gradient, and a factor for them.
+struct WeightedRange {
+  int64_t offset = 0, size = 0;
+  float factor = 1;
+};
+
+// abs_sum += Σ|g|, sq_sum += Σg² over g (n), in double, in order.
+void add_range_sums(const float* g, int64_t n, double& abs_sum, double& sq_sum);
+
+class ExpertReweighter;
 
 class GradientShard {
  public:
@@ -27,6 +40,13 @@ class GradientShard {
   virtual double sum_squares() const = 0;
   // This process's part (and every copy of it the optimizer reads) *= factor.
   virtual void scale(float factor) = 0;
+  // For each range r (flat offsets, disjoint, sorted by offset): abs_sum[r] += Σ|g| and
+  // sq_sum[r] += Σg² over the elements of this process's part within it, in a fixed order.
+  virtual void range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
+                          double* sq_sum) const = 0;
+  // Elements of each range (disjoint, sorted by offset) *= its factor, in this process's part
+  // and every copy of it the optimizer reads.
+  virtual void scale_ranges(const std::vector<WeightedRange>& ranges) = 0;
 };
 
 // One flat buffer of n gradients, all of them this process's.
@@ -36,6 +56,9 @@ class FlatGradient final : public GradientShard {
   bool has_non_finite() const override;
   double sum_squares() const override;
   void scale(float factor) override;
+  void range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
+                  double* sq_sum) const override;
+  void scale_ranges(const std::vector<WeightedRange>& ranges) override;
 
  private:
   float* g_;
@@ -44,6 +67,8 @@ class FlatGradient final : public GradientShard {
 
 struct UpdateOptions {
   double grad_clip = 0;           // clip to this global L2 norm; ≤ 0: no clipping
+  // Multiplies each expert's unscaled gradient by its factor before the norm and the clip.
+  ExpertReweighter* reweight = nullptr;
   LossScaler* scaler = nullptr;   // fp16: the gradients are scaled by scaler->scale()
   // Names the step in errors: "step 12", "clock 7 on server 1".
   std::string where;
@@ -53,7 +78,7 @@ struct UpdateOptions {
 
 struct UpdateOutcome {
   bool skipped = false;    // fp16 overflow: no step was taken, the scale backed off
-  double grad_norm = 0;    // global norm after unscaling, before clipping
+  double grad_norm = 0;    // global norm after unscaling and reweighting, before clipping
   double loss_scale = 1;   // the scale the gradients carried
   double clip_coef = 1;    // the factor clipping applied
 };

@@ -28,6 +28,19 @@ std::vector<FlatRange> merged(std::vector<FlatRange> v) {
   return out;
 }
 
+// fn(r, a, z) for each range r of `ranges` (sorted by offset, disjoint) that overlaps [lo, hi),
+// [a, z) being the overlap.
+template <class Fn>
+void overlaps(const std::vector<WeightedRange>& ranges, int64_t lo, int64_t hi, Fn&& fn) {
+  auto it =
+      std::upper_bound(ranges.begin(), ranges.end(), lo,
+                       [](int64_t x, const WeightedRange& r) { return x < r.offset + r.size; });
+  for (; it != ranges.end() && it->offset < hi; ++it) {
+    const int64_t a = std::max(lo, it->offset), z = std::min(hi, it->offset + it->size);
+    if (a < z) fn(static_cast<std::size_t>(it - ranges.begin()), a, z);
+  }
+}
+
 }  // namespace
 
 SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard) {
@@ -338,6 +351,42 @@ void GradSync::scale_shard(float scale) {
 void GradSync::scale(float factor) {
   scale_shard(factor);
   if (gathered_) scale_reduced(gathered_, factor);
+}
+
+void GradSync::for_each_shard_piece(
+    const std::function<void(int64_t, int64_t, int64_t)>& fn) const {
+  for (const Bucket& b : buckets_) {
+    const int64_t lo = b.chunk_begin, hi = lo + b.counts[group(b).rank()];
+    int64_t pos = 0;
+    for (const FlatRange& p : b.pieces) {
+      const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
+      if (a < z) fn(p.offset + (a - pos), b.shard_offset + (a - lo), z - a);
+      pos += p.size;
+    }
+  }
+}
+
+void GradSync::range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
+                          double* sq_sum) const {
+  for_each_shard_piece([&](int64_t flat, int64_t at, int64_t n) {
+    overlaps(ranges, flat, flat + n, [&](std::size_t r, int64_t a, int64_t z) {
+      add_range_sums(shard_.data() + at + (a - flat), z - a, abs_sum[r], sq_sum[r]);
+    });
+  });
+}
+
+void GradSync::scale_ranges(const std::vector<WeightedRange>& ranges) {
+  for_each_shard_piece([&](int64_t flat, int64_t at, int64_t n) {
+    overlaps(ranges, flat, flat + n, [&](std::size_t r, int64_t a, int64_t z) {
+      scale_gradients(shard_.data() + at + (a - flat), z - a, ranges[r].factor);
+    });
+  });
+  if (!gathered_) return;
+  for (const Bucket& b : buckets_)
+    for (const FlatRange& p : b.pieces)
+      overlaps(ranges, p.offset, p.offset + p.size, [&](std::size_t r, int64_t a, int64_t z) {
+        scale_gradients(gathered_ + a, z - a, ranges[r].factor);
+      });
 }
 
 void GradSync::scale_reduced(float* grads, float scale) const {

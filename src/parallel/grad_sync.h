@@ -14,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <span>
+#include <functional>
 #include <vector>
 
 #include "core/buffer.h"
@@ -112,6 +113,9 @@ class GradSync final : public GradientShard {
   // The shard, and the gathered copy when this step's reduced gradients were gathered into the
   // flat buffer (allgather_grads, or begin with gather).
   void scale(float factor) override;
+  void range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
+                  double* sq_sum) const override;
+  void scale_ranges(const std::vector<WeightedRange>& ranges) override;
   // grads at every reduced position *= scale (plain DP scales the gathered gradients in place,
   // so that the overlapped and the blocking paths give the same bits).
   void scale_reduced(float* grads, float scale) const;
@@ -150,6 +154,8 @@ class GradSync final : public GradientShard {
   void allgather_int8(float* flat, const Bucket& b, float* mine);
   void gather_bucket(std::size_t i);  // bucket i's reduced chunks → grads_, in wire_
   void reduce_bucket(std::size_t i, const float* grads);
+  // fn(flat offset, position in shard_, n) for each contiguous piece of this rank's shard.
+  void for_each_shard_piece(const std::function<void(int64_t, int64_t, int64_t)>& fn) const;
 
   Comm& dense_;
   Comm& expert_;

@@ -117,6 +117,11 @@ void check_ps_run_config(const RunConfig& cfg) {
   MOETRAIN_CHECK(!cfg.grad.sparse_experts,
                  "grad.sparse_experts = true: parameter-server mode pushes whole key ranges and "
                  "has no touched-expert mask; set grad.sparse_experts = false");
+  MOETRAIN_CHECK(cfg.grad.expert_reweight == "none",
+                 "grad.expert_reweight = {}: the factors need every expert's whole gradient at "
+                 "each step, which parameter-server mode splits over servers and workers; set "
+                 "grad.expert_reweight = none",
+                 cfg.grad.expert_reweight);
 }
 
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {

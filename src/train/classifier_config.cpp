@@ -103,11 +103,7 @@ std::string ClassifierRunConfig::config_hash() const {
   j["model"].erase("router_controller");  // always none: validate refuses rl
   j.erase("gating");
   if (model.router_skew == 0) j["model"].erase("router_skew");  // older checkpoints resume
-  if (!grad.sparse_experts) {
-    j["grad"].erase("sparse_experts");
-    j["grad"].erase("min_accum_fraction");
-  }
-  if (j["grad"].empty()) j.erase("grad");
+  erase_inert_grad_keys(j, grad);
   return json_hash(j);
 }
 

@@ -1,7 +1,7 @@
 // Everything a classifier training run is told: [model] (ClassifierConfig), [data], [optim]
-// (the LM's OptimSettings), [train] and [dist] (the LM's DistSettings). Loaded from TOML plus
-// `--set key=value` overrides through the shared ConfigSchema, validated once; errors name the key
-// and what is allowed.
+// (the LM's OptimSettings), [train], [dist] (the LM's DistSettings) and [grad] (the LM's
+// GradSettings). Loaded from TOML plus `--set key=value` overrides through the shared
+// ConfigSchema, validated once; errors name the key and what is allowed.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -39,7 +39,7 @@ struct ClassifierRunConfig {
   OptimSettings optim;
   ClassifierTrainConfig train;
   DistSettings dist;
-  GradSettings grad;  // [grad]: sparse_experts (one micro-batch a step: A = 1)
+  GradSettings grad;  // [grad]
 
   void validate() const;
   nlohmann::json to_json() const;

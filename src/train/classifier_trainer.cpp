@@ -144,6 +144,9 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   RunParallel rp =
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_layers > 0);
   model_ = std::make_unique<Classifier>(cfg_.model, rp.moe_context());
+  if (cfg_.grad.expert_reweight != "none")
+    reweight_ =
+        std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), model_->layout());
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ClassifierLayout& layout = model_->layout();
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
@@ -228,6 +231,7 @@ nlohmann::json ClassifierTrainer::trainer_state() const {
           {"layout", {{"processes", world_size()}}}};
   if (nlohmann::json r = carried_state_record(*reducer_, world_size()); !r.is_null())
     t["grad_residual"] = r;
+  if (reweight_) t["expert_reweight"] = reweight_->to_json();
   return t;
 }
 
@@ -257,6 +261,10 @@ void ClassifierTrainer::load_checkpoint(const fs::path& dir) {
     optimizer_->set_step_count(t["optimizer"].value("step_count", step_));
     read_carried_ = carried_state_matches(t, *reducer_, world_size());
   });
+  if (reweight_) {
+    MOETRAIN_CHECK(t.contains("expert_reweight"), "{}: no 'expert_reweight'", where);
+    reweight_->restore(t["expert_reweight"], where);
+  }
   read_checkpoint_pieces(dir, checkpoint_share(true));
 }
 
@@ -307,6 +315,9 @@ double ClassifierTrainer::train_step() {
   last_lr_ = schedule_->lr(step_);
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
+  opts.reweight = reweight_.get();
+  if (reweight_ && cfg_.grad.expert_reweight == "utilisation")
+    reweight_->set_loads(reduced_loads(*pg_->control, acc));
   opts.where = fmt::format("step {}", step_ + 1);
   const std::span<const FrozenRange> frozen =
       sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{};
@@ -322,6 +333,10 @@ double ClassifierTrainer::train_step() {
   figures.ep = pg_->layout.ep;
   pending_metrics_ =
       finish_step(model_->moe_layers(), cfg_.model.moe(), *pg_->control, acc, figures);
+  if (reweight_) {
+    pending_metrics_["expert_reweight_min"] = reweight_->layer_min();
+    pending_metrics_["expert_reweight_max"] = reweight_->layer_max();
+  }
   stop_ = acc.stop;
   return acc.loss.total;
 }

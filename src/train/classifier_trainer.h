@@ -128,6 +128,7 @@ class ClassifierTrainer {
   bool read_carried_ = false;  // the checkpoint being read holds this run's gradient residual
   std::unique_ptr<ShardedOptimizer> optimizer_;
   std::unique_ptr<SparseExperts> sparse_;  // grad.sparse_experts (with MoE layers)
+  std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight ≠ none
   ExpertShard expert_shard_;  // the experts this rank holds (all but with dist.ep > 1)
   std::vector<int> writers_;  // (layout params) the rank that writes each into checkpoints
   std::unique_ptr<LrSchedule> schedule_;

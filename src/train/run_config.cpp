@@ -100,6 +100,10 @@ void add_grad_fields(std::vector<Field>& fields, GradSettings& g) {
   const Field grad[] = {
       {"grad.sparse_experts", &g.sparse_experts},
       {"grad.min_accum_fraction", &g.min_accum_fraction},
+      {"grad.expert_reweight", &g.expert_reweight},
+      {"grad.reweight_decay", &g.reweight_decay},
+      {"grad.util_low", &g.util_low},
+      {"grad.util_high", &g.util_high},
   };
   fields.insert(fields.end(), std::begin(grad), std::end(grad));
 }
@@ -111,6 +115,29 @@ void GradSettings::validate() const {
   MOETRAIN_CHECK(min_accum_fraction == 0 || sparse_experts,
                  "grad.min_accum_fraction = {} needs grad.sparse_experts = true",
                  min_accum_fraction);
+  parse_expert_reweight(expert_reweight);
+  MOETRAIN_CHECK(reweight_decay >= 0 && reweight_decay < 1,
+                 "grad.reweight_decay = {}: must be in [0, 1)", reweight_decay);
+  MOETRAIN_CHECK(std::isfinite(util_low) && util_low >= 0,
+                 "grad.util_low = {}: must be a multiple of the mean load ≥ 0", util_low);
+  MOETRAIN_CHECK(std::isfinite(util_high) && util_high >= util_low,
+                 "grad.util_high = {}: must be ≥ grad.util_low = {}", util_high, util_low);
+}
+
+void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g) {
+  if (!j.contains("grad")) return;
+  if (!g.sparse_experts) {
+    j["grad"].erase("sparse_experts");
+    j["grad"].erase("min_accum_fraction");
+  }
+  if (g.expert_reweight == "none")
+    for (const char* k : {"expert_reweight", "reweight_decay", "util_low", "util_high"})
+      j["grad"].erase(k);
+  if (j["grad"].empty()) j.erase("grad");
+}
+
+ExpertReweightConfig GradSettings::expert_reweight_config() const {
+  return {parse_expert_reweight(expert_reweight), reweight_decay, util_low, util_high};
 }
 
 namespace {
@@ -250,6 +277,8 @@ void RunConfig::validate() const {
                  "grad.sparse_experts = true with placement.spare_slots = {}: replicated experts "
                  "are not supported with sparse expert gradients; set one of them off",
                  placement.spare_slots);
+  MOETRAIN_CHECK(grad.expert_reweight == "none" || model.n_moe_layers() > 0,
+                 "grad.expert_reweight = '{}' needs a model with MoE layers", grad.expert_reweight);
 }
 
 void DistSettings::validate() const {
@@ -322,12 +351,6 @@ std::string RunConfig::config_hash() const {
   j.erase("dist");
   // Replicas compute what their logical experts compute, and checkpoints hold logical experts.
   j.erase("placement");
-  // Runs without the [grad] options hash as they did before the section existed.
-  if (!grad.sparse_experts) {
-    j["grad"].erase("sparse_experts");
-    j["grad"].erase("min_accum_fraction");
-  }
-  if (j["grad"].empty()) j.erase("grad");
   // f32 runs hash as they did before mixed precision existed (their checkpoints still resume);
   // the loss-scale settings only matter in fp16.
   if (train.precision_dtype() != DType::F16) {
@@ -343,6 +366,8 @@ std::string RunConfig::config_hash() const {
   }
   // Likewise unskewed routers (the benchmark knob came later than many checkpoints).
   if (model.router_skew == 0) j["model"].erase("router_skew");
+  // Runs without the [grad] options hash as they did before the section existed.
+  erase_inert_grad_keys(j, grad);
   if (model.router_controller == "none") {
     j["model"].erase("router_controller");
     j.erase("gating");

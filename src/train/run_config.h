@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "model/config.h"
 #include "moe/placement.h"
+#include "optim/expert_reweight.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -147,13 +148,23 @@ struct GradSettings {
   // With sparse_experts: update an expert only if it received tokens in at least ceil(p·A) of the
   // step's A micro-batches (0 = in one). Others are left as they were for the step.
   double min_accum_fraction = 0.0;
+  // Per-expert factors on the reduced gradients before the clip (optim/expert_reweight.h):
+  // none | importance | utilisation | grad_norm.
+  std::string expert_reweight = "none";
+  double reweight_decay = 0.9;  // importance: moving-average decay, in [0, 1)
+  double util_low = 0.5;        // utilisation: below util_low × mean load → ×2
+  double util_high = 2.0;       // utilisation: above util_high × mean load → ×0.5
 
-  // Throws naming the key.
+  // Throws naming the key ("grad.util_low = -1: must be ...").
   void validate() const;
+  ExpertReweightConfig expert_reweight_config() const;
 };
 
 // The [grad] keys bound to `g`, appended to `fields`.
 void add_grad_fields(std::vector<Field>& fields, GradSettings& g);
+// Drops from a config's JSON (for its hash) the [grad] keys that do not change what `g` computes,
+// and [grad] itself when nothing is left: runs that do not use them hash as before [grad].
+void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g);
 
 struct RunConfig {
   ModelConfig model;

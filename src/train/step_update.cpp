@@ -26,6 +26,17 @@ void steer_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& con
   }
 }
 
+std::vector<std::vector<int64_t>> reduced_loads(Comm& control, const Accumulated& acc) {
+  std::vector<int64_t> flat;
+  for (const auto& l : acc.tokens_per_expert) flat.insert(flat.end(), l.begin(), l.end());
+  control.allreduce(flat.data(), static_cast<int64_t>(flat.size()));
+  std::vector<std::vector<int64_t>> out = acc.tokens_per_expert;
+  std::size_t at = 0;
+  for (auto& l : out)
+    for (int64_t& v : l) v = flat[at++];
+  return out;
+}
+
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
                              float* params, float* grads, float lr, const UpdateOptions& opts,
                              std::span<const FrozenRange> frozen) {

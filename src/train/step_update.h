@@ -49,6 +49,10 @@ class StepCommMeter {
   int64_t bytes_before_ = 0;
 };
 
+// Collective over control: acc's tokens per expert (MoE layers, E) summed over the processes,
+// for what needs them before finish_step reduces acc itself (the utilisation reweighting).
+std::vector<std::vector<int64_t>> reduced_loads(Comm& control, const Accumulated& acc);
+
 // Collective over control: the router-bias update (sigmoid_bias routers), acc reduced over the
 // processes, and the metrics line of figures (whose acc is set to &acc here). capacity (one
 // controller per MoE layer, or null for a fixed capacity): each is updated from its layer's

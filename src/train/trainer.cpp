@@ -87,6 +87,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     for (std::size_t m = 0; m < model_->moe_layers().size(); ++m)
       gating_.emplace_back(cfg_.model.gating, cfg_.model.n_experts, cfg_.train.seed, m);
   }
+  if (cfg_.grad.expert_reweight != "none")
+    reweight_ =
+        std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), model_->layout());
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   const ParallelLayout& pl = pg_->layout;
   const ExpertShard& shard = expert_shard_;
@@ -247,6 +250,9 @@ double Trainer::train_step() {
   UpdateOptions opts;
   opts.grad_clip = cfg_.optim.grad_clip;
   opts.scaler = scaler_.get();
+  opts.reweight = reweight_.get();
+  if (reweight_ && cfg_.grad.expert_reweight == "utilisation")
+    reweight_->set_loads(reduced_loads(*pg_->control, acc));
   opts.where = fmt::format("step {}", step_ + 1);
   opts.advice =
       fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.train.run_dir);
@@ -292,6 +298,10 @@ double Trainer::train_step() {
   if (sparse_) {
     pending_metrics_["experts_frozen"] = sparse_->inactive();
     pending_metrics_["bytes_grad_skipped"] = reducer_->bytes_skipped() - skipped_before;
+  }
+  if (reweight_) {
+    pending_metrics_["expert_reweight_min"] = reweight_->layer_min();
+    pending_metrics_["expert_reweight_max"] = reweight_->layer_max();
   }
   if (placement_) {
     // The loads are the step's, over every process (finish_step reduced them).

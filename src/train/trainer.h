@@ -168,6 +168,7 @@ class Trainer {
   std::unique_ptr<ExpertPlacement> placement_;  // placement.spare_slots > 0
   std::unique_ptr<SparseExperts> sparse_;        // grad.sparse_experts (with MoE layers)
   std::vector<GatingController> gating_;  // one per MoE layer with model.router_controller = rl
+  std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight ≠ none
   double last_scale_ = 1;
   bool last_skipped_ = false;
   StopVotes stop_;  // the last step's, agreed by every process

@@ -176,6 +176,7 @@ nlohmann::json Trainer::trainer_state() const {
     for (const GatingController& k : gating_) g.push_back(k.to_json());
     t["gating_controller"] = g;
   }
+  if (reweight_) t["expert_reweight"] = reweight_->to_json();
   return t;
 }
 
@@ -248,6 +249,7 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
                    gating_.size());
     for (std::size_t m = 0; m < gating_.size(); ++m) gating_[m].restore(g[m], where);
   }
+  if (reweight_) reweight_->restore(need(t, "expert_reweight"), where);
 
   // The global batch stays what it was: a different number of processes changes the number of
   // micro-batches per step (the windows of a step do not depend on how they are split).

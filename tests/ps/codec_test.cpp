@@ -215,6 +215,8 @@ TEST(PsOptions, RejectBadValuesByName) {
   cfg.model.capacity = "fixed";
   cfg.grad.sparse_experts = true;
   expect_error([&] { check_ps_run_config(cfg); }, "grad.sparse_experts = true");
+  cfg.grad.expert_reweight = "grad_norm";
+  expect_error([&] { check_ps_run_config(cfg); }, "grad.expert_reweight = grad_norm");
 }
 
 // The AVX2 int8 kernels give the scalar kernels' bits: amax, codes and residuals, on blocks of
