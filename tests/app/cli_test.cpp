@@ -159,7 +159,7 @@ TEST(Cli, ConfigThatIsADirectoryOrSetsNothingIsNamedAsSuch) {
   Result some =
       run("train --config " + partial.string() + " --set data.dir=" + (tmp / "no_data").string() +
           " --set train.run_dir=" + (tmp / "run").string());
-  EXPECT_NE(some.output.find("has no [balance], [gating], [placement], [data], [optim], [train], [dist]"), std::string::npos)
+  EXPECT_NE(some.output.find("has no [balance], [gating], [placement], [grad], [data], [optim], [train], [dist]"), std::string::npos)
       << some.output;
 }
 

@@ -215,6 +215,7 @@ TEST(PsOptions, RejectBadValuesByName) {
   cfg.model.capacity = "fixed";
   cfg.grad.sparse_experts = true;
   expect_error([&] { check_ps_run_config(cfg); }, "grad.sparse_experts = true");
+  cfg.grad.sparse_experts = false;
   cfg.grad.expert_reweight = "grad_norm";
   expect_error([&] { check_ps_run_config(cfg); }, "grad.expert_reweight = grad_norm");
 }
