@@ -68,6 +68,8 @@ std::vector<FrozenRange> frozen_ranges(std::span<const ExpertPiece> pieces,
 SparseExperts::SparseExperts(const ParamTable& layout, int64_t layers, int64_t E, int64_t A,
                              double p)
     : pieces_(expert_pieces(layout)), layers_(layers), E_(E), A_(A), p_(p) {
+  std::sort(pieces_.begin(), pieces_.end(),
+            [](const ExpertPiece& a, const ExpertPiece& b) { return a.offset < b.offset; });
   MOETRAIN_CHECK(A > 0 && layers >= 0 && E > 0, "sparse experts: A = {}, layers = {}, E = {}", A,
                  layers, E);
   for (const ExpertPiece& piece : pieces_)
@@ -104,8 +106,22 @@ void SparseExperts::agree(Comm& comm) {
   masked_share_ = touched > 0 ? static_cast<double>(masked) / static_cast<double>(touched) : 0.0;
 }
 
-void SparseExperts::zero_frozen(float* grads) const {
+void SparseExperts::zero_frozen(float* grads) {
   for (const FrozenRange& r : frozen_) std::fill_n(grads + r.offset, r.size, 0.0f);
+  // Inactive keys' rows now hold zeros, and no reduction, gather or scaling of this step writes
+  // anything else into them: the next step need not zero them again.
+  known_zero_.assign(active_.size(), 0);
+  for (std::size_t k = 0; k < active_.size(); ++k) known_zero_[k] = active_[k] ? 0 : 1;
+}
+
+void SparseExperts::zero_grads(float* grads, int64_t n) const {
+  int64_t at = 0;
+  for (const ExpertPiece& p : pieces_) {
+    if (known_zero_.empty() || !known_zero_[static_cast<std::size_t>(p.key)]) continue;
+    if (p.offset > at) std::fill(grads + at, grads + p.offset, 0.0f);
+    at = std::max(at, p.offset + p.size);
+  }
+  if (n > at) std::fill(grads + at, grads + n, 0.0f);
 }
 
 }  // namespace moetrain

@@ -67,8 +67,13 @@ class SparseExperts {
   // Of the (expert, micro-batch) pairs that computed a gradient this step, the share whose
   // gradient min_accum_fraction discarded (0 when it masks nothing).
   double masked_share() const { return masked_share_; }
-  // grads at the frozen ranges = 0 (local; their reduction is skipped).
-  void zero_frozen(float* grads) const;
+  // grads at the frozen ranges = 0 (local; their reduction is skipped). Call once a step, after
+  // the last backward: it also records that those rows hold zeros for zero_grads.
+  void zero_frozen(float* grads);
+  // The start of a step: grads[0, n) = 0, except the rows of experts inactive in the previous
+  // step, which zero_frozen left at zero and nothing wrote since (an untouched expert costs no
+  // zeroing either).
+  void zero_grads(float* grads, int64_t n) const;
 
  private:
   std::vector<ExpertPiece> pieces_;
@@ -79,6 +84,7 @@ class SparseExperts {
   std::vector<FrozenRange> frozen_;
   int64_t inactive_ = 0;
   double masked_share_ = 0;
+  std::vector<uint8_t> known_zero_;  // (keys) rows that hold zeros since the last zero_frozen
 };
 
 }  // namespace moetrain

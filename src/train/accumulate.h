@@ -111,7 +111,11 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
   MOETRAIN_CHECK(A > 0, "accumulate: {} micro-batches, needs at least one", A);
   {
     PhaseScope zero(Phase::GradZero);
-    std::fill(grads, grads + n, 0.0f);
+    if (args.sparse) {
+      args.sparse->zero_grads(grads, n);
+    } else {
+      std::fill(grads, grads + n, 0.0f);
+    }
   }
   const std::vector<MoeLayer*> moe = model.moe_layers();
   Accumulated acc;

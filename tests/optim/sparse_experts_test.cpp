@@ -76,6 +76,41 @@ TEST(SparseExperts, MinAccumFractionMasksAnExpertTouchedInOneOfFourMicroBatches)
   }
 }
 
+TEST(SparseExperts, TheNextStepZeroesEverythingButTheRowsOfExpertsLeftInactive) {
+  // 1 MoE layer of 3 experts: expert 1 untouched in step 1. Step 2's zeroing leaves its rows as
+  // they are (a -0.0 written there survives; memset zeros would be +0.0) and zeroes the rest.
+  const ParamLayout layout([] {
+    ModelConfig c = small_lm(64, 16, 8, 1);
+    c.n_layers = 1;
+    c.n_experts = 3;
+    return c;
+  }());
+  auto comm = make_local_comm();
+  SparseExperts sparse(layout, 1, 3, 1, 0.0);
+  const int64_t n = layout.size();
+  std::vector<float> grads(static_cast<std::size_t>(n), 1.0f);
+  sparse.zero_grads(grads.data(), n);  // first step: nothing is known to be zero
+  for (float g : grads) ASSERT_EQ(g, 0.0f);
+  sparse.start_step();
+  const int64_t tokens[3] = {4, 0, 2};
+  sparse.record(0, 0, tokens);
+  sparse.agree(*comm);
+  std::fill(grads.begin(), grads.end(), 1.0f);  // what backward and the reduction left
+  sparse.zero_frozen(grads.data());
+  std::vector<uint8_t> in_expert1(static_cast<std::size_t>(n), 0);
+  for (const ExpertPiece& piece : expert_pieces(layout))
+    if (piece.key == 1) std::fill_n(in_expert1.begin() + piece.offset, piece.size, 1);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(grads[i], in_expert1[i] ? 0.0f : 1.0f) << i;
+    if (in_expert1[i]) grads[i] = -0.0f;
+  }
+  sparse.zero_grads(grads.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(grads[i], 0.0f) << i;
+    EXPECT_EQ(std::signbit(grads[i]), in_expert1[i] == 1) << i;
+  }
+}
+
 TEST(SparseExperts, FrozenRangesJoinAdjacentInactivePieces) {
   const ExpertPiece pieces[] = {{0, 10, 0}, {10, 10, 1}, {20, 10, 2}, {30, 10, 0}};
   const uint8_t active[] = {0, 0, 1};
