@@ -1,3 +1,4 @@
 function(moetrain_warnings target)
-  target_compile_options(${target} PRIVATE -Wall -Wextra -Wno-unused-parameter)
+  # C++ only: nvcc takes host-compiler warnings through -Xcompiler.
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>)
 endfunction()

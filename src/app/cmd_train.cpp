@@ -33,6 +33,11 @@ const std::vector<ConfigFlag>& train_config_flags() {
                  .help = "GEMM operand precision: f32, bf16, fp16 with dynamic loss scaling, or "
                          "auto (bf16 where oneDNN has a native bf16 matmul, else f32; recorded, "
                          "and kept on resume) (train.precision)"});
+    f.push_back({.name = "--device",
+                 .kind = Kind::Text,
+                 .key = "train.device",
+                 .help = "Where the forward and backward run: cpu, or cuda (one GPU; a build with "
+                         "the CUDA backend) (train.device)"});
     return f;
   }();
   return flags;

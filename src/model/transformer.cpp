@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "model/device_engine.h"
 #include "kernels/activation.h"
 #include "kernels/attention.h"
 #include "kernels/embedding.h"
@@ -42,6 +43,21 @@ Transformer::Transformer(const ModelConfig& cfg, const MoeContext& ctx) : cfg_(c
 }
 
 Transformer::~Transformer() = default;
+
+void Transformer::set_device(const std::string& device) {
+  MOETRAIN_CHECK(device == "cpu" || device == "cuda", "device '{}': allowed are cpu, cuda",
+                 device);
+  engine_ = device == "cuda" ? make_cuda_engine(*this) : nullptr;
+}
+
+const float* Transformer::logits() {
+  return engine_ ? engine_->logits() : logits_.data();
+}
+
+void Transformer::weights_changed() {
+  lp_stale_ = true;
+  if (engine_) engine_->weights_changed();
+}
 
 void Transformer::set_precision(DType t) {
   lp_ = t;
@@ -114,6 +130,7 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   MOETRAIN_CHECK(B > 0 && T > 0, "forward: batch {} and sequence {} must be positive", B, T);
   MOETRAIN_CHECK(T <= cfg_.max_seq_len,
                  "forward: sequence length {} exceeds model.max_seq_len = {}", T, cfg_.max_seq_len);
+  if (engine_) return engine_->forward(params, inputs, targets, B, T, step);
   const int64_t N = B * T, C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();
   const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
   const float eps = static_cast<float>(cfg_.norm_eps), theta = static_cast<float>(cfg_.rope_theta);
@@ -211,6 +228,7 @@ const float* Transformer::prefill(const float* params, const int32_t* tokens, in
   MOETRAIN_CHECK(static_cast<int64_t>(cache.k.size()) == cfg_.n_layers,
                  "prefill: the KV cache has {} layers, the model {}", cache.k.size(),
                  cfg_.n_layers);
+  MOETRAIN_CHECK(!engine_, "prefill: decoding runs on the CPU (set_device(\"cpu\") first)");
   MoeStep step;
   step.training = false;
   forward(params, tokens, nullptr, 1, n, step);
@@ -224,6 +242,7 @@ const float* Transformer::prefill(const float* params, const int32_t* tokens, in
 }
 
 void Transformer::backward(const float* params, float* grads, float loss_weight) {
+  if (engine_) return engine_->backward(params, grads, loss_weight);
   MOETRAIN_CHECK(have_targets_, "backward needs a forward with targets first");
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();
   const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/buffer.h"
@@ -34,6 +35,8 @@ struct KvCache {
   int64_t max_keys = 0;
 };
 
+class DeviceEngine;
+
 class Transformer {
  public:
   // ctx: what runs the MoE layers besides this process — the expert exchange and the statistics
@@ -58,7 +61,15 @@ class Transformer {
     grads_ready_ = std::move(hook);
   }
 
-  const float* logits() const { return logits_.data(); }  // (B·T, V) of the last forward
+  // (B·T, V) of the last forward (copied from the device when an engine runs the model).
+  const float* logits();
+
+  // Runs forward and backward on a device ("cuda"; "cpu" goes back to this CPU). Training and
+  // evaluation only: prefill and decode run on the CPU. The engine sees this model's config,
+  // layout and MoE layers; set_precision and hooks do not apply to it (it computes in f32).
+  void set_device(const std::string& device);
+  const DeviceEngine* device_engine() const { return engine_.get(); }
+  DeviceEngine* device_engine() { return engine_.get(); }
 
   // Inference with a KV cache (no targets, MoE layers in inference mode). The cache's positions
   // are absolute from its first token: RoPE position i is the cache's i-th token.
@@ -83,7 +94,7 @@ class Transformer {
   DType precision() const { return lp_; }
   // The weight copy is rebuilt at the next forward: call after changing the parameters in place
   // (an optimizer step, a load). A forward with a different params pointer rebuilds it anyway.
-  void weights_changed() { lp_stale_ = true; }
+  void weights_changed();
 
   // Model FLOPs per token for forward+backward (6·active params + attention), for MFU.
   double flops_per_token(int64_t T) const;
@@ -97,6 +108,7 @@ class Transformer {
 
   ModelConfig cfg_;
   ParamLayout layout_;
+  std::unique_ptr<DeviceEngine> engine_;
   std::vector<std::unique_ptr<MoeLayer>> moe_;
   std::vector<int64_t> moe_index_;
   std::vector<std::unique_ptr<LayerActs>> acts_;

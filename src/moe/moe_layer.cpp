@@ -42,7 +42,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeContext& ctx)
 
 void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights& w,
                        const MoeStep& step) {
-  const int64_t C = cfg_.C, E = cfg_.E, K = cfg_.K;
+  const int64_t C = cfg_.C;
   MOETRAIN_CHECK(N >= 0, "MoeLayer::forward: N is {}, must be >= 0", N);
   MOETRAIN_CHECK(N == 0 || (out && inp), "MoeLayer::forward: null out or inp for N={}", N);
   MOETRAIN_CHECK(w.gate && w.w1 && w.w3 && w.w2,
@@ -52,16 +52,41 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
   MOETRAIN_CHECK(cfg_.shared_F == 0 || (w.shared_w1 && w.shared_w3 && w.shared_w2),
                  "MoeLayer::forward: shared_F={} needs shared_w1, shared_w3 and shared_w2",
                  cfg_.shared_F);
+  begin_forward(N, inp);
+  {
+    ScopedTimer timer(timings_.router);
+    router_forward(routing_, router_cache_, inp, N, cfg_, w.gate, w.noise, bias_.data(), step);
+  }
+  after_routing(step);
+  if (placement_) {
+    ScopedTimer timer(timings_.permute);
+    route_to_slots(slot_routing_, routing_, *placement_);
+  }
+  pipeline_.send(inp, placement_ ? slot_routing_ : routing_, timings_);
+  if (cfg_.shared_F > 0) {
+    ScopedTimer timer(timings_.shared);
+    experts_forward(out, inp, &N_, shared_expert_range(w), C, cfg_.shared_F, shared_acts_);
+  }
+  pipeline_.compute(w, timings_);
+  pipeline_.combine(out, cfg_.shared_F > 0, timings_);
+
+  pipeline_.routed_counts(stats_.tokens_per_expert.data(), &stats_.unrouted_tokens);
+  finish_stats();
+}
+
+void MoeLayer::begin_forward(int64_t N, const float* inp) {
   timings_ = MoeTimings{};
   has_forward_ = false;  // until this forward completes
   N_ = N;
   inp_ = inp;
-
   stats_.capacity = 0;
   stats_.dropped = 0;
+}
+
+void MoeLayer::after_routing(const MoeStep& step) {
+  const int64_t N = N_, E = cfg_.E, K = cfg_.K;
   {
     ScopedTimer timer(timings_.router);
-    router_forward(routing_, router_cache_, inp, N, cfg_, w.gate, w.noise, bias_.data(), step);
     stats_.capacity_factor = cf_;
     stats_.needed = largest_load(routing_);
     if (is_token_choice(cfg_.router) && cf_ > 0.0f) {
@@ -96,19 +121,40 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
       for (int64_t i = 0; i < N * S; ++i) ++pending_load_[routing_.selected[i]];
     }
   }
-  if (placement_) {
-    ScopedTimer timer(timings_.permute);
-    route_to_slots(slot_routing_, routing_, *placement_);
-  }
-  pipeline_.send(inp, placement_ ? slot_routing_ : routing_, timings_);
-  if (cfg_.shared_F > 0) {
-    ScopedTimer timer(timings_.shared);
-    experts_forward(out, inp, &N_, shared_expert_range(w), C, cfg_.shared_F, shared_acts_);
-  }
-  pipeline_.compute(w, timings_);
-  pipeline_.combine(out, cfg_.shared_F > 0, timings_);
+}
 
-  pipeline_.routed_counts(stats_.tokens_per_expert.data(), &stats_.unrouted_tokens);
+float* MoeLayer::logits_for(int64_t N) {
+  MOETRAIN_CHECK(N >= 0, "MoeLayer::logits_for: N is {}, must be >= 0", N);
+  MOETRAIN_CHECK(placement_ == nullptr,
+                 "MoeLayer: an engine that computes the layer itself runs without replicas");
+  router_logits_resize(router_cache_, N, cfg_);
+  return router_cache_.logits.data();
+}
+
+const Routing& MoeLayer::route(int64_t N, const MoeStep& step) {
+  MOETRAIN_CHECK(router_cache_.N == N, "MoeLayer::route: logits_for({}) first, not {}",
+                 N, router_cache_.N);
+  begin_forward(N, nullptr);
+  {
+    ScopedTimer timer(timings_.router);
+    router_select(routing_, router_cache_, N, cfg_, bias_.data(), step);
+  }
+  after_routing(step);
+  return routing_;
+}
+
+void MoeLayer::finish_route(const int64_t* counts) {
+  std::copy_n(counts, cfg_.E, stats_.tokens_per_expert.begin());
+  stats_.unrouted_tokens = 0;
+  for (int64_t t = 0; t < N_; ++t) {
+    bool any = false;
+    for (int64_t s = 0; s < routing_.S; ++s) any |= routing_.expert[t * routing_.S + s] >= 0;
+    stats_.unrouted_tokens += !any;
+  }
+  finish_stats();
+}
+
+void MoeLayer::finish_stats() {
   stats_.assignments = 0;
   for (int32_t e : routing_.selected) stats_.assignments += e >= 0;
   stats_.fraction_dropped = stats_.assignments > 0 ? static_cast<double>(stats_.dropped) /
@@ -139,30 +185,43 @@ void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, con
   pipeline_.compute_backward(w, g, timings_);
   pipeline_.combine_backward(dinp, cfg_.shared_F > 0, timings_);
   if (N == 0) return;
-  RouterGrads grads;
-  grads.dweight = dweight_.data();
-  {
-    ScopedTimer timer(timings_.losses);
-    const float aux_scale = cfg_.aux_loss_coef * loss_weight;
-    if (has_aux_loss(cfg_.router) && aux_scale != 0.0f) {
-      dprobs_.resize(N * E);
-      // Global f_i, local token count: this process's share of ∂(E Σ f_i P_i).
-      aux_loss_backward(dprobs_.data(), frac_.data(), N, E, aux_scale);
-      grads.dprobs = dprobs_.data();
-    }
-    const float z_scale = cfg_.z_loss_coef * loss_weight;
-    if (z_scale != 0.0f) {
-      dz_.resize(N * E);
-      z_loss_backward(dz_.data(), router_cache_.logits.data(), router_cache_.lse.data(), N, E,
-                      z_scale);
-      grads.dlogits = dz_.data();
-    }
-  }
+  const RouterGrads grads = router_grads(dweight_.data(), loss_weight);
   {
     ScopedTimer timer(timings_.router);
     router_backward(dinp, g.gate, g.noise, grads, inp_, w.gate, w.noise, routing_, router_cache_,
                     cfg_);
   }
+}
+
+RouterGrads MoeLayer::router_grads(const float* dweight, float loss_weight) {
+  const int64_t N = N_, E = cfg_.E;
+  RouterGrads grads;
+  grads.dweight = dweight;
+  ScopedTimer timer(timings_.losses);
+  const float aux_scale = cfg_.aux_loss_coef * loss_weight;
+  if (has_aux_loss(cfg_.router) && aux_scale != 0.0f) {
+    dprobs_.resize(N * E);
+    // Global f_i, local token count: this process's share of ∂(E Σ f_i P_i).
+    aux_loss_backward(dprobs_.data(), frac_.data(), N, E, aux_scale);
+    grads.dprobs = dprobs_.data();
+  }
+  const float z_scale = cfg_.z_loss_coef * loss_weight;
+  if (z_scale != 0.0f) {
+    dz_.resize(N * E);
+    z_loss_backward(dz_.data(), router_cache_.logits.data(), router_cache_.lse.data(), N, E,
+                    z_scale);
+    grads.dlogits = dz_.data();
+  }
+  return grads;
+}
+
+const float* MoeLayer::logit_grads(const float* dweight, float loss_weight) {
+  MOETRAIN_CHECK(has_forward_, "MoeLayer::logit_grads called without a completed route");
+  if (N_ == 0) return nullptr;
+  const RouterGrads grads = router_grads(dweight, loss_weight);
+  ScopedTimer timer(timings_.router);
+  router_logit_grads(grads, routing_, router_cache_, cfg_);
+  return router_cache_.dlogits.data();
 }
 
 void MoeLayer::set_capacity_factor(float cf) {

@@ -67,6 +67,23 @@ class MoeLayer {
   void backward(float* dinp, const float* dout, const MoeWeights& w, const MoeWeights& g,
                 float loss_weight);
 
+  // The layer for an engine that runs its GEMMs and expert compute itself (the CUDA backend),
+  // keeping here everything a router decides: routing, capacity, balancing losses, statistics,
+  // the sigmoid_bias loads. Forward: fill logits_for(N) (N, E) with inp·gateᵀ (and
+  // noise_logits() with inp·noiseᵀ for noisy_topk), route(N, step) decides, the engine dispatches
+  // routing() and computes the experts, finish_route(counts) records the rows each expert got.
+  // Backward: logit_grads(dweight (N, S), loss_weight) returns ∂/∂logits (N, E) (and
+  // noise_logit_grads() for noisy_topk while training) for the engine's router GEMMs. One process,
+  // no replicas.
+  float* logits_for(int64_t N);
+  float* noise_logits() { return router_cache_.noise_logits.data(); }
+  const Routing& route(int64_t N, const MoeStep& step);
+  void finish_route(const int64_t* counts);
+  const float* logit_grads(const float* dweight, float loss_weight);
+  const float* noise_logit_grads() const {
+    return router_cache_.noisy ? router_cache_.dnoise_logits.data() : nullptr;
+  }
+
   // Unweighted balancing losses of the last forward (aux is 0 for expert_choice and sigmoid_bias).
   float aux_loss() const { return aux_loss_; }
   float z_loss() const { return z_loss_; }
@@ -105,6 +122,11 @@ class MoeLayer {
   const float* router_bias() const { return bias_.data(); }
 
  private:
+  void begin_forward(int64_t N, const float* inp);
+  void after_routing(const MoeStep& step);  // capacity, balancing losses, sigmoid_bias loads
+  void finish_stats();
+  RouterGrads router_grads(const float* dweight, float loss_weight);
+
   MoeConfig cfg_;
   float cf_ = 0.0f;
   std::unique_ptr<ExpertExchange> own_exchange_;  // when the context has none

@@ -141,30 +141,46 @@ void topk_indices(int32_t* idx, float* vals, const float* key, int64_t E, int64_
 void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
                     const MoeConfig& cfg, const float* gate, const float* noise, const float* bias,
                     const MoeStep& step) {
-  PhaseScope phase_scope(Phase::Router);
-  const int64_t C = cfg.C, E = cfg.E, K = cfg.K;
-  const RouterKind kind = cfg.router;
   MOETRAIN_CHECK(N >= 0, "router_forward: N is {}, must be >= 0", N);
   MOETRAIN_CHECK(N == 0 || (inp && gate), "router_forward: null input or gate weights for N={}", N);
-  MOETRAIN_CHECK(kind != RouterKind::NoisyTopK || N == 0 || noise,
+  MOETRAIN_CHECK(cfg.router != RouterKind::NoisyTopK || N == 0 || noise,
                  "router_forward: noisy_topk needs noise weights");
+  {
+    PhaseScope phase_scope(Phase::Router);
+    const int64_t C = cfg.C, E = cfg.E;
+    router_logits_resize(cache, N, cfg);
+    if (N > 0) {
+      grouped_gemm_det(Trans::T, 1, &N, E, C, inp, gate, 0, cache.logits.data(), false);
+      if (cfg.router == RouterKind::NoisyTopK)
+        grouped_gemm_det(Trans::T, 1, &N, E, C, inp, noise, 0, cache.noise_logits.data(), false);
+    }
+  }
+  router_select(r, cache, N, cfg, bias, step);
+}
+
+void router_logits_resize(RouterCache& cache, int64_t N, const MoeConfig& cfg) {
+  cache.N = N;
+  cache.logits.resize(N * cfg.E);
+  if (cfg.router == RouterKind::NoisyTopK) cache.noise_logits.resize(N * cfg.E);
+}
+
+void router_select(Routing& r, RouterCache& cache, int64_t N, const MoeConfig& cfg,
+                   const float* bias, const MoeStep& step) {
+  PhaseScope phase_scope(Phase::Router);
+  const int64_t E = cfg.E, K = cfg.K;
+  const RouterKind kind = cfg.router;
+  MOETRAIN_CHECK(cache.N == N && static_cast<int64_t>(cache.logits.size()) == N * E,
+                 "router_select: the cache holds logits for N={}, routing N={}", cache.N, N);
   MOETRAIN_CHECK(kind != RouterKind::SigmoidBias || bias,
                  "router_forward: sigmoid_bias needs the bias buffer");
   const int64_t S = is_token_choice(kind) ? K : E;
   r.N = N, r.E = E, r.S = S;
   r.selected.resize(N * S);
   r.weight.resize(N * S);
-  cache.N = N;
   cache.noisy = kind == RouterKind::NoisyTopK && step.training;
-  cache.logits.resize(N * E);
   cache.probs.resize(N * E);
   cache.lse.resize(N);
   if (N > 0) {
-    grouped_gemm_det(Trans::T, 1, &N, E, C, inp, gate, 0, cache.logits.data(), false);
-    if (kind == RouterKind::NoisyTopK) {
-      cache.noise_logits.resize(N * E);
-      grouped_gemm_det(Trans::T, 1, &N, E, C, inp, noise, 0, cache.noise_logits.data(), false);
-    }
     if (cfg.router_skew > 0.0f) {
       std::vector<float> offset(E);
       for (int64_t e = 0; e < E; ++e)
@@ -249,19 +265,15 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
   r.expert = r.selected;
 }
 
-void router_backward(float* dinp, float* dgate, float* dnoise, const RouterGrads& grads,
-                     const float* inp, const float* gate, const float* noise, const Routing& r,
-                     RouterCache& cache, const MoeConfig& cfg) {
+void router_logit_grads(const RouterGrads& grads, const Routing& r, RouterCache& cache,
+                        const MoeConfig& cfg) {
   PhaseScope phase_scope(Phase::Router);
-  const int64_t N = r.N, E = cfg.E, C = cfg.C, S = r.S;
+  const int64_t N = r.N, E = cfg.E, S = r.S;
   const RouterKind kind = cfg.router;
   MOETRAIN_CHECK(cache.N == N && r.E == E,
                  "router_backward: cache for N={} does not match routing N={}", cache.N, N);
   if (N == 0) return;
   MOETRAIN_CHECK(grads.dweight != nullptr, "router_backward: dweight is null");
-  MOETRAIN_CHECK(dgate != nullptr, "router_backward: dgate is null");
-  MOETRAIN_CHECK(!cache.noisy || dnoise != nullptr,
-                 "router_backward: noisy_topk needs a noise-weight gradient");
   cache.dlogits.resize(N * E);
   if (cache.noisy) cache.dnoise_logits.resize(N * E);
   const bool renorm = kind == RouterKind::NoisyTopK || cfg.renormalize;
@@ -323,6 +335,20 @@ void router_backward(float* dinp, float* dgate, float* dnoise, const RouterGrads
       }
     }
   }
+}
+
+void router_backward(float* dinp, float* dgate, float* dnoise, const RouterGrads& grads,
+                     const float* inp, const float* gate, const float* noise, const Routing& r,
+                     RouterCache& cache, const MoeConfig& cfg) {
+  const int64_t N = r.N, C = cfg.C, E = cfg.E;
+  if (N > 0) {
+    MOETRAIN_CHECK(dgate != nullptr, "router_backward: dgate is null");
+    MOETRAIN_CHECK(!cache.noisy || dnoise != nullptr,
+                   "router_backward: noisy_topk needs a noise-weight gradient");
+  }
+  router_logit_grads(grads, r, cache, cfg);
+  if (N == 0) return;
+  PhaseScope phase_scope(Phase::Router);
   // dinp += dl · gate (+ dnl · noise);  dgate += dlᵀ · inp;  dnoise += dnlᵀ · inp
   const float* dl = cache.dlogits.data();
   const float* dnl = cache.dnoise_logits.data();

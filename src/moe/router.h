@@ -52,6 +52,15 @@ void router_forward(Routing& r, RouterCache& cache, const float* inp, int64_t N,
                     const MoeConfig& cfg, const float* gate, const float* noise, const float* bias,
                     const MoeStep& step);
 
+// router_forward in two stages, for an engine that computes the logit GEMMs itself (the CUDA
+// backend): router_logits_resize sizes cache.logits (N, E) (and cache.noise_logits for
+// noisy_topk) for the caller to fill with inp·gateᵀ (and inp·noiseᵀ); router_select then does
+// everything after the GEMMs (skew, noise, scores, group limit, top-K, weights) exactly as
+// router_forward does.
+void router_logits_resize(RouterCache& cache, int64_t N, const MoeConfig& cfg);
+void router_select(Routing& r, RouterCache& cache, int64_t N, const MoeConfig& cfg,
+                   const float* bias, const MoeStep& step);
+
 // Gradients that reach the router from the rest of the layer.
 struct RouterGrads {
   const float* dweight = nullptr;  // (N, S) on Routing::weight; 0 on dropped and empty slots
@@ -64,6 +73,12 @@ struct RouterGrads {
 void router_backward(float* dinp, float* dgate, float* dnoise, const RouterGrads& grads,
                      const float* inp, const float* gate, const float* noise, const Routing& r,
                      RouterCache& cache, const MoeConfig& cfg);
+
+// router_backward's first stage: cache.dlogits (N, E) (and cache.dnoise_logits when noisy) from
+// the gradients reaching the router; the caller then computes the GEMMs dinp += dl·gate (+ dnl·
+// noise), dgate += dlᵀ·inp, dnoise += dnlᵀ·inp.
+void router_logit_grads(const RouterGrads& grads, const Routing& r, RouterCache& cache,
+                        const MoeConfig& cfg);
 
 // Indices of the K largest of key[0..E), largest first, ties to the lower index. vals is
 // scratch of K floats.

@@ -3,17 +3,11 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "optim/adamw_scalars.h"
 
 namespace moetrain {
 
 namespace {
-
-struct AdamWScalars {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
-  float decay;       // 1 − lr·wd
-  float step_size;   // lr / (1 − β1^t)
-  float bias2_sqrt;  // √(1 − β2^t)
-};
 
 // p, g, m, v (hi - lo, offset by lo); must run inside a parallel region (or serially).
 template <bool kDecay>
@@ -48,16 +42,8 @@ std::vector<StateBuffer> AdamW::state() {
 
 void AdamW::update(float* params, const float* grads, float lr) {
   const OptimizerConfig& c = config();
-  const double t = static_cast<double>(step_count());
-  AdamWScalars s;
-  s.beta1 = static_cast<float>(c.beta1);
-  s.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
-  s.beta2 = static_cast<float>(c.beta2);
-  s.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
-  s.eps = static_cast<float>(c.eps);
-  s.decay = static_cast<float>(1.0 - double(lr) * c.weight_decay);
-  s.step_size = static_cast<float>(double(lr) / (1.0 - std::pow(c.beta1, t)));
-  s.bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(c.beta2, t)));
+  const AdamWScalars s =
+      adamw_scalars(c.beta1, c.beta2, c.eps, c.weight_decay, lr, step_count());
   float* m = exp_avg_.data();
   float* v = exp_avg_sq_.data();
   for_each_segment([&](int64_t lo, int64_t hi, bool decay) {

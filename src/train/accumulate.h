@@ -68,6 +68,9 @@ struct AccumulateArgs {
   // Called right before the last micro-batch's backward (overlapped gradient reduction). May be
   // empty.
   std::function<void()> before_last_backward;
+  // Where the gradients live elsewhere (a resident device engine): zeroes them there, in place of
+  // the host buffer, which the step then leaves alone. May be empty.
+  std::function<void()> zero_grads;
   // Sparse expert gradients: each micro-batch's routing is recorded here right after its forward
   // (so that before_last_backward can agree on the mask). May be null.
   SparseExperts* sparse = nullptr;
@@ -111,7 +114,9 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
   MOETRAIN_CHECK(A > 0, "accumulate: {} micro-batches, needs at least one", A);
   {
     PhaseScope zero(Phase::GradZero);
-    if (args.sparse) {
+    if (args.zero_grads) {
+      args.zero_grads();
+    } else if (args.sparse) {
       args.sparse->zero_grads(grads, n);
     } else {
       std::fill(grads, grads + n, 0.0f);

@@ -174,6 +174,7 @@ ConfigSchema schema(RunConfig& c) {
       {"train.eval_batches", &t.eval_batches},
       {"train.keep_checkpoints", &t.keep_checkpoints},
       {"train.precision", &t.precision},
+      {"train.device", &t.device},
       {"train.loss_scale_init", &t.loss_scale_init},
       {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
       {"train.loss_scale_growth_factor", &t.loss_scale_growth_factor},
@@ -254,6 +255,29 @@ void RunConfig::validate() const {
                  t.keep_checkpoints);
   t.precision_dtype();
   if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
+  MOETRAIN_CHECK(t.device == "cpu" || t.device == "cuda",
+                 "train.device = '{}': allowed are cpu, cuda", t.device);
+  if (t.device == "cuda") {
+    // What the CUDA engine does not run yet: each is refused by name rather than run elsewhere.
+    MOETRAIN_CHECK(t.precision == "f32",
+                   "train.device = cuda with train.precision = {}: the CUDA engine computes in "
+                   "f32 for now; use train.precision = f32",
+                   t.precision);
+    MOETRAIN_CHECK(dist.ep <= 1 && !dist.zero && !dist.local_steps(),
+                   "train.device = cuda runs on one process (no NCCL backend yet): leave dist.ep, "
+                   "dist.zero and dist.sync at their defaults");
+    MOETRAIN_CHECK(!placement.enabled(),
+                   "train.device = cuda: expert replication (placement.*) runs on the CPU only");
+    MOETRAIN_CHECK(optim.name == "adamw",
+                   "train.device = cuda: the update runs on the GPU with AdamW; optim.name = {} "
+                   "runs on the CPU only",
+                   optim.name);
+    MOETRAIN_CHECK(grad.expert_reweight == "none",
+                   "train.device = cuda: grad.expert_reweight runs on the CPU only");
+    MOETRAIN_CHECK(!grad.sparse_experts,
+                   "train.device = cuda: grad.sparse_experts runs on the CPU only (the device "
+                   "backward zeroes and sums every gradient)");
+  }
   optim.validate();
   dist.validate();
   // Checkpoints are taken right after an averaging, when every replica holds the same values.
@@ -344,8 +368,10 @@ std::string RunConfig::config_hash() const {
   // What may change between a run and its resumption without changing what is computed.
   // grad_accum: a resumed run on another process count sets it to keep the global batch, which
   // the checkpoint records and the resume checks instead.
+  // device: the GPU computes what the CPU computes (to rounding), so a run may resume on either.
   for (const char* k : {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
-                        "keep_checkpoints", "threads", "run_dir", "progress", "tensorboard"})
+                        "keep_checkpoints", "threads", "run_dir", "progress", "tensorboard",
+                        "device"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");

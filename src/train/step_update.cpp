@@ -62,6 +62,47 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
   return out;
 }
 
+StepUpdate device_update(DeviceEngine& engine, ShardedOptimizer& optimizer,
+                         const OptimizerConfig& config, std::span<const ParamRange> groups,
+                         Comm& control, float lr, const UpdateOptions& opts) {
+  StepUpdate out;
+  out.outcome = apply_update(engine.gradient(), control, opts, [&] {
+    const int64_t t = optimizer.step_count() + 1;
+    engine.adamw_step(config, groups, lr, t);
+    optimizer.set_step_count(t);
+  });
+  return out;
+}
+
+namespace {
+// The AdamW moments of each optimizer piece, with the piece's flat range.
+template <class Fn>
+void for_each_moment_piece(ShardedOptimizer& optimizer, Fn&& fn) {
+  MOETRAIN_CHECK(optimizer.state_names().size() == 2 && optimizer.state_names()[0] == "exp_avg",
+                 "a device engine keeps AdamW's two moments; this optimizer has {} state buffers",
+                 optimizer.state_names().size());
+  for (std::size_t p = 0; p < optimizer.pieces().size(); ++p) {
+    const OptimPiece& piece = optimizer.pieces()[p];
+    fn(piece, optimizer.piece_state(p, 0), optimizer.piece_state(p, 1));
+  }
+}
+}  // namespace
+
+void device_state_to_host(DeviceEngine& engine, ShardedOptimizer& optimizer, float* params) {
+  for_each_moment_piece(optimizer, [&](const OptimPiece& piece, std::span<float> m,
+                                       std::span<float> v) {
+    engine.download_state(params, m.data(), v.data(), piece.offset, piece.size);
+  });
+}
+
+void device_state_to_device(DeviceEngine& engine, ShardedOptimizer& optimizer,
+                            const float* params) {
+  for_each_moment_piece(optimizer, [&](const OptimPiece& piece, std::span<float> m,
+                                       std::span<float> v) {
+    engine.upload_state(params, m.data(), v.data(), piece.offset, piece.size);
+  });
+}
+
 StepCommMeter::StepCommMeter(CommThread* thread, const GradReducer& reducer)
     : thread_(thread),
       reducer_(reducer),

@@ -15,6 +15,7 @@
 #include "data/shard.h"
 #include "io/file.h"
 #include "io/run_lock.h"
+#include "model/device_engine.h"
 #include "model/params.h"
 #include "optim/clip.h"
 #include "optim/grad_reducer.h"
@@ -94,6 +95,16 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   const ParallelLayout& pl = pg_->layout;
   const ExpertShard& shard = expert_shard_;
   model_->set_precision(cfg_.train.precision_dtype());
+  if (cfg_.train.device != "cpu") {
+    MOETRAIN_CHECK(W == 1,
+                   "train.device = {} runs on one process; this run has {} (no NCCL backend yet)",
+                   cfg_.train.device, W);
+    model_->set_device(cfg_.train.device);
+    engine_ = model_->device_engine();
+    engine_->set_resident(true);
+    log_info("train.device = {}: forward, backward and update on {}", cfg_.train.device,
+             engine_->describe());
+  }
   if (cfg_.train.precision_dtype() == DType::F16)
     scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());
   const ParamLayout& layout = model_->layout();
@@ -222,6 +233,12 @@ double Trainer::train_step() {
   };
 
   const int64_t skipped_before = reducer_->bytes_skipped();
+  if (engine_) {
+    // The host copies changed (a fresh or loaded run) since the engine last took them.
+    if (!device_current_) device_state_to_device(*engine_, *optimizer_, params_.data());
+    device_current_ = true;
+    args.zero_grads = [&] { engine_->zero_grads(); };
+  }
   args.sparse = sparse_.get();
   args.before_last_backward = [&] {
     // Every micro-batch is routed: the mask is known before the first bucket is posted.
@@ -261,8 +278,11 @@ double Trainer::train_step() {
       sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{};
   // Local steps: each replica checks, clips and steps on its own gradients.
   const StepUpdate up =
-      reduce_and_update(*reducer_, *optimizer_, averager_ ? *local_comm_ : *pg_->control,
-                        params_.data(), grads_.data(), static_cast<float>(last_lr_), opts, frozen);
+      engine_ ? device_update(*engine_, *optimizer_, cfg_.optim.optimizer_config(), groups_,
+                              *pg_->control, static_cast<float>(last_lr_), opts)
+              : reduce_and_update(*reducer_, *optimizer_,
+                                  averager_ ? *local_comm_ : *pg_->control, params_.data(),
+                                  grads_.data(), static_cast<float>(last_lr_), opts, frozen);
   last_comm_ = comm_meter.parts(acc, up, static_cast<double>(A));
   // Masked experts' gradient computations were made and thrown away.
   if (sparse_ && !up.outcome.skipped)
@@ -272,8 +292,8 @@ double Trainer::train_step() {
   if (last_skipped_) {
     log_warn("step {}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
              step_ + 1, last_scale_, scaler_->raw_scale());
-  } else {
-    model_->weights_changed();
+  } else if (!engine_) {
+    model_->weights_changed();  // a resident engine stepped its own copy
   }
   ++step_;
   if (averager_ && step_ % cfg_.dist.sync_every == 0) {

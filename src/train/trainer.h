@@ -169,6 +169,10 @@ class Trainer {
   std::unique_ptr<SparseExperts> sparse_;        // grad.sparse_experts (with MoE layers)
   std::vector<GatingController> gating_;  // one per MoE layer with model.router_controller = rl
   std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight ≠ none
+  // train.device = cuda: the model's engine, resident (it holds the parameters, gradients and
+  // AdamW moments between checkpoints); device_current_: it holds this run's current state.
+  DeviceEngine* engine_ = nullptr;
+  bool device_current_ = false;
   double last_scale_ = 1;
   bool last_skipped_ = false;
   StopVotes stop_;  // the last step's, agreed by every process

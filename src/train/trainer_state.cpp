@@ -120,6 +120,7 @@ void Trainer::init_weights_from(const fs::path& dir) {
     read_weights(resolve_checkpoint(dir), *model_, params_);
   }
   model_->weights_changed();  // the low-precision weight copies follow the loaded weights
+  device_current_ = false;
   log_info("initial weights from {}", dir.string());
 }
 
@@ -198,6 +199,8 @@ fs::path Trainer::save_checkpoint() {
   // Local steps: a checkpoint holds one model (train.checkpoint_every is a multiple of
   // dist.sync_every, so only a stop between averagings averages early).
   average_replicas();
+  // A resident engine holds the current parameters and moments: the host copies catch up.
+  if (engine_ && device_current_) device_state_to_host(*engine_, *optimizer_, params_.data());
   // Every rank writes its own pieces; the checkpoint is complete when any rank returns.
   return write_checkpoint(*pg_->control, cfg_.train.run_dir, step_, checkpoint_share(false),
                           checkpoint_docs(), cfg_.train.keep_checkpoints);
@@ -274,6 +277,7 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const fs::path& dir
 }
 
 void Trainer::load_checkpoint(const fs::path& dir) {
+  device_current_ = false;
   reading_json(dir / "trainer_state.json", [&] {
     restore_trainer_state(read_checkpoint_json(dir, "trainer_state.json"), dir);
   });

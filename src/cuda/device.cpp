@@ -1,0 +1,47 @@
+#include "cuda/device.h"
+
+#include <fmt/format.h>
+
+namespace moetrain::cuda {
+
+bool device_available(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    if (why)
+      *why = e != cudaSuccess ? fmt::format("no usable CUDA device: {} ({})", cudaGetErrorString(e),
+                                            cudaGetErrorName(e))
+                              : "no CUDA device";
+    cudaGetLastError();  // clear the sticky error of the failed query
+    return false;
+  }
+  return true;
+}
+
+std::string device_description() {
+  int dev = 0;
+  MOETRAIN_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp p{};
+  MOETRAIN_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  return fmt::format("{} (sm_{}{}, {:.1f} GiB)", p.name, p.major, p.minor,
+                     static_cast<double>(p.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+}
+
+Context::Context() {
+  std::string why;
+  MOETRAIN_CHECK(device_available(&why), "train.device = \"cuda\": {}", why);
+  // A blocking stream: the synchronous copies of DeviceBuffer (on the legacy default stream) wait
+  // for the kernels queued here, and the kernels queued after them wait for the copies.
+  MOETRAIN_CUDA_CHECK(cudaStreamCreate(&stream_));
+  MOETRAIN_CUBLAS_CHECK(cublasCreate(&blas_));
+  MOETRAIN_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+  // True f32 GEMMs unless a caller asks for TF32: the CPU comparison holds to f32 rounding.
+  MOETRAIN_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
+}
+
+Context::~Context() {
+  if (blas_) cublasDestroy(blas_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+}  // namespace moetrain::cuda

@@ -1,0 +1,58 @@
+// A device engine: runs a Transformer's forward and backward somewhere other than this CPU (the
+// CUDA backend, src/cuda), behind the Transformer's own interface. The caller keeps the host
+// parameter and gradient buffers, so the update step, checkpoints and metrics are the CPU path's:
+// the engine uploads the parameters when they change and adds its gradients into the host
+// buffer. Routing stays in the model's MoeLayer objects (the same decisions, statistics and
+// balancing losses as on the CPU).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+#include "optim/update.h"
+
+namespace moetrain {
+
+class DeviceEngine {
+ public:
+  virtual ~DeviceEngine() = default;
+  // As Transformer::forward / backward (same arguments, same results to rounding).
+  virtual LossParts forward(const float* params, const int32_t* inputs, const int32_t* targets,
+                            int64_t B, int64_t T, const MoeStep& step) = 0;
+  virtual void backward(const float* params, float* grads, float loss_weight) = 0;
+  // The parameters behind the last pointer changed in place: upload them at the next forward
+  // (not resident; a resident engine's parameters change through upload_state).
+  virtual void weights_changed() = 0;
+  // (B·T, V) logits of the last forward, copied to the host.
+  virtual const float* logits() = 0;
+  // Waits for the work queued on the device (timings).
+  virtual void synchronize() = 0;
+  // What runs the model, for the log: "cuda: NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)".
+  virtual std::string describe() const = 0;
+
+  // Resident training state (what the trainer uses): the gradients stay on the device, summed
+  // over a step's micro-batches from zero_grads() on (backward leaves the host buffer alone), the
+  // one update step (optim/update.h) runs on gradient(), and AdamW steps the device parameters
+  // and moments, which the host sees only through download_state / upload_state.
+  virtual void set_resident(bool on) = 0;
+  virtual void zero_grads() = 0;
+  virtual GradientShard& gradient() = 0;
+  // AdamW (optim/adamw.h, bitwise its update) over the groups at lr, t the 1-based step.
+  virtual void adamw_step(const OptimizerConfig& config, std::span<const ParamRange> groups,
+                          float lr, int64_t t) = 0;
+  // Parameters (layout size, in full) and the AdamW moments of the flat elements
+  // [offset, offset + n).
+  virtual void download_state(float* params, float* exp_avg, float* exp_avg_sq, int64_t offset,
+                              int64_t n) = 0;
+  virtual void upload_state(const float* params, const float* exp_avg, const float* exp_avg_sq,
+                            int64_t offset, int64_t n) = 0;
+};
+
+// The CUDA engine for `model` (its config, layout and MoE layers). An Error saying why when this
+// build has no CUDA backend or this machine no usable device.
+std::unique_ptr<DeviceEngine> make_cuda_engine(Transformer& model);
+
+}  // namespace moetrain

@@ -1,0 +1,215 @@
+// The CUDA engine end to end: the trainer on the GPU against the same run on the CPU, bit-exact
+// resume on the GPU, and the refusals. Skipped, saying why, where no GPU is usable — except the
+// refusals, which are what such a machine shows.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "cuda/device.h"
+#include "model/params.h"
+#include "model/transformer.h"
+#include "support/corpus.h"
+#include "support/expect_error.h"
+#include "support/temp_dir.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<double> metric(const fs::path& run_dir, const char* key) {
+  std::vector<double> out;
+  std::ifstream in(run_dir / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains(key)) out.push_back(j[key].get<double>());
+  }
+  return out;
+}
+
+// The demo model (configs/tiny.toml) for 20 steps, or a small one with every block kind the
+// engine has: a dense FFN layer, a shared expert, capacity dropping.
+RunConfig run_config(const TempDir& tmp, const std::string& name, const std::string& device,
+                     bool tiny, int64_t steps) {
+  std::vector<std::string> keys = {"train.steps=" + std::to_string(steps),
+                                   "train.eval_every=0",
+                                   "train.eval_batches=2",
+                                   "train.checkpoint_every=0",
+                                   "train.progress=off",
+                                   "train.tensorboard=false",
+                                   "train.device=" + device,
+                                   "data.dir=" + (tmp / "data").string(),
+                                   "train.run_dir=" + (tmp / name).string()};
+  if (!tiny) {
+    for (const char* k :
+         {"model.dim=64", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2",
+          "model.expert_hidden=48", "model.n_experts=6", "model.top_k=2", "model.max_seq_len=64",
+          "model.dense_every=3", "model.shared_expert_hidden=32", "model.capacity_factor=1.0",
+          "train.batch_size=4", "train.seq_len=48", "train.grad_accum=2",
+          "optim.warmup_steps=2"})
+      keys.emplace_back(k);
+  }
+  return load_run_config(tiny ? std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml" : "",
+                         keys);
+}
+
+// GPU and CPU sum in different orders, and routing near a tie may differ by an ulp; over 20
+// AdamW steps the losses stay within 1e-3 relative (the bar), measured well inside it.
+void expect_gpu_matches_cpu(bool tiny) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << why;
+  TempDir tmp("cuda_train");
+  write_corpus(tmp / "data", 400000);
+  const int64_t steps = tiny ? 20 : 10;
+  {
+    Trainer cpu(run_config(tmp, "cpu", "cpu", tiny, steps), false);
+    cpu.run();
+  }
+  {
+    Trainer gpu(run_config(tmp, "gpu", "cuda", tiny, steps), false);
+    gpu.run();
+  }
+  const std::vector<double> lc = metric(tmp / "cpu", "loss"), lg = metric(tmp / "gpu", "loss");
+  ASSERT_EQ(lc.size(), static_cast<std::size_t>(steps));
+  ASSERT_EQ(lg.size(), lc.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < lc.size(); ++i) {
+    const double rel = std::abs(lg[i] - lc[i]) / std::abs(lc[i]);
+    worst = std::max(worst, rel);
+    EXPECT_LT(rel, 1e-3) << "step " << i + 1 << ": cpu " << lc[i] << ", gpu " << lg[i];
+  }
+  const std::vector<double> vc = metric(tmp / "cpu", "val_loss"), vg = metric(tmp / "gpu", "val_loss");
+  ASSERT_EQ(vc.size(), 1u);
+  ASSERT_EQ(vg.size(), 1u);
+  EXPECT_LT(std::abs(vg[0] - vc[0]) / vc[0], 1e-3);
+  EXPECT_LT(lg.back(), lg.front());  // it trains
+  std::cout << (tiny ? "tiny" : "small") << ": largest relative loss difference over " << steps
+            << " steps " << worst << "; final cpu " << lc.back() << " gpu " << lg.back()
+            << "; validation cpu " << vc[0] << " gpu " << vg[0] << "\n";
+}
+
+}  // namespace
+
+// One forward and backward of a model with every block kind, on the CPU then on the GPU, from the
+// same parameters and tokens: the loss parts and each parameter tensor's gradient. Tolerance: a
+// gradient element sums up to N·C-term products through a few layers; 1e-3 of the tensor's
+// largest element bounds f32 reordering with a wide margin, while a wrong index or a dropped term
+// moves whole tensors by O(1) of it.
+TEST(CudaTrain, OneStepLossAndGradientsMatchTheCpu) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << why;
+  for (const char* router : {"topk_softmax", "sigmoid_bias", "expert_choice", "noisy_topk"}) {
+    ModelConfig cfg;
+    cfg.dim = 64, cfg.n_layers = 3, cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.expert_hidden = 48;
+    cfg.n_experts = 6, cfg.top_k = 2, cfg.max_seq_len = 64, cfg.vocab_size = 256;
+    cfg.dense_every = 3, cfg.shared_expert_hidden = 32, cfg.capacity_factor = 1.0f;
+    cfg.router = router;
+    if (cfg.router == "expert_choice") cfg.capacity_factor = 0.0f;
+    cfg.validate();
+    Transformer model(cfg);
+    const int64_t B = 3, T = 40, N = B * T, n = model.layout().size();
+    std::vector<float> params(static_cast<std::size_t>(n));
+    init_params(params.data(), model.layout(), cfg, 99);
+    std::vector<int32_t> inputs(static_cast<std::size_t>(N)), targets(inputs.size());
+    Rng rng(5, 0);
+    for (int64_t i = 0; i < N; ++i) {
+      inputs[i] = static_cast<int32_t>(rng.below(2 * i, 256));
+      targets[i] = i % 7 == 3 ? -1 : static_cast<int32_t>(rng.below(2 * i + 1, 256));
+    }
+    MoeStep step;
+    step.training = true;
+    step.seed = 3;
+    std::vector<float> gc(params.size(), 0.0f), gg(params.size(), 0.5f);
+    const LossParts pc = model.forward(params.data(), inputs.data(), targets.data(), B, T, step);
+    model.backward(params.data(), gc.data(), 0.7f);
+    model.set_device("cuda");
+    const LossParts pg = model.forward(params.data(), inputs.data(), targets.data(), B, T, step);
+    model.backward(params.data(), gg.data(), 0.7f);
+    for (float& g : gg) g -= 0.5f;  // the engine adds into what the buffer held
+    EXPECT_NEAR(pg.ce, pc.ce, 1e-5 * pc.ce) << router;
+    EXPECT_NEAR(pg.aux, pc.aux, 1e-4 * std::max(1.0, pc.aux)) << router;
+    EXPECT_NEAR(pg.z, pc.z, 1e-4 * std::max(1.0, pc.z)) << router;
+    EXPECT_EQ(pg.targets, pc.targets) << router;
+    int bad = 0;
+    for (const ParamInfo& p : model.layout().params()) {
+      double mx = 0, err = 0;
+      for (int64_t i = p.offset; i < p.offset + p.numel; ++i) {
+        mx = std::max(mx, std::abs(double(gc[i])));
+        err = std::max(err, std::abs(double(gg[i]) - double(gc[i])));
+      }
+      const bool ok = err <= 1e-3 * mx + 1e-7;
+      if (!ok && ++bad <= 12)
+        ADD_FAILURE() << router << " " << p.name << ": largest difference " << err
+                      << " against largest gradient " << mx;
+    }
+    std::cout << router << ": ce cpu " << pc.ce << " gpu " << pg.ce << "; aux " << pc.aux << " / "
+              << pg.aux << "; tensors off: " << bad << "\n";
+  }
+}
+
+TEST(CudaTrain, TinyModelMatchesTheCpuRun) {
+  expect_gpu_matches_cpu(true);
+}
+
+TEST(CudaTrain, DenseSharedAndCapacityBlocksMatchTheCpuRun) {
+  expect_gpu_matches_cpu(false);
+}
+
+TEST(CudaTrain, ResumeOnTheGpuIsBitExact) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << why;
+  TempDir tmp("cuda_resume");
+  write_corpus(tmp / "data", 200000);
+  std::vector<float> straight, resumed;
+  {
+    Trainer t(run_config(tmp, "straight", "cuda", false, 8), false);
+    t.run();
+    straight = t.params();
+  }
+  const RunConfig b = run_config(tmp, "resumed", "cuda", false, 8);
+  {
+    Trainer t(b, false);
+    t.run(4);  // stop half way, as if interrupted
+  }
+  {
+    Trainer t(b, true);
+    EXPECT_EQ(t.step(), 4);
+    t.run();
+    resumed = t.params();
+  }
+  const std::vector<double> la = metric(tmp / "straight", "loss"),
+                            lb = metric(tmp / "resumed", "loss");
+  ASSERT_EQ(la.size(), 8u);
+  ASSERT_EQ(lb.size(), 8u);
+  for (std::size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "step " << i + 1;
+  ASSERT_EQ(straight.size(), resumed.size());
+  EXPECT_EQ(0, std::memcmp(straight.data(), resumed.data(), straight.size() * sizeof(float)))
+      << "parameters differ after resume on the GPU";
+}
+
+TEST(CudaTrain, WithoutAUsableGpuTheRunSaysSo) {
+  std::string why;
+  if (cuda::device_available(&why)) GTEST_SKIP() << "a GPU is usable here";
+  TempDir tmp("cuda_none");
+  write_corpus(tmp / "data", 60000);
+  expect_error([&] { Trainer t(run_config(tmp, "run", "cuda", false, 2), false); },
+               "train.device = \"cuda\": no");
+}
+
+TEST(CudaTrain, WhatTheEngineDoesNotRunIsRefusedByName) {
+    auto check = [&](std::vector<std::string> keys) {
+    return [keys] { load_run_config("", keys).validate(); };
+  };
+  expect_error(check({"train.device=cuda", "train.precision=bf16"}), "train.precision = bf16");
+  expect_error(check({"train.device=cuda", "dist.ep=2", "model.n_experts=8"}), "one process");
+  expect_error(check({"train.device=tpu"}), "allowed are cpu, cuda");
+}
