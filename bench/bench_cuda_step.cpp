@@ -23,6 +23,7 @@
 #include "model/device_engine.h"
 #include "model/params.h"
 #include "model/transformer.h"
+#include "presets.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
@@ -31,20 +32,11 @@ using namespace moetrain;
 
 namespace {
 
-struct Preset {
-  const char* name;
-  int64_t C, L, NH, NKV, F, E, K, B, T;
-};
-// tiny: configs/tiny.toml; large: bench_train_step's larger config; xl: a model a GPU is for.
-const Preset kPresets[] = {{"tiny", 128, 4, 4, 2, 256, 8, 2, 16, 128},
-                           {"large", 512, 8, 8, 8, 1024, 8, 2, 8, 256},
-                           {"xl", 1024, 8, 16, 8, 2816, 8, 2, 16, 512}};
+using bench::kPresets;
+using bench::Preset;
 
-ModelConfig model_of(const Preset& p) {
-  ModelConfig c;
-  c.dim = p.C, c.n_layers = p.L, c.n_heads = p.NH, c.n_kv_heads = p.NKV;
-  c.expert_hidden = p.F, c.n_experts = p.E, c.top_k = p.K, c.max_seq_len = p.T;
-  c.vocab_size = 256;
+ModelConfig validated_model(const Preset& p) {
+  ModelConfig c = bench::model_of(p);
   c.validate();
   return c;
 }
@@ -82,7 +74,7 @@ double raw_sgemm_tflops(int64_t M, int64_t N, int64_t K) {
 
 // Median seconds of one train step of a fixed batch on `device`.
 double step_seconds(const Preset& p, const std::string& device, int iters) {
-  const ModelConfig cfg = model_of(p);
+  const ModelConfig cfg = validated_model(p);
   Transformer model(cfg);
   const int64_t n = model.layout().size();
   std::vector<float> params(static_cast<std::size_t>(n));
@@ -179,7 +171,7 @@ int main(int argc, char** argv) {
     for (const Preset& q : kPresets)
       if (name == q.name) p = &q;
     MOETRAIN_CHECK(p != nullptr, "bench_cuda_step: no preset '{}' (tiny, large, xl)", name);
-    const ModelConfig cfg = model_of(*p);
+    const ModelConfig cfg = validated_model(*p);
     const double tokens = static_cast<double>(p->B * p->T);
     const double gpu = step_seconds(*p, "cuda", iters);
     // The experts' first GEMM at the rows one expert gets under uniform routing.

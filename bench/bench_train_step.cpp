@@ -22,6 +22,7 @@
 #include "kernels/gemm.h"
 #include "model/params.h"
 #include "model/transformer.h"
+#include "presets.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "train/trainer.h"
@@ -30,20 +31,9 @@ using namespace moetrain;
 
 namespace {
 
-struct Preset {
-  const char* name;
-  int64_t C, L, NH, NKV, F, E, K, B, T;
-};
-// tiny: configs/tiny.toml; large: the larger config (C=512, 8 layers, E=8, k=2, T=256).
-const Preset kPresets[] = {{"tiny", 128, 4, 4, 2, 256, 8, 2, 16, 128},
-                           {"large", 512, 8, 8, 8, 1024, 8, 2, 8, 256}};
-
-ModelConfig model_of(const Preset& p) {
-  ModelConfig c;
-  c.dim = p.C, c.n_layers = p.L, c.n_heads = p.NH, c.n_kv_heads = p.NKV;
-  c.expert_hidden = p.F, c.n_experts = p.E, c.top_k = p.K, c.max_seq_len = p.T;
-  return c;
-}
+using bench::kPresets;
+using bench::model_of;
+using bench::Preset;
 
 double raw_bf16_gemm_gflops(int64_t M, int64_t N, int64_t K) {
   std::vector<bf16> A(M * K, bf16(0.5f)), B(N * K, bf16(0.25f));

@@ -16,6 +16,7 @@
 
 #include "cuda/device.h"
 #include "cuda/kernels.h"
+#include "cuda/reduce.cuh"
 
 namespace moetrain::cuda {
 
@@ -28,17 +29,6 @@ constexpr int kThreads = kWarp * kWarps;
 constexpr int kMaxHS = 256;
 constexpr int kPerLane = kMaxHS / kWarp;
 constexpr unsigned kFullMask = 0xffffffffu;
-
-// The xor butterfly leaves the same value in every lane (float + and max are commutative), so
-// all lanes agree bitwise on the result and on every decision taken from it.
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
-  return x;
-}
-__device__ __forceinline__ float warp_max(float x) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, o));
-  return x;
-}
 
 // This lane's share x[i] = row[lane + 32·i] of a head-dimension row.
 __device__ __forceinline__ void load_lane(float (&x)[kPerLane], const float* __restrict__ row,

@@ -7,6 +7,7 @@
 
 #include "cuda/device.h"
 #include "cuda/kernels.h"
+#include "cuda/reduce.cuh"
 
 namespace moetrain::cuda {
 
@@ -19,36 +20,6 @@ constexpr int kDwCols = 8;
 constexpr int kDwRows = 256;
 static_assert(kRowThreads % 32 == 0 && kRowThreads <= 1024);
 static_assert(kDwRows * kDwCols % kDwThreads == 0 && kDwCols <= kDwThreads);
-
-__device__ double warp_sum(double v) {
-  // Butterfly: every lane ends with the same bits (a + b == b + a exactly).
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = __dadd_rn(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  return v;
-}
-
-// Σ v over the block in a fixed order (so repeatable), returned to every thread. All threads of
-// the block must call it; it starts and ends with barriers, so the caller's reads before it are
-// done when it returns, and its shared memory may be reused by the next call.
-__device__ double block_sum(double v) {
-  __shared__ double warp_sums[32];
-  __shared__ double total;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_sum(v);
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = blockDim.x >> 5;
-    double w = lane < warps ? warp_sums[lane] : 0.0;
-    w = warp_sum(w);
-    if (lane == 0) total = w;
-  }
-  __syncthreads();
-  const double result = total;
-  __syncthreads();
-  return result;
-}
 
 // One block per row (grid N). out may alias inp: every read of the row happens before block_sum's
 // barriers, every write after them, and each element is read and written by the same thread.

@@ -8,6 +8,7 @@
 
 #include "cuda/device.h"
 #include "cuda/kernels.h"
+#include "cuda/reduce.cuh"
 
 namespace moetrain::cuda {
 
@@ -20,61 +21,6 @@ static_assert(kRowThreads % 32 == 0 && kRowThreads <= 1024);
 // The device cannot throw: a target outside [−1, V) turns its row's outputs into NaN.
 __device__ __forceinline__ float quiet_nan() {
   return __int_as_float(0x7fc00000);
-}
-
-__device__ float warp_max(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  return v;
-}
-
-__device__ double warp_sum(double v) {
-  // Butterfly: every lane ends with the same bits (a + b == b + a exactly).
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = __dadd_rn(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  return v;
-}
-
-// Block-wide max and sum in a fixed order, returned to every thread. All threads of the block
-// call them; they end with a barrier, so their shared memory may be reused by the next call.
-__device__ float block_max(float v) {
-  __shared__ float warp_vals[32];
-  __shared__ float total;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_max(v);
-  if (lane == 0) warp_vals[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = blockDim.x >> 5;
-    float w = lane < warps ? warp_vals[lane] : -INFINITY;
-    w = warp_max(w);
-    if (lane == 0) total = w;
-  }
-  __syncthreads();
-  const float result = total;
-  __syncthreads();
-  return result;
-}
-
-__device__ double block_sum(double v) {
-  __shared__ double warp_vals[32];
-  __shared__ double total;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_sum(v);
-  if (lane == 0) warp_vals[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = blockDim.x >> 5;
-    double w = lane < warps ? warp_vals[lane] : 0.0;
-    w = warp_sum(w);
-    if (lane == 0) total = w;
-  }
-  __syncthreads();
-  const double result = total;
-  __syncthreads();
-  return result;
 }
 
 // One block per row (grid N). fmaxf skips NaN as the CPU's std::max(m, x) does.

@@ -15,40 +15,17 @@
 #include "cuda/kernels.h"
 #include "optim/adamw.h"
 #include "optim/optimizer.h"
+#include "support/device_buffers.h"
 
 namespace {
+
+using namespace moetrain::testing;
 
 using moetrain::cuda::DeviceBuffer;
 
 // The per-step scalars as AdamW::update computes them (optim/adamw_scalars.h).
 moetrain::AdamWScalars scalars_of(const moetrain::OptimizerConfig& c, float lr, int64_t step) {
   return moetrain::adamw_scalars(c.beta1, c.beta2, c.eps, c.weight_decay, lr, step);
-}
-
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& v) {
-  DeviceBuffer<T> d(static_cast<int64_t>(v.size()));
-  d.upload(v.data(), d.size());
-  return d;
-}
-
-std::vector<float> to_host(const DeviceBuffer<float>& d) {
-  std::vector<float> v(d.size());
-  d.download(v.data(), d.size());
-  return v;
-}
-
-// Every element bitwise equal; reports the first that is not.
-void expect_same_bits(std::span<const float> got, std::span<const float> want,
-                      const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i])) {
-      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << " on the device, "
-                    << want[i] << " on the CPU";
-      return;
-    }
-  }
 }
 
 // Gradients spanning several orders of magnitude (the moments then mix small and large values),

@@ -17,8 +17,11 @@
 #include "cuda/device.h"
 #include "cuda/kernels.h"
 #include "kernels/attention.h"
+#include "support/device_buffers.h"
 
 namespace {
+
+using namespace moetrain::testing;
 
 using moetrain::cuda::DeviceBuffer;
 
@@ -253,18 +256,6 @@ Outputs run_cpu(const Problem& p) {
                                p.k.data(), p.v.data(), r.out.data(), r.lse.data(), B, T, NH, NKV,
                                HS);
   return r;
-}
-
-DeviceBuffer<float> to_device(const std::vector<float>& x) {
-  DeviceBuffer<float> d(static_cast<int64_t>(x.size()));
-  d.upload(x.data(), d.size());
-  return d;
-}
-
-std::vector<float> to_host(const DeviceBuffer<float>& d) {
-  std::vector<float> x(static_cast<std::size_t>(d.size()));
-  d.download(x.data(), d.size());
-  return x;
 }
 
 // The device forward on p's inputs, and the device backward on p's inputs with the given out and

@@ -20,47 +20,13 @@
 #include "moe/dispatch.h"
 #include "moe/router.h"
 #include "support/error_bound.h"
+#include "support/device_buffers.h"
 
 namespace {
 
+using namespace moetrain::testing;
+
 using moetrain::cuda::DeviceBuffer;
-
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& v) {
-  DeviceBuffer<T> d(static_cast<int64_t>(v.size()));
-  d.upload(v.data(), d.size());
-  return d;
-}
-
-std::vector<float> to_host(const DeviceBuffer<float>& d) {
-  std::vector<float> v(d.size());
-  d.download(v.data(), d.size());
-  return v;
-}
-
-// upload() copies on the legacy stream and may return before a pageable copy has landed; a
-// Context's stream does not wait for that stream, so the device must be idle before kernels read.
-void uploads_done() { MOETRAIN_CUDA_CHECK(cudaDeviceSynchronize()); }
-
-// All-ones bytes (a NaN) in an output the kernel must overwrite, queued on the kernel's stream.
-void poison(DeviceBuffer<float>& d, cudaStream_t s) {
-  if (d.size() > 0) {
-    MOETRAIN_CUDA_CHECK(cudaMemsetAsync(d.data(), 0xff, sizeof(float) * d.size(), s));
-  }
-}
-
-// Every element bitwise equal; reports the first that is not.
-void expect_same_bits(std::span<const float> got, std::span<const float> want,
-                      const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i])) {
-      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << " on the device, "
-                    << want[i] << " on the CPU";
-      return;
-    }
-  }
-}
 
 std::vector<float> random_vector(std::mt19937& rng, int64_t n, float lo = -1.0f,
                                  float hi = 1.0f) {

@@ -19,8 +19,11 @@
 #include "kernels/norm.h"
 #include "kernels/rope.h"
 #include "kernels/softmax.h"
+#include "support/device_buffers.h"
 
 namespace {
+
+using namespace moetrain::testing;
 
 using moetrain::cuda::Context;
 using moetrain::cuda::DeviceBuffer;
@@ -30,46 +33,12 @@ constexpr double kU = 0x1p-24;
 // Results that underflow may differ by up to the smallest normal float.
 constexpr double kTiny = 0x1p-126;
 
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& v) {
-  DeviceBuffer<T> d(static_cast<int64_t>(v.size()));
-  d.upload(v.data(), d.size());
-  return d;
-}
-
-template <class T>
-std::vector<T> to_host(const DeviceBuffer<T>& d) {
-  std::vector<T> v(d.size());
-  d.download(v.data(), d.size());
-  return v;
-}
-
-// DeviceBuffer::upload is a cudaMemcpy on the legacy default stream, which a Context's
-// non-blocking stream does not wait for (and a pageable upload may return before its DMA ends):
-// every test syncs the device between uploading and launching.
-void uploads_done() {
-  MOETRAIN_CUDA_CHECK(cudaDeviceSynchronize());
-}
-
 std::vector<float> normal(int64_t n, uint32_t seed, float stddev = 1.0f, float mean = 0.0f) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(mean, stddev);
   std::vector<float> v(n);
   for (float& x : v) x = dist(rng);
   return v;
-}
-
-// Every element bitwise equal; reports the first that is not.
-void expect_same_bits(const std::vector<float>& got, const std::vector<float>& want,
-                      const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i])) {
-      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << " on the device, "
-                    << want[i] << " on the CPU";
-      return;
-    }
-  }
 }
 
 // Every |got_i − want_i| ≤ bound_i (a NaN fails); reports the worst element relative to its bound.

@@ -16,6 +16,7 @@
 #include "model/transformer.h"
 #include "support/corpus.h"
 #include "support/expect_error.h"
+#include "support/run_metrics.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -25,16 +26,6 @@ using namespace moetrain::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::vector<double> metric(const fs::path& run_dir, const char* key) {
-  std::vector<double> out;
-  std::ifstream in(run_dir / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains(key)) out.push_back(j[key].get<double>());
-  }
-  return out;
-}
 
 // The demo model (configs/tiny.toml) for 20 steps, or a small one with every block kind the
 // engine has: a dense FFN layer, a shared expert, capacity dropping.

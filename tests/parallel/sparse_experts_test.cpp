@@ -12,6 +12,7 @@
 #include "model/params.h"
 #include "parallel/runtime.h"
 #include "support/corpus.h"
+#include "support/run_metrics.h"
 #include "support/shared_dir.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
@@ -60,16 +61,6 @@ RunConfig make_config(const SparseSetup& s, const fs::path& data, const fs::path
                               std::string("dist.overlap=") + (s.overlap ? "true" : "false"),
                               std::string("grad.sparse_experts=") + (s.sparse ? "true" : "false"),
                               "grad.min_accum_fraction=" + std::to_string(s.min_accum_fraction)});
-}
-
-std::vector<double> metric(const fs::path& run_dir, const char* key) {
-  std::vector<double> out;
-  std::ifstream in(run_dir / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains(key)) out.push_back(j[key].get<double>());
-  }
-  return out;
 }
 
 double sum(const std::vector<double>& v) {

@@ -18,6 +18,7 @@
 #include "parallel/runtime.h"
 #include "support/checkpoint_tensors.h"
 #include "support/corpus.h"
+#include "support/run_metrics.h"
 #include "support/shared_dir.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
@@ -74,16 +75,6 @@ RunConfig make_config(const RunSetup& s, const fs::path& data, const fs::path& r
            "dist.ranks_per_node=" + std::to_string(std::max<int64_t>(0, s.ranks_per_node)),
            "dist.a2a_chunks=" + std::to_string(s.a2a_chunks),
            std::string("dist.overlap=") + (s.overlap ? "true" : "false")});
-}
-
-std::vector<double> metric(const fs::path& run_dir, const char* key) {
-  std::vector<double> out;
-  std::ifstream in(run_dir / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains(key)) out.push_back(j[key].get<double>());
-  }
-  return out;
 }
 
 struct Outcome {

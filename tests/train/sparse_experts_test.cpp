@@ -14,6 +14,7 @@
 #include "parallel/sharded_optimizer.h"
 #include "support/corpus.h"
 #include "support/expect_error.h"
+#include "support/run_metrics.h"
 #include "support/small_run.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
@@ -36,16 +37,6 @@ RunConfig sparse_run(const TempDir& tmp, std::vector<std::string> extra) {
     keys.push_back(k);
   keys.insert(keys.end(), extra.begin(), extra.end());
   return load_run_config("", keys);
-}
-
-std::vector<double> metric(const fs::path& run_dir, const char* key) {
-  std::vector<double> out;
-  std::ifstream in(run_dir / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains(key)) out.push_back(j[key].get<double>());
-  }
-  return out;
 }
 
 bool same_bits(const float* a, const float* b, int64_t n) {
