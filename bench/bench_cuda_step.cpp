@@ -21,6 +21,7 @@
 #include "core/timer.h"
 #include "cuda/device.h"
 #include "model/device_engine.h"
+#include "optim/device_state.h"
 #include "model/params.h"
 #include "model/transformer.h"
 #include "presets.h"
@@ -85,10 +86,10 @@ double step_seconds(const Preset& p, const std::string& device, int iters) {
   oc.kind = OptimizerKind::AdamW;
   oc.weight_decay = 0.1;
   std::unique_ptr<Optimizer> cpu_opt;
-  DeviceEngine* engine = nullptr;
+  DeviceTrainingState* engine = nullptr;
   if (device != "cpu") {
     model.set_device(device);
-    engine = model.device_engine();
+    engine = &model.device_engine()->training_state();
     engine->set_resident(true);
     engine->upload_state(params.data(), zeros.data(), zeros.data(), 0, n);
   } else {
@@ -115,7 +116,7 @@ double step_seconds(const Preset& p, const std::string& device, int iters) {
       model.backward(params.data(), grads.data(), 1.0f);
       apply_update(engine->gradient(), *comm, uo,
                    [&] { engine->adamw_step(oc, groups, 1e-4f, steps); });
-      engine->synchronize();
+      model.device_engine()->synchronize();
     } else {
       std::fill(grads.begin(), grads.end(), 0.0f);
       model.forward(params.data(), inputs.data(), targets.data(), p.B, p.T, step);

@@ -17,6 +17,7 @@
 #include "cuda/kernels.h"
 #include "model/device_engine.h"
 #include "model/params.h"
+#include "optim/device_state.h"
 #include "moe/dispatch.h"
 #include "optim/adamw_scalars.h"
 
@@ -75,7 +76,7 @@ struct DeviceLayer {
   DeviceBuffer<float> sa, sb, sg;             // shared expert: (N, Fs) ×3
 };
 
-class CudaEngine final : public DeviceEngine {
+class CudaEngine final : public DeviceEngine, public DeviceTrainingState {
  public:
   explicit CudaEngine(Transformer& model)
       : model_(model), cfg_(model.config()), layout_(model.layout()) {
@@ -91,6 +92,7 @@ class CudaEngine final : public DeviceEngine {
   }
 
   std::string describe() const override { return description_; }
+  DeviceTrainingState& training_state() override { return *this; }
   void synchronize() override { ctx_.sync(); }
   // Resident, the device copy is the current one: it changes through adamw_step and
   // upload_state only.

@@ -7,14 +7,13 @@
 #pragma once
 #include <cstdint>
 #include <memory>
-#include <span>
 #include <string>
 
 #include "model/transformer.h"
-#include "optim/optimizer.h"
-#include "optim/update.h"
 
 namespace moetrain {
+
+class DeviceTrainingState;  // optim/device_state.h
 
 class DeviceEngine {
  public:
@@ -33,22 +32,9 @@ class DeviceEngine {
   // What runs the model, for the log: "cuda: NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)".
   virtual std::string describe() const = 0;
 
-  // Resident training state (what the trainer uses): the gradients stay on the device, summed
-  // over a step's micro-batches from zero_grads() on (backward leaves the host buffer alone), the
-  // one update step (optim/update.h) runs on gradient(), and AdamW steps the device parameters
-  // and moments, which the host sees only through download_state / upload_state.
-  virtual void set_resident(bool on) = 0;
-  virtual void zero_grads() = 0;
-  virtual GradientShard& gradient() = 0;
-  // AdamW (optim/adamw.h, bitwise its update) over the groups at lr, t the 1-based step.
-  virtual void adamw_step(const OptimizerConfig& config, std::span<const ParamRange> groups,
-                          float lr, int64_t t) = 0;
-  // Parameters (layout size, in full) and the AdamW moments of the flat elements
-  // [offset, offset + n).
-  virtual void download_state(float* params, float* exp_avg, float* exp_avg_sq, int64_t offset,
-                              int64_t n) = 0;
-  virtual void upload_state(const float* params, const float* exp_avg, const float* exp_avg_sq,
-                            int64_t offset, int64_t n) = 0;
+  // The gradients and optimizer state it can keep resident (optim/device_state.h), for the
+  // trainer; the model itself only runs forward and backward.
+  virtual DeviceTrainingState& training_state() = 0;
 };
 
 // The CUDA engine for `model` (its config, layout and MoE layers). An Error saying why when this

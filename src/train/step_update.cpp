@@ -62,7 +62,7 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
   return out;
 }
 
-StepUpdate device_update(DeviceEngine& engine, ShardedOptimizer& optimizer,
+StepUpdate device_update(DeviceTrainingState& engine, ShardedOptimizer& optimizer,
                          const OptimizerConfig& config, std::span<const ParamRange> groups,
                          Comm& control, float lr, const UpdateOptions& opts) {
   StepUpdate out;
@@ -88,14 +88,14 @@ void for_each_moment_piece(ShardedOptimizer& optimizer, Fn&& fn) {
 }
 }  // namespace
 
-void device_state_to_host(DeviceEngine& engine, ShardedOptimizer& optimizer, float* params) {
+void device_state_to_host(DeviceTrainingState& engine, ShardedOptimizer& optimizer, float* params) {
   for_each_moment_piece(optimizer, [&](const OptimPiece& piece, std::span<float> m,
                                        std::span<float> v) {
     engine.download_state(params, m.data(), v.data(), piece.offset, piece.size);
   });
 }
 
-void device_state_to_device(DeviceEngine& engine, ShardedOptimizer& optimizer,
+void device_state_to_device(DeviceTrainingState& engine, ShardedOptimizer& optimizer,
                             const float* params) {
   for_each_moment_piece(optimizer, [&](const OptimPiece& piece, std::span<float> m,
                                        std::span<float> v) {

@@ -10,7 +10,7 @@
 #include "core/comm.h"
 #include "moe/capacity_controller.h"
 #include "moe/config.h"
-#include "model/device_engine.h"
+#include "optim/device_state.h"
 #include "moe/gating_controller.h"
 #include "optim/grad_reducer.h"
 #include "optim/update.h"
@@ -37,14 +37,14 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
 // The same step with the gradients and the optimizer state on a resident device engine
 // (train.device = cuda, one process): apply_update on the engine's gradient, then AdamW on the
 // engine at the optimizer's next step, whose count the host optimizer keeps (checkpoints record it).
-StepUpdate device_update(DeviceEngine& engine, ShardedOptimizer& optimizer,
+StepUpdate device_update(DeviceTrainingState& engine, ShardedOptimizer& optimizer,
                          const OptimizerConfig& config, std::span<const ParamRange> groups,
                          Comm& control, float lr, const UpdateOptions& opts);
 // Parameters and optimizer moments between the host buffers (params, the optimizer's pieces) and
 // a resident engine: to_host before anything reads the host copies (a checkpoint), to_device
 // before the first step and after the host copies changed (a load).
-void device_state_to_host(DeviceEngine& engine, ShardedOptimizer& optimizer, float* params);
-void device_state_to_device(DeviceEngine& engine, ShardedOptimizer& optimizer,
+void device_state_to_host(DeviceTrainingState& engine, ShardedOptimizer& optimizer, float* params);
+void device_state_to_device(DeviceTrainingState& engine, ShardedOptimizer& optimizer,
                             const float* params);
 
 // A step's communication (train/step_metrics.h CommParts), from readings taken at its start.

@@ -16,6 +16,7 @@
 #include "io/file.h"
 #include "io/run_lock.h"
 #include "model/device_engine.h"
+#include "optim/device_state.h"
 #include "model/params.h"
 #include "optim/clip.h"
 #include "optim/grad_reducer.h"
@@ -100,10 +101,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
                    "train.device = {} runs on one process; this run has {} (no NCCL backend yet)",
                    cfg_.train.device, W);
     model_->set_device(cfg_.train.device);
-    engine_ = model_->device_engine();
+    engine_ = &model_->device_engine()->training_state();
     engine_->set_resident(true);
     log_info("train.device = {}: forward, backward and update on {}", cfg_.train.device,
-             engine_->describe());
+             model_->device_engine()->describe());
   }
   if (cfg_.train.precision_dtype() == DType::F16)
     scaler_ = std::make_unique<LossScaler>(cfg_.train.loss_scale());

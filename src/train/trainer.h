@@ -18,6 +18,7 @@
 #include "model/transformer.h"
 #include "moe/capacity_controller.h"
 #include "moe/gating_controller.h"
+#include "optim/device_state.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -171,7 +172,7 @@ class Trainer {
   std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight ≠ none
   // train.device = cuda: the model's engine, resident (it holds the parameters, gradients and
   // AdamW moments between checkpoints); device_current_: it holds this run's current state.
-  DeviceEngine* engine_ = nullptr;
+  DeviceTrainingState* engine_ = nullptr;
   bool device_current_ = false;
   double last_scale_ = 1;
   bool last_skipped_ = false;
