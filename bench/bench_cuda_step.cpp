@@ -47,10 +47,12 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// cuBLAS SGEMM (row-major C (M, N) = A (M, K) · Bᵀ), TFLOP/s: the median of 5 timings of 10
-// products each, after a warm-up.
-double raw_sgemm_tflops(int64_t M, int64_t N, int64_t K) {
+// cuBLAS SGEMM (row-major C (M, N) = A (M, K) · Bᵀ), true f32 or with TF32 tensor-core operands,
+// TFLOP/s: the median of 5 timings of 10 products each, after a warm-up.
+double raw_sgemm_tflops(int64_t M, int64_t N, int64_t K, bool tf32) {
   cuda::Context ctx;
+  MOETRAIN_CUBLAS_CHECK(
+      cublasSetMathMode(ctx.blas(), tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   cuda::DeviceBuffer<float> A(M * K), B(N * K), C(M * N);
   MOETRAIN_CUDA_CHECK(cudaMemset(A.data(), 0, sizeof(float) * M * K));
   MOETRAIN_CUDA_CHECK(cudaMemset(B.data(), 0, sizeof(float) * N * K));
@@ -73,8 +75,9 @@ double raw_sgemm_tflops(int64_t M, int64_t N, int64_t K) {
   return 2.0 * M * N * K / median(t) * 1e-12;
 }
 
-// Median seconds of one train step of a fixed batch on `device`.
-double step_seconds(const Preset& p, const std::string& device, int iters) {
+// Median seconds of one train step of a fixed batch on `device` (tf32: the GPU's GEMMs on TF32
+// operands).
+double step_seconds(const Preset& p, const std::string& device, int iters, bool tf32 = false) {
   const ModelConfig cfg = validated_model(p);
   Transformer model(cfg);
   const int64_t n = model.layout().size();
@@ -89,6 +92,7 @@ double step_seconds(const Preset& p, const std::string& device, int iters) {
   DeviceTrainingState* engine = nullptr;
   if (device != "cpu") {
     model.set_device(device);
+    model.device_engine()->set_tf32(tf32);
     engine = &model.device_engine()->training_state();
     engine->set_resident(true);
     engine->upload_state(params.data(), zeros.data(), zeros.data(), 0, n);
@@ -163,10 +167,13 @@ int main(int argc, char** argv) {
   }
   init_threads(0, 1);
   fmt::print("device: {}\n", cuda::device_description());
-  const double raw_big = raw_sgemm_tflops(8192, 8192, 8192);
-  fmt::print("raw cuBLAS SGEMM 8192^3: {:.1f} TFLOP/s\n", raw_big);
-  fmt::print("{:<6} {:>9} {:>11} {:>10} {:>12} {:>12} {:>11} {:>10}\n", "preset", "step ms",
-             "tokens/s", "TFLOP/s", "/raw 8192^3", "/raw expert", "cpu ms", "gpu/cpu");
+  const double raw_f32 = raw_sgemm_tflops(8192, 8192, 8192, false);
+  const double raw_tf32 = raw_sgemm_tflops(8192, 8192, 8192, true);
+  fmt::print("raw cuBLAS SGEMM 8192^3: {:.1f} TFLOP/s f32, {:.1f} TFLOP/s tf32\n", raw_f32,
+             raw_tf32);
+  fmt::print("{:<6} {:>8} {:>9} {:>8} {:>8} {:>9} {:>9} {:>11} {:>9} {:>8} {:>8}\n", "preset",
+             "f32 ms", "/raw f32", "/expert", "tf32 ms", "/raw tf32", "/expert", "tokens/s",
+             "cpu ms", "cpu/f32", "cpu/tf32");
   for (const std::string& name : presets) {
     const Preset* p = nullptr;
     for (const Preset& q : kPresets)
@@ -174,15 +181,21 @@ int main(int argc, char** argv) {
     MOETRAIN_CHECK(p != nullptr, "bench_cuda_step: no preset '{}' (tiny, large, xl)", name);
     const ModelConfig cfg = validated_model(*p);
     const double tokens = static_cast<double>(p->B * p->T);
-    const double gpu = step_seconds(*p, "cuda", iters);
+    const double flops = Transformer(cfg).flops_per_token(p->T) * tokens;
+    const double f32 = step_seconds(*p, "cuda", iters, false);
+    const double tf32 = step_seconds(*p, "cuda", iters, true);
     // The experts' first GEMM at the rows one expert gets under uniform routing.
     const int64_t rows = p->B * p->T * p->K / p->E;
-    const double raw_expert = raw_sgemm_tflops(rows, p->F, p->C);
-    const double tflops = Transformer(cfg).flops_per_token(p->T) * tokens / gpu * 1e-12;
+    const double expert_f32 = raw_sgemm_tflops(rows, p->F, p->C, false);
+    const double expert_tf32 = raw_sgemm_tflops(rows, p->F, p->C, true);
     const double cpu = cpu_iters > 0 ? step_seconds(*p, "cpu", cpu_iters) : 0.0;
-    fmt::print("{:<6} {:>9.2f} {:>11.0f} {:>10.2f} {:>12.3f} {:>12.3f} {:>11.1f} {:>10.1f}\n",
-               p->name, gpu * 1e3, tokens / gpu, tflops, tflops / raw_big, tflops / raw_expert,
-               cpu * 1e3, cpu > 0 ? cpu / gpu : 0.0);
+    // Model TFLOP/s over the raw GEMM rate: the step's utilisation of what cuBLAS reaches.
+    auto util = [&](double s, double raw) { return flops / s * 1e-12 / raw; };
+    fmt::print("{:<6} {:>8.2f} {:>9.3f} {:>8.3f} {:>8.2f} {:>9.3f} {:>9.3f} {:>11.0f} {:>9.1f} "
+               "{:>8.1f} {:>8.1f}\n",
+               p->name, f32 * 1e3, util(f32, raw_f32), util(f32, expert_f32), tf32 * 1e3,
+               util(tf32, raw_tf32), util(tf32, expert_tf32), tokens / tf32, cpu * 1e3,
+               cpu > 0 ? cpu / f32 : 0.0, cpu > 0 ? cpu / tf32 : 0.0);
   }
   return 0;
 }

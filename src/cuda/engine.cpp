@@ -94,6 +94,10 @@ class CudaEngine final : public DeviceEngine, public DeviceTrainingState {
   std::string describe() const override { return description_; }
   DeviceTrainingState& training_state() override { return *this; }
   void synchronize() override { ctx_.sync(); }
+  void set_tf32(bool on) override {
+    MOETRAIN_CUBLAS_CHECK(
+        cublasSetMathMode(ctx_.blas(), on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  }
   // Resident, the device copy is the current one: it changes through adamw_step and
   // upload_state only.
   void weights_changed() override { stale_ = !resident_; }

@@ -1,7 +1,8 @@
 // Matrix products on the device through cuBLAS, with the row-major conventions of
 // kernels/gemm.h: C (M, N) = op(A) (M, K) · op(B) (K, N) [+ C], A stored (M, K) for Trans::N or
-// (K, M) for Trans::T, likewise B. f32 operands and accumulation (CUBLAS_DEFAULT_MATH: no TF32),
-// so a product differs from the CPU's by summation order only.
+// (K, M) for Trans::T, likewise B. f32 operands and accumulation: true f32 by default (a product
+// differs from the CPU's by summation order only), TF32 operands on the tensor cores where the
+// context's math mode allows it (train.precision = tf32).
 #pragma once
 #include <cstdint>
 

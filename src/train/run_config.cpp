@@ -257,11 +257,14 @@ void RunConfig::validate() const {
   if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
   MOETRAIN_CHECK(t.device == "cpu" || t.device == "cuda",
                  "train.device = '{}': allowed are cpu, cuda", t.device);
+  MOETRAIN_CHECK(t.precision != "tf32" || t.device == "cuda",
+                 "train.precision = tf32 rounds GEMM operands on a GPU's tensor cores: it needs "
+                 "train.device = cuda");
   if (t.device == "cuda") {
     // What the CUDA engine does not run yet: each is refused by name rather than run elsewhere.
-    MOETRAIN_CHECK(t.precision == "f32",
+    MOETRAIN_CHECK(t.precision == "f32" || t.precision == "tf32",
                    "train.device = cuda with train.precision = {}: the CUDA engine computes in "
-                   "f32 for now; use train.precision = f32",
+                   "f32 or tf32 for now",
                    t.precision);
     MOETRAIN_CHECK(dist.ep <= 1 && !dist.zero && !dist.local_steps(),
                    "train.device = cuda runs on one process (no NCCL backend yet): leave dist.ep, "
@@ -339,7 +342,10 @@ DType TrainConfig::precision_dtype() const {
                                             : precision;
   for (DType t : {DType::F32, DType::BF16, DType::F16})
     if (p == dtype_name(t)) return t;
-  MOETRAIN_FAIL("train.precision = '{}': allowed are auto, f32, bf16, fp16", precision);
+  // tf32: f32 storage and accumulation; the GPU's tensor cores round the GEMM operands.
+  if (p == "tf32") return DType::F32;
+  MOETRAIN_FAIL("train.precision = '{}': allowed are auto, f32, bf16, fp16, tf32 (cuda)",
+                precision);
 }
 
 LossScaleConfig TrainConfig::loss_scale() const {

@@ -76,7 +76,9 @@ struct TrainConfig {
   std::string run_dir = "runs/default";
   std::string progress = "auto";  // auto | bar | lines | off
   bool tensorboard = true;        // metrics also as TensorBoard events in run_dir/tb
-  // Mixed precision (Transformer::set_precision): auto | f32 | bf16 | fp16. fp16 adds dynamic
+  // Mixed precision (Transformer::set_precision): auto | f32 | bf16 | fp16 | tf32. tf32 (with
+  // device = cuda): f32 everywhere but the GEMMs, whose operands the tensor cores round to TF32
+  // (10-bit mantissa), accumulating in f32. fp16 adds dynamic
   // loss scaling with the loss_scale_* settings (optim/loss_scale.h); they are ignored otherwise.
   // auto: bf16 where oneDNN has a native bf16 matmul, else f32 (train/precision.h); the trainer
   // records the resolved value, and a resumed run keeps the one its checkpoint recorded.

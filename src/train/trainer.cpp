@@ -103,6 +103,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     model_->set_device(cfg_.train.device);
     engine_ = &model_->device_engine()->training_state();
     engine_->set_resident(true);
+    model_->device_engine()->set_tf32(cfg_.train.precision == "tf32");
     log_info("train.device = {}: forward, backward and update on {}", cfg_.train.device,
              model_->device_engine()->describe());
   }
