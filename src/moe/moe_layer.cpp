@@ -166,7 +166,7 @@ void MoeLayer::finish_stats() {
 void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, const MoeWeights& g,
                         float loss_weight) {
   MOETRAIN_CHECK(has_forward_, "MoeLayer::backward called without a completed forward");
-  const int64_t N = N_, C = cfg_.C, E = cfg_.E;
+  const int64_t N = N_, C = cfg_.C;
   MOETRAIN_CHECK(N == 0 || (dinp && dout), "MoeLayer::backward: null dinp or dout for N={}", N);
   MOETRAIN_CHECK(g.gate && g.w1 && g.w3 && g.w2,
                  "MoeLayer::backward: gradients of gate, w1, w3 and w2 must be set");
