@@ -9,10 +9,22 @@ namespace moetrain {
 
 namespace {
 
+// The loop is vectorised (CMake builds this file with -fno-math-errno: std::sqrt's errno branch
+// kept it scalar, compute-bound at under half the memory bandwidth), and cloned for AVX-512 and
+// AVX2, picked at load time. Every version does the same IEEE operations in the same order
+// (division and square root are correctly rounded at any width; nothing is contracted, the
+// project compiles with -ffp-contract=off), so they agree bitwise — with each other and with the
+// GPU's kernel (cuda/adamw.cu).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOETRAIN_ADAMW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MOETRAIN_ADAMW_CLONES
+#endif
+
 // p, g, m, v (hi - lo, offset by lo); must run inside a parallel region (or serially).
 template <bool kDecay>
-void adamw_segment(float* p, const float* g, float* m, float* v, int64_t lo, int64_t hi,
-                   const AdamWScalars& s) {
+MOETRAIN_ADAMW_CLONES void adamw_segment(float* p, const float* g, float* m, float* v, int64_t lo,
+                                         int64_t hi, const AdamWScalars& s) {
 #pragma omp for simd schedule(static) nowait
   for (int64_t i = lo; i < hi; ++i) {
     float param = p[i];
