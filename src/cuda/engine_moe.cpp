@@ -1,0 +1,136 @@
+// The CUDA engine's MoE blocks (engine.h): the router's GEMMs on the device, its decisions by the
+// model's own MoeLayer on the host, the layout copied over, the experts' SwiGLU as one GEMM per
+// expert and matrix over its rows, and combine; the backward in reverse.
+#include "cuda/engine.h"
+
+#include <algorithm>
+
+#include "cuda/gemm.h"
+
+namespace moetrain::cuda {
+
+void CudaEngine::expert_forward(const float* xp, float* y, int64_t r0, int64_t rows,
+                                const float* w1, const float* w3, const float* w2, int64_t F,
+                                float* A, float* Bv, float* G) {
+  const int64_t C = cfg_.dim;
+  cuda::linear_forward(ctx_, A + r0 * F, xp + r0 * C, w1, rows, C, F);
+  cuda::linear_forward(ctx_, Bv + r0 * F, xp + r0 * C, w3, rows, C, F);
+  cuda::swiglu_forward(G + r0 * F, A + r0 * F, Bv + r0 * F, rows * F, ctx_.stream());
+  cuda::linear_forward(ctx_, y + r0 * C, G + r0 * F, w2, rows, F, C);
+}
+
+void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
+  DeviceLayer& a = *layers_[l];
+  MoeLayer& moe = *moe_[m];
+  const MoeConfig& mc = moe.config();
+  const LayerOffsets& o = layout_.layers[l];
+  const int64_t N = N_, C = cfg_.dim, E = mc.E, F = mc.F;
+  const float* P = params_.data();
+  // Router logits on the device, decisions on the host (the model's own MoE layer).
+  router_logits_.resize(N * E);
+  cuda::linear_forward(ctx_, router_logits_.data(), a.ln2.data(), P + o.gate, N, C, E);
+  float* logits_host = moe.logits_for(N);
+  ctx_.sync();
+  router_logits_.download(logits_host, N * E);
+  if (mc.router == RouterKind::NoisyTopK) {
+    cuda::linear_forward(ctx_, router_logits_.data(), a.ln2.data(), P + o.noise, N, C, E);
+    ctx_.sync();
+    router_logits_.download(moe.noise_logits(), N * E);
+  }
+  const Routing& r = moe.route(N, step);
+  build_layout(a.layout, r);
+  const DispatchLayout& lay = a.layout;
+  const int64_t R = lay.R, S = lay.S;
+  a.row_token.resize(R), a.slot_row.resize(N * S), a.row_weight.resize(R);
+  a.row_token.upload(lay.row_token.data(), R);
+  a.slot_row.upload(lay.slot_row.data(), N * S);
+  a.row_weight.upload(lay.row_weight.data(), R);
+  a.xp.resize(R * C), a.y.resize(R * C);
+  a.a.resize(R * F), a.b.resize(R * F), a.ge.resize(R * F);
+  cuda::permute_forward(a.xp.data(), a.ln2.data(), a.row_token.data(), R, C, ctx_.stream());
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = lay.counts[e];
+    if (rows == 0) continue;
+    expert_forward(a.xp.data(), a.y.data(), lay.offsets[e], rows, P + o.w1 + e * F * C,
+                   P + o.w3 + e * F * C, P + o.w2 + e * C * F, F, a.a.data(), a.b.data(),
+                   a.ge.data());
+  }
+  const bool shared = mc.shared_F > 0;
+  if (shared) {
+    const int64_t Fs = mc.shared_F;
+    a.sa.resize(N * Fs), a.sb.resize(N * Fs), a.sg.resize(N * Fs);
+    expert_forward(a.ln2.data(), a.ffn.data(), 0, N, P + o.shared_w1, P + o.shared_w3,
+                   P + o.shared_w2, Fs, a.sa.data(), a.sb.data(), a.sg.data());
+  }
+  cuda::combine_forward(a.ffn.data(), a.y.data(), a.slot_row.data(), a.row_weight.data(), N, S, C,
+                        shared, ctx_.stream());
+  moe.finish_route(lay.counts.data());
+}
+
+void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
+  DeviceLayer& a = *layers_[l];
+  MoeLayer& moe = *moe_[m];
+  const MoeConfig& mc = moe.config();
+  const LayerOffsets& o = layout_.layers[l];
+  const DispatchLayout& lay = a.layout;
+  const int64_t N = N_, C = cfg_.dim, E = mc.E, F = mc.F, R = lay.R, S = lay.S;
+  const float* P = params_.data();
+  float* G = grads_.data();
+  const cudaStream_t s = ctx_.stream();
+  // dresid_ is ∂L/∂ffn. Combine's backward gives the rows' gradients and the router weights'.
+  const bool shared = mc.shared_F > 0;
+  const int64_t Fs = mc.shared_F;
+  // Sized once before any kernel reads them: the shared expert reuses them after the routed ones.
+  const int64_t scratch = std::max(R * F, shared ? N * Fs : 0);
+  dy_.resize(R * C), dxp_.resize(R * C), dweight_.resize(N * S);
+  da_.resize(scratch), db_.resize(scratch), dge_.resize(scratch);
+  cuda::combine_backward(dy_.data(), dweight_.data(), dresid_.data(), a.y.data(), a.slot_row.data(),
+                         a.row_weight.data(), N, S, C, s);
+  dweight_host_.resize(static_cast<std::size_t>(N * S));
+  ctx_.sync();
+  dweight_.download(dweight_host_.data(), N * S);
+  // The experts, each over its own rows: dg = dy·W2; SwiGLU backward; dxp = da·W1 + db·W3;
+  // weight gradients +=.
+  auto expert_backward = [&](const float* dy, const float* xp, float* dxp, int64_t r0, int64_t rows,
+                             int64_t f, const float* A, const float* Bv, const float* Gv, float* dA,
+                             float* dB, float* dG, int64_t w1, int64_t w3, int64_t w2, bool acc) {
+    cuda::linear_backward(ctx_, dG + r0 * f, false, G + w2, dy + r0 * C, Gv + r0 * f, P + w2, rows,
+                          f, C);
+    cuda::swiglu_backward(dA + r0 * f, dB + r0 * f, dG + r0 * f, A + r0 * f, Bv + r0 * f, rows * f,
+                          s);
+    cuda::linear_backward(ctx_, dxp + r0 * C, acc, G + w1, dA + r0 * f, xp + r0 * C, P + w1, rows,
+                          C, f);
+    cuda::linear_backward(ctx_, dxp + r0 * C, true, G + w3, dB + r0 * f, xp + r0 * C, P + w3, rows,
+                          C, f);
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = lay.counts[e];
+    if (rows == 0) continue;
+    expert_backward(dy_.data(), a.xp.data(), dxp_.data(), lay.offsets[e], rows, F, a.a.data(),
+                    a.b.data(), a.ge.data(), da_.data(), db_.data(), dge_.data(), o.w1 + e * F * C,
+                    o.w3 + e * F * C, o.w2 + e * C * F, false);
+  }
+  if (shared) {
+    // The shared expert sees every token: its input gradient starts dln, the routed rows add.
+    expert_backward(dresid_.data(), a.ln2.data(), dln_.data(), 0, N, Fs, a.sa.data(), a.sb.data(),
+                    a.sg.data(), da_.data(), db_.data(), dge_.data(), o.shared_w1, o.shared_w3,
+                    o.shared_w2, false);
+  }
+  cuda::permute_backward(dln_.data(), dxp_.data(), a.slot_row.data(), N, S, C, shared, s);
+  // The router: ∂/∂logits on the host (the MoE layer's own rules, with the balancing losses),
+  // then its GEMMs here.
+  const float* dl = moe.logit_grads(dweight_host_.data(), moe_weight);
+  if (dl == nullptr) return;
+  drouter_.resize(N * E);
+  drouter_.upload(dl, N * E);
+  cuda::linear_backward(ctx_, dln_.data(), true, G + o.gate, drouter_.data(), a.ln2.data(),
+                        P + o.gate, N, C, E);
+  if (const float* dnl = moe.noise_logit_grads()) {
+    ctx_.sync();  // drouter_ is read by the GEMMs above before it is overwritten
+    drouter_.upload(dnl, N * E);
+    cuda::linear_backward(ctx_, dln_.data(), true, G + o.noise, drouter_.data(), a.ln2.data(),
+                          P + o.noise, N, C, E);
+  }
+}
+
+}  // namespace moetrain::cuda

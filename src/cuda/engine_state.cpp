@@ -1,0 +1,81 @@
+// The CUDA engine's resident training state (optim/device_state.h): the gradient the update step
+// reads, AdamW over the device parameters and moments, and their copies to and from the host.
+#include "cuda/engine.h"
+
+#include "optim/adamw_scalars.h"
+
+namespace moetrain::cuda {
+
+namespace {
+// n floats between the host and the device, synchronously.
+void copy_floats(void* dst, const void* src, int64_t n, cudaMemcpyKind kind) {
+  if (n > 0) MOETRAIN_CUDA_CHECK(cudaMemcpy(dst, src, sizeof(float) * n, kind));
+}
+}  // namespace
+
+void CudaEngine::set_resident(bool on) {
+  resident_ = on;
+  if (on && exp_avg_.size() != layout_.size()) {
+    exp_avg_.resize(layout_.size()), exp_avg_sq_.resize(layout_.size());
+    MOETRAIN_CUDA_CHECK(cudaMemset(exp_avg_.data(), 0, sizeof(float) * layout_.size()));
+    MOETRAIN_CUDA_CHECK(cudaMemset(exp_avg_sq_.data(), 0, sizeof(float) * layout_.size()));
+  }
+}
+
+void CudaEngine::zero_grads() {
+  MOETRAIN_CUDA_CHECK(
+      cudaMemsetAsync(grads_.data(), 0, sizeof(float) * layout_.size(), ctx_.stream()));
+  gradient_.invalidate();
+}
+
+GradientShard& CudaEngine::gradient() {
+  gradient_.invalidate();
+  return gradient_;
+}
+
+void CudaEngine::adamw_step(const OptimizerConfig& c, std::span<const ParamRange> groups, float lr,
+                            int64_t t) {
+  MOETRAIN_CHECK(resident_, "adamw_step: the engine keeps no optimizer state (not resident)");
+  MOETRAIN_CHECK(c.kind == OptimizerKind::AdamW,
+                 "train.device = cuda steps with AdamW only, "
+                 "not {}",
+                 optimizer_kind_name(c.kind));
+  const AdamWScalars a = adamw_scalars(c.beta1, c.beta2, c.eps, c.weight_decay, lr, t);
+  for (const ParamRange& g : groups) {
+    MOETRAIN_CHECK(g.offset >= 0 && g.size >= 0 && g.offset + g.size <= layout_.size(),
+                   "adamw_step: group [{}, {}) outside the {} parameters", g.offset,
+                   g.offset + g.size, layout_.size());
+    cuda::adamw_step(params_.data() + g.offset, exp_avg_.data() + g.offset,
+                     exp_avg_sq_.data() + g.offset, grads_.data() + g.offset, g.size,
+                     g.weight_decay && c.weight_decay != 0.0, a, ctx_.stream());
+  }
+}
+
+void CudaEngine::download_state(float* params, float* exp_avg, float* exp_avg_sq, int64_t offset,
+                                int64_t n) {
+  check_range(offset, n);
+  ctx_.sync();
+  params_.download(params, layout_.size());
+  copy_floats(exp_avg, exp_avg_.data() + offset, n, cudaMemcpyDeviceToHost);
+  copy_floats(exp_avg_sq, exp_avg_sq_.data() + offset, n, cudaMemcpyDeviceToHost);
+}
+
+void CudaEngine::upload_state(const float* params, const float* exp_avg, const float* exp_avg_sq,
+                              int64_t offset, int64_t n) {
+  check_range(offset, n);
+  ctx_.sync();
+  params_.upload(params, layout_.size());
+  uploaded_from_ = params;
+  stale_ = false;
+  copy_floats(exp_avg_.data() + offset, exp_avg, n, cudaMemcpyHostToDevice);
+  copy_floats(exp_avg_sq_.data() + offset, exp_avg_sq, n, cudaMemcpyHostToDevice);
+}
+
+void CudaEngine::check_range(int64_t offset, int64_t n) const {
+  MOETRAIN_CHECK(resident_, "the engine keeps no optimizer state (not resident)");
+  MOETRAIN_CHECK(offset >= 0 && n >= 0 && offset + n <= layout_.size(),
+                 "optimizer state [{}, {}) outside the {} parameters", offset, offset + n,
+                 layout_.size());
+}
+
+}  // namespace moetrain::cuda
