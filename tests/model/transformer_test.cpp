@@ -4,8 +4,10 @@
 
 #include <cmath>
 #include <set>
+#include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "model/params.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
@@ -146,4 +148,25 @@ TEST(Transformer, OverfitsAFixedBatch) {
   }
   EXPECT_GT(first, 2.5);
   EXPECT_LT(last, 0.05) << "cross-entropy after 150 steps on one batch";
+}
+
+// Asking for the GPU where there is none says why: a build without the CUDA backend, or a machine
+// without a usable device (the driver's reason). Skipped where a GPU is usable (tests/cuda).
+TEST(Transformer, DeviceCudaWithoutABackendOrAGpuSaysWhy) {
+  ModelConfig cfg;
+  cfg.dim = 32, cfg.n_layers = 1, cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.expert_hidden = 32;
+  cfg.n_experts = 4, cfg.top_k = 2, cfg.max_seq_len = 16;
+  Transformer model(cfg);
+  try {
+    model.set_device("cuda");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("train.device = "), std::string::npos) << msg;
+    EXPECT_TRUE(msg.find("no CUDA backend") != std::string::npos ||
+                msg.find("CUDA device") != std::string::npos)
+        << msg;
+    EXPECT_EQ(model.device_engine(), nullptr);
+    return;
+  }
+  GTEST_SKIP() << "a GPU is usable here";
 }
