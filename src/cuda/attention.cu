@@ -17,6 +17,7 @@
 #include "cuda/device.h"
 #include "cuda/kernels.h"
 #include "cuda/reduce.cuh"
+#include "kernels/attention.h"
 
 namespace moetrain::cuda {
 
@@ -221,15 +222,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The CPU kernel's shape rules, and the head size the register layout holds.
 void check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
-  MOETRAIN_CHECK(B >= 0 && T >= 0, "{}: batch B={} and sequence length T={} must be >= 0", fn, B,
-                 T);
-  MOETRAIN_CHECK(NH > 0 && NKV > 0, "{}: head counts must be positive, got NH={} NKV={}", fn, NH,
-                 NKV);
-  MOETRAIN_CHECK(NH % NKV == 0,
-                 "{}: NH={} query heads must be a multiple of NKV={} key/value heads", fn, NH, NKV);
-  MOETRAIN_CHECK(HS > 0 && HS <= kMaxHS, "{}: head size HS={} must be in 1..{} on the device", fn,
-                 HS, kMaxHS);
+  attention_check_args(fn, B, T, NH, NKV, HS);
+  MOETRAIN_CHECK(HS <= kMaxHS, "{}: head size HS={} must be in 1..{} on the device", fn, HS,
+                 kMaxHS);
 }
 
 // Blocks of kWarps rows covering `rows`, within the grid's x limit.

@@ -154,7 +154,11 @@ class RowsPack {
   std::vector<float> pack_;
 };
 
-void check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+
+}  // namespace
+
+void attention_check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                          int64_t HS) {
   MOETRAIN_CHECK(B >= 0 && T >= 0, "{}: batch B={} and sequence length T={} must be >= 0", fn, B,
                  T);
   MOETRAIN_CHECK(NH > 0 && NKV > 0, "{}: head counts must be positive, got NH={} NKV={}", fn, NH,
@@ -164,12 +168,10 @@ void check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV, i
   MOETRAIN_CHECK(HS > 0, "{}: head size HS={} must be positive", fn, HS);
 }
 
-}  // namespace
-
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   PhaseScope phase_scope(Phase::Attention);
-  check_args("attention_forward", B, T, NH, NKV, HS);
+  attention_check_args("attention_forward", B, T, NH, NKV, HS);
   if (B == 0 || T == 0) return;
   MOETRAIN_CHECK(out && lse && q && k && v, "attention_forward: null buffer for B={} T={}", B, T);
   const int64_t G = NH / NKV, Tp = round_up(T, kBlock), HSp = round_up(HS, kNR), nqb = Tp / kBlock;
@@ -224,7 +226,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* k, const float* v, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   PhaseScope phase_scope(Phase::Attention);
-  check_args("attention_backward", B, T, NH, NKV, HS);
+  attention_check_args("attention_backward", B, T, NH, NKV, HS);
   if (B == 0 || T == 0) return;
   MOETRAIN_CHECK(dq && dk && dv && dout && q && k && v && out && lse,
                  "attention_backward: null buffer for B={} T={}", B, T);

@@ -10,6 +10,11 @@
 
 namespace moetrain {
 
+// The shapes every attention implementation takes (this CPU one, the CUDA one): B, T ≥ 0,
+// NH, NKV > 0 with NH % NKV == 0, HS > 0. An Error naming `fn` and the value otherwise.
+void attention_check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                          int64_t HS);
+
 // out (B, T, NH, HS) = softmax(q·kᵀ / sqrt(HS) + causal mask) · v
 // lse (B, NH, T) = log-sum-exp of each query row's scaled scores, kept for the backward pass.
 // q (B, T, NH, HS); k, v (B, T, NKV, HS); NH % NKV == 0.
