@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "core/check.h"
-#include "model/device_engine.h"
 #include "kernels/activation.h"
 #include "kernels/attention.h"
 #include "kernels/embedding.h"
@@ -13,6 +12,7 @@
 #include "kernels/norm.h"
 #include "kernels/rope.h"
 #include "kernels/softmax.h"
+#include "model/device_engine.h"
 
 namespace moetrain {
 
