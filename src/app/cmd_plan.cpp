@@ -10,7 +10,10 @@
 #include "core/check.h"
 #include "core/threads.h"
 #include "plan/ablation.h"
+#include "model/params.h"
+#include "parallel/runtime.h"
 #include "plan/calibrate.h"
+#include "plan/calibrate_comm.h"
 #include "plan/cost_model.h"
 #include "plan/load_model.h"
 #include "train/run_config.h"
@@ -41,6 +44,31 @@ std::vector<int64_t> parse_sweep(const std::string& spec) {
   return eps;
 }
 
+// "2,4" → {2, 4}; "0" → none; "auto" → this machine's cores where the build has MPI.
+std::vector<int64_t> parse_comm_procs(const std::string& spec) {
+  std::vector<int64_t> out;
+  if (spec == "auto") {
+#if MOETRAIN_WITH_MPI
+    if (hardware_cores() >= 2) out.push_back(hardware_cores());
+#endif
+    return out;
+  }
+  std::stringstream in(spec);
+  for (std::string item; std::getline(in, item, ',');) {
+    std::size_t used = 0;
+    int64_t v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MOETRAIN_CHECK(used > 0 && used == item.size() && (v == 0 || v >= 2),
+                   "--comm-procs {}: '{}' is not 0 or a whole number ≥ 2", spec, item);
+    if (v > 0) out.push_back(v);
+  }
+  return out;
+}
+
 }  // namespace
 
 Run add_plan_command(CLI::App& app) {
@@ -51,16 +79,26 @@ Run add_plan_command(CLI::App& app) {
     std::string out, config, cluster, profile, sweep, load = "uniform";
     std::vector<std::string> overrides;
     int64_t procs = 1, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0;
-    bool no_bf16 = false;
+    bool no_bf16 = false, calibrate_comm = false;
+    std::string comm_procs = "auto";
+    int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
     double ablation_zipf = 1.0;
     bool json = false, ablation = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_flag("--calibrate", args->calibrate,
-                "Measure this machine (GEMM, memory, attention rates) and write --out");
+                "Measure this machine (GEMM, memory, attention rates) and write --out; with "
+                "-c, also the config's kernels at its own shapes");
   cmd->add_option("--out", args->out, "Profile file --calibrate writes (TOML)");
   cmd->add_flag("--no-bf16", args->no_bf16,
                 "With --calibrate: skip the bf16 GEMMs (f32 runs; half the time)");
+  cmd->add_option("--comm-procs", args->comm_procs,
+                  "With --calibrate: measure the collectives under mpirun with these process "
+                  "counts (2,4; 0 = not at all; default auto = this machine's cores)");
+  // Internal: what --calibrate runs under mpirun.
+  cmd->add_flag("--calibrate-comm", args->calibrate_comm)->group("");
+  cmd->add_option("--grad-bytes", args->grad_bytes)->group("");
+  cmd->add_option("--a2a-bytes", args->a2a_bytes)->group("");
   cmd->add_option("--threads", args->threads,
                   "OpenMP threads per process on this machine (train.threads; default cores / "
                   "processes)")
@@ -89,12 +127,40 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--load", args->load, "Expert load: uniform, zipf:S or metrics:RUN_DIR");
   cmd->add_flag("--json", args->json, "Print JSON instead of the table");
   return [args] {
+    if (args->calibrate_comm) {
+      MOETRAIN_CHECK(!args->out.empty(), "plan --calibrate-comm needs --out FILE");
+      const auto world = dist_world("plan_calibrate");
+      const plan::CommFigures f = plan::measure_comm(*world, args->grad_bytes, args->a2a_bytes);
+      if (world->rank() == 0) plan::write_comm_figures(f, args->out);
+      return 0;
+    }
     if (args->calibrate) {
       MOETRAIN_CHECK(!args->out.empty(), "plan --calibrate needs --out PROFILE.toml");
+      const std::vector<int64_t> comm_procs = parse_comm_procs(args->comm_procs);
       init_threads();
-      const plan::Calibration cal = plan::calibrate(!args->no_bf16);
+      // With a config: also its kernels at its own shapes (plan/kernel_table.h), and its
+      // gradient and all-to-all sizes for the collectives.
+      std::unique_ptr<RunConfig> cfg;
+      if (!args->config.empty())
+        cfg = std::make_unique<RunConfig>(load_run_config(args->config, args->overrides));
+      const plan::Calibration cal = plan::calibrate(!args->no_bf16, cfg.get());
+      std::vector<plan::CommFigures> comm;
+      for (const int64_t P : comm_procs) {
+        int64_t grad = args->grad_bytes, a2a = args->a2a_bytes;
+        if (cfg) {
+          const ModelConfig& m = cfg->model;
+          grad = static_cast<int64_t>(4 * ParamLayout(m).size());
+          a2a = cfg->train.batch_size * cfg->train.seq_len * m.top_k * m.dim * 4 * (P - 1) / P;
+        }
+        comm.push_back(plan::calibrate_comm(P, grad, a2a));
+      }
       plan::save_profile(cal.device, cal.single_thread, cal.intra_node_bandwidth,
-                         cal.intra_node_latency, args->out);
+                         cal.intra_node_latency, comm, args->out);
+      for (const auto& f : comm)
+        fmt::print("collectives with {} processes: latency {:.1f} µs, all-to-all {:.2f} GB/s, "
+                   "all-reduce {:.2f} GB/s\n",
+                   f.procs, f.latency * 1e6, f.alltoall_bandwidth * 1e-9,
+                   f.allreduce_bandwidth * 1e-9);
       const auto& d = cal.device;
       fmt::print(
           "{}: {} threads, GEMM f32 up to {:.1f} GFLOP/s ({:.1f} at smallest side {:.0f}), bf16 "

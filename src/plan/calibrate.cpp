@@ -18,6 +18,12 @@
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
 #include "kernels/norm.h"
+#include "kernels/rope.h"
+#include "model/params.h"
+#include "moe/experts.h"
+#include "optim/clip.h"
+#include "optim/optimizer.h"
+#include "plan/kernel_table.h"
 
 namespace moetrain::plan {
 
@@ -31,6 +37,16 @@ double seconds_per_call(F&& f, int reps = 3) {
   Timer probe;
   f();
   const double once = std::max(probe.seconds(), 1e-7);
+  if (once > 0.05) {  // a long call times itself: the median of three
+    std::vector<double> t = {once};
+    for (int r = 0; r < 2; ++r) {
+      Timer timer;
+      f();
+      t.push_back(timer.seconds());
+    }
+    std::sort(t.begin(), t.end());
+    return t[1];
+  }
   const int inner = std::max(1, static_cast<int>(0.01 / once));
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
@@ -81,11 +97,161 @@ GemmTable measure_gemm(DType t) {
   return table;
 }
 
+// Fills a buffer with N(0, 1) values (every kernel reads finite, representative data).
+std::vector<float> normal(int64_t n, uint64_t seed) {
+  std::vector<float> v(static_cast<std::size_t>(std::max<int64_t>(n, 1)));
+  rng_fill_normal(v.data(), n, Rng(seed, 7), 0, 1);
+  return v;
+}
+
+// A Linear layer as the model runs it (model/transformer.cpp): out (N, OC) = inp · Wᵀ, then
+// dinp = dout · W and dW += doutᵀ · inp; in mixed precision from rounded operands, dout rounded
+// in backward.
+double time_linear(int64_t N, int64_t IC, int64_t OC, DType t) {
+  std::vector<float> inp = normal(N * IC, 11), w = normal(OC * IC, 12), dout = normal(N * OC, 13);
+  std::vector<float> out(N * OC), dinp(N * IC), dw(OC * IC);
+  if (t == DType::F32)
+    return seconds_per_call([&] {
+      linear_forward(out.data(), inp.data(), w.data(), N, IC, OC);
+      gemm(Trans::N, Trans::N, N, IC, OC, dout.data(), w.data(), dinp.data(), false);
+      gemm(Trans::T, Trans::N, OC, IC, N, dout.data(), inp.data(), dw.data(), true);
+    });
+  const std::size_t es = dtype_size(t);
+  std::vector<char> inp_lp(N * IC * es), w_lp(OC * IC * es), dout_lp(N * OC * es);
+  f32_to_dtype(t, inp_lp.data(), inp.data(), inp.size());
+  f32_to_dtype(t, w_lp.data(), w.data(), w.size());
+  return seconds_per_call([&] {
+    f32_to_dtype(t, inp_lp.data(), inp.data(), inp.size());
+    gemm(t, Trans::N, Trans::T, N, OC, IC, inp_lp.data(), w_lp.data(), out.data(), false);
+    f32_to_dtype(t, dout_lp.data(), dout.data(), dout.size());
+    gemm(t, Trans::N, Trans::N, N, IC, OC, dout_lp.data(), w_lp.data(), dinp.data(), false);
+    gemm(t, Trans::T, Trans::N, OC, IC, N, dout_lp.data(), inp_lp.data(), dw.data(), true);
+  });
+}
+
+// G experts of (C, F), `rows` rows each per call, forward + backward (moe/experts.h, the grouped
+// row-block kernels the MoE layer calls); seconds per expert.
+double time_experts(int64_t C, int64_t F, int64_t G, int64_t rows, DType t) {
+  const int64_t R = G * rows, block = F * C;
+  std::vector<float> w1 = normal(G * block, 21), w3 = normal(G * block, 22),
+                     w2 = normal(G * block, 23);
+  for (auto* w : {&w1, &w3, &w2})
+    for (float& x : *w) x *= 0.05f;
+  std::vector<float> g1(G * block), g3(G * block), g2(G * block);
+  std::vector<float> xp = normal(R * C, 24), dy = normal(R * C, 25), y(R * C), dxp(R * C);
+  std::vector<int64_t> counts(static_cast<std::size_t>(G), rows);
+  ExpertRange w, g;
+  w.first = g.first = 0;
+  w.count = g.count = G;
+  w.w1 = w1.data(), w.w3 = w3.data(), w.w2 = w2.data();
+  g.w1 = g1.data(), g.w3 = g3.data(), g.w2 = g2.data();
+  std::vector<char> lp1, lp3, lp2;
+  if (t != DType::F32) {
+    const std::size_t bytes = static_cast<std::size_t>(G * block) * dtype_size(t);
+    lp1.resize(bytes), lp3.resize(bytes), lp2.resize(bytes);
+    f32_to_dtype(t, lp1.data(), w1.data(), w1.size());
+    f32_to_dtype(t, lp3.data(), w3.data(), w3.size());
+    f32_to_dtype(t, lp2.data(), w2.data(), w2.size());
+    w.lp = t, w.w1_lp = lp1.data(), w.w3_lp = lp3.data(), w.w2_lp = lp2.data();
+  }
+  ExpertActs acts;
+  return seconds_per_call([&] {
+           experts_forward(y.data(), xp.data(), counts.data(), w, C, F, acts);
+           experts_backward(dxp.data(), g, dy.data(), xp.data(), counts.data(), w, C, F, acts);
+         }) /
+         static_cast<double>(G);
+}
+
+double time_attention(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  const int64_t nq = B * T * NH * HS, nk = B * T * NKV * HS;
+  std::vector<float> q = normal(nq, 31), k = normal(nk, 32), v = normal(nk, 33), g = normal(nq, 34);
+  std::vector<float> o(nq), lse(B * NH * T), dq(nq), dk(nk), dv(nk);
+  return seconds_per_call([&] {
+    attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), B, T, NH, NKV, HS);
+    attention_backward(dq.data(), dk.data(), dv.data(), g.data(), q.data(), k.data(), v.data(),
+                       o.data(), lse.data(), B, T, NH, NKV, HS);
+  });
+}
+
+double time_norm(int64_t N, int64_t C) {
+  std::vector<float> x = normal(N * C, 41), dy = normal(N * C, 42), y(N * C), dx(N * C),
+                     w(C, 1.0f), dw(C), rstd(N);
+  return seconds_per_call([&] {
+    rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
+    rmsnorm_backward(dx.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C);
+  });
+}
+
+double time_rope(int64_t N, int64_t H, int64_t HS, int64_t T) {
+  std::vector<float> x = normal(N * H * HS, 51);
+  std::vector<int32_t> pos(static_cast<std::size_t>(N));
+  for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % T);
+  return seconds_per_call([&] {
+    rope_forward(x.data(), x.data(), pos.data(), N, H, HS, 10000.0f);
+    rope_backward(x.data(), x.data(), pos.data(), N, H, HS, 10000.0f);
+  });
+}
+
+// The update as the trainer runs it over n parameters: zero the gradients (the next step's
+// backward accumulates), the clip's norm, the optimizer's step. Seconds per parameter.
+double time_update(const RunConfig& cfg, int64_t n) {
+  std::vector<float> p = normal(n, 61), g = normal(n, 62);
+  const ParamRange all{0, n, true};
+  auto opt = make_optimizer(cfg.optim.optimizer_config(), std::span<const ParamRange>(&all, 1), 0, n);
+  return seconds_per_call([&] {
+           clip_grad_norm(g.data(), n, 1.0);
+           opt->step(p.data(), g.data(), 1e-6f);
+           std::fill(g.begin(), g.end(), 0.0f);
+         }) /
+         static_cast<double>(n);
+}
+
+// The kernels of one micro-batch of `cfg` at its shapes, for each thread count the process
+// could run: Linear layers (attention projections, dense and shared FFNs, LM head), the attention
+// core, the experts at the uniform rows per expert, a quarter and twice that (a skewed load,
+// and the per-source calls of expert parallelism), the RMSNorm and RoPE.
+KernelTable measure_config(const RunConfig& cfg) {
+  const ModelConfig& m = cfg.model;
+  const DType t = cfg.train.precision_dtype();
+  const double dt = dtype_code(t);
+  const int64_t B = cfg.train.batch_size, T = cfg.train.seq_len, N = B * T, C = m.dim;
+  const int64_t HS = m.head_dim(), QD = m.n_heads * HS, KD = m.n_kv_heads * HS;
+  KernelTable k;
+  std::vector<std::array<int64_t, 2>> linears = {{C, QD}, {C, KD}, {QD, C}, {C, m.vocab_size}};
+  if (m.n_layers > m.n_moe_layers())
+    linears.insert(linears.end(), {{C, m.dense_ffn_hidden()}, {m.dense_ffn_hidden(), C}});
+  if (m.shared_expert_hidden > 0)
+    linears.insert(linears.end(), {{C, m.shared_expert_hidden}, {m.shared_expert_hidden, C}});
+  for (const auto& [IC, OC] : linears) {
+    const std::vector<double> shape = {double(N), double(IC), double(OC), dt};
+    if (!k.find("linear", shape)) k.add("linear", shape, time_linear(N, IC, OC, t));
+  }
+  k.add("attention", {double(B), double(T), double(m.n_heads), double(m.n_kv_heads), double(HS)},
+        time_attention(B, T, m.n_heads, m.n_kv_heads, HS));
+  if (m.n_moe_layers() > 0) {
+    const int64_t r0 = std::max<int64_t>(1, (N * m.top_k + m.n_experts - 1) / m.n_experts);
+    for (int64_t rows : {std::max<int64_t>(1, r0 / 4), r0, 2 * r0})
+      k.add("experts", {double(C), double(m.expert_hidden), double(rows), dt},
+            time_experts(C, m.expert_hidden, m.n_experts, rows, t));
+  }
+  k.add("norm", {double(N), double(C)}, time_norm(N, C));
+  // The update over the model's parameters (at most 32 M: past the caches the rate holds).
+  {
+    const int64_t n = std::min<int64_t>(ParamLayout(m).size(), int64_t{32} << 20);
+    k.add("optimizer", {double(n), optimizer_code(cfg.optim.name)}, time_update(cfg, n) * n);
+  }
+  k.add("rope", {double(N), double(m.n_heads), double(HS)}, time_rope(N, m.n_heads, HS, T));
+  if (m.n_kv_heads != m.n_heads)
+    k.add("rope", {double(N), double(m.n_kv_heads), double(HS)},
+          time_rope(N, m.n_kv_heads, HS, T));
+  return k;
+}
+
 }  // namespace
 
 namespace {
 
-DeviceModel measure_device(Calibration& cal, bool bf16) {
+DeviceModel measure_device(Calibration& cal, bool bf16, const RunConfig* cfg) {
   DeviceModel dev;
   DeviceModel& d = dev;
   d.name = "cpu";
@@ -148,6 +314,7 @@ DeviceModel measure_device(Calibration& cal, bool bf16) {
     });
     d.attention_flops = 3.5 * 2 * B * NH * (T * (T + 1) / 2.0) * HS / sec;
   }
+  if (cfg != nullptr) d.kernels = measure_config(*cfg);
   d.memory_bytes = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
                    static_cast<double>(::sysconf(_SC_PAGE_SIZE));
   return dev;
@@ -155,10 +322,10 @@ DeviceModel measure_device(Calibration& cal, bool bf16) {
 
 }  // namespace
 
-Calibration calibrate(bool bf16) {
+Calibration calibrate(bool bf16, const RunConfig* cfg) {
   Calibration cal;
   const int threads = num_threads();
-  cal.device = measure_device(cal, bf16);
+  cal.device = measure_device(cal, bf16, cfg);
   const double intra = cal.intra_node_bandwidth, copy = cal.copy_bandwidth;
   // One thread per process, every core busy at once (as when the processes of a run share the
   // machine): each thread measures on its own buffers, the kernels inside run single-threaded
@@ -166,7 +333,7 @@ Calibration calibrate(bool bf16) {
 #pragma omp parallel num_threads(threads)
   {
     Calibration mine;
-    DeviceModel single = measure_device(mine, bf16);
+    DeviceModel single = measure_device(mine, bf16, cfg);
 #pragma omp master
     cal.single_thread = single;
   }

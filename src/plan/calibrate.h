@@ -4,6 +4,7 @@
 #include <string>
 
 #include "plan/cluster.h"
+#include "train/run_config.h"
 
 namespace moetrain::plan {
 
@@ -17,6 +18,8 @@ struct Calibration {
 // Measures with every thread in force (init_threads), then with one. Writes nothing.
 // `bf16` = false skips the bf16 GEMMs (an f32 run needs none; the calibration takes about half
 // as long, so that a test can calibrate right before each run it measures).
-Calibration calibrate(bool bf16 = true);
+// `cfg` (may be null): also time the kernels of one micro-batch of that run at its own shapes
+// (plan/kernel_table.h), which the cost model then prefers to its general curves.
+Calibration calibrate(bool bf16 = true, const RunConfig* cfg = nullptr);
 
 }  // namespace moetrain::plan

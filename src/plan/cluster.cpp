@@ -86,6 +86,37 @@ std::string list(const std::vector<double>& v) {
   return s + "]";
 }
 
+// [device] kernels_<kind> = [[shape..., seconds], ...] (plan/kernel_table.h): every row the
+// kind's columns and a time, all positive.
+KernelTable read_kernels(const toml::table& t, const std::string& sec, const std::string& where) {
+  KernelTable k;
+  for (const std::string& kind : kernel_kinds()) {
+    const std::string key = "kernels_" + kind;
+    const auto* node = t[sec][key].node();
+    if (node == nullptr) continue;
+    const auto* arr = node->as_array();
+    MOETRAIN_CHECK(arr != nullptr, "{}: {}.{} must be a list of rows [shape..., seconds]", where,
+                   sec, key);
+    for (const auto& row : *arr) {
+      const auto* r = row.as_array();
+      MOETRAIN_CHECK(r != nullptr && r->size() == kernel_columns(kind) + 1,
+                     "{}: {}.{}: each row must hold {} numbers ({} shape columns, seconds)", where,
+                     sec, key, kernel_columns(kind) + 1, kernel_columns(kind));
+      std::vector<double> v;
+      for (const auto& x : *r) {
+        const auto d = x.value<double>();
+        MOETRAIN_CHECK(d.has_value() && std::isfinite(*d) && *d > 0,
+                       "{}: {}.{} must hold positive numbers", where, sec, key);
+        v.push_back(*d);
+      }
+      const double seconds = v.back();
+      v.pop_back();
+      k.add(kind, v, seconds);
+    }
+  }
+  return k;
+}
+
 DeviceModel device_from_table(const toml::table& t, const std::string& where,
                               const std::string& sec = "device") {
   DeviceModel d;
@@ -106,6 +137,7 @@ DeviceModel device_from_table(const toml::table& t, const std::string& where,
   read_table(t, sec, "gemm_f32_dims", "gemm_f32_flops", d.gemm_f32_dims, d.gemm_f32_flops, where);
   read_table(t, sec, "gemm_bf16_dims", "gemm_bf16_flops", d.gemm_bf16_dims, d.gemm_bf16_flops,
              where);
+  d.kernels = read_kernels(t, sec, where);
   return d;
 }
 
@@ -170,13 +202,26 @@ std::string device_section(const DeviceModel& d, const char* sec) {
   if (!d.gemm_bf16_dims.empty())
     s += fmt::format("gemm_bf16_dims = {}\ngemm_bf16_flops = {}\n", list(d.gemm_bf16_dims),
                      list(d.gemm_bf16_flops));
+  if (!d.kernels.empty())
+    s += "# kernels at the calibrated config's shapes: [shape..., seconds of forward + backward]\n";
+  for (const auto& [kind, rows] : d.kernels.rows) {
+    s += fmt::format("kernels_{} = [", kind);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      s += i ? ", [" : "[";
+      for (std::size_t j = 0; j < rows[i].size(); ++j)
+        s += j + 1 < rows[i].size() ? fmt::format("{}, ", rows[i][j])
+                                    : fmt::format("{:.6e}]", rows[i][j]);
+    }
+    s += "]\n";
+  }
   return s;
 }
 
 }  // namespace
 
 void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_bandwidth,
-                  double intra_latency, const std::string& path) {
+                  double intra_latency, const std::vector<CommFigures>& comm,
+                  const std::string& path) {
   std::string s =
       "# Written by `moetrain plan --calibrate`: this machine, measured with every\n"
       "# thread ([device]) and with one ([single_thread]).\n";
@@ -184,6 +229,19 @@ void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_
   s += "\n[cluster]\n";
   s += fmt::format("intra_node_bandwidth = {:.6e}\n", intra_bandwidth);
   s += fmt::format("intra_node_latency = {:.6e}\n", intra_latency);
+  if (!comm.empty()) {
+    std::vector<double> procs, lat, a2a, ar;
+    for (const CommFigures& f : comm) {
+      procs.push_back(static_cast<double>(f.procs));
+      lat.push_back(f.latency);
+      a2a.push_back(f.alltoall_bandwidth);
+      ar.push_back(f.allreduce_bandwidth);
+    }
+    s += "# collectives measured under MPI with comm_procs processes (plan/calibrate_comm.h)\n";
+    s += fmt::format("comm_procs = {}\ncomm_latency = {}\ncomm_alltoall_bandwidth = {}\n"
+                     "comm_allreduce_bandwidth = {}\n",
+                     list(procs), list(lat), list(a2a), list(ar));
+  }
   write_file_atomic(path, s);
 }
 
@@ -246,13 +304,38 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t thr
   c.device.norm_bandwidth *= share;
   for (auto* rates : {&c.device.gemm_f32_flops, &c.device.gemm_bf16_flops})
     for (double& r : *rates) r *= share;
+  c.device.kernels.scale_time(1 / share);
   c.device.memory_bytes /= static_cast<double>(procs);
   c.devices_per_node = procs;
   c.nodes = 1;
   c.intra_node_bandwidth = positive(t, "cluster", "intra_node_bandwidth", where);
   c.intra_node_latency = positive(t, "cluster", "intra_node_latency", where);
+  // The collectives measured with the process count nearest this run's (more on a tie): they
+  // are what the transport does here; the copy-rate figures above are the fallback.
+  const auto procs_list = positive_list(t, "cluster", "comm_procs", where);
+  if (!procs_list.empty()) {
+    const auto lat = positive_list(t, "cluster", "comm_latency", where);
+    const auto a2a = positive_list(t, "cluster", "comm_alltoall_bandwidth", where);
+    const auto ar = positive_list(t, "cluster", "comm_allreduce_bandwidth", where);
+    MOETRAIN_CHECK(lat.size() == procs_list.size() && a2a.size() == procs_list.size() &&
+                       ar.size() == procs_list.size(),
+                   "{}: cluster.comm_procs, comm_latency, comm_alltoall_bandwidth and "
+                   "comm_allreduce_bandwidth must have the same length",
+                   where);
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < procs_list.size(); ++i) {
+      const double d = std::fabs(procs_list[i] - static_cast<double>(procs));
+      const double b = std::fabs(procs_list[best] - static_cast<double>(procs));
+      if (d < b || (d == b && procs_list[i] > procs_list[best])) best = i;
+    }
+    c.intra_node_latency = lat[best];
+    c.intra_node_bandwidth = a2a[best];
+    c.intra_node_allreduce_bandwidth = ar[best];
+  }
   c.inter_node_bandwidth = c.intra_node_bandwidth;  // one node: never used
   c.inter_node_latency = c.intra_node_latency;
+  // Processes whose threads fill the cores leave no core to a communication thread.
+  c.comm_shares_cores = procs > 1 && static_cast<double>(procs) * mine >= static_cast<double>(cores);
   validate(c, where);
   return c;
 }

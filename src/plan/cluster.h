@@ -6,6 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "plan/calibrate_comm.h"
+#include "plan/kernel_table.h"
+
 namespace moetrain::plan {
 
 // One device (a GPU, or one process's share of this CPU).
@@ -35,6 +38,8 @@ struct DeviceModel {
   // Cores behind the calibrated figures (CPU profiles): a process with fewer threads gets that
   // share. 0 for accelerators.
   int64_t threads = 0;
+  // Kernels timed at one config's shapes (CPU profiles calibrated with -c CONFIG).
+  KernelTable kernels;
 };
 
 struct ClusterSpec {
@@ -45,6 +50,12 @@ struct ClusterSpec {
   double inter_node_bandwidth = 0;  // bytes/s per node (its NICs), shared by its devices
   double intra_node_latency = 0;    // seconds per message
   double inter_node_latency = 0;
+  // All-reduce's own rate inside a node where it was measured (this machine's collectives: the
+  // reduction's arithmetic and the transport's protocol, not just the copy); 0 = the link's.
+  double intra_node_allreduce_bandwidth = 0;
+  // The processes share the cores that compute (a calibrated CPU whose processes fill its
+  // cores): a communication thread takes a core from compute, so nothing overlaps.
+  bool comm_shares_cores = false;
 
   int64_t devices() const { return devices_per_node * nodes; }
 };
@@ -53,8 +64,10 @@ struct ClusterSpec {
 DeviceModel builtin_device(const std::string& name);
 // A device from a profile written by `moetrain plan --calibrate` (the [device] table).
 DeviceModel load_profile(const std::string& path);
+// comm: the collectives measured with that many processes (plan/calibrate_comm.h); may be empty.
 void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_bandwidth,
-                  double intra_latency, const std::string& path);
+                  double intra_latency, const std::vector<CommFigures>& comm,
+                  const std::string& path);
 // A cluster file: [cluster] devices_per_node, nodes, intra/inter_node_bandwidth and _latency,
 // and device = "a100" | "h100" | "cpu", or a [device] table with every DeviceModel key.
 // `profile` (may be empty) is the device when the file names "cpu" or has none.

@@ -16,6 +16,10 @@ namespace moetrain::plan {
 
 namespace {
 
+// Collectives of the step's metrics (train/step_metrics.cpp: loss parts, counts, expert loads,
+// drops, use; train/rank_timing.cpp: the ranks' times).
+constexpr double kMetricCollectives = 6;
+
 double elem_bytes(DType t) {
   return t == DType::F32 ? 4.0 : 2.0;
 }
@@ -54,7 +58,10 @@ double gemm_time(const DeviceModel& dev, DType t, double M, double N, double K) 
 // A Linear layer's forward (M, N, K) and its backward: the input gradient (M, K, N) and the
 // weight gradient (N, K, M) — the same FLOPs each, so backward = 2× forward, but at their own
 // shapes (a weight gradient reduces over the tokens).
+// Where the profile timed this very layer (plan/kernel_table.h), that time instead: a small
+// layer's three calls cost more than their FLOPs at any curve's rate.
 double linear_fb_time(const DeviceModel& dev, DType t, double M, double N, double K) {
+  if (const auto s = dev.kernels.find("linear", {M, K, N, dtype_code(t)})) return *s;
   return gemm_time(dev, t, M, N, K) + gemm_time(dev, t, M, K, N) + gemm_time(dev, t, N, K, M);
 }
 
@@ -73,6 +80,13 @@ double norm_time(const DeviceModel& dev, double bytes) {
   return bytes / (dev.norm_bandwidth > 0 ? dev.norm_bandwidth : dev.memory_bandwidth);
 }
 
+// `count` RMSNorms of (N, C), forward + backward: as timed at this shape, or 3 · 2 · N · C
+// floats at the norm's rate.
+double rmsnorm_time(const DeviceModel& dev, double N, double C, double count) {
+  if (const auto s = dev.kernels.find("norm", {N, C})) return count * *s;
+  return norm_time(dev, count * 3 * 2 * 4 * N * C);
+}
+
 // Sending `bytes` as `messages` messages over a link: α·messages + bytes / β.
 double link_time(double messages, double latency, double bytes, double bandwidth) {
   return messages * latency + bytes / bandwidth;
@@ -82,8 +96,9 @@ double link_time(double messages, double latency, double bytes, double bandwidth
 // steps, each sending bytes / p. A ring that leaves a node goes at the node link's speed.
 double allreduce_time(const ClusterSpec& c, double bytes, int64_t p, bool crosses_nodes) {
   if (p <= 1 || bytes <= 0) return 0;
-  const double bw = crosses_nodes ? std::min(c.intra_node_bandwidth, c.inter_node_bandwidth)
-                                  : c.intra_node_bandwidth;
+  const double intra =
+      c.intra_node_allreduce_bandwidth > 0 ? c.intra_node_allreduce_bandwidth : c.intra_node_bandwidth;
+  const double bw = crosses_nodes ? std::min(intra, c.inter_node_bandwidth) : intra;
   const double lat = crosses_nodes ? c.inter_node_latency : c.intra_node_latency;
   return link_time(2.0 * static_cast<double>(p - 1), lat, ring_allreduce_bytes(bytes, p), bw);
 }
@@ -291,15 +306,24 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
     // Without a measured rate (accelerators), a fused (flash) kernel at the precision's
     // tensor-core peak, thinned by the head size as a GEMM of smallest side HS would be.
+    // Where the profile timed the attention core at this very shape, that time.
     const double score_flops = 3.5 * 2 * B * NHt * (T * (T + 1) / 2.0) * HS;
-    s.attention += dev.attention_flops > 0
-                       ? score_flops / dev.attention_flops
-                       : score_flops / (peak_of(dev, prec) * dev.gemm_max_efficiency) *
-                             (1 + dev.gemm_small_dim / HS);
-    // RoPE on q and k: read and write, forward and backward.
-    s.attention += stream_time(dev, 2 * 2 * 4 * N * static_cast<double>(NHt + NKVt) * HS);
+    const auto att = dev.kernels.find(
+        "attention", {double(B), double(T), double(NHt), double(NKVt), HS});
+    s.attention += att                       ? *att
+                   : dev.attention_flops > 0 ? score_flops / dev.attention_flops
+                                             : score_flops /
+                                                   (peak_of(dev, prec) * dev.gemm_max_efficiency) *
+                                                   (1 + dev.gemm_small_dim / HS);
+    // RoPE on q and k: read and write, forward and backward (or as timed at this shape: it
+    // computes its rotations, more than a stream).
+    const auto rope_q = dev.kernels.find("rope", {N, double(NHt), HS});
+    const auto rope_k = dev.kernels.find("rope", {N, double(NKVt), HS});
+    s.attention += rope_q && rope_k
+                       ? *rope_q + *rope_k
+                       : stream_time(dev, 2 * 2 * 4 * N * static_cast<double>(NHt + NKVt) * HS);
     // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
-    s.norms += norm_time(dev, 3 * 2 * 2 * 4 * N * C) + stream_time(dev, 3 * 2 * 3 * 4 * N * C);
+    s.norms += rmsnorm_time(dev, N, C, 2) + stream_time(dev, 3 * 2 * 3 * 4 * N * C);
     if (m.is_dense_layer(l)) {
       const double Fd = static_cast<double>(m.dense_ffn_hidden() / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
@@ -326,8 +350,14 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
       for (int64_t e = r * e_local; e < (r + 1) * e_local; ++e) {
         const double n = std::min(cap, std::round(assignments * frac[e]));
         rows += n;
-        t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
-             stream_time(dev, 3 * 3 * 4 * n * F);
+        // As timed at this expert shape: the expert kernels run once per source rank, on the
+        // rows that rank sent (n / ep of them at an even spread).
+        const double epd = static_cast<double>(ep);
+        if (const auto timed = dev.kernels.experts(C, F, n / epd, dtype_code(prec)))
+          t += epd * *timed;
+        else
+          t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
+               stream_time(dev, 3 * 3 * 4 * n * F);
       }
       sum += t;
       rows_sum += rows;
@@ -356,7 +386,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     *v /= static_cast<double>(layout.pp);
   // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
   // read and write them backward).
-  s.norms += norm_time(dev, 3 * 2 * 4 * N * C) + stream_time(dev, 3 * 4 * N * C);
+  s.norms += rmsnorm_time(dev, N, C, 1) + stream_time(dev, 3 * 4 * N * C);
   // The LM head sits on the last stage, which it makes the slowest (no layers are moved off it).
   s.lm_head += linear_fb_time(dev, prec, N, V / static_cast<double>(tp), C) +
                stream_time(dev, 3 * 4 * N * V / static_cast<double>(tp));
@@ -368,8 +398,11 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     *v *= static_cast<double>(A);
   // Chunked all-to-all: while one chunk's rows travel, the experts compute another, so of the
   // (c − 1)/c of the traffic that has a neighbour chunk, min(comm, compute) is hidden.
+  // Where the processes' threads fill the cores of a CPU, the communication thread that would
+  // overlap takes a core from compute instead: nothing is hidden.
   const double c = static_cast<double>(std::max<int64_t>(1, cfg.dist.a2a_chunks));
-  s.a2a_exposed = s.a2a - (c - 1) / c * std::min(s.a2a, s.experts);
+  s.a2a_exposed =
+      cluster.comm_shares_cores ? s.a2a : s.a2a - (c - 1) / c * std::min(s.a2a, s.experts);
 
   // --- once per step: gradient reduction and the update ---
   const ParamCounts pc = count_params(m);
@@ -388,15 +421,32 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const double grad_bytes = (dense_local + expert_local) * grad_elem;
   const double buckets = std::max(1.0, std::ceil(grad_bytes / (cfg.dist.bucket_mb * 1048576.0)));
   const double backward = 2.0 / 3.0 * (s.compute() - s.experts_mean + s.experts);
-  s.grad_sync_exposed = cfg.dist.overlap && s.grad_sync > 0
+  s.grad_sync_exposed = cfg.dist.overlap && s.grad_sync > 0 && !cluster.comm_shares_cores
                             ? std::max(s.grad_sync / buckets, s.grad_sync - backward)
                             : s.grad_sync;
+  // Small collectives every step waits for, each a latency: per MoE layer and micro-batch the
+  // balance statistics (aux and z loss) and, with EP, the routing counts; per step the
+  // non-finite check and the gradient norm, and the step's metrics (figures, loads, rank timing).
+  if (layout.procs > 1) {
+    const double per_mb = static_cast<double>(m.n_moe_layers()) * (2 + (ep > 1 ? 1 : 0)) /
+                          static_cast<double>(layout.pp);
+    const bool multi = layout.procs > cluster.devices_per_node;
+    const double lat = multi ? cluster.inter_node_latency : cluster.intra_node_latency;
+    s.sync = lat * (per_mb * static_cast<double>(A) + 2 + kMetricCollectives);
+  }
   const double local = dense_local + expert_local;
   const double updated = cfg.dist.zero == 1 ? dense_local / static_cast<double>(layout.stage()) +
                                                   expert_local / static_cast<double>(layout.dp())
                                             : local;
-  s.optimizer = stream_time(dev, updated * optimizer_bytes_per_param(cfg.optim.name, prec)) +
-                stream_time(dev, 8 * (local - updated));  // grads zeroed, clip read: everywhere
+  // As timed where the profile has this optimizer's update (zeroing and the clip's read
+  // included, 8 of its bytes per parameter), else at the bytes it moves.
+  const double opt_bytes = optimizer_bytes_per_param(cfg.optim.name, prec);
+  if (const auto per = dev.kernels.update_per_param(optimizer_code(cfg.optim.name)))
+    s.optimizer = *per * (updated + (local - updated) * 8 / opt_bytes) +
+                  (prec == DType::F32 ? 0 : stream_time(dev, 6 * local));  // the lp copy
+  else
+    s.optimizer = stream_time(dev, updated * opt_bytes) +
+                  stream_time(dev, 8 * (local - updated));  // grads zeroed, clip read: everywhere
 
   // Pipeline bubble: with pp stages and A micro-batches, a stage idles for (pp − 1) micro-batch
   // times; vp virtual stages per rank shorten each by vp. Activation sends between stages are
@@ -409,8 +459,8 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
         static_cast<double>(layout.pp - 1) / static_cast<double>(layout.vp) * per_mb;
   }
 
-  p.step_time_s =
-      s.compute() + s.a2a_exposed + s.grad_sync_exposed + s.tensor_parallel + s.pipeline_bubble;
+  p.step_time_s = s.compute() + s.a2a_exposed + s.grad_sync_exposed + s.tensor_parallel +
+                  s.pipeline_bubble + s.sync;
   // Model FLOPs: every stage replica (stage() of them) runs the whole model on its samples.
   const double procs = static_cast<double>(layout.procs);
   p.flops_per_step = 3 * forward_flops(m, B, T).total() * static_cast<double>(A * layout.stage());

@@ -54,6 +54,7 @@ struct StepParts {
   double grad_sync_exposed = 0;
   double tensor_parallel = 0;  // TP all-reduces of activations (not overlapped)
   double pipeline_bubble = 0;  // (pp − 1) / vp micro-batch times of an idle stage, and p2p sends
+  double sync = 0;  // small latency-bound collectives (balance statistics, norm, metrics)
   double compute() const {
     return attention + router + experts + shared_expert + norms + lm_head + optimizer;
   }

@@ -95,7 +95,7 @@ TEST(PlanLayout, OversubscribedProcessesGetTheirShareOfTheCores) {
   one.memory_bandwidth = 9e9;
   one.gemm_f32_flops = {4e9, 18e9};
   const std::string profile = (tmp.path() / "profile.toml").string();
-  save_profile(all, one, 5e9, 3e-6, profile);
+  save_profile(all, one, 5e9, 3e-6, {}, profile);
   // One process, its two threads: the all-thread figures.
   EXPECT_DOUBLE_EQ(local_cluster(profile, 1, 2).device.peak_flops_f32, 40e9);
   // Two processes of one thread each: one-thread figures.

@@ -1,0 +1,135 @@
+#include "plan/calibrate_comm.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include "core/check.h"
+#include "core/timer.h"
+#include "io/file.h"
+#include "parallel/comm_thread.h"
+
+namespace moetrain::plan {
+
+namespace {
+
+// Seconds per call of `task` run on the communication thread (post, then wait, as the trainer's
+// exchanges do), the median of `reps`, the slowest rank's.
+template <class F>
+double time_collective(Comm& world, CommThread& thread, F&& task, int reps) {
+  thread.wait(thread.post(task));  // warm-up: connections, buffers
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    world.barrier();
+    Timer timer;
+    thread.wait(thread.post(task));
+    t.push_back(timer.seconds());
+  }
+  std::sort(t.begin(), t.end());
+  double med = t[t.size() / 2];
+  world.allreduce(&med, 1, {.op = ReduceOp::Max});
+  return med;
+}
+
+}  // namespace
+
+CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
+  const int P = world.size();
+  MOETRAIN_CHECK(P >= 2, "plan --calibrate-comm needs at least 2 processes (it has {})", P);
+  CommFigures f;
+  f.procs = P;
+  CommThread thread;
+  // Latency: the small collectives of a step (routing counts, balance statistics, metrics).
+  int64_t one = 1;
+  f.latency = time_collective(world, thread, [&] { world.allreduce(&one, 1); }, 200);
+  // All-to-all: a rank sends a2a_bytes spread evenly over the others, as the expert exchange does.
+  {
+    const int64_t per_peer = std::max<int64_t>(1, a2a_bytes / (P - 1));
+    std::vector<int64_t> counts(P, per_peer), displs(P);
+    counts[world.rank()] = 0;
+    for (int q = 0; q < P; ++q) displs[q] = q * per_peer;
+    std::vector<char> send(static_cast<std::size_t>(per_peer * P), 1), recv(send.size());
+    const double t = time_collective(
+        world, thread,
+        [&] { world.alltoallv(recv.data(), counts, displs, send.data(), counts, displs); }, 20);
+    const double bytes = static_cast<double>(per_peer * (P - 1));
+    f.alltoall_bandwidth = bytes / std::max(t - (P - 1) * f.latency, 0.1 * t);
+  }
+  // All-reduce as the gradient reduction runs it: reduce-scatter, then all-gather, of one bucket
+  // (at most 25 MiB, the trainer's bucket size).
+  {
+    const int64_t n = std::max<int64_t>(P, std::min<int64_t>(grad_bytes, 25 << 20) / 4);
+    std::vector<int64_t> counts(P);
+    for (int q = 0; q < P; ++q) counts[q] = chunk_begin(n, q + 1, P) - chunk_begin(n, q, P);
+    std::vector<float> in(static_cast<std::size_t>(n), 1.0f), out(counts[world.rank()]),
+        all(static_cast<std::size_t>(n));
+    const double t = time_collective(
+        world, thread,
+        [&] {
+          world.reduce_scatter(out.data(), in.data(), counts);
+          world.allgather(all.data(), out.data(), counts);
+        },
+        5);
+    const double ring = 2.0 * (P - 1) / P * 4.0 * static_cast<double>(n);
+    f.allreduce_bandwidth = ring / std::max(t - 2.0 * (P - 1) * f.latency, 0.1 * t);
+  }
+  return f;
+}
+
+void write_comm_figures(const CommFigures& f, const std::string& path) {
+  write_file_atomic(path, fmt::format("{} {:.9e} {:.9e} {:.9e}\n", f.procs, f.latency,
+                                      f.alltoall_bandwidth, f.allreduce_bandwidth));
+}
+
+CommFigures read_comm_figures(const std::string& path) {
+  std::ifstream in(path);
+  CommFigures f;
+  in >> f.procs >> f.latency >> f.alltoall_bandwidth >> f.allreduce_bandwidth;
+  MOETRAIN_CHECK(in && f.procs > 0 && f.latency > 0 && f.alltoall_bandwidth > 0 &&
+                     f.allreduce_bandwidth > 0,
+                 "{}: not what plan --calibrate-comm writes", path);
+  return f;
+}
+
+CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes) {
+#if !MOETRAIN_WITH_MPI
+  MOETRAIN_FAIL("plan --calibrate --comm-procs {}: this build has no MPI (MOETRAIN_WITH_MPI=OFF); "
+                "pass --comm-procs 0 to skip measuring the collectives",
+                procs);
+#endif
+  MOETRAIN_CHECK(procs >= 2, "--comm-procs {}: each count must be ≥ 2", procs);
+  char self[4096];
+  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  MOETRAIN_CHECK(len > 0, "plan --calibrate: cannot find this program (/proc/self/exe)");
+  self[len] = '\0';
+  const std::string out =
+      (std::filesystem::temp_directory_path() / fmt::format("moetrain_comm_{}_{}.txt", ::getpid(),
+                                                            procs))
+          .string();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  // One thread per process: the collectives run on the communication thread beside it.
+  const std::string cmd = fmt::format(
+      "OMP_NUM_THREADS=1 mpirun -n {} {} '{}' plan --calibrate-comm --grad-bytes {} --a2a-bytes "
+      "{} --out '{}' > '{}.log' 2>&1",
+      procs, static_cast<unsigned>(procs) > cores ? "--oversubscribe" : "", self, grad_bytes,
+      a2a_bytes, out, out);
+  const int rc = std::system(cmd.c_str());
+  std::string log;
+  {
+    std::ifstream in(out + ".log");
+    log.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::filesystem::remove(out + ".log");
+  MOETRAIN_CHECK(rc == 0, "plan --calibrate: measuring the collectives failed ({}): {}", cmd, log);
+  const CommFigures f = read_comm_figures(out);
+  std::filesystem::remove(out);
+  return f;
+}
+
+}  // namespace moetrain::plan

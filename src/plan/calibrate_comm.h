@@ -1,0 +1,36 @@
+// This machine's collectives as the trainer makes them, measured under MPI: Open MPI over shared
+// memory, on a communication thread that polls politely (parallel/comm_thread.h). What a
+// collective costs here is set less by the memory's copy rate than by the transport's fragments
+// and how often a waiting rank polls; only the collectives themselves show it.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/comm.h"
+
+namespace moetrain::plan {
+
+struct CommFigures {
+  int64_t procs = 0;              // processes on the machine when measured
+  double latency = 0;             // seconds of a one-value all-reduce
+  double alltoall_bandwidth = 0;  // bytes a rank sends per second in an all-to-all, past latency
+  // Ring-equivalent bytes per second of an all-reduce (reduce-scatter + all-gather), past
+  // latency: an all-reduce of `b` bytes over p ranks takes 2(p − 1)·latency + 2(p − 1)/p·b / it.
+  double allreduce_bandwidth = 0;
+};
+
+// Every rank of `world` calls it; a rank sends `a2a_bytes` in each all-to-all (spread over the
+// others) and reduces `grad_bytes` of f32 gradients. Returns the slowest rank's figures.
+CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes);
+
+// From a plain process: runs `mpirun -n procs [--oversubscribe] THIS_PROGRAM plan
+// --calibrate-comm ...` and reads what its rank 0 wrote. Throws, saying why, when the build has
+// no MPI or mpirun fails.
+CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes);
+
+// What `plan --calibrate-comm --out FILE` writes and calibrate_comm reads.
+void write_comm_figures(const CommFigures& f, const std::string& path);
+CommFigures read_comm_figures(const std::string& path);
+
+}  // namespace moetrain::plan

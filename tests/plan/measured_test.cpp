@@ -1,0 +1,224 @@
+// The planner's use of what a calibration measured at a config's own shapes (plan/kernel_table.h)
+// and of the collectives measured under MPI (plan/calibrate_comm.h): hand-made profiles, pure
+// arithmetic, and the profile file's round trip and its errors.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "core/check.h"
+#include "model/params.h"
+#include "plan/cluster.h"
+#include "plan/cost_model.h"
+#include "plan/kernel_table.h"
+#include "support/temp_dir.h"
+
+using namespace moetrain;
+using namespace moetrain::plan;
+
+namespace {
+
+RunConfig tiny() {
+  RunConfig cfg;
+  cfg.model.vocab_size = 256;
+  cfg.model.dim = 128;
+  cfg.model.n_layers = 2;
+  cfg.model.n_heads = 4;
+  cfg.model.n_kv_heads = 2;
+  cfg.model.expert_hidden = 256;
+  cfg.model.n_experts = 8;
+  cfg.model.top_k = 2;
+  cfg.model.max_seq_len = 128;
+  cfg.train.batch_size = 8;
+  cfg.train.seq_len = 128;
+  return cfg;
+}
+
+DeviceModel cpu(int64_t threads) {
+  DeviceModel d;
+  d.peak_flops_f32 = 100e9;
+  d.memory_bytes = 8e9;
+  d.memory_bandwidth = 20e9;
+  d.threads = threads;
+  d.gemm_f32_dims = {32, 1024};
+  d.gemm_f32_flops = {50e9, 100e9};
+  d.attention_flops = 20e9;
+  return d;
+}
+
+ClusterSpec one_process(const DeviceModel& d) {
+  ClusterSpec c;
+  c.device = d;
+  c.intra_node_bandwidth = c.inter_node_bandwidth = 5e9;
+  c.intra_node_latency = c.inter_node_latency = 3e-6;
+  return c;
+}
+
+}  // namespace
+
+TEST(PlanMeasured, ExpertsInterpolateSecondsPerRowInLogRows) {
+  KernelTable k;
+  k.add("experts", {128, 256, 64, 1}, 64e-6);    // 1 µs a row
+  k.add("experts", {128, 256, 256, 1}, 128e-6);  // 0.5 µs a row
+  EXPECT_DOUBLE_EQ(*k.experts(128, 256, 64, 1), 64e-6);
+  EXPECT_DOUBLE_EQ(*k.experts(128, 256, 256, 1), 128e-6);
+  // Halfway in log rows: 0.75 µs a row.
+  EXPECT_NEAR(*k.experts(128, 256, 128, 1), 128 * 0.75e-6, 1e-12);
+  // Past the ends: the nearest measured rate per row.
+  EXPECT_DOUBLE_EQ(*k.experts(128, 256, 16, 1), 16e-6);
+  EXPECT_DOUBLE_EQ(*k.experts(128, 256, 1024, 1), 512e-6);
+  EXPECT_DOUBLE_EQ(*k.experts(128, 256, 0, 1), 0);
+  // Another shape or precision was not measured.
+  EXPECT_FALSE(k.experts(128, 512, 64, 1).has_value());
+  EXPECT_FALSE(k.experts(128, 256, 64, 2).has_value());
+}
+
+TEST(PlanMeasured, TimedLayersReplaceTheCurves) {
+  const RunConfig cfg = tiny();
+  const LoadModel load = uniform_load(8);
+  const DeviceModel plain = cpu(2);
+  // The attention projections Q and O (1024 tokens, 128 → 128) and the attention core timed:
+  // each step of the timed figures moves the prediction by exactly that much per layer.
+  auto with = [&](double linear_s, double attention_s) {
+    DeviceModel d = plain;
+    d.kernels.add("linear", {1024, 128, 128, 1}, linear_s);
+    d.kernels.add("attention", {8, 128, 4, 2, 32}, attention_s);
+    return predict(cfg, one_process(d), {}, load);
+  };
+  const Prediction a = with(1e-3, 2e-3), b = with(2e-3, 2e-3), c = with(1e-3, 5e-3);
+  EXPECT_NEAR(b.parts.attention - a.parts.attention, 2 * 2 * 1e-3, 1e-12);  // Q, O × 2 layers
+  EXPECT_NEAR(c.parts.attention - a.parts.attention, 2 * 3e-3, 1e-12);
+  // A shape not timed (other tokens) keeps the curves.
+  RunConfig other = cfg;
+  other.train.batch_size = 4;
+  DeviceModel d = plain;
+  d.kernels.add("linear", {1024, 128, 128, 1}, 1.0);
+  EXPECT_DOUBLE_EQ(predict(other, one_process(d), {}, load).parts.attention,
+                   predict(other, one_process(plain), {}, load).parts.attention);
+  // Everything else is unchanged.
+  const Prediction before = predict(cfg, one_process(plain), {}, load);
+  EXPECT_DOUBLE_EQ(a.parts.experts, before.parts.experts);
+  EXPECT_DOUBLE_EQ(a.parts.norms, before.parts.norms);
+}
+
+TEST(PlanMeasured, ExpertsUseTheirTimedKernelPerSourceRank) {
+  RunConfig cfg = tiny();
+  const LoadModel load = uniform_load(8);
+  DeviceModel d = cpu(1);
+  d.kernels.add("experts", {128, 256, 128, 1}, 100e-6);
+  d.kernels.add("experts", {128, 256, 256, 1}, 150e-6);
+  ClusterSpec c = one_process(d);
+  c.devices_per_node = 2;
+  // One process: 8 experts of N·K/E = 256 rows a layer, one call each: 150 µs × 8 × 2 layers.
+  EXPECT_NEAR(predict(cfg, one_process(d), {}, load).parts.experts, 8 * 2 * 150e-6, 1e-12);
+  // EP 2: 4 experts, each 512 rows arriving as 2 calls of 256 (one per source rank).
+  EXPECT_NEAR(predict(cfg, c, {.procs = 2, .ep = 2}, load).parts.experts, 4 * 2 * 2 * 150e-6,
+              1e-12);
+  // Batch 4 under EP 2: 256 rows an expert as 2 calls of 128.
+  cfg.train.batch_size = 4;
+  EXPECT_NEAR(predict(cfg, c, {.procs = 2, .ep = 2}, load).parts.experts, 4 * 2 * 2 * 100e-6,
+              1e-12);
+}
+
+TEST(PlanMeasured, TimedUpdateSetsTheOptimizer) {
+  const RunConfig cfg = tiny();
+  DeviceModel d = cpu(2);
+  d.kernels.add("optimizer", {1e6, optimizer_code("adamw")}, 2e-3);  // 2 ns a parameter
+  const Prediction p = predict(cfg, one_process(d), {}, uniform_load(8));
+  const Prediction sgd_cfg = [&] {
+    RunConfig s = cfg;
+    s.optim.name = "sgd";
+    return predict(s, one_process(d), {}, uniform_load(8));
+  }();
+  const ParamLayout layout(cfg.model);
+  EXPECT_NEAR(p.parts.optimizer, 2e-9 * static_cast<double>(layout.size()), 1e-12);
+  // Another optimizer was not timed: the bytes it moves at the memory's rate.
+  EXPECT_NE(sgd_cfg.parts.optimizer, p.parts.optimizer);
+}
+
+TEST(PlanMeasured, ProcessesFillingTheCoresHideNoCommunication) {
+  RunConfig cfg = tiny();
+  cfg.dist.overlap = true;
+  cfg.dist.a2a_chunks = 2;
+  ClusterSpec c = one_process(cpu(1));
+  c.devices_per_node = 2;
+  const Prediction hidden = predict(cfg, c, {.procs = 2, .ep = 2}, uniform_load(8));
+  EXPECT_LT(hidden.parts.a2a_exposed, hidden.parts.a2a);
+  c.comm_shares_cores = true;
+  const Prediction shared = predict(cfg, c, {.procs = 2, .ep = 2}, uniform_load(8));
+  EXPECT_DOUBLE_EQ(shared.parts.a2a_exposed, shared.parts.a2a);
+  EXPECT_DOUBLE_EQ(shared.parts.grad_sync_exposed, shared.parts.grad_sync);
+  // The step waits for the small collectives: 2 layers × (2 statistics + routing counts), the
+  // update's 2 and the metrics', each a latency.
+  EXPECT_GT(shared.parts.sync, 0);
+  EXPECT_NEAR(shared.parts.sync / c.intra_node_latency, 2 * 3 + 2 + 6, 1e-9);
+  EXPECT_DOUBLE_EQ(predict(cfg, one_process(cpu(2)), {}, uniform_load(8)).parts.sync, 0);
+}
+
+TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
+  moetrain::testing::TempDir tmp("plan_measured");
+  DeviceModel all = cpu(2), one = cpu(1);
+  all.kernels.add("linear", {1024, 128, 128, 1}, 1e-3);
+  all.kernels.add("experts", {128, 256, 256, 1}, 2e-4);
+  one.kernels.add("linear", {1024, 128, 128, 1}, 1.5e-3);
+  const std::string profile = (tmp.path() / "p.toml").string();
+  save_profile(all, one, 5e9, 3e-6,
+               {CommFigures{2, 6e-6, 3e9, 2e9}, CommFigures{4, 40e-6, 2e9, 1.5e9}}, profile);
+  const ClusterSpec c1 = local_cluster(profile, 1, 2);
+  EXPECT_DOUBLE_EQ(*c1.device.kernels.find("linear", {1024, 128, 128, 1}), 1e-3);
+  EXPECT_DOUBLE_EQ(*c1.device.kernels.experts(128, 256, 256, 1), 2e-4);
+  EXPECT_FALSE(c1.comm_shares_cores);
+  // Two one-thread processes: the one-thread times and the 2-process collectives.
+  const ClusterSpec c2 = local_cluster(profile, 2, 1);
+  EXPECT_DOUBLE_EQ(*c2.device.kernels.find("linear", {1024, 128, 128, 1}), 1.5e-3);
+  EXPECT_DOUBLE_EQ(c2.intra_node_latency, 6e-6);
+  EXPECT_DOUBLE_EQ(c2.intra_node_bandwidth, 3e9);
+  EXPECT_DOUBLE_EQ(c2.intra_node_allreduce_bandwidth, 2e9);
+  EXPECT_TRUE(c2.comm_shares_cores);
+  // Four on two cores: half a core each (times doubled), the 4-process collectives.
+  const ClusterSpec c4 = local_cluster(profile, 4, 1);
+  EXPECT_DOUBLE_EQ(*c4.device.kernels.find("linear", {1024, 128, 128, 1}), 3e-3);
+  EXPECT_DOUBLE_EQ(c4.intra_node_latency, 40e-6);
+  EXPECT_DOUBLE_EQ(c4.intra_node_allreduce_bandwidth, 1.5e9);
+  // Three: the nearest measured count, the larger on a tie.
+  EXPECT_DOUBLE_EQ(local_cluster(profile, 3, 1).intra_node_latency, 40e-6);
+}
+
+TEST(PlanMeasured, BadKernelRowsAndCollectiveListsAreNamed) {
+  moetrain::testing::TempDir tmp("plan_measured_bad");
+  DeviceModel all = cpu(2), one = cpu(1);
+  const std::string good = (tmp.path() / "good.toml").string();
+  save_profile(all, one, 5e9, 3e-6, {}, good);
+  std::string text;
+  {
+    std::ifstream in(good);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto with = [&](const std::string& name, const std::string& device_line,
+                  const std::string& cluster_line) {
+    std::string t = text;
+    t.insert(t.find("\n[single_thread]") + 1, device_line + "\n");
+    t += cluster_line + "\n";
+    const std::string path = (tmp.path() / name).string();
+    std::ofstream(path) << t;
+    return path;
+  };
+  auto message = [](const std::string& path) {
+    try {
+      local_cluster(path, 2, 1);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error in ") + path;
+  };
+  EXPECT_NE(message(with("short.toml", "kernels_linear = [[1024, 128, 128, 1e-3]]", ""))
+                .find("device.kernels_linear"),
+            std::string::npos);
+  EXPECT_NE(message(with("negative.toml", "kernels_norm = [[1024, 128, -1e-3]]", ""))
+                .find("device.kernels_norm must hold positive numbers"),
+            std::string::npos);
+  EXPECT_NE(message(with("lengths.toml", "",
+                         "comm_procs = [2, 4]\ncomm_latency = [1e-6]\n"
+                         "comm_alltoall_bandwidth = [1e9, 1e9]\ncomm_allreduce_bandwidth = [1e9, 1e9]"))
+                .find("cluster.comm_procs"),
+            std::string::npos);
+}
