@@ -171,7 +171,7 @@ ParamCounts count_params(const ModelConfig& m) {
 }  // namespace
 
 LoadModel uniform_load(int64_t E) {
-  return {"uniform", {std::vector<double>(static_cast<std::size_t>(E), 1.0 / E)}};
+  return {"uniform", {std::vector<double>(static_cast<std::size_t>(E), 1.0 / E)}, {}};
 }
 
 LoadModel zipf_load(int64_t E, double s) {
@@ -180,7 +180,7 @@ LoadModel zipf_load(int64_t E, double s) {
   double sum = 0;
   for (int64_t e = 0; e < E; ++e) sum += p[e] = 1.0 / std::pow(e + 1.0, s);
   for (double& v : p) v /= sum;
-  return {"zipf", {p}};
+  return {"zipf", {p}, {}};
 }
 
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
@@ -340,32 +340,46 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     }
     // Experts: the EP group's ep·N·K assignments spread by the load model (capacity clips an
     // expert's rows); rank r holds experts [r·E/ep, (r+1)·E/ep). The slowest rank sets the step.
-    const auto& frac = load.fractions[std::min<std::size_t>(l, load.fractions.size() - 1)];
     const double assignments = static_cast<double>(ep) * N * K;
     const double cap =
         m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
+    // A measured load gives each step's fractions: every step waits for its own slowest rank,
+    // so the slowest rank is found step by step and averaged (the summed load would average the
+    // hot experts away).
+    const std::size_t samples = std::max<std::size_t>(1, load.steps.size());
     double worst = 0, sum = 0, worst_rows = 0, rows_sum = 0;
-    for (int64_t r = 0; r < ep; ++r) {
-      double t = 0, rows = 0;
-      for (int64_t e = r * e_local; e < (r + 1) * e_local; ++e) {
-        const double n = std::min(cap, std::round(assignments * frac[e]));
-        rows += n;
-        // As timed at this expert shape: the expert kernels run once per source rank, on the
-        // rows that rank sent (n / ep of them at an even spread).
-        const double epd = static_cast<double>(ep);
-        if (const auto timed = dev.kernels.experts(C, F, n / epd, dtype_code(prec)))
-          t += epd * *timed;
-        else
-          t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
-               stream_time(dev, 3 * 3 * 4 * n * F);
+    for (std::size_t smp = 0; smp < samples; ++smp) {
+      const auto& rows_of = load.steps.empty() ? load.fractions : load.steps[smp];
+      const auto& frac = rows_of[std::min<std::size_t>(l, rows_of.size() - 1)];
+      double w = 0, w_rows = 0;
+      for (int64_t r = 0; r < ep; ++r) {
+        double t = 0, rows = 0;
+        for (int64_t e = r * e_local; e < (r + 1) * e_local; ++e) {
+          const double n = std::min(cap, std::round(assignments * frac[e]));
+          rows += n;
+          // As timed at this expert shape: the expert kernels run once per source rank, on the
+          // rows that rank sent (n / ep of them at an even spread).
+          const double epd = static_cast<double>(ep);
+          if (const auto timed = dev.kernels.experts(C, F, n / epd, dtype_code(prec)))
+            t += epd * *timed;
+          else
+            t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
+                 stream_time(dev, 3 * 3 * 4 * n * F);
+        }
+        sum += t;
+        rows_sum += rows;
+        if (t > w) {
+          w = t;
+          w_rows = rows;
+        }
       }
-      sum += t;
-      rows_sum += rows;
-      if (t > worst) {
-        worst = t;
-        worst_rows = rows;
-      }
+      worst += w;
+      worst_rows += w_rows;
     }
+    worst /= static_cast<double>(samples);
+    worst_rows /= static_cast<double>(samples);
+    sum /= static_cast<double>(samples);
+    rows_sum /= static_cast<double>(samples);
     s.experts += worst;
     s.experts_mean += sum / static_cast<double>(ep);
     p.imbalance = std::max(p.imbalance, rows_sum > 0 ? worst_rows * ep / rows_sum : 1.0);

@@ -21,6 +21,9 @@ namespace moetrain::plan {
 struct LoadModel {
   std::string kind = "uniform";                // uniform | zipf | measured
   std::vector<std::vector<double>> fractions;  // (layers or 1, E)
+  // Measured: each step's own fractions (steps, layers, E); a step's experts wait for that
+  // step's slowest rank. Empty: `fractions` for every step.
+  std::vector<std::vector<std::vector<double>>> steps;
 };
 LoadModel uniform_load(int64_t E);
 // p_e ∝ 1 / (e + 1)^s: the hottest experts sit together on the first EP rank (worst placement).

@@ -8,7 +8,7 @@
 namespace moetrain::plan {
 
 LoadModel measured_load(const std::string& run_dir, int64_t E) {
-  LoadModel lm{"measured", {}};
+  LoadModel lm{"measured", {}, {}};
   for (const auto& line : read_metrics(run_dir)) {
     if (!line.contains("tokens_per_expert") || !line["tokens_per_expert"].is_array()) continue;
     const auto& layers = line["tokens_per_expert"];
@@ -22,6 +22,15 @@ LoadModel measured_load(const std::string& run_dir, int64_t E) {
                      run_dir, layers[l].size(), E);
       for (int64_t e = 0; e < E; ++e) lm.fractions[l][e] += layers[l][e].get<double>();
     }
+    std::vector<std::vector<double>> step(layers.size(), std::vector<double>(E));
+    bool routed = true;
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      double sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += step[l][e] = layers[l][e].get<double>();
+      routed = routed && sum > 0;
+      for (double& v : step[l]) v /= sum > 0 ? sum : 1;
+    }
+    if (routed) lm.steps.push_back(std::move(step));
   }
   MOETRAIN_CHECK(!lm.fractions.empty(), "{}/metrics.jsonl: no line with tokens_per_expert",
                  run_dir);

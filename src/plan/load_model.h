@@ -7,7 +7,7 @@
 namespace moetrain::plan {
 
 // The per-layer expert fractions summed over every step line of RUN_DIR/metrics.jsonl (read with
-// io/metrics read_metrics). Throws when the run has no tokens_per_expert or its expert count is
+// io/metrics read_metrics), and each step's own (LoadModel::steps). Throws when the run has no tokens_per_expert or its expert count is
 // not E.
 LoadModel measured_load(const std::string& run_dir, int64_t E);
 // "uniform", "zipf:S" or "metrics:RUN_DIR".

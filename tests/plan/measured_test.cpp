@@ -222,3 +222,20 @@ TEST(PlanMeasured, BadKernelRowsAndCollectiveListsAreNamed) {
                 .find("cluster.comm_procs"),
             std::string::npos);
 }
+
+TEST(PlanMeasured, EachMeasuredStepWaitsForItsOwnSlowestRank) {
+  const RunConfig cfg = tiny();
+  ClusterSpec c = one_process(cpu(1));
+  c.devices_per_node = 2;
+  // Step 1 sends 3/4 of the rows to rank 0's experts, step 2 to rank 1's: summed, balanced.
+  std::vector<double> hot0(8, 0.25 / 4), hot1(8, 0.25 / 4);
+  for (int e = 0; e < 4; ++e) hot0[e] = hot1[e + 4] = 0.75 / 4;
+  LoadModel summed{"measured", {std::vector<double>(8, 1.0 / 8)}, {}};
+  LoadModel by_step{"measured", summed.fractions, {{hot0}, {hot1}}};
+  const Prediction even = predict(cfg, c, {.procs = 2, .ep = 2}, summed);
+  const Prediction skew = predict(cfg, c, {.procs = 2, .ep = 2}, by_step);
+  EXPECT_NEAR(even.imbalance, 1.0, 1e-9);
+  EXPECT_NEAR(skew.imbalance, 1.5, 1e-9);
+  EXPECT_GT(skew.parts.experts, 1.3 * even.parts.experts);
+  EXPECT_NEAR(skew.parts.experts_mean, even.parts.experts_mean, 0.05 * even.parts.experts_mean);
+}
