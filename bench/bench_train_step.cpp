@@ -23,6 +23,7 @@
 #include "model/params.h"
 #include "model/transformer.h"
 #include "presets.h"
+#include "profile_table.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "train/trainer.h"
@@ -167,24 +168,7 @@ void print_profile(int preset, bool bf, int steps, double stream) {
   const double step_s = t.seconds() / steps;
   std::printf("\n%s %s: %.1f ms per step (%d steps), %.0f tokens/s\n", p.name,
               bf ? "bf16" : "f32", step_s * 1e3, steps, static_cast<double>(p.B * p.T) / step_s);
-  std::printf("  %-26s %10s %7s %10s\n", "phase", "ms/step", "share", "calls/step");
-  std::vector<int> order;
-  double in_phases = 0;
-  for (int i = 0; i < static_cast<int>(Phase::kCount); ++i) {
-    order.push_back(i);
-    in_phases += table[i].seconds;
-  }
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return table[a].seconds > table[b].seconds; });
-  for (int i : order) {
-    if (table[i].calls == 0) continue;
-    const double s = table[i].seconds / steps;
-    std::printf("  %-26s %10.2f %6.1f%% %10.1f\n", std::string(phase_name(Phase(i))).c_str(),
-                s * 1e3, 100.0 * s / step_s, static_cast<double>(table[i].calls) / steps);
-  }
-  const double other = step_s - in_phases / steps;
-  std::printf("  %-26s %10.2f %6.1f%%\n", "(outside every phase)", other * 1e3,
-              100.0 * other / step_s);
+  bench::print_phase_table(table, steps, step_s);
   const PhaseTotals& o = table[static_cast<int>(Phase::Optimizer)];
   const double opt_bytes = 7.0 * 4.0 * static_cast<double>(rig.params.size());
   if (o.seconds > 0)

@@ -14,6 +14,11 @@ namespace moetrain {
 
 enum class DType { F32, BF16, F16 };
 
+// The operands of a GPU's matrix products (train.precision with train.device = cuda): true f32;
+// TF32 (f32 storage, the tensor cores round the operands to 10-bit significands); bf16 (operands
+// rounded as DType::BF16 rounds them on the CPU). Accumulation is f32 in all three.
+enum class DeviceGemm { F32, TF32, BF16 };
+
 constexpr std::size_t dtype_size(DType t) {
   return t == DType::F32 ? 4 : 2;
 }

@@ -3,11 +3,11 @@
 // formulas: scores q·k / √HS, query t sees keys 0..t, head h reads kv head h / (NH / NKV).
 //
 // Every row is owned by one warp: a query row in the forward and dq kernels, a key row of a kv
-// head in the dk/dv kernel. The lanes split the head dimension (lane i holds elements i, i + 32,
-// ...), so every row read is coalesced. Keys (or queries) go 32 at a time: each score is a warp
-// dot product (per-lane sums, then a butterfly) kept by the lane of its position, which then
-// computes that position's softmax weight; the weighted sums over the 32 rows follow, each lane
-// adding the rows in position order into its share of the accumulator.
+// head in the dk/dv kernel, kWarps rows of one head to a block. The other side goes 32 rows (a
+// chunk) at a time through shared-memory tiles the block loads once for its warps; lane j computes
+// the chunk's row j score (and dp) as a whole dot product and then that position's softmax weight;
+// the weighted sums over the 32 rows follow, the lanes splitting the head dimension (lane i holds
+// elements i, i + 32, ...), each lane adding the rows in position order into its share.
 // No atomics: every output element is summed by one lane in a fixed order, so runs are bitwise
 // repeatable.
 
@@ -24,7 +24,7 @@ namespace moetrain::cuda {
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kWarps = 4;  // rows per block
+constexpr int kWarps = 8;  // rows per block
 constexpr int kThreads = kWarp * kWarps;
 // A lane holds its share of a head-dimension row in registers: HS / 32 floats per accumulator.
 constexpr int kMaxHS = 256;
@@ -54,45 +54,89 @@ __device__ __forceinline__ float warp_dot(const float (&x)[kPerLane],
   return warp_sum(part);
 }
 
-// acc[i] += w · row[lane + 32·i] over this lane's share of the head dimension.
-__device__ __forceinline__ void axpy_lane(float (&acc)[kPerLane], float w,
-                                          const float* __restrict__ row, int lane, int HS) {
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int d = lane + i * kWarp;
-    if (d < HS) acc[i] += w * row[d];
+// Shared-memory tiles. A block is kWarps rows of one (b, head): kWarps consecutive query rows (the
+// forward and dq) or key rows (dk/dv). The block walks the other side 32 rows (one chunk) at a
+// time: its threads copy the chunk's two operand tiles (k and v, or q and dout) into shared
+// memory once for all its warps, and each lane then computes the score of ITS row of the chunk
+// as a whole dot product over the head dimension (the warp's own row broadcast from shared
+// memory), so a chunk costs one butterfly (the max, or none) instead of one per score. Tiles
+// are padded to HS + 1 floats a row: lane j reading element d of row j hits bank (j + d) mod 32.
+__host__ __device__ constexpr int tile_pitch(int HS) {
+  return HS + 1;
+}
+// Floats of shared memory: two chunk tiles and kWarps rows of each of `own` per-warp operands.
+__host__ __device__ constexpr int tile_floats(int HS, int own) {
+  return 2 * kWarp * tile_pitch(HS) + own * kWarps * HS;
+}
+
+// Copies rows [r0, r0 + n) (stride `step` floats) of src into the tile (kWarp rows, pitch P),
+// zero rows past n; all threads of the block take part.
+__device__ __forceinline__ void load_tile(float* __restrict__ tile, const float* __restrict__ src,
+                                          int64_t r0, int n, int64_t step, int HS) {
+  const int P = tile_pitch(HS);
+  for (int i = static_cast<int>(threadIdx.x); i < kWarp * HS; i += kThreads) {
+    const int r = i / HS, d = i % HS;
+    tile[r * P + d] = r < n ? src[(r0 + r) * step + d] : 0.0f;
   }
 }
 
-// One warp per query row; grid covers B·NH·T rows. Online softmax over chunks of 32 keys: lane j
-// holds key s0 + j's score and weight, the running max m and sum l are warp-uniform, and out's
-// accumulator is rescaled by exp(m_old − m_new) when the max grows. Row index order puts the
-// latest queries (the most keys) first so that the long warps start early.
+// Σ_d row[d]·tile[j][d] in d order: lane j's dot product with its own tile row.
+__device__ __forceinline__ float tile_dot(const float* __restrict__ row,
+                                          const float* __restrict__ tile, int j, int HS) {
+  const float* t = tile + j * tile_pitch(HS);
+  float acc = 0.0f;
+#pragma unroll 8
+  for (int d = 0; d < HS; ++d) acc += row[d] * t[d];
+  return acc;
+}
+
+// acc[i] += w · tile[j][lane + 32·i] over this lane's share of the head dimension.
+__device__ __forceinline__ void axpy_tile(float (&acc)[kPerLane], float w,
+                                          const float* __restrict__ tile, int j, int lane,
+                                          int HS) {
+  const float* t = tile + j * tile_pitch(HS);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int d = lane + i * kWarp;
+    if (d < HS) acc[i] += w * t[d];
+  }
+}
+
+// Block (x, y): query rows T−1−(x·kWarps + w) (latest first: the longest rows start early) of
+// (b, h) = y. Online softmax over chunks of 32 keys: lane j holds key s0 + j's score and weight,
+// the running max m and sum l are warp-uniform, and out's accumulator is rescaled by
+// exp(m_old − m_new) when the max grows.
 __global__ void __launch_bounds__(kThreads)
     attention_forward_kernel(float* __restrict__ out, float* __restrict__ lse,
                              const float* __restrict__ q, const float* __restrict__ k,
-                             const float* __restrict__ v, int64_t B, int64_t T, int64_t NH,
-                             int64_t NKV, int HS, float scale) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
-  if (row >= B * NH * T) return;  // warp-uniform: the shuffles below see full warps
-  const int64_t t = T - 1 - row % T, h = row / T % NH, b = row / T / NH, g = h / (NH / NKV);
-  const int64_t q_off = ((b * T + t) * NH + h) * HS;  // (B, T, NH, HS)
-  const int64_t kv_step = NKV * HS;                    // between positions of one kv head
-  const float* k0 = k + (b * T * NKV + g) * HS;        // key 0 of kv head g
+                             const float* __restrict__ v, int64_t T, int64_t NH, int64_t NKV,
+                             int HS, float scale) {
+  extern __shared__ float smem[];
+  float* ks = smem;
+  float* vs = ks + kWarp * tile_pitch(HS);
+  const int w = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  float* qrow = vs + kWarp * tile_pitch(HS) + w * HS;
+  const int64_t bh = blockIdx.y, h = bh % NH, b = bh / NH, g = h / (NH / NKV);
+  const int64_t t_top = T - 1 - static_cast<int64_t>(blockIdx.x) * kWarps;  // the block's latest
+  const int64_t t = t_top - w;
+  const bool active = t >= 0;  // warp-uniform; idle warps still help load the tiles
+  const int64_t q_off = ((b * T + (active ? t : 0)) * NH + h) * HS;  // (B, T, NH, HS)
+  const int64_t kv_step = NKV * HS;                                  // between positions
+  const float* k0 = k + (b * T * NKV + g) * HS;                      // key 0 of kv head g
   const float* v0 = v + (b * T * NKV + g) * HS;
+  for (int d = lane; d < HS; d += kWarp) qrow[d] = active ? q[q_off + d] : 0.0f;
 
-  float qx[kPerLane];
-  load_lane(qx, q + q_off, lane, HS);
   float acc[kPerLane] = {};  // unnormalised out, relative to exp(m)
   float m = -INFINITY, l = 0.0f;
-  for (int64_t s0 = 0; s0 <= t; s0 += kWarp) {
+  for (int64_t s0 = 0; s0 <= t_top; s0 += kWarp) {
+    const int chunk = static_cast<int>(t_top - s0 + 1 < kWarp ? t_top - s0 + 1 : kWarp);
+    __syncthreads();  // the previous chunk's tiles are no longer read
+    load_tile(ks, k0, s0, chunk, kv_step, HS);
+    load_tile(vs, v0, s0, chunk, kv_step, HS);
+    __syncthreads();
+    if (!active || s0 > t) continue;
     const int n = static_cast<int>(t - s0 + 1 < kWarp ? t - s0 + 1 : kWarp);  // keys seen, ≥ 1
-    float score = -INFINITY;
-    for (int j = 0; j < n; ++j) {
-      const float sj = warp_dot(qx, k0 + (s0 + j) * kv_step, lane, HS) * scale;
-      if (lane == j) score = sj;
-    }
+    const float score = lane < n ? tile_dot(qrow, ks, lane, HS) * scale : -INFINITY;
     // Lane 0's key is always seen, so m_new is finite for finite inputs.
     const float m_new = fmaxf(m, warp_max(score));
     const float p = lane < n ? expf(score - m_new) : 0.0f;
@@ -100,12 +144,10 @@ __global__ void __launch_bounds__(kThreads)
     l = l * alpha + warp_sum(p);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) acc[i] *= alpha;
-    for (int j = 0; j < n; ++j) {
-      const float pj = __shfl_sync(kFullMask, p, j);
-      axpy_lane(acc, pj, v0 + (s0 + j) * kv_step, lane, HS);
-    }
+    for (int j = 0; j < n; ++j) axpy_tile(acc, __shfl_sync(kFullMask, p, j), vs, j, lane, HS);
     m = m_new;
   }
+  if (!active) return;
   const float inv_l = 1.0f / l;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
@@ -115,47 +157,62 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) lse[(b * NH + h) * T + t] = m + logf(l);
 }
 
-// One warp per query row (same order as the forward). First D_t = Σ dout_t ⊙ out_t for this row,
-// kept in D (B, NH, T) for the dk/dv kernel; then dq_t = scale · Σ_{s ≤ t} ds_s · k_s with
+// Blocks as the forward's. First D_t = Σ dout_t ⊙ out_t for the warp's row, kept in D
+// (B, NH, T) for the dk/dv kernel; then dq_t = scale · Σ_{s ≤ t} ds_s · k_s with
 // p_s = exp(score_s − lse_t) and ds_s = p_s · (dout_t·v_s − D_t), the CPU's formulas.
 __global__ void __launch_bounds__(kThreads)
     attention_dq_kernel(float* __restrict__ dq, float* __restrict__ D,
                         const float* __restrict__ dout, const float* __restrict__ q,
                         const float* __restrict__ k, const float* __restrict__ v,
-                        const float* __restrict__ out, const float* __restrict__ lse, int64_t B,
-                        int64_t T, int64_t NH, int64_t NKV, int HS, float scale) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
-  if (row >= B * NH * T) return;  // warp-uniform
-  const int64_t t = T - 1 - row % T, h = row / T % NH, b = row / T / NH, g = h / (NH / NKV);
-  const int64_t q_off = ((b * T + t) * NH + h) * HS;  // (B, T, NH, HS)
+                        const float* __restrict__ out, const float* __restrict__ lse, int64_t T,
+                        int64_t NH, int64_t NKV, int HS, float scale) {
+  extern __shared__ float smem[];
+  float* ks = smem;
+  float* vs = ks + kWarp * tile_pitch(HS);
+  const int w = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  float* qrow = vs + kWarp * tile_pitch(HS) + w * HS;
+  float* dorow = qrow + kWarps * HS;
+  const int64_t bh = blockIdx.y, h = bh % NH, b = bh / NH, g = h / (NH / NKV);
+  const int64_t t_top = T - 1 - static_cast<int64_t>(blockIdx.x) * kWarps;
+  const int64_t t = t_top - w;
+  const bool active = t >= 0;
+  const int64_t q_off = ((b * T + (active ? t : 0)) * NH + h) * HS;
   const int64_t kv_step = NKV * HS;
   const float* k0 = k + (b * T * NKV + g) * HS;
   const float* v0 = v + (b * T * NKV + g) * HS;
-  const int64_t lse_at = (b * NH + h) * T + t;  // (B, NH, T)
-
-  float qx[kPerLane], dox[kPerLane];
-  load_lane(qx, q + q_off, lane, HS);
-  load_lane(dox, dout + q_off, lane, HS);
-  const float Dt = warp_dot(dox, out + q_off, lane, HS);
-  if (lane == 0) D[lse_at] = Dt;
-  const float L = lse[lse_at];
+  const int64_t lse_at = (b * NH + h) * T + (active ? t : 0);  // (B, NH, T)
+  for (int d = lane; d < HS; d += kWarp) {
+    qrow[d] = active ? q[q_off + d] : 0.0f;
+    dorow[d] = active ? dout[q_off + d] : 0.0f;
+  }
+  float Dt = 0.0f, L = 0.0f;
+  if (active) {
+    float dox[kPerLane];
+    load_lane(dox, dout + q_off, lane, HS);
+    Dt = warp_dot(dox, out + q_off, lane, HS);
+    if (lane == 0) D[lse_at] = Dt;
+    L = lse[lse_at];
+  }
+  __syncwarp();
 
   float acc[kPerLane] = {};  // Σ ds·k, scaled at the end as the CPU does
-  for (int64_t s0 = 0; s0 <= t; s0 += kWarp) {
+  for (int64_t s0 = 0; s0 <= t_top; s0 += kWarp) {
+    const int chunk = static_cast<int>(t_top - s0 + 1 < kWarp ? t_top - s0 + 1 : kWarp);
+    __syncthreads();
+    load_tile(ks, k0, s0, chunk, kv_step, HS);
+    load_tile(vs, v0, s0, chunk, kv_step, HS);
+    __syncthreads();
+    if (!active || s0 > t) continue;
     const int n = static_cast<int>(t - s0 + 1 < kWarp ? t - s0 + 1 : kWarp);  // keys seen
-    float score = 0.0f, dp = 0.0f;  // lane j: key s0 + j
-    for (int j = 0; j < n; ++j) {
-      const float sj = warp_dot(qx, k0 + (s0 + j) * kv_step, lane, HS);
-      const float dpj = warp_dot(dox, v0 + (s0 + j) * kv_step, lane, HS);
-      if (lane == j) score = sj, dp = dpj;
+    float ds = 0.0f;  // lane j: key s0 + j
+    if (lane < n) {
+      const float score = tile_dot(qrow, ks, lane, HS);
+      const float dp = tile_dot(dorow, vs, lane, HS);
+      ds = expf(score * scale - L) * (dp - Dt);
     }
-    const float ds = lane < n ? expf(score * scale - L) * (dp - Dt) : 0.0f;
-    for (int j = 0; j < n; ++j) {
-      const float dsj = __shfl_sync(kFullMask, ds, j);
-      axpy_lane(acc, dsj, k0 + (s0 + j) * kv_step, lane, HS);
-    }
+    for (int j = 0; j < n; ++j) axpy_tile(acc, __shfl_sync(kFullMask, ds, j), ks, j, lane, HS);
   }
+  if (!active) return;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int d = lane + i * kWarp;
@@ -163,55 +220,65 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One warp per key row s of kv head g; grid covers B·NKV·T rows, early keys (seen by the most
-// queries) first. Sums over the group's query heads h in order, and within a head over the
-// queries t ≥ s in order, 32 queries at a time (lane j computes query t0 + j's p and ds):
+// Block (x, y): key rows s = x·kWarps + w (earliest first: seen by the most queries) of kv head
+// (b, g) = y. Sums over the group's query heads h in order, and within a head over the queries
+// t ≥ s in order, in chunks of 32 from the block's first key (lane j computes query t0 + j's p
+// and ds; queries before the warp's key are skipped):
 //   dv_s = Σ p_ts · dout_t,   dk_s = scale · Σ ds_ts · q_t.
 // Needs D (B, NH, T) from attention_dq_kernel, which runs first on the same stream.
 __global__ void __launch_bounds__(kThreads)
     attention_dkdv_kernel(float* __restrict__ dk, float* __restrict__ dv,
                           const float* __restrict__ dout, const float* __restrict__ q,
                           const float* __restrict__ k, const float* __restrict__ v,
-                          const float* __restrict__ lse, const float* __restrict__ D, int64_t B,
-                          int64_t T, int64_t NH, int64_t NKV, int HS, float scale) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
-  if (row >= B * NKV * T) return;  // warp-uniform
-  const int64_t s = row % T, g = row / T % NKV, b = row / T / NKV, G = NH / NKV;
-  const int64_t kv_off = ((b * T + s) * NKV + g) * HS;  // (B, T, NKV, HS)
-  const int64_t q_step = NH * HS;                        // between positions of one query head
+                          const float* __restrict__ lse, const float* __restrict__ D, int64_t T,
+                          int64_t NH, int64_t NKV, int HS, float scale) {
+  extern __shared__ float smem[];
+  float* qs = smem;
+  float* dos = qs + kWarp * tile_pitch(HS);
+  const int w = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  float* krow = dos + kWarp * tile_pitch(HS) + w * HS;
+  float* vrow = krow + kWarps * HS;
+  const int64_t bg = blockIdx.y, g = bg % NKV, b = bg / NKV, G = NH / NKV;
+  const int64_t s_first = static_cast<int64_t>(blockIdx.x) * kWarps;
+  const int64_t s = s_first + w;
+  const bool active = s < T;
+  const int64_t kv_off = ((b * T + (active ? s : 0)) * NKV + g) * HS;  // (B, T, NKV, HS)
+  const int64_t q_step = NH * HS;  // between positions of one query head
+  for (int d = lane; d < HS; d += kWarp) {
+    krow[d] = active ? k[kv_off + d] : 0.0f;
+    vrow[d] = active ? v[kv_off + d] : 0.0f;
+  }
+  __syncwarp();
 
-  float kx[kPerLane], vx[kPerLane];
-  load_lane(kx, k + kv_off, lane, HS);
-  load_lane(vx, v + kv_off, lane, HS);
   float dk_acc[kPerLane] = {}, dv_acc[kPerLane] = {};
   for (int64_t h = g * G; h < (g + 1) * G; ++h) {
     const float* q0 = q + (b * T * NH + h) * HS;  // query 0 of head h
     const float* dout0 = dout + (b * T * NH + h) * HS;
     const float* Lh = lse + (b * NH + h) * T;  // (T) of this head
     const float* Dh = D + (b * NH + h) * T;
-    for (int64_t t0 = s; t0 < T; t0 += kWarp) {
-      const int n = static_cast<int>(T - t0 < kWarp ? T - t0 : kWarp);  // queries left, ≥ 1
-      float score = 0.0f, dp = 0.0f;  // lane j: query t0 + j
-      for (int j = 0; j < n; ++j) {
-        // k_s·q_t: the same products and the same order as the dq kernel's q_t·k_s.
-        const float sj = warp_dot(kx, q0 + (t0 + j) * q_step, lane, HS);
-        const float dpj = warp_dot(vx, dout0 + (t0 + j) * q_step, lane, HS);
-        if (lane == j) score = sj, dp = dpj;
-      }
-      float p = 0.0f, ds = 0.0f;
-      if (lane < n) {
+    for (int64_t t0 = s_first; t0 < T; t0 += kWarp) {
+      const int n = static_cast<int>(T - t0 < kWarp ? T - t0 : kWarp);  // queries in the chunk
+      __syncthreads();
+      load_tile(qs, q0, t0, n, q_step, HS);
+      load_tile(dos, dout0, t0, n, q_step, HS);
+      __syncthreads();
+      if (!active || t0 + n <= s) continue;
+      const int j0 = static_cast<int>(s > t0 ? s - t0 : 0);  // the first query t ≥ s
+      float p = 0.0f, ds = 0.0f;  // lane j: query t0 + j
+      if (lane >= j0 && lane < n) {
+        // k_s·q_t: the same products as the dq kernel's q_t·k_s, in the same (d) order.
+        const float score = tile_dot(krow, qs, lane, HS);
+        const float dp = tile_dot(vrow, dos, lane, HS);
         p = expf(score * scale - Lh[t0 + lane]);
         ds = p * (dp - Dh[t0 + lane]);
       }
-      for (int j = 0; j < n; ++j) {
-        const float pj = __shfl_sync(kFullMask, p, j);
-        const float dsj = __shfl_sync(kFullMask, ds, j);
-        axpy_lane(dv_acc, pj, dout0 + (t0 + j) * q_step, lane, HS);
-        axpy_lane(dk_acc, dsj, q0 + (t0 + j) * q_step, lane, HS);
+      for (int j = j0; j < n; ++j) {
+        axpy_tile(dv_acc, __shfl_sync(kFullMask, p, j), dos, j, lane, HS);
+        axpy_tile(dk_acc, __shfl_sync(kFullMask, ds, j), qs, j, lane, HS);
       }
     }
   }
+  if (!active) return;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int d = lane + i * kWarp;
@@ -229,11 +296,21 @@ void check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV, i
                  kMaxHS);
 }
 
-// Blocks of kWarps rows covering `rows`, within the grid's x limit.
-unsigned row_blocks(const char* fn, int64_t rows) {
-  const int64_t blocks = (rows + kWarps - 1) / kWarps;
-  MOETRAIN_CHECK(blocks <= 0x7fffffff, "{}: {} rows are too many for one grid", fn, rows);
-  return static_cast<unsigned>(blocks);
+// Blocks of kWarps rows of T along x, one per (b, head) pair along y, within the grid's limits.
+dim3 row_grid(const char* fn, int64_t T, int64_t pairs) {
+  MOETRAIN_CHECK(pairs <= 65535, "{}: {} (batch, head) pairs are too many for one grid", fn, pairs);
+  return dim3(static_cast<unsigned>((T + kWarps - 1) / kWarps), static_cast<unsigned>(pairs));
+}
+
+// Dynamic shared memory of a kernel with `own` per-warp rows; kernels past the default 48 KiB
+// (HS > 80 or so) are allowed what they need.
+template <class Kernel>
+std::size_t shared_bytes(Kernel kernel, int HS, int own) {
+  const std::size_t bytes = sizeof(float) * tile_floats(HS, own);
+  if (bytes > 48 * 1024)
+    MOETRAIN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(bytes)));
+  return bytes;
 }
 
 // The scale of the CPU kernel, computed the same way so that both use the same float.
@@ -273,9 +350,10 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   if (B == 0 || T == 0) return;
   MOETRAIN_CHECK(out && lse && q && k && v, "cuda::attention_forward: null buffer for B={} T={}",
                  B, T);
-  const unsigned blocks = row_blocks("cuda::attention_forward", B * NH * T);
-  attention_forward_kernel<<<blocks, kThreads, 0, s>>>(out, lse, q, k, v, B, T, NH, NKV,
-                                                       static_cast<int>(HS), score_scale(HS));
+  const int hs = static_cast<int>(HS);
+  const dim3 grid = row_grid("cuda::attention_forward", T, B * NH);
+  attention_forward_kernel<<<grid, kThreads, shared_bytes(attention_forward_kernel, hs, 1), s>>>(
+      out, lse, q, k, v, T, NH, NKV, hs, score_scale(HS));
   MOETRAIN_CUDA_LAUNCHED();
 }
 
@@ -287,16 +365,16 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   if (B == 0 || T == 0) return;
   MOETRAIN_CHECK(dq && dk && dv && dout && q && k && v && out && lse,
                  "cuda::attention_backward: null buffer for B={} T={}", B, T);
-  const unsigned q_blocks = row_blocks("cuda::attention_backward", B * NH * T);
-  const unsigned kv_blocks = row_blocks("cuda::attention_backward", B * NKV * T);
+  const dim3 q_grid = row_grid("cuda::attention_backward", T, B * NH);
+  const dim3 kv_grid = row_grid("cuda::attention_backward", T, B * NKV);
   const float scale = score_scale(HS);
   const int hs = static_cast<int>(HS);
   StreamScratch D(B * NH * T, s);
-  attention_dq_kernel<<<q_blocks, kThreads, 0, s>>>(dq, D.data(), dout, q, k, v, out, lse, B, T,
-                                                    NH, NKV, hs, scale);
+  attention_dq_kernel<<<q_grid, kThreads, shared_bytes(attention_dq_kernel, hs, 2), s>>>(
+      dq, D.data(), dout, q, k, v, out, lse, T, NH, NKV, hs, scale);
   MOETRAIN_CUDA_LAUNCHED();
-  attention_dkdv_kernel<<<kv_blocks, kThreads, 0, s>>>(dk, dv, dout, q, k, v, lse, D.data(), B,
-                                                       T, NH, NKV, hs, scale);
+  attention_dkdv_kernel<<<kv_grid, kThreads, shared_bytes(attention_dkdv_kernel, hs, 2), s>>>(
+      dk, dv, dout, q, k, v, lse, D.data(), T, NH, NKV, hs, scale);
   MOETRAIN_CUDA_LAUNCHED();
   D.release();
 }

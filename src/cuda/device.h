@@ -5,9 +5,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "core/check.h"
+#include "core/dtype.h"
+#include "core/profile.h"
 
 // Every CUDA runtime and cuBLAS call is checked; the message names the call and the reason.
 #define MOETRAIN_CUDA_CHECK(expr)                                                        \
@@ -27,6 +30,9 @@
 #define MOETRAIN_CUDA_LAUNCHED() MOETRAIN_CUDA_CHECK(cudaGetLastError())
 
 namespace moetrain::cuda {
+
+struct GemmPlans;  // cuda/gemm.cpp: cuBLASLt state of the bf16 GEMMs
+void destroy(GemmPlans* p);
 
 // Whether a CUDA device can be used here; if not, *why says what was found instead.
 bool device_available(std::string* why = nullptr);
@@ -80,8 +86,8 @@ class DeviceBuffer {
   int64_t n_ = 0, cap_ = 0;
 };
 
-// The stream an engine runs on and a cuBLAS handle bound to it. Kernels of src/cuda take the
-// stream; GEMMs take the context.
+// The stream an engine runs on, a cuBLAS handle bound to it, and what its GEMMs take as
+// operands (cuda/gemm.h). Kernels of src/cuda take the stream; GEMMs take the context.
 class Context {
  public:
   Context();
@@ -92,9 +98,57 @@ class Context {
   cublasHandle_t blas() const { return blas_; }
   void sync() const { MOETRAIN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
+  DeviceGemm gemm_mode() const { return gemm_mode_; }
+  void set_gemm_mode(DeviceGemm g) { gemm_mode_ = g; }
+  // bf16 operands: a bf16 copy of the n floats at `base` (the parameters), kept current by its
+  // owner; an operand inside [base, base + n) is read from it rather than rounded again.
+  void set_weight_copy(const float* base, int64_t n, const uint16_t* copy) {
+    copy_base_ = base, copy_n_ = n, copy_ = copy;
+  }
+  const uint16_t* weight_copy(const float* p) const {
+    return copy_ && p >= copy_base_ && p < copy_base_ + copy_n_ ? copy_ + (p - copy_base_) : nullptr;
+  }
+  // Scratch for the bf16 rounding of operand i (0 or 1) of the GEMM being queued: n elements.
+  uint16_t* scratch(int i, int64_t n) const {
+    scratch_[i].resize(n);
+    return scratch_[i].data();
+  }
+  // The bf16 GEMMs' cuBLASLt handle, workspace and chosen algorithms (cuda/gemm.cpp), made at the
+  // first bf16 GEMM.
+  std::unique_ptr<GemmPlans, void (*)(GemmPlans*)>& plans() const { return plans_; }
+
  private:
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
+  DeviceGemm gemm_mode_ = DeviceGemm::F32;
+  const float* copy_base_ = nullptr;
+  int64_t copy_n_ = 0;
+  const uint16_t* copy_ = nullptr;
+  mutable DeviceBuffer<uint16_t> scratch_[2];
+  mutable std::unique_ptr<GemmPlans, void (*)(GemmPlans*)> plans_{nullptr, destroy};
+};
+
+// A phase of the per-phase profile (core/profile.h) around device work: when profiling, the
+// stream is drained on entry and on exit, so the host-timed phase is the device's time for it.
+// Costs one flag load otherwise.
+class DevicePhase {
+ public:
+  DevicePhase(const Context& ctx, Phase p) : ctx_(ctx), on_(drain(ctx)), scope_(p) {}
+  ~DevicePhase() {
+    if (on_) ctx_.sync();  // before scope_ closes the phase
+  }
+  DevicePhase(const DevicePhase&) = delete;
+  DevicePhase& operator=(const DevicePhase&) = delete;
+
+ private:
+  static bool drain(const Context& ctx) {
+    if (!profile::on()) return false;
+    ctx.sync();
+    return true;
+  }
+  const Context& ctx_;
+  bool on_;
+  PhaseScope scope_;
 };
 
 // Blocks of `threads` covering n items.

@@ -10,6 +10,8 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+
 #include "cuda/gemm.h"
 
 namespace moetrain {
@@ -45,6 +47,7 @@ void CudaEngine::ensure_capacity(int64_t N) {
 void CudaEngine::upload_params(const float* params) {
   if (!stale_ && params == uploaded_from_) return;
   params_.upload(params, layout_.size());
+  refresh_weight_copy();
   uploaded_from_ = params;
   stale_ = false;
 }
@@ -58,6 +61,7 @@ LossParts CudaEngine::forward(const float* params, const int32_t* inputs, const 
   ensure_capacity(N);
   upload_params(params);
   B_ = B, T_ = T, N_ = N, have_targets_ = targets != nullptr;
+  std::optional<DevicePhase> data(std::in_place, ctx_, Phase::Data);
   for (int64_t i = 0; i < N; ++i)
     MOETRAIN_CHECK(inputs[i] >= 0 && inputs[i] < V,
                    "forward: token {} at position {} is not in "
@@ -72,25 +76,47 @@ LossParts CudaEngine::forward(const float* params, const int32_t* inputs, const 
     targets_.upload(targets, N);
   }
   const float* P = params_.data();
+  data.reset();
 
-  cuda::embedding_forward(resid_.data(), inputs_.data(), P + layout_.embed, N, C, V, s);
+  {
+    DevicePhase ph(ctx_, Phase::Embedding);
+    cuda::embedding_forward(resid_.data(), inputs_.data(), P + layout_.embed, N, C, V, s);
+  }
   LossParts parts;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     const LayerOffsets& o = layout_.layers[l];
     DeviceLayer& a = *layers_[l];
     const float* x = resid_.data() + l * N * C;
     float* x_out = resid_.data() + (l + 1) * N * C;
-    cuda::rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, P + o.ln1, N, C, eps, s);
-    cuda::linear_forward(ctx_, a.q.data(), a.ln1.data(), P + o.wq, N, C, QD);
-    cuda::linear_forward(ctx_, a.k.data(), a.ln1.data(), P + o.wk, N, C, KD);
-    cuda::linear_forward(ctx_, a.v.data(), a.ln1.data(), P + o.wv, N, C, KD);
-    cuda::rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta, s);
-    cuda::rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta, s);
-    cuda::attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T,
-                            NH, NKV, HS, s);
-    cuda::linear_forward(ctx_, a.xmid.data(), a.att.data(), P + o.wo, N, QD, C);
-    cuda::add(a.xmid.data(), a.xmid.data(), x, N * C, s);
-    cuda::rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), P + o.ln2, N, C, eps, s);
+    {
+      DevicePhase ph(ctx_, Phase::Norm);
+      cuda::rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, P + o.ln1, N, C, eps, s);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Gemm);
+      cuda::linear_forward(ctx_, a.q.data(), a.ln1.data(), P + o.wq, N, C, QD);
+      cuda::linear_forward(ctx_, a.k.data(), a.ln1.data(), P + o.wk, N, C, KD);
+      cuda::linear_forward(ctx_, a.v.data(), a.ln1.data(), P + o.wv, N, C, KD);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Rope);
+      cuda::rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta, s);
+      cuda::rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta, s);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Attention);
+      cuda::attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B,
+                              T, NH, NKV, HS, s);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Gemm);
+      cuda::linear_forward(ctx_, a.xmid.data(), a.att.data(), P + o.wo, N, QD, C);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Norm);  // with the residual add before it
+      cuda::add(a.xmid.data(), a.xmid.data(), x, N * C, s);
+      cuda::rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), P + o.ln2, N, C, eps, s);
+    }
     if (model_.moe_index(l) >= 0) {
       const int64_t m = model_.moe_index(l);
       MoeStep ms = step;
@@ -100,22 +126,31 @@ LossParts CudaEngine::forward(const float* params, const int32_t* inputs, const 
       parts.z += moe_[m]->z_loss();
     } else {
       const int64_t Fd = cfg_.dense_ffn_hidden();
+      DevicePhase ph(ctx_, Phase::Gemm);  // with its SwiGLU
       cuda::linear_forward(ctx_, a.h1.data(), a.ln2.data(), P + o.mlp_w1, N, C, Fd);
       cuda::linear_forward(ctx_, a.h3.data(), a.ln2.data(), P + o.mlp_w3, N, C, Fd);
       cuda::swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd, s);
       cuda::linear_forward(ctx_, a.ffn.data(), a.g.data(), P + o.mlp_w2, N, Fd, C);
     }
+    DevicePhase ph(ctx_, Phase::Norm);  // the residual add
     cuda::add(x_out, a.xmid.data(), a.ffn.data(), N * C, s);
   }
-  cuda::rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + cfg_.n_layers * N * C,
-                        P + layout_.final_norm, N, C, eps, s);
-  cuda::linear_forward(ctx_, logits_.data(), lnf_.data(), P + layout_.lm_head, N, C, V);
+  {
+    DevicePhase ph(ctx_, Phase::Norm);
+    cuda::rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + cfg_.n_layers * N * C,
+                          P + layout_.final_norm, N, C, eps, s);
+  }
+  {
+    DevicePhase ph(ctx_, Phase::Gemm);
+    cuda::linear_forward(ctx_, logits_.data(), lnf_.data(), P + layout_.lm_head, N, C, V);
+  }
   const int64_t n_moe = cfg_.n_moe_layers();
   if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
   if (!targets) {
     ctx_.sync();
     return parts;
   }
+  DevicePhase ph(ctx_, Phase::Loss);
   cuda::softmax_xent_forward(losses_.data(), lse_.data(), logits_.data(), targets_.data(), N, V, s);
   losses_host_.resize(static_cast<std::size_t>(N));
   ctx_.sync();
@@ -145,6 +180,7 @@ void CudaEngine::backward(const float* params, float* grads, float loss_weight) 
   if (!resident_) MOETRAIN_CUDA_CHECK(cudaMemsetAsync(G, 0, sizeof(float) * layout_.size(), s));
   gradient_.invalidate();
 
+  std::optional<DevicePhase> loss(std::in_place, ctx_, Phase::Loss);
   int64_t counted = 0;
   for (int64_t i = 0; i < N; ++i) counted += targets_host_[i] >= 0;
   dlosses_host_.assign(static_cast<std::size_t>(N),
@@ -152,11 +188,18 @@ void CudaEngine::backward(const float* params, float* grads, float loss_weight) 
   dlosses_.upload(dlosses_host_.data(), N);
   cuda::softmax_xent_backward(dlogits_.data(), dlosses_.data(), logits_.data(), lse_.data(),
                               targets_.data(), N, V, s);
-  cuda::linear_backward(ctx_, dln_.data(), false, G + layout_.lm_head, dlogits_.data(), lnf_.data(),
-                        P + layout_.lm_head, N, C, V);
-  cuda::rmsnorm_backward(dresid_.data(), G + layout_.final_norm, dln_.data(),
-                         resid_.data() + cfg_.n_layers * N * C, P + layout_.final_norm,
-                         rstdf_.data(), N, C, s);
+  loss.reset();
+  {
+    DevicePhase ph(ctx_, Phase::Gemm);
+    cuda::linear_backward(ctx_, dln_.data(), false, G + layout_.lm_head, dlogits_.data(),
+                          lnf_.data(), P + layout_.lm_head, N, C, V);
+  }
+  {
+    DevicePhase ph(ctx_, Phase::Norm);
+    cuda::rmsnorm_backward(dresid_.data(), G + layout_.final_norm, dln_.data(),
+                           resid_.data() + cfg_.n_layers * N * C, P + layout_.final_norm,
+                           rstdf_.data(), N, C, s);
+  }
 
   const int64_t n_moe = cfg_.n_moe_layers();
   const float moe_weight = n_moe > 0 ? loss_weight / static_cast<float>(n_moe) : 0.f;
@@ -168,6 +211,7 @@ void CudaEngine::backward(const float* params, float* grads, float loss_weight) 
       moe_backward(l, model_.moe_index(l), moe_weight);
     } else {
       const int64_t Fd = cfg_.dense_ffn_hidden();
+      DevicePhase ph(ctx_, Phase::Gemm);  // with its SwiGLU
       cuda::linear_backward(ctx_, dg_.data(), false, G + o.mlp_w2, dresid_.data(), a.g.data(),
                             P + o.mlp_w2, N, Fd, C);
       cuda::swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd,
@@ -177,27 +221,46 @@ void CudaEngine::backward(const float* params, float* grads, float loss_weight) 
       cuda::linear_backward(ctx_, dln_.data(), true, G + o.mlp_w3, dh3_.data(), a.ln2.data(),
                             P + o.mlp_w3, N, C, Fd);
     }
-    cuda::rmsnorm_backward(dxmid_.data(), G + o.ln2, dln_.data(), a.xmid.data(), P + o.ln2,
-                           a.rstd2.data(), N, C, s);
-    cuda::add(dxmid_.data(), dxmid_.data(), dresid_.data(), N * C, s);
-    cuda::linear_backward(ctx_, datt_.data(), false, G + o.wo, dxmid_.data(), a.att.data(),
-                          P + o.wo, N, QD, C);
-    cuda::attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(),
-                             a.k.data(), a.v.data(), a.att.data(), a.lse.data(), B, T, NH, NKV, HS,
-                             s);
-    cuda::rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta, s);
-    cuda::rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta, s);
-    cuda::linear_backward(ctx_, dln_.data(), false, G + o.wq, dq_.data(), a.ln1.data(), P + o.wq, N,
-                          C, QD);
-    cuda::linear_backward(ctx_, dln_.data(), true, G + o.wk, dk_.data(), a.ln1.data(), P + o.wk, N,
-                          C, KD);
-    cuda::linear_backward(ctx_, dln_.data(), true, G + o.wv, dv_.data(), a.ln1.data(), P + o.wv, N,
-                          C, KD);
+    {
+      DevicePhase ph(ctx_, Phase::Norm);
+      cuda::rmsnorm_backward(dxmid_.data(), G + o.ln2, dln_.data(), a.xmid.data(), P + o.ln2,
+                             a.rstd2.data(), N, C, s);
+      cuda::add(dxmid_.data(), dxmid_.data(), dresid_.data(), N * C, s);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Gemm);
+      cuda::linear_backward(ctx_, datt_.data(), false, G + o.wo, dxmid_.data(), a.att.data(),
+                            P + o.wo, N, QD, C);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Attention);
+      cuda::attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(),
+                               a.k.data(), a.v.data(), a.att.data(), a.lse.data(), B, T, NH, NKV,
+                               HS, s);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Rope);
+      cuda::rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta, s);
+      cuda::rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta, s);
+    }
+    {
+      DevicePhase ph(ctx_, Phase::Gemm);
+      cuda::linear_backward(ctx_, dln_.data(), false, G + o.wq, dq_.data(), a.ln1.data(), P + o.wq,
+                            N, C, QD);
+      cuda::linear_backward(ctx_, dln_.data(), true, G + o.wk, dk_.data(), a.ln1.data(), P + o.wk,
+                            N, C, KD);
+      cuda::linear_backward(ctx_, dln_.data(), true, G + o.wv, dv_.data(), a.ln1.data(), P + o.wv,
+                            N, C, KD);
+    }
+    DevicePhase ph(ctx_, Phase::Norm);
     cuda::rmsnorm_backward(dresid_.data(), G + o.ln1, dln_.data(), x, P + o.ln1, a.rstd1.data(), N,
                            C, s);
     cuda::add(dresid_.data(), dresid_.data(), dxmid_.data(), N * C, s);
   }
-  cuda::embedding_backward(G + layout_.embed, dresid_.data(), inputs_.data(), N, C, V, s);
+  {
+    DevicePhase ph(ctx_, Phase::Embedding);
+    cuda::embedding_backward(G + layout_.embed, dresid_.data(), inputs_.data(), N, C, V, s);
+  }
   if (resident_) return;
   // Parameter gradients are +=: this micro-batch's join what the caller holds.
   ctx_.sync();

@@ -88,10 +88,7 @@ class CudaEngine final : public DeviceEngine, public DeviceTrainingState {
   std::string describe() const override { return description_; }
   DeviceTrainingState& training_state() override { return *this; }
   void synchronize() override { ctx_.sync(); }
-  void set_tf32(bool on) override {
-    MOETRAIN_CUBLAS_CHECK(
-        cublasSetMathMode(ctx_.blas(), on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
-  }
+  void set_gemm(DeviceGemm g) override;  // engine_state.cpp
   // Resident, the device copy is the current one: it changes through adamw_step and
   // upload_state only.
   void weights_changed() override { stale_ = !resident_; }
@@ -122,6 +119,8 @@ class CudaEngine final : public DeviceEngine, public DeviceTrainingState {
  private:
   void ensure_capacity(int64_t N);
   void upload_params(const float* params);
+  // bf16 GEMMs: the parameters' bf16 copy from the device parameters (engine_state.cpp).
+  void refresh_weight_copy();
   void check_range(int64_t offset, int64_t n) const;  // engine_state.cpp
   // The MoE block of layer l (engine_moe.cpp): ffn = MoE(ln2), on the device, routed by moe_[m]
   // on the host.
@@ -140,6 +139,7 @@ class CudaEngine final : public DeviceEngine, public DeviceTrainingState {
   std::string description_;
   DeviceBuffer<float> params_, grads_;
   DeviceBuffer<float> exp_avg_, exp_avg_sq_;  // resident: AdamW's moments, same offsets
+  DeviceBuffer<uint16_t> params_bf16_;        // bf16 GEMMs: the parameters' copy, same offsets
   bool resident_ = false;
   DeviceGradient gradient_{ctx_, grads_};
   std::vector<float> grads_host_, logits_host_;

@@ -4,6 +4,7 @@
 #include "cuda/engine.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "cuda/gemm.h"
 
@@ -26,14 +27,16 @@ void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
   const LayerOffsets& o = layout_.layers[l];
   const int64_t N = N_, C = cfg_.dim, E = mc.E, F = mc.F;
   const float* P = params_.data();
-  // Router logits on the device, decisions on the host (the model's own MoE layer).
+  // Router logits on the device (f32 operands in every mode, as on the CPU), decisions on the host
+  // (the model's own MoE layer).
+  std::optional<DevicePhase> routing(std::in_place, ctx_, Phase::Router);
   router_logits_.resize(N * E);
-  cuda::linear_forward(ctx_, router_logits_.data(), a.ln2.data(), P + o.gate, N, C, E);
+  cuda::linear_forward(ctx_, router_logits_.data(), a.ln2.data(), P + o.gate, N, C, E, true);
   float* logits_host = moe.logits_for(N);
   ctx_.sync();
   router_logits_.download(logits_host, N * E);
   if (mc.router == RouterKind::NoisyTopK) {
-    cuda::linear_forward(ctx_, router_logits_.data(), a.ln2.data(), P + o.noise, N, C, E);
+    cuda::linear_forward(ctx_, router_logits_.data(), a.ln2.data(), P + o.noise, N, C, E, true);
     ctx_.sync();
     router_logits_.download(moe.noise_logits(), N * E);
   }
@@ -45,9 +48,14 @@ void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
   a.row_token.upload(lay.row_token.data(), R);
   a.slot_row.upload(lay.slot_row.data(), N * S);
   a.row_weight.upload(lay.row_weight.data(), R);
+  routing.reset();
   a.xp.resize(R * C), a.y.resize(R * C);
   a.a.resize(R * F), a.b.resize(R * F), a.ge.resize(R * F);
-  cuda::permute_forward(a.xp.data(), a.ln2.data(), a.row_token.data(), R, C, ctx_.stream());
+  {
+    DevicePhase ph(ctx_, Phase::Dispatch);
+    cuda::permute_forward(a.xp.data(), a.ln2.data(), a.row_token.data(), R, C, ctx_.stream());
+  }
+  std::optional<DevicePhase> experts(std::in_place, ctx_, Phase::Experts);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t rows = lay.counts[e];
     if (rows == 0) continue;
@@ -62,8 +70,13 @@ void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
     expert_forward(a.ln2.data(), a.ffn.data(), 0, N, P + o.shared_w1, P + o.shared_w3,
                    P + o.shared_w2, Fs, a.sa.data(), a.sb.data(), a.sg.data());
   }
-  cuda::combine_forward(a.ffn.data(), a.y.data(), a.slot_row.data(), a.row_weight.data(), N, S, C,
-                        shared, ctx_.stream());
+  experts.reset();
+  {
+    DevicePhase ph(ctx_, Phase::Dispatch);
+    cuda::combine_forward(a.ffn.data(), a.y.data(), a.slot_row.data(), a.row_weight.data(), N, S,
+                          C, shared, ctx_.stream());
+  }
+  DevicePhase ph(ctx_, Phase::Router);
   moe.finish_route(lay.counts.data());
 }
 
@@ -84,11 +97,14 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
   const int64_t scratch = std::max(R * F, shared ? N * Fs : 0);
   dy_.resize(R * C), dxp_.resize(R * C), dweight_.resize(N * S);
   da_.resize(scratch), db_.resize(scratch), dge_.resize(scratch);
-  cuda::combine_backward(dy_.data(), dweight_.data(), dresid_.data(), a.y.data(), a.slot_row.data(),
-                         a.row_weight.data(), N, S, C, s);
-  dweight_host_.resize(static_cast<std::size_t>(N * S));
-  ctx_.sync();
-  dweight_.download(dweight_host_.data(), N * S);
+  {
+    DevicePhase ph(ctx_, Phase::Dispatch);
+    cuda::combine_backward(dy_.data(), dweight_.data(), dresid_.data(), a.y.data(),
+                           a.slot_row.data(), a.row_weight.data(), N, S, C, s);
+    dweight_host_.resize(static_cast<std::size_t>(N * S));
+    ctx_.sync();
+    dweight_.download(dweight_host_.data(), N * S);
+  }
   // The experts, each over its own rows: dg = dy·W2; SwiGLU backward; dxp = da·W1 + db·W3;
   // weight gradients +=.
   auto expert_backward = [&](const float* dy, const float* xp, float* dxp, int64_t r0, int64_t rows,
@@ -103,6 +119,7 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
     cuda::linear_backward(ctx_, dxp + r0 * C, true, G + w3, dB + r0 * f, xp + r0 * C, P + w3, rows,
                           C, f);
   };
+  std::optional<DevicePhase> experts(std::in_place, ctx_, Phase::Experts);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t rows = lay.counts[e];
     if (rows == 0) continue;
@@ -116,20 +133,25 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
                     a.sg.data(), da_.data(), db_.data(), dge_.data(), o.shared_w1, o.shared_w3,
                     o.shared_w2, false);
   }
-  cuda::permute_backward(dln_.data(), dxp_.data(), a.slot_row.data(), N, S, C, shared, s);
+  experts.reset();
+  {
+    DevicePhase ph(ctx_, Phase::Dispatch);
+    cuda::permute_backward(dln_.data(), dxp_.data(), a.slot_row.data(), N, S, C, shared, s);
+  }
   // The router: ∂/∂logits on the host (the MoE layer's own rules, with the balancing losses),
-  // then its GEMMs here.
+  // then its GEMMs here, in f32.
+  DevicePhase ph(ctx_, Phase::Router);
   const float* dl = moe.logit_grads(dweight_host_.data(), moe_weight);
   if (dl == nullptr) return;
   drouter_.resize(N * E);
   drouter_.upload(dl, N * E);
   cuda::linear_backward(ctx_, dln_.data(), true, G + o.gate, drouter_.data(), a.ln2.data(),
-                        P + o.gate, N, C, E);
+                        P + o.gate, N, C, E, true);
   if (const float* dnl = moe.noise_logit_grads()) {
     ctx_.sync();  // drouter_ is read by the GEMMs above before it is overwritten
     drouter_.upload(dnl, N * E);
     cuda::linear_backward(ctx_, dln_.data(), true, G + o.noise, drouter_.data(), a.ln2.data(),
-                          P + o.noise, N, C, E);
+                          P + o.noise, N, C, E, true);
   }
 }
 

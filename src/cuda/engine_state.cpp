@@ -13,6 +13,22 @@ void copy_floats(void* dst, const void* src, int64_t n, cudaMemcpyKind kind) {
 }
 }  // namespace
 
+void CudaEngine::set_gemm(DeviceGemm g) {
+  ctx_.set_gemm_mode(g);
+  if (g == DeviceGemm::BF16) {
+    params_bf16_.resize(layout_.size());
+    ctx_.set_weight_copy(params_.data(), layout_.size(), params_bf16_.data());
+    refresh_weight_copy();
+  } else {
+    ctx_.set_weight_copy(nullptr, 0, nullptr);
+  }
+}
+
+void CudaEngine::refresh_weight_copy() {
+  if (ctx_.gemm_mode() == DeviceGemm::BF16)
+    cuda::to_bf16(params_bf16_.data(), params_.data(), layout_.size(), ctx_.stream());
+}
+
 void CudaEngine::set_resident(bool on) {
   resident_ = on;
   if (on && exp_avg_.size() != layout_.size()) {
@@ -23,6 +39,7 @@ void CudaEngine::set_resident(bool on) {
 }
 
 void CudaEngine::zero_grads() {
+  DevicePhase phase(ctx_, Phase::GradZero);
   MOETRAIN_CUDA_CHECK(
       cudaMemsetAsync(grads_.data(), 0, sizeof(float) * layout_.size(), ctx_.stream()));
   gradient_.invalidate();
@@ -41,13 +58,17 @@ void CudaEngine::adamw_step(const OptimizerConfig& c, std::span<const ParamRange
                  "not {}",
                  optimizer_kind_name(c.kind));
   const AdamWScalars a = adamw_scalars(c.beta1, c.beta2, c.eps, c.weight_decay, lr, t);
+  DevicePhase phase(ctx_, Phase::Optimizer);
+  // bf16 GEMMs: the same pass writes the updated parameters' bf16 copy.
+  uint16_t* copy = ctx_.gemm_mode() == DeviceGemm::BF16 ? params_bf16_.data() : nullptr;
   for (const ParamRange& g : groups) {
     MOETRAIN_CHECK(g.offset >= 0 && g.size >= 0 && g.offset + g.size <= layout_.size(),
                    "adamw_step: group [{}, {}) outside the {} parameters", g.offset,
                    g.offset + g.size, layout_.size());
     cuda::adamw_step(params_.data() + g.offset, exp_avg_.data() + g.offset,
                      exp_avg_sq_.data() + g.offset, grads_.data() + g.offset, g.size,
-                     g.weight_decay && c.weight_decay != 0.0, a, ctx_.stream());
+                     g.weight_decay && c.weight_decay != 0.0, a, ctx_.stream(),
+                     copy ? copy + g.offset : nullptr);
   }
 }
 
@@ -65,6 +86,7 @@ void CudaEngine::upload_state(const float* params, const float* exp_avg, const f
   check_range(offset, n);
   ctx_.sync();
   params_.upload(params, layout_.size());
+  refresh_weight_copy();
   uploaded_from_ = params;
   stale_ = false;
   copy_floats(exp_avg_.data() + offset, exp_avg, n, cudaMemcpyHostToDevice);

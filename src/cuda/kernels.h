@@ -102,8 +102,14 @@ void combine_backward(float* dy, float* dweight, const float* dout, const float*
 //   p ← p·decay (decay groups only);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·(g·g);
 //   p ← p − step_size·(m / (√v / bias2_sqrt + eps))
 // No operation is contracted into an FMA, so the result is bitwise the CPU's.
+// With params_bf16 (n, may be null) the same pass writes the new parameters' bf16 copy (the
+// operands of train.precision = bf16), rounded as to_bf16 rounds.
 void adamw_step(float* params, float* exp_avg, float* exp_avg_sq, const float* grads, int64_t n,
-                bool decay, const AdamWScalars& a, cudaStream_t s);
+                bool decay, const AdamWScalars& a, cudaStream_t s, uint16_t* params_bf16 = nullptr);
+
+// --- convert.cu ---
+// out (n) = in rounded to bf16, bit for bit core/dtype.h's bf16(float) (the CPU's operands).
+void to_bf16(uint16_t* out, const float* in, int64_t n, cudaStream_t s);
 
 // --- grad.cu --- (the device gradient of the update step, optim/update.h)
 // Σ g² in double and the count of NaN/Inf over g (n): fixed blocks of 2^16 elements, each summed in

@@ -27,8 +27,9 @@ class DeviceEngine {
   virtual void weights_changed() = 0;
   // (B·T, V) logits of the last forward, copied to the host.
   virtual const float* logits() = 0;
-  // GEMMs with TF32 operands on the tensor cores (f32 accumulation), or true f32 (the default).
-  virtual void set_tf32(bool on) = 0;
+  // The operands of the model's GEMMs (core/dtype.h): f32 (the default), TF32 or bf16. The
+  // router's GEMMs stay f32 in every mode, as on the CPU.
+  virtual void set_gemm(DeviceGemm g) = 0;
   // Waits for the work queued on the device (timings).
   virtual void synchronize() = 0;
   // What runs the model, for the log: "cuda: NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)".

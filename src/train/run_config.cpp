@@ -262,10 +262,9 @@ void RunConfig::validate() const {
                  "train.device = cuda");
   if (t.device == "cuda") {
     // What the CUDA engine does not run yet: each is refused by name rather than run elsewhere.
-    MOETRAIN_CHECK(t.precision == "f32" || t.precision == "tf32",
-                   "train.device = cuda with train.precision = {}: the CUDA engine computes in "
-                   "f32 or tf32 for now",
-                   t.precision);
+    MOETRAIN_CHECK(t.precision != "fp16",
+                   "train.device = cuda with train.precision = fp16: the CUDA engine computes in "
+                   "f32, tf32 or bf16 (auto picks bf16)");
     MOETRAIN_CHECK(dist.ep <= 1 && !dist.zero && !dist.local_steps(),
                    "train.device = cuda runs on one process (no NCCL backend yet): leave dist.ep, "
                    "dist.zero and dist.sync at their defaults");

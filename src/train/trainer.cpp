@@ -62,7 +62,10 @@ std::unique_ptr<TokenShard> open_shard(const DataConfig& data, const char* file)
 Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_(std::move(cfg)) {
   cfg_.validate();
   auto_precision_ = cfg_.train.precision == "auto";
-  if (auto_precision_) {
+  if (auto_precision_ && cfg_.train.device == "cuda") {
+    cfg_.train.precision = "bf16";
+    log_info("train.precision = auto: bf16 (train.device = cuda: bf16 GEMMs on the tensor cores)");
+  } else if (auto_precision_) {
     // Resolved once and recorded as the run's own value: config.json, the checkpoints and the
     // config hash say what the run computed, not what "auto" would pick on another machine.
     const std::string isa = onednn_cpu_isa();
@@ -103,7 +106,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
     model_->set_device(cfg_.train.device);
     engine_ = &model_->device_engine()->training_state();
     engine_->set_resident(true);
-    model_->device_engine()->set_tf32(cfg_.train.precision == "tf32");
+    const std::string& p = cfg_.train.precision;
+    model_->device_engine()->set_gemm(p == "tf32"   ? DeviceGemm::TF32
+                                      : p == "bf16" ? DeviceGemm::BF16
+                                                    : DeviceGemm::F32);
     log_info("train.device = {}: forward, backward and update on {}", cfg_.train.device,
              model_->device_engine()->describe());
   }

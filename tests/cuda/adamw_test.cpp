@@ -62,6 +62,14 @@ void compare_steps(const moetrain::OptimizerConfig& config,
   DeviceBuffer<float> d_m = to_device(std::vector<float>(n, 0.0f));
   DeviceBuffer<float> d_v = to_device(std::vector<float>(n, 0.0f));
   DeviceBuffer<float> d_grads(n);
+  // The bf16 copy of the parameters (train.precision = bf16), written by every other step's pass:
+  // after such a step it is bf16(params) bit for bit, parameters outside every group included.
+  auto bf16_bits = [](const std::vector<float>& p) {
+    std::vector<uint16_t> b;
+    for (float x : p) b.push_back(moetrain::bf16(x).bits);
+    return b;
+  };
+  DeviceBuffer<uint16_t> d_copy = to_device(bf16_bits(params));
 
   for (size_t k = 0; k < lrs.size(); ++k) {
     const int64_t t = static_cast<int64_t>(k) + 1;
@@ -79,9 +87,14 @@ void compare_steps(const moetrain::OptimizerConfig& config,
       const bool decay = g.weight_decay && config.weight_decay != 0.0;
       moetrain::cuda::adamw_step(d_params.data() + g.offset, d_m.data() + g.offset,
                                  d_v.data() + g.offset, d_grads.data() + g.offset, g.size, decay,
-                                 a, ctx.stream());
+                                 a, ctx.stream(), k % 2 == 0 ? d_copy.data() + g.offset : nullptr);
     }
     ctx.sync();
+    if (k % 2 == 0) {
+      const std::vector<uint16_t> want = bf16_bits(params), got = to_host(d_copy);
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(got[i], want[i]) << "step " << t << ": bf16 copy of parameter " << i;
+    }
 
     const std::string at = "step " + std::to_string(t);
     expect_same_bits(to_host(d_params), params, at + " params");
