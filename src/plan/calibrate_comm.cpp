@@ -126,7 +126,10 @@ CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes)
     log.assign(std::istreambuf_iterator<char>(in), {});
   }
   std::filesystem::remove(out + ".log");
-  MOETRAIN_CHECK(rc == 0, "plan --calibrate: measuring the collectives failed ({}): {}", cmd, log);
+  MOETRAIN_CHECK(rc == 0,
+                 "plan --calibrate: measuring the collectives with {} processes failed ({}); "
+                 "--comm-procs 0 skips them. mpirun said: {}",
+                 procs, cmd, log);
   const CommFigures f = read_comm_figures(out);
   std::filesystem::remove(out);
   return f;

@@ -73,3 +73,21 @@ TEST(PlanCli, ModelThatDoesNotFitSaysTheMemoryPerDevice) {
   // Nothing but the error: no table of a run that cannot happen.
   EXPECT_EQ(out.find("step time ms"), std::string::npos) << out;
 }
+
+TEST(PlanCli, CalibrationArgumentsAreChecked) {
+  TempDir tmp("plan_cli_calibrate");
+  const std::string out = (tmp.path() / "p.toml").string();
+  // A process count of one cannot measure a collective; checked before anything is measured.
+  const ProcessResult one = plan({"--calibrate", "--comm-procs", "2,1", "--out", out});
+  EXPECT_NE(one.code, 0) << one.output();
+  EXPECT_NE(one.output().find("--comm-procs 2,1: '1' is not 0 or a whole number ≥ 2"),
+            std::string::npos)
+      << one.output();
+  // The config's keys are checked as for train, naming the key.
+  const ProcessResult bad = plan({"--calibrate", "--comm-procs", "0", "-c",
+                                  std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml", "--set",
+                                  "model.dimm=64", "--out", out});
+  EXPECT_NE(bad.code, 0) << bad.output();
+  EXPECT_NE(bad.output().find("model.dimm"), std::string::npos) << bad.output();
+  EXPECT_FALSE(std::filesystem::exists(out));
+}
