@@ -32,8 +32,8 @@ const std::vector<ConfigFlag>& train_config_flags() {
                  .key = "train.precision",
                  .help = "GEMM operand precision: f32, bf16, fp16 with dynamic loss scaling, tf32 "
                          "(with --device cuda: the tensor cores' TF32 operands), or "
-                         "auto (bf16 where oneDNN has a native bf16 matmul, else f32; recorded, "
-                         "and kept on resume) (train.precision)"});
+                         "auto (bf16 where oneDNN has a native bf16 matmul or with --device "
+                         "cuda, else f32; recorded, and kept on resume) (train.precision)"});
     f.push_back({.name = "--device",
                  .kind = Kind::Text,
                  .key = "train.device",

@@ -83,9 +83,9 @@ struct TrainConfig {
   // auto: bf16 where oneDNN has a native bf16 matmul, else f32 (train/precision.h); the trainer
   // records the resolved value, and a resumed run keeps the one its checkpoint recorded.
   std::string precision = "f32";
-  // cpu | cuda. cuda runs each micro-batch's forward and backward on the GPU (src/cuda) and the
-  // one update step on the host, so checkpoints, metrics and resumption are the CPU run's; one
-  // process, f32, no replicas (RunConfig::validate says what else).
+  // cpu | cuda. cuda runs each micro-batch's forward and backward and the one update step on the
+  // GPU (src/cuda); checkpoints, metrics and resumption are the CPU run's. One process; precision
+  // f32, tf32 or bf16 (auto: bf16); no replicas (RunConfig::validate says what else).
   std::string device = "cpu";
   double loss_scale_init = 65536.0;
   int64_t loss_scale_growth_interval = 2000;
