@@ -31,9 +31,14 @@ namespace {
 
 // Median seconds of one call of f over `reps` timed batches, each long enough (≥ 10 ms) to
 // swamp the timer; the median keeps a neighbour's burst on a shared machine out.
+// In the one-thread-per-core calibration every thread runs the same measurements; a barrier
+// before each keeps them side by side, so that each core is timed while the others run the same
+// kernel (as a run's processes do), not while they idle or run another.
 template <class F>
 double seconds_per_call(F&& f, int reps = 3) {
+#pragma omp barrier
   f();  // warm-up: builds the oneDNN primitive, faults the pages in
+#pragma omp barrier
   Timer probe;
   f();
   const double once = std::max(probe.seconds(), 1e-7);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -21,15 +22,20 @@ namespace {
 
 // Seconds per call of `task` run on the communication thread (post, then wait, as the trainer's
 // exchanges do), the median of `reps`, the slowest rank's.
+// `late` > 0: every rank but 0 posts that many seconds after the barrier, as ranks arrive when
+// their compute ends; rank 0's time is counted from when they post.
 template <class F>
-double time_collective(Comm& world, CommThread& thread, F&& task, int reps) {
+double time_collective(Comm& world, CommThread& thread, F&& task, int reps, double late = 0) {
   thread.wait(thread.post(task));  // warm-up: connections, buffers
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     world.barrier();
     Timer timer;
+    if (late > 0 && world.rank() != 0)
+      std::this_thread::sleep_until(std::chrono::steady_clock::now() +
+                                    std::chrono::duration<double>(late));
     thread.wait(thread.post(task));
-    t.push_back(timer.seconds());
+    t.push_back(std::max(0.0, timer.seconds() - late));
   }
   std::sort(t.begin(), t.end());
   double med = t[t.size() / 2];
@@ -57,9 +63,16 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
     std::vector<char> send(static_cast<std::size_t>(per_peer * P), 1), recv(send.size());
     const double t = time_collective(
         world, thread,
-        [&] { world.alltoallv(recv.data(), counts, displs, send.data(), counts, displs); }, 20);
+        [&] { world.alltoallv(recv.data(), counts, displs, send.data(), counts, displs); }, 30);
     const double bytes = static_cast<double>(per_peer * (P - 1));
     f.alltoall_bandwidth = bytes / std::max(t - (P - 1) * f.latency, 0.1 * t);
+    // The same with the peers 2 ms late: a rank that waits has gone to polling with sleeps
+    // (core/comm.h), and the exchange finishes only at its next poll.
+    const double late = time_collective(
+        world, thread,
+        [&] { world.alltoallv(recv.data(), counts, displs, send.data(), counts, displs); }, 10,
+        2e-3);
+    f.late_penalty = std::max(0.0, late - t);
   }
   // All-reduce as the gradient reduction runs it: reduce-scatter, then all-gather, of one bucket
   // (at most 25 MiB, the trainer's bucket size).
@@ -75,7 +88,7 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
           world.reduce_scatter(out.data(), in.data(), counts);
           world.allgather(all.data(), out.data(), counts);
         },
-        5);
+        9);
     const double ring = 2.0 * (P - 1) / P * 4.0 * static_cast<double>(n);
     f.allreduce_bandwidth = ring / std::max(t - 2.0 * (P - 1) * f.latency, 0.1 * t);
   }
@@ -83,14 +96,15 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
 }
 
 void write_comm_figures(const CommFigures& f, const std::string& path) {
-  write_file_atomic(path, fmt::format("{} {:.9e} {:.9e} {:.9e}\n", f.procs, f.latency,
-                                      f.alltoall_bandwidth, f.allreduce_bandwidth));
+  write_file_atomic(path, fmt::format("{} {:.9e} {:.9e} {:.9e} {:.9e}\n", f.procs, f.latency,
+                                      f.alltoall_bandwidth, f.allreduce_bandwidth,
+                                      f.late_penalty));
 }
 
 CommFigures read_comm_figures(const std::string& path) {
   std::ifstream in(path);
   CommFigures f;
-  in >> f.procs >> f.latency >> f.alltoall_bandwidth >> f.allreduce_bandwidth;
+  in >> f.procs >> f.latency >> f.alltoall_bandwidth >> f.allreduce_bandwidth >> f.late_penalty;
   MOETRAIN_CHECK(in && f.procs > 0 && f.latency > 0 && f.alltoall_bandwidth > 0 &&
                      f.allreduce_bandwidth > 0,
                  "{}: not what plan --calibrate-comm writes", path);

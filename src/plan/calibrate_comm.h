@@ -18,6 +18,10 @@ struct CommFigures {
   // Ring-equivalent bytes per second of an all-reduce (reduce-scatter + all-gather), past
   // latency: an all-reduce of `b` bytes over p ranks takes 2(p − 1)·latency + 2(p − 1)/p·b / it.
   double allreduce_bandwidth = 0;
+  // Seconds an all-to-all takes beyond its on-time figure when the peers arrive late (a waiting
+  // rank polls with sleeps): what each of a step's exchanges costs when the ranks' compute before
+  // it differs, as it does with a real router.
+  double late_penalty = 0;
 };
 
 // Every rank of `world` calls it; a rank sends `a2a_bytes` in each all-to-all (spread over the

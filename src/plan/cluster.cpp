@@ -54,7 +54,7 @@ int64_t positive_int(const toml::table& t, const std::string& section, const cha
 
 // A list of positive numbers (a measured table); empty when the key is absent.
 std::vector<double> positive_list(const toml::table& t, const std::string& sec, const char* key,
-                                  const std::string& where) {
+                                  const std::string& where, bool zero_allowed = false) {
   std::vector<double> out;
   const auto* node = t[sec][key].node();
   if (node == nullptr) return out;
@@ -62,8 +62,9 @@ std::vector<double> positive_list(const toml::table& t, const std::string& sec, 
   MOETRAIN_CHECK(arr != nullptr, "{}: {}.{} must be a list of numbers", where, sec, key);
   for (const auto& v : *arr) {
     const auto x = v.value<double>();
-    MOETRAIN_CHECK(x.has_value() && std::isfinite(*x) && *x > 0,
-                   "{}: {}.{} must hold positive numbers", where, sec, key);
+    MOETRAIN_CHECK(x.has_value() && std::isfinite(*x) && (*x > 0 || (zero_allowed && *x == 0)),
+                   "{}: {}.{} must hold {} numbers", where, sec, key,
+                   zero_allowed ? "non-negative" : "positive");
     out.push_back(*x);
   }
   return out;
@@ -230,17 +231,18 @@ void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_
   s += fmt::format("intra_node_bandwidth = {:.6e}\n", intra_bandwidth);
   s += fmt::format("intra_node_latency = {:.6e}\n", intra_latency);
   if (!comm.empty()) {
-    std::vector<double> procs, lat, a2a, ar;
+    std::vector<double> procs, lat, a2a, ar, late;
     for (const CommFigures& f : comm) {
       procs.push_back(static_cast<double>(f.procs));
       lat.push_back(f.latency);
       a2a.push_back(f.alltoall_bandwidth);
       ar.push_back(f.allreduce_bandwidth);
+      late.push_back(f.late_penalty);
     }
     s += "# collectives measured under MPI with comm_procs processes (plan/calibrate_comm.h)\n";
     s += fmt::format("comm_procs = {}\ncomm_latency = {}\ncomm_alltoall_bandwidth = {}\n"
-                     "comm_allreduce_bandwidth = {}\n",
-                     list(procs), list(lat), list(a2a), list(ar));
+                     "comm_allreduce_bandwidth = {}\ncomm_late_penalty = {}\n",
+                     list(procs), list(lat), list(a2a), list(ar), list(late));
   }
   write_file_atomic(path, s);
 }
@@ -317,10 +319,12 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t thr
     const auto lat = positive_list(t, "cluster", "comm_latency", where);
     const auto a2a = positive_list(t, "cluster", "comm_alltoall_bandwidth", where);
     const auto ar = positive_list(t, "cluster", "comm_allreduce_bandwidth", where);
+    auto late = positive_list(t, "cluster", "comm_late_penalty", where, true);
+    if (late.empty()) late.assign(procs_list.size(), 0.0);
     MOETRAIN_CHECK(lat.size() == procs_list.size() && a2a.size() == procs_list.size() &&
-                       ar.size() == procs_list.size(),
-                   "{}: cluster.comm_procs, comm_latency, comm_alltoall_bandwidth and "
-                   "comm_allreduce_bandwidth must have the same length",
+                       ar.size() == procs_list.size() && late.size() == procs_list.size(),
+                   "{}: cluster.comm_procs, comm_latency, comm_alltoall_bandwidth, "
+                   "comm_allreduce_bandwidth and comm_late_penalty must have the same length",
                    where);
     std::size_t best = 0;
     for (std::size_t i = 1; i < procs_list.size(); ++i) {
@@ -331,6 +335,7 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t thr
     c.intra_node_latency = lat[best];
     c.intra_node_bandwidth = a2a[best];
     c.intra_node_allreduce_bandwidth = ar[best];
+    c.late_penalty = late[best];
   }
   c.inter_node_bandwidth = c.intra_node_bandwidth;  // one node: never used
   c.inter_node_latency = c.intra_node_latency;

@@ -56,6 +56,9 @@ struct ClusterSpec {
   // The processes share the cores that compute (a calibrated CPU whose processes fill its
   // cores): a communication thread takes a core from compute, so nothing overlaps.
   bool comm_shares_cores = false;
+  // Seconds each expert exchange costs beyond its on-time figure when the ranks arrive unevenly
+  // (measured on this machine: a waiting rank polls with sleeps); 0 elsewhere.
+  double late_penalty = 0;
 
   int64_t devices() const { return devices_per_node * nodes; }
 };

@@ -390,7 +390,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     const double recv =
         worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const A2a a = alltoall_time(cluster, std::max(send, recv), ep, cfg.dist.hierarchical);
-    s.a2a += 4 * a.time;
+    // Each exchange follows compute that differs between the ranks (their experts, their
+    // tokens' routing): where measured, a late peer's cost is paid at each.
+    s.a2a += 4 * (a.time + (ep > 1 ? cluster.late_penalty : 0));
     p.a2a_kind = a.kind;
   }
   // Pipelining: a stage runs L / pp layers (their mean: dense and MoE layers are taken as spread

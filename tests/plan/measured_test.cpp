@@ -152,6 +152,10 @@ TEST(PlanMeasured, ProcessesFillingTheCoresHideNoCommunication) {
   EXPECT_GT(shared.parts.sync, 0);
   EXPECT_NEAR(shared.parts.sync / c.intra_node_latency, 2 * 3 + 2 + 6, 1e-9);
   EXPECT_DOUBLE_EQ(predict(cfg, one_process(cpu(2)), {}, uniform_load(8)).parts.sync, 0);
+  // A late peer's measured cost at each of the 4 exchanges of each of the 2 MoE layers.
+  c.late_penalty = 1e-4;
+  EXPECT_NEAR(predict(cfg, c, {.procs = 2, .ep = 2}, uniform_load(8)).parts.a2a - shared.parts.a2a,
+              2 * 4 * 1e-4, 1e-12);
 }
 
 TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
@@ -162,7 +166,7 @@ TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
   one.kernels.add("linear", {1024, 128, 128, 1}, 1.5e-3);
   const std::string profile = (tmp.path() / "p.toml").string();
   save_profile(all, one, 5e9, 3e-6,
-               {CommFigures{2, 6e-6, 3e9, 2e9}, CommFigures{4, 40e-6, 2e9, 1.5e9}}, profile);
+               {CommFigures{2, 6e-6, 3e9, 2e9, 0}, CommFigures{4, 40e-6, 2e9, 1.5e9, 3e-4}}, profile);
   const ClusterSpec c1 = local_cluster(profile, 1, 2);
   EXPECT_DOUBLE_EQ(*c1.device.kernels.find("linear", {1024, 128, 128, 1}), 1e-3);
   EXPECT_DOUBLE_EQ(*c1.device.kernels.experts(128, 256, 256, 1), 2e-4);
@@ -179,6 +183,8 @@ TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
   EXPECT_DOUBLE_EQ(*c4.device.kernels.find("linear", {1024, 128, 128, 1}), 3e-3);
   EXPECT_DOUBLE_EQ(c4.intra_node_latency, 40e-6);
   EXPECT_DOUBLE_EQ(c4.intra_node_allreduce_bandwidth, 1.5e9);
+  EXPECT_DOUBLE_EQ(c4.late_penalty, 3e-4);
+  EXPECT_DOUBLE_EQ(c2.late_penalty, 0);
   // Three: the nearest measured count, the larger on a tie.
   EXPECT_DOUBLE_EQ(local_cluster(profile, 3, 1).intra_node_latency, 40e-6);
 }
