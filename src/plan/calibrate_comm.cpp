@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -74,19 +75,22 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
         2e-3);
     f.late_penalty = std::max(0.0, late - t);
   }
-  // All-reduce as the gradient reduction runs it: reduce-scatter, then all-gather, of one bucket
-  // (at most 25 MiB, the trainer's bucket size).
+  // All-reduce as the gradient reduction runs it (parallel/grad_sync.h): a bucket (at most
+  // 25 MiB, the trainer's bucket size) packed from the gradient buffer, reduce-scattered,
+  // all-gathered and unpacked back.
   {
     const int64_t n = std::max<int64_t>(P, std::min<int64_t>(grad_bytes, 25 << 20) / 4);
     std::vector<int64_t> counts(P);
     for (int q = 0; q < P; ++q) counts[q] = chunk_begin(n, q + 1, P) - chunk_begin(n, q, P);
-    std::vector<float> in(static_cast<std::size_t>(n), 1.0f), out(counts[world.rank()]),
-        all(static_cast<std::size_t>(n));
+    std::vector<float> flat(static_cast<std::size_t>(n), 1.0f), in(flat.size()),
+        out(counts[world.rank()]), all(flat.size());
     const double t = time_collective(
         world, thread,
         [&] {
+          std::memcpy(in.data(), flat.data(), flat.size() * sizeof(float));
           world.reduce_scatter(out.data(), in.data(), counts);
           world.allgather(all.data(), out.data(), counts);
+          std::memcpy(flat.data(), all.data(), flat.size() * sizeof(float));
         },
         9);
     const double ring = 2.0 * (P - 1) / P * 4.0 * static_cast<double>(n);
