@@ -282,6 +282,13 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     MOETRAIN_CHECK(static_cast<int64_t>(row.size()) == m.n_experts,
                    "the load model has {} experts per layer, model.n_experts = {}", row.size(),
                    m.n_experts);
+  for (const auto& step : load.steps) {
+    MOETRAIN_CHECK(!step.empty(), "the load model has a step without expert fractions");
+    for (const auto& row : step)
+      MOETRAIN_CHECK(static_cast<int64_t>(row.size()) == m.n_experts,
+                     "the load model has a step with {} experts per layer, model.n_experts = {}",
+                     row.size(), m.n_experts);
+  }
 
   Prediction p;
   p.layout = layout;
