@@ -5,7 +5,8 @@
 // shape through kernels/gemm.h (oneDNN bf16 where the CPU has it; bf16_native says whether it
 // did, else the operands were widened to f32 and no bf16 speed-up is possible).
 // --profile prints, instead, where one step's time goes phase by phase (core/profile.h), and the
-// optimizer's memory rate against a streaming kernel measured in the same run.
+// optimizer's memory rate against a streaming kernel measured in the same run; --batch B profiles
+// the presets at B sequences a step, --seq T at T tokens a sequence.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -156,8 +157,7 @@ double stream_gbps() {
 }
 
 // bench_train_step --profile: where one step's time goes, phase by phase (core/profile.h).
-void print_profile(int preset, bool bf, int steps, double stream) {
-  const Preset& p = kPresets[preset];
+void print_profile(Preset p, bool bf, int steps, double stream) {
   StepRig rig(p, bf);
   rig.step();
   rig.step();
@@ -193,10 +193,15 @@ BENCHMARK(BM_train_step)
 int main(int argc, char** argv) {
   init_threads();
   bool profile_mode = false;
+  int64_t batch = 0, seq = 0;
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--profile") {
       profile_mode = true;
+    } else if (std::string(argv[i]) == "--batch" && i + 1 < argc) {
+      batch = std::stoll(argv[++i]);
+    } else if (std::string(argv[i]) == "--seq" && i + 1 < argc) {
+      seq = std::stoll(argv[++i]);
     } else {
       argv[kept++] = argv[i];
     }
@@ -207,8 +212,12 @@ int main(int argc, char** argv) {
     const double stream = stream_gbps();
     std::printf("threads %d; %s; memory bandwidth (streaming) %.2f GB/s\n", num_threads(),
                 gemm_backend_info(), stream);
-    for (int preset = 0; preset < 2; ++preset)
-      for (bool bf : {false, true}) print_profile(preset, bf, 5, stream);
+    for (int preset = 0; preset < 2; ++preset) {
+      Preset p = kPresets[preset];
+      if (batch > 0) p.B = batch;
+      if (seq > 0) p.T = seq;
+      for (bool bf : {false, true}) print_profile(p, bf, 5, stream);
+    }
     return 0;
   }
   benchmark::Initialize(&argc, argv);
