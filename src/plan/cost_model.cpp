@@ -1,5 +1,6 @@
-// Every formula of the planner, once, each with the reason it has that form. Times are seconds,
-// sizes bytes, rates per second. One "process" is one device (a GPU, or a share of this CPU).
+// Every formula of the planner's step time, once, each with the reason it has that form (the memory
+// model is in plan/memory_model.cpp). Times are seconds, sizes bytes, rates per second. One
+// "process" is one device (a GPU, or a share of this CPU).
 #include "plan/cost_model.h"
 
 #include <fmt/format.h>
@@ -9,20 +10,19 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
-#include "model/params.h"
 #include "parallel/grad_wire.h"
 
 namespace moetrain::plan {
 
 namespace {
 
+double bytes_of(DType t) {
+  return static_cast<double>(dtype_size(t));
+}
+
 // Collectives of the step's metrics (train/step_metrics.cpp: loss parts, counts, expert loads,
 // drops, use; train/rank_timing.cpp: the ranks' times).
 constexpr double kMetricCollectives = 6;
-
-double elem_bytes(DType t) {
-  return t == DType::F32 ? 4.0 : 2.0;
-}
 
 // GEMM (M, N, K): 2·M·N·K FLOPs at the device's peak for the operand type, slowed by the shape
 // efficiency d / (d + gemm_small_dim) with d the smallest side (a GEMM thinner than the kernel's
@@ -152,22 +152,6 @@ double optimizer_bytes_per_param(const std::string& name, DType precision) {
   return 4 * (2 + slots) + 4 * (1 + slots) + 4 + 4 + (precision == DType::F32 ? 0 : 2);
 }
 
-double optimizer_state_floats(const std::string& name) {
-  return name == "adamw" ? 2 : 1;
-}
-
-struct ParamCounts {
-  double dense = 0, expert = 0;  // floats: every dense tensor; all experts of all layers
-};
-
-ParamCounts count_params(const ModelConfig& m) {
-  ParamCounts c;
-  const ParamLayout layout(m);
-  for (const auto& p : layout.params())
-    (p.expert >= 0 ? c.expert : c.dense) += static_cast<double>(p.numel);
-  return c;
-}
-
 }  // namespace
 
 LoadModel uniform_load(int64_t E) {
@@ -203,49 +187,6 @@ ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
 
 double ring_allreduce_bytes(double bytes, int64_t p) {
   return p <= 1 ? 0.0 : 2.0 * static_cast<double>(p - 1) / static_cast<double>(p) * bytes;
-}
-
-Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator) {
-  const ModelConfig& m = cfg.model;
-  const ParamCounts pc = count_params(m);
-  // Each process keeps its tensor shard of the dense tensors of its stage's layers and E / EP
-  // experts of each of them.
-  const double tp = static_cast<double>(layout.tp), pp = static_cast<double>(layout.pp);
-  const double local = pc.dense / (tp * pp) + pc.expert / static_cast<double>(layout.ep) / pp;
-  Memory mem;
-  mem.params = 4 * local;
-  mem.grads = 4 * local;
-  mem.optimizer_without_zero = 4 * optimizer_state_floats(cfg.optim.name) * local;
-  // ZeRO-1 shards the state of dense tensors over all processes and of each expert over the
-  // DP ranks that hold a replica of it.
-  mem.optimizer = cfg.dist.zero == 1
-                      ? 4 * optimizer_state_floats(cfg.optim.name) *
-                            (pc.dense / (tp * pp * static_cast<double>(layout.stage())) +
-                             pc.expert / (pp * static_cast<double>(layout.ep * layout.dp())))
-                      : mem.optimizer_without_zero;
-  const DType prec = cfg.train.precision_dtype();
-  mem.low_precision = prec == DType::F32 ? 0 : elem_bytes(prec) * local;
-  // Activations kept for backward of one micro-batch (f32 masters of every saved tensor): per
-  // layer the norm inputs and rstd, q/k/v, attention output and lse, the residual, router
-  // probabilities, dispatched rows, the experts' h1/h3/act and outputs; then the logits.
-  const double N = static_cast<double>(cfg.train.batch_size * cfg.train.seq_len);
-  const double C = m.dim, HS = m.head_dim(), K = m.top_k, F = m.expert_hidden;
-  double per_layer_moe =
-      N * (3 * C + 2 + (2 * m.n_heads + 2 * m.n_kv_heads) * HS + 2 * m.n_experts + 2 * K * C +
-           3 * K * F + 3 * m.shared_expert_hidden) +
-      static_cast<double>(cfg.train.batch_size * m.n_heads * cfg.train.seq_len);
-  double per_layer_dense =
-      N * (3 * C + 2 + (2 * m.n_heads + 2 * m.n_kv_heads) * HS + 3 * m.dense_ffn_hidden());
-  // Pipelining (1F1B) keeps pp micro-batches of L / pp layers on the first stage: the same as one
-  // micro-batch of every layer. Tensor parallelism shards them (taken as all of them: approximate).
-  // This trainer keeps f32 masters of them; GPU trainers (Megatron, DeepSpeed) keep bf16/fp16
-  // ones in a low-precision run.
-  const double act_bytes = accelerator && prec != DType::F32 ? elem_bytes(prec) : 4.0;
-  mem.activations = act_bytes / tp *
-                    (static_cast<double>(m.n_moe_layers()) * per_layer_moe +
-                     static_cast<double>(m.n_layers - m.n_moe_layers()) * per_layer_dense +
-                     N * (2 * C + m.vocab_size));
-  return mem;
 }
 
 namespace {
@@ -308,7 +249,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                    linear_fb_time(dev, prec, N, C, NHt * HS);
     // Megatron's tensor parallelism: an all-reduce of the (N, C) activations after attention
     // and after the FFN, forward and backward, on the critical path.
-    s.tensor_parallel += 4 * allreduce_time(cluster, N * C * elem_bytes(prec), tp, false);
+    s.tensor_parallel += 4 * allreduce_time(cluster, N * C * bytes_of(prec), tp, false);
     // Scores and values: forward 2 products; a flash-style backward recomputes the scores and
     // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
     // Without a measured rate (accelerators), a fused (flash) kernel at the precision's
@@ -392,7 +333,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     p.imbalance = std::max(p.imbalance, rows_sum > 0 ? worst_rows * ep / rows_sum : 1.0);
     // Four all-to-alls per layer (dispatch and combine, forward and backward). A rank sends its
     // rows bound elsewhere; the hot rank receives its share of the whole group's rows.
-    const double row_bytes = C * elem_bytes(parse_dtype(cfg.dist.a2a_dtype, "dist.a2a_dtype"));
+    const double row_bytes = C * bytes_of(parse_dtype(cfg.dist.a2a_dtype, "dist.a2a_dtype"));
     const double send = N * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double recv =
         worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
@@ -508,16 +449,6 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
 Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
                    const LoadModel& load) {
   return predict_impl(cfg, cluster, layout, load, false);
-}
-
-void check_fits(const Prediction& p, const ClusterSpec& cluster) {
-  MOETRAIN_CHECK(p.fits,
-                 "the model does not fit: it needs {:.3f} GiB per device (parameters {:.3f}, "
-                 "gradients {:.3f}, optimizer {:.3f}, activations {:.3f}), the device has {:.3f} "
-                 "GiB (device.memory_bytes)",
-                 p.memory.total() / 1073741824.0, p.memory.params / 1073741824.0,
-                 p.memory.grads / 1073741824.0, p.memory.optimizer / 1073741824.0,
-                 p.memory.activations / 1073741824.0, cluster.device.memory_bytes / 1073741824.0);
 }
 
 }  // namespace moetrain::plan

@@ -114,6 +114,12 @@ ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
 double ring_allreduce_bytes(double bytes, int64_t p);
 // Memory per device (ZeRO-1 as the config says). `accelerator`: a GPU (built-in or [device]
 // table, not a calibrated CPU) keeps low-precision activations in a bf16/fp16 run.
+// Floats of every dense tensor and of all experts of all layers (plan/memory_model.cpp).
+struct ParamCounts {
+  double dense = 0, expert = 0;
+};
+ParamCounts count_params(const ModelConfig& m);
+
 Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator = false);
 
 }  // namespace moetrain::plan

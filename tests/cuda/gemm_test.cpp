@@ -19,6 +19,7 @@
 #include "cuda/kernels.h"
 #include "kernels/gemm.h"
 #include "support/device_buffers.h"
+#include "support/random_values.h"
 
 namespace {
 
@@ -26,14 +27,6 @@ using namespace moetrain;
 using namespace moetrain::testing;
 
 constexpr double kU = 0x1p-24;
-
-std::vector<float> normal(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 std::vector<bf16> rounded(const std::vector<float>& v) {
   std::vector<bf16> r;

@@ -12,17 +12,14 @@
 #include "cuda/device.h"
 #include "cuda/kernels.h"
 #include "optim/clip.h"
+#include "support/random_values.h"
 
 using namespace moetrain;
 
 namespace {
 
 std::vector<float> random_grads(int64_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(0.0f, 0.01f);
-  std::vector<float> g(static_cast<std::size_t>(n));
-  for (float& x : g) x = d(gen);
-  return g;
+  return moetrain::testing::normal(n, seed, 0.01f);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "kernels/rope.h"
 #include "kernels/softmax.h"
 #include "support/device_buffers.h"
+#include "support/random_values.h"
 
 namespace {
 
@@ -32,14 +33,6 @@ using moetrain::cuda::DeviceBuffer;
 constexpr double kU = 0x1p-24;
 // Results that underflow may differ by up to the smallest normal float.
 constexpr double kTiny = 0x1p-126;
-
-std::vector<float> normal(int64_t n, uint32_t seed, float stddev = 1.0f, float mean = 0.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(mean, stddev);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 // Every |got_i − want_i| ≤ bound_i (a NaN fails); reports the worst element relative to its bound.
 void expect_within(const std::vector<float>& got, const std::vector<float>& want,
