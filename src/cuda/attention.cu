@@ -7,11 +7,18 @@
 // side goes through shared memory 32 rows (a chunk) at a time (see "Shared-memory tiles" below).
 // No atomics: every output element is summed by one lane in a fixed order, so runs are bitwise
 // repeatable.
+//
+// That is the f32 path (train.precision f32: the CPU's formulas and error bounds). With TF32 or
+// bf16 GEMMs the four products of the forward and backward run on the tensor cores instead, as
+// batched GEMMs over (batch, head) pairs with the score matrices materialised a chunk of pairs at
+// a time ("The tensor-core path" below).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/bf16.cuh"
 #include "cuda/device.h"
 #include "cuda/kernels.h"
 #include "cuda/reduce.cuh"
@@ -30,8 +37,8 @@ constexpr int kMaxHS = 256;
 
 // This lane's share x[i] = row[lane + 32·i] of a head-dimension row.
 template <int PL>
-__device__ __forceinline__ void load_lane(float (&x)[PL], const float* __restrict__ row,
-                                          int lane, int HS) {
+__device__ __forceinline__ void load_lane(float (&x)[PL], const float* __restrict__ row, int lane,
+                                          int HS) {
 #pragma unroll
   for (int i = 0; i < PL; ++i) {
     const int d = lane + i * kWarp;
@@ -42,8 +49,8 @@ __device__ __forceinline__ void load_lane(float (&x)[PL], const float* __restric
 // Σ_d x[d]·row[d] with x split over the lanes as load_lane leaves it: each lane sums its share in
 // order, the butterfly adds the 32 partial sums. Every lane gets the same value.
 template <int PL>
-__device__ __forceinline__ float warp_dot(const float (&x)[PL],
-                                          const float* __restrict__ row, int lane, int HS) {
+__device__ __forceinline__ float warp_dot(const float (&x)[PL], const float* __restrict__ row,
+                                          int lane, int HS) {
   float part = 0.0f;
 #pragma unroll
   for (int i = 0; i < PL; ++i) {
@@ -64,7 +71,7 @@ __device__ __forceinline__ float warp_dot(const float (&x)[PL],
 // dimension (lane i holds elements i, i + 32, ...) and each tile element read again serves kRows
 // rows. Rows are zero-padded to HS4 = HS rounded up to 4 (zeros add exact zeros to every sum), and
 // tiles pitched so that a quarter-warp's float4 reads of eight rows hit 32 different banks.
-constexpr int kRows = 2;                   // rows per warp
+constexpr int kRows = 2;                    // rows per warp
 constexpr int kBlockRows = kWarps * kRows;  // rows per block
 
 __host__ __device__ constexpr int hs4(int HS) {
@@ -122,8 +129,7 @@ __device__ __forceinline__ void tile_dots(float (&acc)[kRows], const float* __re
 // acc[r][i] += w_r[j] · tile[j][lane + 32·i] for j in [j0, n) (n ≤ 32, weights past n are zero),
 // four weights at a time from this warp's weight vectors w (kRows × 32).
 template <int PL>
-__device__ __forceinline__ void weighted_rows(float (&acc)[kRows][PL],
-                                              const float* __restrict__ w,
+__device__ __forceinline__ void weighted_rows(float (&acc)[kRows][PL], const float* __restrict__ w,
                                               const float* __restrict__ tile, int j0, int n,
                                               int lane, int HS) {
   const int P = tile_pitch(HS);
@@ -459,35 +465,338 @@ void with_lane_share(int HS, F&& f) {
   }
 }
 
+// --- The tensor-core path (TF32 and bf16 GEMMs) ------------------------------------------------
+// Every (batch, head) pair is one matrix product of a strided batched GEMM (cuBLAS), on heads
+// packed into (B·NH, T, HSp) with HSp = HS rounded up to 8 (zero columns), in the GEMM operand
+// type X: f32 for TF32 (the tensor cores round it to TF32), bf16 bits for bf16 (rounded as
+// core/dtype.h rounds). A kv head is packed once per query head that reads it, so every pair's
+// operands are one stride apart; dk, dv sum the group's copies back in head order.
+//   forward:  S = q·kᵀ (f32)  →  P = softmax(S·scale, causal) in X, lse  →  out = P·v
+//   backward: S = q·kᵀ, dP = dout·vᵀ  →  P = exp(S·scale − lse), dS = P ⊙ (dP − D) in X
+//             →  dv = Pᵀ·dout, dq = scale·dS·k, dk = scale·dSᵀ·q
+// with D = Σ dout·out per row, as the CPU computes it. The products span all T×T scores and the
+// masked half is zeroed (the tensor cores do twice the causal work in a fraction of the time).
+// Scores, dP and every sum are f32; only the GEMM operands (q, k, v, dout, P, dS) are rounded. The
+// T×T buffers take at most kScoreBytes at a time: the pairs go in chunks.
+constexpr int64_t kScoreBytes = int64_t{512} << 20;
+
+__host__ __device__ constexpr int64_t round8(int64_t x) {
+  return (x + 7) / 8 * 8;
+}
+
+__device__ __forceinline__ void put(float* p, float v) {
+  *p = v;
+}
+__device__ __forceinline__ void put(uint16_t* p, float v) {
+  *p = bf16_bits(v);
+}
+
+// dst (B·NH, T, HSp) [(b·NH + h)·T + t][x] = src (B, T, H, HS) [b][t][h / G][x] for x < HS, 0 past
+// it: query heads (H = NH, G = 1) or the kv head each query head reads (H = NKV, G = NH / NKV).
+template <class X>
+__global__ void pack_heads_kernel(X* __restrict__ dst, const float* __restrict__ src, int64_t n,
+                                  int T, int NH, int H, int G, int HS, int HSp) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int x = static_cast<int>(i % HSp);
+  const int64_t row = i / HSp;  // (b·NH + h)·T + t
+  const int t = static_cast<int>(row % T);
+  const int64_t bh = row / T, b = bh / NH;
+  const int h = static_cast<int>(bh % NH);
+  put(dst + i, x < HS ? src[((b * T + t) * H + h / G) * HS + x] : 0.0f);
+}
+
+// dst (B, T, H, HS) [b][t][hh][x] = scale · Σ_{j < G} src (B·NH, T, HSp) [(b·NH + hh·G + j)·T +
+// t][x], summed in j order: out and dq (H = NH, G = 1), dk and dv (H = NKV, the group's query
+// heads).
+__global__ void unpack_heads_kernel(float* __restrict__ dst, const float* __restrict__ src,
+                                    int64_t n, int T, int NH, int H, int G, int HS, int HSp,
+                                    float scale) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int x = static_cast<int>(i % HS);
+  const int hh = static_cast<int>(i / HS % H);
+  const int64_t bt = i / HS / H, b = bt / T;
+  const int t = static_cast<int>(bt % T);
+  float sum = 0.0f;
+  for (int j = 0; j < G; ++j) sum += src[((b * NH + hh * G + j) * T + t) * HSp + x];
+  dst[i] = sum * scale;
+}
+
+// One warp per query row r = (pair, i) of a chunk: P[r][j] = exp(S[r][j]·scale − m) / l for
+// j ≤ i, 0 for i < j < T; lse[r] = m + log l (m the row's max, l = Σ exp(·− m)).
+template <class X>
+__global__ void __launch_bounds__(kThreads)
+    softmax_rows_kernel(X* __restrict__ P, float* __restrict__ lse, const float* __restrict__ S,
+                        int64_t rows, int T, int ld, float scale) {
+  const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
+  if (r >= rows) return;
+  const int lane = static_cast<int>(threadIdx.x % kWarp), i = static_cast<int>(r % T);
+  const float* s = S + r * ld;
+  X* p = P + r * ld;
+  float m = -INFINITY;
+  for (int j = lane; j <= i; j += kWarp) m = fmaxf(m, s[j] * scale);
+  m = warp_max(m);
+  float l = 0.0f;
+  for (int j = lane; j <= i; j += kWarp) l += expf(s[j] * scale - m);
+  l = warp_sum(l);
+  const float inv = 1.0f / l;
+  for (int j = lane; j < T; j += kWarp) put(p + j, j <= i ? expf(s[j] * scale - m) * inv : 0.0f);
+  if (lane == 0) lse[r] = m + logf(l);
+}
+
+// Element (r, j) of a chunk, r = (pair, i): P = exp(S·scale − lse_r) and dS = P·(dP − D_r) for
+// j ≤ i, both 0 for i < j < T.
+template <class X>
+__global__ void softmax_grad_kernel(X* __restrict__ P, X* __restrict__ dS,
+                                    const float* __restrict__ S, const float* __restrict__ dP,
+                                    const float* __restrict__ lse, const float* __restrict__ D,
+                                    int64_t n, int T, int ld, float scale) {
+  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (e >= n) return;
+  const int j = static_cast<int>(e % T);
+  const int64_t r = e / T;
+  const int i = static_cast<int>(r % T);
+  const int64_t at = r * ld + j;
+  float p = 0.0f, ds = 0.0f;
+  if (j <= i) {
+    p = expf(S[at] * scale - lse[r]);
+    ds = p * (dP[at] - D[r]);
+  }
+  put(P + at, p);
+  put(dS + at, ds);
+}
+
+// D (B, NH, T) [(b·NH + h)·T + t] = Σ_x dout·out over the head's HS elements, in x order.
+__global__ void row_dot_kernel(float* __restrict__ D, const float* __restrict__ dout,
+                               const float* __restrict__ out, int64_t n, int T, int NH, int HS) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int t = static_cast<int>(i % T);
+  const int64_t bh = i / T, b = bh / NH;
+  const int h = static_cast<int>(bh % NH);
+  const float* x = dout + ((b * T + t) * NH + h) * HS;
+  const float* y = out + ((b * T + t) * NH + h) * HS;
+  float sum = 0.0f;
+  for (int d = 0; d < HS; ++d) sum += x[d] * y[d];
+  D[i] = sum;
+}
+
+// Column-major C (m, n) = op(A)·op(B) for `batch` pairs `sa`, `sb`, `sc` elements apart: operands
+// X (f32 through TF32, or bf16), C f32, f32 accumulation.
+template <class X>
+void batched_gemm(const Context& ctx, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const X* A,
+                  int64_t lda, int64_t sa, const X* B, int64_t ldb, int64_t sb, float* C,
+                  int64_t ldc, int64_t sc, int64_t batch) {
+  constexpr bool bf16 = std::is_same_v<X, uint16_t>;
+  const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cublasComputeType_t compute = bf16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
+  const float alpha = 1.0f, beta = 0.0f;
+  MOETRAIN_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      ctx.blas(), ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A, type,
+      static_cast<int>(lda), sa, B, type, static_cast<int>(ldb), sb, &beta, C, CUDA_R_32F,
+      static_cast<int>(ldc), sc, static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
+}
+
+// Consecutive pieces of the context's workspace, each aligned to 256 bytes.
+class Carve {
+ public:
+  explicit Carve(const Context& ctx, int64_t bytes)
+      : base_(static_cast<char*>(ctx.workspace(bytes))) {}
+  template <class T>
+  static int64_t bytes(int64_t n) {
+    return (static_cast<int64_t>(sizeof(T)) * n + 255) / 256 * 256;
+  }
+  template <class T>
+  T* take(int64_t n) {
+    T* p = reinterpret_cast<T*>(base_ + used_);
+    used_ += bytes<T>(n);
+    return p;
+  }
+
+ private:
+  char* base_;
+  int64_t used_ = 0;
+};
+
+// The shapes of one call on the tensor-core path.
+struct TcShape {
+  int64_t B, T, NH, NKV, HS, HSp, ld, BH;
+  int64_t heads() const { return BH * T * HSp; }  // elements of one packed (B·NH, T, HSp) array
+  // Pairs per chunk: the T×T buffers, `per_score` bytes a score, within kScoreBytes.
+  int64_t chunk(int64_t per_score) const {
+    return std::max<int64_t>(1, std::min(BH, kScoreBytes / (T * ld * per_score)));
+  }
+};
+
+TcShape tc_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  return {B, T, NH, NKV, HS, round8(HS), round8(T), B * NH};
+}
+
+template <class X>
+void pack_heads(X* dst, const float* src, const TcShape& z, int64_t H, cudaStream_t s) {
+  const int64_t n = z.heads();
+  pack_heads_kernel<X><<<blocks_for(n, kThreads), kThreads, 0, s>>>(
+      dst, src, n, static_cast<int>(z.T), static_cast<int>(z.NH), static_cast<int>(H),
+      static_cast<int>(z.NH / H), static_cast<int>(z.HS), static_cast<int>(z.HSp));
+  MOETRAIN_CUDA_LAUNCHED();
+}
+
+void unpack_heads(float* dst, const float* src, const TcShape& z, int64_t H, float scale,
+                  cudaStream_t s) {
+  const int64_t n = z.B * z.T * H * z.HS;
+  unpack_heads_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(
+      dst, src, n, static_cast<int>(z.T), static_cast<int>(z.NH), static_cast<int>(H),
+      static_cast<int>(z.NH / H), static_cast<int>(z.HS), static_cast<int>(z.HSp), scale);
+  MOETRAIN_CUDA_LAUNCHED();
+}
+
+// Row-major S (T, ld) [i][j] = Σ_x a[i][x]·b[j][x] of each pair, for pairs [p0, p0 + n) of the
+// packed a, b: column-major Sᵀ = b·aᵀ.
+template <class X>
+void pair_scores(const Context& ctx, float* S, const X* a, const X* b, const TcShape& z, int64_t p0,
+                 int64_t n) {
+  const int64_t st = z.T * z.HSp;
+  batched_gemm<X>(ctx, true, false, z.T, z.T, z.HSp, b + p0 * st, z.HSp, st, a + p0 * st, z.HSp, st,
+                  S, z.ld, z.T * z.ld, n);
+}
+
+// Row-major out (T, HSp) = W·y (W row-major (T, ld), trans: Wᵀ·y) of each pair, pairs
+// [p0, p0 + n): column-major outᵀ = yᵀ·Wᵀ (or yᵀ·W).
+template <class X>
+void pair_weighted(const Context& ctx, float* out, const X* W, const X* y, bool trans,
+                   const TcShape& z, int64_t p0, int64_t n) {
+  const int64_t st = z.T * z.HSp;
+  batched_gemm<X>(ctx, false, trans, z.HSp, z.T, z.T, y + p0 * st, z.HSp, st, W, z.ld, z.T * z.ld,
+                  out + p0 * st, z.HSp, st, n);
+}
+
+template <class X>
+void tc_forward(const Context& ctx, float* out, float* lse, const float* q, const float* k,
+                const float* v, const TcShape& z, float scale) {
+  const cudaStream_t s = ctx.stream();
+  const int64_t nc = z.chunk(sizeof(float) + sizeof(X));
+  Carve w(ctx, 3 * Carve::bytes<X>(z.heads()) + Carve::bytes<float>(z.heads()) +
+                   Carve::bytes<float>(nc * z.T * z.ld) + Carve::bytes<X>(nc * z.T * z.ld));
+  X* qp = w.take<X>(z.heads());
+  X* kp = w.take<X>(z.heads());
+  X* vp = w.take<X>(z.heads());
+  float* op = w.take<float>(z.heads());
+  float* S = w.take<float>(nc * z.T * z.ld);
+  X* P = w.take<X>(nc * z.T * z.ld);
+  pack_heads(qp, q, z, z.NH, s);
+  pack_heads(kp, k, z, z.NKV, s);
+  pack_heads(vp, v, z, z.NKV, s);
+  for (int64_t p0 = 0; p0 < z.BH; p0 += nc) {
+    const int64_t n = std::min(nc, z.BH - p0), rows = n * z.T;
+    pair_scores(ctx, S, qp, kp, z, p0, n);
+    softmax_rows_kernel<X><<<blocks_for(rows * kWarp, kThreads), kThreads, 0, s>>>(
+        P, lse + p0 * z.T, S, rows, static_cast<int>(z.T), static_cast<int>(z.ld), scale);
+    MOETRAIN_CUDA_LAUNCHED();
+    pair_weighted(ctx, op, P, vp, false, z, p0, n);
+  }
+  unpack_heads(out, op, z, z.NH, 1.0f, s);
+}
+
+template <class X>
+void tc_backward(const Context& ctx, float* dq, float* dk, float* dv, const float* dout,
+                 const float* q, const float* k, const float* v, const float* out, const float* lse,
+                 const TcShape& z, float scale) {
+  const cudaStream_t s = ctx.stream();
+  const int64_t nc = z.chunk(2 * (sizeof(float) + sizeof(X)));
+  const int64_t scores = nc * z.T * z.ld;
+  Carve w(ctx, Carve::bytes<float>(z.BH * z.T) + 4 * Carve::bytes<X>(z.heads()) +
+                   3 * Carve::bytes<float>(z.heads()) + 2 * Carve::bytes<float>(scores) +
+                   2 * Carve::bytes<X>(scores));
+  float* D = w.take<float>(z.BH * z.T);
+  X* qp = w.take<X>(z.heads());
+  X* kp = w.take<X>(z.heads());
+  X* vp = w.take<X>(z.heads());
+  X* dop = w.take<X>(z.heads());
+  float* dqp = w.take<float>(z.heads());
+  float* dkp = w.take<float>(z.heads());
+  float* dvp = w.take<float>(z.heads());
+  float* S = w.take<float>(scores);
+  float* dP = w.take<float>(scores);
+  X* P = w.take<X>(scores);
+  X* dS = w.take<X>(scores);
+  const int64_t nD = z.BH * z.T;
+  row_dot_kernel<<<blocks_for(nD, kThreads), kThreads, 0, s>>>(
+      D, dout, out, nD, static_cast<int>(z.T), static_cast<int>(z.NH), static_cast<int>(z.HS));
+  MOETRAIN_CUDA_LAUNCHED();
+  pack_heads(qp, q, z, z.NH, s);
+  pack_heads(kp, k, z, z.NKV, s);
+  pack_heads(vp, v, z, z.NKV, s);
+  pack_heads(dop, dout, z, z.NH, s);
+  for (int64_t p0 = 0; p0 < z.BH; p0 += nc) {
+    const int64_t n = std::min(nc, z.BH - p0), elems = n * z.T * z.T;
+    pair_scores(ctx, S, qp, kp, z, p0, n);
+    pair_scores(ctx, dP, dop, vp, z, p0, n);
+    softmax_grad_kernel<X><<<blocks_for(elems, kThreads), kThreads, 0, s>>>(
+        P, dS, S, dP, lse + p0 * z.T, D + p0 * z.T, elems, static_cast<int>(z.T),
+        static_cast<int>(z.ld), scale);
+    MOETRAIN_CUDA_LAUNCHED();
+    pair_weighted(ctx, dvp, P, dop, true, z, p0, n);
+    pair_weighted(ctx, dqp, dS, kp, false, z, p0, n);
+    pair_weighted(ctx, dkp, dS, qp, true, z, p0, n);
+  }
+  unpack_heads(dq, dqp, z, z.NH, scale, s);
+  unpack_heads(dk, dkp, z, z.NKV, scale, s);
+  unpack_heads(dv, dvp, z, z.NKV, 1.0f, s);
+}
+
 }  // namespace
 
-void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, cudaStream_t s) {
+void attention_forward(const Context& ctx, float* out, float* lse, const float* q, const float* k,
+                       const float* v, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   check_args("cuda::attention_forward", B, T, NH, NKV, HS);
   if (B == 0 || T == 0) return;
-  MOETRAIN_CHECK(out && lse && q && k && v, "cuda::attention_forward: null buffer for B={} T={}",
-                 B, T);
+  MOETRAIN_CHECK(out && lse && q && k && v, "cuda::attention_forward: null buffer for B={} T={}", B,
+                 T);
+  const cudaStream_t s = ctx.stream();
+  switch (ctx.attention_f32() ? DeviceGemm::F32 : ctx.gemm_mode()) {
+    case DeviceGemm::TF32:
+      return tc_forward<float>(ctx, out, lse, q, k, v, tc_shape(B, T, NH, NKV, HS),
+                               score_scale(HS));
+    case DeviceGemm::BF16:
+      return tc_forward<uint16_t>(ctx, out, lse, q, k, v, tc_shape(B, T, NH, NKV, HS),
+                                  score_scale(HS));
+    case DeviceGemm::F32:
+      break;
+  }
   const int hs = static_cast<int>(HS);
   const dim3 grid = row_grid("cuda::attention_forward", T, B * NH);
   with_lane_share(hs, [&](auto pl) {
     const auto kernel = attention_forward_kernel<decltype(pl)::value>;
-    kernel<<<grid, kThreads, shared_bytes(kernel, hs, 1, 1), s>>>(out, lse, q, k, v, T, NH, NKV,
-                                                                  hs, score_scale(HS));
+    kernel<<<grid, kThreads, shared_bytes(kernel, hs, 1, 1), s>>>(out, lse, q, k, v, T, NH, NKV, hs,
+                                                                  score_scale(HS));
   });
   MOETRAIN_CUDA_LAUNCHED();
 }
 
-void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
-                        const float* k, const float* v, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                        cudaStream_t s) {
+void attention_backward(const Context& ctx, float* dq, float* dk, float* dv, const float* dout,
+                        const float* q, const float* k, const float* v, const float* out,
+                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                        int64_t HS) {
   check_args("cuda::attention_backward", B, T, NH, NKV, HS);
   if (B == 0 || T == 0) return;
   MOETRAIN_CHECK(dq && dk && dv && dout && q && k && v && out && lse,
                  "cuda::attention_backward: null buffer for B={} T={}", B, T);
+  const cudaStream_t s = ctx.stream();
+  const float scale = score_scale(HS);
+  switch (ctx.attention_f32() ? DeviceGemm::F32 : ctx.gemm_mode()) {
+    case DeviceGemm::TF32:
+      return tc_backward<float>(ctx, dq, dk, dv, dout, q, k, v, out, lse,
+                                tc_shape(B, T, NH, NKV, HS), scale);
+    case DeviceGemm::BF16:
+      return tc_backward<uint16_t>(ctx, dq, dk, dv, dout, q, k, v, out, lse,
+                                   tc_shape(B, T, NH, NKV, HS), scale);
+    case DeviceGemm::F32:
+      break;
+  }
   const dim3 q_grid = row_grid("cuda::attention_backward", T, B * NH);
   const dim3 kv_grid = row_grid("cuda::attention_backward", T, B * NKV);
-  const float scale = score_scale(HS);
   const int hs = static_cast<int>(HS);
   StreamScratch D(B * NH * T, s);
   with_lane_share(hs, [&](auto pl) {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "cuda/kernels.h"
+
 namespace moetrain::cuda {
 
 bool device_available(std::string* why) {
@@ -42,6 +44,24 @@ Context::Context() {
 Context::~Context() {
   if (blas_) cublasDestroy(blas_);
   if (stream_) cudaStreamDestroy(stream_);
+}
+
+Bf16Operand::Bf16Operand(const Context& ctx, const float* p, int64_t n) {
+  if (ctx.gemm_mode() != DeviceGemm::BF16 || n <= 0) return;
+  for (Context::ActivationCopy& a : ctx.activations_) {
+    if (a.base) continue;
+    // The rounding is queued on the stream before the GEMMs that read it; a slot's earlier copy
+    // is overwritten only after the GEMMs queued before it (stream order).
+    a.buf.resize(n);
+    to_bf16(a.buf.data(), p, n, ctx.stream());
+    a.base = p, a.n = n;
+    slot_ = &a;
+    return;
+  }
+}
+
+Bf16Operand::~Bf16Operand() {
+  if (slot_) slot_->base = nullptr, slot_->n = 0;
 }
 
 }  // namespace moetrain::cuda

@@ -13,18 +13,17 @@
 #include "core/profile.h"
 
 // Every CUDA runtime and cuBLAS call is checked; the message names the call and the reason.
-#define MOETRAIN_CUDA_CHECK(expr)                                                        \
-  do {                                                                                   \
-    const cudaError_t moetrain_cuda_err_ = (expr);                                       \
-    MOETRAIN_CHECK(moetrain_cuda_err_ == cudaSuccess, "CUDA: {} failed: {} ({})", #expr, \
-                   cudaGetErrorString(moetrain_cuda_err_),                               \
-                   cudaGetErrorName(moetrain_cuda_err_));                                \
+#define MOETRAIN_CUDA_CHECK(expr)                                                                 \
+  do {                                                                                            \
+    const cudaError_t moetrain_cuda_err_ = (expr);                                                \
+    MOETRAIN_CHECK(moetrain_cuda_err_ == cudaSuccess, "CUDA: {} failed: {} ({})", #expr,          \
+                   cudaGetErrorString(moetrain_cuda_err_), cudaGetErrorName(moetrain_cuda_err_)); \
   } while (0)
-#define MOETRAIN_CUBLAS_CHECK(expr)                                                       \
-  do {                                                                                    \
-    const cublasStatus_t moetrain_cublas_st_ = (expr);                                    \
-    MOETRAIN_CHECK(moetrain_cublas_st_ == CUBLAS_STATUS_SUCCESS, "cuBLAS: {} failed: {}", \
-                   #expr, cublasGetStatusString(moetrain_cublas_st_));                    \
+#define MOETRAIN_CUBLAS_CHECK(expr)                                                              \
+  do {                                                                                           \
+    const cublasStatus_t moetrain_cublas_st_ = (expr);                                           \
+    MOETRAIN_CHECK(moetrain_cublas_st_ == CUBLAS_STATUS_SUCCESS, "cuBLAS: {} failed: {}", #expr, \
+                   cublasGetStatusString(moetrain_cublas_st_));                                  \
   } while (0)
 // After a kernel launch: a bad launch configuration is reported here, not at the next sync.
 #define MOETRAIN_CUDA_LAUNCHED() MOETRAIN_CUDA_CHECK(cudaGetLastError())
@@ -100,18 +99,32 @@ class Context {
 
   DeviceGemm gemm_mode() const { return gemm_mode_; }
   void set_gemm_mode(DeviceGemm g) { gemm_mode_ = g; }
+  // Attention's products in f32 whatever the GEMM mode (cuda/kernels.h, attention).
+  bool attention_f32() const { return attention_f32_; }
+  void set_attention_f32(bool on) { attention_f32_ = on; }
   // bf16 operands: a bf16 copy of the n floats at `base` (the parameters), kept current by its
   // owner; an operand inside [base, base + n) is read from it rather than rounded again.
   void set_weight_copy(const float* base, int64_t n, const uint16_t* copy) {
     copy_base_ = base, copy_n_ = n, copy_ = copy;
   }
-  const uint16_t* weight_copy(const float* p) const {
-    return copy_ && p >= copy_base_ && p < copy_base_ + copy_n_ ? copy_ + (p - copy_base_) : nullptr;
+  // The bf16 copy of the n floats at p, if p .. p + n lies inside the weight copy or inside an
+  // activation copy of a live Bf16Operand; null otherwise.
+  const uint16_t* bf16_copy(const float* p, int64_t n) const {
+    if (const uint16_t* c = inside(p, n, copy_base_, copy_n_, copy_)) return c;
+    for (const ActivationCopy& a : activations_)
+      if (const uint16_t* c = inside(p, n, a.base, a.n, a.buf.data())) return c;
+    return nullptr;
   }
   // Scratch for the bf16 rounding of operand i (0 or 1) of the GEMM being queued: n elements.
   uint16_t* scratch(int i, int64_t n) const {
     scratch_[i].resize(n);
     return scratch_[i].data();
+  }
+  // Scratch of one device call at a time (attention's packed heads and score tiles): at least
+  // `bytes`, kept for the next call (grown, never shrunk), contents undefined.
+  void* workspace(int64_t bytes) const {
+    workspace_.resize(bytes);
+    return workspace_.data();
   }
   // The bf16 GEMMs' cuBLASLt handle, workspace and chosen algorithms (cuda/gemm.cpp), made at the
   // first bf16 GEMM.
@@ -121,11 +134,42 @@ class Context {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   DeviceGemm gemm_mode_ = DeviceGemm::F32;
+  bool attention_f32_ = false;
   const float* copy_base_ = nullptr;
   int64_t copy_n_ = 0;
   const uint16_t* copy_ = nullptr;
   mutable DeviceBuffer<uint16_t> scratch_[2];
+  mutable DeviceBuffer<unsigned char> workspace_;
+  // Slots of Bf16Operand: a source range (null when free) and its copy.
+  struct ActivationCopy {
+    const float* base = nullptr;
+    int64_t n = 0;
+    DeviceBuffer<uint16_t> buf;
+  };
+  static constexpr int kActivationCopies = 4;
+  mutable ActivationCopy activations_[kActivationCopies];
+  friend class Bf16Operand;
+
+  static const uint16_t* inside(const float* p, int64_t n, const float* base, int64_t len,
+                                const uint16_t* copy) {
+    return copy && p >= base && p + n <= base + len ? copy + (p - base) : nullptr;
+  }
   mutable std::unique_ptr<GemmPlans, void (*)(GemmPlans*)> plans_{nullptr, destroy};
+};
+
+// With bf16 GEMMs: an activation that several GEMMs read, rounded to bf16 once, and read from that
+// copy by every GEMM queued while the scope lives that takes an operand inside it (instead of
+// rounding the operand again for each). The n floats at p must not change while it lives. Does
+// nothing in other modes, or when every slot is taken (the GEMMs then round as usual).
+class Bf16Operand {
+ public:
+  Bf16Operand(const Context& ctx, const float* p, int64_t n);
+  ~Bf16Operand();
+  Bf16Operand(const Bf16Operand&) = delete;
+  Bf16Operand& operator=(const Bf16Operand&) = delete;
+
+ private:
+  Context::ActivationCopy* slot_ = nullptr;
 };
 
 // A phase of the per-phase profile (core/profile.h) around device work: when profiling, the

@@ -105,8 +105,8 @@ LossParts CudaEngine::forward(const float* params, const int32_t* inputs, const 
     }
     {
       DevicePhase ph(ctx_, Phase::Attention);
-      cuda::attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B,
-                              T, NH, NKV, HS, s);
+      cuda::attention_forward(ctx_, a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(),
+                              B, T, NH, NKV, HS);
     }
     {
       DevicePhase ph(ctx_, Phase::Gemm);
@@ -234,9 +234,9 @@ void CudaEngine::backward(const float* params, float* grads, float loss_weight) 
     }
     {
       DevicePhase ph(ctx_, Phase::Attention);
-      cuda::attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(),
+      cuda::attention_backward(ctx_, dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(),
                                a.k.data(), a.v.data(), a.att.data(), a.lse.data(), B, T, NH, NKV,
-                               HS, s);
+                               HS);
     }
     {
       DevicePhase ph(ctx_, Phase::Rope);

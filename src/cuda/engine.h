@@ -89,6 +89,7 @@ class CudaEngine final : public DeviceEngine, public DeviceTrainingState {
   DeviceTrainingState& training_state() override { return *this; }
   void synchronize() override { ctx_.sync(); }
   void set_gemm(DeviceGemm g) override;  // engine_state.cpp
+  void keep_attention_f32(bool on) override { ctx_.set_attention_f32(on); }
   // Resident, the device copy is the current one: it changes through adamw_step and
   // upload_state only.
   void weights_changed() override { stale_ = !resident_; }

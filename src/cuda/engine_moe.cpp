@@ -56,6 +56,8 @@ void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
     cuda::permute_forward(a.xp.data(), a.ln2.data(), a.row_token.data(), R, C, ctx_.stream());
   }
   std::optional<DevicePhase> experts(std::in_place, ctx_, Phase::Experts);
+  // With bf16 GEMMs each expert's rows feed two GEMMs (w1, w3): rounded once for both.
+  std::optional<Bf16Operand> xp16(std::in_place, ctx_, a.xp.data(), R * C);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t rows = lay.counts[e];
     if (rows == 0) continue;
@@ -63,18 +65,20 @@ void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
                    P + o.w3 + e * F * C, P + o.w2 + e * C * F, F, a.a.data(), a.b.data(),
                    a.ge.data());
   }
+  xp16.reset();
   const bool shared = mc.shared_F > 0;
   if (shared) {
     const int64_t Fs = mc.shared_F;
     a.sa.resize(N * Fs), a.sb.resize(N * Fs), a.sg.resize(N * Fs);
+    const Bf16Operand ln16(ctx_, a.ln2.data(), N * C);
     expert_forward(a.ln2.data(), a.ffn.data(), 0, N, P + o.shared_w1, P + o.shared_w3,
                    P + o.shared_w2, Fs, a.sa.data(), a.sb.data(), a.sg.data());
   }
   experts.reset();
   {
     DevicePhase ph(ctx_, Phase::Dispatch);
-    cuda::combine_forward(a.ffn.data(), a.y.data(), a.slot_row.data(), a.row_weight.data(), N, S,
-                          C, shared, ctx_.stream());
+    cuda::combine_forward(a.ffn.data(), a.y.data(), a.slot_row.data(), a.row_weight.data(), N, S, C,
+                          shared, ctx_.stream());
   }
   DevicePhase ph(ctx_, Phase::Router);
   moe.finish_route(lay.counts.data());
@@ -106,7 +110,8 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
     dweight_.download(dweight_host_.data(), N * S);
   }
   // The experts, each over its own rows: dg = dy·W2; SwiGLU backward; dxp = da·W1 + db·W3;
-  // weight gradients +=.
+  // weight gradients +=. With bf16 GEMMs, dy and xp (rounded once for all experts by the caller)
+  // and da, db each feed two GEMMs: each is rounded once.
   auto expert_backward = [&](const float* dy, const float* xp, float* dxp, int64_t r0, int64_t rows,
                              int64_t f, const float* A, const float* Bv, const float* Gv, float* dA,
                              float* dB, float* dG, int64_t w1, int64_t w3, int64_t w2, bool acc) {
@@ -114,12 +119,15 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
                           f, C);
     cuda::swiglu_backward(dA + r0 * f, dB + r0 * f, dG + r0 * f, A + r0 * f, Bv + r0 * f, rows * f,
                           s);
+    const Bf16Operand da16(ctx_, dA + r0 * f, rows * f), db16(ctx_, dB + r0 * f, rows * f);
     cuda::linear_backward(ctx_, dxp + r0 * C, acc, G + w1, dA + r0 * f, xp + r0 * C, P + w1, rows,
                           C, f);
     cuda::linear_backward(ctx_, dxp + r0 * C, true, G + w3, dB + r0 * f, xp + r0 * C, P + w3, rows,
                           C, f);
   };
   std::optional<DevicePhase> experts(std::in_place, ctx_, Phase::Experts);
+  std::optional<Bf16Operand> dy16(std::in_place, ctx_, dy_.data(), R * C),
+      xp16(std::in_place, ctx_, a.xp.data(), R * C);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t rows = lay.counts[e];
     if (rows == 0) continue;
@@ -127,8 +135,10 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
                     a.b.data(), a.ge.data(), da_.data(), db_.data(), dge_.data(), o.w1 + e * F * C,
                     o.w3 + e * F * C, o.w2 + e * C * F, false);
   }
+  dy16.reset(), xp16.reset();
   if (shared) {
     // The shared expert sees every token: its input gradient starts dln, the routed rows add.
+    const Bf16Operand dr16(ctx_, dresid_.data(), N * C), ln16(ctx_, a.ln2.data(), N * C);
     expert_backward(dresid_.data(), a.ln2.data(), dln_.data(), 0, N, Fs, a.sa.data(), a.sb.data(),
                     a.sg.data(), da_.data(), db_.data(), dge_.data(), o.shared_w1, o.shared_w3,
                     o.shared_w2, false);

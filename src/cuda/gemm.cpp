@@ -59,8 +59,10 @@ class LtProblem {
     MOETRAIN_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &opy, sizeof(opy)));
     const bool xn = opx == CUBLAS_OP_N, yn = opy == CUBLAS_OP_N;
-    MOETRAIN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&x_, CUDA_R_16BF, xn ? m : k, xn ? k : m, ldx));
-    MOETRAIN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&y_, CUDA_R_16BF, yn ? k : n, yn ? n : k, ldy));
+    MOETRAIN_CUBLAS_CHECK(
+        cublasLtMatrixLayoutCreate(&x_, CUDA_R_16BF, xn ? m : k, xn ? k : m, ldx));
+    MOETRAIN_CUBLAS_CHECK(
+        cublasLtMatrixLayoutCreate(&y_, CUDA_R_16BF, yn ? k : n, yn ? n : k, ldy));
     MOETRAIN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c_, CUDA_R_32F, m, n, ldc));
   }
   ~LtProblem() {
@@ -138,15 +140,15 @@ void gemm(const Context& ctx, Trans ta, Trans tb, int64_t M, int64_t N, int64_t 
     return;
   }
   if (mode == DeviceGemm::TF32) {
-    MOETRAIN_CUBLAS_CHECK(cublasGemmEx(ctx.blas(), opb, opa, m, n, k, &alpha, B, CUDA_R_32F, ldb,
-                                       A, CUDA_R_32F, lda, &beta, C, CUDA_R_32F,
-                                       static_cast<int>(N), CUBLAS_COMPUTE_32F_FAST_TF32,
-                                       CUBLAS_GEMM_DEFAULT));
+    MOETRAIN_CUBLAS_CHECK(cublasGemmEx(ctx.blas(), opb, opa, m, n, k, &alpha, B, CUDA_R_32F, ldb, A,
+                                       CUDA_R_32F, lda, &beta, C, CUDA_R_32F, static_cast<int>(N),
+                                       CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
     return;
   }
-  // bf16: the weights' copy where the operand is a weight, else the operand rounded into scratch.
+  // bf16: the weights' copy where the operand is a weight, an activation's copy where one was
+  // made for several GEMMs (Bf16Operand), else the operand rounded into scratch.
   auto operand = [&](const float* x, int64_t n_elems, int i) -> const uint16_t* {
-    if (const uint16_t* w = ctx.weight_copy(x)) return w;
+    if (const uint16_t* w = ctx.bf16_copy(x, n_elems)) return w;
     uint16_t* r = ctx.scratch(i, n_elems);
     to_bf16(r, x, n_elems, ctx.stream());
     return r;
@@ -156,8 +158,8 @@ void gemm(const Context& ctx, Trans ta, Trans tb, int64_t M, int64_t N, int64_t 
   if (!ctx.plans()) ctx.plans().reset(new GemmPlans);
   GemmPlans& plans = *ctx.plans();
   LtProblem problem(opb, opa, m, n, k, ldb, lda, static_cast<int>(N));
-  const std::array<int64_t, 6> key = {opb, opa, size_class(m), size_class(n), size_class(k),
-                                      accumulate};
+  const std::array<int64_t, 6> key = {opb,           opa,           size_class(m),
+                                      size_class(n), size_class(k), accumulate};
   problem.run(plans, problem.algo(plans, key), &alpha, b, a, &beta, C, ctx.stream());
 }
 

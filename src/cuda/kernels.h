@@ -18,6 +18,8 @@
 
 namespace moetrain::cuda {
 
+class Context;  // cuda/device.h: the stream, cuBLAS handle and GEMM mode of an engine
+
 // --- embedding.cu ---
 // out (N, C) = table[ids];  ids (N) in [0, V);  table (V, C).
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C,
@@ -32,8 +34,7 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
                      int64_t C, float eps, cudaStream_t s);
 // dinp (N, C) = ∂/∂inp;  dweight (C) += Σ_rows dout·inp·rstd (each column's rows in row order).
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                      const float* weight, const float* rstd, int64_t N, int64_t C,
-                      cudaStream_t s);
+                      const float* weight, const float* rstd, int64_t N, int64_t C, cudaStream_t s);
 
 // --- rope.cu ---
 // out (N, NH, HS) = rope(inp) at positions pos (N), rotating the pairs (i, i + HS/2) as
@@ -48,15 +49,18 @@ void rope_backward(float* dinp, const float* dout, const int32_t* pos, int64_t N
 // --- attention.cu ---
 // Causal grouped-query attention. out (B, T, NH, HS) = softmax(q·kᵀ/√HS + mask)·v;
 // lse (B, NH, T); q (B, T, NH, HS); k, v (B, T, NKV, HS); NH % NKV == 0; HS ≤ 256. Outputs
-// must not alias inputs.
-void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, cudaStream_t s);
+// must not alias inputs. On the context's stream; with the context's TF32 or bf16 GEMM mode (and
+// not attention_f32) the products run on the tensor cores (operands rounded to TF32 or bf16,
+// scores and sums f32), using the context's workspace.
+void attention_forward(const Context& ctx, float* out, float* lse, const float* q, const float* k,
+                       const float* v, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
 // dq (B, T, NH, HS) =, dk, dv (B, T, NKV, HS) = ; probabilities recomputed from q, k and lse.
-// Allocates B·NH·T floats of scratch on the stream (cudaMallocAsync) for the rows' D = Σ dout·out.
-void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
-                        const float* k, const float* v, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                        cudaStream_t s);
+// The f32 path allocates B·NH·T floats of scratch on the stream (cudaMallocAsync) for the rows'
+// D = Σ dout·out.
+void attention_backward(const Context& ctx, float* dq, float* dk, float* dv, const float* dout,
+                        const float* q, const float* k, const float* v, const float* out,
+                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                        int64_t HS);
 
 // --- activation.cu ---
 // out (n) = silu(a) ⊙ b

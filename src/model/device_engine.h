@@ -30,6 +30,10 @@ class DeviceEngine {
   // The operands of the model's GEMMs (core/dtype.h): f32 (the default), TF32 or bf16. The
   // router's GEMMs stay f32 in every mode, as on the CPU.
   virtual void set_gemm(DeviceGemm g) = 0;
+  // Attention's products follow the GEMM mode: on the tensor cores with TF32 or bf16 operands.
+  // With this on they stay f32 in every mode, as the CPU's bf16 precision keeps them (for a
+  // comparison with it).
+  virtual void keep_attention_f32(bool on) = 0;
   // Waits for the work queued on the device (timings).
   virtual void synchronize() = 0;
   // What runs the model, for the log: "cuda: NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)".

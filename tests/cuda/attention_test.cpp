@@ -1,6 +1,7 @@
 // Tests of the device attention kernels (src/cuda/attention.cu): forward and backward against the
 // CPU kernels of kernels/attention.h on the same random inputs, within per-element error bounds
-// derived below; outputs fully overwritten; bitwise repeatable; argument checks.
+// derived below, on the f32 path and on the tensor-core path (TF32 and bf16 GEMM modes); outputs
+// fully overwritten; bitwise repeatable; argument checks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,6 +24,7 @@ namespace {
 
 using namespace moetrain::testing;
 
+using moetrain::DeviceGemm;
 using moetrain::cuda::DeviceBuffer;
 
 struct Shape {
@@ -42,6 +44,10 @@ std::ostream& operator<<(std::ostream& os, const Shape& s) {
 // covers both the device's order of operations (online softmax, per-lane sums) and the CPU's
 // (blocked GEMMs, double row sums). So each result must lie within its bound of the exact value,
 // and the device and CPU results within twice the bound of each other.
+// The tensor-core path also rounds every product operand (q, k, v, dout and the probabilities P
+// and dS) to u_op relative (TF32 2^-11, bf16 2^-8: 11 and 8 significant bits): a product of two
+// rounded operands carries g_op = 2·u_op + u_op² more relative error, which the bounds add to each
+// product's term.
 constexpr double kU = 0x1p-24;
 constexpr double kLibm = 8 * kU;
 constexpr double kMinNormal = 0x1p-126;
@@ -89,7 +95,8 @@ struct Reference {
 };
 
 Reference reference(const Problem& p, const std::vector<float>& out_in,
-                    const std::vector<float>& lse_in) {
+                    const std::vector<float>& lse_in, double u_op = 0) {
+  const double g_op = 2 * u_op + u_op * u_op;
   const auto [B, T, NH, NKV, HS] = p.s;
   const int64_t G = NH / NKV;
   // The kernels' scale is this float; taken as an exact constant.
@@ -128,7 +135,7 @@ Reference reference(const Problem& p, const std::vector<float>& out_in,
           abs_dp[s] = dd;
           mx = std::max(mx, score[s]);
           mn = std::min(mn, score[s]);
-          delta = std::max(delta, gamma_n(HS + 2) * abs_score[s]);
+          delta = std::max(delta, (gamma_n(HS + 2) + g_op) * abs_score[s]);
         }
 
         // Forward. Each unnormalised weight exp(ŝ − m̂) carries a relative error ε_w from: its
@@ -145,11 +152,12 @@ Reference reference(const Problem& p, const std::vector<float>& out_in,
         const int64_t li = p.li(b, h, t);
         r.lse[li] = mx + std::log(l);
         const double eps_l = eps_round + gamma_n(t + 1) + (t + 1) * kMinNormal;
-        r.e_lse[li] = (delta + eps_l / (1 - eps_l) + kLibm * std::max(1.0, std::log(double(t + 1)))) *
-                          (1 + 2 * kU) +
-                      2 * kU * std::abs(r.lse[li]);
+        r.e_lse[li] =
+            (delta + eps_l / (1 - eps_l) + kLibm * std::max(1.0, std::log(double(t + 1)))) *
+                (1 + 2 * kU) +
+            2 * kU * std::abs(r.lse[li]);
         const double rel_out = 2 * eps_w / (1 - eps_w) +
-                               (gamma_n(t + 2) + gamma_n(t + 1) + 2 * kU) * (1 + 3 * eps_w);
+                               (gamma_n(t + 2) + gamma_n(t + 1) + 2 * kU + g_op) * (1 + 3 * eps_w);
         for (int64_t x = 0; x < HS; ++x) {
           double o = 0, po = 0, vmax = 0;
           for (int64_t s = 0; s <= t; ++s) {
@@ -177,15 +185,17 @@ Reference reference(const Problem& p, const std::vector<float>& out_in,
         const double e_D = gamma_n(HS) * Dabs;
         std::vector<double> e_acc(HS, 0.0), m_acc(HS, 0.0), dq(HS, 0.0);
         for (int64_t s = 0; s <= t; ++s) {
-          const double es = gamma_n(HS + 2) * abs_score[s];
+          const double es = (gamma_n(HS + 2) + g_op) * abs_score[s];
           const double arg = score[s] - L, pr = std::exp(arg);
           const double eps_p = std::expm1(es + kU * (std::abs(arg) + es)) * (1 + kLibm) + kLibm;
           const double p_err = eps_p * pr + kMinNormal, p_hi = pr + p_err;
           const double x = dp[s] - D;
-          const double e_x = (gamma_n(HS) * abs_dp[s] + e_D) * (1 + kU) + kU * std::abs(x);
+          const double e_x = ((gamma_n(HS) + g_op) * abs_dp[s] + e_D) * (1 + kU) + kU * std::abs(x);
           const double ds = pr * x;
-          const double e_ds = p_err * std::abs(x) + p_hi * e_x + kU * p_hi * (std::abs(x) + e_x);
-          const double m_ds = p_hi * (std::abs(x) + e_x) * (1 + kU);
+          const double m_ds = p_hi * (std::abs(x) + e_x) * (1 + kU) * (1 + g_op);
+          // ds's own rounding and that of the operand it is multiplied with (k or q): g_op·M.
+          const double e_ds =
+              p_err * std::abs(x) + p_hi * e_x + kU * p_hi * (std::abs(x) + e_x) + g_op * m_ds;
           const int64_t ko = p.ki(b, s, g);
           for (int64_t y = 0; y < HS; ++y) {
             const double ky = p.k[ko + y], qy = qt[y], doy = dot_[y];
@@ -196,8 +206,8 @@ Reference reference(const Problem& p, const std::vector<float>& out_in,
             edk[ko + y] += e_ds * std::abs(qy);
             mdk[ko + y] += m_ds * std::abs(qy);
             r.dv[ko + y] += pr * doy;
-            edv[ko + y] += p_err * std::abs(doy);
-            mdv[ko + y] += p_hi * std::abs(doy);
+            edv[ko + y] += (p_err + g_op * p_hi) * std::abs(doy);
+            mdv[ko + y] += p_hi * (1 + g_op) * std::abs(doy);
           }
         }
         // dq = scale·Σ_{s ≤ t} ds·k: t + 1 products and sums, then the scale.
@@ -250,8 +260,8 @@ Outputs run_cpu(const Problem& p) {
   const auto [B, T, NH, NKV, HS] = p.s;
   Outputs r{std::vector<float>(p.nq()), std::vector<float>(p.nlse()), std::vector<float>(p.nq()),
             std::vector<float>(p.nkv()), std::vector<float>(p.nkv())};
-  moetrain::attention_forward(r.out.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(), B,
-                              T, NH, NKV, HS);
+  moetrain::attention_forward(r.out.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(), B, T,
+                              NH, NKV, HS);
   moetrain::attention_backward(r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), p.q.data(),
                                p.k.data(), p.v.data(), r.out.data(), r.lse.data(), B, T, NH, NKV,
                                HS);
@@ -262,9 +272,10 @@ Outputs run_cpu(const Problem& p) {
 // lse (the CPU forward's, so that the backward comparison carries no forward differences).
 // Outputs start as NaN: every element must be overwritten.
 Outputs run_device(const Problem& p, const std::vector<float>& out_in,
-                   const std::vector<float>& lse_in) {
+                   const std::vector<float>& lse_in, DeviceGemm mode = DeviceGemm::F32) {
   const auto [B, T, NH, NKV, HS] = p.s;
   moetrain::cuda::Context ctx;
+  ctx.set_gemm_mode(mode);
   const cudaStream_t s = ctx.stream();
   DeviceBuffer<float> q = to_device(p.q), k = to_device(p.k), v = to_device(p.v),
                       dout = to_device(p.dout), out_d = to_device(out_in),
@@ -276,36 +287,55 @@ Outputs run_device(const Problem& p, const std::vector<float>& out_in,
   for (DeviceBuffer<float>* x : {&out, &lse, &dq, &dk, &dv}) {
     MOETRAIN_CUDA_CHECK(cudaMemsetAsync(x->data(), 0xff, sizeof(float) * x->size(), s));
   }
-  moetrain::cuda::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), B, T,
-                                    NH, NKV, HS, s);
-  moetrain::cuda::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(),
+  moetrain::cuda::attention_forward(ctx, out.data(), lse.data(), q.data(), k.data(), v.data(), B, T,
+                                    NH, NKV, HS);
+  moetrain::cuda::attention_backward(ctx, dq.data(), dk.data(), dv.data(), dout.data(), q.data(),
                                      k.data(), v.data(), out_d.data(), lse_d.data(), B, T, NH, NKV,
-                                     HS, s);
+                                     HS);
   ctx.sync();
   return {to_host(out), to_host(lse), to_host(dq), to_host(dk), to_host(dv)};
 }
 
-void check_against_cpu(const Problem& p) {
+// The unit roundoff of the tensor-core path's operands in each GEMM mode (0: the f32 path).
+double operand_roundoff(DeviceGemm mode) {
+  switch (mode) {
+    case DeviceGemm::TF32:
+      return 0x1p-11;
+    case DeviceGemm::BF16:
+      return 0x1p-8;
+    case DeviceGemm::F32:
+      break;
+  }
+  return 0;
+}
+
+// Returns the device's outputs and the f32 reference, for callers that check more.
+std::pair<Outputs, Reference> check_against_cpu(const Problem& p,
+                                                DeviceGemm mode = DeviceGemm::F32) {
   const Outputs cpu = run_cpu(p);
-  const Outputs dev = run_device(p, cpu.out, cpu.lse);
+  const Outputs dev = run_device(p, cpu.out, cpu.lse, mode);
   const Reference ref = reference(p, cpu.out, cpu.lse);
-  // The contract: the device agrees with the CPU kernel within the two implementations' bounds.
-  expect_agree(dev.out, cpu.out, ref.e_out, "out vs CPU");
-  expect_agree(dev.lse, cpu.lse, ref.e_lse, "lse vs CPU");
-  expect_agree(dev.dq, cpu.dq, ref.e_dq, "dq vs CPU");
-  expect_agree(dev.dk, cpu.dk, ref.e_dk, "dk vs CPU");
-  expect_agree(dev.dv, cpu.dv, ref.e_dv, "dv vs CPU");
+  const Reference rd =
+      mode == DeviceGemm::F32 ? ref : reference(p, cpu.out, cpu.lse, operand_roundoff(mode));
+  // The contract: the device agrees with the CPU kernel within the two implementations' bounds
+  // (the device's is the larger with rounded operands).
+  expect_agree(dev.out, cpu.out, rd.e_out, "out vs CPU");
+  expect_agree(dev.lse, cpu.lse, rd.e_lse, "lse vs CPU");
+  expect_agree(dev.dq, cpu.dq, rd.e_dq, "dq vs CPU");
+  expect_agree(dev.dk, cpu.dk, rd.e_dk, "dk vs CPU");
+  expect_agree(dev.dv, cpu.dv, rd.e_dv, "dv vs CPU");
   // Each within its own bound of the exact values; the CPU's check guards the bound itself.
-  expect_within(dev.out, ref.out, ref.e_out, 1.0, "device out");
-  expect_within(dev.lse, ref.lse, ref.e_lse, 1.0, "device lse");
-  expect_within(dev.dq, ref.dq, ref.e_dq, 1.0, "device dq");
-  expect_within(dev.dk, ref.dk, ref.e_dk, 1.0, "device dk");
-  expect_within(dev.dv, ref.dv, ref.e_dv, 1.0, "device dv");
+  expect_within(dev.out, ref.out, rd.e_out, 1.0, "device out");
+  expect_within(dev.lse, ref.lse, rd.e_lse, 1.0, "device lse");
+  expect_within(dev.dq, ref.dq, rd.e_dq, 1.0, "device dq");
+  expect_within(dev.dk, ref.dk, rd.e_dk, 1.0, "device dk");
+  expect_within(dev.dv, ref.dv, rd.e_dv, 1.0, "device dv");
   expect_within(cpu.out, ref.out, ref.e_out, 1.0, "CPU out");
   expect_within(cpu.lse, ref.lse, ref.e_lse, 1.0, "CPU lse");
   expect_within(cpu.dq, ref.dq, ref.e_dq, 1.0, "CPU dq");
   expect_within(cpu.dk, ref.dk, ref.e_dk, 1.0, "CPU dk");
   expect_within(cpu.dv, ref.dv, ref.e_dv, 1.0, "CPU dv");
+  return {dev, ref};
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -324,19 +354,63 @@ TEST_P(CudaAttentionTest, MatchesCpuKernel) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaAttentionTest,
-    ::testing::Values(Shape{2, 17, 4, 2, 16},   // GQA, T below one chunk of 32 keys
-                      Shape{1, 1, 4, 2, 16},    // a single position
-                      Shape{1, 1, 1, 1, 1},     // everything 1
-                      Shape{1, 130, 2, 1, 64},  // multi-query, T over four chunks
-                      Shape{2, 45, 6, 2, 33},   // odd HS, not a multiple of 32
-                      Shape{3, 33, 3, 3, 1},    // MHA, HS = 1, T one past a chunk
-                      Shape{1, 70, 2, 2, 256},  // the largest HS
-                      Shape{1, 300, 4, 2, 96}), // long rows, many chunks
+    ::testing::Values(Shape{2, 17, 4, 2, 16},    // GQA, T below one chunk of 32 keys
+                      Shape{1, 1, 4, 2, 16},     // a single position
+                      Shape{1, 1, 1, 1, 1},      // everything 1
+                      Shape{1, 130, 2, 1, 64},   // multi-query, T over four chunks
+                      Shape{2, 45, 6, 2, 33},    // odd HS, not a multiple of 32
+                      Shape{3, 33, 3, 3, 1},     // MHA, HS = 1, T one past a chunk
+                      Shape{1, 70, 2, 2, 256},   // the largest HS
+                      Shape{1, 300, 4, 2, 96}),  // long rows, many chunks
     [](const auto& info) {
       std::ostringstream os;
       os << info.param;
       return os.str();
     });
+
+// The tensor-core path (TF32 and bf16 GEMM modes) on the same shapes, within its bounds.
+class CudaAttentionTensorCoreTest : public ::testing::TestWithParam<std::tuple<DeviceGemm, Shape>> {
+};
+
+TEST_P(CudaAttentionTensorCoreTest, MatchesCpuKernelWithinTheRoundedOperandsBound) {
+  std::string why;
+  if (!moetrain::cuda::device_available(&why)) GTEST_SKIP() << why;
+  check_against_cpu(Problem(std::get<1>(GetParam()), 1234), std::get<0>(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaAttentionTensorCoreTest,
+    ::testing::Combine(::testing::Values(DeviceGemm::TF32, DeviceGemm::BF16),
+                       ::testing::Values(Shape{2, 17, 4, 2, 16}, Shape{1, 1, 1, 1, 1},
+                                         Shape{1, 130, 2, 1, 64}, Shape{2, 45, 6, 2, 33},
+                                         Shape{3, 33, 3, 3, 1}, Shape{1, 70, 2, 2, 256},
+                                         Shape{1, 300, 4, 2, 96})),
+    [](const auto& info) {
+      std::ostringstream os;
+      os << (std::get<0>(info.param) == DeviceGemm::TF32 ? "tf32_" : "bf16_")
+         << std::get<1>(info.param);
+      return os.str();
+    });
+
+TEST(CudaAttention, TensorCorePathRoundsItsOperands) {
+  std::string why;
+  if (!moetrain::cuda::device_available(&why)) GTEST_SKIP() << why;
+  // With bf16 operands the outputs leave the f32 bound somewhere: the rounding is real (and the
+  // tensor-core path, not the f32 one, ran).
+  const Problem p({1, 130, 2, 1, 64}, 4321);
+  const auto [dev, ref] = check_against_cpu(p, DeviceGemm::BF16);
+  double worst = 0;
+  for (std::size_t i = 0; i < dev.out.size(); ++i)
+    worst = std::max(worst, std::abs(dev.out[i] - ref.out[i]) / ref.e_out[i]);
+  EXPECT_GT(worst, 1.0) << "bf16 attention outputs all within the f32 bound";
+}
+
+TEST(CudaAttention, TensorCorePathWithLargeScoresAndManyChunks) {
+  std::string why;
+  if (!moetrain::cuda::device_available(&why)) GTEST_SKIP() << why;
+  check_against_cpu(Problem({2, 40, 4, 2, 16}, 77, 4.0f), DeviceGemm::BF16);
+  check_against_cpu(Problem({2, 40, 4, 2, 16}, 77, 4.0f), DeviceGemm::TF32);
+}
 
 TEST(CudaAttention, LargeScoresStayWithinBounds) {
   std::string why;
@@ -351,12 +425,16 @@ TEST(CudaAttention, RepeatedCallsAreBitwiseIdentical) {
   if (!moetrain::cuda::device_available(&why)) GTEST_SKIP() << why;
   const Problem p({2, 75, 4, 1, 40}, 99);
   const Outputs cpu = run_cpu(p);
-  const Outputs a = run_device(p, cpu.out, cpu.lse), b = run_device(p, cpu.out, cpu.lse);
-  EXPECT_TRUE(same_bits(a.out, b.out));
-  EXPECT_TRUE(same_bits(a.lse, b.lse));
-  EXPECT_TRUE(same_bits(a.dq, b.dq));
-  EXPECT_TRUE(same_bits(a.dk, b.dk));
-  EXPECT_TRUE(same_bits(a.dv, b.dv));
+  for (DeviceGemm mode : {DeviceGemm::F32, DeviceGemm::TF32, DeviceGemm::BF16}) {
+    SCOPED_TRACE(static_cast<int>(mode));
+    const Outputs a = run_device(p, cpu.out, cpu.lse, mode),
+                  b = run_device(p, cpu.out, cpu.lse, mode);
+    EXPECT_TRUE(same_bits(a.out, b.out));
+    EXPECT_TRUE(same_bits(a.lse, b.lse));
+    EXPECT_TRUE(same_bits(a.dq, b.dq));
+    EXPECT_TRUE(same_bits(a.dk, b.dk));
+    EXPECT_TRUE(same_bits(a.dv, b.dv));
+  }
 }
 
 TEST(CudaAttention, EmptyShapesLaunchNothing) {
@@ -365,11 +443,11 @@ TEST(CudaAttention, EmptyShapesLaunchNothing) {
   moetrain::cuda::Context ctx;
   for (const Shape& s : {Shape{0, 4, 2, 1, 8}, Shape{2, 0, 2, 1, 8}}) {
     SCOPED_TRACE(::testing::PrintToString(s));
-    EXPECT_NO_THROW(moetrain::cuda::attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                      s.B, s.T, s.NH, s.NKV, s.HS, ctx.stream()));
-    EXPECT_NO_THROW(moetrain::cuda::attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                       nullptr, nullptr, nullptr, nullptr, s.B,
-                                                       s.T, s.NH, s.NKV, s.HS, ctx.stream()));
+    EXPECT_NO_THROW(moetrain::cuda::attention_forward(ctx, nullptr, nullptr, nullptr, nullptr,
+                                                      nullptr, s.B, s.T, s.NH, s.NKV, s.HS));
+    EXPECT_NO_THROW(moetrain::cuda::attention_backward(ctx, nullptr, nullptr, nullptr, nullptr,
+                                                       nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                       s.B, s.T, s.NH, s.NKV, s.HS));
   }
   ctx.sync();
 }
@@ -380,18 +458,18 @@ TEST(CudaAttention, RejectsBadArguments) {
   moetrain::cuda::Context ctx;
   DeviceBuffer<float> buf(1 << 16);
   float* f = buf.data();
-  const cudaStream_t s = ctx.stream();
+  const auto& c = ctx;
   using moetrain::Error;
   using moetrain::cuda::attention_backward;
   using moetrain::cuda::attention_forward;
-  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, 4, 6, 4, 8, s), Error);    // NH % NKV != 0
-  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, 4, 4, 0, 8, s), Error);    // NKV = 0
-  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, 4, 4, 2, 0, s), Error);    // HS = 0
-  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, 4, 4, 2, 257, s), Error);  // HS over 256
-  EXPECT_THROW(attention_forward(f, f, f, f, f, 1, -1, 4, 2, 8, s), Error);
-  EXPECT_THROW(attention_forward(nullptr, f, f, f, f, 1, 4, 4, 2, 8, s), Error);
-  EXPECT_THROW(attention_backward(f, f, f, f, f, f, f, f, f, 1, 4, 6, 4, 8, s), Error);
-  EXPECT_THROW(attention_backward(f, f, f, f, f, f, f, f, f, 1, 4, 4, 2, 300, s), Error);
-  EXPECT_THROW(attention_backward(f, f, f, f, f, f, f, f, nullptr, 1, 4, 4, 2, 8, s), Error);
+  EXPECT_THROW(attention_forward(c, f, f, f, f, f, 1, 4, 6, 4, 8), Error);    // NH % NKV != 0
+  EXPECT_THROW(attention_forward(c, f, f, f, f, f, 1, 4, 4, 0, 8), Error);    // NKV = 0
+  EXPECT_THROW(attention_forward(c, f, f, f, f, f, 1, 4, 4, 2, 0), Error);    // HS = 0
+  EXPECT_THROW(attention_forward(c, f, f, f, f, f, 1, 4, 4, 2, 257), Error);  // HS over 256
+  EXPECT_THROW(attention_forward(c, f, f, f, f, f, 1, -1, 4, 2, 8), Error);
+  EXPECT_THROW(attention_forward(c, nullptr, f, f, f, f, 1, 4, 4, 2, 8), Error);
+  EXPECT_THROW(attention_backward(c, f, f, f, f, f, f, f, f, f, 1, 4, 6, 4, 8), Error);
+  EXPECT_THROW(attention_backward(c, f, f, f, f, f, f, f, f, f, 1, 4, 4, 2, 300), Error);
+  EXPECT_THROW(attention_backward(c, f, f, f, f, f, f, f, f, nullptr, 1, 4, 4, 2, 8), Error);
   ctx.sync();
 }

@@ -119,7 +119,7 @@ TEST_P(CudaGemmTest, EachModeWithinItsBoundOfTheCpu) {
   EXPECT_LE(worst(run(DeviceGemm::TF32, true), c32, sum_bound).first, 1.0) << "exact in tf32 mode";
   const auto bf = worst(run(DeviceGemm::BF16, false), cbf, sum_bound);
   EXPECT_LE(bf.first, 1.0) << "bf16 against the CPU's bf16";
-  // Two products of operands rounded to 8 and 10 bits: (1 + 2^-9)² − 1 and (1 + 2^-11)² − 1.
+  // Products of two operands rounded to TF32's 11 significant bits: (1 + 2^-11)² − 1.
   const auto tf = worst(run(DeviceGemm::TF32, false), c32, 2 * 0x1p-11 + 0x1p-22 + sum_bound);
   EXPECT_LE(tf.first, 1.0) << "tf32 against the CPU's f32";
   // Tiny products may run on kernels without tensor cores; large ones show TF32's rounding.
@@ -161,6 +161,39 @@ TEST(CudaGemm, Bf16ReadsWeightsFromTheCopy) {
   const std::vector<double> mag = abs_products(A, doubled, M, N, K);
   for (std::size_t i = 0; i < got.size(); ++i)
     ASSERT_LE(std::abs(double(got[i]) - ref[i]), 2 * gamma(K) * mag[i] + 1e-30) << "element " << i;
+}
+
+// An activation inside a live Bf16Operand is read from the copy made when the scope began: a
+// change to the f32 array after that does not show in the product until the scope ends.
+TEST(CudaGemm, Bf16ReadsAnActivationFromItsOperandCopy) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << why;
+  const int64_t M = 16, N = 24, K = 32;
+  const std::vector<float> A = normal(M * K, 5), W = normal(N * K, 6), A2 = normal(M * K, 7);
+  cuda::Context ctx;
+  cuda::DeviceBuffer<float> dA = to_device(A);
+  const cuda::DeviceBuffer<float> dW = to_device(W), dA2 = to_device(A2);
+  cuda::DeviceBuffer<float> dC(M * N), dC2(M * N);
+  ctx.set_gemm_mode(DeviceGemm::BF16);
+  uploads_done();
+  {
+    const cuda::Bf16Operand copy(ctx, dA.data(), M * K);
+    MOETRAIN_CUDA_CHECK(cudaMemcpyAsync(dA.data(), dA2.data(), sizeof(float) * M * K,
+                                        cudaMemcpyDeviceToDevice, ctx.stream()));
+    cuda::linear_forward(ctx, dC.data(), dA.data(), dW.data(), M, K, N);  // the copy: A
+  }
+  cuda::linear_forward(ctx, dC2.data(), dA.data(), dW.data(), M, K, N);  // rounded afresh: A2
+  ctx.sync();
+  const std::vector<bf16> Wb = rounded(W);
+  for (const auto& [got, src] : {std::pair{to_host(dC), &A}, std::pair{to_host(dC2), &A2}}) {
+    std::vector<float> ref(got.size());
+    const std::vector<bf16> Ab = rounded(*src);
+    gemm(Trans::N, Trans::T, M, N, K, Ab.data(), Wb.data(), ref.data(), false);
+    const std::vector<double> mag = abs_products(*src, W, M, N, K);
+    for (std::size_t i = 0; i < got.size(); ++i)
+      ASSERT_LE(std::abs(double(got[i]) - ref[i]), 2 * gamma(K) * mag[i] + 1e-30)
+          << "element " << i << (src == &A ? " (inside the scope)" : " (after it)");
+  }
 }
 
 }  // namespace

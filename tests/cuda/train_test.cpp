@@ -46,12 +46,10 @@ RunConfig run_config(const TempDir& tmp, const std::string& name, const std::str
          {"model.dim=64", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2",
           "model.expert_hidden=48", "model.n_experts=6", "model.top_k=2", "model.max_seq_len=64",
           "model.dense_every=3", "model.shared_expert_hidden=32", "model.capacity_factor=1.0",
-          "train.batch_size=4", "train.seq_len=48", "train.grad_accum=2",
-          "optim.warmup_steps=2"})
+          "train.batch_size=4", "train.seq_len=48", "train.grad_accum=2", "optim.warmup_steps=2"})
       keys.emplace_back(k);
   }
-  return load_run_config(tiny ? std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml" : "",
-                         keys);
+  return load_run_config(tiny ? std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml" : "", keys);
 }
 
 // GPU and CPU sum in different orders, and routing near a tie may differ by an ulp; over 20
@@ -79,7 +77,8 @@ void expect_gpu_matches_cpu(bool tiny) {
     worst = std::max(worst, rel);
     EXPECT_LT(rel, 1e-3) << "step " << i + 1 << ": cpu " << lc[i] << ", gpu " << lg[i];
   }
-  const std::vector<double> vc = metric(tmp / "cpu", "val_loss"), vg = metric(tmp / "gpu", "val_loss");
+  const std::vector<double> vc = metric(tmp / "cpu", "val_loss"),
+                            vg = metric(tmp / "gpu", "val_loss");
   ASSERT_EQ(vc.size(), 1u);
   ASSERT_EQ(vg.size(), 1u);
   EXPECT_LT(std::abs(vg[0] - vc[0]) / vc[0], 1e-3);
@@ -122,7 +121,13 @@ void expect_one_step_matches(std::initializer_list<const char*> routers, bool bf
     const LossParts pc = model.forward(params.data(), inputs.data(), targets.data(), B, T, step);
     model.backward(params.data(), gc.data(), 0.7f);
     model.set_device("cuda");
-    if (bf16) model.device_engine()->set_gemm(DeviceGemm::BF16);
+    if (bf16) {
+      model.device_engine()->set_gemm(DeviceGemm::BF16);
+      // The CPU's bf16 precision keeps attention f32; the GPU's would round its operands too, and
+      // a hidden state moved by that flips near-tied top-k choices (whole rows of expert
+      // gradients). Attention's tensor-core path is held to its own bounds in attention_test.
+      model.device_engine()->keep_attention_f32(true);
+    }
     const LossParts pg = model.forward(params.data(), inputs.data(), targets.data(), B, T, step);
     model.backward(params.data(), gg.data(), 0.7f);
     for (float& g : gg) g -= 0.5f;  // the engine adds into what the buffer held
@@ -131,6 +136,7 @@ void expect_one_step_matches(std::initializer_list<const char*> routers, bool bf
     EXPECT_NEAR(pg.z, pc.z, 1e-4 * std::max(1.0, pc.z)) << router;
     EXPECT_EQ(pg.targets, pc.targets) << router;
     int bad = 0;
+    double worst = 0;
     for (const ParamInfo& p : model.layout().params()) {
       double mx = 0, err = 0;
       for (int64_t i = p.offset; i < p.offset + p.numel; ++i) {
@@ -138,12 +144,14 @@ void expect_one_step_matches(std::initializer_list<const char*> routers, bool bf
         err = std::max(err, std::abs(double(gg[i]) - double(gc[i])));
       }
       const bool ok = err <= tol * mx + 1e-7;
+      if (mx > 0) worst = std::max(worst, err / mx);
       if (!ok && ++bad <= 12)
         ADD_FAILURE() << router << " " << p.name << ": largest difference " << err
                       << " against largest gradient " << mx;
     }
-    std::cout << router << (bf16 ? " bf16" : "") << ": ce cpu " << pc.ce << " gpu " << pg.ce << "; aux " << pc.aux << " / "
-              << pg.aux << "; tensors off: " << bad << "\n";
+    std::cout << router << (bf16 ? " bf16" : "") << ": ce cpu " << pc.ce << " gpu " << pg.ce
+              << "; aux " << pc.aux << " / " << pg.aux << "; largest difference / largest gradient "
+              << worst << "; tensors off: " << bad << "\n";
   }
 }
 
@@ -175,7 +183,7 @@ TEST(CudaTrain, DenseSharedAndCapacityBlocksMatchTheCpuRun) {
 }
 
 // TF32 rounds every GEMM operand to a 10-bit significand (2^-11 relative), bf16 to an 8-bit one
-// (2^-9). Two trainings whose GEMMs round differently drift apart step by step, so single steps'
+// (2^-8). Two trainings whose GEMMs round differently drift apart step by step, so single steps'
 // losses are no measure (on an H100, with the fixed corpus a machine without fortunes gets, TF32
 // and f32 differed by up to 38% late in 80 steps, where the loss is near 0.2). What is held to
 // the f32 run is what a user keeps: the validation loss after training through the warm-up,
@@ -264,7 +272,7 @@ TEST(CudaTrain, WithoutAUsableGpuTheRunSaysSo) {
 }
 
 TEST(CudaTrain, WhatTheEngineDoesNotRunIsRefusedByName) {
-    auto check = [&](std::vector<std::string> keys) {
+  auto check = [&](std::vector<std::string> keys) {
     return [keys] { load_run_config("", keys).validate(); };
   };
   expect_error(check({"train.device=cuda", "train.precision=fp16"}), "train.precision = fp16");
