@@ -46,18 +46,27 @@ Context::~Context() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-Bf16Operand::Bf16Operand(const Context& ctx, const float* p, int64_t n) {
+Bf16Operand::Bf16Operand(const Context& ctx, const float* p, int64_t n, WrittenByProducer)
+    : ctx_(ctx) {
   if (ctx.gemm_mode() != DeviceGemm::BF16 || n <= 0) return;
   for (Context::ActivationCopy& a : ctx.activations_) {
     if (a.base) continue;
-    // The rounding is queued on the stream before the GEMMs that read it; a slot's earlier copy
-    // is overwritten only after the GEMMs queued before it (stream order).
+    // Whatever writes the copy is queued on the stream before the GEMMs that read it; a slot's
+    // earlier copy is overwritten only after the GEMMs queued before it (stream order).
     a.buf.resize(n);
-    to_bf16(a.buf.data(), p, n, ctx.stream());
     a.base = p, a.n = n;
     slot_ = &a;
     return;
   }
+}
+
+Bf16Operand::Bf16Operand(const Context& ctx, const float* p, int64_t n)
+    : Bf16Operand(ctx, p, n, WrittenByProducer{}) {
+  fill();
+}
+
+void Bf16Operand::fill() {
+  if (slot_) to_bf16(slot_->buf.data(), slot_->base, slot_->n, ctx_.stream());
 }
 
 Bf16Operand::~Bf16Operand() {

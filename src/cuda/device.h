@@ -163,12 +163,22 @@ class Context {
 // nothing in other modes, or when every slot is taken (the GEMMs then round as usual).
 class Bf16Operand {
  public:
+  // Rounds the n floats at p into the copy now.
   Bf16Operand(const Context& ctx, const float* p, int64_t n);
+  // The copy is written by the kernel that produces p's values (into data(), when not null),
+  // queued before the first GEMM that reads it.
+  struct WrittenByProducer {};
+  Bf16Operand(const Context& ctx, const float* p, int64_t n, WrittenByProducer);
   ~Bf16Operand();
   Bf16Operand(const Bf16Operand&) = delete;
   Bf16Operand& operator=(const Bf16Operand&) = delete;
+  // The copy; null where none is kept (not bf16, or every slot taken).
+  uint16_t* data() const { return slot_ ? slot_->buf.data() : nullptr; }
+  // Rounds the floats into the copy (queued now), where one is kept.
+  void fill();
 
  private:
+  const Context& ctx_;
   Context::ActivationCopy* slot_ = nullptr;
 };
 

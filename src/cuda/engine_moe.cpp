@@ -16,7 +16,9 @@ void CudaEngine::expert_forward(const float* xp, float* y, int64_t r0, int64_t r
   const int64_t C = cfg_.dim;
   cuda::linear_forward(ctx_, A + r0 * F, xp + r0 * C, w1, rows, C, F);
   cuda::linear_forward(ctx_, Bv + r0 * F, xp + r0 * C, w3, rows, C, F);
-  cuda::swiglu_forward(G + r0 * F, A + r0 * F, Bv + r0 * F, rows * F, ctx_.stream());
+  // With bf16 GEMMs the SwiGLU writes g's bf16 copy for w2's GEMM as well.
+  const Bf16Operand g16(ctx_, G + r0 * F, rows * F, Bf16Operand::WrittenByProducer{});
+  cuda::swiglu_forward(G + r0 * F, A + r0 * F, Bv + r0 * F, rows * F, ctx_.stream(), g16.data());
   cuda::linear_forward(ctx_, y + r0 * C, G + r0 * F, w2, rows, F, C);
 }
 
@@ -117,9 +119,13 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
                              float* dB, float* dG, int64_t w1, int64_t w3, int64_t w2, bool acc) {
     cuda::linear_backward(ctx_, dG + r0 * f, false, G + w2, dy + r0 * C, Gv + r0 * f, P + w2, rows,
                           f, C);
+    // With bf16 GEMMs the SwiGLU backward writes da and db in bf16 only, for the GEMMs below.
+    Bf16Operand da16(ctx_, dA + r0 * f, rows * f, Bf16Operand::WrittenByProducer{}),
+        db16(ctx_, dB + r0 * f, rows * f, Bf16Operand::WrittenByProducer{});
+    const bool both = da16.data() && db16.data();
     cuda::swiglu_backward(dA + r0 * f, dB + r0 * f, dG + r0 * f, A + r0 * f, Bv + r0 * f, rows * f,
-                          s);
-    const Bf16Operand da16(ctx_, dA + r0 * f, rows * f), db16(ctx_, dB + r0 * f, rows * f);
+                          s, both ? da16.data() : nullptr, both ? db16.data() : nullptr);
+    if (!both) da16.fill(), db16.fill();  // one slot only: it rounds the f32 output
     cuda::linear_backward(ctx_, dxp + r0 * C, acc, G + w1, dA + r0 * f, xp + r0 * C, P + w1, rows,
                           C, f);
     cuda::linear_backward(ctx_, dxp + r0 * C, true, G + w3, dB + r0 * f, xp + r0 * C, P + w3, rows,

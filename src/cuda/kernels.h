@@ -64,10 +64,13 @@ void attention_backward(const Context& ctx, float* dq, float* dk, float* dv, con
 
 // --- activation.cu ---
 // out (n) = silu(a) ⊙ b
-void swiglu_forward(float* out, const float* a, const float* b, int64_t n, cudaStream_t s);
+// With out16, also bf16(out) there.
+void swiglu_forward(float* out, const float* a, const float* b, int64_t n, cudaStream_t s,
+                    uint16_t* out16 = nullptr);
 // da = dout ⊙ b ⊙ silu'(a);  db = dout ⊙ silu(a)
+// With da16 and db16, bf16(da) and bf16(db) there instead of da and db (which are not written).
 void swiglu_backward(float* da, float* db, const float* dout, const float* a, const float* b,
-                     int64_t n, cudaStream_t s);
+                     int64_t n, cudaStream_t s, uint16_t* da16 = nullptr, uint16_t* db16 = nullptr);
 // out (n) = a + b (out may alias a or b)
 void add(float* out, const float* a, const float* b, int64_t n, cudaStream_t s);
 

@@ -404,6 +404,28 @@ TEST_P(CudaActivationTest, SwigluMatchesCpuAndRepeats) {
   expect_same_bits(to_host(d_out), out, "swiglu out, repeated");
   expect_same_bits(to_host(d_da), da, "swiglu da, repeated");
   expect_same_bits(to_host(d_db), db, "swiglu db, repeated");
+
+  // The bf16 outputs for bf16 GEMMs: bf16 of the f32 results, bit for bit (core/dtype.h); the
+  // backward then leaves da and db unwritten.
+  DeviceBuffer<uint16_t> d_out16(n), d_da16(n), d_db16(n);
+  DeviceBuffer<float> d_da2(n), d_db2(n);
+  MOETRAIN_CUDA_CHECK(cudaMemsetAsync(d_da2.data(), 0xff, sizeof(float) * n, ctx.stream()));
+  MOETRAIN_CUDA_CHECK(cudaMemsetAsync(d_db2.data(), 0xff, sizeof(float) * n, ctx.stream()));
+  moetrain::cuda::swiglu_forward(d_out.data(), d_a.data(), d_b.data(), n, ctx.stream(),
+                                 d_out16.data());
+  moetrain::cuda::swiglu_backward(d_da2.data(), d_db2.data(), d_g.data(), d_a.data(), d_b.data(), n,
+                                  ctx.stream(), d_da16.data(), d_db16.data());
+  ctx.sync();
+  expect_same_bits(to_host(d_out), out, "swiglu out with its bf16 copy");
+  const std::vector<uint16_t> out16 = to_host(d_out16), da16 = to_host(d_da16),
+                              db16 = to_host(d_db16);
+  const std::vector<float> da2 = to_host(d_da2), db2 = to_host(d_db2);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(out16[i], moetrain::bf16(out[i]).bits) << "out16 element " << i;
+    ASSERT_EQ(da16[i], moetrain::bf16(da[i]).bits) << "da16 element " << i;
+    ASSERT_EQ(db16[i], moetrain::bf16(db[i]).bits) << "db16 element " << i;
+    ASSERT_TRUE(std::isnan(da2[i]) && std::isnan(db2[i])) << "da, db written at " << i;
+  }
 }
 
 // add is one correctly rounded float addition per element: bitwise, also in place.
