@@ -6,7 +6,8 @@
 // did, else the operands were widened to f32 and no bf16 speed-up is possible).
 // --profile prints, instead, where one step's time goes phase by phase (core/profile.h), and the
 // optimizer's memory rate against a streaming kernel measured in the same run; --batch B profiles
-// the presets at B sequences a step, --seq T at T tokens a sequence.
+// the presets at B sequences a step, --seq T at T tokens a sequence; --preset NAME profiles one
+// preset, --precision f32|bf16 one precision, --steps N over N steps (default 5).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -194,6 +195,8 @@ int main(int argc, char** argv) {
   init_threads();
   bool profile_mode = false;
   int64_t batch = 0, seq = 0;
+  int steps = 5;
+  std::string only_preset, only_precision;
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--profile") {
@@ -202,6 +205,12 @@ int main(int argc, char** argv) {
       batch = std::stoll(argv[++i]);
     } else if (std::string(argv[i]) == "--seq" && i + 1 < argc) {
       seq = std::stoll(argv[++i]);
+    } else if (std::string(argv[i]) == "--steps" && i + 1 < argc) {
+      steps = std::stoi(argv[++i]);
+    } else if (std::string(argv[i]) == "--preset" && i + 1 < argc) {
+      only_preset = argv[++i];
+    } else if (std::string(argv[i]) == "--precision" && i + 1 < argc) {
+      only_precision = argv[++i];
     } else {
       argv[kept++] = argv[i];
     }
@@ -212,11 +221,17 @@ int main(int argc, char** argv) {
     const double stream = stream_gbps();
     std::printf("threads %d; %s; memory bandwidth (streaming) %.2f GB/s\n", num_threads(),
                 gemm_backend_info(), stream);
-    for (int preset = 0; preset < 2; ++preset) {
-      Preset p = kPresets[preset];
+    for (const Preset& preset : kPresets) {
+      // Without --preset: tiny and large (xl is a GPU's model).
+      if (only_preset.empty() ? std::string(preset.name) == "xl" : only_preset != preset.name)
+        continue;
+      Preset p = preset;
       if (batch > 0) p.B = batch;
       if (seq > 0) p.T = seq;
-      for (bool bf : {false, true}) print_profile(p, bf, 5, stream);
+      for (bool bf : {false, true}) {
+        if (!only_precision.empty() && only_precision != (bf ? "bf16" : "f32")) continue;
+        print_profile(p, bf, steps, stream);
+      }
     }
     return 0;
   }
