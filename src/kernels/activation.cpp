@@ -1,51 +1,233 @@
 #include "kernels/activation.h"
 
-#include "core/profile.h"
+#include <algorithm>
 
-#include <cmath>
+#include "core/profile.h"
+#include "kernels/vec_math.h"
 
 namespace moetrain {
 
 namespace {
 constexpr int64_t kParallelMin = 1 << 14;
-inline float sigmoid(float x) {
-  return 1.0f / (1.0f + std::exp(-x));
+// Elements per task of a parallel loop: a multiple of 8, so that only the array's end has a
+// partial vector and an element's result does not depend on how the loop is cut.
+constexpr int64_t kChunk = 4096;
+
+// The AVX2 clone is picked at load time where the CPU has it; both do the same float operations
+// (no FMA contraction: cmake/warnings.cmake), so they agree bitwise (as kernels/attention.cpp).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOETRAIN_ACT_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define MOETRAIN_ACT_HOT
+#endif
+
+// σ(x) = 1 / (1 + e^−x), e^x from exp_vf8 (within 1 ulp of exp(x)).
+[[gnu::always_inline]] inline void sigmoid8(VF8& s, const VF8& x) {
+  VF8 e = -x;
+  exp_vf8(e, e);
+  s = 1.0f / (1.0f + e);
 }
+
+// Stores 8 lanes at p: as they are, or rounded as bf16(float) / fp16(float) round them.
+[[gnu::always_inline]] inline void store8(float* p, const VF8& v) {
+  store_vf8(p, v);
+}
+[[gnu::always_inline]] inline void store8(bf16* p, const VF8& v) {
+  // bf16(float) on 8 lanes: round to nearest even, NaN kept quiet (core/dtype.h).
+  VI8 u, r;
+  std::memcpy(&u, &v, sizeof u);
+  const VI8 nan = (u & 0x7fffffff) > 0x7f800000;
+  r = (u + (0x7fff + ((u >> 16) & 1))) >> 16;
+  r = nan ? ((u >> 16) | 0x40) : r;
+  typedef uint16_t VH8 __attribute__((vector_size(16)));
+  const VH8 h = __builtin_convertvector(r, VH8);
+  std::memcpy(static_cast<void*>(p), &h, sizeof h);
+}
+[[gnu::always_inline]] inline void store8(fp16* p, const VF8& v) {
+  float buf[8];
+  store_vf8(buf, v);
+  for (int k = 0; k < 8; ++k) p[k] = fp16(buf[k]);
+}
+
+// The first n < 8 elements of p as a vector, zeros after them.
+[[gnu::always_inline]] inline void load_part(VF8& v, const float* p, int64_t n) {
+  float buf[8] = {};
+  std::memcpy(buf, p, static_cast<std::size_t>(n) * sizeof(float));
+  load_vf8(v, buf);
+}
+// The first n < 8 lanes of v stored at p.
+template <class Out>
+[[gnu::always_inline]] inline void store_part(Out* p, const VF8& v, int64_t n) {
+  Out buf[8];
+  store8(buf, v);
+  std::memcpy(p, buf, static_cast<std::size_t>(n) * sizeof(Out));
+}
+
+[[gnu::always_inline]] inline void silu_forward8(VF8& y, const VF8& x) {
+  VF8 s;
+  sigmoid8(s, x);
+  y = x * s;
+}
+
 // d/dx [x·σ(x)] = σ(x)·(1 + x·(1 − σ(x)))
-inline float silu_grad(float x) {
-  float s = sigmoid(x);
-  return s * (1.0f + x * (1.0f - s));
+[[gnu::always_inline]] inline void silu_backward8(VF8& dx, const VF8& dy, const VF8& x) {
+  VF8 s;
+  sigmoid8(s, x);
+  dx = dy * (s * (1.0f + x * (1.0f - s)));
+}
+
+[[gnu::always_inline]] inline void swiglu_forward8(VF8& y, const VF8& a, const VF8& b) {
+  VF8 s;
+  sigmoid8(s, a);
+  y = a * s * b;
+}
+
+[[gnu::always_inline]] inline void swiglu_backward8(VF8& da, VF8& db, const VF8& d, const VF8& a,
+                                                    const VF8& b) {
+  VF8 s;
+  sigmoid8(s, a);
+  const VF8 silu = a * s;
+  da = d * b * s * (1.0f + a * (1.0f - s));
+  db = d * silu;
+}
+
+// Each range function runs whole vectors, then the last n % 8 elements on zero-padded copies
+// through the same operations.
+MOETRAIN_ACT_HOT void silu_forward_range(float* out, const float* inp, int64_t n) {
+  int64_t i = 0;
+  VF8 x, y;
+  for (; i + 8 <= n; i += 8) {
+    load_vf8(x, inp + i);
+    silu_forward8(y, x);
+    store8(out + i, y);
+  }
+  if (i == n) return;
+  load_part(x, inp + i, n - i);
+  silu_forward8(y, x);
+  store_part(out + i, y, n - i);
+}
+
+MOETRAIN_ACT_HOT void silu_backward_range(float* dinp, const float* dout, const float* inp,
+                                          int64_t n) {
+  int64_t i = 0;
+  VF8 d, x, y;
+  for (; i + 8 <= n; i += 8) {
+    load_vf8(d, dout + i);
+    load_vf8(x, inp + i);
+    silu_backward8(y, d, x);
+    store8(dinp + i, y);
+  }
+  if (i == n) return;
+  load_part(d, dout + i, n - i);
+  load_part(x, inp + i, n - i);
+  silu_backward8(y, d, x);
+  store_part(dinp + i, y, n - i);
+}
+
+// One clone set per output type (target_clones takes no templates).
+#define MOETRAIN_SWIGLU_RANGES(Out)                                                         \
+  MOETRAIN_ACT_HOT void swiglu_forward_range(Out* out, const float* a, const float* b,    \
+                                             int64_t n) {                                  \
+    int64_t i = 0;                                                                          \
+    VF8 av, bv, y;                                                                          \
+    for (; i + 8 <= n; i += 8) {                                                            \
+      load_vf8(av, a + i);                                                                  \
+      load_vf8(bv, b + i);                                                                  \
+      swiglu_forward8(y, av, bv);                                                           \
+      store8(out + i, y);                                                                   \
+    }                                                                                       \
+    if (i == n) return;                                                                     \
+    load_part(av, a + i, n - i);                                                            \
+    load_part(bv, b + i, n - i);                                                            \
+    swiglu_forward8(y, av, bv);                                                             \
+    store_part(out + i, y, n - i);                                                          \
+  }                                                                                         \
+  MOETRAIN_ACT_HOT void swiglu_backward_range(Out* da, Out* db, const float* dout,        \
+                                              const float* a, const float* b, int64_t n) { \
+    int64_t i = 0;                                                                          \
+    VF8 d, av, bv, ya, yb;                                                                  \
+    for (; i + 8 <= n; i += 8) {                                                            \
+      load_vf8(d, dout + i);                                                                \
+      load_vf8(av, a + i);                                                                  \
+      load_vf8(bv, b + i);                                                                  \
+      swiglu_backward8(ya, yb, d, av, bv);                                                  \
+      store8(da + i, ya);                                                                   \
+      store8(db + i, yb);                                                                   \
+    }                                                                                       \
+    if (i == n) return;                                                                     \
+    load_part(d, dout + i, n - i);                                                          \
+    load_part(av, a + i, n - i);                                                            \
+    load_part(bv, b + i, n - i);                                                            \
+    swiglu_backward8(ya, yb, d, av, bv);                                                    \
+    store_part(da + i, ya, n - i);                                                          \
+    store_part(db + i, yb, n - i);                                                          \
+  }
+MOETRAIN_SWIGLU_RANGES(float)
+MOETRAIN_SWIGLU_RANGES(bf16)
+MOETRAIN_SWIGLU_RANGES(fp16)
+#undef MOETRAIN_SWIGLU_RANGES
+
+// f(i0, len) over [0, n) in chunks of kChunk, in parallel when n is large enough.
+template <class F>
+void for_chunks(int64_t n, F f) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t i0 = c * kChunk;
+    f(i0, std::min(kChunk, n - i0));
+  }
 }
 }  // namespace
 
 void silu_forward(float* out, const float* inp, int64_t n) {
   PhaseScope phase_scope(Phase::Activation);
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) out[i] = inp[i] * sigmoid(inp[i]);
+  for_chunks(n, [&](int64_t i, int64_t m) { silu_forward_range(out + i, inp + i, m); });
 }
 
 void silu_backward(float* dinp, const float* dout, const float* inp, int64_t n) {
   PhaseScope phase_scope(Phase::Activation);
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) dinp[i] = dout[i] * silu_grad(inp[i]);
+  for_chunks(n,
+             [&](int64_t i, int64_t m) { silu_backward_range(dinp + i, dout + i, inp + i, m); });
 }
 
-void swiglu_forward(float* out, const float* a, const float* b, int64_t n) {
+namespace {
+template <class Out>
+void swiglu_forward_impl(Out* out, const float* a, const float* b, int64_t n) {
   PhaseScope phase_scope(Phase::Activation);
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) out[i] = a[i] * sigmoid(a[i]) * b[i];
+  for_chunks(n, [&](int64_t i, int64_t m) { swiglu_forward_range(out + i, a + i, b + i, m); });
+}
+
+template <class Out>
+void swiglu_backward_impl(Out* da, Out* db, const float* dout, const float* a, const float* b,
+                          int64_t n) {
+  PhaseScope phase_scope(Phase::Activation);
+  for_chunks(n, [&](int64_t i, int64_t m) {
+    swiglu_backward_range(da + i, db + i, dout + i, a + i, b + i, m);
+  });
+}
+}  // namespace
+
+void swiglu_forward(float* out, const float* a, const float* b, int64_t n) {
+  swiglu_forward_impl(out, a, b, n);
+}
+void swiglu_forward(bf16* out, const float* a, const float* b, int64_t n) {
+  swiglu_forward_impl(out, a, b, n);
+}
+void swiglu_forward(fp16* out, const float* a, const float* b, int64_t n) {
+  swiglu_forward_impl(out, a, b, n);
 }
 
 void swiglu_backward(float* da, float* db, const float* dout, const float* a, const float* b,
                      int64_t n) {
-  PhaseScope phase_scope(Phase::Activation);
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) {
-    float s = sigmoid(a[i]);
-    float silu = a[i] * s;
-    da[i] = dout[i] * b[i] * s * (1.0f + a[i] * (1.0f - s));
-    db[i] = dout[i] * silu;
-  }
+  swiglu_backward_impl(da, db, dout, a, b, n);
+}
+void swiglu_backward(bf16* da, bf16* db, const float* dout, const float* a, const float* b,
+                     int64_t n) {
+  swiglu_backward_impl(da, db, dout, a, b, n);
+}
+void swiglu_backward(fp16* da, fp16* db, const float* dout, const float* a, const float* b,
+                     int64_t n) {
+  swiglu_backward_impl(da, db, dout, a, b, n);
 }
 
 }  // namespace moetrain

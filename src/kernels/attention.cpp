@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "core/profile.h"
+#include "kernels/vec_math.h"
 
 namespace moetrain {
 
@@ -154,6 +155,97 @@ class RowsPack {
   std::vector<float> pack_;
 };
 
+// The softmax's exponentials go through exp_vf8 (kernels/vec_math.h, within 1 ulp of exp), eight
+// lanes at a time. Lanes are independent, so a score's result does not depend on where its row
+// ends: a row's last partial vector reads scores block_gemm has written past the row's end (and
+// its results there are overwritten), or padded copies where the data itself ends.
+
+struct RowSoftmax {
+  float m;   // the row's largest scaled score
+  double l;  // sum of exp(score - m)
+};
+
+// row[0, n) *= scale, then exp(row[j] - m) in place, zeros on [n, nk). block_gemm has written the
+// row over round_up(nk, kNR) >= round_up(n, 8) columns, so whole vectors read only scores (those
+// past n are overwritten with zeros before anything sums them).
+MOETRAIN_ATTN_HOT RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
+  const int64_t nv = n / 8 * 8, nr = round_up(n, 8);
+  for (int64_t j = 0; j < nr; j += 8) {
+    V8 x;
+    load8(x, row + j);
+    store8(row + j, x * scale);
+  }
+  // max is exact, so lanes then a fold give the sequential loop's value.
+  V8 mv = V8{} - INFINITY;
+  for (int64_t j = 0; j < nv; j += 8) {
+    V8 x;
+    load8(x, row + j);
+    mv = mv < x ? x : mv;
+  }
+  float m = -INFINITY;
+  for (int j = 0; j < 8; ++j) m = std::max(m, mv[j]);
+  for (int64_t j = nv; j < n; ++j) m = std::max(m, row[j]);
+  for (int64_t j = 0; j < nr; j += 8) {
+    V8 x;
+    load8(x, row + j);
+    x -= m;
+    exp_vf8(x, x);
+    store8(row + j, x);
+  }
+  std::fill(row + n, row + std::max(nk, nr), 0.0f);
+  // Sum in double: four lanes of two halves, then the lanes in order.
+  typedef double V4D __attribute__((vector_size(32)));
+  typedef float V4 __attribute__((vector_size(16)));
+  V4D acc = V4D{};
+  for (int64_t j = 0; j < nr; j += 4) {
+    V4 x;
+    std::memcpy(&x, row + j, sizeof x);
+    acc += __builtin_convertvector(x, V4D);
+  }
+  return {m, (acc[0] + acc[1]) + (acc[2] + acc[3])};
+}
+
+// ds[j] = exp(s[j]·scale − L) · (dp[j] − D) for j in [0, n), in place of s. Both rows are written
+// over round_up(n, 8) columns; what lands past n is overwritten by the caller.
+MOETRAIN_ATTN_HOT void ds_row(float* s, const float* dp, int64_t n, float scale, float L, float D) {
+  for (int64_t j = 0; j < n; j += 8) {
+    V8 x, d;
+    load8(x, s + j);
+    load8(d, dp + j);
+    x = x * scale - L;
+    exp_vf8(x, x);
+    store8(s + j, x * (d - D));
+  }
+}
+
+// p[c] = exp(p[c]·scale − L[c]), ds[c] = p[c] · (ds[c] − D[c]) for c in [0, n); L and D are
+// readable over n only, so the last partial vector runs on padded copies.
+MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n,
+                                 float scale) {
+  const auto step = [scale](float* pp, float* dd, const float* LL, const float* DD) {
+    V8 x, y, l, d;
+    load8(x, pp);
+    load8(y, dd);
+    load8(l, LL);
+    load8(d, DD);
+    x = x * scale - l;
+    exp_vf8(x, x);
+    store8(pp, x);
+    store8(dd, x * (y - d));
+  };
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) step(p + c, ds + c, L + c, D + c);
+  if (c == n) return;
+  const std::size_t tail = static_cast<std::size_t>(n - c) * sizeof(float);
+  float pb[8] = {}, db[8] = {}, lb[8] = {}, dd[8] = {};
+  std::memcpy(pb, p + c, tail);
+  std::memcpy(db, ds + c, tail);
+  std::memcpy(lb, L + c, tail);
+  std::memcpy(dd, D + c, tail);
+  step(pb, db, lb, dd);
+  std::memcpy(p + c, pb, tail);
+  std::memcpy(ds + c, db, tail);
+}
 
 }  // namespace
 
@@ -196,21 +288,10 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
                  round_up(nk, kNR), HS, false);
       float inv_l[kBlock];
       for (int64_t r = 0; r < M; ++r) {
-        float* row = s.data() + r * Tp;
         const int64_t last = i0 + r;  // the last key this query sees
-        float m = -INFINITY;
-        for (int64_t j = 0; j <= last; ++j) {
-          row[j] *= scale;
-          m = std::max(m, row[j]);
-        }
-        double l = 0;
-        for (int64_t j = 0; j <= last; ++j) {
-          row[j] = std::exp(row[j] - m);
-          l += row[j];
-        }
-        std::fill(row + last + 1, row + nk, 0.0f);
-        lse[(b * NH + h) * T + last] = m + static_cast<float>(std::log(l));
-        inv_l[r] = static_cast<float>(1.0 / l);
+        const RowSoftmax sm = softmax_row(s.data() + r * Tp, last + 1, nk, scale);
+        lse[(b * NH + h) * T + last] = sm.m + static_cast<float>(std::log(sm.l));
+        inv_l[r] = static_cast<float>(1.0 / sm.l);
       }
       const Rows vb = vrows.at(b, g, 0);
       block_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false);
@@ -280,7 +361,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
         const float* dprow = dp.data() + r * Tp;
         const int64_t i = i0 + r;
         const float L = lse[(b * NH + h) * T + i], Di = D[(b * NH + h) * T + i];
-        for (int64_t j = 0; j <= i; ++j) srow[j] = std::exp(srow[j] * scale - L) * (dprow[j] - Di);
+        ds_row(srow, dprow, i + 1, scale, L, Di);
         std::fill(srow + i + 1, srow + nk, 0.0f);
       }
       const Rows kb = krows.at(b, g, 0);
@@ -320,11 +401,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
           float* dsrow = ds.data() + r * Tp;
           std::fill(prow, prow + r, 0.0f);
           std::fill(dsrow, dsrow + r, 0.0f);
-          for (int64_t c = r; c < nq; ++c) {
-            const float pc = std::exp(prow[c] * scale - L[c]);
-            prow[c] = pc;
-            dsrow[c] = pc * (dsrow[c] - Dh[c]);
-          }
+          p_ds_cols(prow + r, dsrow + r, L + r, Dh + r, nq - r, scale);
         }
         const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
         block_gemm(dv_acc.data(), HSp, p.data(), Tp, dor.p, dor.ld, M, HSp, nq, true);

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "core/check.h"
 #include "core/profile.h"
+#include "kernels/vec_math.h"
 
 namespace moetrain {
 
@@ -18,13 +21,58 @@ float row_max(const float* x, int64_t V) {
   return m;
 }
 
+// The AVX2 clone is picked at load time where the CPU has it; both do the same float operations
+// (no FMA contraction: cmake/warnings.cmake), so they agree bitwise (as kernels/attention.cpp).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOETRAIN_SOFTMAX_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define MOETRAIN_SOFTMAX_HOT
+#endif
+
+// e[0, n) = exp(x[0, n) − m) · g, eight at a time through exp_vf8 (within an ulp of exp); the
+// last partial vector on a padded copy. e may be x. Returns Σ e in double when sum is set: four
+// double lanes, then the lanes in order.
+MOETRAIN_SOFTMAX_HOT double exp_row(float* e, const float* x, int64_t n, float m, float g,
+                                    bool sum) {
+  typedef double V4D __attribute__((vector_size(32)));
+  typedef float V4 __attribute__((vector_size(16)));
+  V4D acc = V4D{};
+  const auto step = [&](VF8& y) {
+    y -= m;
+    exp_vf8(y, y);
+    y *= g;
+    if (sum) {
+      V4 lo = {y[0], y[1], y[2], y[3]}, hi = {y[4], y[5], y[6], y[7]};
+      acc += __builtin_convertvector(lo, V4D);
+      acc += __builtin_convertvector(hi, V4D);
+    }
+  };
+  int64_t v = 0;
+  VF8 y;
+  for (; v + 8 <= n; v += 8) {
+    load_vf8(y, x + v);
+    step(y);
+    store_vf8(e + v, y);
+  }
+  if (v < n) {
+    const std::size_t tail = static_cast<std::size_t>(n - v) * sizeof(float);
+    // Padding lanes hold -inf: their exp is 0 and adds nothing to the sum.
+    float buf[8];
+    std::fill(buf, buf + 8, -std::numeric_limits<float>::infinity());
+    std::memcpy(buf, x + v, tail);
+    load_vf8(y, buf);
+    step(y);
+    store_vf8(buf, y);
+    std::memcpy(e + v, buf, tail);
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
 // log Σ_v exp(x_v). Terms are float (each within an ulp) but summed in double, so a row of 10^5
-// terms does not lose the small ones.
-double row_logsumexp(const float* x, int64_t V) {
+// terms does not lose the small ones. scratch (V) takes the terms.
+double row_logsumexp(const float* x, int64_t V, float* scratch) {
   const float m = row_max(x, V);
-  double sum = 0.0;
-  for (int64_t v = 0; v < V; ++v) sum += std::exp(x[v] - m);
-  return double(m) + std::log(sum);
+  return double(m) + std::log(exp_row(scratch, x, V, m, 1.0f, true));
 }
 
 void check_targets(const char* fn, const int32_t* targets, int64_t N, int64_t V) {
@@ -74,13 +122,18 @@ void softmax_xent_forward(float* losses, float* lse, const float* logits, const 
   MOETRAIN_CHECK(N >= 0 && V > 0, "softmax_xent_forward: need N >= 0 and V > 0, got N={} V={}", N,
                  V);
   check_targets("softmax_xent_forward", targets, N, V);
-#pragma omp parallel for schedule(static) if (N * V > kParallelMin)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* x = logits + n * V;
-    const double l = row_logsumexp(x, V);
-    lse[n] = static_cast<float>(l);
-    // The loss comes from the double lse: with logits near 1e4 a float lse would cost 1e-3 of it.
-    losses[n] = targets[n] < 0 ? 0.0f : static_cast<float>(l - double(x[targets[n]]));
+#pragma omp parallel if (N * V > kParallelMin)
+  {
+    std::vector<float> scratch(static_cast<std::size_t>(V));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = logits + n * V;
+      const double l = row_logsumexp(x, V, scratch.data());
+      lse[n] = static_cast<float>(l);
+      // The loss comes from the double lse: with logits near 1e4 a float lse would cost 1e-3 of
+      // it.
+      losses[n] = targets[n] < 0 ? 0.0f : static_cast<float>(l - double(x[targets[n]]));
+    }
   }
 }
 
@@ -103,7 +156,7 @@ void softmax_xent_backward(float* dlogits, const float* dlosses, const float* lo
     const float l = lse[n];
     // Element v is read before it is written, and nothing else of the row is read afterwards, so
     // dlogits may be logits.
-    for (int64_t v = 0; v < V; ++v) dx[v] = g * std::exp(x[v] - l);
+    exp_row(dx, x, V, l, g, false);
     dx[t] -= g;
   }
 }

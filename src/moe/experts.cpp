@@ -58,7 +58,6 @@ void experts_forward_lp(float* y, const float* xp, const std::vector<RowBlock>& 
                  dtype_name(w.lp));
   float* a = acts.a.ensure(R * F);
   float* b = acts.b.ensure(R * F);
-  float* g = acts.g.ensure(R * F);
   T* xl = static_cast<T*>(acts.xp_lp.ensure(R * C));
   T* gl = static_cast<T*>(acts.g_lp.ensure(R * F));
   const T* w1 = static_cast<const T*>(w.w1_lp);
@@ -72,8 +71,7 @@ void experts_forward_lp(float* y, const float* xp, const std::vector<RowBlock>& 
     round_rows(xl + r0 * C, xp + r0 * C, t.rows * C);
     task_gemm(Trans::T, t.rows, F, C, xl + r0 * C, w1 + t.group * block, a + r0 * F, false);
     task_gemm(Trans::T, t.rows, F, C, xl + r0 * C, w3 + t.group * block, b + r0 * F, false);
-    swiglu_forward(g + r0 * F, a + r0 * F, b + r0 * F, t.rows * F);
-    round_rows(gl + r0 * F, g + r0 * F, t.rows * F);
+    swiglu_forward(gl + r0 * F, a + r0 * F, b + r0 * F, t.rows * F);
     task_gemm(Trans::T, t.rows, C, F, gl + r0 * F, w2 + t.group * block, y + r0 * C, false);
   }
 }
@@ -85,8 +83,6 @@ void experts_backward_lp(float* dxp, const ExpertRange& dw, const float* dy,
   const float* a = acts.a.data();
   const float* b = acts.b.data();
   float* dg = acts.dg.ensure(R * F);
-  float* da = acts.da.ensure(R * F);
-  float* db = acts.db.ensure(R * F);
   const T* xl = acts.xp_lp.as<T>();
   const T* gl = acts.g_lp.as<T>();
   T* dyl = static_cast<T*>(acts.dy_lp.ensure(R * C));
@@ -102,9 +98,7 @@ void experts_backward_lp(float* dxp, const ExpertRange& dw, const float* dy,
     const int64_t r0 = t.row0;
     round_rows(dyl + r0 * C, dy + r0 * C, t.rows * C);
     task_gemm(Trans::N, t.rows, F, C, dyl + r0 * C, w2 + t.group * block, dg + r0 * F, false);
-    swiglu_backward(da + r0 * F, db + r0 * F, dg + r0 * F, a + r0 * F, b + r0 * F, t.rows * F);
-    round_rows(dal + r0 * F, da + r0 * F, t.rows * F);
-    round_rows(dbl + r0 * F, db + r0 * F, t.rows * F);
+    swiglu_backward(dal + r0 * F, dbl + r0 * F, dg + r0 * F, a + r0 * F, b + r0 * F, t.rows * F);
     task_gemm(Trans::N, t.rows, C, F, dal + r0 * F, w1 + t.group * block, dxp + r0 * C, false);
     task_gemm(Trans::N, t.rows, C, F, dbl + r0 * F, w3 + t.group * block, dxp + r0 * C, true);
   }

@@ -33,13 +33,14 @@ ExpertRange shared_expert_range(const MoeWeights& w);
 // dy_lp (rows, C). The *_lp buffers are used in mixed precision only: the GEMM operands rounded
 // to the weights' lp type (the rounded xp and g are what the weight gradients need).
 struct ExpertActs {
-  FloatBuffer a, b, g;     // W1·x, W3·x, silu(a) ⊙ b
-  FloatBuffer dg, da, db;  // backward scratch
+  FloatBuffer a, b, g;     // W1·x, W3·x, silu(a) ⊙ b (g: f32 weights only)
+  FloatBuffer dg, da, db;  // backward scratch (da, db: f32 weights only)
   HalfBuffer xp_lp, g_lp, dy_lp, da_lp, db_lp;
 };
 
 // In mixed precision (w.lp bf16 or fp16) every GEMM takes its operands rounded to w.lp and
-// accumulates in f32; SwiGLU and its gradient stay f32.
+// accumulates in f32; SwiGLU and its gradient are computed in f32 and written rounded (g, da and
+// db exist only as the next GEMM's operands).
 // y (R, C) = experts over xp (R, C), where the rows of expert first+i are the next counts[i]
 // rows (R = Σ counts). counts (w.count). F is the hidden size. Bitwise the same for any thread
 // count (see det_gemm.h).

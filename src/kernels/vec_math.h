@@ -1,0 +1,88 @@
+// exp over 8 floats at a time, with GCC vector extensions, for the softmaxes of attention and of
+// the cross-entropy and for the SiLU/SwiGLU activations.
+//
+// Only IEEE additions, multiplications, comparisons and integer operations on the bits, in a fixed
+// order, so that a function that inlines it gives the same bits whatever instruction set it is
+// compiled for (the build turns FMA contraction off: cmake/warnings.cmake), and one element's
+// result does not depend on its neighbours. A loop whose length is not a multiple of 8 runs its
+// tail through the same function (exp_tail), so an element's result does not depend on where it
+// sits in a row either.
+//
+// Accuracy (tests/kernels/vec_math_test.cpp checks it against exp in double): where e^x is a
+// normal float (x in [-87.33, 88.72]) the result is less than 1 ulp from e^x (0.990 ulp at worst
+// over every float, so at most 1 ulp from the correctly rounded result); below that it is a
+// subnormal within 0.75 of a step of 2^-149 from e^x, 0 for x <= -104 and x = -inf; +inf where
+// e^x > FLT_MAX (x > 88.7228) and for x = +inf; NaN stays NaN.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace moetrain {
+
+typedef float VF8 __attribute__((vector_size(32)));
+typedef int32_t VI8 __attribute__((vector_size(32)));
+
+// Vectors go in and out by reference: passing one by value is ABI-dependent (-Wpsabi) in a
+// function built for baseline x86-64.
+[[gnu::always_inline]] inline void load_vf8(VF8& v, const float* p) {
+  std::memcpy(&v, p, sizeof v);
+}
+[[gnu::always_inline]] inline void store_vf8(float* p, const VF8& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// e^x = 2^n · e^r with n = round(x / ln 2) and r = x − n·ln 2 in [−ln2/2, ln2/2] (Cody–Waite: ln 2
+// split in a part with 9 significant bits, so n·ln2_hi is exact for |n| < 2^15, and the rest);
+// e^r from Cephes' expf polynomial (1 + r + r²·P(r), P of degree 5); 2^n applied as two powers
+// of two, each a normal float, so that results that overflow or fall into the subnormals are
+// rounded once, by the last multiplication.
+[[gnu::always_inline]] inline void exp_vf8(VF8& y, const VF8& in) {
+  // Past these bounds the result is +inf or 0 already; clamping keeps n in [-150, 128]. A NaN
+  // fails both comparisons and stays NaN.
+  const VF8 hi = VF8{} + 89.0f, lo = VF8{} - 104.0f;
+  VF8 x = in > hi ? hi : in;
+  x = x < lo ? lo : x;
+  // Adding 1.5·2^23 rounds x/ln2 to an integer (ties to even) in the low bits of t.
+  const VF8 magic = VF8{} + 12582912.0f;
+  const VF8 t = x * 1.44269504088896341f + magic;
+  const VF8 n = t - magic;
+  VI8 ni, mb;
+  std::memcpy(&ni, &t, sizeof ni);
+  std::memcpy(&mb, &magic, sizeof mb);
+  ni -= mb;
+  const VF8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  VF8 p = VF8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  y = (p * (r * r) + r) + 1.0f;
+  const VI8 n1 = ni >> 1, n2 = ni - n1;
+  const VI8 b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  VF8 s1, s2;
+  std::memcpy(&s1, &b1, sizeof s1);
+  std::memcpy(&s2, &b2, sizeof s2);
+  y = (y * s1) * s2;
+}
+
+// exp of p[0..n) into q[0..n) for n < 8, through exp_vf8 (the lanes past n compute exp(0)).
+[[gnu::always_inline]] inline void exp_tail(float* q, const float* p, int64_t n) {
+  float buf[8] = {};
+  std::memcpy(buf, p, sizeof(float) * static_cast<std::size_t>(n));
+  VF8 v;
+  load_vf8(v, buf);
+  exp_vf8(v, v);
+  store_vf8(buf, v);
+  std::memcpy(q, buf, sizeof(float) * static_cast<std::size_t>(n));
+}
+
+// The scalar form: the same bits as a lane of exp_vf8.
+[[gnu::always_inline]] inline float exp_f32(float x) {
+  float y;
+  exp_tail(&y, &x, 1);
+  return y;
+}
+
+}  // namespace moetrain
