@@ -1,5 +1,6 @@
 #include "kernels/rope.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/check.h"
@@ -67,6 +68,22 @@ void rope_apply(float* out, const float* inp, const int32_t* pos, int64_t N, int
   const int64_t half = HS / 2;
   std::vector<float> inv_freq(half);
   inv_freq_f32(inv_freq.data(), HS, theta);
+  // A batch repeats positions (B sequences of T tokens use T): where there are fewer positions
+  // than tokens, each position's cos/sin is computed once, the same values as token by token.
+  int64_t positions = 0;
+  for (int64_t n = 0; n < N; ++n) positions = std::max<int64_t>(positions, int64_t{pos[n]} + 1);
+  if (positions < N) {
+    std::vector<float> cos(positions * half), sin(positions * half);
+    for (int64_t p = 0; p < positions; ++p)
+      cos_sin_at(cos.data() + p * half, sin.data() + p * half, static_cast<int32_t>(p),
+                 inv_freq.data(), half);
+#pragma omp parallel for schedule(static) if (N * NH * HS > kParallelMin)
+    for (int64_t n = 0; n < N; ++n) {
+      rotate_token(out + n * NH * HS, inp + n * NH * HS, cos.data() + pos[n] * half,
+                   sin.data() + pos[n] * half, NH, HS, sign);
+    }
+    return;
+  }
 #pragma omp parallel if (N * NH * HS > kParallelMin)
   {
     std::vector<float> cos(half), sin(half);
