@@ -30,14 +30,14 @@
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "model/device_engine.h"
-#include "optim/device_state.h"
 #include "model/params.h"
 #include "model/transformer.h"
-#include "presets.h"
-#include "profile_table.h"
+#include "optim/device_state.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
+#include "presets.h"
+#include "profile_table.h"
 
 using namespace moetrain;
 
@@ -88,14 +88,13 @@ double raw_gemm_tflops(int64_t M, int64_t N, int64_t K, DeviceGemm mode) {
   MOETRAIN_CUDA_CHECK(cudaMemset(B, 0, es * N * K));
   const float one = 1.0f, zero = 0.0f;
   const cudaDataType t = bf ? CUDA_R_16BF : CUDA_R_32F;
-  const cublasComputeType_t ct = mode == DeviceGemm::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                                          : CUBLAS_COMPUTE_32F;
+  const cublasComputeType_t ct =
+      mode == DeviceGemm::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   auto run = [&] {
-    MOETRAIN_CUBLAS_CHECK(cublasGemmEx(ctx.blas(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N),
-                                       static_cast<int>(M), static_cast<int>(K), &one, B, t,
-                                       static_cast<int>(K), A, t, static_cast<int>(K), &zero,
-                                       C.data(), CUDA_R_32F, static_cast<int>(N), ct,
-                                       CUBLAS_GEMM_DEFAULT));
+    MOETRAIN_CUBLAS_CHECK(cublasGemmEx(
+        ctx.blas(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+        static_cast<int>(K), &one, B, t, static_cast<int>(K), A, t, static_cast<int>(K), &zero,
+        C.data(), CUDA_R_32F, static_cast<int>(N), ct, CUBLAS_GEMM_DEFAULT));
   };
   run();
   ctx.sync();
@@ -117,7 +116,7 @@ double raw_gemm_tflops(int64_t M, int64_t N, int64_t K, DeviceGemm mode) {
 // cublasGemmEx on operands already in the mode's type with the same changing rows, and the
 // rounding of both operands alone.
 struct EngineGemm {
-  double fixed_tflops, varying_tflops, gemmex_varying_tflops, rounding_ms;
+  double fixed_tflops, varying_tflops, gemmex_varying_tflops, rounding_ms, copies_varying_tflops;
 };
 EngineGemm engine_gemm(int64_t M, int64_t N, int64_t K, DeviceGemm mode) {
   cuda::Context ctx;
@@ -163,20 +162,30 @@ EngineGemm engine_gemm(int64_t M, int64_t N, int64_t K, DeviceGemm mode) {
   s = timed([&] {
     const int64_t m = rows(true);
     flops += 2.0 * m * N * K;
-    MOETRAIN_CUBLAS_CHECK(cublasGemmEx(
-        ctx.blas(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(m),
-        static_cast<int>(K), &one, bf ? static_cast<void*>(Bb.data()) : B.data(),
-        bf ? CUDA_R_16BF : CUDA_R_32F, static_cast<int>(K),
-        bf ? static_cast<void*>(Ab.data()) : A.data(), bf ? CUDA_R_16BF : CUDA_R_32F,
-        static_cast<int>(K), &zero, C.data(), CUDA_R_32F, static_cast<int>(N),
-        mode == DeviceGemm::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
-        CUBLAS_GEMM_DEFAULT));
+    MOETRAIN_CUBLAS_CHECK(
+        cublasGemmEx(ctx.blas(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(m),
+                     static_cast<int>(K), &one, bf ? static_cast<void*>(Bb.data()) : B.data(),
+                     bf ? CUDA_R_16BF : CUDA_R_32F, static_cast<int>(K),
+                     bf ? static_cast<void*>(Ab.data()) : A.data(), bf ? CUDA_R_16BF : CUDA_R_32F,
+                     static_cast<int>(K), &zero, C.data(), CUDA_R_32F, static_cast<int>(N),
+                     mode == DeviceGemm::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT));
   });
   r.gemmex_varying_tflops = flops / (5 * 64) / s * 1e-12;
+  if (bf) {
+    // The same calls with both operands read from bf16 copies, as in a step (the weights' copy;
+    // the activation in a Bf16Operand): cuBLASLt's algorithm for the class alone.
+    ctx.set_weight_copy(B.data(), N * K, Bb.data());
+    const cuda::Bf16Operand a16(ctx, A.data(), Mmax * K);
+    s = timed(engine(true));
+    r.copies_varying_tflops = flops / (5 * 64) / s * 1e-12;
+    ctx.set_weight_copy(nullptr, 0, nullptr);
+  }
   r.rounding_ms = timed([&] {
-    cuda::to_bf16(Ab.data(), A.data(), M * K, ctx.stream());
-    cuda::to_bf16(Bb.data(), B.data(), N * K, ctx.stream());
-  }) * 1e3;
+                    cuda::to_bf16(Ab.data(), A.data(), M * K, ctx.stream());
+                    cuda::to_bf16(Bb.data(), B.data(), N * K, ctx.stream());
+                  }) *
+                  1e3;
   return r;
 }
 
@@ -296,15 +305,19 @@ void print_profiles(const Preset& p, int steps) {
     const double ex = table[static_cast<int>(Phase::Experts)].seconds / steps;
     const double raw = raw_gemm_tflops(rows, p.F, p.C, mode);
     const EngineGemm g = engine_gemm(rows, p.F, p.C, mode);
-    std::printf("  one expert GEMM through cuda::gemm: %.1f TFLOP/s with the same rows, %.1f with "
-                "changing rows (cublasGemmEx: %.1f); rounding its operands alone %.3f ms\n",
-                g.fixed_tflops, g.varying_tflops, g.gemmex_varying_tflops, g.rounding_ms);
+    std::printf(
+        "  one expert GEMM through cuda::gemm: %.1f TFLOP/s with the same rows, %.1f with "
+        "changing rows (cublasGemmEx: %.1f); rounding its operands alone %.3f ms\n",
+        g.fixed_tflops, g.varying_tflops, g.gemmex_varying_tflops, g.rounding_ms);
+    if (mode == DeviceGemm::BF16)
+      std::printf("  the same, operands from bf16 copies as in a step: %.1f TFLOP/s\n",
+                  g.copies_varying_tflops);
     if (ex > 0)
-      std::printf("  experts: %.1f TFLOP/s in their phase, raw cuBLAS %.1f TFLOP/s on (%lld, %lld, "
-                  "%lld): %.2f\n",
-                  expert_flops / ex * 1e-12, raw, static_cast<long long>(rows),
-                  static_cast<long long>(p.F), static_cast<long long>(p.C),
-                  expert_flops / ex * 1e-12 / raw);
+      std::printf(
+          "  experts: %.1f TFLOP/s in their phase, raw cuBLAS %.1f TFLOP/s on (%lld, %lld, "
+          "%lld): %.2f\n",
+          expert_flops / ex * 1e-12, raw, static_cast<long long>(rows), static_cast<long long>(p.F),
+          static_cast<long long>(p.C), expert_flops / ex * 1e-12 / raw);
   }
 }
 
@@ -325,8 +338,10 @@ int main(int argc, char** argv) {
     } else if (a == "--profile") {
       profile_mode = true;
     } else {
-      fmt::print(stderr, "bench_cuda_step: unknown argument '{}' (known: --iters N, --cpu-iters "
-                 "N, --preset tiny|large|xl, --profile)\n", a);
+      fmt::print(stderr,
+                 "bench_cuda_step: unknown argument '{}' (known: --iters N, --cpu-iters "
+                 "N, --preset tiny|large|xl, --profile)\n",
+                 a);
       return 2;
     }
   }
@@ -357,8 +372,8 @@ int main(int argc, char** argv) {
     const ModelConfig cfg = validated_model(p);
     const double tokens = static_cast<double>(p.B * p.T);
     const double flops = Transformer(cfg).flops_per_token(p.T) * tokens;
-    const double cpu = cpu_iters > 0 ? StepRig(p, "cpu", DeviceGemm::F32).median_seconds(cpu_iters)
-                                     : 0.0;
+    const double cpu =
+        cpu_iters > 0 ? StepRig(p, "cpu", DeviceGemm::F32).median_seconds(cpu_iters) : 0.0;
     // The experts' first GEMM at the rows one expert gets under uniform routing.
     const int64_t rows = p.B * p.T * p.K / p.E;
     for (DeviceGemm mode : kModes) {
