@@ -22,14 +22,37 @@ namespace moetrain {
 
 typedef float VF8 __attribute__((vector_size(32)));
 typedef int32_t VI8 __attribute__((vector_size(32)));
+// 16 lanes, for code built for AVX-512 (the same operations lane by lane as 8 lanes).
+typedef float VF16 __attribute__((vector_size(64)));
+typedef int32_t VI16 __attribute__((vector_size(64)));
+
+// The integer vector of a float vector's width.
+template <class VF>
+struct IntVec;
+template <>
+struct IntVec<VF8> {
+  using type = VI8;
+};
+template <>
+struct IntVec<VF16> {
+  using type = VI16;
+};
 
 // Vectors go in and out by reference: passing one by value is ABI-dependent (-Wpsabi) in a
 // function built for baseline x86-64.
-[[gnu::always_inline]] inline void load_vf8(VF8& v, const float* p) {
+template <class VF>
+[[gnu::always_inline]] inline void load_v(VF& v, const float* p) {
   std::memcpy(&v, p, sizeof v);
 }
-[[gnu::always_inline]] inline void store_vf8(float* p, const VF8& v) {
+template <class VF>
+[[gnu::always_inline]] inline void store_v(float* p, const VF& v) {
   std::memcpy(p, &v, sizeof v);
+}
+[[gnu::always_inline]] inline void load_vf8(VF8& v, const float* p) {
+  load_v(v, p);
+}
+[[gnu::always_inline]] inline void store_vf8(float* p, const VF8& v) {
+  store_v(p, v);
 }
 
 // e^x = 2^n · e^r with n = round(x / ln 2) and r = x − n·ln 2 in [−ln2/2, ln2/2] (Cody–Waite: ln 2
@@ -37,34 +60,40 @@ typedef int32_t VI8 __attribute__((vector_size(32)));
 // e^r from Cephes' expf polynomial (1 + r + r²·P(r), P of degree 5); 2^n applied as two powers
 // of two, each a normal float, so that results that overflow or fall into the subnormals are
 // rounded once, by the last multiplication.
-[[gnu::always_inline]] inline void exp_vf8(VF8& y, const VF8& in) {
+template <class VF>
+[[gnu::always_inline]] inline void exp_v(VF& y, const VF& in) {
+  using VI = typename IntVec<VF>::type;
   // Past these bounds the result is +inf or 0 already; clamping keeps n in [-150, 128]. A NaN
   // fails both comparisons and stays NaN.
-  const VF8 hi = VF8{} + 89.0f, lo = VF8{} - 104.0f;
-  VF8 x = in > hi ? hi : in;
+  const VF hi = VF{} + 89.0f, lo = VF{} - 104.0f;
+  VF x = in > hi ? hi : in;
   x = x < lo ? lo : x;
   // Adding 1.5·2^23 rounds x/ln2 to an integer (ties to even) in the low bits of t.
-  const VF8 magic = VF8{} + 12582912.0f;
-  const VF8 t = x * 1.44269504088896341f + magic;
-  const VF8 n = t - magic;
-  VI8 ni, mb;
+  const VF magic = VF{} + 12582912.0f;
+  const VF t = x * 1.44269504088896341f + magic;
+  const VF n = t - magic;
+  VI ni, mb;
   std::memcpy(&ni, &t, sizeof ni);
   std::memcpy(&mb, &magic, sizeof mb);
   ni -= mb;
-  const VF8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  VF8 p = VF8{} + 1.9875691500e-4f;
+  const VF r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  VF p = VF{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   y = (p * (r * r) + r) + 1.0f;
-  const VI8 n1 = ni >> 1, n2 = ni - n1;
-  const VI8 b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
-  VF8 s1, s2;
+  const VI n1 = ni >> 1, n2 = ni - n1;
+  const VI b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  VF s1, s2;
   std::memcpy(&s1, &b1, sizeof s1);
   std::memcpy(&s2, &b2, sizeof s2);
   y = (y * s1) * s2;
+}
+
+[[gnu::always_inline]] inline void exp_vf8(VF8& y, const VF8& in) {
+  exp_v(y, in);
 }
 
 // exp of p[0..n) into q[0..n) for n < 8, through exp_vf8 (the lanes past n compute exp(0)).

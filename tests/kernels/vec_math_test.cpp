@@ -37,6 +37,17 @@ __attribute__((target("avx2,fma"))) void exp_avx2(float* y, const float* x, int6
   }
   if (i < n) exp_tail(y + i, x + i, n - i);
 }
+// 16 lanes, built for AVX-512 (what SwiGLU's wide path runs).
+__attribute__((target("avx512f"))) void exp_avx512(float* y, const float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    VF16 v;
+    load_v(v, x + i);
+    exp_v(v, v);
+    store_v(y + i, v);
+  }
+  exp_baseline(y + i, x + i, n - i);
+}
 #endif
 
 // Every float whose bit pattern is a multiple of `stride` apart, both signs.
@@ -139,8 +150,8 @@ TEST(VecMath, ExpSameBitsInEveryLaneAndTail) {
   }
 }
 
-// The same bits from code built for AVX2 + FMA as from baseline x86-64 code: kernels built with
-// target_clones rely on it.
+// The same bits from code built for AVX2 + FMA, and from 16 lanes built for AVX-512, as from
+// baseline x86-64 code: kernels built with target_clones or a wide path rely on it.
 TEST(VecMath, ExpSameBitsForEveryInstructionSet) {
 #ifdef MOETRAIN_TEST_AVX2
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
@@ -152,6 +163,11 @@ TEST(VecMath, ExpSameBitsForEveryInstructionSet) {
   for (std::size_t i = 0; i < x.size(); ++i)
     ASSERT_EQ(std::bit_cast<uint32_t>(a[i]), std::bit_cast<uint32_t>(b[i]))
         << std::hexfloat << "exp(" << x[i] << "): " << a[i] << " vs " << b[i];
+  if (!__builtin_cpu_supports("avx512f")) GTEST_SKIP() << "this CPU has no AVX-512";
+  exp_avx512(b.data(), x.data(), static_cast<int64_t>(x.size()));
+  for (std::size_t i = 0; i < x.size(); ++i)
+    ASSERT_EQ(std::bit_cast<uint32_t>(a[i]), std::bit_cast<uint32_t>(b[i]))
+        << std::hexfloat << "exp(" << x[i] << "), 16 lanes: " << a[i] << " vs " << b[i];
 #else
   GTEST_SKIP() << "target attributes need GCC on x86-64";
 #endif
