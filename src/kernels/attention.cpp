@@ -281,6 +281,19 @@ MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const floa
 
 }  // namespace
 
+void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
+                         const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                         bool accumulate) {
+  MOETRAIN_CHECK(M > 0 && N > 0 && N % kNR == 0 && K >= 0,
+                 "attention_tile_gemm: M={} N={} K={}: need M > 0, N a positive multiple of {}", M,
+                 N, K, kNR);
+#ifdef MOETRAIN_ATTN_WIDE
+  if (wide && __builtin_cpu_supports("avx512f"))
+    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+#endif
+  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+}
+
 void attention_check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HS) {
   MOETRAIN_CHECK(B >= 0 && T >= 0, "{}: batch B={} and sequence length T={} must be >= 0", fn, B,

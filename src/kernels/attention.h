@@ -3,8 +3,9 @@
 // NKV == NH is plain multi-head attention, NKV == 1 multi-query attention.
 // Scores are q·kᵀ / sqrt(HS); query t sees keys 0..t.
 //
-// Results are bitwise identical whatever the OpenMP thread count: every output element is
-// produced by one thread in a fixed summation order.
+// Results are bitwise identical whatever the OpenMP thread count (every output element is
+// produced by one thread in a fixed summation order) and whatever the instruction set (the
+// baseline, AVX2 and AVX-512 paths do the same float operations in the same order).
 #pragma once
 #include <cstdint>
 
@@ -35,5 +36,13 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 // Reads exactly n keys per head: the work is n·HS multiply-adds per head, twice.
 void attention_decode(float* out, const float* q, const float* k, const float* v, int64_t n,
                       int64_t NH, int64_t NKV, int64_t HS);
+
+// The tile GEMM of the score and value products, exposed for tests: C (M, N) = A (M, K) · B (K, N)
+// [+ C], row-major with leading dimensions, N a multiple of 16, B readable over N columns, C with
+// round_up(M, 4) rows. wide takes the 16-float AVX-512 path where the CPU has it, else the 8-float
+// one; both give the same bits.
+void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
+                         const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                         bool accumulate);
 
 }  // namespace moetrain
