@@ -479,6 +479,7 @@ void with_lane_share(int HS, F&& f) {
 // Scores, dP and every sum are f32; only the GEMM operands (q, k, v, dout, P, dS) are rounded. The
 // T×T buffers take at most kScoreBytes at a time: the pairs go in chunks.
 constexpr int64_t kScoreBytes = int64_t{512} << 20;
+constexpr int64_t kMaxBatch = 65535;  // pairs per batched GEMM call
 
 __host__ __device__ constexpr int64_t round8(int64_t x) {
   return (x + 7) / 8 * 8;
@@ -626,7 +627,7 @@ struct TcShape {
   int64_t heads() const { return BH * T * HSp; }  // elements of one packed (B·NH, T, HSp) array
   // Pairs per chunk: the T×T buffers, `per_score` bytes a score, within kScoreBytes.
   int64_t chunk(int64_t per_score) const {
-    return std::max<int64_t>(1, std::min(BH, kScoreBytes / (T * ld * per_score)));
+    return std::max<int64_t>(1, std::min({BH, kScoreBytes / (T * ld * per_score), kMaxBatch}));
   }
 };
 
