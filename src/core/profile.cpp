@@ -46,6 +46,8 @@ std::string_view phase_name(Phase p) {
     case Phase::Convert: return "dtype conversion";
     case Phase::Loss: return "cross-entropy";
     case Phase::Optimizer: return "optimizer";
+    case Phase::Collective: return "collectives";
+    case Phase::GradReduce: return "gradient reduction";
     case Phase::kCount: break;
   }
   return "?";
@@ -68,8 +70,9 @@ PhaseTable stop() {
 
 }  // namespace profile
 
-void PhaseScope::enter(Phase p) {
+void PhaseScope::enter(Phase p, bool outermost_only) {
   if (omp_in_parallel() || std::this_thread::get_id() != g_owner) return;
+  if (outermost_only && !g_stack.empty()) return;
   active_ = true;
   g_stack.push_back({p, Clock::now()});
 }

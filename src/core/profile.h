@@ -22,12 +22,15 @@ enum class Phase : int {
   Activation,  // SwiGLU / SiLU outside the experts' fused loop
   Router,      // routing: scores, top-k, capacity, balance losses
   Dispatch,    // permute / combine of token rows
-  Exchange,    // expert all-to-all (blocking part)
+  Exchange,    // expert all-to-all (blocking part, or the wait for the communication thread)
   Experts,     // the grouped SwiGLU experts: GEMMs, activation and rounding of their operands
   ExpertWgrad, // the experts' weight-gradient GEMMs
   Convert,     // f32 <-> bf16 / fp16 conversions (low-precision weight copies, operands)
   Loss,        // softmax cross-entropy
   Optimizer,   // the optimizer step over the parameter buffer
+  Collective,  // a collective on this thread outside an exchange or the gradient reduction
+               // (balance statistics, non-finite check, norm, metrics), late peers' waits included
+  GradReduce,  // the gradient reduction's blocking part, or the wait for the communication thread
   kCount
 };
 
@@ -58,7 +61,13 @@ inline bool on() {
 class PhaseScope {
  public:
   explicit PhaseScope(Phase p) {
-    if (profile::on()) enter(p);
+    if (profile::on()) enter(p, false);
+  }
+  // Recorded only where no other phase is open: inside one, the time is the enclosing phase's
+  // (a collective that an exchange or the gradient reduction makes counts as theirs).
+  struct OutermostOnly {};
+  PhaseScope(Phase p, OutermostOnly) {
+    if (profile::on()) enter(p, true);
   }
   ~PhaseScope() {
     if (active_) leave();
@@ -67,7 +76,7 @@ class PhaseScope {
   PhaseScope& operator=(const PhaseScope&) = delete;
 
  private:
-  void enter(Phase p);
+  void enter(Phase p, bool outermost_only);
   void leave();
   bool active_ = false;
 };

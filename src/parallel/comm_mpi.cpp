@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "parallel/watchdog.h"
 
 namespace moetrain::mpi {
@@ -117,6 +118,8 @@ class MpiCall {
   void check_pairwise(std::span<const int64_t> send_bytes, std::span<const int64_t> recv_bytes);
 
  private:
+  // First: the whole call, the debug check included.
+  PhaseScope phase_{Phase::Collective, PhaseScope::OutermostOnly{}};
   MpiComm& comm_;
   CollectiveScope scope_;
 };

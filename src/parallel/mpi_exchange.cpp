@@ -28,6 +28,7 @@ ExpertExchange::Ticket MpiExchange::post(std::function<void()> work) {
     work();
   };
   if (opts_.thread) return opts_.thread->post(std::move(timed));
+  PhaseScope phase_scope(Phase::Exchange);  // the routing counts' exchange included
   ScopedTimer timer(times_.waited);
   timed();
   return 0;
@@ -35,6 +36,7 @@ ExpertExchange::Ticket MpiExchange::post(std::function<void()> work) {
 
 void MpiExchange::wait(Ticket t) {
   if (!opts_.thread || t == 0) return;
+  PhaseScope phase_scope(Phase::Exchange);
   ScopedTimer timer(times_.waited);
   opts_.thread->wait(t);
 }

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/comm.h"
+#include "core/profile.h"
 
 namespace moetrain {
 
@@ -17,5 +18,11 @@ struct RankTiming {
 // lands in no rank's figure). Sets line["rank_step_time_s"] (and "rank_compute_s" when measured)
 // to one entry per rank, in rank order. A one-process comm adds nothing.
 void add_rank_timing(Comm& comm, const RankTiming& mine, nlohmann::json& line);
+
+// Collective over comm: each process's phase table of the step (exclusive seconds) gathered to
+// every process. Sets line["profile_<phase>_s"] to one entry per rank for every phase (the
+// phase's name in lower-case words joined by '_': profile_all_to_all_s), and
+// line["profile_other_s"] to each rank's step_s less the sum of its phases (time in no phase).
+void add_rank_phases(Comm& comm, const PhaseTable& mine, double step_s, nlohmann::json& line);
 
 }  // namespace moetrain

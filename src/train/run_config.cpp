@@ -175,6 +175,7 @@ ConfigSchema schema(RunConfig& c) {
       {"train.keep_checkpoints", &t.keep_checkpoints},
       {"train.precision", &t.precision},
       {"train.device", &t.device},
+      {"train.profile", &t.profile},
       {"train.loss_scale_init", &t.loss_scale_init},
       {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
       {"train.loss_scale_growth_factor", &t.loss_scale_growth_factor},
@@ -376,7 +377,7 @@ std::string RunConfig::config_hash() const {
   // device: the GPU computes what the CPU computes (to rounding), so a run may resume on either.
   for (const char* k : {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
                         "keep_checkpoints", "threads", "run_dir", "progress", "tensorboard",
-                        "device"})
+                        "device", "profile"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");

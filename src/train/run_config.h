@@ -76,6 +76,11 @@ struct TrainConfig {
   std::string run_dir = "runs/default";
   std::string progress = "auto";  // auto | bar | lines | off
   bool tensorboard = true;        // metrics also as TensorBoard events in run_dir/tb
+  // Each step's phase profile (core/profile.h) on every process, in metrics.jsonl as
+  // profile_<phase>_s (one entry per rank; profile_other_s: the step's time in no phase — the
+  // gradient reduction's waits, the small collectives). Costs a clock read per phase and one
+  // gather per step; off by default.
+  bool profile = false;
   // Mixed precision (Transformer::set_precision): auto | f32 | bf16 | fp16 | tf32. tf32 (with
   // device = cuda): f32 everywhere but the GEMMs, whose operands the tensor cores round to TF32
   // (10-bit mantissa), accumulating in f32. fp16 adds dynamic

@@ -357,7 +357,9 @@ TrainResult Trainer::run(int64_t stop_at) {
   while (step_ < total) {
     Timer t;
     if (ep_.exchange) ep_.exchange->take_cross_node_bytes();  // an evaluation's are not the step's
+    if (cfg_.train.profile) profile::start();
     result.final_loss = train_step();
+    const PhaseTable phases = cfg_.train.profile ? profile::stop() : PhaseTable{};
     fault_point("step", step_);
     double dt = t.seconds();
     train_seconds += dt;
@@ -369,6 +371,7 @@ TrainResult Trainer::run(int64_t stop_at) {
     last_comm_.step_s = dt;
     add_comm_metrics(last_comm_, pending_metrics_);
     add_rank_timing(*pg_->control, {dt, comm_figures(last_comm_).compute_s}, pending_metrics_);
+    if (cfg_.train.profile) add_rank_phases(*pg_->control, phases, dt, pending_metrics_);
     metrics_.write(pending_metrics_);
     progress.update({step_, cfg_.train.steps, result.final_loss, tokens_per_step / dt, last_lr_,
                      pending_metrics_["imbalance"].get<double>()});
