@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "optim/clip.h"
 #include "parallel/block_quant.h"
 
@@ -201,9 +202,16 @@ void GradSync::reduce_bucket(std::size_t i, const float* grads) {
     std::fill_n(shard_.data() + b.shard_offset, mine, 0.0f);
     return;
   }
+  float* out = shard_.data() + b.shard_offset;
+  if (P == 1 && wire_ == GradWire::F32) {
+    // A group of one (expert gradients under expert parallelism without data parallelism): its
+    // shard is the whole bucket, summed over nobody; packing straight into it spares the copies
+    // through the wire buffers.
+    pack(out, grads, b, 0, b.size);
+    return;
+  }
   float* packed = packed_.ensure(b.size);
   pack(packed, grads, b, 0, b.size);
-  float* out = shard_.data() + b.shard_offset;
   // A group of one sends nothing: int8 would only add its error.
   if (wire_ == GradWire::Int8 && P > 1) {
     reduce_bucket_int8(b, packed, out);
@@ -297,6 +305,7 @@ void GradSync::allgather_int8(float* flat, const Bucket& b, float* mine) {
 void GradSync::reduce_scatter(const float* grads) {
   MOETRAIN_CHECK(thread_ == nullptr,
                  "GradSync::reduce_scatter while an overlapped reduction is in flight");
+  PhaseScope phase_scope(Phase::GradReduce);
   gathered_ = nullptr;
   for (std::size_t i = 0; i < buckets_.size(); ++i) reduce_bucket(i, grads);
 }
@@ -329,6 +338,7 @@ void GradSync::finish() {
   ready(INT64_MIN);
   CommThread* thread = thread_;
   thread_ = nullptr;
+  PhaseScope phase_scope(Phase::GradReduce);
   thread->drain();
   if (gather_) gathered_ = grads_;
 }
@@ -405,6 +415,9 @@ void GradSync::unpack_shard(float* grads) const {
 
 void GradSync::gather_bucket(std::size_t i) {
   const Bucket& b = buckets_[i];
+  // A group of one in f32: its shard is a copy of the bucket's gradients, which are still in the
+  // flat buffer (the gather follows the reduction, before anything scales either).
+  if (group(b).size() == 1 && wire_ == GradWire::F32) return;
   float* mine = shard_.data() + b.shard_offset;
   if (wire_ == GradWire::Int8) {
     if (group(b).size() > 1) {
@@ -435,6 +448,7 @@ void GradSync::allgather_into(float* flat, const Bucket& b, const float* mine, G
 }
 
 void GradSync::allgather_grads(float* grads) {
+  PhaseScope phase_scope(Phase::GradReduce);
   gathered_ = grads;
   grads_ = grads;
   for (std::size_t i = 0; i < buckets_.size(); ++i)
