@@ -202,16 +202,9 @@ void GradSync::reduce_bucket(std::size_t i, const float* grads) {
     std::fill_n(shard_.data() + b.shard_offset, mine, 0.0f);
     return;
   }
-  float* out = shard_.data() + b.shard_offset;
-  if (P == 1 && wire_ == GradWire::F32) {
-    // A group of one (expert gradients under expert parallelism without data parallelism): its
-    // shard is the whole bucket, summed over nobody; packing straight into it spares the copies
-    // through the wire buffers.
-    pack(out, grads, b, 0, b.size);
-    return;
-  }
   float* packed = packed_.ensure(b.size);
   pack(packed, grads, b, 0, b.size);
+  float* out = shard_.data() + b.shard_offset;
   // A group of one sends nothing: int8 would only add its error.
   if (wire_ == GradWire::Int8 && P > 1) {
     reduce_bucket_int8(b, packed, out);
@@ -415,9 +408,6 @@ void GradSync::unpack_shard(float* grads) const {
 
 void GradSync::gather_bucket(std::size_t i) {
   const Bucket& b = buckets_[i];
-  // A group of one in f32: its shard is a copy of the bucket's gradients, which are still in the
-  // flat buffer (the gather follows the reduction, before anything scales either).
-  if (group(b).size() == 1 && wire_ == GradWire::F32) return;
   float* mine = shard_.data() + b.shard_offset;
   if (wire_ == GradWire::Int8) {
     if (group(b).size() > 1) {
