@@ -12,8 +12,8 @@ using namespace moetrain;
 
 namespace {
 
-// exp_vf8 over x into y, 8 at a time, as a kernel built for baseline x86-64 runs it.
-void exp_baseline(float* y, const float* x, int64_t n) {
+// exp_vf8 over x into y, 8 at a time, compiled for whichever instruction set its caller is.
+[[gnu::always_inline]] inline void exp_8_lanes(float* y, const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     VF8 v;
@@ -24,18 +24,16 @@ void exp_baseline(float* y, const float* x, int64_t n) {
   if (i < n) exp_tail(y + i, x + i, n - i);
 }
 
+// As a kernel built for baseline x86-64 runs it.
+void exp_baseline(float* y, const float* x, int64_t n) {
+  exp_8_lanes(y, x, n);
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOETRAIN_TEST_AVX2 1
 // The same, built for AVX2 with FMA available (what a kernel's AVX2 clone sees).
 __attribute__((target("avx2,fma"))) void exp_avx2(float* y, const float* x, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    VF8 v;
-    load_vf8(v, x + i);
-    exp_vf8(v, v);
-    store_vf8(y + i, v);
-  }
-  if (i < n) exp_tail(y + i, x + i, n - i);
+  exp_8_lanes(y, x, n);
 }
 // 16 lanes, built for AVX-512 (what SwiGLU's wide path runs).
 __attribute__((target("avx512f"))) void exp_avx512(float* y, const float* x, int64_t n) {
