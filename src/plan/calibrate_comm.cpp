@@ -74,6 +74,32 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
         [&] { world.alltoallv(recv.data(), counts, displs, send.data(), counts, displs); }, 10,
         2e-3);
     f.late_penalty = std::max(0.0, late - t);
+    // The same with rank 0 receiving twice its share: every other rank sends it 2·per_peer.
+    // Rank 0 then receives 2(P − 1)·per_peer, the most any rank moves, while all ranks together
+    // move (P + 1)/P times the even exchange's bytes. Per-rank links take 2× the even time,
+    // one shared link (P + 1)/P×; where the ratio falls between says which binds.
+    std::vector<int64_t> skew_send = counts, skew_displs(P), recv_counts = counts,
+                         recv_displs(P);
+    if (world.rank() != 0) skew_send[0] = 2 * per_peer;
+    if (world.rank() == 0)
+      for (int q = 1; q < P; ++q) recv_counts[q] = 2 * per_peer;
+    for (int q = 0; q < P; ++q) {
+      skew_displs[q] = q * 2 * per_peer;
+      recv_displs[q] = q * 2 * per_peer;
+    }
+    std::vector<char> skew_in(static_cast<std::size_t>(2 * per_peer * P), 1),
+        skew_out(skew_in.size());
+    const double skew = time_collective(
+        world, thread,
+        [&] {
+          world.alltoallv(skew_out.data(), recv_counts, recv_displs, skew_in.data(), skew_send,
+                          skew_displs);
+        },
+        30);
+    const double shared = static_cast<double>(P + 1) / P;
+    const double on_time = std::max(t - (P - 1) * f.latency, 0.1 * t);
+    const double ratio = std::max(skew - (P - 1) * f.latency, 0.1 * skew) / on_time;
+    f.receiver_bound = std::clamp((ratio - shared) / (2.0 - shared), 0.0, 1.0);
   }
   // All-reduce as the gradient reduction runs it (parallel/grad_sync.h): a bucket (at most
   // 25 MiB, the trainer's bucket size) packed from the gradient buffer, reduce-scattered,
@@ -100,15 +126,16 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
 }
 
 void write_comm_figures(const CommFigures& f, const std::string& path) {
-  write_file_atomic(path, fmt::format("{} {:.9e} {:.9e} {:.9e} {:.9e}\n", f.procs, f.latency,
-                                      f.alltoall_bandwidth, f.allreduce_bandwidth,
-                                      f.late_penalty));
+  write_file_atomic(path, fmt::format("{} {:.9e} {:.9e} {:.9e} {:.9e} {:.9e}\n", f.procs,
+                                      f.latency, f.alltoall_bandwidth, f.allreduce_bandwidth,
+                                      f.late_penalty, f.receiver_bound));
 }
 
 CommFigures read_comm_figures(const std::string& path) {
   std::ifstream in(path);
   CommFigures f;
-  in >> f.procs >> f.latency >> f.alltoall_bandwidth >> f.allreduce_bandwidth >> f.late_penalty;
+  in >> f.procs >> f.latency >> f.alltoall_bandwidth >> f.allreduce_bandwidth >> f.late_penalty >>
+      f.receiver_bound;
   MOETRAIN_CHECK(in && f.procs > 0 && f.latency > 0 && f.alltoall_bandwidth > 0 &&
                      f.allreduce_bandwidth > 0,
                  "{}: not what plan --calibrate-comm writes", path);

@@ -22,6 +22,11 @@ struct CommFigures {
   // rank polls with sleeps): what each of a step's exchanges costs when the ranks' compute before
   // it differs, as it does with a real router.
   double late_penalty = 0;
+  // How far an all-to-all is bound by the most loaded rank's bytes (1: each rank has its own
+  // link, so the rank that receives the most sets the time) rather than by the bytes all ranks
+  // move together (0: one link that every rank's traffic shares). Measured from an all-to-all
+  // in which rank 0 receives twice its share; 1 where not measured.
+  double receiver_bound = 1;
 };
 
 // Every rank of `world` calls it; a rank sends `a2a_bytes` in each all-to-all (spread over the

@@ -59,6 +59,10 @@ struct ClusterSpec {
   // Seconds each expert exchange costs beyond its on-time figure when the ranks arrive unevenly
   // (measured on this machine: a waiting rank polls with sleeps); 0 elsewhere.
   double late_penalty = 0;
+  // How far an all-to-all waits for its most loaded rank's bytes (1: per-device links, as
+  // NVLink and NICs) rather than for all ranks' bytes over one shared link (0); measured on this
+  // machine (plan/calibrate_comm.h), 1 elsewhere.
+  double a2a_receiver_bound = 1;
 
   int64_t devices() const { return devices_per_node * nodes; }
 };

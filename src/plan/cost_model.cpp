@@ -332,12 +332,17 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.experts_mean += sum / static_cast<double>(ep);
     p.imbalance = std::max(p.imbalance, rows_sum > 0 ? worst_rows * ep / rows_sum : 1.0);
     // Four all-to-alls per layer (dispatch and combine, forward and backward). A rank sends its
-    // rows bound elsewhere; the hot rank receives its share of the whole group's rows.
+    // rows bound elsewhere; the hot rank receives its share of the whole group's rows. With a
+    // link per rank the hot rank's bytes set the time; over one link that all ranks share (the
+    // calibrated a2a_receiver_bound towards 0) all ranks' bytes do, which at a given total is
+    // the mean rank's send however the rows are spread.
     const double row_bytes = C * bytes_of(parse_dtype(cfg.dist.a2a_dtype, "dist.a2a_dtype"));
     const double send = N * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double recv =
         worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
-    const A2a a = alltoall_time(cluster, std::max(send, recv), ep, cfg.dist.hierarchical);
+    const double bound = cluster.a2a_receiver_bound;
+    const A2a a = alltoall_time(cluster, send + bound * (std::max(send, recv) - send), ep,
+                                cfg.dist.hierarchical);
     // Each exchange follows compute that differs between the ranks (their experts, their
     // tokens' routing): where measured, a late peer's cost is paid at each.
     s.a2a += 4 * (a.time + (ep > 1 ? cluster.late_penalty : 0));

@@ -166,7 +166,8 @@ TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
   one.kernels.add("linear", {1024, 128, 128, 1}, 1.5e-3);
   const std::string profile = (tmp.path() / "p.toml").string();
   save_profile(all, one, 5e9, 3e-6,
-               {CommFigures{2, 6e-6, 3e9, 2e9, 0}, CommFigures{4, 40e-6, 2e9, 1.5e9, 3e-4}}, profile);
+               {CommFigures{2, 6e-6, 3e9, 2e9, 0, 0.25}, CommFigures{4, 40e-6, 2e9, 1.5e9, 3e-4}},
+               profile);
   const ClusterSpec c1 = local_cluster(profile, 1, 2);
   EXPECT_DOUBLE_EQ(*c1.device.kernels.find("linear", {1024, 128, 128, 1}), 1e-3);
   EXPECT_DOUBLE_EQ(*c1.device.kernels.experts(128, 256, 256, 1), 2e-4);
@@ -185,6 +186,8 @@ TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
   EXPECT_DOUBLE_EQ(c4.intra_node_allreduce_bandwidth, 1.5e9);
   EXPECT_DOUBLE_EQ(c4.late_penalty, 3e-4);
   EXPECT_DOUBLE_EQ(c2.late_penalty, 0);
+  EXPECT_DOUBLE_EQ(c2.a2a_receiver_bound, 0.25);
+  EXPECT_DOUBLE_EQ(c4.a2a_receiver_bound, 1);
   // Three: the nearest measured count, the larger on a tie.
   EXPECT_DOUBLE_EQ(local_cluster(profile, 3, 1).intra_node_latency, 40e-6);
 }
@@ -244,4 +247,27 @@ TEST(PlanMeasured, EachMeasuredStepWaitsForItsOwnSlowestRank) {
   EXPECT_NEAR(skew.imbalance, 1.5, 1e-9);
   EXPECT_GT(skew.parts.experts, 1.3 * even.parts.experts);
   EXPECT_NEAR(skew.parts.experts_mean, even.parts.experts_mean, 0.05 * even.parts.experts_mean);
+}
+
+TEST(PlanMeasured, AnAllToAllOverASharedLinkWaitsForAllBytesNotTheHotRanks) {
+  const RunConfig cfg = tiny();
+  ClusterSpec c = one_process(cpu(1));
+  c.devices_per_node = 2;
+  c.intra_node_bandwidth = 1e8;  // the all-to-all's bytes dominate its latency
+  // 3/4 of the rows to rank 0's experts: rank 0 receives 1.5× what a rank sends at uniform load.
+  std::vector<double> hot(8, 0.25 / 4);
+  for (int e = 0; e < 4; ++e) hot[e] = 0.75 / 4;
+  const LoadModel skewed{"measured", {hot}, {}};
+  const Layout two{.procs = 2, .ep = 2};
+  const double even = predict(cfg, c, two, uniform_load(8)).parts.a2a;
+  // Links per rank: the hot rank's bytes; one shared link: all ranks' bytes, the mean send.
+  const double per_rank = predict(cfg, c, two, skewed).parts.a2a;
+  c.a2a_receiver_bound = 0;
+  const double shared = predict(cfg, c, two, skewed).parts.a2a;
+  c.a2a_receiver_bound = 0.5;
+  const double half = predict(cfg, c, two, skewed).parts.a2a;
+  const double lat = 2 * 4 * c.intra_node_latency;  // 2 MoE layers × 4 exchanges, 1 message
+  EXPECT_NEAR((per_rank - lat) / (even - lat), 1.5, 1e-6);
+  EXPECT_NEAR(shared, even, 1e-12);
+  EXPECT_NEAR(half, (per_rank + shared) / 2, 1e-12);
 }

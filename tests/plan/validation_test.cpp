@@ -11,10 +11,17 @@
 // it (--threads). When a bracket's two calibrations predict more than 15% apart, the comparison
 // cannot be judged and the test says so loudly, with the figures (the only case it skips);
 // otherwise the worst error must be under 15%.
+// The multi-process runs are repeated over a rate-limited link: Open MPI's TCP transport on the
+// loopback interface (shared memory off), its ports shaped to 1 Gbit/s by a `tc` HTB class; the
+// calibrations run their collectives over the same link. Where the link cannot be shaped (no
+// `tc`, no CAP_NET_ADMIN, loopback already shaped by someone else) those tests skip, saying why.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <sys/wait.h>
+
+#include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -65,13 +72,15 @@ double median_step_time(const std::filesystem::path& run_dir) {
 // Calibrates with every core (the profile holds the all-thread and the one-thread-per-core
 // figures), f32 only as the runs, at the config's shapes; the collectives with 2 and 4 processes.
 std::string calibrate(const std::filesystem::path& dir, int i, const std::string& config,
-                      int batch) {
+                      int batch, const Env& link) {
   const std::string out = (dir / fmt::format("profile_{}.toml", i)).string();
   std::vector<std::string> args = {"plan", "--calibrate", "--no-bf16", "-c", config,
                                    "--comm-procs", "2,4", "--out", out};
   const auto s = sets(batch);
   args.insert(args.end(), s.begin(), s.end());
-  const ProcessResult r = run_moetrain(args, with_mpi(cores()), 120);
+  Env env = with_mpi(cores());
+  env.insert(env.end(), link.begin(), link.end());
+  const ProcessResult r = run_moetrain(args, env, 180);
   EXPECT_EQ(r.code, 0) << r.output();
   return out;
 }
@@ -103,30 +112,22 @@ double predicted_step_time(const std::string& profile, const std::string& config
   return nlohmann::json::parse(text)["step_time_s"].get<double>();
 }
 
-}  // namespace
+struct Case {
+  const char* name;
+  const std::string* config;
+  int batch, procs, ep;
+};
 
-TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
+// Runs `cases` in order (each config calibrated before its first run, each run bracketed by
+// calibrations), the processes' collectives over `link` (extra environment: the transport).
+// Fails when the worst error is 15% or more; skips, saying so, when the machine's speed moved.
+void validate(const std::vector<Case>& cases, const Env& link, const std::string& title) {
   TempDir tmp("plan_validation");
   write_corpus(tmp.path() / "data", 60000);
-  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
-  const std::string large = std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/bench_large.toml";
-  struct Case {
-    const char* name;
-    const std::string* config;
-    int batch, procs, ep;
-  };
-  const Case cases[] = {{"tiny 1 process", &tiny, 8, 1, 1},
-                        {"tiny 2 procs EP=2", &tiny, 8, 2, 2},
-                        {"tiny 2 procs DP=2", &tiny, 8, 2, 1},
-                        {"tiny 4 procs EP=4", &tiny, 8, 4, 4},
-                        {"tiny 4 procs DP=2 EP=2", &tiny, 8, 4, 2},
-                        {"large 1 process", &large, 2, 1, 1},
-                        {"large 2 procs EP=2", &large, 2, 2, 2},
-                        {"large 2 procs DP=2", &large, 2, 2, 1}};
   std::string table = fmt::format(
-      "{} cores; run, threads per process, measured ms (median of steps {}+), predicted ms "
+      "{}\n{} cores; run, threads per process, measured ms (median of steps {}+), predicted ms "
       "from the calibration before / after the run, error\n",
-      cores(), kWarmupSteps + 1);
+      title, cores(), kWarmupSteps + 1);
   double worst = 0, drift = 0;
   std::string before;
   const std::string* calibrated_for = nullptr;
@@ -134,7 +135,7 @@ TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
   for (const Case& c : cases) {
     ++i;
     if (calibrated_for != c.config) {
-      before = calibrate(tmp.path(), 100 + i, *c.config, c.batch);
+      before = calibrate(tmp.path(), 100 + i, *c.config, c.batch, link);
       calibrated_for = c.config;
     }
     const int threads = std::max(1, cores() / c.procs);
@@ -154,6 +155,7 @@ TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
     Env env = {{"OMP_NUM_THREADS", std::to_string(threads)}};
     if (c.procs > 1) {
       env = with_mpi(threads);
+      env.insert(env.end(), link.begin(), link.end());
       args = {"launch", "-n", std::to_string(c.procs)};
       if (c.procs > cores()) args.push_back("--mpi-arg=--oversubscribe");
       args.push_back("--");
@@ -162,7 +164,7 @@ TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
     }
     const ProcessResult r = run_moetrain(args, env, 300);
     ASSERT_EQ(r.code, 0) << r.output();
-    const std::string after = calibrate(tmp.path(), i, *c.config, c.batch);
+    const std::string after = calibrate(tmp.path(), i, *c.config, c.batch, link);
     const double measured = median_step_time(run_dir);
     ASSERT_GT(measured, 0) << "no step_time_s in " << run_dir;
     const double predicted =
@@ -189,4 +191,131 @@ TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
     GTEST_SKIP() << why;
   }
   EXPECT_LT(worst, 0.15) << table;
+}
+
+// A command's exit status and output (stdout and stderr).
+std::pair<int, std::string> shell(const std::string& cmd) {
+  std::string out;
+  FILE* f = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (f == nullptr) return {-1, "popen failed"};
+  char buf[512];
+  while (std::fgets(buf, sizeof(buf), f) != nullptr) out += buf;
+  const int status = ::pclose(f);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// The rate-limited link: Open MPI's TCP transport over loopback (no shared memory), its listening
+// ports [kPort, kPort + 128) only, and a `tc` HTB class on lo that every packet to or from those
+// ports goes through (both directions of every connection between the processes, so the
+// processes share one link of kRate); other loopback traffic is left alone (HTB's default 0:
+// unclassified packets pass unshaped). The qdisc has its own handle, so a stale one from a
+// killed run is recognised and replaced; it is removed when the object goes.
+constexpr int kPort = 40064;  // a multiple of 128: one u32 mask covers the range
+constexpr const char* kRate = "1gbit";
+constexpr const char* kHandle = "4d54";
+
+class ShapedLink {
+ public:
+  ShapedLink() {
+    const auto [rc, shown] = shell("tc qdisc show dev lo");
+    if (rc != 0) {
+      why_not_ = "`tc qdisc show dev lo` failed (" + shown + ")";
+      return;
+    }
+    if (shown.find(fmt::format("htb {}:", kHandle)) != std::string::npos) {
+      shell("tc qdisc del dev lo root");  // ours, left by a run that was killed
+    } else if (shown.find("noqueue") == std::string::npos) {
+      why_not_ = "lo already has a root qdisc that is not this test's: " + shown;
+      return;
+    }
+    const std::string port = fmt::format("{} 0xff80", kPort);
+    for (const std::string& cmd :
+         {fmt::format("tc qdisc add dev lo root handle {}: htb default 0 r2q 1000", kHandle),
+          fmt::format("tc class add dev lo parent {0}: classid {0}:10 htb rate {1} ceil {1} "
+                      "burst 64k cburst 64k",
+                      kHandle, kRate),
+          fmt::format("tc filter add dev lo parent {0}: protocol ip prio 1 u32 match ip dport {1} "
+                      "flowid {0}:10",
+                      kHandle, port),
+          fmt::format("tc filter add dev lo parent {0}: protocol ip prio 2 u32 match ip sport {1} "
+                      "flowid {0}:10",
+                      kHandle, port)}) {
+      const auto [c, out] = shell(cmd);
+      if (c != 0) {
+        why_not_ = "`" + cmd + "` failed: " + out;
+        remove();
+        return;
+      }
+      added_ = true;
+    }
+  }
+  ~ShapedLink() { remove(); }
+  ShapedLink(const ShapedLink&) = delete;
+  ShapedLink& operator=(const ShapedLink&) = delete;
+
+  // Empty when the link is shaped, else why not.
+  const std::string& why_not() const { return why_not_; }
+
+  // Bytes that went through the shaped class so far.
+  int64_t bytes_shaped() const {
+    const auto [rc, out] = shell(fmt::format("tc -s class show dev lo classid {}:10", kHandle));
+    const auto at = out.find("Sent ");
+    return rc == 0 && at != std::string::npos ? std::stoll(out.substr(at + 5)) : -1;
+  }
+
+  // The processes' transport: TCP over lo on the shaped ports.
+  static Env mpi_env() {
+    return {{"OMPI_MCA_btl", "tcp,self"},
+            {"OMPI_MCA_btl_tcp_if_include", "lo"},
+            {"OMPI_MCA_btl_tcp_port_min_v4", std::to_string(kPort)},
+            {"OMPI_MCA_btl_tcp_port_range_v4", "128"}};
+  }
+
+ private:
+  void remove() {
+    if (added_) shell("tc qdisc del dev lo root");
+    added_ = false;
+  }
+  bool added_ = false;
+  std::string why_not_;
+};
+
+void validate_rate_limited(const std::vector<Case>& cases, const std::string& title) {
+  ShapedLink link;
+  if (!link.why_not().empty()) GTEST_SKIP() << "no rate-limited link: " << link.why_not();
+  validate(cases, ShapedLink::mpi_env(),
+           fmt::format("{}, over TCP on loopback shaped to {}", title, kRate));
+  // The runs' bytes went through the shaped class (not shared memory, not other ports).
+  EXPECT_GT(link.bytes_shaped(), 1 << 20) << "the processes' traffic missed the shaped link";
+}
+
+const std::string kTiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+const std::string kLarge = std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/bench_large.toml";
+
+}  // namespace
+
+TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
+  validate({{"tiny 1 process", &kTiny, 8, 1, 1},
+            {"tiny 2 procs EP=2", &kTiny, 8, 2, 2},
+            {"tiny 2 procs DP=2", &kTiny, 8, 2, 1},
+            {"tiny 4 procs EP=4", &kTiny, 8, 4, 4},
+            {"tiny 4 procs DP=2 EP=2", &kTiny, 8, 4, 2},
+            {"large 1 process", &kLarge, 2, 1, 1},
+            {"large 2 procs EP=2", &kLarge, 2, 2, 2},
+            {"large 2 procs DP=2", &kLarge, 2, 2, 1}},
+           {}, "shared memory");
+}
+
+TEST(PlanValidation, TinyOverARateLimitedLinkWithin15Percent) {
+  validate_rate_limited({{"tiny 2 procs EP=2", &kTiny, 8, 2, 2},
+                         {"tiny 2 procs DP=2", &kTiny, 8, 2, 1},
+                         {"tiny 4 procs EP=4", &kTiny, 8, 4, 4},
+                         {"tiny 4 procs DP=2 EP=2", &kTiny, 8, 4, 2}},
+                        "tiny");
+}
+
+TEST(PlanValidation, LargeOverARateLimitedLinkWithin15Percent) {
+  validate_rate_limited({{"large 2 procs EP=2", &kLarge, 2, 2, 2},
+                         {"large 2 procs DP=2", &kLarge, 2, 2, 1}},
+                        "large");
 }
