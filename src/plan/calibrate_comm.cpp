@@ -74,32 +74,40 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
         [&] { world.alltoallv(recv.data(), counts, displs, send.data(), counts, displs); }, 10,
         2e-3);
     f.late_penalty = std::max(0.0, late - t);
-    // The same with rank 0 receiving twice its share: every other rank sends it 2·per_peer.
-    // Rank 0 then receives 2(P − 1)·per_peer, the most any rank moves, while all ranks together
-    // move (P + 1)/P times the even exchange's bytes. Per-rank links take 2× the even time,
-    // one shared link (P + 1)/P×; where the ratio falls between says which binds.
-    std::vector<int64_t> skew_send = counts, skew_displs(P), recv_counts = counts,
-                         recv_displs(P);
-    if (world.rank() != 0) skew_send[0] = 2 * per_peer;
+    // An even exchange against one in which rank 0 receives twice its share (every other rank
+    // sends it 2·pp): rank 0 then receives 2(P − 1)·pp, the most any rank moves, while all ranks
+    // together move (P + 1)/P times the even exchange's bytes. Per-rank links take 2× the even
+    // time, one shared link (P + 1)/P×; where the ratio falls between says which binds. At
+    // least 4 MiB a rank, so that bytes rather than latency and polling set both times; three
+    // alternating rounds, the median ratio (the machine may drift between them).
+    const int64_t pp = std::max<int64_t>(per_peer, (4 << 20) / (P - 1));
+    std::vector<int64_t> even(P, pp), skew_send(P, pp), skew_recv(P, pp), displs2(P);
+    even[world.rank()] = skew_send[world.rank()] = skew_recv[world.rank()] = 0;
+    if (world.rank() != 0) skew_send[0] = 2 * pp;
     if (world.rank() == 0)
-      for (int q = 1; q < P; ++q) recv_counts[q] = 2 * per_peer;
-    for (int q = 0; q < P; ++q) {
-      skew_displs[q] = q * 2 * per_peer;
-      recv_displs[q] = q * 2 * per_peer;
+      for (int q = 1; q < P; ++q) skew_recv[q] = 2 * pp;
+    for (int q = 0; q < P; ++q) displs2[q] = q * 2 * pp;
+    std::vector<char> big_in(static_cast<std::size_t>(2 * pp * P), 1), big_out(big_in.size());
+    std::vector<double> ratios;
+    for (int round = 0; round < 3; ++round) {
+      const double te = time_collective(
+          world, thread,
+          [&] {
+            world.alltoallv(big_out.data(), even, displs2, big_in.data(), even, displs2);
+          },
+          5);
+      const double ts = time_collective(
+          world, thread,
+          [&] {
+            world.alltoallv(big_out.data(), skew_recv, displs2, big_in.data(), skew_send,
+                            displs2);
+          },
+          5);
+      ratios.push_back(ts / te);
     }
-    std::vector<char> skew_in(static_cast<std::size_t>(2 * per_peer * P), 1),
-        skew_out(skew_in.size());
-    const double skew = time_collective(
-        world, thread,
-        [&] {
-          world.alltoallv(skew_out.data(), recv_counts, recv_displs, skew_in.data(), skew_send,
-                          skew_displs);
-        },
-        30);
+    std::sort(ratios.begin(), ratios.end());
     const double shared = static_cast<double>(P + 1) / P;
-    const double on_time = std::max(t - (P - 1) * f.latency, 0.1 * t);
-    const double ratio = std::max(skew - (P - 1) * f.latency, 0.1 * skew) / on_time;
-    f.receiver_bound = std::clamp((ratio - shared) / (2.0 - shared), 0.0, 1.0);
+    f.receiver_bound = std::clamp((ratios[1] - shared) / (2.0 - shared), 0.0, 1.0);
   }
   // All-reduce as the gradient reduction runs it (parallel/grad_sync.h): a bucket (at most
   // 25 MiB, the trainer's bucket size) packed from the gradient buffer, reduce-scattered,
@@ -121,21 +129,34 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
         9);
     const double ring = 2.0 * (P - 1) / P * 4.0 * static_cast<double>(n);
     f.allreduce_bandwidth = ring / std::max(t - 2.0 * (P - 1) * f.latency, 0.1 * t);
+    // The same bucket over a group of one, as each rank reduces the experts only it holds.
+    std::unique_ptr<Comm> one = world.split(world.rank(), 0, {"group_of_one"});
+    const std::vector<int64_t> whole = {n};
+    const double t1 = time_collective(
+        world, thread,
+        [&] {
+          std::memcpy(in.data(), flat.data(), flat.size() * sizeof(float));
+          one->reduce_scatter(all.data(), in.data(), whole);
+          one->allgather(in.data(), all.data(), whole);
+          std::memcpy(flat.data(), in.data(), flat.size() * sizeof(float));
+        },
+        9);
+    f.self_reduce_bandwidth = 4.0 * static_cast<double>(n) / t1;
   }
   return f;
 }
 
 void write_comm_figures(const CommFigures& f, const std::string& path) {
-  write_file_atomic(path, fmt::format("{} {:.9e} {:.9e} {:.9e} {:.9e} {:.9e}\n", f.procs,
+  write_file_atomic(path, fmt::format("{} {:.9e} {:.9e} {:.9e} {:.9e} {:.9e} {:.9e}\n", f.procs,
                                       f.latency, f.alltoall_bandwidth, f.allreduce_bandwidth,
-                                      f.late_penalty, f.receiver_bound));
+                                      f.late_penalty, f.receiver_bound, f.self_reduce_bandwidth));
 }
 
 CommFigures read_comm_figures(const std::string& path) {
   std::ifstream in(path);
   CommFigures f;
   in >> f.procs >> f.latency >> f.alltoall_bandwidth >> f.allreduce_bandwidth >> f.late_penalty >>
-      f.receiver_bound;
+      f.receiver_bound >> f.self_reduce_bandwidth;
   MOETRAIN_CHECK(in && f.procs > 0 && f.latency > 0 && f.alltoall_bandwidth > 0 &&
                      f.allreduce_bandwidth > 0,
                  "{}: not what plan --calibrate-comm writes", path);

@@ -27,6 +27,10 @@ struct CommFigures {
   // move together (0: one link that every rank's traffic shares). Measured from an all-to-all
   // in which rank 0 receives twice its share; 1 where not measured.
   double receiver_bound = 1;
+  // Gradient bytes per second through the reduction over a group of one process (the expert
+  // gradients' group under EP without DP): the same packing, reduce-scatter, all-gather and
+  // unpacking, which over one process only copy; every rank at once. 0 where not measured.
+  double self_reduce_bandwidth = 0;
 };
 
 // Every rank of `world` calls it; a rank sends `a2a_bytes` in each all-to-all (spread over the

@@ -231,7 +231,7 @@ void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_
   s += fmt::format("intra_node_bandwidth = {:.6e}\n", intra_bandwidth);
   s += fmt::format("intra_node_latency = {:.6e}\n", intra_latency);
   if (!comm.empty()) {
-    std::vector<double> procs, lat, a2a, ar, late, bound;
+    std::vector<double> procs, lat, a2a, ar, late, bound, self;
     for (const CommFigures& f : comm) {
       procs.push_back(static_cast<double>(f.procs));
       lat.push_back(f.latency);
@@ -239,12 +239,14 @@ void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_
       ar.push_back(f.allreduce_bandwidth);
       late.push_back(f.late_penalty);
       bound.push_back(f.receiver_bound);
+      self.push_back(f.self_reduce_bandwidth);
     }
     s += "# collectives measured under MPI with comm_procs processes (plan/calibrate_comm.h)\n";
     s += fmt::format("comm_procs = {}\ncomm_latency = {}\ncomm_alltoall_bandwidth = {}\n"
                      "comm_allreduce_bandwidth = {}\ncomm_late_penalty = {}\n"
-                     "comm_alltoall_receiver_bound = {}\n",
-                     list(procs), list(lat), list(a2a), list(ar), list(late), list(bound));
+                     "comm_alltoall_receiver_bound = {}\ncomm_self_reduce_bandwidth = {}\n",
+                     list(procs), list(lat), list(a2a), list(ar), list(late), list(bound),
+                     list(self));
   }
   write_file_atomic(path, s);
 }
@@ -325,12 +327,14 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t thr
     if (late.empty()) late.assign(procs_list.size(), 0.0);
     auto bound = positive_list(t, "cluster", "comm_alltoall_receiver_bound", where, true);
     if (bound.empty()) bound.assign(procs_list.size(), 1.0);  // profiles from before it
+    auto self = positive_list(t, "cluster", "comm_self_reduce_bandwidth", where, true);
+    if (self.empty()) self.assign(procs_list.size(), 0.0);
     MOETRAIN_CHECK(lat.size() == procs_list.size() && a2a.size() == procs_list.size() &&
                        ar.size() == procs_list.size() && late.size() == procs_list.size() &&
-                       bound.size() == procs_list.size(),
+                       bound.size() == procs_list.size() && self.size() == procs_list.size(),
                    "{}: cluster.comm_procs, comm_latency, comm_alltoall_bandwidth, "
-                   "comm_allreduce_bandwidth, comm_late_penalty and "
-                   "comm_alltoall_receiver_bound must have the same length",
+                   "comm_allreduce_bandwidth, comm_late_penalty, comm_alltoall_receiver_bound "
+                   "and comm_self_reduce_bandwidth must have the same length",
                    where);
     for (double b : bound)
       MOETRAIN_CHECK(b <= 1, "{}: cluster.comm_alltoall_receiver_bound must hold numbers in "
@@ -346,6 +350,7 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t thr
     c.intra_node_allreduce_bandwidth = ar[best];
     c.late_penalty = late[best];
     c.a2a_receiver_bound = bound[best];
+    c.self_reduce_bandwidth = self[best];
   }
   c.inter_node_bandwidth = c.intra_node_bandwidth;  // one node: never used
   c.inter_node_latency = c.intra_node_latency;

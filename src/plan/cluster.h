@@ -63,6 +63,10 @@ struct ClusterSpec {
   // NVLink and NICs) rather than for all ranks' bytes over one shared link (0); measured on this
   // machine (plan/calibrate_comm.h), 1 elsewhere.
   double a2a_receiver_bound = 1;
+  // Gradient bytes per second the reduction moves over a group of one process (packing and the
+  // collectives' copies; measured here, plan/calibrate_comm.h): what the expert gradients cost
+  // under EP without DP. 0: not measured, taken as free.
+  double self_reduce_bandwidth = 0;
 
   int64_t devices() const { return devices_per_node * nodes; }
 };

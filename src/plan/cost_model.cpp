@@ -385,6 +385,11 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const double expert_local = pc.expert / static_cast<double>(ep * layout.pp);
   s.grad_sync = allreduce_time(cluster, dense_local * grad_elem, layout.stage(), multi_node) +
                 allreduce_time(cluster, expert_local * grad_elem, layout.dp(), multi_node);
+  // Under EP without DP each rank's experts reduce over a group of one: nothing travels, but
+  // the trainer's reduction (parallel/grad_sync.h) still packs, reduce-scatters, all-gathers
+  // and unpacks them, at the rate measured for that (one process alone has no reduction).
+  if (layout.dp() == 1 && layout.stage() > 1 && cluster.self_reduce_bandwidth > 0)
+    s.grad_sync += expert_local * 4 / cluster.self_reduce_bandwidth;
   // With overlap, buckets reduce while backward still runs: only what outlasts the backward, and
   // at least the last bucket, is exposed. Backward is two thirds of the compute.
   const double grad_bytes = (dense_local + expert_local) * grad_elem;

@@ -166,7 +166,7 @@ TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
   one.kernels.add("linear", {1024, 128, 128, 1}, 1.5e-3);
   const std::string profile = (tmp.path() / "p.toml").string();
   save_profile(all, one, 5e9, 3e-6,
-               {CommFigures{2, 6e-6, 3e9, 2e9, 0, 0.25}, CommFigures{4, 40e-6, 2e9, 1.5e9, 3e-4}},
+               {CommFigures{2, 6e-6, 3e9, 2e9, 0, 0.25, 4e9}, CommFigures{4, 40e-6, 2e9, 1.5e9, 3e-4}},
                profile);
   const ClusterSpec c1 = local_cluster(profile, 1, 2);
   EXPECT_DOUBLE_EQ(*c1.device.kernels.find("linear", {1024, 128, 128, 1}), 1e-3);
@@ -188,6 +188,8 @@ TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
   EXPECT_DOUBLE_EQ(c2.late_penalty, 0);
   EXPECT_DOUBLE_EQ(c2.a2a_receiver_bound, 0.25);
   EXPECT_DOUBLE_EQ(c4.a2a_receiver_bound, 1);
+  EXPECT_DOUBLE_EQ(c2.self_reduce_bandwidth, 4e9);
+  EXPECT_DOUBLE_EQ(c4.self_reduce_bandwidth, 0);
   // Three: the nearest measured count, the larger on a tie.
   EXPECT_DOUBLE_EQ(local_cluster(profile, 3, 1).intra_node_latency, 40e-6);
 }
@@ -270,4 +272,24 @@ TEST(PlanMeasured, AnAllToAllOverASharedLinkWaitsForAllBytesNotTheHotRanks) {
   EXPECT_NEAR((per_rank - lat) / (even - lat), 1.5, 1e-6);
   EXPECT_NEAR(shared, even, 1e-12);
   EXPECT_NEAR(half, (per_rank + shared) / 2, 1e-12);
+}
+
+TEST(PlanMeasured, ExpertGradientsOverAGroupOfOneCostTheirMeasuredCopies) {
+  const RunConfig cfg = tiny();
+  ClusterSpec c = one_process(cpu(1));
+  c.devices_per_node = 4;
+  const LoadModel load = uniform_load(8);
+  const double free_ep2 = predict(cfg, c, {.procs = 2, .ep = 2}, load).parts.grad_sync;
+  c.self_reduce_bandwidth = 1e9;
+  const ParamCounts pc = count_params(cfg.model);
+  // EP=2 without DP: each rank's half of the experts through the reduction's copies.
+  EXPECT_NEAR(predict(cfg, c, {.procs = 2, .ep = 2}, load).parts.grad_sync - free_ep2,
+              pc.expert / 2 * 4 / 1e9, 1e-12);
+  // With DP the experts' reduction is a real all-reduce (calibrated with its copies); one
+  // process reduces nothing.
+  ClusterSpec free = c;
+  free.self_reduce_bandwidth = 0;
+  EXPECT_DOUBLE_EQ(predict(cfg, c, {.procs = 4, .ep = 2}, load).parts.grad_sync,
+                   predict(cfg, free, {.procs = 4, .ep = 2}, load).parts.grad_sync);
+  EXPECT_DOUBLE_EQ(predict(cfg, c, {}, load).parts.grad_sync, 0);
 }
