@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "core/profile.h"
+#include "kernels/lane_sum.h"
 #include "kernels/vec_math.h"
 
 namespace moetrain {
@@ -367,8 +368,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       for (int64_t h = 0; h < NH; ++h) {
         const float* x = dout + ((b * T + t) * NH + h) * HS;
         const float* y = out + ((b * T + t) * NH + h) * HS;
-        double sum = 0;
-        for (int64_t i = 0; i < HS; ++i) sum += double(x[i]) * y[i];
+        const double sum = lane_sum8(HS, [x, y](int64_t i) { return double(x[i]) * y[i]; });
         D[(b * NH + h) * T + t] = static_cast<float>(sum);
       }
     }

@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "core/profile.h"
+#include "kernels/lane_sum.h"
 
 namespace moetrain {
 
@@ -25,9 +26,8 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
   for (int64_t n = 0; n < N; ++n) {
     const float* x = inp + n * C;
     float* y = out + n * C;
-    // A double sum keeps mean(x²) accurate for wide rows at no measurable cost (memory bound).
-    double ss = 0.0;
-    for (int64_t c = 0; c < C; ++c) ss += double(x[c]) * x[c];
+    // A double sum keeps mean(x²) accurate for wide rows (each x² is exact in double).
+    const double ss = lane_sum8(C, [x](int64_t c) { return double(x[c]) * x[c]; });
     const float r = static_cast<float>(1.0 / std::sqrt(ss / double(C) + double(eps)));
     rstd[n] = r;
     // HF order: normalise first, then scale by the weight.
@@ -47,8 +47,8 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
     const float* dy = dout + n * C;
     float* dx = dinp + n * C;
     const double r = rstd[n];
-    double dot = 0.0;
-    for (int64_t c = 0; c < C; ++c) dot += double(dy[c]) * weight[c] * x[c];
+    const double dot =
+        lane_sum8(C, [dy, weight, x](int64_t c) { return double(dy[c]) * weight[c] * x[c]; });
     const float k = static_cast<float>(r * r * r * dot / double(C));
     const float rf = static_cast<float>(r);
     for (int64_t c = 0; c < C; ++c) dx[c] = rf * weight[c] * dy[c] - k * x[c];

@@ -151,9 +151,10 @@ TEST(CudaEmbedding, BadIdGivesNanRowAndIsSkippedBackward) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// RMSNorm. The row sums are in double on both sides (a block reduction on the device, a serial
-// loop on the CPU): they differ by ~C·2^-53 relative, so rstd (their float rounding) is the CPU's
-// or one ulp (≤ 2u·|r|) away. Everything after the sums is the same uncontracted float arithmetic.
+// RMSNorm. The row sums are in double on both sides (a block reduction on the device, eight
+// interleaved partial sums on the CPU): they differ by ~C·2^-53 relative, so rstd (their float
+// rounding) is the CPU's or one ulp (≤ 2u·|r|) away. Everything after the sums is the same
+// uncontracted float arithmetic.
 
 struct NormShape {
   int64_t N, C;
