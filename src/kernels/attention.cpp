@@ -49,53 +49,69 @@ typedef float V8 __attribute__((vector_size(32)));
   std::memcpy(p, &v, sizeof v);
 }
 
+// One tile of C: rows [i, i + R) (those past M repeat A's last row and land in C's padding) by
+// columns [j, j + kNR), summed over k in [k0, k1), with kNR / lanes vectors of VF per tile row.
+template <class VF, int64_t R>
+[[gnu::always_inline]] inline void block_tile(float* __restrict C, int64_t ldc,
+                                              const float* __restrict A, int64_t lda,
+                                              const float* __restrict B, int64_t ldb, int64_t M,
+                                              int64_t i, int64_t j, int64_t k0, int64_t k1,
+                                              bool load_c) {
+  constexpr int64_t kLanes = sizeof(VF) / sizeof(float), kV = kNR / kLanes;
+  const float* a[R];
+  for (int64_t r = 0; r < R; ++r) a[r] = A + std::min(i + r, M - 1) * lda;
+  VF acc[R][kV];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < kV; ++v) {
+      if (load_c)
+        std::memcpy(&acc[r][v], C + (i + r) * ldc + j + v * kLanes, sizeof(VF));
+      else
+        acc[r][v] = VF{};
+    }
+  }
+  const float* b = B + k0 * ldb + j;
+  for (int64_t kk = k0; kk < k1; ++kk, b += ldb) {
+    VF bv[kV];
+    for (int64_t v = 0; v < kV; ++v) std::memcpy(&bv[v], b + v * kLanes, sizeof(VF));
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      const float ar = a[r][kk];
+      for (int64_t v = 0; v < kV; ++v) acc[r][v] += ar * bv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < kV; ++v)
+      std::memcpy(C + (i + r) * ldc + j + v * kLanes, &acc[r][v], sizeof(VF));
+  }
+}
+
 // C (M, N) = A (M, K) · B (K, N)  [+ C], row-major with leading dimensions.
 // N is a multiple of kNR and B is readable over all N columns. C needs round_up(M, kMR) rows: the
 // last tile's surplus rows repeat A's last row and land in C's padding. Each C element is one
 // sequential sum over k (C is stored and reloaded between k chunks, which rounds nothing), so the
 // result does not depend on tiling or threads.
 // Loop order keeps a (kKC, kNR) panel of B in L1 while every row tile of the block passes over it.
-// The tile loop over kNR-column panels with kNR / lanes vectors of VF per tile row.
-template <class VF>
+// Tiles have R rows while R remain, then kMR: R·kNR / lanes accumulators are the independent
+// addition chains that hide the adds' latency (8 either way: the 8-lane path has two vectors a
+// row, the 16-lane path one, so it takes R = 8 rows).
+template <class VF, int64_t R>
 [[gnu::always_inline]] inline void block_gemm_impl(float* __restrict C, int64_t ldc,
                                                    const float* __restrict A, int64_t lda,
                                                    const float* __restrict B, int64_t ldb,
                                                    int64_t M, int64_t N, int64_t K,
                                                    bool accumulate) {
-  constexpr int64_t kLanes = sizeof(VF) / sizeof(float), kV = kNR / kLanes;
+  static_assert(R % kMR == 0);
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kKC) {
     const int64_t k1 = std::min(K, k0 + kKC);
     const bool load_c = accumulate || k0 > 0;
     for (int64_t j = 0; j < N; j += kNR) {
-      for (int64_t i = 0; i < M; i += kMR) {
-        const float* a[kMR];
-        for (int64_t r = 0; r < kMR; ++r) a[r] = A + std::min(i + r, M - 1) * lda;
-        VF acc[kMR][kV];
-#pragma GCC unroll 4
-        for (int64_t r = 0; r < kMR; ++r) {
-          for (int64_t v = 0; v < kV; ++v) {
-            if (load_c)
-              std::memcpy(&acc[r][v], C + (i + r) * ldc + j + v * kLanes, sizeof(VF));
-            else
-              acc[r][v] = VF{};
-          }
-        }
-        const float* b = B + k0 * ldb + j;
-        for (int64_t kk = k0; kk < k1; ++kk, b += ldb) {
-          VF bv[kV];
-          for (int64_t v = 0; v < kV; ++v) std::memcpy(&bv[v], b + v * kLanes, sizeof(VF));
-#pragma GCC unroll 4
-          for (int64_t r = 0; r < kMR; ++r) {
-            const float ar = a[r][kk];
-            for (int64_t v = 0; v < kV; ++v) acc[r][v] += ar * bv[v];
-          }
-        }
-#pragma GCC unroll 4
-        for (int64_t r = 0; r < kMR; ++r) {
-          for (int64_t v = 0; v < kV; ++v)
-            std::memcpy(C + (i + r) * ldc + j + v * kLanes, &acc[r][v], sizeof(VF));
-        }
+      int64_t i = 0;
+      if constexpr (R > kMR) {
+        for (; i + R <= M; i += R) block_tile<VF, R>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
       }
+      for (; i < M; i += kMR) block_tile<VF, kMR>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
     }
   }
 }
@@ -103,7 +119,7 @@ template <class VF>
 MOETRAIN_ATTN_HOT void block_gemm_v8(float* __restrict C, int64_t ldc, const float* __restrict A,
                                      int64_t lda, const float* __restrict B, int64_t ldb,
                                      int64_t M, int64_t N, int64_t K, bool accumulate) {
-  block_gemm_impl<V8>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_impl<V8, kMR>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -116,7 +132,7 @@ __attribute__((target("avx512f"))) void block_gemm_v16(float* __restrict C, int6
                                                        int64_t M, int64_t N, int64_t K,
                                                        bool accumulate) {
   typedef float V16 __attribute__((vector_size(64)));
-  block_gemm_impl<V16>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_impl<V16, 2 * kMR>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
 }
 #endif
 
