@@ -9,8 +9,8 @@
 // it predicts it, the one right after tells whether the machine stayed the same speed meanwhile.
 // Every run states its thread count (train.threads and OMP_NUM_THREADS), and the planner is told
 // it (--threads). When a bracket's two calibrations predict more than 15% apart, the comparison
-// cannot be judged and the test says so loudly, with the figures (the only case it skips);
-// otherwise the worst error must be under 15%.
+// cannot be judged and the test says so loudly, with the figures (the only case it skips,
+// besides a rate-limited link that cannot be made); otherwise the worst error must be under 15%.
 // The multi-process runs are repeated over a rate-limited link: Open MPI's TCP transport on the
 // loopback interface (shared memory off), its ports shaped to 1 Gbit/s by a `tc` HTB class; the
 // calibrations run their collectives over the same link. Where the link cannot be shaped (no
@@ -18,9 +18,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
