@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/buffer.h"
 #include "core/check.h"
 #include "core/profile.h"
 #include "kernels/lane_sum.h"
@@ -163,9 +164,12 @@ void pack_transposed(float* dst, const float* src, int64_t B, int64_t T, int64_t
   }
 }
 
-// Packs are fully written before they are read; skipping the zero fill saves a pass over memory.
-std::unique_ptr<float[]> uninitialized(int64_t n) {
-  return std::unique_ptr<float[]>(new float[n]);
+// The packs of one call, in buffers the calling thread keeps (slot 0 to 4): an allocation of their
+// size comes from the kernel, which zero-fills every page of it again at each call. Packs are
+// fully written before they are read.
+float* pack_buffer(int slot, int64_t n) {
+  thread_local FloatBuffer buffers[5];
+  return buffers[slot].ensure(n);
 }
 
 // One head's (T, HS) rows as block_gemm's B operand: readable over HSp = round_up(HS, kNR) columns.
@@ -331,8 +335,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   const int64_t G = NH / NKV, Tp = round_up(T, kBlock), HSp = round_up(HS, kNR), nqb = Tp / kBlock;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
 
-  const auto kt = uninitialized(B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
-  pack_transposed(kt.get(), k, B, T, NKV, HS, Tp);
+  float* kt = pack_buffer(0, B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
+  pack_transposed(kt, k, B, T, NKV, HS, Tp);
   const RowsPack vrows(v, B, T, NKV, HS, HSp);
 
   const int64_t tasks = B * NH * nqb;
@@ -346,7 +350,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       const int64_t qb = nqb - 1 - task % nqb, b = task / nqb / NH, h = task / nqb % NH, g = h / G;
       const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M;
       const int64_t qrow = (b * T + i0) * NH + h;
-      block_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt.get() + (b * NKV + g) * HS * Tp, Tp, M,
+      block_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M,
                  round_up(nk, kNR), HS, false);
       float inv_l[kBlock];
       for (int64_t r = 0; r < M; ++r) {
@@ -377,7 +381,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
 
   // dP·P summed over a row equals dout·out, which spares recomputing the whole row first.
-  const auto D = uninitialized(B * NH * T);  // (B, NH, T)
+  float* D = pack_buffer(0, B * NH * T);  // (B, NH, T)
 #pragma omp parallel for collapse(2) schedule(static) if (B * T * NH * HS >= kParallelMinCopy)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
@@ -390,14 +394,14 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
     }
   }
 
-  const auto kt = uninitialized(B * NKV * HS * Tp),
-             vt = uninitialized(B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
-  const auto qt = uninitialized(B * NH * HS * Tp),
-             dot = uninitialized(B * NH * HS * Tp);  // (B, NH, HS, Tp)
-  pack_transposed(kt.get(), k, B, T, NKV, HS, Tp);
-  pack_transposed(vt.get(), v, B, T, NKV, HS, Tp);
-  pack_transposed(qt.get(), q, B, T, NH, HS, Tp);
-  pack_transposed(dot.get(), dout, B, T, NH, HS, Tp);
+  float* kt = pack_buffer(1, B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
+  float* vt = pack_buffer(2, B * NKV * HS * Tp);
+  float* qt = pack_buffer(3, B * NH * HS * Tp);  // (B, NH, HS, Tp)
+  float* dot = pack_buffer(4, B * NH * HS * Tp);
+  pack_transposed(kt, k, B, T, NKV, HS, Tp);
+  pack_transposed(vt, v, B, T, NKV, HS, Tp);
+  pack_transposed(qt, q, B, T, NH, HS, Tp);
+  pack_transposed(dot, dout, B, T, NH, HS, Tp);
   const RowsPack krows(k, B, T, NKV, HS, HSp), qrows(q, B, T, NH, HS, HSp),
       dorows(dout, B, T, NH, HS, HSp);
 
@@ -413,9 +417,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M,
                     N = round_up(nk, kNR);
       const int64_t qrow = (b * T + i0) * NH + h;
-      block_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt.get() + (b * NKV + g) * HS * Tp, Tp, M, N,
+      block_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N,
                  HS, false);
-      block_gemm(dp.data(), Tp, dout + qrow * HS, NH * HS, vt.get() + (b * NKV + g) * HS * Tp, Tp,
+      block_gemm(dp.data(), Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp,
                  M, N, HS, false);
       for (int64_t r = 0; r < M; ++r) {
         float* srow = s.data() + r * Tp;
@@ -451,12 +455,12 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
       for (int64_t h = g * G; h < (g + 1) * G; ++h) {
         // Column c of these (keys × queries) tiles is query j0 + c.
-        block_gemm(p.data(), Tp, k + krow * HS, NKV * HS, qt.get() + (b * NH + h) * HS * Tp + j0,
+        block_gemm(p.data(), Tp, k + krow * HS, NKV * HS, qt + (b * NH + h) * HS * Tp + j0,
                    Tp, M, N, HS, false);
-        block_gemm(ds.data(), Tp, v + krow * HS, NKV * HS, dot.get() + (b * NH + h) * HS * Tp + j0,
+        block_gemm(ds.data(), Tp, v + krow * HS, NKV * HS, dot + (b * NH + h) * HS * Tp + j0,
                    Tp, M, N, HS, false);
         const float* L = lse + (b * NH + h) * T + j0;
-        const float* Dh = D.get() + (b * NH + h) * T + j0;
+        const float* Dh = D + (b * NH + h) * T + j0;
         for (int64_t r = 0; r < M; ++r) {
           float* prow = p.data() + r * Tp;
           float* dsrow = ds.data() + r * Tp;
