@@ -158,9 +158,10 @@ Run add_plan_command(CLI::App& app) {
                          cal.intra_node_latency, comm, args->out);
       for (const auto& f : comm)
         fmt::print("collectives with {} processes: latency {:.1f} µs, all-to-all {:.2f} GB/s "
-                   "(+{:.0f} µs when the peers arrive late), all-reduce {:.2f} GB/s\n",
+                   "(+{:.0f} µs when the peers arrive late; bound by the busiest receiver: "
+                   "{:.2f}), all-reduce {:.2f} GB/s, reduction over a group of one {:.2f} GB/s\n",
                    f.procs, f.latency * 1e6, f.alltoall_bandwidth * 1e-9, f.late_penalty * 1e6,
-                   f.allreduce_bandwidth * 1e-9);
+                   f.receiver_bound, f.allreduce_bandwidth * 1e-9, f.self_reduce_bandwidth * 1e-9);
       const auto& d = cal.device;
       fmt::print(
           "{}: {} threads, GEMM f32 up to {:.1f} GFLOP/s ({:.1f} at smallest side {:.0f}), bf16 "
