@@ -9,6 +9,7 @@
 #include "core/buffer.h"
 #include "core/check.h"
 #include "core/profile.h"
+#include "core/threads.h"
 #include "kernels/lane_sum.h"
 #include "kernels/vec_math.h"
 
@@ -22,6 +23,8 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kMR = 4;    // register tile rows
 constexpr int64_t kNR = 16;   // register tile columns: two 8-float vectors
 constexpr int64_t kKC = 128;  // reduction chunk: a (kKC, kNR) panel of B is 8 KiB
+// Longest (padded) sequence whose backward runs in one pass: two (Tp, Tp) buffers a thread.
+constexpr int64_t kOnePassMaxT = 512;
 
 // Below these sizes a parallel region costs more than it saves (and far more when cores are
 // oversubscribed); thread count never changes results, so the cut-off is free to move.
@@ -52,7 +55,8 @@ typedef float V8 __attribute__((vector_size(32)));
 
 // One tile of C: rows [i, i + R) (those past M repeat A's last row and land in C's padding) by
 // columns [j, j + kNR), summed over k in [k0, k1), with kNR / lanes vectors of VF per tile row.
-template <class VF, int64_t R>
+// kTA: A is stored transposed, (K, M) with leading dimension lda.
+template <class VF, int64_t R, bool kTA>
 [[gnu::always_inline]] inline void block_tile(float* __restrict C, int64_t ldc,
                                               const float* __restrict A, int64_t lda,
                                               const float* __restrict B, int64_t ldb, int64_t M,
@@ -60,7 +64,8 @@ template <class VF, int64_t R>
                                               bool load_c) {
   constexpr int64_t kLanes = sizeof(VF) / sizeof(float), kV = kNR / kLanes;
   const float* a[R];
-  for (int64_t r = 0; r < R; ++r) a[r] = A + std::min(i + r, M - 1) * lda;
+  for (int64_t r = 0; r < R; ++r) a[r] = A + std::min(i + r, M - 1) * (kTA ? 1 : lda);
+  const int64_t a_step = kTA ? lda : 1;
   VF acc[R][kV];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) {
@@ -77,7 +82,7 @@ template <class VF, int64_t R>
     for (int64_t v = 0; v < kV; ++v) std::memcpy(&bv[v], b + v * kLanes, sizeof(VF));
 #pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
-      const float ar = a[r][kk];
+      const float ar = a[r][kk * a_step];
       for (int64_t v = 0; v < kV; ++v) acc[r][v] += ar * bv[v];
     }
   }
@@ -97,7 +102,7 @@ template <class VF, int64_t R>
 // Tiles have R rows while R remain, then kMR: R·kNR / lanes accumulators are the independent
 // addition chains that hide the adds' latency (8 either way: the 8-lane path has two vectors a
 // row, the 16-lane path one, so it takes R = 8 rows).
-template <class VF, int64_t R>
+template <class VF, int64_t R, bool kTA>
 [[gnu::always_inline]] inline void block_gemm_impl(float* __restrict C, int64_t ldc,
                                                    const float* __restrict A, int64_t lda,
                                                    const float* __restrict B, int64_t ldb,
@@ -110,17 +115,22 @@ template <class VF, int64_t R>
     for (int64_t j = 0; j < N; j += kNR) {
       int64_t i = 0;
       if constexpr (R > kMR) {
-        for (; i + R <= M; i += R) block_tile<VF, R>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+        for (; i + R <= M; i += R)
+          block_tile<VF, R, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
       }
-      for (; i < M; i += kMR) block_tile<VF, kMR>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+      for (; i < M; i += kMR)
+        block_tile<VF, kMR, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
     }
   }
 }
 
+// trans_a: A is stored transposed, (K, M) with leading dimension lda (C = Aᵀ·B).
 MOETRAIN_ATTN_HOT void block_gemm_v8(float* __restrict C, int64_t ldc, const float* __restrict A,
                                      int64_t lda, const float* __restrict B, int64_t ldb,
-                                     int64_t M, int64_t N, int64_t K, bool accumulate) {
-  block_gemm_impl<V8, kMR>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+                                     int64_t M, int64_t N, int64_t K, bool accumulate,
+                                     bool trans_a) {
+  if (trans_a) return block_gemm_impl<V8, kMR, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_impl<V8, kMR, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -131,20 +141,22 @@ __attribute__((target("avx512f"))) void block_gemm_v16(float* __restrict C, int6
                                                        const float* __restrict A, int64_t lda,
                                                        const float* __restrict B, int64_t ldb,
                                                        int64_t M, int64_t N, int64_t K,
-                                                       bool accumulate) {
+                                                       bool accumulate, bool trans_a) {
   typedef float V16 __attribute__((vector_size(64)));
-  block_gemm_impl<V16, 2 * kMR>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  if (trans_a)
+    return block_gemm_impl<V16, 2 * kMR, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_impl<V16, 2 * kMR, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
 }
 #endif
 
 void block_gemm(float* __restrict C, int64_t ldc, const float* __restrict A, int64_t lda,
                 const float* __restrict B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                bool accumulate) {
+                bool accumulate, bool trans_a = false) {
 #ifdef MOETRAIN_ATTN_WIDE
   static const bool wide = __builtin_cpu_supports("avx512f");
-  if (wide) return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  if (wide) return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
 #endif
-  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
 }
 
 // dst (B, H, HS, Tp) = src (B, T, H, HS) with each head's (T, HS) matrix transposed; columns t >= T
@@ -164,11 +176,11 @@ void pack_transposed(float* dst, const float* src, int64_t B, int64_t T, int64_t
   }
 }
 
-// The packs of one call, in buffers the calling thread keeps (slot 0 to 4): an allocation of their
+// The packs of one call, in buffers the calling thread keeps (slots 0 to 9): an allocation of their
 // size comes from the kernel, which zero-fills every page of it again at each call. Packs are
 // fully written before they are read.
 float* pack_buffer(int slot, int64_t n) {
-  thread_local FloatBuffer buffers[5];
+  thread_local FloatBuffer buffers[10];
   return buffers[slot].ensure(n);
 }
 
@@ -271,6 +283,21 @@ MOETRAIN_ATTN_HOT void ds_row(float* s, const float* dp, int64_t n, float scale,
   }
 }
 
+// p[j] = exp(s[j]·scale − L), ds[j] = p[j] · (dp[j] − D) for j in [0, n): p in place of s, ds in
+// place of dp; the operations of ds_row and p_ds_cols, so the same bits. Both rows are written
+// over round_up(n, 8) columns; what lands past n is overwritten by the caller.
+MOETRAIN_ATTN_HOT void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D) {
+  for (int64_t j = 0; j < n; j += 8) {
+    V8 x, d;
+    load8(x, s + j);
+    load8(d, dp + j);
+    x = x * scale - L;
+    exp_vf8(x, x);
+    store8(s + j, x);
+    store8(dp + j, x * (d - D));
+  }
+}
+
 // p[c] = exp(p[c]·scale − L[c]), ds[c] = p[c] · (ds[c] − D[c]) for c in [0, n); L and D are
 // readable over n only, so the last partial vector runs on padded copies.
 MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n,
@@ -310,9 +337,9 @@ void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64
                  N, K, kNR);
 #ifdef MOETRAIN_ATTN_WIDE
   if (wide && __builtin_cpu_supports("avx512f"))
-    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, false);
 #endif
-  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, false);
 }
 
 void attention_check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV,
@@ -396,18 +423,88 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
   float* kt = pack_buffer(1, B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
   float* vt = pack_buffer(2, B * NKV * HS * Tp);
-  float* qt = pack_buffer(3, B * NH * HS * Tp);  // (B, NH, HS, Tp)
-  float* dot = pack_buffer(4, B * NH * HS * Tp);
   pack_transposed(kt, k, B, T, NKV, HS, Tp);
   pack_transposed(vt, v, B, T, NKV, HS, Tp);
-  pack_transposed(qt, q, B, T, NH, HS, Tp);
-  pack_transposed(dot, dout, B, T, NH, HS, Tp);
   const RowsPack krows(k, B, T, NKV, HS, HSp), qrows(q, B, T, NH, HS, HSp),
       dorows(dout, B, T, NH, HS, HSp);
+  const bool parallel = B * NH * T * T * HS >= kParallelMinWork;
+
+  // One pass, where a head's (T, T) probabilities and their gradient fit a task's buffers and
+  // the (batch, kv head) tasks keep every thread busy: P and dS are formed once, row by row as
+  // the dq pass below forms dS, and read transposed for dk and dv. Each value and each sum is
+  // the two passes' (the same products in the same order), so the results are the same bits;
+  // the two passes form every score twice and their exponentials twice.
+  if (Tp <= kOnePassMaxT && B * NKV >= 2 * static_cast<int64_t>(num_threads())) {
+    const int64_t tasks = B * NKV;
+#pragma omp parallel if (parallel)
+    {
+      float* pm = pack_buffer(5, Tp * Tp);   // P, then read transposed
+      float* dsm = pack_buffer(6, Tp * Tp);  // dP, then dS
+      float* acc = pack_buffer(7, kBlock * HSp);
+      float* dk_acc = pack_buffer(8, Tp * HSp);
+      float* dv_acc = pack_buffer(9, Tp * HSp);
+#pragma omp for schedule(dynamic)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t b = task / NKV, g = task % NKV;
+        std::fill(dk_acc, dk_acc + Tp * HSp, 0.0f);
+        std::fill(dv_acc, dv_acc + Tp * HSp, 0.0f);
+        const Rows kb = krows.at(b, g, 0);
+        for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+          for (int64_t qb = 0; qb < nb; ++qb) {
+            const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M,
+                          N = round_up(nk, kNR);
+            const int64_t qrow = (b * T + i0) * NH + h;
+            float* s = pm + i0 * Tp;
+            float* ds = dsm + i0 * Tp;
+            block_gemm(s, Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
+                       false);
+            block_gemm(ds, Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp, M, N,
+                       HS, false);
+            for (int64_t r = 0; r < M; ++r) {
+              const int64_t i = i0 + r;
+              p_ds_row(s + r * Tp, ds + r * Tp, i + 1, scale, lse[(b * NH + h) * T + i],
+                       D[(b * NH + h) * T + i]);
+              std::fill(s + r * Tp + i + 1, s + r * Tp + nk, 0.0f);
+              std::fill(ds + r * Tp + i + 1, ds + r * Tp + nk, 0.0f);
+            }
+            block_gemm(acc, HSp, ds, Tp, kb.p, kb.ld, M, HSp, nk, false);
+            for (int64_t r = 0; r < M; ++r) {
+              float* dst = dq + (qrow + r * NH) * HS;
+              for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;
+            }
+          }
+          // Key block j0 sums over the queries at or after it: column j0 + r of P and dS from
+          // row j0 on, read transposed (rows past a query's block end were never formed, and
+          // no key of this block lies past it).
+          for (int64_t j0 = 0; j0 < T; j0 += kBlock) {
+            const int64_t M = std::min(kBlock, T - j0), nq = T - j0;
+            const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
+            block_gemm(dv_acc + j0 * HSp, HSp, pm + j0 * Tp + j0, Tp, dor.p, dor.ld, M, HSp, nq,
+                       true, true);
+            block_gemm(dk_acc + j0 * HSp, HSp, dsm + j0 * Tp + j0, Tp, qr.p, qr.ld, M, HSp, nq,
+                       true, true);
+          }
+        }
+        for (int64_t t = 0; t < T; ++t) {
+          float* dkd = dk + ((b * T + t) * NKV + g) * HS;
+          float* dvd = dv + ((b * T + t) * NKV + g) * HS;
+          for (int64_t x = 0; x < HS; ++x) {
+            dkd[x] = dk_acc[t * HSp + x] * scale;
+            dvd[x] = dv_acc[t * HSp + x];
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  float* qt = pack_buffer(3, B * NH * HS * Tp);  // (B, NH, HS, Tp)
+  float* dot = pack_buffer(4, B * NH * HS * Tp);
+  pack_transposed(qt, q, B, T, NH, HS, Tp);
+  pack_transposed(dot, dout, B, T, NH, HS, Tp);
 
   // dq: each task owns a block of queries of one head and sums over the keys it sees.
   const int64_t q_tasks = B * NH * nb;
-  const bool parallel = B * NH * T * T * HS >= kParallelMinWork;
 #pragma omp parallel if (parallel)
   {
     std::vector<float> s(kBlock * Tp), dp(kBlock * Tp), acc(kBlock * HSp);

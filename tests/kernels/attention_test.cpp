@@ -185,6 +185,27 @@ TEST(Attention, GradientsMatchFiniteDifferences) {
   }
 }
 
+// The backward runs in one pass where its (batch, kv head) tasks keep every thread busy
+// (B·NKV >= 2 threads) and T fits, else in two (a dq pass and a dk/dv pass); both form the same
+// values with the same sums, so they must agree bit for bit. With B·NKV = 4: 1 thread takes one
+// pass, 3 threads two.
+TEST(Attention, OnePassAndTwoPassBackwardGiveTheSameBits) {
+  for (Shape s : {Shape{2, 100, 4, 2, 24}, Shape{4, 300, 2, 1, 16}, Shape{1, 70, 8, 4, 64}}) {
+    SCOPED_TRACE(::testing::PrintToString(s));
+    Problem p(s, 31);
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    const Result one_pass = run(p);
+    omp_set_num_threads(3);
+    const Result two_passes = run(p);
+    omp_set_num_threads(saved);
+    EXPECT_TRUE(same_bits(one_pass.out, two_passes.out));
+    EXPECT_TRUE(same_bits(one_pass.dq, two_passes.dq));
+    EXPECT_TRUE(same_bits(one_pass.dk, two_passes.dk));
+    EXPECT_TRUE(same_bits(one_pass.dv, two_passes.dv));
+  }
+}
+
 TEST(Attention, BitwiseIdenticalAcrossThreadCounts) {
   Problem p({3, 160, 4, 2, 24}, 21);
   const int saved = omp_get_max_threads();
