@@ -270,22 +270,9 @@ MOETRAIN_ATTN_HOT RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, floa
   return {m, (acc[0] + acc[1]) + (acc[2] + acc[3])};
 }
 
-// ds[j] = exp(s[j]·scale − L) · (dp[j] − D) for j in [0, n), in place of s. Both rows are written
-// over round_up(n, 8) columns; what lands past n is overwritten by the caller.
-MOETRAIN_ATTN_HOT void ds_row(float* s, const float* dp, int64_t n, float scale, float L, float D) {
-  for (int64_t j = 0; j < n; j += 8) {
-    V8 x, d;
-    load8(x, s + j);
-    load8(d, dp + j);
-    x = x * scale - L;
-    exp_vf8(x, x);
-    store8(s + j, x * (d - D));
-  }
-}
-
 // p[j] = exp(s[j]·scale − L), ds[j] = p[j] · (dp[j] − D) for j in [0, n): p in place of s, ds in
-// place of dp; the operations of ds_row and p_ds_cols, so the same bits. Both rows are written
-// over round_up(n, 8) columns; what lands past n is overwritten by the caller.
+// place of dp; the operations of p_ds_cols, so the same bits. Both rows are written over
+// round_up(n, 8) columns; what lands past n is overwritten by the caller.
 MOETRAIN_ATTN_HOT void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D) {
   for (int64_t j = 0; j < n; j += 8) {
     V8 x, d;
@@ -520,14 +507,14 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                  M, N, HS, false);
       for (int64_t r = 0; r < M; ++r) {
         float* srow = s.data() + r * Tp;
-        const float* dprow = dp.data() + r * Tp;
+        float* dprow = dp.data() + r * Tp;
         const int64_t i = i0 + r;
         const float L = lse[(b * NH + h) * T + i], Di = D[(b * NH + h) * T + i];
-        ds_row(srow, dprow, i + 1, scale, L, Di);
-        std::fill(srow + i + 1, srow + nk, 0.0f);
+        p_ds_row(srow, dprow, i + 1, scale, L, Di);
+        std::fill(dprow + i + 1, dprow + nk, 0.0f);
       }
       const Rows kb = krows.at(b, g, 0);
-      block_gemm(acc.data(), HSp, s.data(), Tp, kb.p, kb.ld, M, HSp, nk, false);
+      block_gemm(acc.data(), HSp, dp.data(), Tp, kb.p, kb.ld, M, HSp, nk, false);
       for (int64_t r = 0; r < M; ++r) {
         float* dst = dq + (qrow + r * NH) * HS;
         for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;

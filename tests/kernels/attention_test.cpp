@@ -125,6 +125,23 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// run(p) with `threads` OpenMP threads.
+Result run_with_threads(const Problem& p, int threads) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  Result r = run(p);
+  omp_set_num_threads(saved);
+  return r;
+}
+
+void expect_same_bits(const Result& a, const Result& b) {
+  EXPECT_TRUE(same_bits(a.out, b.out));
+  EXPECT_TRUE(same_bits(a.lse, b.lse));
+  EXPECT_TRUE(same_bits(a.dq, b.dq));
+  EXPECT_TRUE(same_bits(a.dk, b.dk));
+  EXPECT_TRUE(same_bits(a.dv, b.dv));
+}
+
 }  // namespace
 
 class AttentionTest : public ::testing::TestWithParam<Shape> {};
@@ -193,32 +210,13 @@ TEST(Attention, OnePassAndTwoPassBackwardGiveTheSameBits) {
   for (Shape s : {Shape{2, 100, 4, 2, 24}, Shape{4, 300, 2, 1, 16}, Shape{1, 70, 8, 4, 64}}) {
     SCOPED_TRACE(::testing::PrintToString(s));
     Problem p(s, 31);
-    const int saved = omp_get_max_threads();
-    omp_set_num_threads(1);
-    const Result one_pass = run(p);
-    omp_set_num_threads(3);
-    const Result two_passes = run(p);
-    omp_set_num_threads(saved);
-    EXPECT_TRUE(same_bits(one_pass.out, two_passes.out));
-    EXPECT_TRUE(same_bits(one_pass.dq, two_passes.dq));
-    EXPECT_TRUE(same_bits(one_pass.dk, two_passes.dk));
-    EXPECT_TRUE(same_bits(one_pass.dv, two_passes.dv));
+    expect_same_bits(run_with_threads(p, 1), run_with_threads(p, 3));
   }
 }
 
 TEST(Attention, BitwiseIdenticalAcrossThreadCounts) {
   Problem p({3, 160, 4, 2, 24}, 21);
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(1);
-  const Result one = run(p);
-  omp_set_num_threads(2);
-  const Result two = run(p);
-  omp_set_num_threads(saved);
-  EXPECT_TRUE(same_bits(one.out, two.out));
-  EXPECT_TRUE(same_bits(one.lse, two.lse));
-  EXPECT_TRUE(same_bits(one.dq, two.dq));
-  EXPECT_TRUE(same_bits(one.dk, two.dk));
-  EXPECT_TRUE(same_bits(one.dv, two.dv));
+  expect_same_bits(run_with_threads(p, 1), run_with_threads(p, 2));
 }
 
 TEST(Attention, CausalMaskHidesLaterPositions) {
