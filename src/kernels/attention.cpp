@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "core/buffer.h"
@@ -11,6 +10,7 @@
 #include "core/profile.h"
 #include "core/threads.h"
 #include "kernels/lane_sum.h"
+#include "kernels/tile_gemm.h"
 #include "kernels/vec_math.h"
 
 namespace moetrain {
@@ -18,11 +18,9 @@ namespace moetrain {
 namespace {
 
 // Rows (queries in the forward and dq passes, keys in the dk/dv pass) owned by one task.
-// A multiple of kNR, so a block's column window inside a transposed pack never runs past Tp.
+// A multiple of kNR (tile_gemm's columns), so a block's column window inside a transposed pack never runs past Tp.
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMR = 4;    // register tile rows
-constexpr int64_t kNR = 16;   // register tile columns: two 8-float vectors
-constexpr int64_t kKC = 128;  // reduction chunk: a (kKC, kNR) panel of B is 8 KiB
+constexpr int64_t kNR = kTileCols;
 // Longest (padded) sequence whose backward runs in one pass: two (Tp, Tp) buffers a thread.
 constexpr int64_t kOnePassMaxT = 512;
 
@@ -53,114 +51,8 @@ typedef float V8 __attribute__((vector_size(32)));
   std::memcpy(p, &v, sizeof v);
 }
 
-// One tile of C: rows [i, i + R) (those past M repeat A's last row and land in C's padding) by
-// columns [j, j + kNR), summed over k in [k0, k1), with kNR / lanes vectors of VF per tile row.
-// kTA: A is stored transposed, (K, M) with leading dimension lda.
-template <class VF, int64_t R, bool kTA>
-[[gnu::always_inline]] inline void block_tile(float* __restrict C, int64_t ldc,
-                                              const float* __restrict A, int64_t lda,
-                                              const float* __restrict B, int64_t ldb, int64_t M,
-                                              int64_t i, int64_t j, int64_t k0, int64_t k1,
-                                              bool load_c) {
-  constexpr int64_t kLanes = sizeof(VF) / sizeof(float), kV = kNR / kLanes;
-  const float* a[R];
-  for (int64_t r = 0; r < R; ++r) a[r] = A + std::min(i + r, M - 1) * (kTA ? 1 : lda);
-  const int64_t a_step = kTA ? lda : 1;
-  VF acc[R][kV];
-#pragma GCC unroll 8
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t v = 0; v < kV; ++v) {
-      if (load_c)
-        std::memcpy(&acc[r][v], C + (i + r) * ldc + j + v * kLanes, sizeof(VF));
-      else
-        acc[r][v] = VF{};
-    }
-  }
-  const float* b = B + k0 * ldb + j;
-  for (int64_t kk = k0; kk < k1; ++kk, b += ldb) {
-    VF bv[kV];
-    for (int64_t v = 0; v < kV; ++v) std::memcpy(&bv[v], b + v * kLanes, sizeof(VF));
-#pragma GCC unroll 8
-    for (int64_t r = 0; r < R; ++r) {
-      const float ar = a[r][kk * a_step];
-      for (int64_t v = 0; v < kV; ++v) acc[r][v] += ar * bv[v];
-    }
-  }
-#pragma GCC unroll 8
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t v = 0; v < kV; ++v)
-      std::memcpy(C + (i + r) * ldc + j + v * kLanes, &acc[r][v], sizeof(VF));
-  }
-}
-
-// C (M, N) = A (M, K) · B (K, N)  [+ C], row-major with leading dimensions.
-// N is a multiple of kNR and B is readable over all N columns. C needs round_up(M, kMR) rows: the
-// last tile's surplus rows repeat A's last row and land in C's padding. Each C element is one
-// sequential sum over k (C is stored and reloaded between k chunks, which rounds nothing), so the
-// result does not depend on tiling or threads.
-// Loop order keeps a (kKC, kNR) panel of B in L1 while every row tile of the block passes over it.
-// Tiles have R rows while R remain, then kMR: R·kNR / lanes accumulators are the independent
-// addition chains that hide the adds' latency (8 either way: the 8-lane path has two vectors a
-// row, the 16-lane path one, so it takes R = 8 rows).
-template <class VF, int64_t R, bool kTA>
-[[gnu::always_inline]] inline void block_gemm_impl(float* __restrict C, int64_t ldc,
-                                                   const float* __restrict A, int64_t lda,
-                                                   const float* __restrict B, int64_t ldb,
-                                                   int64_t M, int64_t N, int64_t K,
-                                                   bool accumulate) {
-  static_assert(R % kMR == 0);
-  for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kKC) {
-    const int64_t k1 = std::min(K, k0 + kKC);
-    const bool load_c = accumulate || k0 > 0;
-    for (int64_t j = 0; j < N; j += kNR) {
-      int64_t i = 0;
-      if constexpr (R > kMR) {
-        for (; i + R <= M; i += R)
-          block_tile<VF, R, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
-      }
-      for (; i < M; i += kMR)
-        block_tile<VF, kMR, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
-    }
-  }
-}
-
-// trans_a: A is stored transposed, (K, M) with leading dimension lda (C = Aᵀ·B).
-MOETRAIN_ATTN_HOT void block_gemm_v8(float* __restrict C, int64_t ldc, const float* __restrict A,
-                                     int64_t lda, const float* __restrict B, int64_t ldb,
-                                     int64_t M, int64_t N, int64_t K, bool accumulate,
-                                     bool trans_a) {
-  if (trans_a) return block_gemm_impl<V8, kMR, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
-  block_gemm_impl<V8, kMR, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
-}
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MOETRAIN_ATTN_WIDE 1
-// Where the CPU has AVX-512, a tile row is one 16-float vector (half the instructions of two
-// 8-float ones); every C element is still the same sequential sum, so the bits are the same.
-__attribute__((target("avx512f"))) void block_gemm_v16(float* __restrict C, int64_t ldc,
-                                                       const float* __restrict A, int64_t lda,
-                                                       const float* __restrict B, int64_t ldb,
-                                                       int64_t M, int64_t N, int64_t K,
-                                                       bool accumulate, bool trans_a) {
-  typedef float V16 __attribute__((vector_size(64)));
-  if (trans_a)
-    return block_gemm_impl<V16, 2 * kMR, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
-  block_gemm_impl<V16, 2 * kMR, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
-}
-#endif
-
-void block_gemm(float* __restrict C, int64_t ldc, const float* __restrict A, int64_t lda,
-                const float* __restrict B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                bool accumulate, bool trans_a = false) {
-#ifdef MOETRAIN_ATTN_WIDE
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  if (wide) return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
-#endif
-  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
-}
-
 // dst (B, H, HS, Tp) = src (B, T, H, HS) with each head's (T, HS) matrix transposed; columns t >= T
-// are zero. Scores then come out of block_gemm as rows of contiguous keys (or queries).
+// are zero. Scores then come out of tile_gemm as rows of contiguous keys (or queries).
 void pack_transposed(float* dst, const float* src, int64_t B, int64_t T, int64_t H, int64_t HS,
                      int64_t Tp) {
 #pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= kParallelMinCopy)
@@ -184,7 +76,7 @@ float* pack_buffer(int slot, int64_t n) {
   return buffers[slot].ensure(n);
 }
 
-// One head's (T, HS) rows as block_gemm's B operand: readable over HSp = round_up(HS, kNR) columns.
+// One head's (T, HS) rows as tile_gemm's B operand: readable over HSp = round_up(HS, kNR) columns.
 struct Rows {
   const float* p;
   int64_t ld;
@@ -222,7 +114,7 @@ class RowsPack {
 
 // The softmax's exponentials go through exp_vf8 (kernels/vec_math.h, within 1 ulp of exp), eight
 // lanes at a time. Lanes are independent, so a score's result does not depend on where its row
-// ends: a row's last partial vector reads scores block_gemm has written past the row's end (and
+// ends: a row's last partial vector reads scores tile_gemm has written past the row's end (and
 // its results there are overwritten), or padded copies where the data itself ends.
 
 struct RowSoftmax {
@@ -230,7 +122,7 @@ struct RowSoftmax {
   double l;  // sum of exp(score - m)
 };
 
-// row[0, n) *= scale, then exp(row[j] - m) in place, zeros on [n, nk). block_gemm has written the
+// row[0, n) *= scale, then exp(row[j] - m) in place, zeros on [n, nk). tile_gemm has written the
 // row over round_up(nk, kNR) >= round_up(n, 8) columns, so whole vectors read only scores (those
 // past n are overwritten with zeros before anything sums them).
 MOETRAIN_ATTN_HOT RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
@@ -316,19 +208,6 @@ MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const floa
 
 }  // namespace
 
-void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
-                         const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                         bool accumulate) {
-  MOETRAIN_CHECK(M > 0 && N > 0 && N % kNR == 0 && K >= 0,
-                 "attention_tile_gemm: M={} N={} K={}: need M > 0, N a positive multiple of {}", M,
-                 N, K, kNR);
-#ifdef MOETRAIN_ATTN_WIDE
-  if (wide && __builtin_cpu_supports("avx512f"))
-    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, false);
-#endif
-  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, false);
-}
-
 void attention_check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HS) {
   MOETRAIN_CHECK(B >= 0 && T >= 0, "{}: batch B={} and sequence length T={} must be >= 0", fn, B,
@@ -364,7 +243,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       const int64_t qb = nqb - 1 - task % nqb, b = task / nqb / NH, h = task / nqb % NH, g = h / G;
       const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M;
       const int64_t qrow = (b * T + i0) * NH + h;
-      block_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M,
+      tile_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M,
                  round_up(nk, kNR), HS, false);
       float inv_l[kBlock];
       for (int64_t r = 0; r < M; ++r) {
@@ -374,7 +253,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
         inv_l[r] = static_cast<float>(1.0 / sm.l);
       }
       const Rows vb = vrows.at(b, g, 0);
-      block_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false);
+      tile_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false);
       for (int64_t r = 0; r < M; ++r) {
         float* dst = out + (qrow + r * NH) * HS;
         for (int64_t x = 0; x < HS; ++x) dst[x] = o[r * HSp + x] * inv_l[r];
@@ -443,9 +322,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             const int64_t qrow = (b * T + i0) * NH + h;
             float* s = pm + i0 * Tp;
             float* ds = dsm + i0 * Tp;
-            block_gemm(s, Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
+            tile_gemm(s, Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
                        false);
-            block_gemm(ds, Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp, M, N,
+            tile_gemm(ds, Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp, M, N,
                        HS, false);
             for (int64_t r = 0; r < M; ++r) {
               const int64_t i = i0 + r;
@@ -454,7 +333,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
               std::fill(s + r * Tp + i + 1, s + r * Tp + nk, 0.0f);
               std::fill(ds + r * Tp + i + 1, ds + r * Tp + nk, 0.0f);
             }
-            block_gemm(acc, HSp, ds, Tp, kb.p, kb.ld, M, HSp, nk, false);
+            tile_gemm(acc, HSp, ds, Tp, kb.p, kb.ld, M, HSp, nk, false);
             for (int64_t r = 0; r < M; ++r) {
               float* dst = dq + (qrow + r * NH) * HS;
               for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;
@@ -466,9 +345,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
           for (int64_t j0 = 0; j0 < T; j0 += kBlock) {
             const int64_t M = std::min(kBlock, T - j0), nq = T - j0;
             const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
-            block_gemm(dv_acc + j0 * HSp, HSp, pm + j0 * Tp + j0, Tp, dor.p, dor.ld, M, HSp, nq,
+            tile_gemm(dv_acc + j0 * HSp, HSp, pm + j0 * Tp + j0, Tp, dor.p, dor.ld, M, HSp, nq,
                        true, true);
-            block_gemm(dk_acc + j0 * HSp, HSp, dsm + j0 * Tp + j0, Tp, qr.p, qr.ld, M, HSp, nq,
+            tile_gemm(dk_acc + j0 * HSp, HSp, dsm + j0 * Tp + j0, Tp, qr.p, qr.ld, M, HSp, nq,
                        true, true);
           }
         }
@@ -501,9 +380,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M,
                     N = round_up(nk, kNR);
       const int64_t qrow = (b * T + i0) * NH + h;
-      block_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N,
+      tile_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N,
                  HS, false);
-      block_gemm(dp.data(), Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp,
+      tile_gemm(dp.data(), Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp,
                  M, N, HS, false);
       for (int64_t r = 0; r < M; ++r) {
         float* srow = s.data() + r * Tp;
@@ -514,7 +393,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
         std::fill(dprow + i + 1, dprow + nk, 0.0f);
       }
       const Rows kb = krows.at(b, g, 0);
-      block_gemm(acc.data(), HSp, dp.data(), Tp, kb.p, kb.ld, M, HSp, nk, false);
+      tile_gemm(acc.data(), HSp, dp.data(), Tp, kb.p, kb.ld, M, HSp, nk, false);
       for (int64_t r = 0; r < M; ++r) {
         float* dst = dq + (qrow + r * NH) * HS;
         for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;
@@ -539,9 +418,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
       for (int64_t h = g * G; h < (g + 1) * G; ++h) {
         // Column c of these (keys × queries) tiles is query j0 + c.
-        block_gemm(p.data(), Tp, k + krow * HS, NKV * HS, qt + (b * NH + h) * HS * Tp + j0,
+        tile_gemm(p.data(), Tp, k + krow * HS, NKV * HS, qt + (b * NH + h) * HS * Tp + j0,
                    Tp, M, N, HS, false);
-        block_gemm(ds.data(), Tp, v + krow * HS, NKV * HS, dot + (b * NH + h) * HS * Tp + j0,
+        tile_gemm(ds.data(), Tp, v + krow * HS, NKV * HS, dot + (b * NH + h) * HS * Tp + j0,
                    Tp, M, N, HS, false);
         const float* L = lse + (b * NH + h) * T + j0;
         const float* Dh = D + (b * NH + h) * T + j0;
@@ -553,8 +432,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
           p_ds_cols(prow + r, dsrow + r, L + r, Dh + r, nq - r, scale);
         }
         const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
-        block_gemm(dv_acc.data(), HSp, p.data(), Tp, dor.p, dor.ld, M, HSp, nq, true);
-        block_gemm(dk_acc.data(), HSp, ds.data(), Tp, qr.p, qr.ld, M, HSp, nq, true);
+        tile_gemm(dv_acc.data(), HSp, p.data(), Tp, dor.p, dor.ld, M, HSp, nq, true);
+        tile_gemm(dk_acc.data(), HSp, ds.data(), Tp, qr.p, qr.ld, M, HSp, nq, true);
       }
       for (int64_t r = 0; r < M; ++r) {
         float* dkd = dk + (krow + r * NKV) * HS;

@@ -37,12 +37,4 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 void attention_decode(float* out, const float* q, const float* k, const float* v, int64_t n,
                       int64_t NH, int64_t NKV, int64_t HS);
 
-// The tile GEMM of the score and value products, exposed for tests: C (M, N) = A (M, K) · B (K, N)
-// [+ C], row-major with leading dimensions, N a multiple of 16, B readable over N columns, C with
-// round_up(M, 4) rows. wide takes the 16-float AVX-512 path where the CPU has it, else the 8-float
-// one; both give the same bits.
-void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
-                         const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                         bool accumulate);
-
 }  // namespace moetrain

@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "kernels/attention.h"
+#include "kernels/tile_gemm.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;

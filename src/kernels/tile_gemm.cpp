@@ -1,0 +1,147 @@
+#include "kernels/tile_gemm.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/check.h"
+
+namespace moetrain {
+
+namespace {
+
+constexpr int64_t kMR = kTileRows;
+constexpr int64_t kNR = kTileCols;
+constexpr int64_t kKC = 128;  // reduction chunk: a (kKC, kNR) panel of B is 8 KiB
+
+// The build targets baseline x86-64; the AVX2 clone is picked at load time where the CPU has it.
+// Both clones do the same float operations in the same order ("avx2" does not enable FMA, so
+// nothing gets contracted), so they agree bitwise.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOETRAIN_TILE_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define MOETRAIN_TILE_HOT
+#endif
+
+typedef float V8 __attribute__((vector_size(32)));
+
+// One tile of C: rows [i, i + R) (those past M repeat A's last row and land in C's padding) by
+// columns [j, j + kNR), summed over k in [k0, k1), with kNR / lanes vectors of VF per tile row.
+// kTA: A is stored transposed, (K, M) with leading dimension lda.
+template <class VF, int64_t R, bool kTA>
+[[gnu::always_inline]] inline void block_tile(float* __restrict C, int64_t ldc,
+                                              const float* __restrict A, int64_t lda,
+                                              const float* __restrict B, int64_t ldb, int64_t M,
+                                              int64_t i, int64_t j, int64_t k0, int64_t k1,
+                                              bool load_c) {
+  constexpr int64_t kLanes = sizeof(VF) / sizeof(float), kV = kNR / kLanes;
+  const float* a[R];
+  for (int64_t r = 0; r < R; ++r) a[r] = A + std::min(i + r, M - 1) * (kTA ? 1 : lda);
+  const int64_t a_step = kTA ? lda : 1;
+  VF acc[R][kV];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < kV; ++v) {
+      if (load_c)
+        std::memcpy(&acc[r][v], C + (i + r) * ldc + j + v * kLanes, sizeof(VF));
+      else
+        acc[r][v] = VF{};
+    }
+  }
+  const float* b = B + k0 * ldb + j;
+  for (int64_t kk = k0; kk < k1; ++kk, b += ldb) {
+    VF bv[kV];
+    for (int64_t v = 0; v < kV; ++v) std::memcpy(&bv[v], b + v * kLanes, sizeof(VF));
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      const float ar = a[r][kk * a_step];
+      for (int64_t v = 0; v < kV; ++v) acc[r][v] += ar * bv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < kV; ++v)
+      std::memcpy(C + (i + r) * ldc + j + v * kLanes, &acc[r][v], sizeof(VF));
+  }
+}
+
+// C (M, N) = A (M, K) · B (K, N)  [+ C], row-major with leading dimensions.
+// N is a multiple of kNR and B is readable over all N columns. C needs round_up(M, kMR) rows: the
+// last tile's surplus rows repeat A's last row and land in C's padding. Each C element is one
+// sequential sum over k (C is stored and reloaded between k chunks, which rounds nothing), so the
+// result does not depend on tiling or threads.
+// Loop order keeps a (kKC, kNR) panel of B in L1 while every row tile of the block passes over it.
+// Tiles have R rows while R remain, then kMR: R·kNR / lanes accumulators are the independent
+// addition chains that hide the adds' latency (8 either way: the 8-lane path has two vectors a
+// row, the 16-lane path one, so it takes R = 8 rows).
+template <class VF, int64_t R, bool kTA>
+[[gnu::always_inline]] inline void block_gemm_impl(float* __restrict C, int64_t ldc,
+                                                   const float* __restrict A, int64_t lda,
+                                                   const float* __restrict B, int64_t ldb,
+                                                   int64_t M, int64_t N, int64_t K,
+                                                   bool accumulate) {
+  static_assert(R % kMR == 0);
+  for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kKC) {
+    const int64_t k1 = std::min(K, k0 + kKC);
+    const bool load_c = accumulate || k0 > 0;
+    for (int64_t j = 0; j < N; j += kNR) {
+      int64_t i = 0;
+      if constexpr (R > kMR) {
+        for (; i + R <= M; i += R)
+          block_tile<VF, R, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+      }
+      for (; i < M; i += kMR)
+        block_tile<VF, kMR, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+    }
+  }
+}
+
+// trans_a: A is stored transposed, (K, M) with leading dimension lda (C = Aᵀ·B).
+MOETRAIN_TILE_HOT void block_gemm_v8(float* __restrict C, int64_t ldc, const float* __restrict A,
+                                     int64_t lda, const float* __restrict B, int64_t ldb,
+                                     int64_t M, int64_t N, int64_t K, bool accumulate,
+                                     bool trans_a) {
+  if (trans_a) return block_gemm_impl<V8, kMR, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_impl<V8, kMR, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOETRAIN_TILE_WIDE 1
+// Where the CPU has AVX-512, a tile row is one 16-float vector (half the instructions of two
+// 8-float ones); every C element is still the same sequential sum, so the bits are the same.
+__attribute__((target("avx512f"))) void block_gemm_v16(float* __restrict C, int64_t ldc,
+                                                       const float* __restrict A, int64_t lda,
+                                                       const float* __restrict B, int64_t ldb,
+                                                       int64_t M, int64_t N, int64_t K,
+                                                       bool accumulate, bool trans_a) {
+  typedef float V16 __attribute__((vector_size(64)));
+  if (trans_a)
+    return block_gemm_impl<V16, 2 * kMR, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_impl<V16, 2 * kMR, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+}
+#endif
+
+}  // namespace
+
+void tile_gemm(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+               int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a) {
+#ifdef MOETRAIN_TILE_WIDE
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  if (wide) return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
+#endif
+  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
+}
+
+void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
+                         const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                         bool accumulate) {
+  MOETRAIN_CHECK(M > 0 && N > 0 && N % kTileCols == 0 && K >= 0,
+                 "attention_tile_gemm: M={} N={} K={}: need M > 0, N a positive multiple of {}", M,
+                 N, K, kTileCols);
+#ifdef MOETRAIN_TILE_WIDE
+  if (wide && __builtin_cpu_supports("avx512f"))
+    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, false);
+#endif
+  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, false);
+}
+
+}  // namespace moetrain

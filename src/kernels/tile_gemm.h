@@ -1,0 +1,26 @@
+// The register-tiled f32 GEMM of the attention kernels (kernels/attention.cpp): scores, weighted
+// sums and their gradients over blocks of a sequence, small enough that a oneDNN call would cost
+// more than the product. Each output element is one sequential sum over k, whatever the tiling,
+// the vector width or the thread, so every path gives the same bits.
+#pragma once
+#include <cstdint>
+
+namespace moetrain {
+
+constexpr int64_t kTileRows = 4;   // C needs round_up(M, kTileRows) rows
+constexpr int64_t kTileCols = 16;  // N is a multiple of this
+
+// C (M, N) = A (M, K) · B (K, N) [+ C], row-major with leading dimensions; trans_a: A is stored
+// transposed, (K, M) with leading dimension lda. B is readable over all N columns. C needs
+// round_up(M, kTileRows) rows: the last tile's surplus rows repeat A's last row and land in C's
+// padding. The 16-float AVX-512 path where the CPU has it, else 8 floats.
+void tile_gemm(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+               int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a = false);
+
+// The same (A not transposed), the path chosen by the caller, for tests: wide takes the 16-float
+// AVX-512 path where the CPU has it, else the 8-float one; both give the same bits.
+void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
+                         const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                         bool accumulate);
+
+}  // namespace moetrain
