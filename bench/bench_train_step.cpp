@@ -101,8 +101,9 @@ struct StepRig {
     }
     model.forward(params.data(), in.data(), tg.data(), p.B, p.T, ms);
     model.backward(params.data(), grads.data(), 1.0f);
-    opt->step(params.data(), grads.data(), 1e-4f);
-    model.weights_changed();  // bf16: the weight copy is refreshed at the next forward
+    // bf16: the optimizer writes the weight copy as it updates, as the trainer's step does.
+    opt->step(params.data(), grads.data(), 1e-4f, {}, model.lp_copy_of(params.data()));
+    model.weights_changed_copy_kept();
     ++ms.step;
   }
 };

@@ -42,14 +42,13 @@ struct bf16 {
   }
   // Round to nearest, ties to even. NaN stays NaN (quiet bit forced so that truncation
   // can never turn a NaN payload into Inf); Inf and subnormals convert exactly by the same rule.
-  explicit bf16(float f) {
-    uint32_t u = std::bit_cast<uint32_t>(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      bits = static_cast<uint16_t>((u >> 16) | 0x0040u);
-      return;
-    }
-    uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
-    bits = static_cast<uint16_t>((u + rounding) >> 16);
+  // Written as a select, so that loops converting arrays (the optimizer's) vectorise.
+  explicit bf16(float f) : bits(round_bits(f)) {}
+  static uint16_t round_bits(float f) {
+    const uint32_t u = std::bit_cast<uint32_t>(f);
+    const uint32_t nan = (u >> 16) | 0x0040u;
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
   }
   explicit operator float() const {
     return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
@@ -123,5 +122,19 @@ void fp16_to_f32(float* out, const fp16* in, std::size_t n);
 // The same chosen at run time: out holds n elements of t (bf16 or fp16; F32 copies).
 void f32_to_dtype(DType t, void* out, const float* in, std::size_t n);
 void dtype_to_f32(DType t, float* out, const void* in, std::size_t n);
+
+// The low-precision copy of the parameters a mixed-precision model computes with (bf16 or fp16;
+// element i is parameter i), which an optimizer step can write as it updates (optim/optimizer.h):
+// each updated element rounded in the same pass, instead of a second pass over the whole buffer.
+// No data: no copy to keep.
+struct LowPrecisionCopy {
+  DType type = DType::F32;
+  void* data = nullptr;
+  // The copy from element `offset` on.
+  LowPrecisionCopy at(int64_t offset) const {
+    if (!data) return {};
+    return {type, static_cast<char*>(data) + offset * static_cast<int64_t>(dtype_size(type))};
+  }
+};
 
 }  // namespace moetrain

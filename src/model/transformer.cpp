@@ -59,6 +59,15 @@ void Transformer::weights_changed() {
   if (engine_) engine_->weights_changed();
 }
 
+LowPrecisionCopy Transformer::lp_copy_of(const float* params) {
+  if (lp_ == DType::F32 || lp_stale_ || params != lp_source_) return {};
+  return {lp_, params_lp_.data()};
+}
+
+void Transformer::weights_changed_copy_kept() {
+  if (engine_) engine_->weights_changed();
+}
+
 void Transformer::set_precision(DType t) {
   lp_ = t;
   lp_stale_ = true;

@@ -86,7 +86,7 @@ class Transformer {
 
   // Mixed precision. F32 (the default) computes everything in f32. BF16 / F16: every GEMM of
   // the model (projections, experts, dense FFN, LM head) takes its operands rounded to that type
-  // — the activations, and a copy of the weights refreshed from the f32 parameters — and
+  // — the activations, and a copy of the weights kept from the f32 parameters — and
   // accumulates in f32; embedding, norms, RoPE, attention scores and softmax, the router, the
   // losses and every gradient stay f32. The router computes in f32 even then: its top-k
   // decisions are discontinuous, and rounding its inputs would flip near-tied choices.
@@ -95,6 +95,11 @@ class Transformer {
   // The weight copy is rebuilt at the next forward: call after changing the parameters in place
   // (an optimizer step, a load). A forward with a different params pointer rebuilds it anyway.
   void weights_changed();
+  // The low-precision weight copy, for an optimizer step to write as it updates (Optimizer::step):
+  // data only where the copy is current for `params` (a forward with them built it); none in f32.
+  LowPrecisionCopy lp_copy_of(const float* params);
+  // After a step that wrote every parameter it changed into that copy: the copy stays current.
+  void weights_changed_copy_kept();
 
   // Model FLOPs per token for forward+backward (6·active params + attention), for MFU.
   double flops_per_token(int64_t T) const;

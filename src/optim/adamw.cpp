@@ -1,6 +1,7 @@
 #include "optim/adamw.h"
 
 #include <cmath>
+#include <cstdint>
 
 #include "core/check.h"
 #include "optim/adamw_scalars.h"
@@ -21,10 +22,14 @@ namespace {
 #define MOETRAIN_ADAMW_CLONES
 #endif
 
-// p, g, m, v (hi - lo, offset by lo); must run inside a parallel region (or serially).
-template <bool kDecay>
-MOETRAIN_ADAMW_CLONES void adamw_segment(float* p, const float* g, float* m, float* v, int64_t lo,
-                                         int64_t hi, const AdamWScalars& s) {
+// p, g, m, v, lp (hi - lo, offset by lo); must run inside a parallel region (or serially).
+// kCopy: each new parameter is also written rounded to bf16 into lp (the model's weight copy) in
+// the same pass, as bits: the rounding is a select and a store of integers, so the loop stays
+// vectorised.
+template <bool kDecay, bool kCopy>
+MOETRAIN_ADAMW_CLONES void adamw_segment(float* p, const float* g, float* m, float* v,
+                                         uint16_t* lp, int64_t lo, int64_t hi,
+                                         const AdamWScalars& s) {
 #pragma omp for simd schedule(static) nowait
   for (int64_t i = lo; i < hi; ++i) {
     float param = p[i];
@@ -35,7 +40,9 @@ MOETRAIN_ADAMW_CLONES void adamw_segment(float* p, const float* g, float* m, flo
     m[i] = mi;
     v[i] = vi;
     const float denom = std::sqrt(vi) / s.bias2_sqrt + s.eps;
-    p[i] = param - s.step_size * (mi / denom);
+    const float updated = param - s.step_size * (mi / denom);
+    p[i] = updated;
+    if constexpr (kCopy) lp[i] = bf16::round_bits(updated);
   }
 }
 
@@ -58,12 +65,16 @@ void AdamW::update(float* params, const float* grads, float lr) {
       adamw_scalars(c.beta1, c.beta2, c.eps, c.weight_decay, lr, step_count());
   float* m = exp_avg_.data();
   float* v = exp_avg_sq_.data();
-  for_each_segment([&](int64_t lo, int64_t hi, bool decay) {
-    if (decay && c.weight_decay != 0.0) {
-      adamw_segment<true>(params, grads, m, v, lo, hi, s);
-    } else {
-      adamw_segment<false>(params, grads, m, v, lo, hi, s);
-    }
+  const LowPrecisionCopy& lp = lp_copy();
+  uint16_t* bits = lp.data && writes_lp_copy(lp.type) ? static_cast<uint16_t*>(lp.data) : nullptr;
+  with_flag(bits != nullptr, [&](auto copy) {
+    for_each_segment([&](int64_t lo, int64_t hi, bool decay) {
+      if (decay && c.weight_decay != 0.0) {
+        adamw_segment<true, copy()>(params, grads, m, v, bits, lo, hi, s);
+      } else {
+        adamw_segment<false, copy()>(params, grads, m, v, bits, lo, hi, s);
+      }
+    });
   });
 }
 

@@ -19,6 +19,8 @@ class AdamW final : public Optimizer {
 
  protected:
   void update(float* params, const float* grads, float lr) override;
+  // bf16 copies in the update's own pass; fp16 ones after it.
+  bool writes_lp_copy(DType t) const override { return t == DType::BF16; }
 
  private:
   std::vector<float> exp_avg_;     // (end - begin)

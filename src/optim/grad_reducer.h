@@ -29,6 +29,9 @@ class GradReducer {
   // Runs optimizer_step (which updates what this process holds the state of), then makes params
   // whole again on every process.
   virtual void update(float* params, float* grads, const std::function<void()>& optimizer_step) = 0;
+  // Whether update() changes parameters the optimizer step did not write (ZeRO-1's gather of the
+  // other shards): a copy the step kept of them is then stale.
+  virtual bool gathers_params() const { return false; }
   // Seconds the calling thread has spent communicating so far: the reduction when it does not
   // overlap backward, and ZeRO-1's parameter gather. Work handed to a communication thread is
   // timed there (CommThread::busy_seconds), and the wait for it by whoever waits.

@@ -173,26 +173,36 @@ std::vector<DecaySegment> without_frozen(const std::vector<DecaySegment>& segmen
 }
 
 void Optimizer::step(float* params, const float* grads, float lr,
-                     std::span<const FrozenRange> frozen) {
+                     std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
   PhaseScope phase_scope(Phase::Optimizer);
   MOETRAIN_CHECK(std::isfinite(lr) && lr >= 0.0f, "optimizer step: lr = {} must be finite and >= 0",
                  lr);
   MOETRAIN_CHECK(size() == 0 || (params != nullptr && grads != nullptr),
                  "optimizer step: null params or grads for a range of {} elements", size());
+  MOETRAIN_CHECK(!lp.data || lp.type == DType::BF16 || lp.type == DType::F16,
+                 "optimizer step: a low-precision copy must be bf16 or fp16, got {}",
+                 dtype_name(lp.type));
   ++step_count_;
-  if (frozen.empty()) {
-    update(params, grads, lr);
-    return;
+  std::vector<DecaySegment> active;
+  if (!frozen.empty()) {
+    active = without_frozen(segments_, begin_, frozen);
+    active_ = &active;
   }
-  const std::vector<DecaySegment> active = without_frozen(segments_, begin_, frozen);
-  active_ = &active;
+  lp_ = lp;
   try {
     update(params, grads, lr);
   } catch (...) {
     active_ = nullptr;
+    lp_ = {};
     throw;
   }
+  if (lp.data && !writes_lp_copy(lp.type)) {
+    for (const DecaySegment& s : active_ ? *active_ : segments_)
+      f32_to_dtype(lp.type, lp.at(s.begin).data, params + s.begin,
+                   static_cast<std::size_t>(s.end - s.begin));
+  }
   active_ = nullptr;
+  lp_ = {};
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config,

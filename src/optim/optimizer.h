@@ -16,6 +16,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace moetrain {
 
 enum class OptimizerKind { AdamW, Sgd, AdaGrad, RmsProp };
@@ -103,8 +105,11 @@ class Optimizer {
   // then updates params and state. Element i of params / grads is flat element begin() + i, so
   // a caller holding the whole buffer passes `buffer + begin()`.
   // params, grads (end - begin). Elements inside `frozen` (absolute flat offsets) are skipped:
-  // no decay, no state update, no parameter change.
-  void step(float* params, const float* grads, float lr, std::span<const FrozenRange> frozen = {});
+  // no decay, no state update, no parameter change. lp (like params, element i is flat element
+  // begin() + i): every updated element's new value rounded to lp.type is written there too;
+  // skipped elements are left as they are.
+  void step(float* params, const float* grads, float lr, std::span<const FrozenRange> frozen = {},
+            const LowPrecisionCopy& lp = {});
 
   // The state buffers by name, for checkpoints: AdamW "exp_avg", "exp_avg_sq"; SGD "momentum"
   // (none when momentum is 0); AdaGrad "sum_sq"; RMSProp "square_avg", then "momentum" when
@@ -127,6 +132,11 @@ class Optimizer {
             int64_t end);
   // Called by step() after the step count advanced; `step_count()` is the 1-based step t.
   virtual void update(float* params, const float* grads, float lr) = 0;
+  // Whether update() writes a copy of type t itself (in its own pass); otherwise step() rounds
+  // the updated segments into lp_copy() afterwards.
+  virtual bool writes_lp_copy(DType /*t*/) const { return false; }
+  // During step(): the low-precision copy to keep (no data when there is none).
+  const LowPrecisionCopy& lp_copy() const { return lp_; }
 
   // Runs body(lo, hi, weight_decay) for every segment, all inside one OpenMP parallel region
   // (when the range is large enough). The body must split [lo, hi) with an orphaned
@@ -150,6 +160,7 @@ class Optimizer {
   std::vector<DecaySegment> segments_;
   // During a step with frozen ranges: segments_ without them (else null).
   const std::vector<DecaySegment>* active_ = nullptr;
+  LowPrecisionCopy lp_;
 };
 
 // Calls f(std::true_type) or f(std::false_type): turns a runtime flag into a template argument, so

@@ -21,6 +21,7 @@ class MpiGradReducer final : public GradReducer {
   void ready(int64_t from) { sync_->ready(from); }
   GradientShard& reduce(float* grads) override;
   void update(float* params, float* grads, const std::function<void()>& optimizer_step) override;
+  bool gathers_params() const override { return zero1_; }
   double inline_seconds() const override { return inline_s_; }
   std::vector<float>* carried() override {
     return sync_->residual().empty() ? nullptr : &sync_->residual();

@@ -19,8 +19,9 @@ ShardedOptimizer::ShardedOptimizer(const OptimizerConfig& config,
 }
 
 void ShardedOptimizer::step(float* params, const float* grads, float lr,
-                            std::span<const FrozenRange> frozen) {
-  for (auto& o : opts_) o->step(params + o->begin(), grads + o->begin(), lr, frozen);
+                            std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
+  for (auto& o : opts_)
+    o->step(params + o->begin(), grads + o->begin(), lr, frozen, lp.at(o->begin()));
   ++step_count_;
 }
 

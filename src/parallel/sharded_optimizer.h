@@ -24,8 +24,9 @@ class ShardedOptimizer {
                    std::vector<OptimPiece> pieces);
 
   // params, grads: the whole flat buffers; only the pieces are read and written, less the frozen
-  // ranges (Optimizer::step).
-  void step(float* params, const float* grads, float lr, std::span<const FrozenRange> frozen = {});
+  // ranges (Optimizer::step). lp: the whole low-precision copy, whose pieces are written too.
+  void step(float* params, const float* grads, float lr, std::span<const FrozenRange> frozen = {},
+            const LowPrecisionCopy& lp = {});
   int64_t step_count() const { return step_count_; }
   void set_step_count(int64_t steps);
 

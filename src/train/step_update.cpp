@@ -39,8 +39,9 @@ std::vector<std::vector<int64_t>> reduced_loads(Comm& control, const Accumulated
 
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
                              float* params, float* grads, float lr, const UpdateOptions& opts,
-                             std::span<const FrozenRange> frozen) {
+                             std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
   StepUpdate out;
+  const LowPrecisionCopy kept = reducer.gathers_params() ? LowPrecisionCopy{} : lp;
   const double inline_before = reducer.inline_seconds();
   double exposed = 0;
   GradientShard* shard = nullptr;
@@ -53,12 +54,14 @@ StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, 
     double update_s = 0;
     reducer.update(params, grads, [&] {
       ScopedTimer timer(update_s);
-      optimizer.step(params, grads, lr, frozen);
+      optimizer.step(params, grads, lr, frozen, kept);
     });
     exposed += outside.seconds() - update_s;  // the ZeRO-1 parameter all-gather
   });
   out.inline_s = reducer.inline_seconds() - inline_before;
   out.blocked_s = exposed;
+  // A skipped step changed nothing, so the copy stays as current as it was.
+  out.lp_copy_kept = kept.data != nullptr;
   return out;
 }
 

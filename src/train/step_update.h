@@ -25,14 +25,20 @@ struct StepUpdate {
   UpdateOutcome outcome;
   double inline_s = 0;   // the reducer communicated on this thread (GradReducer::inline_seconds)
   double blocked_s = 0;  // this thread ran or waited for the reduction and the gathers
+  // The step wrote every parameter it changed into the low-precision copy too: the copy is
+  // current (false: it is stale, or there was none).
+  bool lp_copy_kept = false;
 };
 
 // Collective over control and the reducer's groups: params (n) stepped at lr by the optimizer
 // from the reduced grads (n), unless apply_update skips the step. The optimizer leaves the frozen
-// ranges alone (sparse experts).
+// ranges alone (sparse experts). lp: the model's low-precision copy of params, current before the
+// step; the optimizer writes the elements it changes into it in its own pass, unless the reducer
+// then changes others (ZeRO-1's gather).
 StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
                              float* params, float* grads, float lr, const UpdateOptions& opts,
-                             std::span<const FrozenRange> frozen = {});
+                             std::span<const FrozenRange> frozen = {},
+                             const LowPrecisionCopy& lp = {});
 
 // The same step with the gradients and the optimizer state on a resident device engine
 // (train.device = cuda, one process): apply_update on the engine's gradient, then AdamW on the

@@ -290,7 +290,8 @@ double Trainer::train_step() {
                               *pg_->control, static_cast<float>(last_lr_), opts)
               : reduce_and_update(*reducer_, *optimizer_,
                                   averager_ ? *local_comm_ : *pg_->control, params_.data(),
-                                  grads_.data(), static_cast<float>(last_lr_), opts, frozen);
+                                  grads_.data(), static_cast<float>(last_lr_), opts, frozen,
+                                  model_->lp_copy_of(params_.data()));
   last_comm_ = comm_meter.parts(acc, up, static_cast<double>(A));
   // Masked experts' gradient computations were made and thrown away.
   if (sparse_ && !up.outcome.skipped)
@@ -300,6 +301,8 @@ double Trainer::train_step() {
   if (last_skipped_) {
     log_warn("step {}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
              step_ + 1, last_scale_, scaler_->raw_scale());
+  } else if (up.lp_copy_kept) {
+    model_->weights_changed_copy_kept();  // the optimizer rounded the weights as it wrote them
   } else if (!engine_) {
     model_->weights_changed();  // a resident engine stepped its own copy
   }
