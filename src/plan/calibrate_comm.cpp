@@ -15,6 +15,7 @@
 #include "core/check.h"
 #include "core/timer.h"
 #include "io/file.h"
+#include "kernels/gemm.h"
 #include "parallel/comm_thread.h"
 
 namespace moetrain::plan {
@@ -42,6 +43,71 @@ double time_collective(Comm& world, CommThread& thread, F&& task, int reps, doub
   double med = t[t.size() / 2];
   world.allreduce(&med, 1, {.op = ReduceOp::Max});
   return med;
+}
+
+
+// The compute share of oversubscribed processes (CommFigures::share): each round a rank computes
+// single-thread GEMMs worth w = r · t_x seconds alone, then posts `exchange` (the config's
+// all-to-all, t_x seconds on time) to the communication thread and waits for it, as the
+// trainer's step alternates the two. The share is w over what a round took beyond the on-time
+// exchange, the form the cost model charges (compute alone / share + communication): where the
+// processes compute together it is the fair share cores / P; where each computes while the
+// others wait, 1. The mean over the ranks; r = 1/4, 1, 4 and 16.
+template <class F>
+void measure_shares(Comm& world, CommThread& thread, F&& exchange, double t_x, CommFigures& f) {
+  const int P = world.size();
+  // The work: a one-thread f32 GEMM of 192³ (0.44 MB of operands, in a core's L2), what the
+  // trainer's one-thread compute is made of.
+  constexpr int64_t kDim = 192;
+  std::vector<float> a(kDim * kDim, 0.5f), b(a.size(), 0.25f), c(a.size());
+  const auto unit = [&] {
+    gemm(Trans::N, Trans::N, kDim, kDim, kDim, a.data(), b.data(), c.data(), false);
+  };
+  // A barrier waited for as the trainer waits: on the communication thread, which polls
+  // politely, so that a waiting rank leaves the cores to the others.
+  const auto polite_barrier = [&] { thread.wait(thread.post([&] { world.barrier(); })); };
+  // Alone: each rank in turn while the others wait; the median of 5 batches of 10 calls.
+  double alone = 0;
+  for (int q = 0; q < P; ++q) {
+    polite_barrier();
+    if (world.rank() != q) continue;
+    unit();
+    std::vector<double> t;
+    for (int rep = 0; rep < 5; ++rep) {
+      Timer timer;
+      for (int i = 0; i < 10; ++i) unit();
+      t.push_back(timer.seconds() / 10);
+    }
+    std::sort(t.begin(), t.end());
+    alone = t[2];
+  }
+  polite_barrier();
+  world.allreduce(&alone, 1, {.op = ReduceOp::Max});  // every rank runs the same calls
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  int64_t last_calls = 0;
+  for (const double r : {0.25, 1.0, 4.0, 16.0}) {
+    const int64_t calls = std::max<int64_t>(1, std::llround(r * t_x / alone));
+    if (calls == last_calls) continue;  // a fast exchange: fewer distinct ratios than asked
+    last_calls = calls;
+    const double work = static_cast<double>(calls) * alone;
+    // About 1.5 s of rounds at the fair share (at least 3, so that the scheduler's time slices
+    // average out over a fast exchange); a ratio whose 3 rounds would take over 3 s is left out
+    // (a slow link's largest ratios: the cost model keeps the last share measured beyond it).
+    const double round_s = t_x + work * P / cores;
+    if (3 * round_s > 3.0) break;
+    const int rounds = static_cast<int>(std::clamp(std::ceil(1.5 / round_s), 3.0, 1000.0));
+    thread.wait(thread.post(exchange));  // warm-up round
+    Timer timer;
+    for (int round = 0; round < rounds; ++round) {
+      for (int64_t i = 0; i < calls; ++i) unit();
+      thread.wait(thread.post(exchange));
+    }
+    const double beyond = timer.seconds() / rounds - t_x;
+    double share = beyond > 0 ? std::min(1.0, work / beyond) : 1.0;
+    world.allreduce(&share, 1);
+    f.share_ratio.push_back(work / t_x);
+    f.share.push_back(share / P);
+  }
 }
 
 }  // namespace
@@ -74,6 +140,11 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
         [&] { world.alltoallv(recv.data(), counts, displs, send.data(), counts, displs); }, 10,
         2e-3);
     f.late_penalty = std::max(0.0, late - t);
+    if (static_cast<unsigned>(P) > std::max(1u, std::thread::hardware_concurrency()))
+      measure_shares(
+          world, thread,
+          [&] { world.alltoallv(recv.data(), counts, displs, send.data(), counts, displs); }, t,
+          f);
     // An even exchange against one in which rank 0 receives twice its share (every other rank
     // sends it 2·pp): rank 0 then receives 2(P − 1)·pp, the most any rank moves, while all ranks
     // together move (P + 1)/P times the even exchange's bytes. Per-rank links take 2× the even
@@ -147,9 +218,12 @@ CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes) {
 }
 
 void write_comm_figures(const CommFigures& f, const std::string& path) {
-  write_file_atomic(path, fmt::format("{} {:.9e} {:.9e} {:.9e} {:.9e} {:.9e} {:.9e}\n", f.procs,
-                                      f.latency, f.alltoall_bandwidth, f.allreduce_bandwidth,
-                                      f.late_penalty, f.receiver_bound, f.self_reduce_bandwidth));
+  std::string s = fmt::format("{} {:.9e} {:.9e} {:.9e} {:.9e} {:.9e} {:.9e} {}", f.procs, f.latency,
+                              f.alltoall_bandwidth, f.allreduce_bandwidth, f.late_penalty,
+                              f.receiver_bound, f.self_reduce_bandwidth, f.share.size());
+  for (std::size_t i = 0; i < f.share.size(); ++i)
+    s += fmt::format(" {:.9e} {:.9e}", f.share_ratio[i], f.share[i]);
+  write_file_atomic(path, s + "\n");
 }
 
 CommFigures read_comm_figures(const std::string& path) {
@@ -157,6 +231,12 @@ CommFigures read_comm_figures(const std::string& path) {
   CommFigures f;
   in >> f.procs >> f.latency >> f.alltoall_bandwidth >> f.allreduce_bandwidth >> f.late_penalty >>
       f.receiver_bound >> f.self_reduce_bandwidth;
+  std::size_t shares = 0;
+  in >> shares;
+  MOETRAIN_CHECK(in && shares < 64, "{}: not what plan --calibrate-comm writes", path);
+  f.share_ratio.resize(shares);
+  f.share.resize(shares);
+  for (std::size_t i = 0; i < shares; ++i) in >> f.share_ratio[i] >> f.share[i];
   MOETRAIN_CHECK(in && f.procs > 0 && f.latency > 0 && f.alltoall_bandwidth > 0 &&
                      f.allreduce_bandwidth > 0,
                  "{}: not what plan --calibrate-comm writes", path);

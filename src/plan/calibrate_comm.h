@@ -31,6 +31,15 @@ struct CommFigures {
   // gradients' group under EP without DP): the same packing, reduce-scatter, all-gather and
   // unpacking, which over one process only copy; every rank at once. 0 where not measured.
   double self_reduce_bandwidth = 0;
+  // Measured only where the processes outnumber the cores (one thread each): the speed a
+  // process's compute gets, as a fraction of its speed computing alone, while the processes
+  // alternate compute with the config's all-to-all as the trainer's step does (`share`), at
+  // several ratios of compute to communication (`share_ratio`: seconds of compute, timed alone,
+  // per second of one on-time exchange; ascending). Over a fast transport the processes leave
+  // each exchange together and compute together, cores / processes of a core each; over a slow
+  // shared link they leave it one by one as the link serves them, and compute in each other's
+  // waits. Empty where not measured (each process has a core).
+  std::vector<double> share_ratio, share;
 };
 
 // Every rank of `world` calls it; a rank sends `a2a_bytes` in each all-to-all (spread over the

@@ -218,6 +218,34 @@ std::string device_section(const DeviceModel& d, const char* sec) {
   return s;
 }
 
+// [cluster] compute_share_p{procs} = [[ratio, share], ...] (ratios ascending, shares in
+// (0, 1]); empty lists where the profile has none for that process count.
+std::pair<std::vector<double>, std::vector<double>> share_table(const toml::table& t,
+                                                                int64_t procs,
+                                                                const std::string& where) {
+  std::pair<std::vector<double>, std::vector<double>> out;
+  const std::string key = fmt::format("compute_share_p{}", procs);
+  const auto* node = t["cluster"][key].node();
+  if (node == nullptr) return out;
+  const auto* arr = node->as_array();
+  MOETRAIN_CHECK(arr != nullptr, "{}: cluster.{} must be a list of [ratio, share]", where, key);
+  for (const auto& row : *arr) {
+    const auto* r = row.as_array();
+    MOETRAIN_CHECK(r != nullptr && r->size() == 2, "{}: cluster.{}: each row is [ratio, share]",
+                   where, key);
+    const auto ratio = (*r)[0].value<double>();
+    const auto share = (*r)[1].value<double>();
+    MOETRAIN_CHECK(ratio && share && std::isfinite(*ratio) && *ratio > 0 && std::isfinite(*share) &&
+                       *share > 0,
+                   "{}: cluster.{} must hold positive numbers", where, key);
+    MOETRAIN_CHECK(out.first.empty() || *ratio > out.first.back(),
+                   "{}: cluster.{}: the ratios must ascend", where, key);
+    out.first.push_back(*ratio);
+    out.second.push_back(std::min(1.0, *share));  // above 1 is noise: no process outruns a core
+  }
+  return out;
+}
+
 }  // namespace
 
 void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_bandwidth,
@@ -247,6 +275,15 @@ void save_profile(const DeviceModel& d, const DeviceModel& single, double intra_
                      "comm_alltoall_receiver_bound = {}\ncomm_self_reduce_bandwidth = {}\n",
                      list(procs), list(lat), list(a2a), list(ar), list(late), list(bound),
                      list(self));
+    // The compute share of oversubscribed processes, per process count where measured:
+    // [[ratio of compute to communication, share], ...].
+    for (const CommFigures& f : comm) {
+      if (f.share.empty()) continue;
+      s += fmt::format("compute_share_p{} = [", f.procs);
+      for (std::size_t i = 0; i < f.share.size(); ++i)
+        s += fmt::format("{}[{:.6e}, {:.6e}]", i ? ", " : "", f.share_ratio[i], f.share[i]);
+      s += "]\n";
+    }
   }
   write_file_atomic(path, s);
 }
@@ -296,12 +333,28 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t thr
   // Cores' worth of one-thread speed this process gets (below 1 when processes outnumber cores).
   const double mine =
       std::min(static_cast<double>(asked), static_cast<double>(cores) / static_cast<double>(procs));
+  // One-thread processes that outnumber the cores, where the calibration measured that many:
+  // the device is one process computing alone (a core), and the cost model gives its compute
+  // the measured share of it (how much of their compute the processes overlap with each
+  // other's communication depends on the transport and on the step, which only the cost model
+  // knows). Other thread counts get the fair share, cores / processes.
+  auto shares = share_table(t, procs, where);
+  const bool measured_share = asked == 1 && procs > cores && !shares.first.empty();
   double share = 1;
   if (mine < static_cast<double>(cores)) {
     MOETRAIN_CHECK(t["single_thread"].is_table(),
                    "{}: [single_thread] is missing (calibrate again with this version)", where);
     c.device = device_from_table(t, where, "single_thread");
-    share = mine;
+    share = measured_share ? 1.0 : mine;
+  }
+  if (measured_share) {
+    // The fair share is the floor: processes that all compute at once get cores / processes
+    // each. A reading below it (a fast exchange between short computations) is the exchange
+    // taking longer in the loop than on time, because its peers must be scheduled to progress
+    // it — communication, which the collectives measured with as many processes already carry.
+    c.compute_share_ratio = shares.first;
+    for (double& v : shares.second) v = std::max(v, mine);
+    c.compute_share = shares.second;
   }
   c.device.peak_flops_f32 *= share;
   c.device.peak_flops_bf16 *= share;

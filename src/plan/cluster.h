@@ -67,6 +67,13 @@ struct ClusterSpec {
   // collectives' copies; measured here, plan/calibrate_comm.h): what the expert gradients cost
   // under EP without DP. 0: not measured, taken as free.
   double self_reduce_bandwidth = 0;
+  // Processes that outnumber this machine's cores (one thread each): the device above is one
+  // process computing alone, and its compute gets `compute_share` of that speed at the ratio
+  // of its compute (alone) to its communication, interpolated in log ratio between the
+  // calibrated `compute_share_ratio` points (ascending; clamped at the ends); measured with the
+  // run's process count (plan/calibrate_comm.h). Empty: not modelled (the device's rates are
+  // already the process's).
+  std::vector<double> compute_share_ratio, compute_share;
 
   int64_t devices() const { return devices_per_node * nodes; }
 };

@@ -154,6 +154,18 @@ double optimizer_bytes_per_param(const std::string& name, DType precision) {
 
 }  // namespace
 
+double compute_share(const ClusterSpec& c, double ratio) {
+  const auto& r = c.compute_share_ratio;
+  const auto& v = c.compute_share;
+  if (v.empty()) return 1;
+  if (!(ratio > r.front())) return v.front();
+  if (ratio >= r.back()) return v.back();
+  const std::size_t i =
+      static_cast<std::size_t>(std::upper_bound(r.begin(), r.end(), ratio) - r.begin());
+  const double w = std::log(ratio / r[i - 1]) / std::log(r[i] / r[i - 1]);
+  return v[i - 1] + w * (v[i] - v[i - 1]);
+}
+
 LoadModel uniform_load(int64_t E) {
   return {"uniform", {std::vector<double>(static_cast<std::size_t>(E), 1.0 / E)}, {}};
 }
@@ -421,6 +433,24 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   else
     s.optimizer = stream_time(dev, updated * opt_bytes) +
                   stream_time(dev, 8 * (local - updated));  // grads zeroed, clip read: everywhere
+
+  // Processes that outnumber this machine's cores (as calibrated): the parts above are one
+  // process computing alone. Over a fast transport the processes leave each exchange together
+  // and compute together, a fair share of the cores each; over a slow shared link they leave it
+  // one by one as the link serves them and compute in each other's waits. The calibration
+  // measured the share of a core a process's compute gets, with even works, at several ratios
+  // of compute (alone) to communication (plan/calibrate_comm.h); the run's ratio, its balanced
+  // compute alone over its exposed communication, gives its share. The slowest rank's experts
+  // are charged at that share too, as every part: the cores a lighter rank leaves while it
+  // waits are not credited to it (docs/plan.md: tried, and why it is not kept).
+  if (!cluster.compute_share.empty()) {
+    const double comm = s.a2a_exposed + s.grad_sync_exposed + s.tensor_parallel + s.sync;
+    const double balanced = s.compute() - s.experts + s.experts_mean;
+    p.compute_share = compute_share(cluster, comm > 0 ? balanced / comm : HUGE_VAL);
+    for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
+                      &s.norms, &s.lm_head, &s.optimizer})
+      *v /= p.compute_share;
+  }
 
   // Pipeline bubble: with pp stages and A micro-batches, a stage idles for (pp − 1) micro-batch
   // times; vp virtual stages per rank shorten each by vp. Activation sends between stages are

@@ -84,6 +84,9 @@ struct Prediction {
   // all-to-alls and reductions take: 1 = the links run at their full rate.
   double comm_efficiency = 1;
   double imbalance = 1;  // slowest rank's expert tokens over the mean
+  // Oversubscribed processes on this machine: the share of its speed alone a process's compute
+  // got (ClusterSpec::compute_share); 1 elsewhere.
+  double compute_share = 1;
   bool fits = true;
   std::string a2a_kind;  // flat | hierarchical | none
 };
@@ -112,6 +115,10 @@ struct ForwardFlops {
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
 // Bytes each rank sends in a ring all-reduce of `bytes` over p ranks: 2 (p − 1) / p · bytes.
 double ring_allreduce_bytes(double bytes, int64_t p);
+// The calibrated compute share of oversubscribed processes (ClusterSpec::compute_share) at a
+// ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
+// ends; 1 where the cluster has none.
+double compute_share(const ClusterSpec& c, double ratio);
 // Memory per device (ZeRO-1 as the config says). `accelerator`: a GPU (built-in or [device]
 // table, not a calibrated CPU) keeps low-precision activations in a bf16/fp16 run.
 // Floats of every dense tensor and of all experts of all layers (plan/memory_model.cpp).

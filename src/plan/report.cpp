@@ -26,6 +26,7 @@ nlohmann::json to_json(const Prediction& p) {
       {"mfu", p.mfu},
       {"flops_per_step", p.flops_per_step},
       {"imbalance", p.imbalance},
+      {"compute_share", p.compute_share},
       {"a2a_kind", p.a2a_kind},
       {"parts",
        {{"attention_s", s.attention},

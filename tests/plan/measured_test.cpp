@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "model/params.h"
+#include "plan/calibrate_comm.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "plan/kernel_table.h"
@@ -166,7 +167,8 @@ TEST(PlanMeasured, ProfileKeepsKernelsAndCollectives) {
   one.kernels.add("linear", {1024, 128, 128, 1}, 1.5e-3);
   const std::string profile = (tmp.path() / "p.toml").string();
   save_profile(all, one, 5e9, 3e-6,
-               {CommFigures{2, 6e-6, 3e9, 2e9, 0, 0.25, 4e9}, CommFigures{4, 40e-6, 2e9, 1.5e9, 3e-4}},
+               {CommFigures{2, 6e-6, 3e9, 2e9, 0, 0.25, 4e9, {}, {}},
+                CommFigures{4, 40e-6, 2e9, 1.5e9, 3e-4, 1, 0, {}, {}}},
                profile);
   const ClusterSpec c1 = local_cluster(profile, 1, 2);
   EXPECT_DOUBLE_EQ(*c1.device.kernels.find("linear", {1024, 128, 128, 1}), 1e-3);
@@ -292,4 +294,83 @@ TEST(PlanMeasured, ExpertGradientsOverAGroupOfOneCostTheirMeasuredCopies) {
   EXPECT_DOUBLE_EQ(predict(cfg, c, {.procs = 4, .ep = 2}, load).parts.grad_sync,
                    predict(cfg, free, {.procs = 4, .ep = 2}, load).parts.grad_sync);
   EXPECT_DOUBLE_EQ(predict(cfg, c, {}, load).parts.grad_sync, 0);
+}
+
+TEST(PlanMeasured, OversubscribedComputeGetsTheShareMeasuredAtItsRatio) {
+  moetrain::testing::TempDir tmp("plan_measured_share");
+  // Interpolated in log ratio between the measured points, clamped at the ends.
+  ClusterSpec c = one_process(cpu(1));
+  c.compute_share_ratio = {0.25, 1, 4};
+  c.compute_share = {0.9, 0.6, 0.5};
+  EXPECT_DOUBLE_EQ(compute_share(c, 0.1), 0.9);
+  EXPECT_DOUBLE_EQ(compute_share(c, 1), 0.6);
+  EXPECT_NEAR(compute_share(c, 0.5), 0.75, 1e-12);
+  EXPECT_DOUBLE_EQ(compute_share(c, 100), 0.5);
+  EXPECT_DOUBLE_EQ(compute_share(one_process(cpu(1)), 1), 1);
+  // The compute parts are the process's alone, divided by the share at the run's ratio of
+  // compute (alone) to exposed communication; the communication stays as it is.
+  RunConfig cfg = tiny();
+  c.devices_per_node = 4;
+  c.comm_shares_cores = true;
+  ClusterSpec alone = c;
+  alone.compute_share_ratio.clear();
+  alone.compute_share.clear();
+  const Prediction a = predict(cfg, alone, {.procs = 4, .ep = 4}, uniform_load(8));
+  const Prediction p = predict(cfg, c, {.procs = 4, .ep = 4}, uniform_load(8));
+  const double comm = a.parts.a2a_exposed + a.parts.grad_sync_exposed + a.parts.sync;
+  const double share = compute_share(c, a.parts.compute() / comm);
+  EXPECT_DOUBLE_EQ(p.compute_share, share);
+  EXPECT_DOUBLE_EQ(a.compute_share, 1);
+  EXPECT_NEAR(p.parts.compute(), a.parts.compute() / share, 1e-12);
+  EXPECT_NEAR(p.parts.experts, a.parts.experts / share, 1e-12);
+  EXPECT_DOUBLE_EQ(p.parts.a2a, a.parts.a2a);
+  EXPECT_NEAR(p.step_time_s, a.step_time_s + a.parts.compute() * (1 / share - 1), 1e-12);
+  // A skewed load: the share looked up at the balanced compute; every part, the slowest rank's
+  // experts included, at that share.
+  const Prediction az = predict(cfg, alone, {.procs = 4, .ep = 4}, zipf_load(8, 1.2));
+  const Prediction pz = predict(cfg, c, {.procs = 4, .ep = 4}, zipf_load(8, 1.2));
+  const double balanced = az.parts.compute() - az.parts.experts + az.parts.experts_mean;
+  EXPECT_DOUBLE_EQ(pz.compute_share,
+                   compute_share(c, balanced / (az.parts.a2a_exposed +
+                                                az.parts.grad_sync_exposed + az.parts.sync)));
+  EXPECT_NEAR(pz.parts.experts, az.parts.experts / pz.compute_share, 1e-12);
+  EXPECT_NEAR(pz.parts.attention, az.parts.attention / pz.compute_share, 1e-12);
+
+  // Through the profile: one-thread processes that outnumber the cores get the one-thread
+  // times unscaled (a process alone) and the share measured with their count; other thread
+  // counts, or counts not measured, the fair share of the cores.
+  DeviceModel all = cpu(2), one = cpu(1);
+  one.kernels.add("linear", {1024, 128, 128, 1}, 1.5e-3);
+  CommFigures f4{4, 40e-6, 2e9, 1.5e9, 3e-4, 1, 0, {0.25, 1, 4}, {0.9, 0.6, 0.45}};
+  const std::string cf = (tmp.path() / "c4.txt").string();
+  write_comm_figures(f4, cf);
+  const CommFigures back = read_comm_figures(cf);
+  EXPECT_EQ(back.share_ratio, f4.share_ratio);
+  EXPECT_EQ(back.share, f4.share);
+  const std::string profile = (tmp.path() / "p.toml").string();
+  save_profile(all, one, 5e9, 3e-6, {CommFigures{2, 6e-6, 3e9, 2e9, 0, 1, 4e9, {}, {}}, back},
+               profile);
+  const ClusterSpec c4 = local_cluster(profile, 4, 1);
+  EXPECT_DOUBLE_EQ(*c4.device.kernels.find("linear", {1024, 128, 128, 1}), 1.5e-3);
+  // Below the fair share (half a core) reads as the fair share.
+  EXPECT_EQ(c4.compute_share, (std::vector<double>{0.9, 0.6, 0.5}));
+  EXPECT_EQ(c4.compute_share_ratio, f4.share_ratio);
+  EXPECT_TRUE(c4.comm_shares_cores);
+  const ClusterSpec c4t2 = local_cluster(profile, 4, 2);
+  EXPECT_TRUE(c4t2.compute_share.empty());
+  EXPECT_DOUBLE_EQ(*c4t2.device.kernels.find("linear", {1024, 128, 128, 1}), 3e-3);
+  const ClusterSpec c8 = local_cluster(profile, 8, 1);
+  EXPECT_TRUE(c8.compute_share.empty());
+  EXPECT_DOUBLE_EQ(*c8.device.kernels.find("linear", {1024, 128, 128, 1}), 6e-3);
+  EXPECT_TRUE(local_cluster(profile, 2, 1).compute_share.empty());
+  // A malformed table is named.
+  {
+    std::ofstream(profile, std::ios::app) << "compute_share_p3 = [[1, 0.5], [0.5, 0.6]]\n";
+  }
+  try {
+    local_cluster(profile, 3, 1);
+    FAIL() << "descending ratios accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("compute_share_p3"), std::string::npos) << e.what();
+  }
 }

@@ -22,6 +22,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -181,6 +183,14 @@ void validate(const std::vector<Case>& cases, const Env& link, const std::string
     before = after;
   }
   std::cout << table;
+  // MOETRAIN_PLAN_VALIDATION_KEEP=DIR keeps the runs and the profiles (DIR/<title>) to study.
+  if (const char* keep = std::getenv("MOETRAIN_PLAN_VALIDATION_KEEP")) {
+    const auto dir = std::filesystem::path(keep) / title.substr(0, title.find(','));
+    std::filesystem::create_directories(dir);
+    std::filesystem::copy(tmp.path(), dir,
+                          std::filesystem::copy_options::recursive |
+                              std::filesystem::copy_options::overwrite_existing);
+  }
   if (drift > 0.15) {
     const std::string why = fmt::format(
         "PLAN VALIDATION NOT JUDGED: this machine's speed moved {:.0f}% between the calibrations "
