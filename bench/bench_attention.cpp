@@ -39,21 +39,34 @@ void BM_AttentionForward(benchmark::State& st) {
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void BM_AttentionForwardBackward(benchmark::State& st) {
+// bf16: the products on bf16 operands (attention_forward_bf16), where the CPU has AVX512_BF16.
+void forward_backward(benchmark::State& st, bool bf16) {
   const int64_t B = st.range(0), T = st.range(1), NH = st.range(2), NKV = st.range(3),
                 HS = st.range(4);
+  if (bf16 && !attention_bf16_supported(T, HS)) {
+    st.SkipWithError("bf16 attention needs AVX512_BF16, even T and HS, T <= 512");
+    return;
+  }
+  const auto forward = bf16 ? attention_forward_bf16 : attention_forward;
+  const auto backward = bf16 ? attention_backward_bf16 : attention_backward;
   auto q = random(B * T * NH * HS, 1), k = random(B * T * NKV * HS, 2),
        v = random(B * T * NKV * HS, 3);
   auto dout = random(q.size(), 4);
   std::vector<float> out(q.size()), lse(B * NH * T), dq(q.size()), dk(k.size()), dv(v.size());
   for (auto _ : st) {
-    attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), B, T, NH, NKV, HS);
-    attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                       out.data(), lse.data(), B, T, NH, NKV, HS);
+    forward(out.data(), lse.data(), q.data(), k.data(), v.data(), B, T, NH, NKV, HS);
+    backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+             out.data(), lse.data(), B, T, NH, NKV, HS);
     benchmark::DoNotOptimize(dq.data());
   }
   st.counters["GFLOP/s"] = benchmark::Counter(9 * causal_product_flops(B, T, NH, HS) * 1e-9,
                                               benchmark::Counter::kIsIterationInvariantRate);
+}
+void BM_AttentionForwardBackward(benchmark::State& st) {
+  forward_backward(st, false);
+}
+void BM_AttentionForwardBackwardBf16(benchmark::State& st) {
+  forward_backward(st, true);
 }
 
 // Reference: the score product q·kᵀ for every (b, h) as one dense oneDNN GEMM each, counting only
@@ -94,6 +107,7 @@ void shapes(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_AttentionForward)->Apply(shapes);
 BENCHMARK(BM_AttentionForwardBackward)->Apply(shapes);
+BENCHMARK(BM_AttentionForwardBackwardBf16)->Apply(shapes);
 BENCHMARK(BM_ReferenceGemmScores)->Apply(shapes);
 
 BENCHMARK_MAIN();

@@ -1,4 +1,5 @@
 #include "kernels/attention.h"
+#include "kernels/attention_rows.h"
 
 #include <algorithm>
 #include <cmath>
@@ -112,15 +113,12 @@ class RowsPack {
   std::vector<float> pack_;
 };
 
+}  // namespace
+
 // The softmax's exponentials go through exp_vf8 (kernels/vec_math.h, within 1 ulp of exp), eight
 // lanes at a time. Lanes are independent, so a score's result does not depend on where its row
 // ends: a row's last partial vector reads scores tile_gemm has written past the row's end (and
 // its results there are overwritten), or padded copies where the data itself ends.
-
-struct RowSoftmax {
-  float m;   // the row's largest scaled score
-  double l;  // sum of exp(score - m)
-};
 
 // row[0, n) *= scale, then exp(row[j] - m) in place, zeros on [n, nk). tile_gemm has written the
 // row over round_up(nk, kNR) >= round_up(n, 8) columns, so whole vectors read only scores (those
@@ -177,6 +175,8 @@ MOETRAIN_ATTN_HOT void p_ds_row(float* s, float* dp, int64_t n, float scale, flo
   }
 }
 
+namespace {
+
 // p[c] = exp(p[c]·scale − L[c]), ds[c] = p[c] · (ds[c] − D[c]) for c in [0, n); L and D are
 // readable over n only, so the last partial vector runs on padded copies.
 MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n,
@@ -207,6 +207,22 @@ MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const floa
 }
 
 }  // namespace
+
+void attention_row_terms(float* D, const float* dout, const float* out, int64_t B, int64_t T,
+                         int64_t NH, int64_t HS) {
+  // dP·P summed over a row equals dout·out, which spares recomputing the whole row first.
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * NH * HS >= kParallelMinCopy)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < NH; ++h) {
+        const float* x = dout + ((b * T + t) * NH + h) * HS;
+        const float* y = out + ((b * T + t) * NH + h) * HS;
+        const double sum = lane_sum8(HS, [x, y](int64_t i) { return double(x[i]) * y[i]; });
+        D[(b * NH + h) * T + t] = static_cast<float>(sum);
+      }
+    }
+  }
+}
 
 void attention_check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HS) {
@@ -273,19 +289,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   const int64_t G = NH / NKV, Tp = round_up(T, kBlock), HSp = round_up(HS, kNR), nb = Tp / kBlock;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
 
-  // dP·P summed over a row equals dout·out, which spares recomputing the whole row first.
   float* D = pack_buffer(0, B * NH * T);  // (B, NH, T)
-#pragma omp parallel for collapse(2) schedule(static) if (B * T * NH * HS >= kParallelMinCopy)
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t h = 0; h < NH; ++h) {
-        const float* x = dout + ((b * T + t) * NH + h) * HS;
-        const float* y = out + ((b * T + t) * NH + h) * HS;
-        const double sum = lane_sum8(HS, [x, y](int64_t i) { return double(x[i]) * y[i]; });
-        D[(b * NH + h) * T + t] = static_cast<float>(sum);
-      }
-    }
-  }
+  attention_row_terms(D, dout, out, B, T, NH, HS);
 
   float* kt = pack_buffer(1, B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
   float* vt = pack_buffer(2, B * NKV * HS * Tp);

@@ -31,6 +31,23 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* k, const float* v, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
 
+// The same forward and backward with every matrix product on bf16 operands (q, k, v, dout, and
+// the probabilities and score gradients, each rounded once) accumulated in f32: the attention
+// core of the bf16 precision, on CPUs with AVX512_BF16 (kernels/attention_bf16.cpp). The
+// softmax, lse, D and every sum outside the products stay f32. Results do not depend on the
+// thread count; they differ from the f32 kernels' by the operands' rounding (2⁻⁹ of each).
+// attention_bf16_supported: this CPU has AVX512_BF16, T and HS are even, T <= 512;
+// attention_bf16_pays: supported, and T long enough that the products save more than packing
+// their operands costs (T >= 128, measured): where the bf16 precision uses these kernels.
+bool attention_bf16_supported(int64_t T, int64_t HS);
+bool attention_bf16_pays(int64_t T, int64_t HS);
+void attention_forward_bf16(float* out, float* lse, const float* q, const float* k,
+                            const float* v, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                            int64_t HS);
+void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                             const float* k, const float* v, const float* out, const float* lse,
+                             int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+
 // One new query against a cache of n keys (a decode step): the causal row of attention_forward
 // for a query at position n − 1. out, q (NH, HS); k, v (n, NKV, HS) with q and k already rotated.
 // Reads exactly n keys per head: the work is n·HS multiply-adds per head, twice.

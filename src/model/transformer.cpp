@@ -68,6 +68,10 @@ void Transformer::weights_changed_copy_kept() {
   if (engine_) engine_->weights_changed();
 }
 
+bool Transformer::bf16_attention(int64_t T) const {
+  return lp_ == DType::BF16 && attention_bf16_pays(T, cfg_.head_dim());
+}
+
 void Transformer::set_precision(DType t) {
   lp_ = t;
   lp_stale_ = true;
@@ -176,8 +180,8 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
     linear(a.v.data(), a.ln1.data(), ln1, o.wv, C, KD);
     rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta);
     rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta);
-    attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV,
-                      HS);
+    (bf16_attention(T) ? attention_forward_bf16 : attention_forward)(
+        a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HS);
     const void* att = mixed ? rounded(a.att_lp, a.att.data(), N * QD) : nullptr;
     linear(a.xmid.data(), a.att.data(), att, o.wo, QD, C);
     for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
@@ -314,8 +318,9 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
 
     linear_bwd(datt_.data(), false, grads + o.wo, dxmid_.data(), a.att.data(), a.att_lp.data(),
                o.wo, QD, C);
-    attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(),
-                       a.v.data(), a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
+    (bf16_attention(T) ? attention_backward_bf16 : attention_backward)(
+        dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(), a.v.data(),
+        a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
     rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
     rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
     linear_bwd(dln_.data(), false, grads + o.wq, dq_.data(), a.ln1.data(), a.ln1_lp.data(), o.wq, C,

@@ -87,9 +87,11 @@ class Transformer {
   // Mixed precision. F32 (the default) computes everything in f32. BF16 / F16: every GEMM of
   // the model (projections, experts, dense FFN, LM head) takes its operands rounded to that type
   // — the activations, and a copy of the weights kept from the f32 parameters — and
-  // accumulates in f32; embedding, norms, RoPE, attention scores and softmax, the router, the
-  // losses and every gradient stay f32. The router computes in f32 even then: its top-k
-  // decisions are discontinuous, and rounding its inputs would flip near-tied choices.
+  // accumulates in f32; embedding, norms, RoPE, the softmax of attention, the router, the
+  // losses and every gradient stay f32. In bf16 on a CPU with AVX512_BF16, the attention core's
+  // products take bf16 operands too where that pays (attention_bf16_pays: even head size, even
+  // 128 ≤ T ≤ 512). The router computes in f32 even then: its top-k decisions are
+  // discontinuous, and rounding its inputs would flip near-tied choices.
   void set_precision(DType t);
   DType precision() const { return lp_; }
   // The weight copy is rebuilt at the next forward: call after changing the parameters in place
@@ -108,6 +110,7 @@ class Transformer {
   struct LayerActs;
   void ensure_capacity(int64_t N);
   void refresh_lp_weights(const float* params);
+  bool bf16_attention(int64_t T) const;  // the attention core's products in bf16
   const void* lp_weight(int64_t offset) const;                      // into params_lp_
   const void* rounded(HalfBuffer& buf, const float* x, int64_t n);  // x rounded to lp_
 

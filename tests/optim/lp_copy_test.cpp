@@ -97,8 +97,10 @@ TEST(LowPrecisionCopy, AModelStepsOnTheKeptCopyAsOnARebuiltOne) {
   init_params(p1.data(), layout, cfg, 7);
   p2 = p1;
   const std::vector<ParamRange> groups = param_groups(layout);
-  auto o1 = make_optimizer(default_optimizer_config(OptimizerKind::AdamW), groups, 0, layout.size());
-  auto o2 = make_optimizer(default_optimizer_config(OptimizerKind::AdamW), groups, 0, layout.size());
+  auto o1 =
+      make_optimizer(default_optimizer_config(OptimizerKind::AdamW), groups, 0, layout.size());
+  auto o2 =
+      make_optimizer(default_optimizer_config(OptimizerKind::AdamW), groups, 0, layout.size());
   const int64_t B = 2, T = 8;
   std::vector<int32_t> in(B * T), tg(B * T);
   for (int64_t i = 0; i < B * T; ++i) in[i] = (i * 7) % 64, tg[i] = (i * 11 + 3) % 64;

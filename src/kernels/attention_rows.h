@@ -1,0 +1,28 @@
+// The row work both attention implementations on the CPU share (kernels/attention.cpp in f32,
+// kernels/attention_bf16.cpp with bf16 products): the causal softmax of a row of scores, the
+// backward's probabilities and score gradients of a row, and the backward's row terms D.
+#pragma once
+#include <cstdint>
+
+namespace moetrain {
+
+struct RowSoftmax {
+  float m;   // the row's largest scaled score
+  double l;  // sum of exp(score - m)
+};
+
+// row[0, n) *= scale, then exp(row[j] - m) in place, zeros on [n, nk). The row must be readable
+// and writable over round_up(max(n, nk), 8) columns.
+RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale);
+
+// p[j] = exp(s[j]·scale − L), ds[j] = p[j] · (dp[j] − D) for j in [0, n): p in place of s, ds in
+// place of dp. Both rows are written over round_up(n, 8) columns; what lands past n is the
+// caller's to overwrite.
+void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D);
+
+// D (B, NH, T) = Σ over the head's HS values of dout ⊙ out (B, T, NH, HS): the softmax Jacobian's
+// row term, which equals Σ dP·P over the row.
+void attention_row_terms(float* D, const float* dout, const float* out, int64_t B, int64_t T,
+                         int64_t NH, int64_t HS);
+
+}  // namespace moetrain
