@@ -45,14 +45,17 @@ double time_collective(Comm& world, CommThread& thread, F&& task, int reps, doub
   return med;
 }
 
-
-// The compute share of oversubscribed processes (CommFigures::share): each round a rank computes
-// single-thread GEMMs worth w = r · t_x seconds alone, then posts `exchange` (the config's
+// The compute share of oversubscribed processes (CommFigures::share): rounds in which each rank
+// computes one-thread GEMMs (w seconds of them alone) and then posts `exchange` (the config's
 // all-to-all, t_x seconds on time) to the communication thread and waits for it, as the
-// trainer's step alternates the two. The share is w over what a round took beyond the on-time
-// exchange, the form the cost model charges (compute alone / share + communication): where the
-// processes compute together it is the fair share cores / P; where each computes while the
-// others wait, 1. The mean over the ranks; r = 1/4, 1, 4 and 16.
+// trainer's step alternates the two; w = 1/4, 1, 4 and 16 × t_x. A round takes t_x plus its
+// compute at the share the processes get: share = w / (round − t_x), the form the cost model
+// charges. What the GEMMs cost alone is not taken from a separate timing (one rank timing them
+// while the others wait reads ±15% from batch to batch here, and that error would scale every
+// share): at the largest ratio the processes compute together for all but a seventeenth of
+// the round, so its cost per call is taken as the fair share's, cores / P of a core; the other
+// ratios are measured against it. A rough timing alone only sizes the rounds. The cost per call
+// is the mean over the ranks.
 template <class F>
 void measure_shares(Comm& world, CommThread& thread, F&& exchange, double t_x, CommFigures& f) {
   const int P = world.size();
@@ -66,35 +69,28 @@ void measure_shares(Comm& world, CommThread& thread, F&& exchange, double t_x, C
   // A barrier waited for as the trainer waits: on the communication thread, which polls
   // politely, so that a waiting rank leaves the cores to the others.
   const auto polite_barrier = [&] { thread.wait(thread.post([&] { world.barrier(); })); };
-  // Alone: each rank in turn while the others wait; the median of 5 batches of 10 calls.
-  double alone = 0;
-  for (int q = 0; q < P; ++q) {
-    polite_barrier();
-    if (world.rank() != q) continue;
+  // The rough timing alone, for the rounds' sizes: rank 0 while the others wait.
+  double guess = 0;
+  polite_barrier();
+  if (world.rank() == 0) {
     unit();
-    std::vector<double> t;
-    for (int rep = 0; rep < 5; ++rep) {
-      Timer timer;
-      for (int i = 0; i < 10; ++i) unit();
-      t.push_back(timer.seconds() / 10);
-    }
-    std::sort(t.begin(), t.end());
-    alone = t[2];
+    Timer timer;
+    for (int i = 0; i < 40; ++i) unit();
+    guess = timer.seconds() / 40;
   }
   polite_barrier();
-  world.allreduce(&alone, 1, {.op = ReduceOp::Max});  // every rank runs the same calls
+  world.allreduce(&guess, 1, {.op = ReduceOp::Max});  // every rank runs the same calls
   const double cores = std::max(1u, std::thread::hardware_concurrency());
-  int64_t last_calls = 0;
+  std::vector<int64_t> calls_at;
+  std::vector<double> per_call;  // seconds per call beyond the exchange, mean over the ranks
   for (const double r : {0.25, 1.0, 4.0, 16.0}) {
-    const int64_t calls = std::max<int64_t>(1, std::llround(r * t_x / alone));
-    if (calls == last_calls) continue;  // a fast exchange: fewer distinct ratios than asked
-    last_calls = calls;
-    const double work = static_cast<double>(calls) * alone;
+    const int64_t calls = std::max<int64_t>(1, std::llround(r * t_x / guess));
+    if (!calls_at.empty() && calls == calls_at.back()) continue;  // a fast exchange
     // About 1.5 s of rounds at the fair share (at least 3, so that the scheduler's time slices
-    // average out over a fast exchange); a ratio whose 3 rounds would take over 3 s is left out
-    // (a slow link's largest ratios: the cost model keeps the last share measured beyond it).
-    const double round_s = t_x + work * P / cores;
-    if (3 * round_s > 3.0) break;
+    // average out over a fast exchange); a ratio whose 3 rounds would take over 6 s is left
+    // out (a very slow link's largest ratio: the largest measured is then the reference).
+    const double round_s = t_x + static_cast<double>(calls) * guess * P / cores;
+    if (3 * round_s > 6.0) break;
     const int rounds = static_cast<int>(std::clamp(std::ceil(1.5 / round_s), 3.0, 1000.0));
     thread.wait(thread.post(exchange));  // warm-up round
     Timer timer;
@@ -102,11 +98,16 @@ void measure_shares(Comm& world, CommThread& thread, F&& exchange, double t_x, C
       for (int64_t i = 0; i < calls; ++i) unit();
       thread.wait(thread.post(exchange));
     }
-    const double beyond = timer.seconds() / rounds - t_x;
-    double share = beyond > 0 ? std::min(1.0, work / beyond) : 1.0;
-    world.allreduce(&share, 1);
-    f.share_ratio.push_back(work / t_x);
-    f.share.push_back(share / P);
+    double cost = (timer.seconds() / rounds - t_x) / static_cast<double>(calls);
+    world.allreduce(&cost, 1);
+    calls_at.push_back(calls);
+    per_call.push_back(cost / P);
+  }
+  if (per_call.empty() || per_call.back() <= 0) return;
+  const double alone = per_call.back() * cores / P;  // a call's cost at a whole core
+  for (std::size_t i = 0; i < per_call.size(); ++i) {
+    f.share_ratio.push_back(static_cast<double>(calls_at[i]) * alone / t_x);
+    f.share.push_back(per_call[i] > 0 ? std::min(1.0, alone / per_call[i]) : 1.0);
   }
 }
 
