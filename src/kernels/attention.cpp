@@ -224,6 +224,18 @@ void attention_row_terms(float* D, const float* dout, const float* out, int64_t 
   }
 }
 
+void write_kv_gradients(float* dk, float* dv, const float* dk_acc, const float* dv_acc, int64_t b,
+                        int64_t g, int64_t T, int64_t NKV, int64_t HS, int64_t HSp, float scale) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* dkd = dk + ((b * T + t) * NKV + g) * HS;
+    float* dvd = dv + ((b * T + t) * NKV + g) * HS;
+    for (int64_t x = 0; x < HS; ++x) {
+      dkd[x] = dk_acc[t * HSp + x] * scale;
+      dvd[x] = dv_acc[t * HSp + x];
+    }
+  }
+}
+
 void attention_check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HS) {
   MOETRAIN_CHECK(B >= 0 && T >= 0, "{}: batch B={} and sequence length T={} must be >= 0", fn, B,
@@ -356,14 +368,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                        true, true);
           }
         }
-        for (int64_t t = 0; t < T; ++t) {
-          float* dkd = dk + ((b * T + t) * NKV + g) * HS;
-          float* dvd = dv + ((b * T + t) * NKV + g) * HS;
-          for (int64_t x = 0; x < HS; ++x) {
-            dkd[x] = dk_acc[t * HSp + x] * scale;
-            dvd[x] = dv_acc[t * HSp + x];
-          }
-        }
+        write_kv_gradients(dk, dv, dk_acc, dv_acc, b, g, T, NKV, HS, HSp, scale);
       }
     }
     return;

@@ -274,14 +274,7 @@ MOETRAIN_BF16_TARGET void backward_heads(float* dq, float* dk, float* dv, const 
                     true);
         }
       }
-      for (int64_t t = 0; t < T; ++t) {
-        float* dkd = dk + ((b * T + t) * NKV + g) * HS;
-        float* dvd = dv + ((b * T + t) * NKV + g) * HS;
-        for (int64_t x = 0; x < HS; ++x) {
-          dkd[x] = dk_acc[t * HSp + x] * scale;
-          dvd[x] = dv_acc[t * HSp + x];
-        }
-      }
+      write_kv_gradients(dk, dv, dk_acc, dv_acc, b, g, T, NKV, HS, HSp, scale);
     }
   }
 }

@@ -1,6 +1,7 @@
 // The row work both attention implementations on the CPU share (kernels/attention.cpp in f32,
 // kernels/attention_bf16.cpp with bf16 products): the causal softmax of a row of scores, the
-// backward's probabilities and score gradients of a row, and the backward's row terms D.
+// backward's probabilities and score gradients of a row, the backward's row terms D, and the
+// one-pass backward's write of a task's key and value gradients.
 #pragma once
 #include <cstdint>
 
@@ -24,5 +25,10 @@ void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D);
 // row term, which equals Σ dP·P over the row.
 void attention_row_terms(float* D, const float* dout, const float* out, int64_t B, int64_t T,
                          int64_t NH, int64_t HS);
+
+// One (batch b, kv head g) task's summed key and value gradients, (Tp, HSp) accumulators, into
+// dk, dv (B, T, NKV, HS): dk scaled by `scale` (the scores' 1/√HS), dv as summed.
+void write_kv_gradients(float* dk, float* dv, const float* dk_acc, const float* dv_acc, int64_t b,
+                        int64_t g, int64_t T, int64_t NKV, int64_t HS, int64_t HSp, float scale);
 
 }  // namespace moetrain
