@@ -19,7 +19,8 @@ namespace moetrain {
 namespace {
 
 // Rows (queries in the forward and dq passes, keys in the dk/dv pass) owned by one task.
-// A multiple of kNR (tile_gemm's columns), so a block's column window inside a transposed pack never runs past Tp.
+// A multiple of kNR (tile_gemm's columns), so a block's column window inside a transposed pack
+// never runs past Tp.
 constexpr int64_t kBlock = 32;
 constexpr int64_t kNR = kTileCols;
 // Longest (padded) sequence whose backward runs in one pass: two (Tp, Tp) buffers a thread.
@@ -29,10 +30,6 @@ constexpr int64_t kOnePassMaxT = 512;
 // oversubscribed); thread count never changes results, so the cut-off is free to move.
 constexpr int64_t kParallelMinCopy = 1 << 16;  // floats copied
 constexpr int64_t kParallelMinWork = 1 << 20;  // multiply-adds, roughly
-
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
 
 // The build targets baseline x86-64; the AVX2 clone is picked at load time where the CPU has it.
 // Both clones do the same float operations in the same order ("avx2" does not enable FMA, so
@@ -67,14 +64,6 @@ void pack_transposed(float* dst, const float* src, int64_t B, int64_t T, int64_t
       for (int64_t x = 0; x < HS; ++x) std::fill(d + x * Tp + T, d + (x + 1) * Tp, 0.0f);
     }
   }
-}
-
-// The packs of one call, in buffers the calling thread keeps (slots 0 to 9): an allocation of their
-// size comes from the kernel, which zero-fills every page of it again at each call. Packs are
-// fully written before they are read.
-float* pack_buffer(int slot, int64_t n) {
-  thread_local FloatBuffer buffers[10];
-  return buffers[slot].ensure(n);
 }
 
 // One head's (T, HS) rows as tile_gemm's B operand: readable over HSp = round_up(HS, kNR) columns.
@@ -224,6 +213,12 @@ void attention_row_terms(float* D, const float* dout, const float* out, int64_t 
   }
 }
 
+void* attention_scratch(int slot, int64_t n) {
+  MOETRAIN_CHECK(slot >= 0 && slot < 16, "attention_scratch: slot {} of 16", slot);
+  thread_local GrowBuffer<4> buffers[16];
+  return buffers[slot].grow(n);
+}
+
 void write_kv_gradients(float* dk, float* dv, const float* dk_acc, const float* dv_acc, int64_t b,
                         int64_t g, int64_t T, int64_t NKV, int64_t HS, int64_t HSp, float scale) {
   for (int64_t t = 0; t < T; ++t) {
@@ -256,7 +251,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   const int64_t G = NH / NKV, Tp = round_up(T, kBlock), HSp = round_up(HS, kNR), nqb = Tp / kBlock;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
 
-  float* kt = pack_buffer(0, B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
+  float* kt = attention_scratch_as<float>(0, B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
   pack_transposed(kt, k, B, T, NKV, HS, Tp);
   const RowsPack vrows(v, B, T, NKV, HS, HSp);
 
@@ -272,7 +267,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M;
       const int64_t qrow = (b * T + i0) * NH + h;
       tile_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M,
-                 round_up(nk, kNR), HS, false);
+                round_up(nk, kNR), HS, false);
       float inv_l[kBlock];
       for (int64_t r = 0; r < M; ++r) {
         const int64_t last = i0 + r;  // the last key this query sees
@@ -301,11 +296,11 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   const int64_t G = NH / NKV, Tp = round_up(T, kBlock), HSp = round_up(HS, kNR), nb = Tp / kBlock;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
 
-  float* D = pack_buffer(0, B * NH * T);  // (B, NH, T)
+  float* D = attention_scratch_as<float>(0, B * NH * T);  // (B, NH, T)
   attention_row_terms(D, dout, out, B, T, NH, HS);
 
-  float* kt = pack_buffer(1, B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
-  float* vt = pack_buffer(2, B * NKV * HS * Tp);
+  float* kt = attention_scratch_as<float>(1, B * NKV * HS * Tp);  // (B, NKV, HS, Tp)
+  float* vt = attention_scratch_as<float>(2, B * NKV * HS * Tp);
   pack_transposed(kt, k, B, T, NKV, HS, Tp);
   pack_transposed(vt, v, B, T, NKV, HS, Tp);
   const RowsPack krows(k, B, T, NKV, HS, HSp), qrows(q, B, T, NH, HS, HSp),
@@ -321,11 +316,11 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
     const int64_t tasks = B * NKV;
 #pragma omp parallel if (parallel)
     {
-      float* pm = pack_buffer(5, Tp * Tp);   // P, then read transposed
-      float* dsm = pack_buffer(6, Tp * Tp);  // dP, then dS
-      float* acc = pack_buffer(7, kBlock * HSp);
-      float* dk_acc = pack_buffer(8, Tp * HSp);
-      float* dv_acc = pack_buffer(9, Tp * HSp);
+      float* pm = attention_scratch_as<float>(5, Tp * Tp);   // P, then read transposed
+      float* dsm = attention_scratch_as<float>(6, Tp * Tp);  // dP, then dS
+      float* acc = attention_scratch_as<float>(7, kBlock * HSp);
+      float* dk_acc = attention_scratch_as<float>(8, Tp * HSp);
+      float* dv_acc = attention_scratch_as<float>(9, Tp * HSp);
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t b = task / NKV, g = task % NKV;
@@ -340,9 +335,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             float* s = pm + i0 * Tp;
             float* ds = dsm + i0 * Tp;
             tile_gemm(s, Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
-                       false);
-            tile_gemm(ds, Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp, M, N,
-                       HS, false);
+                      false);
+            tile_gemm(ds, Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
+                      false);
             for (int64_t r = 0; r < M; ++r) {
               const int64_t i = i0 + r;
               p_ds_row(s + r * Tp, ds + r * Tp, i + 1, scale, lse[(b * NH + h) * T + i],
@@ -363,9 +358,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             const int64_t M = std::min(kBlock, T - j0), nq = T - j0;
             const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
             tile_gemm(dv_acc + j0 * HSp, HSp, pm + j0 * Tp + j0, Tp, dor.p, dor.ld, M, HSp, nq,
-                       true, true);
-            tile_gemm(dk_acc + j0 * HSp, HSp, dsm + j0 * Tp + j0, Tp, qr.p, qr.ld, M, HSp, nq,
-                       true, true);
+                      true, true);
+            tile_gemm(dk_acc + j0 * HSp, HSp, dsm + j0 * Tp + j0, Tp, qr.p, qr.ld, M, HSp, nq, true,
+                      true);
           }
         }
         write_kv_gradients(dk, dv, dk_acc, dv_acc, b, g, T, NKV, HS, HSp, scale);
@@ -374,8 +369,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
     return;
   }
 
-  float* qt = pack_buffer(3, B * NH * HS * Tp);  // (B, NH, HS, Tp)
-  float* dot = pack_buffer(4, B * NH * HS * Tp);
+  float* qt = attention_scratch_as<float>(3, B * NH * HS * Tp);  // (B, NH, HS, Tp)
+  float* dot = attention_scratch_as<float>(4, B * NH * HS * Tp);
   pack_transposed(qt, q, B, T, NH, HS, Tp);
   pack_transposed(dot, dout, B, T, NH, HS, Tp);
 
@@ -390,10 +385,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M,
                     N = round_up(nk, kNR);
       const int64_t qrow = (b * T + i0) * NH + h;
-      tile_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N,
-                 HS, false);
-      tile_gemm(dp.data(), Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp,
-                 M, N, HS, false);
+      tile_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
+                false);
+      tile_gemm(dp.data(), Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp, M, N,
+                HS, false);
       for (int64_t r = 0; r < M; ++r) {
         float* srow = s.data() + r * Tp;
         float* dprow = dp.data() + r * Tp;
@@ -428,10 +423,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       std::fill(dv_acc.begin(), dv_acc.end(), 0.0f);
       for (int64_t h = g * G; h < (g + 1) * G; ++h) {
         // Column c of these (keys × queries) tiles is query j0 + c.
-        tile_gemm(p.data(), Tp, k + krow * HS, NKV * HS, qt + (b * NH + h) * HS * Tp + j0,
-                   Tp, M, N, HS, false);
-        tile_gemm(ds.data(), Tp, v + krow * HS, NKV * HS, dot + (b * NH + h) * HS * Tp + j0,
-                   Tp, M, N, HS, false);
+        tile_gemm(p.data(), Tp, k + krow * HS, NKV * HS, qt + (b * NH + h) * HS * Tp + j0, Tp, M, N,
+                  HS, false);
+        tile_gemm(ds.data(), Tp, v + krow * HS, NKV * HS, dot + (b * NH + h) * HS * Tp + j0, Tp, M,
+                  N, HS, false);
         const float* L = lse + (b * NH + h) * T + j0;
         const float* Dh = D + (b * NH + h) * T + j0;
         for (int64_t r = 0; r < M; ++r) {

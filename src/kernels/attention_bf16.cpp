@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/buffer.h"
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/profile.h"
@@ -38,26 +37,14 @@ constexpr int64_t kBf16MinT = 128;
 // AVX512F, BW and VL): compiled for them, the packs and row loops use 64-byte vectors.
 #define MOETRAIN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
 [[gnu::always_inline]] inline uint32_t pair(float lo, float hi) {
   return static_cast<uint32_t>(bf16::round_bits(lo)) | static_cast<uint32_t>(bf16::round_bits(hi))
                                                            << 16;
 }
 
-// Buffers the calling thread keeps (an allocation of their size would be zero-filled by the
-// kernel at every call); fully written before they are read. A call's packs take slots 0 to 7,
-// the work buffers of its parallel region's threads (the calling thread among them) 8 to 15.
-uint32_t* words(int slot, int64_t n) {
-  thread_local GrowBuffer<4> buffers[16];
-  return static_cast<uint32_t*>(buffers[slot].grow(n));
-}
-
 // (B, T, H, HS) f32 → the same layout in bf16: each row's HS values as HS/2 pairs.
 uint32_t* row_pairs(int slot, const float* src, int64_t n) {
-  uint32_t* dst = words(slot, n / 2);
+  uint32_t* dst = attention_scratch_as<uint32_t>(slot, n / 2);
   f32_to_bf16(reinterpret_cast<bf16*>(dst), src, static_cast<std::size_t>(n));
   return dst;
 }
@@ -157,17 +144,17 @@ MOETRAIN_BF16_TARGET void forward_blocks(float* out, float* lse, const float* q,
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
 
   const uint32_t* qr = row_pairs(0, q, B * T * NH * HS);
-  uint32_t* kx = words(1, B * NKV * HP * Tp);
-  uint32_t* vt = words(2, B * NKV * (Tp / 2) * HSp);
+  uint32_t* kx = attention_scratch_as<uint32_t>(1, B * NKV * HP * Tp);
+  uint32_t* vt = attention_scratch_as<uint32_t>(2, B * NKV * (Tp / 2) * HSp);
   pairs_along_features(kx, k, B, T, NKV, HS, Tp);
   pairs_along_sequence(vt, v, B, T, NKV, HS, Tp, HSp);
 
   const int64_t tasks = B * NH * nqb;
 #pragma omp parallel if (B * NH * T * T * HS >= kParallelMinWork)
   {
-    float* s = reinterpret_cast<float*>(words(8, kBlock * Tp));
-    uint32_t* pr = words(9, kBlock * Tp / 2);
-    float* o = reinterpret_cast<float*>(words(10, kBlock * HSp));
+    float* s = attention_scratch_as<float>(8, kBlock * Tp);
+    uint32_t* pr = attention_scratch_as<uint32_t>(9, kBlock * Tp / 2);
+    float* o = attention_scratch_as<float>(10, kBlock * HSp);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t qb = nqb - 1 - task % nqb, b = task / nqb / NH, h = task / nqb % NH, g = h / G;
@@ -202,15 +189,15 @@ MOETRAIN_BF16_TARGET void backward_heads(float* dq, float* dk, float* dv, const 
   const int64_t nb = Tp / kBlock, TP2 = Tp / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
 
-  float* D = reinterpret_cast<float*>(words(0, B * NH * T));
+  float* D = attention_scratch_as<float>(0, B * NH * T);
   attention_row_terms(D, dout, out, B, T, NH, HS);
   const uint32_t* qr = row_pairs(1, q, B * T * NH * HS);
   const uint32_t* dor = row_pairs(2, dout, B * T * NH * HS);
-  uint32_t* kx = words(3, B * NKV * HP * Tp);    // scores: q · kᵀ
-  uint32_t* vx = words(4, B * NKV * HP * Tp);    // dP = dout · vᵀ
-  uint32_t* kt = words(5, B * NKV * TP2 * HSp);  // dq = dS · k
-  uint32_t* qt = words(6, B * NH * TP2 * HSp);   // dk = dSᵀ · q
-  uint32_t* dot = words(7, B * NH * TP2 * HSp);  // dv = Pᵀ · dout
+  uint32_t* kx = attention_scratch_as<uint32_t>(3, B * NKV * HP * Tp);    // scores: q · kᵀ
+  uint32_t* vx = attention_scratch_as<uint32_t>(4, B * NKV * HP * Tp);    // dP = dout · vᵀ
+  uint32_t* kt = attention_scratch_as<uint32_t>(5, B * NKV * TP2 * HSp);  // dq = dS · k
+  uint32_t* qt = attention_scratch_as<uint32_t>(6, B * NH * TP2 * HSp);   // dk = dSᵀ · q
+  uint32_t* dot = attention_scratch_as<uint32_t>(7, B * NH * TP2 * HSp);  // dv = Pᵀ · dout
   pairs_along_features(kx, k, B, T, NKV, HS, Tp);
   pairs_along_features(vx, v, B, T, NKV, HS, Tp);
   pairs_along_sequence(kt, k, B, T, NKV, HS, Tp, HSp);
@@ -220,14 +207,14 @@ MOETRAIN_BF16_TARGET void backward_heads(float* dq, float* dk, float* dv, const 
   const int64_t tasks = B * NKV;
 #pragma omp parallel if (B * NH * T * T * HS >= kParallelMinWork)
   {
-    float* pm = reinterpret_cast<float*>(words(8, kBlock * Tp));   // a block's S, then P
-    float* dsm = reinterpret_cast<float*>(words(9, kBlock * Tp));  // its dP, then dS
-    uint32_t* dsr = words(10, kBlock * TP2);                       // dS rows as pairs
-    uint32_t* pc = words(11, TP2 * Tp);                            // the head's P, pair-major
-    uint32_t* dsc = words(12, TP2 * Tp);                           // the head's dS, pair-major
-    float* acc = reinterpret_cast<float*>(words(13, kBlock * HSp));
-    float* dk_acc = reinterpret_cast<float*>(words(14, Tp * HSp));
-    float* dv_acc = reinterpret_cast<float*>(words(15, Tp * HSp));
+    float* pm = attention_scratch_as<float>(8, kBlock * Tp);           // a block's S, then P
+    float* dsm = attention_scratch_as<float>(9, kBlock * Tp);          // its dP, then dS
+    uint32_t* dsr = attention_scratch_as<uint32_t>(10, kBlock * TP2);  // dS rows as pairs
+    uint32_t* pc = attention_scratch_as<uint32_t>(11, TP2 * Tp);       // the head's P, pair-major
+    uint32_t* dsc = attention_scratch_as<uint32_t>(12, TP2 * Tp);      // the head's dS, pair-major
+    float* acc = attention_scratch_as<float>(13, kBlock * HSp);
+    float* dk_acc = attention_scratch_as<float>(14, Tp * HSp);
+    float* dv_acc = attention_scratch_as<float>(15, Tp * HSp);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / NKV, g = task % NKV;

@@ -1,11 +1,27 @@
-// The row work both attention implementations on the CPU share (kernels/attention.cpp in f32,
-// kernels/attention_bf16.cpp with bf16 products): the causal softmax of a row of scores, the
-// backward's probabilities and score gradients of a row, the backward's row terms D, and the
-// one-pass backward's write of a task's key and value gradients.
+// The work both attention implementations on the CPU share (kernels/attention.cpp in f32,
+// kernels/attention_bf16.cpp with bf16 products): their thread-kept scratch, the causal softmax
+// of a row of scores, the backward's probabilities and score gradients of a row, the backward's
+// row terms D, and the one-pass backward's write of a task's key and value gradients.
 #pragma once
 #include <cstdint>
 
 namespace moetrain {
+
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+// n 4-byte elements (f32 or bf16 pairs) in buffer `slot` (0 to 15) of the calling thread, which
+// keeps it: an allocation of a pack's size comes from the kernel, which zero-fills every page of
+// it again at each call. Contents unspecified: fully written before they are read. A call's packs
+// take the low slots, the work buffers of its parallel region's threads (the calling thread among
+// them) slots above every pack's.
+void* attention_scratch(int slot, int64_t n);
+template <class T>
+T* attention_scratch_as(int slot, int64_t n) {
+  static_assert(sizeof(T) == 4);
+  return static_cast<T*>(attention_scratch(slot, n));
+}
 
 struct RowSoftmax {
   float m;   // the row's largest scaled score

@@ -183,26 +183,22 @@ void Optimizer::step(float* params, const float* grads, float lr,
                  "optimizer step: a low-precision copy must be bf16 or fp16, got {}",
                  dtype_name(lp.type));
   ++step_count_;
-  std::vector<DecaySegment> active;
-  if (!frozen.empty()) {
-    active = without_frozen(segments_, begin_, frozen);
-    active_ = &active;
-  }
+  const std::vector<DecaySegment> active =
+      frozen.empty() ? std::vector<DecaySegment>{} : without_frozen(segments_, begin_, frozen);
+  const std::vector<DecaySegment>& updated = frozen.empty() ? segments_ : active;
+  // update() sees the step's segments and copy; both are cleared however it leaves.
+  struct During {
+    Optimizer& o;
+    ~During() { o.active_ = nullptr, o.lp_ = {}; }
+  } during{*this};
+  active_ = &updated;
   lp_ = lp;
-  try {
-    update(params, grads, lr);
-  } catch (...) {
-    active_ = nullptr;
-    lp_ = {};
-    throw;
-  }
+  update(params, grads, lr);
   if (lp.data && !writes_lp_copy(lp.type)) {
-    for (const DecaySegment& s : active_ ? *active_ : segments_)
+    for (const DecaySegment& s : updated)
       f32_to_dtype(lp.type, lp.at(s.begin).data, params + s.begin,
                    static_cast<std::size_t>(s.end - s.begin));
   }
-  active_ = nullptr;
-  lp_ = {};
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config,

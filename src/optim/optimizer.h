@@ -158,7 +158,7 @@ class Optimizer {
   int64_t end_;
   int64_t step_count_ = 0;
   std::vector<DecaySegment> segments_;
-  // During a step with frozen ranges: segments_ without them (else null).
+  // During a step: the segments it updates (segments_ less its frozen ranges); else null.
   const std::vector<DecaySegment>* active_ = nullptr;
   LowPrecisionCopy lp_;
 };
