@@ -45,9 +45,11 @@ ExpertRange shared_expert_range(const MoeWeights& w) {
 
 namespace {
 
-template <class T>
-void round_rows(T* out, const float* in, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = T(in[i]);
+void round_rows(bf16* out, const float* in, int64_t n) {
+  round_to_bf16(out, in, n);
+}
+void round_rows(fp16* out, const float* in, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fp16(in[i]);
 }
 
 template <class T>

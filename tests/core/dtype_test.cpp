@@ -2,9 +2,11 @@
 // bit pattern round-trips, ties go to even, subnormals underflow gradually, overflow gives Inf.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -107,6 +109,33 @@ TEST(Dtype, BulkConversionsMatchScalar) {
     f32_to_dtype(t, raw.data(), in.data(), in.size());
     dtype_to_f32(t, back.data(), raw.data(), in.size());
     for (std::size_t i = 0; i < in.size(); ++i) ASSERT_EQ(back[i], round_to(t, in[i]));
+  }
+}
+
+// The array rounding (AVX512_BF16's vcvtneps2bf16 where the CPU has it, core/bf16_round.h) gives
+// bf16(float)'s bits for every upper half of a float's bits — every sign, exponent and leading
+// mantissa, subnormals, infinities and NaNs — each with low halves below, at and above the tie
+// (0x8000) and their neighbours, in an order that mixes subnormal lanes into normal vectors.
+TEST(Bf16, ArrayRoundingMatchesTheScalarRuleBitForBit) {
+  const uint32_t lows[] = {0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xc000, 0xffff};
+  std::vector<float> in;
+  for (uint32_t hi = 0; hi < 0x10000; ++hi)
+    for (uint32_t lo : lows) in.push_back(std::bit_cast<float>(hi << 16 | lo));
+  for (std::size_t i = in.size() - 1; i > 0; --i)  // a fixed shuffle
+    std::swap(in[i], in[(i * 2654435761u) % (i + 1)]);
+  std::vector<bf16> one(in.size()), bulk(in.size());
+  round_to_bf16(one.data(), in.data(), static_cast<int64_t>(in.size()));
+  f32_to_bf16(bulk.data(), in.data(), in.size());
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const uint16_t want = bf16(in[i]).bits;
+    ASSERT_EQ(one[i].bits, want) << std::hex << std::bit_cast<uint32_t>(in[i]);
+    ASSERT_EQ(bulk[i].bits, want) << std::hex << std::bit_cast<uint32_t>(in[i]);
+  }
+  // Lengths that are not a multiple of 16 end with the scalar rule.
+  for (int64_t n : {1, 15, 17, 33}) {
+    std::vector<bf16> part(static_cast<std::size_t>(n));
+    round_to_bf16(part.data(), in.data() + 5, n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(part[i].bits, bf16(in[5 + i]).bits);
   }
 }
 

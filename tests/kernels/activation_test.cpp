@@ -57,13 +57,14 @@ TEST_P(ActivationTest, SiluForwardBackward) {
 }
 
 // The 16-bit outputs are the f32 results rounded as bf16(float) / fp16(float) round them, bit for
-// bit, NaN, infinities and values that round up to the next binade included.
+// bit, NaN, infinities, subnormals and values that round up to the next binade included.
 template <class T>
 void check_rounded_outputs(int64_t n) {
   auto a = random_vector(n, 6, 4.0f), b = random_vector(n, 7, 3.0f), dout = random_vector(n, 8);
   if (n > 4) {
     a[0] = NAN, b[1] = INFINITY, a[2] = -200.0f;
     b[3] = std::bit_cast<float>(0x3f80ffffu);  // rounds to even upwards
+    a[4] = 1e-38f, b[4] = 0.5f;                // a subnormal result
   }
   std::vector<float> out(n), da(n), db(n);
   std::vector<T> out_lp(n), da_lp(n), db_lp(n);

@@ -1,0 +1,51 @@
+// bf16(float) over 16 lanes at once with AVX512_BF16's vcvtneps2bf16, for code built for that
+// instruction set (MOETRAIN_BF16_TARGET) on CPUs that have it (cpu_has_avx512_bf16()).
+//
+// The instruction rounds to nearest even and quiets a NaN by setting the same bit as
+// bf16::round_bits (core/dtype.h), so normal numbers, zeros, infinities and NaNs get the same
+// bits as the scalar rule. It flushes subnormal inputs to zero, which the scalar rule does not:
+// a vector holding a subnormal lane (vfpclassps) takes the scalar rule lane by lane instead.
+// Results are therefore the same bits on every CPU; only the speed differs (5x the scalar rule's
+// vectorised loop on AVX-512).
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace moetrain {
+
+// AVX512_BF16 comes with AVX512F/BW/VL/DQ on every CPU that has it (Cooper Lake, Sapphire Rapids,
+// Zen 4).
+#define MOETRAIN_BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+inline bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// The bits of bf16(v[k]) for each lane k.
+MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline __m256i bf16x16_bits(__m512 v) {
+  constexpr int kSubnormal = 0x20;  // vfpclassps category: denormal
+  if (_mm512_fpclass_ps_mask(v, kSubnormal)) [[unlikely]] {
+    alignas(64) float lanes[16];
+    alignas(32) uint16_t bits[16];
+    _mm512_store_ps(lanes, v);
+    for (int k = 0; k < 16; ++k) bits[k] = bf16::round_bits(lanes[k]);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+  }
+  return (__m256i)_mm512_cvtneps_pbh(v);
+}
+
+// p[0..16) = bf16(v[k]) for each lane k.
+MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_bits(v));
+}
+
+}  // namespace moetrain
