@@ -15,6 +15,48 @@ constexpr int64_t kParallelMin = 1 << 14;
 // Columns per dweight task: small enough to give each thread work at C = 1024, large enough that
 // each row visit reads a full run of cache lines.
 constexpr int64_t kColBlock = 128;
+
+// The row loops, cloned for the instruction sets (picked at load time) instead of the baseline
+// SSE2 build (two doubles a vector): the same operations in the same order in each clone
+// (lane_sum8's fixed chains, no FMA contraction), so the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOETRAIN_NORM_HOT __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MOETRAIN_NORM_HOT
+#endif
+
+MOETRAIN_NORM_HOT float forward_row(float* y, const float* x, const float* weight, int64_t C,
+                                    float eps) {
+  // A double sum keeps mean(x²) accurate for wide rows (each x² is exact in double).
+  const double ss = lane_sum8(C, [x](int64_t c) { return double(x[c]) * x[c]; });
+  const float r = static_cast<float>(1.0 / std::sqrt(ss / double(C) + double(eps)));
+  // HF order: normalise first, then scale by the weight.
+  for (int64_t c = 0; c < C; ++c) y[c] = weight[c] * (x[c] * r);
+  return r;
+}
+
+MOETRAIN_NORM_HOT void backward_row(float* dx, const float* dy, const float* x, const float* weight,
+                                    double r, int64_t C) {
+  const double dot =
+      lane_sum8(C, [dy, weight, x](int64_t c) { return double(dy[c]) * weight[c] * x[c]; });
+  const float k = static_cast<float>(r * r * r * dot / double(C));
+  const float rf = static_cast<float>(r);
+  for (int64_t c = 0; c < C; ++c) dx[c] = rf * weight[c] * dy[c] - k * x[c];
+}
+
+// dweight[c0, c1) += Σ_n dy_nc x_nc r_n, rows in order.
+MOETRAIN_NORM_HOT void dweight_block(float* dweight, const float* dout, const float* inp,
+                                     const float* rstd, int64_t N, int64_t C, int64_t c0,
+                                     int64_t c1) {
+  double acc[kColBlock] = {};
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    const float* dy = dout + n * C;
+    const double r = rstd[n];
+    for (int64_t c = c0; c < c1; ++c) acc[c - c0] += double(dy[c]) * x[c] * r;
+  }
+  for (int64_t c = c0; c < c1; ++c) dweight[c] += static_cast<float>(acc[c - c0]);
+}
 }  // namespace
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
@@ -23,16 +65,7 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
   MOETRAIN_CHECK(N >= 0 && C > 0, "rmsnorm_forward: need N >= 0 and C > 0, got N={} C={}", N, C);
   MOETRAIN_CHECK(eps >= 0.0f, "rmsnorm_forward: eps must be >= 0, got {}", eps);
 #pragma omp parallel for schedule(static) if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* x = inp + n * C;
-    float* y = out + n * C;
-    // A double sum keeps mean(x²) accurate for wide rows (each x² is exact in double).
-    const double ss = lane_sum8(C, [x](int64_t c) { return double(x[c]) * x[c]; });
-    const float r = static_cast<float>(1.0 / std::sqrt(ss / double(C) + double(eps)));
-    rstd[n] = r;
-    // HF order: normalise first, then scale by the weight.
-    for (int64_t c = 0; c < C; ++c) y[c] = weight[c] * (x[c] * r);
-  }
+  for (int64_t n = 0; n < N; ++n) rstd[n] = forward_row(out + n * C, inp + n * C, weight, C, eps);
 }
 
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
@@ -42,32 +75,14 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
   // y_c = w_c x_c r with r = (mean(x²) + eps)^(-1/2) and dr/dx_j = −r³ x_j / C, so
   // dx_j = r w_j dy_j − r³ x_j / C · Σ_c dy_c w_c x_c.
 #pragma omp parallel for schedule(static) if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* x = inp + n * C;
-    const float* dy = dout + n * C;
-    float* dx = dinp + n * C;
-    const double r = rstd[n];
-    const double dot =
-        lane_sum8(C, [dy, weight, x](int64_t c) { return double(dy[c]) * weight[c] * x[c]; });
-    const float k = static_cast<float>(r * r * r * dot / double(C));
-    const float rf = static_cast<float>(r);
-    for (int64_t c = 0; c < C; ++c) dx[c] = rf * weight[c] * dy[c] - k * x[c];
-  }
+  for (int64_t n = 0; n < N; ++n)
+    backward_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);
   // dweight_c += Σ_n dy_nc x_nc r_n. Threads own disjoint column blocks and walk rows in order, so
   // the sum order never depends on the thread count.
   const int64_t blocks = (C + kColBlock - 1) / kColBlock;
 #pragma omp parallel for schedule(static) if (N * C > kParallelMin && blocks > 1)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t c0 = b * kColBlock, c1 = std::min(C, c0 + kColBlock);
-    double acc[kColBlock] = {};
-    for (int64_t n = 0; n < N; ++n) {
-      const float* x = inp + n * C;
-      const float* dy = dout + n * C;
-      const double r = rstd[n];
-      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += double(dy[c]) * x[c] * r;
-    }
-    for (int64_t c = c0; c < c1; ++c) dweight[c] += static_cast<float>(acc[c - c0]);
-  }
+  for (int64_t b = 0; b < blocks; ++b)
+    dweight_block(dweight, dout, inp, rstd, N, C, b * kColBlock, std::min(C, (b + 1) * kColBlock));
 }
 
 }  // namespace moetrain
