@@ -197,21 +197,21 @@ MOETRAIN_SWIGLU_RANGES(fp16)
 // takes the last n % 16 elements: the results are the same bits either way.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOETRAIN_ACT_WIDE 1
-#define MOETRAIN_SWIGLU_WIDE(Out)                                                             \
-  __attribute__((target("avx512f"))) void swiglu_forward_wide(Out* out, const float* a,     \
-                                                              const float* b, int64_t n) {  \
+// The 16-lane loops, built for `target` and storing with `store` (name: the functions' suffix).
+#define MOETRAIN_SWIGLU_WIDE(Out, target, name, store)                                      \
+  target void swiglu_forward_##name(Out* out, const float* a, const float* b, int64_t n) {  \
     int64_t i = 0;                                                                          \
     VF16 av, bv, y;                                                                         \
     for (; i + 16 <= n; i += 16) {                                                          \
       load_v(av, a + i);                                                                    \
       load_v(bv, b + i);                                                                    \
       swiglu_forward_v(y, av, bv);                                                          \
-      store_out(out + i, y);                                                                \
+      store(out + i, y);                                                                    \
     }                                                                                       \
     if (i < n) swiglu_forward_range(out + i, a + i, b + i, n - i);                          \
   }                                                                                         \
-  __attribute__((target("avx512f"))) void swiglu_backward_wide(                             \
-      Out* da, Out* db, const float* dout, const float* a, const float* b, int64_t n) {     \
+  target void swiglu_backward_##name(Out* da, Out* db, const float* dout, const float* a,   \
+                                     const float* b, int64_t n) {                           \
     int64_t i = 0;                                                                          \
     VF16 d, av, bv, ya, yb;                                                                 \
     for (; i + 16 <= n; i += 16) {                                                          \
@@ -219,45 +219,25 @@ MOETRAIN_SWIGLU_RANGES(fp16)
       load_v(av, a + i);                                                                    \
       load_v(bv, b + i);                                                                    \
       swiglu_backward_v(ya, yb, d, av, bv);                                                 \
-      store_out(da + i, ya);                                                                \
-      store_out(db + i, yb);                                                                \
+      store(da + i, ya);                                                                    \
+      store(db + i, yb);                                                                    \
     }                                                                                       \
     if (i < n) swiglu_backward_range(da + i, db + i, dout + i, a + i, b + i, n - i);        \
   }
-MOETRAIN_SWIGLU_WIDE(float)
-MOETRAIN_SWIGLU_WIDE(bf16)
-MOETRAIN_SWIGLU_WIDE(fp16)
-#undef MOETRAIN_SWIGLU_WIDE
+#define MOETRAIN_AVX512F __attribute__((target("avx512f")))
+MOETRAIN_SWIGLU_WIDE(float, MOETRAIN_AVX512F, wide, store_out)
+MOETRAIN_SWIGLU_WIDE(bf16, MOETRAIN_AVX512F, wide, store_out)
+MOETRAIN_SWIGLU_WIDE(fp16, MOETRAIN_AVX512F, wide, store_out)
+#undef MOETRAIN_AVX512F
 
-// bf16 outputs on CPUs with AVX512_BF16: the 16-lane loops above with each result rounded by
+// bf16 outputs on CPUs with AVX512_BF16: the same loops with each result rounded by
 // vcvtneps2bf16 (core/bf16_round.h: the same bits as the integer rounding, in one instruction
 // instead of ten).
-MOETRAIN_BF16_TARGET void swiglu_forward_bf16(bf16* out, const float* a, const float* b,
-                                              int64_t n) {
-  int64_t i = 0;
-  VF16 av, bv, y;
-  for (; i + 16 <= n; i += 16) {
-    load_v(av, a + i);
-    load_v(bv, b + i);
-    swiglu_forward_v(y, av, bv);
-    store_bf16x16(out + i, (__m512)y);
-  }
-  if (i < n) swiglu_forward_range(out + i, a + i, b + i, n - i);
+MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16_hw(bf16* p, const VF16& v) {
+  store_bf16x16(p, (__m512)v);
 }
-MOETRAIN_BF16_TARGET void swiglu_backward_bf16(bf16* da, bf16* db, const float* dout,
-                                               const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  VF16 d, av, bv, ya, yb;
-  for (; i + 16 <= n; i += 16) {
-    load_v(d, dout + i);
-    load_v(av, a + i);
-    load_v(bv, b + i);
-    swiglu_backward_v(ya, yb, d, av, bv);
-    store_bf16x16(da + i, (__m512)ya);
-    store_bf16x16(db + i, (__m512)yb);
-  }
-  if (i < n) swiglu_backward_range(da + i, db + i, dout + i, a + i, b + i, n - i);
-}
+MOETRAIN_SWIGLU_WIDE(bf16, MOETRAIN_BF16_TARGET, bf16, store_bf16_hw)
+#undef MOETRAIN_SWIGLU_WIDE
 #endif
 
 bool use_wide() {
