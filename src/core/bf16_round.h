@@ -5,8 +5,7 @@
 // bf16::round_bits (core/dtype.h), so normal numbers, zeros, infinities and NaNs get the same
 // bits as the scalar rule. It flushes subnormal inputs to zero, which the scalar rule does not:
 // a vector holding a subnormal lane (vfpclassps) takes the scalar rule lane by lane instead.
-// Results are therefore the same bits on every CPU; only the speed differs (5x the scalar rule's
-// vectorised loop on AVX-512).
+// Results are therefore the same bits on every CPU; only the speed differs (docs/PERF.md).
 #pragma once
 #include <immintrin.h>
 
@@ -30,22 +29,16 @@ inline bool cpu_has_avx512_bf16() {
 #endif
 }
 
-// The bits of bf16(v[k]) for each lane k.
-MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline __m256i bf16x16_bits(__m512 v) {
+// p[0..16) = bf16(v[k]) for each lane k.
+MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16(bf16* p, __m512 v) {
   constexpr int kSubnormal = 0x20;  // vfpclassps category: denormal
   if (_mm512_fpclass_ps_mask(v, kSubnormal)) [[unlikely]] {
     alignas(64) float lanes[16];
-    alignas(32) uint16_t bits[16];
     _mm512_store_ps(lanes, v);
-    for (int k = 0; k < 16; ++k) bits[k] = bf16::round_bits(lanes[k]);
-    return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+    for (int k = 0; k < 16; ++k) p[k] = bf16(lanes[k]);
+    return;
   }
-  return (__m256i)_mm512_cvtneps_pbh(v);
-}
-
-// p[0..16) = bf16(v[k]) for each lane k.
-MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16(bf16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_bits(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 }  // namespace moetrain

@@ -114,10 +114,11 @@ inline float round_to(DType t, float f) {
   return t == DType::BF16 ? bf16_round(f) : t == DType::F16 ? fp16_round(f) : f;
 }
 
-// Bulk conversions (OpenMP parallel for large n).
 // out[i] = bf16(in[i]) on the calling thread, with AVX512_BF16 where the CPU has it (the same
 // bits either way: core/bf16_round.h).
 void round_to_bf16(bf16* out, const float* in, int64_t n);
+
+// Bulk conversions (OpenMP parallel for large n).
 void f32_to_bf16(bf16* out, const float* in, std::size_t n);
 void bf16_to_f32(float* out, const bf16* in, std::size_t n);
 void f32_to_fp16(fp16* out, const float* in, std::size_t n);

@@ -277,7 +277,7 @@ template <class Out>
 void swiglu_forward_impl(Out* out, const float* a, const float* b, int64_t n) {
   PhaseScope phase_scope(Phase::Activation);
   const bool wide = use_wide();
-  [[maybe_unused]] const bool bf16_hw = std::is_same_v<Out, bf16> && cpu_has_avx512_bf16();
+  [[maybe_unused]] const bool bf16_hw = cpu_has_avx512_bf16();
   for_chunks(n, [&](int64_t i, int64_t m) {
 #ifdef MOETRAIN_ACT_WIDE
     if constexpr (std::is_same_v<Out, bf16>)
@@ -293,7 +293,7 @@ void swiglu_backward_impl(Out* da, Out* db, const float* dout, const float* a, c
                           int64_t n) {
   PhaseScope phase_scope(Phase::Activation);
   const bool wide = use_wide();
-  [[maybe_unused]] const bool bf16_hw = std::is_same_v<Out, bf16> && cpu_has_avx512_bf16();
+  [[maybe_unused]] const bool bf16_hw = cpu_has_avx512_bf16();
   for_chunks(n, [&](int64_t i, int64_t m) {
 #ifdef MOETRAIN_ACT_WIDE
     if constexpr (std::is_same_v<Out, bf16>)
