@@ -139,7 +139,9 @@ inline bool wait_for_file(const std::filesystem::path& p, double seconds) {
 
 // A job started role by role, as on separate machines: a scheduler (heartbeats every 0.1 s, dead
 // after `heartbeat_timeout` s), `servers` server processes, `n_workers` workers asking for indices
-// 0.., each with its log file; every process reaped when the cluster goes out of scope.
+// 0.. (each sleeping `worker_slowdown` - 1 times its compute time after every step, which paces a
+// job without changing its sync result), each with its log file; every process reaped when the
+// cluster goes out of scope.
 struct Cluster {
   std::filesystem::path dir, run;
   std::string name, endpoint, keys;  // keys: the job key pair's directory
@@ -148,7 +150,7 @@ struct Cluster {
 
   Cluster(const std::filesystem::path& tmp, const std::string& job, int n_workers, int steps,
           int n_servers = 1, std::vector<std::string> job_args = {},
-          const std::string& heartbeat_timeout = "1")
+          const std::string& heartbeat_timeout = "1", double worker_slowdown = 1.0)
       : dir(tmp), run(tmp / job), name(job) {
     write_corpus(dir / "data", 60000);
     keys = (dir / (name + "_keys")).string();
@@ -166,7 +168,7 @@ struct Cluster {
                                      "--heartbeat-interval",
                                      "0.1",
                                      "--heartbeat-timeout",
-                                     "1"};
+                                     heartbeat_timeout};
     args.insert(args.end(), job_args.begin(), job_args.end());
     for (const auto& s : as_set_args(tiny_ps_overrides(dir / "data", run, steps, 2)))
       args.push_back(s);
@@ -174,7 +176,7 @@ struct Cluster {
     wait_for_file(dir / (name + ".endpoint"), 30);
     std::ifstream(dir / (name + ".endpoint")) >> endpoint;
     for (int s = 0; s < n_servers; ++s) add_server();
-    for (int w = 0; w < n_workers; ++w) add_worker(w, 1.0);
+    for (int w = 0; w < n_workers; ++w) add_worker(w, worker_slowdown);
   }
   void add_server() {
     servers.push_back(std::make_unique<Process>(

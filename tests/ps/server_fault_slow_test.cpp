@@ -102,9 +102,13 @@ TEST_F(PsServerFault, KilledPrimaryIsReplacedByItsBackupWithNoUpdateLost) {
 // After the promotion the restarted server becomes the promoted primary's new backup: it takes the
 // primary's whole state (values, optimizer state, clock), then its replicated updates, so when the
 // promoted one is killed too, it is promoted in turn and still no update is lost.
+// The workers are paced (slowdown 10): starting the new backup process and sending it the state
+// takes a wall-clock time that does not shrink with the step time, and on a loaded machine an
+// unpaced job once ran from clock 20 to 107 before the new backup held the state, leaving too few
+// steps for the second failure.
 TEST_F(PsServerFault, PromotedPrimaryGetsANewBackupAndSurvivesASecondFailure) {
   Cluster c(tmp_->path(), "second", 2, kSteps, 4, {"--servers", "2", "--server-replicas", "2"},
-            "2");
+            "2", 10.0);
   ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 20; }, 60)) << c.logs();
   Process* first = c.find("server", 0, true);
   ASSERT_NE(first, nullptr) << c.logs();
@@ -123,6 +127,9 @@ TEST_F(PsServerFault, PromotedPrimaryGetsANewBackupAndSurvivesASecondFailure) {
       << c.logs();
   // Updates now stream to the new backup; then the promoted primary dies as well.
   const int64_t at_snapshot = applied_steps(c.run);
+  ASSERT_LT(at_snapshot + 10, kSteps - 2)
+      << "the new backup took the state too late to stream 10 updates before the job ends\n"
+      << c.logs();
   ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= at_snapshot + 10; }, 60)) << c.logs();
   Process* second = c.find("server", 0, true);
   ASSERT_NE(second, nullptr) << c.logs();
