@@ -98,7 +98,8 @@ void shapes(benchmark::internal::Benchmark* b) {
   b->Args({4, 256, 8, 2, 64})
       ->Args({1, 1024, 8, 2, 64})
       ->Args({16, 256, 8, 8, 32})
-      ->Args({64, 64, 4, 2, 32})  // the demo's (make demo) shape
+      ->Args({64, 64, 4, 2, 32})   // the demo's (make demo) shape
+      ->Args({16, 128, 4, 2, 32})  // configs/tiny.toml, bench_train_step's tiny preset
       ->Unit(benchmark::kMillisecond);
   b->UseRealTime();
 }

@@ -1,6 +1,7 @@
 // Grow-only, 64-byte aligned scratch for a layer's activations: resizing it every forward costs
 // nothing once the largest batch has been seen, and nothing is zero-filled.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -10,13 +11,17 @@
 namespace moetrain {
 
 // n elements of `ElemBytes` bytes each, at least; the contents are unspecified after growth.
+// A growth takes at least twice the capacity: sizes that creep upward step after step (the rows
+// an expert-parallel rank receives, as the routing reaches new peaks) reallocate, and fault in
+// fresh pages, a few times rather than at every new peak. Pages never touched cost no memory.
 template <std::size_t ElemBytes>
 class GrowBuffer {
  public:
   void* grow(int64_t n) {
     if (n > capacity_) {
-      data_.reset(aligned_alloc64(static_cast<std::size_t>(n) * ElemBytes));
-      capacity_ = n;
+      const int64_t c = capacity_ == 0 ? n : std::max(n, capacity_ * 2);
+      data_.reset(aligned_alloc64(static_cast<std::size_t>(c) * ElemBytes));
+      capacity_ = c;
     }
     return data_.get();
   }
