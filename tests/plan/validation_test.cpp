@@ -42,7 +42,7 @@ using Env = std::vector<std::pair<std::string, std::string>>;
 // Steps 1 to 5 warm up (primitive creation, page faults, the first collectives) and are not
 // measured. Under expert parallelism a rank's buffers are sized by the most rows it has received
 // so far, which keeps growing for several steps: tiny's EP=2 steps 3–5 ran 7–10% slower than
-// steps 6–14 of the same run, DP=2's 2% faster to 4% slower (docs/plan.md).
+// steps 6–14 of the same run, DP=2's 2% faster to 5% slower (docs/plan.md).
 constexpr int64_t kWarmupSteps = 5;
 constexpr int64_t kSteps = 12;
 
