@@ -67,26 +67,30 @@ int cores() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-// The routing of the measured steps: their metrics.jsonl lines with tokens_per_expert, in a
-// directory of their own for --load metrics:DIR.
-std::filesystem::path measured_routing(const std::filesystem::path& run_dir) {
-  const auto dir = run_dir.string() + "_measured";
-  std::filesystem::create_directories(dir);
-  std::ofstream out(std::filesystem::path(dir) / "metrics.jsonl");
-  for (const auto& line : moetrain::read_metrics(run_dir))
-    if (line.contains("tokens_per_expert") && line["step"].get<int64_t>() > kWarmupSteps)
-      out << line.dump() << "\n";
-  return dir;
-}
+// A run's steps after the warm-up, read once: the median of their step_time_s (-1 when none),
+// and their metrics.jsonl lines with tokens_per_expert written to a directory of their own (the
+// routing the planner is given: --load metrics:DIR).
+struct MeasuredSteps {
+  double median_s = -1;
+  std::filesystem::path routing;
+};
 
-double median_step_time(const std::filesystem::path& run_dir) {
+MeasuredSteps measured_steps(const std::filesystem::path& run_dir) {
+  MeasuredSteps m;
+  m.routing = run_dir.string() + "_measured";
+  std::filesystem::create_directories(m.routing);
+  std::ofstream out(m.routing / "metrics.jsonl");
   std::vector<double> t;
-  for (const auto& line : moetrain::read_metrics(run_dir))
-    if (line.contains("step_time_s") && line["step"].get<int64_t>() > kWarmupSteps)
-      t.push_back(line["step_time_s"].get<double>());
-  if (t.empty()) return -1;
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  for (const auto& line : moetrain::read_metrics(run_dir)) {
+    if (line.value("step", int64_t{0}) <= kWarmupSteps) continue;
+    if (line.contains("step_time_s")) t.push_back(line["step_time_s"].get<double>());
+    if (line.contains("tokens_per_expert")) out << line.dump() << "\n";
+  }
+  if (!t.empty()) {
+    std::sort(t.begin(), t.end());
+    m.median_s = t[t.size() / 2];
+  }
+  return m;
 }
 
 // Calibrates with every core (the profile holds the all-thread and the one-thread-per-core
@@ -185,9 +189,10 @@ void validate(const std::vector<Case>& cases, const Env& link, const std::string
     const ProcessResult r = run_moetrain(args, env, 300);
     ASSERT_EQ(r.code, 0) << r.output();
     const std::string after = calibrate(tmp.path(), i, *c.config, c.batch, link);
-    const double measured = median_step_time(run_dir);
+    const MeasuredSteps steps = measured_steps(run_dir);
+    const double measured = steps.median_s;
     ASSERT_GT(measured, 0) << "no step_time_s in " << run_dir;
-    const auto routing = measured_routing(run_dir);
+    const auto& routing = steps.routing;
     const double predicted =
         predicted_step_time(before, *c.config, c.batch, c.procs, c.ep, threads, routing);
     const double predicted_after =
