@@ -1,8 +1,9 @@
 // Where one training step of a config goes, phase by phase (core/profile.h), next to what the
-// planner predicts for it (plan/cost_model.h) from a profile of this machine: the tool for finding
-// which of the planner's parts are under- or over-predicted. One process, the config's model,
-// batch and precision; random tokens; forward, backward, clip and the optimizer step, as the
-// trainer's step runs them (no collectives, no data loader, no metrics).
+// planner predicts for it (plan/cost_model.h) from a profile of this machine, given the timed
+// steps' routing: the tool for finding which of the planner's parts are under- or
+// over-predicted. One process, the config's model, batch and precision; random tokens; forward,
+// backward, clip and the optimizer step, as the trainer's step runs them (no collectives, no data
+// loader, no metrics).
 //
 //   bench_plan_profile -c configs/tiny.toml --set train.batch_size=8 [--threads 2]
 //                      [--steps 5] [--profile profile.toml]
@@ -86,11 +87,24 @@ int main(int argc, char** argv) {
   step();
   step();
   std::vector<double> times;
+  // The routing of the timed steps, as the planner's measured load (each step its own).
+  plan::LoadModel load;
+  load.kind = "measured";
   profile::start();
   for (int s = 0; s < steps; ++s) {
     Timer t;
     step();
     times.push_back(t.seconds());
+    std::vector<std::vector<double>> layers;
+    for (const MoeLayer* moe : model.moe_layers()) {
+      const auto& counts = moe->stats().tokens_per_expert;
+      double total = 0;
+      for (int64_t c : counts) total += static_cast<double>(c);
+      std::vector<double> f;
+      for (int64_t c : counts) f.push_back(total > 0 ? static_cast<double>(c) / total : 0.0);
+      layers.push_back(std::move(f));
+    }
+    load.steps.push_back(std::move(layers));
   }
   const PhaseTable table = profile::stop();
   double total = 0;
@@ -110,9 +124,12 @@ int main(int argc, char** argv) {
   std::printf("  %-26s %9.2f\n", "(outside)", (total - in_phases) / steps * 1e3);
   if (!profile_path.empty()) {
     const plan::ClusterSpec cluster = plan::local_cluster(profile_path, 1, nt);
-    const plan::Prediction p =
-        plan::predict(cfg, cluster, {1, 1, 1, 1, 1}, plan::uniform_load(cfg.model.n_experts));
-    std::printf("planner: %.2f ms per step\n", p.step_time_s * 1e3);
+    if (load.steps.empty() || load.steps.front().empty())
+      load = plan::uniform_load(cfg.model.n_experts);
+    else
+      load.fractions = load.steps.front();
+    const plan::Prediction p = plan::predict(cfg, cluster, {1, 1, 1, 1, 1}, load);
+    std::printf("planner (%s load): %.2f ms per step\n", load.kind.c_str(), p.step_time_s * 1e3);
     const nlohmann::json parts = plan::to_json(p)["parts"];
     for (const auto& [k, v] : parts.items())
       if (v.is_number() && v.get<double>() != 0)

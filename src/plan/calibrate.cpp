@@ -7,6 +7,8 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <map>
 #include <vector>
 
@@ -23,6 +25,7 @@
 #include "moe/experts.h"
 #include "optim/clip.h"
 #include "optim/optimizer.h"
+#include "optim/param_groups.h"
 #include "plan/kernel_table.h"
 
 namespace moetrain::plan {
@@ -109,147 +112,270 @@ std::vector<float> normal(int64_t n, uint64_t seed) {
   return v;
 }
 
+// A kernel of the config as a training step calls it: its forward and its backward, sharing
+// buffers they own (the backward reads what the forward saved).
+struct Kernel {
+  std::function<void()> forward, backward;
+};
+
+template <class State, class F, class B>
+Kernel kernel(std::shared_ptr<State> s, F forward, B backward) {
+  return {[s, forward] { forward(*s); }, [s, backward] { backward(*s); }};
+}
+
+// Median seconds of each kernel's forward plus its backward, timed in the order a step runs
+// them: a round calls every forward in turn, then every backward in reverse, and times each call
+// alone. A kernel timed back to back in a loop of its own keeps its data, its weights and its
+// oneDNN primitive hot, and its backward finds the forward's saved activations in cache; a step's
+// kernels, each between the others, do not. Rounds: as many as fit in about a second and a half
+// (3 to 41), the count the first thread sets; every call starts at a barrier (see
+// seconds_per_call).
+std::vector<double> seconds_in_turn(const std::vector<Kernel>& kernels) {
+  static int rounds_shared = 0;
+  const std::size_t n = kernels.size();
+  std::vector<const std::function<void()>*> order;
+  for (const Kernel& k : kernels) order.push_back(&k.forward);
+  for (auto k = kernels.rbegin(); k != kernels.rend(); ++k) order.push_back(&k->backward);
+  for (const auto* f : order) {  // warm-up round: primitives built, pages faulted in
+#pragma omp barrier
+    (*f)();
+  }
+#pragma omp barrier
+  Timer probe;
+  for (const auto* f : order) (*f)();
+  const double round = std::max(probe.seconds(), 1e-7);
+#pragma omp master
+  rounds_shared = std::clamp(static_cast<int>(1.5 / round), 3, 41);
+#pragma omp barrier
+  const int rounds = rounds_shared;
+  std::vector<std::vector<double>> t(order.size());
+  for (int r = 0; r < rounds; ++r)
+    for (std::size_t i = 0; i < order.size(); ++i) {
+#pragma omp barrier
+      Timer timer;
+      (*order[i])();
+      t[i].push_back(timer.seconds());
+    }
+  auto median = [&](std::size_t i) {
+    std::nth_element(t[i].begin(), t[i].begin() + rounds / 2, t[i].end());
+    return t[i][rounds / 2];
+  };
+  std::vector<double> seconds(n);
+  for (std::size_t i = 0; i < n; ++i) seconds[i] = median(i) + median(2 * n - 1 - i);
+  return seconds;
+}
+
 // A Linear layer as the model runs it (model/transformer.cpp): out (N, OC) = inp · Wᵀ, then
 // dinp = dout · W and dW += doutᵀ · inp; in mixed precision from rounded operands, dout rounded
 // in backward.
-double time_linear(int64_t N, int64_t IC, int64_t OC, DType t) {
-  std::vector<float> inp = normal(N * IC, 11), w = normal(OC * IC, 12), dout = normal(N * OC, 13);
-  std::vector<float> out(N * OC), dinp(N * IC), dw(OC * IC);
+Kernel linear_kernel(int64_t N, int64_t IC, int64_t OC, DType t) {
+  struct State {
+    std::vector<float> inp, w, dout, out, dinp, dw;
+    std::vector<char> inp_lp, w_lp, dout_lp;
+  };
+  auto s = std::make_shared<State>();
+  s->inp = normal(N * IC, 11), s->w = normal(OC * IC, 12), s->dout = normal(N * OC, 13);
+  s->out.resize(N * OC), s->dinp.resize(N * IC), s->dw.resize(OC * IC);
   if (t == DType::F32)
-    return seconds_per_call([&] {
-      linear_forward(out.data(), inp.data(), w.data(), N, IC, OC);
-      gemm(Trans::N, Trans::N, N, IC, OC, dout.data(), w.data(), dinp.data(), false);
-      gemm(Trans::T, Trans::N, OC, IC, N, dout.data(), inp.data(), dw.data(), true);
-    });
+    return kernel(
+        s, [=](State& x) { linear_forward(x.out.data(), x.inp.data(), x.w.data(), N, IC, OC); },
+        [=](State& x) {
+          gemm(Trans::N, Trans::N, N, IC, OC, x.dout.data(), x.w.data(), x.dinp.data(), false);
+          gemm(Trans::T, Trans::N, OC, IC, N, x.dout.data(), x.inp.data(), x.dw.data(), true);
+        });
   const std::size_t es = dtype_size(t);
-  std::vector<char> inp_lp(N * IC * es), w_lp(OC * IC * es), dout_lp(N * OC * es);
-  f32_to_dtype(t, inp_lp.data(), inp.data(), inp.size());
-  f32_to_dtype(t, w_lp.data(), w.data(), w.size());
-  return seconds_per_call([&] {
-    f32_to_dtype(t, inp_lp.data(), inp.data(), inp.size());
-    gemm(t, Trans::N, Trans::T, N, OC, IC, inp_lp.data(), w_lp.data(), out.data(), false);
-    f32_to_dtype(t, dout_lp.data(), dout.data(), dout.size());
-    gemm(t, Trans::N, Trans::N, N, IC, OC, dout_lp.data(), w_lp.data(), dinp.data(), false);
-    gemm(t, Trans::T, Trans::N, OC, IC, N, dout_lp.data(), inp_lp.data(), dw.data(), true);
-  });
+  s->inp_lp.resize(N * IC * es), s->w_lp.resize(OC * IC * es), s->dout_lp.resize(N * OC * es);
+  f32_to_dtype(t, s->w_lp.data(), s->w.data(), s->w.size());
+  return kernel(
+      s,
+      [=](State& x) {
+        f32_to_dtype(t, x.inp_lp.data(), x.inp.data(), x.inp.size());
+        gemm(t, Trans::N, Trans::T, N, OC, IC, x.inp_lp.data(), x.w_lp.data(), x.out.data(),
+             false);
+      },
+      [=](State& x) {
+        f32_to_dtype(t, x.dout_lp.data(), x.dout.data(), x.dout.size());
+        gemm(t, Trans::N, Trans::N, N, IC, OC, x.dout_lp.data(), x.w_lp.data(), x.dinp.data(),
+             false);
+        gemm(t, Trans::T, Trans::N, OC, IC, N, x.dout_lp.data(), x.inp_lp.data(), x.dw.data(),
+             true);
+      });
 }
 
 // G experts of (C, F), `rows` rows each per call, forward + backward (moe/experts.h, the grouped
-// row-block kernels the MoE layer calls); seconds per expert.
-double time_experts(int64_t C, int64_t F, int64_t G, int64_t rows, DType t) {
+// row-block kernels the MoE layer calls).
+Kernel experts_kernel(int64_t C, int64_t F, int64_t G, int64_t rows, DType t) {
+  struct State {
+    std::vector<float> w1, w3, w2, g1, g3, g2, xp, dy, y, dxp;
+    std::vector<int64_t> counts;
+    std::vector<char> lp1, lp3, lp2;
+    ExpertRange w, g;
+    ExpertActs acts;
+  };
+  auto s = std::make_shared<State>();
   const int64_t R = G * rows, block = F * C;
-  std::vector<float> w1 = normal(G * block, 21), w3 = normal(G * block, 22),
-                     w2 = normal(G * block, 23);
-  for (auto* w : {&w1, &w3, &w2})
+  s->w1 = normal(G * block, 21), s->w3 = normal(G * block, 22), s->w2 = normal(G * block, 23);
+  for (auto* w : {&s->w1, &s->w3, &s->w2})
     for (float& x : *w) x *= 0.05f;
-  std::vector<float> g1(G * block), g3(G * block), g2(G * block);
-  std::vector<float> xp = normal(R * C, 24), dy = normal(R * C, 25), y(R * C), dxp(R * C);
-  std::vector<int64_t> counts(static_cast<std::size_t>(G), rows);
-  ExpertRange w, g;
+  s->g1.resize(G * block), s->g3.resize(G * block), s->g2.resize(G * block);
+  s->xp = normal(R * C, 24), s->dy = normal(R * C, 25), s->y.resize(R * C), s->dxp.resize(R * C);
+  s->counts.assign(static_cast<std::size_t>(G), rows);
+  ExpertRange &w = s->w, &g = s->g;
   w.first = g.first = 0;
   w.count = g.count = G;
-  w.w1 = w1.data(), w.w3 = w3.data(), w.w2 = w2.data();
-  g.w1 = g1.data(), g.w3 = g3.data(), g.w2 = g2.data();
-  std::vector<char> lp1, lp3, lp2;
+  w.w1 = s->w1.data(), w.w3 = s->w3.data(), w.w2 = s->w2.data();
+  g.w1 = s->g1.data(), g.w3 = s->g3.data(), g.w2 = s->g2.data();
   if (t != DType::F32) {
     const std::size_t bytes = static_cast<std::size_t>(G * block) * dtype_size(t);
-    lp1.resize(bytes), lp3.resize(bytes), lp2.resize(bytes);
-    f32_to_dtype(t, lp1.data(), w1.data(), w1.size());
-    f32_to_dtype(t, lp3.data(), w3.data(), w3.size());
-    f32_to_dtype(t, lp2.data(), w2.data(), w2.size());
-    w.lp = t, w.w1_lp = lp1.data(), w.w3_lp = lp3.data(), w.w2_lp = lp2.data();
+    s->lp1.resize(bytes), s->lp3.resize(bytes), s->lp2.resize(bytes);
+    f32_to_dtype(t, s->lp1.data(), s->w1.data(), s->w1.size());
+    f32_to_dtype(t, s->lp3.data(), s->w3.data(), s->w3.size());
+    f32_to_dtype(t, s->lp2.data(), s->w2.data(), s->w2.size());
+    w.lp = t, w.w1_lp = s->lp1.data(), w.w3_lp = s->lp3.data(), w.w2_lp = s->lp2.data();
   }
-  ExpertActs acts;
-  return seconds_per_call([&] {
-           experts_forward(y.data(), xp.data(), counts.data(), w, C, F, acts);
-           experts_backward(dxp.data(), g, dy.data(), xp.data(), counts.data(), w, C, F, acts);
-         }) /
-         static_cast<double>(G);
+  return kernel(
+      s,
+      [=](State& x) {
+        experts_forward(x.y.data(), x.xp.data(), x.counts.data(), x.w, C, F, x.acts);
+      },
+      [=](State& x) {
+        experts_backward(x.dxp.data(), x.g, x.dy.data(), x.xp.data(), x.counts.data(), x.w, C, F,
+                         x.acts);
+      });
 }
 
-double time_attention(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+Kernel attention_kernel(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  struct State {
+    std::vector<float> q, k, v, g, o, lse, dq, dk, dv;
+  };
+  auto s = std::make_shared<State>();
   const int64_t nq = B * T * NH * HS, nk = B * T * NKV * HS;
-  std::vector<float> q = normal(nq, 31), k = normal(nk, 32), v = normal(nk, 33), g = normal(nq, 34);
-  std::vector<float> o(nq), lse(B * NH * T), dq(nq), dk(nk), dv(nk);
-  return seconds_per_call([&] {
-    attention_forward(o.data(), lse.data(), q.data(), k.data(), v.data(), B, T, NH, NKV, HS);
-    attention_backward(dq.data(), dk.data(), dv.data(), g.data(), q.data(), k.data(), v.data(),
-                       o.data(), lse.data(), B, T, NH, NKV, HS);
-  });
+  s->q = normal(nq, 31), s->k = normal(nk, 32), s->v = normal(nk, 33), s->g = normal(nq, 34);
+  s->o.resize(nq), s->lse.resize(B * NH * T), s->dq.resize(nq), s->dk.resize(nk),
+      s->dv.resize(nk);
+  return kernel(
+      s,
+      [=](State& x) {
+        attention_forward(x.o.data(), x.lse.data(), x.q.data(), x.k.data(), x.v.data(), B, T, NH,
+                          NKV, HS);
+      },
+      [=](State& x) {
+        attention_backward(x.dq.data(), x.dk.data(), x.dv.data(), x.g.data(), x.q.data(),
+                           x.k.data(), x.v.data(), x.o.data(), x.lse.data(), B, T, NH, NKV, HS);
+      });
 }
 
-double time_norm(int64_t N, int64_t C) {
-  std::vector<float> x = normal(N * C, 41), dy = normal(N * C, 42), y(N * C), dx(N * C),
-                     w(C, 1.0f), dw(C), rstd(N);
-  return seconds_per_call([&] {
-    rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
-    rmsnorm_backward(dx.data(), dw.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C);
-  });
+Kernel norm_kernel(int64_t N, int64_t C) {
+  struct State {
+    std::vector<float> x, dy, y, dx, w, dw, rstd;
+  };
+  auto s = std::make_shared<State>();
+  s->x = normal(N * C, 41), s->dy = normal(N * C, 42), s->y.resize(N * C), s->dx.resize(N * C),
+  s->w.assign(C, 1.0f), s->dw.resize(C), s->rstd.resize(N);
+  return kernel(
+      s,
+      [=](State& a) {
+        rmsnorm_forward(a.y.data(), a.rstd.data(), a.x.data(), a.w.data(), N, C, 1e-5f);
+      },
+      [=](State& a) {
+        rmsnorm_backward(a.dx.data(), a.dw.data(), a.dy.data(), a.x.data(), a.w.data(),
+                         a.rstd.data(), N, C);
+      });
 }
 
-double time_rope(int64_t N, int64_t H, int64_t HS, int64_t T) {
-  std::vector<float> x = normal(N * H * HS, 51);
-  std::vector<int32_t> pos(static_cast<std::size_t>(N));
-  for (int64_t i = 0; i < N; ++i) pos[i] = static_cast<int32_t>(i % T);
-  return seconds_per_call([&] {
-    rope_forward(x.data(), x.data(), pos.data(), N, H, HS, 10000.0f);
-    rope_backward(x.data(), x.data(), pos.data(), N, H, HS, 10000.0f);
-  });
+Kernel rope_kernel(int64_t N, int64_t H, int64_t HS, int64_t T) {
+  struct State {
+    std::vector<float> x;
+    std::vector<int32_t> pos;
+  };
+  auto s = std::make_shared<State>();
+  s->x = normal(N * H * HS, 51);
+  s->pos.resize(static_cast<std::size_t>(N));
+  for (int64_t i = 0; i < N; ++i) s->pos[i] = static_cast<int32_t>(i % T);
+  return kernel(
+      s,
+      [=](State& a) { rope_forward(a.x.data(), a.x.data(), a.pos.data(), N, H, HS, 10000.0f); },
+      [=](State& a) { rope_backward(a.x.data(), a.x.data(), a.pos.data(), N, H, HS, 10000.0f); });
 }
 
-// The update as the trainer runs it over n parameters: zero the gradients (the next step's
-// backward accumulates), the clip's norm, the optimizer's step. Seconds per parameter.
-double time_update(const RunConfig& cfg, int64_t n) {
-  std::vector<float> p = normal(n, 61), g = normal(n, 62);
-  const ParamRange all{0, n, true};
-  auto opt = make_optimizer(cfg.optim.optimizer_config(), std::span<const ParamRange>(&all, 1), 0, n);
-  return seconds_per_call([&] {
-           clip_grad_norm(g.data(), n, 1.0);
-           opt->step(p.data(), g.data(), 1e-6f);
-           std::fill(g.begin(), g.end(), 0.0f);
-         }) /
-         static_cast<double>(n);
+// The update as the trainer runs it over the first n parameters of the model's table, in its
+// parameter groups (the optimizer's loops run per decay segment): zero the gradients (the next
+// step's backward accumulates), the clip's norm, the optimizer's step.
+std::function<void()> update_call(const RunConfig& cfg, int64_t n) {
+  const ParamLayout layout(cfg.model);
+  std::vector<ParamRange> groups = param_groups(layout);
+  if (n < layout.size()) groups = {ParamRange{0, n, true}};
+  struct State {
+    std::vector<float> p, g;
+    std::unique_ptr<Optimizer> opt;
+  };
+  auto s = std::make_shared<State>();
+  s->p = normal(n, 61), s->g = normal(n, 62);
+  s->opt = make_optimizer(cfg.optim.optimizer_config(), groups, 0, n);
+  return [s, n] {
+    clip_grad_norm(s->g.data(), n, 1.0);
+    s->opt->step(s->p.data(), s->g.data(), 1e-6f);
+    std::fill(s->g.begin(), s->g.end(), 0.0f);
+  };
 }
 
-// The kernels of one micro-batch of `cfg` at its shapes, for each thread count the process
-// could run: Linear layers (attention projections, dense and shared FFNs, LM head), the attention
-// core, the experts at the uniform rows per expert, a quarter and twice that (a skewed load,
-// and the per-source calls of expert parallelism), the RMSNorm and RoPE.
+// The kernels of one micro-batch of `cfg` at its shapes, timed in a step's order
+// (seconds_in_turn), for each thread count the process could run: Linear layers (attention
+// projections, dense and shared FFNs, LM head), RoPE, the attention core, RMSNorm, the experts at
+// the uniform rows per expert, a quarter and twice that (a skewed load, and the per-source calls
+// of expert parallelism); and the update.
 KernelTable measure_config(const RunConfig& cfg) {
   const ModelConfig& m = cfg.model;
   const DType t = cfg.train.precision_dtype();
   const double dt = dtype_code(t);
   const int64_t B = cfg.train.batch_size, T = cfg.train.seq_len, N = B * T, C = m.dim;
   const int64_t HS = m.head_dim(), QD = m.n_heads * HS, KD = m.n_kv_heads * HS;
-  KernelTable k;
+  struct Entry {
+    std::string kind;
+    std::vector<double> shape;
+    double per;  // the table holds seconds per call / per
+  };
+  std::vector<Entry> entries;
+  std::vector<Kernel> kernels;
+  auto add = [&](std::string kind, std::vector<double> shape, double per, auto make) {
+    for (const Entry& e : entries)
+      if (e.kind == kind && e.shape == shape) return;
+    entries.push_back({std::move(kind), std::move(shape), per});
+    kernels.push_back(make());
+  };
   std::vector<std::array<int64_t, 2>> linears = {{C, QD}, {C, KD}, {QD, C}, {C, m.vocab_size}};
   if (m.n_layers > m.n_moe_layers())
     linears.insert(linears.end(), {{C, m.dense_ffn_hidden()}, {m.dense_ffn_hidden(), C}});
   if (m.shared_expert_hidden > 0)
     linears.insert(linears.end(), {{C, m.shared_expert_hidden}, {m.shared_expert_hidden, C}});
-  for (const auto& [IC, OC] : linears) {
-    const std::vector<double> shape = {double(N), double(IC), double(OC), dt};
-    if (!k.find("linear", shape)) k.add("linear", shape, time_linear(N, IC, OC, t));
-  }
-  k.add("attention", {double(B), double(T), double(m.n_heads), double(m.n_kv_heads), double(HS)},
-        time_attention(B, T, m.n_heads, m.n_kv_heads, HS));
+  for (const auto& [IC, OC] : linears)
+    add("linear", {double(N), double(IC), double(OC), dt}, 1,
+        [&] { return linear_kernel(N, IC, OC, t); });
+  add("rope", {double(N), double(m.n_heads), double(HS)}, 1,
+      [&] { return rope_kernel(N, m.n_heads, HS, T); });
+  if (m.n_kv_heads != m.n_heads)
+    add("rope", {double(N), double(m.n_kv_heads), double(HS)}, 1,
+        [&] { return rope_kernel(N, m.n_kv_heads, HS, T); });
+  add("attention", {double(B), double(T), double(m.n_heads), double(m.n_kv_heads), double(HS)}, 1,
+      [&] { return attention_kernel(B, T, m.n_heads, m.n_kv_heads, HS); });
+  add("norm", {double(N), double(C)}, 1, [&] { return norm_kernel(N, C); });
   if (m.n_moe_layers() > 0) {
     const int64_t r0 = std::max<int64_t>(1, (N * m.top_k + m.n_experts - 1) / m.n_experts);
     for (int64_t rows : {std::max<int64_t>(1, r0 / 4), r0, 2 * r0})
-      k.add("experts", {double(C), double(m.expert_hidden), double(rows), dt},
-            time_experts(C, m.expert_hidden, m.n_experts, rows, t));
+      add("experts", {double(C), double(m.expert_hidden), double(rows), dt},
+          static_cast<double>(m.n_experts),
+          [&] { return experts_kernel(C, m.expert_hidden, m.n_experts, rows, t); });
   }
-  k.add("norm", {double(N), double(C)}, time_norm(N, C));
-  // The update over the model's parameters (at most 8 M, 4 arrays of 32 MB: past the caches the
-  // rate holds).
-  {
-    const int64_t n = std::min<int64_t>(ParamLayout(m).size(), int64_t{8} << 20);
-    k.add("optimizer", {double(n), optimizer_code(cfg.optim.name)}, time_update(cfg, n) * n);
-  }
-  k.add("rope", {double(N), double(m.n_heads), double(HS)}, time_rope(N, m.n_heads, HS, T));
-  if (m.n_kv_heads != m.n_heads)
-    k.add("rope", {double(N), double(m.n_kv_heads), double(HS)},
-          time_rope(N, m.n_kv_heads, HS, T));
+  const std::vector<double> seconds = seconds_in_turn(kernels);
+  KernelTable k;
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    k.add(entries[i].kind, entries[i].shape, seconds[i] / entries[i].per);
+  // The update once a step, after every backward: timed in a loop of its own (it streams the
+  // whole parameter state through the caches each call). At most 8 M parameters, 4 arrays of
+  // 32 MB: past the caches the rate holds.
+  const int64_t n_update = std::min<int64_t>(ParamLayout(m).size(), int64_t{8} << 20);
+  k.add("optimizer", {double(n_update), optimizer_code(cfg.optim.name)},
+        seconds_per_call(update_call(cfg, n_update)));
   return k;
 }
 

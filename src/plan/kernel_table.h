@@ -1,5 +1,6 @@
 // Kernels measured at one run's own shapes (`moetrain plan --calibrate -c CONFIG`): the seconds
-// of one forward + backward of a kernel exactly as the model calls it, by shape. A step of a
+// of one forward + backward of a kernel exactly as the model calls it, in a step's order (every
+// forward, then every backward; plan/calibrate.cpp), by shape. A step of a
 // small model is many small calls whose cost (primitive dispatch, packing, a parallel region
 // each, a thin side the vector units cannot fill) no shape-free curve gets right; timing the
 // calls themselves does. The cost model uses a row where the shape matches exactly and its

@@ -3,10 +3,12 @@
 // arithmetic, and the profile file's round trip and its errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 
 #include "core/check.h"
 #include "model/params.h"
+#include "plan/calibrate.h"
 #include "plan/calibrate_comm.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
@@ -373,4 +375,44 @@ TEST(PlanMeasured, OversubscribedComputeGetsTheShareMeasuredAtItsRatio) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("compute_share_p3"), std::string::npos) << e.what();
   }
+}
+
+// The calibration times every kernel of the config at the config's own shapes, with every thread
+// and with one a core, and the cost model then takes the experts as timed.
+TEST(PlanMeasured, CalibrationTimesTheConfigsKernelsAtItsShapes) {
+  RunConfig cfg = tiny();
+  cfg.train.batch_size = 2;
+  cfg.train.seq_len = 64;  // N = 128 tokens; N·K/E = 32 rows an expert
+  const Calibration cal = calibrate(false, &cfg);
+  const ParamLayout layout(cfg.model);
+  const std::vector<std::pair<std::string, std::vector<double>>> expected = {
+      {"linear", {128, 128, 128, 1}},   // q and o projections
+      {"linear", {128, 128, 64, 1}},    // k and v (2 KV heads of 32)
+      {"linear", {128, 128, 256, 1}},   // LM head
+      {"attention", {2, 64, 4, 2, 32}},
+      {"experts", {128, 256, 8, 1}},    // a quarter of the uniform rows,
+      {"experts", {128, 256, 32, 1}},   // the uniform rows,
+      {"experts", {128, 256, 64, 1}},   // twice them
+      {"norm", {128, 128}},
+      {"rope", {128, 4, 32}},
+      {"rope", {128, 2, 32}},
+      {"optimizer", {static_cast<double>(layout.size()), optimizer_code("adamw")}}};
+  for (const DeviceModel* d : {&cal.device, &cal.single_thread}) {
+    std::size_t rows = 0;
+    for (const auto& [kind, list] : d->kernels.rows) rows += list.size();
+    EXPECT_EQ(rows, expected.size());
+    for (const auto& [kind, shape] : expected) {
+      const auto s = d->kernels.find(kind, shape);
+      ASSERT_TRUE(s.has_value()) << kind << " not timed at its shape";
+      EXPECT_TRUE(std::isfinite(*s) && *s > 0 && *s < 1) << kind << ": " << *s << " s";
+    }
+    // More rows an expert cost more a call.
+    EXPECT_LT(*d->kernels.find("experts", {128, 256, 8, 1}),
+              *d->kernels.find("experts", {128, 256, 64, 1}));
+  }
+  // One process at the uniform load: each layer's 8 experts at 32 rows, as timed.
+  DeviceModel d = cal.device;
+  const double per_expert = *d.kernels.find("experts", {128, 256, 32, 1});
+  EXPECT_NEAR(predict(cfg, one_process(d), {}, uniform_load(8)).parts.experts,
+              8 * 2 * per_expert, 1e-12);
 }
