@@ -71,7 +71,9 @@ PhaseTable stop() {
 }  // namespace profile
 
 void PhaseScope::enter(Phase p, bool outermost_only) {
-  if (omp_in_parallel() || std::this_thread::get_id() != g_owner) return;
+  // Inside any parallel construct, active or not (one thread, or an `if` that kept it serial):
+  // the time belongs to the phase around the construct, however many threads run it.
+  if (omp_get_level() > 0 || std::this_thread::get_id() != g_owner) return;
   if (outermost_only && !g_stack.empty()) return;
   active_ = true;
   g_stack.push_back({p, Clock::now()});
