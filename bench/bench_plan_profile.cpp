@@ -26,6 +26,7 @@
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
 #include "plan/cost_model.h"
+#include "plan/load_model.h"
 #include "train/run_config.h"
 
 using namespace moetrain;
@@ -88,23 +89,17 @@ int main(int argc, char** argv) {
   step();
   std::vector<double> times;
   // The routing of the timed steps, as the planner's measured load (each step its own).
-  plan::LoadModel load;
-  load.kind = "measured";
+  std::vector<std::vector<std::vector<double>>> routed;
   profile::start();
   for (int s = 0; s < steps; ++s) {
     Timer t;
     step();
     times.push_back(t.seconds());
-    std::vector<std::vector<double>> layers;
+    auto& layers = routed.emplace_back();
     for (const MoeLayer* moe : model.moe_layers()) {
       const auto& counts = moe->stats().tokens_per_expert;
-      double total = 0;
-      for (int64_t c : counts) total += static_cast<double>(c);
-      std::vector<double> f;
-      for (int64_t c : counts) f.push_back(total > 0 ? static_cast<double>(c) / total : 0.0);
-      layers.push_back(std::move(f));
+      layers.emplace_back(counts.begin(), counts.end());
     }
-    load.steps.push_back(std::move(layers));
   }
   const PhaseTable table = profile::stop();
   double total = 0;
@@ -124,10 +119,9 @@ int main(int argc, char** argv) {
   std::printf("  %-26s %9.2f\n", "(outside)", (total - in_phases) / steps * 1e3);
   if (!profile_path.empty()) {
     const plan::ClusterSpec cluster = plan::local_cluster(profile_path, 1, nt);
-    if (load.steps.empty() || load.steps.front().empty())
-      load = plan::uniform_load(cfg.model.n_experts);
-    else
-      load.fractions = load.steps.front();
+    const plan::LoadModel load = cfg.model.n_moe_layers() > 0
+                                     ? plan::measured_load(routed, "the timed steps")
+                                     : plan::uniform_load(cfg.model.n_experts);
     const plan::Prediction p = plan::predict(cfg, cluster, {1, 1, 1, 1, 1}, load);
     std::printf("planner (%s load): %.2f ms per step\n", load.kind.c_str(), p.step_time_s * 1e3);
     const nlohmann::json parts = plan::to_json(p)["parts"];

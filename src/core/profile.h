@@ -2,8 +2,8 @@
 // Off by default: a disabled scope costs one load of a flag. When on, only the thread that turned
 // it on records, and only outside OpenMP parallel regions, active or not (a phase is timed by the
 // thread that enters it, around the whole parallel region it starts; a region that one thread
-// runs, or that its `if` kept serial, counts the same as one that a team runs). Time is exclusive: a phase nested in
-// another counts once, in the inner one.
+// runs, or that its `if` kept serial, counts the same as one that a team runs). Time is
+// exclusive: a phase nested in another counts once, in the inner one.
 #pragma once
 #include <array>
 #include <atomic>

@@ -301,8 +301,7 @@ Kernel rope_kernel(int64_t N, int64_t H, int64_t HS, int64_t T) {
 // The update as the trainer runs it over the first n parameters of the model's table, in its
 // parameter groups (the optimizer's loops run per decay segment): zero the gradients (the next
 // step's backward accumulates), the clip's norm, the optimizer's step.
-std::function<void()> update_call(const RunConfig& cfg, int64_t n) {
-  const ParamLayout layout(cfg.model);
+std::function<void()> update_call(const RunConfig& cfg, const ParamLayout& layout, int64_t n) {
   std::vector<ParamRange> groups = param_groups(layout);
   if (n < layout.size()) groups = {ParamRange{0, n, true}};
   struct State {
@@ -373,9 +372,10 @@ KernelTable measure_config(const RunConfig& cfg) {
   // The update once a step, after every backward: timed in a loop of its own (it streams the
   // whole parameter state through the caches each call). At most 8 M parameters, 4 arrays of
   // 32 MB: past the caches the rate holds.
-  const int64_t n_update = std::min<int64_t>(ParamLayout(m).size(), int64_t{8} << 20);
+  const ParamLayout layout(m);
+  const int64_t n_update = std::min<int64_t>(layout.size(), int64_t{8} << 20);
   k.add("optimizer", {double(n_update), optimizer_code(cfg.optim.name)},
-        seconds_per_call(update_call(cfg, n_update)));
+        seconds_per_call(update_call(cfg, layout, n_update)));
   return k;
 }
 

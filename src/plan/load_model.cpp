@@ -7,40 +7,56 @@
 
 namespace moetrain::plan {
 
-LoadModel measured_load(const std::string& run_dir, int64_t E) {
+LoadModel measured_load(const std::vector<std::vector<std::vector<double>>>& counts,
+                        const std::string& where) {
   LoadModel lm{"measured", {}, {}};
-  for (const auto& line : read_metrics(run_dir)) {
-    if (!line.contains("tokens_per_expert") || !line["tokens_per_expert"].is_array()) continue;
-    const auto& layers = line["tokens_per_expert"];
-    if (lm.fractions.empty()) lm.fractions.assign(layers.size(), std::vector<double>(E, 0.0));
-    MOETRAIN_CHECK(layers.size() == lm.fractions.size(),
-                   "{}/metrics.jsonl: tokens_per_expert changes its layer count", run_dir);
-    for (std::size_t l = 0; l < layers.size(); ++l) {
-      MOETRAIN_CHECK(static_cast<int64_t>(layers[l].size()) == E,
-                     "{}/metrics.jsonl: tokens_per_expert has {} experts per layer, the config "
-                     "has model.n_experts = {}",
-                     run_dir, layers[l].size(), E);
-      for (int64_t e = 0; e < E; ++e) lm.fractions[l][e] += layers[l][e].get<double>();
+  for (const auto& layers : counts) {
+    if (lm.fractions.empty()) {
+      lm.fractions.resize(layers.size());
+      for (std::size_t l = 0; l < layers.size(); ++l)
+        lm.fractions[l].assign(layers[l].size(), 0.0);
     }
-    std::vector<std::vector<double>> step(layers.size(), std::vector<double>(E));
+    MOETRAIN_CHECK(layers.size() == lm.fractions.size(),
+                   "{}: tokens_per_expert changes its layer count", where);
+    std::vector<std::vector<double>> step = layers;
     bool routed = true;
     for (std::size_t l = 0; l < layers.size(); ++l) {
       double sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += step[l][e] = layers[l][e].get<double>();
+      for (std::size_t e = 0; e < layers[l].size(); ++e) {
+        lm.fractions[l][e] += layers[l][e];
+        sum += layers[l][e];
+      }
       routed = routed && sum > 0;
       for (double& v : step[l]) v /= sum > 0 ? sum : 1;
     }
     if (routed) lm.steps.push_back(std::move(step));
   }
-  MOETRAIN_CHECK(!lm.fractions.empty(), "{}/metrics.jsonl: no line with tokens_per_expert",
-                 run_dir);
+  MOETRAIN_CHECK(!lm.fractions.empty(), "{}: no line with tokens_per_expert", where);
   for (auto& row : lm.fractions) {
     double sum = 0;
     for (double v : row) sum += v;
-    MOETRAIN_CHECK(sum > 0, "{}/metrics.jsonl: a layer routed no tokens", run_dir);
+    MOETRAIN_CHECK(sum > 0, "{}: a layer routed no tokens", where);
     for (double& v : row) v /= sum;
   }
   return lm;
+}
+
+LoadModel measured_load(const std::string& run_dir, int64_t E) {
+  std::vector<std::vector<std::vector<double>>> counts;
+  for (const auto& line : read_metrics(run_dir)) {
+    if (!line.contains("tokens_per_expert") || !line["tokens_per_expert"].is_array()) continue;
+    const auto& layers = line["tokens_per_expert"];
+    auto& step = counts.emplace_back();
+    for (const auto& layer : layers) {
+      MOETRAIN_CHECK(static_cast<int64_t>(layer.size()) == E,
+                     "{}/metrics.jsonl: tokens_per_expert has {} experts per layer, the config "
+                     "has model.n_experts = {}",
+                     run_dir, layer.size(), E);
+      auto& row = step.emplace_back();
+      for (const auto& v : layer) row.push_back(v.get<double>());
+    }
+  }
+  return measured_load(counts, run_dir + "/metrics.jsonl");
 }
 
 LoadModel parse_load(const std::string& spec, int64_t E) {

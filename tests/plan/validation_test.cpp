@@ -70,6 +70,13 @@ int cores() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// The median (the mean of the middle two for an even count); v is not empty.
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : (v[h - 1] + v[h]) / 2;
+}
+
 // A run's steps after the warm-up, read once: the median of their step_time_s (-1 when none),
 // and their metrics.jsonl lines with tokens_per_expert written to a directory of their own (the
 // routing the planner is given: --load metrics:DIR).
@@ -89,10 +96,7 @@ MeasuredSteps measured_steps(const std::filesystem::path& run_dir) {
     if (line.contains("step_time_s")) t.push_back(line["step_time_s"].get<double>());
     if (line.contains("tokens_per_expert")) out << line.dump() << "\n";
   }
-  if (!t.empty()) {
-    std::sort(t.begin(), t.end());
-    m.median_s = t[t.size() / 2];
-  }
+  if (!t.empty()) m.median_s = median(t);
   return m;
 }
 
@@ -223,12 +227,10 @@ void validate(const std::vector<Case>& cases, const Env& link, const std::string
       unjudged.push_back(c.name);
       table += fmt::format("{:<23} not judged\n", c.name);
     } else {
-      std::sort(errors.begin(), errors.end());
-      const std::size_t h = errors.size() / 2;
-      const double median = errors.size() % 2 ? errors[h] : (errors[h - 1] + errors[h]) / 2;
-      worst = std::max(worst, std::fabs(median));
+      const double err = median(errors);
+      worst = std::max(worst, std::fabs(err));
       table += fmt::format("{:<23}    median of {} judged: {:>+6.0f}%\n", c.name, errors.size(),
-                           median * 100);
+                           err * 100);
     }
     print_last();
   }
