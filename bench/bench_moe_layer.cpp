@@ -217,6 +217,7 @@ template <int kBf16>
 void shapes(benchmark::internal::Benchmark* b) {
   b->Args({512, 1024, 8, 2, 4096, kBf16});  // Mixtral-like
   b->Args({512, 256, 64, 6, 4096, kBf16});  // fine-grained (DeepSeekMoE-like)
+  b->Args({128, 256, 8, 2, 2048, kBf16});   // configs/tiny.toml, bench_train_step's tiny preset
   b->ArgNames({"C", "F", "E", "K", "N", "bf16"})->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
