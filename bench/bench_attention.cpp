@@ -100,6 +100,7 @@ void shapes(benchmark::internal::Benchmark* b) {
       ->Args({16, 256, 8, 8, 32})
       ->Args({64, 64, 4, 2, 32})   // the demo's (make demo) shape
       ->Args({16, 128, 4, 2, 32})  // configs/tiny.toml, bench_train_step's tiny preset
+      ->Args({8, 256, 8, 8, 64})   // bench_train_step's large preset
       ->Unit(benchmark::kMillisecond);
   b->UseRealTime();
 }
