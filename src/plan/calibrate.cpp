@@ -128,10 +128,9 @@ Kernel kernel(std::shared_ptr<State> s, F forward, B backward) {
 // alone. A kernel timed back to back in a loop of its own keeps its data, its weights and its
 // oneDNN primitive hot, and its backward finds the forward's saved activations in cache; a step's
 // kernels, each between the others, do not. Rounds: as many as fit in about a second and a half
-// (3 to 41), the count the first thread sets; every call starts at a barrier (see
+// (3 to 41), the count one thread sets for all; every call starts at a barrier (see
 // seconds_per_call).
 std::vector<double> seconds_in_turn(const std::vector<Kernel>& kernels) {
-  static int rounds_shared = 0;
   const std::size_t n = kernels.size();
   std::vector<const std::function<void()>*> order;
   for (const Kernel& k : kernels) order.push_back(&k.forward);
@@ -144,10 +143,9 @@ std::vector<double> seconds_in_turn(const std::vector<Kernel>& kernels) {
   Timer probe;
   for (const auto* f : order) (*f)();
   const double round = std::max(probe.seconds(), 1e-7);
-#pragma omp master
-  rounds_shared = std::clamp(static_cast<int>(1.5 / round), 3, 41);
-#pragma omp barrier
-  const int rounds = rounds_shared;
+  int rounds = 0;
+#pragma omp single copyprivate(rounds)
+  rounds = std::clamp(static_cast<int>(1.5 / round), 3, 41);
   std::vector<std::vector<double>> t(order.size());
   for (int r = 0; r < rounds; ++r)
     for (std::size_t i = 0; i < order.size(); ++i) {
@@ -302,8 +300,8 @@ Kernel rope_kernel(int64_t N, int64_t H, int64_t HS, int64_t T) {
 // parameter groups (the optimizer's loops run per decay segment): zero the gradients (the next
 // step's backward accumulates), the clip's norm, the optimizer's step.
 std::function<void()> update_call(const RunConfig& cfg, const ParamLayout& layout, int64_t n) {
-  std::vector<ParamRange> groups = param_groups(layout);
-  if (n < layout.size()) groups = {ParamRange{0, n, true}};
+  const std::vector<ParamRange> groups =
+      n < layout.size() ? std::vector<ParamRange>{{0, n, true}} : param_groups(layout);
   struct State {
     std::vector<float> p, g;
     std::unique_ptr<Optimizer> opt;
