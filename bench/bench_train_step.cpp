@@ -8,6 +8,11 @@
 // optimizer's memory rate against a streaming kernel measured in the same run; --batch B profiles
 // the presets at B sequences a step, --seq T at T tokens a sequence; --preset NAME profiles one
 // preset, --precision f32|bf16 one precision, --steps N over N steps (default 5).
+// --paired times the two precisions step against step, for the ratio on a machine whose speed
+// moves: both models are built and warmed, then each round runs one f32 and one bf16 step (the
+// order alternating between rounds), and the ratio is taken within each round; it prints the
+// median of the rounds' ratios, their spread and each precision's median step, and the f32
+// utilisation against the raw GEMM rate measured right after. --steps N rounds (default 9).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -188,6 +193,43 @@ void print_profile(Preset p, bool bf, int steps, double stream) {
                 stream, 100.0 * opt_bytes * steps / o.seconds * 1e-9 / stream);
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// bench_train_step --paired: f32 and bf16 steps of one preset, alternated.
+void print_paired(const Preset& p, int rounds) {
+  StepRig f32(p, false), bf(p, true);
+  f32.warm_up();
+  bf.warm_up();
+  std::vector<double> t32, t16, ratio;
+  for (int r = 0; r < rounds; ++r) {
+    double s[2];
+    for (int k = 0; k < 2; ++k) {
+      const bool is_bf = (r + k) % 2 == 1;  // f32 first in even rounds, bf16 first in odd
+      Timer t;
+      (is_bf ? bf : f32).step();
+      s[is_bf ? 1 : 0] = t.seconds();
+    }
+    t32.push_back(s[0]), t16.push_back(s[1]), ratio.push_back(s[0] / s[1]);
+  }
+  const double tokens = static_cast<double>(p.B * p.T);
+  const double gemm = raw_gemm_gflops(p.B * p.T * p.K / p.E, p.F, p.C);
+  const double util = f32.model.flops_per_token(p.T) * tokens / median(t32) * 1e-9 / gemm;
+  std::printf("\n%s: %d rounds of one f32 and one bf16 step\n  bf16 / f32 tokens/s per round:",
+              p.name, rounds);
+  for (double x : ratio) std::printf(" %.2f", x);
+  std::printf("\n  median %.3fx (rounds %.2f-%.2f)\n", median(ratio),
+              *std::min_element(ratio.begin(), ratio.end()),
+              *std::max_element(ratio.begin(), ratio.end()));
+  std::printf("  median step: f32 %.1f ms (%.0f tokens/s), bf16 %.1f ms (%.0f tokens/s)\n",
+              median(t32) * 1e3, tokens / median(t32), median(t16) * 1e3, tokens / median(t16));
+  std::printf("  f32 utilisation: %.1f%% (model FLOP/s over the raw f32 GEMM's %.1f GFLOP/s)\n",
+              100.0 * util, gemm);
+}
+
 }  // namespace
 
 BENCHMARK(BM_train_step)
@@ -202,14 +244,16 @@ BENCHMARK(BM_train_step)
 
 int main(int argc, char** argv) {
   init_threads();
-  bool profile_mode = false;
+  bool profile_mode = false, paired = false;
   int64_t batch = 0, seq = 0;
-  int steps = 5;
+  int steps = 0;  // the mode's default
   std::string only_preset, only_precision;
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--profile") {
       profile_mode = true;
+    } else if (std::string(argv[i]) == "--paired") {
+      paired = true;
     } else if (std::string(argv[i]) == "--batch" && i + 1 < argc) {
       batch = std::stoll(argv[++i]);
     } else if (std::string(argv[i]) == "--seq" && i + 1 < argc) {
@@ -225,6 +269,19 @@ int main(int argc, char** argv) {
     }
   }
   argc = kept;
+  if (paired) {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
+    std::printf("threads %d; %s\n", num_threads(), gemm_backend_info());
+    for (const Preset& preset : kPresets) {
+      if (only_preset.empty() ? std::string(preset.name) == "xl" : only_preset != preset.name)
+        continue;
+      Preset p = preset;
+      if (batch > 0) p.B = batch;
+      if (seq > 0) p.T = seq;
+      print_paired(p, steps > 0 ? steps : 9);
+    }
+    return 0;
+  }
   if (profile_mode) {
     std::setvbuf(stdout, nullptr, _IOLBF, 0);
     const double stream = stream_gbps();
@@ -239,7 +296,7 @@ int main(int argc, char** argv) {
       if (seq > 0) p.T = seq;
       for (bool bf : {false, true}) {
         if (!only_precision.empty() && only_precision != (bf ? "bf16" : "f32")) continue;
-        print_profile(p, bf, steps, stream);
+        print_profile(p, bf, steps > 0 ? steps : 5, stream);
       }
     }
     return 0;
