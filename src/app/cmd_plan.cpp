@@ -2,16 +2,18 @@
 // measure this machine for it (--calibrate). Runs no training.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "app/commands.h"
 #include "core/check.h"
 #include "core/threads.h"
-#include "plan/ablation.h"
 #include "model/params.h"
 #include "parallel/runtime.h"
+#include "plan/ablation.h"
 #include "plan/calibrate.h"
 #include "plan/calibrate_comm.h"
 #include "plan/cost_model.h"
@@ -22,26 +24,61 @@ namespace moetrain::app {
 
 namespace {
 
-// "ep=1,2,4" → {1, 2, 4}.
-std::vector<int64_t> parse_sweep(const std::string& spec) {
-  MOETRAIN_CHECK(spec.rfind("ep=", 0) == 0, "--sweep {}: expected ep=E1,E2,... (e.g. ep=1,2,4)",
-                 spec);
-  std::vector<int64_t> eps;
-  std::stringstream in(spec.substr(3));
-  for (std::string item; std::getline(in, item, ',');) {
-    std::size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    MOETRAIN_CHECK(used > 0 && used == item.size() && v >= 1,
-                   "--sweep {}: '{}' is not a whole number ≥ 1", spec, item);
-    eps.push_back(v);
+// A whole number ≥ 1 from one of --sweep's values.
+int64_t sweep_count(const std::string& spec, const std::string& item) {
+  std::size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(item, &used);
+  } catch (const std::exception&) {
+    used = 0;
   }
-  MOETRAIN_CHECK(!eps.empty(), "--sweep {}: no EP sizes", spec);
-  return eps;
+  MOETRAIN_CHECK(used > 0 && used == item.size() && v >= 1,
+                 "--sweep {}: '{}' is not a whole number ≥ 1", spec, item);
+  return v;
+}
+
+// The layouts --sweep asks for: each dimension given ("procs=16,32,64", "ep=1,2,4,8",
+// "a2a=flat,hierarchical") takes its values, the others keep the command line's; crossed, procs
+// outermost, then ep, then the all-to-all.
+struct Sweep {
+  std::vector<int64_t> procs, ep;
+  std::vector<bool> hierarchical;
+  bool procs_swept = false, a2a_swept = false;
+};
+
+Sweep parse_sweep(const std::vector<std::string>& specs, int64_t procs, int64_t ep,
+                  bool hierarchical) {
+  Sweep s{{procs}, {ep}, {hierarchical}};
+  std::vector<std::string> seen;
+  for (const std::string& spec : specs) {
+    const auto eq = spec.find('=');
+    const std::string key = spec.substr(0, eq);
+    MOETRAIN_CHECK(eq != std::string::npos && (key == "procs" || key == "ep" || key == "a2a"),
+                   "--sweep {}: expected procs=P1,P2,..., ep=E1,E2,... or a2a=flat,hierarchical "
+                   "(e.g. --sweep ep=1,2,4 --sweep a2a=flat,hierarchical)",
+                   spec);
+    MOETRAIN_CHECK(std::find(seen.begin(), seen.end(), key) == seen.end(),
+                   "--sweep {}: {} is swept twice", spec, key);
+    seen.push_back(key);
+    std::vector<int64_t> counts;
+    std::vector<bool> kinds;
+    std::stringstream in(spec.substr(eq + 1));
+    for (std::string item; std::getline(in, item, ',');) {
+      if (key == "a2a") {
+        MOETRAIN_CHECK(item == "flat" || item == "hierarchical",
+                       "--sweep {}: '{}' is not flat or hierarchical", spec, item);
+        kinds.push_back(item == "hierarchical");
+      } else {
+        counts.push_back(sweep_count(spec, item));
+      }
+    }
+    MOETRAIN_CHECK(!counts.empty() || !kinds.empty(), "--sweep {}: no values", spec);
+    if (key == "procs") s.procs = counts, s.procs_swept = true;
+    if (key == "ep") s.ep = counts;
+    if (key == "a2a") s.hierarchical = kinds, s.a2a_swept = true;
+  }
+  return s;
 }
 
 // "2,4" → {2, 4}; "0" → none; "auto" → this machine's cores where the build has MPI.
@@ -76,9 +113,9 @@ Run add_plan_command(CLI::App& app) {
       "plan", "Predict step time, memory and scaling of a run on a cluster (trains nothing)");
   struct Args {
     bool calibrate = false;
-    std::string out, config, cluster, profile, sweep, load = "uniform";
-    std::vector<std::string> overrides;
-    int64_t procs = 1, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0;
+    std::string out, config, cluster, profile, load = "uniform";
+    std::vector<std::string> overrides, sweep;
+    int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0;
     bool no_bf16 = false, calibrate_comm = false;
     std::string comm_procs = "auto";
     int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
@@ -108,7 +145,9 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--cluster", args->cluster,
                   "Cluster file (TOML); default: this machine from --profile");
   cmd->add_option("--profile", args->profile, "This machine's profile (plan --calibrate)");
-  cmd->add_option("--procs", args->procs, "Processes (devices) the run uses")
+  cmd->add_option("--procs", args->procs,
+                  "Processes (devices) the run uses (default: every device of --cluster; 1 on "
+                  "this machine)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--ep", args->ep, "Expert-parallel size (default: the config's dist.ep)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
@@ -123,7 +162,10 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--ablation-zipf", args->ablation_zipf,
                   "Zipf exponent of the ablation's unbalanced load (default 1.0)")
       ->check(CLI::Range(0.0, 10.0));
-  cmd->add_option("--sweep", args->sweep, "Predict several layouts: ep=1,2,4");
+  cmd->add_option("--sweep", args->sweep,
+                  "Predict several layouts: procs=16,32,64, ep=1,2,4 or a2a=flat,hierarchical "
+                  "(repeat to cross them)")
+      ->take_all();
   cmd->add_option("--load", args->load, "Expert load: uniform, zipf:S or metrics:RUN_DIR");
   cmd->add_flag("--json", args->json, "Print JSON instead of the table");
   return [args] {
@@ -157,11 +199,12 @@ Run add_plan_command(CLI::App& app) {
       plan::save_profile(cal.device, cal.single_thread, cal.intra_node_bandwidth,
                          cal.intra_node_latency, comm, args->out);
       for (const auto& f : comm)
-        fmt::print("collectives with {} processes: latency {:.1f} µs, all-to-all {:.2f} GB/s "
-                   "(+{:.0f} µs when the peers arrive late; bound by the busiest receiver: "
-                   "{:.2f}), all-reduce {:.2f} GB/s, reduction over a group of one {:.2f} GB/s\n",
-                   f.procs, f.latency * 1e6, f.alltoall_bandwidth * 1e-9, f.late_penalty * 1e6,
-                   f.receiver_bound, f.allreduce_bandwidth * 1e-9, f.self_reduce_bandwidth * 1e-9);
+        fmt::print(
+            "collectives with {} processes: latency {:.1f} µs, all-to-all {:.2f} GB/s "
+            "(+{:.0f} µs when the peers arrive late; bound by the busiest receiver: "
+            "{:.2f}), all-reduce {:.2f} GB/s, reduction over a group of one {:.2f} GB/s\n",
+            f.procs, f.latency * 1e6, f.alltoall_bandwidth * 1e-9, f.late_penalty * 1e6,
+            f.receiver_bound, f.allreduce_bandwidth * 1e-9, f.self_reduce_bandwidth * 1e-9);
       const auto& d = cal.device;
       fmt::print(
           "{}: {} threads, GEMM f32 up to {:.1f} GFLOP/s ({:.1f} at smallest side {:.0f}), bf16 "
@@ -176,14 +219,23 @@ Run add_plan_command(CLI::App& app) {
                    "plan needs --cluster CLUSTER.toml or --profile PROFILE.toml (this machine, "
                    "from `moetrain plan --calibrate --out PROFILE.toml`)");
     const RunConfig cfg = load_run_config(args->config, args->overrides);
-    const plan::ClusterSpec cluster =
-        args->cluster.empty() ? plan::local_cluster(args->profile, args->procs, args->threads)
-                              : plan::load_cluster(args->cluster, args->profile);
+    // A cluster file describes the devices once; this machine's depends on the process count
+    // (the processes split its cores).
+    std::optional<plan::ClusterSpec> file_cluster;
+    if (!args->cluster.empty()) file_cluster = plan::load_cluster(args->cluster, args->profile);
+    auto cluster_for = [&](int64_t procs) {
+      return file_cluster ? *file_cluster
+                          : plan::local_cluster(args->profile, procs, args->threads);
+    };
+    const int64_t procs = args->procs > 0 ? args->procs
+                          : file_cluster  ? file_cluster->devices()
+                                          : 1;
     const plan::LoadModel load = plan::parse_load(args->load, cfg.model.n_experts);
     const int64_t cfg_ep = args->ep > 0 ? args->ep : cfg.dist.ep;
     if (args->ablation) {
-      const auto rows = plan::ablation(
-          cfg, cluster, {args->procs, cfg_ep, args->tp, args->pp, args->vp}, args->ablation_zipf);
+      const plan::ClusterSpec cluster = cluster_for(procs);
+      const auto rows = plan::ablation(cfg, cluster, {procs, cfg_ep, args->tp, args->pp, args->vp},
+                                       args->ablation_zipf);
       if (args->json) {
         nlohmann::json j = nlohmann::json::array();
         for (const auto& r : rows) {
@@ -195,40 +247,130 @@ Run add_plan_command(CLI::App& app) {
         }
         fmt::print("{}\n", nlohmann::json{{"ablation", j}}.dump(2));
       } else {
-        fmt::print("{} on {} × {} (zipf s = {} where unbalanced)\n", args->config, args->procs,
+        fmt::print("{} on {} × {} (zipf s = {} where unbalanced)\n", args->config, procs,
                    cluster.device.name, args->ablation_zipf);
         fmt::print("{}", plan::format_ablation(rows, cfg.train.seq_len));
       }
       return 0;
     }
-    std::vector<int64_t> eps =
-        args->sweep.empty() ? std::vector<int64_t>{cfg_ep} : parse_sweep(args->sweep);
+    if (args->sweep.empty()) {
+      const plan::ClusterSpec cluster = cluster_for(procs);
+      const plan::Prediction p =
+          plan::predict(cfg, cluster, {procs, cfg_ep, args->tp, args->pp, args->vp}, load);
+      plan::check_fits(p, cluster);
+      if (args->json) {
+        nlohmann::json out = plan::to_json(p);
+        out["device"] = cluster.device.name;
+        out["load"] = load.kind;
+        fmt::print("{}\n", out.dump(2));
+      } else {
+        fmt::print("{} on {} × {} ({} load)\n", args->config, procs, cluster.device.name,
+                   load.kind);
+        fmt::print("{}", plan::format_table({p}));
+      }
+      return 0;
+    }
+    // A sweep: every layout that can run is predicted; one that cannot (does not divide, more
+    // processes than devices) is listed with the reason, and the fastest that fits is named for
+    // each process count.
+    const Sweep sweep = parse_sweep(args->sweep, procs, cfg_ep, cfg.dist.hierarchical);
+    struct Point {
+      plan::Layout layout;
+      bool hierarchical;
+    };
+    std::vector<Point> points, skipped;
+    std::vector<std::string> why;
     std::vector<plan::Prediction> ps;
-    for (int64_t ep : eps)
-      ps.push_back(
-          plan::predict(cfg, cluster, {args->procs, ep, args->tp, args->pp, args->vp}, load));
-    if (ps.size() == 1) plan::check_fits(ps[0], cluster);
-    const plan::Prediction* best = nullptr;
-    for (const auto& p : ps)
-      if (p.fits && (best == nullptr || p.step_time_s < best->step_time_s)) best = &p;
+    std::string device;
+    auto label = [&](const Point& pt) {
+      std::string l = fmt::format("ep={}", pt.layout.ep);
+      if (sweep.procs_swept) l = fmt::format("procs={} ", pt.layout.procs) + l;
+      if (sweep.a2a_swept) l += pt.hierarchical ? " a2a=hierarchical" : " a2a=flat";
+      return l;
+    };
+    for (const int64_t P : sweep.procs) {
+      const plan::ClusterSpec cluster = cluster_for(P);
+      device = cluster.device.name;
+      for (const int64_t ep : sweep.ep) {
+        for (const bool hier : sweep.hierarchical) {
+          const Point pt{{P, ep, args->tp, args->pp, args->vp}, hier};
+          const std::string problem = plan::layout_problem(cfg.model, cluster, pt.layout);
+          if (!problem.empty()) {
+            skipped.push_back(pt), why.push_back(problem);
+            continue;
+          }
+          RunConfig c = cfg;
+          c.dist.hierarchical = hier;
+          points.push_back(pt);
+          ps.push_back(plan::predict(c, cluster, pt.layout, load));
+        }
+      }
+    }
+    std::string reasons;
+    for (size_t i = 0; i < skipped.size(); ++i)
+      reasons += fmt::format("\n  {}: {}", label(skipped[i]), why[i]);
+    MOETRAIN_CHECK(!ps.empty(), "no layout of the sweep can run:{}", reasons);
+    // The fastest layout that fits, per process count (more processes take more tokens a step,
+    // so the step times of different counts do not compare).
+    std::vector<size_t> best;
+    for (const int64_t P : sweep.procs) {
+      std::optional<size_t> b;
+      for (size_t i = 0; i < ps.size(); ++i)
+        if (points[i].layout.procs == P && ps[i].fits &&
+            (!b || ps[i].step_time_s < ps[*b].step_time_s))
+          b = i;
+      if (b) best.push_back(*b);
+    }
+    // Nothing fits anywhere: the error names what the smallest layout needs (after the table,
+    // which shows every layout's memory).
+    auto none_fits = [&] {
+      if (!best.empty()) return;
+      size_t least = 0;
+      for (size_t i = 1; i < ps.size(); ++i)
+        if (ps[i].memory.total() < ps[least].memory.total()) least = i;
+      plan::check_fits(ps[least], cluster_for(points[least].layout.procs));
+    };
     if (args->json) {
-      nlohmann::json j = nlohmann::json::array();
-      for (const auto& p : ps) j.push_back(plan::to_json(p));
-      nlohmann::json out = ps.size() == 1 ? j[0] : nlohmann::json{{"layouts", j}};
-      out["device"] = cluster.device.name;
+      none_fits();
+      nlohmann::json layouts = nlohmann::json::array(), bests = nlohmann::json::array(),
+                     skip = nlohmann::json::array();
+      for (const auto& p : ps) layouts.push_back(plan::to_json(p));
+      for (const size_t i : best)
+        bests.push_back({{"procs", points[i].layout.procs},
+                         {"ep", points[i].layout.ep},
+                         {"hierarchical", points[i].hierarchical},
+                         {"step_time_s", ps[i].step_time_s},
+                         {"tokens_per_s", ps[i].tokens_per_s}});
+      for (size_t i = 0; i < skipped.size(); ++i)
+        skip.push_back({{"procs", skipped[i].layout.procs},
+                        {"ep", skipped[i].layout.ep},
+                        {"hierarchical", skipped[i].hierarchical},
+                        {"why", why[i]}});
+      nlohmann::json out{{"layouts", layouts}, {"best", bests}, {"skipped", skip}};
+      out["device"] = device;
       out["load"] = load.kind;
-      if (best != nullptr) out["best_ep"] = best->layout.ep;
+      if (!sweep.procs_swept && !best.empty()) out["best_ep"] = points[best[0]].layout.ep;
       fmt::print("{}\n", out.dump(2));
       return 0;
     }
-    fmt::print("{} on {} × {} ({} load)\n", args->config, cluster.devices(), cluster.device.name,
-               load.kind);
+    fmt::print("{} on {} ({} load)\n", args->config, device, load.kind);
     fmt::print("{}", plan::format_table(ps));
-    if (ps.size() > 1) {
-      MOETRAIN_CHECK(best != nullptr, "no layout of --sweep {} fits the device's memory",
-                     args->sweep);
-      fmt::print("best: ep={} ({:.2f} ms a step)\n", best->layout.ep, best->step_time_s * 1e3);
+    for (size_t i = 0; i < skipped.size(); ++i)
+      fmt::print("skipped {}: {}\n", label(skipped[i]), why[i]);
+    for (const int64_t P : sweep.procs) {
+      const auto b = std::find_if(best.begin(), best.end(),
+                                  [&](size_t i) { return points[i].layout.procs == P; });
+      const bool ran = std::any_of(points.begin(), points.end(),
+                                   [&](const Point& pt) { return pt.layout.procs == P; });
+      const std::string at =
+          sweep.procs_swept ? fmt::format(" at {} process{}", P, P == 1 ? "" : "es") : "";
+      if (b != best.end())
+        fmt::print("best{}: {} ({:.2f} ms a step, {:.0f} tokens/s)\n", at, label(points[*b]),
+                   ps[*b].step_time_s * 1e3, ps[*b].tokens_per_s);
+      else if (ran)
+        fmt::print("best{}: none fits the device's memory\n", at);
     }
+    none_fits();
     return 0;
   };
 }

@@ -89,7 +89,14 @@ struct Prediction {
   double compute_share = 1;
   bool fits = true;
   std::string a2a_kind;  // flat | hierarchical | none
+  // dist.hierarchical as asked: flat where the EP group fits in one node, or without EP.
+  bool hierarchical_asked = false;
 };
+
+// Why the layout cannot run this model on this cluster (a message naming the key or option), or
+// empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,
+// the layers, heads and experts divide, and the cluster has the devices.
+std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, const Layout& layout);
 
 // Throws (naming the key) when the layout does not divide or the model does not fit.
 Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,

@@ -28,6 +28,7 @@ nlohmann::json to_json(const Prediction& p) {
       {"imbalance", p.imbalance},
       {"compute_share", p.compute_share},
       {"a2a_kind", p.a2a_kind},
+      {"a2a_hierarchical_asked", p.hierarchical_asked},
       {"parts",
        {{"attention_s", s.attention},
         {"router_s", s.router},
@@ -96,6 +97,9 @@ std::string format_table(const std::vector<Prediction>& ps) {
   row("  all-to-all ms", [](const Prediction& p) { return ms(p.parts.a2a); });
   row("    exposed ms", [](const Prediction& p) { return ms(p.parts.a2a_exposed); });
   row("    kind", [](const Prediction& p) { return p.a2a_kind; });
+  if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return p.hierarchical_asked; }))
+    row("    hierarchical asked",
+        [](const Prediction& p) { return p.hierarchical_asked ? "yes" : "no"; });
   row("  grad reduction ms", [](const Prediction& p) { return ms(p.parts.grad_sync); });
   row("    exposed ms", [](const Prediction& p) { return ms(p.parts.grad_sync_exposed); });
   row("  tensor-parallel ms", [](const Prediction& p) { return ms(p.parts.tensor_parallel); });
@@ -104,6 +108,9 @@ std::string format_table(const std::vector<Prediction>& ps) {
   row("imbalance (max/mean)",
       [](const Prediction& p) { return fmt::format("{:.2f}", p.imbalance); });
   row("tokens/s", [](const Prediction& p) { return fmt::format("{:.0f}", p.tokens_per_s); });
+  row("  per device", [](const Prediction& p) {
+    return fmt::format("{:.0f}", p.tokens_per_s / static_cast<double>(p.layout.procs));
+  });
   row("MFU", [](const Prediction& p) { return fmt::format("{:.3f}", p.mfu); });
   row("TFLOP/s per device",
       [](const Prediction& p) { return fmt::format("{:.1f}", p.flops_per_device_s * 1e-12); });

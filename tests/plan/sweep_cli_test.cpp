@@ -1,0 +1,115 @@
+// `moetrain plan --sweep` through the binary: the layouts it crosses, the one it names best, the
+// ones it cannot run (listed with the reason, the rest still predicted), and --procs defaulting
+// to the cluster's devices. The 1024-A100 config of the design's ablation (64 experts, 128 nodes
+// of 8) is the cluster where the questions are real: how wide an EP group, flat or hierarchical.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "ft/ft_support.h"
+
+using namespace moetrain::testing;
+
+namespace {
+
+const std::string kConfig =
+    std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/ablation_moe_1024.toml";
+const std::string kCluster = std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/a100_1024.toml";
+
+ProcessResult plan(const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {"plan", "-c", kConfig, "--cluster", kCluster};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_moetrain(args, {{"OMP_NUM_THREADS", "1"}}, 60);
+}
+
+// The JSON document in a run's output (stderr's config notes come before it).
+nlohmann::json json_of(const ProcessResult& r) {
+  const std::string out = r.output();
+  const std::size_t start = out.rfind('{', 0) == 0 ? 0 : out.find("\n{") + 1;
+  return nlohmann::json::parse(out.substr(start));
+}
+
+}  // namespace
+
+TEST(PlanSweep, CrossesEpAndAllToAllAndNamesTheFastestThatFits) {
+  const ProcessResult r =
+      plan({"--sweep", "ep=8,16,32,3", "--sweep", "a2a=flat,hierarchical", "--json"});
+  ASSERT_EQ(r.code, 0) << r.output();
+  const nlohmann::json j = json_of(r);
+  const auto& layouts = j["layouts"];
+  ASSERT_EQ(layouts.size(), 6u) << j.dump(2);  // ep 3 does not divide 1024 processes
+  ASSERT_EQ(j["skipped"].size(), 2u) << j.dump(2);
+  for (const auto& s : j["skipped"]) {
+    EXPECT_EQ(s["ep"], 3);
+    EXPECT_NE(s["why"].get<std::string>().find("dist.ep = 3 must divide the processes (1024)"),
+              std::string::npos)
+        << s.dump();
+  }
+  // Every layout ran on all 1024 devices (--procs defaults to the cluster's), in the order
+  // asked: ep outer, then flat before hierarchical.
+  const int64_t eps[] = {8, 8, 16, 16, 32, 32};
+  double fastest = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    EXPECT_EQ(layouts[i]["procs"], 1024);
+    EXPECT_EQ(layouts[i]["ep"], eps[i]);
+    EXPECT_EQ(layouts[i]["a2a_hierarchical_asked"].get<bool>(), i % 2 == 1);
+    if (layouts[i]["memory"]["fits"].get<bool>())
+      fastest = std::min(fastest, layouts[i]["step_time_s"].get<double>());
+  }
+  // An EP group of 8 stays in its node (flat either way); wider groups cross nodes, where the
+  // hierarchical exchange is a different schedule with a different time.
+  EXPECT_EQ(layouts[1]["a2a_kind"], "flat");
+  EXPECT_EQ(layouts[0]["step_time_s"], layouts[1]["step_time_s"]);
+  EXPECT_EQ(layouts[3]["a2a_kind"], "hierarchical");
+  EXPECT_NE(layouts[2]["step_time_s"], layouts[3]["step_time_s"]);
+  ASSERT_EQ(j["best"].size(), 1u) << j.dump(2);
+  EXPECT_EQ(j["best"][0]["step_time_s"].get<double>(), fastest);
+  EXPECT_EQ(j["best_ep"], j["best"][0]["ep"]);
+}
+
+TEST(PlanSweep, TableListsSkippedLayoutsAndTheBestPerProcessCount) {
+  const ProcessResult r = plan({"--sweep", "procs=256,1024", "--sweep", "ep=16,512"});
+  ASSERT_EQ(r.code, 0) << r.output();
+  const std::string out = r.output();
+  EXPECT_NE(out.find("256/16/16"), std::string::npos) << out;
+  EXPECT_NE(out.find("1024/16/64"), std::string::npos) << out;
+  EXPECT_NE(out.find("per device"), std::string::npos) << out;
+  EXPECT_NE(out.find("skipped procs=256 ep=512: dist.ep = 512 must divide the processes (256)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("skipped procs=1024 ep=512: dist.ep = 512 must divide model.n_experts = 64"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("best at 256 processes: procs=256 ep=16 ("), std::string::npos) << out;
+  EXPECT_NE(out.find("best at 1024 processes: procs=1024 ep=16 ("), std::string::npos) << out;
+}
+
+TEST(PlanSweep, BadSweepsAreRefusedNamingTheValue) {
+  const ProcessResult key = plan({"--sweep", "tp=1,2"});
+  EXPECT_NE(key.code, 0);
+  EXPECT_NE(key.output().find("--sweep tp=1,2: expected procs=P1,P2,..., ep=E1,E2,... or "
+                              "a2a=flat,hierarchical"),
+            std::string::npos)
+      << key.output();
+  const ProcessResult kind = plan({"--sweep", "a2a=flat,ring"});
+  EXPECT_NE(kind.code, 0);
+  EXPECT_NE(kind.output().find("--sweep a2a=flat,ring: 'ring' is not flat or hierarchical"),
+            std::string::npos)
+      << kind.output();
+  const ProcessResult twice = plan({"--sweep", "ep=8", "--sweep", "ep=16"});
+  EXPECT_NE(twice.code, 0);
+  EXPECT_NE(twice.output().find("--sweep ep=16: ep is swept twice"), std::string::npos)
+      << twice.output();
+  // No layout can run: each is listed with its reason, and nothing else is printed.
+  const ProcessResult none = plan({"--sweep", "ep=3,5"});
+  EXPECT_NE(none.code, 0);
+  const std::string out = none.output();
+  EXPECT_NE(out.find("no layout of the sweep can run:"), std::string::npos) << out;
+  EXPECT_NE(out.find("ep=3: dist.ep = 3 must divide the processes (1024)"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("ep=5: dist.ep = 5 must divide the processes (1024)"), std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("step time ms"), std::string::npos) << out;
+}
