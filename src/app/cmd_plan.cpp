@@ -18,68 +18,12 @@
 #include "plan/calibrate_comm.h"
 #include "plan/cost_model.h"
 #include "plan/load_model.h"
+#include "plan/sweep.h"
 #include "train/run_config.h"
 
 namespace moetrain::app {
 
 namespace {
-
-// A whole number ≥ 1 from one of --sweep's values.
-int64_t sweep_count(const std::string& spec, const std::string& item) {
-  std::size_t used = 0;
-  int64_t v = 0;
-  try {
-    v = std::stoll(item, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  MOETRAIN_CHECK(used > 0 && used == item.size() && v >= 1,
-                 "--sweep {}: '{}' is not a whole number ≥ 1", spec, item);
-  return v;
-}
-
-// The layouts --sweep asks for: each dimension given ("procs=16,32,64", "ep=1,2,4,8",
-// "a2a=flat,hierarchical") takes its values, the others keep the command line's; crossed, procs
-// outermost, then ep, then the all-to-all.
-struct Sweep {
-  std::vector<int64_t> procs, ep;
-  std::vector<bool> hierarchical;
-  bool procs_swept = false, a2a_swept = false;
-};
-
-Sweep parse_sweep(const std::vector<std::string>& specs, int64_t procs, int64_t ep,
-                  bool hierarchical) {
-  Sweep s{{procs}, {ep}, {hierarchical}};
-  std::vector<std::string> seen;
-  for (const std::string& spec : specs) {
-    const auto eq = spec.find('=');
-    const std::string key = spec.substr(0, eq);
-    MOETRAIN_CHECK(eq != std::string::npos && (key == "procs" || key == "ep" || key == "a2a"),
-                   "--sweep {}: expected procs=P1,P2,..., ep=E1,E2,... or a2a=flat,hierarchical "
-                   "(e.g. --sweep ep=1,2,4 --sweep a2a=flat,hierarchical)",
-                   spec);
-    MOETRAIN_CHECK(std::find(seen.begin(), seen.end(), key) == seen.end(),
-                   "--sweep {}: {} is swept twice", spec, key);
-    seen.push_back(key);
-    std::vector<int64_t> counts;
-    std::vector<bool> kinds;
-    std::stringstream in(spec.substr(eq + 1));
-    for (std::string item; std::getline(in, item, ',');) {
-      if (key == "a2a") {
-        MOETRAIN_CHECK(item == "flat" || item == "hierarchical",
-                       "--sweep {}: '{}' is not flat or hierarchical", spec, item);
-        kinds.push_back(item == "hierarchical");
-      } else {
-        counts.push_back(sweep_count(spec, item));
-      }
-    }
-    MOETRAIN_CHECK(!counts.empty() || !kinds.empty(), "--sweep {}: no values", spec);
-    if (key == "procs") s.procs = counts, s.procs_swept = true;
-    if (key == "ep") s.ep = counts;
-    if (key == "a2a") s.hierarchical = kinds, s.a2a_swept = true;
-  }
-  return s;
-}
 
 // "2,4" → {2, 4}; "0" → none; "auto" → this machine's cores where the build has MPI.
 std::vector<int64_t> parse_comm_procs(const std::string& spec) {
@@ -271,105 +215,29 @@ Run add_plan_command(CLI::App& app) {
       return 0;
     }
     // A sweep: every layout that can run is predicted; one that cannot (does not divide, more
-    // processes than devices) is listed with the reason, and the fastest that fits is named for
-    // each process count.
-    const Sweep sweep = parse_sweep(args->sweep, procs, cfg_ep, cfg.dist.hierarchical);
-    struct Point {
-      plan::Layout layout;
-      bool hierarchical;
-    };
-    std::vector<Point> points, skipped;
-    std::vector<std::string> why;
-    std::vector<plan::Prediction> ps;
-    std::string device;
-    auto label = [&](const Point& pt) {
-      std::string l = fmt::format("ep={}", pt.layout.ep);
-      if (sweep.procs_swept) l = fmt::format("procs={} ", pt.layout.procs) + l;
-      if (sweep.a2a_swept) l += pt.hierarchical ? " a2a=hierarchical" : " a2a=flat";
-      return l;
-    };
-    for (const int64_t P : sweep.procs) {
-      const plan::ClusterSpec cluster = cluster_for(P);
-      device = cluster.device.name;
-      for (const int64_t ep : sweep.ep) {
-        for (const bool hier : sweep.hierarchical) {
-          const Point pt{{P, ep, args->tp, args->pp, args->vp}, hier};
-          const std::string problem = plan::layout_problem(cfg.model, cluster, pt.layout);
-          if (!problem.empty()) {
-            skipped.push_back(pt), why.push_back(problem);
-            continue;
-          }
-          RunConfig c = cfg;
-          c.dist.hierarchical = hier;
-          points.push_back(pt);
-          ps.push_back(plan::predict(c, cluster, pt.layout, load));
-        }
-      }
-    }
-    std::string reasons;
-    for (size_t i = 0; i < skipped.size(); ++i)
-      reasons += fmt::format("\n  {}: {}", label(skipped[i]), why[i]);
-    MOETRAIN_CHECK(!ps.empty(), "no layout of the sweep can run:{}", reasons);
-    // The fastest layout that fits, per process count (more processes take more tokens a step,
-    // so the step times of different counts do not compare).
-    std::vector<size_t> best;
-    for (const int64_t P : sweep.procs) {
-      std::optional<size_t> b;
-      for (size_t i = 0; i < ps.size(); ++i)
-        if (points[i].layout.procs == P && ps[i].fits &&
-            (!b || ps[i].step_time_s < ps[*b].step_time_s))
-          b = i;
-      if (b) best.push_back(*b);
-    }
+    // processes than devices) is listed with the reason (plan/sweep.h).
+    const plan::Sweep sweep = plan::parse_sweep(args->sweep, procs, cfg_ep, cfg.dist.hierarchical);
+    const plan::SweepResult r = plan::run_sweep(
+        cfg, cluster_for, sweep, {procs, cfg_ep, args->tp, args->pp, args->vp}, load);
     // Nothing fits anywhere: the error names what the smallest layout needs (after the table,
     // which shows every layout's memory).
     auto none_fits = [&] {
-      if (!best.empty()) return;
+      if (!r.best.empty()) return;
       size_t least = 0;
-      for (size_t i = 1; i < ps.size(); ++i)
-        if (ps[i].memory.total() < ps[least].memory.total()) least = i;
-      plan::check_fits(ps[least], cluster_for(points[least].layout.procs));
+      for (size_t i = 1; i < r.predictions.size(); ++i)
+        if (r.predictions[i].memory.total() < r.predictions[least].memory.total()) least = i;
+      plan::check_fits(r.predictions[least], cluster_for(r.points[least].layout.procs));
     };
     if (args->json) {
       none_fits();
-      nlohmann::json layouts = nlohmann::json::array(), bests = nlohmann::json::array(),
-                     skip = nlohmann::json::array();
-      for (const auto& p : ps) layouts.push_back(plan::to_json(p));
-      for (const size_t i : best)
-        bests.push_back({{"procs", points[i].layout.procs},
-                         {"ep", points[i].layout.ep},
-                         {"hierarchical", points[i].hierarchical},
-                         {"step_time_s", ps[i].step_time_s},
-                         {"tokens_per_s", ps[i].tokens_per_s}});
-      for (size_t i = 0; i < skipped.size(); ++i)
-        skip.push_back({{"procs", skipped[i].layout.procs},
-                        {"ep", skipped[i].layout.ep},
-                        {"hierarchical", skipped[i].hierarchical},
-                        {"why", why[i]}});
-      nlohmann::json out{{"layouts", layouts}, {"best", bests}, {"skipped", skip}};
-      out["device"] = device;
+      nlohmann::json out = plan::sweep_json(sweep, r);
+      out["device"] = r.device;
       out["load"] = load.kind;
-      if (!sweep.procs_swept && !best.empty()) out["best_ep"] = points[best[0]].layout.ep;
       fmt::print("{}\n", out.dump(2));
       return 0;
     }
-    fmt::print("{} on {} ({} load)\n", args->config, device, load.kind);
-    fmt::print("{}", plan::format_table(ps));
-    for (size_t i = 0; i < skipped.size(); ++i)
-      fmt::print("skipped {}: {}\n", label(skipped[i]), why[i]);
-    for (const int64_t P : sweep.procs) {
-      const auto b = std::find_if(best.begin(), best.end(),
-                                  [&](size_t i) { return points[i].layout.procs == P; });
-      const bool ran = std::any_of(points.begin(), points.end(),
-                                   [&](const Point& pt) { return pt.layout.procs == P; });
-      const std::string at =
-          sweep.procs_swept ? fmt::format(" at {} process{}", P, P == 1 ? "" : "es") : "";
-      if (b != best.end())
-        fmt::print("best{}: {} ({:.2f} ms a step, {:.0f} tokens/s)\n", at, label(points[*b]),
-                   ps[*b].step_time_s * 1e3, ps[*b].tokens_per_s);
-      else if (ran)
-        fmt::print("best{}: none fits the device's memory\n", at);
-    }
+    fmt::print("{} on {} ({} load)\n", args->config, r.device, load.kind);
+    fmt::print("{}", plan::format_sweep(sweep, r));
     none_fits();
     return 0;
   };

@@ -1,0 +1,152 @@
+#include "plan/sweep.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "core/check.h"
+
+namespace moetrain::plan {
+
+namespace {
+
+// A whole number ≥ 1 from one of --sweep's values.
+int64_t sweep_count(const std::string& spec, const std::string& item) {
+  std::size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(item, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  MOETRAIN_CHECK(used > 0 && used == item.size() && v >= 1,
+                 "--sweep {}: '{}' is not a whole number ≥ 1", spec, item);
+  return v;
+}
+
+}  // namespace
+
+Sweep parse_sweep(const std::vector<std::string>& specs, int64_t procs, int64_t ep,
+                  bool hierarchical) {
+  Sweep s{{procs}, {ep}, {hierarchical}};
+  std::vector<std::string> seen;
+  for (const std::string& spec : specs) {
+    const auto eq = spec.find('=');
+    const std::string key = spec.substr(0, eq);
+    MOETRAIN_CHECK(eq != std::string::npos && (key == "procs" || key == "ep" || key == "a2a"),
+                   "--sweep {}: expected procs=P1,P2,..., ep=E1,E2,... or a2a=flat,hierarchical "
+                   "(e.g. --sweep ep=1,2,4 --sweep a2a=flat,hierarchical)",
+                   spec);
+    MOETRAIN_CHECK(std::find(seen.begin(), seen.end(), key) == seen.end(),
+                   "--sweep {}: {} is swept twice", spec, key);
+    seen.push_back(key);
+    std::vector<int64_t> counts;
+    std::vector<bool> kinds;
+    std::stringstream in(spec.substr(eq + 1));
+    for (std::string item; std::getline(in, item, ',');) {
+      if (key == "a2a") {
+        MOETRAIN_CHECK(item == "flat" || item == "hierarchical",
+                       "--sweep {}: '{}' is not flat or hierarchical", spec, item);
+        kinds.push_back(item == "hierarchical");
+      } else {
+        counts.push_back(sweep_count(spec, item));
+      }
+    }
+    MOETRAIN_CHECK(!counts.empty() || !kinds.empty(), "--sweep {}: no values", spec);
+    if (key == "procs") s.procs = counts, s.procs_swept = true;
+    if (key == "ep") s.ep = counts;
+    if (key == "a2a") s.hierarchical = kinds, s.a2a_swept = true;
+  }
+  return s;
+}
+
+std::string sweep_label(const Sweep& sweep, const SweepPoint& point) {
+  std::string l = fmt::format("ep={}", point.layout.ep);
+  if (sweep.procs_swept) l = fmt::format("procs={} ", point.layout.procs) + l;
+  if (sweep.a2a_swept) l += point.hierarchical ? " a2a=hierarchical" : " a2a=flat";
+  return l;
+}
+
+SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int64_t)>& cluster_for,
+                      const Sweep& sweep, const Layout& base, const LoadModel& load) {
+  SweepResult r;
+  for (const int64_t P : sweep.procs) {
+    const ClusterSpec cluster = cluster_for(P);
+    r.device = cluster.device.name;
+    for (const int64_t ep : sweep.ep) {
+      for (const bool hier : sweep.hierarchical) {
+        const SweepPoint pt{{P, ep, base.tp, base.pp, base.vp}, hier};
+        const std::string problem = layout_problem(cfg.model, cluster, pt.layout);
+        if (!problem.empty()) {
+          r.skipped.push_back(pt), r.why.push_back(problem);
+          continue;
+        }
+        RunConfig c = cfg;
+        c.dist.hierarchical = hier;
+        r.points.push_back(pt);
+        r.predictions.push_back(predict(c, cluster, pt.layout, load));
+      }
+    }
+  }
+  std::string reasons;
+  for (size_t i = 0; i < r.skipped.size(); ++i)
+    reasons += fmt::format("\n  {}: {}", sweep_label(sweep, r.skipped[i]), r.why[i]);
+  MOETRAIN_CHECK(!r.points.empty(), "no layout of the sweep can run:{}", reasons);
+  // The fastest layout that fits, per process count: more processes take more tokens a step, so
+  // the step times of different counts do not compare.
+  for (const int64_t P : sweep.procs) {
+    std::optional<size_t> b;
+    for (size_t i = 0; i < r.points.size(); ++i)
+      if (r.points[i].layout.procs == P && r.predictions[i].fits &&
+          (!b || r.predictions[i].step_time_s < r.predictions[*b].step_time_s))
+        b = i;
+    if (b) r.best.push_back(*b);
+  }
+  return r;
+}
+
+std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
+  std::string out = format_table(r.predictions);
+  for (size_t i = 0; i < r.skipped.size(); ++i)
+    out += fmt::format("skipped {}: {}\n", sweep_label(sweep, r.skipped[i]), r.why[i]);
+  for (const int64_t P : sweep.procs) {
+    const auto b = std::find_if(r.best.begin(), r.best.end(),
+                                [&](size_t i) { return r.points[i].layout.procs == P; });
+    const bool ran = std::any_of(r.points.begin(), r.points.end(),
+                                 [&](const SweepPoint& pt) { return pt.layout.procs == P; });
+    const std::string at =
+        sweep.procs_swept ? fmt::format(" at {} process{}", P, P == 1 ? "" : "es") : "";
+    if (b != r.best.end())
+      out += fmt::format("best{}: {} ({:.2f} ms a step, {:.0f} tokens/s)\n", at,
+                         sweep_label(sweep, r.points[*b]), r.predictions[*b].step_time_s * 1e3,
+                         r.predictions[*b].tokens_per_s);
+    else if (ran)
+      out += fmt::format("best{}: none fits the device's memory\n", at);
+  }
+  return out;
+}
+
+nlohmann::json sweep_json(const Sweep& sweep, const SweepResult& r) {
+  nlohmann::json layouts = nlohmann::json::array(), best = nlohmann::json::array(),
+                 skipped = nlohmann::json::array();
+  for (const auto& p : r.predictions) layouts.push_back(to_json(p));
+  for (const size_t i : r.best)
+    best.push_back({{"procs", r.points[i].layout.procs},
+                    {"ep", r.points[i].layout.ep},
+                    {"hierarchical", r.points[i].hierarchical},
+                    {"step_time_s", r.predictions[i].step_time_s},
+                    {"tokens_per_s", r.predictions[i].tokens_per_s}});
+  for (size_t i = 0; i < r.skipped.size(); ++i)
+    skipped.push_back({{"procs", r.skipped[i].layout.procs},
+                       {"ep", r.skipped[i].layout.ep},
+                       {"hierarchical", r.skipped[i].hierarchical},
+                       {"why", r.why[i]}});
+  nlohmann::json out{{"layouts", layouts}, {"best", best}, {"skipped", skipped}};
+  if (!sweep.procs_swept && !r.best.empty()) out["best_ep"] = r.points[r.best[0]].layout.ep;
+  return out;
+}
+
+}  // namespace moetrain::plan
