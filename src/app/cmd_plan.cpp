@@ -107,8 +107,8 @@ Run add_plan_command(CLI::App& app) {
                   "Zipf exponent of the ablation's unbalanced load (default 1.0)")
       ->check(CLI::Range(0.0, 10.0));
   cmd->add_option("--sweep", args->sweep,
-                  "Predict several layouts: procs=16,32,64, ep=1,2,4 or a2a=flat,hierarchical "
-                  "(repeat to cross them)")
+                  "Predict several layouts: procs=16,32,64, tp=1,2, pp=1,4, ep=1,2,4 or "
+                  "a2a=flat,hierarchical (repeat to cross them)")
       ->take_all();
   cmd->add_option("--load", args->load, "Expert load: uniform, zipf:S or metrics:RUN_DIR");
   cmd->add_flag("--json", args->json, "Print JSON instead of the table");
@@ -216,9 +216,9 @@ Run add_plan_command(CLI::App& app) {
     }
     // A sweep: every layout that can run is predicted; one that cannot (does not divide, more
     // processes than devices) is listed with the reason (plan/sweep.h).
-    const plan::Sweep sweep = plan::parse_sweep(args->sweep, procs, cfg_ep, cfg.dist.hierarchical);
-    const plan::SweepResult r = plan::run_sweep(
-        cfg, cluster_for, sweep, {procs, cfg_ep, args->tp, args->pp, args->vp}, load);
+    const plan::Sweep sweep = plan::parse_sweep(
+        args->sweep, {procs, cfg_ep, args->tp, args->pp, args->vp}, cfg.dist.hierarchical);
+    const plan::SweepResult r = plan::run_sweep(cfg, cluster_for, sweep, args->vp, load);
     // Nothing fits anywhere: the error names what the smallest layout needs (after the table,
     // which shows every layout's memory).
     auto none_fits = [&] {

@@ -29,16 +29,16 @@ int64_t sweep_count(const std::string& spec, const std::string& item) {
 
 }  // namespace
 
-Sweep parse_sweep(const std::vector<std::string>& specs, int64_t procs, int64_t ep,
-                  bool hierarchical) {
-  Sweep s{{procs}, {ep}, {hierarchical}};
+Sweep parse_sweep(const std::vector<std::string>& specs, const Layout& layout, bool hierarchical) {
+  Sweep s{{layout.procs}, {layout.tp}, {layout.pp}, {layout.ep}, {hierarchical}};
   std::vector<std::string> seen;
   for (const std::string& spec : specs) {
     const auto eq = spec.find('=');
     const std::string key = spec.substr(0, eq);
-    MOETRAIN_CHECK(eq != std::string::npos && (key == "procs" || key == "ep" || key == "a2a"),
-                   "--sweep {}: expected procs=P1,P2,..., ep=E1,E2,... or a2a=flat,hierarchical "
-                   "(e.g. --sweep ep=1,2,4 --sweep a2a=flat,hierarchical)",
+    const bool count_key = key == "procs" || key == "tp" || key == "pp" || key == "ep";
+    MOETRAIN_CHECK(eq != std::string::npos && (count_key || key == "a2a"),
+                   "--sweep {}: expected procs=P1,P2,..., tp=…, pp=…, ep=E1,E2,... or "
+                   "a2a=flat,hierarchical (e.g. --sweep ep=1,2,4 --sweep a2a=flat,hierarchical)",
                    spec);
     MOETRAIN_CHECK(std::find(seen.begin(), seen.end(), key) == seen.end(),
                    "--sweep {}: {} is swept twice", spec, key);
@@ -57,6 +57,8 @@ Sweep parse_sweep(const std::vector<std::string>& specs, int64_t procs, int64_t 
     }
     MOETRAIN_CHECK(!counts.empty() || !kinds.empty(), "--sweep {}: no values", spec);
     if (key == "procs") s.procs = counts, s.procs_swept = true;
+    if (key == "tp") s.tp = counts, s.tp_swept = true;
+    if (key == "pp") s.pp = counts, s.pp_swept = true;
     if (key == "ep") s.ep = counts;
     if (key == "a2a") s.hierarchical = kinds, s.a2a_swept = true;
   }
@@ -64,44 +66,49 @@ Sweep parse_sweep(const std::vector<std::string>& specs, int64_t procs, int64_t 
 }
 
 std::string sweep_label(const Sweep& sweep, const SweepPoint& point) {
-  std::string l = fmt::format("ep={}", point.layout.ep);
-  if (sweep.procs_swept) l = fmt::format("procs={} ", point.layout.procs) + l;
+  std::string l;
+  if (sweep.procs_swept) l += fmt::format("procs={} ", point.layout.procs);
+  if (sweep.tp_swept) l += fmt::format("tp={} ", point.layout.tp);
+  if (sweep.pp_swept) l += fmt::format("pp={} ", point.layout.pp);
+  l += fmt::format("ep={}", point.layout.ep);
   if (sweep.a2a_swept) l += point.hierarchical ? " a2a=hierarchical" : " a2a=flat";
   return l;
 }
 
 SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int64_t)>& cluster_for,
-                      const Sweep& sweep, const Layout& base, const LoadModel& load) {
+                      const Sweep& sweep, int64_t vp, const LoadModel& load) {
   SweepResult r;
   for (const int64_t P : sweep.procs) {
     const ClusterSpec cluster = cluster_for(P);
     r.device = cluster.device.name;
-    for (const int64_t ep : sweep.ep) {
-      for (const bool hier : sweep.hierarchical) {
-        const SweepPoint pt{{P, ep, base.tp, base.pp, base.vp}, hier};
-        const std::string problem = layout_problem(cfg.model, cluster, pt.layout);
-        if (!problem.empty()) {
-          r.skipped.push_back(pt), r.why.push_back(problem);
-          continue;
-        }
-        RunConfig c = cfg;
-        c.dist.hierarchical = hier;
-        r.points.push_back(pt);
-        r.predictions.push_back(predict(c, cluster, pt.layout, load));
-      }
-    }
+    for (const int64_t tp : sweep.tp)
+      for (const int64_t pp : sweep.pp)
+        for (const int64_t ep : sweep.ep)
+          for (const bool hier : sweep.hierarchical) {
+            const SweepPoint pt{{P, ep, tp, pp, vp}, hier};
+            const std::string problem = layout_problem(cfg.model, cluster, pt.layout);
+            if (!problem.empty()) {
+              r.skipped.push_back(pt), r.why.push_back(problem);
+              continue;
+            }
+            RunConfig c = cfg;
+            c.dist.hierarchical = hier;
+            r.points.push_back(pt);
+            r.predictions.push_back(predict(c, cluster, pt.layout, load));
+          }
   }
   std::string reasons;
   for (size_t i = 0; i < r.skipped.size(); ++i)
     reasons += fmt::format("\n  {}: {}", sweep_label(sweep, r.skipped[i]), r.why[i]);
   MOETRAIN_CHECK(!r.points.empty(), "no layout of the sweep can run:{}", reasons);
-  // The fastest layout that fits, per process count: more processes take more tokens a step, so
-  // the step times of different counts do not compare.
+  // The layout that fits with the most tokens a second, per process count. Not the shortest
+  // step: a step's tokens grow with the data-parallel ranks (fewer pipeline stages or tensor
+  // shards, more processes), so step times compare only within one such split.
   for (const int64_t P : sweep.procs) {
     std::optional<size_t> b;
     for (size_t i = 0; i < r.points.size(); ++i)
       if (r.points[i].layout.procs == P && r.predictions[i].fits &&
-          (!b || r.predictions[i].step_time_s < r.predictions[*b].step_time_s))
+          (!b || r.predictions[i].tokens_per_s > r.predictions[*b].tokens_per_s))
         b = i;
     if (b) r.best.push_back(*b);
   }
@@ -120,9 +127,9 @@ std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
     const std::string at =
         sweep.procs_swept ? fmt::format(" at {} process{}", P, P == 1 ? "" : "es") : "";
     if (b != r.best.end())
-      out += fmt::format("best{}: {} ({:.2f} ms a step, {:.0f} tokens/s)\n", at,
-                         sweep_label(sweep, r.points[*b]), r.predictions[*b].step_time_s * 1e3,
-                         r.predictions[*b].tokens_per_s);
+      out += fmt::format("best{}: {} ({:.0f} tokens/s, {:.2f} ms a step)\n", at,
+                         sweep_label(sweep, r.points[*b]), r.predictions[*b].tokens_per_s,
+                         r.predictions[*b].step_time_s * 1e3);
     else if (ran)
       out += fmt::format("best{}: none fits the device's memory\n", at);
   }
@@ -135,12 +142,16 @@ nlohmann::json sweep_json(const Sweep& sweep, const SweepResult& r) {
   for (const auto& p : r.predictions) layouts.push_back(to_json(p));
   for (const size_t i : r.best)
     best.push_back({{"procs", r.points[i].layout.procs},
+                    {"tp", r.points[i].layout.tp},
+                    {"pp", r.points[i].layout.pp},
                     {"ep", r.points[i].layout.ep},
                     {"hierarchical", r.points[i].hierarchical},
                     {"step_time_s", r.predictions[i].step_time_s},
                     {"tokens_per_s", r.predictions[i].tokens_per_s}});
   for (size_t i = 0; i < r.skipped.size(); ++i)
     skipped.push_back({{"procs", r.skipped[i].layout.procs},
+                       {"tp", r.skipped[i].layout.tp},
+                       {"pp", r.skipped[i].layout.pp},
                        {"ep", r.skipped[i].layout.ep},
                        {"hierarchical", r.skipped[i].hierarchical},
                        {"why", r.why[i]}});

@@ -33,7 +33,7 @@ nlohmann::json json_of(const ProcessResult& r) {
 
 }  // namespace
 
-TEST(PlanSweep, CrossesEpAndAllToAllAndNamesTheFastestThatFits) {
+TEST(PlanSweep, CrossesEpAndAllToAllAndNamesTheFittingLayoutOfMostTokens) {
   const ProcessResult r =
       plan({"--sweep", "ep=8,16,32,3", "--sweep", "a2a=flat,hierarchical", "--json"});
   ASSERT_EQ(r.code, 0) << r.output();
@@ -50,13 +50,13 @@ TEST(PlanSweep, CrossesEpAndAllToAllAndNamesTheFastestThatFits) {
   // Every layout ran on all 1024 devices (--procs defaults to the cluster's), in the order
   // asked: ep outer, then flat before hierarchical.
   const int64_t eps[] = {8, 8, 16, 16, 32, 32};
-  double fastest = std::numeric_limits<double>::infinity();
+  double most = 0;
   for (size_t i = 0; i < layouts.size(); ++i) {
     EXPECT_EQ(layouts[i]["procs"], 1024);
     EXPECT_EQ(layouts[i]["ep"], eps[i]);
     EXPECT_EQ(layouts[i]["a2a_hierarchical_asked"].get<bool>(), i % 2 == 1);
     if (layouts[i]["memory"]["fits"].get<bool>())
-      fastest = std::min(fastest, layouts[i]["step_time_s"].get<double>());
+      most = std::max(most, layouts[i]["tokens_per_s"].get<double>());
   }
   // An EP group of 8 stays in its node (flat either way); wider groups cross nodes, where the
   // hierarchical exchange is a different schedule with a different time.
@@ -65,7 +65,7 @@ TEST(PlanSweep, CrossesEpAndAllToAllAndNamesTheFastestThatFits) {
   EXPECT_EQ(layouts[3]["a2a_kind"], "hierarchical");
   EXPECT_NE(layouts[2]["step_time_s"], layouts[3]["step_time_s"]);
   ASSERT_EQ(j["best"].size(), 1u) << j.dump(2);
-  EXPECT_EQ(j["best"][0]["step_time_s"].get<double>(), fastest);
+  EXPECT_EQ(j["best"][0]["tokens_per_s"].get<double>(), most);
   EXPECT_EQ(j["best_ep"], j["best"][0]["ep"]);
 }
 
@@ -87,10 +87,10 @@ TEST(PlanSweep, TableListsSkippedLayoutsAndTheBestPerProcessCount) {
 }
 
 TEST(PlanSweep, BadSweepsAreRefusedNamingTheValue) {
-  const ProcessResult key = plan({"--sweep", "tp=1,2"});
+  const ProcessResult key = plan({"--sweep", "batch=1,2"});
   EXPECT_NE(key.code, 0);
-  EXPECT_NE(key.output().find("--sweep tp=1,2: expected procs=P1,P2,..., ep=E1,E2,... or "
-                              "a2a=flat,hierarchical"),
+  EXPECT_NE(key.output().find("--sweep batch=1,2: expected procs=P1,P2,..., tp=…, pp=…, "
+                              "ep=E1,E2,... or a2a=flat,hierarchical"),
             std::string::npos)
       << key.output();
   const ProcessResult kind = plan({"--sweep", "a2a=flat,ring"});
@@ -112,4 +112,35 @@ TEST(PlanSweep, BadSweepsAreRefusedNamingTheValue) {
   EXPECT_NE(out.find("ep=5: dist.ep = 5 must divide the processes (1024)"), std::string::npos)
       << out;
   EXPECT_EQ(out.find("step time ms"), std::string::npos) << out;
+}
+
+// Pipeline stages change how many tokens a step takes (fewer data-parallel ranks), so the best
+// layout is the one of most tokens a second that fits, not the shortest step.
+TEST(PlanSweep, PipelineSplitsCompareByTokensPerSecond) {
+  const std::string cfg =
+      std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/mixtral_8x7b_megatron.toml";
+  const std::string cluster =
+      std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/dgx_h100_8nodes.toml";
+  const ProcessResult r = run_moetrain(
+      {"plan", "-c", cfg, "--cluster", cluster, "--sweep", "pp=1,2,4", "--sweep", "ep=8", "--json"},
+      {{"OMP_NUM_THREADS", "1"}}, 60);
+  ASSERT_EQ(r.code, 0) << r.output();
+  const nlohmann::json j = json_of(r);
+  const auto& layouts = j["layouts"];
+  ASSERT_EQ(layouts.size(), 3u) << j.dump(2);
+  size_t most = layouts.size();
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    EXPECT_EQ(layouts[i]["pp"], int64_t{1} << i);
+    if (layouts[i]["memory"]["fits"].get<bool>() &&
+        (most == layouts.size() ||
+         layouts[i]["tokens_per_s"].get<double>() > layouts[most]["tokens_per_s"].get<double>()))
+      most = i;
+  }
+  ASSERT_LT(most, layouts.size()) << j.dump(2);
+  // The shortest step is not the answer here: more stages, fewer tokens a step.
+  EXPECT_LT(layouts[2]["step_time_s"].get<double>(), layouts[most]["step_time_s"].get<double>())
+      << j.dump(2);
+  ASSERT_EQ(j["best"].size(), 1u) << j.dump(2);
+  EXPECT_EQ(j["best"][0]["pp"], layouts[most]["pp"]);
+  EXPECT_EQ(j["best"][0]["tokens_per_s"], layouts[most]["tokens_per_s"]);
 }
