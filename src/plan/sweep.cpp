@@ -115,8 +115,32 @@ SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int6
   return r;
 }
 
+namespace {
+
+// One line a layout, for sweeps too wide for a column each.
+std::string format_lines(const Sweep& sweep, const SweepResult& r) {
+  size_t width = 6;
+  for (const auto& pt : r.points) width = std::max(width, sweep_label(sweep, pt).size());
+  std::string out =
+      fmt::format("{:<{}} {:>10} {:>10} {:>10} {:>6} {:>5} {:>5} {:>12} {:>10} {:>4}\n", "layout",
+                  width, "step ms", "tokens/s", "per device", "MFU", "util", "comm", "all-to-all",
+                  "GiB/device", "fits");
+  for (size_t i = 0; i < r.points.size(); ++i) {
+    const Prediction& p = r.predictions[i];
+    out += fmt::format(
+        "{:<{}} {:>10.2f} {:>10.0f} {:>10.0f} {:>6.3f} {:>5.2f} {:>5.2f} {:>12} {:>10.1f} {:>4}\n",
+        sweep_label(sweep, r.points[i]), width, p.step_time_s * 1e3, p.tokens_per_s,
+        p.tokens_per_s / static_cast<double>(p.layout.procs), p.mfu, p.utilisation,
+        p.comm_efficiency, p.a2a_kind, p.memory.total() / 1073741824.0, p.fits ? "yes" : "NO");
+  }
+  return out + "(every part of every layout: --json)\n";
+}
+
+}  // namespace
+
 std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
-  std::string out = format_table(r.predictions);
+  // Up to 6 layouts side by side, part by part; more, a line each.
+  std::string out = r.points.size() <= 6 ? format_table(r.predictions) : format_lines(sweep, r);
   for (size_t i = 0; i < r.skipped.size(); ++i)
     out += fmt::format("skipped {}: {}\n", sweep_label(sweep, r.skipped[i]), r.why[i]);
   for (const int64_t P : sweep.procs) {

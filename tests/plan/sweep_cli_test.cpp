@@ -144,3 +144,28 @@ TEST(PlanSweep, PipelineSplitsCompareByTokensPerSecond) {
   EXPECT_EQ(j["best"][0]["pp"], layouts[most]["pp"]);
   EXPECT_EQ(j["best"][0]["tokens_per_s"], layouts[most]["tokens_per_s"]);
 }
+
+// More layouts than fit side by side: a line each, with the all-to-all the layout ran.
+TEST(PlanSweep, WideSweepsPrintALineALayout) {
+  const ProcessResult r = plan({"--sweep", "ep=8,16,32,64", "--sweep", "a2a=flat,hierarchical"});
+  ASSERT_EQ(r.code, 0) << r.output();
+  const std::string out = r.output();
+  EXPECT_NE(out.find("GiB/device"), std::string::npos) << out;
+  EXPECT_EQ(out.find("step time ms"), std::string::npos) << out;  // not the wide table
+  auto lines_starting = [&](const std::string& label) {
+    int n = 0;
+    for (const auto& l : r.lines) n += l.text.rfind(label + " ", 0) == 0;
+    return n;
+  };
+  for (const char* layout :
+       {"ep=8 a2a=flat", "ep=8 a2a=hierarchical", "ep=16 a2a=hierarchical", "ep=64 a2a=flat"})
+    EXPECT_EQ(lines_starting(layout), 1) << layout << "\n" << out;
+  // An EP group of 8 is one node: flat whatever was asked; 16 crosses nodes.
+  for (const auto& l : r.lines) {
+    if (l.text.rfind("ep=8 a2a=hierarchical", 0) == 0)
+      EXPECT_NE(l.text.find(" flat "), std::string::npos) << l.text;
+    if (l.text.rfind("ep=16 a2a=hierarchical", 0) == 0)
+      EXPECT_NE(l.text.find(" hierarchical "), std::string::npos) << l.text;
+  }
+  EXPECT_NE(out.find("best: ep="), std::string::npos) << out;
+}
