@@ -19,6 +19,12 @@ for b in "$build"/bench/bench_*; do
         --benchmark_out="out/bench/$name.json" --benchmark_out_format=json
       OMP_NUM_THREADS=1 mpiexec -n 4 --oversubscribe "${mpi_run[@]:4}" "$b" \
         --benchmark_out="out/bench/${name}_4ranks.json" --benchmark_out_format=json ;;
+    bench_train_step)
+      "$b" --benchmark_repetitions="${BENCH_REPS:-5}" --benchmark_report_aggregates_only=true \
+           --benchmark_out="out/bench/$name.json" --benchmark_out_format=json
+      # The bf16/f32 ratio step against step (docs/PERF.md, "Step against step").
+      "$b" --paired --preset tiny --steps 31
+      "$b" --paired --preset large --steps 11 ;;
     bench_cuda_step)
       # Its own main: the CUDA train step where a GPU is usable (else it says so and exits 0).
       "$b" ;;
