@@ -269,17 +269,20 @@ int main(int argc, char** argv) {
     }
   }
   argc = kept;
+  // The presets a mode runs: --preset's, else tiny and large (xl is a GPU's model), at --batch
+  // and --seq where given.
+  std::vector<Preset> presets;
+  for (const Preset& preset : kPresets) {
+    if (only_preset.empty() ? std::string(preset.name) == "xl" : only_preset != preset.name)
+      continue;
+    presets.push_back(preset);
+    if (batch > 0) presets.back().B = batch;
+    if (seq > 0) presets.back().T = seq;
+  }
   if (paired) {
     std::setvbuf(stdout, nullptr, _IOLBF, 0);
     std::printf("threads %d; %s\n", num_threads(), gemm_backend_info());
-    for (const Preset& preset : kPresets) {
-      if (only_preset.empty() ? std::string(preset.name) == "xl" : only_preset != preset.name)
-        continue;
-      Preset p = preset;
-      if (batch > 0) p.B = batch;
-      if (seq > 0) p.T = seq;
-      print_paired(p, steps > 0 ? steps : 9);
-    }
+    for (const Preset& p : presets) print_paired(p, steps > 0 ? steps : 9);
     return 0;
   }
   if (profile_mode) {
@@ -287,13 +290,7 @@ int main(int argc, char** argv) {
     const double stream = stream_gbps();
     std::printf("threads %d; %s; memory bandwidth (streaming) %.2f GB/s\n", num_threads(),
                 gemm_backend_info(), stream);
-    for (const Preset& preset : kPresets) {
-      // Without --preset: tiny and large (xl is a GPU's model).
-      if (only_preset.empty() ? std::string(preset.name) == "xl" : only_preset != preset.name)
-        continue;
-      Preset p = preset;
-      if (batch > 0) p.B = batch;
-      if (seq > 0) p.T = seq;
+    for (const Preset& p : presets) {
       for (bool bf : {false, true}) {
         if (!only_precision.empty() && only_precision != (bf ? "bf16" : "f32")) continue;
         print_profile(p, bf, steps > 0 ? steps : 5, stream);
