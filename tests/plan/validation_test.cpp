@@ -1,8 +1,10 @@
 // The planner against this machine: train a few steps of configs/tiny.toml with one process, two
 // (EP 2, DP 2) and four (EP 4, DP 2 × EP 2, oversubscribed on a 2-core machine), and of the
-// benchmarks' large preset (configs/plan/bench_large.toml) with one and two, and compare the
-// predicted step time with the median measured one. Each config is calibrated at its own shapes
-// (plan --calibrate -c CONFIG, collectives under mpirun with 2 and 4 processes). The planner is
+// benchmarks' large preset (configs/plan/bench_large.toml) with one and two, all in f32, and
+// each config with one process in bf16 (train.precision = bf16: bf16 GEMM operands, the bf16
+// attention core where it pays), and compare the predicted step time with the median measured
+// one. Each config is calibrated at its own shapes and precision (plan --calibrate -c CONFIG,
+// collectives under mpirun with 2 and 4 processes). The planner is
 // given the routing of the measured steps (--load metrics:DIR: which experts a freshly
 // initialised router picks is an input it cannot know), never its times.
 // A shared machine's speed moves, so each run is bracketed by calibrations: the one right before
@@ -51,12 +53,16 @@ constexpr int kAttempts = 3;
 
 // A short run of one config: fewer sequences than the configs' own batch keep the test under a
 // few minutes; the planner and the calibration are given the same overrides.
-std::vector<std::string> sets(int batch) {
-  return {"--set", fmt::format("train.batch_size={}", batch), "--set",
-          fmt::format("train.steps={}", kSteps),
-          "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
-          "--set", "train.progress=off", "--set", "train.tensorboard=false",
-          "--set", "train.checkpoint_every=0"};
+// bf16: GEMM operands in bf16 (train.precision), f32 otherwise.
+std::vector<std::string> sets(int batch, bool bf16) {
+  return {"--set", fmt::format("train.batch_size={}", batch),
+          "--set", fmt::format("train.steps={}", kSteps),
+          "--set", "train.eval_every=0",
+          "--set", "train.eval_batches=1",
+          "--set", "train.progress=off",
+          "--set", "train.tensorboard=false",
+          "--set", "train.checkpoint_every=0",
+          "--set", bf16 ? "train.precision=bf16" : "train.precision=f32"};
 }
 
 Env with_mpi(int threads) {
@@ -101,13 +107,15 @@ MeasuredSteps measured_steps(const std::filesystem::path& run_dir) {
 }
 
 // Calibrates with every core (the profile holds the all-thread and the one-thread-per-core
-// figures), f32 only as the runs, at the config's shapes; the collectives with 2 and 4 processes.
-std::string calibrate(const std::filesystem::path& dir, int i, const std::string& config,
-                      int batch, const Env& link) {
+// figures), at the config's shapes, bf16 GEMMs only for a bf16 run; the collectives with 2 and 4
+// processes.
+std::string calibrate(const std::filesystem::path& dir, int i, const std::string& config, int batch,
+                      bool bf16, const Env& link) {
   const std::string out = (dir / fmt::format("profile_{}.toml", i)).string();
-  std::vector<std::string> args = {"plan", "--calibrate", "--no-bf16", "-c", config,
-                                   "--comm-procs", "2,4", "--out", out};
-  const auto s = sets(batch);
+  std::vector<std::string> args = {"plan",         "--calibrate", "-c",    config,
+                                   "--comm-procs", "2,4",         "--out", out};
+  if (!bf16) args.push_back("--no-bf16");
+  const auto s = sets(batch, bf16);
   args.insert(args.end(), s.begin(), s.end());
   Env env = with_mpi(cores());
   env.insert(env.end(), link.begin(), link.end());
@@ -117,7 +125,8 @@ std::string calibrate(const std::filesystem::path& dir, int i, const std::string
 }
 
 double predicted_step_time(const std::string& profile, const std::string& config, int batch,
-                           int procs, int ep, int threads, const std::filesystem::path& run_dir) {
+                           bool bf16, int procs, int ep, int threads,
+                           const std::filesystem::path& run_dir) {
   std::vector<std::string> args = {"plan",
                                    "-c",
                                    config,
@@ -132,7 +141,7 @@ double predicted_step_time(const std::string& profile, const std::string& config
                                    "--load",
                                    "metrics:" + run_dir.string(),
                                    "--json"};
-  const auto s = sets(batch);
+  const auto s = sets(batch, bf16);
   args.insert(args.end(), s.begin(), s.end());
   const ProcessResult r = run_moetrain(args, {{"OMP_NUM_THREADS", "1"}}, 60);
   EXPECT_EQ(r.code, 0) << r.output();
@@ -147,6 +156,7 @@ struct Case {
   const char* name;
   const std::string* config;
   int batch, procs, ep;
+  bool bf16 = false;
 };
 
 // Runs `cases` in order, each kAttempts times (each config calibrated before its first run, each
@@ -166,7 +176,7 @@ void validate(const std::vector<Case>& cases, const Env& link, const std::string
   double worst = 0;
   std::vector<std::string> unjudged;
   std::string before;
-  const std::string* calibrated_for = nullptr;
+  const Case* calibrated_for = nullptr;  // the case whose config and precision `before` measured
   int i = 0;
   auto print_last = [&] {
     std::cout << table.substr(table.rfind('\n', table.size() - 2) + 1) << std::flush;
@@ -175,9 +185,10 @@ void validate(const std::vector<Case>& cases, const Env& link, const std::string
     std::vector<double> errors;
     for (int attempt = 0; attempt < kAttempts; ++attempt) {
       ++i;
-      if (calibrated_for != c.config) {
-        before = calibrate(tmp.path(), 100 + i, *c.config, c.batch, link);
-        calibrated_for = c.config;
+      if (calibrated_for == nullptr || calibrated_for->config != c.config ||
+          calibrated_for->bf16 != c.bf16) {
+        before = calibrate(tmp.path(), 100 + i, *c.config, c.batch, c.bf16, link);
+        calibrated_for = &c;
       }
       const int threads = std::max(1, cores() / c.procs);
       const auto run_dir = tmp.path() / fmt::format("run_{}", i);
@@ -190,7 +201,7 @@ void validate(const std::vector<Case>& cases, const Env& link, const std::string
                                         "train.run_dir=" + run_dir.string(),
                                         "--set",
                                         fmt::format("train.threads={}", threads)};
-      const auto s = sets(c.batch);
+      const auto s = sets(c.batch, c.bf16);
       train.insert(train.end(), s.begin(), s.end());
       std::vector<std::string> args = train;
       Env env = {{"OMP_NUM_THREADS", std::to_string(threads)}};
@@ -205,15 +216,15 @@ void validate(const std::vector<Case>& cases, const Env& link, const std::string
       }
       const ProcessResult r = run_moetrain(args, env, 300);
       ASSERT_EQ(r.code, 0) << r.output();
-      const std::string after = calibrate(tmp.path(), i, *c.config, c.batch, link);
+      const std::string after = calibrate(tmp.path(), i, *c.config, c.batch, c.bf16, link);
       const MeasuredSteps steps = measured_steps(run_dir);
       const double measured = steps.median_s;
       ASSERT_GT(measured, 0) << "no step_time_s in " << run_dir;
       const auto& routing = steps.routing;
       const double predicted =
-          predicted_step_time(before, *c.config, c.batch, c.procs, c.ep, threads, routing);
+          predicted_step_time(before, *c.config, c.batch, c.bf16, c.procs, c.ep, threads, routing);
       const double predicted_after =
-          predicted_step_time(after, *c.config, c.batch, c.procs, c.ep, threads, routing);
+          predicted_step_time(after, *c.config, c.batch, c.bf16, c.procs, c.ep, threads, routing);
       const double err = (predicted - measured) / measured;
       const bool judged = std::fabs(predicted_after - predicted) / predicted <= 0.15;
       if (judged) errors.push_back(err);
@@ -366,7 +377,9 @@ TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
             {"tiny 4 procs DP=2 EP=2", &kTiny, 8, 4, 2},
             {"large 1 process", &kLarge, 2, 1, 1},
             {"large 2 procs EP=2", &kLarge, 2, 2, 2},
-            {"large 2 procs DP=2", &kLarge, 2, 2, 1}},
+            {"large 2 procs DP=2", &kLarge, 2, 2, 1},
+            {"tiny 1 process bf16", &kTiny, 8, 1, 1, true},
+            {"large 1 process bf16", &kLarge, 2, 1, 1, true}},
            {}, "shared memory");
 }
 
@@ -379,7 +392,7 @@ TEST(PlanValidation, TinyOverARateLimitedLinkWithin15Percent) {
 }
 
 TEST(PlanValidation, LargeOverARateLimitedLinkWithin15Percent) {
-  validate_rate_limited({{"large 2 procs EP=2", &kLarge, 2, 2, 2},
-                         {"large 2 procs DP=2", &kLarge, 2, 2, 1}},
-                        "large");
+  validate_rate_limited(
+      {{"large 2 procs EP=2", &kLarge, 2, 2, 2}, {"large 2 procs DP=2", &kLarge, 2, 2, 1}},
+      "large");
 }
