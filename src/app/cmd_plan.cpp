@@ -2,7 +2,6 @@
 // measure this machine for it (--calibrate). Runs no training.
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
