@@ -201,35 +201,6 @@ double ring_allreduce_bytes(double bytes, int64_t p) {
   return p <= 1 ? 0.0 : 2.0 * static_cast<double>(p - 1) / static_cast<double>(p) * bytes;
 }
 
-std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, const Layout& layout) {
-  if (layout.procs < 1 || layout.ep < 1)
-    return fmt::format("--procs {} --ep {}: both must be ≥ 1", layout.procs, layout.ep);
-  if (layout.tp < 1 || layout.pp < 1 || layout.vp < 1)
-    return fmt::format("--tp {} --pp {} --vp {}: each must be ≥ 1", layout.tp, layout.pp,
-                       layout.vp);
-  if (layout.procs % (layout.tp * layout.pp) != 0)
-    return fmt::format("--tp {} × --pp {} must divide the processes ({})", layout.tp, layout.pp,
-                       layout.procs);
-  if (layout.stage() % layout.ep != 0)
-    return fmt::format("dist.ep = {} must divide the processes ({}): world = DP × EP", layout.ep,
-                       layout.stage() == layout.procs
-                           ? fmt::format("{}", layout.procs)
-                           : fmt::format("{} per pipeline stage and tensor shard", layout.stage()));
-  if (m.n_layers % (layout.pp * layout.vp) != 0)
-    return fmt::format("model.n_layers = {} must be divisible by --pp {} × --vp {}", m.n_layers,
-                       layout.pp, layout.vp);
-  if (m.n_heads % layout.tp != 0 || m.n_kv_heads % layout.tp != 0)
-    return fmt::format("--tp {} must divide model.n_heads = {} and model.n_kv_heads = {}",
-                       layout.tp, m.n_heads, m.n_kv_heads);
-  if (m.n_experts % layout.ep != 0)
-    return fmt::format("dist.ep = {} must divide model.n_experts = {}", layout.ep, m.n_experts);
-  if (layout.procs > cluster.devices())
-    return fmt::format(
-        "{} processes but the cluster has {} devices (devices_per_node {} × nodes {})",
-        layout.procs, cluster.devices(), cluster.devices_per_node, cluster.nodes);
-  return {};
-}
-
 namespace {
 
 Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,

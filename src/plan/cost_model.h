@@ -2,8 +2,8 @@
 // same RunConfig the trainer reads, on a ClusterSpec, under a load model. Pure arithmetic: it
 // runs no training and opens no files (load models from metrics are read in load_model.h).
 //
-// Layout: world = DP × EP processes (dist.ep); tensor and pipeline parallelism are absent (as in
-// the trainer), so every process holds every dense weight and E / EP experts per MoE layer.
+// Layout (plan/layout.h): world = PP × TP × (DP × EP) processes; with tp = pp = 1, as the trainer
+// runs, every process holds every dense weight and E / EP experts per MoE layer.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -12,6 +12,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "plan/cluster.h"
+#include "plan/layout.h"
 #include "train/run_config.h"
 
 namespace moetrain::plan {
@@ -28,18 +29,6 @@ struct LoadModel {
 LoadModel uniform_load(int64_t E);
 // p_e ∝ 1 / (e + 1)^s: the hottest experts sit together on the first EP rank (worst placement).
 LoadModel zipf_load(int64_t E, double s);
-
-// world = PP × TP × (DP × EP). Tensor (tp) and pipeline (pp, with vp virtual stages per rank)
-// parallelism exist in the planner only, modelled simply (docs/plan.md), for published runs that
-// use them; the trainer runs tp = pp = 1.
-struct Layout {
-  int64_t procs = 1;
-  int64_t ep = 1;
-  int64_t tp = 1, pp = 1, vp = 1;
-  // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
-  int64_t stage() const { return procs / (tp * pp); }
-  int64_t dp() const { return stage() / ep; }  // replicas of each expert
-};
 
 // Seconds of one optimizer step (all micro-batches), by part; forward + backward together.
 struct StepParts {
@@ -92,11 +81,6 @@ struct Prediction {
   // dist.hierarchical as asked: flat where the EP group fits in one node, or without EP.
   bool hierarchical_asked = false;
 };
-
-// Why the layout cannot run this model on this cluster (a message naming the key or option), or
-// empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,
-// the layers, heads and experts divide, and the cluster has the devices.
-std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, const Layout& layout);
 
 // Throws (naming the key) when the layout does not divide or the model does not fit.
 Prediction predict(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,

@@ -1,0 +1,28 @@
+// A run's process layout for the planner, and whether a model and a cluster can take it.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "model/config.h"
+#include "plan/cluster.h"
+
+namespace moetrain::plan {
+
+// world = PP × TP × (DP × EP). Tensor (tp) and pipeline (pp, with vp virtual stages per rank)
+// parallelism exist in the planner only, modelled simply (docs/plan.md), for published runs that
+// use them; the trainer runs tp = pp = 1.
+struct Layout {
+  int64_t procs = 1;
+  int64_t ep = 1;
+  int64_t tp = 1, pp = 1, vp = 1;
+  // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
+  int64_t stage() const { return procs / (tp * pp); }
+  int64_t dp() const { return stage() / ep; }  // replicas of each expert
+};
+
+// Why the layout cannot run this model on this cluster (a message naming the key or option), or
+// empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,
+// the layers, heads and experts divide, and the cluster has the devices.
+std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, const Layout& layout);
+
+}  // namespace moetrain::plan
