@@ -210,6 +210,7 @@ Run add_plan_command(CLI::App& app) {
         fmt::print("{} on {} × {} ({} load)\n", args->config, procs, cluster.device.name,
                    load.kind);
         fmt::print("{}", plan::format_table({p}));
+        fmt::print("\n{}", plan::format_comm(p));
       }
       return 0;
     }

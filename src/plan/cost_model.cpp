@@ -87,63 +87,6 @@ double rmsnorm_time(const DeviceModel& dev, double N, double C, double count) {
   return norm_time(dev, count * 3 * 2 * 4 * N * C);
 }
 
-// Sending `bytes` as `messages` messages over a link: α·messages + bytes / β.
-double link_time(double messages, double latency, double bytes, double bandwidth) {
-  return messages * latency + bytes / bandwidth;
-}
-
-// Ring all-reduce (or reduce-scatter + all-gather, the same traffic) over p ranks: 2(p − 1)
-// steps, each sending bytes / p. A ring that leaves a node goes at the node link's speed.
-double allreduce_time(const ClusterSpec& c, double bytes, int64_t p, bool crosses_nodes) {
-  if (p <= 1 || bytes <= 0) return 0;
-  const double intra =
-      c.intra_node_allreduce_bandwidth > 0 ? c.intra_node_allreduce_bandwidth : c.intra_node_bandwidth;
-  const double bw = crosses_nodes ? std::min(intra, c.inter_node_bandwidth) : intra;
-  const double lat = crosses_nodes ? c.inter_node_latency : c.intra_node_latency;
-  return link_time(2.0 * static_cast<double>(p - 1), lat, ring_allreduce_bytes(bytes, p), bw);
-}
-
-struct A2a {
-  double time = 0;
-  std::string kind = "none";
-};
-
-// One expert all-to-all in which each rank of an EP group of `ep` sends `bytes` to the others
-// (its own share stays home). Ranks of a group are consecutive, g of them per node, nn nodes.
-// Every rank of a node exchanges at the same time, so the node's link is divided by its
-// devices_per_node ranks.
-//  flat: every rank sends to each of the ep − 1 others directly: the intra-node part over the
-//        device's link, the inter-node part over its share of the node's link, in parallel.
-//  hierarchical (2-D): first within the node (g − 1 messages, all rows regrouped by destination
-//        node), then between nodes to the same-position rank (nn − 1 messages): fewer, larger
-//        inter-node messages, the rows crossing the device link twice.
-A2a alltoall_time(const ClusterSpec& c, double bytes, int64_t ep, bool hierarchical) {
-  A2a r;
-  if (ep <= 1) return r;
-  const int64_t g = std::min(ep, c.devices_per_node);
-  const int64_t nn = (ep + g - 1) / g;
-  const double node_share = c.inter_node_bandwidth / static_cast<double>(c.devices_per_node);
-  const double all = bytes * static_cast<double>(ep) / static_cast<double>(ep - 1);
-  if (!hierarchical || nn == 1) {
-    const double intra = bytes * static_cast<double>(g - 1) / static_cast<double>(ep - 1);
-    const double inter = bytes - intra;
-    r.time = static_cast<double>(g - 1) * c.intra_node_latency +
-             static_cast<double>(ep - g) * c.inter_node_latency +
-             std::max(intra / c.intra_node_bandwidth, inter > 0 ? inter / node_share : 0.0);
-    r.kind = "flat";
-    return r;
-  }
-  const double phase1 =
-      link_time(static_cast<double>(g - 1), c.intra_node_latency,
-                all * static_cast<double>(g - 1) / static_cast<double>(g), c.intra_node_bandwidth);
-  const double phase2 =
-      link_time(static_cast<double>(nn - 1), c.inter_node_latency,
-                all * static_cast<double>(nn - 1) / static_cast<double>(nn), node_share);
-  r.time = phase1 + phase2;
-  r.kind = "hierarchical";
-  return r;
-}
-
 // Optimizer bytes per parameter per step: read parameter, gradient and the state slots, write
 // parameter and slots; plus the clip's read of the gradient and the zeroing write, and the
 // low-precision copy written after the update.
@@ -197,10 +140,6 @@ ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
   return f;
 }
 
-double ring_allreduce_bytes(double bytes, int64_t p) {
-  return p <= 1 ? 0.0 : 2.0 * static_cast<double>(p - 1) / static_cast<double>(p) * bytes;
-}
-
 namespace {
 
 Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
@@ -240,7 +179,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                    linear_fb_time(dev, prec, N, C, NHt * HS);
     // Megatron's tensor parallelism: an all-reduce of the (N, C) activations after attention
     // and after the FFN, forward and backward, on the critical path.
-    s.tensor_parallel += 4 * allreduce_time(cluster, N * C * bytes_of(prec), tp, false);
+    p.comm.tensor_parallel = ring_allreduce(cluster, N * C * bytes_of(prec), tp, false);
+    if (tp > 1) p.comm.tp_count += 4;
+    s.tensor_parallel += 4 * p.comm.tensor_parallel.seconds();
     // Scores and values: forward 2 products; a flash-style backward recomputes the scores and
     // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
     // Without a measured rate (accelerators), a fused (flash) kernel at the precision's
@@ -332,18 +273,35 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     const double recv =
         worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double bound = cluster.a2a_receiver_bound;
-    const A2a a = alltoall_time(cluster, send + bound * (std::max(send, recv) - send), ep,
-                                cfg.dist.hierarchical);
+    const double charged = send + bound * (std::max(send, recv) - send);
+    const Collective a = alltoall(cluster, charged, ep, cfg.dist.hierarchical);
     // Each exchange follows compute that differs between the ranks (their experts, their
     // tokens' routing): where measured, a late peer's cost is paid at each.
-    s.a2a += 4 * (a.time + (ep > 1 ? cluster.late_penalty : 0));
+    s.a2a += 4 * (a.seconds() + (ep > 1 ? cluster.late_penalty : 0));
     p.a2a_kind = a.kind;
+    if (ep > 1) {
+      p.comm.a2a_exchanges += 4;
+      p.comm.a2a_send_bytes += send;
+      p.comm.a2a_hot_recv_bytes += recv;
+      p.comm.a2a_charged_bytes += charged;
+    }
+  }
+  // The exchange written out at the mean MoE layer (each form's time is linear in the bytes).
+  CommBreakdown& cm = p.comm;
+  if (cm.a2a_exchanges > 0) {
+    const double layers = cm.a2a_exchanges / 4;
+    cm.a2a_send_bytes /= layers, cm.a2a_hot_recv_bytes /= layers, cm.a2a_charged_bytes /= layers;
+    cm.a2a_flat = alltoall(cluster, cm.a2a_charged_bytes, ep, false);
+    cm.a2a_hierarchical = alltoall(cluster, cm.a2a_charged_bytes, ep, true);
+    cm.a2a_late_s = cluster.late_penalty;
+    cm.a2a_runs = p.a2a_kind;
   }
   // Pipelining: a stage runs L / pp layers (their mean: dense and MoE layers are taken as spread
   // evenly over the stages).
   for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
                     &s.norms, &s.a2a, &s.tensor_parallel})
     *v /= static_cast<double>(layout.pp);
+  for (double* v : {&cm.a2a_exchanges, &cm.tp_count}) *v *= static_cast<double>(A) / layout.pp;
   // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
   // read and write them backward).
   s.norms += rmsnorm_time(dev, N, C, 1) + stream_time(dev, 3 * 4 * N * C);
@@ -375,13 +333,26 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const double shard = static_cast<double>(tp * layout.pp);
   const double dense_local = pc.dense / shard;
   const double expert_local = pc.expert / static_cast<double>(ep * layout.pp);
-  s.grad_sync = allreduce_time(cluster, dense_local * grad_elem, layout.stage(), multi_node) +
-                allreduce_time(cluster, expert_local * grad_elem, layout.dp(), multi_node);
+  auto over = [](int64_t ranks) {
+    return fmt::format("over {} rank{}", ranks, ranks == 1 ? "" : "s");
+  };
+  cm.reductions.emplace_back(
+      "dense gradients " + over(layout.stage()),
+      ring_allreduce(cluster, dense_local * grad_elem, layout.stage(), multi_node));
+  cm.reductions.emplace_back(
+      "expert gradients " + over(layout.dp()),
+      ring_allreduce(cluster, expert_local * grad_elem, layout.dp(), multi_node));
   // Under EP without DP each rank's experts reduce over a group of one: nothing travels, but
   // the trainer's reduction (parallel/grad_sync.h) still packs, reduce-scatters, all-gathers
   // and unpacks them, at the rate measured for that (one process alone has no reduction).
-  if (layout.dp() == 1 && layout.stage() > 1 && cluster.self_reduce_bandwidth > 0)
-    s.grad_sync += expert_local * 4 / cluster.self_reduce_bandwidth;
+  if (layout.dp() == 1 && layout.stage() > 1 && cluster.self_reduce_bandwidth > 0) {
+    Collective copy;
+    copy.kind = "copy";
+    copy.phases.push_back({"packed and copied in place", 0, 0, expert_local * 4,
+                           cluster.self_reduce_bandwidth, 1});
+    cm.reductions.emplace_back("expert gradients, a group of one", copy);
+  }
+  for (const auto& [name, r] : cm.reductions) s.grad_sync += r.seconds();
   // With overlap, buckets reduce while backward still runs: only what outlasts the backward, and
   // at least the last bucket, is exposed. Backward is two thirds of the compute.
   const double grad_bytes = (dense_local + expert_local) * grad_elem;

@@ -12,6 +12,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "plan/cluster.h"
+#include "plan/comm_model.h"
 #include "plan/layout.h"
 #include "train/run_config.h"
 
@@ -80,6 +81,7 @@ struct Prediction {
   std::string a2a_kind;  // flat | hierarchical | none
   // dist.hierarchical as asked: flat where the EP group fits in one node, or without EP.
   bool hierarchical_asked = false;
+  CommBreakdown comm;  // the all-to-all and reduction times above, written out
 };
 
 // Throws (naming the key) when the layout does not divide or the model does not fit.
@@ -92,6 +94,9 @@ void check_fits(const Prediction& p, const ClusterSpec& cluster);
 nlohmann::json to_json(const Prediction& p);
 // A human-readable table of one or several predictions (a sweep).
 std::string format_table(const std::vector<Prediction>& ps);
+// One prediction's communication written out: each collective's phases and their terms, the
+// flat and hierarchical all-to-all side by side, and how many of each a step runs.
+std::string format_comm(const Prediction& p);
 
 // --- formulas, exposed for the unit tests
 // ---------------------------------------------------------
@@ -104,8 +109,6 @@ struct ForwardFlops {
   }
 };
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
-// Bytes each rank sends in a ring all-reduce of `bytes` over p ranks: 2 (p − 1) / p · bytes.
-double ring_allreduce_bytes(double bytes, int64_t p);
 // The calibrated compute share of oversubscribed processes (ClusterSpec::compute_share) at a
 // ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
 // ends; 1 where the cluster has none.

@@ -2,11 +2,53 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "plan/cost_model.h"
 
 namespace moetrain::plan {
+
+namespace {
+
+nlohmann::json collective_json(const Collective& c) {
+  nlohmann::json phases = nlohmann::json::array();
+  for (const LinkPhase& ph : c.phases)
+    phases.push_back({{"name", ph.name},
+                      {"messages", ph.messages},
+                      {"latency_s", ph.latency},
+                      {"bytes", ph.bytes},
+                      {"bandwidth", ph.bandwidth},
+                      {"sharing", ph.sharing},
+                      {"latency_part_s", ph.latency_s()},
+                      {"transfer_part_s", ph.transfer_s()}});
+  return {{"kind", c.kind}, {"concurrent", c.concurrent}, {"seconds", c.seconds()},
+          {"phases", phases}};
+}
+
+nlohmann::json comm_json(const CommBreakdown& c) {
+  nlohmann::json reductions = nlohmann::json::array();
+  for (const auto& [name, r] : c.reductions) {
+    nlohmann::json j = collective_json(r);
+    j["name"] = name;
+    reductions.push_back(j);
+  }
+  return {{"a2a",
+           {{"exchanges_per_step", c.a2a_exchanges},
+            {"send_bytes", c.a2a_send_bytes},
+            {"hot_recv_bytes", c.a2a_hot_recv_bytes},
+            {"charged_bytes", c.a2a_charged_bytes},
+            {"late_s", c.a2a_late_s},
+            {"runs", c.a2a_runs},
+            {"flat", collective_json(c.a2a_flat)},
+            {"hierarchical", collective_json(c.a2a_hierarchical)}}},
+          {"reductions", reductions},
+          {"tensor_parallel",
+           {{"per_step", c.tp_count}, {"each", collective_json(c.tensor_parallel)}}}};
+}
+
+}  // namespace
 
 nlohmann::json to_json(const Prediction& p) {
   const StepParts& s = p.parts;
@@ -55,6 +97,7 @@ nlohmann::json to_json(const Prediction& p) {
         {"activations_bytes", m.activations},
         {"total_bytes", m.total()},
         {"fits", p.fits}}},
+      {"comm", comm_json(p.comm)},
   };
 }
 
@@ -68,7 +111,111 @@ std::string mib(double b) {
   return fmt::format("{:.1f}", b / 1048576.0);
 }
 
+// Seconds, bytes and rates in the unit that reads best.
+std::string duration(double s) {
+  if (s >= 1) return fmt::format("{:.4g} s", s);
+  if (s >= 1e-3) return fmt::format("{:.4g} ms", s * 1e3);
+  return fmt::format("{:.4g} µs", s * 1e6);
+}
+
+std::string amount(double b) {
+  if (b >= 1e9) return fmt::format("{:.4g} GB", b * 1e-9);
+  if (b >= 1e6) return fmt::format("{:.4g} MB", b * 1e-6);
+  if (b >= 1e3) return fmt::format("{:.4g} kB", b * 1e-3);
+  return fmt::format("{:.4g} B", b);
+}
+
+std::string rate(double bps) {
+  if (bps >= 1e9) return fmt::format("{:.4g} GB/s", bps * 1e-9);
+  return fmt::format("{:.4g} MB/s", bps * 1e-6);
+}
+
+std::string count(double n) {
+  return n == std::floor(n) ? fmt::format("{:.0f}", n) : fmt::format("{:.2f}", n);
+}
+
+std::string latency_term(const LinkPhase& ph) {
+  return fmt::format("{} × {}", count(ph.messages), duration(ph.latency));
+}
+
+std::string transfer_term(const LinkPhase& ph) {
+  if (ph.sharing > 1)
+    return fmt::format("{} / ({} / {} ranks)", amount(ph.bytes), rate(ph.bandwidth),
+                       count(ph.sharing));
+  return fmt::format("{} / {}", amount(ph.bytes), rate(ph.bandwidth));
+}
+
+// "= …" : the collective's time as the model computes it from its phases.
+std::string formula(const Collective& c) {
+  if (c.phases.empty()) return "nothing travels";
+  std::vector<std::string> terms;
+  if (c.concurrent) {
+    std::vector<std::string> transfers;
+    for (const LinkPhase& ph : c.phases) {
+      transfers.push_back(fmt::format("{} {}", ph.name, transfer_term(ph)));
+      if (ph.messages > 0) terms.push_back(latency_term(ph));
+    }
+    const std::string slowest = transfers.size() == 1
+                                    ? transfers[0]
+                                    : fmt::format("max({})", fmt::join(transfers, ", "));
+    if (terms.empty()) return slowest;
+    return fmt::format("{} + {}", slowest, fmt::join(terms, " + "));
+  }
+  for (const LinkPhase& ph : c.phases) {
+    std::string t = ph.name + " ";
+    if (ph.messages > 0) t += latency_term(ph) + " + ";
+    terms.push_back(t + transfer_term(ph));
+  }
+  return fmt::format("{}", fmt::join(terms, ", then "));
+}
+
 }  // namespace
+
+std::string format_comm(const Prediction& p) {
+  const CommBreakdown& c = p.comm;
+  const StepParts& s = p.parts;
+  std::string out =
+      "communication, written out (one rank: messages × latency + bytes / (link bandwidth / "
+      "ranks sharing it))\n";
+  if (c.a2a_exchanges > 0) {
+    out += fmt::format(
+        "  all-to-all: {} exchanges a step; a rank sends {} an exchange, the most loaded rank "
+        "receives {}, the link is charged {}\n",
+        count(c.a2a_exchanges), amount(c.a2a_send_bytes), amount(c.a2a_hot_recv_bytes),
+        amount(c.a2a_charged_bytes));
+    out += fmt::format("    {:<14}{:>11} = {}\n", "flat", duration(c.a2a_flat.seconds()),
+                       formula(c.a2a_flat));
+    if (c.a2a_hierarchical.kind == "hierarchical")
+      out += fmt::format("    {:<14}{:>11} = {}\n", "hierarchical",
+                         duration(c.a2a_hierarchical.seconds()), formula(c.a2a_hierarchical));
+    else
+      out += fmt::format("    {:<14}{:>11}   (the expert group fits in one node: flat)\n",
+                         "hierarchical", "—");
+    const Collective& run = c.a2a_runs == "hierarchical" ? c.a2a_hierarchical : c.a2a_flat;
+    const std::string each =
+        c.a2a_late_s > 0
+            ? fmt::format("({} + a late peer's {})", duration(run.seconds()), duration(c.a2a_late_s))
+            : duration(run.seconds());
+    out += fmt::format("    the run ({}): {} × {} = {} a step, {} exposed\n", c.a2a_runs,
+                       count(c.a2a_exchanges), each, duration(s.a2a), duration(s.a2a_exposed));
+  } else {
+    out += "  all-to-all: none (no expert parallelism)\n";
+  }
+  out += "  gradient reduction, once a step:\n";
+  for (const auto& [name, r] : c.reductions) {
+    if (r.phases.empty())
+      out += fmt::format("    {:<36}{:>11}   nothing travels\n", name, "—");
+    else
+      out += fmt::format("    {:<36}{:>11} = {}\n", name, duration(r.seconds()), formula(r));
+  }
+  out += fmt::format("    the step: {}, {} exposed\n", duration(s.grad_sync),
+                     duration(s.grad_sync_exposed));
+  if (c.tp_count > 0)
+    out += fmt::format("  tensor parallelism: {} all-reduces a step of {} = {}; {} a step\n",
+                       count(c.tp_count), duration(c.tensor_parallel.seconds()),
+                       formula(c.tensor_parallel), duration(s.tensor_parallel));
+  return out;
+}
 
 std::string format_table(const std::vector<Prediction>& ps) {
   std::string out;

@@ -1,6 +1,7 @@
 // The planner's formulas against hand counts, and its refusals of bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "core/check.h"
@@ -87,6 +88,63 @@ TEST(PlanFormulas, RingAllReduceSendsTwiceTheShareOfTheOthers) {
   EXPECT_DOUBLE_EQ(ring_allreduce_bytes(100, 4), 150);
   EXPECT_DOUBLE_EQ(ring_allreduce_bytes(100, 2), 100);
   EXPECT_DOUBLE_EQ(ring_allreduce_bytes(100, 1), 0);
+}
+
+// Two nodes of four devices: device links of 100 GB/s and 2 µs, a node link of 40 GB/s (10 GB/s
+// for each of its four ranks) and 5 µs. Each of 8 ranks sends 7 MB (1 MB to each other rank).
+TEST(PlanFormulas, AllToAllFlatAndHierarchicalMatchAHandCount) {
+  ClusterSpec c = gpu_cluster(4, 2);
+  c.intra_node_bandwidth = 100e9, c.inter_node_bandwidth = 40e9;
+  c.intra_node_latency = 2e-6, c.inter_node_latency = 5e-6;
+  // Flat: 3 MB to the node's 3 others and 4 MB to the other node's 4 at once; 3 + 4 messages.
+  const Collective flat = alltoall(c, 7e6, 8, false);
+  EXPECT_EQ(flat.kind, "flat");
+  ASSERT_EQ(flat.phases.size(), 2u);
+  EXPECT_DOUBLE_EQ(flat.phases[0].bytes, 3e6);
+  EXPECT_DOUBLE_EQ(flat.phases[1].bytes, 4e6);
+  EXPECT_DOUBLE_EQ(flat.phases[1].sharing, 4);
+  EXPECT_NEAR(flat.seconds(), 3 * 2e-6 + 4 * 5e-6 + std::max(3e6 / 100e9, 4e6 / 10e9), 1e-15);
+  // 2-D: all 8 MB of rows (the own share included) regrouped within the node (6 MB leave the
+  // rank), then the 4 MB bound for the other node in one message.
+  const Collective hier = alltoall(c, 7e6, 8, true);
+  EXPECT_EQ(hier.kind, "hierarchical");
+  ASSERT_EQ(hier.phases.size(), 2u);
+  EXPECT_NEAR(hier.seconds(), (3 * 2e-6 + 6e6 / 100e9) + (1 * 5e-6 + 4e6 / 10e9), 1e-15);
+  // A group inside one node has no second phase: flat, whatever was asked.
+  EXPECT_EQ(alltoall(c, 3e6, 4, true).kind, "flat");
+  EXPECT_EQ(alltoall(c, 3e6, 4, true).phases.size(), 1u);
+  EXPECT_EQ(alltoall(c, 3e6, 1, false).kind, "none");
+  const Collective ring = ring_allreduce(c, 8e6, 8, true);
+  EXPECT_NEAR(ring.seconds(), 14 * 5e-6 + 14e6 / 40e9, 1e-15);
+}
+
+// The written-out communication is the step's: its exchanges and reductions add up to the parts
+// (a skewed load makes the layers' exchanges differ; the model is linear in their bytes).
+TEST(PlanModel, CommunicationWrittenOutAddsUpToTheStepsParts) {
+  RunConfig cfg = small_run();
+  cfg.train.grad_accum = 3;
+  const ClusterSpec c = gpu_cluster(4, 8);
+  for (const bool hierarchical : {false, true}) {
+    cfg.dist.hierarchical = hierarchical;
+    // 32 devices: tensor shards of 2, EP groups of 8 over two nodes, 2 replicas of each expert.
+    const Prediction p = predict(cfg, c, {32, 8, 2, 1, 1}, zipf_load(8, 1.2));
+    const CommBreakdown& m = p.comm;
+    EXPECT_EQ(m.a2a_runs, hierarchical ? "hierarchical" : "flat");
+    EXPECT_DOUBLE_EQ(m.a2a_exchanges, 4 * cfg.model.n_moe_layers() * 3);
+    EXPECT_GT(m.a2a_hot_recv_bytes, m.a2a_send_bytes);  // zipf: the hot rank receives more
+    const Collective& run = hierarchical ? m.a2a_hierarchical : m.a2a_flat;
+    EXPECT_NEAR(m.a2a_exchanges * (run.seconds() + m.a2a_late_s), p.parts.a2a,
+                1e-9 * p.parts.a2a);
+    double reductions = 0;
+    for (const auto& [name, r] : m.reductions) reductions += r.seconds();
+    EXPECT_NEAR(reductions, p.parts.grad_sync, 1e-12 * p.parts.grad_sync);
+    ASSERT_EQ(m.reductions.size(), 2u);
+    EXPECT_EQ(m.reductions[0].first, "dense gradients over 16 ranks");
+    EXPECT_EQ(m.reductions[1].first, "expert gradients over 2 ranks");
+    for (const auto& [name, r] : m.reductions) EXPECT_GT(r.seconds(), 0) << name;
+    EXPECT_DOUBLE_EQ(m.tp_count * m.tensor_parallel.seconds(), p.parts.tensor_parallel);
+    EXPECT_GT(m.tp_count, 0);
+  }
 }
 
 TEST(PlanFormulas, MemoryWithAndWithoutZero1) {

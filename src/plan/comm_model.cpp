@@ -1,0 +1,68 @@
+#include "plan/comm_model.h"
+
+#include <algorithm>
+
+namespace moetrain::plan {
+
+double Collective::seconds() const {
+  if (!concurrent) {
+    double t = 0;
+    for (const LinkPhase& p : phases) t += p.latency_s() + p.transfer_s();
+    return t;
+  }
+  double latency = 0, transfer = 0;
+  for (const LinkPhase& p : phases) latency += p.latency_s();
+  for (const LinkPhase& p : phases) transfer = std::max(transfer, p.transfer_s());
+  return latency + transfer;
+}
+
+Collective alltoall(const ClusterSpec& c, double bytes, int64_t ep, bool hierarchical) {
+  Collective r;
+  if (ep <= 1) return r;
+  const int64_t g = std::min(ep, c.devices_per_node);
+  const int64_t nn = (ep + g - 1) / g;
+  const double dpn = static_cast<double>(c.devices_per_node);
+  if (!hierarchical || nn == 1) {
+    // Of the bytes a rank sends, the share bound for the g − 1 others of its node stays inside.
+    const double intra = bytes * static_cast<double>(g - 1) / static_cast<double>(ep - 1);
+    r.kind = "flat";
+    r.concurrent = true;
+    r.phases.push_back({"within the node", static_cast<double>(g - 1), c.intra_node_latency, intra,
+                        c.intra_node_bandwidth, 1});
+    if (ep > g)
+      r.phases.push_back({"between nodes", static_cast<double>(ep - g), c.inter_node_latency,
+                          bytes - intra, c.inter_node_bandwidth, dpn});
+    return r;
+  }
+  // Every row but the rank's own share moves in phase 1 (regrouped by destination node), and
+  // those bound for other nodes again in phase 2.
+  const double all = bytes * static_cast<double>(ep) / static_cast<double>(ep - 1);
+  r.kind = "hierarchical";
+  r.phases.push_back({"within the node", static_cast<double>(g - 1), c.intra_node_latency,
+                      all * static_cast<double>(g - 1) / static_cast<double>(g),
+                      c.intra_node_bandwidth, 1});
+  r.phases.push_back({"between nodes", static_cast<double>(nn - 1), c.inter_node_latency,
+                      all * static_cast<double>(nn - 1) / static_cast<double>(nn),
+                      c.inter_node_bandwidth, dpn});
+  return r;
+}
+
+Collective ring_allreduce(const ClusterSpec& c, double bytes, int64_t p, bool crosses_nodes) {
+  Collective r;
+  if (p <= 1 || bytes <= 0) return r;
+  const double intra = c.intra_node_allreduce_bandwidth > 0 ? c.intra_node_allreduce_bandwidth
+                                                            : c.intra_node_bandwidth;
+  r.kind = "ring";
+  r.phases.push_back({crosses_nodes ? "ring across nodes" : "ring within the node",
+                      2.0 * static_cast<double>(p - 1),
+                      crosses_nodes ? c.inter_node_latency : c.intra_node_latency,
+                      ring_allreduce_bytes(bytes, p),
+                      crosses_nodes ? std::min(intra, c.inter_node_bandwidth) : intra, 1});
+  return r;
+}
+
+double ring_allreduce_bytes(double bytes, int64_t p) {
+  return p <= 1 ? 0.0 : 2.0 * static_cast<double>(p - 1) / static_cast<double>(p) * bytes;
+}
+
+}  // namespace moetrain::plan
