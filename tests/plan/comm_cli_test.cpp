@@ -6,15 +6,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "ft/ft_support.h"
+#include "support/plan_runs.h"
 
 using namespace moetrain::testing;
 
 namespace {
-
-std::string plan_file(const std::string& name) {
-  return std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/" + name;
-}
 
 // DeepSpeed-MoE's 1.3B base with 128 experts over 16 nodes of 8 A100: EP 128 leaves the node.
 ProcessResult plan(const std::vector<std::string>& extra) {
@@ -22,12 +18,6 @@ ProcessResult plan(const std::vector<std::string>& extra) {
                                    "--cluster", plan_file("dgx_a100_16nodes.toml")};
   args.insert(args.end(), extra.begin(), extra.end());
   return run_moetrain(args, {{"OMP_NUM_THREADS", "1"}}, 60);
-}
-
-nlohmann::json json_of(const ProcessResult& r) {
-  const std::string out = r.output();
-  const std::size_t start = out.rfind('{', 0) == 0 ? 0 : out.find("\n{") + 1;
-  return nlohmann::json::parse(out.substr(start));
 }
 
 // A phase's time from its own terms, as the JSON gives them.

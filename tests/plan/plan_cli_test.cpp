@@ -4,16 +4,12 @@
 
 #include <fstream>
 
-#include "ft/ft_support.h"
+#include "support/plan_runs.h"
 #include "support/temp_dir.h"
 
 using namespace moetrain::testing;
 
 namespace {
-
-std::string plan_file(const std::string& name) {
-  return std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/" + name;
-}
 
 ProcessResult plan(const std::vector<std::string>& extra) {
   std::vector<std::string> args = {"plan"};

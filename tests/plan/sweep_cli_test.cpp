@@ -8,27 +8,19 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
-#include "ft/ft_support.h"
+#include "support/plan_runs.h"
 
 using namespace moetrain::testing;
 
 namespace {
 
-const std::string kConfig =
-    std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/ablation_moe_1024.toml";
-const std::string kCluster = std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/a100_1024.toml";
+const std::string kConfig = plan_file("ablation_moe_1024.toml");
+const std::string kCluster = plan_file("a100_1024.toml");
 
 ProcessResult plan(const std::vector<std::string>& extra) {
   std::vector<std::string> args = {"plan", "-c", kConfig, "--cluster", kCluster};
   args.insert(args.end(), extra.begin(), extra.end());
   return run_moetrain(args, {{"OMP_NUM_THREADS", "1"}}, 60);
-}
-
-// The JSON document in a run's output (stderr's config notes come before it).
-nlohmann::json json_of(const ProcessResult& r) {
-  const std::string out = r.output();
-  const std::size_t start = out.rfind('{', 0) == 0 ? 0 : out.find("\n{") + 1;
-  return nlohmann::json::parse(out.substr(start));
 }
 
 }  // namespace
@@ -162,10 +154,12 @@ TEST(PlanSweep, WideSweepsPrintALineALayout) {
     EXPECT_EQ(lines_starting(layout), 1) << layout << "\n" << out;
   // An EP group of 8 is one node: flat whatever was asked; 16 crosses nodes.
   for (const auto& l : r.lines) {
-    if (l.text.rfind("ep=8 a2a=hierarchical", 0) == 0)
+    if (l.text.rfind("ep=8 a2a=hierarchical", 0) == 0) {
       EXPECT_NE(l.text.find(" flat "), std::string::npos) << l.text;
-    if (l.text.rfind("ep=16 a2a=hierarchical", 0) == 0)
+    }
+    if (l.text.rfind("ep=16 a2a=hierarchical", 0) == 0) {
       EXPECT_NE(l.text.find(" hierarchical "), std::string::npos) << l.text;
+    }
   }
   EXPECT_NE(out.find("best: ep="), std::string::npos) << out;
 }
