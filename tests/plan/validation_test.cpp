@@ -1,6 +1,6 @@
 // The planner against this machine: train a few steps of configs/tiny.toml with one process, two
 // (EP 2, DP 2) and four (EP 4, DP 2 × EP 2, oversubscribed on a 2-core machine), and of the
-// benchmarks' large preset (configs/plan/bench_large.toml) with one and two, all in f32, and
+// benchmarks' large preset (configs/plan/bench_large.toml) with one, two and four, all in f32, and
 // each config with one process in bf16 (train.precision = bf16: bf16 GEMM operands, the bf16
 // attention core where it pays), and compare the predicted step time with the median measured
 // one. Each config is calibrated at its own shapes and precision (plan --calibrate -c CONFIG,
@@ -381,6 +381,17 @@ TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
             {"tiny 1 process bf16", &kTiny, 8, 1, 1, true},
             {"large 1 process bf16", &kLarge, 2, 1, 1, true}},
            {}, "shared memory");
+}
+
+// The large preset on four processes (oversubscribed: four one-thread processes on two cores),
+// as tiny's four-process cases above; its own test, as its runs take about ten minutes. Not met:
+// EP=4 measured +18% (its fresh router sends one rank over twice the mean rows, and the planner
+// charges that rank's excess at half a core while the waiting ranks leave it more; docs/plan.md,
+// "The large preset on four processes"), so the test is registered disabled rather than
+// loosened; --gtest_also_run_disabled_tests runs it.
+TEST(PlanValidation, DISABLED_LargeOnFourProcessesWithin15Percent) {
+  validate({{"large 4 procs EP=4", &kLarge, 2, 4, 4}, {"large 4 procs DP=2 EP=2", &kLarge, 2, 4, 2}},
+           {}, "shared memory, four processes");
 }
 
 TEST(PlanValidation, TinyOverARateLimitedLinkWithin15Percent) {
