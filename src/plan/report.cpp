@@ -172,6 +172,7 @@ std::string formula(const Collective& c) {
 }  // namespace
 
 std::string format_comm(const Prediction& p) {
+  if (p.layout.procs == 1) return "communication: none (one process)\n";
   const CommBreakdown& c = p.comm;
   const StepParts& s = p.parts;
   std::string out =
