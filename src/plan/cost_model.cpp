@@ -1,6 +1,7 @@
 // Every formula of the planner's step time, once, each with the reason it has that form (the memory
-// model is in plan/memory_model.cpp). Times are seconds, sizes bytes, rates per second. One
-// "process" is one device (a GPU, or a share of this CPU).
+// model is in plan/memory_model.cpp, the collectives' phases in plan/comm_model.cpp). Times are
+// seconds, sizes bytes, rates per second. One "process" is one device (a GPU, or a share of this
+// CPU).
 #include "plan/cost_model.h"
 
 #include <fmt/format.h>
