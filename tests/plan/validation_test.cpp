@@ -246,13 +246,23 @@ void validate(const std::vector<Case>& cases, const Env& link, const std::string
     print_last();
   }
   std::cout << table;
-  // MOETRAIN_PLAN_VALIDATION_KEEP=DIR keeps the runs and the profiles (DIR/<title>) to study.
+  // MOETRAIN_PLAN_VALIDATION_KEEP=DIR keeps the runs and the profiles (DIR/<title>) to study:
+  // everything but the runs' final checkpoints (a large run's is over a gigabyte).
   if (const char* keep = std::getenv("MOETRAIN_PLAN_VALIDATION_KEEP")) {
-    const auto dir = std::filesystem::path(keep) / title.substr(0, title.find(','));
-    std::filesystem::create_directories(dir);
-    std::filesystem::copy(tmp.path(), dir,
-                          std::filesystem::copy_options::recursive |
-                              std::filesystem::copy_options::overwrite_existing);
+    namespace fs = std::filesystem;
+    const auto dir = fs::path(keep) / title.substr(0, title.find(','));
+    for (auto it = fs::recursive_directory_iterator(tmp.path());
+         it != fs::recursive_directory_iterator(); ++it) {
+      if (it->is_directory() && it->path().filename() == "checkpoints") {
+        it.disable_recursion_pending();
+        continue;
+      }
+      const auto to = dir / fs::relative(it->path(), tmp.path());
+      if (it->is_directory())
+        fs::create_directories(to);
+      else
+        fs::copy_file(it->path(), to, fs::copy_options::overwrite_existing);
+    }
   }
   if (!unjudged.empty()) {
     std::string names;
