@@ -171,6 +171,10 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const int64_t ep = layout.ep, e_local = m.n_experts / ep;
   const int64_t tp = layout.tp, NHt = m.n_heads / tp, NKVt = m.n_kv_heads / tp;
   StepParts& s = p.parts;
+  // Megatron's tensor parallelism: an all-reduce of the (N, C) activations after attention and
+  // after the FFN, forward and backward, on the critical path: four a layer, the same each.
+  p.comm.tensor_parallel = ring_allreduce(cluster, N * C * bytes_of(prec), tp, false);
+  const double tp_allreduce_s = p.comm.tensor_parallel.seconds();
 
   // --- compute of one micro-batch, forward + backward ---
   for (int64_t l = 0; l < m.n_layers; ++l) {
@@ -178,11 +182,8 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.attention += linear_fb_time(dev, prec, N, NHt * HS, C) +
                    2 * linear_fb_time(dev, prec, N, NKVt * HS, C) +
                    linear_fb_time(dev, prec, N, C, NHt * HS);
-    // Megatron's tensor parallelism: an all-reduce of the (N, C) activations after attention
-    // and after the FFN, forward and backward, on the critical path.
-    p.comm.tensor_parallel = ring_allreduce(cluster, N * C * bytes_of(prec), tp, false);
     if (tp > 1) p.comm.tp_count += 4;
-    s.tensor_parallel += 4 * p.comm.tensor_parallel.seconds();
+    s.tensor_parallel += 4 * tp_allreduce_s;
     // Scores and values: forward 2 products; a flash-style backward recomputes the scores and
     // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
     // Without a measured rate (accelerators), a fused (flash) kernel at the precision's

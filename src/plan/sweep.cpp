@@ -160,25 +160,34 @@ std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
   return out;
 }
 
+namespace {
+
+// A layout's dimensions, as the best and the skipped layouts name them.
+nlohmann::json point_json(const SweepPoint& pt) {
+  return {{"procs", pt.layout.procs},
+          {"tp", pt.layout.tp},
+          {"pp", pt.layout.pp},
+          {"ep", pt.layout.ep},
+          {"hierarchical", pt.hierarchical}};
+}
+
+}  // namespace
+
 nlohmann::json sweep_json(const Sweep& sweep, const SweepResult& r) {
   nlohmann::json layouts = nlohmann::json::array(), best = nlohmann::json::array(),
                  skipped = nlohmann::json::array();
   for (const auto& p : r.predictions) layouts.push_back(to_json(p));
-  for (const size_t i : r.best)
-    best.push_back({{"procs", r.points[i].layout.procs},
-                    {"tp", r.points[i].layout.tp},
-                    {"pp", r.points[i].layout.pp},
-                    {"ep", r.points[i].layout.ep},
-                    {"hierarchical", r.points[i].hierarchical},
-                    {"step_time_s", r.predictions[i].step_time_s},
-                    {"tokens_per_s", r.predictions[i].tokens_per_s}});
-  for (size_t i = 0; i < r.skipped.size(); ++i)
-    skipped.push_back({{"procs", r.skipped[i].layout.procs},
-                       {"tp", r.skipped[i].layout.tp},
-                       {"pp", r.skipped[i].layout.pp},
-                       {"ep", r.skipped[i].layout.ep},
-                       {"hierarchical", r.skipped[i].hierarchical},
-                       {"why", r.why[i]}});
+  for (const size_t i : r.best) {
+    nlohmann::json b = point_json(r.points[i]);
+    b["step_time_s"] = r.predictions[i].step_time_s;
+    b["tokens_per_s"] = r.predictions[i].tokens_per_s;
+    best.push_back(b);
+  }
+  for (size_t i = 0; i < r.skipped.size(); ++i) {
+    nlohmann::json sk = point_json(r.skipped[i]);
+    sk["why"] = r.why[i];
+    skipped.push_back(sk);
+  }
   nlohmann::json out{{"layouts", layouts}, {"best", best}, {"skipped", skipped}};
   if (!sweep.procs_swept && !r.best.empty()) out["best_ep"] = r.points[r.best[0]].layout.ep;
   return out;
