@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/buffer.h"
 #include "core/check.h"
 
 namespace moetrain {
@@ -43,13 +44,17 @@ void Comm::reduce_scatter_impl(T* out, const T* in, std::span<const int64_t> cou
     recv_counts[q] = mine * kSize;
     recv_displs[q] = static_cast<int64_t>(q) * mine * kSize;
   }
-  // (P, mine): row q is rank q's contribution to this rank's chunk.
-  std::vector<T> parts(static_cast<std::size_t>(P * mine));
-  alltoallv(parts.data(), recv_counts, recv_displs, in, send_counts, send_displs);
+  // (P, mine): row q is rank q's contribution to this rank's chunk, all of it received. Kept by
+  // the calling thread and never zero-filled: a gradient bucket's parts (up to the bucket's
+  // 25 MiB) allocated afresh at each call were zeroed and then faulted in page by page, every
+  // bucket of every step.
+  thread_local GrowBuffer<sizeof(T)> scratch;
+  T* parts = static_cast<T*>(scratch.grow(P * mine));
+  alltoallv(parts, recv_counts, recv_displs, in, send_counts, send_displs);
   if (mine == 0) return;
-  std::memcpy(out, parts.data(), static_cast<std::size_t>(mine) * sizeof(T));
+  std::memcpy(out, parts, static_cast<std::size_t>(mine) * sizeof(T));
   for (int q = 1; q < P; ++q) {
-    const T* src = parts.data() + static_cast<int64_t>(q) * mine;
+    const T* src = parts + static_cast<int64_t>(q) * mine;
     if (op == ReduceOp::Sum) {
       for (int64_t i = 0; i < mine; ++i) out[i] += src[i];
     } else {

@@ -81,27 +81,43 @@ void measure_shares(Comm& world, CommThread& thread, F&& exchange, double t_x, C
   polite_barrier();
   world.allreduce(&guess, 1, {.op = ReduceOp::Max});  // every rank runs the same calls
   const double cores = std::max(1u, std::thread::hardware_concurrency());
+  // The ratios' rounds are chosen first, then timed in three passes over all of them, each
+  // ratio's cost the median of its passes: every ratio is read against the largest, and the
+  // machine's speed drifts over the seconds this takes (ratio after ratio, one pass each, the
+  // share at ratio 4 read 0.39 to 0.71 from one calibration to the next, where even works over
+  // shared memory get half a core).
   std::vector<int64_t> calls_at;
-  std::vector<double> per_call;  // seconds per call beyond the exchange, mean over the ranks
+  std::vector<int> rounds_at;
   for (const double r : {0.25, 1.0, 4.0, 16.0}) {
     const int64_t calls = std::max<int64_t>(1, std::llround(r * t_x / guess));
     if (!calls_at.empty() && calls == calls_at.back()) continue;  // a fast exchange
-    // About 1.5 s of rounds at the fair share (at least 3, so that the scheduler's time slices
-    // average out over a fast exchange); a ratio whose 3 rounds would take over 6 s is left
-    // out (a very slow link's largest ratio: the largest measured is then the reference).
+    // About 0.5 s of rounds a pass at the fair share (at least 1, so 3 over the passes, that
+    // the scheduler's time slices average out over a fast exchange); a ratio whose 3 rounds
+    // would take over 6 s is left out (a very slow link's largest ratio: the largest measured
+    // is then the reference).
     const double round_s = t_x + static_cast<double>(calls) * guess * P / cores;
     if (3 * round_s > 6.0) break;
-    const int rounds = static_cast<int>(std::clamp(std::ceil(1.5 / round_s), 3.0, 1000.0));
-    thread.wait(thread.post(exchange));  // warm-up round
-    Timer timer;
-    for (int round = 0; round < rounds; ++round) {
-      for (int64_t i = 0; i < calls; ++i) unit();
-      thread.wait(thread.post(exchange));
-    }
-    double cost = (timer.seconds() / rounds - t_x) / static_cast<double>(calls);
-    world.allreduce(&cost, 1);
     calls_at.push_back(calls);
-    per_call.push_back(cost / P);
+    rounds_at.push_back(static_cast<int>(std::clamp(std::ceil(0.5 / round_s), 1.0, 1000.0)));
+  }
+  std::vector<std::vector<double>> costs(calls_at.size());
+  for (int pass = 0; pass < 3; ++pass) {
+    for (std::size_t i = 0; i < calls_at.size(); ++i) {
+      thread.wait(thread.post(exchange));  // warm-up round: the ranks leave it together
+      Timer timer;
+      for (int round = 0; round < rounds_at[i]; ++round) {
+        for (int64_t c = 0; c < calls_at[i]; ++c) unit();
+        thread.wait(thread.post(exchange));
+      }
+      double cost = (timer.seconds() / rounds_at[i] - t_x) / static_cast<double>(calls_at[i]);
+      world.allreduce(&cost, 1);
+      costs[i].push_back(cost / P);
+    }
+  }
+  std::vector<double> per_call;  // seconds per call beyond the exchange, mean over the ranks
+  for (auto& c : costs) {
+    std::sort(c.begin(), c.end());
+    per_call.push_back(c[1]);
   }
   if (per_call.empty() || per_call.back() <= 0) return;
   const double alone = per_call.back() * cores / P;  // a call's cost at a whole core
