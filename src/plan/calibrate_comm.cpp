@@ -84,7 +84,7 @@ void measure_shares(Comm& world, CommThread& thread, F&& exchange, double t_x, C
   // The ratios' rounds are chosen first, then timed in three passes over all of them, each
   // ratio's cost the median of its passes: every ratio is read against the largest, and the
   // machine's speed drifts over the seconds this takes (ratio after ratio, one pass each, the
-  // share at ratio 4 read 0.39 to 0.71 from one calibration to the next, where even works over
+  // share at ratio 4 read 0.37 to 0.71 from one calibration to the next, where even works over
   // shared memory get half a core).
   std::vector<int64_t> calls_at;
   std::vector<int> rounds_at;
