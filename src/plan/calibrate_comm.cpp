@@ -91,10 +91,10 @@ void measure_shares(Comm& world, CommThread& thread, F&& exchange, double t_x, C
   for (const double r : {0.25, 1.0, 4.0, 16.0}) {
     const int64_t calls = std::max<int64_t>(1, std::llround(r * t_x / guess));
     if (!calls_at.empty() && calls == calls_at.back()) continue;  // a fast exchange
-    // About 0.5 s of rounds a pass at the fair share (at least 1, so 3 over the passes, that
-    // the scheduler's time slices average out over a fast exchange); a ratio whose 3 rounds
-    // would take over 6 s is left out (a very slow link's largest ratio: the largest measured
-    // is then the reference).
+    // About 0.5 s of rounds a pass at the fair share, at least one a pass (so at least three in
+    // all, for the scheduler's time slices to average out over a fast exchange); a ratio whose
+    // 3 rounds would take over 6 s is left out (a very slow link's largest ratio: the largest
+    // measured is then the reference).
     const double round_s = t_x + static_cast<double>(calls) * guess * P / cores;
     if (3 * round_s > 6.0) break;
     calls_at.push_back(calls);
