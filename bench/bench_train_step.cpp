@@ -244,6 +244,7 @@ BENCHMARK(BM_train_step)
 
 int main(int argc, char** argv) {
   init_threads();
+  pin_threads();  // as the trainer runs one process
   bool profile_mode = false, paired = false;
   int64_t batch = 0, seq = 0;
   int steps = 0;  // the mode's default

@@ -1,10 +1,12 @@
 #include "core/threads.h"
 
 #include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <thread>
+#include <vector>
 
 namespace moetrain {
 
@@ -27,6 +29,45 @@ int init_threads(int requested, int local_processes) {
 
 int num_threads() {
   return omp_get_max_threads();
+}
+
+namespace {
+// The mask the process had before pin_threads (valid when g_pinned).
+cpu_set_t g_mask;
+bool g_pinned = false;
+}  // namespace
+
+bool pin_threads() {
+  if (g_pinned) return true;
+  for (const char* v : {"OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"})
+    if (std::getenv(v)) return false;
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof(mask), &mask) != 0) return false;
+  const int n = num_threads();
+  if (n < 2 || CPU_COUNT(&mask) != n) return false;
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE && static_cast<int>(cpus.size()) < n; ++c)
+    if (CPU_ISSET(c, &mask)) cpus.push_back(c);
+  int failed = 0;
+#pragma omp parallel num_threads(n) reduction(+ : failed)
+  {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpus[omp_get_thread_num()], &one);
+    failed += sched_setaffinity(0, sizeof(one), &one) != 0;
+  }
+  g_mask = mask;
+  g_pinned = true;
+  if (failed > 0) unpin_threads();
+  return failed == 0;
+}
+
+void unpin_threads() {
+  if (!g_pinned) return;
+#pragma omp parallel num_threads(num_threads())
+  sched_setaffinity(0, sizeof(g_mask), &g_mask);
+  g_pinned = false;
 }
 
 }  // namespace moetrain
