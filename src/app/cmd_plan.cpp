@@ -128,11 +128,7 @@ Run add_plan_command(CLI::App& app) {
       std::unique_ptr<RunConfig> cfg;
       if (!args->config.empty())
         cfg = std::make_unique<RunConfig>(load_run_config(args->config, args->overrides));
-      // The kernels as a one-process run computes them (its threads pinned, core/threads.h);
-      // the collectives' processes started below must not inherit one core.
-      pin_threads();
       const plan::Calibration cal = plan::calibrate(!args->no_bf16, cfg.get());
-      unpin_threads();
       std::vector<plan::CommFigures> comm;
       for (const int64_t P : comm_procs) {
         int64_t grad = args->grad_bytes, a2a = args->a2a_bytes;
