@@ -5,7 +5,6 @@
 
 #include "app/commands.h"
 #include "app/dist_options.h"
-#include "core/log.h"
 #include "core/threads.h"
 #include "train/classifier_config.h"
 #include "train/classifier_trainer.h"
@@ -33,7 +32,7 @@ Run add_classify_command(CLI::App& app) {
     ClassifierRunConfig cfg = load_classifier_config(args->config, overrides);
     const std::unique_ptr<CollectiveWatchdog> watchdog = watch_collectives(cfg.dist);
     ClassifierTrainer trainer(cfg, {}, args->resume);
-    if (trainer.world_size() == 1 && pin_threads()) log_info("threads pinned to cores");  // as train
+    if (trainer.world_size() == 1) pin_threads();  // as train
     ClassifierTrainResult r = trainer.run();
     if (r.exit_code != 0) return r.exit_code;
     if (trainer.rank() != 0) return 0;  // one summary for the whole run

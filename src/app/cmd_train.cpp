@@ -9,7 +9,6 @@
 #include "app/checks.h"
 #include "app/commands.h"
 #include "app/dist_options.h"
-#include "core/log.h"
 #include "core/threads.h"
 #include "data/shard.h"
 #include "parallel/runtime.h"
@@ -86,7 +85,7 @@ Run add_train_command(CLI::App& app) {
     if (!args->init_from.empty()) trainer.init_weights_from(args->init_from);
     // One process alone: its threads each on a core of their own (core/threads.h). A distributed
     // run's processes keep theirs unpinned: their communication threads would inherit one core.
-    if (trainer.world_size() == 1 && pin_threads()) log_info("threads pinned to cores");
+    if (trainer.world_size() == 1) pin_threads();
     TrainResult r = trainer.run();
     if (r.exit_code != 0) return r.exit_code;
     if (trainer.rank() != 0) return 0;  // one summary for the whole run

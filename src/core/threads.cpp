@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/log.h"
+
 namespace moetrain {
 
 int hardware_cores() {
@@ -59,8 +61,12 @@ bool pin_threads() {
   }
   g_mask = mask;
   g_pinned = true;
-  if (failed > 0) unpin_threads();
-  return failed == 0;
+  if (failed > 0) {
+    unpin_threads();
+    return false;
+  }
+  log_info("threads pinned to cores");
+  return true;
 }
 
 void unpin_threads() {

@@ -17,7 +17,7 @@ int hardware_cores();
 // "Threads pinned to cores"; the planner's kernel calibration, which times its kernels in tight
 // loops, measured the same either way and stays unpinned). Only for a process that runs alone:
 // threads and processes it starts while pinned inherit the calling thread's one CPU, so call
-// unpin_threads() before starting any. Returns whether it pinned.
+// unpin_threads() before starting any. Says so in the log and returns whether it pinned.
 bool pin_threads();
 // Gives every OpenMP thread the process's whole mask back (a no-op when nothing was pinned).
 void unpin_threads();
