@@ -228,15 +228,16 @@ class StepRig {
       engine_->zero_grads();
       model_.forward(params_.data(), inputs_.data(), targets_.data(), p_.B, p_.T, step_);
       model_.backward(params_.data(), grads_.data(), 1.0f);
-      apply_update(engine_->gradient(), *comm_, uo_,
-                   [&] { engine_->adamw_step(oc_, groups_, 1e-4f, steps_); });
+      if (!check_and_clip(engine_->gradient(), *comm_, uo_).skipped)
+        engine_->adamw_step(oc_, groups_, 1e-4f, steps_);
       model_.device_engine()->synchronize();
     } else {
       std::fill(grads_.begin(), grads_.end(), 0.0f);
       model_.forward(params_.data(), inputs_.data(), targets_.data(), p_.B, p_.T, step_);
       model_.backward(params_.data(), grads_.data(), 1.0f);
       FlatGradient g(grads_.data(), static_cast<int64_t>(grads_.size()));
-      apply_update(g, *comm_, uo_, [&] { cpu_opt_->step(params_.data(), grads_.data(), 1e-4f); });
+      if (!check_and_clip(g, *comm_, uo_).skipped)
+        cpu_opt_->step(params_.data(), grads_.data(), 1e-4f);
       model_.weights_changed();
     }
   }

@@ -2,10 +2,13 @@
 // and a non-zero exit (2 for bad usage, 1 for everything else). Under an MPI launcher an error
 // ends every process of the run (MPI_Abort), so no rank is left waiting in a collective.
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 
 #include "app/commands.h"
 #include "core/check.h"
+#include "core/log.h"
 #include "parallel/runtime.h"
 
 namespace {
@@ -71,11 +74,19 @@ int fail(const char* message) {
 
 int main(int argc, char** argv) {
   int code = 1;
+  // MOETRAIN_LOG_LEVEL=debug: also what only a developer needs (where an error was raised).
+  if (const char* level = std::getenv("MOETRAIN_LOG_LEVEL"); level && std::strcmp(level, "debug") == 0)
+    moetrain::set_log_level(moetrain::LogLevel::Debug);
   try {
     moetrain::dist_init(&argc, &argv);
     code = run_command(argc, argv);
   } catch (const moetrain::Error& e) {
-    return fail(e.describe().c_str());
+    // The user reads what is wrong and what to do; where the code noticed it is for a developer
+    // (MOETRAIN_LOG_LEVEL=debug).
+    if (moetrain::log_level() <= moetrain::LogLevel::Debug)
+      moetrain::log_message(moetrain::LogLevel::Debug, true,
+                            fmt::format("the error was raised at {}", e.location()));
+    return fail(e.what());
   } catch (const std::exception& e) {
     return fail(e.what());
   }

@@ -4,11 +4,15 @@
 
 namespace moetrain {
 
-std::string Error::describe() const {
-  // Show the path from src/ on: the build machine's prefix says nothing to a user.
+std::string Error::location() const {
+  // The path from src/ on: the build machine's prefix says nothing.
   const char* shown = file_;
   if (const char* p = std::strstr(file_, "src/")) shown = p;
-  return fmt::format("{} (at {}:{})", what(), shown, line_);
+  return fmt::format("{}:{}", shown, line_);
+}
+
+std::string Error::describe() const {
+  return fmt::format("{} (at {})", what(), location());
 }
 
 namespace detail {

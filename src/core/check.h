@@ -14,6 +14,8 @@ class Error : public std::runtime_error {
       : std::runtime_error(message), file_(file), line_(line) {}
   const char* file() const { return file_; }
   int line() const { return line_; }
+  // "src/x.cpp:12": where the error was raised, for the debug log (a user's message is what())
+  std::string location() const;
   // "message (at src/x.cpp:12)"
   std::string describe() const;
 

@@ -61,6 +61,12 @@ std::vector<MoeLayer*> Classifier::moe_layers() {
   return out;
 }
 
+std::vector<MoeBlockRef> Classifier::moe_blocks() {
+  std::vector<MoeBlockRef> out;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) out.push_back({l, layout_.blocks[l], moe_[l].get()});
+  return out;
+}
+
 void Classifier::ensure_capacity(int64_t N) {
   if (N <= capacity_) return;
   const int64_t C = cfg_.dim, V = cfg_.n_classes, L = cfg_.n_layers;

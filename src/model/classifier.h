@@ -11,6 +11,7 @@
 
 #include "model/config.h"
 #include "model/params.h"
+#include "model/trainable.h"
 #include "moe/moe_layer.h"
 
 namespace moetrain {
@@ -64,7 +65,7 @@ struct ClassifierLoss {
   int64_t n = 0;        // rows
 };
 
-class Classifier {
+class Classifier final : public TrainableModel {
  public:
   // ctx: what runs the MoE layers (default: this process alone).
   explicit Classifier(const ClassifierConfig& cfg, const MoeContext& ctx = {});
@@ -72,16 +73,18 @@ class Classifier {
 
   const ClassifierConfig& config() const { return cfg_; }
   const ClassifierLayout& layout() const { return layout_; }
+  const ParamTable& param_table() const override { return layout_; }
 
   // inputs (N, D); labels (N) in [0, V), or null for logits only (no loss, no backward).
   // `inputs` is read again by backward: keep it valid and unchanged until then.
   ClassifierLoss forward(const float* params, const float* inputs, const int32_t* labels, int64_t N,
                          const MoeStep& step);
   // grads += ∂(loss_weight · total)/∂params for the last forward, which must have had labels.
-  void backward(const float* params, float* grads, float loss_weight);
+  void backward(const float* params, float* grads, float loss_weight) override;
 
   const float* logits() const { return logits_.data(); }  // (N, V) of the last forward
-  std::vector<MoeLayer*> moe_layers();
+  std::vector<MoeLayer*> moe_layers() override;
+  std::vector<MoeBlockRef> moe_blocks() override;
 
  private:
   void ensure_capacity(int64_t N);

@@ -93,6 +93,14 @@ std::vector<MoeLayer*> Transformer::moe_layers() {
   return out;
 }
 
+std::vector<MoeBlockRef> Transformer::moe_blocks() {
+  std::vector<MoeBlockRef> out;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l)
+    if (const int64_t m = moe_index_[l]; m >= 0)
+      out.push_back({l, layout_.layers[l], moe_[m].get()});
+  return out;
+}
+
 void Transformer::ensure_capacity(int64_t N) {
   if (N <= capacity_) return;
   const int64_t C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();

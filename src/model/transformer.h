@@ -12,6 +12,7 @@
 #include "core/buffer.h"
 #include "model/config.h"
 #include "model/params.h"
+#include "model/trainable.h"
 #include "moe/moe_layer.h"
 
 namespace moetrain {
@@ -37,7 +38,7 @@ struct KvCache {
 
 class DeviceEngine;
 
-class Transformer {
+class Transformer final : public TrainableModel {
  public:
   // ctx: what runs the MoE layers besides this process — the expert exchange and the statistics
   // communicator (default: this process alone). A distributed trainer passes an MPI exchange;
@@ -47,17 +48,18 @@ class Transformer {
 
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
+  const ParamTable& param_table() const override { return layout_; }
 
   // inputs, targets (B, T) int32; targets may be null (no loss; logits only) and −1 skips a
   // position.
   LossParts forward(const float* params, const int32_t* inputs, const int32_t* targets, int64_t B,
                     int64_t T, const MoeStep& step);
   // grads += ∂(loss_weight · total)/∂params for the last forward (which must have had targets).
-  void backward(const float* params, float* grads, float loss_weight);
+  void backward(const float* params, float* grads, float loss_weight) override;
   // Called during backward whenever the gradients at flat offsets ≥ `ready_from` are final (the
   // layout runs embedding, blocks, final norm, head, and backward visits them in reverse), so a
   // distributed trainer can start reducing them while backward goes on. Empty: no calls.
-  void set_grads_ready_hook(std::function<void(int64_t ready_from)> hook) {
+  void set_grads_ready_hook(std::function<void(int64_t ready_from)> hook) override {
     grads_ready_ = std::move(hook);
   }
 
@@ -81,7 +83,8 @@ class Transformer {
   // values and returns its logits (V). The cache must not be full.
   const float* decode(const float* params, int32_t token, KvCache& cache);
   // The MoE layers (one per MoE block, in layer order) — stats, router biases, timings.
-  std::vector<MoeLayer*> moe_layers();
+  std::vector<MoeLayer*> moe_layers() override;
+  std::vector<MoeBlockRef> moe_blocks() override;
   int64_t moe_index(int64_t layer) const { return moe_index_[layer]; }  // −1 for dense layers
 
   // Mixed precision. F32 (the default) computes everything in f32. BF16 / F16: every GEMM of
@@ -96,12 +99,12 @@ class Transformer {
   DType precision() const { return lp_; }
   // The weight copy is rebuilt at the next forward: call after changing the parameters in place
   // (an optimizer step, a load). A forward with a different params pointer rebuilds it anyway.
-  void weights_changed();
+  void weights_changed() override;
   // The low-precision weight copy, for an optimizer step to write as it updates (Optimizer::step):
   // data only where the copy is current for `params` (a forward with them built it); none in f32.
-  LowPrecisionCopy lp_copy_of(const float* params);
+  LowPrecisionCopy lp_copy_of(const float* params) override;
   // After a step that wrote every parameter it changed into that copy: the copy stays current.
-  void weights_changed_copy_kept();
+  void weights_changed_copy_kept() override;
 
   // Model FLOPs per token for forward+backward (6·active params + attention), for MFU.
   double flops_per_token(int64_t T) const;

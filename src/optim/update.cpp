@@ -41,8 +41,7 @@ void FlatGradient::scale_ranges(const std::vector<WeightedRange>& ranges) {
   for (const WeightedRange& r : ranges) scale_gradients(g_ + r.offset, r.size, r.factor);
 }
 
-UpdateOutcome apply_update(GradientShard& grads, Comm& comm, const UpdateOptions& opts,
-                           const std::function<void()>& step) {
+UpdateOutcome check_and_clip(GradientShard& grads, Comm& comm, const UpdateOptions& opts) {
   UpdateOutcome out;
   out.loss_scale = opts.scaler ? static_cast<double>(opts.scaler->scale()) : 1.0;
   int64_t bad = grads.has_non_finite() ? 1 : 0;
@@ -64,7 +63,6 @@ UpdateOutcome apply_update(GradientShard& grads, Comm& comm, const UpdateOptions
     out.clip_coef = clip_coefficient(out.grad_norm, opts.grad_clip);
     if (out.clip_coef != 1.0) grads.scale(static_cast<float>(out.clip_coef));
   }
-  step();
   return out;
 }
 

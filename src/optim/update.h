@@ -1,8 +1,11 @@
-// The one update step every trainer takes after its gradients are complete (and reduced, when
-// several processes hold them):
+// The check before every optimizer step, taken after the gradients are complete (and reduced,
+// when several processes hold them):
 //
 //   non-finite check → (fp16) loss-scaler decision → unscale → expert reweighting → global norm
-//   → clip → step
+//   → clip
+//
+// then, unless the step is skipped, the caller steps its optimizer: the update reads top to
+// bottom (train/step_engine.cpp: reduce → check_and_clip → step → finish).
 //
 // The gradient is seen through GradientShard: the elements this process is responsible for
 // (all of them on one process; its shard of the reduced gradient under data parallelism). The
@@ -11,7 +14,6 @@
 // clips by the same factor. With a local communicator the sums are the process's own values.
 #pragma once
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -83,10 +85,9 @@ struct UpdateOutcome {
   double clip_coef = 1;    // the factor clipping applied
 };
 
-// Collective over `comm`. Runs the sequence above and calls step() (the optimizer step on the
-// unscaled, clipped gradients) unless the step is skipped. Without a scaler a non-finite gradient
-// is an Error naming opts.where and the number of processes that saw one.
-UpdateOutcome apply_update(GradientShard& grads, Comm& comm, const UpdateOptions& opts,
-                           const std::function<void()>& step);
+// Collective over `comm`. Runs the sequence above; the caller then takes the optimizer step on
+// the unscaled, clipped gradients unless the outcome says it is skipped. Without a scaler a
+// non-finite gradient is an Error naming opts.where and the number of processes that saw one.
+UpdateOutcome check_and_clip(GradientShard& grads, Comm& comm, const UpdateOptions& opts);
 
 }  // namespace moetrain

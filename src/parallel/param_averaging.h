@@ -10,7 +10,7 @@
 
 #include "core/comm.h"
 #include "parallel/grad_sync.h"
-#include "parallel/sharded_optimizer.h"
+#include "optim/sharded_optimizer.h"
 
 namespace moetrain {
 

@@ -208,7 +208,8 @@ class Server {
     o.grad_clip = 0;
     o.where = fmt::format("clock {}, keys [{}, {})", in.clock, begin_, end_);
     o.advice = "Lower optim.lr or raise optim.warmup_steps";
-    apply_update(grads, *comm_, o, [&] { opt_->step(values, in.sum, static_cast<float>(lr)); });
+    if (!check_and_clip(grads, *comm_, o).skipped)
+      opt_->step(values, in.sum, static_cast<float>(lr));
     return lr;
   }
 

@@ -55,15 +55,14 @@ MicroLoss forward_micro(Classifier& model, const float* params, const ImageBatch
 MoeStep micro_batch_step(uint64_t seed, int64_t step, int64_t micro_batches, int64_t micro,
                          int64_t token_offset);
 
-template <class Batch>
-struct AccumulateArgs {
+// Everything of a step's accumulation but its batches (the step engine sets these).
+struct AccumulateHooks {
   int64_t micro_batches = 1;  // A
   // backward's weight of each micro-batch's total loss (1/(A·W), times the fp16 loss scale).
   float loss_weight = 1;
   // Each layer's dropped fraction is summed divided by this (A·W: the mean over every process's
   // micro-batches once summed over processes).
   double dropped_divisor = 1;
-  std::function<Batch(int64_t micro)> fill;
   std::function<MoeStep(int64_t micro)> moe_step;
   // Called right before the last micro-batch's backward (overlapped gradient reduction). May be
   // empty.
@@ -76,6 +75,11 @@ struct AccumulateArgs {
   SparseExperts* sparse = nullptr;
   // The error text for a non-finite loss (what stopped, what to do). Called only then.
   std::function<std::string(const LossParts&)> bad_loss;
+};
+
+template <class Batch>
+struct AccumulateArgs : AccumulateHooks {
+  std::function<Batch(int64_t micro)> fill;
 };
 
 struct Accumulated {

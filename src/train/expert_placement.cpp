@@ -6,23 +6,20 @@
 
 namespace moetrain {
 
-ExpertPlacement::ExpertPlacement(const PlacementConfig& cfg, Transformer& model,
-                                 std::unique_ptr<Comm> ep_group, int64_t ranks_per_node)
-    : model_(model),
-      group_(std::move(ep_group)),
-      planner_(cfg, static_cast<int64_t>(model.moe_layers().size()), model.config().n_experts,
-               group_->size(), ranks_per_node),
-      sync_(*group_, model.config().moe_config(model.config().dim)) {
-  for (int64_t l = 0; l < model.config().n_layers; ++l)
-    if (model.moe_index(l) >= 0) layer_of_.push_back(l);
-  reduced_.assign(layer_of_.size(), false);
-  std::vector<MoeLayer*> layers = model_.moe_layers();
-  for (std::size_t m = 0; m < layers.size(); ++m)
-    layers[m]->set_placement(&planner_.placement(static_cast<int64_t>(m)));
+ExpertPlacement::ExpertPlacement(const PlacementConfig& cfg, TrainableModel& model,
+                                 const MoeConfig& moe, std::unique_ptr<Comm> ep_group,
+                                 int64_t ranks_per_node)
+    : group_(std::move(ep_group)),
+      blocks_(model.moe_blocks()),
+      planner_(cfg, static_cast<int64_t>(blocks_.size()), moe.E, group_->size(), ranks_per_node),
+      sync_(*group_, moe) {
+  reduced_.assign(blocks_.size(), false);
+  for (std::size_t m = 0; m < blocks_.size(); ++m)
+    blocks_[m].moe->set_placement(&planner_.placement(static_cast<int64_t>(m)));
 }
 
 void ExpertPlacement::reduce_block(int64_t m, float* grads) {
-  const MoeWeights g = moe_weights(grads, model_.layout().layers[layer_of_[m]]);
+  const MoeWeights g = moe_weights(grads, blocks_[m].offsets);
   sync_.reduce_grads(planner_.placement(m), g);
   reduced_[m] = true;
 }
@@ -31,9 +28,9 @@ std::function<void(int64_t)> ExpertPlacement::grads_ready(std::function<void(int
                                                           float* grads) {
   return [this, inner = std::move(inner), grads](int64_t from) {
     // Backward visits the blocks last to first; `from` is the first offset that is final.
-    for (int64_t m = static_cast<int64_t>(layer_of_.size()) - 1; m >= 0; --m) {
+    for (int64_t m = static_cast<int64_t>(blocks_.size()) - 1; m >= 0; --m) {
       if (reduced_[m]) continue;
-      if (model_.layout().layers[layer_of_[m]].w1 >= from) reduce_block(m, grads);
+      if (blocks_[m].offsets.w1 >= from) reduce_block(m, grads);
     }
     if (inner) inner(from);
     if (from == 0) std::fill(reduced_.begin(), reduced_.end(), false);
@@ -42,23 +39,21 @@ std::function<void(int64_t)> ExpertPlacement::grads_ready(std::function<void(int
 
 void ExpertPlacement::after_step(int64_t steps, const std::vector<std::vector<int64_t>>& loads,
                                  float* params) {
-  std::vector<MoeLayer*> layers = model_.moe_layers();
-  for (std::size_t m = 0; m < layers.size(); ++m) {
+  for (std::size_t m = 0; m < blocks_.size(); ++m) {
     const int64_t mi = static_cast<int64_t>(m);
     planner_.observe(mi, loads[m].data());
     if (planner_.due(steps)) {
       const std::vector<ExpertMove> moves = planner_.replan(mi);
       if (!moves.empty()) log_info("step {}: placement {}", steps, describe_moves(mi, moves));
-      layers[m]->set_placement(&planner_.placement(mi));
+      blocks_[m].moe->set_placement(&planner_.placement(mi));
     }
-    sync_.refresh(planner_.placement(mi),
-                  moe_weights(params, model_.layout().layers[layer_of_[m]]));
+    sync_.refresh(planner_.placement(mi), moe_weights(params, blocks_[m].offsets));
   }
 }
 
 std::vector<double> ExpertPlacement::replicas_per_expert() const {
   std::vector<double> out;
-  for (std::size_t m = 0; m < layer_of_.size(); ++m)
+  for (std::size_t m = 0; m < blocks_.size(); ++m)
     out.push_back(planner_.replicas_per_expert(static_cast<int64_t>(m)));
   return out;
 }

@@ -15,7 +15,8 @@
 #include <vector>
 
 #include "core/comm.h"
-#include "model/transformer.h"
+#include "model/trainable.h"
+#include "moe/config.h"
 #include "moe/placement.h"
 #include "parallel/replica_sync.h"
 
@@ -24,8 +25,9 @@ namespace moetrain {
 class ExpertPlacement {
  public:
   // ep_group: a communicator of its own over the EP group (one process: a group of one).
-  ExpertPlacement(const PlacementConfig& cfg, Transformer& model, std::unique_ptr<Comm> ep_group,
-                  int64_t ranks_per_node);
+  // moe: the model's MoE layer settings.
+  ExpertPlacement(const PlacementConfig& cfg, TrainableModel& model, const MoeConfig& moe,
+                  std::unique_ptr<Comm> ep_group, int64_t ranks_per_node);
 
   // The model's grads-ready hook over the gradient buffer `grads`: replica gradients first, then
   // `inner` (may be empty). Collective over the EP group, like the backward.
@@ -41,9 +43,8 @@ class ExpertPlacement {
  private:
   void reduce_block(int64_t m, float* grads);
 
-  Transformer& model_;
   std::unique_ptr<Comm> group_;
-  std::vector<int64_t> layer_of_;  // (MoE layers) the block each MoE layer sits in
+  std::vector<MoeBlockRef> blocks_;  // (MoE layers) each MoE layer's block
   PlacementPlanner planner_;
   ReplicaSync sync_;
   std::vector<bool> reduced_;  // (MoE layers) replica gradients sent in this backward

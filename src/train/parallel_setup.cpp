@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "core/dtype.h"
-#include "parallel/grad_reducer.h"
+#include "parallel/mpi_reducer.h"
 #include "parallel/grad_sync.h"
 
 namespace moetrain {

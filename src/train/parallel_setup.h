@@ -10,12 +10,12 @@
 #include <vector>
 
 #include "model/params.h"
-#include "optim/grad_reducer.h"
+#include "parallel/reducer.h"
 #include "parallel/comm_thread.h"
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
 #include "parallel/param_averaging.h"
-#include "parallel/sharded_optimizer.h"
+#include "optim/sharded_optimizer.h"
 #include "train/run_config.h"
 
 namespace moetrain {

@@ -16,9 +16,9 @@
 #include "model/classifier.h"
 #include "model/params.h"
 #include "model/transformer.h"
-#include "optim/grad_reducer.h"
+#include "parallel/reducer.h"
 #include "parallel/groups.h"
-#include "parallel/sharded_optimizer.h"
+#include "optim/sharded_optimizer.h"
 
 namespace moetrain {
 

@@ -16,8 +16,9 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-Result run(const std::string& args) {
-  std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " 2>&1";
+// env: assignments put before the command ("NAME=value ").
+Result run(const std::string& args, const std::string& env = "") {
+  std::string cmd = env + std::string(MOETRAIN_BINARY) + " " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   EXPECT_NE(p, nullptr);
   std::string out;
@@ -65,6 +66,21 @@ TEST(Cli, BadConfigIsAClearErrorNotACrash) {
   Result ckpt = run("sample --checkpoint " + (tmp / "nothing").string() + " --prompt hi");
   EXPECT_EQ(ckpt.code, 1);
   EXPECT_NE(ckpt.output.find("nothing"), std::string::npos) << ckpt.output;
+}
+
+TEST(Cli, ErrorsNameTheSettingNotTheSourceLocation) {
+  const std::string cfg = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  Result r = run("train --config " + cfg + " --set train.progress=fancy");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.output.find("train.progress = 'fancy'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("allowed are auto, bar, lines, off"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("src/"), std::string::npos) << r.output;
+  // A developer asks for the location.
+  Result debug = run("train --config " + cfg + " --set train.progress=fancy",
+                     "MOETRAIN_LOG_LEVEL=debug ");
+  EXPECT_EQ(debug.code, 1);
+  EXPECT_NE(debug.output.find("raised at src/train/run_config.h:"), std::string::npos)
+      << debug.output;
 }
 
 TEST(Cli, ReportNamesAMissingRunAndWritesWhatIsThere) {

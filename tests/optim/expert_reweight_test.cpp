@@ -146,7 +146,7 @@ TEST(ExpertReweight, ImportanceStateRoundTrips) {
 
 TEST(ExpertReweight, AppliedBeforeTheClip) {
   // With clipping active, the clipped gradient has norm grad_clip after reweighting: the norm
-  // apply_update reports and clips by is the reweighted gradient's.
+  // check_and_clip reports and clips by is the reweighted gradient's.
   const TwoLayerTable table;
   ExpertReweighter rw({ExpertReweightMode::GradNorm}, table);
   std::vector<float> g =
@@ -158,7 +158,7 @@ TEST(ExpertReweight, AppliedBeforeTheClip) {
   UpdateOptions opts;
   opts.grad_clip = 1.0;
   opts.reweight = &rw;
-  const UpdateOutcome out = apply_update(flat, *comm, opts, [] {});
+  const UpdateOutcome out = check_and_clip(flat, *comm, opts);
   EXPECT_NEAR(out.grad_norm, reweighted, 1e-5);
   double sq = 0;
   for (float v : g) sq += static_cast<double>(v) * v;

@@ -13,7 +13,7 @@
 #include "model/transformer.h"
 #include "optim/optimizer.h"
 #include "optim/param_groups.h"
-#include "parallel/sharded_optimizer.h"
+#include "optim/sharded_optimizer.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;

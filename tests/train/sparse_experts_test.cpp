@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "optim/sparse_experts.h"
-#include "parallel/sharded_optimizer.h"
+#include "optim/sharded_optimizer.h"
 #include "support/corpus.h"
 #include "support/expect_error.h"
 #include "support/run_metrics.h"

@@ -1,4 +1,4 @@
-#include "parallel/grad_reducer.h"
+#include "parallel/mpi_reducer.h"
 
 #include <utility>
 
@@ -28,14 +28,12 @@ GradientShard& MpiGradReducer::reduce(float* grads) {
   return *sync_;
 }
 
-void MpiGradReducer::update(float* params, float* grads,
-                            const std::function<void()>& optimizer_step) {
-  if (!zero1_) {
-    optimizer_step();
-    return;
-  }
-  sync_->unpack_shard(grads);
-  optimizer_step();
+void MpiGradReducer::prepare_step(float* grads) {
+  if (zero1_) sync_->unpack_shard(grads);
+}
+
+void MpiGradReducer::finish_step(float* params) {
+  if (!zero1_) return;
   ScopedTimer timer(inline_s_);
   sync_->allgather_params(params);
 }

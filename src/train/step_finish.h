@@ -1,6 +1,7 @@
-// The end of every trainer's step, after the accumulation routine: the gradient reduction and
-// the one update step (optim/update.h) with the optimizer, then the aux-loss-free router's bias
-// update, the step's figures reduced over the processes and its metrics line.
+// The end of the step engine's step (train/step_engine.h), after the update: the aux-loss-free
+// router's bias update and the controllers (dynamic capacity, RL gating), the step's figures
+// reduced over the processes and its metrics line, the step's communication; and moving a
+// resident device engine's state to and from the host.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -10,42 +11,17 @@
 #include "core/comm.h"
 #include "moe/capacity_controller.h"
 #include "moe/config.h"
-#include "optim/device_state.h"
 #include "moe/gating_controller.h"
-#include "optim/grad_reducer.h"
+#include "optim/device_state.h"
+#include "optim/sharded_optimizer.h"
 #include "optim/update.h"
 #include "parallel/comm_thread.h"
-#include "parallel/sharded_optimizer.h"
+#include "parallel/reducer.h"
 #include "train/accumulate.h"
 #include "train/step_metrics.h"
 
 namespace moetrain {
 
-struct StepUpdate {
-  UpdateOutcome outcome;
-  double inline_s = 0;   // the reducer communicated on this thread (GradReducer::inline_seconds)
-  double blocked_s = 0;  // this thread ran or waited for the reduction and the gathers
-  // The step wrote every parameter it changed into the low-precision copy too: the copy is
-  // current (false: it is stale, or there was none).
-  bool lp_copy_kept = false;
-};
-
-// Collective over control and the reducer's groups: params (n) stepped at lr by the optimizer
-// from the reduced grads (n), unless apply_update skips the step. The optimizer leaves the frozen
-// ranges alone (sparse experts). lp: the model's low-precision copy of params, current before the
-// step; the optimizer writes the elements it changes into it in its own pass, unless the reducer
-// then changes others (ZeRO-1's gather).
-StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
-                             float* params, float* grads, float lr, const UpdateOptions& opts,
-                             std::span<const FrozenRange> frozen = {},
-                             const LowPrecisionCopy& lp = {});
-
-// The same step with the gradients and the optimizer state on a resident device engine
-// (train.device = cuda, one process): apply_update on the engine's gradient, then AdamW on the
-// engine at the optimizer's next step, whose count the host optimizer keeps (checkpoints record it).
-StepUpdate device_update(DeviceTrainingState& engine, ShardedOptimizer& optimizer,
-                         const OptimizerConfig& config, std::span<const ParamRange> groups,
-                         Comm& control, float lr, const UpdateOptions& opts);
 // Parameters and optimizer moments between the host buffers (params, the optimizer's pieces) and
 // a resident engine: to_host before anything reads the host copies (a checkpoint), to_device
 // before the first step and after the host copies changed (a load).
@@ -58,9 +34,11 @@ void device_state_to_device(DeviceTrainingState& engine, ShardedOptimizer& optim
 class StepCommMeter {
  public:
   StepCommMeter(CommThread* thread, const GradReducer& reducer);
-  // After reduce_and_update. step_s is left to the caller (the step's wall time); a skipped
+  // After the update: update_inline_s and update_blocked_s are the update's communication on
+  // this thread and its waits. step_s is left to the caller (the step's wall time); a skipped
   // update discards the step's micro_batches gradient computations.
-  CommParts parts(const Accumulated& acc, const StepUpdate& up, double micro_batches) const;
+  CommParts parts(const Accumulated& acc, double update_inline_s, double update_blocked_s,
+                  bool skipped, double micro_batches) const;
 
  private:
   CommThread* thread_;

@@ -1,4 +1,4 @@
-#include "train/step_update.h"
+#include "train/step_finish.h"
 
 #include <algorithm>
 
@@ -37,46 +37,6 @@ std::vector<std::vector<int64_t>> reduced_loads(Comm& control, const Accumulated
   return out;
 }
 
-StepUpdate reduce_and_update(GradReducer& reducer, ShardedOptimizer& optimizer, Comm& control,
-                             float* params, float* grads, float lr, const UpdateOptions& opts,
-                             std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
-  StepUpdate out;
-  const LowPrecisionCopy kept = reducer.gathers_params() ? LowPrecisionCopy{} : lp;
-  const double inline_before = reducer.inline_seconds();
-  double exposed = 0;
-  GradientShard* shard = nullptr;
-  {
-    ScopedTimer timer(exposed);
-    shard = &reducer.reduce(grads);
-  }
-  out.outcome = apply_update(*shard, control, opts, [&] {
-    Timer outside;
-    double update_s = 0;
-    reducer.update(params, grads, [&] {
-      ScopedTimer timer(update_s);
-      optimizer.step(params, grads, lr, frozen, kept);
-    });
-    exposed += outside.seconds() - update_s;  // the ZeRO-1 parameter all-gather
-  });
-  out.inline_s = reducer.inline_seconds() - inline_before;
-  out.blocked_s = exposed;
-  // A skipped step changed nothing, so the copy stays as current as it was.
-  out.lp_copy_kept = kept.data != nullptr;
-  return out;
-}
-
-StepUpdate device_update(DeviceTrainingState& engine, ShardedOptimizer& optimizer,
-                         const OptimizerConfig& config, std::span<const ParamRange> groups,
-                         Comm& control, float lr, const UpdateOptions& opts) {
-  StepUpdate out;
-  out.outcome = apply_update(engine.gradient(), control, opts, [&] {
-    const int64_t t = optimizer.step_count() + 1;
-    engine.adamw_step(config, groups, lr, t);
-    optimizer.set_step_count(t);
-  });
-  return out;
-}
-
 namespace {
 // The AdamW moments of each optimizer piece, with the piece's flat range.
 template <class Fn>
@@ -112,17 +72,18 @@ StepCommMeter::StepCommMeter(CommThread* thread, const GradReducer& reducer)
       thread_before_(thread ? thread->busy_seconds() : 0.0),
       bytes_before_(reducer.bytes_sent()) {}
 
-CommParts StepCommMeter::parts(const Accumulated& acc, const StepUpdate& up,
+CommParts StepCommMeter::parts(const Accumulated& acc, double update_inline_s,
+                               double update_blocked_s, bool skipped,
                                double micro_batches) const {
   CommParts p;
   p.thread_s = thread_ ? thread_->busy_seconds() - thread_before_ : 0.0;
   // Without a communication thread the all-to-alls ran inline; with one, its busy time has them.
-  p.inline_s = (thread_ ? 0.0 : acc.a2a_s) + up.inline_s;
-  p.blocked_s = acc.a2a_wait_s + up.blocked_s;
+  p.inline_s = (thread_ ? 0.0 : acc.a2a_s) + update_inline_s;
+  p.blocked_s = acc.a2a_wait_s + update_blocked_s;
   p.bytes_a2a = acc.a2a_bytes;
   p.bytes_grad = reducer_.bytes_sent() - bytes_before_;
   p.grad_computations = micro_batches;
-  p.grad_discarded = up.outcome.skipped ? micro_batches : 0.0;
+  p.grad_discarded = skipped ? micro_batches : 0.0;
   return p;
 }
 

@@ -1,6 +1,6 @@
 // Gradient reduction between the last backward and the update step, as one interface: every
 // trainer makes the same calls whatever the number of processes (llm.c's reduce returns at once on
-// one rank). The local reducer is the identity; the MPI one (parallel/grad_reducer.h) sums over
+// one rank). The local reducer is the identity; the MPI one (parallel/mpi_reducer.h) sums over
 // the data-parallel ranks in buckets, plain or ZeRO-1. A trainer picks one at construction.
 //
 //   reducer.begin(grads)            before the step's last backward (overlapped reduction)
@@ -9,7 +9,6 @@
 //   apply_update(g, comm, opts, [&] { reducer.update(params, grads, optimizer_step); })
 #pragma once
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <vector>
 #include <span>
@@ -26,11 +25,14 @@ class GradReducer {
   // Completes the reduction of grads (the flat buffer); returns the part of the summed gradient
   // this process is responsible for, valid until the next begin/reduce.
   virtual GradientShard& reduce(float* grads) = 0;
-  // Runs optimizer_step (which updates what this process holds the state of), then makes params
-  // whole again on every process.
-  virtual void update(float* params, float* grads, const std::function<void()>& optimizer_step) = 0;
-  // Whether update() changes parameters the optimizer step did not write (ZeRO-1's gather of the
-  // other shards): a copy the step kept of them is then stale.
+  // After check_and_clip, before the optimizer step: the reduced, clipped part is put where the
+  // optimizer reads it (ZeRO-1 unpacks its shard into grads; nothing to do otherwise).
+  virtual void prepare_step(float* /*grads*/) {}
+  // After the optimizer step (which updated what this process holds the state of): params made
+  // whole again on every process (ZeRO-1's gather of the other shards; nothing otherwise).
+  virtual void finish_step(float* /*params*/) {}
+  // Whether finish_step changes parameters the optimizer step did not write (ZeRO-1's gather):
+  // a copy the step kept of them is then stale.
   virtual bool gathers_params() const { return false; }
   // Seconds the calling thread has spent communicating so far: the reduction when it does not
   // overlap backward, and ZeRO-1's parameter gather. Work handed to a communication thread is
@@ -55,9 +57,6 @@ class LocalGradReducer final : public GradReducer {
   explicit LocalGradReducer(int64_t n) : n_(n) {}
   void begin(float*) override {}
   GradientShard& reduce(float* grads) override { return shard_.emplace(grads, n_); }
-  void update(float*, float*, const std::function<void()>& optimizer_step) override {
-    optimizer_step();
-  }
   double inline_seconds() const override { return 0; }
   int64_t bytes_sent() const override { return 0; }
 

@@ -1,4 +1,4 @@
-#include "parallel/sharded_optimizer.h"
+#include "optim/sharded_optimizer.h"
 
 #include "core/check.h"
 

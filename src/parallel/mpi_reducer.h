@@ -4,7 +4,7 @@
 #pragma once
 #include <memory>
 
-#include "optim/grad_reducer.h"
+#include "parallel/reducer.h"
 #include "parallel/comm_thread.h"
 #include "parallel/grad_sync.h"
 
@@ -20,7 +20,8 @@ class MpiGradReducer final : public GradReducer {
   // The model's grads-ready hook: gradients at offsets ≥ from are final.
   void ready(int64_t from) { sync_->ready(from); }
   GradientShard& reduce(float* grads) override;
-  void update(float* params, float* grads, const std::function<void()>& optimizer_step) override;
+  void prepare_step(float* grads) override;
+  void finish_step(float* params) override;
   bool gathers_params() const override { return zero1_; }
   double inline_seconds() const override { return inline_s_; }
   std::vector<float>* carried() override {

@@ -1,0 +1,98 @@
+#include "train/classifier_data.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+#include "core/rng.h"
+#include "io/checkpoint.h"
+#include "train/run_state.h"
+
+namespace fs = std::filesystem;
+
+namespace moetrain {
+
+EpochSampler::EpochSampler(int64_t n, uint64_t seed) : n_(n), seed_(seed) {
+  MOETRAIN_CHECK(n > 0, "EpochSampler: the training set has {} rows, needs at least one", n);
+}
+
+std::vector<int64_t> EpochSampler::epoch(int64_t e) const {
+  MOETRAIN_CHECK(e >= 0, "EpochSampler: epoch {} is negative", e);
+  std::vector<int64_t> perm(static_cast<std::size_t>(n_));
+  for (int64_t i = 0; i < n_; ++i) perm[i] = i;
+  Rng rng(seed_, rng_stream(RngPurpose::Data, static_cast<uint64_t>(e), 0));
+  for (int64_t i = n_ - 1; i > 0; --i) {
+    auto j =
+        static_cast<int64_t>(rng.below(static_cast<uint64_t>(i), static_cast<uint64_t>(i + 1)));
+    std::swap(perm[i], perm[j]);
+  }
+  return perm;
+}
+
+// Steps move through the epochs in order, so one cached permutation serves all but the batches
+// that straddle two epochs.
+const std::vector<int64_t>& EpochSampler::cached_epoch(int64_t e) {
+  if (e != cached_epoch_) perm_ = epoch(e), cached_epoch_ = e;
+  return perm_;
+}
+
+void EpochSampler::batch(int64_t step, int64_t B, int64_t* rows) {
+  MOETRAIN_CHECK(step >= 0 && B >= 0, "EpochSampler::batch: step {} and batch {} must be ≥ 0", step,
+                 B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t at = step * B + b;
+    rows[b] = cached_epoch(at / n_)[at % n_];
+  }
+}
+
+ClassifierData load_classifier_data(const ClassifierRunConfig& cfg) {
+  MOETRAIN_CHECK(fs::is_directory(cfg.data.dir),
+                 "data.dir = '{}' is not a directory; Debian's dataset-fashion-mnist package "
+                 "installs the data in {}",
+                 cfg.data.dir, kFashionMnistDir);
+  ClassifierData d;
+  d.train = std::make_shared<const ImageDataset>(load_fashion_mnist("train", cfg.data.dir));
+  d.test = std::make_shared<const ImageDataset>(load_fashion_mnist("t10k", cfg.data.dir));
+  return d;
+}
+
+ClassifierEval evaluate_classifier(Classifier& model, const float* params, const ImageDataset& data,
+                                   int64_t batch) {
+  MOETRAIN_CHECK(batch > 0, "evaluate_classifier: batch {} must be positive", batch);
+  MOETRAIN_CHECK(data.n > 0, "evaluate_classifier: the data set is empty");
+  const int64_t D = model.config().input_dim;
+  MOETRAIN_CHECK(data.rows * data.cols == D,
+                 "evaluate_classifier: images of {}x{} pixels, model.input_dim = {}", data.rows,
+                 data.cols, D);
+  ClassifierEval out;
+  double sum = 0;
+  MoeStep step;
+  step.training = false;
+  for (int64_t at = 0; at < data.n; at += batch) {
+    const int64_t n = std::min(batch, data.n - at);
+    ClassifierLoss l =
+        model.forward(params, data.images.data() + at * D, data.labels.data() + at, n, step);
+    sum += l.ce * static_cast<double>(n);
+    out.correct += l.correct;
+    out.n += n;
+  }
+  out.loss = sum / static_cast<double>(out.n);
+  out.accuracy = static_cast<double>(out.correct) / static_cast<double>(out.n);
+  return out;
+}
+
+LoadedClassifier load_classifier(const fs::path& dir) {
+  const fs::path ckpt = resolve_checkpoint(dir);
+  verify_checkpoint(ckpt);
+  nlohmann::json config = read_checkpoint_json(ckpt, "config.json");
+  MOETRAIN_CHECK(
+      config.value("model_type", std::string()) == "moe_classifier" && config.contains("moetrain"),
+      "{}/config.json is not a moetrain classifier checkpoint (model_type '{}')", ckpt.string(),
+      config.value("model_type", std::string()));
+  LoadedClassifier out;
+  out.config = classifier_config_from_json(config["moetrain"], (ckpt / "config.json").string());
+  out.model = std::make_unique<Classifier>(out.config.model);
+  out.step = read_weights(ckpt, *out.model, out.params);
+  return out;
+}
+
+}  // namespace moetrain

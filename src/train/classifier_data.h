@@ -1,0 +1,61 @@
+// The classifier's data: the training and test sets (Fashion-MNIST in the IDX format), which
+// rows each step takes, and the evaluation over a whole set; and a trained classifier read back.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "data/idx.h"
+#include "model/classifier.h"
+#include "train/classifier_config.h"
+
+namespace moetrain {
+
+// Which training rows each step uses. Epoch e is a permutation of [0, n) drawn from (seed, e)
+// alone (Fisher-Yates on counter-based numbers); step s takes rows s·B … s·B+B−1 of the epochs
+// laid end to end, so a batch may straddle two epochs. A pure function of (seed, step).
+class EpochSampler {
+ public:
+  EpochSampler(int64_t n, uint64_t seed);
+  // rows (B) = the training rows of step `step` (0-based).
+  void batch(int64_t step, int64_t B, int64_t* rows);
+  // The permutation of epoch `e` (n).
+  std::vector<int64_t> epoch(int64_t e) const;
+
+ private:
+  const std::vector<int64_t>& cached_epoch(int64_t e);
+
+  int64_t n_;
+  uint64_t seed_;
+  int64_t cached_epoch_ = -1;
+  std::vector<int64_t> perm_;
+};
+
+// The training and test sets. A null member is loaded from the config's data.dir.
+struct ClassifierData {
+  std::shared_ptr<const ImageDataset> train, test;
+};
+ClassifierData load_classifier_data(const ClassifierRunConfig& cfg);
+
+struct ClassifierEval {
+  double loss = 0;      // mean cross-entropy
+  double accuracy = 0;  // correct / n
+  int64_t correct = 0, n = 0;
+};
+
+// Loss and accuracy over every row of `data`, `batch` rows per (inference) forward.
+ClassifierEval evaluate_classifier(Classifier& model, const float* params, const ImageDataset& data,
+                                   int64_t batch);
+
+// A trained classifier read back from a checkpoint directory or a run directory (its latest
+// complete checkpoint), router biases included.
+struct LoadedClassifier {
+  ClassifierRunConfig config;
+  std::unique_ptr<Classifier> model;
+  std::vector<float> params;
+  int64_t step = 0;
+};
+LoadedClassifier load_classifier(const std::filesystem::path& dir);
+
+}  // namespace moetrain

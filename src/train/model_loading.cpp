@@ -1,0 +1,106 @@
+#include "train/model_loading.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "data/shard.h"
+#include "io/hf_checkpoint.h"
+#include "train/run_state.h"
+
+namespace fs = std::filesystem;
+
+namespace moetrain {
+
+void read_hf_weights(const fs::path& dir, Transformer& model, std::vector<float>& params) {
+  params.assign(static_cast<std::size_t>(model.layout().size()), 0.0f);
+  read_hf_tensors(dir, model_views(model.layout(), params.data()));
+}
+
+namespace {
+
+ModelConfig hf_model_config(const fs::path& dir) {
+  const fs::path file = dir / "config.json";
+  return ModelConfig::from_hf_json(read_checkpoint_json(dir, "config.json"), file.string());
+}
+
+// The run configuration a checkpoint records; *has_seq_len says whether it records the trained
+// context (train.seq_len). One that records none gets model.max_seq_len in its place: the default
+// (128) need not even fit the model.
+RunConfig checkpoint_run_config(const fs::path& ckpt, bool* has_seq_len = nullptr) {
+  nlohmann::json config = read_checkpoint_json(ckpt, "config.json");
+  MOETRAIN_CHECK(config.contains("moetrain"),
+                 "{}/config.json: no 'moetrain' section (not written by moetrain)", ckpt.string());
+  nlohmann::json& run = config["moetrain"];
+  const bool has = run.is_object() && run.contains("train") && run["train"].is_object() &&
+                   run["train"].contains("seq_len");
+  if (!has && run.is_object() && (!run.contains("train") || run["train"].is_object()) &&
+      run.contains("model") && run["model"].is_object() && run["model"].contains("max_seq_len"))
+    run["train"]["seq_len"] = run["model"]["max_seq_len"];
+  if (has_seq_len) *has_seq_len = has;
+  return run_config_from_json(run, (ckpt / "config.json").string());
+}
+
+}  // namespace
+
+LoadedModel load_model(const fs::path& dir) {
+  LoadedModel out;
+  if (is_hf_model_dir(dir)) {
+    out.config.model = hf_model_config(dir);
+    out.config.train.seq_len = std::min(out.config.train.seq_len, out.config.model.max_seq_len);
+    out.model = std::make_unique<Transformer>(out.config.model);
+    read_hf_weights(dir, *out.model, out.params);
+    // Nothing records the context a Hugging Face model was trained on but its position limit.
+    out.trained_context = out.config.model.max_seq_len;
+    log_info("loaded Hugging Face model {}", dir.string());
+    return out;
+  }
+  const fs::path ckpt = resolve_checkpoint(dir);
+  bool has_seq_len = false;
+  out.config = checkpoint_run_config(ckpt, &has_seq_len);
+  out.model = std::make_unique<Transformer>(out.config.model);
+  out.step = read_weights(ckpt, *out.model, out.params);
+  if (has_seq_len) {
+    out.trained_context = out.config.train.seq_len;
+  } else {
+    out.trained_context = out.config.model.max_seq_len;
+    log_info("{}/config.json records no train.seq_len: taking model.max_seq_len = {} as the "
+             "trained context", ckpt.string(), out.trained_context);
+  }
+  log_info("loaded {} (step {})", ckpt.string(), out.step);
+  return out;
+}
+
+ModelConfig model_config_of(const fs::path& dir) {
+  if (is_hf_model_dir(dir)) return hf_model_config(dir);
+  return checkpoint_run_config(resolve_checkpoint(dir)).model;
+}
+
+void adopt_architecture(ModelConfig& model, const ModelConfig& from, const std::string& where) {
+  auto take = [&](const char* key, auto& mine, const auto& theirs) {
+    if (mine == theirs) return;
+    log_info("model.{} = {} from {} (the configuration said {})", key, theirs, where, mine);
+    mine = theirs;
+  };
+  take("vocab_size", model.vocab_size, from.vocab_size);
+  take("dim", model.dim, from.dim);
+  take("n_layers", model.n_layers, from.n_layers);
+  take("n_heads", model.n_heads, from.n_heads);
+  take("n_kv_heads", model.n_kv_heads, from.n_kv_heads);
+  take("max_seq_len", model.max_seq_len, from.max_seq_len);
+  take("rope_theta", model.rope_theta, from.rope_theta);
+  take("norm_eps", model.norm_eps, from.norm_eps);
+  take("dense_every", model.dense_every, from.dense_every);
+  take("dense_hidden", model.dense_hidden, from.dense_hidden);
+  take("expert_hidden", model.expert_hidden, from.expert_hidden);
+  take("n_experts", model.n_experts, from.n_experts);
+  take("top_k", model.top_k, from.top_k);
+  take("router", model.router, from.router);
+  take("renormalize", model.renormalize, from.renormalize);
+  take("capacity_factor", model.capacity_factor, from.capacity_factor);
+  take("shared_expert_hidden", model.shared_expert_hidden, from.shared_expert_hidden);
+}
+
+}  // namespace moetrain

@@ -1,0 +1,101 @@
+#include "train/run_loop.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "core/fault.h"
+#include "core/log.h"
+#include "core/profile.h"
+#include "core/timer.h"
+#include "train/progress.h"
+#include "train/rank_timing.h"
+#include "train/stop_signal.h"
+
+namespace moetrain {
+
+LoopResult run_loop(StepEngine& engine, RunTask& task, const LoopSettings& s,
+                    MetricsWriter& metrics) {
+  Comm& control = engine.control();
+  LoopResult result;
+  result.first_step = engine.step_count();
+  const int64_t total = s.stop_at >= 0 ? std::min(s.stop_at, s.total_steps) : s.total_steps;
+  Progress progress(parse_progress_mode(control.rank() == 0 ? s.progress : "off"),
+                    engine.step_count(), s.total_steps);
+  const Timer run_timer;
+  const StopSignals signals;
+  auto evaluate = [&] {
+    Evaluation ev = task.evaluate();
+    nlohmann::json line = ev.metrics;
+    line["step"] = engine.step_count();
+    metrics.write(line);
+    result.last_eval = ev.metrics;
+    return ev;
+  };
+  auto finish = [&] {
+    result.steps_done = engine.step_count() - result.first_step;
+    result.seconds = run_timer.seconds();
+    result.rate = result.train_seconds > 0 ? s.units_per_step *
+                                                 static_cast<double>(result.steps_done) /
+                                                 result.train_seconds
+                                           : 0.0;
+  };
+  while (engine.step_count() < total) {
+    const Timer t;
+    if (s.profile) profile::start();
+    StepResult r = task.train_step();
+    const PhaseTable phases = s.profile ? profile::stop() : PhaseTable{};
+    const int64_t step = engine.step_count();
+    fault_point("step", step);
+    const double dt = t.seconds();
+    result.train_seconds += dt;
+    result.final_loss = r.loss;
+    // Timings live under their own keys so that everything else in a line is reproducible bit
+    // for bit.
+    r.metrics["step_time_s"] = dt;
+    r.metrics[s.unit + "_per_s"] = s.units_per_step / dt;
+    r.comm.step_s = dt;
+    add_comm_metrics(r.comm, r.metrics);
+    add_rank_timing(control, {dt, comm_figures(r.comm).compute_s}, r.metrics);
+    if (s.profile) add_rank_phases(control, phases, dt, r.metrics);
+    metrics.write(r.metrics);
+    progress.update({step, s.total_steps, r.loss, s.units_per_step / dt, r.lr,
+                     r.metrics["imbalance"].get<double>()});
+    if (engine.stop_votes().any()) {
+      result.last_checkpoint = task.save_checkpoint();
+      result.exit_code = engine.stop_votes().exit_code();
+      finish();
+      progress.finish();
+      // Every rank says where it stopped: they agree on the step.
+      log_message(LogLevel::Warn, true,
+                  stop_message(engine.stop_votes(), step, result.last_checkpoint.string()));
+      return result;
+    }
+    const bool last = step == total;
+    const bool before_end = s.evaluate_when_stopped ? !last : step < s.total_steps;
+    if (s.eval_every > 0 && step % s.eval_every == 0 && before_end) {
+      const Evaluation ev = evaluate();
+      progress.note(fmt::format("step {}: {}", step, ev.note));
+    }
+    if (s.checkpoint_every > 0 && step % s.checkpoint_every == 0 && !last) {
+      result.last_checkpoint = task.save_checkpoint();
+      progress.note(fmt::format("step {}: checkpoint {}", step, result.last_checkpoint.string()));
+    }
+  }
+  progress.finish();
+  if (engine.step_count() < s.total_steps && !s.evaluate_when_stopped) {
+    // Stopped early, as if interrupted: a checkpoint to resume from, no final evaluation.
+    result.last_checkpoint = task.save_checkpoint();
+    finish();
+    return result;
+  }
+  engine.average_replicas();  // the final evaluation and checkpoint see one model
+  const Evaluation ev = evaluate();
+  result.last_checkpoint = task.save_checkpoint();
+  finish();
+  log_info("done: {} steps in {:.1f} s ({:.0f} {}/s); {}; checkpoint {}", result.steps_done,
+           result.seconds, result.rate, s.unit, ev.note, result.last_checkpoint.string());
+  return result;
+}
+
+}  // namespace moetrain

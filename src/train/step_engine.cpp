@@ -1,0 +1,352 @@
+#include "train/step_engine.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "optim/clip.h"
+#include "optim/param_groups.h"
+#include "parallel/grad_sync.h"
+#include "train/expert_placement.h"
+#include "train/run_state.h"
+
+namespace moetrain {
+
+StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& model,
+                       const std::function<void(float*)>& init_params, DeviceTrainingState* device)
+    : cfg_(cfg), model_(model), device_(device) {
+  const std::vector<MoeLayer*> moe = model_.moe_layers();
+  if (cfg_.moe.capacity == "dynamic") {
+    capacity_.assign(moe.size(),
+                     CapacityController(cfg_.moe.balance, std::abs(cfg_.moe.capacity_factor)));
+    apply_capacity_factors(capacity_, moe);
+  }
+  if (parse_router_controller(cfg_.moe.router_controller) == RouterControllerKind::Rl) {
+    for (std::size_t m = 0; m < moe.size(); ++m)
+      gating_.emplace_back(cfg_.moe.gating, cfg_.moe.n_experts, cfg_.seed, m);
+  }
+  const ParamTable& layout = model_.param_table();
+  if (cfg_.grad.expert_reweight != "none")
+    reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), layout);
+  pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
+  world_ = pg_->control->size();
+  if (device_) device_->set_resident(true);
+  set_precision(cfg_.precision);
+  params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
+  grads_.assign(params_.size(), 0.0f);
+  init_params(params_.data());
+  groups_ = param_groups(layout);
+
+  ReduceSettings rs = reduce_settings(cfg_.dist, ep_.comm_thread.get());
+  rs.sparse_experts = cfg_.grad.sparse_experts;
+  DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
+  if (cfg_.grad.sparse_experts && !moe.empty())
+    sparse_ = std::make_unique<SparseExperts>(layout, static_cast<int64_t>(moe.size()),
+                                              cfg_.moe.n_experts, cfg_.micro_batches,
+                                              cfg_.grad.min_accum_fraction);
+  reducer_ = std::move(dp.reducer);
+  buckets_ = dp.buckets;
+  averager_ = std::move(dp.averager);
+  if (averager_) local_comm_ = make_local_comm();
+  if (cfg_.placement.enabled() && !moe.empty()) {
+    const int64_t rpn = ep_.hierarchy ? ep_.hierarchy->intra->size() : cfg_.dist.ranks_per_node;
+    // A communicator of its own: the exchange may run on the communication thread.
+    placement_ = std::make_unique<ExpertPlacement>(cfg_.placement, model_, cfg_.moe_layer,
+                                                   pg_->a2a->dup("replicas"), rpn);
+    model_.set_grads_ready_hook(placement_->grads_ready(std::move(dp.grads_ready), grads_.data()));
+  } else if (dp.grads_ready) {
+    model_.set_grads_ready_hook(std::move(dp.grads_ready));
+  }
+  for (const FlatRange& r : sync_ranges(layout, expert_shard_).expert)
+    own_experts_.push_back({r.offset, r.size});
+  optimizer_ = std::make_unique<ShardedOptimizer>(cfg_.optim.optimizer_config(), groups_,
+                                                  std::move(dp.pieces));
+  writers_ = checkpoint_writers(layout, pg_->layout, cfg_.moe.n_experts);
+  schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
+}
+
+StepEngine::~StepEngine() = default;
+
+void StepEngine::set_precision(DType p) {
+  cfg_.precision = p;
+  if (p == DType::F16 && !scaler_) scaler_ = std::make_unique<LossScaler>(cfg_.loss_scale);
+}
+
+void StepEngine::host_params_changed() {
+  model_.weights_changed();  // the low-precision weight copies follow the host's weights
+  device_current_ = false;
+}
+
+void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
+  const int64_t A = cfg_.micro_batches;
+  if (ep_.exchange) ep_.exchange->take_cross_node_bytes();  // an evaluation's are not the step's
+  meter_.emplace(ep_.comm_thread.get(), *reducer_);
+  skipped_before_ = reducer_->bytes_skipped();  // buckets are skipped from the last backward on
+  h.micro_batches = A;
+  // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
+  // (the reduction) then gives the mean. Local steps: the mean over this rank's own. fp16: the
+  // loss is scaled so that small gradients survive the fp16 GEMM operands.
+  const int replicas = averager_ ? 1 : world_;
+  const double scale = scaler_ ? scaler_->scale() : 1.0;
+  h.loss_weight = static_cast<float>(scale) / static_cast<float>(A * replicas);
+  h.dropped_divisor = static_cast<double>(A * world_);
+  const uint64_t seed = cfg_.seed;
+  const int64_t step = step_;
+  h.moe_step = [seed, step, A, token_offset](int64_t micro) {
+    return micro_batch_step(seed, step, A, micro, token_offset);
+  };
+  if (device_) {
+    // The host copies changed (a fresh or loaded run) since the device last took them.
+    if (!device_current_) device_state_to_device(*device_, *optimizer_, params_.data());
+    device_current_ = true;
+    h.zero_grads = [this] { device_->zero_grads(); };
+  }
+  h.sparse = sparse_.get();
+  h.before_last_backward = [this] {
+    // Every micro-batch is routed: the mask is known before the first bucket is posted.
+    if (sparse_) {
+      sparse_->agree(*pg_->control);
+      reducer_->set_active_experts(sparse_->active());
+    }
+    reducer_->begin(grads_.data());
+  };
+  h.bad_loss = [this](const LossParts& p) {
+    return fmt::format(
+        "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. The last good "
+        "checkpoint is kept in {}/checkpoints; lower optim.lr or raise optim.warmup_steps",
+        step_ + 1, p.total, p.ce, p.aux, p.z, cfg_.run_dir);
+  };
+}
+
+StepEngine::Update StepEngine::update(float lr, const UpdateOptions& opts) {
+  Update out;
+  // Local steps: each replica checks, clips and steps on its own gradients.
+  Comm& comm = averager_ ? *local_comm_ : *pg_->control;
+  if (device_) {
+    out.outcome = check_and_clip(device_->gradient(), comm, opts);
+    if (!out.outcome.skipped) {
+      // AdamW on the device at the optimizer's next step, whose count the host optimizer keeps
+      // (checkpoints record it).
+      const int64_t t = optimizer_->step_count() + 1;
+      device_->adamw_step(cfg_.optim.optimizer_config(), groups_, lr, t);
+      optimizer_->set_step_count(t);
+    }
+    return out;
+  }
+  // ZeRO-1's gather changes parameters the optimizer did not write: no copy is kept then.
+  const LowPrecisionCopy lp =
+      reducer_->gathers_params() ? LowPrecisionCopy{} : model_.lp_copy_of(params_.data());
+  const std::span<const FrozenRange> frozen =
+      sparse_ ? sparse_->frozen() : std::span<const FrozenRange>{};
+  const double inline_before = reducer_->inline_seconds();
+  double exposed = 0;
+  GradientShard* shard = nullptr;
+  {
+    ScopedTimer timer(exposed);
+    shard = &reducer_->reduce(grads_.data());
+  }
+  out.outcome = check_and_clip(*shard, comm, opts);
+  if (!out.outcome.skipped) {
+    {
+      ScopedTimer timer(exposed);
+      reducer_->prepare_step(grads_.data());
+    }
+    optimizer_->step(params_.data(), grads_.data(), lr, frozen, lp);
+    ScopedTimer timer(exposed);  // ZeRO-1's parameter all-gather
+    reducer_->finish_step(params_.data());
+  }
+  out.inline_s = reducer_->inline_seconds() - inline_before;
+  out.blocked_s = exposed;
+  // A skipped step changed nothing, so the copy stays as current as it was.
+  out.lp_copy_kept = lp.data != nullptr;
+  return out;
+}
+
+StepResult StepEngine::end_step(Accumulated& acc, const Timer& step_timer, double global_tokens,
+                                int64_t accuracy_rows) {
+  const int64_t A = cfg_.micro_batches;
+  // Local steps under EP: this rank's experts summed the local means of the ep ranks whose tokens
+  // they computed; their mean is the gradient of those tokens' mean loss.
+  if (averager_ && pg_->layout.ep > 1)
+    for (auto [offset, size] : own_experts_)
+      scale_gradients(grads_.data() + offset, size, 1.0f / static_cast<float>(pg_->layout.ep));
+  // A masked expert's accumulated gradient is discarded: nothing reads it, and the norm skips it.
+  if (sparse_) sparse_->zero_frozen(grads_.data());
+  StepResult r;
+  r.lr = schedule_->lr(step_);
+  UpdateOptions opts;
+  opts.grad_clip = cfg_.optim.grad_clip;
+  opts.scaler = scaler_.get();
+  opts.reweight = reweight_.get();
+  if (reweight_ && cfg_.grad.expert_reweight == "utilisation")
+    reweight_->set_loads(reduced_loads(*pg_->control, acc));
+  opts.where = fmt::format("step {}", step_ + 1);
+  opts.advice = fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.run_dir);
+  const double last_scale = opts.scaler ? opts.scaler->scale() : 1.0;
+  const int64_t avg_bytes_before = averager_ ? averager_->bytes_sent() : 0;
+  const Update up = update(static_cast<float>(r.lr), opts);
+  r.comm = meter_->parts(acc, up.inline_s, up.blocked_s, up.outcome.skipped,
+                         static_cast<double>(A));
+  meter_.reset();
+  // Masked experts' gradient computations were made and thrown away.
+  if (sparse_ && !up.outcome.skipped)
+    r.comm.grad_discarded += static_cast<double>(A) * sparse_->masked_share();
+  if (up.outcome.skipped) {
+    log_warn("step {}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
+             step_ + 1, last_scale, scaler_->raw_scale());
+  } else {
+    last_grad_norm_ = up.outcome.grad_norm;
+    if (up.lp_copy_kept) {
+      model_.weights_changed_copy_kept();  // the optimizer rounded the weights as it wrote them
+    } else if (!device_) {
+      model_.weights_changed();  // a resident device stepped its own copy
+    }
+  }
+  ++step_;
+  if (averager_ && step_ % cfg_.dist.sync_every == 0) {
+    // The averaging runs inline on this thread: communication nothing hides.
+    const Timer averaging;
+    average_replicas();
+    r.comm.inline_s += averaging.seconds();
+    r.comm.blocked_s += averaging.seconds();
+    r.comm.bytes_grad += averager_->bytes_sent() - avg_bytes_before;
+  }
+  const std::vector<MoeLayer*> moe = model_.moe_layers();
+  StepFigures figures{.step = step_,
+                      .lr = r.lr,
+                      .grad_norm = last_grad_norm_,
+                      .update = &up.outcome,
+                      .fp16 = scaler_ != nullptr,
+                      .accuracy_rows = accuracy_rows,
+                      .ep = pg_->layout.ep};
+  r.metrics = finish_step(moe, cfg_.moe_layer, *pg_->control, acc, figures,
+                          capacity_.empty() ? nullptr : &capacity_,
+                          {.gating = gating_.empty() ? nullptr : &gating_,
+                           .step_s = step_timer.seconds(),
+                           .tokens = global_tokens});
+  if (sparse_) {
+    r.metrics["experts_frozen"] = sparse_->inactive();
+    r.metrics["bytes_grad_skipped"] = reducer_->bytes_skipped() - skipped_before_;
+  }
+  if (reweight_) {
+    r.metrics["expert_reweight_min"] = reweight_->layer_min();
+    r.metrics["expert_reweight_max"] = reweight_->layer_max();
+  }
+  if (placement_) {
+    // The loads are the step's, over every process (finish_step reduced them).
+    r.metrics["rank_max_mean_load"] = placement_->rank_max_mean_load(acc.tokens_per_expert);
+    r.metrics["replicas_per_expert"] = placement_->replicas_per_expert();
+    placement_->after_step(step_, acc.tokens_per_expert, params_.data());
+    model_.weights_changed();
+  }
+  if (ep_.exchange) r.metrics["a2a_cross_node_bytes"] = ep_.exchange->take_cross_node_bytes();
+  r.loss = acc.loss.total;
+  stop_ = acc.stop;
+  return r;
+}
+
+void StepEngine::average_replicas() {
+  if (!averager_ || averaged_at_ == step_) return;
+  double drift = averager_->average_params(params_.data());
+  if (cfg_.dist.sync_moments) averager_->average_moments(*optimizer_);
+  model_.weights_changed();
+  averaged_at_ = step_;
+  // How far the replicas had drifted apart: the largest distance of a parameter from the mean.
+  pg_->control->allreduce(&drift, 1, {.op = ReduceOp::Max});
+  if (metrics_) metrics_->write({{"step", step_}, {"replica_drift", drift}});
+}
+
+CheckpointShare StepEngine::checkpoint_share(const std::vector<NamedTensor>& state, bool reading) {
+  const int rank = pg_->control->rank();
+  const bool sharded = world_ > 1 && cfg_.dist.zero == 1;
+  CheckpointShare share =
+      moetrain::checkpoint_share(model_.param_table(), params_.data(), *optimizer_, writers_,
+                                 expert_shard_, rank, sharded, state, reading);
+  if (!reading || read_carried_) add_carried_state(share, *reducer_, rank, world_);
+  return share;
+}
+
+std::filesystem::path StepEngine::save_checkpoint(const std::vector<NamedTensor>& state,
+                                                  const CheckpointDocs& docs, int64_t keep) {
+  // Local steps: a checkpoint holds one model (train.checkpoint_every is a multiple of
+  // dist.sync_every, so only a stop between averagings averages early).
+  average_replicas();
+  // A resident device holds the current parameters and moments: the host copies catch up.
+  if (device_ && device_current_) device_state_to_host(*device_, *optimizer_, params_.data());
+  // Every rank writes its own pieces; the checkpoint is complete when any rank returns.
+  return write_checkpoint(*pg_->control, cfg_.run_dir, step_, checkpoint_share(state, false), docs,
+                          keep);
+}
+
+nlohmann::json StepEngine::state_json() const {
+  nlohmann::json t = {
+      {"step", step_},
+      {"seed", cfg_.seed},
+      {"optimizer", {{"name", cfg_.optim.name}, {"step_count", optimizer_->step_count()}}}};
+  if (nlohmann::json r = carried_state_record(*reducer_, world_); !r.is_null())
+    t["grad_residual"] = r;
+  if (scaler_) {
+    t["loss_scale"] = {{"scale", scaler_->raw_scale()},
+                       {"good_steps", scaler_->good_steps()},
+                       {"skipped_steps", scaler_->skipped_steps()}};
+  }
+  if (!capacity_.empty()) {
+    nlohmann::json c = nlohmann::json::array();
+    for (const CapacityController& k : capacity_) c.push_back(k.to_json());
+    t["capacity_controller"] = c;
+  }
+  if (!gating_.empty()) {
+    nlohmann::json g = nlohmann::json::array();
+    for (const GatingController& k : gating_) g.push_back(k.to_json());
+    t["gating_controller"] = g;
+  }
+  if (reweight_) t["expert_reweight"] = reweight_->to_json();
+  return t;
+}
+
+void StepEngine::restore_state(const nlohmann::json& t, const std::string& where) {
+  auto need = [&](const nlohmann::json& j, const char* key) -> const nlohmann::json& {
+    MOETRAIN_CHECK(j.is_object() && j.contains(key), "{}: no '{}'", where, key);
+    return j.at(key);
+  };
+  step_ = need(t, "step").get<int64_t>();
+  read_carried_ = carried_state_matches(t, *reducer_, world_);
+  optimizer_->set_step_count(need(need(t, "optimizer"), "step_count").get<int64_t>());
+  if (scaler_ && t.contains("loss_scale")) {
+    const nlohmann::json& ls = t["loss_scale"];
+    scaler_->restore(ls.value("scale", 1.0), ls.value("good_steps", int64_t{0}),
+                     ls.value("skipped_steps", int64_t{0}));
+  }
+  if (!capacity_.empty()) {
+    const nlohmann::json& c = need(t, "capacity_controller");
+    MOETRAIN_CHECK(c.is_array() && c.size() == capacity_.size(),
+                   "{}: 'capacity_controller' must hold one state per MoE layer ({})", where,
+                   capacity_.size());
+    for (std::size_t m = 0; m < capacity_.size(); ++m) capacity_[m].restore(c[m], where);
+    apply_capacity_factors(capacity_, model_.moe_layers());
+  }
+  if (!gating_.empty()) {
+    const nlohmann::json& g = need(t, "gating_controller");
+    MOETRAIN_CHECK(g.is_array() && g.size() == gating_.size(),
+                   "{}: 'gating_controller' must hold one state per MoE layer ({})", where,
+                   gating_.size());
+    for (std::size_t m = 0; m < gating_.size(); ++m) gating_[m].restore(g[m], where);
+  }
+  if (reweight_) reweight_->restore(need(t, "expert_reweight"), where);
+}
+
+void StepEngine::load_checkpoint(
+    const std::filesystem::path& dir, const std::vector<NamedTensor>& state,
+    const std::function<void(const nlohmann::json&, const std::string&)>& restore) {
+  device_current_ = false;
+  const std::filesystem::path file = dir / "trainer_state.json";
+  reading_json(file, [&] { restore(read_checkpoint_json(dir, "trainer_state.json"), file.string()); });
+  // Each rank reads the ranges it holds, from whichever files hold them.
+  read_checkpoint_pieces(dir, checkpoint_share(state, true));
+  model_.weights_changed();  // the low-precision weight copies follow the loaded weights
+  averaged_at_ = step_;      // a checkpoint holds averaged parameters
+}
+
+}  // namespace moetrain
