@@ -73,4 +73,32 @@ TokenShard::TokenShard(const std::filesystem::path& path) : file_(path) {
   }
 }
 
+TokenShards open_token_shards(const std::filesystem::path& dir, int64_t vocab, int64_t seq_len,
+                              bool want_val) {
+  auto open = [&](const char* file) {
+    const std::filesystem::path p = dir / file;
+    MOETRAIN_CHECK(std::filesystem::is_regular_file(p),
+                   "data.dir = '{}' has no {}: prepare it first, e.g. `moetrain prepare --input "
+                   "/usr/share/games/fortunes --out {}`",
+                   dir.string(), file, dir.string());
+    return std::make_unique<TokenShard>(p);
+  };
+  TokenShards s;
+  s.train = open("train.bin");
+  MOETRAIN_CHECK(s.train->vocab() <= static_cast<uint32_t>(vocab),
+                 "{} has vocabulary {}, larger than model.vocab_size = {}",
+                 s.train->path().string(), s.train->vocab(), vocab);
+  MOETRAIN_CHECK(s.train->size() > static_cast<uint64_t>(seq_len) + 1,
+                 "{} has {} tokens, too few for train.seq_len = {}", s.train->path().string(),
+                 s.train->size(), seq_len);
+  if (!want_val) return s;
+  s.val = open("val.bin");
+  // Found here rather than at the first evaluation, after the training it would waste.
+  MOETRAIN_CHECK(s.val->size() > static_cast<uint64_t>(seq_len),
+                 "{} has {} tokens, too few for train.seq_len = {} (validation needs at least {}; "
+                 "prepare with a larger --val-fraction)",
+                 s.val->path().string(), s.val->size(), seq_len, seq_len + 1);
+  return s;
+}
+
 }  // namespace moetrain

@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <span>
 
 #include "io/file.h"
@@ -43,5 +44,14 @@ class TokenShard {
   uint64_t size_ = 0;
   const uint16_t* tokens_ = nullptr;
 };
+
+// A run's token shards: train.bin and val.bin in the data directory `moetrain prepare` wrote,
+// checked for a model of vocab tokens and windows of seq_len + 1 tokens. want_val = false opens
+// train.bin alone (a parameter-server worker). Errors name the file and what to do.
+struct TokenShards {
+  std::unique_ptr<TokenShard> train, val;
+};
+TokenShards open_token_shards(const std::filesystem::path& dir, int64_t vocab, int64_t seq_len,
+                              bool want_val = true);
 
 }  // namespace moetrain

@@ -11,28 +11,19 @@
 #include "core/log.h"
 #include "core/threads.h"
 #include "core/timer.h"
-#include "data/loader.h"
-#include "data/shard.h"
-#include "io/checkpoint.h"
 #include "io/file.h"
 #include "io/metrics.h"
-#include "model/transformer.h"
 #include "ps/job_events.h"
 #include "ps/kv_worker.h"
 #include "ps/node.h"
 #include "ps/options.h"
-#include "train/accumulate.h"
-#include "train/evaluate.h"
+#include "ps/worker_step.h"
 
 namespace fs = std::filesystem;
 
 namespace moetrain::ps {
 
 namespace {
-
-struct Assignment {
-  int64_t row_begin = 0, rows = 0, global_rows = 0, epoch = 0;
-};
 
 // How one pass of the training loop ended.
 enum class Outcome {
@@ -48,7 +39,7 @@ std::vector<ServerInfo> servers_of(const nlohmann::json& setup) {
   return servers;
 }
 
-Assignment assignment_of(const nlohmann::json& setup, int64_t index) {
+RowAssignment assignment_of(const nlohmann::json& setup, int64_t index) {
   for (const auto& w : setup.at("workers"))
     if (w.at("index").get<int64_t>() == index)
       return {w.at("row_begin").get<int64_t>(), w.at("rows").get<int64_t>(),
@@ -87,16 +78,7 @@ class Worker {
     opts_ = PsOptions::from_json(setup.at("options"));
     assign_ = assignment_of(setup, index_);
     init_threads(static_cast<int>(cfg_.train.threads));
-    model_ = std::make_unique<Transformer>(cfg_.model);
-    const int64_t P = model_->layout().size();
-    params_.assign(static_cast<std::size_t>(P), 0.0f);
-    grads_.assign(params_.size(), 0.0f);
-    // A worker started in place of a dead one begins with a zero residual: see docs/ps.md.
-    if (opts_.compression() == Encoding::Int8) residual_.assign(params_.size(), 0.0f);
-    train_ = std::make_unique<TokenShard>(fs::path(cfg_.data.dir) / "train.bin");
-    MOETRAIN_CHECK(train_->size() > static_cast<uint64_t>(cfg_.train.seq_len) + 1,
-                   "{} has {} tokens, too few for train.seq_len = {}", train_->path().string(),
-                   train_->size(), cfg_.train.seq_len);
+    step_ = std::make_unique<WorkerStep>(cfg_, opts_, index_);
     kv_ = std::make_unique<KvWorker>(ctx_, static_cast<int32_t>(index_), servers_of(setup),
                                      setup.at("generation").get<uint32_t>(),
                                      [this] { poll_control(); });
@@ -111,7 +93,7 @@ class Worker {
   // From a pull of the current parameters to the end of the job, unless the servers roll back.
   Outcome train(int64_t& first) {
     done_ = false;
-    WaitResult r = kv_->wait(kv_->pull(-1, params_.data()));
+    WaitResult r = kv_->wait(kv_->pull(-1, step_->params().data()));
     if (r.rolled_back) return Outcome::RolledBack;
     int64_t clock = r.clock;
     if (first < 0) first = clock;
@@ -122,9 +104,11 @@ class Worker {
       Timer step_timer;
       started_clock_ = clock;
       const PushMeta meta = compute(clock);
-      const int64_t tp = kv_->push(clock, grads_.data(), skip_, opts_.compression(), meta,
-                                   residual_.empty() ? nullptr : residual_.data());
-      const int64_t tl = kv_->pull(clock + 1, params_.data());
+      std::vector<float>& residual = step_->residual();
+      const int64_t tp = kv_->push(clock, step_->grads().data(), step_->skipped(),
+                                   opts_.compression(), meta,
+                                   residual.empty() ? nullptr : residual.data());
+      const int64_t tl = kv_->pull(clock + 1, step_->params().data());
       if (kv_->wait(tp).rolled_back) return Outcome::RolledBack;
       r = kv_->wait(tl);
       if (r.rolled_back) return Outcome::RolledBack;
@@ -144,9 +128,9 @@ class Worker {
       auto in = link_->next_control(1000, &ok);
       if (!in) continue;
       if (in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
-        r = kv_->wait(kv_->pull(-1, params_.data()));
+        r = kv_->wait(kv_->pull(-1, step_->params().data()));
         if (r.rolled_back) return Outcome::RolledBack;
-        finish(r.clock);
+        step_->finish(r.clock);
         send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
       } else if (on_control(*in)) {
         return Outcome::RolledBack;
@@ -207,61 +191,16 @@ class Worker {
     return false;
   }
 
-  // Gradients of this worker's rows of step `clock`, weighted by their share of the global
-  // batch, into grads_; records which experts got no tokens (skip_).
+  // Gradients of this worker's rows of step `clock` (WorkerStep), at the speed --slowdown asks
+  // for; the capability the scheduler splits rows by follows the measured rate.
   PushMeta compute(int64_t clock) {
     Timer timer;
     if (next_assign_ && clock >= switch_at_) {
       assign_ = *next_assign_;
       next_assign_.reset();
     }
-    const Assignment a = assign_;
-    const int64_t T = cfg_.train.seq_len, A = cfg_.train.grad_accum, R = a.rows;
-    const int64_t E = cfg_.model.n_experts;
-    inputs_.resize(static_cast<std::size_t>(R * T));
-    targets_.resize(inputs_.size());
-    AccumulateArgs<TokenBatch> args;
-    args.micro_batches = A;
-    // This worker's rows' share of the global batch: the servers sum the workers' pushes.
-    args.loss_weight =
-        static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A));
-    args.fill = [&](int64_t micro) {
-      // Row r of the global batch is the window the single-process run draws for its row r.
-      for (int64_t b = 0; b < R; ++b) {
-        BatchLoader one(*train_, 1, T, cfg_.train.seed, static_cast<int>(a.row_begin + b),
-                        static_cast<int>(a.global_rows));
-        one.fill(clock, micro, inputs_.data() + b * T, targets_.data() + b * T);
-      }
-      return TokenBatch{inputs_.data(), targets_.data(), R, T};
-    };
-    // This worker's rows start at row_begin of the global batch.
-    args.moe_step = [&](int64_t micro) {
-      return micro_batch_step(cfg_.train.seed, clock, A, micro, a.row_begin * T);
-    };
-    args.bad_loss = [&](const LossParts& p) {
-      return fmt::format(
-          "clock {}: the loss is {} on worker {}; stopping. Lower optim.lr or raise "
-          "optim.warmup_steps",
-          clock, p.total, index_);
-    };
-    const Accumulated acc = accumulate(*model_, params_.data(), grads_.data(),
-                                       static_cast<int64_t>(grads_.size()), args);
-    skip_.clear();
-    if (opts_.sparse_push) {
-      const ParamLayout& layout = model_->layout();
-      const int64_t per = cfg_.model.expert_hidden * cfg_.model.dim;
-      for (int64_t l = 0; l < cfg_.model.n_layers; ++l) {
-        const int64_t m = model_->moe_index(l);
-        if (m < 0) continue;
-        const LayerOffsets& o = layout.layers[l];
-        const std::vector<int64_t>& load = acc.tokens_per_expert[static_cast<std::size_t>(m)];
-        for (int64_t e = 0; e < E; ++e)
-          if (load[static_cast<std::size_t>(e)] == 0)
-            for (int64_t base : {o.w1, o.w3, o.w2}) skip_.push_back({base + e * per, per});
-      }
-      std::sort(skip_.begin(), skip_.end(),
-                [](const Span& x, const Span& y) { return x.offset < y.offset; });
-    }
+    const int64_t R = assign_.rows;
+    const PushMeta meta = step_->compute(clock, assign_);
     const double t = timer.seconds();
     compute_s_ += t;
     if (args_.slowdown > 1.0)
@@ -273,7 +212,7 @@ class Worker {
     rate_seconds_ = 0.9 * rate_seconds_ + t * args_.slowdown;
     link_->set_throughput(rate_rows_ / rate_seconds_);
     rows_done_ += R;
-    return {R, a.global_rows, acc.loss.total};
+    return meta;
   }
 
   // RUN_DIR/metrics/worker_I.jsonl: the step's throughput (its rows over its wall time, compute
@@ -311,45 +250,16 @@ class Worker {
     write_file_atomic(dir / fmt::format("worker_node{}.json", link_->node_id()), j.dump(2) + "\n");
     // The int8 error-feedback residual is this worker's state: a worker restarted in its place
     // (same index) could continue from it.
-    if (!residual_.empty())
+    if (const std::vector<float>& residual = step_->residual(); !residual.empty())
       write_file_atomic(
           dir / fmt::format("residual_worker{}.f32", index_),
-          std::string_view(reinterpret_cast<const char*>(residual_.data()), residual_.size() * 4));
+          std::string_view(reinterpret_cast<const char*>(residual.data()), residual.size() * 4));
     const double saved = kv_->dense_push_bytes() > 0
                              ? 1.0 - static_cast<double>(kv_->push_bytes()) /
                                          static_cast<double>(kv_->dense_push_bytes())
                              : 0.0;
     log_info("{}: {} steps, pushed {} bytes ({:.1f}% less than dense f32), waited {:.2f} s", who_,
              steps_, kv_->push_bytes(), 100.0 * saved, kv_->wait_seconds());
-  }
-
-  // The lead worker: the final parameters as a normal checkpoint, and the validation loss.
-  void finish(int64_t clock) {
-    const ParamLayout& layout = model_->layout();
-    CheckpointContents c;
-    for (const auto& p : layout.params())
-      c.model.push_back({p.name, p.shape, params_.data() + p.offset});
-    nlohmann::json hf = cfg_.model.to_hf_json();
-    if (std::string why; !cfg_.model.hf_mixtral_compatible(&why)) {
-      hf["architectures"] = {"MoetrainForCausalLM"};
-      hf["model_type"] = "moetrain";
-      hf["moetrain_note"] =
-          fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
-    }
-    hf["moetrain"] = cfg_.to_json();
-    c.config = hf;
-    c.trainer = {{"step", clock},
-                 {"config_hash", cfg_.config_hash()},
-                 {"seed", cfg_.train.seed},
-                 {"parameter_server", opts_.to_json()}};
-    fs::path dir = write_checkpoint(cfg_.train.run_dir, clock, c, cfg_.train.keep_checkpoints);
-    TokenShard val(fs::path(cfg_.data.dir) / "val.bin");
-    const double v = evaluate(*model_, params_.data(), val, cfg_.train.batch_size,
-                              cfg_.train.seq_len, cfg_.train.eval_batches);
-    MetricsWriter(cfg_.train.run_dir, MetricsWriter::Open::Append, cfg_.train.tensorboard)
-        .write({{"step", clock}, {"val_loss", v}});
-    log_info("{}: final checkpoint {} (clock {}); validation loss {:.4f}", who_, dir.string(),
-             clock, v);
   }
 
   WorkerArgs args_;
@@ -359,17 +269,13 @@ class Worker {
   std::string who_;
   RunConfig cfg_;
   PsOptions opts_;
-  Assignment assign_;
-  std::optional<Assignment> next_assign_;  // the split from clock switch_at_ on
+  RowAssignment assign_;
+  std::optional<RowAssignment> next_assign_;  // the split from clock switch_at_ on
   int64_t switch_at_ = 0, started_clock_ = -1;
   bool rows_paused_ = false, done_ = false;
-  std::unique_ptr<Transformer> model_;
-  std::unique_ptr<TokenShard> train_;
+  std::unique_ptr<WorkerStep> step_;
   std::unique_ptr<KvWorker> kv_;
   MetricsWriter role_metrics_;  // RUN_DIR/metrics/worker_I.jsonl, from the first step on
-  std::vector<float> params_, grads_, residual_;
-  std::vector<int32_t> inputs_, targets_;
-  std::vector<Span> skip_;
   int64_t steps_ = 0, rows_done_ = 0, rollback_to_ = -1;
   double compute_s_ = 0;
   double rate_rows_ = 0, rate_seconds_ = 0;  // the reported throughput's running sums

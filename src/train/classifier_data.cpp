@@ -55,6 +55,30 @@ ClassifierData load_classifier_data(const ClassifierRunConfig& cfg) {
   return d;
 }
 
+namespace {
+
+void check_dataset(const ImageDataset& d, const ClassifierConfig& m, const char* which) {
+  MOETRAIN_CHECK(d.n > 0, "the {} set is empty", which);
+  MOETRAIN_CHECK(d.rows * d.cols == m.input_dim,
+                 "the {} images have {}x{} = {} pixels, but model.input_dim = {}", which, d.rows,
+                 d.cols, d.rows * d.cols, m.input_dim);
+  MOETRAIN_CHECK(d.num_classes <= m.n_classes,
+                 "the {} set has {} classes, but model.n_classes = {}", which, d.num_classes,
+                 m.n_classes);
+}
+
+}  // namespace
+
+void complete_classifier_data(ClassifierData& data, const ClassifierRunConfig& cfg) {
+  if (!data.train || !data.test) {
+    ClassifierData loaded = load_classifier_data(cfg);
+    if (!data.train) data.train = loaded.train;
+    if (!data.test) data.test = loaded.test;
+  }
+  check_dataset(*data.train, cfg.model, "training");
+  check_dataset(*data.test, cfg.model, "test");
+}
+
 ClassifierEval evaluate_classifier(Classifier& model, const float* params, const ImageDataset& data,
                                    int64_t batch) {
   MOETRAIN_CHECK(batch > 0, "evaluate_classifier: batch {} must be positive", batch);

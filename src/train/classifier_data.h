@@ -37,6 +37,9 @@ struct ClassifierData {
   std::shared_ptr<const ImageDataset> train, test;
 };
 ClassifierData load_classifier_data(const ClassifierRunConfig& cfg);
+// Loads the sets `data` lacks, then checks both against the model (images of model.input_dim
+// pixels, at most model.n_classes classes).
+void complete_classifier_data(ClassifierData& data, const ClassifierRunConfig& cfg);
 
 struct ClassifierEval {
   double loss = 0;      // mean cross-entropy

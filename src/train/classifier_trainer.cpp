@@ -15,20 +15,6 @@ namespace fs = std::filesystem;
 
 namespace moetrain {
 
-namespace {
-
-void check_dataset(const ImageDataset& d, const ClassifierConfig& m, const char* which) {
-  MOETRAIN_CHECK(d.n > 0, "the {} set is empty", which);
-  MOETRAIN_CHECK(d.rows * d.cols == m.input_dim,
-                 "the {} images have {}x{} = {} pixels, but model.input_dim = {}", which, d.rows,
-                 d.cols, d.rows * d.cols, m.input_dim);
-  MOETRAIN_CHECK(d.num_classes <= m.n_classes,
-                 "the {} set has {} classes, but model.n_classes = {}", which, d.num_classes,
-                 m.n_classes);
-}
-
-}  // namespace
-
 ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData data, bool resume,
                                      std::unique_ptr<Comm> world)
     : cfg_(std::move(cfg)), data_(std::move(data)) {
@@ -45,13 +31,7 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
                  "train.batch_size / processes rows of every batch",
                  B, W);
   rows_per_rank_ = B / W;
-  if (!data_.train || !data_.test) {
-    ClassifierData loaded = load_classifier_data(cfg_);
-    if (!data_.train) data_.train = loaded.train;
-    if (!data_.test) data_.test = loaded.test;
-  }
-  check_dataset(*data_.train, cfg_.model, "training");
-  check_dataset(*data_.test, cfg_.model, "test");
+  complete_classifier_data(data_, cfg_);
   total_steps_ = cfg_.total_steps(data_.train->n);
 
   // Every process holds rows of the batch, so the MoE statistics (balancing losses, capacities)
@@ -68,45 +48,22 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
   inputs_.resize(static_cast<std::size_t>(rows_per_rank_ * cfg_.model.input_dim));
   labels_.resize(static_cast<std::size_t>(rows_per_rank_));
 
-  Comm& control = engine_->control();
-  const fs::path run_dir = cfg_.train.run_dir;
-  // Before anything in the run directory is read or written: a second run on it stops here.
-  run_lock_ = lock_run_dir(run_dir, control);
-  if (rank() == 0) {
-    // A fresh run replaces what an earlier run left in the directory, metrics and checkpoints
-    // alike (checkpoints are kept by step number, so a longer old run's would outrank this one's).
-    if (!resume && fs::exists(run_dir / "checkpoints")) {
-      log_info("{}: removing the checkpoints of an earlier run", run_dir.string());
-      fs::remove_all(run_dir / "checkpoints");
-    }
-  }
-  control.barrier();
-  const std::optional<fs::path> ckpt = checkpoint_to_resume(
-      run_dir, resume, control, [&](const fs::path& p) { load_checkpoint(p); });
-  const int64_t step = engine_->step_count();
-  metrics_ = open_metrics(run_dir, rank(), ckpt ? std::optional<int64_t>(step) : std::nullopt,
-                          cfg_.train.tensorboard);
-  engine_->set_metrics(&metrics_);
-  if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step);
-  check_ranks_agree(control,
-                    rank_settings(cfg_.to_json(), {{"data.train_images", data_.train->n},
-                                                   {"data.test_images", data_.test->n}}),
-                    std::stoull(cfg_.config_hash(), nullptr, 16), step);
+  open_run(*engine_, cfg_.train.run_dir, resume, EarlierRun::Replace, cfg_.train.tensorboard,
+           [&](const fs::path& p) { load_checkpoint(p); },
+           {rank_settings(cfg_.to_json(), {{"data.train_images", data_.train->n},
+                                           {"data.test_images", data_.test->n}}),
+            std::stoull(cfg_.config_hash(), nullptr, 16)},
+           run_lock_, metrics_);
 
-  const ParallelLayout& pl = engine_->groups().layout;
   log_info(
       "classifier: {} blocks of {} experts (top-{}), C = {}, F = {}, {:.3f}M parameters; {} "
       "threads",
       cfg_.model.n_layers, cfg_.model.n_experts, cfg_.model.top_k, cfg_.model.dim,
       cfg_.model.expert_hidden, static_cast<double>(model_->layout().size()) / 1e6, threads);
-  log_info("data: {} training / {} test images; {} steps of {} ({:.2f} epochs){}", data_.train->n,
+  log_info("data: {} training / {} test images; {} steps of {} ({:.2f} epochs)", data_.train->n,
            data_.test->n, total_steps_, B,
-           static_cast<double>(total_steps_ * B) / static_cast<double>(data_.train->n),
-           W > 1 ? fmt::format("; {} processes: {} data-parallel x {} expert-parallel ({} experts "
-                               "each){}",
-                               W, pl.dp, pl.ep, engine_->expert_shard().count,
-                               cfg_.dist.zero ? ", ZeRO-1" : "")
-                 : std::string());
+           static_cast<double>(total_steps_ * B) / static_cast<double>(data_.train->n));
+  if (W > 1) log_info("{}", engine_->describe_layout());
 }
 
 ClassifierTrainer::~ClassifierTrainer() = default;

@@ -4,15 +4,48 @@
 
 #include <algorithm>
 
+#include "core/check.h"
 #include "core/fault.h"
 #include "core/log.h"
 #include "core/profile.h"
 #include "core/timer.h"
 #include "train/progress.h"
 #include "train/rank_timing.h"
+#include "train/run_state.h"
 #include "train/stop_signal.h"
 
 namespace moetrain {
+
+std::optional<std::filesystem::path> open_run(StepEngine& engine, const std::string& run_dir,
+                                              bool resume, EarlierRun earlier, bool tensorboard,
+                                              const CheckpointLoad& load,
+                                              const RunIdentity& identity, RunLock& lock,
+                                              MetricsWriter& metrics) {
+  namespace fs = std::filesystem;
+  Comm& control = engine.control();
+  // Before anything in the run directory is read or written: a second run on it stops here.
+  lock = lock_run_dir(run_dir, control);
+  const bool has_earlier = !resume && fs::exists(fs::path(run_dir) / "checkpoints");
+  MOETRAIN_CHECK(!has_earlier || earlier == EarlierRun::Replace,
+                 "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue "
+                 "it, or choose another train.run_dir (or remove that one)",
+                 run_dir);
+  if (has_earlier && control.rank() == 0) {
+    // Checkpoints are kept by step number: a longer earlier run's would outrank this one's.
+    log_info("{}: removing the checkpoints of an earlier run", run_dir);
+    fs::remove_all(fs::path(run_dir) / "checkpoints");
+  }
+  control.barrier();
+  // Every rank gets the same checkpoint (or none).
+  const std::optional<fs::path> ckpt = checkpoint_to_resume(run_dir, resume, control, load);
+  const int64_t step = engine.step_count();
+  metrics = open_metrics(run_dir, control.rank(), ckpt ? std::optional<int64_t>(step) : std::nullopt,
+                         tensorboard);
+  engine.set_metrics(&metrics);
+  if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step);
+  check_ranks_agree(control, identity.settings, identity.config_hash, step);
+  return ckpt;
+}
 
 LoopResult run_loop(StepEngine& engine, RunTask& task, const LoopSettings& s,
                     MetricsWriter& metrics) {

@@ -6,11 +6,14 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "io/checkpoint.h"
 #include "io/metrics.h"
+#include "io/run_lock.h"
 #include "train/step_engine.h"
 
 namespace moetrain {
@@ -54,6 +57,29 @@ struct LoopResult {
   std::filesystem::path last_checkpoint;
   int exit_code = 0;  // 130 / 143: stopped by SIGINT / SIGTERM, with a checkpoint
 };
+
+// How a fresh run (no --resume) treats a run directory that holds an earlier run's checkpoints.
+enum class EarlierRun {
+  Refuse,   // stop with an error naming --resume (the LM: hours of training are not thrown away)
+  Replace,  // remove them (the classifier: a run of minutes)
+};
+
+// What every rank agrees on before the first step (check_ranks_agree): the settings, the
+// configuration's hash.
+struct RunIdentity {
+  nlohmann::json settings;  // rank_settings(config, data sizes)
+  uint64_t config_hash = 0;
+};
+
+// Collective, before the first step: locks the run directory (lock), resumes from its latest
+// complete checkpoint when `resume` (load reads it into the trainer) or starts fresh as `earlier`
+// says, opens rank 0's metrics (metrics, also given to the engine) and checks that the ranks
+// agree. Returns the checkpoint resumed from, if any.
+std::optional<std::filesystem::path> open_run(StepEngine& engine, const std::string& run_dir,
+                                              bool resume, EarlierRun earlier, bool tensorboard,
+                                              const CheckpointLoad& load,
+                                              const RunIdentity& identity, RunLock& lock,
+                                              MetricsWriter& metrics);
 
 // Collective. metrics: rank 0's writer (inactive on the others).
 LoopResult run_loop(StepEngine& engine, RunTask& task, const LoopSettings& settings,

@@ -69,6 +69,18 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
 
 StepEngine::~StepEngine() = default;
 
+std::string StepEngine::describe_layout() const {
+  const ParallelLayout& pl = pg_->layout;
+  return fmt::format(
+      "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
+      "buckets",
+      world_, pl.dp, pl.ep, expert_shard_.count, cfg_.dist.zero ? ", ZeRO-1" : "",
+      ep_.hierarchy
+          ? fmt::format(", 2-D all-to-all ({} ranks per node)", ep_.hierarchy->intra->size())
+          : "",
+      buckets_);
+}
+
 void StepEngine::set_precision(DType p) {
   cfg_.precision = p;
   if (p == DType::F16 && !scaler_) scaler_ = std::make_unique<LossScaler>(cfg_.loss_scale);

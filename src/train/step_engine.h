@@ -170,7 +170,9 @@ class StepEngine {
   const ExpertShard& expert_shard() const { return expert_shard_; }
   // This rank's experts as flat ranges (offset, size).
   const std::vector<std::pair<int64_t, int64_t>>& own_expert_ranges() const { return own_experts_; }
-  int64_t buckets() const { return buckets_; }
+  // "4 processes: 2 data-parallel x 2 expert-parallel (4 experts each), ZeRO-1; 3 gradient
+  // buckets", for the log of a distributed run.
+  std::string describe_layout() const;
   // The signals the last step saw, agreed by every process.
   const StopVotes& stop_votes() const { return stop_; }
 

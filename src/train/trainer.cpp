@@ -21,15 +21,6 @@ namespace moetrain {
 
 namespace {
 
-std::unique_ptr<TokenShard> open_shard(const DataConfig& data, const char* file) {
-  fs::path p = fs::path(data.dir) / file;
-  MOETRAIN_CHECK(fs::is_regular_file(p),
-                 "data.dir = '{}' has no {}: prepare it first, e.g. `moetrain prepare --input "
-                 "/usr/share/games/fortunes --out {}`",
-                 data.dir, file, data.dir);
-  return std::make_unique<TokenShard>(p);
-}
-
 // train.device = cuda: the model's forward, backward and update on the device, whose state stays
 // resident between checkpoints. Null on the CPU.
 DeviceTrainingState* start_device(Transformer& model, const TrainConfig& t, int processes) {
@@ -82,52 +73,23 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       ec, std::move(rp), *model_,
       [&](float* p) { init_params(p, model_->layout(), cfg_.model, cfg_.train.seed); }, device);
 
-  train_shard_ = open_shard(cfg_.data, "train.bin");
-  val_shard_ = open_shard(cfg_.data, "val.bin");
-  MOETRAIN_CHECK(train_shard_->vocab() <= static_cast<uint32_t>(cfg_.model.vocab_size),
-                 "{} has vocabulary {}, larger than model.vocab_size = {}",
-                 train_shard_->path().string(), train_shard_->vocab(), cfg_.model.vocab_size);
-  MOETRAIN_CHECK(train_shard_->size() > static_cast<uint64_t>(cfg_.train.seq_len) + 1,
-                 "{} has {} tokens, too few for train.seq_len = {}", train_shard_->path().string(),
-                 train_shard_->size(), cfg_.train.seq_len);
-  // Found here rather than at the first evaluation, after the training it would waste.
-  MOETRAIN_CHECK(val_shard_->size() > static_cast<uint64_t>(cfg_.train.seq_len),
-                 "{} has {} tokens, too few for train.seq_len = {} (validation needs at least {}; "
-                 "prepare with a larger --val-fraction)",
-                 val_shard_->path().string(), val_shard_->size(), cfg_.train.seq_len,
-                 cfg_.train.seq_len + 1);
+  TokenShards shards = open_token_shards(cfg_.data.dir, cfg_.model.vocab_size, cfg_.train.seq_len);
+  train_shard_ = std::move(shards.train), val_shard_ = std::move(shards.val);
   const int64_t BT = cfg_.train.batch_size * cfg_.train.seq_len;
   inputs_.resize(static_cast<std::size_t>(BT));
   targets_.resize(static_cast<std::size_t>(BT));
 
-  Comm& control = engine_->control();
-  // Before anything in the run directory is read or written: a second run on it stops here.
-  run_lock_ = lock_run_dir(cfg_.train.run_dir, control);
-  // A fresh run never overwrites (or prunes) another run's checkpoints.
-  MOETRAIN_CHECK(
-      resume || !fs::exists(fs::path(cfg_.train.run_dir) / "checkpoints"),
-      "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue it, or "
-      "choose another train.run_dir (or remove that one)",
-      cfg_.train.run_dir);
-  // Collective: every rank gets the same checkpoint (or none).
-  const std::optional<fs::path> ckpt = checkpoint_to_resume(
-      cfg_.train.run_dir, resume, control, [&](const fs::path& p) { load_checkpoint(p); });
-  resumed_ = ckpt.has_value();
-  const int64_t step = engine_->step_count();
-  metrics_ = open_metrics(cfg_.train.run_dir, rank(),
-                          ckpt ? std::optional<int64_t>(step) : std::nullopt,
-                          cfg_.train.tensorboard);
-  engine_->set_metrics(&metrics_);
-  if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step);
   // The data's sizes: the same data.dir may hold different files on different machines.
-  const nlohmann::json data = {{"data.train_tokens", train_shard_->size()},
-                               {"data.val_tokens", val_shard_->size()}};
-  check_ranks_agree(control, rank_settings(cfg_.to_json(), data),
-                    std::stoull(cfg_.config_hash(), nullptr, 16), step);
+  const RunIdentity identity{rank_settings(cfg_.to_json(), {{"data.train_tokens", train_shard_->size()},
+                                                           {"data.val_tokens", val_shard_->size()}}),
+                             std::stoull(cfg_.config_hash(), nullptr, 16)};
+  resumed_ = open_run(*engine_, cfg_.train.run_dir, resume, EarlierRun::Refuse,
+                      cfg_.train.tensorboard, [&](const fs::path& p) { load_checkpoint(p); },
+                      identity, run_lock_, metrics_)
+                 .has_value();
   if (rank() == 0)
     write_file_atomic(fs::path(cfg_.train.run_dir) / "config.json", cfg_.to_json().dump(2) + "\n");
 
-  const ParallelLayout& pl = engine_->groups().layout;
   log_info(
       "model: {} layers, {} experts (top-{}), {:.2f}M parameters, {:.1f} MFLOP/token; {} threads",
       cfg_.model.n_layers, cfg_.model.n_experts, cfg_.model.top_k,
@@ -135,16 +97,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       model_->flops_per_token(cfg_.train.seq_len) / 1e6, threads);
   log_info("data: {} train / {} val tokens; {} tokens per step", train_shard_->size(),
            val_shard_->size(), BT * cfg_.train.grad_accum * W);
-  const ExpertParallelSetup& ep = engine_->expert_parallel();
-  if (W > 1)
-    log_info(
-        "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
-        "buckets",
-        W, pl.dp, pl.ep, engine_->expert_shard().count, cfg_.dist.zero ? ", ZeRO-1" : "",
-        ep.hierarchy
-            ? fmt::format(", 2-D all-to-all ({} ranks per node)", ep.hierarchy->intra->size())
-            : "",
-        engine_->buckets());
+  if (W > 1) log_info("{}", engine_->describe_layout());
 }
 
 Trainer::~Trainer() = default;

@@ -15,7 +15,7 @@
 #include "io/metrics.h"
 #include "io/run_lock.h"
 #include "model/transformer.h"
-#include "train/model_loading.h"
+#include "train/lm_checkpoint.h"
 #include "train/run_config.h"
 #include "train/run_loop.h"
 #include "train/step_engine.h"

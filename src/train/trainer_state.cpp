@@ -57,17 +57,7 @@ nlohmann::json Trainer::trainer_state() const {
 }
 
 fs::path Trainer::save_checkpoint() {
-  nlohmann::json hf = cfg_.model.to_hf_json();
-  if (std::string why; !cfg_.model.hf_mixtral_compatible(&why)) {
-    // Claiming Mixtral would let transformers load this model and compute something else (drop
-    // the shared expert or dense layers with a mere warning, route differently): name our own
-    // architecture and type so that AutoModel refuses it, and say why in the file itself.
-    hf["architectures"] = {"MoetrainForCausalLM"};
-    hf["model_type"] = "moetrain";
-    hf["moetrain_note"] = fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
-  }
-  hf["moetrain"] = cfg_.to_json();
-  return engine_->save_checkpoint(bias_views(*model_), {hf, trainer_state()},
+  return engine_->save_checkpoint(bias_views(*model_), {lm_checkpoint_config(cfg_), trainer_state()},
                                   cfg_.train.keep_checkpoints);
 }
 

@@ -1,5 +1,6 @@
-// A trained language model read back for evaluation, sampling and the forward dump: from a
-// checkpoint directory, a run directory or a Hugging Face Mixtral directory.
+// A language model's checkpoint: the config.json it writes, and the trained model read back for
+// evaluation, sampling and the forward dump (from a checkpoint directory, a run directory or a
+// Hugging Face Mixtral directory).
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -7,11 +8,17 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "model/config.h"
 #include "model/transformer.h"
 #include "train/run_config.h"
 
 namespace moetrain {
+
+// config.json of a checkpoint of a run of cfg: MixtralConfig's keys (or our own architecture's
+// name where transformers' Mixtral would compute something else) and the run's configuration.
+nlohmann::json lm_checkpoint_config(const RunConfig& cfg);
 
 // A model with its parameters, for evaluation, sampling and the forward dump.
 struct LoadedModel {

@@ -1,4 +1,4 @@
-#include "train/model_loading.h"
+#include "train/lm_checkpoint.h"
 
 #include <fmt/format.h>
 
@@ -44,6 +44,20 @@ RunConfig checkpoint_run_config(const fs::path& ckpt, bool* has_seq_len = nullpt
 }
 
 }  // namespace
+
+nlohmann::json lm_checkpoint_config(const RunConfig& cfg) {
+  nlohmann::json hf = cfg.model.to_hf_json();
+  if (std::string why; !cfg.model.hf_mixtral_compatible(&why)) {
+    // Claiming Mixtral would let transformers load this model and compute something else (drop
+    // the shared expert or dense layers with a mere warning, route differently): name our own
+    // architecture and type so that AutoModel refuses it, and say why in the file itself.
+    hf["architectures"] = {"MoetrainForCausalLM"};
+    hf["model_type"] = "moetrain";
+    hf["moetrain_note"] = fmt::format("not loadable as transformers' MixtralForCausalLM: {}", why);
+  }
+  hf["moetrain"] = cfg.to_json();
+  return hf;
+}
 
 LoadedModel load_model(const fs::path& dir) {
   LoadedModel out;

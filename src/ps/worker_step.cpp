@@ -1,0 +1,101 @@
+#include "ps/worker_step.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "core/check.h"
+#include "core/log.h"
+#include "data/loader.h"
+#include "io/checkpoint.h"
+#include "io/metrics.h"
+#include "train/accumulate.h"
+#include "train/evaluate.h"
+#include "train/lm_checkpoint.h"
+
+namespace fs = std::filesystem;
+
+namespace moetrain::ps {
+
+WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t index)
+    : cfg_(cfg), opts_(opts), index_(index) {
+  model_ = std::make_unique<Transformer>(cfg_.model);
+  params_.assign(static_cast<std::size_t>(model_->layout().size()), 0.0f);
+  grads_.assign(params_.size(), 0.0f);
+  // A worker started in place of a dead one begins with a zero residual: see docs/ps.md.
+  if (opts_.compression() == Encoding::Int8) residual_.assign(params_.size(), 0.0f);
+  train_ = open_token_shards(cfg_.data.dir, cfg_.model.vocab_size, cfg_.train.seq_len,
+                             /*want_val=*/false)
+               .train;
+}
+
+PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
+  const int64_t T = cfg_.train.seq_len, A = cfg_.train.grad_accum, R = a.rows;
+  const int64_t E = cfg_.model.n_experts;
+  inputs_.resize(static_cast<std::size_t>(R * T));
+  targets_.resize(inputs_.size());
+  AccumulateArgs<TokenBatch> args;
+  args.micro_batches = A;
+  // This worker's rows' share of the global batch: the servers sum the workers' pushes.
+  args.loss_weight =
+      static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A));
+  args.fill = [&](int64_t micro) {
+    // Row r of the global batch is the window the single-process run draws for its row r.
+    for (int64_t b = 0; b < R; ++b) {
+      BatchLoader one(*train_, 1, T, cfg_.train.seed, static_cast<int>(a.row_begin + b),
+                      static_cast<int>(a.global_rows));
+      one.fill(clock, micro, inputs_.data() + b * T, targets_.data() + b * T);
+    }
+    return TokenBatch{inputs_.data(), targets_.data(), R, T};
+  };
+  // This worker's rows start at row_begin of the global batch.
+  args.moe_step = [&](int64_t micro) {
+    return micro_batch_step(cfg_.train.seed, clock, A, micro, a.row_begin * T);
+  };
+  args.bad_loss = [&](const LossParts& p) {
+    return fmt::format(
+        "clock {}: the loss is {} on worker {}; stopping. Lower optim.lr or raise "
+        "optim.warmup_steps",
+        clock, p.total, index_);
+  };
+  const Accumulated acc = accumulate(*model_, params_.data(), grads_.data(),
+                                     static_cast<int64_t>(grads_.size()), args);
+  skip_.clear();
+  if (opts_.sparse_push) {
+    const int64_t per = cfg_.model.expert_hidden * cfg_.model.dim;
+    for (const MoeBlockRef& block : model_->moe_blocks()) {
+      const std::size_t m = static_cast<std::size_t>(model_->moe_index(block.layer));
+      const std::vector<int64_t>& load = acc.tokens_per_expert[m];
+      for (int64_t e = 0; e < E; ++e)
+        if (load[static_cast<std::size_t>(e)] == 0)
+          for (int64_t base : {block.offsets.w1, block.offsets.w3, block.offsets.w2})
+            skip_.push_back({base + e * per, per});
+    }
+    std::sort(skip_.begin(), skip_.end(),
+              [](const Span& x, const Span& y) { return x.offset < y.offset; });
+  }
+  return {R, a.global_rows, acc.loss.total};
+}
+
+void WorkerStep::finish(int64_t clock) {
+  const ParamLayout& layout = model_->layout();
+  CheckpointContents c;
+  for (const auto& p : layout.params())
+    c.model.push_back({p.name, p.shape, params_.data() + p.offset});
+  c.config = lm_checkpoint_config(cfg_);
+  c.trainer = {{"step", clock},
+               {"config_hash", cfg_.config_hash()},
+               {"seed", cfg_.train.seed},
+               {"parameter_server", opts_.to_json()}};
+  fs::path dir = write_checkpoint(cfg_.train.run_dir, clock, c, cfg_.train.keep_checkpoints);
+  TokenShard val(fs::path(cfg_.data.dir) / "val.bin");
+  const double v = evaluate(*model_, params_.data(), val, cfg_.train.batch_size,
+                            cfg_.train.seq_len, cfg_.train.eval_batches);
+  MetricsWriter(cfg_.train.run_dir, MetricsWriter::Open::Append, cfg_.train.tensorboard)
+      .write({{"step", clock}, {"val_loss", v}});
+  log_info("ps worker {}: final checkpoint {} (clock {}); validation loss {:.4f}", index_,
+           dir.string(), clock, v);
+}
+
+}  // namespace moetrain::ps

@@ -1,0 +1,56 @@
+// A parameter-server worker's computation, apart from its protocol (ps/worker.cpp): a full model
+// replica computing the gradients of its rows of each step's global batch through the micro-batch
+// accumulation routine every trainer uses (train/accumulate.h), weighted by their share of the
+// global batch so that the servers' sum is the global mean; the experts that got no tokens (what
+// a sparse push skips); and the lead worker's final checkpoint and validation.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "data/shard.h"
+#include "model/transformer.h"
+#include "ps/codec.h"
+#include "ps/kv_worker.h"
+#include "ps/options.h"
+#include "train/run_config.h"
+
+namespace moetrain::ps {
+
+// Rows [row_begin, row_begin + rows) of each step's global batch of global_rows.
+struct RowAssignment {
+  int64_t row_begin = 0, rows = 0, global_rows = 0, epoch = 0;
+};
+
+class WorkerStep {
+ public:
+  // index: the worker's, named in errors.
+  WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t index);
+
+  std::vector<float>& params() { return params_; }  // pulled from the servers
+  std::vector<float>& grads() { return grads_; }    // what a push sends
+  // The int8 error-feedback residual (empty without int8 pushes).
+  std::vector<float>& residual() { return residual_; }
+  // After compute with a sparse push: the expert tensors that got no tokens (sorted by offset).
+  const std::vector<Span>& skipped() const { return skip_; }
+
+  // grads = the gradient of rows `a` of step `clock`, weighted by their share of the global
+  // batch; the push's figures.
+  PushMeta compute(int64_t clock, const RowAssignment& a);
+
+  // The lead worker at the end of the job: params as a normal checkpoint of step `clock`, and
+  // the validation loss written to the run's metrics.
+  void finish(int64_t clock);
+
+ private:
+  const RunConfig& cfg_;
+  const PsOptions& opts_;
+  int64_t index_;
+  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<TokenShard> train_;
+  std::vector<float> params_, grads_, residual_;
+  std::vector<int32_t> inputs_, targets_;
+  std::vector<Span> skip_;
+};
+
+}  // namespace moetrain::ps
