@@ -13,8 +13,8 @@ namespace moetrain {
 
 const char* field_type_name(const FieldPtr& ptr) {
   return std::visit(
-      [](auto* v) -> const char* {
-        using T = std::remove_pointer_t<decltype(v)>;
+      [](const auto& v) -> const char* {
+        using T = std::remove_pointer_t<std::decay_t<decltype(v)>>;
         if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>)
           return "an integer";
         if constexpr (std::is_same_v<T, double>) return "a number";
@@ -32,9 +32,11 @@ std::string section_of(const std::string& key) {
 
 void set_from_toml(Field& f, const toml::node& node, const std::string& where) {
   bool ok = std::visit(
-      [&](auto* v) {
-        using T = std::remove_pointer_t<decltype(v)>;
-        if constexpr (std::is_same_v<T, int64_t>) {
+      [&](auto& v) {
+        using T = std::remove_pointer_t<std::decay_t<decltype(v)>>;
+        if constexpr (std::is_same_v<T, Choice>) {
+          if (auto x = node.value_exact<std::string>()) return v.parse(*x), true;
+        } else if constexpr (std::is_same_v<T, int64_t>) {
           if (auto x = node.value_exact<int64_t>()) return *v = *x, true;
         } else if constexpr (std::is_same_v<T, uint64_t>) {
           if (auto x = node.value_exact<int64_t>(); x && *x >= 0)
@@ -58,9 +60,11 @@ void set_from_string(Field& f, const std::string& value) {
     MOETRAIN_FAIL("--set {}={}: the value must be {}", f.key, value, field_type_name(f.ptr));
   };
   std::visit(
-      [&](auto* v) {
-        using T = std::remove_pointer_t<decltype(v)>;
-        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
+      [&](auto& v) {
+        using T = std::remove_pointer_t<std::decay_t<decltype(v)>>;
+        if constexpr (std::is_same_v<T, Choice>) {
+          v.parse(value);
+        } else if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
           T x{};
           auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), x);
           if (ec != std::errc() || end != value.data() + value.size()) fail();
@@ -194,9 +198,13 @@ void ConfigSchema::apply_json(const nlohmann::json& j, const std::string& where)
     for (const auto& [name, value] : table.items()) {
       Field& f = find(section + "." + name, where + ": ");
       bool ok = std::visit(
-          [&](auto* v) {
-            using T = std::remove_pointer_t<decltype(v)>;
-            if constexpr (std::is_same_v<T, double>) {
+          [&](auto& v) {
+            using T = std::remove_pointer_t<std::decay_t<decltype(v)>>;
+            if constexpr (std::is_same_v<T, Choice>) {
+              if (!value.is_string()) return false;
+              v.parse(value.get<std::string>());
+              return true;
+            } else if constexpr (std::is_same_v<T, double>) {
               if (!value.is_number()) return false;
             } else if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
               if (!value.is_number_integer()) return false;
@@ -205,7 +213,7 @@ void ConfigSchema::apply_json(const nlohmann::json& j, const std::string& where)
             } else {
               if (!value.is_string()) return false;
             }
-            *v = value.get<T>();
+            if constexpr (!std::is_same_v<T, Choice>) *v = value.get<T>();
             return true;
           },
           f.ptr);
@@ -219,7 +227,15 @@ nlohmann::json ConfigSchema::to_json() const {
   for (const auto& f : fields_) {
     std::string section = section_of(f.key);
     std::string name = f.key.substr(f.key.find('.') + 1);
-    std::visit([&](auto* v) { j[section][name] = *v; }, f.ptr);
+    std::visit(
+        [&](const auto& v) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(v)>, Choice>) {
+            j[section][name] = v.name();
+          } else {
+            j[section][name] = *v;
+          }
+        },
+        f.ptr);
   }
   return j;
 }

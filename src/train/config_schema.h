@@ -4,6 +4,7 @@
 // and what is allowed; what the values must satisfy is the config struct's own validate().
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -12,14 +13,26 @@
 
 namespace moetrain {
 
-using FieldPtr = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*>;
+// A setting with named values (an enum), parsed into its type when it is set: parse throws naming
+// the key, the value and the allowed names; name gives a value's text (what JSON records).
+struct Choice {
+  std::function<void(const std::string&)> parse;
+  std::function<std::string()> name;
+};
+template <class E>
+Choice choice(E* member, E (*parse)(const std::string&), const char* (*name)(E)) {
+  return {[member, parse](const std::string& s) { *member = parse(s); },
+          [member, name] { return std::string(name(*member)); }};
+}
+
+using FieldPtr = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, Choice>;
 
 struct Field {
   std::string key;  // "section.name"
   FieldPtr ptr;     // the member it sets
 };
 
-// "an integer", "a number", "true or false", "a string".
+// "an integer", "a number", "true or false", "a string" (a choice: "a string").
 const char* field_type_name(const FieldPtr& ptr);
 
 class ConfigSchema {

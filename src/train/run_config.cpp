@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "core/log.h"
 #include "parallel/grad_wire.h"
 #include "train/precision.h"
 
@@ -173,7 +174,7 @@ ConfigSchema schema(RunConfig& c) {
       {"train.grad_accum", &t.grad_accum},
       {"train.eval_batches", &t.eval_batches},
       {"train.keep_checkpoints", &t.keep_checkpoints},
-      {"train.precision", &t.precision},
+      {"train.precision", choice(&t.precision, parse_precision, precision_name)},
       {"train.device", &t.device},
       {"train.profile", &t.profile},
       {"train.loss_scale_init", &t.loss_scale_init},
@@ -198,6 +199,7 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
   if (!path.empty()) s.apply_toml_file(path);
   s.apply_overrides(overrides);
   c.validate();
+  c.train.resolve_precision();
   return c;
 }
 
@@ -254,16 +256,15 @@ void RunConfig::validate() const {
   MOETRAIN_CHECK(t.eval_batches > 0, "train.eval_batches = {}: must be positive", t.eval_batches);
   MOETRAIN_CHECK(t.keep_checkpoints >= 1, "train.keep_checkpoints = {}: must be ≥ 1",
                  t.keep_checkpoints);
-  t.precision_dtype();
-  if (t.precision_dtype() == DType::F16) t.loss_scale().validate();
+  if (t.precision == Precision::FP16) t.loss_scale().validate();
   MOETRAIN_CHECK(t.device == "cpu" || t.device == "cuda",
                  "train.device = '{}': allowed are cpu, cuda", t.device);
-  MOETRAIN_CHECK(t.precision != "tf32" || t.device == "cuda",
+  MOETRAIN_CHECK(t.precision != Precision::TF32 || t.device == "cuda",
                  "train.precision = tf32 rounds GEMM operands on a GPU's tensor cores: it needs "
                  "train.device = cuda");
   if (t.device == "cuda") {
     // What the CUDA engine does not run yet: each is refused by name rather than run elsewhere.
-    MOETRAIN_CHECK(t.precision != "fp16",
+    MOETRAIN_CHECK(t.precision != Precision::FP16,
                    "train.device = cuda with train.precision = fp16: the CUDA engine computes in "
                    "f32, tf32 or bf16 (auto picks bf16)");
     MOETRAIN_CHECK(dist.ep <= 1 && !dist.zero && !dist.local_steps(),
@@ -288,11 +289,11 @@ void RunConfig::validate() const {
                  "train.checkpoint_every = {} with dist.sync = params: must be a multiple of "
                  "dist.sync_every = {} (checkpoints are written right after an averaging)",
                  t.checkpoint_every, dist.sync_every);
-  MOETRAIN_CHECK(!(dist.local_steps() && t.precision_dtype() == DType::F16),
+  MOETRAIN_CHECK(!(dist.local_steps() && t.precision == Precision::FP16),
                  "dist.sync = params with train.precision = fp16: each replica would skip steps "
                  "and move its loss scale on its own; use train.precision = bf16 or f32");
   // The error-feedback residual would carry loss-scaled gradients across changes of the scale.
-  MOETRAIN_CHECK(!(dist.grad_reduce_dtype == "int8" && t.precision_dtype() == DType::F16),
+  MOETRAIN_CHECK(!(dist.grad_reduce_dtype == "int8" && t.precision == Precision::FP16),
                  "dist.grad_reduce_dtype = int8 with train.precision = fp16: the error-feedback "
                  "residual cannot follow the loss scale; use train.precision = bf16 or f32, or "
                  "dist.grad_reduce_dtype = bf16");
@@ -336,16 +337,20 @@ void DistSettings::validate() const {
                  collective_timeout);
 }
 
-DType TrainConfig::precision_dtype() const {
-  // The Trainer replaces "auto" with what it resolved to before anything records the config.
-  const std::string p = precision == "auto" ? resolve_precision(precision, onednn_cpu_isa())
-                                            : precision;
-  for (DType t : {DType::F32, DType::BF16, DType::F16})
-    if (p == dtype_name(t)) return t;
-  // tf32: f32 storage and accumulation; the GPU's tensor cores round the GEMM operands.
-  if (p == "tf32") return DType::F32;
-  MOETRAIN_FAIL("train.precision = '{}': allowed are auto, f32, bf16, fp16, tf32 (cuda)",
-                precision);
+void TrainConfig::resolve_precision() {
+  if (precision != Precision::Auto) return;
+  precision_was_auto = true;
+  if (device == "cuda") {
+    precision = resolve_auto(device, "");
+    log_info("train.precision = auto: bf16 (train.device = cuda: bf16 GEMMs on the tensor cores)");
+    return;
+  }
+  // Resolved once and recorded as the run's own value: config.json, the checkpoints and the
+  // config hash say what the run computed, not what "auto" would pick on another machine.
+  const std::string isa = onednn_cpu_isa();
+  precision = resolve_auto(device, isa);
+  log_info("train.precision = auto: {} (oneDNN dispatches to {}{})", precision_name(precision), isa,
+           has_native_bf16(isa) ? ", a native bf16 matmul" : ", no native bf16 matmul");
 }
 
 LossScaleConfig TrainConfig::loss_scale() const {
@@ -385,12 +390,14 @@ std::string RunConfig::config_hash() const {
   j.erase("placement");
   // f32 runs hash as they did before mixed precision existed (their checkpoints still resume);
   // the loss-scale settings only matter in fp16.
-  if (train.precision_dtype() != DType::F16) {
+  if (train.precision != Precision::FP16) {
     for (const char* k : {"loss_scale_init", "loss_scale_growth_interval",
                           "loss_scale_growth_factor", "loss_scale_backoff_factor"})
       j["train"].erase(k);
   }
-  if (train.precision_dtype() == DType::F32) j["train"].erase("precision");
+  // tf32 hashes as f32: its f32 storage resumes on a CPU, which computes f32.
+  if (train.precision == Precision::F32 || train.precision == Precision::TF32)
+    j["train"].erase("precision");
   // Likewise fixed-capacity runs: the controller's settings do not touch them.
   if (model.capacity == "fixed") {
     j["model"].erase("capacity");

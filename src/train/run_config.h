@@ -18,6 +18,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/config_schema.h"
+#include "train/precision.h"
 
 namespace moetrain {
 
@@ -85,9 +86,12 @@ struct TrainConfig {
   // device = cuda): f32 everywhere but the GEMMs, whose operands the tensor cores round to TF32
   // (10-bit mantissa), accumulating in f32. fp16 adds dynamic
   // loss scaling with the loss_scale_* settings (optim/loss_scale.h); they are ignored otherwise.
-  // auto: bf16 where oneDNN has a native bf16 matmul, else f32 (train/precision.h); the trainer
-  // records the resolved value, and a resumed run keeps the one its checkpoint recorded.
-  std::string precision = "f32";
+  // auto: bf16 where oneDNN has a native bf16 matmul (on a GPU: bf16), else f32
+  // (train/precision.h), resolved when the configuration loads; the run records the resolved
+  // value, and a resumed run keeps the one its checkpoint recorded.
+  Precision precision = Precision::F32;
+  // The configuration said auto (resolve_precision replaced it): a resume adopts the recorded one.
+  bool precision_was_auto = false;
   // cpu | cuda. cuda runs each micro-batch's forward and backward and the one update step on the
   // GPU (src/cuda); checkpoints, metrics and resumption are the CPU run's. One process; precision
   // f32, tf32 or bf16 (auto: bf16); no replicas (RunConfig::validate says what else).
@@ -97,7 +101,11 @@ struct TrainConfig {
   double loss_scale_growth_factor = 2.0;
   double loss_scale_backoff_factor = 0.5;
 
-  DType precision_dtype() const;  // precision parsed (validated with the rest)
+  // The model's GEMM operand type on the CPU (gemm_dtype of the resolved precision).
+  DType precision_dtype() const { return gemm_dtype(precision); }
+  // auto → what this machine computes natively on `device`, logged; other values stay. Done by
+  // load_run_config; the trainer calls it again for a configuration built in code.
+  void resolve_precision();
   LossScaleConfig loss_scale() const;
 };
 

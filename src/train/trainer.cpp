@@ -12,7 +12,6 @@
 #include "parallel/runtime.h"
 #include "train/evaluate.h"
 #include "train/memory_estimate.h"
-#include "train/precision.h"
 #include "train/run_state.h"
 
 namespace fs = std::filesystem;
@@ -29,9 +28,7 @@ DeviceTrainingState* start_device(Transformer& model, const TrainConfig& t, int 
                  "train.device = {} runs on one process; this run has {} (no NCCL backend yet)",
                  t.device, processes);
   model.set_device(t.device);
-  model.device_engine()->set_gemm(t.precision == "tf32"   ? DeviceGemm::TF32
-                                  : t.precision == "bf16" ? DeviceGemm::BF16
-                                                          : DeviceGemm::F32);
+  model.device_engine()->set_gemm(device_gemm(t.precision));
   log_info("train.device = {}: forward, backward and update on {}", t.device,
            model.device_engine()->describe());
   return &model.device_engine()->training_state();
@@ -41,18 +38,7 @@ DeviceTrainingState* start_device(Transformer& model, const TrainConfig& t, int 
 
 Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_(std::move(cfg)) {
   cfg_.validate();
-  auto_precision_ = cfg_.train.precision == "auto";
-  if (auto_precision_ && cfg_.train.device == "cuda") {
-    cfg_.train.precision = "bf16";
-    log_info("train.precision = auto: bf16 (train.device = cuda: bf16 GEMMs on the tensor cores)");
-  } else if (auto_precision_) {
-    // Resolved once and recorded as the run's own value: config.json, the checkpoints and the
-    // config hash say what the run computed, not what "auto" would pick on another machine.
-    const std::string isa = onednn_cpu_isa();
-    cfg_.train.precision = resolve_precision("auto", isa);
-    log_info("train.precision = auto: {} (oneDNN dispatches to {}{})", cfg_.train.precision, isa,
-             has_native_bf16(isa) ? ", a native bf16 matmul" : ", no native bf16 matmul");
-  }
+  cfg_.train.resolve_precision();  // a configuration built in code (load_run_config did it)
   world_ = world ? std::move(world) : dist_world("trainer");
   const int W = world_->size();
   // Before the model is allocated: a config that cannot fit stops here, not in std::bad_alloc.

@@ -93,7 +93,6 @@ class Trainer : private RunTask {
   std::unique_ptr<StepEngine> engine_;
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
   bool resumed_ = false;
-  bool auto_precision_ = false;  // train.precision was "auto" (a resume adopts the recorded one)
   std::vector<int32_t> inputs_, targets_;
   RunLock run_lock_;         // rank 0's (before metrics_: released after its last write)
   MetricsWriter metrics_;    // rank 0's; inactive on the others

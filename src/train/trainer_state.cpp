@@ -35,7 +35,7 @@ nlohmann::json Trainer::trainer_state() const {
   const ParallelLayout& pl = engine_->groups().layout;
   nlohmann::json t = engine_->state_json();
   t["config_hash"] = cfg_.config_hash();
-  t["precision"] = cfg_.train.precision;
+  t["precision"] = precision_name(cfg_.train.precision);
   t["schedule"] = {
       {"position", step}, {"total_steps", cfg_.train.steps}, {"next_lr", engine_->schedule().lr(step)}};
   // Batches are a pure function of (seed, step, row of the global batch): the next step and the
@@ -63,12 +63,12 @@ fs::path Trainer::save_checkpoint() {
 
 void Trainer::restore_trainer_state(const nlohmann::json& t, const std::string& where) {
   const fs::path dir = fs::path(where).parent_path();
-  if (auto_precision_ && t.contains("precision") && t["precision"].is_string() &&
-      t["precision"].get<std::string>() != cfg_.train.precision) {
+  if (cfg_.train.precision_was_auto && t.contains("precision") && t["precision"].is_string() &&
+      parse_precision(t["precision"].get<std::string>()) != cfg_.train.precision) {
     // The run keeps the precision it started with, wherever it resumes.
-    const std::string used = t["precision"].get<std::string>();
-    log_info("train.precision = auto: resuming in {} as the run was trained ({} here)", used,
-             cfg_.train.precision);
+    const Precision used = parse_precision(t["precision"].get<std::string>());
+    log_info("train.precision = auto: resuming in {} as the run was trained ({} here)",
+             precision_name(used), precision_name(cfg_.train.precision));
     cfg_.train.precision = used;
     model_->set_precision(cfg_.train.precision_dtype());
     engine_->set_precision(cfg_.train.precision_dtype());

@@ -204,7 +204,7 @@ TEST(CudaTrain, Tf32AndBf16ValidationLossStayWithinOnePercentOfF32) {
   ASSERT_EQ(va.size(), 1u);
   for (const char* precision : {"tf32", "bf16"}) {
     RunConfig c = run_config(tmp, precision, "cuda", true, steps);
-    c.train.precision = precision;
+    c.train.precision = parse_precision(precision);
     {
       Trainer t(c, false);
       t.run();

@@ -213,7 +213,7 @@ TEST(DistPrecision, Bf16TrainingWithBf16CommunicationMatchesOneProcess) {
   // steps and keeps the same scale.
   {
     RunConfig c = config(2, "fp16", "f32", ep);
-    c.train.precision = "fp16";
+    c.train.precision = Precision::FP16;
     c.train.loss_scale_init = 268435456.0;  // 2^28: the first steps overflow
     Trainer t(c, false, dist_world("t3"));
     t.run();

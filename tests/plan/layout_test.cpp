@@ -25,7 +25,7 @@ RunConfig run(int64_t grad_accum) {
   cfg.train.batch_size = 2;
   cfg.train.seq_len = 512;
   cfg.train.grad_accum = grad_accum;
-  cfg.train.precision = "bf16";
+  cfg.train.precision = Precision::BF16;
   return cfg;
 }
 

@@ -162,7 +162,7 @@ TEST(PlanFormulas, MemoryWithAndWithoutZero1) {
   const Memory zero = memory_per_device(cfg, l);
   EXPECT_DOUBLE_EQ(zero.optimizer, 2 * 4 * (dense / 8 + expert / (2 * 4)));
   EXPECT_DOUBLE_EQ(zero.optimizer_without_zero, plain.optimizer);
-  cfg.train.precision = "bf16";
+  cfg.train.precision = Precision::BF16;
   EXPECT_DOUBLE_EQ(memory_per_device(cfg, l).low_precision, 2 * (dense + expert / 2));
 }
 

@@ -170,23 +170,35 @@ TEST(PrecisionTrainer, AutoResolvesByTheInstructionSet) {
   // oneDNN's names (dnnl::cpu_isa): a native bf16 matmul from AVX512_BF16 on.
   for (const char* isa : {"avx512_core_bf16", "avx512_core_amx"}) {
     EXPECT_TRUE(has_native_bf16(isa)) << isa;
-    EXPECT_EQ(resolve_precision("auto", isa), "bf16") << isa;
+    EXPECT_EQ(resolve_auto("cpu", isa), Precision::BF16) << isa;
   }
   for (const char* isa : {"sse41", "avx", "avx2", "avx512_core", "avx512_core_vnni", "unknown"}) {
     EXPECT_FALSE(has_native_bf16(isa)) << isa;
-    EXPECT_EQ(resolve_precision("auto", isa), "f32") << isa;
+    EXPECT_EQ(resolve_auto("cpu", isa), Precision::F32) << isa;
   }
-  // Explicit settings are never overridden.
+  // A GPU's tensor cores multiply bf16 whatever the host CPU.
+  EXPECT_EQ(resolve_auto("cuda", "avx2"), Precision::BF16);
+  // Explicit settings are never overridden, and the typed value gives the GEMM types.
+  TempDir tmp("explicit");
   for (const char* p : {"f32", "bf16", "fp16"}) {
-    EXPECT_EQ(resolve_precision(p, "avx2"), p);
-    EXPECT_EQ(resolve_precision(p, "avx512_core_bf16"), p);
+    const RunConfig c = run_config(tmp, p);
+    EXPECT_STREQ(precision_name(c.train.precision), p);
+    EXPECT_FALSE(c.train.precision_was_auto);
+    EXPECT_EQ(dtype_name(c.train.precision_dtype()), p);
   }
+  EXPECT_EQ(device_gemm(Precision::TF32), DeviceGemm::TF32);
+  EXPECT_EQ(device_gemm(Precision::BF16), DeviceGemm::BF16);
+  EXPECT_EQ(device_gemm(Precision::F32), DeviceGemm::F32);
+  EXPECT_EQ(gemm_dtype(Precision::TF32), DType::F32);
 }
 
 TEST(PrecisionTrainer, AutoTrainsAndRecordsWhatItResolvedTo) {
   TempDir tmp("auto");
   RunConfig cfg = run_config(tmp, "auto");
-  const std::string resolved = resolve_precision("auto", onednn_cpu_isa());
+  // Resolved when the configuration loaded, once, and known to have been auto.
+  EXPECT_TRUE(cfg.train.precision_was_auto);
+  const std::string resolved = precision_name(resolve_auto("cpu", onednn_cpu_isa()));
+  EXPECT_EQ(precision_name(cfg.train.precision), resolved);
   std::printf("oneDNN ISA %s: auto is %s\n", onednn_cpu_isa().c_str(), resolved.c_str());
   {
     Trainer t(cfg, false);
