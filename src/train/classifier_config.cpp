@@ -26,6 +26,7 @@ ConfigSchema schema(ClassifierRunConfig& c) {
   add_moe_fields(fields, m);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   add_grad_fields(fields, c.grad);
+  add_balance_fields(fields, m);  // [balance], [gating]: the controllers, as in the LM's config
   const Field train[] = {
       {"train.epochs", &t.epochs},
       {"train.eval_batch_size", &t.eval_batch_size},
@@ -60,14 +61,6 @@ ClassifierRunConfig classifier_config_from_json(const nlohmann::json& j, const s
 
 void ClassifierRunConfig::validate() const {
   model.validate();
-  MOETRAIN_CHECK(model.capacity == "fixed",
-                 "model.capacity = '{}': the classifier trainer keeps a fixed capacity factor "
-                 "(model.capacity = dynamic is for the language-model trainer)",
-                 model.capacity);
-  MOETRAIN_CHECK(model.router_controller == "none",
-                 "model.router_controller = '{}': the classifier trainer keeps the sign rule "
-                 "(model.router_controller = rl is for the language-model trainer)",
-                 model.router_controller);
   MOETRAIN_CHECK(!data.dir.empty(), "data.dir must not be empty");
   const ClassifierTrainConfig& t = train;
   validate_loop(t);
@@ -99,9 +92,16 @@ std::string ClassifierRunConfig::config_hash() const {
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");
-  j["model"].erase("capacity");           // always fixed: validate refuses dynamic
-  j["model"].erase("router_controller");  // always none: validate refuses rl
-  j.erase("gating");
+  // Fixed capacities and the sign rule hash as they did before the controllers reached the
+  // classifier (their checkpoints still resume); the controllers' settings only matter with them.
+  if (model.capacity == "fixed") {
+    j["model"].erase("capacity");
+    j.erase("balance");
+  }
+  if (model.router_controller == "none") {
+    j["model"].erase("router_controller");
+    j.erase("gating");
+  }
   if (model.router_skew == 0) j["model"].erase("router_skew");  // older checkpoints resume
   erase_inert_grad_keys(j, grad);
   return json_hash(j);

@@ -247,6 +247,58 @@ TEST(ClassifierTrainer, ResumeIsBitExact) {
       "different configuration");
 }
 
+TEST(ClassifierTrainer, DynamicCapacityAndTheRlControllerRunThroughTheOneEngine) {
+  // The classifier steps through the LM's step engine, so its controllers are the LM's: the
+  // dynamic capacity factor moves, is recorded each step and resumes bit for bit.
+  TempDir a("dyn_straight"), b("dyn_resumed");
+  const std::vector<std::string> dynamic = {"model.capacity=dynamic", "model.capacity_factor=1.5",
+                                            "train.steps=12", "train.eval_every=0"};
+  ClassifierData data = small_data();
+  std::vector<float> straight, resumed;
+  {
+    ClassifierTrainer t(small_run(a, dynamic), data);
+    t.run();
+    straight = t.params();
+  }
+  {
+    ClassifierTrainer t(small_run(b, dynamic), data);
+    t.run(5);
+  }
+  {
+    ClassifierTrainer t(small_run(b, dynamic), data, /*resume=*/true);
+    EXPECT_EQ(t.step(), 5);
+    t.run();
+    resumed = t.params();
+  }
+  ASSERT_EQ(straight.size(), resumed.size());
+  EXPECT_EQ(0, std::memcmp(straight.data(), resumed.data(), straight.size() * sizeof(float)));
+  const std::vector<nlohmann::json> ma = metrics(a / "run"), mb = metrics(b / "run");
+  ASSERT_EQ(ma.size(), mb.size());
+  int changes = 0;
+  for (size_t i = 0; i < ma.size(); ++i) {
+    EXPECT_EQ(ma[i].dump(), mb[i].dump()) << "line " << i;
+    if (!ma[i].contains("loss")) continue;
+    ASSERT_TRUE(ma[i].contains("capacity_factor")) << ma[i].dump();
+    ASSERT_EQ(ma[i]["capacity_factor"].size(), 2u);  // one per MoE block
+    if (i > 0 && ma[i - 1].contains("capacity_factor"))
+      changes += ma[i]["capacity_factor"] != ma[i - 1]["capacity_factor"];
+  }
+  EXPECT_EQ(ma[0]["capacity_factor"], nlohmann::json::array({1.5, 1.5}));
+  EXPECT_GT(changes, 0) << "the controller never moved the factor";
+
+  // The RL gating controller steers the sigmoid_bias router: each step records its rewards.
+  TempDir c("rl");
+  ClassifierTrainer t(small_run(c, {"model.router=sigmoid_bias", "model.router_controller=rl",
+                                    "train.steps=4", "train.eval_every=0"}),
+                      data);
+  EXPECT_EQ(t.run().steps_done, 4);
+  const std::vector<nlohmann::json> mc = metrics(c / "run");
+  ASSERT_FALSE(mc.empty());
+  EXPECT_EQ(mc[0]["gating_reward"], nlohmann::json::array({0.0, 0.0}));  // no action yet
+  for (const auto& line : mc)
+    if (line.contains("loss")) EXPECT_TRUE(line.contains("gating_reward")) << line.dump();
+}
+
 TEST(ClassifierTrainer, EpochsSetTheRunLength) {
   TempDir tmp("epochs");
   ClassifierRunConfig cfg =
@@ -306,16 +358,10 @@ TEST(ClassifierConfig, BadKeysAndValuesNameTheKey) {
   expect_error([&] { load_classifier_config("", {"train.batch_size=many"}); },
                "train.batch_size=many");
   expect_error([&] { load_classifier_config("", {"model.top_k=9"}); }, "model.top_k = 9");
-  expect_error(
-      [&] {
-        load_classifier_config("", {"model.capacity=dynamic", "model.capacity_factor=1"});
-      },
-      "model.capacity = 'dynamic'");
-  expect_error(
-      [&] {
-        load_classifier_config("", {"model.router=sigmoid_bias", "model.router_controller=rl"});
-      },
-      "model.router_controller = 'rl'");
+  expect_error([&] { load_classifier_config("", {"model.capacity=dynamic"}); },
+               "model.capacity = dynamic needs model.capacity_factor ≠ 0");
+  expect_error([&] { load_classifier_config("", {"model.router_controller=rl"}); },
+               "model.router_controller = rl needs model.router = sigmoid_bias");
   expect_error([&] { load_classifier_config("", {"model.router=switch"}); },
                "model.router = 'switch'");
   expect_error([&] { load_classifier_config("", {"train.epochs=2"}); },
