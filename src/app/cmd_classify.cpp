@@ -41,7 +41,7 @@ Run add_classify_command(CLI::App& app) {
         "images/s | "
         "{:.1f} s\n",
         r.steps_done, r.final_loss, 100 * r.test_accuracy, r.test_loss, r.images_per_s, r.seconds);
-    fmt::print("checkpoint: {}\n", r.checkpoint.string());
+    fmt::print("checkpoint: {}\n", r.last_checkpoint.string());
     return 0;
   };
 }

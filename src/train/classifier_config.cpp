@@ -88,7 +88,7 @@ std::string ClassifierRunConfig::config_hash() const {
   nlohmann::json j = to_json();
   // What may change between a run and its resumption without changing what is computed.
   for (const char* k : {"steps", "epochs", "eval_every", "eval_batch_size", "checkpoint_every",
-                        "threads", "run_dir", "progress", "tensorboard"})
+                        "threads", "run_dir", "progress", "tensorboard", "profile"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");

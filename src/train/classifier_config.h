@@ -31,6 +31,7 @@ struct ClassifierTrainConfig {
   std::string progress = "auto";  // auto | bar | lines | off
   bool tensorboard = true;        // metrics also as TensorBoard events in run_dir/tb
   int64_t checkpoint_every = 0;   // a checkpoint every n steps (besides the last); 0 = none
+  bool profile = false;           // each step's phases in its metrics line (as the LM's)
 };
 
 struct ClassifierRunConfig {

@@ -128,28 +128,17 @@ Evaluation ClassifierTrainer::evaluate() {
 }
 
 ClassifierTrainResult ClassifierTrainer::run(int64_t stop_at) {
-  LoopSettings s;
-  s.total_steps = total_steps_;
-  s.stop_at = stop_at;
-  s.eval_every = cfg_.train.eval_every;
-  s.checkpoint_every = cfg_.train.checkpoint_every;
-  s.progress = cfg_.train.progress;
+  LoopSettings s = loop_settings(cfg_.train, total_steps_, stop_at);
   s.units_per_step = static_cast<double>(cfg_.train.batch_size);
   s.unit = "images";
   s.evaluate_when_stopped = false;
-  const LoopResult r = run_loop(*engine_, *this, s, metrics_);
   ClassifierTrainResult out;
-  out.steps_done = r.steps_done;
-  out.final_loss = r.final_loss;
-  if (!r.last_eval.is_null()) {
-    out.test_loss = r.last_eval.value("test_loss", 0.0);
-    out.test_accuracy = r.last_eval.value("test_accuracy", 0.0);
+  static_cast<LoopResult&>(out) = run_loop(*engine_, *this, s, metrics_);
+  if (!out.last_eval.is_null()) {
+    out.test_loss = out.last_eval.value("test_loss", 0.0);
+    out.test_accuracy = out.last_eval.value("test_accuracy", 0.0);
   }
-  out.seconds = r.seconds;
-  out.train_seconds = r.train_seconds;
-  out.images_per_s = r.rate;
-  out.checkpoint = r.last_checkpoint;
-  out.exit_code = r.exit_code;
+  out.images_per_s = out.rate;
   return out;
 }
 

@@ -19,15 +19,9 @@
 
 namespace moetrain {
 
-struct ClassifierTrainResult {
-  int64_t steps_done = 0;
-  double final_loss = 0;  // training loss of the last step
-  double test_loss = 0, test_accuracy = 0;
-  double seconds = 0;        // the whole run, evaluations and checkpoint included
-  double train_seconds = 0;  // the steps alone
+struct ClassifierTrainResult : LoopResult {
+  double test_loss = 0, test_accuracy = 0;  // the last evaluation's (0 when none ran)
   double images_per_s = 0;
-  std::filesystem::path checkpoint;
-  int exit_code = 0;  // 130 / 143: stopped early by SIGINT / SIGTERM, with a checkpoint
 };
 
 // Under mpirun every process builds a ClassifierTrainer and runs it in step (every method is

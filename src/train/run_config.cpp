@@ -176,7 +176,6 @@ ConfigSchema schema(RunConfig& c) {
       {"train.keep_checkpoints", &t.keep_checkpoints},
       {"train.precision", choice(&t.precision, parse_precision, precision_name)},
       {"train.device", &t.device},
-      {"train.profile", &t.profile},
       {"train.loss_scale_init", &t.loss_scale_init},
       {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
       {"train.loss_scale_growth_factor", &t.loss_scale_growth_factor},

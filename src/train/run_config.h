@@ -222,6 +222,7 @@ void add_loop_fields(std::vector<Field>& fields, Train& t) {
       {"train.run_dir", &t.run_dir},
       {"train.progress", &t.progress},
       {"train.tensorboard", &t.tensorboard},
+      {"train.profile", &t.profile},
   };
   fields.insert(fields.end(), std::begin(loop), std::end(loop));
 }

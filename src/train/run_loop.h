@@ -46,6 +46,20 @@ struct LoopSettings {
   bool evaluate_when_stopped = true;
 };
 
+// The settings a trainer's [train] section (TrainConfig, ClassifierTrainConfig) gives; the caller
+// adds the throughput's unit.
+template <class Train>
+LoopSettings loop_settings(const Train& t, int64_t total_steps, int64_t stop_at) {
+  LoopSettings s;
+  s.total_steps = total_steps;
+  s.stop_at = stop_at;
+  s.eval_every = t.eval_every;
+  s.checkpoint_every = t.checkpoint_every;
+  s.progress = t.progress;
+  s.profile = t.profile;
+  return s;
+}
+
 struct LoopResult {
   int64_t first_step = 0;  // where the run started (> 0 when resumed)
   int64_t steps_done = 0;

@@ -14,6 +14,29 @@
 
 namespace moetrain {
 
+namespace {
+
+// The per-MoE-layer controllers' states (capacity, gating) as one JSON array, and back.
+template <class Controllers>
+nlohmann::json states_json(const Controllers& controllers) {
+  nlohmann::json a = nlohmann::json::array();
+  for (const auto& c : controllers) a.push_back(c.to_json());
+  return a;
+}
+
+template <class Controllers>
+void restore_states(Controllers& controllers, const nlohmann::json& t, const char* key,
+                    const std::string& where) {
+  MOETRAIN_CHECK(t.contains(key), "{}: no '{}'", where, key);
+  const nlohmann::json& a = t.at(key);
+  MOETRAIN_CHECK(a.is_array() && a.size() == controllers.size(),
+                 "{}: '{}' must hold one state per MoE layer ({})", where, key,
+                 controllers.size());
+  for (std::size_t m = 0; m < controllers.size(); ++m) controllers[m].restore(a[m], where);
+}
+
+}  // namespace
+
 StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& model,
                        const std::function<void(float*)>& init_params, DeviceTrainingState* device)
     : cfg_(cfg), model_(model), device_(device) {
@@ -304,16 +327,8 @@ nlohmann::json StepEngine::state_json() const {
                        {"good_steps", scaler_->good_steps()},
                        {"skipped_steps", scaler_->skipped_steps()}};
   }
-  if (!capacity_.empty()) {
-    nlohmann::json c = nlohmann::json::array();
-    for (const CapacityController& k : capacity_) c.push_back(k.to_json());
-    t["capacity_controller"] = c;
-  }
-  if (!gating_.empty()) {
-    nlohmann::json g = nlohmann::json::array();
-    for (const GatingController& k : gating_) g.push_back(k.to_json());
-    t["gating_controller"] = g;
-  }
+  if (!capacity_.empty()) t["capacity_controller"] = states_json(capacity_);
+  if (!gating_.empty()) t["gating_controller"] = states_json(gating_);
   if (reweight_) t["expert_reweight"] = reweight_->to_json();
   return t;
 }
@@ -332,20 +347,10 @@ void StepEngine::restore_state(const nlohmann::json& t, const std::string& where
                      ls.value("skipped_steps", int64_t{0}));
   }
   if (!capacity_.empty()) {
-    const nlohmann::json& c = need(t, "capacity_controller");
-    MOETRAIN_CHECK(c.is_array() && c.size() == capacity_.size(),
-                   "{}: 'capacity_controller' must hold one state per MoE layer ({})", where,
-                   capacity_.size());
-    for (std::size_t m = 0; m < capacity_.size(); ++m) capacity_[m].restore(c[m], where);
+    restore_states(capacity_, t, "capacity_controller", where);
     apply_capacity_factors(capacity_, model_.moe_layers());
   }
-  if (!gating_.empty()) {
-    const nlohmann::json& g = need(t, "gating_controller");
-    MOETRAIN_CHECK(g.is_array() && g.size() == gating_.size(),
-                   "{}: 'gating_controller' must hold one state per MoE layer ({})", where,
-                   gating_.size());
-    for (std::size_t m = 0; m < gating_.size(); ++m) gating_[m].restore(g[m], where);
-  }
+  if (!gating_.empty()) restore_states(gating_, t, "gating_controller", where);
   if (reweight_) reweight_->restore(need(t, "expert_reweight"), where);
 }
 

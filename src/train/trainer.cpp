@@ -111,26 +111,14 @@ Evaluation Trainer::evaluate() {
 }
 
 TrainResult Trainer::run(int64_t stop_at) {
-  LoopSettings s;
-  s.total_steps = cfg_.train.steps;
-  s.stop_at = stop_at;
-  s.eval_every = cfg_.train.eval_every;
-  s.checkpoint_every = cfg_.train.checkpoint_every;
-  s.progress = cfg_.train.progress;
-  s.profile = cfg_.train.profile;
+  LoopSettings s = loop_settings(cfg_.train, cfg_.train.steps, stop_at);
   s.units_per_step = static_cast<double>(cfg_.train.batch_size * cfg_.train.seq_len *
                                          cfg_.train.grad_accum * world_size());
   s.unit = "tokens";
-  const LoopResult r = run_loop(*engine_, *this, s, metrics_);
   TrainResult out;
-  out.first_step = r.first_step;
-  out.steps_done = r.steps_done;
-  out.final_loss = r.final_loss;
-  out.val_loss = r.last_eval.is_null() ? -1.0 : r.last_eval.value("val_loss", -1.0);
-  out.seconds = r.seconds;
-  out.tokens_per_s = r.rate;
-  out.last_checkpoint = r.last_checkpoint;
-  out.exit_code = r.exit_code;
+  static_cast<LoopResult&>(out) = run_loop(*engine_, *this, s, metrics_);
+  if (!out.last_eval.is_null()) out.val_loss = out.last_eval.value("val_loss", -1.0);
+  out.tokens_per_s = out.rate;
   return out;
 }
 

@@ -24,15 +24,9 @@ namespace moetrain {
 
 class TokenShard;
 
-struct TrainResult {
-  int64_t first_step = 0;  // the step the run started from (> 0 when resumed)
-  int64_t steps_done = 0;  // optimizer steps taken by this run
-  double final_loss = 0;   // training loss of the last step
-  double val_loss = -1;    // last validation loss (−1 when none was computed)
-  double seconds = 0;
+struct TrainResult : LoopResult {
+  double val_loss = -1;  // the last validation loss (−1 when none was computed)
   double tokens_per_s = 0;
-  std::filesystem::path last_checkpoint;
-  int exit_code = 0;  // 130 / 143: stopped early by SIGINT / SIGTERM, with a checkpoint
 };
 
 // Under mpirun every process builds a Trainer and runs it in step (every method is collective).

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -75,6 +76,45 @@ void expect_error(const std::function<void()>& f, const std::string& needle) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+// A run of `extra` straight through in a, and the same run stopped at step `stop` (a checkpoint,
+// as if interrupted) and resumed in b: each one's final parameters and reproducible metrics.
+struct StraightAndResumed {
+  std::vector<float> straight, resumed;
+  std::vector<nlohmann::json> straight_metrics, resumed_metrics;
+};
+StraightAndResumed straight_and_resumed(const TempDir& a, const TempDir& b,
+                                        const std::vector<std::string>& extra, int64_t stop,
+                                        const ClassifierData& data) {
+  StraightAndResumed out;
+  {
+    ClassifierTrainer t(small_run(a, extra), data);
+    t.run();
+    out.straight = t.params();
+  }
+  {
+    ClassifierTrainer t(small_run(b, extra), data);
+    ClassifierTrainResult r = t.run(stop);
+    EXPECT_EQ(r.steps_done, stop);
+    EXPECT_EQ(r.last_checkpoint.filename(), fmt::format("step_{:08d}", stop));
+  }
+  {
+    ClassifierTrainer t(small_run(b, extra), data, /*resume=*/true);
+    EXPECT_EQ(t.step(), stop);
+    ClassifierTrainResult r = t.run();
+    EXPECT_EQ(r.steps_done, t.total_steps() - stop);
+    out.resumed = t.params();
+  }
+  EXPECT_EQ(out.straight.size(), out.resumed.size());
+  EXPECT_EQ(0, std::memcmp(out.straight.data(), out.resumed.data(),
+                           std::min(out.straight.size(), out.resumed.size()) * sizeof(float)));
+  out.straight_metrics = metrics(a / "run");
+  out.resumed_metrics = metrics(b / "run");
+  EXPECT_EQ(out.straight_metrics.size(), out.resumed_metrics.size());
+  for (size_t i = 0; i < std::min(out.straight_metrics.size(), out.resumed_metrics.size()); ++i)
+    EXPECT_EQ(out.straight_metrics[i].dump(), out.resumed_metrics[i].dump()) << "line " << i;
+  return out;
 }
 
 }  // namespace
@@ -161,14 +201,14 @@ TEST(ClassifierTrainer, CheckpointHoldsTheClassifierAndLoadsBack) {
     const float* b = t.model().moe_layers()[1]->router_bias();
     bias.assign(b, b + cfg.model.n_experts);
   }
-  EXPECT_EQ(r.checkpoint.filename(), "step_00000012");
+  EXPECT_EQ(r.last_checkpoint.filename(), "step_00000012");
   auto latest = find_latest_checkpoint(cfg.train.run_dir);
   ASSERT_TRUE(latest);
-  EXPECT_EQ(*latest, r.checkpoint);
+  EXPECT_EQ(*latest, r.last_checkpoint);
   for (const char* f :
        {"model.safetensors", "optimizer.safetensors", "state.safetensors", "config.json"})
-    EXPECT_TRUE(fs::is_regular_file(r.checkpoint / f)) << f;
-  auto config = read_checkpoint_json(r.checkpoint, "config.json");
+    EXPECT_TRUE(fs::is_regular_file(r.last_checkpoint / f)) << f;
+  auto config = read_checkpoint_json(r.last_checkpoint, "config.json");
   EXPECT_EQ(config["model_type"], "moe_classifier");
   EXPECT_EQ(config["moetrain"]["model"]["router"], "sigmoid_bias");
   EXPECT_EQ(config["moetrain"]["train"]["steps"], 12);
@@ -177,7 +217,7 @@ TEST(ClassifierTrainer, CheckpointHoldsTheClassifierAndLoadsBack) {
   CheckpointContents c;
   c.model = {{"model.input_proj.weight", {32, 784}, w.data()},
              {"classifier.weight", {10, 32}, head_w.data()}};
-  read_checkpoint(r.checkpoint, c);
+  read_checkpoint(r.last_checkpoint, c);
   EXPECT_EQ(c.trainer["step"], 12);
 
   LoadedClassifier m = load_classifier(cfg.train.run_dir);
@@ -202,7 +242,7 @@ TEST(ClassifierTrainer, CheckpointHoldsTheClassifierAndLoadsBack) {
     t.run();
   }
   EXPECT_EQ(find_latest_checkpoint(cfg.train.run_dir)->filename(), "step_00000005");
-  EXPECT_FALSE(fs::exists(r.checkpoint));
+  EXPECT_FALSE(fs::exists(r.last_checkpoint));
   EXPECT_EQ(metrics(cfg.train.run_dir).size(), 6u);
 }
 
@@ -213,30 +253,7 @@ TEST(ClassifierTrainer, ResumeIsBitExact) {
   const std::vector<std::string> extra = {"model.router=sigmoid_bias", "train.steps=16",
                                           "train.eval_every=5", "train.checkpoint_every=3"};
   ClassifierData data = small_data();
-  std::vector<float> straight, resumed;
-  {
-    ClassifierTrainer t(small_run(a, extra), data);
-    t.run();
-    straight = t.params();
-  }
-  {
-    ClassifierTrainer t(small_run(b, extra), data);
-    ClassifierTrainResult r = t.run(7);
-    EXPECT_EQ(r.steps_done, 7);
-    EXPECT_EQ(r.checkpoint.filename(), "step_00000007");
-  }
-  {
-    ClassifierTrainer t(small_run(b, extra), data, /*resume=*/true);
-    EXPECT_EQ(t.step(), 7);
-    ClassifierTrainResult r = t.run();
-    EXPECT_EQ(r.steps_done, 9);
-    resumed = t.params();
-  }
-  ASSERT_EQ(straight.size(), resumed.size());
-  EXPECT_EQ(0, std::memcmp(straight.data(), resumed.data(), straight.size() * sizeof(float)));
-  std::vector<nlohmann::json> ma = metrics(a / "run"), mb = metrics(b / "run");
-  ASSERT_EQ(ma.size(), mb.size());
-  for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i].dump(), mb[i].dump()) << "line " << i;
+  straight_and_resumed(a, b, extra, 7, data);
 
   // Another configuration does not resume this run's checkpoint.
   expect_error(
@@ -254,29 +271,10 @@ TEST(ClassifierTrainer, DynamicCapacityAndTheRlControllerRunThroughTheOneEngine)
   const std::vector<std::string> dynamic = {"model.capacity=dynamic", "model.capacity_factor=1.5",
                                             "train.steps=12", "train.eval_every=0"};
   ClassifierData data = small_data();
-  std::vector<float> straight, resumed;
-  {
-    ClassifierTrainer t(small_run(a, dynamic), data);
-    t.run();
-    straight = t.params();
-  }
-  {
-    ClassifierTrainer t(small_run(b, dynamic), data);
-    t.run(5);
-  }
-  {
-    ClassifierTrainer t(small_run(b, dynamic), data, /*resume=*/true);
-    EXPECT_EQ(t.step(), 5);
-    t.run();
-    resumed = t.params();
-  }
-  ASSERT_EQ(straight.size(), resumed.size());
-  EXPECT_EQ(0, std::memcmp(straight.data(), resumed.data(), straight.size() * sizeof(float)));
-  const std::vector<nlohmann::json> ma = metrics(a / "run"), mb = metrics(b / "run");
-  ASSERT_EQ(ma.size(), mb.size());
+  const std::vector<nlohmann::json> ma =
+      straight_and_resumed(a, b, dynamic, 5, data).straight_metrics;
   int changes = 0;
   for (size_t i = 0; i < ma.size(); ++i) {
-    EXPECT_EQ(ma[i].dump(), mb[i].dump()) << "line " << i;
     if (!ma[i].contains("loss")) continue;
     ASSERT_TRUE(ma[i].contains("capacity_factor")) << ma[i].dump();
     ASSERT_EQ(ma[i]["capacity_factor"].size(), 2u);  // one per MoE block
