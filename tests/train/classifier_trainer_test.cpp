@@ -268,8 +268,12 @@ TEST(ClassifierTrainer, DynamicCapacityAndTheRlControllerRunThroughTheOneEngine)
   // The classifier steps through the LM's step engine, so its controllers are the LM's: the
   // dynamic capacity factor moves, is recorded each step and resumes bit for bit.
   TempDir a("dyn_straight"), b("dyn_resumed");
-  const std::vector<std::string> dynamic = {"model.capacity=dynamic", "model.capacity_factor=1.5",
-                                            "train.steps=12", "train.eval_every=0"};
+  const std::vector<std::string> dynamic = {
+      "model.capacity=dynamic", "model.capacity_factor=1.5", "train.steps=12",
+      "train.eval_every=0",
+      // Thresholds that make the rules fire on this small model: the factor moves every step.
+      "balance.window=3", "balance.util_low=0.97", "balance.util_high=0.99",
+      "balance.imbalance_high=1.0", "balance.imbalance_low=1.0"};
   ClassifierData data = small_data();
   const std::vector<nlohmann::json> ma =
       straight_and_resumed(a, b, dynamic, 5, data).straight_metrics;
