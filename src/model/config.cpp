@@ -14,76 +14,6 @@ int64_t ModelConfig::n_moe_layers() const {
   return n;
 }
 
-MoeConfig MoeModelConfig::moe_config(int64_t dim) const {
-  MoeConfig m;
-  m.C = dim;
-  m.F = expert_hidden;
-  m.E = n_experts;
-  m.K = top_k;
-  m.router = parse_router_kind(router);
-  m.renormalize = renormalize;
-  m.capacity_factor = static_cast<float>(capacity_factor);
-  m.aux_loss_coef = static_cast<float>(aux_loss_coef);
-  m.z_loss_coef = static_cast<float>(z_loss_coef);
-  m.bias_update_rate = static_cast<float>(bias_update_rate);
-  m.shared_F = shared_expert_hidden;
-  m.route_groups = route_groups;
-  m.route_group_topk = route_group_topk;
-  m.router_skew = static_cast<float>(router_skew);
-  return m;
-}
-
-void MoeModelConfig::validate_moe() const {
-  MOETRAIN_CHECK(expert_hidden > 0, "model.expert_hidden = {}: must be a positive integer",
-                 expert_hidden);
-  MOETRAIN_CHECK(n_experts > 0, "model.n_experts = {}: must be a positive integer", n_experts);
-  MOETRAIN_CHECK(top_k >= 1 && top_k <= n_experts,
-                 "model.top_k = {}: must be in [1, model.n_experts = {}]", top_k, n_experts);
-  MOETRAIN_CHECK(std::isfinite(capacity_factor),
-                 "model.capacity_factor = {}: must be finite (> 0 fixed, 0 = dropless, < 0 "
-                 "min(|cf|, the load needed))",
-                 capacity_factor);
-  MOETRAIN_CHECK(capacity_factor >= 0 || router != "expert_choice",
-                 "model.capacity_factor = {}: must be ≥ 0 with model.router = expert_choice",
-                 capacity_factor);
-  MOETRAIN_CHECK(capacity == "fixed" || capacity == "dynamic",
-                 "model.capacity = '{}': allowed are fixed, dynamic", capacity);
-  balance.validate();
-  if (capacity == "dynamic") {
-    MOETRAIN_CHECK(capacity_factor != 0,
-                   "model.capacity = dynamic needs model.capacity_factor ≠ 0 (the starting "
-                   "factor; < 0 for min(|cf|, the load needed)), not the dropless 0");
-    MOETRAIN_CHECK(router != "expert_choice",
-                   "model.capacity = dynamic needs a token-choice model.router, not expert_choice");
-  }
-  if (parse_router_controller(router_controller) == RouterControllerKind::Rl)
-    MOETRAIN_CHECK(router == "sigmoid_bias",
-                   "model.router_controller = rl needs model.router = sigmoid_bias (the controller "
-                   "moves its selection bias), not {}",
-                   router);
-  gating.validate();
-  MOETRAIN_CHECK(aux_loss_coef >= 0, "model.aux_loss_coef = {}: must be ≥ 0", aux_loss_coef);
-  MOETRAIN_CHECK(z_loss_coef >= 0, "model.z_loss_coef = {}: must be ≥ 0", z_loss_coef);
-  MOETRAIN_CHECK(bias_update_rate >= 0, "model.bias_update_rate = {}: must be ≥ 0",
-                 bias_update_rate);
-  MOETRAIN_CHECK(std::isfinite(router_skew) && router_skew >= 0,
-                 "model.router_skew = {}: must be a finite value >= 0 (0 = off)", router_skew);
-  MOETRAIN_CHECK(shared_expert_hidden >= 0,
-                 "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)", shared_expert_hidden);
-  MoeConfig m;
-  try {
-    m = moe_config(1);  // rejects unknown router names, listing the allowed ones
-  } catch (const Error& e) {
-    MOETRAIN_FAIL("model.router = '{}': {}", router, e.what());
-  }
-  m.validate_route_groups();  // its messages name the model.route_* keys
-  try {
-    m.validate();
-  } catch (const Error& e) {
-    MOETRAIN_FAIL("model.router = '{}': {}", router, e.what());
-  }
-}
-
 void ModelConfig::validate() const {
   auto positive = [](const char* key, int64_t v) {
     MOETRAIN_CHECK(v > 0, "model.{} = {}: must be a positive integer", key, v);
@@ -116,7 +46,7 @@ bool ModelConfig::hf_mixtral_compatible(std::string* why) const {
     if (why) *why = reason;
     return false;
   };
-  if (router != "topk_softmax")
+  if (router != RouterKind::TopKSoftmax)
     return no("only the topk_softmax router exists in transformers' Mixtral");
   if (!renormalize) return no("Mixtral always renormalises the top-k weights");
   if (shared_expert_hidden > 0) return no("Mixtral has no shared experts");

@@ -5,41 +5,9 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "moe/capacity_controller.h"
-#include "moe/config.h"
-#include "moe/gating_controller.h"
+#include "moe/settings.h"
 
 namespace moetrain {
-
-// The MoE keys every model's config has (model.n_experts, model.router, ...), in one place.
-struct MoeModelConfig {
-  int64_t expert_hidden = 256;  // F: each expert's SwiGLU hidden size (HF intermediate_size)
-  int64_t n_experts = 8;        // E
-  int64_t top_k = 2;            // K
-  std::string router = "topk_softmax";
-  bool renormalize = true;
-  double capacity_factor = 0.0;  // > 0 fixed, 0 = dropless, < 0 min(|cf|, needed)
-  // "fixed": capacity_factor as set; "dynamic": the controller of [balance] moves its magnitude
-  // each step (capacity_factor must then be non-zero: its sign keeps the mode).
-  std::string capacity = "fixed";
-  CapacityControlConfig balance;  // [balance]: the dynamic capacity controller
-  double aux_loss_coef = 1e-2;
-  double z_loss_coef = 1e-3;
-  double bias_update_rate = 1e-3;
-  // "none": sigmoid_bias moves its bias by the sign rule; "rl": the gating controller of
-  // [gating] moves it (needs model.router = sigmoid_bias).
-  std::string router_controller = "none";
-  GatingControlConfig gating;        // [gating]
-  int64_t shared_expert_hidden = 0;  // 0 = no shared expert
-  int64_t route_groups = 0;          // G expert groups for group-limited routing, 0 or 1 = off
-  int64_t route_group_topk = 0;      // M groups each token may route to
-  double router_skew = 0.0;          // Zipf skew of the routing (MoeConfig::router_skew), 0 = off
-
-  // The layer configuration of an MoE block over model dimension `dim`.
-  MoeConfig moe_config(int64_t dim) const;
-  // Throws naming the key ("model.top_k = 9: must be in [1, model.n_experts = 8]").
-  void validate_moe() const;
-};
 
 struct ModelConfig : MoeModelConfig {
   int64_t vocab_size = 256;  // V

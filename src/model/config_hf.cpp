@@ -65,7 +65,7 @@ ModelConfig ModelConfig::from_hf_json(const json& hf, const std::string& where) 
   c.init_std = real_field(hf, "initializer_range", where, 0.02);
   c.aux_loss_coef = real_field(hf, "router_aux_loss_coef", where, 0.001);
   c.z_loss_coef = 0.0;
-  c.router = "topk_softmax";
+  c.router = RouterKind::TopKSoftmax;
   c.renormalize = true;
   c.capacity_factor = 0.0;
   c.shared_expert_hidden = 0;

@@ -20,11 +20,11 @@ WindowDecoder::WindowDecoder(Transformer& model, const float* params, int64_t co
   // A decode step routes its token alone. That is what the full forward computes only when each
   // token's experts depend on that token alone: token choice without capacity dropping.
   const bool per_token = cfg.n_moe_layers() == 0 ||
-                         (cfg.router != "expert_choice" && cfg.capacity_factor <= 0.0);
+                         (cfg.router != RouterKind::ExpertChoice && cfg.capacity_factor <= 0.0);
   if (kv_cache_ && !per_token) {
     log_info("sampling without a KV cache: model.router = {} with model.capacity_factor = {} "
              "routes each token depending on the others in its window",
-             cfg.router, cfg.capacity_factor);
+             router_kind_name(cfg.router), cfg.capacity_factor);
     kv_cache_ = false;
   }
   if (kv_cache_) cache_ = model.make_kv_cache(T_);

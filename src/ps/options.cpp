@@ -101,15 +101,15 @@ void check_ps_run_config(const RunConfig& cfg) {
                  "optim.grad_clip = {}: parameter-server mode does not clip by the global norm "
                  "(the norm spans every server's shard); set --set optim.grad_clip=0",
                  cfg.optim.grad_clip);
-  MOETRAIN_CHECK(cfg.model.router != "sigmoid_bias",
+  MOETRAIN_CHECK(cfg.model.router != RouterKind::SigmoidBias,
                  "model.router = sigmoid_bias: its bias update needs every worker's expert loads "
                  "at each step, which parameter-server mode does not gather; use topk_softmax, "
                  "noisy_topk or expert_choice");
-  MOETRAIN_CHECK(cfg.model.capacity == "fixed",
+  MOETRAIN_CHECK(cfg.model.capacity == CapacityMode::Fixed,
                  "model.capacity = {}: the dynamic capacity controller needs every worker's "
                  "figures at each step, which parameter-server mode does not gather; use "
                  "model.capacity = fixed",
-                 cfg.model.capacity);
+                 capacity_mode_name(cfg.model.capacity));
   MOETRAIN_CHECK(cfg.placement.spare_slots == 0,
                  "placement.spare_slots = {}: hot-expert replication needs expert parallelism, "
                  "which parameter-server mode does not run; set placement.spare_slots = 0",

@@ -94,11 +94,11 @@ std::string ClassifierRunConfig::config_hash() const {
   j.erase("dist");
   // Fixed capacities and the sign rule hash as they did before the controllers reached the
   // classifier (their checkpoints still resume); the controllers' settings only matter with them.
-  if (model.capacity == "fixed") {
+  if (model.capacity == CapacityMode::Fixed) {
     j["model"].erase("capacity");
     j.erase("balance");
   }
-  if (model.router_controller == "none") {
+  if (model.router_controller == RouterControllerKind::None) {
     j["model"].erase("router_controller");
     j.erase("gating");
   }

@@ -19,8 +19,8 @@ struct Choice {
   std::function<void(const std::string&)> parse;
   std::function<std::string()> name;
 };
-template <class E>
-Choice choice(E* member, E (*parse)(const std::string&), const char* (*name)(E)) {
+template <class E, class Parse, class Name>
+Choice choice(E* member, Parse parse, Name name) {
   return {[member, parse](const std::string& s) { *member = parse(s); },
           [member, name] { return std::string(name(*member)); }};
 }

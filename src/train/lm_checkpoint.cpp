@@ -95,7 +95,12 @@ ModelConfig model_config_of(const fs::path& dir) {
 void adopt_architecture(ModelConfig& model, const ModelConfig& from, const std::string& where) {
   auto take = [&](const char* key, auto& mine, const auto& theirs) {
     if (mine == theirs) return;
-    log_info("model.{} = {} from {} (the configuration said {})", key, theirs, where, mine);
+    if constexpr (std::is_same_v<std::decay_t<decltype(mine)>, RouterKind>) {
+      log_info("model.{} = {} from {} (the configuration said {})", key,
+               router_kind_name(theirs), where, router_kind_name(mine));
+    } else {
+      log_info("model.{} = {} from {} (the configuration said {})", key, theirs, where, mine);
+    }
     mine = theirs;
   };
   take("vocab_size", model.vocab_size, from.vocab_size);

@@ -36,14 +36,15 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.expert_hidden", &m.expert_hidden},
       {"model.n_experts", &m.n_experts},
       {"model.top_k", &m.top_k},
-      {"model.router", &m.router},
+      {"model.router", choice(&m.router, parse_router_setting, router_kind_name)},
       {"model.renormalize", &m.renormalize},
       {"model.capacity_factor", &m.capacity_factor},
-      {"model.capacity", &m.capacity},
+      {"model.capacity", choice(&m.capacity, parse_capacity_mode, capacity_mode_name)},
       {"model.aux_loss_coef", &m.aux_loss_coef},
       {"model.z_loss_coef", &m.z_loss_coef},
       {"model.bias_update_rate", &m.bias_update_rate},
-      {"model.router_controller", &m.router_controller},
+      {"model.router_controller",
+       choice(&m.router_controller, parse_router_controller_setting, router_controller_name)},
       {"model.shared_expert_hidden", &m.shared_expert_hidden},
       {"model.route_groups", &m.route_groups},
       {"model.route_group_topk", &m.route_group_topk},
@@ -398,7 +399,7 @@ std::string RunConfig::config_hash() const {
   if (train.precision == Precision::F32 || train.precision == Precision::TF32)
     j["train"].erase("precision");
   // Likewise fixed-capacity runs: the controller's settings do not touch them.
-  if (model.capacity == "fixed") {
+  if (model.capacity == CapacityMode::Fixed) {
     j["model"].erase("capacity");
     j.erase("balance");
   }
@@ -406,7 +407,7 @@ std::string RunConfig::config_hash() const {
   if (model.router_skew == 0) j["model"].erase("router_skew");
   // Runs without the [grad] options hash as they did before the section existed.
   erase_inert_grad_keys(j, grad);
-  if (model.router_controller == "none") {
+  if (model.router_controller == RouterControllerKind::None) {
     j["model"].erase("router_controller");
     j.erase("gating");
   }

@@ -41,12 +41,12 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
                        const std::function<void(float*)>& init_params, DeviceTrainingState* device)
     : cfg_(cfg), model_(model), device_(device) {
   const std::vector<MoeLayer*> moe = model_.moe_layers();
-  if (cfg_.moe.capacity == "dynamic") {
+  if (cfg_.moe.capacity == CapacityMode::Dynamic) {
     capacity_.assign(moe.size(),
                      CapacityController(cfg_.moe.balance, std::abs(cfg_.moe.capacity_factor)));
     apply_capacity_factors(capacity_, moe);
   }
-  if (parse_router_controller(cfg_.moe.router_controller) == RouterControllerKind::Rl) {
+  if (cfg_.moe.router_controller == RouterControllerKind::Rl) {
     for (std::size_t m = 0; m < moe.size(); ++m)
       gating_.emplace_back(cfg_.moe.gating, cfg_.moe.n_experts, cfg_.seed, m);
   }

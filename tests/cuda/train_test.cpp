@@ -100,8 +100,8 @@ void expect_one_step_matches(std::initializer_list<const char*> routers, bool bf
     cfg.dim = 64, cfg.n_layers = 3, cfg.n_heads = 4, cfg.n_kv_heads = 2, cfg.expert_hidden = 48;
     cfg.n_experts = 6, cfg.top_k = 2, cfg.max_seq_len = 64, cfg.vocab_size = 256;
     cfg.dense_every = 3, cfg.shared_expert_hidden = 32, cfg.capacity_factor = 1.0f;
-    cfg.router = router;
-    if (cfg.router == "expert_choice") cfg.capacity_factor = 0.0f;
+    cfg.router = parse_router_setting(router);
+    if (cfg.router == RouterKind::ExpertChoice) cfg.capacity_factor = 0.0f;
     cfg.validate();
     Transformer model(cfg);
     const int64_t B = 3, T = 40, N = B * T, n = model.layout().size();

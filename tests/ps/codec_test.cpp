@@ -209,10 +209,10 @@ TEST(PsOptions, RejectBadValuesByName) {
   RunConfig cfg;
   expect_error([&] { check_ps_run_config(cfg); }, "optim.grad_clip");
   cfg.optim.grad_clip = 0;
-  cfg.model.capacity = "dynamic";
+  cfg.model.capacity = CapacityMode::Dynamic;
   cfg.model.capacity_factor = 1.0;
   expect_error([&] { check_ps_run_config(cfg); }, "model.capacity = dynamic");
-  cfg.model.capacity = "fixed";
+  cfg.model.capacity = CapacityMode::Fixed;
   cfg.grad.sparse_experts = true;
   expect_error([&] { check_ps_run_config(cfg); }, "grad.sparse_experts = true");
   cfg.grad.sparse_experts = false;
