@@ -67,7 +67,7 @@ TEST(HfConfig, MapsEveryMixtralField) {
   EXPECT_DOUBLE_EQ(c.init_std, 0.1);
   EXPECT_DOUBLE_EQ(c.aux_loss_coef, 0.02);
   EXPECT_DOUBLE_EQ(c.z_loss_coef, 0.0);  // Mixtral has none
-  EXPECT_EQ(c.router, "topk_softmax");
+  EXPECT_EQ(c.router, RouterKind::TopKSoftmax);
   EXPECT_TRUE(c.hf_mixtral_compatible());
 }
 

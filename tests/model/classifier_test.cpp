@@ -176,7 +176,8 @@ void inputs_for(int64_t N, const ClassifierConfig& cfg, std::vector<float>& x,
 }
 
 void check_against_reference(const ClassifierConfig& cfg, int64_t N) {
-  SCOPED_TRACE(::testing::Message() << cfg.router << " K=" << cfg.top_k << " N=" << N);
+  SCOPED_TRACE(::testing::Message() << router_kind_name(cfg.router) << " K=" << cfg.top_k
+                                    << " N=" << N);
   Classifier model(cfg);
   std::vector<float> params = make_params(model, 5);
   std::vector<float> x;
