@@ -7,12 +7,11 @@
 namespace moetrain {
 
 RouterKind parse_router_setting(const std::string& name) {
-  for (RouterKind k : {RouterKind::TopKSoftmax, RouterKind::NoisyTopK, RouterKind::ExpertChoice,
-                       RouterKind::SigmoidBias})
-    if (name == router_kind_name(k)) return k;
-  MOETRAIN_FAIL(
-      "model.router = '{}': allowed are topk_softmax, noisy_topk, expert_choice, sigmoid_bias",
-      name);
+  try {
+    return parse_router_kind(name);  // the one list of router names
+  } catch (const Error& e) {
+    MOETRAIN_FAIL("model.router = '{}': {}", name, e.what());
+  }
 }
 
 CapacityMode parse_capacity_mode(const std::string& name) {
