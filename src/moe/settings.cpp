@@ -20,10 +20,6 @@ CapacityMode parse_capacity_mode(const std::string& name) {
   MOETRAIN_FAIL("model.capacity = '{}': allowed are fixed, dynamic", name);
 }
 
-RouterControllerKind parse_router_controller_setting(const std::string& name) {
-  return parse_router_controller(name);  // its Error names model.router_controller
-}
-
 const char* capacity_mode_name(CapacityMode m) {
   return m == CapacityMode::Dynamic ? "dynamic" : "fixed";
 }

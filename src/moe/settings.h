@@ -13,11 +13,11 @@ namespace moetrain {
 
 enum class CapacityMode { Fixed, Dynamic };
 
-// The model.* keys' parsers for the configuration schema: an Error names the key, the value and
-// the allowed names. And each value's name, as configs and JSON write it.
+// The model.* keys' parsers for the configuration schema (model.router_controller's is
+// parse_router_controller, moe/gating_controller.h): an Error names the key, the value and the
+// allowed names. And each value's name, as configs and JSON write it.
 RouterKind parse_router_setting(const std::string& name);
 CapacityMode parse_capacity_mode(const std::string& name);
-RouterControllerKind parse_router_controller_setting(const std::string& name);
 const char* capacity_mode_name(CapacityMode m);
 const char* router_controller_name(RouterControllerKind k);
 

@@ -44,7 +44,7 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.z_loss_coef", &m.z_loss_coef},
       {"model.bias_update_rate", &m.bias_update_rate},
       {"model.router_controller",
-       choice(&m.router_controller, parse_router_controller_setting, router_controller_name)},
+       choice(&m.router_controller, parse_router_controller, router_controller_name)},
       {"model.shared_expert_hidden", &m.shared_expert_hidden},
       {"model.route_groups", &m.route_groups},
       {"model.route_group_topk", &m.route_group_topk},

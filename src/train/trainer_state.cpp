@@ -63,10 +63,12 @@ fs::path Trainer::save_checkpoint() {
 
 void Trainer::restore_trainer_state(const nlohmann::json& t, const std::string& where) {
   const fs::path dir = fs::path(where).parent_path();
-  if (cfg_.train.precision_was_auto && t.contains("precision") && t["precision"].is_string() &&
-      parse_precision(t["precision"].get<std::string>()) != cfg_.train.precision) {
+  const Precision used = cfg_.train.precision_was_auto && t.contains("precision") &&
+                                 t["precision"].is_string()
+                             ? parse_precision(t["precision"].get<std::string>())
+                             : cfg_.train.precision;
+  if (used != cfg_.train.precision) {
     // The run keeps the precision it started with, wherever it resumes.
-    const Precision used = parse_precision(t["precision"].get<std::string>());
     log_info("train.precision = auto: resuming in {} as the run was trained ({} here)",
              precision_name(used), precision_name(cfg_.train.precision));
     cfg_.train.precision = used;
