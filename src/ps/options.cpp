@@ -1,10 +1,13 @@
 #include "ps/options.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 
 #include "core/check.h"
+#include "train/config_schema.h"
 
 namespace moetrain::ps {
 
@@ -95,8 +98,43 @@ PsOptions PsOptions::from_json(const nlohmann::json& j) {
   return o;
 }
 
+namespace {
+
+// The [dist] keys whose values differ from their defaults, "dist.ep = 2" each.
+std::vector<std::string> changed_dist_keys(const DistSettings& d) {
+  DistSettings given = d, defaults;
+  std::vector<Field> a, b;
+  add_dist_fields(a, given);
+  add_dist_fields(b, defaults);
+  const nlohmann::json ja = ConfigSchema(a).to_json().at("dist"),
+                       jb = ConfigSchema(b).to_json().at("dist");
+  std::vector<std::string> out;
+  for (const auto& [key, value] : ja.items())
+    if (value != jb.at(key)) out.push_back(fmt::format("dist.{} = {}", key, value.dump()));
+  return out;
+}
+
+}  // namespace
+
 void check_ps_run_config(const RunConfig& cfg) {
   cfg.validate();
+  // A worker is one process holding a full replica: nothing of [dist] applies, and a setting that
+  // would be ignored is refused rather than recorded as if it ran.
+  const std::vector<std::string> dist = changed_dist_keys(cfg.dist);
+  MOETRAIN_CHECK(dist.empty(),
+                 "{}: parameter-server mode runs one full model replica per worker process and "
+                 "does not read the [dist] settings (data and expert parallelism, ZeRO, the "
+                 "reduction and all-to-all settings, local SGD); remove {}",
+                 fmt::join(dist, ", "), dist.size() == 1 ? "it" : "them");
+  MOETRAIN_CHECK(cfg.train.device == "cpu",
+                 "train.device = {}: parameter-server workers run on the CPU; set "
+                 "train.device = cpu",
+                 cfg.train.device);
+  MOETRAIN_CHECK(cfg.train.precision == Precision::F32 || cfg.train.precision == Precision::BF16,
+                 "train.precision = {}: parameter-server workers compute in f32 or bf16 (fp16's "
+                 "loss scale would have to be agreed by every worker at each step); set "
+                 "train.precision = f32 or bf16",
+                 precision_name(cfg.train.precision));
   MOETRAIN_CHECK(cfg.optim.grad_clip == 0,
                  "optim.grad_clip = {}: parameter-server mode does not clip by the global norm "
                  "(the norm spans every server's shard); set --set optim.grad_clip=0",

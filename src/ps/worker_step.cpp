@@ -21,6 +21,7 @@ namespace moetrain::ps {
 WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t index)
     : cfg_(cfg), opts_(opts), index_(index) {
   model_ = std::make_unique<Transformer>(cfg_.model);
+  model_->set_precision(cfg_.train.precision_dtype());  // f32 or bf16 (check_ps_run_config)
   params_.assign(static_cast<std::size_t>(model_->layout().size()), 0.0f);
   grads_.assign(params_.size(), 0.0f);
   // A worker started in place of a dead one begins with a zero residual: see docs/ps.md.

@@ -11,6 +11,7 @@
 #include "ps/codec.h"
 #include "ps/message.h"
 #include "ps/options.h"
+#include "train/config_schema.h"
 #include "support/expect_error.h"
 
 using namespace moetrain;
@@ -218,6 +219,28 @@ TEST(PsOptions, RejectBadValuesByName) {
   cfg.grad.sparse_experts = false;
   cfg.grad.expert_reweight = "grad_norm";
   expect_error([&] { check_ps_run_config(cfg); }, "grad.expert_reweight = grad_norm");
+  cfg.grad.expert_reweight = "none";
+  check_ps_run_config(cfg);
+  // Settings a worker would ignore are refused by key, each named with its value.
+  cfg.dist.ep = 2;
+  cfg.dist.zero = 1;
+  expect_error([&] { check_ps_run_config(cfg); }, "dist.ep = 2, dist.zero = 1: parameter-server");
+  cfg.dist = {};
+  for (const char* set : {"dist.sync=\"params\"", "dist.grad_reduce_dtype=\"bf16\"",
+                          "dist.a2a_chunks=2", "dist.hierarchical=true"}) {
+    RunConfig c = cfg;
+    std::vector<Field> fields;
+    add_dist_fields(fields, c.dist);
+    ConfigSchema(fields).apply_overrides({set});
+    const std::string key = std::string(set).substr(0, std::string(set).find('='));
+    expect_error([&] { check_ps_run_config(c); }, (key + " = ").c_str());
+  }
+  cfg.train.precision = Precision::FP16;
+  expect_error([&] { check_ps_run_config(cfg); }, "train.precision = fp16");
+  cfg.train.precision = Precision::BF16;
+  check_ps_run_config(cfg);
+  cfg.train.device = "cuda";
+  expect_error([&] { check_ps_run_config(cfg); }, "train.device = cuda");
 }
 
 // The AVX2 int8 kernels give the scalar kernels' bits: amax, codes and residuals, on blocks of
