@@ -42,7 +42,8 @@ void for_each_job_option(Options& o, F&& f) {
   f("--server-replicas", o.server_replicas,
     "2: each server streams every applied update to a backup that takes over");
   f("--checkpoint-every", o.checkpoint_every,
-    "Clocks between server checkpoints of shard and optimizer state (0: none)");
+    "Clocks between server checkpoints of shard and optimizer state (0: none between; the "
+    "job's end and a stop by signal still write one)");
   f("--server-wait", o.server_wait,
     "Seconds to wait for a dead server's replacement before the job stops");
 }
@@ -106,7 +107,7 @@ Run add_ps_command(CLI::App& app) {
     ps::PsOptions opts;
     std::string scheduler, standby, endpoint_file, bind = "tcp://127.0.0.1:*", config, keys,
                                                    keygen_dir;
-    bool insecure = false, standby_flag = false;
+    bool insecure = false, standby_flag = false, resume = false;
     std::vector<std::string> overrides;
     double slowdown = 1.0;
     int64_t index = -1;
@@ -126,6 +127,9 @@ Run add_ps_command(CLI::App& app) {
   sched->add_flag("--standby", args->standby_flag,
                   "Stand by for the job's scheduler: take over when its nodes (started with "
                   "--standby-scheduler at this address) find it gone");
+  sched->add_flag("--resume", args->resume,
+                  "Continue the job in train.run_dir from the newest clock every server "
+                  "checkpointed (without it a directory holding a run is refused)");
   add_job_options(sched, args->opts);
   add_security_options(sched, args->keys, args->insecure);
 
@@ -177,6 +181,7 @@ Run add_ps_command(CLI::App& app) {
       a.bind = args->scheduler;
       a.endpoint_file = args->endpoint_file;
       a.standby = args->standby_flag;
+      a.resume = args->resume;
       return ps::run_scheduler(a);
     }
     if (server->parsed()) {

@@ -24,6 +24,7 @@
 #include "core/log.h"
 #include "core/threads.h"
 #include "io/file.h"
+#include "ps/job_dir.h"
 #include "ps/options.h"
 #include "ps/security.h"
 #include "train/run_config.h"
@@ -56,8 +57,10 @@ pid_t spawn(const std::vector<std::string>& args, int omp_threads) {
   pid_t pid = fork();
   MOETRAIN_CHECK(pid >= 0, "fork failed: {}", std::strerror(errno));
   if (pid == 0) {
-    // A job's processes never outlive the launcher.
+    // A job's processes never outlive the launcher, and a terminal's Ctrl-C reaches the launcher
+    // alone (their own process group): the launcher asks the scheduler to stop the job.
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    setpgid(0, 0);
     if (getenv("OMP_NUM_THREADS") == nullptr) setenv("OMP_NUM_THREADS", threads.c_str(), 1);
     execv("/proc/self/exe", argv.data());
     std::fprintf(stderr, "moetrain ps launch: cannot exec /proc/self/exe: %s\n",
@@ -165,7 +168,7 @@ TrainArgs parse_train_args(const std::vector<std::string>& rest) {
 struct LaunchArgs {
   ps::PsOptions opts;
   std::string keys;
-  bool insecure = false, standby = false;
+  bool insecure = false, standby = false, resume = false;
   int64_t spare_servers = 0;
   std::vector<std::string> slowdowns, rest;
   double timeout = 0;
@@ -229,6 +232,10 @@ int run_launch(const LaunchArgs& a) {
                  a.spare_servers);
   MOETRAIN_CHECK(a.keys.empty() || !a.insecure,
                  "ps launch: --keys and --insecure exclude each other");
+  // What the scheduler will check when it takes the run directory's lock, checked before this
+  // writes anything there (the keys, the endpoint files): another run writing it, or an earlier
+  // run without --resume.
+  { const RunLock probe = ps::open_job_dir(cfg.train.run_dir, a.resume); }
   const fs::path ps_dir = fs::path(cfg.train.run_dir) / "ps";
   fs::create_directories(ps_dir);
   std::vector<std::string> security = {"--insecure"};
@@ -254,6 +261,7 @@ int run_launch(const LaunchArgs& a) {
         "moetrain",        "ps",         "scheduler", "--scheduler", "tcp://127.0.0.1:*",
         "--endpoint-file", file.string()};
     if (standby) s.push_back("--standby");
+    if (!standby && a.resume) s.push_back("--resume");
     if (!t.config.empty()) s.insert(s.end(), {"--config", t.config});
     for (const auto& o : t.overrides) s.insert(s.end(), {"--set", o});
     for (const auto& o : job_option_args(a.opts)) s.push_back(o);
@@ -306,7 +314,12 @@ int run_launch(const LaunchArgs& a) {
   bool completed = false;
   std::string why;
   std::optional<Clock::time_point> nodes_gone;
-  while (!completed && why.empty()) {
+  // A stop signal is handed to the scheduler in charge, which stops the job with a checkpoint
+  // (ps/scheduler.h) and exits 128 + the signal; a second signal stops every process at once.
+  int forwarded = 0;
+  std::optional<Clock::time_point> forwarded_at;
+  bool stopped = false;
+  while (!completed && !stopped && why.empty()) {
     std::vector<Child> respawned;
     for (std::size_t i = 0; i < children.size(); ++i) {
       Child& c = children[i];
@@ -318,6 +331,9 @@ int run_launch(const LaunchArgs& a) {
                  describe_status(c.status));
       } else if (i < first_node && ok) {
         completed = true;
+      } else if (i == in_charge && forwarded != 0 && WIFEXITED(c.status) &&
+                 WEXITSTATUS(c.status) == 128 + forwarded) {
+        stopped = true;
       } else if (i < first_node && i == 0 && a.standby && children[1].running) {
         in_charge = 1;
         log_warn(
@@ -344,7 +360,7 @@ int run_launch(const LaunchArgs& a) {
       children.insert(children.end(), respawned.begin(), respawned.end());
       write_pids(pids_file, children);
     }
-    if (completed || !why.empty()) break;
+    if (completed || stopped || !why.empty()) break;
     // The scheduler died and every node ended too (e.g. it had stopped the job before it died):
     // nobody is left to register with the standby.
     bool nodes_left = false;
@@ -356,7 +372,19 @@ int run_launch(const LaunchArgs& a) {
             "the scheduler died and every server and worker ended without the standby "
             "scheduler ending the job";
     }
-    if (g_stop_signal) why = fmt::format("stopped by signal {}", static_cast<int>(g_stop_signal));
+    if (g_stop_signal != 0 && forwarded == 0 && children[in_charge].running) {
+      forwarded = static_cast<int>(g_stop_signal);
+      g_stop_signal = 0;
+      forwarded_at = Clock::now();
+      signal(forwarded, SIG_DFL);  // a second one ends the launcher (and with it every process)
+      kill(children[in_charge].pid, forwarded);
+      log_warn("ps launch: signal {}: the scheduler stops the job with a checkpoint", forwarded);
+    } else if (g_stop_signal != 0) {
+      why = fmt::format("stopped by signal {}", static_cast<int>(g_stop_signal));
+    }
+    if (forwarded_at && std::chrono::duration<double>(Clock::now() - *forwarded_at).count() > 120)
+      why = fmt::format("stopped by signal {}; the scheduler did not stop the job within 120 s",
+                        forwarded);
     if (a.timeout > 0 && elapsed() > a.timeout)
       why = fmt::format("the job ran past --timeout {} s", a.timeout);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -375,9 +403,29 @@ int run_launch(const LaunchArgs& a) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }
+  if (stopped) {
+    // The scheduler told the nodes; they end by themselves.
+    for (int i = 0; i < 100; ++i) {
+      bool left = false;
+      for (std::size_t k = 0; k < children.size(); ++k) {
+        Child& c = children[k];
+        if (c.running && waitpid(c.pid, &c.status, WNOHANG) == c.pid) c.running = false;
+        left = left || c.running;
+      }
+      if (!left) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
   kill_all(children);
   if (!why.empty()) log_error("ps launch: {}; every process of the job was stopped", why);
   print_summary(cfg.train.run_dir);
+  if (stopped) {
+    fmt::print(stderr,
+               "ps launch: stopped by signal {}; every server checkpointed its keys; continue "
+               "with the same command and --resume\n",
+               forwarded);
+    return 128 + forwarded;
+  }
   if (!why.empty()) {
     fmt::print(stderr, "ps launch: the job failed\n");
     return 1;
@@ -412,6 +460,9 @@ Run add_ps_launch_command(CLI::App* ps_cmd) {
                    "WORKER=FACTOR: slow that worker down (repeatable), e.g. --slowdown 1=2")
       ->allow_extra_args(false);
   launch->add_option("--timeout", args->timeout, "Stop the job after this many seconds (0: none)");
+  launch->add_flag("--resume", args->resume,
+                   "Continue the job in train.run_dir from the newest clock every server "
+                   "checkpointed (without it a directory holding a run is refused)");
   launch->add_option("rest", args->rest, "-- train --config FILE [--set key=value ...]");
   return [args, launch]() -> int { return launch->parsed() ? run_launch(*args) : 2; };
 }

@@ -100,4 +100,11 @@ RunLock lock_run_dir(const fs::path& run_dir, Comm& control) {
   return lock;
 }
 
+void refuse_earlier_run(const fs::path& run_dir) {
+  MOETRAIN_FAIL(
+      "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue it, or "
+      "choose another train.run_dir (or remove that one)",
+      run_dir.string());
+}
+
 }  // namespace moetrain

@@ -34,4 +34,8 @@ class RunLock {
 // checkpoint commit), and the ranks of one run, on one machine, would refuse each other.
 RunLock lock_run_dir(const std::filesystem::path& run_dir, Comm& control);
 
+// The error of a fresh run (no --resume) on a directory that holds an earlier run's checkpoints:
+// hours of training are not overwritten; it names --resume and the other ways out.
+[[noreturn]] void refuse_earlier_run(const std::filesystem::path& run_dir);
+
 }  // namespace moetrain

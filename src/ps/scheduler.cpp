@@ -10,7 +10,9 @@
 #include "io/file.h"
 #include "model/params.h"
 #include "ps/job_plan.h"
+#include "ps/job_dir.h"
 #include "ps/scheduler_state.h"
+#include "train/stop_signal.h"
 
 namespace fs = std::filesystem;
 
@@ -21,21 +23,37 @@ Scheduler::Scheduler(const SchedulerArgs& a) : args_(a), router_(ctx_, zmq::sock
   args_.options.validate();
   total_keys_ = ParamLayout(args_.config.model).size();
   global_rows_ = args_.options.workers * args_.config.train.batch_size;
+  // Before anything in the run directory is written: another run writing it, or an earlier run
+  // it holds without --resume, stops the job here. A standby joins the job its scheduler holds.
+  if (!args_.standby) lock_ = open_job_dir(args_.config.train.run_dir, args_.resume);
   endpoint_ = bind_router(ctx_, router_, args_.bind);
   fs::create_directories(fs::path(args_.config.train.run_dir) / "ps");
   if (!args_.endpoint_file.empty()) write_file_atomic(args_.endpoint_file, endpoint_ + "\n");
-  events_ = JobEvents(args_.config.train.run_dir, !args_.standby);
+  events_ = JobEvents(args_.config.train.run_dir, !args_.standby && !args_.resume);
   log_info("ps scheduler at {}: waiting for {} server(s) and {} worker(s)", endpoint_,
            args_.options.servers, args_.options.workers);
 }
 
 int Scheduler::run() {
   const auto hb_timeout = args_.options.heartbeat_timeout;
+  const StopSignals signals;
   for (;;) {
     zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
     poll_sockets(&item, 1, 50);
     while (auto in = try_receive(router_, true, rejects_, "ps scheduler")) handle(*in);
     if (finished_) return exit_code_;
+    if (stop_signal() != 0 && stop_ == Stop::None) {
+      if (!started_ || finishing_) {
+        shutdown_all(fmt::format("stopped by signal {} {}", stop_signal(),
+                                 started_ ? "while the job was finishing" : "before the job started"));
+        return 128 + stop_signal();
+      }
+      begin_stop(stop_signal());
+    }
+    if (stop_ != Stop::None) {
+      if (advance_stop()) return 128 + stop_signal_;
+      continue;
+    }
     // Liveness.
     for (auto& [id, n] : members_.nodes()) {
       if (!n.alive || since(n.last_seen) <= hb_timeout) continue;
@@ -114,7 +132,10 @@ void Scheduler::handle(const Incoming& in) {
           node->done = true;
         break;
       case Kind::CheckpointList:
-        if (node && node->role == "server" && restoring_) on_checkpoint_list(*node, in.json());
+        if (node && node->role == "server" && stop_ == Stop::Checkpointing)
+          on_stop_checkpoint(*node, in.json());
+        else if (node && node->role == "server" && restoring_)
+          on_checkpoint_list(*node, in.json());
         break;
       case Kind::Restored:
         if (node && node->role == "server" && restoring_) on_restored();
@@ -206,10 +227,21 @@ void Scheduler::on_register(const Incoming& in) {
         static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers) {
       started_ = true;
       last_worker_seen_ = Clock::now();
-      events_.job("job_start");
-      log_info("ps scheduler: job starts ({} keys over {} server(s), {} rows per step)",
-               total_keys_, args_.options.servers, global_rows_);
+      events_.job(args_.resume ? "job_resume" : "job_start");
+      log_info("ps scheduler: job {} ({} keys over {} server(s), {} rows per step)",
+               args_.resume ? "resumes" : "starts", total_keys_, args_.options.servers,
+               global_rows_);
+      if (args_.resume) {
+        // Every server restores the newest clock all of them checkpointed (begin_restore's
+        // roll-back over the whole job); until then the workers see no server to pull from.
+        restoring_ = true;
+        restore_index_ = -1;
+        lists_.clear();
+      }
       replan();
+      if (args_.resume)
+        for (Node* p : members_.serving())
+          if (p->primary) send_to(router_, p->identity, json_frame(Kind::CheckpointQuery, -1, {}));
     }
   } else if (role == "worker") {
     events_.node("worker_joined", n, "registered after the start");
@@ -258,6 +290,10 @@ void Scheduler::maybe_rebalance() {
 // The new split applies from the largest clock any worker would start next: every clock before
 // it is computed with the old split by every worker, every later one with the new.
 void Scheduler::on_rows_ready(const Node& n, const nlohmann::json& j) {
+  if (stop_ == Stop::Pausing) {
+    paused_.insert(n.id);
+    return;
+  }
   if (!rows_query_) return;
   rows_query_->next_clock[n.id] = j.at("clock").get<int64_t>();
   int64_t from = 0;
@@ -283,7 +319,8 @@ void Scheduler::broadcast_setup() {
     Node* p = members_.primary_of(s);
     Node* b = members_.backup_of(s);
     // A server that is down, or restoring, is listed without an endpoint: workers wait.
-    const bool up = p && !down_.count(s) && !(restoring_ && s == restore_index_);
+    const bool up =
+        p && !down_.count(s) && !(restoring_ && (restore_index_ < 0 || s == restore_index_));
     slots.push_back({up ? p->endpoint : "", b ? b->endpoint : ""});
     ranges.push_back({keys[s].begin, keys[s].end});
   }
@@ -293,6 +330,7 @@ void Scheduler::broadcast_setup() {
   nlohmann::json base = {{"epoch", epoch_},
                          {"generation", generation_},
                          {"rollback_to", rollback_clock_},
+                         {"resume", args_.resume},
                          {"rows_from_clock", rows_from_},
                          {"config", args_.config.to_json()},
                          {"options", args_.options.to_json()},
@@ -372,6 +410,75 @@ void Scheduler::shutdown_all(const std::string& reason) {
               json_frame(Kind::Shutdown, -1, {{"ok", false}, {"reason", reason}}));
   // Let the sends leave before the context closes.
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
+}
+
+// A stop, step 1: every worker finishes the clock it is in and waits (the RowsQuery of a
+// rebalance, whose answer is never sent).
+void Scheduler::begin_stop(int signal) {
+  stop_ = Stop::Pausing;
+  stop_signal_ = signal;
+  stop_started_ = Clock::now();
+  rows_query_.reset();
+  paused_.clear();
+  log_warn("ps scheduler: signal {}: the workers finish their clock, then every server "
+           "checkpoints (a second signal stops at once)",
+           signal);
+  for (Node* w : members_.alive_workers())
+    send_to(router_, w->identity, json_frame(Kind::RowsQuery, -1, {}));
+}
+
+// Steps 2 and 3: once the workers paused (or after 30 s), every primary checkpoints its range
+// and says at which clock; asked again until all stand at the same one (their last pushes may
+// still be arriving), for up to 30 s. Returns true when the job has stopped.
+bool Scheduler::advance_stop() {
+  if (stop_ == Stop::Pausing) {
+    bool all = true;
+    for (Node* w : members_.alive_workers()) all = all && paused_.count(w->id) > 0;
+    if (!all && since(stop_started_) < 30) return false;
+    if (!all) log_warn("ps scheduler: not every worker paused within 30 s; checkpointing anyway");
+    stop_ = Stop::Checkpointing;
+    stop_started_ = Clock::now();
+    stop_versions_.clear();
+  }
+  const int64_t S = args_.options.servers;
+  if (static_cast<int64_t>(stop_versions_.size()) == S) {
+    int64_t lo = INT64_MAX, hi = -1;
+    for (auto [index, v] : stop_versions_) lo = std::min(lo, v), hi = std::max(hi, v);
+    if (lo == hi || since(stop_started_) > 30) {
+      const int64_t clock = newest_common_clock(lists_);
+      const std::string reason = fmt::format(
+          "stopped by signal {} at clock {}: every server holds its checkpoint of that clock; "
+          "continue with `moetrain ps launch --resume` (or `ps scheduler --resume`)",
+          stop_signal_, clock);
+      if (lo != hi)
+        log_warn("ps scheduler: the servers stand at clocks {}..{}; the newest they all "
+                 "checkpointed is {}",
+                 lo, hi, clock);
+      events_.job("job_stopped", reason, {{"clock", clock}, {"signal", stop_signal_}});
+      shutdown_all(reason);
+      return true;
+    }
+    stop_versions_.clear();
+  }
+  if (stop_versions_.empty() && since(stop_asked_) > 0.2) {
+    stop_asked_ = Clock::now();
+    lists_.clear();
+    for (Node* p : members_.serving())
+      if (p->primary)
+        send_to(router_, p->identity, json_frame(Kind::CheckpointQuery, -1, {{"write", true}}));
+  }
+  if (since(stop_started_) > 60) {
+    shutdown_all(fmt::format("stopped by signal {}: the servers did not checkpoint within 60 s",
+                             stop_signal_));
+    return true;
+  }
+  return false;
+}
+
+void Scheduler::on_stop_checkpoint(const Node& n, const nlohmann::json& j) {
+  if (!n.primary || n.index < 0) return;
+  lists_[n.index] = j.at("clocks").get<std::vector<int64_t>>();
+  stop_versions_[n.index] = j.at("version").get<int64_t>();
 }
 
 int run_scheduler(const SchedulerArgs& args) {

@@ -23,10 +23,17 @@ struct SchedulerArgs {
   // A standby: it waits for the nodes of a running job to register again when its scheduler
   // dies (they know its address from --standby-scheduler), then runs the job on.
   bool standby = false;
+  // Continue the job RUN_DIR holds: once the servers registered, every one restores the newest
+  // checkpointed clock they all hold and the workers go on from there. Without it, a directory
+  // holding an earlier run is refused (ps/job_dir.h).
+  bool resume = false;
 };
 
 // Runs the job to its end; returns 0 when every worker finished and the final checkpoint was
-// written, non-zero (with the reason logged) when the job had to stop.
+// written, non-zero (with the reason logged) when the job had to stop. The first SIGINT or
+// SIGTERM stops the job like `train`: the workers finish the clock they are in, every server
+// checkpoints its key range at the same clock, and the scheduler returns 128 + the signal; the
+// job continues with `resume`.
 int run_scheduler(const SchedulerArgs& args);
 
 }  // namespace moetrain::ps

@@ -107,13 +107,18 @@ void Scheduler::on_restored() {
   if (++restored_ < static_cast<int64_t>(members_.serving().size())) return;
   restoring_ = false;
   down_.clear();
-  ++rollbacks_;
   for (auto& [id, w] : members_.nodes()) w.done = false;
   finishing_ = false;
-  log_warn("ps scheduler: server {} restored; the job continues from clock {}", restore_index_,
-           rollback_clock_);
-  events_.job("rollback", fmt::format("server {} replaced", restore_index_),
-              {{"index", restore_index_}, {"clock", rollback_clock_}});
+  if (restore_index_ < 0) {
+    log_info("ps scheduler: every server restored; the job resumes at clock {}", rollback_clock_);
+    events_.job("resumed", "", {{"clock", rollback_clock_}});
+  } else {
+    ++rollbacks_;
+    log_warn("ps scheduler: server {} restored; the job continues from clock {}", restore_index_,
+             rollback_clock_);
+    events_.job("rollback", fmt::format("server {} replaced", restore_index_),
+                {{"index", restore_index_}, {"clock", rollback_clock_}});
+  }
   ++epoch_;
   broadcast_setup();
 }

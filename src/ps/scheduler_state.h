@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "io/run_lock.h"
 #include "ps/job_events.h"
 #include "ps/membership.h"
 #include "ps/scheduler.h"
@@ -44,8 +45,12 @@ class Scheduler {
   void maybe_finish();
   void on_finish_ack(Node& n);
   void shutdown_all(const std::string& reason);
+  void begin_stop(int signal);
+  bool advance_stop();
+  void on_stop_checkpoint(const Node& n, const nlohmann::json& j);
 
   SchedulerArgs args_;
+  RunLock lock_;  // RUN_DIR's, for the life of the job (a standby holds none)
   zmq::context_t ctx_;
   zmq::socket_t router_;
   std::string endpoint_;
@@ -71,7 +76,16 @@ class Scheduler {
   bool started_ = false, finishing_ = false, finished_ = false, restoring_ = false;
   std::map<int64_t, Clock::time_point> down_;      // server index → when it was declared dead
   std::map<int64_t, std::vector<int64_t>> lists_;  // roll-back: checkpointed clocks per server
+  // The server being replaced; −1 with restoring_: every server, when a resumed job starts.
   int64_t restore_index_ = -1, rollback_clock_ = 0, restored_ = 0;
+  // A stop asked by a signal: the workers pause before their next clock (RowsQuery), then every
+  // primary checkpoints its range, asked again until all of them stand at the same clock.
+  enum class Stop { None, Pausing, Checkpointing };
+  Stop stop_ = Stop::None;
+  int stop_signal_ = 0;
+  Clock::time_point stop_started_ = Clock::now(), stop_asked_ = Clock::now();
+  std::set<int32_t> paused_;                      // workers paused for the stop
+  std::map<int64_t, int64_t> stop_versions_;      // server index → its version when it checkpointed
   uint32_t generation_ = 0;
   int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0, backups_attached_ = 0;
   int exit_code_ = 1;

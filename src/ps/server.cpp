@@ -73,12 +73,26 @@ class Server {
     if (k == Kind::Setup) {
       on_setup(in.json());
     } else if (k == Kind::Finish) {
-      if (primary_) write_summary();
+      // The final state with its optimizer moments, from which `--resume` with more steps goes
+      // on (the lead worker's checkpoint holds the parameters only).
+      if (primary_) {
+        const std::vector<int64_t> clocks = list_server_checkpoints(run_dir_, index_);
+        if (std::find(clocks.begin(), clocks.end(), kv_.version()) == clocks.end())
+          write_checkpoint(kv_.version());
+        write_summary();
+      }
       send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
     } else if (k == Kind::CheckpointQuery) {
+      // {write: true}: the job is stopping; checkpoint the state as it stands.
       std::vector<int64_t> clocks = list_server_checkpoints(run_dir_, index_);
-      send(link_->socket(),
-           json_frame(Kind::CheckpointList, link_->node_id(), {{"clocks", clocks}}));
+      const int64_t version = kv_.version();
+      if (in.json().value("write", false) && primary_ &&
+          std::find(clocks.begin(), clocks.end(), version) == clocks.end()) {
+        write_checkpoint(version);
+        clocks = list_server_checkpoints(run_dir_, index_);
+      }
+      send(link_->socket(), json_frame(Kind::CheckpointList, link_->node_id(),
+                                       {{"clocks", clocks}, {"version", version}}));
     } else if (k == Kind::Restore) {
       const nlohmann::json j = in.json();
       restore(j.at("clock").get<int64_t>(), j.at("generation").get<uint32_t>());
@@ -107,7 +121,7 @@ class Server {
     // A promoted backup of server 0 goes on with the job's metrics. Lines past the state it holds
     // are of updates that died with the old primary before reaching this backup: they are applied
     // again (and written again), so they are dropped rather than left twice in the file.
-    if (lead_ && !metrics_.active())
+    if (lead_ && !metrics_.active() && !resume_pending_)
       metrics_ = MetricsWriter::resume(run_dir_, kv_.version(), cfg_.train.tensorboard);
     // This primary's backup, if any.
     std::string backup;
@@ -147,8 +161,10 @@ class Server {
     run_dir_ = cfg_.train.run_dir;
     config_hash_ = cfg_.config_hash();
     fs::create_directories(fs::path(run_dir_) / "ps");
-    // Only the job's first setup starts the metrics; a replacement server appends.
-    if (index_ == 0 && j.at("epoch").get<int64_t>() == 1 && primary)
+    // Only a new job's first setup starts the metrics; a replacement server appends, and a
+    // resumed job's lead goes on from the clock it restores.
+    resume_pending_ = j.value("resume", false);
+    if (index_ == 0 && j.at("epoch").get<int64_t>() == 1 && primary && !resume_pending_)
       metrics_ = MetricsWriter(run_dir_, MetricsWriter::Open::Fresh, cfg_.train.tensorboard);
     ConsistencyConfig rules;
     rules.mode = opts_.consistency_kind();
@@ -215,8 +231,7 @@ class Server {
 
   void applied(const UpdateApplied& a) {
     if (primary_ && opts_.checkpoint_every > 0 && a.version % opts_.checkpoint_every == 0)
-      write_server_checkpoint(run_dir_, index_, a.version, begin_, end_, kv_.values().data(), *opt_,
-                              kv_.rules().worker_clocks(), config_hash_);
+      write_checkpoint(a.version);
     if (primary_) write_apply_line(a);
     if (!lead_) return;
     nlohmann::json line = {{"step", a.version},     {"loss", a.loss},     {"lr", a.lr},
@@ -252,7 +267,13 @@ class Server {
     role_metrics_.write(line);
   }
 
-  // Every server of the job goes back to the same clock (the scheduler's Restore).
+  void write_checkpoint(int64_t version) {
+    write_server_checkpoint(run_dir_, index_, version, begin_, end_, kv_.values().data(), *opt_,
+                            kv_.rules().worker_clocks(), config_hash_);
+  }
+
+  // Every server of the job goes back to the same clock (the scheduler's Restore): after a
+  // replacement, or when a resumed job starts.
   void restore(int64_t clock, uint32_t generation) {
     const int64_t from = kv_.version();
     if (clock == 0) {
@@ -262,6 +283,13 @@ class Server {
                                                   begin_, end_, config_hash_);
       restore_optimizer(c, *opt_);
       kv_.restore(clock, generation, std::move(c.params), std::move(c.worker_clocks));
+    }
+    if (resume_pending_) {
+      resume_pending_ = false;
+      log_info("{}: resumed at the checkpoint of clock {}", who_, clock);
+      if (lead_ && !metrics_.active())
+        metrics_ = MetricsWriter::resume(run_dir_, clock, cfg_.train.tensorboard);
+      return;
     }
     ++rollbacks_;
     log_warn("{}: rolled back from clock {} to the checkpoint of clock {} (generation {})", who_,
@@ -339,6 +367,7 @@ class Server {
   double first_apply_ = 0;
   MetricsWriter metrics_;  // the lead primary's (server 0): the job's metrics.jsonl
   bool lead_ = false, primary_ = false, first_setup_done_ = false;
+  bool resume_pending_ = false;  // a resumed job's first Restore has not come yet
   int64_t epoch_ = 0, generation_ = 0;  // of the latest setup, for a standby scheduler
   int64_t rollbacks_ = 0;
 };

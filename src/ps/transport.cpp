@@ -85,7 +85,8 @@ std::string json_frame(Kind kind, int32_t sender, const nlohmann::json& body, in
   h.sender = sender;
   h.clock = clock;
   h.flags = static_cast<uint32_t>(Encoding::Json);
-  return encode(h, body.dump());
+  // `{}` in a call is JSON null; every message body is an object.
+  return encode(h, body.is_null() ? std::string("{}") : body.dump());
 }
 
 std::optional<Incoming> try_receive(zmq::socket_t& socket, bool router, RejectStats& stats,
@@ -124,7 +125,14 @@ std::optional<Incoming> try_receive(zmq::socket_t& socket, bool router, RejectSt
 }
 
 int poll_sockets(zmq::pollitem_t* items, int n, int64_t timeout_ms) {
-  return zmq::poll(items, static_cast<std::size_t>(n), std::chrono::milliseconds(timeout_ms));
+  try {
+    return zmq::poll(items, static_cast<std::size_t>(n), std::chrono::milliseconds(timeout_ms));
+  } catch (const zmq::error_t& e) {
+    // A signal (a stop asked with SIGINT or SIGTERM) interrupted the wait: nothing is ready;
+    // the caller's loop looks at the stop request and polls again.
+    if (e.num() == EINTR) return 0;
+    throw;
+  }
 }
 
 }  // namespace moetrain::ps

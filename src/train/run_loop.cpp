@@ -26,10 +26,7 @@ std::optional<std::filesystem::path> open_run(StepEngine& engine, const std::str
   // Before anything in the run directory is read or written: a second run on it stops here.
   lock = lock_run_dir(run_dir, control);
   const bool has_earlier = !resume && fs::exists(fs::path(run_dir) / "checkpoints");
-  MOETRAIN_CHECK(!has_earlier || earlier == EarlierRun::Replace,
-                 "train.run_dir = '{}' already holds a run's checkpoints: pass --resume to continue "
-                 "it, or choose another train.run_dir (or remove that one)",
-                 run_dir);
+  if (has_earlier && earlier == EarlierRun::Refuse) refuse_earlier_run(run_dir);
   if (has_earlier && control.rank() == 0) {
     // Checkpoints are kept by step number: a longer earlier run's would outrank this one's.
     log_info("{}: removing the checkpoints of an earlier run", run_dir);

@@ -10,11 +10,14 @@
 #include <vector>
 
 #include "io/checkpoint.h"
+#include "io/file.h"
+#include "io/run_lock.h"
 #include "io/metrics.h"
 #include "io/report.h"
 #include "ps/message.h"
 #include "ps/process.h"  // tests/ps/process.h
 #include "ps/security.h"
+#include "ps/server_checkpoint.h"
 #include "support/corpus.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
@@ -238,6 +241,83 @@ TEST(PsJob, BadOptionsStopBeforeStarting) {
   EXPECT_NE(d.code, 0);
   EXPECT_NE(d.output.find("--spare-servers 1"), std::string::npos) << d.output;
   EXPECT_FALSE(fs::exists(tmp / "spare" / "ps" / "launch.json")) << "something was started";
+}
+
+// The run directory is the scheduler's for the job's life: a directory another run is writing,
+// or one holding an earlier run without --resume, is refused before anything in it is written.
+TEST(PsJob, RunDirectoryIsLockedAndAnEarlierRunNeedsResume) {
+  TempDir tmp("ps_lock");
+  Job first = launch(tmp, {}, 4, 2);
+  ASSERT_EQ(first.code, 0) << first.output;
+  const std::string metrics = read_file_bytes(tmp / "run" / "metrics.jsonl");
+  Job again = launch(tmp, {}, 6, 2);
+  EXPECT_NE(again.code, 0);
+  EXPECT_NE(again.output.find("already holds a run's checkpoints: pass --resume"),
+            std::string::npos)
+      << again.output;
+  EXPECT_EQ(read_file_bytes(tmp / "run" / "metrics.jsonl"), metrics);
+  EXPECT_FALSE(fs::exists(tmp / "run" / "checkpoints" / "step_6"));
+
+  fs::create_directories(tmp / "busy");
+  {
+    const RunLock held(tmp / "busy");  // as a running `train` holds it
+    Job busy = launch(tmp, {}, 4, 2, "busy");
+    EXPECT_NE(busy.code, 0);
+    EXPECT_NE(busy.output.find("is in use by pid"), std::string::npos) << busy.output;
+    for (const auto& e : fs::directory_iterator(tmp / "busy"))
+      EXPECT_EQ(e.path().filename(), ".lock") << "written into a locked directory";
+  }
+
+  // --resume continues the finished run from the servers' final checkpoint to more steps.
+  Job more = launch(tmp, {"--resume"}, 6, 2);
+  ASSERT_EQ(more.code, 0) << more.output;
+  const auto l = losses(tmp / "run");
+  ASSERT_EQ(l.size(), 6u) << read_file_bytes(tmp / "run" / "metrics.jsonl");
+  EXPECT_EQ(l.begin()->first, 1);
+  EXPECT_EQ(load_model(tmp / "run").step, 6);
+}
+
+// SIGTERM to `ps launch`: the workers finish their clock, every server checkpoints the same
+// clock, exit 143; `ps launch --resume` then ends exactly where an uninterrupted job ends.
+TEST(PsJob, SigtermStopsWithACheckpointAndResumeEndsLikeAnUninterruptedJob) {
+  TempDir tmp("ps_stop");
+  const int steps = 40;
+  const std::vector<std::string> opts = {"--servers", "2", "--workers", "2", "--slowdown", "0=4"};
+  Job whole = launch(tmp, opts, steps, 2, "whole");
+  ASSERT_EQ(whole.code, 0) << whole.output;
+
+  std::vector<std::string> args = {"ps", "launch", "--timeout", "150"};
+  args.insert(args.end(), opts.begin(), opts.end());
+  args.insert(args.end(), {"--", "train"});
+  for (const auto& s : as_set_args(tiny_ps_overrides(tmp / "data", tmp / "run", steps, 2)))
+    args.push_back(s);
+  {
+    Process p(args, tmp / "stopped.log");
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (losses(tmp / "run").size() < 8 && p.running() &&
+           std::chrono::steady_clock::now() < end)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_TRUE(p.running()) << p.output();
+    p.kill(SIGTERM);
+    ASSERT_EQ(p.wait(120), 143) << p.output();
+    EXPECT_NE(p.output().find("--resume"), std::string::npos) << p.output();
+  }
+  const auto stopped = losses(tmp / "run");
+  const int64_t at = stopped.rbegin()->first;
+  ASSERT_LT(at, steps);
+  for (int s = 0; s < 2; ++s)
+    EXPECT_TRUE(fs::exists(ps::server_checkpoint_path(tmp / "run", s, at)))
+        << "server " << s << " has no checkpoint of clock " << at;
+
+  args.insert(args.begin() + 2, "--resume");
+  Process r(args, tmp / "resumed.log");
+  ASSERT_EQ(r.wait(150), 0) << r.output();
+  const auto a = losses(tmp / "run"), b = losses(tmp / "whole");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
+  for (auto [step, loss] : b) EXPECT_EQ(a.at(step), loss) << "step " << step;
+  LoadedModel x = load_model(tmp / "run"), y = load_model(tmp / "whole");
+  EXPECT_EQ(x.step, steps);
+  EXPECT_EQ(x.params, y.params);
 }
 
 }  // namespace
