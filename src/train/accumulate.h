@@ -75,6 +75,10 @@ struct AccumulateHooks {
   SparseExperts* sparse = nullptr;
   // The error text for a non-finite loss (what stopped, what to do). Called only then.
   std::function<std::string(const LossParts&)> bad_loss;
+  // Asked before each micro-batch after the first: true abandons the step there (a stop was
+  // requested; a step of many micro-batches would keep it waiting). Collective where the step
+  // is. May be empty.
+  std::function<bool()> stop_between;
 };
 
 template <class Batch>
@@ -94,6 +98,8 @@ struct Accumulated {
   double a2a_s = 0, a2a_wait_s = 0;                     // summed over layers and micro-batches
   int64_t a2a_bytes = 0;  // sent by this process in the exchanges, summed likewise
   StopVotes stop;  // signals asking to stop, summed over processes by reduce_step_figures
+  // ≥ 0: stop_between abandoned the step after this many micro-batches; nothing else is set.
+  int64_t abandoned_after = -1;
 };
 
 // grads (n) = Σ over micro-batches of ∂(loss_weight · total)/∂params.
@@ -137,6 +143,10 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
   LossParts& sum = acc.loss;
   if (args.sparse) args.sparse->start_step();
   for (int64_t micro = 0; micro < A; ++micro) {
+    if (micro > 0 && args.stop_between && args.stop_between()) {
+      acc.abandoned_after = micro;
+      return acc;
+    }
     const Batch batch = args.fill(micro);
     const MicroLoss p = forward_micro(model, params, batch, args.moe_step(micro));
     MOETRAIN_CHECK(std::isfinite(p.parts.total), "{}", args.bad_loss(p.parts));

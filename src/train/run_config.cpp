@@ -252,7 +252,10 @@ void RunConfig::validate() const {
   MOETRAIN_CHECK(t.seq_len > 0 && t.seq_len <= model.max_seq_len,
                  "train.seq_len = {}: must be in [1, model.max_seq_len = {}]", t.seq_len,
                  model.max_seq_len);
-  MOETRAIN_CHECK(t.grad_accum > 0, "train.grad_accum = {}: must be positive", t.grad_accum);
+  // A step is at least one forward and backward per micro-batch: beyond 65,536 a step would take
+  // hours on any model (larger batches come from more processes or train.batch_size).
+  MOETRAIN_CHECK(t.grad_accum > 0 && t.grad_accum <= 65536,
+                 "train.grad_accum = {}: must be in 1..65536", t.grad_accum);
   MOETRAIN_CHECK(t.eval_batches > 0, "train.eval_batches = {}: must be positive", t.eval_batches);
   MOETRAIN_CHECK(t.keep_checkpoints >= 1, "train.keep_checkpoints = {}: must be ≥ 1",
                  t.keep_checkpoints);

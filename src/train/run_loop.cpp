@@ -78,27 +78,34 @@ LoopResult run_loop(StepEngine& engine, RunTask& task, const LoopSettings& s,
     const int64_t step = engine.step_count();
     fault_point("step", step);
     const double dt = t.seconds();
-    result.train_seconds += dt;
-    result.final_loss = r.loss;
-    // Timings live under their own keys so that everything else in a line is reproducible bit
-    // for bit.
-    r.metrics["step_time_s"] = dt;
-    r.metrics[s.unit + "_per_s"] = s.units_per_step / dt;
-    r.comm.step_s = dt;
-    add_comm_metrics(r.comm, r.metrics);
-    add_rank_timing(control, {dt, comm_figures(r.comm).compute_s}, r.metrics);
-    if (s.profile) add_rank_phases(control, phases, dt, r.metrics);
-    metrics.write(r.metrics);
-    progress.update({step, s.total_steps, r.loss, s.units_per_step / dt, r.lr,
-                     r.metrics["imbalance"].get<double>()});
+    const bool abandoned = r.abandoned_after >= 0;
+    if (!abandoned) {
+      result.train_seconds += dt;
+      result.final_loss = r.loss;
+      // Timings live under their own keys so that everything else in a line is reproducible bit
+      // for bit.
+      r.metrics["step_time_s"] = dt;
+      r.metrics[s.unit + "_per_s"] = s.units_per_step / dt;
+      r.comm.step_s = dt;
+      add_comm_metrics(r.comm, r.metrics);
+      add_rank_timing(control, {dt, comm_figures(r.comm).compute_s}, r.metrics);
+      if (s.profile) add_rank_phases(control, phases, dt, r.metrics);
+      metrics.write(r.metrics);
+      progress.update({step, s.total_steps, r.loss, s.units_per_step / dt, r.lr,
+                       r.metrics["imbalance"].get<double>()});
+    }
     if (engine.stop_votes().any()) {
+      // The checkpoint is of the last complete step, also when the stop cut the next one short.
       result.last_checkpoint = task.save_checkpoint();
       result.exit_code = engine.stop_votes().exit_code();
       finish();
       progress.finish();
       // Every rank says where it stopped: they agree on the step.
-      log_message(LogLevel::Warn, true,
-                  stop_message(engine.stop_votes(), step, result.last_checkpoint.string()));
+      std::string message = stop_message(engine.stop_votes(), step, result.last_checkpoint.string());
+      if (abandoned)
+        message += fmt::format(" (step {} was abandoned after {} of its micro-batches)", step + 1,
+                               r.abandoned_after);
+      log_message(LogLevel::Warn, true, message);
       return result;
     }
     const bool last = step == total;

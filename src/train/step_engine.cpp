@@ -147,6 +147,13 @@ void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
     }
     reducer_->begin(grads_.data());
   };
+  // A step of many micro-batches (train.grad_accum) checks for a stop request between them, every
+  // process agreeing; one micro-batch's step waits for the vote after it.
+  if (A > 1)
+    h.stop_between = [this] {
+      stop_ = StopVotes::agreed(*pg_->control);
+      return stop_.any();
+    };
   h.bad_loss = [this](const LossParts& p) {
     return fmt::format(
         "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. The last good "
@@ -197,6 +204,15 @@ StepEngine::Update StepEngine::update(float lr, const UpdateOptions& opts) {
   // A skipped step changed nothing, so the copy stays as current as it was.
   out.lp_copy_kept = lp.data != nullptr;
   return out;
+}
+
+StepResult StepEngine::abandon_step(const Accumulated& acc) {
+  meter_.reset();
+  StepResult r;
+  r.lr = schedule_->lr(step_);
+  r.loss = acc.loss.total;
+  r.abandoned_after = acc.abandoned_after;
+  return r;
 }
 
 StepResult StepEngine::end_step(Accumulated& acc, const Timer& step_timer, double global_tokens,

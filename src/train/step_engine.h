@@ -112,6 +112,9 @@ struct StepResult {
   double lr = 0;
   nlohmann::json metrics;
   CommParts comm;
+  // ≥ 0: a stop request abandoned the step after this many of its micro-batches; nothing was
+  // updated (the engine stands at the last complete step) and stop_votes() says who asked.
+  int64_t abandoned_after = -1;
 };
 
 class StepEngine {
@@ -182,6 +185,8 @@ class StepEngine {
   // After them: the update, the controllers and the figures.
   StepResult end_step(Accumulated& acc, const Timer& step_timer, double global_tokens,
                       int64_t accuracy_rows);
+  // Or, when a stop request abandoned the micro-batches: nothing changes.
+  StepResult abandon_step(const Accumulated& acc);
   // reduce → check and clip → step → finish, on the host or on the resident device.
   struct Update {
     UpdateOutcome outcome;
@@ -240,6 +245,7 @@ StepResult StepEngine::step(Model& model, const MicroBatches<Batch>& batches) {
   args.fill = batches.fill;
   Accumulated acc = accumulate(model, params_.data(), grads_.data(),
                                static_cast<int64_t>(grads_.size()), args);
+  if (acc.abandoned_after >= 0) return abandon_step(acc);
   return end_step(acc, step_timer, batches.global_tokens, batches.accuracy_rows);
 }
 

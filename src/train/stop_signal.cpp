@@ -49,6 +49,13 @@ StopVotes StopVotes::local() {
   return {s == SIGINT ? 1 : 0, s == SIGTERM ? 1 : 0};
 }
 
+StopVotes StopVotes::agreed(Comm& comm) {
+  const StopVotes here = local();
+  int64_t counts[2] = {here.interrupt, here.terminate};
+  comm.allreduce(counts, 2);
+  return {counts[0], counts[1]};
+}
+
 int StopVotes::signal() const {
   return terminate > 0 ? SIGTERM : interrupt > 0 ? SIGINT : 0;
 }

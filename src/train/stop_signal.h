@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/comm.h"
+
 namespace moetrain {
 
 // Installs the handlers for the life of the object and restores the previous ones after it.
@@ -27,6 +29,8 @@ void clear_stop_signal();
 struct StopVotes {
   int64_t interrupt = 0, terminate = 0;
   static StopVotes local();
+  // Collective over comm: every process's local votes, summed.
+  static StopVotes agreed(Comm& comm);
   bool any() const { return interrupt > 0 || terminate > 0; }
   // 143 when any process got SIGTERM, else 130.
   int exit_code() const;

@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <csignal>
+#include <optional>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -75,6 +77,38 @@ TEST(StopSignal, SigtermStopsAfterTheStepWithACheckpointAndResumeContinues) {
   EXPECT_TRUE(resumed.output().find(fmt::format("at step {}", steps)) != std::string::npos)
       << resumed.output();
   EXPECT_EQ(metrics_lines(run), steps + 2);
+}
+
+// A step of many micro-batches does not keep a stop waiting: the stop is checked between them,
+// the step is abandoned and the checkpoint is of the last complete step. Without the check this
+// step (65,536 micro-batches) runs for minutes and the test times out.
+TEST(StopSignal, SigtermInALongStepAbandonsItWithACheckpointOfTheLastCompleteStep) {
+  TempDir tmp("stop_signal_accum");
+  const std::string cfg = write_tiny_run(tmp.path(), 100000, 0).string();
+  const fs::path run = tmp / "run";
+  bool sent = false;
+  std::optional<std::chrono::steady_clock::time_point> opened;
+  ProcessResult r = run_moetrain(
+      {"train", "-c", cfg, "--set", "train.run_dir=" + run.string(), "--set",
+       "train.grad_accum=65536", "--set", "train.steps=3"},
+      {{"OMP_NUM_THREADS", "1"}}, 120, {}, [&](pid_t child) {
+        // Once the run opened its metrics, it is in its first step within moments.
+        if (sent || !fs::exists(run / "metrics.jsonl")) return;
+        if (!opened) opened = std::chrono::steady_clock::now();
+        if (std::chrono::steady_clock::now() - *opened > std::chrono::seconds(2))
+          sent = ::kill(child, SIGTERM) == 0;
+      });
+  ASSERT_TRUE(sent) << r.output();
+  EXPECT_FALSE(r.timed_out) << r.output();
+  EXPECT_EQ(r.code, 143) << r.output();
+  EXPECT_NE(r.output().find("stopped by SIGTERM after step 0"), std::string::npos) << r.output();
+  EXPECT_NE(r.output().find("(step 1 was abandoned after "), std::string::npos) << r.output();
+  EXPECT_EQ(metrics_lines(run), 0);
+  bool tmp_left = true;
+  const std::vector<std::string> ck = checkpoints(run, tmp_left);
+  EXPECT_FALSE(tmp_left);
+  ASSERT_EQ(ck.size(), 1u) << r.output();
+  EXPECT_EQ(ck[0], "step_00000000");
 }
 
 // Under `moetrain launch`, only rank 0 is signalled: both ranks stop after the same step, one

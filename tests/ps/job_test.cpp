@@ -236,6 +236,13 @@ TEST(PsJob, BadOptionsStopBeforeStarting) {
             tmp / "c.log");
   EXPECT_NE(c.wait(60), 0);
   EXPECT_NE(c.output().find("optim.grad_clip"), std::string::npos) << c.output();
+  // A setting a worker would ignore, given as --set, is refused as its flag form is.
+  Process e({"ps", "launch", "--", "train", "--set", "optim.grad_clip=0", "--set", "dist.ep=2",
+             "--set", "train.run_dir=" + (tmp / "e").string()},
+            tmp / "e.log");
+  EXPECT_NE(e.wait(60), 0);
+  EXPECT_NE(e.output().find("dist.ep = 2: parameter-server mode"), std::string::npos) << e.output();
+  EXPECT_FALSE(fs::exists(tmp / "e")) << "something was written";
   // A spare needs a backup to become or a checkpoint to restore from.
   Job d = launch(tmp, {"--spare-servers", "1", "--checkpoint-every", "0"}, 5, 2, "spare");
   EXPECT_NE(d.code, 0);

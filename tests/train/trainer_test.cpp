@@ -18,6 +18,7 @@
 #include "io/crc32c.h"
 #include "io/safetensors.h"
 #include "support/corpus.h"
+#include "support/expect_error.h"
 #include "support/resign.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
@@ -28,6 +29,13 @@ using namespace moetrain::testing;
 namespace fs = std::filesystem;
 
 namespace {
+
+// A step of 2^62 micro-batches would never end (nor let a stop through between steps).
+TEST(RunConfigBounds, GradAccumIsBounded) {
+  expect_error([] { load_run_config("", {"train.grad_accum=4611686018427387904"}); },
+               "train.grad_accum = 4611686018427387904: must be in 1..65536");
+  EXPECT_EQ(load_run_config("", {"train.grad_accum=65536"}).train.grad_accum, 65536);
+}
 
 RunConfig small_run(const TempDir& tmp, const std::string& router = "topk_softmax") {
   write_corpus(tmp / "data", 60000);
