@@ -264,6 +264,7 @@ void read_checkpoint_pieces(const fs::path& dir, const CheckpointShare& into) {
       MOETRAIN_CHECK(covered == want.end - want.begin,
                      "{}: tensor '{}' [{}, {}): only {} elements saved", dir.string(), want.name,
                      want.begin, want.end, covered);
+      check_finite_tensor(want.data, want.end - want.begin, dir, want.name, want.begin);
     }
   }
 }

@@ -117,6 +117,7 @@ void read_hf_tensors(const fs::path& dir, const std::vector<NamedTensor>& into) 
     std::vector<uint8_t> raw(n * dtype_size(from));
     r.copy_bytes(t.name, raw.data(), raw.size());
     dtype_to_f32(from, t.data, raw.data(), n);
+    check_finite_tensor(t.data, static_cast<int64_t>(n), r.path(), t.name);
   }
   for (const auto& [name, r] : where)
     MOETRAIN_CHECK(wanted.count(name), "{}: tensor '{}' is not a parameter of this model",

@@ -9,6 +9,7 @@
 #include <array>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <tuple>
@@ -364,6 +365,20 @@ Tensor SafetensorsReader::load_tensor(const std::string& name) const {
   Tensor t(e.shape, e.dtype == SafetensorsDType::F32 ? DType::F32 : DType::BF16);
   copy_bytes(name, t.raw(), t.nbytes());
   return t;
+}
+
+void check_finite_tensor(const float* v, int64_t n, const std::filesystem::path& file,
+                         const std::string& name, int64_t offset) {
+  int64_t first = -1, bad = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(v[i])) {
+      if (first < 0) first = i;
+      ++bad;
+    }
+  MOETRAIN_CHECK(bad == 0,
+                 "{}: tensor '{}' holds {} non-finite value(s) (element {} is {}): the weights are "
+                 "damaged or come from a run that diverged; load another checkpoint",
+                 file.string(), name, bad, offset + first, first >= 0 ? v[first] : 0.0f);
 }
 
 }  // namespace moetrain

@@ -50,6 +50,12 @@ std::size_t safetensors_dtype_size(SafetensorsDType t);
 std::optional<SafetensorsDType> safetensors_dtype_from_name(std::string_view name);
 SafetensorsDType to_safetensors_dtype(DType t);
 
+// Weights read from `file` must be finite: a NaN or an infinity would load silently and surface
+// steps later as a diverged loss. Throws naming the file, the tensor, the first bad element and
+// how many there are. v holds elements [offset, offset + n) of the tensor.
+void check_finite_tensor(const float* v, int64_t n, const std::filesystem::path& file,
+                         const std::string& name, int64_t offset = 0);
+
 // The header may not exceed this (the reference implementation's limit): a length field is read
 // before anything is trusted, and a garbage one must not make us allocate gigabytes.
 constexpr uint64_t kSafetensorsMaxHeader = 100'000'000;

@@ -156,10 +156,19 @@ void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
     };
   h.bad_loss = [this](const LossParts& p) {
     return fmt::format(
-        "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. The last good "
-        "checkpoint is kept in {}/checkpoints; lower optim.lr or raise optim.warmup_steps",
-        step_ + 1, p.total, p.ce, p.aux, p.z, cfg_.run_dir);
+        "step {}: the loss is {} (cross-entropy {}, aux {}, z {}); stopping. {}; lower optim.lr "
+        "or raise optim.warmup_steps",
+        step_ + 1, p.total, p.ce, p.aux, p.z, last_checkpoint_note());
   };
+}
+
+// Where a stopped run can go back to: its newest checkpoint, when it wrote one.
+std::string StepEngine::last_checkpoint_note() const {
+  const std::filesystem::path dir = std::filesystem::path(cfg_.run_dir) / "checkpoints";
+  std::error_code ec;
+  if (std::filesystem::is_directory(dir, ec) && !std::filesystem::is_empty(dir, ec))
+    return fmt::format("The last good checkpoint is kept in {}", dir.string());
+  return fmt::format("No checkpoint was written yet (train.run_dir = {})", cfg_.run_dir);
 }
 
 StepEngine::Update StepEngine::update(float lr, const UpdateOptions& opts) {
@@ -234,7 +243,7 @@ StepResult StepEngine::end_step(Accumulated& acc, const Timer& step_timer, doubl
   if (reweight_ && cfg_.grad.expert_reweight == "utilisation")
     reweight_->set_loads(reduced_loads(*pg_->control, acc));
   opts.where = fmt::format("step {}", step_ + 1);
-  opts.advice = fmt::format("The last good checkpoint is kept in {}/checkpoints", cfg_.run_dir);
+  opts.advice = last_checkpoint_note();
   const double last_scale = opts.scaler ? opts.scaler->scale() : 1.0;
   const int64_t avg_bytes_before = averager_ ? averager_->bytes_sent() : 0;
   const Update up = update(static_cast<float>(r.lr), opts);

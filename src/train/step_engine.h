@@ -187,6 +187,7 @@ class StepEngine {
                       int64_t accuracy_rows);
   // Or, when a stop request abandoned the micro-batches: nothing changes.
   StepResult abandon_step(const Accumulated& acc);
+  std::string last_checkpoint_note() const;
   // reduce → check and clip → step → finish, on the host or on the resident device.
   struct Update {
     UpdateOutcome outcome;

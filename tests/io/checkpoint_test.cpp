@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <limits>
 #include <vector>
 
 #include "core/check.h"
@@ -370,4 +371,16 @@ TEST(Checkpoint, ACheckpointThatFailsToLoadFallsBackToThePreviousOne) {
   EXPECT_EQ(found, checkpoint_dir(tmp.path(), 5)) << log;
   EXPECT_NE(log.find("refusing checkpoint " + dir.string()), std::string::npos) << log;
   EXPECT_EQ(w, five.w);
+}
+
+// A checkpoint whose checksums pass but whose weights hold a NaN (written by a run that had
+// diverged, or by another tool) is refused by tensor as it loads.
+TEST(Checkpoint, NonFiniteValuesAreRefusedByTensor) {
+  TempDir tmp("ckpt_nan");
+  Tensors t(1.0f);
+  t.m_w[20] = std::numeric_limits<float>::infinity();
+  fs::path dir = write(tmp.path(), 1, t);
+  Tensors back(0.0f);
+  expect_error([&] { read_checkpoint_pieces(dir, back.share()); },
+               {"'m.w'", "1 non-finite", "element 20 is inf"});
 }

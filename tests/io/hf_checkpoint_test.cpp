@@ -2,6 +2,7 @@
 // cannot compute refused by name), and the tensor reader's checks on single and sharded files.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -222,4 +223,25 @@ TEST(HfTensors, ACheckpointWithAManifestIsNotAPlainDirectory) {
   EXPECT_TRUE(is_hf_model_dir(d.tmp.path()));
   write_file_atomic(d.tmp.path() / "manifest.json", "{}");
   EXPECT_FALSE(is_hf_model_dir(d.tmp.path()));
+}
+
+// A NaN or an infinity in the weights is refused as they load, naming the tensor, instead of
+// surfacing at the first step as a diverged loss.
+TEST(HfTensors, RefusesNonFiniteWeightsNamingTheTensor) {
+  Dir d;
+  std::vector<fp16> b16 = {fp16(1.0f), fp16(65504.0f * 2)};  // the second overflows to +inf
+  SafetensorsWriter w;
+  w.add("a.weight", SafetensorsDType::F32, {2, 3}, d.a.data());
+  w.add("b.weight", SafetensorsDType::F16, {2}, b16.data());
+  w.write(d.tmp.path() / "model.safetensors");
+  expect_error([&] { read_hf_tensors(d.tmp.path(), d.wanted()); },
+               {"model.safetensors", "tensor 'b.weight'", "1 non-finite", "element 1 is inf"});
+  std::vector<float> a = d.a;
+  a[4] = std::nanf("");
+  SafetensorsWriter w2;
+  w2.add("a.weight", SafetensorsDType::F32, {2, 3}, a.data());
+  w2.add("b.weight", SafetensorsDType::F32, {2}, d.b.data());
+  w2.write(d.tmp.path() / "model.safetensors");
+  expect_error([&] { read_hf_tensors(d.tmp.path(), d.wanted()); },
+               {"tensor 'a.weight'", "element 4 is nan"});
 }

@@ -406,9 +406,6 @@ TEST(PlanMeasured, CalibrationTimesTheConfigsKernelsAtItsShapes) {
       ASSERT_TRUE(s.has_value()) << kind << " not timed at its shape";
       EXPECT_TRUE(std::isfinite(*s) && *s > 0 && *s < 1) << kind << ": " << *s << " s";
     }
-    // More rows an expert cost more a call.
-    EXPECT_LT(*d->kernels.find("experts", {128, 256, 8, 1}),
-              *d->kernels.find("experts", {128, 256, 64, 1}));
   }
   // One process at the uniform load: each layer's 8 experts at 32 rows, as timed.
   DeviceModel d = cal.device;
