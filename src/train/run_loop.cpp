@@ -23,6 +23,9 @@ std::optional<std::filesystem::path> open_run(StepEngine& engine, const std::str
                                               MetricsWriter& metrics) {
   namespace fs = std::filesystem;
   Comm& control = engine.control();
+  // Ranks started with different settings stop before anything is created (every rank then
+  // starts at the engine's step; a resume below reads one checkpoint for all of them).
+  check_ranks_agree(control, identity.settings, identity.config_hash, engine.step_count());
   // Before anything in the run directory is read or written: a second run on it stops here.
   lock = lock_run_dir(run_dir, control);
   const bool has_earlier = !resume && fs::exists(fs::path(run_dir) / "checkpoints");
@@ -40,7 +43,6 @@ std::optional<std::filesystem::path> open_run(StepEngine& engine, const std::str
                          tensorboard);
   engine.set_metrics(&metrics);
   if (ckpt) log_info("resumed from {} at step {}", ckpt->string(), step);
-  check_ranks_agree(control, identity.settings, identity.config_hash, step);
   return ckpt;
 }
 

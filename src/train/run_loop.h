@@ -85,10 +85,10 @@ struct RunIdentity {
   uint64_t config_hash = 0;
 };
 
-// Collective, before the first step: locks the run directory (lock), resumes from its latest
-// complete checkpoint when `resume` (load reads it into the trainer) or starts fresh as `earlier`
-// says, opens rank 0's metrics (metrics, also given to the engine) and checks that the ranks
-// agree. Returns the checkpoint resumed from, if any.
+// Collective, before the first step: checks that the ranks agree (before anything is created),
+// locks the run directory (lock), resumes from its latest complete checkpoint when `resume` (load
+// reads it into the trainer) or starts fresh as `earlier` says, and opens rank 0's metrics
+// (metrics, also given to the engine). Returns the checkpoint resumed from, if any.
 std::optional<std::filesystem::path> open_run(StepEngine& engine, const std::string& run_dir,
                                               bool resume, EarlierRun earlier, bool tensorboard,
                                               const CheckpointLoad& load,
