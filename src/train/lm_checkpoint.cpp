@@ -8,6 +8,7 @@
 #include "core/log.h"
 #include "data/shard.h"
 #include "io/hf_checkpoint.h"
+#include "train/memory_estimate.h"
 #include "train/run_state.h"
 
 namespace fs = std::filesystem;
@@ -59,11 +60,34 @@ nlohmann::json lm_checkpoint_config(const RunConfig& cfg) {
   return hf;
 }
 
+namespace {
+
+// Refuses, before anything is allocated, a model that cannot fit here (a config.json of millions
+// of experts would otherwise allocate for a while and die of std::bad_alloc).
+void check_load_memory(const fs::path& dir, const RunConfig& c, bool hf) {
+  const ModelConfig& m = c.model;
+  const std::string remedy =
+      hf ? fmt::format("{}/config.json describes a model this large (hidden_size = {}, "
+                       "intermediate_size = {}, num_local_experts = {}, num_hidden_layers = {}, "
+                       "vocab_size = {}); load it where there is more memory",
+                       dir.string(), m.dim, m.expert_hidden, m.n_experts, m.n_layers,
+                       m.vocab_size)
+         : fmt::format("its configuration describes a model this large (model.dim = {}, "
+                       "model.expert_hidden = {}, model.n_experts = {}, model.n_layers = {}, "
+                       "model.vocab_size = {}); load it where there is more memory",
+                       m.dim, m.expert_hidden, m.n_experts, m.n_layers, m.vocab_size);
+  check_memory(estimate_inference_memory(m, c.train.batch_size, c.train.seq_len), 1,
+               fmt::format("loading {}", dir.string()), remedy);
+}
+
+}  // namespace
+
 LoadedModel load_model(const fs::path& dir) {
   LoadedModel out;
   if (is_hf_model_dir(dir)) {
     out.config.model = hf_model_config(dir);
     out.config.train.seq_len = std::min(out.config.train.seq_len, out.config.model.max_seq_len);
+    check_load_memory(dir, out.config, true);
     out.model = std::make_unique<Transformer>(out.config.model);
     read_hf_weights(dir, *out.model, out.params);
     // Nothing records the context a Hugging Face model was trained on but its position limit.
@@ -74,6 +98,7 @@ LoadedModel load_model(const fs::path& dir) {
   const fs::path ckpt = resolve_checkpoint(dir);
   bool has_seq_len = false;
   out.config = checkpoint_run_config(ckpt, &has_seq_len);
+  check_load_memory(ckpt, out.config, false);
   out.model = std::make_unique<Transformer>(out.config.model);
   out.step = read_weights(ckpt, *out.model, out.params);
   if (has_seq_len) {

@@ -88,6 +88,12 @@ MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch) {
   return from_counts(params, static_cast<double>(batch) * per_row, 0);
 }
 
+MemoryEstimate estimate_inference_memory(const ModelConfig& m, int64_t batch, int64_t seq_len) {
+  MemoryEstimate e = estimate_memory(m, batch, seq_len, 0);
+  e.gradients = e.optimizer = 0;
+  return e;
+}
+
 double available_memory(std::string* source) {
   double avail = -1;
   {
@@ -118,18 +124,21 @@ double available_memory(std::string* source) {
   return avail;
 }
 
-void check_memory(const MemoryEstimate& e, int processes, const std::string& what) {
+void check_memory(const MemoryEstimate& e, int processes, const std::string& what,
+                  const std::string& remedy) {
   std::string source;
   const double avail = available_memory(&source);
   if (avail < 0) return;  // nothing to compare with
   const double need = e.total() * static_cast<double>(std::max(processes, 1));
   MOETRAIN_CHECK(need <= avail,
-                 "{} needs about {} of memory{} ({}{}), more than the {} available ({}): make the "
-                 "model (model.n_layers, model.dim, model.n_experts, model.expert_hidden) or the "
-                 "batch (train.batch_size, train.seq_len) smaller",
-                 what, gib(need),
+                 "{} needs about {} of memory{} ({}{}), more than the {} available ({}): {}", what,
+                 gib(need),
                  processes > 1 ? fmt::format(" for {} processes on this machine", processes) : "",
-                 processes > 1 ? "each: " : "", e.breakdown(), gib(avail), source);
+                 processes > 1 ? "each: " : "", e.breakdown(), gib(avail), source,
+                 !remedy.empty() ? remedy
+                                 : "make the model (model.n_layers, model.dim, model.n_experts, "
+                                   "model.expert_hidden) or the batch (train.batch_size, "
+                                   "train.seq_len) smaller");
 }
 
 }  // namespace moetrain

@@ -26,13 +26,18 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                                int precision_bytes);
 MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch);
+// A loaded model that only runs forward (forward, eval, sample): its parameters and one batch's
+// activations; no gradients, moments or copies.
+MemoryEstimate estimate_inference_memory(const ModelConfig& m, int64_t batch, int64_t seq_len);
 
 // What this process may use: /proc/meminfo's MemAvailable, or the cgroup's memory.max less its
 // usage when lower. `source` says which. < 0 when neither can be read.
 double available_memory(std::string* source = nullptr);
 
 // Throws when `processes` processes of this estimate (the ones on this machine) exceed the
-// available memory, naming both figures and what the estimate counts.
-void check_memory(const MemoryEstimate& e, int processes, const std::string& what);
+// available memory, naming both figures and what the estimate counts. `remedy` says what to make
+// smaller (default: the model.* and train.* keys that size a run).
+void check_memory(const MemoryEstimate& e, int processes, const std::string& what,
+                  const std::string& remedy = {});
 
 }  // namespace moetrain

@@ -3,9 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "ft/ft_support.h"
+#include "io/safetensors.h"
 #include "support/temp_dir.h"
 #include "train/memory_estimate.h"
 
@@ -47,6 +51,45 @@ TEST(MemoryEstimate, AConfigThatCannotFitIsRefusedAtOnce) {
       run_moetrain({"train", "-c", cfg, "--set", "train.run_dir=" + (tmp / "ok").string()},
                    {{"OMP_NUM_THREADS", "1"}}, 60);
   EXPECT_EQ(ok.code, 0) << ok.output();
+}
+
+// forward, eval and sample on a Hugging Face directory whose config.json describes a model far
+// beyond this machine: refused within moments naming the config's size fields, instead of
+// allocating for seconds and dying of std::bad_alloc.
+TEST(MemoryEstimate, LoadingAModelThatCannotFitIsRefusedNamingItsSize) {
+  TempDir tmp("memory_load");
+  namespace fs = std::filesystem;
+  const fs::path dir = tmp / "huge";
+  fs::create_directories(dir);
+  const nlohmann::json config = {
+      {"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"},
+      {"hidden_act", "silu"}, {"hidden_size", 1024}, {"intermediate_size", 4096},
+      {"max_position_embeddings", 128}, {"num_attention_heads", 8},
+      {"num_experts_per_tok", 2}, {"num_hidden_layers", 4}, {"num_key_value_heads", 8},
+      {"num_local_experts", 4194304}, {"rms_norm_eps", 1e-6}, {"rope_theta", 10000.0},
+      {"tie_word_embeddings", false}, {"vocab_size", 256}};
+  std::ofstream(dir / "config.json") << config.dump();
+  const float one = 1;
+  SafetensorsWriter w;
+  w.add("model.norm.weight", SafetensorsDType::F32, {1}, &one);
+  w.write(dir / "model.safetensors");
+  const std::vector<std::vector<std::string>> commands = {
+      {"sample", "--checkpoint", dir.string(), "--prompt", "a"},
+      {"eval", "--checkpoint", dir.string()},
+      {"forward", "--checkpoint", dir.string(), "--input", "a", "--out",
+       (tmp / "out.safetensors").string()}};
+  for (const auto& args : commands) {
+    const auto start = std::chrono::steady_clock::now();
+    ProcessResult r = run_moetrain(args, {{"OMP_NUM_THREADS", "1"}}, 60);
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_NE(r.code, 0) << args[0] << "\n" << r.output();
+    EXPECT_LT(s, 5.0) << args[0] << "\n" << r.output();
+    for (const char* needle : {"loading", "needs about", "config.json describes a model this large",
+                               "num_local_experts = 4194304"})
+      EXPECT_NE(r.output().find(needle), std::string::npos) << args[0] << ": " << r.output();
+    EXPECT_EQ(r.output().find("bad_alloc"), std::string::npos) << r.output();
+  }
 }
 
 }  // namespace
