@@ -36,9 +36,10 @@ std::string Progress::render(const ProgressLine& p, int width) const {
   double done = static_cast<double>(p.step - first_step_);
   double elapsed = timer_.seconds();
   double eta = done > 0 ? elapsed / done * static_cast<double>(p.total - p.step) : -1;
-  std::string stats =
-      fmt::format(" loss {:.4f} | {:.0f} tok/s | lr {:.2e} | load max/mean {:.2f} | ETA {}", p.loss,
-                  p.tokens_per_s, p.lr, p.imbalance, format_eta(eta));
+  const std::string load =
+      p.imbalance > 0 ? fmt::format(" | load max/mean {:.2f}", p.imbalance) : std::string();
+  std::string stats = fmt::format(" loss {:.4f} | {:.0f} tok/s | lr {:.2e}{} | ETA {}", p.loss,
+                                  p.tokens_per_s, p.lr, load, format_eta(eta));
   std::string head = fmt::format("step {}/{} ", p.step, p.total);
   if (mode_ != ProgressMode::Bar) return head + stats.substr(1);
   int bar = std::max(10, std::min(30, width - static_cast<int>(head.size() + stats.size()) - 3));

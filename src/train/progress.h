@@ -19,7 +19,8 @@ struct ProgressLine {
   double loss = 0;
   double tokens_per_s = 0;
   double lr = 0;
-  double imbalance = 0;  // max / mean tokens per expert, averaged over MoE layers (1 = perfect)
+  // max / mean tokens per expert, averaged over MoE layers (1 = perfect); 0: not known (left out)
+  double imbalance = 0;
 };
 
 class Progress {

@@ -35,13 +35,14 @@ struct Job {
 };
 
 Job launch(const TempDir& tmp, const std::vector<std::string>& ps_args, int steps, int batch,
-           const std::string& run = "run") {
+           const std::string& run = "run", const std::vector<std::string>& sets = {}) {
   write_corpus(tmp / "data", 60000);
   std::vector<std::string> args = {"ps", "launch", "--timeout", "150"};
   args.insert(args.end(), ps_args.begin(), ps_args.end());
   args.insert(args.end(), {"--", "train"});
   for (const auto& s : as_set_args(tiny_ps_overrides(tmp / "data", tmp / run, steps, batch)))
     args.push_back(s);
+  for (const auto& s : as_set_args(sets)) args.push_back(s);
   Process p(args, tmp / (run + ".log"));
   Job j;
   j.code = p.wait(180);
@@ -254,8 +255,11 @@ TEST(PsJob, BadOptionsStopBeforeStarting) {
 // or one holding an earlier run without --resume, is refused before anything in it is written.
 TEST(PsJob, RunDirectoryIsLockedAndAnEarlierRunNeedsResume) {
   TempDir tmp("ps_lock");
-  Job first = launch(tmp, {}, 4, 2);
+  Job first = launch(tmp, {}, 4, 2, "run", {"train.progress=lines"});
   ASSERT_EQ(first.code, 0) << first.output;
+  // The job's progress, as `train` shows it: the first and the last step at least.
+  EXPECT_NE(first.output.find("step 1/4 loss "), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("step 4/4 loss "), std::string::npos) << first.output;
   const std::string metrics = read_file_bytes(tmp / "run" / "metrics.jsonl");
   Job again = launch(tmp, {}, 6, 2);
   EXPECT_NE(again.code, 0);
