@@ -22,10 +22,18 @@ NodeLink::NodeLink(zmq::context_t& ctx, const std::string& scheduler, const std:
   nlohmann::json body = extra.is_object() ? extra : nlohmann::json::object();
   body["role"] = role;
   body["pid"] = static_cast<int64_t>(::getpid());
+  const ClientHandshakes handshakes(ctx_, socket_);
   send(socket_, json_frame(Kind::Register, -1, body));
-  // The scheduler answers at once; silence means a wrong address or a dead scheduler.
+  // The scheduler answers at once; silence means a wrong address or a dead scheduler, and a
+  // refused handshake another key pair (or plaintext against keys).
   const auto start = Clock::now();
   for (;;) {
+    if (const std::string why = handshakes.refused(); !why.empty())
+      MOETRAIN_FAIL("the scheduler at {} refused the handshake ({}): {}", scheduler, why,
+                    curve_enabled() ? "is --keys this job's key pair, and does the scheduler "
+                                      "run with keys (not --insecure)?"
+                                    : "it runs with a job key pair: give this node --keys DIR "
+                                      "with the same pair instead of --insecure");
     zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
     poll_sockets(&item, 1, 100);
     if (auto in = try_receive(socket_, false, rejects_, "ps " + role)) {

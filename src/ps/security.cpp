@@ -8,6 +8,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -70,11 +71,65 @@ std::string peer_of(int fd) {
   return fmt::format("{}:{}", host, port);
 }
 
+// Refusals, logged without flooding: the first of an interval in full, the others of the
+// interval counted and summarised once it is over.
+class RefusalLog {
+ public:
+  explicit RefusalLog(std::string who, double interval_s = 10)
+      : who_(std::move(who)), interval_(interval_s) {}
+  void refused(const std::string& what) {
+    flush();
+    if (counted_ == 0 && !open_) {
+      log_warn("{}: refused {}", who_, what);
+      open_ = true;
+      start_ = Clock::now();
+    } else {
+      ++counted_;
+      latest_ = what;
+    }
+  }
+  // Ends the interval once it is over, with a line for what it counted.
+  void flush() {
+    if (!open_ || seconds_since(start_) < interval_) return;
+    if (counted_ > 0)
+      log_warn("{}: refused {} more peer(s) at the handshake in the last {:.0f} s (the latest: {})",
+               who_, counted_, seconds_since(start_), latest_);
+    open_ = false;
+    counted_ = 0;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static double seconds_since(Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  }
+  std::string who_, latest_;
+  double interval_;
+  bool open_ = false;
+  int64_t counted_ = 0;
+  Clock::time_point start_;
+};
+
+// Waits up to a second for `s` to have a message, flushing `log` meanwhile.
+bool wait_readable(zmq::socket_t& s, RefusalLog& log) {
+  zmq::pollitem_t item{s.handle(), 0, ZMQ_POLLIN, 0};
+  int n = 0;
+  try {
+    n = zmq::poll(&item, 1, std::chrono::milliseconds(1000));
+  } catch (const zmq::error_t& e) {
+    if (e.num() != EINTR) throw;
+  }
+  log.flush();
+  return n > 0;
+}
+
 // ZAP (RFC 27): admits a CURVE client only when its long-term public key is the job's. Runs
 // until the context terminates.
 void zap_loop(zmq::socket_t rep, std::array<uint8_t, 32> job_public) {
+  RefusalLog refusals("ps");
   try {
     for (;;) {
+      if (!wait_readable(rep, refusals)) continue;
       std::vector<zmq::message_t> req;
       do {
         req.emplace_back();
@@ -85,8 +140,9 @@ void zap_loop(zmq::socket_t rep, std::array<uint8_t, 32> job_public) {
       bool ok = mechanism == "CURVE" && req.size() >= 7 && req[6].size() == 32 &&
                 std::memcmp(req[6].data(), job_public.data(), 32) == 0;
       if (!ok)
-        log_warn("ps: refused a {} peer from {} at the handshake: {}", mechanism, address,
-                 mechanism == "CURVE" ? "its key is not the job key" : "not CURVE");
+        refusals.refused(fmt::format("a {} peer from {} at the handshake: {}", mechanism, address,
+                                     mechanism == "CURVE" ? "its key is not the job key"
+                                                          : "not CURVE"));
       rep.send(zmq::str_buffer("1.0"), zmq::send_flags::sndmore);
       rep.send(req[1], zmq::send_flags::sndmore);
       rep.send(zmq::buffer(std::string(ok ? "200" : "400")), zmq::send_flags::sndmore);
@@ -102,8 +158,10 @@ void zap_loop(zmq::socket_t rep, std::array<uint8_t, 32> job_public) {
 void monitor_loop(zmq::socket_t pair, std::string who) {
   std::map<int, std::string> peers;  // accepted fd -> address, while the connection lives
   std::string failed;                 // the last refusal, waiting for its connection's close
+  RefusalLog refusals(who);
   try {
     for (;;) {
+      if (!wait_readable(pair, refusals)) continue;
       zmq::message_t ev, addr;
       (void)pair.recv(ev);
       if (!ev.more()) continue;
@@ -128,8 +186,9 @@ void monitor_loop(zmq::socket_t pair, std::string who) {
         const std::string peer = peers.count(value) ? peers[value] : std::string();
         peers.erase(value);
         if (!failed.empty())
-          log_warn("{}: refused a peer {} on {} at the handshake: {}", who,
-                   peer.empty() ? "(address gone)" : peer, addr.to_string(), failed);
+          refusals.refused(fmt::format("a peer {} on {} at the handshake: {}",
+                                       peer.empty() ? "(address gone)" : peer, addr.to_string(),
+                                       failed));
         failed.clear();
       }
     }
@@ -230,6 +289,59 @@ void watch_handshakes(zmq::context_t& ctx, zmq::socket_t& s, const std::string& 
   pair.set(zmq::sockopt::linger, 0);
   pair.connect(ep);
   std::thread(monitor_loop, std::move(pair), who).detach();
+}
+
+struct ClientHandshakes::State {
+  mutable std::mutex mu;
+  std::string refused;
+  int closed = 0;        // connections closed at the handshake
+  bool succeeded = false;
+};
+
+ClientHandshakes::ClientHandshakes(zmq::context_t& ctx, zmq::socket_t& s)
+    : state_(std::make_shared<State>()) {
+  const std::string ep = fmt::format("inproc://moetrain-monitor-{}", g_monitors++);
+  const int events = ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED |
+                     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_MONITOR_STOPPED;
+  MOETRAIN_CHECK(zmq_socket_monitor(s.handle(), ep.c_str(), events) == 0,
+                 "cannot monitor a socket's handshakes: {}", zmq_strerror(zmq_errno()));
+  zmq::socket_t pair(ctx, zmq::socket_type::pair);
+  pair.set(zmq::sockopt::linger, 0);
+  pair.connect(ep);
+  std::thread([pair = std::move(pair), st = state_]() mutable {
+    try {
+      for (;;) {
+        zmq::message_t ev, addr;
+        (void)pair.recv(ev);
+        if (!ev.more()) continue;
+        (void)pair.recv(addr);
+        if (ev.size() < 6) continue;
+        uint16_t event;
+        int32_t value;
+        std::memcpy(&event, ev.data(), 2);
+        std::memcpy(&value, ev.data<char>() + 2, 4);
+        if (event == ZMQ_EVENT_MONITOR_STOPPED) return;
+        std::lock_guard lock(st->mu);
+        if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+          st->succeeded = true;
+        } else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+          st->refused = fmt::format("authentication refused (status {})", value);
+        } else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
+                   event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
+          st->refused = fmt::format("protocol error 0x{:x}", value);
+        } else if (event == ZMQ_EVENT_DISCONNECTED && !st->succeeded && ++st->closed >= 3) {
+          st->refused = "it closed the connection at the handshake 3 times";
+        }
+      }
+    } catch (const zmq::error_t&) {
+    }
+  }).detach();
+}
+
+std::string ClientHandshakes::refused() const {
+  std::lock_guard lock(state_->mu);
+  return state_->succeeded ? std::string() : state_->refused;
 }
 
 }  // namespace moetrain::ps

@@ -7,6 +7,7 @@
 #include <zmq.hpp>
 
 #include <filesystem>
+#include <memory>
 #include <string>
 
 namespace moetrain::ps {
@@ -36,8 +37,25 @@ bool curve_enabled();
 // Applies the choice to a socket before connect() / bind().
 void secure_client(zmq::socket_t& s);
 void secure_server(zmq::context_t& ctx, zmq::socket_t& s);
-// After bind(): logs every handshake this socket refuses (ZAP denial, plaintext peer, wrong
-// server key) with the peer's address where the kernel still knows it.
+// After bind(): logs the handshakes this socket refuses (ZAP denial, plaintext peer, wrong server
+// key) with the peer's address where the kernel still knows it: the first of every 10 s in full,
+// the others of those 10 s counted in one line, so a flood of bad connections cannot flood the
+// log.
 void watch_handshakes(zmq::context_t& ctx, zmq::socket_t& s, const std::string& who);
+
+// A connecting socket's view of its handshakes: whether the peer refused it (an explicit refusal,
+// or the connection closed at the handshake three times without one succeeding, which is what a
+// server with another key pair does).
+class ClientHandshakes {
+ public:
+  // Before connect().
+  ClientHandshakes(zmq::context_t& ctx, zmq::socket_t& s);
+  // Empty while nothing was refused; else what happened.
+  std::string refused() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
 
 }  // namespace moetrain::ps

@@ -8,6 +8,9 @@
 
 #include <functional>
 #include <future>
+#include <memory>
+#include <sstream>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -153,6 +156,74 @@ TEST(PsSecurity, InsecureJobAcceptsTheForgery) {
   ASSERT_EQ(f.answered.size(), 1u) << f.output;
   EXPECT_TRUE(f.answered[0]);
   EXPECT_NE(f.output.find(std::string("pid ") + kForgedPid), std::string::npos) << f.output;
+}
+
+// A keyed scheduler by itself, and its log.
+struct KeyedScheduler {
+  std::string endpoint;
+  std::unique_ptr<Process> process;
+  KeyedScheduler(const TempDir& tmp, const std::string& keys) {
+    process = std::make_unique<Process>(
+        std::vector<std::string>{"ps", "scheduler", "--keys", keys, "--scheduler",
+                                 "tcp://127.0.0.1:*", "--endpoint-file",
+                                 (tmp / "endpoint").string(), "--set", "optim.grad_clip=0",
+                                 "--set", "train.run_dir=" + (tmp / "run").string()},
+        tmp / "scheduler.log");
+    wait_for_file(tmp / "endpoint", 30);
+    std::ifstream(tmp / "endpoint") >> endpoint;
+  }
+};
+
+// A node with another key pair, or plaintext against a keyed job, stops at once saying the
+// handshake was refused, instead of waiting out its registration timeout.
+TEST(PsSecurity, APeerWithTheWrongKeysStopsAtOnceSayingSo) {
+  TempDir tmp("ps_wrong_keys");
+  Process({"ps", "keygen", (tmp / "ka").string()}, tmp / "ka.log").wait(30);
+  Process({"ps", "keygen", (tmp / "kb").string()}, tmp / "kb.log").wait(30);
+  KeyedScheduler sched(tmp, (tmp / "ka").string());
+  ASSERT_FALSE(sched.endpoint.empty()) << sched.process->output();
+  for (const std::vector<std::string>& security :
+       {std::vector<std::string>{"--keys", (tmp / "kb").string()},
+        std::vector<std::string>{"--insecure"}}) {
+    std::vector<std::string> args = {"ps", "worker", "--scheduler", sched.endpoint};
+    args.insert(args.end(), security.begin(), security.end());
+    Process w(args, tmp / "worker.log");
+    // Registration gives up after 30 s without an answer; the refusal is seen well before.
+    const int code = w.wait(15);
+    EXPECT_NE(code, -1) << security[0] << ": still waiting after 15 s";
+    EXPECT_NE(code, 0);
+    EXPECT_NE(w.output().find("refused the handshake"), std::string::npos) << w.output();
+  }
+}
+
+// Forty plaintext peers in a moment: the first refusal is logged in full, the rest in one line.
+TEST(PsSecurity, RefusedHandshakesAreSummarisedNotLoggedOneByOne) {
+  TempDir tmp("ps_refusal_log");
+  Process({"ps", "keygen", (tmp / "keys").string()}, tmp / "keys.log").wait(30);
+  KeyedScheduler sched(tmp, (tmp / "keys").string());
+  ASSERT_FALSE(sched.endpoint.empty()) << sched.process->output();
+  {
+    zmq::context_t ctx;
+    std::vector<zmq::socket_t> peers;
+    for (int i = 0; i < 40; ++i) {
+      peers.emplace_back(ctx, zmq::socket_type::dealer);
+      peers.back().set(zmq::sockopt::linger, 0);
+      peers.back().set(zmq::sockopt::reconnect_ivl, 100000);  // one attempt each
+      peers.back().connect(sched.endpoint);
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(10));  // the summary's interval ends
+  sched.process->kill(SIGTERM);
+  sched.process->wait(30);
+  const std::string log = sched.process->output();
+  int refusal_lines = 0;
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);)
+    refusal_lines += line.find("refused") != std::string::npos;
+  EXPECT_LE(refusal_lines, 4) << log;
+  EXPECT_NE(log.find("refused a peer 127.0.0.1"), std::string::npos) << log;
+  EXPECT_NE(log.find("more peer(s) at the handshake in the last"), std::string::npos) << log;
 }
 
 }  // namespace
