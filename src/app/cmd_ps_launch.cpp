@@ -280,8 +280,8 @@ int run_launch(const LaunchArgs& a) {
   // Validate everything before starting anything.
   TrainArgs t = parse_train_args(a.rest);
   RunConfig cfg = load_run_config(t.config, t.overrides);
-  ps::check_ps_run_config(cfg);
   a.opts.validate();
+  ps::check_ps_run_config(cfg, a.opts);
   const std::map<int64_t, std::string> slow = parse_slowdowns(a);
   MOETRAIN_CHECK(a.spare_servers >= 0 && a.spare_servers <= 64,
                  "--spare-servers {}: must be in 0..64", a.spare_servers);

@@ -116,7 +116,7 @@ std::vector<std::string> changed_dist_keys(const DistSettings& d) {
 
 }  // namespace
 
-void check_ps_run_config(const RunConfig& cfg) {
+void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
   cfg.validate();
   // A worker is one process holding a full replica: nothing of [dist] applies, and a setting that
   // would be ignored is refused rather than recorded as if it ran.
@@ -135,10 +135,11 @@ void check_ps_run_config(const RunConfig& cfg) {
                  "loss scale would have to be agreed by every worker at each step); set "
                  "train.precision = f32 or bf16",
                  precision_name(cfg.train.precision));
-  MOETRAIN_CHECK(cfg.optim.grad_clip == 0,
-                 "optim.grad_clip = {}: parameter-server mode does not clip by the global norm "
-                 "(the norm spans every server's shard); set --set optim.grad_clip=0",
-                 cfg.optim.grad_clip);
+  MOETRAIN_CHECK(cfg.optim.grad_clip == 0 || options.servers == 1,
+                 "optim.grad_clip = {} with --servers {}: the global norm spans every server's "
+                 "key range, which no server sees; clip with --servers 1 (its range is the whole "
+                 "gradient), or set --set optim.grad_clip=0",
+                 cfg.optim.grad_clip, options.servers);
   MOETRAIN_CHECK(cfg.model.router != RouterKind::SigmoidBias,
                  "model.router = sigmoid_bias: its bias update needs every worker's expert loads "
                  "at each step, which parameter-server mode does not gather; use topk_softmax, "

@@ -42,10 +42,11 @@ struct PsOptions {
   static PsOptions from_json(const nlohmann::json& j);  // validated
 };
 
-// The training settings that parameter-server mode cannot honour, refused with the reason:
-// global-norm clipping (the norm spans every server's shard) and the sigmoid_bias router (its
-// bias update needs every worker's expert loads at each step).
-void check_ps_run_config(const RunConfig& cfg);
+// The training settings that parameter-server mode cannot honour with these job options, refused
+// with the reason: global-norm clipping over more than one server (the norm spans every server's
+// range), the sigmoid_bias router (its bias update needs every worker's expert loads at each
+// step), and the others check_ps_run_config's body names.
+void check_ps_run_config(const RunConfig& cfg, const PsOptions& options);
 
 struct KeyRange {
   int64_t begin = 0;

@@ -19,8 +19,8 @@ namespace fs = std::filesystem;
 namespace moetrain::ps {
 
 Scheduler::Scheduler(const SchedulerArgs& a) : args_(a), router_(ctx_, zmq::socket_type::router) {
-  check_ps_run_config(args_.config);
   args_.options.validate();
+  check_ps_run_config(args_.config, args_.options);
   total_keys_ = ParamLayout(args_.config.model).size();
   global_rows_ = args_.options.workers * args_.config.train.batch_size;
   // Before anything in the run directory is written: another run writing it, or an earlier run

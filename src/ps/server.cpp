@@ -141,8 +141,8 @@ class Server {
     who_ = fmt::format("ps server {}", index_);
     kv_.set_name(who_);
     cfg_ = run_config_from_json(j.at("config"), "the scheduler's setup message");
-    check_ps_run_config(cfg_);
     opts_ = PsOptions::from_json(j.at("options"));
+    check_ps_run_config(cfg_, opts_);
     const nlohmann::json& r = j.at("ranges").at(static_cast<std::size_t>(index_));
     begin_ = r.at(0).get<int64_t>(), end_ = r.at(1).get<int64_t>();
     ParamLayout layout(cfg_.model);
@@ -174,7 +174,7 @@ class Server {
     KvServerHandlers h;
     h.update = [this](const UpdateInput& in, float* values) { return update(in, values); };
     h.replay = [this](float* sum, double lr, float* values) {
-      opt_->step(values, sum, static_cast<float>(lr));
+      step(sum, lr, values, "a replayed update");
     };
     h.save_state = [this] {
       RuleState st;
@@ -215,18 +215,23 @@ class Server {
   }
 
   // The update rule the store applies: one optimizer step with the summed gradient, through the
-  // one update step. No clipping here (grad_clip = 0): the global norm spans every server's key
-  // range, which no server sees, so check_ps_run_config refuses optim.grad_clip in this mode.
+  // one update step.
   double update(const UpdateInput& in, float* values) {
     const double lr = schedule_->lr(in.schedule_step);
-    FlatGradient grads(in.sum, in.n);
-    UpdateOptions o;
-    o.grad_clip = 0;
-    o.where = fmt::format("clock {}, keys [{}, {})", in.clock, begin_, end_);
-    o.advice = "Lower optim.lr or raise optim.warmup_steps";
-    if (!check_and_clip(grads, *comm_, o).skipped)
-      opt_->step(values, in.sum, static_cast<float>(lr));
+    step(in.sum, lr, values, fmt::format("clock {}", in.clock));
     return lr;
+  }
+
+  // The check, the clip and the step of one update; a backup replays its primary's update through
+  // it. optim.grad_clip clips by the norm of this server's range, which is the whole gradient:
+  // check_ps_run_config allows clipping with one server only.
+  void step(float* sum, double lr, float* values, const std::string& what) {
+    FlatGradient grads(sum, end_ - begin_);
+    UpdateOptions o;
+    o.grad_clip = cfg_.optim.grad_clip;
+    o.where = fmt::format("{}, keys [{}, {})", what, begin_, end_);
+    o.advice = "Lower optim.lr or raise optim.warmup_steps";
+    if (!check_and_clip(grads, *comm_, o).skipped) opt_->step(values, sum, static_cast<float>(lr));
   }
 
   void applied(const UpdateApplied& a) {

@@ -74,8 +74,8 @@ class Worker {
       if (in && in->header.kind_enum() == Kind::Setup) setup = in->json();
     }
     cfg_ = run_config_from_json(setup.at("config"), "the scheduler's setup message");
-    check_ps_run_config(cfg_);
     opts_ = PsOptions::from_json(setup.at("options"));
+    check_ps_run_config(cfg_, opts_);
     assign_ = assignment_of(setup, index_);
     init_threads(static_cast<int>(cfg_.train.threads));
     step_ = std::make_unique<WorkerStep>(cfg_, opts_, index_);

@@ -208,23 +208,27 @@ TEST(PsOptions, RejectBadValuesByName) {
   o.heartbeat_timeout = 0.1;
   expect_error([&] { o.validate(); }, "--heartbeat-timeout");
   RunConfig cfg;
-  expect_error([&] { check_ps_run_config(cfg); }, "optim.grad_clip");
+  PsOptions one, two;
+  two.servers = 2;
+  // Clipping by the global norm needs the whole gradient on one server.
+  expect_error([&] { check_ps_run_config(cfg, two); }, "optim.grad_clip = 1 with --servers 2");
+  check_ps_run_config(cfg, one);
   cfg.optim.grad_clip = 0;
   cfg.model.capacity = CapacityMode::Dynamic;
   cfg.model.capacity_factor = 1.0;
-  expect_error([&] { check_ps_run_config(cfg); }, "model.capacity = dynamic");
+  expect_error([&] { check_ps_run_config(cfg, two); }, "model.capacity = dynamic");
   cfg.model.capacity = CapacityMode::Fixed;
   cfg.grad.sparse_experts = true;
-  expect_error([&] { check_ps_run_config(cfg); }, "grad.sparse_experts = true");
+  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.sparse_experts = true");
   cfg.grad.sparse_experts = false;
   cfg.grad.expert_reweight = "grad_norm";
-  expect_error([&] { check_ps_run_config(cfg); }, "grad.expert_reweight = grad_norm");
+  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.expert_reweight = grad_norm");
   cfg.grad.expert_reweight = "none";
-  check_ps_run_config(cfg);
+  check_ps_run_config(cfg, two);
   // Settings a worker would ignore are refused by key, each named with its value.
   cfg.dist.ep = 2;
   cfg.dist.zero = 1;
-  expect_error([&] { check_ps_run_config(cfg); }, "dist.ep = 2, dist.zero = 1: parameter-server");
+  expect_error([&] { check_ps_run_config(cfg, two); }, "dist.ep = 2, dist.zero = 1: parameter-server");
   cfg.dist = {};
   for (const char* set : {"dist.sync=\"params\"", "dist.grad_reduce_dtype=\"bf16\"",
                           "dist.a2a_chunks=2", "dist.hierarchical=true"}) {
@@ -233,14 +237,14 @@ TEST(PsOptions, RejectBadValuesByName) {
     add_dist_fields(fields, c.dist);
     ConfigSchema(fields).apply_overrides({set});
     const std::string key = std::string(set).substr(0, std::string(set).find('='));
-    expect_error([&] { check_ps_run_config(c); }, (key + " = ").c_str());
+    expect_error([&] { check_ps_run_config(c, two); }, (key + " = ").c_str());
   }
   cfg.train.precision = Precision::FP16;
-  expect_error([&] { check_ps_run_config(cfg); }, "train.precision = fp16");
+  expect_error([&] { check_ps_run_config(cfg, two); }, "train.precision = fp16");
   cfg.train.precision = Precision::BF16;
-  check_ps_run_config(cfg);
+  check_ps_run_config(cfg, two);
   cfg.train.device = "cuda";
-  expect_error([&] { check_ps_run_config(cfg); }, "train.device = cuda");
+  expect_error([&] { check_ps_run_config(cfg, two); }, "train.device = cuda");
 }
 
 // The AVX2 int8 kernels give the scalar kernels' bits: amax, codes and residuals, on blocks of

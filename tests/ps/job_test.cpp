@@ -97,6 +97,31 @@ TEST(PsJob, SyncEqualsSingleProcess) {
   EXPECT_NE(job.output.find("pushes:"), std::string::npos) << job.output;
 }
 
+// With one server, whose range is the whole gradient, optim.grad_clip clips by the global norm
+// as the single-process run does (a small threshold, so that most steps clip).
+TEST(PsJob, OneServerClipsByTheGlobalNormLikeTheSingleProcessRun) {
+  TempDir tmp("ps_clip");
+  const int steps = 12, W = 2, B = 2;
+  Job job = launch(tmp, {"--servers", "1", "--workers", "2"}, steps, B, "run",
+                   {"optim.grad_clip=0.05"});
+  ASSERT_EQ(job.code, 0) << job.output;
+  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
+  sets.push_back("optim.grad_clip=0.05");
+  RunConfig ref = load_run_config("", sets);
+  {
+    Trainer t(ref, false);
+    t.run();
+  }
+  int clipped = 0;
+  for (const auto& j : read_metrics(tmp / "ref"))
+    if (j.contains("grad_norm")) clipped += j["grad_norm"].get<double>() > 0.05;
+  EXPECT_GE(clipped, steps / 2) << "the threshold should clip most steps";
+  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
+  for (auto [step, loss] : b)
+    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+}
+
 // Random bytes, truncated frames, a wrong version, a huge declared size, a multi-frame message:
 // each is rejected, the server answers the next good request, and the job completes.
 TEST(PsJob, ServerSurvivesBadMessages) {
@@ -232,11 +257,12 @@ TEST(PsJob, BadOptionsStopBeforeStarting) {
   Job b = launch(tmp, {"--workers", "2"}, 5, 2, "clip");
   EXPECT_EQ(b.code, 0) << b.output;  // the defaults are fine
   write_corpus(tmp / "data", 60000);
-  Process c({"ps", "launch", "--", "train", "--set", "optim.grad_clip=1", "--set",
-             "train.run_dir=" + (tmp / "c").string()},
+  Process c({"ps", "launch", "--servers", "2", "--", "train", "--set", "optim.grad_clip=1",
+             "--set", "train.run_dir=" + (tmp / "c").string()},
             tmp / "c.log");
   EXPECT_NE(c.wait(60), 0);
-  EXPECT_NE(c.output().find("optim.grad_clip"), std::string::npos) << c.output();
+  EXPECT_NE(c.output().find("optim.grad_clip = 1 with --servers 2"), std::string::npos)
+      << c.output();
   // A setting a worker would ignore, given as --set, is refused as its flag form is.
   Process e({"ps", "launch", "--", "train", "--set", "optim.grad_clip=0", "--set", "dist.ep=2",
              "--set", "train.run_dir=" + (tmp / "e").string()},
