@@ -213,7 +213,11 @@ TEST(PsSecurity, RefusedHandshakesAreSummarisedNotLoggedOneByOne) {
     }
     std::this_thread::sleep_for(std::chrono::seconds(2));
   }
-  std::this_thread::sleep_for(std::chrono::seconds(10));  // the summary's interval ends
+  // The summary comes once the first refusal's 10 s are over.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(40);
+  while (sched.process->output().find("more peer(s)") == std::string::npos &&
+         std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   sched.process->kill(SIGTERM);
   sched.process->wait(30);
   const std::string log = sched.process->output();
@@ -222,7 +226,7 @@ TEST(PsSecurity, RefusedHandshakesAreSummarisedNotLoggedOneByOne) {
   for (std::string line; std::getline(in, line);)
     refusal_lines += line.find("refused") != std::string::npos;
   EXPECT_LE(refusal_lines, 4) << log;
-  EXPECT_NE(log.find("refused a peer 127.0.0.1"), std::string::npos) << log;
+  EXPECT_NE(log.find("refused a peer "), std::string::npos) << log;
   EXPECT_NE(log.find("more peer(s) at the handshake in the last"), std::string::npos) << log;
 }
 
