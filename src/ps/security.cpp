@@ -155,6 +155,40 @@ void zap_loop(zmq::socket_t rep, std::array<uint8_t, 32> job_public) {
   }
 }
 
+// One event of a socket monitor (zmq_socket_monitor's two frames), or nothing when the frames
+// are not one.
+struct MonitorEvent {
+  uint16_t event = 0;
+  int32_t value = 0;
+  std::string address;
+};
+std::optional<MonitorEvent> read_event(zmq::socket_t& pair) {
+  zmq::message_t ev, addr;
+  (void)pair.recv(ev);
+  if (!ev.more()) return std::nullopt;
+  (void)pair.recv(addr);
+  if (ev.size() < 6) return std::nullopt;
+  MonitorEvent e;
+  std::memcpy(&e.event, ev.data(), 2);
+  std::memcpy(&e.value, ev.data<char>() + 2, 4);
+  e.address = addr.to_string();
+  return e;
+}
+
+std::atomic<int> g_monitors{0};
+
+// Starts monitoring `s` for `events`; returns the socket the events arrive on.
+zmq::socket_t monitor_socket(zmq::context_t& ctx, zmq::socket_t& s, int events) {
+  const std::string ep = fmt::format("inproc://moetrain-monitor-{}", g_monitors++);
+  MOETRAIN_CHECK(zmq_socket_monitor(s.handle(), ep.c_str(), events | ZMQ_EVENT_MONITOR_STOPPED) ==
+                     0,
+                 "cannot monitor a socket's handshakes: {}", zmq_strerror(zmq_errno()));
+  zmq::socket_t pair(ctx, zmq::socket_type::pair);
+  pair.set(zmq::sockopt::linger, 0);
+  pair.connect(ep);
+  return pair;
+}
+
 void monitor_loop(zmq::socket_t pair, std::string who) {
   std::map<int, std::string> peers;  // accepted fd -> address, while the connection lives
   std::string failed;                 // the last refusal, waiting for its connection's close
@@ -162,15 +196,10 @@ void monitor_loop(zmq::socket_t pair, std::string who) {
   try {
     for (;;) {
       if (!wait_readable(pair, refusals)) continue;
-      zmq::message_t ev, addr;
-      (void)pair.recv(ev);
-      if (!ev.more()) continue;
-      (void)pair.recv(addr);
-      if (ev.size() < 6) continue;
-      uint16_t event;
-      int32_t value;
-      std::memcpy(&event, ev.data(), 2);
-      std::memcpy(&value, ev.data<char>() + 2, 4);
+      const std::optional<MonitorEvent> e = read_event(pair);
+      if (!e) continue;
+      const uint16_t event = e->event;
+      const int32_t value = e->value;
       if (event == ZMQ_EVENT_MONITOR_STOPPED) return;
       if (event == ZMQ_EVENT_ACCEPTED) {
         peers[value] = peer_of(value);
@@ -187,7 +216,7 @@ void monitor_loop(zmq::socket_t pair, std::string who) {
         peers.erase(value);
         if (!failed.empty())
           refusals.refused(fmt::format("a peer {} on {} at the handshake: {}",
-                                       peer.empty() ? "(address gone)" : peer, addr.to_string(),
+                                       peer.empty() ? "(address gone)" : peer, e->address,
                                        failed));
         failed.clear();
       }
@@ -195,8 +224,6 @@ void monitor_loop(zmq::socket_t pair, std::string who) {
   } catch (const zmq::error_t&) {
   }
 }
-
-std::atomic<int> g_monitors{0};
 
 }  // namespace
 
@@ -279,15 +306,11 @@ void secure_server(zmq::context_t& ctx, zmq::socket_t& s) {
 }
 
 void watch_handshakes(zmq::context_t& ctx, zmq::socket_t& s, const std::string& who) {
-  const std::string ep = fmt::format("inproc://moetrain-monitor-{}", g_monitors++);
-  const int events = ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED |
-                     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_MONITOR_STOPPED;
-  MOETRAIN_CHECK(zmq_socket_monitor(s.handle(), ep.c_str(), events) == 0,
-                 "cannot monitor the socket of {}: {}", who, zmq_strerror(zmq_errno()));
-  zmq::socket_t pair(ctx, zmq::socket_type::pair);
-  pair.set(zmq::sockopt::linger, 0);
-  pair.connect(ep);
+  zmq::socket_t pair =
+      monitor_socket(ctx, s,
+                     ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED |
+                         ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                         ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH);
   std::thread(monitor_loop, std::move(pair), who).detach();
 }
 
@@ -300,27 +323,18 @@ struct ClientHandshakes::State {
 
 ClientHandshakes::ClientHandshakes(zmq::context_t& ctx, zmq::socket_t& s)
     : state_(std::make_shared<State>()) {
-  const std::string ep = fmt::format("inproc://moetrain-monitor-{}", g_monitors++);
-  const int events = ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED |
-                     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_MONITOR_STOPPED;
-  MOETRAIN_CHECK(zmq_socket_monitor(s.handle(), ep.c_str(), events) == 0,
-                 "cannot monitor a socket's handshakes: {}", zmq_strerror(zmq_errno()));
-  zmq::socket_t pair(ctx, zmq::socket_type::pair);
-  pair.set(zmq::sockopt::linger, 0);
-  pair.connect(ep);
+  zmq::socket_t pair = monitor_socket(
+      ctx, s,
+      ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED |
+          ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+          ZMQ_EVENT_HANDSHAKE_FAILED_AUTH);
   std::thread([pair = std::move(pair), st = state_]() mutable {
     try {
       for (;;) {
-        zmq::message_t ev, addr;
-        (void)pair.recv(ev);
-        if (!ev.more()) continue;
-        (void)pair.recv(addr);
-        if (ev.size() < 6) continue;
-        uint16_t event;
-        int32_t value;
-        std::memcpy(&event, ev.data(), 2);
-        std::memcpy(&value, ev.data<char>() + 2, 4);
+        const std::optional<MonitorEvent> e = read_event(pair);
+        if (!e) continue;
+        const uint16_t event = e->event;
+        const int32_t value = e->value;
         if (event == ZMQ_EVENT_MONITOR_STOPPED) return;
         std::lock_guard lock(st->mu);
         if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
