@@ -46,4 +46,11 @@ std::shared_ptr<ConfigFlagValues> add_config_flags(CLI::App* cmd,
   return values;
 }
 
+CLI::Option* add_mpi_arg_option(CLI::App* cmd, std::vector<std::string>& into) {
+  // `=` keeps CLI11 from reading a word that starts with dashes as an option of ours.
+  return cmd->add_option("--mpi-arg", into,
+                         "An argument for mpirun, repeatable, written with '=': "
+                         "--mpi-arg=--allow-run-as-root");
+}
+
 }  // namespace moetrain::app

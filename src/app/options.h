@@ -44,4 +44,8 @@ class ConfigFlagValues {
 std::shared_ptr<ConfigFlagValues> add_config_flags(CLI::App* cmd,
                                                    std::span<const ConfigFlag> flags);
 
+// --mpi-arg, repeatable: words passed to mpirun as they are, for the commands that run it
+// (launch, plan --calibrate): --mpi-arg=--allow-run-as-root, --mpi-arg=--oversubscribe.
+CLI::Option* add_mpi_arg_option(CLI::App* cmd, std::vector<std::string>& into);
+
 }  // namespace moetrain::app
