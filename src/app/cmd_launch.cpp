@@ -15,6 +15,7 @@
 
 #include "app/checks.h"
 #include "app/commands.h"
+#include "app/dist_options.h"
 #include "app/options.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
@@ -176,6 +177,8 @@ Run add_launch_command(CLI::App& app) {
     std::vector<std::string> sets;
     if (train->get_option("--set")->count() > 0)
       sets = train->get_option("--set")->as<std::vector<std::string>>();
+    // The flags that set keys too (--run-dir moves the run directory).
+    sets = given_config_flags(*train, train_config_flags(), sets);
     const RunConfig cfg = load_run_config(train->get_option("--config")->as<std::string>(), sets);
     const fs::path run_dir = cfg.train.run_dir;
 

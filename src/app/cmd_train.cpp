@@ -18,14 +18,13 @@
 
 namespace moetrain::app {
 
-namespace {
-
 using Kind = ConfigFlag::Kind;
 
-// train's options that set configuration keys: the shared [dist] ones, then the precision.
 const std::vector<ConfigFlag>& train_config_flags() {
   static const std::vector<ConfigFlag> flags = [] {
-    std::vector<ConfigFlag> f = dist_config_flags();
+    std::vector<ConfigFlag> f = run_config_flags();
+    const std::vector<ConfigFlag>& dist = dist_config_flags();
+    f.insert(f.end(), dist.begin(), dist.end());
     // Checked with the rest of the configuration, which names the key and the allowed values.
     f.push_back({.name = "--precision",
                  .kind = Kind::Text,
@@ -43,8 +42,6 @@ const std::vector<ConfigFlag>& train_config_flags() {
   }();
   return flags;
 }
-
-}  // namespace
 
 Run add_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "Train a model from a TOML config");

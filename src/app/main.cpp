@@ -50,10 +50,27 @@ std::string unknown_options(const CLI::App& app) {
   return out + fmt::format(" (see {} --help)", path);
 }
 
+// Keeps the captured defaults --help shows only where they say something: not for lists, empty
+// texts or required options, nor where the help text says the default itself ("default: the
+// run's train.eval_batches"), whose stored value only stands for "not given".
+void show_defaults(CLI::App& app) {
+  for (CLI::App* sub : app.get_subcommands({})) {
+    for (CLI::Option* opt : sub->get_options()) {
+      const std::string& d = opt->get_default_str();
+      if (d == "[]" || d.empty() || opt->get_required() ||
+          opt->get_description().find("default") != std::string::npos)
+        opt->default_str("");
+    }
+    show_defaults(*sub);
+  }
+}
+
 int run_command(int argc, char** argv) {
   CLI::App app{"moetrain: trains Mixture-of-Experts models on CPUs, across processes and machines"};
   app.require_subcommand(1);
   app.set_version_flag("--version", MOETRAIN_VERSION);
+  // Every --help shows the default of each option that has one.
+  app.option_defaults()->always_capture_default();
 
   std::map<CLI::App*, moetrain::app::Run> runs;
   auto add = [&](moetrain::app::Run run) { runs[app.get_subcommands({}).back()] = std::move(run); };
@@ -71,6 +88,7 @@ int run_command(int argc, char** argv) {
 #ifdef MOETRAIN_WITH_ZMQ
   add(moetrain::app::add_ps_command(app));
 #endif
+  show_defaults(app);
 
   try {
     app.parse(argc, argv);

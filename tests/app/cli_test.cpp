@@ -282,6 +282,44 @@ TEST(Cli, ConfigListPrintsEveryKeyWithTypeDefaultAndHelp) {
       << bad.output;
 }
 
+// The common settings as flags of their own, on train and classify; every --help shows the
+// defaults.
+TEST(Cli, CommonFlagsSetTheirKeysAndHelpShowsDefaults) {
+  moetrain::testing::TempDir tmp("cli_flags");
+  Result r =
+      run("train --dry-run --config " + std::string(MOETRAIN_SOURCE_DIR) +
+          "/configs/tiny.toml --steps 7 --lr 0.01 --threads 1 --run-dir " + (tmp / "r").string());
+  EXPECT_EQ(r.code, 0) << r.output;
+  for (const std::string& part :
+       std::vector<std::string>{"\"steps\": 7", "\"lr\": 0.01", "\"threads\": 1",
+                                "\"run_dir\": \"" + (tmp / "r").string() + "\""})
+    EXPECT_NE(r.output.find(part), std::string::npos) << part << "\n" << r.output;
+  for (const char* cmd : {"train", "classify"}) {
+    Result help = run(std::string(cmd) + " --help");
+    EXPECT_EQ(help.code, 0) << help.output;
+    for (const char* flag : {"--run-dir", "--steps", "--lr", "--threads"})
+      EXPECT_NE(help.output.find(flag), std::string::npos) << cmd << " " << flag;
+    EXPECT_NE(help.output.find("[default: the config's train.steps]"), std::string::npos)
+        << help.output;
+  }
+  // A mistyped one is named with the nearest, and its value is not taken for another mistake.
+  Result typo = run("train --config x.toml --stepz 5");
+  EXPECT_EQ(typo.code, 2) << typo.output;
+  EXPECT_NE(typo.output.find("moetrain train: unknown option '--stepz'; did you mean '--steps'?"),
+            std::string::npos)
+      << typo.output;
+  EXPECT_EQ(typo.output.find("'5'"), std::string::npos) << typo.output;
+  Result bad = run("classify --config x.toml --steps -3");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--steps"), std::string::npos) << bad.output;
+  Result launch = run("launch --help");
+  EXPECT_NE(launch.output.find("=3"), std::string::npos) << launch.output;   // --max-restarts
+  EXPECT_EQ(launch.output.find("=[]"), std::string::npos) << launch.output;  // lists have none
+  EXPECT_EQ(launch.output.find("INT=0 REQUIRED"), std::string::npos) << launch.output;
+  Result sample = run("sample --help");
+  EXPECT_NE(sample.output.find("=0.8"), std::string::npos) << sample.output;  // --temperature
+}
+
 // --dry-run validates and prints the configuration without training: nothing is written, and a
 // bad key fails exactly as a real run would.
 TEST(Cli, TrainDryRunPrintsWhatDiffersUnlessAll) {

@@ -195,6 +195,22 @@ TEST(Launch, AnMpirunRefusalStopsAtOnceWithItsReason) {
   EXPECT_EQ(allowed.code, 0) << allowed.output();
 }
 
+// train's flags that set keys count for launch too: --run-dir moves where it keeps its record.
+TEST(Launch, TrainFlagsThatSetKeysAreHonoured) {
+  TempDir tmp("launch_flags_keys");
+  const std::string config = write_tiny_run(tmp.path(), 4, 2).string();
+  const auto fake = tmp.write("fake-mpirun", "#!/bin/sh\nexit 3\n");
+  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  const std::string moved = (tmp / "moved").string();
+  ProcessResult r = run_moetrain({"launch", "-n", "2", "--max-restarts", "0", "--mpirun",
+                                  fake.string(), "--", "train", "-c", config, "--run-dir", moved},
+                                 mpi_env(), 25);
+  EXPECT_EQ(r.code, 1) << r.output();
+  EXPECT_TRUE(
+      std::filesystem::exists(std::filesystem::path(moved) / kRoleMetricsDir / "launcher.jsonl"))
+      << r.output();
+}
+
 TEST(Launch, MpirunRefusalsAreTold) {
   EXPECT_EQ(mpirun_refusal("rank 1 died\n"), "");
   EXPECT_TRUE(has(mpirun_refusal("mpirun: Error: unknown option \"--bogus\"\nType 'mpirun --help'"),
