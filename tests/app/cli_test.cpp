@@ -322,6 +322,26 @@ TEST(Cli, CommonFlagsSetTheirKeysAndHelpShowsDefaults) {
 
 // --dry-run validates and prints the configuration without training: nothing is written, and a
 // bad key fails exactly as a real run would.
+// `make demo` trains configs/demo.toml as it is (scripts/demo.sh adds no setting), and that is
+// the model of configs/tiny.toml.
+TEST(Cli, TheDemoIsItsOwnConfigWithTinysModel) {
+  const std::string dir = std::string(MOETRAIN_SOURCE_DIR);
+  Result demo = run("train --dry-run --all --config " + dir + "/configs/demo.toml");
+  Result tiny = run("train --dry-run --all --config " + dir + "/configs/tiny.toml");
+  ASSERT_EQ(demo.code, 0) << demo.output;
+  ASSERT_EQ(tiny.code, 0) << tiny.output;
+  const auto model = [](const std::string& json) {
+    const std::size_t at = json.find("\"model\": {");
+    return json.substr(at, json.find('}', at) - at);
+  };
+  EXPECT_EQ(model(demo.output), model(tiny.output));
+  std::ifstream script(dir + "/scripts/demo.sh");
+  const std::string text((std::istreambuf_iterator<char>(script)), {});
+  EXPECT_NE(text.find("train --config configs/demo.toml --resume ${DEMO_ARGS:-}\n"),
+            std::string::npos);
+  EXPECT_EQ(text.find("--set"), std::string::npos) << "demo.sh overrides settings again";
+}
+
 TEST(Cli, TrainDryRunPrintsWhatDiffersUnlessAll) {
   const std::string base =
       "train --dry-run --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
