@@ -26,7 +26,13 @@ Run add_classify_command(CLI::App& app) {
                   "Override a config key: --set train.steps=500 (repeatable)");
   cmd->add_flag("--resume", args->resume,
                 "Continue from the run directory's latest complete checkpoint");
-  auto flags = add_config_flags(cmd, dist_config_flags());
+  static const std::vector<ConfigFlag> config_flags = [] {
+    std::vector<ConfigFlag> f = run_config_flags();
+    const std::vector<ConfigFlag>& dist = dist_config_flags();
+    f.insert(f.end(), dist.begin(), dist.end());
+    return f;
+  }();
+  auto flags = add_config_flags(cmd, config_flags);
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);
     ClassifierRunConfig cfg = load_classifier_config(args->config, overrides);

@@ -15,6 +15,8 @@
 
 #include "app/checks.h"
 #include "app/commands.h"
+#include "app/dist_options.h"
+#include "app/options.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
 #include "parallel/runtime.h"
@@ -91,11 +93,10 @@ Run add_launch_command(CLI::App& app) {
   cmd->allow_extras();
   cmd->add_option("command", args->command, "-- then the moetrain command to run: train ...");
   cmd->add_option("-n,--np", args->procs, "Processes to run (mpirun -n)")->required();
-  cmd->add_option("--max-restarts", args->max_restarts,
-                  "Restarts after a failure before giving up (default 3)")
+  cmd->add_option("--max-restarts", args->max_restarts, "Restarts after a failure before giving up")
       ->check(integer_in(0, std::numeric_limits<int>::max()));
   cmd->add_option("--backoff", args->backoff,
-                  "Seconds before the first restart, doubled for each further one (default 2)")
+                  "Seconds before the first restart, doubled for each further one")
       ->check(number_at_least(0));
   cmd->add_option("--hostfile", args->hostfile,
                   "Open MPI hostfile (lines 'host slots=N'), passed to mpirun and re-read before "
@@ -103,14 +104,12 @@ Run add_launch_command(CLI::App& app) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--min-procs", args->min_procs,
                   "Elastic: when fewer slots than -n are available (hostfile, else this machine's "
-                  "processors), run on as few as this many")
+                  "processors), run on as few as this many (default: off)")
       ->check(integer_in(1, std::numeric_limits<int>::max()));
-  cmd->add_option("--mpirun", args->mpirun, "The MPI launcher (default: mpirun from PATH)");
-  cmd->add_option("--mpi-arg", args->mpi_args,
-                  "An argument for mpirun, repeatable: --mpi-arg=--oversubscribe");
+  cmd->add_option("--mpirun", args->mpirun, "The MPI launcher (a name is looked up in PATH)");
+  add_mpi_arg_option(cmd, args->mpi_args);
   cmd->add_option("--grace", args->grace,
-                  "After SIGINT/SIGTERM: seconds the job has to end before it is killed "
-                  "(default 10)")
+                  "After SIGINT/SIGTERM: seconds the job has to end before it is killed")
       ->check(number_at_least(0));
   return [args] {
     if (dist_mpi_active())
@@ -178,6 +177,8 @@ Run add_launch_command(CLI::App& app) {
     std::vector<std::string> sets;
     if (train->get_option("--set")->count() > 0)
       sets = train->get_option("--set")->as<std::vector<std::string>>();
+    // The flags that set keys too (--run-dir moves the run directory).
+    sets = given_config_flags(*train, train_config_flags(), sets);
     const RunConfig cfg = load_run_config(train->get_option("--config")->as<std::string>(), sets);
     const fs::path run_dir = cfg.train.run_dir;
 

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "app/commands.h"
+#include "app/options.h"
 #include "core/check.h"
 #include "core/threads.h"
 #include "model/params.h"
@@ -57,7 +58,7 @@ Run add_plan_command(CLI::App& app) {
   struct Args {
     bool calibrate = false;
     std::string out, config, cluster, profile, load = "uniform";
-    std::vector<std::string> overrides, sweep;
+    std::vector<std::string> overrides, sweep, mpi_args;
     int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0;
     bool no_bf16 = false, calibrate_comm = false;
     std::string comm_procs = "auto";
@@ -75,6 +76,10 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--comm-procs", args->comm_procs,
                   "With --calibrate: measure the collectives under mpirun with these process "
                   "counts (2,4; 0 = not at all; default auto = this machine's cores)");
+  add_mpi_arg_option(cmd, args->mpi_args)
+      ->description(
+          "With --calibrate: an argument for the mpirun that measures the collectives, "
+          "repeatable, written with '=': --mpi-arg=--allow-run-as-root");
   // Internal: what --calibrate runs under mpirun.
   cmd->add_flag("--calibrate-comm", args->calibrate_comm)->group("");
   cmd->add_option("--grad-bytes", args->grad_bytes)->group("");
@@ -103,7 +108,7 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_flag("--ablation", args->ablation,
                 "Baseline, + balancing, + communication, + gradients, all (docs/plan.md)");
   cmd->add_option("--ablation-zipf", args->ablation_zipf,
-                  "Zipf exponent of the ablation's unbalanced load (default 1.0)")
+                  "Zipf exponent of the ablation's unbalanced load")
       ->check(CLI::Range(0.0, 10.0));
   cmd->add_option("--sweep", args->sweep,
                   "Predict several layouts: procs=16,32,64, tp=1,2, pp=1,4, ep=1,2,4 or "
@@ -137,7 +142,7 @@ Run add_plan_command(CLI::App& app) {
           grad = static_cast<int64_t>(4 * ParamLayout(m).size());
           a2a = cfg->train.batch_size * cfg->train.seq_len * m.top_k * m.dim * 4 * (P - 1) / P;
         }
-        comm.push_back(plan::calibrate_comm(P, grad, a2a));
+        comm.push_back(plan::calibrate_comm(P, grad, a2a, args->mpi_args));
       }
       plan::save_profile(cal.device, cal.single_thread, cal.intra_node_bandwidth,
                          cal.intra_node_latency, comm, args->out);

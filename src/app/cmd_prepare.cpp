@@ -23,9 +23,9 @@ Run add_prepare_command(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("--input", args->inputs,
-                  "Text files or directories (read recursively, sorted by path; symlinks, *.dat "
-                  "and binary files "
-                  "are skipped)")
+                  "Text files or directories (read recursively, sorted by path) in any encoding: "
+                  "tokens are bytes; symlinks, *.dat and binary files (a NUL byte) are skipped "
+                  "and counted")
       ->required();
   cmd->add_option("--out", args->out, "Output directory (created if missing)")->required();
   cmd->add_option(

@@ -18,14 +18,13 @@
 
 namespace moetrain::app {
 
-namespace {
-
 using Kind = ConfigFlag::Kind;
 
-// train's options that set configuration keys: the shared [dist] ones, then the precision.
 const std::vector<ConfigFlag>& train_config_flags() {
   static const std::vector<ConfigFlag> flags = [] {
-    std::vector<ConfigFlag> f = dist_config_flags();
+    std::vector<ConfigFlag> f = run_config_flags();
+    const std::vector<ConfigFlag>& dist = dist_config_flags();
+    f.insert(f.end(), dist.begin(), dist.end());
     // Checked with the rest of the configuration, which names the key and the allowed values.
     f.push_back({.name = "--precision",
                  .kind = Kind::Text,
@@ -44,8 +43,6 @@ const std::vector<ConfigFlag>& train_config_flags() {
   return flags;
 }
 
-}  // namespace
-
 Run add_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "Train a model from a TOML config");
   struct Args {
@@ -54,6 +51,7 @@ Run add_train_command(CLI::App& app) {
     std::string init_from;
     bool resume = false;
     bool dry_run = false;
+    bool all = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")
@@ -66,14 +64,16 @@ Run add_train_command(CLI::App& app) {
                   "Start from these weights (a checkpoint, run or Hugging Face Mixtral directory) "
                   "at step 0 with fresh optimizer state; the model takes its architecture");
   cmd->add_flag("--dry-run", args->dry_run,
-                "Validate the configuration (file, --set and flags), print it as JSON and exit; "
-                "trains nothing, reads no data");
+                "Validate the configuration (file, --set and flags), print the settings that "
+                "differ from the defaults as JSON and exit; trains nothing, reads no data");
+  cmd->add_flag("--all", args->all, "With --dry-run: print every setting, not only the changed");
   auto flags = add_config_flags(cmd, train_config_flags());
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);
     RunConfig cfg = load_run_config(args->config, overrides);
     if (args->dry_run) {
-      fmt::print("{}\n", cfg.to_json().dump(2));
+      const nlohmann::json all = cfg.to_json();
+      fmt::print("{}\n", (args->all ? all : changed_from(all, RunConfig().to_json())).dump(2));
       return 0;
     }
     if (!args->init_from.empty()) {
@@ -90,9 +90,9 @@ Run add_train_command(CLI::App& app) {
     if (r.exit_code != 0) return r.exit_code;
     if (trainer.rank() != 0) return 0;  // one summary for the whole run
     fmt::print(
-        "steps {} | final train loss {:.4f} | validation loss {:.4f} nats/byte | {:.0f} tokens/s | "
+        "steps {} | final train loss {:.4f} | validation loss {:.4f} {} | {:.0f} tokens/s | "
         "{:.1f} s\n",
-        r.steps_done, r.final_loss, r.val_loss, r.tokens_per_s, r.seconds);
+        r.steps_done, r.final_loss, r.val_loss, kLmLossUnit, r.tokens_per_s, r.seconds);
     fmt::print("checkpoint: {}\n", r.last_checkpoint.string());
     return 0;
   };
@@ -119,8 +119,8 @@ Run add_eval_command(CLI::App& app) {
     int64_t batches = args->batches > 0 ? args->batches : m.config.train.eval_batches;
     double loss = evaluate(*m.model, m.params.data(), val, m.config.train.batch_size,
                            m.config.train.seq_len, batches);
-    fmt::print("step {} | validation loss {:.4f} nats/token over {} batches of {}x{}\n", m.step,
-               loss, batches, m.config.train.batch_size, m.config.train.seq_len);
+    fmt::print("step {} | validation loss {:.4f} {} over {} batches of {}x{}\n", m.step, loss,
+               kLmLossUnit, batches, m.config.train.batch_size, m.config.train.seq_len);
     return 0;
   };
 }

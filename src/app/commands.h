@@ -19,6 +19,7 @@ Run add_classify_command(CLI::App& app);
 Run add_launch_command(CLI::App& app);
 Run add_report_command(CLI::App& app);
 Run add_plan_command(CLI::App& app);
+Run add_config_command(CLI::App& app);
 #ifdef MOETRAIN_WITH_ZMQ
 Run add_ps_command(CLI::App& app);
 #endif

@@ -8,6 +8,31 @@ namespace moetrain::app {
 
 using Kind = ConfigFlag::Kind;
 
+const std::vector<ConfigFlag>& run_config_flags() {
+  static const std::vector<ConfigFlag> flags = {
+      {.name = "--run-dir",
+       .kind = Kind::Text,
+       .key = "train.run_dir",
+       .help = "Directory of the run: checkpoints, metrics, report"},
+      {.name = "--steps",
+       .kind = Kind::Int,
+       .key = "train.steps",
+       .help = "Optimizer steps to train",
+       .check = integer_in(0)},
+      {.name = "--lr",
+       .kind = Kind::Number,
+       .key = "optim.lr",
+       .help = "Peak learning rate",
+       .check = number_at_least(0)},
+      {.name = "--threads",
+       .kind = Kind::Int,
+       .key = "train.threads",
+       .help = "OpenMP threads per process (0 = the cores shared among this machine's processes)",
+       .check = integer_in(0)},
+  };
+  return flags;
+}
+
 const std::vector<ConfigFlag>& dist_config_flags() {
   static const std::vector<ConfigFlag> flags = {
       {.name = "--ep",
@@ -66,8 +91,8 @@ const std::vector<ConfigFlag>& dist_config_flags() {
       {.name = "--grad-reduce-dtype",
        .kind = Kind::Text,
        .key = "dist.grad_reduce_dtype",
-       .help =
-           "Data-parallel gradient reduction on the wire: f32, bf16 or int8 (dist.grad_reduce_dtype)"},
+       .help = "Data-parallel gradient reduction on the wire: f32, bf16 or int8 "
+               "(dist.grad_reduce_dtype)"},
       {.name = "--sync",
        .kind = Kind::Text,
        .key = "dist.sync",

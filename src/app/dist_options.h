@@ -15,6 +15,12 @@ namespace moetrain::app {
 // settings and the wire types.
 const std::vector<ConfigFlag>& dist_config_flags();
 
+// --run-dir, --steps, --lr, --threads: the keys a user changes most, as flags.
+const std::vector<ConfigFlag>& run_config_flags();
+
+// train's: run_config_flags(), dist_config_flags(), then --precision and --device.
+const std::vector<ConfigFlag>& train_config_flags();
+
 // Under mpirun: sets debug_collectives and starts the watchdog for the run; null on one process.
 std::unique_ptr<CollectiveWatchdog> watch_collectives(const DistSettings& dist);
 

@@ -44,4 +44,14 @@ class ConfigFlagValues {
 std::shared_ptr<ConfigFlagValues> add_config_flags(CLI::App* cmd,
                                                    std::span<const ConfigFlag> flags);
 
+// The overrides of the table's options given on `cmd`, parsed but not run (`moetrain launch`
+// checks the train command it will start), appended to `overrides` as ConfigFlagValues::apply
+// does.
+std::vector<std::string> given_config_flags(const CLI::App& cmd, std::span<const ConfigFlag> flags,
+                                            std::vector<std::string> overrides);
+
+// --mpi-arg, repeatable: words passed to mpirun as they are, for the commands that run it
+// (launch, plan --calibrate): --mpi-arg=--allow-run-as-root, --mpi-arg=--oversubscribe.
+CLI::Option* add_mpi_arg_option(CLI::App* cmd, std::vector<std::string>& into);
+
 }  // namespace moetrain::app

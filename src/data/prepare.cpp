@@ -25,41 +25,6 @@ namespace {
 constexpr uint64_t kMaxChunkBytes = 8192;
 constexpr uint64_t kTargetValChunks = 16;
 
-// Offset of the first byte that breaks UTF-8 (overlong forms, surrogates and code points past
-// U+10FFFF included), or npos when the whole text is valid.
-std::size_t invalid_utf8_at(std::string_view s) {
-  std::size_t i = 0;
-  const std::size_t n = s.size();
-  while (i < n) {
-    const auto c = static_cast<uint8_t>(s[i]);
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    std::size_t len;
-    uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2, cp = c & 0x1Fu;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3, cp = c & 0x0Fu;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4, cp = c & 0x07u;
-    } else {
-      return i;
-    }
-    if (len > n - i) return i;
-    for (std::size_t k = 1; k < len; ++k) {
-      const auto d = static_cast<uint8_t>(s[i + k]);
-      if ((d & 0xC0u) != 0x80u) return i;
-      cp = (cp << 6) | (d & 0x3Fu);
-    }
-    if (len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) return i;
-    if (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)) return i;
-    i += len;
-  }
-  return std::string_view::npos;
-}
-
 std::string read_whole_file(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   MOETRAIN_CHECK(f.good(), "prepare: cannot open input file '{}'", p.string());
@@ -105,6 +70,25 @@ void collect_directory(const fs::path& dir, std::vector<fs::path>& files,
             [](const auto& a, const auto& b) { return a.path < b.path; });
   files.insert(files.end(), found.begin(), found.end());
   skipped.insert(skipped.end(), dropped.begin(), dropped.end());
+}
+
+// ": 3 symlink, 1 binary" — how many files were skipped for each kind of reason (the words
+// before a reason's ':'); "" when none were. meta.json lists each with its full reason.
+std::string skip_reasons(const std::vector<PrepareSkipped>& skipped) {
+  std::vector<std::pair<std::string, int>> kinds;
+  for (const auto& s : skipped) {
+    const std::string kind = s.reason.substr(0, s.reason.find(':'));
+    auto it =
+        std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == kind; });
+    if (it == kinds.end())
+      kinds.emplace_back(kind, 1);
+    else
+      ++it->second;
+  }
+  std::string out;
+  for (const auto& [kind, n] : kinds)
+    out += fmt::format("{}{} {}", out.empty() ? ": " : ", ", n, kind);
+  return out;
 }
 
 void ensure_writable_dir(const fs::path& dir) {
@@ -168,9 +152,8 @@ PrepareReport prepare_text_corpus(const PrepareOptions& options) {
     if (text.empty()) {
       reason = "empty";
     } else if (auto nul = text.find('\0'); nul != std::string::npos) {
-      reason = fmt::format("not text: NUL byte at offset {}", nul);
-    } else if (auto bad = invalid_utf8_at(text); bad != std::string_view::npos) {
-      reason = fmt::format("not text: invalid UTF-8 at offset {}", bad);
+      // Text in any encoding (UTF-8, Latin-1, ...) has no NUL; compressed and binary files do.
+      reason = fmt::format("binary: NUL byte at offset {}", nul);
     }
     if (!reason.empty()) {
       report.skipped.push_back({p.string(), reason, text.size()});
@@ -232,10 +215,11 @@ PrepareReport prepare_text_corpus(const PrepareOptions& options) {
       meta.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n");
 
   log_info(
-      "prepare: took {} files ({} bytes), skipped {} files ({} bytes); train {} tokens, val {} "
+      "prepare: took {} files ({} bytes), skipped {} files ({} bytes{}); train {} tokens, val {} "
       "tokens -> {}",
       report.sources.size(), report.bytes_taken, report.skipped.size(), report.bytes_skipped,
-      report.train_tokens, report.val_tokens, options.out_dir.string());
+      skip_reasons(report.skipped), report.train_tokens, report.val_tokens,
+      options.out_dir.string());
   return report;
 }
 

@@ -2,8 +2,9 @@
 //
 // Inputs are files or directories (every regular file inside, recursively, sorted by path). Inside
 // directories, symlinks and `*.dat` files are skipped (the Debian fortunes package ships binary
-// `.dat` indexes and `.u8` symlinks next to its text); any file with a NUL byte or invalid UTF-8
-// is skipped as not text, as are empty files. The texts are concatenated with '\n' between files.
+// `.dat` indexes and `.u8` symlinks next to its text). Tokens are bytes, so a text in any encoding
+// (UTF-8, Latin-1, ...) is taken as it is; a file with a NUL byte is skipped as binary (compressed,
+// an image), as are empty files. The texts are concatenated with '\n' between files.
 //
 // Split: the stream is cut into chunks of `split_chunk_bytes` bytes and chunk i goes to val when
 // floor((i+1)·f) > floor(i·f), f = val_fraction. That spreads val evenly over the whole corpus (one

@@ -84,6 +84,10 @@ void MoeModelConfig::validate_moe() const {
                  "model.router_skew = {}: must be a finite value >= 0 (0 = off)", router_skew);
   MOETRAIN_CHECK(shared_expert_hidden >= 0,
                  "model.shared_expert_hidden = {}: must be ≥ 0 (0 = none)", shared_expert_hidden);
+  MOETRAIN_CHECK(route_groups >= 1,
+                 "model.route_groups = {}: must be ≥ 1, the number of expert groups a token's "
+                 "experts are limited to (1 = off: every expert in one group)",
+                 route_groups);
   moe_config(1).validate_route_groups();  // its messages name the model.route_* keys
 }
 

@@ -43,7 +43,7 @@ struct MoeModelConfig {
   RouterControllerKind router_controller = RouterControllerKind::None;
   GatingControlConfig gating;        // [gating]
   int64_t shared_expert_hidden = 0;  // 0 = no shared expert
-  int64_t route_groups = 0;          // G expert groups for group-limited routing, 0 or 1 = off
+  int64_t route_groups = 1;          // G expert groups for group-limited routing, ≥ 1 (1 = off)
   int64_t route_group_topk = 0;      // M groups each token may route to
   double router_skew = 0.0;          // Zipf skew of the routing (MoeConfig::router_skew), 0 = off
 

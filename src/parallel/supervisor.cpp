@@ -1,11 +1,14 @@
 #include "parallel/supervisor.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -106,10 +109,58 @@ std::string join(const std::vector<std::string>& words) {
   return out;
 }
 
-// Starts argv[0] in its own process group; an exec failure comes back as an Error.
-pid_t start_job(const std::vector<std::string>& argv) {
-  int fds[2];
+// The job's standard error, passed on to ours as it comes; its first bytes are kept, which is
+// where mpirun says why it would not start a job.
+class ErrorTee {
+ public:
+  explicit ErrorTee(int fd) : fd_(fd), thread_([this] { run(); }) {}
+  ~ErrorTee() { finish(); }
+  // Once the job has ended: forwards what is left in the pipe, then gives the kept head.
+  const std::string& finish() {
+    if (thread_.joinable()) {
+      stop_ = true;
+      thread_.join();
+      ::close(fd_);
+    }
+    return head_;
+  }
+
+ private:
+  static constexpr std::size_t kHead = 16384;
+  void run() {
+    char buf[4096];
+    for (;;) {
+      pollfd p{fd_, POLLIN, 0};
+      const int r = ::poll(&p, 1, 100);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        if (r < 0 || stop_) return;
+        continue;
+      }
+      const ssize_t n = ::read(fd_, buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return;
+      for (ssize_t done = 0; done < n;) {
+        const ssize_t w = ::write(STDERR_FILENO, buf + done, static_cast<std::size_t>(n - done));
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) break;
+        done += w;
+      }
+      head_.append(buf, std::min(static_cast<std::size_t>(n), kHead - head_.size()));
+    }
+  }
+  int fd_;
+  std::atomic<bool> stop_{false};
+  std::string head_;
+  std::thread thread_;
+};
+
+// Starts argv[0] in its own process group, its standard error into a pipe whose reading end
+// goes to `error_fd`; an exec failure comes back as an Error.
+pid_t start_job(const std::vector<std::string>& argv, int& error_fd) {
+  int fds[2], errs[2];
   MOETRAIN_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "moetrain launch: pipe: {}", std::strerror(errno));
+  MOETRAIN_CHECK(::pipe2(errs, O_CLOEXEC) == 0, "moetrain launch: pipe: {}", std::strerror(errno));
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -126,6 +177,7 @@ pid_t start_job(const std::vector<std::string>& argv) {
     // In a process group of its own mpirun must not read the terminal (it would be stopped).
     const int null = ::open("/dev/null", O_RDONLY);
     if (null >= 0) ::dup2(null, 0);
+    ::dup2(errs[1], 2);
     ::execvp(args[0], args.data());
     const int err = errno;
     [[maybe_unused]] ssize_t w = ::write(fds[1], &err, sizeof(err));
@@ -133,6 +185,8 @@ pid_t start_job(const std::vector<std::string>& argv) {
   }
   ::setpgid(pid, pid);  // also here: no race with the child's own call
   ::close(fds[1]);
+  ::close(errs[1]);
+  error_fd = errs[0];
   int err = 0;
   ssize_t n;
   do {
@@ -142,6 +196,7 @@ pid_t start_job(const std::vector<std::string>& argv) {
   if (n == static_cast<ssize_t>(sizeof(err))) {
     int status = 0;
     ::waitpid(pid, &status, 0);
+    ::close(error_fd);
     MOETRAIN_FAIL("cannot run '{}': {} (pass --mpirun PATH)", argv[0], std::strerror(err));
   }
   return pid;
@@ -254,6 +309,24 @@ int machine_slots() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
+std::string mpirun_refusal(const std::string& output) {
+  if (output.find("detected an attempt to run as root") != std::string::npos)
+    return "mpirun refuses to run as root: pass --mpi-arg=--allow-run-as-root (or set "
+           "OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)";
+  const auto line_at = [&](std::size_t at) {
+    return output.substr(at, output.find('\n', at) - at);
+  };
+  // "mpirun: Error: unknown option "--bogus"".
+  if (const std::size_t at = output.find("mpirun: Error: "); at != std::string::npos)
+    return line_at(at);
+  if (output.find("could not access\nor execute an executable") != std::string::npos) {
+    const std::size_t at = output.find("Executable: ");
+    return "mpirun could not access or execute the program" +
+           (at == std::string::npos ? std::string() : " (" + line_at(at) + ")");
+  }
+  return "";
+}
+
 std::string describe_job_status(int status) {
   if (WIFSIGNALED(status))
     return fmt::format("mpirun died of signal {} ({})", WTERMSIG(status),
@@ -291,6 +364,7 @@ SupervisorResult supervise(const SupervisorConfig& cfg) {
   std::string stop_reason;
   int stop_signal = 0;
   for (int attempt = 1;; ++attempt) {
+    std::string refusal;  // why mpirun would not start the job: the same on every attempt
     if (attempt > 1) {
       const double delay = cfg.backoff_s * std::pow(2.0, attempt - 2);
       log("restart {} of {} in {:.1f} s", attempt - 1, cfg.max_restarts, delay);
@@ -334,20 +408,24 @@ SupervisorResult supervise(const SupervisorConfig& cfg) {
           join(argv));
       const double started = log.seconds();
       pid_t pid = 0;
+      int error_fd = -1;
       try {
-        pid = start_job(argv);
+        pid = start_job(argv, error_fd);
       } catch (const Error& e) {
         a.reason = stop_reason = e.what();
         log("{}", stop_reason);
         result.attempts.push_back(a);
         break;
       }
+      ErrorTee errors(error_fd);
       const int status = wait_job(pid, signals.set(), cfg.grace_s, stop_signal, log);
       kill_leftovers();
       a.seconds = log.seconds() - started;
       a.success = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       a.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
       a.reason = describe_job_status(status);
+      if (!a.success) refusal = mpirun_refusal(errors.finish());
+      if (!refusal.empty()) a.reason += ": " + refusal;
     }
     if (cfg.progress) a.progress = cfg.progress();
     log("attempt {} {} after {:.1f} s: {}{}", attempt, a.success ? "succeeded" : "failed",
@@ -365,6 +443,11 @@ SupervisorResult supervise(const SupervisorConfig& cfg) {
       stop_signal = a.exit_code - 128;
       stop_reason = fmt::format("the job stopped on request ({}, exit code {}); not restarting",
                                 strsignal(stop_signal), a.exit_code);
+      break;
+    }
+    if (!refusal.empty()) {
+      stop_reason =
+          fmt::format("mpirun did not start the job and would not on a retry: {}", refusal);
       break;
     }
     if (attempt > cfg.max_restarts) {

@@ -64,6 +64,11 @@ int machine_slots();
 // The reason an mpirun wait status stands for ("completed", "exit code 3", ...).
 std::string describe_job_status(int wait_status);
 
+// Why mpirun would not start a job, from what it printed ("mpirun refuses to run as root: ..."),
+// when it is a refusal that a retry would meet again (running as root, an unknown option, a
+// program it cannot execute); "" otherwise. The supervisor stops at once on such a refusal.
+std::string mpirun_refusal(const std::string& output);
+
 // Runs the attempts; prints one line per event on stderr ("moetrain launch [+3.2 s]: ...").
 SupervisorResult supervise(const SupervisorConfig& config);
 

@@ -17,6 +17,7 @@
 #include "io/file.h"
 #include "kernels/gemm.h"
 #include "parallel/comm_thread.h"
+#include "parallel/supervisor.h"
 
 namespace moetrain::plan {
 
@@ -260,7 +261,8 @@ CommFigures read_comm_figures(const std::string& path) {
   return f;
 }
 
-CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes) {
+CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes,
+                           const std::vector<std::string>& mpirun_args) {
 #if !MOETRAIN_WITH_MPI
   MOETRAIN_FAIL("plan --calibrate --comm-procs {}: this build has no MPI (MOETRAIN_WITH_MPI=OFF); "
                 "pass --comm-procs 0 to skip measuring the collectives",
@@ -277,11 +279,18 @@ CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes)
           .string();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   // One thread per process: the collectives run on the communication thread beside it.
+  std::string extra;
+  for (const std::string& a : mpirun_args) {
+    // One shell word each, as given: single quotes, with each ' closed, escaped and reopened.
+    std::string word = "'";
+    for (char c : a) word += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    extra += " " + word + "'";
+  }
   const std::string cmd = fmt::format(
-      "OMP_NUM_THREADS=1 mpirun -n {} {} '{}' plan --calibrate-comm --grad-bytes {} --a2a-bytes "
-      "{} --out '{}' > '{}.log' 2>&1",
-      procs, static_cast<unsigned>(procs) > cores ? "--oversubscribe" : "", self, grad_bytes,
-      a2a_bytes, out, out);
+      "OMP_NUM_THREADS=1 mpirun -n {} {}{} '{}' plan --calibrate-comm --grad-bytes {} "
+      "--a2a-bytes {} --out '{}' > '{}.log' 2>&1",
+      procs, static_cast<unsigned>(procs) > cores ? "--oversubscribe" : "", extra, self,
+      grad_bytes, a2a_bytes, out, out);
   const int rc = std::system(cmd.c_str());
   std::string log;
   {
@@ -289,10 +298,17 @@ CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes)
     log.assign(std::istreambuf_iterator<char>(in), {});
   }
   std::filesystem::remove(out + ".log");
-  MOETRAIN_CHECK(rc == 0,
-                 "plan --calibrate: measuring the collectives with {} processes failed ({}); "
-                 "--comm-procs 0 skips them. mpirun said: {}",
-                 procs, cmd, log);
+  if (rc != 0) {
+    const std::string refusal = mpirun_refusal(log);
+    MOETRAIN_CHECK(refusal.empty(),
+                   "plan --calibrate: measuring the collectives with {} processes: {}; "
+                   "--comm-procs 0 skips them",
+                   procs, refusal);
+    MOETRAIN_FAIL(
+        "plan --calibrate: measuring the collectives with {} processes failed ({}); "
+        "--comm-procs 0 skips them. mpirun said: {}",
+        procs, cmd, log);
+  }
   const CommFigures f = read_comm_figures(out);
   std::filesystem::remove(out);
   return f;

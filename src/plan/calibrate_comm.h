@@ -46,10 +46,11 @@ struct CommFigures {
 // others) and reduces `grad_bytes` of f32 gradients. Returns the slowest rank's figures.
 CommFigures measure_comm(Comm& world, int64_t grad_bytes, int64_t a2a_bytes);
 
-// From a plain process: runs `mpirun -n procs [--oversubscribe] THIS_PROGRAM plan
+// From a plain process: runs `mpirun -n procs [--oversubscribe] MPIRUN_ARGS THIS_PROGRAM plan
 // --calibrate-comm ...` and reads what its rank 0 wrote. Throws, saying why, when the build has
-// no MPI or mpirun fails.
-CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes);
+// no MPI or mpirun fails (mpirun's reason first when it refused to start the job).
+CommFigures calibrate_comm(int64_t procs, int64_t grad_bytes, int64_t a2a_bytes,
+                           const std::vector<std::string>& mpirun_args = {});
 
 // What `plan --calibrate-comm --out FILE` writes and calibrate_comm reads.
 void write_comm_figures(const CommFigures& f, const std::string& path);

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -247,7 +248,14 @@ void write_job_keys(const fs::path& dir) {
 }
 
 JobKeys read_job_keys(const fs::path& dir) {
-  JobKeys k{read_key(dir / kPublicKeyFile), read_key(dir / kSecretKeyFile)};
+  // As ssh does with a private key: a secret others can read is no secret, so the job is refused
+  // rather than keyed with it. keygen writes it 0600.
+  const fs::path secret = dir / kSecretKeyFile;
+  struct stat st {};
+  if (::stat(secret.c_str(), &st) == 0 && (st.st_mode & 077) != 0)
+    MOETRAIN_FAIL("'{}' has mode {:04o}; it must be readable by its owner only (chmod 600 {})",
+                  secret.string(), st.st_mode & 07777, secret.string());
+  JobKeys k{read_key(dir / kPublicKeyFile), read_key(secret)};
   char derived[41] = {};
   MOETRAIN_CHECK(zmq_curve_public(derived, k.secret_key.c_str()) == 0,
                  "'{}': not a Z85 secret key", (dir / kSecretKeyFile).string());

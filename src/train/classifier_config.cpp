@@ -15,21 +15,23 @@ ConfigSchema schema(ClassifierRunConfig& c) {
   ClassifierConfig& m = c.model;
   ClassifierTrainConfig& t = c.train;
   std::vector<Field> fields = {
-      {"model.input_dim", &m.input_dim},
-      {"model.n_classes", &m.n_classes},
-      {"model.dim", &m.dim},
-      {"model.n_layers", &m.n_layers},
-      {"model.norm_eps", &m.norm_eps},
-      {"model.init_std", &m.init_std},
-      {"model.input_bias", &m.input_bias},
+      {"model.input_dim", &m.input_dim, "D: values per input image (28·28 pixels)"},
+      {"model.n_classes", &m.n_classes, "Classes the head predicts"},
+      {"model.dim", &m.dim, "C: the model width"},
+      {"model.n_layers", &m.n_layers, "L: blocks in the model"},
+      {"model.norm_eps", &m.norm_eps, "Epsilon of the RMS norms"},
+      {"model.init_std", &m.init_std, "Standard deviation of the initial weights"},
+      {"model.input_bias", &m.input_bias, "A bias on the input projection"},
   };
   add_moe_fields(fields, m);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   add_grad_fields(fields, c.grad);
   add_balance_fields(fields, m);  // [balance], [gating]: the controllers, as in the LM's config
   const Field train[] = {
-      {"train.epochs", &t.epochs},
-      {"train.eval_batch_size", &t.eval_batch_size},
+      {"train.epochs", &t.epochs,
+       "Classifier: passes over the training set (> 0 sets the steps; then train.steps = 0)"},
+      {"train.eval_batch_size", &t.eval_batch_size,
+       "Classifier: test images per evaluation forward"},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -40,6 +42,11 @@ ConfigSchema schema(ClassifierRunConfig& c) {
 std::vector<std::string> classifier_config_keys() {
   ClassifierRunConfig c;
   return schema(c).keys();
+}
+
+std::string classifier_config_help(const std::string& section) {
+  ClassifierRunConfig c;
+  return schema(c).describe(section);
 }
 
 ClassifierRunConfig load_classifier_config(const std::string& path,
@@ -54,7 +61,9 @@ ClassifierRunConfig load_classifier_config(const std::string& path,
 
 ClassifierRunConfig classifier_config_from_json(const nlohmann::json& j, const std::string& where) {
   ClassifierRunConfig c;
-  schema(c).apply_json(j, where);
+  nlohmann::json now = j;
+  read_moe_keys_as_now(now);
+  schema(c).apply_json(now, where);
   c.validate();
   return c;
 }
@@ -104,6 +113,7 @@ std::string ClassifierRunConfig::config_hash() const {
   }
   if (model.router_skew == 0) j["model"].erase("router_skew");  // older checkpoints resume
   erase_inert_grad_keys(j, grad);
+  hash_moe_keys_as_before(j);
   return json_hash(j);
 }
 

@@ -57,5 +57,7 @@ ClassifierRunConfig load_classifier_config(const std::string& path,
 ClassifierRunConfig classifier_config_from_json(const nlohmann::json& j, const std::string& where);
 // Every key this loader knows, "section.key".
 std::vector<std::string> classifier_config_keys();
+// run_config_help for the classifier's keys.
+std::string classifier_config_help(const std::string& section);
 
 }  // namespace moetrain

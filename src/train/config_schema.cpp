@@ -1,13 +1,19 @@
 #include "train/config_schema.h"
 
+#include <sys/stat.h>
 #include <toml++/toml.h>
 #include <charconv>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
 #include "core/check.h"
 #include "core/log.h"
+#include "core/suggest.h"
 
 namespace moetrain {
 
@@ -149,16 +155,50 @@ std::string ConfigSchema::known_keys(const std::string& section) const {
 Field& ConfigSchema::find(const std::string& key, const std::string& where) {
   for (auto& f : fields_)
     if (f.key == key) return f;
-  std::string known = known_keys(section_of(key));
-  MOETRAIN_FAIL("{}unknown key '{}'; known keys: {}", where, key,
-                known.empty() ? known_keys("") : known);
+  if (auto near = nearest(key, keys()))
+    MOETRAIN_FAIL("{}unknown key '{}'; did you mean '{}'? (moetrain config list shows every key)",
+                  where, key, *near);
+  const std::string section = section_of(key);
+  if (has_section(section))
+    MOETRAIN_FAIL("{}unknown key '{}'; the keys of [{}] are {}", where, key, section,
+                  known_keys(section));
+  MOETRAIN_FAIL(
+      "{}unknown key '{}': no section [{}]; sections are {} (moetrain config list "
+      "shows every key)",
+      where, key, section, section_list());
 }
 
+namespace {
+
+// Why `path` cannot be read as a config file, or "" when it is a readable regular file.
+std::string unreadable_config(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT) return fmt::format("config file '{}' does not exist", path);
+    return fmt::format("config file '{}' cannot be read: {}", path, std::strerror(err));
+  }
+  const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                     : S_ISFIFO(st.st_mode) ? "a pipe"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                     : S_ISREG(st.st_mode)  ? nullptr
+                                            : "not a regular file";
+  if (kind)
+    return fmt::format(
+        "config file '{}' is {}, not a file: pass a TOML file (e.g. "
+        "configs/tiny.toml)",
+        path, kind);
+  if (!std::ifstream(path).good())
+    return fmt::format("config file '{}' cannot be read: {}", path, std::strerror(errno));
+  return "";
+}
+
+}  // namespace
+
 void ConfigSchema::apply_toml_file(const std::string& path) {
-  MOETRAIN_CHECK(!std::filesystem::is_directory(path),
-                 "config file '{}' is a directory: pass a TOML file (e.g. configs/tiny.toml)",
-                 path);
-  MOETRAIN_CHECK(std::filesystem::is_regular_file(path), "config file '{}' does not exist", path);
+  if (const std::string why = unreadable_config(path); !why.empty()) MOETRAIN_FAIL("{}", why);
   toml::table table;
   try {
     table = toml::parse_file(path);
@@ -168,18 +208,8 @@ void ConfigSchema::apply_toml_file(const std::string& path) {
   }
   walk(table, "", *this, path + ": ");
   // A file that sets nothing (empty, or all comments) is most likely not the one meant.
-  if (table.empty()) {
+  if (table.empty())
     log_warn("config file '{}' sets no key: every setting takes its default", path);
-    return;
-  }
-  std::string left;
-  for (const auto& f : fields_) {
-    const std::string section = section_of(f.key);
-    if (!section.empty() && !table.contains(section) && left.find("[" + section + "]") == left.npos)
-      left += (left.empty() ? "[" : ", [") + section + "]";
-  }
-  if (!left.empty())
-    log_info("config file '{}' has no {}: those keys take their defaults", path, left);
 }
 
 void ConfigSchema::apply_overrides(const std::vector<std::string>& overrides) {
@@ -238,6 +268,56 @@ nlohmann::json ConfigSchema::to_json() const {
         f.ptr);
   }
   return j;
+}
+
+}  // namespace moetrain
+
+namespace moetrain {
+
+nlohmann::json changed_from(const nlohmann::json& values, const nlohmann::json& defaults) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [section, table] : values.items()) {
+    if (!table.is_object()) continue;
+    for (const auto& [name, value] : table.items()) {
+      const bool same = defaults.contains(section) && defaults[section].contains(name) &&
+                        defaults[section][name] == value;
+      if (!same) out[section][name] = value;
+    }
+  }
+  return out;
+}
+
+std::string ConfigSchema::describe(const std::string& section) const {
+  if (!section.empty() && !has_section(section)) {
+    std::string near;
+    if (auto n = nearest(section, sections_)) near = fmt::format("did you mean '{}'? ", *n);
+    MOETRAIN_FAIL("no section [{}]; {}sections are {}", section, near, section_list());
+  }
+  const nlohmann::json values = to_json();
+  std::string out;
+  std::string current;
+  for (const auto& f : fields_) {
+    const std::string s = section_of(f.key);
+    if (!section.empty() && s != section) continue;
+    if (s != current) {
+      out += fmt::format("{}[{}]\n", out.empty() ? "" : "\n", s);
+      current = s;
+    }
+    const std::string name = f.key.substr(f.key.find('.') + 1);
+    std::string type = std::visit(
+        [](const auto& v) -> std::string {
+          using T = std::remove_pointer_t<std::decay_t<decltype(v)>>;
+          if constexpr (std::is_same_v<T, int64_t>) return "integer";
+          if constexpr (std::is_same_v<T, uint64_t>) return "integer ≥ 0";
+          if constexpr (std::is_same_v<T, double>) return "number";
+          if constexpr (std::is_same_v<T, bool>) return "true/false";
+          return "string";
+        },
+        f.ptr);
+    if (f.allowed) type += fmt::format(": {}", f.allowed);
+    out += fmt::format("  {} = {}  ({})\n      {}\n", f.key, values[s][name].dump(), type, f.help);
+  }
+  return out;
 }
 
 }  // namespace moetrain

@@ -28,12 +28,17 @@ Choice choice(E* member, Parse parse, Name name) {
 using FieldPtr = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, Choice>;
 
 struct Field {
-  std::string key;  // "section.name"
-  FieldPtr ptr;     // the member it sets
+  std::string key;                // "section.name"
+  FieldPtr ptr;                   // the member it sets
+  const char* help = "";          // one line: what it does, its unit, what 0 means
+  const char* allowed = nullptr;  // named values ("adamw, sgd"), when not any of its type
 };
 
 // "an integer", "a number", "true or false", "a string" (a choice: "a string").
 const char* field_type_name(const FieldPtr& ptr);
+
+// The entries of `values` ({ "section": { "key": v } }) that differ from `defaults`, same shape.
+nlohmann::json changed_from(const nlohmann::json& values, const nlohmann::json& defaults);
 
 class ConfigSchema {
  public:
@@ -42,7 +47,8 @@ class ConfigSchema {
 
   const std::vector<Field>& fields() const { return fields_; }
   std::vector<std::string> keys() const;
-  // The field named `key`, or an Error (prefixed with `where`) listing the keys of its section.
+  // The field named `key`, or an Error (prefixed with `where`) suggesting the nearest known key,
+  // or listing the keys of its section when none is near.
   Field& find(const std::string& key, const std::string& where = "");
 
   // Parses `path` (TOML) and sets every key it holds; the file must exist.
@@ -58,6 +64,11 @@ class ConfigSchema {
   std::string known_keys(const std::string& section) const;
   bool has_section(const std::string& section) const;
   std::string section_list() const;  // "[model], [optim], [train]"
+
+  // `moetrain config list`: every key of `section` (every key when empty) with its type, its
+  // current value (the defaults, on a fresh config), the allowed values and its help line. An
+  // Error names an unknown section.
+  std::string describe(const std::string& section) const;
 
  private:
   std::vector<Field> fields_;

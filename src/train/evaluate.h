@@ -9,6 +9,9 @@ namespace moetrain {
 
 class TokenShard;
 
+// What the language model's loss is measured in: its tokens are bytes (data/tokenizer.h).
+inline constexpr const char* kLmLossUnit = "nats/byte";
+
 // Validation loss (mean next-token cross-entropy, nats per token) over up to `max_batches`
 // batches of (B, T) windows of the shard. With a communicator of several processes (collective:
 // every rank calls it), each rank takes its B windows of every global batch and the result is the

@@ -16,39 +16,61 @@ namespace moetrain {
 
 void add_optim_fields(std::vector<Field>& fields, OptimSettings& o) {
   const Field optim[] = {
-      {"optim.name", &o.name},
-      {"optim.lr", &o.lr},
-      {"optim.min_lr", &o.min_lr},
-      {"optim.warmup_steps", &o.warmup_steps},
-      {"optim.schedule", &o.schedule},
-      {"optim.beta1", &o.beta1},
-      {"optim.beta2", &o.beta2},
-      {"optim.eps", &o.eps},
-      {"optim.weight_decay", &o.weight_decay},
-      {"optim.momentum", &o.momentum},
-      {"optim.grad_clip", &o.grad_clip},
+      {"optim.name", &o.name, "The optimizer", "adamw, sgd, adagrad, rmsprop"},
+      {"optim.lr", &o.lr, "Peak learning rate, reached after the warmup"},
+      {"optim.min_lr", &o.min_lr,
+       "Learning rate at the end of the schedule (cosine, linear), in [0, optim.lr]"},
+      {"optim.warmup_steps", &o.warmup_steps,
+       "Steps of linear warmup from lr / warmup_steps to lr (0 = none)"},
+      {"optim.schedule", &o.schedule, "Learning-rate decay after the warmup, down to optim.min_lr",
+       "cosine, linear, constant"},
+      {"optim.beta1", &o.beta1, "AdamW's first-moment decay, in [0, 1)"},
+      {"optim.beta2", &o.beta2, "AdamW's second-moment decay, in [0, 1)"},
+      {"optim.eps", &o.eps,
+       "Added to the root of the second moment (adamw, adagrad, rmsprop), > 0"},
+      {"optim.weight_decay", &o.weight_decay,
+       "Decoupled weight decay per step, times the learning rate (≥ 0)"},
+      {"optim.momentum", &o.momentum, "Momentum of sgd and rmsprop, in [0, 1)"},
+      {"optim.grad_clip", &o.grad_clip, "Clip the global gradient norm to this value (0 = off)"},
   };
   fields.insert(fields.end(), std::begin(optim), std::end(optim));
 }
 
 void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
   const Field moe[] = {
-      {"model.expert_hidden", &m.expert_hidden},
-      {"model.n_experts", &m.n_experts},
-      {"model.top_k", &m.top_k},
-      {"model.router", choice(&m.router, parse_router_setting, router_kind_name)},
-      {"model.renormalize", &m.renormalize},
-      {"model.capacity_factor", &m.capacity_factor},
-      {"model.capacity", choice(&m.capacity, parse_capacity_mode, capacity_mode_name)},
-      {"model.aux_loss_coef", &m.aux_loss_coef},
-      {"model.z_loss_coef", &m.z_loss_coef},
-      {"model.bias_update_rate", &m.bias_update_rate},
+      {"model.expert_hidden", &m.expert_hidden, "F: each expert's SwiGLU hidden size"},
+      {"model.n_experts", &m.n_experts, "E: experts per MoE layer"},
+      {"model.top_k", &m.top_k, "K: experts each token is sent to, in [1, model.n_experts]"},
+      {"model.router", choice(&m.router, parse_router_setting, router_kind_name),
+       "How tokens and experts are matched",
+       "topk_softmax, noisy_topk, expert_choice, sigmoid_bias"},
+      {"model.renormalize", &m.renormalize,
+       "Token-choice routers: divide the kept top-k weights by their sum"},
+      {"model.capacity_factor", &m.capacity_factor,
+       "Expert capacity: > 0 fixed ceil(N·K/E·cf) (tokens over it dropped), 0 dropless, < 0 "
+       "min(|cf|, the load needed)"},
+      {"model.capacity", choice(&m.capacity, parse_capacity_mode, capacity_mode_name),
+       "fixed: capacity_factor as set; dynamic: the [balance] controller moves it each step",
+       "fixed, dynamic"},
+      {"model.aux_loss_coef", &m.aux_loss_coef,
+       "Weight of the Switch load-balancing loss (0 = off)"},
+      {"model.z_loss_coef", &m.z_loss_coef,
+       "Weight of the router z-loss on the logits' log-sum-exp (0 = off)"},
+      {"model.bias_update_rate", &m.bias_update_rate,
+       "sigmoid_bias router: step of its per-expert bias toward balance"},
       {"model.router_controller",
-       choice(&m.router_controller, parse_router_controller, router_controller_name)},
-      {"model.shared_expert_hidden", &m.shared_expert_hidden},
-      {"model.route_groups", &m.route_groups},
-      {"model.route_group_topk", &m.route_group_topk},
-      {"model.router_skew", &m.router_skew},
+       choice(&m.router_controller, parse_router_controller, router_controller_name),
+       "sigmoid_bias router: what moves its bias: the sign rule (none) or the [gating] "
+       "controller (rl)",
+       "none, rl"},
+      {"model.shared_expert_hidden", &m.shared_expert_hidden,
+       "Hidden size of a shared expert every token also goes through (0 = none)"},
+      {"model.route_groups", &m.route_groups,
+       "Group-limited routing: the experts form this many contiguous groups (1 = off)"},
+      {"model.route_group_topk", &m.route_group_topk,
+       "Group-limited routing: groups each token may pick its experts from"},
+      {"model.router_skew", &m.router_skew,
+       "Zipf skew s of the routing, expert e's logit − s·ln(e + 1), for benchmarks (0 = off)"},
   };
   fields.insert(fields.end(), std::begin(moe), std::end(moe));
 }
@@ -56,64 +78,98 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
 void add_balance_fields(std::vector<Field>& fields, MoeModelConfig& m) {
   CapacityControlConfig& b = m.balance;
   const Field balance[] = {
-      {"balance.cf_min", &b.cf_min},
-      {"balance.cf_max", &b.cf_max},
-      {"balance.window", &b.window},
-      {"balance.util_low", &b.util_low},
-      {"balance.util_high", &b.util_high},
-      {"balance.imbalance_low", &b.imbalance_low},
-      {"balance.imbalance_high", &b.imbalance_high},
-      {"balance.slope_tol", &b.slope_tol},
+      {"balance.cf_min", &b.cf_min, "Dynamic capacity: lowest capacity factor the controller sets"},
+      {"balance.cf_max", &b.cf_max,
+       "Dynamic capacity: highest capacity factor the controller sets"},
+      {"balance.window", &b.window,
+       "Dynamic capacity: steps of utilisation its trend is fitted over"},
+      {"balance.util_low", &b.util_low,
+       "Dynamic capacity: below this utilisation with a high imbalance, shrink"},
+      {"balance.util_high", &b.util_high,
+       "Dynamic capacity: above this utilisation with a low imbalance, grow"},
+      {"balance.imbalance_low", &b.imbalance_low,
+       "Dynamic capacity: busiest expert's load / mean below which it may grow"},
+      {"balance.imbalance_high", &b.imbalance_high,
+       "Dynamic capacity: busiest expert's load / mean above which it may shrink"},
+      {"balance.slope_tol", &b.slope_tol,
+       "Dynamic capacity: utilisation falling faster than this per step shrinks it"},
   };
   fields.insert(fields.end(), std::begin(balance), std::end(balance));
   GatingControlConfig& g = m.gating;
   const Field gating[] = {
-      {"gating.lr", &g.lr},
-      {"gating.sigma", &g.sigma},
-      {"gating.baseline_lr", &g.baseline_lr},
-      {"gating.time_decay", &g.time_decay},
+      {"gating.lr", &g.lr, "rl bias controller: policy step size"},
+      {"gating.sigma", &g.sigma,
+       "rl bias controller: policy standard deviation, in units of bias_update_rate"},
+      {"gating.baseline_lr", &g.baseline_lr,
+       "rl bias controller: value-baseline step size, in [0, 1]"},
+      {"gating.time_decay", &g.time_decay,
+       "rl bias controller: decay of its running step-time and tokens/s means"},
   };
   fields.insert(fields.end(), std::begin(gating), std::end(gating));
 }
 
 void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
   const Field dist[] = {
-      {"dist.ep", &d.ep},
-      {"dist.zero", &d.zero},
-      {"dist.bucket_first_mb", &d.bucket_first_mb},
-      {"dist.bucket_mb", &d.bucket_mb},
-      {"dist.hierarchical", &d.hierarchical},
-      {"dist.ranks_per_node", &d.ranks_per_node},
-      {"dist.a2a_chunks", &d.a2a_chunks},
-      {"dist.overlap", &d.overlap},
-      {"dist.collective_warn", &d.collective_warn},
-      {"dist.collective_timeout", &d.collective_timeout},
-      {"dist.debug_collectives", &d.debug_collectives},
-      {"dist.grad_reduce_dtype", &d.grad_reduce_dtype},
-      {"dist.a2a_dtype", &d.a2a_dtype},
-      {"dist.sync", &d.sync},
-      {"dist.sync_every", &d.sync_every},
-      {"dist.sync_moments", &d.sync_moments},
+      {"dist.ep", &d.ep, "Expert-parallel group size: processes the experts are sharded over"},
+      {"dist.zero", &d.zero,
+       "1: ZeRO-1, each data-parallel process keeps the optimizer state of its shard"},
+      {"dist.bucket_first_mb", &d.bucket_first_mb,
+       "Size of the first gradient bucket of each kind, MiB"},
+      {"dist.bucket_mb", &d.bucket_mb, "Size of the later gradient buckets, MiB (at most 1024)"},
+      {"dist.hierarchical", &d.hierarchical,
+       "Expert all-to-all in two stages, within nodes then between them"},
+      {"dist.ranks_per_node", &d.ranks_per_node,
+       "With hierarchical: processes per node (0 = detect)"},
+      {"dist.a2a_chunks", &d.a2a_chunks,
+       "Chunks each MoE layer's all-to-all is cut into to overlap it with expert compute, in [1, "
+       "64]"},
+      {"dist.overlap", &d.overlap,
+       "Reduce gradient buckets on a communication thread while backward runs"},
+      {"dist.collective_warn", &d.collective_warn,
+       "Warn when a collective waits this many seconds (0 = never)"},
+      {"dist.collective_timeout", &d.collective_timeout,
+       "Abort the job when a collective waits this many seconds (0 = never)"},
+      {"dist.debug_collectives", &d.debug_collectives,
+       "Compare a fingerprint of every collective across processes first (slower)"},
+      {"dist.grad_reduce_dtype", &d.grad_reduce_dtype,
+       "What the gradient reduction sends; the sums stay f32", "f32, bf16, int8"},
+      {"dist.a2a_dtype", &d.a2a_dtype, "Element type of the expert all-to-all payloads",
+       "f32, bf16"},
+      {"dist.sync", &d.sync,
+       "What replicas synchronise: gradients every step, or parameters every sync_every steps "
+       "(local SGD)",
+       "grads, params"},
+      {"dist.sync_every", &d.sync_every, "With sync = params: steps between parameter averagings"},
+      {"dist.sync_moments", &d.sync_moments,
+       "With sync = params: also average the optimizer moments"},
   };
   fields.insert(fields.end(), std::begin(dist), std::end(dist));
 }
 
 void add_grad_fields(std::vector<Field>& fields, GradSettings& g) {
   const Field grad[] = {
-      {"grad.sparse_experts", &g.sparse_experts},
-      {"grad.min_accum_fraction", &g.min_accum_fraction},
-      {"grad.expert_reweight", &g.expert_reweight},
-      {"grad.reweight_decay", &g.reweight_decay},
-      {"grad.util_low", &g.util_low},
-      {"grad.util_high", &g.util_high},
+      {"grad.sparse_experts", &g.sparse_experts,
+       "Skip the reduction and update of experts no token reached in a step"},
+      {"grad.min_accum_fraction", &g.min_accum_fraction,
+       "With sparse_experts: update an expert only if tokens reached it in this share of the "
+       "micro-batches"},
+      {"grad.expert_reweight", &g.expert_reweight,
+       "Per-expert factors on the reduced gradients before the clip",
+       "none, importance, utilisation, grad_norm"},
+      {"grad.reweight_decay", &g.reweight_decay,
+       "importance reweighting: moving-average decay, in [0, 1)"},
+      {"grad.util_low", &g.util_low,
+       "utilisation reweighting: experts below this multiple of the mean load get ×2"},
+      {"grad.util_high", &g.util_high,
+       "utilisation reweighting: experts above this multiple of the mean load get ×0.5"},
   };
   fields.insert(fields.end(), std::begin(grad), std::end(grad));
 }
 
 void GradSettings::validate() const {
-  MOETRAIN_CHECK(std::isfinite(min_accum_fraction) && min_accum_fraction >= 0 &&
-                     min_accum_fraction <= 1,
-                 "grad.min_accum_fraction = {}: must be in [0, 1]", min_accum_fraction);
+  MOETRAIN_CHECK(
+      std::isfinite(min_accum_fraction) && min_accum_fraction >= 0 && min_accum_fraction <= 1,
+      "grad.min_accum_fraction = {}: must be in [0, 1]", min_accum_fraction);
   MOETRAIN_CHECK(min_accum_fraction == 0 || sparse_experts,
                  "grad.min_accum_fraction = {} needs grad.sparse_experts = true",
                  min_accum_fraction);
@@ -138,6 +194,17 @@ void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g) {
   if (j["grad"].empty()) j.erase("grad");
 }
 
+void read_moe_keys_as_now(nlohmann::json& j) {
+  if (!j.contains("model") || !j["model"].is_object()) return;
+  auto& m = j["model"];
+  if (m.contains("route_groups") && m["route_groups"] == 0) m["route_groups"] = 1;
+}
+
+void hash_moe_keys_as_before(nlohmann::json& j) {
+  if (j.contains("model") && j["model"].value("route_groups", int64_t{0}) == 1)
+    j["model"]["route_groups"] = 0;
+}
+
 ExpertReweightConfig GradSettings::expert_reweight_config() const {
   return {parse_expert_reweight(expert_reweight), reweight_decay, util_low, util_high};
 }
@@ -148,39 +215,54 @@ ConfigSchema schema(RunConfig& c) {
   ModelConfig& m = c.model;
   TrainConfig& t = c.train;
   std::vector<Field> fields = {
-      {"model.vocab_size", &m.vocab_size}, {"model.dim", &m.dim},
-      {"model.n_layers", &m.n_layers},     {"model.n_heads", &m.n_heads},
-      {"model.n_kv_heads", &m.n_kv_heads}, {"model.norm_eps", &m.norm_eps},
-      {"model.init_std", &m.init_std},
+      {"model.vocab_size", &m.vocab_size, "V: tokens in the vocabulary (256: bytes)"},
+      {"model.dim", &m.dim, "C: the model width"},
+      {"model.n_layers", &m.n_layers, "L: blocks in the model"},
+      {"model.n_heads", &m.n_heads, "NH: attention heads; divides model.dim"},
+      {"model.n_kv_heads", &m.n_kv_heads,
+       "Key/value heads (grouped-query attention); divides model.n_heads"},
+      {"model.norm_eps", &m.norm_eps, "Epsilon of the RMS norms"},
+      {"model.init_std", &m.init_std, "Standard deviation of the initial weights"},
   };
   add_moe_fields(fields, m);
   const Field model[] = {
-      {"model.dense_every", &m.dense_every},
-      {"model.dense_hidden", &m.dense_hidden},
-      {"model.max_seq_len", &m.max_seq_len},
-      {"model.rope_theta", &m.rope_theta},
+      {"model.dense_every", &m.dense_every,
+       "Every n-th block has a dense FFN instead of experts (0 = none)"},
+      {"model.dense_hidden", &m.dense_hidden,
+       "Hidden size of the dense FFNs (0 = expert_hidden · top_k)"},
+      {"model.max_seq_len", &m.max_seq_len, "Longest sequence the model takes (RoPE table size)"},
+      {"model.rope_theta", &m.rope_theta, "Base of the rotary position embedding's frequencies"},
   };
   fields.insert(fields.end(), std::begin(model), std::end(model));
   add_balance_fields(fields, m);
   const Field placement[] = {
-      {"placement.spare_slots", &c.placement.spare_slots},
-      {"placement.every", &c.placement.every},
-      {"placement.decay", &c.placement.decay},
+      {"placement.spare_slots", &c.placement.spare_slots,
+       "Expert slots per process for replicas of the hottest experts (0 = off)"},
+      {"placement.every", &c.placement.every, "Re-plan the replicas every this many steps"},
+      {"placement.decay", &c.placement.decay,
+       "Moving-average decay of the expert loads the plan follows, in [0, 1)"},
   };
   fields.insert(fields.end(), std::begin(placement), std::end(placement));
   add_grad_fields(fields, c.grad);
   add_run_fields(fields, c.data.dir, c.optim, t, c.dist);
   const Field train[] = {
-      {"train.seq_len", &t.seq_len},
-      {"train.grad_accum", &t.grad_accum},
-      {"train.eval_batches", &t.eval_batches},
-      {"train.keep_checkpoints", &t.keep_checkpoints},
-      {"train.precision", choice(&t.precision, parse_precision, precision_name)},
-      {"train.device", &t.device},
-      {"train.loss_scale_init", &t.loss_scale_init},
-      {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval},
-      {"train.loss_scale_growth_factor", &t.loss_scale_growth_factor},
-      {"train.loss_scale_backoff_factor", &t.loss_scale_backoff_factor},
+      {"train.seq_len", &t.seq_len, "T: tokens per sequence, at most model.max_seq_len"},
+      {"train.grad_accum", &t.grad_accum, "Micro-batches per optimizer step"},
+      {"train.eval_batches", &t.eval_batches, "Batches of val.bin each evaluation reads"},
+      {"train.keep_checkpoints", &t.keep_checkpoints,
+       "Newest checkpoints kept in run_dir/checkpoints (≥ 1)"},
+      {"train.precision", choice(&t.precision, parse_precision, precision_name),
+       "GEMM operand precision (auto: bf16 where the CPU multiplies bf16 natively, else f32; tf32 "
+       "needs cuda)",
+       "auto, f32, bf16, fp16, tf32"},
+      {"train.device", &t.device, "Where the forward and backward run", "cpu, cuda"},
+      {"train.loss_scale_init", &t.loss_scale_init, "fp16: initial loss scale"},
+      {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval,
+       "fp16: steps without overflow before the scale grows"},
+      {"train.loss_scale_growth_factor", &t.loss_scale_growth_factor,
+       "fp16: factor the scale grows by"},
+      {"train.loss_scale_backoff_factor", &t.loss_scale_backoff_factor,
+       "fp16: factor the scale shrinks by on an overflow"},
   };
   fields.insert(fields.end(), std::begin(train), std::end(train));
   return ConfigSchema(std::move(fields));
@@ -191,6 +273,11 @@ ConfigSchema schema(RunConfig& c) {
 std::vector<std::string> run_config_keys() {
   RunConfig c;
   return schema(c).keys();
+}
+
+std::string run_config_help(const std::string& section) {
+  RunConfig c;
+  return schema(c).describe(section);
 }
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
@@ -367,7 +454,9 @@ LossScaleConfig TrainConfig::loss_scale() const {
 
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where) {
   RunConfig c;
-  schema(c).apply_json(j, where);
+  nlohmann::json now = j;
+  read_moe_keys_as_now(now);
+  schema(c).apply_json(now, where);
   c.validate();
   return c;
 }
@@ -383,9 +472,9 @@ std::string RunConfig::config_hash() const {
   // grad_accum: a resumed run on another process count sets it to keep the global batch, which
   // the checkpoint records and the resume checks instead.
   // device: the GPU computes what the CPU computes (to rounding), so a run may resume on either.
-  for (const char* k : {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
-                        "keep_checkpoints", "threads", "run_dir", "progress", "tensorboard",
-                        "device", "profile"})
+  for (const char* k :
+       {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+        "threads", "run_dir", "progress", "tensorboard", "device", "profile"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");
@@ -414,6 +503,7 @@ std::string RunConfig::config_hash() const {
     j["model"].erase("router_controller");
     j.erase("gating");
   }
+  hash_moe_keys_as_before(j);
   std::string s = j.dump();
   uint64_t h = 1469598103934665603ull;
   for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;

@@ -185,6 +185,12 @@ void add_grad_fields(std::vector<Field>& fields, GradSettings& g);
 // and [grad] itself when nothing is left: runs that do not use them hash as before [grad].
 void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g);
 
+// A config's JSON as written before model.route_groups took 1 for "off" (it took 0): read as
+// today's (`read_moe_keys_as_now`), and hashed as then (`hash_moe_keys_as_before`), so that
+// older checkpoints load and resume.
+void read_moe_keys_as_now(nlohmann::json& j);
+void hash_moe_keys_as_before(nlohmann::json& j);
+
 struct RunConfig {
   ModelConfig model;
   DataConfig data;
@@ -207,22 +213,33 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where);
 // Every key this loader knows, "section.key", for help texts.
 std::vector<std::string> run_config_keys();
+// `moetrain config list [SECTION]`: every key (of `section`; all when empty) with its type, its
+// default, the allowed values and a line of help. An Error names an unknown section.
+std::string run_config_help(const std::string& section);
 
 // --- implementation ------------------------------------------------------------------------------
 
 template <class Train>
 void add_loop_fields(std::vector<Field>& fields, Train& t) {
   const Field loop[] = {
-      {"train.steps", &t.steps},
-      {"train.batch_size", &t.batch_size},
-      {"train.seed", &t.seed},
-      {"train.eval_every", &t.eval_every},
-      {"train.checkpoint_every", &t.checkpoint_every},
-      {"train.threads", &t.threads},
-      {"train.run_dir", &t.run_dir},
-      {"train.progress", &t.progress},
-      {"train.tensorboard", &t.tensorboard},
-      {"train.profile", &t.profile},
+      {"train.steps", &t.steps, "Optimizer steps to train"},
+      {"train.batch_size", &t.batch_size,
+       "Examples per micro-batch: sequences per process (train), images over all processes "
+       "(classify)"},
+      {"train.seed", &t.seed,
+       "Seed of every random stream (initial weights, data order, router noise)"},
+      {"train.eval_every", &t.eval_every, "Evaluate every this many steps (0 = only at the end)"},
+      {"train.checkpoint_every", &t.checkpoint_every,
+       "Write a checkpoint every this many steps (0 = only at the end)"},
+      {"train.threads", &t.threads,
+       "OpenMP threads per process (0 = the cores shared among this machine's processes)"},
+      {"train.run_dir", &t.run_dir,
+       "Directory of the run: checkpoints, metrics.jsonl, tb/, the report"},
+      {"train.progress", &t.progress,
+       "Progress display (auto: a bar on a terminal, lines otherwise)", "auto, bar, lines, off"},
+      {"train.tensorboard", &t.tensorboard,
+       "Also write the metrics as TensorBoard events in run_dir/tb"},
+      {"train.profile", &t.profile, "Time each step's phases on every process, in metrics.jsonl"},
   };
   fields.insert(fields.end(), std::begin(loop), std::end(loop));
 }
@@ -230,7 +247,9 @@ void add_loop_fields(std::vector<Field>& fields, Train& t) {
 template <class Train>
 void add_run_fields(std::vector<Field>& fields, std::string& data_dir, OptimSettings& optim,
                     Train& train, DistSettings& dist) {
-  fields.push_back({"data.dir", &data_dir});
+  fields.push_back({"data.dir", &data_dir,
+                    "Directory of the training data (train.bin and val.bin from moetrain prepare; "
+                    "the classifier's IDX files)"});
   add_optim_fields(fields, optim);
   add_loop_fields(fields, train);
   add_dist_fields(fields, dist);

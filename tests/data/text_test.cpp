@@ -125,7 +125,9 @@ TEST(TokenShard, CorruptShardsRejected) {
 // ---------------------------------------------------------------------------------------------
 // prepare
 
-TEST(Prepare, SkipsBinaryIndexAndSymlinksAndCountsTokens) {
+// Tokens are bytes: a Latin-1 text (not UTF-8) is taken as it is; binary files, indexes, symlinks
+// and empty files are skipped, each with its reason.
+TEST(Prepare, TakesTextInAnyEncodingSkipsBinaryIndexAndSymlinks) {
   TempDir dir("prep");
   auto in = dir / "in";
   dir.write("in/a.txt", "hello");
@@ -143,21 +145,21 @@ TEST(Prepare, SkipsBinaryIndexAndSymlinksAndCountsTokens) {
   opt.val_fraction = 0.0;
   PrepareReport r = prepare_text_corpus(opt);
 
-  ASSERT_EQ(r.sources.size(), 3u);
+  ASSERT_EQ(r.sources.size(), 4u);
   EXPECT_EQ(r.sources[0].path, (in / "a.txt").string());
-  EXPECT_EQ(r.sources[1].path, (in / "sub/b.txt").string());
-  EXPECT_EQ(r.sources[2].path, extra.string());
-  EXPECT_EQ(r.bytes_taken, 5u + 6u + 1u);
+  EXPECT_EQ(r.sources[1].path, (in / "latin1.txt").string());
+  EXPECT_EQ(r.sources[2].path, (in / "sub/b.txt").string());
+  EXPECT_EQ(r.sources[3].path, extra.string());
+  EXPECT_EQ(r.bytes_taken, 5u + 4u + 6u + 1u);
   std::set<std::string> skipped;
   for (const auto& s : r.skipped)
     skipped.insert(std::filesystem::path(s.path).filename().string() + ":" + s.reason);
-  EXPECT_EQ(skipped, (std::set<std::string>{"a.dat:index file (.dat)", "a.txt.u8:symlink",
-                                            "bin.txt:not text: NUL byte at offset 2",
-                                            "latin1.txt:not text: invalid UTF-8 at offset 3",
-                                            "empty.txt:empty"}));
-  EXPECT_EQ(r.bytes_skipped, 5u + 26u + 4u);
+  EXPECT_EQ(skipped,
+            (std::set<std::string>{"a.dat:index file (.dat)", "a.txt.u8:symlink",
+                                   "bin.txt:binary: NUL byte at offset 2", "empty.txt:empty"}));
+  EXPECT_EQ(r.bytes_skipped, 5u + 26u);
 
-  const std::string expected = "hello\nworld\n\n!";
+  const std::string expected = "hello\ncaf\xE9\nworld\n\n!";
   EXPECT_EQ(r.train_tokens, expected.size());
   EXPECT_EQ(r.val_tokens, 0u);
   TokenShard train(opt.out_dir / "train.bin"), val(opt.out_dir / "val.bin");
@@ -170,9 +172,9 @@ TEST(Prepare, SkipsBinaryIndexAndSymlinksAndCountsTokens) {
   EXPECT_EQ(meta["train_tokens"], expected.size());
   EXPECT_EQ(meta["val_tokens"], 0);
   EXPECT_EQ(meta["val_fraction"], 0.0);
-  EXPECT_EQ(meta["sources"].size(), 3u);
-  EXPECT_EQ(meta["sources"][1]["path"], (in / "sub/b.txt").string());
-  EXPECT_EQ(meta["skipped"].size(), 5u);
+  EXPECT_EQ(meta["sources"].size(), 4u);
+  EXPECT_EQ(meta["sources"][2]["path"], (in / "sub/b.txt").string());
+  EXPECT_EQ(meta["skipped"].size(), 4u);
 }
 
 // Prepared into its own input directory, a second run skips the first's outputs (its meta.json

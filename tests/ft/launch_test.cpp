@@ -1,6 +1,9 @@
 // `moetrain launch` as a user meets it (real processes of the built binary, real mpirun), and
 // the pieces behind it: fault specs, hostfile slots, job status, fingerprints, config keys.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include <string>
 #include <vector>
@@ -150,6 +153,74 @@ TEST(Launch, ABadConfigOrLauncherStopsWithoutRetrying) {
   EXPECT_EQ(mpirun.code, 1) << mpirun.output();
   EXPECT_TRUE(has(mpirun.output(), "cannot run")) << mpirun.output();
   EXPECT_EQ(mpirun.count("attempt 2"), 0) << mpirun.output();
+}
+
+// A refusal of mpirun's that a retry would meet again (here: running as root) stops launch at
+// once with mpirun's reason, without the back-off and restarts; --mpi-arg passes the flag that
+// lifts it.
+TEST(Launch, AnMpirunRefusalStopsAtOnceWithItsReason) {
+  TempDir tmp("launch_refusal");
+  const std::string config = write_tiny_run(tmp.path(), 4, 2).string();
+  const auto fake = tmp.write("fake-mpirun",
+                              "#!/bin/sh\necho '---'>&2\n"
+                              "echo 'mpirun has detected an attempt to run as root.' >&2\n"
+                              "exit 1\n");
+  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  ProcessResult r = run_moetrain({"launch", "-n", "2", "--backoff", "30", "--mpirun", fake.string(),
+                                  "--", "train", "-c", config},
+                                 mpi_env(), 25);
+  EXPECT_EQ(r.code, 1) << r.output();
+  EXPECT_TRUE(has(r.output(), "mpirun refuses to run as root: pass --mpi-arg=--allow-run-as-root"))
+      << r.output();
+  EXPECT_TRUE(has(r.output(), "would not on a retry")) << r.output();
+  EXPECT_EQ(r.count("attempt 2"), 0) << r.output();
+  EXPECT_EQ(r.count("restart 1"), 0) << r.output();
+  if (::geteuid() != 0) GTEST_SKIP() << "the real mpirun refuses root only; not root here";
+  // The real mpirun, without the variables that let it run as root.
+  const auto strict = tmp.write(
+      "strict-mpirun",
+      "#!/bin/sh\nexec env -u OMPI_ALLOW_RUN_AS_ROOT -u OMPI_ALLOW_RUN_AS_ROOT_CONFIRM mpirun "
+      "\"$@\"\n");
+  std::filesystem::permissions(strict, std::filesystem::perms::owner_all);
+  ProcessResult root = run_moetrain({"launch", "-n", "2", "--backoff", "30", "--mpirun",
+                                     strict.string(), "--", "train", "-c", config},
+                                    mpi_env(), 25);
+  EXPECT_EQ(root.code, 1) << root.output();
+  EXPECT_TRUE(has(root.output(), "mpirun refuses to run as root")) << root.output();
+  EXPECT_EQ(root.count("attempt 2"), 0) << root.output();
+  ProcessResult allowed = run_moetrain(
+      {"launch", "-n", "2", "--mpirun", strict.string(), "--mpi-arg=--allow-run-as-root",
+       "--mpi-arg=--oversubscribe", "--", "train", "-c", config},
+      mpi_env(), 120);
+  EXPECT_EQ(allowed.code, 0) << allowed.output();
+}
+
+// train's flags that set keys count for launch too: --run-dir moves where it keeps its record.
+TEST(Launch, TrainFlagsThatSetKeysAreHonoured) {
+  TempDir tmp("launch_flags_keys");
+  const std::string config = write_tiny_run(tmp.path(), 4, 2).string();
+  const auto fake = tmp.write("fake-mpirun", "#!/bin/sh\nexit 3\n");
+  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  const std::string moved = (tmp / "moved").string();
+  ProcessResult r = run_moetrain({"launch", "-n", "2", "--max-restarts", "0", "--mpirun",
+                                  fake.string(), "--", "train", "-c", config, "--run-dir", moved},
+                                 mpi_env(), 25);
+  EXPECT_EQ(r.code, 1) << r.output();
+  EXPECT_TRUE(
+      std::filesystem::exists(std::filesystem::path(moved) / kRoleMetricsDir / "launcher.jsonl"))
+      << r.output();
+}
+
+TEST(Launch, MpirunRefusalsAreTold) {
+  EXPECT_EQ(mpirun_refusal("rank 1 died\n"), "");
+  EXPECT_TRUE(has(mpirun_refusal("mpirun: Error: unknown option \"--bogus\"\nType 'mpirun --help'"),
+                  "unknown option \"--bogus\""));
+  EXPECT_EQ(mpirun_refusal("mpirun: Error: unknown option \"--bogus\"\nType"),
+            "mpirun: Error: unknown option \"--bogus\"");
+  EXPECT_TRUE(has(mpirun_refusal("mpirun was unable to launch the specified application as it "
+                                 "could not access\nor execute an executable:\n\nExecutable: "
+                                 "/x/y\nNode: vm\n"),
+                  "(Executable: /x/y)"));
 }
 
 TEST(Launch, TooFewSlotsForMinProcsIsNeverLaunched) {

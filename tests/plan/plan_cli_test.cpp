@@ -2,6 +2,10 @@
 // non-zero exit, and for a model that does not fit, the memory per device it needs.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 #include "support/plan_runs.h"
@@ -86,4 +90,37 @@ TEST(PlanCli, CalibrationArgumentsAreChecked) {
   EXPECT_NE(bad.code, 0) << bad.output();
   EXPECT_NE(bad.output().find("model.dimm"), std::string::npos) << bad.output();
   EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+// As root, mpirun refuses to start the collectives' measurement unless told otherwise: the
+// refusal is named with what to pass, and --mpi-arg passes it.
+TEST(PlanCli, CalibrateTakesMpiArgsForMpirun) {
+  if (::geteuid() != 0) GTEST_SKIP() << "mpirun refuses root only; not root here";
+  TempDir tmp("plan_cli_mpi_arg");
+  const std::string out = (tmp.path() / "p.toml").string();
+  // The real mpirun, without the variables that let it run as root.
+  const std::string strict = (tmp.path() / "bin").string();
+  std::filesystem::create_directories(strict);
+  {
+    std::ofstream(strict + "/mpirun")
+        << "#!/bin/sh\nexec env -u OMPI_ALLOW_RUN_AS_ROOT -u OMPI_ALLOW_RUN_AS_ROOT_CONFIRM "
+           "/usr/bin/mpirun \"$@\"\n";
+  }
+  std::filesystem::permissions(strict + "/mpirun", std::filesystem::perms::owner_all);
+  const std::vector<std::pair<std::string, std::string>> env = {
+      {"OMP_NUM_THREADS", "1"}, {"PATH", strict + ":" + std::string(std::getenv("PATH"))}};
+  const std::vector<std::string> args = {"plan", "--calibrate", "--no-bf16", "--comm-procs",
+                                         "2",    "--out",       out};
+  const ProcessResult refused = run_moetrain(args, env, 300);
+  EXPECT_NE(refused.code, 0) << refused.output();
+  EXPECT_NE(refused.output().find("mpirun refuses to run as root: pass "
+                                  "--mpi-arg=--allow-run-as-root"),
+            std::string::npos)
+      << refused.output();
+  std::vector<std::string> allowed = args;
+  allowed.push_back("--mpi-arg=--allow-run-as-root");
+  const ProcessResult ok = run_moetrain(allowed, env, 300);
+  EXPECT_EQ(ok.code, 0) << ok.output();
+  EXPECT_NE(ok.output().find("collectives with 2 processes"), std::string::npos) << ok.output();
+  EXPECT_TRUE(std::filesystem::exists(out));
 }

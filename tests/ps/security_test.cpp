@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "ps/message.h"
 #include "ps/process.h"  // tests/ps/process.h
 #include "ps/security.h"
@@ -55,6 +56,28 @@ TEST(PsSecurity, KeygenWritesAPrivatePairAndNeverOverwrites) {
   EXPECT_NE(c.output().find("--insecure"), std::string::npos) << c.output();
 }
 
+// A job secret that group or others may read is refused, naming the file and its mode, as ssh
+// refuses such a private key; the pair keygen wrote (0600) is accepted.
+TEST(PsSecurity, ASecretReadableByOthersIsRefused) {
+  TempDir tmp("ps_secret_mode");
+  ps::write_job_keys(tmp / "k");
+  const fs::path secret = tmp / "k" / ps::kSecretKeyFile;
+  EXPECT_EQ(ps::read_job_keys(tmp / "k").secret_key.size(), 40u);
+  for (const auto& [mode, text] : {std::pair{0644, "0644"}, {0640, "0640"}, {0604, "0604"}}) {
+    ASSERT_EQ(::chmod(secret.c_str(), mode), 0);
+    try {
+      (void)ps::read_job_keys(tmp / "k");
+      ADD_FAILURE() << "mode " << text << " accepted";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(secret.string() + "' has mode " + text), std::string::npos) << what;
+      EXPECT_NE(what.find("readable by its owner only (chmod 600"), std::string::npos) << what;
+    }
+  }
+  ASSERT_EQ(::chmod(secret.c_str(), 0400), 0);
+  EXPECT_EQ(ps::read_job_keys(tmp / "k").secret_key.size(), 40u);
+}
+
 // Sends a Register as a would-be worker from a socket set up by `setup` (plaintext when it
 // does nothing) and waits briefly for any answer; returns whether one came.
 bool forge_register(const std::string& endpoint, const std::function<void(zmq::socket_t&)>& setup) {
@@ -85,8 +108,8 @@ struct Forged {
 Forged run_with_forgeries(const TempDir& tmp, bool insecure) {
   write_corpus(tmp / "data", 60000);
   const int steps = 40;
-  std::vector<std::string> args = {"ps", "launch", "--timeout", "120", "--servers", "1",
-                                   "--workers", "1", "--slowdown", "0=30"};
+  std::vector<std::string> args = {"ps", "launch",    "--timeout", "120",        "--servers",
+                                   "1",  "--workers", "1",         "--slowdown", "0=30"};
   if (insecure) args.push_back("--insecure");
   args.insert(args.end(), {"--", "train"});
   for (const auto& s : as_set_args(tiny_ps_overrides(tmp / "data", tmp / "run", steps, 2)))

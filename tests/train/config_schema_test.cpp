@@ -1,0 +1,146 @@
+// The configuration schema as a user meets it through the loader: the nearest key suggested for
+// a mistyped one, a help line and the allowed values for every key, the settings that differ from
+// the defaults, and model.route_groups' range (with older checkpoints' records still read).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <sstream>
+#include <string>
+
+#include "core/suggest.h"
+#include "support/expect_error.h"
+#include "support/temp_dir.h"
+#include "train/classifier_config.h"
+#include "train/run_config.h"
+
+using namespace moetrain;
+using moetrain::testing::expect_error;
+
+TEST(ConfigSuggest, EditDistanceCountsEditsAndTranspositions) {
+  EXPECT_EQ(edit_distance("", ""), 0u);
+  EXPECT_EQ(edit_distance("abc", ""), 3u);
+  EXPECT_EQ(edit_distance("kitten", "sitting"), 3u);
+  EXPECT_EQ(edit_distance("n_expert", "n_experts"), 1u);
+  EXPECT_EQ(edit_distance("n_exeprts", "n_experts"), 1u);  // a swap of neighbours
+  EXPECT_EQ(nearest("model.n_expert", {"model.dim", "model.n_experts", "model.top_k"}),
+            "model.n_experts");
+  EXPECT_EQ(nearest("zzzz", {"model.dim", "train.steps"}), std::nullopt);
+  EXPECT_EQ(nearest("--stepz", {"--steps", "--set"}), "--steps");
+}
+
+TEST(ConfigSuggest, AnUnknownKeyNamesTheNearestNotEveryKey) {
+  for (const char* typo : {"model.n_expert", "model.n_exeprts", "model.nexperts"}) {
+    try {
+      load_run_config("", {std::string(typo) + "=4"});
+      ADD_FAILURE() << typo << " accepted";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(
+          what.find(std::string("unknown key '") + typo + "'; did you mean 'model.n_experts'?"),
+          std::string::npos)
+          << what;
+      EXPECT_EQ(what.find("model.rope_theta"), std::string::npos) << what;  // no list of keys
+    }
+  }
+  // In a file, the same, after the file's name.
+  moetrain::testing::TempDir tmp("config_suggest");
+  const auto file = tmp.write("c.toml", "[optim]\nlr_min = 1e-4\n");
+  expect_error([&] { load_run_config(file.string()); },
+               {file.string(), "unknown key 'optim.lr_min'"});
+  const auto near = tmp.write("d.toml", "[optim]\nwarmup_step = 10\n");
+  expect_error([&] { load_run_config(near.string()); },
+               {"unknown key 'optim.warmup_step'; did you mean 'optim.warmup_steps'?"});
+  // Nothing near: the keys of the section, or the sections.
+  expect_error([] { load_run_config("", {"optim.xyzzy_plugh=1"}); },
+               {"the keys of [optim] are optim.name, optim.lr"});
+  expect_error([] { load_run_config("", {"qqqqqq.xyzzy=1"}); },
+               {"no section [qqqqqq]; sections are [model]"});
+  // The classifier's loader shares the schema's lookup.
+  expect_error([] { load_classifier_config("", {"model.input_dims=3"}); },
+               {"did you mean 'model.input_dim'?"});
+}
+
+// `config list`: one help line per key and the allowed values of named ones, which are the
+// values the key's own check names when it refuses one.
+TEST(ConfigList, EveryKeyHasTypeDefaultAndHelp) {
+  for (const bool classify : {false, true}) {
+    const std::string all = classify ? classifier_config_help("") : run_config_help("");
+    const std::vector<std::string> keys = classify ? classifier_config_keys() : run_config_keys();
+    for (const auto& key : keys) {
+      const std::size_t at = all.find("  " + key + " = ");
+      ASSERT_NE(at, std::string::npos) << key;
+      const std::size_t eol = all.find('\n', at);
+      const std::size_t help_end = all.find('\n', eol + 1);
+      const std::string help = all.substr(eol + 1, help_end - eol - 1);
+      EXPECT_GT(help.find_first_not_of(' '), 0u) << key;
+      EXPECT_GT(help.size(), 12u) << key << ": no help line";
+    }
+  }
+  const std::string optim = run_config_help("optim");
+  EXPECT_NE(optim.find("[optim]\n  optim.name = \"adamw\"  (string: adamw, sgd, adagrad, rmsprop)"),
+            std::string::npos)
+      << optim;
+  EXPECT_NE(optim.find("optim.lr = 0.003  (number)"), std::string::npos) << optim;
+  EXPECT_EQ(optim.find("[model]"), std::string::npos) << optim;
+  EXPECT_NE(classifier_config_help("model").find("model.input_dim = 784"), std::string::npos);
+  expect_error([] { run_config_help("optm"); }, {"no section [optm]; did you mean 'optim'?"});
+}
+
+TEST(ConfigList, AllowedValuesAreTheOnesTheCheckNames) {
+  RunConfig c;
+  const std::string all = run_config_help("");
+  int named = 0;
+  for (const auto& key : run_config_keys()) {
+    const std::size_t at = all.find("  " + key + " = ");
+    const std::string line = all.substr(at, all.find('\n', at) - at);
+    const std::size_t colon = line.find("(string: ");
+    if (colon == std::string::npos) continue;
+    ++named;
+    const std::string allowed = line.substr(colon + 9, line.size() - colon - 10);
+    try {
+      load_run_config("", {key + "=no_such_value"});
+      ADD_FAILURE() << key << " took no_such_value";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(allowed), std::string::npos)
+          << key << ": the check names other values than '" << allowed << "': " << e.what();
+    }
+  }
+  EXPECT_GE(named, 12);
+}
+
+TEST(ConfigDiff, ChangedFromTheDefaultsOnly) {
+  const RunConfig c = load_run_config("", {"model.dim=64", "optim.lr=0.01"});
+  const nlohmann::json d = changed_from(c.to_json(), RunConfig().to_json());
+  EXPECT_EQ(d, nlohmann::json::parse(R"({"model": {"dim": 64}, "optim": {"lr": 0.01}})")) << d;
+  EXPECT_TRUE(changed_from(RunConfig().to_json(), RunConfig().to_json()).empty());
+}
+
+TEST(RouteGroups, ZeroIsRefusedNamingTheKeyAndOneIsOff) {
+  expect_error([] { load_run_config("", {"model.route_groups=0"}); },
+               {"model.route_groups = 0: must be ≥ 1", "1 = off"});
+  expect_error([] { load_classifier_config("", {"model.route_groups=0"}); },
+               {"model.route_groups = 0: must be ≥ 1"});
+  const RunConfig off = load_run_config("", {"model.route_groups=1"});
+  EXPECT_FALSE(off.model.moe().group_limited());
+  EXPECT_EQ(RunConfig().model.route_groups, 1);
+  // A config.json written when 0 meant off still loads, and hashes as it did then (the resume
+  // check compares that hash with the one the checkpoint recorded).
+  nlohmann::json old = RunConfig().to_json();
+  EXPECT_EQ(old["model"]["route_groups"], 1);
+  old["model"]["route_groups"] = 0;
+  const RunConfig loaded = run_config_from_json(old, "config.json");
+  EXPECT_EQ(loaded.model.route_groups, 1);
+  EXPECT_EQ(loaded.config_hash(), RunConfig().config_hash());
+  nlohmann::json hashed = RunConfig().to_json();
+  hash_moe_keys_as_before(hashed);
+  EXPECT_EQ(hashed["model"]["route_groups"], 0);
+  const ClassifierRunConfig cl = classifier_config_from_json(
+      [] {
+        nlohmann::json j = ClassifierRunConfig().to_json();
+        j["model"]["route_groups"] = 0;
+        return j;
+      }(),
+      "config.json");
+  EXPECT_EQ(cl.config_hash(), ClassifierRunConfig().config_hash());
+}
