@@ -107,7 +107,7 @@ Evaluation Trainer::evaluate() {
   const double v = moetrain::evaluate(*model_, params().data(), *val_shard_,
                                       cfg_.train.batch_size, cfg_.train.seq_len,
                                       cfg_.train.eval_batches, &engine_->control());
-  return {{{"val_loss", v}}, fmt::format("validation loss {:.4f} nats/byte", v)};
+  return {{{"val_loss", v}}, fmt::format("validation loss {:.4f} {}", v, kLmLossUnit)};
 }
 
 TrainResult Trainer::run(int64_t stop_at) {
