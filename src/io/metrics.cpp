@@ -73,7 +73,8 @@ MetricsWriter::~MetricsWriter() {
 MetricsWriter::MetricsWriter(MetricsWriter&& o) noexcept
     : path_(std::move(o.path_)),
       file_(std::exchange(o.file_, nullptr)),
-      events_(std::move(o.events_)) {}
+      events_(std::move(o.events_)),
+      described_(std::move(o.described_)) {}
 
 MetricsWriter& MetricsWriter::operator=(MetricsWriter&& o) noexcept {
   if (this != &o) {
@@ -81,6 +82,7 @@ MetricsWriter& MetricsWriter::operator=(MetricsWriter&& o) noexcept {
     path_ = std::move(o.path_);
     file_ = std::exchange(o.file_, nullptr);
     events_ = std::move(o.events_);
+    described_ = std::move(o.described_);
   }
   return *this;
 }
@@ -103,7 +105,7 @@ void MetricsWriter::write(const nlohmann::json& line) {
   if (!events_.active()) return;
   int64_t step = 0;
   Summary summary;
-  if (metrics_summary(line, step, summary)) events_.write(step, summary);
+  if (metrics_summary(line, step, summary, &described_)) events_.write(step, summary);
 }
 
 std::vector<nlohmann::json> read_metrics(const fs::path& run_dir) {

@@ -8,14 +8,17 @@
 //
 // TensorBoard is a second sink of the same writer: with it on, every line that has a "step" is
 // also appended to an event file in RUN_DIR/tb (io/tensorboard.h) as one event at that step, its
-// numbers as scalars and histograms (metrics_summary says which), so the two never disagree.
+// numbers as scalars and histograms under grouped tags (metrics_summary and tensorboard_tag say
+// which), so the two never disagree.
 #pragma once
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -71,18 +74,33 @@ class MetricsWriter {
  private:
   std::filesystem::path path_;
   std::FILE* file_ = nullptr;
-  EventFileWriter events_;  // inactive without TensorBoard
+  EventFileWriter events_;           // inactive without TensorBoard
+  std::set<std::string> described_;  // tags whose description events_' file holds
 };
 
+// The TensorBoard tag of metrics key `key` (of MoE layer `layer` for a per-layer key) and one
+// line saying what it is (empty for a key the table in io/metrics_tb.cpp does not know, which
+// keeps its own name). Tags are grouped: train/ (loss, ce, aux, z, lr, grad_norm, ...), eval/
+// (val_loss is eval/loss), perf/ (throughput and times), comm/ (communication), moe/ (imbalance,
+// and moe/layer_i/NAME for each per-layer key), ps/ (the parameter server's clock, pushes, rows).
+struct TensorboardTag {
+  std::string tag;
+  std::string_view description;
+};
+TensorboardTag tensorboard_tag(std::string_view key, int layer = -1);
+
 // The TensorBoard values of a metrics line, and its step; false (nothing added) when the line has
-// no "step". Numbers and booleans (0/1) become scalars tagged with their key; a list of numbers
-// whose key starts with "rank_" (one per rank) a histogram "key" whose bucket r [r, r+1) holds
-// rank r's value; any other list of numbers (one per MoE layer) scalars "key/layer_i"; a list of lists of numbers (layers × experts) a
-// histogram "key/layer_i" per layer whose bucket e [e, e+1) holds expert e's count, and for
-// tokens_per_expert also the scalars "expert_utilisation/layer_i" (the fraction of experts that
-// received a token) and "max_mean_load/layer_i" (the busiest expert's tokens over the mean).
-// Strings, objects and nulls are skipped.
-bool metrics_summary(const nlohmann::json& line, int64_t& step, Summary& out);
+// no "step". Numbers and booleans (0/1) become scalars; a list of numbers with one entry per rank
+// (rank_step_time_s, rank_compute_s, profile_*) a histogram whose bucket r [r, r+1) holds rank r's
+// value; any other list of numbers (one per MoE layer) a scalar per layer; a list of lists of
+// numbers (layers × experts) a histogram per layer whose bucket e [e, e+1) holds expert e's
+// count, and for tokens_per_expert also the scalars expert_utilisation (the fraction of experts
+// that received a token) and max_mean_load (the busiest expert's tokens over the mean). Tags as
+// tensorboard_tag says. Strings, objects and nulls are skipped. Each value carries its tag's
+// description (TensorBoard's summary metadata) when `described` is null or does not hold the tag
+// yet; the tag is then added to it, so a writer describes each tag once per file.
+bool metrics_summary(const nlohmann::json& line, int64_t& step, Summary& out,
+                     std::set<std::string>* described = nullptr);
 
 // Every complete JSON object line of RUN_DIR/metrics.jsonl (empty when there is no file).
 std::vector<nlohmann::json> read_metrics(const std::filesystem::path& run_dir);

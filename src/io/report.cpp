@@ -14,6 +14,7 @@
 #include "io/file.h"
 #include "io/metrics.h"
 #include "io/report_jobs.h"
+#include "io/report_run.h"
 #include "io/svg_chart.h"
 
 namespace moetrain {
@@ -31,6 +32,9 @@ h2 { font-size: 1.15em; margin: 0 0 6px 0; }
 section { margin: 22px 0; padding-top: 8px; border-top: 1px solid #ddd; }
 .notes { background: #fff6d6; border: 1px solid #e8d48a; padding: 6px 12px; }
 .summary td, table.kv td, table.kv th { padding: 2px 10px 2px 0; text-align: left; }
+table.header th, table.header td { padding: 1px 12px 1px 0; text-align: left; vertical-align: top; }
+table.header th { font-weight: 600; color: #444; }
+table.kv tr.changed td { background: #ffe9a8; font-weight: 600; }
 table.kv { border-collapse: collapse; font-size: 0.9em; }
 table.kv tr:nth-child(even) { background: #f4f4f4; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -83,16 +87,6 @@ std::string chart(const std::string& id, const std::string& title, const std::ve
   return section(id, title, any_points(s) ? line_chart(s, spec) : std::string(), empty_note);
 }
 
-void flatten(const Json& j, const std::string& prefix,
-             std::vector<std::pair<std::string, std::string>>& out) {
-  if (j.is_object()) {
-    for (auto it = j.begin(); it != j.end(); ++it)
-      flatten(it.value(), prefix.empty() ? it.key() : prefix + "." + it.key(), out);
-    return;
-  }
-  out.emplace_back(prefix, j.is_string() ? j.get<std::string>() : j.dump());
-}
-
 std::string human_bytes(std::uintmax_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(n);
@@ -111,7 +105,8 @@ std::string read_text(const fs::path& p) {
 struct Inputs {
   std::vector<Json> lines;  // metrics lines
   std::vector<std::string> notes;
-  Json config;  // null when missing or unreadable
+  RunFacts facts;
+  std::map<std::string, std::vector<Json>> roles;  // RUN_DIR/metrics/ROLE.jsonl
 };
 
 Inputs read_inputs(const fs::path& run_dir) {
@@ -134,17 +129,9 @@ Inputs read_inputs(const fs::path& run_dir) {
           "or one that stopped mid-line)",
           metrics.string(), text_lines - in.lines.size(), text_lines));
   }
-  const fs::path config = run_dir / "config.json";
-  if (!fs::exists(config, ec)) {
-    in.notes.push_back(fmt::format("{} does not exist", config.string()));
-  } else {
-    in.config = Json::parse(read_text(config), nullptr, false);
-    if (in.config.is_discarded() || !in.config.is_object()) {
-      in.notes.push_back(
-          fmt::format("{} is not a JSON object; the config is left out", config.string()));
-      in.config = nullptr;
-    }
-  }
+  in.facts = read_run_facts(run_dir);
+  in.notes.insert(in.notes.end(), in.facts.notes.begin(), in.facts.notes.end());
+  in.roles = read_role_metrics(run_dir);
   return in;
 }
 
@@ -158,21 +145,34 @@ std::string summary(const Inputs& in) {
     if (auto s = j.find("step"); s != j.end() && s->is_number_integer())
       last_step = std::max(last_step, s->get<int64_t>());
   int64_t planned = -1;
-  if (in.config.is_object() && in.config.contains("train") && in.config["train"].is_object())
-    if (auto s = in.config["train"].find("steps");
-        s != in.config["train"].end() && s->is_number_integer())
+  const Json& config = in.facts.config;
+  if (config.is_object() && config.contains("train") && config["train"].is_object())
+    if (auto s = config["train"].find("steps");
+        s != config["train"].end() && s->is_number_integer())
       planned = s->get<int64_t>();
   if (last_step >= 0)
     row("steps", planned > 0 ? fmt::format("{} of {}{}", last_step, planned,
                                            last_step < planned ? " (in progress or stopped)" : "")
                              : std::to_string(last_step));
-  for (const char* key :
-       {"loss", "val_loss", "test_loss", "accuracy", "test_accuracy", "tokens_per_s"}) {
-    Series s = series_of(in.lines, key);
-    if (!s.y.empty())
-      row(fmt::format("last {} (step {})", key, s.x.back()),
-          s.y.back() >= 1e4 ? fmt::format("{:.0f}", s.y.back())
-                            : fmt::format("{:.4g}", s.y.back()));
+  const std::string loss = loss_unit(in.facts);
+  const std::pair<const char*, std::string> keys[] = {{"loss", loss},
+                                                      {"val_loss", loss},
+                                                      {"test_loss", "nats"},
+                                                      {"accuracy", ""},
+                                                      {"test_accuracy", ""},
+                                                      {"grad_norm", ""},
+                                                      {"tokens_per_s", "tokens/s"},
+                                                      {"images_per_s", "images/s"}};
+  auto show = [&](const std::string& key, const Series& s, const std::string& unit) {
+    if (s.y.empty()) return;
+    const std::string v =
+        s.y.back() >= 1e4 ? fmt::format("{:.0f}", s.y.back()) : fmt::format("{:.4g}", s.y.back());
+    row(fmt::format("last {} (step {})", key, s.x.back()), unit.empty() ? v : v + " " + unit);
+  };
+  for (const auto& [key, unit] : keys) show(key, series_of(in.lines, key), unit);
+  if (in.facts.parameter_server) {
+    const std::vector<Series> workers = worker_series(in.roles, "tokens_per_s");
+    if (workers.size() > 1) show("tokens_per_s, all workers", workers.back(), "tokens/s");
   }
   return rows.empty() ? std::string() : "<table class=\"summary\">\n" + rows + "</table>\n";
 }
@@ -256,7 +256,7 @@ std::string expert_sections(const std::vector<Json>& lines) {
     imbalance.push_back(series_of(lines, "imbalance"));
   }
   out += chart("imbalance", "Load imbalance (busiest expert's tokens over the mean)", imbalance,
-               {.y_label = "max / mean"}, none);
+               {.y_label = "ratio (max / mean)"}, none);
 
   // Utilisation: fraction of a layer's experts that got a token; dropped: over capacity. Both
   // averaged over the MoE layers.
@@ -281,18 +281,8 @@ std::string expert_sections(const std::vector<Json>& lines) {
     dropped.y.push_back(sum / d->size());
   }
   out += chart("utilisation", "Expert utilisation and dropped fraction", {util, dropped},
-               {.y_label = "fraction"}, none);
+               {.y_label = "fraction (0 to 1)"}, none);
   return out;
-}
-
-std::string config_section(const Json& config) {
-  if (config.is_null()) return section("config", "Config", "", "no readable config.json");
-  std::vector<std::pair<std::string, std::string>> kv;
-  flatten(config, "", kv);
-  std::string body = "<table class=\"kv\">\n<tr><th>key</th><th>value</th></tr>\n";
-  for (const auto& [k, v] : kv)
-    body += fmt::format("<tr><td>{}</td><td>{}</td></tr>\n", html_escape(k), html_escape(v));
-  return section("config", "Config", body + "</table>\n", "");
 }
 
 std::string checkpoints_section(const fs::path& run_dir) {
@@ -336,6 +326,8 @@ std::string render_report(const fs::path& run_dir) {
                  run_dir.string());
   const Inputs in = read_inputs(run_dir);
   const auto& lines = in.lines;
+  const RunFacts& facts = in.facts;
+  const bool ps = facts.parameter_server;
   const std::string title =
       "moetrain run: " + fs::absolute(run_dir, ec).lexically_normal().filename().string();
 
@@ -344,6 +336,7 @@ std::string render_report(const fs::path& run_dir) {
                       kStyle);
   html += fmt::format("<h1>{}</h1>\n<p>{}</p>\n", html_escape(title),
                       html_escape(fs::absolute(run_dir, ec).string()));
+  html += run_header(run_dir, facts, lines);
   if (!in.notes.empty()) {
     html += "<div class=\"notes\"><ul>\n";
     for (const auto& n : in.notes) html += fmt::format("<li>{}</li>\n", html_escape(n));
@@ -352,26 +345,49 @@ std::string render_report(const fs::path& run_dir) {
   html += summary(in);
 
   const std::string no_metrics = "not in metrics.jsonl yet";
-  html += chart(
-      "loss", "Loss",
-      {series_of(lines, "loss", "train loss"), series_of(lines, "val_loss", "validation loss"),
-       series_of(lines, "test_loss", "test loss")},
-      {.y_label = "loss"}, no_metrics);
-  html += chart("lr", "Learning rate", {series_of(lines, "lr")}, {.y_label = "learning rate"},
-                no_metrics);
-  html += chart(
-      "throughput", "Throughput",
-      {series_of(lines, "tokens_per_s", "tokens/s"), series_of(lines, "images_per_s", "images/s")},
-      {.y_label = "per second"}, no_metrics);
-  html += expert_sections(lines);
-  html += chart("time", "Compute and communication time per step",
-                {series_of(lines, "compute_s", "compute"),
-                 series_of(lines, "comm_exposed_s", "exposed communication"),
-                 series_of(lines, "comm_total_s", "communication (all-to-all and gradients)")},
-                {.y_label = "seconds"}, no_metrics);
+  const std::string loss = loss_unit(facts);
+  // Evaluations are few: drawn last (on top of the training curve), each point marked.
+  Series val = series_of(lines, "val_loss", "validation loss"),
+         test = series_of(lines, "test_loss", "test loss");
+  val.markers = test.markers = true;
+  html += chart("loss", fmt::format("Loss ({})", loss),
+                {series_of(lines, "loss", "train loss"), val, test},
+                {.y_label = fmt::format("loss ({})", loss)}, no_metrics);
+  html += chart("grad-norm", "Gradient norm (global L2, before clipping)",
+                {series_of(lines, "grad_norm", "gradient norm")}, {.y_label = "L2 norm"},
+                ps ? "a parameter-server run records no gradient norm (its servers apply the "
+                     "workers' pushes unclipped)"
+                   : no_metrics);
+  html += chart("lr", "Learning rate", {series_of(lines, "lr")},
+                {.y_label = "learning rate (per step)"}, no_metrics);
+  if (ps) {
+    html += chart("throughput", "Throughput (tokens per second, per worker and all workers)",
+                  worker_series(in.roles, "tokens_per_s"), {.y_label = "tokens/s"},
+                  "no tokens_per_s in RUN_DIR/metrics/worker_*.jsonl yet");
+  } else {
+    const bool images = facts.kind == RunKind::Classifier;
+    html += chart("throughput",
+                  images ? "Throughput (images per second)" : "Throughput (tokens per second)",
+                  {series_of(lines, images ? "images_per_s" : "tokens_per_s",
+                             images ? "images/s" : "tokens/s")},
+                  {.y_label = images ? "images/s" : "tokens/s"}, no_metrics);
+  }
+  html += ps ? ps_expert_sections(run_dir, facts.config) : expert_sections(lines);
+  if (ps) {
+    std::vector<Series> times = worker_series(in.roles, "step_time_s");
+    if (times.size() > 1) times.pop_back();  // a sum of times is no step time
+    html += chart("time", "Step time per worker (its compute and its wait for the servers)", times,
+                  {.y_label = "time (s)"}, "no step_time_s in RUN_DIR/metrics/worker_*.jsonl yet");
+  } else {
+    html += chart("time", "Compute and communication time per step",
+                  {series_of(lines, "compute_s", "compute"),
+                   series_of(lines, "comm_exposed_s", "exposed communication"),
+                   series_of(lines, "comm_total_s", "communication (all-to-all and gradients)")},
+                  {.y_label = "time (s)"}, no_metrics);
+  }
   html += rank_time_section(lines);
   html += job_sections(run_dir);
-  html += config_section(in.config);
+  html += config_section(facts);
   html += checkpoints_section(run_dir);
   const fs::path sample = run_dir / kSampleFile;
   if (fs::is_regular_file(sample, ec))

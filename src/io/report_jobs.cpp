@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <fstream>
 #include <map>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -157,6 +159,81 @@ std::string job_sections(const std::filesystem::path& run_dir) {
     out += report_section("events", "Restarts and failures", body,
                           "no events in RUN_DIR/metrics/scheduler.jsonl or launcher.jsonl");
   }
+  return out;
+}
+
+std::vector<Series> worker_series(const std::map<std::string, std::vector<Json>>& roles,
+                                  const char* key) {
+  std::vector<Series> out;
+  std::map<double, std::pair<double, std::size_t>> total;  // step -> sum, workers
+  for (const auto& [role, lines] : roles_with(roles, "worker_")) {
+    Series s = series(*lines, key, role);
+    if (s.x.empty()) continue;
+    for (std::size_t i = 0; i < s.x.size(); ++i) {
+      auto& [sum, n] = total[s.x[i]];
+      sum += s.y[i];
+      ++n;
+    }
+    out.push_back(std::move(s));
+  }
+  if (out.size() > 1) {
+    Series all{"all workers", {}, {}};
+    for (const auto& [step, sn] : total)
+      if (sn.second == out.size()) all.x.push_back(step), all.y.push_back(sn.first);
+    out.push_back(std::move(all));
+  }
+  return out;
+}
+
+std::string ps_expert_sections(const std::filesystem::path& run_dir, const Json& config) {
+  int64_t layers = 0, experts = 0;
+  if (config.is_object() && config.contains("model") && config["model"].is_object()) {
+    const Json& m = config["model"];
+    if (number(m, "n_layers")) layers = m["n_layers"].get<int64_t>();
+    if (number(m, "n_experts")) experts = m["n_experts"].get<int64_t>();
+  }
+  // An expert's keys may span two servers: each counts the pushes it saw, so take the largest.
+  std::vector<double> pushed;
+  std::size_t servers = 0;
+  for (int i = 0;; ++i) {
+    std::ifstream in(run_dir / "ps" / fmt::format("server_{}.json", i));
+    if (!in) break;
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    const Json j = Json::parse(ss.str(), nullptr, false);
+    if (j.is_discarded() || !j.is_object()) continue;
+    auto c = j.find("expert_contributors");
+    if (c == j.end() || !c->is_array()) continue;
+    ++servers;
+    if (pushed.size() < c->size()) pushed.resize(c->size(), 0);
+    for (std::size_t e = 0; e < c->size(); ++e)
+      if ((*c)[e].is_number()) pushed[e] = std::max(pushed[e], (*c)[e].get<double>());
+  }
+  std::string map;
+  if (layers > 0 && experts > 0 && pushed.size() == static_cast<std::size_t>(layers * experts)) {
+    std::vector<std::vector<double>> cells(static_cast<std::size_t>(layers));
+    HeatmapSpec spec;
+    for (int64_t l = 0; l < layers; ++l) {
+      spec.row_labels.push_back(fmt::format("layer {}", l));
+      cells[l].assign(pushed.begin() + l * experts, pushed.begin() + (l + 1) * experts);
+    }
+    for (int64_t e = 0; e < experts; ++e) spec.col_labels.push_back(std::to_string(e));
+    spec.x_label = "expert";
+    spec.y_label = "MoE layer";
+    spec.value_label = "pushes";
+    map = heatmap(cells, spec);
+  }
+  const std::string per_step =
+      "a parameter-server run records no per-step expert load (the servers' lines carry no "
+      "tokens_per_expert); the whole run's pushes per expert are above";
+  std::string out = report_section(
+      "expert-load", "Expert load over the run (pushes that carried each expert's gradient)", map,
+      servers == 0 ? "no RUN_DIR/ps/server_I.json with expert_contributors yet"
+                   : "the servers' expert_contributors do not match model.n_layers × "
+                     "model.n_experts of the config");
+  out += report_section("expert-load-steps", "Expert load over steps", "", per_step);
+  out += report_section("imbalance", "Load imbalance", "", per_step);
+  out += report_section("utilisation", "Expert utilisation and dropped fraction", "", per_step);
   return out;
 }
 

@@ -7,7 +7,11 @@
 #include <string>
 #include <vector>
 
+#include <map>
+
 #include <nlohmann/json.hpp>
+
+#include "io/svg_chart.h"
 
 namespace moetrain {
 
@@ -23,5 +27,16 @@ std::string rank_time_section(const std::vector<nlohmann::json>& lines);
 // (updates/s) and "server-pending" per server, "events" (the scheduler's and the launcher's
 // lines with their causes); each "" when its files are absent.
 std::string job_sections(const std::filesystem::path& run_dir);
+
+// `key` of each worker's lines (roles "worker_I" of read_role_metrics, in index order), then,
+// with more than one worker, "all workers": their sum at each step every one of them reported.
+std::vector<Series> worker_series(const std::map<std::string, std::vector<nlohmann::json>>& roles,
+                                  const char* key);
+
+// The expert sections of a parameter-server run, whose lines carry no tokens_per_expert:
+// "expert-load" from the servers' summaries (RUN_DIR/ps/server_I.json: the pushes that carried
+// each expert's gradient over the run, layers × experts as the config's model.n_layers and
+// model.n_experts say), the per-step views each with a note saying why they are empty.
+std::string ps_expert_sections(const std::filesystem::path& run_dir, const nlohmann::json& config);
 
 }  // namespace moetrain

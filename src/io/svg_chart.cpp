@@ -176,8 +176,9 @@ std::string line_chart(const std::vector<Series>& series, const LineChartSpec& s
     if (pts[s].empty()) continue;
     const char* colour = kColours[s % std::size(kColours)];
     if (pts[s].size() == 1) {
-      out += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"{}\"/>\n",
-                         sx(pts[s][0].first), sy(pts[s][0].second), colour);
+      out += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"{}\"{}/>\n",
+                         sx(pts[s][0].first), sy(pts[s][0].second), colour,
+                         series[s].markers ? " class=\"marker\"" : "");
     } else {
       out += fmt::format(
           "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" data-series=\"{}\" points=\"",
@@ -186,6 +187,12 @@ std::string line_chart(const std::vector<Series>& series, const LineChartSpec& s
         out +=
             fmt::format("{}{:.1f},{:.1f}", i ? " " : "", sx(pts[s][i].first), sy(pts[s][i].second));
       out += "\"/>\n";
+      if (series[s].markers)
+        for (const auto& [x, y] : pts[s])
+          out += fmt::format(
+              "<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3.5\" fill=\"{}\" stroke=\"#fff\" "
+              "class=\"marker\"/>\n",
+              sx(x), sy(y), colour);
     }
     ++drawn;
   }
@@ -194,10 +201,14 @@ std::string line_chart(const std::vector<Series>& series, const LineChartSpec& s
     out += "<g class=\"legend\">\n";
     for (std::size_t s = 0; s < series.size(); ++s) {
       if (pts[s].empty()) continue;
+      const char* colour = kColours[s % std::size(kColours)];
       out += fmt::format(
           "<rect x=\"{:.1f}\" y=\"{}\" width=\"14\" height=\"4\" fill=\"{}\"/>"
           "<text x=\"{:.1f}\" y=\"{}\" class=\"tick\">{}</text>\n",
-          lx, 8, kColours[s % std::size(kColours)], lx + 18, 13, html_escape(series[s].name));
+          lx, 8, colour, lx + 18, 13, html_escape(series[s].name));
+      if (series[s].markers)
+        out += fmt::format("<circle cx=\"{:.1f}\" cy=\"10\" r=\"3.5\" fill=\"{}\"/>\n", lx + 7,
+                           colour);
       lx += 30 + 7.0 * static_cast<double>(series[s].name.size());
     }
     out += "</g>\n";

@@ -14,6 +14,7 @@ std::string html_escape(std::string_view text);
 struct Series {
   std::string name;
   std::vector<double> x, y;  // same length; non-finite points are left out
+  bool markers = false;      // a circle at every point too (sparse series: evaluations)
 };
 
 struct LineChartSpec {
@@ -23,7 +24,8 @@ struct LineChartSpec {
   std::size_t max_points = 1500;  // per series; longer ones are thinned evenly (last point kept)
 };
 
-// One polyline per non-empty series (a circle where a series has a single point), axes with tick
+// One polyline per non-empty series (a circle where a series has a single point, and at every
+// point of a series with markers), drawn in order so that later series lie on top, axes with tick
 // labels, and a legend when there is more than one series. Empty string when no series has a
 // finite point.
 std::string line_chart(const std::vector<Series>& series, const LineChartSpec& spec);

@@ -33,7 +33,8 @@ enum EventField : uint32_t {
 enum SessionLogField : uint32_t { kStatus = 1 };
 constexpr uint64_t kSessionStart = 1;  // SessionLog.SessionStatus.START
 enum SummaryField : uint32_t { kValue = 1 };
-enum ValueField : uint32_t { kTag = 1, kSimpleValue = 2, kHisto = 5 };
+enum ValueField : uint32_t { kTag = 1, kSimpleValue = 2, kHisto = 5, kMetadata = 9 };
+enum SummaryMetadataField : uint32_t { kSummaryDescription = 3 };
 enum HistoField : uint32_t {
   kMin = 1,
   kMax = 2,
@@ -87,6 +88,14 @@ std::string host_name() {
   return buf;
 }
 
+// Value.metadata holding only the description; nothing when it is empty.
+void put_description(std::string& value, std::string_view description) {
+  if (description.empty()) return;
+  std::string meta;
+  put_bytes(meta, kSummaryDescription, description);
+  put_bytes(value, kMetadata, meta);
+}
+
 }  // namespace
 
 uint32_t masked_crc32c(const void* data, std::size_t n) {
@@ -133,17 +142,19 @@ std::vector<std::string> read_tfrecords(const fs::path& path) {
   return out;
 }
 
-void Summary::add_scalar(std::string_view tag, float value) {
+void Summary::add_scalar(std::string_view tag, float value, std::string_view description) {
   std::string v;
   put_bytes(v, kTag, tag);
   // Written even when 0: simple_value is a member of a oneof, whose presence is what a reader
   // tests.
   put_tag(v, kSimpleValue, kFixed32);
   put_le(v, value);
+  put_description(v, description);
   put_bytes(bytes_, kValue, v);
 }
 
-void Summary::add_histogram(std::string_view tag, const Histogram& h) {
+void Summary::add_histogram(std::string_view tag, const Histogram& h,
+                            std::string_view description) {
   MOETRAIN_CHECK(h.bucket.size() == h.bucket_limit.size(),
                  "histogram '{}': {} buckets but {} bucket limits", tag, h.bucket.size(),
                  h.bucket_limit.size());
@@ -158,6 +169,7 @@ void Summary::add_histogram(std::string_view tag, const Histogram& h) {
   std::string v;
   put_bytes(v, kTag, tag);
   put_bytes(v, kHisto, histo);
+  put_description(v, description);
   put_bytes(bytes_, kValue, v);
 }
 

@@ -3,7 +3,8 @@
 // An event file is a sequence of TFRecords: uint64 length (little-endian), masked CRC-32C of those
 // 8 bytes, the data, masked CRC-32C of the data. Each record holds one serialized tensorflow.Event;
 // the first carries file_version "brain.Event:2", the others wall_time, step and a Summary of
-// scalar values (simple_value, a float) and histograms (HistogramProto). The few messages and
+// scalar values (simple_value, a float) and histograms (HistogramProto), each with an optional
+// description (SummaryMetadata.summary_description). The few messages and
 // fields involved are encoded by hand (varints, fixed64 doubles, fixed32 floats, length-delimited
 // and packed fields, with tensorflow's field numbers): that is shorter than a .proto, its
 // generated code and a dependency on libprotobuf, and it cannot drift from what is written here.
@@ -45,11 +46,13 @@ struct Histogram {
   std::vector<double> bucket;        // (buckets) counts
 };
 
-// The values of one Event's Summary, encoded as they are added.
+// The values of one Event's Summary, encoded as they are added. A non-empty `description` goes
+// into the value's SummaryMetadata (summary_description), which TensorBoard shows beside the
+// tag's chart; it keeps the first one it reads for a tag, so once per tag and file is enough.
 class Summary {
  public:
-  void add_scalar(std::string_view tag, float value);
-  void add_histogram(std::string_view tag, const Histogram& h);
+  void add_scalar(std::string_view tag, float value, std::string_view description = {});
+  void add_histogram(std::string_view tag, const Histogram& h, std::string_view description = {});
   bool empty() const { return bytes_.empty(); }
   // The serialized tensorflow.Summary message.
   const std::string& bytes() const { return bytes_; }

@@ -4,7 +4,9 @@ Usage: report_browser_test.py MOETRAIN_BINARY SCRATCH_DIR
 
 Trains a tiny model with the real `moetrain` binary, writes `moetrain report`, then has Chromium
 (Debian package chromium) load the file: once dumping the DOM it built, which must hold one
-<svg class="chart"> per chart section and as many polyline points as metrics.jsonl has steps, and
+<svg class="chart"> per chart section, as many polyline points as metrics.jsonl has steps, a
+marker on each validation point, a unit on each chart's y axis (the loss in nats/byte, as `train`
+prints it) and the run header (version, processes, CPU, start, wall time), and
 once taking a screenshot (SCRATCH_DIR/report.png, to look at) with console logging on, which must
 show no console message (a script error, a blocked fetch, a malformed SVG).
 
@@ -27,8 +29,13 @@ TINY = [
     f"train.steps={STEPS}", "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1",
     "train.eval_every=4", "train.checkpoint_every=6", "train.progress=off",
 ]
-CHARTS = ["loss", "lr", "throughput", "expert-load", "expert-load-steps", "imbalance",
+CHARTS = ["loss", "grad-norm", "lr", "throughput", "expert-load", "expert-load-steps", "imbalance",
           "utilisation", "time"]
+# Section -> the y-axis label its chart must carry.
+UNITS = {"loss": "loss (nats/byte)", "grad-norm": "L2 norm", "throughput": "tokens/s",
+         "time": "time (s)", "imbalance": "ratio (max / mean)", "utilisation": "fraction (0 to 1)"}
+HEADER = ["moetrain", "run", "processes", "device", "CPU", "started", "wall time", "time in steps",
+          "settings"]
 
 
 def run(cmd, **kw):
@@ -84,6 +91,22 @@ def main():
     points = [len(p.split()) for p in re.findall(r'points="([^"]*)"', by_id["lr"])]
     if points != [train_steps]:
         sys.exit(f"FAIL: learning-rate polyline has {points} points, expected [{train_steps}]")
+    markers = by_id["loss"].count('class="marker"')
+    if markers != val_steps:
+        sys.exit(f"FAIL: the loss chart marks {markers} validation points, expected {val_steps}")
+    for sec, unit in UNITS.items():
+        labels = re.findall(r'<text[^>]*rotate\(-90[^>]*>([^<]*)</text>', by_id[sec])
+        if labels != [unit]:
+            sys.exit(f"FAIL: section {sec!r} has y-axis labels {labels}, expected [{unit!r}]")
+    header = re.search(r'<table class="header" id="run-header">(.*?)</table>', dom, re.S)
+    if header is None or dom.find('id="run-header"') > dom.find("<section"):
+        sys.exit("FAIL: no run header above the sections")
+    rows = dict(re.findall(r"<th>([^<]*)</th><td>([^<]*)</td>", header.group(1)))
+    if list(rows) != HEADER:
+        sys.exit(f"FAIL: the run header has rows {list(rows)}, expected {HEADER}")
+    version = run([moetrain, "version"]).stdout.split("\n")[0].split()[1]
+    if not rows["moetrain"].startswith(version) or not rows["processes"].startswith("1 process"):
+        sys.exit(f"FAIL: the run header says {rows}; expected moetrain {version}, 1 process")
     if "&lt;sample&gt; &amp; its text" not in by_id.get("sample", ""):
         sys.exit("FAIL: the sample text is missing or not escaped in the rendered DOM")
 

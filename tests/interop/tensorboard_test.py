@@ -5,8 +5,9 @@ Usage: tensorboard_test.py MOETRAIN_BINARY SCRATCH_DIR
 Trains a tiny model with the real `moetrain` binary (evaluation every 2 steps, a checkpoint every
 3), loads RUN_DIR/tb with TensorBoard's own EventAccumulator and checks that its scalars are
 exactly the numbers of metrics.jsonl at the same steps (as float32, TensorBoard's simple_value),
-tag for tag and nothing more, and that tokens_per_expert arrived as one histogram per layer whose
-buckets are the experts' counts. Then the run is resumed from its step-3 checkpoint (the step-6
+under the grouped tags docs/metrics.md lists (train/loss, eval/loss, moe/layer_0/..., comm/...,
+perf/...), each with a description, tag for tag and nothing more, and that tokens_per_expert
+arrived as one histogram per layer whose buckets are the experts' counts. Then the run is resumed from its step-3 checkpoint (the step-6
 one removed, as after a crash): the new event file must make TensorBoard drop the replaced run's
 steps 4..6, so that the directory again reads as metrics.jsonl.
 
@@ -31,6 +32,31 @@ TINY = [
     "train.steps=6", "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1",
     "train.eval_every=2", "train.checkpoint_every=3", "train.progress=off",
 ]
+
+
+# metrics.jsonl key -> TensorBoard tag, as docs/metrics.md lists them; per-layer keys become
+# moe/layer_i/KEY.
+TAGS = {
+    "loss": "train/loss", "ce": "train/ce", "aux": "train/aux", "z": "train/z", "lr": "train/lr",
+    "grad_norm": "train/grad_norm", "val_loss": "eval/loss", "tokens_per_s": "perf/tokens_per_s",
+    "step_time_s": "perf/step_time_s", "compute_s": "perf/compute_s",
+    "grad_accum_efficiency": "perf/grad_accum_efficiency", "comm_total_s": "comm/total_s",
+    "comm_exposed_s": "comm/exposed_s", "comm_efficiency": "comm/efficiency",
+    "overlap_ratio": "comm/overlap_ratio", "bytes_a2a": "comm/bytes_a2a",
+    "bytes_grad": "comm/bytes_grad", "imbalance": "moe/imbalance",
+}
+PER_LAYER = {"dropped_fraction", "load_entropy", "rank_max_mean_load", "capacity_factor",
+             "capacity_utilisation", "tokens_per_expert", "expert_utilisation", "max_mean_load"}
+
+
+def tag(key, layer=None):
+    if layer is None:
+        if key not in TAGS:
+            raise Mismatch(f"metrics.jsonl has '{key}', which this test does not know")
+        return TAGS[key]
+    if key not in PER_LAYER:
+        raise Mismatch(f"metrics.jsonl has per-layer '{key}', which this test does not know")
+    return f"moe/layer_{layer}/{key}"
 
 
 class Mismatch(Exception):
@@ -62,21 +88,21 @@ def expected(run_dir):
             if key == "step":
                 continue
             if isinstance(v, bool):
-                scalars.setdefault(key, []).append((step, float(v)))
+                scalars.setdefault(tag(key), []).append((step, float(v)))
             elif isinstance(v, (int, float)):
-                scalars.setdefault(key, []).append((step, f32(v)))
+                scalars.setdefault(tag(key), []).append((step, f32(v)))
             elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
                 for i, x in enumerate(v):
-                    scalars.setdefault(f"{key}/layer_{i}", []).append((step, f32(x)))
+                    scalars.setdefault(tag(key, i), []).append((step, f32(x)))
             elif isinstance(v, list) and v and all(isinstance(r, list) for r in v):
                 for i, row in enumerate(v):
-                    histos.setdefault(f"{key}/layer_{i}", []).append((step, [float(c) for c in row]))
+                    histos.setdefault(tag(key, i), []).append((step, [float(c) for c in row]))
                     if key != "tokens_per_expert":
                         continue
                     used = sum(1 for c in row if c > 0) / len(row)
                     mean = sum(row) / len(row)
-                    scalars.setdefault(f"expert_utilisation/layer_{i}", []).append((step, f32(used)))
-                    scalars.setdefault(f"max_mean_load/layer_{i}", []).append(
+                    scalars.setdefault(tag("expert_utilisation", i), []).append((step, f32(used)))
+                    scalars.setdefault(tag("max_mean_load", i), []).append(
                         (step, f32(max(row) / mean if mean > 0 else 1.0)))
     return scalars, histos
 
@@ -86,10 +112,11 @@ def check(run_dir, what):
         ea.SCALARS: 0, ea.HISTOGRAMS: 0, ea.COMPRESSED_HISTOGRAMS: 0})
     acc.Reload()
     scalars, histos = expected(run_dir)
-    for want in ("loss", "ce", "aux", "z", "lr", "grad_norm", "tokens_per_s", "val_loss",
-                 "imbalance", "comm_efficiency", "comm_total_s", "comm_exposed_s",
-                 "overlap_ratio", "bytes_grad", "dropped_fraction/layer_0",
-                 "expert_utilisation/layer_1", "max_mean_load/layer_0"):
+    for want in ("train/loss", "train/ce", "train/aux", "train/z", "train/lr", "train/grad_norm",
+                 "perf/tokens_per_s", "eval/loss", "moe/imbalance", "comm/efficiency",
+                 "comm/total_s", "comm/exposed_s", "comm/overlap_ratio", "comm/bytes_grad",
+                 "moe/layer_0/dropped_fraction", "moe/layer_1/expert_utilisation",
+                 "moe/layer_0/max_mean_load"):
         if want not in scalars:
             raise Mismatch(f"{what}: metrics.jsonl has no '{want}' (the test's premise)")
     tags = acc.Tags()
@@ -113,6 +140,9 @@ def check(run_dir, what):
             if list(h.bucket_limit) != [float(i + 1) for i in range(n)] or h.num != sum(h.bucket):
                 raise Mismatch(f"{what}: histogram '{tag}' at step {e.step}: limits "
                                f"{list(h.bucket_limit)}, num {h.num}, buckets {list(h.bucket)}")
+    for t in list(scalars) + list(histos):
+        if not acc.SummaryMetadata(t).summary_description:
+            raise Mismatch(f"{what}: tag '{t}' has no description")
     n = sum(len(v) for v in scalars.values())
     print(f"{what}: {len(scalars)} scalar tags ({n} values) and {len(histos)} histogram tags "
           f"agree with metrics.jsonl")

@@ -9,10 +9,12 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "support/expect_error.h"
 #include "support/temp_dir.h"
+#include "train/run_config.h"
 
 namespace moetrain {
 namespace {
@@ -53,8 +55,10 @@ std::string metrics_lines(int steps = 5) {
                         {"ce", 4.9},
                         {"aux", 0.01},
                         {"lr", 1e-3 * s},
+                        {"grad_norm", 2.0 / s},
                         {"tokens_per_s", 1000.0 + s},
                         {"compute_s", 0.1},
+                        {"step_time_s", 0.1},
                         {"comm_exposed_s", 0.01},
                         {"comm_total_s", 0.05},
                         {"imbalance", 1.2},
@@ -66,11 +70,12 @@ std::string metrics_lines(int steps = 5) {
   return out;
 }
 
+// As `train` writes them: config.json at the start, then the metrics.
 void write_run(const TempDir& dir, const std::string& metrics, int64_t planned_steps = 5) {
-  dir.write("metrics.jsonl", metrics);
   nlohmann::json config = {{"model", {{"n_experts", 3}, {"name", "<script>alert(1)</script>"}}},
                            {"train", {{"steps", planned_steps}, {"run_dir", "runs/x"}}}};
   dir.write("config.json", config.dump(2));
+  dir.write("metrics.jsonl", metrics);
 }
 
 TEST(Report, OneSectionPerChartWithEveryPoint) {
@@ -81,9 +86,9 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
   dir.write("sample.txt", "Fortune <b>& \"cookie\"");
   const std::string html = render_report(dir.path());
 
-  EXPECT_EQ(count(html, "<svg class=\"chart\""), 8u);
-  for (const char* id : {"loss", "lr", "throughput", "expert-load", "expert-load-steps",
-                         "imbalance", "utilisation", "time"}) {
+  EXPECT_EQ(count(html, "<svg class=\"chart\""), 9u);
+  for (const char* id : {"loss", "grad-norm", "lr", "throughput", "expert-load",
+                         "expert-load-steps", "imbalance", "utilisation", "time"}) {
     const std::string sec = section(html, id);
     ASSERT_FALSE(sec.empty()) << id;
     EXPECT_EQ(count(sec, "<h2>"), 1u) << id;
@@ -91,6 +96,7 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
   }
   EXPECT_EQ(polyline_points(section(html, "loss")), (std::vector<std::size_t>{5, 2}));
   EXPECT_EQ(polyline_points(section(html, "lr")), (std::vector<std::size_t>{5}));
+  EXPECT_EQ(polyline_points(section(html, "grad-norm")), (std::vector<std::size_t>{5}));
   EXPECT_EQ(polyline_points(section(html, "throughput")), (std::vector<std::size_t>{5}));
   EXPECT_EQ(polyline_points(section(html, "imbalance")), (std::vector<std::size_t>{5, 5}));
   EXPECT_EQ(polyline_points(section(html, "utilisation")), (std::vector<std::size_t>{5, 5}));
@@ -143,7 +149,7 @@ TEST(Report, EmptyRunDirectoryNamesWhatIsMissing) {
   EXPECT_NE(html.find("metrics.jsonl does not exist"), std::string::npos);
   EXPECT_NE(html.find("config.json does not exist"), std::string::npos);
   EXPECT_EQ(count(html, "<svg class=\"chart\""), 0u);
-  EXPECT_EQ(count(html, "<section"), 10u);  // each chart says it has no data yet
+  EXPECT_EQ(count(html, "<section"), 11u);  // each chart says it has no data yet
 
   dir.write("metrics.jsonl", "");
   html = render_report(dir.path());
@@ -258,6 +264,158 @@ TEST(Report, WithoutJobFilesThoseSectionsAreLeftOut) {
   for (const char* id : {"rank-time", "rank-straggler", "workers", "worker-staleness", "servers",
                          "server-pending", "events"})
     EXPECT_EQ(html.find(std::string("<section id=\"") + id + "\""), std::string::npos) << id;
+}
+
+// The y-axis label of the chart of a section.
+std::string y_label(const std::string& sec) {
+  const auto rotated = sec.find("rotate(-90");
+  if (rotated == std::string::npos) return {};
+  const auto a = sec.find('>', rotated) + 1;
+  return sec.substr(a, sec.find('<', a) - a);
+}
+
+TEST(Report, AxesCarryUnitsAndValidationIsMarkedOnTop) {
+  TempDir dir("report");
+  write_run(dir, metrics_lines());
+  const std::string html = render_report(dir.path());
+  // As `train` prints the loss.
+  EXPECT_EQ(y_label(section(html, "loss")), "loss (nats/byte)");
+  EXPECT_EQ(y_label(section(html, "throughput")), "tokens/s");
+  EXPECT_EQ(y_label(section(html, "time")), "time (s)");
+  EXPECT_EQ(y_label(section(html, "grad-norm")), "L2 norm");
+  EXPECT_EQ(y_label(section(html, "imbalance")), "ratio (max / mean)");
+  EXPECT_NE(section(html, "loss").find("<h2>Loss (nats/byte)</h2>"), std::string::npos);
+  // Two evaluations: a marker on each, drawn after (above) the training curve.
+  const std::string loss = section(html, "loss");
+  EXPECT_EQ(count(loss, "class=\"marker\""), 2u);
+  EXPECT_LT(loss.find("data-series=\"train loss\""), loss.find("class=\"marker\""));
+  EXPECT_NE(html.find("last val_loss (step 4)</td><td>3.6 nats/byte"), std::string::npos);
+}
+
+TEST(Report, HeaderNamesVersionLayoutDeviceAndTimes) {
+  TempDir dir("report");
+  write_run(dir, metrics_lines());
+  dir.write(
+      "checkpoints/step_00000004/trainer_state.json",
+      R"({"step": 4, "layout": {"processes": 4, "dp": 2, "ep": 2, "zero": 0, "grad_accum": 1}})");
+  const std::string html = render_report(dir.path());
+  const auto start = html.find("<table class=\"header\" id=\"run-header\">");
+  ASSERT_NE(start, std::string::npos);
+  const std::string header = html.substr(start, html.find("</table>", start) - start);
+  EXPECT_NE(header.find(std::string("<td>") + MOETRAIN_VERSION), std::string::npos) << header;
+  EXPECT_NE(header.find("byte-level language model"), std::string::npos);
+  EXPECT_NE(header.find("4 process(es), dp 2, ep 2, zero 0, grad_accum 1"), std::string::npos);
+  for (const char* row : {"<th>device</th><td>cpu</td>", "<th>CPU</th>", "<th>started</th>",
+                          "<th>wall time</th>", "<th>time in steps</th><td>0.5 s</td>"})
+    EXPECT_NE(header.find(row), std::string::npos) << row << "\n" << header;
+  EXPECT_LT(start, html.find("<section"));  // at the top
+}
+
+TEST(Report, ConfigHighlightsValuesThatDifferFromTheSchemaDefaults) {
+  TempDir dir("report");
+  nlohmann::json config = RunConfig{}.to_json();
+  const nlohmann::json default_lr = config["optim"]["lr"];
+  config["model"]["n_experts"] = config["model"]["n_experts"].get<int64_t>() * 2;
+  dir.write("config.json", config.dump(2));
+  dir.write("metrics.jsonl", metrics_lines());
+  const std::string sec = section(render_report(dir.path()), "config");
+  EXPECT_NE(
+      sec.find(fmt::format("<tr class=\"changed\"><td>model.n_experts</td><td>{}</td><td>{}</td>",
+                           config["model"]["n_experts"].dump(),
+                           RunConfig{}.to_json()["model"]["n_experts"].dump())),
+      std::string::npos)
+      << sec;
+  EXPECT_NE(
+      sec.find(fmt::format("<tr><td>optim.lr</td><td>{0}</td><td>{0}</td>", default_lr.dump())),
+      std::string::npos)
+      << sec;
+  EXPECT_EQ(count(sec, "class=\"changed\""), 1u);
+  EXPECT_NE(sec.find("1 of "), std::string::npos);
+}
+
+// A `moetrain ps launch` run directory as the job leaves it: server 0's metrics.jsonl (one line per
+// update, and worker 0's final validation), the per-process files, the job's summaries and worker
+// 0's checkpoint with the settings inside its config.json; no RUN_DIR/config.json.
+void write_ps_run(const TempDir& dir) {
+  std::string lines;
+  for (int s = 1; s <= 6; ++s)
+    lines += nlohmann::json{{"step", s},   {"clock", s - 1}, {"loss", 5.0 - 0.2 * s}, {"lr", 1e-3},
+                            {"pushes", 2}, {"rows", 8},      {"time", 1000.0 + s}}
+                 .dump() +
+             "\n";
+  lines += nlohmann::json{{"step", 6}, {"val_loss", 4.1}}.dump() + "\n";
+  dir.write("metrics.jsonl", lines);
+  for (int w = 0; w < 2; ++w) {
+    std::string wl;
+    for (int s = 1; s <= 6; ++s)
+      wl += nlohmann::json{{"step", s},           {"rows", 4},
+                           {"rows_per_s", 100.0}, {"tokens_per_s", 3200.0 + w},
+                           {"staleness", 0},      {"step_time_s", 0.04},
+                           {"time", 1000.0 + s}}
+                .dump() +
+            "\n";
+    dir.write("metrics/worker_" + std::to_string(w) + ".jsonl", wl);
+    dir.write(
+        "metrics/server_" + std::to_string(w) + ".jsonl",
+        nlohmann::json{{"step", 1}, {"updates", 1}, {"pending", 0}}.dump() + "\n" +
+            nlohmann::json{{"step", 2}, {"updates", 2}, {"updates_per_s", 30.0}, {"pending", 0}}
+                .dump() +
+            "\n");
+    // Server 0 holds layer 0's experts, server 1 layer 1's.
+    std::vector<int> contributors(8, 0);
+    for (int e = 0; e < 4; ++e) contributors[static_cast<std::size_t>(4 * w + e)] = 12 - e;
+    dir.write(
+        "ps/server_" + std::to_string(w) + ".json",
+        nlohmann::json{{"index", w}, {"updates", 6}, {"expert_contributors", contributors}}.dump());
+  }
+  dir.write("metrics/scheduler.jsonl",
+            nlohmann::json{{"event", "job_start"}, {"time", 999.5}}.dump() + "\n" +
+                nlohmann::json{{"event", "job_complete"}, {"time", 1007.0}}.dump() + "\n");
+  dir.write(
+      "ps/job.json",
+      R"({"servers": [{"index": 0}, {"index": 1}], "workers": [{"index": 0}, {"index": 1}]})");
+  nlohmann::json settings = RunConfig{}.to_json();
+  settings["model"]["n_layers"] = 2;
+  settings["model"]["n_experts"] = 4;
+  settings["train"]["steps"] = 6;
+  dir.write("checkpoints/step_00000006/config.json",
+            nlohmann::json{{"model_type", "mixtral"}, {"moetrain", settings}}.dump());
+  dir.write(
+      "checkpoints/step_00000006/trainer_state.json",
+      R"({"step": 6, "parameter_server": {"servers": 2, "workers": 2, "consistency": "sync"}})");
+}
+
+TEST(Report, ParameterServerRunFillsItsSectionsFromThePerProcessFiles) {
+  TempDir dir("report");
+  write_ps_run(dir);
+  const std::string html = render_report(dir.path());
+  EXPECT_EQ(html.find("does not exist"), std::string::npos) << html.substr(0, 3000);
+  EXPECT_NE(
+      html.find("recorded in " + (dir.path() / "checkpoints/step_00000006/config.json").string()),
+      std::string::npos);
+  EXPECT_NE(html.find("parameter server: 2 server(s), 2 worker(s), sync consistency"),
+            std::string::npos);
+  EXPECT_NE(html.find("<th>wall time</th><td>7.5 s"), std::string::npos);
+  EXPECT_NE(html.find("6 of 6"), std::string::npos);  // the planned steps, from the checkpoint
+  EXPECT_EQ(polyline_points(section(html, "loss")), (std::vector<std::size_t>{6}));
+  EXPECT_EQ(count(section(html, "loss"), "class=\"marker\""), 1u);  // the one validation
+  // Per worker and all workers, from RUN_DIR/metrics/worker_I.jsonl.
+  EXPECT_EQ(polyline_points(section(html, "throughput")), (std::vector<std::size_t>{6, 6, 6}));
+  EXPECT_NE(section(html, "throughput").find("all workers"), std::string::npos);
+  EXPECT_EQ(y_label(section(html, "throughput")), "tokens/s");
+  EXPECT_EQ(polyline_points(section(html, "time")), (std::vector<std::size_t>{6, 6}));
+  EXPECT_EQ(y_label(section(html, "time")), "time (s)");
+  // The servers' pushes per expert: 2 layers × 4 experts.
+  EXPECT_EQ(count(section(html, "expert-load"), "<title>"), 8u);
+  EXPECT_NE(section(html, "expert-load-steps").find("records no per-step expert load"),
+            std::string::npos);
+  EXPECT_NE(section(html, "config").find("<tr class=\"changed\"><td>model.n_layers</td>"),
+            std::string::npos);
+  for (const char* id :
+       {"workers", "worker-staleness", "servers", "server-pending", "events", "checkpoints"})
+    EXPECT_FALSE(section(html, id).empty()) << id;
+  EXPECT_NE(html.find("last tokens_per_s, all workers (step 6)</td><td>6401 tokens/s"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -162,36 +163,74 @@ TEST(TensorboardTest, MetricsLineToValues) {
                                {"skipped", true},
                                {"dropped_fraction", {0.0, 0.125}},
                                {"tokens_per_expert", {{3, 0, 1}, {2, 2, 0}}},
-                               {"note", "text"}};
+                               {"note", "text"},
+                               {"note_count", 2}};
   Summary s;
   int64_t step = 0;
   ASSERT_TRUE(metrics_summary(line, step, s));
   EXPECT_EQ(step, 7);
-  // nlohmann::json keeps keys sorted.
+  // nlohmann::json keeps keys sorted; tags are grouped as tensorboard_tag says.
   EXPECT_EQ(tags_of(s), (std::vector<std::string>{
-                            "dropped_fraction/layer_0", "dropped_fraction/layer_1", "loss",
-                            "skipped", "tokens_per_expert/layer_0", "expert_utilisation/layer_0",
-                            "max_mean_load/layer_0", "tokens_per_expert/layer_1",
-                            "expert_utilisation/layer_1", "max_mean_load/layer_1"}));
+                            "moe/layer_0/dropped_fraction", "moe/layer_1/dropped_fraction",
+                            "train/loss", "note_count", "train/skipped",
+                            "moe/layer_0/tokens_per_expert", "moe/layer_0/expert_utilisation",
+                            "moe/layer_0/max_mean_load", "moe/layer_1/tokens_per_expert",
+                            "moe/layer_1/expert_utilisation", "moe/layer_1/max_mean_load"}));
   Summary none;
   EXPECT_FALSE(metrics_summary({{"rollback_to", 3}}, step, none));
   EXPECT_TRUE(none.empty());
 }
 
 TEST(TensorboardTest, PerRankListIsOneHistogram) {
-  const nlohmann::json line = {{"step", 3},
-                               {"rank_step_time_s", {0.5, 1.5}},
-                               {"rank_compute_s", {0.25, 1.25}}};
+  const nlohmann::json line = {
+      {"step", 3}, {"rank_step_time_s", {0.5, 1.5}}, {"rank_compute_s", {0.25, 1.25}}};
   Summary s, want;
   int64_t step = 0;
   ASSERT_TRUE(metrics_summary(line, step, s));
-  EXPECT_EQ(tags_of(s), (std::vector<std::string>{"rank_compute_s", "rank_step_time_s"}));
+  EXPECT_EQ(tags_of(s), (std::vector<std::string>{"perf/rank_compute_s", "perf/rank_step_time_s"}));
   Histogram h;
   h.min = 0, h.max = 1, h.num = 2, h.sum = 1.5, h.sum_squares = 1.5;
   h.bucket_limit = {1, 2}, h.bucket = {0.5, 1.5};
-  want.add_histogram("rank_compute_s", {0, 1, 1.5, 1.25, 1.25, {1, 2}, {0.25, 1.25}});
-  want.add_histogram("rank_step_time_s", h);
+  want.add_histogram("perf/rank_compute_s", {0, 1, 1.5, 1.25, 1.25, {1, 2}, {0.25, 1.25}},
+                     tensorboard_tag("rank_compute_s").description);
+  want.add_histogram("perf/rank_step_time_s", h, tensorboard_tag("rank_step_time_s").description);
   EXPECT_EQ(s.bytes(), want.bytes());
+}
+
+TEST(TensorboardTest, TagsAreGroupedAndDescribed) {
+  EXPECT_EQ(tensorboard_tag("loss").tag, "train/loss");
+  EXPECT_EQ(tensorboard_tag("lr").tag, "train/lr");
+  EXPECT_EQ(tensorboard_tag("grad_norm").tag, "train/grad_norm");
+  EXPECT_EQ(tensorboard_tag("val_loss").tag, "eval/loss");
+  EXPECT_EQ(tensorboard_tag("tokens_per_s").tag, "perf/tokens_per_s");
+  EXPECT_EQ(tensorboard_tag("comm_exposed_s").tag, "comm/exposed_s");
+  EXPECT_EQ(tensorboard_tag("imbalance").tag, "moe/imbalance");
+  EXPECT_EQ(tensorboard_tag("load_entropy", 3).tag, "moe/layer_3/load_entropy");
+  EXPECT_EQ(tensorboard_tag("profile_dense_gemm_s").tag, "perf/profile_dense_gemm_s");
+  for (const char* key : {"loss", "lr", "grad_norm", "val_loss", "tokens_per_s", "comm_total_s",
+                          "imbalance", "tokens_per_expert", "expert_utilisation"})
+    EXPECT_FALSE(tensorboard_tag(key, 0).description.empty()) << key;
+  // A key the table does not know keeps its name and has no description.
+  EXPECT_EQ(tensorboard_tag("new_key").tag, "new_key");
+  EXPECT_EQ(tensorboard_tag("new_list", 1).tag, "new_list/layer_1");
+  EXPECT_TRUE(tensorboard_tag("new_key").description.empty());
+}
+
+TEST(TensorboardTest, DescriptionIsSummaryMetadataOncePerTag) {
+  // Value { tag: "x", simple_value: 1, metadata { summary_description: "d" } }, as TensorBoard's
+  // protobuf classes serialize it.
+  Summary s;
+  s.add_scalar("x", 1.0f, "d");
+  EXPECT_EQ(s.bytes(), from_hex("0a0d0a0178150000803f4a031a0164"));
+  std::set<std::string> described;
+  Summary first, second;
+  int64_t step = 0;
+  ASSERT_TRUE(metrics_summary({{"step", 1}, {"loss", 2.0}}, step, first, &described));
+  ASSERT_TRUE(metrics_summary({{"step", 2}, {"loss", 1.0}}, step, second, &described));
+  const std::string d(tensorboard_tag("loss").description);
+  EXPECT_NE(first.bytes().find(d), std::string::npos);
+  EXPECT_EQ(second.bytes().find(d), std::string::npos);  // described in the file already
+  EXPECT_EQ(described, (std::set<std::string>{"train/loss"}));
 }
 
 TEST(TensorboardTest, MetricsWriterSecondSink) {
