@@ -297,8 +297,11 @@ TEST(ClassifierTrainer, DynamicCapacityAndTheRlControllerRunThroughTheOneEngine)
   const std::vector<nlohmann::json> mc = metrics(c / "run");
   ASSERT_FALSE(mc.empty());
   EXPECT_EQ(mc[0]["gating_reward"], nlohmann::json::array({0.0, 0.0}));  // no action yet
-  for (const auto& line : mc)
-    if (line.contains("loss")) EXPECT_TRUE(line.contains("gating_reward")) << line.dump();
+  for (const auto& line : mc) {
+    if (line.contains("loss")) {
+      EXPECT_TRUE(line.contains("gating_reward")) << line.dump();
+    }
+  }
 }
 
 TEST(ClassifierTrainer, EpochsSetTheRunLength) {
