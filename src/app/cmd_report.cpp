@@ -8,8 +8,15 @@
 #include "app/commands.h"
 #include "io/ablation_table.h"
 #include "io/report.h"
+#include "train/classifier_config.h"
+#include "train/run_config.h"
 
 namespace moetrain::app {
+
+// The defaults the report's config table compares with: the one schema's, of each kind of run.
+SettingDefaults setting_defaults() {
+  return {RunConfig{}.to_json(), ClassifierRunConfig{}.to_json()};
+}
 
 Run add_report_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
@@ -33,7 +40,7 @@ Run add_report_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   return [args] {
     const auto path = args->ablation ? write_ablation(args->run_dir, args->warmup)
-                                     : write_report(args->run_dir, args->out);
+                                     : write_report(args->run_dir, setting_defaults(), args->out);
     fmt::print("{}\n", path.string());
     return 0;
   };

@@ -9,6 +9,7 @@
 #endif
 
 #include "app/commands.h"
+#include "core/build_info.h"
 #include "core/threads.h"
 #include "kernels/gemm.h"
 
@@ -19,7 +20,7 @@ Run add_version_command(CLI::App& app) {
       "version", "Print the version, the GEMM backend and its ISA, MPI, ZeroMQ, threads");
   (void)cmd;
   return [] {
-    fmt::print("moetrain {}\n", MOETRAIN_VERSION);
+    fmt::print("moetrain {} (commit {})\n", build_version(), build_commit());
     fmt::print("gemm: {}\n", gemm_backend_info());
 #ifdef MOETRAIN_WITH_MPI
     char lib[MPI_MAX_LIBRARY_VERSION_STRING];

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 
+#include "core/build_info.h"
 #include "core/check.h"
 #include "core/fault.h"
 #include "core/log.h"
@@ -131,8 +132,11 @@ fs::path commit(const fs::path& run_dir, int64_t step, int world, const std::str
   check_tensors(tensors, files, tmp / kManifest);
 
   files["config.json"] = file_entry(write_json_file(tmp / "config.json", docs.config), 0);
+  // What wrote the checkpoint: the program (version, commit) and the machine (CPU, host).
+  json trainer = docs.trainer;
+  if (trainer.is_object() || trainer.is_null()) trainer["written_by"] = written_by();
   files["trainer_state.json"] =
-      file_entry(write_json_file(tmp / "trainer_state.json", docs.trainer), 0);
+      file_entry(write_json_file(tmp / "trainer_state.json", trainer), 0);
   if (!files.contains("model.safetensors") && !weight_map.empty()) {
     // Several model shards: transformers finds them through this index.
     json index = {{"metadata", {{"total_size", model_bytes}}}, {"weight_map", weight_map}};

@@ -109,7 +109,7 @@ struct Inputs {
   std::map<std::string, std::vector<Json>> roles;  // RUN_DIR/metrics/ROLE.jsonl
 };
 
-Inputs read_inputs(const fs::path& run_dir) {
+Inputs read_inputs(const fs::path& run_dir, const SettingDefaults& defaults) {
   Inputs in;
   const fs::path metrics = run_dir / kMetricsFile;
   std::error_code ec;
@@ -129,7 +129,7 @@ Inputs read_inputs(const fs::path& run_dir) {
           "or one that stopped mid-line)",
           metrics.string(), text_lines - in.lines.size(), text_lines));
   }
-  in.facts = read_run_facts(run_dir);
+  in.facts = read_run_facts(run_dir, defaults);
   in.notes.insert(in.notes.end(), in.facts.notes.begin(), in.facts.notes.end());
   in.roles = read_role_metrics(run_dir);
   return in;
@@ -319,12 +319,12 @@ std::string checkpoints_section(const fs::path& run_dir) {
 
 }  // namespace
 
-std::string render_report(const fs::path& run_dir) {
+std::string render_report(const fs::path& run_dir, const SettingDefaults& defaults) {
   std::error_code ec;
   MOETRAIN_CHECK(fs::is_directory(run_dir, ec),
                  "report: run directory {} does not exist (expected a train run's RUN_DIR)",
                  run_dir.string());
-  const Inputs in = read_inputs(run_dir);
+  const Inputs in = read_inputs(run_dir, defaults);
   const auto& lines = in.lines;
   const RunFacts& facts = in.facts;
   const bool ps = facts.parameter_server;
@@ -398,9 +398,10 @@ std::string render_report(const fs::path& run_dir) {
   return html;
 }
 
-fs::path write_report(const fs::path& run_dir, const fs::path& out) {
+fs::path write_report(const fs::path& run_dir, const SettingDefaults& defaults,
+                      const fs::path& out) {
   const fs::path path = out.empty() ? run_dir / "report.html" : out;
-  const std::string html = render_report(run_dir);
+  const std::string html = render_report(run_dir, defaults);
   write_file_atomic(path, html);
   return path;
 }

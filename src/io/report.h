@@ -9,17 +9,21 @@
 #include <filesystem>
 #include <string>
 
+#include "io/report_run.h"
+
 namespace moetrain {
 
 // The file the demo saves its sample text to, shown at the end of the report.
 inline constexpr const char* kSampleFile = "sample.txt";
 
-// The report of `run_dir` as an HTML document.
-std::string render_report(const std::filesystem::path& run_dir);
+// The report of `run_dir` as an HTML document; `defaults` are the settings' defaults the config
+// table compares with.
+std::string render_report(const std::filesystem::path& run_dir, const SettingDefaults& defaults);
 
-// Writes render_report(run_dir) to `out` (atomically); an empty `out` means
+// Writes render_report(run_dir, defaults) to `out` (atomically); an empty `out` means
 // RUN_DIR/report.html. Returns the path written.
 std::filesystem::path write_report(const std::filesystem::path& run_dir,
+                                   const SettingDefaults& defaults,
                                    const std::filesystem::path& out = {});
 
 }  // namespace moetrain

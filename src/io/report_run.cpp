@@ -12,11 +12,10 @@
 
 #include <fmt/format.h>
 
+#include "core/build_info.h"
 #include "io/metrics.h"
 #include "io/report_jobs.h"
 #include "io/svg_chart.h"
-#include "train/classifier_config.h"
-#include "train/run_config.h"
 
 namespace moetrain {
 namespace fs = std::filesystem;
@@ -98,16 +97,6 @@ std::string duration(double s) {
   return fmt::format("{} h {} min", total / 3600, total % 3600 / 60);
 }
 
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);)
-    if (line.starts_with("model name")) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  return "unknown";
-}
-
 std::string layout_text(const RunFacts& f, const fs::path& run_dir,
                         const std::vector<Json>& lines) {
   if (f.parameter_server) {
@@ -142,7 +131,7 @@ std::string layout_text(const RunFacts& f, const fs::path& run_dir,
 
 }  // namespace
 
-RunFacts read_run_facts(const fs::path& run_dir) {
+RunFacts read_run_facts(const fs::path& run_dir, const SettingDefaults& defaults) {
   RunFacts f;
   std::error_code ec;
   f.parameter_server = fs::is_directory(run_dir / "ps", ec) ||
@@ -181,7 +170,7 @@ RunFacts read_run_facts(const fs::path& run_dir) {
                       own.string(), (run_dir / "checkpoints").string()));
   }
   // The kind whose schema knows more of the recorded keys.
-  const Json lm = RunConfig{}.to_json(), classifier = ClassifierRunConfig{}.to_json();
+  const Json &lm = defaults.language_model, &classifier = defaults.classifier;
   f.kind = f.config.is_object() && shared_keys(f.config, classifier) > shared_keys(f.config, lm)
                ? RunKind::Classifier
                : RunKind::LanguageModel;
@@ -198,8 +187,15 @@ std::string run_header(const fs::path& run_dir, const RunFacts& f, const std::ve
   auto row = [&](const std::string& k, const std::string& v) {
     rows += fmt::format("<tr><th>{}</th><td>{}</td></tr>\n", html_escape(k), html_escape(v));
   };
-  row("moetrain", fmt::format("{} (the binary that wrote this report; its commit is not recorded)",
-                              MOETRAIN_VERSION));
+  // What wrote the newest checkpoint (trainer_state.json "written_by"): the program and the
+  // machine that trained; runs without one name the report's own.
+  const Json by = f.trainer_state.is_object() ? f.trainer_state.value("written_by", Json()) : Json();
+  const bool recorded = by.is_object();
+  auto by_field = [&](const char* k) { return by.value(k, std::string("unknown")); };
+  row("moetrain", recorded ? fmt::format("{} (commit {})", by_field("moetrain"), by_field("commit"))
+                           : fmt::format("{} (commit {}; the binary writing this report: the run "
+                                         "records none)",
+                                         build_version(), build_commit()));
   std::string kind =
       f.kind == RunKind::Classifier ? "image classifier" : "byte-level language model";
   if (f.parameter_server) kind += ", parameter-server job";
@@ -210,7 +206,9 @@ std::string run_header(const fs::path& run_dir, const RunFacts& f, const std::ve
     if (auto d = f.config["train"].find("device"); d != f.config["train"].end() && d->is_string())
       device = d->get<std::string>();
   row("device", device == "cuda" ? "cuda (GPU; its model is not recorded)" : device);
-  row("CPU", cpu_model() + " (the machine writing this report)");
+  row("CPU", recorded ? fmt::format("{} (host {})", by_field("cpu"), by_field("host"))
+                      : host_cpu_model() + " (the machine writing this report: the run records "
+                                           "none)");
 
   // Start: config.json's writing (the run's start) or the earliest time a metrics line carries;
   // end: the latest such time, or the last metrics line's writing.

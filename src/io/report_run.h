@@ -1,7 +1,7 @@
 // The run report's facts about a run (io/report.h): what kind of run a directory holds, its
 // settings, the process layout and its times, and the two sections built from them: the header
 // at the top of the report and the config table, where the values that differ from the defaults
-// of the one config schema (a default RunConfig or ClassifierRunConfig) are highlighted.
+// of the one config schema (SettingDefaults) are highlighted.
 //
 // The settings are RUN_DIR/config.json where the run wrote one (`train`), else the "moetrain"
 // section of the newest checkpoint's config.json (a parameter-server job and the classifier
@@ -17,6 +17,13 @@ namespace moetrain {
 
 enum class RunKind { LanguageModel, Classifier };
 
+// The default settings of each kind of run ({section: {key: value}}), from the one config schema
+// (a default RunConfig and ClassifierRunConfig); the caller gives them, as io/ sits below train/.
+struct SettingDefaults {
+  nlohmann::json language_model;
+  nlohmann::json classifier;
+};
+
 struct RunFacts {
   RunKind kind = RunKind::LanguageModel;
   bool parameter_server = false;     // RUN_DIR/ps or the per-process worker files exist
@@ -28,7 +35,7 @@ struct RunFacts {
   std::vector<std::string> notes;    // what is missing or was read from elsewhere
 };
 
-RunFacts read_run_facts(const std::filesystem::path& run_dir);
+RunFacts read_run_facts(const std::filesystem::path& run_dir, const SettingDefaults& defaults);
 
 // The unit of the loss curves: "nats/byte" for the byte-level LM (as `train` prints it), "nats"
 // (per example) for the classifier.

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/expect_error.h"
+#include "support/report_defaults.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 
@@ -20,6 +21,7 @@ namespace moetrain {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::report_defaults;
 using testing::TempDir;
 
 std::size_t count(const std::string& text, const std::string& needle) {
@@ -84,7 +86,7 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
   dir.write("checkpoints/step_00000004/model.safetensors", std::string(10, 'x'));
   dir.write("checkpoints/step_00000004/config.json", std::string(20, 'y'));
   dir.write("sample.txt", "Fortune <b>& \"cookie\"");
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
 
   EXPECT_EQ(count(html, "<svg class=\"chart\""), 9u);
   for (const char* id : {"loss", "grad-norm", "lr", "throughput", "expert-load",
@@ -129,37 +131,38 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
 TEST(Report, WritesRunDirReportByDefault) {
   TempDir dir("report");
   write_run(dir, metrics_lines());
-  EXPECT_EQ(write_report(dir.path()), dir.path() / "report.html");
+  EXPECT_EQ(write_report(dir.path(), report_defaults()), dir.path() / "report.html");
   EXPECT_TRUE(fs::is_regular_file(dir.path() / "report.html"));
   const fs::path out = dir.path() / "elsewhere.html";
-  EXPECT_EQ(write_report(dir.path(), out), out);
+  EXPECT_EQ(write_report(dir.path(), report_defaults(), out), out);
   EXPECT_GT(fs::file_size(out), 1000u);
 }
 
 TEST(Report, MissingDirectoryIsAnErrorNamingIt) {
   TempDir dir("report");
   const fs::path missing = dir.path() / "no_such_run";
-  testing::expect_error([&] { render_report(missing); }, {"no_such_run", "does not exist"});
+  testing::expect_error([&] { render_report(missing, report_defaults()); },
+                        {"no_such_run", "does not exist"});
   EXPECT_FALSE(fs::exists(missing / "report.html"));
 }
 
 TEST(Report, EmptyRunDirectoryNamesWhatIsMissing) {
   TempDir dir("report");
-  std::string html = render_report(dir.path());
+  std::string html = render_report(dir.path(), report_defaults());
   EXPECT_NE(html.find("metrics.jsonl does not exist"), std::string::npos);
   EXPECT_NE(html.find("config.json does not exist"), std::string::npos);
   EXPECT_EQ(count(html, "<svg class=\"chart\""), 0u);
   EXPECT_EQ(count(html, "<section"), 11u);  // each chart says it has no data yet
 
   dir.write("metrics.jsonl", "");
-  html = render_report(dir.path());
+  html = render_report(dir.path(), report_defaults());
   EXPECT_NE(html.find("metrics.jsonl is empty"), std::string::npos);
 }
 
 TEST(Report, TornLastLineAndRunInProgress) {
   TempDir dir("report");
   write_run(dir, metrics_lines() + R"({"step": 6, "loss": 2.)", 100);
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
   EXPECT_NE(html.find("1 of 8 lines are not complete JSON"), std::string::npos);
   EXPECT_NE(html.find("5 of 100 (in progress or stopped)"), std::string::npos);
   EXPECT_EQ(polyline_points(section(html, "loss")), (std::vector<std::size_t>{5, 2}));
@@ -174,7 +177,7 @@ TEST(Report, MalformedValuesAndConfigAreLeftOut) {
       R"({"step": 2, "loss": 1.5, "tokens_per_expert": [[1, "x"], 7]})"
       "\n[1, 2]\n");
   dir.write("config.json", "{\"model\": ");
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
   EXPECT_NE(html.find("config.json is not a JSON object"), std::string::npos);
   EXPECT_NE(html.find("1 of 3 lines are not complete JSON"), std::string::npos);
   // One finite loss point: a marker, not a line.
@@ -185,7 +188,7 @@ TEST(Report, MalformedValuesAndConfigAreLeftOut) {
 TEST(Report, LongRunsAreThinned) {
   TempDir dir("report");
   write_run(dir, metrics_lines(4000), 4000);
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
   EXPECT_EQ(polyline_points(section(html, "lr")), (std::vector<std::size_t>{1500}));
   // Steps are averaged into at most 120 columns per heatmap row.
   EXPECT_EQ(count(section(html, "expert-load-steps"), "<title>"), 6u * 120u);
@@ -232,7 +235,7 @@ void write_job_files(const TempDir& dir) {
 TEST(Report, JobFilesGiveWorkerServerAndEventSections) {
   TempDir dir("report");
   write_job_files(dir);
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
   for (const char* id : {"rank-time", "rank-straggler", "workers", "worker-staleness", "servers",
                          "server-pending"}) {
     const std::string sec = section(html, id);
@@ -260,7 +263,7 @@ TEST(Report, WithoutJobFilesThoseSectionsAreLeftOut) {
   TempDir dir("report");
   write_run(dir, metrics_lines());
   dir.write("metrics/notes.txt", "not metrics");
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
   for (const char* id : {"rank-time", "rank-straggler", "workers", "worker-staleness", "servers",
                          "server-pending", "events"})
     EXPECT_EQ(html.find(std::string("<section id=\"") + id + "\""), std::string::npos) << id;
@@ -277,7 +280,7 @@ std::string y_label(const std::string& sec) {
 TEST(Report, AxesCarryUnitsAndValidationIsMarkedOnTop) {
   TempDir dir("report");
   write_run(dir, metrics_lines());
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
   // As `train` prints the loss.
   EXPECT_EQ(y_label(section(html, "loss")), "loss (nats/byte)");
   EXPECT_EQ(y_label(section(html, "throughput")), "tokens/s");
@@ -298,7 +301,7 @@ TEST(Report, HeaderNamesVersionLayoutDeviceAndTimes) {
   dir.write(
       "checkpoints/step_00000004/trainer_state.json",
       R"({"step": 4, "layout": {"processes": 4, "dp": 2, "ep": 2, "zero": 0, "grad_accum": 1}})");
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
   const auto start = html.find("<table class=\"header\" id=\"run-header\">");
   ASSERT_NE(start, std::string::npos);
   const std::string header = html.substr(start, html.find("</table>", start) - start);
@@ -309,6 +312,14 @@ TEST(Report, HeaderNamesVersionLayoutDeviceAndTimes) {
                           "<th>wall time</th>", "<th>time in steps</th><td>0.5 s</td>"})
     EXPECT_NE(header.find(row), std::string::npos) << row << "\n" << header;
   EXPECT_LT(start, html.find("<section"));  // at the top
+  // A checkpoint names what wrote it: the program's commit and the machine that trained.
+  dir.write("checkpoints/step_00000004/trainer_state.json",
+            R"({"step": 4, "written_by": {"moetrain": "0.1.0", "commit": "0123456789ab",
+                "cpu": "Training CPU 9000", "host": "node7"}})");
+  const std::string by = render_report(dir.path(), report_defaults());
+  EXPECT_NE(by.find("<th>moetrain</th><td>0.1.0 (commit 0123456789ab)</td>"), std::string::npos)
+      << by.substr(0, 3000);
+  EXPECT_NE(by.find("<th>CPU</th><td>Training CPU 9000 (host node7)</td>"), std::string::npos);
 }
 
 TEST(Report, ConfigHighlightsValuesThatDifferFromTheSchemaDefaults) {
@@ -318,7 +329,7 @@ TEST(Report, ConfigHighlightsValuesThatDifferFromTheSchemaDefaults) {
   config["model"]["n_experts"] = config["model"]["n_experts"].get<int64_t>() * 2;
   dir.write("config.json", config.dump(2));
   dir.write("metrics.jsonl", metrics_lines());
-  const std::string sec = section(render_report(dir.path()), "config");
+  const std::string sec = section(render_report(dir.path(), report_defaults()), "config");
   EXPECT_NE(
       sec.find(fmt::format("<tr class=\"changed\"><td>model.n_experts</td><td>{}</td><td>{}</td>",
                            config["model"]["n_experts"].dump(),
@@ -388,7 +399,7 @@ void write_ps_run(const TempDir& dir) {
 TEST(Report, ParameterServerRunFillsItsSectionsFromThePerProcessFiles) {
   TempDir dir("report");
   write_ps_run(dir);
-  const std::string html = render_report(dir.path());
+  const std::string html = render_report(dir.path(), report_defaults());
   EXPECT_EQ(html.find("does not exist"), std::string::npos) << html.substr(0, 3000);
   EXPECT_NE(
       html.find("recorded in " + (dir.path() / "checkpoints/step_00000006/config.json").string()),

@@ -19,6 +19,7 @@
 #include "ps/security.h"
 #include "ps/server_checkpoint.h"
 #include "support/corpus.h"
+#include "support/report_defaults.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -230,7 +231,7 @@ TEST(PsJob, PerProcessMetricsFiles) {
   std::vector<std::string> events;
   for (const auto& j : roles.at("scheduler")) events.push_back(j.at("event").get<std::string>());
   EXPECT_EQ(events, (std::vector<std::string>{"job_start", "job_complete"}));
-  const std::string html = render_report(tmp / "run");
+  const std::string html = render_report(tmp / "run", report_defaults());
   for (const char* id : {"workers", "servers", "events"})
     EXPECT_NE(html.find(std::string("<section id=\"") + id + "\""), std::string::npos) << id;
 }
