@@ -24,7 +24,9 @@ packages=(
   libcli11-dev                      # command line
   nlohmann-json3-dev                # nlohmann_json: safetensors headers, config.json, metrics
   libfmt-dev                        # formatting
-  zlib1g-dev                        # gzip IDX files (Fashion-MNIST)
+  zlib1g-dev                        # gzip: IDX files (Fashion-MNIST), compressed corpora
+  libzstd-dev                       # zstd-compressed corpora
+  libsentencepiece-dev              # tokenizers: train and load tokenizer.model (SentencePiece)
   libgtest-dev googletest           # tests
   libbenchmark-dev                  # benchmarks
   fortunes fortunes-min             # English text corpus for the demo
@@ -48,10 +50,11 @@ done
 # the interop test was checked with. tokenizers and huggingface-hub are pinned so that pip never
 # resolves to a release needing a newer Python or torch. tensorboard is the TensorBoard test's
 # reader (EventAccumulator); protobuf is pinned with it because Debian's python3-protobuf is not
-# installed, and an unpinned one would resolve to the newest major release.
+# installed, and an unpinned one would resolve to the newest major release. sentencepiece lets
+# transformers read a checkpoint's tokenizer.model (the tokenizer interop test).
 venv="$root/.venv"
 python_pins=(transformers==4.40.2 tokenizers==0.19.1 huggingface-hub==0.23.4 safetensors==0.4.3
-             tensorboard==2.16.2 protobuf==4.25.3)
+             tensorboard==2.16.2 protobuf==4.25.3 sentencepiece==0.2.0)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -26,7 +26,7 @@ Run add_forward_command(CLI::App& app) {
   auto args = std::make_shared<Args>();
   cmd->add_option("--checkpoint", args->checkpoint, "Checkpoint directory or run directory")
       ->required();
-  auto* in = cmd->add_option("--input", args->input, "Text (byte tokens)");
+  auto* in = cmd->add_option("--input", args->input, "Text, encoded with the checkpoint's tokenizer (bytes where it has none)");
   auto* tk = cmd->add_option("--tokens", args->tokens, "Token ids, comma or space separated");
   in->excludes(tk);
   cmd->add_option("--out", args->out, "Output .safetensors file")->required();
@@ -56,7 +56,7 @@ Run add_forward_command(CLI::App& app) {
       }
     } else {
       MOETRAIN_CHECK(!args->input.empty(), "forward: give --input TEXT or --tokens IDS");
-      for (uint16_t t : byte_encode(args->input)) tokens.push_back(t);
+      tokens = m.tokenizer.encode_prompt(args->input);
     }
     const int64_t T = static_cast<int64_t>(tokens.size());
     MOETRAIN_CHECK(

@@ -1,7 +1,9 @@
 // `moetrain sample`: continue a prompt with a trained model.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <string_view>
 #include <memory>
 #include <vector>
 
@@ -48,25 +50,35 @@ Run add_sample_command(CLI::App& app) {
     init_threads();
     LoadedModel m = load_model(args->checkpoint);
     const ModelConfig& cfg = m.config.model;
-    MOETRAIN_CHECK(cfg.vocab_size >= kByteVocab,
-                   "sample: the model's vocabulary ({}) is not the byte tokenizer's",
-                   cfg.vocab_size);
-    std::vector<int32_t> prompt;
-    for (uint16_t t : byte_encode(args->prompt)) prompt.push_back(t);
-    MOETRAIN_CHECK(!prompt.empty(), "sample: --prompt must not be empty");
+    const Tokenizer& tok = m.tokenizer;
+    MOETRAIN_CHECK(!args->prompt.empty(), "sample: --prompt must not be empty");
+    const std::vector<int32_t> prompt = tok.encode_prompt(args->prompt);
+    MOETRAIN_CHECK(!prompt.empty(), "sample: --prompt '{}' encodes to no tokens", args->prompt);
     SampleOptions opt;
     opt.context = args->context > 0 ? args->context : m.trained_context;
     opt.temperature = args->temperature;
     opt.top_k = args->top_k;
     opt.max_tokens = args->max_tokens;
     opt.seed = args->seed;
+    // A SentencePiece model's end of document ends the text (bytes have none: theirs is '\n').
+    if (!tok.is_bytes()) opt.stop_token = tok.eod_id();
     MOETRAIN_CHECK(opt.context <= cfg.max_seq_len,
                    "sample: --context {} exceeds the model's model.max_seq_len = {}", opt.context,
                    cfg.max_seq_len);
     WindowDecoder dec(*m.model, m.params.data(), opt.context);
     fmt::print("{}", args->prompt);
-    sample_tokens(dec, prompt, opt, [](int32_t t) {
-      if (t < static_cast<int32_t>(kByteVocab)) std::fputc(static_cast<unsigned char>(t), stdout);
+    // The text grows by what decoding everything so far adds to what is out: a piece's leading
+    // space, and a character split over byte pieces, come out as the whole text has them.
+    std::vector<int32_t> all = prompt;
+    std::size_t printed = tok.decode(prompt).size();
+    sample_tokens(dec, prompt, opt, [&](int32_t t) {
+      all.push_back(t);
+      const std::string text = tok.decode(all);
+      constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // an incomplete character
+      if (!tok.is_bytes() && text.size() >= 3 && text.compare(text.size() - 3, 3, kReplacement) == 0)
+        return;
+      if (text.size() > printed) std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
+      printed = std::max(printed, text.size());
       std::fflush(stdout);
     });
     fmt::print("\n");

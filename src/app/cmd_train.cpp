@@ -11,6 +11,7 @@
 #include "app/dist_options.h"
 #include "core/threads.h"
 #include "data/shard.h"
+#include "data/tokenizer.h"
 #include "parallel/runtime.h"
 #include "train/evaluate.h"
 #include "train/run_config.h"
@@ -115,7 +116,16 @@ Run add_eval_command(CLI::App& app) {
     init_threads();
     LoadedModel m = load_model(args->checkpoint);
     std::filesystem::path dir = args->data.empty() ? m.config.data.dir : args->data;
+    const Tokenizer data_tok = data_tokenizer(dir);
+    MOETRAIN_CHECK(data_tok.fingerprint() == m.tokenizer.fingerprint(),
+                   "eval: {} was prepared with the tokenizer {}, the checkpoint {} was trained with "
+                   "{}: prepare the data with the checkpoint's (`moetrain prepare --tokenizer {}`)",
+                   (dir / "meta.json").string(), data_tok.fingerprint(), args->checkpoint,
+                   m.tokenizer.fingerprint(), m.tokenizer.is_bytes() ? "byte" : args->checkpoint);
     TokenShard val(dir / "val.bin");
+    MOETRAIN_CHECK(val.vocab() <= m.config.model.vocab_size,
+                   "eval: {} has vocabulary {}, larger than the model's ({})", val.path().string(),
+                   val.vocab(), m.config.model.vocab_size);
     int64_t batches = args->batches > 0 ? args->batches : m.config.train.eval_batches;
     double loss = evaluate(*m.model, m.params.data(), val, m.config.train.batch_size,
                            m.config.train.seq_len, batches);

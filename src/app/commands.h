@@ -11,6 +11,7 @@ using Run = std::function<int()>;
 
 Run add_version_command(CLI::App& app);
 Run add_prepare_command(CLI::App& app);
+Run add_tokenizer_command(CLI::App& app);
 Run add_train_command(CLI::App& app);
 Run add_eval_command(CLI::App& app);
 Run add_sample_command(CLI::App& app);

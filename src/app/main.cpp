@@ -76,6 +76,7 @@ int run_command(int argc, char** argv) {
   auto add = [&](moetrain::app::Run run) { runs[app.get_subcommands({}).back()] = std::move(run); };
   add(moetrain::app::add_version_command(app));
   add(moetrain::app::add_prepare_command(app));
+  add(moetrain::app::add_tokenizer_command(app));
   add(moetrain::app::add_train_command(app));
   add(moetrain::app::add_eval_command(app));
   add(moetrain::app::add_sample_command(app));

@@ -22,11 +22,10 @@ void check_layout(const TokenShard& shard, int64_t B, int64_t T, int rank, int w
 }
 
 // Window [start, start+T] as inputs and next-token targets.
-inline void copy_window(const uint16_t* tok, int64_t T, int32_t* in, int32_t* tgt) {
-  for (int64_t t = 0; t < T; ++t) {
-    in[t] = tok[t];
-    tgt[t] = tok[t + 1];
-  }
+inline void copy_window(const TokenShard& shard, uint64_t start, int64_t T, int32_t* in,
+                        int32_t* tgt) {
+  shard.read(start, T, in);
+  shard.read(start + 1, T, tgt);
 }
 }  // namespace
 
@@ -49,7 +48,7 @@ void BatchLoader::fill(int64_t step, int64_t micro, int32_t* inputs, int32_t* ta
   MOETRAIN_CHECK(step >= 0 && micro >= 0,
                  "BatchLoader: step {} and micro-batch {} must be non-negative", step, micro);
   for (int64_t b = 0; b < B_; ++b) {
-    copy_window(shard_->tokens() + window_start(step, micro, b), T_, inputs + b * T_,
+    copy_window(*shard_, window_start(step, micro, b), T_, inputs + b * T_,
                 targets + b * T_);
   }
 }
@@ -71,7 +70,7 @@ int64_t EvalLoader::fill(int64_t i, int32_t* inputs, int32_t* targets) const {
   const int64_t first = (i * world_ + rank_) * B_;
   const int64_t rows = std::clamp<int64_t>(windows_ - first, 0, B_);
   for (int64_t b = 0; b < rows; ++b) {
-    copy_window(shard_->tokens() + (first + b) * T_, T_, inputs + b * T_, targets + b * T_);
+    copy_window(*shard_, static_cast<uint64_t>((first + b) * T_), T_, inputs + b * T_, targets + b * T_);
   }
   const auto tail = static_cast<std::size_t>((B_ - rows) * T_);
   std::memset(inputs + rows * T_, 0, tail * sizeof(int32_t));

@@ -66,7 +66,7 @@ AblationFigures ablation_run_figures(const fs::path& run_dir, int64_t warmup) {
   const fs::path metrics = run_dir / kMetricsFile;
   MOETRAIN_CHECK(fs::exists(metrics), "{} does not exist: the run did not start", metrics.string());
   int64_t seq_len = 0;
-  const fs::path config = run_dir / "config.json";
+  const fs::path config = run_config_file(run_dir);
   if (fs::exists(config)) {
     const Json c = Json::parse(read_trimmed(config), nullptr, false);
     if (c.is_object() && c.contains("train")) seq_len = c["train"].value("seq_len", int64_t{0});

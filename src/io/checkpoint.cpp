@@ -97,9 +97,16 @@ std::vector<fs::path> candidates(const fs::path& run_dir) {
     if (e.is_directory() && step_of(e.path()) >= 0) dirs.push_back({step_of(e.path()), e.path()});
   std::sort(dirs.begin(), dirs.end(), [](auto& a, auto& b) { return a.first > b.first; });
   for (const auto& d : dirs) out.push_back(d.second);
-  if (fs::is_regular_file(root / "latest")) {
-    MappedFile m(root / "latest");
-    std::string name(reinterpret_cast<const char*>(m.data()), m.size());
+  // A link (or, from older runs, a text file naming the directory).
+  const fs::path latest = root / "latest";
+  if (fs::is_symlink(latest) || fs::is_regular_file(latest)) {
+    std::string name;
+    if (fs::is_symlink(latest)) {
+      name = fs::read_symlink(latest).string();
+    } else {
+      MappedFile m(latest);
+      name.assign(reinterpret_cast<const char*>(m.data()), m.size());
+    }
     while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
     const fs::path named(name);
     if (name.empty() || named.is_absolute() || named.has_parent_path() || step_of(name) < 0)
@@ -277,7 +284,7 @@ fs::path write_checkpoint(const fs::path& run_dir, int64_t step, const Checkpoin
     share.optimizer.push_back(whole_tensor(t.name, t.shape, t.data));
   for (const NamedTensor& t : c.state) share.state.push_back(whole_tensor(t.name, t.shape, t.data));
   auto local = make_local_comm("checkpoint");
-  return write_checkpoint(*local, run_dir, step, share, {c.config, c.trainer}, keep);
+  return write_checkpoint(*local, run_dir, step, share, {c.config, c.trainer, c.files}, keep);
 }
 
 void read_checkpoint(const fs::path& dir, CheckpointContents& into) {

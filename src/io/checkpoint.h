@@ -8,13 +8,16 @@
 //   state[-0000i-of-0000n].safetensors       training state that is not a parameter
 //   config.json            the model in MixtralConfig form (plus moetrain's own run config)
 //   trainer_state.json     step, schedule and data position, seeds, config hash, global batch
+//   tokenizer.model, tokenizer_config.json, special_tokens_map.json
+//                          the run's SentencePiece tokenizer, as transformers' AutoTokenizer
+//                          reads it (none for the byte tokenizer)
 //   manifest.json          every file with its size and CRC-32C, every tensor with its pieces
 // Every tensor is saved by global name and global element range, so a checkpoint written by N
 // processes loads on any M: each rank reads the ranges it needs, wherever they were written.
 //
 // Commit protocol (write_checkpoint): every rank writes its files into checkpoints/.tmp_step_N/;
 // rank 0 then writes the JSON files and, last, manifest.json; fsyncs the directory and renames it
-// to step_N (the commit point), then writes `latest`. A directory without a valid manifest, a
+// to step_N (the commit point), then points the symbolic link `latest` at it. A directory without a valid manifest, a
 // leftover .tmp_ one, or one whose files do not match the manifest is refused, and the previous
 // complete checkpoint is used.
 #pragma once
@@ -54,6 +57,8 @@ struct CheckpointShare {
 struct CheckpointDocs {
   nlohmann::json config;   // config.json
   nlohmann::json trainer;  // trainer_state.json
+  // Other files, name -> bytes (the tokenizer's), checksummed in the manifest like the rest.
+  std::vector<std::pair<std::string, std::string>> files;
 };
 
 std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, int64_t step);
@@ -119,6 +124,7 @@ struct CheckpointContents {
   std::vector<NamedTensor> state;
   nlohmann::json config;   // config.json
   nlohmann::json trainer;  // trainer_state.json
+  std::vector<std::pair<std::string, std::string>> files;  // as CheckpointDocs::files
 };
 
 // write_checkpoint by a single process holding everything.

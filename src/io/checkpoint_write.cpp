@@ -64,10 +64,27 @@ FileRecord write_piece_file(const fs::path& path, const std::vector<const Tensor
   return r;
 }
 
+FileRecord write_bytes_file(const fs::path& path, std::string_view bytes) {
+  write_file_atomic(path, bytes);
+  return {bytes.size(), crc32c(bytes.data(), bytes.size())};
+}
+
 FileRecord write_json_file(const fs::path& path, const json& j) {
-  const std::string text = j.dump(2) + "\n";
-  write_file_atomic(path, text);
-  return {text.size(), crc32c(text.data(), text.size())};
+  return write_bytes_file(path, j.dump(2) + "\n");
+}
+
+// `latest` is a symbolic link to the newest checkpoint's directory, so that the path opens as
+// that checkpoint in any program (transformers' from_pretrained, moetrain sample); replaced
+// atomically by renaming a new link over it.
+void point_latest(const fs::path& root, const fs::path& final_dir) {
+  const fs::path tmp = root / ".latest.tmp";
+  std::error_code ec;
+  fs::remove(tmp, ec);
+  fs::create_directory_symlink(final_dir.filename(), tmp, ec);
+  MOETRAIN_CHECK(!ec, "cannot create the link {}: {}", tmp.string(), ec.message());
+  fs::rename(tmp, root / "latest", ec);
+  MOETRAIN_CHECK(!ec, "cannot rename {} to {}: {}", tmp.string(), (root / "latest").string(),
+                 ec.message());
 }
 
 void prune(const fs::path& root, int64_t step, int64_t keep) {
@@ -132,6 +149,8 @@ fs::path commit(const fs::path& run_dir, int64_t step, int world, const std::str
   check_tensors(tensors, files, tmp / kManifest);
 
   files["config.json"] = file_entry(write_json_file(tmp / "config.json", docs.config), 0);
+  for (const auto& [name, bytes] : docs.files)
+    files[name] = file_entry(write_bytes_file(tmp / name, bytes), 0);
   // What wrote the checkpoint: the program (version, commit) and the machine (CPU, host).
   json trainer = docs.trainer;
   if (trainer.is_object() || trainer.is_null()) trainer["written_by"] = written_by();
@@ -154,7 +173,7 @@ fs::path commit(const fs::path& run_dir, int64_t step, int world, const std::str
   fs::rename(tmp, final_dir, ec);
   MOETRAIN_CHECK(!ec, "cannot rename {} to {}: {}", tmp.string(), final_dir.string(), ec.message());
   fsync_dir(root);
-  write_file_atomic(root / "latest", final_dir.filename().string() + "\n");
+  point_latest(root, final_dir);
   prune(root, step, keep);
   return final_dir;
 }

@@ -133,4 +133,10 @@ std::vector<nlohmann::json> read_metrics_file(const fs::path& file) {
   return out;
 }
 
+fs::path run_config_file(const fs::path& run_dir) {
+  const fs::path now = run_dir / kRunConfigFile, earlier = run_dir / "config.json";
+  std::error_code ec;
+  return !fs::exists(now, ec) && fs::is_regular_file(earlier, ec) ? earlier : now;
+}
+
 }  // namespace moetrain

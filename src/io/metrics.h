@@ -29,6 +29,13 @@ namespace moetrain {
 
 // The file name inside a run directory.
 inline constexpr const char* kMetricsFile = "metrics.jsonl";
+// RUN_DIR/run_config.json: the settings the run trains with (`moetrain train` writes it). Not
+// config.json, the name of a Hugging Face model directory's own file, so that a run directory is
+// never taken for a model directory.
+inline constexpr const char* kRunConfigFile = "run_config.json";
+// The settings file of a run directory: run_config.json, or config.json where an earlier version
+// of moetrain wrote it; run_config.json when neither exists.
+std::filesystem::path run_config_file(const std::filesystem::path& run_dir);
 // The folder of the per-process files of parameter-server and launched jobs: ROLE.jsonl each
 // (worker_0, server_1, scheduler, launcher), merged by `moetrain report`.
 inline constexpr const char* kRoleMetricsDir = "metrics";

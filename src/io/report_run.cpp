@@ -144,7 +144,7 @@ RunFacts read_run_facts(const fs::path& run_dir, const SettingDefaults& defaults
     f.trainer_state = state;
     break;
   }
-  const fs::path own = run_dir / "config.json";
+  const fs::path own = run_config_file(run_dir);
   if (fs::exists(own, ec)) {
     f.config = read_json(own);
     f.config_source = own.string();
@@ -160,7 +160,7 @@ RunFacts read_run_facts(const fs::path& run_dir, const SettingDefaults& defaults
       f.config = j["moetrain"];
       f.config_source = (c / "config.json").string();
       f.notes.push_back(
-          fmt::format("the settings are those recorded in {} ({} writes no RUN_DIR/config.json)",
+          fmt::format("the settings are those recorded in {} ({} writes no RUN_DIR/run_config.json)",
                       f.config_source, f.parameter_server ? "a parameter-server job" : "this run"));
       break;
     }
@@ -210,9 +210,9 @@ std::string run_header(const fs::path& run_dir, const RunFacts& f, const std::ve
                       : host_cpu_model() + " (the machine writing this report: the run records "
                                            "none)");
 
-  // Start: config.json's writing (the run's start) or the earliest time a metrics line carries;
+  // Start: the run config's writing (the run's start) or the earliest time a metrics line carries;
   // end: the latest such time, or the last metrics line's writing.
-  double start = mtime_seconds(run_dir / "config.json"), end = NAN;
+  double start = mtime_seconds(run_config_file(run_dir)), end = NAN;
   auto take = [&](const std::vector<Json>& ls) {
     for (const Json& j : ls)
       if (auto t = j.find("time"); t != j.end() && t->is_number()) {

@@ -24,8 +24,8 @@ void ModelConfig::validate() const {
   positive("n_heads", n_heads);
   positive("n_kv_heads", n_kv_heads);
   positive("max_seq_len", max_seq_len);
-  MOETRAIN_CHECK(vocab_size <= 65536,
-                 "model.vocab_size = {}: token shards store uint16, so at most 65536", vocab_size);
+  MOETRAIN_CHECK(vocab_size <= 2147483647,
+                 "model.vocab_size = {}: token ids are int32, so at most 2147483647", vocab_size);
   MOETRAIN_CHECK(dim % n_heads == 0, "model.n_heads = {}: must divide model.dim = {}", n_heads,
                  dim);
   MOETRAIN_CHECK(n_heads % n_kv_heads == 0, "model.n_kv_heads = {}: must divide model.n_heads = {}",

@@ -89,6 +89,7 @@ std::vector<int32_t> sample_tokens(WindowDecoder& dec, const std::vector<int32_t
     const int32_t next = choose_token(logits, dec.vocab_size(), opt, static_cast<uint64_t>(i));
     out.push_back(next);
     if (on_token) on_token(next);
+    if (next == opt.stop_token) break;
     if (i + 1 < opt.max_tokens) logits = dec.push(next);
   }
   return out;

@@ -53,13 +53,14 @@ struct SampleOptions {
   int64_t max_tokens = 200;
   uint64_t seed = 1;
   bool kv_cache = true;
+  int32_t stop_token = -1;  // generation ends after drawing it (a tokenizer's end of document)
 };
 
 // The next token from logits (V): greedy at temperature 0, else among the top_k most likely,
 // drawn with the counter-based RNG of (seed, draw).
 int32_t choose_token(const float* logits, int64_t V, const SampleOptions& opt, uint64_t draw);
 
-// Continues prompt by opt.max_tokens tokens; on_token (may be empty) sees each as it is drawn.
+// Continues prompt by opt.max_tokens tokens, or up to and including opt.stop_token; on_token (may be empty) sees each as it is drawn.
 // The decoder is left as generation ended (its counters describe the work done).
 std::vector<int32_t> sample_tokens(WindowDecoder& dec, const std::vector<int32_t>& prompt,
                                    const SampleOptions& opt,

@@ -26,6 +26,7 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
   grads_.assign(params_.size(), 0.0f);
   // A worker started in place of a dead one begins with a zero residual: see docs/ps.md.
   if (opts_.compression() == Encoding::Int8) residual_.assign(params_.size(), 0.0f);
+  tokenizer_ = data_tokenizer(cfg_.data.dir);
   train_ = open_token_shards(cfg_.data.dir, cfg_.model.vocab_size, cfg_.train.seq_len,
                              /*want_val=*/false)
                .train;
@@ -85,7 +86,9 @@ void WorkerStep::finish(int64_t clock) {
   for (const auto& p : layout.params())
     c.model.push_back({p.name, p.shape, params_.data() + p.offset});
   c.config = lm_checkpoint_config(cfg_);
+  c.files = tokenizer_.hf_files(cfg_.model.max_seq_len);
   c.trainer = {{"step", clock},
+               {"tokenizer", tokenizer_.fingerprint()},
                {"config_hash", cfg_.config_hash()},
                {"seed", cfg_.train.seed},
                {"parameter_server", opts_.to_json()}};

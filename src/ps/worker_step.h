@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "data/shard.h"
+#include "data/tokenizer.h"
 #include "model/transformer.h"
 #include "ps/codec.h"
 #include "ps/kv_worker.h"
@@ -48,6 +49,7 @@ class WorkerStep {
   int64_t index_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<TokenShard> train_;
+  Tokenizer tokenizer_;  // data.dir's: its files go into the checkpoint
   std::vector<float> params_, grads_, residual_;
   std::vector<int32_t> inputs_, targets_;
   std::vector<Span> skip_;

@@ -80,6 +80,19 @@ void check_load_memory(const fs::path& dir, const RunConfig& c, bool hf) {
                fmt::format("loading {}", dir.string()), remedy);
 }
 
+// DIR/tokenizer.model, or bytes; refused if the model cannot take its ids.
+Tokenizer checkpoint_tokenizer(const fs::path& dir, const ModelConfig& m) {
+  Tokenizer t = Tokenizer::from_dir(dir);
+  MOETRAIN_CHECK(t.vocab_size() <= m.vocab_size,
+                 "{}: the tokenizer {} has {} tokens, more than the model's vocabulary ({}): the "
+                 "tokenizer is not the model's",
+                 dir.string(),
+                 t.is_bytes() ? std::string("(bytes: no tokenizer.model)")
+                              : (dir / kTokenizerFile).string(),
+                 t.vocab_size(), m.vocab_size);
+  return t;
+}
+
 }  // namespace
 
 LoadedModel load_model(const fs::path& dir) {
@@ -92,6 +105,7 @@ LoadedModel load_model(const fs::path& dir) {
     read_hf_weights(dir, *out.model, out.params);
     // Nothing records the context a Hugging Face model was trained on but its position limit.
     out.trained_context = out.config.model.max_seq_len;
+    out.tokenizer = checkpoint_tokenizer(dir, out.config.model);
     log_info("loaded Hugging Face model {}", dir.string());
     return out;
   }
@@ -108,6 +122,7 @@ LoadedModel load_model(const fs::path& dir) {
     log_info("{}/config.json records no train.seq_len: taking model.max_seq_len = {} as the "
              "trained context", ckpt.string(), out.trained_context);
   }
+  out.tokenizer = checkpoint_tokenizer(ckpt, out.config.model);
   log_info("loaded {} (step {})", ckpt.string(), out.step);
   return out;
 }

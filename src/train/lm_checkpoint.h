@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
+#include "data/tokenizer.h"
 #include "model/transformer.h"
 #include "train/run_config.h"
 
@@ -30,6 +31,8 @@ struct LoadedModel {
   // Sequence length the model was trained on (train.seq_len of the checkpoint's run config); a
   // checkpoint that does not record it gives model.max_seq_len.
   int64_t trained_context = 0;
+  // The checkpoint's tokenizer (its tokenizer.model), or bytes where it has none.
+  Tokenizer tokenizer;
 };
 
 // Loads a checkpoint directory, a run directory (its latest complete checkpoint), or a plain

@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "data/tokenizer.h"
 #include "parallel/grad_wire.h"
 #include "train/precision.h"
 
@@ -215,7 +216,8 @@ ConfigSchema schema(RunConfig& c) {
   ModelConfig& m = c.model;
   TrainConfig& t = c.train;
   std::vector<Field> fields = {
-      {"model.vocab_size", &m.vocab_size, "V: tokens in the vocabulary (256: bytes)"},
+      {"model.vocab_size", &m.vocab_size,
+       "V: tokens in the vocabulary; when not set, that of data.dir's tokenizer (256: bytes)"},
       {"model.dim", &m.dim, "C: the model width"},
       {"model.n_layers", &m.n_layers, "L: blocks in the model"},
       {"model.n_heads", &m.n_heads, "NH: attention heads; divides model.dim"},
@@ -283,8 +285,10 @@ std::string run_config_help(const std::string& section) {
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
   RunConfig c;
   ConfigSchema s = schema(c);
+  c.model.vocab_size = 0;  // not set: the data's tokenizer decides, below
   if (!path.empty()) s.apply_toml_file(path);
   s.apply_overrides(overrides);
+  if (c.model.vocab_size == 0) c.model.vocab_size = data_vocab_size(c.data.dir);
   c.validate();
   c.train.resolve_precision();
   return c;

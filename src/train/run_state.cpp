@@ -199,7 +199,9 @@ int64_t read_weights(const fs::path& ckpt, Classifier& model, std::vector<float>
   return read_weights_of(ckpt, model, params);
 }
 
-fs::path resolve_checkpoint(const fs::path& dir) {
+fs::path resolve_checkpoint(const fs::path& given) {
+  // checkpoints/latest is a link: the checkpoint is named by its own directory.
+  const fs::path dir = fs::is_symlink(given) ? fs::canonical(given) : given;
   if (fs::is_regular_file(dir / "manifest.json")) return dir;
   auto latest = find_latest_checkpoint(
       dir, nullptr, [](const fs::path& c) { read_checkpoint_json(c, "config.json"); });

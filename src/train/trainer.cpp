@@ -59,6 +59,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       ec, std::move(rp), *model_,
       [&](float* p) { init_params(p, model_->layout(), cfg_.model, cfg_.train.seed); }, device);
 
+  tokenizer_ = data_tokenizer(cfg_.data.dir);
   TokenShards shards = open_token_shards(cfg_.data.dir, cfg_.model.vocab_size, cfg_.train.seq_len);
   train_shard_ = std::move(shards.train), val_shard_ = std::move(shards.val);
   const int64_t BT = cfg_.train.batch_size * cfg_.train.seq_len;
@@ -74,7 +75,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
                       identity, run_lock_, metrics_)
                  .has_value();
   if (rank() == 0)
-    write_file_atomic(fs::path(cfg_.train.run_dir) / "config.json", cfg_.to_json().dump(2) + "\n");
+    write_file_atomic(fs::path(cfg_.train.run_dir) / kRunConfigFile, cfg_.to_json().dump(2) + "\n");
 
   log_info(
       "model: {} layers, {} experts (top-{}), {:.2f}M parameters, {:.1f} MFLOP/token; {} threads",

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/comm.h"
+#include "data/tokenizer.h"
 #include "io/metrics.h"
 #include "io/run_lock.h"
 #include "model/transformer.h"
@@ -86,6 +87,7 @@ class Trainer : private RunTask {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<StepEngine> engine_;
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
+  Tokenizer tokenizer_;  // data.dir's: recorded and shipped with every checkpoint
   bool resumed_ = false;
   std::vector<int32_t> inputs_, targets_;
   RunLock run_lock_;         // rank 0's (before metrics_: released after its last write)

@@ -20,6 +20,15 @@ void Trainer::init_weights_from(const fs::path& dir) {
     return;
   }
   MOETRAIN_CHECK(step == 0, "--init-from {}: the run is at step {}, not 0", dir.string(), step);
+  // The weights learnt their ids from the directory's tokenizer: the data must use the same.
+  const fs::path from = is_hf_model_dir(dir) ? dir : resolve_checkpoint(dir);
+  const Tokenizer theirs = Tokenizer::from_dir(from);
+  MOETRAIN_CHECK(theirs.fingerprint() == tokenizer_.fingerprint(),
+                 "--init-from {}: its tokenizer is {} ({}), but data.dir = {} was prepared with {}: "
+                 "prepare the data with `moetrain prepare --tokenizer {}`",
+                 dir.string(), theirs.fingerprint(),
+                 theirs.is_bytes() ? "no tokenizer.model: bytes" : (from / kTokenizerFile).string(),
+                 cfg_.data.dir, tokenizer_.fingerprint(), theirs.is_bytes() ? "byte" : from.string());
   if (is_hf_model_dir(dir)) {
     read_hf_weights(dir, *model_, params());
   } else {
@@ -48,6 +57,7 @@ nlohmann::json Trainer::trainer_state() const {
   // Every random stream is counter-based (seed, step, purpose): the seed and the step are the
   // whole generator state.
   t["rng"] = {{"seed", cfg_.train.seed}, {"next_step", step}};
+  t["tokenizer"] = tokenizer_.fingerprint();
   t["layout"] = {{"processes", W},
                  {"ep", pl.ep},
                  {"dp", pl.dp},
@@ -57,8 +67,10 @@ nlohmann::json Trainer::trainer_state() const {
 }
 
 fs::path Trainer::save_checkpoint() {
-  return engine_->save_checkpoint(bias_views(*model_), {lm_checkpoint_config(cfg_), trainer_state()},
-                                  cfg_.train.keep_checkpoints);
+  return engine_->save_checkpoint(
+      bias_views(*model_),
+      {lm_checkpoint_config(cfg_), trainer_state(), tokenizer_.hf_files(cfg_.model.max_seq_len)},
+      cfg_.train.keep_checkpoints);
 }
 
 void Trainer::restore_trainer_state(const nlohmann::json& t, const std::string& where) {
@@ -81,6 +93,15 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const std::string& 
                  "{} was written with a different configuration (hash {} vs this run's {}): resume "
                  "with the same model, optimizer and batch settings, or use a new train.run_dir",
                  dir.string(), hash, cfg_.config_hash());
+  // The same ids must mean the same text: a checkpoint before tokenizers were recorded is bytes.
+  const std::string saved_tok = t.value("tokenizer", std::string("byte"));
+  MOETRAIN_CHECK(saved_tok == tokenizer_.fingerprint(),
+                 "{} was trained with the tokenizer {} ({}), but data.dir = {} was prepared with "
+                 "{}: prepare the data with the checkpoint's tokenizer (`moetrain prepare "
+                 "--tokenizer {}`), or use a new train.run_dir",
+                 dir.string(), saved_tok,
+                 saved_tok == "byte" ? "bytes" : (dir / kTokenizerFile).string(), cfg_.data.dir,
+                 tokenizer_.fingerprint(), saved_tok == "byte" ? "byte" : dir.string());
   engine_->restore_state(t, where);
 
   // The global batch stays what it was: a different number of processes changes the number of

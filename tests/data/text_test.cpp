@@ -80,14 +80,14 @@ TEST(TokenShard, RoundTripAndExactLayout) {
     TokenShard s(path);
     EXPECT_EQ(s.size(), n);
     EXPECT_EQ(s.vocab(), 256u);
-    EXPECT_EQ(std::vector<uint16_t>(s.span().begin(), s.span().end()), tokens);
+    EXPECT_EQ(s.read_all(), std::vector<int32_t>(tokens.begin(), tokens.end()));
   }
   // The largest vocabulary: every uint16 value is a valid token.
   std::vector<uint16_t> wide = {0, 65535, 300, 1};
   write_token_shard(dir / "wide.bin", wide.data(), wide.size(), 65536);
   TokenShard w(dir / "wide.bin");
   EXPECT_EQ(w.vocab(), 65536u);
-  EXPECT_EQ(w.tokens()[1], 65535);
+  EXPECT_EQ(w.read_all()[1], 65535);
 
   expect_error([&] { write_token_shard(dir / "x.bin", wide.data(), wide.size(), 256); },
                "token 65535 at position 1 is not below the vocab size 256");
@@ -143,7 +143,7 @@ TEST(Prepare, TakesTextInAnyEncodingSkipsBinaryIndexAndSymlinks) {
   opt.inputs = {in, extra};
   opt.out_dir = dir / "out";
   opt.val_fraction = 0.0;
-  PrepareReport r = prepare_text_corpus(opt);
+  PrepareReport r = prepare_corpus(opt);
 
   ASSERT_EQ(r.sources.size(), 4u);
   EXPECT_EQ(r.sources[0].path, (in / "a.txt").string());
@@ -159,12 +159,12 @@ TEST(Prepare, TakesTextInAnyEncodingSkipsBinaryIndexAndSymlinks) {
                                    "bin.txt:binary: NUL byte at offset 2", "empty.txt:empty"}));
   EXPECT_EQ(r.bytes_skipped, 5u + 26u);
 
-  const std::string expected = "hello\ncaf\xE9\nworld\n\n!";
+  const std::string expected = "hello\ncaf\xE9\nworld\n\n!\n";  // each document, then '\n'
   EXPECT_EQ(r.train_tokens, expected.size());
   EXPECT_EQ(r.val_tokens, 0u);
   TokenShard train(opt.out_dir / "train.bin"), val(opt.out_dir / "val.bin");
   EXPECT_EQ(train.vocab(), 256u);
-  EXPECT_EQ(byte_decode(train.span()), expected);
+  EXPECT_EQ(byte_decode(train.read_all()), expected);
   EXPECT_EQ(val.size(), 0u);
 
   auto meta = nlohmann::json::parse(read_file_bytes(opt.out_dir / "meta.json"));
@@ -186,17 +186,17 @@ TEST(Prepare, IntoItsOwnInputDirectorySkipsItsOwnOutputs) {
   opt.inputs = {dir / "in"};
   opt.out_dir = dir / "in";
   opt.val_fraction = 0.0;
-  prepare_text_corpus(opt);
-  PrepareReport again = prepare_text_corpus(opt);
+  prepare_corpus(opt);
+  PrepareReport again = prepare_corpus(opt);
   ASSERT_EQ(again.sources.size(), 1u);
   EXPECT_EQ(again.sources[0].path, (dir / "in" / "a.txt").string());
-  EXPECT_EQ(again.train_tokens, 5u);
+  EXPECT_EQ(again.train_tokens, 6u);  // "hello" and its end of document
   std::set<std::string> skipped;
   for (const auto& s : again.skipped)
     skipped.insert(std::filesystem::path(s.path).filename().string() + ":" + s.reason);
-  EXPECT_EQ(skipped, (std::set<std::string>{"meta.json:an output of this prepare",
-                                            "train.bin:an output of this prepare",
-                                            "val.bin:an output of this prepare"}));
+  EXPECT_EQ(skipped, (std::set<std::string>{"meta.json:an output of this command",
+                                            "train.bin:an output of this command",
+                                            "val.bin:an output of this command"}));
 }
 
 TEST(Prepare, ValIsSpreadOverTheCorpusInChunks) {
@@ -206,16 +206,16 @@ TEST(Prepare, ValIsSpreadOverTheCorpusInChunks) {
   for (char c = 'a'; c <= 'e'; ++c) {
     std::string text(1000, c);
     dir.write(std::string("in/") + c + ".txt", text);
-    corpus += (corpus.empty() ? "" : "\n") + text;
+    corpus += text + "\n";
   }
   PrepareOptions opt;
   opt.inputs = {dir / "in"};
   opt.out_dir = dir / "out";
   opt.val_fraction = 0.1;
-  PrepareReport r = prepare_text_corpus(opt);
+  PrepareReport r = prepare_corpus(opt);
   const uint64_t total = corpus.size();
-  EXPECT_EQ(r.chunk_bytes, split_chunk_bytes(total, 0.1));
-  EXPECT_EQ(r.chunk_bytes, 31u);  // floor(5004 · 0.1 / 16)
+  EXPECT_EQ(r.chunk_tokens, split_chunk_tokens(total, 0.1));
+  EXPECT_EQ(r.chunk_tokens, 31u);  // floor(5005 · 0.1 / 16)
   EXPECT_EQ(r.train_tokens + r.val_tokens, total);
 
   // Reference split, from the documented rule.
@@ -224,8 +224,8 @@ TEST(Prepare, ValIsSpreadOverTheCorpusInChunks) {
     const bool val = std::floor((i + 1) * 0.1) > std::floor(i * 0.1);
     (val ? want_val : want_train) += corpus.substr(i * 31, 31);
   }
-  std::string train = byte_decode(TokenShard(opt.out_dir / "train.bin").span());
-  std::string val = byte_decode(TokenShard(opt.out_dir / "val.bin").span());
+  std::string train = byte_decode(TokenShard(opt.out_dir / "train.bin").read_all());
+  std::string val = byte_decode(TokenShard(opt.out_dir / "val.bin").read_all());
   EXPECT_EQ(train, want_train);
   EXPECT_EQ(val, want_val);
   EXPECT_NEAR(static_cast<double>(val.size()) / static_cast<double>(total), 0.1,
@@ -235,7 +235,7 @@ TEST(Prepare, ValIsSpreadOverTheCorpusInChunks) {
 
   // Same inputs, same shards.
   opt.out_dir = dir / "out2";
-  prepare_text_corpus(opt);
+  prepare_corpus(opt);
   EXPECT_EQ(read_file_bytes(dir / "out" / "train.bin"),
             read_file_bytes(dir / "out2" / "train.bin"));
   EXPECT_EQ(read_file_bytes(dir / "out" / "val.bin"), read_file_bytes(dir / "out2" / "val.bin"));
@@ -252,9 +252,9 @@ TEST(Prepare, SplitRule) {
   EXPECT_EQ(n05, 50);
   for (uint64_t i = 0; i < 100; ++i) EXPECT_FALSE(is_val_chunk(i, 0.0));
   EXPECT_FALSE(is_val_chunk(0, 0.99));  // chunk 0 always trains
-  EXPECT_EQ(split_chunk_bytes(4'000'000, 0.05), 8192u);
-  EXPECT_EQ(split_chunk_bytes(1600, 0.1), 10u);
-  EXPECT_EQ(split_chunk_bytes(3, 0.1), 1u);
+  EXPECT_EQ(split_chunk_tokens(4'000'000, 0.05), 8192u);
+  EXPECT_EQ(split_chunk_tokens(1600, 0.1), 10u);
+  EXPECT_EQ(split_chunk_tokens(3, 0.1), 1u);
 }
 
 TEST(Prepare, Errors) {
@@ -264,26 +264,26 @@ TEST(Prepare, Errors) {
   opt.out_dir = dir / "out";
 
   opt.inputs = {dir / "in" / "missing.txt"};
-  expect_error([&] { prepare_text_corpus(opt); }, "missing.txt' does not exist");
+  expect_error([&] { prepare_corpus(opt); }, "missing.txt' does not exist");
 
   dir.write("bin/x.dat", "index");
   dir.write("bin/y", std::string("\0\1\2", 3));
   opt.inputs = {dir / "bin"};
-  expect_error([&] { prepare_text_corpus(opt); }, "hold no text");
+  expect_error([&] { prepare_corpus(opt); }, "hold no text");
 
   opt.inputs = {good};
   for (double f : {-0.1, 1.0, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
     opt.val_fraction = f;
-    expect_error([&] { prepare_text_corpus(opt); }, "val fraction");
+    expect_error([&] { prepare_corpus(opt); }, "val fraction");
   }
   opt.val_fraction = 0.05;
   opt.out_dir = good / "sub";  // below a regular file: cannot be created
-  expect_error([&] { prepare_text_corpus(opt); }, "cannot create output directory");
+  expect_error([&] { prepare_corpus(opt); }, "cannot create output directory");
   opt.out_dir = good;
-  expect_error([&] { prepare_text_corpus(opt); }, "output");
+  expect_error([&] { prepare_corpus(opt); }, "output");
   opt.inputs = {};
   opt.out_dir = dir / "out";
-  expect_error([&] { prepare_text_corpus(opt); }, "no input");
+  expect_error([&] { prepare_corpus(opt); }, "no input");
 }
 
 TEST(Prepare, DebianFortunes) {
@@ -294,7 +294,7 @@ TEST(Prepare, DebianFortunes) {
   PrepareOptions opt;
   opt.inputs = {fortunes};
   opt.out_dir = dir / "out";
-  PrepareReport r = prepare_text_corpus(opt);
+  PrepareReport r = prepare_corpus(opt);
   ASSERT_GT(r.sources.size(), 10u);
   int dat = 0, links = 0;
   for (const auto& s : r.sources) {
@@ -307,7 +307,7 @@ TEST(Prepare, DebianFortunes) {
   }
   EXPECT_EQ(dat, static_cast<int>(r.sources.size()));  // one index per text file
   EXPECT_GT(links, 0);
-  EXPECT_EQ(r.train_tokens + r.val_tokens, r.bytes_taken + r.sources.size() - 1);
+  EXPECT_EQ(r.train_tokens + r.val_tokens, r.bytes_taken + r.sources.size());  // + one '\n' each
   EXPECT_NEAR(static_cast<double>(r.val_tokens) / static_cast<double>(r.bytes_taken), 0.05, 0.005);
 }
 

@@ -168,9 +168,9 @@ def main():
                           f"(ln 256 = {math.log(256):.3f}), not what {loud.name}'s weights give")
         if not sum(ls[-3:]) / 3 < ls[0] - 1:
             raise Failure(f"train --init-from: the loss did not fall from {ls[0]:.3f} (last {ls[-3:]})")
-        run_cfg = json.loads((run_dir / "config.json").read_text())
+        run_cfg = json.loads((run_dir / "run_config.json").read_text())
         if run_cfg["model"]["dim"] != 64 or run_cfg["model"]["expert_hidden"] != 96:
-            raise Failure(f"{run_dir}/config.json: the run did not take the directory's architecture: "
+            raise Failure(f"{run_dir}/run_config.json: the run did not take the directory's architecture: "
                           f"{run_cfg['model']}")
     except Failure as e:
         print(f"FAIL: {e}", file=sys.stderr)

@@ -71,8 +71,8 @@ def train(moetrain, scratch, name, extra, launcher=()):
     for s in sets:
         cmd += ["--set", s]
     run(cmd)
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return run_dir / "checkpoints" / latest
+    # `latest` links to the newest checkpoint: the path any program opens as that checkpoint.
+    return run_dir / "checkpoints" / "latest"
 
 
 def forward(moetrain, ckpt, out):

@@ -175,7 +175,8 @@ def main():
         # As if the run had died after its step-3 checkpoint: steps 4..6 are done again.
         ckpts = run_dir / "checkpoints"
         shutil.rmtree(ckpts / "step_00000006")
-        (ckpts / "latest").write_text("step_00000003\n")
+        (ckpts / "latest").unlink()
+        (ckpts / "latest").symlink_to("step_00000003")
         run(cmd + ["--resume"])
         files = sorted((run_dir / "tb").iterdir())
         if len(files) != 2:

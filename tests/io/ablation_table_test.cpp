@@ -22,7 +22,7 @@ namespace {
 // sequences.
 void write_run(const TempDir& tmp, const std::string& dir, double dt, double efficiency,
                double val_loss) {
-  tmp.write(dir + "/config.json", R"({"train": {"seq_len": 10}})");
+  tmp.write(dir + "/run_config.json", R"({"train": {"seq_len": 10}})");
   std::string lines =
       fmt::format(R"({{"step":1,"step_time_s":100,"tokens_per_s":0.01,"comm_efficiency":0,)"
                   R"("tokens_per_expert":[[8,0],[8,0]]}})"

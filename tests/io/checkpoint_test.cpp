@@ -81,7 +81,7 @@ struct Tensors {
 
 fs::path write(const fs::path& run, int64_t step, Tensors& t, int64_t keep = 3) {
   auto comm = make_local_comm();
-  return write_checkpoint(*comm, run, step, t.share(), {{{"model_type", "test"}}, {{"step", step}}},
+  return write_checkpoint(*comm, run, step, t.share(), {{{"model_type", "test"}}, {{"step", step}}, {}},
                           keep);
 }
 
@@ -246,6 +246,29 @@ TEST(Checkpoint, EveryKindOfDamageFallsBackToThePreviousCheckpoint) {
   expect_latest(5);
   EXPECT_TRUE(fs::exists(step4));
   EXPECT_FALSE(fs::exists(step3));
+}
+
+// `latest` is a link to the newest checkpoint, so the path opens as it; extra files (a tokenizer)
+// are checksummed like the rest.
+TEST(Checkpoint, LatestIsALinkAndExtraFilesAreChecksummed) {
+  TempDir tmp("ckpt_link");
+  auto comm = make_local_comm();
+  Tensors t(1.0f);
+  for (int64_t step : {1, 2}) {
+    CheckpointDocs docs{{{"model_type", "test"}}, {{"step", step}}, {{"tokenizer.model", "pieces"}}};
+    write_checkpoint(*comm, tmp.path(), step, t.share(), docs, 3);
+  }
+  const fs::path latest = tmp.path() / "checkpoints" / "latest";
+  ASSERT_TRUE(fs::is_symlink(latest));
+  EXPECT_EQ(fs::read_symlink(latest), "step_00000002");
+  EXPECT_EQ(fs::canonical(latest), fs::canonical(checkpoint_dir(tmp.path(), 2)));
+  verify_checkpoint(latest);
+  EXPECT_EQ(read_file_bytes(latest / "tokenizer.model"), "pieces");
+  EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 2));
+  flip_byte(latest / "tokenizer.model", 2);
+  expect_error([&] { verify_checkpoint(checkpoint_dir(tmp.path(), 2)); },
+               {"tokenizer.model", "CRC-32C"});
+  EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 1));
 }
 
 TEST(Checkpoint, KeepsTheNewestKAndNeverRemovesANewerCheckpoint) {

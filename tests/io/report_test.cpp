@@ -76,7 +76,7 @@ std::string metrics_lines(int steps = 5) {
 void write_run(const TempDir& dir, const std::string& metrics, int64_t planned_steps = 5) {
   nlohmann::json config = {{"model", {{"n_experts", 3}, {"name", "<script>alert(1)</script>"}}},
                            {"train", {{"steps", planned_steps}, {"run_dir", "runs/x"}}}};
-  dir.write("config.json", config.dump(2));
+  dir.write("run_config.json", config.dump(2));
   dir.write("metrics.jsonl", metrics);
 }
 
@@ -327,7 +327,7 @@ TEST(Report, ConfigHighlightsValuesThatDifferFromTheSchemaDefaults) {
   nlohmann::json config = RunConfig{}.to_json();
   const nlohmann::json default_lr = config["optim"]["lr"];
   config["model"]["n_experts"] = config["model"]["n_experts"].get<int64_t>() * 2;
-  dir.write("config.json", config.dump(2));
+  dir.write("run_config.json", config.dump(2));
   dir.write("metrics.jsonl", metrics_lines());
   const std::string sec = section(render_report(dir.path(), report_defaults()), "config");
   EXPECT_NE(
@@ -346,7 +346,7 @@ TEST(Report, ConfigHighlightsValuesThatDifferFromTheSchemaDefaults) {
 
 // A `moetrain ps launch` run directory as the job leaves it: server 0's metrics.jsonl (one line per
 // update, and worker 0's final validation), the per-process files, the job's summaries and worker
-// 0's checkpoint with the settings inside its config.json; no RUN_DIR/config.json.
+// 0's checkpoint with the settings inside its config.json; no RUN_DIR/run_config.json.
 void write_ps_run(const TempDir& dir) {
   std::string lines;
   for (int s = 1; s <= 6; ++s)

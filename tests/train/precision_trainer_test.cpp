@@ -205,7 +205,7 @@ TEST(PrecisionTrainer, AutoTrainsAndRecordsWhatItResolvedTo) {
     EXPECT_EQ(t.model().precision(), cfg.train.precision_dtype());
     EXPECT_TRUE(std::isfinite(t.run().val_loss));
   }
-  std::ifstream in(fs::path(cfg.train.run_dir) / "config.json");
+  std::ifstream in(fs::path(cfg.train.run_dir) / "run_config.json");
   const nlohmann::json run = nlohmann::json::parse(in);
   EXPECT_EQ(run["train"]["precision"], resolved);
   const auto ckpt = find_latest_checkpoint(cfg.train.run_dir);
@@ -227,7 +227,7 @@ TEST(PrecisionTrainer, AutoResumeKeepsThePrecisionTheRunUsed) {
     EXPECT_EQ(t.step(), 4);
     EXPECT_EQ(dtype_name(t.model().precision()), used);
     t.run();
-    std::ifstream in(tmp / "run" / "config.json");
+    std::ifstream in(tmp / "run" / "run_config.json");
     EXPECT_EQ(nlohmann::json::parse(in)["train"]["precision"], used);
   }
 }
