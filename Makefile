@@ -2,8 +2,12 @@
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+PREFIX ?= /usr/local
+# The Debian package's own build: no CUDA backend (its runtime is in no Debian package), no tests
+# or benchmarks (not installed).
+DEB_BUILD_DIR ?= build-deb
 
-.PHONY: all setup setup-tests configure build test demo bench format clean
+.PHONY: all setup setup-tests configure build test demo bench install deb format clean
 
 all: build
 
@@ -26,8 +30,19 @@ demo: build
 bench: build
 	bash scripts/bench.sh $(BUILD_DIR)
 
+# bin/moetrain, share/moetrain/configs, share/doc/moetrain under PREFIX (cmake/install.cmake).
+install: build
+	cmake --install $(BUILD_DIR) --prefix $(PREFIX)
+
+# $(DEB_BUILD_DIR)/moetrain_VERSION_ARCH.deb; Depends from dpkg-shlibdeps (cmake/install.cmake).
+deb: setup
+	cmake -S . -B $(DEB_BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DMOETRAIN_WITH_CUDA=OFF \
+	  -DMOETRAIN_BUILD_TESTS=OFF -DMOETRAIN_BUILD_BENCH=OFF $(CMAKE_FLAGS)
+	cmake --build $(DEB_BUILD_DIR) -j $(JOBS) --target moetrain
+	cd $(DEB_BUILD_DIR) && cpack -G DEB
+
 format:
 	find src tests bench \( -name '*.cpp' -o -name '*.h' \) | xargs clang-format -i
 
 clean:
-	rm -rf $(BUILD_DIR)
+	rm -rf $(BUILD_DIR) $(DEB_BUILD_DIR)
