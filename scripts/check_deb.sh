@@ -47,7 +47,7 @@ depends="$(dpkg-deb -f "$deb" Depends)"
 if grep -qiE 'cuda|cublas|nvidia' <<<"$depends"; then
   fail "Depends names CUDA, which no plain Debian machine has: $depends"
 fi
-for lib in libdnnl libopenmpi libzmq libfmt libtomlplusplus libc6 libstdc++6; do
+for lib in libdnnl libopenmpi libzmq libfmt libtomlplusplus libsentencepiece libzstd libc6 libstdc++6; do
   grep -q "$lib" <<<"$depends" || fail "Depends lacks $lib: $depends"
 done
 [ "$(dpkg-deb -f "$deb" Package)" = moetrain ] || fail "package name is not moetrain"
