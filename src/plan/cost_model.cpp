@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -176,6 +177,61 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   p.comm.tensor_parallel = ring_allreduce(cluster, N * C * bytes_of(prec), tp, false);
   const double tp_allreduce_s = p.comm.tensor_parallel.seconds();
 
+  // The experts of one MoE layer under the load model: the slowest rank's time and rows, and the
+  // sums over the ranks. A layer's load is its row of the fractions (the last row for every
+  // layer beyond them), so layers that share a row share the figures: computed once per row,
+  // the plan costs O(layers + experts), not O(layers × experts).
+  struct ExpertLoad {
+    double worst = 0, sum = 0, worst_rows = 0, rows_sum = 0;
+  };
+  std::size_t load_rows = load.fractions.size();
+  for (const auto& step : load.steps) load_rows = std::max(load_rows, step.size());
+  std::vector<std::optional<ExpertLoad>> expert_loads(load_rows);
+  const double assignments = static_cast<double>(ep) * N * K;
+  const double cap =
+      m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
+  auto expert_load = [&](int64_t l) -> const ExpertLoad& {
+    auto& cached = expert_loads[std::min<std::size_t>(static_cast<std::size_t>(l), load_rows - 1)];
+    if (cached) return *cached;
+    // A measured load gives each step's fractions: every step waits for its own slowest rank,
+    // so the slowest rank is found step by step and averaged (the summed load would average the
+    // hot experts away).
+    const std::size_t samples = std::max<std::size_t>(1, load.steps.size());
+    ExpertLoad r;
+    for (std::size_t smp = 0; smp < samples; ++smp) {
+      const auto& rows_of = load.steps.empty() ? load.fractions : load.steps[smp];
+      const auto& frac = rows_of[std::min<std::size_t>(l, rows_of.size() - 1)];
+      double w = 0, w_rows = 0;
+      for (int64_t rk = 0; rk < ep; ++rk) {
+        double t = 0, rows = 0;
+        for (int64_t e = rk * e_local; e < (rk + 1) * e_local; ++e) {
+          const double n = std::min(cap, std::round(assignments * frac[e]));
+          rows += n;
+          // As timed at this expert shape: the expert kernels run once per source rank, on the
+          // rows that rank sent (n / ep of them at an even spread).
+          const double epd = static_cast<double>(ep);
+          if (const auto timed = dev.kernels.experts(C, F, n / epd, dtype_code(prec)))
+            t += epd * *timed;
+          else
+            t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
+                 stream_time(dev, 3 * 3 * 4 * n * F);
+        }
+        r.sum += t;
+        r.rows_sum += rows;
+        if (t > w) {
+          w = t;
+          w_rows = rows;
+        }
+      }
+      r.worst += w;
+      r.worst_rows += w_rows;
+    }
+    for (double* v : {&r.worst, &r.worst_rows, &r.sum, &r.rows_sum})
+      *v /= static_cast<double>(samples);
+    cached = r;
+    return *cached;
+  };
+
   // --- compute of one micro-batch, forward + backward ---
   for (int64_t l = 0; l < m.n_layers; ++l) {
     // Tensor parallelism splits heads (Q, K, V by columns, O by rows) and FFN hidden sizes.
@@ -222,46 +278,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     }
     // Experts: the EP group's ep·N·K assignments spread by the load model (capacity clips an
     // expert's rows); rank r holds experts [r·E/ep, (r+1)·E/ep). The slowest rank sets the step.
-    const double assignments = static_cast<double>(ep) * N * K;
-    const double cap =
-        m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
-    // A measured load gives each step's fractions: every step waits for its own slowest rank,
-    // so the slowest rank is found step by step and averaged (the summed load would average the
-    // hot experts away).
-    const std::size_t samples = std::max<std::size_t>(1, load.steps.size());
-    double worst = 0, sum = 0, worst_rows = 0, rows_sum = 0;
-    for (std::size_t smp = 0; smp < samples; ++smp) {
-      const auto& rows_of = load.steps.empty() ? load.fractions : load.steps[smp];
-      const auto& frac = rows_of[std::min<std::size_t>(l, rows_of.size() - 1)];
-      double w = 0, w_rows = 0;
-      for (int64_t r = 0; r < ep; ++r) {
-        double t = 0, rows = 0;
-        for (int64_t e = r * e_local; e < (r + 1) * e_local; ++e) {
-          const double n = std::min(cap, std::round(assignments * frac[e]));
-          rows += n;
-          // As timed at this expert shape: the expert kernels run once per source rank, on the
-          // rows that rank sent (n / ep of them at an even spread).
-          const double epd = static_cast<double>(ep);
-          if (const auto timed = dev.kernels.experts(C, F, n / epd, dtype_code(prec)))
-            t += epd * *timed;
-          else
-            t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
-                 stream_time(dev, 3 * 3 * 4 * n * F);
-        }
-        sum += t;
-        rows_sum += rows;
-        if (t > w) {
-          w = t;
-          w_rows = rows;
-        }
-      }
-      worst += w;
-      worst_rows += w_rows;
-    }
-    worst /= static_cast<double>(samples);
-    worst_rows /= static_cast<double>(samples);
-    sum /= static_cast<double>(samples);
-    rows_sum /= static_cast<double>(samples);
+    const ExpertLoad& el = expert_load(l);
+    const double worst = el.worst, sum = el.sum, worst_rows = el.worst_rows,
+                 rows_sum = el.rows_sum;
     s.experts += worst;
     s.experts_mean += sum / static_cast<double>(ep);
     p.imbalance = std::max(p.imbalance, rows_sum > 0 ? worst_rows * ep / rows_sum : 1.0);

@@ -4,7 +4,6 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
-#include "model/params.h"
 #include "plan/cost_model.h"
 
 namespace moetrain::plan {
@@ -17,11 +16,28 @@ double optimizer_state_floats(const std::string& name) {
 
 }  // namespace
 
+// From the shapes ParamLayout (model/params.cpp) lays out, tensor by tensor, without building
+// its table: a plan of a million experts must not name each one (tests/plan/plan_test.cpp checks
+// the two agree on models with every optional tensor).
 ParamCounts count_params(const ModelConfig& m) {
+  m.validate();
+  const double C = static_cast<double>(m.dim), V = static_cast<double>(m.vocab_size);
+  const double HS = static_cast<double>(m.head_dim());
+  const double L = static_cast<double>(m.n_layers), Lm = static_cast<double>(m.n_moe_layers());
+  const double E = static_cast<double>(m.n_experts);
   ParamCounts c;
-  const ParamLayout layout(m);
-  for (const auto& p : layout.params())
-    (p.expert >= 0 ? c.expert : c.dense) += static_cast<double>(p.numel);
+  // Embedding and LM head (V, C), final norm; per layer two norms, q and o (NH·HS, C), k and v
+  // (NKV·HS, C).
+  const double attention =
+      2 * C + 2 * static_cast<double>(m.n_heads) * HS * C +
+      2 * static_cast<double>(m.n_kv_heads) * HS * C;
+  c.dense = 2 * V * C + C + L * attention;
+  c.dense += (L - Lm) * 3 * static_cast<double>(m.dense_ffn_hidden()) * C;
+  // MoE blocks: the router (and its noise projection), the shared expert; the experts' w1, w3
+  // (F, C) and w2 (C, F).
+  const double router = E * C * (m.router == RouterKind::NoisyTopK ? 2 : 1);
+  c.dense += Lm * (router + 3 * static_cast<double>(m.shared_expert_hidden) * C);
+  c.expert = Lm * E * 3 * static_cast<double>(m.expert_hidden) * C;
   return c;
 }
 
