@@ -2,6 +2,7 @@
 // measure this machine for it (--calibrate). Runs no training.
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -205,7 +206,7 @@ Run add_plan_command(CLI::App& app) {
       const plan::ClusterSpec cluster = cluster_for(procs);
       const plan::Prediction p =
           plan::predict(cfg, cluster, {procs, cfg_ep, args->tp, args->pp, args->vp}, load);
-      plan::check_fits(p, cluster);
+      // The figures first, fitting or not: they are what a user shrinks the run by.
       if (args->json) {
         nlohmann::json out = plan::to_json(p);
         out["device"] = cluster.device.name;
@@ -217,6 +218,8 @@ Run add_plan_command(CLI::App& app) {
         fmt::print("{}", plan::format_table({p}));
         fmt::print("\n{}", plan::format_comm(p));
       }
+      std::fflush(stdout);
+      plan::check_fits(p, cluster);
       return 0;
     }
     // A sweep: every layout that can run is predicted; one that cannot (does not divide, more
@@ -234,15 +237,15 @@ Run add_plan_command(CLI::App& app) {
       plan::check_fits(r.predictions[least], cluster_for(r.points[least].layout.procs));
     };
     if (args->json) {
-      none_fits();
       nlohmann::json out = plan::sweep_json(sweep, r);
       out["device"] = r.device;
       out["load"] = load.kind;
       fmt::print("{}\n", out.dump(2));
-      return 0;
+    } else {
+      fmt::print("{} on {} ({} load)\n", args->config, r.device, load.kind);
+      fmt::print("{}", plan::format_sweep(sweep, r));
     }
-    fmt::print("{} on {} ({} load)\n", args->config, r.device, load.kind);
-    fmt::print("{}", plan::format_sweep(sweep, r));
+    std::fflush(stdout);
     none_fits();
     return 0;
   };

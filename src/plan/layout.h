@@ -20,6 +20,12 @@ struct Layout {
   int64_t dp() const { return stage() / ep; }  // replicas of each expert
 };
 
+// Whether `moetrain train` runs this layout: tensor and pipeline parallelism are the planner's
+// only (tp = pp = 1 in the trainer).
+inline bool trainer_runs(const Layout& l) {
+  return l.tp == 1 && l.pp == 1;
+}
+
 // Why the layout cannot run this model on this cluster (a message naming the key or option), or
 // empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,
 // the layers, heads and experts divide, and the cluster has the devices.

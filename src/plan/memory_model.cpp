@@ -85,13 +85,16 @@ Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accele
 }
 
 void check_fits(const Prediction& p, const ClusterSpec& cluster) {
+  constexpr double kGiB = 1073741824.0;
+  const Memory& m = p.memory;
   MOETRAIN_CHECK(p.fits,
                  "the model does not fit: it needs {:.3f} GiB per device (parameters {:.3f}, "
-                 "gradients {:.3f}, optimizer {:.3f}, activations {:.3f}), the device has {:.3f} "
-                 "GiB (device.memory_bytes)",
-                 p.memory.total() / 1073741824.0, p.memory.params / 1073741824.0,
-                 p.memory.grads / 1073741824.0, p.memory.optimizer / 1073741824.0,
-                 p.memory.activations / 1073741824.0, cluster.device.memory_bytes / 1073741824.0);
+                 "gradients {:.3f}, optimizer {:.3f}, low-precision copies {:.3f}, activations "
+                 "{:.3f}), the device has {:.3f} GiB (device.memory_bytes): {:.3f} GiB too much",
+                 m.total() / kGiB, m.params / kGiB, m.grads / kGiB, m.optimizer / kGiB,
+                 m.low_precision / kGiB, m.activations / kGiB,
+                 cluster.device.memory_bytes / kGiB,
+                 (m.total() - cluster.device.memory_bytes) / kGiB);
 }
 
 }  // namespace moetrain::plan

@@ -97,6 +97,7 @@ nlohmann::json to_json(const Prediction& p) {
         {"activations_bytes", m.activations},
         {"total_bytes", m.total()},
         {"fits", p.fits}}},
+      {"trainer_runs", trainer_runs(p.layout)},
       {"comm", comm_json(p.comm)},
   };
 }
@@ -107,8 +108,8 @@ std::string ms(double s) {
   return fmt::format("{:.2f}", s * 1e3);
 }
 
-std::string mib(double b) {
-  return fmt::format("{:.1f}", b / 1048576.0);
+std::string gib(double b) {
+  return fmt::format("{:.4g}", b / 1073741824.0);
 }
 
 // Seconds, bytes and rates in the unit that reads best.
@@ -233,6 +234,10 @@ std::string format_table(const std::vector<Prediction>& ps) {
     row("tp/pp/vp", [](const Prediction& p) {
       return fmt::format("{}/{}/{}", p.layout.tp, p.layout.pp, p.layout.vp);
     });
+  if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return !trainer_runs(p.layout); }))
+    row("trainer runs it", [](const Prediction& p) {
+      return trainer_runs(p.layout) ? "yes" : "no (TP/PP)";
+    });
   row("step time ms", [](const Prediction& p) { return ms(p.step_time_s); });
   row("  attention ms", [](const Prediction& p) { return ms(p.parts.attention); });
   row("  router ms", [](const Prediction& p) { return ms(p.parts.router); });
@@ -265,14 +270,14 @@ std::string format_table(const std::vector<Prediction>& ps) {
   row("utilisation", [](const Prediction& p) { return fmt::format("{:.2f}", p.utilisation); });
   row("comm efficiency",
       [](const Prediction& p) { return fmt::format("{:.2f}", p.comm_efficiency); });
-  row("memory MiB/device", [](const Prediction& p) { return mib(p.memory.total()); });
-  row("  params", [](const Prediction& p) { return mib(p.memory.params); });
-  row("  grads", [](const Prediction& p) { return mib(p.memory.grads); });
-  row("  optimizer", [](const Prediction& p) { return mib(p.memory.optimizer); });
+  row("memory GiB/device", [](const Prediction& p) { return gib(p.memory.total()); });
+  row("  params", [](const Prediction& p) { return gib(p.memory.params); });
+  row("  grads", [](const Prediction& p) { return gib(p.memory.grads); });
+  row("  optimizer", [](const Prediction& p) { return gib(p.memory.optimizer); });
   row("  (without ZeRO-1)",
-      [](const Prediction& p) { return mib(p.memory.optimizer_without_zero); });
-  row("  low-precision copies", [](const Prediction& p) { return mib(p.memory.low_precision); });
-  row("  activations", [](const Prediction& p) { return mib(p.memory.activations); });
+      [](const Prediction& p) { return gib(p.memory.optimizer_without_zero); });
+  row("  low-precision copies", [](const Prediction& p) { return gib(p.memory.low_precision); });
+  row("  activations", [](const Prediction& p) { return gib(p.memory.activations); });
   row("fits", [](const Prediction& p) { return p.fits ? "yes" : "NO"; });
   return out;
 }

@@ -122,16 +122,18 @@ std::string format_lines(const Sweep& sweep, const SweepResult& r) {
   size_t width = 6;
   for (const auto& pt : r.points) width = std::max(width, sweep_label(sweep, pt).size());
   std::string out =
-      fmt::format("{:<{}} {:>10} {:>10} {:>10} {:>6} {:>5} {:>5} {:>12} {:>10} {:>4}\n", "layout",
-                  width, "step ms", "tokens/s", "per device", "MFU", "util", "comm", "all-to-all",
-                  "GiB/device", "fits");
+      fmt::format("{:<{}} {:>10} {:>10} {:>10} {:>6} {:>5} {:>5} {:>12} {:>10} {:>4} {:>7}\n",
+                  "layout", width, "step ms", "tokens/s", "per device", "MFU", "util", "comm",
+                  "all-to-all", "GiB/device", "fits", "trainer");
   for (size_t i = 0; i < r.points.size(); ++i) {
     const Prediction& p = r.predictions[i];
     out += fmt::format(
-        "{:<{}} {:>10.2f} {:>10.0f} {:>10.0f} {:>6.3f} {:>5.2f} {:>5.2f} {:>12} {:>10.1f} {:>4}\n",
+        "{:<{}} {:>10.2f} {:>10.0f} {:>10.0f} {:>6.3f} {:>5.2f} {:>5.2f} {:>12} {:>10.1f} {:>4} "
+        "{:>7}\n",
         sweep_label(sweep, r.points[i]), width, p.step_time_s * 1e3, p.tokens_per_s,
         p.tokens_per_s / static_cast<double>(p.layout.procs), p.mfu, p.utilisation,
-        p.comm_efficiency, p.a2a_kind, p.memory.total() / 1073741824.0, p.fits ? "yes" : "NO");
+        p.comm_efficiency, p.a2a_kind, p.memory.total() / 1073741824.0, p.fits ? "yes" : "NO",
+        trainer_runs(p.layout) ? "yes" : "no");
   }
   return out + "(every part of every layout: --json)\n";
 }
@@ -151,9 +153,13 @@ std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
     const std::string at =
         sweep.procs_swept ? fmt::format(" at {} process{}", P, P == 1 ? "" : "es") : "";
     if (b != r.best.end())
-      out += fmt::format("best{}: {} ({:.0f} tokens/s, {:.2f} ms a step)\n", at,
+      out += fmt::format("best{}: {} ({:.0f} tokens/s, {:.2f} ms a step){}\n", at,
                          sweep_label(sweep, r.points[*b]), r.predictions[*b].tokens_per_s,
-                         r.predictions[*b].step_time_s * 1e3);
+                         r.predictions[*b].step_time_s * 1e3,
+                         trainer_runs(r.points[*b].layout)
+                             ? ""
+                             : "; planner only: moetrain train has no tensor or pipeline "
+                               "parallelism yet");
     else if (ran)
       out += fmt::format("best{}: none fits the device's memory\n", at);
   }
@@ -181,6 +187,7 @@ nlohmann::json sweep_json(const Sweep& sweep, const SweepResult& r) {
     nlohmann::json b = point_json(r.points[i]);
     b["step_time_s"] = r.predictions[i].step_time_s;
     b["tokens_per_s"] = r.predictions[i].tokens_per_s;
+    b["trainer_runs"] = trainer_runs(r.points[i].layout);
     best.push_back(b);
   }
   for (size_t i = 0; i < r.skipped.size(); ++i) {
