@@ -175,15 +175,17 @@ DeviceModel builtin_device(const std::string& name) {
   d.name = name;
   d.gemm_max_efficiency = 0.8;
   d.gemm_call_s = 5e-6;
+  // Memory as the driver reports it (NVML's total, what nvidia-smi prints): an "80 GB" part
+  // holds 81920 MiB (A100) or 81559 MiB (H100), not 80·10⁹ bytes.
   if (name == "a100") {  // A100 SXM 80 GB
     d.peak_flops_f32 = 19.5e12;
     d.peak_flops_bf16 = 312e12;
-    d.memory_bytes = 80e9;
+    d.memory_bytes = 81920.0 * 1048576;
     d.memory_bandwidth = 2.039e12;
   } else if (name == "h100") {  // H100 SXM 80 GB
     d.peak_flops_f32 = 67e12;
     d.peak_flops_bf16 = 989e12;
-    d.memory_bytes = 80e9;
+    d.memory_bytes = 81559.0 * 1048576;
     d.memory_bandwidth = 3.35e12;
   } else {
     MOETRAIN_CHECK(name != "cpu",

@@ -83,10 +83,10 @@ double norm_time(const DeviceModel& dev, double bytes) {
 }
 
 // `count` RMSNorms of (N, C), forward + backward: as timed at this shape, or 3 · 2 · N · C
-// floats at the norm's rate.
-double rmsnorm_time(const DeviceModel& dev, double N, double C, double count) {
+// elements of `ab` bytes at the norm's rate.
+double rmsnorm_time(const DeviceModel& dev, double N, double C, double count, double ab) {
   if (const auto s = dev.kernels.find("norm", {N, C})) return count * *s;
-  return norm_time(dev, count * 3 * 2 * 4 * N * C);
+  return norm_time(dev, count * 3 * 2 * ab * N * C);
 }
 
 // Optimizer bytes per parameter per step: read parameter, gradient and the state slots, write
@@ -172,6 +172,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const int64_t ep = layout.ep, e_local = m.n_experts / ep;
   const int64_t tp = layout.tp, NHt = m.n_heads / tp, NKVt = m.n_kv_heads / tp;
   StepParts& s = p.parts;
+  // Element-wise work streams activations at their stored size: the run's precision on a GPU
+  // in bf16/fp16, f32 in this trainer. The router's softmax and top-k stay f32.
+  const double ab = activation_bytes(cfg, dev.threads == 0);
   // Megatron's tensor parallelism: an all-reduce of the (N, C) activations after attention and
   // after the FFN, forward and backward, on the critical path: four a layer, the same each.
   p.comm.tensor_parallel = ring_allreduce(cluster, N * C * bytes_of(prec), tp, false);
@@ -214,7 +217,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
             t += epd * *timed;
           else
             t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
-                 stream_time(dev, 3 * 3 * 4 * n * F);
+                 stream_time(dev, 3 * 3 * ab * n * F);
         }
         r.sum += t;
         r.rows_sum += rows;
@@ -259,22 +262,22 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     const auto rope_k = dev.kernels.find("rope", {N, double(NKVt), HS});
     s.attention += rope_q && rope_k
                        ? *rope_q + *rope_k
-                       : stream_time(dev, 2 * 2 * 4 * N * static_cast<double>(NHt + NKVt) * HS);
+                       : stream_time(dev, 2 * 2 * ab * N * static_cast<double>(NHt + NKVt) * HS);
     // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
-    s.norms += rmsnorm_time(dev, N, C, 2) + stream_time(dev, 3 * 2 * 3 * 4 * N * C);
+    s.norms += rmsnorm_time(dev, N, C, 2, ab) + stream_time(dev, 3 * 2 * 3 * ab * N * C);
     if (m.is_dense_layer(l)) {
       const double Fd = static_cast<double>(m.dense_ffn_hidden() / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
-                         linear_fb_time(dev, prec, N, C, Fd) + stream_time(dev, 3 * 3 * 4 * N * Fd);
+                         linear_fb_time(dev, prec, N, C, Fd) + stream_time(dev, 3 * 3 * ab * N * Fd);
       continue;
     }
     s.router += linear_fb_time(dev, DType::F32, N, E, C) + stream_time(dev, 3 * 2 * 4 * N * E);
     // Dispatch (gather rows) and combine (weighted scatter-add), forward and backward.
-    s.norms += stream_time(dev, 2 * 2 * 2 * 4 * N * K * C);
+    s.norms += stream_time(dev, 2 * 2 * 2 * ab * N * K * C);
     if (m.shared_expert_hidden > 0) {
       const double Fs = static_cast<double>(m.shared_expert_hidden / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fs, C) +
-                         linear_fb_time(dev, prec, N, C, Fs) + stream_time(dev, 3 * 3 * 4 * N * Fs);
+                         linear_fb_time(dev, prec, N, C, Fs) + stream_time(dev, 3 * 3 * ab * N * Fs);
     }
     // Experts: the EP group's ep·N·K assignments spread by the load model (capacity clips an
     // expert's rows); rank r holds experts [r·E/ep, (r+1)·E/ep). The slowest rank sets the step.
@@ -323,12 +326,21 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                     &s.norms, &s.a2a, &s.tensor_parallel})
     *v /= static_cast<double>(layout.pp);
   for (double* v : {&cm.a2a_exchanges, &cm.tp_count}) *v *= static_cast<double>(A) / layout.pp;
+  // Full recomputation runs every layer's forward again in backward: a third more of the
+  // layers' compute (forward + backward = 3 forwards), and the forward's two all-to-alls and
+  // two TP all-reduces again (6 of each a layer instead of 4).
+  if (layout.recompute) {
+    for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
+                      &s.norms})
+      *v *= 4.0 / 3.0;
+    for (double* v : {&s.a2a, &s.tensor_parallel, &cm.a2a_exchanges, &cm.tp_count}) *v *= 1.5;
+  }
   // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
   // read and write them backward).
-  s.norms += rmsnorm_time(dev, N, C, 1) + stream_time(dev, 3 * 4 * N * C);
+  s.norms += rmsnorm_time(dev, N, C, 1, ab) + stream_time(dev, 3 * ab * N * C);
   // The LM head sits on the last stage, which it makes the slowest (no layers are moved off it).
   s.lm_head += linear_fb_time(dev, prec, N, V / static_cast<double>(tp), C) +
-               stream_time(dev, 3 * 4 * N * V / static_cast<double>(tp));
+               stream_time(dev, 3 * ab * N * V / static_cast<double>(tp));
   if (p.a2a_kind.empty()) p.a2a_kind = "none";
   p.hierarchical_asked = cfg.dist.hierarchical;
 
@@ -346,6 +358,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
 
   // --- once per step: gradient reduction and the update ---
   const ParamCounts pc = count_params(m);
+  const int64_t zero = zero_stage(cfg, layout);
   const double grad_elem =
       grad_wire_bytes(parse_grad_wire(cfg.dist.grad_reduce_dtype, "dist.grad_reduce_dtype"));
   // A stage's data-parallel ranks (tensor shards innermost) span nodes when there are more of
@@ -373,6 +386,18 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                            cluster.self_reduce_bandwidth, 1});
     cm.reductions.emplace_back("expert gradients, a group of one", copy);
   }
+  // ZeRO-3 keeps a shard of the weights: each layer's are all-gathered before its forward and
+  // again before its backward. Two all-gathers of the weights move what one all-reduce of them
+  // does (the same ring, (p − 1)/p of the bytes each), prefetched as the reduction overlaps.
+  if (zero >= 3) {
+    const double wbytes = bytes_of(prec);
+    cm.reductions.emplace_back(
+        "dense weights all-gathered twice (ZeRO-3) " + over(layout.stage()),
+        ring_allreduce(cluster, dense_local * wbytes, layout.stage(), multi_node));
+    cm.reductions.emplace_back(
+        "expert weights all-gathered twice (ZeRO-3) " + over(layout.dp()),
+        ring_allreduce(cluster, expert_local * wbytes, layout.dp(), multi_node));
+  }
   for (const auto& [name, r] : cm.reductions) s.grad_sync += r.seconds();
   // With overlap, buckets reduce while backward still runs: only what outlasts the backward, and
   // at least the last bucket, is exposed. Backward is two thirds of the compute.
@@ -393,9 +418,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.sync = lat * (per_mb * static_cast<double>(A) + 2 + kMetricCollectives);
   }
   const double local = dense_local + expert_local;
-  const double updated = cfg.dist.zero == 1 ? dense_local / static_cast<double>(layout.stage()) +
-                                                  expert_local / static_cast<double>(layout.dp())
-                                            : local;
+  const double updated = zero >= 1 ? dense_local / static_cast<double>(layout.stage()) +
+                                        expert_local / static_cast<double>(layout.dp())
+                                  : local;
   // As timed where the profile has this optimizer's update (zeroing and the clip's read
   // included, 8 of its bytes per parameter), else at the bytes it moves.
   const double opt_bytes = optimizer_bytes_per_param(cfg.optim.name, prec);

@@ -55,7 +55,7 @@ struct StepParts {
 
 struct Memory {  // bytes per device
   double params = 0, grads = 0, optimizer = 0, low_precision = 0, activations = 0;
-  double optimizer_without_zero = 0;  // what the optimizer state would take without ZeRO-1
+  double optimizer_without_zero = 0;  // what the optimizer state would take without ZeRO
   double total() const { return params + grads + optimizer + low_precision + activations; }
 };
 
@@ -113,14 +113,22 @@ ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
 // ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
 // ends; 1 where the cluster has none.
 double compute_share(const ClusterSpec& c, double ratio);
-// Memory per device (ZeRO-1 as the config says). `accelerator`: a GPU (built-in or [device]
-// table, not a calibrated CPU) keeps low-precision activations in a bf16/fp16 run.
-// Floats of every dense tensor and of all experts of all layers (plan/memory_model.cpp).
+// Floats of every dense tensor and of all experts of all layers (plan/memory_model.cpp), from
+// the shapes. `accelerator` below: a GPU (built-in or [device] table, not a calibrated CPU).
 struct ParamCounts {
   double dense = 0, expert = 0;
 };
 ParamCounts count_params(const ModelConfig& m);
 
+// Bytes of the weights, gradients and optimizer state (train/memory_estimate.h's ParamState:
+// this trainer's on a CPU profile or in f32, GPU mixed precision on an accelerator in bf16/fp16,
+// ZeRO as the layout or dist.zero says), and of the activations of one micro-batch (all of them,
+// or with recomputation each layer's input and one layer's).
 Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator = false);
+// Bytes of an activation element: the run's precision on an accelerator in bf16/fp16 (GPU
+// trainers keep them so), else f32 (this trainer's f32 masters). Element-wise work streams them.
+double activation_bytes(const RunConfig& cfg, bool accelerator);
+// The ZeRO stage of a run: the layout's (--zero), else dist.zero.
+int64_t zero_stage(const RunConfig& cfg, const Layout& layout);
 
 }  // namespace moetrain::plan

@@ -15,16 +15,24 @@ struct Layout {
   int64_t procs = 1;
   int64_t ep = 1;
   int64_t tp = 1, pp = 1, vp = 1;
+  // How the state and activations are kept (planner options: the trainer runs ZeRO 0 or 1 and
+  // keeps every activation). zero < 0: the config's dist.zero. recompute: full activation
+  // recomputation (each layer's input kept, the layer run forward again in backward).
+  int64_t zero = -1;
+  bool recompute = false;
   // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
   int64_t stage() const { return procs / (tp * pp); }
   int64_t dp() const { return stage() / ep; }  // replicas of each expert
 };
 
-// Whether `moetrain train` runs this layout: tensor and pipeline parallelism are the planner's
-// only (tp = pp = 1 in the trainer).
+// Whether `moetrain train` runs this layout: tensor and pipeline parallelism, ZeRO-2/3 and
+// recomputation are the planner's only.
 inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && l.pp == 1;
+  return l.tp == 1 && l.pp == 1 && l.zero <= 1 && !l.recompute;
 }
+// "planner only: moetrain train has no pipeline parallelism yet", naming what the trainer lacks;
+// empty where it runs the layout.
+std::string planner_only(const Layout& l);
 
 // Why the layout cannot run this model on this cluster (a message naming the key or option), or
 // empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,

@@ -236,7 +236,7 @@ std::string format_table(const std::vector<Prediction>& ps) {
     });
   if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return !trainer_runs(p.layout); }))
     row("trainer runs it", [](const Prediction& p) {
-      return trainer_runs(p.layout) ? "yes" : "no (TP/PP)";
+      return trainer_runs(p.layout) ? "yes" : "no";
     });
   row("step time ms", [](const Prediction& p) { return ms(p.step_time_s); });
   row("  attention ms", [](const Prediction& p) { return ms(p.parts.attention); });

@@ -76,7 +76,7 @@ std::string sweep_label(const Sweep& sweep, const SweepPoint& point) {
 }
 
 SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int64_t)>& cluster_for,
-                      const Sweep& sweep, int64_t vp, const LoadModel& load) {
+                      const Sweep& sweep, const Layout& base, const LoadModel& load) {
   SweepResult r;
   for (const int64_t P : sweep.procs) {
     const ClusterSpec cluster = cluster_for(P);
@@ -85,7 +85,8 @@ SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int6
       for (const int64_t pp : sweep.pp)
         for (const int64_t ep : sweep.ep)
           for (const bool hier : sweep.hierarchical) {
-            const SweepPoint pt{{P, ep, tp, pp, vp}, hier};
+            SweepPoint pt{base, hier};
+            pt.layout.procs = P, pt.layout.ep = ep, pt.layout.tp = tp, pt.layout.pp = pp;
             const std::string problem = layout_problem(cfg.model, cluster, pt.layout);
             if (!problem.empty()) {
               r.skipped.push_back(pt), r.why.push_back(problem);
@@ -158,8 +159,7 @@ std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
                          r.predictions[*b].step_time_s * 1e3,
                          trainer_runs(r.points[*b].layout)
                              ? ""
-                             : "; planner only: moetrain train has no tensor or pipeline "
-                               "parallelism yet");
+                             : "; " + planner_only(r.points[*b].layout));
     else if (ran)
       out += fmt::format("best{}: none fits the device's memory\n", at);
   }

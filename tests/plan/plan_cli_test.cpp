@@ -61,14 +61,14 @@ TEST(PlanCli, LayoutThatDoesNotDivideIsRefused) {
       << many.output();
 }
 
-// Mixtral 8×7B without pipeline stages: every process holds 32 layers' dense weights and one
-// expert per layer, in f32 with gradients and optimizer state: far over 80 GB. The figures are
+// Mixtral 8×7B without pipeline stages or expert parallelism: every process holds all 32
+// layers and all 8 experts, bf16 weights and f32 gradients: far over 80 GB. The figures are
 // still printed (they are what a user shrinks the run by), in GiB, and the command fails saying
 // by how much it is over.
 TEST(PlanCli, ModelThatDoesNotFitPrintsItsFiguresAndSaysByHowMuch) {
   const std::vector<std::string> args = {"-c", plan_file("mixtral_8x7b_megatron.toml"),
                                          "--cluster", plan_file("dgx_h100_8nodes.toml"),
-                                         "--procs", "64"};
+                                         "--procs", "64", "--ep", "1"};
   const ProcessResult r = plan(args);
   EXPECT_NE(r.code, 0) << r.output();
   const std::string out = r.output();
