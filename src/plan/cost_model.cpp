@@ -99,6 +99,17 @@ double optimizer_bytes_per_param(const std::string& name, DType precision) {
 
 }  // namespace
 
+double backward_window(const StepParts& s) {
+  // compute() holds the slowest rank's experts once (the balanced figure is not part of it);
+  // the optimizer runs after the reduction, so it hides none of it.
+  return 2.0 / 3.0 * (s.compute() - s.optimizer);
+}
+
+double overlap_exposed(double reduction, double buckets, double window) {
+  if (reduction <= 0) return 0;
+  return std::max(reduction / std::max(1.0, buckets), reduction - window);
+}
+
 double compute_share(const ClusterSpec& c, double ratio) {
   const auto& r = c.compute_share_ratio;
   const auto& v = c.compute_share;
@@ -399,13 +410,11 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
         ring_allreduce(cluster, expert_local * wbytes, layout.dp(), multi_node));
   }
   for (const auto& [name, r] : cm.reductions) s.grad_sync += r.seconds();
-  // With overlap, buckets reduce while backward still runs: only what outlasts the backward, and
-  // at least the last bucket, is exposed. Backward is two thirds of the compute.
+  // With overlap, buckets reduce while backward still runs (overlap_exposed).
   const double grad_bytes = (dense_local + expert_local) * grad_elem;
   const double buckets = std::max(1.0, std::ceil(grad_bytes / (cfg.dist.bucket_mb * 1048576.0)));
-  const double backward = 2.0 / 3.0 * (s.compute() - s.experts_mean + s.experts);
-  s.grad_sync_exposed = cfg.dist.overlap && s.grad_sync > 0 && !cluster.comm_shares_cores
-                            ? std::max(s.grad_sync / buckets, s.grad_sync - backward)
+  s.grad_sync_exposed = cfg.dist.overlap && !cluster.comm_shares_cores
+                            ? overlap_exposed(s.grad_sync, buckets, backward_window(s))
                             : s.grad_sync;
   // Small collectives every step waits for, each a latency: per MoE layer and micro-batch the
   // balance statistics (aux and z loss) and, with EP, the routing counts; per step the

@@ -109,6 +109,14 @@ struct ForwardFlops {
   }
 };
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
+// The backward a bucketed gradient reduction can hide behind: two thirds of the slowest rank's
+// compute (forward + backward = 3 forwards), its experts counted once, without the optimizer
+// (it runs after the reduction).
+double backward_window(const StepParts& s);
+// What stays exposed of a reduction of `reduction` seconds in `buckets` buckets that starts as
+// backward does and overlaps a `window` of it: what outlasts the window, and at least the last
+// bucket (it is ready only when backward ends).
+double overlap_exposed(double reduction, double buckets, double window);
 // The calibrated compute share of oversubscribed processes (ClusterSpec::compute_share) at a
 // ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
 // ends; 1 where the cluster has none.
