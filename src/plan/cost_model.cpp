@@ -201,7 +201,10 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   std::size_t load_rows = load.fractions.size();
   for (const auto& step : load.steps) load_rows = std::max(load_rows, step.size());
   std::vector<std::optional<ExpertLoad>> expert_loads(load_rows);
-  const double assignments = static_cast<double>(ep) * N * K;
+  // Sequence parallelism in the MoE block: each tensor shard routes its N / tp tokens, and the
+  // experts' EP group folds over the TP × DP ranks (EP × EDP = TP × DP).
+  const double Nm = N / static_cast<double>(tp);
+  const double assignments = static_cast<double>(ep) * Nm * K;
   const double cap =
       m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
   auto expert_load = [&](int64_t l) -> const ExpertLoad& {
@@ -252,8 +255,13 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.attention += linear_fb_time(dev, prec, N, NHt * HS, C) +
                    2 * linear_fb_time(dev, prec, N, NKVt * HS, C) +
                    linear_fb_time(dev, prec, N, C, NHt * HS);
-    if (tp > 1) p.comm.tp_count += 4;
-    s.tensor_parallel += 4 * tp_allreduce_s;
+    // With sequence parallelism an all-gather before and a reduce-scatter after each TP block
+    // (together an all-reduce's traffic), forward and backward: 2 for attention, 2 for a dense
+    // FFN or a shared expert; the routed experts run on the rank's own tokens (no TP split).
+    const double tp_blocks =
+        2 + (m.is_dense_layer(l) || m.shared_expert_hidden > 0 ? 2 : 0);
+    if (tp > 1) p.comm.tp_count += tp_blocks;
+    s.tensor_parallel += tp_blocks * tp_allreduce_s;
     // Scores and values: forward 2 products; a flash-style backward recomputes the scores and
     // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
     // Without a measured rate (accelerators), a fused (flash) kernel at the precision's
@@ -282,9 +290,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                          linear_fb_time(dev, prec, N, C, Fd) + stream_time(dev, 3 * 3 * ab * N * Fd);
       continue;
     }
-    s.router += linear_fb_time(dev, DType::F32, N, E, C) + stream_time(dev, 3 * 2 * 4 * N * E);
+    s.router += linear_fb_time(dev, DType::F32, Nm, E, C) + stream_time(dev, 3 * 2 * 4 * Nm * E);
     // Dispatch (gather rows) and combine (weighted scatter-add), forward and backward.
-    s.norms += stream_time(dev, 2 * 2 * 2 * ab * N * K * C);
+    s.norms += stream_time(dev, 2 * 2 * 2 * ab * Nm * K * C);
     if (m.shared_expert_hidden > 0) {
       const double Fs = static_cast<double>(m.shared_expert_hidden / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fs, C) +
@@ -304,7 +312,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     // calibrated a2a_receiver_bound towards 0) all ranks' bytes do, which at a given total is
     // the mean rank's send however the rows are spread.
     const double row_bytes = C * bytes_of(parse_dtype(cfg.dist.a2a_dtype, "dist.a2a_dtype"));
-    const double send = N * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
+    const double send = Nm * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double recv =
         worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double bound = cluster.a2a_receiver_bound;

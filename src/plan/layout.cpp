@@ -30,11 +30,13 @@ std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, con
   if (layout.procs % (layout.tp * layout.pp) != 0)
     return fmt::format("--tp {} × --pp {} must divide the processes ({})", layout.tp, layout.pp,
                        layout.procs);
-  if (layout.stage() % layout.ep != 0)
-    return fmt::format("dist.ep = {} must divide the processes ({}): world = DP × EP", layout.ep,
-                       layout.stage() == layout.procs
-                           ? fmt::format("{}", layout.procs)
-                           : fmt::format("{} per pipeline stage and tensor shard", layout.stage()));
+  // The experts fold EP over a stage's TP × DP ranks.
+  if ((layout.procs / layout.pp) % layout.ep != 0)
+    return fmt::format("dist.ep = {} must divide the processes ({}): EP × EDP = TP × DP",
+                       layout.ep,
+                       layout.pp == 1 ? fmt::format("{}", layout.procs)
+                                      : fmt::format("{} per pipeline stage",
+                                                    layout.procs / layout.pp));
   if (m.n_layers % (layout.pp * layout.vp) != 0)
     return fmt::format("model.n_layers = {} must be divisible by --pp {} × --vp {}", m.n_layers,
                        layout.pp, layout.vp);

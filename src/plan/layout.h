@@ -8,9 +8,10 @@
 
 namespace moetrain::plan {
 
-// world = PP × TP × (DP × EP). Tensor (tp) and pipeline (pp, with vp virtual stages per rank)
-// parallelism exist in the planner only, modelled simply (docs/plan.md), for published runs that
-// use them; the trainer runs tp = pp = 1.
+// world = PP × TP × DP for the dense layers; the experts fold EP over the same TP × DP ranks of a
+// stage (Megatron-Core's parallel folding): EP × EDP = TP × DP. Tensor (tp) and pipeline (pp,
+// with vp virtual stages per rank) parallelism exist in the planner only, modelled simply
+// (docs/plan.md), for published runs that use them; the trainer runs tp = pp = 1.
 struct Layout {
   int64_t procs = 1;
   int64_t ep = 1;
@@ -22,7 +23,8 @@ struct Layout {
   bool recompute = false;
   // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
   int64_t stage() const { return procs / (tp * pp); }
-  int64_t dp() const { return stage() / ep; }  // replicas of each expert
+  // Replicas of each expert: EP folds over the stage's tensor shards and data-parallel ranks.
+  int64_t dp() const { return procs / pp / ep; }
 };
 
 // Whether `moetrain train` runs this layout: tensor and pipeline parallelism, ZeRO-2/3 and

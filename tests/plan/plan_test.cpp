@@ -126,7 +126,8 @@ TEST(PlanModel, CommunicationWrittenOutAddsUpToTheStepsParts) {
   const ClusterSpec c = gpu_cluster(4, 8);
   for (const bool hierarchical : {false, true}) {
     cfg.dist.hierarchical = hierarchical;
-    // 32 devices: tensor shards of 2, EP groups of 8 over two nodes, 2 replicas of each expert.
+    // 32 devices: tensor shards of 2, EP groups of 8 (folded over TP × DP) over two nodes, 4
+    // replicas of each expert.
     const Prediction p = predict(cfg, c, {32, 8, 2, 1, 1}, zipf_load(8, 1.2));
     const CommBreakdown& m = p.comm;
     EXPECT_EQ(m.a2a_runs, hierarchical ? "hierarchical" : "flat");
@@ -140,7 +141,7 @@ TEST(PlanModel, CommunicationWrittenOutAddsUpToTheStepsParts) {
     EXPECT_NEAR(reductions, p.parts.grad_sync, 1e-12 * p.parts.grad_sync);
     ASSERT_EQ(m.reductions.size(), 2u);
     EXPECT_EQ(m.reductions[0].first, "dense gradients over 16 ranks");
-    EXPECT_EQ(m.reductions[1].first, "expert gradients over 2 ranks");
+    EXPECT_EQ(m.reductions[1].first, "expert gradients over 4 ranks");
     for (const auto& [name, r] : m.reductions) EXPECT_GT(r.seconds(), 0) << name;
     EXPECT_DOUBLE_EQ(m.tp_count * m.tensor_parallel.seconds(), p.parts.tensor_parallel);
     EXPECT_GT(m.tp_count, 0);
