@@ -61,7 +61,7 @@ Run add_plan_command(CLI::App& app) {
     std::string out, config, cluster, profile, load = "uniform";
     std::vector<std::string> overrides, sweep, mpi_args;
     int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
-    bool recompute = false;
+    bool recompute = false, a2a_dedup = false;
     bool no_bf16 = false, calibrate_comm = false;
     std::string comm_procs = "auto";
     int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
@@ -114,6 +114,9 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_flag("--recompute", args->recompute,
                 "Full activation recomputation: each layer's input kept, its forward rerun in "
                 "backward (planner only)");
+  cmd->add_flag("--a2a-dedup", args->a2a_dedup,
+                "The expert all-to-all as DeepEP runs it: a token crosses to each node once and "
+                "is fanned out over NVLink (planner only)");
   cmd->add_flag("--ablation", args->ablation,
                 "Baseline, + balancing, + communication, + gradients, all (docs/plan.md)");
   cmd->add_option("--ablation-zipf", args->ablation_zipf,
@@ -192,6 +195,7 @@ Run add_plan_command(CLI::App& app) {
     plan::Layout layout{procs, cfg_ep, args->tp, args->pp, args->vp};
     layout.zero = args->zero;
     layout.recompute = args->recompute;
+    layout.a2a_dedup = args->a2a_dedup;
     if (args->ablation) {
       const plan::ClusterSpec cluster = cluster_for(procs);
       const auto rows = plan::ablation(cfg, cluster, layout, args->ablation_zipf);

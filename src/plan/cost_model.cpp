@@ -207,6 +207,23 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const double assignments = static_cast<double>(ep) * Nm * K;
   const double cap =
       m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
+  // The exchange's form: flat or 2-D as dist.hierarchical says, or deduplicated per node
+  // (DeepEP) where the layout asks, sending a token's remote rows at dedup_share: distinct
+  // nodes over rows, with node-limited routing where the model's groups are node-aligned
+  // (model.route_groups groups, a token in at most model.route_group_topk of them).
+  const int64_t a2a_nodes = (ep + std::min(ep, cluster.devices_per_node) - 1) /
+                            std::min(ep, cluster.devices_per_node);
+  double node_limit = 0;
+  if (m.route_groups > 1 && m.route_group_topk > 0)
+    node_limit = std::min(static_cast<double>(a2a_nodes),
+                          static_cast<double>(m.route_group_topk) *
+                              std::max(1.0, static_cast<double>(a2a_nodes) /
+                                                static_cast<double>(m.route_groups)));
+  const double dedup = dedup_share(m.n_experts, m.top_k, a2a_nodes, node_limit);
+  auto exchange = [&](double bytes) {
+    return layout.a2a_dedup ? alltoall_dedup(cluster, bytes, ep, dedup)
+                            : alltoall(cluster, bytes, ep, cfg.dist.hierarchical);
+  };
   auto expert_load = [&](int64_t l) -> const ExpertLoad& {
     auto& cached = expert_loads[std::min<std::size_t>(static_cast<std::size_t>(l), load_rows - 1)];
     if (cached) return *cached;
@@ -317,7 +334,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
         worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double bound = cluster.a2a_receiver_bound;
     const double charged = send + bound * (std::max(send, recv) - send);
-    const Collective a = alltoall(cluster, charged, ep, cfg.dist.hierarchical);
+    const Collective a = exchange(charged);
     // Each exchange follows compute that differs between the ranks (their experts, their
     // tokens' routing): where measured, a late peer's cost is paid at each.
     s.a2a += 4 * (a.seconds() + (ep > 1 ? cluster.late_penalty : 0));
@@ -336,6 +353,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     cm.a2a_send_bytes /= layers, cm.a2a_hot_recv_bytes /= layers, cm.a2a_charged_bytes /= layers;
     cm.a2a_flat = alltoall(cluster, cm.a2a_charged_bytes, ep, false);
     cm.a2a_hierarchical = alltoall(cluster, cm.a2a_charged_bytes, ep, true);
+    cm.a2a_deduplicated = alltoall_dedup(cluster, cm.a2a_charged_bytes, ep, dedup);
     cm.a2a_late_s = cluster.late_penalty;
     cm.a2a_runs = p.a2a_kind;
   }

@@ -78,7 +78,7 @@ struct Prediction {
   // got (ClusterSpec::compute_share); 1 elsewhere.
   double compute_share = 1;
   bool fits = true;
-  std::string a2a_kind;  // flat | hierarchical | none
+  std::string a2a_kind;  // flat | hierarchical | deduplicated | none
   // dist.hierarchical as asked: flat where the EP group fits in one node, or without EP.
   bool hierarchical_asked = false;
   CommBreakdown comm;  // the all-to-all and reduction times above, written out

@@ -21,6 +21,9 @@ struct Layout {
   // recomputation (each layer's input kept, the layer run forward again in backward).
   int64_t zero = -1;
   bool recompute = false;
+  // The expert exchange as DeepEP runs it (comm_model.h alltoall_dedup): each token crosses to a
+  // node once and is fanned out there over NVLink (planner only).
+  bool a2a_dedup = false;
   // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
   int64_t stage() const { return procs / (tp * pp); }
   // Replicas of each expert: EP folds over the stage's tensor shards and data-parallel ranks.
@@ -30,7 +33,7 @@ struct Layout {
 // Whether `moetrain train` runs this layout: tensor and pipeline parallelism, ZeRO-2/3 and
 // recomputation are the planner's only.
 inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && l.pp == 1 && l.zero <= 1 && !l.recompute;
+  return l.tp == 1 && l.pp == 1 && l.zero <= 1 && !l.recompute && !l.a2a_dedup;
 }
 // "planner only: moetrain train has no pipeline parallelism yet", naming what the trainer lacks;
 // empty where it runs the layout.

@@ -42,7 +42,8 @@ nlohmann::json comm_json(const CommBreakdown& c) {
             {"late_s", c.a2a_late_s},
             {"runs", c.a2a_runs},
             {"flat", collective_json(c.a2a_flat)},
-            {"hierarchical", collective_json(c.a2a_hierarchical)}}},
+            {"hierarchical", collective_json(c.a2a_hierarchical)},
+            {"deduplicated", collective_json(c.a2a_deduplicated)}}},
           {"reductions", reductions},
           {"tensor_parallel",
            {{"per_step", c.tp_count}, {"each", collective_json(c.tensor_parallel)}}}};
@@ -193,7 +194,12 @@ std::string format_comm(const Prediction& p) {
     else
       out += fmt::format("    {:<14}{:>11}   (the expert group fits in one node: flat)\n",
                          "hierarchical", "—");
-    const Collective& run = c.a2a_runs == "hierarchical" ? c.a2a_hierarchical : c.a2a_flat;
+    if (c.a2a_deduplicated.kind == "deduplicated")
+      out += fmt::format("    {:<14}{:>11} = {}\n", "deduplicated",
+                         duration(c.a2a_deduplicated.seconds()), formula(c.a2a_deduplicated));
+    const Collective& run = c.a2a_runs == "hierarchical"   ? c.a2a_hierarchical
+                            : c.a2a_runs == "deduplicated" ? c.a2a_deduplicated
+                                                           : c.a2a_flat;
     const std::string each =
         c.a2a_late_s > 0
             ? fmt::format("({} + a late peer's {})", duration(run.seconds()), duration(c.a2a_late_s))
