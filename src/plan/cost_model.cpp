@@ -122,19 +122,6 @@ double compute_share(const ClusterSpec& c, double ratio) {
   return v[i - 1] + w * (v[i] - v[i - 1]);
 }
 
-LoadModel uniform_load(int64_t E) {
-  return {"uniform", {std::vector<double>(static_cast<std::size_t>(E), 1.0 / E)}, {}};
-}
-
-LoadModel zipf_load(int64_t E, double s) {
-  MOETRAIN_CHECK(s >= 0 && std::isfinite(s), "zipf s = {}: must be ≥ 0", s);
-  std::vector<double> p(static_cast<std::size_t>(E));
-  double sum = 0;
-  for (int64_t e = 0; e < E; ++e) sum += p[e] = 1.0 / std::pow(e + 1.0, s);
-  for (double& v : p) v /= sum;
-  return {"zipf", {p}, {}};
-}
-
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
   ForwardFlops f;
   const double N = static_cast<double>(B * T), C = m.dim, HS = m.head_dim();

@@ -2,8 +2,9 @@
 // same RunConfig the trainer reads, on a ClusterSpec, under a load model. Pure arithmetic: it
 // runs no training and opens no files (load models from metrics are read in load_model.h).
 //
-// Layout (plan/layout.h): world = PP × TP × (DP × EP) processes; with tp = pp = 1, as the trainer
-// runs, every process holds every dense weight and E / EP experts per MoE layer.
+// Layout (plan/layout.h): world = PP × TP × DP processes, the experts' EP folded over a stage's
+// TP × DP ranks; with tp = pp = 1, as the trainer runs, every process holds every dense weight
+// and E / EP experts per MoE layer.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -27,6 +28,7 @@ struct LoadModel {
   // step's slowest rank. Empty: `fractions` for every step.
   std::vector<std::vector<std::vector<double>>> steps;
 };
+// The load models (plan/load_model.cpp, with the measured ones):
 LoadModel uniform_load(int64_t E);
 // p_e ∝ 1 / (e + 1)^s: the hottest experts sit together on the first EP rank (worst placement).
 LoadModel zipf_load(int64_t E, double s);
