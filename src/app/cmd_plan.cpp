@@ -2,6 +2,7 @@
 // measure this machine for it (--calibrate). Runs no training.
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -59,7 +60,8 @@ Run add_plan_command(CLI::App& app) {
     bool calibrate = false;
     std::string out, config, cluster, profile, load = "uniform";
     std::vector<std::string> overrides, sweep, mpi_args;
-    int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0;
+    int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
+    bool recompute = false, a2a_dedup = false;
     bool no_bf16 = false, calibrate_comm = false;
     std::string comm_procs = "auto";
     int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
@@ -105,6 +107,16 @@ Run add_plan_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--vp", args->vp, "Virtual pipeline stages per rank (interleaved schedule)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--zero", args->zero,
+                  "ZeRO stage 0-3 for memory and time (default: the config's dist.zero; 2 and 3 "
+                  "planner only)")
+      ->check(CLI::Range(int64_t{0}, int64_t{3}));
+  cmd->add_flag("--recompute", args->recompute,
+                "Full activation recomputation: each layer's input kept, its forward rerun in "
+                "backward (planner only)");
+  cmd->add_flag("--a2a-dedup", args->a2a_dedup,
+                "The expert all-to-all as DeepEP runs it: a token crosses to each node once and "
+                "is fanned out over NVLink (planner only)");
   cmd->add_flag("--ablation", args->ablation,
                 "Baseline, + balancing, + communication, + gradients, all (docs/plan.md)");
   cmd->add_option("--ablation-zipf", args->ablation_zipf,
@@ -180,10 +192,13 @@ Run add_plan_command(CLI::App& app) {
                                           : 1;
     const plan::LoadModel load = plan::parse_load(args->load, cfg.model.n_experts);
     const int64_t cfg_ep = args->ep > 0 ? args->ep : cfg.dist.ep;
+    plan::Layout layout{procs, cfg_ep, args->tp, args->pp, args->vp};
+    layout.zero = args->zero;
+    layout.recompute = args->recompute;
+    layout.a2a_dedup = args->a2a_dedup;
     if (args->ablation) {
       const plan::ClusterSpec cluster = cluster_for(procs);
-      const auto rows = plan::ablation(cfg, cluster, {procs, cfg_ep, args->tp, args->pp, args->vp},
-                                       args->ablation_zipf);
+      const auto rows = plan::ablation(cfg, cluster, layout, args->ablation_zipf);
       if (args->json) {
         nlohmann::json j = nlohmann::json::array();
         for (const auto& r : rows) {
@@ -204,8 +219,8 @@ Run add_plan_command(CLI::App& app) {
     if (args->sweep.empty()) {
       const plan::ClusterSpec cluster = cluster_for(procs);
       const plan::Prediction p =
-          plan::predict(cfg, cluster, {procs, cfg_ep, args->tp, args->pp, args->vp}, load);
-      plan::check_fits(p, cluster);
+          plan::predict(cfg, cluster, layout, load);
+      // The figures first, fitting or not: they are what a user shrinks the run by.
       if (args->json) {
         nlohmann::json out = plan::to_json(p);
         out["device"] = cluster.device.name;
@@ -217,13 +232,14 @@ Run add_plan_command(CLI::App& app) {
         fmt::print("{}", plan::format_table({p}));
         fmt::print("\n{}", plan::format_comm(p));
       }
+      std::fflush(stdout);
+      plan::check_fits(p, cluster);
       return 0;
     }
     // A sweep: every layout that can run is predicted; one that cannot (does not divide, more
     // processes than devices) is listed with the reason (plan/sweep.h).
-    const plan::Sweep sweep = plan::parse_sweep(
-        args->sweep, {procs, cfg_ep, args->tp, args->pp, args->vp}, cfg.dist.hierarchical);
-    const plan::SweepResult r = plan::run_sweep(cfg, cluster_for, sweep, args->vp, load);
+    const plan::Sweep sweep = plan::parse_sweep(args->sweep, layout, cfg.dist.hierarchical);
+    const plan::SweepResult r = plan::run_sweep(cfg, cluster_for, sweep, layout, load);
     // Nothing fits anywhere: the error names what the smallest layout needs (after the table,
     // which shows every layout's memory).
     auto none_fits = [&] {
@@ -234,15 +250,15 @@ Run add_plan_command(CLI::App& app) {
       plan::check_fits(r.predictions[least], cluster_for(r.points[least].layout.procs));
     };
     if (args->json) {
-      none_fits();
       nlohmann::json out = plan::sweep_json(sweep, r);
       out["device"] = r.device;
       out["load"] = load.kind;
       fmt::print("{}\n", out.dump(2));
-      return 0;
+    } else {
+      fmt::print("{} on {} ({} load)\n", args->config, r.device, load.kind);
+      fmt::print("{}", plan::format_sweep(sweep, r));
     }
-    fmt::print("{} on {} ({} load)\n", args->config, r.device, load.kind);
-    fmt::print("{}", plan::format_sweep(sweep, r));
+    std::fflush(stdout);
     none_fits();
     return 0;
   };

@@ -13,7 +13,13 @@ namespace moetrain::plan {
 
 namespace {
 
+// Bounds of the whole-number keys: far above any machine, and their product (the devices) far
+// below int64's range.
+constexpr int64_t kMaxDevicesPerNode = 1 << 16, kMaxNodes = 1 << 24, kMaxThreads = 1 << 16;
+
 toml::table parse_toml(const std::string& path, const char* what) {
+  MOETRAIN_CHECK(!std::filesystem::is_directory(path),
+                 "{} file '{}' is a directory, not a TOML file", what, path);
   MOETRAIN_CHECK(std::filesystem::is_regular_file(path), "{} file '{}' does not exist", what, path);
   try {
     return toml::parse_file(path);
@@ -44,12 +50,20 @@ double optional(const toml::table& t, const std::string& section, const char* ke
   return *v;
 }
 
+// A whole number in [1, max]: checked as a double before it becomes an integer, so a value
+// beyond int64 (1e30) is refused, not converted (undefined behaviour).
 int64_t positive_int(const toml::table& t, const std::string& section, const char* key,
-                     const std::string& where) {
-  const double v = positive(t, section, key, where);
-  MOETRAIN_CHECK(v == std::floor(v), "{}: {}.{} = {}: must be a whole number", where, section, key,
-                 v);
-  return static_cast<int64_t>(v);
+                     const std::string& where, int64_t max) {
+  const auto* node = t[section][key].node();
+  MOETRAIN_CHECK(node != nullptr, "{}: {}.{} is missing (a whole number in [1, {}])", where,
+                 section, key, max);
+  const auto v = node->value<double>();
+  MOETRAIN_CHECK(v.has_value(), "{}: {}.{} must be a whole number in [1, {}]", where, section, key,
+                 max);
+  MOETRAIN_CHECK(std::isfinite(*v) && *v >= 1 && *v <= static_cast<double>(max) &&
+                     *v == std::floor(*v),
+                 "{}: {}.{} = {}: must be a whole number in [1, {}]", where, section, key, *v, max);
+  return static_cast<int64_t>(*v);
 }
 
 // A list of positive numbers (a measured table); empty when the key is absent.
@@ -134,7 +148,11 @@ DeviceModel device_from_table(const toml::table& t, const std::string& where,
   d.gemm_small_dim = optional(t, sec, "gemm_small_dim", 0, where);
   d.gemm_call_s = optional(t, sec, "gemm_call_s", 0, where);
   d.attention_flops = optional(t, sec, "attention_flops", 0, where);
-  d.threads = static_cast<int64_t>(optional(t, sec, "threads", 0, where));
+  const double threads = optional(t, sec, "threads", 0, where);
+  MOETRAIN_CHECK(threads <= kMaxThreads && threads == std::floor(threads),
+                 "{}: {}.threads = {}: must be a whole number in [0, {}] (0 = not a calibrated CPU)",
+                 where, sec, threads, kMaxThreads);
+  d.threads = static_cast<int64_t>(threads);
   read_table(t, sec, "gemm_f32_dims", "gemm_f32_flops", d.gemm_f32_dims, d.gemm_f32_flops, where);
   read_table(t, sec, "gemm_bf16_dims", "gemm_bf16_flops", d.gemm_bf16_dims, d.gemm_bf16_flops,
              where);
@@ -157,15 +175,17 @@ DeviceModel builtin_device(const std::string& name) {
   d.name = name;
   d.gemm_max_efficiency = 0.8;
   d.gemm_call_s = 5e-6;
+  // Memory as the driver reports it (NVML's total, what nvidia-smi prints): an "80 GB" part
+  // holds 81920 MiB (A100) or 81559 MiB (H100), not 80·10⁹ bytes.
   if (name == "a100") {  // A100 SXM 80 GB
     d.peak_flops_f32 = 19.5e12;
     d.peak_flops_bf16 = 312e12;
-    d.memory_bytes = 80e9;
+    d.memory_bytes = 81920.0 * 1048576;
     d.memory_bandwidth = 2.039e12;
   } else if (name == "h100") {  // H100 SXM 80 GB
     d.peak_flops_f32 = 67e12;
     d.peak_flops_bf16 = 989e12;
-    d.memory_bytes = 80e9;
+    d.memory_bytes = 81559.0 * 1048576;
     d.memory_bandwidth = 3.35e12;
   } else {
     MOETRAIN_CHECK(name != "cpu",
@@ -304,8 +324,8 @@ ClusterSpec load_cluster(const std::string& path, const std::string& profile) {
   } else {
     c.device = builtin_device(dev);
   }
-  c.devices_per_node = positive_int(t, "cluster", "devices_per_node", where);
-  c.nodes = positive_int(t, "cluster", "nodes", where);
+  c.devices_per_node = positive_int(t, "cluster", "devices_per_node", where, kMaxDevicesPerNode);
+  c.nodes = positive_int(t, "cluster", "nodes", where, kMaxNodes);
   c.intra_node_bandwidth = positive(t, "cluster", "intra_node_bandwidth", where);
   c.inter_node_bandwidth = positive(t, "cluster", "inter_node_bandwidth", where);
   c.intra_node_latency = positive(t, "cluster", "intra_node_latency", where);

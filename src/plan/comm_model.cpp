@@ -47,6 +47,46 @@ Collective alltoall(const ClusterSpec& c, double bytes, int64_t ep, bool hierarc
   return r;
 }
 
+Collective alltoall_dedup(const ClusterSpec& c, double bytes, int64_t ep, double dedup) {
+  const int64_t g = std::min(ep, c.devices_per_node);
+  if (ep <= 1 || ep <= g) return alltoall(c, bytes, ep, false);
+  // Of a rank's rows, (g − 1)/(ep − 1) go to its own node's ranks directly; the rest cross to
+  // other nodes, deduplicated, and the same amount arrives, of which the rank forwards all but
+  // its own share over NVLink.
+  const double intra = bytes * static_cast<double>(g - 1) / static_cast<double>(ep - 1);
+  const double remote = bytes - intra;
+  const int64_t nn = (ep + g - 1) / g;
+  Collective r;
+  r.kind = "deduplicated";
+  r.concurrent = true;
+  r.phases.push_back({"within the node, direct and fanned out", static_cast<double>(g - 1),
+                      c.intra_node_latency,
+                      intra + remote * static_cast<double>(g - 1) / static_cast<double>(g),
+                      c.intra_node_bandwidth, 1});
+  r.phases.push_back({"between nodes, once per node", static_cast<double>(nn - 1),
+                      c.inter_node_latency, remote * dedup, c.inter_node_bandwidth,
+                      static_cast<double>(c.devices_per_node)});
+  return r;
+}
+
+double dedup_share(int64_t E, int64_t K, int64_t nn, double node_limit) {
+  if (nn <= 1 || K <= 1) return 1;
+  // P(a given other node holds none of the token's experts): choosing K of E without
+  // replacement, none among its E / nn.
+  const double per_node = static_cast<double>(E) / static_cast<double>(nn);
+  double miss = 1;
+  for (int64_t i = 0; i < K; ++i)
+    miss *= std::max(0.0, (static_cast<double>(E) - per_node - static_cast<double>(i)) /
+                              (static_cast<double>(E) - static_cast<double>(i)));
+  const double others = static_cast<double>(nn - 1);
+  double nodes = others * (1 - miss);  // distinct remote nodes
+  // Node-limited routing: at most node_limit nodes in all, its own among them as often as the
+  // expected share of its rows.
+  if (node_limit > 0) nodes = std::min(nodes, node_limit * others / static_cast<double>(nn));
+  const double rows = static_cast<double>(K) * others / static_cast<double>(nn);
+  return std::min(1.0, nodes / rows);
+}
+
 Collective ring_allreduce(const ClusterSpec& c, double bytes, int64_t p, bool crosses_nodes) {
   Collective r;
   if (p <= 1 || bytes <= 0) return r;

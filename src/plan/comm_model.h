@@ -46,6 +46,16 @@ struct Collective {
 //        node has no second phase: it runs flat.
 Collective alltoall(const ClusterSpec& c, double bytes, int64_t ep, bool hierarchical);
 
+// DeepEP's exchange: a token crosses to each other node holding one of its experts once (to the
+// same-position rank there) and is fanned out over NVLink to the experts' ranks, the two at once
+// (pipelined). `dedup`: the share of a token's remote rows that cross, distinct destination
+// nodes / K (dedup_share). An EP group inside one node runs flat.
+Collective alltoall_dedup(const ClusterSpec& c, double bytes, int64_t ep, double dedup);
+// The share of a token's (token, expert) rows bound for other nodes that a per-node
+// deduplicated exchange sends: E[distinct remote nodes] / E[remote rows], for K distinct experts
+// chosen uniformly among E spread evenly over nn nodes, each token reaching at most `node_limit`
+// nodes (node-limited routing; 0 = no limit). 1 when nothing is saved.
+double dedup_share(int64_t E, int64_t K, int64_t nn, double node_limit);
 // Ring all-reduce (or reduce-scatter + all-gather, the same traffic) of `bytes` over p ranks:
 // 2(p − 1) steps, each sending bytes / p. A ring that leaves a node goes at the node link's speed.
 Collective ring_allreduce(const ClusterSpec& c, double bytes, int64_t p, bool crosses_nodes);
@@ -62,7 +72,7 @@ struct CommBreakdown {
   double a2a_hot_recv_bytes = 0; // rows the most loaded rank receives
   double a2a_charged_bytes = 0;  // what the link is charged (cluster.a2a_receiver_bound)
   double a2a_late_s = 0;         // a late peer's cost per exchange (this machine's calibration)
-  Collective a2a_flat, a2a_hierarchical;
+  Collective a2a_flat, a2a_hierarchical, a2a_deduplicated;
   std::string a2a_runs = "none";  // the form the run uses
   // Gradient reductions once a step, each named ("dense gradients", "expert gradients").
   std::vector<std::pair<std::string, Collective>> reductions;

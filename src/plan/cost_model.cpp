@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -82,10 +83,10 @@ double norm_time(const DeviceModel& dev, double bytes) {
 }
 
 // `count` RMSNorms of (N, C), forward + backward: as timed at this shape, or 3 · 2 · N · C
-// floats at the norm's rate.
-double rmsnorm_time(const DeviceModel& dev, double N, double C, double count) {
+// elements of `ab` bytes at the norm's rate.
+double rmsnorm_time(const DeviceModel& dev, double N, double C, double count, double ab) {
   if (const auto s = dev.kernels.find("norm", {N, C})) return count * *s;
-  return norm_time(dev, count * 3 * 2 * 4 * N * C);
+  return norm_time(dev, count * 3 * 2 * ab * N * C);
 }
 
 // Optimizer bytes per parameter per step: read parameter, gradient and the state slots, write
@@ -98,6 +99,17 @@ double optimizer_bytes_per_param(const std::string& name, DType precision) {
 
 }  // namespace
 
+double backward_window(const StepParts& s) {
+  // compute() holds the slowest rank's experts once (the balanced figure is not part of it);
+  // the optimizer runs after the reduction, so it hides none of it.
+  return 2.0 / 3.0 * (s.compute() - s.optimizer);
+}
+
+double overlap_exposed(double reduction, double buckets, double window) {
+  if (reduction <= 0) return 0;
+  return std::max(reduction / std::max(1.0, buckets), reduction - window);
+}
+
 double compute_share(const ClusterSpec& c, double ratio) {
   const auto& r = c.compute_share_ratio;
   const auto& v = c.compute_share;
@@ -108,19 +120,6 @@ double compute_share(const ClusterSpec& c, double ratio) {
       static_cast<std::size_t>(std::upper_bound(r.begin(), r.end(), ratio) - r.begin());
   const double w = std::log(ratio / r[i - 1]) / std::log(r[i] / r[i - 1]);
   return v[i - 1] + w * (v[i] - v[i - 1]);
-}
-
-LoadModel uniform_load(int64_t E) {
-  return {"uniform", {std::vector<double>(static_cast<std::size_t>(E), 1.0 / E)}, {}};
-}
-
-LoadModel zipf_load(int64_t E, double s) {
-  MOETRAIN_CHECK(s >= 0 && std::isfinite(s), "zipf s = {}: must be ≥ 0", s);
-  std::vector<double> p(static_cast<std::size_t>(E));
-  double sum = 0;
-  for (int64_t e = 0; e < E; ++e) sum += p[e] = 1.0 / std::pow(e + 1.0, s);
-  for (double& v : p) v /= sum;
-  return {"zipf", {p}, {}};
 }
 
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
@@ -171,10 +170,88 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const int64_t ep = layout.ep, e_local = m.n_experts / ep;
   const int64_t tp = layout.tp, NHt = m.n_heads / tp, NKVt = m.n_kv_heads / tp;
   StepParts& s = p.parts;
+  // Element-wise work streams activations at their stored size: the run's precision on a GPU
+  // in bf16/fp16, f32 in this trainer. The router's softmax and top-k stay f32.
+  const double ab = activation_bytes(cfg, dev.threads == 0);
   // Megatron's tensor parallelism: an all-reduce of the (N, C) activations after attention and
   // after the FFN, forward and backward, on the critical path: four a layer, the same each.
   p.comm.tensor_parallel = ring_allreduce(cluster, N * C * bytes_of(prec), tp, false);
   const double tp_allreduce_s = p.comm.tensor_parallel.seconds();
+
+  // The experts of one MoE layer under the load model: the slowest rank's time and rows, and the
+  // sums over the ranks. A layer's load is its row of the fractions (the last row for every
+  // layer beyond them), so layers that share a row share the figures: computed once per row,
+  // the plan costs O(layers + experts), not O(layers × experts).
+  struct ExpertLoad {
+    double worst = 0, sum = 0, worst_rows = 0, rows_sum = 0;
+  };
+  std::size_t load_rows = load.fractions.size();
+  for (const auto& step : load.steps) load_rows = std::max(load_rows, step.size());
+  std::vector<std::optional<ExpertLoad>> expert_loads(load_rows);
+  // Sequence parallelism in the MoE block: each tensor shard routes its N / tp tokens, and the
+  // experts' EP group folds over the TP × DP ranks (EP × EDP = TP × DP).
+  const double Nm = N / static_cast<double>(tp);
+  const double assignments = static_cast<double>(ep) * Nm * K;
+  const double cap =
+      m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
+  // The exchange's form: flat or 2-D as dist.hierarchical says, or deduplicated per node
+  // (DeepEP) where the layout asks, sending a token's remote rows at dedup_share: distinct
+  // nodes over rows, with node-limited routing where the model's groups are node-aligned
+  // (model.route_groups groups, a token in at most model.route_group_topk of them).
+  const int64_t a2a_nodes = (ep + std::min(ep, cluster.devices_per_node) - 1) /
+                            std::min(ep, cluster.devices_per_node);
+  double node_limit = 0;
+  if (m.route_groups > 1 && m.route_group_topk > 0)
+    node_limit = std::min(static_cast<double>(a2a_nodes),
+                          static_cast<double>(m.route_group_topk) *
+                              std::max(1.0, static_cast<double>(a2a_nodes) /
+                                                static_cast<double>(m.route_groups)));
+  const double dedup = dedup_share(m.n_experts, m.top_k, a2a_nodes, node_limit);
+  auto exchange = [&](double bytes) {
+    return layout.a2a_dedup ? alltoall_dedup(cluster, bytes, ep, dedup)
+                            : alltoall(cluster, bytes, ep, cfg.dist.hierarchical);
+  };
+  auto expert_load = [&](int64_t l) -> const ExpertLoad& {
+    auto& cached = expert_loads[std::min<std::size_t>(static_cast<std::size_t>(l), load_rows - 1)];
+    if (cached) return *cached;
+    // A measured load gives each step's fractions: every step waits for its own slowest rank,
+    // so the slowest rank is found step by step and averaged (the summed load would average the
+    // hot experts away).
+    const std::size_t samples = std::max<std::size_t>(1, load.steps.size());
+    ExpertLoad r;
+    for (std::size_t smp = 0; smp < samples; ++smp) {
+      const auto& rows_of = load.steps.empty() ? load.fractions : load.steps[smp];
+      const auto& frac = rows_of[std::min<std::size_t>(l, rows_of.size() - 1)];
+      double w = 0, w_rows = 0;
+      for (int64_t rk = 0; rk < ep; ++rk) {
+        double t = 0, rows = 0;
+        for (int64_t e = rk * e_local; e < (rk + 1) * e_local; ++e) {
+          const double n = std::min(cap, std::round(assignments * frac[e]));
+          rows += n;
+          // As timed at this expert shape: the expert kernels run once per source rank, on the
+          // rows that rank sent (n / ep of them at an even spread).
+          const double epd = static_cast<double>(ep);
+          if (const auto timed = dev.kernels.experts(C, F, n / epd, dtype_code(prec)))
+            t += epd * *timed;
+          else
+            t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
+                 stream_time(dev, 3 * 3 * ab * n * F);
+        }
+        r.sum += t;
+        r.rows_sum += rows;
+        if (t > w) {
+          w = t;
+          w_rows = rows;
+        }
+      }
+      r.worst += w;
+      r.worst_rows += w_rows;
+    }
+    for (double* v : {&r.worst, &r.worst_rows, &r.sum, &r.rows_sum})
+      *v /= static_cast<double>(samples);
+    cached = r;
+    return *cached;
+  };
 
   // --- compute of one micro-batch, forward + backward ---
   for (int64_t l = 0; l < m.n_layers; ++l) {
@@ -182,8 +259,13 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.attention += linear_fb_time(dev, prec, N, NHt * HS, C) +
                    2 * linear_fb_time(dev, prec, N, NKVt * HS, C) +
                    linear_fb_time(dev, prec, N, C, NHt * HS);
-    if (tp > 1) p.comm.tp_count += 4;
-    s.tensor_parallel += 4 * tp_allreduce_s;
+    // With sequence parallelism an all-gather before and a reduce-scatter after each TP block
+    // (together an all-reduce's traffic), forward and backward: 2 for attention, 2 for a dense
+    // FFN or a shared expert; the routed experts run on the rank's own tokens (no TP split).
+    const double tp_blocks =
+        2 + (m.is_dense_layer(l) || m.shared_expert_hidden > 0 ? 2 : 0);
+    if (tp > 1) p.comm.tp_count += tp_blocks;
+    s.tensor_parallel += tp_blocks * tp_allreduce_s;
     // Scores and values: forward 2 products; a flash-style backward recomputes the scores and
     // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
     // Without a measured rate (accelerators), a fused (flash) kernel at the precision's
@@ -203,65 +285,28 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     const auto rope_k = dev.kernels.find("rope", {N, double(NKVt), HS});
     s.attention += rope_q && rope_k
                        ? *rope_q + *rope_k
-                       : stream_time(dev, 2 * 2 * 4 * N * static_cast<double>(NHt + NKVt) * HS);
+                       : stream_time(dev, 2 * 2 * ab * N * static_cast<double>(NHt + NKVt) * HS);
     // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
-    s.norms += rmsnorm_time(dev, N, C, 2) + stream_time(dev, 3 * 2 * 3 * 4 * N * C);
+    s.norms += rmsnorm_time(dev, N, C, 2, ab) + stream_time(dev, 3 * 2 * 3 * ab * N * C);
     if (m.is_dense_layer(l)) {
       const double Fd = static_cast<double>(m.dense_ffn_hidden() / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
-                         linear_fb_time(dev, prec, N, C, Fd) + stream_time(dev, 3 * 3 * 4 * N * Fd);
+                         linear_fb_time(dev, prec, N, C, Fd) + stream_time(dev, 3 * 3 * ab * N * Fd);
       continue;
     }
-    s.router += linear_fb_time(dev, DType::F32, N, E, C) + stream_time(dev, 3 * 2 * 4 * N * E);
+    s.router += linear_fb_time(dev, DType::F32, Nm, E, C) + stream_time(dev, 3 * 2 * 4 * Nm * E);
     // Dispatch (gather rows) and combine (weighted scatter-add), forward and backward.
-    s.norms += stream_time(dev, 2 * 2 * 2 * 4 * N * K * C);
+    s.norms += stream_time(dev, 2 * 2 * 2 * ab * Nm * K * C);
     if (m.shared_expert_hidden > 0) {
       const double Fs = static_cast<double>(m.shared_expert_hidden / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fs, C) +
-                         linear_fb_time(dev, prec, N, C, Fs) + stream_time(dev, 3 * 3 * 4 * N * Fs);
+                         linear_fb_time(dev, prec, N, C, Fs) + stream_time(dev, 3 * 3 * ab * N * Fs);
     }
     // Experts: the EP group's ep·N·K assignments spread by the load model (capacity clips an
     // expert's rows); rank r holds experts [r·E/ep, (r+1)·E/ep). The slowest rank sets the step.
-    const double assignments = static_cast<double>(ep) * N * K;
-    const double cap =
-        m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
-    // A measured load gives each step's fractions: every step waits for its own slowest rank,
-    // so the slowest rank is found step by step and averaged (the summed load would average the
-    // hot experts away).
-    const std::size_t samples = std::max<std::size_t>(1, load.steps.size());
-    double worst = 0, sum = 0, worst_rows = 0, rows_sum = 0;
-    for (std::size_t smp = 0; smp < samples; ++smp) {
-      const auto& rows_of = load.steps.empty() ? load.fractions : load.steps[smp];
-      const auto& frac = rows_of[std::min<std::size_t>(l, rows_of.size() - 1)];
-      double w = 0, w_rows = 0;
-      for (int64_t r = 0; r < ep; ++r) {
-        double t = 0, rows = 0;
-        for (int64_t e = r * e_local; e < (r + 1) * e_local; ++e) {
-          const double n = std::min(cap, std::round(assignments * frac[e]));
-          rows += n;
-          // As timed at this expert shape: the expert kernels run once per source rank, on the
-          // rows that rank sent (n / ep of them at an even spread).
-          const double epd = static_cast<double>(ep);
-          if (const auto timed = dev.kernels.experts(C, F, n / epd, dtype_code(prec)))
-            t += epd * *timed;
-          else
-            t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
-                 stream_time(dev, 3 * 3 * 4 * n * F);
-        }
-        sum += t;
-        rows_sum += rows;
-        if (t > w) {
-          w = t;
-          w_rows = rows;
-        }
-      }
-      worst += w;
-      worst_rows += w_rows;
-    }
-    worst /= static_cast<double>(samples);
-    worst_rows /= static_cast<double>(samples);
-    sum /= static_cast<double>(samples);
-    rows_sum /= static_cast<double>(samples);
+    const ExpertLoad& el = expert_load(l);
+    const double worst = el.worst, sum = el.sum, worst_rows = el.worst_rows,
+                 rows_sum = el.rows_sum;
     s.experts += worst;
     s.experts_mean += sum / static_cast<double>(ep);
     p.imbalance = std::max(p.imbalance, rows_sum > 0 ? worst_rows * ep / rows_sum : 1.0);
@@ -271,12 +316,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     // calibrated a2a_receiver_bound towards 0) all ranks' bytes do, which at a given total is
     // the mean rank's send however the rows are spread.
     const double row_bytes = C * bytes_of(parse_dtype(cfg.dist.a2a_dtype, "dist.a2a_dtype"));
-    const double send = N * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
+    const double send = Nm * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double recv =
         worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double bound = cluster.a2a_receiver_bound;
     const double charged = send + bound * (std::max(send, recv) - send);
-    const Collective a = alltoall(cluster, charged, ep, cfg.dist.hierarchical);
+    const Collective a = exchange(charged);
     // Each exchange follows compute that differs between the ranks (their experts, their
     // tokens' routing): where measured, a late peer's cost is paid at each.
     s.a2a += 4 * (a.seconds() + (ep > 1 ? cluster.late_penalty : 0));
@@ -295,6 +340,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     cm.a2a_send_bytes /= layers, cm.a2a_hot_recv_bytes /= layers, cm.a2a_charged_bytes /= layers;
     cm.a2a_flat = alltoall(cluster, cm.a2a_charged_bytes, ep, false);
     cm.a2a_hierarchical = alltoall(cluster, cm.a2a_charged_bytes, ep, true);
+    cm.a2a_deduplicated = alltoall_dedup(cluster, cm.a2a_charged_bytes, ep, dedup);
     cm.a2a_late_s = cluster.late_penalty;
     cm.a2a_runs = p.a2a_kind;
   }
@@ -304,12 +350,21 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                     &s.norms, &s.a2a, &s.tensor_parallel})
     *v /= static_cast<double>(layout.pp);
   for (double* v : {&cm.a2a_exchanges, &cm.tp_count}) *v *= static_cast<double>(A) / layout.pp;
+  // Full recomputation runs every layer's forward again in backward: a third more of the
+  // layers' compute (forward + backward = 3 forwards), and the forward's two all-to-alls and
+  // two TP all-reduces again (6 of each a layer instead of 4).
+  if (layout.recompute) {
+    for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
+                      &s.norms})
+      *v *= 4.0 / 3.0;
+    for (double* v : {&s.a2a, &s.tensor_parallel, &cm.a2a_exchanges, &cm.tp_count}) *v *= 1.5;
+  }
   // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
   // read and write them backward).
-  s.norms += rmsnorm_time(dev, N, C, 1) + stream_time(dev, 3 * 4 * N * C);
+  s.norms += rmsnorm_time(dev, N, C, 1, ab) + stream_time(dev, 3 * ab * N * C);
   // The LM head sits on the last stage, which it makes the slowest (no layers are moved off it).
   s.lm_head += linear_fb_time(dev, prec, N, V / static_cast<double>(tp), C) +
-               stream_time(dev, 3 * 4 * N * V / static_cast<double>(tp));
+               stream_time(dev, 3 * ab * N * V / static_cast<double>(tp));
   if (p.a2a_kind.empty()) p.a2a_kind = "none";
   p.hierarchical_asked = cfg.dist.hierarchical;
 
@@ -327,6 +382,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
 
   // --- once per step: gradient reduction and the update ---
   const ParamCounts pc = count_params(m);
+  const int64_t zero = zero_stage(cfg, layout);
   const double grad_elem =
       grad_wire_bytes(parse_grad_wire(cfg.dist.grad_reduce_dtype, "dist.grad_reduce_dtype"));
   // A stage's data-parallel ranks (tensor shards innermost) span nodes when there are more of
@@ -354,14 +410,24 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                            cluster.self_reduce_bandwidth, 1});
     cm.reductions.emplace_back("expert gradients, a group of one", copy);
   }
+  // ZeRO-3 keeps a shard of the weights: each layer's are all-gathered before its forward and
+  // again before its backward. Two all-gathers of the weights move what one all-reduce of them
+  // does (the same ring, (p − 1)/p of the bytes each), prefetched as the reduction overlaps.
+  if (zero >= 3) {
+    const double wbytes = bytes_of(prec);
+    cm.reductions.emplace_back(
+        "dense weights all-gathered twice (ZeRO-3) " + over(layout.stage()),
+        ring_allreduce(cluster, dense_local * wbytes, layout.stage(), multi_node));
+    cm.reductions.emplace_back(
+        "expert weights all-gathered twice (ZeRO-3) " + over(layout.dp()),
+        ring_allreduce(cluster, expert_local * wbytes, layout.dp(), multi_node));
+  }
   for (const auto& [name, r] : cm.reductions) s.grad_sync += r.seconds();
-  // With overlap, buckets reduce while backward still runs: only what outlasts the backward, and
-  // at least the last bucket, is exposed. Backward is two thirds of the compute.
+  // With overlap, buckets reduce while backward still runs (overlap_exposed).
   const double grad_bytes = (dense_local + expert_local) * grad_elem;
   const double buckets = std::max(1.0, std::ceil(grad_bytes / (cfg.dist.bucket_mb * 1048576.0)));
-  const double backward = 2.0 / 3.0 * (s.compute() - s.experts_mean + s.experts);
-  s.grad_sync_exposed = cfg.dist.overlap && s.grad_sync > 0 && !cluster.comm_shares_cores
-                            ? std::max(s.grad_sync / buckets, s.grad_sync - backward)
+  s.grad_sync_exposed = cfg.dist.overlap && !cluster.comm_shares_cores
+                            ? overlap_exposed(s.grad_sync, buckets, backward_window(s))
                             : s.grad_sync;
   // Small collectives every step waits for, each a latency: per MoE layer and micro-batch the
   // balance statistics (aux and z loss) and, with EP, the routing counts; per step the
@@ -374,9 +440,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.sync = lat * (per_mb * static_cast<double>(A) + 2 + kMetricCollectives);
   }
   const double local = dense_local + expert_local;
-  const double updated = cfg.dist.zero == 1 ? dense_local / static_cast<double>(layout.stage()) +
-                                                  expert_local / static_cast<double>(layout.dp())
-                                            : local;
+  const double updated = zero >= 1 ? dense_local / static_cast<double>(layout.stage()) +
+                                        expert_local / static_cast<double>(layout.dp())
+                                  : local;
   // As timed where the profile has this optimizer's update (zeroing and the clip's read
   // included, 8 of its bytes per parameter), else at the bytes it moves.
   const double opt_bytes = optimizer_bytes_per_param(cfg.optim.name, prec);

@@ -2,8 +2,9 @@
 // same RunConfig the trainer reads, on a ClusterSpec, under a load model. Pure arithmetic: it
 // runs no training and opens no files (load models from metrics are read in load_model.h).
 //
-// Layout (plan/layout.h): world = PP × TP × (DP × EP) processes; with tp = pp = 1, as the trainer
-// runs, every process holds every dense weight and E / EP experts per MoE layer.
+// Layout (plan/layout.h): world = PP × TP × DP processes, the experts' EP folded over a stage's
+// TP × DP ranks; with tp = pp = 1, as the trainer runs, every process holds every dense weight
+// and E / EP experts per MoE layer.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -27,6 +28,7 @@ struct LoadModel {
   // step's slowest rank. Empty: `fractions` for every step.
   std::vector<std::vector<std::vector<double>>> steps;
 };
+// The load models (plan/load_model.cpp, with the measured ones):
 LoadModel uniform_load(int64_t E);
 // p_e ∝ 1 / (e + 1)^s: the hottest experts sit together on the first EP rank (worst placement).
 LoadModel zipf_load(int64_t E, double s);
@@ -55,7 +57,7 @@ struct StepParts {
 
 struct Memory {  // bytes per device
   double params = 0, grads = 0, optimizer = 0, low_precision = 0, activations = 0;
-  double optimizer_without_zero = 0;  // what the optimizer state would take without ZeRO-1
+  double optimizer_without_zero = 0;  // what the optimizer state would take without ZeRO
   double total() const { return params + grads + optimizer + low_precision + activations; }
 };
 
@@ -78,7 +80,7 @@ struct Prediction {
   // got (ClusterSpec::compute_share); 1 elsewhere.
   double compute_share = 1;
   bool fits = true;
-  std::string a2a_kind;  // flat | hierarchical | none
+  std::string a2a_kind;  // flat | hierarchical | deduplicated | none
   // dist.hierarchical as asked: flat where the EP group fits in one node, or without EP.
   bool hierarchical_asked = false;
   CommBreakdown comm;  // the all-to-all and reduction times above, written out
@@ -109,18 +111,34 @@ struct ForwardFlops {
   }
 };
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
+// The backward a bucketed gradient reduction can hide behind: two thirds of the slowest rank's
+// compute (forward + backward = 3 forwards), its experts counted once, without the optimizer
+// (it runs after the reduction).
+double backward_window(const StepParts& s);
+// What stays exposed of a reduction of `reduction` seconds in `buckets` buckets that starts as
+// backward does and overlaps a `window` of it: what outlasts the window, and at least the last
+// bucket (it is ready only when backward ends).
+double overlap_exposed(double reduction, double buckets, double window);
 // The calibrated compute share of oversubscribed processes (ClusterSpec::compute_share) at a
 // ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
 // ends; 1 where the cluster has none.
 double compute_share(const ClusterSpec& c, double ratio);
-// Memory per device (ZeRO-1 as the config says). `accelerator`: a GPU (built-in or [device]
-// table, not a calibrated CPU) keeps low-precision activations in a bf16/fp16 run.
-// Floats of every dense tensor and of all experts of all layers (plan/memory_model.cpp).
+// Floats of every dense tensor and of all experts of all layers (plan/memory_model.cpp), from
+// the shapes. `accelerator` below: a GPU (built-in or [device] table, not a calibrated CPU).
 struct ParamCounts {
   double dense = 0, expert = 0;
 };
 ParamCounts count_params(const ModelConfig& m);
 
+// Bytes of the weights, gradients and optimizer state (train/memory_estimate.h's ParamState:
+// this trainer's on a CPU profile or in f32, GPU mixed precision on an accelerator in bf16/fp16,
+// ZeRO as the layout or dist.zero says), and of the activations of one micro-batch (all of them,
+// or with recomputation each layer's input and one layer's).
 Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator = false);
+// Bytes of an activation element: the run's precision on an accelerator in bf16/fp16 (GPU
+// trainers keep them so), else f32 (this trainer's f32 masters). Element-wise work streams them.
+double activation_bytes(const RunConfig& cfg, bool accelerator);
+// The ZeRO stage of a run: the layout's (--zero), else dist.zero.
+int64_t zero_stage(const RunConfig& cfg, const Layout& layout);
 
 }  // namespace moetrain::plan

@@ -2,7 +2,23 @@
 
 #include <fmt/format.h>
 
+#include <vector>
+
 namespace moetrain::plan {
+
+std::string planner_only(const Layout& l) {
+  std::vector<std::string> lacks;
+  if (l.tp > 1) lacks.push_back("tensor parallelism");
+  if (l.pp > 1) lacks.push_back("pipeline parallelism");
+  if (l.zero > 1) lacks.push_back(fmt::format("ZeRO-{}", l.zero));
+  if (l.recompute) lacks.push_back("activation recomputation");
+  if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
+  if (lacks.empty()) return {};
+  std::string list;
+  for (size_t i = 0; i < lacks.size(); ++i)
+    list += (i == 0 ? "" : i + 1 == lacks.size() ? " or " : ", ") + lacks[i];
+  return "planner only: moetrain train has no " + list + " yet";
+}
 
 std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, const Layout& layout) {
   if (layout.procs < 1 || layout.ep < 1)
@@ -10,14 +26,18 @@ std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, con
   if (layout.tp < 1 || layout.pp < 1 || layout.vp < 1)
     return fmt::format("--tp {} --pp {} --vp {}: each must be ≥ 1", layout.tp, layout.pp,
                        layout.vp);
+  if (layout.zero > 3)
+    return fmt::format("--zero {}: allowed are 0, 1, 2 and 3", layout.zero);
   if (layout.procs % (layout.tp * layout.pp) != 0)
     return fmt::format("--tp {} × --pp {} must divide the processes ({})", layout.tp, layout.pp,
                        layout.procs);
-  if (layout.stage() % layout.ep != 0)
-    return fmt::format("dist.ep = {} must divide the processes ({}): world = DP × EP", layout.ep,
-                       layout.stage() == layout.procs
-                           ? fmt::format("{}", layout.procs)
-                           : fmt::format("{} per pipeline stage and tensor shard", layout.stage()));
+  // The experts fold EP over a stage's TP × DP ranks.
+  if ((layout.procs / layout.pp) % layout.ep != 0)
+    return fmt::format("dist.ep = {} must divide the processes ({}): EP × EDP = TP × DP",
+                       layout.ep,
+                       layout.pp == 1 ? fmt::format("{}", layout.procs)
+                                      : fmt::format("{} per pipeline stage",
+                                                    layout.procs / layout.pp));
   if (m.n_layers % (layout.pp * layout.vp) != 0)
     return fmt::format("model.n_layers = {} must be divisible by --pp {} × --vp {}", m.n_layers,
                        layout.pp, layout.vp);

@@ -8,17 +8,36 @@
 
 namespace moetrain::plan {
 
-// world = PP × TP × (DP × EP). Tensor (tp) and pipeline (pp, with vp virtual stages per rank)
-// parallelism exist in the planner only, modelled simply (docs/plan.md), for published runs that
-// use them; the trainer runs tp = pp = 1.
+// world = PP × TP × DP for the dense layers; the experts fold EP over the same TP × DP ranks of a
+// stage (Megatron-Core's parallel folding): EP × EDP = TP × DP. Tensor (tp) and pipeline (pp,
+// with vp virtual stages per rank) parallelism exist in the planner only, modelled simply
+// (docs/plan.md), for published runs that use them; the trainer runs tp = pp = 1.
 struct Layout {
   int64_t procs = 1;
   int64_t ep = 1;
   int64_t tp = 1, pp = 1, vp = 1;
+  // How the state and activations are kept (planner options: the trainer runs ZeRO 0 or 1 and
+  // keeps every activation). zero < 0: the config's dist.zero. recompute: full activation
+  // recomputation (each layer's input kept, the layer run forward again in backward).
+  int64_t zero = -1;
+  bool recompute = false;
+  // The expert exchange as DeepEP runs it (comm_model.h alltoall_dedup): each token crosses to a
+  // node once and is fanned out there over NVLink (planner only).
+  bool a2a_dedup = false;
   // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
   int64_t stage() const { return procs / (tp * pp); }
-  int64_t dp() const { return stage() / ep; }  // replicas of each expert
+  // Replicas of each expert: EP folds over the stage's tensor shards and data-parallel ranks.
+  int64_t dp() const { return procs / pp / ep; }
 };
+
+// Whether `moetrain train` runs this layout: tensor and pipeline parallelism, ZeRO-2/3 and
+// recomputation are the planner's only.
+inline bool trainer_runs(const Layout& l) {
+  return l.tp == 1 && l.pp == 1 && l.zero <= 1 && !l.recompute && !l.a2a_dedup;
+}
+// "planner only: moetrain train has no pipeline parallelism yet", naming what the trainer lacks;
+// empty where it runs the layout.
+std::string planner_only(const Layout& l);
 
 // Why the layout cannot run this model on this cluster (a message naming the key or option), or
 // empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,

@@ -1,11 +1,26 @@
 #include "plan/load_model.h"
 
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "io/metrics.h"
 
 namespace moetrain::plan {
+
+LoadModel uniform_load(int64_t E) {
+  return {"uniform", {std::vector<double>(static_cast<std::size_t>(E), 1.0 / E)}, {}};
+}
+
+LoadModel zipf_load(int64_t E, double s) {
+  MOETRAIN_CHECK(s >= 0 && std::isfinite(s), "zipf s = {}: must be ≥ 0", s);
+  std::vector<double> p(static_cast<std::size_t>(E));
+  double sum = 0;
+  for (int64_t e = 0; e < E; ++e) sum += p[e] = 1.0 / std::pow(e + 1.0, s);
+  for (double& v : p) v /= sum;
+  return {"zipf", {p}, {}};
+}
 
 LoadModel measured_load(const std::vector<std::vector<std::vector<double>>>& counts,
                         const std::string& where) {

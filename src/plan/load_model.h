@@ -1,4 +1,5 @@
-// Measured expert loads for the planner: the tokens_per_expert of a run's metrics.jsonl.
+// Expert loads for the planner (uniform and Zipf: plan/cost_model.h), and measured ones: the
+// tokens_per_expert of a run's metrics.jsonl.
 #pragma once
 #include <string>
 #include <vector>

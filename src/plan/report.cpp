@@ -42,7 +42,8 @@ nlohmann::json comm_json(const CommBreakdown& c) {
             {"late_s", c.a2a_late_s},
             {"runs", c.a2a_runs},
             {"flat", collective_json(c.a2a_flat)},
-            {"hierarchical", collective_json(c.a2a_hierarchical)}}},
+            {"hierarchical", collective_json(c.a2a_hierarchical)},
+            {"deduplicated", collective_json(c.a2a_deduplicated)}}},
           {"reductions", reductions},
           {"tensor_parallel",
            {{"per_step", c.tp_count}, {"each", collective_json(c.tensor_parallel)}}}};
@@ -97,6 +98,7 @@ nlohmann::json to_json(const Prediction& p) {
         {"activations_bytes", m.activations},
         {"total_bytes", m.total()},
         {"fits", p.fits}}},
+      {"trainer_runs", trainer_runs(p.layout)},
       {"comm", comm_json(p.comm)},
   };
 }
@@ -107,8 +109,8 @@ std::string ms(double s) {
   return fmt::format("{:.2f}", s * 1e3);
 }
 
-std::string mib(double b) {
-  return fmt::format("{:.1f}", b / 1048576.0);
+std::string gib(double b) {
+  return fmt::format("{:.4g}", b / 1073741824.0);
 }
 
 // Seconds, bytes and rates in the unit that reads best.
@@ -192,7 +194,12 @@ std::string format_comm(const Prediction& p) {
     else
       out += fmt::format("    {:<14}{:>11}   (the expert group fits in one node: flat)\n",
                          "hierarchical", "—");
-    const Collective& run = c.a2a_runs == "hierarchical" ? c.a2a_hierarchical : c.a2a_flat;
+    if (c.a2a_deduplicated.kind == "deduplicated")
+      out += fmt::format("    {:<14}{:>11} = {}\n", "deduplicated",
+                         duration(c.a2a_deduplicated.seconds()), formula(c.a2a_deduplicated));
+    const Collective& run = c.a2a_runs == "hierarchical"   ? c.a2a_hierarchical
+                            : c.a2a_runs == "deduplicated" ? c.a2a_deduplicated
+                                                           : c.a2a_flat;
     const std::string each =
         c.a2a_late_s > 0
             ? fmt::format("({} + a late peer's {})", duration(run.seconds()), duration(c.a2a_late_s))
@@ -233,6 +240,10 @@ std::string format_table(const std::vector<Prediction>& ps) {
     row("tp/pp/vp", [](const Prediction& p) {
       return fmt::format("{}/{}/{}", p.layout.tp, p.layout.pp, p.layout.vp);
     });
+  if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return !trainer_runs(p.layout); }))
+    row("trainer runs it", [](const Prediction& p) {
+      return trainer_runs(p.layout) ? "yes" : "no";
+    });
   row("step time ms", [](const Prediction& p) { return ms(p.step_time_s); });
   row("  attention ms", [](const Prediction& p) { return ms(p.parts.attention); });
   row("  router ms", [](const Prediction& p) { return ms(p.parts.router); });
@@ -265,14 +276,14 @@ std::string format_table(const std::vector<Prediction>& ps) {
   row("utilisation", [](const Prediction& p) { return fmt::format("{:.2f}", p.utilisation); });
   row("comm efficiency",
       [](const Prediction& p) { return fmt::format("{:.2f}", p.comm_efficiency); });
-  row("memory MiB/device", [](const Prediction& p) { return mib(p.memory.total()); });
-  row("  params", [](const Prediction& p) { return mib(p.memory.params); });
-  row("  grads", [](const Prediction& p) { return mib(p.memory.grads); });
-  row("  optimizer", [](const Prediction& p) { return mib(p.memory.optimizer); });
+  row("memory GiB/device", [](const Prediction& p) { return gib(p.memory.total()); });
+  row("  params", [](const Prediction& p) { return gib(p.memory.params); });
+  row("  grads", [](const Prediction& p) { return gib(p.memory.grads); });
+  row("  optimizer", [](const Prediction& p) { return gib(p.memory.optimizer); });
   row("  (without ZeRO-1)",
-      [](const Prediction& p) { return mib(p.memory.optimizer_without_zero); });
-  row("  low-precision copies", [](const Prediction& p) { return mib(p.memory.low_precision); });
-  row("  activations", [](const Prediction& p) { return mib(p.memory.activations); });
+      [](const Prediction& p) { return gib(p.memory.optimizer_without_zero); });
+  row("  low-precision copies", [](const Prediction& p) { return gib(p.memory.low_precision); });
+  row("  activations", [](const Prediction& p) { return gib(p.memory.activations); });
   row("fits", [](const Prediction& p) { return p.fits ? "yes" : "NO"; });
   return out;
 }

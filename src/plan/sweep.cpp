@@ -76,7 +76,7 @@ std::string sweep_label(const Sweep& sweep, const SweepPoint& point) {
 }
 
 SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int64_t)>& cluster_for,
-                      const Sweep& sweep, int64_t vp, const LoadModel& load) {
+                      const Sweep& sweep, const Layout& base, const LoadModel& load) {
   SweepResult r;
   for (const int64_t P : sweep.procs) {
     const ClusterSpec cluster = cluster_for(P);
@@ -85,7 +85,8 @@ SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int6
       for (const int64_t pp : sweep.pp)
         for (const int64_t ep : sweep.ep)
           for (const bool hier : sweep.hierarchical) {
-            const SweepPoint pt{{P, ep, tp, pp, vp}, hier};
+            SweepPoint pt{base, hier};
+            pt.layout.procs = P, pt.layout.ep = ep, pt.layout.tp = tp, pt.layout.pp = pp;
             const std::string problem = layout_problem(cfg.model, cluster, pt.layout);
             if (!problem.empty()) {
               r.skipped.push_back(pt), r.why.push_back(problem);
@@ -122,16 +123,18 @@ std::string format_lines(const Sweep& sweep, const SweepResult& r) {
   size_t width = 6;
   for (const auto& pt : r.points) width = std::max(width, sweep_label(sweep, pt).size());
   std::string out =
-      fmt::format("{:<{}} {:>10} {:>10} {:>10} {:>6} {:>5} {:>5} {:>12} {:>10} {:>4}\n", "layout",
-                  width, "step ms", "tokens/s", "per device", "MFU", "util", "comm", "all-to-all",
-                  "GiB/device", "fits");
+      fmt::format("{:<{}} {:>10} {:>10} {:>10} {:>6} {:>5} {:>5} {:>12} {:>10} {:>4} {:>7}\n",
+                  "layout", width, "step ms", "tokens/s", "per device", "MFU", "util", "comm",
+                  "all-to-all", "GiB/device", "fits", "trainer");
   for (size_t i = 0; i < r.points.size(); ++i) {
     const Prediction& p = r.predictions[i];
     out += fmt::format(
-        "{:<{}} {:>10.2f} {:>10.0f} {:>10.0f} {:>6.3f} {:>5.2f} {:>5.2f} {:>12} {:>10.1f} {:>4}\n",
+        "{:<{}} {:>10.2f} {:>10.0f} {:>10.0f} {:>6.3f} {:>5.2f} {:>5.2f} {:>12} {:>10.1f} {:>4} "
+        "{:>7}\n",
         sweep_label(sweep, r.points[i]), width, p.step_time_s * 1e3, p.tokens_per_s,
         p.tokens_per_s / static_cast<double>(p.layout.procs), p.mfu, p.utilisation,
-        p.comm_efficiency, p.a2a_kind, p.memory.total() / 1073741824.0, p.fits ? "yes" : "NO");
+        p.comm_efficiency, p.a2a_kind, p.memory.total() / 1073741824.0, p.fits ? "yes" : "NO",
+        trainer_runs(p.layout) ? "yes" : "no");
   }
   return out + "(every part of every layout: --json)\n";
 }
@@ -151,9 +154,12 @@ std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
     const std::string at =
         sweep.procs_swept ? fmt::format(" at {} process{}", P, P == 1 ? "" : "es") : "";
     if (b != r.best.end())
-      out += fmt::format("best{}: {} ({:.0f} tokens/s, {:.2f} ms a step)\n", at,
+      out += fmt::format("best{}: {} ({:.0f} tokens/s, {:.2f} ms a step){}\n", at,
                          sweep_label(sweep, r.points[*b]), r.predictions[*b].tokens_per_s,
-                         r.predictions[*b].step_time_s * 1e3);
+                         r.predictions[*b].step_time_s * 1e3,
+                         trainer_runs(r.points[*b].layout)
+                             ? ""
+                             : "; " + planner_only(r.points[*b].layout));
     else if (ran)
       out += fmt::format("best{}: none fits the device's memory\n", at);
   }
@@ -181,6 +187,7 @@ nlohmann::json sweep_json(const Sweep& sweep, const SweepResult& r) {
     nlohmann::json b = point_json(r.points[i]);
     b["step_time_s"] = r.predictions[i].step_time_s;
     b["tokens_per_s"] = r.predictions[i].tokens_per_s;
+    b["trainer_runs"] = trainer_runs(r.points[i].layout);
     best.push_back(b);
   }
   for (size_t i = 0; i < r.skipped.size(); ++i) {

@@ -38,11 +38,11 @@ struct SweepResult {
   std::string device;
 };
 
-// Predicts every layout of the sweep (vp from the command line's layout). cluster_for gives the
+// Predicts every layout of the sweep (vp, zero and recompute from the command line's layout). cluster_for gives the
 // cluster at a process count (a cluster file's is fixed; this machine's splits its cores).
 // Throws, listing each reason, when no layout can run.
 SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int64_t)>& cluster_for,
-                      const Sweep& sweep, int64_t vp, const LoadModel& load);
+                      const Sweep& sweep, const Layout& base, const LoadModel& load);
 
 // "procs=64 pp=4 ep=8 a2a=hierarchical", naming only the swept dimensions and ep.
 std::string sweep_label(const Sweep& sweep, const SweepPoint& point);

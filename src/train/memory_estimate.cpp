@@ -18,15 +18,15 @@ std::string gib(double bytes) {
   return fmt::format("{:.2f} GiB", bytes / kGiB);
 }
 
-// Per parameter: itself, its gradient, two moments; plus its low-precision copy.
+// Per parameter: itself, its gradient, two moments (AdamW); plus its low-precision copy.
 MemoryEstimate from_counts(double params, double activation_floats, int precision_bytes) {
-  MemoryEstimate e;
-  e.parameters = 4 * params;
-  e.gradients = 4 * params;
-  e.optimizer = 8 * params;
-  e.low_precision = static_cast<double>(precision_bytes) * params;
+  MemoryEstimate e = state_memory(trainer_state("adamw", precision_bytes, 0), params, 1);
   e.activations = 4 * activation_floats;
   return e;
+}
+
+double optimizer_slots(const std::string& optimizer) {
+  return optimizer == "adamw" ? 2 : 1;
 }
 
 double expert_params(const MoeModelConfig& m, double dim) {
@@ -54,6 +54,35 @@ double read_number(const char* path) {
 }
 
 }  // namespace
+
+ParamState trainer_state(const std::string& optimizer, int precision_bytes, int zero) {
+  ParamState s;
+  s.copy = precision_bytes;
+  s.slots = optimizer_slots(optimizer);
+  s.zero = zero;
+  return s;
+}
+
+ParamState mixed_precision_state(const std::string& optimizer, int zero) {
+  ParamState s;
+  s.weight = 2;
+  s.master = 4;
+  s.slots = optimizer_slots(optimizer);
+  s.zero = zero;
+  return s;
+}
+
+MemoryEstimate state_memory(const ParamState& s, double params, double ranks) {
+  MOETRAIN_CHECK(s.zero >= 0 && s.zero <= 3, "ZeRO stage {}: allowed are 0, 1, 2 and 3", s.zero);
+  MOETRAIN_CHECK(ranks >= 1, "ZeRO over {} ranks: must be ≥ 1", ranks);
+  auto sharded = [&](int from_stage) { return s.zero >= from_stage ? params / ranks : params; };
+  MemoryEstimate e;
+  e.parameters = s.weight * sharded(3);
+  e.low_precision = s.copy * sharded(3);
+  e.gradients = s.grad * sharded(2);
+  e.optimizer = (s.master + 4 * s.slots) * sharded(1);
+  return e;
+}
 
 std::string MemoryEstimate::breakdown() const {
   return fmt::format(

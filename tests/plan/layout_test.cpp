@@ -80,6 +80,28 @@ TEST(PlanLayout, TensorParallelShardsAttentionAndPaysItsAllReduces) {
   EXPECT_LT(tp2.memory.activations, tp1.memory.activations);
 }
 
+// The experts fold EP over a stage's TP × DP ranks (Megatron-Core's parallel folding): EP 8 over
+// TP 2 × DP 4 is a layout, and each tensor shard routes, dispatches and sends its own N / tp
+// tokens, so the MoE block is not counted once per shard.
+TEST(PlanLayout, ExpertParallelismFoldsOverTensorAndDataParallelRanks) {
+  const ClusterSpec c = h100s(1);
+  const RunConfig cfg = run(1);
+  const LoadModel load = uniform_load(8);
+  const Layout folded{.procs = 8, .ep = 8, .tp = 2};
+  EXPECT_EQ(layout_problem(cfg.model, c, folded), "");
+  EXPECT_EQ(folded.dp(), 1);
+  const Prediction tp1 = predict(cfg, c, {.procs = 8, .ep = 8}, load);
+  const Prediction tp2 = predict(cfg, c, folded, load);
+  // Half the tokens a rank: half the all-to-all bytes, the router's and the dispatch's work.
+  EXPECT_DOUBLE_EQ(tp2.comm.a2a_send_bytes, tp1.comm.a2a_send_bytes / 2);
+  EXPECT_LT(tp2.parts.router, tp1.parts.router);
+  EXPECT_LT(tp2.parts.experts, tp1.parts.experts);
+  // MoE layers pay attention's two TP collectives, not four.
+  EXPECT_DOUBLE_EQ(tp2.comm.tp_count, 2.0 * 8);
+  // EP must still divide the stage's ranks.
+  EXPECT_NE(layout_problem(cfg.model, c, {.procs = 8, .ep = 8, .tp = 2, .pp = 2}), "");
+}
+
 TEST(PlanLayout, OversubscribedProcessesGetTheirShareOfTheCores) {
   moetrain::testing::TempDir tmp("plan_layout");
   DeviceModel all;

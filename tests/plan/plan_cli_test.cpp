@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "support/plan_runs.h"
 #include "support/temp_dir.h"
@@ -60,18 +61,70 @@ TEST(PlanCli, LayoutThatDoesNotDivideIsRefused) {
       << many.output();
 }
 
-// Mixtral 8×7B without pipeline stages: every process holds 32 layers' dense weights and one
-// expert per layer, in f32 with gradients and optimizer state: far over 80 GB.
-TEST(PlanCli, ModelThatDoesNotFitSaysTheMemoryPerDevice) {
-  const ProcessResult r = plan({"-c", plan_file("mixtral_8x7b_megatron.toml"), "--cluster",
-                                plan_file("dgx_h100_8nodes.toml"), "--procs", "64"});
+// Mixtral 8×7B without pipeline stages or expert parallelism: every process holds all 32
+// layers and all 8 experts, bf16 weights and f32 gradients: far over 80 GB. The figures are
+// still printed (they are what a user shrinks the run by), in GiB, and the command fails saying
+// by how much it is over.
+TEST(PlanCli, ModelThatDoesNotFitPrintsItsFiguresAndSaysByHowMuch) {
+  const std::vector<std::string> args = {"-c", plan_file("mixtral_8x7b_megatron.toml"),
+                                         "--cluster", plan_file("dgx_h100_8nodes.toml"),
+                                         "--procs", "64", "--ep", "1"};
+  const ProcessResult r = plan(args);
   EXPECT_NE(r.code, 0) << r.output();
   const std::string out = r.output();
   EXPECT_NE(out.find("the model does not fit: it needs "), std::string::npos) << out;
   EXPECT_NE(out.find("GiB per device"), std::string::npos) << out;
-  EXPECT_NE(out.find("device.memory_bytes"), std::string::npos) << out;
-  // Nothing but the error: no table of a run that cannot happen.
-  EXPECT_EQ(out.find("step time ms"), std::string::npos) << out;
+  EXPECT_NE(out.find("device.memory_bytes): "), std::string::npos) << out;
+  EXPECT_NE(out.find(" GiB too much"), std::string::npos) << out;
+  EXPECT_NE(out.find("step time ms"), std::string::npos) << out;
+  EXPECT_NE(out.find("memory GiB/device"), std::string::npos) << out;
+  EXPECT_EQ(out.find("MiB"), std::string::npos) << out;
+  std::vector<std::string> json_args = args;
+  json_args.push_back("--json");
+  const ProcessResult j = plan(json_args);
+  EXPECT_NE(j.code, 0) << j.output();
+  const nlohmann::json doc = json_of(j);
+  EXPECT_FALSE(doc["memory"]["fits"].get<bool>()) << doc.dump(2);
+  EXPECT_GT(doc["step_time_s"].get<double>(), 0) << doc.dump(2);
+  EXPECT_NE(j.output().find(" GiB too much"), std::string::npos) << j.output();
+}
+
+// Whole-number keys are range-checked before they become integers (1e30 overflows int64), and
+// a directory given as the cluster file is named as one.
+TEST(PlanCli, ClusterFileOutOfRangeOrADirectoryIsNamed) {
+  TempDir tmp("plan_cli_range");
+  const std::string cluster = (tmp.path() / "cluster.toml").string();
+  auto write = [&](const std::string& per_node, const std::string& nodes) {
+    std::ofstream(cluster) << "[cluster]\ndevice = \"h100\"\ndevices_per_node = " << per_node
+                           << "\nnodes = " << nodes
+                           << "\nintra_node_bandwidth = 450e9\ninter_node_bandwidth = 400e9\n"
+                              "intra_node_latency = 3e-6\ninter_node_latency = 10e-6\n";
+  };
+  const std::vector<std::string> args = {"-c", plan_file("mixtral_8x7b_megatron.toml"),
+                                         "--cluster", cluster, "--procs", "64", "--pp", "4"};
+  write("1e30", "8");
+  const ProcessResult huge = plan(args);
+  EXPECT_NE(huge.code, 0) << huge.output();
+  EXPECT_NE(huge.output().find("cluster.devices_per_node = 1e+30: must be a whole number in [1, "
+                               "65536]"),
+            std::string::npos)
+      << huge.output();
+  write("8", "2.5");
+  const ProcessResult half = plan(args);
+  EXPECT_NE(half.code, 0) << half.output();
+  EXPECT_NE(half.output().find("cluster.nodes = 2.5: must be a whole number in [1, 16777216]"),
+            std::string::npos)
+      << half.output();
+  write("8", "8");
+  EXPECT_EQ(plan(args).code, 0);
+  std::vector<std::string> dir = args;
+  dir[3] = tmp.path().string();
+  const ProcessResult d = plan(dir);
+  EXPECT_NE(d.code, 0) << d.output();
+  EXPECT_NE(d.output().find("cluster file '" + tmp.path().string() + "' is a directory"),
+            std::string::npos)
+      << d.output();
+  EXPECT_EQ(d.output().find("does not exist"), std::string::npos) << d.output();
 }
 
 TEST(PlanCli, CalibrationArgumentsAreChecked) {

@@ -126,7 +126,8 @@ TEST(PlanModel, CommunicationWrittenOutAddsUpToTheStepsParts) {
   const ClusterSpec c = gpu_cluster(4, 8);
   for (const bool hierarchical : {false, true}) {
     cfg.dist.hierarchical = hierarchical;
-    // 32 devices: tensor shards of 2, EP groups of 8 over two nodes, 2 replicas of each expert.
+    // 32 devices: tensor shards of 2, EP groups of 8 (folded over TP × DP) over two nodes, 4
+    // replicas of each expert.
     const Prediction p = predict(cfg, c, {32, 8, 2, 1, 1}, zipf_load(8, 1.2));
     const CommBreakdown& m = p.comm;
     EXPECT_EQ(m.a2a_runs, hierarchical ? "hierarchical" : "flat");
@@ -140,7 +141,7 @@ TEST(PlanModel, CommunicationWrittenOutAddsUpToTheStepsParts) {
     EXPECT_NEAR(reductions, p.parts.grad_sync, 1e-12 * p.parts.grad_sync);
     ASSERT_EQ(m.reductions.size(), 2u);
     EXPECT_EQ(m.reductions[0].first, "dense gradients over 16 ranks");
-    EXPECT_EQ(m.reductions[1].first, "expert gradients over 2 ranks");
+    EXPECT_EQ(m.reductions[1].first, "expert gradients over 4 ranks");
     for (const auto& [name, r] : m.reductions) EXPECT_GT(r.seconds(), 0) << name;
     EXPECT_DOUBLE_EQ(m.tp_count * m.tensor_parallel.seconds(), p.parts.tensor_parallel);
     EXPECT_GT(m.tp_count, 0);
@@ -164,6 +165,56 @@ TEST(PlanFormulas, MemoryWithAndWithoutZero1) {
   EXPECT_DOUBLE_EQ(zero.optimizer_without_zero, plain.optimizer);
   cfg.train.precision = Precision::BF16;
   EXPECT_DOUBLE_EQ(memory_per_device(cfg, l).low_precision, 2 * (dense + expert / 2));
+}
+
+// The window a bucketed reduction hides behind: two thirds of the slowest rank's compute, its
+// experts once (the balanced figure is not compute), the optimizer (after the reduction) not.
+TEST(PlanFormulas, OverlapWindowCountsTheSlowestRankOnce) {
+  StepParts s;
+  s.attention = 3;
+  s.experts = 6;       // the slowest rank
+  s.experts_mean = 3;  // perfect balance: not part of the step
+  s.optimizer = 1.5;
+  EXPECT_DOUBLE_EQ(backward_window(s), 2.0 / 3.0 * 9);
+  // 4 buckets of 2.5 s behind a 6 s window: 4 s outlast it.
+  EXPECT_DOUBLE_EQ(overlap_exposed(10, 4, 6), 4);
+  // A short reduction still waits for its last bucket, ready when backward ends.
+  EXPECT_DOUBLE_EQ(overlap_exposed(2, 4, 6), 0.5);
+  EXPECT_DOUBLE_EQ(overlap_exposed(2, 0, 6), 2);  // one bucket at least
+  EXPECT_DOUBLE_EQ(overlap_exposed(0, 4, 6), 0);
+}
+
+// Through the model: with overlap, the exposed reduction is overlap_exposed of the total behind
+// the step's own backward window.
+TEST(PlanModel, OverlappedReductionIsExposedBeyondTheBackwardWindow) {
+  RunConfig cfg = small_run();
+  cfg.dist.overlap = true;
+  const ClusterSpec c = gpu_cluster(8, 4);
+  const Prediction p = predict(cfg, c, Layout{32, 2}, zipf_load(8, 1.0));
+  ASSERT_GT(p.parts.grad_sync, 0);
+  ASSERT_GT(p.parts.experts, p.parts.experts_mean);
+  const double window = backward_window(p.parts);
+  EXPECT_GE(p.parts.grad_sync_exposed, p.parts.grad_sync - window - 1e-15);
+  EXPECT_LE(p.parts.grad_sync_exposed, p.parts.grad_sync);
+  // Buckets of a byte: nothing but what outlasts the window; over a slow network the
+  // reduction outlasts it by its total less the window, exactly.
+  cfg.dist.bucket_mb = 1.0 / 1048576;
+  const Prediction fine = predict(cfg, c, Layout{32, 2}, zipf_load(8, 1.0));
+  EXPECT_LT(fine.parts.grad_sync, backward_window(fine.parts));
+  EXPECT_NEAR(fine.parts.grad_sync_exposed, 0, 1e-6 * fine.parts.grad_sync);
+  ClusterSpec slow = c;
+  slow.inter_node_bandwidth = 1e7;
+  const Prediction late = predict(cfg, slow, Layout{32, 2}, zipf_load(8, 1.0));
+  ASSERT_GT(late.parts.grad_sync, backward_window(late.parts));
+  EXPECT_NEAR(late.parts.grad_sync_exposed,
+              late.parts.grad_sync - backward_window(late.parts), 1e-9 * late.parts.grad_sync);
+  // One bucket: all of it, ready only when backward ends.
+  cfg.dist.bucket_mb = 1e9;
+  const Prediction one = predict(cfg, c, Layout{32, 2}, zipf_load(8, 1.0));
+  EXPECT_DOUBLE_EQ(one.parts.grad_sync_exposed, one.parts.grad_sync);
+  cfg.dist.overlap = false;
+  EXPECT_DOUBLE_EQ(predict(cfg, c, Layout{32, 2}, zipf_load(8, 1.0)).parts.grad_sync_exposed,
+                   p.parts.grad_sync);
 }
 
 TEST(PlanModel, SkewedLoadSlowsTheStepAndTheHotRankSetsIt) {
@@ -259,7 +310,8 @@ TEST(PlanBadInput, ClusterFileKeysAreNamed) {
   std::string zero = good;
   zero.replace(zero.find("nodes = 4"), 9, "nodes = 0");
   e = error_of([&] { load_cluster(write(zero), ""); });
-  EXPECT_NE(e.find("cluster.nodes = 0: must be positive"), std::string::npos) << e;
+  EXPECT_NE(e.find("cluster.nodes = 0: must be a whole number in [1, 16777216]"), std::string::npos)
+      << e;
   e = error_of([&] { load_cluster(write(without("device = ")), ""); });
   EXPECT_NE(e.find("--profile"), std::string::npos) << e;
   e = error_of([&] { builtin_device("v100"); });

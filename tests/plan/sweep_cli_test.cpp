@@ -135,6 +135,41 @@ TEST(PlanSweep, PipelineSplitsCompareByTokensPerSecond) {
   ASSERT_EQ(j["best"].size(), 1u) << j.dump(2);
   EXPECT_EQ(j["best"][0]["pp"], layouts[most]["pp"]);
   EXPECT_EQ(j["best"][0]["tokens_per_s"], layouts[most]["tokens_per_s"]);
+  // The trainer has no pipeline parallelism: such layouts are the planner's only, and say so.
+  for (size_t i = 0; i < layouts.size(); ++i)
+    EXPECT_EQ(layouts[i]["trainer_runs"].get<bool>(), i == 0) << j.dump(2);
+  EXPECT_EQ(j["best"][0]["trainer_runs"].get<bool>(), j["best"][0]["pp"] == 1) << j.dump(2);
+  const ProcessResult table = run_moetrain(
+      {"plan", "-c", cfg, "--cluster", cluster, "--sweep", "pp=2,4", "--sweep", "ep=8"},
+      {{"OMP_NUM_THREADS", "1"}}, 60);
+  ASSERT_EQ(table.code, 0) << table.output();
+  EXPECT_NE(table.output().find("planner only: moetrain train has no pipeline parallelism yet"),
+            std::string::npos)
+      << table.output();
+  EXPECT_EQ(table.count("trainer runs it"), 1) << table.output();
+}
+
+// No layout fits the device: every layout is still printed (JSON too, with fits = false), then
+// the command fails naming what the smallest one needs.
+TEST(PlanSweep, NothingFitsStillPrintsEveryLayout) {
+  const std::string cfg = plan_file("mixtral_8x7b_megatron.toml");
+  const std::string cluster = plan_file("dgx_h100_8nodes.toml");
+  const ProcessResult r = run_moetrain(
+      {"plan", "-c", cfg, "--cluster", cluster, "--sweep", "ep=1,2", "--json"},
+      {{"OMP_NUM_THREADS", "1"}}, 60);
+  EXPECT_NE(r.code, 0) << r.output();
+  const nlohmann::json j = json_of(r);
+  ASSERT_EQ(j["layouts"].size(), 2u) << j.dump(2);
+  for (const auto& l : j["layouts"]) EXPECT_FALSE(l["memory"]["fits"].get<bool>()) << j.dump(2);
+  EXPECT_TRUE(j["best"].empty()) << j.dump(2);
+  EXPECT_NE(r.output().find("the model does not fit: it needs "), std::string::npos)
+      << r.output();
+  const ProcessResult table = run_moetrain(
+      {"plan", "-c", cfg, "--cluster", cluster, "--sweep", "ep=1,2"}, {{"OMP_NUM_THREADS", "1"}},
+      60);
+  EXPECT_NE(table.code, 0) << table.output();
+  EXPECT_NE(table.output().find("best: none fits the device's memory"), std::string::npos)
+      << table.output();
 }
 
 // More layouts than fit side by side: a line each, with the all-to-all the layout ran.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ft/ft_support.h"
+#include "core/check.h"
 #include "io/safetensors.h"
 #include "support/temp_dir.h"
 #include "train/memory_estimate.h"
@@ -29,6 +30,29 @@ TEST(MemoryEstimate, CountsParametersOptimizerAndActivations) {
   twice.n_layers *= 2;
   EXPECT_GT(estimate_memory(twice, 16, 128, 0).total(), 1.5 * e.total() - e.parameters);
   EXPECT_GT(available_memory(), 0);
+}
+
+// Bytes per parameter by ZeRO stage over d ranks, against Megatron-LM's distributed-optimizer
+// table (bf16 weights with f32 gradients: 18 bytes, 6 + 12/d with the distributed optimizer;
+// f32: 16, 8 + 8/d) and DeepSpeed's stages (2: the gradients too, 3: the weights too).
+TEST(MemoryEstimate, StateBytesByZeroStage) {
+  const double d = 8;
+  auto per_param = [&](const ParamState& s) { return state_memory(s, 1000, d).total() / 1000; };
+  EXPECT_DOUBLE_EQ(per_param(mixed_precision_state("adamw", 0)), 18);
+  EXPECT_DOUBLE_EQ(per_param(mixed_precision_state("adamw", 1)), 6 + 12 / d);
+  EXPECT_DOUBLE_EQ(per_param(mixed_precision_state("adamw", 2)), 2 + 16 / d);
+  EXPECT_DOUBLE_EQ(per_param(mixed_precision_state("adamw", 3)), 18 / d);
+  EXPECT_DOUBLE_EQ(per_param(trainer_state("adamw", 0, 0)), 16);
+  EXPECT_DOUBLE_EQ(per_param(trainer_state("adamw", 0, 1)), 8 + 8 / d);
+  // This trainer in bf16: its f32 weights and the bf16 copy, the copy sharded only at stage 3.
+  EXPECT_DOUBLE_EQ(per_param(trainer_state("adamw", 2, 1)), 10 + 8 / d);
+  EXPECT_DOUBLE_EQ(per_param(trainer_state("adamw", 2, 3)), 18 / d);
+  EXPECT_DOUBLE_EQ(per_param(trainer_state("sgd", 0, 0)), 12);
+  const MemoryEstimate m = state_memory(mixed_precision_state("adamw", 1), 1000, d);
+  EXPECT_DOUBLE_EQ(m.parameters, 2000);
+  EXPECT_DOUBLE_EQ(m.gradients, 4000);
+  EXPECT_DOUBLE_EQ(m.optimizer, 12000 / d);  // master weights and both moments
+  EXPECT_THROW(state_memory(trainer_state("adamw", 0, 4), 1, 1), Error);
 }
 
 TEST(MemoryEstimate, AConfigThatCannotFitIsRefusedAtOnce) {

@@ -1,0 +1,87 @@
+// The expert exchange as DeepEP runs it: a token crosses to each node holding one of its experts
+// once and is fanned out there over NVLink; node-limited routing caps the nodes a token reaches.
+#include <gtest/gtest.h>
+
+#include "plan/cluster.h"
+#include "plan/comm_model.h"
+#include "plan/cost_model.h"
+
+using namespace moetrain;
+using namespace moetrain::plan;
+
+namespace {
+
+ClusterSpec a100s(int64_t nodes) {
+  ClusterSpec c;
+  c.device = builtin_device("a100");
+  c.devices_per_node = 8;
+  c.nodes = nodes;
+  c.intra_node_bandwidth = 300e9;
+  c.inter_node_bandwidth = 200e9;
+  c.intra_node_latency = 3e-6;
+  c.inter_node_latency = 10e-6;
+  return c;
+}
+
+}  // namespace
+
+// 64 experts on 8 nodes, top-8: a node other than the token's misses all 8 of its experts with
+// probability C(56, 8) / C(64, 8) = 0.3209…, so a token reaches 7 · 0.6791 = 4.75 other nodes for
+// its 7 remote rows; limited to 4 nodes in all, 3.5 of them remote.
+TEST(PlanExchange, DistinctNodesOverRowsByHand) {
+  EXPECT_NEAR(dedup_share(64, 8, 8, 0), 0.6790689102423071, 1e-12);
+  EXPECT_NEAR(dedup_share(64, 8, 8, 4), 0.5, 1e-12);
+  EXPECT_DOUBLE_EQ(dedup_share(64, 8, 1, 0), 1);  // one node: nothing crosses
+  EXPECT_DOUBLE_EQ(dedup_share(64, 1, 8, 0), 1);  // top-1: a row is a token
+  // 2 experts a node, top-2 of 16 over 8 nodes: both on the same other node only rarely.
+  EXPECT_NEAR(dedup_share(16, 2, 8, 0), 7 * (1 - 14.0 / 16 * 13.0 / 15) / (2 * 7.0 / 8), 1e-12);
+}
+
+// The phases: rows to the rank's own node go directly over NVLink; rows for other nodes cross
+// once per node (the dedup share) and are fanned out there, the two at once.
+TEST(PlanExchange, DeduplicatedPhasesByHand) {
+  const ClusterSpec c = a100s(2);
+  const double B = 15e6;
+  const Collective d = alltoall_dedup(c, B, 16, 0.5);
+  ASSERT_EQ(d.kind, "deduplicated");
+  ASSERT_EQ(d.phases.size(), 2u);
+  EXPECT_TRUE(d.concurrent);
+  EXPECT_DOUBLE_EQ(d.phases[0].bytes, B * 7 / 15 + B * 8 / 15 * 7 / 8);
+  EXPECT_DOUBLE_EQ(d.phases[0].messages, 7);
+  EXPECT_DOUBLE_EQ(d.phases[1].bytes, B * 8 / 15 * 0.5);
+  EXPECT_DOUBLE_EQ(d.phases[1].messages, 1);
+  EXPECT_DOUBLE_EQ(d.phases[1].sharing, 8);
+  EXPECT_EQ(alltoall_dedup(c, B, 8, 0.5).kind, "flat");  // one node
+}
+
+// Through the model: the 1024-A100 ablation's shape (64 experts, top-6, EP 64 over 8 nodes)
+// exchanges less with the deduplicated form, and what is written out is what the step pays.
+TEST(PlanExchange, DeduplicatedExchangeIsWhatTheStepPays) {
+  RunConfig cfg;
+  cfg.model.vocab_size = 1024;
+  cfg.model.dim = 1024;
+  cfg.model.n_layers = 2;
+  cfg.model.n_heads = 8;
+  cfg.model.n_kv_heads = 8;
+  cfg.model.expert_hidden = 512;
+  cfg.model.n_experts = 64;
+  cfg.model.top_k = 6;
+  cfg.model.max_seq_len = 2048;
+  cfg.train.batch_size = 1;
+  cfg.train.seq_len = 2048;
+  cfg.train.precision = Precision::BF16;
+  const ClusterSpec c = a100s(8);
+  Layout flat{64, 64}, dedup{64, 64};
+  dedup.a2a_dedup = true;
+  const Prediction pf = predict(cfg, c, flat, uniform_load(64));
+  const Prediction pd = predict(cfg, c, dedup, uniform_load(64));
+  EXPECT_EQ(pd.a2a_kind, "deduplicated");
+  EXPECT_LT(pd.parts.a2a, pf.parts.a2a);
+  EXPECT_NEAR(pd.comm.a2a_exchanges * pd.comm.a2a_deduplicated.seconds(), pd.parts.a2a,
+              1e-9 * pd.parts.a2a);
+  EXPECT_FALSE(trainer_runs(dedup));
+  // Node-limited routing (8 groups, one a node; a token in at most 2) sends less again.
+  cfg.model.route_groups = 8;
+  cfg.model.route_group_topk = 2;
+  EXPECT_LT(predict(cfg, c, dedup, uniform_load(64)).parts.a2a, pd.parts.a2a);
+}

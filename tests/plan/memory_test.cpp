@@ -1,0 +1,129 @@
+// The planner's memory as GPU trainers spend it (bf16 weights, f32 masters with the optimizer
+// state, ZeRO-1/2/3, recomputation) and this trainer's on a CPU profile; element-wise work at the
+// bytes the run stores; devices sized as the driver reports them.
+#include <gtest/gtest.h>
+
+#include "plan/cluster.h"
+#include "plan/cost_model.h"
+#include "train/memory_estimate.h"
+
+using namespace moetrain;
+using namespace moetrain::plan;
+
+namespace {
+
+RunConfig bf16_run() {
+  RunConfig cfg;
+  cfg.model.vocab_size = 1024;
+  cfg.model.dim = 512;
+  cfg.model.n_layers = 4;
+  cfg.model.n_heads = 8;
+  cfg.model.n_kv_heads = 4;
+  cfg.model.expert_hidden = 1024;
+  cfg.model.n_experts = 8;
+  cfg.model.top_k = 2;
+  cfg.model.max_seq_len = 1024;
+  cfg.train.batch_size = 2;
+  cfg.train.seq_len = 1024;
+  cfg.train.precision = Precision::BF16;
+  return cfg;
+}
+
+ClusterSpec h100s(int64_t nodes) {
+  ClusterSpec c;
+  c.device = builtin_device("h100");
+  c.devices_per_node = 8;
+  c.nodes = nodes;
+  c.intra_node_bandwidth = 450e9;
+  c.inter_node_bandwidth = 400e9;
+  c.intra_node_latency = 3e-6;
+  c.inter_node_latency = 10e-6;
+  return c;
+}
+
+}  // namespace
+
+// An "80 GB" part holds what NVML reports: 81559 MiB (H100), 81920 MiB (A100).
+TEST(PlanMemory, DevicesAreSizedAsTheDriverReportsThem) {
+  EXPECT_DOUBLE_EQ(builtin_device("h100").memory_bytes, 81559.0 * 1048576);
+  EXPECT_DOUBLE_EQ(builtin_device("a100").memory_bytes, 80.0 * 1073741824);
+}
+
+// On a GPU a bf16 run keeps bf16 weights, f32 gradients and f32 masters sharded with the
+// optimizer state; dense state shards over the stage's 8 ranks, experts' over their 4 replicas.
+// The parameter split is the planner's own count, so the figures are hand counts per stage.
+TEST(PlanMemory, MixedPrecisionStateShardsByZeroStage) {
+  RunConfig cfg = bf16_run();
+  const ParamCounts pc = count_params(cfg.model);
+  const double dense = pc.dense, expert = pc.expert / 2;  // EP 2: half the experts each
+  for (int zero = 0; zero <= 3; ++zero) {
+    Layout l{8, 2};  // DP 4 × EP 2
+    l.zero = zero;
+    const Memory m = memory_per_device(cfg, l, true);
+    auto shard = [&](double n, double ranks, int from) { return zero >= from ? n / ranks : n; };
+    EXPECT_DOUBLE_EQ(m.params, 2 * (shard(dense, 8, 3) + shard(expert, 4, 3))) << zero;
+    EXPECT_DOUBLE_EQ(m.grads, 4 * (shard(dense, 8, 2) + shard(expert, 4, 2))) << zero;
+    EXPECT_DOUBLE_EQ(m.optimizer, 12 * (shard(dense, 8, 1) + shard(expert, 4, 1))) << zero;
+    EXPECT_DOUBLE_EQ(m.optimizer_without_zero, 12 * (dense + expert)) << zero;
+    EXPECT_DOUBLE_EQ(m.low_precision, 0) << zero;
+  }
+  // dist.zero is the default; the layout's stage overrides it.
+  cfg.dist.zero = 1;
+  EXPECT_DOUBLE_EQ(memory_per_device(cfg, Layout{8, 2}, true).optimizer,
+                   12 * (dense / 8 + expert / 4));
+  // A calibrated CPU (this trainer): f32 weights and gradients and the bf16 copy.
+  const Memory cpu = memory_per_device(cfg, Layout{8, 2}, false);
+  EXPECT_DOUBLE_EQ(cpu.params, 4 * (dense + expert));
+  EXPECT_DOUBLE_EQ(cpu.low_precision, 2 * (dense + expert));
+  EXPECT_DOUBLE_EQ(cpu.optimizer, 8 * (dense / 8 + expert / 4));
+}
+
+// Full recomputation keeps each layer's input (N·C) and one layer's activations, and pays a
+// third more of the layers' compute and half again of their all-to-alls.
+TEST(PlanMemory, RecomputationTradesActivationsForAForwardAgain) {
+  const RunConfig cfg = bf16_run();
+  const ClusterSpec c = h100s(1);
+  Layout keep{8, 8}, again{8, 8};
+  again.recompute = true;
+  const Prediction a = predict(cfg, c, keep, uniform_load(8));
+  const Prediction b = predict(cfg, c, again, uniform_load(8));
+  const double N = 2 * 1024, C = 512, V = 1024, L = 4;
+  const double final_part = 2 * N * (2 * C + V);  // bf16 logits and final norm input
+  const double per_layer = (a.memory.activations - final_part) / L;
+  EXPECT_NEAR(b.memory.activations, 2 * L * N * C + per_layer + final_part, 1);
+  EXPECT_LT(b.memory.activations, a.memory.activations / 2);
+  EXPECT_NEAR(b.parts.attention, a.parts.attention * 4 / 3, 1e-12);
+  EXPECT_NEAR(b.parts.experts, a.parts.experts * 4 / 3, 1e-12);
+  EXPECT_NEAR(b.parts.a2a, a.parts.a2a * 1.5, 1e-12);
+  EXPECT_DOUBLE_EQ(b.parts.lm_head, a.parts.lm_head);
+  EXPECT_GT(b.step_time_s, a.step_time_s);
+}
+
+// Element-wise work (norms, residual adds, dispatch and combine copies) streams bf16 on a GPU
+// in a bf16 run: half the f32 run's bytes. A calibrated CPU keeps this trainer's f32.
+TEST(PlanMemory, ElementWiseWorkMovesTheRunsPrecisionBytes) {
+  RunConfig bf = bf16_run(), f32 = bf16_run();
+  f32.train.precision = Precision::F32;
+  const ClusterSpec gpu = h100s(1);
+  const Prediction pb = predict(bf, gpu, Layout{8, 8}, uniform_load(8));
+  const Prediction pf = predict(f32, gpu, Layout{8, 8}, uniform_load(8));
+  EXPECT_NEAR(pb.parts.norms, pf.parts.norms / 2, 1e-15);
+  EXPECT_DOUBLE_EQ(activation_bytes(bf, true), 2);
+  EXPECT_DOUBLE_EQ(activation_bytes(bf, false), 4);
+  EXPECT_DOUBLE_EQ(activation_bytes(f32, true), 4);
+}
+
+// ZeRO-3 all-gathers the weights before forward and backward: a collective per kind more.
+TEST(PlanMemory, ZeroThreeGathersTheWeights) {
+  const RunConfig cfg = bf16_run();
+  const ClusterSpec c = h100s(2);
+  Layout one{16, 8}, three{16, 8};
+  one.zero = 1;
+  three.zero = 3;
+  const Prediction a = predict(cfg, c, one, uniform_load(8));
+  const Prediction b = predict(cfg, c, three, uniform_load(8));
+  EXPECT_EQ(b.comm.reductions.size(), a.comm.reductions.size() + 2);
+  EXPECT_GT(b.parts.grad_sync, a.parts.grad_sync);
+  EXPECT_LT(b.memory.total(), a.memory.total());
+  EXPECT_NE(b.comm.reductions.back().first.find("ZeRO-3"), std::string::npos);
+}
