@@ -82,7 +82,15 @@ void point_latest(const fs::path& root, const fs::path& final_dir) {
   fs::remove(tmp, ec);
   fs::create_directory_symlink(final_dir.filename(), tmp, ec);
   MOETRAIN_CHECK(!ec, "cannot create the link {}: {}", tmp.string(), ec.message());
-  fs::rename(tmp, root / "latest", ec);
+  // A directory in its place is a copy of a checkpoint (a tree copied with its links followed):
+  // not a checkpoint of this run (no step_ name), and in the way of the link.
+  const fs::path latest = root / "latest";
+  if (fs::is_directory(fs::symlink_status(latest, ec))) {
+    log_warn("{} is a directory, not the link to the newest checkpoint: replaced by the link",
+             latest.string());
+    fs::remove_all(latest, ec);
+  }
+  fs::rename(tmp, latest, ec);
   MOETRAIN_CHECK(!ec, "cannot rename {} to {}: {}", tmp.string(), (root / "latest").string(),
                  ec.message());
 }

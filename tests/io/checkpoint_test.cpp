@@ -265,6 +265,16 @@ TEST(Checkpoint, LatestIsALinkAndExtraFilesAreChecksummed) {
   verify_checkpoint(latest);
   EXPECT_EQ(read_file_bytes(latest / "tokenizer.model"), "pieces");
   EXPECT_EQ(find_latest_checkpoint(tmp.path()), checkpoint_dir(tmp.path(), 2));
+  // A copy of the run whose copier followed the link: `latest` is a directory, replaced by the link.
+  const fs::path copy = tmp.path() / "copy";
+  fs::create_directories(copy);
+  fs::copy(tmp.path() / "checkpoints", copy / "checkpoints", fs::copy_options::recursive);
+  ASSERT_TRUE(fs::is_directory(fs::symlink_status(copy / "checkpoints" / "latest")));
+  CheckpointDocs docs{{{"model_type", "test"}}, {{"step", 3}}, {}};
+  write_checkpoint(*comm, copy, 3, t.share(), docs, 3);
+  EXPECT_EQ(fs::read_symlink(copy / "checkpoints" / "latest"), "step_00000003");
+  EXPECT_EQ(find_latest_checkpoint(copy), checkpoint_dir(copy, 3));
+
   flip_byte(latest / "tokenizer.model", 2);
   expect_error([&] { verify_checkpoint(checkpoint_dir(tmp.path(), 2)); },
                {"tokenizer.model", "CRC-32C"});

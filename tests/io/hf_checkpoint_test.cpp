@@ -110,7 +110,7 @@ TEST(HfConfig, RefusesWhatWeCannotCompute) {
   refused(base, "num_attention_heads", 5, {"num_attention_heads = 5", "hidden_size = 64"});
   refused(base, "num_key_value_heads", 3, {"n_kv_heads = 3"});
   refused(base, "num_experts_per_tok", 5, {"top_k = 5"});
-  refused(base, "vocab_size", 100000, {"vocab_size = 100000"});
+  refused(base, "vocab_size", int64_t{3000000000}, {"vocab_size = 3000000000", "int32"});
   refused(base, "hidden_size", "64", {"hidden_size", "must be an integer"});
   refused(base, "num_local_experts", json(json::value_t::discarded), {"num_local_experts"});
   refused(base, "intermediate_size", 0, {"intermediate_size = 0"});
