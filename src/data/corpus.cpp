@@ -67,6 +67,16 @@ void collect_directory(const fs::path& dir, std::vector<fs::path>& files,
   skipped.insert(skipped.end(), dropped.begin(), dropped.end());
 }
 
+// How much of `text` (longer than kPieceBytes) the next piece takes: up to the last line end in
+// its first kPieceBytes, or else kPieceBytes backed off to a UTF-8 character boundary.
+std::size_t piece_length(std::string_view text) {
+  const std::size_t nl = text.substr(0, kPieceBytes).rfind('\n');
+  if (nl != std::string_view::npos) return nl + 1;
+  std::size_t take = kPieceBytes;
+  while (take > 1 && (static_cast<unsigned char>(text[take]) & 0xC0) == 0x80) --take;
+  return take;
+}
+
 }  // namespace
 
 CorpusScan scan_corpus(const CorpusOptions& options) {
@@ -234,18 +244,8 @@ bool CorpusReader::next_text(TextPiece& piece) {
                     f.path.string(), offset_ + (nul - pos_), kReadBytes);
   }
   const std::size_t left = buf_.size() - pos_;
-  std::size_t take = left;
-  if (left > kPieceBytes) {
-    // Cut after the last line end inside the piece, or else at a UTF-8 character boundary.
-    const std::string_view window(buf_.data() + pos_, kPieceBytes);
-    const std::size_t nl = window.rfind('\n');
-    if (nl != std::string_view::npos) {
-      take = nl + 1;
-    } else {
-      take = kPieceBytes;
-      while (take > 1 && (static_cast<unsigned char>(buf_[pos_ + take]) & 0xC0) == 0x80) --take;
-    }
-  }
+  const std::size_t take =
+      left > kPieceBytes ? piece_length(std::string_view(buf_).substr(pos_)) : left;
   piece.text.assign(buf_, pos_, take);
   piece.end_of_document = take == left && eof_;
   pos_ += take;
@@ -306,10 +306,7 @@ bool CorpusReader::next_jsonl(TextPiece& piece) {
     // A long document goes on in pieces cut after a line end.
     std::size_t at = 0;
     while (text.size() - at > kPieceBytes) {
-      std::size_t cut = std::string_view(text).substr(at, kPieceBytes).rfind('\n');
-      cut = cut == std::string_view::npos ? kPieceBytes : cut + 1;
-      if (cut == kPieceBytes)
-        while (cut > 1 && (static_cast<unsigned char>(text[at + cut]) & 0xC0) == 0x80) --cut;
+      const std::size_t cut = piece_length(std::string_view(text).substr(at));
       pending_.push_back({text.substr(at, cut), false});
       at += cut;
     }

@@ -4,6 +4,7 @@
 
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "support/plan_clusters.h"
 #include "support/temp_dir.h"
 
 using namespace moetrain;
@@ -29,17 +30,6 @@ RunConfig run(int64_t grad_accum) {
   return cfg;
 }
 
-ClusterSpec h100s(int64_t nodes) {
-  ClusterSpec c;
-  c.device = builtin_device("h100");
-  c.devices_per_node = 8;
-  c.nodes = nodes;
-  c.intra_node_bandwidth = 450e9;
-  c.inter_node_bandwidth = 400e9;
-  c.intra_node_latency = 3e-6;
-  c.inter_node_latency = 10e-6;
-  return c;
-}
 
 // One micro-batch of a stage: what the bubble is counted in.
 double stage_microbatch(const Prediction& p, int64_t A) {
@@ -51,7 +41,7 @@ double stage_microbatch(const Prediction& p, int64_t A) {
 }  // namespace
 
 TEST(PlanLayout, PipelineBubbleIsPMinusOneOverVMicroBatches) {
-  const ClusterSpec c = h100s(2);
+  const ClusterSpec c = moetrain::testing::h100_nodes(2);
   const RunConfig cfg = run(8);
   const LoadModel load = uniform_load(8);
   const Prediction flat = predict(cfg, c, {.procs = 16, .ep = 8}, load);
@@ -69,7 +59,7 @@ TEST(PlanLayout, PipelineBubbleIsPMinusOneOverVMicroBatches) {
 }
 
 TEST(PlanLayout, TensorParallelShardsAttentionAndPaysItsAllReduces) {
-  const ClusterSpec c = h100s(1);
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
   const RunConfig cfg = run(1);
   const LoadModel load = uniform_load(8);
   const Prediction tp1 = predict(cfg, c, {.procs = 8, .ep = 8}, load);
@@ -84,7 +74,7 @@ TEST(PlanLayout, TensorParallelShardsAttentionAndPaysItsAllReduces) {
 // TP 2 × DP 4 is a layout, and each tensor shard routes, dispatches and sends its own N / tp
 // tokens, so the MoE block is not counted once per shard.
 TEST(PlanLayout, ExpertParallelismFoldsOverTensorAndDataParallelRanks) {
-  const ClusterSpec c = h100s(1);
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
   const RunConfig cfg = run(1);
   const LoadModel load = uniform_load(8);
   const Layout folded{.procs = 8, .ep = 8, .tp = 2};

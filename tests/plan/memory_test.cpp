@@ -5,6 +5,7 @@
 
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "support/plan_clusters.h"
 #include "train/memory_estimate.h"
 
 using namespace moetrain;
@@ -29,17 +30,6 @@ RunConfig bf16_run() {
   return cfg;
 }
 
-ClusterSpec h100s(int64_t nodes) {
-  ClusterSpec c;
-  c.device = builtin_device("h100");
-  c.devices_per_node = 8;
-  c.nodes = nodes;
-  c.intra_node_bandwidth = 450e9;
-  c.inter_node_bandwidth = 400e9;
-  c.intra_node_latency = 3e-6;
-  c.inter_node_latency = 10e-6;
-  return c;
-}
 
 }  // namespace
 
@@ -82,7 +72,7 @@ TEST(PlanMemory, MixedPrecisionStateShardsByZeroStage) {
 // third more of the layers' compute and half again of their all-to-alls.
 TEST(PlanMemory, RecomputationTradesActivationsForAForwardAgain) {
   const RunConfig cfg = bf16_run();
-  const ClusterSpec c = h100s(1);
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
   Layout keep{8, 8}, again{8, 8};
   again.recompute = true;
   const Prediction a = predict(cfg, c, keep, uniform_load(8));
@@ -104,7 +94,7 @@ TEST(PlanMemory, RecomputationTradesActivationsForAForwardAgain) {
 TEST(PlanMemory, ElementWiseWorkMovesTheRunsPrecisionBytes) {
   RunConfig bf = bf16_run(), f32 = bf16_run();
   f32.train.precision = Precision::F32;
-  const ClusterSpec gpu = h100s(1);
+  const ClusterSpec gpu = moetrain::testing::h100_nodes(1);
   const Prediction pb = predict(bf, gpu, Layout{8, 8}, uniform_load(8));
   const Prediction pf = predict(f32, gpu, Layout{8, 8}, uniform_load(8));
   EXPECT_NEAR(pb.parts.norms, pf.parts.norms / 2, 1e-15);
@@ -116,7 +106,7 @@ TEST(PlanMemory, ElementWiseWorkMovesTheRunsPrecisionBytes) {
 // ZeRO-3 all-gathers the weights before forward and backward: a collective per kind more.
 TEST(PlanMemory, ZeroThreeGathersTheWeights) {
   const RunConfig cfg = bf16_run();
-  const ClusterSpec c = h100s(2);
+  const ClusterSpec c = moetrain::testing::h100_nodes(2);
   Layout one{16, 8}, three{16, 8};
   one.zero = 1;
   three.zero = 3;
