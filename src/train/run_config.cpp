@@ -393,12 +393,6 @@ void RunConfig::validate() const {
                  "dist.grad_reduce_dtype = bf16");
   if (model.n_moe_layers() > 0) placement.validate(model.n_experts, dist.ep);
   grad.validate();
-  // A replica's gradient is folded into its expert's by the placement exchange, after the
-  // touched mask would have to be known.
-  MOETRAIN_CHECK(!grad.sparse_experts || !placement.enabled(),
-                 "grad.sparse_experts = true with placement.spare_slots = {}: replicated experts "
-                 "are not supported with sparse expert gradients; set one of them off",
-                 placement.spare_slots);
   MOETRAIN_CHECK(grad.expert_reweight == "none" || model.n_moe_layers() > 0,
                  "grad.expert_reweight = '{}' needs a model with MoE layers", grad.expert_reweight);
 }

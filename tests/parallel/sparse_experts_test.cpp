@@ -30,6 +30,7 @@ struct SparseSetup {
   int64_t ep = 1, zero = 0, grad_accum = 1;
   bool overlap = true, sparse = true;
   double min_accum_fraction = 0;
+  int64_t spare_slots = 0;  // hot-expert replicas per rank (placement.spare_slots)
 };
 
 // 8 experts, top-1, 8 tokens per process and micro-batch: most experts get no token in a step.
@@ -60,7 +61,9 @@ RunConfig make_config(const SparseSetup& s, const fs::path& data, const fs::path
                               "dist.bucket_mb=0.05",
                               std::string("dist.overlap=") + (s.overlap ? "true" : "false"),
                               std::string("grad.sparse_experts=") + (s.sparse ? "true" : "false"),
-                              "grad.min_accum_fraction=" + std::to_string(s.min_accum_fraction)});
+                              "grad.min_accum_fraction=" + std::to_string(s.min_accum_fraction),
+                              "placement.spare_slots=" + std::to_string(s.spare_slots),
+                              "placement.every=2"});
 }
 
 double sum(const std::vector<double>& v) {
@@ -80,7 +83,7 @@ void expect_matches_single(const SparseSetup& s) {
   {
     TempDir run("sparse_single");
     SparseSetup one = s;
-    one.ep = 1, one.zero = 0;
+    one.ep = 1, one.zero = 0, one.spare_slots = 0;
     Trainer t(make_config(one, dir / "data", run.path(), W), false, make_local_comm());
     t.run();
     ref = t.params();
@@ -109,6 +112,17 @@ void expect_matches_single(const SparseSetup& s) {
     // The same experts were frozen in every step.
     EXPECT_EQ(metric(dir / "run", "experts_frozen"), ref_frozen);
     EXPECT_GT(sum(ref_frozen), 0);
+    if (s.spare_slots > 0) {
+      // Replication ran: some step placed more than one copy of an expert.
+      double most = 0;
+      std::ifstream in(dir / "run" / "metrics.jsonl");
+      for (std::string line; std::getline(in, line);) {
+        const auto j = nlohmann::json::parse(line);
+        if (!j.contains("replicas_per_expert")) continue;
+        for (double r : j["replicas_per_expert"].get<std::vector<double>>()) most = std::max(most, r);
+      }
+      EXPECT_GT(most, 1.0);
+    }
   }
 }
 
@@ -124,6 +138,13 @@ TEST(SparseExpertsDist, ZeroOneWithoutOverlapMatchesOneProcess) {
 
 TEST(SparseExpertsDist, ExpertParallelMatchesOneProcess) {
   expect_matches_single({.ep = dist_world("ep")->size()});
+}
+
+// Replicas compute with their expert's weights and hand their gradient to its owner before the
+// step's reduction; the mask counts tokens per logical expert, wherever they were computed. So
+// replication changes only the order of sums, within the tolerance of the other layouts.
+TEST(SparseExpertsDist, ExpertParallelWithReplicasMatchesOneProcess) {
+  expect_matches_single({.ep = dist_world("ep_replicas")->size(), .spare_slots = 1});
 }
 
 TEST(SparseExpertsDist, MinAccumFractionOverMicroBatchesMatchesOneProcess) {

@@ -141,11 +141,6 @@ TEST(SparseExpertsTrain, KeysRefuseWhatTheyCannotDo) {
         sparse_run(tmp, {"grad.sparse_experts=true", "grad.min_accum_fraction=2"});
       },
       "grad.min_accum_fraction = 2: must be in [0, 1]");
-  expect_error(
-      [&] {
-        sparse_run(tmp, {"grad.sparse_experts=true", "placement.spare_slots=1"});
-      },
-      "replicated experts are not supported with sparse expert gradients");
 }
 
 TEST(SparseExpertsTrain, ClassifierLeavesUntouchedExpertsAsTheyWere) {
