@@ -20,16 +20,15 @@
 #   RUNS=3 STEPS=40 WARMUP=5   runs per row (medians), optimizer steps per run, untimed steps
 #   QUICK=1               1 run per row, 8 steps, 2 warm-up: checks the machinery, not a figure
 #   OUT=out/ablation      output folder (its runs/ are replaced)
+#   ROWS=configs/ablation/rows.conf  the rows (a row the build refuses stops the script)
 #   NETNS=auto|off        off: loopback even where namespaces work
-#   ABLATION_SKIP_UNKNOWN=1  drop a row's settings that this build refuses (a key or value not
-#                         built yet), with a warning that setup.txt keeps; default: stop there
 #   UPDATE_DOCS=1         also copy the chart to docs/ablation.svg
 # Whole run (RUNS=3, STEPS=40): meant to stay within about 15 minutes on 2 quiet cores.
 set -euo pipefail
 build=${1:-build}
 bin="$build/moetrain"
 config=configs/ablation/model.toml
-rows_file=configs/ablation/rows.conf
+rows_file=${ROWS:-configs/ablation/rows.conf}
 out=${OUT:-out/ablation}
 rate=${RATE:-1gbit}
 delay=${DELAY:-}
@@ -148,6 +147,12 @@ while IFS= read -r line || [ -n "$line" ]; do
   if [[ $line == row\ * ]]; then
     names+=("${line#row }")
     sets[${line#row }]=""
+  elif [[ $line == include\ * ]]; then
+    [ ${#names[@]} -gt 0 ] || die "$rows_file: '$line' comes before the first \`row NAME\`"
+    from=${line#include }
+    [ -n "${sets[$from]+set}" ] && [ "$from" != "${names[-1]}" ] ||
+      die "$rows_file: '$line': no earlier row is called $from"
+    sets[${names[-1]}]+="${sets[$from]}"
   else
     [ ${#names[@]} -gt 0 ] || die "$rows_file: '$line' comes before the first \`row NAME\`"
     [[ $line == *=* ]] || die "$rows_file: '$line' is not key=value"
@@ -159,44 +164,23 @@ done < "$rows_file"
 rm -rf "$out/runs"
 mkdir -p "$out/runs"
 out=$(cd "$out" && pwd)  # the runs' directories are given to processes in other namespaces
-notes=()
 # Each row's settings, checked together by the binary itself (a dry run validates and trains
-# nothing). Skipping: the setting whose key the error names is dropped, and the rest checked again.
+# nothing): a row this build refuses stops the script before anything runs.
 declare -A args=()
 for row in "${names[@]}"; do
-  kvs=()
-  while IFS= read -r kv; do [ -n "$kv" ] && kvs+=("$kv"); done <<< "${sets[$row]}"
-  while :; do
-    a=()
-    for kv in "${kvs[@]}"; do a+=(--set "$kv"); done
-    err=$("$bin" train --dry-run --config "$config" "${a[@]}" 2>&1 > /dev/null) && break
+  a=()
+  while IFS= read -r kv; do [ -n "$kv" ] && a+=(--set "$kv"); done <<< "${sets[$row]}"
+  if ! err=$("$bin" train --dry-run --config "$config" "${a[@]}" 2>&1 > /dev/null); then
     err=${err##*error: }
-    err=${err%%; known keys*}  # an unknown key's message lists every known one
-    [ "${ABLATION_SKIP_UNKNOWN:-0}" = 1 ] ||
-      die "row $row is refused: ${err:0:300} (ABLATION_SKIP_UNKNOWN=1 drops such settings)"
-    keep=() dropped=""
-    for kv in "${kvs[@]}"; do
-      key=${kv%%=*}
-      if [ -z "$dropped" ] && [[ $err == *"'$key'"* || $err == *"$key = "* ]]; then
-        dropped=$kv
-      else
-        keep+=("$kv")
-      fi
-    done
-    [ -n "$dropped" ] || die "row $row is refused, and by no setting of its own: ${err:0:300}"
-    echo "ablation.sh: row $row: dropping $dropped: ${err:0:150}" >&2
-    notes+=("row $row: \`$dropped\` dropped (this build refuses it)")
-    kvs=("${keep[@]}")
-  done
+    die "row $row is refused: ${err:0:300}"
+  fi
   args[$row]="${a[*]}"
 done
 
 {
   echo "Setup: mode **$mode**$([ "$mode" = loopback ] && echo " ($why)") — 4 MPI ranks as 2 nodes of 2" \
-    "(link: $link), EP = 4, OMP_NUM_THREADS=1, $(nproc) cores, $steps steps per run" \
+    "(link: $link), EP = 4, OMP_NUM_THREADS=1, $(nproc --all) cores, $steps steps per run" \
     "$([ "${QUICK:-0}" = 1 ] && echo "— **QUICK run: checks the machinery, the figures mean nothing**")."
-  [ ${#notes[@]} -eq 0 ] || echo
-  for n in "${notes[@]}"; do echo "- Note: $n."; done
 } > "$out/setup.txt"
 cat "$out/setup.txt"
 

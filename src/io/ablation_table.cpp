@@ -48,10 +48,15 @@ struct Column {
   double AblationFigures::*field;
 };
 constexpr Column kColumns[] = {
-    {"utilisation", "expert utilisation", &AblationFigures::utilisation},
-    {"comm_efficiency", "comm. efficiency", &AblationFigures::comm_efficiency},
+    {"utilisation", "expert utilisation (active/all)", &AblationFigures::utilisation},
+    {"load_balance", "load balance (mean/max)", &AblationFigures::load_balance},
+    {"comm_efficiency", "comm. efficiency (all comm.)", &AblationFigures::comm_efficiency},
+    {"comm_efficiency_exposed", "comm. efficiency (exposed)",
+     &AblationFigures::comm_efficiency_exposed},
     {"samples_per_s", "samples/s", &AblationFigures::samples_per_s},
     {"val_loss", "validation loss", &AblationFigures::val_loss},
+    {"training_efficiency", "training efficiency (samples/s × util. / process)",
+     &AblationFigures::training_efficiency},
 };
 
 Json figures_json(const AblationFigures& f) {
@@ -74,9 +79,9 @@ AblationFigures ablation_run_figures(const fs::path& run_dir, int64_t warmup) {
   MOETRAIN_CHECK(seq_len > 0, "{}: no train.seq_len (needed for samples/s)", config.string());
   AblationFigures f;
   std::vector<std::vector<double>> load;  // per layer, per expert, over the timed steps
-  double seconds = 0, samples = 0, efficiency = 0;
-  int64_t timed = 0;
-  bool has_val = false;
+  double seconds = 0, samples = 0, exposed = 0, all_comm = 0, active = 0;
+  int64_t timed = 0, moe_steps = 0, processes = 1;
+  bool has_val = false, has_comm = true;
   for (const Json& j : read_metrics(run_dir)) {
     if (j.contains("val_loss")) f.val_loss = number(j, "val_loss"), has_val = true;
     if (!j.contains("step_time_s") || number(j, "step") <= static_cast<double>(warmup)) continue;
@@ -84,31 +89,52 @@ AblationFigures ablation_run_figures(const fs::path& run_dir, int64_t warmup) {
     ++timed;
     seconds += dt;
     samples += number(j, "tokens_per_s") * dt / static_cast<double>(seq_len);
-    efficiency += number(j, "comm_efficiency");
+    exposed += number(j, "comm_efficiency");
+    has_comm = has_comm && j.contains("compute_s") && j.contains("comm_total_s");
+    const double compute = number(j, "compute_s"), comm = number(j, "comm_total_s");
+    all_comm += compute + comm > 0 ? compute / (compute + comm) : 1.0;
+    auto ranks = j.find("rank_step_time_s");
+    if (ranks != j.end() && ranks->is_array() && !ranks->empty())
+      processes = static_cast<int64_t>(ranks->size());
     auto tpe = j.find("tokens_per_expert");
-    if (tpe == j.end() || !tpe->is_array()) continue;
+    if (tpe == j.end() || !tpe->is_array() || tpe->empty()) continue;
     load.resize(std::max(load.size(), tpe->size()));
+    double step_active = 0;
     for (std::size_t m = 0; m < tpe->size(); ++m) {
       const Json& layer = (*tpe)[m];
       load[m].resize(std::max(load[m].size(), layer.size()), 0.0);
-      for (std::size_t e = 0; e < layer.size(); ++e) load[m][e] += layer[e].get<double>();
+      int64_t on = 0;
+      for (std::size_t e = 0; e < layer.size(); ++e) {
+        const double n = layer[e].get<double>();
+        load[m][e] += n;
+        on += n > 0;
+      }
+      if (!layer.empty()) step_active += static_cast<double>(on) / static_cast<double>(layer.size());
     }
+    active += step_active / static_cast<double>(tpe->size());
+    ++moe_steps;
   }
   MOETRAIN_CHECK(timed > 0 && seconds > 0, "{}: no timed step after the {} warm-up steps",
                  metrics.string(), warmup);
   MOETRAIN_CHECK(!load.empty(), "{}: no tokens_per_expert (a model without MoE layers?)",
                  metrics.string());
+  MOETRAIN_CHECK(has_comm, "{}: a timed step has no compute_s or comm_total_s",
+                 metrics.string());
   MOETRAIN_CHECK(has_val, "{}: no val_loss line (the run did not finish)", metrics.string());
-  double util = 0;
+  double balance = 0;
   for (const auto& l : load) {
     const double mx = l.empty() ? 0 : *std::max_element(l.begin(), l.end());
     double sum = 0;
     for (double v : l) sum += v;
-    util += mx > 0 ? sum / static_cast<double>(l.size()) / mx : 0.0;
+    balance += mx > 0 ? sum / static_cast<double>(l.size()) / mx : 0.0;
   }
-  f.utilisation = util / static_cast<double>(load.size());
-  f.comm_efficiency = efficiency / static_cast<double>(timed);
+  const double steps = static_cast<double>(timed);
+  f.utilisation = active / static_cast<double>(moe_steps);
+  f.load_balance = balance / static_cast<double>(load.size());
+  f.comm_efficiency = all_comm / steps;
+  f.comm_efficiency_exposed = exposed / steps;
   f.samples_per_s = samples / seconds;
+  f.training_efficiency = f.samples_per_s * f.utilisation / static_cast<double>(processes);
   return f;
 }
 
@@ -169,8 +195,9 @@ std::string ablation_markdown(const AblationTable& t) {
     md += fmt::format("| {} | {} |", r.name, r.runs.size());
     for (const Column& c : kColumns) {
       const double v = r.median.*c.field;
-      md += c.field == &AblationFigures::samples_per_s ? fmt::format(" {:.2f}", v)
-                                                       : fmt::format(" {:.3f}", v);
+      const bool rate = c.field == &AblationFigures::samples_per_s ||
+                        c.field == &AblationFigures::training_efficiency;
+      md += rate ? fmt::format(" {:.2f}", v) : fmt::format(" {:.3f}", v);
       md += fmt::format(" (×{:.2f}) |", r.relative.*c.field);
     }
     md += "\n";

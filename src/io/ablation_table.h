@@ -8,13 +8,25 @@
 // baseline), and optionally setup.txt, a line or two on how the runs were made, quoted in the
 // table's header.
 //
-// Per run, over the timed steps (the lines with a step_time_s and step > warmup):
-//   utilisation     mean / max of the tokens each expert received, summed over the timed steps,
-//                   per MoE layer, averaged over the layers (1 = every expert equally loaded)
-//   comm_efficiency the mean of the per-step comm_efficiency field
-//   samples_per_s   sequences over the timed steps / their summed step_time_s (a step's
-//                   sequences are its tokens_per_s · step_time_s / train.seq_len)
-//   val_loss        the last val_loss line (the evaluation after the final step)
+// Per run, over the timed steps (the lines with a step_time_s and step > warmup), the design's
+// definitions first and then ours:
+//   utilisation         activated experts / all experts: per step and MoE layer, the experts that
+//                       computed at least one token (tokens_per_expert > 0, after dropping) over
+//                       E, averaged over the layers and the timed steps (the design's)
+//   load_balance        mean / max of the tokens each expert received, summed over the timed
+//                       steps, per MoE layer, averaged over the layers (1 = every expert equally
+//                       loaded)
+//   comm_efficiency     compute / (compute + all communication): per step compute_s /
+//                       (compute_s + comm_total_s), averaged (the design's: hidden communication
+//                       counts too)
+//   comm_efficiency_exposed  the mean of the per-step comm_efficiency field (compute / (compute
+//                       + the communication the compute thread waited for))
+//   samples_per_s       sequences over the timed steps / their summed step_time_s (a step's
+//                       sequences are its tokens_per_s · step_time_s / train.seq_len)
+//   val_loss            the last val_loss line (the evaluation after the final step)
+//   training_efficiency samples_per_s × utilisation / processes: the design's overall training
+//                       efficiency (throughput × utilisation / resources), processes = the length
+//                       of the steps' rank_step_time_s (1 without it: a one-process run)
 #pragma once
 #include <filesystem>
 #include <string>
@@ -25,7 +37,8 @@
 namespace moetrain {
 
 struct AblationFigures {
-  double utilisation = 0, comm_efficiency = 0, samples_per_s = 0, val_loss = 0;
+  double utilisation = 0, load_balance = 0, comm_efficiency = 0, comm_efficiency_exposed = 0,
+         samples_per_s = 0, val_loss = 0, training_efficiency = 0;
 };
 
 struct AblationRow {
@@ -42,7 +55,7 @@ struct AblationTable {
 };
 
 // The figures of one run directory; throws naming the file when it has no timed step, no
-// tokens_per_expert or no val_loss.
+// tokens_per_expert, no compute_s / comm_total_s or no val_loss.
 AblationFigures ablation_run_figures(const std::filesystem::path& run_dir, int64_t warmup);
 // Medians and ratios of rows whose runs are filled in (the first row is the baseline).
 void finish_ablation_rows(std::vector<AblationRow>& rows);

@@ -17,21 +17,22 @@ using moetrain::testing::TempDir;
 
 namespace {
 
-// One run: a warm-up step that the figures must leave out (slow, all tokens on one expert), two
-// timed steps, then the final evaluation. seq_len 10: a step of tokens_per_s · dt = 40 tokens is 4
-// sequences.
+// One run of two processes: a warm-up step that the figures must leave out (slow, all tokens on
+// one expert), two timed steps, then the final evaluation. seq_len 10: a step of tokens_per_s · dt
+// = 40 tokens is 4 sequences. A timed step computes 0.75·dt and communicates 0.5·dt in all.
 void write_run(const TempDir& tmp, const std::string& dir, double dt, double efficiency,
                double val_loss) {
   tmp.write(dir + "/run_config.json", R"({"train": {"seq_len": 10}})");
   std::string lines =
       fmt::format(R"({{"step":1,"step_time_s":100,"tokens_per_s":0.01,"comm_efficiency":0,)"
-                  R"("tokens_per_expert":[[8,0],[8,0]]}})"
+                  R"("compute_s":1,"comm_total_s":99,"tokens_per_expert":[[8,0,0],[8,0,0]]}})"
                   "\n");
   for (int step = 2; step <= 3; ++step)
     lines += fmt::format(R"({{"step":{},"step_time_s":{},"tokens_per_s":{},"comm_efficiency":{},)"
-                         R"("tokens_per_expert":[[3,1],[2,2]]}})"
+                         R"("compute_s":{},"comm_total_s":{},"rank_step_time_s":[{},{}],)"
+                         R"("tokens_per_expert":[[3,1,0],[2,2,2]]}})"
                          "\n",
-                         step, dt, 40 / dt, efficiency);
+                         step, dt, 40 / dt, efficiency, 0.75 * dt, 0.5 * dt, dt, dt);
   lines += R"({"step":2,"val_loss":9.0})"
            "\n";  // an earlier evaluation
   lines += fmt::format(R"({{"step":3,"val_loss":{}}})"
@@ -46,15 +47,21 @@ TEST(AblationTable, RunFiguresSkipTheWarmUp) {
   TempDir tmp("ablation");
   write_run(tmp, "run", 0.5, 0.8, 2.5);
   const AblationFigures f = ablation_run_figures(tmp / "run", 1);
-  // Layer 0: loads 6, 2 (mean 4, max 6); layer 1: 4, 4 (mean = max).
-  EXPECT_DOUBLE_EQ(f.utilisation, (4.0 / 6.0 + 1.0) / 2);
-  EXPECT_DOUBLE_EQ(f.comm_efficiency, 0.8);
+  // Active experts: 2 of 3 in layer 0, 3 of 3 in layer 1, in each timed step.
+  EXPECT_DOUBLE_EQ(f.utilisation, (2.0 / 3.0 + 1.0) / 2);
+  // Layer 0: loads 6, 2, 0 (mean 8/3, max 6); layer 1: 4, 4, 4 (mean = max).
+  EXPECT_DOUBLE_EQ(f.load_balance, (8.0 / 3.0 / 6.0 + 1.0) / 2);
+  EXPECT_DOUBLE_EQ(f.comm_efficiency, 0.75 / (0.75 + 0.5));
+  EXPECT_DOUBLE_EQ(f.comm_efficiency_exposed, 0.8);
   EXPECT_DOUBLE_EQ(f.samples_per_s, 8.0 / 1.0);  // 2 × 4 sequences in 2 × 0.5 s
   EXPECT_DOUBLE_EQ(f.val_loss, 2.5);
+  EXPECT_DOUBLE_EQ(f.training_efficiency, 8.0 * f.utilisation / 2);  // two processes
   // Counting the warm-up step changes every timed figure.
   const AblationFigures all = ablation_run_figures(tmp / "run", 0);
   EXPECT_LT(all.samples_per_s, 1.0);
   EXPECT_LT(all.utilisation, f.utilisation);
+  EXPECT_LT(all.load_balance, f.load_balance);
+  EXPECT_LT(all.comm_efficiency, f.comm_efficiency);
 }
 
 TEST(AblationTable, MediansOverRunsAndRatiosToTheBaseline) {
@@ -73,11 +80,12 @@ TEST(AblationTable, MediansOverRunsAndRatiosToTheBaseline) {
   EXPECT_EQ(t.rows[0].name, "1_baseline");
   EXPECT_EQ(t.rows[1].runs.size(), 3u);
   EXPECT_DOUBLE_EQ(t.rows[0].median.samples_per_s, 4.0);
-  EXPECT_DOUBLE_EQ(t.rows[0].median.comm_efficiency, 0.6);
+  EXPECT_DOUBLE_EQ(t.rows[0].median.comm_efficiency_exposed, 0.6);
   EXPECT_DOUBLE_EQ(t.rows[0].median.val_loss, 2.5);
   EXPECT_DOUBLE_EQ(t.rows[1].median.samples_per_s, 8.0);
   EXPECT_DOUBLE_EQ(t.rows[1].relative.samples_per_s, 2.0);
-  EXPECT_DOUBLE_EQ(t.rows[1].relative.comm_efficiency, 0.8 / 0.6);
+  EXPECT_DOUBLE_EQ(t.rows[1].relative.comm_efficiency_exposed, 0.8 / 0.6);
+  EXPECT_DOUBLE_EQ(t.rows[1].relative.training_efficiency, 2.0);
   EXPECT_DOUBLE_EQ(t.rows[1].relative.val_loss, 2.75 / 2.5);
   EXPECT_DOUBLE_EQ(t.rows[0].relative.utilisation, 1.0);
 
@@ -102,7 +110,8 @@ TEST(AblationTable, AnUnfinishedRunOrAMissingFolderIsNamed) {
   EXPECT_THROW(read_ablation(tmp.path(), 1), Error);
   tmp.write("runs/1_baseline/1/config.json", R"({"train": {"seq_len": 10}})");
   tmp.write("runs/1_baseline/1/metrics.jsonl",
-            R"({"step":2,"step_time_s":1,"tokens_per_s":10,"tokens_per_expert":[[1,1]]})"
+            R"({"step":2,"step_time_s":1,"tokens_per_s":10,"compute_s":1,"comm_total_s":0,)"
+            R"("tokens_per_expert":[[1,1]]})"
             "\n");
   try {
     read_ablation(tmp.path(), 1);
