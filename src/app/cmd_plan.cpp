@@ -15,6 +15,7 @@
 #include "model/params.h"
 #include "parallel/runtime.h"
 #include "plan/ablation.h"
+#include "plan/advise.h"
 #include "plan/calibrate.h"
 #include "plan/calibrate_comm.h"
 #include "plan/cost_model.h"
@@ -66,7 +67,8 @@ Run add_plan_command(CLI::App& app) {
     std::string comm_procs = "auto";
     int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
     double ablation_zipf = 1.0;
-    bool json = false, ablation = false;
+    bool json = false, ablation = false, advise = false;
+    std::string sizes;
   };
   auto args = std::make_shared<Args>();
   cmd->add_flag("--calibrate", args->calibrate,
@@ -122,13 +124,24 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--ablation-zipf", args->ablation_zipf,
                   "Zipf exponent of the ablation's unbalanced load")
       ->check(CLI::Range(0.0, 10.0));
+  cmd->add_flag("--advise", args->advise,
+                "With --cluster: for cluster sizes from 8 devices to the file's (or --sizes), "
+                "which strategies pay — static or dynamic balancing, flat or hierarchical "
+                "exchange, dense or sparse expert gradients — beside the design's tiers "
+                "(docs/plan.md)");
+  cmd->add_option("--sizes", args->sizes,
+                  "With --advise: device counts to advise on, e.g. 8,64,512,4096 (beyond the "
+                  "cluster file: more nodes of its kind)");
   cmd->add_option("--sweep", args->sweep,
                   "Predict several layouts: procs=16,32,64, tp=1,2, pp=1,4, ep=1,2,4 or "
                   "a2a=flat,hierarchical (repeat to cross them)")
       ->take_all();
-  cmd->add_option("--load", args->load, "Expert load: uniform, zipf:S or metrics:RUN_DIR");
+  auto* load_opt = cmd->add_option(
+      "--load", args->load,
+      "Expert load: uniform, zipf:S or metrics:RUN_DIR (default uniform; with --advise zipf:1, "
+      "what static balancing leaves)");
   cmd->add_flag("--json", args->json, "Print JSON instead of the table");
-  return [args] {
+  return [args, load_opt] {
     if (args->calibrate_comm) {
       MOETRAIN_CHECK(!args->out.empty(), "plan --calibrate-comm needs --out FILE");
       const auto world = dist_world("plan_calibrate");
@@ -174,6 +187,13 @@ Run add_plan_command(CLI::App& app) {
           cal.copy_bandwidth * 1e-9, d.attention_flops * 1e-9);
       return 0;
     }
+    MOETRAIN_CHECK(!args->advise || !args->cluster.empty(),
+                   "plan --advise needs --cluster CLUSTER.toml: the sizes it advises on are "
+                   "nodes of that cluster's kind");
+    MOETRAIN_CHECK(args->sizes.empty() || args->advise, "--sizes is for plan --advise");
+    MOETRAIN_CHECK(!args->advise || (!args->ablation && args->sweep.empty() && args->procs == 0),
+                   "plan --advise chooses its own sizes (--sizes): it does not take --ablation, "
+                   "--sweep or --procs");
     MOETRAIN_CHECK(!args->config.empty(), "plan needs --config C.toml (or --calibrate)");
     MOETRAIN_CHECK(!args->cluster.empty() || !args->profile.empty(),
                    "plan needs --cluster CLUSTER.toml or --profile PROFILE.toml (this machine, "
@@ -190,25 +210,37 @@ Run add_plan_command(CLI::App& app) {
     const int64_t procs = args->procs > 0 ? args->procs
                           : file_cluster  ? file_cluster->devices()
                                           : 1;
-    const plan::LoadModel load = plan::parse_load(args->load, cfg.model.n_experts);
+    // --advise: what static balancing leaves, Zipf(1) unless --load says otherwise.
+    const std::string load_spec = args->advise && load_opt->count() == 0 ? "zipf:1" : args->load;
+    const plan::LoadModel load = plan::parse_load(load_spec, cfg.model.n_experts);
     const int64_t cfg_ep = args->ep > 0 ? args->ep : cfg.dist.ep;
     plan::Layout layout{procs, cfg_ep, args->tp, args->pp, args->vp};
     layout.zero = args->zero;
     layout.recompute = args->recompute;
     layout.a2a_dedup = args->a2a_dedup;
+    if (args->advise) {
+      const std::vector<int64_t> sizes = args->sizes.empty()
+                                             ? plan::default_advice_sizes(*file_cluster)
+                                             : plan::parse_advice_sizes(args->sizes);
+      const auto rows = plan::advise(cfg, *file_cluster, layout, sizes, load);
+      if (args->json) {
+        fmt::print("{}\n", nlohmann::json{{"advice", plan::advice_json(rows)},
+                                          {"device", file_cluster->device.name},
+                                          {"load", load.kind}}
+                               .dump(2));
+      } else {
+        fmt::print("{} on {} ({} load where balancing is static)\n", args->config,
+                   file_cluster->device.name, load_spec);
+        fmt::print("{}", plan::format_advice(rows));
+      }
+      return 0;
+    }
     if (args->ablation) {
       const plan::ClusterSpec cluster = cluster_for(procs);
       const auto rows = plan::ablation(cfg, cluster, layout, args->ablation_zipf);
       if (args->json) {
-        nlohmann::json j = nlohmann::json::array();
-        for (const auto& r : rows) {
-          nlohmann::json row = plan::to_json(r.prediction);
-          row["row"] = r.name;
-          row["settings"] = r.settings;
-          row["samples_per_s"] = r.prediction.tokens_per_s / static_cast<double>(cfg.train.seq_len);
-          j.push_back(row);
-        }
-        fmt::print("{}\n", nlohmann::json{{"ablation", j}}.dump(2));
+        fmt::print("{}\n",
+                   nlohmann::json{{"ablation", plan::ablation_json(rows, cfg.train.seq_len)}}.dump(2));
       } else {
         fmt::print("{} on {} × {} (zipf s = {} where unbalanced)\n", args->config, procs,
                    cluster.device.name, args->ablation_zipf);

@@ -12,7 +12,8 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
-#include "parallel/grad_wire.h"
+#include "plan/grad_model.h"
+#include "plan/placement_model.h"
 
 namespace moetrain::plan {
 
@@ -143,17 +144,17 @@ ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
 namespace {
 
 Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
-                        const LoadModel& load, bool reference) {
+                        const LoadModel& load_in, bool reference) {
   const ModelConfig& m = cfg.model;
   const DeviceModel& dev = cluster.device;
   const std::string problem = layout_problem(m, cluster, layout);
   MOETRAIN_CHECK(problem.empty(), "{}", problem);
-  MOETRAIN_CHECK(!load.fractions.empty(), "the load model has no expert fractions");
-  for (const auto& row : load.fractions)
+  MOETRAIN_CHECK(!load_in.fractions.empty(), "the load model has no expert fractions");
+  for (const auto& row : load_in.fractions)
     MOETRAIN_CHECK(static_cast<int64_t>(row.size()) == m.n_experts,
                    "the load model has {} experts per layer, model.n_experts = {}", row.size(),
                    m.n_experts);
-  for (const auto& step : load.steps) {
+  for (const auto& step : load_in.steps) {
     MOETRAIN_CHECK(!step.empty(), "the load model has a step without expert fractions");
     for (const auto& row : step)
       MOETRAIN_CHECK(static_cast<int64_t>(row.size()) == m.n_experts,
@@ -161,6 +162,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                      row.size(), m.n_experts);
   }
 
+  // Hot-expert replication re-plans the load over the ranks (plan/placement_model.h).
+  const int64_t rpn = cfg.dist.hierarchical ? std::min(layout.ep, cluster.devices_per_node) : 0;
+  const PlacedLoad placed = cfg.placement.spare_slots > 0 && layout.ep > 1
+                                ? placed_load(load_in, layout.ep, cfg.placement.spare_slots, rpn)
+                                : PlacedLoad{load_in, 0};
+  const LoadModel& load = placed.load;
   Prediction p;
   p.layout = layout;
   const DType prec = cfg.train.precision_dtype();
@@ -379,70 +386,52 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const double c = static_cast<double>(std::max<int64_t>(1, cfg.dist.a2a_chunks));
   s.a2a_exposed =
       cluster.comm_shares_cores ? s.a2a : s.a2a - (c - 1) / c * std::min(s.a2a, s.experts);
+  // Replicas off their owner: weights out after the update and gradients back in backward, per
+  // MoE layer of the stage (plan/placement_model.h), outside the chunked exchange.
+  if (placed.replicas_off_owner > 0) {
+    const double rep = 2 * static_cast<double>(m.n_moe_layers()) / static_cast<double>(layout.pp) *
+                       alltoall(cluster, placed.replicas_off_owner * 3 * F * C * 4, ep,
+                                cfg.dist.hierarchical)
+                           .seconds();
+    s.a2a += rep;
+    s.a2a_exposed += rep;
+  }
 
   // --- once per step: gradient reduction and the update ---
-  const ParamCounts pc = count_params(m);
+  const LocalParams lp = local_params(m, layout);
+  const double dense_local = lp.dense, expert_local = lp.expert;
   const int64_t zero = zero_stage(cfg, layout);
-  const double grad_elem =
-      grad_wire_bytes(parse_grad_wire(cfg.dist.grad_reduce_dtype, "dist.grad_reduce_dtype"));
-  // A stage's data-parallel ranks (tensor shards innermost) span nodes when there are more of
-  // them than a node holds.
-  const bool multi_node = layout.stage() * tp > cluster.devices_per_node;
-  const double shard = static_cast<double>(tp * layout.pp);
-  const double dense_local = pc.dense / shard;
-  const double expert_local = pc.expert / static_cast<double>(ep * layout.pp);
-  auto over = [](int64_t ranks) {
-    return fmt::format("over {} rank{}", ranks, ranks == 1 ? "" : "s");
-  };
-  cm.reductions.emplace_back(
-      "dense gradients " + over(layout.stage()),
-      ring_allreduce(cluster, dense_local * grad_elem, layout.stage(), multi_node));
-  cm.reductions.emplace_back(
-      "expert gradients " + over(layout.dp()),
-      ring_allreduce(cluster, expert_local * grad_elem, layout.dp(), multi_node));
-  // Under EP without DP each rank's experts reduce over a group of one: nothing travels, but
-  // the trainer's reduction (parallel/grad_sync.h) still packs, reduce-scatters, all-gathers
-  // and unpacks them, at the rate measured for that (one process alone has no reduction).
-  if (layout.dp() == 1 && layout.stage() > 1 && cluster.self_reduce_bandwidth > 0) {
-    Collective copy;
-    copy.kind = "copy";
-    copy.phases.push_back({"packed and copied in place", 0, 0, expert_local * 4,
-                           cluster.self_reduce_bandwidth, 1});
-    cm.reductions.emplace_back("expert gradients, a group of one", copy);
-  }
-  // ZeRO-3 keeps a shard of the weights: each layer's are all-gathered before its forward and
-  // again before its backward. Two all-gathers of the weights move what one all-reduce of them
-  // does (the same ring, (p − 1)/p of the bytes each), prefetched as the reduction overlaps.
-  if (zero >= 3) {
-    const double wbytes = bytes_of(prec);
-    cm.reductions.emplace_back(
-        "dense weights all-gathered twice (ZeRO-3) " + over(layout.stage()),
-        ring_allreduce(cluster, dense_local * wbytes, layout.stage(), multi_node));
-    cm.reductions.emplace_back(
-        "expert weights all-gathered twice (ZeRO-3) " + over(layout.dp()),
-        ring_allreduce(cluster, expert_local * wbytes, layout.dp(), multi_node));
-  }
+  // The experts a step touches (plan/grad_model.h): the design's utilisation (activated experts
+  // over all), and under grad.sparse_experts the share of its experts the busiest rank reduces
+  // and steps.
+  const ExpertActivity act =
+      expert_activity(load, m, ep, N * static_cast<double>(layout.stage()), A,
+                      cfg.grad.min_accum_fraction);
+  p.experts_active = act.per_microbatch;
+  const double kept = cfg.grad.sparse_experts ? act.busiest_rank : 1.0;
+  const double grad_bytes = add_reductions(cfg, cluster, layout, lp, kept, cm);
   for (const auto& [name, r] : cm.reductions) s.grad_sync += r.seconds();
   // With overlap, buckets reduce while backward still runs (overlap_exposed).
-  const double grad_bytes = (dense_local + expert_local) * grad_elem;
   const double buckets = std::max(1.0, std::ceil(grad_bytes / (cfg.dist.bucket_mb * 1048576.0)));
   s.grad_sync_exposed = cfg.dist.overlap && !cluster.comm_shares_cores
                             ? overlap_exposed(s.grad_sync, buckets, backward_window(s))
                             : s.grad_sync;
   // Small collectives every step waits for, each a latency: per MoE layer and micro-batch the
   // balance statistics (aux and z loss) and, with EP, the routing counts; per step the
-  // non-finite check and the gradient norm, and the step's metrics (figures, loads, rank timing).
+  // non-finite check and the gradient norm, the step's metrics (figures, loads, rank timing), and
+  // the touched-expert counts (grad.sparse_experts) and expert loads (placement) where asked.
   if (layout.procs > 1) {
     const double per_mb = static_cast<double>(m.n_moe_layers()) * (2 + (ep > 1 ? 1 : 0)) /
                           static_cast<double>(layout.pp);
     const bool multi = layout.procs > cluster.devices_per_node;
     const double lat = multi ? cluster.inter_node_latency : cluster.intra_node_latency;
-    s.sync = lat * (per_mb * static_cast<double>(A) + 2 + kMetricCollectives);
+    const double asked = (cfg.grad.sparse_experts ? 1 : 0) + (placed.replicas_off_owner > 0 ? 1 : 0);
+    s.sync = lat * (per_mb * static_cast<double>(A) + 2 + kMetricCollectives + asked);
   }
   const double local = dense_local + expert_local;
   const double updated = zero >= 1 ? dense_local / static_cast<double>(layout.stage()) +
-                                        expert_local / static_cast<double>(layout.dp())
-                                  : local;
+                                        kept * expert_local / static_cast<double>(layout.dp())
+                                  : dense_local + kept * expert_local;
   // As timed where the profile has this optimizer's update (zeroing and the clip's read
   // included, 8 of its bytes per parameter), else at the bytes it moves.
   const double opt_bytes = optimizer_bytes_per_param(cfg.optim.name, prec);
@@ -452,6 +441,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   else
     s.optimizer = stream_time(dev, updated * opt_bytes) +
                   stream_time(dev, 8 * (local - updated));  // grads zeroed, clip read: everywhere
+  s.optimizer += stream_time(dev, reweight_bytes(cfg.grad.expert_reweight, expert_local));
 
   // Processes that outnumber this machine's cores (as calibrated): the parts above are one
   // process computing alone. Over a fast transport the processes leave each exchange together

@@ -76,6 +76,9 @@ struct Prediction {
   // all-to-alls and reductions take: 1 = the links run at their full rate.
   double comm_efficiency = 1;
   double imbalance = 1;  // slowest rank's expert tokens over the mean
+  // The design's expert utilisation: the expected share of experts a micro-batch activates
+  // (plan/grad_model.h expert_activity).
+  double experts_active = 1;
   // Oversubscribed processes on this machine: the share of its speed alone a process's compute
   // got (ClusterSpec::compute_share); 1 elsewhere.
   double compute_share = 1;

@@ -69,6 +69,7 @@ nlohmann::json to_json(const Prediction& p) {
       {"mfu", p.mfu},
       {"flops_per_step", p.flops_per_step},
       {"imbalance", p.imbalance},
+      {"experts_active", p.experts_active},
       {"compute_share", p.compute_share},
       {"a2a_kind", p.a2a_kind},
       {"a2a_hierarchical_asked", p.hierarchical_asked},

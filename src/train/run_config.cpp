@@ -294,6 +294,13 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
   return c;
 }
 
+RunConfig with_overrides(const RunConfig& base, const std::vector<std::string>& overrides) {
+  RunConfig c = base;
+  schema(c).apply_overrides(overrides);
+  c.validate();
+  return c;
+}
+
 void OptimSettings::validate() const {
   const OptimSettings& o = *this;
   MOETRAIN_CHECK(o.name == "adamw" || o.name == "sgd" || o.name == "adagrad" || o.name == "rmsprop",

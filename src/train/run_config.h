@@ -209,6 +209,9 @@ struct RunConfig {
 
 // Loads `path` (may be empty: defaults only), then applies `overrides` ("model.dim=256").
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// A copy of `base` with `overrides` applied ("dist.hierarchical=true", as --set takes them);
+// validated.
+RunConfig with_overrides(const RunConfig& base, const std::vector<std::string>& overrides);
 // The inverse of RunConfig::to_json (as stored in a checkpoint's config.json); validated.
 RunConfig run_config_from_json(const nlohmann::json& j, const std::string& where);
 // Every key this loader knows, "section.key", for help texts.

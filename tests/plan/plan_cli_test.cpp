@@ -177,3 +177,42 @@ TEST(PlanCli, CalibrateTakesMpiArgsForMpirun) {
   EXPECT_NE(ok.output().find("collectives with 2 processes"), std::string::npos) << ok.output();
   EXPECT_TRUE(std::filesystem::exists(out));
 }
+
+// --advise: refused without a cluster file or with a bad size, naming the flag; listed in the
+// help; the table holds the design's tiers.
+TEST(PlanCli, AdviseNeedsAClusterAndWholeSizes) {
+  const std::string cfg = plan_file("ablation_moe_1024.toml");
+  const std::string cluster = plan_file("a100_1024.toml");
+  const ProcessResult none = plan({"-c", cfg, "--advise"});
+  EXPECT_NE(none.code, 0) << none.output();
+  EXPECT_NE(none.output().find("plan --advise needs --cluster"), std::string::npos)
+      << none.output();
+  for (const std::string bad : {"0", "8,x", "-8"}) {
+    const ProcessResult r = plan({"-c", cfg, "--cluster", cluster, "--advise", "--sizes=" + bad});
+    EXPECT_NE(r.code, 0) << r.output();
+    EXPECT_NE(r.output().find("--sizes " + bad + ": '"), std::string::npos) << r.output();
+  }
+  const ProcessResult alone = plan({"-c", cfg, "--cluster", cluster, "--sizes", "8"});
+  EXPECT_NE(alone.code, 0) << alone.output();
+  EXPECT_NE(alone.output().find("--sizes is for plan --advise"), std::string::npos)
+      << alone.output();
+  const ProcessResult procs =
+      plan({"-c", cfg, "--cluster", cluster, "--advise", "--procs", "64"});
+  EXPECT_NE(procs.code, 0) << procs.output();
+  EXPECT_NE(procs.output().find("does not take --ablation, --sweep or --procs"), std::string::npos)
+      << procs.output();
+  const ProcessResult help = plan({"--help"});
+  EXPECT_EQ(help.code, 0) << help.output();
+  EXPECT_NE(help.output().find("--advise"), std::string::npos) << help.output();
+  EXPECT_NE(help.output().find("--sizes"), std::string::npos) << help.output();
+  const ProcessResult ok =
+      plan({"-c", cfg, "--cluster", cluster, "--advise", "--sizes", "8,4096", "--load", "uniform",
+            "--json"});
+  ASSERT_EQ(ok.code, 0) << ok.output();
+  const nlohmann::json j = json_of(ok)["advice"];
+  ASSERT_EQ(j.size(), 2u) << ok.output();
+  EXPECT_EQ(j[0]["design_tier"]["name"], "small");
+  EXPECT_EQ(j[1]["design_tier"]["name"], "large");
+  EXPECT_EQ(j[0]["exchange"]["choice"], "flat");
+  EXPECT_EQ(j[1]["exchange"]["choice"], "hierarchical");
+}

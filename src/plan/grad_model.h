@@ -1,0 +1,45 @@
+// The gradient side of a step in the cost model: the reductions it runs (dense and expert
+// gradients, ZeRO-3's weight gathers) on the wire dist.grad_reduce_dtype says, and the [grad]
+// options that change what they carry: sparse expert gradients (grad.sparse_experts, whose mask
+// also gives the design's expert utilisation, activated experts over all) and per-expert
+// reweighting (grad.expert_reweight).
+#pragma once
+#include <cstdint>
+
+#include "plan/cost_model.h"
+
+namespace moetrain::plan {
+
+// Parameters one process holds: the dense ones of its tensor shard and stage, its experts.
+struct LocalParams {
+  double dense = 0, expert = 0;
+};
+LocalParams local_params(const ModelConfig& m, const Layout& layout);
+
+// Which experts a step touches under a load model. A token picks expert e with probability
+// min(1, K·p_e) (p_e: e's share of the assignments), independently of the other tokens, so a
+// micro-batch of G tokens over the whole run reaches e with q_e = 1 − (1 − min(1, K·p_e))^G; the
+// step's mask keeps e when at least max(1, ⌈f·A⌉) of its A micro-batches reached it
+// (f = grad.min_accum_fraction), a binomial tail. Layers share their load row as in predict; a
+// measured load's mean fractions are used.
+struct ExpertActivity {
+  double per_microbatch = 1;  // mean q_e over layers and experts: activated / all experts
+  double busiest_rank = 1;    // the EP rank with the most kept experts: its kept share
+};
+ExpertActivity expert_activity(const LoadModel& load, const ModelConfig& m, int64_t ep,
+                               double tokens, int64_t microbatches, double min_accum_fraction);
+
+// Appends the step's reductions to cm.reductions: dense gradients over a stage's data-parallel
+// ranks, expert gradients over the expert's replicas (expert_share of them: the busiest rank's
+// kept share under grad.sparse_experts, else 1), the copy of a reduction over a group of one,
+// and ZeRO-3's weight gathers. Returns the bytes the reduction puts on the wire per process (for
+// its buckets).
+double add_reductions(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
+                      const LocalParams& local, double expert_share, CommBreakdown& cm);
+
+// Bytes grad.expert_reweight streams per step over `expert_params` gradients: importance and
+// grad_norm read each gradient for their statistic, and every mode scales it (read and write);
+// 0 for none.
+double reweight_bytes(const std::string& mode, double expert_params);
+
+}  // namespace moetrain::plan
