@@ -92,11 +92,14 @@ Trainer::~Trainer() = default;
 StepResult Trainer::train_step() {
   const int64_t B = cfg_.train.batch_size, T = cfg_.train.seq_len, A = cfg_.train.grad_accum;
   const int W = world_size();
-  BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
+  // Kept between steps (it holds the epoch's permutation); a resume on another process count
+  // changes the micro-batches per step, not the global batch.
+  if (!loader_ || loader_->micro_batches() != A)
+    loader_ = std::make_unique<BatchLoader>(*train_shard_, B, T, cfg_.train.seed, rank(), W, A);
   const int64_t step = engine_->step_count();
   MicroBatches<TokenBatch> batches;
   batches.fill = [&](int64_t micro) {
-    loader.fill(step, micro, inputs_.data(), targets_.data());
+    loader_->fill(step, micro, inputs_.data(), targets_.data());
     return TokenBatch{inputs_.data(), targets_.data(), B, T};
   };
   batches.token_offset = rank() * B * T;  // this rank's rows of the global batch
