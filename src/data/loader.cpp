@@ -31,11 +31,15 @@ inline void copy_window(const TokenShard& shard, uint64_t start, int64_t T, int3
 WindowStream::WindowStream(const TokenShard& shard, int64_t T, uint64_t seed)
     : shard_(&shard),
       T_(T),
-      sampler_((check_layout(shard, 1, T, 0, 1, "WindowStream"), WindowStream::windows_in(shard, T)), seed) {}
+      sampler_(
+          (check_layout(shard, 1, T, 0, 1, "WindowStream"), WindowStream::windows_in(shard, T)),
+          seed) {}
 
 // The windows of T+1 tokens at multiples of T (training and evaluation alike).
 int64_t WindowStream::windows_in(const TokenShard& shard, int64_t T) {
-  return T >= 1 && shard.size() > 0 ? static_cast<int64_t>((shard.size() - 1) / static_cast<uint64_t>(T)) : 0;
+  return T >= 1 && shard.size() > 0
+             ? static_cast<int64_t>((shard.size() - 1) / static_cast<uint64_t>(T))
+             : 0;
 }
 
 void WindowStream::read(int64_t position, int32_t* inputs, int32_t* targets) {

@@ -82,8 +82,12 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       cfg_.model.n_layers, cfg_.model.n_experts, cfg_.model.top_k,
       static_cast<double>(model_->layout().size()) / 1e6,
       model_->flops_per_token(cfg_.train.seq_len) / 1e6, threads);
-  log_info("data: {} train / {} val tokens; {} tokens per step", train_shard_->size(),
-           val_shard_->size(), BT * cfg_.train.grad_accum * W);
+  const int64_t windows = WindowStream::windows_in(*train_shard_, cfg_.train.seq_len);
+  log_info(
+      "data: {} train / {} val tokens; {} tokens per step; an epoch is {} windows ({:.1f} steps)",
+      train_shard_->size(), val_shard_->size(), BT * cfg_.train.grad_accum * W, windows,
+      static_cast<double>(windows) /
+          static_cast<double>(cfg_.train.batch_size * cfg_.train.grad_accum * W));
   if (W > 1) log_info("{}", engine_->describe_layout());
 }
 

@@ -135,9 +135,9 @@ TEST_F(LoaderTest, AnySplitOfTheGlobalBatchReadsTheOneProcessWindows) {
     for (int64_t m = 0; m < 2; ++m)
       for (auto [begin, rows] : {std::pair<int64_t, int64_t>{0, 2}, {2, 4}})
         for (int64_t b = 0; b < rows; ++b)
-          workers.push_back(static_cast<int64_t>(
-                                stream.window_start(stream_position(step, m, begin + b, 6, 2))) /
-                            kT);
+          workers.push_back(
+              static_cast<int64_t>(stream.window_start(stream_position(step, m, begin + b, 6, 2))) /
+              kT);
   EXPECT_EQ(workers, one);
   // Ranks of a step read different windows.
   BatchLoader r0(*shard_, 4, kT, 99, 0, 2), r1(*shard_, 4, kT, 99, 1, 2);
@@ -205,8 +205,8 @@ TEST_F(LoaderTest, ResumeMidEpochContinuesWhereItStopped) {
       std::vector<int64_t> resumed = run_windows({2, 2, 3}, kT, 11, 0, stop);
       const std::vector<int64_t> rest = run_windows(after, kT, 11, stop, steps);
       resumed.insert(resumed.end(), rest.begin(), rest.end());
-      EXPECT_EQ(resumed, straight) << "stopped at step " << stop << ", resumed on " << after.world
-                                   << " ranks";
+      EXPECT_EQ(resumed, straight)
+          << "stopped at step " << stop << ", resumed on " << after.world << " ranks";
       expect_epochs_are_permutations(resumed, 3, "resumed");
     }
   }
