@@ -5,7 +5,6 @@
 
 #include "core/check.h"
 #include "core/profile.h"
-#include "core/rng.h"
 
 namespace moetrain {
 
@@ -29,28 +28,55 @@ inline void copy_window(const TokenShard& shard, uint64_t start, int64_t T, int3
 }
 }  // namespace
 
+WindowStream::WindowStream(const TokenShard& shard, int64_t T, uint64_t seed)
+    : shard_(&shard),
+      T_(T),
+      sampler_(
+          (check_layout(shard, 1, T, 0, 1, "WindowStream"), WindowStream::windows_in(shard, T)),
+          seed) {}
+
+// The windows of T+1 tokens at multiples of T (training and evaluation alike).
+int64_t WindowStream::windows_in(const TokenShard& shard, int64_t T) {
+  return T >= 1 && shard.size() > 0
+             ? static_cast<int64_t>((shard.size() - 1) / static_cast<uint64_t>(T))
+             : 0;
+}
+
+void WindowStream::read(int64_t position, int32_t* inputs, int32_t* targets) {
+  copy_window(*shard_, window_start(position), T_, inputs, targets);
+}
+
+int64_t stream_position(int64_t step, int64_t micro, int64_t row, int64_t rows,
+                        int64_t micro_batches) {
+  MOETRAIN_CHECK(step >= 0 && micro >= 0 && micro < micro_batches && row >= 0 && row < rows,
+                 "stream_position: step {}, micro-batch {} of {}, row {} of {}", step, micro,
+                 micro_batches, row, rows);
+  return (step * micro_batches + micro) * rows + row;
+}
+
 BatchLoader::BatchLoader(const TokenShard& shard, int64_t B, int64_t T, uint64_t seed, int rank,
-                         int world)
-    : shard_(&shard), B_(B), T_(T), seed_(seed), rank_(rank), world_(world) {
-  check_layout(shard, B, T, rank, world, "BatchLoader");
+                         int world, int64_t micro_batches)
+    : stream_((check_layout(shard, B, T, rank, world, "BatchLoader"), shard), T, seed),
+      B_(B),
+      rank_(rank),
+      world_(world),
+      micro_batches_(micro_batches) {
+  MOETRAIN_CHECK(micro_batches >= 1, "BatchLoader: {} micro-batches per step, needs at least 1",
+                 micro_batches);
 }
 
-uint64_t BatchLoader::window_start(int64_t step, int64_t micro, int64_t b) const {
-  MOETRAIN_CHECK(step >= 0 && micro >= 0 && b >= 0 && b < B_,
-                 "BatchLoader: step {}, micro {}, row {} (B={})", step, micro, b, B_);
-  const Rng rng(seed_, rng_stream(RngPurpose::Data, static_cast<uint64_t>(step), 0));
-  const uint64_t row = (static_cast<uint64_t>(micro) * world_ + rank_) * B_ + b;
-  return rng.below(row, shard_->size() - T_);
+int64_t BatchLoader::position(int64_t step, int64_t micro, int64_t b) const {
+  MOETRAIN_CHECK(step >= 0 && micro >= 0 && micro < micro_batches_ && b >= 0 && b < B_,
+                 "BatchLoader: step {}, micro {} (of {}), row {} (B={})", step, micro,
+                 micro_batches_, b, B_);
+  return stream_position(step, micro, rank_ * B_ + b, world_ * B_, micro_batches_);
 }
 
-void BatchLoader::fill(int64_t step, int64_t micro, int32_t* inputs, int32_t* targets) const {
+void BatchLoader::fill(int64_t step, int64_t micro, int32_t* inputs, int32_t* targets) {
   PhaseScope phase_scope(Phase::Data);
-  MOETRAIN_CHECK(step >= 0 && micro >= 0,
-                 "BatchLoader: step {} and micro-batch {} must be non-negative", step, micro);
-  for (int64_t b = 0; b < B_; ++b) {
-    copy_window(*shard_, window_start(step, micro, b), T_, inputs + b * T_,
-                targets + b * T_);
-  }
+  const int64_t T = stream_.seq_len();
+  for (int64_t b = 0; b < B_; ++b)
+    stream_.read(position(step, micro, b), inputs + b * T, targets + b * T);
 }
 
 EvalLoader::EvalLoader(const TokenShard& shard, int64_t B, int64_t T, int64_t max_batches, int rank,
@@ -60,7 +86,7 @@ EvalLoader::EvalLoader(const TokenShard& shard, int64_t B, int64_t T, int64_t ma
   MOETRAIN_CHECK(max_batches >= 0, "EvalLoader: max_batches {} must be >= 0 (0 = all)",
                  max_batches);
   const int64_t per_batch = B * world;
-  windows_ = static_cast<int64_t>((shard.size() - 1) / static_cast<uint64_t>(T));
+  windows_ = WindowStream::windows_in(shard, T);
   if (max_batches > 0 && max_batches <= windows_ / per_batch) windows_ = max_batches * per_batch;
   batches_ = (windows_ + per_batch - 1) / per_batch;
 }

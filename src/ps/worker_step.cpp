@@ -30,6 +30,7 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
   train_ = open_token_shards(cfg_.data.dir, cfg_.model.vocab_size, cfg_.train.seq_len,
                              /*want_val=*/false)
                .train;
+  windows_ = std::make_unique<WindowStream>(*train_, cfg_.train.seq_len, cfg_.train.seed);
 }
 
 PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
@@ -43,12 +44,11 @@ PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
   args.loss_weight =
       static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A));
   args.fill = [&](int64_t micro) {
-    // Row r of the global batch is the window the single-process run draws for its row r.
-    for (int64_t b = 0; b < R; ++b) {
-      BatchLoader one(*train_, 1, T, cfg_.train.seed, static_cast<int>(a.row_begin + b),
-                      static_cast<int>(a.global_rows));
-      one.fill(clock, micro, inputs_.data() + b * T, targets_.data() + b * T);
-    }
+    // Row r of the global batch is the window the single-process run reads for its row r, so the
+    // workers of a step read disjoint windows, and an epoch's windows once between them.
+    for (int64_t b = 0; b < R; ++b)
+      windows_->read(stream_position(clock, micro, a.row_begin + b, a.global_rows, A),
+                     inputs_.data() + b * T, targets_.data() + b * T);
     return TokenBatch{inputs_.data(), targets_.data(), R, T};
   };
   // This worker's rows start at row_begin of the global batch.

@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "data/loader.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "model/transformer.h"
@@ -49,6 +50,7 @@ class WorkerStep {
   int64_t index_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<TokenShard> train_;
+  std::unique_ptr<WindowStream> windows_;  // the training windows in epoch order, over train_
   Tokenizer tokenizer_;  // data.dir's: its files go into the checkpoint
   std::vector<float> params_, grads_, residual_;
   std::vector<int32_t> inputs_, targets_;

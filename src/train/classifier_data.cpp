@@ -3,46 +3,12 @@
 #include <algorithm>
 
 #include "core/check.h"
-#include "core/rng.h"
 #include "io/checkpoint.h"
 #include "train/run_state.h"
 
 namespace fs = std::filesystem;
 
 namespace moetrain {
-
-EpochSampler::EpochSampler(int64_t n, uint64_t seed) : n_(n), seed_(seed) {
-  MOETRAIN_CHECK(n > 0, "EpochSampler: the training set has {} rows, needs at least one", n);
-}
-
-std::vector<int64_t> EpochSampler::epoch(int64_t e) const {
-  MOETRAIN_CHECK(e >= 0, "EpochSampler: epoch {} is negative", e);
-  std::vector<int64_t> perm(static_cast<std::size_t>(n_));
-  for (int64_t i = 0; i < n_; ++i) perm[i] = i;
-  Rng rng(seed_, rng_stream(RngPurpose::Data, static_cast<uint64_t>(e), 0));
-  for (int64_t i = n_ - 1; i > 0; --i) {
-    auto j =
-        static_cast<int64_t>(rng.below(static_cast<uint64_t>(i), static_cast<uint64_t>(i + 1)));
-    std::swap(perm[i], perm[j]);
-  }
-  return perm;
-}
-
-// Steps move through the epochs in order, so one cached permutation serves all but the batches
-// that straddle two epochs.
-const std::vector<int64_t>& EpochSampler::cached_epoch(int64_t e) {
-  if (e != cached_epoch_) perm_ = epoch(e), cached_epoch_ = e;
-  return perm_;
-}
-
-void EpochSampler::batch(int64_t step, int64_t B, int64_t* rows) {
-  MOETRAIN_CHECK(step >= 0 && B >= 0, "EpochSampler::batch: step {} and batch {} must be ≥ 0", step,
-                 B);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t at = step * B + b;
-    rows[b] = cached_epoch(at / n_)[at % n_];
-  }
-}
 
 ClassifierData load_classifier_data(const ClassifierRunConfig& cfg) {
   MOETRAIN_CHECK(fs::is_directory(cfg.data.dir),

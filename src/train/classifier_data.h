@@ -6,31 +6,12 @@
 #include <memory>
 #include <vector>
 
+#include "data/epoch_sampler.h"  // which training rows each step uses
 #include "data/idx.h"
 #include "model/classifier.h"
 #include "train/classifier_config.h"
 
 namespace moetrain {
-
-// Which training rows each step uses. Epoch e is a permutation of [0, n) drawn from (seed, e)
-// alone (Fisher-Yates on counter-based numbers); step s takes rows s·B … s·B+B−1 of the epochs
-// laid end to end, so a batch may straddle two epochs. A pure function of (seed, step).
-class EpochSampler {
- public:
-  EpochSampler(int64_t n, uint64_t seed);
-  // rows (B) = the training rows of step `step` (0-based).
-  void batch(int64_t step, int64_t B, int64_t* rows);
-  // The permutation of epoch `e` (n).
-  std::vector<int64_t> epoch(int64_t e) const;
-
- private:
-  const std::vector<int64_t>& cached_epoch(int64_t e);
-
-  int64_t n_;
-  uint64_t seed_;
-  int64_t cached_epoch_ = -1;
-  std::vector<int64_t> perm_;
-};
 
 // The training and test sets. A null member is loaded from the config's data.dir.
 struct ClassifierData {

@@ -82,8 +82,12 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       cfg_.model.n_layers, cfg_.model.n_experts, cfg_.model.top_k,
       static_cast<double>(model_->layout().size()) / 1e6,
       model_->flops_per_token(cfg_.train.seq_len) / 1e6, threads);
-  log_info("data: {} train / {} val tokens; {} tokens per step", train_shard_->size(),
-           val_shard_->size(), BT * cfg_.train.grad_accum * W);
+  const int64_t windows = WindowStream::windows_in(*train_shard_, cfg_.train.seq_len);
+  log_info(
+      "data: {} train / {} val tokens; {} tokens per step; an epoch is {} windows ({:.1f} steps)",
+      train_shard_->size(), val_shard_->size(), BT * cfg_.train.grad_accum * W, windows,
+      static_cast<double>(windows) /
+          static_cast<double>(cfg_.train.batch_size * cfg_.train.grad_accum * W));
   if (W > 1) log_info("{}", engine_->describe_layout());
 }
 
@@ -92,11 +96,14 @@ Trainer::~Trainer() = default;
 StepResult Trainer::train_step() {
   const int64_t B = cfg_.train.batch_size, T = cfg_.train.seq_len, A = cfg_.train.grad_accum;
   const int W = world_size();
-  BatchLoader loader(*train_shard_, B, T, cfg_.train.seed, rank(), W);
+  // Kept between steps (it holds the epoch's permutation); a resume on another process count
+  // changes the micro-batches per step, not the global batch.
+  if (!loader_ || loader_->micro_batches() != A)
+    loader_ = std::make_unique<BatchLoader>(*train_shard_, B, T, cfg_.train.seed, rank(), W, A);
   const int64_t step = engine_->step_count();
   MicroBatches<TokenBatch> batches;
   batches.fill = [&](int64_t micro) {
-    loader.fill(step, micro, inputs_.data(), targets_.data());
+    loader_->fill(step, micro, inputs_.data(), targets_.data());
     return TokenBatch{inputs_.data(), targets_.data(), B, T};
   };
   batches.token_offset = rank() * B * T;  // this rank's rows of the global batch

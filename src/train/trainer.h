@@ -23,6 +23,7 @@
 
 namespace moetrain {
 
+class BatchLoader;
 class TokenShard;
 
 struct TrainResult : LoopResult {
@@ -87,6 +88,7 @@ class Trainer : private RunTask {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<StepEngine> engine_;
   std::unique_ptr<TokenShard> train_shard_, val_shard_;
+  std::unique_ptr<BatchLoader> loader_;  // this rank's training windows (data/loader.h)
   Tokenizer tokenizer_;  // data.dir's: recorded and shipped with every checkpoint
   bool resumed_ = false;
   std::vector<int32_t> inputs_, targets_;

@@ -4,6 +4,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "data/loader.h"
 #include "data/shard.h"
 #include "io/hf_checkpoint.h"
 #include "train/run_state.h"
@@ -48,9 +49,15 @@ nlohmann::json Trainer::trainer_state() const {
   t["schedule"] = {
       {"position", step}, {"total_steps", cfg_.train.steps}, {"next_lr", engine_->schedule().lr(step)}};
   // Batches are a pure function of (seed, step, row of the global batch): the next step and the
-  // global batch say where the data stands, whatever the layout.
+  // global batch say where the data stands, whatever the layout (data/loader.h). The epoch and
+  // the stream position follow from them; they are written for the reader.
+  const int64_t windows = WindowStream::windows_in(*train_shard_, cfg_.train.seq_len);
+  const int64_t next_window = step * B * A * W;
   t["data"] = {{"next_step", step},
                {"global_batch", B * A * W},
+               {"next_window", next_window},
+               {"windows_per_epoch", windows},
+               {"epoch", windows > 0 ? next_window / windows : 0},
                {"batch_size", B},
                {"seq_len", cfg_.train.seq_len},
                {"train_tokens", train_shard_->size()}};
@@ -123,6 +130,10 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const std::string& 
         global / per_micro, cfg_.train.grad_accum, world_size(), global);
   cfg_.train.grad_accum = global / per_micro;
   engine_->set_micro_batches(cfg_.train.grad_accum);
+  const int64_t windows = WindowStream::windows_in(*train_shard_, cfg_.train.seq_len);
+  const int64_t next_window = engine_->step_count() * global;
+  log_info("data: epoch {}, {} of its {} windows read", next_window / windows,
+           next_window % windows, windows);
   if (data.value("train_tokens", uint64_t{0}) != train_shard_->size())
     log_warn("{}: the training data had {} tokens, {} has {}: batches will differ", where,
              data.value("train_tokens", uint64_t{0}), train_shard_->path().string(),

@@ -1,4 +1,4 @@
-// Byte tokenizer, token shards, `prepare` and the batch loaders.
+// Byte tokenizer, token shards and `prepare` (the batch loaders: loader_test.cpp).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "core/check.h"
-#include "data/loader.h"
 #include "data/prepare.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
+#include "support/corpus.h"
 #include "support/expect_error.h"
 #include "support/temp_dir.h"
 
@@ -33,13 +33,6 @@ std::string shard_bytes(const char* magic, uint32_t version, uint32_t vocab, uin
   s.append(reinterpret_cast<const char*>(&count), 8);
   s.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
   return s;
-}
-
-// A shard whose token i is a scrambled function of i, so a window's content names its start.
-std::vector<uint16_t> scrambled_tokens(uint64_t n) {
-  std::vector<uint16_t> t(n);
-  for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>((i * 2654435761u) >> 7 & 0xFF);
-  return t;
 }
 
 }  // namespace
@@ -309,163 +302,4 @@ TEST(Prepare, DebianFortunes) {
   EXPECT_GT(links, 0);
   EXPECT_EQ(r.train_tokens + r.val_tokens, r.bytes_taken + r.sources.size());  // + one '\n' each
   EXPECT_NEAR(static_cast<double>(r.val_tokens) / static_cast<double>(r.bytes_taken), 0.05, 0.005);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Loaders
-
-class LoaderTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    tokens_ = scrambled_tokens(997);
-    write_token_shard(dir_ / "train.bin", tokens_.data(), tokens_.size(), 256);
-    shard_ = std::make_unique<TokenShard>(dir_ / "train.bin");
-  }
-  // Every row holds tokens [start, start+T) and its targets are the next tokens.
-  void expect_windows(const BatchLoader& l, int64_t step, int64_t micro,
-                      const std::vector<int32_t>& in, const std::vector<int32_t>& tgt) {
-    const int64_t B = l.batch(), T = l.seq_len();
-    for (int64_t b = 0; b < B; ++b) {
-      const uint64_t s = l.window_start(step, micro, b);
-      ASSERT_LE(s + T + 1, tokens_.size());
-      for (int64_t t = 0; t < T; ++t) {
-        ASSERT_EQ(in[b * T + t], tokens_[s + t]);
-        ASSERT_EQ(tgt[b * T + t], tokens_[s + t + 1]);
-        if (t + 1 < T) {
-          ASSERT_EQ(tgt[b * T + t], in[b * T + t + 1]);
-        }
-      }
-    }
-  }
-  std::vector<uint64_t> starts(const BatchLoader& l, int64_t step, int64_t micro) {
-    std::vector<uint64_t> s;
-    for (int64_t b = 0; b < l.batch(); ++b) s.push_back(l.window_start(step, micro, b));
-    return s;
-  }
-
-  TempDir dir_{"loader"};
-  std::vector<uint16_t> tokens_;
-  std::unique_ptr<TokenShard> shard_;
-};
-
-TEST_F(LoaderTest, DeterministicWindowsAndShiftedTargets) {
-  const int64_t B = 4, T = 16;
-  BatchLoader a(*shard_, B, T, 1234), b(*shard_, B, T, 1234);
-  std::vector<int32_t> in(B * T), tgt(B * T), in2(B * T), tgt2(B * T);
-  // Out of order on purpose: a resumed run asks for step 7 first.
-  b.fill(7, 1, in2.data(), tgt2.data());
-  for (int64_t step = 0; step < 10; ++step) {
-    for (int64_t micro = 0; micro < 2; ++micro) {
-      a.fill(step, micro, in.data(), tgt.data());
-      expect_windows(a, step, micro, in, tgt);
-      if (step == 7 && micro == 1) {
-        EXPECT_EQ(in, in2);
-        EXPECT_EQ(tgt, tgt2);
-      }
-    }
-  }
-  EXPECT_EQ(starts(a, 3, 0), starts(b, 3, 0));
-  EXPECT_NE(starts(a, 3, 0), starts(a, 4, 0));
-  EXPECT_NE(starts(a, 3, 0), starts(a, 3, 1));
-  EXPECT_NE(starts(a, 3, 0), starts(BatchLoader(*shard_, B, T, 1235), 3, 0));
-}
-
-TEST_F(LoaderTest, RanksDifferAndAnySplitOfTheGlobalBatchAgrees) {
-  const int64_t T = 8;
-  BatchLoader r0(*shard_, 4, T, 99, 0, 2), r1(*shard_, 4, T, 99, 1, 2);
-  BatchLoader single(*shard_, 8, T, 99);
-  BatchLoader accum(*shard_, 4, T, 99);
-  for (int64_t step : {0, 5, 123456}) {
-    auto s0 = starts(r0, step, 0), s1 = starts(r1, step, 0);
-    EXPECT_NE(s0, s1);
-    std::vector<uint64_t> ranks = s0;
-    ranks.insert(ranks.end(), s1.begin(), s1.end());
-    EXPECT_EQ(ranks, starts(single, step, 0));
-    std::vector<uint64_t> micro = starts(accum, step, 0), m1 = starts(accum, step, 1);
-    micro.insert(micro.end(), m1.begin(), m1.end());
-    EXPECT_EQ(ranks, micro);
-  }
-}
-
-TEST_F(LoaderTest, EveryStartIsReachableAndNoneOverruns) {
-  std::vector<uint16_t> small = scrambled_tokens(21);
-  write_token_shard(dir_ / "small.bin", small.data(), small.size(), 256);
-  TokenShard shard(dir_ / "small.bin");
-  const int64_t T = 5;
-  BatchLoader l(shard, 8, T, 7);
-  std::vector<int> hits(small.size(), 0);
-  for (int64_t step = 0; step < 200; ++step) {
-    for (uint64_t s : starts(l, step, 0)) ++hits.at(s);
-  }
-  for (std::size_t s = 0; s + T < small.size(); ++s)
-    EXPECT_GT(hits[s], 0) << "start " << s << " never drawn";
-  for (std::size_t s = small.size() - T; s < small.size(); ++s)
-    EXPECT_EQ(hits[s], 0) << "start " << s;
-
-  // Exactly one window of T+1 tokens: every row starts at 0.
-  BatchLoader one(shard, 3, 20, 1);
-  EXPECT_EQ(starts(one, 9, 2), (std::vector<uint64_t>{0, 0, 0}));
-}
-
-TEST_F(LoaderTest, RejectsBadLayouts) {
-  expect_error([&] { BatchLoader(*shard_, 0, 8, 1); }, "B=0");
-  expect_error([&] { BatchLoader(*shard_, 2, 0, 1); }, "T=0");
-  expect_error([&] { BatchLoader(*shard_, 2, 8, 1, 2, 2); }, "rank 2 outside world of 2");
-  expect_error([&] { BatchLoader(*shard_, 2, 997, 1); }, "fewer than one window");
-  expect_error([&] { EvalLoader(*shard_, 2, 997); }, "fewer than one window");
-  expect_error([&] { EvalLoader(*shard_, 2, 8, -1); }, "max_batches");
-  BatchLoader l(*shard_, 2, 8, 1);
-  expect_error([&] { l.window_start(0, 0, 2); }, "row 2");
-  expect_error([&] { l.window_start(-1, 0, 0); }, "step -1");
-}
-
-TEST_F(LoaderTest, EvalCoversEveryWindowOnce) {
-  // 997 tokens, T = 10: windows 0..98 (window w needs tokens up to 10w + 10 ≤ 996).
-  const int64_t T = 10;
-  for (int world : {1, 2, 3}) {
-    for (int64_t B : {1, 4, 7}) {
-      std::vector<int> seen(99, 0);
-      int64_t batches = -1;
-      for (int rank = 0; rank < world; ++rank) {
-        EvalLoader ev(*shard_, B, T, 0, rank, world);
-        EXPECT_EQ(ev.num_windows(), 99);
-        if (batches < 0) batches = ev.num_batches();
-        EXPECT_EQ(ev.num_batches(), batches);  // same on every rank
-        EXPECT_EQ(batches, (99 + B * world - 1) / (B * world));
-        std::vector<int32_t> in(B * T, -5), tgt(B * T, -5);
-        for (int64_t i = 0; i < ev.num_batches(); ++i) {
-          int64_t rows = ev.fill(i, in.data(), tgt.data());
-          ASSERT_GE(rows, 0);
-          ASSERT_LE(rows, B);
-          for (int64_t b = 0; b < rows; ++b) {
-            // Find the row by content among all aligned windows (the scrambled tokens make it
-            // unique).
-            int64_t found = -1;
-            for (int64_t w = 0; w < 99 && found < 0; ++w) {
-              bool match = true;
-              for (int64_t t = 0; t < T && match; ++t) {
-                match =
-                    in[b * T + t] == tokens_[w * T + t] && tgt[b * T + t] == tokens_[w * T + t + 1];
-              }
-              if (match) found = w;
-            }
-            ASSERT_GE(found, 0) << "row " << b << " of batch " << i << " is not an aligned window";
-            ++seen[found];
-          }
-          for (int64_t j = rows * T; j < B * T; ++j) ASSERT_EQ(in[j], 0);
-        }
-      }
-      for (int w = 0; w < 99; ++w)
-        EXPECT_EQ(seen[w], 1) << "window " << w << " world " << world << " B " << B;
-    }
-  }
-  EvalLoader capped(*shard_, 4, T, 3, 1, 2);
-  EXPECT_EQ(capped.num_batches(), 3);
-  EXPECT_EQ(capped.num_windows(), 24);
-  EvalLoader all(*shard_, 4, T, 1000);
-  EXPECT_EQ(all.num_windows(), 99);
-  EXPECT_EQ(all.num_batches(), 25);
-  std::vector<int32_t> in(40), tgt(40);
-  EXPECT_EQ(all.fill(24, in.data(), tgt.data()), 3);
-  expect_error([&] { all.fill(25, in.data(), tgt.data()); }, "batch 25");
 }

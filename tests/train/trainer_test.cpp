@@ -37,8 +37,9 @@ TEST(RunConfigBounds, GradAccumIsBounded) {
   EXPECT_EQ(load_run_config("", {"train.grad_accum=65536"}).train.grad_accum, 65536);
 }
 
-RunConfig small_run(const TempDir& tmp, const std::string& router = "topk_softmax") {
-  write_corpus(tmp / "data", 60000);
+RunConfig small_run(const TempDir& tmp, const std::string& router = "topk_softmax",
+                    std::size_t corpus_bytes = 60000) {
+  write_corpus(tmp / "data", corpus_bytes);
   return load_run_config("", {"model.dim=32",
                               "model.n_layers=2",
                               "model.n_heads=4",
@@ -72,24 +73,26 @@ std::vector<double> step_losses(const fs::path& run_dir) {
   return out;
 }
 
-void expect_bitwise_resume(const std::string& router) {
+// The run of 8 steps against one stopped at `stop` and resumed.
+void expect_bitwise_resume(const std::string& router, std::size_t corpus_bytes = 60000,
+                           int64_t stop = 4) {
   TempDir straight_dir("straight"), resumed_dir("resumed");
-  RunConfig a = small_run(straight_dir, router);
+  RunConfig a = small_run(straight_dir, router, corpus_bytes);
   std::vector<float> straight_params;
   {
     Trainer t(a, false);
     t.run();
     straight_params = t.params();
   }
-  RunConfig b = small_run(resumed_dir, router);
+  RunConfig b = small_run(resumed_dir, router, corpus_bytes);
   {
     Trainer t(b, false);
-    t.run(4);  // stop half way, as if interrupted
+    t.run(stop);  // stop part way, as if interrupted
   }
   std::vector<float> resumed_params;
   {
     Trainer t(b, true);
-    EXPECT_EQ(t.step(), 4);
+    EXPECT_EQ(t.step(), stop);
     t.run();
     resumed_params = t.params();
   }
@@ -112,6 +115,24 @@ TEST(Trainer, ResumeIsBitExact) {
 
 TEST(Trainer, ResumeIsBitExactWithRouterBiasState) {
   expect_bitwise_resume("sigmoid_bias");
+}
+
+// 1,350 training tokens at T = 32 are 42 windows, 8 a step: the run crosses an epoch's end at
+// step 6 (the step takes epoch 0's last 2 windows and epoch 1's first 6), stops inside epoch 1
+// and resumes there; the checkpoint says where the data stands.
+TEST(Trainer, ResumeIsBitExactAcrossAnEpochsEnd) {
+  expect_bitwise_resume("topk_softmax", 1500, 6);
+  TempDir tmp("epoch_state");
+  RunConfig cfg = small_run(tmp, "topk_softmax", 1500);
+  Trainer(cfg, false).run(6);
+  const nlohmann::json data =
+      read_checkpoint_json(fs::path(cfg.train.run_dir) / "checkpoints" / "latest",
+                           "trainer_state.json")["data"];
+  EXPECT_EQ(data["next_step"], 6);
+  EXPECT_EQ(data["global_batch"], 8);
+  EXPECT_EQ(data["windows_per_epoch"], 42);
+  EXPECT_EQ(data["next_window"], 48);
+  EXPECT_EQ(data["epoch"], 1);
 }
 
 TEST(Trainer, CorruptLatestCheckpointFallsBackToThePreviousOne) {
