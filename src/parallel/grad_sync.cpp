@@ -69,7 +69,11 @@ SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard) {
 }
 
 GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const GradSyncConfig& cfg)
-    : dense_(dense), expert_(expert), wire_(cfg.wire) {
+    : dense_(dense), expert_(expert), wire_(cfg.wire), sparse_(cfg.sparse_ratio, cfg.wire) {
+  MOETRAIN_CHECK(cfg.sparse_ratio == 0 || (cfg.sparse_ratio > 0 && cfg.sparse_ratio <= 1 &&
+                                           cfg.wire != GradWire::Int8),
+                 "sparse gradient ratio {} with a {} wire: must be in (0, 1] with f32 or bf16",
+                 cfg.sparse_ratio, grad_wire_name(cfg.wire));
   MOETRAIN_CHECK(cfg.first_bucket_bytes >= 4 && cfg.bucket_bytes >= 4,
                  "gradient buckets of {} and {} bytes: each must hold at least one float",
                  cfg.first_bucket_bytes, cfg.bucket_bytes);
@@ -141,6 +145,11 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
     residual_.assign(static_cast<std::size_t>(packed_size_ + largest_shard), 0.0f);
   }
   skip_.assign(buckets_.size(), 0);
+  // A group of one sends nothing: selecting would only delay its gradients.
+  for (const Bucket& b : buckets_)
+    sparse_slot_.push_back(cfg.sparse_ratio > 0 && b.expert && group(b).size() > 1
+                               ? sparse_.add_bucket(b.size)
+                               : -1);
   for (const Bucket& b : buckets_) {
     int64_t low = INT64_MAX;
     for (const FlatRange& p : b.pieces) low = std::min(low, p.offset);
@@ -191,6 +200,14 @@ int64_t GradSync::wire_bytes(int64_t n) const {
   return 4 * n;
 }
 
+int64_t GradSync::bucket_bytes(std::size_t i) const {
+  const Bucket& b = buckets_[i];
+  const int P = group(b).size();
+  if (sparse_slot_[i] >= 0) return sparse_.bytes_sent(sparse_slot_[i], P);
+  const int64_t mine = b.counts[group(b).rank()];
+  return wire_bytes(b.size - mine) + wire_bytes(mine) * (P - 1);
+}
+
 void GradSync::reduce_bucket(std::size_t i, const float* grads) {
   const Bucket& b = buckets_[i];
   Comm& comm = group(b);
@@ -198,13 +215,19 @@ void GradSync::reduce_bucket(std::size_t i, const float* grads) {
   const int64_t mine = b.counts[me];
   if (skip_[i]) {
     // What the reduce-scatter and the gradient all-gather would have sent.
-    bytes_skipped_ += wire_bytes(b.size - mine) + wire_bytes(mine) * (P - 1);
+    bytes_skipped_ += bucket_bytes(i);
     std::fill_n(shard_.data() + b.shard_offset, mine, 0.0f);
     return;
   }
   float* packed = packed_.ensure(b.size);
   pack(packed, grads, b, 0, b.size);
   float* out = shard_.data() + b.shard_offset;
+  if (sparse_slot_[i] >= 0) {
+    // The whole reduced bucket lands in packed; this rank's chunk of it is the shard's.
+    bytes_sent_ += sparse_.reduce(sparse_slot_[i], comm, packed, packed);
+    std::memcpy(out, packed + b.chunk_begin, static_cast<std::size_t>(mine) * sizeof(float));
+    return;
+  }
   // A group of one sends nothing: int8 would only add its error.
   if (wire_ == GradWire::Int8 && P > 1) {
     reduce_bucket_int8(b, packed, out);
@@ -409,6 +432,13 @@ void GradSync::unpack_shard(float* grads) const {
 void GradSync::gather_bucket(std::size_t i) {
   const Bucket& b = buckets_[i];
   float* mine = shard_.data() + b.shard_offset;
+  if (sparse_slot_[i] >= 0) {
+    // Every rank already received every list: the same sum again, nothing sent.
+    float* packed = packed_.ensure(b.size);
+    sparse_.resum(sparse_slot_[i], packed);
+    unpack(grads_, packed, b, 0, b.size);
+    return;
+  }
   if (wire_ == GradWire::Int8) {
     if (group(b).size() > 1) {
       allgather_int8(grads_, b, mine);

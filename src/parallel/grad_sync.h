@@ -26,6 +26,7 @@
 #include "parallel/comm_thread.h"
 #include "parallel/grad_wire.h"
 #include "parallel/groups.h"
+#include "parallel/sparse_grad.h"
 
 namespace moetrain {
 
@@ -47,6 +48,12 @@ struct GradSyncConfig {
   // Sparse experts: expert buckets are cut at expert boundaries (each holds one expert's rows
   // only, SyncRanges::expert_keyed), so a bucket of an inactive expert can be skipped.
   bool sparse_experts = false;
+  // grad.sparse_ratio (parallel/sparse_grad.h), 0 = off: each expert bucket reduced over a group
+  // of more than one rank sends only its top ceil(ratio·n) values with their positions (values in
+  // f32, or bf16 with wire = BF16; int8 is refused), with error feedback; every rank sums the
+  // group's lists into the whole bucket, which stands for both the reduce-scatter (this rank's
+  // chunk) and the gather (nothing more is sent). Replicated buckets keep `wire`.
+  double sparse_ratio = 0;
 };
 
 // Elements [offset, offset + size) of the flat buffer.
@@ -130,8 +137,11 @@ class GradSync final : public GradientShard {
 
   // int8 error feedback: per packed element sent (Σ bucket sizes), then per element of the
   // largest shard any rank of the group can hold (Σ ceil(size / P)), so that its length is the
-  // same on every rank. Empty for f32 and bf16. A checkpoint saves it; resume restores it.
-  std::vector<float>& residual() { return residual_; }
+  // same on every rank. sparse_ratio: per packed element of the sparse buckets
+  // (SparseBuckets::residual). Empty otherwise. A checkpoint saves it; resume restores it.
+  std::vector<float>& residual() { return sparse_.enabled() ? sparse_.residual() : residual_; }
+  // sparse_ratio: the sparse buckets' figures (values, entries sent, contributions so far).
+  const SparseBuckets& sparse() const { return sparse_; }
   // Sparse experts: buckets whose key is inactive in `active` are skipped by every collective
   // until the next call (their shard chunk reads 0; plain DP leaves their flat gradients as they
   // are, and ZeRO-1 their parameters, which the optimizer leaves alone). Empty: none skipped.
@@ -141,6 +151,9 @@ class GradSync final : public GradientShard {
   int64_t bytes_skipped() const { return bytes_skipped_; }
   // Bytes of n gradient values on the wire.
   int64_t wire_bytes(int64_t n) const;
+  // Bytes bucket i sends in a reduction and its gather (or under ZeRO-1 its reduction alone,
+  // which for a sparse bucket is all it sends).
+  int64_t bucket_bytes(std::size_t i) const;
 
   // Bytes this rank has sent to other ranks so far (reductions, gradient and parameter gathers).
   int64_t bytes_sent() const { return bytes_sent_; }
@@ -175,6 +188,8 @@ class GradSync final : public GradientShard {
   std::vector<float> residual_;
   int64_t packed_size_ = 0;  // Σ bucket sizes: where the shard part of residual_ starts
   int64_t bytes_sent_ = 0;
+  SparseBuckets sparse_;
+  std::vector<int> sparse_slot_;  // (buckets) the SparseBuckets slot, -1 for a dense bucket
   std::vector<uint8_t> skip_;  // (buckets) set_active_experts
   int64_t bytes_skipped_ = 0;
 };

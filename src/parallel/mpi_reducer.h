@@ -27,10 +27,17 @@ class MpiGradReducer final : public GradReducer {
   std::vector<float>* carried() override {
     return sync_->residual().empty() ? nullptr : &sync_->residual();
   }
+  const char* carried_kind() const override {
+    return sync_->sparse().enabled() ? "sparse_ratio" : "";
+  }
   void set_active_experts(std::span<const uint8_t> active) override {
     sync_->set_active_experts(active);
   }
   int64_t bytes_skipped() const override { return sync_->bytes_skipped(); }
+  SparseReduceFigures sparse_figures() const override {
+    const SparseBuckets& s = sync_->sparse();
+    return {s.bytes(), s.values(), s.entries_sent(), s.contributions()};
+  }
   int64_t bytes_sent() const override { return sync_->bytes_sent(); }
 
   const GradSync& sync() const { return *sync_; }

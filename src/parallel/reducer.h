@@ -17,6 +17,13 @@
 
 namespace moetrain {
 
+// grad.sparse_ratio's figures so far (parallel/sparse_grad.h): bytes the sparse buckets sent,
+// values they reduced, entries of those that at least one rank sent, and Σ over entries of the
+// ranks that sent each.
+struct SparseReduceFigures {
+  int64_t bytes = 0, values = 0, entries = 0, contributions = 0;
+};
+
 class GradReducer {
  public:
   virtual ~GradReducer() = default;
@@ -43,12 +50,16 @@ class GradReducer {
   // State the reduction carries from one step to the next (int8's error-feedback residual),
   // which a checkpoint must save for a bit-exact resume; null when there is none.
   virtual std::vector<float>* carried() { return nullptr; }
+  // What carried() holds: "" for int8's residual, "sparse_ratio" for grad.sparse_ratio's.
+  virtual const char* carried_kind() const { return ""; }
   // Sparse experts (optim/sparse_experts.h): before begin(), the step's mask by expert key;
   // buckets of inactive experts are neither sent nor gathered, their reduced values read 0.
   // Empty: every bucket is reduced. The local reducer has nothing to skip.
   virtual void set_active_experts(std::span<const uint8_t> /*active*/) {}
   // Bytes that skipped buckets would have sent, so far.
   virtual int64_t bytes_skipped() const { return 0; }
+  // grad.sparse_ratio: what the sparse buckets did so far (zeros without them).
+  virtual SparseReduceFigures sparse_figures() const { return {}; }
 };
 
 // One process: the gradients are already the sum; the whole buffer is this process's part.

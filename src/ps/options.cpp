@@ -156,6 +156,10 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
   MOETRAIN_CHECK(!cfg.grad.sparse_experts,
                  "grad.sparse_experts = true: parameter-server mode pushes whole key ranges and "
                  "has no touched-expert mask; set grad.sparse_experts = false");
+  MOETRAIN_CHECK(cfg.grad.sparse_ratio == 0,
+                 "grad.sparse_ratio = {}: parameter-server mode pushes whole key ranges and "
+                 "has no sparse reduction; set grad.sparse_ratio = 0",
+                 cfg.grad.sparse_ratio);
   MOETRAIN_CHECK(cfg.grad.expert_reweight == "none",
                  "grad.expert_reweight = {}: the factors need every expert's whole gradient at "
                  "each step, which parameter-server mode splits over servers and workers; set "

@@ -85,6 +85,7 @@ void ClassifierRunConfig::validate() const {
                  "dist.sync = params: the classifier trainer reduces gradients every step "
                  "(local SGD is for the language-model trainer)");
   grad.validate();
+  grad.validate_reduction(dist, /*fp16=*/false);  // the classifier computes in f32
 }
 
 int64_t ClassifierRunConfig::total_steps(int64_t n_train) const {

@@ -61,6 +61,7 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
   gc.bucket_bytes = static_cast<int64_t>(settings.bucket_mb * 1024 * 1024);
   gc.wire = parse_grad_wire(settings.grad_reduce_dtype, "dist.grad_reduce_dtype");
   gc.sparse_experts = settings.sparse_experts;
+  gc.sparse_ratio = settings.sparse_ratio;
   auto sync = std::make_unique<GradSync>(ranges, *groups.grads, *groups.expert_grads, gc);
   out.buckets = static_cast<int64_t>(sync->buckets().size());
   if (settings.zero1) {

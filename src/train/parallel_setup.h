@@ -29,6 +29,7 @@ struct ReduceSettings {
   CommThread* overlap = nullptr;
   // grad.sparse_experts: expert buckets cut per expert, so inactive ones can be skipped.
   bool sparse_experts = false;
+  double sparse_ratio = 0;  // grad.sparse_ratio (0 = off)
 };
 
 // The processes of a run and its experts over them (world = DP × dist.ep).

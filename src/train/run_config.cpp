@@ -163,6 +163,9 @@ void add_grad_fields(std::vector<Field>& fields, GradSettings& g) {
        "utilisation reweighting: experts below this multiple of the mean load get ×2"},
       {"grad.util_high", &g.util_high,
        "utilisation reweighting: experts above this multiple of the mean load get ×0.5"},
+      {"grad.sparse_ratio", &g.sparse_ratio,
+       "Expert gradients: reduce only this fraction of values, the largest, with error feedback "
+       "(0 = off, else in (0, 1])"},
   };
   fields.insert(fields.end(), std::begin(grad), std::end(grad));
 }
@@ -181,6 +184,27 @@ void GradSettings::validate() const {
                  "grad.util_low = {}: must be a multiple of the mean load ≥ 0", util_low);
   MOETRAIN_CHECK(std::isfinite(util_high) && util_high >= util_low,
                  "grad.util_high = {}: must be ≥ grad.util_low = {}", util_high, util_low);
+  MOETRAIN_CHECK(sparse_ratio == 0 || (sparse_ratio > 0 && sparse_ratio <= 1),
+                 "grad.sparse_ratio = {}: must be in (0, 1] (the fraction of expert gradient "
+                 "values reduced), or 0 for off",
+                 sparse_ratio);
+}
+
+void GradSettings::validate_reduction(const DistSettings& dist, bool fp16) const {
+  if (sparse_ratio == 0) return;
+  MOETRAIN_CHECK(dist.grad_reduce_dtype != "int8",
+                 "grad.sparse_ratio = {} with dist.grad_reduce_dtype = int8: the sparse lists "
+                 "carry f32 or bf16 values; use dist.grad_reduce_dtype = f32 or bf16",
+                 sparse_ratio);
+  MOETRAIN_CHECK(!dist.local_steps(),
+                 "grad.sparse_ratio = {} with dist.sync = params: local steps reduce no "
+                 "gradients; use dist.sync = grads or grad.sparse_ratio = 0",
+                 sparse_ratio);
+  // As int8's: the residual would carry loss-scaled gradients across changes of the scale.
+  MOETRAIN_CHECK(!fp16,
+                 "grad.sparse_ratio = {} with train.precision = fp16: the error-feedback residual "
+                 "cannot follow the loss scale; use train.precision = bf16 or f32",
+                 sparse_ratio);
 }
 
 void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g) {
@@ -189,6 +213,7 @@ void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g) {
     j["grad"].erase("sparse_experts");
     j["grad"].erase("min_accum_fraction");
   }
+  if (g.sparse_ratio == 0) j["grad"].erase("sparse_ratio");
   if (g.expert_reweight == "none")
     for (const char* k : {"expert_reweight", "reweight_decay", "util_low", "util_high"})
       j["grad"].erase(k);
@@ -382,6 +407,10 @@ void RunConfig::validate() const {
     MOETRAIN_CHECK(!grad.sparse_experts,
                    "train.device = cuda: grad.sparse_experts runs on the CPU only (the device "
                    "backward zeroes and sums every gradient)");
+    MOETRAIN_CHECK(grad.sparse_ratio == 0,
+                   "train.device = cuda with grad.sparse_ratio = {}: the device runs one process, "
+                   "which reduces no gradients; set grad.sparse_ratio = 0",
+                   grad.sparse_ratio);
   }
   optim.validate();
   dist.validate();
@@ -400,6 +429,7 @@ void RunConfig::validate() const {
                  "dist.grad_reduce_dtype = bf16");
   if (model.n_moe_layers() > 0) placement.validate(model.n_experts, dist.ep);
   grad.validate();
+  grad.validate_reduction(dist, t.precision == Precision::FP16);
   MOETRAIN_CHECK(grad.expert_reweight == "none" || model.n_moe_layers() > 0,
                  "grad.expert_reweight = '{}' needs a model with MoE layers", grad.expert_reweight);
 }

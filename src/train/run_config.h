@@ -173,9 +173,16 @@ struct GradSettings {
   double reweight_decay = 0.9;  // importance: moving-average decay, in [0, 1)
   double util_low = 0.5;        // utilisation: below util_low × mean load → ×2
   double util_high = 2.0;       // utilisation: above util_high × mean load → ×0.5
+  // Value-level sparse expert gradients (parallel/sparse_grad.h): each expert gradient bucket
+  // sends only this fraction of its values, the largest in magnitude, with their positions; the
+  // rest is carried to the next step (error feedback). 0 = off (dense); else in (0, 1].
+  double sparse_ratio = 0.0;
 
   // Throws naming the key ("grad.util_low = -1: must be ...").
   void validate() const;
+  // What sparse_ratio needs of the reduction: refused with int8, local steps and fp16 (`fp16`:
+  // train.precision = fp16), naming both keys.
+  void validate_reduction(const DistSettings& dist, bool fp16) const;
   ExpertReweightConfig expert_reweight_config() const;
 };
 

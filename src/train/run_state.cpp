@@ -223,7 +223,11 @@ std::string json_hash(const nlohmann::json& j) {
 nlohmann::json carried_state_record(GradReducer& reducer, int world) {
   const std::vector<float>* c = reducer.carried();
   if (!c) return nullptr;
-  return nlohmann::json::array({world, static_cast<int64_t>(c->size())});
+  nlohmann::json r = nlohmann::json::array({world, static_cast<int64_t>(c->size())});
+  // int8's record is the shape alone (as checkpoints have always held it); another kind of
+  // residual adds its name, so that one is never read as the other.
+  if (const char* kind = reducer.carried_kind(); kind[0] != '\0') r.push_back(kind);
+  return r;
 }
 
 bool carried_state_matches(const nlohmann::json& trainer_state, GradReducer& reducer, int world) {
@@ -232,7 +236,7 @@ bool carried_state_matches(const nlohmann::json& trainer_state, GradReducer& red
   const nlohmann::json saved = trainer_state.value("grad_residual", nlohmann::json());
   if (saved == mine) return true;
   log_warn("the checkpoint holds no gradient residual for {} processes of {} values (it has {}): "
-           "the int8 error feedback starts from zero, so the run is not bit-exact with an "
+           "the error feedback starts from zero, so the run is not bit-exact with an "
            "uninterrupted one",
            world, mine[1].get<int64_t>(), saved.is_null() ? "none" : saved.dump());
   return false;

@@ -61,14 +61,15 @@ CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
                                  const ExpertShard& held, int rank, bool sharded,
                                  const std::vector<NamedTensor>& state, bool reading);
 
-// The state the gradient reducer carries between steps (GradReducer::carried, int8's error
-// feedback) is per rank: row `rank` of a [world, n] tensor "grad_sync.residual" in the state
-// files, each rank writing and reading its own row. It belongs to the process layout, so
-// trainer_state.json records its shape ("grad_residual": [world, n]; absent when there is none).
+// The state the gradient reducer carries between steps (GradReducer::carried, the error feedback
+// of int8 or of grad.sparse_ratio) is per rank: row `rank` of a [world, n] tensor
+// "grad_sync.residual" in the state files, each rank writing and reading its own row. It belongs
+// to the process layout, so trainer_state.json records its shape ("grad_residual": [world, n],
+// then the kind's name unless int8: [world, n, "sparse_ratio"]; absent when there is none).
 nlohmann::json carried_state_record(GradReducer& reducer, int world);
 // On resume: whether the checkpoint's record matches what this run carries (then its row is
 // read). When the run carries state and the record does not match (another layout, or a run
-// without int8), logs that the residual starts from zero.
+// without the same kind of residual), logs that the residual starts from zero.
 bool carried_state_matches(const nlohmann::json& trainer_state, GradReducer& reducer, int world);
 void add_carried_state(CheckpointShare& share, GradReducer& reducer, int rank, int world);
 

@@ -64,6 +64,7 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
 
   ReduceSettings rs = reduce_settings(cfg_.dist, ep_.comm_thread.get());
   rs.sparse_experts = cfg_.grad.sparse_experts;
+  rs.sparse_ratio = cfg_.grad.sparse_ratio;
   DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
   if (cfg_.grad.sparse_experts && !moe.empty())
     sparse_ = std::make_unique<SparseExperts>(layout, static_cast<int64_t>(moe.size()),
@@ -119,6 +120,7 @@ void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
   if (ep_.exchange) ep_.exchange->take_cross_node_bytes();  // an evaluation's are not the step's
   meter_.emplace(ep_.comm_thread.get(), *reducer_);
   skipped_before_ = reducer_->bytes_skipped();  // buckets are skipped from the last backward on
+  sparse_before_ = reducer_->sparse_figures();
   h.micro_batches = A;
   // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
   // (the reduction) then gives the mean. Local steps: the mean over this rank's own. fp16: the
@@ -289,6 +291,16 @@ StepResult StepEngine::end_step(Accumulated& acc, const Timer& step_timer, doubl
   if (sparse_) {
     r.metrics["experts_frozen"] = sparse_->inactive();
     r.metrics["bytes_grad_skipped"] = reducer_->bytes_skipped() - skipped_before_;
+  }
+  if (const SparseReduceFigures s = reducer_->sparse_figures(); s.values > sparse_before_.values) {
+    // grad.sparse_ratio: the expert buckets' share of bytes_grad, the share of their values that
+    // some rank sent, and how many ranks sent each of those on average.
+    const SparseReduceFigures& b = sparse_before_;
+    const auto entries = static_cast<double>(s.entries - b.entries);
+    r.metrics["bytes_grad_sparse"] = s.bytes - b.bytes;
+    r.metrics["grad_sparse_density"] = entries / static_cast<double>(s.values - b.values);
+    r.metrics["grad_sparse_contributors"] =
+        entries > 0 ? static_cast<double>(s.contributions - b.contributions) / entries : 0.0;
   }
   if (reweight_) {
     r.metrics["expert_reweight_min"] = reweight_->layer_min();

@@ -231,6 +231,7 @@ class StepEngine {
   StopVotes stop_;
   std::optional<StepCommMeter> meter_;  // the running step's communication readings
   int64_t skipped_before_ = 0;          // the reducer's skipped bytes when the step began
+  SparseReduceFigures sparse_before_;   // grad.sparse_ratio: the reducer's figures then
   MetricsWriter* metrics_ = nullptr;
 };
 
