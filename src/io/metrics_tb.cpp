@@ -81,7 +81,7 @@ constexpr std::array kTags = {
     MetricTag{"a2a_route_relayed_s", Kind::Scalar, "comm/a2a_route_relayed_s",
               "adaptive route: moving average of seconds per exchange, relayed (2-D)"},
     MetricTag{"a2a_route_measured_s", Kind::Scalar, "comm/a2a_route_measured_s",
-              "adaptive route: the step's seconds per exchange, mean over the EP group"},
+              "adaptive route: the step's seconds per exchange, least over the EP group"},
     MetricTag{"replica_drift", Kind::Scalar, "comm/replica_drift",
               "largest distance of a parameter from the replicas' mean before averaging"},
     MetricTag{"clock", Kind::Scalar, "ps/clock", "parameter server: clock of the update"},

@@ -4,9 +4,9 @@
 // cross-node pair of a step; the exchange itself takes any per-pair matrix (A2aRoute::relay).
 //
 // Costs are measured, not modelled: each step's exchanges (dispatches and combines) are timed on
-// every rank of the EP group, and the mean seconds per exchange over the group (the same figure
-// on every rank, reduced in rank order) updates an exponential moving average of the path the
-// step used. The unused path is re-measured by a probe: every probe_every-th step takes the other
+// every rank of the EP group, and the least of the ranks' times per exchange (the same figure on
+// every rank; the others' times also hold their wait for the last rank to arrive) updates an
+// exponential moving average of the path the step used. The unused path is re-measured by a probe: every probe_every-th step takes the other
 // path. The route switches when the other path's average is below (1 − margin) × this path's
 // (hysteresis: it does not flap on noise), so a link that slows down moves the traffic within
 // probe_every steps at most, at once when the other path's last figure already says so.
@@ -32,7 +32,7 @@ class RouteChooser {
   // path on a probe step.
   bool relayed_at(int64_t step) const { return probe(step) ? !relayed_ : relayed_; }
   bool probe(int64_t step) const { return step > 0 && step % opts_.probe_every == 0; }
-  // Step `step` moved its rows in `seconds` per exchange (the group's mean) over the path
+  // Step `step` moved its rows in `seconds` per exchange (the group's figure) over the path
   // relayed_at(step) gave; updates that path's average, then the choice.
   void observe(int64_t step, double seconds);
 

@@ -39,11 +39,14 @@ void MpiExchange::begin_step(int64_t step) {
 
 std::optional<RouteFigures> MpiExchange::end_step() {
   if (!chooser_) return std::nullopt;
-  // Seconds and exchanges summed over the group, in rank order: the same on every rank.
+  // The least time any rank of the group spent in the step's exchanges (every rank ran the same
+  // number): a rank's time also holds its wait for the last rank to arrive, and the last one's
+  // is closest to what the path itself costs. Reduced exactly: the same on every rank.
   double sums[2] = {0, 0};
   auto reduce = [&] {
-    sums[0] = route_s_, sums[1] = static_cast<double>(route_calls_);
-    route_.group->allreduce(sums, 2);
+    sums[0] = -route_s_, sums[1] = static_cast<double>(route_calls_);
+    route_.group->allreduce(sums, 2, {.op = ReduceOp::Max});
+    sums[0] = -sums[0];
   };
   if (opts_.thread) {
     opts_.thread->wait(opts_.thread->post(reduce));

@@ -39,7 +39,7 @@ struct RouteFigures {
   bool probe = false;      // the step took the other path to measure it
   double direct_s = -1;    // moving averages of seconds per exchange (< 0: not measured yet)
   double relayed_s = -1;
-  double measured_s = -1;  // this step's mean over the group (< 0: no exchange ran)
+  double measured_s = -1;  // this step's figure, least over the group (< 0: no exchange ran)
   bool next_relayed = false;  // the choice for the steps that follow
   bool switched = false;      // the step's figure changed the choice
 };
