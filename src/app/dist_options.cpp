@@ -57,6 +57,12 @@ const std::vector<ConfigFlag>& dist_config_flags() {
                "nodes); implies --hierarchical",
        .implies = "dist.hierarchical=true",
        .check = integer_in(0)},
+      {.name = "--adaptive-route",
+       .kind = Kind::Switch,
+       .key = "dist.adaptive_route",
+       .help = "Each step's cross-node all-to-all rows go direct or through the two-stage route, "
+               "whichever measured cheaper (dist.adaptive_route)",
+       .value = "true"},
       {.name = "--a2a-chunks",
        .kind = Kind::Int,
        .key = "dist.a2a_chunks",

@@ -90,16 +90,19 @@ FaultSpec parse_fault_spec(const std::string& text) {
     spec.action = FaultAction::Slow;
   } else if (action == "comm_delay") {
     spec.action = FaultAction::CommDelay;
+  } else if (action == "route_delay") {
+    spec.action = FaultAction::RouteDelay;
   } else {
     MOETRAIN_FAIL(
-        "MOETRAIN_FAULT = '{}': action '{}' unknown (allowed: kill, stop, exit, slow, comm_delay)",
+        "MOETRAIN_FAULT = '{}': action '{}' unknown (allowed: kill, stop, exit, slow, comm_delay, "
+        "route_delay)",
         text, action);
   }
   for (std::size_t i = 1; i < parts.size(); ++i) {
     const std::size_t eq = parts[i].find('=');
     MOETRAIN_CHECK(eq != std::string::npos,
                    "MOETRAIN_FAULT = '{}': '{}' is not key=value (keys: rank, step, where, "
-                   "attempt, code, ms)",
+                   "attempt, code, ms, path)",
                    text, parts[i]);
     const std::string key = parts[i].substr(0, eq), value = parts[i].substr(eq + 1);
     if (key == "rank") {
@@ -122,9 +125,15 @@ FaultSpec parse_fault_spec(const std::string& text) {
                      "checkpoint_write)",
                      text, value);
       spec.where = value;
+    } else if (key == "path") {
+      MOETRAIN_CHECK(value == "direct" || value == "relay",
+                     "MOETRAIN_FAULT = '{}': path = '{}' unknown (allowed: direct, relay)", text,
+                     value);
+      spec.slow_relay = value == "relay";
     } else {
       MOETRAIN_FAIL(
-          "MOETRAIN_FAULT = '{}': key '{}' unknown (allowed: rank, step, where, attempt, code, ms)",
+          "MOETRAIN_FAULT = '{}': key '{}' unknown (allowed: rank, step, where, attempt, code, ms, "
+          "path)",
           text, key);
     }
   }
@@ -135,7 +144,9 @@ FaultSpec parse_fault_spec(const std::string& text) {
 
 void fault_point(const char* where, int64_t step) {
   const Armed& a = armed();
-  if (!a.spec || a.spec->where != where || a.spec->action == FaultAction::CommDelay) return;
+  if (!a.spec || a.spec->where != where || a.spec->action == FaultAction::CommDelay ||
+      a.spec->action == FaultAction::RouteDelay)
+    return;
   if (a.spec->action == FaultAction::Slow) {
     if (step >= a.spec->step)
       std::this_thread::sleep_for(std::chrono::milliseconds(a.spec->slow_ms));
@@ -159,6 +170,7 @@ void fault_point(const char* where, int64_t step) {
       ::_exit(a.spec->exit_code);
     case FaultAction::Slow:
     case FaultAction::CommDelay:
+    case FaultAction::RouteDelay:
       break;
   }
 }
@@ -166,6 +178,15 @@ void fault_point(const char* where, int64_t step) {
 void fault_comm_job() {
   const Armed& a = armed();
   if (a.spec && a.spec->action == FaultAction::CommDelay)
+    std::this_thread::sleep_for(std::chrono::milliseconds(a.spec->slow_ms));
+}
+
+void fault_route_exchange(bool relayed, int64_t step) {
+  const Armed& a = armed();
+  if (!a.spec || a.spec->action != FaultAction::RouteDelay) return;
+  // From `step` on the named path is slow; before it, the other one.
+  const bool slow_relay = step >= a.spec->step ? a.spec->slow_relay : !a.spec->slow_relay;
+  if (relayed == slow_relay)
     std::this_thread::sleep_for(std::chrono::milliseconds(a.spec->slow_ms));
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "core/check.h"
 
@@ -85,23 +86,57 @@ void a2a_plan(A2aLayout& plan, const A2aRoute& route, const int64_t* counts, int
 
 namespace {
 
-// The two stages of a 2-D route as block lists, seen from rank me = (node n, local index l).
-// Rows wait between the stages in a relay buffer: blocks by local source k, each by destination
-// node. Every list is in bytes and in the order the peer's message is laid out.
+// Which node pairs an exchange relays through the 2-D stages, in the dispatch's terms: via(a, b)
+// for the rows node a's ranks route to node b's experts. A combine moves those rows from b to a,
+// so it relays them where the route relays traffic from b to a. A node's own rows take the
+// stages only when every cross-node pair does (then this is the 2-D route exactly).
+struct Paths {
+  int nodes;
+  const std::vector<uint8_t>* relay;  // null: every pair
+  bool reverse;
+  bool all_cross = true;  // every cross-node pair relayed
+
+  Paths(const A2aRoute& route, bool rev) : nodes(route.inter->size()), relay(route.relay), reverse(rev) {
+    if (!relay) return;
+    MOETRAIN_CHECK(relay->size() == static_cast<std::size_t>(nodes) * nodes,
+                   "a2a: a relay matrix of {} entries for {} nodes", relay->size(), nodes);
+    all_cross = nodes > 1;
+    for (int a = 0; a < nodes; ++a)
+      for (int b = 0; b < nodes; ++b) all_cross = all_cross && (a == b || (*relay)[a * nodes + b]);
+  }
+  bool via(int a, int b) const {
+    if (!relay || a == b) return all_cross;
+    return (*relay)[reverse ? b * nodes + a : a * nodes + b] != 0;
+  }
+  bool any_direct() const { return !all_cross; }
+  bool any_relayed() const {
+    for (int a = 0; a < nodes; ++a)
+      for (int b = 0; b < nodes; ++b)
+        if (via(a, b)) return true;
+    return false;
+  }
+};
+
+// The two stages of a 2-D route as block lists, seen from rank me = (node n, local index l), for
+// the node pairs `paths` relays. Rows wait between the stages in a relay buffer: blocks by local
+// source k, each by destination node. Every list is in bytes and in the order the peer's message
+// is laid out.
 struct TwoD {
   int P, L, nodes, n, l;
   int64_t row;
   const A2aLayout& plan;
+  const Paths& paths;
   int64_t m(int s, int d) const { return plan.rows[static_cast<std::size_t>(s) * P + d]; }
 
-  TwoD(const A2aLayout& p, const A2aRoute& route, int64_t elem_bytes)
+  TwoD(const A2aLayout& p, const A2aRoute& route, const Paths& pa, int64_t elem_bytes)
       : P(p.P),
         L(route.intra->size()),
         nodes(route.inter->size()),
         n(route.group->rank() / L),
         l(route.group->rank() % L),
         row(p.C * elem_bytes),
-        plan(p) {}
+        plan(p),
+        paths(pa) {}
 
   // Stage 1, to local rank k: my rows for ranks (d, k), d ascending, from the destination-ordered
   // send buffer.
@@ -112,7 +147,7 @@ struct TwoD {
     for (int k = 0; k < L; ++k)
       for (int d = 0; d < nodes; ++d) {
         const int dest = d * L + k;
-        if (plan.send_rows[dest] > 0)
+        if (paths.via(n, d) && plan.send_rows[dest] > 0)
           out[k].push_back({dest_offset[dest] * row, plan.send_rows[dest] * row});
       }
     return out;
@@ -122,7 +157,8 @@ struct TwoD {
     std::vector<int64_t> v(L + 1, 0);
     for (int k = 0; k < L; ++k) {
       v[k + 1] = v[k];
-      for (int d = 0; d < nodes; ++d) v[k + 1] += m(n * L + k, d * L + l);
+      for (int d = 0; d < nodes; ++d)
+        if (paths.via(n, d)) v[k + 1] += m(n * L + k, d * L + l);
     }
     return v;
   }
@@ -140,6 +176,7 @@ struct TwoD {
     for (int k = 0; k < L; ++k) {
       int64_t within = at[k];
       for (int d = 0; d < nodes; ++d) {
+        if (!paths.via(n, d)) continue;
         const int64_t rows = m(n * L + k, d * L + l);
         if (rows > 0) out[d].push_back({within * row, rows * row});
         within += rows;
@@ -152,6 +189,7 @@ struct TwoD {
   std::vector<std::vector<ByteBlock>> stage2_recv() const {
     std::vector<std::vector<ByteBlock>> out(nodes);
     for (int d = 0; d < nodes; ++d) {
+      if (!paths.via(d, n)) continue;
       const int64_t first = plan.recv_offset[d * L], last = plan.recv_offset[(d + 1) * L];
       out[d].push_back({first * row, (last - first) * row});
     }
@@ -183,17 +221,29 @@ void exchange(void* out, const void* in, const A2aLayout& plan, const A2aRoute& 
   MOETRAIN_CHECK(comm.size() == plan.P, "{}: plan for {} ranks used on a group of {}", what, plan.P,
                  comm.size());
   const int64_t C = plan.C;
-  if (!route.two_d()) {
-    const Runs a(plan.recv_rows, C, elem), b(plan.send_rows, C, elem);
+  Runs a(plan.recv_rows, C, elem), b(plan.send_rows, C, elem);
+  std::optional<Paths> paths;
+  if (route.two_d()) {
+    MOETRAIN_CHECK(!plan.rows.empty(), "{}: the plan was made for a flat route", what);
+    paths.emplace(route, reverse);
+  }
+  if (!paths || paths->any_direct()) {
+    // Direct: one alltoallv over the group, less the pairs that are relayed.
+    if (paths) {
+      const int L = route.intra->size(), n = comm.rank() / L;
+      for (int q = 0; q < plan.P; ++q) {
+        if (paths->via(n, q / L)) b.counts[q] = 0;
+        if (paths->via(q / L, n)) a.counts[q] = 0;
+      }
+    }
     if (reverse) {
       comm.alltoallv(out, b.counts, b.displs, in, a.counts, a.displs);
     } else {
       comm.alltoallv(out, a.counts, a.displs, in, b.counts, b.displs);
     }
-    return;
   }
-  MOETRAIN_CHECK(!plan.rows.empty(), "{}: the plan was made for a flat route", what);
-  const TwoD t(plan, route, elem);
+  if (!paths || !paths->any_relayed()) return;
+  const TwoD t(plan, route, *paths, elem);
   // The relay holds relayed() rows of C elements of elem bytes: at most as many floats.
   float* relay = scratch.relay.ensure(t.relayed() * C);
   if (reverse) {

@@ -16,7 +16,11 @@
 //         q mod L): first among the ranks of a node, each row to the local rank whose local index
 //         is its destination's; then between ranks with the same local index, one message per
 //         node pair carrying the rows of all L local sources. A row crosses the network once,
-//         in (nodes − 1) large messages per rank instead of (P − L) small ones.
+//         in (nodes − 1) large messages per rank instead of (P − L) small ones;
+//   mixed for the adaptive route (parallel/adaptive_route.h): per (source node, destination node)
+//         pair, either direct (one alltoallv over the group carries these rows, and every
+//         node's own rows) or relayed through the 2-D stages. Every cross-node pair relayed is
+//         the 2-D route; none is the flat one.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -32,6 +36,10 @@ struct A2aRoute {
   Comm* group = nullptr;  // the EP group
   Comm* intra = nullptr;  // 2-D: the ranks of this node (local index = rank there)
   Comm* inter = nullptr;  // 2-D: the ranks with this local index, one per node
+  // 2-D only, optional: (nodes × nodes), entry [a·nodes + b] ≠ 0 when the rows from node a's
+  // ranks to node b's go through the 2-D stages, 0 when they go direct (the diagonal is not
+  // read). Null: every pair relayed (the 2-D route). Every rank must hold the same matrix.
+  const std::vector<uint8_t>* relay = nullptr;
   bool two_d() const { return intra != nullptr; }
 };
 

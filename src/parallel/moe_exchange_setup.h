@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "core/dtype.h"
 #include "moe/moe_layer.h"
@@ -24,10 +25,13 @@ struct ExpertParallelOptions {
   DType wire = DType::F32;    // token rows on the wire: f32 or bf16
   // A communication thread even with one chunk (gradient buckets reduced during backward).
   bool overlap = false;
+  // The adaptive route (parallel/adaptive_route.h): the 2-D communicators are built whatever
+  // `hierarchical` says, and each step's cross-node rows take the cheaper path.
+  std::optional<RouteChoiceOptions> adaptive;
 };
 
 struct ExpertParallelSetup {
-  std::unique_ptr<A2aHierarchy> hierarchy;  // hierarchical only
+  std::unique_ptr<A2aHierarchy> hierarchy;  // hierarchical or adaptive only
   std::unique_ptr<CommThread> comm_thread;  // chunks > 1 or overlap
   std::unique_ptr<MpiExchange> exchange;    // over the groups' EP group
   // What the model's MoE layers run with: this exchange, statistics over groups.moe_stats.

@@ -1,6 +1,9 @@
 #include "parallel/mpi_exchange.h"
 
+#include <algorithm>
+
 #include "core/check.h"
+#include "core/fault.h"
 #include "core/profile.h"
 #include "core/timer.h"
 
@@ -16,6 +19,53 @@ MpiExchange::MpiExchange(const A2aRoute& route, const MpiExchangeOptions& opts)
                  opts_.ranks_per_node);
   ranks_per_node_ = opts_.ranks_per_node;
   if (ranks_per_node_ == 0 && route_.two_d()) ranks_per_node_ = route_.intra->size();
+  if (opts_.adaptive) {
+    MOETRAIN_CHECK(route_.two_d(), "MpiExchange: the adaptive route needs a 2-D route");
+    chooser_ = std::make_unique<RouteChooser>(*opts_.adaptive);
+    const int nodes = route_.inter->size();
+    relay_.assign(static_cast<std::size_t>(nodes) * nodes, chooser_->relayed() ? 1 : 0);
+    route_.relay = &relay_;
+  }
+}
+
+void MpiExchange::begin_step(int64_t step) {
+  if (!chooser_) return;
+  step_ = step;
+  step_relayed_ = chooser_->relayed_at(step);
+  std::fill(relay_.begin(), relay_.end(), step_relayed_ ? 1 : 0);
+  route_s_ = 0;
+  route_calls_ = 0;
+}
+
+std::optional<RouteFigures> MpiExchange::end_step() {
+  if (!chooser_) return std::nullopt;
+  // The least time any rank of the group spent in the step's exchanges (every rank ran the same
+  // number): a rank's time also holds its wait for the last rank to arrive, and the last one's
+  // is closest to what the path itself costs. Reduced exactly: the same on every rank.
+  double sums[2] = {0, 0};
+  auto reduce = [&] {
+    sums[0] = -route_s_, sums[1] = static_cast<double>(route_calls_);
+    route_.group->allreduce(sums, 2, {.op = ReduceOp::Max});
+    sums[0] = -sums[0];
+  };
+  if (opts_.thread) {
+    opts_.thread->wait(opts_.thread->post(reduce));
+  } else {
+    reduce();
+  }
+  RouteFigures f;
+  f.relayed = step_relayed_ ? 1.0 : 0.0;
+  f.probe = chooser_->probe(step_);
+  if (sums[1] > 0) {
+    f.measured_s = sums[0] / sums[1];
+    const int64_t before = chooser_->switches();
+    chooser_->observe(step_, f.measured_s);
+    f.switched = chooser_->switches() != before;
+  }
+  f.direct_s = chooser_->estimate(false);
+  f.relayed_s = chooser_->estimate(true);
+  f.next_relayed = chooser_->relayed();
+  return f;
 }
 
 ExpertOwnership MpiExchange::ownership() const {
@@ -58,7 +108,15 @@ const float* MpiExchange::exchange(Move move, const float* in, const ExchangeLay
                                    int64_t rows, FloatBuffer& out) {
   if (layout.P == 1) return in;
   float* to = out.ensure(rows * layout.C);
-  move(to, in, layout, route_, scratch_, opts_.wire);
+  if (chooser_) {
+    const Timer timer;
+    fault_route_exchange(step_relayed_, step_);
+    move(to, in, layout, route_, scratch_, opts_.wire);
+    route_s_ += timer.seconds();
+    ++route_calls_;
+  } else {
+    move(to, in, layout, route_, scratch_, opts_.wire);
+  }
   // A dispatch sends this process's routed rows out; a combine sends its experts' rows back.
   const std::vector<int64_t>& sent = move == &a2a_dispatch ? layout.send_rows : layout.recv_rows;
   const int64_t row_bytes = layout.C * static_cast<int64_t>(dtype_size(opts_.wire));

@@ -21,10 +21,19 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
   out.experts = {0, n_experts};
   if (pl.world == 1) return out;
   if (has_moe_layers) out.experts = expert_shard(n_experts, pl.ep, pl.ep_index);
-  out.ep = make_expert_parallel(
-      {dist.hierarchical, static_cast<int>(dist.ranks_per_node), static_cast<int>(dist.a2a_chunks),
-       parse_dtype(dist.a2a_dtype, "dist.a2a_dtype"), dist.overlap},
-      *out.groups);
+  ExpertParallelOptions epo{.hierarchical = dist.hierarchical,
+                            .ranks_per_node = static_cast<int>(dist.ranks_per_node),
+                            .chunks = static_cast<int>(dist.a2a_chunks),
+                            .wire = parse_dtype(dist.a2a_dtype, "dist.a2a_dtype"),
+                            .overlap = dist.overlap,
+                            .adaptive = std::nullopt};
+  if (dist.adaptive_route) {
+    RouteChoiceOptions route;
+    route.probe_every = dist.route_probe_every;
+    route.start_relayed = dist.hierarchical;
+    epo.adaptive = route;
+  }
+  out.ep = make_expert_parallel(epo, *out.groups);
   return out;
 }
 

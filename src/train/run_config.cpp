@@ -120,7 +120,12 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
       {"dist.hierarchical", &d.hierarchical,
        "Expert all-to-all in two stages, within nodes then between them"},
       {"dist.ranks_per_node", &d.ranks_per_node,
-       "With hierarchical: processes per node (0 = detect)"},
+       "With hierarchical or adaptive_route: processes per node (0 = detect)"},
+      {"dist.adaptive_route", &d.adaptive_route,
+       "Expert all-to-all: each step's cross-node rows go direct or through the 2-D route, "
+       "whichever measured cheaper (hierarchical names the starting path)"},
+      {"dist.route_probe_every", &d.route_probe_every,
+       "With adaptive_route: every n-th step takes the other path to measure it, n ≥ 2"},
       {"dist.a2a_chunks", &d.a2a_chunks,
        "Chunks each MoE layer's all-to-all is cut into to overlap it with expert compute, in [1, "
        "64]"},
@@ -454,6 +459,12 @@ void DistSettings::validate() const {
                  ranks_per_node);
   MOETRAIN_CHECK(a2a_chunks >= 1 && a2a_chunks <= 64, "dist.a2a_chunks = {}: must be in [1, 64]",
                  a2a_chunks);
+  MOETRAIN_CHECK(route_probe_every >= 2, "dist.route_probe_every = {}: must be ≥ 2",
+                 route_probe_every);
+  MOETRAIN_CHECK(!adaptive_route || ep >= 2,
+                 "dist.adaptive_route = true with dist.ep = {}: the route of the expert all-to-all "
+                 "needs expert parallelism (dist.ep ≥ 2)",
+                 ep);
   MOETRAIN_CHECK(std::isfinite(collective_warn) && collective_warn >= 0,
                  "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
                  collective_warn);

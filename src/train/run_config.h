@@ -121,6 +121,12 @@ struct DistSettings {
   // The expert all-to-all in two stages, within nodes then between them (parallel/alltoall.h).
   bool hierarchical = false;
   int64_t ranks_per_node = 0;  // with hierarchical: > 0 sets the node size (emulation), 0 detects
+  // The adaptive route (parallel/adaptive_route.h): each step's cross-node rows go direct or
+  // through the 2-D stages, whichever the measured exchange times say is cheaper; `hierarchical`
+  // then names the path it starts on. Needs expert parallelism and the node size
+  // (ranks_per_node, or detected).
+  bool adaptive_route = false;
+  int64_t route_probe_every = 10;  // adaptive: every n-th step measures the other path
   // > 1: each MoE layer cuts its tokens into this many chunks whose all-to-alls run on a
   // communication thread while the experts compute other chunks.
   int64_t a2a_chunks = 1;

@@ -99,9 +99,10 @@ std::string StepEngine::describe_layout() const {
       "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",
       world_, pl.dp, pl.ep, expert_shard_.count, cfg_.dist.zero ? ", ZeRO-1" : "",
-      ep_.hierarchy
-          ? fmt::format(", 2-D all-to-all ({} ranks per node)", ep_.hierarchy->intra->size())
-          : "",
+      ep_.hierarchy ? fmt::format(", {} all-to-all ({} ranks per node)",
+                                  ep_.exchange->adaptive() ? "adaptive" : "2-D",
+                                  ep_.hierarchy->intra->size())
+                    : "",
       buckets_);
 }
 
@@ -117,7 +118,10 @@ void StepEngine::host_params_changed() {
 
 void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
   const int64_t A = cfg_.micro_batches;
-  if (ep_.exchange) ep_.exchange->take_cross_node_bytes();  // an evaluation's are not the step's
+  if (ep_.exchange) {
+    ep_.exchange->take_cross_node_bytes();  // an evaluation's are not the step's
+    ep_.exchange->begin_step(step_ + 1);    // the adaptive route's path for this step
+  }
   meter_.emplace(ep_.comm_thread.get(), *reducer_);
   skipped_before_ = reducer_->bytes_skipped();  // buckets are skipped from the last backward on
   sparse_before_ = reducer_->sparse_figures();
@@ -313,7 +317,21 @@ StepResult StepEngine::end_step(Accumulated& acc, const Timer& step_timer, doubl
     placement_->after_step(step_, acc.tokens_per_expert, params_.data());
     model_.weights_changed();
   }
-  if (ep_.exchange) r.metrics["a2a_cross_node_bytes"] = ep_.exchange->take_cross_node_bytes();
+  if (ep_.exchange) {
+    r.metrics["a2a_cross_node_bytes"] = ep_.exchange->take_cross_node_bytes();
+    if (const std::optional<RouteFigures> route = ep_.exchange->end_step()) {
+      r.metrics["a2a_route"] = route->relayed;
+      r.metrics["a2a_route_probe"] = route->probe ? 1 : 0;
+      r.metrics["a2a_route_direct_s"] = route->direct_s;
+      r.metrics["a2a_route_relayed_s"] = route->relayed_s;
+      r.metrics["a2a_route_measured_s"] = route->measured_s;
+      if (route->switched)
+        log_info("step {}: the expert all-to-all now goes {} (per exchange: direct {:.3g} ms, "
+                 "relayed {:.3g} ms)",
+                 step_, route->next_relayed ? "through the 2-D route" : "direct",
+                 route->direct_s * 1e3, route->relayed_s * 1e3);
+    }
+  }
   r.loss = acc.loss.total;
   stop_ = acc.stop;
   return r;

@@ -59,6 +59,15 @@ TEST(FaultSpec, ParsesEveryFieldAndNamesBadOnes) {
   expect_error([] { parse_fault_spec("explode:step=1"); }, "comm_delay");
   EXPECT_EQ(parse_fault_spec("slow:step=0").slow_ms, 100);
   expect_error([] { parse_fault_spec("slow:step=1:ms=-5"); }, {"ms = '-5'", "integer"});
+  // A link change for the adaptive route: path slow from the step on (direct by default).
+  s = parse_fault_spec("route_delay:step=4:ms=30:path=relay");
+  EXPECT_EQ(s.action, FaultAction::RouteDelay);
+  EXPECT_EQ(s.step, 4);
+  EXPECT_TRUE(s.slow_relay);
+  EXPECT_FALSE(parse_fault_spec("route_delay:step=4").slow_relay);
+  expect_error([] { parse_fault_spec("route_delay:step=4:path=ring"); },
+               {"path = 'ring'", "direct, relay"});
+  expect_error([] { parse_fault_spec("route_delay:ms=3"); }, "step=S is required");
 }
 
 TEST(Hostfile, CountsSlotsAndNamesBadLines) {

@@ -116,6 +116,16 @@ TEST(ConfigDiff, ChangedFromTheDefaultsOnly) {
   EXPECT_TRUE(changed_from(RunConfig().to_json(), RunConfig().to_json()).empty());
 }
 
+TEST(AdaptiveRoute, NeedsExpertParallelismAndAProbeInterval) {
+  expect_error([] { load_run_config("", {"dist.adaptive_route=true"}); },
+               {"dist.adaptive_route = true", "dist.ep = 1", "dist.ep ≥ 2"});
+  expect_error([] { load_run_config("", {"dist.ep=2", "dist.route_probe_every=1"}); },
+               {"dist.route_probe_every = 1: must be ≥ 2"});
+  const RunConfig c = load_run_config("", {"dist.ep=2", "dist.adaptive_route=true"});
+  EXPECT_TRUE(c.dist.adaptive_route);
+  EXPECT_EQ(c.dist.route_probe_every, 10);
+}
+
 TEST(RouteGroups, ZeroIsRefusedNamingTheKeyAndOneIsOff) {
   expect_error([] { load_run_config("", {"model.route_groups=0"}); },
                {"model.route_groups = 0: must be ≥ 1", "1 = off"});
