@@ -1,9 +1,22 @@
-// Load balancing: the Switch/GShard auxiliary loss, the router z-loss and the aux-loss-free
-// bias update of DeepSeek-V3.
+// Load balancing: the Switch/GShard auxiliary loss, the variance loss, the router z-loss and the
+// aux-loss-free bias update of DeepSeek-V3.
 //
-//   L_aux = E · Σ_i f_i · P_i,  f_i = (top-K selections of expert i, before dropping) / (N·K),
+//   L_aux = E · Σ_i f_i · P_i,  f_i = (top-K selections of expert i, before dropping or
+//                               rerouting: what the router asked for) / (N·K),
 //                               P_i = mean over tokens of the router probability of expert i.
 //           f is piecewise constant, so the gradient flows through P only.
+//   L_var = Var_i(Î_i) + Var_i(L̂_i)   (model.balance_loss = variance)
+//           the design's "variance of importance + variance of load", with importance
+//           I_i = Σ_t p_ti (the probabilities summed over the batch) and load_i = I_i / N (their
+//           mean), each divided by its value under perfect balance: Î_i = I_i / (N/E) = E·P_i,
+//           L̂_i = load_i / (1/E) = E·P_i; Var_i is the population variance over the E experts.
+//           Undivided, Var(I) + Var(load) = (N² + 1)·Var(P) would grow with the batch, and the
+//           weight that balances one batch size would swamp the next. Divided, L_var =
+//           2·E²·Var_i(P_i) is 0 at perfect balance, independent of N, and, as the probabilities
+//           of a softmax router sum to 1 (mean share 1/E), each term is the squared coefficient of
+//           variation of Shazeer et al.'s importance loss: at most E − 1 per term when one expert
+//           takes everything, the range of the Switch loss (1..E), so one aux_loss_coef suits both.
+//           ∂L_var/∂P_i = 4·E·(P_i − mean_j P_j), ∂P_i/∂p_ti = 1/N.
 //   L_z   = mean over tokens of logsumexp(clean logits)²
 //   b_i  += γ · sign(mean_load − load_i)   once per optimizer step, outside autograd
 // Both losses are 0 when no process has tokens.
@@ -27,6 +40,12 @@ double aux_loss_forward(float* f, const float* probs, const int32_t* selected, i
                         int64_t S, int64_t K, Comm* stats = nullptr);
 // dprobs (N, E) = scale · ∂L_aux/∂probs = scale · E · f_i / N. f (E)
 void aux_loss_backward(float* dprobs, const float* f, int64_t N, int64_t E, float scale);
+
+// dLdP (E) = ∂L_var/∂P_i over every process; returns L_var. probs (N, E)
+double variance_loss_forward(float* dLdP, const float* probs, int64_t N, int64_t E,
+                             Comm* stats = nullptr);
+// dprobs (N, E) = scale · ∂L_var/∂probs = scale · dLdP_i / N. dLdP (E)
+void variance_loss_backward(float* dprobs, const float* dLdP, int64_t N, int64_t E, float scale);
 
 // Returns L_z over every process. lse (N)
 double z_loss_forward(const float* lse, int64_t N, Comm* stats = nullptr);

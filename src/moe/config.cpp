@@ -26,6 +26,14 @@ std::string_view router_kind_name(RouterKind kind) {
   return kRouterNames[i];
 }
 
+const char* overflow_name(Overflow o) {
+  return o == Overflow::Reroute ? "reroute" : "drop";
+}
+
+const char* balance_loss_name(BalanceLoss b) {
+  return b == BalanceLoss::Variance ? "variance" : "switch";
+}
+
 void MoeConfig::validate() const {
   MOETRAIN_CHECK(C > 0, "moe config: C (model dim) is {}, must be > 0", C);
   MOETRAIN_CHECK(F > 0, "moe config: F (expert hidden size) is {}, must be > 0", F);
@@ -57,6 +65,26 @@ void MoeConfig::validate() const {
   MOETRAIN_CHECK(std::isfinite(router_skew) && router_skew >= 0.0f,
                  "model.router_skew = {}: must be a finite value >= 0 (0 = off)", router_skew);
   validate_route_groups();
+  validate_overflow_and_balance();
+}
+
+void MoeConfig::validate_overflow_and_balance() const {
+  if (overflow == Overflow::Reroute) {
+    MOETRAIN_CHECK(is_token_choice(router),
+                   "model.overflow = reroute: rerouting moves token-choice assignments over an "
+                   "expert's capacity; model.router = expert_choice lets every expert pick its "
+                   "tokens and never overflows (set model.overflow = drop)");
+    MOETRAIN_CHECK(capacity_factor != 0.0f,
+                   "model.overflow = reroute needs a capacity (model.capacity_factor > 0 fixed or "
+                   "< 0 agreed); model.capacity_factor = 0 is dropless and nothing overflows (set "
+                   "model.overflow = drop)");
+  }
+  if (balance_loss == BalanceLoss::Variance)
+    MOETRAIN_CHECK(has_balance_loss(router),
+                   "model.balance_loss = variance: only model.router = topk_softmax or noisy_topk "
+                   "has a balancing loss; {} is balanced {} (set model.balance_loss = switch)",
+                   router_kind_name(router),
+                   router == RouterKind::ExpertChoice ? "by construction" : "by its bias");
 }
 
 void MoeConfig::validate_route_groups() const {

@@ -18,6 +18,20 @@ inline bool is_token_choice(RouterKind kind) {
   return kind != RouterKind::ExpertChoice;
 }
 
+// What happens to a token-choice assignment over its expert's capacity (model.overflow): drop
+// it, or reroute it to the token's next-best expert that still has room (moe/dispatch.h).
+enum class Overflow { Drop, Reroute };
+// The load-balancing loss of the token-choice softmax routers (model.balance_loss): Switch's
+// E·Σ f_i·P_i or the variance of importance and load (moe/balance.h).
+enum class BalanceLoss { Switch, Variance };
+const char* overflow_name(Overflow o);
+const char* balance_loss_name(BalanceLoss b);
+// The routers that have a load-balancing loss (the others are balanced by construction or by
+// their bias).
+inline bool has_balance_loss(RouterKind kind) {
+  return kind == RouterKind::TopKSoftmax || kind == RouterKind::NoisyTopK;
+}
+
 struct MoeConfig {
   int64_t C = 0, F = 0, E = 0, K = 2;  // model dim, expert hidden, experts, top-k
   RouterKind router = RouterKind::TopKSoftmax;
@@ -31,6 +45,9 @@ struct MoeConfig {
   // all use one capacity. Expert choice: ceil(N·K/E·cf) tokens per expert, 0 read as 1, < 0 an
   // error.
   float capacity_factor = 0.0f;
+  // Token choice with a capacity (cf ≠ 0): drop the assignments over it, or reroute them.
+  Overflow overflow = Overflow::Drop;
+  BalanceLoss balance_loss = BalanceLoss::Switch;  // weighted by aux_loss_coef
   float aux_loss_coef = 1e-2f, z_loss_coef = 1e-3f;
   float bias_update_rate = 1e-3f;  // sigmoid_bias γ
   int64_t shared_F = 0;            // shared expert hidden size, 0 = none
@@ -50,6 +67,8 @@ struct MoeConfig {
   void validate() const;
   // The group-limited routing part of validate(), with messages naming the model.* keys.
   void validate_route_groups() const;
+  // model.overflow and model.balance_loss against the router and capacity, likewise.
+  void validate_overflow_and_balance() const;
 };
 
 // Views into the model's flat parameter buffer; the gradient buffer has the same layout, so the

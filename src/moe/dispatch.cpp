@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <numeric>
 
 #include "core/check.h"
 #include "core/profile.h"
@@ -44,6 +46,61 @@ int64_t apply_capacity(Routing& r, int64_t capacity) {
     dropped += n - capacity;
   }
   return dropped;
+}
+
+int64_t reroute_overflow(Routing& r, int64_t capacity, const float* key, const float* score,
+                         bool normalize) {
+  PhaseScope phase_scope(Phase::Dispatch);
+  const int64_t N = r.N, E = r.E, S = r.S;
+  MOETRAIN_CHECK(capacity >= 0, "reroute_overflow: capacity is {}, must be >= 0", capacity);
+  std::vector<int64_t> load(E, 0), displaced;
+  for (int64_t i = 0; i < N * S; ++i) {
+    if (r.expert[i] >= 0) {
+      ++load[r.expert[i]];
+    } else if (r.selected[i] >= 0) {
+      displaced.push_back(i);
+    }
+  }
+  if (displaced.empty()) return 0;
+  std::sort(displaced.begin(), displaced.end(), [&](int64_t a, int64_t b) {
+    float wa = r.weight[a], wb = r.weight[b];
+    return wa > wb || (wa == wb && a < b);
+  });
+  std::vector<int32_t> order(E);
+  std::vector<int64_t> touched;
+  int64_t rerouted = 0;
+  for (int64_t i : displaced) {
+    const int64_t t = i / S;
+    const float* kt = key + t * E;
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return kt[a] > kt[b]; });
+    for (int32_t e : order) {
+      if (kt[e] == -std::numeric_limits<float>::infinity()) break;  // the rest are masked too
+      if (load[e] >= capacity) continue;
+      bool held = false;
+      for (int64_t j = 0; j < S; ++j) held |= weight_expert(r, t * S + j) == e;
+      if (held) continue;
+      r.expert[i] = e;
+      ++load[e];
+      ++rerouted;
+      if (touched.empty() || touched.back() != t) touched.push_back(t);
+      break;
+    }
+  }
+  // The router's weight rule (kept_weights in router.cpp), in slot order as there.
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (int64_t t : touched) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < S; ++k) sum += score[t * E + weight_expert(r, t * S + k)];
+    const float inv = normalize ? 1.0f / sum : 1.0f;
+    for (int64_t k = 0; k < S; ++k) {
+      const int64_t i = t * S + k;
+      r.weight[i] = score[t * E + weight_expert(r, i)] * inv;
+    }
+  }
+  return rerouted;
 }
 
 void build_layout(DispatchLayout& layout, const Routing& r) {

@@ -15,6 +15,25 @@ namespace moetrain {
 // and returns how many were dropped. Routing::weight is left as it is (no renormalisation).
 int64_t apply_capacity(Routing& r, int64_t capacity);
 
+// model.overflow = reroute, after apply_capacity: the load-aware assignment that replaces
+// dropping. The dropped assignments are taken one at a time, by descending Routing::weight (the
+// router's weight of that slot), ties to the lower slot index t·S + s, so that a token the
+// router is surer of gets the room left first; each goes to the first expert in its token's
+// order — descending key[t, :], ties to the lower expert index — that none of the token's slots
+// already stands for (weight_expert), whose key is not −inf, and that holds fewer than
+// `capacity` assignments at that moment. With no such expert it stays dropped. Experts keep what
+// apply_capacity kept, so none ends over `capacity`. key (N, E) is the router's selection key
+// (router_selection_keys), so a token's next-best expert is the one its top-K would have taken
+// next, within its kept groups.
+// Every token that got a new expert then has its weights recomputed by the router's rule over
+// the experts they stand for: w_k = score[t, weight_expert_k] (/ Σ_j score[t, weight_expert_j]
+// when normalising), a dropped slot still counting in the sum as under dropping. The weights stay
+// the router's function of its scores, so router_backward is exact. score (N, E) is
+// RouterCache::probs. Returns how many assignments were rerouted (the dropped count of
+// apply_capacity minus it is what stays dropped).
+int64_t reroute_overflow(Routing& r, int64_t capacity, const float* key, const float* score,
+                         bool normalize);
+
 // Where every assignment lives in the expert-grouped buffer. Rows of expert e are
 // [offsets[e], offsets[e+1]), in ascending token index.
 struct DispatchLayout {

@@ -6,14 +6,12 @@
 #include "core/check.h"
 #include "core/timer.h"
 #include "moe/balance.h"
+#include "moe/dispatch.h"
 #include "moe/slot_routing.h"
 
 namespace moetrain {
 
 namespace {
-bool has_aux_loss(RouterKind kind) {
-  return kind == RouterKind::TopKSoftmax || kind == RouterKind::NoisyTopK;
-}
 // The most assignments the router gave one expert (before dropping).
 int64_t largest_load(const Routing& r) {
   std::vector<int64_t> load(r.E, 0);
@@ -81,6 +79,7 @@ void MoeLayer::begin_forward(int64_t N, const float* inp) {
   inp_ = inp;
   stats_.capacity = 0;
   stats_.dropped = 0;
+  stats_.rerouted = 0;
 }
 
 void MoeLayer::after_routing(const MoeStep& step) {
@@ -92,6 +91,7 @@ void MoeLayer::after_routing(const MoeStep& step) {
     if (is_token_choice(cfg_.router) && cf_ > 0.0f) {
       stats_.capacity = expert_capacity(N, K, E, cf_);
       stats_.dropped = apply_capacity(routing_, stats_.capacity);
+      reroute();
     } else if (is_token_choice(cfg_.router) && cf_ < 0.0f) {
       // Max over processes of the bound and of the need: every process gets the same capacity.
       int64_t agreed[2] = {expert_capacity(N, K, E, -cf_), stats_.needed};
@@ -99,6 +99,7 @@ void MoeLayer::after_routing(const MoeStep& step) {
       stats_.needed = agreed[1];
       stats_.capacity = std::min(agreed[0], agreed[1]);
       stats_.dropped = apply_capacity(routing_, stats_.capacity);
+      reroute();
     } else if (cfg_.router == RouterKind::ExpertChoice) {
       float cf = cfg_.capacity_factor > 0.0f ? cfg_.capacity_factor : 1.0f;
       stats_.capacity = expert_capacity(N, K, E, cf);
@@ -111,16 +112,29 @@ void MoeLayer::after_routing(const MoeStep& step) {
     const int64_t S = routing_.S;
     aux_loss_ = 0.0f;
     std::fill(frac_.begin(), frac_.end(), 0.0f);
-    if (has_aux_loss(cfg_.router)) {
-      aux_loss_ = static_cast<float>(aux_loss_forward(frac_.data(), router_cache_.probs.data(),
-                                                      routing_.selected.data(), N, E, S, K,
-                                                      &stats_comm_));
+    if (has_balance_loss(cfg_.router) && cfg_.balance_loss == BalanceLoss::Variance) {
+      aux_loss_ = static_cast<float>(
+          variance_loss_forward(frac_.data(), router_cache_.probs.data(), N, E, &stats_comm_));
+    } else if (has_balance_loss(cfg_.router)) {
+      aux_loss_ =
+          static_cast<float>(aux_loss_forward(frac_.data(), router_cache_.probs.data(),
+                                              routing_.selected.data(), N, E, S, K, &stats_comm_));
     }
     z_loss_ = static_cast<float>(z_loss_forward(router_cache_.lse.data(), N, &stats_comm_));
     if (cfg_.router == RouterKind::SigmoidBias && step.training) {
       for (int64_t i = 0; i < N * S; ++i) ++pending_load_[routing_.selected[i]];
     }
   }
+}
+
+void MoeLayer::reroute() {
+  if (cfg_.overflow != Overflow::Reroute || stats_.dropped == 0) return;
+  selection_keys_.resize(N_ * cfg_.E);
+  router_selection_keys(selection_keys_.data(), router_cache_, N_, cfg_, bias_.data());
+  const bool normalize = cfg_.router == RouterKind::NoisyTopK || cfg_.renormalize;
+  stats_.rerouted = reroute_overflow(routing_, stats_.capacity, selection_keys_.data(),
+                                     router_cache_.probs.data(), normalize);
+  stats_.dropped -= stats_.rerouted;
 }
 
 float* MoeLayer::logits_for(int64_t N) {
@@ -132,8 +146,8 @@ float* MoeLayer::logits_for(int64_t N) {
 }
 
 const Routing& MoeLayer::route(int64_t N, const MoeStep& step) {
-  MOETRAIN_CHECK(router_cache_.N == N, "MoeLayer::route: logits_for({}) first, not {}",
-                 N, router_cache_.N);
+  MOETRAIN_CHECK(router_cache_.N == N, "MoeLayer::route: logits_for({}) first, not {}", N,
+                 router_cache_.N);
   begin_forward(N, nullptr);
   {
     ScopedTimer timer(timings_.router);
@@ -199,10 +213,14 @@ RouterGrads MoeLayer::router_grads(const float* dweight, float loss_weight) {
   grads.dweight = dweight;
   ScopedTimer timer(timings_.losses);
   const float aux_scale = cfg_.aux_loss_coef * loss_weight;
-  if (has_aux_loss(cfg_.router) && aux_scale != 0.0f) {
+  if (has_balance_loss(cfg_.router) && aux_scale != 0.0f) {
     dprobs_.resize(N * E);
-    // Global f_i, local token count: this process's share of ∂(E Σ f_i P_i).
-    aux_loss_backward(dprobs_.data(), frac_.data(), N, E, aux_scale);
+    // Global f_i (or ∂L_var/∂P_i), local token count: this process's share of the gradient.
+    if (cfg_.balance_loss == BalanceLoss::Variance) {
+      variance_loss_backward(dprobs_.data(), frac_.data(), N, E, aux_scale);
+    } else {
+      aux_loss_backward(dprobs_.data(), frac_.data(), N, E, aux_scale);
+    }
     grads.dprobs = dprobs_.data();
   }
   const float z_scale = cfg_.z_loss_coef * loss_weight;

@@ -13,13 +13,14 @@
 //
 // What the layer computes over every process of the run (the `stats` communicator, so that P
 // processes with B sequences each compute what one process computes with P·B):
-//   - the aux loss, with the global f_i and P_i (its gradient on this process's tokens is
-//     E·f_i/N_local times the loss weight, which the trainer sets to 1/processes), and the
+//   - the balance loss, with the global f_i and P_i (its gradient on this process's tokens is
+//     E·f_i/N_local — for the variance loss ∂L_var/∂P_i / N_local — times the loss weight, which
+//     the trainer sets to 1/processes), and the
 //     z-loss, the mean over every token (gradient likewise);
-// Per process, as on one process with that process's tokens: capacity dropping (each process's
-// own capacity; with capacity_factor < 0 one capacity for all, from the largest load needed on
-// any process), expert_choice selection, the statistics in MoeStats and sigmoid_bias loads
-// (pending_load(); the trainer sums them over the run). noisy_topk noise is drawn per global
+// Per process, as on one process with that process's tokens: capacity dropping or rerouting
+// (each process's own capacity; with capacity_factor < 0 one capacity for all, from the largest
+// load needed on any process), expert_choice selection, the statistics in MoeStats and sigmoid_bias
+// loads (pending_load(); the trainer sums them over the run). noisy_topk noise is drawn per global
 // token (MoeStep::token_offset), so a split run draws what the one-process run draws.
 #pragma once
 #include <cstdint>
@@ -38,7 +39,8 @@ namespace moetrain {
 struct MoeStats {
   std::vector<int64_t> tokens_per_expert;  // (E) assignments each expert computed, after dropping
   int64_t assignments = 0;                 // assignments the router made, before dropping
-  int64_t dropped = 0;                     // assignments dropped for capacity
+  int64_t dropped = 0;                     // assignments dropped for capacity (after rerouting)
+  int64_t rerouted = 0;                    // assignments moved to another expert (reroute)
   double fraction_dropped = 0.0;           // dropped / assignments (0 when there are none)
   int64_t capacity = 0;                    // per-expert capacity in force, 0 = dropless
   int64_t needed = 0;        // largest load any expert got before dropping (over the stats comm
@@ -124,6 +126,7 @@ class MoeLayer {
  private:
   void begin_forward(int64_t N, const float* inp);
   void after_routing(const MoeStep& step);  // capacity, balancing losses, sigmoid_bias loads
+  void reroute();  // model.overflow = reroute, after apply_capacity
   void finish_stats();
   RouterGrads router_grads(const float* dweight, float loss_weight);
 
@@ -144,7 +147,9 @@ class MoeLayer {
   const float* inp_ = nullptr;
   Routing routing_;
   RouterCache router_cache_;
-  std::vector<float> frac_;  // (E) global f_i of the aux loss
+  // (E) what the balance loss's backward needs: the global f_i (switch) or ∂L_var/∂P_i (variance)
+  std::vector<float> frac_;
+  std::vector<float> selection_keys_;  // (N, E) reroute scratch
   float aux_loss_ = 0.0f, z_loss_ = 0.0f;
   MoeStats stats_;
   MoeTimings timings_;

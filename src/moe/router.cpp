@@ -265,6 +265,49 @@ void router_select(Routing& r, RouterCache& cache, int64_t N, const MoeConfig& c
   r.expert = r.selected;
 }
 
+void router_selection_keys(float* key, const RouterCache& cache, int64_t N, const MoeConfig& cfg,
+                           const float* bias) {
+  const int64_t E = cfg.E;
+  const RouterKind kind = cfg.router;
+  MOETRAIN_CHECK(is_token_choice(kind), "router_selection_keys: {} selects no top-K per token",
+                 router_kind_name(kind));
+  MOETRAIN_CHECK(cache.N == N, "router_selection_keys: the cache holds N={}, not {}", cache.N, N);
+  MOETRAIN_CHECK(kind != RouterKind::SigmoidBias || bias,
+                 "router_selection_keys: sigmoid_bias needs the bias buffer");
+  const bool grouped = cfg.group_limited();
+#pragma omp parallel if (N > kParallelRows)
+  {
+    GroupScratch groups(cfg);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N; ++t) {
+      const float* l = cache.logits.data() + t * E;
+      const float* p = cache.probs.data() + t * E;
+      float* k = key + t * E;
+      // The same expressions router_select ranks by, so the order is the top-K's own.
+      switch (kind) {
+        case RouterKind::TopKSoftmax:
+          std::copy(l, l + E, k);
+          break;
+        case RouterKind::NoisyTopK:
+          if (cache.noisy) {
+            const float* nl = cache.noise_logits.data() + t * E;
+            const float* eps = cache.eps.data() + t * E;
+            for (int64_t e = 0; e < E; ++e) k[e] = l[e] + softplus(nl[e]) * eps[e];
+          } else {
+            std::copy(l, l + E, k);
+          }
+          break;
+        case RouterKind::SigmoidBias:
+          for (int64_t e = 0; e < E; ++e) k[e] = p[e] + bias[e];
+          break;
+        case RouterKind::ExpertChoice:
+          break;
+      }
+      if (grouped) keep_best_groups(k, kind == RouterKind::SigmoidBias ? k : p, cfg, groups);
+    }
+  }
+}
+
 void router_logit_grads(const RouterGrads& grads, const Routing& r, RouterCache& cache,
                         const MoeConfig& cfg) {
   PhaseScope phase_scope(Phase::Router);
@@ -280,10 +323,13 @@ void router_logit_grads(const RouterGrads& grads, const Routing& r, RouterCache&
 #pragma omp parallel if (N > kParallelRows)
   {
     std::vector<float> dp(E);
+    std::vector<int32_t> we(S);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < N; ++t) {
       const float* p = cache.probs.data() + t * E;
-      const int32_t* sel = r.selected.data() + t * S;
+      // The experts whose scores the weights are (the router's choice unless rerouted).
+      for (int64_t k = 0; k < S; ++k) we[k] = weight_expert(r, t * S + k);
+      const int32_t* sel = we.data();
       const float* w = r.weight.data() + t * S;
       const float* dw = grads.dweight + t * S;
       float* dl = cache.dlogits.data() + t * E;

@@ -31,6 +31,13 @@ struct Routing {
   std::vector<float> weight;      // (N, S) combine weight of each selected slot (0 where empty)
 };
 
+// The expert slot i's weight is a function of the score of: the dispatched one, or for a dropped
+// slot the router's choice (model.overflow = reroute moves a slot to another expert, whose score
+// its weight then is; router_backward differentiates through these).
+inline int32_t weight_expert(const Routing& r, int64_t i) {
+  return r.expert[i] >= 0 ? r.expert[i] : r.selected[i];
+}
+
 // What router_backward needs from the forward, and its scratch.
 struct RouterCache {
   int64_t N = 0;
@@ -61,6 +68,12 @@ void router_logits_resize(RouterCache& cache, int64_t N, const MoeConfig& cfg);
 void router_select(Routing& r, RouterCache& cache, int64_t N, const MoeConfig& cfg,
                    const float* bias, const MoeStep& step);
 
+// key (N, E) = what the token-choice top-K ranked experts by: l for topk_softmax, H for
+// noisy_topk, s + b for sigmoid_bias; −inf outside a token's kept groups under group-limited
+// routing. From the cache of the last router_select; the order reroute_overflow offers experts in.
+void router_selection_keys(float* key, const RouterCache& cache, int64_t N, const MoeConfig& cfg,
+                           const float* bias);
+
 // Gradients that reach the router from the rest of the layer.
 struct RouterGrads {
   const float* dweight = nullptr;  // (N, S) on Routing::weight; 0 on dropped and empty slots
@@ -70,6 +83,7 @@ struct RouterGrads {
 
 // dinp (N, C) += (dinp may be null), dgate (E, C) +=, dnoise (E, C) += (noisy_topk while
 // training). inp, gate, noise as in the forward.
+// Each slot's weight is differentiated as the router's weight of weight_expert(r, slot).
 void router_backward(float* dinp, float* dgate, float* dnoise, const RouterGrads& grads,
                      const float* inp, const float* gate, const float* noise, const Routing& r,
                      RouterCache& cache, const MoeConfig& cfg);

@@ -20,6 +20,18 @@ CapacityMode parse_capacity_mode(const std::string& name) {
   MOETRAIN_FAIL("model.capacity = '{}': allowed are fixed, dynamic", name);
 }
 
+Overflow parse_overflow(const std::string& name) {
+  if (name == "drop") return Overflow::Drop;
+  if (name == "reroute") return Overflow::Reroute;
+  MOETRAIN_FAIL("model.overflow = '{}': allowed are drop, reroute", name);
+}
+
+BalanceLoss parse_balance_loss(const std::string& name) {
+  if (name == "switch") return BalanceLoss::Switch;
+  if (name == "variance") return BalanceLoss::Variance;
+  MOETRAIN_FAIL("model.balance_loss = '{}': allowed are switch, variance", name);
+}
+
 const char* capacity_mode_name(CapacityMode m) {
   return m == CapacityMode::Dynamic ? "dynamic" : "fixed";
 }
@@ -37,6 +49,8 @@ MoeConfig MoeModelConfig::moe_config(int64_t dim) const {
   m.router = router;
   m.renormalize = renormalize;
   m.capacity_factor = static_cast<float>(capacity_factor);
+  m.overflow = overflow;
+  m.balance_loss = balance_loss;
   m.aux_loss_coef = static_cast<float>(aux_loss_coef);
   m.z_loss_coef = static_cast<float>(z_loss_coef);
   m.bias_update_rate = static_cast<float>(bias_update_rate);
@@ -88,7 +102,9 @@ void MoeModelConfig::validate_moe() const {
                  "model.route_groups = {}: must be ≥ 1, the number of expert groups a token's "
                  "experts are limited to (1 = off: every expert in one group)",
                  route_groups);
-  moe_config(1).validate_route_groups();  // its messages name the model.route_* keys
+  const MoeConfig layer = moe_config(1);
+  layer.validate_route_groups();          // its messages name the model.route_* keys
+  layer.validate_overflow_and_balance();  // and these model.overflow, model.balance_loss
 }
 
 }  // namespace moetrain

@@ -18,6 +18,8 @@ enum class CapacityMode { Fixed, Dynamic };
 // allowed names. And each value's name, as configs and JSON write it.
 RouterKind parse_router_setting(const std::string& name);
 CapacityMode parse_capacity_mode(const std::string& name);
+Overflow parse_overflow(const std::string& name);
+BalanceLoss parse_balance_loss(const std::string& name);
 const char* capacity_mode_name(CapacityMode m);
 const char* router_controller_name(RouterControllerKind k);
 
@@ -35,6 +37,10 @@ struct MoeModelConfig {
   // step (capacity_factor must then be non-zero: its sign keeps the mode).
   CapacityMode capacity = CapacityMode::Fixed;
   CapacityControlConfig balance;  // [balance]: the dynamic capacity controller
+  // drop or reroute the assignments over a token-choice capacity (needs capacity_factor ≠ 0)
+  Overflow overflow = Overflow::Drop;
+  // switch or variance, weighted by aux_loss_coef (topk_softmax and noisy_topk)
+  BalanceLoss balance_loss = BalanceLoss::Switch;
   double aux_loss_coef = 1e-2;
   double z_loss_coef = 1e-3;
   double bias_update_rate = 1e-3;

@@ -53,8 +53,16 @@ void add_moe_fields(std::vector<Field>& fields, MoeModelConfig& m) {
       {"model.capacity", choice(&m.capacity, parse_capacity_mode, capacity_mode_name),
        "fixed: capacity_factor as set; dynamic: the [balance] controller moves it each step",
        "fixed, dynamic"},
+      {"model.overflow", choice(&m.overflow, parse_overflow, overflow_name),
+       "Token choice with a capacity (capacity_factor ≠ 0): drop the assignments over an "
+       "expert's capacity, or reroute each to the token's next-best expert with room",
+       "drop, reroute"},
+      {"model.balance_loss", choice(&m.balance_loss, parse_balance_loss, balance_loss_name),
+       "Load-balancing loss of topk_softmax and noisy_topk: Switch's E·Σ f·P, or the variance "
+       "of importance and load",
+       "switch, variance"},
       {"model.aux_loss_coef", &m.aux_loss_coef,
-       "Weight of the Switch load-balancing loss (0 = off)"},
+       "Weight of the load-balancing loss (model.balance_loss; 0 = off)"},
       {"model.z_loss_coef", &m.z_loss_coef,
        "Weight of the router z-loss on the logits' log-sum-exp (0 = off)"},
       {"model.bias_update_rate", &m.bias_update_rate,
@@ -232,8 +240,12 @@ void read_moe_keys_as_now(nlohmann::json& j) {
 }
 
 void hash_moe_keys_as_before(nlohmann::json& j) {
-  if (j.contains("model") && j["model"].value("route_groups", int64_t{0}) == 1)
-    j["model"]["route_groups"] = 0;
+  if (!j.contains("model")) return;
+  nlohmann::json& m = j["model"];
+  if (m.value("route_groups", int64_t{0}) == 1) m["route_groups"] = 0;
+  // The defaults compute what runs computed before these keys existed.
+  if (m.value("overflow", std::string("drop")) == "drop") m.erase("overflow");
+  if (m.value("balance_loss", std::string("switch")) == "switch") m.erase("balance_loss");
 }
 
 ExpertReweightConfig GradSettings::expert_reweight_config() const {

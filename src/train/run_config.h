@@ -200,7 +200,8 @@ void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g);
 
 // A config's JSON as written before model.route_groups took 1 for "off" (it took 0): read as
 // today's (`read_moe_keys_as_now`), and hashed as then (`hash_moe_keys_as_before`), so that
-// older checkpoints load and resume.
+// older checkpoints load and resume; likewise model.overflow = drop and model.balance_loss =
+// switch, what every run computed before those keys existed, hash as if absent.
 void read_moe_keys_as_now(nlohmann::json& j);
 void hash_moe_keys_as_before(nlohmann::json& j);
 

@@ -86,7 +86,62 @@ TEST_P(BalanceTest, ZLossValueAndGradient) {
   check_gradient(logits.data(), d.data(), N * E, z_ref, "z dlogits", 1e-2, 1e-4, 1e-3);
 }
 
+// The design's definition, literally: importance = probabilities summed over the batch, load =
+// their mean, each over its value at perfect balance (N/E and 1/E), variance over the experts.
+double variance_ref(const std::vector<float>& probs, int64_t N, int64_t E) {
+  std::vector<double> importance(E, 0.0), load(E);
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t e = 0; e < E; ++e) importance[e] += probs[t * E + e];
+  for (int64_t e = 0; e < E; ++e) load[e] = importance[e] / double(N);
+  auto var = [&](const std::vector<double>& v, double balanced) {
+    double m = 0, s = 0;
+    for (double x : v) m += x / balanced;
+    m /= double(E);
+    for (double x : v) s += (x / balanced - m) * (x / balanced - m);
+    return s / double(E);
+  };
+  return var(importance, double(N) / double(E)) + var(load, 1.0 / double(E));
+}
+
+TEST_P(BalanceTest, VarianceLossValueAndGradient) {
+  const int64_t N = GetParam(), E = 5;
+  auto probs = random_probs(N, E, 13);
+  // A skew, so the gradient is not ~0: expert 0 gets more than its share.
+  for (int64_t t = 0; t < N; ++t) probs[t * E] += 0.3f;
+  std::vector<float> g(E);
+  const double loss = variance_loss_forward(g.data(), probs.data(), N, E);
+  if (N == 0) {
+    EXPECT_EQ(loss, 0.0);
+    return;
+  }
+  EXPECT_NEAR(loss, variance_ref(probs, N, E), 1e-6 * (1 + loss));
+  std::vector<float> dprobs(N * E);
+  variance_loss_backward(dprobs.data(), g.data(), N, E, 0.7f);
+  for (float& v : dprobs) v /= 0.7f;
+  check_gradient(
+      probs.data(), dprobs.data(), N * E, [&] { return variance_ref(probs, N, E); },
+      "variance dprobs");
+}
+
 INSTANTIATE_TEST_SUITE_P(Tokens, BalanceTest, ::testing::Values(0, 1, 7, 300, 1000));
+
+// The normalisation: the same batch twice over gives the same loss (it does not grow with N), one
+// expert taking everything gives E − 1 per term, and a uniform router 0.
+TEST(VarianceLoss, IndependentOfBatchSizeAndBoundedLikeTheSwitchLoss) {
+  const int64_t N = 40, E = 8;
+  auto probs = random_probs(N, E, 21);
+  std::vector<float> twice(probs);
+  twice.insert(twice.end(), probs.begin(), probs.end());
+  std::vector<float> g(E), g2(E);
+  const double once = variance_loss_forward(g.data(), probs.data(), N, E);
+  EXPECT_GT(once, 0.0);
+  EXPECT_NEAR(variance_loss_forward(g2.data(), twice.data(), 2 * N, E), once, 1e-9 * once);
+  for (int64_t e = 0; e < E; ++e) EXPECT_FLOAT_EQ(g2[e], g[e]);
+  std::vector<float> one(N * E, 0.0f), uniform(N * E, 1.0f / float(E));
+  for (int64_t t = 0; t < N; ++t) one[t * E + 3] = 1.0f;
+  EXPECT_NEAR(variance_loss_forward(g.data(), one.data(), N, E), 2.0 * double(E - 1), 1e-9);
+  EXPECT_NEAR(variance_loss_forward(g.data(), uniform.data(), N, E), 0.0, 1e-12);
+}
 
 TEST(BiasUpdate, SignOfMeanMinusLoad) {
   std::vector<float> b = {0.5f, 0.5f, 0.5f, 0.5f};

@@ -29,6 +29,8 @@ struct Case {
   int chunks = 1;                   // token chunks per exchange
   bool threaded = false;            // exchanges on a CommThread
   float cf = 0.0f;                  // capacity factor
+  Overflow overflow = Overflow::Drop;
+  BalanceLoss balance_loss = BalanceLoss::Switch;
   // Capacity and expert choice decide per rank (GShard's local groups): the reference then runs
   // each rank's tokens as a batch of their own. Set for cf > 0 and expert_choice.
   bool local_groups() const { return cf > 0.0f || router == RouterKind::ExpertChoice; }
@@ -65,6 +67,7 @@ Bits run_case(const Case& c, int ep) {
   cfg.aux_loss_coef = 0.1f, cfg.z_loss_coef = 0.05f, cfg.shared_F = c.shared_F;
   cfg.bias_update_rate = 0.01f;
   cfg.capacity_factor = c.cf;
+  cfg.overflow = c.overflow, cfg.balance_loss = c.balance_loss;
   // The aux loss reads loads over all ranks, which per-rank groups cannot reproduce.
   if (c.local_groups()) cfg.aux_loss_coef = 0.0f;
   const int64_t C = cfg.C, E = cfg.E;
@@ -94,7 +97,7 @@ Bits run_case(const Case& c, int ep) {
   MoeWeights ref_g = moe_weights_from_buffer(cfg, ref_grads.data());
   double ref_z = 0;
   std::vector<int64_t> ref_load(E, 0);
-  int64_t ref_dropped = 0;
+  int64_t ref_dropped = 0, ref_rerouted = 0;
   const bool local = c.local_groups();
   for (int64_t q = 0, at = 0; q < (local ? P : 1); ++q) {
     const int64_t n = local ? tokens_of(static_cast<int>(q), true) : Ng;
@@ -103,6 +106,7 @@ Bits run_case(const Case& c, int ep) {
     ref_z += ref.z_loss() * double(n) / Ng;
     for (int64_t e = 0; e < E; ++e) ref_load[e] += ref.stats().tokens_per_expert[e];
     ref_dropped += ref.stats().dropped;
+    ref_rerouted += ref.stats().rerouted;
     at += n;
   }
 
@@ -189,8 +193,14 @@ Bits run_case(const Case& c, int ep) {
   int64_t dropped = layer.stats().dropped;
   groups.control->allreduce(&dropped, 1);
   EXPECT_EQ(dropped, ref_dropped) << where;
-  if (c.cf > 0.0f && c.router != RouterKind::ExpertChoice) {
+  if (c.cf > 0.0f && c.router != RouterKind::ExpertChoice && c.overflow == Overflow::Drop) {
     EXPECT_GT(dropped, 0) << "nothing dropped";
+  }
+  if (c.overflow == Overflow::Reroute) {
+    int64_t rerouted = layer.stats().rerouted;
+    groups.control->allreduce(&rerouted, 1);
+    EXPECT_EQ(rerouted, ref_rerouted) << where;
+    EXPECT_GT(rerouted, 0) << "nothing rerouted";
   }
   if (c.one_rank_takes_all) {
     EXPECT_EQ(load[0] + load[1], Ng * c.K) << "tokens lost";
@@ -275,6 +285,19 @@ TEST(MpiExchangeMoe, CapacityDropsPerRankAsLocalGroups) {
   c.cf = 1.0f;
   for (int ep : ep_sizes()) run_case(c, ep);
   c.router = RouterKind::SigmoidBias, c.cf = 0.75f, c.shared_F = 8;
+  for (int ep : ep_sizes()) run_case(c, ep);
+}
+
+TEST(MpiExchangeMoe, CapacityReroutesPerRankAsLocalGroups) {
+  Case c;
+  c.cf = 0.75f, c.overflow = Overflow::Reroute;
+  for (int ep : ep_sizes()) run_case(c, ep);
+}
+
+// The variance loss over every process equals the one-process loss, and so do its gradients.
+TEST(MpiExchangeMoe, VarianceBalanceLossMatchesOneProcess) {
+  Case c;
+  c.balance_loss = BalanceLoss::Variance;
   for (int ep : ep_sizes()) run_case(c, ep);
 }
 

@@ -154,3 +154,43 @@ TEST(RouteGroups, ZeroIsRefusedNamingTheKeyAndOneIsOff) {
       "config.json");
   EXPECT_EQ(cl.config_hash(), ClassifierRunConfig().config_hash());
 }
+
+// model.overflow and model.balance_loss: typed when read, refused naming the key where unknown or
+// meaningless, in both configs; their defaults hash as configs did before the keys existed.
+TEST(MoeOptions, ParsedRefusedAndHashedAsBefore) {
+  const RunConfig set = load_run_config(
+      "", {"model.capacity_factor=1.25", "model.overflow=reroute", "model.balance_loss=variance"});
+  EXPECT_EQ(set.model.moe_config(8).overflow, Overflow::Reroute);
+  EXPECT_EQ(set.model.moe_config(8).balance_loss, BalanceLoss::Variance);
+  EXPECT_EQ(set.to_json()["model"]["overflow"], "reroute");
+  EXPECT_EQ(run_config_from_json(set.to_json(), "config.json").config_hash(), set.config_hash());
+  for (auto load :
+       {+[](const std::vector<std::string>& s) { (void)load_run_config("", s); },
+        +[](const std::vector<std::string>& s) { (void)load_classifier_config("", s); }}) {
+    expect_error([&] { load({"model.overflow=spill"}); },
+                 {"model.overflow = 'spill'", "drop, reroute"});
+    expect_error([&] { load({"model.balance_loss=l2"}); },
+                 {"model.balance_loss = 'l2'", "switch, variance"});
+    expect_error([&] { load({"model.overflow=reroute"}); },
+                 {"model.overflow = reroute needs a capacity"});
+    expect_error(
+        [&] {
+          load({"model.router=sigmoid_bias", "model.balance_loss=variance"});
+        },
+        {"model.balance_loss = variance", "sigmoid_bias"});
+  }
+  // A config.json without the keys loads with the defaults and keeps its hash.
+  nlohmann::json old = RunConfig().to_json();
+  old["model"].erase("overflow");
+  old["model"].erase("balance_loss");
+  const RunConfig loaded = run_config_from_json(old, "config.json");
+  EXPECT_EQ(loaded.model.overflow, Overflow::Drop);
+  EXPECT_EQ(loaded.model.balance_loss, BalanceLoss::Switch);
+  EXPECT_EQ(loaded.config_hash(), RunConfig().config_hash());
+  nlohmann::json hashed = RunConfig().to_json();
+  hash_moe_keys_as_before(hashed);
+  EXPECT_FALSE(hashed["model"].contains("overflow"));
+  EXPECT_FALSE(hashed["model"].contains("balance_loss"));
+  EXPECT_NE(load_run_config("", {"model.balance_loss=variance"}).config_hash(),
+            RunConfig().config_hash());
+}
