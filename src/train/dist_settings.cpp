@@ -1,0 +1,169 @@
+// The [dist] and [grad] sections of a run's configuration (train/run_config.h): their keys for
+// the configuration schema and their validation, alone and against each other.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <iterator>
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "parallel/grad_wire.h"
+#include "train/run_config.h"
+
+namespace moetrain {
+
+void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
+  const Field dist[] = {
+      {"dist.ep", &d.ep, "Expert-parallel group size: processes the experts are sharded over"},
+      {"dist.zero", &d.zero,
+       "1: ZeRO-1, each data-parallel process keeps the optimizer state of its shard"},
+      {"dist.bucket_first_mb", &d.bucket_first_mb,
+       "Size of the first gradient bucket of each kind, MiB"},
+      {"dist.bucket_mb", &d.bucket_mb, "Size of the later gradient buckets, MiB (at most 1024)"},
+      {"dist.hierarchical", &d.hierarchical,
+       "Expert all-to-all in two stages, within nodes then between them"},
+      {"dist.ranks_per_node", &d.ranks_per_node,
+       "With hierarchical or adaptive_route: processes per node (0 = detect)"},
+      {"dist.adaptive_route", &d.adaptive_route,
+       "Expert all-to-all: each step's cross-node rows go direct or through the 2-D route, "
+       "whichever measured cheaper (hierarchical names the starting path)"},
+      {"dist.route_probe_every", &d.route_probe_every,
+       "With adaptive_route: every n-th step takes the other path to measure it, n ≥ 2"},
+      {"dist.a2a_chunks", &d.a2a_chunks,
+       "Chunks each MoE layer's all-to-all is cut into to overlap it with expert compute, in [1, "
+       "64]"},
+      {"dist.overlap", &d.overlap,
+       "Reduce gradient buckets on a communication thread while backward runs"},
+      {"dist.collective_warn", &d.collective_warn,
+       "Warn when a collective waits this many seconds (0 = never)"},
+      {"dist.collective_timeout", &d.collective_timeout,
+       "Abort the job when a collective waits this many seconds (0 = never)"},
+      {"dist.debug_collectives", &d.debug_collectives,
+       "Compare a fingerprint of every collective across processes first (slower)"},
+      {"dist.grad_reduce_dtype", &d.grad_reduce_dtype,
+       "What the gradient reduction sends; the sums stay f32", "f32, bf16, int8"},
+      {"dist.a2a_dtype", &d.a2a_dtype, "Element type of the expert all-to-all payloads",
+       "f32, bf16"},
+      {"dist.sync", &d.sync,
+       "What replicas synchronise: gradients every step, or parameters every sync_every steps "
+       "(local SGD)",
+       "grads, params"},
+      {"dist.sync_every", &d.sync_every, "With sync = params: steps between parameter averagings"},
+      {"dist.sync_moments", &d.sync_moments,
+       "With sync = params: also average the optimizer moments"},
+  };
+  fields.insert(fields.end(), std::begin(dist), std::end(dist));
+}
+
+void add_grad_fields(std::vector<Field>& fields, GradSettings& g) {
+  const Field grad[] = {
+      {"grad.sparse_experts", &g.sparse_experts,
+       "Skip the reduction and update of experts no token reached in a step"},
+      {"grad.min_accum_fraction", &g.min_accum_fraction,
+       "With sparse_experts: update an expert only if tokens reached it in this share of the "
+       "micro-batches"},
+      {"grad.expert_reweight", &g.expert_reweight,
+       "Per-expert factors on the reduced gradients before the clip",
+       "none, importance, utilisation, grad_norm"},
+      {"grad.reweight_decay", &g.reweight_decay,
+       "importance reweighting: moving-average decay, in [0, 1)"},
+      {"grad.util_low", &g.util_low,
+       "utilisation reweighting: experts below this multiple of the mean load get ×2"},
+      {"grad.util_high", &g.util_high,
+       "utilisation reweighting: experts above this multiple of the mean load get ×0.5"},
+      {"grad.sparse_ratio", &g.sparse_ratio,
+       "Expert gradients: reduce only this fraction of values, the largest, with error feedback "
+       "(0 = off, else in (0, 1])"},
+  };
+  fields.insert(fields.end(), std::begin(grad), std::end(grad));
+}
+
+void GradSettings::validate() const {
+  MOETRAIN_CHECK(
+      std::isfinite(min_accum_fraction) && min_accum_fraction >= 0 && min_accum_fraction <= 1,
+      "grad.min_accum_fraction = {}: must be in [0, 1]", min_accum_fraction);
+  MOETRAIN_CHECK(min_accum_fraction == 0 || sparse_experts,
+                 "grad.min_accum_fraction = {} needs grad.sparse_experts = true",
+                 min_accum_fraction);
+  parse_expert_reweight(expert_reweight);
+  MOETRAIN_CHECK(reweight_decay >= 0 && reweight_decay < 1,
+                 "grad.reweight_decay = {}: must be in [0, 1)", reweight_decay);
+  MOETRAIN_CHECK(std::isfinite(util_low) && util_low >= 0,
+                 "grad.util_low = {}: must be a multiple of the mean load ≥ 0", util_low);
+  MOETRAIN_CHECK(std::isfinite(util_high) && util_high >= util_low,
+                 "grad.util_high = {}: must be ≥ grad.util_low = {}", util_high, util_low);
+  MOETRAIN_CHECK(sparse_ratio == 0 || (sparse_ratio > 0 && sparse_ratio <= 1),
+                 "grad.sparse_ratio = {}: must be in (0, 1] (the fraction of expert gradient "
+                 "values reduced), or 0 for off",
+                 sparse_ratio);
+}
+
+void GradSettings::validate_reduction(const DistSettings& dist, bool fp16) const {
+  if (sparse_ratio == 0) return;
+  MOETRAIN_CHECK(dist.grad_reduce_dtype != "int8",
+                 "grad.sparse_ratio = {} with dist.grad_reduce_dtype = int8: the sparse lists "
+                 "carry f32 or bf16 values; use dist.grad_reduce_dtype = f32 or bf16",
+                 sparse_ratio);
+  MOETRAIN_CHECK(!dist.local_steps(),
+                 "grad.sparse_ratio = {} with dist.sync = params: local steps reduce no "
+                 "gradients; use dist.sync = grads or grad.sparse_ratio = 0",
+                 sparse_ratio);
+  // As int8's: the residual would carry loss-scaled gradients across changes of the scale.
+  MOETRAIN_CHECK(!fp16,
+                 "grad.sparse_ratio = {} with train.precision = fp16: the error-feedback residual "
+                 "cannot follow the loss scale; use train.precision = bf16 or f32",
+                 sparse_ratio);
+}
+
+void erase_inert_grad_keys(nlohmann::json& j, const GradSettings& g) {
+  if (!j.contains("grad")) return;
+  if (!g.sparse_experts) {
+    j["grad"].erase("sparse_experts");
+    j["grad"].erase("min_accum_fraction");
+  }
+  if (g.sparse_ratio == 0) j["grad"].erase("sparse_ratio");
+  if (g.expert_reweight == "none")
+    for (const char* k : {"expert_reweight", "reweight_decay", "util_low", "util_high"})
+      j["grad"].erase(k);
+  if (j["grad"].empty()) j.erase("grad");
+}
+
+ExpertReweightConfig GradSettings::expert_reweight_config() const {
+  return {parse_expert_reweight(expert_reweight), reweight_decay, util_low, util_high};
+}
+
+void DistSettings::validate() const {
+  parse_grad_wire(grad_reduce_dtype, "dist.grad_reduce_dtype");
+  parse_dtype(a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
+  MOETRAIN_CHECK(ep >= 1, "dist.ep = {}: must be ≥ 1", ep);
+  MOETRAIN_CHECK(sync == "grads" || sync == "params", "dist.sync = '{}': allowed are grads, params",
+                 sync);
+  MOETRAIN_CHECK(sync_every >= 1, "dist.sync_every = {}: must be ≥ 1", sync_every);
+  MOETRAIN_CHECK(!(local_steps() && zero == 1),
+                 "dist.sync = params with dist.zero = 1: ZeRO-1 shards one optimizer state over "
+                 "the replicas, local steps need a whole one on each; use dist.zero = 0");
+  MOETRAIN_CHECK(zero == 0 || zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",
+                 zero);
+  MOETRAIN_CHECK(
+      bucket_first_mb > 0 && bucket_mb > 0 && bucket_mb <= 1024,
+      "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",
+      bucket_first_mb, bucket_mb);
+  MOETRAIN_CHECK(ranks_per_node >= 0, "dist.ranks_per_node = {}: must be ≥ 0 (0 = detect)",
+                 ranks_per_node);
+  MOETRAIN_CHECK(a2a_chunks >= 1 && a2a_chunks <= 64, "dist.a2a_chunks = {}: must be in [1, 64]",
+                 a2a_chunks);
+  MOETRAIN_CHECK(route_probe_every >= 2, "dist.route_probe_every = {}: must be ≥ 2",
+                 route_probe_every);
+  MOETRAIN_CHECK(!adaptive_route || ep >= 2,
+                 "dist.adaptive_route = true with dist.ep = {}: the route of the expert all-to-all "
+                 "needs expert parallelism (dist.ep ≥ 2)",
+                 ep);
+  MOETRAIN_CHECK(std::isfinite(collective_warn) && collective_warn >= 0,
+                 "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
+                 collective_warn);
+  MOETRAIN_CHECK(std::isfinite(collective_timeout) && collective_timeout >= 0,
+                 "dist.collective_timeout = {}: must be seconds ≥ 0 (0 = never abort)",
+                 collective_timeout);
+}
+
+}  // namespace moetrain
