@@ -10,7 +10,6 @@
 #include "core/check.h"
 #include "core/log.h"
 #include "data/tokenizer.h"
-#include "parallel/grad_wire.h"
 #include "train/precision.h"
 
 namespace moetrain {

@@ -88,10 +88,12 @@ TEST(AdaptiveRoute, SwitchesAfterALinkChangeAndMatchesTheFlatRoute) {
     const double route = j["a2a_route"].get<double>();
     EXPECT_EQ(probe, step % kProbe == 0) << j.dump();
     // The delayed path shows in the step's own figure: before the change the relayed one (the
-    // probes), after it the direct one.
+    // probes), after it the direct one. The figure is the least of the ranks' times, and a rank
+    // that reaches an exchange after the delayed rank started its sleep waits less than the
+    // sleep: half of it is the bound (the undelayed exchanges of this test take well under 1 ms).
     const bool slow = step < kChange ? route == 1 : route == 0;
     if (slow) {
-      EXPECT_GE(j["a2a_route_measured_s"].get<double>(), delay) << j.dump();
+      EXPECT_GE(j["a2a_route_measured_s"].get<double>(), 0.5 * delay) << j.dump();
     }
     if (probe) continue;
     if (step < kChange) {
