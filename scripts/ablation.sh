@@ -93,8 +93,8 @@ done
 
 {
   echo "Setup: mode **$mode**$([ "$mode" = loopback ] && echo " ($why)") — 4 MPI ranks as 2 nodes of 2" \
-    "(link: $link), EP = 4, OMP_NUM_THREADS=1, $(nproc --all) cores, $steps steps per run" \
-    "$([ "${QUICK:-0}" = 1 ] && echo "— **QUICK run: checks the machinery, the figures mean nothing**")."
+    "(link: $link), EP = 4, OMP_NUM_THREADS=1, $(nproc --all) cores, $steps steps per" \
+    "run$([ "${QUICK:-0}" = 1 ] && echo " — **QUICK run: checks the machinery, the figures mean nothing**")."
 } > "$out/setup.txt"
 cat "$out/setup.txt"
 

@@ -54,6 +54,7 @@ constexpr Column kColumns[] = {
     {"comm_efficiency_exposed", "comm. efficiency (exposed)",
      &AblationFigures::comm_efficiency_exposed},
     {"samples_per_s", "samples/s", &AblationFigures::samples_per_s},
+    {"kept_samples_per_s", "samples/s × kept share", &AblationFigures::kept_samples_per_s},
     {"val_loss", "validation loss", &AblationFigures::val_loss},
     {"training_efficiency", "training efficiency (samples/s × util. / process)",
      &AblationFigures::training_efficiency},
@@ -79,7 +80,7 @@ AblationFigures ablation_run_figures(const fs::path& run_dir, int64_t warmup) {
   MOETRAIN_CHECK(seq_len > 0, "{}: no train.seq_len (needed for samples/s)", config.string());
   AblationFigures f;
   std::vector<std::vector<double>> load;  // per layer, per expert, over the timed steps
-  double seconds = 0, samples = 0, exposed = 0, all_comm = 0, active = 0;
+  double seconds = 0, samples = 0, kept = 0, exposed = 0, all_comm = 0, active = 0;
   int64_t timed = 0, moe_steps = 0, processes = 1;
   bool has_val = false, has_comm = true;
   for (const Json& j : read_metrics(run_dir)) {
@@ -88,7 +89,15 @@ AblationFigures ablation_run_figures(const fs::path& run_dir, int64_t warmup) {
     const double dt = number(j, "step_time_s");
     ++timed;
     seconds += dt;
-    samples += number(j, "tokens_per_s") * dt / static_cast<double>(seq_len);
+    const double step_samples = number(j, "tokens_per_s") * dt / static_cast<double>(seq_len);
+    samples += step_samples;
+    double dropped = 0;
+    auto drop = j.find("dropped_fraction");
+    if (drop != j.end() && drop->is_array() && !drop->empty()) {
+      for (const Json& d : *drop) dropped += d.is_number() ? d.get<double>() : 0.0;
+      dropped /= static_cast<double>(drop->size());
+    }
+    kept += step_samples * (1.0 - dropped);
     exposed += number(j, "comm_efficiency");
     has_comm = has_comm && j.contains("compute_s") && j.contains("comm_total_s");
     const double compute = number(j, "compute_s"), comm = number(j, "comm_total_s");
@@ -134,6 +143,7 @@ AblationFigures ablation_run_figures(const fs::path& run_dir, int64_t warmup) {
   f.comm_efficiency = all_comm / steps;
   f.comm_efficiency_exposed = exposed / steps;
   f.samples_per_s = samples / seconds;
+  f.kept_samples_per_s = kept / seconds;
   f.training_efficiency = f.samples_per_s * f.utilisation / static_cast<double>(processes);
   return f;
 }
@@ -196,6 +206,7 @@ std::string ablation_markdown(const AblationTable& t) {
     for (const Column& c : kColumns) {
       const double v = r.median.*c.field;
       const bool rate = c.field == &AblationFigures::samples_per_s ||
+                        c.field == &AblationFigures::kept_samples_per_s ||
                         c.field == &AblationFigures::training_efficiency;
       md += rate ? fmt::format(" {:.2f}", v) : fmt::format(" {:.3f}", v);
       md += fmt::format(" (×{:.2f}) |", r.relative.*c.field);

@@ -23,6 +23,10 @@
 //                       + the communication the compute thread waited for))
 //   samples_per_s       sequences over the timed steps / their summed step_time_s (a step's
 //                       sequences are its tokens_per_s · step_time_s / train.seq_len)
+//   kept_samples_per_s  samples_per_s counting each step's sequences × the share of its
+//                       routed assignments the experts computed (1 − the step's dropped_fraction,
+//                       averaged over the MoE layers): throughput at the work actually done, so
+//                       a row that drops tokens is not faster for it
 //   val_loss            the last val_loss line (the evaluation after the final step)
 //   training_efficiency samples_per_s × utilisation / processes: the design's overall training
 //                       efficiency (throughput × utilisation / resources), processes = the length
@@ -38,7 +42,7 @@ namespace moetrain {
 
 struct AblationFigures {
   double utilisation = 0, load_balance = 0, comm_efficiency = 0, comm_efficiency_exposed = 0,
-         samples_per_s = 0, val_loss = 0, training_efficiency = 0;
+         samples_per_s = 0, kept_samples_per_s = 0, val_loss = 0, training_efficiency = 0;
 };
 
 struct AblationRow {

@@ -30,7 +30,7 @@ void write_run(const TempDir& tmp, const std::string& dir, double dt, double eff
   for (int step = 2; step <= 3; ++step)
     lines += fmt::format(R"({{"step":{},"step_time_s":{},"tokens_per_s":{},"comm_efficiency":{},)"
                          R"("compute_s":{},"comm_total_s":{},"rank_step_time_s":[{},{}],)"
-                         R"("tokens_per_expert":[[3,1,0],[2,2,2]]}})"
+                         R"("dropped_fraction":[0.5,0.0],"tokens_per_expert":[[3,1,0],[2,2,2]]}})"
                          "\n",
                          step, dt, 40 / dt, efficiency, 0.75 * dt, 0.5 * dt, dt, dt);
   lines += R"({"step":2,"val_loss":9.0})"
@@ -54,6 +54,7 @@ TEST(AblationTable, RunFiguresSkipTheWarmUp) {
   EXPECT_DOUBLE_EQ(f.comm_efficiency, 0.75 / (0.75 + 0.5));
   EXPECT_DOUBLE_EQ(f.comm_efficiency_exposed, 0.8);
   EXPECT_DOUBLE_EQ(f.samples_per_s, 8.0 / 1.0);  // 2 × 4 sequences in 2 × 0.5 s
+  EXPECT_DOUBLE_EQ(f.kept_samples_per_s, 8.0 * 0.75);  // a quarter of the assignments dropped
   EXPECT_DOUBLE_EQ(f.val_loss, 2.5);
   EXPECT_DOUBLE_EQ(f.training_efficiency, 8.0 * f.utilisation / 2);  // two processes
   // Counting the warm-up step changes every timed figure.
