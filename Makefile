@@ -6,6 +6,12 @@ PREFIX ?= /usr/local
 # The Debian package's own build: no CUDA backend (its runtime is in no Debian package), no tests
 # or benchmarks (not installed).
 DEB_BUILD_DIR ?= build-deb
+# The CUDA backend (CMakeLists.txt): AUTO builds it where the toolkit is found. make demo needs
+# only the binary, and builds the backend only where a GPU is present.
+CUDA ?= AUTO
+DEMO_CUDA ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo AUTO || echo OFF)
+# A timestamped phase line.
+phase = @echo "== [$$(date +%T)] $(1)"
 
 .PHONY: all setup setup-tests configure build test demo bench install deb format clean
 
@@ -15,7 +21,7 @@ setup:
 	bash scripts/setup.sh
 
 configure: setup
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DMOETRAIN_WITH_CUDA=$(CUDA) $(CMAKE_FLAGS)
 
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
@@ -24,7 +30,16 @@ test: build
 	bash scripts/setup.sh --tests
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
-demo: build
+# The first result: the moetrain binary only (tests and benchmarks build with make test and make
+# bench), then scripts/demo.sh; each phase prints the time it starts.
+demo:
+	$(call phase,setup)
+	bash scripts/setup.sh
+	$(call phase,configure)
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DMOETRAIN_WITH_CUDA=$(DEMO_CUDA) \
+	  $(CMAKE_FLAGS)
+	$(call phase,build moetrain)
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target moetrain
 	bash scripts/demo.sh $(BUILD_DIR)
 
 bench: build

@@ -16,6 +16,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 packages=(
   build-essential cmake pkg-config
+  ccache                            # rebuilds of sources compiled before (another clone, branch)
   dpkg-dev file                     # make deb: cpack's Depends (dpkg-shlibdeps), which reads ELF types with file
   libdnnl-dev                       # oneDNN: every GEMM
   ocl-icd-opencl-dev opencl-headers # oneDNN's CMake config asks for OpenCL (its GPU runtime)
