@@ -73,11 +73,15 @@ std::string peer_of(int fd) {
 }
 
 // Refusals, logged without flooding: the first of an interval in full, the others of the
-// interval counted and summarised once it is over.
+// interval counted and summarised once it is over, or when the log ends (the socket it watches
+// closed) before that.
 class RefusalLog {
  public:
   explicit RefusalLog(std::string who, double interval_s = 10)
       : who_(std::move(who)), interval_(interval_s) {}
+  RefusalLog(const RefusalLog&) = delete;
+  RefusalLog& operator=(const RefusalLog&) = delete;
+  ~RefusalLog() { summarise(); }
   void refused(const std::string& what) {
     flush();
     if (counted_ == 0 && !open_) {
@@ -92,15 +96,19 @@ class RefusalLog {
   // Ends the interval once it is over, with a line for what it counted.
   void flush() {
     if (!open_ || seconds_since(start_) < interval_) return;
+    summarise();
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  void summarise() {
+    if (!open_) return;
     if (counted_ > 0)
       log_warn("{}: refused {} more peer(s) at the handshake in the last {:.0f} s (the latest: {})",
                who_, counted_, seconds_since(start_), latest_);
     open_ = false;
     counted_ = 0;
   }
-
- private:
-  using Clock = std::chrono::steady_clock;
   static double seconds_since(Clock::time_point t) {
     return std::chrono::duration<double>(Clock::now() - t).count();
   }
