@@ -43,8 +43,9 @@ const std::vector<ConfigFlag>& dist_config_flags() {
       {.name = "--zero",
        .kind = Kind::Int,
        .key = "dist.zero",
-       .help = "1: ZeRO-1 optimizer-state sharding under mpirun (dist.zero)",
-       .check = integer_in(0, 1)},
+       .help = "ZeRO stage under mpirun: 1 shards the optimizer state, 2 the reduced gradients "
+               "too (dist.zero)",
+       .check = integer_in(0, 2)},
       {.name = "--hierarchical",
        .kind = Kind::Switch,
        .key = "dist.hierarchical",

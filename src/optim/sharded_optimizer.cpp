@@ -25,6 +25,17 @@ void ShardedOptimizer::step(float* params, const float* grads, float lr,
   ++step_count_;
 }
 
+void ShardedOptimizer::step(float* params, std::span<const float* const> piece_grads, float lr,
+                            std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
+  MOETRAIN_CHECK(piece_grads.size() == opts_.size(), "{} gradient pieces for {} optimizer pieces",
+                 piece_grads.size(), opts_.size());
+  for (std::size_t k = 0; k < opts_.size(); ++k) {
+    Optimizer& o = *opts_[k];
+    o.step(params + o.begin(), piece_grads[k], lr, frozen, lp.at(o.begin()));
+  }
+  ++step_count_;
+}
+
 void ShardedOptimizer::set_step_count(int64_t steps) {
   MOETRAIN_CHECK(steps >= 0, "optimizer step count {} must be >= 0", steps);
   for (auto& o : opts_) o->set_step_count(steps);

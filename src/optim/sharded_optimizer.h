@@ -27,6 +27,10 @@ class ShardedOptimizer {
   // ranges (Optimizer::step). lp: the whole low-precision copy, whose pieces are written too.
   void step(float* params, const float* grads, float lr, std::span<const FrozenRange> frozen = {},
             const LowPrecisionCopy& lp = {});
+  // The same, each piece's gradients read from piece_grads[k] (its size values) rather than from
+  // a flat buffer (ZeRO-2 steps on the packed shard).
+  void step(float* params, std::span<const float* const> piece_grads, float lr,
+            std::span<const FrozenRange> frozen = {}, const LowPrecisionCopy& lp = {});
   int64_t step_count() const { return step_count_; }
   void set_step_count(int64_t steps);
 

@@ -13,22 +13,6 @@ namespace moetrain {
 
 namespace {
 
-// Sorted, adjacent ranges joined.
-std::vector<FlatRange> merged(std::vector<FlatRange> v) {
-  std::sort(v.begin(), v.end(),
-            [](const FlatRange& a, const FlatRange& b) { return a.offset < b.offset; });
-  std::vector<FlatRange> out;
-  for (const FlatRange& r : v) {
-    if (r.size == 0) continue;
-    if (!out.empty() && out.back().offset + out.back().size == r.offset) {
-      out.back().size += r.size;
-    } else {
-      out.push_back(r);
-    }
-  }
-  return out;
-}
-
 // fn(r, a, z) for each range r of `ranges` (sorted by offset, disjoint) that overlaps [lo, hi),
 // [a, z) being the overlap.
 template <class Fn>
@@ -43,30 +27,6 @@ void overlaps(const std::vector<WeightedRange>& ranges, int64_t lo, int64_t hi, 
 }
 
 }  // namespace
-
-SyncRanges sync_ranges(const ParamTable& layout, const ExpertShard& shard) {
-  std::vector<FlatRange> all_experts, own;
-  SyncRanges out;
-  const std::vector<ExpertPiece> keyed = expert_pieces(layout);
-  std::size_t k = 0;
-  for (const ParamInfo& p : layout.params()) {
-    if (p.expert < 0) continue;
-    all_experts.push_back({p.offset, p.numel});
-    const ExpertPiece& piece = keyed[k++];
-    if (p.expert >= shard.first && p.expert < shard.first + shard.count) {
-      own.push_back({p.offset, p.numel});
-      out.expert_keyed.push_back(piece);
-    }
-  }
-  out.expert = merged(own);
-  int64_t at = 0;
-  for (const FlatRange& r : merged(all_experts)) {
-    if (r.offset > at) out.dense.push_back({at, r.offset - at});
-    at = r.offset + r.size;
-  }
-  if (layout.size() > at) out.dense.push_back({at, layout.size() - at});
-  return out;
-}
 
 GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const GradSyncConfig& cfg)
     : dense_(dense), expert_(expert), wire_(cfg.wire), sparse_(cfg.sparse_ratio, cfg.wire) {
@@ -323,7 +283,10 @@ void GradSync::reduce_scatter(const float* grads) {
                  "GradSync::reduce_scatter while an overlapped reduction is in flight");
   PhaseScope phase_scope(Phase::GradReduce);
   gathered_ = nullptr;
-  for (std::size_t i = 0; i < buckets_.size(); ++i) reduce_bucket(i, grads);
+  for (std::size_t i = 0; i < buckets_.size(); ++i) {
+    reduce_bucket(i, grads);
+    if (bucket_done_) bucket_done_(i);
+  }
 }
 
 void GradSync::begin(CommThread& thread, float* grads, bool gather) {
@@ -345,6 +308,7 @@ void GradSync::ready(int64_t from) {
       // The bucket's gradients are final (backward only writes lower offsets now), so its
       // reduced values can land in place while backward goes on.
       if (gather_ && !skip_[i]) gather_bucket(i);
+      if (bucket_done_) bucket_done_(i);
     });
   }
 }
@@ -486,26 +450,6 @@ void GradSync::allgather_params(float* params) {
     pack(mine.data(), params, b, b.chunk_begin, b.chunk_begin + n);
     allgather_into(params, b, mine.data(), GradWire::F32);  // master weights stay f32
   }
-}
-
-std::vector<ShardPiece> GradSync::shard_pieces() const {
-  std::vector<FlatRange> dense, expert;
-  for (const Bucket& b : buckets_) {
-    const int64_t lo = b.chunk_begin, hi = lo + b.counts[group(b).rank()];
-    int64_t pos = 0;
-    for (const FlatRange& p : b.pieces) {
-      const int64_t a = std::max(lo, pos), z = std::min(hi, pos + p.size);
-      if (a < z) (b.expert ? expert : dense).push_back({p.offset + (a - pos), z - a});
-      pos += p.size;
-    }
-  }
-  std::vector<ShardPiece> out;
-  for (const FlatRange& r : merged(dense)) out.push_back({r, false});
-  for (const FlatRange& r : merged(expert)) out.push_back({r, true});
-  std::sort(out.begin(), out.end(), [](const ShardPiece& a, const ShardPiece& b) {
-    return a.range.offset < b.range.offset;
-  });
-  return out;
 }
 
 }  // namespace moetrain

@@ -13,8 +13,9 @@
 // shard. Every rank of a group cuts the same buckets, in the same order.
 #pragma once
 #include <cstdint>
-#include <span>
 #include <functional>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "core/buffer.h"
@@ -134,6 +135,21 @@ class GradSync final : public GradientShard {
   void allgather_params(float* params);
   // The flat ranges of this rank's shard (ZeRO-1 updates exactly these).
   std::vector<ShardPiece> shard_pieces() const;
+  // The same elements as runs contiguous both in the flat buffer and in the shard (ZeRO-2's
+  // optimizer reads its gradients from the shard): flat offset, position in the shard, length.
+  struct ShardSpan {
+    int64_t flat = 0, at = 0, size = 0;
+  };
+  std::vector<ShardSpan> shard_spans() const;
+  float* shard_data() { return shard_.data(); }
+  // Bucket i's reduced chunk in the shard.
+  std::span<float> shard_chunk(std::size_t i) {
+    const Bucket& b = buckets_[i];
+    return {shard_.data() + b.shard_offset, static_cast<std::size_t>(b.counts[group(b).rank()])};
+  }
+  // Called with i right after bucket i's reduce-scatter (and gather) completed, on the thread that
+  // ran it: its gradients in the flat buffer are read no more (ZeRO-2 releases them there).
+  void set_bucket_done(std::function<void(std::size_t)> fn) { bucket_done_ = std::move(fn); }
 
   // int8 error feedback: per packed element sent (Σ bucket sizes), then per element of the
   // largest shard any rank of the group can hold (Σ ceil(size / P)), so that its length is the
@@ -191,6 +207,7 @@ class GradSync final : public GradientShard {
   SparseBuckets sparse_;
   std::vector<int> sparse_slot_;  // (buckets) the SparseBuckets slot, -1 for a dense bucket
   std::vector<uint8_t> skip_;  // (buckets) set_active_experts
+  std::function<void(std::size_t)> bucket_done_;
   int64_t bytes_skipped_ = 0;
 };
 

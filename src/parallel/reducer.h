@@ -1,7 +1,7 @@
 // Gradient reduction between the last backward and the update step, as one interface: every
 // trainer makes the same calls whatever the number of processes (llm.c's reduce returns at once on
 // one rank). The local reducer is the identity; the MPI one (parallel/mpi_reducer.h) sums over
-// the data-parallel ranks in buckets, plain or ZeRO-1. A trainer picks one at construction.
+// the data-parallel ranks in buckets, plain or ZeRO-1; parallel/zero2_reducer.h is ZeRO-2. A trainer picks one at construction.
 //
 //   reducer.begin(grads)            before the step's last backward (overlapped reduction)
 //   backward ...                    (the model's grads-ready hook may feed the reducer)
@@ -32,6 +32,15 @@ class GradReducer {
   // Completes the reduction of grads (the flat buffer); returns the part of the summed gradient
   // this process is responsible for, valid until the next begin/reduce.
   virtual GradientShard& reduce(float* grads) = 0;
+  // ZeRO-2: every micro-batch's gradients are reduced as its backward finishes them, not only the
+  // last one's; begin_micro_batch / end_micro_batch then frame each backward but the step's last
+  // (micro: its index), and each ends with that micro-batch's range of grads zero.
+  virtual bool reduces_each_micro_batch() const { return false; }
+  virtual void begin_micro_batch(float* /*grads*/, int64_t /*micro*/) {}
+  virtual void end_micro_batch(float* /*grads*/) {}
+  // Where the optimizer reads each of its pieces' gradients when they are not at the pieces'
+  // offsets in the flat buffer (ZeRO-2: in the shard), in piece order; empty otherwise.
+  virtual std::span<const float* const> piece_grads() const { return {}; }
   // After check_and_clip, before the optimizer step: the reduced, clipped part is put where the
   // optimizer reads it (ZeRO-1 unpacks its shard into grads; nothing to do otherwise).
   virtual void prepare_step(float* /*grads*/) {}

@@ -67,8 +67,12 @@ struct AccumulateHooks {
   // Called right before the last micro-batch's backward (overlapped gradient reduction). May be
   // empty.
   std::function<void()> before_last_backward;
-  // Where the gradients live elsewhere (a resident device engine): zeroes them there, in place of
-  // the host buffer, which the step then leaves alone. May be empty.
+  // Called right before and right after each micro-batch's backward but the last (ZeRO-2 reduces
+  // every micro-batch's gradients). May be empty.
+  std::function<void(int64_t micro)> before_backward, after_backward;
+  // Zeroes the gradients in place of filling the host buffer with zeros: where they live elsewhere
+  // (a resident device engine, which leaves the host buffer alone), or where the buffer skips
+  // pages it handed back (ZeRO-2). May be empty.
   std::function<void()> zero_grads;
   // Sparse expert gradients: each micro-batch's routing is recorded here right after its forward
   // (so that before_last_backward can agree on the mask). May be null.
@@ -156,8 +160,11 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
                             moe[m]->stats().tokens_per_expert.data());
     }
     // The last micro-batch's backward finishes the gradients: reduction may start now.
-    if (micro == A - 1 && args.before_last_backward) args.before_last_backward();
+    const bool last = micro == A - 1;
+    if (last && args.before_last_backward) args.before_last_backward();
+    if (!last && args.before_backward) args.before_backward(micro);
     model.backward(params, grads, args.loss_weight);
+    if (!last && args.after_backward) args.after_backward(micro);
     sum.ce += p.parts.ce / A, sum.aux += p.parts.aux / A, sum.z += p.parts.z / A;
     sum.total += p.parts.total / A;
     sum.targets += p.parts.targets;

@@ -16,7 +16,11 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
   const Field dist[] = {
       {"dist.ep", &d.ep, "Expert-parallel group size: processes the experts are sharded over"},
       {"dist.zero", &d.zero,
-       "1: ZeRO-1, each data-parallel process keeps the optimizer state of its shard"},
+       "ZeRO stage under MPI: 0 off; 1 each data-parallel process keeps the optimizer state of "
+       "its shard; 2 also keeps only its shard of the reduced gradients (each bucket's flat "
+       "gradients are released once reduce-scattered; with grad_accum every micro-batch is "
+       "reduced, A times the reduction traffic)",
+       "0, 1, 2"},
       {"dist.bucket_first_mb", &d.bucket_first_mb,
        "Size of the first gradient bucket of each kind, MiB"},
       {"dist.bucket_mb", &d.bucket_mb, "Size of the later gradient buckets, MiB (at most 1024)"},
@@ -99,6 +103,15 @@ void GradSettings::validate() const {
 }
 
 void GradSettings::validate_reduction(const DistSettings& dist, bool fp16) const {
+  MOETRAIN_CHECK(!(dist.zero == 2 && sparse_experts),
+                 "dist.zero = 2 with grad.sparse_experts = true: a skipped expert's gradients "
+                 "would have to stay in the flat buffer ZeRO-2 releases; use dist.zero = 1 or "
+                 "grad.sparse_experts = false");
+  MOETRAIN_CHECK(!(dist.zero == 2 && sparse_ratio != 0),
+                 "dist.zero = 2 with grad.sparse_ratio = {}: the sparse expert buckets are summed "
+                 "whole on every rank, not reduce-scattered; use dist.zero = 1 or "
+                 "grad.sparse_ratio = 0",
+                 sparse_ratio);
   if (sparse_ratio == 0) return;
   MOETRAIN_CHECK(dist.grad_reduce_dtype != "int8",
                  "grad.sparse_ratio = {} with dist.grad_reduce_dtype = int8: the sparse lists "
@@ -139,11 +152,19 @@ void DistSettings::validate() const {
   MOETRAIN_CHECK(sync == "grads" || sync == "params", "dist.sync = '{}': allowed are grads, params",
                  sync);
   MOETRAIN_CHECK(sync_every >= 1, "dist.sync_every = {}: must be ≥ 1", sync_every);
-  MOETRAIN_CHECK(!(local_steps() && zero == 1),
-                 "dist.sync = params with dist.zero = 1: ZeRO-1 shards one optimizer state over "
-                 "the replicas, local steps need a whole one on each; use dist.zero = 0");
-  MOETRAIN_CHECK(zero == 0 || zero == 1, "dist.zero = {}: allowed are 0 (off) and 1 (ZeRO-1)",
+  MOETRAIN_CHECK(zero == 0 || zero == 1 || zero == 2,
+                 "dist.zero = {}: allowed are 0 (off), 1 (ZeRO-1: optimizer state sharded) and 2 "
+                 "(ZeRO-2: gradients sharded too)",
                  zero);
+  MOETRAIN_CHECK(!(local_steps() && zero >= 1),
+                 "dist.sync = params with dist.zero = {}: ZeRO shards one optimizer state over "
+                 "the replicas, local steps need a whole one on each; use dist.zero = 0",
+                 zero);
+  // int8's error feedback keeps a residual per gradient element sent: a whole gradient's worth.
+  MOETRAIN_CHECK(!(zero == 2 && grad_reduce_dtype == "int8"),
+                 "dist.zero = 2 with dist.grad_reduce_dtype = int8: int8's error-feedback "
+                 "residual is as large as the whole gradient ZeRO-2 releases; use "
+                 "dist.grad_reduce_dtype = f32 or bf16, or dist.zero = 1");
   MOETRAIN_CHECK(
       bucket_first_mb > 0 && bucket_mb > 0 && bucket_mb <= 1024,
       "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",

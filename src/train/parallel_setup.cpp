@@ -5,6 +5,7 @@
 #include "core/dtype.h"
 #include "parallel/mpi_reducer.h"
 #include "parallel/grad_sync.h"
+#include "parallel/zero2_reducer.h"
 
 namespace moetrain {
 
@@ -42,7 +43,7 @@ ReduceSettings reduce_settings(const DistSettings& dist, CommThread* comm_thread
   rs.bucket_first_mb = dist.bucket_first_mb;
   rs.bucket_mb = dist.bucket_mb;
   rs.grad_reduce_dtype = dist.grad_reduce_dtype;
-  rs.zero1 = dist.zero == 1;
+  rs.zero = dist.zero;
   rs.local_steps = dist.local_steps();
   rs.overlap = dist.overlap ? comm_thread : nullptr;
   return rs;
@@ -73,7 +74,20 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
   gc.sparse_ratio = settings.sparse_ratio;
   auto sync = std::make_unique<GradSync>(ranges, *groups.grads, *groups.expert_grads, gc);
   out.buckets = static_cast<int64_t>(sync->buckets().size());
-  if (settings.zero1) {
+  if (settings.zero == 2) {
+    MOETRAIN_CHECK(settings.grad_buffer != nullptr, "ZeRO-2 needs the flat gradient buffer");
+    auto reducer = std::make_unique<Zero2Reducer>(std::move(sync), settings.overlap,
+                                                  *settings.grad_buffer);
+    out.pieces = reducer->pieces();
+    if (settings.overlap) {
+      Zero2Reducer* r = reducer.get();
+      out.grads_ready = [r](int64_t from) { r->ready(from); };
+    }
+    out.reducer = std::move(reducer);
+    return out;
+  }
+  const bool zero1 = settings.zero == 1;
+  if (zero1) {
     for (const ShardPiece& p : sync->shard_pieces())
       out.pieces.push_back({p.range.offset, p.range.size});
   } else {
@@ -81,7 +95,7 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
     for (const FlatRange& r : ranges.expert) out.pieces.push_back({r.offset, r.size});
   }
   auto reducer =
-      std::make_unique<MpiGradReducer>(std::move(sync), settings.overlap, settings.zero1);
+      std::make_unique<MpiGradReducer>(std::move(sync), settings.overlap, zero1);
   if (settings.overlap) {
     MpiGradReducer* r = reducer.get();
     out.grads_ready = [r](int64_t from) { r->ready(from); };

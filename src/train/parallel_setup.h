@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/page_buffer.h"
 #include "model/params.h"
 #include "parallel/reducer.h"
 #include "parallel/comm_thread.h"
@@ -23,7 +24,9 @@ namespace moetrain {
 struct ReduceSettings {
   double bucket_first_mb = 1, bucket_mb = 25;
   std::string grad_reduce_dtype = "f32";
-  bool zero1 = false;
+  int64_t zero = 0;  // dist.zero: 0, 1 or 2
+  // ZeRO-2: the flat gradient buffer, whose buckets it clears once reduced.
+  PageBuffer* grad_buffer = nullptr;
   bool local_steps = false;  // dist.sync = params: no gradient reduction, parameter averaging
   // Reduces gradient buckets during backward on this thread (null: after backward).
   CommThread* overlap = nullptr;

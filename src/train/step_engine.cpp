@@ -58,13 +58,14 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   if (device_) device_->set_resident(true);
   set_precision(cfg_.precision);
   params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
-  grads_.assign(params_.size(), 0.0f);
+  grads_ = PageBuffer(layout.size());
   init_params(params_.data());
   groups_ = param_groups(layout);
 
   ReduceSettings rs = reduce_settings(cfg_.dist, ep_.comm_thread.get());
   rs.sparse_experts = cfg_.grad.sparse_experts;
   rs.sparse_ratio = cfg_.grad.sparse_ratio;
+  rs.grad_buffer = &grads_;
   DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
   if (cfg_.grad.sparse_experts && !moe.empty())
     sparse_ = std::make_unique<SparseExperts>(layout, static_cast<int64_t>(moe.size()),
@@ -98,7 +99,7 @@ std::string StepEngine::describe_layout() const {
   return fmt::format(
       "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",
-      world_, pl.dp, pl.ep, expert_shard_.count, cfg_.dist.zero ? ", ZeRO-1" : "",
+      world_, pl.dp, pl.ep, expert_shard_.count, cfg_.dist.zero ? fmt::format(", ZeRO-{}", cfg_.dist.zero) : "",
       ep_.hierarchy ? fmt::format(", {} all-to-all ({} ranks per node)",
                                   ep_.exchange->adaptive() ? "adaptive" : "2-D",
                                   ep_.hierarchy->intra->size())
@@ -143,6 +144,15 @@ void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
     if (!device_current_) device_state_to_device(*device_, *optimizer_, params_.data());
     device_current_ = true;
     h.zero_grads = [this] { device_->zero_grads(); };
+  } else if (reducer_->reduces_each_micro_batch()) {
+    // ZeRO-2 cleared each reduced bucket: its released pages read zero and stay released.
+    h.zero_grads = [this] { grads_.zero(); };
+    if (A > 1) {
+      h.before_backward = [this](int64_t micro) {
+        reducer_->begin_micro_batch(grads_.data(), micro);
+      };
+      h.after_backward = [this](int64_t) { reducer_->end_micro_batch(grads_.data()); };
+    }
   }
   h.sparse = sparse_.get();
   h.before_last_backward = [this] {
@@ -210,7 +220,11 @@ StepEngine::Update StepEngine::update(float lr, const UpdateOptions& opts) {
       ScopedTimer timer(exposed);
       reducer_->prepare_step(grads_.data());
     }
-    optimizer_->step(params_.data(), grads_.data(), lr, frozen, lp);
+    if (const std::span<const float* const> pg = reducer_->piece_grads(); !pg.empty()) {
+      optimizer_->step(params_.data(), pg, lr, frozen, lp);  // ZeRO-2: on the shard
+    } else {
+      optimizer_->step(params_.data(), grads_.data(), lr, frozen, lp);
+    }
     ScopedTimer timer(exposed);  // ZeRO-1's parameter all-gather
     reducer_->finish_step(params_.data());
   }
@@ -350,7 +364,7 @@ void StepEngine::average_replicas() {
 
 CheckpointShare StepEngine::checkpoint_share(const std::vector<NamedTensor>& state, bool reading) {
   const int rank = pg_->control->rank();
-  const bool sharded = world_ > 1 && cfg_.dist.zero == 1;
+  const bool sharded = world_ > 1 && cfg_.dist.zero >= 1;
   CheckpointShare share =
       moetrain::checkpoint_share(model_.param_table(), params_.data(), *optimizer_, writers_,
                                  expert_shard_, rank, sharded, state, reading);

@@ -30,6 +30,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/comm.h"
+#include "core/page_buffer.h"
 #include "core/dtype.h"
 #include "core/timer.h"
 #include "io/checkpoint.h"
@@ -163,7 +164,7 @@ class StepEngine {
   // --- state ---------------------------------------------------------------------------------
   int64_t step_count() const { return step_; }
   std::vector<float>& params() { return params_; }
-  std::vector<float>& grads() { return grads_; }
+  std::span<float> grads() { return grads_.span(); }
   ShardedOptimizer& optimizer() { return *optimizer_; }
   const LossScaler* loss_scaler() const { return scaler_.get(); }
   const LrSchedule& schedule() const { return *schedule_; }
@@ -204,7 +205,9 @@ class StepEngine {
   ExpertParallelSetup ep_;
   ExpertShard expert_shard_;
   int world_ = 1;
-  std::vector<float> params_, grads_;  // (layout size)
+  std::vector<float> params_;  // (layout size)
+  // (layout size) page-aligned: ZeRO-2 hands each reduced bucket's pages back to the system.
+  PageBuffer grads_;
   std::vector<ParamRange> groups_;
   std::vector<std::pair<int64_t, int64_t>> own_experts_;
   std::unique_ptr<GradReducer> reducer_;

@@ -55,7 +55,7 @@ class Trainer : private RunTask {
   const RunConfig& config() const { return cfg_; }
   Transformer& model() { return *model_; }
   std::vector<float>& params() { return engine_->params(); }
-  std::vector<float>& grads() { return engine_->grads(); }
+  std::span<float> grads() { return engine_->grads(); }
   ShardedOptimizer& optimizer() { return engine_->optimizer(); }
   int64_t step() const { return engine_->step_count(); }
   int rank() const { return world_->rank(); }
