@@ -26,7 +26,9 @@ PageBuffer::PageBuffer(int64_t n) : n_(n) {
   MOETRAIN_CHECK(p != MAP_FAILED, "mapping {} bytes for a page buffer: {}", bytes_,
                  std::strerror(errno));
   data_ = static_cast<float*>(p);
-  released_.assign(bytes_ / page, 0);
+  // Fresh anonymous pages read zero and are not resident: they count as released, so the first
+  // zero() does not fault the whole buffer in.
+  released_.assign(bytes_ / page, 1);
 }
 
 PageBuffer::~PageBuffer() {

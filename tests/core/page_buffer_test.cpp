@@ -29,6 +29,12 @@ TEST(PageBuffer, ClearedRangeReadsZeroAndLeavesTheResidentSet) {
   const int64_t n = 16384 * page;  // 64 MiB with 4 KiB pages
   PageBuffer buf(n);
   ASSERT_EQ(reinterpret_cast<uintptr_t>(buf.data()) % PageBuffer::page_bytes(), 0u);
+  // A fresh buffer is not resident, and its first zero() leaves it so.
+  EXPECT_EQ(buf.released_pages(), n / page);
+  const int64_t fresh = vm_rss_kb();
+  buf.zero();
+  EXPECT_LT(vm_rss_kb(), fresh + 1024);
+  EXPECT_EQ(buf.released_pages(), 0);
   for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i % 1000) + 1.0f;
   const int64_t before = vm_rss_kb();
   ASSERT_GT(before, 0);
@@ -64,6 +70,7 @@ TEST(PageBuffer, ClearedRangeReadsZeroAndLeavesTheResidentSet) {
 TEST(PageBuffer, SmallRangesAreZeroedInPlace) {
   const int64_t page = static_cast<int64_t>(PageBuffer::page_bytes() / sizeof(float));
   PageBuffer buf(3 * page);
+  buf.zero();
   for (int64_t i = 0; i < 3 * page; ++i) buf[i] = 1.0f;
   EXPECT_EQ(buf.clear(10, page - 20), 0);  // inside one page
   EXPECT_EQ(buf.released_pages(), 0);

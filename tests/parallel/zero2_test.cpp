@@ -34,13 +34,13 @@ namespace {
 constexpr int64_t kRowsPerRank = 2;
 constexpr int64_t kSteps = 10;
 
-struct Setup {
+struct RunSetup {
   int64_t zero = 2, grad_accum = 1, ep = 1, checkpoint_every = 0;
   bool overlap = true;
   std::string wire = "f32", precision = "f32", reweight = "none";
 };
 
-std::vector<std::string> settings(const Setup& s, const fs::path& data, const fs::path& run,
+std::vector<std::string> settings(const RunSetup& s, const fs::path& data, const fs::path& run,
                                   int64_t batch) {
   return {"model.dim=32",
           "model.n_layers=2",
@@ -81,7 +81,7 @@ struct Outcome {
   int64_t nonzero_grads = 0;  // in the flat gradient buffer after the last step
 };
 
-Outcome run(const Setup& s, const fs::path& data, const fs::path& dir, int64_t stop_at = -1,
+Outcome run(const RunSetup& s, const fs::path& data, const fs::path& dir, int64_t stop_at = -1,
             bool resume = false) {
   Trainer t(load_run_config("", settings(s, data, dir, kRowsPerRank)), resume,
             dist_world("zero2_test"));
@@ -136,13 +136,13 @@ TEST(Zero2, EqualsZeroOneBitForBitAndKeepsNoWholeGradient) {
   SharedDir dir(*world, "zero2_bits");
   if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
-  Setup f32;
-  Setup bf16_fp16;  // bf16 on the wire, fp16 loss scaling, reduction after backward
+  RunSetup f32;
+  RunSetup bf16_fp16;  // bf16 on the wire, fp16 loss scaling, reduction after backward
   bf16_fp16.wire = "bf16", bf16_fp16.precision = "fp16", bf16_fp16.overlap = false;
-  Setup ep;  // experts reduced over their expert-data-parallel group, reweighted on the shard
+  RunSetup ep;  // experts reduced over their expert-data-parallel group, reweighted on the shard
   ep.ep = 2, ep.reweight = "importance";
   int k = 0;
-  for (Setup s : {f32, bf16_fp16, ep}) {
+  for (RunSetup s : {f32, bf16_fp16, ep}) {
     SCOPED_TRACE("setup " + std::to_string(k));
     const std::string tag = std::to_string(k++);
     s.zero = 1;
@@ -169,11 +169,11 @@ TEST(Zero2, AccumulationMatchesOneProcessRun) {
   SharedDir dir(*world, "zero2_accum");
   if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
-  Setup s;
+  RunSetup s;
   s.grad_accum = 2;
   // The one-process run with the whole global batch, on every rank (it is local to each).
   TempDir single("zero2_single");
-  Setup one = s;
+  RunSetup one = s;
   one.zero = 0;
   Trainer t(load_run_config("", settings(one, dir / "data", single.path(), kRowsPerRank * W)),
             false, make_local_comm());
@@ -208,7 +208,7 @@ TEST(Zero2, ResumesBitExactAndCheckpointsLoadAcrossStages) {
   SharedDir dir(*world, "zero2_ckpt");
   if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
-  Setup s;
+  RunSetup s;
   s.ep = W >= 4 ? 2 : 1, s.checkpoint_every = 5;
   const Outcome z2 = run(s, dir / "data", dir / "z2");
   run(s, dir / "data", dir / "z2_resumed", 5);
@@ -228,10 +228,10 @@ TEST(Zero2, ResumesBitExactAndCheckpointsLoadAcrossStages) {
     EXPECT_GT(t2.size(), 0u);
     EXPECT_TRUE(t2 == read_all_tensors(dir / ("z1/" + step)));
     EXPECT_TRUE(t2 == read_all_tensors(dir / ("z0/" + step)));
-    copy_checkpoint(dir, "z2", "z2_as_z1", 5);
-    copy_checkpoint(dir, "z2", "z2_as_z0", 5);
-    copy_checkpoint(dir, "z1", "z1_as_z2", 5);
-    copy_checkpoint(dir, "z0", "z0_as_z2", 5);
+    copy_checkpoint(dir.path(), "z2", "z2_as_z1", 5);
+    copy_checkpoint(dir.path(), "z2", "z2_as_z0", 5);
+    copy_checkpoint(dir.path(), "z1", "z1_as_z2", 5);
+    copy_checkpoint(dir.path(), "z0", "z0_as_z2", 5);
   }
   world->barrier();
   // A step-5 checkpoint resumed under another stage gives the straight run's bits.
