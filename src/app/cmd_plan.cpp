@@ -110,7 +110,7 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--vp", args->vp, "Virtual pipeline stages per rank (interleaved schedule)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--zero", args->zero,
-                  "ZeRO stage 0-3 for memory and time (default: the config's dist.zero; 2 and 3 "
+                  "ZeRO stage 0-3 for memory and time (default: the config's dist.zero; 3 "
                   "planner only)")
       ->check(CLI::Range(int64_t{0}, int64_t{3}));
   cmd->add_flag("--recompute", args->recompute,

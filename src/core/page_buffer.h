@@ -14,7 +14,7 @@ namespace moetrain {
 class PageBuffer {
  public:
   PageBuffer() = default;
-  // n floats, zero.
+  // n floats, zero; not resident until written (its pages count as released).
   explicit PageBuffer(int64_t n);
   ~PageBuffer();
   PageBuffer(PageBuffer&& o) noexcept;

@@ -5,6 +5,9 @@
 //             with scale_reduced) → full optimizer step
 //   ZeRO-1:   reduce_scatter → (norm, clip on the shard) → unpack_shard → step on the shard only
 //             → allgather_params
+//   ZeRO-2:   reduce_scatter (each bucket's flat range cleared once reduced, bucket_done) →
+//             (norm, clip on the shard) → step reading the shard itself → allgather_params
+//             (parallel/zero2_reducer.h)
 // Replicated parameters reduce over every rank (`dense` communicator); this rank's experts over
 // its expert-data-parallel group (`expert`). Buckets are cut walking the buffer from its end,
 // the order backward produces gradients in: the first bucket of each kind is small (1 MiB by
