@@ -45,7 +45,7 @@ class PageBuffer {
  private:
   float* data_ = nullptr;
   int64_t n_ = 0;
-  std::size_t bytes_ = 0;           // mapped bytes, whole pages
+  std::size_t bytes_ = 0;          // mapped bytes, whole pages
   std::vector<uint8_t> released_;  // (pages) released since the last zero()
 };
 

@@ -37,8 +37,11 @@ void Zero2Reducer::bucket_done(std::size_t i) {
   float* acc = acc_.data() + (chunk.data() - sync_->shard_data());
   const std::size_t n = chunk.size();
   switch (fold_) {
-    case Fold::None: break;
-    case Fold::Start: std::memcpy(acc, chunk.data(), n * sizeof(float)); break;
+    case Fold::None:
+      break;
+    case Fold::Start:
+      std::memcpy(acc, chunk.data(), n * sizeof(float));
+      break;
     case Fold::Add:
       for (std::size_t e = 0; e < n; ++e) acc[e] += chunk[e];
       break;

@@ -64,7 +64,7 @@ class Zero2Reducer final : public GradReducer {
   std::vector<std::vector<FlatRange>> ranges_;  // (buckets) their flat ranges, joined
   std::vector<OptimPiece> pieces_;
   std::vector<const float*> piece_grads_;
-  std::vector<float> acc_;  // (shard) the earlier micro-batches' reduced chunks, summed
+  std::vector<float> acc_;   // (shard) the earlier micro-batches' reduced chunks, summed
   int64_t accumulated_ = 0;  // micro-batches in acc_ this step
   Fold fold_ = Fold::None;
   double inline_s_ = 0;

@@ -99,7 +99,8 @@ std::string StepEngine::describe_layout() const {
   return fmt::format(
       "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",
-      world_, pl.dp, pl.ep, expert_shard_.count, cfg_.dist.zero ? fmt::format(", ZeRO-{}", cfg_.dist.zero) : "",
+      world_, pl.dp, pl.ep, expert_shard_.count,
+      cfg_.dist.zero ? fmt::format(", ZeRO-{}", cfg_.dist.zero) : "",
       ep_.hierarchy ? fmt::format(", {} all-to-all ({} ranks per node)",
                                   ep_.exchange->adaptive() ? "adaptive" : "2-D",
                                   ep_.hierarchy->intra->size())

@@ -1,13 +1,13 @@
 // ZeRO-2 (dist.zero = 2) in real MPI processes: bitwise ZeRO-1 with one micro-batch (f32 and bf16
 // reduction, with and without overlap, fp16 loss scaling, clipping, expert parallelism with every
-// expert all-to-all setting and expert reweighting), no whole gradient left in the flat buffer after a step, gradient accumulation
-// against the one-process run, a bit-exact resume, checkpoints loaded across ZeRO stages 0, 1 and
-// 2 both ways, and the settings it refuses.
+// expert all-to-all setting and expert reweighting), no whole gradient left in the flat buffer
+// after a step, gradient accumulation against the one-process run, a bit-exact resume, checkpoints
+// loaded across ZeRO stages 0, 1 and 2 both ways, and the settings it refuses.
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -44,35 +44,35 @@ struct RunSetup {
 std::vector<std::string> settings(const RunSetup& s, const fs::path& data, const fs::path& run,
                                   int64_t batch) {
   std::vector<std::string> out = {"model.dim=32",
-          "model.n_layers=2",
-          "model.n_heads=4",
-          "model.n_kv_heads=2",
-          "model.expert_hidden=24",
-          "model.n_experts=4",
-          "model.top_k=2",
-          "model.max_seq_len=16",
-          "model.bias_update_rate=0.01",
-          "train.batch_size=" + std::to_string(batch),
-          "train.seq_len=16",
-          "train.steps=" + std::to_string(kSteps),
-          "train.grad_accum=" + std::to_string(s.grad_accum),
-          "train.precision=" + s.precision,
-          "train.eval_every=5",
-          "train.eval_batches=1",
-          "train.checkpoint_every=" + std::to_string(s.checkpoint_every),
-          "train.keep_checkpoints=3",
-          "train.progress=off",
-          "optim.warmup_steps=3",
-          "optim.grad_clip=0.5",
-          "grad.expert_reweight=" + s.reweight,
-          "data.dir=" + data.string(),
-          "train.run_dir=" + run.string(),
-          "dist.ep=" + std::to_string(s.ep),
-          "dist.zero=" + std::to_string(s.zero),
-          "dist.grad_reduce_dtype=" + s.wire,
-          "dist.bucket_first_mb=0.01",
-          "dist.bucket_mb=0.05",
-          std::string("dist.overlap=") + (s.overlap ? "true" : "false")};
+                                  "model.n_layers=2",
+                                  "model.n_heads=4",
+                                  "model.n_kv_heads=2",
+                                  "model.expert_hidden=24",
+                                  "model.n_experts=4",
+                                  "model.top_k=2",
+                                  "model.max_seq_len=16",
+                                  "model.bias_update_rate=0.01",
+                                  "train.batch_size=" + std::to_string(batch),
+                                  "train.seq_len=16",
+                                  "train.steps=" + std::to_string(kSteps),
+                                  "train.grad_accum=" + std::to_string(s.grad_accum),
+                                  "train.precision=" + s.precision,
+                                  "train.eval_every=5",
+                                  "train.eval_batches=1",
+                                  "train.checkpoint_every=" + std::to_string(s.checkpoint_every),
+                                  "train.keep_checkpoints=3",
+                                  "train.progress=off",
+                                  "optim.warmup_steps=3",
+                                  "optim.grad_clip=0.5",
+                                  "grad.expert_reweight=" + s.reweight,
+                                  "data.dir=" + data.string(),
+                                  "train.run_dir=" + run.string(),
+                                  "dist.ep=" + std::to_string(s.ep),
+                                  "dist.zero=" + std::to_string(s.zero),
+                                  "dist.grad_reduce_dtype=" + s.wire,
+                                  "dist.bucket_first_mb=0.01",
+                                  "dist.bucket_mb=0.05",
+                                  std::string("dist.overlap=") + (s.overlap ? "true" : "false")};
   out.insert(out.end(), s.extra.begin(), s.extra.end());
   return out;
 }
@@ -81,7 +81,7 @@ struct Outcome {
   std::vector<float> params;
   std::vector<char> held;  // 1 where this rank holds the value: all but others' experts
   std::vector<double> losses, grad_norms;  // rank 0 only
-  int64_t nonzero_grads = 0;  // in the flat gradient buffer after the last step
+  int64_t nonzero_grads = 0;               // in the flat gradient buffer after the last step
 };
 
 Outcome run(const RunSetup& s, const fs::path& data, const fs::path& dir, int64_t stop_at = -1,
@@ -145,11 +145,10 @@ TEST(Zero2, EqualsZeroOneBitForBitAndKeepsNoWholeGradient) {
   RunSetup ep;  // experts reduced over their expert-data-parallel group, reweighted on the shard
   ep.ep = 2, ep.reweight = "importance";
   // The expert all-to-all's settings change nothing in the reduction: every one of them at once.
-  ep.extra = {"dist.hierarchical=true",      "dist.ranks_per_node=1",
-              "dist.adaptive_route=true",    "dist.route_probe_every=2",
-              "dist.a2a_chunks=2",           "dist.a2a_dtype=bf16",
-              "dist.debug_collectives=true", "dist.collective_warn=30",
-              "dist.collective_timeout=120"};
+  ep.extra = {
+      "dist.hierarchical=true",      "dist.ranks_per_node=1",   "dist.adaptive_route=true",
+      "dist.route_probe_every=2",    "dist.a2a_chunks=2",       "dist.a2a_dtype=bf16",
+      "dist.debug_collectives=true", "dist.collective_warn=30", "dist.collective_timeout=120"};
   int k = 0;
   for (RunSetup s : {f32, bf16_fp16, ep}) {
     SCOPED_TRACE("setup " + std::to_string(k));
@@ -262,9 +261,7 @@ TEST(Zero2, ResumesBitExactAndCheckpointsLoadAcrossStages) {
 }
 
 TEST(Zero2, RefusedSettingsNameTheKeys) {
-  auto load = [](std::vector<std::string> sets) {
-    return [sets] { load_run_config("", sets); };
-  };
+  auto load = [](std::vector<std::string> sets) { return [sets] { load_run_config("", sets); }; };
   expect_error(load({"dist.zero=3"}), {"dist.zero = 3", "allowed are 0", "1", "2"});
   expect_error(load({"dist.zero=2", "grad.sparse_ratio=0.5"}),
                {"dist.zero = 2 with grad.sparse_ratio = 0.5"});
