@@ -69,9 +69,10 @@ void check_fits(const Prediction& p, const ClusterSpec& cluster) {
   MOETRAIN_CHECK(p.fits,
                  "the model does not fit: it needs {:.3f} GiB per device (parameters {:.3f}, "
                  "gradients {:.3f}, optimizer {:.3f}, low-precision copies {:.3f}, activations "
-                 "{:.3f}), the device has {:.3f} GiB (device.memory_bytes): {:.3f} GiB too much",
+                 "{:.3f}, buffers {:.3f}), the device has {:.3f} GiB (device.memory_bytes): "
+                 "{:.3f} GiB too much",
                  m.total() / kGiB, m.params / kGiB, m.grads / kGiB, m.optimizer / kGiB,
-                 m.low_precision / kGiB, m.activations / kGiB,
+                 m.low_precision / kGiB, m.activations / kGiB, m.buffers / kGiB,
                  cluster.device.memory_bytes / kGiB,
                  (m.total() - cluster.device.memory_bytes) / kGiB);
 }
