@@ -220,15 +220,15 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
     e.buffers += kOffloadWindowBytes;
   }
   e.activations = l.activation_bytes * activation_elements(m, batch, seq_len, l);
-  if (l.world > 1) {
-    // The gradient reduction (parallel/grad_sync.h): the reduced shard of every bucket (this
+  if (l.world > 1 && l.whole_buffer) {
+    // This trainer's gradient reduction (parallel/grad_sync.h): the reduced shard of every bucket (this
     // rank's share of the dense gradients and of its experts') and one bucket packed for the wire.
     e.buffers += l.state.grad * (dense_local / static_cast<double>(l.stage()) +
                                  expert_owned / static_cast<double>(l.dp()));
     e.buffers += std::min(std::max(l.bucket_first_bytes, l.bucket_bytes),
                           l.state.grad * (dense_local + expert_owned));
   }
-  if (l.ep > 1 && l.kept_backward_buffers) {
+  if (l.ep > 1 && l.whole_buffer) {
     // The expert exchange's rows in flight on both sides (parallel/mpi_exchange.h), each way:
     // about 4 K C floats a token per MoE layer at an even load (measured).
     e.buffers += 4 * static_cast<double>(m.top_k * m.dim) *
