@@ -270,7 +270,10 @@ MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch) {
 }
 
 MemoryEstimate estimate_inference_memory(const ModelConfig& m, int64_t batch, int64_t seq_len) {
-  MemoryEstimate e = estimate_memory(m, batch, seq_len, 0);
+  RankLayout l;
+  l.state = trainer_state("adamw", 0, 0);
+  l.kept_backward_buffers = false;  // forward only
+  MemoryEstimate e = rank_memory(m, batch, seq_len, l);
   e.gradients = e.optimizer = 0;
   return e;
 }
