@@ -14,6 +14,7 @@ namespace moetrain {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kStepWorkspaceBytes = 6.0 * 1024 * 1024;
 
 std::string gib(double bytes) {
   return fmt::format("{:.2f} GiB", bytes / kGiB);
@@ -149,10 +150,11 @@ double activation_elements(const ModelConfig& m, int64_t batch, int64_t seq_len,
                            static_cast<double>(m.n_heads);
   // The MoE part: router probabilities; the routed rows and the experts' outputs (K C each way);
   // the experts' W1·x, W3·x and their product (3 K F), the shared expert's. This trainer's layers
-  // also keep the backward's buffers: the rows' gradients on both sides of the exchange
-  // (6 K C more) and the intermediates' gradients (3 K F more).
+  // also keep the backward's buffers: the rows' gradients (2 K C more; the other side of the
+  // exchange under expert parallelism is among the buffers) and the intermediates' gradients
+  // (3 K F more).
   const double keep = l.kept_backward_buffers ? 2 : 1;
-  const double rows = l.kept_backward_buffers ? 8 * K * C : 2 * K * C;
+  const double rows = l.kept_backward_buffers ? 4 * K * C : 2 * K * C;
   const double intermediates = keep * (3 * K * F + 3 * Fs);
   const double moe = attention + 2 * static_cast<double>(m.n_experts) + rows + intermediates;
   const double dense = attention + keep * 3 * Fd;
@@ -174,8 +176,8 @@ double activation_elements(const ModelConfig& m, int64_t batch, int64_t seq_len,
       break;
   }
   // Once: the final norm, the logits (and this trainer's logit gradients and the model's backward
-  // buffers: the d* rows every block's backward writes, about 40 C a token, measured).
-  const double once = l.kept_backward_buffers ? 2 * V + 40 * C : 2 * C + V;
+  // rows, the d* buffers every block's backward writes: about 24 C a token, measured).
+  const double once = l.kept_backward_buffers ? 2 * V + 24 * C : 2 * C + V;
   // Tensor parallelism shards them (taken as all of them: sequence parallelism).
   return N * (layers + once) / static_cast<double>(l.tp);
 }
@@ -220,13 +222,17 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
     e.buffers += kOffloadWindowBytes;
   }
   e.activations = l.activation_bytes * activation_elements(m, batch, seq_len, l);
+  // This trainer's kernels' and allocator's workspace from the first step on, whatever the
+  // batch (measured: 6 MiB on two configs of dim 128 and 256).
+  if (l.kept_backward_buffers) e.activations += kStepWorkspaceBytes;
   if (l.world > 1 && l.whole_buffer) {
-    // This trainer's gradient reduction (parallel/grad_sync.h): the reduced shard of every bucket (this
-    // rank's share of the dense gradients and of its experts') and one bucket packed for the wire.
+    // This trainer's gradient reduction (parallel/grad_sync.h): the reduced shard of every bucket
+    // (this rank's share of the dense gradients and of its experts'), one bucket packed for the
+    // wire and as much again inside MPI (its nonblocking reduction's temporary; measured).
     e.buffers += l.state.grad * (dense_local / static_cast<double>(l.stage()) +
                                  expert_owned / static_cast<double>(l.dp()));
-    e.buffers += std::min(std::max(l.bucket_first_bytes, l.bucket_bytes),
-                          l.state.grad * (dense_local + expert_owned));
+    e.buffers += 2 * std::min(std::max(l.bucket_first_bytes, l.bucket_bytes),
+                              l.state.grad * (dense_local + expert_owned));
   }
   if (l.ep > 1 && l.whole_buffer) {
     // The expert exchange's rows in flight on both sides (parallel/mpi_exchange.h), each way:

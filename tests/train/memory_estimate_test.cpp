@@ -100,10 +100,10 @@ TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
     EXPECT_DOUBLE_EQ(e.optimizer, zero >= 1 ? 8 * (dense / 4 + own / 2) : 8 * (dense + own))
         << zero;
     EXPECT_DOUBLE_EQ(e.low_precision, 0) << zero;
-    // The gradient reduction's shard (dense / 4 + own experts / 2) and one packed bucket (the
-    // whole of dense + own here, smaller than a bucket); the exchange's rows: 4·K·C floats a
-    // token in each of the 2 MoE layers.
-    EXPECT_DOUBLE_EQ(e.buffers, 4 * (dense / 4 + own / 2) + 4 * (dense + own) +
+    // The gradient reduction's shard (dense / 4 + own experts / 2) and two buckets (the packed
+    // one and MPI's temporary; each the whole of dense + own here, smaller than a bucket); the
+    // exchange's rows: 4·K·C floats a token in each of the 2 MoE layers.
+    EXPECT_DOUBLE_EQ(e.buffers, 4 * (dense / 4 + own / 2) + 2 * 4 * (dense + own) +
                                     4 * (4.0 * 2 * 8) * (2 * 8 * 2))
         << zero;
     l.whole_buffer = false;
