@@ -9,17 +9,51 @@
 #include "app/checks.h"
 #include "app/commands.h"
 #include "app/dist_options.h"
+#include "core/resident.h"
 #include "core/threads.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "parallel/runtime.h"
 #include "train/evaluate.h"
+#include "train/memory_estimate.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
 
 namespace moetrain::app {
 
 using Kind = ConfigFlag::Kind;
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// The dry run's memory table: what each of `np` ranks (0: the run's processes) would hold, the
+// memory this machine has and whether the ranks on it fit.
+void print_memory_table(const RunConfig& cfg, int np) {
+  const bool mpi = dist_mpi_active();
+  const int world = np > 0 ? np : mpi ? dist_world("dry-run")->size() : 1;
+  const int here = np > 0 && !mpi ? np : mpi ? dist_local_size() : 1;
+  // This process as the binary and its libraries leave it: the baseline the trainer measures.
+  const MemoryEstimate e = rank_memory(cfg.model, cfg.train.batch_size, cfg.train.seq_len,
+                                       trainer_layout(cfg, world, resident_memory().rss));
+  if (mpi && dist_world("dry-run rank")->rank() != 0) return;
+  fmt::print("memory per rank ({} process{}, dist.ep = {}, dist.zero = {}, train.precision = "
+             "{}):\n{}",
+             world, world > 1 ? "es" : "", world > 1 ? cfg.dist.ep : 1, cfg.dist.zero, precision_name(cfg.train.precision),
+             e.table());
+  std::string source;
+  const double avail = available_memory(&source);
+  if (avail < 0) {
+    fmt::print("available: unknown (neither /proc/meminfo nor a memory cgroup could be read)\n");
+    return;
+  }
+  const double need = e.total() * here;
+  fmt::print("available: {:.1f} MiB ({}) for {} rank{} on this machine: {}\n", avail / kMiB,
+             source, here, here > 1 ? "s" : "",
+             need <= avail ? "fits" : fmt::format("does not fit ({:.1f} MiB needed)", need / kMiB));
+}
+
+}  // namespace
 
 const std::vector<ConfigFlag>& train_config_flags() {
   static const std::vector<ConfigFlag> flags = [] {
@@ -53,6 +87,7 @@ Run add_train_command(CLI::App& app) {
     bool resume = false;
     bool dry_run = false;
     bool all = false;
+    int np = 0;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("-c,--config", args->config, "TOML config file (e.g. configs/tiny.toml)")
@@ -68,6 +103,10 @@ Run add_train_command(CLI::App& app) {
                 "Validate the configuration (file, --set and flags), print the settings that "
                 "differ from the defaults as JSON and exit; trains nothing, reads no data");
   cmd->add_flag("--all", args->all, "With --dry-run: print every setting, not only the changed");
+  cmd->add_option("--np", args->np,
+                  "With --dry-run: the processes whose layout (dist.ep, dist.zero) the memory "
+                  "table is for (default: the run's, 1 without mpirun)")
+      ->check(integer_in(1));
   auto flags = add_config_flags(cmd, train_config_flags());
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);
@@ -75,6 +114,7 @@ Run add_train_command(CLI::App& app) {
     if (args->dry_run) {
       const nlohmann::json all = cfg.to_json();
       fmt::print("{}\n", (args->all ? all : changed_from(all, RunConfig().to_json())).dump(2));
+      print_memory_table(cfg, args->np);
       return 0;
     }
     if (!args->init_from.empty()) {
@@ -94,6 +134,10 @@ Run add_train_command(CLI::App& app) {
         "steps {} | final train loss {:.4f} | validation loss {:.4f} {} | {:.0f} tokens/s | "
         "{:.1f} s\n",
         r.steps_done, r.final_loss, r.val_loss, kLmLossUnit, r.tokens_per_s, r.seconds);
+    if (r.peak_rss >= 0)
+      fmt::print("memory per rank: peak resident {:.1f} MiB (the largest rank's VmHWM), estimated "
+                 "{:.1f} MiB\n",
+                 r.peak_rss / kMiB, trainer.memory_estimate().total() / kMiB);
     fmt::print("checkpoint: {}\n", r.last_checkpoint.string());
     return 0;
   };

@@ -170,11 +170,25 @@ std::string summary(const Inputs& in) {
     row(fmt::format("last {} (step {})", key, s.x.back()), unit.empty() ? v : v + " " + unit);
   };
   for (const auto& [key, unit] : keys) show(key, series_of(in.lines, key), unit);
+  if (const Series peak = series_of(in.lines, "peak_rss_bytes_max"); !peak.y.empty())
+    row(fmt::format("peak resident memory per rank (step {})", peak.x.back()),
+        fmt::format("{:.1f} MiB (the largest rank's VmHWM)", peak.y.back() / (1024.0 * 1024.0)));
   if (in.facts.parameter_server) {
     const std::vector<Series> workers = worker_series(in.roles, "tokens_per_s");
     if (workers.size() > 1) show("tokens_per_s, all workers", workers.back(), "tokens/s");
   }
   return rows.empty() ? std::string() : "<table class=\"summary\">\n" + rows + "</table>\n";
+}
+
+// Resident memory (metrics' rss_bytes, peak_rss_bytes, peak_rss_bytes_max) in MiB.
+std::string memory_section(const std::vector<Json>& lines) {
+  std::vector<Series> all = {series_of(lines, "peak_rss_bytes_max", "peak, largest rank (VmHWM)"),
+                             series_of(lines, "peak_rss_bytes", "peak, rank 0 (VmHWM)"),
+                             series_of(lines, "rss_bytes", "resident, rank 0 (VmRSS)")};
+  for (Series& s : all)
+    for (double& y : s.y) y /= 1024.0 * 1024.0;
+  return chart("memory", "Resident memory per rank", all, {.y_label = "MiB"},
+               "no rss_bytes in RUN_DIR/metrics.jsonl (a run before they were recorded)");
 }
 
 std::string expert_sections(const std::vector<Json>& lines) {
@@ -386,6 +400,7 @@ std::string render_report(const fs::path& run_dir, const SettingDefaults& defaul
                   {.y_label = "time (s)"}, no_metrics);
   }
   html += rank_time_section(lines);
+  if (!ps) html += memory_section(lines);
   html += job_sections(run_dir);
   html += config_section(facts);
   html += checkpoints_section(run_dir);

@@ -15,6 +15,7 @@
 #include "plan/cluster.h"
 #include "plan/comm_model.h"
 #include "plan/layout.h"
+#include "train/memory_estimate.h"
 #include "train/run_config.h"
 
 namespace moetrain::plan {
@@ -57,8 +58,11 @@ struct StepParts {
 
 struct Memory {  // bytes per device
   double params = 0, grads = 0, optimizer = 0, low_precision = 0, activations = 0;
+  double buffers = 0;                 // communication buffers (train/memory_estimate.h)
   double optimizer_without_zero = 0;  // what the optimizer state would take without ZeRO
-  double total() const { return params + grads + optimizer + low_precision + activations; }
+  double total() const {
+    return params + grads + optimizer + low_precision + activations + buffers;
+  }
 };
 
 struct Prediction {
@@ -126,18 +130,20 @@ double overlap_exposed(double reduction, double buckets, double window);
 // ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
 // ends; 1 where the cluster has none.
 double compute_share(const ClusterSpec& c, double ratio);
-// Floats of every dense tensor and of all experts of all layers (plan/memory_model.cpp), from
-// the shapes. `accelerator` below: a GPU (built-in or [device] table, not a calibrated CPU).
-struct ParamCounts {
-  double dense = 0, expert = 0;
-};
-ParamCounts count_params(const ModelConfig& m);
+// Floats of every dense tensor and of all experts of all layers: train/memory_estimate.h's.
+// `accelerator` below: a GPU (built-in or [device] table, not a calibrated CPU).
+using moetrain::count_params;
+using moetrain::ParamCounts;
 
 // Bytes of the weights, gradients and optimizer state (train/memory_estimate.h's ParamState:
 // this trainer's on a CPU profile or in f32, GPU mixed precision on an accelerator in bf16/fp16,
 // ZeRO as the layout or dist.zero says), and of the activations of one micro-batch (all of them,
 // or with recomputation each layer's input and one layer's).
 Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator = false);
+// The rank layout (train/memory_estimate.h) memory_per_device estimates: the trainer's for the
+// config on layout.procs processes, with the layout's ep, tp, pp, ZeRO stage and recomputation,
+// and on an accelerator GPU trainers' state and activations.
+RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelerator = false);
 // Bytes of an activation element: the run's precision on an accelerator in bf16/fp16 (GPU
 // trainers keep them so), else f32 (this trainer's f32 masters). Element-wise work streams them.
 double activation_bytes(const RunConfig& cfg, bool accelerator);

@@ -97,6 +97,7 @@ nlohmann::json to_json(const Prediction& p) {
         {"optimizer_without_zero_bytes", m.optimizer_without_zero},
         {"low_precision_bytes", m.low_precision},
         {"activations_bytes", m.activations},
+        {"buffers_bytes", m.buffers},
         {"total_bytes", m.total()},
         {"fits", p.fits}}},
       {"trainer_runs", trainer_runs(p.layout)},
@@ -285,6 +286,7 @@ std::string format_table(const std::vector<Prediction>& ps) {
       [](const Prediction& p) { return gib(p.memory.optimizer_without_zero); });
   row("  low-precision copies", [](const Prediction& p) { return gib(p.memory.low_precision); });
   row("  activations", [](const Prediction& p) { return gib(p.memory.activations); });
+  row("  buffers", [](const Prediction& p) { return gib(p.memory.buffers); });
   row("fits", [](const Prediction& p) { return p.fits ? "yes" : "NO"; });
   return out;
 }

@@ -7,15 +7,22 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "core/dtype.h"
 
 namespace moetrain {
 
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kStepWorkspaceBytes = 6.0 * 1024 * 1024;
 
 std::string gib(double bytes) {
   return fmt::format("{:.2f} GiB", bytes / kGiB);
+}
+
+// GiB from 1 GiB up, else MiB.
+std::string size_text(double bytes) {
+  return bytes >= kGiB ? gib(bytes) : fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024.0));
 }
 
 // Per parameter: itself, its gradient, two moments (AdamW); plus its low-precision copy.
@@ -86,27 +93,178 @@ MemoryEstimate state_memory(const ParamState& s, double params, double ranks) {
 
 std::string MemoryEstimate::breakdown() const {
   return fmt::format(
-      "parameters {}, gradients {}, optimizer state {}, low-precision copies {}, activations {}",
-      gib(parameters), gib(gradients), gib(optimizer), gib(low_precision), gib(activations));
+      "parameters {}, gradients {}, optimizer state {}, low-precision copies {}, activations {}, "
+      "buffers {}, process baseline {}",
+      size_text(parameters), size_text(gradients), size_text(optimizer), size_text(low_precision),
+      size_text(activations), size_text(buffers), size_text(baseline));
+}
+
+std::string MemoryEstimate::table() const {
+  const std::pair<const char*, double> rows[] = {
+      {"parameters", parameters},       {"gradients", gradients},
+      {"optimizer state", optimizer},   {"low-precision copy", low_precision},
+      {"activations", activations},     {"buffers", buffers},
+      {"process baseline", baseline},   {"total", total()}};
+  std::string out;
+  for (const auto& [name, bytes] : rows)
+    out += fmt::format("  {:<20} {:>12}  {:>14} bytes\n", name, size_text(bytes),
+                       static_cast<int64_t>(bytes));
+  return out;
+}
+
+ParamCounts count_params(const ModelConfig& m) {
+  m.validate();
+  const double C = static_cast<double>(m.dim), V = static_cast<double>(m.vocab_size);
+  const double HS = static_cast<double>(m.head_dim());
+  const double L = static_cast<double>(m.n_layers), Lm = static_cast<double>(m.n_moe_layers());
+  const double E = static_cast<double>(m.n_experts);
+  ParamCounts c;
+  // Embedding and LM head (V, C), final norm; per layer two norms, q and o (NH·HS, C), k and v
+  // (NKV·HS, C).
+  const double attention = 2 * C + 2 * static_cast<double>(m.n_heads) * HS * C +
+                           2 * static_cast<double>(m.n_kv_heads) * HS * C;
+  c.dense = 2 * V * C + C + L * attention;
+  c.dense += (L - Lm) * 3 * static_cast<double>(m.dense_ffn_hidden()) * C;
+  // MoE blocks: the router (and its noise projection), the shared expert; the experts' w1, w3
+  // (F, C) and w2 (C, F).
+  const double router = E * C * (m.router == RouterKind::NoisyTopK ? 2 : 1);
+  c.dense += Lm * (router + 3 * static_cast<double>(m.shared_expert_hidden) * C);
+  c.expert = Lm * E * 3 * static_cast<double>(m.expert_hidden) * C;
+  return c;
+}
+
+namespace {
+
+// Activation elements one rank keeps for a micro-batch of N = batch · seq_len tokens.
+double activation_elements(const ModelConfig& m, int64_t batch, int64_t seq_len,
+                           const RankLayout& l) {
+  const double N = static_cast<double>(batch * seq_len);
+  const double C = static_cast<double>(m.dim), HS = static_cast<double>(m.head_dim());
+  const double K = static_cast<double>(m.top_k), F = static_cast<double>(m.expert_hidden);
+  const double Fs = static_cast<double>(m.shared_expert_hidden);
+  const double Fd = static_cast<double>(m.dense_ffn_hidden());
+  const double V = static_cast<double>(m.vocab_size);
+  // Per token of a block: the norm inputs and rstd, q/k/v, the attention output and its lse, the
+  // residual (and the attention's score statistics, one per head and row).
+  const double attention = 3 * C + 2 + static_cast<double>(2 * m.n_heads + 2 * m.n_kv_heads) * HS +
+                           static_cast<double>(m.n_heads);
+  // The MoE part: router probabilities; the routed rows and the experts' outputs (K C each way);
+  // the experts' W1·x, W3·x and their product (3 K F), the shared expert's. This trainer's layers
+  // also keep the backward's buffers: the rows' gradients (2 K C more; the other side of the
+  // exchange under expert parallelism is among the buffers) and the intermediates' gradients
+  // (3 K F more).
+  const double keep = l.kept_backward_buffers ? 2 : 1;
+  const double rows = l.kept_backward_buffers ? 4 * K * C : 2 * K * C;
+  const double intermediates = keep * (3 * K * F + 3 * Fs);
+  const double moe = attention + 2 * static_cast<double>(m.n_experts) + rows + intermediates;
+  const double dense = attention + keep * 3 * Fd;
+  const double Lm = static_cast<double>(m.n_moe_layers());
+  const double Ld = static_cast<double>(m.n_layers) - Lm;
+  double layers = 0;
+  switch (l.recompute) {
+    case Recompute::None:
+      layers = Lm * moe + Ld * dense;
+      break;
+    case Recompute::Moe:
+      // The experts' intermediates of one block at a time (recomputed in its backward).
+      layers = Lm * (moe - intermediates) + Ld * dense + (Lm > 0 ? intermediates : 0.0);
+      break;
+    case Recompute::Full:
+      // Each block's input, and while one block runs backward, that block's activations.
+      layers = static_cast<double>(m.n_layers) * C +
+               std::max(Lm > 0 ? moe : 0.0, Ld > 0 ? dense : 0.0);
+      break;
+  }
+  // Once: the final norm, the logits (and this trainer's logit gradients and the model's backward
+  // rows, the d* buffers every block's backward writes: about 24 C a token, measured).
+  const double once = l.kept_backward_buffers ? 2 * V + 24 * C : 2 * C + V;
+  // Tensor parallelism shards them (taken as all of them: sequence parallelism).
+  return N * (layers + once) / static_cast<double>(l.tp);
+}
+
+}  // namespace
+
+MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
+                           const RankLayout& l) {
+  MOETRAIN_CHECK(l.world >= 1 && l.ep >= 1 && l.tp >= 1 && l.pp >= 1 &&
+                     l.world % (l.tp * l.pp) == 0 && (l.world / l.pp) % l.ep == 0,
+                 "memory layout: {} processes do not split into tp {} × pp {} with ep {}", l.world,
+                 l.tp, l.pp, l.ep);
+  const ParamCounts pc = count_params(m);
+  const double E = static_cast<double>(std::max<int64_t>(m.n_experts, 1));
+  const double tp = static_cast<double>(l.tp), pp = static_cast<double>(l.pp);
+  const double ep = static_cast<double>(l.ep);
+  // Each rank owns E / ep experts of each MoE layer (and steps them); spare replica slots hold
+  // copies of others' experts, which it computes with but does not step.
+  const double dense_local = pc.dense / (tp * pp);
+  const double expert_owned = pc.expert / ep / pp;
+  const double slots = l.ep > 1 ? static_cast<double>(l.spare_slots) : 0.0;
+  const double expert_held = expert_owned + pc.expert / E * slots / pp;
+  const MemoryEstimate dense = state_memory(l.state, dense_local, static_cast<double>(l.stage()));
+  const MemoryEstimate expert = state_memory(l.state, expert_owned, static_cast<double>(l.dp()));
+  const MemoryEstimate held = state_memory(l.state, expert_held - expert_owned, 1);
+  MemoryEstimate e;
+  e.optimizer = dense.optimizer + expert.optimizer;
+  if (l.whole_buffer) {
+    // The flat buffer: every parameter's weight, gradient and copy on every rank.
+    const MemoryEstimate all = state_memory(ParamState{l.state.weight, l.state.grad,
+                                                       l.state.copy, 0, 0, 0},
+                                            pc.dense + pc.expert, 1);
+    e.parameters = all.parameters, e.gradients = all.gradients;
+    e.low_precision = all.low_precision;
+  } else {
+    e.parameters = dense.parameters + expert.parameters + held.parameters;
+    e.gradients = dense.gradients + expert.gradients + held.gradients;
+    e.low_precision = dense.low_precision + expert.low_precision + held.low_precision;
+  }
+  if (l.offload == Offload::HostFile) {
+    e.optimizer = 0;
+    e.buffers += kOffloadWindowBytes;
+  }
+  e.activations = l.activation_bytes * activation_elements(m, batch, seq_len, l);
+  // This trainer's kernels' and allocator's workspace from the first step on, whatever the
+  // batch (measured: 6 MiB on two configs of dim 128 and 256).
+  if (l.kept_backward_buffers) e.activations += kStepWorkspaceBytes;
+  if (l.world > 1 && l.whole_buffer) {
+    // This trainer's gradient reduction (parallel/grad_sync.h): the reduced shard of every bucket
+    // (this rank's share of the dense gradients and of its experts'), one bucket packed for the
+    // wire and as much again inside MPI (its nonblocking reduction's temporary; measured).
+    e.buffers += l.state.grad * (dense_local / static_cast<double>(l.stage()) +
+                                 expert_owned / static_cast<double>(l.dp()));
+    e.buffers += 2 * std::min(std::max(l.bucket_first_bytes, l.bucket_bytes),
+                              l.state.grad * (dense_local + expert_owned));
+  }
+  if (l.ep > 1 && l.whole_buffer) {
+    // The expert exchange's rows in flight on both sides (parallel/mpi_exchange.h), each way:
+    // about 4 K C floats a token per MoE layer at an even load (measured).
+    e.buffers += 4 * static_cast<double>(m.top_k * m.dim) *
+                 static_cast<double>(batch * seq_len * m.n_moe_layers()) * l.activation_bytes;
+  }
+  e.baseline = l.baseline;
+  return e;
+}
+
+RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) {
+  RankLayout l;
+  l.world = world;
+  l.ep = world > 1 ? cfg.dist.ep : 1;
+  l.spare_slots = cfg.placement.spare_slots;
+  const DType prec = cfg.train.precision_dtype();
+  l.state = trainer_state(cfg.optim.name, prec == DType::F32 ? 0 : static_cast<int>(dtype_size(prec)),
+                          static_cast<int>(cfg.dist.zero));
+  // train.recompute (none | moe | full) sets l.recompute and dist.offload (none | host_file)
+  // l.offload here, once those keys exist.
+  l.bucket_first_bytes = cfg.dist.bucket_first_mb * 1024 * 1024;
+  l.bucket_bytes = cfg.dist.bucket_mb * 1024 * 1024;
+  l.baseline = baseline;
+  return l;
 }
 
 MemoryEstimate estimate_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                                int precision_bytes) {
-  const double C = static_cast<double>(m.dim), V = static_cast<double>(m.vocab_size);
-  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
-  const double attention = 2 * C * C + 2 * C * kv + 2 * C;  // q, o, k, v; two norms
-  const double T = static_cast<double>(seq_len);
-  // Layers (l + 1) % dense_every == 0 are dense: L / dense_every of them.
-  const double L = static_cast<double>(m.n_layers);
-  const double dense = m.dense_every > 0 ? static_cast<double>(m.n_layers / m.dense_every) : 0;
-  const double F = static_cast<double>(m.dense_ffn_hidden());
-  // Embedding, head, final norm; per layer attention (and its scores: one row of T per head).
-  const double params =
-      2 * V * C + C + L * attention + dense * 3 * C * F + (L - dense) * expert_params(m, C);
-  // The logits and their gradient; per layer the attention scores and the FFN's buffers.
-  const double per_token = 2 * V + L * static_cast<double>(m.n_heads) * T +
-                           dense * (12 * C + 3 * F) + (L - dense) * moe_token_floats(m, C);
-  return from_counts(params, static_cast<double>(batch) * T * per_token, precision_bytes);
+  RankLayout l;
+  l.state = trainer_state("adamw", precision_bytes, 0);
+  return rank_memory(m, batch, seq_len, l);
 }
 
 MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch) {
@@ -118,7 +276,10 @@ MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch) {
 }
 
 MemoryEstimate estimate_inference_memory(const ModelConfig& m, int64_t batch, int64_t seq_len) {
-  MemoryEstimate e = estimate_memory(m, batch, seq_len, 0);
+  RankLayout l;
+  l.state = trainer_state("adamw", 0, 0);
+  l.kept_backward_buffers = false;  // forward only
+  MemoryEstimate e = rank_memory(m, batch, seq_len, l);
   e.gradients = e.optimizer = 0;
   return e;
 }
@@ -139,8 +300,27 @@ double available_memory(std::string* source) {
   double used = read_number("/sys/fs/cgroup/memory.current");
   const char* cgroup = "the cgroup's memory.max";
   if (limit < 0) {
-    limit = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes");
-    used = read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes");
+    // cgroup v1: this process's group ("N:memory:/path" in /proc/self/cgroup) and its parents;
+    // the tightest limit less that group's usage.
+    std::string group;
+    std::ifstream in("/proc/self/cgroup");
+    for (std::string line; std::getline(in, line);) {
+      const std::size_t at = line.find(":memory:");
+      if (at != std::string::npos) group = line.substr(at + 8);
+    }
+    const std::string root = "/sys/fs/cgroup/memory";
+    double best = -1;
+    for (std::string g = group;; g = g.substr(0, g.rfind('/'))) {
+      const std::string dir = root + (g == "/" ? "" : g);
+      const double lim = read_number((dir + "/memory.limit_in_bytes").c_str());
+      const double use = read_number((dir + "/memory.usage_in_bytes").c_str());
+      if (lim > 0 && lim < 1e18 && (best < 0 || lim - std::max(use, 0.0) < best - used)) {
+        best = lim, used = use;
+      }
+      if (g.empty() || g == "/") break;
+    }
+    limit = best;
+    cgroup = "the memory cgroup's memory.limit_in_bytes";
   }
   // cgroup v1 writes "no limit" as a huge number.
   if (limit > 0 && limit < 1e18) {
@@ -158,16 +338,21 @@ void check_memory(const MemoryEstimate& e, int processes, const std::string& wha
   std::string source;
   const double avail = available_memory(&source);
   if (avail < 0) return;  // nothing to compare with
-  const double need = e.total() * static_cast<double>(std::max(processes, 1));
+  const int here = std::max(processes, 1);
+  const double need = e.total() * static_cast<double>(here);
   MOETRAIN_CHECK(need <= avail,
-                 "{} needs about {} of memory{} ({}{}), more than the {} available ({}): {}", what,
-                 gib(need),
-                 processes > 1 ? fmt::format(" for {} processes on this machine", processes) : "",
-                 processes > 1 ? "each: " : "", e.breakdown(), gib(avail), source,
+                 "{} needs about {} of memory per rank ({}){}, more than the {} available ({}{}): "
+                 "{}",
+                 what, gib(e.total()), e.breakdown(),
+                 here > 1 ? fmt::format(", {} for the {} ranks on this machine", gib(need), here)
+                          : "",
+                 gib(avail), source,
+                 here > 1 ? fmt::format(", {} per rank", gib(avail / here)) : "",
                  !remedy.empty() ? remedy
                                  : "make the model (model.n_layers, model.dim, model.n_experts, "
                                    "model.expert_hidden) or the batch (train.batch_size, "
-                                   "train.seq_len) smaller");
+                                   "train.seq_len) smaller, or spread the experts over more "
+                                   "ranks (dist.ep) and shard the optimizer state (dist.zero)");
 }
 
 }  // namespace moetrain

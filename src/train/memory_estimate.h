@@ -7,19 +7,25 @@
 
 #include "model/classifier.h"
 #include "model/config.h"
+#include "train/run_config.h"
 
 namespace moetrain {
 
-// Bytes per process. Counts the whole model on every process (expert parallelism would hold a
-// share of the experts: an upper bound there).
+// Bytes per process, by kind.
 struct MemoryEstimate {
   double parameters = 0;     // the weights as stored (fp32 here)
   double gradients = 0;      // fp32, one per parameter
   double optimizer = 0;      // fp32 optimizer state (AdamW: two moments) and master weights
   double low_precision = 0;  // bf16/fp16 weight copies
-  double activations = 0;    // saved for backward: batch × seq × layers × per-token buffers
-  double total() const { return parameters + gradients + optimizer + low_precision + activations; }
+  double activations = 0;    // saved for backward, and the backward buffers the layers keep
+  double buffers = 0;        // communication: gradient buckets, an offload window
+  double baseline = 0;       // the process before any of these: the binary, its libraries, MPI
+  // What the parameters take: weights, gradients, optimizer state and copies.
+  double state() const { return parameters + gradients + optimizer + low_precision; }
+  double total() const { return state() + activations + buffers + baseline; }
   std::string breakdown() const;
+  // One line per kind, then the total, each in GiB or MiB: the dry run's table.
+  std::string table() const;
 };
 
 // How a process keeps each parameter's state: bytes per parameter of each kind, and which of
@@ -47,7 +53,58 @@ ParamState mixed_precision_state(const std::string& optimizer, int zero);
 // low_precision (copies). No activations.
 MemoryEstimate state_memory(const ParamState& s, double params, double ranks);
 
-// precision_bytes: 0 for f32, 2 for bf16/fp16 (their weight copies).
+// Floats of the dense tensors (embedding, head, norms, attention, dense FFNs, routers, shared
+// experts) and of all experts of all MoE layers, from the shapes ParamLayout (model/params.cpp)
+// lays out, without building its table (tests/plan/plan_test.cpp checks the two agree).
+struct ParamCounts {
+  double dense = 0, expert = 0;
+};
+ParamCounts count_params(const ModelConfig& m);
+
+// Activation recomputation: none keeps every block's activations for backward; moe drops the
+// experts' intermediates (W1·x, W3·x, their product) and recomputes them one block at a time;
+// full keeps each block's input and recomputes one block's activations at a time.
+enum class Recompute { None, Moe, Full };
+// Where the optimizer state lives: resident, or in a host file streamed through a window.
+enum class Offload { None, HostFile };
+// Bytes of the window an offloaded optimizer state streams through.
+inline constexpr double kOffloadWindowBytes = 8.0 * 1024 * 1024;
+
+// One process's share of a run: what the estimate of its memory depends on.
+struct RankLayout {
+  int64_t world = 1;        // processes (tp × pp × dp, dp folding ep)
+  int64_t ep = 1;           // expert-parallel group size: E / ep experts owned per rank
+  int64_t spare_slots = 0;  // placement.spare_slots: replica slots per rank (with ep > 1)
+  int64_t tp = 1, pp = 1;   // tensor and pipeline parallelism (the planner's only)
+  ParamState state;         // bytes per parameter and the ZeRO stage
+  Recompute recompute = Recompute::None;
+  Offload offload = Offload::None;
+  // This trainer keeps the weights, gradients and copy of every expert in its flat buffer on
+  // every rank (it steps only its own); false: only the rank's experts (GPU trainers).
+  bool whole_buffer = true;
+  // This trainer's layers keep the buffers of their backward (the gradients of what they saved,
+  // both sides of the expert exchange) between steps; false: only what backward needs.
+  bool kept_backward_buffers = true;
+  double activation_bytes = 4;  // bytes of an activation element
+  // Gradient buckets (dist.bucket_first_mb, dist.bucket_mb) and their wire copies, with world > 1.
+  double bucket_first_bytes = 1 << 20, bucket_bytes = 25 << 20;
+  double baseline = 0;  // the process's resident bytes before the run's allocations
+  int64_t stage() const { return world / (tp * pp); }  // ranks holding the same dense shard
+  int64_t dp() const { return world / pp / ep; }      // replicas of each expert
+};
+
+// The bytes one rank of an LM run holds: the one formula of the trainer's start-up check, of
+// `moetrain train --dry-run` and of the planner (plan/memory_model.cpp).
+MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
+                           const RankLayout& l);
+
+// The layout `moetrain train` runs a config with on `world` processes: dist.ep, dist.zero,
+// placement.spare_slots, the precision's copy, dist.bucket_*; `baseline` the process's resident
+// bytes before the run's allocations.
+RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline);
+
+// One process of an LM run (rank_memory on RankLayout's defaults); precision_bytes: 0 for f32,
+// 2 for bf16/fp16 (their weight copies).
 MemoryEstimate estimate_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                                int precision_bytes);
 MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch);
@@ -55,12 +112,13 @@ MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch);
 // activations; no gradients, moments or copies.
 MemoryEstimate estimate_inference_memory(const ModelConfig& m, int64_t batch, int64_t seq_len);
 
-// What this process may use: /proc/meminfo's MemAvailable, or the cgroup's memory.max less its
-// usage when lower. `source` says which. < 0 when neither can be read.
+// What this process may use: /proc/meminfo's MemAvailable, or its memory cgroup's limit less its
+// usage when lower (cgroup v2 memory.max; v1 memory.limit_in_bytes of the group /proc/self/cgroup
+// names and of its parents). `source` says which. < 0 when neither can be read.
 double available_memory(std::string* source = nullptr);
 
 // Throws when `processes` processes of this estimate (the ones on this machine) exceed the
-// available memory, naming both figures and what the estimate counts. `remedy` says what to make
+// available memory, naming both figures per rank and what the estimate counts. `remedy` says what to make
 // smaller (default: the model.* and train.* keys that size a run).
 void check_memory(const MemoryEstimate& e, int processes, const std::string& what,
                   const std::string& remedy = {});

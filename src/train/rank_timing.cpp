@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -11,13 +12,26 @@ namespace moetrain {
 
 void add_rank_timing(Comm& comm, const RankTiming& mine, nlohmann::json& line) {
   const int P = comm.size();
+  const bool memory = mine.memory.peak >= 0;
+  if (memory) {
+    line["rss_bytes"] = static_cast<int64_t>(mine.memory.rss);
+    line["peak_rss_bytes"] = static_cast<int64_t>(mine.memory.peak);
+    line["peak_rss_bytes_max"] = static_cast<int64_t>(mine.memory.peak);
+  }
   if (P <= 1) return;
-  const double values[2] = {mine.step_s, mine.compute_s};
+  const double values[3] = {mine.step_s, mine.compute_s, mine.memory.peak};
   const std::vector<double> all = comm.allgather_same(values);
   std::vector<double> step(P), compute(P);
-  for (int q = 0; q < P; ++q) step[q] = all[2 * q], compute[q] = all[2 * q + 1];
+  std::vector<int64_t> peak(P);
+  for (int q = 0; q < P; ++q)
+    step[q] = all[3 * q], compute[q] = all[3 * q + 1],
+    peak[q] = static_cast<int64_t>(all[3 * q + 2]);
   line["rank_step_time_s"] = step;
   if (mine.compute_s >= 0) line["rank_compute_s"] = compute;
+  if (memory) {
+    line["rank_peak_rss_bytes"] = peak;
+    line["peak_rss_bytes_max"] = *std::max_element(peak.begin(), peak.end());
+  }
 }
 
 namespace {

@@ -6,17 +6,21 @@
 
 #include "core/comm.h"
 #include "core/profile.h"
+#include "core/resident.h"
 
 namespace moetrain {
 
 struct RankTiming {
   double step_s = 0;      // this process's wall time of the step
   double compute_s = -1;  // < 0: the trainer does not split compute from communication
+  ResidentMemory memory;  // this process's resident bytes (core/resident.h); < 0: unknown
 };
 
 // Collective over comm (called after the step's timer stopped, so the wait for the slowest rank
 // lands in no rank's figure). Sets line["rank_step_time_s"] (and "rank_compute_s" when measured)
-// to one entry per rank, in rank order. A one-process comm adds nothing.
+// to one entry per rank, in rank order; and the resident memory: rss_bytes and peak_rss_bytes
+// (this process's VmRSS and VmHWM), peak_rss_bytes_max (the largest VmHWM of any rank) and, with
+// more than one process, rank_peak_rss_bytes (each rank's). A one-process comm gathers nothing.
 void add_rank_timing(Comm& comm, const RankTiming& mine, nlohmann::json& line);
 
 // Collective over comm: each process's phase table of the step (exclusive seconds) gathered to

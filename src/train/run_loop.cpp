@@ -8,6 +8,7 @@
 #include "core/fault.h"
 #include "core/log.h"
 #include "core/profile.h"
+#include "core/resident.h"
 #include "core/timer.h"
 #include "train/progress.h"
 #include "train/rank_timing.h"
@@ -65,6 +66,10 @@ LoopResult run_loop(StepEngine& engine, RunTask& task, const LoopSettings& s,
     return ev;
   };
   auto finish = [&] {
+    // Collective: the evaluations and checkpoints after the last metrics line count too.
+    const double peak[1] = {resident_memory().peak};
+    const std::vector<double> peaks = control.allgather_same(peak);
+    result.peak_rss = *std::max_element(peaks.begin(), peaks.end());
     result.steps_done = engine.step_count() - result.first_step;
     result.seconds = run_timer.seconds();
     result.rate = result.train_seconds > 0 ? s.units_per_step *
@@ -90,7 +95,8 @@ LoopResult run_loop(StepEngine& engine, RunTask& task, const LoopSettings& s,
       r.metrics[s.unit + "_per_s"] = s.units_per_step / dt;
       r.comm.step_s = dt;
       add_comm_metrics(r.comm, r.metrics);
-      add_rank_timing(control, {dt, comm_figures(r.comm).compute_s}, r.metrics);
+      add_rank_timing(control, {dt, comm_figures(r.comm).compute_s, resident_memory()},
+                      r.metrics);
       if (s.profile) add_rank_phases(control, phases, dt, r.metrics);
       metrics.write(r.metrics);
       progress.update({step, s.total_steps, r.loss, s.units_per_step / dt, r.lr,
@@ -132,8 +138,10 @@ LoopResult run_loop(StepEngine& engine, RunTask& task, const LoopSettings& s,
   const Evaluation ev = evaluate();
   result.last_checkpoint = task.save_checkpoint();
   finish();
-  log_info("done: {} steps in {:.1f} s ({:.0f} {}/s); {}; checkpoint {}", result.steps_done,
-           result.seconds, result.rate, s.unit, ev.note, result.last_checkpoint.string());
+  log_info("done: {} steps in {:.1f} s ({:.0f} {}/s); {}; checkpoint {}; peak resident memory "
+           "{:.1f} MiB (the largest rank's)",
+           result.steps_done, result.seconds, result.rate, s.unit, ev.note,
+           result.last_checkpoint.string(), result.peak_rss / (1024.0 * 1024.0));
   return result;
 }
 

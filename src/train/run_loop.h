@@ -70,6 +70,8 @@ struct LoopResult {
   double rate = 0;           // units per second of the steps
   std::filesystem::path last_checkpoint;
   int exit_code = 0;  // 130 / 143: stopped by SIGINT / SIGTERM, with a checkpoint
+  // The most resident memory any rank had (VmHWM) by the end of the run, bytes; < 0: unknown.
+  double peak_rss = -1;
 };
 
 // How a fresh run (no --resume) treats a run directory that holds an earlier run's checkpoints.

@@ -4,6 +4,7 @@
 
 #include "core/check.h"
 #include "core/log.h"
+#include "core/resident.h"
 #include "core/threads.h"
 #include "data/loader.h"
 #include "data/shard.h"
@@ -42,9 +43,13 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   world_ = world ? std::move(world) : dist_world("trainer");
   const int W = world_->size();
   // Before the model is allocated: a config that cannot fit stops here, not in std::bad_alloc.
-  check_memory(estimate_memory(cfg_.model, cfg_.train.batch_size, cfg_.train.seq_len,
-                               cfg_.train.precision_dtype() == DType::F32 ? 0 : 2),
-               W > 1 ? dist_local_size() : 1, "this run");
+  // The process as it is now (binary, libraries, MPI) is the estimate's baseline.
+  memory_ = rank_memory(cfg_.model, cfg_.train.batch_size, cfg_.train.seq_len,
+                        trainer_layout(cfg_, W, resident_memory().rss));
+  if (world_->rank() == 0)
+    log_info("memory per rank: {:.1f} MiB estimated ({})", memory_.total() / (1024.0 * 1024.0),
+             memory_.breakdown());
+  check_memory(memory_, W > 1 ? dist_local_size() : 1, "this run");
   int threads = init_threads(static_cast<int>(cfg_.train.threads), W > 1 ? dist_local_size() : 1);
   RunParallel rp =
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);

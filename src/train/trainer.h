@@ -17,6 +17,7 @@
 #include "io/run_lock.h"
 #include "model/transformer.h"
 #include "train/lm_checkpoint.h"
+#include "train/memory_estimate.h"
 #include "train/run_config.h"
 #include "train/run_loop.h"
 #include "train/step_engine.h"
@@ -53,6 +54,8 @@ class Trainer : private RunTask {
   TrainResult run(int64_t stop_at = -1);
 
   const RunConfig& config() const { return cfg_; }
+  // What the start-up check estimated this rank holds.
+  const MemoryEstimate& memory_estimate() const { return memory_; }
   Transformer& model() { return *model_; }
   std::vector<float>& params() { return engine_->params(); }
   std::span<float> grads() { return engine_->grads(); }
@@ -84,6 +87,7 @@ class Trainer : private RunTask {
   void restore_trainer_state(const nlohmann::json& state, const std::string& where);
 
   RunConfig cfg_;
+  MemoryEstimate memory_;  // this rank's, at start-up (train/memory_estimate.h)
   std::unique_ptr<Comm> world_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<StepEngine> engine_;

@@ -64,6 +64,9 @@ std::string metrics_lines(int steps = 5) {
                         {"comm_exposed_s", 0.01},
                         {"comm_total_s", 0.05},
                         {"imbalance", 1.2},
+                        {"rss_bytes", (300 + s) << 20},
+                        {"peak_rss_bytes", (310 + s) << 20},
+                        {"peak_rss_bytes_max", (320 + s) << 20},
                         {"dropped_fraction", {0.0, 0.1 * s}},
                         {"tokens_per_expert", {{10, 20, 30}, {0, 30, 30 + s}}}};
     out += j.dump() + "\n";
@@ -88,9 +91,9 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
   dir.write("sample.txt", "Fortune <b>& \"cookie\"");
   const std::string html = render_report(dir.path(), report_defaults());
 
-  EXPECT_EQ(count(html, "<svg class=\"chart\""), 9u);
+  EXPECT_EQ(count(html, "<svg class=\"chart\""), 10u);
   for (const char* id : {"loss", "grad-norm", "lr", "throughput", "expert-load",
-                         "expert-load-steps", "imbalance", "utilisation", "time"}) {
+                         "expert-load-steps", "imbalance", "utilisation", "time", "memory"}) {
     const std::string sec = section(html, id);
     ASSERT_FALSE(sec.empty()) << id;
     EXPECT_EQ(count(sec, "<h2>"), 1u) << id;
@@ -103,6 +106,11 @@ TEST(Report, OneSectionPerChartWithEveryPoint) {
   EXPECT_EQ(polyline_points(section(html, "imbalance")), (std::vector<std::size_t>{5, 5}));
   EXPECT_EQ(polyline_points(section(html, "utilisation")), (std::vector<std::size_t>{5, 5}));
   EXPECT_EQ(polyline_points(section(html, "time")), (std::vector<std::size_t>{5, 5, 5}));
+  EXPECT_EQ(polyline_points(section(html, "memory")), (std::vector<std::size_t>{5, 5, 5}));
+  // The summary: the last step's largest peak.
+  EXPECT_NE(html.find("<tr><td>peak resident memory per rank (step 5)</td><td>325.0 MiB (the "
+                      "largest rank&#39;s VmHWM)</td></tr>"),
+            std::string::npos);
   // Heatmap cells carry a <title>: layers × experts, and (layer, expert) × steps.
   EXPECT_EQ(count(section(html, "expert-load"), "<title>"), 6u);
   EXPECT_EQ(count(section(html, "expert-load-steps"), "<title>"), 30u);
@@ -152,7 +160,7 @@ TEST(Report, EmptyRunDirectoryNamesWhatIsMissing) {
   EXPECT_NE(html.find("metrics.jsonl does not exist"), std::string::npos);
   EXPECT_NE(html.find("config.json does not exist"), std::string::npos);
   EXPECT_EQ(count(html, "<svg class=\"chart\""), 0u);
-  EXPECT_EQ(count(html, "<section"), 11u);  // each chart says it has no data yet
+  EXPECT_EQ(count(html, "<section"), 12u);  // each chart says it has no data yet
 
   dir.write("metrics.jsonl", "");
   html = render_report(dir.path(), report_defaults());

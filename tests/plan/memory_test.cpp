@@ -61,10 +61,12 @@ TEST(PlanMemory, MixedPrecisionStateShardsByZeroStage) {
   cfg.dist.zero = 1;
   EXPECT_DOUBLE_EQ(memory_per_device(cfg, Layout{8, 2}, true).optimizer,
                    12 * (dense / 8 + expert / 4));
-  // A calibrated CPU (this trainer): f32 weights and gradients and the bf16 copy.
+  // A calibrated CPU (this trainer): f32 weights and gradients and the bf16 copy of every
+  // parameter, all experts included (its flat buffer), the optimizer state of its own experts.
   const Memory cpu = memory_per_device(cfg, Layout{8, 2}, false);
-  EXPECT_DOUBLE_EQ(cpu.params, 4 * (dense + expert));
-  EXPECT_DOUBLE_EQ(cpu.low_precision, 2 * (dense + expert));
+  EXPECT_DOUBLE_EQ(cpu.params, 4 * (dense + 2 * expert));
+  EXPECT_DOUBLE_EQ(cpu.grads, 4 * (dense + 2 * expert));
+  EXPECT_DOUBLE_EQ(cpu.low_precision, 2 * (dense + 2 * expert));
   EXPECT_DOUBLE_EQ(cpu.optimizer, 8 * (dense / 8 + expert / 4));
 }
 

@@ -62,7 +62,8 @@ std::vector<nlohmann::json> metrics(const fs::path& run_dir) {
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line);
     for (const char* key : {"step_time_s", "images_per_s", "compute_s", "comm_total_s",
-                            "comm_exposed_s", "comm_efficiency", "overlap_ratio"})
+                            "comm_exposed_s", "comm_efficiency", "overlap_ratio", "rss_bytes",
+                            "peak_rss_bytes", "peak_rss_bytes_max"})
       j.erase(key);
     out.push_back(j);
   }

@@ -55,6 +55,95 @@ TEST(MemoryEstimate, StateBytesByZeroStage) {
   EXPECT_THROW(state_memory(trainer_state("adamw", 0, 4), 1, 1), Error);
 }
 
+// A model small enough to count by hand: vocabulary 16, dim 8, 2 layers of 2 heads (head_dim 4)
+// and 1 KV head, 4 experts of hidden 6 (top-2) in both.
+ModelConfig hand_counted_model() {
+  ModelConfig m;
+  m.vocab_size = 16;
+  m.dim = 8;
+  m.n_layers = 2;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.n_experts = 4;
+  m.expert_hidden = 6;
+  m.top_k = 2;
+  m.max_seq_len = 8;
+  return m;
+}
+
+TEST(MemoryEstimate, ParameterCountsByHand) {
+  const ParamCounts c = count_params(hand_counted_model());
+  // Embedding and head 2·16·8, final norm 8; per layer two norms 2·8, q and o 2·(2·4)·8, k and v
+  // 2·(1·4)·8, the router 4·8.
+  EXPECT_DOUBLE_EQ(c.dense, 2 * 16 * 8 + 8 + 2 * (2 * 8 + 2 * 8 * 8 + 2 * 4 * 8 + 4 * 8));
+  EXPECT_DOUBLE_EQ(c.dense, 744);
+  EXPECT_DOUBLE_EQ(c.expert, 2 * 4 * 3 * 6 * 8);  // per layer 4 experts of w1, w3, w2
+  EXPECT_DOUBLE_EQ(c.expert, 1152);
+}
+
+// 4 ranks with dist.ep = 2 (each owns 2 of the 4 experts, held by 2 replicas), AdamW in f32:
+// this trainer keeps every parameter's weight and gradient in its flat buffer and steps its own
+// experts, ZeRO-1 sharding their moments (dense over the 4 ranks, experts over their 2
+// replicas); a trainer that keeps only its experts (GPU trainers) shards the gradients at
+// stage 2 and the weights at stage 3 as well.
+TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
+  const ModelConfig m = hand_counted_model();
+  const double dense = 744, experts = 1152, own = experts / 2;
+  for (int zero = 0; zero <= 3; ++zero) {
+    RankLayout l;
+    l.world = 4;
+    l.ep = 2;
+    l.state = trainer_state("adamw", 0, zero);
+    const MemoryEstimate e = rank_memory(m, 2, 8, l);
+    EXPECT_DOUBLE_EQ(e.parameters, 4 * (dense + experts)) << zero;
+    EXPECT_DOUBLE_EQ(e.gradients, 4 * (dense + experts)) << zero;
+    EXPECT_DOUBLE_EQ(e.optimizer, zero >= 1 ? 8 * (dense / 4 + own / 2) : 8 * (dense + own))
+        << zero;
+    EXPECT_DOUBLE_EQ(e.low_precision, 0) << zero;
+    // The gradient reduction's shard (dense / 4 + own experts / 2) and two buckets (the packed
+    // one and MPI's temporary; each the whole of dense + own here, smaller than a bucket); the
+    // exchange's rows: 4·K·C floats a token in each of the 2 MoE layers.
+    EXPECT_DOUBLE_EQ(e.buffers, 4 * (dense / 4 + own / 2) + 2 * 4 * (dense + own) +
+                                    4 * (4.0 * 2 * 8) * (2 * 8 * 2))
+        << zero;
+    l.whole_buffer = false;
+    const MemoryEstimate own_only = rank_memory(m, 2, 8, l);
+    auto shard = [&](int from) { return zero >= from ? dense / 4 + own / 2 : dense + own; };
+    EXPECT_DOUBLE_EQ(own_only.parameters, 4 * shard(3)) << zero;
+    EXPECT_DOUBLE_EQ(own_only.gradients, 4 * shard(2)) << zero;
+    EXPECT_DOUBLE_EQ(own_only.optimizer, 8 * shard(1)) << zero;
+    // A spare replica slot per rank holds one more expert of each layer (not stepped).
+    l.spare_slots = 1;
+    EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).parameters, 4 * shard(3) + 4 * experts / 4) << zero;
+    EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).optimizer, 8 * shard(1)) << zero;
+  }
+  // Offloaded optimizer state leaves the resident set; its window stays.
+  RankLayout off;
+  off.state = trainer_state("adamw", 0, 0);
+  const MemoryEstimate resident = rank_memory(m, 2, 8, off);
+  off.offload = Offload::HostFile;
+  const MemoryEstimate offloaded = rank_memory(m, 2, 8, off);
+  EXPECT_DOUBLE_EQ(offloaded.optimizer, 0);
+  EXPECT_DOUBLE_EQ(offloaded.buffers, resident.buffers + kOffloadWindowBytes);
+  EXPECT_DOUBLE_EQ(offloaded.parameters, resident.parameters);
+}
+
+// Recomputation: moe drops the experts' intermediates of all but one block; full keeps each
+// block's input and one block's activations. Both keep less; full least for a deep model.
+TEST(MemoryEstimate, RecomputationKeepsLess) {
+  ModelConfig m = hand_counted_model();
+  m.n_layers = 8;
+  RankLayout l;
+  const double none = rank_memory(m, 4, 8, l).activations;
+  l.recompute = Recompute::Moe;
+  const double moe = rank_memory(m, 4, 8, l).activations;
+  l.recompute = Recompute::Full;
+  const double full = rank_memory(m, 4, 8, l).activations;
+  // Per token of a block: 2·(3·K·F) floats of intermediates and their gradients (K 2, F 6).
+  EXPECT_DOUBLE_EQ(none - moe, 4.0 * 32 * 7 * 2 * 3 * 2 * 6);
+  EXPECT_LT(full, moe);
+}
+
 TEST(MemoryEstimate, AConfigThatCannotFitIsRefusedAtOnce) {
   TempDir tmp("memory_estimate");
   const std::string cfg = write_tiny_run(tmp.path(), 2, 0).string();

@@ -1,0 +1,96 @@
+// The memory estimate against what real runs hold: `moetrain train` of a 26 M-parameter model on
+// one process and on two (experts split, dist.ep = 2; optimizer state sharded, dist.zero = 1)
+// records each rank's peak resident memory (VmHWM) in metrics.jsonl and in its summary; the
+// largest rank's peak must be within 10% of the estimate the run printed at start-up.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+
+#include "support/corpus.h"
+#include "support/memory_runs.h"
+#include "support/temp_dir.h"
+
+namespace moetrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+class MemoryRun : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    tmp_ = std::make_unique<TempDir>("memory_run");
+    write_corpus(*tmp_ / "data", 60000);
+  }
+  static void TearDownTestSuite() { tmp_.reset(); }
+
+  // Trains 2 steps (`launcher` empty: one process) and checks the recorded peaks against the
+  // estimate.
+  static void expect_peak_near_estimate(const std::string& launcher, const std::string& name,
+                                        const std::string& extra, int ranks) {
+    const fs::path run = *tmp_ / name;
+    const ShellResult r = shell(launcher + " " + MOETRAIN_BINARY +
+                                memory_model_args((*tmp_ / "data").string(), run.string(), 2) +
+                                " " + extra);
+    ASSERT_EQ(r.code, 0) << r.output;
+    // The summary: "memory per rank: peak resident A MiB (...), estimated B MiB".
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(
+        r.output, m,
+        std::regex(R"(memory per rank: peak resident ([0-9.]+) MiB \(the largest rank's VmHWM\), )"
+                   R"(estimated ([0-9.]+) MiB)")))
+        << r.output;
+    const double peak_mib = std::stod(m[1]), estimate_mib = std::stod(m[2]);
+    // The last step's line: rank 0's VmRSS and VmHWM, the largest VmHWM, one entry per rank.
+    nlohmann::json last;
+    std::ifstream in(run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("step_time_s")) last = j;
+    }
+    ASSERT_TRUE(last.contains("peak_rss_bytes_max")) << last.dump();
+    const double rss = last["rss_bytes"], peak = last["peak_rss_bytes"],
+                 peak_max = last["peak_rss_bytes_max"];
+    EXPECT_GT(rss, 0);
+    EXPECT_LE(rss, peak);
+    EXPECT_LE(peak, peak_max);
+    if (ranks > 1) {
+      const auto per_rank = last["rank_peak_rss_bytes"].get<std::vector<double>>();
+      ASSERT_EQ(per_rank.size(), static_cast<std::size_t>(ranks)) << last.dump();
+      EXPECT_EQ(per_rank[0], peak);
+      EXPECT_EQ(*std::max_element(per_rank.begin(), per_rank.end()), peak_max);
+    } else {
+      EXPECT_EQ(peak, peak_max);
+    }
+    // The summary's peak also counts the final evaluation and checkpoint.
+    EXPECT_GE(peak_mib, peak_max / (1024.0 * 1024.0) - 0.1);
+    EXPECT_LT(std::abs(peak_mib / estimate_mib - 1), 0.10)
+        << "peak " << peak_mib << " MiB, estimated " << estimate_mib << " MiB\n"
+        << r.output;
+  }
+
+  static std::unique_ptr<TempDir> tmp_;
+};
+
+std::unique_ptr<TempDir> MemoryRun::tmp_;
+
+TEST_F(MemoryRun, OneProcessPeakMatchesTheEstimate) {
+  expect_peak_near_estimate("env OMP_NUM_THREADS=2", "one", "", 1);
+}
+
+TEST_F(MemoryRun, TwoProcessesWithExpertParallelismPeakMatchesTheEstimate) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec on PATH: two-process run not testable";
+  expect_peak_near_estimate(std::string(kMpiexec) + " -n 2", "ep2", "--set dist.ep=2", 2);
+}
+
+TEST_F(MemoryRun, TwoProcessesWithZero1PeakMatchesTheEstimate) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec on PATH: two-process run not testable";
+  expect_peak_near_estimate(std::string(kMpiexec) + " -n 2", "zero1", "--set dist.zero=1", 2);
+}
+
+}  // namespace
+}  // namespace moetrain::testing
