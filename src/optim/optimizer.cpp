@@ -199,7 +199,6 @@ void Optimizer::begin_step(float lr, std::span<const FrozenRange> frozen) {
 
 void Optimizer::step_part(int64_t lo, int64_t hi, float* params, const float* grads,
                           float* const* state, const LowPrecisionCopy& lp) {
-  PhaseScope phase_scope(Phase::Optimizer);
   MOETRAIN_CHECK(in_step_, "optimizer step: step_part outside begin_step / end_step");
   MOETRAIN_CHECK(0 <= lo && lo <= hi && hi <= size(),
                  "optimizer step: part [{}, {}) outside the range of {} elements", lo, hi, size());
@@ -237,6 +236,7 @@ void Optimizer::end_step() {
 
 void Optimizer::step(float* params, const float* grads, float lr,
                      std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
+  PhaseScope phase_scope(Phase::Optimizer);
   MOETRAIN_CHECK(owned_.size() == specs_.size(),
                  "optimizer step: the state is held outside the optimizer; step it in parts");
   MOETRAIN_CHECK(size() == 0 || (params != nullptr && grads != nullptr),

@@ -126,7 +126,7 @@ class Optimizer {
   // fixes lr and the frozen ranges; each step_part updates elements [lo, hi) of the range (parts
   // disjoint, any order), element i of params / grads / lp / state[s] being range element lo + i;
   // end_step closes the step. The update is elementwise, so any cut into parts gives every
-  // element the bits of step().
+  // element the bits of step(). The caller times the parts as Phase::Optimizer (step() does).
   void begin_step(float lr, std::span<const FrozenRange> frozen = {});
   void step_part(int64_t lo, int64_t hi, float* params, const float* grads,
                  float* const* state, const LowPrecisionCopy& lp = {});

@@ -1,6 +1,7 @@
 #include "optim/sharded_optimizer.h"
 
 #include "core/check.h"
+#include "core/profile.h"
 #include "optim/offload_store.h"
 
 namespace moetrain {
@@ -38,6 +39,8 @@ void ShardedOptimizer::step(float* params, const float* grads, float lr,
     for (auto& o : opts_)
       o->step(params + o->begin(), grads + o->begin(), lr, frozen, lp.at(o->begin()));
   } else {
+    // The whole stream, waits for the disk included, is the optimizer's time.
+    PhaseScope phase_scope(Phase::Optimizer);
     for (auto& o : opts_) o->begin_step(lr, frozen);
     struct Ending {
       std::vector<std::unique_ptr<Optimizer>>& opts;
