@@ -25,23 +25,19 @@ void adagrad_segment(float* p, const float* g, float* sum, int64_t lo, int64_t h
 }  // namespace
 
 AdaGrad::AdaGrad(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-                 int64_t end)
-    : Optimizer(config, groups, begin, end),
-      sum_sq_(size(), static_cast<float>(config.initial_accumulator_value)) {
+                 int64_t end, StateStorage storage)
+    : Optimizer(config, groups, begin, end,
+                {{"sum_sq", static_cast<float>(config.initial_accumulator_value)}}, storage) {
   MOETRAIN_CHECK(config.kind == OptimizerKind::AdaGrad, "AdaGrad built from a '{}' config",
                  optimizer_kind_name(config.kind));
 }
 
-std::vector<StateBuffer> AdaGrad::state() {
-  return {{"sum_sq", sum_sq_}};
-}
-
-void AdaGrad::update(float* params, const float* grads, float lr) {
+void AdaGrad::update(float* params, const float* grads, float* const* state, float lr) {
   const OptimizerConfig& c = config();
   const float clr = static_cast<float>(double(lr) / (1.0 + double(step_count() - 1) * c.lr_decay));
   const float wd = static_cast<float>(c.weight_decay);
   const float eps = static_cast<float>(c.eps);
-  float* sum = sum_sq_.data();
+  float* sum = state[0];
   for_each_segment([&](int64_t lo, int64_t hi, bool decay) {
     with_flag(decay && c.weight_decay != 0.0, [&](auto kDecay) {
       adagrad_segment<kDecay()>(params, grads, sum, lo, hi, clr, wd, eps);

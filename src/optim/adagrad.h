@@ -12,14 +12,10 @@ namespace moetrain {
 class AdaGrad final : public Optimizer {
  public:
   AdaGrad(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-          int64_t end);
-  std::vector<StateBuffer> state() override;
+          int64_t end, StateStorage storage = StateStorage::Owned);
 
  protected:
-  void update(float* params, const float* grads, float lr) override;
-
- private:
-  std::vector<float> sum_sq_;  // (end - begin)
+  void update(float* params, const float* grads, float* const* state, float lr) override;
 };
 
 }  // namespace moetrain

@@ -49,22 +49,18 @@ MOETRAIN_ADAMW_CLONES void adamw_segment(float* p, const float* g, float* m, flo
 }  // namespace
 
 AdamW::AdamW(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-             int64_t end)
-    : Optimizer(config, groups, begin, end), exp_avg_(size(), 0.0f), exp_avg_sq_(size(), 0.0f) {
+             int64_t end, StateStorage storage)
+    : Optimizer(config, groups, begin, end, {{"exp_avg", 0.0f}, {"exp_avg_sq", 0.0f}}, storage) {
   MOETRAIN_CHECK(config.kind == OptimizerKind::AdamW, "AdamW built from a '{}' config",
                  optimizer_kind_name(config.kind));
 }
 
-std::vector<StateBuffer> AdamW::state() {
-  return {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}};
-}
-
-void AdamW::update(float* params, const float* grads, float lr) {
+void AdamW::update(float* params, const float* grads, float* const* state, float lr) {
   const OptimizerConfig& c = config();
   const AdamWScalars s =
       adamw_scalars(c.beta1, c.beta2, c.eps, c.weight_decay, lr, step_count());
-  float* m = exp_avg_.data();
-  float* v = exp_avg_sq_.data();
+  float* m = state[0];
+  float* v = state[1];
   const LowPrecisionCopy& lp = lp_copy();
   uint16_t* bits = lp.data && writes_lp_copy(lp.type) ? static_cast<uint16_t*>(lp.data) : nullptr;
   with_flag(bits != nullptr, [&](auto copy) {

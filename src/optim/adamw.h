@@ -14,17 +14,13 @@ namespace moetrain {
 class AdamW final : public Optimizer {
  public:
   AdamW(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-        int64_t end);
-  std::vector<StateBuffer> state() override;
+        int64_t end, StateStorage storage = StateStorage::Owned);
 
  protected:
-  void update(float* params, const float* grads, float lr) override;
+  void update(float* params, const float* grads, float* const* state, float lr) override;
   // bf16 copies in the update's own pass; fp16 ones after it.
   bool writes_lp_copy(DType t) const override { return t == DType::BF16; }
 
- private:
-  std::vector<float> exp_avg_;     // (end - begin)
-  std::vector<float> exp_avg_sq_;  // (end - begin)
 };
 
 }  // namespace moetrain

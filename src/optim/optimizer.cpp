@@ -142,9 +142,24 @@ std::vector<DecaySegment> decay_segments(std::span<const ParamRange> groups, int
 }
 
 Optimizer::Optimizer(const OptimizerConfig& config, std::span<const ParamRange> groups,
-                     int64_t begin, int64_t end)
-    : config_(config), begin_(begin), end_(end), segments_(decay_segments(groups, begin, end)) {
+                     int64_t begin, int64_t end, std::vector<StateSpec> specs,
+                     StateStorage storage)
+    : config_(config),
+      begin_(begin),
+      end_(end),
+      segments_(decay_segments(groups, begin, end)),
+      specs_(std::move(specs)) {
   config_.validate();
+  if (storage == StateStorage::Owned)
+    for (const StateSpec& sp : specs_)
+      owned_.emplace_back(static_cast<std::size_t>(size()), sp.initial);
+}
+
+std::vector<StateBuffer> Optimizer::state() {
+  std::vector<StateBuffer> out;
+  for (std::size_t s = 0; s < specs_.size(); ++s)
+    out.push_back({specs_[s].name, owned_.empty() ? std::span<float>() : std::span(owned_[s])});
+  return out;
 }
 
 void Optimizer::set_step_count(int64_t steps) {
@@ -172,48 +187,83 @@ std::vector<DecaySegment> without_frozen(const std::vector<DecaySegment>& segmen
   return out;
 }
 
-void Optimizer::step(float* params, const float* grads, float lr,
-                     std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
-  PhaseScope phase_scope(Phase::Optimizer);
+void Optimizer::begin_step(float lr, std::span<const FrozenRange> frozen) {
   MOETRAIN_CHECK(std::isfinite(lr) && lr >= 0.0f, "optimizer step: lr = {} must be finite and >= 0",
                  lr);
-  MOETRAIN_CHECK(size() == 0 || (params != nullptr && grads != nullptr),
-                 "optimizer step: null params or grads for a range of {} elements", size());
+  MOETRAIN_CHECK(!in_step_, "optimizer step: begin_step inside a step");
+  ++step_count_;
+  in_step_ = true;
+  lr_ = lr;
+  active_ = frozen.empty() ? segments_ : without_frozen(segments_, begin_, frozen);
+}
+
+void Optimizer::step_part(int64_t lo, int64_t hi, float* params, const float* grads,
+                          float* const* state, const LowPrecisionCopy& lp) {
+  MOETRAIN_CHECK(in_step_, "optimizer step: step_part outside begin_step / end_step");
+  MOETRAIN_CHECK(0 <= lo && lo <= hi && hi <= size(),
+                 "optimizer step: part [{}, {}) outside the range of {} elements", lo, hi, size());
+  MOETRAIN_CHECK(lo == hi || (params != nullptr && grads != nullptr),
+                 "optimizer step: null params or grads for a part of {} elements", hi - lo);
   MOETRAIN_CHECK(!lp.data || lp.type == DType::BF16 || lp.type == DType::F16,
                  "optimizer step: a low-precision copy must be bf16 or fp16, got {}",
                  dtype_name(lp.type));
-  ++step_count_;
-  const std::vector<DecaySegment> active =
-      frozen.empty() ? std::vector<DecaySegment>{} : without_frozen(segments_, begin_, frozen);
-  const std::vector<DecaySegment>& updated = frozen.empty() ? segments_ : active;
-  // update() sees the step's segments and copy; both are cleared however it leaves.
+  // The step's segments cut to [lo, hi), relative to lo.
+  part_.clear();
+  for (const DecaySegment& s : active_) {
+    const int64_t b = std::max(s.begin, lo), e = std::min(s.end, hi);
+    if (b < e) part_.push_back({b - lo, e - lo, s.weight_decay});
+  }
+  part_size_ = hi - lo;
+  // update() sees the part's copy; it is cleared however it leaves.
   struct During {
     Optimizer& o;
-    ~During() { o.active_ = nullptr, o.lp_ = {}; }
+    ~During() { o.lp_ = {}; }
   } during{*this};
-  active_ = &updated;
   lp_ = lp;
-  update(params, grads, lr);
+  update(params, grads, state, lr_);
   if (lp.data && !writes_lp_copy(lp.type)) {
-    for (const DecaySegment& s : updated)
+    for (const DecaySegment& s : part_)
       f32_to_dtype(lp.type, lp.at(s.begin).data, params + s.begin,
                    static_cast<std::size_t>(s.end - s.begin));
   }
 }
 
+void Optimizer::end_step() {
+  in_step_ = false;
+  active_.clear();
+  part_.clear();
+}
+
+void Optimizer::step(float* params, const float* grads, float lr,
+                     std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
+  PhaseScope phase_scope(Phase::Optimizer);
+  MOETRAIN_CHECK(owned_.size() == specs_.size(),
+                 "optimizer step: the state is held outside the optimizer; step it in parts");
+  MOETRAIN_CHECK(size() == 0 || (params != nullptr && grads != nullptr),
+                 "optimizer step: null params or grads for a range of {} elements", size());
+  std::vector<float*> state;
+  for (std::vector<float>& v : owned_) state.push_back(v.data());
+  begin_step(lr, frozen);
+  struct Ending {
+    Optimizer& o;
+    ~Ending() { o.end_step(); }
+  } ending{*this};
+  step_part(0, size(), params, grads, state.data(), lp);
+}
+
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config,
                                           std::span<const ParamRange> groups, int64_t begin,
-                                          int64_t end) {
+                                          int64_t end, StateStorage storage) {
   config.validate();
   switch (config.kind) {
     case OptimizerKind::AdamW:
-      return std::make_unique<AdamW>(config, groups, begin, end);
+      return std::make_unique<AdamW>(config, groups, begin, end, storage);
     case OptimizerKind::Sgd:
-      return std::make_unique<Sgd>(config, groups, begin, end);
+      return std::make_unique<Sgd>(config, groups, begin, end, storage);
     case OptimizerKind::AdaGrad:
-      return std::make_unique<AdaGrad>(config, groups, begin, end);
+      return std::make_unique<AdaGrad>(config, groups, begin, end, storage);
     case OptimizerKind::RmsProp:
-      return std::make_unique<RmsProp>(config, groups, begin, end);
+      return std::make_unique<RmsProp>(config, groups, begin, end, storage);
   }
   MOETRAIN_FAIL("invalid optimizer kind {}", static_cast<int>(config.kind));
 }

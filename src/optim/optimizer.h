@@ -95,6 +95,16 @@ struct StateBuffer {
   std::span<float> values;  // (end - begin)
 };
 
+// One state buffer's name and the value every element starts at.
+struct StateSpec {
+  std::string name;
+  float initial = 0.0f;
+};
+
+// Where an optimizer's state lives: in its own vectors, or with the caller (the offload store,
+// optim/offload_store.h), who hands each part of a step the state of that part.
+enum class StateStorage { Owned, External };
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -107,14 +117,28 @@ class Optimizer {
   // params, grads (end - begin). Elements inside `frozen` (absolute flat offsets) are skipped:
   // no decay, no state update, no parameter change. lp (like params, element i is flat element
   // begin() + i): every updated element's new value rounded to lp.type is written there too;
-  // skipped elements are left as they are.
+  // skipped elements are left as they are. Needs owned state; it is begin_step, one
+  // step_part over the whole range with that state, end_step.
   void step(float* params, const float* grads, float lr, std::span<const FrozenRange> frozen = {},
             const LowPrecisionCopy& lp = {});
 
+  // The same step in parts, for state held elsewhere: begin_step advances the step count and
+  // fixes lr and the frozen ranges; each step_part updates elements [lo, hi) of the range (parts
+  // disjoint, any order), element i of params / grads / lp / state[s] being range element lo + i;
+  // end_step closes the step. The update is elementwise, so any cut into parts gives every
+  // element the bits of step(). The caller times the parts as Phase::Optimizer (step() does).
+  void begin_step(float lr, std::span<const FrozenRange> frozen = {});
+  void step_part(int64_t lo, int64_t hi, float* params, const float* grads,
+                 float* const* state, const LowPrecisionCopy& lp = {});
+  void end_step();
+
   // The state buffers by name, for checkpoints: AdamW "exp_avg", "exp_avg_sq"; SGD "momentum"
   // (none when momentum is 0); AdaGrad "sum_sq"; RMSProp "square_avg", then "momentum" when
-  // momentum > 0 and "grad_avg" when centered. Loading writes into these spans.
-  virtual std::vector<StateBuffer> state() = 0;
+  // momentum > 0 and "grad_avg" when centered. Loading writes into these spans. External
+  // storage: empty spans (the holder has the values).
+  std::vector<StateBuffer> state();
+  // Names and initial values of the state buffers, in state() order.
+  const std::vector<StateSpec>& state_specs() const { return specs_; }
 
   // Number of step() calls applied to the state; part of the state (bias corrections, SGD's
   // first momentum step, AdaGrad's lr decay depend on it). Set it when loading a checkpoint.
@@ -128,24 +152,29 @@ class Optimizer {
   const std::vector<DecaySegment>& segments() const { return segments_; }
 
  protected:
+  // specs: the state buffers (allocated here with their initial values unless `storage` is
+  // External).
   Optimizer(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-            int64_t end);
-  // Called by step() after the step count advanced; `step_count()` is the 1-based step t.
-  virtual void update(float* params, const float* grads, float lr) = 0;
-  // Whether update() writes a copy of type t itself (in its own pass); otherwise step() rounds
-  // the updated segments into lp_copy() afterwards.
+            int64_t end, std::vector<StateSpec> specs, StateStorage storage);
+  // Called by step_part() after the step count advanced; `step_count()` is the 1-based step t.
+  // params, grads, state[s] (one per state_specs() entry): element i is element i of the part
+  // being updated, whose segments for_each_segment() walks.
+  virtual void update(float* params, const float* grads, float* const* state, float lr) = 0;
+  // Whether update() writes a copy of type t itself (in its own pass); otherwise step_part()
+  // rounds the updated segments into lp_copy() afterwards.
   virtual bool writes_lp_copy(DType /*t*/) const { return false; }
-  // During step(): the low-precision copy to keep (no data when there is none).
+  // During step_part(): the part's low-precision copy to keep (no data when there is none).
   const LowPrecisionCopy& lp_copy() const { return lp_; }
 
-  // Runs body(lo, hi, weight_decay) for every segment, all inside one OpenMP parallel region
-  // (when the range is large enough). The body must split [lo, hi) with an orphaned
-  // `#pragma omp for ... nowait`: segments write disjoint elements, so no barrier is needed
-  // between them, and the result of each element does not depend on which thread computes it.
+  // Runs body(lo, hi, weight_decay) for every segment of the part being updated, all inside one
+  // OpenMP parallel region (when the part is large enough). The body must split [lo, hi) with an
+  // orphaned `#pragma omp for ... nowait`: segments write disjoint elements, so no barrier is
+  // needed between them, and the result of each element does not depend on which thread
+  // computes it.
   template <class Body>
   void for_each_segment(Body&& body) const {
-    const int64_t n = size();
-    const std::vector<DecaySegment>& segs = active_ ? *active_ : segments_;
+    const int64_t n = part_size_;
+    const std::vector<DecaySegment>& segs = part_;
 #pragma omp parallel if (n > kParallelMin)
     for (const DecaySegment& s : segs) body(s.begin, s.end, s.weight_decay);
   }
@@ -158,8 +187,15 @@ class Optimizer {
   int64_t end_;
   int64_t step_count_ = 0;
   std::vector<DecaySegment> segments_;
-  // During a step: the segments it updates (segments_ less its frozen ranges); else null.
-  const std::vector<DecaySegment>* active_ = nullptr;
+  std::vector<StateSpec> specs_;
+  std::vector<std::vector<float>> owned_;  // one per spec; empty when External
+  // During a step: lr, the segments it updates (segments_ less its frozen ranges), and for the
+  // part being updated its segments (relative to the part), size and copy.
+  bool in_step_ = false;
+  float lr_ = 0.0f;
+  std::vector<DecaySegment> active_;
+  std::vector<DecaySegment> part_;
+  int64_t part_size_ = 0;
   LowPrecisionCopy lp_;
 };
 
@@ -175,9 +211,11 @@ void with_flag(bool flag, F&& f) {
 }
 
 // Validates the config and builds the optimizer of config.kind for [begin, end) of the buffer
-// tiled by `groups`, with zero state (AdaGrad: initial_accumulator_value).
+// tiled by `groups`, with zero state (AdaGrad: initial_accumulator_value), or none of its own
+// (External: stepped by begin_step / step_part / end_step).
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerConfig& config,
                                           std::span<const ParamRange> groups, int64_t begin,
-                                          int64_t end);
+                                          int64_t end,
+                                          StateStorage storage = StateStorage::Owned);
 
 }  // namespace moetrain

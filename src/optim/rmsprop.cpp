@@ -42,23 +42,23 @@ void rmsprop_segment(float* p, const float* g, float* sq, float* buf, float* ga,
 
 }  // namespace
 
-RmsProp::RmsProp(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-                 int64_t end)
-    : Optimizer(config, groups, begin, end), square_avg_(size(), 0.0f) {
-  MOETRAIN_CHECK(config.kind == OptimizerKind::RmsProp, "RmsProp built from a '{}' config",
-                 optimizer_kind_name(config.kind));
-  if (config.momentum != 0.0) momentum_.assign(size(), 0.0f);
-  if (config.centered) grad_avg_.assign(size(), 0.0f);
-}
-
-std::vector<StateBuffer> RmsProp::state() {
-  std::vector<StateBuffer> out{{"square_avg", square_avg_}};
-  if (config().momentum != 0.0) out.push_back({"momentum", momentum_});
-  if (config().centered) out.push_back({"grad_avg", grad_avg_});
+namespace {
+std::vector<StateSpec> rmsprop_state(const OptimizerConfig& c) {
+  std::vector<StateSpec> out{{"square_avg", 0.0f}};
+  if (c.momentum != 0.0) out.push_back({"momentum", 0.0f});
+  if (c.centered) out.push_back({"grad_avg", 0.0f});
   return out;
 }
+}  // namespace
 
-void RmsProp::update(float* params, const float* grads, float lr) {
+RmsProp::RmsProp(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
+                 int64_t end, StateStorage storage)
+    : Optimizer(config, groups, begin, end, rmsprop_state(config), storage) {
+  MOETRAIN_CHECK(config.kind == OptimizerKind::RmsProp, "RmsProp built from a '{}' config",
+                 optimizer_kind_name(config.kind));
+}
+
+void RmsProp::update(float* params, const float* grads, float* const* state, float lr) {
   const OptimizerConfig& c = config();
   RmsPropScalars s;
   s.lr = lr;
@@ -67,9 +67,11 @@ void RmsProp::update(float* params, const float* grads, float lr) {
   s.one_minus_alpha = static_cast<float>(1.0 - c.alpha);
   s.eps = static_cast<float>(c.eps);
   s.mu = static_cast<float>(c.momentum);
-  float* sq = square_avg_.data();
-  float* buf = momentum_.data();
-  float* ga = grad_avg_.data();
+  // In rmsprop_state() order: square_avg, then momentum and grad_avg when present.
+  int next = 0;
+  float* sq = state[next++];
+  float* buf = c.momentum != 0.0 ? state[next++] : nullptr;
+  float* ga = c.centered ? state[next++] : nullptr;
   for_each_segment([&](int64_t lo, int64_t hi, bool decay) {
     with_flag(decay && c.weight_decay != 0.0, [&](auto kDecay) {
       with_flag(c.centered, [&](auto kCentered) {

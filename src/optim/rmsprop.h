@@ -15,16 +15,10 @@ namespace moetrain {
 class RmsProp final : public Optimizer {
  public:
   RmsProp(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-          int64_t end);
-  std::vector<StateBuffer> state() override;
+          int64_t end, StateStorage storage = StateStorage::Owned);
 
  protected:
-  void update(float* params, const float* grads, float lr) override;
-
- private:
-  std::vector<float> square_avg_;  // (end - begin)
-  std::vector<float> momentum_;    // (end - begin), empty when momentum is 0
-  std::vector<float> grad_avg_;    // (end - begin), empty unless centered
+  void update(float* params, const float* grads, float* const* state, float lr) override;
 };
 
 }  // namespace moetrain

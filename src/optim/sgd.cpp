@@ -25,26 +25,27 @@ void sgd_segment(float* p, const float* g, float* buf, int64_t lo, int64_t hi, f
 
 }  // namespace
 
+namespace {
+std::vector<StateSpec> sgd_state(const OptimizerConfig& c) {
+  if (c.momentum == 0.0) return {};
+  return {{"momentum", 0.0f}};
+}
+}  // namespace
+
 Sgd::Sgd(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-         int64_t end)
-    : Optimizer(config, groups, begin, end) {
+         int64_t end, StateStorage storage)
+    : Optimizer(config, groups, begin, end, sgd_state(config), storage) {
   MOETRAIN_CHECK(config.kind == OptimizerKind::Sgd, "Sgd built from a '{}' config",
                  optimizer_kind_name(config.kind));
-  if (config.momentum != 0.0) momentum_.assign(size(), 0.0f);
 }
 
-std::vector<StateBuffer> Sgd::state() {
-  if (config().momentum == 0.0) return {};
-  return {{"momentum", momentum_}};
-}
-
-void Sgd::update(float* params, const float* grads, float lr) {
+void Sgd::update(float* params, const float* grads, float* const* state, float lr) {
   const OptimizerConfig& c = config();
   const float wd = static_cast<float>(c.weight_decay);
   const float mu = static_cast<float>(c.momentum);
   // The buffer is the gradient itself at the first step, as in PyTorch (not μ·0 + g).
   const bool first = step_count() == 1;
-  float* buf = momentum_.data();
+  float* buf = c.momentum != 0.0 ? state[0] : nullptr;
   for_each_segment([&](int64_t lo, int64_t hi, bool decay) {
     with_flag(decay && c.weight_decay != 0.0, [&](auto kDecay) {
       with_flag(c.momentum != 0.0, [&](auto kMomentum) {

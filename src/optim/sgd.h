@@ -13,14 +13,10 @@ namespace moetrain {
 class Sgd final : public Optimizer {
  public:
   Sgd(const OptimizerConfig& config, std::span<const ParamRange> groups, int64_t begin,
-      int64_t end);
-  std::vector<StateBuffer> state() override;
+      int64_t end, StateStorage storage = StateStorage::Owned);
 
  protected:
-  void update(float* params, const float* grads, float lr) override;
-
- private:
-  std::vector<float> momentum_;  // (end - begin), empty when momentum is 0
+  void update(float* params, const float* grads, float* const* state, float lr) override;
 };
 
 }  // namespace moetrain

@@ -1,27 +1,59 @@
 #include "optim/sharded_optimizer.h"
 
 #include "core/check.h"
+#include "core/profile.h"
+#include "optim/offload_store.h"
 
 namespace moetrain {
 
 ShardedOptimizer::ShardedOptimizer(const OptimizerConfig& config,
                                    std::span<const ParamRange> groups,
-                                   std::vector<OptimPiece> pieces)
+                                   std::vector<OptimPiece> pieces,
+                                   const StateOffload& offload)
     : pieces_(std::move(pieces)) {
   // An empty range gives the state names even to a rank without pieces.
-  for (const StateBuffer& sb : make_optimizer(config, groups, 0, 0)->state())
-    names_.push_back(sb.name);
+  std::vector<float> initial;
+  const std::unique_ptr<Optimizer> empty = make_optimizer(config, groups, 0, 0);
+  for (const StateSpec& sp : empty->state_specs()) {
+    names_.push_back(sp.name);
+    initial.push_back(sp.initial);
+  }
+  const StateStorage storage = offload.path.empty() ? StateStorage::Owned : StateStorage::External;
+  std::vector<int64_t> sizes;
   for (const OptimPiece& p : pieces_) {
     MOETRAIN_CHECK(p.offset >= 0 && p.size >= 0, "optimizer piece [{}, +{}) is invalid", p.offset,
                    p.size);
-    opts_.push_back(make_optimizer(config, groups, p.offset, p.offset + p.size));
+    opts_.push_back(make_optimizer(config, groups, p.offset, p.offset + p.size, storage));
+    sizes.push_back(p.size);
   }
+  if (storage == StateStorage::External)
+    store_ = std::make_unique<OffloadStore>(offload.path, std::move(sizes), std::move(initial),
+                                            offload.chunk);
 }
+
+ShardedOptimizer::~ShardedOptimizer() = default;
 
 void ShardedOptimizer::step(float* params, const float* grads, float lr,
                             std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
-  for (auto& o : opts_)
-    o->step(params + o->begin(), grads + o->begin(), lr, frozen, lp.at(o->begin()));
+  if (!store_) {
+    for (auto& o : opts_)
+      o->step(params + o->begin(), grads + o->begin(), lr, frozen, lp.at(o->begin()));
+  } else {
+    // The whole stream, waits for the disk included, is the optimizer's time.
+    PhaseScope phase_scope(Phase::Optimizer);
+    for (auto& o : opts_) o->begin_step(lr, frozen);
+    struct Ending {
+      std::vector<std::unique_ptr<Optimizer>>& opts;
+      ~Ending() {
+        for (auto& o : opts) o->end_step();
+      }
+    } ending{opts_};
+    store_->stream([&](std::size_t k, int64_t lo, int64_t hi, float* const* state) {
+      Optimizer& o = *opts_[k];
+      const int64_t at = o.begin() + lo;
+      o.step_part(lo, hi, params + at, grads + at, state, lp.at(at));
+    });
+  }
   ++step_count_;
 }
 
@@ -44,6 +76,9 @@ void ShardedOptimizer::set_step_count(int64_t steps) {
 
 std::span<float> ShardedOptimizer::piece_state(std::size_t piece, int s) {
   MOETRAIN_CHECK(piece < opts_.size(), "optimizer piece {} of {}", piece, opts_.size());
+  MOETRAIN_CHECK(s >= 0 && static_cast<std::size_t>(s) < names_.size(),
+                 "optimizer state buffer {} of {}", s, names_.size());
+  if (store_) return store_->map(piece, s);
   return opts_[piece]->state().at(static_cast<std::size_t>(s)).values;
 }
 

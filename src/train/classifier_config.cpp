@@ -81,6 +81,7 @@ void ClassifierRunConfig::validate() const {
                  t.eval_batch_size);
   optim.validate();
   dist.validate();
+  dist.validate_offload(t.run_dir, "cpu");
   MOETRAIN_CHECK(!dist.local_steps(),
                  "dist.sync = params: the classifier trainer reduces gradients every step "
                  "(local SGD is for the language-model trainer)");

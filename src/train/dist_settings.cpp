@@ -2,7 +2,13 @@
 // the configuration schema and their validation, alone and against each other.
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <iterator>
 #include <nlohmann/json.hpp>
 
@@ -11,6 +17,8 @@
 #include "train/run_config.h"
 
 namespace moetrain {
+
+namespace fs = std::filesystem;
 
 void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
   const Field dist[] = {
@@ -55,6 +63,13 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
       {"dist.sync_every", &d.sync_every, "With sync = params: steps between parameter averagings"},
       {"dist.sync_moments", &d.sync_moments,
        "With sync = params: also average the optimizer moments"},
+      {"dist.offload", &d.offload,
+       "Where the optimizer state lives: in memory, or in a file on local disk streamed through "
+       "a few MiB per step (the f32 parameters stay in memory)",
+       "none, host_file"},
+      {"dist.offload_dir", &d.offload_dir,
+       "With offload = host_file: directory of the state files, one per process (empty = "
+       "<run_dir>/offload)"},
   };
   fields.insert(fields.end(), std::begin(dist), std::end(dist));
 }
@@ -145,7 +160,35 @@ ExpertReweightConfig GradSettings::expert_reweight_config() const {
   return {parse_expert_reweight(expert_reweight), reweight_decay, util_low, util_high};
 }
 
+std::string DistSettings::offload_path(const std::string& run_dir) const {
+  return offload_dir.empty() ? (fs::path(run_dir) / "offload").string() : offload_dir;
+}
+
+void DistSettings::validate_offload(const std::string& run_dir, const std::string& device) const {
+  if (!offloaded()) return;
+  MOETRAIN_CHECK(device == "cpu",
+                 "dist.offload = host_file with train.device = {}: the state file is streamed by "
+                 "the CPU optimizer; the device engine keeps its state on the device (use "
+                 "dist.offload = none)",
+                 device);
+  const fs::path dir = offload_path(run_dir);
+  const std::string key = offload_dir.empty()
+                              ? fmt::format("dist.offload_dir (default {})", dir.string())
+                              : fmt::format("dist.offload_dir = '{}'", offload_dir);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  MOETRAIN_CHECK(!ec && fs::is_directory(dir), "{}: cannot create the directory: {}", key,
+                 ec ? ec.message() : "a file of that name is in the way");
+  const fs::path probe = dir / fmt::format(".probe-{}", ::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const int err = errno;
+  if (fd >= 0) ::close(fd), ::unlink(probe.c_str());
+  MOETRAIN_CHECK(fd >= 0, "{}: cannot write a file there: {}", key, std::strerror(err));
+}
+
 void DistSettings::validate() const {
+  MOETRAIN_CHECK(offload == "none" || offload == "host_file",
+                 "dist.offload = '{}': allowed are none, host_file", offload);
   parse_grad_wire(grad_reduce_dtype, "dist.grad_reduce_dtype");
   parse_dtype(a2a_dtype, "dist.a2a_dtype", {DType::F32, DType::BF16});
   MOETRAIN_CHECK(ep >= 1, "dist.ep = {}: must be ≥ 1", ep);

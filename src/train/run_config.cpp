@@ -310,6 +310,7 @@ void RunConfig::validate() const {
   }
   optim.validate();
   dist.validate();
+  dist.validate_offload(t.run_dir, t.device);
   // Checkpoints are taken right after an averaging, when every replica holds the same values.
   MOETRAIN_CHECK(!dist.local_steps() || t.checkpoint_every % dist.sync_every == 0,
                  "train.checkpoint_every = {} with dist.sync = params: must be a multiple of "

@@ -152,6 +152,18 @@ struct DistSettings {
   int64_t sync_every = 1;
   bool sync_moments = false;
   bool local_steps() const { return sync == "params"; }
+  // Optimizer state offload (optim/offload_store.h): "none" keeps it in memory; "host_file" keeps
+  // every optimizer state buffer of the process in a file under offload_dir (default
+  // <run_dir>/offload; one file per process, removed when the run ends), streamed through a few
+  // MiB of memory per step. The f32 parameters stay in memory: the forward reads them.
+  std::string offload = "none";
+  std::string offload_dir;
+  bool offloaded() const { return offload == "host_file"; }
+  // The directory the state files go to: offload_dir, or <run_dir>/offload.
+  std::string offload_path(const std::string& run_dir) const;
+  // With host_file: creates the directory and checks that a file can be written there (leaving
+  // nothing behind), and that the run is on the CPU. Throws naming the key and value.
+  void validate_offload(const std::string& run_dir, const std::string& device) const;
 
   // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
   // where the process groups are made.

@@ -86,8 +86,12 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   }
   for (const FlatRange& r : sync_ranges(layout, expert_shard_).expert)
     own_experts_.push_back({r.offset, r.size});
+  StateOffload offload;
+  if (cfg_.dist.offloaded())
+    offload.path = fmt::format("{}/optim-rank{}.bin", cfg_.dist.offload_path(cfg_.run_dir),
+                               pg_->control->rank());
   optimizer_ = std::make_unique<ShardedOptimizer>(cfg_.optim.optimizer_config(), groups_,
-                                                  std::move(dp.pieces));
+                                                  std::move(dp.pieces), offload);
   writers_ = checkpoint_writers(layout, pg_->layout, cfg_.moe.n_experts);
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
 }
