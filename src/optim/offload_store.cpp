@@ -159,7 +159,9 @@ int64_t OffloadStore::region(std::size_t piece, int s) const {
   return piece_offset_[piece] + region_bytes_[piece] * s;
 }
 
-int64_t OffloadStore::ring_bytes() const { return int64_t{kRing} * n_state_ * chunk_ * 4; }
+int64_t OffloadStore::ring_bytes(int n_state, int64_t chunk) {
+  return int64_t{kRing} * n_state * chunk * 4;
+}
 
 void OffloadStore::drop(int64_t offset, int64_t bytes) const {
   ::sync_file_range(fd_, offset, bytes,

@@ -46,7 +46,9 @@ class OffloadStore {
   int64_t file_bytes() const { return file_bytes_; }
   int64_t chunk() const { return chunk_; }
   // Bytes of the ring of chunk buffers (what a step keeps resident).
-  int64_t ring_bytes() const;
+  int64_t ring_bytes() const { return ring_bytes(n_state_, chunk_); }
+  // The same for a store of n_state buffers in chunks of `chunk` elements (the memory estimate).
+  static int64_t ring_bytes(int n_state, int64_t chunk = int64_t{1} << 20);
 
  private:
   struct Io;

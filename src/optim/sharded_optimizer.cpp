@@ -1,5 +1,7 @@
 #include "optim/sharded_optimizer.h"
 
+#include <vector>
+
 #include "core/check.h"
 #include "core/profile.h"
 #include "optim/offload_store.h"
@@ -35,9 +37,20 @@ ShardedOptimizer::~ShardedOptimizer() = default;
 
 void ShardedOptimizer::step(float* params, const float* grads, float lr,
                             std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
+  std::vector<const float*> piece_grads;
+  for (auto& o : opts_) piece_grads.push_back(grads + o->begin());
+  step(params, piece_grads, lr, frozen, lp);
+}
+
+void ShardedOptimizer::step(float* params, std::span<const float* const> piece_grads, float lr,
+                            std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
+  MOETRAIN_CHECK(piece_grads.size() == opts_.size(), "{} gradient pieces for {} optimizer pieces",
+                 piece_grads.size(), opts_.size());
   if (!store_) {
-    for (auto& o : opts_)
-      o->step(params + o->begin(), grads + o->begin(), lr, frozen, lp.at(o->begin()));
+    for (std::size_t k = 0; k < opts_.size(); ++k) {
+      Optimizer& o = *opts_[k];
+      o.step(params + o.begin(), piece_grads[k], lr, frozen, lp.at(o.begin()));
+    }
   } else {
     // The whole stream, waits for the disk included, is the optimizer's time.
     PhaseScope phase_scope(Phase::Optimizer);
@@ -51,19 +64,8 @@ void ShardedOptimizer::step(float* params, const float* grads, float lr,
     store_->stream([&](std::size_t k, int64_t lo, int64_t hi, float* const* state) {
       Optimizer& o = *opts_[k];
       const int64_t at = o.begin() + lo;
-      o.step_part(lo, hi, params + at, grads + at, state, lp.at(at));
+      o.step_part(lo, hi, params + at, piece_grads[k] + lo, state, lp.at(at));
     });
-  }
-  ++step_count_;
-}
-
-void ShardedOptimizer::step(float* params, std::span<const float* const> piece_grads, float lr,
-                            std::span<const FrozenRange> frozen, const LowPrecisionCopy& lp) {
-  MOETRAIN_CHECK(piece_grads.size() == opts_.size(), "{} gradient pieces for {} optimizer pieces",
-                 piece_grads.size(), opts_.size());
-  for (std::size_t k = 0; k < opts_.size(); ++k) {
-    Optimizer& o = *opts_[k];
-    o.step(params + o.begin(), piece_grads[k], lr, frozen, lp.at(o.begin()));
   }
   ++step_count_;
 }

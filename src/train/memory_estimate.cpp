@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "optim/offload_store.h"
 
 namespace moetrain {
 
@@ -212,14 +214,21 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                                             pc.dense + pc.expert, 1);
     e.parameters = all.parameters, e.gradients = all.gradients;
     e.low_precision = all.low_precision;
+    // ZeRO-2 (parallel/zero2_reducer.h) hands each bucket's pages back once it is reduced: what
+    // stays resident is about the buckets backward has written and the communication thread has
+    // not yet reduced (two of the larger size).
+    if (l.world > 1 && l.state.zero >= 2)
+      e.gradients = std::min(e.gradients, 2 * std::max(l.bucket_first_bytes, l.bucket_bytes));
   } else {
     e.parameters = dense.parameters + expert.parameters + held.parameters;
     e.gradients = dense.gradients + expert.gradients + held.gradients;
     e.low_precision = dense.low_precision + expert.low_precision + held.low_precision;
   }
   if (l.offload == Offload::HostFile) {
+    // The state stays in its file; a step streams it through the store's ring.
     e.optimizer = 0;
-    e.buffers += kOffloadWindowBytes;
+    e.buffers += static_cast<double>(
+        OffloadStore::ring_bytes(static_cast<int>(std::lround(l.state.slots))));
   }
   e.activations = l.activation_bytes * activation_elements(m, batch, seq_len, l);
   // This trainer's kernels' and allocator's workspace from the first step on, whatever the
@@ -252,8 +261,7 @@ RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) 
   const DType prec = cfg.train.precision_dtype();
   l.state = trainer_state(cfg.optim.name, prec == DType::F32 ? 0 : static_cast<int>(dtype_size(prec)),
                           static_cast<int>(cfg.dist.zero));
-  // train.recompute (none | moe | full) sets l.recompute and dist.offload (none | host_file)
-  // l.offload here, once those keys exist.
+  l.offload = cfg.dist.offloaded() ? Offload::HostFile : Offload::None;
   l.bucket_first_bytes = cfg.dist.bucket_first_mb * 1024 * 1024;
   l.bucket_bytes = cfg.dist.bucket_mb * 1024 * 1024;
   l.baseline = baseline;

@@ -67,8 +67,6 @@ ParamCounts count_params(const ModelConfig& m);
 enum class Recompute { None, Moe, Full };
 // Where the optimizer state lives: resident, or in a host file streamed through a window.
 enum class Offload { None, HostFile };
-// Bytes of the window an offloaded optimizer state streams through.
-inline constexpr double kOffloadWindowBytes = 8.0 * 1024 * 1024;
 
 // One process's share of a run: what the estimate of its memory depends on.
 struct RankLayout {
