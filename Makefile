@@ -42,6 +42,7 @@ demo:
 	bash scripts/demo.sh $(BUILD_DIR)
 
 bench: build
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target benches
 	bash scripts/bench.sh $(BUILD_DIR)
 
 # bin/moetrain, share/moetrain/configs, share/doc/moetrain under PREFIX (cmake/install.cmake).
