@@ -6,10 +6,12 @@ PREFIX ?= /usr/local
 # The Debian package's own build: no CUDA backend (its runtime is in no Debian package), no tests
 # or benchmarks (not installed).
 DEB_BUILD_DIR ?= build-deb
-# The CUDA backend (CMakeLists.txt): AUTO builds it where the toolkit is found. make demo and make
-# test configure it alike: a different setting changes every library source's flags file, which
-# would recompile the library when one follows the other.
+# The CUDA backend (CMakeLists.txt): AUTO builds it where the toolkit is found. make demo builds it
+# only where a GPU is present too (nothing else could run it); make test builds it wherever the
+# toolkit is, so that the device code keeps compiling. The backend is a library of its own: when
+# one command follows the other, only its objects are compiled, never the rest of the library.
 CUDA ?= AUTO
+DEMO_CUDA ?= $(if $(wildcard /dev/nvidia0),$(CUDA),OFF)
 # A timestamped phase line.
 phase = @echo "== [$$(date +%T)] $(1)"
 
@@ -36,12 +38,13 @@ demo:
 	$(call phase,setup)
 	bash scripts/setup.sh
 	$(call phase,configure)
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DMOETRAIN_WITH_CUDA=$(CUDA) $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DMOETRAIN_WITH_CUDA=$(DEMO_CUDA) $(CMAKE_FLAGS)
 	$(call phase,build moetrain)
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target moetrain
 	bash scripts/demo.sh $(BUILD_DIR)
 
 bench: build
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target benches
 	bash scripts/bench.sh $(BUILD_DIR)
 
 # bin/moetrain, share/moetrain/configs, share/doc/moetrain under PREFIX (cmake/install.cmake).

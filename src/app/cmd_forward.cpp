@@ -4,11 +4,11 @@
 #include <fmt/format.h>
 
 #include <memory>
-#include <sstream>
 #include <vector>
 
 #include "app/commands.h"
 #include "core/check.h"
+#include "core/parse.h"
 #include "core/threads.h"
 #include "data/tokenizer.h"
 #include "io/safetensors.h"
@@ -37,22 +37,12 @@ Run add_forward_command(CLI::App& app) {
     const ModelConfig& cfg = m.config.model;
     std::vector<int32_t> tokens;
     if (!args->tokens.empty()) {
-      std::string s = args->tokens;
-      for (char& c : s)
-        if (c == ',') c = ' ';
-      std::istringstream ss(s);
-      for (std::string w; ss >> w;) {
-        int64_t v = 0;
-        try {
-          std::size_t used = 0;
-          v = std::stoll(w, &used);
-          MOETRAIN_CHECK(used == w.size(), "--tokens: '{}' is not an integer", w);
-        } catch (const std::logic_error&) {
-          MOETRAIN_FAIL("--tokens: '{}' is not an integer", w);
-        }
-        MOETRAIN_CHECK(v >= 0 && v < cfg.vocab_size,
-                       "--tokens: id {} is outside the vocabulary [0, {})", v, cfg.vocab_size);
-        tokens.push_back(static_cast<int32_t>(v));
+      for (const std::string& w : split_list(args->tokens, /*spaces=*/true)) {
+        const std::optional<int64_t> v = parse_whole(w);
+        MOETRAIN_CHECK(v, "--tokens: '{}' is not an integer", w);
+        MOETRAIN_CHECK(*v >= 0 && *v < cfg.vocab_size,
+                       "--tokens: id {} is outside the vocabulary [0, {})", *v, cfg.vocab_size);
+        tokens.push_back(static_cast<int32_t>(*v));
       }
     } else {
       MOETRAIN_CHECK(!args->input.empty(), "forward: give --input TEXT or --tokens IDS");

@@ -6,11 +6,11 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 
 #include "app/commands.h"
 #include "app/options.h"
 #include "core/check.h"
+#include "core/parse.h"
 #include "core/threads.h"
 #include "model/params.h"
 #include "parallel/runtime.h"
@@ -36,18 +36,11 @@ std::vector<int64_t> parse_comm_procs(const std::string& spec) {
 #endif
     return out;
   }
-  std::stringstream in(spec);
-  for (std::string item; std::getline(in, item, ',');) {
-    std::size_t used = 0;
-    int64_t v = -1;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    MOETRAIN_CHECK(used > 0 && used == item.size() && (v == 0 || v >= 2),
+  for (const std::string& item : split_list(spec)) {
+    const std::optional<int64_t> v = parse_whole(item);
+    MOETRAIN_CHECK(v && (*v == 0 || *v >= 2),
                    "--comm-procs {}: '{}' is not 0 or a whole number ≥ 2", spec, item);
-    if (v > 0) out.push_back(v);
+    if (*v > 0) out.push_back(*v);
   }
   return out;
 }

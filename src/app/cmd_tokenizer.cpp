@@ -3,13 +3,13 @@
 #include <fmt/ranges.h>
 
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "app/checks.h"
 #include "app/commands.h"
 #include "core/check.h"
+#include "core/parse.h"
 #include "core/threads.h"
 #include "data/tokenizer_train.h"
 
@@ -78,22 +78,12 @@ Run add_tokenizer_command(CLI::App& app) {
       fmt::print("{}\n", fmt::join(ids, " "));
       return 0;
     }
-    std::string s = args->ids;
-    for (char& c : s)
-      if (c == ',') c = ' ';
-    std::istringstream ss(s);
     std::vector<int32_t> ids;
-    for (std::string w; ss >> w;) {
-      std::size_t used = 0;
-      long long v = 0;
-      try {
-        v = std::stoll(w, &used);
-      } catch (const std::logic_error&) {
-        used = 0;
-      }
-      MOETRAIN_CHECK(used == w.size() && used > 0 && v >= 0 && v < t.vocab_size(),
+    for (const std::string& w : split_list(args->ids, /*spaces=*/true)) {
+      const std::optional<int64_t> v = parse_whole(w);
+      MOETRAIN_CHECK(v && *v >= 0 && *v < t.vocab_size(),
                      "tokenizer decode: '{}' is not a token id in [0, {})", w, t.vocab_size());
-      ids.push_back(static_cast<int32_t>(v));
+      ids.push_back(static_cast<int32_t>(*v));
     }
     fmt::print("{}\n", t.decode(ids));
     return 0;

@@ -3,11 +3,11 @@
 #include <fmt/format.h>
 
 #include <numeric>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "core/parse.h"
 
 namespace moetrain::plan {
 
@@ -31,18 +31,11 @@ std::vector<int64_t> default_advice_sizes(const ClusterSpec& cluster) {
 
 std::vector<int64_t> parse_advice_sizes(const std::string& spec) {
   std::vector<int64_t> out;
-  std::stringstream in(spec);
-  for (std::string item; std::getline(in, item, ',');) {
-    std::size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    MOETRAIN_CHECK(used > 0 && used == item.size() && v >= 1 && v <= (int64_t{1} << 30),
+  for (const std::string& item : split_list(spec)) {
+    const std::optional<int64_t> v = parse_whole(item);
+    MOETRAIN_CHECK(v && *v >= 1 && *v <= (int64_t{1} << 30),
                    "--sizes {}: '{}' is not a whole number of devices in [1, 2^30]", spec, item);
-    out.push_back(v);
+    out.push_back(*v);
   }
   MOETRAIN_CHECK(!out.empty(), "--sizes '{}': give device counts, e.g. 8,64,512", spec);
   return out;

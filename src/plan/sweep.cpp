@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "core/parse.h"
 
 namespace moetrain::plan {
 
@@ -15,16 +16,9 @@ namespace {
 
 // A whole number ≥ 1 from one of --sweep's values.
 int64_t sweep_count(const std::string& spec, const std::string& item) {
-  std::size_t used = 0;
-  int64_t v = 0;
-  try {
-    v = std::stoll(item, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  MOETRAIN_CHECK(used > 0 && used == item.size() && v >= 1,
-                 "--sweep {}: '{}' is not a whole number ≥ 1", spec, item);
-  return v;
+  const std::optional<int64_t> v = parse_whole(item);
+  MOETRAIN_CHECK(v && *v >= 1, "--sweep {}: '{}' is not a whole number ≥ 1", spec, item);
+  return *v;
 }
 
 }  // namespace

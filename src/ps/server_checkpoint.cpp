@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/parse.h"
 #include "io/safetensors.h"
 #include "ps/message.h"
 
@@ -19,14 +20,10 @@ constexpr const char* kSuffix = ".safetensors";
 int64_t meta_int(const SafetensorsReader& r, const std::string& key) {
   auto it = r.metadata().find(key);
   MOETRAIN_CHECK(it != r.metadata().end(), "{}: metadata has no '{}'", r.path().string(), key);
-  try {
-    std::size_t used = 0;
-    const int64_t v = std::stoll(it->second, &used);
-    MOETRAIN_CHECK(used == it->second.size(), "trailing characters");
-    return v;
-  } catch (const std::exception&) {
-    MOETRAIN_FAIL("{}: metadata '{}' = '{}' is not an integer", r.path().string(), key, it->second);
-  }
+  const std::optional<int64_t> v = parse_whole(it->second);
+  MOETRAIN_CHECK(v, "{}: metadata '{}' = '{}' is not an integer", r.path().string(), key,
+                 it->second);
+  return *v;
 }
 
 }  // namespace
