@@ -83,13 +83,14 @@ void ExpertPipeline::add_times(MoeTimings& t) {
 }
 
 // The chunk's rows through this process's experts, one grouped pass per source's block.
-void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t) {
+void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t,
+                             float* y_out) {
   ScopedTimer timer(t.experts);
   const int64_t C = cfg_.C;
   const ExchangeLayout& plan = k.plan;
   if (placement_) {
     // Slot by slot: a slot's rows run through its logical expert's weights (and gradients).
-    float* out = g ? k.dxr.ensure(plan.R_recv * C) : k.yr.ensure(plan.R_recv * C);
+    float* out = g ? k.dxr.ensure(plan.R_recv * C) : y_out ? y_out : k.yr.ensure(plan.R_recv * C);
     for (int q = 0; q < plan.P; ++q) {
       int64_t at = plan.recv_offset[q];
       for (int64_t j = 0; j < E_local_; ++j) {
@@ -111,7 +112,7 @@ void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g,
   }
   const ExpertRange range = expert_range(w, cfg_, first_, E_local_);
   if (!g) {
-    float* yr = k.yr.ensure(plan.R_recv * C);
+    float* yr = y_out ? y_out : k.yr.ensure(plan.R_recv * C);
     for (int q = 0; q < plan.P; ++q) {
       const int64_t at = plan.recv_offset[q] * C;
       experts_forward(yr + at, k.xr_rows + at, plan.recv_counts.data() + q * E_local_, range, C,
@@ -154,11 +155,46 @@ void ExpertPipeline::send(const float* inp, const Routing& routing, MoeTimings& 
   }
 }
 
+void ExpertPipeline::replay_send(const float* inp, MoeTimings& t) {
+  const int64_t C = cfg_.C;
+  ex_.take_times();
+  {
+    ScopedTimer timer(t.permute);
+    for (Chunk& k : chunks_)
+      permute_forward(k.xp.ensure(k.layout.R * C), inp + k.t0 * C, k.layout, C);
+  }
+  for (std::size_t c = 0; c < chunks_.size(); ++c) {
+    Chunk* k = &chunks_[c];
+    landed_[c] = ex_.post([this, k] { k->xr_rows = ex_.dispatch(k->xp.data(), k->plan, k->xr); });
+  }
+}
+
+void ExpertPipeline::release() {
+  for (Chunk& k : chunks_) {
+    for (FloatBuffer* b : {&k.xp, &k.y, &k.dy, &k.dxp, &k.xr, &k.yr, &k.dyr, &k.dxr}) b->release();
+    k.xr_rows = k.y_rows = k.dyr_rows = k.dxp_rows = nullptr;
+    for (ExpertActs& a : k.acts) a.release();
+  }
+  recompute_y_.release();
+}
+
+int64_t ExpertPipeline::held_bytes() const {
+  int64_t n = recompute_y_.bytes();
+  for (const Chunk& k : chunks_) {
+    for (const FloatBuffer* b : {&k.xp, &k.y, &k.dy, &k.dxp, &k.xr, &k.yr, &k.dyr, &k.dxr})
+      n += b->bytes();
+    for (const ExpertActs& a : k.acts) n += a.forward_bytes() + a.scratch_bytes();
+  }
+  return n;
+}
+
 void ExpertPipeline::compute(const MoeWeights& w, MoeTimings& t) {
   for (std::size_t c = 0; c < chunks_.size(); ++c) {
     Chunk* k = &chunks_[c];
     ex_.wait(landed_[c]);
     experts(*k, w, nullptr, t);
+    if (recompute_ == Recompute::Moe)
+      for (ExpertActs& a : k->acts) a.release();
     returned_[c] = ex_.post([this, k] { k->y_rows = ex_.combine(k->yr.data(), k->plan, k->y); });
   }
 }
@@ -189,10 +225,19 @@ void ExpertPipeline::compute_backward(const MoeWeights& w, const MoeWeights& g, 
   for (std::size_t c = 0; c < chunks_.size(); ++c) {
     Chunk* k = &chunks_[c];
     ex_.wait(landed_[c]);
+    if (recompute_ == Recompute::Moe) {
+      // The intermediates again, from the rows received; the outputs are not used (timed apart:
+      // the forward's figures stay the forward's).
+      MoeTimings again;
+      experts(*k, w, nullptr, again, recompute_y_.ensure(k->plan.R_recv * cfg_.C));
+    }
     experts(*k, w, &g, t);
+    if (recompute_ == Recompute::Moe)
+      for (ExpertActs& a : k->acts) a.release();
     returned_[c] =
         ex_.post([this, k] { k->dxp_rows = ex_.combine(k->dxr.data(), k->plan, k->dxp); });
   }
+  if (recompute_ == Recompute::Moe) recompute_y_.release();
 }
 
 void ExpertPipeline::combine_backward(float* dinp, bool accumulate, MoeTimings& t) {

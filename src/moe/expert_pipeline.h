@@ -18,6 +18,7 @@
 #include "moe/exchange.h"
 #include "moe/experts.h"
 #include "moe/placement.h"
+#include "moe/recompute.h"
 #include "moe/router.h"
 
 namespace moetrain {
@@ -65,6 +66,20 @@ class ExpertPipeline {
   void compute_backward(const MoeWeights& w, const MoeWeights& g, MoeTimings& t);
   void combine_backward(float* dinp, bool accumulate, MoeTimings& t);
 
+  // Activation recomputation (moe/recompute.h). moe: compute() drops each chunk's expert
+  // intermediates once its rows are out, and compute_backward() computes them again from the
+  // rows received (no exchange) right before the experts' backward, then drops them again.
+  // full: the caller drops everything after the forward (release()) and, before the backward,
+  // calls replay_send(), compute() and combine() again: the same layouts and exchange plans,
+  // the rows exchanged again.
+  void set_recompute(Recompute r) { recompute_ = r; }
+  // send() over the layouts and plans of the last send(): inp (N, C) as it was.
+  void replay_send(const float* inp, MoeTimings& t);
+  // Gives back every row buffer and intermediate; the layouts and plans stay.
+  void release();
+  // Bytes held in row buffers and expert intermediates (the backward's scratch included).
+  int64_t held_bytes() const;
+
  private:
   // One run of consecutive tokens with its own layout and exchange.
   struct Chunk {
@@ -82,7 +97,9 @@ class ExpertPipeline {
     std::vector<ExpertActs> acts;     // (P) one per source block; (P, El) under a placement
   };
 
-  void experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t);
+  // Forward (g null) into y_out (k.yr when null), or backward.
+  void experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t,
+               float* y_out = nullptr);
   void add_times(MoeTimings& t);
 
   MoeConfig cfg_;
@@ -94,6 +111,8 @@ class ExpertPipeline {
   std::vector<int32_t> slot_expert_;  // (El) logical expert of each local slot, under a placement
   std::vector<Chunk> chunks_;
   std::vector<ExpertExchange::Ticket> landed_, returned_;  // (chunks)
+  Recompute recompute_ = Recompute::None;
+  FloatBuffer recompute_y_;  // moe: the recomputed expert outputs, not used
 };
 
 }  // namespace moetrain
