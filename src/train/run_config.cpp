@@ -290,11 +290,11 @@ void RunConfig::validate() const {
                  "train.precision = tf32 rounds GEMM operands on a GPU's tensor cores: it needs "
                  "train.device = cuda");
   if (t.device == "cuda") {
+    // What the CUDA engine does not run yet: each is refused by name rather than run elsewhere.
     MOETRAIN_CHECK(t.recompute == Recompute::None,
                    "train.device = cuda with train.recompute = {}: the CUDA engine keeps every "
                    "activation; allowed there is none (recompute runs on the CPU)",
                    recompute_name(t.recompute));
-    // What the CUDA engine does not run yet: each is refused by name rather than run elsewhere.
     MOETRAIN_CHECK(t.precision != Precision::FP16,
                    "train.device = cuda with train.precision = fp16: the CUDA engine computes in "
                    "f32, tf32 or bf16 (auto picks bf16)");
