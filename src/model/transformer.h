@@ -146,6 +146,7 @@ class Transformer final : public TrainableModel {
   std::vector<int64_t> moe_index_;
   std::vector<std::unique_ptr<LayerActs>> acts_;  // (L); under full only the first is used
   Recompute recompute_ = Recompute::None;
+  std::unique_ptr<RecomputeScratch> scratch_;  // shared by the MoE layers under moe and full
   KvCache* fill_cache_ = nullptr;  // prefill: the cache each block copies its keys and values to
   int64_t capacity_ = 0;  // tokens the buffers hold
   int64_t B_ = 0, T_ = 0;

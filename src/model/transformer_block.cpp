@@ -29,7 +29,8 @@ void Transformer::set_recompute(Recompute r) {
   for (auto& a : acts_) a = std::make_unique<LayerActs>();
   capacity_ = 0;
   have_targets_ = false;
-  for (auto& m : moe_) m->set_recompute(r);
+  scratch_ = r == Recompute::None ? nullptr : std::make_unique<RecomputeScratch>();
+  for (auto& m : moe_) m->set_recompute(r, scratch_.get());
 }
 
 // out (N, OC) = inp (N, IC) · Wᵀ; in mixed precision from inp_lp, inp rounded.
@@ -162,6 +163,7 @@ int64_t Transformer::activation_bytes() const {
   n += vec(resid_) + vec(lnf_) + vec(rstdf_) + lnf_lp_.bytes() + vec(logits_) + vec(lse_) +
        vec(losses_) + vec(inputs_) + vec(targets_) + vec(pos_);
   for (const auto& m : moe_) n += m->held_bytes();
+  if (scratch_) n += scratch_->bytes();
   return n;
 }
 
@@ -201,6 +203,9 @@ int64_t activation_bytes_for(const ModelConfig& cfg, int64_t B, int64_t T, Recom
     if (r == Recompute::None) n += inter;
   }
   if (r == Recompute::Full && L > 0) n += block(any_dense);
+  // The MoE layers' shared working buffers: one layer's intermediates (moe, full) and rows (full).
+  if (r != Recompute::None && cfg.n_moe_layers() > 0)
+    n += inter + (r == Recompute::Full ? rows : 0);
   return n;
 }
 

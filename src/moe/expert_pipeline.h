@@ -23,6 +23,34 @@
 
 namespace moetrain {
 
+// The row buffers of one chunk: (R_send, C) rows this process routed, out and back, and
+// (R_recv, C) rows of this process's experts, source-major.
+struct PipelineRows {
+  FloatBuffer xp, y, dy, dxp;
+  FloatBuffer xr, yr, dyr, dxr;
+};
+
+// Working buffers the MoE layers of one model share under activation recomputation: what a layer
+// needs only while its forward, or its recompute and backward, runs (one layer at a time) —
+// under moe the experts' intermediates, under full also the row buffers.
+struct RecomputeScratch {
+  std::vector<PipelineRows> rows;             // (chunks) full only
+  std::vector<std::vector<ExpertActs>> acts;  // (chunks) of (P) or (P, El) under a placement
+  FloatBuffer y;                              // moe: the recomputed expert outputs, not used
+  ExpertActs shared_acts;                     // the shared expert's intermediates
+  FloatBuffer shared_y;                       // moe: the recomputed shared expert output
+  int64_t bytes() const {
+    int64_t n = y.bytes() + shared_y.bytes() + shared_acts.forward_bytes() +
+                shared_acts.scratch_bytes();
+    for (const PipelineRows& r : rows)
+      for (const FloatBuffer* b : {&r.xp, &r.y, &r.dy, &r.dxp, &r.xr, &r.yr, &r.dyr, &r.dxr})
+        n += b->bytes();
+    for (const auto& v : acts)
+      for (const ExpertActs& a : v) n += a.forward_bytes() + a.scratch_bytes();
+    return n;
+  }
+};
+
 // Seconds spent per stage in the last forward plus the backward that followed it.
 // a2a: exchanging token rows with other processes (0 when nothing moves); a2a_wait: the part of
 // it the layer waited for, not hidden behind compute (= a2a without overlap; not counted again in
@@ -72,7 +100,8 @@ class ExpertPipeline {
   // full: the caller drops everything after the forward (release()) and, before the backward,
   // calls replay_send(), compute() and combine() again: the same layouts and exchange plans,
   // the rows exchanged again.
-  void set_recompute(Recompute r) { recompute_ = r; }
+  // scratch: the buffers shared with the model's other layers (null: this pipeline's own).
+  void set_recompute(Recompute r, RecomputeScratch* scratch = nullptr);
   // send() over the layouts and plans of the last send(): inp (N, C) as it was.
   void replay_send(const float* inp, MoeTimings& t);
   // Gives back every row buffer and intermediate; the layouts and plans stay.
@@ -84,18 +113,24 @@ class ExpertPipeline {
   // One run of consecutive tokens with its own layout and exchange.
   struct Chunk {
     int64_t t0 = 0, N = 0;  // tokens [t0, t0 + N)
+    int index = 0;          // in chunks_
     Routing routing;        // the chunk's slice of the routing
     DispatchLayout layout;
     ExchangeLayout plan;
-    FloatBuffer xp, y, dy, dxp;    // (R_send, C) rows this process routed
-    FloatBuffer xr, yr, dyr, dxr;  // (R_recv, C) rows of this process's experts, source-major
+    PipelineRows own_rows;  // rows() unless shared
     // Where the exchange left the rows: a buffer above, or the rows sent when nothing moves.
     const float* xr_rows = nullptr;   // (R_recv, C)
     const float* y_rows = nullptr;    // (R_send, C)
     const float* dyr_rows = nullptr;  // (R_recv, C)
     const float* dxp_rows = nullptr;  // (R_send, C)
-    std::vector<ExpertActs> acts;     // (P) one per source block; (P, El) under a placement
+    std::vector<ExpertActs> own_acts;  // acts() unless shared
   };
+  PipelineRows& rows(Chunk& k) {
+    return scratch_ && recompute_ == Recompute::Full ? scratch_->rows[k.index] : k.own_rows;
+  }
+  // (P) one per source block; (P, El) under a placement
+  std::vector<ExpertActs>& acts(Chunk& k) { return scratch_ ? scratch_->acts[k.index] : k.own_acts; }
+  void size_acts();
 
   // Forward (g null) into y_out (k.yr when null), or backward.
   void experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t,
@@ -112,7 +147,8 @@ class ExpertPipeline {
   std::vector<Chunk> chunks_;
   std::vector<ExpertExchange::Ticket> landed_, returned_;  // (chunks)
   Recompute recompute_ = Recompute::None;
-  FloatBuffer recompute_y_;  // moe: the recomputed expert outputs, not used
+  RecomputeScratch* scratch_ = nullptr;
+  FloatBuffer recompute_y_;  // moe without scratch: the recomputed expert outputs, not used
 };
 
 }  // namespace moetrain

@@ -63,21 +63,22 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
   pipeline_.send(inp, placement_ ? slot_routing_ : routing_, timings_);
   if (cfg_.shared_F > 0) {
     ScopedTimer timer(timings_.shared);
-    experts_forward(out, inp, &N_, shared_expert_range(w), C, cfg_.shared_F, shared_acts_);
+    experts_forward(out, inp, &N_, shared_expert_range(w), C, cfg_.shared_F, shared_acts());
   }
   pipeline_.compute(w, timings_);
   pipeline_.combine(out, cfg_.shared_F > 0, timings_);
 
   pipeline_.routed_counts(stats_.tokens_per_expert.data(), &stats_.unrouted_tokens);
   finish_stats();
-  if (recompute_ != Recompute::None) shared_acts_.release();
+  if (recompute_ != Recompute::None && !scratch_) shared_acts_.release();
   if (recompute_ == Recompute::Full) pipeline_.release();
   needs_replay_ = recompute_ == Recompute::Full;
 }
 
-void MoeLayer::set_recompute(Recompute r) {
+void MoeLayer::set_recompute(Recompute r, RecomputeScratch* scratch) {
   recompute_ = r;
-  pipeline_.set_recompute(r);
+  scratch_ = r == Recompute::None ? nullptr : scratch;
+  pipeline_.set_recompute(r, scratch_);
   needs_replay_ = false;
   has_forward_ = false;
 }
@@ -90,7 +91,7 @@ void MoeLayer::recompute_forward(float* out, const float* inp, const MoeWeights&
   MoeTimings again;  // the forward's figures stay the forward's
   pipeline_.replay_send(inp, again);
   if (cfg_.shared_F > 0)
-    experts_forward(out, inp, &N_, shared_expert_range(w), cfg_.C, cfg_.shared_F, shared_acts_);
+    experts_forward(out, inp, &N_, shared_expert_range(w), cfg_.C, cfg_.shared_F, shared_acts());
   pipeline_.compute(w, again);
   pipeline_.combine(out, cfg_.shared_F > 0, again);
   needs_replay_ = false;
@@ -232,16 +233,16 @@ void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, con
   MOETRAIN_CHECK(!needs_replay_,
                  "MoeLayer::backward: recompute = full needs recompute_forward first");
   if (cfg_.shared_F > 0 && N > 0 && recompute_ == Recompute::Moe)
-    experts_forward(shared_y_.ensure(N * C), inp_, &N_, shared_expert_range(w), C, cfg_.shared_F,
-                    shared_acts_);
+    experts_forward(shared_y().ensure(N * C), inp_, &N_, shared_expert_range(w), C, cfg_.shared_F,
+                    shared_acts());
   if (cfg_.shared_F > 0 && N > 0) {
     ScopedTimer timer(timings_.shared);
     experts_backward(dinp, shared_expert_range(g), dout, inp_, &N_, shared_expert_range(w), C,
-                     cfg_.shared_F, shared_acts_);
+                     cfg_.shared_F, shared_acts());
   }
   pipeline_.compute_backward(w, g, timings_);
   pipeline_.combine_backward(dinp, cfg_.shared_F > 0, timings_);
-  if (recompute_ != Recompute::None) shared_acts_.release(), shared_y_.release();
+  if (recompute_ != Recompute::None && !scratch_) shared_acts_.release(), shared_y_.release();
   if (recompute_ == Recompute::Full) pipeline_.release();
   if (N == 0) return;
   const RouterGrads grads = router_grads(dweight_.data(), loss_weight);

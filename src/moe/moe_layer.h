@@ -77,7 +77,8 @@ class MoeLayer {
   // backward: it replays that routing on inp (the forward's input, computed again: bitwise the
   // same) — no new routing, statistics, bias loads or timings — exchanging the rows again
   // (collective over the exchange, like forward), and writes the same out.
-  void set_recompute(Recompute r);
+  // scratch: working buffers shared with the model's other MoE layers (null: the layer's own).
+  void set_recompute(Recompute r, RecomputeScratch* scratch = nullptr);
   Recompute recompute() const { return recompute_; }
   void recompute_forward(float* out, const float* inp, const MoeWeights& w);
   // Bytes this layer holds for its backward now: routing, router scores, rows, intermediates and
@@ -172,6 +173,9 @@ class MoeLayer {
   Recompute recompute_ = Recompute::None;
   bool needs_replay_ = false;  // full: forward ran, recompute_forward not yet
   FloatBuffer shared_y_;       // moe: the recomputed shared expert output, not used
+  RecomputeScratch* scratch_ = nullptr;
+  ExpertActs& shared_acts() { return scratch_ ? scratch_->shared_acts : shared_acts_; }
+  FloatBuffer& shared_y() { return scratch_ ? scratch_->shared_y : shared_y_; }
   std::vector<float> dweight_, dprobs_, dz_;  // (N, S), (N, E), (N, E)
 };
 
