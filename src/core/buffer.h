@@ -26,6 +26,12 @@ class GrowBuffer {
     return data_.get();
   }
   void* raw() const { return data_.get(); }
+  // Gives the memory back; the next grow allocates afresh.
+  void release() {
+    data_.reset();
+    capacity_ = 0;
+  }
+  int64_t bytes() const { return capacity_ * static_cast<int64_t>(ElemBytes); }
 
  private:
   struct Free {
@@ -40,6 +46,8 @@ class FloatBuffer {
  public:
   float* ensure(int64_t n) { return static_cast<float*>(buf_.grow(n)); }
   float* data() const { return static_cast<float*>(buf_.raw()); }
+  void release() { buf_.release(); }
+  int64_t bytes() const { return buf_.bytes(); }
 
  private:
   GrowBuffer<sizeof(float)> buf_;
@@ -50,6 +58,8 @@ class HalfBuffer {
  public:
   void* ensure(int64_t n) { return buf_.grow(n); }
   void* data() const { return buf_.raw(); }
+  void release() { buf_.release(); }
+  int64_t bytes() const { return buf_.bytes(); }
   template <class T>
   T* as() const {
     static_assert(sizeof(T) == 2);

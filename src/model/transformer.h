@@ -14,6 +14,7 @@
 #include "model/params.h"
 #include "model/trainable.h"
 #include "moe/moe_layer.h"
+#include "moe/recompute.h"
 
 namespace moetrain {
 
@@ -109,9 +110,30 @@ class Transformer final : public TrainableModel {
   // Model FLOPs per token for forward+backward (6·active params + attention), for MFU.
   double flops_per_token(int64_t T) const;
 
+  // Activation recomputation (moe/recompute.h; train.recompute): none keeps every block's
+  // activations; moe drops the MoE layers' expert intermediates and computes them again in
+  // backward; full keeps each block's input only (the residual stream) and one set of block
+  // activations, running each block's forward again right before its backward. The gradients
+  // are the same bits in every mode. CPU only (the device engine refuses anything but none).
+  void set_recompute(Recompute r);
+  Recompute recompute() const { return recompute_; }
+  // Bytes of activations the model holds now for its backward: the blocks' activations, the
+  // residual stream, the head's, and every MoE layer's (MoeLayer::held_bytes), buffers as
+  // allocated. After a forward, before any backward, activation_bytes_for predicts it.
+  int64_t activation_bytes() const;
+
  private:
   struct LayerActs;
   void ensure_capacity(int64_t N);
+  LayerActs& acts_at(int64_t l);  // block l's activations (the shared set under full)
+  void block_forward(int64_t l, const float* params, const MoeStep& step, bool replay,
+                     LossParts* parts);
+  void block_backward(int64_t l, const float* params, float* grads, float moe_weight);
+  void linear_fwd(float* out, const float* inp, const void* inp_lp, const float* params, int64_t w,
+                  int64_t N, int64_t IC, int64_t OC);
+  void linear_bwd(float* dinp, bool acc, float* dweight, const float* dout, const float* inp,
+                  const void* inp_lp, const float* params, int64_t w, int64_t N, int64_t IC,
+                  int64_t OC);
   void refresh_lp_weights(const float* params);
   bool bf16_attention(int64_t T) const;  // the attention core's products in bf16
   const void* lp_weight(int64_t offset) const;                      // into params_lp_
@@ -122,7 +144,10 @@ class Transformer final : public TrainableModel {
   std::unique_ptr<DeviceEngine> engine_;
   std::vector<std::unique_ptr<MoeLayer>> moe_;
   std::vector<int64_t> moe_index_;
-  std::vector<std::unique_ptr<LayerActs>> acts_;
+  std::vector<std::unique_ptr<LayerActs>> acts_;  // (L); under full only the first is used
+  Recompute recompute_ = Recompute::None;
+  std::unique_ptr<RecomputeScratch> scratch_;  // shared by the MoE layers under moe and full
+  KvCache* fill_cache_ = nullptr;  // prefill: the cache each block copies its keys and values to
   int64_t capacity_ = 0;  // tokens the buffers hold
   int64_t B_ = 0, T_ = 0;
   bool have_targets_ = false;
@@ -145,5 +170,13 @@ class Transformer final : public TrainableModel {
   HalfBuffer dlp_;
   std::vector<float> dresid_, dxmid_, dln_, dq_, dk_, dv_, datt_, dh1_, dh3_, dg_, dlogits_;
 };
+
+// The activation bytes one process holds after a training forward of B sequences of T tokens
+// under recompute mode r (Transformer::activation_bytes, before any backward), with GEMM operand
+// type lp and an expert-parallel group of ep processes: each MoE layer taken as routing N·top_k
+// rows (dropless, balanced over the group). Backward scratch, weights and weight copies are not
+// included.
+int64_t activation_bytes_for(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r, DType lp,
+                             int64_t ep = 1);
 
 }  // namespace moetrain

@@ -30,6 +30,7 @@ ExpertPipeline::ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange)
   MOETRAIN_CHECK(n >= 1, "all-to-all chunks = {}: must be at least 1", n);
   P_ = own.P, q_ = own.q;
   chunks_.resize(static_cast<std::size_t>(n));
+  for (int c = 0; c < n; ++c) chunks_[c].index = c;
   landed_.assign(chunks_.size(), 0);
   returned_.assign(chunks_.size(), 0);
   set_placement(nullptr);
@@ -47,7 +48,24 @@ void ExpertPipeline::set_placement(const Placement* p) {
   if (p)
     slot_expert_.assign(p->slot_expert.begin() + first_,
                         p->slot_expert.begin() + first_ + E_local_);
-  for (Chunk& k : chunks_) k.acts.resize(static_cast<std::size_t>(p ? P_ * E_local_ : P_));
+  size_acts();
+}
+
+void ExpertPipeline::size_acts() {
+  const auto n = static_cast<std::size_t>(placement_ ? P_ * E_local_ : P_);
+  if (scratch_) {
+    if (scratch_->acts.size() < chunks_.size()) scratch_->acts.resize(chunks_.size());
+    if (recompute_ == Recompute::Full && scratch_->rows.size() < chunks_.size())
+      scratch_->rows.resize(chunks_.size());
+  }
+  for (Chunk& k : chunks_)
+    if (acts(k).size() < n) acts(k).resize(n);
+}
+
+void ExpertPipeline::set_recompute(Recompute r, RecomputeScratch* scratch) {
+  recompute_ = r;
+  scratch_ = r == Recompute::None ? nullptr : scratch;
+  size_acts();
 }
 
 int64_t ExpertPipeline::received_rows() const {
@@ -83,13 +101,14 @@ void ExpertPipeline::add_times(MoeTimings& t) {
 }
 
 // The chunk's rows through this process's experts, one grouped pass per source's block.
-void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t) {
+void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t,
+                             float* y_out) {
   ScopedTimer timer(t.experts);
   const int64_t C = cfg_.C;
   const ExchangeLayout& plan = k.plan;
   if (placement_) {
     // Slot by slot: a slot's rows run through its logical expert's weights (and gradients).
-    float* out = g ? k.dxr.ensure(plan.R_recv * C) : k.yr.ensure(plan.R_recv * C);
+    float* out = g ? rows(k).dxr.ensure(plan.R_recv * C) : y_out ? y_out : rows(k).yr.ensure(plan.R_recv * C);
     for (int q = 0; q < plan.P; ++q) {
       int64_t at = plan.recv_offset[q];
       for (int64_t j = 0; j < E_local_; ++j) {
@@ -98,12 +117,12 @@ void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g,
         const int64_t e = slot_expert_[j];
         MOETRAIN_CHECK(e >= 0, "expert slot {} has rows but no expert", first_ + j);
         const ExpertRange range = expert_range(w, cfg_, e, 1);
-        ExpertActs& acts = k.acts[q * E_local_ + j];
+        ExpertActs& ea = acts(k)[q * E_local_ + j];
         if (!g)
-          experts_forward(out + at * C, k.xr_rows + at * C, rows, range, C, cfg_.F, acts);
+          experts_forward(out + at * C, k.xr_rows + at * C, rows, range, C, cfg_.F, ea);
         else
           experts_backward(out + at * C, expert_range(*g, cfg_, e, 1), k.dyr_rows + at * C,
-                           k.xr_rows + at * C, rows, range, C, cfg_.F, acts);
+                           k.xr_rows + at * C, rows, range, C, cfg_.F, ea);
         at += *rows;
       }
     }
@@ -111,20 +130,20 @@ void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g,
   }
   const ExpertRange range = expert_range(w, cfg_, first_, E_local_);
   if (!g) {
-    float* yr = k.yr.ensure(plan.R_recv * C);
+    float* yr = y_out ? y_out : rows(k).yr.ensure(plan.R_recv * C);
     for (int q = 0; q < plan.P; ++q) {
       const int64_t at = plan.recv_offset[q] * C;
       experts_forward(yr + at, k.xr_rows + at, plan.recv_counts.data() + q * E_local_, range, C,
-                      cfg_.F, k.acts[q]);
+                      cfg_.F, acts(k)[q]);
     }
     return;
   }
   const ExpertRange grad = expert_range(*g, cfg_, first_, E_local_);
-  float* dxr = k.dxr.ensure(plan.R_recv * C);
+  float* dxr = rows(k).dxr.ensure(plan.R_recv * C);
   for (int q = 0; q < plan.P; ++q) {
     const int64_t at = plan.recv_offset[q] * C;
     experts_backward(dxr + at, grad, k.dyr_rows + at, k.xr_rows + at,
-                     plan.recv_counts.data() + q * E_local_, range, C, cfg_.F, k.acts[q]);
+                     plan.recv_counts.data() + q * E_local_, range, C, cfg_.F, acts(k)[q]);
   }
 }
 
@@ -142,16 +161,55 @@ void ExpertPipeline::send(const float* inp, const Routing& routing, MoeTimings& 
       k.N = N * (c + 1) / n - k.t0;
       slice_routing(k.routing, routing, k.t0, k.N);
       build_layout(k.layout, k.routing);
-      permute_forward(k.xp.ensure(k.layout.R * C), inp + k.t0 * C, k.layout, C);
+      permute_forward(rows(k).xp.ensure(k.layout.R * C), inp + k.t0 * C, k.layout, C);
     }
   }
   for (int c = 0; c < n; ++c) {
     Chunk* k = &chunks_[c];
     landed_[c] = ex_.post([this, k, E, C] {
       ex_.plan(k->plan, k->layout.counts.data(), E, C);
-      k->xr_rows = ex_.dispatch(k->xp.data(), k->plan, k->xr);
+      k->xr_rows = ex_.dispatch(rows(*k).xp.data(), k->plan, rows(*k).xr);
     });
   }
+}
+
+void ExpertPipeline::replay_send(const float* inp, MoeTimings& t) {
+  const int64_t C = cfg_.C;
+  ex_.take_times();
+  {
+    ScopedTimer timer(t.permute);
+    for (Chunk& k : chunks_)
+      permute_forward(rows(k).xp.ensure(k.layout.R * C), inp + k.t0 * C, k.layout, C);
+  }
+  for (std::size_t c = 0; c < chunks_.size(); ++c) {
+    Chunk* k = &chunks_[c];
+    landed_[c] = ex_.post([this, k] { k->xr_rows = ex_.dispatch(rows(*k).xp.data(), k->plan, rows(*k).xr); });
+  }
+}
+
+void ExpertPipeline::release() {
+  for (Chunk& k : chunks_) {
+    k.xr_rows = k.y_rows = k.dyr_rows = k.dxp_rows = nullptr;
+    if (!scratch_ || recompute_ != Recompute::Full)
+      for (FloatBuffer* b : {&rows(k).xp, &rows(k).y, &rows(k).dy, &rows(k).dxp, &rows(k).xr,
+                             &rows(k).yr, &rows(k).dyr, &rows(k).dxr})
+        b->release();
+    if (!scratch_)
+      for (ExpertActs& a : acts(k)) a.release();
+  }
+  recompute_y_.release();
+}
+
+int64_t ExpertPipeline::held_bytes() const {
+  // What this pipeline owns; shared scratch is counted by its owner.
+  int64_t n = recompute_y_.bytes();
+  for (const Chunk& k : chunks_) {
+    const PipelineRows& r = k.own_rows;
+    for (const FloatBuffer* b : {&r.xp, &r.y, &r.dy, &r.dxp, &r.xr, &r.yr, &r.dyr, &r.dxr})
+      n += b->bytes();
+    for (const ExpertActs& a : k.own_acts) n += a.forward_bytes() + a.scratch_bytes();
+  }
+  return n;
 }
 
 void ExpertPipeline::compute(const MoeWeights& w, MoeTimings& t) {
@@ -159,7 +217,9 @@ void ExpertPipeline::compute(const MoeWeights& w, MoeTimings& t) {
     Chunk* k = &chunks_[c];
     ex_.wait(landed_[c]);
     experts(*k, w, nullptr, t);
-    returned_[c] = ex_.post([this, k] { k->y_rows = ex_.combine(k->yr.data(), k->plan, k->y); });
+    if (recompute_ == Recompute::Moe && !scratch_)
+      for (ExpertActs& a : acts(*k)) a.release();
+    returned_[c] = ex_.post([this, k] { k->y_rows = ex_.combine(rows(*k).yr.data(), k->plan, rows(*k).y); });
   }
 }
 
@@ -178,10 +238,10 @@ void ExpertPipeline::send_backward(float* dweight, const float* dout, MoeTimings
     Chunk* k = &chunks_[c];
     {
       ScopedTimer timer(t.combine);
-      moetrain::combine_backward(k->dy.ensure(k->layout.R * C), dweight + k->t0 * k->routing.S,
+      moetrain::combine_backward(rows(*k).dy.ensure(k->layout.R * C), dweight + k->t0 * k->routing.S,
                                  dout + k->t0 * C, k->y_rows, k->layout, C);
     }
-    landed_[c] = ex_.post([this, k] { k->dyr_rows = ex_.dispatch(k->dy.data(), k->plan, k->dyr); });
+    landed_[c] = ex_.post([this, k] { k->dyr_rows = ex_.dispatch(rows(*k).dy.data(), k->plan, rows(*k).dyr); });
   }
 }
 
@@ -189,10 +249,20 @@ void ExpertPipeline::compute_backward(const MoeWeights& w, const MoeWeights& g, 
   for (std::size_t c = 0; c < chunks_.size(); ++c) {
     Chunk* k = &chunks_[c];
     ex_.wait(landed_[c]);
+    if (recompute_ == Recompute::Moe) {
+      // The intermediates again, from the rows received; the outputs are not used (timed apart:
+      // the forward's figures stay the forward's).
+      MoeTimings again;
+      FloatBuffer& y = scratch_ ? scratch_->y : recompute_y_;
+      experts(*k, w, nullptr, again, y.ensure(k->plan.R_recv * cfg_.C));
+    }
     experts(*k, w, &g, t);
+    if (recompute_ == Recompute::Moe && !scratch_)
+      for (ExpertActs& a : acts(*k)) a.release();
     returned_[c] =
-        ex_.post([this, k] { k->dxp_rows = ex_.combine(k->dxr.data(), k->plan, k->dxp); });
+        ex_.post([this, k] { k->dxp_rows = ex_.combine(rows(*k).dxr.data(), k->plan, rows(*k).dxp); });
   }
+  if (recompute_ == Recompute::Moe) recompute_y_.release();
 }
 
 void ExpertPipeline::combine_backward(float* dinp, bool accumulate, MoeTimings& t) {

@@ -18,9 +18,38 @@
 #include "moe/exchange.h"
 #include "moe/experts.h"
 #include "moe/placement.h"
+#include "moe/recompute.h"
 #include "moe/router.h"
 
 namespace moetrain {
+
+// The row buffers of one chunk: (R_send, C) rows this process routed, out and back, and
+// (R_recv, C) rows of this process's experts, source-major.
+struct PipelineRows {
+  FloatBuffer xp, y, dy, dxp;
+  FloatBuffer xr, yr, dyr, dxr;
+};
+
+// Working buffers the MoE layers of one model share under activation recomputation: what a layer
+// needs only while its forward, or its recompute and backward, runs (one layer at a time) —
+// under moe the experts' intermediates, under full also the row buffers.
+struct RecomputeScratch {
+  std::vector<PipelineRows> rows;             // (chunks) full only
+  std::vector<std::vector<ExpertActs>> acts;  // (chunks) of (P) or (P, El) under a placement
+  FloatBuffer y;                              // moe: the recomputed expert outputs, not used
+  ExpertActs shared_acts;                     // the shared expert's intermediates
+  FloatBuffer shared_y;                       // moe: the recomputed shared expert output
+  int64_t bytes() const {
+    int64_t n = y.bytes() + shared_y.bytes() + shared_acts.forward_bytes() +
+                shared_acts.scratch_bytes();
+    for (const PipelineRows& r : rows)
+      for (const FloatBuffer* b : {&r.xp, &r.y, &r.dy, &r.dxp, &r.xr, &r.yr, &r.dyr, &r.dxr})
+        n += b->bytes();
+    for (const auto& v : acts)
+      for (const ExpertActs& a : v) n += a.forward_bytes() + a.scratch_bytes();
+    return n;
+  }
+};
 
 // Seconds spent per stage in the last forward plus the backward that followed it.
 // a2a: exchanging token rows with other processes (0 when nothing moves); a2a_wait: the part of
@@ -65,24 +94,47 @@ class ExpertPipeline {
   void compute_backward(const MoeWeights& w, const MoeWeights& g, MoeTimings& t);
   void combine_backward(float* dinp, bool accumulate, MoeTimings& t);
 
+  // Activation recomputation (moe/recompute.h). moe: compute() drops each chunk's expert
+  // intermediates once its rows are out, and compute_backward() computes them again from the
+  // rows received (no exchange) right before the experts' backward, then drops them again.
+  // full: the caller drops everything after the forward (release()) and, before the backward,
+  // calls replay_send(), compute() and combine() again: the same layouts and exchange plans,
+  // the rows exchanged again.
+  // scratch: the buffers shared with the model's other layers (null: this pipeline's own).
+  void set_recompute(Recompute r, RecomputeScratch* scratch = nullptr);
+  // send() over the layouts and plans of the last send(): inp (N, C) as it was.
+  void replay_send(const float* inp, MoeTimings& t);
+  // Gives back every row buffer and intermediate; the layouts and plans stay.
+  void release();
+  // Bytes held in row buffers and expert intermediates (the backward's scratch included).
+  int64_t held_bytes() const;
+
  private:
   // One run of consecutive tokens with its own layout and exchange.
   struct Chunk {
     int64_t t0 = 0, N = 0;  // tokens [t0, t0 + N)
+    int index = 0;          // in chunks_
     Routing routing;        // the chunk's slice of the routing
     DispatchLayout layout;
     ExchangeLayout plan;
-    FloatBuffer xp, y, dy, dxp;    // (R_send, C) rows this process routed
-    FloatBuffer xr, yr, dyr, dxr;  // (R_recv, C) rows of this process's experts, source-major
+    PipelineRows own_rows;  // rows() unless shared
     // Where the exchange left the rows: a buffer above, or the rows sent when nothing moves.
     const float* xr_rows = nullptr;   // (R_recv, C)
     const float* y_rows = nullptr;    // (R_send, C)
     const float* dyr_rows = nullptr;  // (R_recv, C)
     const float* dxp_rows = nullptr;  // (R_send, C)
-    std::vector<ExpertActs> acts;     // (P) one per source block; (P, El) under a placement
+    std::vector<ExpertActs> own_acts;  // acts() unless shared
   };
+  PipelineRows& rows(Chunk& k) {
+    return scratch_ && recompute_ == Recompute::Full ? scratch_->rows[k.index] : k.own_rows;
+  }
+  // (P) one per source block; (P, El) under a placement
+  std::vector<ExpertActs>& acts(Chunk& k) { return scratch_ ? scratch_->acts[k.index] : k.own_acts; }
+  void size_acts();
 
-  void experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t);
+  // Forward (g null) into y_out (k.yr when null), or backward.
+  void experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t,
+               float* y_out = nullptr);
   void add_times(MoeTimings& t);
 
   MoeConfig cfg_;
@@ -94,6 +146,9 @@ class ExpertPipeline {
   std::vector<int32_t> slot_expert_;  // (El) logical expert of each local slot, under a placement
   std::vector<Chunk> chunks_;
   std::vector<ExpertExchange::Ticket> landed_, returned_;  // (chunks)
+  Recompute recompute_ = Recompute::None;
+  RecomputeScratch* scratch_ = nullptr;
+  FloatBuffer recompute_y_;  // moe without scratch: the recomputed expert outputs, not used
 };
 
 }  // namespace moetrain

@@ -36,6 +36,19 @@ struct ExpertActs {
   FloatBuffer a, b, g;     // W1·x, W3·x, silu(a) ⊙ b (g: f32 weights only)
   FloatBuffer dg, da, db;  // backward scratch (da, db: f32 weights only)
   HalfBuffer xp_lp, g_lp, dy_lp, da_lp, db_lp;
+
+  // Gives every buffer back (activation recomputation drops them between uses).
+  void release() {
+    for (FloatBuffer* f : {&a, &b, &g, &dg, &da, &db}) f->release();
+    for (HalfBuffer* h : {&xp_lp, &g_lp, &dy_lp, &da_lp, &db_lp}) h->release();
+  }
+  // Bytes the forward's intermediates hold (a, b, g, xp_lp, g_lp), and the backward's scratch.
+  int64_t forward_bytes() const {
+    return a.bytes() + b.bytes() + g.bytes() + xp_lp.bytes() + g_lp.bytes();
+  }
+  int64_t scratch_bytes() const {
+    return dg.bytes() + da.bytes() + db.bytes() + dy_lp.bytes() + da_lp.bytes() + db_lp.bytes();
+  }
 };
 
 // In mixed precision (w.lp bf16 or fp16) every GEMM takes its operands rounded to w.lp and

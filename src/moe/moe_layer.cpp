@@ -63,13 +63,52 @@ void MoeLayer::forward(float* out, const float* inp, int64_t N, const MoeWeights
   pipeline_.send(inp, placement_ ? slot_routing_ : routing_, timings_);
   if (cfg_.shared_F > 0) {
     ScopedTimer timer(timings_.shared);
-    experts_forward(out, inp, &N_, shared_expert_range(w), C, cfg_.shared_F, shared_acts_);
+    experts_forward(out, inp, &N_, shared_expert_range(w), C, cfg_.shared_F, shared_acts());
   }
   pipeline_.compute(w, timings_);
   pipeline_.combine(out, cfg_.shared_F > 0, timings_);
 
   pipeline_.routed_counts(stats_.tokens_per_expert.data(), &stats_.unrouted_tokens);
   finish_stats();
+  if (recompute_ != Recompute::None && !scratch_) shared_acts_.release();
+  if (recompute_ == Recompute::Full) pipeline_.release();
+  needs_replay_ = recompute_ == Recompute::Full;
+}
+
+void MoeLayer::set_recompute(Recompute r, RecomputeScratch* scratch) {
+  recompute_ = r;
+  scratch_ = r == Recompute::None ? nullptr : scratch;
+  pipeline_.set_recompute(r, scratch_);
+  needs_replay_ = false;
+  has_forward_ = false;
+}
+
+void MoeLayer::recompute_forward(float* out, const float* inp, const MoeWeights& w) {
+  MOETRAIN_CHECK(has_forward_ && needs_replay_,
+                 "MoeLayer::recompute_forward: needs a forward under recompute = full first");
+  MOETRAIN_CHECK(N_ == 0 || (out && inp), "MoeLayer::recompute_forward: null out or inp");
+  inp_ = inp;
+  MoeTimings again;  // the forward's figures stay the forward's
+  pipeline_.replay_send(inp, again);
+  if (cfg_.shared_F > 0)
+    experts_forward(out, inp, &N_, shared_expert_range(w), cfg_.C, cfg_.shared_F, shared_acts());
+  pipeline_.compute(w, again);
+  pipeline_.combine(out, cfg_.shared_F > 0, again);
+  needs_replay_ = false;
+}
+
+int64_t MoeLayer::held_bytes() const {
+  auto vec = [](const auto& v) {
+    return static_cast<int64_t>(v.capacity() * sizeof(v[0]));
+  };
+  const RouterCache& c = router_cache_;
+  int64_t n = vec(routing_.selected) + vec(routing_.expert) + vec(routing_.weight) +
+              vec(slot_routing_.selected) + vec(slot_routing_.expert) + vec(slot_routing_.weight);
+  n += vec(c.logits) + vec(c.noise_logits) + vec(c.eps) + vec(c.probs) + vec(c.lse) +
+       vec(c.dlogits) + vec(c.dnoise_logits);
+  n += vec(selection_keys_) + vec(dweight_) + vec(dprobs_) + vec(dz_);
+  n += shared_acts_.forward_bytes() + shared_acts_.scratch_bytes() + shared_y_.bytes();
+  return n + pipeline_.held_bytes();
 }
 
 void MoeLayer::begin_forward(int64_t N, const float* inp) {
@@ -191,13 +230,20 @@ void MoeLayer::backward(float* dinp, const float* dout, const MoeWeights& w, con
                  cfg_.shared_F);
   dweight_.resize(N * routing_.S);
   pipeline_.send_backward(dweight_.data(), dout, timings_);
+  MOETRAIN_CHECK(!needs_replay_,
+                 "MoeLayer::backward: recompute = full needs recompute_forward first");
+  if (cfg_.shared_F > 0 && N > 0 && recompute_ == Recompute::Moe)
+    experts_forward(shared_y().ensure(N * C), inp_, &N_, shared_expert_range(w), C, cfg_.shared_F,
+                    shared_acts());
   if (cfg_.shared_F > 0 && N > 0) {
     ScopedTimer timer(timings_.shared);
     experts_backward(dinp, shared_expert_range(g), dout, inp_, &N_, shared_expert_range(w), C,
-                     cfg_.shared_F, shared_acts_);
+                     cfg_.shared_F, shared_acts());
   }
   pipeline_.compute_backward(w, g, timings_);
   pipeline_.combine_backward(dinp, cfg_.shared_F > 0, timings_);
+  if (recompute_ != Recompute::None && !scratch_) shared_acts_.release(), shared_y_.release();
+  if (recompute_ == Recompute::Full) pipeline_.release();
   if (N == 0) return;
   const RouterGrads grads = router_grads(dweight_.data(), loss_weight);
   {

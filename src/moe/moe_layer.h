@@ -69,6 +69,22 @@ class MoeLayer {
   void backward(float* dinp, const float* dout, const MoeWeights& w, const MoeWeights& g,
                 float loss_weight);
 
+  // Activation recomputation (moe/recompute.h). moe: the experts' and the shared expert's
+  // intermediates are dropped after the forward and computed again inside backward. full: the
+  // forward keeps its routing (the router's scores, top-k experts and weights after capacity
+  // dropping or rerouting, the noise drawn, the capacity in force, the balancing losses' figures)
+  // and drops its rows and intermediates; recompute_forward(out, inp, w) must then run before
+  // backward: it replays that routing on inp (the forward's input, computed again: bitwise the
+  // same) — no new routing, statistics, bias loads or timings — exchanging the rows again
+  // (collective over the exchange, like forward), and writes the same out.
+  // scratch: working buffers shared with the model's other MoE layers (null: the layer's own).
+  void set_recompute(Recompute r, RecomputeScratch* scratch = nullptr);
+  Recompute recompute() const { return recompute_; }
+  void recompute_forward(float* out, const float* inp, const MoeWeights& w);
+  // Bytes this layer holds for its backward now: routing, router scores, rows, intermediates and
+  // backward scratch.
+  int64_t held_bytes() const;
+
   // The layer for an engine that runs its GEMMs and expert compute itself (the CUDA backend),
   // keeping here everything a router decides: routing, capacity, balancing losses, statistics,
   // the sigmoid_bias loads. Forward: fill logits_for(N) (N, E) with inp·gateᵀ (and
@@ -154,6 +170,12 @@ class MoeLayer {
   MoeStats stats_;
   MoeTimings timings_;
   ExpertActs shared_acts_;
+  Recompute recompute_ = Recompute::None;
+  bool needs_replay_ = false;  // full: forward ran, recompute_forward not yet
+  FloatBuffer shared_y_;       // moe: the recomputed shared expert output, not used
+  RecomputeScratch* scratch_ = nullptr;
+  ExpertActs& shared_acts() { return scratch_ ? scratch_->shared_acts : shared_acts_; }
+  FloatBuffer& shared_y() { return scratch_ ? scratch_->shared_y : shared_y_; }
   std::vector<float> dweight_, dprobs_, dz_;  // (N, S), (N, E), (N, E)
 };
 

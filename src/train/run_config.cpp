@@ -179,6 +179,11 @@ ConfigSchema schema(RunConfig& c) {
        "needs cuda)",
        "auto, f32, bf16, fp16, tf32"},
       {"train.device", &t.device, "Where the forward and backward run", "cpu, cuda"},
+      {"train.recompute", choice(&t.recompute, parse_recompute, recompute_name),
+       "Activation recomputation: none keeps every activation; moe recomputes the experts' "
+       "intermediates in backward; full keeps each block's input only and recomputes the block "
+       "(same gradients, less memory, more compute; cpu only)",
+       "none, moe, full"},
       {"train.loss_scale_init", &t.loss_scale_init, "fp16: initial loss scale"},
       {"train.loss_scale_growth_interval", &t.loss_scale_growth_interval,
        "fp16: steps without overflow before the scale grows"},
@@ -286,6 +291,10 @@ void RunConfig::validate() const {
                  "train.device = cuda");
   if (t.device == "cuda") {
     // What the CUDA engine does not run yet: each is refused by name rather than run elsewhere.
+    MOETRAIN_CHECK(t.recompute == Recompute::None,
+                   "train.device = cuda with train.recompute = {}: the CUDA engine keeps every "
+                   "activation; allowed there is none (recompute runs on the CPU)",
+                   recompute_name(t.recompute));
     MOETRAIN_CHECK(t.precision != Precision::FP16,
                    "train.device = cuda with train.precision = fp16: the CUDA engine computes in "
                    "f32, tf32 or bf16 (auto picks bf16)");
@@ -376,9 +385,11 @@ std::string RunConfig::config_hash() const {
   // grad_accum: a resumed run on another process count sets it to keep the global batch, which
   // the checkpoint records and the resume checks instead.
   // device: the GPU computes what the CPU computes (to rounding), so a run may resume on either.
+  // recompute: every mode computes the same bits.
   for (const char* k :
        {"steps", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-        "threads", "run_dir", "progress", "tensorboard", "device", "profile"})
+        "threads", "run_dir", "progress", "tensorboard", "device", "profile",
+        "recompute"})
     j["train"].erase(k);
   j.erase("data");
   j.erase("dist");

@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "model/config.h"
 #include "moe/placement.h"
+#include "moe/recompute.h"
 #include "optim/expert_reweight.h"
 #include "optim/loss_scale.h"
 #include "optim/optimizer.h"
@@ -96,6 +97,9 @@ struct TrainConfig {
   // GPU (src/cuda); checkpoints, metrics and resumption are the CPU run's. One process; precision
   // f32, tf32 or bf16 (auto: bf16); no replicas (RunConfig::validate says what else).
   std::string device = "cpu";
+  // Activation recomputation (moe/recompute.h, Transformer::set_recompute): none | moe | full.
+  // The same gradients bit for bit, less activation memory, more compute. CPU only.
+  Recompute recompute = Recompute::None;
   double loss_scale_init = 65536.0;
   int64_t loss_scale_growth_interval = 2000;
   double loss_scale_growth_factor = 2.0;

@@ -55,6 +55,7 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);
   model_ = std::make_unique<Transformer>(cfg_.model, rp.moe_context());
   model_->set_precision(cfg_.train.precision_dtype());
+  model_->set_recompute(cfg_.train.recompute);
   DeviceTrainingState* device = start_device(*model_, cfg_.train, W);
   EngineConfig ec = engine_config(cfg_, cfg_.train.grad_accum, cfg_.train.steps);
   ec.placement = cfg_.placement;

@@ -194,3 +194,19 @@ TEST(MoeOptions, ParsedRefusedAndHashedAsBefore) {
   EXPECT_NE(load_run_config("", {"model.balance_loss=variance"}).config_hash(),
             RunConfig().config_hash());
 }
+
+TEST(ConfigRecompute, DefaultNoneChoicesParsedRefusedOnCudaAndInTheClassifier) {
+  EXPECT_EQ(load_run_config("", {}).train.recompute, Recompute::None);
+  EXPECT_EQ(load_run_config("", {"train.recompute=moe"}).train.recompute, Recompute::Moe);
+  const RunConfig full = load_run_config("", {"train.recompute=full"});
+  EXPECT_EQ(full.train.recompute, Recompute::Full);
+  // The same bits in every mode: a run resumes under another one.
+  EXPECT_EQ(full.config_hash(), load_run_config("", {}).config_hash());
+  expect_error([] { load_run_config("", {"train.recompute=all"}); },
+               {"train.recompute = 'all'", "none, moe, full"});
+  expect_error([] { load_run_config("", {"train.device=cuda", "train.recompute=full"}); },
+               {"train.recompute = full", "train.device = cuda", "none"});
+  // The classifier keeps every activation: the key is not one of its settings.
+  expect_error([] { load_classifier_config("", {"train.recompute=full"}); },
+               {"train.recompute"});
+}

@@ -1,0 +1,212 @@
+// One block's forward and backward, and what the blocks keep for backward (activation
+// recomputation, moe/recompute.h): Transformer::forward runs block_forward for every block;
+// under recompute = full, Transformer::backward runs it again (replay) on the block's kept input
+// right before block_backward, last block first.
+#include <algorithm>
+#include <cstring>
+
+#include "core/check.h"
+#include "kernels/activation.h"
+#include "kernels/attention.h"
+#include "kernels/gemm.h"
+#include "kernels/norm.h"
+#include "kernels/rope.h"
+#include "model/transformer.h"
+#include "model/transformer_acts.h"
+
+namespace moetrain {
+
+Transformer::LayerActs& Transformer::acts_at(int64_t l) {
+  return *acts_[recompute_ == Recompute::Full ? 0 : l];
+}
+
+void Transformer::set_recompute(Recompute r) {
+  MOETRAIN_CHECK(!engine_ || r == Recompute::None,
+                 "train.recompute = {}: the device engine keeps every activation (none only)",
+                 recompute_name(r));
+  if (r == recompute_) return;
+  recompute_ = r;
+  for (auto& a : acts_) a = std::make_unique<LayerActs>();
+  capacity_ = 0;
+  have_targets_ = false;
+  scratch_ = r == Recompute::None ? nullptr : std::make_unique<RecomputeScratch>();
+  for (auto& m : moe_) m->set_recompute(r, scratch_.get());
+}
+
+// out (N, OC) = inp (N, IC) · Wᵀ; in mixed precision from inp_lp, inp rounded.
+void Transformer::linear_fwd(float* out, const float* inp, const void* inp_lp, const float* params,
+                             int64_t w, int64_t N, int64_t IC, int64_t OC) {
+  if (lp_ != DType::F32) {
+    gemm(lp_, Trans::N, Trans::T, N, OC, IC, inp_lp, lp_weight(w), out, false);
+  } else {
+    linear_forward(out, inp, params + w, N, IC, OC);
+  }
+}
+
+// dinp (N, IC) = (or += with acc) dout (N, OC) · W (may be null); dweight (OC, IC) += doutᵀ · inp.
+// In mixed precision dout is rounded here and inp_lp is the forward's rounded inp.
+void Transformer::linear_bwd(float* dinp, bool acc, float* dweight, const float* dout,
+                             const float* inp, const void* inp_lp, const float* params, int64_t w,
+                             int64_t N, int64_t IC, int64_t OC) {
+  if (lp_ == DType::F32) {
+    if (dinp) gemm(Trans::N, Trans::N, N, IC, OC, dout, params + w, dinp, acc);
+    gemm(Trans::T, Trans::N, OC, IC, N, dout, inp, dweight, true);
+    return;
+  }
+  const void* d = rounded(dout_lp_, dout, N * OC);
+  if (dinp) gemm(lp_, Trans::N, Trans::N, N, IC, OC, d, lp_weight(w), dinp, acc);
+  gemm(lp_, Trans::T, Trans::N, OC, IC, N, d, inp_lp, dweight, true);
+}
+
+void Transformer::block_forward(int64_t l, const float* params, const MoeStep& step, bool replay,
+                                LossParts* parts) {
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.dim, HS = cfg_.head_dim();
+  const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
+  const float eps = static_cast<float>(cfg_.norm_eps), theta = static_cast<float>(cfg_.rope_theta);
+  float* P = const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads
+  const bool mixed = lp_ != DType::F32;
+  const LayerOffsets& o = layout_.layers[l];
+  LayerActs& a = acts_at(l);
+  const float* x = resid_.data() + l * N * C;
+  float* x_out = resid_.data() + (l + 1) * N * C;
+  rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, params + o.ln1, N, C, eps);
+  const void* ln1 = mixed ? rounded(a.ln1_lp, a.ln1.data(), N * C) : nullptr;
+  linear_fwd(a.q.data(), a.ln1.data(), ln1, params, o.wq, N, C, QD);
+  linear_fwd(a.k.data(), a.ln1.data(), ln1, params, o.wk, N, C, KD);
+  linear_fwd(a.v.data(), a.ln1.data(), ln1, params, o.wv, N, C, KD);
+  rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta);
+  rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta);
+  if (fill_cache_) {
+    std::copy_n(a.k.data(), N * KD, fill_cache_->k[l].data());
+    std::copy_n(a.v.data(), N * KD, fill_cache_->v[l].data());
+  }
+  (bf16_attention(T) ? attention_forward_bf16 : attention_forward)(
+      a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HS);
+  const void* att = mixed ? rounded(a.att_lp, a.att.data(), N * QD) : nullptr;
+  linear_fwd(a.xmid.data(), a.att.data(), att, params, o.wo, N, QD, C);
+  for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
+  rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), params + o.ln2, N, C, eps);
+  if (moe_index_[l] >= 0) {
+    MoeLayer& moe = *moe_[moe_index_[l]];
+    const MoeWeights w = moe_weights(P, o, lp_, params_lp_.data());
+    if (replay) {
+      moe.recompute_forward(a.ffn.data(), a.ln2.data(), w);
+    } else {
+      MoeStep s = step;
+      s.layer = static_cast<uint64_t>(l);
+      moe.forward(a.ffn.data(), a.ln2.data(), N, w, s);
+      parts->aux += moe.aux_loss();
+      parts->z += moe.z_loss();
+    }
+  } else {
+    const int64_t Fd = cfg_.dense_ffn_hidden();
+    const void* ln2 = mixed ? rounded(a.ln2_lp, a.ln2.data(), N * C) : nullptr;
+    linear_fwd(a.h1.data(), a.ln2.data(), ln2, params, o.mlp_w1, N, C, Fd);
+    linear_fwd(a.h3.data(), a.ln2.data(), ln2, params, o.mlp_w3, N, C, Fd);
+    swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd);
+    const void* g = mixed ? rounded(a.g_lp, a.g.data(), N * Fd) : nullptr;
+    linear_fwd(a.ffn.data(), a.g.data(), g, params, o.mlp_w2, N, Fd, C);
+  }
+  if (replay) return;  // the block's output is kept (the next block's input)
+  for (int64_t i = 0; i < N * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
+}
+
+void Transformer::block_backward(int64_t l, const float* params, float* grads, float moe_weight) {
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.dim, HS = cfg_.head_dim();
+  const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
+  const float theta = static_cast<float>(cfg_.rope_theta);
+  float* P = const_cast<float*>(params);
+  const LayerOffsets& o = layout_.layers[l];
+  LayerActs& a = acts_at(l);
+  const float* x = resid_.data() + l * N * C;
+  // dresid_ holds ∂L/∂(block output); it flows unchanged into the FFN output and the residual.
+  if (moe_index_[l] >= 0) {
+    moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(),
+                                  moe_weights(P, o, lp_, params_lp_.data()), moe_weights(grads, o),
+                                  moe_weight);
+  } else {
+    const int64_t Fd = cfg_.dense_ffn_hidden();
+    linear_bwd(dg_.data(), false, grads + o.mlp_w2, dresid_.data(), a.g.data(), a.g_lp.data(),
+               params, o.mlp_w2, N, Fd, C);
+    swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
+    linear_bwd(dln_.data(), false, grads + o.mlp_w1, dh1_.data(), a.ln2.data(), a.ln2_lp.data(),
+               params, o.mlp_w1, N, C, Fd);
+    linear_bwd(dln_.data(), true, grads + o.mlp_w3, dh3_.data(), a.ln2.data(), a.ln2_lp.data(),
+               params, o.mlp_w3, N, C, Fd);
+  }
+  rmsnorm_backward(dxmid_.data(), grads + o.ln2, dln_.data(), a.xmid.data(), params + o.ln2,
+                   a.rstd2.data(), N, C);
+  for (int64_t i = 0; i < N * C; ++i) dxmid_[i] += dresid_[i];
+
+  linear_bwd(datt_.data(), false, grads + o.wo, dxmid_.data(), a.att.data(), a.att_lp.data(),
+             params, o.wo, N, QD, C);
+  (bf16_attention(T) ? attention_backward_bf16 : attention_backward)(
+      dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(), a.v.data(),
+      a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
+  rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
+  rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
+  linear_bwd(dln_.data(), false, grads + o.wq, dq_.data(), a.ln1.data(), a.ln1_lp.data(), params,
+             o.wq, N, C, QD);
+  linear_bwd(dln_.data(), true, grads + o.wk, dk_.data(), a.ln1.data(), a.ln1_lp.data(), params,
+             o.wk, N, C, KD);
+  linear_bwd(dln_.data(), true, grads + o.wv, dv_.data(), a.ln1.data(), a.ln1_lp.data(), params,
+             o.wv, N, C, KD);
+  rmsnorm_backward(dresid_.data(), grads + o.ln1, dln_.data(), x, params + o.ln1, a.rstd1.data(),
+                   N, C);
+  for (int64_t i = 0; i < N * C; ++i) dresid_[i] += dxmid_[i];
+}
+
+int64_t Transformer::activation_bytes() const {
+  auto vec = [](const auto& v) { return static_cast<int64_t>(v.capacity() * sizeof(v[0])); };
+  int64_t n = 0;
+  for (const auto& a : acts_) n += a->bytes();
+  n += vec(resid_) + vec(lnf_) + vec(rstdf_) + lnf_lp_.bytes() + vec(logits_) + vec(lse_) +
+       vec(losses_) + vec(inputs_) + vec(targets_) + vec(pos_);
+  for (const auto& m : moe_) n += m->held_bytes();
+  if (scratch_) n += scratch_->bytes();
+  return n;
+}
+
+int64_t activation_bytes_for(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
+                             DType lp, int64_t ep) {
+  const int64_t N = B * T, C = cfg.dim, V = cfg.vocab_size, HS = cfg.head_dim();
+  const int64_t NH = cfg.n_heads, QD = NH * HS, KD = cfg.n_kv_heads * HS, L = cfg.n_layers;
+  const int64_t f = 4, h = lp == DType::F32 ? 0 : 2;  // bytes of f32, of a rounded copy
+  const int64_t Fd = cfg.dense_ffn_hidden(), E = cfg.n_experts, K = cfg.top_k;
+  const int64_t F = cfg.expert_hidden, Fs = cfg.shared_expert_hidden;
+  // One block's activations (Transformer::LayerActs), dense FFN or not.
+  auto block = [&](bool dense) {
+    int64_t b = f * (N * (4 * C + 2 * QD + 2 * KD + 2) + N * NH) + h * N * (C + QD);
+    if (dense) b += f * 3 * N * Fd + h * N * (C + Fd);
+    return b;
+  };
+  // One MoE layer: routing and router scores (kept in every mode), then the routed rows (sent
+  // and received, out and back: N·K each way on average) and the experts' intermediates.
+  const int64_t R = N * K;
+  const int64_t routing = N * K * (4 + 4 + 4) + f * N * E * 2 + f * N;
+  const int64_t rows = f * (ep > 1 ? 4 : 2) * R * C;  // one process: no received copies
+  // a, b, g in f32; in mixed precision a, b and the rounded g and inputs.
+  auto inter_of = [&](int64_t rows_in, int64_t hidden) {
+    return h == 0 ? f * 3 * rows_in * hidden : (2 * f + h) * rows_in * hidden + h * rows_in * C;
+  };
+  const int64_t inter = inter_of(R, F) + (Fs > 0 ? inter_of(N, Fs) : 0);
+  const int64_t noisy = cfg.router == RouterKind::NoisyTopK ? f * 2 * N * E : 0;
+  int64_t n = f * (L + 1) * N * C + f * N * (C + 1 + V + 1 + 1) + h * N * C + 12 * N;
+  bool any_dense = false;
+  for (int64_t l = 0; l < L; ++l) {
+    const bool dense = cfg.is_dense_layer(l);
+    any_dense |= dense;
+    if (r != Recompute::Full) n += block(dense);
+    if (dense) continue;
+    n += routing + noisy;
+    if (r != Recompute::Full) n += rows;
+    if (r == Recompute::None) n += inter;
+  }
+  if (r == Recompute::Full && L > 0) n += block(any_dense);
+  // The MoE layers' shared working buffers: one layer's intermediates (moe, full) and rows (full).
+  if (r != Recompute::None && cfg.n_moe_layers() > 0)
+    n += inter + (r == Recompute::Full ? rows : 0);
+  return n;
+}
+
+}  // namespace moetrain
