@@ -261,6 +261,7 @@ RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) 
   const DType prec = cfg.train.precision_dtype();
   l.state = trainer_state(cfg.optim.name, prec == DType::F32 ? 0 : static_cast<int>(dtype_size(prec)),
                           static_cast<int>(cfg.dist.zero));
+  l.recompute = cfg.train.recompute;
   l.offload = cfg.dist.offloaded() ? Offload::HostFile : Offload::None;
   l.bucket_first_bytes = cfg.dist.bucket_first_mb * 1024 * 1024;
   l.bucket_bytes = cfg.dist.bucket_mb * 1024 * 1024;

@@ -7,6 +7,7 @@
 
 #include "model/classifier.h"
 #include "model/config.h"
+#include "moe/recompute.h"
 #include "train/run_config.h"
 
 namespace moetrain {
@@ -61,10 +62,6 @@ struct ParamCounts {
 };
 ParamCounts count_params(const ModelConfig& m);
 
-// Activation recomputation: none keeps every block's activations for backward; moe drops the
-// experts' intermediates (W1·x, W3·x, their product) and recomputes them one block at a time;
-// full keeps each block's input and recomputes one block's activations at a time.
-enum class Recompute { None, Moe, Full };
 // Where the optimizer state lives: resident, or in a host file streamed through a window.
 enum class Offload { None, HostFile };
 
