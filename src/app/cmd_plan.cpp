@@ -55,7 +55,8 @@ Run add_plan_command(CLI::App& app) {
     std::string out, config, cluster, profile, load = "uniform";
     std::vector<std::string> overrides, sweep, mpi_args;
     int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
-    bool recompute = false, a2a_dedup = false;
+    std::string recompute;
+    bool a2a_dedup = false;
     bool no_bf16 = false, calibrate_comm = false;
     std::string comm_procs = "auto";
     int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
@@ -106,9 +107,10 @@ Run add_plan_command(CLI::App& app) {
                   "ZeRO stage 0-3 for memory and time (default: the config's dist.zero; 3 "
                   "planner only)")
       ->check(CLI::Range(int64_t{0}, int64_t{3}));
-  cmd->add_flag("--recompute", args->recompute,
-                "Full activation recomputation: each layer's input kept, its forward rerun in "
-                "backward (planner only)");
+  cmd->add_flag("--recompute{full}", args->recompute,
+                "Activation recomputation for memory and time: --recompute (full: each layer's "
+                "input kept, its forward rerun in backward) or --recompute=none|moe|full "
+                "(default: the config's train.recompute)");
   cmd->add_flag("--a2a-dedup", args->a2a_dedup,
                 "The expert all-to-all as DeepEP runs it: a token crosses to each node once and "
                 "is fanned out over NVLink (planner only)");
@@ -209,7 +211,7 @@ Run add_plan_command(CLI::App& app) {
     const int64_t cfg_ep = args->ep > 0 ? args->ep : cfg.dist.ep;
     plan::Layout layout{procs, cfg_ep, args->tp, args->pp, args->vp};
     layout.zero = args->zero;
-    layout.recompute = args->recompute;
+    if (!args->recompute.empty()) layout.recompute = parse_recompute(args->recompute);
     layout.a2a_dedup = args->a2a_dedup;
     if (args->advise) {
       const std::vector<int64_t> sizes = args->sizes.empty()

@@ -359,12 +359,17 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   for (double* v : {&cm.a2a_exchanges, &cm.tp_count}) *v *= static_cast<double>(A) / layout.pp;
   // Full recomputation runs every layer's forward again in backward: a third more of the
   // layers' compute (forward + backward = 3 forwards), and the forward's two all-to-alls and
-  // two TP all-reduces again (6 of each a layer instead of 4).
-  if (layout.recompute) {
+  // two TP all-reduces again (6 of each a layer instead of 4). MoE recomputation runs the
+  // experts' up-projections again (W1·x and W3·x: two of the forward's three expert GEMMs, so
+  // 2/9 more of the experts' forward + backward), no exchange.
+  const Recompute recompute = recompute_mode(cfg, layout);
+  if (recompute == Recompute::Full) {
     for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
                       &s.norms})
       *v *= 4.0 / 3.0;
     for (double* v : {&s.a2a, &s.tensor_parallel, &cm.a2a_exchanges, &cm.tp_count}) *v *= 1.5;
+  } else if (recompute == Recompute::Moe) {
+    for (double* v : {&s.experts, &s.experts_mean, &s.shared_expert}) *v *= 11.0 / 9.0;
   }
   // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
   // read and write them backward).

@@ -149,5 +149,7 @@ RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelera
 double activation_bytes(const RunConfig& cfg, bool accelerator);
 // The ZeRO stage of a run: the layout's (--zero), else dist.zero.
 int64_t zero_stage(const RunConfig& cfg, const Layout& layout);
+// Activation recomputation: the layout's (--recompute), else train.recompute.
+Recompute recompute_mode(const RunConfig& cfg, const Layout& layout);
 
 }  // namespace moetrain::plan

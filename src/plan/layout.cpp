@@ -11,7 +11,6 @@ std::string planner_only(const Layout& l) {
   if (l.tp > 1) lacks.push_back("tensor parallelism");
   if (l.pp > 1) lacks.push_back("pipeline parallelism");
   if (l.zero > 2) lacks.push_back(fmt::format("ZeRO-{}", l.zero));
-  if (l.recompute) lacks.push_back("activation recomputation");
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
   if (lacks.empty()) return {};
   std::string list;

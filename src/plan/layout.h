@@ -1,9 +1,11 @@
 // A run's process layout for the planner, and whether a model and a cluster can take it.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "model/config.h"
+#include "moe/recompute.h"
 #include "plan/cluster.h"
 
 namespace moetrain::plan {
@@ -16,11 +18,11 @@ struct Layout {
   int64_t procs = 1;
   int64_t ep = 1;
   int64_t tp = 1, pp = 1, vp = 1;
-  // How the state and activations are kept (planner options: the trainer runs ZeRO 0 or 1 and
-  // keeps every activation). zero < 0: the config's dist.zero. recompute: full activation
-  // recomputation (each layer's input kept, the layer run forward again in backward).
+  // How the state and activations are kept. zero < 0: the config's dist.zero (the trainer runs
+  // ZeRO 0–2; 3 is the planner's only). recompute: activation recomputation (moe/recompute.h),
+  // unset: the config's train.recompute.
   int64_t zero = -1;
-  bool recompute = false;
+  std::optional<Recompute> recompute;
   // The expert exchange as DeepEP runs it (comm_model.h alltoall_dedup): each token crosses to a
   // node once and is fanned out there over NVLink (planner only).
   bool a2a_dedup = false;
@@ -30,10 +32,10 @@ struct Layout {
   int64_t dp() const { return procs / pp / ep; }
 };
 
-// Whether `moetrain train` runs this layout: tensor and pipeline parallelism, ZeRO-3 and
-// recomputation are the planner's only.
+// Whether `moetrain train` runs this layout: tensor and pipeline parallelism, ZeRO-3 and the
+// deduplicated all-to-all are the planner's only.
 inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && l.pp == 1 && l.zero <= 2 && !l.recompute && !l.a2a_dedup;
+  return l.tp == 1 && l.pp == 1 && l.zero <= 2 && !l.a2a_dedup;
 }
 // "planner only: moetrain train has no pipeline parallelism yet", naming what the trainer lacks;
 // empty where it runs the layout.

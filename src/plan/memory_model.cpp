@@ -19,6 +19,10 @@ int64_t zero_stage(const RunConfig& cfg, const Layout& layout) {
   return layout.zero >= 0 ? layout.zero : cfg.dist.zero;
 }
 
+Recompute recompute_mode(const RunConfig& cfg, const Layout& layout) {
+  return layout.recompute.value_or(cfg.train.recompute);
+}
+
 RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelerator) {
   RankLayout l = trainer_layout(cfg, layout.procs, 0);
   l.ep = layout.ep;
@@ -35,7 +39,7 @@ RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelera
     l.kept_backward_buffers = false;
   }
   l.state.zero = zero;
-  if (layout.recompute) l.recompute = Recompute::Full;
+  l.recompute = recompute_mode(cfg, layout);
   l.activation_bytes = activation_bytes(cfg, accelerator);
   return l;
 }

@@ -76,7 +76,7 @@ TEST(PlanMemory, RecomputationTradesActivationsForAForwardAgain) {
   const RunConfig cfg = bf16_run();
   const ClusterSpec c = moetrain::testing::h100_nodes(1);
   Layout keep{8, 8}, again{8, 8};
-  again.recompute = true;
+  again.recompute = Recompute::Full;
   const Prediction a = predict(cfg, c, keep, uniform_load(8));
   const Prediction b = predict(cfg, c, again, uniform_load(8));
   const double N = 2 * 1024, C = 512, V = 1024, L = 4;
