@@ -44,6 +44,8 @@ TAGS = {
     "comm_exposed_s": "comm/exposed_s", "comm_efficiency": "comm/efficiency",
     "overlap_ratio": "comm/overlap_ratio", "bytes_a2a": "comm/bytes_a2a",
     "bytes_grad": "comm/bytes_grad", "imbalance": "moe/imbalance",
+    "rss_bytes": "memory/rss_bytes", "peak_rss_bytes": "memory/peak_rss_bytes",
+    "peak_rss_bytes_max": "memory/peak_rss_bytes_max",
 }
 PER_LAYER = {"dropped_fraction", "load_entropy", "rank_max_mean_load", "capacity_factor",
              "capacity_utilisation", "tokens_per_expert", "expert_utilisation", "max_mean_load"}
