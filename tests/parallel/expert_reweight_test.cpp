@@ -12,6 +12,7 @@
 
 #include "parallel/runtime.h"
 #include "support/corpus.h"
+#include "support/held_values.h"
 #include "support/shared_dir.h"
 #include "support/temp_dir.h"
 #include "train/run_config.h"
@@ -80,10 +81,7 @@ void expect_matches_single(const RunSetup& s) {
             dist_world("reweight_train"));
   t.run();
   const std::vector<float>& got = t.params();
-  std::vector<char> held(got.size(), 1);
-  for (const ParamInfo& p : t.model().layout().params())
-    if (p.expert >= 0) std::fill_n(held.begin() + p.offset, p.numel, 0);
-  for (auto [offset, size] : t.own_expert_ranges()) std::fill_n(held.begin() + offset, size, 1);
+  const std::vector<char> held = held_values(t);
   double worst = 0, scale = 1e-30;
   for (std::size_t i = 0; i < ref.size(); ++i) {
     if (!held[i]) continue;

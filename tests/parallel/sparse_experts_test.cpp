@@ -12,6 +12,7 @@
 #include "model/params.h"
 #include "parallel/runtime.h"
 #include "support/corpus.h"
+#include "support/held_values.h"
 #include "support/run_metrics.h"
 #include "support/shared_dir.h"
 #include "support/temp_dir.h"
@@ -93,10 +94,7 @@ void expect_matches_single(const SparseSetup& s) {
   Trainer t(make_config(s, dir / "data", dir / "run", 1), false, dist_world("sparse_run"));
   t.run();
   // The parameters this rank holds: all but other ranks' experts.
-  std::vector<char> held(ref.size(), 1);
-  for (const ParamInfo& p : t.model().layout().params())
-    if (p.expert >= 0) std::fill_n(held.begin() + p.offset, p.numel, 0);
-  for (auto [offset, size] : t.own_expert_ranges()) std::fill_n(held.begin() + offset, size, 1);
+  const std::vector<char> held = held_values(t);
   double worst = 0, scale = 1e-30;
   for (std::size_t i = 0; i < ref.size(); ++i) {
     if (!held[i]) continue;

@@ -18,6 +18,7 @@
 #include "parallel/runtime.h"
 #include "support/checkpoint_tensors.h"
 #include "support/corpus.h"
+#include "support/held_values.h"
 #include "support/run_metrics.h"
 #include "support/shared_dir.h"
 #include "support/temp_dir.h"
@@ -98,10 +99,7 @@ Outcome run_distributed(const RunSetup& s, const fs::path& data, const fs::path&
                         int64_t stop_at = -1, bool resume = false) {
   Trainer t(make_config(s, data, run, kRowsPerRank), resume, dist_world("train_test"));
   t.run(stop_at);
-  Outcome o{t.params(), std::vector<char>(t.params().size(), 1), {}, {}, {}};
-  for (const ParamInfo& p : t.model().layout().params())
-    if (p.expert >= 0) std::fill_n(o.held.begin() + p.offset, p.numel, 0);
-  for (auto [offset, size] : t.own_expert_ranges()) std::fill_n(o.held.begin() + offset, size, 1);
+  Outcome o{t.params(), held_values(t), {}, {}, {}};
   if (t.rank() == 0) {
     o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
     o.grad_norms = metric(run, "grad_norm");
@@ -216,10 +214,7 @@ TEST(DistTrain, ResumeIsBitExactAndZeroOneEqualsReplicatedAndResumesOnAnotherLay
   s.zero = 1;
   Outcome zero = run_distributed(s, dir / "data", dir / "zero");
   auto same_held = [](const Outcome& a, const Outcome& b) {
-    int64_t differ = 0;
-    for (std::size_t i = 0; i < a.params.size(); ++i)
-      differ += a.held[i] && std::memcmp(&a.params[i], &b.params[i], sizeof(float)) != 0;
-    return differ;
+    return differ_held(a.params, b.params, a.held);
   };
   EXPECT_EQ(same_held(plain, zero), 0) << "ZeRO-1 parameters differ from replicated AdamW";
   EXPECT_EQ(same_held(plain_resumed, plain), 0) << "resumed run differs from the straight one";

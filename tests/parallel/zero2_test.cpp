@@ -18,6 +18,7 @@
 #include "parallel/runtime.h"
 #include "support/checkpoint_tensors.h"
 #include "support/corpus.h"
+#include "support/held_values.h"
 #include "support/expect_error.h"
 #include "support/run_metrics.h"
 #include "support/shared_dir.h"
@@ -89,22 +90,14 @@ Outcome run(const RunSetup& s, const fs::path& data, const fs::path& dir, int64_
   Trainer t(load_run_config("", settings(s, data, dir, kRowsPerRank)), resume,
             dist_world("zero2_test"));
   t.run(stop_at);
-  Outcome o{t.params(), std::vector<char>(t.params().size(), 1), {}, {}, 0};
-  for (const ParamInfo& p : t.model().layout().params())
-    if (p.expert >= 0) std::fill_n(o.held.begin() + p.offset, p.numel, 0);
-  for (auto [offset, size] : t.own_expert_ranges()) std::fill_n(o.held.begin() + offset, size, 1);
+  Outcome o{t.params(), held_values(t), {}, {}, 0};
   for (float g : t.grads()) o.nonzero_grads += g != 0.0f;
   if (t.rank() == 0) o.losses = metric(dir, "loss"), o.grad_norms = metric(dir, "grad_norm");
   return o;
 }
 
 // Values this rank holds that differ in their bits.
-int64_t differ(const Outcome& a, const Outcome& b) {
-  int64_t n = 0;
-  for (std::size_t i = 0; i < a.params.size(); ++i)
-    n += a.held[i] && std::memcmp(&a.params[i], &b.params[i], sizeof(float)) != 0;
-  return n;
-}
+int64_t differ(const Outcome& a, const Outcome& b) { return differ_held(a.params, b.params, a.held); }
 
 double max_rel(const std::vector<double>& a, const std::vector<double>& b) {
   double worst = 0;
