@@ -22,7 +22,7 @@ struct Layout {
   // ZeRO 0–2; 3 is the planner's only). recompute: activation recomputation (moe/recompute.h),
   // unset: the config's train.recompute.
   int64_t zero = -1;
-  std::optional<Recompute> recompute;
+  std::optional<Recompute> recompute{};
   // The expert exchange as DeepEP runs it (comm_model.h alltoall_dedup): each token crosses to a
   // node once and is fanned out there over NVLink (planner only).
   bool a2a_dedup = false;
