@@ -99,14 +99,16 @@ Run add_train_command(CLI::App& app) {
   cmd->add_option("--init-from", args->init_from,
                   "Start from these weights (a checkpoint, run or Hugging Face Mixtral directory) "
                   "at step 0 with fresh optimizer state; the model takes its architecture");
-  cmd->add_flag("--dry-run", args->dry_run,
+  CLI::Option* dry_run = cmd->add_flag("--dry-run", args->dry_run,
                 "Validate the configuration (file, --set and flags), print the settings that "
                 "differ from the defaults as JSON and exit; trains nothing, reads no data");
-  cmd->add_flag("--all", args->all, "With --dry-run: print every setting, not only the changed");
+  cmd->add_flag("--all", args->all, "With --dry-run: print every setting, not only the changed")
+      ->needs(dry_run);
   cmd->add_option("--np", args->np,
                   "With --dry-run: the processes whose layout (dist.ep, dist.zero) the memory "
                   "table is for (default: the run's, 1 without mpirun)")
-      ->check(integer_in(1));
+      ->check(integer_in(1))
+      ->needs(dry_run);
   auto flags = add_config_flags(cmd, train_config_flags());
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);

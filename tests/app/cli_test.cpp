@@ -226,6 +226,10 @@ TEST(Cli, UnknownKeysAndFlagsSuggestTheNearest) {
                              "(see moetrain train --help)"),
             std::string::npos)
       << flag.output;
+  // A flag that only means something with --dry-run is refused without it, not ignored.
+  Result np = run("train --config " + cfg + " --np 4");
+  EXPECT_EQ(np.code, 2) << np.output;
+  EXPECT_NE(np.output.find("--np requires --dry-run"), std::string::npos) << np.output;
   Result cls = run("classify --config x.toml --resum");
   EXPECT_EQ(cls.code, 2) << cls.output;
   EXPECT_NE(
