@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -50,6 +51,18 @@ PageBuffer& PageBuffer::operator=(PageBuffer&& o) noexcept {
     released_ = std::move(o.released_);
   }
   return *this;
+}
+
+int64_t release_whole_pages(void* p, int64_t bytes) {
+  if (bytes <= 0) return 0;
+  const std::size_t page = PageBuffer::page_bytes();
+  const auto lo = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t hi = lo + static_cast<std::size_t>(bytes);
+  const std::uintptr_t first = (lo + page - 1) / page * page, last = hi / page * page;
+  if (first >= last) return 0;
+  const int rc = madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  MOETRAIN_CHECK(rc == 0, "releasing {} bytes of pages: {}", last - first, std::strerror(errno));
+  return static_cast<int64_t>(last - first);
 }
 
 int64_t PageBuffer::clear(int64_t offset, int64_t n) {

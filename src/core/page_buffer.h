@@ -11,6 +11,11 @@
 
 namespace moetrain {
 
+// The whole pages inside [p, p + bytes) go back to the system (madvise MADV_DONTNEED; private
+// anonymous memory, such as a large std::vector's, reads zero there afterwards); the partial pages
+// at the ends are left as they are. Returns the bytes released.
+int64_t release_whole_pages(void* p, int64_t bytes);
+
 class PageBuffer {
  public:
   PageBuffer() = default;

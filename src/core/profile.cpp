@@ -48,6 +48,7 @@ std::string_view phase_name(Phase p) {
     case Phase::Optimizer: return "optimizer";
     case Phase::Collective: return "collectives";
     case Phase::GradReduce: return "gradient reduction";
+    case Phase::ParamGather: return "parameter gather";
     case Phase::kCount: break;
   }
   return "?";

@@ -32,6 +32,7 @@ enum class Phase : int {
   Collective,  // a collective on this thread outside an exchange or the gradient reduction
                // (balance statistics, non-finite check, norm, metrics), late peers' waits included
   GradReduce,  // the gradient reduction's blocking part, or the wait for the communication thread
+  ParamGather, // ZeRO-3's parameter gathers: blocking, or the wait for the communication thread
   kCount
 };
 

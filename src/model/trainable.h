@@ -20,6 +20,19 @@ struct MoeBlockRef {
   MoeLayer* moe = nullptr;
 };
 
+// Fully sharded parameters (ZeRO-3, parallel/zero3_params.h): a model whose parameters are in
+// place only around the work that reads them asks for each unit's (a flat range: the embedding, a
+// block, the head) before it computes with them and lets them go after.
+class ParamUnits {
+ public:
+  virtual ~ParamUnits() = default;
+  // Unit u's parameters are in place when this returns. `next` (−1: none) is the unit the model
+  // will ask for after it: its gather may start now, while u computes.
+  virtual void acquire(int64_t unit, int64_t next) = 0;
+  // Unit u's parameters are read no more until the next acquire.
+  virtual void release(int64_t unit) = 0;
+};
+
 class TrainableModel {
  public:
   virtual ~TrainableModel() = default;
@@ -34,6 +47,12 @@ class TrainableModel {
   // reduction can start while backward goes on. A model that never calls it is reduced after
   // its backward.
   virtual void set_grads_ready_hook(std::function<void(int64_t ready_from)> /*hook*/) {}
+  // Where the model's gather units begin in the flat buffer (ascending, the first at 0), in the
+  // order forward uses them; empty: the model cannot run on sharded parameters.
+  virtual std::vector<int64_t> unit_starts() const { return {}; }
+  // From now on every forward and backward asks `units` for each unit's parameters (null: the
+  // parameters are whole). Not owned.
+  virtual void set_param_units(ParamUnits* /*units*/) {}
   // The parameters changed in place (an optimizer step, a load): copies made of them are stale.
   virtual void weights_changed() {}
   // The low-precision weight copy for an optimizer step to write as it updates (none in f32).

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/page_buffer.h"
 #include "kernels/activation.h"
 #include "kernels/attention.h"
 #include "kernels/embedding.h"
@@ -126,8 +127,35 @@ void Transformer::ensure_capacity(int64_t N) {
   capacity_ = N;
 }
 
+std::pair<int64_t, int64_t> Transformer::unit_range(int64_t unit) const {
+  const int64_t L = cfg_.n_layers;
+  const int64_t lo = unit == 0 ? 0 : unit <= L ? layout_.layers[unit - 1].ln1 : layout_.final_norm;
+  const int64_t hi = unit < L ? layout_.layers[unit].ln1 : unit == L ? layout_.final_norm
+                                                                      : layout_.size();
+  return {lo, hi};
+}
+
+void Transformer::acquire(int64_t unit, int64_t next, const float* params) {
+  if (!units_) return;
+  units_->acquire(unit, next);
+  if (lp_ == DType::F32) return;
+  // The unit's low-precision copy, made from what was gathered.
+  const auto [lo, hi] = unit_range(unit);
+  f32_to_dtype(lp_, static_cast<char*>(params_lp_.ensure(layout_.size())) + lo * 2, params + lo,
+               static_cast<std::size_t>(hi - lo));
+}
+
+void Transformer::release(int64_t unit) {
+  if (!units_) return;
+  units_->release(unit);
+  if (lp_ == DType::F32 || !params_lp_.data()) return;
+  const auto [lo, hi] = unit_range(unit);
+  release_whole_pages(static_cast<char*>(params_lp_.data()) + lo * 2, (hi - lo) * 2);
+}
+
 void Transformer::refresh_lp_weights(const float* params) {
-  if (lp_ == DType::F32 || (!lp_stale_ && params == lp_source_)) return;
+  // Sharded parameters: each unit's copy is made where it is gathered (acquire).
+  if (lp_ == DType::F32 || units_ || (!lp_stale_ && params == lp_source_)) return;
   f32_to_dtype(lp_, params_lp_.ensure(layout_.size()), params,
                static_cast<std::size_t>(layout_.size()));
   lp_source_ = params;
@@ -149,13 +177,23 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   for (int64_t i = 0; i < N; ++i) pos_[i] = static_cast<int32_t>(i % T);
   const bool mixed = lp_ != DType::F32;
   refresh_lp_weights(params);
+  const int64_t L = cfg_.n_layers, head = L + 1;
+  acquire(0, 1, params);
   embedding_forward(resid_.data(), inputs_.data(), params + layout_.embed, N, C, V);
+  release(0);
   LossParts parts;
-  for (int64_t l = 0; l < cfg_.n_layers; ++l) block_forward(l, params, step, false, &parts);
-  rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + cfg_.n_layers * N * C,
+  for (int64_t l = 0; l < L; ++l) {
+    acquire(1 + l, 2 + l, params);
+    block_forward(l, params, step, false, &parts);
+    release(1 + l);
+  }
+  acquire(head, -1, params);
+  rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + L * N * C,
                   params + layout_.final_norm, N, C, eps);
   const void* lnf = mixed ? rounded(lnf_lp_, lnf_.data(), N * C) : nullptr;
   linear_fwd(logits_.data(), lnf_.data(), lnf, params, layout_.lm_head, N, C, V);
+  // A training forward's backward starts at the head: it stays in place until then.
+  if (!targets || !step.training) release(head);
   const int64_t n_moe = cfg_.n_moe_layers();
   if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
   if (!targets) return parts;
@@ -215,24 +253,35 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
                              counted ? loss_weight / static_cast<float>(counted) : 0.f);
   softmax_xent_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(),
                         targets_.data(), N, V);
+  const int64_t L = cfg_.n_layers, head = L + 1;
+  acquire(head, L, params);
   linear_bwd(dln_.data(), false, grads + layout_.lm_head, dlogits_.data(), lnf_.data(),
              lnf_lp_.data(), params, layout_.lm_head, N, C, V);
   rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(),
                    resid_.data() + cfg_.n_layers * N * C, params + layout_.final_norm,
                    rstdf_.data(), N, C);
+  release(head);
   if (grads_ready_) grads_ready_(layout_.final_norm);
 
   // The balancing losses are means over MoE layers: each layer's share of their gradient.
   const int64_t n_moe = cfg_.n_moe_layers();
   const float moe_weight = n_moe > 0 ? loss_weight / static_cast<float>(n_moe) : 0.f;
-  for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
+  for (int64_t l = L - 1; l >= 0; --l) {
+    acquire(1 + l, l > 0 ? l : -1, params);  // the embedding's backward reads no weight
     // full: the block's activations again, from its input, right before its backward.
     if (recompute_ == Recompute::Full) block_forward(l, params, MoeStep{}, true, nullptr);
     block_backward(l, params, grads, moe_weight);
+    release(1 + l);
     if (grads_ready_) grads_ready_(layout_.layers[l].ln1);  // the block's first tensor
   }
   embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
   if (grads_ready_) grads_ready_(0);
+}
+
+std::vector<int64_t> Transformer::unit_starts() const {
+  std::vector<int64_t> starts;
+  for (int64_t u = 0; u <= cfg_.n_layers + 1; ++u) starts.push_back(unit_range(u).first);
+  return starts;
 }
 
 double Transformer::flops_per_token(int64_t T) const {

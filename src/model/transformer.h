@@ -64,6 +64,10 @@ class Transformer final : public TrainableModel {
     grads_ready_ = std::move(hook);
   }
 
+  // Units (ParamUnits): 0 the embedding, 1 + l block l, n_layers + 1 the final norm and the head.
+  std::vector<int64_t> unit_starts() const override;
+  void set_param_units(ParamUnits* units) override { units_ = units; }
+
   // (B·T, V) of the last forward (copied from the device when an engine runs the model).
   const float* logits();
 
@@ -152,6 +156,11 @@ class Transformer final : public TrainableModel {
   int64_t B_ = 0, T_ = 0;
   bool have_targets_ = false;
   std::function<void(int64_t)> grads_ready_;
+  ParamUnits* units_ = nullptr;
+  // With units: the unit's parameters in place (and their low-precision copy made), or let go.
+  void acquire(int64_t unit, int64_t next, const float* params);
+  void release(int64_t unit);
+  std::pair<int64_t, int64_t> unit_range(int64_t unit) const;  // [begin, end) in floats
   DType lp_ = DType::F32;
   HalfBuffer params_lp_;  // (layout size) the parameters rounded to lp_
   const float* lp_source_ = nullptr;

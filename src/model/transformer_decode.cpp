@@ -15,6 +15,7 @@ namespace moetrain {
 
 const float* Transformer::decode(const float* params, int32_t token, KvCache& cache) {
   MOETRAIN_CHECK(!engine_, "decode: decoding runs on the CPU (set_device(\"cpu\") first)");
+  MOETRAIN_CHECK(!units_, "decode: decoding reads whole parameters, not sharded ones (dist.zero = 3)");
   MOETRAIN_CHECK(static_cast<int64_t>(cache.k.size()) == cfg_.n_layers,
                  "decode: the KV cache has {} layers, the model {}", cache.k.size(),
                  cfg_.n_layers);

@@ -78,6 +78,13 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
     open[k].key = key;
     first[k] = false;
   };
+  // The unit holding flat offset x, and where it begins (units: one unit from 0 when none).
+  const std::vector<int64_t>& starts = cfg.unit_starts;
+  auto unit_of = [&](int64_t x) {
+    return static_cast<int64_t>(std::upper_bound(starts.begin(), starts.end(), x) -
+                                starts.begin()) - 1;
+  };
+  int64_t open_unit[2] = {-1, -1};
   // From the end of the buffer down: the order in which backward finishes gradients.
   for (const Run& run : runs) {
     const int k = run.expert ? 1 : 0;
@@ -86,7 +93,11 @@ GradSync::GradSync(const SyncRanges& ranges, Comm& dense, Comm& expert, const Gr
     open[k].key = run.key;
     int64_t end = run.range.offset + run.range.size;
     while (end > run.range.offset) {
-      const int64_t take = std::min(end - run.range.offset, cap(k) - open[k].size);
+      const int64_t u = unit_of(end - 1);
+      if (open[k].size > 0 && open_unit[k] != u) close(k);
+      open_unit[k] = u;
+      const int64_t floor = u >= 0 ? std::max(run.range.offset, starts[u]) : run.range.offset;
+      const int64_t take = std::min(end - floor, cap(k) - open[k].size);
       open[k].pieces.push_back({end - take, take});
       open[k].size += take;
       end -= take;
@@ -440,16 +451,18 @@ void GradSync::allgather_grads(float* grads) {
 }
 
 void GradSync::allgather_params(float* params) {
-  std::vector<float> mine;
   for (std::size_t i = 0; i < buckets_.size(); ++i) {
     // Every rank left the skipped expert's parameters as they were.
-    if (skip_[i]) continue;
-    const Bucket& b = buckets_[i];
-    const int64_t n = b.counts[group(b).rank()];
-    mine.resize(static_cast<std::size_t>(n));
-    pack(mine.data(), params, b, b.chunk_begin, b.chunk_begin + n);
-    allgather_into(params, b, mine.data(), GradWire::F32);  // master weights stay f32
+    if (!skip_[i]) allgather_bucket_params(params, i);
   }
+}
+
+void GradSync::allgather_bucket_params(float* params, std::size_t i) {
+  const Bucket& b = buckets_[i];
+  const int64_t n = b.counts[group(b).rank()];
+  param_send_.resize(static_cast<std::size_t>(n));
+  pack(param_send_.data(), params, b, b.chunk_begin, b.chunk_begin + n);
+  allgather_into(params, b, param_send_.data(), GradWire::F32);  // master weights stay f32
 }
 
 }  // namespace moetrain

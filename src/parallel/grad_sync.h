@@ -58,6 +58,9 @@ struct GradSyncConfig {
   // group's lists into the whole bucket, which stands for both the reduce-scatter (this rank's
   // chunk) and the gather (nothing more is sent). Replicated buckets keep `wire`.
   double sparse_ratio = 0;
+  // Flat offsets where units begin (ascending; ZeRO-3's gather units, parallel/zero3_params.h):
+  // no bucket holds elements of two units. Empty: buckets are cut by size alone.
+  std::vector<int64_t> unit_starts;
 };
 
 // Elements [offset, offset + size) of the flat buffer.
@@ -136,6 +139,8 @@ class GradSync final : public GradientShard {
   void allgather_grads(float* grads);
   // Collective. params at every rank's shard positions → params on every rank of the group.
   void allgather_params(float* params);
+  // The same for bucket i alone (over its group); skipped buckets included.
+  void allgather_bucket_params(float* params, std::size_t i);
   // The flat ranges of this rank's shard (ZeRO-1 updates exactly these).
   std::vector<ShardPiece> shard_pieces() const;
   // The same elements as runs contiguous both in the flat buffer and in the shard (ZeRO-2's
@@ -205,6 +210,7 @@ class GradSync final : public GradientShard {
   std::vector<bf16> wire_send_, wire_recv_;  // bf16 reduction: packed bucket, received parts
   std::vector<uint8_t> q_send_, q_recv_;     // int8 reduction: quantised chunks, received parts
   std::vector<float> residual_;
+  std::vector<float> param_send_;  // allgather_bucket_params: this rank's chunk, packed
   int64_t packed_size_ = 0;  // Σ bucket sizes: where the shard part of residual_ starts
   int64_t bytes_sent_ = 0;
   SparseBuckets sparse_;

@@ -9,8 +9,9 @@
 
 namespace moetrain {
 
-Zero2Reducer::Zero2Reducer(std::unique_ptr<GradSync> sync, CommThread* overlap, PageBuffer& grads)
-    : sync_(std::move(sync)), overlap_(overlap), grads_(grads) {
+Zero2Reducer::Zero2Reducer(std::unique_ptr<GradSync> sync, CommThread* overlap, PageBuffer& grads,
+                           bool sharded_params)
+    : sync_(std::move(sync)), overlap_(overlap), grads_(grads), sharded_params_(sharded_params) {
   for (const GradSync::Bucket& b : sync_->buckets()) {
     std::vector<FlatRange> r = b.pieces;
     std::sort(r.begin(), r.end(),
@@ -93,6 +94,7 @@ GradientShard& Zero2Reducer::reduce(float* grads) {
 }
 
 void Zero2Reducer::finish_step(float* params) {
+  if (sharded_params_) return;  // ZeRO-3: gathered unit by unit where the model uses them
   ScopedTimer timer(inline_s_);
   sync_->allgather_params(params);
 }

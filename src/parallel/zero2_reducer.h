@@ -29,7 +29,10 @@ class Zero2Reducer final : public GradReducer {
  public:
   // grads: the flat gradient buffer every call's `grads` points into; outlives this object.
   // overlap: the thread that reduces buckets during backward (null: after each backward).
-  Zero2Reducer(std::unique_ptr<GradSync> sync, CommThread* overlap, PageBuffer& grads);
+  // sharded_params (ZeRO-3, parallel/zero3_params.h): the parameters are not gathered after the
+  // step; the model's units gather them where they are used.
+  Zero2Reducer(std::unique_ptr<GradSync> sync, CommThread* overlap, PageBuffer& grads,
+               bool sharded_params = false);
 
   // The optimizer's pieces (this rank's shard, as runs contiguous in both the flat buffer and
   // the shard), in piece_grads() order.
@@ -50,6 +53,7 @@ class Zero2Reducer final : public GradReducer {
   // Bytes of gradient pages handed back to the system so far.
   int64_t bytes_released() const { return released_; }
 
+  GradSync& sync() { return *sync_; }
   const GradSync& sync() const { return *sync_; }
 
  private:
@@ -61,6 +65,7 @@ class Zero2Reducer final : public GradReducer {
   std::unique_ptr<GradSync> sync_;
   CommThread* overlap_;
   PageBuffer& grads_;
+  bool sharded_params_;
   std::vector<std::vector<FlatRange>> ranges_;  // (buckets) their flat ranges, joined
   std::vector<OptimPiece> pieces_;
   std::vector<const float*> piece_grads_;

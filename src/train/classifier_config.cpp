@@ -85,6 +85,9 @@ void ClassifierRunConfig::validate() const {
   MOETRAIN_CHECK(!dist.local_steps(),
                  "dist.sync = params: the classifier trainer reduces gradients every step "
                  "(local SGD is for the language-model trainer)");
+  MOETRAIN_CHECK(dist.zero <= 2,
+                 "dist.zero = 3: the classifier's parameters are not split into gather units; "
+                 "it shards up to dist.zero = 2 (the language model trains under 3)");
   grad.validate();
   grad.validate_reduction(dist, /*fp16=*/false);  // the classifier computes in f32
 }

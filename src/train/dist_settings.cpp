@@ -118,15 +118,16 @@ void GradSettings::validate() const {
 }
 
 void GradSettings::validate_reduction(const DistSettings& dist, bool fp16) const {
-  MOETRAIN_CHECK(!(dist.zero == 2 && sparse_experts),
-                 "dist.zero = 2 with grad.sparse_experts = true: a skipped expert's gradients "
-                 "would have to stay in the flat buffer ZeRO-2 releases; use dist.zero = 1 or "
-                 "grad.sparse_experts = false");
-  MOETRAIN_CHECK(!(dist.zero == 2 && sparse_ratio != 0),
-                 "dist.zero = 2 with grad.sparse_ratio = {}: the sparse expert buckets are summed "
+  MOETRAIN_CHECK(!(dist.zero >= 2 && sparse_experts),
+                 "dist.zero = {} with grad.sparse_experts = true: a skipped expert's gradients "
+                 "would have to stay in the flat buffer ZeRO-{} releases; use dist.zero = 1 or "
+                 "grad.sparse_experts = false",
+                 dist.zero, dist.zero);
+  MOETRAIN_CHECK(!(dist.zero >= 2 && sparse_ratio != 0),
+                 "dist.zero = {} with grad.sparse_ratio = {}: the sparse expert buckets are summed "
                  "whole on every rank, not reduce-scattered; use dist.zero = 1 or "
                  "grad.sparse_ratio = 0",
-                 sparse_ratio);
+                 dist.zero, sparse_ratio);
   if (sparse_ratio == 0) return;
   MOETRAIN_CHECK(dist.grad_reduce_dtype != "int8",
                  "grad.sparse_ratio = {} with dist.grad_reduce_dtype = int8: the sparse lists "
@@ -195,19 +196,20 @@ void DistSettings::validate() const {
   MOETRAIN_CHECK(sync == "grads" || sync == "params", "dist.sync = '{}': allowed are grads, params",
                  sync);
   MOETRAIN_CHECK(sync_every >= 1, "dist.sync_every = {}: must be ≥ 1", sync_every);
-  MOETRAIN_CHECK(zero == 0 || zero == 1 || zero == 2,
-                 "dist.zero = {}: allowed are 0 (off), 1 (ZeRO-1: optimizer state sharded) and 2 "
-                 "(ZeRO-2: gradients sharded too)",
+  MOETRAIN_CHECK(zero >= 0 && zero <= 3,
+                 "dist.zero = {}: allowed are 0 (off), 1 (ZeRO-1: optimizer state sharded), 2 "
+                 "(ZeRO-2: gradients sharded too) and 3 (ZeRO-3: parameters sharded too)",
                  zero);
   MOETRAIN_CHECK(!(local_steps() && zero >= 1),
                  "dist.sync = params with dist.zero = {}: ZeRO shards one optimizer state over "
                  "the replicas, local steps need a whole one on each; use dist.zero = 0",
                  zero);
   // int8's error feedback keeps a residual per gradient element sent: a whole gradient's worth.
-  MOETRAIN_CHECK(!(zero == 2 && grad_reduce_dtype == "int8"),
-                 "dist.zero = 2 with dist.grad_reduce_dtype = int8: int8's error-feedback "
-                 "residual is as large as the whole gradient ZeRO-2 releases; use "
-                 "dist.grad_reduce_dtype = f32 or bf16, or dist.zero = 1");
+  MOETRAIN_CHECK(!(zero >= 2 && grad_reduce_dtype == "int8"),
+                 "dist.zero = {} with dist.grad_reduce_dtype = int8: int8's error-feedback "
+                 "residual is as large as the whole gradient ZeRO-{} releases; use "
+                 "dist.grad_reduce_dtype = f32 or bf16, or dist.zero = 1",
+                 zero, zero);
   MOETRAIN_CHECK(
       bucket_first_mb > 0 && bucket_mb > 0 && bucket_mb <= 1024,
       "dist.bucket_first_mb = {}, dist.bucket_mb = {}: must be positive MiB (at most 1024)",

@@ -72,12 +72,20 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
   gc.wire = parse_grad_wire(settings.grad_reduce_dtype, "dist.grad_reduce_dtype");
   gc.sparse_experts = settings.sparse_experts;
   gc.sparse_ratio = settings.sparse_ratio;
+  const bool zero3 = settings.zero == 3;
+  if (zero3) gc.unit_starts = settings.unit_starts;
   auto sync = std::make_unique<GradSync>(ranges, *groups.grads, *groups.expert_grads, gc);
   out.buckets = static_cast<int64_t>(sync->buckets().size());
-  if (settings.zero == 2) {
-    MOETRAIN_CHECK(settings.grad_buffer != nullptr, "ZeRO-2 needs the flat gradient buffer");
+  if (settings.zero >= 2) {
+    MOETRAIN_CHECK(settings.grad_buffer != nullptr, "ZeRO-2/3 needs the flat gradient buffer");
     auto reducer = std::make_unique<Zero2Reducer>(std::move(sync), settings.overlap,
-                                                  *settings.grad_buffer);
+                                                  *settings.grad_buffer, zero3);
+    if (zero3) {
+      MOETRAIN_CHECK(settings.param_buffer != nullptr, "ZeRO-3 needs the flat parameter buffer");
+      out.zero3 = std::make_unique<Zero3Params>(reducer->sync(), settings.param_buffer,
+                                                layout.size(), settings.unit_starts,
+                                                settings.overlap);
+    }
     out.pieces = reducer->pieces();
     if (settings.overlap) {
       Zero2Reducer* r = reducer.get();

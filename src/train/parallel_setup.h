@@ -16,6 +16,7 @@
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
 #include "parallel/param_averaging.h"
+#include "parallel/zero3_params.h"
 #include "optim/sharded_optimizer.h"
 #include "train/run_config.h"
 
@@ -24,9 +25,13 @@ namespace moetrain {
 struct ReduceSettings {
   double bucket_first_mb = 1, bucket_mb = 25;
   std::string grad_reduce_dtype = "f32";
-  int64_t zero = 0;  // dist.zero: 0, 1 or 2
-  // ZeRO-2: the flat gradient buffer, whose buckets it clears once reduced.
+  int64_t zero = 0;  // dist.zero: 0, 1, 2 or 3
+  // ZeRO-2 and 3: the flat gradient buffer, whose buckets it clears once reduced.
   PageBuffer* grad_buffer = nullptr;
+  // ZeRO-3: the flat parameter buffer, and where the model's gather units begin in it
+  // (TrainableModel::unit_starts).
+  float* param_buffer = nullptr;
+  std::vector<int64_t> unit_starts;
   bool local_steps = false;  // dist.sync = params: no gradient reduction, parameter averaging
   // Reduces gradient buckets during backward on this thread (null: after backward).
   CommThread* overlap = nullptr;
@@ -59,6 +64,9 @@ struct DataParallel {
   std::unique_ptr<ParamAverager> averager;
   // Set as the model's grads-ready hook when buckets reduce during backward; empty otherwise.
   std::function<void(int64_t)> grads_ready;
+  // ZeRO-3 under MPI: the parameters' gathers, for the model's param units (it uses the reducer's
+  // buckets: the reducer outlives it).
+  std::unique_ptr<Zero3Params> zero3;
 };
 
 // The dist settings that shape the gradient reduction; comm_thread reduces buckets during backward

@@ -334,6 +334,11 @@ void RunConfig::validate() const {
                  "residual cannot follow the loss scale; use train.precision = bf16 or f32, or "
                  "dist.grad_reduce_dtype = bf16");
   if (model.n_moe_layers() > 0) placement.validate(model.n_experts, dist.ep);
+  MOETRAIN_CHECK(!(dist.zero == 3 && placement.enabled()),
+                 "dist.zero = 3 with placement.spare_slots = {}: replicas are copied from whole "
+                 "expert weights, which ZeRO-3 shards; use dist.zero = 2 or placement.spare_slots "
+                 "= 0",
+                 placement.spare_slots);
   grad.validate();
   grad.validate_reduction(dist, t.precision == Precision::FP16);
   MOETRAIN_CHECK(grad.expert_reweight == "none" || model.n_moe_layers() > 0,

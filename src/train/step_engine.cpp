@@ -66,7 +66,17 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   rs.sparse_experts = cfg_.grad.sparse_experts;
   rs.sparse_ratio = cfg_.grad.sparse_ratio;
   rs.grad_buffer = &grads_;
+  if (cfg_.dist.zero == 3 && world_ > 1) {
+    rs.unit_starts = model_.unit_starts();
+    MOETRAIN_CHECK(!rs.unit_starts.empty(),
+                   "dist.zero = 3: this model does not split into gather units (the language "
+                   "model does); use dist.zero = 2");
+    MOETRAIN_CHECK(!device_, "dist.zero = 3 runs on the CPU; train.device = cuda needs dist.zero "
+                             "= 0");
+    rs.param_buffer = params_.data();
+  }
   DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
+  zero3_ = std::move(dp.zero3);
   if (cfg_.grad.sparse_experts && !moe.empty())
     sparse_ = std::make_unique<SparseExperts>(layout, static_cast<int64_t>(moe.size()),
                                               cfg_.moe.n_experts, cfg_.micro_batches,
@@ -94,9 +104,20 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
                                                   std::move(dp.pieces), offload);
   writers_ = checkpoint_writers(layout, pg_->layout, cfg_.moe.n_experts);
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
+  if (zero3_) {
+    // Every rank initialised the whole model alike: its shard stays, the rest goes.
+    zero3_->release_all();
+    model_.set_param_units(zero3_.get());
+  }
 }
 
-StepEngine::~StepEngine() = default;
+StepEngine::~StepEngine() {
+  if (zero3_) model_.set_param_units(nullptr);
+}
+
+void StepEngine::gather_params() {
+  if (zero3_) zero3_->acquire_all();
+}
 
 std::string StepEngine::describe_layout() const {
   const ParallelLayout& pl = pg_->layout;
@@ -118,6 +139,7 @@ void StepEngine::set_precision(DType p) {
 }
 
 void StepEngine::host_params_changed() {
+  if (zero3_) zero3_->release_all();  // every rank holds the same whole model: keep the shard
   model_.weights_changed();  // the low-precision weight copies follow the host's weights
   device_current_ = false;
 }
@@ -384,6 +406,18 @@ std::filesystem::path StepEngine::save_checkpoint(const std::vector<NamedTensor>
   average_replicas();
   // A resident device holds the current parameters and moments: the host copies catch up.
   if (device_ && device_current_) device_state_to_host(*device_, *optimizer_, params_.data());
+  // ZeRO-3: the files hold whole tensors (transformers reads them), so the parameters are
+  // gathered for the write and let go after it.
+  gather_params();
+  struct Release {
+    Zero3Params* z;
+    ~Release() {
+      try {
+        if (z) z->release_all();
+      } catch (...) {  // the write's own error, if any, is the one that propagates
+      }
+    }
+  } release{zero3_.get()};
   // Every rank writes its own pieces; the checkpoint is complete when any rank returns.
   return write_checkpoint(*pg_->control, cfg_.run_dir, step_, checkpoint_share(state, false), docs,
                           keep);
@@ -436,6 +470,7 @@ void StepEngine::load_checkpoint(
   reading_json(file, [&] { restore(read_checkpoint_json(dir, "trainer_state.json"), file.string()); });
   // Each rank reads the ranges it holds, from whichever files hold them.
   read_checkpoint_pieces(dir, checkpoint_share(state, true));
+  if (zero3_) zero3_->release_all();  // each rank read what it holds whole: the shard stays
   model_.weights_changed();  // the low-precision weight copies follow the loaded weights
   averaged_at_ = step_;      // a checkpoint holds averaged parameters
 }

@@ -163,7 +163,12 @@ class StepEngine {
 
   // --- state ---------------------------------------------------------------------------------
   int64_t step_count() const { return step_; }
+  // The flat parameters. Under ZeRO-3 (params_sharded) only this rank's shard of them is current
+  // outside a forward and backward: gather_params makes them whole until the next step.
   std::vector<float>& params() { return params_; }
+  bool params_sharded() const { return zero3_ != nullptr; }
+  // Collective. Every parameter current in params() (ZeRO-3; otherwise nothing to do).
+  void gather_params();
   std::span<float> grads() { return grads_.span(); }
   ShardedOptimizer& optimizer() { return *optimizer_; }
   const LossScaler* loss_scaler() const { return scaler_.get(); }
@@ -211,6 +216,8 @@ class StepEngine {
   std::vector<ParamRange> groups_;
   std::vector<std::pair<int64_t, int64_t>> own_experts_;
   std::unique_ptr<GradReducer> reducer_;
+  // dist.zero = 3 on more than one process: the parameters' gathers (the model's param units).
+  std::unique_ptr<Zero3Params> zero3_;
   int64_t buckets_ = 0;
   // dist.sync = params under MPI: the replicas step alone (on local_comm_) and are averaged
   // every dist.sync_every steps; averaged_at_ is the step they last were.

@@ -57,7 +57,10 @@ class Trainer : private RunTask {
   // What the start-up check estimated this rank holds.
   const MemoryEstimate& memory_estimate() const { return memory_; }
   Transformer& model() { return *model_; }
+  // Under dist.zero = 3 only this rank's shard is current between steps: gather_params
+  // (collective) first makes them whole.
   std::vector<float>& params() { return engine_->params(); }
+  void gather_params() { engine_->gather_params(); }
   std::span<float> grads() { return engine_->grads(); }
   ShardedOptimizer& optimizer() { return engine_->optimizer(); }
   int64_t step() const { return engine_->step_count(); }

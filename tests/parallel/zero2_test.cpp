@@ -255,7 +255,7 @@ TEST(Zero2, ResumesBitExactAndCheckpointsLoadAcrossStages) {
 
 TEST(Zero2, RefusedSettingsNameTheKeys) {
   auto load = [](std::vector<std::string> sets) { return [sets] { load_run_config("", sets); }; };
-  expect_error(load({"dist.zero=3"}), {"dist.zero = 3", "allowed are 0", "1", "2"});
+  expect_error(load({"dist.zero=4"}), {"dist.zero = 4", "allowed are 0", "1", "2", "3"});
   expect_error(load({"dist.zero=2", "grad.sparse_ratio=0.5"}),
                {"dist.zero = 2 with grad.sparse_ratio = 0.5"});
   expect_error(load({"dist.zero=2", "grad.sparse_experts=true"}),
