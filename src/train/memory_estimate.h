@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "model/classifier.h"
 #include "model/config.h"
@@ -56,10 +57,15 @@ MemoryEstimate state_memory(const ParamState& s, double params, double ranks);
 
 // Floats of the dense tensors (embedding, head, norms, attention, dense FFNs, routers, shared
 // experts) and of all experts of all MoE layers, from the shapes ParamLayout (model/params.cpp)
-// lays out, without building its table (tests/plan/plan_test.cpp checks the two agree).
+// lays out, without building its table (tests/plan/scale_test.cpp checks the two agree).
 struct ParamCounts {
   double dense = 0, expert = 0;
 };
+// The same per unit, the flat buffer's ranges ZeRO-3 gathers whole, in forward order: 0 the
+// embedding, 1 + l block l (its norms, attention, dense FFN or router, shared expert and
+// experts), L + 1 the final norm with the LM head (L + 2 units).
+std::vector<ParamCounts> unit_params(const ModelConfig& m);
+// Their sum.
 ParamCounts count_params(const ModelConfig& m);
 
 // Where the optimizer state lives: resident, or in a host file streamed through a window.
