@@ -81,7 +81,9 @@ struct RankLayout {
   Recompute recompute = Recompute::None;
   Offload offload = Offload::None;
   // This trainer keeps the weights, gradients and copy of every expert in its flat buffer on
-  // every rank (it steps only its own); false: only the rank's experts (GPU trainers).
+  // every rank (it steps only its own), ZeRO-2 only the gradients of the units backward is
+  // writing or reducing, ZeRO-3 its shard and the units it gathers (rank_memory); false: only the
+  // rank's experts, sharded by state_memory (GPU trainers).
   bool whole_buffer = true;
   // This trainer's layers keep the buffers of their backward (the gradients of what they saved,
   // both sides of the expert exchange) between steps; false: only what backward needs.
@@ -95,7 +97,11 @@ struct RankLayout {
 };
 
 // The bytes one rank of an LM run holds: the one formula of the trainer's start-up check, of
-// `moetrain train --dry-run` and of the planner (plan/memory_model.cpp).
+// `moetrain train --dry-run` and of the planner (plan/memory_model.cpp). With whole_buffer and
+// more than one process, by unit (unit_params; a block as the rank holds it: its dense tensors
+// and its experts): ZeRO-2 gradients max(2 buckets, largest unit + a bucket); ZeRO-3 weights the
+// rank's shard (state_memory) and the largest two neighbouring units gathered, gradients those two
+// units; each at most the whole buffer.
 MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                            const RankLayout& l);
 
