@@ -51,6 +51,15 @@ double moe_token_floats(const MoeModelConfig& m, double dim) {
          3 * static_cast<double>(m.shared_expert_hidden) + static_cast<double>(m.n_experts);
 }
 
+// The largest sum of two neighbours in `units` (ZeRO-3's forward order): what a gather of each
+// unit with the next one prefetched, or a unit's backward beside the reduction of the one after
+// it, holds at most.
+double neighbour_peak(const std::vector<double>& units) {
+  double peak = units.empty() ? 0.0 : units.front();
+  for (std::size_t i = 1; i < units.size(); ++i) peak = std::max(peak, units[i - 1] + units[i]);
+  return peak;
+}
+
 double read_number(const char* path) {
   std::ifstream in(path);
   std::string word;
@@ -114,24 +123,32 @@ std::string MemoryEstimate::table() const {
   return out;
 }
 
-ParamCounts count_params(const ModelConfig& m) {
+std::vector<ParamCounts> unit_params(const ModelConfig& m) {
   m.validate();
   const double C = static_cast<double>(m.dim), V = static_cast<double>(m.vocab_size);
   const double HS = static_cast<double>(m.head_dim());
-  const double L = static_cast<double>(m.n_layers), Lm = static_cast<double>(m.n_moe_layers());
   const double E = static_cast<double>(m.n_experts);
-  ParamCounts c;
-  // Embedding and LM head (V, C), final norm; per layer two norms, q and o (NH·HS, C), k and v
-  // (NKV·HS, C).
+  // Per block two norms, q and o (NH·HS, C), k and v (NKV·HS, C).
   const double attention = 2 * C + 2 * static_cast<double>(m.n_heads) * HS * C +
                            2 * static_cast<double>(m.n_kv_heads) * HS * C;
-  c.dense = 2 * V * C + C + L * attention;
-  c.dense += (L - Lm) * 3 * static_cast<double>(m.dense_ffn_hidden()) * C;
-  // MoE blocks: the router (and its noise projection), the shared expert; the experts' w1, w3
-  // (F, C) and w2 (C, F).
+  // A dense block's FFN; an MoE block's router (and its noise projection), shared expert and
+  // experts' w1, w3 (F, C) and w2 (C, F).
+  const double ffn = 3 * static_cast<double>(m.dense_ffn_hidden()) * C;
   const double router = E * C * (m.router == RouterKind::NoisyTopK ? 2 : 1);
-  c.dense += Lm * (router + 3 * static_cast<double>(m.shared_expert_hidden) * C);
-  c.expert = Lm * E * 3 * static_cast<double>(m.expert_hidden) * C;
+  const double moe = router + 3 * static_cast<double>(m.shared_expert_hidden) * C;
+  const double experts = E * 3 * static_cast<double>(m.expert_hidden) * C;
+  std::vector<ParamCounts> units;
+  units.push_back({V * C, 0});  // the embedding (V, C)
+  for (int64_t l = 0; l < m.n_layers; ++l)
+    units.push_back(m.is_dense_layer(l) ? ParamCounts{attention + ffn, 0}
+                                        : ParamCounts{attention + moe, experts});
+  units.push_back({C + V * C, 0});  // the final norm, the LM head (V, C)
+  return units;
+}
+
+ParamCounts count_params(const ModelConfig& m) {
+  ParamCounts c;
+  for (const ParamCounts& u : unit_params(m)) c.dense += u.dense, c.expert += u.expert;
   return c;
 }
 
@@ -214,11 +231,32 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                                             pc.dense + pc.expert, 1);
     e.parameters = all.parameters, e.gradients = all.gradients;
     e.low_precision = all.low_precision;
-    // ZeRO-2 (parallel/zero2_reducer.h) hands each bucket's pages back once it is reduced: what
-    // stays resident is about the buckets backward has written and the communication thread has
-    // not yet reduced (two of the larger size).
-    if (l.world > 1 && l.state.zero >= 2)
-      e.gradients = std::min(e.gradients, 2 * std::max(l.bucket_first_bytes, l.bucket_bytes));
+    if (l.world > 1 && l.state.zero >= 2) {
+      // Floats of each unit (unit_params) this rank writes gradients of and, at ZeRO-3, gathers:
+      // its dense tensors and the experts it holds (the others' are never touched).
+      const double held_share = 1 / ep + slots / E;
+      std::vector<double> unit;
+      for (const ParamCounts& u : unit_params(m))
+        unit.push_back(u.dense / tp + u.expert * held_share);
+      const double largest = *std::max_element(unit.begin(), unit.end());
+      const double bucket = std::max(l.bucket_first_bytes, l.bucket_bytes);
+      if (l.state.zero == 2) {
+        // ZeRO-2 (parallel/zero2_reducer.h) hands each bucket's pages back once it is reduced.
+        // The model hands a block's gradients on once its backward has written all of them
+        // (grads_ready, model/transformer.cpp), so what stays resident is the unit backward is
+        // writing and the bucket the communication thread reduces, which may reach into it:
+        // two buckets where a unit is smaller than one.
+        e.gradients = std::min(e.gradients, std::max(2 * bucket, l.state.grad * largest + bucket));
+      } else {
+        // ZeRO-3: buckets end at unit boundaries; resident are the unit backward writes and the
+        // one before it being reduced. The weights: this rank's shard of every bucket (state_memory
+        // at stage 3) and the units gathered whole, the one computing and the one prefetched.
+        e.gradients = std::min(e.gradients, l.state.grad * neighbour_peak(unit));
+        e.parameters = std::min(e.parameters, dense.parameters + expert.parameters +
+                                                  l.state.weight * neighbour_peak(unit));
+        e.low_precision = dense.low_precision + expert.low_precision;
+      }
+    }
   } else {
     e.parameters = dense.parameters + expert.parameters + held.parameters;
     e.gradients = dense.gradients + expert.gradients + held.gradients;

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "model/classifier.h"
 #include "model/config.h"
@@ -56,10 +57,15 @@ MemoryEstimate state_memory(const ParamState& s, double params, double ranks);
 
 // Floats of the dense tensors (embedding, head, norms, attention, dense FFNs, routers, shared
 // experts) and of all experts of all MoE layers, from the shapes ParamLayout (model/params.cpp)
-// lays out, without building its table (tests/plan/plan_test.cpp checks the two agree).
+// lays out, without building its table (tests/plan/scale_test.cpp checks the two agree).
 struct ParamCounts {
   double dense = 0, expert = 0;
 };
+// The same per unit, the flat buffer's ranges ZeRO-3 gathers whole, in forward order: 0 the
+// embedding, 1 + l block l (its norms, attention, dense FFN or router, shared expert and
+// experts), L + 1 the final norm with the LM head (L + 2 units).
+std::vector<ParamCounts> unit_params(const ModelConfig& m);
+// Their sum.
 ParamCounts count_params(const ModelConfig& m);
 
 // Where the optimizer state lives: resident, or in a host file streamed through a window.
@@ -75,7 +81,9 @@ struct RankLayout {
   Recompute recompute = Recompute::None;
   Offload offload = Offload::None;
   // This trainer keeps the weights, gradients and copy of every expert in its flat buffer on
-  // every rank (it steps only its own); false: only the rank's experts (GPU trainers).
+  // every rank (it steps only its own), ZeRO-2 only the gradients of the units backward is
+  // writing or reducing, ZeRO-3 its shard and the units it gathers (rank_memory); false: only the
+  // rank's experts, sharded by state_memory (GPU trainers).
   bool whole_buffer = true;
   // This trainer's layers keep the buffers of their backward (the gradients of what they saved,
   // both sides of the expert exchange) between steps; false: only what backward needs.
@@ -89,7 +97,11 @@ struct RankLayout {
 };
 
 // The bytes one rank of an LM run holds: the one formula of the trainer's start-up check, of
-// `moetrain train --dry-run` and of the planner (plan/memory_model.cpp).
+// `moetrain train --dry-run` and of the planner (plan/memory_model.cpp). With whole_buffer and
+// more than one process, by unit (unit_params; a block as the rank holds it: its dense tensors
+// and its experts): ZeRO-2 gradients max(2 buckets, largest unit + a bucket); ZeRO-3 weights the
+// rank's shard (state_memory) and the largest two neighbouring units gathered, gradients those two
+// units; each at most the whole buffer.
 MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                            const RankLayout& l);
 

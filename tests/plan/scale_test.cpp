@@ -20,6 +20,21 @@ ParamCounts from_table(const ModelConfig& m) {
   return c;
 }
 
+// The same per ZeRO-3 unit, cut at the layout's boundaries: the embedding below layers[0].ln1,
+// block l in [layers[l].ln1, layers[l + 1].ln1), the head from final_norm on.
+std::vector<ParamCounts> units_from_table(const ModelConfig& m) {
+  const ParamLayout layout(m);
+  std::vector<int64_t> starts = {0};
+  for (const auto& o : layout.layers) starts.push_back(o.ln1);
+  starts.push_back(layout.final_norm);
+  std::vector<ParamCounts> units(starts.size());
+  for (const auto& p : layout.params()) {
+    const auto unit = std::upper_bound(starts.begin(), starts.end(), p.offset) - starts.begin() - 1;
+    (p.expert >= 0 ? units[unit].expert : units[unit].dense) += static_cast<double>(p.numel);
+  }
+  return units;
+}
+
 ModelConfig small_model() {
   ModelConfig m;
   m.vocab_size = 96;
@@ -35,9 +50,10 @@ ModelConfig small_model() {
 
 }  // namespace
 
-// The closed form and the trainer's parameter table count the same floats, with every optional
-// tensor: dense layers (their own hidden size or top_k · F), a shared expert, the noisy router's
-// noise projection, grouped-query attention.
+// The closed form and the trainer's parameter table count the same floats, in all and per ZeRO-3
+// unit (cut at the layout's block boundaries), with every optional tensor: dense layers (their
+// own hidden size or top_k · F), a shared expert, the noisy router's noise projection,
+// grouped-query attention.
 TEST(PlanScale, ParameterCountsMatchTheTrainersTable) {
   std::vector<ModelConfig> models;
   models.push_back(small_model());
@@ -56,6 +72,13 @@ TEST(PlanScale, ParameterCountsMatchTheTrainersTable) {
     const ParamCounts closed = count_params(m), table = from_table(m);
     EXPECT_DOUBLE_EQ(closed.dense, table.dense) << m.dense_every << " " << m.shared_expert_hidden;
     EXPECT_DOUBLE_EQ(closed.expert, table.expert) << m.dense_every << " " << m.shared_expert_hidden;
+    const std::vector<ParamCounts> units = unit_params(m), table_units = units_from_table(m);
+    ASSERT_EQ(units.size(), static_cast<std::size_t>(m.n_layers + 2));
+    ASSERT_EQ(units.size(), table_units.size());
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      EXPECT_DOUBLE_EQ(units[u].dense, table_units[u].dense) << u << " " << m.dense_every;
+      EXPECT_DOUBLE_EQ(units[u].expert, table_units[u].expert) << u << " " << m.dense_every;
+    }
   }
 }
 

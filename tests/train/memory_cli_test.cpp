@@ -32,6 +32,19 @@ RunConfig memory_model_config(const std::vector<std::string>& extra) {
   return load_run_config(std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml", sets);
 }
 
+// A CPU profile for `moetrain plan` (this trainer's state: the flat buffer of every expert).
+fs::path cpu_profile(const TempDir& tmp) {
+  const fs::path profile = tmp / "profile.toml";
+  std::ofstream(profile)
+      << "[device]\nname = \"cpu\"\npeak_flops_f32 = 1e11\nmemory_bytes = 16e9\n"
+         "memory_bandwidth = 2e10\nthreads = 2\n[single_thread]\nname = \"cpu\"\n"
+         "peak_flops_f32 = 5e10\nmemory_bytes = 16e9\nmemory_bandwidth = 1e10\n"
+         "threads = 1\n[cluster]\nintra_node_bandwidth = 1e10\n"
+         "inter_node_bandwidth = 1e10\nintra_node_latency = 1e-6\n"
+         "inter_node_latency = 1e-6\n";
+  return profile;
+}
+
 TEST(MemoryCli, DryRunPrintsEachRanksBytesForTheLayout) {
   const ShellResult r = shell(std::string(MOETRAIN_BINARY) +
                               memory_model_args(kData, "/tmp/unused", 2) +
@@ -76,13 +89,7 @@ TEST(MemoryCli, DryRunPrintsEachRanksBytesForTheLayout) {
 // `moetrain plan` on a CPU profile (this trainer's state) and the dry run: the same bytes.
 TEST(MemoryCli, PlanAndDryRunGiveTheSameBytes) {
   TempDir tmp("memory_plan");
-  const fs::path profile = tmp / "profile.toml";
-  std::ofstream(profile) << "[device]\nname = \"cpu\"\npeak_flops_f32 = 1e11\nmemory_bytes = 16e9\n"
-                            "memory_bandwidth = 2e10\nthreads = 2\n[single_thread]\nname = \"cpu\"\n"
-                            "peak_flops_f32 = 5e10\nmemory_bytes = 16e9\nmemory_bandwidth = 1e10\n"
-                            "threads = 1\n[cluster]\nintra_node_bandwidth = 1e10\n"
-                            "inter_node_bandwidth = 1e10\nintra_node_latency = 1e-6\n"
-                            "inter_node_latency = 1e-6\n";
+  const fs::path profile = cpu_profile(tmp);
   for (const std::string& layout : {std::string("--np 1"), std::string("--np 2 --set dist.ep=2"),
                                     std::string("--np 4 --set dist.ep=2 --set dist.zero=1"),
                                     std::string("--np 2 --set train.precision=bf16")}) {
@@ -111,6 +118,54 @@ TEST(MemoryCli, PlanAndDryRunGiveTheSameBytes) {
     EXPECT_EQ(rows.at("activations"), bytes("activations_bytes")) << layout;
     EXPECT_EQ(rows.at("buffers"), bytes("buffers_bytes")) << layout;
   }
+}
+
+// ZeRO-3 on 4 ranks with dist.ep = 2: `moetrain plan --zero 3` gives the bytes of rank_memory on
+// the dry run's layout (trainer_layout) with dist.zero = 3, and the dry run prints the same where
+// the configuration accepts dist.zero = 3 (until then it refuses it, naming the key).
+TEST(MemoryCli, PlanAndDryRunGiveTheSameBytesUnderZeroThree) {
+  TempDir tmp("memory_plan_zero3");
+  const fs::path profile = cpu_profile(tmp);
+  const std::string args = memory_model_args(kData, (tmp / "run").string(), 2);
+  const ShellResult plan =
+      shell(std::string(MOETRAIN_BINARY) + " plan -c " + MOETRAIN_SOURCE_DIR +
+            "/configs/tiny.toml" + args.substr(args.find(" --set")) +
+            " --set dist.ep=2 --zero 3 --profile " + profile.string() + " --procs 4 --json");
+  ASSERT_EQ(plan.code, 0) << plan.output;
+  const auto mem = nlohmann::json::parse(plan.output)["memory"];
+  auto bytes = [&](const char* key) { return static_cast<int64_t>(mem[key].get<double>()); };
+  RunConfig cfg = memory_model_config({"dist.ep=2"});
+  cfg.dist.zero = 3;
+  const MemoryEstimate e = rank_memory(cfg.model, 4, 64, trainer_layout(cfg, 4, 0));
+  EXPECT_EQ(bytes("params_bytes"), static_cast<int64_t>(e.parameters));
+  EXPECT_EQ(bytes("grads_bytes"), static_cast<int64_t>(e.gradients));
+  EXPECT_EQ(bytes("optimizer_bytes"), static_cast<int64_t>(e.optimizer));
+  EXPECT_EQ(bytes("low_precision_bytes"), static_cast<int64_t>(e.low_precision));
+  EXPECT_EQ(bytes("activations_bytes"), static_cast<int64_t>(e.activations));
+  EXPECT_EQ(bytes("buffers_bytes"), static_cast<int64_t>(e.buffers));
+  // By hand (the shapes of DryRunPrintsEachRanksBytesForTheLayout): the shard, dense over the 4
+  // ranks and the 4 own experts of each block over their 2 replicas, and two blocks gathered,
+  // each its dense tensors and 4 of its 8 experts; the gradients of two such blocks.
+  const double experts = 4.0 * 8 * 3 * 1024 * 256;
+  const double dense =
+      2 * 256 * 256 + 256 + 4 * (2 * 256 + 2 * 256 * 256 + 2 * 128 * 256 + 8 * 256);
+  const double block = 2 * 256 + 2 * 256 * 256 + 2 * 128 * 256 + 8 * 256 + 4 * 3 * 1024 * 256;
+  EXPECT_EQ(bytes("params_bytes"), 4 * (dense / 4 + experts / 2 / 2 + 2 * block));
+  EXPECT_EQ(bytes("grads_bytes"), 4 * 2 * block);
+  EXPECT_EQ(bytes("optimizer_bytes"), 8 * (dense / 4 + experts / 2 / 2));
+  const ShellResult dry = shell(std::string(MOETRAIN_BINARY) + args +
+                                " --dry-run --np 4 --set dist.ep=2 --set dist.zero=3");
+  if (dry.code != 0) {
+    EXPECT_NE(dry.output.find("dist.zero = 3: allowed are"), std::string::npos) << dry.output;
+    return;
+  }
+  const auto rows = memory_table(dry.output);
+  EXPECT_EQ(rows.at("parameters"), bytes("params_bytes"));
+  EXPECT_EQ(rows.at("gradients"), bytes("grads_bytes"));
+  EXPECT_EQ(rows.at("optimizer state"), bytes("optimizer_bytes"));
+  EXPECT_EQ(rows.at("low-precision copy"), bytes("low_precision_bytes"));
+  EXPECT_EQ(rows.at("activations"), bytes("activations_bytes"));
+  EXPECT_EQ(rows.at("buffers"), bytes("buffers_bytes"));
 }
 
 // A memory cgroup of its own whose limit is below the estimate: the run stops at start-up with

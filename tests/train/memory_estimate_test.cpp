@@ -81,22 +81,31 @@ TEST(MemoryEstimate, ParameterCountsByHand) {
   EXPECT_DOUBLE_EQ(c.expert, 1152);
 }
 
+// The units of the hand-counted model (unit_params): the embedding 16·8; a block's norms 2·8,
+// q and o 2·8·8, k and v 2·4·8, router 4·8 (240 dense) and its 4 experts 4·3·6·8 (576); the final
+// norm 8 and the head 16·8.
+constexpr double kEmbedding = 128, kBlockDense = 240, kBlockExperts = 576, kHead = 136;
+
 // 4 ranks with dist.ep = 2 (each owns 2 of the 4 experts, held by 2 replicas), AdamW in f32:
 // this trainer keeps every parameter's weight and gradient in its flat buffer and steps its own
 // experts, ZeRO-1 sharding their moments (dense over the 4 ranks, experts over their 2
-// replicas); a trainer that keeps only its experts (GPU trainers) shards the gradients at
-// stage 2 and the weights at stage 3 as well.
+// replicas); ZeRO-3 keeps its shard of the weights and the units it gathers (two blocks of
+// their dense tensors and its 2 experts here); a trainer that keeps only its experts (GPU
+// trainers) shards the gradients at stage 2 and the weights at stage 3 as well.
 TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
   const ModelConfig m = hand_counted_model();
   const double dense = 744, experts = 1152, own = experts / 2;
+  const double block = kBlockDense + kBlockExperts / 2;  // a block as this rank holds it
   for (int zero = 0; zero <= 3; ++zero) {
     RankLayout l;
     l.world = 4;
     l.ep = 2;
     l.state = trainer_state("adamw", 0, zero);
     const MemoryEstimate e = rank_memory(m, 2, 8, l);
-    EXPECT_DOUBLE_EQ(e.parameters, 4 * (dense + experts)) << zero;
-    EXPECT_DOUBLE_EQ(e.gradients, 4 * (dense + experts)) << zero;
+    EXPECT_DOUBLE_EQ(e.parameters,
+                     zero == 3 ? 4 * (dense / 4 + own / 2 + 2 * block) : 4 * (dense + experts))
+        << zero;
+    EXPECT_DOUBLE_EQ(e.gradients, zero == 3 ? 4 * 2 * block : 4 * (dense + experts)) << zero;
     EXPECT_DOUBLE_EQ(e.optimizer, zero >= 1 ? 8 * (dense / 4 + own / 2) : 8 * (dense + own))
         << zero;
     EXPECT_DOUBLE_EQ(e.low_precision, 0) << zero;
@@ -106,11 +115,21 @@ TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
     EXPECT_DOUBLE_EQ(e.buffers, 4 * (dense / 4 + own / 2) + 2 * 4 * (dense + own) +
                                     4 * (4.0 * 2 * 8) * (2 * 8 * 2))
         << zero;
-    // ZeRO-2 releases each reduced bucket's gradients: with buckets smaller than the gradient,
-    // two of them stay resident.
+    // ZeRO-2 releases each reduced bucket's gradients: with buckets smaller than a block, the
+    // block backward writes and the bucket being reduced stay resident; ZeRO-3 the block
+    // backward writes and the one before it.
     RankLayout small = l;
     small.bucket_first_bytes = small.bucket_bytes = 64;
-    EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, small).gradients, zero >= 2 ? 128 : 4 * (dense + experts))
+    const double grads[] = {4 * (dense + experts), 4 * (dense + experts), 4 * block + 64,
+                            4 * 2 * block};
+    EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, small).gradients, grads[zero]) << zero;
+    // Buckets larger than a block (528 floats): two of them; at most the whole buffer.
+    small.bucket_first_bytes = small.bucket_bytes = 3072;
+    EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, small).gradients, zero == 2 ? 2 * 3072 : grads[zero])
+        << zero;
+    small.bucket_first_bytes = small.bucket_bytes = 4096;
+    EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, small).gradients,
+                     zero == 2 ? 4 * (dense + experts) : grads[zero])
         << zero;
     l.whole_buffer = false;
     const MemoryEstimate own_only = rank_memory(m, 2, 8, l);
@@ -133,6 +152,98 @@ TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
   // AdamW: two state buffers, three chunks of 2^20 floats each in the ring.
   EXPECT_DOUBLE_EQ(offloaded.buffers, resident.buffers + 3.0 * 2 * (1 << 20) * 4);
   EXPECT_DOUBLE_EQ(offloaded.parameters, resident.parameters);
+}
+
+// ZeRO-3's gathered units peak at the larger of the embedding with block 0, two neighbouring
+// blocks, and the last block with the head; each block as this rank holds it (its dense tensors
+// and its E/ep experts). The gradients resident are the largest two neighbouring units (the one
+// backward writes, the one reduced); one process shards nothing.
+TEST(MemoryEstimate, ZeroThreeGathersTheLargestNeighbouringUnits) {
+  RankLayout l;
+  l.world = 4;
+  l.ep = 2;
+  l.state = trainer_state("adamw", 0, 3);
+  const double shard = 744.0 / 4 + 1152.0 / 2 / 2;  // dense over 4 ranks, own experts over 2
+  const double block = kBlockDense + kBlockExperts / 2;
+  auto gathered = [&](const ModelConfig& m, double units) {
+    const MemoryEstimate e = rank_memory(m, 2, 8, l);
+    RankLayout whole = l;
+    whole.state.zero = 1;
+    const double sharded = state_memory(l.state, count_params(m).dense, 4).parameters +
+                           state_memory(l.state, count_params(m).expert / 2, 2).parameters;
+    EXPECT_DOUBLE_EQ(e.gradients, 4 * units);
+    EXPECT_DOUBLE_EQ(e.optimizer, rank_memory(m, 2, 8, whole).optimizer);
+    return e.parameters - sharded;
+  };
+  ModelConfig m = hand_counted_model();
+  // Two blocks: 2 · 528 floats, above the embedding with block 0 (656 floats) and block 1 with the
+  // head (664).
+  ASSERT_GT(2 * block, kEmbedding + block);
+  EXPECT_DOUBLE_EQ(gathered(m, 2 * block), 4 * 2 * block);
+  EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).parameters, 4 * (shard + 2 * block));
+  // A vocabulary of 256: the head (8 + 256·8) with the last block.
+  m.vocab_size = 256;
+  const double head = 8 + 256 * 8, embedding = 256 * 8;
+  EXPECT_DOUBLE_EQ(gathered(m, block + head), 4 * (block + head));
+  // Block 1 dense (norms, attention 208, FFN 3·12·8 where 12 = top_k · expert_hidden): the
+  // embedding with the MoE block 0 is the largest.
+  m.dense_every = 2;
+  const double dense_block = kBlockDense - 32 + 3 * 12 * 8;
+  ASSERT_GT(embedding + block, dense_block + head);
+  EXPECT_DOUBLE_EQ(gathered(m, embedding + block), 4 * (embedding + block));
+  // Each rank holding all 4 experts (dist.ep = 1, 4 replicas): the blocks grow by the other 2,
+  // and the shard with two blocks (474 + 2 · 816 floats) would exceed the whole buffer (1896),
+  // which bounds it.
+  m = hand_counted_model();
+  l.ep = 1;
+  const double full_block = kBlockDense + kBlockExperts;
+  ASSERT_GT(744.0 / 4 + 1152.0 / 4 + 2 * full_block, 744.0 + 1152.0);
+  const MemoryEstimate e = rank_memory(m, 2, 8, l);
+  EXPECT_DOUBLE_EQ(e.parameters, 4 * (744.0 + 1152.0));
+  EXPECT_DOUBLE_EQ(e.gradients, 4 * 2 * full_block);
+  m.n_layers = 8;  // 8 blocks: the shard (8 · 816 + 264 floats over 4) and two blocks fit below
+  EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).parameters,
+                   4 * ((8 * full_block + kEmbedding + kHead) / 4 + 2 * full_block));
+  // One process: nothing is sharded or gathered.
+  m = hand_counted_model();
+  l.world = 1;
+  EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).parameters, 4 * (744.0 + 1152.0));
+  EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).gradients, 4 * (744.0 + 1152.0));
+}
+
+// A model whose state dominates (16 blocks of dim 256, 8 experts of hidden 1024, 104 M
+// parameters) on 4 ranks: ZeRO-3 holds its quarter of the weights and two blocks gathered, and
+// gradients of two blocks, against ZeRO-1's whole buffer of weights and gradients: well under
+// half the state, the parameter term by hand from the shapes.
+TEST(MemoryEstimate, ZeroThreeHoldsFarLessThanZeroOne) {
+  ModelConfig m;
+  m.vocab_size = 256;
+  m.dim = 256;
+  m.n_layers = 16;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.n_experts = 8;
+  m.expert_hidden = 1024;
+  m.top_k = 2;
+  m.max_seq_len = 64;
+  // A block: norms 2·256, q and o 2·256·256, k and v 2·128·256, router 8·256; 8 experts of
+  // 3·1024·256.
+  const double block = 2 * 256 + 2 * 256 * 256 + 2 * 128 * 256 + 8 * 256 + 8 * 3 * 1024 * 256;
+  const double all = 256 * 256 + 16 * block + 256 + 256 * 256;
+  ASSERT_DOUBLE_EQ(all, count_params(m).dense + count_params(m).expert);
+  RankLayout l;
+  l.world = 4;
+  l.state = trainer_state("adamw", 0, 1);
+  const MemoryEstimate one = rank_memory(m, 1, 32, l);
+  l.state.zero = 3;
+  const MemoryEstimate three = rank_memory(m, 1, 32, l);
+  EXPECT_DOUBLE_EQ(one.parameters, 4 * all);
+  EXPECT_DOUBLE_EQ(one.gradients, 4 * all);
+  EXPECT_DOUBLE_EQ(three.parameters, 4 * (all / 4 + 2 * block));
+  EXPECT_DOUBLE_EQ(three.gradients, 4 * 2 * block);
+  EXPECT_DOUBLE_EQ(three.optimizer, one.optimizer);  // 8 · all / 4 both
+  EXPECT_LT(three.state(), 0.45 * one.state());
+  EXPECT_LT(three.total(), 0.6 * one.total());  // activations and buffers the same
 }
 
 // Recomputation: moe drops the experts' intermediates of all but one block; full keeps each
