@@ -17,6 +17,9 @@
 //   --batch 1 --dim 64 --bucket-mb 1 --sparse 1
 //   mpiexec -n 2 build/bench/bench_dist_train_step [--steps 8] [--rounds 3] [--ep 2] [--dim 128]
 //   [--batch 8] [--layers 2] [--bucket-mb 25] [--experts 8] [--top-k 2] [--seq 128] [--sparse 0]
+// With --stages 1 instead "zero1", "zero2" and "zero3" (dist.zero, overlapped): what sharding the
+// gradients and the parameters costs in step time, each against ZeRO-1 in the `vs_first` column:
+//   mpiexec -n 2 build/bench/bench_dist_train_step --stages 1 --dim 256 --layers 4 --bucket-mb 4
 // --bucket-mb sets the gradient bucket size (the first bucket too): a small model fits in one
 // default 25 MiB bucket, which completes only at the end of backward and so overlaps nothing.
 #include <mpi.h>
@@ -68,7 +71,7 @@ int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
   int steps = 8, rounds = 3, ep = 0, dim = 128, batch = 8, layers = 2;
-  int experts = 8, top_k = 2, seq = 128, sparse = 0;
+  int experts = 8, top_k = 2, seq = 128, sparse = 0, stages = 0;
   double bucket_mb = 0;  // 0: the trainer's defaults
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--steps") == 0) steps = std::atoi(argv[i + 1]);
@@ -82,6 +85,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--top-k") == 0) top_k = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--seq") == 0) seq = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--sparse") == 0) sparse = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--stages") == 0) stages = std::atoi(argv[i + 1]);
   }
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -104,20 +108,24 @@ int main(int argc, char** argv) {
     bool overlap;
     int chunks;
     bool sparse = false;
+    int zero = 0;
   };
   const std::vector<Variant> variants =
-      sparse ? std::vector<Variant>{{"dense", true, 1}, {"sparse", true, 1, true}}
-             : std::vector<Variant>{
-                   {"blocking", false, 1}, {"overlap", true, 1}, {"overlap+chunks", true, 2}};
+      stages   ? std::vector<Variant>{{"zero1", true, 1, false, 1},
+                                      {"zero2", true, 1, false, 2},
+                                      {"zero3", true, 1, false, 3}}
+      : sparse ? std::vector<Variant>{{"dense", true, 1}, {"sparse", true, 1, true}}
+               : std::vector<Variant>{
+                     {"blocking", false, 1}, {"overlap", true, 1}, {"overlap+chunks", true, 2}};
   if (rank == 0)
     std::printf(
         "ranks %d, EP %d, dim %d, %d layers, %d experts top-%d, %d sequences of %d per rank, "
         "buckets %s MiB, median of %d steps\n"
-        "%-16s %9s %10s %9s %11s %10s %8s %9s\n",
+        "%-16s %9s %10s %9s %11s %10s %8s %9s %8s\n",
         world, ep, dim, layers, experts, top_k, batch, seq,
         bucket_mb > 0 ? std::to_string(bucket_mb).c_str() : "1 + 25", (steps - 2) * rounds,
         "config", "step_ms", "compute_ms", "comm_ms", "exposed_ms", "efficiency", "overlap",
-        "grad_kb");
+        "grad_kb", "vs_first");
   const int kVariants = static_cast<int>(variants.size());
   // Per variant: step, compute, communication, exposed, efficiency, overlap, bytes samples
   // (rank 0).
@@ -147,7 +155,8 @@ int main(int argc, char** argv) {
           "train.run_dir=" + run.string(),
           "dist.ep=" + std::to_string(ep),
           std::string("dist.overlap=") + (v.overlap ? "true" : "false"),
-          "dist.a2a_chunks=" + std::to_string(v.chunks)};
+          "dist.a2a_chunks=" + std::to_string(v.chunks),
+          "dist.zero=" + std::to_string(v.zero)};
       if (bucket_mb > 0) {
         sets.push_back("dist.bucket_first_mb=" + std::to_string(bucket_mb));
         sets.push_back("dist.bucket_mb=" + std::to_string(bucket_mb));
@@ -173,9 +182,9 @@ int main(int argc, char** argv) {
   }
   for (int vi = 0; vi < kVariants && rank == 0; ++vi) {
     const auto& m = samples[vi];
-    std::printf("%-16s %9.2f %10.2f %9.2f %11.2f %10.3f %8.3f %9.1f\n", variants[vi].name,
+    std::printf("%-16s %9.2f %10.2f %9.2f %11.2f %10.3f %8.3f %9.1f %8.3f\n", variants[vi].name,
                 median(m[0]), median(m[1]), median(m[2]), median(m[3]), median(m[4]), median(m[5]),
-                median(m[6]));
+                median(m[6]), median(m[0]) / median(samples[0][0]));
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (rank == 0) fs::remove_all(dir);

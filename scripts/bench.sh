@@ -11,8 +11,12 @@ for b in "$build"/bench/bench_*; do
   name=$(basename "$b")
   echo "== $name"
   case "$name" in
-    bench_alltoall | bench_dist_train_step)
+    bench_alltoall)
       OMP_NUM_THREADS=1 "${mpi_run[@]}" "$b" ;;
+    bench_dist_train_step)
+      OMP_NUM_THREADS=1 "${mpi_run[@]}" "$b"
+      # ZeRO-2 and ZeRO-3 step time against ZeRO-1's on the larger config (docs/parallel.md).
+      OMP_NUM_THREADS=1 "${mpi_run[@]}" "$b" --stages 1 --dim 256 --layers 4 --bucket-mb 4 ;;
     bench_balance)
       # Step time on 2 ranks with a core each; the 4-rank run is for its load counters.
       OMP_NUM_THREADS=1 "${mpi_run[@]}" --bind-to core "$b" \

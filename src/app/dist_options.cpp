@@ -44,8 +44,8 @@ const std::vector<ConfigFlag>& dist_config_flags() {
        .kind = Kind::Int,
        .key = "dist.zero",
        .help = "ZeRO stage under mpirun: 1 shards the optimizer state, 2 the reduced gradients "
-               "too (dist.zero)",
-       .check = integer_in(0, 2)},
+               "too, 3 the parameters too (dist.zero)",
+       .check = integer_in(0, 3)},
       {.name = "--hierarchical",
        .kind = Kind::Switch,
        .key = "dist.hierarchical",

@@ -43,8 +43,9 @@ ClassifierLayout::ClassifierLayout(const ClassifierConfig& cfg) {
 }
 
 void init_classifier_params(float* params, const ClassifierLayout& layout,
-                            const ClassifierConfig& cfg, uint64_t seed) {
-  init_table_params(params, layout, cfg.init_std, cfg.n_layers, seed);
+                            const ClassifierConfig& cfg, uint64_t seed, int64_t tensors_from,
+                            int64_t tensors_to) {
+  init_table_params(params, layout, cfg.init_std, cfg.n_layers, seed, tensors_from, tensors_to);
 }
 
 Classifier::Classifier(const ClassifierConfig& cfg, const MoeContext& ctx)

@@ -53,8 +53,10 @@ class ClassifierLayout : public ParamTable {
 
 // normal(0, init_std) for matrices (expert and shared down-projections scaled by 1/sqrt(2L)),
 // ones for norms, zeros for the bias. Counter-based: one stream per tensor.
+// tensors_from, tensors_to: as init_params.
 void init_classifier_params(float* params, const ClassifierLayout& layout,
-                            const ClassifierConfig& cfg, uint64_t seed);
+                            const ClassifierConfig& cfg, uint64_t seed, int64_t tensors_from = 0,
+                            int64_t tensors_to = INT64_MAX);
 
 struct ClassifierLoss {
   double ce = 0;        // mean cross-entropy over the batch

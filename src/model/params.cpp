@@ -110,11 +110,12 @@ const ParamInfo& ParamTable::find(const std::string& name) const {
 }
 
 void init_table_params(float* params, const ParamTable& table, double init_std, int64_t n_layers,
-                       uint64_t seed) {
+                       uint64_t seed, int64_t tensors_from, int64_t tensors_to) {
   const float std_dev = static_cast<float>(init_std);
   const float out_std = std_dev / std::sqrt(2.0f * static_cast<float>(n_layers));
   for (std::size_t i = 0; i < table.params().size(); ++i) {
     const ParamInfo& p = table.params()[i];
+    if (p.offset < tensors_from || p.offset >= tensors_to) continue;
     float* dst = params + p.offset;
     if (p.shape.size() == 1) {
       const float v = p.name.ends_with(".bias") ? 0.0f : 1.0f;
@@ -130,8 +131,9 @@ void init_table_params(float* params, const ParamTable& table, double init_std, 
   }
 }
 
-void init_params(float* params, const ParamLayout& layout, const ModelConfig& cfg, uint64_t seed) {
-  init_table_params(params, layout, cfg.init_std, cfg.n_layers, seed);
+void init_params(float* params, const ParamLayout& layout, const ModelConfig& cfg, uint64_t seed,
+                 int64_t tensors_from, int64_t tensors_to) {
+  init_table_params(params, layout, cfg.init_std, cfg.n_layers, seed, tensors_from, tensors_to);
 }
 
 }  // namespace moetrain

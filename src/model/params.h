@@ -82,12 +82,15 @@ class ParamLayout : public ParamTable {
 // Fills a flat parameter buffer as the config says: normal(0, init_std) for matrices (output
 // projections scaled by 1/sqrt(2L), as GPT-2 does), ones for norms. Counter-based: the same
 // seed gives the same model whatever the thread count.
-void init_params(float* params, const ParamLayout& layout, const ModelConfig& cfg, uint64_t seed);
+// tensors_from, tensors_to: only the tensors whose offsets lie in [tensors_from, tensors_to) are
+// filled (the same values as a whole fill gives them).
+void init_params(float* params, const ParamLayout& layout, const ModelConfig& cfg, uint64_t seed,
+                 int64_t tensors_from = 0, int64_t tensors_to = INT64_MAX);
 
 // What every model's init is: normal(0, init_std) for matrices, residual-branch outputs
 // (o_proj, the experts' w2, down_proj) scaled by 1/sqrt(2·n_layers); ones for vectors, zeros for
 // biases. One counter-based stream per tensor of the table.
 void init_table_params(float* params, const ParamTable& table, double init_std, int64_t n_layers,
-                       uint64_t seed);
+                       uint64_t seed, int64_t tensors_from = 0, int64_t tensors_to = INT64_MAX);
 
 }  // namespace moetrain

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/page_buffer.h"
 #include "core/profile.h"
 #include "optim/clip.h"
 #include "parallel/block_quant.h"
@@ -448,6 +449,10 @@ void GradSync::allgather_grads(float* grads) {
   grads_ = grads;
   for (std::size_t i = 0; i < buckets_.size(); ++i)
     if (!skip_[i]) gather_bucket(i);
+}
+
+int64_t GradSync::release_shard() {
+  return release_whole_pages(shard_.data(), shard_size_ * static_cast<int64_t>(sizeof(float)));
 }
 
 void GradSync::allgather_params(float* params) {

@@ -150,6 +150,9 @@ class GradSync final : public GradientShard {
   };
   std::vector<ShardSpan> shard_spans() const;
   float* shard_data() { return shard_.data(); }
+  // The shard's whole pages go back to the system until the next reduction writes them (it
+  // overwrites every element). Returns the bytes released.
+  int64_t release_shard();
   // Bucket i's reduced chunk in the shard.
   std::span<float> shard_chunk(std::size_t i) {
     const Bucket& b = buckets_[i];

@@ -94,7 +94,13 @@ GradientShard& Zero2Reducer::reduce(float* grads) {
 }
 
 void Zero2Reducer::finish_step(float* params) {
-  if (sharded_params_) return;  // ZeRO-3: gathered unit by unit where the model uses them
+  if (sharded_params_) {
+    // ZeRO-3: the parameters are gathered unit by unit where the model uses them. The reduced
+    // shard is read no more this step: its pages go until the next backward (a checkpoint's
+    // gathers in between find the memory free).
+    sync_->release_shard();
+    return;
+  }
   ScopedTimer timer(inline_s_);
   sync_->allgather_params(params);
 }

@@ -96,7 +96,7 @@ void Zero3Params::release(int64_t unit) {
   Unit& u = units_[static_cast<std::size_t>(unit)];
   // A prefetched gather still writes the unit: it lands first.
   if (u.state == State::Posted) thread_->wait(u.ticket);
-  if (u.state != State::Released) drop(unit);
+  drop(unit);  // also when this rank wrote the unit itself (its initialisation)
   u.state = State::Released;
 }
 

@@ -10,7 +10,6 @@ std::string planner_only(const Layout& l) {
   std::vector<std::string> lacks;
   if (l.tp > 1) lacks.push_back("tensor parallelism");
   if (l.pp > 1) lacks.push_back("pipeline parallelism");
-  if (l.zero > 2) lacks.push_back(fmt::format("ZeRO-{}", l.zero));
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
   if (lacks.empty()) return {};
   std::string list;

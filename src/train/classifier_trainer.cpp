@@ -40,8 +40,9 @@ ClassifierTrainer::ClassifierTrainer(ClassifierRunConfig cfg, ClassifierData dat
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_layers > 0);
   model_ = std::make_unique<Classifier>(cfg_.model, rp.moe_context());
   engine_ = std::make_unique<StepEngine>(
-      engine_config(cfg_, 1, total_steps_), std::move(rp), *model_, [&](float* p) {
-        init_classifier_params(p, model_->layout(), cfg_.model, cfg_.train.seed);
+      engine_config(cfg_, 1, total_steps_), std::move(rp), *model_,
+      [&](float* p, int64_t from, int64_t to) {
+        init_classifier_params(p, model_->layout(), cfg_.model, cfg_.train.seed, from, to);
       });
   sampler_ = std::make_unique<EpochSampler>(data_.train->n, cfg_.train.seed);
   rows_.resize(static_cast<std::size_t>(B));

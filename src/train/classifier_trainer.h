@@ -44,7 +44,7 @@ class ClassifierTrainer : private RunTask {
 
   const ClassifierRunConfig& config() const { return cfg_; }
   Classifier& model() { return *model_; }
-  std::vector<float>& params() { return engine_->params(); }
+  FlatParams params() { return engine_->params(); }
   int64_t step() const { return engine_->step_count(); }
   int64_t total_steps() const { return total_steps_; }
   int rank() const { return world_->rank(); }

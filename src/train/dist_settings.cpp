@@ -27,8 +27,10 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
        "ZeRO stage under MPI: 0 off; 1 each data-parallel process keeps the optimizer state of "
        "its shard; 2 also keeps only its shard of the reduced gradients (each bucket's flat "
        "gradients are released once reduce-scattered; with grad_accum every micro-batch is "
-       "reduced, A times the reduction traffic)",
-       "0, 1, 2"},
+       "reduced, A times the reduction traffic); 3 also keeps only its shard of the parameters "
+       "(each unit — the embedding, a block, the head — all-gathered just before it computes, "
+       "the next one prefetched, released after)",
+       "0, 1, 2, 3"},
       {"dist.bucket_first_mb", &d.bucket_first_mb,
        "Size of the first gradient bucket of each kind, MiB"},
       {"dist.bucket_mb", &d.bucket_mb, "Size of the later gradient buckets, MiB (at most 1024)"},

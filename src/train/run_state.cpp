@@ -142,13 +142,15 @@ std::vector<NamedTensor> bias_views(Classifier& model) {
 CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
                                  ShardedOptimizer& optimizer, const std::vector<int>& writers,
                                  const ExpertShard& held, int me, bool sharded,
-                                 const std::vector<NamedTensor>& state, bool reading) {
+                                 const std::vector<NamedTensor>& state, bool reading,
+                                 bool params_sharded) {
   CheckpointShare share;
   const std::vector<ParamInfo>& infos = layout.params();
   auto holds = [&](const ParamInfo& p) {
     return p.expert < 0 || (p.expert >= held.first && p.expert < held.first + held.count);
   };
-  for (std::size_t i = 0; i < infos.size(); ++i) {
+  const bool read_shard = reading && params_sharded;
+  for (std::size_t i = 0; i < infos.size() && !read_shard; ++i) {
     const ParamInfo& p = infos[i];
     if (reading ? holds(p) : writers[i] == me)
       share.model.push_back(whole_tensor(p.name, p.shape, params + p.offset));
@@ -164,7 +166,9 @@ CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
     for (std::size_t i = 0; i < infos.size(); ++i) {
       const ParamInfo& p = infos[i];
       const int64_t lo = std::max(from, p.offset), hi = std::min(to, p.offset + p.numel);
-      if (lo >= hi || (!reading && !sharded && writers[i] != me)) continue;
+      if (lo >= hi) continue;
+      if (read_shard) share.model.push_back({p.name, p.shape, lo - p.offset, hi - p.offset, params + lo});
+      if (!reading && !sharded && writers[i] != me) continue;
       for (std::size_t s = 0; s < names.size(); ++s)
         share.optimizer.push_back(
             {names[s] + "." + p.name, p.shape, lo - p.offset, hi - p.offset,

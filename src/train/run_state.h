@@ -55,11 +55,13 @@ std::vector<NamedTensor> bias_views(Classifier& model);
 // What this rank writes into a checkpoint (reading = false: each element by one rank, writers[i]
 // for tensor i of the layout, optimizer state by the tensor's writer unless sharded (ZeRO-1:
 // every rank its pieces), state by rank 0) or reads from one (reading = true: every value it
-// holds), as views into its buffers. held: the experts this rank holds.
+// holds), as views into its buffers. held: the experts this rank holds. params_sharded (ZeRO-3):
+// a reading rank reads the parameters of its optimizer's pieces only (its shard).
 CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
                                  ShardedOptimizer& optimizer, const std::vector<int>& writers,
                                  const ExpertShard& held, int rank, bool sharded,
-                                 const std::vector<NamedTensor>& state, bool reading);
+                                 const std::vector<NamedTensor>& state, bool reading,
+                                 bool params_sharded = false);
 
 // The state the gradient reducer carries between steps (GradReducer::carried, the error feedback
 // of int8 or of grad.sparse_ratio) is per rank: row `rank` of a [world, n] tensor

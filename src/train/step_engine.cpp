@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "core/check.h"
 #include "core/log.h"
@@ -38,7 +39,8 @@ void restore_states(Controllers& controllers, const nlohmann::json& t, const cha
 }  // namespace
 
 StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& model,
-                       const std::function<void(float*)>& init_params, DeviceTrainingState* device)
+                       const std::function<void(float*, int64_t, int64_t)>& init_params,
+                       DeviceTrainingState* device)
     : cfg_(cfg), model_(model), device_(device) {
   const std::vector<MoeLayer*> moe = model_.moe_layers();
   if (cfg_.moe.capacity == CapacityMode::Dynamic) {
@@ -57,16 +59,17 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   world_ = pg_->control->size();
   if (device_) device_->set_resident(true);
   set_precision(cfg_.precision);
-  params_.assign(static_cast<std::size_t>(layout.size()), 0.0f);
+  params_ = PageBuffer(layout.size());
   grads_ = PageBuffer(layout.size());
-  init_params(params_.data());
+  const bool zero3 = cfg_.dist.zero == 3 && world_ > 1;
+  if (!zero3) init_params(params_.data(), 0, layout.size());
   groups_ = param_groups(layout);
 
   ReduceSettings rs = reduce_settings(cfg_.dist, ep_.comm_thread.get());
   rs.sparse_experts = cfg_.grad.sparse_experts;
   rs.sparse_ratio = cfg_.grad.sparse_ratio;
   rs.grad_buffer = &grads_;
-  if (cfg_.dist.zero == 3 && world_ > 1) {
+  if (zero3) {
     rs.unit_starts = model_.unit_starts();
     MOETRAIN_CHECK(!rs.unit_starts.empty(),
                    "dist.zero = 3: this model does not split into gather units (the language "
@@ -105,8 +108,12 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   writers_ = checkpoint_writers(layout, pg_->layout, cfg_.moe.n_experts);
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
   if (zero3_) {
-    // Every rank initialised the whole model alike: its shard stays, the rest goes.
-    zero3_->release_all();
+    // Every rank fills the whole model alike, a unit at a time: its shard stays, the rest goes.
+    const std::vector<int64_t> starts = model_.unit_starts();
+    for (std::size_t u = 0; u < starts.size(); ++u) {
+      init_params(params_.data(), starts[u], u + 1 < starts.size() ? starts[u + 1] : layout.size());
+      zero3_->release(static_cast<int64_t>(u));
+    }
     model_.set_param_units(zero3_.get());
   }
 }
@@ -389,12 +396,13 @@ void StepEngine::average_replicas() {
   if (metrics_) metrics_->write({{"step", step_}, {"replica_drift", drift}});
 }
 
-CheckpointShare StepEngine::checkpoint_share(const std::vector<NamedTensor>& state, bool reading) {
+CheckpointShare StepEngine::checkpoint_share(const std::vector<NamedTensor>& state, bool reading,
+                                             float* params) {
   const int rank = pg_->control->rank();
   const bool sharded = world_ > 1 && cfg_.dist.zero >= 1;
-  CheckpointShare share =
-      moetrain::checkpoint_share(model_.param_table(), params_.data(), *optimizer_, writers_,
-                                 expert_shard_, rank, sharded, state, reading);
+  CheckpointShare share = moetrain::checkpoint_share(
+      model_.param_table(), params ? params : params_.data(), *optimizer_, writers_, expert_shard_,
+      rank, sharded, state, reading, zero3_ != nullptr);
   if (!reading || read_carried_) add_carried_state(share, *reducer_, rank, world_);
   return share;
 }
@@ -406,21 +414,29 @@ std::filesystem::path StepEngine::save_checkpoint(const std::vector<NamedTensor>
   average_replicas();
   // A resident device holds the current parameters and moments: the host copies catch up.
   if (device_ && device_current_) device_state_to_host(*device_, *optimizer_, params_.data());
-  // ZeRO-3: the files hold whole tensors (transformers reads them), so the parameters are
-  // gathered for the write and let go after it.
-  gather_params();
-  struct Release {
-    Zero3Params* z;
-    ~Release() {
-      try {
-        if (z) z->release_all();
-      } catch (...) {  // the write's own error, if any, is the one that propagates
-      }
-    }
-  } release{zero3_.get()};
   // Every rank writes its own pieces; the checkpoint is complete when any rank returns.
-  return write_checkpoint(*pg_->control, cfg_.run_dir, step_, checkpoint_share(state, false), docs,
-                          keep);
+  if (!zero3_)
+    return write_checkpoint(*pg_->control, cfg_.run_dir, step_, checkpoint_share(state, false),
+                            docs, keep);
+  // ZeRO-3: the files hold whole tensors (transformers reads them). Each unit is gathered in
+  // turn and the tensors this rank writes copied out of it, at their offsets in a buffer of
+  // which only those pages become resident.
+  PageBuffer staged(params_.size());
+  const std::vector<int64_t> starts = model_.unit_starts();
+  const std::vector<ParamInfo>& infos = model_.param_table().params();
+  const int me = pg_->control->rank();
+  for (std::size_t u = 0; u < starts.size(); ++u) {
+    const int64_t lo = starts[u], hi = u + 1 < starts.size() ? starts[u + 1] : params_.size();
+    zero3_->acquire(static_cast<int64_t>(u), u + 1 < starts.size() ? static_cast<int64_t>(u + 1)
+                                                                    : -1);
+    for (std::size_t i = 0; i < infos.size(); ++i)
+      if (writers_[i] == me && infos[i].offset >= lo && infos[i].offset < hi)
+        std::memcpy(staged.data() + infos[i].offset, params_.data() + infos[i].offset,
+                    static_cast<std::size_t>(infos[i].numel) * sizeof(float));
+    zero3_->release(static_cast<int64_t>(u));
+  }
+  return write_checkpoint(*pg_->control, cfg_.run_dir, step_,
+                          checkpoint_share(state, false, staged.data()), docs, keep);
 }
 
 nlohmann::json StepEngine::state_json() const {
@@ -469,8 +485,8 @@ void StepEngine::load_checkpoint(
   const std::filesystem::path file = dir / "trainer_state.json";
   reading_json(file, [&] { restore(read_checkpoint_json(dir, "trainer_state.json"), file.string()); });
   // Each rank reads the ranges it holds, from whichever files hold them.
+  // ZeRO-3: each rank reads its shard of the parameters only.
   read_checkpoint_pieces(dir, checkpoint_share(state, true));
-  if (zero3_) zero3_->release_all();  // each rank read what it holds whole: the shard stays
   model_.weights_changed();  // the low-precision weight copies follow the loaded weights
   averaged_at_ = step_;      // a checkpoint holds averaged parameters
 }

@@ -59,6 +59,12 @@
 
 namespace moetrain {
 
+// A model's flat parameter buffer as a view; it converts to a copy (std::vector<float>).
+struct FlatParams : std::span<float> {
+  using std::span<float>::span;
+  operator std::vector<float>() const { return {begin(), end()}; }
+};
+
 class ExpertPlacement;
 
 // What the engine takes from a run's configuration (RunConfig, ClassifierRunConfig), each
@@ -120,11 +126,12 @@ struct StepResult {
 
 class StepEngine {
  public:
-  // Collective over rp's groups. init_params fills the fresh parameters (params, layout order).
-  // device: a resident device engine holding the parameters, gradients and moments between
-  // checkpoints (train.device = cuda; null on the CPU).
+  // Collective over rp's groups. init_params(params, from, to) fills the fresh parameters of the
+  // tensors whose offsets lie in [from, to) (ZeRO-3 fills one unit at a time). device: a resident
+  // device engine holding the parameters, gradients and moments between checkpoints
+  // (train.device = cuda; null on the CPU).
   StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& model,
-             const std::function<void(float* params)>& init_params,
+             const std::function<void(float* params, int64_t from, int64_t to)>& init_params,
              DeviceTrainingState* device = nullptr);
   ~StepEngine();
   StepEngine(const StepEngine&) = delete;
@@ -165,7 +172,7 @@ class StepEngine {
   int64_t step_count() const { return step_; }
   // The flat parameters. Under ZeRO-3 (params_sharded) only this rank's shard of them is current
   // outside a forward and backward: gather_params makes them whole until the next step.
-  std::vector<float>& params() { return params_; }
+  FlatParams params() { return FlatParams(params_.data(), static_cast<std::size_t>(params_.size())); }
   bool params_sharded() const { return zero3_ != nullptr; }
   // Collective. Every parameter current in params() (ZeRO-3; otherwise nothing to do).
   void gather_params();
@@ -202,7 +209,9 @@ class StepEngine {
     bool lp_copy_kept = false;  // the optimizer kept the model's low-precision copy current
   };
   Update update(float lr, const UpdateOptions& opts);
-  CheckpointShare checkpoint_share(const std::vector<NamedTensor>& state, bool reading);
+  // params: where the parameters written are (default: the flat buffer).
+  CheckpointShare checkpoint_share(const std::vector<NamedTensor>& state, bool reading,
+                                   float* params = nullptr);
 
   EngineConfig cfg_;
   TrainableModel& model_;
@@ -210,7 +219,8 @@ class StepEngine {
   ExpertParallelSetup ep_;
   ExpertShard expert_shard_;
   int world_ = 1;
-  std::vector<float> params_;  // (layout size)
+  // (layout size) page-aligned: ZeRO-3 hands the pages outside this rank's shard back.
+  PageBuffer params_;
   // (layout size) page-aligned: ZeRO-2 hands each reduced bucket's pages back to the system.
   PageBuffer grads_;
   std::vector<ParamRange> groups_;

@@ -63,7 +63,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   ec.loss_scale = cfg_.train.loss_scale();
   engine_ = std::make_unique<StepEngine>(
       ec, std::move(rp), *model_,
-      [&](float* p) { init_params(p, model_->layout(), cfg_.model, cfg_.train.seed); }, device);
+      [&](float* p, int64_t from, int64_t to) {
+        init_params(p, model_->layout(), cfg_.model, cfg_.train.seed, from, to);
+      },
+      device);
 
   tokenizer_ = data_tokenizer(cfg_.data.dir);
   TokenShards shards = open_token_shards(cfg_.data.dir, cfg_.model.vocab_size, cfg_.train.seq_len);

@@ -59,7 +59,7 @@ class Trainer : private RunTask {
   Transformer& model() { return *model_; }
   // Under dist.zero = 3 only this rank's shard is current between steps: gather_params
   // (collective) first makes them whole.
-  std::vector<float>& params() { return engine_->params(); }
+  FlatParams params() { return engine_->params(); }
   void gather_params() { engine_->gather_params(); }
   std::span<float> grads() { return engine_->grads(); }
   ShardedOptimizer& optimizer() { return engine_->optimizer(); }

@@ -2,6 +2,9 @@
 // weights of another run or model to start from.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "core/check.h"
 #include "core/log.h"
 #include "data/loader.h"
@@ -30,11 +33,16 @@ void Trainer::init_weights_from(const fs::path& dir) {
                  dir.string(), theirs.fingerprint(),
                  theirs.is_bytes() ? "no tokenizer.model: bytes" : (from / kTokenizerFile).string(),
                  cfg_.data.dir, tokenizer_.fingerprint(), theirs.is_bytes() ? "byte" : from.string());
+  std::vector<float> weights;
   if (is_hf_model_dir(dir)) {
-    read_hf_weights(dir, *model_, params());
+    read_hf_weights(dir, *model_, weights);
   } else {
-    read_weights(resolve_checkpoint(dir), *model_, params());
+    read_weights(resolve_checkpoint(dir), *model_, weights);
   }
+  const FlatParams params = this->params();
+  MOETRAIN_CHECK(weights.size() == params.size(), "--init-from {}: {} parameters, the model has {}",
+                 dir.string(), weights.size(), params.size());
+  std::copy(weights.begin(), weights.end(), params.begin());
   engine_->host_params_changed();
   log_info("initial weights from {}", dir.string());
 }

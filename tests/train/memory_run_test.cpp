@@ -1,5 +1,6 @@
 // The memory estimate against what real runs hold: `moetrain train` of a 26 M-parameter model on
-// one process and on two (experts split, dist.ep = 2; optimizer state sharded, dist.zero = 1)
+// one process and on two (experts split, dist.ep = 2; optimizer state sharded, dist.zero = 1) and
+// four (everything sharded, dist.zero = 3)
 // records each rank's peak resident memory (VmHWM) in metrics.jsonl and in its summary; the
 // largest rank's peak must be within 10% of the estimate the run printed at start-up.
 #include <gtest/gtest.h>
@@ -90,6 +91,11 @@ TEST_F(MemoryRun, TwoProcessesWithExpertParallelismPeakMatchesTheEstimate) {
 TEST_F(MemoryRun, TwoProcessesWithZero1PeakMatchesTheEstimate) {
   if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec on PATH: two-process run not testable";
   expect_peak_near_estimate(std::string(kMpiexec) + " -n 2", "zero1", "--set dist.zero=1", 2);
+}
+
+TEST_F(MemoryRun, FourProcessesWithZero3PeakMatchesTheEstimate) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec on PATH: four-process run not testable";
+  expect_peak_near_estimate(std::string(kMpiexec) + " -n 4", "zero3", "--set dist.zero=3", 4);
 }
 
 }  // namespace
