@@ -37,6 +37,9 @@ for b in "$build"/bench/bench_*; do
            --benchmark_out="out/bench/$name.json" --benchmark_out_format=json ;;
   esac
 done
+# ZeRO-3's peak memory per rank against one process's, 525 M parameters (docs/parallel.md).
+echo "== zero3_memory"
+bash "$(dirname "$0")/zero3_memory.sh" "$build/moetrain"
 # The planner's predicted step times against measured ones on this machine (docs/plan.md).
 if [ -x "$build/tests/plan_validation_test" ]; then
   echo "== plan_validation_test"
