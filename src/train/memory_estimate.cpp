@@ -331,7 +331,8 @@ MemoryEstimate estimate_inference_memory(const ModelConfig& m, int64_t batch, in
   return e;
 }
 
-double available_memory(std::string* source) {
+double available_memory(std::string* source, bool* own_group) {
+  if (own_group) *own_group = false;
   double avail = -1;
   {
     std::ifstream in("/proc/meminfo");
@@ -346,6 +347,7 @@ double available_memory(std::string* source) {
   double limit = read_number("/sys/fs/cgroup/memory.max");
   double used = read_number("/sys/fs/cgroup/memory.current");
   const char* cgroup = "the cgroup's memory.max";
+  std::string limiting = "/sys/fs/cgroup";  // the directory of the group whose limit applies
   if (limit < 0) {
     // cgroup v1: this process's group ("N:memory:/path" in /proc/self/cgroup) and its parents;
     // the tightest limit less that group's usage.
@@ -362,7 +364,7 @@ double available_memory(std::string* source) {
       const double lim = read_number((dir + "/memory.limit_in_bytes").c_str());
       const double use = read_number((dir + "/memory.usage_in_bytes").c_str());
       if (lim > 0 && lim < 1e18 && (best < 0 || lim - std::max(use, 0.0) < best - used)) {
-        best = lim, used = use;
+        best = lim, used = use, limiting = dir;
       }
       if (g.empty() || g == "/") break;
     }
@@ -375,6 +377,13 @@ double available_memory(std::string* source) {
     if (avail < 0 || left < avail) {
       avail = left;
       if (source) *source = cgroup;
+      if (own_group) {
+        // The processes in the group: this one alone means the limit is this rank's own.
+        std::ifstream procs(limiting + "/cgroup.procs");
+        int n = 0;
+        for (std::string line; std::getline(procs, line);) n += !line.empty();
+        *own_group = n == 1;
+      }
     }
   }
   return avail;
@@ -383,9 +392,13 @@ double available_memory(std::string* source) {
 void check_memory(const MemoryEstimate& e, int processes, const std::string& what,
                   const std::string& remedy) {
   std::string source;
-  const double avail = available_memory(&source);
+  bool own_group = false;
+  const double avail = available_memory(&source, &own_group);
   if (avail < 0) return;  // nothing to compare with
-  const int here = std::max(processes, 1);
+  // A memory cgroup of this process alone limits this rank only; otherwise the ranks on this
+  // machine share what is available.
+  const int here = own_group ? 1 : std::max(processes, 1);
+  if (own_group && processes > 1) source += ", this rank's own";
   const double need = e.total() * static_cast<double>(here);
   MOETRAIN_CHECK(need <= avail,
                  "{} needs about {} of memory per rank ({}){}, more than the {} available ({}{}): "

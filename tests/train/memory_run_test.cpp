@@ -4,7 +4,9 @@
 // records each rank's peak resident memory (VmHWM) in metrics.jsonl and in its summary; the
 // largest rank's peak must be within 10% of the estimate the run printed at start-up.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <fstream>
 #include <memory>
@@ -96,6 +98,69 @@ TEST_F(MemoryRun, TwoProcessesWithZero1PeakMatchesTheEstimate) {
 TEST_F(MemoryRun, FourProcessesWithZero3PeakMatchesTheEstimate) {
   if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec on PATH: four-process run not testable";
   expect_peak_near_estimate(std::string(kMpiexec) + " -n 4", "zero3", "--set dist.zero=3", 4);
+}
+
+// It trains what did not fit: each of 4 ranks in a memory cgroup of its own whose limit (700 MiB)
+// lies below the replicated training state of a 54 M-parameter model (weights, gradients and AdamW
+// moments: 819 MiB). Replicated (dist.zero = 0) the run is refused at start-up with the estimate;
+// under ZeRO-3 it trains 20 steps, each rank's peak resident memory below the limit. Needs
+// permission to create cgroup v1 memory groups; they are removed whatever happens.
+TEST_F(MemoryRun, Zero3TrainsOnFourRanksWhatReplicatedStateCannot) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec on PATH: four-process run not testable";
+  const fs::path root = "/sys/fs/cgroup/memory";
+  const std::string prefix = "moetrain_zero3_" + std::to_string(::getpid()) + "_";
+  {
+    std::error_code ec;
+    const fs::path probe = root / (prefix + "probe");
+    if (!fs::is_directory(root) || !fs::create_directory(probe, ec) || ec)
+      GTEST_SKIP() << "cannot create a memory cgroup under " << root.string() << ": "
+                   << (ec ? ec.message() : "no cgroup v1 memory controller");
+    ::rmdir(probe.c_str());
+  }
+  constexpr int64_t kLimit = 700ll << 20;
+  struct Remove {
+    fs::path root;
+    std::string prefix;
+    ~Remove() {
+      // A group goes once its last process has exited: an aborted rank may take a moment.
+      for (int r = 0; r < 4; ++r) {
+        const fs::path g = root / (prefix + std::to_string(r));
+        for (int tries = 0; tries < 50 && ::rmdir(g.c_str()) != 0 && errno == EBUSY; ++tries)
+          ::usleep(100000);
+      }
+    }
+  } remove{root, prefix};
+  // Each rank's shell makes its group, sets the limit, joins it and becomes the trainer.
+  auto run = [&](const std::string& name, int zero) {
+    std::string args = memory_model_args((*tmp_ / "data").string(), (*tmp_ / name).string(), 20);
+    args += " --set model.n_layers=16 --set model.expert_hidden=512 --set train.batch_size=2";
+    args += " --set dist.zero=" + std::to_string(zero);
+    const std::string group = (root / prefix).string() + "$OMPI_COMM_WORLD_RANK";
+    return shell(std::string(kMpiexec) + " -n 4 sh -c 'g=" + group + "; mkdir -p $g && echo " +
+                 std::to_string(kLimit) + " > $g/memory.limit_in_bytes && echo $$ > " +
+                 "$g/cgroup.procs && exec " + MOETRAIN_BINARY + args + "'");
+  };
+  const ShellResult replicated = run("replicated", 0);
+  EXPECT_NE(replicated.code, 0) << replicated.output;
+  EXPECT_NE(replicated.output.find("this run needs about 1.1"), std::string::npos)
+      << replicated.output;
+  EXPECT_NE(replicated.output.find(
+                "available (the memory cgroup's memory.limit_in_bytes, this rank's own)"),
+            std::string::npos)
+      << replicated.output;
+  EXPECT_FALSE(fs::exists(*tmp_ / "replicated" / "metrics.jsonl"));
+  const ShellResult sharded = run("sharded", 3);
+  ASSERT_EQ(sharded.code, 0) << sharded.output;
+  nlohmann::json last;
+  std::ifstream in(*tmp_ / "sharded" / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("step_time_s")) last = j;
+  }
+  ASSERT_EQ(last.value("step", 0), 20) << last.dump();
+  const auto peaks = last["rank_peak_rss_bytes"].get<std::vector<double>>();
+  ASSERT_EQ(peaks.size(), 4u);
+  for (double p : peaks) EXPECT_LT(p, static_cast<double>(kLimit)) << last.dump();
 }
 
 }  // namespace
