@@ -22,6 +22,7 @@
 #include "io/metrics.h"
 #include "parallel/runtime.h"
 #include "support/image_rows.h"
+#include "support/run_metrics.h"
 #include "support/shared_dir.h"
 #include "support/temp_dir.h"
 #include "train/classifier_config.h"
@@ -70,13 +71,6 @@ std::vector<double> metric(const std::vector<nlohmann::json>& lines, const char*
   for (const auto& j : lines)
     if (j.contains(key)) out.push_back(j[key].get<double>());
   return out;
-}
-
-double max_rel(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-12, std::abs(b[i])));
-  return worst;
 }
 
 // The one-process run, once per process (every rank needs its parameters).

@@ -107,13 +107,6 @@ Outcome run_distributed(const RunSetup& s, const fs::path& data, const fs::path&
   return o;
 }
 
-double max_rel(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  return worst;
-}
-
 // The parameters this rank holds agree with `ref` (max difference over max magnitude).
 void expect_params_close(const Outcome& got, const std::vector<float>& ref, double tol) {
   ASSERT_EQ(got.params.size(), ref.size());

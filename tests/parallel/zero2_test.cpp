@@ -99,31 +99,6 @@ Outcome run(const RunSetup& s, const fs::path& data, const fs::path& dir, int64_
 // Values this rank holds that differ in their bits.
 int64_t differ(const Outcome& a, const Outcome& b) { return differ_held(a.params, b.params, a.held); }
 
-double max_rel(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  return worst;
-}
-
-// dir/<to> resumes from dir/<from>'s checkpoint of step `step` (and its metrics so far).
-void copy_checkpoint(const fs::path& dir, const std::string& from, const std::string& to,
-                     int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof name, "step_%08lld", static_cast<long long>(step));
-  fs::create_directories(dir / to / "checkpoints");
-  fs::copy(dir / from / "checkpoints" / name, dir / to / "checkpoints" / name);
-  std::ofstream(dir / to / "checkpoints" / "latest") << name;
-  // The first steps' metrics, so that the resumed run's loss series is whole.
-  std::ifstream in(dir / from / "metrics.jsonl");
-  std::ofstream out(dir / to / "metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    if (!j.contains("step") || j["step"].get<int64_t>() <= step) out << line << "\n";
-  }
-}
-
 }  // namespace
 
 TEST(Zero2, EqualsZeroOneBitForBitAndKeepsNoWholeGradient) {
@@ -249,7 +224,9 @@ TEST(Zero2, ResumesBitExactAndCheckpointsLoadAcrossStages) {
     s.zero = c.zero;
     const Outcome resumed = run(s, dir / "data", dir / c.dir, -1, true);
     EXPECT_EQ(differ(resumed, *c.straight), 0);
-    if (world->rank() == 0) EXPECT_EQ(resumed.losses, c.straight->losses);
+    if (world->rank() == 0) {
+      EXPECT_EQ(resumed.losses, c.straight->losses);
+    }
   }
 }
 

@@ -106,13 +106,6 @@ Outcome run(const RunSetup& s, const fs::path& data, const fs::path& dir, int64_
 
 int64_t differ(const Outcome& a, const Outcome& b) { return differ_held(a.params, b.params, a.held); }
 
-double max_rel(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  return worst;
-}
-
 // The largest difference of a held parameter, relative to the largest parameter.
 double param_rel(const Outcome& got, const std::vector<float>& ref) {
   double worst = 0, scale = 1e-30;
@@ -122,22 +115,6 @@ double param_rel(const Outcome& got, const std::vector<float>& ref) {
     scale = std::max(scale, std::abs(double(ref[i])));
   }
   return worst / scale;
-}
-
-void copy_checkpoint(const fs::path& dir, const std::string& from, const std::string& to,
-                     int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof name, "step_%08lld", static_cast<long long>(step));
-  fs::create_directories(dir / to / "checkpoints");
-  fs::copy(dir / from / "checkpoints" / name, dir / to / "checkpoints" / name);
-  std::ofstream(dir / to / "checkpoints" / "latest") << name;
-  std::ifstream in(dir / from / "metrics.jsonl");
-  std::ofstream out(dir / to / "metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    if (!j.contains("step") || j["step"].get<int64_t>() <= step) out << line << "\n";
-  }
 }
 
 }  // namespace
