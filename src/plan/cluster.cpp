@@ -5,6 +5,7 @@
 #include <toml++/toml.h>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 
 #include "core/check.h"
 #include "io/file.h"
@@ -29,12 +30,19 @@ toml::table parse_toml(const std::string& path, const char* what) {
   }
 }
 
+// A number's value as a double. toml++ gives no double for an integer beyond 2^53 (it would
+// round), so an integer is converted here: its range checks then see it, not "not a number".
+std::optional<double> number(const toml::node& node) {
+  if (const auto* i = node.as_integer()) return static_cast<double>(i->get());
+  return node.value<double>();
+}
+
 // A required positive number: missing, not a number or ≤ 0 is an error naming the key.
 double positive(const toml::table& t, const std::string& section, const char* key,
                 const std::string& where) {
   const auto* node = t[section][key].node();
   MOETRAIN_CHECK(node != nullptr, "{}: {}.{} is missing (a positive number)", where, section, key);
-  const auto v = node->value<double>();
+  const auto v = number(*node);
   MOETRAIN_CHECK(v.has_value(), "{}: {}.{} must be a number", where, section, key);
   MOETRAIN_CHECK(std::isfinite(*v) && *v > 0, "{}: {}.{} = {}: must be positive", where, section,
                  key, *v);
@@ -43,8 +51,9 @@ double positive(const toml::table& t, const std::string& section, const char* ke
 
 double optional(const toml::table& t, const std::string& section, const char* key, double dflt,
                 const std::string& where) {
-  if (!t[section][key]) return dflt;
-  const auto v = t[section][key].value<double>();
+  const auto* node = t[section][key].node();
+  if (node == nullptr) return dflt;
+  const auto v = number(*node);
   MOETRAIN_CHECK(v.has_value() && std::isfinite(*v) && *v >= 0, "{}: {}.{} must be a number ≥ 0",
                  where, section, key);
   return *v;
@@ -57,6 +66,12 @@ int64_t positive_int(const toml::table& t, const std::string& section, const cha
   const auto* node = t[section][key].node();
   MOETRAIN_CHECK(node != nullptr, "{}: {}.{} is missing (a whole number in [1, {}])", where,
                  section, key, max);
+  if (const auto* i = node->as_integer()) {  // exact: 2^63 - 1 is named as written
+    MOETRAIN_CHECK(i->get() >= 1 && i->get() <= max,
+                   "{}: {}.{} = {}: must be a whole number in [1, {}]", where, section, key,
+                   i->get(), max);
+    return i->get();
+  }
   const auto v = node->value<double>();
   MOETRAIN_CHECK(v.has_value(), "{}: {}.{} must be a whole number in [1, {}]", where, section, key,
                  max);

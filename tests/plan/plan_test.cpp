@@ -314,6 +314,17 @@ TEST(PlanBadInput, ClusterFileKeysAreNamed) {
   e = error_of([&] { load_cluster(write(zero), ""); });
   EXPECT_NE(e.find("cluster.nodes = 0: must be a whole number in [1, 16777216]"), std::string::npos)
       << e;
+  // An integer beyond what a double holds exactly (toml++ gives no double for it) is still named
+  // with its value and the range, not as "not a number".
+  std::string huge = good;
+  huge.replace(huge.find("nodes = 4"), 9, "nodes = 9223372036854775807");
+  e = error_of([&] { load_cluster(write(huge), ""); });
+  EXPECT_NE(e.find("cluster.nodes = 9223372036854775807: must be a whole number in [1, 16777216]"),
+            std::string::npos)
+      << e;
+  huge = good;
+  huge.replace(huge.find("intra_node_latency = 3e-6"), 25, "intra_node_latency = 9007199254740993");
+  EXPECT_DOUBLE_EQ(load_cluster(write(huge), "").intra_node_latency, 9007199254740992.0);
   e = error_of([&] { load_cluster(write(without("device = ")), ""); });
   EXPECT_NE(e.find("--profile"), std::string::npos) << e;
   e = error_of([&] { builtin_device("v100"); });
