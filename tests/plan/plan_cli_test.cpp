@@ -243,5 +243,7 @@ TEST(PlanCli, AMillionExpertsIsPlannedQuickly) {
   // The largest child so far: this run's when it rose (ctest runs each test alone).
   struct rusage after {};
   ::getrusage(RUSAGE_CHILDREN, &after);
-  if (after.ru_maxrss > before.ru_maxrss) EXPECT_LT(after.ru_maxrss, 1 << 20) << "KiB (1 GiB)";
+  if (after.ru_maxrss > before.ru_maxrss) {
+    EXPECT_LT(after.ru_maxrss, 1 << 20) << "KiB (1 GiB)";
+  }
 }
