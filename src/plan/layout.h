@@ -32,10 +32,10 @@ struct Layout {
   int64_t dp() const { return procs / pp / ep; }
 };
 
-// Whether `moetrain train` runs this layout: tensor and pipeline parallelism, ZeRO-3 and the
-// deduplicated all-to-all are the planner's only.
+// Whether `moetrain train` runs this layout: tensor and pipeline parallelism and the deduplicated
+// all-to-all are the planner's only.
 inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && l.pp == 1 && l.zero <= 2 && !l.a2a_dedup;
+  return l.tp == 1 && l.pp == 1 && !l.a2a_dedup;
 }
 // "planner only: moetrain train has no pipeline parallelism yet", naming what the trainer lacks;
 // empty where it runs the layout.

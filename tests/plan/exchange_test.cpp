@@ -80,6 +80,9 @@ TEST(PlanExchange, DeduplicatedExchangeIsWhatTheStepPays) {
   EXPECT_NEAR(pd.comm.a2a_exchanges * pd.comm.a2a_deduplicated.seconds(), pd.parts.a2a,
               1e-9 * pd.parts.a2a);
   EXPECT_FALSE(trainer_runs(dedup));
+  Layout zero3 = flat;  // fully sharded: the trainer runs it (dist.zero = 3)
+  zero3.zero = 3;
+  EXPECT_TRUE(trainer_runs(zero3));
   // Node-limited routing (8 groups, one a node; a token in at most 2) sends less again.
   cfg.model.route_groups = 8;
   cfg.model.route_group_topk = 2;
