@@ -57,7 +57,9 @@ TEST(DistOffload, ZeroOneWithOffloadIsBitwiseWithoutAndResumes) {
       << "ZeRO-1 with offload differs from ZeRO-1 in memory";
   world->barrier();
   EXPECT_TRUE(fs::is_empty(dir / "off/offload")) << "state files left after the run";
-  if (world->rank() == 0) EXPECT_EQ(metric(dir / "mem", "loss"), metric(dir / "off", "loss"));
+  if (world->rank() == 0) {
+    EXPECT_EQ(metric(dir / "mem", "loss"), metric(dir / "off", "loss"));
+  }
   run(dir.path(), "resumed", true, 4);
   const std::vector<float> resumed = run(dir.path(), "resumed", true, -1, true);
   EXPECT_EQ(std::memcmp(resumed.data(), off.data(), off.size() * sizeof(float)), 0)

@@ -65,7 +65,9 @@ TEST(PlanAblation, RowsAreCumulative) {
     EXPECT_TRUE(std::equal(prev.begin(), prev.end(), cur.begin()))
         << rows[i].name << " does not begin with " << rows[i - 1].name << "'s settings";
     EXPECT_TRUE(!rows[i - 1].adaptive || rows[i].adaptive) << rows[i].name;
-    if (i >= 2) EXPECT_EQ(rows[i].load, rows[i - 1].load) << rows[i].name;
+    if (i >= 2) {
+      EXPECT_EQ(rows[i].load, rows[i - 1].load) << rows[i].name;
+    }
   }
   // What each group is: the design's baseline, then one group at a time.
   EXPECT_EQ(rows[0].load, "zipf:1");

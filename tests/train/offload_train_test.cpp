@@ -70,7 +70,9 @@ TEST(OffloadTrain, RunIsBitwiseTheInMemoryOne) {
         params[on] = t.params();
       }
       losses[on] = metric(tmp / "run", "loss");
-      if (on) EXPECT_TRUE(dir_empty(tmp / "run/offload")) << "state file left after the run";
+      if (on) {
+        EXPECT_TRUE(dir_empty(tmp / "run/offload")) << "state file left after the run";
+      }
     }
     EXPECT_TRUE(same_bits(params[0], params[1])) << optim;
     EXPECT_EQ(losses[0], losses[1]) << optim;
