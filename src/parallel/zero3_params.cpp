@@ -18,6 +18,10 @@ Zero3Params::Zero3Params(GradSync& sync, float* params, int64_t size,
                  "ZeRO-3: {} gather units over {} parameters, not ascending from 0",
                  unit_starts.size(), size);
   units_.resize(unit_starts.size());
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const int64_t end = u + 1 < units_.size() ? unit_starts[u + 1] : size;
+    units_[u].range = {unit_starts[u], end - unit_starts[u]};
+  }
   auto unit_of = [&](int64_t x) {
     return static_cast<std::size_t>(
         std::upper_bound(unit_starts.begin(), unit_starts.end(), x) - unit_starts.begin() - 1);
@@ -30,7 +34,6 @@ Zero3Params::Zero3Params(GradSync& sync, float* params, int64_t size,
       MOETRAIN_CHECK(unit_of(p.offset) == u && unit_of(p.offset + p.size - 1) == u,
                      "ZeRO-3: gradient bucket {} spans two gather units", i);
     units_[u].buckets.push_back(i);
-    units_[u].size += b.size;
   }
   // What a released unit keeps: this rank's shard.
   std::vector<FlatRange> keep;
@@ -38,7 +41,7 @@ Zero3Params::Zero3Params(GradSync& sync, float* params, int64_t size,
   std::sort(keep.begin(), keep.end(),
             [](const FlatRange& a, const FlatRange& b) { return a.offset < b.offset; });
   for (std::size_t u = 0; u < units_.size(); ++u) {
-    const int64_t lo = unit_starts[u], hi = u + 1 < units_.size() ? unit_starts[u + 1] : size;
+    const int64_t lo = units_[u].range.offset, hi = lo + units_[u].range.size;
     int64_t at = lo;
     for (const FlatRange& k : keep) {
       if (k.offset + k.size <= lo || k.offset >= hi) continue;
@@ -47,12 +50,6 @@ Zero3Params::Zero3Params(GradSync& sync, float* params, int64_t size,
     }
     if (at < hi) units_[u].drop.push_back({at, hi - at});
   }
-}
-
-int64_t Zero3Params::largest_unit() const {
-  int64_t most = 0;
-  for (const Unit& u : units_) most = std::max(most, u.size);
-  return most;
 }
 
 void Zero3Params::gather(int64_t u) {
@@ -89,7 +86,7 @@ void Zero3Params::acquire(int64_t unit, int64_t next) {
 
 void Zero3Params::drop(int64_t u) {
   for (const FlatRange& r : units_[static_cast<std::size_t>(u)].drop)
-    released_ += release_whole_pages(params_ + r.offset, r.size * 4);
+    release_whole_pages(params_ + r.offset, r.size * static_cast<int64_t>(sizeof(float)));
 }
 
 void Zero3Params::release(int64_t unit) {

@@ -40,17 +40,15 @@ class Zero3Params final : public ParamUnits {
   void release_all();
 
   int64_t units() const { return static_cast<int64_t>(units_.size()); }
-  // Bytes of parameter pages handed back to the system so far.
-  int64_t bytes_released() const { return released_; }
-  // Floats of the largest unit's parameters this rank gathers (its buckets' elements).
-  int64_t largest_unit() const;
+  // Unit u's flat range [begin, end), in floats.
+  FlatRange range(int64_t u) const { return units_[static_cast<std::size_t>(u)].range; }
 
  private:
   enum class State { Released, Posted, Present };
   struct Unit {
     std::vector<std::size_t> buckets;  // the buckets holding its elements
-    std::vector<FlatRange> drop;       // whole pages outside this rank's shard, in floats
-    int64_t size = 0;                  // Σ its buckets' elements
+    FlatRange range;                   // its flat range
+    std::vector<FlatRange> drop;       // its ranges outside this rank's shard
     State state = State::Released;
     CommThread::Ticket ticket = 0;
   };
@@ -62,7 +60,6 @@ class Zero3Params final : public ParamUnits {
   float* params_;
   CommThread* thread_;
   std::vector<Unit> units_;
-  int64_t released_ = 0;
 };
 
 }  // namespace moetrain

@@ -109,10 +109,10 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
   if (zero3_) {
     // Every rank fills the whole model alike, a unit at a time: its shard stays, the rest goes.
-    const std::vector<int64_t> starts = model_.unit_starts();
-    for (std::size_t u = 0; u < starts.size(); ++u) {
-      init_params(params_.data(), starts[u], u + 1 < starts.size() ? starts[u + 1] : layout.size());
-      zero3_->release(static_cast<int64_t>(u));
+    for (int64_t u = 0; u < zero3_->units(); ++u) {
+      const FlatRange r = zero3_->range(u);
+      init_params(params_.data(), r.offset, r.offset + r.size);
+      zero3_->release(u);
     }
     model_.set_param_units(zero3_.get());
   }
@@ -422,18 +422,17 @@ std::filesystem::path StepEngine::save_checkpoint(const std::vector<NamedTensor>
   // turn and the tensors this rank writes copied out of it, at their offsets in a buffer of
   // which only those pages become resident.
   PageBuffer staged(params_.size());
-  const std::vector<int64_t> starts = model_.unit_starts();
   const std::vector<ParamInfo>& infos = model_.param_table().params();
   const int me = pg_->control->rank();
-  for (std::size_t u = 0; u < starts.size(); ++u) {
-    const int64_t lo = starts[u], hi = u + 1 < starts.size() ? starts[u + 1] : params_.size();
-    zero3_->acquire(static_cast<int64_t>(u), u + 1 < starts.size() ? static_cast<int64_t>(u + 1)
-                                                                    : -1);
+  const int64_t n = zero3_->units();
+  for (int64_t u = 0; u < n; ++u) {
+    const FlatRange r = zero3_->range(u);
+    zero3_->acquire(u, u + 1 < n ? u + 1 : -1);
     for (std::size_t i = 0; i < infos.size(); ++i)
-      if (writers_[i] == me && infos[i].offset >= lo && infos[i].offset < hi)
+      if (writers_[i] == me && infos[i].offset >= r.offset && infos[i].offset < r.offset + r.size)
         std::memcpy(staged.data() + infos[i].offset, params_.data() + infos[i].offset,
                     static_cast<std::size_t>(infos[i].numel) * sizeof(float));
-    zero3_->release(static_cast<int64_t>(u));
+    zero3_->release(u);
   }
   return write_checkpoint(*pg_->control, cfg_.run_dir, step_,
                           checkpoint_share(state, false, staged.data()), docs, keep);
