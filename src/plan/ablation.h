@@ -31,9 +31,12 @@ struct AblationRow {
   DesignRow design{};
 };
 
-// The prediction with the cheaper of the flat and the hierarchical all-to-all: the planner's
-// stand-in for adaptive routing of the exchange. The cluster file gives every node pair the same
-// links, so choosing per node pair is choosing for the whole exchange.
+// Adaptive routing of the exchange (dist.adaptive_route): the prediction with the cheaper of the
+// flat and the hierarchical all-to-all. Its probes (every dist.route_probe_every-th step on the
+// dearer path) are left out (docs/plan.md says what they cost). The cluster file gives every
+// node pair the same links, so choosing per node pair is choosing for the whole exchange; on a
+// rail-optimised network (cluster.spine_bandwidth) the flat route's rows for other positions
+// cross the spine and the 2-D route's do not.
 Prediction predict_adaptive(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
                             const LoadModel& load);
 

@@ -345,6 +345,7 @@ ClusterSpec load_cluster(const std::string& path, const std::string& profile) {
   c.inter_node_bandwidth = positive(t, "cluster", "inter_node_bandwidth", where);
   c.intra_node_latency = positive(t, "cluster", "intra_node_latency", where);
   c.inter_node_latency = positive(t, "cluster", "inter_node_latency", where);
+  c.spine_bandwidth = optional(t, "cluster", "spine_bandwidth", 0, where);
   validate(c, where);
   return c;
 }

@@ -50,6 +50,11 @@ struct ClusterSpec {
   double inter_node_bandwidth = 0;  // bytes/s per node (its NICs), shared by its devices
   double intra_node_latency = 0;    // seconds per message
   double inter_node_latency = 0;
+  // A rail-optimised network: traffic between devices of different positions on different
+  // nodes crosses the spine, at this many bytes/s per node (shared by its devices), while traffic
+  // between devices of the same position stays on their rail (inter_node_bandwidth). 0: one
+  // network, every inter-node byte at inter_node_bandwidth.
+  double spine_bandwidth = 0;
   // All-reduce's own rate inside a node where it was measured (this machine's collectives: the
   // reduction's arithmetic and the transport's protocol, not just the copy); 0 = the link's.
   double intra_node_allreduce_bandwidth = 0;

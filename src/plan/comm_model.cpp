@@ -29,9 +29,19 @@ Collective alltoall(const ClusterSpec& c, double bytes, int64_t ep, bool hierarc
     r.concurrent = true;
     r.phases.push_back({"within the node", static_cast<double>(g - 1), c.intra_node_latency, intra,
                         c.intra_node_bandwidth, 1});
-    if (ep > g)
+    if (ep > g && c.spine_bandwidth > 0 && g > 1) {
+      // On rails: of the ep − g ranks of other nodes, nn − 1 hold the rank's position (its rail);
+      // the rows for the others cross the spine. Both links carry their share at once.
+      const double remote = bytes - intra;
+      const double rail = remote * static_cast<double>(nn - 1) / static_cast<double>(ep - g);
+      r.phases.push_back({"along the rails", static_cast<double>(nn - 1), c.inter_node_latency,
+                          rail, c.inter_node_bandwidth, dpn});
+      r.phases.push_back({"across the spine", static_cast<double>(ep - g - (nn - 1)),
+                          c.inter_node_latency, remote - rail, c.spine_bandwidth, dpn});
+    } else if (ep > g) {
       r.phases.push_back({"between nodes", static_cast<double>(ep - g), c.inter_node_latency,
                           bytes - intra, c.inter_node_bandwidth, dpn});
+    }
     return r;
   }
   // Every row but the rank's own share moves in phase 1 (regrouped by destination node), and

@@ -40,10 +40,13 @@ struct Collective {
 // devices_per_node ranks.
 //  flat: every rank sends to each of the ep − 1 others directly: the intra-node part over the
 //        device's link, the inter-node part over its share of the node's link, at once.
+//        On a rail-optimised network (cluster.spine_bandwidth) the inter-node part is two
+//        links at once: the rows for the same-position ranks along the rails, the rest across
+//        the spine.
 //  hierarchical (2-D): first within the node (g − 1 messages, all rows regrouped by destination
 //        node), then between nodes to the same-position rank (nn − 1 messages): fewer, larger
-//        inter-node messages, the rows crossing the device link twice. An EP group inside one
-//        node has no second phase: it runs flat.
+//        inter-node messages, the rows crossing the device link twice, none over the spine. An
+//        EP group inside one node has no second phase: it runs flat.
 Collective alltoall(const ClusterSpec& c, double bytes, int64_t ep, bool hierarchical);
 
 // DeepEP's exchange: a token crosses to each other node holding one of its experts once (to the
@@ -57,7 +60,8 @@ Collective alltoall_dedup(const ClusterSpec& c, double bytes, int64_t ep, double
 // nodes (node-limited routing; 0 = no limit). 1 when nothing is saved.
 double dedup_share(int64_t E, int64_t K, int64_t nn, double node_limit);
 // Ring all-reduce (or reduce-scatter + all-gather, the same traffic) of `bytes` over p ranks:
-// 2(p − 1) steps, each sending bytes / p. A ring that leaves a node goes at the node link's speed.
+// 2(p − 1) steps, each sending bytes / p. A ring that leaves a node goes at the node link's speed
+// (on a rail-optimised network the ring is rail-aligned, as NCCL builds it: no spine).
 Collective ring_allreduce(const ClusterSpec& c, double bytes, int64_t p, bool crosses_nodes);
 // Bytes each rank sends in a ring all-reduce of `bytes` over p ranks: 2 (p − 1) / p · bytes.
 double ring_allreduce_bytes(double bytes, int64_t p);

@@ -2,6 +2,11 @@
 // once and is fanned out there over NVLink; node-limited routing caps the nodes a token reaches.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+
+#include "core/check.h"
+#include "plan/ablation.h"
 #include "plan/cluster.h"
 #include "plan/comm_model.h"
 #include "plan/cost_model.h"
@@ -21,6 +26,23 @@ ClusterSpec a100s(int64_t nodes) {
   c.intra_node_latency = 3e-6;
   c.inter_node_latency = 10e-6;
   return c;
+}
+
+RunConfig moe_1024() {
+  RunConfig cfg;
+  cfg.model.vocab_size = 1024;
+  cfg.model.dim = 1024;
+  cfg.model.n_layers = 2;
+  cfg.model.n_heads = 8;
+  cfg.model.n_kv_heads = 8;
+  cfg.model.expert_hidden = 512;
+  cfg.model.n_experts = 64;
+  cfg.model.top_k = 6;
+  cfg.model.max_seq_len = 2048;
+  cfg.train.batch_size = 1;
+  cfg.train.seq_len = 2048;
+  cfg.train.precision = Precision::BF16;
+  return cfg;
 }
 
 }  // namespace
@@ -57,19 +79,7 @@ TEST(PlanExchange, DeduplicatedPhasesByHand) {
 // Through the model: the 1024-A100 ablation's shape (64 experts, top-6, EP 64 over 8 nodes)
 // exchanges less with the deduplicated form, and what is written out is what the step pays.
 TEST(PlanExchange, DeduplicatedExchangeIsWhatTheStepPays) {
-  RunConfig cfg;
-  cfg.model.vocab_size = 1024;
-  cfg.model.dim = 1024;
-  cfg.model.n_layers = 2;
-  cfg.model.n_heads = 8;
-  cfg.model.n_kv_heads = 8;
-  cfg.model.expert_hidden = 512;
-  cfg.model.n_experts = 64;
-  cfg.model.top_k = 6;
-  cfg.model.max_seq_len = 2048;
-  cfg.train.batch_size = 1;
-  cfg.train.seq_len = 2048;
-  cfg.train.precision = Precision::BF16;
+  RunConfig cfg = moe_1024();
   const ClusterSpec c = a100s(8);
   Layout flat{64, 64}, dedup{64, 64};
   dedup.a2a_dedup = true;
@@ -87,4 +97,83 @@ TEST(PlanExchange, DeduplicatedExchangeIsWhatTheStepPays) {
   cfg.model.route_groups = 8;
   cfg.model.route_group_topk = 2;
   EXPECT_LT(predict(cfg, c, dedup, uniform_load(64)).parts.a2a, pd.parts.a2a);
+}
+
+// A rail-optimised network: of a rank's rows for the 8 ranks of the other node, the eighth bound
+// for its own position goes along its rail, the other seven eighths across the spine, at once.
+// The 2-D route sends everything to the same-position rank: the spine changes nothing there.
+TEST(PlanExchange, RailsSendTheFlatRoutesOtherPositionsAcrossTheSpine) {
+  ClusterSpec c = a100s(2);
+  const double B = 15e6;
+  const Collective one = alltoall(c, B, 16, false), hier = alltoall(c, B, 16, true);
+  c.spine_bandwidth = 50e9;
+  const Collective flat = alltoall(c, B, 16, false);
+  ASSERT_EQ(flat.phases.size(), 3u);
+  EXPECT_TRUE(flat.concurrent);
+  EXPECT_EQ(flat.phases[1].name, "along the rails");
+  EXPECT_DOUBLE_EQ(flat.phases[1].messages, 1);
+  EXPECT_DOUBLE_EQ(flat.phases[1].bytes, B * 8 / 15 / 8);
+  EXPECT_DOUBLE_EQ(flat.phases[1].bandwidth, 200e9);
+  EXPECT_EQ(flat.phases[2].name, "across the spine");
+  EXPECT_DOUBLE_EQ(flat.phases[2].messages, 7);
+  EXPECT_DOUBLE_EQ(flat.phases[2].bytes, B * 8 / 15 * 7 / 8);
+  EXPECT_DOUBLE_EQ(flat.phases[2].bandwidth, 50e9);
+  EXPECT_DOUBLE_EQ(flat.phases[2].sharing, 8);
+  // The spine's share at a quarter of the rails' rate: slower than one network at the rails' rate.
+  EXPECT_GT(flat.seconds(), one.seconds());
+  EXPECT_DOUBLE_EQ(alltoall(c, B, 16, true).seconds(), hier.seconds());
+  EXPECT_EQ(alltoall(c, B, 8, false).phases.size(), 1u);  // one node: no spine
+}
+
+// dist.adaptive_route in the planner: the cheaper of the two routes. Between two nodes the flat
+// route is the cheaper on one network; a spine at 1% of the rails' rate makes it the 2-D route,
+// whose time the spine does not change.
+TEST(PlanExchange, AdaptiveRouteTakesTheCheaperPath) {
+  const RunConfig cfg = moe_1024();
+  ClusterSpec c = a100s(2);
+  const Layout l{16, 16};
+  std::vector<std::string> kinds;
+  double hier_s = 0;
+  for (const double spine : {0.0, 2e9}) {
+    SCOPED_TRACE(spine);
+    c.spine_bandwidth = spine;
+    RunConfig flat = cfg, hier = cfg;
+    flat.dist.hierarchical = false;
+    hier.dist.hierarchical = true;
+    const Prediction f = predict(flat, c, l, uniform_load(64));
+    const Prediction h = predict(hier, c, l, uniform_load(64));
+    const Prediction a = predict_adaptive(cfg, c, l, uniform_load(64));
+    EXPECT_EQ(a.step_time_s, std::min(f.step_time_s, h.step_time_s));
+    EXPECT_EQ(a.a2a_kind, (h.step_time_s < f.step_time_s ? h : f).a2a_kind);
+    if (spine > 0) {
+      EXPECT_EQ(h.step_time_s, hier_s);
+    }
+    hier_s = h.step_time_s;
+    kinds.push_back(a.a2a_kind);
+  }
+  EXPECT_EQ(kinds, (std::vector<std::string>{"flat", "hierarchical"}));
+}
+
+// cluster.spine_bandwidth is optional, and when given must be a number ≥ 0.
+TEST(PlanExchange, SpineBandwidthFromTheClusterFile) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("moetrain_spine_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
+  std::filesystem::create_directories(dir);
+  auto cluster = [&](const std::string& extra) {
+    const auto path = dir / "cluster.toml";
+    std::ofstream(path) << "[cluster]\ndevice = \"a100\"\ndevices_per_node = 8\nnodes = 2\n"
+                           "intra_node_bandwidth = 300e9\ninter_node_bandwidth = 200e9\n"
+                           "intra_node_latency = 3e-6\ninter_node_latency = 10e-6\n"
+                        << extra;
+    return load_cluster(path.string(), "");
+  };
+  EXPECT_EQ(cluster("").spine_bandwidth, 0);
+  EXPECT_EQ(cluster("spine_bandwidth = 25e9\n").spine_bandwidth, 25e9);
+  try {
+    cluster("spine_bandwidth = -1\n");
+    ADD_FAILURE() << "a negative spine bandwidth was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cluster.spine_bandwidth"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
 }
