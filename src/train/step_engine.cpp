@@ -490,4 +490,13 @@ void StepEngine::load_checkpoint(
   averaged_at_ = step_;      // a checkpoint holds averaged parameters
 }
 
+void StepEngine::load_weights(const std::filesystem::path& dir,
+                              const std::vector<NamedTensor>& state) {
+  verify_checkpoint(dir, &*pg_->control);
+  CheckpointShare share = checkpoint_share(state, true);
+  share.optimizer.clear();  // the optimizer starts afresh
+  read_checkpoint_pieces(dir, share);
+  host_params_changed();
+}
+
 }  // namespace moetrain

@@ -155,6 +155,10 @@ class StepEngine {
   // state (restore_state for the engine's part), then each rank reads the ranges it holds.
   void load_checkpoint(const std::filesystem::path& dir, const std::vector<NamedTensor>& state,
                        const std::function<void(const nlohmann::json&, const std::string&)>& restore);
+  // Collective: the weights of another run's checkpoint (--init-from), verified, each rank
+  // reading the ranges it holds (ZeRO-3: its shard only), and `state` (router biases); nothing
+  // of that run's optimizer or training state.
+  void load_weights(const std::filesystem::path& dir, const std::vector<NamedTensor>& state);
   // The engine's part of trainer_state.json, and its restore (`where` names the file).
   nlohmann::json state_json() const;
   void restore_state(const nlohmann::json& t, const std::string& where);

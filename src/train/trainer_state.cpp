@@ -33,12 +33,14 @@ void Trainer::init_weights_from(const fs::path& dir) {
                  dir.string(), theirs.fingerprint(),
                  theirs.is_bytes() ? "no tokenizer.model: bytes" : (from / kTokenizerFile).string(),
                  cfg_.data.dir, tokenizer_.fingerprint(), theirs.is_bytes() ? "byte" : from.string());
-  std::vector<float> weights;
-  if (is_hf_model_dir(dir)) {
-    read_hf_weights(dir, *model_, weights);
-  } else {
-    read_weights(resolve_checkpoint(dir), *model_, weights);
+  if (!is_hf_model_dir(dir)) {
+    // A checkpoint: each rank reads what it holds (under ZeRO-3 its shard), never the whole model.
+    engine_->load_weights(from, bias_views(*model_));
+    log_info("initial weights from {}", dir.string());
+    return;
   }
+  std::vector<float> weights;
+  read_hf_weights(dir, *model_, weights);
   const FlatParams params = this->params();
   MOETRAIN_CHECK(weights.size() == params.size(), "--init-from {}: {} parameters, the model has {}",
                  dir.string(), weights.size(), params.size());

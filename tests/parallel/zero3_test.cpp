@@ -85,19 +85,31 @@ struct Outcome {
   std::vector<char> held;     // 1 where this rank holds the value: all but others' experts
   std::vector<double> losses, grad_norms;  // rank 0 only
   double zero_share = 0;  // of the held values reading 0 before the gather
+  double zero_share_at_init = 0;  // the same after --init-from, before the first step
+  std::vector<float> params_at_init;  // whole (gathered) after --init-from
 };
 
+double zero_share(Trainer& t, const std::vector<char>& held) {
+  int64_t zeros = 0, n = 0;
+  for (std::size_t i = 0; i < held.size(); ++i)
+    if (held[i]) ++n, zeros += t.params()[i] == 0.0f;
+  return static_cast<double>(zeros) / static_cast<double>(n);
+}
+
 Outcome run(const RunSetup& s, const fs::path& data, const fs::path& dir, int64_t stop_at = -1,
-            bool resume = false) {
+            bool resume = false, const fs::path& init_from = {}) {
   Trainer t(load_run_config("", settings(s, data, dir, kRowsPerRank)), resume,
             dist_world("zero3_test"));
-  t.run(stop_at);
   Outcome o;
   o.held = held_values(t);
-  int64_t zeros = 0, held = 0;
-  for (std::size_t i = 0; i < o.held.size(); ++i)
-    if (o.held[i]) ++held, zeros += t.params()[i] == 0.0f;
-  o.zero_share = static_cast<double>(zeros) / static_cast<double>(held);
+  if (!init_from.empty()) {
+    t.init_weights_from(init_from);
+    o.zero_share_at_init = zero_share(t, o.held);
+    t.gather_params();
+    o.params_at_init = t.params();
+  }
+  t.run(stop_at);
+  o.zero_share = zero_share(t, o.held);
   t.gather_params();
   o.params = t.params();
   if (t.rank() == 0) o.losses = metric(dir, "loss"), o.grad_norms = metric(dir, "grad_norm");
@@ -225,6 +237,26 @@ TEST(Zero3, ResumesBitExactAndCheckpointsLoadAcrossStages) {
     if (world->rank() == 0) {
       EXPECT_EQ(resumed.losses, c.straight->losses);
     }
+  }
+  // --init-from another run's checkpoint: under ZeRO-3 each rank reads its shard of the weights
+  // (and holds nothing else before the first step); the run then follows the ZeRO-1 one bitwise.
+  const fs::path from = dir / "z1/checkpoints/step_00000008";
+  s.zero = 1;
+  const Outcome init1 = run(s, dir / "data", dir / "init_z1", -1, false, from);
+  s.zero = 3;
+  const Outcome init3 = run(s, dir / "data", dir / "init_z3", -1, false, from);
+  EXPECT_EQ(differ(init1, init3), 0);
+  // What each rank holds is the checkpoint's weights: the z1 run's at its end.
+  EXPECT_EQ(differ_held(init1.params_at_init, z1.params, z1.held), 0);
+  EXPECT_EQ(differ_held(init3.params_at_init, z1.params, z1.held), 0);
+  EXPECT_LT(init1.zero_share_at_init, 0.01);
+  const double released = s.ep == 1 ? 1.0 - 1.0 / W : 0.1 * (1.0 - 1.0 / W);
+  EXPECT_GT(init3.zero_share_at_init, 0.9 * released - 0.15) << "W = " << W;
+  if (world->rank() == 0) {
+    EXPECT_EQ(init1.losses, init3.losses);
+    // Started from the trained weights: the first loss is below the first loss from scratch.
+    ASSERT_FALSE(init1.losses.empty());
+    EXPECT_LT(init1.losses[0], z1.losses[0] - 0.1);
   }
 }
 
