@@ -50,6 +50,18 @@ double overlap_exposed(double reduction, double buckets, double window) {
   return std::max(reduction / std::max(1.0, buckets), reduction - window);
 }
 
+double other_microbatch_hidden(const Layout& layout, const StepParts& s, int64_t A,
+                               bool comm_shares_cores) {
+  if (!layout.a2a_overlap || A < 2 || comm_shares_cores) return 0;
+  // The layers' compute of the step (the LM head and the update are not beside an exchange);
+  // the first micro-batch's has no other to overlap: (A − 1)/A of it. What the chunks already
+  // hid behind the experts is not hidden twice.
+  const double layers = s.attention + s.router + s.experts + s.shared_expert + s.norms;
+  const double chunks_hid = s.a2a - s.a2a_exposed;
+  const double window = static_cast<double>(A - 1) / static_cast<double>(A) * layers - chunks_hid;
+  return std::clamp(window, 0.0, s.a2a_exposed);
+}
+
 double compute_share(const ClusterSpec& c, double ratio) {
   const auto& r = c.compute_share_ratio;
   const auto& v = c.compute_share;
@@ -310,6 +322,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const double c = static_cast<double>(std::max<int64_t>(1, cfg.dist.a2a_chunks));
   s.a2a_exposed =
       cluster.comm_shares_cores ? s.a2a : s.a2a - (c - 1) / c * std::min(s.a2a, s.experts);
+  // Another micro-batch's compute beside the exchanges (--a2a-overlap): other_microbatch_hidden.
+  const double overlap_hidden = other_microbatch_hidden(layout, s, A, cluster.comm_shares_cores);
+  s.a2a_exposed -= overlap_hidden;
   // Replicas off their owner: weights out after the update and gradients back in backward, per
   // MoE layer of the stage (plan/placement_model.h), outside the chunked exchange.
   if (placed.replicas_off_owner > 0) {
@@ -387,11 +402,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
 
   // Pipeline bubble: with pp stages and A micro-batches, a stage idles for (pp − 1) micro-batch
   // times; vp virtual stages per rank shorten each by vp. Activation sends between stages are
-  // taken as overlapped with compute (Megatron's interleaved schedule does), not charged.
+  // taken as overlapped with compute (Megatron's interleaved schedule does), not charged. The
+  // fill and the drain run a micro-batch with no other beside it: its exchanges all exposed.
   if (layout.pp > 1) {
-    const double per_mb =
-        (s.compute() - s.optimizer - s.lm_head + s.a2a_exposed + s.tensor_parallel) /
-        static_cast<double>(A);
+    const double per_mb = (s.compute() - s.optimizer - s.lm_head + s.a2a_exposed +
+                           overlap_hidden + s.tensor_parallel) /
+                          static_cast<double>(A);
     s.pipeline_bubble =
         static_cast<double>(layout.pp - 1) / static_cast<double>(layout.vp) * per_mb;
   }

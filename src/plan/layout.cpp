@@ -11,6 +11,7 @@ std::string planner_only(const Layout& l) {
   if (l.tp > 1) lacks.push_back("tensor parallelism");
   if (l.pp > 1) lacks.push_back("pipeline parallelism");
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
+  if (l.a2a_overlap) lacks.push_back("all-to-all overlapped with another micro-batch");
   if (lacks.empty()) return {};
   std::string list;
   for (size_t i = 0; i < lacks.size(); ++i)
