@@ -84,7 +84,7 @@ TEST(PlanPublished, MegatronBridgeGptOss120bFlopCountsByHand) {
 
 // The throughput at the published layout, in the planner's count: 5630 tokens/s × its FLOPs a
 // token (the same as comparing tokens/s). Not met: the planner predicts 8092 tokens/s per GPU,
-// +44% (docs/plan.md, "Published runs", says why term by term), so the assertion is registered
+// +44% (docs/plan-published.md says why term by term), so the assertion is registered
 // disabled rather than loosened; --gtest_also_run_disabled_tests runs it.
 TEST(PlanPublished, DISABLED_MegatronBridgeGptOss120bOn64H100Within25Percent) {
   const RunConfig cfg = load_run_config(plan_file("gpt_oss_120b_megatron.toml"), {});
@@ -103,7 +103,7 @@ TEST(PlanPublished, DISABLED_MegatronBridgeGptOss120bOn64H100Within25Percent) {
 
 // DeepSpeed-MoE, 128 A100: the 1.3B-base MoE (128 experts, top-1, every other layer) at 372
 // samples/s against 70 for a dense 6.7B model: the ratio, 5.3×. Not met: the planner predicts
-// 3.1× (docs/plan.md, "Published runs", says why), so the assertion is registered disabled
+// 3.1× (docs/plan-published.md says why), so the assertion is registered disabled
 // rather than loosened; --gtest_also_run_disabled_tests runs it.
 TEST(PlanPublished, DISABLED_DeepSpeedMoeOverDense6p7bOn128A100Within25Percent) {
   const Prediction moe = predict_published("deepspeed_moe_1p3b_128e.toml", "dgx_a100_16nodes.toml",
