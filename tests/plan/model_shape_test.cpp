@@ -193,6 +193,22 @@ TEST(PlanModelShape, HeadDimApartFromDimOverHeadsByHand) {
   EXPECT_DOUBLE_EQ(pc.expert, 36 * 128 * 3 * 2880.0 * 2880);
 }
 
+// Multi-head latent attention has a key and a value per head: tensor parallelism splits the
+// heads, whatever model.n_kv_heads says; grouped-query attention's KV heads must divide.
+TEST(PlanModelShape, LatentAttentionSplitsHeadsNotKvHeadsUnderTensorParallelism) {
+  RunConfig cfg = with_overrides(small(), {"model.n_kv_heads=1"});
+  EXPECT_NE(layout_problem(cfg.model, one_node(), {2, 1, 2}).find("model.n_kv_heads = 1"),
+            std::string::npos);
+  cfg = with_overrides(cfg, {"model.kv_lora_rank=32", "model.qk_rope_head_dim=8",
+                             "model.qk_nope_head_dim=16", "model.v_head_dim=16"});
+  EXPECT_EQ(layout_problem(cfg.model, one_node(), {2, 1, 2}), "");
+  // Its projections by hand at C 64, 4 heads, no query rank: W_q 4 · 24 · 64 = 6144, W_kva
+  // (32 + 8) · 64 = 2560, the latent norm 32, W_kvb 4 · (16 + 16) · 32 = 4096, W_o 4 · 16 · 64 =
+  // 4096.
+  EXPECT_EQ(cfg.model.attention_params(), 6144 + 2560 + 32 + 4096 + 4096);
+  EXPECT_GT(predict(cfg, one_node(), {2, 1, 2}, uniform_load(8)).parts.attention, 0);
+}
+
 // DeepSeek-V3 (configs/plan/deepseek_v3_671b.toml): 671B parameters, 37B activated. By hand,
 // C = 7168, 128 heads:
 //   attention of a block (multi-head latent): W_qa 7168 · 1536 = 11010048, its norm 1536,
