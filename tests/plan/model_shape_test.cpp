@@ -191,6 +191,11 @@ TEST(PlanModelShape, HeadDimApartFromDimOverHeadsByHand) {
   const ParamCounts pc = count_params(m);
   EXPECT_DOUBLE_EQ(pc.dense, 36 * (2 * 2880 + 26542080.0 + 128 * 2880) + 2 * 201088.0 * 2880 + 2880);
   EXPECT_DOUBLE_EQ(pc.expert, 36 * 128 * 3 * 2880.0 * 2880);
+  // 116,789,048,640 in all against the model card's 116.83B (its biases and attention sinks,
+  // 0.04B, are not modelled); active a token, the embedding aside as the card counts: 4 of 128
+  // experts, 5.131B against 5.13B.
+  EXPECT_NEAR((pc.dense + pc.expert) / 116.83e9, 1.0, 0.001);
+  EXPECT_NEAR((pc.dense + pc.expert * 4 / 128 - 201088.0 * 2880) / 5.13e9, 1.0, 0.001);
 }
 
 // Multi-head latent attention has a key and a value per head: tensor parallelism splits the
