@@ -56,7 +56,7 @@ Run add_plan_command(CLI::App& app) {
     std::vector<std::string> overrides, sweep, mpi_args;
     int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
     std::string recompute;
-    bool a2a_dedup = false;
+    bool a2a_dedup = false, a2a_overlap = false;
     bool no_bf16 = false, calibrate_comm = false;
     std::string comm_procs = "auto";
     int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
@@ -114,6 +114,9 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_flag("--a2a-dedup", args->a2a_dedup,
                 "The expert all-to-all as DeepEP runs it: a token crosses to each node once and "
                 "is fanned out over NVLink (planner only)");
+  cmd->add_flag("--a2a-overlap", args->a2a_overlap,
+                "Each micro-batch's expert all-to-alls run while another micro-batch computes "
+                "(1F1B with all-to-all overlap; planner only)");
   cmd->add_flag("--ablation", args->ablation,
                 "Baseline, + balancing, + communication, + gradients, all (docs/plan.md)");
   cmd->add_option("--ablation-zipf", args->ablation_zipf,
@@ -213,6 +216,7 @@ Run add_plan_command(CLI::App& app) {
     layout.zero = args->zero;
     if (!args->recompute.empty()) layout.recompute = parse_recompute(args->recompute);
     layout.a2a_dedup = args->a2a_dedup;
+    layout.a2a_overlap = args->a2a_overlap;
     if (args->advise) {
       const std::vector<int64_t> sizes = args->sizes.empty()
                                              ? plan::default_advice_sizes(*file_cluster)

@@ -113,6 +113,7 @@ Run add_train_command(CLI::App& app) {
   return [args, flags] {
     const std::vector<std::string> overrides = flags->apply(args->overrides);
     RunConfig cfg = load_run_config(args->config, overrides);
+    cfg.model.check_trainable();
     if (args->dry_run) {
       const nlohmann::json all = cfg.to_json();
       fmt::print("{}\n", (args->all ? all : changed_from(all, RunConfig().to_json())).dump(2));

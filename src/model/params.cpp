@@ -71,6 +71,7 @@ void ParamTable::finish() {
 
 ParamLayout::ParamLayout(const ModelConfig& cfg) {
   cfg.validate();
+  cfg.check_trainable();
   const int64_t C = cfg.dim, V = cfg.vocab_size, HS = cfg.head_dim();
   embed = add("model.embed_tokens.weight", {V, C}, true);
   for (int64_t l = 0; l < cfg.n_layers; ++l) {

@@ -12,6 +12,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "plan/attention_model.h"
 #include "plan/grad_model.h"
 #include "plan/kernel_time.h"
 #include "plan/placement_model.h"
@@ -49,6 +50,18 @@ double overlap_exposed(double reduction, double buckets, double window) {
   return std::max(reduction / std::max(1.0, buckets), reduction - window);
 }
 
+double other_microbatch_hidden(const Layout& layout, const StepParts& s, int64_t A,
+                               bool comm_shares_cores) {
+  if (!layout.a2a_overlap || A < 2 || comm_shares_cores) return 0;
+  // The layers' compute of the step (the LM head and the update are not beside an exchange);
+  // the first micro-batch's has no other to overlap: (A − 1)/A of it. What the chunks already
+  // hid behind the experts is not hidden twice.
+  const double layers = s.attention + s.router + s.experts + s.shared_expert + s.norms;
+  const double chunks_hid = s.a2a - s.a2a_exposed;
+  const double window = static_cast<double>(A - 1) / static_cast<double>(A) * layers - chunks_hid;
+  return std::clamp(window, 0.0, s.a2a_exposed);
+}
+
 double compute_share(const ClusterSpec& c, double ratio) {
   const auto& r = c.compute_share_ratio;
   const auto& v = c.compute_share;
@@ -63,13 +76,15 @@ double compute_share(const ClusterSpec& c, double ratio) {
 
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
   ForwardFlops f;
-  const double N = static_cast<double>(B * T), C = m.dim, HS = m.head_dim();
-  const double L = m.n_layers, Lm = m.n_moe_layers(), Ld = L - Lm;
-  // Q, O: C × NH·HS each; K, V: C × NKV·HS each (grouped-query attention).
-  f.attention_proj = L * 2 * N * C * HS * (2 * m.n_heads + 2 * m.n_kv_heads);
-  // q·kᵀ and p·v, causal: query t meets t + 1 keys, T(T + 1)/2 pairs per head, 2 GEMM-like
-  // products of HS each.
-  f.attention_scores = L * 2 * 2 * B * m.n_heads * (T * (T + 1) / 2.0) * HS;
+  const double N = static_cast<double>(B * T), C = m.dim;
+  const double Lm = m.n_moe_layers(), Ld = m.n_layers - Lm;
+  // Projections and the causal (windowed) scores and values, block by block
+  // (plan/attention_model.h).
+  for (int64_t l = 0; l < m.n_layers; ++l) {
+    const AttentionFlops a = attention_forward_flops(m, l, B, T);
+    f.attention_proj += a.proj;
+    f.attention_scores += a.scores;
+  }
   f.router = Lm * 2 * N * C * m.n_experts;
   // Each token's K experts run the SwiGLU FFN: w1, w3 (C → F) and w2 (F → C).
   f.experts = Lm * 3 * 2 * N * m.top_k * C * m.expert_hidden;
@@ -110,10 +125,10 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   p.layout = layout;
   const DType prec = cfg.train.precision_dtype();
   const int64_t B = cfg.train.batch_size, T = cfg.train.seq_len, A = cfg.train.grad_accum;
-  const double N = static_cast<double>(B * T), C = m.dim, HS = m.head_dim(), V = m.vocab_size;
+  const double N = static_cast<double>(B * T), C = m.dim, V = m.vocab_size;
   const double E = m.n_experts, K = m.top_k, F = m.expert_hidden;
   const int64_t ep = layout.ep, e_local = m.n_experts / ep;
-  const int64_t tp = layout.tp, NHt = m.n_heads / tp, NKVt = m.n_kv_heads / tp;
+  const int64_t tp = layout.tp;
   StepParts& s = p.parts;
   // Element-wise work streams activations at their stored size: the run's precision on a GPU
   // in bf16/fp16, f32 in this trainer. The router's softmax and top-k stay f32.
@@ -200,10 +215,8 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
 
   // --- compute of one micro-batch, forward + backward ---
   for (int64_t l = 0; l < m.n_layers; ++l) {
-    // Tensor parallelism splits heads (Q, K, V by columns, O by rows) and FFN hidden sizes.
-    s.attention += linear_fb_time(dev, prec, N, NHt * HS, C) +
-                   2 * linear_fb_time(dev, prec, N, NKVt * HS, C) +
-                   linear_fb_time(dev, prec, N, C, NHt * HS);
+    // Tensor parallelism splits heads (plan/attention_model.h) and FFN hidden sizes.
+    s.attention += attention_time(dev, prec, m, l, B, T, tp, ab);
     // With sequence parallelism an all-gather before and a reduce-scatter after each TP block
     // (together an all-reduce's traffic), forward and backward: 2 for attention, 2 for a dense
     // FFN or a shared expert; the routed experts run on the rank's own tokens (no TP split).
@@ -211,26 +224,6 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
         2 + (m.is_dense_layer(l) || m.shared_expert_hidden > 0 ? 2 : 0);
     if (tp > 1) p.comm.tp_count += tp_blocks;
     s.tensor_parallel += tp_blocks * tp_allreduce_s;
-    // Scores and values: forward 2 products; a flash-style backward recomputes the scores and
-    // forms dP, dQ, dK, dV: 5 products, so forward + backward = 3.5× the forward's 2.
-    // Without a measured rate (accelerators), a fused (flash) kernel at the precision's
-    // tensor-core peak, thinned by the head size as a GEMM of smallest side HS would be.
-    // Where the profile timed the attention core at this very shape, that time.
-    const double score_flops = 3.5 * 2 * B * NHt * (T * (T + 1) / 2.0) * HS;
-    const auto att = dev.kernels.find(
-        "attention", {double(B), double(T), double(NHt), double(NKVt), HS});
-    s.attention += att                       ? *att
-                   : dev.attention_flops > 0 ? score_flops / dev.attention_flops
-                                             : score_flops /
-                                                   (peak_of(dev, prec) * dev.gemm_max_efficiency) *
-                                                   (1 + dev.gemm_small_dim / HS);
-    // RoPE on q and k: read and write, forward and backward (or as timed at this shape: it
-    // computes its rotations, more than a stream).
-    const auto rope_q = dev.kernels.find("rope", {N, double(NHt), HS});
-    const auto rope_k = dev.kernels.find("rope", {N, double(NKVt), HS});
-    s.attention += rope_q && rope_k
-                       ? *rope_q + *rope_k
-                       : stream_time(dev, 2 * 2 * ab * N * static_cast<double>(NHt + NKVt) * HS);
     // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
     s.norms += rmsnorm_time(dev, N, C, 2, ab) + stream_time(dev, 3 * 2 * 3 * ab * N * C);
     if (m.is_dense_layer(l)) {
@@ -329,6 +322,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const double c = static_cast<double>(std::max<int64_t>(1, cfg.dist.a2a_chunks));
   s.a2a_exposed =
       cluster.comm_shares_cores ? s.a2a : s.a2a - (c - 1) / c * std::min(s.a2a, s.experts);
+  // Another micro-batch's compute beside the exchanges (--a2a-overlap): other_microbatch_hidden.
+  const double overlap_hidden = other_microbatch_hidden(layout, s, A, cluster.comm_shares_cores);
+  s.a2a_exposed -= overlap_hidden;
   // Replicas off their owner: weights out after the update and gradients back in backward, per
   // MoE layer of the stage (plan/placement_model.h), outside the chunked exchange.
   if (placed.replicas_off_owner > 0) {
@@ -406,11 +402,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
 
   // Pipeline bubble: with pp stages and A micro-batches, a stage idles for (pp − 1) micro-batch
   // times; vp virtual stages per rank shorten each by vp. Activation sends between stages are
-  // taken as overlapped with compute (Megatron's interleaved schedule does), not charged.
+  // taken as overlapped with compute (Megatron's interleaved schedule does), not charged. The
+  // fill and the drain run a micro-batch with no other beside it: its exchanges all exposed.
   if (layout.pp > 1) {
-    const double per_mb =
-        (s.compute() - s.optimizer - s.lm_head + s.a2a_exposed + s.tensor_parallel) /
-        static_cast<double>(A);
+    const double per_mb = (s.compute() - s.optimizer - s.lm_head + s.a2a_exposed +
+                           overlap_hidden + s.tensor_parallel) /
+                          static_cast<double>(A);
     s.pipeline_bubble =
         static_cast<double>(layout.pp - 1) / static_cast<double>(layout.vp) * per_mb;
   }

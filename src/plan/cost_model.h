@@ -126,6 +126,13 @@ double backward_window(const StepParts& s);
 // backward does and overlaps a `window` of it: what outlasts the window, and at least the last
 // bucket (it is ready only when backward ends).
 double overlap_exposed(double reduction, double buckets, double window);
+// What the exchange overlapped with another micro-batch's compute hides (Layout::a2a_overlap):
+// of the exposed all-to-all s.a2a_exposed, at most (A − 1)/A of the layers' compute of the step
+// (each micro-batch's exchanges beside another's compute; the first has none), less what the
+// chunks already hid behind the experts; 0 without the layout's overlap, with one micro-batch,
+// or where communication takes its core from compute.
+double other_microbatch_hidden(const Layout& layout, const StepParts& s, int64_t A,
+                               bool comm_shares_cores);
 // The calibrated compute share of oversubscribed processes (ClusterSpec::compute_share) at a
 // ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
 // ends; 1 where the cluster has none.

@@ -11,6 +11,7 @@ std::string planner_only(const Layout& l) {
   if (l.tp > 1) lacks.push_back("tensor parallelism");
   if (l.pp > 1) lacks.push_back("pipeline parallelism");
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
+  if (l.a2a_overlap) lacks.push_back("all-to-all overlapped with another micro-batch");
   if (lacks.empty()) return {};
   std::string list;
   for (size_t i = 0; i < lacks.size(); ++i)
@@ -39,7 +40,8 @@ std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, con
   if (m.n_layers % (layout.pp * layout.vp) != 0)
     return fmt::format("model.n_layers = {} must be divisible by --pp {} × --vp {}", m.n_layers,
                        layout.pp, layout.vp);
-  if (m.n_heads % layout.tp != 0 || m.n_kv_heads % layout.tp != 0)
+  // Multi-head latent attention has a key and a value per head: model.n_kv_heads is not used.
+  if (m.n_heads % layout.tp != 0 || (!m.mla() && m.n_kv_heads % layout.tp != 0))
     return fmt::format("--tp {} must divide model.n_heads = {} and model.n_kv_heads = {}",
                        layout.tp, m.n_heads, m.n_kv_heads);
   if (m.n_experts % layout.ep != 0)

@@ -26,6 +26,9 @@ struct Layout {
   // The expert exchange as DeepEP runs it (comm_model.h alltoall_dedup): each token crosses to a
   // node once and is fanned out there over NVLink (planner only).
   bool a2a_dedup = false;
+  // Each micro-batch's exchanges run while another micro-batch computes (1F1B with all-to-all
+  // overlap: Megatron-Core's overlap_moe_expert_parallel_comm, DeepSeek's DualPipe; planner only).
+  bool a2a_overlap = false;
   // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
   int64_t stage() const { return procs / (tp * pp); }
   // Replicas of each expert: EP folds over the stage's tensor shards and data-parallel ranks.
@@ -35,7 +38,7 @@ struct Layout {
 // Whether `moetrain train` runs this layout: tensor and pipeline parallelism and the deduplicated
 // all-to-all are the planner's only.
 inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && l.pp == 1 && !l.a2a_dedup;
+  return l.tp == 1 && l.pp == 1 && !l.a2a_dedup && !l.a2a_overlap;
 }
 // "planner only: moetrain train has no pipeline parallelism yet", naming what the trainer lacks;
 // empty where it runs the layout.

@@ -72,6 +72,7 @@ nlohmann::json to_json(const Prediction& p) {
       {"experts_active", p.experts_active},
       {"compute_share", p.compute_share},
       {"a2a_kind", p.a2a_kind},
+      {"a2a_overlap", p.layout.a2a_overlap},
       {"a2a_hierarchical_asked", p.hierarchical_asked},
       {"parts",
        {{"attention_s", s.attention},

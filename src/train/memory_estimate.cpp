@@ -126,11 +126,10 @@ std::string MemoryEstimate::table() const {
 std::vector<ParamCounts> unit_params(const ModelConfig& m) {
   m.validate();
   const double C = static_cast<double>(m.dim), V = static_cast<double>(m.vocab_size);
-  const double HS = static_cast<double>(m.head_dim());
   const double E = static_cast<double>(m.n_experts);
-  // Per block two norms, q and o (NH·HS, C), k and v (NKV·HS, C).
-  const double attention = 2 * C + 2 * static_cast<double>(m.n_heads) * HS * C +
-                           2 * static_cast<double>(m.n_kv_heads) * HS * C;
+  // Per block two norms and the attention's projections: q and o (NH·HS, C), k and v (NKV·HS, C);
+  // or multi-head latent attention's (ModelConfig::attention_params).
+  const double attention = 2 * C + static_cast<double>(m.attention_params());
   // A dense block's FFN; an MoE block's router (and its noise projection), shared expert and
   // experts' w1, w3 (F, C) and w2 (C, F).
   const double ffn = 3 * static_cast<double>(m.dense_ffn_hidden()) * C;
@@ -158,15 +157,20 @@ namespace {
 double activation_elements(const ModelConfig& m, int64_t batch, int64_t seq_len,
                            const RankLayout& l) {
   const double N = static_cast<double>(batch * seq_len);
-  const double C = static_cast<double>(m.dim), HS = static_cast<double>(m.head_dim());
+  const double C = static_cast<double>(m.dim);
   const double K = static_cast<double>(m.top_k), F = static_cast<double>(m.expert_hidden);
   const double Fs = static_cast<double>(m.shared_expert_hidden);
   const double Fd = static_cast<double>(m.dense_ffn_hidden());
   const double V = static_cast<double>(m.vocab_size);
   // Per token of a block: the norm inputs and rstd, q/k/v, the attention output and its lse, the
   // residual (and the attention's score statistics, one per head and row).
-  const double attention = 3 * C + 2 + static_cast<double>(2 * m.n_heads + 2 * m.n_kv_heads) * HS +
-                           static_cast<double>(m.n_heads);
+  // Multi-head latent attention keeps keys and values per head, and its latents.
+  const double NH = static_cast<double>(m.n_heads);
+  const double NKV = static_cast<double>(m.mla() ? m.n_heads : m.n_kv_heads);
+  const double qk = static_cast<double>(m.qk_head_dim()), v = static_cast<double>(m.value_head_dim());
+  const double latents =
+      m.mla() ? static_cast<double>(m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) : 0.0;
+  const double attention = 3 * C + 2 + (NH + NKV) * qk + (NKV + NH) * v + NH + latents;
   // The MoE part: router probabilities; the routed rows and the experts' outputs (K C each way);
   // the experts' W1·x, W3·x and their product (3 K F), the shared expert's. This trainer's layers
   // also keep the backward's buffers: the rows' gradients (2 K C more; the other side of the

@@ -153,6 +153,26 @@ ConfigSchema schema(RunConfig& c) {
        "Every n-th block has a dense FFN instead of experts (0 = none)"},
       {"model.dense_hidden", &m.dense_hidden,
        "Hidden size of the dense FFNs (0 = expert_hidden · top_k)"},
+      {"model.first_dense_layers", &m.first_dense_layers,
+       "The first n blocks have a dense FFN of model.dense_hidden instead of experts (planner "
+       "only)"},
+      {"model.head_dim", &m.head_size,
+       "HS: width of an attention head, apart from model.dim / model.n_heads (0 = that; planner "
+       "only unless equal)"},
+      {"model.sliding_window", &m.sliding_window,
+       "Causal window: a query attends to at most this many keys (0 = all; planner only)"},
+      {"model.full_attention_every", &m.full_attention_every,
+       "With a window, every n-th block keeps full attention (0 = none; planner only)"},
+      {"model.q_lora_rank", &m.q_lora_rank,
+       "Multi-head latent attention: rank of the query's down-projection (0 = none; planner only)"},
+      {"model.kv_lora_rank", &m.kv_lora_rank,
+       "Multi-head latent attention: rank of the key/value latent (0 = no MLA; planner only)"},
+      {"model.qk_rope_head_dim", &m.qk_rope_head_dim,
+       "Multi-head latent attention: rotary part of a query/key head (planner only)"},
+      {"model.qk_nope_head_dim", &m.qk_nope_head_dim,
+       "Multi-head latent attention: non-rotary part of a query/key head (planner only)"},
+      {"model.v_head_dim", &m.v_head_dim,
+       "Multi-head latent attention: width of a value head (planner only)"},
       {"model.max_seq_len", &m.max_seq_len, "Longest sequence the model takes (RoPE table size)"},
       {"model.rope_theta", &m.rope_theta, "Base of the rotary position embedding's frequencies"},
   };
@@ -424,6 +444,12 @@ std::string RunConfig::config_hash() const {
     j.erase("gating");
   }
   hash_moe_keys_as_before(j);
+  // Planner-only shapes (the trainer refuses them, ModelConfig::check_trainable) at their
+  // defaults: checkpoints made before the keys existed hash as they did.
+  for (const char* k : {"first_dense_layers", "head_dim", "sliding_window", "full_attention_every",
+                        "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                        "v_head_dim"})
+    if (j["model"].value(k, int64_t{0}) == 0) j["model"].erase(k);
   std::string s = j.dump();
   uint64_t h = 1469598103934665603ull;
   for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;

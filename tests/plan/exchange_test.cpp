@@ -1,5 +1,8 @@
-// The expert exchange as DeepEP runs it: a token crosses to each node holding one of its experts
-// once and is fanned out there over NVLink; node-limited routing caps the nodes a token reaches.
+// The expert exchange in the planner: as DeepEP runs it (a token crosses to each node holding one
+// of its experts once and is fanned out there over NVLink; node-limited routing caps the nodes a
+// token reaches), on a rail-optimised network (the flat route's rows for other positions cross
+// the spine), the adaptive route (the cheaper of flat and 2-D), and overlapped with another
+// micro-batch's compute.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -176,4 +179,54 @@ TEST(PlanExchange, SpineBandwidthFromTheClusterFile) {
     EXPECT_NE(std::string(e.what()).find("cluster.spine_bandwidth"), std::string::npos) << e.what();
   }
   std::filesystem::remove_all(dir);
+}
+
+// The exchange overlapped with another micro-batch's compute (--a2a-overlap), by hand: the
+// layers' compute is 1 + 0.5 + 2 + 0.5 = 4 s a step over 4 micro-batches; the first has no other
+// micro-batch beside it, so 3 s can hide an exchange, less what the chunks hid already.
+TEST(PlanExchange, OverlapWithAnotherMicroBatchByHand) {
+  StepParts s;
+  s.attention = 1, s.router = 0.5, s.experts = 2, s.norms = 0.5;
+  s.lm_head = 7, s.optimizer = 9;  // beside no exchange: not counted
+  s.a2a = s.a2a_exposed = 5;
+  Layout on{8, 8};
+  on.a2a_overlap = true;
+  EXPECT_DOUBLE_EQ(other_microbatch_hidden(on, s, 4, false), 3);
+  s.a2a_exposed = 4;  // the chunks hid 1 s behind the experts
+  EXPECT_DOUBLE_EQ(other_microbatch_hidden(on, s, 4, false), 2);
+  s.a2a = 1.5, s.a2a_exposed = 1;  // less than the window: all of it
+  EXPECT_DOUBLE_EQ(other_microbatch_hidden(on, s, 4, false), 1);
+  EXPECT_DOUBLE_EQ(other_microbatch_hidden(on, s, 1, false), 0);  // one micro-batch
+  EXPECT_DOUBLE_EQ(other_microbatch_hidden(on, s, 4, true), 0);   // communication takes a core
+  EXPECT_DOUBLE_EQ(other_microbatch_hidden(Layout{8, 8}, s, 4, false), 0);  // not asked
+  EXPECT_FALSE(trainer_runs(on));
+  EXPECT_NE(planner_only(on).find("all-to-all overlapped with another micro-batch"),
+            std::string::npos);
+}
+
+// Through the model: EP 64 over 8 nodes, where the exchange outlasts the compute, the step
+// shortens by exactly what the formula hides, and one micro-batch gains nothing.
+TEST(PlanExchange, OverlapWithAnotherMicroBatchIsWhatTheStepSaves) {
+  RunConfig cfg = moe_1024();
+  cfg.train.grad_accum = 4;
+  const ClusterSpec c = a100s(8);
+  Layout plain{64, 64}, over{64, 64};
+  over.a2a_overlap = true;
+  const Prediction p = predict(cfg, c, plain, uniform_load(64));
+  const Prediction o = predict(cfg, c, over, uniform_load(64));
+  const StepParts& s = p.parts;
+  const double layers = s.attention + s.router + s.experts + s.shared_expert + s.norms;
+  ASSERT_GT(s.a2a_exposed, 0.75 * layers);  // the exchange outlasts what can hide it
+  EXPECT_NEAR(o.parts.a2a_exposed, s.a2a_exposed - 0.75 * layers, 1e-9 * s.a2a_exposed);
+  EXPECT_NEAR(o.step_time_s, p.step_time_s - 0.75 * layers, 1e-9 * p.step_time_s);
+  // Pipelined, the fill and the drain run one micro-batch a stage: the bubble keeps its exchanges.
+  Layout plain_pp{64, 32, 1, 2}, over_pp = plain_pp;
+  over_pp.a2a_overlap = true;
+  const Prediction pp = predict(cfg, c, plain_pp, uniform_load(64));
+  const Prediction op = predict(cfg, c, over_pp, uniform_load(64));
+  EXPECT_LT(op.parts.a2a_exposed, pp.parts.a2a_exposed);
+  EXPECT_DOUBLE_EQ(op.parts.pipeline_bubble, pp.parts.pipeline_bubble);
+  cfg.train.grad_accum = 1;
+  EXPECT_DOUBLE_EQ(predict(cfg, c, over, uniform_load(64)).step_time_s,
+                   predict(cfg, c, plain, uniform_load(64)).step_time_s);
 }

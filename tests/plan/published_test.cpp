@@ -41,9 +41,69 @@ TEST(PlanPublished, MegatronMixtral8x7bOn64H100Within25Percent) {
   EXPECT_NEAR(tflops / 468, 1.0, 0.25);
 }
 
+namespace {
+
+// Megatron-Bridge 25.11's model FLOPs per token of a gated-MoE GPT (its flop_utils.py of that
+// release, forward + backward = 3 × forward): every block's attention at full causal length
+// (T/2 keys a query: no window), and the experts' GLU counted as 1.5× a two-matrix FFN only
+// for a SiLU activation — GPT-OSS's is quick-GELU, so its experts count two matrices, not three.
+double megatron_bridge_2511_flops_per_token(const ModelConfig& m, int64_t T) {
+  const double h = static_cast<double>(m.dim), L = static_cast<double>(m.n_layers);
+  const double q = static_cast<double>(m.n_heads * m.head_dim());
+  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
+  const double attention = 3 * 2 * L * (h * (q + 2 * kv) + q * h + q * static_cast<double>(T));
+  const double experts = 3 * 2 * 2 * L * h * static_cast<double>(m.expert_hidden * m.top_k);
+  const double logits = 3 * 2 * h * static_cast<double>(m.vocab_size);
+  return attention + experts + logits;
+}
+
+}  // namespace
+
+// Megatron-Bridge's performance summary (25.11 container, DGX-H100): GPT-OSS 120B on 64 H100,
+// BF16, GBS 512, MBS 4, sequence 4096, TP 1, PP 4, VP 1, EP 8, expert load forced to balance:
+// 5630 tokens/s and 153 TFLOP/s per GPU. The 153 counts FLOPs as that release did (above): the
+// reading of its definition must give 153 from 5630 tokens/s, and the planner's own count of
+// the model is 20% more a token (three expert matrices, the router, windowed blocks' real pairs).
+TEST(PlanPublished, MegatronBridgeGptOss120bFlopCountsByHand) {
+  const RunConfig cfg = load_run_config(plan_file("gpt_oss_120b_megatron.toml"), {});
+  const ModelConfig& m = cfg.model;
+  const double theirs = megatron_bridge_2511_flops_per_token(m, cfg.train.seq_len);
+  EXPECT_NEAR(5630 * theirs * 1e-12, 153, 0.5);
+  // The planner's, by hand, a token: 3 × (36 blocks × (2 · 26542080 projections + 2 · 128 · 2880
+  // router + 4 · 3 · 2 · 2880 · 2880 experts) + 2 · 2880 · 201088 head) + the scores,
+  // 3 × 2 · 64 heads · (64 + 64) · pairs / 4096 over 18 full blocks (4096 · 4097 / 2 pairs)
+  // and 18 windowed ones (128 · 129 / 2 + 3968 · 128 pairs).
+  const double linear =
+      3 * (36 * (2 * 26542080.0 + 2 * 128 * 2880 + 4 * 3 * 2 * 2880.0 * 2880) + 2 * 2880.0 * 201088);
+  const double scores =
+      3 * 2 * 64 * 128 * (18 * (4096 * 4097 / 2.0) + 18 * (128 * 129 / 2.0 + 3968 * 128)) / 4096;
+  EXPECT_DOUBLE_EQ(3 * forward_flops(m, 1, 4096).total() / 4096, linear + scores);
+  std::cout << fmt::format("FLOPs a token: planner {:.2f} G, Megatron-Bridge 25.11 {:.2f} G\n",
+                           (linear + scores) * 1e-9, theirs * 1e-9);
+}
+
+// The throughput at the published layout, in the planner's count: 5630 tokens/s × its FLOPs a
+// token (the same as comparing tokens/s). Not met: the planner predicts 8092 tokens/s per GPU,
+// +44% (docs/plan-published.md says why term by term), so the assertion is registered
+// disabled rather than loosened; --gtest_also_run_disabled_tests runs it.
+TEST(PlanPublished, DISABLED_MegatronBridgeGptOss120bOn64H100Within25Percent) {
+  const RunConfig cfg = load_run_config(plan_file("gpt_oss_120b_megatron.toml"), {});
+  const double theirs = megatron_bridge_2511_flops_per_token(cfg.model, cfg.train.seq_len);
+  const Prediction p = predict_published("gpt_oss_120b_megatron.toml", "dgx_h100_8nodes.toml",
+                                         {.procs = 64, .ep = 8, .tp = 1, .pp = 4, .vp = 1});
+  const double ours = p.flops_per_step / (p.tokens_per_s * p.step_time_s);  // FLOPs a token
+  const double tokens = p.tokens_per_s / 64, tflops = p.flops_per_device_s * 1e-12;
+  const double published = 5630 * ours * 1e-12;
+  std::cout << fmt::format(
+      "predicted {:.0f} tokens/s and {:.0f} TFLOP/s per GPU ({:.0f} in Megatron-Bridge's count); "
+      "published 5630 tokens/s = {:.0f} TFLOP/s in the planner's count ({:+.0f}%)\n",
+      tokens, tflops, tokens * theirs * 1e-12, published, (tflops / published - 1) * 100);
+  EXPECT_NEAR(tflops / published, 1.0, 0.25);
+}
+
 // DeepSpeed-MoE, 128 A100: the 1.3B-base MoE (128 experts, top-1, every other layer) at 372
 // samples/s against 70 for a dense 6.7B model: the ratio, 5.3×. Not met: the planner predicts
-// 3.1× (docs/plan.md, "Published runs", says why), so the assertion is registered disabled
+// 3.1× (docs/plan-published.md says why), so the assertion is registered disabled
 // rather than loosened; --gtest_also_run_disabled_tests runs it.
 TEST(PlanPublished, DISABLED_DeepSpeedMoeOverDense6p7bOn128A100Within25Percent) {
   const Prediction moe = predict_published("deepspeed_moe_1p3b_128e.toml", "dgx_a100_16nodes.toml",
