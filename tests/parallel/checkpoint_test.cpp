@@ -63,8 +63,10 @@ struct RankShare {
 
 fs::path write_step(Comm& comm, const fs::path& run, int64_t step, int64_t keep = 3) {
   RankShare mine(comm.rank(), comm.size(), step);
-  return write_checkpoint(comm, run, step, mine.share, {{{"model_type", "test"}}, {{"step", step}}},
-                          keep);
+  CheckpointDocs docs;
+  docs.config = {{"model_type", "test"}};
+  docs.trainer = {{"step", step}};
+  return write_checkpoint(comm, run, step, mine.share, docs, keep);
 }
 
 }  // namespace

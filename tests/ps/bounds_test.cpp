@@ -146,8 +146,11 @@ TEST(PsBounds, QuorumAppliesOnlyFreshPushesWithinTheSyncBand) {
   EXPECT_DOUBLE_EQ(quorum.servers[0].at("grad_accum_efficiency").get<double>(),
                    static_cast<double>(summed) / static_cast<double>(pushes));
   EXPECT_LT(quorum.servers[0].at("grad_accum_efficiency").get<double>(), 1.0);
-  for (const auto& j : read_metrics(quorum.dir))
-    if (j.contains("pushes")) EXPECT_LE(j.at("grad_accum_efficiency").get<double>(), 1.0);
+  for (const auto& j : read_metrics(quorum.dir)) {
+    if (j.contains("pushes")) {
+      EXPECT_LE(j.at("grad_accum_efficiency").get<double>(), 1.0);
+    }
+  }
   expect_in_sync_band(quorum, sync, half, "quorum");
 }
 
