@@ -9,6 +9,7 @@
 #include "moe/config.h"
 #include "moe/moe_layer.h"
 #include "moe/router.h"
+#include "support/expect_error.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;
@@ -20,16 +21,6 @@ MoeConfig valid_config() {
   MoeConfig cfg;
   cfg.C = 8, cfg.F = 4, cfg.E = 4, cfg.K = 2;
   return cfg;
-}
-
-// The Error's message, or "" when nothing was thrown.
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

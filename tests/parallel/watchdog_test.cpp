@@ -12,8 +12,10 @@
 #include "core/check.h"
 #include "parallel/runtime.h"
 #include "parallel/watchdog.h"
+#include "support/expect_error.h"
 
 using namespace moetrain;
+using moetrain::testing::error_of;
 
 namespace {
 
@@ -23,17 +25,6 @@ class DebugCollectives {
   DebugCollectives() { set_debug_collectives(true); }
   ~DebugCollectives() { set_debug_collectives(false); }
 };
-
-// The message of the Error `fn` throws ("" when none).
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 bool has(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;

@@ -11,10 +11,12 @@
 #include "model/params.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "support/expect_error.h"
 #include "support/plan_runs.h"
 
 using namespace moetrain;
 using namespace moetrain::plan;
+using moetrain::testing::error_of;
 
 namespace {
 
@@ -46,17 +48,6 @@ ClusterSpec one_node() {
   c.intra_node_latency = 3e-6;
   c.inter_node_latency = 10e-6;
   return c;
-}
-
-// The message of what `f` throws, or "" when it does not.
-template <class F>
-std::string error_of(F f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

@@ -9,10 +9,12 @@
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "plan/load_model.h"
+#include "support/expect_error.h"
 #include "support/temp_dir.h"
 
 using namespace moetrain;
 using namespace moetrain::plan;
+using moetrain::testing::error_of;
 
 namespace {
 
@@ -56,16 +58,6 @@ RunConfig small_run() {
   cfg.train.seq_len = 256;
   cfg.model.max_seq_len = 256;
   return cfg;
-}
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace

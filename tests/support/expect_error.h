@@ -1,4 +1,5 @@
-// Test support: expect a moetrain::Error whose message names every given piece.
+// Test support: expect a moetrain::Error whose message names every given piece; the message of
+// what a call throws.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -21,6 +22,17 @@ inline void expect_error(const std::function<void()>& fn, const std::vector<std:
     for (const auto& s : needles)
       EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
   }
+}
+
+// The message of the moetrain::Error fn throws, or "" when it throws none.
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const moetrain::Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 // One needle. (A const char* rather than a string: a braced pair of literals must not be taken
