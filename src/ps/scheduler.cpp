@@ -428,8 +428,9 @@ void Scheduler::begin_stop(int signal) {
 }
 
 // Steps 2 and 3: once the workers paused (or after 30 s), every primary checkpoints its range
-// and says at which clock; asked again until all stand at the same one (their last pushes may
-// still be arriving), for up to 30 s. Returns true when the job has stopped.
+// and says at which clock; asked again until all stand at the same one in two rounds in a row
+// (their last pushes may still be arriving), for up to 30 s. Returns true when the job has
+// stopped.
 bool Scheduler::advance_stop() {
   if (stop_ == Stop::Pausing) {
     bool all = true;
@@ -439,12 +440,17 @@ bool Scheduler::advance_stop() {
     stop_ = Stop::Checkpointing;
     stop_started_ = Clock::now();
     stop_versions_.clear();
+    stop_agreed_ = -1;
   }
   const int64_t S = args_.options.servers;
   if (static_cast<int64_t>(stop_versions_.size()) == S) {
     int64_t lo = INT64_MAX, hi = -1;
     for (auto [index, v] : stop_versions_) lo = std::min(lo, v), hi = std::max(hi, v);
-    if (lo == hi || since(stop_started_) > 30) {
+    // The same clock in two rounds 0.2 s apart: no push arrived in between (one that was still
+    // on its way would have moved a server on, and the round after checkpoints that clock).
+    const bool settled = lo == hi && stop_agreed_ == lo;
+    stop_agreed_ = lo == hi ? lo : -1;
+    if (settled || since(stop_started_) > 30) {
       const int64_t clock = newest_common_clock(lists_);
       const std::string reason = fmt::format(
           "stopped by signal {} at clock {}: every server holds its checkpoint of that clock; "

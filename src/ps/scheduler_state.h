@@ -79,13 +79,15 @@ class Scheduler {
   // The server being replaced; −1 with restoring_: every server, when a resumed job starts.
   int64_t restore_index_ = -1, rollback_clock_ = 0, restored_ = 0;
   // A stop asked by a signal: the workers pause before their next clock (RowsQuery), then every
-  // primary checkpoints its range, asked again until all of them stand at the same clock.
+  // primary checkpoints its range, asked again until all of them stand at the same clock in two
+  // rounds in a row (a paused worker's last push may still be on its way to a server).
   enum class Stop { None, Pausing, Checkpointing };
   Stop stop_ = Stop::None;
   int stop_signal_ = 0;
   Clock::time_point stop_started_ = Clock::now(), stop_asked_ = Clock::now();
   std::set<int32_t> paused_;                      // workers paused for the stop
   std::map<int64_t, int64_t> stop_versions_;      // server index → its version when it checkpointed
+  int64_t stop_agreed_ = -1;  // the clock every server stood at in the last round, or -1
   uint32_t generation_ = 0;
   int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0, backups_attached_ = 0;
   int exit_code_ = 1;
