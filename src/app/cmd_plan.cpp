@@ -57,6 +57,7 @@ Run add_plan_command(CLI::App& app) {
     int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
     std::string recompute;
     bool a2a_dedup = false, a2a_overlap = false;
+    std::string pp_schedule;
     bool no_bf16 = false, calibrate_comm = false;
     std::string comm_procs = "auto";
     int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
@@ -103,6 +104,9 @@ Run add_plan_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--vp", args->vp, "Virtual pipeline stages per rank (interleaved schedule)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--pp-schedule", args->pp_schedule,
+                  "Pipeline schedule timed for the bubble: gpipe, 1f1b, interleaved, zero_bubble "
+                  "(default: interleaved with --vp > 1, else 1f1b)");
   cmd->add_option("--zero", args->zero,
                   "ZeRO stage 0-3 for memory and time (default: the config's dist.zero; 3 "
                   "planner only)")
@@ -217,6 +221,8 @@ Run add_plan_command(CLI::App& app) {
     if (!args->recompute.empty()) layout.recompute = parse_recompute(args->recompute);
     layout.a2a_dedup = args->a2a_dedup;
     layout.a2a_overlap = args->a2a_overlap;
+    if (!args->pp_schedule.empty())
+      layout.schedule = parse_pipe_schedule(args->pp_schedule, "--pp-schedule");
     if (args->advise) {
       const std::vector<int64_t> sizes = args->sizes.empty()
                                              ? plan::default_advice_sizes(*file_cluster)

@@ -18,7 +18,8 @@
 
 namespace moetrain {
 
-Transformer::Transformer(const ModelConfig& cfg, const MoeContext& ctx) : cfg_(cfg), layout_(cfg) {
+Transformer::Transformer(const ModelConfig& cfg, const MoeContext& ctx)
+    : cfg_(cfg), layout_(cfg), end_(cfg.n_layers) {
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     if (cfg_.is_dense_layer(l)) {
       moe_index_.push_back(-1);
@@ -34,6 +35,9 @@ Transformer::~Transformer() = default;
 
 void Transformer::set_device(const std::string& device) {
   MOETRAIN_CHECK(device == "cpu" || device == "cuda", "device '{}': allowed are cpu, cuda",
+                 device);
+  MOETRAIN_CHECK(device == "cpu" || (first_ == 0 && end_ == cfg_.n_layers),
+                 "device '{}': the device engine runs the whole model, not a pipeline stage",
                  device);
   MOETRAIN_CHECK(device == "cpu" || recompute_ == Recompute::None,
                  "device '{}' with train.recompute = {}: the device engine keeps every activation "
@@ -93,6 +97,28 @@ std::vector<MoeBlockRef> Transformer::moe_blocks() {
   return out;
 }
 
+void Transformer::set_stage(int64_t first, int64_t end) {
+  MOETRAIN_CHECK(0 <= first && first < end && end <= cfg_.n_layers,
+                 "pipeline stage of blocks [{}, {}): needs 0 ≤ first < end ≤ model.n_layers = {}",
+                 first, end, cfg_.n_layers);
+  MOETRAIN_CHECK(!engine_ || (first == 0 && end == cfg_.n_layers),
+                 "a pipeline stage runs on the CPU: the device engine runs the whole model");
+  if (first == first_ && end == end_) return;
+  first_ = first, end_ = end;
+  for (auto& a : acts_) a = std::make_unique<LayerActs>();
+  resid_ = {}, lnf_ = {}, rstdf_ = {}, logits_ = {}, lse_ = {}, losses_ = {}, dlogits_ = {};
+  capacity_ = 0;
+  have_targets_ = false;
+}
+
+float* Transformer::resid_at(int64_t l) {
+  return resid_.data() + (l - first_) * B_ * T_ * cfg_.dim;
+}
+
+const float* Transformer::stage_output() const {
+  return resid_.data() + (end_ - first_) * B_ * T_ * cfg_.dim;
+}
+
 void Transformer::ensure_capacity(int64_t N) {
   if (N <= capacity_) return;
   const int64_t C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();
@@ -101,9 +127,9 @@ void Transformer::ensure_capacity(int64_t N) {
   bool any_dense = false;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) any_dense |= cfg_.is_dense_layer(l);
   // full: one set of block activations that every block's forward (and recompute) writes.
-  const int64_t sets = recompute_ == Recompute::Full ? std::min<int64_t>(1, cfg_.n_layers)
-                                                     : cfg_.n_layers;
-  for (int64_t l = 0; l < sets; ++l) {
+  // A pipeline stage: its own blocks' sets only.
+  const int64_t sets = recompute_ == Recompute::Full ? std::min<int64_t>(first_ + 1, end_) : end_;
+  for (int64_t l = recompute_ == Recompute::Full ? 0 : first_; l < sets; ++l) {
     LayerActs& a = *acts_[l];
     a.ln1.resize(sz(N * C)), a.rstd1.resize(sz(N));
     a.q.resize(sz(N * QD)), a.k.resize(sz(N * KD)), a.v.resize(sz(N * KD));
@@ -117,13 +143,15 @@ void Transformer::ensure_capacity(int64_t N) {
   }
   const int64_t Fd = any_dense ? cfg_.dense_ffn_hidden() : 0;
   inputs_.resize(sz(N)), targets_.resize(sz(N)), pos_.resize(sz(N));
-  resid_.resize(sz((cfg_.n_layers + 1) * N * C));
-  lnf_.resize(sz(N * C)), rstdf_.resize(sz(N));
-  logits_.resize(sz(N * V)), lse_.resize(sz(N)), losses_.resize(sz(N));
+  resid_.resize(sz((end_ - first_ + 1) * N * C));
+  if (last_stage()) {
+    lnf_.resize(sz(N * C)), rstdf_.resize(sz(N));
+    logits_.resize(sz(N * V)), lse_.resize(sz(N)), losses_.resize(sz(N));
+    dlogits_.resize(sz(N * V));
+  }
   dresid_.resize(sz(N * C)), dxmid_.resize(sz(N * C)), dln_.resize(sz(N * C));
   dq_.resize(sz(N * QD)), dk_.resize(sz(N * KD)), dv_.resize(sz(N * KD)), datt_.resize(sz(N * QD));
   dh1_.resize(sz(N * Fd)), dh3_.resize(sz(N * Fd)), dg_.resize(sz(N * Fd));
-  dlogits_.resize(sz(N * V));
   capacity_ = N;
 }
 
@@ -156,45 +184,66 @@ void Transformer::release(int64_t unit) {
 void Transformer::refresh_lp_weights(const float* params) {
   // Sharded parameters: each unit's copy is made where it is gathered (acquire).
   if (lp_ == DType::F32 || units_ || (!lp_stale_ && params == lp_source_)) return;
-  f32_to_dtype(lp_, params_lp_.ensure(layout_.size()), params,
-               static_cast<std::size_t>(layout_.size()));
+  // A pipeline stage: its own units' weights.
+  const int64_t lo = unit_range(first_ == 0 ? 0 : 1 + first_).first;
+  const int64_t hi = unit_range(last_stage() ? cfg_.n_layers + 1 : end_).second;
+  f32_to_dtype(lp_, static_cast<char*>(params_lp_.ensure(layout_.size())) + lo * 2, params + lo,
+               static_cast<std::size_t>(hi - lo));
   lp_source_ = params;
   lp_stale_ = false;
 }
 
 LossParts Transformer::forward(const float* params, const int32_t* inputs, const int32_t* targets,
                                int64_t B, int64_t T, const MoeStep& step) {
+  return forward(params, inputs, nullptr, targets, B, T, step);
+}
+
+LossParts Transformer::forward(const float* params, const int32_t* inputs, const float* x,
+                               const int32_t* targets, int64_t B, int64_t T, const MoeStep& step) {
   MOETRAIN_CHECK(B > 0 && T > 0, "forward: batch {} and sequence {} must be positive", B, T);
   MOETRAIN_CHECK(T <= cfg_.max_seq_len,
                  "forward: sequence length {} exceeds model.max_seq_len = {}", T, cfg_.max_seq_len);
+  MOETRAIN_CHECK((first_ == 0) == (x == nullptr),
+                 "forward: the stage beginning at block {} {} the previous stage's output", first_,
+                 first_ == 0 ? "embeds its tokens, not" : "takes");
   if (engine_) return engine_->forward(params, inputs, targets, B, T, step);
   const int64_t N = B * T, C = cfg_.dim, V = cfg_.vocab_size;
   const float eps = static_cast<float>(cfg_.norm_eps);
   ensure_capacity(N);
-  B_ = B, T_ = T, have_targets_ = targets != nullptr;
-  std::memcpy(inputs_.data(), inputs, sizeof(int32_t) * N);
-  if (targets) std::memcpy(targets_.data(), targets, sizeof(int32_t) * N);
+  const bool last = last_stage();
+  B_ = B, T_ = T, have_targets_ = last ? targets != nullptr : step.training;
+  if (first_ == 0) std::memcpy(inputs_.data(), inputs, sizeof(int32_t) * N);
+  if (targets && last) std::memcpy(targets_.data(), targets, sizeof(int32_t) * N);
   for (int64_t i = 0; i < N; ++i) pos_[i] = static_cast<int32_t>(i % T);
   const bool mixed = lp_ != DType::F32;
   refresh_lp_weights(params);
   const int64_t L = cfg_.n_layers, head = L + 1;
-  acquire(0, 1, params);
-  embedding_forward(resid_.data(), inputs_.data(), params + layout_.embed, N, C, V);
-  release(0);
+  if (first_ == 0) {
+    acquire(0, 1, params);
+    embedding_forward(resid_at(0), inputs_.data(), params + layout_.embed, N, C, V);
+    release(0);
+  } else {
+    std::memcpy(resid_at(first_), x, sizeof(float) * static_cast<std::size_t>(N * C));
+  }
   LossParts parts;
-  for (int64_t l = 0; l < L; ++l) {
-    acquire(1 + l, 2 + l, params);
+  for (int64_t l = first_; l < end_; ++l) {
+    acquire(1 + l, last || l + 1 < end_ ? 2 + l : -1, params);
     block_forward(l, params, step, false, &parts);
     release(1 + l);
   }
+  const int64_t n_moe = cfg_.n_moe_layers();
+  if (!last) {
+    if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
+    parts.total = cfg_.aux_loss_coef * parts.aux + cfg_.z_loss_coef * parts.z;
+    return parts;
+  }
   acquire(head, -1, params);
-  rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_.data() + L * N * C,
-                  params + layout_.final_norm, N, C, eps);
+  rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_at(L), params + layout_.final_norm, N, C,
+                  eps);
   const void* lnf = mixed ? rounded(lnf_lp_, lnf_.data(), N * C) : nullptr;
   linear_fwd(logits_.data(), lnf_.data(), lnf, params, layout_.lm_head, N, C, V);
   // A training forward's backward starts at the head: it stays in place until then.
   if (!targets || !step.training) release(head);
-  const int64_t n_moe = cfg_.n_moe_layers();
   if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
   if (!targets) return parts;
 
@@ -228,6 +277,8 @@ const float* Transformer::prefill(const float* params, const int32_t* tokens, in
                  "prefill: the KV cache has {} layers, the model {}", cache.k.size(),
                  cfg_.n_layers);
   MOETRAIN_CHECK(!engine_, "prefill: decoding runs on the CPU (set_device(\"cpu\") first)");
+  MOETRAIN_CHECK(first_ == 0 && last_stage(), "prefill: decoding runs the whole model, not a "
+                                              "pipeline stage");
   MoeStep step;
   step.training = false;
   fill_cache_ = &cache;  // each block copies its keys and values in
@@ -243,8 +294,42 @@ const float* Transformer::prefill(const float* params, const int32_t* tokens, in
 }
 
 void Transformer::backward(const float* params, float* grads, float loss_weight) {
+  backward(params, grads, loss_weight, nullptr);
+}
+
+void Transformer::backward(const float* params, float* grads, float loss_weight,
+                           const float* dout) {
   if (engine_) return engine_->backward(params, grads, loss_weight);
   MOETRAIN_CHECK(have_targets_, "backward needs a forward with targets first");
+  const bool last = last_stage();
+  MOETRAIN_CHECK(last == (dout == nullptr),
+                 "backward: the stage ending at block {} {} the gradient of its output", end_,
+                 last ? "starts from its loss, not" : "takes");
+  const int64_t N = B_ * T_, C = cfg_.dim, V = cfg_.vocab_size;
+  // The balancing losses are means over MoE layers: each layer's share of their gradient.
+  const int64_t n_moe = cfg_.n_moe_layers();
+  const float moe_weight = n_moe > 0 ? loss_weight / static_cast<float>(n_moe) : 0.f;
+  if (!last) {
+    std::memcpy(dresid_.data(), dout, sizeof(float) * static_cast<std::size_t>(N * C));
+    if (grads_ready_) grads_ready_(layout_.layers[end_].ln1);  // later stages' gradients
+  } else {
+    head_backward(params, grads, loss_weight);
+  }
+  for (int64_t l = end_ - 1; l >= first_; --l) {
+    acquire(1 + l, l > first_ ? l : -1, params);  // the embedding's backward reads no weight
+    // full: the block's activations again, from its input, right before its backward.
+    if (recompute_ == Recompute::Full) block_forward(l, params, MoeStep{}, true, nullptr);
+    block_backward(l, params, grads, moe_weight);
+    release(1 + l);
+    if (grads_ready_) grads_ready_(layout_.layers[l].ln1);  // the block's first tensor
+  }
+  if (first_ == 0)
+    embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
+  if (grads_ready_) grads_ready_(0);  // an earlier stage's gradients stay as they are
+}
+
+// The loss's gradient through the head and the final norm into dresid_.
+void Transformer::head_backward(const float* params, float* grads, float loss_weight) {
   const int64_t N = B_ * T_, C = cfg_.dim, V = cfg_.vocab_size;
   int64_t counted = 0;
   for (int64_t i = 0; i < N; ++i) counted += targets_[i] >= 0;
@@ -257,25 +342,10 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
   acquire(head, L, params);
   linear_bwd(dln_.data(), false, grads + layout_.lm_head, dlogits_.data(), lnf_.data(),
              lnf_lp_.data(), params, layout_.lm_head, N, C, V);
-  rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(),
-                   resid_.data() + cfg_.n_layers * N * C, params + layout_.final_norm,
-                   rstdf_.data(), N, C);
+  rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(), resid_at(L),
+                   params + layout_.final_norm, rstdf_.data(), N, C);
   release(head);
   if (grads_ready_) grads_ready_(layout_.final_norm);
-
-  // The balancing losses are means over MoE layers: each layer's share of their gradient.
-  const int64_t n_moe = cfg_.n_moe_layers();
-  const float moe_weight = n_moe > 0 ? loss_weight / static_cast<float>(n_moe) : 0.f;
-  for (int64_t l = L - 1; l >= 0; --l) {
-    acquire(1 + l, l > 0 ? l : -1, params);  // the embedding's backward reads no weight
-    // full: the block's activations again, from its input, right before its backward.
-    if (recompute_ == Recompute::Full) block_forward(l, params, MoeStep{}, true, nullptr);
-    block_backward(l, params, grads, moe_weight);
-    release(1 + l);
-    if (grads_ready_) grads_ready_(layout_.layers[l].ln1);  // the block's first tensor
-  }
-  embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
-  if (grads_ready_) grads_ready_(0);
 }
 
 std::vector<int64_t> Transformer::unit_starts() const {

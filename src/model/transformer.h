@@ -57,6 +57,26 @@ class Transformer final : public TrainableModel {
                     int64_t T, const MoeStep& step);
   // grads += ∂(loss_weight · total)/∂params for the last forward (which must have had targets).
   void backward(const float* params, float* grads, float loss_weight) override;
+
+  // Pipeline stages: this model runs blocks [first, end) of the stack only — the embedding where
+  // first = 0, the final norm, the head and the loss where end = n_layers — and keeps the
+  // activations of those alone. The default is every block; a stage computes exactly what the
+  // whole model computes for its blocks (the same operations in the same order).
+  void set_stage(int64_t first, int64_t end);
+  int64_t stage_first() const { return first_; }
+  int64_t stage_end() const { return end_; }
+  bool last_stage() const { return end_ == cfg_.n_layers; }
+  // A stage's forward: a later stage takes x (B·T, C), the previous stage's output, in place of
+  // the embedding of `inputs` (not read then); only the last reads `targets`. A stage before
+  // the last computes no cross-entropy (its loss parts are its MoE layers' shares of aux and z)
+  // and leaves its output in stage_output().
+  LossParts forward(const float* params, const int32_t* inputs, const float* x,
+                    const int32_t* targets, int64_t B, int64_t T, const MoeStep& step);
+  const float* stage_output() const;  // (B·T, C)
+  // A stage's backward: one before the last takes dout = ∂(loss_weight · loss)/∂stage_output();
+  // a later one leaves ∂(loss_weight · loss)/∂x in stage_input_grad().
+  void backward(const float* params, float* grads, float loss_weight, const float* dout);
+  const float* stage_input_grad() const { return dresid_.data(); }
   // Called during backward whenever the gradients at flat offsets ≥ `ready_from` are final (the
   // layout runs embedding, blocks, final norm, head, and backward visits them in reverse), so a
   // distributed trainer can start reducing them while backward goes on. Empty: no calls.
@@ -129,10 +149,12 @@ class Transformer final : public TrainableModel {
  private:
   struct LayerActs;
   void ensure_capacity(int64_t N);
+  float* resid_at(int64_t l);  // the residual stream entering block l (l = end_: leaving)
   LayerActs& acts_at(int64_t l);  // block l's activations (the shared set under full)
   void block_forward(int64_t l, const float* params, const MoeStep& step, bool replay,
                      LossParts* parts);
   void block_backward(int64_t l, const float* params, float* grads, float moe_weight);
+  void head_backward(const float* params, float* grads, float loss_weight);
   void linear_fwd(float* out, const float* inp, const void* inp_lp, const float* params, int64_t w,
                   int64_t N, int64_t IC, int64_t OC);
   void linear_bwd(float* dinp, bool acc, float* dweight, const float* dout, const float* inp,
@@ -151,6 +173,7 @@ class Transformer final : public TrainableModel {
   std::vector<std::unique_ptr<LayerActs>> acts_;  // (L); under full only the first is used
   Recompute recompute_ = Recompute::None;
   std::unique_ptr<RecomputeScratch> scratch_;  // shared by the MoE layers under moe and full
+  int64_t first_ = 0, end_ = 0;  // the stage's blocks [first_, end_)
   KvCache* fill_cache_ = nullptr;  // prefill: the cache each block copies its keys and values to
   int64_t capacity_ = 0;  // tokens the buffers hold
   int64_t B_ = 0, T_ = 0;
@@ -168,8 +191,9 @@ class Transformer final : public TrainableModel {
   HalfBuffer lnf_lp_, dout_lp_;  // (N, C), backward scratch (N, max output width)
 
   std::vector<int32_t> inputs_, targets_, pos_;
-  std::vector<float>
-      resid_;  // (L+1, N, C): the residual stream entering each block, then the output
+  // (end − first + 1, N, C): the residual stream entering each of the stage's blocks, then its
+  // output
+  std::vector<float> resid_;
   std::vector<float> lnf_, rstdf_;            // (N, C), (N)
   std::vector<float> logits_, lse_, losses_;  // (N, V), (N), (N)
   // backward scratch

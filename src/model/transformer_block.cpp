@@ -67,8 +67,8 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   const bool mixed = lp_ != DType::F32;
   const LayerOffsets& o = layout_.layers[l];
   LayerActs& a = acts_at(l);
-  const float* x = resid_.data() + l * N * C;
-  float* x_out = resid_.data() + (l + 1) * N * C;
+  const float* x = resid_at(l);
+  float* x_out = resid_at(l + 1);
   rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, params + o.ln1, N, C, eps);
   const void* ln1 = mixed ? rounded(a.ln1_lp, a.ln1.data(), N * C) : nullptr;
   linear_fwd(a.q.data(), a.ln1.data(), ln1, params, o.wq, N, C, QD);
@@ -118,7 +118,7 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
   float* P = const_cast<float*>(params);
   const LayerOffsets& o = layout_.layers[l];
   LayerActs& a = acts_at(l);
-  const float* x = resid_.data() + l * N * C;
+  const float* x = resid_at(l);
   // dresid_ holds ∂L/∂(block output); it flows unchanged into the FFN output and the residual.
   if (moe_index_[l] >= 0) {
     moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(),

@@ -16,6 +16,8 @@ namespace moetrain {
 const float* Transformer::decode(const float* params, int32_t token, KvCache& cache) {
   MOETRAIN_CHECK(!engine_, "decode: decoding runs on the CPU (set_device(\"cpu\") first)");
   MOETRAIN_CHECK(!units_, "decode: decoding reads whole parameters, not sharded ones (dist.zero = 3)");
+  MOETRAIN_CHECK(first_ == 0 && last_stage(),
+                 "decode: decoding runs the whole model, not a pipeline stage");
   MOETRAIN_CHECK(static_cast<int64_t>(cache.k.size()) == cfg_.n_layers,
                  "decode: the KV cache has {} layers, the model {}", cache.k.size(),
                  cfg_.n_layers);

@@ -111,6 +111,19 @@ Collective ring_allreduce(const ClusterSpec& c, double bytes, int64_t p, bool cr
   return r;
 }
 
+Collective pipeline_send(const ClusterSpec& c, double bytes, int64_t stage_ranks) {
+  Collective r;
+  if (bytes <= 0) return r;
+  r.kind = "copy";
+  if (stage_ranks >= c.devices_per_node)
+    r.phases.push_back({"to the next stage's node", 1, c.inter_node_latency, bytes,
+                        c.inter_node_bandwidth, static_cast<double>(c.devices_per_node)});
+  else
+    r.phases.push_back({"to the next stage, within the node", 1, c.intra_node_latency, bytes,
+                        c.intra_node_bandwidth, 1});
+  return r;
+}
+
 double ring_allreduce_bytes(double bytes, int64_t p) {
   return p <= 1 ? 0.0 : 2.0 * static_cast<double>(p - 1) / static_cast<double>(p) * bytes;
 }

@@ -65,6 +65,11 @@ double dedup_share(int64_t E, int64_t K, int64_t nn, double node_limit);
 Collective ring_allreduce(const ClusterSpec& c, double bytes, int64_t p, bool crosses_nodes);
 // Bytes each rank sends in a ring all-reduce of `bytes` over p ranks: 2 (p − 1) / p · bytes.
 double ring_allreduce_bytes(double bytes, int64_t p);
+// One pipeline send: every rank of a stage (stage_ranks consecutive ranks) hands `bytes` of
+// activations (or their gradients) to its peer in the next stage at once. Stages wider than a
+// node sit on nodes of their own, and a node's ranks share its link; narrower ones pass within
+// the node.
+Collective pipeline_send(const ClusterSpec& c, double bytes, int64_t stage_ranks);
 
 // A run's communication per step, written out: what each collective's phases are and how many
 // of them a step runs. The step's all-to-all and reduction times (StepParts) are these.
@@ -83,6 +88,11 @@ struct CommBreakdown {
   // Tensor parallelism's all-reduces of activations: `tp_count` a step of `tensor_parallel`.
   double tp_count = 0;
   Collective tensor_parallel;
+  // Pipeline parallelism: the schedule timed (its name), the activation sends between stages a
+  // step (forward and backward, each micro-batch and chunk boundary) of `pipeline_send` each.
+  std::string pipe_schedule;
+  double pipe_sends = 0;
+  Collective pipeline_send;
 };
 
 }  // namespace moetrain::plan

@@ -400,16 +400,32 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
       *v /= p.compute_share;
   }
 
-  // Pipeline bubble: with pp stages and A micro-batches, a stage idles for (pp − 1) micro-batch
-  // times; vp virtual stages per rank shorten each by vp. Activation sends between stages are
-  // taken as overlapped with compute (Megatron's interleaved schedule does), not charged. The
-  // fill and the drain run a micro-batch with no other beside it: its exchanges all exposed.
+  // Pipeline bubble: the schedule (layout.pipe_schedule()) timed pass by pass as the trainer
+  // runs it (parallel/pipeline_schedule.h): a micro-batch's stage time split over the vp chunks
+  // into forward, input-gradient and weight-gradient thirds (a backward is two forwards), and
+  // each activation (or its gradient) priced as a send between stages. The bubble is the step
+  // beyond the stage's own work: (pp − 1) micro-batch times under 1F1B and GPipe, (pp − 1) / vp
+  // interleaved, less again where zero_bubble moves weight passes into the drain; plus the sends
+  // on the fill's and the drain's path (those between busy passes overlap). The fill and the
+  // drain run a micro-batch with no other beside it: its exchanges all exposed.
   if (layout.pp > 1) {
     const double per_mb = (s.compute() - s.optimizer - s.lm_head + s.a2a_exposed +
                            overlap_hidden + s.tensor_parallel) /
                           static_cast<double>(A);
-    s.pipeline_bubble =
-        static_cast<double>(layout.pp - 1) / static_cast<double>(layout.vp) * per_mb;
+    const PipeSchedule sched = layout.pipe_schedule();
+    const PipeShape shape{layout.pp, A, layout.vp};
+    const std::string problem = pipe_shape_problem(sched, shape);
+    MOETRAIN_CHECK(problem.empty(), "{}", problem);
+    // Each TP rank sends its sequence-parallel share of the micro-batch's activations.
+    cm.pipe_schedule = pipe_schedule_name(sched);
+    cm.pipeline_send = pipeline_send(cluster, N * C * ab / static_cast<double>(tp),
+                                     layout.procs / layout.pp);
+    cm.pipe_sends = 2.0 * static_cast<double>(A * (layout.pp * layout.vp - 1)) /
+                    static_cast<double>(layout.pp);
+    const double third = per_mb / (3.0 * static_cast<double>(layout.vp));
+    const PipeTimeline tl =
+        simulate(sched, shape, {third, third, third, cm.pipeline_send.seconds()});
+    s.pipeline_bubble = std::max(0.0, tl.makespan - static_cast<double>(A) * per_mb);
   }
 
   p.step_time_s = s.compute() + s.a2a_exposed + s.grad_sync_exposed + s.tensor_parallel +

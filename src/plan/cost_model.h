@@ -49,7 +49,7 @@ struct StepParts {
   double grad_sync = 0;      // gradient all-reduce (or reduce-scatter + all-gather), total
   double grad_sync_exposed = 0;
   double tensor_parallel = 0;  // TP all-reduces of activations (not overlapped)
-  double pipeline_bubble = 0;  // (pp − 1) / vp micro-batch times of an idle stage, and p2p sends
+  double pipeline_bubble = 0;  // a stage's idle time in the pipeline schedule, sends included
   double sync = 0;  // small latency-bound collectives (balance statistics, norm, metrics)
   double compute() const {
     return attention + router + experts + shared_expert + norms + lm_head + optimizer;

@@ -6,6 +6,7 @@
 
 #include "model/config.h"
 #include "moe/recompute.h"
+#include "parallel/pipeline_schedule.h"
 #include "plan/cluster.h"
 
 namespace moetrain::plan {
@@ -29,6 +30,12 @@ struct Layout {
   // Each micro-batch's exchanges run while another micro-batch computes (1F1B with all-to-all
   // overlap: Megatron-Core's overlap_moe_expert_parallel_comm, DeepSeek's DualPipe; planner only).
   bool a2a_overlap = false;
+  // The pipeline schedule (parallel/pipeline_schedule.h); unset: interleaved with vp > 1, else
+  // 1f1b.
+  std::optional<PipeSchedule> schedule{};
+  PipeSchedule pipe_schedule() const {
+    return schedule.value_or(vp > 1 ? PipeSchedule::Interleaved : PipeSchedule::OneFOneB);
+  }
   // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
   int64_t stage() const { return procs / (tp * pp); }
   // Replicas of each expert: EP folds over the stage's tensor shards and data-parallel ranks.

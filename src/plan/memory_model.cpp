@@ -27,6 +27,12 @@ RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelera
   RankLayout l = trainer_layout(cfg, layout.procs, 0);
   l.ep = layout.ep;
   l.tp = layout.tp, l.pp = layout.pp;
+  if (layout.pp > 1) {
+    // The first stage's micro-batches in flight under the layout's schedule (equal passes).
+    const PipeShape shape{layout.pp, cfg.train.grad_accum, layout.vp};
+    if (pipe_shape_problem(layout.pipe_schedule(), shape).empty())
+      l.pipe_in_flight = simulate(layout.pipe_schedule(), shape, {}).peak_in_flight[0];
+  }
   const DType prec = cfg.train.precision_dtype();
   const int zero = static_cast<int>(zero_stage(cfg, layout));
   // A GPU run in bf16/fp16 keeps state as Megatron and DeepSpeed do (bf16 weights, f32 masters
@@ -49,8 +55,9 @@ Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accele
   // experts of each of them (this trainer: every expert's weights and gradients in its flat
   // buffer). ZeRO shards a dense tensor's state over the stage's data-parallel world (every
   // process holding that shard) and an expert's over the DP ranks that hold a replica of it.
-  // Pipelining (1F1B) keeps pp micro-batches of L / pp layers on the first stage: the same
-  // activations as one micro-batch of every layer.
+  // Pipelining keeps the micro-batches its schedule has in flight of L / pp layers on the first
+  // stage: under 1F1B pp of them, the same activations as one micro-batch of every layer; under
+  // GPipe every micro-batch of the step.
   const RankLayout l = rank_layout(cfg, layout, accelerator);
   const MemoryEstimate e = rank_memory(cfg.model, cfg.train.batch_size, cfg.train.seq_len, l);
   Memory mem;

@@ -46,7 +46,11 @@ nlohmann::json comm_json(const CommBreakdown& c) {
             {"deduplicated", collective_json(c.a2a_deduplicated)}}},
           {"reductions", reductions},
           {"tensor_parallel",
-           {{"per_step", c.tp_count}, {"each", collective_json(c.tensor_parallel)}}}};
+           {{"per_step", c.tp_count}, {"each", collective_json(c.tensor_parallel)}}},
+          {"pipeline",
+           {{"schedule", c.pipe_schedule},
+            {"sends_per_step", c.pipe_sends},
+            {"each", collective_json(c.pipeline_send)}}}};
 }
 
 }  // namespace
@@ -225,6 +229,11 @@ std::string format_comm(const Prediction& p) {
     out += fmt::format("  tensor parallelism: {} all-reduces a step of {} = {}; {} a step\n",
                        count(c.tp_count), duration(c.tensor_parallel.seconds()),
                        formula(c.tensor_parallel), duration(s.tensor_parallel));
+  if (c.pipe_sends > 0)
+    out += fmt::format("  pipeline ({}): {} sends a step of {} = {}; bubble {} a step\n",
+                       c.pipe_schedule, count(c.pipe_sends),
+                       duration(c.pipeline_send.seconds()), formula(c.pipeline_send),
+                       duration(s.pipeline_bubble));
   return out;
 }
 

@@ -201,6 +201,10 @@ double activation_elements(const ModelConfig& m, int64_t batch, int64_t seq_len,
   // Once: the final norm, the logits (and this trainer's logit gradients and the model's backward
   // rows, the d* buffers every block's backward writes: about 24 C a token, measured).
   const double once = l.kept_backward_buffers ? 2 * V + 24 * C : 2 * C + V;
+  // A pipeline stage holds its L / pp layers' activations for each micro-batch in flight.
+  if (l.pp > 1)
+    layers *= (l.pipe_in_flight > 0 ? l.pipe_in_flight : static_cast<double>(l.pp)) /
+              static_cast<double>(l.pp);
   // Tensor parallelism shards them (taken as all of them: sequence parallelism).
   return N * (layers + once) / static_cast<double>(l.tp);
 }

@@ -77,6 +77,9 @@ struct RankLayout {
   int64_t ep = 1;           // expert-parallel group size: E / ep experts owned per rank
   int64_t spare_slots = 0;  // placement.spare_slots: replica slots per rank (with ep > 1)
   int64_t tp = 1, pp = 1;   // tensor and pipeline parallelism (the planner's only)
+  // Micro-batches whose activations of the stage's L / pp layers the first stage holds at
+  // once (parallel/pipeline_schedule.h, PipeTimeline::peak_in_flight); 0: pp, as 1F1B.
+  double pipe_in_flight = 0;
   ParamState state;         // bytes per parameter and the ZeRO stage
   Recompute recompute = Recompute::None;
   Offload offload = Offload::None;

@@ -4,6 +4,7 @@
 
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "support/expect_error.h"
 #include "support/plan_clusters.h"
 #include "support/temp_dir.h"
 
@@ -48,14 +49,56 @@ TEST(PlanLayout, PipelineBubbleIsPMinusOneOverVMicroBatches) {
   const Prediction pp4 = predict(cfg, c, {.procs = 16, .ep = 4, .pp = 4}, load);
   const Prediction vp2 = predict(cfg, c, {.procs = 16, .ep = 4, .pp = 4, .vp = 2}, load);
   EXPECT_EQ(flat.parts.pipeline_bubble, 0);
-  EXPECT_NEAR(pp4.parts.pipeline_bubble / stage_microbatch(pp4, 8), 3.0, 1e-9);
-  EXPECT_NEAR(vp2.parts.pipeline_bubble / stage_microbatch(vp2, 8), 1.5, 1e-9);
+  // (p − 1)/vp micro-batch times, and the sends on the schedule's path: at least the fill's and
+  // the drain's (2(p − 1)), at most a round trip for each of the stage's backward passes too
+  // (1F1B's steady state has no slack). A send is one micro-batch's bf16 activations
+  // (2 × 512 tokens × 512) to the next stage.
+  const double send = pp4.comm.pipeline_send.seconds();
+  ASSERT_EQ(pp4.comm.pipeline_send.phases.size(), 1u);
+  EXPECT_EQ(pp4.comm.pipeline_send.phases[0].bytes, 2.0 * 512 * 512 * 2);
+  EXPECT_GT(send, 0);
+  const double mb4 = stage_microbatch(pp4, 8), mb2 = stage_microbatch(vp2, 8);
+  EXPECT_GE(pp4.parts.pipeline_bubble, 3.0 * mb4 + 2 * 3 * send - 1e-12);
+  EXPECT_LE(pp4.parts.pipeline_bubble, 3.0 * mb4 + 2 * (8 + 3) * send + 1e-12);
+  EXPECT_GE(vp2.parts.pipeline_bubble, 1.5 * mb2 + 2 * 3 * send - 1e-12);
+  EXPECT_LE(vp2.parts.pipeline_bubble, 1.5 * mb2 + 2 * (16 + 7) * send + 1e-12);
+  EXPECT_EQ(pp4.comm.pipe_schedule, "1f1b");
+  EXPECT_EQ(vp2.comm.pipe_schedule, "interleaved");
   // A stage holds a quarter of the layers: its dense parameters are a quarter (the embedding
   // and LM head included, spread as the rest), its attention a quarter of the time.
   EXPECT_NEAR(pp4.parts.attention * 4, flat.parts.attention, flat.parts.attention * 1e-9);
   EXPECT_LT(pp4.memory.params, flat.memory.params / 2);
   // Every stage replica runs the whole model: 16 / 4 = 4 replicas of 8 micro-batches.
   EXPECT_NEAR(pp4.tokens_per_s * pp4.step_time_s, 4.0 * 8 * 2 * 512, 1e-6);
+}
+
+// The schedule the trainer's pipeline code runs, timed: zero_bubble idles least, GPipe holds
+// every micro-batch's activations, 1F1B pp of them; too few micro-batches are refused by key.
+TEST(PlanLayout, PipelineSchedulesTheirBubbleAndActivations) {
+  const ClusterSpec c = moetrain::testing::h100_nodes(2);
+  const RunConfig cfg = run(8);
+  const LoadModel load = uniform_load(8);
+  auto with = [&](PipeSchedule s, int64_t vp = 1) {
+    return predict(cfg, c, {.procs = 16, .ep = 4, .pp = 4, .vp = vp, .schedule = s}, load);
+  };
+  const Prediction gpipe = with(PipeSchedule::GPipe), one = with(PipeSchedule::OneFOneB);
+  const Prediction inter = with(PipeSchedule::Interleaved, 2), zb = with(PipeSchedule::ZeroBubble);
+  EXPECT_LT(zb.parts.pipeline_bubble, inter.parts.pipeline_bubble);
+  EXPECT_LT(inter.parts.pipeline_bubble, one.parts.pipeline_bubble);
+  EXPECT_LT(zb.step_time_s, one.step_time_s);
+  // The bubble of ZB-H1 with equal passes is a third of 1F1B's, sends aside.
+  EXPECT_NEAR(zb.parts.pipeline_bubble / one.parts.pipeline_bubble, 1.0 / 3, 0.05);
+  EXPECT_EQ(zb.comm.pipe_schedule, "zero_bubble");
+  EXPECT_GT(gpipe.memory.activations, 1.5 * one.memory.activations);
+  EXPECT_EQ(zb.memory.activations, one.memory.activations);
+  // 1F1B needs a micro-batch per stage; GPipe does not.
+  moetrain::testing::expect_error(
+      [&] { predict(run(2), c, {.procs = 16, .ep = 4, .pp = 4}, load); },
+      {"train.grad_accum = 2", "4 pipeline stages", "1f1b"});
+  EXPECT_GT(predict(run(2), c, {.procs = 16, .ep = 4, .pp = 4, .schedule = PipeSchedule::GPipe},
+                    load)
+                .parts.pipeline_bubble,
+            0);
 }
 
 TEST(PlanLayout, TensorParallelShardsAttentionAndPaysItsAllReduces) {

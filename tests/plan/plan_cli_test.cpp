@@ -58,6 +58,22 @@ TEST(PlanCli, LayoutThatDoesNotDivideIsRefused) {
   EXPECT_NE(pp.code, 0) << pp.output();
   EXPECT_NE(pp.output().find("model.n_layers = 32 must be divisible by --pp 3"), std::string::npos)
       << pp.output();
+  const ProcessResult sched = plan({"-c", cfg, "--cluster", cluster, "--procs", "64", "--pp", "4",
+                                    "--ep", "8", "--pp-schedule", "zb"});
+  EXPECT_NE(sched.code, 0) << sched.output();
+  EXPECT_NE(sched.output().find("--pp-schedule = 'zb': allowed are gpipe, 1f1b, interleaved, "
+                                "zero_bubble"),
+            std::string::npos)
+      << sched.output();
+  const ProcessResult vp = plan({"-c", cfg, "--cluster", cluster, "--procs", "64", "--pp", "4",
+                                 "--vp", "2", "--ep", "8", "--pp-schedule", "1f1b"});
+  EXPECT_NE(vp.code, 0) << vp.output();
+  EXPECT_NE(vp.output().find("2 virtual stages (vp) with the 1f1b schedule"), std::string::npos)
+      << vp.output();
+  const ProcessResult zb = plan({"-c", cfg, "--cluster", cluster, "--procs", "64", "--pp", "4",
+                                 "--ep", "8", "--pp-schedule", "zero_bubble", "--json"});
+  EXPECT_EQ(zb.code, 0) << zb.output();
+  EXPECT_NE(zb.output().find("\"zero_bubble\""), std::string::npos) << zb.output();
   const ProcessResult many = plan({"-c", cfg, "--cluster", cluster, "--procs", "128"});
   EXPECT_NE(many.code, 0) << many.output();
   EXPECT_NE(many.output().find("128 processes but the cluster has 64 devices"), std::string::npos)
