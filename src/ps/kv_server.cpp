@@ -85,6 +85,8 @@ void KvServer::on_data(Incoming& in) {
     if (h.kind_enum() == Kind::Push) {
       on_push(in);
     } else if (h.kind_enum() == Kind::Pull) {
+      MOETRAIN_CHECK(h.encoding() != Encoding::Json && !(h.flags & kSparseFlag),
+                     "a pull must ask for f32, bf16 or int8 values");
       if (h.generation < generation_) {
         ++stats_.stale_dropped;
         return;
@@ -337,10 +339,16 @@ void KvServer::serve_pulls() {
     h.clock = rules_.version();
     h.generation = generation_;
     h.aux0 = rules_.pull_answered(r.sender, r.clock);
-    h.flags = static_cast<uint32_t>(Encoding::F32);
-    zmq::message_t m = new_frame(h, values_.size() * 4);
-    std::memcpy(frame_payload(m), values_.data(), values_.size() * 4);
+    // The values in the encoding the pull asked for (checked on arrival); they stay f32 here.
+    const Encoding enc = r.encoding();
+    const auto n = static_cast<int64_t>(values_.size());
+    h.flags = static_cast<uint32_t>(enc);
+    zmq::message_t m = new_frame(h, encoded_size(enc, n));
+    write_values(enc, values_.data(), n, nullptr, static_cast<char*>(frame_payload(m)));
     seal(m.data(), m.size());
+    stats_.pull_bytes += static_cast<int64_t>(m.size());
+    stats_.dense_pull_bytes += static_cast<int64_t>(sizeof(Header)) + 4 * n;
+    ++stats_.pulls;
     send_to(router_, it->identity, std::move(m));
     it = pulls_.erase(it);
   }

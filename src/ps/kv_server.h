@@ -72,6 +72,7 @@ struct KvServerHandlers {
 struct KvServerStats {
   int64_t pushes = 0, late_dropped = 0, stale_dropped = 0, refused = 0;
   int64_t push_bytes = 0, dense_push_bytes = 0, replicated_in = 0;
+  int64_t pulls = 0, pull_bytes = 0, dense_pull_bytes = 0;  // replies: frames, and as f32
   int64_t snapshots_in = 0, snapshots_out = 0;
   std::map<int64_t, int64_t> blocked_pulls;  // worker → pulls that had to wait
 };
