@@ -43,7 +43,7 @@ bool ConsistencyRules::next_update_possible() const {
   auto it = pending_.find(version_);
   if (it == pending_.end() || active_.empty()) return false;
   const auto& got = it->second;
-  if (cfg_.mode == Consistency::Sync) {
+  if (cfg_.mode != Consistency::Quorum) {
     for (int64_t w : active_)
       if (!got.count(w)) return false;
     return true;
@@ -62,7 +62,7 @@ std::optional<Update> ConsistencyRules::next_update() {
   const auto& got = pending_.at(version_);
   Update u;
   u.version = u.clock = version_;
-  if (cfg_.mode == Consistency::Sync) {
+  if (cfg_.mode != Consistency::Quorum) {
     for (int64_t w : active_) {
       u.ids.push_back(got.at(w));
       u.workers.push_back(w);
@@ -108,6 +108,7 @@ bool ConsistencyRules::pull_ready(int64_t worker, int64_t clock) const {
   switch (cfg_.mode) {
     case Consistency::Sync:
     case Consistency::Quorum:
+    case Consistency::Average:
       return version_ >= clock;
     case Consistency::Async:
       return true;

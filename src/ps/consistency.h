@@ -10,6 +10,8 @@
 //   half_sync  ssp's rules on the servers; in addition each worker waits, at every clock between
 //           its push and its pull, a random time up to a bound (half_sync_wait below), so the
 //           pull more often sees the others' pushes of that clock
+//   average sync's rules over pushes that carry parameters (each weighted by its rows' share of
+//           the global batch): the sum is the row-weighted mean, which becomes the values
 // The server (kv_server.h) names each push it queues by an id and holds its gradient; an Update
 // lists the ids to sum, and every id the rules let go of is returned so the server frees it.
 #pragma once

@@ -1,5 +1,6 @@
 #include "ps/kv_server.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -170,7 +171,10 @@ void KvServer::on_replicate(const Incoming& in) {
                  h.clock, rules_.version());
   MOETRAIN_CHECK(std::isfinite(h.value) && h.value >= 0, "replicate with lr {}", h.value);
   std::memcpy(sum_.data(), in.payload, h.bytes);
-  handlers_.replay(sum_.data(), h.value, values_.data());
+  if (rules_.config().mode == Consistency::Average)
+    std::copy(sum_.begin(), sum_.end(), values_.begin());
+  else
+    handlers_.replay(sum_.data(), h.value, values_.data());
   rules_.replayed(h.aux1, h.ticket);
   ++stats_.replicated_in;
   Header a;
@@ -289,8 +293,13 @@ void KvServer::apply(const Update& u) {
   }
   const int64_t n = end_ - begin_;
   const SumResult s = sum_pushes(in, n, sum_.data());
-  const double lr = handlers_.update({u.version, u.clock, rules_.schedule_step(), sum_.data(), n},
-                                     values_.data());
+  // average: the pushes carried parameters and their sum is the row-weighted mean.
+  double lr = 0;
+  if (rules_.config().mode == Consistency::Average)
+    std::copy(sum_.begin(), sum_.end(), values_.begin());
+  else
+    lr = handlers_.update({u.version, u.clock, rules_.schedule_step(), sum_.data(), n},
+                          values_.data());
   if (backup_) replicate(u.version, lr, u.worker, u.worker_clock);
   for (int64_t id : rules_.applied(u)) pushes_.erase(id);
   if (handlers_.applied)

@@ -17,7 +17,9 @@ Consistency parse_consistency(const std::string& name) {
   if (name == "async") return Consistency::Async;
   if (name == "ssp") return Consistency::Ssp;
   if (name == "half_sync") return Consistency::HalfSync;
-  MOETRAIN_FAIL("--consistency '{}': allowed are sync, quorum, async, ssp, half_sync", name);
+  if (name == "average") return Consistency::Average;
+  MOETRAIN_FAIL("--consistency '{}': allowed are sync, quorum, async, ssp, half_sync, average",
+                name);
 }
 
 Assign parse_assign(const std::string& name) {
@@ -55,6 +57,20 @@ void PsOptions::validate() const {
                    "--half-sync-wait-ms {} is only meaningful with --consistency half_sync",
                    half_sync_wait_ms);
   }
+  if (c == Consistency::Average) {
+    MOETRAIN_CHECK(local_steps >= 1 && local_steps <= 100000,
+                   "--local-steps {}: with --consistency average it must be in 1..100000",
+                   local_steps);
+    // A push carries parameters: every element counts (no sparse ranges), and a rounded or
+    // quantised parameter would be the servers' value from then on.
+    MOETRAIN_CHECK(push_compression == "none",
+                   "--push-compression {} with --consistency average: pushes carry parameters, "
+                   "which the servers take as they come; use --push-compression none",
+                   push_compression);
+  } else {
+    MOETRAIN_CHECK(local_steps == 0,
+                   "--local-steps {} is only meaningful with --consistency average", local_steps);
+  }
   (void)compression();
   (void)pull_encoding();
   (void)assign_kind();
@@ -80,6 +96,7 @@ nlohmann::json PsOptions::to_json() const {
           {"quorum", quorum},
           {"staleness", staleness},
           {"half_sync_wait_ms", half_sync_wait_ms},
+          {"local_steps", local_steps},
           {"push_compression", push_compression},
           {"pull_compression", pull_compression},
           {"sparse_push", sparse_push},
@@ -100,6 +117,7 @@ PsOptions PsOptions::from_json(const nlohmann::json& j) {
     o.quorum = j.at("quorum").get<int64_t>();
     o.staleness = j.at("staleness").get<int64_t>();
     o.half_sync_wait_ms = j.at("half_sync_wait_ms").get<double>();
+    o.local_steps = j.at("local_steps").get<int64_t>();
     o.push_compression = j.at("push_compression").get<std::string>();
     o.pull_compression = j.at("pull_compression").get<std::string>();
     o.sparse_push = j.at("sparse_push").get<bool>();

@@ -120,7 +120,8 @@ class Worker {
       if (kv_->wait(tp).rolled_back) return Outcome::RolledBack;
       r = kv_->wait(tl);
       if (r.rolled_back) return Outcome::RolledBack;
-      write_step_line(clock, meta.rows, step_timer.seconds(), r.clock);
+      const int64_t local = opts_.consistency_kind() == Consistency::Average ? opts_.local_steps : 1;
+      write_step_line(clock, meta.rows * local, step_timer.seconds(), r.clock);
       // The servers say where to go on: the next clock, or later when this worker's push came
       // too late for a quorum, or when it joined mid-run.
       clock = std::max(clock + 1, r.clock);
@@ -209,8 +210,11 @@ class Worker {
       assign_ = *next_assign_;
       next_assign_.reset();
     }
-    const int64_t R = assign_.rows;
-    const PushMeta meta = step_->compute(clock, assign_);
+    const bool average = opts_.consistency_kind() == Consistency::Average;
+    // average: H local steps of this worker's rows each.
+    const int64_t R = assign_.rows * (average ? opts_.local_steps : 1);
+    const PushMeta meta =
+        average ? step_->local_round(clock, assign_) : step_->compute(clock, assign_);
     const double t = timer.seconds();
     compute_s_ += t;
     if (args_.slowdown > 1.0)

@@ -221,6 +221,19 @@ TEST(PsOptions, RejectBadValuesByName) {
   expect_error([&] { o.validate(); },
                "--half-sync-wait-ms 10 is only meaningful with --consistency half_sync");
   o = {};
+  o.consistency = "average";
+  expect_error([&] { o.validate(); }, "--local-steps 0: with --consistency average it must be in");
+  o.local_steps = 4;
+  o.validate();
+  EXPECT_EQ(PsOptions::from_json(o.to_json()).local_steps, 4);
+  o.push_compression = "int8";
+  expect_error([&] { o.validate(); },
+               "--push-compression int8 with --consistency average: pushes carry parameters");
+  o = {};
+  o.local_steps = 2;
+  expect_error([&] { o.validate(); },
+               "--local-steps 2 is only meaningful with --consistency average");
+  o = {};
   o.push_compression = "zip";
   expect_error([&] { o.validate(); },
                "--push-compression 'zip': allowed are none, bf16, int8");

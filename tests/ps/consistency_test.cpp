@@ -192,6 +192,21 @@ TEST(Consistency, HalfSyncWaitIsSeededUniformAndBounded) {
   EXPECT_NEAR(static_cast<double>(low) / n, 0.25, 5 * std::sqrt(0.25 * 0.75 / n));
 }
 
+// average sums per clock as sync does: every active worker's push, in worker-index order, and a
+// pull waits for the clock's update.
+TEST(Consistency, AverageWaitsForEveryActiveWorkerLikeSync) {
+  ConsistencyRules r = rules(Consistency::Average, {1, 0});
+  EXPECT_EQ(r.push(1, 0, 11), PushFate::Queued);
+  EXPECT_FALSE(r.pull_ready(1, 1));
+  EXPECT_EQ(r.push(0, 0, 10), PushFate::Ready);
+  const auto u = r.next_update();
+  ASSERT_TRUE(u.has_value());
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{10, 11}));
+  r.applied(*u);
+  EXPECT_TRUE(r.pull_ready(1, 1));
+  EXPECT_EQ(r.push(0, 0, 12), PushFate::Late);
+}
+
 TEST(Consistency, SspLostWorkerNoLongerHoldsOthersBackAndARejoinStartsLevel) {
   ConsistencyRules r = rules(Consistency::Ssp, {0, 1}, 0, 0);
   r.pull_answered(0, -1);
