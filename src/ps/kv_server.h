@@ -3,7 +3,8 @@
 // updates as the consistency rules decide: consistency.h), pulls (answered once the rules allow
 // the asked clock, and once a backup holds every update the reply shows) and, on a backup, its
 // primary's replicated updates. What an update does to the values is not its business: the
-// update rule is a handler plugged in from outside (the training server's optimizer step).
+// update rule is a handler plugged in from outside (the training server's optimizer step), except
+// in average mode, where the pushes carry weighted parameters and the values become their sum.
 //
 // Replication (`--server-replicas 2`): after each update the exact input of the update rule
 // (the summed gradient and the learning rate) goes to the backup, which replays it through its

@@ -8,13 +8,13 @@
 #include <memory>
 #include <vector>
 
+#include "core/comm.h"
 #include "data/loader.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
-#include "core/comm.h"
 #include "model/transformer.h"
-#include "optim/schedule.h"
 #include "optim/optimizer.h"
+#include "optim/schedule.h"
 #include "ps/codec.h"
 #include "ps/kv_worker.h"
 #include "ps/options.h"
