@@ -28,10 +28,16 @@ template <class Options, class F>
 void for_each_job_option(Options& o, F&& f) {
   f("--servers", o.servers, "Parameter servers (key ranges)");
   f("--workers", o.workers, "Workers to wait for before the first clock");
-  f("--consistency", o.consistency, "sync | quorum | async | ssp");
+  f("--consistency", o.consistency, "sync | quorum | async | ssp | half_sync | average");
   f("--quorum", o.quorum, "quorum: pushes that apply a clock");
-  f("--staleness", o.staleness, "ssp: clocks the fastest worker may lead");
+  f("--staleness", o.staleness, "ssp, half_sync: clocks the fastest worker may lead");
+  f("--half-sync-wait-ms", o.half_sync_wait_ms,
+    "half_sync: bound of each worker's random wait per clock (ms; seeded by train.seed)");
+  f("--local-steps", o.local_steps,
+    "average: optimizer steps each worker takes between two parameter averages");
   f("--push-compression", o.push_compression, "none | bf16 | int8");
+  f("--pull-compression", o.pull_compression,
+    "none | bf16 | int8: parameters sent to workers (servers keep f32)");
   // A switch that clears the member when given.
   f("!--dense-push", o.sparse_push,
     "Push every expert's gradient, also of experts that received no tokens");

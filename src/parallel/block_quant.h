@@ -1,4 +1,6 @@
-// int8 block quantisation for the compressed gradient reduction (dist.grad_reduce_dtype = int8):
+// int8 block quantisation, the one implementation behind every int8 wire form: the compressed
+// gradient reduction (dist.grad_reduce_dtype = int8) and parameter-server pushes and pulls
+// (ps/codec.h):
 // values in blocks of kQuantBlock, one f32 scale per block, scale = max|x| / 127, q = round to
 // nearest of x / scale (|q| ≤ 127), so that |x − q·scale| ≤ scale / 2 for every element.
 // Error feedback: what quantising lost is kept in a residual and added to the next values
@@ -32,5 +34,14 @@ void accumulate_int8(float* x, const uint8_t* wire, int64_t n);
 // becomes v − dequantised(v). A non-finite block sends its NaN and keeps a zero residual: an
 // overflow must not poison the following steps.
 void quantise_int8_feedback(uint8_t* wire, const float* x, float* residual, int64_t n);
+
+// The block kernels, exposed so tests can hold the AVX2 path to the scalar one bit for bit.
+// scale = max|v| / 127 over the block (NaN when it holds a NaN or an Inf); q = clamp(nearbyint(
+// v / scale), ±127), residual = v − q·scale (q = 0 when scale is 0 or NaN; the residual is 0
+// when scale is NaN). residual may be null.
+float quant_block_scale(const float* v, int64_t len, bool vector_path);
+void quant_block_codes(const float* v, int64_t len, float scale, int8_t* q, float* residual,
+                       bool vector_path);
+bool quant_vector_path_available();
 
 }  // namespace moetrain

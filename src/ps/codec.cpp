@@ -7,19 +7,15 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MOETRAIN_PS_X86 1
-#endif
+#include "parallel/block_quant.h"
 
 namespace moetrain::ps {
 
-Encoding parse_compression(std::string_view name) {
+Encoding parse_compression(std::string_view name, std::string_view option) {
   if (name == "none") return Encoding::F32;
   if (name == "bf16") return Encoding::Bf16;
   if (name == "int8") return Encoding::Int8;
-  MOETRAIN_FAIL("push compression '{}': allowed are none, bf16, int8", name);
+  MOETRAIN_FAIL("{} '{}': allowed are none, bf16, int8", option, name);
 }
 
 std::string_view compression_name(Encoding e) {
@@ -43,100 +39,12 @@ std::size_t encoded_size(Encoding e, int64_t n) {
       return un * 4;
     case Encoding::Bf16:
       return un * 2;
-    case Encoding::Int8: {
-      const std::size_t blocks = (un + kInt8Block - 1) / kInt8Block;
-      return blocks * 4 + un;
-    }
+    case Encoding::Int8:
+      return static_cast<std::size_t>(quant_wire_bytes(n));
     case Encoding::Json:
       break;
   }
   MOETRAIN_FAIL("encoding {} does not carry float values", static_cast<uint32_t>(e));
-}
-
-namespace {
-
-float amax_scalar(const float* v, int64_t len) {
-  float amax = 0;
-  for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(v[i]));
-  return amax;
-}
-
-void quantize_scalar(const float* v, int64_t len, float scale, int8_t* q, float* residual) {
-  for (int64_t i = 0; i < len; ++i) {
-    const float r = scale > 0 ? std::nearbyint(v[i] / scale) : 0.0f;
-    const auto qi = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
-    q[i] = qi;
-    if (residual) residual[i] = v[i] - static_cast<float>(qi) * scale;
-  }
-}
-
-#ifdef MOETRAIN_PS_X86
-// No FMA in the target: v − q·scale must round twice, as the scalar path does.
-__attribute__((target("avx2"))) float amax_avx2(const float* v, int64_t len) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 m = _mm256_setzero_ps();
-  int64_t i = 0;
-  // max(|v|, m) returns m when |v| is NaN: NaN is skipped, as std::max(amax, NaN) does.
-  for (; i + 8 <= len; i += 8)
-    m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), abs_mask), m);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float amax = 0;
-  for (float x : lanes) amax = std::max(amax, x);
-  return std::max(amax, amax_scalar(v + i, len - i));
-}
-
-__attribute__((target("avx2"))) void quantize_avx2(const float* v, int64_t len, float scale,
-                                                   int8_t* q, float* residual) {
-  if (!(scale > 0)) {
-    quantize_scalar(v, len, scale, q, residual);
-    return;
-  }
-  const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    const __m256 x = _mm256_loadu_ps(v + i);
-    __m256 r = _mm256_round_ps(_mm256_div_ps(x, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
-    const __m256i r32 = _mm256_cvtps_epi32(r);
-    const __m128i r16 =
-        _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(r16, r16));
-    // Through the integer, as the scalar path: −0 comes back as +0.
-    if (residual)
-      _mm256_storeu_ps(residual + i, _mm256_sub_ps(x, _mm256_mul_ps(_mm256_cvtepi32_ps(r32), s)));
-  }
-  quantize_scalar(v + i, len - i, scale, q + i, residual ? residual + i : nullptr);
-}
-
-const bool kAvx2 = __builtin_cpu_supports("avx2");
-#endif
-
-}  // namespace
-
-bool int8_vector_path_available() {
-#ifdef MOETRAIN_PS_X86
-  return kAvx2;
-#else
-  return false;
-#endif
-}
-
-float int8_block_amax(const float* v, int64_t len, bool vector_path) {
-#ifdef MOETRAIN_PS_X86
-  if (vector_path && kAvx2) return amax_avx2(v, len);
-#endif
-  (void)vector_path;
-  return amax_scalar(v, len);
-}
-
-void int8_block_quantize(const float* v, int64_t len, float scale, int8_t* q, float* residual,
-                         bool vector_path) {
-#ifdef MOETRAIN_PS_X86
-  if (vector_path && kAvx2) return quantize_avx2(v, len, scale, q, residual);
-#endif
-  (void)vector_path;
-  quantize_scalar(v, len, scale, q, residual);
 }
 
 void write_values(Encoding e, const float* values, int64_t n, float* residual, char* dst) {
@@ -152,24 +60,10 @@ void write_values(Encoding e, const float* values, int64_t n, float* residual, c
         std::memcpy(dst + 2 * i, &b, 2);
       }
     }
+  } else if (residual) {
+    quantise_int8_feedback(reinterpret_cast<uint8_t*>(dst), values, residual, n);
   } else {
-    // Per block: the f32 scale, then the block's int8 values.
-    const bool vec = int8_vector_path_available();
-    for (int64_t b0 = 0; b0 < n; b0 += kInt8Block) {
-      const int64_t len = std::min(kInt8Block, n - b0);
-      alignas(32) float v[kInt8Block];
-      if (residual) {
-        for (int64_t i = 0; i < len; ++i) v[i] = values[b0 + i] + residual[b0 + i];
-      } else {
-        std::memcpy(v, values + b0, static_cast<std::size_t>(len) * 4);
-      }
-      const float amax = int8_block_amax(v, len, vec);
-      const float scale = amax > 0 ? amax / 127.0f : 0.0f;
-      std::memcpy(dst, &scale, 4);
-      int8_block_quantize(v, len, scale, reinterpret_cast<int8_t*>(dst + 4),
-                          residual ? residual + b0 : nullptr, vec);
-      dst += 4 + len;
-    }
+    quantise_int8(reinterpret_cast<uint8_t*>(dst), values, n);
   }
 }
 
@@ -195,15 +89,7 @@ void decode_values(Encoding e, const char* data, std::size_t bytes, int64_t n, f
       }
     }
   } else {
-    for (int64_t b0 = 0; b0 < n; b0 += kInt8Block) {
-      const int64_t len = std::min(kInt8Block, n - b0);
-      float scale;
-      std::memcpy(&scale, data, 4);
-      data += 4;
-      for (int64_t i = 0; i < len; ++i)
-        dst[b0 + i] = static_cast<float>(static_cast<int8_t>(data[i])) * scale;
-      data += len;
-    }
+    dequantise_int8(dst, reinterpret_cast<const uint8_t*>(data), n);
   }
 }
 

@@ -1,5 +1,6 @@
 // Payload encodings for gradient pushes and parameter pulls: f32, bf16 (round to nearest even)
-// and int8 with one f32 scale per block of kInt8Block values. A sparse push sends only some
+// and int8 with one f32 scale per block of kQuantBlock values (parallel/block_quant.h: a range's
+// scales, then its codes). A sparse push sends only some
 // ranges of its key range (the dense parameters and the experts that received tokens): a list of
 // (offset, size) pairs relative to key_begin precedes the values of those ranges.
 //
@@ -16,15 +17,14 @@
 
 namespace moetrain::ps {
 
-constexpr int64_t kInt8Block = 256;
-
 struct Span {
   int64_t offset = 0;  // relative to the key range's start
   int64_t size = 0;
 };
 
-// "none" | "bf16" | "int8" (push compression names); throws listing the allowed ones.
-Encoding parse_compression(std::string_view name);
+// "none" | "bf16" | "int8" (the names of --push-compression and --pull-compression); throws
+// naming the option, the value and the allowed ones.
+Encoding parse_compression(std::string_view name, std::string_view option);
 std::string_view compression_name(Encoding e);
 
 // Bytes that n values take in encoding e.
@@ -52,13 +52,5 @@ std::string encode_push(Encoding e, const float* values, int64_t n, const std::v
 // Throws naming what is malformed: range count, a range outside [0, n), sizes that disagree.
 void decode_push(const Header& h, const char* payload, int64_t n, float* dst,
                  std::vector<Span>* ranges);
-
-// int8 block kernels, exposed so tests can hold the AVX2 path to the scalar one bit for bit.
-// amax = max |v| (NaN ignored); q = clamp(nearbyint(v / scale), ±127), residual = v − q·scale
-// (q = 0 when scale is 0).
-float int8_block_amax(const float* v, int64_t len, bool vector_path);
-void int8_block_quantize(const float* v, int64_t len, float scale, int8_t* q, float* residual,
-                         bool vector_path);
-bool int8_vector_path_available();
 
 }  // namespace moetrain::ps

@@ -43,7 +43,7 @@ bool ConsistencyRules::next_update_possible() const {
   auto it = pending_.find(version_);
   if (it == pending_.end() || active_.empty()) return false;
   const auto& got = it->second;
-  if (cfg_.mode == Consistency::Sync) {
+  if (cfg_.mode != Consistency::Quorum) {
     for (int64_t w : active_)
       if (!got.count(w)) return false;
     return true;
@@ -62,7 +62,7 @@ std::optional<Update> ConsistencyRules::next_update() {
   const auto& got = pending_.at(version_);
   Update u;
   u.version = u.clock = version_;
-  if (cfg_.mode == Consistency::Sync) {
+  if (cfg_.mode != Consistency::Quorum) {
     for (int64_t w : active_) {
       u.ids.push_back(got.at(w));
       u.workers.push_back(w);
@@ -108,10 +108,12 @@ bool ConsistencyRules::pull_ready(int64_t worker, int64_t clock) const {
   switch (cfg_.mode) {
     case Consistency::Sync:
     case Consistency::Quorum:
+    case Consistency::Average:
       return version_ >= clock;
     case Consistency::Async:
       return true;
-    case Consistency::Ssp: {
+    case Consistency::Ssp:
+    case Consistency::HalfSync: {
       if (!is_active(worker)) return true;
       const int64_t m = min_clock(-1);
       return m == INT64_MAX || m >= clock - cfg_.staleness;
@@ -130,7 +132,7 @@ int64_t ConsistencyRules::pull_answered(int64_t worker, int64_t clock) {
     next = m == INT64_MAX ? 0 : m;
     if (is_active(worker)) clocks_[worker] = next;
   }
-  if (cfg_.mode == Consistency::Ssp && clock >= 0) {
+  if ((cfg_.mode == Consistency::Ssp || cfg_.mode == Consistency::HalfSync) && clock >= 0) {
     const int64_t m = min_clock(-1);
     if (m != INT64_MAX) max_staleness_ = std::max(max_staleness_, clock - m);
   }
@@ -176,6 +178,24 @@ SumResult sum_pushes(const std::vector<PushView>& in, int64_t n, float* out) {
     for (std::size_t i = 0; i < N; ++i) out[i] *= s;
   }
   return {rows, loss / static_cast<double>(rows)};
+}
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+double half_sync_wait(uint64_t seed, int64_t worker, int64_t clock, double bound_ms) {
+  const uint64_t h = splitmix64(splitmix64(splitmix64(seed) ^ static_cast<uint64_t>(worker)) ^
+                                static_cast<uint64_t>(clock));
+  const double u = static_cast<double>(h >> 11) * 0x1.0p-53;  // [0, 1)
+  return u * bound_ms / 1000.0;
 }
 
 }  // namespace moetrain::ps

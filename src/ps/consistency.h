@@ -7,6 +7,11 @@
 //   async   each push on arrival
 //   ssp     each push on arrival; a pull from a worker at clock c waits until the slowest active
 //           worker has reached c − s
+//   half_sync  ssp's rules on the servers; in addition each worker waits, at every clock between
+//           its push and its pull, a random time up to a bound (half_sync_wait below), so the
+//           pull more often sees the others' pushes of that clock
+//   average sync's rules over pushes that carry parameters (each weighted by its rows' share of
+//           the global batch): the sum is the row-weighted mean, which becomes the values
 // The server (kv_server.h) names each push it queues by an id and holds its gradient; an Update
 // lists the ids to sum, and every id the rules let go of is returned so the server frees it.
 #pragma once
@@ -40,7 +45,7 @@ enum class PushFate {
 struct ConsistencyConfig {
   Consistency mode = Consistency::Sync;
   int64_t quorum = 0;            // quorum: pushes that apply a clock
-  int64_t staleness = 0;         // ssp: how many clocks the fastest may lead the slowest
+  int64_t staleness = 0;         // ssp, half_sync: how many clocks the fastest may lead the slowest
   int64_t workers_at_start = 1;  // async / ssp: pushes per global step of the lr schedule
 };
 
@@ -98,9 +103,7 @@ class ConsistencyRules {
   std::vector<int64_t> restore(int64_t clock, std::map<int64_t, int64_t> worker_clocks);
 
  private:
-  bool summed_per_clock() const {
-    return cfg_.mode == Consistency::Sync || cfg_.mode == Consistency::Quorum;
-  }
+  bool summed_per_clock() const { return !applies_per_push(cfg_.mode); }
   int64_t min_clock(int64_t except) const;
   bool next_update_possible() const;
 
@@ -126,5 +129,10 @@ struct SumResult {
   double loss = 0;  // mean over the rows
 };
 SumResult sum_pushes(const std::vector<PushView>& in, int64_t n, float* out);
+
+// half_sync: the wait of `worker` at `clock`, in seconds, uniform in [0, bound_ms / 1000): a
+// function of (seed, worker, clock) alone (a counter-based hash, no generator state), so a run
+// and a worker restarted in its place wait the same times.
+double half_sync_wait(uint64_t seed, int64_t worker, int64_t clock, double bound_ms);
 
 }  // namespace moetrain::ps

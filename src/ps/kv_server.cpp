@@ -1,5 +1,6 @@
 #include "ps/kv_server.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -85,6 +86,8 @@ void KvServer::on_data(Incoming& in) {
     if (h.kind_enum() == Kind::Push) {
       on_push(in);
     } else if (h.kind_enum() == Kind::Pull) {
+      MOETRAIN_CHECK(h.encoding() != Encoding::Json && !(h.flags & kSparseFlag),
+                     "a pull must ask for f32, bf16 or int8 values");
       if (h.generation < generation_) {
         ++stats_.stale_dropped;
         return;
@@ -168,7 +171,10 @@ void KvServer::on_replicate(const Incoming& in) {
                  h.clock, rules_.version());
   MOETRAIN_CHECK(std::isfinite(h.value) && h.value >= 0, "replicate with lr {}", h.value);
   std::memcpy(sum_.data(), in.payload, h.bytes);
-  handlers_.replay(sum_.data(), h.value, values_.data());
+  if (rules_.config().mode == Consistency::Average)
+    std::copy(sum_.begin(), sum_.end(), values_.begin());
+  else
+    handlers_.replay(sum_.data(), h.value, values_.data());
   rules_.replayed(h.aux1, h.ticket);
   ++stats_.replicated_in;
   Header a;
@@ -287,8 +293,13 @@ void KvServer::apply(const Update& u) {
   }
   const int64_t n = end_ - begin_;
   const SumResult s = sum_pushes(in, n, sum_.data());
-  const double lr = handlers_.update({u.version, u.clock, rules_.schedule_step(), sum_.data(), n},
-                                     values_.data());
+  // average: the pushes carried parameters and their sum is the row-weighted mean.
+  double lr = 0;
+  if (rules_.config().mode == Consistency::Average)
+    std::copy(sum_.begin(), sum_.end(), values_.begin());
+  else
+    lr = handlers_.update({u.version, u.clock, rules_.schedule_step(), sum_.data(), n},
+                          values_.data());
   if (backup_) replicate(u.version, lr, u.worker, u.worker_clock);
   for (int64_t id : rules_.applied(u)) pushes_.erase(id);
   if (handlers_.applied)
@@ -337,10 +348,16 @@ void KvServer::serve_pulls() {
     h.clock = rules_.version();
     h.generation = generation_;
     h.aux0 = rules_.pull_answered(r.sender, r.clock);
-    h.flags = static_cast<uint32_t>(Encoding::F32);
-    zmq::message_t m = new_frame(h, values_.size() * 4);
-    std::memcpy(frame_payload(m), values_.data(), values_.size() * 4);
+    // The values in the encoding the pull asked for (checked on arrival); they stay f32 here.
+    const Encoding enc = r.encoding();
+    const auto n = static_cast<int64_t>(values_.size());
+    h.flags = static_cast<uint32_t>(enc);
+    zmq::message_t m = new_frame(h, encoded_size(enc, n));
+    write_values(enc, values_.data(), n, nullptr, static_cast<char*>(frame_payload(m)));
     seal(m.data(), m.size());
+    stats_.pull_bytes += static_cast<int64_t>(m.size());
+    stats_.dense_pull_bytes += static_cast<int64_t>(sizeof(Header)) + 4 * n;
+    ++stats_.pulls;
     send_to(router_, it->identity, std::move(m));
     it = pulls_.erase(it);
   }

@@ -3,7 +3,8 @@
 // updates as the consistency rules decide: consistency.h), pulls (answered once the rules allow
 // the asked clock, and once a backup holds every update the reply shows) and, on a backup, its
 // primary's replicated updates. What an update does to the values is not its business: the
-// update rule is a handler plugged in from outside (the training server's optimizer step).
+// update rule is a handler plugged in from outside (the training server's optimizer step), except
+// in average mode, where the pushes carry weighted parameters and the values become their sum.
 //
 // Replication (`--server-replicas 2`): after each update the exact input of the update rule
 // (the summed gradient and the learning rate) goes to the backup, which replays it through its
@@ -72,6 +73,7 @@ struct KvServerHandlers {
 struct KvServerStats {
   int64_t pushes = 0, late_dropped = 0, stale_dropped = 0, refused = 0;
   int64_t push_bytes = 0, dense_push_bytes = 0, replicated_in = 0;
+  int64_t pulls = 0, pull_bytes = 0, dense_pull_bytes = 0;  // replies: frames, and as f32
   int64_t snapshots_in = 0, snapshots_out = 0;
   std::map<int64_t, int64_t> blocked_pulls;  // worker → pulls that had to wait
 };

@@ -116,16 +116,19 @@ int64_t KvWorker::push(int64_t clock, const float* grads, const std::vector<Span
   return ticket;
 }
 
-int64_t KvWorker::pull(int64_t clock, float* params) {
+int64_t KvWorker::pull(int64_t clock, float* params, Encoding enc) {
+  MOETRAIN_CHECK(enc != Encoding::Json, "a pull asks for values, not JSON");
   const int64_t ticket = next_ticket_++;
   Pending& p = pending_[ticket];
   p.params = params;
+  p.enc = enc;
   p.done.assign(servers_.size(), 0);
   p.frames.resize(servers_.size());
   for (std::size_t s = 0; s < servers_.size(); ++s) {
     Header h;
     h.kind = static_cast<uint16_t>(Kind::Pull);
     h.sender = index_;
+    h.flags = static_cast<uint32_t>(enc);
     h.clock = clock;
     h.key_begin = servers_[s].begin;
     h.key_end = servers_[s].end;
@@ -150,13 +153,16 @@ void KvWorker::receive_all() {
       if (h.kind_enum() == Kind::PullReply) {
         const int64_t n = servers_[s].end - servers_[s].begin;
         if (!p.params || h.key_begin != servers_[s].begin || h.key_end != servers_[s].end ||
-            h.bytes != static_cast<uint64_t>(4 * n) || h.encoding() != Encoding::F32) {
-          log_warn("ps worker {}: malformed pull reply from server {} (keys [{}, {}), {} bytes)",
-                   index_, servers_[s].index, h.key_begin, h.key_end, h.bytes);
+            h.encoding() != p.enc || h.bytes != encoded_size(p.enc, n)) {
+          log_warn(
+              "ps worker {}: malformed pull reply from server {} (keys [{}, {}), {} bytes of {})",
+              index_, servers_[s].index, h.key_begin, h.key_end, h.bytes,
+              compression_name(h.encoding()));
           continue;
         }
-        std::memcpy(p.params + h.key_begin, in->payload, h.bytes);
+        decode_values(p.enc, in->payload, h.bytes, n, p.params + h.key_begin);
         pull_bytes_ += static_cast<int64_t>(in->frame.size());
+        dense_pull_bytes_ += static_cast<int64_t>(sizeof(Header)) + 4 * n;
         p.clock = std::min(p.clock, h.aux0);
       } else if (h.kind_enum() == Kind::PushAck) {
         p.clock = std::min(p.clock, h.clock);

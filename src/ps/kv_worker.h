@@ -65,8 +65,9 @@ class KvWorker {
   int64_t push(int64_t clock, const float* grads, const std::vector<Span>& skip, Encoding enc,
                const PushMeta& meta, float* residual);
   // Pulls every server's range into params (P floats) once the consistency mode allows clock
-  // `clock`; clock < 0 reads now (joining, final read).
-  int64_t pull(int64_t clock, float* params);
+  // `clock`; clock < 0 reads now (joining, final read). The servers send the values in `enc`
+  // (they keep f32): params are then the decoded values.
+  int64_t pull(int64_t clock, float* params, Encoding enc = Encoding::F32);
   // Blocks until every server answered; for a pull returns the clock to continue at (the least
   // any server reported), for a push the servers' version. Returns rolled_back, at once, for a
   // ticket that a roll-back (reset()) forgot, before or during the wait.
@@ -75,12 +76,14 @@ class KvWorker {
   int64_t push_bytes() const { return push_bytes_; }
   int64_t dense_push_bytes() const { return dense_push_bytes_; }
   int64_t pull_bytes() const { return pull_bytes_; }
+  int64_t dense_pull_bytes() const { return dense_pull_bytes_; }  // the same replies as f32
   double wait_seconds() const { return wait_s_; }
   const std::vector<ServerInfo>& servers() const { return servers_; }
 
  private:
   struct Pending {
     float* params = nullptr;  // pulls: where replies go
+    Encoding enc = Encoding::F32;  // pulls: the encoding asked for
     int64_t answered = 0;
     int64_t clock = INT64_MAX;
     std::vector<char> done;              // per server: answered
@@ -103,7 +106,7 @@ class KvWorker {
   std::map<int64_t, Pending> pending_;
   int64_t next_ticket_ = 1;
   int64_t first_live_ticket_ = 1;  // tickets below were forgotten by a roll-back
-  int64_t push_bytes_ = 0, dense_push_bytes_ = 0, pull_bytes_ = 0;
+  int64_t push_bytes_ = 0, dense_push_bytes_ = 0, pull_bytes_ = 0, dense_pull_bytes_ = 0;
   double wait_s_ = 0;
 };
 

@@ -18,8 +18,10 @@ enum class Kind : uint16_t {
   HeartbeatAck,     // scheduler → node
   Push,             // worker → server: gradients of [key_begin, key_end) at `clock`
   PushAck,          // server → worker
-  Pull,             // worker → server: parameters once `clock` allows (consistency mode)
-  PullReply,        // server → worker: parameters; aux0 = the clock the worker should continue at
+  Pull,             // worker → server: parameters once `clock` allows (consistency mode), in the
+                    // encoding its flags name
+  PullReply,        // server → worker: parameters in the pull's encoding; aux0 = the clock the
+                    // worker should continue at
   Done,             // worker → scheduler: all steps pushed
   Finish,           // scheduler → node: the job is over (JSON {lead: bool} for workers)
   FinishAck,        // node → scheduler: final state written
@@ -42,7 +44,7 @@ constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::RowsReady);
 std::string_view kind_name(Kind kind);
 
 constexpr uint32_t kMagic = 0x5350544du;  // "MTPS" read as little-endian bytes
-constexpr uint16_t kWireVersion = 2;
+constexpr uint16_t kWireVersion = 3;
 // A push of the whole parameter vector of a model of a few hundred million floats still fits.
 constexpr uint64_t kMaxPayload = uint64_t{1} << 32;
 

@@ -16,7 +16,10 @@ Consistency parse_consistency(const std::string& name) {
   if (name == "quorum") return Consistency::Quorum;
   if (name == "async") return Consistency::Async;
   if (name == "ssp") return Consistency::Ssp;
-  MOETRAIN_FAIL("--consistency '{}': allowed are sync, quorum, async, ssp", name);
+  if (name == "half_sync") return Consistency::HalfSync;
+  if (name == "average") return Consistency::Average;
+  MOETRAIN_FAIL("--consistency '{}': allowed are sync, quorum, async, ssp, half_sync, average",
+                name);
 }
 
 Assign parse_assign(const std::string& name) {
@@ -36,13 +39,40 @@ void PsOptions::validate() const {
   } else {
     MOETRAIN_CHECK(quorum == 0, "--quorum {} is only meaningful with --consistency quorum", quorum);
   }
-  if (c == Consistency::Ssp) {
+  if (c == Consistency::Ssp || c == Consistency::HalfSync) {
     MOETRAIN_CHECK(staleness >= 0, "--staleness {}: must be ≥ 0", staleness);
   } else {
-    MOETRAIN_CHECK(staleness == 0, "--staleness {} is only meaningful with --consistency ssp",
+    MOETRAIN_CHECK(staleness == 0,
+                   "--staleness {} is only meaningful with --consistency ssp or half_sync",
                    staleness);
   }
+  if (c == Consistency::HalfSync) {
+    MOETRAIN_CHECK(std::isfinite(half_sync_wait_ms) && half_sync_wait_ms > 0 &&
+                       half_sync_wait_ms <= 60000,
+                   "--half-sync-wait-ms {}: with --consistency half_sync it must be in (0, 60000] "
+                   "milliseconds",
+                   half_sync_wait_ms);
+  } else {
+    MOETRAIN_CHECK(half_sync_wait_ms == 0,
+                   "--half-sync-wait-ms {} is only meaningful with --consistency half_sync",
+                   half_sync_wait_ms);
+  }
+  if (c == Consistency::Average) {
+    MOETRAIN_CHECK(local_steps >= 1 && local_steps <= 100000,
+                   "--local-steps {}: with --consistency average it must be in 1..100000",
+                   local_steps);
+    // A push carries parameters: every element counts (no sparse ranges), and a rounded or
+    // quantised parameter would be the servers' value from then on.
+    MOETRAIN_CHECK(push_compression == "none",
+                   "--push-compression {} with --consistency average: pushes carry parameters, "
+                   "which the servers take as they come; use --push-compression none",
+                   push_compression);
+  } else {
+    MOETRAIN_CHECK(local_steps == 0,
+                   "--local-steps {} is only meaningful with --consistency average", local_steps);
+  }
   (void)compression();
+  (void)pull_encoding();
   (void)assign_kind();
   MOETRAIN_CHECK(std::isfinite(heartbeat_interval) && heartbeat_interval > 0,
                  "--heartbeat-interval {}: must be a positive number of seconds",
@@ -65,7 +95,10 @@ nlohmann::json PsOptions::to_json() const {
           {"consistency", consistency},
           {"quorum", quorum},
           {"staleness", staleness},
+          {"half_sync_wait_ms", half_sync_wait_ms},
+          {"local_steps", local_steps},
           {"push_compression", push_compression},
+          {"pull_compression", pull_compression},
           {"sparse_push", sparse_push},
           {"assign", assign},
           {"heartbeat_interval", heartbeat_interval},
@@ -83,7 +116,10 @@ PsOptions PsOptions::from_json(const nlohmann::json& j) {
     o.consistency = j.at("consistency").get<std::string>();
     o.quorum = j.at("quorum").get<int64_t>();
     o.staleness = j.at("staleness").get<int64_t>();
+    o.half_sync_wait_ms = j.at("half_sync_wait_ms").get<double>();
+    o.local_steps = j.at("local_steps").get<int64_t>();
     o.push_compression = j.at("push_compression").get<std::string>();
+    o.pull_compression = j.at("pull_compression").get<std::string>();
     o.sparse_push = j.at("sparse_push").get<bool>();
     o.assign = j.at("assign").get<std::string>();
     o.heartbeat_interval = j.at("heartbeat_interval").get<double>();

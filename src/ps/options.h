@@ -12,19 +12,28 @@
 
 namespace moetrain::ps {
 
-enum class Consistency { Sync, Quorum, Async, Ssp };
+enum class Consistency { Sync, Quorum, Async, Ssp, HalfSync, Average };
 enum class Assign { Uniform, Capability };
 
-Consistency parse_consistency(const std::string& name);  // sync | quorum | async | ssp
+// sync | quorum | async | ssp | half_sync | average
+Consistency parse_consistency(const std::string& name);
+// Whether each push applies alone, on arrival (async, ssp, half_sync), rather than summed per
+// clock (sync, quorum).
+inline bool applies_per_push(Consistency c) {
+  return c == Consistency::Async || c == Consistency::Ssp || c == Consistency::HalfSync;
+}
 Assign parse_assign(const std::string& name);            // uniform | capability
 
 struct PsOptions {
   int64_t servers = 1;
   int64_t workers = 1;                    // workers to wait for before the first clock
-  std::string consistency = "sync";       // sync | quorum | async | ssp
+  std::string consistency = "sync";  // sync | quorum | async | ssp | half_sync | average
   int64_t quorum = 0;                     // quorum: pushes that apply a clock (1..workers)
-  int64_t staleness = 0;                  // ssp: how many clocks the fastest may lead the slowest
+  int64_t staleness = 0;  // ssp, half_sync: how many clocks the fastest may lead the slowest
+  double half_sync_wait_ms = 0;  // half_sync: each worker's wait per clock is uniform in [0, this)
+  int64_t local_steps = 0;       // average: optimizer steps a worker takes per clock (H ≥ 1)
   std::string push_compression = "none";  // none | bf16 | int8
+  std::string pull_compression = "none";  // none | bf16 | int8: parameters on the wire to workers
   bool sparse_push = true;                // experts without tokens are left out of pushes
   std::string assign = "uniform";         // uniform | capability
   double heartbeat_interval = 0.5;        // seconds between heartbeats
@@ -37,7 +46,8 @@ struct PsOptions {
   void validate() const;
   Consistency consistency_kind() const { return parse_consistency(consistency); }
   Assign assign_kind() const { return parse_assign(assign); }
-  Encoding compression() const { return parse_compression(push_compression); }
+  Encoding compression() const { return parse_compression(push_compression, "--push-compression"); }
+  Encoding pull_encoding() const { return parse_compression(pull_compression, "--pull-compression"); }
   nlohmann::json to_json() const;
   static PsOptions from_json(const nlohmann::json& j);  // validated
 };

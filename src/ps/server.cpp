@@ -243,7 +243,7 @@ class Server {
                            {"clock", a.clock},      {"pushes", a.pushes}, {"rows", a.rows},
                            {"time", unix_seconds()}};
     const Consistency mode = opts_.consistency_kind();
-    if (mode == Consistency::Ssp || mode == Consistency::Async) line["worker"] = a.worker;
+    if (applies_per_push(mode)) line["worker"] = a.worker;
     // Pushes dropped since the last update (late for an applied clock, or of an older
     // generation) were computed by the workers and never applied.
     const KvServerStats& s = kv_.stats();
@@ -338,6 +338,9 @@ class Server {
                         {"last_rejection", kv_.rejects().last_reason},
                         {"push_bytes", s.push_bytes},
                         {"dense_push_bytes", s.dense_push_bytes},
+                        {"pulls", s.pulls},
+                        {"pull_bytes", s.pull_bytes},
+                        {"dense_pull_bytes", s.dense_pull_bytes},
                         {"rollbacks", rollbacks_},
                         {"updates_replicated_in", s.replicated_in},
                         {"snapshots_in", s.snapshots_in},

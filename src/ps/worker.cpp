@@ -13,6 +13,7 @@
 #include "core/timer.h"
 #include "io/file.h"
 #include "io/metrics.h"
+#include "ps/consistency.h"
 #include "ps/job_events.h"
 #include "ps/kv_worker.h"
 #include "ps/node.h"
@@ -93,7 +94,7 @@ class Worker {
   // From a pull of the current parameters to the end of the job, unless the servers roll back.
   Outcome train(int64_t& first) {
     done_ = false;
-    WaitResult r = kv_->wait(kv_->pull(-1, step_->params().data()));
+    WaitResult r = kv_->wait(kv_->pull(-1, step_->params().data(), opts_.pull_encoding()));
     if (r.rolled_back) return Outcome::RolledBack;
     int64_t clock = r.clock;
     if (first < 0) first = clock;
@@ -108,11 +109,19 @@ class Worker {
       const int64_t tp = kv_->push(clock, step_->grads().data(), step_->skipped(),
                                    opts_.compression(), meta,
                                    residual.empty() ? nullptr : residual.data());
-      const int64_t tl = kv_->pull(clock + 1, step_->params().data());
+      // half_sync: a random wait between the push and the pull (ps/consistency.h).
+      if (opts_.consistency_kind() == Consistency::HalfSync) {
+        const double w = half_sync_wait(static_cast<uint64_t>(cfg_.train.seed), index_, clock,
+                                        opts_.half_sync_wait_ms);
+        std::this_thread::sleep_for(std::chrono::duration<double>(w));
+        half_sync_wait_s_ += w;
+      }
+      const int64_t tl = kv_->pull(clock + 1, step_->params().data(), opts_.pull_encoding());
       if (kv_->wait(tp).rolled_back) return Outcome::RolledBack;
       r = kv_->wait(tl);
       if (r.rolled_back) return Outcome::RolledBack;
-      write_step_line(clock, meta.rows, step_timer.seconds(), r.clock);
+      const int64_t local = opts_.consistency_kind() == Consistency::Average ? opts_.local_steps : 1;
+      write_step_line(clock, meta.rows * local, step_timer.seconds(), r.clock);
       // The servers say where to go on: the next clock, or later when this worker's push came
       // too late for a quorum, or when it joined mid-run.
       clock = std::max(clock + 1, r.clock);
@@ -128,7 +137,9 @@ class Worker {
       auto in = link_->next_control(1000, &ok);
       if (!in) continue;
       if (in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
-        r = kv_->wait(kv_->pull(-1, step_->params().data()));
+        // The final parameters in f32 whatever --pull-compression says: the checkpoint holds the
+        // servers' values, not their wire form.
+        r = kv_->wait(kv_->pull(-1, step_->params().data(), Encoding::F32));
         if (r.rolled_back) return Outcome::RolledBack;
         step_->finish(r.clock);
         send(link_->socket(), json_frame(Kind::FinishAck, link_->node_id(), {}));
@@ -199,8 +210,11 @@ class Worker {
       assign_ = *next_assign_;
       next_assign_.reset();
     }
-    const int64_t R = assign_.rows;
-    const PushMeta meta = step_->compute(clock, assign_);
+    const bool average = opts_.consistency_kind() == Consistency::Average;
+    // average: H local steps of this worker's rows each.
+    const int64_t R = assign_.rows * (average ? opts_.local_steps : 1);
+    const PushMeta meta =
+        average ? step_->local_round(clock, assign_) : step_->compute(clock, assign_);
     const double t = timer.seconds();
     compute_s_ += t;
     if (args_.slowdown > 1.0)
@@ -241,9 +255,11 @@ class Worker {
                         {"rows", rows_done_},
                         {"compute_s", compute_s_},
                         {"wait_s", kv_->wait_seconds()},
+                        {"half_sync_wait_s", half_sync_wait_s_},
                         {"push_bytes", kv_->push_bytes()},
                         {"dense_push_bytes", kv_->dense_push_bytes()},
                         {"pull_bytes", kv_->pull_bytes()},
+                        {"dense_pull_bytes", kv_->dense_pull_bytes()},
                         {"slowdown", args_.slowdown}};
     fs::path dir = fs::path(cfg_.train.run_dir) / "ps";
     fs::create_directories(dir);
@@ -277,7 +293,7 @@ class Worker {
   std::unique_ptr<KvWorker> kv_;
   MetricsWriter role_metrics_;  // RUN_DIR/metrics/worker_I.jsonl, from the first step on
   int64_t steps_ = 0, rows_done_ = 0, rollback_to_ = -1;
-  double compute_s_ = 0;
+  double compute_s_ = 0, half_sync_wait_s_ = 0;
   double rate_rows_ = 0, rate_seconds_ = 0;  // the reported throughput's running sums
 };
 

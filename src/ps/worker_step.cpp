@@ -10,6 +10,8 @@
 #include "data/loader.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
+#include "optim/param_groups.h"
+#include "optim/update.h"
 #include "train/accumulate.h"
 #include "train/evaluate.h"
 #include "train/lm_checkpoint.h"
@@ -33,16 +35,14 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
   windows_ = std::make_unique<WindowStream>(*train_, cfg_.train.seq_len, cfg_.train.seed);
 }
 
-PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
+Accumulated WorkerStep::accumulate_rows(int64_t clock, const RowAssignment& a,
+                                         float loss_weight) {
   const int64_t T = cfg_.train.seq_len, A = cfg_.train.grad_accum, R = a.rows;
-  const int64_t E = cfg_.model.n_experts;
   inputs_.resize(static_cast<std::size_t>(R * T));
   targets_.resize(inputs_.size());
   AccumulateArgs<TokenBatch> args;
   args.micro_batches = A;
-  // This worker's rows' share of the global batch: the servers sum the workers' pushes.
-  args.loss_weight =
-      static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A));
+  args.loss_weight = loss_weight;
   args.fill = [&](int64_t micro) {
     // Row r of the global batch is the window the single-process run reads for its row r, so the
     // workers of a step read disjoint windows, and an epoch's windows once between them.
@@ -61,8 +61,15 @@ PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
         "optim.warmup_steps",
         clock, p.total, index_);
   };
-  const Accumulated acc = accumulate(*model_, params_.data(), grads_.data(),
-                                     static_cast<int64_t>(grads_.size()), args);
+  return accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()),
+                    args);
+}
+
+PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
+  const int64_t A = cfg_.train.grad_accum, R = a.rows, E = cfg_.model.n_experts;
+  // This worker's rows' share of the global batch: the servers sum the workers' pushes.
+  const Accumulated acc = accumulate_rows(
+      clock, a, static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A)));
   skip_.clear();
   if (opts_.sparse_push) {
     const int64_t per = cfg_.model.expert_hidden * cfg_.model.dim;
@@ -78,6 +85,37 @@ PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
               [](const Span& x, const Span& y) { return x.offset < y.offset; });
   }
   return {R, a.global_rows, acc.loss.total};
+}
+
+PushMeta WorkerStep::local_round(int64_t clock, const RowAssignment& a) {
+  const int64_t H = opts_.local_steps, A = cfg_.train.grad_accum, n = model_->layout().size();
+  if (!opt_) {
+    opt_ = make_optimizer(cfg_.optim.optimizer_config(), param_groups(model_->layout()), 0, n);
+    schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps * H));
+    comm_ = make_local_comm();
+  }
+  double loss = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t step = clock * H + h;
+    // The mean over this worker's rows: a local step is a whole step of its own.
+    const Accumulated acc =
+        accumulate_rows(step, a, static_cast<float>(1.0 / static_cast<double>(A)));
+    loss += acc.loss.total;
+    FlatGradient g(grads_.data(), n);
+    UpdateOptions o;
+    o.grad_clip = cfg_.optim.grad_clip;
+    o.where = fmt::format("local step {} on worker {}", step, index_);
+    o.advice = "Lower optim.lr or raise optim.warmup_steps";
+    if (!check_and_clip(g, *comm_, o).skipped)
+      opt_->step(params_.data(), grads_.data(), static_cast<float>(schedule_->lr(step)));
+  }
+  const auto share =
+      static_cast<float>(static_cast<double>(a.rows) / static_cast<double>(a.global_rows));
+  float* g = grads_.data();
+  const float* p = params_.data();
+  for (int64_t i = 0; i < n; ++i) g[i] = p[i] * share;
+  skip_.clear();  // every parameter is pushed
+  return {a.rows, a.global_rows, loss / static_cast<double>(H)};
 }
 
 void WorkerStep::finish(int64_t clock) {

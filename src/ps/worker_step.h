@@ -8,13 +8,17 @@
 #include <memory>
 #include <vector>
 
+#include "core/comm.h"
 #include "data/loader.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "model/transformer.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
 #include "ps/codec.h"
 #include "ps/kv_worker.h"
 #include "ps/options.h"
+#include "train/accumulate.h"
 #include "train/run_config.h"
 
 namespace moetrain::ps {
@@ -40,6 +44,13 @@ class WorkerStep {
   // batch; the push's figures.
   PushMeta compute(int64_t clock, const RowAssignment& a);
 
+  // average (--local-steps H): H optimizer steps on params, each on the mean gradient of rows `a`
+  // of local step clock·H + h (the windows the single-process run with H·T steps reads there),
+  // through the one check, clip and step of optim/update.h, with this worker's own optimizer
+  // state; then grads = params × the rows' share of the global batch (what the servers sum into
+  // the row-weighted mean). The figures: the mean loss over the H steps.
+  PushMeta local_round(int64_t clock, const RowAssignment& a);
+
   // The lead worker at the end of the job: params as a normal checkpoint of step `clock`, and
   // the validation loss written to the run's metrics.
   void finish(int64_t clock);
@@ -55,6 +66,12 @@ class WorkerStep {
   std::vector<float> params_, grads_, residual_;
   std::vector<int32_t> inputs_, targets_;
   std::vector<Span> skip_;
+  std::unique_ptr<Optimizer> opt_;         // average: this worker's optimizer over every key
+  std::unique_ptr<LrSchedule> schedule_;   // average: over train.steps × H local steps
+  std::unique_ptr<Comm> comm_;             // average: a local step's gradient is all of it
+
+  // grads = Σ over micro-batches of the gradient of rows `a` of step `step` × loss_weight.
+  Accumulated accumulate_rows(int64_t step, const RowAssignment& a, float loss_weight);
 };
 
 }  // namespace moetrain::ps

@@ -2,7 +2,7 @@
 // outside: the servers' per-update lines (RUN_DIR/metrics/server_I.jsonl: the clock each update's
 // pushes were computed at and how many it summed), their summaries (RUN_DIR/ps/server_I.json:
 // pushes received, late ones dropped, bytes on the wire) and the validation loss against sync
-// runs of the same model, data and global batch.
+// runs of the same model, data and global batch; compressed pulls and half_sync the same way.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "io/metrics.h"
+#include "ps/consistency.h"
 #include "ps/process.h"  // tests/ps/process.h
 #include "support/corpus.h"
 #include "support/temp_dir.h"
@@ -191,6 +192,113 @@ TEST(PsBounds, Bf16AndSparsePushesEndToEnd) {
   // Measured 3.4e-4 over 20 steps; the band leaves 15× for other machines' rounding paths.
   EXPECT_LE(worst, 0.005);
   EXPECT_NEAR(bf16.val, sparse.val, 0.005);
+}
+
+// Pulls in bf16 and int8 (--pull-compression): the servers keep f32 and send every training pull
+// in the asked encoding, so each reply's values take exactly 2 (bf16) or 1 + 4/256 (int8) bytes a
+// parameter instead of 4; the lead worker's final read stays f32 (the checkpoint holds the
+// servers' values). Training on the decoded parameters ends within 1% of the f32-pull run's
+// validation loss.
+TEST(PsBounds, CompressedPullsCutTheWireBytesAndTrainLikeF32Pulls) {
+  TempDir tmp("ps_pull_bytes");
+  const int W = 2, S = 2, T = 30, B = 4;
+  std::map<std::string, JobRun> runs;
+  for (const char* enc : {"none", "bf16", "int8"})
+    runs[enc] = run_job(tmp, enc, {"--workers", std::to_string(W), "--pull-compression", enc}, S,
+                        T, B);
+  for (const auto& [enc, r] : runs) ASSERT_EQ(r.servers.size(), static_cast<std::size_t>(S)) << enc;
+  const int64_t header = 88;
+  double total[3] = {0, 0, 0};
+  for (int s = 0; s < S; ++s) {
+    const auto keys = runs["none"].servers[s].at("keys");
+    const int64_t n = keys[1].get<int64_t>() - keys[0].get<int64_t>();
+    // Sync: W joining reads, W × T training pulls, the final read.
+    const int64_t pulls = W + W * T + 1;
+    int k = 0;
+    for (const char* enc : {"none", "bf16", "int8"}) {
+      const JobRun& r = runs[enc];
+      EXPECT_EQ(stat(r, s, "pulls"), pulls) << enc;
+      EXPECT_EQ(stat(r, s, "dense_pull_bytes"), pulls * (header + 4 * n)) << enc;
+      const int64_t values = std::string(enc) == "none"   ? 4 * n
+                             : std::string(enc) == "bf16" ? 2 * n
+                                                          : n + 4 * ((n + 255) / 256);
+      EXPECT_EQ(stat(r, s, "pull_bytes"), (pulls - 1) * (header + values) + header + 4 * n)
+          << enc << " on server " << s;
+      total[k++] += static_cast<double>(stat(r, s, "pull_bytes"));
+    }
+  }
+  std::printf("pull bytes: f32 %.0f, bf16 %.0f (%.4f), int8 %.0f (%.4f)\n", total[0], total[1],
+              total[1] / total[0], total[2], total[2] / total[0]);
+  EXPECT_LT(total[1] / total[0], 0.52);
+  EXPECT_LT(total[2] / total[0], 0.28);
+  const double f32 = runs["none"].val;
+  for (const char* enc : {"bf16", "int8"}) {
+    std::printf("%s pulls: val %.4f, f32 pulls %.4f (%.3f%%)\n", enc, runs[enc].val, f32,
+                100 * (runs[enc].val - f32) / f32);
+    EXPECT_LE(std::fabs(runs[enc].val - f32), 0.01 * f32) << enc;
+  }
+  // The decoded parameters are what trained: each curve differs from the others.
+  EXPECT_NE(runs["bf16"].loss, runs["none"].loss);
+  EXPECT_NE(runs["int8"].loss, runs["none"].loss);
+  EXPECT_NE(runs["int8"].loss, runs["bf16"].loss);
+}
+
+// half_sync with one worker slowed 2×: every push applied once on arrival, the servers' largest
+// staleness within --staleness, and each worker's random waits exactly the seeded draws of the
+// clocks it computed (train.seed = 1234 in the tiny config). Bad settings stop before anything
+// starts, naming the flag.
+TEST(PsBounds, HalfSyncKeepsTheStalenessBoundAndWaitsTheSeededTimes) {
+  TempDir tmp("ps_half_sync");
+  const int W = 2, T = 30, B = 2, s_bound = 1;
+  const double wait_ms = 20;
+  JobRun r = run_job(tmp, "half",
+                     {"--workers", std::to_string(W), "--consistency", "half_sync", "--staleness",
+                      std::to_string(s_bound), "--half-sync-wait-ms", "20", "--slowdown", "1=2"},
+                     1, T, B);
+  ASSERT_EQ(r.servers.size(), 1u);
+  EXPECT_EQ(stat(r, 0, "updates"), W * T);
+  EXPECT_EQ(stat(r, 0, "late_dropped"), 0);
+  EXPECT_LE(stat(r, 0, "max_staleness"), s_bound);
+  ASSERT_EQ(r.updates[0].size(), static_cast<std::size_t>(W * T));
+  std::map<int64_t, std::multiset<int64_t>> clocks;
+  for (const auto& u : r.updates[0]) {
+    EXPECT_EQ(u.at("pushes").get<int64_t>(), 1) << u.dump();
+    clocks[u.at("worker").get<int64_t>()].insert(u.at("clock").get<int64_t>());
+  }
+  ASSERT_EQ(clocks.size(), static_cast<std::size_t>(W));
+  int seen = 0;
+  for (const auto& e : fs::directory_iterator(r.dir / "ps")) {
+    if (e.path().filename().string().rfind("worker_node", 0) != 0) continue;
+    const auto j = read_json(e.path());
+    const int64_t w = j.at("index").get<int64_t>();
+    double want = 0;
+    for (int64_t c : clocks.at(w)) want += ps::half_sync_wait(1234, w, c, wait_ms);
+    EXPECT_NEAR(j.at("half_sync_wait_s").get<double>(), want, 1e-9) << "worker " << w;
+    EXPECT_GT(want, 0.2 * T * wait_ms / 1000) << "the draws are far below the bound's half";
+    ++seen;
+  }
+  EXPECT_EQ(seen, W);
+  for (const auto& [worker, cs] : clocks) {
+    std::multiset<int64_t> want;
+    for (int64_t c = 0; c < T; ++c) want.insert(c);
+    EXPECT_EQ(cs, want) << "worker " << worker;
+  }
+  write_corpus(tmp / "data", 60000);
+  for (const auto& [flags, says] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--consistency", "half_sync"}, "--half-sync-wait-ms 0: with --consistency half_sync"},
+           {{"--consistency", "ssp", "--half-sync-wait-ms", "5"},
+            "--half-sync-wait-ms 5 is only meaningful with --consistency half_sync"},
+           {{"--consistency", "half_sync", "--half-sync-wait-ms", "-1"},
+            "--half-sync-wait-ms -1: with --consistency half_sync it must be in (0, 60000]"}}) {
+    std::vector<std::string> args = {"ps", "launch"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    args.insert(args.end(), {"--", "train", "--set", "train.run_dir=" + (tmp / "bad").string()});
+    Process p(args, tmp / "bad.log");
+    EXPECT_NE(p.wait(60), 0) << says;
+    EXPECT_NE(p.output().find(says), std::string::npos) << p.output();
+    EXPECT_FALSE(fs::exists(tmp / "bad")) << "something was written";
+  }
 }
 
 }  // namespace

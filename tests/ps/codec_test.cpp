@@ -113,6 +113,7 @@ TEST(PsCodec, DenseEncodingsRoundTrip) {
       ASSERT_LE(std::fabs(out[i] - v[i]), tol * 5 + 1e-7) << compression_name(e) << " at " << i;
   }
   EXPECT_EQ(encoded_size(Encoding::Int8, 1000), 4u * 4 + 1000);
+  EXPECT_EQ(encoded_size(Encoding::Bf16, 1000), 2000u);
 }
 
 TEST(PsCodec, SparseKeepsOnlyTheRanges) {
@@ -200,10 +201,48 @@ TEST(PsOptions, RejectBadValuesByName) {
   expect_error([&] { o.validate(); }, "--quorum 4");
   o = {};
   o.staleness = 2;
-  expect_error([&] { o.validate(); }, "only meaningful with --consistency ssp");
+  expect_error([&] { o.validate(); }, "only meaningful with --consistency ssp or half_sync");
+  o = {};
+  o.consistency = "half_sync";
+  o.staleness = 1;
+  expect_error([&] { o.validate(); }, "--half-sync-wait-ms 0: with --consistency half_sync");
+  for (double bad : {-5.0, 1e9, std::nan("")}) {
+    o.half_sync_wait_ms = bad;
+    expect_error([&] { o.validate(); }, "must be in (0, 60000] milliseconds");
+  }
+  o.half_sync_wait_ms = 20;
+  o.validate();
+  EXPECT_EQ(PsOptions::from_json(o.to_json()).half_sync_wait_ms, 20);
+  o.staleness = -1;
+  expect_error([&] { o.validate(); }, "--staleness -1: must be ≥ 0");
+  o = {};
+  o.consistency = "ssp";
+  o.half_sync_wait_ms = 10;
+  expect_error([&] { o.validate(); },
+               "--half-sync-wait-ms 10 is only meaningful with --consistency half_sync");
+  o = {};
+  o.consistency = "average";
+  expect_error([&] { o.validate(); }, "--local-steps 0: with --consistency average it must be in");
+  o.local_steps = 4;
+  o.validate();
+  EXPECT_EQ(PsOptions::from_json(o.to_json()).local_steps, 4);
+  o.push_compression = "int8";
+  expect_error([&] { o.validate(); },
+               "--push-compression int8 with --consistency average: pushes carry parameters");
+  o = {};
+  o.local_steps = 2;
+  expect_error([&] { o.validate(); },
+               "--local-steps 2 is only meaningful with --consistency average");
   o = {};
   o.push_compression = "zip";
-  expect_error([&] { o.validate(); }, "push compression 'zip'");
+  expect_error([&] { o.validate(); },
+               "--push-compression 'zip': allowed are none, bf16, int8");
+  o = {};
+  o.pull_compression = "fp8";
+  expect_error([&] { o.validate(); }, "--pull-compression 'fp8': allowed are none, bf16, int8");
+  EXPECT_THROW(PsOptions::from_json(o.to_json()), Error);
+  o.pull_compression = "int8";
+  EXPECT_EQ(PsOptions::from_json(o.to_json()).pull_encoding(), Encoding::Int8);
   o = {};
   o.heartbeat_timeout = 0.1;
   expect_error([&] { o.validate(); }, "--heartbeat-timeout");
@@ -245,29 +284,6 @@ TEST(PsOptions, RejectBadValuesByName) {
   check_ps_run_config(cfg, two);
   cfg.train.device = "cuda";
   expect_error([&] { check_ps_run_config(cfg, two); }, "train.device = cuda");
-}
-
-// The AVX2 int8 kernels give the scalar kernels' bits: amax, codes and residuals, on blocks of
-// every length up to one block, with values spanning many magnitudes and exact zeros.
-TEST(PsCodec, Int8VectorPathEqualsScalar) {
-  if (!int8_vector_path_available()) GTEST_SKIP() << "this CPU has no AVX2";
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (int64_t len = 1; len <= kInt8Block; len += (len < 20 ? 1 : 13)) {
-    std::vector<float> v(static_cast<std::size_t>(len));
-    for (auto& x : v) x = nd(rng) * std::pow(10.0f, static_cast<float>(rng() % 9) - 4.0f);
-    if (len > 3) v[2] = 0.0f, v[3] = -0.0f;
-    const float a = int8_block_amax(v.data(), len, false);
-    ASSERT_EQ(a, int8_block_amax(v.data(), len, true)) << len;
-    for (float scale : {a / 127.0f, 0.0f}) {
-      std::vector<int8_t> q0(v.size()), q1(v.size());
-      std::vector<float> r0(v.size()), r1(v.size());
-      int8_block_quantize(v.data(), len, scale, q0.data(), r0.data(), false);
-      int8_block_quantize(v.data(), len, scale, q1.data(), r1.data(), true);
-      ASSERT_EQ(q0, q1) << len;
-      ASSERT_EQ(0, std::memcmp(r0.data(), r1.data(), r0.size() * 4)) << len;
-    }
-  }
 }
 
 // A frame built in place and sealed decodes like the encoded one.

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 using namespace moetrain::ps;
@@ -141,6 +142,69 @@ TEST(Consistency, SspBlocksAPullUntilTheSlowestIsWithinTheStaleness) {
   EXPECT_EQ(r.max_staleness(), 2);
   // A worker not active is never held back.
   EXPECT_TRUE(r.pull_ready(5, 100));
+}
+
+// half_sync keeps ssp's bound on the servers: each push applies alone on arrival, and a pull for
+// clock c waits for the slowest active worker to reach c − s.
+TEST(Consistency, HalfSyncAppliesEachPushAndBlocksAPullBeyondTheStaleness) {
+  ConsistencyRules r = rules(Consistency::HalfSync, {0, 1}, 0, 1);
+  r.pull_answered(0, -1);
+  r.pull_answered(1, -1);
+  for (int64_t c = 0; c < 2; ++c) {
+    EXPECT_EQ(r.push(0, c, c), PushFate::Ready);
+    const auto u = r.next_update();
+    ASSERT_TRUE(u.has_value());
+    EXPECT_EQ(u->ids, std::vector<int64_t>{c});
+    r.applied(*u);
+  }
+  EXPECT_EQ(r.version(), 2);
+  EXPECT_TRUE(r.pull_ready(0, 1));
+  EXPECT_FALSE(r.pull_ready(0, 2)) << "worker 1 is at 0, two clocks behind";
+  r.push(1, 0, 10);
+  r.applied(*r.next_update());
+  EXPECT_TRUE(r.pull_ready(0, 2));
+  EXPECT_EQ(r.pull_answered(0, 2), 2);
+  EXPECT_EQ(r.max_staleness(), 1);
+}
+
+// The random wait: in [0, bound), the same for the same (seed, worker, clock), different across
+// workers, clocks and seeds, and uniform: mean bound / 2 and a quarter of the draws under
+// bound / 4, within 5 standard errors over 20000 draws.
+TEST(Consistency, HalfSyncWaitIsSeededUniformAndBounded) {
+  const double bound_ms = 40;
+  EXPECT_EQ(half_sync_wait(7, 1, 5, bound_ms), half_sync_wait(7, 1, 5, bound_ms));
+  EXPECT_NE(half_sync_wait(7, 1, 5, bound_ms), half_sync_wait(7, 0, 5, bound_ms));
+  EXPECT_NE(half_sync_wait(7, 1, 5, bound_ms), half_sync_wait(7, 1, 6, bound_ms));
+  EXPECT_NE(half_sync_wait(7, 1, 5, bound_ms), half_sync_wait(8, 1, 5, bound_ms));
+  const int n = 20000;
+  double sum = 0;
+  int low = 0;
+  for (int w = 0; w < 4; ++w)
+    for (int c = 0; c < n / 4; ++c) {
+      const double t = half_sync_wait(1234, w, c, bound_ms);
+      ASSERT_GE(t, 0.0);
+      ASSERT_LT(t, bound_ms / 1000.0);
+      sum += t;
+      low += t < bound_ms / 4000.0 ? 1 : 0;
+    }
+  const double b = bound_ms / 1000.0;
+  EXPECT_NEAR(sum / n, b / 2, 5 * b / std::sqrt(12.0 * n));
+  EXPECT_NEAR(static_cast<double>(low) / n, 0.25, 5 * std::sqrt(0.25 * 0.75 / n));
+}
+
+// average sums per clock as sync does: every active worker's push, in worker-index order, and a
+// pull waits for the clock's update.
+TEST(Consistency, AverageWaitsForEveryActiveWorkerLikeSync) {
+  ConsistencyRules r = rules(Consistency::Average, {1, 0});
+  EXPECT_EQ(r.push(1, 0, 11), PushFate::Queued);
+  EXPECT_FALSE(r.pull_ready(1, 1));
+  EXPECT_EQ(r.push(0, 0, 10), PushFate::Ready);
+  const auto u = r.next_update();
+  ASSERT_TRUE(u.has_value());
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{10, 11}));
+  r.applied(*u);
+  EXPECT_TRUE(r.pull_ready(1, 1));
+  EXPECT_EQ(r.push(0, 0, 12), PushFate::Late);
 }
 
 TEST(Consistency, SspLostWorkerNoLongerHoldsOthersBackAndARejoinStartsLevel) {
