@@ -10,13 +10,16 @@
 // same rows from the same state).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "io/metrics.h"
+#include "ps/job_events.h"
 #include "ps/process.h"  // tests/ps/process.h
 #include "support/corpus.h"
 #include "support/temp_dir.h"
@@ -225,6 +228,69 @@ TEST_F(PsServerFault, StandbySchedulerTakesOverAKilledScheduler) {
   for (auto& n : nodes) EXPECT_EQ(n->wait(30), 0) << logs();
   EXPECT_EQ(applied_steps(run), kSteps) << "every clock applied exactly once";
   expect_reference_params(run);
+}
+
+// The scheduler killed with no standby: the servers elect the first live one in the succession
+// order (server 0), which runs the scheduler in its own process; the nodes register there as
+// they would with a standby, the run ends, and the final parameters are bitwise the undisturbed
+// run's. The election and its cause are the elected scheduler's first events.
+TEST_F(PsServerFault, ServerElectedWhenTheSchedulerDiesWithoutAStandby) {
+  // Both workers at --slowdown 10 keep the run long enough for the takeover to land inside it.
+  Cluster c(tmp_->path(), "elect", 2, kSteps, 2, {"--servers", "2"}, "1", 10.0);
+  ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 20; }, 60)) << c.logs();
+  Process* lead = c.find("server", 0);
+  ASSERT_NE(lead, nullptr) << c.logs();
+  const double killed_at = ps::unix_seconds();
+  c.scheduler->kill(SIGKILL);
+  ASSERT_LT(applied_steps(c.run), kSteps) << "the job ended before the kill";
+  ASSERT_TRUE(wait_until(
+      [&] { return lead->output().find("server 0 (elected) takes over") != std::string::npos; },
+      30))
+      << c.logs();
+  EXPECT_LT(applied_steps(c.run), kSteps) << "the takeover came after the last clock";
+  EXPECT_EQ(lead->wait(150), 0) << c.logs();
+  for (auto& s : c.servers) EXPECT_EQ(s->wait(30), 0) << c.logs();
+  for (auto& w : c.workers) EXPECT_EQ(w->wait(30), 0) << c.logs();
+  EXPECT_EQ(applied_steps(c.run), kSteps) << "every clock applied exactly once";
+  expect_reference_params(c.run);
+
+  // metrics/scheduler.jsonl: the dead scheduler's events, then the elected one's.
+  std::vector<nlohmann::json> events =
+      read_metrics_file(c.run / "metrics" / "scheduler.jsonl");
+  std::vector<std::string> names;
+  for (const auto& e : events) names.push_back(e.value("event", ""));
+  const auto at = [&](const std::string& name) {
+    return std::find(names.begin(), names.end(), name) - names.begin();
+  };
+  const auto elected = at("scheduler_elected"), takeover = at("scheduler_takeover"),
+             complete = at("job_complete");
+  ASSERT_LT(elected, static_cast<std::ptrdiff_t>(events.size())) << nlohmann::json(names).dump();
+  ASSERT_LT(takeover, static_cast<std::ptrdiff_t>(events.size())) << nlohmann::json(names).dump();
+  EXPECT_LT(at("job_start"), elected);
+  EXPECT_LT(elected, takeover);
+  EXPECT_LT(takeover, complete);
+  EXPECT_EQ(complete + 1, static_cast<std::ptrdiff_t>(events.size()));
+  const nlohmann::json& e = events[static_cast<std::size_t>(elected)];
+  EXPECT_EQ(e.value("server", int64_t{-1}), 0) << e.dump();
+  EXPECT_TRUE(e.value("primary", false)) << e.dump();
+  EXPECT_EQ(e.at("passed_over").size(), 0u) << e.dump();
+  EXPECT_EQ(e.value("dead_scheduler", ""), c.endpoint) << e.dump();
+  EXPECT_NE(e["cause"].get<std::string>().find("first live server"), std::string::npos)
+      << e.dump();
+  EXPECT_EQ(events[static_cast<std::size_t>(takeover)].value("by", ""), "elected server");
+  // The takeover time: from the kill to the elected scheduler's takeover event, and to the first
+  // clock applied after the kill (training goes on while the nodes are without a scheduler).
+  double first_clock = -1;
+  for (const auto& m : read_metrics(c.run))
+    if (m.contains("loss") && m["time"].get<double>() > killed_at) {
+      first_clock = m["time"].get<double>();
+      break;
+    }
+  const double took = events[static_cast<std::size_t>(takeover)]["time"].get<double>() - killed_at;
+  std::printf("kill to takeover: %.3f s; kill to the first clock after it: %.3f s\n", took,
+              first_clock - killed_at);
+  EXPECT_GT(took, 0);
+  EXPECT_GT(first_clock, killed_at);
 }
 
 TEST_F(PsServerFault, RestartedServerRestoresItsCheckpointAndTheJobRollsBack) {
