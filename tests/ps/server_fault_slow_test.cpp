@@ -423,4 +423,35 @@ TEST_F(PsServerFault, LaunchedStandbySchedulerTakesOverAKilledScheduler) {
   expect_reference_params(run);
 }
 
+// The same through `ps launch` without --standby-scheduler: launch waits for the nodes, the
+// elected server ends the job, launch exits 0 and the final parameters are the undisturbed run's.
+TEST_F(PsServerFault, LaunchedJobElectsAServerWhenTheSchedulerDies) {
+  const fs::path run = tmp_->path() / "launch_elect";
+  std::vector<std::string> args = {"ps", "launch", "--timeout", "150", "--servers", "2",
+                                   "--workers", "2", "--heartbeat-interval", "0.1",
+                                   "--heartbeat-timeout", "1", "--slowdown", "1=30", "--",
+                                   "train"};
+  for (const auto& s : as_set_args(tiny_ps_overrides(tmp_->path() / "data", run, kSteps, 2)))
+    args.push_back(s);
+  Process job(args, tmp_->path() / "launch_elect.log");
+  ASSERT_TRUE(wait_until([&] { return applied_steps(run) >= 20; }, 60)) << job.output();
+  pid_t scheduler = -1;
+  const auto pids = read_json(run / "ps" / "launch.json");
+  for (const auto& p : pids["processes"])
+    if (p["name"] == "scheduler") scheduler = p["pid"].get<pid_t>();
+  ASSERT_GT(scheduler, 0) << pids.dump();
+  ASSERT_EQ(::kill(scheduler, SIGKILL), 0);
+  ASSERT_LT(applied_steps(run), kSteps) << "the job ended before the kill";
+  ASSERT_TRUE(wait_until(
+      [&] { return job.output().find("server 0 (elected) takes over") != std::string::npos; },
+      30))
+      << job.output();
+  EXPECT_LT(applied_steps(run), kSteps) << "the takeover came after the last clock";
+  ASSERT_EQ(job.wait(150), 0) << job.output();
+  EXPECT_NE(job.output().find("the servers elect one of themselves"), std::string::npos)
+      << job.output();
+  EXPECT_EQ(applied_steps(run), kSteps) << "every clock applied exactly once";
+  expect_reference_params(run);
+}
+
 }  // namespace
