@@ -59,6 +59,24 @@ bool Scheduler::maybe_take_over() {
       static_cast<int64_t>(members_.serving().size()) == S * args_.options.server_replicas &&
       static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers;
   if (!everyone && since(takeover_started_) <= 2 * args_.options.heartbeat_timeout) return true;
+  // A primary that died with the scheduler (an election passes it over; a standby waits for
+  // it): its backup is promoted, as the scheduler would have done.
+  bool promoted = false;
+  for (int64_t i = 0; i < S; ++i) {
+    Node* b = members_.backup_of(i);
+    if (members_.primary_of(i) || !b) continue;
+    b->primary = true;
+    promoted = true;
+    ++servers_lost_;
+    ++failovers_;
+    events_.node("failover", *b,
+                 fmt::format("server {}'s primary did not register again after the scheduler "
+                             "died; its backup is promoted",
+                             i));
+    log_warn("ps scheduler: server {}'s primary did not register again: its backup (node {}, pid "
+             "{}) is promoted",
+             i, b->id, b->pid);
+  }
   for (int64_t i = 0; i < S; ++i)
     if (!members_.primary_of(i)) {
       shutdown_all(fmt::format(
@@ -100,6 +118,7 @@ bool Scheduler::maybe_take_over() {
   } else {
     replan();
   }
+  if (promoted) attach_spare();
   return true;
 }
 

@@ -235,8 +235,8 @@ TEST_F(PsServerFault, StandbySchedulerTakesOverAKilledScheduler) {
 // they would with a standby, the run ends, and the final parameters are bitwise the undisturbed
 // run's. The election and its cause are the elected scheduler's first events.
 TEST_F(PsServerFault, ServerElectedWhenTheSchedulerDiesWithoutAStandby) {
-  // Both workers at --slowdown 10 keep the run long enough for the takeover to land inside it.
-  Cluster c(tmp_->path(), "elect", 2, kSteps, 2, {"--servers", "2"}, "1", 10.0);
+  // Both workers at --slowdown 30 keep the run long enough for the takeover to land inside it.
+  Cluster c(tmp_->path(), "elect", 2, kSteps, 2, {"--servers", "2"}, "1", 30.0);
   ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 20; }, 60)) << c.logs();
   Process* lead = c.find("server", 0);
   ASSERT_NE(lead, nullptr) << c.logs();
@@ -280,15 +280,24 @@ TEST_F(PsServerFault, ServerElectedWhenTheSchedulerDiesWithoutAStandby) {
   EXPECT_EQ(events[static_cast<std::size_t>(takeover)].value("by", ""), "elected server");
   // The takeover time: from the kill to the elected scheduler's takeover event, and to the first
   // clock applied after the kill (training goes on while the nodes are without a scheduler).
-  double first_clock = -1;
-  for (const auto& m : read_metrics(c.run))
-    if (m.contains("loss") && m["time"].get<double>() > killed_at) {
-      first_clock = m["time"].get<double>();
-      break;
-    }
+  // The longest wait between two clocks after the kill, against the median step, shows whether
+  // the workers paused while they moved.
+  double first_clock = -1, longest = 0, prev = -1;
+  std::vector<double> steps;
+  for (const auto& m : read_metrics(c.run)) {
+    if (!m.contains("loss")) continue;
+    const double t = m["time"].get<double>();
+    if (prev >= 0) steps.push_back(t - prev);
+    if (prev >= 0 && t > killed_at) longest = std::max(longest, t - prev);
+    if (first_clock < 0 && t > killed_at) first_clock = t;
+    prev = t;
+  }
+  std::sort(steps.begin(), steps.end());
   const double took = events[static_cast<std::size_t>(takeover)]["time"].get<double>() - killed_at;
-  std::printf("kill to takeover: %.3f s; kill to the first clock after it: %.3f s\n", took,
-              first_clock - killed_at);
+  std::printf(
+      "kill to takeover: %.3f s; kill to the first clock after it: %.3f s; longest gap between "
+      "clocks after the kill: %.3f s (median %.3f s)\n",
+      took, first_clock - killed_at, longest, steps.empty() ? 0.0 : steps[steps.size() / 2]);
   EXPECT_GT(took, 0);
   EXPECT_GT(first_clock, killed_at);
 }
@@ -421,6 +430,55 @@ TEST_F(PsServerFault, LaunchedStandbySchedulerTakesOverAKilledScheduler) {
   EXPECT_EQ(spares, 1) << out;
   EXPECT_EQ(applied_steps(run), kSteps) << "every clock applied exactly once";
   expect_reference_params(run);
+}
+
+// The scheduler and server 0's primary killed together (--server-replicas 2): the nodes pass over
+// the dead primary after twice the heartbeat timeout and elect the next server of the order,
+// server 0's backup, whose takeover promotes it; the job ends bitwise as the undisturbed run.
+TEST_F(PsServerFault, ElectionPassesOverADeadPrimaryAndItsBackupTakesOver) {
+  Cluster c(tmp_->path(), "elect_backup", 2, kSteps, 4, {"--servers", "2", "--server-replicas", "2"},
+            "1", 10.0);
+  ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 20; }, 60)) << c.logs();
+  Process* primary = c.find("server", 0, true);
+  Process* backup = c.find("server", 0, false);
+  ASSERT_NE(primary, nullptr) << c.logs();
+  ASSERT_NE(backup, nullptr) << c.logs();
+  const double killed_at = ps::unix_seconds();
+  c.scheduler->kill(SIGKILL);
+  primary->kill(SIGKILL);
+  ASSERT_LT(applied_steps(c.run), kSteps) << "the job ended before the kill";
+  ASSERT_TRUE(wait_until(
+      [&] { return backup->output().find("server 0 (elected) takes over") != std::string::npos; },
+      30))
+      << c.logs();
+  EXPECT_EQ(backup->wait(150), 0) << c.logs();
+  for (auto& s : c.servers) {
+    if (s.get() == primary) continue;
+    EXPECT_EQ(s->wait(30), 0) << c.logs();
+  }
+  for (auto& w : c.workers) EXPECT_EQ(w->wait(30), 0) << c.logs();
+  EXPECT_EQ(applied_steps(c.run), kSteps) << "every clock applied exactly once";
+  expect_reference_params(c.run);
+
+  nlohmann::json elected, failover, takeover;
+  for (const auto& e : read_metrics_file(c.run / "metrics" / "scheduler.jsonl")) {
+    if (e.value("event", "") == "scheduler_elected") elected = e;
+    if (e.value("event", "") == "failover" && !elected.is_null()) failover = e;
+    if (e.value("event", "") == "scheduler_takeover") takeover = e;
+  }
+  if (takeover.is_object())
+    std::printf("kill to takeover (one server passed over): %.3f s\n",
+                takeover["time"].get<double>() - killed_at);
+  ASSERT_TRUE(elected.is_object()) << "no scheduler_elected event";
+  EXPECT_EQ(elected.value("server", int64_t{-1}), 0) << elected.dump();
+  EXPECT_FALSE(elected.value("primary", true)) << elected.dump();
+  ASSERT_EQ(elected.at("passed_over").size(), 1u) << elected.dump();
+  EXPECT_EQ(elected["passed_over"][0].value("server", int64_t{-1}), 0) << elected.dump();
+  EXPECT_NE(elected.value("cause", "").find("1 server(s) before it did not answer"),
+            std::string::npos)
+      << elected.dump();
+  ASSERT_TRUE(failover.is_object()) << "the backup was not promoted in the takeover";
+  EXPECT_EQ(failover.value("index", int64_t{-1}), 0) << failover.dump();
 }
 
 // The same through `ps launch` without --standby-scheduler: launch waits for the nodes, the
