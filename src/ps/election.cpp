@@ -44,6 +44,9 @@ std::string successor_bind(const std::string& server_bind) {
   return server_bind.substr(0, colon) + ":*";
 }
 
+SchedulerSocket::SchedulerSocket(const std::string& bind)
+    : router(ctx, zmq::socket_type::router), endpoint(bind_router(ctx, router, bind)) {}
+
 Succession::Succession(const std::string& bind)
     : socket_(std::make_unique<SchedulerSocket>(bind)), endpoint_(socket_->endpoint) {}
 

@@ -18,9 +18,6 @@ namespace fs = std::filesystem;
 
 namespace moetrain::ps {
 
-SchedulerSocket::SchedulerSocket(const std::string& bind)
-    : router(ctx, zmq::socket_type::router), endpoint(bind_router(ctx, router, bind)) {}
-
 Scheduler::Scheduler(const SchedulerArgs& a, std::unique_ptr<SchedulerSocket> socket)
     : args_(a),
       socket_(socket ? std::move(socket) : std::make_unique<SchedulerSocket>(a.bind)),
@@ -36,13 +33,7 @@ Scheduler::Scheduler(const SchedulerArgs& a, std::unique_ptr<SchedulerSocket> so
   fs::create_directories(fs::path(args_.config.train.run_dir) / "ps");
   if (!args_.endpoint_file.empty()) write_file_atomic(args_.endpoint_file, endpoint_ + "\n");
   events_ = JobEvents(args_.config.train.run_dir, !args_.standby && !args_.resume);
-  if (args_.elected.is_object()) {
-    nlohmann::json extra = args_.elected;
-    const std::string cause = extra.value("cause", "");
-    extra.erase("cause");
-    events_.job("scheduler_elected", cause, extra);
-    log_warn("ps scheduler: elected at {}: {}", endpoint_, cause);
-  }
+  if (args_.elected.is_object()) record_election();
   log_info("ps scheduler at {}: waiting for {} server(s) and {} worker(s)", endpoint_,
            args_.options.servers, args_.options.workers);
 }

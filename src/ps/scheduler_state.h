@@ -52,6 +52,7 @@ class Scheduler {
   void on_rejoin(const Incoming& in, const nlohmann::json& j);
   bool maybe_take_over();
   nlohmann::json heartbeat_ack(const Node& n);
+  void record_election();
   void on_rows_ready(const Node& n, const nlohmann::json& j);
   void broadcast_setup();
   void maybe_finish();

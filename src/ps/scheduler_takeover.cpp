@@ -122,6 +122,15 @@ bool Scheduler::maybe_take_over() {
   return true;
 }
 
+// An elected server's scheduler: what the election decided and why, its first event.
+void Scheduler::record_election() {
+  nlohmann::json extra = args_.elected;
+  const std::string cause = extra.value("cause", "");
+  extra.erase("cause");
+  events_.job("scheduler_elected", cause, extra);
+  log_warn("ps scheduler: elected at {}: {}", endpoint_, cause);
+}
+
 // The job's own scheduler tells every node the succession order with each heartbeat; a standby
 // or an elected scheduler does not (one takeover per job).
 nlohmann::json Scheduler::heartbeat_ack(const Node& n) {
