@@ -311,6 +311,9 @@ int run_launch(const LaunchArgs& a) {
   // restores from its checkpoint), as that is the way the job recovers.
   const bool restart_servers = a.opts.server_replicas == 1 && a.opts.checkpoint_every > 0;
   std::size_t in_charge = 0;
+  // The scheduler died without a standby: the servers elect one of themselves to run it
+  // (ps/election.h), and a node that ends with 0 was told the job completed.
+  bool elected = false;
   std::map<std::string, int> restarts;
   bool completed = false;
   std::string why;
@@ -345,8 +348,15 @@ int run_launch(const LaunchArgs& a) {
             c.pid, describe_status(c.status), children[1].pid, standby_ep);
         // A server restarted from now on registers with the standby.
         server_args = node_args("server", standby_ep, false);
+      } else if (i == 0 && !a.standby) {
+        elected = true;
+        log_warn("ps launch: the scheduler (pid {}) {}; the servers elect one of themselves to "
+                 "take its role once they find it silent",
+                 c.pid, describe_status(c.status));
       } else if (i < first_node) {
         why = fmt::format("the {} {}", c.name, describe_status(c.status));
+      } else if (elected && ok) {
+        completed = true;
       } else if (!ok) {
         log_error("ps launch: {} (pid {}) {}", c.name, c.pid, describe_status(c.status));
         if (c.name.starts_with("server") && restart_servers && restarts[c.name] < 3) {
@@ -355,6 +365,13 @@ int run_launch(const LaunchArgs& a) {
               "ps launch: restarting {} (restart {} of at most 3); it restores from its "
               "checkpoint",
               c.name, restarts[c.name]);
+          if (elected) {
+            // It registers with the elected scheduler, whose address is in job.json.
+            std::ifstream in(ps_dir / "job.json");
+            const auto job = nlohmann::json::parse(in, nullptr, false);
+            if (job.is_object() && job.value("scheduler", "") != endpoint)
+              server_args = node_args("server", job.value("scheduler", ""), false);
+          }
           respawned.push_back({c.name, spawn(server_args, 1)});
         }
       }
@@ -368,12 +385,13 @@ int run_launch(const LaunchArgs& a) {
     // nobody is left to register with the standby.
     bool nodes_left = false;
     for (std::size_t i = first_node; i < children.size(); ++i) nodes_left |= children[i].running;
-    if (in_charge != 0 && !nodes_left) {
+    if ((in_charge != 0 || elected) && !nodes_left) {
       if (!nodes_gone) nodes_gone = Clock::now();
       if (std::chrono::duration<double>(Clock::now() - *nodes_gone).count() > 10)
-        why =
-            "the scheduler died and every server and worker ended without the standby "
-            "scheduler ending the job";
+        why = elected ? "the scheduler died and every server and worker ended without an "
+                        "elected scheduler ending the job"
+                      : "the scheduler died and every server and worker ended without the "
+                        "standby scheduler ending the job";
     }
     if (g_stop_signal != 0 && forwarded == 0 && children[in_charge].running) {
       forwarded = static_cast<int>(g_stop_signal);

@@ -21,6 +21,8 @@ struct Node {
   double throughput = 0;  // worker rows/s, from heartbeats
   int64_t pid = 0;
   bool primary = true;  // servers: primary or backup of its index
+  // Servers: where this one runs the scheduler if the servers elect it (ps/election.h).
+  std::string successor;
 };
 
 class Membership {

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <thread>
 
 #include "core/check.h"
 #include "core/log.h"
@@ -65,7 +66,14 @@ NodeLink::~NodeLink() {
 }
 
 void NodeLink::check() {
-  if (lost_ && !standby_.empty() && !rejoined_) rejoin();
+  if (lost_ && !rejoined_) {
+    bool succession = false;
+    {
+      const std::lock_guard<std::mutex> g(mu_);
+      succession = !successors_.empty();
+    }
+    if (!standby_.empty() || succession) rejoin();
+  }
   MOETRAIN_CHECK(!dead_,
                  "the scheduler declared this node dead (missed heartbeats); restart it "
                  "to rejoin the job");
@@ -76,13 +84,69 @@ void NodeLink::check() {
                  scheduler_, timeout_);
 }
 
-// The scheduler went silent: register with the standby as the node this is (id, index, role's
-// state); the standby rebuilds the job's membership and assignment from these.
+// The scheduler went silent: register with the standby, or else with the first server of the
+// succession order that answers, as the node this is (id, index, role's state); that scheduler
+// rebuilds the job's membership and assignment from these.
 void NodeLink::rejoin() {
   rejoined_ = true;
-  log_warn("ps {} (node {}): the scheduler at {} is silent; moving to the standby at {}", role_,
-           node_id_, scheduler_, standby_);
-  socket_ = make_dealer(ctx_, standby_);
+  if (!standby_.empty()) {
+    log_warn("ps {} (node {}): the scheduler at {} is silent; moving to the standby at {}", role_,
+             node_id_, scheduler_, standby_);
+    MOETRAIN_CHECK(register_again(standby_, 30),
+                   "the scheduler is gone and the standby at {} did not answer within 30 s",
+                   standby_);
+    return;
+  }
+  std::vector<Successor> order;
+  {
+    const std::lock_guard<std::mutex> g(mu_);
+    order = successors_;
+  }
+  const std::string dead = scheduler_;
+  const double wait = 2 * timeout_;
+  nlohmann::json passed = nlohmann::json::array();
+  for (const Successor& s : order) {
+    const std::string name =
+        fmt::format("server {}{} (node {})", s.index, s.primary ? "" : " (backup)", s.node);
+    if (s.node == node_id_) {
+      const std::string cause = fmt::format(
+          "the scheduler at {} did not answer for {:.1f} s and the job has no standby; {} is the "
+          "first live server in the succession order (server index, primary before backup){}",
+          dead, timeout_, name,
+          passed.empty() ? std::string()
+                         : fmt::format(": {} server(s) before it did not answer within {:.1f} s",
+                                       passed.size(), wait));
+      const nlohmann::json why = {{"cause", cause},
+                                  {"server", s.index},
+                                  {"node", s.node},
+                                  {"primary", s.primary},
+                                  {"dead_scheduler", dead},
+                                  {"passed_over", passed}};
+      if (!elect_ || !elect_(why)) continue;
+      log_warn("ps {} (node {}): elected: {}; running the scheduler at {}", role_, node_id_, cause,
+               s.endpoint);
+      MOETRAIN_CHECK(register_again(s.endpoint, 30),
+                     "this server took the scheduler's role at {} but it did not answer within "
+                     "30 s",
+                     s.endpoint);
+      return;
+    }
+    log_warn("ps {} (node {}): the scheduler at {} is silent and there is no standby; "
+             "registering with {} at {}, next in the succession order",
+             role_, node_id_, dead, name, s.endpoint);
+    if (register_again(s.endpoint, wait)) return;
+    log_warn("ps {} (node {}): {} did not answer within {:.1f} s; passed over", role_, node_id_,
+             name, wait);
+    passed.push_back({{"server", s.index}, {"node", s.node}, {"endpoint", s.endpoint}});
+  }
+  MOETRAIN_FAIL(
+      "the scheduler at {} has not answered for {:.1f} s and none of the {} server(s) of the "
+      "succession order answered as its successor; the job ends",
+      dead, timeout_, order.size());
+}
+
+bool NodeLink::register_again(const std::string& endpoint, double wait_s) {
+  socket_ = make_dealer(ctx_, endpoint);
   nlohmann::json body = rejoin_state_ ? rejoin_state_() : nlohmann::json::object();
   body["role"] = role_;
   body["pid"] = static_cast<int64_t>(::getpid());
@@ -91,22 +155,25 @@ void NodeLink::rejoin() {
   body["index"] = index_;
   send(socket_, json_frame(Kind::Register, node_id_, body));
   const auto start = Clock::now();
-  for (;;) {
+  while (std::chrono::duration<double>(Clock::now() - start).count() < wait_s) {
     zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
     poll_sockets(&item, 1, 100);
     if (auto in = try_receive(socket_, false, rejects_, "ps " + role_)) {
       if (in->header.kind_enum() == Kind::Shutdown)
-        MOETRAIN_FAIL("the standby scheduler at {} refused this {}: {}", standby_, role_,
+        MOETRAIN_FAIL("the scheduler at {} refused this {}: {}", endpoint, role_,
                       in->json().value("reason", ""));
       if (in->header.kind_enum() != Kind::HeartbeatAck) continue;
-      scheduler_ = standby_;
+      scheduler_ = endpoint;
+      {
+        // Heartbeats go there from now on.
+        const std::lock_guard<std::mutex> g(mu_);
+        retarget_ = endpoint;
+      }
       lost_ = false;
-      return;
+      return true;
     }
-    MOETRAIN_CHECK(std::chrono::duration<double>(Clock::now() - start).count() < 30,
-                   "the scheduler is gone and the standby at {} did not answer within 30 s",
-                   standby_);
   }
+  return false;
 }
 
 void NodeLink::heartbeat_loop(std::string scheduler, double interval) {
@@ -114,7 +181,23 @@ void NodeLink::heartbeat_loop(std::string scheduler, double interval) {
   RejectStats rejects;
   auto last_ack = Clock::now();
   auto next = Clock::now();
+  // The scheduler went silent: wait until rejoin() found the one that answers.
+  bool waiting = false;
   while (!stop_) {
+    if (waiting) {
+      std::string to;
+      {
+        const std::lock_guard<std::mutex> g(mu_);
+        to.swap(retarget_);
+      }
+      if (to.empty()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        continue;
+      }
+      s = make_dealer(ctx_, to);
+      waiting = false;
+      last_ack = next = Clock::now();
+    }
     if (Clock::now() >= next) {
       Header h;
       h.kind = static_cast<uint16_t>(Kind::Heartbeat);
@@ -127,17 +210,23 @@ void NodeLink::heartbeat_loop(std::string scheduler, double interval) {
     zmq::pollitem_t item{s.handle(), 0, ZMQ_POLLIN, 0};
     poll_sockets(&item, 1, 20);
     while (auto in = try_receive(s, false, rejects, "ps heartbeat")) {
-      if (in->header.kind_enum() == Kind::HeartbeatAck) last_ack = Clock::now();
       if (in->header.kind_enum() == Kind::Shutdown) dead_ = true;
+      if (in->header.kind_enum() != Kind::HeartbeatAck) continue;
+      last_ack = Clock::now();
+      try {
+        const nlohmann::json j = in->json();
+        if (j.contains("successors")) {
+          std::vector<Successor> order = successors_from_json(j.at("successors"));
+          const std::lock_guard<std::mutex> g(mu_);
+          successors_ = std::move(order);
+        }
+      } catch (const std::exception& e) {
+        log_warn("ps heartbeat: ignored a malformed acknowledgement: {}", e.what());
+      }
     }
     if (std::chrono::duration<double>(Clock::now() - last_ack).count() > timeout_) {
       lost_ = true;
-      if (!standby_.empty() && !moved_) {
-        // Heartbeats go to the standby from now on; it answers once this node registered there.
-        moved_ = true;
-        s = make_dealer(ctx_, standby_);
-        last_ack = Clock::now();
-      }
+      waiting = true;
     }
   }
 }

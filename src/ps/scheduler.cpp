@@ -18,7 +18,10 @@ namespace fs = std::filesystem;
 
 namespace moetrain::ps {
 
-Scheduler::Scheduler(const SchedulerArgs& a) : args_(a), router_(ctx_, zmq::socket_type::router) {
+Scheduler::Scheduler(const SchedulerArgs& a, std::unique_ptr<SchedulerSocket> socket)
+    : args_(a),
+      socket_(socket ? std::move(socket) : std::make_unique<SchedulerSocket>(a.bind)),
+      router_(socket_->router) {
   args_.options.validate();
   check_ps_run_config(args_.config, args_.options);
   total_keys_ = ParamLayout(args_.config.model).size();
@@ -26,10 +29,11 @@ Scheduler::Scheduler(const SchedulerArgs& a) : args_(a), router_(ctx_, zmq::sock
   // Before anything in the run directory is written: another run writing it, or an earlier run
   // it holds without --resume, stops the job here. A standby joins the job its scheduler holds.
   if (!args_.standby) lock_ = open_job_dir(args_.config.train.run_dir, args_.resume);
-  endpoint_ = bind_router(ctx_, router_, args_.bind);
+  endpoint_ = socket_->endpoint;
   fs::create_directories(fs::path(args_.config.train.run_dir) / "ps");
   if (!args_.endpoint_file.empty()) write_file_atomic(args_.endpoint_file, endpoint_ + "\n");
   events_ = JobEvents(args_.config.train.run_dir, !args_.standby && !args_.resume);
+  if (args_.elected.is_object()) record_election();
   log_info("ps scheduler at {}: waiting for {} server(s) and {} worker(s)", endpoint_,
            args_.options.servers, args_.options.workers);
 }
@@ -123,7 +127,8 @@ void Scheduler::handle(const Incoming& in) {
       case Kind::Heartbeat:
         if (!node) return;
         if (node->role == "worker" && h.value > 0) node->throughput = h.value;
-        send_to(router_, in.identity, json_frame(Kind::HeartbeatAck, -1, {{"node_id", node->id}}));
+        send_to(router_, in.identity,
+                json_frame(Kind::HeartbeatAck, -1, heartbeat_ack(*node)));
         break;
       case Kind::Done:
         // A Done of a generation that a roll-back undid does not count.
@@ -177,6 +182,7 @@ void Scheduler::on_register(const Incoming& in) {
   };
   if (role == "server") {
     n.endpoint = j.value("endpoint", "");
+    n.successor = j.value("successor", "");
     MOETRAIN_CHECK(n.endpoint.starts_with("tcp://"), "register: server endpoint '{}'", n.endpoint);
     const int64_t S = args_.options.servers;
     int64_t idx = -1;

@@ -10,6 +10,8 @@
 #pragma once
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "ps/options.h"
 #include "train/run_config.h"
 
@@ -27,6 +29,10 @@ struct SchedulerArgs {
   // checkpointed clock they all hold and the workers go on from there. Without it, a directory
   // holding an earlier run is refused (ps/job_dir.h).
   bool resume = false;
+  // A server elected by the surviving servers to take the role of a scheduler that died without
+  // a standby (ps/election.h): what the election decided and why ("cause", "server", "node",
+  // "passed_over"), written as the `scheduler_elected` event. It runs as a standby does.
+  nlohmann::json elected;
 };
 
 // Runs the job to its end; returns 0 when every worker finished and the final checkpoint was

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -19,11 +20,21 @@
 
 namespace moetrain::ps {
 
+// The scheduler's ROUTER on a context of its own, bound at construction. A server binds one at
+// its start, so that, elected, it runs the scheduler at an address every node already knows.
+struct SchedulerSocket {
+  explicit SchedulerSocket(const std::string& bind);
+  zmq::context_t ctx;
+  zmq::socket_t router;
+  std::string endpoint;
+};
+
 class Scheduler {
  public:
   using Clock = std::chrono::steady_clock;
 
-  explicit Scheduler(const SchedulerArgs& a);
+  // Binds args.bind, or runs on `socket` when one is given.
+  explicit Scheduler(const SchedulerArgs& a, std::unique_ptr<SchedulerSocket> socket = nullptr);
   int run();
 
  private:
@@ -40,6 +51,8 @@ class Scheduler {
   void maybe_rebalance();
   void on_rejoin(const Incoming& in, const nlohmann::json& j);
   bool maybe_take_over();
+  nlohmann::json heartbeat_ack(const Node& n);
+  void record_election();
   void on_rows_ready(const Node& n, const nlohmann::json& j);
   void broadcast_setup();
   void maybe_finish();
@@ -51,8 +64,8 @@ class Scheduler {
 
   SchedulerArgs args_;
   RunLock lock_;  // RUN_DIR's, for the life of the job (a standby holds none)
-  zmq::context_t ctx_;
-  zmq::socket_t router_;
+  std::unique_ptr<SchedulerSocket> socket_;
+  zmq::socket_t& router_;
   std::string endpoint_;
   RejectStats rejects_;
   Membership members_;

@@ -5,10 +5,12 @@
 // was; once every expected node came (or twice the heartbeat timeout passed and every server
 // index has its primary), the standby rebuilds membership and assignment from them and sends the
 // next layout. Training does not stop meanwhile: workers and servers talk to each other directly.
+// Without a standby the same takeover runs in the server the others elected (ps/election.h).
 #include <algorithm>
 
 #include "core/check.h"
 #include "core/log.h"
+#include "ps/election.h"
 #include "ps/scheduler_state.h"
 
 namespace moetrain::ps {
@@ -25,6 +27,7 @@ void Scheduler::on_rejoin(const Incoming& in, const nlohmann::json& j) {
   if (n.role == "server") {
     n.endpoint = j.at("endpoint").get<std::string>();
     n.primary = j.at("primary").get<bool>();
+    n.successor = j.value("successor", "");
     // A spare holds no state, so its generation (that of the last setup it saw) says nothing.
     if (n.index >= 0) rejoin_generations_.insert(j.value("generation", uint32_t{0}));
   } else {
@@ -56,6 +59,24 @@ bool Scheduler::maybe_take_over() {
       static_cast<int64_t>(members_.serving().size()) == S * args_.options.server_replicas &&
       static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers;
   if (!everyone && since(takeover_started_) <= 2 * args_.options.heartbeat_timeout) return true;
+  // A primary that died with the scheduler (an election passes it over; a standby waits for
+  // it): its backup is promoted, as the scheduler would have done.
+  bool promoted = false;
+  for (int64_t i = 0; i < S; ++i) {
+    Node* b = members_.backup_of(i);
+    if (members_.primary_of(i) || !b) continue;
+    b->primary = true;
+    promoted = true;
+    ++servers_lost_;
+    ++failovers_;
+    events_.node("failover", *b,
+                 fmt::format("server {}'s primary did not register again after the scheduler "
+                             "died; its backup is promoted",
+                             i));
+    log_warn("ps scheduler: server {}'s primary did not register again: its backup (node {}, pid "
+             "{}) is promoted",
+             i, b->id, b->pid);
+  }
   for (int64_t i = 0; i < S; ++i)
     if (!members_.primary_of(i)) {
       shutdown_all(fmt::format(
@@ -80,9 +101,16 @@ bool Scheduler::maybe_take_over() {
     rows_.push_back(rejoin_rows_[w->index]);
     sum += rows_.back();
   }
-  log_warn("ps scheduler: the standby takes over the job ({} server(s), {} worker(s))",
+  const std::string who =
+      args_.elected.is_object()
+          ? fmt::format("server {} (elected)", args_.elected.value("server", int64_t{-1}))
+          : std::string("the standby");
+  log_warn("ps scheduler: {} takes over the job ({} server(s), {} worker(s))", who,
            members_.serving().size(), members_.alive_workers().size());
-  events_.job("scheduler_takeover", "the scheduler stopped answering");
+  events_.job("scheduler_takeover", "the scheduler stopped answering",
+              {{"by", args_.elected.is_object() ? "elected server" : "standby"},
+               {"servers", members_.serving().size()},
+               {"workers", members_.alive_workers().size()}});
   // A worker that did not come back leaves rows that nobody reads: re-plan then.
   if (sum == global_rows_) {
     ++epoch_;
@@ -90,7 +118,25 @@ bool Scheduler::maybe_take_over() {
   } else {
     replan();
   }
+  if (promoted) attach_spare();
   return true;
+}
+
+// An elected server's scheduler: what the election decided and why, its first event.
+void Scheduler::record_election() {
+  nlohmann::json extra = args_.elected;
+  const std::string cause = extra.value("cause", "");
+  extra.erase("cause");
+  events_.job("scheduler_elected", cause, extra);
+  log_warn("ps scheduler: elected at {}: {}", endpoint_, cause);
+}
+
+// The job's own scheduler tells every node the succession order with each heartbeat; a standby
+// or an elected scheduler does not (one takeover per job).
+nlohmann::json Scheduler::heartbeat_ack(const Node& n) {
+  nlohmann::json ack = {{"node_id", n.id}};
+  if (!args_.standby) ack["successors"] = succession_order(members_);
+  return ack;
 }
 
 }  // namespace moetrain::ps

@@ -12,6 +12,7 @@
 #include "model/params.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
+#include "ps/election.h"
 #include "ps/job_events.h"
 #include "ps/kv_server.h"
 #include "ps/node.h"
@@ -33,12 +34,22 @@ struct ExpertSlice {
 class Server {
  public:
   explicit Server(const ServerArgs& a) : args_(a), kv_(ctx_, a.bind) {
-    link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "server",
-                                       nlohmann::json{{"endpoint", kv_.endpoint()}}, args_.standby);
-    link_->set_rejoin_state([this] {
-      return nlohmann::json{
-          {"endpoint", kv_.endpoint()}, {"index", index_}, {"primary", primary_},
-          {"clock", kv_.version()},     {"epoch", epoch_}, {"generation", generation_}};
+    // Without a standby, this server may be elected to run the scheduler (ps/election.h).
+    if (args_.standby.empty()) succession_ = std::make_unique<Succession>(successor_bind(a.bind));
+    const std::string successor = succession_ ? succession_->endpoint() : "";
+    link_ = std::make_unique<NodeLink>(
+        ctx_, args_.scheduler, "server",
+        nlohmann::json{{"endpoint", kv_.endpoint()}, {"successor", successor}}, args_.standby);
+    link_->set_rejoin_state([this, successor] {
+      return nlohmann::json{{"endpoint", kv_.endpoint()}, {"index", index_},
+                            {"primary", primary_},        {"clock", kv_.version()},
+                            {"epoch", epoch_},            {"generation", generation_},
+                            {"successor", successor}};
+    });
+    link_->set_elect([this](const nlohmann::json& why) {
+      if (!succession_ || !first_setup_done_) return false;
+      succession_->take_over(cfg_, opts_, why);
+      return true;
     });
     index_ = link_->index();
     who_ = index_ >= 0 ? fmt::format("ps server {}", index_) : "ps server (spare)";
@@ -358,6 +369,9 @@ class Server {
   ServerArgs args_;
   zmq::context_t ctx_;
   KvServer kv_;
+  // Declared before link_, so that it outlives this server's heartbeats: an elected scheduler
+  // thread ends once it has ended the job.
+  std::unique_ptr<Succession> succession_;
   std::unique_ptr<NodeLink> link_;
   std::unique_ptr<Comm> comm_ = make_local_comm();  // a key range is its own whole gradient
   std::string who_, run_dir_, config_hash_;

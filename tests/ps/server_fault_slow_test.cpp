@@ -17,10 +17,9 @@
 #include <vector>
 
 #include "io/metrics.h"
-#include "ps/process.h"  // tests/ps/process.h
+#include "ps/process.h"         // tests/ps/process.h
+#include "ps/sync_reference.h"  // tests/ps/sync_reference.h
 #include "support/corpus.h"
-#include "support/temp_dir.h"
-#include "train/trainer.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -28,48 +27,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int kSteps = 120;
-
-class PsServerFault : public ::testing::Test {
- protected:
-  // One undisturbed sync run (2 servers, 2 workers) for every test of the suite.
-  static void SetUpTestSuite() {
-    tmp_ = new TempDir("ps_server_fault");
-    Cluster ref(tmp_->path(), "ref", 2, kSteps, 2, {"--servers", "2"}, "2");
-    // A failure here must fail every test: gtest would report a failed suite set-up as skipped
-    // tests, which ctest counts as passing.
-    if (const int code = ref.scheduler->wait(150); code != 0) {
-      reference_error_ =
-          "the reference job's scheduler exited " + std::to_string(code) + ":\n" + ref.logs();
-      return;
-    }
-    reference_ = new std::vector<float>(load_model(ref.run).params);
-  }
-  void SetUp() override { ASSERT_TRUE(reference_error_.empty()) << reference_error_; }
-  static void TearDownTestSuite() {
-    delete reference_;
-    delete tmp_;
-  }
-  static void expect_reference_params(const fs::path& run) {
-    LoadedModel m = load_model(run);
-    EXPECT_EQ(m.step, kSteps);
-    ASSERT_EQ(m.params.size(), reference_->size());
-    int64_t differ = 0;
-    double worst = 0;
-    for (std::size_t i = 0; i < m.params.size(); ++i) {
-      differ += m.params[i] != (*reference_)[i];
-      worst = std::max(worst, std::fabs(static_cast<double>(m.params[i]) - (*reference_)[i]));
-    }
-    EXPECT_EQ(differ, 0) << "parameters differ from the undisturbed run's (largest difference "
-                         << worst << ")";
-  }
-  static TempDir* tmp_;
-  static std::vector<float>* reference_;
-  static inline std::string reference_error_;
-};
-
-TempDir* PsServerFault::tmp_ = nullptr;
-std::vector<float>* PsServerFault::reference_ = nullptr;
+class PsServerFault : public SyncReference {};
 
 TEST_F(PsServerFault, KilledPrimaryIsReplacedByItsBackupWithNoUpdateLost) {
   Cluster c(tmp_->path(), "replica", 2, kSteps, 4, {"--servers", "2", "--server-replicas", "2"},
