@@ -15,7 +15,8 @@ enum class RngPurpose : uint32_t {
   RouterNoise = 4,
   Sample = 5,
   Test = 6,
-  Gating = 7
+  Gating = 7,
+  PsWait = 8  // parameter-server mode: half_sync's waits
 };
 
 // A stream id from (purpose, step, rank): distinct inputs give distinct, well-mixed ids.

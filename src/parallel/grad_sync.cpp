@@ -8,7 +8,7 @@
 #include "core/page_buffer.h"
 #include "core/profile.h"
 #include "optim/clip.h"
-#include "parallel/block_quant.h"
+#include "core/block_quant.h"
 
 namespace moetrain {
 

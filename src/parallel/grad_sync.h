@@ -42,7 +42,7 @@ struct GradSyncConfig {
   // symmetric in the ranks), summed in f32 in rank order, and the reduced chunks are all-gathered
   // as bf16 again (each rank's own chunk included, so every rank holds the same bits). Half the
   // bytes; bucket sizes stay in f32 bytes. Parameters (ZeRO-1) travel in f32.
-  // int8 (parallel/block_quant.h): each chunk is quantised in blocks of 256 with error feedback
+  // int8 (core/block_quant.h): each chunk is quantised in blocks of 256 with error feedback
   // (residual() holds what quantising lost, per packed element this rank sends), the P parts are
   // dequantised and summed in f32 in rank order; under plain data parallelism the reduced chunk is
   // quantised again, with a second residual on the shard, and all-gathered as int8 (each rank's

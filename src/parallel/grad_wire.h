@@ -1,5 +1,5 @@
 // What the data-parallel gradient reduction puts on the wire (dist.grad_reduce_dtype): f32, bf16
-// (rounded values), or int8 (block-quantised with error feedback, parallel/block_quant.h).
+// (rounded values), or int8 (block-quantised with error feedback, core/block_quant.h).
 #pragma once
 #include <string_view>
 

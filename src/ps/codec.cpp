@@ -7,7 +7,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
-#include "parallel/block_quant.h"
+#include "core/block_quant.h"
 
 namespace moetrain::ps {
 

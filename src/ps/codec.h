@@ -1,5 +1,5 @@
 // Payload encodings for gradient pushes and parameter pulls: f32, bf16 (round to nearest even)
-// and int8 with one f32 scale per block of kQuantBlock values (parallel/block_quant.h: a range's
+// and int8 with one f32 scale per block of kQuantBlock values (core/block_quant.h: a range's
 // scales, then its codes). A sparse push sends only some
 // ranges of its key range (the dense parameters and the experts that received tokens): a list of
 // (offset, size) pairs relative to key_begin precedes the values of those ranges.

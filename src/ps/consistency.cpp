@@ -4,6 +4,7 @@
 #include <climits>
 
 #include "core/check.h"
+#include "core/rng.h"
 
 namespace moetrain::ps {
 
@@ -180,21 +181,12 @@ SumResult sum_pushes(const std::vector<PushView>& in, int64_t n, float* out) {
   return {rows, loss / static_cast<double>(rows)};
 }
 
-namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
-
 double half_sync_wait(uint64_t seed, int64_t worker, int64_t clock, double bound_ms) {
-  const uint64_t h = splitmix64(splitmix64(splitmix64(seed) ^ static_cast<uint64_t>(worker)) ^
-                                static_cast<uint64_t>(clock));
-  const double u = static_cast<double>(h >> 11) * 0x1.0p-53;  // [0, 1)
+  // The counter-based generator's stream for (worker, clock): 53 random bits.
+  const Rng rng(seed, rng_stream(RngPurpose::PsWait, static_cast<uint64_t>(clock),
+                                 static_cast<uint64_t>(worker)));
+  const uint64_t bits = (static_cast<uint64_t>(rng.u32(0)) << 21) ^ (rng.u32(1) >> 11);
+  const double u = static_cast<double>(bits) * 0x1.0p-53;  // [0, 1)
   return u * bound_ms / 1000.0;
 }
 

@@ -131,7 +131,7 @@ struct SumResult {
 SumResult sum_pushes(const std::vector<PushView>& in, int64_t n, float* out);
 
 // half_sync: the wait of `worker` at `clock`, in seconds, uniform in [0, bound_ms / 1000): a
-// function of (seed, worker, clock) alone (a counter-based hash, no generator state), so a run
+// function of (seed, worker, clock) alone (core/rng.h's counter-based generator), so a run
 // and a worker restarted in its place wait the same times.
 double half_sync_wait(uint64_t seed, int64_t worker, int64_t clock, double bound_ms);
 

@@ -144,7 +144,7 @@ struct DistSettings {
   // Ranks compare a fingerprint of every collective before it runs (slower; for debugging).
   bool debug_collectives = false;
   // What the data-parallel gradient reduction puts on the wire (f32 | bf16 | int8): bf16 halves
-  // the bytes, int8 (block-quantised with error feedback, parallel/block_quant.h) takes about a
+  // the bytes, int8 (block-quantised with error feedback, core/block_quant.h) takes about a
   // quarter; the sums are still taken in f32, in rank order.
   std::string grad_reduce_dtype = "f32";
   // Element type of the expert all-to-all payloads (token rows and their gradients): f32 | bf16.

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "model/params.h"
-#include "parallel/block_quant.h"
+#include "core/block_quant.h"
 #include "parallel/grad_sync.h"
 #include "parallel/groups.h"
 #include "parallel/runtime.h"

@@ -1,4 +1,4 @@
-#include "parallel/block_quant.h"
+#include "core/block_quant.h"
 
 #include <algorithm>
 #include <cmath>

@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "parallel/block_quant.h"
+#include "core/block_quant.h"
 #include "support/gradcheck.h"
 
 using namespace moetrain;
