@@ -203,13 +203,13 @@ class Windows:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def next_batch(self, B):
-        ws = []
-        while len(ws) < B:
+        ws, rows = [], 0
+        while rows < B:
             if self.pos == self.n:
                 self.perm, self.pos = torch.randperm(self.n, generator=self.gen), 0
-            take = min(B - len(ws), self.n - self.pos)
+            take = min(B - rows, self.n - self.pos)
             ws.append(self.perm[self.pos:self.pos + take])
-            self.pos += take
+            self.pos, rows = self.pos + take, rows + take
         return self._rows(torch.cat(ws) * self.T)
 
     def eval_batches(self, B, max_batches):
