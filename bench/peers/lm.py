@@ -200,11 +200,19 @@ def main():
     ours_tps = med("ours", "tokens_per_s")
     print(f"\nLM ({args.config}), {args.seconds:g} s of training, medians of {args.rounds} rounds "
           f"(torch {torch.__version__})")
-    print("| trainer | steps | tokens/s | moetrain / this | validation loss (nats/byte) |")
-    print("|---|---|---|---|---|")
+    # Tokens trained over the wall time (first steps and compilation included), and the median
+    # step's rate.
+    for k in res:
+        for v in res[k]:
+            v["run_tokens_per_s"] = v["steps"] * s["B"] * s["T"] / v["train_s"]
+    ours_run = med("ours", "run_tokens_per_s")
+    print("| trainer | steps | tokens/s over the run | moetrain / this | tokens/s, median step | "
+          "moetrain / this | validation loss (nats/byte) |")
+    print("|---|---|---|---|---|---|---|")
     for k in res:
         name = "moetrain" if k == "ours" else f"torch {k}"
-        print(f"| {name} | {med(k, 'steps'):.0f} | {med(k, 'tokens_per_s'):,.0f} | "
+        print(f"| {name} | {med(k, 'steps'):.0f} | {med(k, 'run_tokens_per_s'):,.0f} | "
+              f"{ours_run / med(k, 'run_tokens_per_s'):.2f} | {med(k, 'tokens_per_s'):,.0f} | "
               f"{ours_tps / med(k, 'tokens_per_s'):.2f} | {med(k, 'val_loss'):.4f} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
