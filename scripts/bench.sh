@@ -52,7 +52,10 @@ fi
 echo "== peers (PyTorch)"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 peers_py=${MOETRAIN_PEERS_PYTHON:-$root/.venv-bench/bin/python}
-if [ -x "$peers_py" ] && "$peers_py" -s -c 'import torch' 2>/dev/null; then
+# torch 2.x: Debian's python3-torch (1.13, the tests' reference) has neither torch.compile nor
+# scaled_dot_product_attention.
+if [ -x "$peers_py" ] && "$peers_py" -s -c 'import sys, torch
+sys.exit(int(torch.__version__.split(".")[0]) < 2)' 2>/dev/null; then
   "$peers_py" -s "$root/bench/peers/moe_layer.py" --bench "$build/bench/bench_moe_layer" \
     --rounds "${PEERS_ROUNDS:-3}"
   data=data/fortunes
@@ -62,6 +65,6 @@ if [ -x "$peers_py" ] && "$peers_py" -s -c 'import torch' 2>/dev/null; then
   "$peers_py" -s "$root/bench/peers/lm.py" --moetrain "$build/moetrain" --data "$data" \
     --rounds "${PEERS_ROUNDS:-3}" --seconds "${PEERS_SECONDS:-60}"
 else
-  echo "peers: skipped: no PyTorch at $peers_py (scripts/setup.sh --peers installs it there," \
+  echo "peers: skipped: no PyTorch 2.x at $peers_py (scripts/setup.sh --peers installs it there," \
        "or set MOETRAIN_PEERS_PYTHON to a Python that has torch 2.x)"
 fi
