@@ -15,12 +15,17 @@ DEMO_CUDA ?= $(if $(wildcard /dev/nvidia0),$(CUDA),OFF)
 # A timestamped phase line.
 phase = @echo "== [$$(date +%T)] $(1)"
 
-.PHONY: all setup setup-tests configure build test demo bench install deb format clean
+.PHONY: all setup setup-peers setup-tests configure build test demo bench install deb format clean
 
 all: build
 
 setup:
 	bash scripts/setup.sh
+
+# PyTorch 2.x in .venv-bench for the peer benchmarks that make bench runs (bench/peers/); make test
+# never needs it.
+setup-peers:
+	bash scripts/setup.sh --peers
 
 configure: setup
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DMOETRAIN_WITH_CUDA=$(CUDA) $(CMAKE_FLAGS)

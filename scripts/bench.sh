@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # make bench: every benchmark; Google Benchmark ones also write JSON under out/bench/.
-# The MPI benchmarks (their own main) run under mpiexec with 2 processes.
+# The MPI benchmarks (their own main) run under mpiexec with 2 processes. Last, the peer
+# benchmarks against PyTorch 2.x (bench/peers/) with the Python of MOETRAIN_PEERS_PYTHON, by default
+# .venv-bench/bin/python (scripts/setup.sh --peers); skipped, saying so, where it has no torch.
 set -euo pipefail
 build=${1:-build}
 mkdir -p out/bench
@@ -44,4 +46,25 @@ bash "$(dirname "$0")/zero3_memory.sh" "$build/moetrain"
 if [ -x "$build/tests/plan_validation_test" ]; then
   echo "== plan_validation_test"
   "$build/tests/plan_validation_test"
+fi
+# The MoE layer and the demo's LM against PyTorch 2.x in the same run (docs/PERF.md, "Against
+# PyTorch").
+echo "== peers (PyTorch)"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+peers_py=${MOETRAIN_PEERS_PYTHON:-$root/.venv-bench/bin/python}
+# torch 2.x: Debian's python3-torch (1.13, the tests' reference) has neither torch.compile nor
+# scaled_dot_product_attention.
+if [ -x "$peers_py" ] && "$peers_py" -s -c 'import sys, torch
+sys.exit(int(torch.__version__.split(".")[0]) < 2)' 2>/dev/null; then
+  "$peers_py" -s "$root/bench/peers/moe_layer.py" --bench "$build/bench/bench_moe_layer" \
+    --rounds "${PEERS_ROUNDS:-3}"
+  data=data/fortunes
+  if [ ! -f "$data/train.bin" ] || [ ! -f "$data/val.bin" ]; then
+    "$build/moetrain" prepare --input /usr/share/games/fortunes --out "$data"
+  fi
+  "$peers_py" -s "$root/bench/peers/lm.py" --moetrain "$build/moetrain" --data "$data" \
+    --rounds "${PEERS_ROUNDS:-3}" --seconds "${PEERS_SECONDS:-60}"
+else
+  echo "peers: skipped: no PyTorch 2.x at $peers_py (scripts/setup.sh --peers installs it there," \
+       "or set MOETRAIN_PEERS_PYTHON to a Python that has torch 2.x)"
 fi
