@@ -4,8 +4,10 @@
 // every worker with a clear message.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ps/process.h"  // tests/ps/process.h
@@ -58,6 +60,9 @@ TEST(PsFault, SchedulerDeathWithNoServerLeftEndsTheJobWithAClearMessage) {
   TempDir tmp("ps_sched");
   Cluster c(tmp.path(), "run", 2, 100000);
   ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 5; }, 60)) << c.logs();
+  // Every worker has had the succession order with a heartbeat acknowledgement (every 0.1 s)
+  // since the server registered: five steps may take less than one heartbeat interval.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
   c.scheduler->kill(SIGKILL);
   c.servers[0]->kill(SIGKILL);
   for (auto& w : c.workers) EXPECT_EQ(w->wait(20), 1) << c.logs();
