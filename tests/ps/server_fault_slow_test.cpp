@@ -45,8 +45,11 @@ TEST_F(PsServerFault, KilledPrimaryIsReplacedByItsBackupWithNoUpdateLost) {
   auto sched = read_json(c.run / "ps" / "scheduler.json");
   EXPECT_EQ(sched["failovers"].get<int64_t>(), 1);
   EXPECT_EQ(sched["rollbacks"].get<int64_t>(), 0);
+  // The primary streams an update to its backup before it appends the update's line, and answers
+  // a pull only once the backup confirmed: the backup holds every update the primary wrote a line
+  // for but the last, which may have died in the primary's send queue (its workers push it again).
   auto s0 = read_json(c.run / "ps" / "server_0.json");
-  EXPECT_GE(s0["updates_replicated_in"].get<int64_t>(), 30) << s0.dump();
+  EXPECT_GE(s0["updates_replicated_in"].get<int64_t>(), at_kill - 1) << s0.dump();
   EXPECT_EQ(s0["updates"].get<int64_t>(), kSteps);
   // Every clock is applied exactly once (the server's count above, and the parameters below).
   // The metrics file says the same but for one line: the primary may die between streaming an
