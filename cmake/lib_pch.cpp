@@ -1,0 +1,1 @@
+// The translation unit that builds the library's precompiled header (CMakeLists.txt).
