@@ -108,8 +108,7 @@ Run add_plan_command(CLI::App& app) {
                   "Pipeline schedule timed for the bubble: gpipe, 1f1b, interleaved, zero_bubble "
                   "(default: interleaved with --vp > 1, else 1f1b)");
   cmd->add_option("--zero", args->zero,
-                  "ZeRO stage 0-3 for memory and time (default: the config's dist.zero; 3 "
-                  "planner only)")
+                  "ZeRO stage 0-3 for memory and time (default: the config's dist.zero)")
       ->check(CLI::Range(int64_t{0}, int64_t{3}));
   cmd->add_flag("--recompute{full}", args->recompute,
                 "Activation recomputation for memory and time: --recompute (full: each layer's "

@@ -100,7 +100,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                         const LoadModel& load_in, bool reference) {
   const ModelConfig& m = cfg.model;
   const DeviceModel& dev = cluster.device;
-  const std::string problem = layout_problem(m, cluster, layout);
+  const std::string problem = layout_problem(cfg, cluster, layout);
   MOETRAIN_CHECK(problem.empty(), "{}", problem);
   MOETRAIN_CHECK(!load_in.fractions.empty(), "the load model has no expert fractions");
   for (const auto& row : load_in.fractions)
@@ -413,9 +413,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                            overlap_hidden + s.tensor_parallel) /
                           static_cast<double>(A);
     const PipeSchedule sched = layout.pipe_schedule();
-    const PipeShape shape{layout.pp, A, layout.vp};
-    const std::string problem = pipe_shape_problem(sched, shape);
-    MOETRAIN_CHECK(problem.empty(), "{}", problem);
+    const PipeShape shape{layout.pp, A, layout.vp};  // valid: layout_problem above
     // Each TP rank sends its sequence-parallel share of the micro-batch's activations.
     cm.pipe_schedule = pipe_schedule_name(sched);
     cm.pipeline_send = pipeline_send(cluster, N * C * ab / static_cast<double>(tp),

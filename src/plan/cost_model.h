@@ -145,7 +145,8 @@ using moetrain::ParamCounts;
 // Bytes of the weights, gradients and optimizer state (train/memory_estimate.h's ParamState:
 // this trainer's on a CPU profile or in f32, GPU mixed precision on an accelerator in bf16/fp16,
 // ZeRO as the layout or dist.zero says), and of the activations of one micro-batch (all of them,
-// or with recomputation each layer's input and one layer's).
+// or with recomputation each layer's input and one layer's). The layout is one layout_problem
+// accepts.
 Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator = false);
 // The rank layout (train/memory_estimate.h) memory_per_device estimates: the trainer's for the
 // config on layout.procs processes, with the layout's ep, tp, pp, ZeRO stage and recomputation,

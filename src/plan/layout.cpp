@@ -19,7 +19,8 @@ std::string planner_only(const Layout& l) {
   return "planner only: moetrain train has no " + list + " yet";
 }
 
-std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, const Layout& layout) {
+std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout) {
+  const ModelConfig& m = cfg.model;
   if (layout.procs < 1 || layout.ep < 1)
     return fmt::format("--procs {} --ep {}: both must be ≥ 1", layout.procs, layout.ep);
   if (layout.tp < 1 || layout.pp < 1 || layout.vp < 1)
@@ -46,6 +47,11 @@ std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, con
                        layout.tp, m.n_heads, m.n_kv_heads);
   if (m.n_experts % layout.ep != 0)
     return fmt::format("dist.ep = {} must divide model.n_experts = {}", layout.ep, m.n_experts);
+  if (layout.pp > 1) {
+    const std::string problem =
+        pipe_shape_problem(layout.pipe_schedule(), {layout.pp, cfg.train.grad_accum, layout.vp});
+    if (!problem.empty()) return problem;
+  }
   if (layout.procs > cluster.devices())
     return fmt::format(
         "{} processes but the cluster has {} devices (devices_per_node {} × nodes {})",

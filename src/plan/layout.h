@@ -8,6 +8,7 @@
 #include "moe/recompute.h"
 #include "parallel/pipeline_schedule.h"
 #include "plan/cluster.h"
+#include "train/run_config.h"
 
 namespace moetrain::plan {
 
@@ -53,7 +54,9 @@ std::string planner_only(const Layout& l);
 
 // Why the layout cannot run this model on this cluster (a message naming the key or option), or
 // empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,
-// the layers, heads and experts divide, and the cluster has the devices.
-std::string layout_problem(const ModelConfig& m, const ClusterSpec& cluster, const Layout& layout);
+// the layers, heads and experts divide, the pipeline schedule can run the step's micro-batches
+// (train.grad_accum), and the cluster has the devices. Every part of the planner takes a layout
+// only after this check.
+std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout);
 
 }  // namespace moetrain::plan

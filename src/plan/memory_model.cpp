@@ -28,10 +28,10 @@ RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelera
   l.ep = layout.ep;
   l.tp = layout.tp, l.pp = layout.pp;
   if (layout.pp > 1) {
-    // The first stage's micro-batches in flight under the layout's schedule (equal passes).
+    // The first stage's micro-batches in flight under the layout's schedule (equal passes; the
+    // shape is one layout_problem accepts).
     const PipeShape shape{layout.pp, cfg.train.grad_accum, layout.vp};
-    if (pipe_shape_problem(layout.pipe_schedule(), shape).empty())
-      l.pipe_in_flight = simulate(layout.pipe_schedule(), shape, {}).peak_in_flight[0];
+    l.pipe_in_flight = simulate(layout.pipe_schedule(), shape, {}).peak_in_flight[0];
   }
   const DType prec = cfg.train.precision_dtype();
   const int zero = static_cast<int>(zero_stage(cfg, layout));

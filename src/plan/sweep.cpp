@@ -81,10 +81,7 @@ SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int6
           for (const bool hier : sweep.hierarchical) {
             SweepPoint pt{base, hier};
             pt.layout.procs = P, pt.layout.ep = ep, pt.layout.tp = tp, pt.layout.pp = pp;
-            std::string problem = layout_problem(cfg.model, cluster, pt.layout);
-            if (problem.empty() && pp > 1)
-              problem = pipe_shape_problem(pt.layout.pipe_schedule(),
-                                           {pp, cfg.train.grad_accum, pt.layout.vp});
+            const std::string problem = layout_problem(cfg, cluster, pt.layout);
             if (!problem.empty()) {
               r.skipped.push_back(pt), r.why.push_back(problem);
               continue;

@@ -121,7 +121,7 @@ TEST(PlanLayout, ExpertParallelismFoldsOverTensorAndDataParallelRanks) {
   const RunConfig cfg = run(1);
   const LoadModel load = uniform_load(8);
   const Layout folded{.procs = 8, .ep = 8, .tp = 2};
-  EXPECT_EQ(layout_problem(cfg.model, c, folded), "");
+  EXPECT_EQ(layout_problem(cfg, c, folded), "");
   EXPECT_EQ(folded.dp(), 1);
   const Prediction tp1 = predict(cfg, c, {.procs = 8, .ep = 8}, load);
   const Prediction tp2 = predict(cfg, c, folded, load);
@@ -132,7 +132,26 @@ TEST(PlanLayout, ExpertParallelismFoldsOverTensorAndDataParallelRanks) {
   // MoE layers pay attention's two TP collectives, not four.
   EXPECT_DOUBLE_EQ(tp2.comm.tp_count, 2.0 * 8);
   // EP must still divide the stage's ranks.
-  EXPECT_NE(layout_problem(cfg.model, c, {.procs = 8, .ep = 8, .tp = 2, .pp = 2}), "");
+  EXPECT_NE(layout_problem(cfg, c, {.procs = 8, .ep = 8, .tp = 2, .pp = 2}), "");
+}
+
+// A pipeline layout is checked with the step's micro-batches: 1F1B needs at least pp of them,
+// interleaved a multiple of pp; the message names train.grad_accum, and a prediction refuses it.
+TEST(PlanLayout, PipelineShapeIsPartOfTheLayoutCheck) {
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
+  RunConfig cfg = run(1);
+  cfg.train.grad_accum = 2;
+  const Layout four{.procs = 4, .ep = 1, .pp = 4};
+  EXPECT_NE(layout_problem(cfg, c, four).find("train.grad_accum"), std::string::npos)
+      << layout_problem(cfg, c, four);
+  EXPECT_THROW(predict(cfg, c, four, uniform_load(8)), Error);
+  cfg.train.grad_accum = 4;
+  EXPECT_EQ(layout_problem(cfg, c, four), "");
+  const Layout interleaved{.procs = 4, .ep = 1, .pp = 4, .vp = 2};
+  cfg.train.grad_accum = 6;
+  EXPECT_NE(layout_problem(cfg, c, interleaved).find("train.grad_accum"), std::string::npos);
+  cfg.train.grad_accum = 8;
+  EXPECT_EQ(layout_problem(cfg, c, interleaved), "");
 }
 
 TEST(PlanLayout, OversubscribedProcessesGetTheirShareOfTheCores) {

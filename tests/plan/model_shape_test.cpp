@@ -193,11 +193,11 @@ TEST(PlanModelShape, HeadDimApartFromDimOverHeadsByHand) {
 // heads, whatever model.n_kv_heads says; grouped-query attention's KV heads must divide.
 TEST(PlanModelShape, LatentAttentionSplitsHeadsNotKvHeadsUnderTensorParallelism) {
   RunConfig cfg = with_overrides(small(), {"model.n_kv_heads=1"});
-  EXPECT_NE(layout_problem(cfg.model, one_node(), {2, 1, 2}).find("model.n_kv_heads = 1"),
+  EXPECT_NE(layout_problem(cfg, one_node(), {2, 1, 2}).find("model.n_kv_heads = 1"),
             std::string::npos);
   cfg = with_overrides(cfg, {"model.kv_lora_rank=32", "model.qk_rope_head_dim=8",
                              "model.qk_nope_head_dim=16", "model.v_head_dim=16"});
-  EXPECT_EQ(layout_problem(cfg.model, one_node(), {2, 1, 2}), "");
+  EXPECT_EQ(layout_problem(cfg, one_node(), {2, 1, 2}), "");
   // Its projections by hand at C 64, 4 heads, no query rank: W_q 4 · 24 · 64 = 6144, W_kva
   // (32 + 8) · 64 = 2560, the latent norm 32, W_kvb 4 · (16 + 16) · 32 = 4096, W_o 4 · 16 · 64 =
   // 4096.
