@@ -238,8 +238,10 @@ TEST(PlanCli, AdviseNeedsAClusterAndWholeSizes) {
 
 // A million experts is shape arithmetic, not a per-expert walk: the planner answers in well under
 // a second on a 2-core machine (10 s here leaves room for a loaded one) and its memory stays that
-// of the binary (about 230 MB, whatever the expert count). The router alone, replicated on every
-// device, is n_layers × n_experts × dim f32 weights: the figures are a million experts' own.
+// of the binary: under 200 MB whatever the expert count, also where the CUDA backend is built
+// (its cuBLAS libraries, about 150 MB resident once loaded, are loaded by a device run only). The
+// router alone, replicated on every device, is n_layers × n_experts × dim f32 weights: the
+// figures are a million experts' own.
 TEST(PlanCli, AMillionExpertsIsPlannedQuickly) {
   struct rusage before {};
   ::getrusage(RUSAGE_CHILDREN, &before);
@@ -260,6 +262,6 @@ TEST(PlanCli, AMillionExpertsIsPlannedQuickly) {
   struct rusage after {};
   ::getrusage(RUSAGE_CHILDREN, &after);
   if (after.ru_maxrss > before.ru_maxrss) {
-    EXPECT_LT(after.ru_maxrss, 1 << 20) << "KiB (1 GiB)";
+    EXPECT_LT(after.ru_maxrss, 200'000'000 / 1024) << "KiB (200 MB)";
   }
 }
