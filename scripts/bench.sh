@@ -17,7 +17,7 @@ for b in "$build"/bench/bench_*; do
       OMP_NUM_THREADS=1 "${mpi_run[@]}" "$b" ;;
     bench_dist_train_step)
       OMP_NUM_THREADS=1 "${mpi_run[@]}" "$b"
-      # ZeRO-2 and ZeRO-3 step time against ZeRO-1's on the larger config (docs/parallel.md).
+      # ZeRO-2 and ZeRO-3 step time against ZeRO-1's on the larger config (docs/sharding.md).
       OMP_NUM_THREADS=1 "${mpi_run[@]}" "$b" --stages 1 --dim 256 --layers 4 --bucket-mb 4 ;;
     bench_balance)
       # Step time on 2 ranks with a core each; the 4-rank run is for its load counters.
@@ -39,7 +39,7 @@ for b in "$build"/bench/bench_*; do
            --benchmark_out="out/bench/$name.json" --benchmark_out_format=json ;;
   esac
 done
-# ZeRO-3's peak memory per rank against one process's, 525 M parameters (docs/parallel.md).
+# ZeRO-3's peak memory per rank against one process's, 525 M parameters (docs/sharding.md).
 echo "== zero3_memory"
 bash "$(dirname "$0")/zero3_memory.sh" "$build/moetrain"
 # The planner's predicted step times against measured ones on this machine (docs/plan.md).
