@@ -13,6 +13,7 @@
 #include "core/parse.h"
 #include "core/threads.h"
 #include "model/params.h"
+#include "parallel/pipeline_trace.h"
 #include "parallel/runtime.h"
 #include "plan/ablation.h"
 #include "plan/advise.h"
@@ -57,7 +58,7 @@ Run add_plan_command(CLI::App& app) {
     int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
     std::string recompute;
     bool a2a_dedup = false, a2a_overlap = false;
-    std::string pp_schedule;
+    std::string pp_schedule, pp_trace;
     bool no_bf16 = false, calibrate_comm = false;
     std::string comm_procs = "auto";
     int64_t grad_bytes = 16 << 20, a2a_bytes = 1 << 20;
@@ -141,6 +142,10 @@ Run add_plan_command(CLI::App& app) {
       "--load", args->load,
       "Expert load: uniform, zipf:S or metrics:RUN_DIR (default uniform; with --advise zipf:1, "
       "what static balancing leaves)");
+  cmd->add_option("--pp-trace", args->pp_trace,
+                  "With --pp > 1: write the step's pipeline schedule as the bubble was timed "
+                  "(each stage's forward, backward and weight passes) to FILE, Chrome trace-event "
+                  "JSON that Perfetto (ui.perfetto.dev) and chrome://tracing open");
   cmd->add_flag("--json", args->json, "Print JSON instead of the table");
   return [args, load_opt] {
     if (args->calibrate_comm) {
@@ -196,6 +201,11 @@ Run add_plan_command(CLI::App& app) {
                    "plan --advise chooses its own sizes (--sizes): it does not take --ablation, "
                    "--sweep or --procs");
     MOETRAIN_CHECK(!args->config.empty(), "plan needs --config C.toml (or --calibrate)");
+    MOETRAIN_CHECK(args->pp_trace.empty() || (args->pp > 1 && args->sweep.empty() &&
+                                              !args->ablation && !args->advise),
+                   "plan --pp-trace {}: writes the pipeline of one layout, so it needs --pp > 1 "
+                   "(given {}) and no --sweep, --ablation or --advise",
+                   args->pp_trace, args->pp);
     MOETRAIN_CHECK(!args->cluster.empty() || !args->profile.empty(),
                    "plan needs --cluster CLUSTER.toml or --profile PROFILE.toml (this machine, "
                    "from `moetrain plan --calibrate --out PROFILE.toml`)");
@@ -269,6 +279,16 @@ Run add_plan_command(CLI::App& app) {
         fmt::print("\n{}", plan::format_comm(p));
       }
       std::fflush(stdout);
+      if (!args->pp_trace.empty()) {
+        const PipeShape shape{layout.pp, cfg.train.grad_accum, layout.vp};
+        write_trace(args->pp_trace,
+                    pipeline_trace(p.pipe_timeline, shape,
+                                   fmt::format("moetrain plan: {}, {} stages × {} chunks, {} "
+                                               "micro-batches",
+                                               pipe_schedule_name(layout.pipe_schedule()),
+                                               layout.pp, layout.vp, cfg.train.grad_accum)));
+        if (!args->json) fmt::print("pipeline trace: {}\n", args->pp_trace);
+      }
       plan::check_fits(p, cluster);
       return 0;
     }

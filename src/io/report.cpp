@@ -400,6 +400,7 @@ std::string render_report(const fs::path& run_dir, const SettingDefaults& defaul
                   {.y_label = "time (s)"}, no_metrics);
   }
   html += rank_time_section(lines);
+  html += pipeline_section(run_dir);
   if (!ps) html += memory_section(lines);
   html += job_sections(run_dir);
   html += config_section(facts);

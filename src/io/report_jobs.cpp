@@ -11,6 +11,7 @@
 
 #include "io/metrics.h"
 #include "io/svg_chart.h"
+#include "io/trace_events.h"
 
 namespace moetrain {
 
@@ -97,6 +98,51 @@ std::string rank_time_section(const std::vector<Json>& lines) {
                         chart_or_nothing(ranks, "seconds"), "no finite times") +
          report_section("rank-straggler", "Slowest rank's step time over the median",
                         chart_or_nothing({ratio}, "slowest / median"), "no positive median");
+}
+
+std::string pipeline_section(const std::filesystem::path& run_dir) {
+  const std::filesystem::path file = run_dir / kPipelineTraceFile;
+  if (!std::filesystem::exists(file)) return "";
+  const std::string title = "Pipeline timeline (each stage's passes in one step)";
+  TraceFile trace;
+  try {
+    trace = read_trace(file);
+  } catch (const std::exception& e) {
+    return report_section("pipeline", title, "", e.what());
+  }
+  std::vector<TimelineBar> bars;
+  TimelineSpec spec;
+  for (const TraceSpan& s : trace.spans)
+    bars.push_back({s.lane, s.start_s, s.start_s + s.duration_s, s.name, s.category});
+  for (const LaneTime& l : lane_times(trace.spans)) {
+    const auto name = trace.lane_names.find(l.lane);
+    while (static_cast<int64_t>(spec.lane_labels.size()) < l.lane)
+      spec.lane_labels.push_back(std::to_string(spec.lane_labels.size()));
+    spec.lane_labels.push_back(name != trace.lane_names.end() ? name->second
+                                                              : std::to_string(l.lane));
+  }
+  std::string body;
+  if (!trace.process_names.empty())
+    body += fmt::format("<p>{}</p>\n", html_escape(trace.process_names.begin()->second));
+  body += timeline_chart(bars, spec);
+  // Idle: a stage's time within the step (first pass to last, over every stage) not in a pass.
+  const std::vector<LaneTime> lanes = lane_times(trace.spans);
+  double idle = 0, total = 0;
+  std::string rows;
+  for (const LaneTime& l : lanes) {
+    const double span = l.busy_s + l.idle_s;
+    idle += l.idle_s, total += span;
+    rows += fmt::format("<tr><td>{}</td><td>{:.3f}</td><td>{:.3f}</td><td>{:.1f}%</td></tr>\n",
+                        html_escape(spec.lane_labels[static_cast<std::size_t>(l.lane)]),
+                        l.busy_s * 1e3, l.idle_s * 1e3, span > 0 ? 100 * l.idle_s / span : 0.0);
+  }
+  if (!lanes.empty())
+    body += fmt::format(
+        "<table class=\"kv\"><tr><th>stage</th><th>busy ms</th><th>idle ms</th><th>idle</th></tr>\n"
+        "{}<tr><td>all (the bubble)</td><td></td><td></td><td>{:.1f}%</td></tr></table>\n",
+        rows, total > 0 ? 100 * idle / total : 0.0);
+  return report_section("pipeline", title, bars.empty() ? "" : body,
+                        "the trace holds no passes");
 }
 
 std::string job_sections(const std::filesystem::path& run_dir) {

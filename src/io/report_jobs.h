@@ -23,6 +23,11 @@ std::string report_section(const std::string& id, const std::string& title, cons
 // median); "" when no line has rank_step_time_s (one process).
 std::string rank_time_section(const std::vector<nlohmann::json>& lines);
 
+// "pipeline" from RUN_DIR/pipeline_trace.json (io/trace_events.h): each stage's passes drawn on
+// one time axis, and each stage's busy and idle time with the step's idle share (the bubble); ""
+// when the file is absent, a note naming what is wrong when it cannot be read.
+std::string pipeline_section(const std::filesystem::path& run_dir);
+
 // From RUN_DIR/metrics/*.jsonl: "workers" (rows/s) and "worker-staleness" per worker, "servers"
 // (updates/s) and "server-pending" per server, "events" (the scheduler's and the launcher's
 // lines with their causes); each "" when its files are absent.

@@ -288,4 +288,74 @@ std::string heatmap(const std::vector<std::vector<double>>& cells, const Heatmap
   return out;
 }
 
+std::string timeline_chart(const std::vector<TimelineBar>& bars, const TimelineSpec& spec) {
+  if (bars.empty()) return {};
+  Range xr;
+  int64_t lanes = 0;
+  std::vector<std::string> categories;
+  for (const TimelineBar& b : bars) {
+    xr.add(b.start * spec.x_scale);
+    xr.add(b.end * spec.x_scale);
+    lanes = std::max(lanes, b.lane + 1);
+    if (std::find(categories.begin(), categories.end(), b.category) == categories.end())
+      categories.push_back(b.category);
+  }
+  xr.pad();
+  const double lane_h = std::clamp(200.0 / static_cast<double>(lanes), 10.0, 30.0);
+  const double pw = kWidth - kLeft - kRight, ph = lane_h * static_cast<double>(lanes);
+  const double height = kTop + ph + kBottom;
+  auto x_of = [&](double t) { return kLeft + (t * spec.x_scale - xr.lo) / (xr.hi - xr.lo) * pw; };
+  auto colour = [&](const std::string& category) {
+    const auto i = std::find(categories.begin(), categories.end(), category) - categories.begin();
+    return kColours[static_cast<std::size_t>(i) % std::size(kColours)];
+  };
+  std::string out = fmt::format(
+      "<svg class=\"chart\" xmlns=\"http://www.w3.org/2000/svg\" viewBox=\"0 0 {} {:.0f}\" "
+      "width=\"{}\" height=\"{:.0f}\" role=\"img\">\n",
+      kWidth, height, kWidth, height);
+  out += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{:.1f}\" class=\"plot\"/>\n",
+                     kLeft, kTop, pw, ph);
+  for (const double t : ticks(xr.lo, xr.hi, 8)) {
+    const double x = kLeft + (t - xr.lo) / (xr.hi - xr.lo) * pw;
+    out += fmt::format(
+        "<line x1=\"{:.1f}\" y1=\"{}\" x2=\"{:.1f}\" y2=\"{:.1f}\" class=\"grid\"/>\n"
+        "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" class=\"tick\">{}</text>\n",
+        x, kTop, x, kTop + ph, x, kTop + ph + 16, num(t));
+  }
+  for (const TimelineBar& b : bars) {
+    const double x0 = x_of(b.start), x1 = x_of(b.end), y = kTop + lane_h * b.lane + 1;
+    const double w = std::max(0.5, x1 - x0), h = lane_h - 2;
+    out += fmt::format(
+        "<rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\" fill=\"{}\">"
+        "<title>{} ({}): {} – {} {}</title></rect>\n",
+        x0, y, w, h, colour(b.category), html_escape(b.label), html_escape(b.category),
+        num(b.start * spec.x_scale), num(b.end * spec.x_scale), html_escape(spec.x_label));
+    // About 7 px a character at the tick font's size.
+    if (w > 7.0 * static_cast<double>(b.label.size()) + 4 && h >= 10)
+      out += fmt::format(
+          "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" class=\"tick\" "
+          "fill=\"#fff\">{}</text>\n",
+          x0 + w / 2, y + h / 2 + 4, html_escape(b.label));
+  }
+  for (int64_t l = 0; l < lanes; ++l)
+    out += fmt::format(
+        "<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\" class=\"tick\">{}</text>\n", kLeft - 6,
+        kTop + lane_h * (static_cast<double>(l) + 0.5) + 4,
+        html_escape(static_cast<std::size_t>(l) < spec.lane_labels.size()
+                        ? spec.lane_labels[static_cast<std::size_t>(l)]
+                        : std::to_string(l)));
+  out += axis_label(kLeft + pw / 2, height - 6, spec.x_label, false);
+  // The legend above the plot, as the line charts have it.
+  double lx = kLeft;
+  for (const std::string& c : categories) {
+    out += fmt::format(
+        "<rect x=\"{:.1f}\" y=\"8\" width=\"12\" height=\"12\" fill=\"{}\"/>"
+        "<text x=\"{:.1f}\" y=\"18\" class=\"legend\">{}</text>\n",
+        lx, colour(c), lx + 16, html_escape(c));
+    lx += 16 + 7.0 * static_cast<double>(c.size()) + 18;
+  }
+  out += "</svg>\n";
+  return out;
+}
+
 }  // namespace moetrain

@@ -1,7 +1,8 @@
 // Inline SVG charts for the run report (io/report.h): line charts with axes, tick labels and a
-// legend, and heatmaps. Plain strings in, one `<svg class="chart">` element out, so the report
+// legend, heatmaps, and timelines (lanes of bars). Plain strings in, one `<svg class="chart">` element out, so the report
 // stays one self-contained file with no script and nothing fetched.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,5 +40,23 @@ struct HeatmapSpec {
 // cells[row][col]: colour from the smallest (light) to the largest value (dark), with a scale bar
 // naming both ends. Rows may be ragged; missing cells are left blank.
 std::string heatmap(const std::vector<std::vector<double>>& cells, const HeatmapSpec& spec);
+
+struct TimelineBar {
+  int64_t lane = 0;        // the row, 0 at the top
+  double start = 0, end = 0;
+  std::string label;       // drawn inside the bar where it fits, and in its tooltip
+  std::string category;    // bars of one category share a colour; the legend names them
+};
+
+struct TimelineSpec {
+  std::vector<std::string> lane_labels;  // one per lane
+  std::string x_label = "ms";
+  double x_scale = 1e3;  // bar times are multiplied by this for the axis (seconds → ms)
+};
+
+// One row per lane, one rectangle per bar, the gaps between them the lane's idle time; axis ticks
+// under it and a legend of the categories in their order of first appearance. Empty string when
+// there are no bars.
+std::string timeline_chart(const std::vector<TimelineBar>& bars, const TimelineSpec& spec);
 
 }  // namespace moetrain

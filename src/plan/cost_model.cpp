@@ -421,9 +421,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     cm.pipe_sends = 2.0 * static_cast<double>(A * (layout.pp * layout.vp - 1)) /
                     static_cast<double>(layout.pp);
     const double third = per_mb / (3.0 * static_cast<double>(layout.vp));
-    const PipeTimeline tl =
-        simulate(sched, shape, {third, third, third, cm.pipeline_send.seconds()});
-    s.pipeline_bubble = std::max(0.0, tl.makespan - static_cast<double>(A) * per_mb);
+    p.pipe_timeline = simulate(sched, shape, {third, third, third, cm.pipeline_send.seconds()});
+    s.pipeline_bubble =
+        std::max(0.0, p.pipe_timeline.makespan - static_cast<double>(A) * per_mb);
   }
 
   p.step_time_s = s.compute() + s.a2a_exposed + s.grad_sync_exposed + s.tensor_parallel +

@@ -91,6 +91,9 @@ struct Prediction {
   // dist.hierarchical as asked: flat where the EP group fits in one node, or without EP.
   bool hierarchical_asked = false;
   CommBreakdown comm;  // the all-to-all and reduction times above, written out
+  // pp > 1: the step's pipeline schedule as the bubble was timed (each stage's passes, seconds
+  // from the step's first pass).
+  PipeTimeline pipe_timeline;
 };
 
 // Throws (naming the key) when the layout does not divide or the model does not fit.

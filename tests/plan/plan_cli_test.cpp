@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "support/plan_runs.h"
@@ -264,4 +266,38 @@ TEST(PlanCli, AMillionExpertsIsPlannedQuickly) {
   if (after.ru_maxrss > before.ru_maxrss) {
     EXPECT_LT(after.ru_maxrss, 200'000'000 / 1024) << "KiB (200 MB)";
   }
+}
+
+// --pp-trace writes the pipeline the bubble was timed on, as Chrome trace-event JSON: every pass
+// of every stage, on one lane a stage. It needs one layout with a pipeline, refused otherwise with
+// nothing written.
+TEST(PlanCli, PipelineTraceIsTheTimedSchedule) {
+  TempDir tmp("plan_pp_trace");
+  const std::string trace = (tmp.path() / "pp.json").string();
+  const std::vector<std::string> base = {
+      "-c", std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml", "--cluster",
+      plan_file("dgx_h100_8nodes.toml"), "--procs", "4", "--set", "train.grad_accum=8"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const ProcessResult refused = plan(with({"--pp-trace", trace}));
+  EXPECT_NE(refused.code, 0);
+  EXPECT_NE(refused.output().find("--pp-trace"), std::string::npos) << refused.output();
+  EXPECT_FALSE(std::filesystem::exists(trace));
+
+  const ProcessResult r = plan(with({"--pp", "4", "--pp-schedule", "zero_bubble", "--pp-trace", trace}));
+  ASSERT_EQ(r.code, 0) << r.output();
+  std::ifstream in(trace);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  std::map<std::string, int> per_category;
+  std::set<int64_t> lanes;
+  for (const auto& e : doc["traceEvents"])
+    if (e["ph"] == "X") ++per_category[e["cat"].get<std::string>()], lanes.insert(e["tid"].get<int64_t>());
+  // 4 stages × 8 micro-batches of each pass: zero_bubble splits the backward.
+  EXPECT_EQ(per_category["forward"], 32);
+  EXPECT_EQ(per_category["backward"], 32);
+  EXPECT_EQ(per_category["weight"], 32);
+  EXPECT_EQ(lanes.size(), 4u);
 }
