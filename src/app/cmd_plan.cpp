@@ -283,10 +283,13 @@ Run add_plan_command(CLI::App& app) {
         const PipeShape shape{layout.pp, cfg.train.grad_accum, layout.vp};
         write_trace(args->pp_trace,
                     pipeline_trace(p.pipe_timeline, shape,
-                                   fmt::format("moetrain plan: {}, {} stages × {} chunks, {} "
-                                               "micro-batches",
+                                   fmt::format("moetrain plan: {}, {} stages{}, {} micro-batches",
                                                pipe_schedule_name(layout.pipe_schedule()),
-                                               layout.pp, layout.vp, cfg.train.grad_accum)));
+                                               layout.pp,
+                                               layout.vp > 1
+                                                   ? fmt::format(" × {} chunks", layout.vp)
+                                                   : "",
+                                               cfg.train.grad_accum)));
         if (!args->json) fmt::print("pipeline trace: {}\n", args->pp_trace);
       }
       plan::check_fits(p, cluster);

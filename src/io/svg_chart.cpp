@@ -352,7 +352,7 @@ std::string timeline_chart(const std::vector<TimelineBar>& bars, const TimelineS
         "<rect x=\"{:.1f}\" y=\"8\" width=\"12\" height=\"12\" fill=\"{}\"/>"
         "<text x=\"{:.1f}\" y=\"18\" class=\"legend\">{}</text>\n",
         lx, colour(c), lx + 16, html_escape(c));
-    lx += 16 + 7.0 * static_cast<double>(c.size()) + 18;
+    lx += 16 + 9.0 * static_cast<double>(c.size()) + 18;
   }
   out += "</svg>\n";
   return out;
