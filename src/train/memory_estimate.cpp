@@ -232,6 +232,7 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
   const MemoryEstimate held = state_memory(l.state, expert_held - expert_owned, 1);
   MemoryEstimate e;
   e.optimizer = dense.optimizer + expert.optimizer;
+  double unit_cap = 0;  // ZeRO-3: a bucket's bytes are at most the largest unit's gradients
   if (l.whole_buffer) {
     // The flat buffer: every parameter's weight, gradient and copy on every rank.
     const MemoryEstimate all = state_memory(ParamState{l.state.weight, l.state.grad,
@@ -243,9 +244,13 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
       // Floats of each unit (unit_params) this rank writes gradients of and, at ZeRO-3, gathers:
       // its dense tensors and the experts it holds (the others' are never touched).
       const double held_share = 1 / ep + slots / E;
-      std::vector<double> unit;
-      for (const ParamCounts& u : unit_params(m))
+      std::vector<double> unit, outside;
+      for (const ParamCounts& u : unit_params(m)) {
         unit.push_back(u.dense / tp + u.expert * held_share);
+        // What a gather adds: the unit's elements outside this rank's shard (its own are resident).
+        outside.push_back(u.dense / tp * (1 - 1 / static_cast<double>(l.stage())) +
+                          u.expert * held_share * (1 - 1 / static_cast<double>(l.dp())));
+      }
       const double largest = *std::max_element(unit.begin(), unit.end());
       const double bucket = std::max(l.bucket_first_bytes, l.bucket_bytes);
       if (l.state.zero == 2) {
@@ -258,10 +263,12 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
       } else {
         // ZeRO-3: buckets end at unit boundaries; resident are the unit backward writes and the
         // one before it being reduced. The weights: this rank's shard of every bucket (state_memory
-        // at stage 3) and the units gathered whole, the one computing and the one prefetched.
+        // at stage 3) and the rest of the units gathered whole, the one computing and the one
+        // prefetched (a release hands back only the pages outside the shard).
         e.gradients = std::min(e.gradients, l.state.grad * neighbour_peak(unit));
+        unit_cap = l.state.grad * largest;
         e.parameters = std::min(e.parameters, dense.parameters + expert.parameters +
-                                                  l.state.weight * neighbour_peak(unit));
+                                                  l.state.weight * neighbour_peak(outside));
         e.low_precision = dense.low_precision + expert.low_precision;
       }
     }
@@ -286,8 +293,10 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
     // wire and as much again inside MPI (its nonblocking reduction's temporary; measured).
     e.buffers += l.state.grad * (dense_local / static_cast<double>(l.stage()) +
                                  expert_owned / static_cast<double>(l.dp()));
-    e.buffers += 2 * std::min(std::max(l.bucket_first_bytes, l.bucket_bytes),
-                              l.state.grad * (dense_local + expert_owned));
+    double packed = std::min(std::max(l.bucket_first_bytes, l.bucket_bytes),
+                             l.state.grad * (dense_local + expert_owned));
+    if (unit_cap > 0) packed = std::min(packed, unit_cap);  // ZeRO-3's buckets end with units
+    e.buffers += 2 * packed;
   }
   if (l.ep > 1 && l.whole_buffer) {
     // The expert exchange's rows in flight on both sides (parallel/mpi_exchange.h), each way:

@@ -29,6 +29,15 @@ inline ShellResult shell(const std::string& cmd) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
+// The figure of a start-up refusal, "this run needs about X GiB of memory per rank", in GiB; -1
+// when the output has none.
+inline double needed_gib(const std::string& output) {
+  std::smatch m;
+  if (!std::regex_search(output, m, std::regex(R"(this run needs about ([0-9.]+) GiB of memory)")))
+    return -1;
+  return std::stod(m[1]);
+}
+
 inline bool have_mpiexec() {
   return shell("command -v mpiexec").code == 0;
 }

@@ -143,13 +143,16 @@ TEST(MemoryCli, PlanAndDryRunGiveTheSameBytesUnderZeroThree) {
   EXPECT_EQ(bytes("activations_bytes"), static_cast<int64_t>(e.activations));
   EXPECT_EQ(bytes("buffers_bytes"), static_cast<int64_t>(e.buffers));
   // By hand (the shapes of DryRunPrintsEachRanksBytesForTheLayout): the shard, dense over the 4
-  // ranks and the 4 own experts of each block over their 2 replicas, and two blocks gathered,
-  // each its dense tensors and 4 of its 8 experts; the gradients of two such blocks.
+  // ranks and the 4 own experts of each block over their 2 replicas, and of two blocks gathered
+  // (each its dense tensors and 4 of its 8 experts) what lies outside that shard: 3/4 of the
+  // dense tensors, 1/2 of the experts; the gradients of two whole such blocks.
   const double experts = 4.0 * 8 * 3 * 1024 * 256;
   const double dense =
       2 * 256 * 256 + 256 + 4 * (2 * 256 + 2 * 256 * 256 + 2 * 128 * 256 + 8 * 256);
-  const double block = 2 * 256 + 2 * 256 * 256 + 2 * 128 * 256 + 8 * 256 + 4 * 3 * 1024 * 256;
-  EXPECT_EQ(bytes("params_bytes"), 4 * (dense / 4 + experts / 2 / 2 + 2 * block));
+  const double block_dense = 2 * 256 + 2 * 256 * 256 + 2 * 128 * 256 + 8 * 256;
+  const double block = block_dense + 4 * 3 * 1024 * 256;
+  const double block_out = block_dense * 3 / 4 + 4 * 3 * 1024 * 256 / 2;
+  EXPECT_EQ(bytes("params_bytes"), 4 * (dense / 4 + experts / 2 / 2 + 2 * block_out));
   EXPECT_EQ(bytes("grads_bytes"), 4 * 2 * block);
   EXPECT_EQ(bytes("optimizer_bytes"), 8 * (dense / 4 + experts / 2 / 2));
   const ShellResult dry = shell(std::string(MOETRAIN_BINARY) + args +
@@ -178,7 +181,9 @@ TEST(MemoryCli, ARunThatWouldNotFitItsCgroupIsRefused) {
     fs::path dir;
     ~Remove() { ::rmdir(dir.c_str()); }
   } remove{group};
-  constexpr int64_t kLimit = 400ll << 20;  // the estimate is about 640 MiB
+  // The model's state alone (parameters, gradients, AdamW moments) is 398 MiB, its activations
+  // 75 MiB more: the estimate is above this limit whatever the process's baseline.
+  constexpr int64_t kLimit = 400ll << 20;
   std::ofstream(group / "memory.limit_in_bytes") << kLimit;
   std::ifstream check(group / "memory.limit_in_bytes");
   int64_t set = 0;
@@ -189,7 +194,7 @@ TEST(MemoryCli, ARunThatWouldNotFitItsCgroupIsRefused) {
       shell("sh -c 'echo $$ > " + (group / "cgroup.procs").string() + " && exec " +
             MOETRAIN_BINARY + memory_model_args(kData, (tmp / "run").string(), 2) + "'");
   EXPECT_NE(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("this run needs about 0.6"), std::string::npos) << r.output;
+  EXPECT_GT(needed_gib(r.output), static_cast<double>(kLimit) / (1ll << 30)) << r.output;
   EXPECT_NE(r.output.find("of memory per rank (parameters 99.5 MiB"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("available (the memory cgroup's memory.limit_in_bytes)"),

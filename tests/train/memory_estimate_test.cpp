@@ -89,13 +89,15 @@ constexpr double kEmbedding = 128, kBlockDense = 240, kBlockExperts = 576, kHead
 // 4 ranks with dist.ep = 2 (each owns 2 of the 4 experts, held by 2 replicas), AdamW in f32:
 // this trainer keeps every parameter's weight and gradient in its flat buffer and steps its own
 // experts, ZeRO-1 sharding their moments (dense over the 4 ranks, experts over their 2
-// replicas); ZeRO-3 keeps its shard of the weights and the units it gathers (two blocks of
-// their dense tensors and its 2 experts here); a trainer that keeps only its experts (GPU
+// replicas); ZeRO-3 keeps its shard of the weights and the rest of the units it gathers (two
+// blocks of their dense tensors and its 2 experts here, less the shard it holds already: 3/4 of
+// the dense tensors, 1/2 of the experts), and its buckets end with the blocks; a trainer that keeps only its experts (GPU
 // trainers) shards the gradients at stage 2 and the weights at stage 3 as well.
 TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
   const ModelConfig m = hand_counted_model();
   const double dense = 744, experts = 1152, own = experts / 2;
   const double block = kBlockDense + kBlockExperts / 2;  // a block as this rank holds it
+  const double block_out = kBlockDense * 3 / 4 + kBlockExperts / 2 / 2;  // outside its shard
   for (int zero = 0; zero <= 3; ++zero) {
     RankLayout l;
     l.world = 4;
@@ -103,16 +105,17 @@ TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
     l.state = trainer_state("adamw", 0, zero);
     const MemoryEstimate e = rank_memory(m, 2, 8, l);
     EXPECT_DOUBLE_EQ(e.parameters,
-                     zero == 3 ? 4 * (dense / 4 + own / 2 + 2 * block) : 4 * (dense + experts))
+                     zero == 3 ? 4 * (dense / 4 + own / 2 + 2 * block_out) : 4 * (dense + experts))
         << zero;
     EXPECT_DOUBLE_EQ(e.gradients, zero == 3 ? 4 * 2 * block : 4 * (dense + experts)) << zero;
     EXPECT_DOUBLE_EQ(e.optimizer, zero >= 1 ? 8 * (dense / 4 + own / 2) : 8 * (dense + own))
         << zero;
     EXPECT_DOUBLE_EQ(e.low_precision, 0) << zero;
     // The gradient reduction's shard (dense / 4 + own experts / 2) and two buckets (the packed
-    // one and MPI's temporary; each the whole of dense + own here, smaller than a bucket); the
-    // exchange's rows: 4·K·C floats a token in each of the 2 MoE layers.
-    EXPECT_DOUBLE_EQ(e.buffers, 4 * (dense / 4 + own / 2) + 2 * 4 * (dense + own) +
+    // one and MPI's temporary; each the whole of dense + own here, smaller than a bucket, and
+    // under ZeRO-3 a block, where its buckets end); the exchange's rows: 4·K·C floats a token in
+    // each of the 2 MoE layers.
+    EXPECT_DOUBLE_EQ(e.buffers, 4 * (dense / 4 + own / 2) + 2 * 4 * (zero == 3 ? block : dense + own) +
                                     4 * (4.0 * 2 * 8) * (2 * 8 * 2))
         << zero;
     // ZeRO-2 releases each reduced bucket's gradients: with buckets smaller than a block, the
@@ -156,7 +159,8 @@ TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
 
 // ZeRO-3's gathered units peak at the larger of the embedding with block 0, two neighbouring
 // blocks, and the last block with the head; each block as this rank holds it (its dense tensors
-// and its E/ep experts). The gradients resident are the largest two neighbouring units (the one
+// and its E/ep experts), and of each gathered unit only what lies outside the rank's shard (its
+// dense tensors but 1/4, its experts but 1/2). The gradients resident are the largest two neighbouring units (the one
 // backward writes, the one reduced); one process shards nothing.
 TEST(MemoryEstimate, ZeroThreeGathersTheLargestNeighbouringUnits) {
   RankLayout l;
@@ -165,6 +169,7 @@ TEST(MemoryEstimate, ZeroThreeGathersTheLargestNeighbouringUnits) {
   l.state = trainer_state("adamw", 0, 3);
   const double shard = 744.0 / 4 + 1152.0 / 2 / 2;  // dense over 4 ranks, own experts over 2
   const double block = kBlockDense + kBlockExperts / 2;
+  const double block_out = kBlockDense * 3 / 4 + kBlockExperts / 2 / 2;
   auto gathered = [&](const ModelConfig& m, double units) {
     const MemoryEstimate e = rank_memory(m, 2, 8, l);
     RankLayout whole = l;
@@ -179,31 +184,34 @@ TEST(MemoryEstimate, ZeroThreeGathersTheLargestNeighbouringUnits) {
   // Two blocks: 2 · 528 floats, above the embedding with block 0 (656 floats) and block 1 with the
   // head (664).
   ASSERT_GT(2 * block, kEmbedding + block);
-  EXPECT_DOUBLE_EQ(gathered(m, 2 * block), 4 * 2 * block);
-  EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).parameters, 4 * (shard + 2 * block));
+  EXPECT_DOUBLE_EQ(gathered(m, 2 * block), 4 * 2 * block_out);
+  EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).parameters, 4 * (shard + 2 * block_out));
   // A vocabulary of 256: the head (8 + 256·8) with the last block.
   m.vocab_size = 256;
   const double head = 8 + 256 * 8, embedding = 256 * 8;
-  EXPECT_DOUBLE_EQ(gathered(m, block + head), 4 * (block + head));
+  EXPECT_DOUBLE_EQ(gathered(m, block + head), 4 * (block_out + head * 3 / 4));
   // Block 1 dense (norms, attention 208, FFN 3·12·8 where 12 = top_k · expert_hidden): the
-  // embedding with the MoE block 0 is the largest.
+  // embedding with the MoE block 0 is the largest pair of whole units (the gradients), but of
+  // what a gather adds the dense block 1 with the head is (both dense: 3/4 of each, where half
+  // of block 0's experts are this rank's shard).
   m.dense_every = 2;
   const double dense_block = kBlockDense - 32 + 3 * 12 * 8;
   ASSERT_GT(embedding + block, dense_block + head);
-  EXPECT_DOUBLE_EQ(gathered(m, embedding + block), 4 * (embedding + block));
+  ASSERT_GT((dense_block + head) * 3 / 4, embedding * 3 / 4 + block_out);
+  EXPECT_DOUBLE_EQ(gathered(m, embedding + block), 4 * (dense_block + head) * 3 / 4);
   // Each rank holding all 4 experts (dist.ep = 1, 4 replicas): the blocks grow by the other 2,
-  // and the shard with two blocks (474 + 2 · 816 floats) would exceed the whole buffer (1896),
-  // which bounds it.
+  // and 3/4 of each is outside the shard; the shard with two blocks' gathers (474 + 2 · 612
+  // floats) stays under the whole buffer (1896). Gradients are written for whole blocks.
   m = hand_counted_model();
   l.ep = 1;
   const double full_block = kBlockDense + kBlockExperts;
-  ASSERT_GT(744.0 / 4 + 1152.0 / 4 + 2 * full_block, 744.0 + 1152.0);
   const MemoryEstimate e = rank_memory(m, 2, 8, l);
-  EXPECT_DOUBLE_EQ(e.parameters, 4 * (744.0 + 1152.0));
+  EXPECT_DOUBLE_EQ(e.parameters, 4 * (744.0 / 4 + 1152.0 / 4 + 2 * full_block * 3 / 4));
+  EXPECT_LT(e.parameters, 4 * (744.0 + 1152.0));
   EXPECT_DOUBLE_EQ(e.gradients, 4 * 2 * full_block);
-  m.n_layers = 8;  // 8 blocks: the shard (8 · 816 + 264 floats over 4) and two blocks fit below
+  m.n_layers = 8;  // 8 blocks: the shard (8 · 816 + 264 floats over 4) and two blocks' gathers
   EXPECT_DOUBLE_EQ(rank_memory(m, 2, 8, l).parameters,
-                   4 * ((8 * full_block + kEmbedding + kHead) / 4 + 2 * full_block));
+                   4 * ((8 * full_block + kEmbedding + kHead) / 4 + 2 * full_block * 3 / 4));
   // One process: nothing is sharded or gathered.
   m = hand_counted_model();
   l.world = 1;
@@ -212,7 +220,8 @@ TEST(MemoryEstimate, ZeroThreeGathersTheLargestNeighbouringUnits) {
 }
 
 // A model whose state dominates (16 blocks of dim 256, 8 experts of hidden 1024, 104 M
-// parameters) on 4 ranks: ZeRO-3 holds its quarter of the weights and two blocks gathered, and
+// parameters) on 4 ranks: ZeRO-3 holds its quarter of the weights and the other three quarters
+// of two blocks gathered, and
 // gradients of two blocks, against ZeRO-1's whole buffer of weights and gradients: well under
 // half the state, the parameter term by hand from the shapes.
 TEST(MemoryEstimate, ZeroThreeHoldsFarLessThanZeroOne) {
@@ -239,7 +248,7 @@ TEST(MemoryEstimate, ZeroThreeHoldsFarLessThanZeroOne) {
   const MemoryEstimate three = rank_memory(m, 1, 32, l);
   EXPECT_DOUBLE_EQ(one.parameters, 4 * all);
   EXPECT_DOUBLE_EQ(one.gradients, 4 * all);
-  EXPECT_DOUBLE_EQ(three.parameters, 4 * (all / 4 + 2 * block));
+  EXPECT_DOUBLE_EQ(three.parameters, 4 * (all / 4 + 2 * block * 3 / 4));
   EXPECT_DOUBLE_EQ(three.gradients, 4 * 2 * block);
   EXPECT_DOUBLE_EQ(three.optimizer, one.optimizer);  // 8 · all / 4 both
   EXPECT_LT(three.state(), 0.45 * one.state());

@@ -171,7 +171,7 @@ TEST_F(MemoryRun, Zero3TrainsOnFourRanksWhatReplicatedStateCannot) {
   };
   const ShellResult replicated = run("replicated", 0);
   EXPECT_NE(replicated.code, 0) << replicated.output;
-  EXPECT_NE(replicated.output.find("this run needs about 1.1"), std::string::npos)
+  EXPECT_GT(needed_gib(replicated.output), static_cast<double>(kLimit) / (1ll << 30))
       << replicated.output;
   EXPECT_NE(replicated.output.find(
                 "available (the memory cgroup's memory.limit_in_bytes, this rank's own)"),
@@ -188,7 +188,7 @@ TEST_F(MemoryRun, Zero3TrainsOnFourRanksWhatReplicatedStateCannot) {
 }
 
 // The same model on one process in a memory cgroup limited to 850 MiB: with the AdamW moments in
-// memory (about 1.04 GiB estimated) it is refused at start-up; with them in a file
+// memory (about 0.9 GiB estimated) it is refused at start-up; with them in a file
 // (dist.offload = host_file) it trains 20 steps below the limit.
 TEST_F(MemoryRun, OffloadTrainsOnOneProcessWhatInMemoryStateCannot) {
   MemoryGroups groups;
@@ -203,7 +203,7 @@ TEST_F(MemoryRun, OffloadTrainsOnOneProcessWhatInMemoryStateCannot) {
   };
   const ShellResult in_memory = run("in_memory", "none");
   EXPECT_NE(in_memory.code, 0) << in_memory.output;
-  EXPECT_NE(in_memory.output.find("this run needs about 1.0"), std::string::npos)
+  EXPECT_GT(needed_gib(in_memory.output), static_cast<double>(kLimit) / (1ll << 30))
       << in_memory.output;
   EXPECT_FALSE(fs::exists(*tmp_ / "in_memory" / "metrics.jsonl"));
   const ShellResult offloaded = run("offloaded", "host_file");
