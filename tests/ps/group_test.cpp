@@ -146,6 +146,39 @@ TEST(PsGroup, OneGroupOfTwoFollowsTheSingleProcessRun) {
   }
 }
 
+// One group of EP 2 against `mpiexec -n 2 moetrain train` with dist.ep = 2 over the same global
+// batch: the same code sums in the same order. Each rank reads the same rows and routes them
+// through the same all-to-all; an expert's gradient is summed by its owner over the same tokens;
+// a dense gradient is g0 + g1, the ranks' sums in rank order (the group's reduce-scatter here,
+// the gradient reduction's reduce-scatter there, both core/comm.h), which the server adds to zero
+// (exact) from the one push that carries the key; and the server's update is the engine's
+// optimizer step on the same values. So the final parameters are bitwise equal.
+TEST(PsGroup, OneGroupEndsBitwiseWhereTheCollectiveRunEnds) {
+  TempDir tmp("ps_group_bitwise");
+  const int steps = 6, batch = 4;
+  GroupJob job(tmp.path(), "run", 1, 2, steps, batch, {});
+  ASSERT_EQ(job.wait(150), 0) << job.logs();
+  std::ofstream(tmp / "defaults.toml") << "# every key from --set\n";
+  std::vector<std::string> args = {"train", "--config", (tmp / "defaults.toml").string()};
+  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "mpi", steps, batch);
+  kv.push_back("dist.ep=2");
+  for (const auto& s : as_set_args(kv)) args.push_back(s);
+  std::vector<std::string> launcher = kMpiexec;
+  launcher.push_back("2");
+  Process mpi(args, tmp / "mpi.log", launcher);
+  ASSERT_EQ(mpi.wait(120), 0) << mpi.output();
+  const std::vector<float> a = load_model(job.run).params, b = load_model(tmp / "mpi").params;
+  ASSERT_EQ(a.size(), b.size());
+  int64_t differ = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    differ += a[i] != b[i];
+    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+  }
+  EXPECT_EQ(differ, 0) << "of " << a.size() << " parameters differ (largest difference " << worst
+                       << ")";
+}
+
 TEST(PsGroup, TwoGroupsOfTwoFollowTheSingleProcessRun) {
   TempDir tmp("ps_group2");
   const int steps = 8, batch = 2;
