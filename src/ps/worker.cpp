@@ -104,7 +104,7 @@ class Worker {
     done_ = false;
     WaitResult r = kv_->wait(
         kv_->pull(-1, step_->params().data(), opts_.pull_encoding(), step_->pull_keys()));
-    if (r.rolled_back) return Outcome::RolledBack;
+    if (group_rolled_back(r.rolled_back)) return Outcome::RolledBack;
     int64_t clock = step_->pulled(r.clock);
     if (first < 0) first = clock;
     log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
@@ -127,9 +127,10 @@ class Worker {
       }
       const int64_t tl = kv_->pull(clock + 1, step_->params().data(), opts_.pull_encoding(),
                                    step_->pull_keys());
-      if (kv_->wait(tp).rolled_back) return Outcome::RolledBack;
+      // A roll-back forgets both requests: the pull's wait then returns at once.
+      const bool push_rolled_back = kv_->wait(tp).rolled_back;
       r = kv_->wait(tl);
-      if (r.rolled_back) return Outcome::RolledBack;
+      if (group_rolled_back(push_rolled_back || r.rolled_back)) return Outcome::RolledBack;
       r.clock = step_->pulled(r.clock);
       const int64_t local = opts_.consistency_kind() == Consistency::Average ? opts_.local_steps : 1;
       write_step_line(clock, meta.rows * local, step_timer.seconds(), r.clock);
@@ -159,6 +160,23 @@ class Worker {
       }
     }
     return Outcome::Done;
+  }
+
+  // Whether the servers rolled back, agreed by a worker group (collective over it): a rank that
+  // saw its answers arrive before its roll-back message waits for that message, so that every
+  // rank goes back to the pull together and none enters a step's collectives alone. A worker
+  // alone: `mine`.
+  bool group_rolled_back(bool mine) {
+    if (args_.ep == 1) return mine;
+    int64_t any = mine ? 1 : 0;
+    group_.comm->allreduce(&any, 1, {ReduceOp::Max});
+    while (any != 0 && !mine) {
+      bool ok = false;
+      auto in = link_->next_control(100, &ok);
+      MOETRAIN_CHECK(!ok, "the job ended while this worker's group rolled back");
+      if (in) mine = on_control(*in);
+    }
+    return any != 0;
   }
 
   // While a wait blocks. A roll-back resets the KvWorker, whose wait then returns rolled_back.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "io/metrics.h"
+#include "ps/group_job.h"  // tests/ps/group_job.h
 #include "ps/process.h"  // tests/ps/process.h
 #include "support/corpus.h"
 #include "support/temp_dir.h"
@@ -23,62 +24,6 @@ using namespace moetrain::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-const std::vector<std::string> kMpiexec = {"mpiexec", "--allow-run-as-root", "--oversubscribe",
-                                           "-x",      "OMP_NUM_THREADS=1",    "-n"};
-
-// A job started role by role: a scheduler, `servers` servers and `groups` worker groups of `ep`
-// processes each (group g asks for indices g·ep ..), every group one mpiexec.
-struct GroupJob {
-  fs::path dir, run;
-  std::string endpoint;
-  std::unique_ptr<Process> scheduler;
-  std::vector<std::unique_ptr<Process>> servers, groups;
-
-  GroupJob(const fs::path& tmp, const std::string& name, int n_groups, int ep, int steps,
-           int batch, const std::vector<std::string>& sets, int n_servers = 2,
-           const std::vector<std::string>& job_args = {})
-      : dir(tmp), run(tmp / name) {
-    write_corpus(dir / "data", 60000);
-    const std::string ep_file = (dir / (name + ".endpoint")).string();
-    std::vector<std::string> args = {"ps", "scheduler", "--insecure", "--scheduler",
-                                     "tcp://127.0.0.1:*", "--endpoint-file", ep_file,
-                                     "--workers", std::to_string(n_groups * ep), "--servers",
-                                     std::to_string(n_servers), "--heartbeat-interval", "0.1",
-                                     "--heartbeat-timeout", "5"};
-    args.insert(args.end(), job_args.begin(), job_args.end());
-    std::vector<std::string> kv = tiny_ps_overrides(dir / "data", run, steps, batch);
-    kv.insert(kv.end(), sets.begin(), sets.end());
-    for (const auto& s : as_set_args(kv)) args.push_back(s);
-    scheduler = std::make_unique<Process>(args, dir / (name + "_scheduler.log"));
-    wait_for_file(ep_file, 30);
-    std::ifstream(ep_file) >> endpoint;
-    for (int s = 0; s < n_servers; ++s)
-      servers.push_back(std::make_unique<Process>(
-          std::vector<std::string>{"ps", "server", "--insecure", "--scheduler", endpoint},
-          dir / (name + "_server" + std::to_string(s) + ".log")));
-    for (int g = 0; g < n_groups; ++g) {
-      std::vector<std::string> launcher = kMpiexec;
-      launcher.push_back(std::to_string(ep));
-      groups.push_back(std::make_unique<Process>(
-          std::vector<std::string>{"ps", "worker", "--insecure", "--scheduler", endpoint,
-                                   "--index", std::to_string(g), "--ep", std::to_string(ep)},
-          dir / (name + "_group" + std::to_string(g) + ".log"), launcher));
-    }
-  }
-  std::string logs() const {
-    std::string out = "scheduler:\n" + scheduler->output();
-    for (const auto& s : servers) out += "server:\n" + s->output();
-    for (const auto& g : groups) out += "group:\n" + g->output();
-    return out;
-  }
-  // Waits for the job; returns the scheduler's exit code.
-  int wait(double seconds) {
-    const int code = scheduler->wait(seconds);
-    for (auto& g : groups) g->wait(30);
-    return code;
-  }
-};
 
 std::map<int64_t, double> losses(const fs::path& run) {
   std::map<int64_t, double> out;
