@@ -224,19 +224,15 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
                  "--ep {}: model.n_experts = {} is not a multiple of it; every rank of a group "
                  "holds the same number of experts",
                  ep, cfg.model.n_experts);
-  // The group's ranks compute every clock together (the expert all-to-all is collective): modes
-  // that let one rank's push be dropped or its rows change alone would split a group.
-  const Consistency c = options.consistency_kind();
-  MOETRAIN_CHECK(c != Consistency::Quorum,
-                 "--ep {} with --consistency quorum: a quorum may apply some ranks' pushes of a "
-                 "clock and drop the others', leaving part of the group's gradient out; use sync, "
-                 "async, ssp or half_sync",
-                 ep);
-  MOETRAIN_CHECK(c != Consistency::Average,
-                 "--ep {} with --consistency average: the local steps run an optimizer over "
-                 "every key on each worker, which a rank holding part of the experts cannot; use "
-                 "sync, async, ssp or half_sync",
-                 ep);
+  // A group's ranks push disjoint parts of the keys. sync sums every worker's push of a clock into
+  // one update, so the group's parts make one; the other modes would not.
+  MOETRAIN_CHECK(options.consistency_kind() == Consistency::Sync,
+                 "--ep {} with --consistency {}: a group's ranks push disjoint parts of the keys, "
+                 "which sync sums into one update per clock; quorum could apply some parts of a "
+                 "clock and drop the others, async, ssp and half_sync would apply each part as an "
+                 "update of its own (the optimizer stepping every key once per rank), and average "
+                 "runs a local optimizer over every key; use --consistency sync",
+                 ep, options.consistency);
   MOETRAIN_CHECK(options.assign_kind() == Assign::Uniform,
                  "--ep {} with --assign {}: a re-split pauses workers one by one while the "
                  "group's ranks wait for each other inside a step; use --assign uniform",

@@ -187,12 +187,16 @@ TEST(PsGroup, RefusesGroupsItCannotRun) {
           << f.path() << " was written";
     EXPECT_FALSE(fs::exists(job.run / "checkpoints")) << "a checkpoint was written";
   }
-  // A quorum could apply part of a group's pushes of a clock.
-  {
-    GroupJob job(tmp.path(), "quorum", 1, 2, 4, 2, {}, 1, {"--consistency", "quorum",
-                                                          "--quorum", "1"});
+  // Only sync sums a group's parts of a clock into one update: a quorum could apply some of
+  // them, async would apply each alone.
+  for (const std::vector<std::string>& mode :
+       {std::vector<std::string>{"quorum", "--quorum", "1"}, std::vector<std::string>{"async"}}) {
+    std::vector<std::string> job_args = {"--consistency"};
+    job_args.insert(job_args.end(), mode.begin(), mode.end());
+    GroupJob job(tmp.path(), mode[0], 1, 2, 4, 2, {}, 1, job_args);
     EXPECT_NE(job.groups[0]->wait(60), 0);
-    EXPECT_NE(job.groups[0]->output().find("--ep 2 with --consistency quorum"), std::string::npos)
+    EXPECT_NE(job.groups[0]->output().find("--ep 2 with --consistency " + mode[0] + ":"),
+              std::string::npos)
         << job.logs();
   }
   // A [dist] setting given with --set: the layout is the worker's flags, never [dist].
