@@ -16,6 +16,8 @@
 #include "ps/security.h"
 #include "ps/server.h"
 #include "ps/worker.h"
+#include "parallel/runtime.h"
+#include "train/parallel_setup.h"
 #include "train/run_config.h"
 
 namespace moetrain::app {
@@ -102,6 +104,27 @@ void choose_security(const std::string& role, const std::string& keys, bool inse
   }
 }
 
+// A worker group (`mpirun -n P moetrain ps worker --ep P`): the experts sharded over the MPI
+// world and the expert exchange over it, made as `train` makes them under mpirun with dist.ep = P.
+ps::WorkerGroup make_worker_group(const std::shared_ptr<Comm>& world, const RunConfig& cfg) {
+  struct Holder {
+    std::shared_ptr<Comm> world;
+    RunParallel rp;
+  };
+  auto h = std::make_shared<Holder>();
+  h->world = world;
+  DistSettings dist = cfg.dist;
+  dist.ep = world->size();
+  h->rp = make_run_parallel(*world, dist, cfg.model.n_experts, cfg.model.n_moe_layers() > 0);
+  ps::WorkerGroup g;
+  g.comm = h->rp.groups->control.get();
+  g.moe = h->rp.moe_context();
+  g.expert_first = h->rp.experts.first;
+  g.expert_count = h->rp.experts.count;
+  g.owner = h;
+  return g;
+}
+
 }  // namespace
 
 Run add_ps_command(CLI::App& app) {
@@ -116,7 +139,7 @@ Run add_ps_command(CLI::App& app) {
     bool insecure = false, standby_flag = false, resume = false;
     std::vector<std::string> overrides;
     double slowdown = 1.0;
-    int64_t index = -1;
+    int64_t index = -1, ep = 1;
   };
   auto args = std::make_shared<Args>();
 
@@ -156,7 +179,11 @@ Run add_ps_command(CLI::App& app) {
   worker->add_option("--slowdown", args->slowdown,
                      "Emulate a straggler: each step takes this many times its compute time");
   worker->add_option("--index", args->index,
-                     "Ask for this worker index (data rows, sum order); granted when free");
+                     "Ask for this worker index (data rows, sum order); granted when free. In a "
+                     "group of P, rank r asks for index·P + r");
+  worker->add_option("--ep", args->ep,
+                     "Processes of this worker's group, started together with `mpirun -n P`: "
+                     "the experts are sharded over them and each pushes and pulls its share");
   worker->add_option("--standby-scheduler", args->standby,
                      "tcp://HOST:PORT of the standby scheduler that takes over when the "
                      "scheduler stops answering");
@@ -194,8 +221,20 @@ Run add_ps_command(CLI::App& app) {
       init_threads(1);
       return ps::run_server({args->scheduler, args->bind, args->standby});
     }
-    if (worker->parsed())
-      return ps::run_worker({args->scheduler, args->slowdown, args->index, args->standby});
+    if (worker->parsed()) {
+      ps::WorkerArgs a;
+      a.scheduler = args->scheduler;
+      a.slowdown = args->slowdown;
+      a.index = args->index;
+      a.standby = args->standby;
+      a.ep = args->ep;
+      std::shared_ptr<Comm> world = dist_world("ps worker group");
+      a.group_rank = world->rank();
+      a.world = world->size();
+      a.local_processes = dist_local_size();
+      a.make_group = [world](const RunConfig& cfg) { return make_worker_group(world, cfg); };
+      return ps::run_worker(a);
+    }
     return launch_run();
   };
 }

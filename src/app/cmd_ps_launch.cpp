@@ -21,6 +21,7 @@
 
 #include "app/cmd_ps.h"
 #include "app/job_progress.h"
+#include "app/options.h"
 #include "core/check.h"
 #include "core/log.h"
 #include "core/threads.h"
@@ -50,7 +51,8 @@ void on_stop_signal(int sig) {
   g_stop_signal = sig;
 }
 
-pid_t spawn(const std::vector<std::string>& args, int omp_threads) {
+// args[0] "moetrain" is this binary; a worker group's args[0] is mpirun, found on PATH.
+pid_t spawn(const std::vector<std::string>& args, int omp_threads, bool on_path = false) {
   std::vector<char*> argv;
   for (const auto& s : args) argv.push_back(const_cast<char*>(s.c_str()));
   argv.push_back(nullptr);
@@ -63,9 +65,10 @@ pid_t spawn(const std::vector<std::string>& args, int omp_threads) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     setpgid(0, 0);
     if (getenv("OMP_NUM_THREADS") == nullptr) setenv("OMP_NUM_THREADS", threads.c_str(), 1);
-    execv("/proc/self/exe", argv.data());
-    std::fprintf(stderr, "moetrain ps launch: cannot exec /proc/self/exe: %s\n",
-                 std::strerror(errno));
+    if (on_path) execvp(argv[0], argv.data());
+    else execv("/proc/self/exe", argv.data());
+    std::fprintf(stderr, "moetrain ps launch: cannot exec %s: %s\n",
+                 on_path ? argv[0] : "/proc/self/exe", std::strerror(errno));
     _exit(127);
   }
   return pid;
@@ -171,7 +174,9 @@ struct LaunchArgs {
   std::string keys;
   bool insecure = false, standby = false, resume = false;
   int64_t spare_servers = 0;
-  std::vector<std::string> slowdowns, rest;
+  int64_t group_size = 1;  // > 1: the workers are groups of this many processes under mpirun
+  std::vector<std::string> slowdowns, rest, mpi_args;
+  std::string mpirun = "mpirun";
   double timeout = 0;
 };
 
@@ -224,6 +229,15 @@ int run_launch(const LaunchArgs& a) {
   a.opts.validate();
   ps::check_ps_run_config(cfg, a.opts);
   const std::map<int64_t, std::string> slow = parse_slowdowns(a);
+  MOETRAIN_CHECK(a.group_size >= 1 && a.opts.workers % a.group_size == 0,
+                 "--group-size {}: --workers {} (every process of every group) is not a multiple "
+                 "of it",
+                 a.group_size, a.opts.workers);
+  MOETRAIN_CHECK(a.group_size == 1 || slow.empty(),
+                 "--slowdown with --group-size {}: a group's ranks compute every step together, "
+                 "so one rank cannot be slowed alone",
+                 a.group_size);
+  ps::check_worker_group(cfg, a.opts, a.group_size);
   MOETRAIN_CHECK(a.spare_servers >= 0 && a.spare_servers <= 64,
                  "--spare-servers {}: must be in 0..64", a.spare_servers);
   MOETRAIN_CHECK(a.spare_servers == 0 || a.opts.server_replicas == 2 || a.opts.checkpoint_every > 0,
@@ -292,7 +306,18 @@ int run_launch(const LaunchArgs& a) {
   const int64_t n_servers = a.opts.servers * a.opts.server_replicas + a.spare_servers;
   for (int64_t s = 0; s < n_servers; ++s)
     children.push_back({fmt::format("server {}", s), spawn(server_args, 1)});
-  for (int64_t w = 0; w < a.opts.workers; ++w) {
+  // Worker groups: one mpirun each, its ranks asking for the indices g·P .. g·P + P − 1.
+  const int64_t P = a.group_size;
+  for (int64_t g = 0; P > 1 && g < a.opts.workers / P; ++g) {
+    std::vector<std::string> wa = {a.mpirun, "-n", std::to_string(P), "-x", "OMP_NUM_THREADS"};
+    wa.insert(wa.end(), a.mpi_args.begin(), a.mpi_args.end());
+    wa.push_back(fs::read_symlink("/proc/self/exe").string());
+    const std::vector<std::string> n = node_args("worker", endpoint, a.standby);
+    wa.insert(wa.end(), n.begin() + 1, n.end());
+    wa.insert(wa.end(), {"--index", std::to_string(g), "--ep", std::to_string(P)});
+    children.push_back({fmt::format("worker group {}", g), spawn(wa, worker_threads, true)});
+  }
+  for (int64_t w = 0; P == 1 && w < a.opts.workers; ++w) {
     std::vector<std::string> wa = node_args("worker", endpoint, a.standby);
     wa.insert(wa.end(), {"--index", std::to_string(w)});
     if (slow.count(w)) wa.insert(wa.end(), {"--slowdown", slow.at(w)});
@@ -481,6 +506,12 @@ Run add_ps_launch_command(CLI::App* ps_cmd) {
       ->add_option("--slowdown", args->slowdowns,
                    "WORKER=FACTOR: slow that worker down (repeatable), e.g. --slowdown 1=2")
       ->allow_extra_args(false);
+  launch->add_option("--group-size", args->group_size,
+                     "Start the workers as groups of this many processes, each group one "
+                     "`mpirun -n P moetrain ps worker --ep P` sharding the experts (--workers "
+                     "counts every process)");
+  launch->add_option("--mpirun", args->mpirun, "The MPI launcher of worker groups");
+  add_mpi_arg_option(launch, args->mpi_args)->allow_extra_args(false);
   launch->add_option("--timeout", args->timeout, "Stop the job after this many seconds (0: none)");
   launch->add_flag("--resume", args->resume,
                    "Continue the job in train.run_dir from the newest clock every server "

@@ -93,6 +93,41 @@ void decode_values(Encoding e, const char* data, std::size_t bytes, int64_t n, f
   }
 }
 
+std::size_t ranges_size(const std::vector<Span>& ranges) { return 4 + 16 * ranges.size(); }
+
+void write_ranges(const std::vector<Span>& ranges, char* out) {
+  const auto count = static_cast<uint32_t>(ranges.size());
+  std::memcpy(out, &count, 4);
+  out += 4;
+  for (const Span& s : ranges) {
+    std::memcpy(out, &s.offset, 8);
+    std::memcpy(out + 8, &s.size, 8);
+    out += 16;
+  }
+}
+
+std::size_t read_ranges(const char* payload, std::size_t bytes, int64_t n, std::vector<Span>& out) {
+  out.clear();
+  MOETRAIN_CHECK(bytes >= 4, "a sparse payload of {} bytes has no range count", bytes);
+  uint32_t count;
+  std::memcpy(&count, payload, 4);
+  MOETRAIN_CHECK(count <= static_cast<uint64_t>(n) && 4 + uint64_t{count} * 16 <= bytes,
+                 "a sparse payload declares {} ranges, more than its {} bytes or {} keys hold",
+                 count, bytes, n);
+  int64_t end = 0;
+  for (uint32_t i = 0; i < count; ++i) {
+    Span s;
+    std::memcpy(&s.offset, payload + 4 + 16 * i, 8);
+    std::memcpy(&s.size, payload + 12 + 16 * i, 8);
+    MOETRAIN_CHECK(s.offset >= end && s.size >= 0 && s.size <= n - s.offset,
+                   "sparse range {} = [{}, +{}) is outside [0, {}) or out of order", i, s.offset,
+                   s.size, n);
+    end = s.offset + s.size;
+    out.push_back(s);
+  }
+  return 4 + std::size_t{count} * 16;
+}
+
 std::size_t push_payload_size(Encoding e, int64_t n, const std::vector<Span>* ranges) {
   if (!ranges) return encoded_size(e, n);
   int64_t total = 0;
@@ -106,16 +141,10 @@ void write_push(Encoding e, const float* values, int64_t n, const std::vector<Sp
     write_values(e, values, n, residual, out);
     return;
   }
-  const auto count = static_cast<uint32_t>(ranges->size());
-  std::memcpy(out, &count, 4);
-  out += 4;
+  write_ranges(*ranges, out);
+  out += ranges_size(*ranges);
   int64_t total = 0;
-  for (const Span& s : *ranges) {
-    std::memcpy(out, &s.offset, 8);
-    std::memcpy(out + 8, &s.size, 8);
-    out += 16;
-    total += s.size;
-  }
+  for (const Span& s : *ranges) total += s.size;
   if (e != Encoding::Int8) {
     // Element-wise encodings: each range straight into the frame.
     for (const Span& s : *ranges) {
@@ -151,7 +180,7 @@ std::string encode_push(Encoding e, const float* values, int64_t n, const std::v
 }
 
 void decode_push(const Header& h, const char* payload, int64_t n, float* dst,
-                 std::vector<Span>* ranges) {
+                 std::vector<Span>* ranges, bool zero_rest) {
   const Encoding e = h.encoding();
   MOETRAIN_CHECK(e != Encoding::Json, "a push must carry values, not JSON");
   std::vector<Span> local;
@@ -162,28 +191,12 @@ void decode_push(const Header& h, const char* payload, int64_t n, float* dst,
     rs.push_back({0, n});
     return;
   }
-  MOETRAIN_CHECK(h.bytes >= 4, "sparse push of {} bytes has no range count", h.bytes);
-  uint32_t count;
-  std::memcpy(&count, payload, 4);
-  MOETRAIN_CHECK(count <= static_cast<uint64_t>(n) && 4 + uint64_t{count} * 16 <= h.bytes,
-                 "sparse push declares {} ranges, more than its {} bytes or {} keys hold", count,
-                 h.bytes, n);
-  int64_t total = 0, end = 0;
-  for (uint32_t i = 0; i < count; ++i) {
-    Span s;
-    std::memcpy(&s.offset, payload + 4 + 16 * i, 8);
-    std::memcpy(&s.size, payload + 12 + 16 * i, 8);
-    MOETRAIN_CHECK(s.offset >= end && s.size >= 0 && s.size <= n - s.offset,
-                   "sparse push range {} = [{}, +{}) is outside [0, {}) or out of order", i,
-                   s.offset, s.size, n);
-    end = s.offset + s.size;
-    total += s.size;
-    rs.push_back(s);
-  }
+  const std::size_t head = read_ranges(payload, h.bytes, n, rs);
+  int64_t total = 0;
+  for (const Span& s : rs) total += s.size;
   std::vector<float> packed(static_cast<std::size_t>(total));
-  const std::size_t head = 4 + std::size_t{count} * 16;
   decode_values(e, payload + head, h.bytes - head, total, packed.data());
-  std::fill(dst, dst + n, 0.0f);
+  if (zero_rest) std::fill(dst, dst + n, 0.0f);
   int64_t at = 0;
   for (const Span& s : rs) {
     std::copy_n(packed.begin() + at, s.size, dst + s.offset);

@@ -38,6 +38,16 @@ void append_values(Encoding e, const float* values, int64_t n, float* residual, 
 // dst[0, n) = decoded values; `bytes` must be exactly encoded_size(e, n) (throws otherwise).
 void decode_values(Encoding e, const char* data, std::size_t bytes, int64_t n, float* dst);
 
+// A sparse payload's range list: a uint32 count, then (offset, size) int64 pairs relative to the
+// key range. A sparse push begins with it, and so do a sparse pull's request (the ranges it asks
+// for) and its reply (the ranges sent, then their values).
+std::size_t ranges_size(const std::vector<Span>& ranges);
+void write_ranges(const std::vector<Span>& ranges, char* out);
+// Reads the range list at the start of a `bytes`-byte payload for a key range of n keys into
+// `out` and returns the bytes it took. Throws naming what is malformed: the count, a range outside
+// [0, n) or out of order.
+std::size_t read_ranges(const char* payload, std::size_t bytes, int64_t n, std::vector<Span>& out);
+
 // Bytes of a push payload for n values: dense when `ranges` is null, else the listed ranges.
 std::size_t push_payload_size(Encoding e, int64_t n, const std::vector<Span>* ranges);
 // Writes the push payload (push_payload_size bytes) to out, in place in the outgoing frame.
@@ -48,9 +58,10 @@ void write_push(Encoding e, const float* values, int64_t n, const std::vector<Sp
 std::string encode_push(Encoding e, const float* values, int64_t n, const std::vector<Span>* ranges,
                         float* residual);
 // Decodes a push payload (flags say dense or sparse) into dst (n): elements outside the ranges
-// are zero. The ranges that were sent are returned in *ranges (the whole range when dense).
+// are zero, or left as they are with zero_rest = false (a sparse pull reply, which has the same
+// form). The ranges that were sent are returned in *ranges (the whole range when dense).
 // Throws naming what is malformed: range count, a range outside [0, n), sizes that disagree.
 void decode_push(const Header& h, const char* payload, int64_t n, float* dst,
-                 std::vector<Span>* ranges);
+                 std::vector<Span>* ranges, bool zero_rest = true);
 
 }  // namespace moetrain::ps

@@ -86,13 +86,15 @@ void KvServer::on_data(Incoming& in) {
     if (h.kind_enum() == Kind::Push) {
       on_push(in);
     } else if (h.kind_enum() == Kind::Pull) {
-      MOETRAIN_CHECK(h.encoding() != Encoding::Json && !(h.flags & kSparseFlag),
-                     "a pull must ask for f32, bf16 or int8 values");
+      MOETRAIN_CHECK(h.encoding() != Encoding::Json, "a pull must ask for f32, bf16 or int8 values");
+      PendingPull pull{in.identity, h, {}};
+      if (h.flags & kSparseFlag)
+        read_ranges(in.payload, h.bytes, static_cast<int64_t>(values_.size()), pull.ranges);
       if (h.generation < generation_) {
         ++stats_.stale_dropped;
         return;
       }
-      pulls_.push_back({in.identity, h});
+      pulls_.push_back(std::move(pull));
       if (!ready(h)) ++stats_.blocked_pulls[h.sender];
       serve_pulls();
     } else if (h.kind_enum() == Kind::Replicate) {
@@ -351,9 +353,12 @@ void KvServer::serve_pulls() {
     // The values in the encoding the pull asked for (checked on arrival); they stay f32 here.
     const Encoding enc = r.encoding();
     const auto n = static_cast<int64_t>(values_.size());
-    h.flags = static_cast<uint32_t>(enc);
-    zmq::message_t m = new_frame(h, encoded_size(enc, n));
-    write_values(enc, values_.data(), n, nullptr, static_cast<char*>(frame_payload(m)));
+    // A sparse pull is answered in a sparse push's form: its ranges, then their values.
+    const bool sparse = (r.flags & kSparseFlag) != 0;
+    const std::vector<Span>* ranges = sparse ? &it->ranges : nullptr;
+    h.flags = static_cast<uint32_t>(enc) | (sparse ? kSparseFlag : 0u);
+    zmq::message_t m = new_frame(h, push_payload_size(enc, n, ranges));
+    write_push(enc, values_.data(), n, ranges, nullptr, static_cast<char*>(frame_payload(m)));
     seal(m.data(), m.size());
     stats_.pull_bytes += static_cast<int64_t>(m.size());
     stats_.dense_pull_bytes += static_cast<int64_t>(sizeof(Header)) + 4 * n;

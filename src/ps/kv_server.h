@@ -124,6 +124,7 @@ class KvServer {
   struct PendingPull {
     std::string identity;
     Header h;
+    std::vector<Span> ranges;  // a sparse pull: the ranges it asks for (relative to the range)
   };
 
   void on_data(Incoming& in);

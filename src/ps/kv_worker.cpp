@@ -116,7 +116,7 @@ int64_t KvWorker::push(int64_t clock, const float* grads, const std::vector<Span
   return ticket;
 }
 
-int64_t KvWorker::pull(int64_t clock, float* params, Encoding enc) {
+int64_t KvWorker::pull(int64_t clock, float* params, Encoding enc, const std::vector<Span>* keys) {
   MOETRAIN_CHECK(enc != Encoding::Json, "a pull asks for values, not JSON");
   const int64_t ticket = next_ticket_++;
   Pending& p = pending_[ticket];
@@ -125,16 +125,25 @@ int64_t KvWorker::pull(int64_t clock, float* params, Encoding enc) {
   p.done.assign(servers_.size(), 0);
   p.frames.resize(servers_.size());
   for (std::size_t s = 0; s < servers_.size(); ++s) {
+    const int64_t b = servers_[s].begin, e = servers_[s].end;
     Header h;
     h.kind = static_cast<uint16_t>(Kind::Pull);
     h.sender = index_;
-    h.flags = static_cast<uint32_t>(enc);
+    h.flags = static_cast<uint32_t>(enc) | (keys ? kSparseFlag : 0u);
     h.clock = clock;
-    h.key_begin = servers_[s].begin;
-    h.key_end = servers_[s].end;
+    h.key_begin = b;
+    h.key_end = e;
     h.ticket = ticket;
     h.generation = generation_;
-    zmq::message_t m = new_frame(h, 0);
+    // A sparse pull lists this server's part of the keys, relative to its range.
+    std::vector<Span> want;
+    if (keys)
+      for (const Span& k : *keys) {
+        const int64_t lo = std::max(k.offset, b), hi = std::min(k.offset + k.size, e);
+        if (lo < hi) want.push_back({lo - b, hi - lo});
+      }
+    zmq::message_t m = new_frame(h, keys ? ranges_size(want) : 0);
+    if (keys) write_ranges(want, static_cast<char*>(frame_payload(m)));
     seal(m.data(), m.size());
     send_request(p, s, std::move(m));
   }
@@ -152,15 +161,26 @@ void KvWorker::receive_all() {
       Pending& p = it->second;
       if (h.kind_enum() == Kind::PullReply) {
         const int64_t n = servers_[s].end - servers_[s].begin;
+        const bool sparse = (h.flags & kSparseFlag) != 0;
         if (!p.params || h.key_begin != servers_[s].begin || h.key_end != servers_[s].end ||
-            h.encoding() != p.enc || h.bytes != encoded_size(p.enc, n)) {
+            h.encoding() != p.enc || (!sparse && h.bytes != encoded_size(p.enc, n))) {
           log_warn(
               "ps worker {}: malformed pull reply from server {} (keys [{}, {}), {} bytes of {})",
               index_, servers_[s].index, h.key_begin, h.key_end, h.bytes,
               compression_name(h.encoding()));
           continue;
         }
-        decode_values(p.enc, in->payload, h.bytes, n, p.params + h.key_begin);
+        if (sparse) {
+          try {
+            decode_push(h, in->payload, n, p.params + h.key_begin, nullptr, /*zero_rest=*/false);
+          } catch (const Error& err) {
+            log_warn("ps worker {}: malformed sparse pull reply from server {}: {}", index_,
+                     servers_[s].index, err.what());
+            continue;
+          }
+        } else {
+          decode_values(p.enc, in->payload, h.bytes, n, p.params + h.key_begin);
+        }
         pull_bytes_ += static_cast<int64_t>(in->frame.size());
         dense_pull_bytes_ += static_cast<int64_t>(sizeof(Header)) + 4 * n;
         p.clock = std::min(p.clock, h.aux0);

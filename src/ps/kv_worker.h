@@ -66,8 +66,11 @@ class KvWorker {
                const PushMeta& meta, float* residual);
   // Pulls every server's range into params (P floats) once the consistency mode allows clock
   // `clock`; clock < 0 reads now (joining, final read). The servers send the values in `enc`
-  // (they keep f32): params are then the decoded values.
-  int64_t pull(int64_t clock, float* params, Encoding enc = Encoding::F32);
+  // (they keep f32): params are then the decoded values. `keys` (global ranges, sorted,
+  // disjoint; null: every key) asks for those keys only, leaving the rest of params as it is: a
+  // worker group's rank reads its own share (every server still answers, with the clock).
+  int64_t pull(int64_t clock, float* params, Encoding enc = Encoding::F32,
+               const std::vector<Span>* keys = nullptr);
   // Blocks until every server answered; for a pull returns the clock to continue at (the least
   // any server reported), for a push the servers' version. Returns rolled_back, at once, for a
   // ticket that a roll-back (reset()) forgot, before or during the wait.

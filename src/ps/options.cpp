@@ -154,13 +154,15 @@ std::vector<std::string> changed_dist_keys(const DistSettings& d) {
 
 void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
   cfg.validate();
-  // A worker is one process holding a full replica: nothing of [dist] applies, and a setting that
-  // would be ignored is refused rather than recorded as if it ran.
+  // A worker is one process holding a full replica, or a group of processes sharding the experts
+  // (`ps worker --ep P`), whose layout the worker's flags say: nothing of [dist] applies, and a
+  // setting that would be ignored is refused rather than recorded as if it ran.
   const std::vector<std::string> dist = changed_dist_keys(cfg.dist);
   MOETRAIN_CHECK(dist.empty(),
-                 "{}: parameter-server mode runs one full model replica per worker process and "
-                 "does not read the [dist] settings (data and expert parallelism, ZeRO, the "
-                 "reduction and all-to-all settings, local SGD); remove {}",
+                 "{}: parameter-server mode runs one full model replica per worker process, or "
+                 "the experts sharded over a worker group started with `mpirun -n P moetrain ps "
+                 "worker --ep P`, and does not read the [dist] settings (data and expert "
+                 "parallelism, ZeRO, the reduction and all-to-all settings, local SGD); remove {}",
                  fmt::join(dist, ", "), dist.size() == 1 ? "it" : "them");
   MOETRAIN_CHECK(cfg.train.device == "cpu",
                  "train.device = {}: parameter-server workers run on the CPU; set "
@@ -186,8 +188,9 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "model.capacity = fixed",
                  capacity_mode_name(cfg.model.capacity));
   MOETRAIN_CHECK(cfg.placement.spare_slots == 0,
-                 "placement.spare_slots = {}: hot-expert replication needs expert parallelism, "
-                 "which parameter-server mode does not run; set placement.spare_slots = 0",
+                 "placement.spare_slots = {}: hot-expert replication needs every rank's expert "
+                 "loads at each step, which parameter-server mode does not gather; set "
+                 "placement.spare_slots = 0",
                  cfg.placement.spare_slots);
   MOETRAIN_CHECK(!cfg.grad.sparse_experts,
                  "grad.sparse_experts = true: parameter-server mode pushes whole key ranges and "
@@ -201,6 +204,39 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "each step, which parameter-server mode splits over servers and workers; set "
                  "grad.expert_reweight = none",
                  cfg.grad.expert_reweight);
+}
+
+void check_worker_group_size(int64_t ep, int64_t world) {
+  MOETRAIN_CHECK(ep >= 1, "--ep {}: a worker group has at least one process", ep);
+  MOETRAIN_CHECK(ep == world,
+                 "--ep {} in an MPI world of {} process{}: a worker group is every process "
+                 "mpirun started; start it with `mpirun -n {} moetrain ps worker --ep {} ...`",
+                 ep, world, world == 1 ? "" : "es", ep, ep);
+}
+
+void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t ep) {
+  if (ep == 1) return;
+  MOETRAIN_CHECK(cfg.model.n_moe_layers() > 0,
+                 "--ep {}: the model has no MoE layer whose experts the group could shard; "
+                 "start the worker without --ep",
+                 ep);
+  MOETRAIN_CHECK(cfg.model.n_experts % ep == 0,
+                 "--ep {}: model.n_experts = {} is not a multiple of it; every rank of a group "
+                 "holds the same number of experts",
+                 ep, cfg.model.n_experts);
+  // A group's ranks push disjoint parts of the keys. sync sums every worker's push of a clock into
+  // one update, so the group's parts make one; the other modes would not.
+  MOETRAIN_CHECK(options.consistency_kind() == Consistency::Sync,
+                 "--ep {} with --consistency {}: a group's ranks push disjoint parts of the keys, "
+                 "which sync sums into one update per clock; quorum could apply some parts of a "
+                 "clock and drop the others, async, ssp and half_sync would apply each part as an "
+                 "update of its own (the optimizer stepping every key once per rank), and average "
+                 "runs a local optimizer over every key; use --consistency sync",
+                 ep, options.consistency);
+  MOETRAIN_CHECK(options.assign_kind() == Assign::Uniform,
+                 "--ep {} with --assign {}: a re-split pauses workers one by one while the "
+                 "group's ranks wait for each other inside a step; use --assign uniform",
+                 ep, options.assign);
 }
 
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {

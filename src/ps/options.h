@@ -58,6 +58,15 @@ struct PsOptions {
 // step), and the others check_ps_run_config's body names.
 void check_ps_run_config(const RunConfig& cfg, const PsOptions& options);
 
+// A worker group (`moetrain ps worker --ep P` under `mpirun -n P`) before it registers: P ≥ 1
+// and the MPI world (`world` processes) is the group. Throws naming --ep and the world size.
+void check_worker_group_size(int64_t ep, int64_t world);
+// The settings a worker group of P > 1 processes cannot run with, refused with the reason:
+// model.n_experts not a multiple of P, no MoE layer to shard, a consistency mode other than sync
+// (only sync sums the ranks' disjoint parts of a clock into one update), and --assign capability
+// (a re-split pauses workers one by one while a group's ranks wait for each other in a step).
+void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t ep);
+
 struct KeyRange {
   int64_t begin = 0;
   int64_t end = 0;

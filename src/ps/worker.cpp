@@ -53,8 +53,11 @@ class Worker {
   explicit Worker(const WorkerArgs& a) : args_(a) {
     MOETRAIN_CHECK(std::isfinite(a.slowdown) && a.slowdown >= 1.0,
                    "--slowdown {}: must be a number ≥ 1", a.slowdown);
+    check_worker_group_size(a.ep, a.world);
+    // A group's ranks ask for consecutive indices, so its rows are consecutive too.
+    const int64_t want = a.index >= 0 ? a.index * a.ep + a.group_rank : -1;
     link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "worker",
-                                       nlohmann::json{{"want_index", a.index}}, args_.standby);
+                                       nlohmann::json{{"want_index", want}}, args_.standby);
     link_->set_rejoin_state([this] {
       return nlohmann::json{{"done", done_},
                             {"epoch", assign_.epoch},
@@ -63,7 +66,9 @@ class Worker {
                             {"rows", assign_.rows}};
     });
     index_ = link_->index();
-    who_ = fmt::format("ps worker {}", index_);
+    who_ = a.ep > 1 ? fmt::format("ps worker {} (rank {} of a group of {})", index_, a.group_rank,
+                                  a.ep)
+                    : fmt::format("ps worker {}", index_);
   }
 
   int run() {
@@ -77,9 +82,12 @@ class Worker {
     cfg_ = run_config_from_json(setup.at("config"), "the scheduler's setup message");
     opts_ = PsOptions::from_json(setup.at("options"));
     check_ps_run_config(cfg_, opts_);
+    check_worker_group(cfg_, opts_, args_.ep);
     assign_ = assignment_of(setup, index_);
-    init_threads(static_cast<int>(cfg_.train.threads));
-    step_ = std::make_unique<WorkerStep>(cfg_, opts_, index_);
+    init_threads(static_cast<int>(cfg_.train.threads), args_.local_processes);
+    // Collective over the group: every rank builds it once its setup came.
+    if (args_.ep > 1) group_ = args_.make_group(cfg_);
+    step_ = std::make_unique<WorkerStep>(cfg_, opts_, index_, args_.ep > 1 ? &group_ : nullptr);
     kv_ = std::make_unique<KvWorker>(ctx_, static_cast<int32_t>(index_), servers_of(setup),
                                      setup.at("generation").get<uint32_t>(),
                                      [this] { poll_control(); });
@@ -94,9 +102,10 @@ class Worker {
   // From a pull of the current parameters to the end of the job, unless the servers roll back.
   Outcome train(int64_t& first) {
     done_ = false;
-    WaitResult r = kv_->wait(kv_->pull(-1, step_->params().data(), opts_.pull_encoding()));
-    if (r.rolled_back) return Outcome::RolledBack;
-    int64_t clock = r.clock;
+    WaitResult r = kv_->wait(
+        kv_->pull(-1, step_->params().data(), opts_.pull_encoding(), step_->pull_keys()));
+    if (group_rolled_back(r.rolled_back)) return Outcome::RolledBack;
+    int64_t clock = step_->pulled(r.clock);
     if (first < 0) first = clock;
     log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
              assign_.rows, assign_.global_rows);
@@ -116,10 +125,13 @@ class Worker {
         std::this_thread::sleep_for(std::chrono::duration<double>(w));
         half_sync_wait_s_ += w;
       }
-      const int64_t tl = kv_->pull(clock + 1, step_->params().data(), opts_.pull_encoding());
-      if (kv_->wait(tp).rolled_back) return Outcome::RolledBack;
+      const int64_t tl = kv_->pull(clock + 1, step_->params().data(), opts_.pull_encoding(),
+                                   step_->pull_keys());
+      // A roll-back forgets both requests: the pull's wait then returns at once.
+      const bool push_rolled_back = kv_->wait(tp).rolled_back;
       r = kv_->wait(tl);
-      if (r.rolled_back) return Outcome::RolledBack;
+      if (group_rolled_back(push_rolled_back || r.rolled_back)) return Outcome::RolledBack;
+      r.clock = step_->pulled(r.clock);
       const int64_t local = opts_.consistency_kind() == Consistency::Average ? opts_.local_steps : 1;
       write_step_line(clock, meta.rows * local, step_timer.seconds(), r.clock);
       // The servers say where to go on: the next clock, or later when this worker's push came
@@ -148,6 +160,23 @@ class Worker {
       }
     }
     return Outcome::Done;
+  }
+
+  // Whether the servers rolled back, agreed by a worker group (collective over it): a rank that
+  // saw its answers arrive before its roll-back message waits for that message, so that every
+  // rank goes back to the pull together and none enters a step's collectives alone. A worker
+  // alone: `mine`.
+  bool group_rolled_back(bool mine) {
+    if (args_.ep == 1) return mine;
+    int64_t any = mine ? 1 : 0;
+    group_.comm->allreduce(&any, 1, {ReduceOp::Max});
+    while (any != 0 && !mine) {
+      bool ok = false;
+      auto in = link_->next_control(100, &ok);
+      MOETRAIN_CHECK(!ok, "the job ended while this worker's group rolled back");
+      if (in) mine = on_control(*in);
+    }
+    return any != 0;
   }
 
   // While a wait blocks. A roll-back resets the KvWorker, whose wait then returns rolled_back.
@@ -261,6 +290,11 @@ class Worker {
                         {"pull_bytes", kv_->pull_bytes()},
                         {"dense_pull_bytes", kv_->dense_pull_bytes()},
                         {"slowdown", args_.slowdown}};
+    if (args_.ep > 1)
+      j["group"] = {{"ep", args_.ep},
+                    {"rank", args_.group_rank},
+                    {"expert_first", group_.expert_first},
+                    {"expert_count", group_.expert_count}};
     fs::path dir = fs::path(cfg_.train.run_dir) / "ps";
     fs::create_directories(dir);
     write_file_atomic(dir / fmt::format("worker_node{}.json", link_->node_id()), j.dump(2) + "\n");
@@ -289,6 +323,7 @@ class Worker {
   std::optional<RowAssignment> next_assign_;  // the split from clock switch_at_ on
   int64_t switch_at_ = 0, started_clock_ = -1;
   bool rows_paused_ = false, done_ = false;
+  WorkerGroup group_;  // --ep P > 1: this rank's group (kept alive for the step's model)
   std::unique_ptr<WorkerStep> step_;
   std::unique_ptr<KvWorker> kv_;
   MetricsWriter role_metrics_;  // RUN_DIR/metrics/worker_I.jsonl, from the first step on

@@ -20,9 +20,55 @@ namespace fs = std::filesystem;
 
 namespace moetrain::ps {
 
-WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t index)
+namespace {
+
+// [0, n) without `holes` (sorted, disjoint).
+std::vector<Span> complement(const std::vector<Span>& holes, int64_t n) {
+  std::vector<Span> out;
+  int64_t at = 0;
+  for (const Span& h : holes) {
+    if (h.offset > at) out.push_back({at, h.offset - at});
+    at = std::max(at, h.offset + h.size);
+  }
+  if (at < n) out.push_back({at, n - at});
+  return out;
+}
+
+// Elements [from, to) of the concatenation of `spans`, as flat ranges.
+std::vector<Span> slice(const std::vector<Span>& spans, int64_t from, int64_t to) {
+  std::vector<Span> out;
+  int64_t at = 0;
+  for (const Span& s : spans) {
+    const int64_t lo = std::max(from, at), hi = std::min(to, at + s.size);
+    if (lo < hi) out.push_back({s.offset + lo - at, hi - lo});
+    at += s.size;
+  }
+  return out;
+}
+
+void sort_spans(std::vector<Span>& spans) {
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& x, const Span& y) { return x.offset < y.offset; });
+}
+
+// packed = flat's elements in `spans`, one after another; unpack is its inverse.
+void pack(const std::vector<Span>& spans, const float* flat, float* packed) {
+  for (const Span& s : spans) packed = std::copy_n(flat + s.offset, s.size, packed);
+}
+void unpack(const std::vector<Span>& spans, const float* packed, float* flat) {
+  for (const Span& s : spans) {
+    std::copy_n(packed, s.size, flat + s.offset);
+    packed += s.size;
+  }
+}
+
+}  // namespace
+
+WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t index,
+                       const WorkerGroup* group)
     : cfg_(cfg), opts_(opts), index_(index) {
-  model_ = std::make_unique<Transformer>(cfg_.model);
+  group_ = group;
+  model_ = std::make_unique<Transformer>(cfg_.model, group_ ? group_->moe : MoeContext{});
   model_->set_precision(cfg_.train.precision_dtype());  // f32 or bf16 (check_ps_run_config)
   params_.assign(static_cast<std::size_t>(model_->layout().size()), 0.0f);
   grads_.assign(params_.size(), 0.0f);
@@ -33,11 +79,77 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
                              /*want_val=*/false)
                .train;
   windows_ = std::make_unique<WindowStream>(*train_, cfg_.train.seq_len, cfg_.train.seed);
+  if (group_) make_group_keys();
+}
+
+void WorkerStep::make_group_keys() {
+  const int64_t E = cfg_.model.n_experts, per = cfg_.model.expert_hidden * cfg_.model.dim;
+  std::vector<Span> blocks, experts;
+  for (const MoeBlockRef& block : model_->moe_blocks())
+    for (int64_t base : {block.offsets.w1, block.offsets.w3, block.offsets.w2}) {
+      blocks.push_back({base, E * per});
+      experts.push_back({base + group_->expert_first * per, group_->expert_count * per});
+    }
+  sort_spans(blocks);
+  dense_keys_ = complement(blocks, static_cast<int64_t>(params_.size()));
+  int64_t nd = 0;
+  for (const Span& s : dense_keys_) nd += s.size;
+  const int P = group_->comm->size(), r = group_->comm->rank();
+  chunk_counts_.clear();
+  for (int q = 0; q < P; ++q)
+    chunk_counts_.push_back(chunk_begin(nd, q + 1, P) - chunk_begin(nd, q, P));
+  chunk_keys_ = slice(dense_keys_, chunk_begin(nd, r, P), chunk_begin(nd, r + 1, P));
+  keys_ = experts;
+  keys_.insert(keys_.end(), chunk_keys_.begin(), chunk_keys_.end());
+  sort_spans(keys_);
+  dense_.assign(static_cast<std::size_t>(nd), 0.0f);
+  chunk_.assign(static_cast<std::size_t>(chunk_counts_[static_cast<std::size_t>(r)]), 0.0f);
+}
+
+int64_t WorkerStep::pulled(int64_t clock) {
+  if (!group_) return clock;
+  pack(chunk_keys_, params_.data(), chunk_.data());
+  group_->comm->allgather(dense_.data(), chunk_.data(), chunk_counts_);
+  unpack(dense_keys_, dense_.data(), params_.data());
+  group_->comm->allreduce(&clock, 1, {ReduceOp::Max});
+  return clock;
+}
+
+void WorkerStep::reduce_group(const Accumulated& acc) {
+  // Dense key k of rank q's chunk: Σ over the ranks in rank order of their rows' gradients, which
+  // rank q alone pushes; the servers then sum the groups' pushes in worker-index order.
+  pack(dense_keys_, grads_.data(), dense_.data());
+  group_->comm->reduce_scatter(chunk_.data(), dense_.data(), chunk_counts_);
+  unpack(chunk_keys_, chunk_.data(), grads_.data());
+  std::vector<Span> keep = chunk_keys_;
+  const int64_t E = cfg_.model.n_experts, per = cfg_.model.expert_hidden * cfg_.model.dim;
+  // The tokens every expert got from the whole group: an expert of this rank that got none from
+  // any rank has an exactly zero gradient, which a sparse push leaves out.
+  const std::vector<MoeBlockRef> blocks = model_->moe_blocks();
+  std::vector<int64_t> load(blocks.size() * static_cast<std::size_t>(E), 1);
+  if (opts_.sparse_push) {
+    for (std::size_t b = 0; b < blocks.size(); ++b) {
+      const std::vector<int64_t>& l =
+          acc.tokens_per_expert[static_cast<std::size_t>(model_->moe_index(blocks[b].layer))];
+      std::copy(l.begin(), l.end(), load.begin() + static_cast<std::ptrdiff_t>(b) * E);
+    }
+    group_->comm->allreduce(load.data(), static_cast<int64_t>(load.size()));
+  }
+  for (std::size_t b = 0; b < blocks.size(); ++b)
+    for (int64_t e = group_->expert_first; e < group_->expert_first + group_->expert_count; ++e)
+      if (load[b * static_cast<std::size_t>(E) + static_cast<std::size_t>(e)] > 0)
+        for (int64_t base : {blocks[b].offsets.w1, blocks[b].offsets.w3, blocks[b].offsets.w2})
+          keep.push_back({base + e * per, per});
+  sort_spans(keep);
+  skip_ = complement(keep, static_cast<int64_t>(grads_.size()));
 }
 
 Accumulated WorkerStep::accumulate_rows(int64_t clock, const RowAssignment& a,
                                          float loss_weight) {
   const int64_t T = cfg_.train.seq_len, A = cfg_.train.grad_accum, R = a.rows;
+  // The parameters changed in place since the last forward (a pull, a local step): with bf16 the
+  // model's rounded weight copies must follow them.
+  model_->weights_changed();
   inputs_.resize(static_cast<std::size_t>(R * T));
   targets_.resize(inputs_.size());
   AccumulateArgs<TokenBatch> args;
@@ -71,7 +183,9 @@ PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
   const Accumulated acc = accumulate_rows(
       clock, a, static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A)));
   skip_.clear();
-  if (opts_.sparse_push) {
+  if (group_) {
+    reduce_group(acc);
+  } else if (opts_.sparse_push) {
     const int64_t per = cfg_.model.expert_hidden * cfg_.model.dim;
     for (const MoeBlockRef& block : model_->moe_blocks()) {
       const std::size_t m = static_cast<std::size_t>(model_->moe_index(block.layer));
@@ -132,7 +246,15 @@ void WorkerStep::finish(int64_t clock) {
                {"parameter_server", opts_.to_json()}};
   fs::path dir = write_checkpoint(cfg_.train.run_dir, clock, c, cfg_.train.keep_checkpoints);
   TokenShard val(fs::path(cfg_.data.dir) / "val.bin");
-  const double v = evaluate(*model_, params_.data(), val, cfg_.train.batch_size,
+  // A group's rank holds part of the experts and exchanges tokens with its group, which does not
+  // validate with it: the lead validates alone, with every expert, on the values it pulled.
+  std::unique_ptr<Transformer> whole;
+  if (group_) {
+    whole = std::make_unique<Transformer>(cfg_.model);
+    whole->set_precision(cfg_.train.precision_dtype());
+  }
+  model_->weights_changed();  // the final pull wrote the parameters in place
+  const double v = evaluate(whole ? *whole : *model_, params_.data(), val, cfg_.train.batch_size,
                             cfg_.train.seq_len, cfg_.train.eval_batches);
   MetricsWriter(cfg_.train.run_dir, MetricsWriter::Open::Append, cfg_.train.tensorboard)
       .write({{"step", clock}, {"val_loss", v}});

@@ -3,6 +3,14 @@
 // accumulation routine every trainer uses (train/accumulate.h), weighted by their share of the
 // global batch so that the servers' sum is the global mean; the experts that got no tokens (what
 // a sparse push skips); and the lead worker's final checkpoint and validation.
+//
+// In a worker group (ps/worker.h) the replica is the group's: each rank's model holds its experts
+// and runs the expert all-to-all over the group, as `moetrain train` under mpirun with dist.ep = P
+// does (the MoE layers and the exchange are the same code). A rank's keys are its experts' key
+// ranges plus its 1/P share of the dense keys (the dense key ranges, concatenated in layout order,
+// cut into P chunks): after backward the group reduce-scatters the dense gradients (core/comm.h:
+// rank q sums chunk q over the ranks in rank order), so a rank pushes only its keys; it pulls only
+// them, and the group all-gathers the dense values before the next step.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -18,6 +26,7 @@
 #include "ps/codec.h"
 #include "ps/kv_worker.h"
 #include "ps/options.h"
+#include "ps/worker.h"
 #include "train/accumulate.h"
 #include "train/run_config.h"
 
@@ -30,15 +39,24 @@ struct RowAssignment {
 
 class WorkerStep {
  public:
-  // index: the worker's, named in errors.
-  WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t index);
+  // index: the worker's, named in errors. group: this rank's worker group (null: a replica alone).
+  WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t index,
+             const WorkerGroup* group = nullptr);
 
   std::vector<float>& params() { return params_; }  // pulled from the servers
   std::vector<float>& grads() { return grads_; }    // what a push sends
   // The int8 error-feedback residual (empty without int8 pushes).
   std::vector<float>& residual() { return residual_; }
-  // After compute with a sparse push: the expert tensors that got no tokens (sorted by offset).
+  // After compute with a sparse push: the expert tensors that got no tokens (sorted by offset);
+  // in a group also every key that is not this rank's.
   const std::vector<Span>& skipped() const { return skip_; }
+  // The keys this rank pulls (flat ranges, sorted): its experts and its dense share; null (every
+  // key) for a replica alone.
+  const std::vector<Span>* pull_keys() const { return group_ ? &keys_ : nullptr; }
+  // Collective over the group, after a pull of pull_keys() told this rank to go on at `clock`:
+  // the dense values gathered from every rank, and the clock the group goes on at (the latest any
+  // rank was told: a rank must not compute a clock its group skips). Returns `clock` alone.
+  int64_t pulled(int64_t clock);
 
   // grads = the gradient of rows `a` of step `clock`, weighted by their share of the global
   // batch; the push's figures.
@@ -72,6 +90,17 @@ class WorkerStep {
 
   // grads = Σ over micro-batches of the gradient of rows `a` of step `step` × loss_weight.
   Accumulated accumulate_rows(int64_t step, const RowAssignment& a, float loss_weight);
+
+  // A worker group: the dense key ranges (layout order), this rank's keys, the dense chunk sizes
+  // per rank and this rank's chunk as flat ranges; dense_ holds the concatenated dense values.
+  const WorkerGroup* group_ = nullptr;
+  std::vector<Span> dense_keys_, keys_, chunk_keys_;
+  std::vector<int64_t> chunk_counts_;
+  std::vector<float> dense_, chunk_;
+  void make_group_keys();
+  // The group's gradients as this rank pushes them: the dense ones reduce-scattered, and skip_
+  // every key not this rank's (and, with sparse pushes, its experts no rank routed a token to).
+  void reduce_group(const Accumulated& acc);
 };
 
 }  // namespace moetrain::ps

@@ -65,6 +65,32 @@ double final_val_loss(const fs::path& run) {
   return v;
 }
 
+// bf16 workers compute with bf16 copies of the weights they pulled, refreshed after every pull
+// (a copy kept from the first step would train on stale weights): the sync job's losses follow
+// the single-process bf16 run's. Not bitwise: the f32 parameters differ by the sums' order
+// (about 1e-7 relative), which can move a weight's bf16 rounding by one step (2^-8 relative) now
+// and then; 1e-3 of the loss bounds that, while stale weights would stay at the first step's loss
+// (here 0.3 above the tenth step's).
+TEST(PsJob, Bf16WorkersFollowTheSingleProcessRun) {
+  TempDir tmp("ps_bf16");
+  const int steps = 10, W = 2, B = 4;
+  Job job = launch(tmp, {"--servers", "2", "--workers", "2"}, steps, B, "run",
+                   {"train.precision=bf16"});
+  ASSERT_EQ(job.code, 0) << job.output;
+  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
+  kv.push_back("train.precision=bf16");
+  {
+    Trainer t(load_run_config("", kv), false);
+    t.run();
+  }
+  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
+  for (auto [step, loss] : b) {
+    ASSERT_TRUE(a.count(step)) << step;
+    EXPECT_LE(std::fabs(a[step] - loss), 1e-3 * std::fabs(loss)) << "step " << step;
+  }
+}
+
 // The sync job equals the single-process run over the same global batch.
 TEST(PsJob, SyncEqualsSingleProcess) {
   TempDir tmp("ps_sync");

@@ -26,8 +26,14 @@ namespace moetrain::testing {
 
 class Process {
  public:
-  Process(std::vector<std::string> args, const std::filesystem::path& log) : log_(log) {
+  Process(std::vector<std::string> args, const std::filesystem::path& log)
+      : Process(std::move(args), log, {}) {}
+  // The binary under a launcher whose words go first (e.g. mpiexec -n 2), found on PATH.
+  Process(std::vector<std::string> args, const std::filesystem::path& log,
+          std::vector<std::string> launcher)
+      : log_(log) {
     args.insert(args.begin(), MOETRAIN_BINARY);
+    args.insert(args.begin(), launcher.begin(), launcher.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -40,7 +46,7 @@ class Process {
         dup2(fileno(f), 2);
       }
       setenv("OMP_NUM_THREADS", "1", 1);
-      execv(MOETRAIN_BINARY, argv.data());
+      execvp(argv[0], argv.data());
       _exit(127);
     }
   }

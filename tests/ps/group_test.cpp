@@ -1,0 +1,237 @@
+// Worker groups: `mpiexec -n 2 moetrain ps worker --ep 2` as real processes (real MPI between the
+// group's ranks, real ZeroMQ sockets to the scheduler and the servers on loopback).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/metrics.h"
+#include "ps/group_job.h"  // tests/ps/group_job.h
+#include "ps/process.h"  // tests/ps/process.h
+#include "support/corpus.h"
+#include "support/temp_dir.h"
+#include "train/lm_checkpoint.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::map<int64_t, double> losses(const fs::path& run) {
+  std::map<int64_t, double> out;
+  for (const auto& j : read_metrics(run))
+    if (j.contains("loss")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  return out;
+}
+
+// The group job against the single-process run with the same global batch (groups × ep × batch
+// rows). Not bitwise: an expert's gradient sums its tokens from both ranks inside one grouped
+// GEMM where the reference sums them inside its own, and the dense gradients are summed per rank
+// first (the group's reduce-scatter in rank order) where the reference's GEMMs sum over every row
+// at once. Both are f32 sums of the same terms in another order, each off by a few ulps (relative
+// 1e-7); over the steps' AdamW updates that stays within 1e-5 relative, the bound the ungrouped
+// sync job is held to (ps.PsJob.SyncEqualsSingleProcess), measured far below it.
+void expect_follows_single_process(GroupJob& job, int n_groups, int ep, int steps, int batch) {
+  ASSERT_EQ(job.wait(150), 0) << job.logs();
+  RunConfig ref = load_run_config(
+      "", tiny_ps_overrides(job.dir / "data", job.dir / "ref", steps, n_groups * ep * batch));
+  std::vector<float> ref_params;
+  {
+    Trainer t(ref, false);
+    t.run();
+    ref_params = t.params();
+  }
+  auto a = losses(job.run), b = losses(job.dir / "ref");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps)) << job.logs();
+  for (auto [step, loss] : b) {
+    ASSERT_TRUE(a.count(step)) << step;
+    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  }
+  LoadedModel m = load_model(job.run);
+  EXPECT_EQ(m.step, steps);
+  ASSERT_EQ(m.params.size(), ref_params.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref_params.size(); ++i) {
+    const double d = m.params[i] - ref_params[i];
+    num += d * d;
+    den += static_cast<double>(ref_params[i]) * ref_params[i];
+  }
+  EXPECT_LE(std::sqrt(num / den), 1e-5);
+  std::cout << "relative L2 distance to the single-process run: " << std::sqrt(num / den)
+            << "\n";
+}
+
+std::vector<nlohmann::json> worker_stats(const fs::path& run) {
+  std::vector<nlohmann::json> out;
+  for (const auto& f : fs::directory_iterator(run / "ps"))
+    if (f.path().filename().string().rfind("worker_node", 0) == 0) out.push_back(read_json(f));
+  return out;
+}
+
+}  // namespace
+
+TEST(PsGroup, OneGroupOfTwoFollowsTheSingleProcessRun) {
+  TempDir tmp("ps_group1");
+  const int steps = 10, batch = 4;
+  GroupJob job(tmp.path(), "run", 1, 2, steps, batch, {});
+  expect_follows_single_process(job, 1, 2, steps, batch);
+  // Each rank holds two of the four experts.
+  for (const auto& w : worker_stats(job.run)) {
+    ASSERT_TRUE(w.contains("group")) << w.dump();
+    EXPECT_EQ(w["group"]["expert_count"], 2);
+    EXPECT_EQ(w["group"]["expert_first"], 2 * w["group"]["rank"].get<int>());
+  }
+}
+
+// One group of EP 2 against `mpiexec -n 2 moetrain train` with dist.ep = 2 over the same global
+// batch: the same code sums in the same order. Each rank reads the same rows and routes them
+// through the same all-to-all; an expert's gradient is summed by its owner over the same tokens;
+// a dense gradient is g0 + g1, the ranks' sums in rank order (the group's reduce-scatter here,
+// the gradient reduction's reduce-scatter there, both core/comm.h), which the server adds to zero
+// (exact) from the one push that carries the key; and the server's update is the engine's
+// optimizer step on the same values. So the final parameters are bitwise equal.
+TEST(PsGroup, OneGroupEndsBitwiseWhereTheCollectiveRunEnds) {
+  TempDir tmp("ps_group_bitwise");
+  const int steps = 6, batch = 4;
+  GroupJob job(tmp.path(), "run", 1, 2, steps, batch, {});
+  ASSERT_EQ(job.wait(150), 0) << job.logs();
+  std::ofstream(tmp / "defaults.toml") << "# every key from --set\n";
+  std::vector<std::string> args = {"train", "--config", (tmp / "defaults.toml").string()};
+  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "mpi", steps, batch);
+  kv.push_back("dist.ep=2");
+  for (const auto& s : as_set_args(kv)) args.push_back(s);
+  std::vector<std::string> launcher = kMpiexec;
+  launcher.push_back("2");
+  Process mpi(args, tmp / "mpi.log", launcher);
+  ASSERT_EQ(mpi.wait(120), 0) << mpi.output();
+  const std::vector<float> a = load_model(job.run).params, b = load_model(tmp / "mpi").params;
+  ASSERT_EQ(a.size(), b.size());
+  int64_t differ = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    differ += a[i] != b[i];
+    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+  }
+  EXPECT_EQ(differ, 0) << "of " << a.size() << " parameters differ (largest difference " << worst
+                       << ")";
+}
+
+TEST(PsGroup, TwoGroupsOfTwoFollowTheSingleProcessRun) {
+  TempDir tmp("ps_group2");
+  const int steps = 8, batch = 2;
+  GroupJob job(tmp.path(), "run", 2, 2, steps, batch, {});
+  expect_follows_single_process(job, 2, 2, steps, batch);
+  EXPECT_EQ(worker_stats(job.run).size(), 4u);
+}
+
+// With many experts a group rank's pushes and pulls are its experts and its share of the dense
+// keys: E = 16, top-2, EP 2 halves the expert keys and the dense keys alike, so each rank's push
+// bytes are about half of a full replica's (dense_push_bytes: every key in f32, what a replica
+// worker with --dense-push sends; with 128 tokens × top-2 over 16 experts a replica's sparse push
+// leaves out almost nothing). 0.6 leaves room for headers and range lists.
+TEST(PsGroup, AGroupRankPushesAndPullsItsShareOfTheKeys) {
+  TempDir tmp("ps_group_bytes");
+  GroupJob job(tmp.path(), "run", 1, 2, 4, 4, {"model.n_experts=16"}, 1);
+  ASSERT_EQ(job.wait(150), 0) << job.logs();
+  const auto stats = worker_stats(job.run);
+  ASSERT_EQ(stats.size(), 2u);
+  for (const auto& w : stats) {
+    const double push = w["push_bytes"].get<double>(), dense = w["dense_push_bytes"].get<double>();
+    std::cout << "rank " << w["group"]["rank"] << ": pushed " << push << " bytes of " << dense
+              << " (" << push / dense << "), pulled " << w["pull_bytes"] << " of "
+              << w["dense_pull_bytes"] << "\n";
+    EXPECT_LE(push, 0.6 * dense) << w.dump();
+    // The figures are written before the lead's final read of every key for the checkpoint.
+    EXPECT_LE(w["pull_bytes"].get<double>(), 0.6 * w["dense_pull_bytes"].get<double>())
+        << w.dump();
+  }
+  EXPECT_EQ(load_model(job.run).step, 4);
+}
+
+// Refusals: each names what is wrong, and the worker writes nothing.
+TEST(PsGroup, RefusesGroupsItCannotRun) {
+  TempDir tmp("ps_group_refused");
+  // A group size that is not the MPI world's, before anything registers.
+  {
+    std::vector<std::string> launcher = kMpiexec;
+    launcher.push_back("2");
+    Process p({"ps", "worker", "--insecure", "--scheduler", "tcp://127.0.0.1:9", "--ep", "3"},
+              tmp / "world.log", launcher);
+    EXPECT_NE(p.wait(60), 0);
+    EXPECT_NE(p.output().find("--ep 3 in an MPI world of 2 processes"), std::string::npos)
+        << p.output();
+    Process q({"ps", "worker", "--insecure", "--scheduler", "tcp://127.0.0.1:9", "--ep", "2"},
+              tmp / "alone.log");
+    EXPECT_NE(q.wait(60), 0);
+    EXPECT_NE(q.output().find("--ep 2 in an MPI world of 1 process"), std::string::npos)
+        << q.output();
+  }
+  // --ep that does not divide the experts, once the scheduler's setup names them.
+  {
+    GroupJob job(tmp.path(), "experts", 1, 2, 4, 2, {"model.n_experts=3"}, 1);
+    EXPECT_NE(job.groups[0]->wait(60), 0);
+    EXPECT_NE(job.groups[0]->output().find("--ep 2: model.n_experts = 3 is not a multiple"),
+              std::string::npos)
+        << job.logs();
+    // The scheduler's own files are there; nothing of a worker's.
+    for (const auto& f : fs::recursive_directory_iterator(job.run))
+      EXPECT_EQ(f.path().filename().string().find("worker"), std::string::npos)
+          << f.path() << " was written";
+    EXPECT_FALSE(fs::exists(job.run / "checkpoints")) << "a checkpoint was written";
+  }
+  // Only sync sums a group's parts of a clock into one update: a quorum could apply some of
+  // them, async would apply each alone.
+  for (const std::vector<std::string>& mode :
+       {std::vector<std::string>{"quorum", "--quorum", "1"}, std::vector<std::string>{"async"}}) {
+    std::vector<std::string> job_args = {"--consistency"};
+    job_args.insert(job_args.end(), mode.begin(), mode.end());
+    GroupJob job(tmp.path(), mode[0], 1, 2, 4, 2, {}, 1, job_args);
+    EXPECT_NE(job.groups[0]->wait(60), 0);
+    EXPECT_NE(job.groups[0]->output().find("--ep 2 with --consistency " + mode[0] + ":"),
+              std::string::npos)
+        << job.logs();
+  }
+  // A [dist] setting given with --set: the layout is the worker's flags, never [dist].
+  {
+    write_corpus(tmp / "data", 60000);
+    Process p({"ps", "launch", "--", "train", "--set", "dist.a2a_chunks=2", "--set",
+               "train.run_dir=" + (tmp / "dist").string()},
+              tmp / "dist.log");
+    EXPECT_NE(p.wait(60), 0);
+    EXPECT_NE(p.output().find("dist.a2a_chunks = 2: parameter-server mode"), std::string::npos)
+        << p.output();
+    EXPECT_FALSE(fs::exists(tmp / "dist")) << "something was written";
+  }
+}
+
+// `ps launch --group-size 2` starts each group with mpirun; the job is the one of
+// OneGroupOfTwoFollowsTheSingleProcessRun, so it ends with the same final parameters as a group
+// started by hand (the same processes, rows and sums: sync is deterministic).
+TEST(PsGroup, LaunchStartsGroupsWithMpirun) {
+  TempDir tmp("ps_group_launch");
+  const int steps = 4, batch = 2;
+  write_corpus(tmp / "data", 60000);
+  std::vector<std::string> args = {"ps", "launch", "--timeout", "120", "--insecure", "--servers",
+                                   "2", "--workers", "2", "--group-size", "2",
+                                   "--mpi-arg=--allow-run-as-root", "--mpi-arg=--oversubscribe",
+                                   "--", "train"};
+  for (const auto& s : as_set_args(tiny_ps_overrides(tmp / "data", tmp / "run", steps, batch)))
+    args.push_back(s);
+  Process p(args, tmp / "launch.log");
+  ASSERT_EQ(p.wait(150), 0) << p.output();
+  GroupJob by_hand(tmp.path(), "hand", 1, 2, steps, batch, {});
+  ASSERT_EQ(by_hand.wait(150), 0) << by_hand.logs();
+  const std::vector<float> a = load_model(tmp / "run").params, b = load_model(by_hand.run).params;
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_TRUE(a == b) << "a launched group ends elsewhere than one started by hand";
+  const auto launched = read_json(tmp / "run" / "ps" / "launch.json");
+  EXPECT_NE(launched.dump().find("worker group 0"), std::string::npos) << launched.dump();
+}
