@@ -54,8 +54,9 @@ class PipelineRunner {
   int64_t replica() const { return setup_.replica; }
   int64_t replicas() const { return setup_.replicas; }
   PipeSchedule schedule() const { return setup_.schedule; }
-  // Activation slots this stage uses for A micro-batches a step.
+  // Activation slots this stage uses for A micro-batches a step; the slots it has made so far.
   int64_t slots(int64_t micro_batches) const;
+  int64_t slots_made() const { return 1 + static_cast<int64_t>(extra_.size()); }
 
   // The micro-batch phase: grads (n) = Σ over micro-batches of this stage's parameter gradients
   // of loss_weight · total. The loss parts are this stage's (cross-entropy and targets on the

@@ -71,6 +71,7 @@ struct Outcome {
   std::vector<float> params;
   std::vector<char> held;  // the values of this rank's stage
   std::vector<double> losses, val_losses, grad_norms;
+  int64_t slots = 0, stage = 0, stages = 1;  // activation slots the stage made
 };
 
 Outcome finish(Trainer& t, const fs::path& run) {
@@ -80,6 +81,7 @@ Outcome finish(Trainer& t, const fs::path& run) {
   const PipeParams mine = pipe ? pipe_stage_params(t.model(), pipe->stages(), pipe->stage())
                                : PipeParams{0, static_cast<int64_t>(o.params.size())};
   std::fill_n(o.held.begin() + mine.offset, mine.size, 1);
+  if (pipe) o.slots = pipe->slots_made(), o.stage = pipe->stage(), o.stages = pipe->stages();
   if (t.rank() == 0) {
     o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
     o.grad_norms = metric(run, "grad_norm");
@@ -130,6 +132,8 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
     SCOPED_TRACE(schedule);
     const Outcome piped = run_pipeline(dir / "data", dir / schedule, schedule);
     expect_same(piped, single, r);
+    // gpipe holds every micro-batch's activations; 1f1b at most P − s on stage s.
+    EXPECT_EQ(piped.slots, schedule == "gpipe" ? kAccum : piped.stages - piped.stage);
     // The stages' checkpoint holds the one-process checkpoint's tensors, bit for bit: the
     // parameters and the optimizer moments, each written by the stage that holds it.
     if (r == 0) {
