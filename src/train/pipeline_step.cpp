@@ -15,6 +15,19 @@ namespace {
 // (and backwards) in ascending order: the kind alone matches them.
 constexpr int kActivationTag = 1, kGradientTag = 2;
 
+// A stage mostly waits for a neighbour that computes: its receives poll with short sleeps
+// (comm_poll_politely) instead of spinning in MPI on a core that neighbour may share.
+class PoliteWaits {
+ public:
+  PoliteWaits() : before_(comm_polls_politely()) { comm_poll_politely(true); }
+  ~PoliteWaits() { comm_poll_politely(before_); }
+  PoliteWaits(const PoliteWaits&) = delete;
+  PoliteWaits& operator=(const PoliteWaits&) = delete;
+
+ private:
+  bool before_;
+};
+
 }  // namespace
 
 std::pair<int64_t, int64_t> pipe_stage_blocks(int64_t L, int64_t p, int64_t s) {
@@ -92,6 +105,7 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
   MOETRAIN_CHECK(A > 0, "accumulate: {} micro-batches, needs at least one", A);
   const bool first = s == 0, last = s == p - 1;
   Comm& pipe = *setup_.comm;
+  const PoliteWaits polite;
   {
     PhaseScope zero(Phase::GradZero);
     if (args.zero_grads) {
@@ -206,6 +220,7 @@ LossParts PipelineRunner::forward_only(Transformer& model, const float* params,
                                        int64_t T, const MoeStep& step) {
   const int64_t p = setup_.stages, s = setup_.stage, N = B * T, C = model.config().dim;
   Comm& pipe = *setup_.comm;
+  const PoliteWaits polite;
   const float* x = nullptr;
   if (s > 0) {
     if (act_in_.size() < static_cast<std::size_t>(N * C)) act_in_.resize(static_cast<std::size_t>(N * C));

@@ -14,7 +14,8 @@
 // 1f1b at most p − s on stage s). Slot 0 is the trainer's model, the one the step engine's
 // controllers see; the others take its MoE layers' router biases and capacity factors before
 // each forward. Sends are nonblocking (a stage sends its output and goes on to its next pass;
-// blocking sends deadlock 1F1B's steady state), receives block.
+// blocking sends deadlock 1F1B's steady state); receives wait, polling with short sleeps, for a
+// neighbour that is still computing.
 //
 // A stage's gradients accumulate over the micro-batches in micro-batch order, as the
 // one-process accumulation does, so each parameter gradient has the same bits as there.
