@@ -267,6 +267,10 @@ void validate_pipeline(const RunConfig& c) {
   refuse(d.zero > 0, fmt::format("dist.zero = {} (a stage's optimizer holds its own blocks only)",
                                  d.zero));
   refuse(d.local_steps(), "dist.sync = params");
+  refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
+  refuse(d.a2a_chunks > 1, fmt::format("dist.a2a_chunks = {}", d.a2a_chunks));
+  refuse(d.grad_reduce_dtype == "int8",
+         "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");
   refuse(d.offloaded(), "dist.offload = host_file");
   refuse(t.device != "cpu", fmt::format("train.device = {}", t.device));
   refuse(t.recompute != Recompute::None,

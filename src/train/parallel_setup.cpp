@@ -14,39 +14,35 @@ MoeContext RunParallel::moe_context() {
   return groups->layout.world > 1 ? ep.context(*groups) : MoeContext{};
 }
 
-namespace {
-
-// dist.pp > 1: the pipe of this rank's replica, and the process groups of its stage's copies
-// (one process for now: no reduction), with the world as the control communicator, so that
-// losses, norms and stop votes are agreed over every stage.
-RunParallel make_pipeline_parallel(Comm& world, const DistSettings& dist, int64_t n_experts) {
-  const int W = world.size(), P = static_cast<int>(dist.pp);
-  MOETRAIN_CHECK(W % P == 0, "dist.pp = {} does not divide the {} processes of this run", P, W);
-  MOETRAIN_CHECK(W == P,
-                 "dist.pp = {} on {} processes: data parallelism over {} pipelines is not "
-                 "implemented; run {} processes (one per stage)",
-                 P, W, W / P, P);
-  RunParallel out;
-  const int stage = world.rank() % P, replica = world.rank() / P;
-  std::unique_ptr<Comm> copies = world.split(stage, replica, {"stage"});
-  out.groups = std::make_unique<ProcessGroups>(make_process_groups(*copies, 1));
-  out.groups->control = world.dup("control");
-  out.experts = {0, n_experts};
-  out.pipe.stages = P, out.pipe.stage = stage;
-  out.pipe.schedule = parse_pipe_schedule(dist.pp_schedule, "dist.pp_schedule");
-  out.pipe.comm = world.split(replica, stage, {"pipe"});
-  out.pipe.replica = replica, out.pipe.replicas = W / P;
-  return out;
-}
-
-}  // namespace
-
 RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_experts,
                               bool has_moe_layers) {
-  if (dist.pp > 1) return make_pipeline_parallel(world, dist, n_experts);
   RunParallel out;
+  // dist.pp > 1: the groups are those of this rank's stage's copies (one per pipeline, reducing
+  // the stage's gradients as data parallelism does); control stays the world, so that losses,
+  // norms and stop votes are agreed over every stage.
+  Comm* over = &world;
+  std::unique_ptr<Comm> copies;
+  if (dist.pp > 1) {
+    const int W = world.size(), P = static_cast<int>(dist.pp);
+    MOETRAIN_CHECK(W % P == 0, "dist.pp = {} does not divide the {} processes of this run", P, W);
+    // The stage copies' reduction would run on the communication thread while the pipeline's
+    // sends and receives run on this one (MPI runs SERIALIZED).
+    MOETRAIN_CHECK(W == P || !dist.overlap,
+                   "dist.pp = {} on {} processes ({} pipelines) with dist.overlap = true: the "
+                   "stage copies' gradients are reduced after the stage's last backward; set "
+                   "dist.overlap = false",
+                   P, W, W / P);
+    const int stage = world.rank() % P, replica = world.rank() / P;
+    copies = world.split(stage, replica, {"stage"});
+    over = copies.get();
+    out.pipe.stages = P, out.pipe.stage = stage;
+    out.pipe.schedule = parse_pipe_schedule(dist.pp_schedule, "dist.pp_schedule");
+    out.pipe.comm = world.split(replica, stage, {"pipe"});
+    out.pipe.replica = replica, out.pipe.replicas = W / P;
+  }
   out.groups =
-      std::make_unique<ProcessGroups>(make_process_groups(world, static_cast<int>(dist.ep)));
+      std::make_unique<ProcessGroups>(make_process_groups(*over, static_cast<int>(dist.ep)));
+  if (copies) out.groups->control = world.dup("control");
   const ParallelLayout& pl = out.groups->layout;
   out.experts = {0, n_experts};
   if (pl.world == 1) return out;

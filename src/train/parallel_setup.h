@@ -64,7 +64,7 @@ struct RunParallel {
 };
 
 // Collective over world. has_moe_layers = false keeps every expert on every rank (nothing to
-// shard). dist.pp > 1 must divide the processes (one pipe of dist.pp processes for now).
+// shard). dist.pp > 1 must divide the processes: world / dist.pp pipelines of dist.pp stages.
 RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_experts,
                               bool has_moe_layers);
 

@@ -49,7 +49,8 @@ PipeParams pipe_stage_params(const Transformer& model, int64_t p, int64_t s) {
   return {lo, hi - lo};
 }
 
-PipelineRunner::PipelineRunner(PipeSetup setup, Transformer& model) : setup_(std::move(setup)) {
+PipelineRunner::PipelineRunner(PipeSetup setup, Transformer& model, const MoeContext& ctx)
+    : setup_(std::move(setup)), ctx_(ctx) {
   MOETRAIN_CHECK(setup_.comm && setup_.comm->size() == setup_.stages &&
                      setup_.comm->rank() == setup_.stage,
                  "pipeline: stage {} of {} needs a pipe communicator of {} processes", setup_.stage,
@@ -76,7 +77,7 @@ int64_t PipelineRunner::slots(int64_t micro_batches) const {
 Transformer& PipelineRunner::slot_model(Transformer& model, int64_t k) {
   if (k == 0) return model;
   while (static_cast<int64_t>(extra_.size()) < k) {
-    auto m = std::make_unique<Transformer>(model.config());
+    auto m = std::make_unique<Transformer>(model.config(), ctx_);
     m->set_precision(model.precision());
     m->set_recompute(model.recompute());
     m->set_stage(model.stage_first(), model.stage_end());

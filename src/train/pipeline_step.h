@@ -46,8 +46,9 @@ PipeParams pipe_stage_params(const Transformer& model, int64_t p, int64_t s);
 
 class PipelineRunner {
  public:
-  // model: the trainer's model, set_stage'd to this stage's blocks.
-  PipelineRunner(PipeSetup setup, Transformer& model);
+  // model: the trainer's model, set_stage'd to this stage's blocks; ctx: what its MoE layers run
+  // with (the slots' layers run with it too: statistics over the stage's copies).
+  PipelineRunner(PipeSetup setup, Transformer& model, const MoeContext& ctx);
   ~PipelineRunner();
 
   int64_t stage() const { return setup_.stage; }
@@ -76,6 +77,7 @@ class PipelineRunner {
   void sync_slot(Transformer& model, int64_t k);
 
   PipeSetup setup_;
+  MoeContext ctx_;
   std::vector<std::unique_ptr<Transformer>> extra_;  // slots 1, 2, …
   std::vector<float> act_in_, grad_in_;               // (B·T, C) receive buffers
 };

@@ -61,7 +61,9 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
     MOETRAIN_CHECK(lm, "dist.pp = {}: only the language model runs pipeline stages",
                    rp.pipe.stages);
     const int64_t stages = rp.pipe.stages;
-    pipe_ = std::make_unique<PipelineRunner>(std::move(rp.pipe), *lm);
+    // The slots' MoE layers run with what the model's run with (RunParallel::moe_context).
+    const MoeContext ctx = pg_->layout.world > 1 ? ep_.context(*pg_) : MoeContext{};
+    pipe_ = std::make_unique<PipelineRunner>(std::move(rp.pipe), *lm, ctx);
     // The stage's optimizer holds and steps its own parameters only.
     const PipeParams mine = pipe_stage_params(*lm, stages, pipe_->stage());
     dp.pieces = {{mine.offset, mine.size}};
@@ -127,10 +129,11 @@ void StepEngine::gather_params() {
 std::string StepEngine::describe_layout() const {
   const ParallelLayout& pl = pg_->layout;
   if (pipe_)
-    return fmt::format("{} processes: {} pipeline stages ({}), {} micro-batches a step, {} "
-                       "activation slots on stage {}",
-                       world_, pipe_->stages(), pipe_schedule_name(pipe_->schedule()),
-                       cfg_.micro_batches, pipe_->slots(cfg_.micro_batches), pipe_->stage());
+    return fmt::format("{} processes: {} pipeline(s) x {} stages ({}), {} micro-batches a step, "
+                       "{} activation slots on stage {}",
+                       world_, pipe_->replicas(), pipe_->stages(),
+                       pipe_schedule_name(pipe_->schedule()), cfg_.micro_batches,
+                       pipe_->slots(cfg_.micro_batches), pipe_->stage());
   return fmt::format(
       "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",

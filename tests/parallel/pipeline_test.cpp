@@ -10,6 +10,8 @@
 // squares' sums regrouped); double sums of a few hundred terms, so 1e-12 relative bounds them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -168,6 +170,45 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
       << "one process resumed from the pipeline's checkpoint differs";
 }
 
+// Four processes as two pipelines of two stages: each stage's two copies reduce their gradients
+// as data parallelism does, which sums them in another order than the one-process backward sums
+// the rows (as tests/parallel/train_test.cpp's data-parallel runs): float rounding of the
+// gradient, amplified over 6 AdamW steps, within the bounds that test uses.
+TEST(Pipeline, TwoPipelinesOfTwoStagesFollowTheOneProcessRun) {
+  auto world = dist_world("pipeline_dp");
+  const int W = world->size(), r = world->rank();
+  if (W != 4) GTEST_SKIP() << "needs 4 processes for 2 pipelines x 2 stages";
+  SharedDir dir(*world, "pipeline_dp");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  Outcome single;
+  {
+    const fs::path run = dir / ("single" + std::to_string(r));
+    Trainer t(make_config(dir / "data", run, 1, "1f1b", {"train.batch_size=4"}), false,
+              make_local_comm());
+    t.run();
+    single = finish(t, run);
+  }
+  const fs::path run = dir / "dp";
+  Trainer t(make_config(dir / "data", run, 2, "1f1b", {"dist.overlap=false"}), false,
+            dist_world("pipeline_dp_run"));
+  t.run();
+  const Outcome got = finish(t, run);
+  double worst = 0, scale = 1e-30;
+  for (std::size_t i = 0; i < got.params.size(); ++i) {
+    if (!got.held[i]) continue;
+    worst = std::max(worst, std::abs(double(got.params[i]) - single.params[i]));
+    scale = std::max(scale, std::abs(double(single.params[i])));
+  }
+  EXPECT_LE(worst / scale, 1e-4);
+  if (r == 0) {
+    ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kSteps));
+    EXPECT_LE(max_rel(got.losses, single.losses), 1e-5);
+    EXPECT_LE(max_rel(got.val_losses, single.val_losses), 1e-5);
+    EXPECT_LE(max_rel(got.grad_norms, single.grad_norms), 1e-4);
+  }
+}
+
 TEST(Pipeline, RefusesAStageCountThatDoesNotFitTheProcesses) {
   auto world = dist_world("pipeline_refuse");
   const int W = world->size();
@@ -175,8 +216,8 @@ TEST(Pipeline, RefusesAStageCountThatDoesNotFitTheProcesses) {
   if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
   // W + 1 stages (the model has 4 blocks; W ≤ 3 leaves that within them) or, on 4 processes,
-  // 2 stages with 2 pipelines (data parallelism over pipelines is refused).
-  const int64_t pp = W < 4 ? W + 1 : 2;
+  // 3 stages.
+  const int64_t pp = W < 4 ? W + 1 : 3;
   const fs::path run = dir / "refused";
   try {
     Trainer t(make_config(dir / "data", run, pp, "gpipe"), false, dist_world("refused"));
