@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 
 #include "core/buffer.h"
 #include "core/check.h"
@@ -26,6 +27,16 @@ void Comm::check_alltoallv_args(std::span<const int64_t> recv_counts,
   check_counts(recv_displs, "alltoallv receive displacements");
   check_counts(send_counts, "alltoallv send counts");
   check_counts(send_displs, "alltoallv send displacements");
+}
+
+void Comm::check_p2p(const void* data, int64_t bytes, int peer, const P2pOptions& opts,
+                     const char* what) const {
+  MOETRAIN_CHECK(peer >= 0 && peer < size_, "{} on communicator '{}': peer {} outside [0, {})",
+                 what, name_, peer, size_);
+  MOETRAIN_CHECK(opts.tag >= 0 && opts.tag <= 32767,
+                 "{} on communicator '{}': tag {} outside [0, 32767]", what, name_, opts.tag);
+  MOETRAIN_CHECK(bytes >= 0 && (bytes == 0 || data), "{} on communicator '{}': {} bytes at {}",
+                 what, name_, bytes, data);
 }
 
 template <class T>
@@ -179,6 +190,31 @@ class LocalComm final : public Comm {
                    bytes, data);
   }
 
+  // A message to itself waits in a queue per tag until a receive takes it.
+  std::unique_ptr<Transfer> isend(const void* data, int64_t bytes, int peer,
+                                  const P2pOptions& opts) override {
+    check_p2p(data, bytes, peer, opts, "send");
+    const char* p = static_cast<const char*>(data);
+    pending_.push_back({opts.tag, std::vector<char>(p, p + bytes)});
+    return std::make_unique<Done>();
+  }
+  std::unique_ptr<Transfer> irecv(void* data, int64_t bytes, int peer,
+                                  const P2pOptions& opts) override {
+    check_p2p(data, bytes, peer, opts, "receive");
+    auto it = std::find_if(pending_.begin(), pending_.end(),
+                           [&](const Message& m) { return m.tag == opts.tag; });
+    MOETRAIN_CHECK(it != pending_.end(),
+                   "receive on '{}' with tag {}: this one process sent nothing with that tag, so "
+                   "the receive would wait forever",
+                   name(), opts.tag);
+    MOETRAIN_CHECK(static_cast<int64_t>(it->bytes.size()) == bytes,
+                   "receive on '{}' with tag {}: {} bytes expected, {} were sent", name(),
+                   opts.tag, bytes, it->bytes.size());
+    copy(data, it->bytes.data(), bytes);
+    pending_.erase(it);
+    return std::make_unique<Done>();
+  }
+
   std::unique_ptr<Comm> split(int color, int, const SplitOptions& opts) override {
     MOETRAIN_CHECK(color >= 0, "split of '{}': color {} must be >= 0", name(), color);
     return std::make_unique<LocalComm>(opts.name.empty() ? name() : opts.name);
@@ -191,6 +227,15 @@ class LocalComm final : public Comm {
   }
 
  private:
+  struct Done final : Transfer {
+    void wait() override {}
+  };
+  struct Message {
+    int tag = 0;
+    std::vector<char> bytes;
+  };
+  std::deque<Message> pending_;  // sent to itself, not yet received, in sending order
+
   static void copy(void* dst, const void* src, int64_t bytes) {
     // memmove: a caller may gather in place.
     if (bytes > 0 && dst != src) std::memmove(dst, src, static_cast<std::size_t>(bytes));

@@ -37,6 +37,19 @@ struct SplitOptions {
   std::string name;  // traffic class of the new communicator, for messages
 };
 
+// Point to point: a message's tag (0 … 32767) tells apart what one peer sends another.
+struct P2pOptions {
+  int tag = 0;
+};
+
+// A nonblocking send or receive. Until wait() returns, a send's buffer must stay unchanged and a
+// receive's unread. Destroying one that was not waited for waits for it.
+class Transfer {
+ public:
+  virtual ~Transfer() = default;
+  virtual void wait() = 0;
+};
+
 // Bytes [offset, offset + bytes) of a buffer.
 struct ByteBlock {
   int64_t offset = 0, bytes = 0;
@@ -78,6 +91,21 @@ class Comm {
                           const AllgatherOptions& opts = {}) = 0;
   // data (bytes) on every rank = data on opts.root.
   virtual void broadcast(void* data, int64_t bytes, const BroadcastOptions& opts = {}) = 0;
+
+  // Point to point (pipeline stages): `bytes` to or from rank `peer`. Messages from one rank to
+  // another with the same tag arrive in the order they were sent; the receiver names the sender,
+  // the tag and the exact byte count. One process: a rank sends to itself, and a receive takes
+  // what was sent before it (a receive of nothing sent would wait forever: it throws).
+  virtual std::unique_ptr<Transfer> isend(const void* data, int64_t bytes, int peer,
+                                          const P2pOptions& opts = {}) = 0;
+  virtual std::unique_ptr<Transfer> irecv(void* data, int64_t bytes, int peer,
+                                          const P2pOptions& opts = {}) = 0;
+  void send(const void* data, int64_t bytes, int peer, const P2pOptions& opts = {}) {
+    isend(data, bytes, peer, opts)->wait();
+  }
+  void recv(void* data, int64_t bytes, int peer, const P2pOptions& opts = {}) {
+    irecv(data, bytes, peer, opts)->wait();
+  }
 
   // Ranks with the same color form a new communicator, ordered by (key, rank). color ≥ 0.
   virtual std::unique_ptr<Comm> split(int color, int key, const SplitOptions& opts) = 0;
@@ -128,6 +156,10 @@ class Comm {
                             std::span<const int64_t> recv_displs,
                             std::span<const int64_t> send_counts,
                             std::span<const int64_t> send_displs) const;
+  // Throws unless a send or receive (`what`) names a peer in [0, size()), a tag in [0, 32767]
+  // and `bytes` ≥ 0 at a buffer.
+  void check_p2p(const void* data, int64_t bytes, int peer, const P2pOptions& opts,
+                 const char* what) const;
 
  private:
   template <class T>

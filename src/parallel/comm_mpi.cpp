@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <climits>
+#include <string_view>
 #include <cstdlib>
 #include <thread>
 
@@ -105,6 +106,50 @@ int wait_polling(MPI_Request& request) {
       MOETRAIN_MPI(blocking, comm_name);                          \
     }                                                             \
   } while (0)
+
+// A nonblocking send or receive of an MpiComm, completed as collectives are: blocking in MPI, or
+// polled politely on a communication thread. A receive checks that the message filled it.
+class MpiTransfer final : public Transfer {
+ public:
+  MpiTransfer(std::string comm, const char* call, int count, MPI_Datatype type)
+      : comm_(std::move(comm)), call_(call), count_(count), type_(type) {}
+  ~MpiTransfer() override {
+    // Abandoned (an error elsewhere): the buffer stays MPI's until the transfer ends.
+    if (request != MPI_REQUEST_NULL) MPI_Wait(&request, MPI_STATUS_IGNORE);
+  }
+  void wait() override {
+    if (request == MPI_REQUEST_NULL) return;
+    MPI_Status status;
+    int rc = MPI_SUCCESS;
+    if (comm_polls_politely()) {
+      using Clock = std::chrono::steady_clock;
+      const auto start = Clock::now();
+      int done = 0;
+      while ((rc = MPI_Test(&request, &done, &status)) == MPI_SUCCESS && !done)
+        if (Clock::now() - start > std::chrono::microseconds(50))
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+    } else {
+      rc = MPI_Wait(&request, &status);
+    }
+    MOETRAIN_CHECK(rc == MPI_SUCCESS, "{} on communicator '{}' failed: {}", call_, comm_,
+                   error_text(rc));
+    if (std::string_view(call_) == "MPI_Irecv") {
+      int got = 0;
+      MPI_Get_count(&status, type_, &got);
+      MOETRAIN_CHECK(got == count_,
+                     "MPI_Irecv on communicator '{}': the message from rank {} (tag {}) has {} "
+                     "units, {} expected",
+                     comm_, status.MPI_SOURCE, status.MPI_TAG, got, count_);
+    }
+  }
+  MPI_Request request = MPI_REQUEST_NULL;
+
+ private:
+  std::string comm_;
+  const char* call_;
+  int count_;
+  MPI_Datatype type_;
+};
 
 class MpiComm;
 
@@ -257,6 +302,15 @@ class MpiComm final : public Comm {
                             name());
   }
 
+  std::unique_ptr<Transfer> isend(const void* data, int64_t bytes, int peer,
+                                  const P2pOptions& opts) override {
+    return start(const_cast<void*>(data), bytes, peer, opts, true);
+  }
+  std::unique_ptr<Transfer> irecv(void* data, int64_t bytes, int peer,
+                                  const P2pOptions& opts) override {
+    return start(data, bytes, peer, opts, false);
+  }
+
   std::unique_ptr<Comm> split(int color, int key, const SplitOptions& opts) override {
     MOETRAIN_CHECK(color >= 0, "split of '{}': color {} must be >= 0", name(), color);
     MpiCall call(*this, CollectiveKind::Split, 0);
@@ -282,6 +336,22 @@ class MpiComm final : public Comm {
 
  private:
   friend class MpiCall;
+  // One MPI_Isend or MPI_Irecv, in the largest unit that divides the bytes.
+  std::unique_ptr<Transfer> start(void* data, int64_t bytes, int peer, const P2pOptions& opts,
+                                  bool sending) {
+    check_p2p(data, bytes, peer, opts, sending ? "send" : "receive");
+    const int unit = common_unit({std::span<const int64_t>(&bytes, 1)});
+    const int count = to_int(bytes / unit, sending ? "send size" : "receive size", name());
+    const MPI_Datatype type = unit_type(unit);
+    auto t = std::make_unique<MpiTransfer>(name(), sending ? "MPI_Isend" : "MPI_Irecv", count,
+                                           type);
+    if (sending) {
+      MOETRAIN_MPI(MPI_Isend(data, count, type, peer, opts.tag, comm_, &t->request), name());
+    } else {
+      MOETRAIN_MPI(MPI_Irecv(data, count, type, peer, opts.tag, comm_, &t->request), name());
+    }
+    return t;
+  }
   MPI_Comm comm_;
   int64_t seq_ = 0;  // collectives issued on this communicator
 };

@@ -6,10 +6,25 @@
 
 namespace moetrain::plan {
 
+std::string pipeline_lacks(const Layout& l) {
+  if (l.pp <= 1) return {};
+  std::vector<std::string> with;
+  const PipeSchedule s = l.pipe_schedule();
+  if (s != PipeSchedule::GPipe && s != PipeSchedule::OneFOneB)
+    with.push_back(fmt::format("under the {} schedule", pipe_schedule_name(s)));
+  if (l.vp > 1) with.push_back("with virtual stages");
+  if (l.ep > 1) with.push_back("with expert parallelism");
+  if (l.zero >= 1) with.push_back("with ZeRO");
+  std::string out;
+  for (size_t i = 0; i < with.size(); ++i) out += (i == 0 ? "" : ", ") + with[i];
+  return out;
+}
+
 std::string planner_only(const Layout& l) {
   std::vector<std::string> lacks;
   if (l.tp > 1) lacks.push_back("tensor parallelism");
-  if (l.pp > 1) lacks.push_back("pipeline parallelism");
+  if (const std::string p = pipeline_lacks(l); !p.empty())
+    lacks.push_back("pipeline parallelism " + p);
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
   if (l.a2a_overlap) lacks.push_back("all-to-all overlapped with another micro-batch");
   if (lacks.empty()) return {};

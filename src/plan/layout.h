@@ -14,8 +14,8 @@ namespace moetrain::plan {
 
 // world = PP × TP × DP for the dense layers; the experts fold EP over the same TP × DP ranks of a
 // stage (Megatron-Core's parallel folding): EP × EDP = TP × DP. Tensor (tp) and pipeline (pp,
-// with vp virtual stages per rank) parallelism exist in the planner only, modelled simply
-// (docs/plan.md), for published runs that use them; the trainer runs tp = pp = 1.
+// with vp virtual stages per rank) parallelism are modelled simply (docs/plan.md), for published
+// runs that use them; the trainer runs tp = 1 and the pipelines of pipeline_lacks.
 struct Layout {
   int64_t procs = 1;
   int64_t ep = 1;
@@ -43,12 +43,16 @@ struct Layout {
   int64_t dp() const { return procs / pp / ep; }
 };
 
-// Whether `moetrain train` runs this layout: tensor and pipeline parallelism and the deduplicated
-// all-to-all are the planner's only.
+// Why `moetrain train` cannot run this layout's pipeline ("with expert parallelism", "under the
+// interleaved schedule", ...), empty where it can: the trainer runs gpipe and 1f1b pipelines
+// without virtual stages, expert parallelism or ZeRO (dist.pp, train/pipeline_step.h).
+std::string pipeline_lacks(const Layout& l);
+// Whether `moetrain train` runs this layout: tensor parallelism, the pipelines of pipeline_lacks
+// and the deduplicated all-to-all are the planner's only.
 inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && l.pp == 1 && !l.a2a_dedup && !l.a2a_overlap;
+  return l.tp == 1 && pipeline_lacks(l).empty() && !l.a2a_dedup && !l.a2a_overlap;
 }
-// "planner only: moetrain train has no pipeline parallelism yet", naming what the trainer lacks;
+// "planner only: moetrain train has no tensor parallelism yet", naming what the trainer lacks;
 // empty where it runs the layout.
 std::string planner_only(const Layout& l);
 

@@ -38,6 +38,7 @@ namespace detail {
 
 void accumulate_stats(const std::vector<MoeLayer*>& moe, double dropped_divisor, Accumulated& acc) {
   for (std::size_t m = 0; m < moe.size(); ++m) {
+    if (!moe[m]) continue;  // a layer that did not run here (another pipeline stage's)
     const MoeStats& s = moe[m]->stats();
     std::vector<int64_t>& load = acc.tokens_per_expert[m];
     for (std::size_t e = 0; e < load.size(); ++e) load[e] += s.tokens_per_expert[e];

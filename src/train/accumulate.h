@@ -118,6 +118,8 @@ void update_router_biases(const std::vector<MoeLayer*>& moe, int64_t E, Comm& co
 // --- implementation ------------------------------------------------------------------------------
 
 namespace detail {
+// Adds the MoE layers' figures of the last forward to acc; null entries (layers that did not
+// run on this process) add nothing.
 void accumulate_stats(const std::vector<MoeLayer*>& moe, double dropped_divisor, Accumulated& acc);
 }  // namespace detail
 

@@ -81,6 +81,10 @@ void ClassifierRunConfig::validate() const {
                  t.eval_batch_size);
   optim.validate();
   dist.validate();
+  MOETRAIN_CHECK(dist.pp == 1,
+                 "dist.pp = {}: the classifier runs no pipeline stages (the language model "
+                 "does); set dist.pp = 1",
+                 dist.pp);
   dist.validate_offload(t.run_dir, "cpu");
   MOETRAIN_CHECK(!dist.local_steps(),
                  "dist.sync = params: the classifier trainer reduces gradients every step "

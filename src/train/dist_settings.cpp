@@ -14,6 +14,7 @@
 
 #include "core/check.h"
 #include "parallel/grad_wire.h"
+#include "parallel/pipeline_schedule.h"
 #include "train/run_config.h"
 
 namespace moetrain {
@@ -69,6 +70,12 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
        "Where the optimizer state lives: in memory, or in a file on local disk streamed through "
        "a few MiB per step (the f32 parameters stay in memory)",
        "none, host_file"},
+      {"dist.pp", &d.pp,
+       "Pipeline stages: the model's blocks cut into this many stages of contiguous blocks, one "
+       "per process (1 = off)"},
+      {"dist.pp_schedule", &d.pp_schedule,
+       "With pp > 1: the order of the stages' passes over the micro-batches (train.grad_accum)",
+       "gpipe, 1f1b"},
       {"dist.offload_dir", &d.offload_dir,
        "With offload = host_file: directory of the state files, one per process (empty = "
        "<run_dir>/offload)"},
@@ -226,12 +233,61 @@ void DistSettings::validate() const {
                  "dist.adaptive_route = true with dist.ep = {}: the route of the expert all-to-all "
                  "needs expert parallelism (dist.ep ≥ 2)",
                  ep);
+  MOETRAIN_CHECK(pp >= 1, "dist.pp = {}: must be ≥ 1 (pipeline stages; 1 = off)", pp);
+  const PipeSchedule schedule = parse_pipe_schedule(pp_schedule, "dist.pp_schedule");
+  MOETRAIN_CHECK(schedule == PipeSchedule::GPipe || schedule == PipeSchedule::OneFOneB,
+                 "dist.pp_schedule = {}: the pipeline executor runs gpipe and 1f1b (the planner "
+                 "prices interleaved and zero_bubble; they do not train yet)",
+                 pp_schedule);
   MOETRAIN_CHECK(std::isfinite(collective_warn) && collective_warn >= 0,
                  "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
                  collective_warn);
   MOETRAIN_CHECK(std::isfinite(collective_timeout) && collective_timeout >= 0,
                  "dist.collective_timeout = {}: must be seconds ≥ 0 (0 = never abort)",
                  collective_timeout);
+}
+
+void validate_pipeline(const RunConfig& c) {
+  const DistSettings& d = c.dist;
+  if (d.pp == 1) return;
+  const TrainConfig& t = c.train;
+  MOETRAIN_CHECK(d.pp <= c.model.n_layers,
+                 "dist.pp = {} with model.n_layers = {}: each pipeline stage needs at least one "
+                 "block; use dist.pp ≤ {}",
+                 d.pp, c.model.n_layers, c.model.n_layers);
+  const PipeSchedule schedule = parse_pipe_schedule(d.pp_schedule, "dist.pp_schedule");
+  if (const std::string why = pipe_shape_problem(schedule, {d.pp, t.grad_accum, 1}); !why.empty())
+    MOETRAIN_FAIL("dist.pp = {}, dist.pp_schedule = {}: {}", d.pp, d.pp_schedule, why);
+  // What the pipeline executor does not run: each refused by name, none ignored.
+  auto refuse = [&](bool bad, const std::string& what) {
+    MOETRAIN_CHECK(!bad, "dist.pp = {} with {}: not implemented with pipeline stages; {}", d.pp,
+                   what, "leave it at its default or set dist.pp = 1");
+  };
+  refuse(d.ep > 1, fmt::format("dist.ep = {} (expert parallelism)", d.ep));
+  refuse(d.zero > 0, fmt::format("dist.zero = {} (a stage's optimizer holds its own blocks only)",
+                                 d.zero));
+  refuse(d.local_steps(), "dist.sync = params");
+  refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
+  refuse(d.a2a_chunks > 1, fmt::format("dist.a2a_chunks = {}", d.a2a_chunks));
+  refuse(d.grad_reduce_dtype == "int8",
+         "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");
+  refuse(d.offloaded(), "dist.offload = host_file");
+  refuse(t.device != "cpu", fmt::format("train.device = {}", t.device));
+  refuse(t.recompute != Recompute::None,
+         fmt::format("train.recompute = {}", recompute_name(t.recompute)));
+  refuse(t.precision == Precision::FP16, "train.precision = fp16 (the loss scaler)");
+  refuse(c.model.router == RouterKind::SigmoidBias,
+         "model.router = sigmoid_bias (router biases learned from every stage's loads)");
+  refuse(c.model.router_controller != RouterControllerKind::None,
+         fmt::format("model.router_controller = {}",
+                     router_controller_name(c.model.router_controller)));
+  refuse(c.model.capacity == CapacityMode::Dynamic, "model.capacity = dynamic");
+  refuse(c.placement.enabled(),
+         fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
+  refuse(c.grad.sparse_experts, "grad.sparse_experts = true");
+  refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));
+  refuse(c.grad.expert_reweight != "none",
+         fmt::format("grad.expert_reweight = {}", c.grad.expert_reweight));
 }
 
 }  // namespace moetrain

@@ -10,6 +10,7 @@
 #include "core/check.h"
 #include "core/dtype.h"
 #include "optim/offload_store.h"
+#include "parallel/pipeline_schedule.h"
 
 namespace moetrain {
 
@@ -312,6 +313,14 @@ RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) 
   RankLayout l;
   l.world = world;
   l.ep = world > 1 ? cfg.dist.ep : 1;
+  // Pipeline stages (a dist.pp that does not divide the processes is refused by name where the
+  // process groups are made): each rank steps its stage's parameters and holds its activation
+  // slots, the first stage the most (1F1B: pp micro-batches of its layers; GPipe: every one).
+  if (cfg.dist.pp > 1 && world % cfg.dist.pp == 0) {
+    l.pp = cfg.dist.pp;
+    if (parse_pipe_schedule(cfg.dist.pp_schedule, "dist.pp_schedule") == PipeSchedule::GPipe)
+      l.pipe_in_flight = static_cast<double>(cfg.train.grad_accum);
+  }
   l.spare_slots = cfg.placement.spare_slots;
   const DType prec = cfg.train.precision_dtype();
   l.state = trainer_state(cfg.optim.name, prec == DType::F32 ? 0 : static_cast<int>(dtype_size(prec)),

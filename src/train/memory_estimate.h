@@ -109,7 +109,7 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                            const RankLayout& l);
 
 // The layout `moetrain train` runs a config with on `world` processes: dist.ep, dist.zero,
-// placement.spare_slots, the precision's copy, dist.bucket_*; `baseline` the process's resident
+// dist.pp and its schedule, placement.spare_slots, the precision's copy, dist.bucket_*; `baseline` the process's resident
 // bytes before the run's allocations.
 RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline);
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/check.h"
 #include "core/dtype.h"
 #include "parallel/mpi_reducer.h"
 #include "parallel/grad_sync.h"
@@ -16,8 +17,32 @@ MoeContext RunParallel::moe_context() {
 RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_experts,
                               bool has_moe_layers) {
   RunParallel out;
+  // dist.pp > 1: the groups are those of this rank's stage's copies (one per pipeline, reducing
+  // the stage's gradients as data parallelism does); control stays the world, so that losses,
+  // norms and stop votes are agreed over every stage.
+  Comm* over = &world;
+  std::unique_ptr<Comm> copies;
+  if (dist.pp > 1) {
+    const int W = world.size(), P = static_cast<int>(dist.pp);
+    MOETRAIN_CHECK(W % P == 0, "dist.pp = {} does not divide the {} processes of this run", P, W);
+    // The stage copies' reduction would run on the communication thread while the pipeline's
+    // sends and receives run on this one (MPI runs SERIALIZED).
+    MOETRAIN_CHECK(W == P || !dist.overlap,
+                   "dist.pp = {} on {} processes ({} pipelines) with dist.overlap = true: the "
+                   "stage copies' gradients are reduced after the stage's last backward; set "
+                   "dist.overlap = false",
+                   P, W, W / P);
+    const int stage = world.rank() % P, replica = world.rank() / P;
+    copies = world.split(stage, replica, {"stage"});
+    over = copies.get();
+    out.pipe.stages = P, out.pipe.stage = stage;
+    out.pipe.schedule = parse_pipe_schedule(dist.pp_schedule, "dist.pp_schedule");
+    out.pipe.comm = world.split(replica, stage, {"pipe"});
+    out.pipe.replica = replica, out.pipe.replicas = W / P;
+  }
   out.groups =
-      std::make_unique<ProcessGroups>(make_process_groups(world, static_cast<int>(dist.ep)));
+      std::make_unique<ProcessGroups>(make_process_groups(*over, static_cast<int>(dist.ep)));
+  if (copies) out.groups->control = world.dup("control");
   const ParallelLayout& pl = out.groups->layout;
   out.experts = {0, n_experts};
   if (pl.world == 1) return out;

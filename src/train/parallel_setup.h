@@ -16,6 +16,7 @@
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
 #include "parallel/param_averaging.h"
+#include "parallel/pipeline_schedule.h"
 #include "parallel/zero3_params.h"
 #include "optim/sharded_optimizer.h"
 #include "train/run_config.h"
@@ -40,11 +41,22 @@ struct ReduceSettings {
   double sparse_ratio = 0;  // grad.sparse_ratio (0 = off)
 };
 
-// The processes of a run and its experts over them (world = DP × dist.ep).
+// Where a process sits in a pipeline (dist.pp > 1; train/pipeline_step.h): world = replicas ×
+// stages, rank r = replica · stages + stage.
+struct PipeSetup {
+  int64_t stages = 1, stage = 0;
+  PipeSchedule schedule = PipeSchedule::OneFOneB;
+  std::unique_ptr<Comm> comm;  // the pipe's processes (rank q = stage q); null without stages
+  int64_t replica = 0, replicas = 1;  // the pipe among the data-parallel copies of the model
+};
+
+// The processes of a run and its experts over them (world = DP × dist.ep; with dist.pp > 1
+// the groups are the stage's copies and `control` is the world).
 struct RunParallel {
   std::unique_ptr<ProcessGroups> groups;
   ExpertShard experts;     // the experts this rank holds (every one on one process)
   ExpertParallelSetup ep;  // the expert exchange, its route and thread (empty on one process)
+  PipeSetup pipe;
   // What the model's MoE layers run with: the exchange and statistics over every process holding
   // tokens, so balancing losses and capacities are the global batch's; local on one process.
   // Its pointers stay valid when the members are moved out.
@@ -52,7 +64,7 @@ struct RunParallel {
 };
 
 // Collective over world. has_moe_layers = false keeps every expert on every rank (nothing to
-// shard).
+// shard). dist.pp > 1 must divide the processes: world / dist.pp pipelines of dist.pp stages.
 RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_experts,
                               bool has_moe_layers);
 

@@ -363,6 +363,7 @@ void RunConfig::validate() const {
   grad.validate_reduction(dist, t.precision == Precision::FP16);
   MOETRAIN_CHECK(grad.expert_reweight == "none" || model.n_moe_layers() > 0,
                  "grad.expert_reweight = '{}' needs a model with MoE layers", grad.expert_reweight);
+  validate_pipeline(*this);
 }
 
 void TrainConfig::resolve_precision() {

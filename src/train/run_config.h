@@ -169,6 +169,12 @@ struct DistSettings {
   // nothing behind), and that the run is on the CPU. Throws naming the key and value.
   void validate_offload(const std::string& run_dir, const std::string& device) const;
 
+  // Pipeline parallelism (train/pipeline_step.h): the model's blocks cut into pp stages of
+  // contiguous blocks, one per process, running the micro-batches (train.grad_accum) in the
+  // order of pp_schedule: gpipe | 1f1b (interleaved and zero_bubble are planned, not run).
+  int64_t pp = 1;
+  std::string pp_schedule = "1f1b";
+
   // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
   // where the process groups are made.
   void validate() const;
@@ -236,6 +242,11 @@ struct RunConfig {
   // (the model and the data/optimizer semantics; not the step count or the run directory).
   std::string config_hash() const;
 };
+
+// dist.pp > 1: the stages fit the model and the micro-batches, and nothing that the pipeline
+// executor does not run is asked for (each refused naming its key). What depends on the number of
+// processes is checked where the process groups are made.
+void validate_pipeline(const RunConfig& c);
 
 // Loads `path` (may be empty: defaults only), then applies `overrides` ("model.dim=256").
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});

@@ -56,6 +56,18 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
     rs.param_buffer = params_.data();
   }
   DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
+  if (rp.pipe.comm) {
+    auto* lm = dynamic_cast<Transformer*>(&model_);
+    MOETRAIN_CHECK(lm, "dist.pp = {}: only the language model runs pipeline stages",
+                   rp.pipe.stages);
+    const int64_t stages = rp.pipe.stages;
+    // The slots' MoE layers run with what the model's run with (RunParallel::moe_context).
+    const MoeContext ctx = pg_->layout.world > 1 ? ep_.context(*pg_) : MoeContext{};
+    pipe_ = std::make_unique<PipelineRunner>(std::move(rp.pipe), *lm, ctx);
+    // The stage's optimizer holds and steps its own parameters only.
+    const PipeParams mine = pipe_stage_params(*lm, stages, pipe_->stage());
+    dp.pieces = {{mine.offset, mine.size}};
+  }
   zero3_ = std::move(dp.zero3);
   if (cfg_.grad.sparse_experts && !moe.empty())
     sparse_ = std::make_unique<SparseExperts>(layout, static_cast<int64_t>(moe.size()),
@@ -83,6 +95,17 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   optimizer_ = std::make_unique<ShardedOptimizer>(cfg_.optim.optimizer_config(), groups_,
                                                   std::move(dp.pieces), offload);
   writers_ = checkpoint_writers(layout, pg_->layout, cfg_.moe.n_experts);
+  if (pipe_) {
+    // Each stage writes its own tensors (as sharded files), the first pipeline's processes.
+    const auto& lm = dynamic_cast<const Transformer&>(model_);
+    const std::vector<ParamInfo>& infos = layout.params();
+    for (int64_t s = 0; s < pipe_->stages(); ++s) {
+      const PipeParams r = pipe_stage_params(lm, pipe_->stages(), s);
+      for (std::size_t i = 0; i < infos.size(); ++i)
+        if (infos[i].offset >= r.offset && infos[i].offset < r.offset + r.size)
+          writers_[i] = static_cast<int>(s);
+    }
+  }
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
   if (zero3_) {
     // Every rank fills the whole model alike, a unit at a time: its shard stays, the rest goes.
@@ -105,6 +128,12 @@ void StepEngine::gather_params() {
 
 std::string StepEngine::describe_layout() const {
   const ParallelLayout& pl = pg_->layout;
+  if (pipe_)
+    return fmt::format("{} processes: {} pipeline(s) x {} stages ({}), {} micro-batches a step, "
+                       "{} activation slots on stage {}",
+                       world_, pipe_->replicas(), pipe_->stages(),
+                       pipe_schedule_name(pipe_->schedule()), cfg_.micro_batches,
+                       pipe_->slots(cfg_.micro_batches), pipe_->stage());
   return fmt::format(
       "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",
@@ -141,10 +170,10 @@ void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
   // The gradient of the mean over every process's micro-batches: summing the ranks' gradients
   // (the reduction) then gives the mean. Local steps: the mean over this rank's own. fp16: the
   // loss is scaled so that small gradients survive the fp16 GEMM operands.
-  const int replicas = averager_ ? 1 : world_;
+  const int copies = averager_ ? 1 : replicas();
   const double scale = scaler_ ? scaler_->scale() : 1.0;
-  h.loss_weight = static_cast<float>(scale) / static_cast<float>(A * replicas);
-  h.dropped_divisor = static_cast<double>(A * world_);
+  h.loss_weight = static_cast<float>(scale) / static_cast<float>(A * copies);
+  h.dropped_divisor = static_cast<double>(A * replicas());
   const uint64_t seed = cfg_.seed;
   const int64_t step = step_;
   h.moe_step = [seed, step, A, token_offset](int64_t micro) {
@@ -311,7 +340,8 @@ StepResult StepEngine::end_step(Accumulated& acc, const Timer& step_timer, doubl
                       .update = &up.outcome,
                       .fp16 = scaler_ != nullptr,
                       .accuracy_rows = accuracy_rows,
-                      .ep = pg_->layout.ep};
+                      .ep = pg_->layout.ep,
+                      .replicas = pipe_ ? replicas() : 0};
   r.metrics = finish_step(moe, cfg_.moe_layer, *pg_->control, acc, figures,
                           capacity_.empty() ? nullptr : &capacity_,
                           {.gating = gating_.empty() ? nullptr : &gating_,

@@ -24,6 +24,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -52,6 +53,7 @@
 #include "parallel/reducer.h"
 #include "train/accumulate.h"
 #include "train/parallel_setup.h"
+#include "train/pipeline_step.h"
 #include "train/run_config.h"
 #include "train/step_finish.h"
 #include "train/step_metrics.h"
@@ -195,6 +197,8 @@ class StepEngine {
   std::string describe_layout() const;
   // The signals the last step saw, agreed by every process.
   const StopVotes& stop_votes() const { return stop_; }
+  // dist.pp > 1: this process's pipeline stage (null otherwise).
+  PipelineRunner* pipeline() const { return pipe_.get(); }
 
  private:
   // Before the micro-batches: the step's hooks for the accumulation routine.
@@ -257,6 +261,11 @@ class StepEngine {
   int64_t skipped_before_ = 0;          // the reducer's skipped bytes when the step began
   SparseReduceFigures sparse_before_;   // grad.sparse_ratio: the reducer's figures then
   MetricsWriter* metrics_ = nullptr;
+  // dist.pp > 1: the micro-batches run through the pipeline's stages; each process's optimizer
+  // updates its stage's parameters and writes them into checkpoints.
+  std::unique_ptr<PipelineRunner> pipe_;
+  // The model's copies whose gradients are summed (world_, or the pipelines' copies).
+  int replicas() const { return pipe_ ? static_cast<int>(pipe_->replicas()) : world_; }
 };
 
 // --- implementation ------------------------------------------------------------------------------
@@ -269,8 +278,16 @@ StepResult StepEngine::step(Model& model, const MicroBatches<Batch>& batches) {
   AccumulateArgs<Batch> args;
   begin_step(args, batches.token_offset);
   args.fill = batches.fill;
-  Accumulated acc = accumulate(model, params_.data(), grads_.data(),
-                               static_cast<int64_t>(grads_.size()), args);
+  Accumulated acc;
+  if constexpr (std::is_same_v<Model, Transformer>) {
+    if (pipe_) {
+      acc = pipe_->accumulate(model, params_.data(), grads_.data(),
+                              static_cast<int64_t>(grads_.size()), args);
+      if (acc.abandoned_after >= 0) return abandon_step(acc);
+      return end_step(acc, step_timer, batches.global_tokens, batches.accuracy_rows);
+    }
+  }
+  acc = accumulate(model, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()), args);
   if (acc.abandoned_after >= 0) return abandon_step(acc);
   return end_step(acc, step_timer, batches.global_tokens, batches.accuracy_rows);
 }

@@ -96,7 +96,7 @@ nlohmann::json finish_step(const std::vector<MoeLayer*>& moe, const MoeConfig& m
   } else if (moe_cfg.router == RouterKind::SigmoidBias) {
     update_router_biases(moe, moe_cfg.E, control);
   }
-  reduce_step_figures(control, acc);
+  reduce_step_figures(control, acc, figures.replicas);
   figures.acc = &acc;
   nlohmann::json line = step_metrics_line(figures);
   if (capacity) {

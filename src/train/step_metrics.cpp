@@ -42,8 +42,8 @@ double capacity_utilisation(const Accumulated& acc, std::size_t m) {
   return slots > 0 ? static_cast<double>(acc.computed[m]) / static_cast<double>(slots) : 1.0;
 }
 
-void reduce_step_figures(Comm& comm, Accumulated& acc) {
-  const int W = comm.size();
+void reduce_step_figures(Comm& comm, Accumulated& acc, int replicas) {
+  const int W = replicas > 0 ? replicas : comm.size();
   LossParts& sum = acc.loss;
   double parts[4] = {sum.ce, sum.aux, sum.z, sum.total};
   comm.allreduce(parts, 4);

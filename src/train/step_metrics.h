@@ -25,8 +25,9 @@ double capacity_utilisation(const Accumulated& acc, std::size_t m);
 
 // Collective over comm: the step's figures of every process summed into each. Every process's
 // losses are means over the same number of rows, so their mean is the global one; the dropped
-// fractions were divided by A·W and sum to the mean.
-void reduce_step_figures(Comm& comm, Accumulated& acc);
+// fractions were divided by A·W and sum to the mean. replicas > 0: the losses are divided by it
+// instead of by the processes (pipeline stages hold parts of one loss, which sum).
+void reduce_step_figures(Comm& comm, Accumulated& acc, int replicas = 0);
 
 struct StepFigures {
   int64_t step = 0;                  // optimizer steps applied, this one included
@@ -36,6 +37,7 @@ struct StepFigures {
   bool fp16 = false;            // the loss scale and the skip go into the line
   int64_t accuracy_rows = 0;    // > 0: the line holds accuracy = correct / accuracy_rows
   int64_t ep = 1;               // expert-parallel ranks the experts are sharded over
+  int replicas = 0;             // > 0: the model's copies the losses are a mean over (pipeline)
 };
 
 // The reproducible part of the line: losses, lr, norm, expert loads; no wall-clock figures.

@@ -54,6 +54,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   RunParallel rp =
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);
   model_ = std::make_unique<Transformer>(cfg_.model, rp.moe_context());
+  if (rp.pipe.comm) {
+    const auto [first, end] = pipe_stage_blocks(cfg_.model.n_layers, rp.pipe.stages, rp.pipe.stage);
+    model_->set_stage(first, end);
+  }
   model_->set_precision(cfg_.train.precision_dtype());
   model_->set_recompute(cfg_.train.recompute);
   DeviceTrainingState* device = start_device(*model_, cfg_.train, W);
@@ -94,9 +98,10 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   const int64_t windows = WindowStream::windows_in(*train_shard_, cfg_.train.seq_len);
   log_info(
       "data: {} train / {} val tokens; {} tokens per step; an epoch is {} windows ({:.1f} steps)",
-      train_shard_->size(), val_shard_->size(), BT * cfg_.train.grad_accum * W, windows,
+      train_shard_->size(), val_shard_->size(), BT * cfg_.train.grad_accum * data_replicas(),
+      windows,
       static_cast<double>(windows) /
-          static_cast<double>(cfg_.train.batch_size * cfg_.train.grad_accum * W));
+          static_cast<double>(cfg_.train.batch_size * cfg_.train.grad_accum * data_replicas()));
   if (W > 1) log_info("{}", engine_->describe_layout());
 }
 
@@ -104,18 +109,19 @@ Trainer::~Trainer() = default;
 
 StepResult Trainer::train_step() {
   const int64_t B = cfg_.train.batch_size, T = cfg_.train.seq_len, A = cfg_.train.grad_accum;
-  const int W = world_size();
+  const int W = data_replicas();
   // Kept between steps (it holds the epoch's permutation); a resume on another process count
   // changes the micro-batches per step, not the global batch.
   if (!loader_ || loader_->micro_batches() != A)
-    loader_ = std::make_unique<BatchLoader>(*train_shard_, B, T, cfg_.train.seed, rank(), W, A);
+    loader_ =
+        std::make_unique<BatchLoader>(*train_shard_, B, T, cfg_.train.seed, data_rank(), W, A);
   const int64_t step = engine_->step_count();
   MicroBatches<TokenBatch> batches;
   batches.fill = [&](int64_t micro) {
     loader_->fill(step, micro, inputs_.data(), targets_.data());
     return TokenBatch{inputs_.data(), targets_.data(), B, T};
   };
-  batches.token_offset = rank() * B * T;  // this rank's rows of the global batch
+  batches.token_offset = data_rank() * B * T;  // this rank's rows of the global batch
   batches.global_tokens = static_cast<double>(B * T * A * W);
   return engine_->step(*model_, batches);
 }
@@ -123,14 +129,15 @@ StepResult Trainer::train_step() {
 Evaluation Trainer::evaluate() {
   const double v = moetrain::evaluate(*model_, params().data(), *val_shard_,
                                       cfg_.train.batch_size, cfg_.train.seq_len,
-                                      cfg_.train.eval_batches, &engine_->control());
+                                      cfg_.train.eval_batches, &engine_->control(),
+                                      engine_->pipeline());
   return {{{"val_loss", v}}, fmt::format("validation loss {:.4f} {}", v, kLmLossUnit)};
 }
 
 TrainResult Trainer::run(int64_t stop_at) {
   LoopSettings s = loop_settings(cfg_.train, cfg_.train.steps, stop_at);
   s.units_per_step = static_cast<double>(cfg_.train.batch_size * cfg_.train.seq_len *
-                                         cfg_.train.grad_accum * world_size());
+                                         cfg_.train.grad_accum * data_replicas());
   s.unit = "tokens";
   TrainResult out;
   static_cast<LoopResult&>(out) = run_loop(*engine_, *this, s, metrics_);

@@ -64,8 +64,14 @@ class Trainer : private RunTask {
   std::span<float> grads() { return engine_->grads(); }
   ShardedOptimizer& optimizer() { return engine_->optimizer(); }
   int64_t step() const { return engine_->step_count(); }
+  // dist.pp > 1: this process's pipeline stage (null otherwise).
+  const PipelineRunner* pipeline() const { return engine_->pipeline(); }
   int rank() const { return world_->rank(); }
   int world_size() const { return world_->size(); }
+  // The model's data-parallel copies and this rank's among them: the processes, or with dist.pp
+  // > 1 the pipelines (rank = copy · dist.pp + stage), whose stages all read the copy's batch.
+  int data_replicas() const { return world_->size() / static_cast<int>(cfg_.dist.pp); }
+  int data_rank() const { return world_->rank() / static_cast<int>(cfg_.dist.pp); }
   // This rank's experts as flat ranges (every expert on a single process).
   const std::vector<std::pair<int64_t, int64_t>>& own_expert_ranges() const {
     return engine_->own_expert_ranges();

@@ -50,7 +50,7 @@ void Trainer::init_weights_from(const fs::path& dir) {
 }
 
 nlohmann::json Trainer::trainer_state() const {
-  const int64_t B = cfg_.train.batch_size, A = cfg_.train.grad_accum, W = world_size();
+  const int64_t B = cfg_.train.batch_size, A = cfg_.train.grad_accum, W = data_replicas();
   const int64_t step = engine_->step_count();
   const ParallelLayout& pl = engine_->groups().layout;
   nlohmann::json t = engine_->state_json();
@@ -75,7 +75,8 @@ nlohmann::json Trainer::trainer_state() const {
   // whole generator state.
   t["rng"] = {{"seed", cfg_.train.seed}, {"next_step", step}};
   t["tokenizer"] = tokenizer_.fingerprint();
-  t["layout"] = {{"processes", W},
+  t["layout"] = {{"processes", world_size()},
+                 {"pp", cfg_.dist.pp},
                  {"ep", pl.ep},
                  {"dp", pl.dp},
                  {"zero", cfg_.dist.zero},
@@ -127,17 +128,17 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const std::string& 
                  "{}: no 'data.global_batch'", where);
   const nlohmann::json& data = t["data"];
   const int64_t global = data["global_batch"].get<int64_t>();
-  const int64_t per_micro = cfg_.train.batch_size * world_size();
+  const int64_t per_micro = cfg_.train.batch_size * data_replicas();
   MOETRAIN_CHECK(global > 0 && global % per_micro == 0,
-                 "{} was trained with a global batch of {} sequences per step; {} processes x "
+                 "{} was trained with a global batch of {} sequences per step; {} model copies x "
                  "train.batch_size {} = {} sequences per micro-batch do not divide it: resume on a "
                  "process count that does",
-                 dir.string(), global, world_size(), cfg_.train.batch_size, per_micro);
+                 dir.string(), global, data_replicas(), cfg_.train.batch_size, per_micro);
   if (global / per_micro != cfg_.train.grad_accum)
     log_info(
-        "train.grad_accum = {} instead of {}: {} processes keep the global batch of {} "
+        "train.grad_accum = {} instead of {}: {} model copies keep the global batch of {} "
         "sequences per step",
-        global / per_micro, cfg_.train.grad_accum, world_size(), global);
+        global / per_micro, cfg_.train.grad_accum, data_replicas(), global);
   cfg_.train.grad_accum = global / per_micro;
   engine_->set_micro_batches(cfg_.train.grad_accum);
   const int64_t windows = WindowStream::windows_in(*train_shard_, cfg_.train.seq_len);

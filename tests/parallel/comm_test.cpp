@@ -281,3 +281,69 @@ TEST(Comm, LocalBackendCopies) {
   EXPECT_EQ(g.a2a->size(), 1);
   EXPECT_THROW(make_process_groups(*c, 2), Error);
 }
+
+// Point to point around a ring: every rank sends its neighbours two tagged messages posted in the
+// order opposite to the one the receiver asks for them in; each arrives whole at the right place.
+TEST(Comm, PointToPointMatchesPeerAndTag) {
+  auto w = world();
+  const int P = w->size(), r = w->rank();
+  const int next = (r + 1) % P, prev = (r + P - 1) % P;
+  auto payload = [](int from, int tag, int64_t n) {
+    std::vector<float> v(static_cast<std::size_t>(n));
+    for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(from * 1000 + tag * 100) + 0.5f * i;
+    return v;
+  };
+  // 100003 floats: past the eager limit, so the sends need the receiver (rendezvous).
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+    const std::vector<float> a = payload(r, 1, n), b = payload(r, 2, n + 1);
+    std::vector<std::unique_ptr<Transfer>> sent;
+    sent.push_back(w->isend(a.data(), n * 4, next, {.tag = 1}));
+    sent.push_back(w->isend(b.data(), (n + 1) * 4, next, {.tag = 2}));
+    std::vector<float> got2(static_cast<std::size_t>(n + 1)), got1(static_cast<std::size_t>(n));
+    w->recv(got2.data(), (n + 1) * 4, prev, {.tag = 2});
+    auto pending = w->irecv(got1.data(), n * 4, prev, {.tag = 1});
+    pending->wait();
+    for (auto& t : sent) t->wait();
+    EXPECT_EQ(got1, payload(prev, 1, n)) << "n " << n;
+    EXPECT_EQ(got2, payload(prev, 2, n + 1)) << "n " << n;
+  }
+  // Blocking both ways between two ranks that exchange in a fixed order.
+  if (P >= 2 && r < 2) {
+    int64_t v = 40 + r, got = -1;
+    if (r == 0) {
+      w->send(&v, 8, 1, {.tag = 7});
+      w->recv(&got, 8, 1, {.tag = 7});
+    } else {
+      w->recv(&got, 8, 0, {.tag = 7});
+      w->send(&v, 8, 0, {.tag = 7});
+    }
+    EXPECT_EQ(got, 40 + (1 - r));
+  }
+  w->barrier();
+}
+
+TEST(Comm, PointToPointRefusesBadArguments) {
+  auto w = world();
+  int64_t v = 0;
+  EXPECT_THROW(w->isend(&v, 8, w->size(), {}), Error);
+  EXPECT_THROW(w->irecv(&v, 8, -1, {}), Error);
+  EXPECT_THROW(w->isend(&v, 8, 0, {.tag = 40000}), Error);
+  EXPECT_THROW(w->irecv(nullptr, 8, 0, {}), Error);
+}
+
+TEST(Comm, LocalBackendSendsToItself) {
+  auto c = make_local_comm("self");
+  const std::vector<int32_t> a = {1, 2, 3}, b = {9};
+  c->send(a.data(), 12, 0, {.tag = 3});
+  c->send(b.data(), 4, 0, {.tag = 4});
+  c->send(b.data(), 4, 0, {.tag = 3});
+  std::vector<int32_t> got(3), one(1);
+  c->recv(one.data(), 4, 0, {.tag = 4});
+  EXPECT_EQ(one, b);
+  c->recv(got.data(), 12, 0, {.tag = 3});  // the first message of tag 3
+  EXPECT_EQ(got, a);
+  EXPECT_THROW(c->recv(got.data(), 12, 0, {.tag = 3}), Error);  // 4 bytes were sent
+  c->recv(one.data(), 4, 0, {.tag = 3});
+  EXPECT_THROW(c->recv(one.data(), 4, 0, {.tag = 3}), Error);  // nothing left: would wait forever
+  EXPECT_THROW(c->send(a.data(), 12, 1, {}), Error);
+}

@@ -175,7 +175,7 @@ TEST(MoeOptions, ParsedRefusedAndHashedAsBefore) {
                  {"model.overflow = reroute needs a capacity"});
     expect_error(
         [&] {
-          load({"model.router=sigmoid_bias", "model.balance_loss=variance"});
+          load({{"model.router=sigmoid_bias"}, "model.balance_loss=variance"});
         },
         {"model.balance_loss = variance", "sigmoid_bias"});
   }
@@ -209,4 +209,41 @@ TEST(ConfigRecompute, DefaultNoneChoicesParsedRefusedOnCudaAndInTheClassifier) {
   // The classifier keeps every activation: the key is not one of its settings.
   expect_error([] { load_classifier_config("", {"train.recompute=full"}); },
                {"train.recompute"});
+}
+
+TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
+  // model.n_layers defaults to more than 2 stages' worth; each line names the key it refuses.
+  const std::vector<std::string> four = {"model.n_layers=4"};
+  auto with = [&](std::vector<std::string> keys) {
+    keys.insert(keys.begin(), four.begin(), four.end());
+    return [keys] { load_run_config("", keys); };
+  };
+  expect_error(with({"dist.pp=0"}), {"dist.pp = 0", "≥ 1"});
+  expect_error(with({"dist.pp=5"}), {"dist.pp = 5", "model.n_layers = 4"});
+  expect_error(with({"dist.pp=2", "dist.pp_schedule=2f2b"}),
+               {"dist.pp_schedule", "2f2b", "1f1b"});
+  expect_error(with({"dist.pp=2", "dist.pp_schedule=interleaved"}),
+               {"dist.pp_schedule = interleaved", "gpipe and 1f1b"});
+  expect_error(with({"dist.pp=2", "dist.pp_schedule=zero_bubble"}),
+               {"dist.pp_schedule = zero_bubble"});
+  expect_error(with({"dist.pp=4", "train.grad_accum=2"}), {"train.grad_accum = 2", "1f1b"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=4", "train.grad_accum=2",
+                       "dist.pp_schedule=gpipe"});  // gpipe runs any number of micro-batches
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"dist.ep=2"}, "dist.ep = 2"},
+      {{"dist.zero=1"}, "dist.zero = 1"},
+      {{"dist.sync=params"}, "dist.sync = params"},
+      {{"train.recompute=full"}, "train.recompute = full"},
+      {{"train.precision=fp16"}, "train.precision = fp16"},
+      {{"model.router=sigmoid_bias"}, "model.router = sigmoid_bias"},
+      {{"model.capacity=dynamic", "model.capacity_factor=1.25"}, "model.capacity = dynamic"},
+      {{"grad.sparse_experts=true"}, "grad.sparse_experts = true"},
+      {{"grad.expert_reweight=importance"}, "grad.expert_reweight = importance"},
+  };
+  for (const auto& [keys, named] : refused) {
+    std::vector<std::string> all = {"dist.pp=2", "train.grad_accum=2"};
+    all.insert(all.end(), keys.begin(), keys.end());
+    expect_error(with(all), {"dist.pp = 2", named});
+  }
+  expect_error([] { load_classifier_config("", {"dist.pp=2"}); }, {"dist.pp = 2", "classifier"});
 }

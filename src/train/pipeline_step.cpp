@@ -1,0 +1,237 @@
+#include "train/pipeline_step.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/check.h"
+#include "core/profile.h"
+
+namespace moetrain {
+
+namespace {
+
+// Tags of the two kinds of message between neighbouring stages. Messages of one kind between two
+// processes arrive in the order they were sent, and every schedule sends micro-batches' forwards
+// (and backwards) in ascending order: the kind alone matches them.
+constexpr int kActivationTag = 1, kGradientTag = 2;
+
+// A stage mostly waits for a neighbour that computes: its receives poll with short sleeps
+// (comm_poll_politely) instead of spinning in MPI on a core that neighbour may share.
+class PoliteWaits {
+ public:
+  PoliteWaits() : before_(comm_polls_politely()) { comm_poll_politely(true); }
+  ~PoliteWaits() { comm_poll_politely(before_); }
+  PoliteWaits(const PoliteWaits&) = delete;
+  PoliteWaits& operator=(const PoliteWaits&) = delete;
+
+ private:
+  bool before_;
+};
+
+}  // namespace
+
+std::pair<int64_t, int64_t> pipe_stage_blocks(int64_t L, int64_t p, int64_t s) {
+  MOETRAIN_CHECK(p >= 1 && p <= L && s >= 0 && s < p,
+                 "pipeline stage {} of {} over {} blocks: needs 1 ≤ dist.pp ≤ model.n_layers", s,
+                 p, L);
+  const int64_t base = L / p, extra = L % p;
+  const int64_t first = s * base + std::min(s, extra);
+  return {first, first + base + (s < extra ? 1 : 0)};
+}
+
+PipeParams pipe_stage_params(const Transformer& model, int64_t p, int64_t s) {
+  const int64_t L = model.config().n_layers;
+  const auto [first, end] = pipe_stage_blocks(L, p, s);
+  // Units: 0 the embedding, 1 + l block l, L + 1 the final norm and the head.
+  const std::vector<int64_t> starts = model.unit_starts();
+  const int64_t lo = first == 0 ? 0 : starts[static_cast<std::size_t>(1 + first)];
+  const int64_t hi = end == L ? model.layout().size() : starts[static_cast<std::size_t>(1 + end)];
+  return {lo, hi - lo};
+}
+
+PipelineRunner::PipelineRunner(PipeSetup setup, Transformer& model, const MoeContext& ctx)
+    : setup_(std::move(setup)), ctx_(ctx) {
+  MOETRAIN_CHECK(setup_.comm && setup_.comm->size() == setup_.stages &&
+                     setup_.comm->rank() == setup_.stage,
+                 "pipeline: stage {} of {} needs a pipe communicator of {} processes", setup_.stage,
+                 setup_.stages, setup_.stages);
+  const auto [first, end] =
+      pipe_stage_blocks(model.config().n_layers, setup_.stages, setup_.stage);
+  MOETRAIN_CHECK(model.stage_first() == first && model.stage_end() == end,
+                 "pipeline stage {}: the model runs blocks [{}, {}), the stage is [{}, {})",
+                 setup_.stage, model.stage_first(), model.stage_end(), first, end);
+}
+
+PipelineRunner::~PipelineRunner() = default;
+
+int64_t PipelineRunner::slots(int64_t micro_batches) const {
+  const PipeShape shape{setup_.stages, micro_batches, 1};
+  int64_t live = 0, most = 0;
+  for (const PipeOp& op : stage_ops(setup_.schedule, shape, setup_.stage)) {
+    live += op.kind == PipeOp::Forward ? 1 : -1;
+    most = std::max(most, live);
+  }
+  return most;
+}
+
+Transformer& PipelineRunner::slot_model(Transformer& model, int64_t k) {
+  if (k == 0) return model;
+  while (static_cast<int64_t>(extra_.size()) < k) {
+    auto m = std::make_unique<Transformer>(model.config(), ctx_);
+    m->set_precision(model.precision());
+    m->set_recompute(model.recompute());
+    m->set_stage(model.stage_first(), model.stage_end());
+    extra_.push_back(std::move(m));
+  }
+  return *extra_[static_cast<std::size_t>(k - 1)];
+}
+
+void PipelineRunner::sync_slot(Transformer& model, int64_t k) {
+  if (k == 0) return;
+  Transformer& m = slot_model(model, k);
+  const int64_t E = model.config().n_experts;
+  for (int64_t l = model.stage_first(); l < model.stage_end(); ++l) {
+    const int64_t i = model.moe_index(l);
+    if (i < 0) continue;
+    MoeLayer& from = *model.moe_layers()[static_cast<std::size_t>(i)];
+    MoeLayer& to = *m.moe_layers()[static_cast<std::size_t>(i)];
+    std::copy_n(from.router_bias(), E, to.router_bias());
+    to.set_capacity_factor(from.capacity_factor());
+  }
+}
+
+Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, float* grads,
+                                       int64_t n, const AccumulateArgs<TokenBatch>& args) {
+  const int64_t A = args.micro_batches, p = setup_.stages, s = setup_.stage;
+  MOETRAIN_CHECK(A > 0, "accumulate: {} micro-batches, needs at least one", A);
+  const bool first = s == 0, last = s == p - 1;
+  Comm& pipe = *setup_.comm;
+  const PoliteWaits polite;
+  {
+    PhaseScope zero(Phase::GradZero);
+    if (args.zero_grads) {
+      args.zero_grads();
+    } else {
+      std::fill(grads, grads + n, 0.0f);
+    }
+  }
+  // The optimizer changed the weights since the last step: the slots' low-precision copies are
+  // stale (the trainer's model is told by the step engine).
+  for (auto& m : extra_) m->weights_changed();
+
+  // Only this stage's MoE layers run here: the others' entries stay null, their figures zero.
+  const std::vector<MoeLayer*> all = model.moe_layers();
+  Accumulated acc;
+  acc.dropped.assign(all.size(), 0.0);
+  acc.capacity_slots.assign(all.size(), 0);
+  acc.computed.assign(all.size(), 0);
+  acc.capacity_factor.assign(all.size(), 0.0);
+  acc.tokens_per_expert.assign(
+      all.size(), std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
+
+  const std::vector<PipeOp> ops = stage_ops(setup_.schedule, {p, A, 1}, s);
+  int64_t final_backward = -1;
+  for (std::size_t i = 0; i < ops.size(); ++i)
+    if (ops[i].kind == PipeOp::Backward) final_backward = static_cast<int64_t>(i);
+  // Slot of each micro-batch in flight; free slots; each slot's sends not yet complete (a slot's
+  // output and input gradient are read by them until then).
+  std::vector<int64_t> slot_of(static_cast<std::size_t>(A), -1), free;
+  std::vector<std::vector<std::unique_ptr<Transfer>>> sending;
+  auto settle = [&](int64_t k) {
+    for (auto& t : sending[static_cast<std::size_t>(k)]) t->wait();
+    sending[static_cast<std::size_t>(k)].clear();
+  };
+  int64_t B = 0, T = 0;
+  auto ensure_buffers = [&](int64_t rows) {
+    const auto bytes = static_cast<std::size_t>(rows * model.config().dim);
+    if (act_in_.size() < bytes) act_in_.resize(bytes), grad_in_.resize(bytes);
+  };
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const PipeOp& op = ops[i];
+    const auto micro = static_cast<std::size_t>(op.micro);
+    if (op.kind == PipeOp::Forward) {
+      const TokenBatch batch = args.fill(op.micro);
+      B = batch.B, T = batch.T;
+      const int64_t N = B * T, C = model.config().dim;
+      int64_t k = -1;
+      if (!free.empty()) {
+        k = free.back(), free.pop_back();
+      } else {
+        k = static_cast<int64_t>(sending.size());
+        sending.emplace_back();
+      }
+      settle(k);
+      slot_of[micro] = k;
+      sync_slot(model, k);
+      Transformer& m = slot_model(model, k);
+      const float* x = nullptr;
+      if (!first) {
+        ensure_buffers(N);
+        PhaseScope wait(Phase::Collective);
+        pipe.recv(act_in_.data(), N * C * 4, static_cast<int>(s - 1), {.tag = kActivationTag});
+        x = act_in_.data();
+      }
+      const LossParts parts =
+          m.forward(params, batch.inputs, x, batch.targets, B, T, args.moe_step(op.micro));
+      MOETRAIN_CHECK(std::isfinite(parts.total), "{}", args.bad_loss(parts));
+      if (!last)
+        sending[static_cast<std::size_t>(k)].push_back(pipe.isend(
+            m.stage_output(), N * C * 4, static_cast<int>(s + 1), {.tag = kActivationTag}));
+      LossParts& sum = acc.loss;
+      sum.ce += parts.ce / A, sum.aux += parts.aux / A, sum.z += parts.z / A;
+      sum.total += parts.total / A;
+      sum.targets += parts.targets;
+      std::vector<MoeLayer*> mine(all.size(), nullptr);
+      const std::vector<MoeLayer*> layers = m.moe_layers();
+      for (int64_t l = m.stage_first(); l < m.stage_end(); ++l)
+        if (const int64_t j = m.moe_index(l); j >= 0)
+          mine[static_cast<std::size_t>(j)] = layers[static_cast<std::size_t>(j)];
+      detail::accumulate_stats(mine, args.dropped_divisor, acc);
+    } else {
+      MOETRAIN_CHECK(op.kind == PipeOp::Backward,
+                     "pipeline: the executor runs forward and backward passes (gpipe, 1f1b)");
+      const int64_t k = slot_of[micro];
+      MOETRAIN_CHECK(k >= 0, "pipeline: backward of micro-batch {} before its forward", op.micro);
+      settle(k);
+      Transformer& m = slot_model(model, k);
+      const int64_t N = B * T, C = model.config().dim;
+      const float* dout = nullptr;
+      if (!last) {
+        ensure_buffers(N);
+        PhaseScope wait(Phase::Collective);
+        pipe.recv(grad_in_.data(), N * C * 4, static_cast<int>(s + 1), {.tag = kGradientTag});
+        dout = grad_in_.data();
+      }
+      if (static_cast<int64_t>(i) == final_backward && args.before_last_backward)
+        args.before_last_backward();
+      m.backward(params, grads, args.loss_weight, dout);
+      if (!first)
+        sending[static_cast<std::size_t>(k)].push_back(pipe.isend(
+            m.stage_input_grad(), N * C * 4, static_cast<int>(s - 1), {.tag = kGradientTag}));
+      slot_of[micro] = -1;
+      free.push_back(k);
+    }
+  }
+  for (std::size_t k = 0; k < sending.size(); ++k) settle(static_cast<int64_t>(k));
+  return acc;
+}
+
+LossParts PipelineRunner::forward_only(Transformer& model, const float* params,
+                                       const int32_t* inputs, const int32_t* targets, int64_t B,
+                                       int64_t T, const MoeStep& step) {
+  const int64_t p = setup_.stages, s = setup_.stage, N = B * T, C = model.config().dim;
+  Comm& pipe = *setup_.comm;
+  const PoliteWaits polite;
+  const float* x = nullptr;
+  if (s > 0) {
+    if (act_in_.size() < static_cast<std::size_t>(N * C)) act_in_.resize(static_cast<std::size_t>(N * C));
+    pipe.recv(act_in_.data(), N * C * 4, static_cast<int>(s - 1), {.tag = kActivationTag});
+    x = act_in_.data();
+  }
+  LossParts parts = model.forward(params, inputs, x, targets, B, T, step);
+  if (s + 1 < p)
+    pipe.send(model.stage_output(), N * C * 4, static_cast<int>(s + 1), {.tag = kActivationTag});
+  return parts;
+}
+
+}  // namespace moetrain

@@ -1,0 +1,231 @@
+// Pipeline parallelism (dist.pp = the number of processes, one stage each) against the
+// one-process run with the same global batch and seed, under the gpipe and the 1f1b schedules.
+//
+// Bitwise where the code path is the same: each stage runs its blocks' forward and backward as
+// the whole model does (Transformer::set_stage), its parameter gradients accumulate over the
+// micro-batches in the same order, and AdamW is elementwise, so with the clip off the parameters,
+// the checkpointed tensors and the validation losses (the last stage's cross-entropy, summed
+// with zeros) have the one-process bits. Not bitwise: the training loss and the gradient norm,
+// whose parts are summed per stage and then over the stages (the balancing losses' and the
+// squares' sums regrouped); double sums of a few hundred terms, so 1e-12 relative bounds them.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "parallel/runtime.h"
+#include "support/checkpoint_tensors.h"
+#include "support/corpus.h"
+#include "support/held_values.h"
+#include "support/run_metrics.h"
+#include "support/shared_dir.h"
+#include "support/temp_dir.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kSteps = 6, kAccum = 4;
+
+RunConfig make_config(const fs::path& data, const fs::path& run, int64_t pp,
+                      const std::string& schedule, std::vector<std::string> extra = {}) {
+  std::vector<std::string> keys = {"model.dim=32",
+                                   "model.n_layers=4",
+                                   "model.n_heads=4",
+                                   "model.n_kv_heads=2",
+                                   "model.expert_hidden=24",
+                                   "model.n_experts=4",
+                                   "model.top_k=2",
+                                   "model.shared_expert_hidden=16",
+                                   "model.dense_every=3",
+                                   "model.max_seq_len=16",
+                                   "train.batch_size=2",
+                                   "train.seq_len=16",
+                                   "train.steps=" + std::to_string(kSteps),
+                                   "train.grad_accum=" + std::to_string(kAccum),
+                                   "train.eval_every=3",
+                                   "train.eval_batches=2",
+                                   "train.checkpoint_every=3",
+                                   "train.keep_checkpoints=3",
+                                   "train.progress=off",
+                                   "train.precision=f32",
+                                   "optim.warmup_steps=2",
+                                   "optim.grad_clip=0",
+                                   "data.dir=" + data.string(),
+                                   "train.run_dir=" + run.string(),
+                                   "dist.pp=" + std::to_string(pp),
+                                   "dist.pp_schedule=" + schedule};
+  keys.insert(keys.end(), extra.begin(), extra.end());
+  return load_run_config("", keys);
+}
+
+struct Outcome {
+  std::vector<float> params;
+  std::vector<char> held;  // the values of this rank's stage
+  std::vector<double> losses, val_losses, grad_norms;
+  int64_t slots = 0, stage = 0, stages = 1;  // activation slots the stage made
+};
+
+Outcome finish(Trainer& t, const fs::path& run) {
+  Outcome o{{t.params().begin(), t.params().end()}, {}, {}, {}, {}};
+  o.held.assign(o.params.size(), 0);
+  const PipelineRunner* pipe = t.pipeline();
+  const PipeParams mine = pipe ? pipe_stage_params(t.model(), pipe->stages(), pipe->stage())
+                               : PipeParams{0, static_cast<int64_t>(o.params.size())};
+  std::fill_n(o.held.begin() + mine.offset, mine.size, 1);
+  if (pipe) o.slots = pipe->slots_made(), o.stage = pipe->stage(), o.stages = pipe->stages();
+  if (t.rank() == 0) {
+    o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
+    o.grad_norms = metric(run, "grad_norm");
+  }
+  return o;
+}
+
+// The one-process run, on every rank (each its own).
+Outcome run_single(const fs::path& data, const fs::path& run) {
+  Trainer t(make_config(data, run, 1, "1f1b"), false, make_local_comm());
+  t.run();
+  return finish(t, run);
+}
+
+Outcome run_pipeline(const fs::path& data, const fs::path& run, const std::string& schedule,
+                     bool resume = false) {
+  const int W = dist_world("pp_size")->size();
+  Trainer t(make_config(data, run, W, schedule), resume, dist_world("pipeline_test"));
+  t.run();
+  return finish(t, run);
+}
+
+void expect_same(const Outcome& got, const Outcome& ref, int rank) {
+  EXPECT_EQ(differ_held(got.params, ref.params, got.held), 0)
+      << "stage parameters differ from the one-process run's";
+  if (rank != 0) return;
+  ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kSteps));
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  EXPECT_LE(max_rel(got.losses, ref.losses), 1e-12);
+  EXPECT_LT(got.losses.back(), got.losses.front());
+  ASSERT_EQ(ref.grad_norms.size(), got.grad_norms.size());
+  EXPECT_LE(max_rel(got.grad_norms, ref.grad_norms), 1e-12);
+  ASSERT_EQ(got.val_losses.size(), 2u);
+  EXPECT_EQ(got.val_losses, ref.val_losses);
+}
+
+}  // namespace
+
+TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
+  auto world = dist_world("pipeline");
+  const int r = world->rank();
+  SharedDir dir(*world, "pipeline");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const std::string single_dir = "single" + std::to_string(r);
+  const Outcome single = run_single(dir / "data", dir / single_dir);
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    SCOPED_TRACE(schedule);
+    const Outcome piped = run_pipeline(dir / "data", dir / schedule, schedule);
+    expect_same(piped, single, r);
+    // gpipe holds every micro-batch's activations; 1f1b at most P − s on stage s.
+    EXPECT_EQ(piped.slots, schedule == "gpipe" ? kAccum : piped.stages - piped.stage);
+    // The stages' checkpoint holds the one-process checkpoint's tensors, bit for bit: the
+    // parameters and the optimizer moments, each written by the stage that holds it.
+    if (r == 0) {
+      const std::string step = "checkpoints/step_00000006";
+      const auto mine = read_all_tensors(dir / (schedule + "/" + step));
+      const auto one = read_all_tensors(dir / (single_dir + "/" + step));
+      EXPECT_GT(mine.size(), 10u);
+      EXPECT_TRUE(mine == one) << "the pipeline's checkpoint differs from the one-process run's";
+    }
+  }
+  // The one-process run's step-3 checkpoint resumed by the pipeline: the one-process bits.
+  if (r == 0) {
+    fs::create_directories(dir / "resumed/checkpoints");
+    fs::copy(dir / "single0/checkpoints/step_00000003", dir / "resumed/checkpoints/step_00000003");
+    std::ofstream(dir / "resumed/checkpoints/latest") << "step_00000003";
+    fs::copy_file(dir / "single0/metrics.jsonl", dir / "resumed/metrics.jsonl");
+  }
+  world->barrier();
+  const Outcome resumed = run_pipeline(dir / "data", dir / "resumed", "1f1b", true);
+  EXPECT_EQ(differ_held(resumed.params, single.params, resumed.held), 0)
+      << "the pipeline resumed from a one-process checkpoint differs";
+  // And the pipeline's step-3 checkpoint resumed by one process.
+  TempDir back("pipeline_back");
+  fs::create_directories(back.path() / "checkpoints");
+  fs::copy(dir / "gpipe/checkpoints/step_00000003", back.path() / "checkpoints/step_00000003");
+  std::ofstream(back.path() / "checkpoints/latest") << "step_00000003";
+  fs::copy_file(dir / "gpipe/metrics.jsonl", back.path() / "metrics.jsonl");
+  Trainer t(make_config(dir / "data", back.path(), 1, "1f1b"), true, make_local_comm());
+  t.run();
+  EXPECT_EQ(0, std::memcmp(t.params().data(), single.params.data(),
+                           single.params.size() * sizeof(float)))
+      << "one process resumed from the pipeline's checkpoint differs";
+}
+
+// Four processes as two pipelines of two stages: each stage's two copies reduce their gradients
+// as data parallelism does, which sums them in another order than the one-process backward sums
+// the rows (as tests/parallel/train_test.cpp's data-parallel runs): float rounding of the
+// gradient, amplified over 6 AdamW steps, within the bounds that test uses.
+TEST(Pipeline, TwoPipelinesOfTwoStagesFollowTheOneProcessRun) {
+  auto world = dist_world("pipeline_dp");
+  const int W = world->size(), r = world->rank();
+  if (W != 4) GTEST_SKIP() << "needs 4 processes for 2 pipelines x 2 stages";
+  SharedDir dir(*world, "pipeline_dp");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  Outcome single;
+  {
+    const fs::path run = dir / ("single" + std::to_string(r));
+    Trainer t(make_config(dir / "data", run, 1, "1f1b", {"train.batch_size=4"}), false,
+              make_local_comm());
+    t.run();
+    single = finish(t, run);
+  }
+  const fs::path run = dir / "dp";
+  Trainer t(make_config(dir / "data", run, 2, "1f1b", {"dist.overlap=false"}), false,
+            dist_world("pipeline_dp_run"));
+  t.run();
+  const Outcome got = finish(t, run);
+  double worst = 0, scale = 1e-30;
+  for (std::size_t i = 0; i < got.params.size(); ++i) {
+    if (!got.held[i]) continue;
+    worst = std::max(worst, std::abs(double(got.params[i]) - single.params[i]));
+    scale = std::max(scale, std::abs(double(single.params[i])));
+  }
+  EXPECT_LE(worst / scale, 1e-4);
+  if (r == 0) {
+    ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kSteps));
+    EXPECT_LE(max_rel(got.losses, single.losses), 1e-5);
+    EXPECT_LE(max_rel(got.val_losses, single.val_losses), 1e-5);
+    EXPECT_LE(max_rel(got.grad_norms, single.grad_norms), 1e-4);
+  }
+}
+
+TEST(Pipeline, RefusesAStageCountThatDoesNotFitTheProcesses) {
+  auto world = dist_world("pipeline_refuse");
+  const int W = world->size();
+  SharedDir dir(*world, "pipeline_refuse");
+  if (world->rank() == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  // W + 1 stages (the model has 4 blocks; W ≤ 3 leaves that within them) or, on 4 processes,
+  // 3 stages.
+  const int64_t pp = W < 4 ? W + 1 : 3;
+  const fs::path run = dir / "refused";
+  try {
+    Trainer t(make_config(dir / "data", run, pp, "gpipe"), false, dist_world("refused"));
+    ADD_FAILURE() << "dist.pp = " << pp << " on " << W << " processes was not refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dist.pp = " + std::to_string(pp)), std::string::npos)
+        << e.what();
+  }
+  world->barrier();
+  EXPECT_FALSE(fs::exists(run)) << "a refused run wrote " << run;
+}
