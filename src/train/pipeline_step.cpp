@@ -1,10 +1,12 @@
 #include "train/pipeline_step.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "core/check.h"
 #include "core/profile.h"
+#include "parallel/pipeline_trace.h"
 
 namespace moetrain {
 
@@ -130,6 +132,11 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
       all.size(), std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
 
   const std::vector<PipeOp> ops = stage_ops(setup_.schedule, {p, A, 1}, s);
+  events_.clear();
+  auto now = [] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  };
   int64_t final_backward = -1;
   for (std::size_t i = 0; i < ops.size(); ++i)
     if (ops[i].kind == PipeOp::Backward) final_backward = static_cast<int64_t>(i);
@@ -171,8 +178,10 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
         pipe.recv(act_in_.data(), N * C * 4, static_cast<int>(s - 1), {.tag = kActivationTag});
         x = act_in_.data();
       }
+      const double start = now();
       const LossParts parts =
           m.forward(params, batch.inputs, x, batch.targets, B, T, args.moe_step(op.micro));
+      events_.push_back({op, start, now()});
       MOETRAIN_CHECK(std::isfinite(parts.total), "{}", args.bad_loss(parts));
       if (!last)
         sending[static_cast<std::size_t>(k)].push_back(pipe.isend(
@@ -202,9 +211,11 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
         pipe.recv(grad_in_.data(), N * C * 4, static_cast<int>(s + 1), {.tag = kGradientTag});
         dout = grad_in_.data();
       }
+      const double start = now();
       if (static_cast<int64_t>(i) == final_backward && args.before_last_backward)
         args.before_last_backward();
       m.backward(params, grads, args.loss_weight, dout);
+      events_.push_back({op, start, now()});
       if (!first)
         sending[static_cast<std::size_t>(k)].push_back(pipe.isend(
             m.stage_input_grad(), N * C * 4, static_cast<int>(s - 1), {.tag = kGradientTag}));
@@ -214,6 +225,37 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
   }
   for (std::size_t k = 0; k < sending.size(); ++k) settle(static_cast<int64_t>(k));
   return acc;
+}
+
+TraceFile PipelineRunner::last_step_trace(const std::string& title) {
+  Comm& pipe = *setup_.comm;
+  const auto p = static_cast<std::size_t>(setup_.stages);
+  // Each pass as (kind, micro-batch, chunk, start, end).
+  std::vector<double> mine;
+  for (const PipeEvent& e : events_)
+    mine.insert(mine.end(), {static_cast<double>(e.op.kind), static_cast<double>(e.op.micro),
+                             static_cast<double>(e.op.chunk), e.start, e.end});
+  std::vector<int64_t> counts(p, 0), displs(p, 0);
+  counts[static_cast<std::size_t>(setup_.stage)] = static_cast<int64_t>(mine.size()) * 8;
+  pipe.allreduce(counts.data(), static_cast<int64_t>(p));
+  for (std::size_t q = 1; q < p; ++q) displs[q] = displs[q - 1] + counts[q - 1];
+  std::vector<double> all(static_cast<std::size_t>((displs[p - 1] + counts[p - 1]) / 8));
+  pipe.allgatherv(all.data(), counts, displs, mine.data());
+  PipeTimeline tl;
+  tl.stages.resize(p);
+  double first = all.empty() ? 0.0 : all[3];
+  for (std::size_t i = 3; i < all.size(); i += 5) first = std::min(first, all[i]);
+  for (std::size_t q = 0; q < p; ++q)
+    for (auto i = static_cast<std::size_t>(displs[q] / 8);
+         i < static_cast<std::size_t>((displs[q] + counts[q]) / 8); i += 5) {
+      PipeEvent e;
+      e.op.kind = static_cast<PipeOp::Kind>(static_cast<int>(all[i]));
+      e.op.micro = static_cast<int64_t>(all[i + 1]);
+      e.op.chunk = static_cast<int64_t>(all[i + 2]);
+      e.start = all[i + 3] - first, e.end = all[i + 4] - first;
+      tl.stages[q].push_back(e);
+    }
+  return pipeline_trace(tl, {setup_.stages, 1, 1}, title);
 }
 
 LossParts PipelineRunner::forward_only(Transformer& model, const float* params,

@@ -22,11 +22,13 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "core/comm.h"
 #include "model/transformer.h"
+#include "io/trace_events.h"
 #include "parallel/pipeline_schedule.h"
 #include "train/accumulate.h"
 #include "train/parallel_setup.h"
@@ -66,6 +68,13 @@ class PipelineRunner {
   // (other stages' layers stay zero): summed over the pipe they are the whole model's.
   Accumulated accumulate(Transformer& model, const float* params, float* grads, int64_t n,
                          const AccumulateArgs<TokenBatch>& args);
+  // Collective over the pipe: the passes of the last accumulate() on every stage as a trace
+  // (parallel/pipeline_trace.h: one lane a stage), seconds from the earliest pass; every stage
+  // returns it. A pass runs from the moment its input is there (its receive done) to the end of
+  // its compute, so a stage's waits are its idle time. The stages' times are the machine's
+  // monotonic clock: on one host they agree; across hosts each stage's offset is unknown.
+  TraceFile last_step_trace(const std::string& title);
+
   // A forward without backward through the pipe (evaluation): the last stage's loss parts,
   // zeros elsewhere.
   LossParts forward_only(Transformer& model, const float* params, const int32_t* inputs,
@@ -80,6 +89,7 @@ class PipelineRunner {
   MoeContext ctx_;
   std::vector<std::unique_ptr<Transformer>> extra_;  // slots 1, 2, …
   std::vector<float> act_in_, grad_in_;               // (B·T, C) receive buffers
+  std::vector<PipeEvent> events_;                     // the last accumulate()'s passes
 };
 
 }  // namespace moetrain

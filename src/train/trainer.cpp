@@ -9,6 +9,7 @@
 #include "data/loader.h"
 #include "data/shard.h"
 #include "io/file.h"
+#include "io/trace_events.h"
 #include "model/device_engine.h"
 #include "parallel/runtime.h"
 #include "train/evaluate.h"
@@ -141,6 +142,16 @@ TrainResult Trainer::run(int64_t stop_at) {
   s.unit = "tokens";
   TrainResult out;
   static_cast<LoopResult&>(out) = run_loop(*engine_, *this, s, metrics_);
+  // A pipeline's last step, pass by pass on every stage: RUN_DIR/pipeline_trace.json, which the
+  // run report draws and Perfetto opens (io/trace_events.h).
+  if (PipelineRunner* pipe = engine_->pipeline()) {
+    const TraceFile trace = pipe->last_step_trace(fmt::format(
+        "moetrain train: {}, {} stages, {} micro-batches (the step ending at {})",
+        pipe_schedule_name(pipe->schedule()), pipe->stages(), cfg_.train.grad_accum,
+        engine_->step_count()));
+    if (pipe->replica() == 0 && pipe->stage() == 0 && !trace.spans.empty())
+      write_trace(std::filesystem::path(cfg_.train.run_dir) / kPipelineTraceFile, trace);
+  }
   if (!out.last_eval.is_null()) out.val_loss = out.last_eval.value("val_loss", -1.0);
   out.tokens_per_s = out.rate;
   return out;

@@ -20,6 +20,7 @@
 
 #include "core/check.h"
 #include "parallel/runtime.h"
+#include "io/trace_events.h"
 #include "support/checkpoint_tensors.h"
 #include "support/corpus.h"
 #include "support/held_values.h"
@@ -136,6 +137,25 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
     expect_same(piped, single, r);
     // gpipe holds every micro-batch's activations; 1f1b at most P − s on stage s.
     EXPECT_EQ(piped.slots, schedule == "gpipe" ? kAccum : piped.stages - piped.stage);
+    // The last step as it ran (RUN_DIR/pipeline_trace.json): each stage's passes in its
+    // schedule's order, one at a time, on a lane of its own.
+    if (r == 0) {
+      const TraceFile trace = read_trace(dir / schedule / kPipelineTraceFile);
+      const PipeSchedule sched = parse_pipe_schedule(schedule, "schedule");
+      for (int64_t stage = 0; stage < piped.stages; ++stage) {
+        std::vector<TraceSpan> lane;
+        for (const TraceSpan& span : trace.spans)
+          if (span.lane == stage) lane.push_back(span);
+        const std::vector<PipeOp> ops = stage_ops(sched, {piped.stages, kAccum, 1}, stage);
+        ASSERT_EQ(lane.size(), ops.size()) << "stage " << stage;
+        for (std::size_t i = 0; i < ops.size(); ++i) {
+          EXPECT_EQ(lane[i].name, (ops[i].kind == PipeOp::Forward ? "F" : "B") +
+                                      std::to_string(ops[i].micro))
+              << "stage " << stage << " pass " << i;
+          if (i > 0) EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
+        }
+      }
+    }
     // The stages' checkpoint holds the one-process checkpoint's tensors, bit for bit: the
     // parameters and the optimizer moments, each written by the stage that holds it.
     if (r == 0) {
