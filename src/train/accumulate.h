@@ -104,6 +104,18 @@ struct Accumulated {
   StopVotes stop;  // signals asking to stop, summed over processes by reduce_step_figures
   // ≥ 0: stop_between abandoned the step after this many micro-batches; nothing else is set.
   int64_t abandoned_after = -1;
+
+  // Zeroed figures for `layers` MoE layers of `experts` experts each.
+  static Accumulated for_layers(std::size_t layers, int64_t experts) {
+    Accumulated a;
+    a.dropped.assign(layers, 0.0);
+    a.capacity_slots.assign(layers, 0);
+    a.computed.assign(layers, 0);
+    a.capacity_factor.assign(layers, 0.0);
+    a.tokens_per_expert.assign(layers,
+                               std::vector<int64_t>(static_cast<std::size_t>(experts), 0));
+    return a;
+  }
 };
 
 // grads (n) = Σ over micro-batches of ∂(loss_weight · total)/∂params.
@@ -139,13 +151,7 @@ Accumulated accumulate(Model& model, const float* params, float* grads, int64_t 
     }
   }
   const std::vector<MoeLayer*> moe = model.moe_layers();
-  Accumulated acc;
-  acc.dropped.assign(moe.size(), 0.0);
-  acc.capacity_slots.assign(moe.size(), 0);
-  acc.computed.assign(moe.size(), 0);
-  acc.capacity_factor.assign(moe.size(), 0.0);
-  acc.tokens_per_expert.assign(
-      moe.size(), std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
+  Accumulated acc = Accumulated::for_layers(moe.size(), model.config().n_experts);
   LossParts& sum = acc.loss;
   if (args.sparse) args.sparse->start_step();
   for (int64_t micro = 0; micro < A; ++micro) {

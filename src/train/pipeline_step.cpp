@@ -123,13 +123,7 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
 
   // Only this stage's MoE layers run here: the others' entries stay null, their figures zero.
   const std::vector<MoeLayer*> all = model.moe_layers();
-  Accumulated acc;
-  acc.dropped.assign(all.size(), 0.0);
-  acc.capacity_slots.assign(all.size(), 0);
-  acc.computed.assign(all.size(), 0);
-  acc.capacity_factor.assign(all.size(), 0.0);
-  acc.tokens_per_expert.assign(
-      all.size(), std::vector<int64_t>(static_cast<std::size_t>(model.config().n_experts), 0));
+  Accumulated acc = Accumulated::for_layers(all.size(), model.config().n_experts);
 
   const std::vector<PipeOp> ops = stage_ops(setup_.schedule, {p, A, 1}, s);
   events_.clear();

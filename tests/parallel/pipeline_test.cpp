@@ -152,7 +152,9 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
           EXPECT_EQ(lane[i].name, (ops[i].kind == PipeOp::Forward ? "F" : "B") +
                                       std::to_string(ops[i].micro))
               << "stage " << stage << " pass " << i;
-          if (i > 0) EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
+          if (i > 0) {
+            EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
+          }
         }
       }
     }

@@ -37,16 +37,6 @@ int launch(const TempDir& tmp, const std::string& run, std::vector<std::string> 
   return code;
 }
 
-double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
-
 }  // namespace
 
 // One worker, H = 3, 4 clocks over 2 servers: the single-process run of 12 steps, step for step

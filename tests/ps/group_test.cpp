@@ -58,15 +58,9 @@ void expect_follows_single_process(GroupJob& job, int n_groups, int ep, int step
   LoadedModel m = load_model(job.run);
   EXPECT_EQ(m.step, steps);
   ASSERT_EQ(m.params.size(), ref_params.size());
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < ref_params.size(); ++i) {
-    const double d = m.params[i] - ref_params[i];
-    num += d * d;
-    den += static_cast<double>(ref_params[i]) * ref_params[i];
-  }
-  EXPECT_LE(std::sqrt(num / den), 1e-5);
-  std::cout << "relative L2 distance to the single-process run: " << std::sqrt(num / den)
-            << "\n";
+  const double distance = relative_l2(m.params, ref_params);
+  EXPECT_LE(distance, 1e-5);
+  std::cout << "relative L2 distance to the single-process run: " << distance << "\n";
 }
 
 std::vector<nlohmann::json> worker_stats(const fs::path& run) {

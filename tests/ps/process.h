@@ -2,6 +2,7 @@
 // destructor kills what still runs; PR_SET_PDEATHSIG kills it if the test process dies), with
 // its output in a file, and a tiny run configuration for jobs.
 #pragma once
+#include <cmath>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -215,6 +216,18 @@ struct Cluster {
     return out;
   }
 };
+
+// ‖a − ref‖ / ‖ref‖ (L2 over every element, in double): how far a job's parameters ended from the
+// reference run's.
+inline double relative_l2(const std::vector<float>& a, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / den);
+}
 
 inline int64_t applied_steps(const std::filesystem::path& run) {
   int64_t n = 0;
