@@ -129,16 +129,27 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const std::string& 
   const nlohmann::json& data = t["data"];
   const int64_t global = data["global_batch"].get<int64_t>();
   const int64_t per_micro = cfg_.train.batch_size * data_replicas();
+  // The model's copies: the processes, or under pipeline parallelism the pipelines.
+  const PipelineRunner* pipe = engine_->pipeline();
+  const std::string copies =
+      pipe ? fmt::format("{} model copies ({} pipelines of {} stages)", data_replicas(),
+                         pipe->replicas(), pipe->stages())
+           : fmt::format("{} processes", data_replicas());
   MOETRAIN_CHECK(global > 0 && global % per_micro == 0,
-                 "{} was trained with a global batch of {} sequences per step; {} model copies x "
+                 "{} was trained with a global batch of {} sequences per step; {} x "
                  "train.batch_size {} = {} sequences per micro-batch do not divide it: resume on a "
                  "process count that does",
-                 dir.string(), global, data_replicas(), cfg_.train.batch_size, per_micro);
+                 dir.string(), global, copies, cfg_.train.batch_size, per_micro);
   if (global / per_micro != cfg_.train.grad_accum)
-    log_info(
-        "train.grad_accum = {} instead of {}: {} model copies keep the global batch of {} "
-        "sequences per step",
-        global / per_micro, cfg_.train.grad_accum, data_replicas(), global);
+    log_info("train.grad_accum = {} instead of {}: {} keep the global batch of {} sequences per "
+             "step",
+             global / per_micro, cfg_.train.grad_accum, copies, global);
+  if (pipe) {
+    // The micro-batches the resumed step has must still suit the schedule.
+    const std::string problem = pipe_shape_problem(
+        pipe->schedule(), {pipe->stages(), global / per_micro, 1});
+    MOETRAIN_CHECK(problem.empty(), "resuming {}: {}", dir.string(), problem);
+  }
   cfg_.train.grad_accum = global / per_micro;
   engine_->set_micro_batches(cfg_.train.grad_accum);
   const int64_t windows = WindowStream::windows_in(*train_shard_, cfg_.train.seq_len);
