@@ -260,7 +260,7 @@ void validate_pipeline(const RunConfig& c) {
     MOETRAIN_FAIL("dist.pp = {}, dist.pp_schedule = {}: {}", d.pp, d.pp_schedule, why);
   // What the pipeline executor does not run: each refused by name, none ignored.
   auto refuse = [&](bool bad, const std::string& what) {
-    MOETRAIN_CHECK(!bad, "dist.pp = {} with {}: not implemented with pipeline stages; {}", d.pp,
+    MOETRAIN_CHECK(!bad, "dist.pp = {} with {}: the pipeline executor does not run it yet; {}", d.pp,
                    what, "leave it at its default or set dist.pp = 1");
   };
   refuse(d.ep > 1, fmt::format("dist.ep = {} (expert parallelism)", d.ep));
