@@ -5,7 +5,6 @@
 #ifdef MOETRAIN_WITH_ZMQ
 #include <fmt/format.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "app/child_process.h"
 #include "app/cmd_ps.h"
 #include "app/job_progress.h"
 #include "app/options.h"
@@ -39,81 +39,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Child {
-  std::string name;
-  pid_t pid = -1;
-  bool running = true;
-  int status = 0;
-};
-
 volatile sig_atomic_t g_stop_signal = 0;
 void on_stop_signal(int sig) {
   g_stop_signal = sig;
-}
-
-// args[0] "moetrain" is this binary; a worker group's args[0] is mpirun, found on PATH.
-pid_t spawn(const std::vector<std::string>& args, int omp_threads, bool on_path = false) {
-  std::vector<char*> argv;
-  for (const auto& s : args) argv.push_back(const_cast<char*>(s.c_str()));
-  argv.push_back(nullptr);
-  const std::string threads = std::to_string(omp_threads);
-  pid_t pid = fork();
-  MOETRAIN_CHECK(pid >= 0, "fork failed: {}", std::strerror(errno));
-  if (pid == 0) {
-    // A job's processes never outlive the launcher, and a terminal's Ctrl-C reaches the launcher
-    // alone (their own process group): the launcher asks the scheduler to stop the job.
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    setpgid(0, 0);
-    if (getenv("OMP_NUM_THREADS") == nullptr) setenv("OMP_NUM_THREADS", threads.c_str(), 1);
-    if (on_path) execvp(argv[0], argv.data());
-    else execv("/proc/self/exe", argv.data());
-    std::fprintf(stderr, "moetrain ps launch: cannot exec %s: %s\n",
-                 on_path ? argv[0] : "/proc/self/exe", std::strerror(errno));
-    _exit(127);
-  }
-  return pid;
-}
-
-std::string describe_status(int status) {
-  if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {}", WTERMSIG(status));
-  return "ended";
-}
-
-bool exited_ok(int status) {
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-void kill_all(std::vector<Child>& children) {
-  for (auto& c : children)
-    if (c.running) kill(c.pid, SIGTERM);
-  for (int i = 0; i < 50; ++i) {
-    bool any = false;
-    for (auto& c : children)
-      if (c.running) {
-        if (waitpid(c.pid, &c.status, WNOHANG) == c.pid)
-          c.running = false;
-        else
-          any = true;
-      }
-    if (!any) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  for (auto& c : children)
-    if (c.running) {
-      kill(c.pid, SIGKILL);
-      waitpid(c.pid, &c.status, 0);
-      c.running = false;
-    }
-}
-
-// RUN_DIR/ps/launch.json: every process of the job by name and pid (what to watch or kill).
-void write_pids(const fs::path& file, const std::vector<Child>& children) {
-  nlohmann::json procs = nlohmann::json::array();
-  for (const auto& c : children)
-    procs.push_back({{"name", c.name}, {"pid", c.pid}, {"running", c.running}});
-  const nlohmann::json j = {{"launcher", static_cast<int64_t>(::getpid())}, {"processes", procs}};
-  write_file_atomic(file, j.dump(2) + "\n");
 }
 
 void print_summary(const fs::path& run_dir) {
@@ -222,22 +150,31 @@ std::string wait_for_endpoint(std::vector<Child>& children, std::size_t i, const
   }
 }
 
-int run_launch(const LaunchArgs& a) {
-  // Validate everything before starting anything.
-  TrainArgs t = parse_train_args(a.rest);
-  RunConfig cfg = load_run_config(t.config, t.overrides);
+// What a launch starts from, checked before anything starts.
+struct Launch {
+  TrainArgs train;
+  RunConfig cfg;
+  std::map<int64_t, std::string> slow;
+  fs::path ps_dir, endpoint_file, standby_file, pids_file;
+  std::vector<std::string> security;  // --insecure, or --keys DIR
+};
+
+Launch prepare_launch(const LaunchArgs& a) {
+  Launch l;
+  l.train = parse_train_args(a.rest);
+  l.cfg = load_run_config(l.train.config, l.train.overrides);
   a.opts.validate();
-  ps::check_ps_run_config(cfg, a.opts);
-  const std::map<int64_t, std::string> slow = parse_slowdowns(a);
+  ps::check_ps_run_config(l.cfg, a.opts);
+  l.slow = parse_slowdowns(a);
   MOETRAIN_CHECK(a.group_size >= 1 && a.opts.workers % a.group_size == 0,
                  "--group-size {}: --workers {} (every process of every group) is not a multiple "
                  "of it",
                  a.group_size, a.opts.workers);
-  MOETRAIN_CHECK(a.group_size == 1 || slow.empty(),
+  MOETRAIN_CHECK(a.group_size == 1 || l.slow.empty(),
                  "--slowdown with --group-size {}: a group's ranks compute every step together, "
                  "so one rank cannot be slowed alone",
                  a.group_size);
-  ps::check_worker_group(cfg, a.opts, a.group_size);
+  ps::check_worker_group(l.cfg, a.opts, a.group_size);
   MOETRAIN_CHECK(a.spare_servers >= 0 && a.spare_servers <= 64,
                  "--spare-servers {}: must be in 0..64", a.spare_servers);
   MOETRAIN_CHECK(a.spare_servers == 0 || a.opts.server_replicas == 2 || a.opts.checkpoint_every > 0,
@@ -250,25 +187,43 @@ int run_launch(const LaunchArgs& a) {
   // What the scheduler will check when it takes the run directory's lock, checked before this
   // writes anything there (the keys, the endpoint files): another run writing it, or an earlier
   // run without --resume.
-  { const RunLock probe = ps::open_job_dir(cfg.train.run_dir, a.resume); }
-  const fs::path ps_dir = fs::path(cfg.train.run_dir) / "ps";
-  fs::create_directories(ps_dir);
-  std::vector<std::string> security = {"--insecure"};
+  { const RunLock probe = ps::open_job_dir(l.cfg.train.run_dir, a.resume); }
+  l.ps_dir = fs::path(l.cfg.train.run_dir) / "ps";
+  fs::create_directories(l.ps_dir);
+  l.security = {"--insecure"};
   if (!a.insecure) {
-    fs::path keys = a.keys.empty() ? ps_dir / "keys" : fs::path(a.keys);
+    fs::path keys = a.keys.empty() ? l.ps_dir / "keys" : fs::path(a.keys);
     if (a.keys.empty() && !fs::exists(keys / ps::kSecretKeyFile)) ps::write_job_keys(keys);
     (void)ps::read_job_keys(keys);  // a bad pair stops the launch before anything starts
-    security = {"--keys", keys.string()};
+    l.security = {"--keys", keys.string()};
   }
   if (a.insecure)
     log_warn("ps launch: plaintext sockets (--insecure): anyone who reaches a port can join");
-  const fs::path endpoint_file = ps_dir / "scheduler.endpoint",
-                 standby_file = ps_dir / "standby_scheduler.endpoint",
-                 pids_file = ps_dir / "launch.json";
-  for (const auto& f : {endpoint_file, standby_file, pids_file}) fs::remove(f);
+  l.endpoint_file = l.ps_dir / "scheduler.endpoint";
+  l.standby_file = l.ps_dir / "standby_scheduler.endpoint";
+  l.pids_file = l.ps_dir / "launch.json";
+  for (const auto& f : {l.endpoint_file, l.standby_file, l.pids_file}) fs::remove(f);
+  return l;
+}
 
-  signal(SIGINT, on_stop_signal);
-  signal(SIGTERM, on_stop_signal);
+// The job's processes: the scheduler (and the standby) first, then the nodes.
+struct Job {
+  std::vector<Child> children;
+  std::size_t first_node = 0;
+  std::string endpoint, standby_ep;
+  Clock::time_point start;  // once the schedulers started (--timeout counts from here)
+};
+
+// A node's command line towards `scheduler` (and the standby's address).
+std::vector<std::string> node_args(const Launch& l, const std::string& role,
+                                   const std::string& scheduler, const std::string& standby_ep) {
+  std::vector<std::string> n = {"moetrain", "ps", role, "--scheduler", scheduler};
+  if (!standby_ep.empty()) n.insert(n.end(), {"--standby-scheduler", standby_ep});
+  n.insert(n.end(), l.security.begin(), l.security.end());
+  return n;
+}
+
+Job start_job(const LaunchArgs& a, const Launch& l) {
   // Both schedulers get the same config, job options and keys; the standby waits until the
   // nodes find the scheduler silent and register with it.
   auto scheduler_args = [&](const fs::path& file, bool standby) {
@@ -277,209 +232,224 @@ int run_launch(const LaunchArgs& a) {
         "--endpoint-file", file.string()};
     if (standby) s.push_back("--standby");
     if (!standby && a.resume) s.push_back("--resume");
-    if (!t.config.empty()) s.insert(s.end(), {"--config", t.config});
-    for (const auto& o : t.overrides) s.insert(s.end(), {"--set", o});
+    if (!l.train.config.empty()) s.insert(s.end(), {"--config", l.train.config});
+    for (const auto& o : l.train.overrides) s.insert(s.end(), {"--set", o});
     for (const auto& o : job_option_args(a.opts)) s.push_back(o);
-    s.insert(s.end(), security.begin(), security.end());
+    s.insert(s.end(), l.security.begin(), l.security.end());
     return s;
   };
-  std::vector<Child> children;
-  children.push_back({"scheduler", spawn(scheduler_args(endpoint_file, false), 1)});
+  Job job;
+  job.children.push_back({"scheduler", spawn(scheduler_args(l.endpoint_file, false), 1)});
   if (a.standby)
-    children.push_back({"standby scheduler", spawn(scheduler_args(standby_file, true), 1)});
-  const std::size_t first_node = children.size();
-  const auto start = Clock::now();
-  auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
-  const std::string endpoint = wait_for_endpoint(children, 0, endpoint_file);
-  const std::string standby_ep = a.standby ? wait_for_endpoint(children, 1, standby_file) : "";
-  auto node_args = [&](const std::string& role, const std::string& scheduler, bool with_standby) {
-    std::vector<std::string> n = {"moetrain", "ps", role, "--scheduler", scheduler};
-    if (with_standby) n.insert(n.end(), {"--standby-scheduler", standby_ep});
-    n.insert(n.end(), security.begin(), security.end());
-    return n;
-  };
-  std::vector<std::string> server_args = node_args("server", endpoint, a.standby);
-  const int cores = hardware_cores();
-  const int worker_threads = std::max(1, cores / static_cast<int>(a.opts.workers));
+    job.children.push_back({"standby scheduler", spawn(scheduler_args(l.standby_file, true), 1)});
+  job.first_node = job.children.size();
+  job.start = Clock::now();
+  job.endpoint = wait_for_endpoint(job.children, 0, l.endpoint_file);
+  if (a.standby) job.standby_ep = wait_for_endpoint(job.children, 1, l.standby_file);
+  const std::vector<std::string> server = node_args(l, "server", job.endpoint, job.standby_ep);
+  const int worker_threads = std::max(1, hardware_cores() / static_cast<int>(a.opts.workers));
   // The first S (with replicas 2S) servers to register hold the key ranges, the rest wait as
   // spares.
   const int64_t n_servers = a.opts.servers * a.opts.server_replicas + a.spare_servers;
   for (int64_t s = 0; s < n_servers; ++s)
-    children.push_back({fmt::format("server {}", s), spawn(server_args, 1)});
+    job.children.push_back({fmt::format("server {}", s), spawn(server, 1)});
   // Worker groups: one mpirun each, its ranks asking for the indices g·P .. g·P + P − 1.
   const int64_t P = a.group_size;
+  const std::vector<std::string> worker = node_args(l, "worker", job.endpoint, job.standby_ep);
   for (int64_t g = 0; P > 1 && g < a.opts.workers / P; ++g) {
     std::vector<std::string> wa = {a.mpirun, "-n", std::to_string(P), "-x", "OMP_NUM_THREADS"};
     wa.insert(wa.end(), a.mpi_args.begin(), a.mpi_args.end());
     wa.push_back(fs::read_symlink("/proc/self/exe").string());
-    const std::vector<std::string> n = node_args("worker", endpoint, a.standby);
-    wa.insert(wa.end(), n.begin() + 1, n.end());
+    wa.insert(wa.end(), worker.begin() + 1, worker.end());
     wa.insert(wa.end(), {"--index", std::to_string(g), "--ep", std::to_string(P)});
-    children.push_back({fmt::format("worker group {}", g), spawn(wa, worker_threads, true)});
+    job.children.push_back({fmt::format("worker group {}", g), spawn(wa, worker_threads, true)});
   }
   for (int64_t w = 0; P == 1 && w < a.opts.workers; ++w) {
-    std::vector<std::string> wa = node_args("worker", endpoint, a.standby);
+    std::vector<std::string> wa = worker;
     wa.insert(wa.end(), {"--index", std::to_string(w)});
-    if (slow.count(w)) wa.insert(wa.end(), {"--slowdown", slow.at(w)});
-    children.push_back({fmt::format("worker {}", w), spawn(wa, worker_threads)});
+    if (l.slow.count(w)) wa.insert(wa.end(), {"--slowdown", l.slow.at(w)});
+    job.children.push_back({fmt::format("worker {}", w), spawn(wa, worker_threads)});
   }
-  write_pids(pids_file, children);
-  log_info("ps launch: scheduler at {}{}, {} server(s){}{}, {} worker(s)", endpoint,
-           a.standby ? fmt::format(", standby scheduler at {}", standby_ep) : "", a.opts.servers,
-           a.opts.server_replicas == 2 ? " with backups" : "",
+  write_pids(l.pids_file, job.children);
+  log_info("ps launch: scheduler at {}{}, {} server(s){}{}, {} worker(s)", job.endpoint,
+           a.standby ? fmt::format(", standby scheduler at {}", job.standby_ep) : "",
+           a.opts.servers, a.opts.server_replicas == 2 ? " with backups" : "",
            a.spare_servers > 0 ? fmt::format(" and {} spare(s)", a.spare_servers) : "",
            a.opts.workers);
+  return job;
+}
 
-  // The scheduler in charge decides whether the job survives a lost node: launch succeeds or
-  // fails with it. When the scheduler dies and a standby runs, the standby is in charge (the
-  // nodes move to it by themselves). Without replicas launch restarts a dead server (which then
-  // restores from its checkpoint), as that is the way the job recovers.
-  const bool restart_servers = a.opts.server_replicas == 1 && a.opts.checkpoint_every > 0;
-  std::size_t in_charge = 0;
-  // The scheduler died without a standby: the servers elect one of themselves to run it
-  // (ps/election.h), and a node that ends with 0 was told the job completed.
-  bool elected = false;
-  std::map<std::string, int> restarts;
-  bool completed = false;
-  std::string why;
-  std::optional<Clock::time_point> nodes_gone;
-  // A stop signal is handed to the scheduler in charge, which stops the job with a checkpoint
-  // (ps/scheduler.h) and exits 128 + the signal; a second signal stops every process at once.
-  int forwarded = 0;
-  std::optional<Clock::time_point> forwarded_at;
-  bool stopped = false;
-  JobProgress progress(cfg);
-  while (!completed && !stopped && why.empty()) {
-    progress.poll();
-    std::vector<Child> respawned;
-    for (std::size_t i = 0; i < children.size(); ++i) {
-      Child& c = children[i];
-      if (!c.running || waitpid(c.pid, &c.status, WNOHANG) != c.pid) continue;
-      c.running = false;
-      const bool ok = exited_ok(c.status);
-      if (i < first_node && i != in_charge) {
-        log_warn("ps launch: the standby scheduler (pid {}) {}; the job goes on without one", c.pid,
-                 describe_status(c.status));
-      } else if (i < first_node && ok) {
-        completed = true;
-      } else if (i == in_charge && forwarded != 0 && WIFEXITED(c.status) &&
-                 WEXITSTATUS(c.status) == 128 + forwarded) {
-        stopped = true;
-      } else if (i < first_node && i == 0 && a.standby && children[1].running) {
-        in_charge = 1;
+// Watches the job until it completes, fails or is stopped. The scheduler in charge decides whether
+// the job survives a lost node: launch succeeds or fails with it. When the scheduler dies and a
+// standby runs, the standby is in charge (the nodes move to it by themselves); without a standby
+// the servers elect one of themselves (ps/election.h). Without replicas launch restarts a dead
+// server (which then restores from its checkpoint), as that is the way the job recovers.
+class Supervisor {
+ public:
+  Supervisor(const LaunchArgs& a, const Launch& l, Job& job)
+      : a_(a), l_(l), job_(job),
+        server_args_(node_args(l, "server", job.endpoint, job.standby_ep)),
+        restart_servers_(a.opts.server_replicas == 1 && a.opts.checkpoint_every > 0) {}
+
+  // 0 when the job completed, 128 + the signal when a stop signal stopped it, 1 when it failed.
+  int run() {
+    JobProgress progress(l_.cfg);
+    while (!completed_ && !stopped_ && why_.empty()) {
+      progress.poll();
+      std::vector<Child> respawned;
+      std::vector<Child>& children = job_.children;
+      for (std::size_t i = 0; i < children.size(); ++i) {
+        Child& c = children[i];
+        if (!c.running || waitpid(c.pid, &c.status, WNOHANG) != c.pid) continue;
+        c.running = false;
+        ended(i, respawned);
+      }
+      if (!respawned.empty()) {
+        children.insert(children.end(), respawned.begin(), respawned.end());
+        write_pids(l_.pids_file, children);
+      }
+      if (completed_ || stopped_ || !why_.empty()) break;
+      watch();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    // The scheduler in charge is done: the nodes get a moment to finish their own way (an idle
+    // standby is stopped with whatever is left). Stopped: the scheduler told every node, and
+    // they end by themselves.
+    if (completed_) wait_until_ended(job_.children, job_.first_node, 5.0);
+    if (stopped_) wait_until_ended(job_.children, 0, 5.0);
+    kill_all(job_.children);
+    progress.finish();
+    if (!why_.empty()) log_error("ps launch: {}; every process of the job was stopped", why_);
+    print_summary(l_.cfg.train.run_dir);
+    if (stopped_) {
+      fmt::print(stderr,
+                 "ps launch: stopped by signal {}; every server checkpointed its keys; continue "
+                 "with the same command and --resume\n",
+                 forwarded_);
+      return 128 + forwarded_;
+    }
+    if (!why_.empty()) {
+      fmt::print(stderr, "ps launch: the job failed\n");
+      return 1;
+    }
+    fmt::print("ps launch: the job completed in {:.1f} s; checkpoint in {}/checkpoints\n",
+               elapsed(), l_.cfg.train.run_dir);
+    return 0;
+  }
+
+ private:
+  double elapsed() const {
+    return std::chrono::duration<double>(Clock::now() - job_.start).count();
+  }
+
+  // Child i ended (its status in children[i]).
+  void ended(std::size_t i, std::vector<Child>& respawned) {
+    const std::vector<Child>& children = job_.children;
+    const Child& c = children[i];
+    const std::size_t first_node = job_.first_node;
+    const bool ok = exited_ok(c.status);
+    if (i < first_node && i != in_charge_) {
+      log_warn("ps launch: the standby scheduler (pid {}) {}; the job goes on without one", c.pid,
+               describe_status(c.status));
+    } else if (i < first_node && ok) {
+      completed_ = true;
+    } else if (i == in_charge_ && forwarded_ != 0 && WIFEXITED(c.status) &&
+               WEXITSTATUS(c.status) == 128 + forwarded_) {
+      stopped_ = true;
+    } else if (i < first_node && i == 0 && a_.standby && children[1].running) {
+      in_charge_ = 1;
+      log_warn(
+          "ps launch: the scheduler (pid {}) {}; the standby scheduler (pid {}) at {} takes "
+          "over once the nodes find it silent",
+          c.pid, describe_status(c.status), children[1].pid, job_.standby_ep);
+      // A server restarted from now on registers with the standby.
+      server_args_ = node_args(l_, "server", job_.standby_ep, "");
+    } else if (i == 0 && !a_.standby) {
+      elected_ = true;
+      log_warn("ps launch: the scheduler (pid {}) {}; the servers elect one of themselves to "
+               "take its role once they find it silent",
+               c.pid, describe_status(c.status));
+    } else if (i < first_node) {
+      why_ = fmt::format("the {} {}", c.name, describe_status(c.status));
+    } else if (elected_ && ok) {
+      completed_ = true;
+    } else if (!ok) {
+      log_error("ps launch: {} (pid {}) {}", c.name, c.pid, describe_status(c.status));
+      if (c.name.starts_with("server") && restart_servers_ && restarts_[c.name] < 3) {
+        ++restarts_[c.name];
         log_warn(
-            "ps launch: the scheduler (pid {}) {}; the standby scheduler (pid {}) at {} takes "
-            "over once the nodes find it silent",
-            c.pid, describe_status(c.status), children[1].pid, standby_ep);
-        // A server restarted from now on registers with the standby.
-        server_args = node_args("server", standby_ep, false);
-      } else if (i == 0 && !a.standby) {
-        elected = true;
-        log_warn("ps launch: the scheduler (pid {}) {}; the servers elect one of themselves to "
-                 "take its role once they find it silent",
-                 c.pid, describe_status(c.status));
-      } else if (i < first_node) {
-        why = fmt::format("the {} {}", c.name, describe_status(c.status));
-      } else if (elected && ok) {
-        completed = true;
-      } else if (!ok) {
-        log_error("ps launch: {} (pid {}) {}", c.name, c.pid, describe_status(c.status));
-        if (c.name.starts_with("server") && restart_servers && restarts[c.name] < 3) {
-          ++restarts[c.name];
-          log_warn(
-              "ps launch: restarting {} (restart {} of at most 3); it restores from its "
-              "checkpoint",
-              c.name, restarts[c.name]);
-          if (elected) {
-            // It registers with the elected scheduler, whose address is in job.json.
-            std::ifstream in(ps_dir / "job.json");
-            const auto job = nlohmann::json::parse(in, nullptr, false);
-            if (job.is_object() && job.value("scheduler", "") != endpoint)
-              server_args = node_args("server", job.value("scheduler", ""), false);
-          }
-          respawned.push_back({c.name, spawn(server_args, 1)});
+            "ps launch: restarting {} (restart {} of at most 3); it restores from its "
+            "checkpoint",
+            c.name, restarts_[c.name]);
+        if (elected_) {
+          // It registers with the elected scheduler, whose address is in job.json.
+          std::ifstream in(l_.ps_dir / "job.json");
+          const auto j = nlohmann::json::parse(in, nullptr, false);
+          if (j.is_object() && j.value("scheduler", "") != job_.endpoint)
+            server_args_ = node_args(l_, "server", j.value("scheduler", ""), "");
         }
+        respawned.push_back({c.name, spawn(server_args_, 1)});
       }
     }
-    if (!respawned.empty()) {
-      children.insert(children.end(), respawned.begin(), respawned.end());
-      write_pids(pids_file, children);
-    }
-    if (completed || stopped || !why.empty()) break;
+  }
+
+  // Between reaps: a job nobody is left to end, stop signals, the time limits.
+  void watch() {
+    std::vector<Child>& children = job_.children;
     // The scheduler died and every node ended too (e.g. it had stopped the job before it died):
     // nobody is left to register with the standby.
-    bool nodes_left = false;
-    for (std::size_t i = first_node; i < children.size(); ++i) nodes_left |= children[i].running;
-    if ((in_charge != 0 || elected) && !nodes_left) {
-      if (!nodes_gone) nodes_gone = Clock::now();
-      if (std::chrono::duration<double>(Clock::now() - *nodes_gone).count() > 10)
-        why = elected ? "the scheduler died and every server and worker ended without an "
-                        "elected scheduler ending the job"
-                      : "the scheduler died and every server and worker ended without the "
-                        "standby scheduler ending the job";
+    bool nodes_left = false;  // (not reaped here: ended() handles each child that ends)
+    for (std::size_t i = job_.first_node; i < children.size(); ++i)
+      nodes_left |= children[i].running;
+    if ((in_charge_ != 0 || elected_) && !nodes_left) {
+      if (!nodes_gone_) nodes_gone_ = Clock::now();
+      if (std::chrono::duration<double>(Clock::now() - *nodes_gone_).count() > 10)
+        why_ = elected_ ? "the scheduler died and every server and worker ended without an "
+                          "elected scheduler ending the job"
+                        : "the scheduler died and every server and worker ended without the "
+                          "standby scheduler ending the job";
     }
-    if (g_stop_signal != 0 && forwarded == 0 && children[in_charge].running) {
-      forwarded = static_cast<int>(g_stop_signal);
+    // A stop signal is handed to the scheduler in charge, which stops the job with a checkpoint
+    // (ps/scheduler.h) and exits 128 + the signal; a second signal stops every process at once.
+    if (g_stop_signal != 0 && forwarded_ == 0 && children[in_charge_].running) {
+      forwarded_ = static_cast<int>(g_stop_signal);
       g_stop_signal = 0;
-      forwarded_at = Clock::now();
-      signal(forwarded, SIG_DFL);  // a second one ends the launcher (and with it every process)
-      kill(children[in_charge].pid, forwarded);
-      log_warn("ps launch: signal {}: the scheduler stops the job with a checkpoint", forwarded);
+      forwarded_at_ = Clock::now();
+      signal(forwarded_, SIG_DFL);  // a second one ends the launcher (and with it every process)
+      kill(children[in_charge_].pid, forwarded_);
+      log_warn("ps launch: signal {}: the scheduler stops the job with a checkpoint", forwarded_);
     } else if (g_stop_signal != 0) {
-      why = fmt::format("stopped by signal {}", static_cast<int>(g_stop_signal));
+      why_ = fmt::format("stopped by signal {}", static_cast<int>(g_stop_signal));
     }
-    if (forwarded_at && std::chrono::duration<double>(Clock::now() - *forwarded_at).count() > 120)
-      why = fmt::format("stopped by signal {}; the scheduler did not stop the job within 120 s",
-                        forwarded);
-    if (a.timeout > 0 && elapsed() > a.timeout)
-      why = fmt::format("the job ran past --timeout {} s", a.timeout);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (forwarded_at_ &&
+        std::chrono::duration<double>(Clock::now() - *forwarded_at_).count() > 120)
+      why_ = fmt::format("stopped by signal {}; the scheduler did not stop the job within 120 s",
+                         forwarded_);
+    if (a_.timeout > 0 && elapsed() > a_.timeout)
+      why_ = fmt::format("the job ran past --timeout {} s", a_.timeout);
   }
-  if (completed) {
-    // The scheduler in charge is done: give the nodes a moment to finish their own way; an idle
-    // standby is stopped with whatever is left.
-    for (int i = 0; i < 100; ++i) {
-      bool left = false;
-      for (std::size_t k = first_node; k < children.size(); ++k) {
-        Child& c = children[k];
-        if (c.running && waitpid(c.pid, &c.status, WNOHANG) == c.pid) c.running = false;
-        left = left || c.running;
-      }
-      if (!left) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
-  if (stopped) {
-    // The scheduler told the nodes; they end by themselves.
-    for (int i = 0; i < 100; ++i) {
-      bool left = false;
-      for (std::size_t k = 0; k < children.size(); ++k) {
-        Child& c = children[k];
-        if (c.running && waitpid(c.pid, &c.status, WNOHANG) == c.pid) c.running = false;
-        left = left || c.running;
-      }
-      if (!left) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
-  kill_all(children);
-  progress.finish();
-  if (!why.empty()) log_error("ps launch: {}; every process of the job was stopped", why);
-  print_summary(cfg.train.run_dir);
-  if (stopped) {
-    fmt::print(stderr,
-               "ps launch: stopped by signal {}; every server checkpointed its keys; continue "
-               "with the same command and --resume\n",
-               forwarded);
-    return 128 + forwarded;
-  }
-  if (!why.empty()) {
-    fmt::print(stderr, "ps launch: the job failed\n");
-    return 1;
-  }
-  fmt::print("ps launch: the job completed in {:.1f} s; checkpoint in {}/checkpoints\n", elapsed(),
-             cfg.train.run_dir);
-  return 0;
+
+  const LaunchArgs& a_;
+  const Launch& l_;
+  Job& job_;
+  std::vector<std::string> server_args_;  // how a restarted server starts
+  const bool restart_servers_;
+  std::size_t in_charge_ = 0;  // the scheduler in charge: 0, or 1 (the standby)
+  bool elected_ = false;       // the scheduler died without a standby
+  std::map<std::string, int> restarts_;
+  bool completed_ = false, stopped_ = false;
+  std::string why_;  // why the job failed
+  std::optional<Clock::time_point> nodes_gone_;
+  int forwarded_ = 0;  // the stop signal handed to the scheduler in charge
+  std::optional<Clock::time_point> forwarded_at_;
+};
+
+int run_launch(const LaunchArgs& a) {
+  const Launch l = prepare_launch(a);  // everything checked before anything starts
+  signal(SIGINT, on_stop_signal);
+  signal(SIGTERM, on_stop_signal);
+  Job job = start_job(a, l);
+  return Supervisor(a, l, job).run();
 }
 
 }  // namespace
