@@ -108,17 +108,26 @@ int wait_polling(MPI_Request& request) {
   } while (0)
 
 // A nonblocking send or receive of an MpiComm, completed as collectives are: blocking in MPI, or
-// polled politely on a communication thread. A receive checks that the message filled it.
+// polled politely on a communication thread, its wait under the collective watchdog (a peer that
+// never sends is named, not waited for forever). A receive checks that the message filled it.
 class MpiTransfer final : public Transfer {
  public:
-  MpiTransfer(std::string comm, const char* call, int count, MPI_Datatype type)
-      : comm_(std::move(comm)), call_(call), count_(count), type_(type) {}
+  struct Peer {
+    int rank, peer, tag;  // this process's rank in the communicator, the other's, the tag
+    int64_t bytes;
+  };
+  MpiTransfer(std::string comm, const char* call, int count, MPI_Datatype type, Peer p)
+      : comm_(std::move(comm)), call_(call), count_(count), type_(type), p_(p) {}
   ~MpiTransfer() override {
     // Abandoned (an error elsewhere): the buffer stays MPI's until the transfer ends.
     if (request != MPI_REQUEST_NULL) MPI_Wait(&request, MPI_STATUS_IGNORE);
   }
   void wait() override {
     if (request == MPI_REQUEST_NULL) return;
+    const bool receiving = std::string_view(call_) == "MPI_Irecv";
+    CollectiveScope scope(comm_, p_.rank, p_.tag,
+                          receiving ? CollectiveKind::Recv : CollectiveKind::Send, p_.bytes, 0,
+                          p_.peer);
     MPI_Status status;
     int rc = MPI_SUCCESS;
     if (comm_polls_politely()) {
@@ -133,7 +142,7 @@ class MpiTransfer final : public Transfer {
     }
     MOETRAIN_CHECK(rc == MPI_SUCCESS, "{} on communicator '{}' failed: {}", call_, comm_,
                    error_text(rc));
-    if (std::string_view(call_) == "MPI_Irecv") {
+    if (receiving) {
       int got = 0;
       MPI_Get_count(&status, type_, &got);
       MOETRAIN_CHECK(got == count_,
@@ -149,6 +158,7 @@ class MpiTransfer final : public Transfer {
   const char* call_;
   int count_;
   MPI_Datatype type_;
+  Peer p_;
 };
 
 class MpiComm;
@@ -344,7 +354,7 @@ class MpiComm final : public Comm {
     const int count = to_int(bytes / unit, sending ? "send size" : "receive size", name());
     const MPI_Datatype type = unit_type(unit);
     auto t = std::make_unique<MpiTransfer>(name(), sending ? "MPI_Isend" : "MPI_Irecv", count,
-                                           type);
+                                           type, MpiTransfer::Peer{rank(), peer, opts.tag, bytes});
     if (sending) {
       MOETRAIN_MPI(MPI_Isend(data, count, type, peer, opts.tag, comm_, &t->request), name());
     } else {

@@ -31,6 +31,10 @@ const char* collective_kind_name(CollectiveKind kind) {
       return "dup";
     case CollectiveKind::SplitShared:
       return "split_shared";
+    case CollectiveKind::Send:
+      return "send";
+    case CollectiveKind::Recv:
+      return "recv";
   }
   return "unknown collective";
 }
@@ -75,12 +79,16 @@ std::string describe_fingerprint(const CollectiveFingerprint& f) {
 }  // namespace
 
 std::string describe_collective(const ActiveCollective& c) {
+  if (c.kind == CollectiveKind::Send || c.kind == CollectiveKind::Recv)
+    return fmt::format("{} {} rank {} (tag {}) on communicator '{}' (rank {}), {} bytes",
+                       collective_kind_name(c.kind), c.kind == CollectiveKind::Send ? "to" : "from",
+                       c.peer, c.seq, c.comm, c.rank, c.bytes);
   return call_name(c.kind, c.seq, c.op, c.elem_size) +
          fmt::format(" on communicator '{}' (rank {}), {} bytes", c.comm, c.rank, c.bytes);
 }
 
 CollectiveScope::CollectiveScope(const std::string& comm, int rank, int64_t seq,
-                                 CollectiveKind kind, int64_t bytes, int64_t agree) {
+                                 CollectiveKind kind, int64_t bytes, int64_t agree, int peer) {
   fp_.seq = seq;
   fp_.kind = static_cast<int32_t>(kind);
   fp_.op = static_cast<int32_t>(current_collective_op(&fp_.elem_size));
@@ -93,6 +101,7 @@ CollectiveScope::CollectiveScope(const std::string& comm, int rank, int64_t seq,
   e.info.kind = kind;
   e.info.op = current_collective_op(&e.info.elem_size);
   e.info.bytes = bytes;
+  e.info.peer = peer;
   e.start = Clock::now();
   std::lock_guard<std::mutex> lock(r.mutex);
   id_ = e.id = r.next_id++;

@@ -34,7 +34,9 @@ enum class CollectiveKind : int32_t {
   Broadcast,
   Split,
   Dup,
-  SplitShared
+  SplitShared,
+  Send,  // a point-to-point transfer's wait (Comm::isend / irecv): peer and tag in the entry
+  Recv
 };
 const char* collective_kind_name(CollectiveKind kind);
 
@@ -58,17 +60,20 @@ struct ActiveCollective {
   CollectiveOp op = CollectiveOp::None;
   int64_t elem_size = 0;
   int64_t bytes = 0;
+  int peer = -1;       // Send, Recv: the other rank in `comm` (the tag is in `seq`)
   double seconds = 0;  // waited so far
 };
 
-// "alltoallv #12 (allreduce, 4-byte elements) on communicator 'grads' (rank 1), 4096 bytes".
+// "alltoallv #12 (allreduce, 4-byte elements) on communicator 'grads' (rank 1), 4096 bytes";
+// "recv from rank 0 (tag 3) on communicator 'pipe' (rank 1), 4096 bytes".
 std::string describe_collective(const ActiveCollective& c);
 
-// Registers a collective for its lifetime; the fingerprint of the call is `fingerprint()`.
+// Registers a collective for its lifetime; the fingerprint of the call is `fingerprint()`. A
+// point-to-point wait registers as kind Send or Recv with its `peer`, its tag as `seq`.
 class CollectiveScope {
  public:
   CollectiveScope(const std::string& comm, int rank, int64_t seq, CollectiveKind kind,
-                  int64_t bytes, int64_t agree = 0);
+                  int64_t bytes, int64_t agree = 0, int peer = -1);
   ~CollectiveScope();
   CollectiveScope(const CollectiveScope&) = delete;
   CollectiveScope& operator=(const CollectiveScope&) = delete;

@@ -138,6 +138,48 @@ TEST(WatchdogTest, ALateRankTripsTheWatchdogOnItsPeersNamingTheCollective) {
   EXPECT_TRUE(active_collectives().empty());
 }
 
+// A pipeline stage waits for its neighbour's activations point to point: a wait for a peer that
+// does not send trips the watchdog too, naming the peer and the tag, and the transfer then ends
+// normally when the message arrives.
+TEST(WatchdogTest, AReceiveFromALateRankTripsTheWatchdogNamingThePeer) {
+  auto comm = dist_world("wd_p2p");
+  if (comm->size() < 2) GTEST_SKIP() << "needs two ranks";
+  std::mutex mutex;
+  std::vector<std::string> timeouts;
+  std::vector<ActiveCollective> seen;
+  const int me = comm->rank();
+  {
+    CollectiveWatchdog dog({0, 0.3}, [&](const std::string& m) {
+      std::lock_guard<std::mutex> lock(mutex);
+      timeouts.push_back(m);
+      seen = active_collectives();
+    });
+    std::vector<float> buf(256, static_cast<float>(me));
+    if (me == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+      comm->send(buf.data(), 1024, 1, {.tag = 7});
+    } else if (me == 1) {
+      comm->recv(buf.data(), 1024, 0, {.tag = 7});
+      EXPECT_EQ(buf[255], 0.0f);  // rank 0's values arrived
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (me == 1) {
+    ASSERT_EQ(timeouts.size(), 1u);  // reported once
+    const std::string& m = timeouts[0];
+    EXPECT_TRUE(has(m, "recv from rank 0 (tag 7) on communicator 'wd_p2p' (rank 1), 1024 bytes"))
+        << m;
+    EXPECT_TRUE(has(m, "dist.collective_timeout")) << m;
+    ASSERT_EQ(seen.size(), 1u);
+    EXPECT_EQ(seen[0].kind, CollectiveKind::Recv);
+    EXPECT_EQ(seen[0].peer, 0);
+  } else if (me == 0) {
+    // The send is buffered or waits for a receive already posted: no timeout on the sender.
+    EXPECT_TRUE(timeouts.empty()) << timeouts.front();
+  }
+  EXPECT_TRUE(active_collectives().empty());
+}
+
 TEST(WatchdogTest, TheRegistryListsTheCollectiveInFlight) {
   auto comm = dist_world("wd_reg");
   std::vector<ActiveCollective> seen;
