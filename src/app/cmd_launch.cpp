@@ -17,6 +17,7 @@
 #include "app/commands.h"
 #include "app/dist_options.h"
 #include "app/options.h"
+#include "data/shard.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
 #include "parallel/runtime.h"
@@ -181,6 +182,10 @@ Run add_launch_command(CLI::App& app) {
     sets = given_config_flags(*train, train_config_flags(), sets);
     const RunConfig cfg = load_run_config(train->get_option("--config")->as<std::string>(), sets);
     const fs::path run_dir = cfg.train.run_dir;
+    // Every rank runs on this machine: its data is this machine's, and data every attempt would
+    // refuse is named before the first one (on other hosts data.dir is theirs to check).
+    if (args->hostfile.empty())
+      (void)open_token_shards(cfg.data.dir, cfg.model.vocab_size, cfg.train.seq_len);
 
     SupervisorConfig sc;
     sc.procs = args->procs;

@@ -327,6 +327,14 @@ std::string mpirun_refusal(const std::string& output) {
   return "";
 }
 
+std::string job_error(const std::string& output) {
+  const std::string mark = "moetrain: error: ";
+  const std::size_t at = output.find(mark);
+  if (at == std::string::npos) return "";
+  const std::size_t from = at + mark.size();
+  return output.substr(from, output.find('\n', from) - from);
+}
+
 std::string describe_job_status(int status) {
   if (WIFSIGNALED(status))
     return fmt::format("mpirun died of signal {} ({})", WTERMSIG(status),
@@ -424,7 +432,10 @@ SupervisorResult supervise(const SupervisorConfig& cfg) {
       a.success = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       a.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
       a.reason = describe_job_status(status);
-      if (!a.success) refusal = mpirun_refusal(errors.finish());
+      if (!a.success) {
+        refusal = mpirun_refusal(errors.finish());
+        a.error = job_error(errors.finish());
+      }
       if (!refusal.empty()) a.reason += ": " + refusal;
     }
     if (cfg.progress) a.progress = cfg.progress();
@@ -449,6 +460,18 @@ SupervisorResult supervise(const SupervisorConfig& cfg) {
       stop_reason =
           fmt::format("mpirun did not start the job and would not on a retry: {}", refusal);
       break;
+    }
+    // The same error as the attempt before, which left no step or checkpoint more: the job meets
+    // it where it starts (data, settings, a resume it refuses), and a restart would again.
+    if (result.attempts.size() >= 2) {
+      const AttemptResult& before = result.attempts[result.attempts.size() - 2];
+      if (!a.error.empty() && a.error == before.error && a.progress == before.progress) {
+        stop_reason = fmt::format(
+            "attempts {} and {} failed with the same error without progress, and a restart "
+            "would meet it again: {}",
+            before.attempt, a.attempt, a.error);
+        break;
+      }
     }
     if (attempt > cfg.max_restarts) {
       stop_reason = fmt::format("restart budget spent (--max-restarts {}); last failure: {}",

@@ -47,6 +47,7 @@ struct AttemptResult {
   std::string reason;  // "completed", "a process died of signal 9 (Killed)", ...
   double seconds = 0;
   std::string progress;
+  std::string error;  // the job's first error message (job_error), when it failed
 };
 
 struct SupervisorResult {
@@ -68,6 +69,11 @@ std::string describe_job_status(int wait_status);
 // when it is a refusal that a retry would meet again (running as root, an unknown option, a
 // program it cannot execute); "" otherwise. The supervisor stops at once on such a refusal.
 std::string mpirun_refusal(const std::string& output);
+
+// The first error the job's processes printed ("moetrain: error: MESSAGE" → MESSAGE), "" when
+// none did. A failed attempt whose error and progress equal the attempt's before it ends the
+// supervision: the job meets the error wherever it starts.
+std::string job_error(const std::string& output);
 
 // Runs the attempts; prints one line per event on stderr ("moetrain launch [+3.2 s]: ...").
 SupervisorResult supervise(const SupervisorConfig& config);

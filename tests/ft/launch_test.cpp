@@ -90,6 +90,13 @@ TEST(JobStatus, NamesHowTheJobEnded) {
   EXPECT_TRUE(has(describe_job_status(SIGKILL), "mpirun died of signal 9"));
 }
 
+TEST(JobStatus, TheJobsFirstErrorIsItsMessage) {
+  EXPECT_EQ(job_error("[vm:1] banner\nmoetrain: error: data.dir = 'x' has no train.bin\n"
+                      "moetrain: error: the other rank's\n"),
+            "data.dir = 'x' has no train.bin");
+  EXPECT_EQ(job_error("moetrain: fault injection: exit rank 1 at step 1\n"), "");
+}
+
 TEST(Fingerprint, MismatchNamesBothRanksAndCalls) {
   CollectiveFingerprint a{5, static_cast<int32_t>(CollectiveKind::Alltoallv),
                           static_cast<int32_t>(CollectiveOp::Allreduce), 4, 0};
@@ -230,6 +237,40 @@ TEST(Launch, MpirunRefusalsAreTold) {
                                  "could not access\nor execute an executable:\n\nExecutable: "
                                  "/x/y\nNode: vm\n"),
                   "(Executable: /x/y)"));
+}
+
+// Data that every attempt would refuse is named before the first one: the ranks run on this
+// machine (no --hostfile), whose data.dir the launcher reads.
+TEST(Launch, MissingDataIsNamedBeforeAnyAttempt) {
+  TempDir tmp("launch_nodata");
+  const std::string cfg = write_tiny_run(tmp.path(), 4, 2).string();
+  ProcessResult r = run_moetrain({"launch", "-n", "2", "--", "train", "-c", cfg, "--set",
+                                  "data.dir=" + (tmp / "nodata").string()},
+                                 mpi_env(), 30);
+  EXPECT_EQ(r.code, 1) << r.output();
+  EXPECT_TRUE(has(r.output(), "nodata' has no train.bin: prepare it first")) << r.output();
+  EXPECT_EQ(r.count("attempt 1"), 0) << r.output();
+}
+
+// An error the job meets where it starts, which the launcher cannot see for itself (here expert
+// parallelism that does not divide the processes): the second attempt meets it again without
+// progress, and launch stops there with the error instead of spending its restarts.
+TEST(Launch, TheSameErrorTwiceWithoutProgressEndsTheRestarts) {
+  TempDir tmp("launch_same");
+  const std::string cfg = write_tiny_run(tmp.path(), 4, 2).string();
+  ProcessResult r = run_moetrain(
+      {"launch", "-n", "2", "--max-restarts", "3", "--backoff", "0", "--mpi-arg=--oversubscribe",
+       "--", "train", "-c", cfg, "--set", "dist.ep=3", "--set", "model.n_experts=6", "--set",
+       "train.run_dir=" + (tmp / "run").string()},
+      mpi_env(), 60);
+  ASSERT_FALSE(r.timed_out) << r.output();
+  EXPECT_EQ(r.code, 1) << r.output();
+  EXPECT_FALSE(r.left_processes);
+  EXPECT_TRUE(has(r.output(), "failed after 2 attempt(s)")) << r.output();
+  EXPECT_TRUE(has(r.output(), "attempts 1 and 2 failed with the same error without progress"))
+      << r.output();
+  EXPECT_TRUE(has(r.output(), "ep 3")) << r.output();
+  EXPECT_EQ(r.count("attempt 3"), 0) << r.output();
 }
 
 TEST(Launch, TooFewSlotsForMinProcsIsNeverLaunched) {
