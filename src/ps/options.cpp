@@ -173,11 +173,23 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "loss scale would have to be agreed by every worker at each step); set "
                  "train.precision = f32 or bf16",
                  precision_name(cfg.train.precision));
-  MOETRAIN_CHECK(cfg.optim.grad_clip == 0 || options.servers == 1,
-                 "optim.grad_clip = {} with --servers {}: the global norm spans every server's "
-                 "key range, which no server sees; clip with --servers 1 (its range is the whole "
-                 "gradient), or set --set optim.grad_clip=0",
-                 cfg.optim.grad_clip, options.servers);
+  // Global-norm clipping: one server's range is the whole gradient; with several, a sync clock's
+  // partial norms meet at the scheduler (ps/global_norm.h), and average clips on the workers,
+  // whose local steps see their whole gradient.
+  const Consistency mode = options.consistency_kind();
+  MOETRAIN_CHECK(cfg.optim.grad_clip == 0 || options.servers == 1 || mode == Consistency::Sync ||
+                     mode == Consistency::Average,
+                 "optim.grad_clip = {} with --servers {} and --consistency {}: the global norm "
+                 "spans every server's key range, and only sync gathers the servers' partial "
+                 "norms of one update ({} applies {}, so an update on one server has no "
+                 "counterpart to wait for on the others); use --consistency sync, --servers 1, or set --set "
+                 "optim.grad_clip=0",
+                 cfg.optim.grad_clip, options.servers, options.consistency,
+                 options.consistency,
+                 mode == Consistency::Quorum ? "the first q pushes of a clock, which may not be "
+                                               "the same workers' on every server"
+                                             : "each push on arrival, in an order of their own "
+                                               "on each server");
   MOETRAIN_CHECK(cfg.model.router != RouterKind::SigmoidBias,
                  "model.router = sigmoid_bias: its bias update needs every worker's expert loads "
                  "at each step, which parameter-server mode does not gather; use topk_softmax, "

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <filesystem>
 
 #include "core/check.h"
@@ -13,6 +14,7 @@
 #include "optim/param_groups.h"
 #include "optim/update.h"
 #include "ps/election.h"
+#include "ps/global_norm.h"
 #include "ps/job_events.h"
 #include "ps/kv_server.h"
 #include "ps/node.h"
@@ -25,6 +27,11 @@ namespace fs = std::filesystem;
 namespace moetrain::ps {
 
 namespace {
+
+// Thrown out of an update that waits for the global norm when the scheduler rolls the job back
+// (or stops it) instead: the clock stays pending in the store, and the control message that
+// interrupted it is handled next.
+struct UpdateAbandoned {};
 
 struct ExpertSlice {
   int64_t offset;  // relative to the key range
@@ -69,10 +76,22 @@ class Server {
       }
     }
     while (!ok) {
-      kv_.poll(link_->socket(), 50);
-      link_->check();
-      while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_))
-        ok = on_control(*in);
+      try {
+        if (!deferred_.empty()) {
+          Incoming in = std::move(deferred_.front());
+          deferred_.pop_front();
+          ok = on_control(in);
+          continue;
+        }
+        kv_.poll(link_->socket(), 50);
+        link_->check();
+        while (!ok && deferred_.empty()) {
+          auto in = try_receive(link_->socket(), false, link_->rejects(), who_);
+          if (!in) break;
+          ok = on_control(*in);
+        }
+      } catch (const UpdateAbandoned&) {
+      }
     }
     return 0;
   }
@@ -185,7 +204,7 @@ class Server {
     KvServerHandlers h;
     h.update = [this](const UpdateInput& in, float* values) { return update(in, values); };
     h.replay = [this](float* sum, double lr, float* values) {
-      step(sum, lr, values, "a replayed update");
+      step(sum, lr, values, "a replayed update", -1, -1);
     };
     h.save_state = [this] {
       RuleState st;
@@ -229,20 +248,83 @@ class Server {
   // one update step.
   double update(const UpdateInput& in, float* values) {
     const double lr = schedule_->lr(in.schedule_step);
-    step(in.sum, lr, values, fmt::format("clock {}", in.clock));
+    step(in.sum, lr, values, fmt::format("clock {}", in.clock), in.version, in.clock);
     return lr;
   }
 
-  // The check, the clip and the step of one update; a backup replays its primary's update through
-  // it. optim.grad_clip clips by the norm of this server's range, which is the whole gradient:
-  // check_ps_run_config allows clipping with one server only.
-  void step(float* sum, double lr, float* values, const std::string& what) {
+  // Whether optim.grad_clip's norm spans several servers' ranges (sync mode; check_ps_run_config
+  // refuses the other modes): the scheduler adds the servers' parts (ps/global_norm.h).
+  bool global_clip() const { return cfg_.optim.grad_clip > 0 && opts_.servers > 1; }
+
+  // The check, the clip and the step of one update (`version` ≥ 0), or of a primary's update that
+  // a backup replays (version −1). With one server the range is the whole gradient, and
+  // check_and_clip clips it as the single-process step does. With several, this range's sum of
+  // squares goes to the scheduler and the update waits for the global scale; the primary
+  // replicates the scaled sum, so a backup's replay does not clip again.
+  void step(float* sum, double lr, float* values, const std::string& what, int64_t version,
+            int64_t clock) {
     FlatGradient grads(sum, end_ - begin_);
     UpdateOptions o;
-    o.grad_clip = cfg_.optim.grad_clip;
+    o.grad_clip = global_clip() ? 0.0 : cfg_.optim.grad_clip;
     o.where = fmt::format("{}, keys [{}, {})", what, begin_, end_);
     o.advice = "Lower optim.lr or raise optim.warmup_steps";
-    if (!check_and_clip(grads, *comm_, o).skipped) opt_->step(values, sum, static_cast<float>(lr));
+    const UpdateOutcome out = check_and_clip(grads, *comm_, o);
+    if (out.skipped) return;
+    last_norm_ = out.grad_norm;
+    last_scale_ = out.clip_coef;
+    if (global_clip() && version >= 0) {
+      const ClipDecision d = agree_clip(version, clock, grads.sum_squares());
+      if (d.scale != 1.0) grads.scale(static_cast<float>(d.scale));
+      last_norm_ = d.norm;
+      last_scale_ = d.scale;
+    }
+    opt_->step(values, sum, static_cast<float>(lr));
+  }
+
+  // Sends this range's part of update `version`'s squared norm to the scheduler and waits for
+  // the global decision. Control messages that come meanwhile are handled after the update,
+  // except a roll-back (a Restore, or the checkpoint query that precedes it) and a Shutdown: the
+  // clock they undo will not be decided, so the update is abandoned (UpdateAbandoned). The
+  // report is sent again every heartbeat timeout, so a scheduler that took over collects it too;
+  // a server that never reports makes the scheduler stop the job, naming it.
+  ClipDecision agree_clip(int64_t version, int64_t clock, double sum_squares) {
+    const auto generation = static_cast<int64_t>(kv_.generation());
+    const nlohmann::json report = {{"version", version},
+                                   {"clock", clock},
+                                   {"generation", generation},
+                                   {"sum_squares", sum_squares}};
+    using Clock = std::chrono::steady_clock;
+    auto sent = Clock::now() - std::chrono::hours(1);
+    for (;;) {
+      if (std::chrono::duration<double>(Clock::now() - sent).count() >=
+          link_->heartbeat_timeout()) {
+        send(link_->socket(), json_frame(Kind::NormReport, link_->node_id(), report));
+        sent = Clock::now();
+      }
+      link_->check();
+      zmq::pollitem_t item{link_->socket().handle(), 0, ZMQ_POLLIN, 0};
+      poll_sockets(&item, 1, 50);
+      while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) {
+        const Kind k = in->header.kind_enum();
+        if (k == Kind::ClipScale) {
+          const nlohmann::json j = in->json();
+          if (j.at("version").get<int64_t>() != version ||
+              j.at("generation").get<int64_t>() != generation)
+            continue;  // an answer to a report sent before a roll-back
+          return {j.at("sum_squares").get<double>(), j.at("norm").get<double>(),
+                  j.at("scale").get<double>()};
+        }
+        const bool undoes = k == Kind::Restore || k == Kind::Shutdown ||
+                            (k == Kind::CheckpointQuery && !in->json().value("write", false));
+        deferred_.push_back(std::move(*in));
+        if (undoes) {
+          log_warn("{}: update {} abandoned while waiting for the global gradient norm: the "
+                   "scheduler sent a {}",
+                   who_, version, kind_name(k));
+          throw UpdateAbandoned{};
+        }
+      }
+    }
   }
 
   void applied(const UpdateApplied& a) {
@@ -253,6 +335,7 @@ class Server {
     nlohmann::json line = {{"step", a.version},     {"loss", a.loss},     {"lr", a.lr},
                            {"clock", a.clock},      {"pushes", a.pushes}, {"rows", a.rows},
                            {"time", unix_seconds()}};
+    add_norm(line);
     const Consistency mode = opts_.consistency_kind();
     if (applies_per_push(mode)) line["worker"] = a.worker;
     // Pushes dropped since the last update (late for an applied clock, or of an older
@@ -280,7 +363,16 @@ class Server {
     if (applied_ > 1 && now > first_apply_)
       line["updates_per_s"] = static_cast<double>(applied_ - 1) / (now - first_apply_);
     if (a.worker >= 0) line["worker"] = a.worker;
+    add_norm(line);
     role_metrics_.write(line);
+  }
+
+  // The update's gradient norm (over the whole gradient: this range's with one server, the
+  // scheduler's sum with several) and the clip scale it applied (1 when it did not clip).
+  void add_norm(nlohmann::json& line) const {
+    if (opts_.consistency_kind() == Consistency::Average) return;  // the pushes are parameters
+    line[global_clip() || opts_.servers == 1 ? "grad_norm" : "range_grad_norm"] = last_norm_;
+    if (cfg_.optim.grad_clip > 0) line["clip_scale"] = last_scale_;
   }
 
   void write_checkpoint(int64_t version) {
@@ -392,6 +484,8 @@ class Server {
   bool resume_pending_ = false;  // a resumed job's first Restore has not come yet
   int64_t epoch_ = 0, generation_ = 0;  // of the latest setup, for a standby scheduler
   int64_t rollbacks_ = 0;
+  double last_norm_ = 0, last_scale_ = 1;  // of the latest update this server applied
+  std::deque<Incoming> deferred_;  // control messages that came while an update waited
 };
 
 }  // namespace
