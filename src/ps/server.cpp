@@ -281,6 +281,13 @@ class Server {
     opt_->step(values, sum, static_cast<float>(lr));
   }
 
+  // A roll-back (a Restore, or the checkpoint query that precedes it) or a stop.
+  static bool undoes_clock(const Incoming& in) {
+    const Kind k = in.header.kind_enum();
+    return k == Kind::Restore || k == Kind::Shutdown ||
+           (k == Kind::CheckpointQuery && !in.json().value("write", false));
+  }
+
   // Sends this range's part of update `version`'s squared norm to the scheduler and waits for
   // the global decision. Control messages that come meanwhile are handled after the update,
   // except a roll-back (a Restore, or the checkpoint query that precedes it) and a Shutdown: the
@@ -293,6 +300,9 @@ class Server {
                                    {"clock", clock},
                                    {"generation", generation},
                                    {"sum_squares", sum_squares}};
+    // A roll-back that came while an earlier try of this update waited is still to be handled.
+    for (const Incoming& in : deferred_)
+      if (undoes_clock(in)) throw UpdateAbandoned{};
     using Clock = std::chrono::steady_clock;
     auto sent = Clock::now() - std::chrono::hours(1);
     for (;;) {
@@ -314,8 +324,7 @@ class Server {
           return {j.at("sum_squares").get<double>(), j.at("norm").get<double>(),
                   j.at("scale").get<double>()};
         }
-        const bool undoes = k == Kind::Restore || k == Kind::Shutdown ||
-                            (k == Kind::CheckpointQuery && !in->json().value("write", false));
+        const bool undoes = undoes_clock(*in);
         deferred_.push_back(std::move(*in));
         if (undoes) {
           log_warn("{}: update {} abandoned while waiting for the global gradient norm: the "
