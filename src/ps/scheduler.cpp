@@ -24,7 +24,7 @@ Scheduler::Scheduler(const SchedulerArgs& a, std::unique_ptr<SchedulerSocket> so
       router_(socket_->router) {
   args_.options.validate();
   check_ps_run_config(args_.config, args_.options);
-  total_keys_ = ParamLayout(args_.config.model).size();
+  total_keys_ = job_keys(args_.config);
   norm_rounds_ = NormRounds(args_.options.servers, args_.config.optim.grad_clip);
   global_rows_ = args_.options.workers * args_.config.train.batch_size;
   // Before anything in the run directory is written: another run writing it, or an earlier run

@@ -11,6 +11,7 @@
 #include "io/file.h"
 #include "io/metrics.h"
 #include "model/params.h"
+#include "moe/balance.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
 #include "ps/election.h"
@@ -176,6 +177,11 @@ class Server {
     const nlohmann::json& r = j.at("ranges").at(static_cast<std::size_t>(index_));
     begin_ = r.at(0).get<int64_t>(), end_ = r.at(1).get<int64_t>();
     ParamLayout layout(cfg_.model);
+    MOETRAIN_CHECK(end_ <= layout.size() ||
+                       (begin_ <= layout.size() && end_ == job_keys(cfg_)),
+                   "keys [{}, {}): the router bias keys [{}, {}) must lie in one server's range; "
+                   "use fewer --servers for this model",
+                   begin_, end_, layout.size(), job_keys(cfg_));
     for (const auto& l : layout.layers)
       if (l.w1 >= 0) {
         const int64_t per = cfg_.model.expert_hidden * cfg_.model.dim;
@@ -208,8 +214,12 @@ class Server {
     };
     h.save_state = [this] {
       RuleState st;
-      for (const StateBuffer& b : opt_->state())
+      // Padded to the key range (a snapshot's buffers are as long as its values): the router
+      // bias keys have no optimizer state.
+      for (const StateBuffer& b : opt_->state()) {
         st.buffers.emplace_back(b.values.begin(), b.values.end());
+        st.buffers.back().resize(static_cast<std::size_t>(end_ - begin_), 0.0f);
+      }
       st.steps = opt_->step_count();
       return st;
     };
@@ -219,10 +229,10 @@ class Server {
                      "the primary's snapshot holds {} optimizer buffers, this optimizer has {}",
                      st.buffers.size(), state.size());
       for (std::size_t i = 0; i < state.size(); ++i) {
-        MOETRAIN_CHECK(st.buffers[i].size() == state[i].values.size(),
-                       "optimizer buffer '{}': {} values in the snapshot, {} here", state[i].name,
-                       st.buffers[i].size(), state[i].values.size());
-        std::copy(st.buffers[i].begin(), st.buffers[i].end(), state[i].values.begin());
+        MOETRAIN_CHECK(st.buffers[i].size() == static_cast<std::size_t>(end_ - begin_),
+                       "optimizer buffer '{}': {} values in the snapshot, {} keys here",
+                       state[i].name, st.buffers[i].size(), end_ - begin_);
+        std::copy_n(st.buffers[i].begin(), state[i].values.size(), state[i].values.begin());
       }
       opt_->set_step_count(st.steps);
     };
@@ -239,9 +249,14 @@ class Server {
     std::vector<float> full(static_cast<std::size_t>(layout.size()));
     init_params(full.data(), layout, cfg_.model, cfg_.train.seed);
     groups_ = param_groups(layout);
-    opt_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, begin_, end_);
+    // Keys past the parameters are router biases (job_keys): zero at the start, as a model's,
+    // and stepped by the bias rule, not the optimizer.
+    param_end_ = std::clamp(layout.size(), begin_, end_);
+    opt_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, begin_, param_end_);
     schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps));
-    return std::vector<float>(full.begin() + begin_, full.begin() + end_);
+    std::vector<float> values(full.begin() + begin_, full.begin() + param_end_);
+    values.resize(static_cast<std::size_t>(end_ - begin_), 0.0f);
+    return values;
   }
 
   // The update rule the store applies: one optimizer step with the summed gradient, through the
@@ -250,6 +265,23 @@ class Server {
     const double lr = schedule_->lr(in.schedule_step);
     step(in.sum, lr, values, fmt::format("clock {}", in.clock), in.version, in.clock);
     return lr;
+  }
+
+  // The router-bias keys of this range (past param_end_): the summed pushes there are the clock's
+  // expert loads over every worker (token counts, exact in f32), and each MoE layer's biases take
+  // the trainers' rule (bias_update, moe/balance.h) with them, as update_router_biases does after
+  // a collective step. The range holds whole layers: the bias keys follow the parameters, and
+  // split_keys cuts on multiples of 16 only where the range is larger than they are.
+  void step_router_biases(const float* sum, float* values) {
+    const int64_t E = cfg_.model.n_experts, biases = end_ - param_end_;
+    if (biases == 0) return;
+    const int64_t at = param_end_ - begin_;
+    std::vector<int64_t> load(static_cast<std::size_t>(E));
+    for (int64_t l = 0; l < biases; l += E) {
+      for (int64_t e = 0; e < E; ++e)
+        load[static_cast<std::size_t>(e)] = std::llround(sum[at + l + e]);
+      bias_update(values + at + l, load.data(), E, cfg_.model.bias_update_rate);
+    }
   }
 
   // Whether optim.grad_clip's norm spans several servers' ranges (sync mode; check_ps_run_config
@@ -263,7 +295,8 @@ class Server {
   // replicates the scaled sum, so a backup's replay does not clip again.
   void step(float* sum, double lr, float* values, const std::string& what, int64_t version,
             int64_t clock) {
-    FlatGradient grads(sum, end_ - begin_);
+    step_router_biases(sum, values);
+    FlatGradient grads(sum, param_end_ - begin_);
     UpdateOptions o;
     o.grad_clip = global_clip() ? 0.0 : cfg_.optim.grad_clip;
     o.where = fmt::format("{}, keys [{}, {})", what, begin_, end_);
@@ -479,6 +512,7 @@ class Server {
   RunConfig cfg_;
   PsOptions opts_;
   int64_t index_ = -1, begin_ = 0, end_ = 0;
+  int64_t param_end_ = 0;  // keys [begin_, param_end_) are parameters, the rest router biases
   std::vector<ParamRange> groups_;
   std::unique_ptr<Optimizer> opt_;
   std::unique_ptr<LrSchedule> schedule_;

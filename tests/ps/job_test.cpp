@@ -209,6 +209,49 @@ TEST(PsJob, TwoServersClipByTheGlobalNormLikeTheSingleProcessRun) {
   EXPECT_EQ(load_model(tmp / "loose").params, load_model(tmp / "off").params);
 }
 
+// The router biases of a checkpoint (sigmoid_bias: one E-vector per MoE layer, in the training
+// state as the trainers write them).
+std::vector<float> router_biases(const fs::path& run, int64_t step, const RunConfig& cfg) {
+  const int64_t E = cfg.model.n_experts, L = cfg.model.n_layers;
+  std::vector<float> out(static_cast<std::size_t>(L * E));
+  CheckpointContents c;
+  for (int64_t l = 0; l < L; ++l)
+    c.state.push_back({fmt::format("model.layers.{}.block_sparse_moe.router_bias", l), {E},
+                       out.data() + l * E});
+  read_checkpoint(checkpoint_dir(run, step), c);
+  return out;
+}
+
+// Aux-loss-free balancing in ps mode: each worker pushes its expert loads on the router bias keys,
+// the server holding them sums a clock's loads and applies the trainers' bias rule (bias_update),
+// and workers route with the biases they pull. Against the single-process run over the same global
+// batch the losses agree as SyncEqualsSingleProcess's do (1e-5: the sums' order), and the biases
+// are bitwise equal: the rule's inputs are integer token counts (exact in f32 sums) and its steps
+// are ± the rate, so the same routing gives the same bits.
+TEST(PsJob, RouterBiasesFollowTheSingleProcessRun) {
+  TempDir tmp("ps_bias");
+  const int steps = 12, W = 2, B = 2;
+  const std::vector<std::string> bias = {"model.router=sigmoid_bias", "model.bias_update_rate=0.01"};
+  Job job = launch(tmp, {"--servers", "2", "--workers", "2"}, steps, B, "run", bias);
+  ASSERT_EQ(job.code, 0) << job.output;
+  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
+  sets.insert(sets.end(), bias.begin(), bias.end());
+  const RunConfig ref = load_run_config("", sets);
+  {
+    Trainer t(ref, false);
+    t.run();
+  }
+  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
+  for (auto [step, loss] : b)
+    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  const std::vector<float> mine = router_biases(tmp / "run", steps, ref),
+                           want = router_biases(tmp / "ref", steps, ref);
+  EXPECT_EQ(mine, want);
+  EXPECT_NE(std::count(want.begin(), want.end(), 0.0f), static_cast<std::ptrdiff_t>(want.size()))
+      << "the biases should have moved";
+}
+
 // Random bytes, truncated frames, a wrong version, a huge declared size, a multi-frame message:
 // each is rejected, the server answers the next good request, and the job completes.
 TEST(PsJob, ServerSurvivesBadMessages) {
