@@ -107,6 +107,7 @@ class KvServer {
   void poll(zmq::socket_t& also, int64_t timeout_ms);
 
   int64_t version() const { return rules_.version(); }
+  uint32_t generation() const { return generation_; }  // of the latest roll-back
   const ConsistencyRules& rules() const { return rules_; }
   const std::vector<float>& values() const { return values_; }
   const KvServerStats& stats() const { return stats_; }

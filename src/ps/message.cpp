@@ -54,6 +54,10 @@ std::string_view kind_name(Kind kind) {
       return "rows-query";
     case Kind::RowsReady:
       return "rows-ready";
+    case Kind::NormReport:
+      return "norm-report";
+    case Kind::ClipScale:
+      return "clip-scale";
   }
   return "unknown";
 }

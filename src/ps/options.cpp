@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "model/params.h"
 #include "train/config_schema.h"
 
 namespace moetrain::ps {
@@ -173,15 +174,36 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "loss scale would have to be agreed by every worker at each step); set "
                  "train.precision = f32 or bf16",
                  precision_name(cfg.train.precision));
-  MOETRAIN_CHECK(cfg.optim.grad_clip == 0 || options.servers == 1,
-                 "optim.grad_clip = {} with --servers {}: the global norm spans every server's "
-                 "key range, which no server sees; clip with --servers 1 (its range is the whole "
-                 "gradient), or set --set optim.grad_clip=0",
-                 cfg.optim.grad_clip, options.servers);
-  MOETRAIN_CHECK(cfg.model.router != RouterKind::SigmoidBias,
-                 "model.router = sigmoid_bias: its bias update needs every worker's expert loads "
-                 "at each step, which parameter-server mode does not gather; use topk_softmax, "
-                 "noisy_topk or expert_choice");
+  // Global-norm clipping: one server's range is the whole gradient; with several, a sync clock's
+  // partial norms meet at the scheduler (ps/global_norm.h), and average clips on the workers,
+  // whose local steps see their whole gradient.
+  const Consistency mode = options.consistency_kind();
+  MOETRAIN_CHECK(cfg.optim.grad_clip == 0 || options.servers == 1 || mode == Consistency::Sync ||
+                     mode == Consistency::Average,
+                 "optim.grad_clip = {} with --servers {} and --consistency {}: the global norm "
+                 "spans every server's key range, and only sync gathers the servers' partial "
+                 "norms of one update ({} applies {}, so an update on one server has no "
+                 "counterpart to wait for on the others); use --consistency sync, --servers 1, or set --set "
+                 "optim.grad_clip=0",
+                 cfg.optim.grad_clip, options.servers, options.consistency,
+                 options.consistency,
+                 mode == Consistency::Quorum ? "the first q pushes of a clock, which may not be "
+                                               "the same workers' on every server"
+                                             : "each push on arrival, in an order of their own "
+                                               "on each server");
+  // sigmoid_bias: the loads of a clock are summed on a server and the rule applied once per clock.
+  MOETRAIN_CHECK(cfg.model.router != RouterKind::SigmoidBias || mode == Consistency::Sync,
+                 "model.router = sigmoid_bias with --consistency {}: its bias update needs every "
+                 "worker's expert loads of a step, which only sync sums into one update per "
+                 "clock; use --consistency sync",
+                 options.consistency);
+  MOETRAIN_CHECK(cfg.model.router != RouterKind::SigmoidBias ||
+                     (options.compression() == Encoding::F32 &&
+                      options.pull_encoding() == Encoding::F32),
+                 "model.router = sigmoid_bias with --push-compression {} --pull-compression {}: "
+                 "the expert loads and the router biases travel as exact f32 values (a rounded "
+                 "bias moves the routing); use --push-compression none --pull-compression none",
+                 options.push_compression, options.pull_compression);
   MOETRAIN_CHECK(cfg.model.capacity == CapacityMode::Fixed,
                  "model.capacity = {}: the dynamic capacity controller needs every worker's "
                  "figures at each step, which parameter-server mode does not gather; use "
@@ -233,10 +255,25 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
                  "update of its own (the optimizer stepping every key once per rank), and average "
                  "runs a local optimizer over every key; use --consistency sync",
                  ep, options.consistency);
+  MOETRAIN_CHECK(cfg.model.router != RouterKind::SigmoidBias,
+                 "--ep {} with model.router = sigmoid_bias: a worker group does not carry the "
+                 "router biases between its ranks yet; start the workers without --ep, or use "
+                 "topk_softmax",
+                 ep);
   MOETRAIN_CHECK(options.assign_kind() == Assign::Uniform,
                  "--ep {} with --assign {}: a re-split pauses workers one by one while the "
                  "group's ranks wait for each other inside a step; use --assign uniform",
                  ep, options.assign);
+}
+
+int64_t router_bias_keys(const RunConfig& cfg) {
+  return cfg.model.router == RouterKind::SigmoidBias
+             ? cfg.model.n_moe_layers() * cfg.model.n_experts
+             : 0;
+}
+
+int64_t job_keys(const RunConfig& cfg) {
+  return ParamLayout(cfg.model).size() + router_bias_keys(cfg);
 }
 
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {

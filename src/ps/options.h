@@ -72,6 +72,13 @@ struct KeyRange {
   int64_t end = 0;
 };
 
+// The job's keys: the flat parameter vector (model/params.h), then, with model.router =
+// sigmoid_bias, one key per MoE layer and expert: a layer's router biases (E) in MoE-layer order.
+// Workers push their expert loads (token counts) there and pull the biases with the parameters;
+// the server holding them sums the loads of a clock and applies the trainers' bias rule.
+int64_t router_bias_keys(const RunConfig& cfg);  // 0 without sigmoid_bias
+int64_t job_keys(const RunConfig& cfg);           // parameters + router bias keys
+
 // [0, total) cut into `servers` contiguous ranges of nearly equal size, each boundary on a
 // 16-float (64-byte) multiple, so every range starts cache-line aligned.
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers);

@@ -94,6 +94,8 @@ void Scheduler::on_checkpoint_list(const Node& n, const nlohmann::json& j) {
   if (static_cast<int64_t>(lists_.size()) < args_.options.servers) return;
   const int64_t clock = newest_common_clock(lists_);
   ++generation_;
+  norm_rounds_.drop_before(generation_);
+  std::erase_if(norm_waiting_, [&](const auto& kv) { return kv.first.first < generation_; });
   rollback_clock_ = clock;
   restored_ = 0;
   log_warn("ps scheduler: every server rolls back to clock {} (generation {})", clock, generation_);

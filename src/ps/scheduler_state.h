@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "io/run_lock.h"
+#include "ps/global_norm.h"
 #include "ps/job_events.h"
 #include "ps/membership.h"
 #include "ps/scheduler.h"
@@ -61,6 +62,8 @@ class Scheduler {
   void begin_stop(int signal);
   bool advance_stop();
   void on_stop_checkpoint(const Node& n, const nlohmann::json& j);
+  void on_norm_report(const Node& n, const Incoming& in);
+  bool check_norm_rounds();
 
   SchedulerArgs args_;
   RunLock lock_;  // RUN_DIR's, for the life of the job (a standby holds none)
@@ -102,6 +105,10 @@ class Scheduler {
   std::map<int64_t, int64_t> stop_versions_;      // server index → its version when it checkpointed
   int64_t stop_agreed_ = -1;  // the clock every server stood at in the last round, or -1
   uint32_t generation_ = 0;
+  // optim.grad_clip over several servers: each sync update's partial norms (ps/global_norm.h),
+  // and who reported to each round still open (answered when it is decided).
+  NormRounds norm_rounds_;
+  std::map<std::pair<uint32_t, int64_t>, std::vector<std::string>> norm_waiting_;
   int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0, backups_attached_ = 0;
   int exit_code_ = 1;
   int32_t lead_ = -1;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <filesystem>
 
 #include "core/check.h"
@@ -10,9 +11,11 @@
 #include "io/file.h"
 #include "io/metrics.h"
 #include "model/params.h"
+#include "moe/balance.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
 #include "ps/election.h"
+#include "ps/global_norm.h"
 #include "ps/job_events.h"
 #include "ps/kv_server.h"
 #include "ps/node.h"
@@ -25,6 +28,11 @@ namespace fs = std::filesystem;
 namespace moetrain::ps {
 
 namespace {
+
+// Thrown out of an update that waits for the global norm when the scheduler rolls the job back
+// (or stops it) instead: the clock stays pending in the store, and the control message that
+// interrupted it is handled next.
+struct UpdateAbandoned {};
 
 struct ExpertSlice {
   int64_t offset;  // relative to the key range
@@ -69,10 +77,22 @@ class Server {
       }
     }
     while (!ok) {
-      kv_.poll(link_->socket(), 50);
-      link_->check();
-      while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_))
-        ok = on_control(*in);
+      try {
+        if (!deferred_.empty()) {
+          Incoming in = std::move(deferred_.front());
+          deferred_.pop_front();
+          ok = on_control(in);
+          continue;
+        }
+        kv_.poll(link_->socket(), 50);
+        link_->check();
+        while (!ok && deferred_.empty()) {
+          auto in = try_receive(link_->socket(), false, link_->rejects(), who_);
+          if (!in) break;
+          ok = on_control(*in);
+        }
+      } catch (const UpdateAbandoned&) {
+      }
     }
     return 0;
   }
@@ -157,6 +177,11 @@ class Server {
     const nlohmann::json& r = j.at("ranges").at(static_cast<std::size_t>(index_));
     begin_ = r.at(0).get<int64_t>(), end_ = r.at(1).get<int64_t>();
     ParamLayout layout(cfg_.model);
+    MOETRAIN_CHECK(end_ <= layout.size() ||
+                       (begin_ <= layout.size() && end_ == job_keys(cfg_)),
+                   "keys [{}, {}): the router bias keys [{}, {}) must lie in one server's range; "
+                   "use fewer --servers for this model",
+                   begin_, end_, layout.size(), job_keys(cfg_));
     for (const auto& l : layout.layers)
       if (l.w1 >= 0) {
         const int64_t per = cfg_.model.expert_hidden * cfg_.model.dim;
@@ -185,12 +210,16 @@ class Server {
     KvServerHandlers h;
     h.update = [this](const UpdateInput& in, float* values) { return update(in, values); };
     h.replay = [this](float* sum, double lr, float* values) {
-      step(sum, lr, values, "a replayed update");
+      step(sum, lr, values, "a replayed update", -1, -1);
     };
     h.save_state = [this] {
       RuleState st;
-      for (const StateBuffer& b : opt_->state())
+      // Padded to the key range (a snapshot's buffers are as long as its values): the router
+      // bias keys have no optimizer state.
+      for (const StateBuffer& b : opt_->state()) {
         st.buffers.emplace_back(b.values.begin(), b.values.end());
+        st.buffers.back().resize(static_cast<std::size_t>(end_ - begin_), 0.0f);
+      }
       st.steps = opt_->step_count();
       return st;
     };
@@ -200,10 +229,10 @@ class Server {
                      "the primary's snapshot holds {} optimizer buffers, this optimizer has {}",
                      st.buffers.size(), state.size());
       for (std::size_t i = 0; i < state.size(); ++i) {
-        MOETRAIN_CHECK(st.buffers[i].size() == state[i].values.size(),
-                       "optimizer buffer '{}': {} values in the snapshot, {} here", state[i].name,
-                       st.buffers[i].size(), state[i].values.size());
-        std::copy(st.buffers[i].begin(), st.buffers[i].end(), state[i].values.begin());
+        MOETRAIN_CHECK(st.buffers[i].size() == static_cast<std::size_t>(end_ - begin_),
+                       "optimizer buffer '{}': {} values in the snapshot, {} keys here",
+                       state[i].name, st.buffers[i].size(), end_ - begin_);
+        std::copy_n(st.buffers[i].begin(), state[i].values.size(), state[i].values.begin());
       }
       opt_->set_step_count(st.steps);
     };
@@ -220,29 +249,124 @@ class Server {
     std::vector<float> full(static_cast<std::size_t>(layout.size()));
     init_params(full.data(), layout, cfg_.model, cfg_.train.seed);
     groups_ = param_groups(layout);
-    opt_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, begin_, end_);
+    // Keys past the parameters are router biases (job_keys): zero at the start, as a model's,
+    // and stepped by the bias rule, not the optimizer.
+    param_end_ = std::clamp(layout.size(), begin_, end_);
+    opt_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, begin_, param_end_);
     schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps));
-    return std::vector<float>(full.begin() + begin_, full.begin() + end_);
+    std::vector<float> values(full.begin() + begin_, full.begin() + param_end_);
+    values.resize(static_cast<std::size_t>(end_ - begin_), 0.0f);
+    return values;
   }
 
   // The update rule the store applies: one optimizer step with the summed gradient, through the
   // one update step.
   double update(const UpdateInput& in, float* values) {
     const double lr = schedule_->lr(in.schedule_step);
-    step(in.sum, lr, values, fmt::format("clock {}", in.clock));
+    step(in.sum, lr, values, fmt::format("clock {}", in.clock), in.version, in.clock);
     return lr;
   }
 
-  // The check, the clip and the step of one update; a backup replays its primary's update through
-  // it. optim.grad_clip clips by the norm of this server's range, which is the whole gradient:
-  // check_ps_run_config allows clipping with one server only.
-  void step(float* sum, double lr, float* values, const std::string& what) {
-    FlatGradient grads(sum, end_ - begin_);
+  // The router-bias keys of this range (past param_end_): the summed pushes there are the clock's
+  // expert loads over every worker (token counts, exact in f32), and each MoE layer's biases take
+  // the trainers' rule (bias_update, moe/balance.h) with them, as update_router_biases does after
+  // a collective step. The range holds whole layers: the bias keys follow the parameters, and
+  // split_keys cuts on multiples of 16 only where the range is larger than they are.
+  void step_router_biases(const float* sum, float* values) {
+    const int64_t E = cfg_.model.n_experts, biases = end_ - param_end_;
+    if (biases == 0) return;
+    const int64_t at = param_end_ - begin_;
+    std::vector<int64_t> load(static_cast<std::size_t>(E));
+    for (int64_t l = 0; l < biases; l += E) {
+      for (int64_t e = 0; e < E; ++e)
+        load[static_cast<std::size_t>(e)] = std::llround(sum[at + l + e]);
+      bias_update(values + at + l, load.data(), E, cfg_.model.bias_update_rate);
+    }
+  }
+
+  // Whether optim.grad_clip's norm spans several servers' ranges (sync mode; check_ps_run_config
+  // refuses the other modes): the scheduler adds the servers' parts (ps/global_norm.h).
+  bool global_clip() const { return cfg_.optim.grad_clip > 0 && opts_.servers > 1; }
+
+  // The check, the clip and the step of one update (`version` ≥ 0), or of a primary's update that
+  // a backup replays (version −1). With one server the range is the whole gradient, and
+  // check_and_clip clips it as the single-process step does. With several, this range's sum of
+  // squares goes to the scheduler and the update waits for the global scale; the primary
+  // replicates the scaled sum, so a backup's replay does not clip again.
+  void step(float* sum, double lr, float* values, const std::string& what, int64_t version,
+            int64_t clock) {
+    step_router_biases(sum, values);
+    FlatGradient grads(sum, param_end_ - begin_);
     UpdateOptions o;
-    o.grad_clip = cfg_.optim.grad_clip;
+    o.grad_clip = global_clip() ? 0.0 : cfg_.optim.grad_clip;
     o.where = fmt::format("{}, keys [{}, {})", what, begin_, end_);
     o.advice = "Lower optim.lr or raise optim.warmup_steps";
-    if (!check_and_clip(grads, *comm_, o).skipped) opt_->step(values, sum, static_cast<float>(lr));
+    const UpdateOutcome out = check_and_clip(grads, *comm_, o);
+    if (out.skipped) return;
+    last_norm_ = out.grad_norm;
+    last_scale_ = out.clip_coef;
+    if (global_clip() && version >= 0) {
+      const ClipDecision d = agree_clip(version, clock, grads.sum_squares());
+      if (d.scale != 1.0) grads.scale(static_cast<float>(d.scale));
+      last_norm_ = d.norm;
+      last_scale_ = d.scale;
+    }
+    opt_->step(values, sum, static_cast<float>(lr));
+  }
+
+  // A roll-back (a Restore, or the checkpoint query that precedes it) or a stop.
+  static bool undoes_clock(const Incoming& in) {
+    const Kind k = in.header.kind_enum();
+    return k == Kind::Restore || k == Kind::Shutdown ||
+           (k == Kind::CheckpointQuery && !in.json().value("write", false));
+  }
+
+  // Sends this range's part of update `version`'s squared norm to the scheduler and waits for
+  // the global decision. Control messages that come meanwhile are handled after the update,
+  // except a roll-back (a Restore, or the checkpoint query that precedes it) and a Shutdown: the
+  // clock they undo will not be decided, so the update is abandoned (UpdateAbandoned). The
+  // report is sent again every heartbeat timeout, so a scheduler that took over collects it too;
+  // a server that never reports makes the scheduler stop the job, naming it.
+  ClipDecision agree_clip(int64_t version, int64_t clock, double sum_squares) {
+    const auto generation = static_cast<int64_t>(kv_.generation());
+    const nlohmann::json report = {{"version", version},
+                                   {"clock", clock},
+                                   {"generation", generation},
+                                   {"sum_squares", sum_squares}};
+    // A roll-back that came while an earlier try of this update waited is still to be handled.
+    for (const Incoming& in : deferred_)
+      if (undoes_clock(in)) throw UpdateAbandoned{};
+    using Clock = std::chrono::steady_clock;
+    auto sent = Clock::now() - std::chrono::hours(1);
+    for (;;) {
+      if (std::chrono::duration<double>(Clock::now() - sent).count() >=
+          link_->heartbeat_timeout()) {
+        send(link_->socket(), json_frame(Kind::NormReport, link_->node_id(), report));
+        sent = Clock::now();
+      }
+      link_->check();
+      zmq::pollitem_t item{link_->socket().handle(), 0, ZMQ_POLLIN, 0};
+      poll_sockets(&item, 1, 50);
+      while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) {
+        const Kind k = in->header.kind_enum();
+        if (k == Kind::ClipScale) {
+          const nlohmann::json j = in->json();
+          if (j.at("version").get<int64_t>() != version ||
+              j.at("generation").get<int64_t>() != generation)
+            continue;  // an answer to a report sent before a roll-back
+          return {j.at("sum_squares").get<double>(), j.at("norm").get<double>(),
+                  j.at("scale").get<double>()};
+        }
+        const bool undoes = undoes_clock(*in);
+        deferred_.push_back(std::move(*in));
+        if (undoes) {
+          log_warn("{}: update {} abandoned while waiting for the global gradient norm: the "
+                   "scheduler sent a {}",
+                   who_, version, kind_name(k));
+          throw UpdateAbandoned{};
+        }
+      }
+    }
   }
 
   void applied(const UpdateApplied& a) {
@@ -253,6 +377,7 @@ class Server {
     nlohmann::json line = {{"step", a.version},     {"loss", a.loss},     {"lr", a.lr},
                            {"clock", a.clock},      {"pushes", a.pushes}, {"rows", a.rows},
                            {"time", unix_seconds()}};
+    add_norm(line);
     const Consistency mode = opts_.consistency_kind();
     if (applies_per_push(mode)) line["worker"] = a.worker;
     // Pushes dropped since the last update (late for an applied clock, or of an older
@@ -280,7 +405,16 @@ class Server {
     if (applied_ > 1 && now > first_apply_)
       line["updates_per_s"] = static_cast<double>(applied_ - 1) / (now - first_apply_);
     if (a.worker >= 0) line["worker"] = a.worker;
+    add_norm(line);
     role_metrics_.write(line);
+  }
+
+  // The update's gradient norm (over the whole gradient: this range's with one server, the
+  // scheduler's sum with several) and the clip scale it applied (1 when it did not clip).
+  void add_norm(nlohmann::json& line) const {
+    if (opts_.consistency_kind() == Consistency::Average) return;  // the pushes are parameters
+    line[global_clip() || opts_.servers == 1 ? "grad_norm" : "range_grad_norm"] = last_norm_;
+    if (cfg_.optim.grad_clip > 0) line["clip_scale"] = last_scale_;
   }
 
   void write_checkpoint(int64_t version) {
@@ -378,6 +512,7 @@ class Server {
   RunConfig cfg_;
   PsOptions opts_;
   int64_t index_ = -1, begin_ = 0, end_ = 0;
+  int64_t param_end_ = 0;  // keys [begin_, param_end_) are parameters, the rest router biases
   std::vector<ParamRange> groups_;
   std::unique_ptr<Optimizer> opt_;
   std::unique_ptr<LrSchedule> schedule_;
@@ -392,6 +527,8 @@ class Server {
   bool resume_pending_ = false;  // a resumed job's first Restore has not come yet
   int64_t epoch_ = 0, generation_ = 0;  // of the latest setup, for a standby scheduler
   int64_t rollbacks_ = 0;
+  double last_norm_ = 0, last_scale_ = 1;  // of the latest update this server applied
+  std::deque<Incoming> deferred_;  // control messages that came while an update waited
 };
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "train/accumulate.h"
 #include "train/evaluate.h"
 #include "train/lm_checkpoint.h"
+#include "train/run_state.h"
 
 namespace fs = std::filesystem;
 
@@ -70,7 +71,8 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
   group_ = group;
   model_ = std::make_unique<Transformer>(cfg_.model, group_ ? group_->moe : MoeContext{});
   model_->set_precision(cfg_.train.precision_dtype());  // f32 or bf16 (check_ps_run_config)
-  params_.assign(static_cast<std::size_t>(model_->layout().size()), 0.0f);
+  // The job's keys: the parameters, then the router biases (job_keys, ps/options.h).
+  params_.assign(static_cast<std::size_t>(job_keys(cfg_)), 0.0f);
   grads_.assign(params_.size(), 0.0f);
   // A worker started in place of a dead one begins with a zero residual: see docs/ps.md.
   if (opts_.compression() == Encoding::Int8) residual_.assign(params_.size(), 0.0f);
@@ -173,8 +175,38 @@ Accumulated WorkerStep::accumulate_rows(int64_t clock, const RowAssignment& a,
         "optim.warmup_steps",
         clock, p.total, index_);
   };
-  return accumulate(*model_, params_.data(), grads_.data(), static_cast<int64_t>(grads_.size()),
-                    args);
+  set_router_biases();
+  Accumulated acc =
+      accumulate(*model_, params_.data(), grads_.data(), model_->layout().size(), args);
+  push_expert_loads();
+  return acc;
+}
+
+// sigmoid_bias: the model routes with the biases pulled with the parameters (the keys past
+// them), which the server holding them stepped with every worker's loads of the last clock.
+void WorkerStep::set_router_biases() {
+  if (cfg_.model.router != RouterKind::SigmoidBias) return;
+  const float* b = params_.data() + model_->layout().size();
+  const int64_t E = cfg_.model.n_experts;
+  for (MoeLayer* m : model_->moe_layers()) {
+    std::copy_n(b, E, m->router_bias());
+    b += E;
+  }
+}
+
+// The push's router bias keys carry this worker's expert loads of the clock (token counts, exact
+// in f32), which the server sums over the workers; the model's own counts are cleared (adding
+// nothing to its biases), as a trainer's bias update clears them.
+void WorkerStep::push_expert_loads() {
+  if (cfg_.model.router != RouterKind::SigmoidBias) return;
+  float* g = grads_.data() + model_->layout().size();
+  const int64_t E = cfg_.model.n_experts;
+  const std::vector<double> none(static_cast<std::size_t>(E), 0.0);
+  for (MoeLayer* m : model_->moe_layers()) {
+    for (int64_t e = 0; e < E; ++e) g[e] = static_cast<float>(m->pending_load()[e]);
+    m->apply_bias_delta(none.data());
+    g += E;
+  }
 }
 
 PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
@@ -237,6 +269,9 @@ void WorkerStep::finish(int64_t clock) {
   CheckpointContents c;
   for (const auto& p : layout.params())
     c.model.push_back({p.name, p.shape, params_.data() + p.offset});
+  // The router biases the servers hold, in the training state as the trainers write them.
+  set_router_biases();
+  c.state = bias_views(*model_);
   c.config = lm_checkpoint_config(cfg_);
   c.files = tokenizer_.hf_files(cfg_.model.max_seq_len);
   c.trainer = {{"step", clock},

@@ -88,8 +88,11 @@ class WorkerStep {
   std::unique_ptr<LrSchedule> schedule_;   // average: over train.steps × H local steps
   std::unique_ptr<Comm> comm_;             // average: a local step's gradient is all of it
 
-  // grads = Σ over micro-batches of the gradient of rows `a` of step `step` × loss_weight.
+  // grads = Σ over micro-batches of the gradient of rows `a` of step `step` × loss_weight; with
+  // sigmoid_bias the router bias keys of grads = this worker's expert loads.
   Accumulated accumulate_rows(int64_t step, const RowAssignment& a, float loss_weight);
+  void set_router_biases();
+  void push_expert_loads();
 
   // A worker group: the dense key ranges (layout order), this rank's keys, the dense chunk sizes
   // per rank and this rank's chunk as flat ranges; dense_ holds the concatenated dense values.

@@ -249,9 +249,38 @@ TEST(PsOptions, RejectBadValuesByName) {
   RunConfig cfg;
   PsOptions one, two;
   two.servers = 2;
-  // Clipping by the global norm needs the whole gradient on one server.
-  expect_error([&] { check_ps_run_config(cfg, two); }, "optim.grad_clip = 1 with --servers 2");
+  // Clipping by the global norm over several servers: sync gathers the partial norms of one
+  // update, average clips on the workers; the modes that apply pushes one by one are refused.
   check_ps_run_config(cfg, one);
+  check_ps_run_config(cfg, two);
+  two.consistency = "average";
+  check_ps_run_config(cfg, two);
+  for (const char* mode : {"quorum", "async", "ssp", "half_sync"}) {
+    two.consistency = mode;
+    expect_error([&] { check_ps_run_config(cfg, two); },
+                 fmt::format("optim.grad_clip = 1 with --servers 2 and --consistency {}", mode)
+                     .c_str());
+    one.consistency = mode;
+    check_ps_run_config(cfg, one);
+  }
+  one.consistency = two.consistency = "sync";
+  // Aux-loss-free balancing: sync sums a clock's expert loads; they and the biases travel as f32.
+  cfg.model.router = RouterKind::SigmoidBias;
+  cfg.optim.grad_clip = 0;
+  check_ps_run_config(cfg, two);
+  two.consistency = "async";
+  expect_error([&] { check_ps_run_config(cfg, two); },
+               "model.router = sigmoid_bias with --consistency async");
+  two.consistency = "sync";
+  two.pull_compression = "bf16";
+  expect_error([&] { check_ps_run_config(cfg, two); },
+               "model.router = sigmoid_bias with --push-compression none --pull-compression bf16");
+  two.pull_compression = "none";
+  cfg.model.n_experts = 4;
+  expect_error([&] { check_worker_group(cfg, two, 2); },
+               "--ep 2 with model.router = sigmoid_bias");
+  cfg.model.router = RouterKind::TopKSoftmax;
+  cfg.optim.grad_clip = 1;
   cfg.optim.grad_clip = 0;
   cfg.model.capacity = CapacityMode::Dynamic;
   cfg.model.capacity_factor = 1.0;

@@ -12,6 +12,7 @@
 #include "io/checkpoint.h"
 #include "io/file.h"
 #include "io/run_lock.h"
+#include "optim/clip.h"
 #include "io/metrics.h"
 #include "io/report.h"
 #include "ps/message.h"
@@ -142,6 +143,113 @@ TEST(PsJob, OneServerClipsByTheGlobalNormLikeTheSingleProcessRun) {
   ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
   for (auto [step, loss] : b)
     EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+}
+
+// With two servers the global norm is the scheduler's sum of the servers' partial sums of
+// squares (ps/global_norm.h): the sync job clips every update by the factor the single-process
+// run over the same global batch computes. The tolerances: the two runs add the same per-row
+// gradients in another order (the pushes per server against the micro-batch accumulation, and
+// the squares in other blocks), about 1e-7 relative per step, which the steps carry forward as
+// SyncEqualsSingleProcess measures; 1e-5 relative bounds it for the losses, the parameters (L2)
+// and the norms. The scale is max_norm / (norm + 1e-6), so its relative error is the norm's.
+// A threshold no update reaches leaves the job's bits as they are without clipping.
+TEST(PsJob, TwoServersClipByTheGlobalNormLikeTheSingleProcessRun) {
+  TempDir tmp("ps_clip2");
+  const int steps = 12, W = 2, B = 2;
+  const double clip = 0.05;
+  const std::vector<std::string> ps = {"--servers", "2", "--workers", "2", "--consistency",
+                                       "sync"};
+  Job job = launch(tmp, ps, steps, B, "run", {"optim.grad_clip=0.05"});
+  ASSERT_EQ(job.code, 0) << job.output;
+  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
+  sets.push_back("optim.grad_clip=0.05");
+  std::vector<float> ref_params;
+  {
+    Trainer t(load_run_config("", sets), false);
+    t.run();
+    ref_params = t.params();
+  }
+  std::map<int64_t, double> ref_norm, norm, scale;
+  for (const auto& j : read_metrics(tmp / "ref"))
+    if (j.contains("grad_norm")) ref_norm[j["step"].get<int64_t>()] = j["grad_norm"].get<double>();
+  for (const auto& j : read_metrics(tmp / "run"))
+    if (j.contains("clip_scale")) {
+      norm[j["step"].get<int64_t>()] = j["grad_norm"].get<double>();
+      scale[j["step"].get<int64_t>()] = j["clip_scale"].get<double>();
+    }
+  ASSERT_EQ(scale.size(), static_cast<std::size_t>(steps));
+  int clipped = 0;
+  double worst_norm = 0;
+  for (auto [step, n] : ref_norm) {
+    ASSERT_TRUE(scale.count(step)) << "step " << step;
+    clipped += n > clip;
+    worst_norm = std::max(worst_norm, std::fabs(norm[step] - n) / n);
+    EXPECT_LE(std::fabs(norm[step] - n), 1e-5 * n) << "step " << step;
+    const double want = clip_coefficient(n, clip);
+    EXPECT_LE(std::fabs(scale[step] - want), 1e-5 * want) << "step " << step;
+  }
+  EXPECT_GE(clipped, steps / 2) << "the threshold should clip most steps";
+  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
+  for (auto [step, loss] : b)
+    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  LoadedModel m = load_model(tmp / "run");
+  ASSERT_EQ(m.params.size(), ref_params.size());
+  EXPECT_LE(relative_l2(m.params, ref_params), 1e-5);
+  std::printf("largest relative norm difference %.3g, parameters' relative L2 distance %.3g\n",
+              worst_norm, relative_l2(m.params, ref_params));
+
+  // Not binding: the same bits as the job without clipping.
+  Job loose = launch(tmp, ps, steps, B, "loose", {"optim.grad_clip=1000"});
+  ASSERT_EQ(loose.code, 0) << loose.output;
+  Job off = launch(tmp, ps, steps, B, "off");
+  ASSERT_EQ(off.code, 0) << off.output;
+  for (const auto& j : read_metrics(tmp / "loose"))
+    if (j.contains("clip_scale")) EXPECT_EQ(j["clip_scale"].get<double>(), 1.0);
+  EXPECT_EQ(load_model(tmp / "loose").params, load_model(tmp / "off").params);
+}
+
+// The router biases of a checkpoint (sigmoid_bias: one E-vector per MoE layer, in the training
+// state as the trainers write them).
+std::vector<float> router_biases(const fs::path& run, int64_t step, const RunConfig& cfg) {
+  const int64_t E = cfg.model.n_experts, L = cfg.model.n_layers;
+  std::vector<float> out(static_cast<std::size_t>(L * E));
+  CheckpointContents c;
+  for (int64_t l = 0; l < L; ++l)
+    c.state.push_back({fmt::format("model.layers.{}.block_sparse_moe.router_bias", l), {E},
+                       out.data() + l * E});
+  read_checkpoint(checkpoint_dir(run, step), c);
+  return out;
+}
+
+// Aux-loss-free balancing in ps mode: each worker pushes its expert loads on the router bias keys,
+// the server holding them sums a clock's loads and applies the trainers' bias rule (bias_update),
+// and workers route with the biases they pull. Against the single-process run over the same global
+// batch the losses agree as SyncEqualsSingleProcess's do (1e-5: the sums' order), and the biases
+// are bitwise equal: the rule's inputs are integer token counts (exact in f32 sums) and its steps
+// are ± the rate, so the same routing gives the same bits.
+TEST(PsJob, RouterBiasesFollowTheSingleProcessRun) {
+  TempDir tmp("ps_bias");
+  const int steps = 12, W = 2, B = 2;
+  const std::vector<std::string> bias = {"model.router=sigmoid_bias", "model.bias_update_rate=0.01"};
+  Job job = launch(tmp, {"--servers", "2", "--workers", "2"}, steps, B, "run", bias);
+  ASSERT_EQ(job.code, 0) << job.output;
+  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
+  sets.insert(sets.end(), bias.begin(), bias.end());
+  const RunConfig ref = load_run_config("", sets);
+  {
+    Trainer t(ref, false);
+    t.run();
+  }
+  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
+  for (auto [step, loss] : b)
+    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  const std::vector<float> mine = router_biases(tmp / "run", steps, ref),
+                           want = router_biases(tmp / "ref", steps, ref);
+  EXPECT_EQ(mine, want);
+  EXPECT_NE(std::count(want.begin(), want.end(), 0.0f), static_cast<std::ptrdiff_t>(want.size()))
+      << "the biases should have moved";
 }
 
 // Random bytes, truncated frames, a wrong version, a huge declared size, a multi-frame message:
@@ -279,11 +387,12 @@ TEST(PsJob, BadOptionsStopBeforeStarting) {
   Job b = launch(tmp, {"--workers", "2"}, 5, 2, "clip");
   EXPECT_EQ(b.code, 0) << b.output;  // the defaults are fine
   write_corpus(tmp / "data", 60000);
-  Process c({"ps", "launch", "--servers", "2", "--", "train", "--set", "optim.grad_clip=1",
-             "--set", "train.run_dir=" + (tmp / "c").string()},
+  Process c({"ps", "launch", "--servers", "2", "--consistency", "async", "--", "train", "--set",
+             "optim.grad_clip=1", "--set", "train.run_dir=" + (tmp / "c").string()},
             tmp / "c.log");
   EXPECT_NE(c.wait(60), 0);
-  EXPECT_NE(c.output().find("optim.grad_clip = 1 with --servers 2"), std::string::npos)
+  EXPECT_NE(c.output().find("optim.grad_clip = 1 with --servers 2 and --consistency async"),
+            std::string::npos)
       << c.output();
   // A setting a worker would ignore, given as --set, is refused as its flag form is.
   Process e({"ps", "launch", "--", "train", "--set", "optim.grad_clip=0", "--set", "dist.ep=2",

@@ -157,7 +157,8 @@ struct Cluster {
 
   Cluster(const std::filesystem::path& tmp, const std::string& job, int n_workers, int steps,
           int n_servers = 1, std::vector<std::string> job_args = {},
-          const std::string& heartbeat_timeout = "1", double worker_slowdown = 1.0)
+          const std::string& heartbeat_timeout = "1", double worker_slowdown = 1.0,
+          const std::vector<std::string>& sets = {})
       : dir(tmp), run(tmp / job), name(job) {
     write_corpus(dir / "data", 60000);
     keys = (dir / (name + "_keys")).string();
@@ -179,6 +180,7 @@ struct Cluster {
     args.insert(args.end(), job_args.begin(), job_args.end());
     for (const auto& s : as_set_args(tiny_ps_overrides(dir / "data", run, steps, 2)))
       args.push_back(s);
+    for (const auto& s : as_set_args(sets)) args.push_back(s);  // after the defaults: they win
     scheduler = std::make_unique<Process>(args, dir / (name + "_scheduler.log"));
     wait_for_file(dir / (name + ".endpoint"), 30);
     std::ifstream(dir / (name + ".endpoint")) >> endpoint;

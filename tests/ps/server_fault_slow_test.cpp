@@ -20,6 +20,8 @@
 #include "ps/process.h"         // tests/ps/process.h
 #include "ps/sync_reference.h"  // tests/ps/sync_reference.h
 #include "support/corpus.h"
+#include "support/temp_dir.h"
+#include "train/trainer.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -316,6 +318,56 @@ TEST_F(PsServerFault, LaunchedStandbySchedulerTakesOverAKilledScheduler) {
   EXPECT_EQ(spares, 1) << out;
   EXPECT_EQ(applied_steps(run), kSteps) << "every clock applied exactly once";
   expect_reference_params(run);
+}
+
+// optim.grad_clip over two servers through server failures: each sync update waits for the
+// scheduler's global scale (ps/global_norm.h). A killed primary's backup, promoted, reports the
+// clock in flight again and gets the decided (or the completed) round; without a replica, the
+// surviving server waiting on the dead one's partial gives the update up when the roll-back
+// begins. Either way the job ends with bitwise the undisturbed clipped run's parameters (the
+// same partials, summed in the same order, give the same scale), and nothing hangs.
+TEST(PsServerFaultClip, FailuresKeepTheGloballyClippedRunsBits) {
+  TempDir tmp("ps_fault_clip");
+  const int steps = 80;
+  const std::vector<std::string> clip = {"optim.grad_clip=0.05"};
+  std::vector<float> reference;
+  {
+    Cluster c(tmp.path(), "ref", 2, steps, 2, {"--servers", "2"}, "2", 1.0, clip);
+    ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+    reference = load_model(c.run).params;
+    int clipped = 0;
+    for (const auto& j : read_metrics(c.run))
+      if (j.contains("clip_scale")) clipped += j["clip_scale"].get<double>() < 1.0;
+    EXPECT_GE(clipped, steps / 2) << "the threshold should clip most steps";
+  }
+  {
+    Cluster c(tmp.path(), "replica", 2, steps, 4, {"--servers", "2", "--server-replicas", "2"},
+              "2", 1.0, clip);
+    ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 20; }, 60)) << c.logs();
+    Process* primary = c.find("server", 0, true);
+    ASSERT_NE(primary, nullptr) << c.logs();
+    primary->kill(SIGKILL);
+    ASSERT_LT(applied_steps(c.run), steps) << "the job ended before the kill";
+    ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+    EXPECT_EQ(read_json(c.run / "ps" / "scheduler.json")["failovers"].get<int64_t>(), 1);
+    EXPECT_EQ(load_model(c.run).params, reference) << "the promoted backup's job";
+  }
+  {
+    Cluster c(tmp.path(), "restart", 2, steps, 2, {"--servers", "2", "--checkpoint-every", "10"},
+              "2", 1.0, clip);
+    ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 25; }, 60)) << c.logs();
+    Process* victim = c.find("server", 1);
+    ASSERT_NE(victim, nullptr) << c.logs();
+    victim->kill(SIGKILL);
+    ASSERT_LT(applied_steps(c.run), steps) << "the job ended before the kill";
+    ASSERT_TRUE(wait_until(
+        [&] { return c.scheduler->output().find("waiting up to") != std::string::npos; }, 30))
+        << c.logs();
+    c.add_server();
+    ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+    EXPECT_EQ(read_json(c.run / "ps" / "scheduler.json")["rollbacks"].get<int64_t>(), 1);
+    EXPECT_EQ(load_model(c.run).params, reference) << "the rolled-back job";
+  }
 }
 
 }  // namespace
