@@ -263,11 +263,13 @@ void validate_pipeline(const RunConfig& c) {
     MOETRAIN_CHECK(!bad, "dist.pp = {} with {}: the pipeline executor does not run it yet; {}", d.pp,
                    what, "leave it at its default or set dist.pp = 1");
   };
-  refuse(d.ep > 1, fmt::format("dist.ep = {} (expert parallelism)", d.ep));
   refuse(d.zero > 0, fmt::format("dist.zero = {} (a stage's optimizer holds its own blocks only)",
                                  d.zero));
   refuse(d.local_steps(), "dist.sync = params");
+  // Expert parallelism runs inside each stage (dist.ep divides the stage's processes, checked
+  // where the process groups are made); its flat all-to-all only.
   refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
+  refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
   refuse(d.a2a_chunks > 1, fmt::format("dist.a2a_chunks = {}", d.a2a_chunks));
   refuse(d.grad_reduce_dtype == "int8",
          "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");

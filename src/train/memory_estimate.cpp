@@ -312,11 +312,14 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
 RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) {
   RankLayout l;
   l.world = world;
-  l.ep = world > 1 ? cfg.dist.ep : 1;
-  // Pipeline stages (a dist.pp that does not divide the processes is refused by name where the
-  // process groups are made): each rank steps its stage's parameters and holds its activation
-  // slots, the first stage the most (1F1B: pp micro-batches of its layers; GPipe: every one).
-  if (cfg.dist.pp > 1 && world % cfg.dist.pp == 0) {
+  // Pipeline stages (a dist.pp that does not divide the processes, or a dist.ep that does not
+  // divide a stage's, is refused by name where the process groups are made; the estimate takes
+  // neither then): each rank steps its stage's parameters and holds its activation slots, the
+  // first stage the most (1F1B: pp micro-batches of its layers; GPipe: every one).
+  const bool stages_fit = cfg.dist.pp > 1 && world % cfg.dist.pp == 0;
+  const int64_t stage_world = stages_fit ? world / cfg.dist.pp : world;
+  l.ep = world > 1 && stage_world % cfg.dist.ep == 0 ? cfg.dist.ep : 1;
+  if (stages_fit) {
     l.pp = cfg.dist.pp;
     if (parse_pipe_schedule(cfg.dist.pp_schedule, "dist.pp_schedule") == PipeSchedule::GPipe)
       l.pipe_in_flight = static_cast<double>(cfg.train.grad_accum);

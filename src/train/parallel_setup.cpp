@@ -17,14 +17,23 @@ MoeContext RunParallel::moe_context() {
 RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_experts,
                               bool has_moe_layers) {
   RunParallel out;
-  // dist.pp > 1: the groups are those of this rank's stage's copies (one per pipeline, reducing
-  // the stage's gradients as data parallelism does); control stays the world, so that losses,
-  // norms and stop votes are agreed over every stage.
+  // dist.pp > 1: the groups are those of this rank's stage's copies (one per pipeline), made by
+  // make_process_groups over them as over the world of a run without stages: the stage's dense
+  // gradients reduce over its copies, its experts shard over EP groups of its copies and their
+  // gradients reduce over the stage's EDP groups. control stays the world, so that losses, norms
+  // and stop votes are agreed over every stage.
   Comm* over = &world;
   std::unique_ptr<Comm> copies;
   if (dist.pp > 1) {
     const int W = world.size(), P = static_cast<int>(dist.pp);
     MOETRAIN_CHECK(W % P == 0, "dist.pp = {} does not divide the {} processes of this run", P, W);
+    // Expert parallelism runs inside a stage: its copies (one per pipeline) form EP groups as
+    // the processes of a run without stages do.
+    MOETRAIN_CHECK((W / P) % dist.ep == 0,
+                   "dist.ep = {} does not divide the {} processes of a pipeline stage (dist.pp = "
+                   "{} over {} processes): each stage's copies form the expert-parallel groups; "
+                   "use a dist.ep that divides {}",
+                   dist.ep, W / P, P, W, W / P);
     // The stage copies' reduction would run on the communication thread while the pipeline's
     // sends and receives run on this one (MPI runs SERIALIZED).
     MOETRAIN_CHECK(W == P || !dist.overlap,

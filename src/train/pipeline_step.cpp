@@ -125,6 +125,11 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
   const std::vector<MoeLayer*> all = model.moe_layers();
   Accumulated acc = Accumulated::for_layers(all.size(), model.config().n_experts);
 
+  // Under expert parallelism each forward and backward of a MoE layer is collective over the
+  // stage's EP group (its copies in other pipelines). Every rank of that group is this stage in
+  // its own pipeline and runs the same list of passes, so the exchanges of each micro-batch's
+  // passes come in the same order on all of them; the pipe's sends and receives only delay a
+  // pass, they never reorder one.
   const std::vector<PipeOp> ops = stage_ops(setup_.schedule, {p, A, 1}, s);
   events_.clear();
   auto now = [] {

@@ -19,6 +19,10 @@
 //
 // A stage's gradients accumulate over the micro-batches in micro-batch order, as the
 // one-process accumulation does, so each parameter gradient has the same bits as there.
+//
+// With several pipelines, a stage's copies are its data-parallel ranks and, under dist.ep > 1,
+// its expert-parallel groups (train/parallel_setup.h): the MoE layers of every slot run with the
+// exchange over the stage's EP group, whose ranks all run this stage's schedule.
 #pragma once
 #include <cstdint>
 #include <memory>

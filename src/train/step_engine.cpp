@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -64,9 +65,17 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
     // The slots' MoE layers run with what the model's run with (RunParallel::moe_context).
     const MoeContext ctx = pg_->layout.world > 1 ? ep_.context(*pg_) : MoeContext{};
     pipe_ = std::make_unique<PipelineRunner>(std::move(rp.pipe), *lm, ctx);
-    // The stage's optimizer holds and steps its own parameters only.
+    // The stage's optimizer holds and steps its own parameters only: of what this rank would
+    // step without stages (its dense parameters and, under expert parallelism, its experts), the
+    // part within the stage.
     const PipeParams mine = pipe_stage_params(*lm, stages, pipe_->stage());
-    dp.pieces = {{mine.offset, mine.size}};
+    std::vector<OptimPiece> pieces;
+    for (const OptimPiece& p : dp.pieces) {
+      const int64_t lo = std::max(p.offset, mine.offset);
+      const int64_t hi = std::min(p.offset + p.size, mine.offset + mine.size);
+      if (lo < hi) pieces.push_back({lo, hi - lo});
+    }
+    dp.pieces = std::move(pieces);
   }
   zero3_ = std::move(dp.zero3);
   if (cfg_.grad.sparse_experts && !moe.empty())
@@ -96,14 +105,17 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
                                                   std::move(dp.pieces), offload);
   writers_ = checkpoint_writers(layout, pg_->layout, cfg_.moe.n_experts);
   if (pipe_) {
-    // Each stage writes its own tensors (as sharded files), the first pipeline's processes.
+    // Each stage writes its own tensors (as sharded files): the writers above are ranks of a
+    // stage's copies (every stage's groups have the same layout), and copy c of stage s is world
+    // rank c · stages + s. So an expert is written by a copy that holds it, as without stages.
     const auto& lm = dynamic_cast<const Transformer&>(model_);
     const std::vector<ParamInfo>& infos = layout.params();
-    for (int64_t s = 0; s < pipe_->stages(); ++s) {
-      const PipeParams r = pipe_stage_params(lm, pipe_->stages(), s);
+    const auto P = static_cast<int>(pipe_->stages());
+    for (int s = 0; s < P; ++s) {
+      const PipeParams r = pipe_stage_params(lm, P, s);
       for (std::size_t i = 0; i < infos.size(); ++i)
         if (infos[i].offset >= r.offset && infos[i].offset < r.offset + r.size)
-          writers_[i] = static_cast<int>(s);
+          writers_[i] = writers_[i] * P + s;
     }
   }
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
@@ -130,10 +142,12 @@ std::string StepEngine::describe_layout() const {
   const ParallelLayout& pl = pg_->layout;
   if (pipe_)
     return fmt::format("{} processes: {} pipeline(s) x {} stages ({}), {} micro-batches a step, "
-                       "{} activation slots on stage {}",
+                       "{} activation slots on stage {}; a stage's {} copies: {} data-parallel "
+                       "x {} expert-parallel ({} experts each)",
                        world_, pipe_->replicas(), pipe_->stages(),
                        pipe_schedule_name(pipe_->schedule()), cfg_.micro_batches,
-                       pipe_->slots(cfg_.micro_batches), pipe_->stage());
+                       pipe_->slots(cfg_.micro_batches), pipe_->stage(), pl.world, pl.dp, pl.ep,
+                       expert_shard_.count);
   return fmt::format(
       "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",

@@ -251,3 +251,128 @@ TEST(Pipeline, RefusesAStageCountThatDoesNotFitTheProcesses) {
   world->barrier();
   EXPECT_FALSE(fs::exists(run)) << "a refused run wrote " << run;
 }
+
+// Pipelines whose stages run expert parallelism (dist.pp = 2, dist.ep = 2 on 4 processes: each
+// stage's two copies are one EP group) against the run without stages on 2 processes with
+// dist.ep = 2, the same global batch and seed.
+//
+// Bitwise where the code path is the same: copy c of a stage reads what rank c reads without
+// stages; its MoE layers route the same tokens over an EP group of the same two ranks (the
+// balancing statistics reduced over the same two) and compute each expert's rows in the same
+// order; each gradient accumulates over the micro-batches in micro-batch order on both, and the
+// dense gradients sum over the two copies as over the two ranks (a sum of two terms, one order);
+// expert gradients are not reduced (one EDP rank). AdamW is elementwise, so with the clip off the
+// parameters, the moments and the checkpointed tensors have the bits of the run without stages.
+// The training loss and the gradient norm are summed per stage, then over the stages (regrouped
+// double sums of a few hundred terms: 1e-12 relative), as in the tests above.
+TEST(Pipeline, ExpertParallelStagesFollowTheExpertParallelRunBitwise) {
+  auto world = dist_world("pipeline_ep");
+  const int W = world->size(), r = world->rank();
+  if (W != 4) GTEST_SKIP() << "needs 4 processes for 2 pipelines x 2 stages, dist.ep = 2";
+  SharedDir dir(*world, "pipeline_ep");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const std::vector<std::string> ep = {"dist.ep=2", "dist.overlap=false"};
+  // The processes per machine are found once, collectively over every process: before a
+  // trainer runs on half of them.
+  dist_local_size();
+  // The run without stages on ranks 0 and 1; each writes its parameters for the copies that
+  // hold the same experts (copy c of each stage holds rank c's).
+  auto half = world->split(r / 2, r % 2, {"half"});
+  auto ref_file = [&](int c) { return dir / ("ref_params" + std::to_string(c) + ".bin"); };
+  if (r < 2) {
+    Trainer t(make_config(dir / "data", dir / "ep", 1, "1f1b", ep), false, half->dup("ep_run"));
+    t.run();
+    std::ofstream(ref_file(r), std::ios::binary)
+        .write(reinterpret_cast<const char*>(t.params().data()),
+               static_cast<std::streamsize>(t.params().size() * sizeof(float)));
+  }
+  world->barrier();
+  const std::vector<double> ref_losses = metric(dir / "ep", "loss");
+  const std::vector<double> ref_norms = metric(dir / "ep", "grad_norm");
+  const std::vector<double> ref_val = metric(dir / "ep", "val_loss");
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    SCOPED_TRACE(schedule);
+    const fs::path run = dir / ("pp_ep_" + schedule);
+    Trainer t(make_config(dir / "data", run, 2, schedule, ep), false, dist_world("pp_ep_run"));
+    t.run();
+    const PipelineRunner* pipe = t.pipeline();
+    ASSERT_NE(pipe, nullptr);
+    std::vector<char> held = held_values(t);
+    const PipeParams mine = pipe_stage_params(t.model(), pipe->stages(), pipe->stage());
+    for (std::size_t i = 0; i < held.size(); ++i)
+      held[i] &= static_cast<int64_t>(i) >= mine.offset &&
+                 static_cast<int64_t>(i) < mine.offset + mine.size;
+    std::vector<float> ref(t.params().size());
+    std::ifstream(ref_file(static_cast<int>(pipe->replica())), std::ios::binary)
+        .read(reinterpret_cast<char*>(ref.data()),
+              static_cast<std::streamsize>(ref.size() * sizeof(float)));
+    const std::vector<float> got(t.params().begin(), t.params().end());
+    EXPECT_EQ(differ_held(got, ref, held), 0)
+        << "stage " << pipe->stage() << " copy " << pipe->replica()
+        << ": parameters differ from the run without stages";
+    if (r == 0) {
+      const std::vector<double> losses = metric(run, "loss"), norms = metric(run, "grad_norm");
+      ASSERT_EQ(losses.size(), static_cast<std::size_t>(kSteps));
+      ASSERT_EQ(ref_losses.size(), losses.size());
+      EXPECT_LE(max_rel(losses, ref_losses), 1e-12);
+      EXPECT_LT(losses.back(), losses.front());
+      ASSERT_EQ(norms.size(), ref_norms.size());
+      EXPECT_LE(max_rel(norms, ref_norms), 1e-12);
+      EXPECT_EQ(metric(run, "val_loss"), ref_val);
+      // The checkpoint holds the tensors of the run without stages, bit for bit: each expert's
+      // parameters and moments written by a copy that holds it.
+      const std::string step = "checkpoints/step_00000006";
+      const auto mine_ckpt = read_all_tensors(run / step);
+      const auto ref_ckpt = read_all_tensors(dir / "ep" / step);
+      EXPECT_GT(mine_ckpt.size(), 10u);
+      EXPECT_TRUE(mine_ckpt == ref_ckpt)
+          << "the pp x ep checkpoint differs from the run without stages'";
+    }
+  }
+  // The pp x ep step-3 checkpoint resumed without stages (dist.ep = 2 on 2 processes) ends where
+  // the run without stages ended.
+  if (r == 0) {
+    fs::create_directories(dir / "back/checkpoints");
+    fs::copy(dir / "pp_ep_gpipe/checkpoints/step_00000003", dir / "back/checkpoints/step_00000003");
+    std::ofstream(dir / "back/checkpoints/latest") << "step_00000003";
+    fs::copy_file(dir / "pp_ep_gpipe/metrics.jsonl", dir / "back/metrics.jsonl");
+  }
+  world->barrier();
+  if (r < 2) {
+    Trainer t(make_config(dir / "data", dir / "back", 1, "1f1b", ep), true, half->dup("back"));
+    t.run();
+    std::vector<float> ref(t.params().size());
+    std::ifstream(ref_file(r), std::ios::binary)
+        .read(reinterpret_cast<char*>(ref.data()),
+              static_cast<std::streamsize>(ref.size() * sizeof(float)));
+    const std::vector<float> got(t.params().begin(), t.params().end());
+    EXPECT_EQ(differ_held(got, ref, held_values(t)), 0)
+        << "the run without stages resumed from the pp x ep checkpoint differs";
+  }
+  world->barrier();
+}
+
+// dist.ep must divide the processes of a stage (here 1 of 2 stages on 2 processes, or 2 of 2
+// stages on 4 with dist.ep = 4): refused naming dist.ep, before anything is written.
+TEST(Pipeline, RefusesAnExpertGroupThatDoesNotFitTheStage) {
+  auto world = dist_world("pipeline_ep_refuse");
+  const int W = world->size();
+  SharedDir dir(*world, "pipeline_ep_refuse");
+  if (world->rank() == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const int64_t ep = W < 4 ? 2 : 4;
+  const fs::path run = dir / "refused";
+  try {
+    Trainer t(make_config(dir / "data", run, 2, "1f1b",
+                          {"dist.ep=" + std::to_string(ep), "dist.overlap=false"}),
+              false, dist_world("refused_ep"));
+    ADD_FAILURE() << "dist.ep = " << ep << " with dist.pp = 2 on " << W
+                  << " processes was not refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dist.ep = " + std::to_string(ep)), std::string::npos)
+        << e.what();
+  }
+  world->barrier();
+  EXPECT_FALSE(fs::exists(run)) << "a refused run wrote " << run;
+}
