@@ -37,9 +37,12 @@ void print_memory_table(const RunConfig& cfg, int np) {
   const MemoryEstimate e = rank_memory(cfg.model, cfg.train.batch_size, cfg.train.seq_len,
                                        trainer_layout(cfg, world, resident_memory().rss));
   if (mpi && dist_world("dry-run rank")->rank() != 0) return;
-  fmt::print("memory per rank ({} process{}, dist.ep = {}, dist.zero = {}, train.precision = "
+  fmt::print("memory per rank ({} process{}{}, dist.ep = {}, dist.zero = {}, train.precision = "
              "{}):\n{}",
-             world, world > 1 ? "es" : "", world > 1 ? cfg.dist.ep : 1, cfg.dist.zero, precision_name(cfg.train.precision),
+             world, world > 1 ? "es" : "",
+             cfg.dist.pp > 1 ? fmt::format(", dist.pp = {} ({})", cfg.dist.pp, cfg.dist.pp_schedule)
+                             : std::string(),
+             world > 1 ? cfg.dist.ep : 1, cfg.dist.zero, precision_name(cfg.train.precision),
              e.table());
   std::string source;
   const double avail = available_memory(&source);

@@ -26,7 +26,11 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
   std::unique_ptr<Comm> copies;
   if (dist.pp > 1) {
     const int W = world.size(), P = static_cast<int>(dist.pp);
-    MOETRAIN_CHECK(W % P == 0, "dist.pp = {} does not divide the {} processes of this run", P, W);
+    MOETRAIN_CHECK(W % P == 0,
+                   "dist.pp = {} pipeline stages need a multiple of {} processes, and this run "
+                   "has {}: start it with `moetrain launch -n {} -- train ...` (or `mpirun -n {} "
+                   "moetrain train ...`)",
+                   P, P, W, P, P);
     // Expert parallelism runs inside a stage: its copies (one per pipeline) form EP groups as
     // the processes of a run without stages do.
     MOETRAIN_CHECK((W / P) % dist.ep == 0,
