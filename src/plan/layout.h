@@ -43,9 +43,9 @@ struct Layout {
   int64_t dp() const { return procs / pp / ep; }
 };
 
-// Why `moetrain train` cannot run this layout's pipeline ("with ZeRO", "under the interleaved
+// Why `moetrain train` cannot run this layout's pipeline ("with ZeRO-2", "under the interleaved
 // schedule", ...), empty where it can: the trainer runs gpipe and 1f1b pipelines, with expert
-// parallelism inside each stage, without virtual stages or ZeRO (dist.pp,
+// parallelism and ZeRO-1 inside each stage, without virtual stages or ZeRO-2/3 (dist.pp,
 // train/pipeline_step.h).
 std::string pipeline_lacks(const Layout& l);
 // Whether `moetrain train` runs this layout: tensor parallelism, the pipelines of pipeline_lacks
