@@ -101,7 +101,7 @@ Run add_plan_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--tp", args->tp, "Tensor-parallel size (planner only, modelled simply)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  cmd->add_option("--pp", args->pp, "Pipeline stages (planner only, modelled simply)")
+  cmd->add_option("--pp", args->pp, "Pipeline stages (modelled simply; the trainer runs gpipe and 1f1b)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--vp", args->vp, "Virtual pipeline stages per rank (interleaved schedule)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));

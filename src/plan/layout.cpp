@@ -13,8 +13,7 @@ std::string pipeline_lacks(const Layout& l) {
   if (s != PipeSchedule::GPipe && s != PipeSchedule::OneFOneB)
     with.push_back(fmt::format("under the {} schedule", pipe_schedule_name(s)));
   if (l.vp > 1) with.push_back("with virtual stages");
-  if (l.ep > 1) with.push_back("with expert parallelism");
-  if (l.zero >= 1) with.push_back("with ZeRO");
+  if (l.zero >= 2) with.push_back(fmt::format("with ZeRO-{}", l.zero));
   std::string out;
   for (size_t i = 0; i < with.size(); ++i) out += (i == 0 ? "" : ", ") + with[i];
   return out;

@@ -151,9 +151,9 @@ std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
       out += fmt::format("best{}: {} ({:.0f} tokens/s, {:.2f} ms a step){}\n", at,
                          sweep_label(sweep, r.points[*b]), r.predictions[*b].tokens_per_s,
                          r.predictions[*b].step_time_s * 1e3,
-                         trainer_runs(r.points[*b].layout)
+                         trainer_runs(r.predictions[*b].layout)
                              ? ""
-                             : "; " + planner_only(r.points[*b].layout));
+                             : "; " + planner_only(r.predictions[*b].layout));
     else if (ran)
       out += fmt::format("best{}: none fits the device's memory\n", at);
   }
@@ -181,7 +181,7 @@ nlohmann::json sweep_json(const Sweep& sweep, const SweepResult& r) {
     nlohmann::json b = point_json(r.points[i]);
     b["step_time_s"] = r.predictions[i].step_time_s;
     b["tokens_per_s"] = r.predictions[i].tokens_per_s;
-    b["trainer_runs"] = trainer_runs(r.points[i].layout);
+    b["trainer_runs"] = trainer_runs(r.predictions[i].layout);
     best.push_back(b);
   }
   for (size_t i = 0; i < r.skipped.size(); ++i) {

@@ -263,8 +263,9 @@ void validate_pipeline(const RunConfig& c) {
     MOETRAIN_CHECK(!bad, "dist.pp = {} with {}: the pipeline executor does not run it yet; {}", d.pp,
                    what, "leave it at its default or set dist.pp = 1");
   };
-  refuse(d.zero > 0, fmt::format("dist.zero = {} (a stage's optimizer holds its own blocks only)",
-                                 d.zero));
+  // ZeRO-1 shards a stage's optimizer state over the stage's copies; ZeRO-2 and 3 reduce and
+  // gather around each micro-batch's backward, which the pipeline's passes do not call.
+  refuse(d.zero > 1, fmt::format("dist.zero = {} (ZeRO-1 runs)", d.zero));
   refuse(d.local_steps(), "dist.sync = params");
   // Expert parallelism runs inside each stage (dist.ep divides the stage's processes, checked
   // where the process groups are made); its flat all-to-all only.

@@ -76,6 +76,29 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
   return out;
 }
 
+namespace {
+
+// The ranges inside `stage` (whole when unset): a stage's bounds are tensor bounds, but the
+// dense ranges run across tensors and are cut there.
+SyncRanges within(SyncRanges r, const std::optional<FlatRange>& stage) {
+  if (!stage) return r;
+  const int64_t lo = stage->offset, hi = stage->offset + stage->size;
+  auto cut = [&](const std::vector<FlatRange>& in) {
+    std::vector<FlatRange> out;
+    for (const FlatRange& f : in) {
+      const int64_t a = std::max(f.offset, lo), z = std::min(f.offset + f.size, hi);
+      if (a < z) out.push_back({a, z - a});
+    }
+    return out;
+  };
+  r.dense = cut(r.dense), r.expert = cut(r.expert);
+  std::erase_if(r.expert_keyed,
+                [&](const ExpertPiece& p) { return p.offset < lo || p.offset + p.size > hi; });
+  return r;
+}
+
+}  // namespace
+
 ReduceSettings reduce_settings(const DistSettings& dist, CommThread* comm_thread) {
   ReduceSettings rs;
   rs.bucket_first_mb = dist.bucket_first_mb;
@@ -92,10 +115,11 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
   DataParallel out;
   if (groups.layout.world == 1) {
     out.reducer = std::make_unique<LocalGradReducer>(layout.size());
-    out.pieces.push_back({0, layout.size()});
+    const FlatRange all = settings.stage.value_or(FlatRange{0, layout.size()});
+    out.pieces.push_back({all.offset, all.size});
     return out;
   }
-  const SyncRanges ranges = sync_ranges(layout, held);
+  const SyncRanges ranges = within(sync_ranges(layout, held), settings.stage);
   if (settings.local_steps) {
     // Each rank steps on its own gradients over what it holds; GradSync's groups average.
     out.reducer = std::make_unique<LocalGradReducer>(layout.size());

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "model/params.h"
 #include "parallel/reducer.h"
 #include "parallel/comm_thread.h"
+#include "parallel/grad_sync.h"
 #include "parallel/groups.h"
 #include "parallel/moe_exchange_setup.h"
 #include "parallel/param_averaging.h"
@@ -39,6 +41,10 @@ struct ReduceSettings {
   // grad.sparse_experts: expert buckets cut per expert, so inactive ones can be skipped.
   bool sparse_experts = false;
   double sparse_ratio = 0;  // grad.sparse_ratio (0 = off)
+  // dist.pp > 1: the stage's flat range (train/pipeline_step.h, pipe_stage_params). Only its
+  // gradients are reduced, and its parameters stepped (ZeRO-1: sharded over the stage's copies);
+  // the other stages' parts of this process's buffers are never read.
+  std::optional<FlatRange> stage;
 };
 
 // Where a process sits in a pipeline (dist.pp > 1; train/pipeline_step.h): world = replicas ×
@@ -85,8 +91,9 @@ struct DataParallel {
 // when dist.overlap (null: after backward).
 ReduceSettings reduce_settings(const DistSettings& dist, CommThread* comm_thread);
 
-// The parameters of `layout` held by this rank (all but other ranks' experts) reduced over
-// groups.grads (replicated) and groups.expert_grads (experts). One process: the local reducer.
+// The parameters of `layout` held by this rank (all but other ranks' experts; within
+// settings.stage when set) reduced over groups.grads (replicated) and groups.expert_grads
+// (experts). One process: the local reducer.
 DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& held,
                                 ProcessGroups& groups, const ReduceSettings& settings);
 

@@ -56,27 +56,20 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
                              "= 0");
     rs.param_buffer = params_.data();
   }
-  DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
   if (rp.pipe.comm) {
     auto* lm = dynamic_cast<Transformer*>(&model_);
     MOETRAIN_CHECK(lm, "dist.pp = {}: only the language model runs pipeline stages",
                    rp.pipe.stages);
-    const int64_t stages = rp.pipe.stages;
     // The slots' MoE layers run with what the model's run with (RunParallel::moe_context).
     const MoeContext ctx = pg_->layout.world > 1 ? ep_.context(*pg_) : MoeContext{};
     pipe_ = std::make_unique<PipelineRunner>(std::move(rp.pipe), *lm, ctx);
-    // The stage's optimizer holds and steps its own parameters only: of what this rank would
-    // step without stages (its dense parameters and, under expert parallelism, its experts), the
-    // part within the stage.
-    const PipeParams mine = pipe_stage_params(*lm, stages, pipe_->stage());
-    std::vector<OptimPiece> pieces;
-    for (const OptimPiece& p : dp.pieces) {
-      const int64_t lo = std::max(p.offset, mine.offset);
-      const int64_t hi = std::min(p.offset + p.size, mine.offset + mine.size);
-      if (lo < hi) pieces.push_back({lo, hi - lo});
-    }
-    dp.pieces = std::move(pieces);
+    // The stage reduces and its optimizer steps its own parameters only: of what this rank would
+    // without stages (its dense parameters and, under expert parallelism, its experts; ZeRO-1:
+    // its shard of them), the part within the stage.
+    const PipeParams mine = pipe_stage_params(*lm, pipe_->stages(), pipe_->stage());
+    rs.stage = FlatRange{mine.offset, mine.size};
   }
+  DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
   zero3_ = std::move(dp.zero3);
   if (cfg_.grad.sparse_experts && !moe.empty())
     sparse_ = std::make_unique<SparseExperts>(layout, static_cast<int64_t>(moe.size()),

@@ -229,6 +229,28 @@ TEST(Pipeline, TwoPipelinesOfTwoStagesFollowTheOneProcessRun) {
     EXPECT_LE(max_rel(got.val_losses, single.val_losses), 1e-5);
     EXPECT_LE(max_rel(got.grad_norms, single.grad_norms), 1e-4);
   }
+  // ZeRO-1 shards each stage's optimizer state over its two copies (the experts' too: each
+  // expert is on both): every element is stepped by one copy with the same elementwise update
+  // on the same reduced gradient (a sum of two terms, one order), then gathered, so the
+  // parameters and the checkpoint are those of the run above, bit for bit.
+  const fs::path zrun = dir / "dp_zero1";
+  Trainer z(make_config(dir / "data", zrun, 2, "1f1b", {"dist.overlap=false", "dist.zero=1"}),
+            false, dist_world("pipeline_dp_zero1"));
+  z.run();
+  const Outcome sharded = finish(z, zrun);
+  int64_t stepped = 0;
+  for (const OptimPiece& p : z.optimizer().pieces()) stepped += p.size;
+  const auto stage_size = std::count(sharded.held.begin(), sharded.held.end(), 1);
+  EXPECT_LT(stepped, stage_size * 3 / 4) << "the copies do not share the stage's optimizer state";
+  EXPECT_GT(stepped, stage_size / 4) << "the copies do not share the stage's optimizer state";
+  EXPECT_EQ(differ_held(sharded.params, got.params, got.held), 0)
+      << "ZeRO-1 stage parameters differ from the run without it";
+  if (r == 0) {
+    EXPECT_LE(max_rel(metric(zrun, "loss"), got.losses), 1e-12);
+    const std::string step = "checkpoints/step_00000006";
+    EXPECT_TRUE(read_all_tensors(zrun / step) == read_all_tensors(run / step))
+        << "the ZeRO-1 pipelines' checkpoint differs from the pipelines' without it";
+  }
 }
 
 TEST(Pipeline, RefusesAStageCountThatDoesNotFitTheProcesses) {
@@ -291,10 +313,16 @@ TEST(Pipeline, ExpertParallelStagesFollowTheExpertParallelRunBitwise) {
   const std::vector<double> ref_losses = metric(dir / "ep", "loss");
   const std::vector<double> ref_norms = metric(dir / "ep", "grad_norm");
   const std::vector<double> ref_val = metric(dir / "ep", "val_loss");
-  for (const std::string schedule : {"gpipe", "1f1b"}) {
-    SCOPED_TRACE(schedule);
-    const fs::path run = dir / ("pp_ep_" + schedule);
-    Trainer t(make_config(dir / "data", run, 2, schedule, ep), false, dist_world("pp_ep_run"));
+  // ZeRO-1 shards the stage's optimizer state over its copies: each element is stepped by one
+  // of them with the same elementwise update, the reduced gradient the same two-term sum.
+  for (const std::string variant : {"gpipe", "1f1b", "1f1b_zero1"}) {
+    SCOPED_TRACE(variant);
+    const bool zero1 = variant == "1f1b_zero1";
+    const std::string schedule = zero1 ? "1f1b" : variant;
+    std::vector<std::string> keys = ep;
+    if (zero1) keys.push_back("dist.zero=1");
+    const fs::path run = dir / ("pp_ep_" + variant);
+    Trainer t(make_config(dir / "data", run, 2, schedule, keys), false, dist_world("pp_ep_run"));
     t.run();
     const PipelineRunner* pipe = t.pipeline();
     ASSERT_NE(pipe, nullptr);
@@ -326,6 +354,7 @@ TEST(Pipeline, ExpertParallelStagesFollowTheExpertParallelRunBitwise) {
       const auto mine_ckpt = read_all_tensors(run / step);
       const auto ref_ckpt = read_all_tensors(dir / "ep" / step);
       EXPECT_GT(mine_ckpt.size(), 10u);
+      EXPECT_EQ(mine_ckpt.size(), ref_ckpt.size());
       EXPECT_TRUE(mine_ckpt == ref_ckpt)
           << "the pp x ep checkpoint differs from the run without stages'";
     }

@@ -154,17 +154,24 @@ TEST(PlanLayout, PipelineShapeIsPartOfTheLayoutCheck) {
   EXPECT_EQ(layout_problem(cfg, c, interleaved), "");
 }
 
-// The trainer runs gpipe and 1f1b pipelines without virtual stages, expert parallelism or ZeRO;
-// the planner says which of these a layout has.
+// The trainer runs gpipe and 1f1b pipelines, with expert parallelism and ZeRO-1 inside the
+// stages, without virtual stages or ZeRO-2/3; the planner says which of these a layout has.
 TEST(PlanLayout, TheTrainersPipelinesAreNamed) {
   Layout l{.procs = 4, .ep = 1, .pp = 2};
   EXPECT_TRUE(trainer_runs(l));
   l.schedule = PipeSchedule::GPipe;
   EXPECT_TRUE(trainer_runs(l));
   l.ep = 2;
+  EXPECT_TRUE(trainer_runs(l));
+  EXPECT_EQ(planner_only(l), "");
+  l.schedule = PipeSchedule::OneFOneB;
+  EXPECT_TRUE(trainer_runs(l));
+  l.zero = 1;
+  EXPECT_TRUE(trainer_runs(l));
+  l.zero = 2;
   EXPECT_FALSE(trainer_runs(l));
   EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism with "
-                             "expert parallelism yet");
+                             "ZeRO-2 yet");
   l = {.procs = 4, .ep = 1, .pp = 2, .vp = 2};
   EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism under the "
                              "interleaved schedule, with virtual stages yet");
@@ -172,7 +179,7 @@ TEST(PlanLayout, TheTrainersPipelinesAreNamed) {
   l.schedule = PipeSchedule::ZeroBubble;
   l.zero = 1;
   EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism under the "
-                             "zero_bubble schedule, with ZeRO yet");
+                             "zero_bubble schedule yet");
 }
 
 TEST(PlanLayout, OversubscribedProcessesGetTheirShareOfTheCores) {

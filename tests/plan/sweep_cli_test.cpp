@@ -114,7 +114,8 @@ TEST(PlanSweep, PipelineSplitsCompareByTokensPerSecond) {
   const std::string cluster =
       std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/dgx_h100_8nodes.toml";
   const ProcessResult r = run_moetrain(
-      {"plan", "-c", cfg, "--cluster", cluster, "--sweep", "pp=1,2,4", "--sweep", "ep=8", "--json"},
+      {"plan", "-c", cfg, "--cluster", cluster, "--sweep", "pp=1,2,4", "--sweep", "ep=8", "--zero",
+       "2", "--json"},
       {{"OMP_NUM_THREADS", "1"}}, 60);
   ASSERT_EQ(r.code, 0) << r.output();
   const nlohmann::json j = json_of(r);
@@ -135,18 +136,18 @@ TEST(PlanSweep, PipelineSplitsCompareByTokensPerSecond) {
   ASSERT_EQ(j["best"].size(), 1u) << j.dump(2);
   EXPECT_EQ(j["best"][0]["pp"], layouts[most]["pp"]);
   EXPECT_EQ(j["best"][0]["tokens_per_s"], layouts[most]["tokens_per_s"]);
-  // The trainer's pipelines run without expert parallelism: these (EP 8) are the planner's only,
-  // and say so.
+  // The trainer's pipelines run expert parallelism and ZeRO-1 inside their stages but not
+  // ZeRO-2: these (EP 8, ZeRO-2) are the planner's only, and say so.
   for (size_t i = 0; i < layouts.size(); ++i)
     EXPECT_EQ(layouts[i]["trainer_runs"].get<bool>(), i == 0) << j.dump(2);
   EXPECT_EQ(j["best"][0]["trainer_runs"].get<bool>(), j["best"][0]["pp"] == 1) << j.dump(2);
   const ProcessResult table = run_moetrain(
-      {"plan", "-c", cfg, "--cluster", cluster, "--sweep", "pp=2,4", "--sweep", "ep=8"},
+      {"plan", "-c", cfg, "--cluster", cluster, "--sweep", "pp=2,4", "--sweep", "ep=8", "--zero",
+       "2"},
       {{"OMP_NUM_THREADS", "1"}}, 60);
   ASSERT_EQ(table.code, 0) << table.output();
   EXPECT_NE(table.output().find(
-                "planner only: moetrain train has no pipeline parallelism with expert parallelism "
-                "yet"),
+                "planner only: moetrain train has no pipeline parallelism with ZeRO-2 yet"),
             std::string::npos)
       << table.output();
   EXPECT_EQ(table.count("trainer runs it"), 1) << table.output();
