@@ -95,7 +95,8 @@ void Scheduler::on_checkpoint_list(const Node& n, const nlohmann::json& j) {
   const int64_t clock = newest_common_clock(lists_);
   ++generation_;
   norm_rounds_.drop_before(generation_);
-  std::erase_if(norm_waiting_, [&](const auto& kv) { return kv.first.first < generation_; });
+  std::erase_if(norm_waiting_,
+                [&](const auto& kv) { return std::get<0>(kv.first) < generation_; });
   rollback_clock_ = clock;
   restored_ = 0;
   log_warn("ps scheduler: every server rolls back to clock {} (generation {})", clock, generation_);

@@ -105,10 +105,11 @@ class Scheduler {
   std::map<int64_t, int64_t> stop_versions_;      // server index → its version when it checkpointed
   int64_t stop_agreed_ = -1;  // the clock every server stood at in the last round, or -1
   uint32_t generation_ = 0;
-  // optim.grad_clip over several servers: each sync update's partial norms (ps/global_norm.h),
+  // optim.grad_clip, grad.expert_reweight over several servers: each sync update's parts
+  // (ps/global_norm.h),
   // and who reported to each round still open (answered when it is decided).
   NormRounds norm_rounds_;
-  std::map<std::pair<uint32_t, int64_t>, std::vector<std::string>> norm_waiting_;
+  std::map<std::tuple<uint32_t, int64_t, int>, std::vector<std::string>> norm_waiting_;
   int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0, backups_attached_ = 0;
   int exit_code_ = 1;
   int32_t lead_ = -1;

@@ -12,6 +12,8 @@
 #include "io/metrics.h"
 #include "model/params.h"
 #include "moe/balance.h"
+#include "optim/clip.h"
+#include "optim/expert_reweight.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
 #include "ps/election.h"
@@ -33,6 +35,37 @@ namespace {
 // (or stops it) instead: the clock stays pending in the store, and the control message that
 // interrupted it is handled next.
 struct UpdateAbandoned {};
+
+// Keys [begin, end) of the flat gradient, held at g: a server's range as the update step's
+// GradientShard, so per-expert figures (flat offsets) are taken over the part of each expert
+// this range holds.
+class KeyRangeGradient final : public GradientShard {
+ public:
+  KeyRangeGradient(float* g, int64_t begin, int64_t end) : g_(g), begin_(begin), end_(end) {}
+  bool has_non_finite() const override { return moetrain::has_non_finite(g_, end_ - begin_); }
+  double sum_squares() const override { return grad_sum_squares(g_, end_ - begin_); }
+  void scale(float factor) override { scale_gradients(g_, end_ - begin_, factor); }
+  void range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
+                  double* sq_sum) const override {
+    for (std::size_t r = 0; r < ranges.size(); ++r) {
+      const auto [lo, hi] = clip(ranges[r]);
+      if (lo < hi) add_range_sums(g_ + (lo - begin_), hi - lo, abs_sum[r], sq_sum[r]);
+    }
+  }
+  void scale_ranges(const std::vector<WeightedRange>& ranges) override {
+    for (const WeightedRange& r : ranges) {
+      const auto [lo, hi] = clip(r);
+      if (lo < hi) scale_gradients(g_ + (lo - begin_), hi - lo, r.factor);
+    }
+  }
+
+ private:
+  std::pair<int64_t, int64_t> clip(const WeightedRange& r) const {
+    return {std::max(r.offset, begin_), std::min(r.offset + r.size, end_)};
+  }
+  float* g_;
+  int64_t begin_, end_;
+};
 
 struct ExpertSlice {
   int64_t offset;  // relative to the key range
@@ -253,6 +286,8 @@ class Server {
     // and stepped by the bias rule, not the optimizer.
     param_end_ = std::clamp(layout.size(), begin_, end_);
     opt_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, begin_, param_end_);
+    if (cfg_.grad.expert_reweight != "none")
+      reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), layout);
     schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps));
     std::vector<float> values(full.begin() + begin_, full.begin() + param_end_);
     values.resize(static_cast<std::size_t>(end_ - begin_), 0.0f);
@@ -284,32 +319,45 @@ class Server {
     }
   }
 
-  // Whether optim.grad_clip's norm spans several servers' ranges (sync mode; check_ps_run_config
-  // refuses the other modes): the scheduler adds the servers' parts (ps/global_norm.h).
-  bool global_clip() const { return cfg_.optim.grad_clip > 0 && opts_.servers > 1; }
+  // Whether an update's global figures span several servers' ranges (sync mode;
+  // check_ps_run_config refuses the other modes): the scheduler adds the servers' parts
+  // (ps/global_norm.h).
+  bool global_rounds() const {
+    return opts_.servers > 1 && (cfg_.optim.grad_clip > 0 || reweight_ != nullptr);
+  }
 
-  // The check, the clip and the step of one update (`version` ≥ 0), or of a primary's update that
-  // a backup replays (version −1). With one server the range is the whole gradient, and
-  // check_and_clip clips it as the single-process step does. With several, this range's sum of
-  // squares goes to the scheduler and the update waits for the global scale; the primary
-  // replicates the scaled sum, so a backup's replay does not clip again.
+  // The check, the reweighting, the clip and the step of one update (`version` ≥ 0), or of a
+  // primary's update that a backup replays (version −1). With one server the range is the whole
+  // gradient, and check_and_clip reweights and clips it as the single-process step does. With
+  // several, each expert's figures and then the squared norm go to the scheduler, and the update
+  // waits for their sums over every range. The primary replicates the reweighted and clipped
+  // sum, so a backup's replay applies neither again.
   void step(float* sum, double lr, float* values, const std::string& what, int64_t version,
             int64_t clock) {
     step_router_biases(sum, values);
-    FlatGradient grads(sum, param_end_ - begin_);
+    KeyRangeGradient grads(sum, begin_, param_end_);
+    const bool replay = version < 0, rounds = global_rounds();
     UpdateOptions o;
-    o.grad_clip = global_clip() ? 0.0 : cfg_.optim.grad_clip;
+    o.grad_clip = rounds || replay ? 0.0 : cfg_.optim.grad_clip;
+    o.reweight = rounds || replay ? nullptr : reweight_.get();
     o.where = fmt::format("{}, keys [{}, {})", what, begin_, end_);
     o.advice = "Lower optim.lr or raise optim.warmup_steps";
     const UpdateOutcome out = check_and_clip(grads, *comm_, o);
     if (out.skipped) return;
     last_norm_ = out.grad_norm;
     last_scale_ = out.clip_coef;
-    if (global_clip() && version >= 0) {
-      const ClipDecision d = agree_clip(version, clock, grads.sum_squares());
-      if (d.scale != 1.0) grads.scale(static_cast<float>(d.scale));
-      last_norm_ = d.norm;
-      last_scale_ = d.scale;
+    if (rounds && !replay) {
+      if (reweight_)
+        reweight_->apply_sums(
+            grads, agree(version, clock, RoundKind::Reweight, reweight_->partial_sums(grads)));
+      if (cfg_.optim.grad_clip > 0) {
+        const nlohmann::json j =
+            agree_reply(version, clock, RoundKind::Clip, {grads.sum_squares()});
+        const double scale = j.at("scale").get<double>();
+        if (scale != 1.0) grads.scale(static_cast<float>(scale));
+        last_norm_ = j.at("norm").get<double>();
+        last_scale_ = scale;
+      }
     }
     opt_->step(values, sum, static_cast<float>(lr));
   }
@@ -321,21 +369,22 @@ class Server {
            (k == Kind::CheckpointQuery && !in.json().value("write", false));
   }
 
-  // Sends this range's part of update `version`'s squared norm to the scheduler and waits for
-  // the global decision. Control messages that come meanwhile are handled after the update,
-  // except a roll-back (a Restore, or the checkpoint query that precedes it) and a Shutdown: the
-  // clock they undo will not be decided, so the update is abandoned (UpdateAbandoned). The
-  // report is sent again every heartbeat timeout, so a scheduler that took over collects it too;
-  // a server that never reports makes the scheduler stop the job, naming it.
-  ClipDecision agree_clip(int64_t version, int64_t clock, double sum_squares) {
-    const auto generation = static_cast<int64_t>(kv_.generation());
-    const nlohmann::json report = {{"version", version},
-                                   {"clock", clock},
-                                   {"generation", generation},
-                                   {"sum_squares", sum_squares}};
+  // Sends this range's part of round `kind` of update `version` to the scheduler and waits for
+  // the sum over every server's range. Control messages that come meanwhile are handled after the
+  // update, except a roll-back (a Restore, or the checkpoint query that precedes it) and a
+  // Shutdown: the clock they undo will not be decided, so the update is abandoned
+  // (UpdateAbandoned). The report is sent again every heartbeat timeout, so a scheduler that took
+  // over collects it too; a server that never reports makes the scheduler stop the job, naming it.
+  nlohmann::json agree_reply(int64_t version, int64_t clock, RoundKind kind,
+                             const std::vector<double>& part) {
     // A roll-back that came while an earlier try of this update waited is still to be handled.
     for (const Incoming& in : deferred_)
       if (undoes_clock(in)) throw UpdateAbandoned{};
+    const auto generation = static_cast<int64_t>(kv_.generation());
+    const std::string name = round_kind_name(kind);
+    const nlohmann::json report = {{"version", version}, {"clock", clock},
+                                   {"generation", generation}, {"kind", name},
+                                   {"part", part}};
     using Clock = std::chrono::steady_clock;
     auto sent = Clock::now() - std::chrono::hours(1);
     for (;;) {
@@ -350,23 +399,29 @@ class Server {
       while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) {
         const Kind k = in->header.kind_enum();
         if (k == Kind::ClipScale) {
-          const nlohmann::json j = in->json();
+          nlohmann::json j = in->json();
           if (j.at("version").get<int64_t>() != version ||
-              j.at("generation").get<int64_t>() != generation)
+              j.at("generation").get<int64_t>() != generation || j.at("kind") != name)
             continue;  // an answer to a report sent before a roll-back
-          return {j.at("sum_squares").get<double>(), j.at("norm").get<double>(),
-                  j.at("scale").get<double>()};
+          MOETRAIN_CHECK(j.at("sum").size() == part.size(),
+                         "the scheduler's {} sums of update {}: {} figures, {} sent", name,
+                         version, j.at("sum").size(), part.size());
+          return j;
         }
         const bool undoes = undoes_clock(*in);
         deferred_.push_back(std::move(*in));
         if (undoes) {
-          log_warn("{}: update {} abandoned while waiting for the global gradient norm: the "
+          log_warn("{}: update {} abandoned while waiting for its global {} figures: the "
                    "scheduler sent a {}",
-                   who_, version, kind_name(k));
+                   who_, version, name, kind_name(k));
           throw UpdateAbandoned{};
         }
       }
     }
+  }
+  std::vector<double> agree(int64_t version, int64_t clock, RoundKind kind,
+                            const std::vector<double>& part) {
+    return agree_reply(version, clock, kind, part).at("sum").get<std::vector<double>>();
   }
 
   void applied(const UpdateApplied& a) {
@@ -413,7 +468,8 @@ class Server {
   // scheduler's sum with several) and the clip scale it applied (1 when it did not clip).
   void add_norm(nlohmann::json& line) const {
     if (opts_.consistency_kind() == Consistency::Average) return;  // the pushes are parameters
-    line[global_clip() || opts_.servers == 1 ? "grad_norm" : "range_grad_norm"] = last_norm_;
+    line[cfg_.optim.grad_clip > 0 || opts_.servers == 1 ? "grad_norm" : "range_grad_norm"] =
+        last_norm_;
     if (cfg_.optim.grad_clip > 0) line["clip_scale"] = last_scale_;
   }
 
@@ -515,6 +571,7 @@ class Server {
   int64_t param_end_ = 0;  // keys [begin_, param_end_) are parameters, the rest router biases
   std::vector<ParamRange> groups_;
   std::unique_ptr<Optimizer> opt_;
+  std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight (grad_norm)
   std::unique_ptr<LrSchedule> schedule_;
   std::vector<ExpertSlice> experts_;
   std::vector<int64_t> contributors_;
