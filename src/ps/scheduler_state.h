@@ -1,6 +1,7 @@
 // The scheduler's state and its handlers, shared by scheduler.cpp (registration, heartbeats,
 // assignment, the end of the job) and scheduler_servers.cpp (server failures: promotion of a
-// backup, a new backup for a promoted primary, replacement and roll-back). Internal to src/ps.
+// backup, a new backup for a promoted primary, replacement and roll-back; the primaries' rounds
+// of an update's global figures). Internal to src/ps.
 #pragma once
 #include <zmq.hpp>
 

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <filesystem>
 
 #include "core/check.h"
@@ -12,12 +11,11 @@
 #include "io/metrics.h"
 #include "model/params.h"
 #include "moe/balance.h"
-#include "optim/clip.h"
 #include "optim/expert_reweight.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
 #include "ps/election.h"
-#include "ps/global_norm.h"
+#include "ps/server_rounds.h"
 #include "ps/job_events.h"
 #include "ps/kv_server.h"
 #include "ps/node.h"
@@ -30,42 +28,6 @@ namespace fs = std::filesystem;
 namespace moetrain::ps {
 
 namespace {
-
-// Thrown out of an update that waits for the global norm when the scheduler rolls the job back
-// (or stops it) instead: the clock stays pending in the store, and the control message that
-// interrupted it is handled next.
-struct UpdateAbandoned {};
-
-// Keys [begin, end) of the flat gradient, held at g: a server's range as the update step's
-// GradientShard, so per-expert figures (flat offsets) are taken over the part of each expert
-// this range holds.
-class KeyRangeGradient final : public GradientShard {
- public:
-  KeyRangeGradient(float* g, int64_t begin, int64_t end) : g_(g), begin_(begin), end_(end) {}
-  bool has_non_finite() const override { return moetrain::has_non_finite(g_, end_ - begin_); }
-  double sum_squares() const override { return grad_sum_squares(g_, end_ - begin_); }
-  void scale(float factor) override { scale_gradients(g_, end_ - begin_, factor); }
-  void range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
-                  double* sq_sum) const override {
-    for (std::size_t r = 0; r < ranges.size(); ++r) {
-      const auto [lo, hi] = clip(ranges[r]);
-      if (lo < hi) add_range_sums(g_ + (lo - begin_), hi - lo, abs_sum[r], sq_sum[r]);
-    }
-  }
-  void scale_ranges(const std::vector<WeightedRange>& ranges) override {
-    for (const WeightedRange& r : ranges) {
-      const auto [lo, hi] = clip(r);
-      if (lo < hi) scale_gradients(g_ + (lo - begin_), hi - lo, r.factor);
-    }
-  }
-
- private:
-  std::pair<int64_t, int64_t> clip(const WeightedRange& r) const {
-    return {std::max(r.offset, begin_), std::min(r.offset + r.size, end_)};
-  }
-  float* g_;
-  int64_t begin_, end_;
-};
 
 struct ExpertSlice {
   int64_t offset;  // relative to the key range
@@ -92,9 +54,11 @@ class Server {
       succession_->take_over(cfg_, opts_, why);
       return true;
     });
+    rounds_ = std::make_unique<ServerRounds>(*link_);
     index_ = link_->index();
     who_ = index_ >= 0 ? fmt::format("ps server {}", index_) : "ps server (spare)";
     kv_.set_name(who_);
+    rounds_->set_name(who_);
     if (index_ < 0)
       log_info("{}: the job has its servers; waiting as a spare to replace one that dies", who_);
   }
@@ -111,15 +75,13 @@ class Server {
     }
     while (!ok) {
       try {
-        if (!deferred_.empty()) {
-          Incoming in = std::move(deferred_.front());
-          deferred_.pop_front();
-          ok = on_control(in);
+        if (auto in = rounds_->next_deferred()) {
+          ok = on_control(*in);
           continue;
         }
         kv_.poll(link_->socket(), 50);
         link_->check();
-        while (!ok && deferred_.empty()) {
+        while (!ok && !rounds_->has_deferred()) {
           auto in = try_receive(link_->socket(), false, link_->rejects(), who_);
           if (!in) break;
           ok = on_control(*in);
@@ -204,6 +166,7 @@ class Server {
     index_ = j.at("index").get<int64_t>();
     who_ = fmt::format("ps server {}", index_);
     kv_.set_name(who_);
+    rounds_->set_name(who_);
     cfg_ = run_config_from_json(j.at("config"), "the scheduler's setup message");
     opts_ = PsOptions::from_json(j.at("options"));
     check_ps_run_config(cfg_, opts_);
@@ -347,12 +310,13 @@ class Server {
     last_norm_ = out.grad_norm;
     last_scale_ = out.clip_coef;
     if (rounds && !replay) {
+      const uint32_t generation = kv_.generation();
       if (reweight_)
-        reweight_->apply_sums(
-            grads, agree(version, clock, RoundKind::Reweight, reweight_->partial_sums(grads)));
+        reweight_->apply_sums(grads, rounds_->sums(version, clock, generation, RoundKind::Reweight,
+                                                   reweight_->partial_sums(grads)));
       if (cfg_.optim.grad_clip > 0) {
         const nlohmann::json j =
-            agree_reply(version, clock, RoundKind::Clip, {grads.sum_squares()});
+            rounds_->agree(version, clock, generation, RoundKind::Clip, {grads.sum_squares()});
         const double scale = j.at("scale").get<double>();
         if (scale != 1.0) grads.scale(static_cast<float>(scale));
         last_norm_ = j.at("norm").get<double>();
@@ -360,68 +324,6 @@ class Server {
       }
     }
     opt_->step(values, sum, static_cast<float>(lr));
-  }
-
-  // A roll-back (a Restore, or the checkpoint query that precedes it) or a stop.
-  static bool undoes_clock(const Incoming& in) {
-    const Kind k = in.header.kind_enum();
-    return k == Kind::Restore || k == Kind::Shutdown ||
-           (k == Kind::CheckpointQuery && !in.json().value("write", false));
-  }
-
-  // Sends this range's part of round `kind` of update `version` to the scheduler and waits for
-  // the sum over every server's range. Control messages that come meanwhile are handled after the
-  // update, except a roll-back (a Restore, or the checkpoint query that precedes it) and a
-  // Shutdown: the clock they undo will not be decided, so the update is abandoned
-  // (UpdateAbandoned). The report is sent again every heartbeat timeout, so a scheduler that took
-  // over collects it too; a server that never reports makes the scheduler stop the job, naming it.
-  nlohmann::json agree_reply(int64_t version, int64_t clock, RoundKind kind,
-                             const std::vector<double>& part) {
-    // A roll-back that came while an earlier try of this update waited is still to be handled.
-    for (const Incoming& in : deferred_)
-      if (undoes_clock(in)) throw UpdateAbandoned{};
-    const auto generation = static_cast<int64_t>(kv_.generation());
-    const std::string name = round_kind_name(kind);
-    const nlohmann::json report = {{"version", version}, {"clock", clock},
-                                   {"generation", generation}, {"kind", name},
-                                   {"part", part}};
-    using Clock = std::chrono::steady_clock;
-    auto sent = Clock::now() - std::chrono::hours(1);
-    for (;;) {
-      if (std::chrono::duration<double>(Clock::now() - sent).count() >=
-          link_->heartbeat_timeout()) {
-        send(link_->socket(), json_frame(Kind::NormReport, link_->node_id(), report));
-        sent = Clock::now();
-      }
-      link_->check();
-      zmq::pollitem_t item{link_->socket().handle(), 0, ZMQ_POLLIN, 0};
-      poll_sockets(&item, 1, 50);
-      while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) {
-        const Kind k = in->header.kind_enum();
-        if (k == Kind::ClipScale) {
-          nlohmann::json j = in->json();
-          if (j.at("version").get<int64_t>() != version ||
-              j.at("generation").get<int64_t>() != generation || j.at("kind") != name)
-            continue;  // an answer to a report sent before a roll-back
-          MOETRAIN_CHECK(j.at("sum").size() == part.size(),
-                         "the scheduler's {} sums of update {}: {} figures, {} sent", name,
-                         version, j.at("sum").size(), part.size());
-          return j;
-        }
-        const bool undoes = undoes_clock(*in);
-        deferred_.push_back(std::move(*in));
-        if (undoes) {
-          log_warn("{}: update {} abandoned while waiting for its global {} figures: the "
-                   "scheduler sent a {}",
-                   who_, version, name, kind_name(k));
-          throw UpdateAbandoned{};
-        }
-      }
-    }
-  }
-  std::vector<double> agree(int64_t version, int64_t clock, RoundKind kind,
-                            const std::vector<double>& part) {
-    return agree_reply(version, clock, kind, part).at("sum").get<std::vector<double>>();
   }
 
   void applied(const UpdateApplied& a) {
@@ -585,7 +487,7 @@ class Server {
   int64_t epoch_ = 0, generation_ = 0;  // of the latest setup, for a standby scheduler
   int64_t rollbacks_ = 0;
   double last_norm_ = 0, last_scale_ = 1;  // of the latest update this server applied
-  std::deque<Incoming> deferred_;  // control messages that came while an update waited
+  std::unique_ptr<ServerRounds> rounds_;  // the scheduler's rounds of an update's figures
 };
 
 }  // namespace
