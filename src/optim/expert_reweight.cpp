@@ -105,21 +105,33 @@ ExpertReweighter::ExpertReweighter(const ExpertReweightConfig& cfg, const ParamT
 }
 
 void ExpertReweighter::apply(GradientShard& grads, Comm& comm) {
+  std::vector<double> sums = partial_sums(grads);
+  if (cfg_.mode != ExpertReweightMode::Utilisation)
+    comm.allreduce(sums.data(), static_cast<int64_t>(sums.size()));
+  apply_sums(grads, sums);
+}
+
+std::vector<double> ExpertReweighter::partial_sums(const GradientShard& grads) const {
   const std::size_t LE = static_cast<std::size_t>(L_ * E_);
   std::vector<double> sums(2 * LE, 0.0);  // Σ|g| then Σg², per (layer, expert)
-  if (cfg_.mode != ExpertReweightMode::Utilisation) {
-    std::vector<double> abs_sum(sorted_.size(), 0.0), sq_sum(sorted_.size(), 0.0);
-    grads.range_sums(sorted_, abs_sum.data(), sq_sum.data());
-    for (std::size_t i = 0; i < sorted_.size(); ++i) {
-      sums[static_cast<std::size_t>(owner_[i])] += abs_sum[i];
-      sums[LE + static_cast<std::size_t>(owner_[i])] += sq_sum[i];
-    }
-    comm.allreduce(sums.data(), static_cast<int64_t>(sums.size()));
-  } else {
+  if (cfg_.mode == ExpertReweightMode::Utilisation) return sums;
+  std::vector<double> abs_sum(sorted_.size(), 0.0), sq_sum(sorted_.size(), 0.0);
+  grads.range_sums(sorted_, abs_sum.data(), sq_sum.data());
+  for (std::size_t i = 0; i < sorted_.size(); ++i) {
+    sums[static_cast<std::size_t>(owner_[i])] += abs_sum[i];
+    sums[LE + static_cast<std::size_t>(owner_[i])] += sq_sum[i];
+  }
+  return sums;
+}
+
+void ExpertReweighter::apply_sums(GradientShard& grads, const std::vector<double>& sums) {
+  const std::size_t LE = static_cast<std::size_t>(L_ * E_);
+  MOETRAIN_CHECK(sums.size() == 2 * LE, "expert reweighting: {} summed figures for {} experts",
+                 sums.size(), LE);
+  if (cfg_.mode == ExpertReweightMode::Utilisation)
     MOETRAIN_CHECK(static_cast<int64_t>(loads_.size()) == L_,
                    "grad.expert_reweight = utilisation: {} layers of loads for {} MoE layers",
                    loads_.size(), L_);
-  }
   for (int64_t l = 0; l < L_; ++l) {
     std::vector<double> per(static_cast<std::size_t>(E_));
     for (int64_t e = 0; e < E_; ++e) {

@@ -57,8 +57,15 @@ class ExpertReweighter {
   int64_t experts() const { return E_; }
   // utilisation: this step's loads, (layers, E) summed over every process.
   void set_loads(std::vector<std::vector<int64_t>> loads) { loads_ = std::move(loads); }
-  // Collective over comm: the factors from this step's reduced gradient (and loads), applied.
+  // Collective over comm: the factors from this step's reduced gradient (and loads), applied:
+  // partial_sums of this process's part, summed over comm, then apply_sums.
   void apply(GradientShard& grads, Comm& comm);
+  // (2 · layers · E) Σ|g| then Σg² of each expert over this process's part (zeros for
+  // utilisation, which reads the loads). Summed over every part of the gradient, they are what
+  // apply_sums takes; a parameter server adds its servers' parts in server order.
+  std::vector<double> partial_sums(const GradientShard& grads) const;
+  // The factors from the summed figures (and the loads), applied to this process's part.
+  void apply_sums(GradientShard& grads, const std::vector<double>& sums);
   // (layers, E) the factors the last apply used (ones before the first).
   const std::vector<std::vector<double>>& factors() const { return factors_; }
   // (layers) the smallest and largest factor of each layer.

@@ -1,24 +1,33 @@
-// Global-norm clipping when the gradient's key ranges live on several servers (sync mode): each
-// primary, once it has summed a clock's pushes for its range, reports the range's sum of squares
-// to the scheduler; the scheduler adds the S partials in server-index order, takes the square
-// root and the clip scale with the single-process trainer's formula (clip_coefficient in
-// optim/clip.h), and returns both to every server, which scales its summed gradient by it before
-// its optimizer steps. The rounds as a pure state machine (no sockets), kept by the scheduler.
+// Figures of one sync update that span several servers' key ranges, gathered by the scheduler:
+// each primary, once it has summed a clock's pushes for its range, reports its range's part; the
+// scheduler adds the S parts elementwise in server-index order and returns the sum to every
+// server before any applies the update. Two rounds use it, in this order:
+//   reweight  grad.expert_reweight: each expert's Σ|g| and Σg² over the range
+//             (ExpertReweighter::partial_sums); every server takes the factors from the sums
+//             with the trainers' code (ExpertReweighter::apply_sums)
+//   clip      optim.grad_clip: the range's Σg² after reweighting; the scheduler takes the norm
+//             and the clip scale with the trainers' formula (clip_coefficient in optim/clip.h)
+// The rounds as a pure state machine (no sockets), kept by the scheduler.
 //
-// A round is named by the roll-back generation and the update's version, so a roll-back's
-// replayed clocks never meet the rounds of the clocks it undid. A decided round is kept for a
-// while: a promoted backup (or a server that sent its report again after a scheduler took over)
-// asks again and is given the same decision.
+// A round is named by the roll-back generation, the update's version and its kind, so a
+// roll-back's replayed clocks never meet the rounds of the clocks it undid. A decided round is
+// kept for a while: a promoted backup (or a server that sent its report again after a scheduler
+// took over) asks again and is given the same sums.
 #pragma once
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace moetrain::ps {
+
+enum class RoundKind : int { Reweight = 0, Clip = 1 };
+const char* round_kind_name(RoundKind k);  // "reweight" | "clip"
+RoundKind parse_round_kind(const std::string& s);
 
 struct ClipDecision {
   double sum_squares = 0;  // Σ over the servers' ranges, added in server-index order
@@ -26,22 +35,24 @@ struct ClipDecision {
   double scale = 1;        // clip_coefficient(norm, optim.grad_clip)
 };
 
-// The scale the collective trainer would apply for these partials (one per server, in server
-// order): the same sum order on every call, the same formula as check_and_clip's.
-ClipDecision decide_clip(const std::vector<double>& partial_sum_squares, double grad_clip);
+// The scale the collective trainer applies for this global sum of squares (check_and_clip's
+// formula); 1 when grad_clip ≤ 0.
+ClipDecision decide_clip(double sum_squares, double grad_clip);
 
 class NormRounds {
  public:
   using Clock = std::chrono::steady_clock;
 
   NormRounds() = default;
-  NormRounds(int64_t servers, double grad_clip) : servers_(servers), grad_clip_(grad_clip) {}
+  explicit NormRounds(int64_t servers) : servers_(servers) {}
 
-  // Server `server`'s partial for update `version` of `generation`. Returns the decision once
-  // every server has reported (or at once, for a round decided earlier). A later report of the
-  // same server replaces its earlier one while the round is open.
-  std::optional<ClipDecision> report(uint32_t generation, int64_t version, int64_t server,
-                                     double sum_squares, Clock::time_point now = Clock::now());
+  // Server `server`'s part (the same length from every server) of round `kind` of update
+  // `version` of `generation`. Returns the elementwise sum in server order once every server has
+  // reported (or at once, for a round decided earlier). A later report of the same server
+  // replaces its earlier one while the round is open.
+  std::optional<std::vector<double>> report(uint32_t generation, int64_t version, RoundKind kind,
+                                            int64_t server, std::vector<double> part,
+                                            Clock::time_point now = Clock::now());
 
   // The open round that has waited longest for its missing servers, when it has waited more
   // than limit_s seconds since its first report: its version and the servers that did not report.
@@ -53,13 +64,12 @@ class NormRounds {
 
  private:
   struct Round {
-    std::vector<std::optional<double>> partials;  // per server index
+    std::vector<std::optional<std::vector<double>>> parts;  // per server index
     Clock::time_point first;
-    std::optional<ClipDecision> decision;
+    std::optional<std::vector<double>> sum;
   };
   int64_t servers_ = 1;
-  double grad_clip_ = 0;
-  std::map<std::pair<uint32_t, int64_t>, Round> rounds_;  // (generation, version) → round
+  std::map<std::tuple<uint32_t, int64_t, int>, Round> rounds_;  // (generation, version, kind)
 };
 
 }  // namespace moetrain::ps

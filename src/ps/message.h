@@ -39,9 +39,10 @@ enum class Kind : uint16_t {
                     // clocks as int64 pairs); aux0 = the update rule's step count
   RowsQuery,        // scheduler → worker: a new row split is coming; stop before the next clock
   RowsReady,        // worker → scheduler: JSON {clock}: the next clock it would start
-  NormReport,       // primary server → scheduler: JSON {version, generation, sum_squares}: its
-                    // range's part of a sync update's squared gradient norm (ps/global_norm.h)
-  ClipScale,        // scheduler → server: JSON {version, generation, sum_squares, norm, scale}
+  NormReport,       // primary server → scheduler: JSON {version, generation, kind, part}: its
+                    // range's part of a sync update's global figures (ps/global_norm.h)
+  ClipScale,        // scheduler → server: JSON {version, generation, kind, sum} (+ norm, scale
+                    // for a clip round)
 };
 constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::ClipScale);
 std::string_view kind_name(Kind kind);

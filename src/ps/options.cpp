@@ -221,11 +221,26 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "grad.sparse_ratio = {}: parameter-server mode pushes whole key ranges and "
                  "has no sparse reduction; set grad.sparse_ratio = 0",
                  cfg.grad.sparse_ratio);
-  MOETRAIN_CHECK(cfg.grad.expert_reweight == "none",
-                 "grad.expert_reweight = {}: the factors need every expert's whole gradient at "
-                 "each step, which parameter-server mode splits over servers and workers; set "
-                 "grad.expert_reweight = none",
-                 cfg.grad.expert_reweight);
+  // Expert reweighting: grad_norm's factors come from the reduced gradient alone; with several
+  // servers a sync update's per-expert figures meet at the scheduler (ps/global_norm.h).
+  MOETRAIN_CHECK(cfg.grad.expert_reweight == "none" || cfg.grad.expert_reweight == "grad_norm",
+                 "grad.expert_reweight = {}: {}; parameter-server mode runs grad_norm (or none)",
+                 cfg.grad.expert_reweight,
+                 cfg.grad.expert_reweight == "utilisation"
+                     ? "its factors need the step's tokens per expert, which the servers do not "
+                       "see (the workers route)"
+                     : "its moving averages would have to travel with every server's checkpoint "
+                       "and backup, which they do not yet");
+  MOETRAIN_CHECK(cfg.grad.expert_reweight == "none" ||
+                     (mode != Consistency::Average &&
+                      (options.servers == 1 || mode == Consistency::Sync)),
+                 "grad.expert_reweight = {} with --servers {} and --consistency {}: the factors "
+                 "need each expert's whole summed gradient of one update, which {}; use "
+                 "--consistency sync",
+                 cfg.grad.expert_reweight, options.servers, options.consistency,
+                 mode == Consistency::Average
+                     ? "average's pushes of parameters do not carry"
+                     : "only sync gathers from several servers");
 }
 
 void check_worker_group_size(int64_t ep, int64_t world) {

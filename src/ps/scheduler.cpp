@@ -25,7 +25,7 @@ Scheduler::Scheduler(const SchedulerArgs& a, std::unique_ptr<SchedulerSocket> so
   args_.options.validate();
   check_ps_run_config(args_.config, args_.options);
   total_keys_ = job_keys(args_.config);
-  norm_rounds_ = NormRounds(args_.options.servers, args_.config.optim.grad_clip);
+  norm_rounds_ = NormRounds(args_.options.servers);
   global_rows_ = args_.options.workers * args_.config.train.batch_size;
   // Before anything in the run directory is written: another run writing it, or an earlier run
   // it holds without --resume, stops the job here. A standby joins the job its scheduler holds.
@@ -497,45 +497,6 @@ void Scheduler::on_stop_checkpoint(const Node& n, const nlohmann::json& j) {
   if (!n.primary || n.index < 0) return;
   lists_[n.index] = j.at("clocks").get<std::vector<int64_t>>();
   stop_versions_[n.index] = j.at("version").get<int64_t>();
-}
-
-// One primary's part of a sync update's squared gradient norm; once every server's is in, the
-// decision goes to each server that reported (a server that reports a decided round again, e.g.
-// a promoted backup, is answered at once).
-void Scheduler::on_norm_report(const Node& n, const Incoming& in) {
-  const nlohmann::json j = in.json();
-  const auto generation = j.at("generation").get<uint32_t>();
-  const auto version = j.at("version").get<int64_t>();
-  if (generation < generation_) return;  // a clock a roll-back undid
-  const auto key = std::make_pair(generation, version);
-  auto& waiting = norm_waiting_[key];
-  waiting.push_back(n.identity);
-  const std::optional<ClipDecision> d =
-      norm_rounds_.report(generation, version, n.index, j.at("sum_squares").get<double>());
-  if (!d) return;
-  const std::string reply = json_frame(Kind::ClipScale, -1,
-                                       {{"version", version},
-                                        {"generation", generation},
-                                        {"sum_squares", d->sum_squares},
-                                        {"norm", d->norm},
-                                        {"scale", d->scale}});
-  for (const std::string& id : waiting) send_to(router_, id, reply);
-  norm_waiting_.erase(key);
-}
-
-// A round that some server never reported to stops the job, naming them: a dead server is found
-// by its heartbeats first (and replaced, or its backup promoted, which reports again), so this
-// catches a server that lives but does not answer. Returns false when the job stopped.
-bool Scheduler::check_norm_rounds() {
-  const double limit = args_.options.server_wait + 2 * args_.options.heartbeat_timeout;
-  const auto late = norm_rounds_.overdue(limit);
-  if (!late) return true;
-  shutdown_all(fmt::format(
-      "update {}: server(s) {} sent no partial gradient norm within {:.0f} s (--server-wait + "
-      "twice --heartbeat-timeout) of the first server's, so optim.grad_clip's global norm "
-      "cannot be taken",
-      late->first, fmt::join(late->second, ", "), limit));
-  return false;
 }
 
 int run_scheduler(const SchedulerArgs& args) {

@@ -1,6 +1,7 @@
 // The scheduler's handling of server failures (see scheduler.h): a dead primary's backup is
 // promoted, a spare or a newly registered server becomes the new backup of a shard that has none,
-// and a shard without a replica waits for a replacement, then every server rolls back.
+// and a shard without a replica waits for a replacement, then every server rolls back. Also the
+// primaries' rounds of a sync update's global figures (ps/global_norm.h).
 #include "core/log.h"
 #include "ps/job_plan.h"
 #include "ps/scheduler_state.h"
@@ -95,7 +96,8 @@ void Scheduler::on_checkpoint_list(const Node& n, const nlohmann::json& j) {
   const int64_t clock = newest_common_clock(lists_);
   ++generation_;
   norm_rounds_.drop_before(generation_);
-  std::erase_if(norm_waiting_, [&](const auto& kv) { return kv.first.first < generation_; });
+  std::erase_if(norm_waiting_,
+                [&](const auto& kv) { return std::get<0>(kv.first) < generation_; });
   rollback_clock_ = clock;
   restored_ = 0;
   log_warn("ps scheduler: every server rolls back to clock {} (generation {})", clock, generation_);
@@ -158,6 +160,51 @@ void Scheduler::backup_attached(const Node& b, const std::string& cause) {
   ++backups_attached_;
   ++epoch_;
   broadcast_setup();
+}
+
+// One primary's part of a round of a sync update (ps/global_norm.h); once every server's is in,
+// the sum goes to each server that reported (a server that reports a decided round again, e.g. a
+// promoted backup, is answered at once), with the clip decision for a clip round.
+void Scheduler::on_norm_report(const Node& n, const Incoming& in) {
+  const nlohmann::json j = in.json();
+  const auto generation = j.at("generation").get<uint32_t>();
+  const auto version = j.at("version").get<int64_t>();
+  const RoundKind kind = parse_round_kind(j.at("kind").get<std::string>());
+  if (generation < generation_) return;  // a clock a roll-back undid
+  const auto key = std::make_tuple(generation, version, static_cast<int>(kind));
+  auto& waiting = norm_waiting_[key];
+  waiting.push_back(n.identity);
+  const std::optional<std::vector<double>> sum = norm_rounds_.report(
+      generation, version, kind, n.index, j.at("part").get<std::vector<double>>());
+  if (!sum) return;
+  nlohmann::json body = {{"version", version},
+                         {"generation", generation},
+                         {"kind", round_kind_name(kind)},
+                         {"sum", *sum}};
+  if (kind == RoundKind::Clip) {
+    MOETRAIN_CHECK(sum->size() == 1, "a clip round of {} figures", sum->size());
+    const ClipDecision d = decide_clip(sum->front(), args_.config.optim.grad_clip);
+    body["norm"] = d.norm;
+    body["scale"] = d.scale;
+  }
+  const std::string reply = json_frame(Kind::ClipScale, -1, body);
+  for (const std::string& id : waiting) send_to(router_, id, reply);
+  norm_waiting_.erase(key);
+}
+
+// A round that some server never reported to stops the job, naming them: a dead server is found
+// by its heartbeats first (and replaced, or its backup promoted, which reports again), so this
+// catches a server that lives but does not answer. Returns false when the job stopped.
+bool Scheduler::check_norm_rounds() {
+  const double limit = args_.options.server_wait + 2 * args_.options.heartbeat_timeout;
+  const auto late = norm_rounds_.overdue(limit);
+  if (!late) return true;
+  shutdown_all(fmt::format(
+      "update {}: server(s) {} sent no part of the update's global figures within {:.0f} s "
+      "(--server-wait + twice --heartbeat-timeout) of the first server's, so optim.grad_clip's "
+      "global norm (or grad.expert_reweight's factors) cannot be taken",
+      late->first, fmt::join(late->second, ", "), limit));
+  return false;
 }
 
 }  // namespace moetrain::ps

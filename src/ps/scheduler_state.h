@@ -1,6 +1,7 @@
 // The scheduler's state and its handlers, shared by scheduler.cpp (registration, heartbeats,
 // assignment, the end of the job) and scheduler_servers.cpp (server failures: promotion of a
-// backup, a new backup for a promoted primary, replacement and roll-back). Internal to src/ps.
+// backup, a new backup for a promoted primary, replacement and roll-back; the primaries' rounds
+// of an update's global figures). Internal to src/ps.
 #pragma once
 #include <zmq.hpp>
 
@@ -105,10 +106,11 @@ class Scheduler {
   std::map<int64_t, int64_t> stop_versions_;      // server index → its version when it checkpointed
   int64_t stop_agreed_ = -1;  // the clock every server stood at in the last round, or -1
   uint32_t generation_ = 0;
-  // optim.grad_clip over several servers: each sync update's partial norms (ps/global_norm.h),
+  // optim.grad_clip, grad.expert_reweight over several servers: each sync update's parts
+  // (ps/global_norm.h),
   // and who reported to each round still open (answered when it is decided).
   NormRounds norm_rounds_;
-  std::map<std::pair<uint32_t, int64_t>, std::vector<std::string>> norm_waiting_;
+  std::map<std::tuple<uint32_t, int64_t, int>, std::vector<std::string>> norm_waiting_;
   int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0, backups_attached_ = 0;
   int exit_code_ = 1;
   int32_t lead_ = -1;

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <filesystem>
 
 #include "core/check.h"
@@ -12,10 +11,11 @@
 #include "io/metrics.h"
 #include "model/params.h"
 #include "moe/balance.h"
+#include "optim/expert_reweight.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
 #include "ps/election.h"
-#include "ps/global_norm.h"
+#include "ps/server_rounds.h"
 #include "ps/job_events.h"
 #include "ps/kv_server.h"
 #include "ps/node.h"
@@ -28,11 +28,6 @@ namespace fs = std::filesystem;
 namespace moetrain::ps {
 
 namespace {
-
-// Thrown out of an update that waits for the global norm when the scheduler rolls the job back
-// (or stops it) instead: the clock stays pending in the store, and the control message that
-// interrupted it is handled next.
-struct UpdateAbandoned {};
 
 struct ExpertSlice {
   int64_t offset;  // relative to the key range
@@ -59,9 +54,11 @@ class Server {
       succession_->take_over(cfg_, opts_, why);
       return true;
     });
+    rounds_ = std::make_unique<ServerRounds>(*link_);
     index_ = link_->index();
     who_ = index_ >= 0 ? fmt::format("ps server {}", index_) : "ps server (spare)";
     kv_.set_name(who_);
+    rounds_->set_name(who_);
     if (index_ < 0)
       log_info("{}: the job has its servers; waiting as a spare to replace one that dies", who_);
   }
@@ -78,15 +75,13 @@ class Server {
     }
     while (!ok) {
       try {
-        if (!deferred_.empty()) {
-          Incoming in = std::move(deferred_.front());
-          deferred_.pop_front();
-          ok = on_control(in);
+        if (auto in = rounds_->next_deferred()) {
+          ok = on_control(*in);
           continue;
         }
         kv_.poll(link_->socket(), 50);
         link_->check();
-        while (!ok && deferred_.empty()) {
+        while (!ok && !rounds_->has_deferred()) {
           auto in = try_receive(link_->socket(), false, link_->rejects(), who_);
           if (!in) break;
           ok = on_control(*in);
@@ -171,6 +166,7 @@ class Server {
     index_ = j.at("index").get<int64_t>();
     who_ = fmt::format("ps server {}", index_);
     kv_.set_name(who_);
+    rounds_->set_name(who_);
     cfg_ = run_config_from_json(j.at("config"), "the scheduler's setup message");
     opts_ = PsOptions::from_json(j.at("options"));
     check_ps_run_config(cfg_, opts_);
@@ -253,6 +249,8 @@ class Server {
     // and stepped by the bias rule, not the optimizer.
     param_end_ = std::clamp(layout.size(), begin_, end_);
     opt_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, begin_, param_end_);
+    if (cfg_.grad.expert_reweight != "none")
+      reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), layout);
     schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps));
     std::vector<float> values(full.begin() + begin_, full.begin() + param_end_);
     values.resize(static_cast<std::size_t>(end_ - begin_), 0.0f);
@@ -284,89 +282,48 @@ class Server {
     }
   }
 
-  // Whether optim.grad_clip's norm spans several servers' ranges (sync mode; check_ps_run_config
-  // refuses the other modes): the scheduler adds the servers' parts (ps/global_norm.h).
-  bool global_clip() const { return cfg_.optim.grad_clip > 0 && opts_.servers > 1; }
+  // Whether an update's global figures span several servers' ranges (sync mode;
+  // check_ps_run_config refuses the other modes): the scheduler adds the servers' parts
+  // (ps/global_norm.h).
+  bool global_rounds() const {
+    return opts_.servers > 1 && (cfg_.optim.grad_clip > 0 || reweight_ != nullptr);
+  }
 
-  // The check, the clip and the step of one update (`version` ≥ 0), or of a primary's update that
-  // a backup replays (version −1). With one server the range is the whole gradient, and
-  // check_and_clip clips it as the single-process step does. With several, this range's sum of
-  // squares goes to the scheduler and the update waits for the global scale; the primary
-  // replicates the scaled sum, so a backup's replay does not clip again.
+  // The check, the reweighting, the clip and the step of one update (`version` ≥ 0), or of a
+  // primary's update that a backup replays (version −1). With one server the range is the whole
+  // gradient, and check_and_clip reweights and clips it as the single-process step does. With
+  // several, each expert's figures and then the squared norm go to the scheduler, and the update
+  // waits for their sums over every range. The primary replicates the reweighted and clipped
+  // sum, so a backup's replay applies neither again.
   void step(float* sum, double lr, float* values, const std::string& what, int64_t version,
             int64_t clock) {
     step_router_biases(sum, values);
-    FlatGradient grads(sum, param_end_ - begin_);
+    KeyRangeGradient grads(sum, begin_, param_end_);
+    const bool replay = version < 0, rounds = global_rounds();
     UpdateOptions o;
-    o.grad_clip = global_clip() ? 0.0 : cfg_.optim.grad_clip;
+    o.grad_clip = rounds || replay ? 0.0 : cfg_.optim.grad_clip;
+    o.reweight = rounds || replay ? nullptr : reweight_.get();
     o.where = fmt::format("{}, keys [{}, {})", what, begin_, end_);
     o.advice = "Lower optim.lr or raise optim.warmup_steps";
     const UpdateOutcome out = check_and_clip(grads, *comm_, o);
     if (out.skipped) return;
     last_norm_ = out.grad_norm;
     last_scale_ = out.clip_coef;
-    if (global_clip() && version >= 0) {
-      const ClipDecision d = agree_clip(version, clock, grads.sum_squares());
-      if (d.scale != 1.0) grads.scale(static_cast<float>(d.scale));
-      last_norm_ = d.norm;
-      last_scale_ = d.scale;
+    if (rounds && !replay) {
+      const uint32_t generation = kv_.generation();
+      if (reweight_)
+        reweight_->apply_sums(grads, rounds_->sums(version, clock, generation, RoundKind::Reweight,
+                                                   reweight_->partial_sums(grads)));
+      if (cfg_.optim.grad_clip > 0) {
+        const nlohmann::json j =
+            rounds_->agree(version, clock, generation, RoundKind::Clip, {grads.sum_squares()});
+        const double scale = j.at("scale").get<double>();
+        if (scale != 1.0) grads.scale(static_cast<float>(scale));
+        last_norm_ = j.at("norm").get<double>();
+        last_scale_ = scale;
+      }
     }
     opt_->step(values, sum, static_cast<float>(lr));
-  }
-
-  // A roll-back (a Restore, or the checkpoint query that precedes it) or a stop.
-  static bool undoes_clock(const Incoming& in) {
-    const Kind k = in.header.kind_enum();
-    return k == Kind::Restore || k == Kind::Shutdown ||
-           (k == Kind::CheckpointQuery && !in.json().value("write", false));
-  }
-
-  // Sends this range's part of update `version`'s squared norm to the scheduler and waits for
-  // the global decision. Control messages that come meanwhile are handled after the update,
-  // except a roll-back (a Restore, or the checkpoint query that precedes it) and a Shutdown: the
-  // clock they undo will not be decided, so the update is abandoned (UpdateAbandoned). The
-  // report is sent again every heartbeat timeout, so a scheduler that took over collects it too;
-  // a server that never reports makes the scheduler stop the job, naming it.
-  ClipDecision agree_clip(int64_t version, int64_t clock, double sum_squares) {
-    const auto generation = static_cast<int64_t>(kv_.generation());
-    const nlohmann::json report = {{"version", version},
-                                   {"clock", clock},
-                                   {"generation", generation},
-                                   {"sum_squares", sum_squares}};
-    // A roll-back that came while an earlier try of this update waited is still to be handled.
-    for (const Incoming& in : deferred_)
-      if (undoes_clock(in)) throw UpdateAbandoned{};
-    using Clock = std::chrono::steady_clock;
-    auto sent = Clock::now() - std::chrono::hours(1);
-    for (;;) {
-      if (std::chrono::duration<double>(Clock::now() - sent).count() >=
-          link_->heartbeat_timeout()) {
-        send(link_->socket(), json_frame(Kind::NormReport, link_->node_id(), report));
-        sent = Clock::now();
-      }
-      link_->check();
-      zmq::pollitem_t item{link_->socket().handle(), 0, ZMQ_POLLIN, 0};
-      poll_sockets(&item, 1, 50);
-      while (auto in = try_receive(link_->socket(), false, link_->rejects(), who_)) {
-        const Kind k = in->header.kind_enum();
-        if (k == Kind::ClipScale) {
-          const nlohmann::json j = in->json();
-          if (j.at("version").get<int64_t>() != version ||
-              j.at("generation").get<int64_t>() != generation)
-            continue;  // an answer to a report sent before a roll-back
-          return {j.at("sum_squares").get<double>(), j.at("norm").get<double>(),
-                  j.at("scale").get<double>()};
-        }
-        const bool undoes = undoes_clock(*in);
-        deferred_.push_back(std::move(*in));
-        if (undoes) {
-          log_warn("{}: update {} abandoned while waiting for the global gradient norm: the "
-                   "scheduler sent a {}",
-                   who_, version, kind_name(k));
-          throw UpdateAbandoned{};
-        }
-      }
-    }
   }
 
   void applied(const UpdateApplied& a) {
@@ -413,7 +370,8 @@ class Server {
   // scheduler's sum with several) and the clip scale it applied (1 when it did not clip).
   void add_norm(nlohmann::json& line) const {
     if (opts_.consistency_kind() == Consistency::Average) return;  // the pushes are parameters
-    line[global_clip() || opts_.servers == 1 ? "grad_norm" : "range_grad_norm"] = last_norm_;
+    line[cfg_.optim.grad_clip > 0 || opts_.servers == 1 ? "grad_norm" : "range_grad_norm"] =
+        last_norm_;
     if (cfg_.optim.grad_clip > 0) line["clip_scale"] = last_scale_;
   }
 
@@ -515,6 +473,7 @@ class Server {
   int64_t param_end_ = 0;  // keys [begin_, param_end_) are parameters, the rest router biases
   std::vector<ParamRange> groups_;
   std::unique_ptr<Optimizer> opt_;
+  std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight (grad_norm)
   std::unique_ptr<LrSchedule> schedule_;
   std::vector<ExpertSlice> experts_;
   std::vector<int64_t> contributors_;
@@ -528,7 +487,7 @@ class Server {
   int64_t epoch_ = 0, generation_ = 0;  // of the latest setup, for a standby scheduler
   int64_t rollbacks_ = 0;
   double last_norm_ = 0, last_scale_ = 1;  // of the latest update this server applied
-  std::deque<Incoming> deferred_;  // control messages that came while an update waited
+  std::unique_ptr<ServerRounds> rounds_;  // the scheduler's rounds of an update's figures
 };
 
 }  // namespace

@@ -289,8 +289,23 @@ TEST(PsOptions, RejectBadValuesByName) {
   cfg.grad.sparse_experts = true;
   expect_error([&] { check_ps_run_config(cfg, two); }, "grad.sparse_experts = true");
   cfg.grad.sparse_experts = false;
+  // Expert reweighting: grad_norm, in sync with several servers; the stateful and the load-driven
+  // modes are refused.
   cfg.grad.expert_reweight = "grad_norm";
-  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.expert_reweight = grad_norm");
+  check_ps_run_config(cfg, two);
+  two.consistency = "async";
+  expect_error([&] { check_ps_run_config(cfg, two); },
+               "grad.expert_reweight = grad_norm with --servers 2 and --consistency async");
+  one.consistency = "async";
+  check_ps_run_config(cfg, one);
+  one.consistency = "average";
+  expect_error([&] { check_ps_run_config(cfg, one); },
+               "grad.expert_reweight = grad_norm with --servers 1 and --consistency average");
+  one.consistency = two.consistency = "sync";
+  cfg.grad.expert_reweight = "importance";
+  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.expert_reweight = importance");
+  cfg.grad.expert_reweight = "utilisation";
+  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.expert_reweight = utilisation");
   cfg.grad.expert_reweight = "none";
   check_ps_run_config(cfg, two);
   // Settings a worker would ignore are refused by key, each named with its value.

@@ -209,6 +209,42 @@ TEST(PsJob, TwoServersClipByTheGlobalNormLikeTheSingleProcessRun) {
   EXPECT_EQ(load_model(tmp / "loose").params, load_model(tmp / "off").params);
 }
 
+// Expert reweighting (grad_norm) and the clip over two servers: each sync update's per-expert
+// figures, then its squared norm, are summed over the servers' ranges by the scheduler, and
+// every server takes the factors and the scale with the trainers' code. Against the
+// single-process run over the same global batch only the sums' order differs (as
+// SyncEqualsSingleProcess: 1e-5 relative bounds the losses and the parameters' L2 distance).
+TEST(PsJob, TwoServersReweightExpertsLikeTheSingleProcessRun) {
+  TempDir tmp("ps_reweight");
+  const int steps = 12, W = 2, B = 2;
+  const std::vector<std::string> extra = {"grad.expert_reweight=grad_norm",
+                                          "optim.grad_clip=0.05"};
+  Job job = launch(tmp, {"--servers", "2", "--workers", "2"}, steps, B, "run", extra);
+  ASSERT_EQ(job.code, 0) << job.output;
+  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  std::vector<float> ref_params;
+  {
+    Trainer t(load_run_config("", sets), false);
+    t.run();
+    ref_params = t.params();
+  }
+  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
+  for (auto [step, loss] : b)
+    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  LoadedModel m = load_model(tmp / "run");
+  ASSERT_EQ(m.params.size(), ref_params.size());
+  EXPECT_LE(relative_l2(m.params, ref_params), 1e-5);
+  std::printf("reweighted: parameters' relative L2 distance %.3g\n",
+              relative_l2(m.params, ref_params));
+  // Without the reweighting the run differs by far more than that bound: the test sees it.
+  Job plain = launch(tmp, {"--servers", "2", "--workers", "2"}, steps, B, "plain",
+                     {"optim.grad_clip=0.05"});
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  EXPECT_GT(relative_l2(load_model(tmp / "plain").params, ref_params), 1e-4);
+}
+
 // The router biases of a checkpoint (sigmoid_bias: one E-vector per MoE layer, in the training
 // state as the trainers write them).
 std::vector<float> router_biases(const fs::path& run, int64_t step, const RunConfig& cfg) {
@@ -232,8 +268,12 @@ TEST(PsJob, RouterBiasesFollowTheSingleProcessRun) {
   TempDir tmp("ps_bias");
   const int steps = 12, W = 2, B = 2;
   const std::vector<std::string> bias = {"model.router=sigmoid_bias", "model.bias_update_rate=0.01"};
-  Job job = launch(tmp, {"--servers", "2", "--workers", "2"}, steps, B, "run", bias);
-  ASSERT_EQ(job.code, 0) << job.output;
+  // One server holds the biases with every parameter; with two, the last one holds them.
+  for (const char* servers : {"1", "2"}) {
+    Job job = launch(tmp, {"--servers", servers, "--workers", "2"}, steps, B,
+                     std::string("run") + servers, bias);
+    ASSERT_EQ(job.code, 0) << job.output;
+  }
   std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
   sets.insert(sets.end(), bias.begin(), bias.end());
   const RunConfig ref = load_run_config("", sets);
@@ -241,13 +281,14 @@ TEST(PsJob, RouterBiasesFollowTheSingleProcessRun) {
     Trainer t(ref, false);
     t.run();
   }
-  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
-  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
-  for (auto [step, loss] : b)
-    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
-  const std::vector<float> mine = router_biases(tmp / "run", steps, ref),
-                           want = router_biases(tmp / "ref", steps, ref);
-  EXPECT_EQ(mine, want);
+  const std::vector<float> want = router_biases(tmp / "ref", steps, ref);
+  for (const char* run : {"run1", "run2"}) {
+    auto a = losses(tmp / run), b = losses(tmp / "ref");
+    ASSERT_EQ(a.size(), static_cast<std::size_t>(steps)) << run;
+    for (auto [step, loss] : b)
+      EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << run << " step " << step;
+    EXPECT_EQ(router_biases(tmp / run, steps, ref), want) << run;
+  }
   EXPECT_NE(std::count(want.begin(), want.end(), 0.0f), static_cast<std::ptrdiff_t>(want.size()))
       << "the biases should have moved";
 }
