@@ -25,8 +25,7 @@ nlohmann::json lm_checkpoint_config(const RunConfig& cfg);
 struct LoadedModel {
   RunConfig config;
   std::unique_ptr<Transformer> model;
-  std::vector<float> params;
-  std::vector<std::vector<float>> router_biases;  // per MoE layer (sigmoid_bias router)
+  std::vector<float> params;  // the router biases of a sigmoid_bias run are in the model's layers
   int64_t step = 0;
   // Sequence length the model was trained on (train.seq_len of the checkpoint's run config); a
   // checkpoint that does not record it gives model.max_seq_len.

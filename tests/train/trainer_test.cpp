@@ -242,6 +242,33 @@ TEST(Trainer, LoadModelMatchesTrainerAndWritesMixtralConfig) {
   EXPECT_EQ(r.metadata().at("format"), "pt");
 }
 
+// The router biases of a sigmoid_bias run are the checkpoint's state: a loaded model (eval,
+// sample, forward) routes with the biases the run learned, not with zeros.
+TEST(Trainer, LoadModelRoutesWithTheLearnedRouterBiases) {
+  TempDir tmp("load_bias");
+  RunConfig cfg = small_run(tmp, "sigmoid_bias");
+  std::vector<std::vector<float>> learned;
+  {
+    Trainer t(cfg, false);
+    t.run(4);
+    for (MoeLayer* m : t.model().moe_layers())
+      learned.emplace_back(m->router_bias(), m->router_bias() + cfg.model.n_experts);
+  }
+  ASSERT_FALSE(learned.empty());
+  bool moved = false;
+  for (const auto& b : learned)
+    for (float v : b) moved = moved || v != 0.0f;
+  ASSERT_TRUE(moved) << "four steps of the bias rule left every bias at zero";
+  LoadedModel m = load_model(cfg.train.run_dir);
+  const std::vector<MoeLayer*> layers = m.model->moe_layers();
+  ASSERT_EQ(layers.size(), learned.size());
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    EXPECT_EQ(std::vector<float>(layers[l]->router_bias(),
+                                 layers[l]->router_bias() + cfg.model.n_experts),
+              learned[l])
+        << "MoE layer " << l;
+}
+
 TEST(Trainer, MoetrainOnlyModelDoesNotClaimMixtral) {
   TempDir tmp("shared");
   RunConfig cfg = small_run(tmp);
