@@ -33,12 +33,17 @@ void add_range_sums(const float* g, int64_t n, double& abs_sum, double& sq_sum) 
 
 void FlatGradient::range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
                               double* sq_sum) const {
-  for (std::size_t r = 0; r < ranges.size(); ++r)
-    add_range_sums(g_ + ranges[r].offset, ranges[r].size, abs_sum[r], sq_sum[r]);
+  for (std::size_t r = 0; r < ranges.size(); ++r) {
+    const auto [lo, hi] = held(ranges[r]);
+    if (lo < hi) add_range_sums(g_ + (lo - first_), hi - lo, abs_sum[r], sq_sum[r]);
+  }
 }
 
 void FlatGradient::scale_ranges(const std::vector<WeightedRange>& ranges) {
-  for (const WeightedRange& r : ranges) scale_gradients(g_ + r.offset, r.size, r.factor);
+  for (const WeightedRange& r : ranges) {
+    const auto [lo, hi] = held(r);
+    if (lo < hi) scale_gradients(g_ + (lo - first_), hi - lo, r.factor);
+  }
 }
 
 UpdateOutcome check_and_clip(GradientShard& grads, Comm& comm, const UpdateOptions& opts) {

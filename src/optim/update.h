@@ -13,8 +13,10 @@
 // gradient lies in exactly one process's part — so every process takes the same decision and
 // clips by the same factor. With a local communicator the sums are the process's own values.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/comm.h"
@@ -51,10 +53,12 @@ class GradientShard {
   virtual void scale_ranges(const std::vector<WeightedRange>& ranges) = 0;
 };
 
-// One flat buffer of n gradients, all of them this process's.
+// Elements [first, first + n) of the flat gradient in one buffer at g, all of them this
+// process's: the whole gradient (first = 0), or a parameter server's key range. Range figures
+// and factors apply to the part of each range the buffer holds.
 class FlatGradient final : public GradientShard {
  public:
-  FlatGradient(float* g, int64_t n) : g_(g), n_(n) {}
+  FlatGradient(float* g, int64_t n, int64_t first = 0) : g_(g), n_(n), first_(first) {}
   bool has_non_finite() const override;
   double sum_squares() const override;
   void scale(float factor) override;
@@ -63,8 +67,12 @@ class FlatGradient final : public GradientShard {
   void scale_ranges(const std::vector<WeightedRange>& ranges) override;
 
  private:
+  // The part of r this buffer holds, as [lo, hi) flat offsets (empty: lo ≥ hi).
+  std::pair<int64_t, int64_t> held(const WeightedRange& r) const {
+    return {std::max(r.offset, first_), std::min(r.offset + r.size, first_ + n_)};
+  }
   float* g_;
-  int64_t n_;
+  int64_t n_, first_;
 };
 
 struct UpdateOptions {

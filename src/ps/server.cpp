@@ -298,7 +298,7 @@ class Server {
   void step(float* sum, double lr, float* values, const std::string& what, int64_t version,
             int64_t clock) {
     step_router_biases(sum, values);
-    KeyRangeGradient grads(sum, begin_, param_end_);
+    FlatGradient grads(sum, param_end_ - begin_, begin_);
     const bool replay = version < 0, rounds = global_rounds();
     UpdateOptions o;
     o.grad_clip = rounds || replay ? 0.0 : cfg_.optim.grad_clip;

@@ -4,7 +4,6 @@
 
 #include "core/check.h"
 #include "core/log.h"
-#include "optim/clip.h"
 
 namespace moetrain::ps {
 
@@ -18,33 +17,6 @@ bool undoes_clock(const Incoming& in) {
 }
 
 }  // namespace
-
-bool KeyRangeGradient::has_non_finite() const {
-  return moetrain::has_non_finite(g_, end_ - begin_);
-}
-
-double KeyRangeGradient::sum_squares() const {
-  return grad_sum_squares(g_, end_ - begin_);
-}
-
-void KeyRangeGradient::scale(float factor) {
-  scale_gradients(g_, end_ - begin_, factor);
-}
-
-void KeyRangeGradient::range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
-                                  double* sq_sum) const {
-  for (std::size_t r = 0; r < ranges.size(); ++r) {
-    const auto [lo, hi] = overlap(ranges[r]);
-    if (lo < hi) add_range_sums(g_ + (lo - begin_), hi - lo, abs_sum[r], sq_sum[r]);
-  }
-}
-
-void KeyRangeGradient::scale_ranges(const std::vector<WeightedRange>& ranges) {
-  for (const WeightedRange& r : ranges) {
-    const auto [lo, hi] = overlap(r);
-    if (lo < hi) scale_gradients(g_ + (lo - begin_), hi - lo, r.factor);
-  }
-}
 
 nlohmann::json ServerRounds::agree(int64_t version, int64_t clock, uint32_t generation,
                                    RoundKind kind, const std::vector<double>& part) {

@@ -1,7 +1,7 @@
 // A primary server's side of the scheduler's rounds of a sync update's global figures
-// (ps/global_norm.h: expert reweighting's sums, then the clip): its range as the update step's
-// GradientShard, and the wait for the scheduler's sums on the control socket, which keeps aside
-// the control messages that come meanwhile.
+// (ps/global_norm.h: expert reweighting's sums, then the clip, over the range's FlatGradient):
+// the wait for the scheduler's sums on the control socket, which keeps aside the control
+// messages that come meanwhile.
 #pragma once
 #include <cstdint>
 #include <deque>
@@ -12,7 +12,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "optim/update.h"
 #include "ps/global_norm.h"
 #include "ps/node.h"
 #include "ps/transport.h"
@@ -23,27 +22,6 @@ namespace moetrain::ps {
 // stops it) instead: the clock stays pending in the store, and the control message that
 // interrupted it is handled next.
 struct UpdateAbandoned {};
-
-// Keys [begin, end) of the flat gradient, held at g: a server's range as the update step's
-// GradientShard, so per-expert figures (flat offsets) are taken over the part of each expert
-// this range holds.
-class KeyRangeGradient final : public GradientShard {
- public:
-  KeyRangeGradient(float* g, int64_t begin, int64_t end) : g_(g), begin_(begin), end_(end) {}
-  bool has_non_finite() const override;
-  double sum_squares() const override;
-  void scale(float factor) override;
-  void range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
-                  double* sq_sum) const override;
-  void scale_ranges(const std::vector<WeightedRange>& ranges) override;
-
- private:
-  std::pair<int64_t, int64_t> overlap(const WeightedRange& r) const {
-    return {std::max(r.offset, begin_), std::min(r.offset + r.size, end_)};
-  }
-  float* g_;
-  int64_t begin_, end_;
-};
 
 class ServerRounds {
  public:

@@ -59,6 +59,28 @@ std::map<int64_t, double> losses(const fs::path& run) {
   return out;
 }
 
+// The single-process run over the same global batch (`rows` a step: the workers' rows
+// together) in tmp/ref, with the keys `extra` on top; its final parameters.
+std::vector<float> reference_run(const TempDir& tmp, int steps, int rows,
+                                 const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, rows);
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  Trainer t(load_run_config("", sets), false);
+  t.run();
+  return t.params();
+}
+
+// Every step's loss of `run` within `rel` (relative) of the same step's in `ref`, which has
+// `steps` of them.
+void expect_losses_follow(const fs::path& run, const fs::path& ref, int steps, double rel) {
+  auto a = losses(run), b = losses(ref);
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps)) << run;
+  for (auto [step, loss] : b) {
+    ASSERT_TRUE(a.count(step)) << run << " step " << step;
+    EXPECT_LE(std::fabs(a[step] - loss), rel * std::fabs(loss)) << run << " step " << step;
+  }
+}
+
 double final_val_loss(const fs::path& run) {
   double v = -1;
   for (const auto& j : read_metrics(run))
@@ -78,18 +100,8 @@ TEST(PsJob, Bf16WorkersFollowTheSingleProcessRun) {
   Job job = launch(tmp, {"--servers", "2", "--workers", "2"}, steps, B, "run",
                    {"train.precision=bf16"});
   ASSERT_EQ(job.code, 0) << job.output;
-  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
-  kv.push_back("train.precision=bf16");
-  {
-    Trainer t(load_run_config("", kv), false);
-    t.run();
-  }
-  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
-  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
-  for (auto [step, loss] : b) {
-    ASSERT_TRUE(a.count(step)) << step;
-    EXPECT_LE(std::fabs(a[step] - loss), 1e-3 * std::fabs(loss)) << "step " << step;
-  }
+  reference_run(tmp, steps, W * B, {"train.precision=bf16"});
+  expect_losses_follow(tmp / "run", tmp / "ref", steps, 1e-3);
 }
 
 // The sync job equals the single-process run over the same global batch.
@@ -99,19 +111,8 @@ TEST(PsJob, SyncEqualsSingleProcess) {
   Job job = launch(tmp, {"--servers", "2", "--workers", "2", "--consistency", "sync"}, steps, B);
   ASSERT_EQ(job.code, 0) << job.output;
 
-  RunConfig ref = load_run_config("", tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B));
-  std::vector<float> ref_params;
-  {
-    Trainer t(ref, false);
-    t.run();
-    ref_params = t.params();
-  }
-  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
-  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
-  for (auto [step, loss] : b) {
-    ASSERT_TRUE(a.count(step)) << step;
-    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
-  }
+  const std::vector<float> ref_params = reference_run(tmp, steps, W * B);
+  expect_losses_follow(tmp / "run", tmp / "ref", steps, 1e-5);
   LoadedModel m = load_model(tmp / "run");
   EXPECT_EQ(m.step, steps);
   ASSERT_EQ(m.params.size(), ref_params.size());
@@ -128,21 +129,12 @@ TEST(PsJob, OneServerClipsByTheGlobalNormLikeTheSingleProcessRun) {
   Job job = launch(tmp, {"--servers", "1", "--workers", "2"}, steps, B, "run",
                    {"optim.grad_clip=0.05"});
   ASSERT_EQ(job.code, 0) << job.output;
-  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
-  sets.push_back("optim.grad_clip=0.05");
-  RunConfig ref = load_run_config("", sets);
-  {
-    Trainer t(ref, false);
-    t.run();
-  }
+  reference_run(tmp, steps, W * B, {"optim.grad_clip=0.05"});
   int clipped = 0;
   for (const auto& j : read_metrics(tmp / "ref"))
     if (j.contains("grad_norm")) clipped += j["grad_norm"].get<double>() > 0.05;
   EXPECT_GE(clipped, steps / 2) << "the threshold should clip most steps";
-  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
-  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
-  for (auto [step, loss] : b)
-    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  expect_losses_follow(tmp / "run", tmp / "ref", steps, 1e-5);
 }
 
 // With two servers the global norm is the scheduler's sum of the servers' partial sums of
@@ -161,14 +153,7 @@ TEST(PsJob, TwoServersClipByTheGlobalNormLikeTheSingleProcessRun) {
                                        "sync"};
   Job job = launch(tmp, ps, steps, B, "run", {"optim.grad_clip=0.05"});
   ASSERT_EQ(job.code, 0) << job.output;
-  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
-  sets.push_back("optim.grad_clip=0.05");
-  std::vector<float> ref_params;
-  {
-    Trainer t(load_run_config("", sets), false);
-    t.run();
-    ref_params = t.params();
-  }
+  const std::vector<float> ref_params = reference_run(tmp, steps, W * B, {"optim.grad_clip=0.05"});
   std::map<int64_t, double> ref_norm, norm, scale;
   for (const auto& j : read_metrics(tmp / "ref"))
     if (j.contains("grad_norm")) ref_norm[j["step"].get<int64_t>()] = j["grad_norm"].get<double>();
@@ -189,10 +174,7 @@ TEST(PsJob, TwoServersClipByTheGlobalNormLikeTheSingleProcessRun) {
     EXPECT_LE(std::fabs(scale[step] - want), 1e-5 * want) << "step " << step;
   }
   EXPECT_GE(clipped, steps / 2) << "the threshold should clip most steps";
-  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
-  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
-  for (auto [step, loss] : b)
-    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  expect_losses_follow(tmp / "run", tmp / "ref", steps, 1e-5);
   LoadedModel m = load_model(tmp / "run");
   ASSERT_EQ(m.params.size(), ref_params.size());
   EXPECT_LE(relative_l2(m.params, ref_params), 1e-5);
@@ -221,18 +203,8 @@ TEST(PsJob, TwoServersReweightExpertsLikeTheSingleProcessRun) {
                                           "optim.grad_clip=0.05"};
   Job job = launch(tmp, {"--servers", "2", "--workers", "2"}, steps, B, "run", extra);
   ASSERT_EQ(job.code, 0) << job.output;
-  std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
-  sets.insert(sets.end(), extra.begin(), extra.end());
-  std::vector<float> ref_params;
-  {
-    Trainer t(load_run_config("", sets), false);
-    t.run();
-    ref_params = t.params();
-  }
-  auto a = losses(tmp / "run"), b = losses(tmp / "ref");
-  ASSERT_EQ(a.size(), static_cast<std::size_t>(steps));
-  for (auto [step, loss] : b)
-    EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << "step " << step;
+  const std::vector<float> ref_params = reference_run(tmp, steps, W * B, extra);
+  expect_losses_follow(tmp / "run", tmp / "ref", steps, 1e-5);
   LoadedModel m = load_model(tmp / "run");
   ASSERT_EQ(m.params.size(), ref_params.size());
   EXPECT_LE(relative_l2(m.params, ref_params), 1e-5);
@@ -274,19 +246,13 @@ TEST(PsJob, RouterBiasesFollowTheSingleProcessRun) {
                      std::string("run") + servers, bias);
     ASSERT_EQ(job.code, 0) << job.output;
   }
+  reference_run(tmp, steps, W * B, bias);
   std::vector<std::string> sets = tiny_ps_overrides(tmp / "data", tmp / "ref", steps, W * B);
   sets.insert(sets.end(), bias.begin(), bias.end());
   const RunConfig ref = load_run_config("", sets);
-  {
-    Trainer t(ref, false);
-    t.run();
-  }
   const std::vector<float> want = router_biases(tmp / "ref", steps, ref);
   for (const char* run : {"run1", "run2"}) {
-    auto a = losses(tmp / run), b = losses(tmp / "ref");
-    ASSERT_EQ(a.size(), static_cast<std::size_t>(steps)) << run;
-    for (auto [step, loss] : b)
-      EXPECT_LE(std::fabs(a[step] - loss), 1e-5 * std::fabs(loss)) << run << " step " << step;
+    expect_losses_follow(tmp / run, tmp / "ref", steps, 1e-5);
     EXPECT_EQ(router_biases(tmp / run, steps, ref), want) << run;
   }
   EXPECT_NE(std::count(want.begin(), want.end(), 0.0f), static_cast<std::ptrdiff_t>(want.size()))
