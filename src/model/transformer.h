@@ -83,6 +83,7 @@ class Transformer final : public TrainableModel {
   void set_grads_ready_hook(std::function<void(int64_t ready_from)> hook) override {
     grads_ready_ = std::move(hook);
   }
+  const std::function<void(int64_t)>& grads_ready_hook() const { return grads_ready_; }
 
   // Units (ParamUnits): 0 the embedding, 1 + l block l, n_layers + 1 the final norm and the head.
   std::vector<int64_t> unit_starts() const override;

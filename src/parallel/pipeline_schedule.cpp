@@ -150,8 +150,9 @@ std::string pipe_shape_problem(PipeSchedule s, const PipeShape& shape) {
                        vp, name);
   if ((s == PipeSchedule::OneFOneB || s == PipeSchedule::ZeroBubble) && m < p)
     return fmt::format("train.grad_accum = {} micro-batches for {} pipeline stages under the {} "
-                       "schedule: needs at least one micro-batch a stage (or the gpipe schedule)",
-                       m, p, name);
+                       "schedule: needs at least one micro-batch a stage; set train.grad_accum "
+                       "= {} or more, or use the gpipe schedule",
+                       m, p, name, p);
   if (s == PipeSchedule::Interleaved && m % p != 0)
     return fmt::format("train.grad_accum = {} micro-batches for {} pipeline stages under the "
                        "interleaved schedule: must be a multiple of the stages",

@@ -38,13 +38,6 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
                    "{} over {} processes): each stage's copies form the expert-parallel groups; "
                    "use a dist.ep that divides {}",
                    dist.ep, W / P, P, W, W / P);
-    // The stage copies' reduction would run on the communication thread while the pipeline's
-    // sends and receives run on this one (MPI runs SERIALIZED).
-    MOETRAIN_CHECK(W == P || !dist.overlap,
-                   "dist.pp = {} on {} processes ({} pipelines) with dist.overlap = true: the "
-                   "stage copies' gradients are reduced after the stage's last backward; set "
-                   "dist.overlap = false",
-                   P, W, W / P);
     const int stage = world.rank() % P, replica = world.rank() / P;
     copies = world.split(stage, replica, {"stage"});
     over = copies.get();

@@ -83,6 +83,8 @@ Transformer& PipelineRunner::slot_model(Transformer& model, int64_t k) {
     m->set_precision(model.precision());
     m->set_recompute(model.recompute());
     m->set_stage(model.stage_first(), model.stage_end());
+    // The reduction's buckets follow whichever slot runs the step's last backward.
+    m->set_grads_ready_hook(model.grads_ready_hook());
     extra_.push_back(std::move(m));
   }
   return *extra_[static_cast<std::size_t>(k - 1)];
@@ -148,6 +150,8 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
     sending[static_cast<std::size_t>(k)].clear();
   };
   int64_t B = 0, T = 0;
+  // Under overlap, the slot whose input gradient the last backward left for the previous stage.
+  const Transformer* last_send = nullptr;
   auto ensure_buffers = [&](int64_t rows) {
     const auto bytes = static_cast<std::size_t>(rows * model.config().dim);
     if (act_in_.size() < bytes) act_in_.resize(bytes), grad_in_.resize(bytes);
@@ -215,14 +219,27 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
         args.before_last_backward();
       m.backward(params, grads, args.loss_weight, dout);
       events_.push_back({op, start, now()});
-      if (!first)
+      if (!first && !(overlap_ && static_cast<int64_t>(i) == final_backward))
         sending[static_cast<std::size_t>(k)].push_back(pipe.isend(
             m.stage_input_grad(), N * C * 4, static_cast<int>(s - 1), {.tag = kGradientTag}));
+      if (!first && overlap_ && static_cast<int64_t>(i) == final_backward)
+        last_send = &m;
       slot_of[micro] = -1;
       free.push_back(k);
     }
   }
-  for (std::size_t k = 0; k < sending.size(); ++k) settle(static_cast<int64_t>(k));
+  auto finish_sends = [&] {
+    if (last_send)
+      pipe.send(last_send->stage_input_grad(), B * T * model.config().dim * 4,
+                static_cast<int>(s - 1), {.tag = kGradientTag});
+    for (std::size_t k = 0; k < sending.size(); ++k) settle(static_cast<int64_t>(k));
+  };
+  if (overlap_) {
+    PhaseScope wait(Phase::Collective);
+    overlap_->wait(overlap_->post(finish_sends));
+  } else {
+    finish_sends();
+  }
   return acc;
 }
 

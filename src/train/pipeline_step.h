@@ -22,7 +22,11 @@
 //
 // With several pipelines, a stage's copies are its data-parallel ranks and, under dist.ep > 1,
 // its expert-parallel groups (train/parallel_setup.h): the MoE layers of every slot run with the
-// exchange over the stage's EP group, whose ranks all run this stage's schedule.
+// exchange over the stage's EP group, whose ranks all run this stage's schedule. Under
+// dist.overlap the copies reduce the stage's gradient buckets on the communication thread while
+// the stage's last backward runs (every slot calls the model's grads-ready hook); MPI runs
+// SERIALIZED, so from then on the stage's last send and the waits for its earlier ones go
+// through that thread too, behind the buckets already posted.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -33,6 +37,7 @@
 #include "core/comm.h"
 #include "model/transformer.h"
 #include "io/trace_events.h"
+#include "parallel/comm_thread.h"
 #include "parallel/pipeline_schedule.h"
 #include "train/accumulate.h"
 #include "train/parallel_setup.h"
@@ -65,6 +70,9 @@ class PipelineRunner {
   // Activation slots this stage uses for A micro-batches a step; the slots it has made so far.
   int64_t slots(int64_t micro_batches) const;
   int64_t slots_made() const { return 1 + static_cast<int64_t>(extra_.size()); }
+  // The communication thread the stage copies' reduction overlaps the last backward on (null:
+  // it runs after accumulate(), and the pipe's calls stay on the calling thread).
+  void set_overlap(CommThread* thread) { overlap_ = thread; }
 
   // The micro-batch phase: grads (n) = Σ over micro-batches of this stage's parameter gradients
   // of loss_weight · total. The loss parts are this stage's (cross-entropy and targets on the
@@ -94,6 +102,7 @@ class PipelineRunner {
   std::vector<std::unique_ptr<Transformer>> extra_;  // slots 1, 2, …
   std::vector<float> act_in_, grad_in_;               // (B·T, C) receive buffers
   std::vector<PipeEvent> events_;                     // the last accumulate()'s passes
+  CommThread* overlap_ = nullptr;
 };
 
 }  // namespace moetrain

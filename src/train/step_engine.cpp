@@ -63,6 +63,7 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
     // The slots' MoE layers run with what the model's run with (RunParallel::moe_context).
     const MoeContext ctx = pg_->layout.world > 1 ? ep_.context(*pg_) : MoeContext{};
     pipe_ = std::make_unique<PipelineRunner>(std::move(rp.pipe), *lm, ctx);
+    pipe_->set_overlap(rs.overlap);
     // The stage reduces and its optimizer steps its own parameters only: of what this rank would
     // without stages (its dense parameters and, under expert parallelism, its experts; ZeRO-1:
     // its shard of them), the part within the stage.
