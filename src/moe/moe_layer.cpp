@@ -310,6 +310,14 @@ void MoeLayer::apply_bias_update(const int64_t* global_load) {
   std::fill(pending_load_.begin(), pending_load_.end(), 0);
 }
 
+void MoeLayer::take_pending_load(MoeLayer& from) {
+  MOETRAIN_CHECK(from.pending_load_.size() == pending_load_.size(),
+                 "take_pending_load: {} experts into {}", from.pending_load_.size(),
+                 pending_load_.size());
+  for (std::size_t e = 0; e < pending_load_.size(); ++e) pending_load_[e] += from.pending_load_[e];
+  std::fill(from.pending_load_.begin(), from.pending_load_.end(), 0);
+}
+
 void MoeLayer::apply_bias_delta(const double* delta) {
   MOETRAIN_CHECK(cfg_.router == RouterKind::SigmoidBias,
                  "apply_bias_delta: router is {}, only sigmoid_bias has a bias",

@@ -132,6 +132,9 @@ class MoeLayer {
   const int64_t* pending_load() const { return pending_load_.data(); }
   void apply_bias_update(const int64_t* global_load);
   void apply_bias_update() { apply_bias_update(pending_load_.data()); }
+  // Moves another copy's pending counts (a pipeline's activation slot ran some of the step's
+  // forwards) into this layer's: they add, and `from`'s are cleared.
+  void take_pending_load(MoeLayer& from);
   // The same under a gating controller: b_i += γ·delta_i (delta (E) its action), then the
   // pending counts are cleared.
   void apply_bias_delta(const double* delta);

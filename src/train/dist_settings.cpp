@@ -279,12 +279,9 @@ void validate_pipeline(const RunConfig& c) {
   refuse(t.recompute != Recompute::None,
          fmt::format("train.recompute = {}", recompute_name(t.recompute)));
   refuse(t.precision == Precision::FP16, "train.precision = fp16 (the loss scaler)");
-  refuse(c.model.router == RouterKind::SigmoidBias,
-         "model.router = sigmoid_bias (router biases learned from every stage's loads)");
   refuse(c.model.router_controller != RouterControllerKind::None,
          fmt::format("model.router_controller = {}",
                      router_controller_name(c.model.router_controller)));
-  refuse(c.model.capacity == CapacityMode::Dynamic, "model.capacity = dynamic");
   refuse(c.placement.enabled(),
          fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
   refuse(c.grad.sparse_experts, "grad.sparse_experts = true");

@@ -228,6 +228,21 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
       free.push_back(k);
     }
   }
+  const int64_t s_first = model.stage_first(), s_end = model.stage_end();
+  // Every rank runs every layer's capacity controller on the step's figures summed over the
+  // world, so the factor another stage's layer ran with is the one this rank's copy holds.
+  for (int64_t l = 0; l < model.config().n_layers; ++l)
+    if (const int64_t j = model.moe_index(l); j >= 0 && (l < s_first || l >= s_end))
+      acc.capacity_factor[static_cast<std::size_t>(j)] =
+          all[static_cast<std::size_t>(j)]->capacity_factor();
+  // The slots' forwards counted their routing for the router-bias update: the step's counts are
+  // the trainer's model's, which the step engine sums over the processes.
+  for (auto& slot : extra_) {
+    const std::vector<MoeLayer*> theirs = slot->moe_layers();
+    for (int64_t l = model.stage_first(); l < model.stage_end(); ++l)
+      if (const int64_t j = model.moe_index(l); j >= 0)
+        all[static_cast<std::size_t>(j)]->take_pending_load(*theirs[static_cast<std::size_t>(j)]);
+  }
   auto finish_sends = [&] {
     if (last_send)
       pipe.send(last_send->stage_input_grad(), B * T * model.config().dim * 4,

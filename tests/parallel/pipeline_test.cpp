@@ -192,6 +192,64 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
       << "one process resumed from the pipeline's checkpoint differs";
 }
 
+// Router-bias balancing and the dynamic capacity controller under a pipeline of every process:
+// each stage routes its layers, the bias update sums every activation slot's routing counts over
+// the processes (other stages' layers add zeros), and every rank runs every layer's capacity
+// controller on the step's figures summed over the world, so each step's biases and factors are
+// those of the one-process run (integer counts, the same controller on the same sums), and so
+// are the parameters, the checkpoint (the biases in it) and the logged factors, bit for bit.
+TEST(Pipeline, RouterBiasesAndDynamicCapacityFollowTheOneProcessRunBitwise) {
+  auto world = dist_world("pipeline_balance");
+  const int W = world->size(), r = world->rank();
+  SharedDir dir(*world, "pipeline_balance");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const std::vector<std::pair<std::string, std::vector<std::string>>> features = {
+      {"bias", {"model.router=sigmoid_bias"}},
+      {"capacity", {"model.capacity_factor=1.0", "model.capacity=dynamic"}}};
+  for (const auto& [name, keys] : features) {
+    SCOPED_TRACE(name);
+    const fs::path single_run = dir / (name + "_single" + std::to_string(r));
+    Trainer one(make_config(dir / "data", single_run, 1, "1f1b", keys), false, make_local_comm());
+    one.run();
+    const Outcome single = finish(one, single_run);
+    const fs::path run = dir / (name + "_pp");
+    Trainer t(make_config(dir / "data", run, W, "1f1b", keys), false,
+              dist_world("pipeline_balance_run"));
+    t.run();
+    const Outcome piped = finish(t, run);
+    EXPECT_EQ(differ_held(piped.params, single.params, piped.held), 0)
+        << "stage parameters differ from the one-process run's";
+    if (r != 0) continue;
+    EXPECT_LE(max_rel(piped.losses, single.losses), 1e-12);
+    const std::string step = "checkpoints/step_00000006";
+    const auto mine = read_all_tensors(run / step);
+    const auto ref = read_all_tensors(single_run / step);
+    EXPECT_TRUE(mine == ref) << "the pipeline's checkpoint differs from the one-process run's";
+    if (name == "bias") {
+      std::size_t biases = 0;
+      for (const auto& [tensor, values] : ref)
+        biases += tensor.find("bias") != std::string::npos ? 1 : 0;
+      EXPECT_GT(biases, 0u) << "the checkpoint holds no router bias";
+      continue;
+    }
+    // Every layer's factor, each stage's included, step by step; the controller moved them.
+    auto factors = [](const fs::path& dir_) {
+      std::vector<std::vector<double>> out;
+      std::ifstream in(dir_ / "metrics.jsonl");
+      for (std::string line; std::getline(in, line);) {
+        const auto j = nlohmann::json::parse(line);
+        if (j.contains("capacity_factor")) out.push_back(j["capacity_factor"]);
+      }
+      return out;
+    };
+    const auto got = factors(run), want = factors(single_run);
+    ASSERT_EQ(got.size(), static_cast<std::size_t>(kSteps));
+    EXPECT_EQ(got, want);
+    EXPECT_NE(want.front(), want.back()) << "the controller never moved a factor";
+  }
+}
+
 // Four processes as two pipelines of two stages: each stage's two copies reduce their gradients
 // as data parallelism does, which sums them in another order than the one-process backward sums
 // the rows (as tests/parallel/train_test.cpp's data-parallel runs): float rounding of the

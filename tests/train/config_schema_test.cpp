@@ -234,6 +234,11 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   // other routes and ZeRO-2/3 do not.
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=1"});
+  // Router-bias balancing and the dynamic capacity controller run (pipeline_test.cpp).
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "model.router=sigmoid_bias"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "model.capacity=dynamic", "model.capacity_factor=1.25"});
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
       {{"dist.ep=2", "dist.hierarchical=true"}, "dist.hierarchical = true"},
       {{"dist.ep=2", "dist.adaptive_route=true"}, "dist.adaptive_route = true"},
@@ -242,8 +247,6 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
       {{"dist.sync=params"}, "dist.sync = params"},
       {{"train.recompute=full"}, "train.recompute = full"},
       {{"train.precision=fp16"}, "train.precision = fp16"},
-      {{"model.router=sigmoid_bias"}, "model.router = sigmoid_bias"},
-      {{"model.capacity=dynamic", "model.capacity_factor=1.25"}, "model.capacity = dynamic"},
       {{"grad.sparse_experts=true"}, "grad.sparse_experts = true"},
       {{"grad.expert_reweight=importance"}, "grad.expert_reweight = importance"},
   };
