@@ -286,8 +286,6 @@ void validate_pipeline(const RunConfig& c) {
          fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
   refuse(c.grad.sparse_experts, "grad.sparse_experts = true");
   refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));
-  refuse(c.grad.expert_reweight != "none",
-         fmt::format("grad.expert_reweight = {}", c.grad.expert_reweight));
 }
 
 }  // namespace moetrain

@@ -192,13 +192,15 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
       << "one process resumed from the pipeline's checkpoint differs";
 }
 
-// Router-bias balancing and the dynamic capacity controller under a pipeline of every process:
+// Router-bias balancing, the dynamic capacity controller and expert reweighting under a pipeline
+// of every process (an expert's gradient sums come from the one stage holding it, the others add
+// zeros; the loads are integer counts):
 // each stage routes its layers, the bias update sums every activation slot's routing counts over
 // the processes (other stages' layers add zeros), and every rank runs every layer's capacity
 // controller on the step's figures summed over the world, so each step's biases and factors are
 // those of the one-process run (integer counts, the same controller on the same sums), and so
 // are the parameters, the checkpoint (the biases in it) and the logged factors, bit for bit.
-TEST(Pipeline, RouterBiasesAndDynamicCapacityFollowTheOneProcessRunBitwise) {
+TEST(Pipeline, BalancingAndReweightingFollowTheOneProcessRunBitwise) {
   auto world = dist_world("pipeline_balance");
   const int W = world->size(), r = world->rank();
   SharedDir dir(*world, "pipeline_balance");
@@ -206,7 +208,9 @@ TEST(Pipeline, RouterBiasesAndDynamicCapacityFollowTheOneProcessRunBitwise) {
   world->barrier();
   const std::vector<std::pair<std::string, std::vector<std::string>>> features = {
       {"bias", {"model.router=sigmoid_bias"}},
-      {"capacity", {"model.capacity_factor=1.0", "model.capacity=dynamic"}}};
+      {"capacity", {"model.capacity_factor=1.0", "model.capacity=dynamic"}},
+      {"importance", {"grad.expert_reweight=importance"}},
+      {"utilisation", {"grad.expert_reweight=utilisation"}}};
   for (const auto& [name, keys] : features) {
     SCOPED_TRACE(name);
     const fs::path single_run = dir / (name + "_single" + std::to_string(r));
@@ -233,17 +237,28 @@ TEST(Pipeline, RouterBiasesAndDynamicCapacityFollowTheOneProcessRunBitwise) {
       EXPECT_GT(biases, 0u) << "the checkpoint holds no router bias";
       continue;
     }
-    // Every layer's factor, each stage's included, step by step; the controller moved them.
-    auto factors = [](const fs::path& dir_) {
+    // A per-layer figure of each step's metrics line.
+    auto series = [](const fs::path& dir_, const char* key) {
       std::vector<std::vector<double>> out;
       std::ifstream in(dir_ / "metrics.jsonl");
       for (std::string line; std::getline(in, line);) {
         const auto j = nlohmann::json::parse(line);
-        if (j.contains("capacity_factor")) out.push_back(j["capacity_factor"]);
+        if (j.contains(key)) out.push_back(j[key]);
       }
       return out;
     };
-    const auto got = factors(run), want = factors(single_run);
+    if (name != "capacity") {
+      // The factors in effect, every layer's smallest and largest, step by step: not all ones.
+      const auto hi = series(run, "expert_reweight_max");
+      EXPECT_EQ(series(run, "expert_reweight_min"), series(single_run, "expert_reweight_min"));
+      EXPECT_EQ(hi, series(single_run, "expert_reweight_max"));
+      ASSERT_EQ(hi.size(), static_cast<std::size_t>(kSteps));
+      EXPECT_GT(*std::max_element(hi.back().begin(), hi.back().end()), 1.0)
+          << "no expert was reweighted";
+      continue;
+    }
+    // Every layer's factor, each stage's included, step by step; the controller moved them.
+    const auto got = series(run, "capacity_factor"), want = series(single_run, "capacity_factor");
     ASSERT_EQ(got.size(), static_cast<std::size_t>(kSteps));
     EXPECT_EQ(got, want);
     EXPECT_NE(want.front(), want.back()) << "the controller never moved a factor";

@@ -234,11 +234,14 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   // other routes and ZeRO-2/3 do not.
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=1"});
-  // Router-bias balancing and the dynamic capacity controller run (pipeline_test.cpp).
+  // Router-bias balancing, the dynamic capacity controller and expert reweighting run
+  // (pipeline_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "model.router=sigmoid_bias"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "model.capacity=dynamic", "model.capacity_factor=1.25"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "grad.expert_reweight=importance"});
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
       {{"dist.ep=2", "dist.hierarchical=true"}, "dist.hierarchical = true"},
       {{"dist.ep=2", "dist.adaptive_route=true"}, "dist.adaptive_route = true"},
@@ -248,7 +251,6 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
       {{"train.recompute=full"}, "train.recompute = full"},
       {{"train.precision=fp16"}, "train.precision = fp16"},
       {{"grad.sparse_experts=true"}, "grad.sparse_experts = true"},
-      {{"grad.expert_reweight=importance"}, "grad.expert_reweight = importance"},
   };
   for (const auto& [keys, named] : refused) {
     std::vector<std::string> all = {"dist.pp=2", "train.grad_accum=2"};
