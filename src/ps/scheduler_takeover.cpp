@@ -49,6 +49,9 @@ void Scheduler::on_rejoin(const Incoming& in, const nlohmann::json& j) {
   if (!taking_over_ && !started_) {
     taking_over_ = true;
     takeover_started_ = Clock::now();
+    // A standby opened metrics/scheduler.jsonl when it started, which may have been before the
+    // job's scheduler replaced an earlier job's file: append to the file that is there now.
+    events_ = JobEvents(args_.config.train.run_dir, false);
     // The dead scheduler's record, up to its last decision.
     if (capacity_.active()) {
       try {

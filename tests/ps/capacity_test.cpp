@@ -160,6 +160,47 @@ TEST(PsCapacity, ResumedJobKeepsTheControllersState) {
   EXPECT_EQ(a.params, b.params);
 }
 
+// A standby scheduler that takes over a killed scheduler rebuilds the controllers from the
+// record in metrics/scheduler.jsonl: every clock's factors are still bitwise the single-process
+// run's (as in SyncControllerFollowsTheSingleProcessRun), before the kill and after it.
+TEST(PsCapacity, StandbySchedulerTakesOverTheControllers) {
+  TempDir tmp("ps_capacity_standby");
+  const int steps = 40;
+  const fs::path run = tmp / "run";
+  Process job(launch_args(tmp,
+                          {"--servers", "1", "--workers", "2", "--standby-scheduler",
+                           "--heartbeat-interval", "0.1", "--heartbeat-timeout", "1",
+                           "--slowdown", "1=8"},
+                          steps, "run"),
+              tmp / "run.log");
+  ASSERT_TRUE(wait_until([&] { return applied_steps(run) >= 10 || !job.running(); }, 60))
+      << job.output();
+  pid_t scheduler = -1;
+  const nlohmann::json pids = read_json(run / "ps" / "launch.json");
+  for (const auto& p : pids["processes"])
+    if (p["name"] == "scheduler") scheduler = p["pid"].get<pid_t>();
+  ASSERT_GT(scheduler, 0) << pids.dump();
+  ASSERT_EQ(::kill(scheduler, SIGKILL), 0);
+  ASSERT_LT(applied_steps(run), steps) << "the job ended before the kill";
+  ASSERT_EQ(job.wait(150), 0) << job.output();
+  EXPECT_NE(job.output().find("the standby takes over"), std::string::npos) << job.output();
+  bool took_over = false;
+  for (const auto& j : read_metrics_file(run / "metrics" / "scheduler.jsonl"))
+    took_over = took_over || j.value("event", "") == "scheduler_takeover";
+  EXPECT_TRUE(took_over);
+
+  reference_run(tmp, steps);
+  std::map<int64_t, nlohmann::json> ref;
+  for (const auto& j : read_metrics(tmp / "ref"))
+    if (j.contains("capacity_factor")) ref[j["step"].get<int64_t>()] = j;
+  const auto record = capacity_record(run);
+  ASSERT_EQ(record.size(), static_cast<std::size_t>(steps));
+  for (const auto& [clock, line] : record)
+    EXPECT_EQ(line["capacity_factor"].get<std::vector<double>>(),
+              ref.at(clock + 1)["capacity_factor"].get<std::vector<double>>())
+        << "clock " << clock;
+}
+
 // The modes whose clocks have no set of workers to sum over stay refused, naming the mode and
 // why; sync is accepted. A worker group is refused too.
 TEST(PsCapacity, ModesWithoutAClockOfEveryWorkerAreRefused) {
