@@ -201,6 +201,42 @@ TEST(PsCapacity, StandbySchedulerTakesOverTheControllers) {
         << "clock " << clock;
 }
 
+// A server killed without a replica: the job rolls back to the newest checkpoint, and the
+// controllers with it (replayed from the record to that clock), so the replayed clocks run with
+// the factors they had, and every clock's factors are still the single-process run's.
+TEST(PsCapacity, RollBackToAServerCheckpointRewindsTheControllers) {
+  TempDir tmp("ps_capacity_rollback");
+  const int steps = 40;
+  Cluster c(tmp.path(), "run", kWorkers, steps, 2, {"--servers", "2", "--checkpoint-every", "10"},
+            "1", 8.0, kDynamic);
+  ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 15; }, 60)) << c.logs();
+  Process* victim = c.find("server", 1);
+  ASSERT_NE(victim, nullptr) << c.logs();
+  victim->kill(SIGKILL);
+  ASSERT_LT(applied_steps(c.run), steps) << "the job ended before the kill";
+  ASSERT_TRUE(wait_until(
+      [&] { return c.scheduler->output().find("waiting up to") != std::string::npos; }, 30))
+      << c.logs();
+  c.add_server();
+  ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+  EXPECT_EQ(read_json(c.run / "ps" / "scheduler.json")["rollbacks"].get<int64_t>(), 1);
+  int64_t lines = 0;
+  for (const auto& j : read_metrics_file(c.run / "metrics" / "scheduler.jsonl"))
+    lines += j.contains("capacity_rule");
+  EXPECT_GT(lines, steps) << "no clock was decided twice: the roll-back undid none";
+
+  reference_run(tmp, steps);
+  std::map<int64_t, nlohmann::json> ref;
+  for (const auto& j : read_metrics(tmp / "ref"))
+    if (j.contains("capacity_factor")) ref[j["step"].get<int64_t>()] = j;
+  const auto record = capacity_record(c.run);
+  ASSERT_EQ(record.size(), static_cast<std::size_t>(steps));
+  for (const auto& [clock, line] : record)
+    EXPECT_EQ(line["capacity_factor"].get<std::vector<double>>(),
+              ref.at(clock + 1)["capacity_factor"].get<std::vector<double>>())
+        << "clock " << clock;
+}
+
 // The modes whose clocks have no set of workers to sum over stay refused, naming the mode and
 // why; sync is accepted. A worker group is refused too.
 TEST(PsCapacity, ModesWithoutAClockOfEveryWorkerAreRefused) {
