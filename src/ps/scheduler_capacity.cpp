@@ -3,6 +3,9 @@
 // it in metrics/scheduler.jsonl and sends the next clock's state to the workers, which wait for
 // it before they compute. A worker that waits sends its report (or request) again every heartbeat
 // timeout, so a scheduler that took over, or one that was restoring, answers it.
+// Who takes part in a clock's round: the workers of the job's start, and a worker that joins
+// later from the clock it first asks the factors for; a worker that dies leaves the round to
+// the others (its figures count if they came, as its push does if the servers applied it).
 #include "core/check.h"
 #include "core/log.h"
 #include "ps/scheduler_state.h"
