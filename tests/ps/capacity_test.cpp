@@ -201,6 +201,32 @@ TEST(PsCapacity, StandbySchedulerTakesOverTheControllers) {
         << "clock " << clock;
 }
 
+// Without a standby the server elected in the dead scheduler's place rebuilds the controllers
+// the same way.
+TEST(PsCapacity, ElectedServerTakesOverTheControllers) {
+  TempDir tmp("ps_capacity_elect");
+  const int steps = 40;
+  Cluster c(tmp.path(), "run", kWorkers, steps, 1, {}, "1", 8.0, kDynamic);
+  ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 10; }, 60)) << c.logs();
+  c.scheduler->kill(SIGKILL);
+  ASSERT_LT(applied_steps(c.run), steps) << "the job ended before the kill";
+  EXPECT_EQ(c.servers[0]->wait(150), 0) << c.logs();
+  for (auto& w : c.workers) EXPECT_EQ(w->wait(30), 0) << c.logs();
+  EXPECT_NE(c.servers[0]->output().find("server 0 (elected) takes over"), std::string::npos)
+      << c.logs();
+
+  reference_run(tmp, steps);
+  std::map<int64_t, nlohmann::json> ref;
+  for (const auto& j : read_metrics(tmp / "ref"))
+    if (j.contains("capacity_factor")) ref[j["step"].get<int64_t>()] = j;
+  const auto record = capacity_record(c.run);
+  ASSERT_EQ(record.size(), static_cast<std::size_t>(steps));
+  for (const auto& [clock, line] : record)
+    EXPECT_EQ(line["capacity_factor"].get<std::vector<double>>(),
+              ref.at(clock + 1)["capacity_factor"].get<std::vector<double>>())
+        << "clock " << clock;
+}
+
 // A server killed without a replica: the job rolls back to the newest checkpoint, and the
 // controllers with it (replayed from the record to that clock), so the replayed clocks run with
 // the factors they had, and every clock's factors are still the single-process run's.
