@@ -166,7 +166,8 @@ void Scheduler::handle(const Incoming& in) {
         if (node && node->role == "worker") on_rows_ready(*node, in.json());
         break;
       case Kind::CapacityReport:
-        if (node && node->role == "worker" && node->index >= 0) on_capacity_report(*node, in.json());
+        if (node && node->role == "worker" && node->index >= 0)
+          on_capacity_report(*node, in.json());
         break;
       case Kind::NormReport:
         if (node && node->role == "server" && node->primary && node->index >= 0)

@@ -123,8 +123,8 @@ class Scheduler {
   // (a worker takes part in a clock's round from the clock it first asked factors for).
   CapacityRounds capacity_;
   std::map<int32_t, int64_t> capacity_from_;
-  std::string capacity_error_;
-  int64_t capacity_takeover_clock_ = 0;  // the clock after the dead scheduler's last decision  // set when the controllers' state cannot be rebuilt: the job stops
+  std::string capacity_error_;  // set when the controllers' state cannot be rebuilt: the job stops
+  int64_t capacity_takeover_clock_ = 0;  // the clock after the dead scheduler's last decision
   int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0, backups_attached_ = 0;
   int exit_code_ = 1;
   int32_t lead_ = -1;
