@@ -33,4 +33,9 @@ void JobEvents::job(const char* event, const std::string& cause, const nlohmann:
   file_.write(line);
 }
 
+void JobEvents::record(nlohmann::json line) {
+  line["time"] = unix_seconds();
+  file_.write(line);
+}
+
 }  // namespace moetrain::ps

@@ -23,6 +23,9 @@ class JobEvents {
   // e.g. job_start, rollback, job_complete, job_stopped; `extra` fields are added to the line.
   void job(const char* event, const std::string& cause = {},
            const nlohmann::json& extra = nlohmann::json::object());
+  // A line that is not an event (no "event" key, so `moetrain report` does not list it): the
+  // dynamic capacity controller's record of a clock (ps/capacity_rounds.h), "time" added.
+  void record(nlohmann::json line);
 
  private:
   MetricsWriter file_;

@@ -58,6 +58,10 @@ std::string_view kind_name(Kind kind) {
       return "norm-report";
     case Kind::ClipScale:
       return "clip-scale";
+    case Kind::CapacityReport:
+      return "capacity-report";
+    case Kind::CapacityFactors:
+      return "capacity-factors";
   }
   return "unknown";
 }

@@ -43,8 +43,13 @@ enum class Kind : uint16_t {
                     // range's part of a sync update's global figures (ps/global_norm.h)
   ClipScale,        // scheduler → server: JSON {version, generation, kind, sum} (+ norm, scale
                     // for a clip round)
+  CapacityReport,   // worker → scheduler: JSON {clock, generation, figures}: its clock's MoE
+                    // figures for the dynamic capacity controller (ps/capacity_rounds.h); without
+                    // figures, a request for the factors of `clock`
+  CapacityFactors,  // scheduler → worker: JSON {clock, generation, state}: the capacity
+                    // controllers' state to compute `clock` with
 };
-constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::ClipScale);
+constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::CapacityFactors);
 std::string_view kind_name(Kind kind);
 
 constexpr uint32_t kMagic = 0x5350544du;  // "MTPS" read as little-endian bytes

@@ -204,11 +204,21 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "the expert loads and the router biases travel as exact f32 values (a rounded "
                  "bias moves the routing); use --push-compression none --pull-compression none",
                  options.push_compression, options.pull_compression);
-  MOETRAIN_CHECK(cfg.model.capacity == CapacityMode::Fixed,
-                 "model.capacity = {}: the dynamic capacity controller needs every worker's "
-                 "figures at each step, which parameter-server mode does not gather; use "
-                 "model.capacity = fixed",
-                 capacity_mode_name(cfg.model.capacity));
+  // The dynamic capacity controller runs at the scheduler on the summed figures of every worker
+  // of a clock, whose factors they all wait for before the next (ps/capacity_rounds.h).
+  MOETRAIN_CHECK(cfg.model.capacity == CapacityMode::Fixed || mode == Consistency::Sync,
+                 "model.capacity = dynamic with --consistency {}: the controller sets a clock's "
+                 "factors from the figures of every worker of the clock before, and {}; use "
+                 "--consistency sync or model.capacity = fixed",
+                 options.consistency,
+                 mode == Consistency::Quorum
+                     ? "quorum applies a clock without the pushes past its quorum, whose workers "
+                       "go on without waiting for the others"
+                 : mode == Consistency::Average
+                     ? "average's local steps are optimizer steps of each worker alone, with no "
+                       "clock-wide figures between them"
+                     : "async, ssp and half_sync have no clock that every worker computes (each "
+                       "push is an update of its own)");
   MOETRAIN_CHECK(cfg.placement.spare_slots == 0,
                  "placement.spare_slots = {}: hot-expert replication needs every rank's expert "
                  "loads at each step, which parameter-server mode does not gather; set "
@@ -274,6 +284,11 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
                  "--ep {} with model.router = sigmoid_bias: a worker group does not carry the "
                  "router biases between its ranks yet; start the workers without --ep, or use "
                  "topk_softmax",
+                 ep);
+  MOETRAIN_CHECK(cfg.model.capacity == CapacityMode::Fixed,
+                 "--ep {} with model.capacity = dynamic: a group's ranks would each wait for the "
+                 "scheduler's factors between the group's collectives, which is not yet done; "
+                 "start the workers without --ep, or use model.capacity = fixed",
                  ep);
   MOETRAIN_CHECK(options.assign_kind() == Assign::Uniform,
                  "--ep {} with --assign {}: a re-split pauses workers one by one while the "

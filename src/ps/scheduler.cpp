@@ -27,12 +27,18 @@ Scheduler::Scheduler(const SchedulerArgs& a, std::unique_ptr<SchedulerSocket> so
   total_keys_ = job_keys(args_.config);
   norm_rounds_ = NormRounds(args_.options.servers);
   global_rows_ = args_.options.workers * args_.config.train.batch_size;
+  if (args_.config.model.capacity == CapacityMode::Dynamic) {
+    const auto& m = args_.config.model;
+    capacity_ = CapacityRounds(m.balance, m.capacity_factor, m.n_moe_layers(), m.n_experts);
+  }
   // Before anything in the run directory is written: another run writing it, or an earlier run
   // it holds without --resume, stops the job here. A standby joins the job its scheduler holds.
   if (!args_.standby) lock_ = open_job_dir(args_.config.train.run_dir, args_.resume);
   endpoint_ = socket_->endpoint;
   fs::create_directories(fs::path(args_.config.train.run_dir) / "ps");
   if (!args_.endpoint_file.empty()) write_file_atomic(args_.endpoint_file, endpoint_ + "\n");
+  // A resumed job's controllers restart from the record of the run it continues.
+  if (args_.resume && capacity_.active()) capacity_.load_record(capacity_record());
   events_ = JobEvents(args_.config.train.run_dir, !args_.standby && !args_.resume);
   if (args_.elected.is_object()) record_election();
   log_info("ps scheduler at {}: waiting for {} server(s) and {} worker(s)", endpoint_,
@@ -97,6 +103,12 @@ int Scheduler::run() {
       maybe_finish();
     }
     if (taking_over_ && !maybe_take_over()) return 1;
+    // A worker that died leaves the clock's round to the others.
+    if (started_ && !finishing_) decide_capacity();
+    if (!capacity_error_.empty()) {
+      shutdown_all(capacity_error_);
+      return 1;
+    }
     if (!check_norm_rounds()) return 1;
     if (finishing_ && since(finish_started_) > 10 * hb_timeout + 60) {
       shutdown_all("the final checkpoint and summaries were not written in time");
@@ -152,6 +164,10 @@ void Scheduler::handle(const Incoming& in) {
         break;
       case Kind::RowsReady:
         if (node && node->role == "worker") on_rows_ready(*node, in.json());
+        break;
+      case Kind::CapacityReport:
+        if (node && node->role == "worker" && node->index >= 0)
+          on_capacity_report(*node, in.json());
         break;
       case Kind::NormReport:
         if (node && node->role == "server" && node->primary && node->index >= 0)
@@ -239,6 +255,8 @@ void Scheduler::on_register(const Incoming& in) {
         static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers) {
       started_ = true;
       last_worker_seen_ = Clock::now();
+      // Every worker of the start computes the first clock (a resumed job's: capacity_rewound).
+      for (Node* w : members_.alive_workers()) capacity_from_[w->id] = 0;
       events_.job(args_.resume ? "job_resume" : "job_start");
       log_info("ps scheduler: job {} ({} keys over {} server(s), {} rows per step)",
                args_.resume ? "resumes" : "starts", total_keys_, args_.options.servers,

@@ -125,6 +125,8 @@ void Scheduler::on_restored() {
   }
   ++epoch_;
   broadcast_setup();
+  capacity_rewound(rollback_clock_,
+                   restore_index_ < 0 ? "the job resumed" : "the servers rolled back");
 }
 
 // With replicas, the first shard whose primary serves without a backup (after a promotion, or

@@ -6,6 +6,7 @@
 #include <zmq.hpp>
 
 #include <chrono>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "io/run_lock.h"
+#include "ps/capacity_rounds.h"
 #include "ps/global_norm.h"
 #include "ps/job_events.h"
 #include "ps/membership.h"
@@ -65,6 +67,12 @@ class Scheduler {
   void on_stop_checkpoint(const Node& n, const nlohmann::json& j);
   void on_norm_report(const Node& n, const Incoming& in);
   bool check_norm_rounds();
+  // model.capacity = dynamic (scheduler_capacity.cpp).
+  void on_capacity_report(const Node& n, const nlohmann::json& j);
+  bool decide_capacity();
+  void send_capacity(const Node& w, int64_t clock, const nlohmann::json& state);
+  void capacity_rewound(int64_t clock, const char* why);
+  std::filesystem::path capacity_record() const;
 
   SchedulerArgs args_;
   RunLock lock_;  // RUN_DIR's, for the life of the job (a standby holds none)
@@ -111,6 +119,12 @@ class Scheduler {
   // and who reported to each round still open (answered when it is decided).
   NormRounds norm_rounds_;
   std::map<std::tuple<uint32_t, int64_t, int>, std::vector<std::string>> norm_waiting_;
+  // model.capacity = dynamic: the controllers, and the first clock each worker node computes
+  // (a worker takes part in a clock's round from the clock it first asked factors for).
+  CapacityRounds capacity_;
+  std::map<int32_t, int64_t> capacity_from_;
+  std::string capacity_error_;  // set when the controllers' state cannot be rebuilt: the job stops
+  int64_t capacity_takeover_clock_ = 0;  // the clock after the dead scheduler's last decision
   int64_t servers_lost_ = 0, failovers_ = 0, rollbacks_ = 0, backups_attached_ = 0;
   int exit_code_ = 1;
   int32_t lead_ = -1;

@@ -49,6 +49,17 @@ void Scheduler::on_rejoin(const Incoming& in, const nlohmann::json& j) {
   if (!taking_over_ && !started_) {
     taking_over_ = true;
     takeover_started_ = Clock::now();
+    // A standby opened metrics/scheduler.jsonl when it started, which may have been before the
+    // job's scheduler replaced an earlier job's file: append to the file that is there now.
+    events_ = JobEvents(args_.config.train.run_dir, false);
+    // The dead scheduler's record, up to its last decision.
+    if (capacity_.active()) {
+      try {
+        capacity_takeover_clock_ = capacity_.load_record(capacity_record());
+      } catch (const Error& e) {
+        capacity_error_ = fmt::format("a successor took over the job: {}", e.what());
+      }
+    }
   }
 }
 
@@ -118,6 +129,7 @@ bool Scheduler::maybe_take_over() {
   } else {
     replan();
   }
+  capacity_rewound(capacity_takeover_clock_, "a successor took over the job");
   if (promoted) attach_spare();
   return true;
 }

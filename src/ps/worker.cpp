@@ -102,6 +102,7 @@ class Worker {
   // From a pull of the current parameters to the end of the job, unless the servers roll back.
   Outcome train(int64_t& first) {
     done_ = false;
+    capacity_answer_clock_ = -1;  // what was asked before a roll-back was of its generation
     WaitResult r = kv_->wait(
         kv_->pull(-1, step_->params().data(), opts_.pull_encoding(), step_->pull_keys()));
     if (group_rolled_back(r.rolled_back)) return Outcome::RolledBack;
@@ -110,10 +111,14 @@ class Worker {
     log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
              assign_.rows, assign_.global_rows);
     while (clock < cfg_.train.steps) {
-      if (!wait_for_rows()) return Outcome::RolledBack;
+      if (!wait_for_capacity(clock) || !wait_for_rows()) return Outcome::RolledBack;
       Timer step_timer;
       started_clock_ = clock;
       const PushMeta meta = compute(clock);
+      // Before the push: the clock's round at the scheduler never waits for a worker whose push
+      // the servers applied.
+      if (capacity_dynamic())
+        send_capacity_report({{"clock", clock}, {"figures", step_->capacity_figures()}}, clock + 1);
       std::vector<float>& residual = step_->residual();
       const int64_t tp = kv_->push(clock, step_->grads().data(), step_->skipped(),
                                    opts_.compression(), meta,
@@ -199,10 +204,46 @@ class Worker {
     return true;
   }
 
+  bool capacity_dynamic() const { return cfg_.model.capacity == CapacityMode::Dynamic; }
+
+  // model.capacity = dynamic (ps/capacity_rounds.h): the scheduler's report of this worker's
+  // figures of a clock, or its request for a clock's factors; `answer_clock`: the clock whose
+  // factors answer it. Sent again every heartbeat timeout while this worker waits (a scheduler
+  // that took over, or that was restoring, answers it then).
+  void send_capacity_report(nlohmann::json body, int64_t answer_clock) {
+    body["generation"] = kv_->generation();
+    send(link_->socket(), json_frame(Kind::CapacityReport, link_->node_id(), body));
+    capacity_report_ = std::move(body);
+    capacity_answer_clock_ = answer_clock;
+    capacity_sent_.reset();
+  }
+
+  // The controllers' state for `clock`, applied before it is computed. Returns false on a
+  // roll-back.
+  bool wait_for_capacity(int64_t clock) {
+    if (!capacity_dynamic()) return true;
+    if (capacity_answer_clock_ != clock) send_capacity_report({{"clock", clock}}, clock);
+    while (capacity_clock_ != clock || capacity_generation_ != kv_->generation()) {
+      bool ok = false;
+      auto in = link_->next_control(100, &ok);
+      MOETRAIN_CHECK(!ok, "the job ended while this worker waited for its capacity factors");
+      if (in && on_control(*in)) return false;
+      if (capacity_sent_.seconds() > link_->heartbeat_timeout())
+        send_capacity_report(capacity_report_, capacity_answer_clock_);
+    }
+    step_->set_capacity(capacity_state_);
+    return true;
+  }
+
   // Returns true when the message rolled the job back to a server checkpoint.
   bool on_control(const Incoming& in) {
     const Kind k = in.header.kind_enum();
-    if (k == Kind::RowsQuery) {
+    if (k == Kind::CapacityFactors) {
+      nlohmann::json j = in.json();
+      capacity_clock_ = j.at("clock").get<int64_t>();
+      capacity_generation_ = j.at("generation").get<uint32_t>();
+      capacity_state_ = std::move(j.at("state"));
+    } else if (k == Kind::RowsQuery) {
       rows_paused_ = true;
       send(link_->socket(),
            json_frame(Kind::RowsReady, link_->node_id(), {{"clock", started_clock_ + 1}}));
@@ -322,6 +363,12 @@ class Worker {
   RowAssignment assign_;
   std::optional<RowAssignment> next_assign_;  // the split from clock switch_at_ on
   int64_t switch_at_ = 0, started_clock_ = -1;
+  // model.capacity = dynamic: the last CapacityReport sent and the clock its answer is for; the
+  // last factors received, for which clock and generation.
+  nlohmann::json capacity_report_, capacity_state_;
+  int64_t capacity_answer_clock_ = -1, capacity_clock_ = -1;
+  uint32_t capacity_generation_ = 0;
+  Timer capacity_sent_;
   bool rows_paused_ = false, done_ = false;
   WorkerGroup group_;  // --ep P > 1: this rank's group (kept alive for the step's model)
   std::unique_ptr<WorkerStep> step_;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "core/check.h"
@@ -12,10 +13,12 @@
 #include "io/metrics.h"
 #include "optim/param_groups.h"
 #include "optim/update.h"
+#include "ps/capacity_rounds.h"
 #include "train/accumulate.h"
 #include "train/evaluate.h"
 #include "train/lm_checkpoint.h"
 #include "train/run_state.h"
+#include "train/step_finish.h"
 
 namespace fs = std::filesystem;
 
@@ -82,6 +85,20 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
                .train;
   windows_ = std::make_unique<WindowStream>(*train_, cfg_.train.seq_len, cfg_.train.seed);
   if (group_) make_group_keys();
+  if (cfg_.model.capacity == CapacityMode::Dynamic) {
+    capacity_.assign(model_->moe_layers().size(),
+                     CapacityController(cfg_.model.balance, std::abs(cfg_.model.capacity_factor)));
+    apply_capacity_factors(capacity_, model_->moe_layers());
+  }
+}
+
+void WorkerStep::set_capacity(const nlohmann::json& state) {
+  MOETRAIN_CHECK(state.is_array() && state.size() == capacity_.size(),
+                 "the scheduler's capacity factors hold {} states for {} MoE layers",
+                 state.is_array() ? state.size() : 0, capacity_.size());
+  for (std::size_t m = 0; m < capacity_.size(); ++m)
+    capacity_[m].restore(state[m], "the scheduler's capacity factors");
+  apply_capacity_factors(capacity_, model_->moe_layers());
 }
 
 void WorkerStep::make_group_keys() {
@@ -214,6 +231,7 @@ PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
   // This worker's rows' share of the global batch: the servers sum the workers' pushes.
   const Accumulated acc = accumulate_rows(
       clock, a, static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A)));
+  if (!capacity_.empty()) capacity_figures_ = ps::capacity_figures(acc);
   skip_.clear();
   if (group_) {
     reduce_group(acc);

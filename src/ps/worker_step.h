@@ -21,6 +21,7 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "model/transformer.h"
+#include "moe/capacity_controller.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "ps/codec.h"
@@ -69,6 +70,12 @@ class WorkerStep {
   // the row-weighted mean). The figures: the mean loss over the H steps.
   PushMeta local_round(int64_t clock, const RowAssignment& a);
 
+  // model.capacity = dynamic (ps/capacity_rounds.h): the figures of the last compute for the
+  // scheduler's controllers, and the controllers' state it sends back, applied to the MoE layers
+  // (apply_capacity_factors) before the next forward.
+  const nlohmann::json& capacity_figures() const { return capacity_figures_; }
+  void set_capacity(const nlohmann::json& state);
+
   // The lead worker at the end of the job: params as a normal checkpoint of step `clock`, and
   // the validation loss written to the run's metrics.
   void finish(int64_t clock);
@@ -87,6 +94,8 @@ class WorkerStep {
   std::unique_ptr<Optimizer> opt_;         // average: this worker's optimizer over every key
   std::unique_ptr<LrSchedule> schedule_;   // average: over train.steps × H local steps
   std::unique_ptr<Comm> comm_;             // average: a local step's gradient is all of it
+  std::vector<CapacityController> capacity_;  // model.capacity = dynamic: one per MoE layer
+  nlohmann::json capacity_figures_;
 
   // grads = Σ over micro-batches of the gradient of rows `a` of step `step` × loss_weight; with
   // sigmoid_bias the router bias keys of grads = this worker's expert loads.

@@ -284,7 +284,11 @@ TEST(PsOptions, RejectBadValuesByName) {
   cfg.optim.grad_clip = 0;
   cfg.model.capacity = CapacityMode::Dynamic;
   cfg.model.capacity_factor = 1.0;
-  expect_error([&] { check_ps_run_config(cfg, two); }, "model.capacity = dynamic");
+  check_ps_run_config(cfg, two);  // sync: the scheduler runs the controllers (capacity_test.cpp)
+  two.consistency = "async";
+  expect_error([&] { check_ps_run_config(cfg, two); },
+               "model.capacity = dynamic with --consistency async");
+  two.consistency = "sync";
   cfg.model.capacity = CapacityMode::Fixed;
   cfg.grad.sparse_experts = true;
   expect_error([&] { check_ps_run_config(cfg, two); }, "grad.sparse_experts = true");
