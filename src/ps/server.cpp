@@ -13,6 +13,7 @@
 #include "moe/balance.h"
 #include "optim/expert_reweight.h"
 #include "optim/param_groups.h"
+#include "optim/sparse_experts.h"
 #include "optim/update.h"
 #include "ps/election.h"
 #include "ps/server_rounds.h"
@@ -175,8 +176,9 @@ class Server {
     ParamLayout layout(cfg_.model);
     MOETRAIN_CHECK(end_ <= layout.size() ||
                        (begin_ <= layout.size() && end_ == job_keys(cfg_)),
-                   "keys [{}, {}): the router bias keys [{}, {}) must lie in one server's range; "
-                   "use fewer --servers for this model",
+                   "keys [{}, {}): the keys past the parameters [{}, {}) (router biases, expert "
+                   "token counts) must lie in one server's range; use fewer --servers for this "
+                   "model",
                    begin_, end_, layout.size(), job_keys(cfg_));
     for (const auto& l : layout.layers)
       if (l.w1 >= 0) {
@@ -246,8 +248,11 @@ class Server {
     init_params(full.data(), layout, cfg_.model, cfg_.train.seed);
     groups_ = param_groups(layout);
     // Keys past the parameters are router biases (job_keys): zero at the start, as a model's,
-    // and stepped by the bias rule, not the optimizer.
+    // and stepped by the bias rule, not the optimizer; then the expert token counts, which only
+    // carry the workers' pushes (their values stay zero).
     param_end_ = std::clamp(layout.size(), begin_, end_);
+    bias_end_ = std::clamp(layout.size() + router_bias_keys(cfg_), begin_, end_);
+    if (cfg_.grad.sparse_experts) pieces_ = expert_pieces(layout);
     opt_ = make_optimizer(cfg_.optim.optimizer_config(), groups_, begin_, param_end_);
     if (cfg_.grad.expert_reweight != "none")
       reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), layout);
@@ -271,7 +276,7 @@ class Server {
   // a collective step. The range holds whole layers: the bias keys follow the parameters, and
   // split_keys cuts on multiples of 16 only where the range is larger than they are.
   void step_router_biases(const float* sum, float* values) {
-    const int64_t E = cfg_.model.n_experts, biases = end_ - param_end_;
+    const int64_t E = cfg_.model.n_experts, biases = bias_end_ - param_end_;
     if (biases == 0) return;
     const int64_t at = param_end_ - begin_;
     std::vector<int64_t> load(static_cast<std::size_t>(E));
@@ -279,6 +284,46 @@ class Server {
       for (int64_t e = 0; e < E; ++e)
         load[static_cast<std::size_t>(e)] = std::llround(sum[at + l + e]);
       bias_update(values + at + l, load.data(), E, cfg_.model.bias_update_rate);
+    }
+  }
+
+  // grad.sparse_experts, utilisation reweighting: the clock's expert token counts over every
+  // worker, (A, MoE layers, E), from the count keys of the range that holds them, shared through
+  // the scheduler when there are several servers (the others send zeros, so the sum is those
+  // counts). Then, as the trainers' step: the mask (active_experts with grad.min_accum_fraction)
+  // and its frozen ranges, whose rows of the summed gradient are zeroed (the norm and the
+  // reweighting see only active experts), and the loads the utilisation factors read. A count
+  // that a worker lost mid-clock rescaled stays ≥ 1 where it was ≥ 1 (the scale is above 1).
+  void take_expert_counts(float* sum, int64_t version, int64_t clock) {
+    const int64_t n = expert_count_keys(cfg_);
+    std::vector<double> part(static_cast<std::size_t>(n), 0.0);
+    if (end_ - bias_end_ == n)
+      for (int64_t i = 0; i < n; ++i) part[static_cast<std::size_t>(i)] = sum[bias_end_ - begin_ + i];
+    if (opts_.servers > 1)
+      part = rounds_->sums(version, clock, kv_.generation(), RoundKind::Experts, part);
+    std::vector<int64_t> counts(part.size());
+    for (std::size_t i = 0; i < part.size(); ++i) counts[i] = std::llround(part[i]);
+    const int64_t A = cfg_.train.grad_accum, E = cfg_.model.n_experts,
+                  L = cfg_.model.n_moe_layers();
+    if (cfg_.grad.sparse_experts) {
+      const std::vector<uint8_t> active =
+          active_experts(counts, A, L * E, cfg_.grad.min_accum_fraction);
+      frozen_ = frozen_ranges(pieces_, active);
+      frozen_experts_ = std::count(active.begin(), active.end(), uint8_t{0});
+      for (const FrozenRange& r : frozen_) {
+        const int64_t lo = std::max(r.offset, begin_), hi = std::min(r.offset + r.size, param_end_);
+        if (lo < hi) std::fill(sum + (lo - begin_), sum + (hi - begin_), 0.0f);
+      }
+    }
+    if (cfg_.grad.expert_reweight == "utilisation") {
+      std::vector<std::vector<int64_t>> loads(static_cast<std::size_t>(L),
+                                              std::vector<int64_t>(static_cast<std::size_t>(E), 0));
+      for (int64_t a = 0; a < A; ++a)
+        for (int64_t l = 0; l < L; ++l)
+          for (int64_t e = 0; e < E; ++e)
+            loads[static_cast<std::size_t>(l)][static_cast<std::size_t>(e)] +=
+                counts[static_cast<std::size_t>((a * L + l) * E + e)];
+      reweight_->set_loads(std::move(loads));
     }
   }
 
@@ -294,12 +339,16 @@ class Server {
   // gradient, and check_and_clip reweights and clips it as the single-process step does. With
   // several, each expert's figures and then the squared norm go to the scheduler, and the update
   // waits for their sums over every range. The primary replicates the reweighted and clipped
-  // sum, so a backup's replay applies neither again.
+  // sum, so a backup's replay applies neither again. Before all of them, the expert token counts
+  // (take_expert_counts): the sparse-expert mask, whose frozen experts the optimizer leaves as
+  // they are, and the utilisation loads.
   void step(float* sum, double lr, float* values, const std::string& what, int64_t version,
             int64_t clock) {
     step_router_biases(sum, values);
     FlatGradient grads(sum, param_end_ - begin_, begin_);
     const bool replay = version < 0, rounds = global_rounds();
+    frozen_.clear();
+    if (!replay && expert_count_keys(cfg_) > 0) take_expert_counts(sum, version, clock);
     UpdateOptions o;
     o.grad_clip = rounds || replay ? 0.0 : cfg_.optim.grad_clip;
     o.reweight = rounds || replay ? nullptr : reweight_.get();
@@ -311,7 +360,10 @@ class Server {
     last_scale_ = out.clip_coef;
     if (rounds && !replay) {
       const uint32_t generation = kv_.generation();
-      if (reweight_)
+      // utilisation's factors come from the loads alone: its sums are zeros, no round needed.
+      if (reweight_ && cfg_.grad.expert_reweight == "utilisation")
+        reweight_->apply_sums(grads, reweight_->partial_sums(grads));
+      else if (reweight_)
         reweight_->apply_sums(grads, rounds_->sums(version, clock, generation, RoundKind::Reweight,
                                                    reweight_->partial_sums(grads)));
       if (cfg_.optim.grad_clip > 0) {
@@ -323,7 +375,7 @@ class Server {
         last_scale_ = scale;
       }
     }
-    opt_->step(values, sum, static_cast<float>(lr));
+    opt_->step(values, sum, static_cast<float>(lr), frozen_);
   }
 
   void applied(const UpdateApplied& a) {
@@ -335,6 +387,7 @@ class Server {
                            {"clock", a.clock},      {"pushes", a.pushes}, {"rows", a.rows},
                            {"time", unix_seconds()}};
     add_norm(line);
+    if (cfg_.grad.sparse_experts) line["experts_frozen"] = frozen_experts_;
     const Consistency mode = opts_.consistency_kind();
     if (applies_per_push(mode)) line["worker"] = a.worker;
     // Pushes dropped since the last update (late for an applied clock, or of an older
@@ -470,10 +523,15 @@ class Server {
   RunConfig cfg_;
   PsOptions opts_;
   int64_t index_ = -1, begin_ = 0, end_ = 0;
-  int64_t param_end_ = 0;  // keys [begin_, param_end_) are parameters, the rest router biases
+  // keys [begin_, param_end_) are parameters, [param_end_, bias_end_) router biases, the rest
+  // expert token counts (job_keys)
+  int64_t param_end_ = 0, bias_end_ = 0;
+  std::vector<ExpertPiece> pieces_;   // grad.sparse_experts: the layout's expert tensors
+  std::vector<FrozenRange> frozen_;   // the latest update's inactive experts
+  int64_t frozen_experts_ = 0;        // how many (MoE layer, expert) pairs that froze
   std::vector<ParamRange> groups_;
   std::unique_ptr<Optimizer> opt_;
-  std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight (grad_norm)
+  std::unique_ptr<ExpertReweighter> reweight_;  // grad.expert_reweight (grad_norm, utilisation)
   std::unique_ptr<LrSchedule> schedule_;
   std::vector<ExpertSlice> experts_;
   std::vector<int64_t> contributors_;

@@ -82,6 +82,10 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
                .train;
   windows_ = std::make_unique<WindowStream>(*train_, cfg_.train.seq_len, cfg_.train.seed);
   if (group_) make_group_keys();
+  if (expert_count_keys(cfg_) > 0)
+    counts_ = std::make_unique<SparseExperts>(
+        model_->layout(), static_cast<int64_t>(model_->moe_layers().size()), cfg_.model.n_experts,
+        cfg_.train.grad_accum, cfg_.grad.min_accum_fraction);
 }
 
 void WorkerStep::make_group_keys() {
@@ -176,9 +180,11 @@ Accumulated WorkerStep::accumulate_rows(int64_t clock, const RowAssignment& a,
         clock, p.total, index_);
   };
   set_router_biases();
+  args.sparse = counts_.get();
   Accumulated acc =
       accumulate(*model_, params_.data(), grads_.data(), model_->layout().size(), args);
   push_expert_loads();
+  push_expert_counts();
   return acc;
 }
 
@@ -207,6 +213,14 @@ void WorkerStep::push_expert_loads() {
     m->apply_bias_delta(none.data());
     g += E;
   }
+}
+
+// The expert count keys (after the router bias keys) carry this worker's tokens per expert of
+// each micro-batch of the clock, as integers (exact in f32: check_ps_run_config bounds them).
+void WorkerStep::push_expert_counts() {
+  if (!counts_) return;
+  float* g = grads_.data() + model_->layout().size() + router_bias_keys(cfg_);
+  for (int64_t c : counts_->counts()) *g++ = static_cast<float>(c);
 }
 
 PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
