@@ -165,18 +165,22 @@ void KvServer::on_push(Incoming& in) {
 void KvServer::on_replicate(const Incoming& in) {
   const Header& h = in.header;
   const int64_t n = end_ - begin_;
+  // The payload: the sum (n f32), then aux0 bytes of the rule's side input.
   MOETRAIN_CHECK(h.key_begin == begin_ && h.key_end == end_ && h.encoding() == Encoding::F32 &&
-                     h.bytes == static_cast<uint64_t>(4 * n),
-                 "replicate for keys [{}, {}) with {} bytes, this server holds [{}, {})",
-                 h.key_begin, h.key_end, h.bytes, begin_, end_);
+                     h.aux0 >= 0 && h.bytes == static_cast<uint64_t>(4 * n + h.aux0),
+                 "replicate for keys [{}, {}) with {} bytes ({} of side input), this server "
+                 "holds [{}, {})",
+                 h.key_begin, h.key_end, h.bytes, h.aux0, begin_, end_);
   MOETRAIN_CHECK(h.clock == rules_.version(), "replicate of clock {}, this backup is at clock {}",
                  h.clock, rules_.version());
   MOETRAIN_CHECK(std::isfinite(h.value) && h.value >= 0, "replicate with lr {}", h.value);
-  std::memcpy(sum_.data(), in.payload, h.bytes);
+  std::memcpy(sum_.data(), in.payload, static_cast<std::size_t>(4 * n));
   if (rules_.config().mode == Consistency::Average)
     std::copy(sum_.begin(), sum_.end(), values_.begin());
   else
-    handlers_.replay(sum_.data(), h.value, values_.data());
+    handlers_.replay(sum_.data(), h.value,
+                     std::string_view(in.payload + 4 * n, static_cast<std::size_t>(h.aux0)),
+                     values_.data());
   rules_.replayed(h.aux1, h.ticket);
   ++stats_.replicated_in;
   Header a;
@@ -322,8 +326,11 @@ void KvServer::replicate(int64_t version, double lr, int64_t worker, int64_t wor
   h.aux1 = worker;
   h.ticket = worker_clock;
   h.generation = generation_;
-  zmq::message_t m = new_frame(h, sum_.size() * 4);
+  const std::string side = handlers_.side_input ? handlers_.side_input() : std::string();
+  h.aux0 = static_cast<int64_t>(side.size());
+  zmq::message_t m = new_frame(h, sum_.size() * 4 + side.size());
   std::memcpy(frame_payload(m), sum_.data(), sum_.size() * 4);
+  std::memcpy(frame_payload(m) + sum_.size() * 4, side.data(), side.size());
   seal(m.data(), m.size());
   send(*backup_, std::move(m));
 }

@@ -26,8 +26,9 @@ enum class Kind : uint16_t {
   Finish,           // scheduler → node: the job is over (JSON {lead: bool} for workers)
   FinishAck,        // node → scheduler: final state written
   Shutdown,         // scheduler → node: stop now (JSON {reason}); non-zero exit unless ok
-  Replicate,        // primary server → its backup: one applied update (f32 summed gradient);
-                    // clock = the update's clock, value = lr, aux0 = optimizer step,
+  Replicate,        // primary server → its backup: one applied update (f32 summed gradient,
+                    // then aux0 bytes of the update rule's side input: the sparse-expert mask);
+                    // clock = the update's clock, value = lr,
                     // aux1 = the pushing worker and ticket = its clock after the push (async, ssp)
   ReplicateAck,     // backup → primary: clock = the backup's version after applying
   CheckpointQuery,  // scheduler → server: which checkpointed clocks do you hold?

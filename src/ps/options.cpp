@@ -243,13 +243,6 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "inexact in the f32 sums of the pushes (at most 2^24 = 16777216); use fewer "
                  "rows per worker",
                  counted, options.workers, cfg.train.batch_size, cfg.train.seq_len, micro_tokens);
-  // A backup replays its primary's update from the summed gradient and the learning rate alone,
-  // not the mask the primary stepped around.
-  MOETRAIN_CHECK(!cfg.grad.sparse_experts || options.server_replicas == 1,
-                 "grad.sparse_experts = true with --server-replicas {}: a backup replays its "
-                 "primary's updates without the mask of frozen experts they stepped around; use "
-                 "--server-replicas 1 (server checkpoints) or grad.sparse_experts = false",
-                 options.server_replicas);
   MOETRAIN_CHECK(cfg.grad.sparse_ratio == 0,
                  "grad.sparse_ratio = {}: parameter-server mode pushes whole key ranges and "
                  "has no sparse reduction; set grad.sparse_ratio = 0",

@@ -207,8 +207,15 @@ class Server {
     rules.workers_at_start = opts_.workers;
     KvServerHandlers h;
     h.update = [this](const UpdateInput& in, float* values) { return update(in, values); };
-    h.replay = [this](float* sum, double lr, float* values) {
+    h.replay = [this](float* sum, double lr, std::string_view side, float* values) {
+      replayed_mask(side);
       step(sum, lr, values, "a replayed update", -1, -1);
+    };
+    // The mask the update just applied went around: the backup's replay steps around it too (its
+    // range's sum came zeroed there, but a zero gradient still moves AdamW's state).
+    h.side_input = [this] {
+      return cfg_.grad.sparse_experts ? std::string(active_.begin(), active_.end())
+                                      : std::string();
     };
     h.save_state = [this] {
       RuleState st;
@@ -306,10 +313,9 @@ class Server {
     const int64_t A = cfg_.train.grad_accum, E = cfg_.model.n_experts,
                   L = cfg_.model.n_moe_layers();
     if (cfg_.grad.sparse_experts) {
-      const std::vector<uint8_t> active =
-          active_experts(counts, A, L * E, cfg_.grad.min_accum_fraction);
-      frozen_ = frozen_ranges(pieces_, active);
-      frozen_experts_ = std::count(active.begin(), active.end(), uint8_t{0});
+      active_ = active_experts(counts, A, L * E, cfg_.grad.min_accum_fraction);
+      frozen_ = frozen_ranges(pieces_, active_);
+      frozen_experts_ = std::count(active_.begin(), active_.end(), uint8_t{0});
       for (const FrozenRange& r : frozen_) {
         const int64_t lo = std::max(r.offset, begin_), hi = std::min(r.offset + r.size, param_end_);
         if (lo < hi) std::fill(sum + (lo - begin_), sum + (hi - begin_), 0.0f);
@@ -325,6 +331,19 @@ class Server {
                 counts[static_cast<std::size_t>((a * L + l) * E + e)];
       reweight_->set_loads(std::move(loads));
     }
+  }
+
+  // A backup's replay: the primary's mask of the update (one byte per MoE layer and expert).
+  void replayed_mask(std::string_view side) {
+    replay_frozen_.clear();
+    if (!cfg_.grad.sparse_experts) return;
+    const int64_t keys = cfg_.model.n_moe_layers() * cfg_.model.n_experts;
+    MOETRAIN_CHECK(static_cast<int64_t>(side.size()) == keys,
+                   "{}: a replicated update with {} bytes of mask for {} experts", who_,
+                   side.size(), keys);
+    active_.assign(side.begin(), side.end());
+    replay_frozen_ = frozen_ranges(pieces_, active_);
+    frozen_experts_ = std::count(active_.begin(), active_.end(), uint8_t{0});
   }
 
   // Whether an update's global figures span several servers' ranges (sync mode;
@@ -348,6 +367,7 @@ class Server {
     FlatGradient grads(sum, param_end_ - begin_, begin_);
     const bool replay = version < 0, rounds = global_rounds();
     frozen_.clear();
+    if (replay) frozen_ = replay_frozen_;
     if (!replay && expert_count_keys(cfg_) > 0) take_expert_counts(sum, version, clock);
     UpdateOptions o;
     o.grad_clip = rounds || replay ? 0.0 : cfg_.optim.grad_clip;
@@ -528,6 +548,8 @@ class Server {
   int64_t param_end_ = 0, bias_end_ = 0;
   std::vector<ExpertPiece> pieces_;   // grad.sparse_experts: the layout's expert tensors
   std::vector<FrozenRange> frozen_;   // the latest update's inactive experts
+  std::vector<uint8_t> active_;       // its mask (MoE layers · E), which a backup replays with
+  std::vector<FrozenRange> replay_frozen_;  // a backup: the replicated update's frozen ranges
   int64_t frozen_experts_ = 0;        // how many (MoE layer, expert) pairs that froze
   std::vector<ParamRange> groups_;
   std::unique_ptr<Optimizer> opt_;

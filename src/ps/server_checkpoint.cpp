@@ -52,9 +52,21 @@ void write_server_checkpoint(const fs::path& run_dir, int64_t index, int64_t clo
     crc = crc32_bytes(data, bytes, crc);
   };
   add("params", SafetensorsDType::F32, {n}, params, static_cast<std::size_t>(n) * 4);
+  // The optimizer's range may end before the key range (the router bias and expert count keys
+  // past the parameters have no optimizer state): its buffers are written padded with zeros to
+  // the key range, as a snapshot to a backup pads them.
   std::vector<StateBuffer> state = optimizer.state();
-  for (const StateBuffer& b : state)
-    add("optimizer." + b.name, SafetensorsDType::F32, {n}, b.values.data(), b.values.size() * 4);
+  std::vector<std::vector<float>> padded;
+  padded.reserve(state.size());
+  for (const StateBuffer& b : state) {
+    MOETRAIN_CHECK(static_cast<int64_t>(b.values.size()) <= n,
+                   "optimizer buffer '{}' of {} values for keys [{}, {})", b.name, b.values.size(),
+                   key_begin, key_end);
+    padded.emplace_back(b.values.begin(), b.values.end());
+    padded.back().resize(static_cast<std::size_t>(n), 0.0f);
+    add("optimizer." + b.name, SafetensorsDType::F32, {n}, padded.back().data(),
+        static_cast<std::size_t>(n) * 4);
+  }
   std::vector<int64_t> clocks;
   for (auto [wk, c] : worker_clocks) clocks.insert(clocks.end(), {wk, c});
   add("worker_clocks", SafetensorsDType::I64, {static_cast<int64_t>(worker_clocks.size()), 2},
@@ -147,10 +159,12 @@ void restore_optimizer(const ServerCheckpoint& c, Optimizer& optimizer) {
                  c.clock, c.optimizer.size(), state.size());
   for (StateBuffer& b : state) {
     auto it = c.optimizer.find(b.name);
-    MOETRAIN_CHECK(it != c.optimizer.end() && it->second.size() == b.values.size(),
+    // Written padded to the key range (write_server_checkpoint): the optimizer's range is its
+    // beginning.
+    MOETRAIN_CHECK(it != c.optimizer.end() && it->second.size() >= b.values.size(),
                    "server checkpoint of clock {} has no optimizer buffer '{}' of {} values",
                    c.clock, b.name, b.values.size());
-    std::copy(it->second.begin(), it->second.end(), b.values.begin());
+    std::copy_n(it->second.begin(), b.values.size(), b.values.begin());
   }
   optimizer.set_step_count(c.optimizer_steps);
 }
