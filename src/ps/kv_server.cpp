@@ -205,7 +205,9 @@ void KvServer::send_snapshot() {
   h.aux0 = st.steps;
   h.aux1 = static_cast<int64_t>(st.buffers.size());
   h.generation = generation_;
-  zmq::message_t m = new_frame(h, 4 * n * (1 + st.buffers.size()) + 16 * clocks.size());
+  h.ticket = static_cast<int64_t>(st.extra.size());  // its bytes close the payload
+  zmq::message_t m =
+      new_frame(h, 4 * n * (1 + st.buffers.size()) + 16 * clocks.size() + st.extra.size());
   char* p = static_cast<char*>(frame_payload(m));
   std::memcpy(p, values_.data(), 4 * n);
   p += 4 * n;
@@ -220,6 +222,7 @@ void KvServer::send_snapshot() {
     std::memcpy(p, pair, 16);
     p += 16;
   }
+  std::memcpy(p, st.extra.data(), st.extra.size());
   seal(m.data(), m.size());
   send(*backup_, std::move(m));
   ++stats_.snapshots_out;
@@ -237,8 +240,10 @@ void KvServer::on_snapshot(const Incoming& in) {
                  "snapshot with {} state buffers, {} rule steps at clock {}", h.aux1, h.aux0,
                  h.clock);
   const uint64_t dense = 4 * n * (1 + static_cast<uint64_t>(h.aux1));
-  MOETRAIN_CHECK(h.bytes >= dense && (h.bytes - dense) % 16 == 0,
-                 "snapshot of {} bytes for {} values and {} state buffers", h.bytes, n, h.aux1);
+  const auto extra = static_cast<uint64_t>(h.ticket);
+  MOETRAIN_CHECK(h.ticket >= 0 && h.bytes >= dense + extra && (h.bytes - dense - extra) % 16 == 0,
+                 "snapshot of {} bytes for {} values, {} state buffers and {} bytes of rule state",
+                 h.bytes, n, h.aux1, h.ticket);
   const char* p = in.payload;
   std::memcpy(values_.data(), p, 4 * n);
   p += 4 * n;
@@ -250,12 +255,13 @@ void KvServer::on_snapshot(const Incoming& in) {
     p += 4 * n;
   }
   std::map<int64_t, int64_t> clocks;
-  for (uint64_t k = 0; k < (h.bytes - dense) / 16; ++k) {
+  for (uint64_t k = 0; k < (h.bytes - dense - extra) / 16; ++k) {
     int64_t pair[2];
     std::memcpy(pair, p, 16);
     p += 16;
     clocks[pair[0]] = pair[1];
   }
+  st.extra.assign(p, extra);
   handlers_.load_state(st);
   for (int64_t id : rules_.restore(h.clock, std::move(clocks))) pushes_.erase(id);
   generation_ = h.generation;

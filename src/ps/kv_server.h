@@ -54,6 +54,7 @@ struct UpdateApplied {
 struct RuleState {
   std::vector<std::vector<float>> buffers;  // each (key range)
   int64_t steps = 0;
+  std::string extra;  // the rule's state beyond them (the importance reweighting's averages)
 };
 
 struct KvServerHandlers {

@@ -247,13 +247,10 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "grad.sparse_ratio = {}: parameter-server mode pushes whole key ranges and "
                  "has no sparse reduction; set grad.sparse_ratio = 0",
                  cfg.grad.sparse_ratio);
-  // Expert reweighting: grad_norm's factors come from the reduced gradient alone, utilisation's
-  // from the count keys; with several servers a sync update's per-expert figures meet at the
-  // scheduler (ps/global_norm.h).
-  MOETRAIN_CHECK(cfg.grad.expert_reweight != "importance",
-                 "grad.expert_reweight = importance: its moving averages would have to travel "
-                 "with every server's checkpoint and backup, which they do not yet; "
-                 "parameter-server mode runs grad_norm, utilisation (or none)");
+  // Expert reweighting: grad_norm's and importance's factors come from the reduced gradient
+  // (importance's moving averages travel with server checkpoints, snapshots and replicated
+  // updates), utilisation's from the count keys; with several servers a sync update's per-expert
+  // figures meet at the scheduler (ps/global_norm.h).
   MOETRAIN_CHECK(cfg.grad.expert_reweight == "none" ||
                      (mode != Consistency::Average &&
                       (options.servers == 1 || mode == Consistency::Sync)),

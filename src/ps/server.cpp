@@ -208,14 +208,17 @@ class Server {
     KvServerHandlers h;
     h.update = [this](const UpdateInput& in, float* values) { return update(in, values); };
     h.replay = [this](float* sum, double lr, std::string_view side, float* values) {
-      replayed_mask(side);
+      replayed_side(side);
       step(sum, lr, values, "a replayed update", -1, -1);
     };
     // The mask the update just applied went around: the backup's replay steps around it too (its
-    // range's sum came zeroed there, but a zero gradient still moves AdamW's state).
+    // range's sum came zeroed there, but a zero gradient still moves AdamW's state). Then the
+    // importance reweighting's averages after it, which the backup's replay (of the reweighted
+    // sum) does not compute.
     h.side_input = [this] {
-      return cfg_.grad.sparse_experts ? std::string(active_.begin(), active_.end())
-                                      : std::string();
+      std::string side;
+      if (cfg_.grad.sparse_experts) side.assign(active_.begin(), active_.end());
+      return side + rule_state();
     };
     h.save_state = [this] {
       RuleState st;
@@ -226,6 +229,7 @@ class Server {
         st.buffers.back().resize(static_cast<std::size_t>(end_ - begin_), 0.0f);
       }
       st.steps = opt_->step_count();
+      st.extra = rule_state();
       return st;
     };
     h.load_state = [this](const RuleState& st) {
@@ -240,6 +244,7 @@ class Server {
         std::copy_n(st.buffers[i].begin(), state[i].values.size(), state[i].values.begin());
       }
       opt_->set_step_count(st.steps);
+      restore_rule_state(st.extra, "the primary's snapshot");
     };
     h.applied = [this](const UpdateApplied& a) { applied(a); };
     h.push_ranges = [this](const std::vector<Span>& ranges) { count_contributors(ranges); };
@@ -333,17 +338,39 @@ class Server {
     }
   }
 
-  // A backup's replay: the primary's mask of the update (one byte per MoE layer and expert).
-  void replayed_mask(std::string_view side) {
+  // A backup's replay: the primary's mask of the update (one byte per MoE layer and expert),
+  // then its importance averages after the update.
+  void replayed_side(std::string_view side) {
     replay_frozen_.clear();
-    if (!cfg_.grad.sparse_experts) return;
-    const int64_t keys = cfg_.model.n_moe_layers() * cfg_.model.n_experts;
-    MOETRAIN_CHECK(static_cast<int64_t>(side.size()) == keys,
-                   "{}: a replicated update with {} bytes of mask for {} experts", who_,
-                   side.size(), keys);
-    active_.assign(side.begin(), side.end());
-    replay_frozen_ = frozen_ranges(pieces_, active_);
-    frozen_experts_ = std::count(active_.begin(), active_.end(), uint8_t{0});
+    if (cfg_.grad.sparse_experts) {
+      const int64_t keys = cfg_.model.n_moe_layers() * cfg_.model.n_experts;
+      MOETRAIN_CHECK(static_cast<int64_t>(side.size()) >= keys,
+                     "{}: a replicated update with {} bytes of mask for {} experts", who_,
+                     side.size(), keys);
+      active_.assign(side.begin(), side.begin() + keys);
+      replay_frozen_ = frozen_ranges(pieces_, active_);
+      frozen_experts_ = std::count(active_.begin(), active_.end(), uint8_t{0});
+      side.remove_prefix(static_cast<std::size_t>(keys));
+    }
+    restore_rule_state(side, "a replicated update");
+  }
+
+  // grad.expert_reweight = importance: its moving averages and steps (ExpertReweighter::to_json)
+  // as JSON text, which travel with checkpoints, snapshots and replicated updates (JSON numbers
+  // give doubles back exactly); empty otherwise.
+  std::string rule_state() const {
+    return cfg_.grad.expert_reweight == "importance" ? reweight_->to_json().dump() : std::string();
+  }
+  void restore_rule_state(std::string_view text, const std::string& where) {
+    if (cfg_.grad.expert_reweight != "importance") return;
+    MOETRAIN_CHECK(!text.empty(), "{}: {} has no importance reweighting state", who_, where);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      MOETRAIN_FAIL("{}: {}'s importance reweighting state is not JSON: {}", who_, where, e.what());
+    }
+    reweight_->restore(j, fmt::format("{} ({})", where, who_));
   }
 
   // Whether an update's global figures span several servers' ranges (sync mode;
@@ -450,7 +477,7 @@ class Server {
 
   void write_checkpoint(int64_t version) {
     write_server_checkpoint(run_dir_, index_, version, begin_, end_, kv_.values().data(), *opt_,
-                            kv_.rules().worker_clocks(), config_hash_);
+                            kv_.rules().worker_clocks(), config_hash_, 3, rule_state());
   }
 
   // Every server of the job goes back to the same clock (the scheduler's Restore): after a
@@ -463,6 +490,7 @@ class Server {
       ServerCheckpoint c = read_server_checkpoint(server_checkpoint_path(run_dir_, index_, clock),
                                                   begin_, end_, config_hash_);
       restore_optimizer(c, *opt_);
+      restore_rule_state(c.rule_state, "the checkpoint of clock " + std::to_string(clock));
       kv_.restore(clock, generation, std::move(c.params), std::move(c.worker_clocks));
     }
     if (resume_pending_) {

@@ -316,8 +316,8 @@ TEST(PsOptions, RejectBadValuesByName) {
   cfg.model.n_experts = 4;
   expect_error([&] { check_worker_group(cfg, two, 2); }, "--ep 2 with grad.sparse_experts = true");
   cfg.grad.sparse_experts = false;
-  // Expert reweighting: grad_norm, and utilisation (from the expert count keys), in sync with
-  // several servers; importance, whose state servers do not carry, is refused.
+  // Expert reweighting: grad_norm, importance, and utilisation (from the expert count keys), in
+  // sync with several servers.
   cfg.grad.expert_reweight = "grad_norm";
   check_ps_run_config(cfg, two);
   two.consistency = "async";
@@ -330,7 +330,7 @@ TEST(PsOptions, RejectBadValuesByName) {
                "grad.expert_reweight = grad_norm with --servers 1 and --consistency average");
   one.consistency = two.consistency = "sync";
   cfg.grad.expert_reweight = "importance";
-  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.expert_reweight = importance");
+  check_ps_run_config(cfg, two);
   cfg.grad.expert_reweight = "utilisation";
   check_ps_run_config(cfg, two);
   two.consistency = "quorum";

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -370,31 +371,23 @@ TEST(PsServerFaultClip, FailuresKeepTheGloballyClippedRunsBits) {
   }
 }
 
-// grad.sparse_experts over two servers through server failures: the experts round gives every
-// server the clock's mask, and a primary streams each update's mask to its backup with the
-// summed gradient, so the backup's replay steps around the same frozen experts (a zero gradient
-// would still move AdamW's moments and weight decay). Server 0's backup holds no count keys: the
-// mask it replays with is the streamed one. Killed primary (promoted backup) or a killed server
-// rolled back to its checkpoint: the job ends with bitwise the undisturbed run's parameters.
-TEST(PsServerFaultSparse, FailuresKeepTheSparseExpertRunsBits) {
-  TempDir tmp("ps_fault_sparse");
+// A job of `sets` over two servers through server failures ends with bitwise the undisturbed
+// job's parameters: server 0's primary killed (its backup promoted), or server 1 killed and the
+// job rolled back to a checkpoint. `check` looks at the undisturbed run.
+void expect_failures_keep_the_bits(const std::string& name, const std::vector<std::string>& sets,
+                                   const std::function<void(const fs::path&)>& check) {
+  TempDir tmp(name);
   const int steps = 60;
-  const std::vector<std::string> sparse = {"model.n_experts=16", "model.top_k=1",
-                                           "train.grad_accum=2", "grad.sparse_experts=true",
-                                           "grad.min_accum_fraction=1"};
   std::vector<float> reference;
   {
-    Cluster c(tmp.path(), "ref", 2, steps, 2, {"--servers", "2"}, "2", 1.0, sparse);
+    Cluster c(tmp.path(), "ref", 2, steps, 2, {"--servers", "2"}, "2", 1.0, sets);
     ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
     reference = load_model(c.run).params;
-    int64_t frozen = 0;
-    for (const auto& j : read_metrics(c.run))
-      if (j.contains("experts_frozen")) frozen += j["experts_frozen"].get<int64_t>();
-    EXPECT_GT(frozen, 0) << "the configuration should freeze experts";
+    check(c.run);
   }
   {
     Cluster c(tmp.path(), "replica", 2, steps, 4, {"--servers", "2", "--server-replicas", "2"},
-              "2", 1.0, sparse);
+              "2", 1.0, sets);
     ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 20; }, 60)) << c.logs();
     Process* primary = c.find("server", 0, true);
     ASSERT_NE(primary, nullptr) << c.logs();
@@ -408,7 +401,7 @@ TEST(PsServerFaultSparse, FailuresKeepTheSparseExpertRunsBits) {
   }
   {
     Cluster c(tmp.path(), "restart", 2, steps, 2, {"--servers", "2", "--checkpoint-every", "10"},
-              "2", 1.0, sparse);
+              "2", 1.0, sets);
     ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 25; }, 60)) << c.logs();
     Process* victim = c.find("server", 1);
     ASSERT_NE(victim, nullptr) << c.logs();
@@ -422,6 +415,33 @@ TEST(PsServerFaultSparse, FailuresKeepTheSparseExpertRunsBits) {
     EXPECT_EQ(read_json(c.run / "ps" / "scheduler.json")["rollbacks"].get<int64_t>(), 1);
     EXPECT_EQ(load_model(c.run).params, reference) << "the rolled-back job";
   }
+}
+
+// grad.sparse_experts: the experts round gives every server the clock's mask, and a primary
+// streams each update's mask to its backup with the summed gradient, so the backup's replay steps
+// around the same frozen experts (a zero gradient would still move AdamW's moments and weight
+// decay). Server 0's backup holds no count keys: the mask it replays with is the streamed one.
+TEST(PsServerFaultSparse, FailuresKeepTheSparseExpertRunsBits) {
+  expect_failures_keep_the_bits(
+      "ps_fault_sparse",
+      {"model.n_experts=16", "model.top_k=1", "train.grad_accum=2", "grad.sparse_experts=true",
+       "grad.min_accum_fraction=1"},
+      [](const fs::path& run) {
+        int64_t frozen = 0;
+        for (const auto& j : read_metrics(run))
+          if (j.contains("experts_frozen")) frozen += j["experts_frozen"].get<int64_t>();
+        EXPECT_GT(frozen, 0) << "the configuration should freeze experts";
+      });
+}
+
+// grad.expert_reweight = importance: its moving averages travel with every server checkpoint
+// (restored on a roll-back), with each replicated update (a backup's replay of the reweighted
+// sum computes none) and with a snapshot to a new backup. A promoted backup, or a roll-back,
+// whose averages were stale would give other factors from then on, and other bits.
+TEST(PsServerFaultImportance, FailuresKeepTheImportanceReweightedRunsBits) {
+  expect_failures_keep_the_bits("ps_fault_importance",
+                                {"grad.expert_reweight=importance", "optim.grad_clip=0.05"},
+                                [](const fs::path&) {});
 }
 
 }  // namespace
