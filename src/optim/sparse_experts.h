@@ -61,6 +61,10 @@ class SparseExperts {
   // Collective over comm (every process holding tokens): the mask from every micro-batch.
   void agree(Comm& comm);
 
+  // (A, layers, E) the tokens each expert received in each micro-batch of the step: this
+  // process's as recorded, summed over every process once agree ran. A parameter-server worker
+  // pushes its record, and the servers take the mask from the sum (ps/options.h).
+  std::span<const int64_t> counts() const { return counts_; }
   std::span<const uint8_t> active() const { return active_; }
   std::span<const FrozenRange> frozen() const { return frozen_; }
   int64_t inactive() const { return inactive_; }  // keys frozen this step

@@ -14,12 +14,14 @@ constexpr int64_t kKeepDecided = 8;
 }  // namespace
 
 const char* round_kind_name(RoundKind k) {
-  return k == RoundKind::Reweight ? "reweight" : "clip";
+  return k == RoundKind::Reweight ? "reweight" : k == RoundKind::Clip ? "clip" : "experts";
 }
 
 RoundKind parse_round_kind(const std::string& s) {
   if (s == "reweight") return RoundKind::Reweight;
-  MOETRAIN_CHECK(s == "clip", "a server round of kind '{}' (expected reweight or clip)", s);
+  if (s == "experts") return RoundKind::Experts;
+  MOETRAIN_CHECK(s == "clip", "a server round of kind '{}' (expected experts, reweight or clip)",
+                 s);
   return RoundKind::Clip;
 }
 

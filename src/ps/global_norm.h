@@ -1,7 +1,11 @@
 // Figures of one sync update that span several servers' key ranges, gathered by the scheduler:
 // each primary, once it has summed a clock's pushes for its range, reports its range's part; the
 // scheduler adds the S parts elementwise in server-index order and returns the sum to every
-// server before any applies the update. Two rounds use it, in this order:
+// server before any applies the update. Three rounds use it, in this order:
+//   experts   grad.sparse_experts, grad.expert_reweight = utilisation: the clock's expert token
+//             counts (A, MoE layers, E) from the server holding the count keys (expert_count_keys
+//             in ps/options.h), zeros from the others; every server takes the sparse-expert mask
+//             (active_experts, optim/sparse_experts.h) and the loads from the sum
 //   reweight  grad.expert_reweight: each expert's Σ|g| and Σg² over the range
 //             (ExpertReweighter::partial_sums); every server takes the factors from the sums
 //             with the trainers' code (ExpertReweighter::apply_sums)
@@ -25,8 +29,8 @@
 
 namespace moetrain::ps {
 
-enum class RoundKind : int { Reweight = 0, Clip = 1 };
-const char* round_kind_name(RoundKind k);  // "reweight" | "clip"
+enum class RoundKind : int { Reweight = 0, Clip = 1, Experts = 2 };
+const char* round_kind_name(RoundKind k);  // "reweight" | "clip" | "experts"
 RoundKind parse_round_kind(const std::string& s);
 
 struct ClipDecision {

@@ -165,18 +165,22 @@ void KvServer::on_push(Incoming& in) {
 void KvServer::on_replicate(const Incoming& in) {
   const Header& h = in.header;
   const int64_t n = end_ - begin_;
+  // The payload: the sum (n f32), then aux0 bytes of the rule's side input.
   MOETRAIN_CHECK(h.key_begin == begin_ && h.key_end == end_ && h.encoding() == Encoding::F32 &&
-                     h.bytes == static_cast<uint64_t>(4 * n),
-                 "replicate for keys [{}, {}) with {} bytes, this server holds [{}, {})",
-                 h.key_begin, h.key_end, h.bytes, begin_, end_);
+                     h.aux0 >= 0 && h.bytes == static_cast<uint64_t>(4 * n + h.aux0),
+                 "replicate for keys [{}, {}) with {} bytes ({} of side input), this server "
+                 "holds [{}, {})",
+                 h.key_begin, h.key_end, h.bytes, h.aux0, begin_, end_);
   MOETRAIN_CHECK(h.clock == rules_.version(), "replicate of clock {}, this backup is at clock {}",
                  h.clock, rules_.version());
   MOETRAIN_CHECK(std::isfinite(h.value) && h.value >= 0, "replicate with lr {}", h.value);
-  std::memcpy(sum_.data(), in.payload, h.bytes);
+  std::memcpy(sum_.data(), in.payload, static_cast<std::size_t>(4 * n));
   if (rules_.config().mode == Consistency::Average)
     std::copy(sum_.begin(), sum_.end(), values_.begin());
   else
-    handlers_.replay(sum_.data(), h.value, values_.data());
+    handlers_.replay(sum_.data(), h.value,
+                     std::string_view(in.payload + 4 * n, static_cast<std::size_t>(h.aux0)),
+                     values_.data());
   rules_.replayed(h.aux1, h.ticket);
   ++stats_.replicated_in;
   Header a;
@@ -201,7 +205,9 @@ void KvServer::send_snapshot() {
   h.aux0 = st.steps;
   h.aux1 = static_cast<int64_t>(st.buffers.size());
   h.generation = generation_;
-  zmq::message_t m = new_frame(h, 4 * n * (1 + st.buffers.size()) + 16 * clocks.size());
+  h.ticket = static_cast<int64_t>(st.extra.size());  // its bytes close the payload
+  zmq::message_t m =
+      new_frame(h, 4 * n * (1 + st.buffers.size()) + 16 * clocks.size() + st.extra.size());
   char* p = static_cast<char*>(frame_payload(m));
   std::memcpy(p, values_.data(), 4 * n);
   p += 4 * n;
@@ -216,6 +222,7 @@ void KvServer::send_snapshot() {
     std::memcpy(p, pair, 16);
     p += 16;
   }
+  std::memcpy(p, st.extra.data(), st.extra.size());
   seal(m.data(), m.size());
   send(*backup_, std::move(m));
   ++stats_.snapshots_out;
@@ -233,8 +240,10 @@ void KvServer::on_snapshot(const Incoming& in) {
                  "snapshot with {} state buffers, {} rule steps at clock {}", h.aux1, h.aux0,
                  h.clock);
   const uint64_t dense = 4 * n * (1 + static_cast<uint64_t>(h.aux1));
-  MOETRAIN_CHECK(h.bytes >= dense && (h.bytes - dense) % 16 == 0,
-                 "snapshot of {} bytes for {} values and {} state buffers", h.bytes, n, h.aux1);
+  const auto extra = static_cast<uint64_t>(h.ticket);
+  MOETRAIN_CHECK(h.ticket >= 0 && h.bytes >= dense + extra && (h.bytes - dense - extra) % 16 == 0,
+                 "snapshot of {} bytes for {} values, {} state buffers and {} bytes of rule state",
+                 h.bytes, n, h.aux1, h.ticket);
   const char* p = in.payload;
   std::memcpy(values_.data(), p, 4 * n);
   p += 4 * n;
@@ -246,12 +255,13 @@ void KvServer::on_snapshot(const Incoming& in) {
     p += 4 * n;
   }
   std::map<int64_t, int64_t> clocks;
-  for (uint64_t k = 0; k < (h.bytes - dense) / 16; ++k) {
+  for (uint64_t k = 0; k < (h.bytes - dense - extra) / 16; ++k) {
     int64_t pair[2];
     std::memcpy(pair, p, 16);
     p += 16;
     clocks[pair[0]] = pair[1];
   }
+  st.extra.assign(p, extra);
   handlers_.load_state(st);
   for (int64_t id : rules_.restore(h.clock, std::move(clocks))) pushes_.erase(id);
   generation_ = h.generation;
@@ -322,8 +332,11 @@ void KvServer::replicate(int64_t version, double lr, int64_t worker, int64_t wor
   h.aux1 = worker;
   h.ticket = worker_clock;
   h.generation = generation_;
-  zmq::message_t m = new_frame(h, sum_.size() * 4);
+  const std::string side = handlers_.side_input ? handlers_.side_input() : std::string();
+  h.aux0 = static_cast<int64_t>(side.size());
+  zmq::message_t m = new_frame(h, sum_.size() * 4 + side.size());
   std::memcpy(frame_payload(m), sum_.data(), sum_.size() * 4);
+  std::memcpy(frame_payload(m) + sum_.size() * 4, side.data(), side.size());
   seal(m.data(), m.size());
   send(*backup_, std::move(m));
 }

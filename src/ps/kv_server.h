@@ -7,7 +7,7 @@
 // in average mode, where the pushes carry weighted parameters and the values become their sum.
 //
 // Replication (`--server-replicas 2`): after each update the exact input of the update rule
-// (the summed gradient and the learning rate) goes to the backup, which replays it through its
+// (the summed gradient, the learning rate and the rule's side input) goes to the backup, which replays it through its
 // own handler; a pull is answered only once the backup confirmed every update in the reply, so
 // nothing a worker has seen can be lost when the primary dies and the backup is promoted. A
 // backup attached later (a promoted primary's new one) first receives a snapshot of the whole
@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ps/codec.h"
@@ -53,14 +54,19 @@ struct UpdateApplied {
 struct RuleState {
   std::vector<std::vector<float>> buffers;  // each (key range)
   int64_t steps = 0;
+  std::string extra;  // the rule's state beyond them (the importance reweighting's averages)
 };
 
 struct KvServerHandlers {
   // The update rule: steps the values with input.sum; returns the learning rate it used. May
   // throw (a non-finite gradient): the update is not applied.
   std::function<double(const UpdateInput&, float* values)> update;
+  // The update rule's input beside the sum and the learning rate, asked right after each update
+  // a primary applied, for its backup (the sparse-expert mask the step went around). May be
+  // empty (nothing).
+  std::function<std::string()> side_input;
   // A backup replays its primary's update: the same rule's step with exactly this input.
-  std::function<void(float* sum, double lr, float* values)> replay;
+  std::function<void(float* sum, double lr, std::string_view side, float* values)> replay;
   // The update rule's state, saved on a primary and loaded on a new backup.
   std::function<RuleState()> save_state;
   std::function<void(const RuleState&)> load_state;

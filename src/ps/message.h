@@ -26,8 +26,9 @@ enum class Kind : uint16_t {
   Finish,           // scheduler → node: the job is over (JSON {lead: bool} for workers)
   FinishAck,        // node → scheduler: final state written
   Shutdown,         // scheduler → node: stop now (JSON {reason}); non-zero exit unless ok
-  Replicate,        // primary server → its backup: one applied update (f32 summed gradient);
-                    // clock = the update's clock, value = lr, aux0 = optimizer step,
+  Replicate,        // primary server → its backup: one applied update (f32 summed gradient,
+                    // then aux0 bytes of the update rule's side input: the sparse-expert mask);
+                    // clock = the update's clock, value = lr,
                     // aux1 = the pushing worker and ticket = its clock after the push (async, ssp)
   ReplicateAck,     // backup → primary: clock = the backup's version after applying
   CheckpointQuery,  // scheduler → server: which checkpointed clocks do you hold?
@@ -53,7 +54,7 @@ constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::CapacityFactors);
 std::string_view kind_name(Kind kind);
 
 constexpr uint32_t kMagic = 0x5350544du;  // "MTPS" read as little-endian bytes
-constexpr uint16_t kWireVersion = 3;
+constexpr uint16_t kWireVersion = 4;
 // A push of the whole parameter vector of a model of a few hundred million floats still fits.
 constexpr uint64_t kMaxPayload = uint64_t{1} << 32;
 

@@ -224,23 +224,43 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                  "loads at each step, which parameter-server mode does not gather; set "
                  "placement.spare_slots = 0",
                  cfg.placement.spare_slots);
-  MOETRAIN_CHECK(!cfg.grad.sparse_experts,
-                 "grad.sparse_experts = true: parameter-server mode pushes whole key ranges and "
-                 "has no touched-expert mask; set grad.sparse_experts = false");
+  // Sparse expert gradients and utilisation reweighting: the workers push their per-micro-batch
+  // expert token counts on keys of their own (expert_count_keys); sync sums a clock's into one
+  // update, and the servers share them before the update's other global figures.
+  const bool counts = expert_count_keys(cfg) > 0;
+  const std::string counted =
+      cfg.grad.sparse_experts ? "grad.sparse_experts = true"
+                              : fmt::format("grad.expert_reweight = {}", cfg.grad.expert_reweight);
+  MOETRAIN_CHECK(!counts || mode == Consistency::Sync,
+                 "{} with --consistency {}: the mask (or the factors) needs every worker's "
+                 "tokens per expert of a step, which only sync sums into one update per clock "
+                 "({}); use --consistency sync",
+                 counted, options.consistency,
+                 mode == Consistency::Average ? "average's workers step on their own"
+                 : mode == Consistency::Quorum
+                     ? "quorum applies the first q pushes, a part of the step's tokens"
+                     : "it applies each push on arrival");
+  MOETRAIN_CHECK(!counts || options.compression() == Encoding::F32,
+                 "{} with --push-compression {}: the workers' expert token counts travel with "
+                 "their pushes and must arrive exact; use --push-compression none",
+                 counted, options.push_compression);
+  // A count of one expert in one micro-batch is at most the micro-batch's tokens over every
+  // worker (top-k picks distinct experts), and f32 sums integers exactly up to 2^24.
+  const int64_t micro_tokens = options.workers * cfg.train.batch_size * cfg.train.seq_len;
+  MOETRAIN_CHECK(!counts || micro_tokens <= (int64_t{1} << 24),
+                 "{} with --workers {}, train.batch_size = {}, train.seq_len = {}: a "
+                 "micro-batch's {} tokens over every worker could make an expert's count "
+                 "inexact in the f32 sums of the pushes (at most 2^24 = 16777216); use fewer "
+                 "rows per worker",
+                 counted, options.workers, cfg.train.batch_size, cfg.train.seq_len, micro_tokens);
   MOETRAIN_CHECK(cfg.grad.sparse_ratio == 0,
                  "grad.sparse_ratio = {}: parameter-server mode pushes whole key ranges and "
                  "has no sparse reduction; set grad.sparse_ratio = 0",
                  cfg.grad.sparse_ratio);
-  // Expert reweighting: grad_norm's factors come from the reduced gradient alone; with several
-  // servers a sync update's per-expert figures meet at the scheduler (ps/global_norm.h).
-  MOETRAIN_CHECK(cfg.grad.expert_reweight == "none" || cfg.grad.expert_reweight == "grad_norm",
-                 "grad.expert_reweight = {}: {}; parameter-server mode runs grad_norm (or none)",
-                 cfg.grad.expert_reweight,
-                 cfg.grad.expert_reweight == "utilisation"
-                     ? "its factors need the step's tokens per expert, which the servers do not "
-                       "see (the workers route)"
-                     : "its moving averages would have to travel with every server's checkpoint "
-                       "and backup, which they do not yet");
+  // Expert reweighting: grad_norm's and importance's factors come from the reduced gradient
+  // (importance's moving averages travel with server checkpoints, snapshots and replicated
+  // updates), utilisation's from the count keys; with several servers a sync update's per-expert
+  // figures meet at the scheduler (ps/global_norm.h).
   MOETRAIN_CHECK(cfg.grad.expert_reweight == "none" ||
                      (mode != Consistency::Average &&
                       (options.servers == 1 || mode == Consistency::Sync)),
@@ -290,6 +310,12 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
                  "scheduler's factors between the group's collectives, which is not yet done; "
                  "start the workers without --ep, or use model.capacity = fixed",
                  ep);
+  MOETRAIN_CHECK(expert_count_keys(cfg) == 0,
+                 "--ep {} with {}: a worker group does not push its expert token counts yet; "
+                 "start the workers without --ep",
+                 ep,
+                 cfg.grad.sparse_experts ? "grad.sparse_experts = true"
+                                         : "grad.expert_reweight = utilisation");
   MOETRAIN_CHECK(options.assign_kind() == Assign::Uniform,
                  "--ep {} with --assign {}: a re-split pauses workers one by one while the "
                  "group's ranks wait for each other inside a step; use --assign uniform",
@@ -302,8 +328,14 @@ int64_t router_bias_keys(const RunConfig& cfg) {
              : 0;
 }
 
+int64_t expert_count_keys(const RunConfig& cfg) {
+  return cfg.grad.sparse_experts || cfg.grad.expert_reweight == "utilisation"
+             ? cfg.train.grad_accum * cfg.model.n_moe_layers() * cfg.model.n_experts
+             : 0;
+}
+
 int64_t job_keys(const RunConfig& cfg) {
-  return ParamLayout(cfg.model).size() + router_bias_keys(cfg);
+  return ParamLayout(cfg.model).size() + router_bias_keys(cfg) + expert_count_keys(cfg);
 }
 
 std::vector<KeyRange> split_keys(int64_t total, int64_t servers) {

@@ -77,7 +77,15 @@ struct KeyRange {
 // Workers push their expert loads (token counts) there and pull the biases with the parameters;
 // the server holding them sums the loads of a clock and applies the trainers' bias rule.
 int64_t router_bias_keys(const RunConfig& cfg);  // 0 without sigmoid_bias
-int64_t job_keys(const RunConfig& cfg);           // parameters + router bias keys
+// With grad.sparse_experts or grad.expert_reweight = utilisation, after the router bias keys:
+// (A, MoE layers, E) expert token count keys (A = train.grad_accum). A worker pushes there the
+// tokens each expert received in each of its micro-batches (after capacity dropping, what the
+// trainers record for the sparse-expert mask); the server holding them has a clock's counts over
+// every worker, which the servers share before an update's other global figures
+// (ps/global_norm.h). Counts are exact in f32 while the global batch of a micro-batch has at most
+// 2^24 tokens (check_ps_run_config). 0 without either setting.
+int64_t expert_count_keys(const RunConfig& cfg);
+int64_t job_keys(const RunConfig& cfg);  // parameters + router bias keys + expert count keys
 
 // [0, total) cut into `servers` contiguous ranges of nearly equal size, each boundary on a
 // 16-float (64-byte) multiple, so every range starts cache-line aligned.

@@ -204,7 +204,8 @@ bool Scheduler::check_norm_rounds() {
   shutdown_all(fmt::format(
       "update {}: server(s) {} sent no part of the update's global figures within {:.0f} s "
       "(--server-wait + twice --heartbeat-timeout) of the first server's, so optim.grad_clip's "
-      "global norm (or grad.expert_reweight's factors) cannot be taken",
+      "global norm (or grad.expert_reweight's factors, or grad.sparse_experts' mask) cannot be "
+      "taken",
       late->first, fmt::join(late->second, ", "), limit));
   return false;
 }

@@ -41,7 +41,8 @@ fs::path server_checkpoint_path(const fs::path& run_dir, int64_t index, int64_t 
 void write_server_checkpoint(const fs::path& run_dir, int64_t index, int64_t clock,
                              int64_t key_begin, int64_t key_end, const float* params,
                              Optimizer& optimizer, const std::map<int64_t, int64_t>& worker_clocks,
-                             const std::string& config_hash, int keep) {
+                             const std::string& config_hash, int keep,
+                             const std::string& rule_state) {
   const int64_t n = key_end - key_begin;
   SafetensorsWriter w;
   // The checksum covers the tensors in the order they are added.
@@ -52,13 +53,28 @@ void write_server_checkpoint(const fs::path& run_dir, int64_t index, int64_t clo
     crc = crc32_bytes(data, bytes, crc);
   };
   add("params", SafetensorsDType::F32, {n}, params, static_cast<std::size_t>(n) * 4);
+  // The optimizer's range may end before the key range (the router bias and expert count keys
+  // past the parameters have no optimizer state): its buffers are written padded with zeros to
+  // the key range, as a snapshot to a backup pads them.
   std::vector<StateBuffer> state = optimizer.state();
-  for (const StateBuffer& b : state)
-    add("optimizer." + b.name, SafetensorsDType::F32, {n}, b.values.data(), b.values.size() * 4);
+  std::vector<std::vector<float>> padded;
+  padded.reserve(state.size());
+  for (const StateBuffer& b : state) {
+    MOETRAIN_CHECK(static_cast<int64_t>(b.values.size()) <= n,
+                   "optimizer buffer '{}' of {} values for keys [{}, {})", b.name, b.values.size(),
+                   key_begin, key_end);
+    padded.emplace_back(b.values.begin(), b.values.end());
+    padded.back().resize(static_cast<std::size_t>(n), 0.0f);
+    add("optimizer." + b.name, SafetensorsDType::F32, {n}, padded.back().data(),
+        static_cast<std::size_t>(n) * 4);
+  }
   std::vector<int64_t> clocks;
   for (auto [wk, c] : worker_clocks) clocks.insert(clocks.end(), {wk, c});
   add("worker_clocks", SafetensorsDType::I64, {static_cast<int64_t>(worker_clocks.size()), 2},
       clocks.data(), clocks.size() * 8);
+  if (!rule_state.empty())
+    add("rule_state", SafetensorsDType::U8, {static_cast<int64_t>(rule_state.size())},
+        rule_state.data(), rule_state.size());
   w.set_metadata("format", "moetrain-ps-server-checkpoint");
   w.set_metadata("server_index", std::to_string(index));
   w.set_metadata("clock", std::to_string(clock));
@@ -115,6 +131,13 @@ ServerCheckpoint read_server_checkpoint(const fs::path& path, int64_t key_begin,
   std::memcpy(clocks.data(), wc.data(), clocks.size() * 8);
   crc = crc32_bytes(clocks.data(), clocks.size() * 8, crc);
   for (std::size_t i = 0; i + 1 < clocks.size(); i += 2) c.worker_clocks[clocks[i]] = clocks[i + 1];
+  if (r.contains("rule_state")) {
+    MOETRAIN_CHECK(r.dtype("rule_state") == SafetensorsDType::U8,
+                   "{}: tensor 'rule_state' must be U8", file);
+    const auto rs = r.bytes("rule_state");
+    c.rule_state.assign(reinterpret_cast<const char*>(rs.data()), rs.size());
+    crc = crc32_bytes(c.rule_state.data(), c.rule_state.size(), crc);
+  }
   const int64_t want = meta_int(r, "crc32c");
   MOETRAIN_CHECK(static_cast<int64_t>(crc) == want,
                  "{}: checksum mismatch (metadata says {}, contents give {}): the file is "
@@ -147,10 +170,12 @@ void restore_optimizer(const ServerCheckpoint& c, Optimizer& optimizer) {
                  c.clock, c.optimizer.size(), state.size());
   for (StateBuffer& b : state) {
     auto it = c.optimizer.find(b.name);
-    MOETRAIN_CHECK(it != c.optimizer.end() && it->second.size() == b.values.size(),
+    // Written padded to the key range (write_server_checkpoint): the optimizer's range is its
+    // beginning.
+    MOETRAIN_CHECK(it != c.optimizer.end() && it->second.size() >= b.values.size(),
                    "server checkpoint of clock {} has no optimizer buffer '{}' of {} values",
                    c.clock, b.name, b.values.size());
-    std::copy(it->second.begin(), it->second.end(), b.values.begin());
+    std::copy_n(it->second.begin(), b.values.size(), b.values.begin());
   }
   optimizer.set_step_count(c.optimizer_steps);
 }

@@ -24,6 +24,9 @@ struct ServerCheckpoint {
   std::vector<float> params;                            // (key_end − key_begin)
   std::map<std::string, std::vector<float>> optimizer;  // state buffer → (key_end − key_begin)
   std::map<int64_t, int64_t> worker_clocks;             // async / ssp: worker → clock
+  // The update rule's own state beyond the optimizer (the importance reweighting's moving
+  // averages, as JSON text); empty when it has none.
+  std::string rule_state;
 };
 
 std::filesystem::path server_checkpoint_dir(const std::filesystem::path& run_dir, int64_t index);
@@ -35,7 +38,8 @@ std::filesystem::path server_checkpoint_path(const std::filesystem::path& run_di
 void write_server_checkpoint(const std::filesystem::path& run_dir, int64_t index, int64_t clock,
                              int64_t key_begin, int64_t key_end, const float* params,
                              Optimizer& optimizer, const std::map<int64_t, int64_t>& worker_clocks,
-                             const std::string& config_hash, int keep = 3);
+                             const std::string& config_hash, int keep = 3,
+                             const std::string& rule_state = {});
 
 // Reads and verifies (checksum, key range, sizes, config hash); throws naming the file and what
 // is wrong.

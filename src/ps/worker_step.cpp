@@ -90,6 +90,10 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
                      CapacityController(cfg_.model.balance, std::abs(cfg_.model.capacity_factor)));
     apply_capacity_factors(capacity_, model_->moe_layers());
   }
+  if (expert_count_keys(cfg_) > 0)
+    counts_ = std::make_unique<SparseExperts>(
+        model_->layout(), static_cast<int64_t>(model_->moe_layers().size()), cfg_.model.n_experts,
+        cfg_.train.grad_accum, cfg_.grad.min_accum_fraction);
 }
 
 void WorkerStep::set_capacity(const nlohmann::json& state) {
@@ -193,9 +197,11 @@ Accumulated WorkerStep::accumulate_rows(int64_t clock, const RowAssignment& a,
         clock, p.total, index_);
   };
   set_router_biases();
+  args.sparse = counts_.get();
   Accumulated acc =
       accumulate(*model_, params_.data(), grads_.data(), model_->layout().size(), args);
   push_expert_loads();
+  push_expert_counts();
   return acc;
 }
 
@@ -224,6 +230,14 @@ void WorkerStep::push_expert_loads() {
     m->apply_bias_delta(none.data());
     g += E;
   }
+}
+
+// The expert count keys (after the router bias keys) carry this worker's tokens per expert of
+// each micro-batch of the clock, as integers (exact in f32: check_ps_run_config bounds them).
+void WorkerStep::push_expert_counts() {
+  if (!counts_) return;
+  float* g = grads_.data() + model_->layout().size() + router_bias_keys(cfg_);
+  for (int64_t c : counts_->counts()) *g++ = static_cast<float>(c);
 }
 
 PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {

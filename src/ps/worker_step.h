@@ -24,6 +24,7 @@
 #include "moe/capacity_controller.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "optim/sparse_experts.h"
 #include "ps/codec.h"
 #include "ps/kv_worker.h"
 #include "ps/options.h"
@@ -102,6 +103,11 @@ class WorkerStep {
   Accumulated accumulate_rows(int64_t step, const RowAssignment& a, float loss_weight);
   void set_router_biases();
   void push_expert_loads();
+  // grad.sparse_experts, utilisation reweighting: the recorder of each micro-batch's tokens per
+  // expert (the trainers' own, fed by the accumulation routine) and the push of its record on the
+  // expert count keys (expert_count_keys, ps/options.h).
+  std::unique_ptr<SparseExperts> counts_;
+  void push_expert_counts();
 
   // A worker group: the dense key ranges (layout order), this rank's keys, the dense chunk sizes
   // per rank and this rank's chunk as flat ranges; dense_ holds the concatenated dense values.

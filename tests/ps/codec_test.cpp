@@ -290,11 +290,38 @@ TEST(PsOptions, RejectBadValuesByName) {
                "model.capacity = dynamic with --consistency async");
   two.consistency = "sync";
   cfg.model.capacity = CapacityMode::Fixed;
+  // Sparse expert gradients: sync sums a clock's expert token counts, which travel as exact f32
+  // (at most 2^24 tokens a micro-batch); a backup replays each update with its mask.
   cfg.grad.sparse_experts = true;
-  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.sparse_experts = true");
+  check_ps_run_config(cfg, two);
+  two.consistency = "async";
+  expect_error([&] { check_ps_run_config(cfg, two); },
+               "grad.sparse_experts = true with --consistency async");
+  one.consistency = "average";
+  expect_error([&] { check_ps_run_config(cfg, one); },
+               "grad.sparse_experts = true with --consistency average");
+  one.consistency = two.consistency = "sync";
+  two.push_compression = "int8";
+  expect_error([&] { check_ps_run_config(cfg, two); },
+               "grad.sparse_experts = true with --push-compression int8");
+  two.push_compression = "none";
+  two.server_replicas = 2;
+  check_ps_run_config(cfg, two);
+  two.server_replicas = 1;
+  {
+    // 256 workers × 1024 rows × train.seq_len tokens ≥ 2^25.
+    RunConfig big = cfg;
+    big.train.batch_size = 1024;
+    PsOptions many = two;
+    many.workers = 256;
+    ASSERT_GE(big.train.seq_len, 128);
+    expect_error([&] { check_ps_run_config(big, many); }, "could make an expert's count inexact");
+  }
+  cfg.model.n_experts = 4;
+  expect_error([&] { check_worker_group(cfg, two, 2); }, "--ep 2 with grad.sparse_experts = true");
   cfg.grad.sparse_experts = false;
-  // Expert reweighting: grad_norm, in sync with several servers; the stateful and the load-driven
-  // modes are refused.
+  // Expert reweighting: grad_norm, importance, and utilisation (from the expert count keys), in
+  // sync with several servers.
   cfg.grad.expert_reweight = "grad_norm";
   check_ps_run_config(cfg, two);
   two.consistency = "async";
@@ -307,9 +334,15 @@ TEST(PsOptions, RejectBadValuesByName) {
                "grad.expert_reweight = grad_norm with --servers 1 and --consistency average");
   one.consistency = two.consistency = "sync";
   cfg.grad.expert_reweight = "importance";
-  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.expert_reweight = importance");
+  check_ps_run_config(cfg, two);
   cfg.grad.expert_reweight = "utilisation";
-  expect_error([&] { check_ps_run_config(cfg, two); }, "grad.expert_reweight = utilisation");
+  check_ps_run_config(cfg, two);
+  two.consistency = "quorum";
+  two.quorum = 1;
+  expect_error([&] { check_ps_run_config(cfg, two); },
+               "grad.expert_reweight = utilisation with --consistency quorum");
+  two.consistency = "sync";
+  two.quorum = 0;
   cfg.grad.expert_reweight = "none";
   check_ps_run_config(cfg, two);
   // Settings a worker would ignore are refused by key, each named with its value.

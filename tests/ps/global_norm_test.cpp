@@ -72,4 +72,18 @@ TEST(GlobalNorm, BadReportsAreRefused) {
   expect_error([&] { r.report(0, 0, RoundKind::Reweight, 0, {-1.0}); },
                "server 0: a reweight figure of -1");
   expect_error([&] { parse_round_kind("norm"); }, "a server round of kind 'norm'");
+  for (RoundKind k : {RoundKind::Experts, RoundKind::Reweight, RoundKind::Clip})
+    EXPECT_EQ(parse_round_kind(round_kind_name(k)), k);
+}
+
+// The experts round: the server holding the count keys sends the counts, the others zeros; the
+// sum is the counts, exactly (integers in double), and a round of its own beside the clip's.
+TEST(GlobalNorm, ExpertCountsReachEveryServer) {
+  NormRounds r(2);
+  const std::vector<double> counts = {0, 3, 16777216, 1};
+  EXPECT_FALSE(r.report(0, 4, RoundKind::Experts, 0, std::vector<double>(counts.size(), 0.0)));
+  EXPECT_FALSE(r.report(0, 4, RoundKind::Clip, 1, {2.0}));
+  const auto sum = r.report(0, 4, RoundKind::Experts, 1, counts);
+  ASSERT_TRUE(sum);
+  EXPECT_EQ(*sum, counts);
 }

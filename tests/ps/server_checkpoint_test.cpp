@@ -59,6 +59,30 @@ TEST(PsServerCheckpoint, RoundTripsExactlyAndKeepsTheNewestThree) {
   EXPECT_EQ(b.opt->step_count(), 8);
 }
 
+// A key range longer than the optimizer's (router bias and expert count keys past the
+// parameters have no optimizer state): the buffers are written padded to the key range and
+// restored into the optimizer's range; the update rule's own state (the importance averages'
+// JSON) comes back as written.
+TEST(PsServerCheckpoint, RangeBeyondTheOptimizerAndRuleStateRoundTrip) {
+  TempDir tmp("ps_ckpt_extra");
+  Shard a;
+  a.steps(2);
+  std::vector<float> values(a.params);
+  values.resize(130, 7.0f);  // keys [40, 170): 30 keys past the optimizer's [40, 140)
+  const std::string rule = R"({"importance_avg":[[0.1,0.30000000000000004]],"steps":2})";
+  write_server_checkpoint(tmp.path(), 1, 20, 40, 170, values.data(), *a.opt, {}, "hash", 3, rule);
+  const ServerCheckpoint c =
+      read_server_checkpoint(server_checkpoint_path(tmp.path(), 1, 20), 40, 170, "hash");
+  EXPECT_EQ(c.params, values);
+  EXPECT_EQ(c.rule_state, rule);
+  Shard b;
+  restore_optimizer(c, *b.opt);
+  std::copy_n(c.params.begin(), b.params.size(), b.params.begin());
+  a.steps(2);
+  b.steps(2);
+  EXPECT_EQ(a.params, b.params);
+}
+
 TEST(PsServerCheckpoint, RefusesCorruptionAndMismatches) {
   TempDir tmp("ps_ckpt_bad");
   Shard a;

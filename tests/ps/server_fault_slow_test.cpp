@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -368,6 +369,79 @@ TEST(PsServerFaultClip, FailuresKeepTheGloballyClippedRunsBits) {
     EXPECT_EQ(read_json(c.run / "ps" / "scheduler.json")["rollbacks"].get<int64_t>(), 1);
     EXPECT_EQ(load_model(c.run).params, reference) << "the rolled-back job";
   }
+}
+
+// A job of `sets` over two servers through server failures ends with bitwise the undisturbed
+// job's parameters: server 0's primary killed (its backup promoted), or server 1 killed and the
+// job rolled back to a checkpoint. `check` looks at the undisturbed run.
+void expect_failures_keep_the_bits(const std::string& name, const std::vector<std::string>& sets,
+                                   const std::function<void(const fs::path&)>& check) {
+  TempDir tmp(name);
+  const int steps = 60;
+  std::vector<float> reference;
+  {
+    Cluster c(tmp.path(), "ref", 2, steps, 2, {"--servers", "2"}, "2", 1.0, sets);
+    ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+    reference = load_model(c.run).params;
+    check(c.run);
+  }
+  {
+    Cluster c(tmp.path(), "replica", 2, steps, 4, {"--servers", "2", "--server-replicas", "2"},
+              "2", 1.0, sets);
+    ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 20; }, 60)) << c.logs();
+    Process* primary = c.find("server", 0, true);
+    ASSERT_NE(primary, nullptr) << c.logs();
+    primary->kill(SIGKILL);
+    ASSERT_LT(applied_steps(c.run), steps) << "the job ended before the kill";
+    ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+    EXPECT_EQ(read_json(c.run / "ps" / "scheduler.json")["failovers"].get<int64_t>(), 1);
+    EXPECT_GE(read_json(c.run / "ps" / "server_0.json")["updates_replicated_in"].get<int64_t>(),
+              19);
+    EXPECT_EQ(load_model(c.run).params, reference) << "the promoted backup's job";
+  }
+  {
+    Cluster c(tmp.path(), "restart", 2, steps, 2, {"--servers", "2", "--checkpoint-every", "10"},
+              "2", 1.0, sets);
+    ASSERT_TRUE(wait_until([&] { return applied_steps(c.run) >= 25; }, 60)) << c.logs();
+    Process* victim = c.find("server", 1);
+    ASSERT_NE(victim, nullptr) << c.logs();
+    victim->kill(SIGKILL);
+    ASSERT_LT(applied_steps(c.run), steps) << "the job ended before the kill";
+    ASSERT_TRUE(wait_until(
+        [&] { return c.scheduler->output().find("waiting up to") != std::string::npos; }, 30))
+        << c.logs();
+    c.add_server();
+    ASSERT_EQ(c.scheduler->wait(150), 0) << c.logs();
+    EXPECT_EQ(read_json(c.run / "ps" / "scheduler.json")["rollbacks"].get<int64_t>(), 1);
+    EXPECT_EQ(load_model(c.run).params, reference) << "the rolled-back job";
+  }
+}
+
+// grad.sparse_experts: the experts round gives every server the clock's mask, and a primary
+// streams each update's mask to its backup with the summed gradient, so the backup's replay steps
+// around the same frozen experts (a zero gradient would still move AdamW's moments and weight
+// decay). Server 0's backup holds no count keys: the mask it replays with is the streamed one.
+TEST(PsServerFaultSparse, FailuresKeepTheSparseExpertRunsBits) {
+  expect_failures_keep_the_bits(
+      "ps_fault_sparse",
+      {"model.n_experts=16", "model.top_k=1", "train.grad_accum=2", "grad.sparse_experts=true",
+       "grad.min_accum_fraction=1"},
+      [](const fs::path& run) {
+        int64_t frozen = 0;
+        for (const auto& j : read_metrics(run))
+          if (j.contains("experts_frozen")) frozen += j["experts_frozen"].get<int64_t>();
+        EXPECT_GT(frozen, 0) << "the configuration should freeze experts";
+      });
+}
+
+// grad.expert_reweight = importance: its moving averages travel with every server checkpoint
+// (restored on a roll-back), with each replicated update (a backup's replay of the reweighted
+// sum computes none) and with a snapshot to a new backup. A promoted backup, or a roll-back,
+// whose averages were stale would give other factors from then on, and other bits.
+TEST(PsServerFaultImportance, FailuresKeepTheImportanceReweightedRunsBits) {
+  expect_failures_keep_the_bits("ps_fault_importance",
+                                {"grad.expert_reweight=importance", "optim.grad_clip=0.05"},
+                                [](const fs::path&) {});
 }
 
 }  // namespace
