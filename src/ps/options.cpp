@@ -300,22 +300,15 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
                  "update of its own (the optimizer stepping every key once per rank), and average "
                  "runs a local optimizer over every key; use --consistency sync",
                  ep, options.consistency);
-  MOETRAIN_CHECK(cfg.model.router != RouterKind::SigmoidBias,
-                 "--ep {} with model.router = sigmoid_bias: a worker group does not carry the "
-                 "router biases between its ranks yet; start the workers without --ep, or use "
-                 "topk_softmax",
-                 ep);
+  // The keys past the parameters (router biases, expert token counts) are dense keys of the
+  // group (make_group_keys): each rank's loads and counts of its own tokens are summed over the
+  // group by its reduce-scatter (integers, exact in f32) and pushed by one rank, and the biases
+  // the server stepped come back to every rank with the dense values.
   MOETRAIN_CHECK(cfg.model.capacity == CapacityMode::Fixed,
                  "--ep {} with model.capacity = dynamic: a group's ranks would each wait for the "
                  "scheduler's factors between the group's collectives, which is not yet done; "
                  "start the workers without --ep, or use model.capacity = fixed",
                  ep);
-  MOETRAIN_CHECK(expert_count_keys(cfg) == 0,
-                 "--ep {} with {}: a worker group does not push its expert token counts yet; "
-                 "start the workers without --ep",
-                 ep,
-                 cfg.grad.sparse_experts ? "grad.sparse_experts = true"
-                                         : "grad.expert_reweight = utilisation");
   MOETRAIN_CHECK(options.assign_kind() == Assign::Uniform,
                  "--ep {} with --assign {}: a re-split pauses workers one by one while the "
                  "group's ranks wait for each other inside a step; use --assign uniform",

@@ -277,8 +277,7 @@ TEST(PsOptions, RejectBadValuesByName) {
                "model.router = sigmoid_bias with --push-compression none --pull-compression bf16");
   two.pull_compression = "none";
   cfg.model.n_experts = 4;
-  expect_error([&] { check_worker_group(cfg, two, 2); },
-               "--ep 2 with model.router = sigmoid_bias");
+  check_worker_group(cfg, two, 2);  // a group carries the loads and biases as dense keys
   cfg.model.router = RouterKind::TopKSoftmax;
   cfg.optim.grad_clip = 1;
   cfg.optim.grad_clip = 0;
@@ -318,7 +317,7 @@ TEST(PsOptions, RejectBadValuesByName) {
     expect_error([&] { check_ps_run_config(big, many); }, "could make an expert's count inexact");
   }
   cfg.model.n_experts = 4;
-  expect_error([&] { check_worker_group(cfg, two, 2); }, "--ep 2 with grad.sparse_experts = true");
+  check_worker_group(cfg, two, 2);  // and the expert token counts
   cfg.grad.sparse_experts = false;
   // Expert reweighting: grad_norm, importance, and utilisation (from the expert count keys), in
   // sync with several servers.

@@ -118,6 +118,71 @@ TEST(PsGroup, OneGroupEndsBitwiseWhereTheCollectiveRunEnds) {
                        << ")";
 }
 
+// Each step's `key` (a number) from a run's metrics.jsonl.
+std::map<int64_t, double> per_step(const fs::path& run, const char* key) {
+  std::map<int64_t, double> out;
+  for (const auto& j : read_metrics(run))
+    if (j.contains(key) && j.contains("step")) out[j["step"].get<int64_t>()] = j[key].get<double>();
+  return out;
+}
+
+// The MoE machinery whose figures travel on the keys past the parameters, in a group: router-bias
+// balancing (each rank's expert loads of its tokens), sparse expert gradients and utilisation
+// reweighting (each rank's tokens per expert of each micro-batch). The group's reduce-scatter
+// sums those integers over its ranks (exact in f32), the server steps the biases and takes the
+// mask and the loads with the trainers' code, and the biases come back with the dense values.
+// Against `mpiexec -n 2 moetrain train` with dist.ep = 2 and the same settings, where the same
+// integers are summed over the ranks (int64) and the same rules run: the biases, every step's
+// frozen experts and the final parameters bitwise, as OneGroupEndsBitwise argues for the rest.
+// One server, and no clip: the collective run's norm sums per-rank parts, a single server's its
+// whole range, in another order. 8 experts, top-1, two micro-batches of which an expert must be
+// reached in both (min_accum_fraction = 1): experts freeze at most steps.
+TEST(PsGroup, BiasBalancingSparseExpertsAndUtilisationEndBitwiseWhereTheCollectiveRunEnds) {
+  TempDir tmp("ps_group_moe");
+  const int steps = 6, batch = 2;
+  const std::vector<std::string> moe = {
+      "model.n_experts=8",          "model.top_k=1",
+      "model.router=sigmoid_bias",  "model.bias_update_rate=0.01",
+      "train.grad_accum=2",         "grad.sparse_experts=true",
+      "grad.min_accum_fraction=1",  "grad.expert_reweight=utilisation",
+      "grad.util_low=0.9",          "grad.util_high=1.1"};
+  GroupJob job(tmp.path(), "run", 1, 2, steps, batch, moe, 1);
+  ASSERT_EQ(job.wait(150), 0) << job.logs();
+  std::ofstream(tmp / "defaults.toml") << "# every key from --set\n";
+  std::vector<std::string> args = {"train", "--config", (tmp / "defaults.toml").string()};
+  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "mpi", steps, batch);
+  kv.insert(kv.end(), moe.begin(), moe.end());
+  kv.push_back("dist.ep=2");
+  for (const auto& s : as_set_args(kv)) args.push_back(s);
+  std::vector<std::string> launcher = kMpiexec;
+  launcher.push_back("2");
+  Process mpi(args, tmp / "mpi.log", launcher);
+  ASSERT_EQ(mpi.wait(120), 0) << mpi.output();
+
+  const std::map<int64_t, double> frozen = per_step(tmp / "mpi", "experts_frozen");
+  ASSERT_EQ(frozen.size(), static_cast<std::size_t>(steps));
+  double total = 0;
+  for (auto [step, f] : frozen) total += f;
+  EXPECT_GT(total, 0) << "the configuration should freeze experts";
+  EXPECT_EQ(per_step(job.run, "experts_frozen"), frozen);
+
+  LoadedModel a = load_model(job.run), b = load_model(tmp / "mpi");
+  ASSERT_EQ(a.params.size(), b.params.size());
+  int64_t differ = 0;
+  for (std::size_t i = 0; i < a.params.size(); ++i) differ += a.params[i] != b.params[i];
+  EXPECT_EQ(differ, 0) << "of " << a.params.size() << " parameters differ";
+  const std::vector<MoeLayer*> la = a.model->moe_layers(), lb = b.model->moe_layers();
+  ASSERT_EQ(la.size(), lb.size());
+  bool moved = false;
+  for (std::size_t m = 0; m < la.size(); ++m)
+    for (int64_t e = 0; e < 8; ++e) {
+      EXPECT_EQ(la[m]->router_bias()[e], lb[m]->router_bias()[e]) << "layer " << m << " expert " << e;
+      moved = moved || lb[m]->router_bias()[e] != 0.0f;
+    }
+  EXPECT_TRUE(moved) << "the biases should have moved";
+  std::printf("%.0f experts frozen over %d steps; biases and parameters bitwise\n", total, steps);
+}
+
 TEST(PsGroup, TwoGroupsOfTwoFollowTheSingleProcessRun) {
   TempDir tmp("ps_group2");
   const int steps = 8, batch = 2;
