@@ -303,12 +303,9 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
   // The keys past the parameters (router biases, expert token counts) are dense keys of the
   // group (make_group_keys): each rank's loads and counts of its own tokens are summed over the
   // group by its reduce-scatter (integers, exact in f32) and pushed by one rank, and the biases
-  // the server stepped come back to every rank with the dense values.
-  MOETRAIN_CHECK(cfg.model.capacity == CapacityMode::Fixed,
-                 "--ep {} with model.capacity = dynamic: a group's ranks would each wait for the "
-                 "scheduler's factors between the group's collectives, which is not yet done; "
-                 "start the workers without --ep, or use model.capacity = fixed",
-                 ep);
+  // the server stepped come back to every rank with the dense values. Under model.capacity =
+  // dynamic each rank is a worker of the scheduler's capacity round, which sums the ranks'
+  // figures as `train` sums its processes'.
   MOETRAIN_CHECK(options.assign_kind() == Assign::Uniform,
                  "--ep {} with --assign {}: a re-split pauses workers one by one while the "
                  "group's ranks wait for each other inside a step; use --assign uniform",

@@ -111,7 +111,11 @@ class Worker {
     log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
              assign_.rows, assign_.global_rows);
     while (clock < cfg_.train.steps) {
-      if (!wait_for_capacity(clock) || !wait_for_rows()) return Outcome::RolledBack;
+      // In a group every rank waits for the same clock's factors (each reports its own figures,
+      // which the scheduler sums as `train` sums its ranks'); a roll-back that one rank saw while
+      // waiting takes the whole group back before any of them enters the step's collectives.
+      const bool ready = wait_for_capacity(clock) && wait_for_rows();
+      if (group_rolled_back(!ready)) return Outcome::RolledBack;
       Timer step_timer;
       started_clock_ = clock;
       const PushMeta meta = compute(clock);
