@@ -219,11 +219,6 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options) {
                        "clock-wide figures between them"
                      : "async, ssp and half_sync have no clock that every worker computes (each "
                        "push is an update of its own)");
-  MOETRAIN_CHECK(cfg.placement.spare_slots == 0,
-                 "placement.spare_slots = {}: hot-expert replication needs every rank's expert "
-                 "loads at each step, which parameter-server mode does not gather; set "
-                 "placement.spare_slots = 0",
-                 cfg.placement.spare_slots);
   // Sparse expert gradients and utilisation reweighting: the workers push their per-micro-batch
   // expert token counts on keys of their own (expert_count_keys); sync sums a clock's into one
   // update, and the servers share them before the update's other global figures.
@@ -282,6 +277,12 @@ void check_worker_group_size(int64_t ep, int64_t world) {
 }
 
 void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t ep) {
+  // Replicas live on the other ranks of an expert-parallel group: a worker alone has none.
+  MOETRAIN_CHECK(ep > 1 || cfg.placement.spare_slots == 0,
+                 "placement.spare_slots = {} on a worker without --ep: hot-expert replicas are "
+                 "placed over a worker group's ranks; start the workers as groups (--ep P, or "
+                 "`ps launch --group-size P`) or set placement.spare_slots = 0",
+                 cfg.placement.spare_slots);
   if (ep == 1) return;
   MOETRAIN_CHECK(cfg.model.n_moe_layers() > 0,
                  "--ep {}: the model has no MoE layer whose experts the group could shard; "
@@ -291,6 +292,10 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
                  "--ep {}: model.n_experts = {} is not a multiple of it; every rank of a group "
                  "holds the same number of experts",
                  ep, cfg.model.n_experts);
+  MOETRAIN_CHECK(cfg.placement.spare_slots <= cfg.model.n_experts / ep,
+                 "placement.spare_slots = {} with --ep {}: at most the experts a rank holds ({} of "
+                 "{})",
+                 cfg.placement.spare_slots, ep, cfg.model.n_experts / ep, cfg.model.n_experts);
   // A group's ranks push disjoint parts of the keys. sync sums every worker's push of a clock into
   // one update, so the group's parts make one; the other modes would not.
   MOETRAIN_CHECK(options.consistency_kind() == Consistency::Sync,

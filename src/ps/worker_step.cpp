@@ -85,6 +85,13 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
                .train;
   windows_ = std::make_unique<WindowStream>(*train_, cfg_.train.seq_len, cfg_.train.seed);
   if (group_) make_group_keys();
+  if (group_ && cfg_.placement.enabled()) {
+    // As the step engine places them over its EP group (a communicator of the placement's own).
+    placement_ = std::make_unique<ExpertPlacement>(cfg_.placement, *model_, cfg_.model.moe(),
+                                                   group_->comm->dup("replicas"),
+                                                   cfg_.dist.ranks_per_node);
+    model_->set_grads_ready_hook(placement_->grads_ready({}, grads_.data()));
+  }
   if (cfg_.model.capacity == CapacityMode::Dynamic) {
     capacity_.assign(model_->moe_layers().size(),
                      CapacityController(cfg_.model.balance, std::abs(cfg_.model.capacity_factor)));
@@ -135,6 +142,11 @@ int64_t WorkerStep::pulled(int64_t clock) {
   group_->comm->allgather(dense_.data(), chunk_.data(), chunk_counts_);
   unpack(dense_keys_, dense_.data(), params_.data());
   group_->comm->allreduce(&clock, 1, {ReduceOp::Max});
+  if (placement_ && !placement_loads_.empty()) {
+    // `clock` steps are done, as the trainer's step count after its step.
+    placement_->after_step(clock, placement_loads_, params_.data());
+    placement_loads_.clear();
+  }
   return clock;
 }
 
@@ -246,6 +258,12 @@ PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
   const Accumulated acc = accumulate_rows(
       clock, a, static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A)));
   if (!capacity_.empty()) capacity_figures_ = ps::capacity_figures(acc);
+  if (placement_) {
+    // The clock's loads over the group's ranks (each counted the tokens it routed).
+    placement_loads_ = acc.tokens_per_expert;
+    for (std::vector<int64_t>& l : placement_loads_)
+      group_->comm->allreduce(l.data(), static_cast<int64_t>(l.size()));
+  }
   skip_.clear();
   if (group_) {
     reduce_group(acc);

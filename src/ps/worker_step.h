@@ -30,6 +30,7 @@
 #include "ps/options.h"
 #include "ps/worker.h"
 #include "train/accumulate.h"
+#include "train/expert_placement.h"
 #include "train/run_config.h"
 
 namespace moetrain::ps {
@@ -108,6 +109,12 @@ class WorkerStep {
   // expert count keys (expert_count_keys, ps/options.h).
   std::unique_ptr<SparseExperts> counts_;
   void push_expert_counts();
+
+  // placement.spare_slots > 0 in a group: hot-expert replicas over the group's ranks, re-planned
+  // from the group's loads of each clock (summed over its ranks) once the pull brought the
+  // owners' new weights, which then refresh the replicas (train/expert_placement.h).
+  std::unique_ptr<ExpertPlacement> placement_;
+  std::vector<std::vector<int64_t>> placement_loads_;  // the last compute's, until the pull
 
   // A worker group: the dense key ranges (layout order), this rank's keys, the dense chunk sizes
   // per rank and this rank's chunk as flat ranges; dense_ holds the concatenated dense values.

@@ -318,6 +318,16 @@ TEST(PsOptions, RejectBadValuesByName) {
   }
   cfg.model.n_experts = 4;
   check_worker_group(cfg, two, 2);  // and the expert token counts
+  // Hot-expert replicas live on a group's other ranks: refused on a worker alone, and beyond the
+  // experts a rank holds.
+  cfg.placement.spare_slots = 1;
+  check_worker_group(cfg, two, 2);
+  expect_error([&] { check_worker_group(cfg, two, 1); },
+               "placement.spare_slots = 1 on a worker without --ep");
+  cfg.placement.spare_slots = 3;
+  expect_error([&] { check_worker_group(cfg, two, 2); },
+               "placement.spare_slots = 3 with --ep 2: at most the experts a rank holds (2 of 4)");
+  cfg.placement.spare_slots = 0;
   cfg.grad.sparse_experts = false;
   // Expert reweighting: grad_norm, importance, and utilisation (from the expert count keys), in
   // sync with several servers.

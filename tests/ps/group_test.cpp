@@ -183,6 +183,42 @@ TEST(PsGroup, BiasBalancingSparseExpertsAndUtilisationEndBitwiseWhereTheCollecti
   std::printf("%.0f experts frozen over %d steps; biases and parameters bitwise\n", total, steps);
 }
 
+// Hot-expert replication in a group (placement.spare_slots = 1): the group's ranks re-plan from
+// the clock's loads summed over them, once the pull brought the owners' new weights, which then
+// refresh the replicas; a replica's gradient goes to its owner during backward (the step engine's
+// ExpertPlacement, the same code). Against `mpiexec -n 2 moetrain train` with dist.ep = 2 and the
+// same placement, whose world is the group: the same plans from the same integer loads, the same
+// replica reductions, so the parameters end bitwise equal. Replication changes the order in which
+// an expert's gradient is summed, so a group that ignored the placement would not.
+TEST(PsGroup, HotExpertReplicasEndBitwiseWhereTheCollectiveRunEnds) {
+  TempDir tmp("ps_group_placement");
+  const int steps = 6, batch = 4;
+  const std::vector<std::string> placement = {"model.top_k=2", "placement.spare_slots=1",
+                                              "placement.every=2", "placement.decay=0.5"};
+  GroupJob job(tmp.path(), "run", 1, 2, steps, batch, placement, 1);
+  ASSERT_EQ(job.wait(150), 0) << job.logs();
+  std::ofstream(tmp / "defaults.toml") << "# every key from --set\n";
+  std::vector<std::string> args = {"train", "--config", (tmp / "defaults.toml").string()};
+  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "mpi", steps, batch);
+  kv.insert(kv.end(), placement.begin(), placement.end());
+  kv.push_back("dist.ep=2");
+  for (const auto& s : as_set_args(kv)) args.push_back(s);
+  std::vector<std::string> launcher = kMpiexec;
+  launcher.push_back("2");
+  Process mpi(args, tmp / "mpi.log", launcher);
+  ASSERT_EQ(mpi.wait(120), 0) << mpi.output();
+  double most = 0;
+  for (const auto& j : read_metrics(tmp / "mpi"))
+    if (j.contains("replicas_per_expert"))
+      for (double r : j["replicas_per_expert"].get<std::vector<double>>()) most = std::max(most, r);
+  EXPECT_GT(most, 1.0) << "the collective run placed no replica";
+  const std::vector<float> a = load_model(job.run).params, b = load_model(tmp / "mpi").params;
+  ASSERT_EQ(a.size(), b.size());
+  int64_t differ = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
+  EXPECT_EQ(differ, 0) << "of " << a.size() << " parameters differ";
+}
+
 TEST(PsGroup, TwoGroupsOfTwoFollowTheSingleProcessRun) {
   TempDir tmp("ps_group2");
   const int steps = 8, batch = 2;
