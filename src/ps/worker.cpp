@@ -106,7 +106,7 @@ class Worker {
     WaitResult r = kv_->wait(
         kv_->pull(-1, step_->params().data(), opts_.pull_encoding(), step_->pull_keys()));
     if (group_rolled_back(r.rolled_back)) return Outcome::RolledBack;
-    int64_t clock = step_->pulled(r.clock);
+    int64_t clock = step_->pulled(r.clock, /*fresh=*/true);
     if (first < 0) first = clock;
     log_info("{}: at clock {} with rows [{}, +{}) of {}", who_, clock, assign_.row_begin,
              assign_.rows, assign_.global_rows);

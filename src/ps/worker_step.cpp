@@ -136,17 +136,19 @@ void WorkerStep::make_group_keys() {
   chunk_.assign(static_cast<std::size_t>(chunk_counts_[static_cast<std::size_t>(r)]), 0.0f);
 }
 
-int64_t WorkerStep::pulled(int64_t clock) {
+int64_t WorkerStep::pulled(int64_t clock, bool fresh) {
   if (!group_) return clock;
   pack(chunk_keys_, params_.data(), chunk_.data());
   group_->comm->allgather(dense_.data(), chunk_.data(), chunk_counts_);
   unpack(dense_keys_, dense_.data(), params_.data());
   group_->comm->allreduce(&clock, 1, {ReduceOp::Max});
-  if (placement_ && !placement_loads_.empty()) {
+  if (placement_ && (fresh || placement_loads_.empty())) {
+    placement_->refresh(params_.data());
+  } else if (placement_) {
     // `clock` steps are done, as the trainer's step count after its step.
     placement_->after_step(clock, placement_loads_, params_.data());
-    placement_loads_.clear();
   }
+  placement_loads_.clear();
   return clock;
 }
 

@@ -59,7 +59,9 @@ class WorkerStep {
   // Collective over the group, after a pull of pull_keys() told this rank to go on at `clock`:
   // the dense values gathered from every rank, and the clock the group goes on at (the latest any
   // rank was told: a rank must not compute a clock its group skips). Returns `clock` alone.
-  int64_t pulled(int64_t clock);
+  // fresh: the first pull of a (re)start, after no compute of this process's or after a
+  // roll-back undid it: hot-expert replicas take their owners' pulled weights without a re-plan.
+  int64_t pulled(int64_t clock, bool fresh = false);
 
   // grads = the gradient of rows `a` of step `clock`, weighted by their share of the global
   // batch; the push's figures.

@@ -47,8 +47,14 @@ void ExpertPlacement::after_step(int64_t steps, const std::vector<std::vector<in
       if (!moves.empty()) log_info("step {}: placement {}", steps, describe_moves(mi, moves));
       blocks_[m].moe->set_placement(&planner_.placement(mi));
     }
-    sync_.refresh(planner_.placement(mi), moe_weights(params, blocks_[m].offsets));
   }
+  refresh(params);
+}
+
+void ExpertPlacement::refresh(float* params) {
+  for (std::size_t m = 0; m < blocks_.size(); ++m)
+    sync_.refresh(planner_.placement(static_cast<int64_t>(m)),
+                  moe_weights(params, blocks_[m].offsets));
 }
 
 std::vector<double> ExpertPlacement::replicas_per_expert() const {

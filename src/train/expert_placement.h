@@ -34,6 +34,8 @@ class ExpertPlacement {
   std::function<void(int64_t)> grads_ready(std::function<void(int64_t)> inner, float* grads);
   // steps: optimizer steps done; loads (MoE layers, E): the step's global loads. Collective.
   void after_step(int64_t steps, const std::vector<std::vector<int64_t>>& loads, float* params);
+  // Every replica takes its owner's weights in `params` (no re-plan). Collective.
+  void refresh(float* params);
 
   // Per MoE layer: mean replicas per expert; the busiest rank's share of `loads` over the mean,
   // each expert's load split evenly over its replicas.
