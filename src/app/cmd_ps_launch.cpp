@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -209,6 +210,8 @@ Launch prepare_launch(const LaunchArgs& a) {
 // The job's processes: the scheduler (and the standby) first, then the nodes.
 struct Job {
   std::vector<Child> children;
+  // Each worker group's mpirun command line and its threads, to start it again.
+  std::map<std::string, std::pair<std::vector<std::string>, int>> groups;
   std::size_t first_node = 0;
   std::string endpoint, standby_ep;
   Clock::time_point start;  // once the schedulers started (--timeout counts from here)
@@ -262,7 +265,9 @@ Job start_job(const LaunchArgs& a, const Launch& l) {
     wa.push_back(fs::read_symlink("/proc/self/exe").string());
     wa.insert(wa.end(), worker.begin() + 1, worker.end());
     wa.insert(wa.end(), {"--index", std::to_string(g), "--ep", std::to_string(P)});
-    job.children.push_back({fmt::format("worker group {}", g), spawn(wa, worker_threads, true)});
+    const std::string name = fmt::format("worker group {}", g);
+    job.children.push_back({name, spawn(wa, worker_threads, true)});
+    job.groups[name] = {wa, worker_threads};
   }
   for (int64_t w = 0; P == 1 && w < a.opts.workers; ++w) {
     std::vector<std::string> wa = worker;
@@ -389,6 +394,26 @@ class Supervisor {
             server_args_ = node_args(l_, "server", j.value("scheduler", ""), "");
         }
         respawned.push_back({c.name, spawn(server_args_, 1)});
+      } else if (job_.groups.count(c.name) && restarts_[c.name] < 3) {
+        // A rank that died took its group down (MPI ends the job of a failed rank). The group's
+        // new ranks ask for the same indices and join at the servers' clock; meanwhile sync goes
+        // on with the other workers.
+        ++restarts_[c.name];
+        log_warn("ps launch: restarting {} (restart {} of at most 3); its ranks pull the "
+                 "servers' state and join at the current clock",
+                 c.name, restarts_[c.name]);
+        auto [args, threads] = job_.groups.at(c.name);
+        if (elected_ || in_charge_ != 0) {
+          // Towards the scheduler in charge: the standby, or the elected one (job.json).
+          std::ifstream in(l_.ps_dir / "job.json");
+          const auto j = nlohmann::json::parse(in, nullptr, false);
+          const std::string now = in_charge_ != 0 ? job_.standby_ep
+                                  : j.is_object() ? j.value("scheduler", "")
+                                                  : "";
+          auto at = std::find(args.begin(), args.end(), "--scheduler");
+          if (!now.empty() && at != args.end() && at + 1 != args.end()) *(at + 1) = now;
+        }
+        respawned.push_back({c.name, spawn(args, threads, true)});
       }
     }
   }

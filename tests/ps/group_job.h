@@ -43,15 +43,20 @@ struct GroupJob {
     wait_for_file(ep_file, 30);
     std::ifstream(ep_file) >> endpoint;
     for (int s = 0; s < n_servers; ++s) add_server();
-    for (int g = 0; g < n_groups; ++g) {
-      std::vector<std::string> launcher = kMpiexec;
-      launcher.push_back(std::to_string(ep));
-      groups.push_back(std::make_unique<Process>(
-          std::vector<std::string>{"ps", "worker", "--insecure", "--scheduler", endpoint,
-                                   "--index", std::to_string(g), "--ep", std::to_string(ep),
-                                   "--slowdown", std::to_string(slowdown)},
-          dir / (name + "_group" + std::to_string(g) + ".log"), launcher));
-    }
+    ep_ = ep, slowdown_ = slowdown;
+    for (int g = 0; g < n_groups; ++g) add_group(g);
+  }
+  // Starts group g (again: a replacement of a group that died), appended to `groups`.
+  void add_group(int g) {
+    std::vector<std::string> launcher = kMpiexec;
+    launcher.push_back(std::to_string(ep_));
+    groups.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"ps", "worker", "--insecure", "--scheduler", endpoint,
+                                 "--index", std::to_string(g), "--ep", std::to_string(ep_),
+                                 "--slowdown", std::to_string(slowdown_)},
+        dir / (name_ + "_group" + std::to_string(g) + "_" + std::to_string(groups.size()) +
+               ".log"),
+        launcher));
   }
   void add_server() {
     servers.push_back(std::make_unique<Process>(
@@ -71,6 +76,8 @@ struct GroupJob {
     return code;
   }
   std::string name_;
+  int ep_ = 1;
+  double slowdown_ = 1.0;
 };
 
 }  // namespace moetrain::testing
