@@ -19,22 +19,44 @@ void ConsistencyRules::set_active(std::vector<int64_t> workers) {
     it = is_active(it->first) ? std::next(it) : clocks_.erase(it);
 }
 
-PushFate ConsistencyRules::push(int64_t worker, int64_t clock, int64_t id) {
+PushFate ConsistencyRules::push(int64_t worker, int64_t clock, int64_t id, int64_t group_size) {
   if (!is_active(worker)) return PushFate::NotActive;
   if (summed_per_clock()) {
     if (clock < version_) return PushFate::Late;
     pending_[clock][worker] = id;
     return next_update_possible() ? PushFate::Ready : PushFate::Queued;
   }
-  int64_t& c = clocks_[worker];
-  c = std::max(c, clock + 1);
+  MOETRAIN_CHECK(group_size >= 1 && (group_size == 1 || group_size_ == 1 ||
+                                     group_size == group_size_),
+                 "a push from worker {} of a group of {}, where the job's groups have {} "
+                 "processes: every worker group of a job must have the same size",
+                 worker, group_size, group_size_);
   Update u;
   u.version = version_;
   u.clock = clock;
-  u.ids = {id};
-  u.workers = {worker};
-  u.worker = worker;
-  u.worker_clock = c;
+  u.group_size = group_size;
+  if (group_size == 1) {
+    u.ids = {id};
+    u.workers = {worker};
+  } else {
+    // The group's parts wait for each other; the last one makes the update.
+    group_size_ = group_size;
+    const int64_t first = worker - worker % group_size;
+    std::map<int64_t, int64_t>& got = parts_[{first, clock}];
+    got[worker] = id;
+    if (static_cast<int64_t>(got.size()) < group_size) return PushFate::Queued;
+    for (const auto& [w, part] : got) {  // worker-index order
+      u.ids.push_back(part);
+      u.workers.push_back(w);
+    }
+    parts_.erase({first, clock});
+  }
+  for (int64_t w : u.workers) {
+    int64_t& c = clocks_[w];
+    c = std::max(c, clock + 1);
+  }
+  u.worker = u.workers.front();
+  u.worker_clock = clocks_[u.worker];
   ready_ = std::move(u);
   return PushFate::Ready;
 }
@@ -81,6 +103,19 @@ std::vector<int64_t> ConsistencyRules::applied(const Update& u) {
   MOETRAIN_CHECK(u.version == version_, "update of version {} applied at version {}", u.version,
                  version_);
   std::vector<int64_t> freed = u.ids;
+  // A group's parts that wait for a rank no longer active will not be completed: its group died
+  // (a rank that died takes its group down), and a restarted group pushes them again.
+  for (auto it = parts_.begin(); it != parts_.end();) {
+    bool lost = false;
+    for (int64_t w = it->first.first; w < it->first.first + group_size_; ++w)
+      lost = lost || !is_active(w);
+    if (!lost) {
+      ++it;
+      continue;
+    }
+    for (const auto& [w, id] : it->second) freed.push_back(id);
+    it = parts_.erase(it);
+  }
   if (summed_per_clock()) {
     freed.clear();
     // What else is pending for this clock (a worker no longer active) is past too.
@@ -94,7 +129,10 @@ std::vector<int64_t> ConsistencyRules::applied(const Update& u) {
 }
 
 int64_t ConsistencyRules::schedule_step() const {
-  return summed_per_clock() ? version_ : version_ / std::max<int64_t>(1, cfg_.workers_at_start);
+  // A group's pushes of a clock make one update.
+  return summed_per_clock()
+             ? version_
+             : version_ / std::max<int64_t>(1, cfg_.workers_at_start / group_size_);
 }
 
 int64_t ConsistencyRules::min_clock(int64_t except) const {
@@ -106,6 +144,10 @@ int64_t ConsistencyRules::min_clock(int64_t except) const {
 
 bool ConsistencyRules::pull_ready(int64_t worker, int64_t clock) const {
   if (clock < 0) return true;
+  // A worker alone reads after its own push applied (the push came first on its socket and
+  // applied on arrival); a group's rank reads once its part did, with the group's other parts.
+  for (const auto& [group_clock, got] : parts_)
+    if (got.count(worker)) return false;
   switch (cfg_.mode) {
     case Consistency::Sync:
     case Consistency::Quorum:
@@ -140,9 +182,11 @@ int64_t ConsistencyRules::pull_answered(int64_t worker, int64_t clock) {
   return next;
 }
 
-void ConsistencyRules::replayed(int64_t worker, int64_t worker_clock) {
+void ConsistencyRules::replayed(int64_t worker, int64_t worker_clock, int64_t group_size) {
   ++version_;
-  if (worker >= 0) clocks_[worker] = std::max(clocks_[worker], worker_clock);
+  if (group_size > 1) group_size_ = group_size;
+  for (int64_t w = worker; worker >= 0 && w < worker + group_size; ++w)
+    clocks_[w] = std::max(clocks_[w], worker_clock);
 }
 
 std::vector<int64_t> ConsistencyRules::restore(int64_t clock,
@@ -151,6 +195,9 @@ std::vector<int64_t> ConsistencyRules::restore(int64_t clock,
   for (const auto& [c, got] : pending_)
     for (const auto& [w, id] : got) freed.push_back(id);
   if (ready_) freed.insert(freed.end(), ready_->ids.begin(), ready_->ids.end());
+  for (const auto& [group_clock, got] : parts_)
+    for (const auto& [w, id] : got) freed.push_back(id);
+  parts_.clear();
   pending_.clear();
   ready_.reset();
   clocks_ = std::move(worker_clocks);

@@ -12,6 +12,10 @@
 //           pull more often sees the others' pushes of that clock
 //   average sync's rules over pushes that carry parameters (each weighted by its rows' share of
 //           the global batch): the sum is the row-weighted mean, which becomes the values
+// A worker group (workers g·P … g·P + P − 1, each pushing a disjoint part of the keys) is one
+// worker to async, ssp and half_sync: its P pushes of a clock make one update, summed in
+// worker-index order, once the last of them arrived; every rank's clock moves with it. (Sync sums
+// them anyway, as every push of a clock.)
 // The server (kv_server.h) names each push it queues by an id and holds its gradient; an Update
 // lists the ids to sum, and every id the rules let go of is returned so the server frees it.
 #pragma once
@@ -30,9 +34,10 @@ struct Update {
   int64_t clock = 0;             // the clock the pushes were computed at (sync / quorum: version)
   std::vector<int64_t> ids;      // push ids, in worker-index order
   std::vector<int64_t> workers;  // the pushing workers, same order
-  // async / ssp: the pushing worker and its clock after the push (what a backup must record);
-  // sync / quorum: −1, 0.
+  // async / ssp: the pushing worker (a group's first) and its clock after the push (what a
+  // backup must record); sync / quorum: −1, 0.
   int64_t worker = -1, worker_clock = 0;
+  int64_t group_size = 1;  // async / ssp: the pushing group's processes (1: a worker alone)
 };
 
 enum class PushFate {
@@ -64,6 +69,7 @@ class ConsistencyRules {
   int64_t pending_pushes() const {
     int64_t n = ready_ ? 1 : 0;
     for (const auto& [clock, by_worker] : pending_) n += static_cast<int64_t>(by_worker.size());
+    for (const auto& [group_clock, by_worker] : parts_) n += static_cast<int64_t>(by_worker.size());
     return n;
   }
 
@@ -71,9 +77,9 @@ class ConsistencyRules {
   // active are forgotten; a sync clock may become complete (see next_update()).
   void set_active(std::vector<int64_t> workers);
 
-  // A push of `worker` at `clock`, held by the caller under `id`. Late and NotActive pushes are
-  // not kept (the caller frees them).
-  PushFate push(int64_t worker, int64_t clock, int64_t id);
+  // A push of `worker` (of a group of `group_size`) at `clock`, held by the caller under `id`.
+  // Late and NotActive pushes are not kept (the caller frees them).
+  PushFate push(int64_t worker, int64_t clock, int64_t id, int64_t group_size = 1);
 
   // The next update that may apply, if any. The caller applies it, then calls applied(). An
   // async / ssp update is handed out once: if applying it fails, the push is lost (the caller
@@ -88,15 +94,15 @@ class ConsistencyRules {
   int64_t schedule_step() const;
 
   // Whether a pull from `worker` for `clock` may be answered now (clock < 0: a join or a final
-  // read, answered at once).
+  // read, answered at once; not while the worker's part of a group's update waits).
   bool pull_ready(int64_t worker, int64_t clock) const;
   // For an answered pull: the clock the worker should continue at. A worker the rules do not
   // know yet (async / ssp) starts level with the slowest, so it holds no one back.
   int64_t pull_answered(int64_t worker, int64_t clock);
 
   // A backup replays its primary's update: the version advances, and (async / ssp) the pushing
-  // worker's clock is raised to what the primary recorded.
-  void replayed(int64_t worker, int64_t worker_clock);
+  // worker's clock (every rank's of its group) is raised to what the primary recorded.
+  void replayed(int64_t worker, int64_t worker_clock, int64_t group_size = 1);
 
   // Back to `clock` with these worker clocks (a checkpoint); everything pending is dropped and
   // returned for freeing.
@@ -112,6 +118,9 @@ class ConsistencyRules {
   std::vector<int64_t> active_;                            // sorted
   std::map<int64_t, std::map<int64_t, int64_t>> pending_;  // sync/quorum: clock → worker → id
   std::optional<Update> ready_;                            // async/ssp: the push just arrived
+  // async/ssp: a group's pushes of a clock so far, (group's first worker, clock) → worker → id
+  std::map<std::pair<int64_t, int64_t>, std::map<int64_t, int64_t>> parts_;
+  int64_t group_size_ = 1;  // async/ssp: the groups' size (pushes a global step takes fewer)
   std::map<int64_t, int64_t> clocks_;                      // async/ssp: worker → pushes done
   int64_t max_staleness_ = 0;
 };

@@ -144,7 +144,7 @@ void KvServer::on_push(Incoming& in) {
     return;
   }
   const int64_t id = next_push_id_++;
-  switch (rules_.push(h.sender, h.clock, id)) {
+  switch (rules_.push(h.sender, h.clock, id, group_size_of(h.flags))) {
     case PushFate::NotActive:
       ++stats_.refused;
       log_warn("{}: push from worker {} which is not active; ignored", who_, h.sender);
@@ -181,7 +181,7 @@ void KvServer::on_replicate(const Incoming& in) {
     handlers_.replay(sum_.data(), h.value,
                      std::string_view(in.payload + 4 * n, static_cast<std::size_t>(h.aux0)),
                      values_.data());
-  rules_.replayed(h.aux1, h.ticket);
+  rules_.replayed(h.aux1, h.ticket, group_size_of(h.flags));
   ++stats_.replicated_in;
   Header a;
   a.kind = static_cast<uint16_t>(Kind::ReplicateAck);
@@ -312,7 +312,7 @@ void KvServer::apply(const Update& u) {
   else
     lr = handlers_.update({u.version, u.clock, rules_.schedule_step(), sum_.data(), n},
                           values_.data());
-  if (backup_) replicate(u.version, lr, u.worker, u.worker_clock);
+  if (backup_) replicate(u.version, lr, u.worker, u.worker_clock, u.group_size);
   for (int64_t id : rules_.applied(u)) pushes_.erase(id);
   if (handlers_.applied)
     handlers_.applied({rules_.version(), u.clock, lr, static_cast<int64_t>(u.ids.size()), s.rows,
@@ -320,11 +320,12 @@ void KvServer::apply(const Update& u) {
 }
 
 // The exact input of the update rule just applied, to the backup.
-void KvServer::replicate(int64_t version, double lr, int64_t worker, int64_t worker_clock) {
+void KvServer::replicate(int64_t version, double lr, int64_t worker, int64_t worker_clock,
+                         int64_t group_size) {
   Header h;
   h.kind = static_cast<uint16_t>(Kind::Replicate);
   h.sender = static_cast<int32_t>(index_);
-  h.flags = static_cast<uint32_t>(Encoding::F32);
+  h.flags = static_cast<uint32_t>(Encoding::F32) | group_flags(group_size);
   h.clock = version;
   h.key_begin = begin_;
   h.key_end = end_;

@@ -141,7 +141,8 @@ class KvServer {
   void send_snapshot();
   void apply_ready();
   void apply(const Update& u);
-  void replicate(int64_t version, double lr, int64_t worker, int64_t worker_clock);
+  void replicate(int64_t version, double lr, int64_t worker, int64_t worker_clock,
+                 int64_t group_size);
   bool ready(const Header& pull) const;
   void serve_pulls();
   std::string ack(const Header& req) const;

@@ -94,7 +94,7 @@ int64_t KvWorker::push(int64_t clock, const float* grads, const std::vector<Span
     Header h;
     h.kind = static_cast<uint16_t>(Kind::Push);
     h.sender = index_;
-    h.flags = static_cast<uint32_t>(enc) | (sparse ? kSparseFlag : 0u);
+    h.flags = static_cast<uint32_t>(enc) | (sparse ? kSparseFlag : 0u) | group_flags(group_size_);
     h.clock = clock;
     h.key_begin = b;
     h.key_end = e;

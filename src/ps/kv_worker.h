@@ -58,6 +58,9 @@ class KvWorker {
   // ignored) and later ones carry `generation`.
   void reset(const std::vector<ServerInfo>& servers, uint32_t generation);
   uint32_t generation() const { return generation_; }
+  // This worker is one of a group of P processes (ps/worker.h): its pushes say so, so that the
+  // servers outside sync apply the group's pushes of a clock as one update.
+  void set_group_size(int64_t p) { group_size_ = p; }
 
   // Pushes grads (the whole flat vector, P floats) at `clock`. `skip` lists global ranges left
   // out (sorted, disjoint: experts that received no tokens); `residual` (P floats) enables int8
@@ -98,6 +101,7 @@ class KvWorker {
 
   zmq::context_t& ctx_;
   int32_t index_;
+  int64_t group_size_ = 1;
   uint32_t generation_ = 0;
   std::vector<ServerInfo> servers_;
   std::vector<std::unique_ptr<zmq::socket_t>> sockets_;  // null while a server is down

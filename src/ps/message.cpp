@@ -121,7 +121,10 @@ Decoded decode(const void* data, std::size_t size) {
   MOETRAIN_CHECK(h.bytes == size - sizeof(Header),
                  "declared payload of {} bytes but the frame carries {} (truncated or padded)",
                  h.bytes, size - sizeof(Header));
-  MOETRAIN_CHECK((h.flags & ~(kEncodingMask | kSparseFlag)) == 0 &&
+  // A group size (bits 16–31) only on a push or its replication.
+  const bool grouped = h.kind_enum() == Kind::Push || h.kind_enum() == Kind::Replicate;
+  const uint32_t known = kEncodingMask | kSparseFlag | (grouped ? ~0u << kGroupShift : 0u);
+  MOETRAIN_CHECK((h.flags & ~known) == 0 &&
                      (h.flags & kEncodingMask) <= static_cast<uint32_t>(Encoding::Json),
                  "unknown flags 0x{:x}", h.flags);
   MOETRAIN_CHECK(h.key_begin >= 0 && h.key_end >= h.key_begin, "bad key range [{}, {})",

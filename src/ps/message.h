@@ -54,7 +54,7 @@ constexpr uint16_t kMaxKind = static_cast<uint16_t>(Kind::CapacityFactors);
 std::string_view kind_name(Kind kind);
 
 constexpr uint32_t kMagic = 0x5350544du;  // "MTPS" read as little-endian bytes
-constexpr uint16_t kWireVersion = 4;
+constexpr uint16_t kWireVersion = 5;
 // A push of the whole parameter vector of a model of a few hundred million floats still fits.
 constexpr uint64_t kMaxPayload = uint64_t{1} << 32;
 
@@ -62,6 +62,17 @@ constexpr uint64_t kMaxPayload = uint64_t{1} << 32;
 enum class Encoding : uint32_t { F32 = 0, Bf16 = 1, Int8 = 2, Json = 3 };
 constexpr uint32_t kEncodingMask = 0xf;
 constexpr uint32_t kSparseFlag = 0x10;
+// Push and Replicate: bits 16–31 hold the size of the worker group the pushing worker belongs to
+// (0 or 1: a worker alone). Workers g·P … g·P + P − 1 form group g; outside sync, a server applies
+// the P pushes of a group's clock as one update (ps/consistency.h).
+constexpr uint32_t kGroupShift = 16;
+inline int64_t group_size_of(uint32_t flags) {
+  const int64_t p = static_cast<int64_t>(flags >> kGroupShift);
+  return p > 1 ? p : 1;
+}
+inline uint32_t group_flags(int64_t group_size) {
+  return group_size > 1 ? static_cast<uint32_t>(group_size) << kGroupShift : 0u;
+}
 
 struct Header {
   uint32_t magic = kMagic;

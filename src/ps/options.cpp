@@ -297,14 +297,16 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
                  "{})",
                  cfg.placement.spare_slots, ep, cfg.model.n_experts / ep, cfg.model.n_experts);
   // A group's ranks push disjoint parts of the keys. sync sums every worker's push of a clock into
-  // one update, so the group's parts make one; the other modes would not.
-  MOETRAIN_CHECK(options.consistency_kind() == Consistency::Sync,
+  // one update, and async, ssp and half_sync apply a group's parts of a clock as one update
+  // (ps/consistency.h); the other two modes would not make one of them.
+  const Consistency mode = options.consistency_kind();
+  MOETRAIN_CHECK(mode != Consistency::Quorum && mode != Consistency::Average,
                  "--ep {} with --consistency {}: a group's ranks push disjoint parts of the keys, "
-                 "which sync sums into one update per clock; quorum could apply some parts of a "
-                 "clock and drop the others, async, ssp and half_sync would apply each part as an "
-                 "update of its own (the optimizer stepping every key once per rank), and average "
-                 "runs a local optimizer over every key; use --consistency sync",
-                 ep, options.consistency);
+                 "{}; use --consistency sync, async, ssp or half_sync",
+                 ep, options.consistency,
+                 mode == Consistency::Quorum
+                     ? "and quorum could apply some parts of a clock and drop the others"
+                     : "and average runs a local optimizer over every key on each rank");
   // The keys past the parameters (router biases, expert token counts) are dense keys of the
   // group (make_group_keys): each rank's loads and counts of its own tokens are summed over the
   // group by its reduce-scatter (integers, exact in f32) and pushed by one rank, and the biases

@@ -91,6 +91,7 @@ class Worker {
     kv_ = std::make_unique<KvWorker>(ctx_, static_cast<int32_t>(index_), servers_of(setup),
                                      setup.at("generation").get<uint32_t>(),
                                      [this] { poll_control(); });
+    if (args_.ep > 1) kv_->set_group_size(args_.ep);
     int64_t first = -1;
     while (train(first) == Outcome::RolledBack)
       log_warn("{}: the servers rolled back to clock {}; pulling and going on from there", who_,

@@ -2,6 +2,8 @@
 // it applies, what is dropped, and when a pull may be answered.
 #include "ps/consistency.h"
 
+#include "core/check.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -247,6 +249,59 @@ TEST(Consistency, BackupReplayAdvancesVersionAndWorkerClock) {
   r.replayed(-1, 0);
   EXPECT_EQ(r.version(), 2);
   EXPECT_EQ(r.worker_clocks().at(1), 4);
+}
+
+// Worker groups outside sync: groups {0, 1} and {2, 3} of 2. A group's pushes of a clock wait for
+// each other and make one update, summed in worker-index order whatever the arrival order; every
+// rank's clock moves with it, and the schedule counts updates per group.
+TEST(Consistency, AsyncAppliesAGroupsPushesOfAClockAsOneUpdate) {
+  ConsistencyRules r = rules(Consistency::Async, {0, 1, 2, 3});
+  EXPECT_EQ(r.push(1, 0, 11, 2), PushFate::Queued);
+  EXPECT_FALSE(r.next_update());
+  // Its pull waits for the group's update; a rank whose part is not in yet reads now.
+  EXPECT_FALSE(r.pull_ready(1, 1));
+  EXPECT_TRUE(r.pull_ready(0, 1));
+  EXPECT_EQ(r.push(3, 0, 31, 2), PushFate::Queued);
+  EXPECT_EQ(r.pending_pushes(), 2);
+  EXPECT_EQ(r.push(0, 0, 10, 2), PushFate::Ready);
+  auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{10, 11}));
+  EXPECT_EQ(u->workers, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(u->worker, 0);
+  EXPECT_EQ(u->worker_clock, 1);
+  EXPECT_EQ(u->group_size, 2);
+  EXPECT_EQ(r.applied(*u), (std::vector<int64_t>{10, 11}));
+  EXPECT_TRUE(r.pull_ready(1, 1));
+  EXPECT_EQ(r.worker_clocks().at(0), 1);
+  EXPECT_EQ(r.worker_clocks().at(1), 1);
+  // Group {2, 3}'s clock 0 completes the first global step: two groups, one update each.
+  EXPECT_EQ(r.push(2, 0, 30, 2), PushFate::Ready);
+  u = r.next_update();
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{30, 31}));
+  r.applied(*u);
+  EXPECT_EQ(r.schedule_step(), 1);
+  // A group of another size is refused, naming it.
+  EXPECT_THROW(r.push(0, 1, 12, 4), moetrain::Error);
+}
+
+// A group whose rank died mid-clock: its parts are freed at the next update, a roll-back frees
+// what waits, and a backup's replay moves every rank's clock.
+TEST(Consistency, GroupPartsOfALostRankAreFreedAndAReplayMovesTheGroupsClocks) {
+  ConsistencyRules r = rules(Consistency::Ssp, {0, 1, 2, 3}, 0, 4);
+  EXPECT_EQ(r.push(2, 0, 20, 2), PushFate::Queued);
+  r.set_active({0, 1});  // group {2, 3} went down
+  r.push(0, 0, 10, 2);
+  EXPECT_EQ(r.push(1, 0, 11, 2), PushFate::Ready);
+  const auto u = r.next_update();
+  EXPECT_EQ(r.applied(*u), (std::vector<int64_t>{10, 11, 20}));
+  EXPECT_EQ(r.pending_pushes(), 0);
+  r.push(0, 1, 12, 2);
+  EXPECT_EQ(r.restore(0, {}), (std::vector<int64_t>{12}));
+  ConsistencyRules b = rules(Consistency::Ssp, {0, 1, 2, 3}, 0, 4);
+  b.replayed(2, 3, 2);
+  EXPECT_EQ(b.worker_clocks().at(2), 3);
+  EXPECT_EQ(b.worker_clocks().at(3), 3);
 }
 
 TEST(SumPushes, SumsInTheGivenOrderAndRescalesToTheGlobalBatch) {

@@ -219,6 +219,43 @@ TEST(PsGroup, HotExpertReplicasEndBitwiseWhereTheCollectiveRunEnds) {
   EXPECT_EQ(differ, 0) << "of " << a.size() << " parameters differ";
 }
 
+// Outside sync a group's two pushes of a clock make one update. One group under async is then
+// one worker whose every clock is an update of all its parts, summed in rank order, at the
+// schedule's step of that clock: bitwise the sync group job's parameters, which
+// OneGroupEndsBitwiseWhereTheCollectiveRunEnds holds to `mpiexec -n 2 moetrain train`. Applied
+// part by part (each rank's push an update of its own), the optimizer would step every key twice
+// a clock and end elsewhere. Two groups under ssp (staleness 1): every update is a group's two
+// pushes, each group's clocks are all applied, and the loss comes down.
+TEST(PsGroup, AsyncAndSspApplyAGroupsPushesOfAClockAsOneUpdate) {
+  TempDir tmp("ps_group_async");
+  const int steps = 6, batch = 4;
+  GroupJob sync(tmp.path(), "sync", 1, 2, steps, batch, {}, 1);
+  ASSERT_EQ(sync.wait(150), 0) << sync.logs();
+  GroupJob async(tmp.path(), "async", 1, 2, steps, batch, {}, 1, {"--consistency", "async"});
+  ASSERT_EQ(async.wait(150), 0) << async.logs();
+  const std::vector<float> a = load_model(async.run).params, b = load_model(sync.run).params;
+  ASSERT_EQ(a.size(), b.size());
+  int64_t differ = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
+  EXPECT_EQ(differ, 0) << "of " << a.size() << " parameters differ from the sync group job's";
+
+  const int ssp_steps = 8;
+  GroupJob ssp(tmp.path(), "ssp", 2, 2, ssp_steps, 2, {}, 2,
+               {"--consistency", "ssp", "--staleness", "1"});
+  ASSERT_EQ(ssp.wait(150), 0) << ssp.logs();
+  int updates = 0;
+  double first = 0, last = 0;
+  for (const auto& j : read_metrics(ssp.run)) {
+    if (!j.contains("pushes")) continue;
+    EXPECT_EQ(j["pushes"].get<int64_t>(), 2) << j.dump();
+    if (updates == 0) first = j["loss"].get<double>();
+    last = j["loss"].get<double>();
+    ++updates;
+  }
+  EXPECT_EQ(updates, 2 * ssp_steps);
+  EXPECT_LT(last, first);
+}
+
 TEST(PsGroup, TwoGroupsOfTwoFollowTheSingleProcessRun) {
   TempDir tmp("ps_group2");
   const int steps = 8, batch = 2;
@@ -282,10 +319,11 @@ TEST(PsGroup, RefusesGroupsItCannotRun) {
           << f.path() << " was written";
     EXPECT_FALSE(fs::exists(job.run / "checkpoints")) << "a checkpoint was written";
   }
-  // Only sync sums a group's parts of a clock into one update: a quorum could apply some of
-  // them, async would apply each alone.
+  // A group's parts of a clock make one update under sync, async, ssp and half_sync: a quorum
+  // could apply some of them, average steps a local optimizer on each rank.
   for (const std::vector<std::string>& mode :
-       {std::vector<std::string>{"quorum", "--quorum", "1"}, std::vector<std::string>{"async"}}) {
+       {std::vector<std::string>{"quorum", "--quorum", "1"},
+        std::vector<std::string>{"average", "--local-steps", "2"}}) {
     std::vector<std::string> job_args = {"--consistency"};
     job_args.insert(job_args.end(), mode.begin(), mode.end());
     GroupJob job(tmp.path(), mode[0], 1, 2, 4, 2, {}, 1, job_args);
