@@ -229,6 +229,61 @@ TEST(PipelineInterleaved, TwoPipelinesFollowTheOneProcessRun) {
   }
 }
 
+// Interleaved stages running expert parallelism (dist.pp = 2, dist.vp = 2, dist.ep = 2 on 4
+// processes: each stage's two copies are one EP group) against dist.ep = 2 on 2 processes
+// without stages, the same global batch and seed. Bitwise, as pipeline_test.cpp argues for
+// 1f1b: copy c of a stage reads what rank c reads without stages, every chunk's MoE layers route
+// the same tokens over an EP group of the same two ranks (both copies run the same list of
+// passes, so their exchanges come in the same order), each gradient accumulates in micro-batch
+// order and the dense ones sum over two copies as over two ranks (overlap reduces the same
+// buckets with the same calls); AdamW is elementwise.
+TEST(PipelineInterleaved, ExpertParallelChunksFollowTheExpertParallelRunBitwise) {
+  auto world = dist_world("interleaved_ep");
+  const int W = world->size(), r = world->rank();
+  if (W != 4) GTEST_SKIP() << "needs 4 processes for 2 pipelines x 2 stages, dist.ep = 2";
+  SharedDir dir(*world, "interleaved_ep");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  dist_local_size();  // found collectively over every process, before a trainer runs on half
+  auto half = world->split(r / 2, r % 2, {"half"});
+  auto ref_file = [&](int c) { return dir / ("ref_params" + std::to_string(c) + ".bin"); };
+  if (r < 2) {
+    Trainer t(make_config(dir / "data", dir / "ep", 1, 1, {"dist.ep=2"}), false,
+              half->dup("ep_run"));
+    t.run();
+    std::ofstream(ref_file(r), std::ios::binary)
+        .write(reinterpret_cast<const char*>(t.params().data()),
+               static_cast<std::streamsize>(t.params().size() * sizeof(float)));
+  }
+  world->barrier();
+  const fs::path run_dir = dir / "pp_ep";
+  Trainer t(make_config(dir / "data", run_dir, 2, 2, {"dist.ep=2"}), false,
+            dist_world("interleaved_ep_run"));
+  t.run();
+  const Outcome got = finish(t, run_dir);
+  const PipelineRunner* pipe = t.pipeline();
+  ASSERT_NE(pipe, nullptr);
+  std::vector<char> held = held_values(t);
+  for (std::size_t i = 0; i < held.size(); ++i) held[i] &= got.held[i];
+  std::vector<float> ref(t.params().size());
+  std::ifstream(ref_file(static_cast<int>(pipe->replica())), std::ios::binary)
+      .read(reinterpret_cast<char*>(ref.data()),
+            static_cast<std::streamsize>(ref.size() * sizeof(float)));
+  EXPECT_EQ(differ_held(got.params, ref, held), 0)
+      << "stage " << pipe->stage() << " copy " << pipe->replica()
+      << ": parameters differ from the run without stages";
+  if (r == 0) {
+    EXPECT_LE(max_rel(got.losses, metric(dir / "ep", "loss")), 1e-12);
+    EXPECT_EQ(got.val_losses, metric(dir / "ep", "val_loss"));
+    const std::string step = "checkpoints/step_00000006";
+    const auto mine = read_all_tensors(run_dir / step);
+    EXPECT_GT(mine.size(), 10u);
+    EXPECT_TRUE(mine == read_all_tensors(dir / "ep" / step))
+        << "the interleaved pp x ep checkpoint differs from the run without stages'";
+  }
+  world->barrier();
+}
+
 // What the interleaved schedule cannot run, refused naming the key before anything is written:
 // chunks a stage under another schedule, more chunks than blocks, micro-batches that are not a
 // multiple of the stages.
