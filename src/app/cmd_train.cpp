@@ -40,7 +40,11 @@ void print_memory_table(const RunConfig& cfg, int np) {
   fmt::print("memory per rank ({} process{}{}, dist.ep = {}, dist.zero = {}, train.precision = "
              "{}):\n{}",
              world, world > 1 ? "es" : "",
-             cfg.dist.pp > 1 ? fmt::format(", dist.pp = {} ({})", cfg.dist.pp, cfg.dist.pp_schedule)
+             cfg.dist.pp > 1 ? fmt::format(", dist.pp = {} ({}{})", cfg.dist.pp,
+                                           cfg.dist.pp_schedule,
+                                           cfg.dist.vp > 1
+                                               ? fmt::format(", dist.vp = {}", cfg.dist.vp)
+                                               : std::string())
                              : std::string(),
              world > 1 ? cfg.dist.ep : 1, cfg.dist.zero, precision_name(cfg.train.precision),
              e.table());

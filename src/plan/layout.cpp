@@ -10,9 +10,8 @@ std::string pipeline_lacks(const Layout& l) {
   if (l.pp <= 1) return {};
   std::vector<std::string> with;
   const PipeSchedule s = l.pipe_schedule();
-  if (s != PipeSchedule::GPipe && s != PipeSchedule::OneFOneB)
+  if (s == PipeSchedule::ZeroBubble)
     with.push_back(fmt::format("under the {} schedule", pipe_schedule_name(s)));
-  if (l.vp > 1) with.push_back("with virtual stages");
   if (l.zero >= 2) with.push_back(fmt::format("with ZeRO-{}", l.zero));
   std::string out;
   for (size_t i = 0; i < with.size(); ++i) out += (i == 0 ? "" : ", ") + with[i];

@@ -75,7 +75,10 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
        "per process (1 = off)"},
       {"dist.pp_schedule", &d.pp_schedule,
        "With pp > 1: the order of the stages' passes over the micro-batches (train.grad_accum)",
-       "gpipe, 1f1b"},
+       "gpipe, 1f1b, interleaved"},
+      {"dist.vp", &d.vp,
+       "With pp_schedule = interleaved: model chunks a stage (the blocks cut into pp·vp chunks, "
+       "chunk c on stage c mod pp; 1 = one chunk a stage)"},
       {"dist.offload_dir", &d.offload_dir,
        "With offload = host_file: directory of the state files, one per process (empty = "
        "<run_dir>/offload)"},
@@ -235,10 +238,19 @@ void DistSettings::validate() const {
                  ep);
   MOETRAIN_CHECK(pp >= 1, "dist.pp = {}: must be ≥ 1 (pipeline stages; 1 = off)", pp);
   const PipeSchedule schedule = parse_pipe_schedule(pp_schedule, "dist.pp_schedule");
-  MOETRAIN_CHECK(schedule == PipeSchedule::GPipe || schedule == PipeSchedule::OneFOneB,
-                 "dist.pp_schedule = {}: the pipeline executor runs gpipe and 1f1b (the planner "
-                 "prices interleaved and zero_bubble; they do not train yet)",
+  MOETRAIN_CHECK(schedule != PipeSchedule::ZeroBubble,
+                 "dist.pp_schedule = {}: the pipeline executor runs gpipe, 1f1b and interleaved "
+                 "(the planner prices zero_bubble; it does not train yet)",
                  pp_schedule);
+  MOETRAIN_CHECK(vp >= 1, "dist.vp = {}: must be ≥ 1 (model chunks a pipeline stage)", vp);
+  MOETRAIN_CHECK(vp == 1 || schedule == PipeSchedule::Interleaved,
+                 "dist.vp = {} with dist.pp_schedule = {}: model chunks a stage are the "
+                 "interleaved schedule's; set dist.pp_schedule = interleaved or dist.vp = 1",
+                 vp, pp_schedule);
+  MOETRAIN_CHECK(vp == 1 || pp > 1,
+                 "dist.vp = {} with dist.pp = 1: model chunks are cut over pipeline stages; set "
+                 "dist.pp > 1 or dist.vp = 1",
+                 vp);
   MOETRAIN_CHECK(std::isfinite(collective_warn) && collective_warn >= 0,
                  "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
                  collective_warn);
@@ -255,9 +267,16 @@ void validate_pipeline(const RunConfig& c) {
                  "dist.pp = {} with model.n_layers = {}: each pipeline stage needs at least one "
                  "block; use dist.pp ≤ {}",
                  d.pp, c.model.n_layers, c.model.n_layers);
+  MOETRAIN_CHECK(d.pp * d.vp <= c.model.n_layers,
+                 "dist.pp = {} × dist.vp = {} chunks with model.n_layers = {}: each model chunk "
+                 "needs at least one block; lower dist.vp (or dist.pp) so that dist.pp · dist.vp "
+                 "≤ {}",
+                 d.pp, d.vp, c.model.n_layers, c.model.n_layers);
   const PipeSchedule schedule = parse_pipe_schedule(d.pp_schedule, "dist.pp_schedule");
-  if (const std::string why = pipe_shape_problem(schedule, {d.pp, t.grad_accum, 1}); !why.empty())
-    MOETRAIN_FAIL("dist.pp = {}, dist.pp_schedule = {}: {}", d.pp, d.pp_schedule, why);
+  if (const std::string why = pipe_shape_problem(schedule, {d.pp, t.grad_accum, d.vp});
+      !why.empty())
+    MOETRAIN_FAIL("dist.pp = {}, dist.vp = {}, dist.pp_schedule = {}: {}", d.pp, d.vp,
+                  d.pp_schedule, why);
   // What the pipeline executor does not run: each refused by name, none ignored.
   auto refuse = [&](bool bad, const std::string& what) {
     MOETRAIN_CHECK(!bad, "dist.pp = {} with {}: the pipeline executor does not run it yet; {}", d.pp,

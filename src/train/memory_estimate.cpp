@@ -315,14 +315,25 @@ RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) 
   // Pipeline stages (a dist.pp that does not divide the processes, or a dist.ep that does not
   // divide a stage's, is refused by name where the process groups are made; the estimate takes
   // neither then): each rank steps its stage's parameters and holds its activation slots, the
-  // first stage the most (1F1B: pp micro-batches of its layers; GPipe: every one).
+  // first stage the most (1F1B: pp micro-batches of its layers; GPipe: every one; interleaved:
+  // its schedule's count).
   const bool stages_fit = cfg.dist.pp > 1 && world % cfg.dist.pp == 0;
   const int64_t stage_world = stages_fit ? world / cfg.dist.pp : world;
   l.ep = world > 1 && stage_world % cfg.dist.ep == 0 ? cfg.dist.ep : 1;
   if (stages_fit) {
     l.pp = cfg.dist.pp;
-    if (parse_pipe_schedule(cfg.dist.pp_schedule, "dist.pp_schedule") == PipeSchedule::GPipe)
+    const PipeSchedule schedule = parse_pipe_schedule(cfg.dist.pp_schedule, "dist.pp_schedule");
+    const PipeShape shape{cfg.dist.pp, cfg.train.grad_accum, cfg.dist.vp};
+    if (schedule == PipeSchedule::GPipe) {
       l.pipe_in_flight = static_cast<double>(cfg.train.grad_accum);
+    } else if (schedule == PipeSchedule::Interleaved && pipe_shape_problem(schedule, shape).empty()) {
+      // The first stage's chunks in flight at most, in micro-batches' worth of its layers (each
+      // chunk a vp-th of them).
+      int64_t live = 0, most = 0;
+      for (const PipeOp& op : stage_ops(schedule, shape, 0))
+        most = std::max(most, live += op.kind == PipeOp::Forward ? 1 : -1);
+      l.pipe_in_flight = static_cast<double>(most) / static_cast<double>(cfg.dist.vp);
+    }
   }
   l.spare_slots = cfg.placement.spare_slots;
   const DType prec = cfg.train.precision_dtype();

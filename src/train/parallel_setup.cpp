@@ -43,6 +43,7 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
     over = copies.get();
     out.pipe.stages = P, out.pipe.stage = stage;
     out.pipe.schedule = parse_pipe_schedule(dist.pp_schedule, "dist.pp_schedule");
+    out.pipe.chunks_per_stage = dist.vp;
     out.pipe.comm = world.split(replica, stage, {"pipe"});
     out.pipe.replica = replica, out.pipe.replicas = W / P;
   }
@@ -71,22 +72,27 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
 
 namespace {
 
-// The ranges inside `stage` (whole when unset): a stage's bounds are tensor bounds, but the
-// dense ranges run across tensors and are cut there.
-SyncRanges within(SyncRanges r, const std::optional<FlatRange>& stage) {
+// The ranges inside the stage's ranges (whole when unset): a stage's bounds are tensor bounds,
+// but the dense ranges run across tensors and are cut there. The stage's ranges are ascending and
+// disjoint, so the cut ranges stay in ascending order.
+SyncRanges within(SyncRanges r, const std::optional<std::vector<FlatRange>>& stage) {
   if (!stage) return r;
-  const int64_t lo = stage->offset, hi = stage->offset + stage->size;
   auto cut = [&](const std::vector<FlatRange>& in) {
     std::vector<FlatRange> out;
-    for (const FlatRange& f : in) {
-      const int64_t a = std::max(f.offset, lo), z = std::min(f.offset + f.size, hi);
-      if (a < z) out.push_back({a, z - a});
-    }
+    for (const FlatRange& f : in)
+      for (const FlatRange& s : *stage) {
+        const int64_t a = std::max(f.offset, s.offset);
+        const int64_t z = std::min(f.offset + f.size, s.offset + s.size);
+        if (a < z) out.push_back({a, z - a});
+      }
     return out;
   };
   r.dense = cut(r.dense), r.expert = cut(r.expert);
-  std::erase_if(r.expert_keyed,
-                [&](const ExpertPiece& p) { return p.offset < lo || p.offset + p.size > hi; });
+  std::erase_if(r.expert_keyed, [&](const ExpertPiece& p) {
+    return std::none_of(stage->begin(), stage->end(), [&](const FlatRange& s) {
+      return p.offset >= s.offset && p.offset + p.size <= s.offset + s.size;
+    });
+  });
   return r;
 }
 
@@ -108,8 +114,9 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
   DataParallel out;
   if (groups.layout.world == 1) {
     out.reducer = std::make_unique<LocalGradReducer>(layout.size());
-    const FlatRange all = settings.stage.value_or(FlatRange{0, layout.size()});
-    out.pieces.push_back({all.offset, all.size});
+    for (const FlatRange& r :
+         settings.stage.value_or(std::vector<FlatRange>{{0, layout.size()}}))
+      out.pieces.push_back({r.offset, r.size});
     return out;
   }
   const SyncRanges ranges = within(sync_ranges(layout, held), settings.stage);

@@ -41,10 +41,11 @@ struct ReduceSettings {
   // grad.sparse_experts: expert buckets cut per expert, so inactive ones can be skipped.
   bool sparse_experts = false;
   double sparse_ratio = 0;  // grad.sparse_ratio (0 = off)
-  // dist.pp > 1: the stage's flat range (train/pipeline_step.h, pipe_stage_params). Only its
-  // gradients are reduced, and its parameters stepped (ZeRO-1: sharded over the stage's copies);
-  // the other stages' parts of this process's buffers are never read.
-  std::optional<FlatRange> stage;
+  // dist.pp > 1: the stage's flat ranges, one per model chunk it holds (train/pipeline_step.h,
+  // pipe_stage_params). Only their gradients are reduced, and their parameters stepped (ZeRO-1:
+  // sharded over the stage's copies); the other stages' parts of this process's buffers are
+  // never read.
+  std::optional<std::vector<FlatRange>> stage;
 };
 
 // Where a process sits in a pipeline (dist.pp > 1; train/pipeline_step.h): world = replicas ×
@@ -52,6 +53,7 @@ struct ReduceSettings {
 struct PipeSetup {
   int64_t stages = 1, stage = 0;
   PipeSchedule schedule = PipeSchedule::OneFOneB;
+  int64_t chunks_per_stage = 1;  // dist.vp: model chunks a stage (the interleaved schedule)
   std::unique_ptr<Comm> comm;  // the pipe's processes (rank q = stage q); null without stages
   int64_t replica = 0, replicas = 1;  // the pipe among the data-parallel copies of the model
 };
@@ -91,8 +93,8 @@ struct DataParallel {
 // when dist.overlap (null: after backward).
 ReduceSettings reduce_settings(const DistSettings& dist, CommThread* comm_thread);
 
-// The parameters of `layout` held by this rank (all but other ranks' experts; within
-// settings.stage when set) reduced over groups.grads (replicated) and groups.expert_grads
+// The parameters of `layout` held by this rank (all but other ranks' experts; within the ranges
+// of settings.stage when set) reduced over groups.grads (replicated) and groups.expert_grads
 // (experts). One process: the local reducer.
 DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& held,
                                 ProcessGroups& groups, const ReduceSettings& settings);

@@ -1,24 +1,28 @@
 // The pipeline-parallel micro-batch phase of a step (dist.pp > 1). The language model's blocks are
-// cut into dist.pp stages of contiguous blocks, one per process of a pipe: the first stage also
-// embeds the tokens, the last also holds the final norm, the head and the loss. Each process runs
-// its stage's passes in the order parallel/pipeline_schedule.h gives (stage_ops):
+// cut into p·vp chunks of contiguous blocks (vp = dist.vp, 1 but under the interleaved schedule);
+// chunk c runs on stage c mod p, so stage s holds chunks s, s + p, …, s + (vp − 1)p. Chunk 0 also
+// embeds the tokens, the last chunk also holds the final norm, the head and the loss. Each process
+// runs its stage's passes in the order parallel/pipeline_schedule.h gives (stage_ops):
 //
-//   F(i)  receive micro-batch i's activation from the previous stage (the first embeds its
-//         tokens), run the stage's forward, send the output on
-//   B(i)  receive the gradient of that output from the next stage (the last starts from its
-//         loss), run the stage's backward (parameter gradients +=), send the input's gradient
-//         back
+//   F(i, c)  receive micro-batch i's activation from chunk c − 1's stage (chunk 0 embeds its
+//            tokens), run chunk c's forward, send the output on to chunk c + 1's stage
+//   B(i, c)  receive the gradient of that output from chunk c + 1's stage (the last chunk starts
+//            from its loss), run chunk c's backward (parameter gradients +=), send the input's
+//            gradient back to chunk c − 1's stage
 //
-// A micro-batch keeps its activations from its forward to its backward in an activation slot: a
-// model object of the stage's blocks of its own (gpipe holds every micro-batch of the step,
-// 1f1b at most p − s on stage s). Slot 0 is the trainer's model, the one the step engine's
-// controllers see; the others take its MoE layers' router biases and capacity factors before
-// each forward. Sends are nonblocking (a stage sends its output and goes on to its next pass;
-// blocking sends deadlock 1F1B's steady state); receives wait, polling with short sleeps, for a
-// neighbour that is still computing.
+// A micro-batch keeps each chunk's activations from its forward to its backward in an activation
+// slot of that chunk: a model object of the chunk's blocks of its own (gpipe holds every
+// micro-batch of the step, 1f1b at most p − s on stage s). Slot 0 of the stage's first chunk is
+// the trainer's model, the one the step engine's controllers see (its MoE layer objects exist for
+// every layer); the others take its MoE layers' router biases and capacity factors before each
+// forward and hand it their routing counts after the step. Sends are nonblocking and own a copy
+// of what they send, so a slot is free again as soon as its backward ran and a stage waits only
+// for the receives its schedule orders (the order simulate() proves deadlock-free); receives wait,
+// polling with short sleeps, for a neighbour that is still computing.
 //
-// A stage's gradients accumulate over the micro-batches in micro-batch order, as the
-// one-process accumulation does, so each parameter gradient has the same bits as there.
+// A chunk's gradients accumulate over the micro-batches in micro-batch order (every schedule
+// runs a chunk's backwards in ascending order), as the one-process accumulation does, so each
+// parameter gradient has the same bits as there.
 //
 // With several pipelines, a stage's copies are its data-parallel ranks and, under dist.ep > 1,
 // its expert-parallel groups (train/parallel_setup.h): the MoE layers of every slot run with the
@@ -44,20 +48,23 @@
 
 namespace moetrain {
 
-// Blocks [first, end) of stage s of p over L blocks: an even split, the first L mod p stages one
-// block more (the last stage carries the head and the loss besides its blocks).
+// Blocks [first, end) of part s of p over L blocks: an even split, the first L mod p parts one
+// block more (the last carries the head and the loss besides its blocks). The parts are the
+// stages (vp = 1), or the p·vp model chunks.
 std::pair<int64_t, int64_t> pipe_stage_blocks(int64_t L, int64_t p, int64_t s);
 
-// The flat range [offset, offset + size) of the parameters stage s of p holds (its blocks; the
-// embedding on the first; the final norm and the head on the last).
-struct PipeParams {
-  int64_t offset = 0, size = 0;
-};
-PipeParams pipe_stage_params(const Transformer& model, int64_t p, int64_t s);
+// The model chunks stage s of p holds with vp chunks a stage: s, s + p, …, s + (vp − 1)p.
+std::vector<int64_t> pipe_stage_chunks(int64_t p, int64_t vp, int64_t s);
+
+// The flat ranges of the parameters stage s of p holds with vp chunks a stage, ascending and
+// disjoint: each chunk's blocks, the embedding with chunk 0, the final norm and the head with the
+// last chunk (one range when vp = 1).
+std::vector<FlatRange> pipe_stage_params(const Transformer& model, int64_t p, int64_t vp,
+                                         int64_t s);
 
 class PipelineRunner {
  public:
-  // model: the trainer's model, set_stage'd to this stage's blocks; ctx: what its MoE layers run
+  // model: the trainer's model, set_stage'd to the blocks of this stage's first chunk; ctx: what its MoE layers run
   // with (the slots' layers run with it too: statistics over the stage's copies).
   PipelineRunner(PipeSetup setup, Transformer& model, const MoeContext& ctx);
   ~PipelineRunner();
@@ -67,9 +74,11 @@ class PipelineRunner {
   int64_t replica() const { return setup_.replica; }
   int64_t replicas() const { return setup_.replicas; }
   PipeSchedule schedule() const { return setup_.schedule; }
-  // Activation slots this stage uses for A micro-batches a step; the slots it has made so far.
+  int64_t chunks_per_stage() const { return setup_.chunks_per_stage; }
+  // Activation slots this stage uses for A micro-batches a step, the most of any of its chunks;
+  // the most slots any of its chunks has made so far.
   int64_t slots(int64_t micro_batches) const;
-  int64_t slots_made() const { return 1 + static_cast<int64_t>(extra_.size()); }
+  int64_t slots_made() const;
   // The communication thread the stage copies' reduction overlaps the last backward on (null:
   // it runs after accumulate(), and the pipe's calls stay on the calling thread).
   void set_overlap(CommThread* thread) { overlap_ = thread; }
@@ -93,13 +102,22 @@ class PipelineRunner {
                          const int32_t* targets, int64_t B, int64_t T, const MoeStep& step);
 
  private:
-  Transformer& slot_model(Transformer& model, int64_t k);
-  // Slot k's MoE layers take the trainer's model's router biases and capacity factors.
-  void sync_slot(Transformer& model, int64_t k);
+  // Slot k of the stage's local chunk j (chunk stage + j·stages); slot 0 of chunk 0 is `model`.
+  Transformer& slot_model(Transformer& model, int64_t j, int64_t k);
+  // A slot's MoE layers take the trainer's model's router biases and capacity factors.
+  void sync_slot(Transformer& model, Transformer& slot);
+  // The slot models made so far, the trainer's model not among them.
+  std::vector<Transformer*> made();
+  // A nonblocking send of a copy of data[0, floats) (the slot it comes from may run again before
+  // the neighbour takes it); every send of the step is waited for at its end.
+  void send(const float* data, int64_t floats, int peer, int tag);
 
   PipeSetup setup_;
   MoeContext ctx_;
-  std::vector<std::unique_ptr<Transformer>> extra_;  // slots 1, 2, …
+  // (vp) each local chunk's slot models: chunk 0's from slot 1, the others' from slot 0.
+  std::vector<std::vector<std::unique_ptr<Transformer>>> slots_;
+  std::vector<std::vector<float>> send_copies_;  // one per send of the step, kept for the next
+  std::vector<std::unique_ptr<Transfer>> sending_;
   std::vector<float> act_in_, grad_in_;               // (B·T, C) receive buffers
   std::vector<PipeEvent> events_;                     // the last accumulate()'s passes
   CommThread* overlap_ = nullptr;

@@ -171,9 +171,11 @@ struct DistSettings {
 
   // Pipeline parallelism (train/pipeline_step.h): the model's blocks cut into pp stages of
   // contiguous blocks, one per process, running the micro-batches (train.grad_accum) in the
-  // order of pp_schedule: gpipe | 1f1b (interleaved and zero_bubble are planned, not run).
+  // order of pp_schedule: gpipe | 1f1b | interleaved (zero_bubble is planned, not run). With
+  // interleaved, vp chunks a stage: the blocks cut into pp·vp chunks, chunk c on stage c mod pp.
   int64_t pp = 1;
   std::string pp_schedule = "1f1b";
+  int64_t vp = 1;
 
   // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
   // where the process groups are made.

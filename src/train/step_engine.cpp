@@ -66,9 +66,8 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
     pipe_->set_overlap(rs.overlap);
     // The stage reduces and its optimizer steps its own parameters only: of what this rank would
     // without stages (its dense parameters and, under expert parallelism, its experts; ZeRO-1:
-    // its shard of them), the part within the stage.
-    const PipeParams mine = pipe_stage_params(*lm, pipe_->stages(), pipe_->stage());
-    rs.stage = FlatRange{mine.offset, mine.size};
+    // its shard of them), the part within the stage's chunks.
+    rs.stage = pipe_stage_params(*lm, pipe_->stages(), pipe_->chunks_per_stage(), pipe_->stage());
   }
   DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
   zero3_ = std::move(dp.zero3);
@@ -105,12 +104,11 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
     const auto& lm = dynamic_cast<const Transformer&>(model_);
     const std::vector<ParamInfo>& infos = layout.params();
     const auto P = static_cast<int>(pipe_->stages());
-    for (int s = 0; s < P; ++s) {
-      const PipeParams r = pipe_stage_params(lm, P, s);
-      for (std::size_t i = 0; i < infos.size(); ++i)
-        if (infos[i].offset >= r.offset && infos[i].offset < r.offset + r.size)
-          writers_[i] = writers_[i] * P + s;
-    }
+    for (int s = 0; s < P; ++s)
+      for (const FlatRange& r : pipe_stage_params(lm, P, pipe_->chunks_per_stage(), s))
+        for (std::size_t i = 0; i < infos.size(); ++i)
+          if (infos[i].offset >= r.offset && infos[i].offset < r.offset + r.size)
+            writers_[i] = writers_[i] * P + s;
   }
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
   if (zero3_) {
@@ -135,11 +133,15 @@ void StepEngine::gather_params() {
 std::string StepEngine::describe_layout() const {
   const ParallelLayout& pl = pg_->layout;
   if (pipe_)
-    return fmt::format("{} processes: {} pipeline(s) x {} stages ({}), {} micro-batches a step, "
-                       "{} activation slots on stage {}; a stage's {} copies: {} data-parallel "
-                       "x {} expert-parallel ({} experts each)",
+    return fmt::format("{} processes: {} pipeline(s) x {} stages ({}{}), {} micro-batches a "
+                       "step, {} activation slots on stage {}; a stage's {} copies: {} "
+                       "data-parallel x {} expert-parallel ({} experts each)",
                        world_, pipe_->replicas(), pipe_->stages(),
-                       pipe_schedule_name(pipe_->schedule()), cfg_.micro_batches,
+                       pipe_schedule_name(pipe_->schedule()),
+                       pipe_->chunks_per_stage() > 1
+                           ? fmt::format(", {} chunks a stage", pipe_->chunks_per_stage())
+                           : "",
+                       cfg_.micro_batches,
                        pipe_->slots(cfg_.micro_batches), pipe_->stage(), pl.world, pl.dp, pl.ep,
                        expert_shard_.count);
   return fmt::format(

@@ -56,7 +56,9 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);
   model_ = std::make_unique<Transformer>(cfg_.model, rp.moe_context());
   if (rp.pipe.comm) {
-    const auto [first, end] = pipe_stage_blocks(cfg_.model.n_layers, rp.pipe.stages, rp.pipe.stage);
+    // The stage's first chunk (chunk s of p·vp; the pipeline runner makes the others).
+    const auto [first, end] = pipe_stage_blocks(
+        cfg_.model.n_layers, rp.pipe.stages * rp.pipe.chunks_per_stage, rp.pipe.stage);
     model_->set_stage(first, end);
   }
   model_->set_precision(cfg_.train.precision_dtype());
@@ -146,8 +148,11 @@ TrainResult Trainer::run(int64_t stop_at) {
   // run report draws and Perfetto opens (io/trace_events.h).
   if (PipelineRunner* pipe = engine_->pipeline()) {
     const TraceFile trace = pipe->last_step_trace(fmt::format(
-        "moetrain train: {}, {} stages, {} micro-batches (the step ending at {})",
-        pipe_schedule_name(pipe->schedule()), pipe->stages(), cfg_.train.grad_accum,
+        "moetrain train: {}, {} stages{}, {} micro-batches (the step ending at {})",
+        pipe_schedule_name(pipe->schedule()), pipe->stages(),
+        pipe->chunks_per_stage() > 1 ? fmt::format(" × {} chunks", pipe->chunks_per_stage())
+                                     : "",
+        cfg_.train.grad_accum,
         engine_->step_count()));
     if (pipe->replica() == 0 && pipe->stage() == 0 && !trace.spans.empty())
       write_trace(std::filesystem::path(cfg_.train.run_dir) / kPipelineTraceFile, trace);

@@ -147,7 +147,7 @@ void Trainer::restore_trainer_state(const nlohmann::json& t, const std::string& 
   if (pipe) {
     // The micro-batches the resumed step has must still suit the schedule.
     const std::string problem = pipe_shape_problem(
-        pipe->schedule(), {pipe->stages(), global / per_micro, 1});
+        pipe->schedule(), {pipe->stages(), global / per_micro, pipe->chunks_per_stage()});
     MOETRAIN_CHECK(problem.empty(), "resuming {}: {}", dir.string(), problem);
   }
   cfg_.train.grad_accum = global / per_micro;

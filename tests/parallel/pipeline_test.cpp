@@ -81,9 +81,10 @@ Outcome finish(Trainer& t, const fs::path& run) {
   Outcome o{{t.params().begin(), t.params().end()}, {}, {}, {}, {}};
   o.held.assign(o.params.size(), 0);
   const PipelineRunner* pipe = t.pipeline();
-  const PipeParams mine = pipe ? pipe_stage_params(t.model(), pipe->stages(), pipe->stage())
-                               : PipeParams{0, static_cast<int64_t>(o.params.size())};
-  std::fill_n(o.held.begin() + mine.offset, mine.size, 1);
+  const std::vector<FlatRange> mine =
+      pipe ? pipe_stage_params(t.model(), pipe->stages(), pipe->chunks_per_stage(), pipe->stage())
+           : std::vector<FlatRange>{{0, static_cast<int64_t>(o.params.size())}};
+  for (const FlatRange& r : mine) std::fill_n(o.held.begin() + r.offset, r.size, 1);
   if (pipe) o.slots = pipe->slots_made(), o.stage = pipe->stage(), o.stages = pipe->stages();
   if (t.rank() == 0) {
     o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
@@ -404,10 +405,12 @@ TEST(Pipeline, ExpertParallelStagesFollowTheExpertParallelRunBitwise) {
     const PipelineRunner* pipe = t.pipeline();
     ASSERT_NE(pipe, nullptr);
     std::vector<char> held = held_values(t);
-    const PipeParams mine = pipe_stage_params(t.model(), pipe->stages(), pipe->stage());
+    const std::vector<FlatRange> mine =
+        pipe_stage_params(t.model(), pipe->stages(), pipe->chunks_per_stage(), pipe->stage());
+    ASSERT_EQ(mine.size(), 1u);
     for (std::size_t i = 0; i < held.size(); ++i)
-      held[i] &= static_cast<int64_t>(i) >= mine.offset &&
-                 static_cast<int64_t>(i) < mine.offset + mine.size;
+      held[i] &= static_cast<int64_t>(i) >= mine[0].offset &&
+                 static_cast<int64_t>(i) < mine[0].offset + mine[0].size;
     std::vector<float> ref(t.params().size());
     std::ifstream(ref_file(static_cast<int>(pipe->replica())), std::ios::binary)
         .read(reinterpret_cast<char*>(ref.data()),

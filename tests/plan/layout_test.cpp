@@ -154,8 +154,9 @@ TEST(PlanLayout, PipelineShapeIsPartOfTheLayoutCheck) {
   EXPECT_EQ(layout_problem(cfg, c, interleaved), "");
 }
 
-// The trainer runs gpipe and 1f1b pipelines, with expert parallelism and ZeRO-1 inside the
-// stages, without virtual stages or ZeRO-2/3; the planner says which of these a layout has.
+// The trainer runs gpipe, 1f1b and interleaved pipelines (virtual stages), with expert parallelism
+// and ZeRO-1 inside the stages, not zero_bubble or ZeRO-2/3; the planner says which of these a
+// layout has.
 TEST(PlanLayout, TheTrainersPipelinesAreNamed) {
   Layout l{.procs = 4, .ep = 1, .pp = 2};
   EXPECT_TRUE(trainer_runs(l));
@@ -172,9 +173,15 @@ TEST(PlanLayout, TheTrainersPipelinesAreNamed) {
   EXPECT_FALSE(trainer_runs(l));
   EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism with "
                              "ZeRO-2 yet");
-  l = {.procs = 4, .ep = 1, .pp = 2, .vp = 2};
-  EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism under the "
-                             "interleaved schedule, with virtual stages yet");
+  l = {.procs = 4, .ep = 2, .pp = 2, .vp = 2};
+  EXPECT_EQ(l.pipe_schedule(), PipeSchedule::Interleaved);
+  EXPECT_TRUE(trainer_runs(l));
+  EXPECT_EQ(planner_only(l), "");
+  l.zero = 1;
+  EXPECT_TRUE(trainer_runs(l));
+  l.zero = 2;
+  EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism with "
+                             "ZeRO-2 yet");
   l = {.procs = 4, .ep = 1, .pp = 2};
   l.schedule = PipeSchedule::ZeroBubble;
   l.zero = 1;

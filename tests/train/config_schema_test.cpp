@@ -222,10 +222,26 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   expect_error(with({"dist.pp=5"}), {"dist.pp = 5", "model.n_layers = 4"});
   expect_error(with({"dist.pp=2", "dist.pp_schedule=2f2b"}),
                {"dist.pp_schedule", "2f2b", "1f1b"});
-  expect_error(with({"dist.pp=2", "dist.pp_schedule=interleaved"}),
-               {"dist.pp_schedule = interleaved", "gpipe and 1f1b"});
   expect_error(with({"dist.pp=2", "dist.pp_schedule=zero_bubble"}),
-               {"dist.pp_schedule = zero_bubble"});
+               {"dist.pp_schedule = zero_bubble", "gpipe, 1f1b and interleaved"});
+  // Interleaving: chunks a stage under its own schedule only, every chunk a block at least, the
+  // micro-batches a multiple of the stages.
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "dist.vp=2", "train.grad_accum=4",
+                       "dist.pp_schedule=interleaved"});
+  expect_error(with({"dist.pp=2", "dist.vp=0", "dist.pp_schedule=interleaved"}),
+               {"dist.vp = 0", "≥ 1"});
+  expect_error(with({"dist.pp=2", "dist.vp=2", "dist.pp_schedule=1f1b"}),
+               {"dist.vp = 2", "dist.pp_schedule = 1f1b", "interleaved"});
+  expect_error(with({"dist.pp=2", "dist.vp=2", "dist.pp_schedule=gpipe"}),
+               {"dist.vp = 2", "dist.pp_schedule = gpipe"});
+  expect_error(with({"dist.vp=2", "dist.pp_schedule=interleaved"}),
+               {"dist.vp = 2", "dist.pp = 1"});
+  expect_error(with({"dist.pp=2", "dist.vp=3", "dist.pp_schedule=interleaved",
+                     "train.grad_accum=4"}),
+               {"dist.vp = 3", "model.n_layers = 4"});
+  expect_error(with({"dist.pp=2", "dist.vp=2", "dist.pp_schedule=interleaved",
+                     "train.grad_accum=3"}),
+               {"train.grad_accum = 3", "multiple of the stages"});
   expect_error(with({"dist.pp=4", "train.grad_accum=2"}), {"train.grad_accum = 2", "1f1b"});
   load_run_config("", {"model.n_layers=4", "dist.pp=4", "train.grad_accum=2",
                        "dist.pp_schedule=gpipe"});  // gpipe runs any number of micro-batches
