@@ -99,6 +99,33 @@ TEST(PlanMemory, RecomputationTradesActivationsForAForwardAgain) {
   EXPECT_GT(b.step_time_s, a.step_time_s);
 }
 
+// Offloaded optimizer state (--offload): the device bytes lose the optimizer state (moments and
+// master weights) and gain the store's ring (3 chunks of 1 Mi f32 elements per moment); without a
+// disk bandwidth in the cluster file the phase is timed as in memory, with one it takes at least
+// the state's read and write at the node's share of the disk.
+TEST(PlanMemory, OffloadMovesTheStateToADiskAndTimesIt) {
+  const RunConfig cfg = bf16_run();
+  ClusterSpec c = moetrain::testing::h100_nodes(1);
+  Layout mem{8, 8}, off{8, 8};
+  off.offload = true;
+  const Prediction a = predict(cfg, c, mem, uniform_load(8));
+  const Prediction b = predict(cfg, c, off, uniform_load(8));
+  EXPECT_GT(a.memory.optimizer, 0);
+  EXPECT_EQ(b.memory.optimizer, 0);
+  EXPECT_DOUBLE_EQ(b.memory.buffers - a.memory.buffers, 3.0 * 2 * (1 << 20) * 4);
+  EXPECT_DOUBLE_EQ(b.parts.optimizer, a.parts.optimizer);
+  c.disk_bandwidth = 1e9;
+  const Prediction d = predict(cfg, c, off, uniform_load(8));
+  // ZeRO 0: each process updates every dense parameter and its 1/8 of the experts, reading and
+  // writing 2 moments of 4 bytes each, 8 processes of the node sharing 1 GB/s.
+  const ParamCounts pc = count_params(cfg.model);
+  const double disk_s = 2 * 4 * 2 * (pc.dense + pc.expert / 8) * 8 / 1e9;
+  EXPECT_GT(disk_s, a.parts.optimizer);
+  EXPECT_DOUBLE_EQ(d.parts.optimizer, disk_s);
+  EXPECT_GT(d.step_time_s, b.step_time_s);
+  EXPECT_DOUBLE_EQ(predict(cfg, c, mem, uniform_load(8)).parts.optimizer, a.parts.optimizer);
+}
+
 // Element-wise work (norms, residual adds, dispatch and combine copies) streams bf16 on a GPU
 // in a bf16 run: half the f32 run's bytes. A calibrated CPU keeps this trainer's f32.
 TEST(PlanMemory, ElementWiseWorkMovesTheRunsPrecisionBytes) {
