@@ -173,7 +173,8 @@ void verify_checkpoint(const fs::path& dir, Comm* comm) {
         MappedFile f(dir / name);
         uint32_t crc = 0;
         for (std::size_t at = 0; at < f.size();) {
-          const std::size_t k = std::min(f.size() - at, static_cast<std::size_t>(kCheckpointWindow));
+          const std::size_t k =
+              std::min(f.size() - at, static_cast<std::size_t>(kCheckpointWindow));
           crc = crc32c(f.data() + at, k, crc);
           f.hand_back(f.data() + at, k);
           at += k;
@@ -296,7 +297,8 @@ void read_checkpoint_pieces(const fs::path& dir, const CheckpointShare& into) {
       MOETRAIN_CHECK(covered == want.end - want.begin,
                      "{}: tensor '{}' [{}, {}): only {} elements saved", dir.string(), want.name,
                      want.begin, want.end, covered);
-      if (want.data) check_finite_tensor(want.data, want.end - want.begin, dir, want.name, want.begin);
+      if (want.data)
+        check_finite_tensor(want.data, want.end - want.begin, dir, want.name, want.begin);
     }
   }
 }

@@ -106,8 +106,8 @@ void SafetensorsWriter::add_entry(Entry e) {
                  shape_json(e.shape));
   MOETRAIN_CHECK(e.nbytes == *nbytes, "safetensors: tensor '{}' ({} {}) needs {} bytes, got {}",
                  e.name, safetensors_dtype_name(e.dtype), shape_json(e.shape), *nbytes, e.nbytes);
-  MOETRAIN_CHECK(e.data != nullptr || e.nbytes == 0 || e.streamed, "safetensors: tensor '{}' has null data",
-                 e.name);
+  MOETRAIN_CHECK(e.data != nullptr || e.nbytes == 0 || e.streamed,
+                 "safetensors: tensor '{}' has null data", e.name);
   index_.emplace(e.name, entries_.size());
   entries_.push_back(std::move(e));
 }

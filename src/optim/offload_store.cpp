@@ -254,10 +254,12 @@ std::span<float> OffloadStore::map(std::size_t piece, int s) {
 namespace {
 
 // Moves `bytes` between buf and the file at `off` with pread or pwrite, to the last byte.
-void transfer(int fd, bool reading, char* buf, int64_t bytes, int64_t off, const std::string& path) {
+void transfer(int fd, bool reading, char* buf, int64_t bytes, int64_t off,
+              const std::string& path) {
   for (int64_t done = 0; done < bytes;) {
-    const ssize_t n = reading ? ::pread(fd, buf + done, static_cast<size_t>(bytes - done), off + done)
-                              : ::pwrite(fd, buf + done, static_cast<size_t>(bytes - done), off + done);
+    const auto left = static_cast<size_t>(bytes - done);
+    const ssize_t n = reading ? ::pread(fd, buf + done, left, off + done)
+                              : ::pwrite(fd, buf + done, left, off + done);
     if (n < 0 && errno == EINTR) continue;
     MOETRAIN_CHECK(n > 0, "dist.offload: {} {} bytes at {} of {}: {}",
                    reading ? "reading" : "writing", bytes - done, off + done, path,

@@ -156,10 +156,11 @@ ParamCounts count_params(const ModelConfig& m) {
 namespace {
 
 // Activation bytes one rank keeps for a micro-batch of N = batch · seq_len tokens: what the model
-// holds after a forward (activation_parts, model/transformer.h: the one formula, which
+// holds after a forward (activation_parts, model/activation_bytes.h: the one formula, which
 // tests/model/recompute_test.cpp checks against the model's own count), and what this trainer's
 // layers keep of their backward between steps.
-double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_len, const RankLayout& l) {
+double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_len,
+                             const RankLayout& l) {
   const double N = static_cast<double>(batch * seq_len);
   const double C = static_cast<double>(m.dim), V = static_cast<double>(m.vocab_size);
   const double K = static_cast<double>(m.top_k), F = static_cast<double>(m.expert_hidden);

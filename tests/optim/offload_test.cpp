@@ -225,15 +225,17 @@ TEST(Offload, CheckpointMovesTheStateAWindowAtATime) {
   };
   const int64_t before = proc_status_kb("VmRSS:");
   { std::ofstream("/proc/self/clear_refs") << "5"; }
-  ASSERT_LE(proc_status_kb("VmHWM:") - before, int64_t{8} << 20) << "clear_refs did not reset VmHWM";
+  ASSERT_LE(proc_status_kb("VmHWM:") - before, int64_t{8} << 20)
+      << "clear_refs did not reset VmHWM";
   auto comm = make_local_comm();
-  const fs::path dir =
-      write_checkpoint(*comm, tmp / "run", 1, share_of(from), {{{"model_type", "test"}}, {{"step", 1}}, {}}, 1);
+  const CheckpointDocs docs{{{"model_type", "test"}}, {{"step", 1}}, {}};
+  const fs::path dir = write_checkpoint(*comm, tmp / "run", 1, share_of(from), docs, 1);
   verify_checkpoint(dir);
   read_checkpoint_pieces(dir, share_of(into));
   const int64_t peak = proc_status_kb("VmHWM:") - before;
   std::printf("state 128 MiB, window %lld MiB, peak VmRSS growth %.1f MiB\n",
-              static_cast<long long>(kCheckpointWindow >> 20), static_cast<double>(peak) / (1 << 20));
+              static_cast<long long>(kCheckpointWindow >> 20),
+              static_cast<double>(peak) / (1 << 20));
   EXPECT_LT(peak, 3 * kCheckpointWindow + (int64_t{8} << 20))
       << "resident memory grew by more than a few checkpoint windows";
   std::vector<float> a(static_cast<std::size_t>(step)), b(a.size());

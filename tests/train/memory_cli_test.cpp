@@ -183,7 +183,8 @@ TEST(MemoryCli, PlanAndDryRunGiveTheSameBytesByZeroStageAndOffload) {
     for (bool offload : {false, true}) {
       const std::string set = " --set dist.zero=" + std::to_string(zero) +
                               (offload ? " --set dist.offload=host_file" : "");
-      const ShellResult dry = shell(std::string(MOETRAIN_BINARY) + args + " --dry-run --np 2" + set);
+      const ShellResult dry =
+          shell(std::string(MOETRAIN_BINARY) + args + " --dry-run --np 2" + set);
       ASSERT_EQ(dry.code, 0) << dry.output;
       const auto rows = memory_table(dry.output);
       const std::string flags =
