@@ -56,7 +56,7 @@ Run add_plan_command(CLI::App& app) {
     std::string out, config, cluster, profile, load = "uniform";
     std::vector<std::string> overrides, sweep, mpi_args;
     int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
-    std::string recompute;
+    std::string recompute, offload;
     bool a2a_dedup = false, a2a_overlap = false;
     std::string pp_schedule, pp_trace;
     bool no_bf16 = false, calibrate_comm = false;
@@ -115,6 +115,10 @@ Run add_plan_command(CLI::App& app) {
                 "Activation recomputation for memory and time: --recompute (full: each layer's "
                 "input kept, its forward rerun in backward) or --recompute=none|moe|full "
                 "(default: the config's train.recompute)");
+  cmd->add_flag("--offload{host_file}", args->offload,
+                "Optimizer state offload for memory: --offload (host_file: moments and master "
+                "weights in a host file, its disk time not timed) or --offload=none|host_file "
+                "(default: the config's dist.offload)");
   cmd->add_flag("--a2a-dedup", args->a2a_dedup,
                 "The expert all-to-all as DeepEP runs it: a token crosses to each node once and "
                 "is fanned out over NVLink (planner only)");
@@ -228,6 +232,11 @@ Run add_plan_command(CLI::App& app) {
     plan::Layout layout{procs, cfg_ep, args->tp, args->pp, args->vp};
     layout.zero = args->zero;
     if (!args->recompute.empty()) layout.recompute = parse_recompute(args->recompute);
+    if (!args->offload.empty()) {
+      MOETRAIN_CHECK(args->offload == "none" || args->offload == "host_file",
+                     "--offload={}: allowed are none and host_file", args->offload);
+      layout.offload = args->offload == "host_file";
+    }
     layout.a2a_dedup = args->a2a_dedup;
     layout.a2a_overlap = args->a2a_overlap;
     if (!args->pp_schedule.empty())

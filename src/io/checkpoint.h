@@ -37,12 +37,21 @@ namespace moetrain {
 
 // Elements [begin, end) of the flattened float tensor `name`, whose whole shape is `shape`,
 // in the caller's memory (end − begin floats at data): written from, or read into.
+// A piece outside memory (an offloaded optimizer state) has no data: get copies its elements
+// [begin + at, begin + at + n) into buf, put stores buf there, and the checkpoint moves it a
+// window of kCheckpointWindow bytes at a time.
 struct TensorPiece {
   std::string name;
   Shape shape;
   int64_t begin = 0, end = 0;
   float* data = nullptr;
+  std::function<void(int64_t at, int64_t n, float* buf)> get{};
+  std::function<void(int64_t at, int64_t n, const float* buf)> put{};
 };
+
+// Bytes a checkpoint copies at a time: of a piece outside memory, and of a mapped checkpoint
+// file whose pages are handed back once read.
+inline constexpr int64_t kCheckpointWindow = int64_t{4} << 20;
 
 // A whole tensor as one piece.
 TensorPiece whole_tensor(std::string name, Shape shape, float* data);

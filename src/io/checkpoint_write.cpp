@@ -36,9 +36,13 @@ json file_entry(const FileRecord& r, int rank) {
 // rather than reading the file back.
 FileRecord write_piece_file(const fs::path& path, const std::vector<const TensorPiece*>& pieces) {
   SafetensorsWriter w;
-  for (const TensorPiece* p : pieces)
-    w.add(piece_key(*p), SafetensorsDType::F32, is_whole(*p) ? p->shape : Shape{p->end - p->begin},
-          p->data);
+  for (const TensorPiece* p : pieces) {
+    const Shape shape = is_whole(*p) ? p->shape : Shape{p->end - p->begin};
+    if (p->data)
+      w.add(piece_key(*p), SafetensorsDType::F32, shape, p->data);
+    else
+      w.add_streamed(piece_key(*p), SafetensorsDType::F32, shape);  // written below from get
+  }
   // transformers' from_pretrained refuses a safetensors file whose metadata does not name the
   // framework whose layout the tensors follow; ours are PyTorch's (row-major, (out, in) weights).
   w.set_metadata("format", "pt");
@@ -58,8 +62,23 @@ FileRecord write_piece_file(const fs::path& path, const std::vector<const Tensor
   };
   put(&header_bytes, 8);
   put(header.data(), header.size());
-  for (const TensorPiece* p : pieces)
-    put(p->data, static_cast<std::size_t>(p->end - p->begin) * sizeof(float));
+  std::vector<float> window;
+  for (const TensorPiece* p : pieces) {
+    const int64_t n = p->end - p->begin;
+    if (p->data) {
+      put(p->data, static_cast<std::size_t>(n) * sizeof(float));
+      continue;
+    }
+    MOETRAIN_CHECK(p->get, "checkpoint: tensor '{}' [{}, {}) has neither data nor a source",
+                   p->name, p->begin, p->end);
+    const int64_t step = kCheckpointWindow / static_cast<int64_t>(sizeof(float));
+    window.resize(static_cast<std::size_t>(std::min(n, step)));
+    for (int64_t at = 0; at < n; at += step) {
+      const int64_t k = std::min(step, n - at);
+      p->get(at, k, window.data());
+      put(window.data(), static_cast<std::size_t>(k) * sizeof(float));
+    }
+  }
   out.commit();
   return r;
 }

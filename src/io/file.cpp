@@ -73,6 +73,15 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
   return *this;
 }
 
+void MappedFile::hand_back(const uint8_t* from, std::size_t n) const {
+  if (!mapped_ || n == 0) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(from) + page - 1) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(from) + n) / page * page;
+  // Advice only: a failure leaves the pages resident, which is what happens without it.
+  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
 void MappedFile::release() {
   if (mapped_) ::munmap(const_cast<uint8_t*>(data_), size_);
   data_ = nullptr;

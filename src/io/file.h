@@ -24,6 +24,9 @@ class MappedFile {
   std::size_t size() const { return size_; }
   std::span<const uint8_t> bytes() const { return {data_, size_}; }
   const std::filesystem::path& path() const { return path_; }
+  // Hands the whole pages inside bytes [from, from + n) of the map, already read, back: they leave
+  // this process's resident set, and a later read maps them again from the page cache or disk.
+  void hand_back(const uint8_t* from, std::size_t n) const;
 
  private:
   void release();

@@ -106,8 +106,8 @@ void SafetensorsWriter::add_entry(Entry e) {
                  shape_json(e.shape));
   MOETRAIN_CHECK(e.nbytes == *nbytes, "safetensors: tensor '{}' ({} {}) needs {} bytes, got {}",
                  e.name, safetensors_dtype_name(e.dtype), shape_json(e.shape), *nbytes, e.nbytes);
-  MOETRAIN_CHECK(e.data != nullptr || e.nbytes == 0, "safetensors: tensor '{}' has null data",
-                 e.name);
+  MOETRAIN_CHECK(e.data != nullptr || e.nbytes == 0 || e.streamed,
+                 "safetensors: tensor '{}' has null data", e.name);
   index_.emplace(e.name, entries_.size());
   entries_.push_back(std::move(e));
 }
@@ -119,6 +119,14 @@ void SafetensorsWriter::add(std::string name, SafetensorsDType dtype, Shape shap
                  shape_json(shape));
   add_entry(
       Entry{std::move(name), dtype, std::move(shape), data, static_cast<std::size_t>(*nbytes), {}});
+}
+
+void SafetensorsWriter::add_streamed(std::string name, SafetensorsDType dtype, Shape shape) {
+  auto nbytes = checked_nbytes(shape, safetensors_dtype_size(dtype));
+  MOETRAIN_CHECK(nbytes.has_value(), "safetensors: tensor '{}' has an invalid shape {}", name,
+                 shape_json(shape));
+  add_entry(Entry{std::move(name), dtype, std::move(shape), nullptr,
+                  static_cast<std::size_t>(*nbytes), {}, true});
 }
 
 void SafetensorsWriter::add_bytes(std::string name, SafetensorsDType dtype, Shape shape,
@@ -160,6 +168,8 @@ std::string SafetensorsWriter::header() const {
 }
 
 std::string SafetensorsWriter::serialize() const {
+  for (const auto& e : entries_)
+    MOETRAIN_CHECK(!e.streamed, "safetensors: tensor '{}' is streamed by its caller", e.name);
   std::string h = header();
   std::string out(8, '\0');
   uint64_t n = h.size();
@@ -170,6 +180,8 @@ std::string SafetensorsWriter::serialize() const {
 }
 
 void SafetensorsWriter::write(const std::filesystem::path& path) const {
+  for (const auto& e : entries_)
+    MOETRAIN_CHECK(!e.streamed, "safetensors: tensor '{}' is streamed by its caller", e.name);
   std::string h = header();
   uint64_t n = h.size();
   AtomicFileWriter w(path);

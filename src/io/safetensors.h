@@ -71,6 +71,9 @@ class SafetensorsWriter {
   void add_bytes(std::string name, SafetensorsDType dtype, Shape shape, std::vector<uint8_t> bytes);
   // Non-owning view of an f32 / bf16 tensor (kept alive by the caller until write()).
   void add(std::string name, const Tensor& t);
+  // A tensor in the header only: the caller writes its bytes after header() itself (a tensor
+  // streamed from outside memory); serialize() and write() refuse it.
+  void add_streamed(std::string name, SafetensorsDType dtype, Shape shape);
   void set_metadata(std::string key, std::string value);
 
   std::size_t num_tensors() const { return entries_.size(); }
@@ -89,6 +92,7 @@ class SafetensorsWriter {
     const void* data;
     std::size_t nbytes;
     std::vector<uint8_t> owned;
+    bool streamed = false;
   };
   void add_entry(Entry e);
 
@@ -128,6 +132,8 @@ class SafetensorsReader {
 
   // The tensor's bytes inside the map (no alignment guarantee: copy, don't cast).
   std::span<const uint8_t> bytes(const std::string& name) const;
+  // Hands the whole pages of bytes already copied out of bytes() back (MappedFile::hand_back).
+  void hand_back(std::span<const uint8_t> read) const { file_.hand_back(read.data(), read.size()); }
   // Copies exactly `nbytes` raw bytes (which must be the tensor's size) into `out`.
   void copy_bytes(const std::string& name, void* out, std::size_t nbytes) const;
   // Copies into `out` (n = numel floats). F32 copies; BF16 is widened only when convert_bf16 is

@@ -11,6 +11,7 @@
 #include "kernels/gemm.h"
 #include "kernels/norm.h"
 #include "kernels/rope.h"
+#include "model/activation_bytes.h"
 #include "model/transformer.h"
 #include "model/transformer_acts.h"
 
@@ -169,14 +170,25 @@ int64_t Transformer::activation_bytes() const {
 
 int64_t activation_bytes_for(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
                              DType lp, int64_t ep) {
-  const int64_t N = B * T, C = cfg.dim, V = cfg.vocab_size, HS = cfg.head_dim();
-  const int64_t NH = cfg.n_heads, QD = NH * HS, KD = cfg.n_kv_heads * HS, L = cfg.n_layers;
+  return activation_parts(cfg, B, T, r, lp, ep).total();
+}
+
+ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
+                                 DType lp, int64_t ep) {
+  const int64_t N = B * T, C = cfg.dim, V = cfg.vocab_size, L = cfg.n_layers;
+  // Queries and keys of qk, values of v elements a head; multi-head latent attention (the
+  // planner's) keeps keys and values per head, and its latents.
+  const int64_t NH = cfg.n_heads, NKV = cfg.mla() ? NH : cfg.n_kv_heads;
+  const int64_t qk = cfg.qk_head_dim(), v = cfg.value_head_dim();
+  const int64_t latents = cfg.mla() ? cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim : 0;
+  const int64_t QD = NH * v;  // the attention's output
   const int64_t f = 4, h = lp == DType::F32 ? 0 : 2;  // bytes of f32, of a rounded copy
   const int64_t Fd = cfg.dense_ffn_hidden(), E = cfg.n_experts, K = cfg.top_k;
   const int64_t F = cfg.expert_hidden, Fs = cfg.shared_expert_hidden;
   // One block's activations (Transformer::LayerActs), dense FFN or not.
   auto block = [&](bool dense) {
-    int64_t b = f * (N * (4 * C + 2 * QD + 2 * KD + 2) + N * NH) + h * N * (C + QD);
+    int64_t b = f * (N * (4 * C + NH * qk + NKV * qk + NKV * v + QD + latents + 2) + N * NH) +
+                h * N * (C + QD);
     if (dense) b += f * 3 * N * Fd + h * N * (C + Fd);
     return b;
   };
@@ -191,22 +203,27 @@ int64_t activation_bytes_for(const ModelConfig& cfg, int64_t B, int64_t T, Recom
   };
   const int64_t inter = inter_of(R, F) + (Fs > 0 ? inter_of(N, Fs) : 0);
   const int64_t noisy = cfg.router == RouterKind::NoisyTopK ? f * 2 * N * E : 0;
-  int64_t n = f * (L + 1) * N * C + f * N * (C + 1 + V + 1 + 1) + h * N * C + 12 * N;
+  // Each block's residual input; once the stream leaving the last, the final norm (and its rstd),
+  // the logits, their lse and losses, the rounded final norm, the tokens (inputs, targets,
+  // positions).
+  ActivationBytes a;
+  a.blocks = f * L * N * C;
+  a.once = f * N * C + f * N * (C + 1 + V + 1 + 1) + h * N * C + 12 * N;
   bool any_dense = false;
   for (int64_t l = 0; l < L; ++l) {
     const bool dense = cfg.is_dense_layer(l);
     any_dense |= dense;
-    if (r != Recompute::Full) n += block(dense);
+    if (r != Recompute::Full) a.blocks += block(dense);
     if (dense) continue;
-    n += routing + noisy;
-    if (r != Recompute::Full) n += rows;
-    if (r == Recompute::None) n += inter;
+    a.blocks += routing + noisy;
+    if (r != Recompute::Full) a.blocks += rows;
+    if (r == Recompute::None) a.blocks += inter;
   }
-  if (r == Recompute::Full && L > 0) n += block(any_dense);
+  if (r == Recompute::Full && L > 0) a.once += block(any_dense);
   // The MoE layers' shared working buffers: one layer's intermediates (moe, full) and rows (full).
   if (r != Recompute::None && cfg.n_moe_layers() > 0)
-    n += inter + (r == Recompute::Full ? rows : 0);
-  return n;
+    a.once += inter + (r == Recompute::Full ? rows : 0);
+  return a;
 }
 
 }  // namespace moetrain

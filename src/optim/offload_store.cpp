@@ -251,6 +251,51 @@ std::span<float> OffloadStore::map(std::size_t piece, int s) {
           static_cast<std::size_t>(sizes_[piece])};
 }
 
+namespace {
+
+// Moves `bytes` between buf and the file at `off` with pread or pwrite, to the last byte.
+void transfer(int fd, bool reading, char* buf, int64_t bytes, int64_t off,
+              const std::string& path) {
+  for (int64_t done = 0; done < bytes;) {
+    const auto left = static_cast<size_t>(bytes - done);
+    const ssize_t n = reading ? ::pread(fd, buf + done, left, off + done)
+                              : ::pwrite(fd, buf + done, left, off + done);
+    if (n < 0 && errno == EINTR) continue;
+    MOETRAIN_CHECK(n > 0, "dist.offload: {} {} bytes at {} of {}: {}",
+                   reading ? "reading" : "writing", bytes - done, off + done, path,
+                   n < 0 ? errno_text() : std::string("end of file"));
+    done += n;
+  }
+}
+
+}  // namespace
+
+void OffloadStore::read(std::size_t piece, int s, int64_t at, int64_t n, float* out) {
+  MOETRAIN_CHECK(piece < sizes_.size() && s >= 0 && s < n_state_ && at >= 0 && n >= 0 &&
+                     at + n <= sizes_[piece],
+                 "offload store: elements [{}, {}) of buffer {} of piece {} (of {} x {}, {} "
+                 "elements)",
+                 at, at + n, s, piece, sizes_.size(), n_state_,
+                 piece < sizes_.size() ? sizes_[piece] : 0);
+  if (n == 0) return;
+  const int64_t off = region(piece, s) + at * 4;
+  transfer(fd_, true, reinterpret_cast<char*>(out), n * 4, off, path_);
+  ::posix_fadvise(fd_, off, n * 4, POSIX_FADV_DONTNEED);
+}
+
+void OffloadStore::write(std::size_t piece, int s, int64_t at, int64_t n, const float* in) {
+  MOETRAIN_CHECK(piece < sizes_.size() && s >= 0 && s < n_state_ && at >= 0 && n >= 0 &&
+                     at + n <= sizes_[piece],
+                 "offload store: elements [{}, {}) of buffer {} of piece {} (of {} x {}, {} "
+                 "elements)",
+                 at, at + n, s, piece, sizes_.size(), n_state_,
+                 piece < sizes_.size() ? sizes_[piece] : 0);
+  if (n == 0) return;
+  const int64_t off = region(piece, s) + at * 4;
+  transfer(fd_, false, const_cast<char*>(reinterpret_cast<const char*>(in)), n * 4, off, path_);
+  drop(off, n * 4);  // a memory cgroup charges dirty file pages to the process
+}
+
 void OffloadStore::unmap() {
   if (!map_) return;
   ::munmap(map_, static_cast<size_t>(file_bytes_));

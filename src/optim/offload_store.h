@@ -7,8 +7,11 @@
 // neither the process nor its page cache holds more than a few chunks of state: a memory cgroup
 // charges dirty file pages to the process, and would otherwise fill with them.
 //
-// Checkpoints and moment averaging read and write the state in place through map(): the whole
-// file mapped shared until the next stream() (which unmaps it and drops its pages first).
+// Checkpoints copy the state in and out with read() and write() (pread / pwrite of the range
+// asked for, its pages flushed and dropped after), so a checkpoint of any size keeps only its
+// caller's window resident. Moment averaging and a device's state transfer work on the state in
+// place through map(): the whole file mapped shared until the next stream() (which unmaps it and
+// drops its pages first).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -41,6 +44,10 @@ class OffloadStore {
   std::span<float> map(std::size_t piece, int s);
   // Unmaps the file, flushes it and drops its pages from the page cache.
   void unmap();
+  // Copies elements [at, at + n) of buffer s of `piece` out of the file, or into it; the range's
+  // pages are flushed and dropped from the page cache after. Not while a stream() runs.
+  void read(std::size_t piece, int s, int64_t at, int64_t n, float* out);
+  void write(std::size_t piece, int s, int64_t at, int64_t n, const float* in);
 
   const std::string& path() const { return path_; }
   int64_t file_bytes() const { return file_bytes_; }

@@ -1,5 +1,6 @@
 #include "optim/sharded_optimizer.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/check.h"
@@ -82,6 +83,29 @@ std::span<float> ShardedOptimizer::piece_state(std::size_t piece, int s) {
                  "optimizer state buffer {} of {}", s, names_.size());
   if (store_) return store_->map(piece, s);
   return opts_[piece]->state().at(static_cast<std::size_t>(s)).values;
+}
+
+}  // namespace moetrain
+
+namespace moetrain {
+
+void ShardedOptimizer::read_state(std::size_t piece, int s, int64_t at, int64_t n, float* out) {
+  if (store_) return store_->read(piece, s, at, n, out);
+  const std::span<float> v = piece_state(piece, s);
+  MOETRAIN_CHECK(at >= 0 && n >= 0 && at + n <= static_cast<int64_t>(v.size()),
+                 "optimizer state [{}, {}) of piece {}: it has {} elements", at, at + n, piece,
+                 v.size());
+  std::copy_n(v.data() + at, n, out);
+}
+
+void ShardedOptimizer::write_state(std::size_t piece, int s, int64_t at, int64_t n,
+                                   const float* in) {
+  if (store_) return store_->write(piece, s, at, n, in);
+  const std::span<float> v = piece_state(piece, s);
+  MOETRAIN_CHECK(at >= 0 && n >= 0 && at + n <= static_cast<int64_t>(v.size()),
+                 "optimizer state [{}, {}) of piece {}: it has {} elements", at, at + n, piece,
+                 v.size());
+  std::copy_n(in, n, v.data() + at);
 }
 
 }  // namespace moetrain

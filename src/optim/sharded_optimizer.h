@@ -7,7 +7,8 @@
 // With an offload file (dist.offload = host_file) the state of every piece lives in that file
 // (optim/offload_store.h), not in memory: a step streams it through in chunks, each chunk updated
 // by the same optimizer code as the in-memory state (Optimizer::step_part), so parameters and
-// state come out bitwise the same; piece_state() then maps the file.
+// state come out bitwise the same; piece_state() then maps the file, read_state() and
+// write_state() copy ranges of it.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -54,6 +55,10 @@ class ShardedOptimizer {
   // State buffer `s` of piece `piece`: (pieces()[piece].size) values for the flat elements
   // [offset, offset + size). Offloaded: a view of the file, valid until the next step().
   std::span<float> piece_state(std::size_t piece, int s);
+  // Copies elements [at, at + n) of state buffer s of `piece` out, or in: from memory, or from the
+  // offload file without mapping it (what checkpoints use, a window at a time).
+  void read_state(std::size_t piece, int s, int64_t at, int64_t n, float* out);
+  void write_state(std::size_t piece, int s, int64_t at, int64_t n, const float* in);
   // The offload store, or null when the state is in memory.
   OffloadStore* offload_store() const { return store_.get(); }
 

@@ -342,10 +342,12 @@ ClusterSpec load_cluster(const std::string& path, const std::string& profile) {
   c.devices_per_node = positive_int(t, "cluster", "devices_per_node", where, kMaxDevicesPerNode);
   c.nodes = positive_int(t, "cluster", "nodes", where, kMaxNodes);
   c.intra_node_bandwidth = positive(t, "cluster", "intra_node_bandwidth", where);
+  c.disk_bandwidth = optional(t, "cluster", "disk_bandwidth", 0, where);
   c.inter_node_bandwidth = positive(t, "cluster", "inter_node_bandwidth", where);
   c.intra_node_latency = positive(t, "cluster", "intra_node_latency", where);
   c.inter_node_latency = positive(t, "cluster", "inter_node_latency", where);
   c.spine_bandwidth = optional(t, "cluster", "spine_bandwidth", 0, where);
+  c.disk_bandwidth = optional(t, "cluster", "disk_bandwidth", 0, where);
   validate(c, where);
   return c;
 }

@@ -58,6 +58,10 @@ struct ClusterSpec {
   // All-reduce's own rate inside a node where it was measured (this machine's collectives: the
   // reduction's arithmetic and the transport's protocol, not just the copy); 0 = the link's.
   double intra_node_allreduce_bandwidth = 0;
+  // Bytes/s per node of the local disk an offloaded optimizer state lives on (dist.offload =
+  // host_file), reads and writes together, shared by the node's processes; 0: offload's disk
+  // time is not costed.
+  double disk_bandwidth = 0;
   // The processes share the cores that compute (a calibrated CPU whose processes fill its
   // cores): a communication thread takes a core from compute, so nothing overlaps.
   bool comm_shares_cores = false;

@@ -403,6 +403,17 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
       *v /= p.compute_share;
   }
 
+  // Offloaded optimizer state (dist.offload = host_file): a step reads and writes each state
+  // float of the pieces it updates once, on the I/O thread beside the update, at the node's
+  // disk bandwidth shared by the node's processes (not a share of the cores); the slower of the
+  // two sets the phase.
+  if (const RankLayout rl = rank_layout(cfg, layout, dev.threads == 0);
+      rl.offload == Offload::HostFile && cluster.disk_bandwidth > 0) {
+    const double per_node = static_cast<double>(std::min(layout.procs, cluster.devices_per_node));
+    const double disk_bytes = 2 * 4 * rl.state.slots * updated;
+    s.optimizer = std::max(s.optimizer, disk_bytes * per_node / cluster.disk_bandwidth);
+  }
+
   // Pipeline bubble: the schedule (layout.pipe_schedule()) timed pass by pass as the trainer
   // runs it (parallel/pipeline_schedule.h): a micro-batch's stage time split over the vp chunks
   // into forward, input-gradient and weight-gradient thirds (a backward is two forwards), and

@@ -25,6 +25,10 @@ struct Layout {
   // unset: the config's train.recompute.
   int64_t zero = -1;
   std::optional<Recompute> recompute{};
+  // The optimizer state (moments, and f32 master weights apart from the weights) in a host file
+  // as dist.offload = host_file keeps it: out of the device bytes, the store's ring of chunks in
+  // (optim/offload_store.h); its disk traffic is not timed. Unset: the config's dist.offload.
+  std::optional<bool> offload{};
   // The expert exchange as DeepEP runs it (comm_model.h alltoall_dedup): each token crosses to a
   // node once and is fanned out there over NVLink (planner only).
   bool a2a_dedup = false;

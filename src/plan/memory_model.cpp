@@ -46,6 +46,7 @@ RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelera
   }
   l.state.zero = zero;
   l.recompute = recompute_mode(cfg, layout);
+  if (layout.offload) l.offload = *layout.offload ? Offload::HostFile : Offload::None;
   l.activation_bytes = activation_bytes(cfg, accelerator);
   return l;
 }

@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "model/activation_bytes.h"
 #include "optim/offload_store.h"
 #include "parallel/pipeline_schedule.h"
 
@@ -154,60 +155,55 @@ ParamCounts count_params(const ModelConfig& m) {
 
 namespace {
 
-// Activation elements one rank keeps for a micro-batch of N = batch · seq_len tokens.
-double activation_elements(const ModelConfig& m, int64_t batch, int64_t seq_len,
-                           const RankLayout& l) {
+// Activation bytes one rank keeps for a micro-batch of N = batch · seq_len tokens: what the model
+// holds after a forward (activation_parts, model/activation_bytes.h: the one formula, which
+// tests/model/recompute_test.cpp checks against the model's own count), and what this trainer's
+// layers keep of their backward between steps.
+double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_len,
+                             const RankLayout& l) {
   const double N = static_cast<double>(batch * seq_len);
-  const double C = static_cast<double>(m.dim);
+  const double C = static_cast<double>(m.dim), V = static_cast<double>(m.vocab_size);
   const double K = static_cast<double>(m.top_k), F = static_cast<double>(m.expert_hidden);
   const double Fs = static_cast<double>(m.shared_expert_hidden);
   const double Fd = static_cast<double>(m.dense_ffn_hidden());
-  const double V = static_cast<double>(m.vocab_size);
-  // Per token of a block: the norm inputs and rstd, q/k/v, the attention output and its lse, the
-  // residual (and the attention's score statistics, one per head and row).
-  // Multi-head latent attention keeps keys and values per head, and its latents.
-  const double NH = static_cast<double>(m.n_heads);
-  const double NKV = static_cast<double>(m.mla() ? m.n_heads : m.n_kv_heads);
-  const double qk = static_cast<double>(m.qk_head_dim()), v = static_cast<double>(m.value_head_dim());
-  const double latents =
-      m.mla() ? static_cast<double>(m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) : 0.0;
-  const double attention = 3 * C + 2 + (NH + NKV) * qk + (NKV + NH) * v + NH + latents;
-  // The MoE part: router probabilities; the routed rows and the experts' outputs (K C each way);
-  // the experts' W1·x, W3·x and their product (3 K F), the shared expert's. This trainer's layers
-  // also keep the backward's buffers: the rows' gradients (2 K C more; the other side of the
-  // exchange under expert parallelism is among the buffers) and the intermediates' gradients
-  // (3 K F more).
-  const double keep = l.kept_backward_buffers ? 2 : 1;
-  const double rows = l.kept_backward_buffers ? 4 * K * C : 2 * K * C;
-  const double intermediates = keep * (3 * K * F + 3 * Fs);
-  const double moe = attention + 2 * static_cast<double>(m.n_experts) + rows + intermediates;
-  const double dense = attention + keep * 3 * Fd;
   const double Lm = static_cast<double>(m.n_moe_layers());
   const double Ld = static_cast<double>(m.n_layers) - Lm;
-  double layers = 0;
-  switch (l.recompute) {
-    case Recompute::None:
-      layers = Lm * moe + Ld * dense;
-      break;
-    case Recompute::Moe:
-      // The experts' intermediates of one block at a time (recomputed in its backward).
-      layers = Lm * (moe - intermediates) + Ld * dense + (Lm > 0 ? intermediates : 0.0);
-      break;
-    case Recompute::Full:
-      // Each block's input, and while one block runs backward, that block's activations.
-      layers = static_cast<double>(m.n_layers) * C +
-               std::max(Lm > 0 ? moe : 0.0, Ld > 0 ? dense : 0.0);
-      break;
+  // This trainer in bf16/fp16 keeps rounded copies of the GEMMs' inputs (where it keeps a copy of
+  // the weights); a GPU trainer keeps every activation at l.activation_bytes instead of f32. The
+  // expert exchange's received rows are among the buffers (rank_memory), so the layers count as
+  // on one process.
+  const ActivationBytes fwd = activation_parts(m, batch, seq_len, l.recompute,
+                                               l.state.copy > 0 ? DType::BF16 : DType::F32);
+  const double ab = l.activation_bytes;
+  double layers = ab / 4 * static_cast<double>(fwd.blocks);
+  double once = ab / 4 * static_cast<double>(fwd.once);
+  if (l.kept_backward_buffers) {
+    // This trainer's layers keep their backward's buffers: per token of an MoE layer the routed
+    // rows' gradients (2 K C; the other side of the exchange under expert parallelism is among
+    // the buffers) and the experts' intermediates' gradients (3 K F, the shared expert's 3 Fs),
+    // of a dense layer its FFN's (3 Fd); once the logits' gradients and the model's backward
+    // rows, the d* buffers every block's backward writes (about 22 C a token, measured).
+    const double rows = 2 * K * C, inter = 3 * K * F + 3 * Fs, dense = 3 * Fd;
+    switch (l.recompute) {
+      case Recompute::None:
+        layers += ab * N * (Lm * (rows + inter) + Ld * dense);
+        break;
+      case Recompute::Moe:  // the intermediates of one MoE layer at a time
+        layers += ab * N * (Lm * rows + Ld * dense);
+        once += ab * N * (Lm > 0 ? inter : 0.0);
+        break;
+      case Recompute::Full:  // those of the one block running backward
+        once += ab * N * std::max(Lm > 0 ? rows + inter : 0.0, Ld > 0 ? dense : 0.0);
+        break;
+    }
+    once += ab * N * (V + 22 * C);
   }
-  // Once: the final norm, the logits (and this trainer's logit gradients and the model's backward
-  // rows, the d* buffers every block's backward writes: about 24 C a token, measured).
-  const double once = l.kept_backward_buffers ? 2 * V + 24 * C : 2 * C + V;
   // A pipeline stage holds its L / pp layers' activations for each micro-batch in flight.
   if (l.pp > 1)
     layers *= (l.pipe_in_flight > 0 ? l.pipe_in_flight : static_cast<double>(l.pp)) /
               static_cast<double>(l.pp);
   // Tensor parallelism shards them (taken as all of them: sequence parallelism).
-  return N * (layers + once) / static_cast<double>(l.tp);
+  return (layers + once) / static_cast<double>(l.tp);
 }
 
 }  // namespace
@@ -284,7 +280,7 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
     e.buffers += static_cast<double>(
         OffloadStore::ring_bytes(static_cast<int>(std::lround(l.state.slots))));
   }
-  e.activations = l.activation_bytes * activation_elements(m, batch, seq_len, l);
+  e.activations = rank_activation_bytes(m, batch, seq_len, l);
   // This trainer's kernels' and allocator's workspace from the first step on, whatever the
   // batch (measured: 6 MiB on two configs of dim 128 and 256).
   if (l.kept_backward_buffers) e.activations += kStepWorkspaceBytes;

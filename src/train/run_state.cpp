@@ -169,10 +169,24 @@ CheckpointShare checkpoint_share(const ParamTable& layout, float* params,
       if (lo >= hi) continue;
       if (read_shard) share.model.push_back({p.name, p.shape, lo - p.offset, hi - p.offset, params + lo});
       if (!reading && !sharded && writers[i] != me) continue;
-      for (std::size_t s = 0; s < names.size(); ++s)
-        share.optimizer.push_back(
-            {names[s] + "." + p.name, p.shape, lo - p.offset, hi - p.offset,
-             optimizer.piece_state(k, static_cast<int>(s)).data() + (lo - from)});
+      for (std::size_t s = 0; s < names.size(); ++s) {
+        const int si = static_cast<int>(s);
+        TensorPiece t{names[s] + "." + p.name, p.shape, lo - p.offset, hi - p.offset};
+        if (!optimizer.offload_store()) {
+          t.data = optimizer.piece_state(k, si).data() + (lo - from);
+        } else {
+          // State in a file moves a window at a time (pread / pwrite), never mapped whole.
+          ShardedOptimizer* o = &optimizer;
+          const int64_t at0 = lo - from;
+          t.get = [o, k, si, at0](int64_t at, int64_t n, float* buf) {
+            o->read_state(k, si, at0 + at, n, buf);
+          };
+          t.put = [o, k, si, at0](int64_t at, int64_t n, const float* buf) {
+            o->write_state(k, si, at0 + at, n, buf);
+          };
+        }
+        share.optimizer.push_back(std::move(t));
+      }
     }
   }
   if (reading || me == 0)

@@ -148,7 +148,8 @@ TEST(PlanExchange, AdaptiveRouteTakesTheCheaperPath) {
   EXPECT_EQ(kinds, (std::vector<std::string>{"flat", "hierarchical"}));
 }
 
-// cluster.spine_bandwidth is optional, and when given must be a number ≥ 0.
+// cluster.spine_bandwidth and cluster.disk_bandwidth are optional, and when given must be numbers
+// ≥ 0.
 TEST(PlanExchange, SpineBandwidthFromTheClusterFile) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("moetrain_spine_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
@@ -165,6 +166,10 @@ TEST(PlanExchange, SpineBandwidthFromTheClusterFile) {
   EXPECT_EQ(cluster("spine_bandwidth = 25e9\n").spine_bandwidth, 25e9);
   moetrain::testing::expect_error([&] { cluster("spine_bandwidth = -1\n"); },
                                   "cluster.spine_bandwidth");
+  EXPECT_EQ(cluster("").disk_bandwidth, 0);
+  EXPECT_EQ(cluster("disk_bandwidth = 2e9\n").disk_bandwidth, 2e9);
+  moetrain::testing::expect_error([&] { cluster("disk_bandwidth = -1\n"); },
+                                  "cluster.disk_bandwidth");
   std::filesystem::remove_all(dir);
 }
 

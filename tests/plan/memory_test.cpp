@@ -3,6 +3,7 @@
 // bytes the run stores; devices sized as the driver reports them.
 #include <gtest/gtest.h>
 
+#include "model/activation_bytes.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "support/plan_clusters.h"
@@ -70,8 +71,9 @@ TEST(PlanMemory, MixedPrecisionStateShardsByZeroStage) {
   EXPECT_DOUBLE_EQ(cpu.optimizer, 8 * (dense / 8 + expert / 4));
 }
 
-// Full recomputation keeps each layer's input (N·C) and one layer's activations, and pays a
-// third more of the layers' compute and half again of their all-to-alls.
+// Full recomputation keeps each layer's input (N·C), the MoE layers' routing, and one layer's
+// activations, rows and intermediates; it pays a third more of the layers' compute and half again
+// of their all-to-alls.
 TEST(PlanMemory, RecomputationTradesActivationsForAForwardAgain) {
   const RunConfig cfg = bf16_run();
   const ClusterSpec c = moetrain::testing::h100_nodes(1);
@@ -79,16 +81,49 @@ TEST(PlanMemory, RecomputationTradesActivationsForAForwardAgain) {
   again.recompute = Recompute::Full;
   const Prediction a = predict(cfg, c, keep, uniform_load(8));
   const Prediction b = predict(cfg, c, again, uniform_load(8));
-  const double N = 2 * 1024, C = 512, V = 1024, L = 4;
-  const double final_part = 2 * N * (2 * C + V);  // bf16 logits and final norm input
-  const double per_layer = (a.memory.activations - final_part) / L;
-  EXPECT_NEAR(b.memory.activations, 2 * L * N * C + per_layer + final_part, 1);
+  // A GPU keeps bf16 activations: 2 bytes for each 4 of the model's f32 count.
+  const ActivationBytes none = activation_parts(cfg.model, 2, 1024, Recompute::None, DType::F32);
+  const ActivationBytes full = activation_parts(cfg.model, 2, 1024, Recompute::Full, DType::F32);
+  EXPECT_DOUBLE_EQ(a.memory.activations, none.total() / 2.0);
+  EXPECT_DOUBLE_EQ(b.memory.activations, full.total() / 2.0);
+  // Full keeps, of the blocks, each one's input (N·C f32) and its MoE layer's routing: per token
+  // its K expert indices, slots and weights (3 K four-byte values), the router's probabilities and
+  // logits (2 E) and one more value.
+  const double N = 2 * 1024, C = 512, K = 2, E = 8, L = 4;
+  EXPECT_DOUBLE_EQ(static_cast<double>(full.blocks), 4 * L * N * (C + 3 * K + 2 * E + 1));
   EXPECT_LT(b.memory.activations, a.memory.activations / 2);
   EXPECT_NEAR(b.parts.attention, a.parts.attention * 4 / 3, 1e-12);
   EXPECT_NEAR(b.parts.experts, a.parts.experts * 4 / 3, 1e-12);
   EXPECT_NEAR(b.parts.a2a, a.parts.a2a * 1.5, 1e-12);
   EXPECT_DOUBLE_EQ(b.parts.lm_head, a.parts.lm_head);
   EXPECT_GT(b.step_time_s, a.step_time_s);
+}
+
+// Offloaded optimizer state (--offload): the device bytes lose the optimizer state (moments and
+// master weights) and gain the store's ring (3 chunks of 1 Mi f32 elements per moment); without a
+// disk bandwidth in the cluster file the phase is timed as in memory, with one it takes at least
+// the state's read and write at the node's share of the disk.
+TEST(PlanMemory, OffloadMovesTheStateToADiskAndTimesIt) {
+  const RunConfig cfg = bf16_run();
+  ClusterSpec c = moetrain::testing::h100_nodes(1);
+  Layout mem{8, 8}, off{8, 8};
+  off.offload = true;
+  const Prediction a = predict(cfg, c, mem, uniform_load(8));
+  const Prediction b = predict(cfg, c, off, uniform_load(8));
+  EXPECT_GT(a.memory.optimizer, 0);
+  EXPECT_EQ(b.memory.optimizer, 0);
+  EXPECT_DOUBLE_EQ(b.memory.buffers - a.memory.buffers, 3.0 * 2 * (1 << 20) * 4);
+  EXPECT_DOUBLE_EQ(b.parts.optimizer, a.parts.optimizer);
+  c.disk_bandwidth = 1e9;
+  const Prediction d = predict(cfg, c, off, uniform_load(8));
+  // ZeRO 0: each process updates every dense parameter and its 1/8 of the experts, reading and
+  // writing 2 moments of 4 bytes each, 8 processes of the node sharing 1 GB/s.
+  const ParamCounts pc = count_params(cfg.model);
+  const double disk_s = 2 * 4 * 2 * (pc.dense + pc.expert / 8) * 8 / 1e9;
+  EXPECT_GT(disk_s, a.parts.optimizer);
+  EXPECT_DOUBLE_EQ(d.parts.optimizer, disk_s);
+  EXPECT_GT(d.step_time_s, b.step_time_s);
+  EXPECT_DOUBLE_EQ(predict(cfg, c, mem, uniform_load(8)).parts.optimizer, a.parts.optimizer);
 }
 
 // Element-wise work (norms, residual adds, dispatch and combine copies) streams bf16 on a GPU

@@ -167,6 +167,52 @@ TEST(MemoryCli, PlanAndDryRunGiveTheSameBytesUnderZeroThree) {
   EXPECT_EQ(rows.at("buffers"), bytes("buffers_bytes"));
 }
 
+// ZeRO 0-3 with the optimizer state in memory and offloaded (dist.offload = host_file) on 2
+// processes: `moetrain plan` prints the dry run's bytes, offloaded both by the config and by
+// --offload. Offloaded, the optimizer state leaves the resident bytes and the buffers hold the
+// store's ring more: 3 chunks of 1 Mi f32 elements for each of AdamW's 2 moments.
+TEST(MemoryCli, PlanAndDryRunGiveTheSameBytesByZeroStageAndOffload) {
+  TempDir tmp("memory_plan_offload");
+  const fs::path profile = cpu_profile(tmp);
+  const std::string args = memory_model_args(kData, (tmp / "run").string(), 2);
+  const std::string plan = std::string(MOETRAIN_BINARY) + " plan -c " + MOETRAIN_SOURCE_DIR +
+                           "/configs/tiny.toml" + args.substr(args.find(" --set")) +
+                           " --profile " + profile.string() + " --procs 2 --json";
+  for (int zero = 0; zero <= 3; ++zero) {
+    int64_t buffers[2] = {0, 0};
+    for (bool offload : {false, true}) {
+      const std::string set = " --set dist.zero=" + std::to_string(zero) +
+                              (offload ? " --set dist.offload=host_file" : "");
+      const ShellResult dry =
+          shell(std::string(MOETRAIN_BINARY) + args + " --dry-run --np 2" + set);
+      ASSERT_EQ(dry.code, 0) << dry.output;
+      const auto rows = memory_table(dry.output);
+      const std::string flags =
+          " --zero " + std::to_string(zero) + (offload ? " --offload" : " --offload=none");
+      for (const std::string& how : {set, flags}) {
+        const ShellResult p = shell(plan + how);
+        ASSERT_EQ(p.code, 0) << p.output;
+        const auto mem = nlohmann::json::parse(p.output)["memory"];
+        auto bytes = [&](const char* key) { return static_cast<int64_t>(mem[key].get<double>()); };
+        const std::string what = "plan" + how;
+        EXPECT_EQ(rows.at("parameters"), bytes("params_bytes")) << what;
+        EXPECT_EQ(rows.at("gradients"), bytes("grads_bytes")) << what;
+        EXPECT_EQ(rows.at("optimizer state"), bytes("optimizer_bytes")) << what;
+        EXPECT_EQ(rows.at("low-precision copy"), bytes("low_precision_bytes")) << what;
+        EXPECT_EQ(rows.at("activations"), bytes("activations_bytes")) << what;
+        EXPECT_EQ(rows.at("buffers"), bytes("buffers_bytes")) << what;
+      }
+      if (offload) EXPECT_EQ(rows.at("optimizer state"), 0) << "zero " << zero;
+      buffers[offload] = rows.at("buffers");
+    }
+    EXPECT_EQ(buffers[1] - buffers[0], 3 * 2 * (int64_t{1} << 20) * 4) << "zero " << zero;
+  }
+  const ShellResult bad = shell(plan + " --offload=disk");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("--offload=disk: allowed are none and host_file"), std::string::npos)
+      << bad.output;
+}
+
 // A memory cgroup of its own whose limit is below the estimate: the run stops at start-up with
 // both figures per rank. Needs permission to create a cgroup v1 memory group; the group is
 // removed whatever happens.

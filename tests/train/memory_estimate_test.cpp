@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -11,6 +12,9 @@
 #include "ft/ft_support.h"
 #include "core/check.h"
 #include "io/safetensors.h"
+#include "model/params.h"
+#include "model/transformer.h"
+#include "support/small_models.h"
 #include "support/temp_dir.h"
 #include "train/memory_estimate.h"
 
@@ -269,6 +273,45 @@ TEST(MemoryEstimate, RecomputationKeepsLess) {
   // Per token of a block: 2·(3·K·F) floats of intermediates and their gradients (K 2, F 6).
   EXPECT_DOUBLE_EQ(none - moe, 4.0 * 32 * 7 * 2 * 3 * 2 * 6);
   EXPECT_LT(full, moe);
+}
+
+// The estimate's activations are the model's own formula (activation_parts, model/
+// activation_bytes.h): without this trainer's backward buffers (a forward as inference and GPU
+// trainers hold it) they equal activation_bytes_for, and what a Transformer holds after a forward
+// within 2% (the router's backward scratch, which the formula leaves out; the same bound as
+// tests/model/recompute_test.cpp), in f32 and bf16 (its rounded GEMM inputs), in every
+// recomputation mode, with a dense layer and a shared expert.
+TEST(MemoryEstimate, ActivationsAreWhatTheModelHoldsAfterAForward) {
+  ModelConfig c = small_lm(40, 32, 24, 4);  // top-4 of 4 experts: N·K rows exactly, dropless
+  c.n_layers = 3;
+  c.shared_expert_hidden = 16;
+  c.dense_every = 3;  // layer 2 dense
+  c.max_seq_len = 64;
+  const int64_t B = 2, T = 16;
+  for (DType lp : {DType::F32, DType::BF16}) {
+    for (Recompute r : {Recompute::None, Recompute::Moe, Recompute::Full}) {
+      SCOPED_TRACE(fmt::format("{} {}", lp == DType::F32 ? "f32" : "bf16", recompute_name(r)));
+      RankLayout l;
+      l.state = trainer_state("adamw", lp == DType::F32 ? 0 : 2, 0);
+      l.recompute = r;
+      l.kept_backward_buffers = false;
+      const double estimate = rank_memory(c, B, T, l).activations;
+      EXPECT_EQ(estimate, static_cast<double>(activation_bytes_for(c, B, T, r, lp)));
+      Transformer model(c);
+      model.set_precision(lp);
+      model.set_recompute(r);
+      std::vector<float> params(static_cast<std::size_t>(model.layout().size()));
+      init_params(params.data(), model.layout(), c, 7);
+      std::vector<int32_t> in(B * T), tg(B * T);
+      for (int64_t i = 0; i < B * T; ++i) in[i] = i % c.vocab_size, tg[i] = (i + 1) % c.vocab_size;
+      model.forward(params.data(), in.data(), tg.data(), B, T, MoeStep{});
+      const double held = static_cast<double>(model.activation_bytes());
+      EXPECT_NEAR(estimate, held, 0.02 * held);
+      // This trainer's estimate adds its layers' backward buffers and its workspace on top.
+      l.kept_backward_buffers = true;
+      EXPECT_GT(rank_memory(c, B, T, l).activations, estimate);
+    }
+  }
 }
 
 TEST(MemoryEstimate, AConfigThatCannotFitIsRefusedAtOnce) {

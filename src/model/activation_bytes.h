@@ -1,0 +1,25 @@
+// The activations the model holds for its backward, by formula: activation_bytes_for
+// (model/transformer.h) in two parts, the one count the trainer's memory estimate
+// (train/memory_estimate.cpp) and the planner build on.
+#pragma once
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "model/config.h"
+#include "moe/recompute.h"
+
+namespace moetrain {
+
+// What the blocks hold (each block's activations and residual input, its MoE layer's routing,
+// rows and intermediates: a pipeline stage holds its blocks' share per micro-batch in flight) and
+// what the model holds once (the stream leaving the last block, the final norm, the logits, the
+// tokens; under recomputation the one set of block activations and the MoE layers' shared
+// working buffers), in bytes, after a training forward of B sequences of T tokens.
+struct ActivationBytes {
+  int64_t blocks = 0, once = 0;
+  int64_t total() const { return blocks + once; }
+};
+ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
+                                 DType lp, int64_t ep = 1);
+
+}  // namespace moetrain
