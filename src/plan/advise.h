@@ -2,7 +2,7 @@
 // which of the design's strategies pay — static or dynamic balancing, the flat or the
 // hierarchical exchange (and which one adaptive routing would take), dense or sparse expert
 // gradients — each decided by the cost model's step time with the strategy and without it, beside
-// the design's three tiers (docs/plan.md, "Cluster-size advice").
+// the design's three tiers (docs/plan-advise.md).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -45,7 +45,7 @@ using Env = std::vector<std::pair<std::string, std::string>>;
 // Steps 1 to 5 warm up (primitive creation, page faults, the first collectives) and are not
 // measured. Under expert parallelism a rank's buffers are sized by the most rows it has received
 // so far, which keeps growing for several steps: tiny's EP=2 steps 3–5 ran 7–10% slower than
-// steps 6–14 of the same run, DP=2's 2% faster to 5% slower (docs/plan.md).
+// steps 6–14 of the same run, DP=2's 2% faster to 5% slower (docs/plan-validation.md).
 constexpr int64_t kWarmupSteps = 5;
 constexpr int64_t kSteps = 12;
 // Each case is run this many times, each run bracketed by its own calibrations.
@@ -398,7 +398,7 @@ TEST(PlanValidation, PredictsStepTimesWithin15Percent) {
 // EP=4 measured +18%, +10% (one run judged), +17% and +25% in four passes. Its fresh router
 // sends one rank over twice the mean rows; the planner charges that rank's excess at half a
 // core, while the waiting ranks leave it more. Processor sharing at the measured speeds fits it
-// but fails tiny's four-process rows (docs/plan.md, "The large preset on four processes"). So the
+// but fails tiny's four-process rows (docs/plan-validation.md). So the
 // test is registered disabled rather than loosened; --gtest_also_run_disabled_tests runs it.
 TEST(PlanValidation, DISABLED_LargeOnFourProcessesWithin15Percent) {
   validate({{"large 4 procs EP=4", &kLarge, 2, 4, 4}, {"large 4 procs DP=2 EP=2", &kLarge, 2, 4, 2}},
