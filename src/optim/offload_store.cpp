@@ -270,28 +270,26 @@ void transfer(int fd, bool reading, char* buf, int64_t bytes, int64_t off,
 
 }  // namespace
 
-void OffloadStore::read(std::size_t piece, int s, int64_t at, int64_t n, float* out) {
+int64_t OffloadStore::range_offset(std::size_t piece, int s, int64_t at, int64_t n) const {
   MOETRAIN_CHECK(piece < sizes_.size() && s >= 0 && s < n_state_ && at >= 0 && n >= 0 &&
                      at + n <= sizes_[piece],
                  "offload store: elements [{}, {}) of buffer {} of piece {} (of {} x {}, {} "
                  "elements)",
                  at, at + n, s, piece, sizes_.size(), n_state_,
                  piece < sizes_.size() ? sizes_[piece] : 0);
+  return region(piece, s) + at * 4;
+}
+
+void OffloadStore::read(std::size_t piece, int s, int64_t at, int64_t n, float* out) {
+  const int64_t off = range_offset(piece, s, at, n);
   if (n == 0) return;
-  const int64_t off = region(piece, s) + at * 4;
   transfer(fd_, true, reinterpret_cast<char*>(out), n * 4, off, path_);
   ::posix_fadvise(fd_, off, n * 4, POSIX_FADV_DONTNEED);
 }
 
 void OffloadStore::write(std::size_t piece, int s, int64_t at, int64_t n, const float* in) {
-  MOETRAIN_CHECK(piece < sizes_.size() && s >= 0 && s < n_state_ && at >= 0 && n >= 0 &&
-                     at + n <= sizes_[piece],
-                 "offload store: elements [{}, {}) of buffer {} of piece {} (of {} x {}, {} "
-                 "elements)",
-                 at, at + n, s, piece, sizes_.size(), n_state_,
-                 piece < sizes_.size() ? sizes_[piece] : 0);
+  const int64_t off = range_offset(piece, s, at, n);
   if (n == 0) return;
-  const int64_t off = region(piece, s) + at * 4;
   transfer(fd_, false, const_cast<char*>(reinterpret_cast<const char*>(in)), n * 4, off, path_);
   drop(off, n * 4);  // a memory cgroup charges dirty file pages to the process
 }

@@ -60,6 +60,9 @@ class OffloadStore {
  private:
   struct Io;
   int64_t region(std::size_t piece, int s) const;  // byte offset of the region
+  // The byte offset of elements [at, at + n) of buffer s of a piece; throws naming them when
+  // they are not in the store.
+  int64_t range_offset(std::size_t piece, int s, int64_t at, int64_t n) const;
   void drop(int64_t offset, int64_t bytes) const;  // flush and drop from the page cache
 
   std::string path_;

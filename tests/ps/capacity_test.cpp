@@ -303,16 +303,8 @@ TEST(PsCapacity, AWorkerGroupFollowsTheCollectiveRunBitwise) {
   const int steps = 12;
   GroupJob job(tmp.path(), "run", 1, 2, steps, kRows, kDynamic, 1);
   ASSERT_EQ(job.wait(150), 0) << job.logs();
-  std::ofstream(tmp / "defaults.toml") << "# every key from --set\n";
-  std::vector<std::string> args = {"train", "--config", (tmp / "defaults.toml").string()};
-  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "mpi", steps, kRows);
-  kv.insert(kv.end(), kDynamic.begin(), kDynamic.end());
-  kv.push_back("dist.ep=2");
-  for (const auto& s : as_set_args(kv)) args.push_back(s);
-  std::vector<std::string> launcher = kMpiexec;
-  launcher.push_back("2");
-  Process mpi(args, tmp / "mpi.log", launcher);
-  ASSERT_EQ(mpi.wait(120), 0) << mpi.output();
+  const CollectiveRun mpi = collective_run(tmp.path(), "mpi", 2, steps, kRows, kDynamic);
+  ASSERT_EQ(mpi.code, 0) << mpi.output;
 
   std::map<int64_t, nlohmann::json> ref;
   for (const auto& j : read_metrics(tmp / "mpi"))
@@ -335,9 +327,7 @@ TEST(PsCapacity, AWorkerGroupFollowsTheCollectiveRunBitwise) {
   EXPECT_TRUE(moved) << "the collective run's factor never moved";
   const std::vector<float> a = load_model(job.run).params, b = load_model(tmp / "mpi").params;
   ASSERT_EQ(a.size(), b.size());
-  int64_t differ = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
-  EXPECT_EQ(differ, 0) << "of " << a.size() << " parameters differ";
+  EXPECT_EQ(values_differing(a, b), 0) << "of " << a.size() << " parameters differ";
 }
 
 }  // namespace

@@ -80,4 +80,33 @@ struct GroupJob {
   double slowdown_ = 1.0;
 };
 
+// `mpiexec -n ep moetrain train` with dist.ep = ep over dir/data, the jobs' tiny settings and
+// `sets`, into dir/name (its log dir/name.log): the collective run a group job is held to.
+struct CollectiveRun {
+  int code = -1;
+  std::string output;
+};
+inline CollectiveRun collective_run(const std::filesystem::path& dir, const std::string& name,
+                                    int ep, int steps, int batch,
+                                    const std::vector<std::string>& sets) {
+  std::ofstream(dir / "defaults.toml") << "# every key from --set\n";
+  std::vector<std::string> args = {"train", "--config", (dir / "defaults.toml").string()};
+  std::vector<std::string> kv = tiny_ps_overrides(dir / "data", dir / name, steps, batch);
+  kv.insert(kv.end(), sets.begin(), sets.end());
+  kv.push_back("dist.ep=" + std::to_string(ep));
+  for (const auto& s : as_set_args(kv)) args.push_back(s);
+  std::vector<std::string> launcher = kMpiexec;
+  launcher.push_back(std::to_string(ep));
+  Process mpi(args, dir / (name + ".log"), launcher);
+  const int code = mpi.wait(120);
+  return {code, mpi.output()};
+}
+
+// How many values of two equally long vectors differ (bitwise).
+inline int64_t values_differing(const std::vector<float>& a, const std::vector<float>& b) {
+  int64_t n = 0;
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) n += a[i] != b[i];
+  return n;
+}
+
 }  // namespace moetrain::testing

@@ -39,9 +39,7 @@ TEST(PsGroupFault, AGroupRollsBackTogetherAndEndsAsTheUndisturbedJob) {
       << c.logs();
   const std::vector<float> a = load_model(c.run).params, b = load_model(ref.run).params;
   ASSERT_EQ(a.size(), b.size());
-  int64_t differ = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
-  EXPECT_EQ(differ, 0) << "parameters differ from the undisturbed group job's";
+  EXPECT_EQ(values_differing(a, b), 0) << "parameters differ from the undisturbed group job's";
 }
 
 namespace {

@@ -97,15 +97,8 @@ TEST(PsGroup, OneGroupEndsBitwiseWhereTheCollectiveRunEnds) {
   const int steps = 6, batch = 4;
   GroupJob job(tmp.path(), "run", 1, 2, steps, batch, {});
   ASSERT_EQ(job.wait(150), 0) << job.logs();
-  std::ofstream(tmp / "defaults.toml") << "# every key from --set\n";
-  std::vector<std::string> args = {"train", "--config", (tmp / "defaults.toml").string()};
-  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "mpi", steps, batch);
-  kv.push_back("dist.ep=2");
-  for (const auto& s : as_set_args(kv)) args.push_back(s);
-  std::vector<std::string> launcher = kMpiexec;
-  launcher.push_back("2");
-  Process mpi(args, tmp / "mpi.log", launcher);
-  ASSERT_EQ(mpi.wait(120), 0) << mpi.output();
+  const CollectiveRun mpi = collective_run(tmp.path(), "mpi", 2, steps, batch, {});
+  ASSERT_EQ(mpi.code, 0) << mpi.output;
   const std::vector<float> a = load_model(job.run).params, b = load_model(tmp / "mpi").params;
   ASSERT_EQ(a.size(), b.size());
   int64_t differ = 0;
@@ -148,16 +141,8 @@ TEST(PsGroup, BiasBalancingSparseExpertsAndUtilisationEndBitwiseWhereTheCollecti
       "grad.util_low=0.9",          "grad.util_high=1.1"};
   GroupJob job(tmp.path(), "run", 1, 2, steps, batch, moe, 1);
   ASSERT_EQ(job.wait(150), 0) << job.logs();
-  std::ofstream(tmp / "defaults.toml") << "# every key from --set\n";
-  std::vector<std::string> args = {"train", "--config", (tmp / "defaults.toml").string()};
-  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "mpi", steps, batch);
-  kv.insert(kv.end(), moe.begin(), moe.end());
-  kv.push_back("dist.ep=2");
-  for (const auto& s : as_set_args(kv)) args.push_back(s);
-  std::vector<std::string> launcher = kMpiexec;
-  launcher.push_back("2");
-  Process mpi(args, tmp / "mpi.log", launcher);
-  ASSERT_EQ(mpi.wait(120), 0) << mpi.output();
+  const CollectiveRun mpi = collective_run(tmp.path(), "mpi", 2, steps, batch, moe);
+  ASSERT_EQ(mpi.code, 0) << mpi.output;
 
   const std::map<int64_t, double> frozen = per_step(tmp / "mpi", "experts_frozen");
   ASSERT_EQ(frozen.size(), static_cast<std::size_t>(steps));
@@ -168,9 +153,8 @@ TEST(PsGroup, BiasBalancingSparseExpertsAndUtilisationEndBitwiseWhereTheCollecti
 
   LoadedModel a = load_model(job.run), b = load_model(tmp / "mpi");
   ASSERT_EQ(a.params.size(), b.params.size());
-  int64_t differ = 0;
-  for (std::size_t i = 0; i < a.params.size(); ++i) differ += a.params[i] != b.params[i];
-  EXPECT_EQ(differ, 0) << "of " << a.params.size() << " parameters differ";
+  EXPECT_EQ(values_differing(a.params, b.params), 0)
+      << "of " << a.params.size() << " parameters differ";
   const std::vector<MoeLayer*> la = a.model->moe_layers(), lb = b.model->moe_layers();
   ASSERT_EQ(la.size(), lb.size());
   bool moved = false;
@@ -197,16 +181,8 @@ TEST(PsGroup, HotExpertReplicasEndBitwiseWhereTheCollectiveRunEnds) {
                                               "placement.every=2", "placement.decay=0.5"};
   GroupJob job(tmp.path(), "run", 1, 2, steps, batch, placement, 1);
   ASSERT_EQ(job.wait(150), 0) << job.logs();
-  std::ofstream(tmp / "defaults.toml") << "# every key from --set\n";
-  std::vector<std::string> args = {"train", "--config", (tmp / "defaults.toml").string()};
-  std::vector<std::string> kv = tiny_ps_overrides(tmp / "data", tmp / "mpi", steps, batch);
-  kv.insert(kv.end(), placement.begin(), placement.end());
-  kv.push_back("dist.ep=2");
-  for (const auto& s : as_set_args(kv)) args.push_back(s);
-  std::vector<std::string> launcher = kMpiexec;
-  launcher.push_back("2");
-  Process mpi(args, tmp / "mpi.log", launcher);
-  ASSERT_EQ(mpi.wait(120), 0) << mpi.output();
+  const CollectiveRun mpi = collective_run(tmp.path(), "mpi", 2, steps, batch, placement);
+  ASSERT_EQ(mpi.code, 0) << mpi.output;
   double most = 0;
   for (const auto& j : read_metrics(tmp / "mpi"))
     if (j.contains("replicas_per_expert"))
@@ -214,9 +190,7 @@ TEST(PsGroup, HotExpertReplicasEndBitwiseWhereTheCollectiveRunEnds) {
   EXPECT_GT(most, 1.0) << "the collective run placed no replica";
   const std::vector<float> a = load_model(job.run).params, b = load_model(tmp / "mpi").params;
   ASSERT_EQ(a.size(), b.size());
-  int64_t differ = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
-  EXPECT_EQ(differ, 0) << "of " << a.size() << " parameters differ";
+  EXPECT_EQ(values_differing(a, b), 0) << "of " << a.size() << " parameters differ";
 }
 
 // Outside sync a group's two pushes of a clock make one update. One group under async is then
@@ -236,9 +210,8 @@ TEST(PsGroup, AsyncAndSspApplyAGroupsPushesOfAClockAsOneUpdate) {
   ASSERT_EQ(async.wait(150), 0) << async.logs();
   const std::vector<float> a = load_model(async.run).params, b = load_model(sync.run).params;
   ASSERT_EQ(a.size(), b.size());
-  int64_t differ = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) differ += a[i] != b[i];
-  EXPECT_EQ(differ, 0) << "of " << a.size() << " parameters differ from the sync group job's";
+  EXPECT_EQ(values_differing(a, b), 0)
+      << "of " << a.size() << " parameters differ from the sync group job's";
 
   const int ssp_steps = 8;
   GroupJob ssp(tmp.path(), "ssp", 2, 2, ssp_steps, 2, {}, 2,
