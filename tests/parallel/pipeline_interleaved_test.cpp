@@ -161,7 +161,9 @@ TEST(PipelineInterleaved, TwoStagesOfTwoChunksFollowTheOneProcessRunBitwise) {
                                     std::to_string(ops[i].micro) + ".c" +
                                     std::to_string(ops[i].chunk))
             << "stage " << stage << " pass " << i;
-        if (i > 0) EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
+        if (i > 0) {
+          EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
+        }
       }
     }
     // The checkpoint holds the one-process checkpoint's tensors, bit for bit, each written by

@@ -191,7 +191,9 @@ TEST(PsJob, TwoServersClipByTheGlobalNormLikeTheSingleProcessRun) {
   Job off = launch(tmp, ps, steps, B, "off");
   ASSERT_EQ(off.code, 0) << off.output;
   for (const auto& j : read_metrics(tmp / "loose"))
-    if (j.contains("clip_scale")) EXPECT_EQ(j["clip_scale"].get<double>(), 1.0);
+    if (j.contains("clip_scale")) {
+      EXPECT_EQ(j["clip_scale"].get<double>(), 1.0);
+    }
   EXPECT_EQ(load_model(tmp / "loose").params, load_model(tmp / "off").params);
 }
 

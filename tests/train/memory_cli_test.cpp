@@ -202,7 +202,9 @@ TEST(MemoryCli, PlanAndDryRunGiveTheSameBytesByZeroStageAndOffload) {
         EXPECT_EQ(rows.at("activations"), bytes("activations_bytes")) << what;
         EXPECT_EQ(rows.at("buffers"), bytes("buffers_bytes")) << what;
       }
-      if (offload) EXPECT_EQ(rows.at("optimizer state"), 0) << "zero " << zero;
+      if (offload) {
+        EXPECT_EQ(rows.at("optimizer state"), 0) << "zero " << zero;
+      }
       buffers[offload] = rows.at("buffers");
     }
     EXPECT_EQ(buffers[1] - buffers[0], 3 * 2 * (int64_t{1} << 20) * 4) << "zero " << zero;
