@@ -303,7 +303,6 @@ void validate_pipeline(const RunConfig& c) {
                      router_controller_name(c.model.router_controller)));
   refuse(c.placement.enabled(),
          fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
-  refuse(c.grad.sparse_experts, "grad.sparse_experts = true");
   refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));
 }
 

@@ -258,6 +258,9 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
                        "model.capacity=dynamic", "model.capacity_factor=1.25"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.expert_reweight=importance"});
+  // Sparse expert gradients: each stage masks its own layers (pipeline_sparse_test.cpp).
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "grad.sparse_experts=true", "grad.min_accum_fraction=1"});
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
       {{"dist.ep=2", "dist.hierarchical=true"}, "dist.hierarchical = true"},
       {{"dist.ep=2", "dist.adaptive_route=true"}, "dist.adaptive_route = true"},
@@ -266,7 +269,7 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
       {{"dist.sync=params"}, "dist.sync = params"},
       {{"train.recompute=full"}, "train.recompute = full"},
       {{"train.precision=fp16"}, "train.precision = fp16"},
-      {{"grad.sparse_experts=true"}, "grad.sparse_experts = true"},
+      {{"grad.sparse_ratio=0.5"}, "grad.sparse_ratio = 0.5"},
   };
   for (const auto& [keys, named] : refused) {
     std::vector<std::string> all = {"dist.pp=2", "train.grad_accum=2"};
