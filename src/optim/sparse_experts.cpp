@@ -4,10 +4,19 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "core/check.h"
 
 namespace moetrain {
+
+namespace {
+
+double share(int64_t part, int64_t whole) {
+  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
+}
+
+}  // namespace
 
 std::vector<ExpertPiece> expert_pieces(const ParamTable& layout) {
   // The block of an expert tensor is its name up to ".experts.".
@@ -78,6 +87,13 @@ SparseExperts::SparseExperts(const ParamTable& layout, int64_t layers, int64_t E
                    layers);
   counts_.assign(static_cast<std::size_t>(A * layers * E), 0);
   active_.assign(static_cast<std::size_t>(layers * E), 1);
+  held_.assign(static_cast<std::size_t>(layers), 1);
+}
+
+void SparseExperts::hold_layers(std::vector<uint8_t> held) {
+  MOETRAIN_CHECK(static_cast<int64_t>(held.size()) == layers_,
+                 "sparse experts: {} held-layer flags for {} MoE layers", held.size(), layers_);
+  held_ = std::move(held);
 }
 
 void SparseExperts::start_step() {
@@ -93,17 +109,26 @@ void SparseExperts::record(int64_t micro, int64_t layer, const int64_t* tokens_p
 void SparseExperts::agree(Comm& comm) {
   comm.allreduce(counts_.data(), static_cast<int64_t>(counts_.size()));
   active_ = active_experts(counts_, A_, layers_ * E_, p_);
+  const int64_t keys = layers_ * E_;
+  for (int64_t k = 0; k < keys; ++k)
+    if (!held_[static_cast<std::size_t>(k / E_)]) active_[static_cast<std::size_t>(k)] = 1;
   frozen_ = frozen_ranges(pieces_, active_);
   inactive_ = static_cast<int64_t>(std::count(active_.begin(), active_.end(), uint8_t{0}));
-  int64_t touched = 0, masked = 0;
-  const int64_t keys = layers_ * E_;
+  touched_ = 0, masked_ = 0;
   for (int64_t a = 0; a < A_; ++a)
     for (int64_t k = 0; k < keys; ++k)
       if (counts_[a * keys + k] > 0) {
-        ++touched;
-        if (!active_[k]) ++masked;
+        ++touched_;
+        if (!active_[k]) ++masked_;
       }
-  masked_share_ = touched > 0 ? static_cast<double>(masked) / static_cast<double>(touched) : 0.0;
+  masked_share_ = share(masked_, touched_);
+}
+
+void SparseExperts::sum_figures(Comm& comm) {
+  int64_t figures[3] = {inactive_, touched_, masked_};
+  comm.allreduce(figures, 3);
+  inactive_ = figures[0], touched_ = figures[1], masked_ = figures[2];
+  masked_share_ = share(masked_, touched_);
 }
 
 void SparseExperts::zero_frozen(float* grads) {

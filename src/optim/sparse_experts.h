@@ -58,8 +58,17 @@ class SparseExperts {
   // After micro-batch `micro`'s forward: tokens_per_expert of each MoE layer (this process's,
   // after dropping).
   void record(int64_t micro, int64_t layer, const int64_t* tokens_per_expert);
-  // Collective over comm (every process holding tokens): the mask from every micro-batch.
+  // The MoE layers (layers) this process's mask decides: dist.pp > 1 gives each stage its own
+  // layers, which only its processes route. The others' keys count as active here (nothing of
+  // them is reduced or stepped on this process) and stay out of inactive() and masked_share().
+  // Every layer by default.
+  void hold_layers(std::vector<uint8_t> held);
+  // Collective over comm (every process whose tokens reach the held layers: the world, or a
+  // stage's copies): the mask from every micro-batch.
   void agree(Comm& comm);
+  // Collective over comm (the pipe: one process of each stage, which hold disjoint layers):
+  // inactive() and masked_share() become the whole model's. The mask stays this process's.
+  void sum_figures(Comm& comm);
 
   // (A, layers, E) the tokens each expert received in each micro-batch of the step: this
   // process's as recorded, summed over every process once agree ran. A parameter-server worker
@@ -86,7 +95,10 @@ class SparseExperts {
   std::vector<int64_t> counts_;  // (A, layers, E)
   std::vector<uint8_t> active_;
   std::vector<FrozenRange> frozen_;
+  std::vector<uint8_t> held_;  // (layers) hold_layers
   int64_t inactive_ = 0;
+  // (expert, micro-batch) pairs that computed a gradient, and those of them masked.
+  int64_t touched_ = 0, masked_ = 0;
   double masked_share_ = 0;
   std::vector<uint8_t> known_zero_;  // (keys) rows that hold zeros since the last zero_frozen
 };

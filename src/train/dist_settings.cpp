@@ -287,10 +287,9 @@ void validate_pipeline(const RunConfig& c) {
   refuse(d.zero > 1, fmt::format("dist.zero = {} (ZeRO-1 runs)", d.zero));
   refuse(d.local_steps(), "dist.sync = params");
   // Expert parallelism runs inside each stage (dist.ep divides the stage's processes, checked
-  // where the process groups are made); its flat all-to-all only.
+  // where the process groups are made); its flat all-to-all only, chunked or not.
   refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
   refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
-  refuse(d.a2a_chunks > 1, fmt::format("dist.a2a_chunks = {}", d.a2a_chunks));
   refuse(d.grad_reduce_dtype == "int8",
          "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");
   refuse(d.offloaded(), "dist.offload = host_file");
@@ -303,7 +302,6 @@ void validate_pipeline(const RunConfig& c) {
                      router_controller_name(c.model.router_controller)));
   refuse(c.placement.enabled(),
          fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
-  refuse(c.grad.sparse_experts, "grad.sparse_experts = true");
   refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));
 }
 

@@ -52,6 +52,15 @@ std::vector<int64_t> pipe_stage_chunks(int64_t p, int64_t vp, int64_t s) {
   return out;
 }
 
+std::vector<char> pipe_stage_layers(int64_t L, int64_t p, int64_t vp, int64_t s) {
+  std::vector<char> held(static_cast<std::size_t>(L), 0);
+  for (const int64_t c : pipe_stage_chunks(p, vp, s)) {
+    const auto [first, end] = pipe_stage_blocks(L, p * vp, c);
+    std::fill(held.begin() + first, held.begin() + end, 1);
+  }
+  return held;
+}
+
 std::vector<FlatRange> pipe_stage_params(const Transformer& model, int64_t p, int64_t vp,
                                          int64_t s) {
   const int64_t L = model.config().n_layers;
@@ -165,10 +174,13 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
     PhaseScope zero(Phase::GradZero);
     if (args.zero_grads) {
       args.zero_grads();
+    } else if (args.sparse) {
+      args.sparse->zero_grads(grads, n);
     } else {
       std::fill(grads, grads + n, 0.0f);
     }
   }
+  if (args.sparse) args.sparse->start_step();
   // The optimizer changed the weights since the last step: the slots' low-precision copies are
   // stale (the trainer's model is told by the step engine).
   for (Transformer* m : made()) m->weights_changed();
@@ -247,6 +259,11 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
         if (const int64_t q = m.moe_index(l); q >= 0)
           mine[static_cast<std::size_t>(q)] = layers[static_cast<std::size_t>(q)];
       detail::accumulate_stats(mine, args.dropped_divisor, acc);
+      if (args.sparse)
+        for (std::size_t q = 0; q < mine.size(); ++q)
+          if (mine[q])
+            args.sparse->record(op.micro, static_cast<int64_t>(q),
+                                mine[q]->stats().tokens_per_expert.data());
     } else {
       MOETRAIN_CHECK(op.kind == PipeOp::Backward,
                      "pipeline: the executor runs forward and backward passes (gpipe, 1f1b, "
@@ -277,11 +294,7 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
   }
   // The layers of this stage's chunks.
   const int64_t L = model.config().n_layers;
-  std::vector<char> held(static_cast<std::size_t>(L), 0);
-  for (const int64_t c : pipe_stage_chunks(p, vp, s)) {
-    const auto [first, end] = pipe_stage_blocks(L, chunks, c);
-    std::fill(held.begin() + first, held.begin() + end, 1);
-  }
+  const std::vector<char> held = pipe_stage_layers(L, p, vp, s);
   // Every rank runs every layer's capacity controller on the step's figures summed over the
   // world, so the factor another stage's layer ran with is the one this rank's copy holds.
   for (int64_t l = 0; l < L; ++l)

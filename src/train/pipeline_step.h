@@ -56,6 +56,9 @@ std::pair<int64_t, int64_t> pipe_stage_blocks(int64_t L, int64_t p, int64_t s);
 // The model chunks stage s of p holds with vp chunks a stage: s, s + p, …, s + (vp − 1)p.
 std::vector<int64_t> pipe_stage_chunks(int64_t p, int64_t vp, int64_t s);
 
+// (L) 1 for each of the L blocks stage s of p holds with vp chunks a stage.
+std::vector<char> pipe_stage_layers(int64_t L, int64_t p, int64_t vp, int64_t s);
+
 // The flat ranges of the parameters stage s of p holds with vp chunks a stage, ascending and
 // disjoint: each chunk's blocks, the embedding with chunk 0, the final norm and the head with the
 // last chunk (one range when vp = 1).
@@ -75,6 +78,8 @@ class PipelineRunner {
   int64_t replicas() const { return setup_.replicas; }
   PipeSchedule schedule() const { return setup_.schedule; }
   int64_t chunks_per_stage() const { return setup_.chunks_per_stage; }
+  // The pipe's processes (rank q = stage q), one of each stage.
+  Comm& pipe_comm() const { return *setup_.comm; }
   // Activation slots this stage uses for A micro-batches a step, the most of any of its chunks;
   // the most slots any of its chunks has made so far.
   int64_t slots(int64_t micro_batches) const;
@@ -87,6 +92,7 @@ class PipelineRunner {
   // of loss_weight · total. The loss parts are this stage's (cross-entropy and targets on the
   // last stage only; each stage its MoE layers' shares of aux and z), as are the MoE figures
   // (other stages' layers stay zero): summed over the pipe they are the whole model's.
+  // args.sparse records each forward's routing of this stage's MoE layers under its micro-batch.
   Accumulated accumulate(Transformer& model, const float* params, float* grads, int64_t n,
                          const AccumulateArgs<TokenBatch>& args);
   // Collective over the pipe: the passes of the last accumulate() on every stage as a trace

@@ -71,10 +71,23 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   }
   DataParallel dp = make_data_parallel(layout, expert_shard_, *pg_, rs);
   zero3_ = std::move(dp.zero3);
-  if (cfg_.grad.sparse_experts && !moe.empty())
+  if (cfg_.grad.sparse_experts && !moe.empty()) {
     sparse_ = std::make_unique<SparseExperts>(layout, static_cast<int64_t>(moe.size()),
                                               cfg_.moe.n_experts, cfg_.micro_batches,
                                               cfg_.grad.min_accum_fraction);
+    if (pipe_) {
+      // A stage masks its own MoE layers: only its processes route tokens through them.
+      const auto& lm = dynamic_cast<const Transformer&>(model_);
+      const std::vector<char> blocks =
+          pipe_stage_layers(lm.config().n_layers, pipe_->stages(), pipe_->chunks_per_stage(),
+                            pipe_->stage());
+      std::vector<uint8_t> held(moe.size(), 0);
+      for (std::size_t l = 0; l < blocks.size(); ++l)
+        if (const int64_t q = lm.moe_index(static_cast<int64_t>(l)); q >= 0 && blocks[l])
+          held[static_cast<std::size_t>(q)] = 1;
+      sparse_->hold_layers(std::move(held));
+    }
+  }
   reducer_ = std::move(dp.reducer);
   buckets_ = dp.buckets;
   averager_ = std::move(dp.averager);
@@ -206,9 +219,12 @@ void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
   }
   h.sparse = sparse_.get();
   h.before_last_backward = [this] {
-    // Every micro-batch is routed: the mask is known before the first bucket is posted.
+    // Every micro-batch is routed: the mask is known before the first bucket is posted. It is
+    // agreed over the processes whose tokens the MoE layers route (moe_stats: the world, or
+    // under dist.pp a stage's copies, which run the same passes; the world would wait on stages
+    // still computing, which wait on this one's sends).
     if (sparse_) {
-      sparse_->agree(*pg_->control);
+      sparse_->agree(*pg_->moe_stats);
       reducer_->set_active_experts(sparse_->active());
     }
     reducer_->begin(grads_.data());
@@ -320,6 +336,9 @@ StepResult StepEngine::end_step(Accumulated& acc, const Timer& step_timer, doubl
   r.comm = meter_->parts(acc, up.inline_s, up.blocked_s, up.outcome.skipped,
                          static_cast<double>(A));
   meter_.reset();
+  // Each stage masked its own layers: the frozen count and the masked share are the whole
+  // model's summed over the pipe (nothing is in flight on the communication thread now).
+  if (sparse_ && pipe_) sparse_->sum_figures(pipe_->pipe_comm());
   // Masked experts' gradient computations were made and thrown away.
   if (sparse_ && !up.outcome.skipped)
     r.comm.grad_discarded += static_cast<double>(A) * sparse_->masked_share();

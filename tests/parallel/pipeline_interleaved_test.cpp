@@ -253,42 +253,50 @@ TEST(PipelineInterleaved, ExpertParallelChunksFollowTheExpertParallelRunBitwise)
   world->barrier();
   dist_local_size();  // found collectively over every process, before a trainer runs on half
   auto half = world->split(r / 2, r % 2, {"half"});
-  auto ref_file = [&](int c) { return dir / ("ref_params" + std::to_string(c) + ".bin"); };
-  if (r < 2) {
-    Trainer t(make_config(dir / "data", dir / "ep", 1, 1, {"dist.ep=2"}), false,
-              half->dup("ep_run"));
+  // dist.a2a_chunks = 2 cuts each exchange in two on the communication thread, both with and
+  // without stages: the stages' copies run the chunks as the ranks without stages do.
+  for (const std::string chunks : {"1", "2"}) {
+    SCOPED_TRACE("dist.a2a_chunks = " + chunks);
+    const std::vector<std::string> keys = {"dist.ep=2", "dist.a2a_chunks=" + chunks};
+    const fs::path ref_dir = dir / ("ep_chunks" + chunks);
+    auto ref_file = [&](int c) {
+      return dir / ("ref_params" + chunks + "_" + std::to_string(c) + ".bin");
+    };
+    if (r < 2) {
+      Trainer t(make_config(dir / "data", ref_dir, 1, 1, keys), false, half->dup("ep_run"));
+      t.run();
+      std::ofstream(ref_file(r), std::ios::binary)
+          .write(reinterpret_cast<const char*>(t.params().data()),
+                 static_cast<std::streamsize>(t.params().size() * sizeof(float)));
+    }
+    world->barrier();
+    const fs::path run_dir = dir / ("pp_ep_chunks" + chunks);
+    Trainer t(make_config(dir / "data", run_dir, 2, 2, keys), false,
+              dist_world("interleaved_ep_run"));
     t.run();
-    std::ofstream(ref_file(r), std::ios::binary)
-        .write(reinterpret_cast<const char*>(t.params().data()),
-               static_cast<std::streamsize>(t.params().size() * sizeof(float)));
+    const Outcome got = finish(t, run_dir);
+    const PipelineRunner* pipe = t.pipeline();
+    ASSERT_NE(pipe, nullptr);
+    std::vector<char> held = held_values(t);
+    for (std::size_t i = 0; i < held.size(); ++i) held[i] &= got.held[i];
+    std::vector<float> ref(t.params().size());
+    std::ifstream(ref_file(static_cast<int>(pipe->replica())), std::ios::binary)
+        .read(reinterpret_cast<char*>(ref.data()),
+              static_cast<std::streamsize>(ref.size() * sizeof(float)));
+    EXPECT_EQ(differ_held(got.params, ref, held), 0)
+        << "stage " << pipe->stage() << " copy " << pipe->replica()
+        << ": parameters differ from the run without stages";
+    if (r == 0) {
+      EXPECT_LE(max_rel(got.losses, metric(ref_dir, "loss")), 1e-12);
+      EXPECT_EQ(got.val_losses, metric(ref_dir, "val_loss"));
+      const std::string step = "checkpoints/step_00000006";
+      const auto mine = read_all_tensors(run_dir / step);
+      EXPECT_GT(mine.size(), 10u);
+      EXPECT_TRUE(mine == read_all_tensors(ref_dir / step))
+          << "the interleaved pp x ep checkpoint differs from the run without stages'";
+    }
+    world->barrier();
   }
-  world->barrier();
-  const fs::path run_dir = dir / "pp_ep";
-  Trainer t(make_config(dir / "data", run_dir, 2, 2, {"dist.ep=2"}), false,
-            dist_world("interleaved_ep_run"));
-  t.run();
-  const Outcome got = finish(t, run_dir);
-  const PipelineRunner* pipe = t.pipeline();
-  ASSERT_NE(pipe, nullptr);
-  std::vector<char> held = held_values(t);
-  for (std::size_t i = 0; i < held.size(); ++i) held[i] &= got.held[i];
-  std::vector<float> ref(t.params().size());
-  std::ifstream(ref_file(static_cast<int>(pipe->replica())), std::ios::binary)
-      .read(reinterpret_cast<char*>(ref.data()),
-            static_cast<std::streamsize>(ref.size() * sizeof(float)));
-  EXPECT_EQ(differ_held(got.params, ref, held), 0)
-      << "stage " << pipe->stage() << " copy " << pipe->replica()
-      << ": parameters differ from the run without stages";
-  if (r == 0) {
-    EXPECT_LE(max_rel(got.losses, metric(dir / "ep", "loss")), 1e-12);
-    EXPECT_EQ(got.val_losses, metric(dir / "ep", "val_loss"));
-    const std::string step = "checkpoints/step_00000006";
-    const auto mine = read_all_tensors(run_dir / step);
-    EXPECT_GT(mine.size(), 10u);
-    EXPECT_TRUE(mine == read_all_tensors(dir / "ep" / step))
-        << "the interleaved pp x ep checkpoint differs from the run without stages'";
-  }
-  world->barrier();
 }
 
 // What the interleaved schedule cannot run, refused naming the key before anything is written:
