@@ -28,6 +28,7 @@
 #include "support/held_values.h"
 #include "support/run_metrics.h"
 #include "support/shared_dir.h"
+#include "parallel/pipeline_runs.h"  // tests/parallel/pipeline_runs.h
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -79,12 +80,7 @@ RunConfig make_config(const fs::path& data, const fs::path& run, int64_t pp,
 // The values of the trainer's rank: all but other ranks' experts, within its stage's ranges.
 std::vector<char> held_by(Trainer& t) {
   std::vector<char> held = held_values(t);
-  const PipelineRunner* pipe = t.pipeline();
-  if (!pipe) return held;
-  std::vector<char> stage(held.size(), 0);
-  for (const FlatRange& r :
-       pipe_stage_params(t.model(), pipe->stages(), pipe->chunks_per_stage(), pipe->stage()))
-    std::fill_n(stage.begin() + r.offset, r.size, 1);
+  const std::vector<char> stage = stage_values(t);
   for (std::size_t i = 0; i < held.size(); ++i) held[i] &= stage[i];
   return held;
 }

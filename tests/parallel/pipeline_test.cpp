@@ -27,6 +27,7 @@
 #include "support/run_metrics.h"
 #include "support/shared_dir.h"
 #include "support/temp_dir.h"
+#include "parallel/pipeline_runs.h"  // tests/parallel/pipeline_runs.h
 #include "train/run_config.h"
 #include "train/trainer.h"
 
@@ -36,62 +37,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int64_t kSteps = 6, kAccum = 4;
+constexpr int64_t kSteps = kPipeSteps, kAccum = kPipeAccum;
+using Outcome = PipeOutcome;
 
 RunConfig make_config(const fs::path& data, const fs::path& run, int64_t pp,
                       const std::string& schedule, std::vector<std::string> extra = {}) {
-  std::vector<std::string> keys = {"model.dim=32",
-                                   "model.n_layers=4",
-                                   "model.n_heads=4",
-                                   "model.n_kv_heads=2",
-                                   "model.expert_hidden=24",
-                                   "model.n_experts=4",
-                                   "model.top_k=2",
-                                   "model.shared_expert_hidden=16",
-                                   "model.dense_every=3",
-                                   "model.max_seq_len=16",
-                                   "train.batch_size=2",
-                                   "train.seq_len=16",
-                                   "train.steps=" + std::to_string(kSteps),
-                                   "train.grad_accum=" + std::to_string(kAccum),
-                                   "train.eval_every=3",
-                                   "train.eval_batches=2",
-                                   "train.checkpoint_every=3",
-                                   "train.keep_checkpoints=3",
-                                   "train.progress=off",
-                                   "train.precision=f32",
-                                   "optim.warmup_steps=2",
-                                   "optim.grad_clip=0",
-                                   "data.dir=" + data.string(),
-                                   "train.run_dir=" + run.string(),
-                                   "dist.pp=" + std::to_string(pp),
-                                   "dist.pp_schedule=" + schedule};
-  keys.insert(keys.end(), extra.begin(), extra.end());
-  return load_run_config("", keys);
+  return pipeline_config(data, run, pp, schedule, 1, extra);
 }
 
-struct Outcome {
-  std::vector<float> params;
-  std::vector<char> held;  // the values of this rank's stage
-  std::vector<double> losses, val_losses, grad_norms;
-  int64_t slots = 0, stage = 0, stages = 1;  // activation slots the stage made
-};
-
-Outcome finish(Trainer& t, const fs::path& run) {
-  Outcome o{{t.params().begin(), t.params().end()}, {}, {}, {}, {}};
-  o.held.assign(o.params.size(), 0);
-  const PipelineRunner* pipe = t.pipeline();
-  const std::vector<FlatRange> mine =
-      pipe ? pipe_stage_params(t.model(), pipe->stages(), pipe->chunks_per_stage(), pipe->stage())
-           : std::vector<FlatRange>{{0, static_cast<int64_t>(o.params.size())}};
-  for (const FlatRange& r : mine) std::fill_n(o.held.begin() + r.offset, r.size, 1);
-  if (pipe) o.slots = pipe->slots_made(), o.stage = pipe->stage(), o.stages = pipe->stages();
-  if (t.rank() == 0) {
-    o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
-    o.grad_norms = metric(run, "grad_norm");
-  }
-  return o;
-}
+Outcome finish(Trainer& t, const fs::path& run) { return finish_pipeline_run(t, run); }
 
 // The one-process run, on every rank (each its own).
 Outcome run_single(const fs::path& data, const fs::path& run) {

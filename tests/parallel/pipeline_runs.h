@@ -1,0 +1,89 @@
+// Test support for the pipeline tests (tests/parallel/pipeline_*_test.cpp): the small MoE LM they
+// train with and without stages, which values a stage holds, and what a run leaves to compare.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "support/run_metrics.h"
+#include "train/pipeline_step.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+namespace moetrain::testing {
+
+inline constexpr int64_t kPipeSteps = 6, kPipeAccum = 4;
+
+// 4 blocks (MoE in three, with a shared expert: dense_every 3), 4 experts top-2, kPipeAccum
+// micro-batches of 2 rows a step, validation and checkpoints at steps 3 and 6, f32, clip off.
+// pp = 1: the run without stages; vp > 1 with the interleaved schedule.
+inline RunConfig pipeline_config(const std::filesystem::path& data,
+                                 const std::filesystem::path& run, int64_t pp,
+                                 const std::string& schedule, int64_t vp = 1,
+                                 const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> keys = {"model.dim=32",
+                                   "model.n_layers=4",
+                                   "model.n_heads=4",
+                                   "model.n_kv_heads=2",
+                                   "model.expert_hidden=24",
+                                   "model.n_experts=4",
+                                   "model.top_k=2",
+                                   "model.shared_expert_hidden=16",
+                                   "model.dense_every=3",
+                                   "model.max_seq_len=16",
+                                   "train.batch_size=2",
+                                   "train.seq_len=16",
+                                   "train.steps=" + std::to_string(kPipeSteps),
+                                   "train.grad_accum=" + std::to_string(kPipeAccum),
+                                   "train.eval_every=3",
+                                   "train.eval_batches=2",
+                                   "train.checkpoint_every=3",
+                                   "train.keep_checkpoints=3",
+                                   "train.progress=off",
+                                   "train.precision=f32",
+                                   "optim.warmup_steps=2",
+                                   "optim.grad_clip=0",
+                                   "data.dir=" + data.string(),
+                                   "train.run_dir=" + run.string(),
+                                   "dist.pp=" + std::to_string(pp),
+                                   "dist.pp_schedule=" + schedule};
+  if (vp > 1) keys.push_back("dist.vp=" + std::to_string(vp));
+  keys.insert(keys.end(), extra.begin(), extra.end());
+  return load_run_config("", keys);
+}
+
+// 1 for the values of the trainer's pipeline stage (its chunks' ranges); every value without
+// stages.
+inline std::vector<char> stage_values(Trainer& t) {
+  std::vector<char> held(t.params().size(), 0);
+  const PipelineRunner* pipe = t.pipeline();
+  const std::vector<FlatRange> mine =
+      pipe ? pipe_stage_params(t.model(), pipe->stages(), pipe->chunks_per_stage(), pipe->stage())
+           : std::vector<FlatRange>{{0, static_cast<int64_t>(held.size())}};
+  for (const FlatRange& r : mine) std::fill_n(held.begin() + r.offset, r.size, 1);
+  return held;
+}
+
+struct PipeOutcome {
+  std::vector<float> params;
+  std::vector<char> held;  // the values of this rank's stage
+  std::vector<double> losses, val_losses, grad_norms;  // rank 0's metrics
+  int64_t slots = 0, stage = 0, stages = 1;  // activation slots the stage made
+};
+
+inline PipeOutcome finish_pipeline_run(Trainer& t, const std::filesystem::path& run) {
+  PipeOutcome o;
+  o.params.assign(t.params().begin(), t.params().end());
+  o.held = stage_values(t);
+  if (const PipelineRunner* pipe = t.pipeline())
+    o.slots = pipe->slots_made(), o.stage = pipe->stage(), o.stages = pipe->stages();
+  if (t.rank() == 0) {
+    o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
+    o.grad_norms = metric(run, "grad_norm");
+  }
+  return o;
+}
+
+}  // namespace moetrain::testing
