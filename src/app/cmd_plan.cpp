@@ -55,7 +55,7 @@ Run add_plan_command(CLI::App& app) {
     bool calibrate = false;
     std::string out, config, cluster, profile, load = "uniform";
     std::vector<std::string> overrides, sweep, mpi_args;
-    int64_t procs = 0, ep = 0, tp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
+    int64_t procs = 0, ep = 0, tp = 1, etp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
     std::string recompute, offload;
     bool a2a_dedup = false, a2a_overlap = false;
     std::string pp_schedule, pp_trace;
@@ -100,6 +100,10 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--ep", args->ep, "Expert-parallel size (default: the config's dist.ep)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--tp", args->tp, "Tensor-parallel size (planner only, modelled simply)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--etp", args->etp,
+                  "Expert tensor-parallel size: each expert's hidden size split over this many "
+                  "ranks, EP × ETP folded over TP × DP (planner only)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--pp", args->pp, "Pipeline stages (modelled simply; the trainer runs gpipe and 1f1b)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
@@ -230,6 +234,7 @@ Run add_plan_command(CLI::App& app) {
     const plan::LoadModel load = plan::parse_load(load_spec, cfg.model.n_experts);
     const int64_t cfg_ep = args->ep > 0 ? args->ep : cfg.dist.ep;
     plan::Layout layout{procs, cfg_ep, args->tp, args->pp, args->vp};
+    layout.etp = args->etp;
     layout.zero = args->zero;
     if (!args->recompute.empty()) layout.recompute = parse_recompute(args->recompute);
     if (!args->offload.empty()) {

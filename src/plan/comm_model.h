@@ -88,6 +88,12 @@ struct CommBreakdown {
   // Tensor parallelism's all-reduces of activations: `tp_count` a step of `tensor_parallel`.
   double tp_count = 0;
   Collective tensor_parallel;
+  // Expert tensor parallelism: `etp_count` a step of `expert_tensor_parallel`, an all-gather of
+  // the hot rank's expert rows with the reduce-scatter of their outputs (or of the gradients,
+  // backward) at the mean MoE layer, of expert_tensor_parallel_bytes.
+  double etp_count = 0;
+  double expert_tensor_parallel_bytes = 0;
+  Collective expert_tensor_parallel;
   // Pipeline parallelism: the schedule timed (its name), the activation sends between stages a
   // step (forward and backward, each micro-batch and chunk boundary) of `pipeline_send` each.
   std::string pipe_schedule;

@@ -131,7 +131,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const double N = static_cast<double>(B * T), C = m.dim, V = m.vocab_size;
   const double E = m.n_experts, K = m.top_k, F = m.expert_hidden;
   const int64_t ep = layout.ep, e_local = m.n_experts / ep;
-  const int64_t tp = layout.tp;
+  const int64_t tp = layout.tp, etp = layout.etp;
+  // An expert's share of the hidden size on this rank: ETP splits each expert's columns.
+  const double Fe = F / static_cast<double>(etp);
   StepParts& s = p.parts;
   // Element-wise work streams activations at their stored size: the run's precision on a GPU
   // in bf16/fp16, f32 in this trainer. The router's softmax and top-k stay f32.
@@ -152,9 +154,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   for (const auto& step : load.steps) load_rows = std::max(load_rows, step.size());
   std::vector<std::optional<ExpertLoad>> expert_loads(load_rows);
   // Sequence parallelism in the MoE block: each tensor shard routes its N / tp tokens, and the
-  // experts' EP group folds over the TP × DP ranks (EP × EDP = TP × DP).
+  // experts' EP × ETP group folds over the TP × DP ranks (EP × ETP × EDP = TP × DP). An expert's
+  // rows come from the tokens of all ep · etp ranks of the group: the exchange brings each rank
+  // those its ep − 1 peers of the same ETP position routed there, and the ETP all-gather the
+  // rest.
   const double Nm = N / static_cast<double>(tp);
-  const double assignments = static_cast<double>(ep) * Nm * K;
+  const double assignments = static_cast<double>(ep * etp) * Nm * K;
   const double cap =
       m.capacity_factor > 0 ? std::ceil(assignments / E * m.capacity_factor) : assignments;
   // The exchange's form: flat or 2-D as dist.hierarchical says, or deduplicated per node
@@ -192,13 +197,15 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
           const double n = std::min(cap, std::round(assignments * frac[e]));
           rows += n;
           // As timed at this expert shape: the expert kernels run once per source rank, on the
-          // rows that rank sent (n / ep of them at an even spread).
-          const double epd = static_cast<double>(ep);
-          if (const auto timed = dev.kernels.experts(C, F, n / epd, dtype_code(prec)))
-            t += epd * *timed;
+          // rows that rank sent (n / (ep · etp) of them at an even spread), each ETP rank over
+          // its F / etp columns of every row.
+          const double sources = static_cast<double>(ep * etp);
+          if (const auto timed = dev.kernels.experts(C, static_cast<int64_t>(Fe), n / sources,
+                                                     dtype_code(prec)))
+            t += sources * *timed;
           else
-            t += 2 * linear_fb_time(dev, prec, n, F, C) + linear_fb_time(dev, prec, n, C, F) +
-                 stream_time(dev, 3 * 3 * ab * n * F);
+            t += 2 * linear_fb_time(dev, prec, n, Fe, C) + linear_fb_time(dev, prec, n, C, Fe) +
+                 stream_time(dev, 3 * 3 * ab * n * Fe);
         }
         r.sum += t;
         r.rows_sum += rows;
@@ -256,10 +263,11 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     // link per rank the hot rank's bytes set the time; over one link that all ranks share (the
     // calibrated a2a_receiver_bound towards 0) all ranks' bytes do, which at a given total is
     // the mean rank's send however the rows are spread.
+    // Under ETP the exchange brings the hot rank 1 / etp of its experts' rows.
     const double row_bytes = C * bytes_of(parse_dtype(cfg.dist.a2a_dtype, "dist.a2a_dtype"));
     const double send = Nm * K * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
-    const double recv =
-        worst_rows * row_bytes * static_cast<double>(ep - 1) / static_cast<double>(ep);
+    const double recv = worst_rows / static_cast<double>(etp) * row_bytes *
+                        static_cast<double>(ep - 1) / static_cast<double>(ep);
     const double bound = cluster.a2a_receiver_bound;
     const double charged = send + bound * (std::max(send, recv) - send);
     const Collective a = exchange(charged);
@@ -273,6 +281,17 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
       p.comm.a2a_hot_recv_bytes += recv;
       p.comm.a2a_charged_bytes += charged;
     }
+    // ETP: the experts' rows all-gathered over the etp ranks of an expert before its GEMMs and
+    // the partial outputs (F / etp columns each) reduce-scattered after, forward; the output
+    // gradients all-gathered and the input gradients reduce-scattered, backward. Each pair moves
+    // what one ring all-reduce of the hot rank's rows does, on the critical path.
+    if (etp > 1) {
+      const Collective pair = ring_allreduce(cluster, worst_rows * C * bytes_of(prec), etp,
+                                             etp > cluster.devices_per_node);
+      s.tensor_parallel += 2 * pair.seconds();
+      p.comm.etp_count += 2;
+      p.comm.expert_tensor_parallel_bytes += worst_rows * C * bytes_of(prec);
+    }
   }
   // The exchange written out at the mean MoE layer (each form's time is linear in the bytes).
   CommBreakdown& cm = p.comm;
@@ -285,12 +304,18 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     cm.a2a_late_s = cluster.late_penalty;
     cm.a2a_runs = p.a2a_kind;
   }
+  if (cm.etp_count > 0) {
+    cm.expert_tensor_parallel_bytes /= cm.etp_count / 2;
+    cm.expert_tensor_parallel = ring_allreduce(cluster, cm.expert_tensor_parallel_bytes, etp,
+                                               etp > cluster.devices_per_node);
+  }
   // Pipelining: a stage runs L / pp layers (their mean: dense and MoE layers are taken as spread
   // evenly over the stages).
   for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
                     &s.norms, &s.a2a, &s.tensor_parallel})
     *v /= static_cast<double>(layout.pp);
-  for (double* v : {&cm.a2a_exchanges, &cm.tp_count}) *v *= static_cast<double>(A) / layout.pp;
+  for (double* v : {&cm.a2a_exchanges, &cm.tp_count, &cm.etp_count})
+    *v *= static_cast<double>(A) / layout.pp;
   // Full recomputation runs every layer's forward again in backward: a third more of the
   // layers' compute (forward + backward = 3 forwards), and the forward's two all-to-alls and
   // two TP all-reduces again (6 of each a layer instead of 4). MoE recomputation runs the
@@ -301,7 +326,8 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
                       &s.norms})
       *v *= 4.0 / 3.0;
-    for (double* v : {&s.a2a, &s.tensor_parallel, &cm.a2a_exchanges, &cm.tp_count}) *v *= 1.5;
+    for (double* v : {&s.a2a, &s.tensor_parallel, &cm.a2a_exchanges, &cm.tp_count, &cm.etp_count})
+      *v *= 1.5;
   } else if (recompute == Recompute::Moe) {
     for (double* v : {&s.experts, &s.experts_mean, &s.shared_expert}) *v *= 11.0 / 9.0;
   }
@@ -332,7 +358,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   // MoE layer of the stage (plan/placement_model.h), outside the chunked exchange.
   if (placed.replicas_off_owner > 0) {
     const double rep = 2 * static_cast<double>(m.n_moe_layers()) / static_cast<double>(layout.pp) *
-                       alltoall(cluster, placed.replicas_off_owner * 3 * F * C * 4, ep,
+                       alltoall(cluster, placed.replicas_off_owner * 3 * Fe * C * 4, ep,
                                 cfg.dist.hierarchical)
                            .seconds();
     s.a2a += rep;

@@ -48,7 +48,9 @@ struct StepParts {
   double a2a_exposed = 0;    // what chunking did not hide
   double grad_sync = 0;      // gradient all-reduce (or reduce-scatter + all-gather), total
   double grad_sync_exposed = 0;
-  double tensor_parallel = 0;  // TP all-reduces of activations (not overlapped)
+  // TP all-reduces of activations and ETP's all-gathers / reduce-scatters of expert rows (not
+  // overlapped)
+  double tensor_parallel = 0;
   double pipeline_bubble = 0;  // a stage's idle time in the pipeline schedule, sends included
   double sync = 0;  // small latency-bound collectives (balance statistics, norm, metrics)
   double compute() const {

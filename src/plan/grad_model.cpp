@@ -13,7 +13,7 @@ namespace moetrain::plan {
 LocalParams local_params(const ModelConfig& m, const Layout& layout) {
   const ParamCounts pc = count_params(m);
   return {pc.dense / static_cast<double>(layout.tp * layout.pp),
-          pc.expert / static_cast<double>(layout.ep * layout.pp)};
+          pc.expert / static_cast<double>(layout.ep * layout.etp * layout.pp)};
 }
 
 namespace {

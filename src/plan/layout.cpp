@@ -21,6 +21,7 @@ std::string pipeline_lacks(const Layout& l) {
 std::string planner_only(const Layout& l) {
   std::vector<std::string> lacks;
   if (l.tp > 1) lacks.push_back("tensor parallelism");
+  if (l.etp > 1) lacks.push_back("expert tensor parallelism");
   if (const std::string p = pipeline_lacks(l); !p.empty())
     lacks.push_back("pipeline parallelism " + p);
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
@@ -39,18 +40,19 @@ std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, con
   if (layout.tp < 1 || layout.pp < 1 || layout.vp < 1)
     return fmt::format("--tp {} --pp {} --vp {}: each must be ≥ 1", layout.tp, layout.pp,
                        layout.vp);
+  if (layout.etp < 1) return fmt::format("--etp {}: it must be ≥ 1", layout.etp);
   if (layout.zero > 3)
     return fmt::format("--zero {}: allowed are 0, 1, 2 and 3", layout.zero);
   if (layout.procs % (layout.tp * layout.pp) != 0)
     return fmt::format("--tp {} × --pp {} must divide the processes ({})", layout.tp, layout.pp,
                        layout.procs);
-  // The experts fold EP over a stage's TP × DP ranks.
-  if ((layout.procs / layout.pp) % layout.ep != 0)
-    return fmt::format("dist.ep = {} must divide the processes ({}): EP × EDP = TP × DP",
-                       layout.ep,
-                       layout.pp == 1 ? fmt::format("{}", layout.procs)
-                                      : fmt::format("{} per pipeline stage",
-                                                    layout.procs / layout.pp));
+  // The experts fold EP × ETP over a stage's TP × DP ranks.
+  if ((layout.procs / layout.pp) % (layout.ep * layout.etp) != 0)
+    return fmt::format(
+        "dist.ep = {}{} must divide the processes ({}): EP × ETP × EDP = TP × DP", layout.ep,
+        layout.etp > 1 ? fmt::format(" × --etp {}", layout.etp) : std::string(),
+        layout.pp == 1 ? fmt::format("{}", layout.procs)
+                       : fmt::format("{} per pipeline stage", layout.procs / layout.pp));
   if (m.n_layers % (layout.pp * layout.vp) != 0)
     return fmt::format("model.n_layers = {} must be divisible by --pp {} × --vp {}", m.n_layers,
                        layout.pp, layout.vp);
@@ -58,6 +60,12 @@ std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, con
   if (m.n_heads % layout.tp != 0 || (!m.mla() && m.n_kv_heads % layout.tp != 0))
     return fmt::format("--tp {} must divide model.n_heads = {} and model.n_kv_heads = {}",
                        layout.tp, m.n_heads, m.n_kv_heads);
+  if (layout.etp > 1 && (m.n_moe_layers() == 0 || m.expert_hidden % layout.etp != 0))
+    return m.n_moe_layers() == 0
+               ? fmt::format("--etp {}: the model has no MoE layer whose experts it could split",
+                             layout.etp)
+               : fmt::format("--etp {} must divide model.expert_hidden = {}", layout.etp,
+                             m.expert_hidden);
   if (m.n_experts % layout.ep != 0)
     return fmt::format("dist.ep = {} must divide model.n_experts = {}", layout.ep, m.n_experts);
   if (layout.pp > 1) {

@@ -12,14 +12,20 @@
 
 namespace moetrain::plan {
 
-// world = PP × TP × DP for the dense layers; the experts fold EP over the same TP × DP ranks of a
-// stage (Megatron-Core's parallel folding): EP × EDP = TP × DP. Tensor (tp) and pipeline (pp,
+// world = PP × TP × DP for the dense layers; the experts fold EP × ETP over the same TP × DP ranks
+// of a stage (Megatron-Core's parallel folding): EP × ETP × EDP = TP × DP, the experts' layout
+// chosen apart from the attention's (EP may exceed DP; ETP splits each expert's hidden size, as
+// TP splits the attention's heads). Tensor (tp, etp) and pipeline (pp,
 // with vp virtual stages per rank) parallelism are modelled simply (docs/plan.md), for published
-// runs that use them; the trainer runs tp = 1 and the pipelines of pipeline_lacks.
+// runs that use them; the trainer runs tp = etp = 1 and the pipelines of pipeline_lacks.
 struct Layout {
   int64_t procs = 1;
   int64_t ep = 1;
   int64_t tp = 1, pp = 1, vp = 1;
+  // Expert tensor parallelism: each expert's hidden size (model.expert_hidden) split over etp
+  // ranks, which all-gather the rows the expert exchange brought them and reduce-scatter the
+  // experts' outputs (Megatron-Core's expert_tensor_parallel_size).
+  int64_t etp = 1;
   // How the state and activations are kept. zero < 0: the config's dist.zero (the trainer runs
   // ZeRO 0–2; 3 is the planner's only). recompute: activation recomputation (moe/recompute.h),
   // unset: the config's train.recompute.
@@ -43,8 +49,9 @@ struct Layout {
   }
   // Processes holding the same layers and tensor shard: the data-parallel world of one stage.
   int64_t stage() const { return procs / (tp * pp); }
-  // Replicas of each expert: EP folds over the stage's tensor shards and data-parallel ranks.
-  int64_t dp() const { return procs / pp / ep; }
+  // Replicas of each expert shard (EDP): EP × ETP folds over the stage's tensor shards and
+  // data-parallel ranks.
+  int64_t dp() const { return procs / pp / (ep * etp); }
 };
 
 // Why `moetrain train` cannot run this layout's pipeline ("with ZeRO-2", "under the zero_bubble
@@ -55,7 +62,7 @@ std::string pipeline_lacks(const Layout& l);
 // Whether `moetrain train` runs this layout: tensor parallelism, the pipelines of pipeline_lacks
 // and the deduplicated all-to-all are the planner's only.
 inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && pipeline_lacks(l).empty() && !l.a2a_dedup && !l.a2a_overlap;
+  return l.tp == 1 && l.etp == 1 && pipeline_lacks(l).empty() && !l.a2a_dedup && !l.a2a_overlap;
 }
 // "planner only: moetrain train has no tensor parallelism yet", naming what the trainer lacks;
 // empty where it runs the layout.

@@ -26,6 +26,7 @@ Recompute recompute_mode(const RunConfig& cfg, const Layout& layout) {
 RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelerator) {
   RankLayout l = trainer_layout(cfg, layout.procs, 0);
   l.ep = layout.ep;
+  l.etp = layout.etp;
   l.tp = layout.tp, l.pp = layout.pp;
   if (layout.pp > 1) {
     // The first stage's micro-batches in flight under the layout's schedule (equal passes; the

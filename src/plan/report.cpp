@@ -47,6 +47,10 @@ nlohmann::json comm_json(const CommBreakdown& c) {
           {"reductions", reductions},
           {"tensor_parallel",
            {{"per_step", c.tp_count}, {"each", collective_json(c.tensor_parallel)}}},
+          {"expert_tensor_parallel",
+           {{"per_step", c.etp_count},
+            {"bytes", c.expert_tensor_parallel_bytes},
+            {"each", collective_json(c.expert_tensor_parallel)}}},
           {"pipeline",
            {{"schedule", c.pipe_schedule},
             {"sends_per_step", c.pipe_sends},
@@ -61,6 +65,7 @@ nlohmann::json to_json(const Prediction& p) {
   return {
       {"procs", p.layout.procs},
       {"ep", p.layout.ep},
+      {"etp", p.layout.etp},
       {"dp", p.layout.dp()},
       {"tp", p.layout.tp},
       {"pp", p.layout.pp},
@@ -228,7 +233,15 @@ std::string format_comm(const Prediction& p) {
   if (c.tp_count > 0)
     out += fmt::format("  tensor parallelism: {} all-reduces a step of {} = {}; {} a step\n",
                        count(c.tp_count), duration(c.tensor_parallel.seconds()),
-                       formula(c.tensor_parallel), duration(s.tensor_parallel));
+                       formula(c.tensor_parallel),
+                       duration(c.tp_count * c.tensor_parallel.seconds()));
+  if (c.etp_count > 0)
+    out += fmt::format(
+        "  expert tensor parallelism: {} all-gather + reduce-scatter pairs a step of {} = {}; "
+        "{} a step\n",
+        count(c.etp_count), duration(c.expert_tensor_parallel.seconds()),
+        formula(c.expert_tensor_parallel),
+        duration(c.etp_count * c.expert_tensor_parallel.seconds()));
   if (c.pipe_sends > 0)
     out += fmt::format("  pipeline ({}): {} sends a step of {} = {}; bubble {} a step\n",
                        c.pipe_schedule, count(c.pipe_sends),
@@ -247,6 +260,8 @@ std::string format_table(const std::vector<Prediction>& ps) {
   row("layout (procs/ep/dp)", [](const Prediction& p) {
     return fmt::format("{}/{}/{}", p.layout.procs, p.layout.ep, p.layout.dp());
   });
+  if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return p.layout.etp > 1; }))
+    row("expert tensor shards", [](const Prediction& p) { return fmt::format("{}", p.layout.etp); });
   if (std::any_of(ps.begin(), ps.end(),
                   [](const Prediction& p) { return p.layout.tp * p.layout.pp > 1; }))
     row("tp/pp/vp", [](const Prediction& p) {

@@ -24,14 +24,15 @@ int64_t sweep_count(const std::string& spec, const std::string& item) {
 }  // namespace
 
 Sweep parse_sweep(const std::vector<std::string>& specs, const Layout& layout, bool hierarchical) {
-  Sweep s{{layout.procs}, {layout.tp}, {layout.pp}, {layout.ep}, {hierarchical}};
+  Sweep s{{layout.procs}, {layout.tp}, {layout.pp}, {layout.ep}, {layout.etp}, {hierarchical}};
   std::vector<std::string> seen;
   for (const std::string& spec : specs) {
     const auto eq = spec.find('=');
     const std::string key = spec.substr(0, eq);
-    const bool count_key = key == "procs" || key == "tp" || key == "pp" || key == "ep";
+    const bool count_key =
+        key == "procs" || key == "tp" || key == "pp" || key == "ep" || key == "etp";
     MOETRAIN_CHECK(eq != std::string::npos && (count_key || key == "a2a"),
-                   "--sweep {}: expected procs=P1,P2,..., tp=…, pp=…, ep=E1,E2,... or "
+                   "--sweep {}: expected procs=P1,P2,..., tp=…, pp=…, ep=E1,E2,..., etp=… or "
                    "a2a=flat,hierarchical (e.g. --sweep ep=1,2,4 --sweep a2a=flat,hierarchical)",
                    spec);
     MOETRAIN_CHECK(std::find(seen.begin(), seen.end(), key) == seen.end(),
@@ -54,6 +55,7 @@ Sweep parse_sweep(const std::vector<std::string>& specs, const Layout& layout, b
     if (key == "tp") s.tp = counts, s.tp_swept = true;
     if (key == "pp") s.pp = counts, s.pp_swept = true;
     if (key == "ep") s.ep = counts;
+    if (key == "etp") s.etp = counts, s.etp_swept = true;
     if (key == "a2a") s.hierarchical = kinds, s.a2a_swept = true;
   }
   return s;
@@ -65,6 +67,7 @@ std::string sweep_label(const Sweep& sweep, const SweepPoint& point) {
   if (sweep.tp_swept) l += fmt::format("tp={} ", point.layout.tp);
   if (sweep.pp_swept) l += fmt::format("pp={} ", point.layout.pp);
   l += fmt::format("ep={}", point.layout.ep);
+  if (sweep.etp_swept) l += fmt::format(" etp={}", point.layout.etp);
   if (sweep.a2a_swept) l += point.hierarchical ? " a2a=hierarchical" : " a2a=flat";
   return l;
 }
@@ -78,19 +81,21 @@ SweepResult run_sweep(const RunConfig& cfg, const std::function<ClusterSpec(int6
     for (const int64_t tp : sweep.tp)
       for (const int64_t pp : sweep.pp)
         for (const int64_t ep : sweep.ep)
-          for (const bool hier : sweep.hierarchical) {
-            SweepPoint pt{base, hier};
-            pt.layout.procs = P, pt.layout.ep = ep, pt.layout.tp = tp, pt.layout.pp = pp;
-            const std::string problem = layout_problem(cfg, cluster, pt.layout);
-            if (!problem.empty()) {
-              r.skipped.push_back(pt), r.why.push_back(problem);
-              continue;
+          for (const int64_t etp : sweep.etp)
+            for (const bool hier : sweep.hierarchical) {
+              SweepPoint pt{base, hier};
+              pt.layout.procs = P, pt.layout.ep = ep, pt.layout.etp = etp, pt.layout.tp = tp;
+              pt.layout.pp = pp;
+              const std::string problem = layout_problem(cfg, cluster, pt.layout);
+              if (!problem.empty()) {
+                r.skipped.push_back(pt), r.why.push_back(problem);
+                continue;
+              }
+              RunConfig c = cfg;
+              c.dist.hierarchical = hier;
+              r.points.push_back(pt);
+              r.predictions.push_back(predict(c, cluster, pt.layout, load));
             }
-            RunConfig c = cfg;
-            c.dist.hierarchical = hier;
-            r.points.push_back(pt);
-            r.predictions.push_back(predict(c, cluster, pt.layout, load));
-          }
   }
   std::string reasons;
   for (size_t i = 0; i < r.skipped.size(); ++i)
@@ -168,6 +173,7 @@ nlohmann::json point_json(const SweepPoint& pt) {
           {"tp", pt.layout.tp},
           {"pp", pt.layout.pp},
           {"ep", pt.layout.ep},
+          {"etp", pt.layout.etp},
           {"hierarchical", pt.hierarchical}};
 }
 

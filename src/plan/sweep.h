@@ -13,13 +13,14 @@
 
 namespace moetrain::plan {
 
-// Each dimension given ("procs=16,32,64", "tp=1,2", "pp=1,4", "ep=1,2,4,8",
+// Each dimension given ("procs=16,32,64", "tp=1,2", "pp=1,4", "ep=1,2,4,8", "etp=1,2",
 // "a2a=flat,hierarchical") takes its values, the others keep the command line's; crossed in that
 // order, procs outermost, the all-to-all innermost.
 struct Sweep {
-  std::vector<int64_t> procs, tp, pp, ep;
+  std::vector<int64_t> procs, tp, pp, ep, etp;
   std::vector<bool> hierarchical;
-  bool procs_swept = false, tp_swept = false, pp_swept = false, a2a_swept = false;
+  bool procs_swept = false, tp_swept = false, pp_swept = false, etp_swept = false,
+       a2a_swept = false;
 };
 // Throws naming the spec for an unknown dimension, a value that is not one, or a repeat.
 Sweep parse_sweep(const std::vector<std::string>& specs, const Layout& layout, bool hierarchical);

@@ -202,6 +202,10 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
   if (l.pp > 1)
     layers *= (l.pipe_in_flight > 0 ? l.pipe_in_flight : static_cast<double>(l.pp)) /
               static_cast<double>(l.pp);
+  // Expert tensor parallelism: an expert's ETP ranks each keep the rows their peers gathered to
+  // them (K C a routed token, etp − 1 times more) for the weight gradients of their columns.
+  if (l.etp > 1 && l.recompute != Recompute::Full)
+    layers += ab * N * Lm * static_cast<double>(l.etp - 1) * K * C;
   // Tensor parallelism shards them (taken as all of them: sequence parallelism).
   return (layers + once) / static_cast<double>(l.tp);
 }
@@ -210,18 +214,18 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
 
 MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                            const RankLayout& l) {
-  MOETRAIN_CHECK(l.world >= 1 && l.ep >= 1 && l.tp >= 1 && l.pp >= 1 &&
-                     l.world % (l.tp * l.pp) == 0 && (l.world / l.pp) % l.ep == 0,
-                 "memory layout: {} processes do not split into tp {} × pp {} with ep {}", l.world,
-                 l.tp, l.pp, l.ep);
+  MOETRAIN_CHECK(l.world >= 1 && l.ep >= 1 && l.etp >= 1 && l.tp >= 1 && l.pp >= 1 &&
+                     l.world % (l.tp * l.pp) == 0 && (l.world / l.pp) % (l.ep * l.etp) == 0,
+                 "memory layout: {} processes do not split into tp {} × pp {} with ep {} × etp {}",
+                 l.world, l.tp, l.pp, l.ep, l.etp);
   const ParamCounts pc = count_params(m);
   const double E = static_cast<double>(std::max<int64_t>(m.n_experts, 1));
   const double tp = static_cast<double>(l.tp), pp = static_cast<double>(l.pp);
-  const double ep = static_cast<double>(l.ep);
-  // Each rank owns E / ep experts of each MoE layer (and steps them); spare replica slots hold
-  // copies of others' experts, which it computes with but does not step.
+  const double ep = static_cast<double>(l.ep), etp = static_cast<double>(l.etp);
+  // Each rank owns E / ep experts of each MoE layer, 1 / etp of each (and steps them); spare
+  // replica slots hold copies of others' experts, which it computes with but does not step.
   const double dense_local = pc.dense / (tp * pp);
-  const double expert_owned = pc.expert / ep / pp;
+  const double expert_owned = pc.expert / ep / etp / pp;
   const double slots = l.ep > 1 ? static_cast<double>(l.spare_slots) : 0.0;
   const double expert_held = expert_owned + pc.expert / E * slots / pp;
   const MemoryEstimate dense = state_memory(l.state, dense_local, static_cast<double>(l.stage()));
@@ -240,7 +244,7 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
     if (l.world > 1 && l.state.zero >= 2) {
       // Floats of each unit (unit_params) this rank writes gradients of and, at ZeRO-3, gathers:
       // its dense tensors and the experts it holds (the others' are never touched).
-      const double held_share = 1 / ep + slots / E;
+      const double held_share = 1 / (ep * etp) + slots / E;
       std::vector<double> unit, outside;
       for (const ParamCounts& u : unit_params(m)) {
         unit.push_back(u.dense / tp + u.expert * held_share);

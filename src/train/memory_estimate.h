@@ -75,6 +75,7 @@ enum class Offload { None, HostFile };
 struct RankLayout {
   int64_t world = 1;        // processes (tp × pp × dp, dp folding ep)
   int64_t ep = 1;           // expert-parallel group size: E / ep experts owned per rank
+  int64_t etp = 1;          // expert tensor parallelism: 1 / etp of each owned expert (planner)
   int64_t spare_slots = 0;  // placement.spare_slots: replica slots per rank (with ep > 1)
   int64_t tp = 1, pp = 1;   // tensor and pipeline parallelism (the planner's only)
   // Micro-batches whose activations of the stage's L / pp layers the first stage holds at
@@ -96,7 +97,7 @@ struct RankLayout {
   double bucket_first_bytes = 1 << 20, bucket_bytes = 25 << 20;
   double baseline = 0;  // the process's resident bytes before the run's allocations
   int64_t stage() const { return world / (tp * pp); }  // ranks holding the same dense shard
-  int64_t dp() const { return world / pp / ep; }      // replicas of each expert
+  int64_t dp() const { return world / pp / (ep * etp); }  // replicas of each expert shard
 };
 
 // The bytes one rank of an LM run holds: the one formula of the trainer's start-up check, of

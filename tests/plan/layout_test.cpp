@@ -4,6 +4,8 @@
 
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "plan/grad_model.h"
+#include "train/memory_estimate.h"
 #include "support/expect_error.h"
 #include "support/plan_clusters.h"
 #include "support/temp_dir.h"
@@ -133,6 +135,54 @@ TEST(PlanLayout, ExpertParallelismFoldsOverTensorAndDataParallelRanks) {
   EXPECT_DOUBLE_EQ(tp2.comm.tp_count, 2.0 * 8);
   // EP must still divide the stage's ranks.
   EXPECT_NE(layout_problem(cfg, c, {.procs = 8, .ep = 8, .tp = 2, .pp = 2}), "");
+}
+
+// Expert tensor parallelism folds EP × ETP over the stage's ranks: EP 4 × ETP 2 on 8 devices
+// splits each expert's hidden size over 2 ranks. By hand, at a uniform load: the 8 ranks' tokens
+// (1024 each, top-2) over 8 experts give each expert 2048 rows, each ETP rank computes its
+// 2 experts' 4096 rows (2 × 1024 × 2) over half the columns; it all-gathers those rows and
+// reduce-scatters their outputs forward, the gradients backward (2 pairs a layer, bf16), and the
+// exchange brings it half of them.
+TEST(PlanLayout, ExpertTensorParallelSplitsEachExpertAndGathersItsRows) {
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
+  const RunConfig cfg = run(1);
+  const LoadModel load = uniform_load(8);
+  const Layout etp2{.procs = 8, .ep = 4, .etp = 2};
+  ASSERT_EQ(layout_problem(cfg, c, etp2), "");
+  EXPECT_EQ(etp2.dp(), 1);
+  const Prediction p = predict(cfg, c, etp2, load);
+  // Each rank owns half of each of its 2 experts: an eighth of the experts' parameters, as EP 8.
+  EXPECT_DOUBLE_EQ(local_params(cfg.model, etp2).expert, count_params(cfg.model).expert / 8);
+  EXPECT_DOUBLE_EQ(local_params(cfg.model, etp2).expert,
+                   local_params(cfg.model, {.procs = 8, .ep = 4}).expert / 2);
+  const double rows = 2.0 * 1024 * 2, bytes = rows * 512 * 2;
+  EXPECT_DOUBLE_EQ(p.comm.etp_count, 2.0 * 8);
+  EXPECT_DOUBLE_EQ(p.comm.expert_tensor_parallel_bytes, bytes);
+  const Collective pair = ring_allreduce(c, bytes, 2, false);
+  EXPECT_DOUBLE_EQ(p.comm.expert_tensor_parallel.seconds(), pair.seconds());
+  EXPECT_NEAR(p.parts.tensor_parallel, 16 * pair.seconds(), 1e-12);  // TP 1: no other term
+  // A rank sends its own tokens' rows to the 3 other EP ranks of its ETP position, and receives
+  // as much: half its experts' rows.
+  EXPECT_DOUBLE_EQ(p.comm.a2a_hot_recv_bytes, p.comm.a2a_send_bytes);
+  EXPECT_DOUBLE_EQ(p.comm.a2a_send_bytes,
+                   predict(cfg, c, {.procs = 8, .ep = 4}, load).comm.a2a_send_bytes);
+  // Memory: half the expert state of EP 4 alone, and the gathered rows kept for backward.
+  const Memory half = memory_per_device(cfg, etp2, true);
+  const Memory whole = memory_per_device(cfg, {.procs = 8, .ep = 4}, true);
+  EXPECT_LT(half.params, whole.params);
+  EXPECT_GT(half.activations, whole.activations);
+  EXPECT_FALSE(trainer_runs(etp2));
+  EXPECT_NE(planner_only(etp2).find("expert tensor parallelism"), std::string::npos);
+  // Refused by name: EP × ETP not dividing the stage's ranks, ETP not dividing the experts'
+  // hidden size (1024), ETP without experts.
+  EXPECT_NE(layout_problem(cfg, c, {.procs = 8, .ep = 8, .etp = 2}).find("--etp 2"),
+            std::string::npos);
+  EXPECT_NE(layout_problem(cfg, c, {.procs = 6, .ep = 2, .etp = 3}).find("model.expert_hidden"),
+            std::string::npos);
+  RunConfig dense = cfg;
+  dense.model.first_dense_layers = 8;
+  EXPECT_NE(layout_problem(dense, c, {.procs = 2, .ep = 1, .etp = 2}).find("no MoE layer"),
+            std::string::npos);
 }
 
 // A pipeline layout is checked with the step's micro-batches: 1F1B needs at least pp of them,

@@ -82,7 +82,7 @@ TEST(PlanSweep, BadSweepsAreRefusedNamingTheValue) {
   const ProcessResult key = plan({"--sweep", "batch=1,2"});
   EXPECT_NE(key.code, 0);
   EXPECT_NE(key.output().find("--sweep batch=1,2: expected procs=P1,P2,..., tp=…, pp=…, "
-                              "ep=E1,E2,... or a2a=flat,hierarchical"),
+                              "ep=E1,E2,..., etp=… or a2a=flat,hierarchical"),
             std::string::npos)
       << key.output();
   const ProcessResult kind = plan({"--sweep", "a2a=flat,ring"});
@@ -201,4 +201,30 @@ TEST(PlanSweep, WideSweepsPrintALineALayout) {
     }
   }
   EXPECT_NE(out.find("best: ep="), std::string::npos) << out;
+}
+
+// Expert tensor parallelism is a sweep dimension: each value a layout, the ones whose EP × ETP do
+// not divide the processes named with the reason; the single plan writes its collectives out.
+TEST(PlanSweep, ExpertTensorParallelIsSweptAndWrittenOut) {
+  const ProcessResult r = plan({"--ep", "16", "--sweep", "etp=1,2,3", "--json"});
+  ASSERT_EQ(r.code, 0) << r.output();
+  const nlohmann::json j = json_of(r);
+  ASSERT_EQ(j["layouts"].size(), 2u) << j.dump(2);
+  EXPECT_EQ(j["layouts"][0]["etp"], 1);
+  EXPECT_EQ(j["layouts"][1]["etp"], 2);
+  EXPECT_EQ(j["layouts"][0]["comm"]["expert_tensor_parallel"]["per_step"], 0);
+  EXPECT_GT(j["layouts"][1]["comm"]["expert_tensor_parallel"]["per_step"].get<double>(), 0);
+  // Half of each expert a rank: its expert parameters halve.
+  EXPECT_LT(j["layouts"][1]["memory"]["params_bytes"].get<double>(),
+            j["layouts"][0]["memory"]["params_bytes"].get<double>());
+  ASSERT_EQ(j["skipped"].size(), 1u) << j.dump(2);
+  EXPECT_EQ(j["skipped"][0]["etp"], 3);
+  EXPECT_NE(j["skipped"][0]["why"].get<std::string>().find("dist.ep = 16 × --etp 3"),
+            std::string::npos)
+      << j["skipped"][0].dump();
+  const ProcessResult one = plan({"--ep", "16", "--etp", "2"});
+  ASSERT_EQ(one.code, 0) << one.output();
+  EXPECT_NE(one.output().find("expert tensor parallelism: 56 all-gather + reduce-scatter pairs"),
+            std::string::npos)
+      << one.output();
 }
