@@ -21,5 +21,10 @@ struct ActivationBytes {
 };
 ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
                                  DType lp, int64_t ep = 1);
+// The output gradients split backward (the zero_bubble schedule, Transformer::set_split_backward)
+// keeps for one micro-batch's deferred weight GEMMs, from its backward to its weight pass: per
+// block the attention projections' (q, k, v, o) and a dense layer's FFN's (w1, w2, w3), once the
+// LM head's (the logits' gradient); f32, or the rounded copies the GEMMs read in bf16 / fp16.
+ActivationBytes deferred_grad_parts(const ModelConfig& cfg, int64_t B, int64_t T, DType lp);
 
 }  // namespace moetrain

@@ -207,6 +207,9 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
                  "forward: the stage beginning at block {} {} the previous stage's output", first_,
                  first_ == 0 ? "embeds its tokens, not" : "takes");
   if (engine_) return engine_->forward(params, inputs, targets, B, T, step);
+  MOETRAIN_CHECK(n_deferred_ == 0,
+                 "forward: the last backward's weight gradients are still deferred (split "
+                 "backward): weight_backward reads this model's activations first");
   const int64_t N = B * T, C = cfg_.dim, V = cfg_.vocab_size;
   const float eps = static_cast<float>(cfg_.norm_eps);
   ensure_capacity(N);
@@ -301,6 +304,9 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
                            const float* dout) {
   if (engine_) return engine_->backward(params, grads, loss_weight);
   MOETRAIN_CHECK(have_targets_, "backward needs a forward with targets first");
+  MOETRAIN_CHECK(n_deferred_ == 0,
+                 "backward: the last backward's weight gradients are still deferred (split "
+                 "backward): run weight_backward first");
   const bool last = last_stage();
   MOETRAIN_CHECK(last == (dout == nullptr),
                  "backward: the stage ending at block {} {} the gradient of its output", end_,
@@ -311,7 +317,7 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
   const float moe_weight = n_moe > 0 ? loss_weight / static_cast<float>(n_moe) : 0.f;
   if (!last) {
     std::memcpy(dresid_.data(), dout, sizeof(float) * static_cast<std::size_t>(N * C));
-    if (grads_ready_) grads_ready_(layout_.layers[end_].ln1);  // later stages' gradients
+    grads_ready(layout_.layers[end_].ln1);  // later stages' gradients
   } else {
     head_backward(params, grads, loss_weight);
   }
@@ -321,11 +327,11 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
     if (recompute_ == Recompute::Full) block_forward(l, params, MoeStep{}, true, nullptr);
     block_backward(l, params, grads, moe_weight);
     release(1 + l);
-    if (grads_ready_) grads_ready_(layout_.layers[l].ln1);  // the block's first tensor
+    grads_ready(layout_.layers[l].ln1);  // the block's first tensor
   }
   if (first_ == 0)
     embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
-  if (grads_ready_) grads_ready_(0);  // an earlier stage's gradients stay as they are
+  grads_ready(0);  // an earlier stage's gradients stay as they are
 }
 
 // The loss's gradient through the head and the final norm into dresid_.
@@ -345,7 +351,7 @@ void Transformer::head_backward(const float* params, float* grads, float loss_we
   rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(), resid_at(L),
                    params + layout_.final_norm, rstdf_.data(), N, C);
   release(head);
-  if (grads_ready_) grads_ready_(layout_.final_norm);
+  grads_ready(layout_.final_norm);
 }
 
 std::vector<int64_t> Transformer::unit_starts() const {

@@ -77,6 +77,21 @@ class Transformer final : public TrainableModel {
   // a later one leaves ∂(loss_weight · loss)/∂x in stage_input_grad().
   void backward(const float* params, float* grads, float loss_weight, const float* dout);
   const float* stage_input_grad() const { return dresid_.data(); }
+  // Split backward (the zero_bubble pipeline schedule). While on, backward computes the input
+  // gradients and every parameter gradient but the weight gradients of the dense linears (the
+  // attention's q, k, v and o projections, a dense layer's FFN, the LM head), which it keeps as a
+  // list of GEMMs, each with a copy of its output gradient; weight_backward runs that list, the
+  // same GEMM calls in the same order, so backward then weight_backward gives the gradients
+  // backward gives unsplit, bit for bit. The grads-ready hook is called from weight_backward (a
+  // unit's gradients are final only after it). The MoE layers' gradients (router, experts,
+  // shared expert) stay in backward. The activations the list reads stay until it ran: a forward
+  // or backward before weight_backward is refused. CPU only; not under recompute = full (its
+  // blocks share one set of activations).
+  void set_split_backward(bool on);
+  bool split_backward() const { return split_; }
+  void weight_backward(float* grads);
+  // The deferred GEMMs' output-gradient copies as allocated (kept for the next micro-batch).
+  int64_t deferred_bytes() const;
   // Called during backward whenever the gradients at flat offsets ≥ `ready_from` are final (the
   // layout runs embedding, blocks, final norm, head, and backward visits them in reverse), so a
   // distributed trainer can start reducing them while backward goes on. Empty: no calls.
@@ -161,6 +176,19 @@ class Transformer final : public TrainableModel {
   void linear_bwd(float* dinp, bool acc, float* dweight, const float* dout, const float* inp,
                   const void* inp_lp, const float* params, int64_t w, int64_t N, int64_t IC,
                   int64_t OC);
+  // The grads-ready hook now, or (split backward) in weight_backward at this point of the list.
+  void grads_ready(int64_t from);
+  // One weight-gradient GEMM of split backward, grads + w (OC, IC) += doutᵀ · inp, or a
+  // grads-ready call (ready_from ≥ 0).
+  struct DeferredGemm {
+    int64_t w = 0, N = 0, IC = 0, OC = 0;
+    int64_t ready_from = -1;
+    const float* inp = nullptr;     // (N, IC) the slot's activation, kept until then
+    const void* inp_lp = nullptr;   // its rounded copy (mixed precision)
+    std::vector<float> dout;        // (N, OC) f32
+    HalfBuffer dout_lp;             // (N, OC) mixed precision: dout rounded
+  };
+  DeferredGemm& defer();
   void refresh_lp_weights(const float* params);
   bool bf16_attention(int64_t T) const;  // the attention core's products in bf16
   const void* lp_weight(int64_t offset) const;                      // into params_lp_
@@ -180,6 +208,9 @@ class Transformer final : public TrainableModel {
   int64_t B_ = 0, T_ = 0;
   bool have_targets_ = false;
   std::function<void(int64_t)> grads_ready_;
+  bool split_ = false;
+  std::vector<std::unique_ptr<DeferredGemm>> deferred_;  // reused; the first n_deferred_ pending
+  std::size_t n_deferred_ = 0;
   ParamUnits* units_ = nullptr;
   // With units: the unit's parameters in place (and their low-precision copy made), or let go.
   void acquire(int64_t unit, int64_t next, const float* params);

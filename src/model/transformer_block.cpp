@@ -25,6 +25,9 @@ void Transformer::set_recompute(Recompute r) {
   MOETRAIN_CHECK(!engine_ || r == Recompute::None,
                  "train.recompute = {}: the device engine keeps every activation (none only)",
                  recompute_name(r));
+  MOETRAIN_CHECK(!split_ || r != Recompute::Full,
+                 "train.recompute = full with split backward (zero_bubble): the deferred weight "
+                 "gradients read each block's activations, which full keeps one set of");
   if (r == recompute_) return;
   recompute_ = r;
   for (auto& a : acts_) a = std::make_unique<LayerActs>();
@@ -49,14 +52,70 @@ void Transformer::linear_fwd(float* out, const float* inp, const void* inp_lp, c
 void Transformer::linear_bwd(float* dinp, bool acc, float* dweight, const float* dout,
                              const float* inp, const void* inp_lp, const float* params, int64_t w,
                              int64_t N, int64_t IC, int64_t OC) {
+  DeferredGemm* later = nullptr;
+  if (split_) {
+    later = &defer();
+    later->w = w, later->N = N, later->IC = IC, later->OC = OC;
+    later->inp = inp, later->inp_lp = inp_lp;
+  }
   if (lp_ == DType::F32) {
     if (dinp) gemm(Trans::N, Trans::N, N, IC, OC, dout, params + w, dinp, acc);
-    gemm(Trans::T, Trans::N, OC, IC, N, dout, inp, dweight, true);
+    if (later) {
+      later->dout.assign(dout, dout + N * OC);
+    } else {
+      gemm(Trans::T, Trans::N, OC, IC, N, dout, inp, dweight, true);
+    }
     return;
   }
-  const void* d = rounded(dout_lp_, dout, N * OC);
+  const void* d = rounded(later ? later->dout_lp : dout_lp_, dout, N * OC);
   if (dinp) gemm(lp_, Trans::N, Trans::N, N, IC, OC, d, lp_weight(w), dinp, acc);
-  gemm(lp_, Trans::T, Trans::N, OC, IC, N, d, inp_lp, dweight, true);
+  if (!later) gemm(lp_, Trans::T, Trans::N, OC, IC, N, d, inp_lp, dweight, true);
+}
+
+void Transformer::set_split_backward(bool on) {
+  MOETRAIN_CHECK(!on || !engine_, "split backward (zero_bubble): CPU only, not under a device");
+  MOETRAIN_CHECK(!on || recompute_ != Recompute::Full,
+                 "split backward (zero_bubble) with train.recompute = full: the deferred weight "
+                 "gradients read each block's activations, which full keeps one set of");
+  MOETRAIN_CHECK(n_deferred_ == 0, "set_split_backward: weight gradients are still deferred");
+  split_ = on;
+}
+
+void Transformer::grads_ready(int64_t from) {
+  if (split_) {
+    defer().ready_from = from;
+  } else if (grads_ready_) {
+    grads_ready_(from);
+  }
+}
+
+Transformer::DeferredGemm& Transformer::defer() {
+  if (deferred_.size() == n_deferred_) deferred_.push_back(std::make_unique<DeferredGemm>());
+  DeferredGemm& d = *deferred_[n_deferred_++];
+  d.ready_from = -1;
+  return d;
+}
+
+void Transformer::weight_backward(float* grads) {
+  for (std::size_t i = 0; i < n_deferred_; ++i) {
+    const DeferredGemm& d = *deferred_[i];
+    if (d.ready_from >= 0) {
+      if (grads_ready_) grads_ready_(d.ready_from);
+    } else if (lp_ == DType::F32) {
+      gemm(Trans::T, Trans::N, d.OC, d.IC, d.N, d.dout.data(), d.inp, grads + d.w, true);
+    } else {
+      gemm(lp_, Trans::T, Trans::N, d.OC, d.IC, d.N, d.dout_lp.data(), d.inp_lp, grads + d.w,
+           true);
+    }
+  }
+  n_deferred_ = 0;
+}
+
+int64_t Transformer::deferred_bytes() const {
+  int64_t n = 0;
+  for (const auto& d : deferred_)
+    n += static_cast<int64_t>(d->dout.capacity() * sizeof(float)) + d->dout_lp.bytes();
+  return n;
 }
 
 void Transformer::block_forward(int64_t l, const float* params, const MoeStep& step, bool replay,
@@ -165,7 +224,7 @@ int64_t Transformer::activation_bytes() const {
        vec(losses_) + vec(inputs_) + vec(targets_) + vec(pos_);
   for (const auto& m : moe_) n += m->held_bytes();
   if (scratch_) n += scratch_->bytes();
-  return n;
+  return n + deferred_bytes();
 }
 
 int64_t activation_bytes_for(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
@@ -223,6 +282,19 @@ ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, R
   // The MoE layers' shared working buffers: one layer's intermediates (moe, full) and rows (full).
   if (r != Recompute::None && cfg.n_moe_layers() > 0)
     a.once += inter + (r == Recompute::Full ? rows : 0);
+  return a;
+}
+
+ActivationBytes deferred_grad_parts(const ModelConfig& cfg, int64_t B, int64_t T, DType lp) {
+  const int64_t N = B * T, C = cfg.dim, e = lp == DType::F32 ? 4 : 2;
+  const int64_t NH = cfg.n_heads, NKV = cfg.mla() ? NH : cfg.n_kv_heads;
+  const int64_t qk = cfg.qk_head_dim(), v = cfg.value_head_dim();
+  ActivationBytes a;
+  for (int64_t l = 0; l < cfg.n_layers; ++l) {
+    a.blocks += e * N * (NH * qk + NKV * qk + NKV * v + C);
+    if (cfg.is_dense_layer(l)) a.blocks += e * N * (C + 2 * cfg.dense_ffn_hidden());
+  }
+  a.once = e * N * cfg.vocab_size;
   return a;
 }
 

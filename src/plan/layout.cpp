@@ -9,9 +9,6 @@ namespace moetrain::plan {
 std::string pipeline_lacks(const Layout& l) {
   if (l.pp <= 1) return {};
   std::vector<std::string> with;
-  const PipeSchedule s = l.pipe_schedule();
-  if (s == PipeSchedule::ZeroBubble)
-    with.push_back(fmt::format("under the {} schedule", pipe_schedule_name(s)));
   if (l.zero >= 2) with.push_back(fmt::format("with ZeRO-{}", l.zero));
   std::string out;
   for (size_t i = 0; i < with.size(); ++i) out += (i == 0 ? "" : ", ") + with[i];

@@ -54,10 +54,10 @@ struct Layout {
   int64_t dp() const { return procs / pp / (ep * etp); }
 };
 
-// Why `moetrain train` cannot run this layout's pipeline ("with ZeRO-2", "under the zero_bubble
-// schedule"), empty where it can: the trainer runs gpipe, 1f1b and interleaved pipelines (virtual
-// stages: dist.vp), with expert parallelism and ZeRO-1 inside each stage, not zero_bubble or
-// ZeRO-2/3 (dist.pp, train/pipeline_step.h).
+// Why `moetrain train` cannot run this layout's pipeline ("with ZeRO-2"), empty where it can: the
+// trainer runs gpipe, 1f1b, interleaved (virtual stages: dist.vp) and zero_bubble pipelines, with
+// expert parallelism and ZeRO-1 inside each stage, not ZeRO-2/3 (dist.pp,
+// train/pipeline_step.h).
 std::string pipeline_lacks(const Layout& l);
 // Whether `moetrain train` runs this layout: tensor parallelism, the pipelines of pipeline_lacks
 // and the deduplicated all-to-all are the planner's only.

@@ -33,6 +33,7 @@ RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelera
     // shape is one layout_problem accepts).
     const PipeShape shape{layout.pp, cfg.train.grad_accum, layout.vp};
     l.pipe_in_flight = simulate(layout.pipe_schedule(), shape, {}).peak_in_flight[0];
+    l.pipe_split_backward = layout.pipe_schedule() == PipeSchedule::ZeroBubble;
   }
   const DType prec = cfg.train.precision_dtype();
   const int zero = static_cast<int>(zero_stage(cfg, layout));

@@ -75,7 +75,7 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
        "per process (1 = off)"},
       {"dist.pp_schedule", &d.pp_schedule,
        "With pp > 1: the order of the stages' passes over the micro-batches (train.grad_accum)",
-       "gpipe, 1f1b, interleaved"},
+       "gpipe, 1f1b, interleaved, zero_bubble"},
       {"dist.vp", &d.vp,
        "With pp_schedule = interleaved: model chunks a stage (the blocks cut into pp·vp chunks, "
        "chunk c on stage c mod pp; 1 = one chunk a stage)"},
@@ -238,10 +238,6 @@ void DistSettings::validate() const {
                  ep);
   MOETRAIN_CHECK(pp >= 1, "dist.pp = {}: must be ≥ 1 (pipeline stages; 1 = off)", pp);
   const PipeSchedule schedule = parse_pipe_schedule(pp_schedule, "dist.pp_schedule");
-  MOETRAIN_CHECK(schedule != PipeSchedule::ZeroBubble,
-                 "dist.pp_schedule = {}: the pipeline executor runs gpipe, 1f1b and interleaved "
-                 "(the planner prices zero_bubble; it does not train yet)",
-                 pp_schedule);
   MOETRAIN_CHECK(vp >= 1, "dist.vp = {}: must be ≥ 1 (model chunks a pipeline stage)", vp);
   MOETRAIN_CHECK(vp == 1 || schedule == PipeSchedule::Interleaved,
                  "dist.vp = {} with dist.pp_schedule = {}: model chunks a stage are the "

@@ -206,6 +206,15 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
   // them (K C a routed token, etp − 1 times more) for the weight gradients of their columns.
   if (l.etp > 1 && l.recompute != Recompute::Full)
     layers += ab * N * Lm * static_cast<double>(l.etp - 1) * K * C;
+  // zero_bubble: stage s keeps the deferred output gradients of at most s + 1 micro-batches (its
+  // weight passes run s micro-batches late) of its L / pp blocks, the last stage the head's too;
+  // the most, the last stage's: pp micro-batches of L / pp blocks and of the head.
+  if (l.pp > 1 && l.pipe_split_backward) {
+    const ActivationBytes d = deferred_grad_parts(m, batch, seq_len,
+                                                  l.state.copy > 0 ? DType::BF16 : DType::F32);
+    once += static_cast<double>(d.blocks) +
+            static_cast<double>(l.pp) * static_cast<double>(d.once);
+  }
   // Tensor parallelism shards them (taken as all of them: sequence parallelism).
   return (layers + once) / static_cast<double>(l.tp);
 }
@@ -324,6 +333,7 @@ RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) 
     l.pp = cfg.dist.pp;
     const PipeSchedule schedule = parse_pipe_schedule(cfg.dist.pp_schedule, "dist.pp_schedule");
     const PipeShape shape{cfg.dist.pp, cfg.train.grad_accum, cfg.dist.vp};
+    l.pipe_split_backward = schedule == PipeSchedule::ZeroBubble;
     if (schedule == PipeSchedule::GPipe) {
       l.pipe_in_flight = static_cast<double>(cfg.train.grad_accum);
     } else if (schedule == PipeSchedule::Interleaved && pipe_shape_problem(schedule, shape).empty()) {

@@ -81,6 +81,9 @@ struct RankLayout {
   // Micro-batches whose activations of the stage's L / pp layers the first stage holds at
   // once (parallel/pipeline_schedule.h, PipeTimeline::peak_in_flight); 0: pp, as 1F1B.
   double pipe_in_flight = 0;
+  // zero_bubble: backward defers the dense weight gradients to the weight pass, keeping their
+  // output gradients (deferred_grad_parts) in between.
+  bool pipe_split_backward = false;
   ParamState state;         // bytes per parameter and the ZeRO stage
   Recompute recompute = Recompute::None;
   Offload offload = Offload::None;

@@ -92,6 +92,7 @@ PipelineRunner::PipelineRunner(PipeSetup setup, Transformer& model, const MoeCon
                  "[{}, {})",
                  setup_.stage, model.stage_first(), model.stage_end(), first, end);
   slots_.resize(static_cast<std::size_t>(vp));
+  model.set_split_backward(splits_backward());
 }
 
 PipelineRunner::~PipelineRunner() = default;
@@ -100,10 +101,12 @@ int64_t PipelineRunner::slots(int64_t micro_batches) const {
   const int64_t p = setup_.stages, vp = setup_.chunks_per_stage;
   const PipeShape shape{p, micro_batches, vp};
   std::vector<int64_t> live(static_cast<std::size_t>(vp), 0);
+  // A slot is free again after the pass that reads its activations last.
+  const PipeOp::Kind frees = splits_backward() ? PipeOp::Weight : PipeOp::Backward;
   int64_t most = 0;
   for (const PipeOp& op : stage_ops(setup_.schedule, shape, setup_.stage)) {
     int64_t& n = live[static_cast<std::size_t>(op.chunk / p)];
-    n += op.kind == PipeOp::Forward ? 1 : -1;
+    n += op.kind == PipeOp::Forward ? 1 : op.kind == frees ? -1 : 0;
     most = std::max(most, n);
   }
   return most;
@@ -128,6 +131,7 @@ Transformer& PipelineRunner::slot_model(Transformer& model, int64_t j, int64_t k
     m->set_precision(model.precision());
     m->set_recompute(model.recompute());
     m->set_stage(first, end);
+    m->set_split_backward(splits_backward());
     // The reduction's buckets follow whichever slot runs the step's last backward.
     m->set_grads_ready_hook(model.grads_ready_hook());
     chunk.push_back(std::move(m));
@@ -201,9 +205,12 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
         .count();
   };
+  // The pass after which every gradient of the stage is final: the last backward, or under
+  // zero_bubble the last weight pass (it follows every backward of the stage).
+  const PipeOp::Kind finishes = splits_backward() ? PipeOp::Weight : PipeOp::Backward;
   int64_t final_backward = -1;
   for (std::size_t i = 0; i < ops.size(); ++i)
-    if (ops[i].kind == PipeOp::Backward) final_backward = static_cast<int64_t>(i);
+    if (ops[i].kind == finishes) final_backward = static_cast<int64_t>(i);
   // Each (micro-batch, local chunk)'s slot while in flight; each local chunk's free slots.
   std::vector<int64_t> slot_of(static_cast<std::size_t>(A * vp), -1);
   std::vector<std::vector<int64_t>> free(static_cast<std::size_t>(vp));
@@ -264,10 +271,20 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
           if (mine[q])
             args.sparse->record(op.micro, static_cast<int64_t>(q),
                                 mine[q]->stats().tokens_per_expert.data());
+    } else if (op.kind == PipeOp::Weight) {
+      // zero_bubble: the weight gradients the micro-batch's backward left in its slot.
+      const int64_t k = slot_of[at];
+      MOETRAIN_CHECK(k >= 0, "pipeline: weight pass of micro-batch {} on chunk {} before its "
+                     "forward", op.micro, c);
+      Transformer& m = slot_model(model, j, k);
+      const double start = now();
+      if (static_cast<int64_t>(i) == final_backward && args.before_last_backward)
+        args.before_last_backward();
+      m.weight_backward(grads);
+      events_.push_back({op, start, now()});
+      slot_of[at] = -1;
+      free[static_cast<std::size_t>(j)].push_back(k);
     } else {
-      MOETRAIN_CHECK(op.kind == PipeOp::Backward,
-                     "pipeline: the executor runs forward and backward passes (gpipe, 1f1b, "
-                     "interleaved)");
       const int64_t k = slot_of[at];
       MOETRAIN_CHECK(k >= 0, "pipeline: backward of micro-batch {} on chunk {} before its forward",
                      op.micro, c);
@@ -288,8 +305,10 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
       if (c > 0 && !(overlap_ && final))
         send(m.stage_input_grad(), N * C, stage_of(c - 1), gradient_tag(c - 1));
       if (c > 0 && overlap_ && final) last_send = &m, last_boundary = c - 1;
-      slot_of[at] = -1;
-      free[static_cast<std::size_t>(j)].push_back(k);
+      if (!splits_backward()) {
+        slot_of[at] = -1;
+        free[static_cast<std::size_t>(j)].push_back(k);
+      }
     }
   }
   // The layers of this stage's chunks.

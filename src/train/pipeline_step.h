@@ -8,27 +8,32 @@
 //            tokens), run chunk c's forward, send the output on to chunk c + 1's stage
 //   B(i, c)  receive the gradient of that output from chunk c + 1's stage (the last chunk starts
 //            from its loss), run chunk c's backward (parameter gradients +=), send the input's
-//            gradient back to chunk c − 1's stage
+//            gradient back to chunk c − 1's stage; under zero_bubble the input gradients and
+//            the gradients of the MoE layers and norms only (Transformer::set_split_backward)
+//   W(i, c)  zero_bubble: the weight gradients of the dense linears micro-batch i's backward
+//            deferred (Transformer::weight_backward); nothing is sent
 //
 // A micro-batch keeps each chunk's activations from its forward to its backward in an activation
 // slot of that chunk: a model object of the chunk's blocks of its own (gpipe holds every
-// micro-batch of the step, 1f1b at most p − s on stage s). Slot 0 of the stage's first chunk is
+// micro-batch of the step, 1f1b at most p − s on stage s, zero_bubble p, each slot kept until
+// its W). Slot 0 of the stage's first chunk is
 // the trainer's model, the one the step engine's controllers see (its MoE layer objects exist for
 // every layer); the others take its MoE layers' router biases and capacity factors before each
 // forward and hand it their routing counts after the step. Sends are nonblocking and own a copy
-// of what they send, so a slot is free again as soon as its backward ran and a stage waits only
-// for the receives its schedule orders (the order simulate() proves deadlock-free); receives wait,
-// polling with short sleeps, for a neighbour that is still computing.
+// of what they send, so a slot is free again as soon as its backward (zero_bubble: its W) ran,
+// and a stage waits only for the receives its schedule orders (the order simulate() proves
+// deadlock-free); receives wait, polling with short sleeps, for a neighbour still computing.
 //
 // A chunk's gradients accumulate over the micro-batches in micro-batch order (every schedule
-// runs a chunk's backwards in ascending order), as the one-process accumulation does, so each
-// parameter gradient has the same bits as there.
+// runs a chunk's backwards, and zero_bubble its weight passes, in ascending order), as the
+// one-process accumulation does, so each parameter gradient has the same bits as there.
 //
 // With several pipelines, a stage's copies are its data-parallel ranks and, under dist.ep > 1,
 // its expert-parallel groups (train/parallel_setup.h): the MoE layers of every slot run with the
 // exchange over the stage's EP group, whose ranks all run this stage's schedule. Under
 // dist.overlap the copies reduce the stage's gradient buckets on the communication thread while
-// the stage's last backward runs (every slot calls the model's grads-ready hook); MPI runs
+// the stage's last backward runs (under zero_bubble its last weight pass, which follows every
+// backward; every slot calls the model's grads-ready hook); MPI runs
 // SERIALIZED, so from then on the stage's last send and the waits for its earlier ones go
 // through that thread too, behind the buckets already posted.
 #pragma once
@@ -77,6 +82,9 @@ class PipelineRunner {
   int64_t replica() const { return setup_.replica; }
   int64_t replicas() const { return setup_.replicas; }
   PipeSchedule schedule() const { return setup_.schedule; }
+  // zero_bubble: backward passes compute input gradients, weight passes the deferred weight
+  // gradients (Transformer::set_split_backward on every slot).
+  bool splits_backward() const { return setup_.schedule == PipeSchedule::ZeroBubble; }
   int64_t chunks_per_stage() const { return setup_.chunks_per_stage; }
   // The pipe's processes (rank q = stage q), one of each stage.
   Comm& pipe_comm() const { return *setup_.comm; }

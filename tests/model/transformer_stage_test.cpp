@@ -2,13 +2,17 @@
 // another, each handing its output (forward) and its input's gradient (backward) to the next,
 // give the whole model's cross-entropy, logits and gradients bit for bit — in f32 and bf16, with
 // dense blocks and shared experts, with full recomputation — and refuse what a stage cannot do.
+// Split backward (the zero_bubble schedule's B and W passes) gives backward's gradients bit for
+// bit.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include "model/activation_bytes.h"
 #include "model/params.h"
 #include "model/transformer.h"
 #include "support/expect_error.h"
@@ -162,6 +166,64 @@ TEST(TransformerStage, RefusesWhatAStageCannotDo) {
   std::vector<float> g(params.size(), 0.0f);
   moetrain::testing::expect_error([&] { earlier.backward(params.data(), g.data(), 1.0f); },
                                   {"block 2", "gradient of its output"});
+}
+
+// Two micro-batches in two model objects (a pipeline stage's activation slots), as zero_bubble
+// runs them — F0 F1 B0 B1 W0 W1, the weight passes after both backwards — against backward
+// unsplit (F0 B0 F1 B1): the same gradients bit for bit, each parameter's contributions in
+// micro-batch order through the same GEMM calls; the grads-ready hook called from the weight
+// passes only, with the same offsets; the deferred output gradients counted as activations.
+TEST(TransformerStage, SplitBackwardGivesBackwardsBits) {
+  const ModelConfig cfg = stage_config();
+  for (DType lp : {DType::F32, DType::BF16})
+    for (Recompute r : {Recompute::None, Recompute::Moe}) {
+      SCOPED_TRACE(::testing::Message() << "precision " << dtype_name(lp) << " recompute "
+                                        << recompute_name(r));
+      std::vector<std::unique_ptr<Transformer>> slots;
+      std::vector<int64_t> calls;
+      for (int k = 0; k < 2; ++k) {
+        slots.push_back(std::make_unique<Transformer>(cfg));
+        slots.back()->set_precision(lp);
+        slots.back()->set_recompute(r);
+        slots.back()->set_grads_ready_hook([&calls](int64_t from) { calls.push_back(from); });
+      }
+      std::vector<float> params(static_cast<std::size_t>(slots[0]->layout().size()));
+      init_params(params.data(), slots[0]->layout(), cfg, 7);
+      auto forward = [&](int k) {
+        const auto [inputs, targets] = batch(cfg, k);
+        slots[k]->forward(params.data(), inputs.data(), targets.data(), kB, kT, step_of(k));
+      };
+      std::vector<float> whole(params.size(), 0.0f), split(params.size(), 0.0f);
+      for (int k = 0; k < 2; ++k) {
+        forward(k);
+        slots[k]->backward(params.data(), whole.data(), 0.5f);
+      }
+      const std::vector<int64_t> whole_calls = calls;
+      calls.clear();
+      for (auto& s : slots) s->set_split_backward(true);
+      forward(0), forward(1);
+      const int64_t held = slots[0]->activation_bytes();
+      for (int k = 0; k < 2; ++k) slots[k]->backward(params.data(), split.data(), 0.5f);
+      EXPECT_TRUE(calls.empty()) << "a unit's gradients are final only after its weight pass";
+      // The head's weight gradient waits for the weight pass; the deferred output gradients
+      // (the logits' among them) are held until then.
+      const int64_t head = slots[0]->layout().lm_head;
+      EXPECT_EQ(split[static_cast<std::size_t>(head)], 0.0f);
+      // One micro-batch's deferred output gradients, as the estimate counts them.
+      EXPECT_EQ(slots[0]->deferred_bytes(), deferred_grad_parts(cfg, kB, kT, lp).total());
+      EXPECT_GE(slots[0]->activation_bytes() - held, slots[0]->deferred_bytes());
+      moetrain::testing::expect_error([&] { forward(0); }, {"weight_backward"});
+      for (int k = 0; k < 2; ++k) slots[k]->weight_backward(split.data());
+      EXPECT_EQ(calls, whole_calls);
+      int64_t differ = 0;
+      for (std::size_t i = 0; i < whole.size(); ++i) differ += whole[i] != split[i];
+      EXPECT_EQ(differ, 0) << "of " << whole.size() << " gradients";
+      EXPECT_NE(split[static_cast<std::size_t>(head)], 0.0f);
+    }
+  Transformer full(cfg);
+  full.set_recompute(Recompute::Full);
+  moetrain::testing::expect_error([&] { full.set_split_backward(true); },
+                                  {"train.recompute = full"});
 }
 
 }  // namespace

@@ -1,11 +1,14 @@
 // Pipeline parallelism (dist.pp = the number of processes, one stage each) against the
-// one-process run with the same global batch and seed, under the gpipe and the 1f1b schedules.
+// one-process run with the same global batch and seed, under the gpipe, 1f1b and zero_bubble
+// schedules.
 //
 // Bitwise where the code path is the same: each stage runs its blocks' forward and backward as
 // the whole model does (Transformer::set_stage), its parameter gradients accumulate over the
 // micro-batches in the same order, and AdamW is elementwise, so with the clip off the parameters,
 // the checkpointed tensors and the validation losses (the last stage's cross-entropy, summed
-// with zeros) have the one-process bits. Not bitwise: the training loss and the gradient norm,
+// with zeros) have the one-process bits. zero_bubble's weight passes run the deferred weight
+// GEMMs in micro-batch order (Transformer::set_split_backward), so it ends where 1f1b ends, bit
+// for bit, its training losses too (the same forwards, summed in the same order). Not bitwise: the training loss and the gradient norm,
 // whose parts are summed per stage and then over the stages (the balancing losses' and the
 // squares' sums regrouped); double sums of a few hundred terms, so 1e-12 relative bounds them.
 #include <gtest/gtest.h>
@@ -86,12 +89,22 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
   world->barrier();
   const std::string single_dir = "single" + std::to_string(r);
   const Outcome single = run_single(dir / "data", dir / single_dir);
-  for (const std::string schedule : {"gpipe", "1f1b"}) {
+  Outcome one_f_one_b;
+  for (const std::string schedule : {"gpipe", "1f1b", "zero_bubble"}) {
     SCOPED_TRACE(schedule);
     const Outcome piped = run_pipeline(dir / "data", dir / schedule, schedule);
     expect_same(piped, single, r);
-    // gpipe holds every micro-batch's activations; 1f1b at most P − s on stage s.
-    EXPECT_EQ(piped.slots, schedule == "gpipe" ? kAccum : piped.stages - piped.stage);
+    // gpipe holds every micro-batch's activations; 1f1b at most P − s on stage s; zero_bubble
+    // P on every stage (stage s runs its weight passes s micro-batches late).
+    EXPECT_EQ(piped.slots, schedule == "gpipe"  ? kAccum
+                           : schedule == "1f1b" ? piped.stages - piped.stage
+                                                : piped.stages);
+    if (schedule == "1f1b") one_f_one_b = piped;
+    if (schedule == "zero_bubble") {
+      EXPECT_EQ(piped.params, one_f_one_b.params) << "zero_bubble ends where 1f1b ends";
+      EXPECT_EQ(piped.losses, one_f_one_b.losses);
+      EXPECT_EQ(piped.grad_norms, one_f_one_b.grad_norms);
+    }
     // The last step as it ran (RUN_DIR/pipeline_trace.json): each stage's passes in its
     // schedule's order, one at a time, on a lane of its own.
     if (r == 0) {
@@ -104,7 +117,7 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
         const std::vector<PipeOp> ops = stage_ops(sched, {piped.stages, kAccum, 1}, stage);
         ASSERT_EQ(lane.size(), ops.size()) << "stage " << stage;
         for (std::size_t i = 0; i < ops.size(); ++i) {
-          EXPECT_EQ(lane[i].name, (ops[i].kind == PipeOp::Forward ? "F" : "B") +
+          EXPECT_EQ(lane[i].name, std::string(1, "FBW"[ops[i].kind]) +
                                       std::to_string(ops[i].micro))
               << "stage " << stage << " pass " << i;
           if (i > 0) {
@@ -131,9 +144,15 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
     fs::copy_file(dir / "single0/metrics.jsonl", dir / "resumed/metrics.jsonl");
   }
   world->barrier();
-  const Outcome resumed = run_pipeline(dir / "data", dir / "resumed", "1f1b", true);
-  EXPECT_EQ(differ_held(resumed.params, single.params, resumed.held), 0)
-      << "the pipeline resumed from a one-process checkpoint differs";
+  for (const std::string schedule : {"1f1b", "zero_bubble"}) {
+    SCOPED_TRACE(schedule);
+    const fs::path run = dir / ("resumed_" + schedule);
+    if (r == 0) fs::copy(dir / "resumed", run, fs::copy_options::recursive);
+    world->barrier();
+    const Outcome resumed = run_pipeline(dir / "data", run, schedule, true);
+    EXPECT_EQ(differ_held(resumed.params, single.params, resumed.held), 0)
+        << "the pipeline resumed from a one-process checkpoint differs";
+  }
   // And the pipeline's step-3 checkpoint resumed by one process.
   TempDir back("pipeline_back");
   fs::create_directories(back.path() / "checkpoints");
@@ -346,10 +365,16 @@ TEST(Pipeline, ExpertParallelStagesFollowTheExpertParallelRunBitwise) {
   // Overlap (dist.overlap, the default) reduces the same buckets with the same calls on the
   // communication thread during the last backward, and the exchanges and the pipe's last sends
   // go through that thread: the same sums, so the same bits.
-  for (const std::string variant : {"gpipe", "1f1b", "1f1b_zero1", "1f1b_overlap"}) {
+  // zero_bubble with overlap: the grads-ready hook runs from the weight passes, the buckets are
+  // reduced while the stage's last weight pass runs.
+  for (const std::string variant :
+       {"gpipe", "1f1b", "1f1b_zero1", "1f1b_overlap", "zero_bubble_overlap"}) {
     SCOPED_TRACE(variant);
-    const bool zero1 = variant == "1f1b_zero1", overlap = variant == "1f1b_overlap";
-    const std::string schedule = zero1 || overlap ? "1f1b" : variant;
+    const bool zero1 = variant == "1f1b_zero1";
+    const bool overlap = variant == "1f1b_overlap" || variant == "zero_bubble_overlap";
+    const std::string schedule = variant == "zero_bubble_overlap" ? "zero_bubble"
+                                 : zero1 || overlap              ? "1f1b"
+                                                                 : variant;
     std::vector<std::string> keys = ep;
     if (zero1) keys.push_back("dist.zero=1");
     if (overlap) keys = {"dist.ep=2"};
