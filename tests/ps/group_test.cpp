@@ -284,6 +284,23 @@ TEST(PsGroup, AverageOfOneGroupEndsWhereTheCollectiveRunEnds) {
   std::printf("average, one group of 2: %lld of %zu parameters differ, relative L2 %.3g\n",
               static_cast<long long>(values_differing(a, b)), a.size(), d);
   EXPECT_EQ(values_differing(a, b), 0) << "relative L2 " << d;
+  // With a clip the group's norm is its ranks' parts summed over the group, and `train`'s its
+  // ranks' reduced shards: the same squares summed in another blocking, a few ulps apart, so the
+  // clip factors differ in their last bits (relative 1e-7 a step); over 6 AdamW steps that stays
+  // within 1e-5 relative, the bound of the other group jobs against a reference (measured 0:
+  // the double sums' difference does not reach the float factor here).
+  const std::vector<std::string> clip = {"optim.grad_clip=0.05"};
+  GroupJob clipped(tmp.path(), "clip", 1, 2, T, batch, clip, 1,
+                   {"--consistency", "average", "--local-steps", std::to_string(H)});
+  ASSERT_EQ(clipped.wait(150), 0) << clipped.logs();
+  const CollectiveRun mpi_clip = collective_run(tmp.path(), "mpi_clip", 2, T * H, batch, clip);
+  ASSERT_EQ(mpi_clip.code, 0) << mpi_clip.output;
+  const std::vector<float> c = load_model(clipped.run).params,
+                           e = load_model(tmp / "mpi_clip").params;
+  const double dc = relative_l2(c, e);
+  std::printf("clipped: relative L2 %.3g (to the unclipped run %.3g)\n", dc, relative_l2(c, b));
+  EXPECT_LE(dc, 1e-5);
+  EXPECT_GT(relative_l2(c, b), 1e-4) << "the clip did not bite";
   // Two groups of 2: every clock is one update of the four ranks' pushes, and the job ends.
   GroupJob two(tmp.path(), "two", 2, 2, T, 2, {}, 1,
                {"--consistency", "average", "--local-steps", std::to_string(H)});
