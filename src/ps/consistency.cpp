@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <set>
 
 #include "core/check.h"
 #include "core/rng.h"
@@ -23,6 +24,9 @@ PushFate ConsistencyRules::push(int64_t worker, int64_t clock, int64_t id, int64
   if (!is_active(worker)) return PushFate::NotActive;
   if (summed_per_clock()) {
     if (clock < version_) return PushFate::Late;
+    MOETRAIN_CHECK(group_size >= 1, "a push from worker {} of a group of {} processes", worker,
+                   group_size);
+    sizes_[worker] = group_size;
     pending_[clock][worker] = id;
     return next_update_possible() ? PushFate::Ready : PushFate::Queued;
   }
@@ -71,8 +75,35 @@ bool ConsistencyRules::next_update_possible() const {
       if (!got.count(w)) return false;
     return true;
   }
-  const auto q = std::min<std::size_t>(static_cast<std::size_t>(cfg_.quorum), active_.size());
-  return got.size() >= q;
+  const int64_t q = std::min(cfg_.quorum, active_groups());
+  return static_cast<int64_t>(whole_groups(got).size()) >= q;
+}
+
+int64_t ConsistencyRules::group_of(int64_t worker) const {
+  const auto s = sizes_.find(worker);
+  const int64_t size = s == sizes_.end() ? 1 : s->second;
+  return worker - worker % size;
+}
+
+std::map<int64_t, int64_t> ConsistencyRules::whole_groups(
+    const std::map<int64_t, int64_t>& got) const {
+  std::map<int64_t, int64_t> parts;  // group's first worker → parts arrived
+  for (const auto& [w, id] : got) ++parts[group_of(w)];
+  std::map<int64_t, int64_t> out;
+  for (const auto& [first, n] : parts) {
+    // Every part of a group says the group's size; its first arrived part's does.
+    const int64_t size = sizes_.at(got.lower_bound(first)->first);
+    if (n == size) out[first] = size;
+  }
+  return out;
+}
+
+int64_t ConsistencyRules::active_groups() const {
+  // A worker not heard from yet counts as a group of its own: before any push the cap is the
+  // workers, which is never below the groups.
+  std::vector<int64_t> firsts;
+  for (int64_t w : active_) firsts.push_back(group_of(w));
+  return static_cast<int64_t>(std::set<int64_t>(firsts.begin(), firsts.end()).size());
 }
 
 std::optional<Update> ConsistencyRules::next_update() {
@@ -91,10 +122,15 @@ std::optional<Update> ConsistencyRules::next_update() {
       u.workers.push_back(w);
     }
   } else {
+    // Every whole group's parts (a part of an incomplete group is left to be dropped with the
+    // clock), in worker-index order.
+    const std::map<int64_t, int64_t> whole = whole_groups(got);
     for (const auto& [w, id] : got) {  // std::map: worker-index order
+      if (!whole.count(group_of(w))) continue;
       u.ids.push_back(id);
       u.workers.push_back(w);
     }
+    for (const auto& [first, size] : whole) u.groups.push_back(first);
   }
   return u;
 }

@@ -14,8 +14,10 @@
 //           the global batch): the sum is the row-weighted mean, which becomes the values
 // A worker group (workers g·P … g·P + P − 1, each pushing a disjoint part of the keys) is one
 // worker to async, ssp and half_sync: its P pushes of a clock make one update, summed in
-// worker-index order, once the last of them arrived; every rank's clock moves with it. (Sync sums
-// them anyway, as every push of a clock.)
+// worker-index order, once the last of them arrived; every rank's clock moves with it. Quorum
+// counts groups: a clock applies once q whole groups' parts (a worker alone is a whole group)
+// arrived, with every whole group's parts and none of an incomplete one's, whose parts are then
+// late together. (Sync and average sum them anyway, as every push of a clock.)
 // The server (kv_server.h) names each push it queues by an id and holds its gradient; an Update
 // lists the ids to sum, and every id the rules let go of is returned so the server frees it.
 #pragma once
@@ -38,6 +40,8 @@ struct Update {
   // backup must record); sync / quorum: −1, 0.
   int64_t worker = -1, worker_clock = 0;
   int64_t group_size = 1;  // async / ssp: the pushing group's processes (1: a worker alone)
+  // quorum: the whole groups (each named by its first worker) the update sums.
+  std::vector<int64_t> groups;
 };
 
 enum class PushFate {
@@ -112,11 +116,19 @@ class ConsistencyRules {
   bool summed_per_clock() const { return !applies_per_push(cfg_.mode); }
   int64_t min_clock(int64_t except) const;
   bool next_update_possible() const;
+  // quorum: the first worker of `worker`'s group (its group size from its pushes; a worker not
+  // heard from is its own group).
+  int64_t group_of(int64_t worker) const;
+  // quorum: the groups (first worker → processes) whose every part of `got` arrived, and how
+  // many groups the active workers make.
+  std::map<int64_t, int64_t> whole_groups(const std::map<int64_t, int64_t>& got) const;
+  int64_t active_groups() const;
 
   ConsistencyConfig cfg_;
   int64_t version_ = 0;
   std::vector<int64_t> active_;                            // sorted
   std::map<int64_t, std::map<int64_t, int64_t>> pending_;  // sync/quorum: clock → worker → id
+  std::map<int64_t, int64_t> sizes_;  // quorum: worker → its group's processes, from its pushes
   std::optional<Update> ready_;                            // async/ssp: the push just arrived
   // async/ssp: a group's pushes of a clock so far, (group's first worker, clock) → worker → id
   std::map<std::pair<int64_t, int64_t>, std::map<int64_t, int64_t>> parts_;

@@ -296,17 +296,18 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
                  "placement.spare_slots = {} with --ep {}: at most the experts a rank holds ({} of "
                  "{})",
                  cfg.placement.spare_slots, ep, cfg.model.n_experts / ep, cfg.model.n_experts);
-  // A group's ranks push disjoint parts of the keys. sync sums every worker's push of a clock into
-  // one update, and async, ssp and half_sync apply a group's parts of a clock as one update
-  // (ps/consistency.h); the other two modes would not make one of them.
+  // A group's ranks push disjoint parts of the keys, which every mode applies as one update: sync
+  // and average sum every push of a clock, quorum counts whole groups, and async, ssp and
+  // half_sync hold a group's parts of a clock until the last (ps/consistency.h). Average's local
+  // steps run the group's exchange and dense reduction, but hot-expert replicas follow their
+  // owners' weights only at a pull, while the local steps move the owners between pulls.
   const Consistency mode = options.consistency_kind();
-  MOETRAIN_CHECK(mode != Consistency::Quorum && mode != Consistency::Average,
-                 "--ep {} with --consistency {}: a group's ranks push disjoint parts of the keys, "
-                 "{}; use --consistency sync, async, ssp or half_sync",
-                 ep, options.consistency,
-                 mode == Consistency::Quorum
-                     ? "and quorum could apply some parts of a clock and drop the others"
-                     : "and average runs a local optimizer over every key on each rank");
+  MOETRAIN_CHECK(mode != Consistency::Average || cfg.placement.spare_slots == 0,
+                 "placement.spare_slots = {} with --ep {} and --consistency average: a replica "
+                 "takes its owner's weights once a clock, after the pull, and the group's local "
+                 "steps change the owners' weights {} times between pulls; set "
+                 "placement.spare_slots = 0 or use another consistency mode",
+                 cfg.placement.spare_slots, ep, options.local_steps);
   // The keys past the parameters (router biases, expert token counts) are dense keys of the
   // group (make_group_keys): each rank's loads and counts of its own tokens are summed over the
   // group by its reduce-scatter (integers, exact in f32) and pushed by one rank, and the biases

@@ -66,6 +66,39 @@ void unpack(const std::vector<Span>& spans, const float* packed, float* flat) {
   }
 }
 
+// A group rank's part of the group's gradient, for the check and the clip of a local step: its
+// experts and its chunk of the reduced dense gradient (flat ranges, sorted), so that every element
+// lies in one rank's part and the ranks' sums over the group's communicator are the group's.
+class SpansGradient final : public GradientShard {
+ public:
+  SpansGradient(float* g, const std::vector<Span>& spans) : g_(g), spans_(spans) {}
+  bool has_non_finite() const override {
+    for (const Span& s : spans_)
+      if (part(s).has_non_finite()) return true;
+    return false;
+  }
+  double sum_squares() const override {
+    double q = 0;
+    for (const Span& s : spans_) q += part(s).sum_squares();
+    return q;
+  }
+  void scale(float factor) override {
+    for (const Span& s : spans_) part(s).scale(factor);
+  }
+  void range_sums(const std::vector<WeightedRange>& ranges, double* abs_sum,
+                  double* sq_sum) const override {
+    for (const Span& s : spans_) part(s).range_sums(ranges, abs_sum, sq_sum);
+  }
+  void scale_ranges(const std::vector<WeightedRange>& ranges) override {
+    for (const Span& s : spans_) part(s).scale_ranges(ranges);
+  }
+
+ private:
+  FlatGradient part(const Span& s) const { return {g_ + s.offset, s.size, s.offset}; }
+  float* g_;
+  const std::vector<Span>& spans_;
+};
+
 }  // namespace
 
 WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t index,
@@ -292,27 +325,52 @@ PushMeta WorkerStep::local_round(int64_t clock, const RowAssignment& a) {
     schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.train.steps * H));
     comm_ = make_local_comm();
   }
+  // A group's local step is one step of the group: the mean over the group's rows, the dense
+  // gradients summed over its ranks, the check and clip over its parts, as `train` steps with
+  // dist.ep = P over the same processes.
+  int64_t rows = a.rows;
+  if (group_) group_->comm->allreduce(&rows, 1);
   double loss = 0;
   for (int64_t h = 0; h < H; ++h) {
     const int64_t step = clock * H + h;
-    // The mean over this worker's rows: a local step is a whole step of its own.
-    const Accumulated acc =
-        accumulate_rows(step, a, static_cast<float>(1.0 / static_cast<double>(A)));
+    // The mean over this worker's (group's) rows: a local step is a whole step of its own.
+    const Accumulated acc = accumulate_rows(
+        step, a,
+        static_cast<float>(static_cast<double>(a.rows) / static_cast<double>(rows * A)));
     loss += acc.loss.total;
-    FlatGradient g(grads_.data(), n);
     UpdateOptions o;
     o.grad_clip = cfg_.optim.grad_clip;
     o.where = fmt::format("local step {} on worker {}", step, index_);
     o.advice = "Lower optim.lr or raise optim.warmup_steps";
-    if (!check_and_clip(g, *comm_, o).skipped)
-      opt_->step(params_.data(), grads_.data(), static_cast<float>(schedule_->lr(step)));
+    bool skipped = false;
+    if (group_) {
+      // Rank q's dense chunk: Σ over the ranks in rank order (the group's reduce-scatter);
+      // checked and clipped with the rank's experts, then gathered so that every rank steps the
+      // same dense values, each its own experts.
+      pack(dense_keys_, grads_.data(), dense_.data());
+      group_->comm->reduce_scatter(chunk_.data(), dense_.data(), chunk_counts_);
+      unpack(chunk_keys_, chunk_.data(), grads_.data());
+      SpansGradient g(grads_.data(), keys_);
+      skipped = check_and_clip(g, *group_->comm, o).skipped;
+      pack(chunk_keys_, grads_.data(), chunk_.data());
+      group_->comm->allgather(dense_.data(), chunk_.data(), chunk_counts_);
+      unpack(dense_keys_, dense_.data(), grads_.data());
+    } else {
+      FlatGradient g(grads_.data(), n);
+      skipped = check_and_clip(g, *comm_, o).skipped;
+    }
+    if (!skipped) opt_->step(params_.data(), grads_.data(), static_cast<float>(schedule_->lr(step)));
   }
+  // grads = params × the worker's (group's) share of the global batch, which the servers sum
+  // into the row-weighted mean; a group's rank pushes its keys alone, and the push's rows are its
+  // own, so that the rows of a clock's pushes add up to the global batch.
   const auto share =
-      static_cast<float>(static_cast<double>(a.rows) / static_cast<double>(a.global_rows));
+      static_cast<float>(static_cast<double>(rows) / static_cast<double>(a.global_rows));
   float* g = grads_.data();
   const float* p = params_.data();
   for (int64_t i = 0; i < n; ++i) g[i] = p[i] * share;
-  skip_.clear();  // every parameter is pushed
+  skip_ = group_ ? complement(keys_, static_cast<int64_t>(grads_.size()))
+                 : std::vector<Span>{};  // a worker alone pushes every parameter
   return {a.rows, a.global_rows, loss / static_cast<double>(H)};
 }
 

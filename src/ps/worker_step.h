@@ -71,7 +71,9 @@ class WorkerStep {
   // of local step clock·H + h (the windows the single-process run with H·T steps reads there),
   // through the one check, clip and step of optim/update.h, with this worker's own optimizer
   // state; then grads = params × the rows' share of the global batch (what the servers sum into
-  // the row-weighted mean). The figures: the mean loss over the H steps.
+  // the row-weighted mean). In a group a local step is the group's (the mean over its rows, the
+  // dense gradients reduced over its ranks, the check and clip over its parts), and a rank pushes
+  // its keys × the group's share. The figures: the mean loss over the H steps.
   PushMeta local_round(int64_t clock, const RowAssignment& a);
 
   // model.capacity = dynamic (ps/capacity_rounds.h): the figures of the last compute for the

@@ -209,6 +209,48 @@ TEST(Consistency, AverageWaitsForEveryActiveWorkerLikeSync) {
   EXPECT_EQ(r.push(0, 0, 12), PushFate::Late);
 }
 
+// average over groups: each rank pushes its keys' parameters × its group's share of the global
+// batch (zero elsewhere) with its own rows, so a clock's rows add up to the global batch and the
+// sum of the four pushes, in worker-index order, is the row-weighted mean of the two groups'
+// parameters. Group {0, 1}: 2 + 2 of 12 rows, rank 0 holding keys 0 and 1; group {2, 3}: 4 + 4
+// rows, split the other way. Every key is one nonzero term per group plus exact zeros, so the
+// sum is the two products added in group order, bitwise.
+TEST(Consistency, AverageOverGroupsIsTheRowWeightedMeanOfTheGroupsParameters) {
+  ConsistencyRules r = rules(Consistency::Average, {0, 1, 2, 3});
+  EXPECT_EQ(r.push(3, 0, 3, 2), PushFate::Queued);
+  EXPECT_EQ(r.push(0, 0, 0, 2), PushFate::Queued);
+  EXPECT_EQ(r.push(2, 0, 2, 2), PushFate::Queued);
+  EXPECT_EQ(r.push(1, 0, 1, 2), PushFate::Ready);
+  const auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{0, 1, 2, 3}));
+
+  const float pa[4] = {1.5f, -2.25f, 3.0f, 0.1f}, pb[4] = {5.0f, 0.7f, -7.5f, 8.25f};
+  const float sa = 4.0f / 12.0f, sb = 8.0f / 12.0f;
+  const std::vector<std::vector<int>> held = {{0, 1}, {2, 3}, {0, 2}, {1, 3}};
+  std::vector<std::vector<float>> pushed(4, std::vector<float>(4, 0.0f));
+  for (int w = 0; w < 4; ++w)
+    for (int k : held[static_cast<std::size_t>(w)])
+      pushed[static_cast<std::size_t>(w)][static_cast<std::size_t>(k)] =
+          w < 2 ? pa[k] * sa : pb[k] * sb;
+  const int64_t rows[4] = {2, 2, 4, 4};
+  std::vector<PushView> in;
+  for (int64_t id : u->ids)
+    in.push_back({pushed[static_cast<std::size_t>(id)].data(), rows[id], 12, 1.0});
+  float out[4];
+  const SumResult s = sum_pushes(in, 4, out);
+  EXPECT_EQ(s.rows, 12);
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(out[k], pa[k] * sa + pb[k] * sb) << "key " << k;
+    EXPECT_NEAR(out[k], (4.0 * pa[k] + 8.0 * pb[k]) / 12.0, 1e-6 * (1 + std::fabs(out[k])));
+  }
+  // One group: the share is 1 and the mean is the group's parameters, exactly.
+  const float one[2] = {pa[0], 0.0f}, other[2] = {0.0f, pa[1]};
+  sum_pushes({{one, 2, 4, 0}, {other, 2, 4, 0}}, 2, out);
+  EXPECT_EQ(out[0], pa[0]);
+  EXPECT_EQ(out[1], pa[1]);
+}
+
 TEST(Consistency, SspLostWorkerNoLongerHoldsOthersBackAndARejoinStartsLevel) {
   ConsistencyRules r = rules(Consistency::Ssp, {0, 1}, 0, 0);
   r.pull_answered(0, -1);
@@ -302,6 +344,60 @@ TEST(Consistency, GroupPartsOfALostRankAreFreedAndAReplayMovesTheGroupsClocks) {
   b.replayed(2, 3, 2);
   EXPECT_EQ(b.worker_clocks().at(2), 3);
   EXPECT_EQ(b.worker_clocks().at(3), 3);
+}
+
+// Quorum counts groups: a clock applies once q whole groups' parts are in, with the parts of
+// every whole group and of no incomplete one, whose parts are then late together (and its ranks
+// told the same clock to go on at). Two groups of 2 ({0, 1}, {2, 3}) and worker 4 alone, their
+// parts interleaved.
+TEST(Consistency, QuorumCountsWholeGroupsAndDropsALateGroupsPartsTogether) {
+  ConsistencyRules r = rules(Consistency::Quorum, {0, 1, 2, 3, 4}, 2);
+  EXPECT_EQ(r.push(0, 0, 0, 2), PushFate::Queued);
+  EXPECT_EQ(r.push(2, 0, 20, 2), PushFate::Queued);
+  EXPECT_EQ(r.push(3, 0, 30, 2), PushFate::Queued);  // one whole group of two needed
+  EXPECT_FALSE(r.next_update());
+  EXPECT_EQ(r.push(4, 0, 40, 1), PushFate::Ready);  // a worker alone is a whole group
+  auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->workers, (std::vector<int64_t>{2, 3, 4}));  // not group {0, 1}'s part
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{20, 30, 40}));
+  EXPECT_EQ(u->groups, (std::vector<int64_t>{2, 4}));
+  // The incomplete group's part that came is freed with the clock, its other part is late.
+  std::vector<int64_t> freed = r.applied(*u);
+  std::sort(freed.begin(), freed.end());
+  EXPECT_EQ(freed, (std::vector<int64_t>{0, 20, 30, 40}));
+  EXPECT_EQ(r.push(1, 0, 10, 2), PushFate::Late);
+  EXPECT_EQ(r.pending_pushes(), 0);
+  EXPECT_EQ(r.pull_answered(0, 1), 1);
+  EXPECT_EQ(r.pull_answered(1, 1), 1);
+  // Clock 1: parts of both groups interleaved; once two groups are whole, all that are whole
+  // apply (here both), in worker-index order.
+  EXPECT_EQ(r.push(1, 1, 11, 2), PushFate::Queued);
+  EXPECT_EQ(r.push(3, 1, 31, 2), PushFate::Queued);
+  EXPECT_EQ(r.push(0, 1, 10, 2), PushFate::Queued);  // one whole group
+  EXPECT_EQ(r.push(2, 1, 21, 2), PushFate::Ready);
+  u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->workers, (std::vector<int64_t>{0, 1, 2, 3}));
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{10, 11, 21, 31}));
+  r.applied(*u);
+  EXPECT_EQ(r.push(4, 1, 41, 1), PushFate::Late);
+}
+
+// The quorum is capped by the active groups: with q = 2 and group {2, 3} lost, group {0, 1}
+// alone applies the clock; a part alone never does.
+TEST(Consistency, QuorumOfGroupsIsCappedByTheActiveGroups) {
+  ConsistencyRules r = rules(Consistency::Quorum, {0, 1, 2, 3}, 2);
+  r.push(0, 0, 0, 2);
+  r.push(2, 0, 20, 2);
+  r.push(1, 0, 1, 2);
+  EXPECT_FALSE(r.next_update());
+  r.set_active({0, 1, 3});  // rank 2 died, and with it its group (3 not yet declared)
+  EXPECT_FALSE(r.next_update());
+  r.set_active({0, 1});
+  auto u = r.next_update();
+  ASSERT_TRUE(u);
+  EXPECT_EQ(u->ids, (std::vector<int64_t>{0, 1}));
 }
 
 TEST(SumPushes, SumsInTheGivenOrderAndRescalesToTheGlobalBatch) {
