@@ -63,8 +63,7 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options);
 void check_worker_group_size(int64_t ep, int64_t world);
 // The settings a worker group of P > 1 processes cannot run with, refused with the reason:
 // model.n_experts not a multiple of P, no MoE layer to shard, a consistency mode other than sync
-// (only sync sums the ranks' disjoint parts of a clock into one update), and --assign capability
-// (a re-split pauses workers one by one while a group's ranks wait for each other in a step).
+// (only sync sums the ranks' disjoint parts of a clock into one update).
 void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t ep);
 
 struct KeyRange {
