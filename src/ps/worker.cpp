@@ -160,11 +160,7 @@ class Worker {
     while (!ok) {
       auto in = link_->next_control(1000, &ok);
       if (!in) continue;
-      if (in->header.kind_enum() == Kind::RowsQuery) {
-        // Done: no clock is left to split, but a stop's pause waits for every worker's answer.
-        on_control(*in);
-        answer_rows(started_clock_ + 1, rows_seen_);
-      } else if (in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
+      if (in->header.kind_enum() == Kind::Finish && in->json().value("lead", false)) {
         // The final parameters in f32 whatever --pull-compression says: the checkpoint holds the
         // servers' values, not their wire form.
         r = kv_->wait(kv_->pull(-1, step_->params().data(), Encoding::F32));
@@ -202,21 +198,25 @@ class Worker {
   }
 
   // A new row split applies from one clock on for every worker: asked (RowsQuery), a worker
-  // finishes the clock it is in and, before it starts the next, answers with that clock and
-  // waits; the scheduler takes the largest clock any worker would start next and sends the split
-  // with that clock (rows_from_clock), so no clock is computed with the old split by one worker
-  // and the new one by another. A group's ranks get the query at different moments, possibly
-  // while one of them waits for the others inside a step's collective, so they answer only here,
+  // answers with the next clock it would start, finishes the clock it is in and waits; the
+  // scheduler takes the largest clock any worker would start next and sends the split with that
+  // clock (rows_from_clock), so no clock is computed with the old split by one worker and the new
+  // one by another. A group's ranks get the query at different moments, possibly while one of
+  // them waits for the others inside a step's collective, so they decide to wait only here,
   // between two clocks, and together: they agree (collective) on the newest query any of them
-  // got and the newest any of them saw settled, and all answer, or none does. `rolled_back`:
-  // whether this worker saw a roll-back before; returns whether it saw one (the group then goes
+  // got and the oldest settlement any of them saw, and all wait (a rank that has not got the
+  // query yet answers with this clock) until each holds the settling setup, or none waits.
+  // `rolled_back`: whether this worker saw a roll-back before; returns whether it saw one (the group then goes
   // back without answering; the query is answered after the roll-back's pull).
   bool agree_on_rows(int64_t clock, bool rolled_back) {
-    int64_t q[3] = {rows_seen_, rows_settled_, rolled_back ? 1 : 0};
+    // The newest query any rank got, the oldest settlement any rank has seen (negated for Max):
+    // every rank goes on only once it holds the setup that settles the newest query, so that
+    // all of them switch rows at the same clock.
+    int64_t q[3] = {rows_seen_, -rows_settled_, rolled_back ? 1 : 0};
     if (args_.ep > 1) group_.comm->allreduce(q, 3, {ReduceOp::Max});
-    if (q[2] != 0 || q[0] <= q[1] || q[0] <= rows_answered_) return rolled_back;
+    if (q[2] != 0 || q[0] <= -q[1]) return rolled_back;
     answer_rows(clock, q[0]);
-    while (rows_settled_ < rows_answered_) {
+    while (rows_settled_ < std::max(q[0], rows_answered_)) {
       bool ok = false;
       auto in = link_->next_control(100, &ok);
       MOETRAIN_CHECK(!ok, "the job ended while this worker waited for its rows");
@@ -274,7 +274,11 @@ class Worker {
       capacity_generation_ = j.at("generation").get<uint32_t>();
       capacity_state_ = std::move(j.at("state"));
     } else if (k == Kind::RowsQuery) {
+      // Answered at once, wherever this worker is (a worker that waits for the servers to sum a
+      // clock must not wait for the others to pause too): it computes no clock past the one it
+      // names before the split is settled, as it pauses before its next one (agree_on_rows).
       rows_seen_ = std::max(rows_seen_, in.json().value("query", int64_t{-1}));
+      answer_rows(started_clock_ + 1, rows_seen_);
     } else if (k == Kind::Setup) {
       const nlohmann::json j = in.json();
       rows_settled_ = std::max(rows_settled_, j.value("rows_settled", int64_t{-1}));
