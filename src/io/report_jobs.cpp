@@ -65,6 +65,50 @@ std::string text_of(const Json& j, const char* key) {
   return it->is_string() ? it->get<std::string>() : it->dump();
 }
 
+// One decision of the scheduler (a "decision" line of metrics/scheduler.jsonl) in words.
+std::string decision_text(const Json& j) {
+  std::string out;
+  if (auto g = j.find("groups"); g != j.end() && g->is_array()) {
+    for (const Json& one : *g) {
+      if (!one.is_object()) continue;
+      std::string workers;
+      if (auto w = one.find("workers"); w != one.end() && w->is_array())
+        for (const Json& i : *w) workers += (workers.empty() ? "" : ", ") + i.dump();
+      if (!out.empty()) out += "; ";
+      out += fmt::format("group {} (workers {}): {} rows", text_of(one, "group"), workers,
+                         text_of(one, "rows"));
+      if (number(one, "throughput"))
+        out += fmt::format(" at {:.1f} rows/s", one["throughput"].get<double>());
+    }
+  }
+  if (auto h = j.find("hot_experts"); h != j.end()) {
+    if (!out.empty()) out += "; ";
+    out += "hot experts " + h->dump();
+    if (j.contains("loads")) out += ", loads " + j["loads"].dump();
+  }
+  return out;
+}
+
+// The scheduler's decisions (row re-splits, expert placements): clock, what, cause. Left out of a
+// job whose scheduler decided nothing of the kind.
+std::string decision_section(const std::vector<Json>& lines) {
+  std::string rows;
+  for (const Json& j : lines) {
+    if (!j.is_object() || !j.contains("decision")) continue;
+    const bool at_once = number(j, "clock") && j["clock"].get<double>() < 0;
+    rows += fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
+                        at_once ? "at once" : html_escape(text_of(j, "clock")),
+                        html_escape(text_of(j, "decision")), html_escape(decision_text(j)),
+                        html_escape(text_of(j, "cause")));
+  }
+  if (rows.empty()) return "";
+  return report_section("decisions", "Scheduler decisions (rows and expert placement)",
+                        "<table class=\"kv\">\n<tr><th>from clock</th><th>decision</th>"
+                        "<th>what</th><th>cause</th></tr>\n" +
+                            rows + "</table>\n",
+                        "");
+}
+
 }  // namespace
 
 std::string report_section(const std::string& id, const std::string& title, const std::string& body,
@@ -191,6 +235,7 @@ std::string job_sections(const std::filesystem::path& run_dir) {
                                      html_escape(text_of(j, "cause")))});
     }
   }
+  if (auto it = all.find("scheduler"); it != all.end()) out += decision_section(it->second);
   if (all.contains("scheduler") || all.contains("launcher")) {
     std::stable_sort(rows.begin(), rows.end(),
                      [](const auto& a, const auto& b) { return a.first < b.first; });

@@ -19,6 +19,7 @@ struct Node {
   bool alive = true;
   bool done = false;
   double throughput = 0;  // worker rows/s, from heartbeats
+  int64_t group_size = 1;  // workers: the size of its group (1: alone), from its registration
   int64_t pid = 0;
   bool primary = true;  // servers: primary or backup of its index
   // Servers: where this one runs the scheduler if the servers elect it (ps/election.h).

@@ -313,11 +313,8 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
   // group by its reduce-scatter (integers, exact in f32) and pushed by one rank, and the biases
   // the server stepped come back to every rank with the dense values. Under model.capacity =
   // dynamic each rank is a worker of the scheduler's capacity round, which sums the ranks'
-  // figures as `train` sums its processes'.
-  MOETRAIN_CHECK(options.assign_kind() == Assign::Uniform,
-                 "--ep {} with --assign {}: a re-split pauses workers one by one while the "
-                 "group's ranks wait for each other inside a step; use --assign uniform",
-                 ep, options.assign);
+  // figures as `train` sums its processes'. --assign capability weighs a group as one (its
+  // ranks answer a re-split together between two clocks: ps/worker.cpp).
 }
 
 int64_t router_bias_keys(const RunConfig& cfg) {

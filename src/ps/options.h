@@ -62,10 +62,8 @@ void check_ps_run_config(const RunConfig& cfg, const PsOptions& options);
 // and the MPI world (`world` processes) is the group. Throws naming --ep and the world size.
 void check_worker_group_size(int64_t ep, int64_t world);
 // The settings a worker group of P > 1 processes cannot run with, refused with the reason:
-// model.n_experts not a multiple of P, no MoE layer to shard, hot-expert replicas under average
-// (its local steps move the owners between the pulls that refresh the replicas), and --assign
-// capability (a re-split pauses workers one by one while a group's ranks wait for each other in a
-// step).
+// model.n_experts not a multiple of P, no MoE layer to shard, and hot-expert replicas under
+// average (its local steps move the owners between the pulls that refresh the replicas).
 void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t ep);
 
 struct KeyRange {

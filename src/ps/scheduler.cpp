@@ -80,7 +80,7 @@ int Scheduler::run() {
       events_.node("worker_lost", n, fmt::format("no heartbeat for {:.1f} s", hb_timeout));
       ++workers_lost_;
       if (finishing_ && id == lead_) finishing_ = false;  // another worker will lead
-      if (started_) replan();
+      if (started_) replan(fmt::format("worker {} lost", n.index));
     }
     for (auto& [index, t] : down_)
       if (since(t) > args_.options.server_wait) {
@@ -238,6 +238,8 @@ void Scheduler::on_register(const Incoming& in) {
     n.index = idx;
   } else {
     n.index = members_.free_worker_index(j.value("want_index", int64_t{-1}));
+    n.group_size = j.value("group_size", int64_t{1});
+    MOETRAIN_CHECK(n.group_size >= 1, "register: group_size {} (expected ≥ 1)", n.group_size);
   }
   members_.nodes()[n.id] = n;
   reply({{"node_id", n.id},
@@ -268,7 +270,7 @@ void Scheduler::on_register(const Incoming& in) {
         restore_index_ = -1;
         lists_.clear();
       }
-      replan();
+      replan("job start");
       if (args_.resume)
         for (Node* p : members_.serving())
           if (p->primary) send_to(router_, p->identity, json_frame(Kind::CheckpointQuery, -1, {}));
@@ -276,7 +278,7 @@ void Scheduler::on_register(const Incoming& in) {
   } else if (role == "worker") {
     events_.node("worker_joined", n, "registered after the start");
     ++workers_joined_;
-    replan();
+    replan(fmt::format("worker {} joined", n.index));
   } else if (n.index >= 0 && !n.primary) {
     backup_attached(members_.nodes()[n.id], "registered after the start");
   } else if (n.index >= 0) {
@@ -284,18 +286,32 @@ void Scheduler::on_register(const Incoming& in) {
   }
 }
 
+namespace {
+
+std::vector<WorkerRate> worker_rates(const std::vector<Node*>& workers) {
+  std::vector<WorkerRate> r;
+  for (const Node* w : workers) r.push_back({w->index, w->group_size, w->throughput});
+  return r;
+}
+
+}  // namespace
+
 // New row assignment and membership, sent to every live node.
-void Scheduler::replan() {
+void Scheduler::replan(const std::string& cause) {
   // A membership change moves rows at once (the clock in flight completes with the pushes it
   // gets); a rebalance that was being agreed on is dropped.
   rows_query_.reset();
   rows_from_ = -1;
+  rows_settled_ = 2 * epoch_ + 1;  // every query of this epoch
   auto workers = members_.alive_workers();
   if (!workers.empty()) {
-    std::optional<std::vector<double>> weights;
-    if (args_.options.assign_kind() == Assign::Capability)
-      weights = capability_weights(throughputs(workers));
-    rows_ = split_rows(global_rows_, weights.value_or(std::vector<double>(workers.size(), 1.0)));
+    const bool capability = args_.options.assign_kind() == Assign::Capability;
+    // Under capability, uniform until every worker reported a rate.
+    std::optional<RowSplit> split;
+    if (capability) split = split_rows_by_group(global_rows_, worker_rates(workers), true);
+    if (!split) split = split_rows_by_group(global_rows_, worker_rates(workers), false);
+    rows_ = split->rows;
+    if (capability) events_.record(assign_record(*split, -1, cause));
   }
   ++epoch_;
   broadcast_setup();
@@ -308,13 +324,13 @@ void Scheduler::maybe_rebalance() {
   last_rebalance_ = Clock::now();
   auto workers = members_.alive_workers();
   if (workers.empty()) return;
-  const auto weights = capability_weights(throughputs(workers));
-  if (!weights) return;
-  std::vector<int64_t> rows = split_rows(global_rows_, *weights);
-  if (rows == rows_) return;
-  // Every worker stops before its next clock and says which it is (on_rows_ready).
-  rows_query_ = RowsQuery{rows, {}};
-  for (Node* w : workers) send_to(router_, w->identity, json_frame(Kind::RowsQuery, -1, {}));
+  auto split = split_rows_by_group(global_rows_, worker_rates(workers), true);
+  if (!split || split->rows == rows_) return;
+  // Every worker stops before its next clock and says which it is (on_rows_ready); a group's
+  // ranks answer together from the same point between two clocks.
+  rows_query_ = RowsQuery{2 * epoch_, std::move(*split), {}};
+  for (Node* w : workers)
+    send_to(router_, w->identity, json_frame(Kind::RowsQuery, -1, {{"query", rows_query_->id}}));
 }
 
 // The new split applies from the largest clock any worker would start next: every clock before
@@ -324,7 +340,7 @@ void Scheduler::on_rows_ready(const Node& n, const nlohmann::json& j) {
     paused_.insert(n.id);
     return;
   }
-  if (!rows_query_) return;
+  if (!rows_query_ || j.value("query", int64_t{-1}) != rows_query_->id) return;
   rows_query_->next_clock[n.id] = j.at("clock").get<int64_t>();
   int64_t from = 0;
   for (Node* w : members_.alive_workers()) {
@@ -332,9 +348,12 @@ void Scheduler::on_rows_ready(const Node& n, const nlohmann::json& j) {
     if (it == rows_query_->next_clock.end()) return;
     from = std::max(from, it->second);
   }
-  rows_ = rows_query_->rows;
-  rows_query_.reset();
+  rows_ = rows_query_->split.rows;
+  rows_settled_ = rows_query_->id;
   rows_from_ = from;
+  // Recorded before any worker hears of it, as every decision of the scheduler is.
+  events_.record(assign_record(rows_query_->split, from, "measured throughput"));
+  rows_query_.reset();
   log_info("ps scheduler: capability assignment from clock {}: rows per worker {}", from,
            fmt::join(rows_, ", "));
   ++epoch_;
@@ -362,6 +381,7 @@ void Scheduler::broadcast_setup() {
                          {"rollback_to", rollback_clock_},
                          {"resume", args_.resume},
                          {"rows_from_clock", rows_from_},
+                         {"rows_settled", rows_settled_},
                          {"config", args_.config.to_json()},
                          {"options", args_.options.to_json()},
                          {"servers", js},

@@ -18,6 +18,7 @@
 #include "ps/capacity_rounds.h"
 #include "ps/global_norm.h"
 #include "ps/job_events.h"
+#include "ps/job_plan.h"
 #include "ps/membership.h"
 #include "ps/scheduler.h"
 #include "ps/transport.h"
@@ -51,7 +52,8 @@ class Scheduler {
   void backup_attached(const Node& b, const std::string& cause);
   void on_checkpoint_list(const Node& n, const nlohmann::json& j);
   void on_restored();
-  void replan();
+  // cause: why the rows move now (a worker lost or joined, the start), for the decision's record.
+  void replan(const std::string& cause);
   void maybe_rebalance();
   void on_rejoin(const Incoming& in, const nlohmann::json& j);
   bool maybe_take_over();
@@ -85,13 +87,18 @@ class Scheduler {
   int32_t next_id_ = 0;
   int64_t total_keys_ = 0, global_rows_ = 0, epoch_ = 0;
   std::vector<int64_t> rows_;
-  // A capability rebalance being agreed on: the new split and each worker's next clock.
+  // A capability rebalance being agreed on: the new split and each worker's next clock. id: 2 ×
+  // the epoch it was asked in (a stop's pause in the same epoch asks 2 × epoch + 1); a worker's
+  // answer names it, and every setup names the newest query settled (applied, or dropped by a
+  // re-plan or a takeover: rows_settled_), so that a worker group's ranks answer a query once,
+  // together, at one clock (ps/worker.cpp), and answers of an older one count for nothing.
   struct RowsQuery {
-    std::vector<int64_t> rows;
+    int64_t id = 0;
+    RowSplit split;
     std::map<int32_t, int64_t> next_clock;  // node id → the clock it would start next
   };
   std::optional<RowsQuery> rows_query_;
-  int64_t rows_from_ = -1;
+  int64_t rows_from_ = -1, rows_settled_ = -1;
   // A standby taking over from a dead scheduler: the nodes that registered again, their rows.
   bool taking_over_ = false;
   Clock::time_point takeover_started_ = Clock::now();

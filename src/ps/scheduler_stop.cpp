@@ -23,7 +23,7 @@ void Scheduler::begin_stop(int signal) {
            "checkpoints (a second signal stops at once)",
            signal);
   for (Node* w : members_.alive_workers())
-    send_to(router_, w->identity, json_frame(Kind::RowsQuery, -1, {}));
+    send_to(router_, w->identity, json_frame(Kind::RowsQuery, -1, {{"query", 2 * epoch_ + 1}}));
 }
 
 // Steps 2 and 3: once the workers paused (or after 30 s), every primary checkpoints its range

@@ -33,6 +33,7 @@ void Scheduler::on_rejoin(const Incoming& in, const nlohmann::json& j) {
   } else {
     n.done = j.value("done", false);
     rejoin_rows_[n.index] = j.at("rows").get<int64_t>();
+    n.group_size = j.value("group_size", int64_t{1});
   }
   generation_ = std::max(generation_, j.value("generation", uint32_t{0}));
   epoch_ = std::max(epoch_, j.value("epoch", int64_t{0}));
@@ -122,12 +123,14 @@ bool Scheduler::maybe_take_over() {
               {{"by", args_.elected.is_object() ? "elected server" : "standby"},
                {"servers", members_.serving().size()},
                {"workers", members_.alive_workers().size()}});
+  // A rebalance the dead scheduler was agreeing on is dropped: its paused workers go on.
+  rows_settled_ = 2 * epoch_ + 1;
   // A worker that did not come back leaves rows that nobody reads: re-plan then.
   if (sum == global_rows_) {
     ++epoch_;
     broadcast_setup();
   } else {
-    replan();
+    replan("a worker did not come back to the new scheduler");
   }
   capacity_rewound(capacity_takeover_clock_, "a successor took over the job");
   if (promoted) attach_spare();

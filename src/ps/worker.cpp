@@ -57,11 +57,13 @@ class Worker {
     // A group's ranks ask for consecutive indices, so its rows are consecutive too.
     const int64_t want = a.index >= 0 ? a.index * a.ep + a.group_rank : -1;
     link_ = std::make_unique<NodeLink>(ctx_, args_.scheduler, "worker",
-                                       nlohmann::json{{"want_index", want}}, args_.standby);
+                                       nlohmann::json{{"want_index", want}, {"group_size", a.ep}},
+                                       args_.standby);
     link_->set_rejoin_state([this] {
       return nlohmann::json{{"done", done_},
                             {"epoch", assign_.epoch},
                             {"generation", kv_ ? kv_->generation() : 0},
+                            {"group_size", args_.ep},
                             {"row_begin", assign_.row_begin},
                             {"rows", assign_.rows}};
     });
@@ -115,8 +117,8 @@ class Worker {
       // In a group every rank waits for the same clock's factors (each reports its own figures,
       // which the scheduler sums as `train` sums its ranks'); a roll-back that one rank saw while
       // waiting takes the whole group back before any of them enters the step's collectives.
-      const bool ready = wait_for_capacity(clock) && wait_for_rows();
-      if (group_rolled_back(!ready)) return Outcome::RolledBack;
+      const bool rolled_back = agree_on_rows(clock, !wait_for_capacity(clock));
+      if (group_rolled_back(rolled_back)) return Outcome::RolledBack;
       Timer step_timer;
       started_clock_ = clock;
       const PushMeta meta = compute(clock);
@@ -196,17 +198,40 @@ class Worker {
   }
 
   // A new row split applies from one clock on for every worker: asked (RowsQuery), a worker
-  // finishes the clock it is in and waits; the scheduler takes the largest clock any worker would
-  // start next and sends the split with that clock (rows_from_clock), so no clock is computed
-  // with the old split by one worker and the new one by another. Returns false on a roll-back.
-  bool wait_for_rows() {
-    while (rows_paused_) {
+  // answers with the next clock it would start, finishes the clock it is in and waits; the
+  // scheduler takes the largest clock any worker would start next and sends the split with that
+  // clock (rows_from_clock), so no clock is computed with the old split by one worker and the new
+  // one by another. A group's ranks get the query at different moments, possibly while one of
+  // them waits for the others inside a step's collective, so they decide to wait only here,
+  // between two clocks, and together: they agree (collective) on the newest query any of them
+  // got and the oldest settlement any of them saw, and all wait (a rank that has not got the
+  // query yet answers with this clock) until each holds the settling setup, or none waits.
+  // `rolled_back`: whether this worker saw a roll-back before; returns whether it saw one (the group then goes
+  // back without answering; the query is answered after the roll-back's pull).
+  bool agree_on_rows(int64_t clock, bool rolled_back) {
+    // The newest query any rank got, the oldest settlement any rank has seen (negated for Max):
+    // every rank goes on only once it holds the setup that settles the newest query, so that
+    // all of them switch rows at the same clock.
+    int64_t q[3] = {rows_seen_, -rows_settled_, rolled_back ? 1 : 0};
+    if (args_.ep > 1) group_.comm->allreduce(q, 3, {ReduceOp::Max});
+    if (q[2] != 0 || q[0] <= -q[1]) return rolled_back;
+    answer_rows(clock, q[0]);
+    while (rows_settled_ < std::max(q[0], rows_answered_)) {
       bool ok = false;
       auto in = link_->next_control(100, &ok);
       MOETRAIN_CHECK(!ok, "the job ended while this worker waited for its rows");
-      if (in && on_control(*in)) return false;
+      if (in && on_control(*in)) return true;
+      // A newer query (a stop's) while every rank of the group waits here: answer it too.
+      answer_rows(clock, rows_seen_);
     }
-    return true;
+    return false;
+  }
+
+  void answer_rows(int64_t clock, int64_t query) {
+    if (query <= rows_answered_ || query <= rows_settled_) return;
+    rows_answered_ = query;
+    send(link_->socket(),
+         json_frame(Kind::RowsReady, link_->node_id(), {{"clock", clock}, {"query", query}}));
   }
 
   bool capacity_dynamic() const { return cfg_.model.capacity == CapacityMode::Dynamic; }
@@ -249,12 +274,14 @@ class Worker {
       capacity_generation_ = j.at("generation").get<uint32_t>();
       capacity_state_ = std::move(j.at("state"));
     } else if (k == Kind::RowsQuery) {
-      rows_paused_ = true;
-      send(link_->socket(),
-           json_frame(Kind::RowsReady, link_->node_id(), {{"clock", started_clock_ + 1}}));
+      // Answered at once, wherever this worker is (a worker that waits for the servers to sum a
+      // clock must not wait for the others to pause too): it computes no clock past the one it
+      // names before the split is settled, as it pauses before its next one (agree_on_rows).
+      rows_seen_ = std::max(rows_seen_, in.json().value("query", int64_t{-1}));
+      answer_rows(started_clock_ + 1, rows_seen_);
     } else if (k == Kind::Setup) {
       const nlohmann::json j = in.json();
-      rows_paused_ = false;
+      rows_settled_ = std::max(rows_settled_, j.value("rows_settled", int64_t{-1}));
       const int64_t from = j.value("rows_from_clock", int64_t{-1});
       if (from >= 0) {
         next_assign_ = assignment_of(j, index_);
@@ -374,7 +401,9 @@ class Worker {
   int64_t capacity_answer_clock_ = -1, capacity_clock_ = -1;
   uint32_t capacity_generation_ = 0;
   Timer capacity_sent_;
-  bool rows_paused_ = false, done_ = false;
+  bool done_ = false;
+  // Row queries (RowsQuery ids): the newest received, answered, and settled by a setup.
+  int64_t rows_seen_ = -1, rows_answered_ = -1, rows_settled_ = -1;
   WorkerGroup group_;  // --ep P > 1: this rank's group (kept alive for the step's model)
   std::unique_ptr<WorkerStep> step_;
   std::unique_ptr<KvWorker> kv_;

@@ -202,6 +202,12 @@ TEST(Report, LongRunsAreThinned) {
   EXPECT_EQ(count(section(html, "expert-load-steps"), "<title>"), 6u * 120u);
 }
 
+// A capability re-split of two worker groups as the scheduler records it (ps/job_plan.h).
+const std::string kAssignDecision =
+    R"({"decision": "assign", "clock": 12, "cause": "measured throughput", "time": 2.5, )"
+    R"("groups": [{"group": 0, "workers": [0, 1], "throughput": 812.26, "rows": 20}, )"
+    R"({"group": 1, "workers": [2, 3], "throughput": 270.5, "rows": 12}]})";
+
 // The per-process files of a parameter-server job launched under `moetrain launch`, each ending
 // in a torn line, and per-rank step times in metrics.jsonl.
 void write_job_files(const TempDir& dir) {
@@ -231,7 +237,7 @@ void write_job_files(const TempDir& dir) {
                                {"index", 1},
                                {"cause", "no heartbeat for 3.0 s <x>"}}
                     .dump() +
-                "\n{\"event\": \"job_comp");
+                "\n" + kAssignDecision + "\n{\"event\": \"job_comp");
   dir.write(
       "metrics/launcher.jsonl",
       nlohmann::json{
@@ -265,6 +271,24 @@ TEST(Report, JobFilesGiveWorkerServerAndEventSections) {
   EXPECT_LT(failed, lost);
   EXPECT_NE(events.find("exit code 137"), std::string::npos);
   EXPECT_NE(events.find("no heartbeat for 3.0 s &lt;x&gt;"), std::string::npos);
+}
+
+// The scheduler's decisions get a table of their own: the clock a re-split applies from, each
+// group's rows and measured throughput, the cause; the events table does not list them.
+TEST(Report, SchedulerDecisionsAreListedWithTheirCauses) {
+  TempDir dir("report");
+  write_job_files(dir);
+  const std::string html = render_report(dir.path(), report_defaults());
+  const std::string sec = section(html, "decisions");
+  ASSERT_FALSE(sec.empty()) << html;
+  EXPECT_EQ(count(sec, "<tr>"), 2u);  // header + 1 decision
+  EXPECT_NE(sec.find("<td>12</td><td>assign</td>"), std::string::npos) << sec;
+  EXPECT_NE(sec.find("group 0 (workers 0, 1): 20 rows at 812.3 rows/s; group 1 (workers 2, 3): "
+                     "12 rows at 270.5 rows/s"),
+            std::string::npos)
+      << sec;
+  EXPECT_NE(sec.find("measured throughput"), std::string::npos);
+  EXPECT_EQ(section(html, "events").find("assign"), std::string::npos);
 }
 
 TEST(Report, WithoutJobFilesThoseSectionsAreLeftOut) {

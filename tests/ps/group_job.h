@@ -26,7 +26,7 @@ struct GroupJob {
   GroupJob(const std::filesystem::path& tmp, const std::string& name, int n_groups, int ep, int steps,
            int batch, const std::vector<std::string>& sets, int n_servers = 2,
            const std::vector<std::string>& job_args = {}, const std::string& timeout = "5",
-           double slowdown = 1.0)
+           double slowdown = 1.0, const std::vector<double>& group_slowdowns = {})
       : dir(tmp), run(tmp / name), name_(name) {
     write_corpus(dir / "data", 60000);
     const std::string ep_file = (dir / (name + ".endpoint")).string();
@@ -43,7 +43,7 @@ struct GroupJob {
     wait_for_file(ep_file, 30);
     std::ifstream(ep_file) >> endpoint;
     for (int s = 0; s < n_servers; ++s) add_server();
-    ep_ = ep, slowdown_ = slowdown;
+    ep_ = ep, slowdown_ = slowdown, group_slowdowns_ = group_slowdowns;
     for (int g = 0; g < n_groups; ++g) add_group(g);
   }
   // Starts group g (again: a replacement of a group that died), appended to `groups`.
@@ -53,7 +53,10 @@ struct GroupJob {
     groups.push_back(std::make_unique<Process>(
         std::vector<std::string>{"ps", "worker", "--insecure", "--scheduler", endpoint,
                                  "--index", std::to_string(g), "--ep", std::to_string(ep_),
-                                 "--slowdown", std::to_string(slowdown_)},
+                                 "--slowdown",
+                                 std::to_string(g < static_cast<int>(group_slowdowns_.size())
+                                                    ? group_slowdowns_[g]
+                                                    : slowdown_)},
         dir / (name_ + "_group" + std::to_string(g) + "_" + std::to_string(groups.size()) +
                ".log"),
         launcher));
@@ -78,6 +81,7 @@ struct GroupJob {
   std::string name_;
   int ep_ = 1;
   double slowdown_ = 1.0;
+  std::vector<double> group_slowdowns_;  // per group, where given: every rank's --slowdown
 };
 
 // `mpiexec -n ep moetrain train` with dist.ep = ep over dir/data, the jobs' tiny settings and

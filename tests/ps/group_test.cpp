@@ -319,6 +319,62 @@ TEST(PsGroup, TwoGroupsOfTwoFollowTheSingleProcessRun) {
   EXPECT_EQ(worker_stats(job.run).size(), 4u);
 }
 
+// --assign capability over worker groups: group 1's ranks run at --slowdown 3, so the scheduler,
+// which weighs a group by its slowest rank's rate times its ranks, moves rows to group 0. Every
+// re-split applies from one clock for all four ranks: each step's rows still add up to the global
+// batch, a group's ranks share its rows evenly, and since the global batch is the same rows
+// whichever rank computes them, the job follows the single-process run within the bound of the
+// uniform group jobs (1e-5 relative; only the order of the f32 sums moves with the split).
+TEST(PsGroup, CapabilityMovesRowsToTheFasterGroupAtOneClock) {
+  TempDir tmp("ps_group_capability");
+  const int steps = 60, batch = 8, global = 2 * 2 * batch;
+  GroupJob job(tmp.path(), "run", 2, 2, steps, batch, {}, 1, {"--assign", "capability"}, "5", 1.0,
+               {1.0, 3.0});
+  expect_follows_single_process(job, 2, 2, steps, batch);
+  // Rows per worker and step, from each worker's own metrics (one line per step it computed).
+  const auto roles = read_role_metrics(job.run);
+  std::vector<std::vector<int64_t>> rows(4);
+  for (int w = 0; w < 4; ++w) {
+    const std::string role = "worker_" + std::to_string(w);
+    ASSERT_TRUE(roles.contains(role)) << role;
+    for (const auto& j : roles.at(role)) rows[w].push_back(j.at("rows").get<int64_t>());
+    ASSERT_EQ(rows[w].size(), static_cast<std::size_t>(steps)) << role << "\n" << job.logs();
+  }
+  int moved = 0;
+  for (int t = 0; t < steps; ++t) {
+    EXPECT_EQ(rows[0][t] + rows[1][t] + rows[2][t] + rows[3][t], global) << "step " << t;
+    EXPECT_LE(std::abs(rows[0][t] - rows[1][t]), 1) << "group 0, step " << t;
+    EXPECT_LE(std::abs(rows[2][t] - rows[3][t]), 1) << "group 1, step " << t;
+    moved += rows[0][t] + rows[1][t] > rows[2][t] + rows[3][t];
+  }
+  EXPECT_GT(moved, 0) << "group 0 never got more rows than the slow group 1";
+  EXPECT_GT(rows[0].back() + rows[1].back(), rows[2].back() + rows[3].back());
+  // Each re-split is a decision in metrics/scheduler.jsonl: its clock, the groups' measured
+  // throughputs and rows, its cause; the rows of the last one are those of the last step.
+  std::vector<nlohmann::json> decisions;
+  for (const auto& j : roles.at("scheduler"))
+    if (j.value("decision", "") == "assign" && j.value("cause", "") == "measured throughput")
+      decisions.push_back(j);
+  ASSERT_FALSE(decisions.empty()) << job.logs();
+  const nlohmann::json& last = decisions.back();
+  ASSERT_EQ(last.at("groups").size(), 2u);
+  EXPECT_GE(last.at("clock").get<int64_t>(), 1);
+  EXPECT_LE(last.at("clock").get<int64_t>(), steps);
+  const auto& g0 = last.at("groups")[0];
+  const auto& g1 = last.at("groups")[1];
+  EXPECT_EQ(g0.at("workers"), (nlohmann::json{0, 1}));
+  EXPECT_GT(g0.at("throughput").get<double>(), g1.at("throughput").get<double>());
+  if (last.at("clock").get<int64_t>() < steps) {
+    EXPECT_EQ(g0.at("rows").get<int64_t>(), rows[0].back() + rows[1].back());
+    EXPECT_EQ(g1.at("rows").get<int64_t>(), rows[2].back() + rows[3].back());
+  }
+  std::cout << "rows per step (group 0 / group 1):";
+  for (int t = 0; t < steps; ++t)
+    std::cout << " " << rows[0][t] + rows[1][t] << "/" << rows[2][t] + rows[3][t];
+  std::cout << "\n" << decisions.size() << " re-splits, the last from clock "
+            << last.at("clock") << "\n";
+}
+
 // With many experts a group rank's pushes and pulls are its experts and its share of the dense
 // keys: E = 16, top-2, EP 2 halves the expert keys and the dense keys alike, so each rank's push
 // bytes are about half of a full replica's (dense_push_bytes: every key in f32, what a replica
