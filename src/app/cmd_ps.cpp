@@ -44,6 +44,8 @@ void for_each_job_option(Options& o, F&& f) {
   f("!--dense-push", o.sparse_push,
     "Push every expert's gradient, also of experts that received no tokens");
   f("--assign", o.assign, "uniform | capability (rows by measured throughput)");
+  f("--rebalance-every", o.rebalance_every,
+    "capability: seconds at least between two re-splits of the rows (default 2)");
   f("--heartbeat-interval", o.heartbeat_interval, "Seconds between heartbeats");
   f("--heartbeat-timeout", o.heartbeat_timeout,
     "Seconds of silence after which a node is declared dead");

@@ -25,6 +25,18 @@ CapacityRounds::CapacityRounds(const CapacityControlConfig& cfg, double cf0, int
   MOETRAIN_CHECK(rewind(0), "CapacityRounds: clock 0 needs no record");
 }
 
+CapacityRounds CapacityRounds::loads_only(int64_t layers, int64_t experts) {
+  MOETRAIN_CHECK(layers > 0 && experts > 0,
+                 "placement.spare_slots: the model has {} MoE layers of {} experts; replicas need "
+                 "at least one",
+                 layers, experts);
+  CapacityRounds r;
+  r.controlled_ = false;
+  r.layers_ = layers, r.experts_ = experts;
+  r.state_ = r.previous_ = nlohmann::json::array();
+  return r;
+}
+
 nlohmann::json CapacityRounds::states() const {
   nlohmann::json a = nlohmann::json::array();
   for (const CapacityController& c : controllers_) a.push_back(c.to_json());
@@ -82,20 +94,31 @@ nlohmann::json CapacityRounds::decide() {
     cf.push_back(cf0_ < 0 ? -f : f);
     rules.push_back(capacity_rule_name(controllers_[m].update(util.back(), imb.back())));
   }
-  nlohmann::json line = {{"clock", clock_},
-                         {"capacity_utilisation", util},
-                         {"capacity_imbalance", imb},
-                         {"capacity_rule", rules},
-                         {"capacity_factor", cf}};
-  record_[clock_] = {util, imb};
+  nlohmann::json line;
+  if (controlled_) {
+    line = {{"clock", clock_},
+            {"capacity_utilisation", util},
+            {"capacity_imbalance", imb},
+            {"capacity_rule", rules},
+            {"capacity_factor", cf}};
+    record_[clock_] = {util, imb};
+  }
   ++clock_;
   previous_ = std::move(state_);
   state_ = states();
+  previous_loads_ = std::move(loads_);
+  loads_ = sum.tokens_per_expert;
   reports_.clear();
   return line;
 }
 
 bool CapacityRounds::rewind(int64_t clock) {
+  loads_ = previous_loads_ = nlohmann::json::array();
+  if (!controlled_) {
+    clock_ = clock;
+    reports_.clear();
+    return true;
+  }
   for (int64_t c = 0; c < clock; ++c)
     if (!record_.count(c)) return false;
   std::vector<CapacityController> replay(static_cast<std::size_t>(layers_),
@@ -114,6 +137,7 @@ bool CapacityRounds::rewind(int64_t clock) {
 }
 
 int64_t CapacityRounds::load_record(const std::filesystem::path& file) {
+  if (!controlled_) return 0;
   std::ifstream in(file);
   int64_t next = 0;
   std::string text;

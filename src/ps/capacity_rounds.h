@@ -31,12 +31,17 @@ namespace moetrain::ps {
 // layers), tokens_per_expert (MoE layers, E)}.
 nlohmann::json capacity_figures(const Accumulated& acc);
 
+// The same round hands each clock the previous clock's loads summed over every worker (MoE
+// layers, E), which worker groups place their hot-expert replicas from (placement.spare_slots in
+// a sync job): every group plans from the job's global loads, as every EP group of `train` does.
 class CapacityRounds {
  public:
-  CapacityRounds() = default;  // inactive: a fixed capacity
+  CapacityRounds() = default;  // inactive: a fixed capacity and no placement
   // `layers` MoE layers of `experts` experts; each controller starts at |cf0|, as the trainers'
   // do, and the factors the layers run with keep cf0's sign (its capacity mode).
   CapacityRounds(const CapacityControlConfig& cfg, double cf0, int64_t layers, int64_t experts);
+  // A round without controllers (a fixed capacity): the summed loads only.
+  static CapacityRounds loads_only(int64_t layers, int64_t experts);
 
   bool active() const { return layers_ > 0; }
   // The clock the current state is for: every clock before it is decided.
@@ -44,6 +49,12 @@ class CapacityRounds {
   // The controllers' states (one per MoE layer) to compute clock() with, and clock() − 1's.
   const nlohmann::json& state() const { return state_; }
   const nlohmann::json& previous_state() const { return previous_; }
+  bool controlled() const { return controlled_; }
+  // The loads of clock() − 1 summed over its workers (MoE layers, E), and of clock() − 2; empty
+  // where that clock was not decided here (the first, and after a rewind: placements are not
+  // checkpointed, as in `train`).
+  const nlohmann::json& loads() const { return loads_; }
+  const nlohmann::json& previous_loads() const { return previous_loads_; }
 
   // Worker `index`'s figures of clock(); throws naming what is malformed.
   void add(int64_t index, const nlohmann::json& figures);
@@ -51,7 +62,8 @@ class CapacityRounds {
   // Sums clock()'s reports in worker-index order, updates every layer's controller and moves on
   // to the next clock. Returns the decided clock's record: {clock, capacity_utilisation,
   // capacity_imbalance, capacity_rule, capacity_factor (the factor the clock ran with, as the
-  // layers hold it, which `train` records as capacity_factor)} per layer.
+  // layers hold it, which `train` records as capacity_factor)} per layer; null without
+  // controllers.
   nlohmann::json decide();
 
   // The state of `clock` replayed from the record; false (nothing changed) when the record lacks
@@ -66,6 +78,8 @@ class CapacityRounds {
   nlohmann::json states() const;
 
   CapacityControlConfig cfg_;
+  bool controlled_ = true;
+  nlohmann::json loads_ = nlohmann::json::array(), previous_loads_ = nlohmann::json::array();
   double cf0_ = 0;
   int64_t layers_ = 0, experts_ = 0, clock_ = 0;
   std::vector<CapacityController> controllers_;

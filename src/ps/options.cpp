@@ -75,6 +75,8 @@ void PsOptions::validate() const {
   (void)compression();
   (void)pull_encoding();
   (void)assign_kind();
+  MOETRAIN_CHECK(std::isfinite(rebalance_every) && rebalance_every > 0,
+                 "--rebalance-every {}: must be a positive number of seconds", rebalance_every);
   MOETRAIN_CHECK(std::isfinite(heartbeat_interval) && heartbeat_interval > 0,
                  "--heartbeat-interval {}: must be a positive number of seconds",
                  heartbeat_interval);
@@ -102,6 +104,7 @@ nlohmann::json PsOptions::to_json() const {
           {"pull_compression", pull_compression},
           {"sparse_push", sparse_push},
           {"assign", assign},
+          {"rebalance_every", rebalance_every},
           {"heartbeat_interval", heartbeat_interval},
           {"heartbeat_timeout", heartbeat_timeout},
           {"server_replicas", server_replicas},
@@ -123,6 +126,7 @@ PsOptions PsOptions::from_json(const nlohmann::json& j) {
     o.pull_compression = j.at("pull_compression").get<std::string>();
     o.sparse_push = j.at("sparse_push").get<bool>();
     o.assign = j.at("assign").get<std::string>();
+    o.rebalance_every = j.value("rebalance_every", 2.0);  // jobs recorded before the option
     o.heartbeat_interval = j.at("heartbeat_interval").get<double>();
     o.heartbeat_timeout = j.at("heartbeat_timeout").get<double>();
     o.server_replicas = j.at("server_replicas").get<int64_t>();

@@ -36,6 +36,7 @@ struct PsOptions {
   std::string pull_compression = "none";  // none | bf16 | int8: parameters on the wire to workers
   bool sparse_push = true;                // experts without tokens are left out of pushes
   std::string assign = "uniform";         // uniform | capability
+  double rebalance_every = 2.0;           // capability: seconds between two re-splits at most
   double heartbeat_interval = 0.5;        // seconds between heartbeats
   double heartbeat_timeout = 5.0;         // silence after which a node is declared dead
   int64_t server_replicas = 1;            // 2: every server streams its updates to a backup

@@ -30,6 +30,11 @@ Scheduler::Scheduler(const SchedulerArgs& a, std::unique_ptr<SchedulerSocket> so
   if (args_.config.model.capacity == CapacityMode::Dynamic) {
     const auto& m = args_.config.model;
     capacity_ = CapacityRounds(m.balance, m.capacity_factor, m.n_moe_layers(), m.n_experts);
+  } else if (args_.config.placement.enabled() &&
+             args_.options.consistency_kind() == Consistency::Sync) {
+    // Worker groups place their replicas from the job's loads, which the round hands out.
+    capacity_ = CapacityRounds::loads_only(args_.config.model.n_moe_layers(),
+                                           args_.config.model.n_experts);
   }
   // Before anything in the run directory is written: another run writing it, or an earlier run
   // it holds without --resume, stops the job here. A standby joins the job its scheduler holds.
@@ -319,7 +324,7 @@ void Scheduler::replan(const std::string& cause) {
 
 void Scheduler::maybe_rebalance() {
   if (args_.options.assign_kind() != Assign::Capability || rows_query_ ||
-      since(last_rebalance_) < 2.0)
+      since(last_rebalance_) < args_.options.rebalance_every)
     return;
   last_rebalance_ = Clock::now();
   auto workers = members_.alive_workers();

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "io/run_lock.h"
+#include "moe/placement.h"
 #include "ps/capacity_rounds.h"
 #include "ps/global_norm.h"
 #include "ps/job_events.h"
@@ -72,7 +73,9 @@ class Scheduler {
   // model.capacity = dynamic (scheduler_capacity.cpp).
   void on_capacity_report(const Node& n, const nlohmann::json& j);
   bool decide_capacity();
-  void send_capacity(const Node& w, int64_t clock, const nlohmann::json& state);
+  void send_capacity(const Node& w, int64_t clock, const nlohmann::json& state,
+                     const nlohmann::json& loads);
+  void record_placement(int64_t clock);
   void capacity_rewound(int64_t clock, const char* why);
   std::filesystem::path capacity_record() const;
 
@@ -129,6 +132,8 @@ class Scheduler {
   // model.capacity = dynamic: the controllers, and the first clock each worker node computes
   // (a worker takes part in a clock's round from the clock it first asked factors for).
   CapacityRounds capacity_;
+  // placement.spare_slots in a sync job: the groups' planner, mirrored for the record.
+  std::optional<PlacementPlanner> placement_mirror_;
   std::map<int32_t, int64_t> capacity_from_;
   std::string capacity_error_;  // set when the controllers' state cannot be rebuilt: the job stops
   int64_t capacity_takeover_clock_ = 0;  // the clock after the dead scheduler's last decision

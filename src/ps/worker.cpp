@@ -119,12 +119,14 @@ class Worker {
       // waiting takes the whole group back before any of them enters the step's collectives.
       const bool rolled_back = agree_on_rows(clock, !wait_for_capacity(clock));
       if (group_rolled_back(rolled_back)) return Outcome::RolledBack;
+      // The replicas of the job's loads, once every rank of the group goes on (collective).
+      if (step_->placed_by_scheduler()) step_->place(clock, capacity_loads_);
       Timer step_timer;
       started_clock_ = clock;
       const PushMeta meta = compute(clock);
       // Before the push: the clock's round at the scheduler never waits for a worker whose push
       // the servers applied.
-      if (capacity_dynamic())
+      if (clock_round())
         send_capacity_report({{"clock", clock}, {"figures", step_->capacity_figures()}}, clock + 1);
       std::vector<float>& residual = step_->residual();
       const int64_t tp = kv_->push(clock, step_->grads().data(), step_->skipped(),
@@ -235,6 +237,9 @@ class Worker {
   }
 
   bool capacity_dynamic() const { return cfg_.model.capacity == CapacityMode::Dynamic; }
+  // The scheduler's round of each clock: the capacity factors, or the job's loads that a group's
+  // replicas are placed from (ps/capacity_rounds.h).
+  bool clock_round() const { return capacity_dynamic() || step_->placed_by_scheduler(); }
 
   // model.capacity = dynamic (ps/capacity_rounds.h): the scheduler's report of this worker's
   // figures of a clock, or its request for a clock's factors; `answer_clock`: the clock whose
@@ -251,7 +256,7 @@ class Worker {
   // The controllers' state for `clock`, applied before it is computed. Returns false on a
   // roll-back.
   bool wait_for_capacity(int64_t clock) {
-    if (!capacity_dynamic()) return true;
+    if (!clock_round()) return true;
     if (capacity_answer_clock_ != clock) send_capacity_report({{"clock", clock}}, clock);
     while (capacity_clock_ != clock || capacity_generation_ != kv_->generation()) {
       bool ok = false;
@@ -261,7 +266,7 @@ class Worker {
       if (capacity_sent_.seconds() > link_->heartbeat_timeout())
         send_capacity_report(capacity_report_, capacity_answer_clock_);
     }
-    step_->set_capacity(capacity_state_);
+    if (capacity_dynamic()) step_->set_capacity(capacity_state_);
     return true;
   }
 
@@ -273,6 +278,7 @@ class Worker {
       capacity_clock_ = j.at("clock").get<int64_t>();
       capacity_generation_ = j.at("generation").get<uint32_t>();
       capacity_state_ = std::move(j.at("state"));
+      capacity_loads_ = j.value("loads", nlohmann::json::array());
     } else if (k == Kind::RowsQuery) {
       // Answered at once, wherever this worker is (a worker that waits for the servers to sum a
       // clock must not wait for the others to pause too): it computes no clock past the one it
@@ -397,7 +403,7 @@ class Worker {
   int64_t switch_at_ = 0, started_clock_ = -1;
   // model.capacity = dynamic: the last CapacityReport sent and the clock its answer is for; the
   // last factors received, for which clock and generation.
-  nlohmann::json capacity_report_, capacity_state_;
+  nlohmann::json capacity_report_, capacity_state_, capacity_loads_;
   int64_t capacity_answer_clock_ = -1, capacity_clock_ = -1;
   uint32_t capacity_generation_ = 0;
   Timer capacity_sent_;

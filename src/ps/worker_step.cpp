@@ -136,6 +136,23 @@ WorkerStep::WorkerStep(const RunConfig& cfg, const PsOptions& opts, int64_t inde
         cfg_.train.grad_accum, cfg_.grad.min_accum_fraction);
 }
 
+bool WorkerStep::placed_by_scheduler() const {
+  return placement_ && opts_.consistency_kind() == Consistency::Sync;
+}
+
+void WorkerStep::place(int64_t clock, const nlohmann::json& loads) {
+  if (loads.empty()) {
+    placement_->refresh(params_.data());
+    return;
+  }
+  const auto summed = loads.get<std::vector<std::vector<int64_t>>>();
+  MOETRAIN_CHECK(summed.size() == model_->moe_layers().size(),
+                 "the scheduler's loads hold {} MoE layers, the model has {}", summed.size(),
+                 model_->moe_layers().size());
+  // `clock` clocks are done, as the trainer's step count after its step.
+  placement_->after_step(clock, summed, params_.data());
+}
+
 void WorkerStep::set_capacity(const nlohmann::json& state) {
   MOETRAIN_CHECK(state.is_array() && state.size() == capacity_.size(),
                  "the scheduler's capacity factors hold {} states for {} MoE layers",
@@ -176,7 +193,8 @@ int64_t WorkerStep::pulled(int64_t clock, bool fresh) {
   unpack(dense_keys_, dense_.data(), params_.data());
   group_->comm->allreduce(&clock, 1, {ReduceOp::Max});
   if (placement_ && (fresh || placement_loads_.empty())) {
-    placement_->refresh(params_.data());
+    // (Placed by the scheduler, a later pull's replicas are refreshed in place().)
+    if (fresh || !placed_by_scheduler()) placement_->refresh(params_.data());
   } else if (placement_) {
     // `clock` steps are done, as the trainer's step count after its step.
     placement_->after_step(clock, placement_loads_, params_.data());
@@ -292,8 +310,8 @@ PushMeta WorkerStep::compute(int64_t clock, const RowAssignment& a) {
   // This worker's rows' share of the global batch: the servers sum the workers' pushes.
   const Accumulated acc = accumulate_rows(
       clock, a, static_cast<float>(static_cast<double>(R) / static_cast<double>(a.global_rows * A)));
-  if (!capacity_.empty()) capacity_figures_ = ps::capacity_figures(acc);
-  if (placement_) {
+  if (!capacity_.empty() || placed_by_scheduler()) capacity_figures_ = ps::capacity_figures(acc);
+  if (placement_ && !placed_by_scheduler()) {
     // The clock's loads over the group's ranks (each counted the tokens it routed).
     placement_loads_ = acc.tokens_per_expert;
     for (std::vector<int64_t>& l : placement_loads_)

@@ -81,6 +81,13 @@ class WorkerStep {
   // (apply_capacity_factors) before the next forward.
   const nlohmann::json& capacity_figures() const { return capacity_figures_; }
   void set_capacity(const nlohmann::json& state);
+  // placement.spare_slots in a group of a sync job: the replicas follow the job's loads, which
+  // the scheduler's round sums over every worker (its figures carry this rank's own); place()
+  // re-plans from the loads of clock − 1 (MoE layers, E; empty: none decided, the replicas are
+  // refreshed only) and refreshes the replicas. Collective over the group. Under the other modes
+  // each group plans from its own loads after each pull.
+  bool placed_by_scheduler() const;
+  void place(int64_t clock, const nlohmann::json& loads);
 
   // The lead worker at the end of the job: params as a normal checkpoint of step `clock`, and
   // the validation loss written to the run's metrics.
@@ -115,10 +122,11 @@ class WorkerStep {
   void push_expert_counts();
 
   // placement.spare_slots > 0 in a group: hot-expert replicas over the group's ranks, re-planned
-  // from the group's loads of each clock (summed over its ranks) once the pull brought the
-  // owners' new weights, which then refresh the replicas (train/expert_placement.h).
+  // from each clock's loads (the job's: place(); or the group's, summed over its ranks) once the
+  // pull brought the owners' new weights, which then refresh the replicas
+  // (train/expert_placement.h).
   std::unique_ptr<ExpertPlacement> placement_;
-  std::vector<std::vector<int64_t>> placement_loads_;  // the last compute's, until the pull
+  std::vector<std::vector<int64_t>> placement_loads_;  // the group's, until the pull
 
   // A worker group: the dense key ranges (layout order), this rank's keys, the dense chunk sizes
   // per rank and this rank's chunk as flat ranges; dense_ holds the concatenated dense values.

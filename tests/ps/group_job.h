@@ -84,15 +84,16 @@ struct GroupJob {
   std::vector<double> group_slowdowns_;  // per group, where given: every rank's --slowdown
 };
 
-// `mpiexec -n ep moetrain train` with dist.ep = ep over dir/data, the jobs' tiny settings and
-// `sets`, into dir/name (its log dir/name.log): the collective run a group job is held to.
+// `mpiexec -n procs moetrain train` (procs 0: ep) with dist.ep = ep over dir/data, the jobs' tiny
+// settings and `sets`, into dir/name (its log dir/name.log): the collective run a group job is
+// held to.
 struct CollectiveRun {
   int code = -1;
   std::string output;
 };
 inline CollectiveRun collective_run(const std::filesystem::path& dir, const std::string& name,
                                     int ep, int steps, int batch,
-                                    const std::vector<std::string>& sets) {
+                                    const std::vector<std::string>& sets, int procs = 0) {
   std::ofstream(dir / "defaults.toml") << "# every key from --set\n";
   std::vector<std::string> args = {"train", "--config", (dir / "defaults.toml").string()};
   std::vector<std::string> kv = tiny_ps_overrides(dir / "data", dir / name, steps, batch);
@@ -100,7 +101,7 @@ inline CollectiveRun collective_run(const std::filesystem::path& dir, const std:
   kv.push_back("dist.ep=" + std::to_string(ep));
   for (const auto& s : as_set_args(kv)) args.push_back(s);
   std::vector<std::string> launcher = kMpiexec;
-  launcher.push_back(std::to_string(ep));
+  launcher.push_back(std::to_string(procs > 0 ? procs : ep));
   Process mpi(args, dir / (name + ".log"), launcher);
   const int code = mpi.wait(120);
   return {code, mpi.output()};
