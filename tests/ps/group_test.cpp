@@ -15,9 +15,11 @@
 #include <vector>
 
 #include "io/metrics.h"
+#include "io/report.h"
 #include "ps/group_job.h"  // tests/ps/group_job.h
 #include "ps/process.h"  // tests/ps/process.h
 #include "support/corpus.h"
+#include "support/report_defaults.h"
 #include "support/temp_dir.h"
 #include "train/lm_checkpoint.h"
 #include "train/run_config.h"
@@ -238,6 +240,13 @@ TEST(PsGroup, TwoGroupsPlaceReplicasFromTheJobsLoadsAsTheCollectiveRun) {
                                     j.at("moves").get<std::string>()));
   std::sort(decided.begin(), decided.end());
   EXPECT_EQ(decided, expected) << "the scheduler's decisions";
+  // The report lists them among the scheduler's decisions, with the hot experts.
+  const std::string html = render_report(job.run, report_defaults());
+  const auto decisions = html.find("<section id=\"decisions\"");
+  ASSERT_NE(decisions, std::string::npos) << "no decisions section";
+  const std::string sec = html.substr(decisions, html.find("</section>", decisions) - decisions);
+  EXPECT_NE(sec.find("<td>placement</td>"), std::string::npos) << sec;
+  EXPECT_NE(sec.find("hot experts"), std::string::npos) << sec;
   for (std::size_t g = 0; g < job.groups.size(); ++g) {
     std::vector<std::string> placed = moves_in(job.groups[g]->output());
     std::sort(placed.begin(), placed.end());
