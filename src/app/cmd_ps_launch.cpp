@@ -128,6 +128,13 @@ Launch prepare_launch(const LaunchArgs& a) {
                  "so one rank cannot be slowed alone",
                  a.group_size);
   ps::check_worker_group(l.cfg, a.opts, a.group_size);
+  // The quorum counts groups (a group's parts of a clock are applied together or not at all).
+  MOETRAIN_CHECK(a.opts.consistency_kind() != ps::Consistency::Quorum ||
+                     a.opts.quorum <= a.opts.workers / a.group_size,
+                 "--quorum {} with --group-size {}: the quorum counts worker groups, and --workers "
+                 "{} makes {}; allowed are 1..{}",
+                 a.opts.quorum, a.group_size, a.opts.workers, a.opts.workers / a.group_size,
+                 a.opts.workers / a.group_size);
   MOETRAIN_CHECK(a.spare_servers >= 0 && a.spare_servers <= 64,
                  "--spare-servers {}: must be in 0..64", a.spare_servers);
   MOETRAIN_CHECK(a.spare_servers == 0 || a.opts.server_replicas == 2 || a.opts.checkpoint_every > 0,

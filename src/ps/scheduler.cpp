@@ -1,6 +1,7 @@
 #include "ps/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <optional>
 #include <thread>
@@ -110,8 +111,8 @@ int Scheduler::run() {
     if (taking_over_ && !maybe_take_over()) return 1;
     // A worker that died leaves the clock's round to the others.
     if (started_ && !finishing_) decide_capacity();
-    if (!capacity_error_.empty()) {
-      shutdown_all(capacity_error_);
+    if (!capacity_error_.empty() || !start_error_.empty()) {
+      shutdown_all(start_error_.empty() ? capacity_error_ : start_error_);
       return 1;
     }
     if (!check_norm_rounds()) return 1;
@@ -262,6 +263,20 @@ void Scheduler::on_register(const Incoming& in) {
         static_cast<int64_t>(members_.alive_workers().size()) >= args_.options.workers) {
       started_ = true;
       last_worker_seen_ = Clock::now();
+      // The quorum counts groups, which the workers' registrations tell (a group of P registers
+      // P workers of group size P).
+      if (args_.options.consistency_kind() == Consistency::Quorum) {
+        double groups = 0;
+        for (const Node* w : members_.alive_workers())
+          groups += 1.0 / static_cast<double>(w->group_size);
+        const auto g = static_cast<int64_t>(std::llround(groups));
+        if (args_.options.quorum > g)
+          start_error_ = fmt::format(
+              "--quorum {}: the quorum counts worker groups (a group's parts of a clock are "
+              "applied together), and the {} workers that started form {} group{}; allowed are "
+              "1..{}",
+              args_.options.quorum, members_.alive_workers().size(), g, g == 1 ? "" : "s", g);
+      }
       // Every worker of the start computes the first clock (a resumed job's: capacity_rewound).
       for (Node* w : members_.alive_workers()) capacity_from_[w->id] = 0;
       events_.job(args_.resume ? "job_resume" : "job_start");

@@ -132,6 +132,7 @@ class Scheduler {
   // model.capacity = dynamic: the controllers, and the first clock each worker node computes
   // (a worker takes part in a clock's round from the clock it first asked factors for).
   CapacityRounds capacity_;
+  std::string start_error_;  // what the workers that started cannot run (the quorum over groups)
   // placement.spare_slots in a sync job: the groups' planner, mirrored for the record.
   std::optional<PlacementPlanner> placement_mirror_;
   std::map<int32_t, int64_t> capacity_from_;

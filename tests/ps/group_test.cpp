@@ -326,6 +326,14 @@ TEST(PsGroup, QuorumAppliesWholeGroupsOnly) {
   EXPECT_EQ(updates, steps);
   EXPECT_EQ(load_model(one.run).step, steps);
   std::printf("quorum 1 of 2 groups: %d of %d updates held one group\n", single, updates);
+
+  // The quorum counts groups: 3 of 2 groups (4 workers) is refused once the workers registered.
+  GroupJob three(tmp.path(), "q3", 2, 2, steps, batch, {}, 1,
+                 {"--consistency", "quorum", "--quorum", "3"});
+  EXPECT_NE(three.wait(60), 0);
+  EXPECT_NE(three.logs().find("--quorum 3: the quorum counts worker groups"), std::string::npos)
+      << three.logs();
+  EXPECT_FALSE(fs::exists(three.run / "checkpoints" / "step_00000001"));
 }
 
 // average with a group: after H local steps each rank pushes its keys' parameters; the group's
@@ -544,4 +552,18 @@ TEST(PsGroup, LaunchStartsGroupsWithMpirun) {
   EXPECT_TRUE(a == b) << "a launched group ends elsewhere than one started by hand";
   const auto launched = read_json(tmp / "run" / "ps" / "launch.json");
   EXPECT_NE(launched.dump().find("worker group 0"), std::string::npos) << launched.dump();
+
+  // A quorum of more groups than --workers / --group-size makes is refused before anything runs.
+  std::vector<std::string> bad = {"ps", "launch", "--timeout", "60", "--insecure", "--servers",
+                                  "1", "--workers", "4", "--group-size", "2", "--consistency",
+                                  "quorum", "--quorum", "3", "--", "train"};
+  for (const auto& s : as_set_args(tiny_ps_overrides(tmp / "data", tmp / "bad", steps, batch)))
+    bad.push_back(s);
+  Process refused(bad, tmp / "bad.log");
+  EXPECT_NE(refused.wait(60), 0);
+  EXPECT_NE(refused.output().find("--quorum 3 with --group-size 2: the quorum counts worker "
+                                  "groups, and --workers 4 makes 2; allowed are 1..2"),
+            std::string::npos)
+      << refused.output();
+  EXPECT_FALSE(fs::exists(tmp / "bad"));
 }
