@@ -113,7 +113,9 @@ void Scheduler::send_capacity(const Node& w, int64_t clock, const nlohmann::json
                      {{"clock", clock},
                       {"generation", generation_},
                       {"state", state},
-                      {"loads", loads}}));
+                      // Only groups placing replicas read them.
+                      {"loads", args_.config.placement.enabled() ? loads
+                                                                 : nlohmann::json::array()}}));
 }
 
 // The servers rolled back (or a resumed job restored) to `clock`, or a successor took over at

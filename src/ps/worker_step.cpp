@@ -192,9 +192,11 @@ int64_t WorkerStep::pulled(int64_t clock, bool fresh) {
   group_->comm->allgather(dense_.data(), chunk_.data(), chunk_counts_);
   unpack(dense_keys_, dense_.data(), params_.data());
   group_->comm->allreduce(&clock, 1, {ReduceOp::Max});
-  if (placement_ && (fresh || placement_loads_.empty())) {
-    // (Placed by the scheduler, a later pull's replicas are refreshed in place().)
-    if (fresh || !placed_by_scheduler()) placement_->refresh(params_.data());
+  if (placed_by_scheduler()) {
+    // A later pull's replicas are re-planned and refreshed in place(), after the clock's round.
+    if (fresh) placement_->refresh(params_.data());
+  } else if (placement_ && (fresh || placement_loads_.empty())) {
+    placement_->refresh(params_.data());
   } else if (placement_) {
     // `clock` steps are done, as the trainer's step count after its step.
     placement_->after_step(clock, placement_loads_, params_.data());
