@@ -161,4 +161,62 @@ void softmax_xent_backward(float* dlogits, const float* dlosses, const float* lo
   }
 }
 
+void xent_shard_max(float* out, const float* logits, int64_t N, int64_t V) {
+  PhaseScope phase_scope(Phase::Loss);
+  MOETRAIN_CHECK(N >= 0 && V > 0, "xent_shard_max: need N >= 0 and V > 0, got N={} V={}", N, V);
+#pragma omp parallel for schedule(static) if (N * V > kParallelMin)
+  for (int64_t n = 0; n < N; ++n) out[n] = row_max(logits + n * V, V);
+}
+
+void xent_shard_sums(double* sums, const float* logits, const float* rmax, const int32_t* targets,
+                     int64_t v0, int64_t N, int64_t V, int64_t V_total) {
+  PhaseScope phase_scope(Phase::Loss);
+  MOETRAIN_CHECK(N >= 0 && V > 0 && v0 >= 0 && v0 + V <= V_total,
+                 "xent_shard_sums: columns [{}, {}) of a vocabulary of {} (N={})", v0, v0 + V,
+                 V_total, N);
+  check_targets("xent_shard_sums", targets, N, V_total);
+#pragma omp parallel if (N * V > kParallelMin)
+  {
+    std::vector<float> scratch(static_cast<std::size_t>(V));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = logits + n * V;
+      sums[2 * n] = exp_row(scratch.data(), x, V, rmax[n], 1.0f, true);
+      const int64_t t = targets[n] - v0;
+      sums[2 * n + 1] = targets[n] >= 0 && t >= 0 && t < V ? double(x[t]) : 0.0;
+    }
+  }
+}
+
+void xent_shard_finish(float* losses, float* lse, const float* rmax, const double* sums,
+                       const int32_t* targets, int64_t N) {
+  for (int64_t n = 0; n < N; ++n) {
+    const double l = double(rmax[n]) + std::log(sums[2 * n]);
+    lse[n] = static_cast<float>(l);
+    losses[n] = targets[n] < 0 ? 0.0f : static_cast<float>(l - sums[2 * n + 1]);
+  }
+}
+
+void softmax_xent_shard_backward(float* dlogits, const float* dlosses, const float* logits,
+                                 const float* lse, const int32_t* targets, int64_t v0, int64_t N,
+                                 int64_t V, int64_t V_total) {
+  PhaseScope phase_scope(Phase::Loss);
+  MOETRAIN_CHECK(N >= 0 && V > 0 && v0 >= 0 && v0 + V <= V_total,
+                 "softmax_xent_shard_backward: columns [{}, {}) of a vocabulary of {} (N={})", v0,
+                 v0 + V, V_total, N);
+  check_targets("softmax_xent_shard_backward", targets, N, V_total);
+#pragma omp parallel for schedule(static) if (N * V > kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    float* dx = dlogits + n * V;
+    if (targets[n] < 0) {
+      for (int64_t v = 0; v < V; ++v) dx[v] = 0.0f;
+      continue;
+    }
+    const float g = dlosses[n];
+    exp_row(dx, logits + n * V, V, lse[n], g, false);
+    const int64_t t = targets[n] - v0;
+    if (t >= 0 && t < V) dx[t] -= g;
+  }
+}
+
 }  // namespace moetrain

@@ -23,4 +23,25 @@ void softmax_xent_forward(float* losses, float* lse, const float* logits, const 
 void softmax_xent_backward(float* dlogits, const float* dlosses, const float* logits,
                            const float* lse, const int32_t* targets, int64_t N, int64_t V);
 
+// The same cross-entropy over a vocabulary split into shards (tensor parallelism: each process
+// holds logits (N, V) of the columns [v0, v0 + V) of a vocabulary of V_total), in passes around
+// two all-reductions over the shards that the caller makes, so that no process holds whole rows:
+//   1. xent_shard_max:   row_max (N) = max over the shard's columns; the caller takes the max
+//                        over shards.
+//   2. xent_shard_sums:  sums (2N) = for each row Σ_v exp(x_v − row_max) and x[target] when the
+//                        target is in the shard (else 0), in double; the caller sums over shards.
+//   3. xent_shard_finish: lse (N) = row_max + log Σ; losses (N) = lse − x[target] (0 for target −1).
+// targets (N) in [0, V_total) or −1. Summed over shards in a fixed order the result is the same
+// on every shard; against softmax_xent_forward only the order of the exponentials' sum differs.
+void xent_shard_max(float* row_max, const float* logits, int64_t N, int64_t V);
+void xent_shard_sums(double* sums, const float* logits, const float* row_max,
+                     const int32_t* targets, int64_t v0, int64_t N, int64_t V, int64_t V_total);
+void xent_shard_finish(float* losses, float* lse, const float* row_max, const double* sums,
+                       const int32_t* targets, int64_t N);
+// dlogits (N, V) of the shard = dlosses[i] · (exp(logits_i − lse_i) − onehot(target_i − v0)):
+// softmax_xent_backward over the shard's columns, lse the whole row's.
+void softmax_xent_shard_backward(float* dlogits, const float* dlosses, const float* logits,
+                                 const float* lse, const int32_t* targets, int64_t v0, int64_t N,
+                                 int64_t V, int64_t V_total);
+
 }  // namespace moetrain

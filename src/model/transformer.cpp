@@ -121,8 +121,9 @@ const float* Transformer::stage_output() const {
 
 void Transformer::ensure_capacity(int64_t N) {
   if (N <= capacity_) return;
-  const int64_t C = cfg_.dim, V = cfg_.vocab_size, HS = cfg_.head_dim();
-  const int64_t QD = cfg_.n_heads * HS, KD = cfg_.n_kv_heads * HS;
+  // Under tensor parallelism this rank's heads, hidden units and vocabulary columns.
+  const TpShard sh = tp_shard(N);
+  const int64_t C = cfg_.dim, V = sh.V, QD = sh.QD, KD = sh.KD;
   auto sz = [](int64_t n) { return static_cast<std::size_t>(n); };
   bool any_dense = false;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) any_dense |= cfg_.is_dense_layer(l);
@@ -133,15 +134,18 @@ void Transformer::ensure_capacity(int64_t N) {
     LayerActs& a = *acts_[l];
     a.ln1.resize(sz(N * C)), a.rstd1.resize(sz(N));
     a.q.resize(sz(N * QD)), a.k.resize(sz(N * KD)), a.v.resize(sz(N * KD));
-    a.att.resize(sz(N * QD)), a.lse.resize(sz(N * cfg_.n_heads));
+    a.att.resize(sz(N * QD)), a.lse.resize(sz(N * sh.NH));
     a.xmid.resize(sz(N * C)), a.ln2.resize(sz(N * C)), a.rstd2.resize(sz(N)),
         a.ffn.resize(sz(N * C));
     if (recompute_ == Recompute::Full ? any_dense : cfg_.is_dense_layer(l)) {
-      const int64_t Fd = cfg_.dense_ffn_hidden();
-      a.h1.resize(sz(N * Fd)), a.h3.resize(sz(N * Fd)), a.g.resize(sz(N * Fd));
+      a.h1.resize(sz(N * sh.Fd)), a.h3.resize(sz(N * sh.Fd)), a.g.resize(sz(N * sh.Fd));
     }
   }
-  const int64_t Fd = any_dense ? cfg_.dense_ffn_hidden() : 0;
+  const int64_t Fd = any_dense ? sh.Fd : 0;
+  if (tp_) {
+    tp_rows_.resize(sz((N + tp_->size() - 1) / tp_->size() * C));
+    xent_max_.resize(sz(N)), xent_sums_.resize(sz(2 * N));
+  }
   inputs_.resize(sz(N)), targets_.resize(sz(N)), pos_.resize(sz(N));
   resid_.resize(sz((end_ - first_ + 1) * N * C));
   if (last_stage()) {
@@ -210,9 +214,11 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   MOETRAIN_CHECK(n_deferred_ == 0,
                  "forward: the last backward's weight gradients are still deferred (split "
                  "backward): weight_backward reads this model's activations first");
-  const int64_t N = B * T, C = cfg_.dim, V = cfg_.vocab_size;
+  const int64_t N = B * T, C = cfg_.dim;
   const float eps = static_cast<float>(cfg_.norm_eps);
   ensure_capacity(N);
+  const TpShard sh = tp_shard(N);
+  const int64_t V = sh.V;  // under tensor parallelism this rank's vocabulary columns
   const bool last = last_stage();
   B_ = B, T_ = T, have_targets_ = last ? targets != nullptr : step.training;
   if (first_ == 0) std::memcpy(inputs_.data(), inputs, sizeof(int32_t) * N);
@@ -223,7 +229,7 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   const int64_t L = cfg_.n_layers, head = L + 1;
   if (first_ == 0) {
     acquire(0, 1, params);
-    embedding_forward(resid_at(0), inputs_.data(), params + layout_.embed, N, C, V);
+    embedding_forward(resid_at(0), inputs_.data(), params + layout_.embed, N, C, cfg_.vocab_size);
     release(0);
   } else {
     std::memcpy(resid_at(first_), x, sizeof(float) * static_cast<std::size_t>(N * C));
@@ -244,13 +250,25 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_at(L), params + layout_.final_norm, N, C,
                   eps);
   const void* lnf = mixed ? rounded(lnf_lp_, lnf_.data(), N * C) : nullptr;
-  linear_fwd(logits_.data(), lnf_.data(), lnf, params, layout_.lm_head, N, C, V);
+  linear_fwd(logits_.data(), lnf_.data(), lnf, params, layout_.lm_head + sh.v0 * C, N, C, V);
   // A training forward's backward starts at the head: it stays in place until then.
   if (!targets || !step.training) release(head);
   if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
   if (!targets) return parts;
 
-  softmax_xent_forward(losses_.data(), lse_.data(), logits_.data(), targets_.data(), N, V);
+  if (tp_) {
+    // The vocabulary is split: the rows' maxima, then their exponentials' sums and target logits,
+    // each combined over the group.
+    xent_shard_max(xent_max_.data(), logits_.data(), N, V);
+    tp_->allreduce(xent_max_.data(), N, {.op = ReduceOp::Max});
+    xent_shard_sums(xent_sums_.data(), logits_.data(), xent_max_.data(), targets_.data(), sh.v0,
+                    N, V, cfg_.vocab_size);
+    tp_->allreduce(xent_sums_.data(), 2 * N);
+    xent_shard_finish(losses_.data(), lse_.data(), xent_max_.data(), xent_sums_.data(),
+                      targets_.data(), N);
+  } else {
+    softmax_xent_forward(losses_.data(), lse_.data(), logits_.data(), targets_.data(), N, V);
+  }
   double sum = 0;
   for (int64_t i = 0; i < N; ++i) {
     if (targets_[i] >= 0) sum += losses_[i], ++parts.targets;
@@ -282,6 +300,7 @@ const float* Transformer::prefill(const float* params, const int32_t* tokens, in
   MOETRAIN_CHECK(!engine_, "prefill: decoding runs on the CPU (set_device(\"cpu\") first)");
   MOETRAIN_CHECK(first_ == 0 && last_stage(), "prefill: decoding runs the whole model, not a "
                                               "pipeline stage");
+  MOETRAIN_CHECK(!tp_, "prefill: decoding runs on one process, not under tensor parallelism");
   MoeStep step;
   step.training = false;
   fill_cache_ = &cache;  // each block copies its keys and values in
@@ -312,9 +331,11 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
                  "backward: the stage ending at block {} {} the gradient of its output", end_,
                  last ? "starts from its loss, not" : "takes");
   const int64_t N = B_ * T_, C = cfg_.dim, V = cfg_.vocab_size;
-  // The balancing losses are means over MoE layers: each layer's share of their gradient.
+  // The balancing losses are means over MoE layers: each layer's share of their gradient (under
+  // tensor parallelism, over tp times the processes whose tokens the layers see).
   const int64_t n_moe = cfg_.n_moe_layers();
-  const float moe_weight = n_moe > 0 ? loss_weight / static_cast<float>(n_moe) : 0.f;
+  const float moe_weight =
+      n_moe > 0 ? loss_weight / static_cast<float>(n_moe * tensor_parallel()) : 0.f;
   if (!last) {
     std::memcpy(dresid_.data(), dout, sizeof(float) * static_cast<std::size_t>(N * C));
     grads_ready(layout_.layers[end_].ln1);  // later stages' gradients
@@ -329,27 +350,36 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
     release(1 + l);
     grads_ready(layout_.layers[l].ln1);  // the block's first tensor
   }
-  if (first_ == 0)
+  // Under tensor parallelism every rank holds the same dresid_: rank 0 writes the table's gradient.
+  if (first_ == 0 && (!tp_ || tp_->rank() == 0))
     embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
   grads_ready(0);  // an earlier stage's gradients stay as they are
 }
 
 // The loss's gradient through the head and the final norm into dresid_.
 void Transformer::head_backward(const float* params, float* grads, float loss_weight) {
-  const int64_t N = B_ * T_, C = cfg_.dim, V = cfg_.vocab_size;
+  const int64_t N = B_ * T_, C = cfg_.dim;
+  const TpShard sh = tp_shard(N);
+  const int64_t V = sh.V;
   int64_t counted = 0;
   for (int64_t i = 0; i < N; ++i) counted += targets_[i] >= 0;
   // d(mean CE)/d loss_i = 1 / counted; positions with target −1 get no gradient.
   std::vector<float> dlosses(static_cast<std::size_t>(N),
                              counted ? loss_weight / static_cast<float>(counted) : 0.f);
-  softmax_xent_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(),
-                        targets_.data(), N, V);
+  if (tp_) {
+    softmax_xent_shard_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(),
+                                targets_.data(), sh.v0, N, V, cfg_.vocab_size);
+  } else {
+    softmax_xent_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(),
+                          targets_.data(), N, V);
+  }
   const int64_t L = cfg_.n_layers, head = L + 1;
   acquire(head, L, params);
-  linear_bwd(dln_.data(), false, grads + layout_.lm_head, dlogits_.data(), lnf_.data(),
-             lnf_lp_.data(), params, layout_.lm_head, N, C, V);
-  rmsnorm_backward(dresid_.data(), grads + layout_.final_norm, dln_.data(), resid_at(L),
-                   params + layout_.final_norm, rstdf_.data(), N, C);
+  linear_bwd(dln_.data(), false, grads + layout_.lm_head + sh.v0 * C, dlogits_.data(),
+             lnf_.data(), lnf_lp_.data(), params, layout_.lm_head + sh.v0 * C, N, C, V);
+  tp_allreduce(dln_.data(), N * C);  // every rank's vocabulary columns
+  rmsnorm_backward(dresid_.data(), tp_owned(grads, layout_.final_norm, C), dln_.data(),
+                   resid_at(L), params + layout_.final_norm, rstdf_.data(), N, C);
   release(head);
   grads_ready(layout_.final_norm);
 }

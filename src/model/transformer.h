@@ -104,7 +104,8 @@ class Transformer final : public TrainableModel {
   std::vector<int64_t> unit_starts() const override;
   void set_param_units(ParamUnits* units) override { units_ = units; }
 
-  // (B·T, V) of the last forward (copied from the device when an engine runs the model).
+  // (B·T, V) of the last forward (copied from the device when an engine runs the model); under
+  // tensor parallelism (B·T, V / tp), this rank's vocabulary columns.
   const float* logits();
 
   // Runs forward and backward on a device ("cuda"; "cpu" goes back to this CPU). Training and
@@ -127,6 +128,25 @@ class Transformer final : public TrainableModel {
   std::vector<MoeLayer*> moe_layers() override;
   std::vector<MoeBlockRef> moe_blocks() override;
   int64_t moe_index(int64_t layer) const { return moe_index_[layer]; }  // −1 for dense layers
+
+  // Tensor parallelism (dist.tp; Megatron-style, without sequence parallelism): this process is
+  // rank t of `group`'s tp processes, which hold the same parameters and run the same batch. Each
+  // computes the attention of heads [t·NH/tp, (t+1)·NH/tp) (the rows of q, k, v and the columns
+  // of o they need; an all-reduce sums the o products), a dense FFN's hidden units
+  // [t·Fd/tp, (t+1)·Fd/tp) the same way, the LM head's vocabulary columns [t·V/tp, (t+1)·V/tp)
+  // with the cross-entropy over the split vocabulary (no process holds whole logits rows), and
+  // each MoE layer (router, experts, shared expert) on tokens [t·N/tp, (t+1)·N/tp) of the batch,
+  // whose outputs an all-gather joins (the experts' exchange and statistics run over every
+  // process, as for data-parallel copies). Embedding, norms and the residual stream are computed
+  // whole by every rank, bit for bit the same.
+  // Gradients: each rank writes the parameter gradients of what it computed — its rows and
+  // columns, its tokens' MoE gradients, and (rank 0 only) those of the replicated embedding and
+  // norms — so that summed over the group (as a data-parallel reduction over every process sums
+  // them) they are the gradients of the whole model on the batch. The MoE layers' balancing
+  // losses run over tp times the token holders: their gradient weight is loss_weight / tp. null
+  // or a group of one: off. CPU only; no pipeline stage, prefill or decode under it.
+  void set_tensor_parallel(Comm* group);
+  int64_t tensor_parallel() const { return tp_ ? tp_->size() : 1; }
 
   // Mixed precision. F32 (the default) computes everything in f32. BF16 / F16: every GEMM of
   // the model (projections, experts, dense FFN, LM head) takes its operands rounded to that type
@@ -171,17 +191,31 @@ class Transformer final : public TrainableModel {
                      LossParts* parts);
   void block_backward(int64_t l, const float* params, float* grads, float moe_weight);
   void head_backward(const float* params, float* grads, float loss_weight);
+  // ld: the weight's row stride when it is a column slice of a wider matrix (0: IC).
   void linear_fwd(float* out, const float* inp, const void* inp_lp, const float* params, int64_t w,
-                  int64_t N, int64_t IC, int64_t OC);
+                  int64_t N, int64_t IC, int64_t OC, int64_t ld = 0);
   void linear_bwd(float* dinp, bool acc, float* dweight, const float* dout, const float* inp,
                   const void* inp_lp, const float* params, int64_t w, int64_t N, int64_t IC,
-                  int64_t OC);
+                  int64_t OC, int64_t ld = 0);
+  // This rank's share under tensor parallelism (all of it without): heads, key-value heads, their
+  // widths and first rows in q / k, v; a dense FFN's hidden units and first; vocabulary columns
+  // and first; the MoE layers' tokens of N and first.
+  struct TpShard {
+    int64_t NH, NKV, QD, KD, q0, k0, Fd, f0, V, v0, Nl, n0;
+  };
+  TpShard tp_shard(int64_t N) const;
+  void tp_allreduce(float* x, int64_t n);
+  // out (N, C) = every rank's rows (Nl, C), in rank order.
+  void tp_allgather_rows(float* out, const float* mine, int64_t Nl, int64_t C);
+  // A replicated parameter's gradient: the grads' on rank 0, scratch elsewhere (its sum over the
+  // group is then rank 0's).
+  float* tp_owned(float* grads, int64_t offset, int64_t n);
   // The grads-ready hook now, or (split backward) in weight_backward at this point of the list.
   void grads_ready(int64_t from);
   // One weight-gradient GEMM of split backward, grads + w (OC, IC) += doutᵀ · inp, or a
   // grads-ready call (ready_from ≥ 0).
   struct DeferredGemm {
-    int64_t w = 0, N = 0, IC = 0, OC = 0;
+    int64_t w = 0, N = 0, IC = 0, OC = 0, ld = 0;
     int64_t ready_from = -1;
     const float* inp = nullptr;     // (N, IC) the slot's activation, kept until then
     const void* inp_lp = nullptr;   // its rounded copy (mixed precision)
@@ -212,6 +246,10 @@ class Transformer final : public TrainableModel {
   std::vector<std::unique_ptr<DeferredGemm>> deferred_;  // reused; the first n_deferred_ pending
   std::size_t n_deferred_ = 0;
   ParamUnits* units_ = nullptr;
+  Comm* tp_ = nullptr;  // tensor parallelism's group (null: off)
+  std::vector<float> tp_rows_, tp_scratch_;  // (Nl, C) a MoE layer's rows; a replicated grad
+  std::vector<float> xent_max_;              // (N) split cross-entropy's row maxima
+  std::vector<double> xent_sums_;            // (2N) its sums
   // With units: the unit's parameters in place (and their low-precision copy made), or let go.
   void acquire(int64_t unit, int64_t next, const float* params);
   void release(int64_t unit);

@@ -39,9 +39,11 @@ void Transformer::set_recompute(Recompute r) {
 
 // out (N, OC) = inp (N, IC) · Wᵀ; in mixed precision from inp_lp, inp rounded.
 void Transformer::linear_fwd(float* out, const float* inp, const void* inp_lp, const float* params,
-                             int64_t w, int64_t N, int64_t IC, int64_t OC) {
+                             int64_t w, int64_t N, int64_t IC, int64_t OC, int64_t ld) {
   if (lp_ != DType::F32) {
-    gemm(lp_, Trans::N, Trans::T, N, OC, IC, inp_lp, lp_weight(w), out, false);
+    gemm(lp_, Trans::N, Trans::T, N, OC, IC, inp_lp, lp_weight(w), out, false, 0, ld);
+  } else if (ld != 0) {
+    gemm(Trans::N, Trans::T, N, OC, IC, inp, params + w, out, false, 0, ld);
   } else {
     linear_forward(out, inp, params + w, N, IC, OC);
   }
@@ -51,25 +53,78 @@ void Transformer::linear_fwd(float* out, const float* inp, const void* inp_lp, c
 // In mixed precision dout is rounded here and inp_lp is the forward's rounded inp.
 void Transformer::linear_bwd(float* dinp, bool acc, float* dweight, const float* dout,
                              const float* inp, const void* inp_lp, const float* params, int64_t w,
-                             int64_t N, int64_t IC, int64_t OC) {
+                             int64_t N, int64_t IC, int64_t OC, int64_t ld) {
   DeferredGemm* later = nullptr;
   if (split_) {
     later = &defer();
-    later->w = w, later->N = N, later->IC = IC, later->OC = OC;
+    later->w = w, later->N = N, later->IC = IC, later->OC = OC, later->ld = ld;
     later->inp = inp, later->inp_lp = inp_lp;
   }
   if (lp_ == DType::F32) {
-    if (dinp) gemm(Trans::N, Trans::N, N, IC, OC, dout, params + w, dinp, acc);
+    if (dinp) gemm(Trans::N, Trans::N, N, IC, OC, dout, params + w, dinp, acc, 0, ld);
     if (later) {
       later->dout.assign(dout, dout + N * OC);
     } else {
-      gemm(Trans::T, Trans::N, OC, IC, N, dout, inp, dweight, true);
+      gemm(Trans::T, Trans::N, OC, IC, N, dout, inp, dweight, true, 0, 0, ld);
     }
     return;
   }
   const void* d = rounded(later ? later->dout_lp : dout_lp_, dout, N * OC);
-  if (dinp) gemm(lp_, Trans::N, Trans::N, N, IC, OC, d, lp_weight(w), dinp, acc);
-  if (!later) gemm(lp_, Trans::T, Trans::N, OC, IC, N, d, inp_lp, dweight, true);
+  if (dinp) gemm(lp_, Trans::N, Trans::N, N, IC, OC, d, lp_weight(w), dinp, acc, 0, ld);
+  if (!later) gemm(lp_, Trans::T, Trans::N, OC, IC, N, d, inp_lp, dweight, true, 0, 0, ld);
+}
+
+void Transformer::set_tensor_parallel(Comm* group) {
+  MOETRAIN_CHECK(!group || group->size() == 1 || !engine_,
+                 "tensor parallelism (dist.tp): CPU only, not under a device engine");
+  MOETRAIN_CHECK(!group || group->size() == 1 || (first_ == 0 && end_ == cfg_.n_layers),
+                 "tensor parallelism (dist.tp) with a pipeline stage: not run yet");
+  const int64_t tp = group ? group->size() : 1;
+  if (tp > 1) {
+    auto divides = [&](int64_t n, const char* key) {
+      MOETRAIN_CHECK(n % tp == 0, "dist.tp = {} does not divide {} = {}: each tensor-parallel "
+                     "rank takes an equal share", tp, key, n);
+    };
+    divides(cfg_.n_heads, "model.n_heads");
+    divides(cfg_.n_kv_heads, "model.n_kv_heads");
+    divides(cfg_.vocab_size, "model.vocab_size");
+    for (int64_t l = 0; l < cfg_.n_layers; ++l)
+      if (cfg_.is_dense_layer(l)) divides(cfg_.dense_ffn_hidden(), "the dense FFN's hidden size");
+  }
+  tp_ = tp > 1 ? group : nullptr;
+  capacity_ = 0;  // the buffers are sized per rank
+  have_targets_ = false;
+}
+
+Transformer::TpShard Transformer::tp_shard(int64_t N) const {
+  const int64_t tp = tensor_parallel(), t = tp_ ? tp_->rank() : 0, HS = cfg_.head_dim();
+  TpShard s;
+  s.NH = cfg_.n_heads / tp, s.NKV = cfg_.n_kv_heads / tp;
+  s.QD = s.NH * HS, s.KD = s.NKV * HS, s.q0 = t * s.QD, s.k0 = t * s.KD;
+  s.Fd = cfg_.dense_ffn_hidden() / tp, s.f0 = t * s.Fd;
+  s.V = cfg_.vocab_size / tp, s.v0 = t * s.V;
+  s.n0 = chunk_begin(N, static_cast<int>(t), static_cast<int>(tp));
+  s.Nl = chunk_begin(N, static_cast<int>(t) + 1, static_cast<int>(tp)) - s.n0;
+  return s;
+}
+
+void Transformer::tp_allreduce(float* x, int64_t n) {
+  if (tp_) tp_->allreduce(x, n);
+}
+
+void Transformer::tp_allgather_rows(float* out, const float* mine, int64_t Nl, int64_t C) {
+  const int P = tp_->size();
+  const int64_t N = B_ * T_;
+  std::vector<int64_t> counts(static_cast<std::size_t>(P));
+  for (int q = 0; q < P; ++q) counts[q] = (chunk_begin(N, q + 1, P) - chunk_begin(N, q, P)) * C;
+  MOETRAIN_CHECK(counts[tp_->rank()] == Nl * C, "tensor-parallel rows: {} of {}", Nl, N);
+  tp_->allgather(out, mine, counts);
+}
+
+float* Transformer::tp_owned(float* grads, int64_t offset, int64_t n) {
+  if (!tp_ || tp_->rank() == 0) return grads + offset;
+  tp_scratch_.assign(static_cast<std::size_t>(n), 0.0f);
+  return tp_scratch_.data();
 }
 
 void Transformer::set_split_backward(bool on) {
@@ -102,10 +157,11 @@ void Transformer::weight_backward(float* grads) {
     if (d.ready_from >= 0) {
       if (grads_ready_) grads_ready_(d.ready_from);
     } else if (lp_ == DType::F32) {
-      gemm(Trans::T, Trans::N, d.OC, d.IC, d.N, d.dout.data(), d.inp, grads + d.w, true);
+      gemm(Trans::T, Trans::N, d.OC, d.IC, d.N, d.dout.data(), d.inp, grads + d.w, true, 0, 0,
+           d.ld);
     } else {
       gemm(lp_, Trans::T, Trans::N, d.OC, d.IC, d.N, d.dout_lp.data(), d.inp_lp, grads + d.w,
-           true);
+           true, 0, 0, d.ld);
     }
   }
   n_deferred_ = 0;
@@ -121,7 +177,9 @@ int64_t Transformer::deferred_bytes() const {
 void Transformer::block_forward(int64_t l, const float* params, const MoeStep& step, bool replay,
                                 LossParts* parts) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.dim, HS = cfg_.head_dim();
-  const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
+  const TpShard sh = tp_shard(N);  // the whole model without tensor parallelism
+  const int64_t NH = sh.NH, NKV = sh.NKV, QD = sh.QD, KD = sh.KD;
+  const int64_t QDw = cfg_.n_heads * HS;  // o's row: every head's output
   const float eps = static_cast<float>(cfg_.norm_eps), theta = static_cast<float>(cfg_.rope_theta);
   float* P = const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads
   const bool mixed = lp_ != DType::F32;
@@ -131,9 +189,9 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   float* x_out = resid_at(l + 1);
   rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, params + o.ln1, N, C, eps);
   const void* ln1 = mixed ? rounded(a.ln1_lp, a.ln1.data(), N * C) : nullptr;
-  linear_fwd(a.q.data(), a.ln1.data(), ln1, params, o.wq, N, C, QD);
-  linear_fwd(a.k.data(), a.ln1.data(), ln1, params, o.wk, N, C, KD);
-  linear_fwd(a.v.data(), a.ln1.data(), ln1, params, o.wv, N, C, KD);
+  linear_fwd(a.q.data(), a.ln1.data(), ln1, params, o.wq + sh.q0 * C, N, C, QD);
+  linear_fwd(a.k.data(), a.ln1.data(), ln1, params, o.wk + sh.k0 * C, N, C, KD);
+  linear_fwd(a.v.data(), a.ln1.data(), ln1, params, o.wv + sh.k0 * C, N, C, KD);
   rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta);
   rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta);
   if (fill_cache_) {
@@ -143,29 +201,37 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   (bf16_attention(T) ? attention_forward_bf16 : attention_forward)(
       a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HS);
   const void* att = mixed ? rounded(a.att_lp, a.att.data(), N * QD) : nullptr;
-  linear_fwd(a.xmid.data(), a.att.data(), att, params, o.wo, N, QD, C);
+  linear_fwd(a.xmid.data(), a.att.data(), att, params, o.wo + sh.q0, N, QD, C,
+             tp_ ? QDw : 0);
+  tp_allreduce(a.xmid.data(), N * C);  // every rank's heads
   for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
   rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), params + o.ln2, N, C, eps);
   if (moe_index_[l] >= 0) {
     MoeLayer& moe = *moe_[moe_index_[l]];
     const MoeWeights w = moe_weights(P, o, lp_, params_lp_.data());
+    // Under tensor parallelism this rank's tokens only, joined after.
+    float* out = tp_ ? tp_rows_.data() : a.ffn.data();
+    const float* inp = a.ln2.data() + sh.n0 * C;
     if (replay) {
-      moe.recompute_forward(a.ffn.data(), a.ln2.data(), w);
+      moe.recompute_forward(out, inp, w);
     } else {
       MoeStep s = step;
       s.layer = static_cast<uint64_t>(l);
-      moe.forward(a.ffn.data(), a.ln2.data(), N, w, s);
+      s.token_offset += static_cast<uint64_t>(sh.n0);
+      moe.forward(out, inp, sh.Nl, w, s);
       parts->aux += moe.aux_loss();
       parts->z += moe.z_loss();
     }
+    if (tp_ && !replay) tp_allgather_rows(a.ffn.data(), out, sh.Nl, C);
   } else {
-    const int64_t Fd = cfg_.dense_ffn_hidden();
+    const int64_t Fd = sh.Fd, Fdw = cfg_.dense_ffn_hidden();
     const void* ln2 = mixed ? rounded(a.ln2_lp, a.ln2.data(), N * C) : nullptr;
-    linear_fwd(a.h1.data(), a.ln2.data(), ln2, params, o.mlp_w1, N, C, Fd);
-    linear_fwd(a.h3.data(), a.ln2.data(), ln2, params, o.mlp_w3, N, C, Fd);
+    linear_fwd(a.h1.data(), a.ln2.data(), ln2, params, o.mlp_w1 + sh.f0 * C, N, C, Fd);
+    linear_fwd(a.h3.data(), a.ln2.data(), ln2, params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
     swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd);
     const void* g = mixed ? rounded(a.g_lp, a.g.data(), N * Fd) : nullptr;
-    linear_fwd(a.ffn.data(), a.g.data(), g, params, o.mlp_w2, N, Fd, C);
+    linear_fwd(a.ffn.data(), a.g.data(), g, params, o.mlp_w2 + sh.f0, N, Fd, C, tp_ ? Fdw : 0);
+    tp_allreduce(a.ffn.data(), N * C);
   }
   if (replay) return;  // the block's output is kept (the next block's input)
   for (int64_t i = 0; i < N * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
@@ -173,7 +239,9 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
 
 void Transformer::block_backward(int64_t l, const float* params, float* grads, float moe_weight) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.dim, HS = cfg_.head_dim();
-  const int64_t NH = cfg_.n_heads, NKV = cfg_.n_kv_heads, QD = NH * HS, KD = NKV * HS;
+  const TpShard sh = tp_shard(N);
+  const int64_t NH = sh.NH, NKV = sh.NKV, QD = sh.QD, KD = sh.KD;
+  const int64_t QDw = cfg_.n_heads * HS;
   const float theta = static_cast<float>(cfg_.rope_theta);
   float* P = const_cast<float*>(params);
   const LayerOffsets& o = layout_.layers[l];
@@ -181,38 +249,43 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
   const float* x = resid_at(l);
   // dresid_ holds ∂L/∂(block output); it flows unchanged into the FFN output and the residual.
   if (moe_index_[l] >= 0) {
-    moe_[moe_index_[l]]->backward(dln_.data(), dresid_.data(),
+    // Under tensor parallelism: this rank's tokens, their input gradients joined after.
+    float* dinp = tp_ ? tp_rows_.data() : dln_.data();
+    moe_[moe_index_[l]]->backward(dinp, dresid_.data() + sh.n0 * C,
                                   moe_weights(P, o, lp_, params_lp_.data()), moe_weights(grads, o),
                                   moe_weight);
+    if (tp_) tp_allgather_rows(dln_.data(), dinp, sh.Nl, C);
   } else {
-    const int64_t Fd = cfg_.dense_ffn_hidden();
-    linear_bwd(dg_.data(), false, grads + o.mlp_w2, dresid_.data(), a.g.data(), a.g_lp.data(),
-               params, o.mlp_w2, N, Fd, C);
+    const int64_t Fd = sh.Fd, Fdw = cfg_.dense_ffn_hidden();
+    linear_bwd(dg_.data(), false, grads + o.mlp_w2 + sh.f0, dresid_.data(), a.g.data(),
+               a.g_lp.data(), params, o.mlp_w2 + sh.f0, N, Fd, C, tp_ ? Fdw : 0);
     swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
-    linear_bwd(dln_.data(), false, grads + o.mlp_w1, dh1_.data(), a.ln2.data(), a.ln2_lp.data(),
-               params, o.mlp_w1, N, C, Fd);
-    linear_bwd(dln_.data(), true, grads + o.mlp_w3, dh3_.data(), a.ln2.data(), a.ln2_lp.data(),
-               params, o.mlp_w3, N, C, Fd);
+    linear_bwd(dln_.data(), false, grads + o.mlp_w1 + sh.f0 * C, dh1_.data(), a.ln2.data(),
+               a.ln2_lp.data(), params, o.mlp_w1 + sh.f0 * C, N, C, Fd);
+    linear_bwd(dln_.data(), true, grads + o.mlp_w3 + sh.f0 * C, dh3_.data(), a.ln2.data(),
+               a.ln2_lp.data(), params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
+    tp_allreduce(dln_.data(), N * C);  // every rank's hidden units
   }
-  rmsnorm_backward(dxmid_.data(), grads + o.ln2, dln_.data(), a.xmid.data(), params + o.ln2,
-                   a.rstd2.data(), N, C);
+  rmsnorm_backward(dxmid_.data(), tp_owned(grads, o.ln2, C), dln_.data(), a.xmid.data(),
+                   params + o.ln2, a.rstd2.data(), N, C);
   for (int64_t i = 0; i < N * C; ++i) dxmid_[i] += dresid_[i];
 
-  linear_bwd(datt_.data(), false, grads + o.wo, dxmid_.data(), a.att.data(), a.att_lp.data(),
-             params, o.wo, N, QD, C);
+  linear_bwd(datt_.data(), false, grads + o.wo + sh.q0, dxmid_.data(), a.att.data(),
+             a.att_lp.data(), params, o.wo + sh.q0, N, QD, C, tp_ ? QDw : 0);
   (bf16_attention(T) ? attention_backward_bf16 : attention_backward)(
       dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(), a.v.data(),
       a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
   rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
   rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
-  linear_bwd(dln_.data(), false, grads + o.wq, dq_.data(), a.ln1.data(), a.ln1_lp.data(), params,
-             o.wq, N, C, QD);
-  linear_bwd(dln_.data(), true, grads + o.wk, dk_.data(), a.ln1.data(), a.ln1_lp.data(), params,
-             o.wk, N, C, KD);
-  linear_bwd(dln_.data(), true, grads + o.wv, dv_.data(), a.ln1.data(), a.ln1_lp.data(), params,
-             o.wv, N, C, KD);
-  rmsnorm_backward(dresid_.data(), grads + o.ln1, dln_.data(), x, params + o.ln1, a.rstd1.data(),
-                   N, C);
+  linear_bwd(dln_.data(), false, grads + o.wq + sh.q0 * C, dq_.data(), a.ln1.data(),
+             a.ln1_lp.data(), params, o.wq + sh.q0 * C, N, C, QD);
+  linear_bwd(dln_.data(), true, grads + o.wk + sh.k0 * C, dk_.data(), a.ln1.data(),
+             a.ln1_lp.data(), params, o.wk + sh.k0 * C, N, C, KD);
+  linear_bwd(dln_.data(), true, grads + o.wv + sh.k0 * C, dv_.data(), a.ln1.data(),
+             a.ln1_lp.data(), params, o.wv + sh.k0 * C, N, C, KD);
+  tp_allreduce(dln_.data(), N * C);  // every rank's heads
+  rmsnorm_backward(dresid_.data(), tp_owned(grads, o.ln1, C), dln_.data(), x, params + o.ln1,
+                   a.rstd1.data(), N, C);
   for (int64_t i = 0; i < N * C; ++i) dresid_[i] += dxmid_[i];
 }
 

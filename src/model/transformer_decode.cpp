@@ -18,6 +18,7 @@ const float* Transformer::decode(const float* params, int32_t token, KvCache& ca
   MOETRAIN_CHECK(!units_, "decode: decoding reads whole parameters, not sharded ones (dist.zero = 3)");
   MOETRAIN_CHECK(first_ == 0 && last_stage(),
                  "decode: decoding runs the whole model, not a pipeline stage");
+  MOETRAIN_CHECK(!tp_, "decode: decoding runs on one process, not under tensor parallelism");
   MOETRAIN_CHECK(static_cast<int64_t>(cache.k.size()) == cfg_.n_layers,
                  "decode: the KV cache has {} layers, the model {}", cache.k.size(),
                  cfg_.n_layers);

@@ -81,6 +81,10 @@ void ClassifierRunConfig::validate() const {
                  t.eval_batch_size);
   optim.validate();
   dist.validate();
+  MOETRAIN_CHECK(dist.tp == 1,
+                 "dist.tp = {}: the classifier runs no tensor parallelism (the language model "
+                 "does); set dist.tp = 1",
+                 dist.tp);
   MOETRAIN_CHECK(dist.pp == 1,
                  "dist.pp = {}: the classifier runs no pipeline stages (the language model "
                  "does); set dist.pp = 1",

@@ -79,6 +79,10 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
       {"dist.vp", &d.vp,
        "With pp_schedule = interleaved: model chunks a stage (the blocks cut into pp·vp chunks, "
        "chunk c on stage c mod pp; 1 = one chunk a stage)"},
+      {"dist.tp", &d.tp,
+       "Tensor parallelism: processes that run one model copy on one batch, its attention "
+       "heads, dense FFN hidden units and LM head vocabulary split over them and its MoE layers' "
+       "tokens shared out (1 = off)"},
       {"dist.offload_dir", &d.offload_dir,
        "With offload = host_file: directory of the state files, one per process (empty = "
        "<run_dir>/offload)"},
@@ -247,12 +251,53 @@ void DistSettings::validate() const {
                  "dist.vp = {} with dist.pp = 1: model chunks are cut over pipeline stages; set "
                  "dist.pp > 1 or dist.vp = 1",
                  vp);
+  MOETRAIN_CHECK(tp >= 1, "dist.tp = {}: must be ≥ 1 (tensor-parallel ranks; 1 = off)", tp);
   MOETRAIN_CHECK(std::isfinite(collective_warn) && collective_warn >= 0,
                  "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
                  collective_warn);
   MOETRAIN_CHECK(std::isfinite(collective_timeout) && collective_timeout >= 0,
                  "dist.collective_timeout = {}: must be seconds ≥ 0 (0 = never abort)",
                  collective_timeout);
+}
+
+void validate_tensor_parallel(const RunConfig& c) {
+  const DistSettings& d = c.dist;
+  if (d.tp == 1) return;
+  const ModelConfig& m = c.model;
+  auto divides = [&](int64_t n, const std::string& what) {
+    MOETRAIN_CHECK(n % d.tp == 0,
+                   "dist.tp = {} does not divide {} = {}: each tensor-parallel rank takes an "
+                   "equal share; use a dist.tp that divides it",
+                   d.tp, what, n);
+  };
+  divides(m.n_heads, "model.n_heads");
+  divides(m.n_kv_heads, "model.n_kv_heads");
+  divides(m.vocab_size, "model.vocab_size");
+  for (int64_t l = 0; l < m.n_layers; ++l)
+    if (m.is_dense_layer(l)) {
+      divides(m.dense_ffn_hidden(), "the dense layers' FFN hidden size");
+      break;
+    }
+  // What tensor parallelism does not run yet: each refused by name, none ignored.
+  auto refuse = [&](bool bad, const std::string& what) {
+    MOETRAIN_CHECK(!bad, "dist.tp = {} with {}: tensor parallelism does not run it yet; {}",
+                   d.tp, what, "leave it at its default or set dist.tp = 1");
+  };
+  refuse(d.pp > 1, fmt::format("dist.pp = {} (pipeline stages)", d.pp));
+  refuse(c.train.device != "cpu", fmt::format("train.device = {}", c.train.device));
+  refuse(d.local_steps(), "dist.sync = params");
+  refuse(d.zero > 1, fmt::format("dist.zero = {} (ZeRO-1 runs)", d.zero));
+  refuse(d.offloaded(), "dist.offload = host_file");
+  refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
+  refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
+  refuse(d.grad_reduce_dtype == "int8",
+         "dist.grad_reduce_dtype = int8 (its error-feedback residual)");
+  refuse(c.train.precision == Precision::FP16, "train.precision = fp16 (the loss scaler)");
+  refuse(c.placement.enabled(),
+         fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
+  refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));
+  refuse(m.router_controller != RouterControllerKind::None,
+         fmt::format("model.router_controller = {}", router_controller_name(m.router_controller)));
 }
 
 void validate_pipeline(const RunConfig& c) {

@@ -12,8 +12,11 @@ namespace moetrain {
 
 double evaluate(Transformer& model, const float* params, const TokenShard& shard, int64_t B,
                 int64_t T, int64_t max_batches, Comm* comm, PipelineRunner* pipe) {
-  const int rank = pipe ? static_cast<int>(pipe->replica()) : comm ? comm->rank() : 0;
-  const int world = pipe ? static_cast<int>(pipe->replicas()) : comm ? comm->size() : 1;
+  // A tensor-parallel group's ranks read one batch (and count its loss each: the sums' ratio
+  // stays).
+  const int tp = static_cast<int>(model.tensor_parallel());
+  const int rank = pipe ? static_cast<int>(pipe->replica()) : comm ? comm->rank() / tp : 0;
+  const int world = pipe ? static_cast<int>(pipe->replicas()) : comm ? comm->size() / tp : 1;
   const int processes = comm ? comm->size() : 1;
   EvalLoader loader(shard, B, T, max_batches, rank, world);
   std::vector<int32_t> inputs(static_cast<std::size_t>(B * T)), targets(inputs.size());

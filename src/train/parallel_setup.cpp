@@ -4,6 +4,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "parallel/comm_on_thread.h"
 #include "parallel/mpi_reducer.h"
 #include "parallel/grad_sync.h"
 #include "parallel/zero2_reducer.h"
@@ -47,6 +48,18 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
     out.pipe.comm = world.split(replica, stage, {"pipe"});
     out.pipe.replica = replica, out.pipe.replicas = W / P;
   }
+  std::unique_ptr<Comm> tp;
+  if (dist.tp > 1) {
+    // Tensor parallelism: every rank holds tokens for the MoE layers (a tensor-parallel group's
+    // ranks route a share of its batch each), so the process groups are the world's, as for
+    // data-parallel copies; the group's ranks are neighbours.
+    const int W = world.size(), P = static_cast<int>(dist.tp);
+    MOETRAIN_CHECK(W % P == 0,
+                   "dist.tp = {} tensor-parallel ranks need a multiple of {} processes, and this "
+                   "run has {}: start it with `moetrain launch -n {} -- train ...`",
+                   P, P, W, P);
+    tp = world.split(world.rank() / P, world.rank(), {"tensor"});
+  }
   out.groups =
       std::make_unique<ProcessGroups>(make_process_groups(*over, static_cast<int>(dist.ep)));
   if (copies) out.groups->control = world.dup("control");
@@ -67,6 +80,7 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
     epo.adaptive = route;
   }
   out.ep = make_expert_parallel(epo, *out.groups);
+  if (tp) out.tp = out.ep.comm_thread ? comm_on_thread(std::move(tp), *out.ep.comm_thread) : std::move(tp);
   return out;
 }
 

@@ -65,6 +65,10 @@ struct RunParallel {
   ExpertShard experts;     // the experts this rank holds (every one on one process)
   ExpertParallelSetup ep;  // the expert exchange, its route and thread (empty on one process)
   PipeSetup pipe;
+  // dist.tp > 1: this rank's tensor-parallel group (ranks tp·i … tp·i + tp − 1, a model's copy
+  // run by tp processes on one batch; model/transformer.h), on the communication thread when
+  // there is one; null otherwise.
+  std::unique_ptr<Comm> tp;
   // What the model's MoE layers run with: the exchange and statistics over every process holding
   // tokens, so balancing losses and capacities are the global batch's; local on one process.
   // Its pointers stay valid when the members are moved out.

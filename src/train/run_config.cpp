@@ -364,6 +364,7 @@ void RunConfig::validate() const {
   MOETRAIN_CHECK(grad.expert_reweight == "none" || model.n_moe_layers() > 0,
                  "grad.expert_reweight = '{}' needs a model with MoE layers", grad.expert_reweight);
   validate_pipeline(*this);
+  validate_tensor_parallel(*this);
 }
 
 void TrainConfig::resolve_precision() {

@@ -177,6 +177,10 @@ struct DistSettings {
   int64_t pp = 1;
   std::string pp_schedule = "1f1b";
   int64_t vp = 1;
+  // Tensor parallelism (model/transformer.h, set_tensor_parallel): each model copy run by tp
+  // neighbouring processes on one batch, attention heads, dense FFN hidden units and the LM
+  // head's vocabulary split over them, the MoE layers' tokens split; world = DP × tp.
+  int64_t tp = 1;
 
   // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
   // where the process groups are made.
@@ -250,6 +254,9 @@ struct RunConfig {
 // executor does not run is asked for (each refused naming its key). What depends on the number of
 // processes is checked where the process groups are made.
 void validate_pipeline(const RunConfig& c);
+// dist.tp > 1 against the model and the other keys: what the split needs and what does not run
+// with it yet, each refused by name.
+void validate_tensor_parallel(const RunConfig& c);
 
 // Loads `path` (may be empty: defaults only), then applies `overrides` ("model.dim=256").
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});

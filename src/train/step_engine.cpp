@@ -34,6 +34,8 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   if (cfg_.grad.expert_reweight != "none")
     reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), layout);
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
+  tp_ = std::move(rp.tp);
+  tp_size_ = tp_ ? tp_->size() : 1;
   world_ = pg_->control->size();
   if (device_) device_->set_resident(true);
   set_precision(cfg_.precision);
@@ -158,9 +160,14 @@ std::string StepEngine::describe_layout() const {
                        pipe_->slots(cfg_.micro_batches), pipe_->stage(), pl.world, pl.dp, pl.ep,
                        expert_shard_.count);
   return fmt::format(
-      "{} processes: {} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
+      "{} processes: {}{} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",
-      world_, pl.dp, pl.ep, expert_shard_.count,
+      world_,
+      tp_size_ > 1 ? fmt::format("{} tensor-parallel groups of {} (each one model copy), the "
+                                 "MoE layers over ",
+                                 world_ / tp_size_, tp_size_)
+                   : "",
+      pl.dp, pl.ep, expert_shard_.count,
       cfg_.dist.zero ? fmt::format(", ZeRO-{}", cfg_.dist.zero) : "",
       ep_.hierarchy ? fmt::format(", {} all-to-all ({} ranks per node)",
                                   ep_.exchange->adaptive() ? "adaptive" : "2-D",
@@ -196,7 +203,8 @@ void StepEngine::begin_step(AccumulateHooks& h, int64_t token_offset) {
   const int copies = averager_ ? 1 : replicas();
   const double scale = scaler_ ? scaler_->scale() : 1.0;
   h.loss_weight = static_cast<float>(scale) / static_cast<float>(A * copies);
-  h.dropped_divisor = static_cast<double>(A * replicas());
+  // Every process's MoE layers report their share (a tensor-parallel rank's, of its tokens).
+  h.dropped_divisor = static_cast<double>(A * replicas() * tp_size_);
   const uint64_t seed = cfg_.seed;
   const int64_t step = step_;
   h.moe_step = [seed, step, A, token_offset](int64_t micro) {

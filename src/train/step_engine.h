@@ -225,6 +225,10 @@ class StepEngine {
   TrainableModel& model_;
   std::unique_ptr<ProcessGroups> pg_;  // before the exchange users: they hold its communicators
   ExpertParallelSetup ep_;
+  // dist.tp > 1: the tensor-parallel group the model computes with (after ep_: it may run on
+  // ep_'s communication thread, so it goes first).
+  std::unique_ptr<Comm> tp_;
+  int tp_size_ = 1;
   ExpertShard expert_shard_;
   int world_ = 1;
   // (layout size) page-aligned: ZeRO-3 hands the pages outside this rank's shard back.
@@ -265,7 +269,10 @@ class StepEngine {
   // updates its stage's parameters and writes them into checkpoints.
   std::unique_ptr<PipelineRunner> pipe_;
   // The model's copies whose gradients are summed (world_, or the pipelines' copies).
-  int replicas() const { return pipe_ ? static_cast<int>(pipe_->replicas()) : world_; }
+  // The model's copies whose gradients are summed: a tensor-parallel group's ranks make one.
+  int replicas() const {
+    return pipe_ ? static_cast<int>(pipe_->replicas()) : world_ / tp_size_;
+  }
 };
 
 // --- implementation ------------------------------------------------------------------------------

@@ -70,8 +70,12 @@ class Trainer : private RunTask {
   int world_size() const { return world_->size(); }
   // The model's data-parallel copies and this rank's among them: the processes, or with dist.pp
   // > 1 the pipelines (rank = copy · dist.pp + stage), whose stages all read the copy's batch.
-  int data_replicas() const { return world_->size() / static_cast<int>(cfg_.dist.pp); }
-  int data_rank() const { return world_->rank() / static_cast<int>(cfg_.dist.pp); }
+  // The model's copies reading different batches: a pipeline's stages and a tensor-parallel
+  // group's ranks read one.
+  int data_replicas() const {
+    return world_->size() / static_cast<int>(cfg_.dist.pp * cfg_.dist.tp);
+  }
+  int data_rank() const { return world_->rank() / static_cast<int>(cfg_.dist.pp * cfg_.dist.tp); }
   // This rank's experts as flat ranges (every expert on a single process).
   const std::vector<std::pair<int64_t, int64_t>>& own_expert_ranges() const {
     return engine_->own_expert_ranges();

@@ -1,0 +1,193 @@
+// Tensor parallelism (dist.tp = 2: each model copy run by two processes on one batch) against the
+// one-process run with the same global batch and seed: alone (np 2: one copy; np 4: two copies,
+// data-parallel), with the experts sharded over the tensor-parallel ranks (dist.ep = 2: the MoE
+// layers' tokens and experts split over the same ranks, Megatron-Core's folding with expert
+// tensor parallelism 1), and under ZeRO-1 and recompute = full.
+//
+// Not bitwise: the attention's output projection, a dense FFN's down projection and the LM head's
+// input gradient are sums over the ranks' heads, hidden units and vocabulary columns (GEMMs of
+// K/2 added, instead of one GEMM over K), and the cross-entropy's exponentials are summed per
+// vocabulary half. Each is a reordering of a float sum of ≤ 32 terms (relative error ≤ K·ε =
+// 4e-6 a product); over 20 AdamW steps (clipped at 0.5, whose updates are ~lr whatever the
+// gradient's last bits) the data-parallel tests' bounds hold: losses 1e-5, norms 1e-4, parameters
+// 1e-4 of the largest.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "parallel/runtime.h"
+#include "support/corpus.h"
+#include "support/held_values.h"
+#include "support/run_metrics.h"
+#include "support/shared_dir.h"
+#include "support/temp_dir.h"
+#include "train/run_config.h"
+#include "train/trainer.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kRows = 2, kSteps = 20, kTp = 2;
+
+// 3 blocks (the last a dense SwiGLU FFN: dense_every 3), 4 heads over 2 key-value heads, 4
+// experts top-2 with a shared expert, a vocabulary of 256.
+RunConfig make_config(const fs::path& data, const fs::path& run, int64_t rows, int64_t tp,
+                      std::vector<std::string> extra = {}) {
+  std::vector<std::string> keys = {"model.dim=32",
+                                   "model.n_layers=3",
+                                   "model.n_heads=4",
+                                   "model.n_kv_heads=2",
+                                   "model.expert_hidden=24",
+                                   "model.n_experts=4",
+                                   "model.top_k=2",
+                                   "model.shared_expert_hidden=16",
+                                   "model.dense_every=3",
+                                   "model.max_seq_len=16",
+                                   "train.batch_size=" + std::to_string(rows),
+                                   "train.seq_len=16",
+                                   "train.steps=" + std::to_string(kSteps),
+                                   "train.eval_every=10",
+                                   "train.eval_batches=2",
+                                   "train.checkpoint_every=10",
+                                   "train.keep_checkpoints=3",
+                                   "train.progress=off",
+                                   "train.precision=f32",
+                                   "optim.warmup_steps=3",
+                                   "optim.grad_clip=0.5",
+                                   "dist.bucket_first_mb=0.01",
+                                   "dist.bucket_mb=0.05",
+                                   "data.dir=" + data.string(),
+                                   "train.run_dir=" + run.string(),
+                                   "dist.tp=" + std::to_string(tp)};
+  keys.insert(keys.end(), extra.begin(), extra.end());
+  return load_run_config("", keys);
+}
+
+struct Outcome {
+  std::vector<float> params;
+  std::vector<char> held;
+  std::vector<double> losses, val_losses, grad_norms;  // rank 0 only
+};
+
+Outcome finish(Trainer& t, const fs::path& run) {
+  Outcome o{t.params(), held_values(t), {}, {}, {}};
+  if (t.rank() == 0) {
+    o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
+    o.grad_norms = metric(run, "grad_norm");
+  }
+  return o;
+}
+
+// The one-process run of the whole global batch (a batch of every copy's rows), on every rank.
+Outcome run_single(const fs::path& data, int copies, std::vector<std::string> extra) {
+  TempDir run("tp_single");
+  extra.insert(extra.end(), {"dist.ep=1", "dist.zero=0"});
+  Trainer t(make_config(data, run.path(), kRows * copies, 1, extra), false, make_local_comm());
+  t.run();
+  return finish(t, run.path());
+}
+
+Outcome run_tp(const fs::path& data, const fs::path& run, const std::vector<std::string>& extra,
+               int64_t stop_at = -1, bool resume = false) {
+  Trainer t(make_config(data, run, kRows, kTp, extra), resume, dist_world("tp_test"));
+  t.run(stop_at);
+  return finish(t, run);
+}
+
+double max_param_diff(const Outcome& got, const std::vector<float>& ref) {
+  double worst = 0, scale = 1e-30;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    if (!got.held[i]) continue;
+    worst = std::max(worst, std::abs(double(got.params[i]) - ref[i]));
+    scale = std::max(scale, std::abs(double(ref[i])));
+  }
+  return worst / scale;
+}
+
+void expect_follows_single(const std::string& name, const std::vector<std::string>& extra) {
+  SCOPED_TRACE(name);
+  auto world = dist_world("tp");
+  const int W = world->size(), r = world->rank();
+  SharedDir dir(*world, ("tp_" + name).c_str());
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const Outcome ref = run_single(dir / "data", W / kTp, extra);
+  const Outcome got = run_tp(dir / "data", dir / "run", extra);
+  if (r == 0) {
+    ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kSteps));
+    ASSERT_EQ(ref.losses.size(), got.losses.size());
+    EXPECT_LE(max_rel(got.losses, ref.losses), 1e-5);
+    EXPECT_LT(got.losses.back(), got.losses.front());
+    ASSERT_EQ(ref.grad_norms.size(), got.grad_norms.size());
+    EXPECT_LE(max_rel(got.grad_norms, ref.grad_norms), 1e-4);
+    ASSERT_EQ(ref.val_losses.size(), got.val_losses.size());
+    EXPECT_LE(max_rel(got.val_losses, ref.val_losses), 1e-5);
+  }
+  ASSERT_EQ(got.params.size(), ref.params.size());
+  EXPECT_LE(max_param_diff(got, ref.params), 1e-4);
+  // The checkpoint holds the whole model (the same safetensors as any layout): every rank finds
+  // its values there, bit for bit.
+  LoadedModel m = load_model(dir / "run");
+  EXPECT_EQ(m.step, kSteps);
+  ASSERT_EQ(m.params.size(), got.params.size());
+  int64_t differ = 0;
+  for (std::size_t i = 0; i < m.params.size(); ++i)
+    differ += got.held[i] && m.params[i] != got.params[i];
+  EXPECT_EQ(differ, 0) << "checkpointed parameters differ from their holder's";
+}
+
+}  // namespace
+
+TEST(TensorParallel, FollowsTheOneProcessRun) { expect_follows_single("alone", {}); }
+
+TEST(TensorParallel, WithExpertsShardedOverTheTensorParallelRanks) {
+  expect_follows_single("ep", {"dist.ep=2", "model.router=sigmoid_bias",
+                               "model.bias_update_rate=0.01"});
+}
+
+TEST(TensorParallel, UnderZeroOneAndFullRecomputation) {
+  expect_follows_single("zero_recompute", {"dist.zero=1", "train.recompute=full"});
+}
+
+// Stopped at step 10 and resumed from its checkpoint: the uninterrupted run's bits. And the
+// checkpoint of the tensor-parallel run resumed by one process (the same global batch as
+// micro-batches), which starts from the run's parameters, bit for bit.
+TEST(TensorParallel, ResumesBitExactAndItsCheckpointLoadsOnOneProcess) {
+  auto world = dist_world("tp_resume");
+  const int r = world->rank();
+  SharedDir dir(*world, "tp_resume");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const Outcome whole = run_tp(dir / "data", dir / "whole", {});
+  run_tp(dir / "data", dir / "split", {}, 10);
+  const Outcome resumed = run_tp(dir / "data", dir / "split", {}, -1, true);
+  EXPECT_EQ(0, std::memcmp(resumed.params.data(), whole.params.data(),
+                           whole.params.size() * sizeof(float)))
+      << "the resumed tensor-parallel run differs from the uninterrupted one";
+  // One process loads the step-10 checkpoint: the parameters it starts from are the run's.
+  TempDir back("tp_back");
+  fs::create_directories(back.path() / "checkpoints");
+  fs::copy(dir / "whole/checkpoints/step_00000010", back.path() / "checkpoints/step_00000010");
+  std::ofstream(back.path() / "checkpoints/latest") << "step_00000010";
+  fs::copy_file(dir / "whole/metrics.jsonl", back.path() / "metrics.jsonl");
+  // The same global batch: every copy's rows as micro-batches of one process.
+  const int copies = world->size() / static_cast<int>(kTp);
+  Trainer one(make_config(dir / "data", back.path(), kRows, 1,
+                          {"train.grad_accum=" + std::to_string(copies)}),
+              true, make_local_comm());
+  EXPECT_EQ(one.step(), 10);
+  LoadedModel at10 = load_model(dir / "whole/checkpoints/step_00000010");
+  ASSERT_EQ(at10.params.size(), one.params().size());
+  EXPECT_EQ(0, std::memcmp(one.params().data(), at10.params.data(),
+                           at10.params.size() * sizeof(float)));
+  one.run();
+  EXPECT_EQ(one.step(), kSteps);
+}
