@@ -85,8 +85,7 @@ std::string recompute_modules_name(const RecomputeModules& m);
 // empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,
 // the layers, heads and experts divide, the pipeline schedule can run the step's micro-batches
 // (train.grad_accum), selective recomputation adds to none or moe (moe_act to none only), and
-// the cluster has the devices. Every part of the planner takes a layout
-// only after this check.
+// the cluster has the devices. Every part of the planner takes a layout only after this check.
 std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout);
 
 }  // namespace moetrain::plan
