@@ -56,7 +56,7 @@ Run add_plan_command(CLI::App& app) {
     std::string out, config, cluster, profile, load = "uniform";
     std::vector<std::string> overrides, sweep, mpi_args;
     int64_t procs = 0, ep = 0, tp = 1, etp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
-    std::string recompute, offload;
+    std::string recompute, recompute_modules, offload;
     bool a2a_dedup = false, a2a_overlap = false;
     std::string pp_schedule, pp_trace;
     bool no_bf16 = false, calibrate_comm = false;
@@ -119,6 +119,11 @@ Run add_plan_command(CLI::App& app) {
                 "Activation recomputation for memory and time: --recompute (full: each layer's "
                 "input kept, its forward rerun in backward) or --recompute=none|moe|full "
                 "(default: the config's train.recompute)");
+  cmd->add_option("--recompute-modules", args->recompute_modules,
+                  "Selective recomputation on top of --recompute none or moe, as Megatron-Core's "
+                  "recompute_modules: layernorm (the norms' outputs), moe_act (the experts' "
+                  "activation outputs), comma-separated; recomputed element-wise in backward "
+                  "(planner only)");
   cmd->add_flag("--offload{host_file}", args->offload,
                 "Optimizer state offload for memory: --offload (host_file: moments and master "
                 "weights in a host file, its disk time not timed) or --offload=none|host_file "
@@ -237,6 +242,7 @@ Run add_plan_command(CLI::App& app) {
     layout.etp = args->etp;
     layout.zero = args->zero;
     if (!args->recompute.empty()) layout.recompute = parse_recompute(args->recompute);
+    layout.recompute_modules = plan::parse_recompute_modules(args->recompute_modules);
     if (!args->offload.empty()) {
       MOETRAIN_CHECK(args->offload == "none" || args->offload == "host_file",
                      "--offload={}: allowed are none and host_file", args->offload);

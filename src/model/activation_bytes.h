@@ -19,8 +19,18 @@ struct ActivationBytes {
   int64_t blocks = 0, once = 0;
   int64_t total() const { return blocks + once; }
 };
+// Selective recomputation (Megatron-Core's recompute_modules; the planner's only): activations a
+// block does not keep, recomputed element-wise in backward from what it keeps.
+//   layernorm: each block's two RMSNorm outputs (and their rounded copies), recomputed from the
+//              norm's input and rstd, which stay;
+//   moe_act:   the routed experts' activation outputs g = act(a) · b, recomputed from a and b.
+// Under recompute = full a block keeps only its input, so the modules drop nothing more.
+struct RecomputeModules {
+  bool layernorm = false, moe_act = false;
+  bool any() const { return layernorm || moe_act; }
+};
 ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
-                                 DType lp, int64_t ep = 1);
+                                 DType lp, int64_t ep = 1, RecomputeModules drop = {});
 // The output gradients split backward (the zero_bubble schedule, Transformer::set_split_backward)
 // keeps for one micro-batch's deferred weight GEMMs, from its backward to its weight pass: per
 // block the attention projections' (q, k, v, o) and a dense layer's FFN's (w1, w2, w3), once the

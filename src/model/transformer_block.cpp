@@ -306,7 +306,7 @@ int64_t activation_bytes_for(const ModelConfig& cfg, int64_t B, int64_t T, Recom
 }
 
 ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
-                                 DType lp, int64_t ep) {
+                                 DType lp, int64_t ep, RecomputeModules drop) {
   const int64_t N = B * T, C = cfg.dim, V = cfg.vocab_size, L = cfg.n_layers;
   // Queries and keys of qk, values of v elements a head; multi-head latent attention (the
   // planner's) keeps keys and values per head, and its latents.
@@ -317,11 +317,17 @@ ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, R
   const int64_t f = 4, h = lp == DType::F32 ? 0 : 2;  // bytes of f32, of a rounded copy
   const int64_t Fd = cfg.dense_ffn_hidden(), E = cfg.n_experts, K = cfg.top_k;
   const int64_t F = cfg.expert_hidden, Fs = cfg.shared_expert_hidden;
-  // One block's activations (Transformer::LayerActs), dense FFN or not.
+  // A full recompute keeps only each block's input: the modules drop nothing more.
+  if (r == Recompute::Full) drop = {};
+  // One block's activations (Transformer::LayerActs), dense FFN or not: ln1, xmid, ln2 and the
+  // FFN's output (4 C), q, k, v, the attention's output, lse and the two rstd; rounded ln1 and
+  // attention output; a dense FFN's h1, h3, g and rounded ln2 and g. Selective layernorm drops
+  // the two norms' outputs and their rounded copies.
   auto block = [&](bool dense) {
     int64_t b = f * (N * (4 * C + NH * qk + NKV * qk + NKV * v + QD + latents + 2) + N * NH) +
                 h * N * (C + QD);
     if (dense) b += f * 3 * N * Fd + h * N * (C + Fd);
+    if (drop.layernorm) b -= f * 2 * N * C + h * N * (dense ? 2 * C : C);
     return b;
   };
   // One MoE layer: routing and router scores (kept in every mode), then the routed rows (sent
@@ -334,6 +340,9 @@ ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, R
     return h == 0 ? f * 3 * rows_in * hidden : (2 * f + h) * rows_in * hidden + h * rows_in * C;
   };
   const int64_t inter = inter_of(R, F) + (Fs > 0 ? inter_of(N, Fs) : 0);
+  // What a block keeps of them: selective moe_act drops the routed experts' g (f32, or the
+  // rounded copy in mixed precision).
+  const int64_t inter_kept = inter - (drop.moe_act ? (h == 0 ? f : h) * R * F : 0);
   const int64_t noisy = cfg.router == RouterKind::NoisyTopK ? f * 2 * N * E : 0;
   // Each block's residual input; once the stream leaving the last, the final norm (and its rstd),
   // the logits, their lse and losses, the rounded final norm, the tokens (inputs, targets,
@@ -349,7 +358,7 @@ ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, R
     if (dense) continue;
     a.blocks += routing + noisy;
     if (r != Recompute::Full) a.blocks += rows;
-    if (r == Recompute::None) a.blocks += inter;
+    if (r == Recompute::None) a.blocks += inter_kept;
   }
   if (r == Recompute::Full && L > 0) a.once += block(any_dense);
   // The MoE layers' shared working buffers: one layer's intermediates (moe, full) and rows (full).

@@ -224,6 +224,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   };
 
   // --- compute of one micro-batch, forward + backward ---
+  const RecomputeModules mods = layout.recompute_modules;
   for (int64_t l = 0; l < m.n_layers; ++l) {
     // Tensor parallelism splits heads (plan/attention_model.h) and FFN hidden sizes.
     s.attention += attention_time(dev, prec, m, l, B, T, tp, ab);
@@ -236,6 +237,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.tensor_parallel += tp_blocks * tp_allreduce_s;
     // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
     s.norms += rmsnorm_time(dev, N, C, 2, ab) + stream_time(dev, 3 * 2 * 3 * ab * N * C);
+    // Selective layernorm recomputation runs the two norms' forwards again in backward: a third
+    // of their forward + backward.
+    if (mods.layernorm) s.norms += rmsnorm_time(dev, N, C, 2, ab) / 3;
     if (m.is_dense_layer(l)) {
       const double Fd = static_cast<double>(m.dense_ffn_hidden() / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
@@ -257,6 +261,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                  rows_sum = el.rows_sum;
     s.experts += worst;
     s.experts_mean += sum / static_cast<double>(ep);
+    // Selective moe_act recomputation runs the experts' activation again in backward: read a
+    // and b, write g, over each row's F / etp columns (the slowest rank's rows, and the mean's).
+    if (mods.moe_act) {
+      s.experts += stream_time(dev, 3 * ab * worst_rows * Fe);
+      s.experts_mean += stream_time(dev, 3 * ab * rows_sum / static_cast<double>(ep) * Fe);
+    }
     p.imbalance = std::max(p.imbalance, rows_sum > 0 ? worst_rows * ep / rows_sum : 1.0);
     // Four all-to-alls per layer (dispatch and combine, forward and backward). A rank sends its
     // rows bound elsewhere; the hot rank receives its share of the whole group's rows. With a

@@ -4,6 +4,10 @@
 
 #include <vector>
 
+#include "core/check.h"
+#include "core/parse.h"
+#include "plan/cost_model.h"
+
 namespace moetrain::plan {
 
 std::string pipeline_lacks(const Layout& l) {
@@ -23,11 +27,34 @@ std::string planner_only(const Layout& l) {
     lacks.push_back("pipeline parallelism " + p);
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
   if (l.a2a_overlap) lacks.push_back("all-to-all overlapped with another micro-batch");
+  if (l.recompute_modules.any())
+    lacks.push_back("selective recomputation (" + recompute_modules_name(l.recompute_modules) +
+                    ")");
   if (lacks.empty()) return {};
   std::string list;
   for (size_t i = 0; i < lacks.size(); ++i)
     list += (i == 0 ? "" : i + 1 == lacks.size() ? " or " : ", ") + lacks[i];
   return "planner only: moetrain train has no " + list + " yet";
+}
+
+RecomputeModules parse_recompute_modules(const std::string& list, const char* flag) {
+  RecomputeModules m;
+  for (const std::string& item : split_list(list)) {
+    if (item == "layernorm") {
+      m.layernorm = true;
+    } else if (item == "moe_act") {
+      m.moe_act = true;
+    } else {
+      MOETRAIN_FAIL("{} {}: '{}' is not a module; allowed are layernorm, moe_act", flag, list,
+                    item);
+    }
+  }
+  return m;
+}
+
+std::string recompute_modules_name(const RecomputeModules& m) {
+  if (m.layernorm && m.moe_act) return "layernorm,moe_act";
+  return m.layernorm ? "layernorm" : m.moe_act ? "moe_act" : "";
 }
 
 std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout) {
@@ -65,6 +92,18 @@ std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, con
                              m.expert_hidden);
   if (m.n_experts % layout.ep != 0)
     return fmt::format("dist.ep = {} must divide model.n_experts = {}", layout.ep, m.n_experts);
+  if (layout.recompute_modules.any()) {
+    // Full keeps only each block's input: nothing is left to select. MoE recomputation already
+    // drops the experts' intermediates, their activation outputs among them.
+    const Recompute r = recompute_mode(cfg, layout);
+    if (r == Recompute::Full || (r == Recompute::Moe && layout.recompute_modules.moe_act))
+      return fmt::format(
+          "--recompute-modules {} with recomputation {}: {}",
+          recompute_modules_name(layout.recompute_modules), recompute_name(r),
+          r == Recompute::Full
+              ? "full already recomputes every block from its input (allowed with none or moe)"
+              : "moe already recomputes the experts' activations (moe_act is for none)");
+  }
   if (layout.pp > 1) {
     const std::string problem =
         pipe_shape_problem(layout.pipe_schedule(), {layout.pp, cfg.train.grad_accum, layout.vp});

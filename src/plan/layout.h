@@ -4,6 +4,7 @@
 #include <optional>
 #include <string>
 
+#include "model/activation_bytes.h"
 #include "model/config.h"
 #include "moe/recompute.h"
 #include "parallel/pipeline_schedule.h"
@@ -31,6 +32,10 @@ struct Layout {
   // unset: the config's train.recompute.
   int64_t zero = -1;
   std::optional<Recompute> recompute{};
+  // Selective recomputation on top of none or moe (--recompute-modules layernorm,moe_act; model/
+  // activation_bytes.h): the norms' outputs and the routed experts' activation outputs dropped
+  // after the forward and recomputed element-wise in backward (planner only).
+  RecomputeModules recompute_modules{};
   // The optimizer state (moments, and f32 master weights apart from the weights) in a host file
   // as dist.offload = host_file keeps it: out of the device bytes, the store's ring of chunks in
   // (optim/offload_store.h); its disk traffic is not timed. Unset: the config's dist.offload.
@@ -59,20 +64,28 @@ struct Layout {
 // expert parallelism and ZeRO-1 inside each stage, not ZeRO-2/3 (dist.pp,
 // train/pipeline_step.h).
 std::string pipeline_lacks(const Layout& l);
-// Whether `moetrain train` runs this layout: tensor parallelism, the pipelines of pipeline_lacks
-// and the deduplicated all-to-all are the planner's only.
+// Whether `moetrain train` runs this layout: tensor parallelism, the pipelines of pipeline_lacks,
+// the deduplicated all-to-all and selective recomputation are the planner's only.
 inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && l.etp == 1 && pipeline_lacks(l).empty() && !l.a2a_dedup && !l.a2a_overlap;
+  return l.tp == 1 && l.etp == 1 && pipeline_lacks(l).empty() && !l.a2a_dedup && !l.a2a_overlap &&
+         !l.recompute_modules.any();
 }
 // "planner only: moetrain train has no tensor parallelism yet", naming what the trainer lacks;
 // empty where it runs the layout.
 std::string planner_only(const Layout& l);
 
+// "layernorm,moe_act" → both modules; "" → none. Any other name is refused, naming the value and
+// the allowed names (`flag` names the option in the message).
+RecomputeModules parse_recompute_modules(const std::string& list,
+                                         const char* flag = "--recompute-modules");
+// The modules as --recompute-modules takes them ("layernorm,moe_act"; "" for none).
+std::string recompute_modules_name(const RecomputeModules& m);
+
 // Why the layout cannot run this model on this cluster (a message naming the key or option), or
 // empty when it can: the processes split into whole pipeline stages, tensor shards and EP groups,
 // the layers, heads and experts divide, the pipeline schedule can run the step's micro-batches
-// (train.grad_accum), and the cluster has the devices. Every part of the planner takes a layout
-// only after this check.
+// (train.grad_accum), selective recomputation adds to none or moe (moe_act to none only), and
+// the cluster has the devices. Every part of the planner takes a layout only after this check.
 std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout);
 
 }  // namespace moetrain::plan

@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
+#include "model/activation_bytes.h"
 #include "plan/cost_model.h"
 
 namespace moetrain::plan {
@@ -53,6 +54,30 @@ RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelera
   return l;
 }
 
+namespace {
+
+// The bytes selective recomputation (Layout::recompute_modules) does not keep: the model's count
+// (activation_parts) without and with the modules, scaled as rank_memory scales what the blocks
+// keep (train/memory_estimate.cpp, rank_activation_bytes): activation_bytes an element for the
+// count's f32, the micro-batches the first pipeline stage holds of its L / pp blocks, the tensor
+// shard.
+double selective_saving(const RunConfig& cfg, const Layout& layout, const RankLayout& l) {
+  if (!layout.recompute_modules.any()) return 0;
+  const DType lp = l.state.copy > 0 ? DType::BF16 : DType::F32;
+  const int64_t B = cfg.train.batch_size, T = cfg.train.seq_len;
+  const ActivationBytes all = activation_parts(cfg.model, B, T, l.recompute, lp);
+  const ActivationBytes kept =
+      activation_parts(cfg.model, B, T, l.recompute, lp, 1, layout.recompute_modules);
+  double blocks = l.activation_bytes / 4 * static_cast<double>(all.blocks - kept.blocks);
+  const double once = l.activation_bytes / 4 * static_cast<double>(all.once - kept.once);
+  if (l.pp > 1)
+    blocks *= (l.pipe_in_flight > 0 ? l.pipe_in_flight : static_cast<double>(l.pp)) /
+              static_cast<double>(l.pp);
+  return (blocks + once) / static_cast<double>(l.tp);
+}
+
+}  // namespace
+
 Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accelerator) {
   // Each process keeps its tensor shard of the dense tensors of its stage's layers and E / EP
   // experts of each of them (this trainer: every expert's weights and gradients in its flat
@@ -68,7 +93,7 @@ Memory memory_per_device(const RunConfig& cfg, const Layout& layout, bool accele
   mem.grads = e.gradients;
   mem.optimizer = e.optimizer;
   mem.low_precision = e.low_precision;
-  mem.activations = e.activations;
+  mem.activations = e.activations - selective_saving(cfg, layout, l);
   mem.buffers = e.buffers;
   RankLayout plain = l;
   plain.state.zero = 0;

@@ -82,6 +82,7 @@ nlohmann::json to_json(const Prediction& p) {
       {"compute_share", p.compute_share},
       {"a2a_kind", p.a2a_kind},
       {"a2a_overlap", p.layout.a2a_overlap},
+      {"recompute_modules", recompute_modules_name(p.layout.recompute_modules)},
       {"a2a_hierarchical_asked", p.hierarchical_asked},
       {"parts",
        {{"attention_s", s.attention},
@@ -266,6 +267,12 @@ std::string format_table(const std::vector<Prediction>& ps) {
                   [](const Prediction& p) { return p.layout.tp * p.layout.pp > 1; }))
     row("tp/pp/vp", [](const Prediction& p) {
       return fmt::format("{}/{}/{}", p.layout.tp, p.layout.pp, p.layout.vp);
+    });
+  if (std::any_of(ps.begin(), ps.end(),
+                  [](const Prediction& p) { return p.layout.recompute_modules.any(); }))
+    row("recomputed modules", [](const Prediction& p) {
+      const std::string m = recompute_modules_name(p.layout.recompute_modules);
+      return m.empty() ? std::string("none") : m;
     });
   if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return !trainer_runs(p.layout); }))
     row("trainer runs it", [](const Prediction& p) {

@@ -3,6 +3,7 @@
 // bytes the run stores; devices sized as the driver reports them.
 #include <gtest/gtest.h>
 
+#include "core/check.h"
 #include "model/activation_bytes.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
@@ -97,6 +98,93 @@ TEST(PlanMemory, RecomputationTradesActivationsForAForwardAgain) {
   EXPECT_NEAR(b.parts.a2a, a.parts.a2a * 1.5, 1e-12);
   EXPECT_DOUBLE_EQ(b.parts.lm_head, a.parts.lm_head);
   EXPECT_GT(b.step_time_s, a.step_time_s);
+}
+
+// Selective recomputation (--recompute-modules layernorm,moe_act), by hand on bf16_run() at
+// EP 8 on H100 (bf16 activations, 2 bytes an element; N = 2 · 1024 tokens, C = 512, K = 2,
+// F = 1024, 4 MoE blocks, one expert a rank, uniform load):
+//   layernorm drops each block's two norm outputs: 2 · N · C · 2 bytes = 4 MiB a block, 16 MiB;
+//     it runs the two norms' forwards again, each reading and writing N · C: 2 · 2 · 2 · N · C
+//     = 8 MiB a block at the memory bandwidth (the built-in H100 has no norm rate of its own).
+//   moe_act drops the routed experts' activation outputs g, N · K rows of F: 2 · N · K · F · 2
+//     bytes = 8 MiB a block, 32 MiB; it runs the activation again, reading a and b and writing
+//     g over the rank's N · K rows (at uniform load each rank gets as many as it sends): 3 · 2 ·
+//     N · K · F = 24 MiB a block.
+TEST(PlanMemory, SelectiveRecomputationDropsNormsAndExpertActivations) {
+  const RunConfig cfg = bf16_run();
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
+  const double MiB = 1048576, L = 4, bw = c.device.memory_bandwidth;
+  Layout keep{8, 8}, norms{8, 8}, acts{8, 8}, both{8, 8};
+  norms.recompute_modules = {.layernorm = true};
+  acts.recompute_modules = {.moe_act = true};
+  both.recompute_modules = {.layernorm = true, .moe_act = true};
+  const Prediction a = predict(cfg, c, keep, uniform_load(8));
+  const Prediction n = predict(cfg, c, norms, uniform_load(8));
+  const Prediction g = predict(cfg, c, acts, uniform_load(8));
+  const Prediction ng = predict(cfg, c, both, uniform_load(8));
+  EXPECT_DOUBLE_EQ(a.memory.activations - n.memory.activations, L * 4 * MiB);
+  EXPECT_DOUBLE_EQ(a.memory.activations - g.memory.activations, L * 8 * MiB);
+  EXPECT_DOUBLE_EQ(a.memory.activations - ng.memory.activations, L * 12 * MiB);
+  EXPECT_DOUBLE_EQ(ng.memory.params + ng.memory.grads + ng.memory.optimizer,
+                   a.memory.params + a.memory.grads + a.memory.optimizer);
+  // Time: relative 1e-12 for the sums' rounding (step parts of about a millisecond).
+  auto near = [](double got, double want) { EXPECT_NEAR(got, want, 1e-12 * want + 1e-18); };
+  near(n.parts.norms - a.parts.norms, L * 8 * MiB / bw);
+  near(n.parts.experts - a.parts.experts, 0);
+  near(g.parts.experts - a.parts.experts, L * 24 * MiB / bw);
+  near(g.parts.experts_mean - a.parts.experts_mean, L * 24 * MiB / bw);
+  near(g.parts.norms - a.parts.norms, 0);
+  near(ng.parts.norms + ng.parts.experts - a.parts.norms - a.parts.experts, L * 32 * MiB / bw);
+  EXPECT_DOUBLE_EQ(ng.parts.attention, a.parts.attention);
+  EXPECT_DOUBLE_EQ(ng.parts.a2a, a.parts.a2a);
+  EXPECT_GT(ng.step_time_s, a.step_time_s);
+  // Less than moe recomputation costs (the up-projections' GEMMs again), more memory than it.
+  Layout moe{8, 8};
+  moe.recompute = Recompute::Moe;
+  const Prediction m = predict(cfg, c, moe, uniform_load(8));
+  EXPECT_LT(ng.step_time_s, m.step_time_s);
+  // The engine has no such mode: the layout is the planner's only, and says so.
+  EXPECT_TRUE(trainer_runs(a.layout));
+  EXPECT_FALSE(trainer_runs(ng.layout));
+  EXPECT_EQ(planner_only(ng.layout),
+            "planner only: moetrain train has no selective recomputation (layernorm,moe_act) yet");
+}
+
+// The modules are named as Megatron-Core names them; anything else is refused naming the value
+// and the allowed names, and they add to none or moe only.
+TEST(PlanMemory, SelectiveRecomputationModulesAreChecked) {
+  EXPECT_FALSE(parse_recompute_modules("").any());
+  const RecomputeModules both = parse_recompute_modules("moe_act,layernorm");
+  EXPECT_TRUE(both.layernorm && both.moe_act);
+  EXPECT_EQ(recompute_modules_name(both), "layernorm,moe_act");
+  EXPECT_EQ(recompute_modules_name(parse_recompute_modules("moe_act")), "moe_act");
+  try {
+    parse_recompute_modules("layernorm,core_attn");
+    ADD_FAILURE() << "core_attn accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--recompute-modules layernorm,core_attn: 'core_attn' "
+                                         "is not a module; allowed are layernorm, moe_act"),
+              std::string::npos)
+        << e.what();
+  }
+  RunConfig cfg = bf16_run();
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
+  Layout l{8, 8};
+  l.recompute_modules = {.layernorm = true, .moe_act = true};
+  EXPECT_EQ(layout_problem(cfg, c, l), "");
+  l.recompute = Recompute::Full;
+  EXPECT_NE(layout_problem(cfg, c, l).find("--recompute-modules layernorm,moe_act with "
+                                           "recomputation full"),
+            std::string::npos);
+  l.recompute = Recompute::Moe;
+  EXPECT_NE(layout_problem(cfg, c, l).find("moe_act is for none"), std::string::npos);
+  l.recompute_modules = {.layernorm = true};
+  EXPECT_EQ(layout_problem(cfg, c, l), "");
+  // The config's train.recompute counts where the layout leaves it unset.
+  l.recompute.reset();
+  l.recompute_modules = {.moe_act = true};
+  cfg.train.recompute = Recompute::Moe;
+  EXPECT_NE(layout_problem(cfg, c, l), "");
 }
 
 // Offloaded optimizer state (--offload): the device bytes lose the optimizer state (moments and

@@ -110,6 +110,48 @@ TEST(PlanCli, ModelThatDoesNotFitPrintsItsFiguresAndSaysByHowMuch) {
   EXPECT_NE(j.output().find(" GiB too much"), std::string::npos) << j.output();
 }
 
+// Selective recomputation through the binary: the table names the modules and that the trainer
+// does not run them, the JSON carries them, a sweep's best layout says it is the planner's only;
+// an unknown module and a combination with full recomputation are refused by name.
+TEST(PlanCli, SelectiveRecomputationIsNamedAndChecked) {
+  const std::vector<std::string> base = {"-c", plan_file("mixtral_8x7b_megatron.toml"),
+                                         "--cluster", plan_file("dgx_h100_8nodes.toml"),
+                                         "--procs", "64", "--pp", "4", "--vp", "8"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return plan(args);
+  };
+  const ProcessResult t = with({"--recompute-modules", "layernorm,moe_act"});
+  ASSERT_EQ(t.code, 0) << t.output();
+  EXPECT_NE(t.output().find("recomputed modules        layernorm,moe_act"), std::string::npos)
+      << t.output();
+  EXPECT_NE(t.output().find("trainer runs it                       no"), std::string::npos)
+      << t.output();
+  const ProcessResult j = with({"--recompute-modules", "moe_act", "--json"});
+  ASSERT_EQ(j.code, 0) << j.output();
+  const nlohmann::json doc = json_of(j);
+  EXPECT_EQ(doc["recompute_modules"], "moe_act") << doc.dump(2);
+  EXPECT_FALSE(doc["trainer_runs"].get<bool>()) << doc.dump(2);
+  const ProcessResult sw = with({"--recompute-modules", "layernorm", "--sweep", "ep=4,8"});
+  ASSERT_EQ(sw.code, 0) << sw.output();
+  EXPECT_NE(sw.output().find("planner only: moetrain train has no selective recomputation "
+                             "(layernorm) yet"),
+            std::string::npos)
+      << sw.output();
+  const ProcessResult bad = with({"--recompute-modules", "layernorm,core_attn"});
+  EXPECT_NE(bad.code, 0) << bad.output();
+  EXPECT_NE(bad.output().find("--recompute-modules layernorm,core_attn: 'core_attn' is not a "
+                              "module; allowed are layernorm, moe_act"),
+            std::string::npos)
+      << bad.output();
+  const ProcessResult full = with({"--recompute-modules", "layernorm", "--recompute"});
+  EXPECT_NE(full.code, 0) << full.output();
+  EXPECT_NE(full.output().find("--recompute-modules layernorm with recomputation full"),
+            std::string::npos)
+      << full.output();
+}
+
 // Whole-number keys are range-checked before they become integers (1e30 overflows int64), and
 // a directory given as the cluster file is named as one.
 TEST(PlanCli, ClusterFileOutOfRangeOrADirectoryIsNamed) {

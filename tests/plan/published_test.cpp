@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
@@ -15,12 +17,14 @@ using namespace moetrain::plan;
 namespace {
 
 std::string plan_file(const std::string& name) {
-  return std::string(MOETRAIN_SOURCE_DIR) + "/configs/plan/" + name;
+  std::string path = MOETRAIN_SOURCE_DIR;
+  path += "/configs/plan/";
+  return path + name;
 }
 
 Prediction predict_published(const std::string& config, const std::string& cluster,
-                             const Layout& layout) {
-  const RunConfig cfg = load_run_config(plan_file(config), {});
+                             const Layout& layout, const std::vector<std::string>& overrides = {}) {
+  const RunConfig cfg = load_run_config(plan_file(config), overrides);
   const ClusterSpec c = load_cluster(plan_file(cluster), "");
   const Prediction p = predict(cfg, c, layout, uniform_load(cfg.model.n_experts));
   std::cout << config << ":\n" << format_table({p});
@@ -82,15 +86,57 @@ TEST(PlanPublished, MegatronBridgeGptOss120bFlopCountsByHand) {
                            (linear + scores) * 1e-9, theirs * 1e-9);
 }
 
-// The throughput at the published layout, in the planner's count: 5630 tokens/s × its FLOPs a
-// token (the same as comparing tokens/s). Not met: the planner predicts 8092 tokens/s per GPU,
-// +44% (docs/plan-published.md says why term by term), so the assertion is registered
-// disabled rather than loosened; --gtest_also_run_disabled_tests runs it.
+namespace {
+
+// The published layout with its selective recomputation (recompute_modules = [layernorm,
+// moe_act] in Megatron-Bridge's GPT-OSS preset).
+Layout gpt_oss_layout() {
+  Layout l{.procs = 64, .ep = 8, .tp = 1, .pp = 4, .vp = 1};
+  l.recompute_modules = {.layernorm = true, .moe_act = true};
+  return l;
+}
+
+}  // namespace
+
+// The published run's selective recomputation, by hand: per block and micro-batch of N = 4 · 4096
+// tokens, bf16, it drops the two norms' outputs (2 · N · 2880 elements) and the routed experts'
+// activation outputs (N · 4 · 2880); the first of 4 stages holds 4 micro-batches (1F1B) of its 9
+// blocks, 36 in all. What is left, 120.3 GiB a device, does not fit 80 GB under the planner's
+// other assumptions (docs/plan-published.md says which); the preset's micro-batch 1 does.
+TEST(PlanPublished, MegatronBridgeGptOss120bSelectiveRecomputationStillDoesNotFitAtMicroBatch4) {
+  constexpr double kGiB = 1073741824.0;
+  Layout keep = gpt_oss_layout();
+  keep.recompute_modules = {};
+  const Prediction all = predict_published("gpt_oss_120b_megatron.toml", "dgx_h100_8nodes.toml",
+                                           keep);
+  const Prediction p = predict_published("gpt_oss_120b_megatron.toml", "dgx_h100_8nodes.toml",
+                                         gpt_oss_layout());
+  const double N = 4 * 4096, C = 2880, K = 4, F = 2880;
+  EXPECT_DOUBLE_EQ(all.memory.activations - p.memory.activations, 36 * (2 * N * C + N * K * F) * 2);
+  std::cout << fmt::format("selective: {:.2f} GiB a device, activations {:.2f} (without: {:.2f}, "
+                           "{:.2f})\n",
+                           p.memory.total() / kGiB, p.memory.activations / kGiB,
+                           all.memory.total() / kGiB, all.memory.activations / kGiB);
+  EXPECT_FALSE(p.fits);
+  EXPECT_GT(p.memory.total(), 80e9);
+  EXPECT_NEAR(p.memory.total() / kGiB, 120.3, 0.05);  // the figure docs/plan-published.md quotes
+  // The repository's preset runs micro-batch 1: 32 micro-batches a step at the same global batch.
+  const Prediction mb1 = predict_published("gpt_oss_120b_megatron.toml", "dgx_h100_8nodes.toml",
+                                           gpt_oss_layout(),
+                                           {"train.batch_size=1", "train.grad_accum=32"});
+  EXPECT_TRUE(mb1.fits);
+  EXPECT_LT(mb1.memory.total(), 80e9);
+}
+
+// The throughput at the published layout and recomputation, in the planner's count: 5630
+// tokens/s × its FLOPs a token (the same as comparing tokens/s). Not met: the planner predicts
+// 7945 tokens/s per GPU, +41% (docs/plan-published.md says why term by term), so the assertion
+// is registered disabled rather than loosened; --gtest_also_run_disabled_tests runs it.
 TEST(PlanPublished, DISABLED_MegatronBridgeGptOss120bOn64H100Within25Percent) {
   const RunConfig cfg = load_run_config(plan_file("gpt_oss_120b_megatron.toml"), {});
   const double theirs = megatron_bridge_2511_flops_per_token(cfg.model, cfg.train.seq_len);
   const Prediction p = predict_published("gpt_oss_120b_megatron.toml", "dgx_h100_8nodes.toml",
-                                         {.procs = 64, .ep = 8, .tp = 1, .pp = 4, .vp = 1});
+                                         gpt_oss_layout());
   const double ours = p.flops_per_step / (p.tokens_per_s * p.step_time_s);  // FLOPs a token
   const double tokens = p.tokens_per_s / 64, tflops = p.flops_per_device_s * 1e-12;
   const double published = 5630 * ours * 1e-12;
