@@ -290,8 +290,12 @@ void validate_pipeline(const RunConfig& c) {
          "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");
   refuse(d.offloaded(), "dist.offload = host_file");
   refuse(t.device != "cpu", fmt::format("train.device = {}", t.device));
-  refuse(t.recompute != Recompute::None,
-         fmt::format("train.recompute = {}", recompute_name(t.recompute)));
+  // Recomputation runs in every activation slot (each slot is a model of its own), but full
+  // keeps one set of block activations a slot, which zero_bubble's deferred weight gradients
+  // would read after the next block's recompute overwrote them.
+  refuse(t.recompute == Recompute::Full && schedule == PipeSchedule::ZeroBubble,
+         "dist.pp_schedule = zero_bubble and train.recompute = full (its weight passes read "
+         "each block's activations; use train.recompute = moe, or the 1f1b schedule)");
   refuse(t.precision == Precision::FP16, "train.precision = fp16 (the loss scaler)");
   refuse(c.model.router_controller != RouterControllerKind::None,
          fmt::format("model.router_controller = {}",

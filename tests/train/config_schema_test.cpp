@@ -266,6 +266,12 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
                        "model.capacity=dynamic", "model.capacity_factor=1.25"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.expert_reweight=importance"});
+  // Recomputation runs in every activation slot, full but under zero_bubble
+  // (pipeline_settings_test.cpp).
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "train.recompute=full"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "dist.pp_schedule=zero_bubble", "train.recompute=moe"});
   // Sparse expert gradients: each stage masks its own layers (pipeline_sparse_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.sparse_experts=true", "grad.min_accum_fraction=1"});
@@ -274,7 +280,7 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
       {{"dist.ep=2", "dist.adaptive_route=true"}, "dist.adaptive_route = true"},
       {{"dist.zero=2"}, "dist.zero = 2"},
       {{"dist.sync=params"}, "dist.sync = params"},
-      {{"train.recompute=full"}, "train.recompute = full"},
+      {{"dist.pp_schedule=zero_bubble", "train.recompute=full"}, "train.recompute = full"},
       {{"train.precision=fp16"}, "train.precision = fp16"},
       {{"grad.sparse_ratio=0.5"}, "grad.sparse_ratio = 0.5"},
   };
