@@ -278,9 +278,10 @@ void validate_pipeline(const RunConfig& c) {
     MOETRAIN_CHECK(!bad, "dist.pp = {} with {}: the pipeline executor does not run it yet; {}", d.pp,
                    what, "leave it at its default or set dist.pp = 1");
   };
-  // ZeRO-1 shards a stage's optimizer state over the stage's copies; ZeRO-2 and 3 reduce and
-  // gather around each micro-batch's backward, which the pipeline's passes do not call.
-  refuse(d.zero > 1, fmt::format("dist.zero = {} (ZeRO-1 runs)", d.zero));
+  // ZeRO-1 shards a stage's optimizer state over the stage's copies; ZeRO-2 reduce-scatters the
+  // stage's buckets once its last backward (or weight pass) made them final. ZeRO-3 gathers each
+  // unit where the model uses it, which the activation slots' models do not ask for.
+  refuse(d.zero > 2, fmt::format("dist.zero = {} (ZeRO-1 and 2 run)", d.zero));
   refuse(d.local_steps(), "dist.sync = params");
   // Expert parallelism runs inside each stage (dist.ep divides the stage's processes, checked
   // where the process groups are made); its flat all-to-all only, chunked or not.

@@ -1,6 +1,6 @@
 // Settings the one-process and data-parallel trainers run, in pipeline stages (dist.pp = 2 on 2
 // processes as one pipeline, on 4 as two), each against the same layout without the setting:
-// activation recomputation in every activation slot.
+// activation recomputation in every activation slot; ZeRO-2 over a stage's copies.
 //
 // Bitwise where the code path is the same: recomputation computes each block's activations
 // again with the same operations on the same inputs (Transformer::set_recompute: the gradients
@@ -34,6 +34,7 @@ constexpr int64_t kSteps = kPipeSteps;
 struct StageRun {
   PipeOutcome outcome;
   Recompute recompute = Recompute::None;  // the stage's model's (slot 0 of its first chunk)
+  int64_t nonzero_grads = 0;              // of the stage's values, after the run
 };
 
 StageRun run_pipe(const fs::path& data, const fs::path& run, const std::string& schedule, int64_t vp,
@@ -44,6 +45,8 @@ StageRun run_pipe(const fs::path& data, const fs::path& run, const std::string& 
   StageRun out;
   out.outcome = finish_pipeline_run(t, run);
   out.recompute = t.model().recompute();
+  for (std::size_t i = 0; i < out.outcome.held.size(); ++i)
+    out.nonzero_grads += out.outcome.held[i] && t.grads()[i] != 0.0f;
   return out;
 }
 
@@ -87,4 +90,64 @@ TEST(PipelineSettings, RecomputeInStagesEndsWhereKeepingEveryActivationEndsBitwi
           << "the checkpoint differs from recompute = none's";
     }
   }
+}
+
+// dist.zero = 2 over each stage's two copies (4 processes: 2 pipelines of 2 stages) against
+// dist.zero = 1 in the same layout. A stage's gradient buckets are final only after its last
+// backward (zero_bubble: its last weight pass), so ZeRO-2 reduce-scatters them once a step, then,
+// as ZeRO-1 does, steps the shard and gathers the parameters: the same reduction of the same
+// accumulated gradients (each element a sum of two terms, which rounds alike in either order and
+// under any bucketing), the same elementwise update. So with the clip off the parameters, the
+// losses, the validation losses and the checkpoint are ZeRO-1's bits under each schedule and
+// chunking, with overlap and without; the gradient norm sums the shards' squares in another grouping (1e-12 relative). The
+// reduced buckets are cleared, so no gradient is left in the flat buffer (ZeRO-1 leaves them).
+// A run resumed from its step-3 checkpoint ends bitwise where the straight run ends.
+TEST(PipelineSettings, ZeroTwoInStagesEndsWhereZeroOneEndsBitwise) {
+  auto world = dist_world("pipeline_zero2");
+  const int W = world->size(), r = world->rank();
+  if (W != 4) GTEST_SKIP() << "needs 4 processes for 2 pipelines x 2 stages";
+  SharedDir dir(*world, "pipeline_zero2");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const StageRun zero1 = run_pipe(dir / "data", dir / "zero1", "1f1b", 1, {"dist.zero=1"});
+  EXPECT_GT(zero1.nonzero_grads, 0) << "ZeRO-1 keeps its gradients: the check below can fail";
+  struct Case {
+    std::string name, schedule;
+    int64_t vp;
+    std::vector<std::string> keys;
+  };
+  // zero_bubble ends where 1f1b ends (pipeline_test.cpp), so 1f1b's ZeRO-1 run is its
+  // reference too; interleaved has one of its own.
+  const std::vector<Case> cases = {
+      {"1f1b", "1f1b", 1, {"dist.zero=2"}},
+      {"1f1b_blocking", "1f1b", 1, {"dist.zero=2", "dist.overlap=false"}},
+      {"zero_bubble", "zero_bubble", 1, {"dist.zero=2"}},
+      {"interleaved", "interleaved", 2, {"dist.zero=2"}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const bool own_ref = c.schedule == "interleaved";
+    const std::string ref_name = own_ref ? c.name + "_zero1" : "zero1";
+    const StageRun ref =
+        own_ref ? run_pipe(dir / "data", dir / ref_name, c.schedule, c.vp, {"dist.zero=1"})
+                : zero1;
+    const StageRun got = run_pipe(dir / "data", dir / c.name, c.schedule, c.vp, c.keys);
+    EXPECT_EQ(differ_held(got.outcome.params, ref.outcome.params, got.outcome.held), 0)
+        << "stage " << got.outcome.stage << ": parameters differ from ZeRO-1's";
+    EXPECT_EQ(got.nonzero_grads, 0) << "ZeRO-2 left reduced gradients in the flat buffer";
+    if (r != 0) continue;
+    ASSERT_EQ(got.outcome.losses.size(), static_cast<std::size_t>(kSteps));
+    EXPECT_EQ(got.outcome.losses, ref.outcome.losses);
+    EXPECT_LE(max_rel(got.outcome.grad_norms, ref.outcome.grad_norms), 1e-12);
+    EXPECT_EQ(got.outcome.val_losses, ref.outcome.val_losses);
+    const std::string step = "checkpoints/step_00000006";
+    EXPECT_TRUE(read_all_tensors(dir / c.name / step) == read_all_tensors(dir / ref_name / step))
+        << "the ZeRO-2 pipelines' checkpoint differs from ZeRO-1's";
+  }
+  // Resumed from its own step-3 checkpoint (the optimizer state as ZeRO-2's shards wrote it).
+  if (r == 0) copy_checkpoint(dir.path(), "1f1b", "resumed", 3);
+  world->barrier();
+  const StageRun resumed =
+      run_pipe(dir / "data", dir / "resumed", "1f1b", 1, {"dist.zero=2"}, /*resume=*/true);
+  EXPECT_EQ(differ_held(resumed.outcome.params, zero1.outcome.params, resumed.outcome.held), 0)
+      << "the ZeRO-2 pipelines resumed at step 3 differ from the straight run";
 }

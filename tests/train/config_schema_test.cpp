@@ -252,10 +252,11 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   load_run_config("", {"model.n_layers=4", "dist.pp=4", "train.grad_accum=2",
                        "dist.pp_schedule=gpipe"});  // gpipe runs any number of micro-batches
   // Expert parallelism runs inside the stages (whether dist.ep fits a stage's processes is known
-  // once the processes are: tests/parallel/pipeline_test.cpp), chunked or not, and ZeRO-1; the
-  // expert exchange's other routes and ZeRO-2/3 do not.
+  // once the processes are: tests/parallel/pipeline_test.cpp), chunked or not, and ZeRO-1 and 2;
+  // the expert exchange's adaptive route and ZeRO-3 do not.
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=1"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=2"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2",
                        "dist.a2a_chunks=2"});
   // Router-bias balancing, the dynamic capacity controller and expert reweighting run
@@ -278,7 +279,7 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
       {{"dist.ep=2", "dist.hierarchical=true"}, "dist.hierarchical = true"},
       {{"dist.ep=2", "dist.adaptive_route=true"}, "dist.adaptive_route = true"},
-      {{"dist.zero=2"}, "dist.zero = 2"},
+      {{"dist.zero=3"}, "dist.zero = 3"},
       {{"dist.sync=params"}, "dist.sync = params"},
       {{"dist.pp_schedule=zero_bubble", "train.recompute=full"}, "train.recompute = full"},
       {{"train.precision=fp16"}, "train.precision = fp16"},
