@@ -284,8 +284,15 @@ void validate_pipeline(const RunConfig& c) {
   refuse(d.zero > 2, fmt::format("dist.zero = {} (ZeRO-1 and 2 run)", d.zero));
   refuse(d.local_steps(), "dist.sync = params");
   // Expert parallelism runs inside each stage (dist.ep divides the stage's processes, checked
-  // where the process groups are made); its flat all-to-all only, chunked or not.
-  refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
+  // where the process groups are made): the flat all-to-all, chunked or not, and the 2-D one. A
+  // stage's EP group sees a node's copies of the stage, so a node must hold whole pipelines, or
+  // whole parts of one (train/parallel_setup.cpp, make_run_parallel).
+  MOETRAIN_CHECK(d.ranks_per_node == 0 || d.ranks_per_node % d.pp == 0 ||
+                     d.pp % d.ranks_per_node == 0,
+                 "dist.ranks_per_node = {} with dist.pp = {}: a node's processes hold a number of "
+                 "each stage's copies only when they hold whole pipelines or parts of one; use a "
+                 "dist.ranks_per_node that is a multiple or a divisor of {} (or 0 to detect)",
+                 d.ranks_per_node, d.pp, d.pp);
   refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
   refuse(d.grad_reduce_dtype == "int8",
          "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");

@@ -1,6 +1,7 @@
 // Settings the one-process and data-parallel trainers run, in pipeline stages (dist.pp = 2 on 2
 // processes as one pipeline, on 4 as two), each against the same layout without the setting:
-// activation recomputation in every activation slot; ZeRO-2 over a stage's copies.
+// activation recomputation in every activation slot; ZeRO-2 over a stage's copies; the 2-D
+// expert all-to-all inside a stage's EP group.
 //
 // Bitwise where the code path is the same: recomputation computes each block's activations
 // again with the same operations on the same inputs (Transformer::set_recompute: the gradients
@@ -150,4 +151,45 @@ TEST(PipelineSettings, ZeroTwoInStagesEndsWhereZeroOneEndsBitwise) {
       run_pipe(dir / "data", dir / "resumed", "1f1b", 1, {"dist.zero=2"}, /*resume=*/true);
   EXPECT_EQ(differ_held(resumed.outcome.params, zero1.outcome.params, resumed.outcome.held), 0)
       << "the ZeRO-2 pipelines resumed at step 3 differ from the straight run";
+}
+
+// dist.hierarchical = true inside the stages (4 processes: 2 pipelines of 2 stages, dist.ep = 2:
+// each stage's two copies are one EP group) against the flat all-to-all in the same layout. The
+// 2-D route delivers the same rows in the same order (tests/parallel/train_test.cpp), so the
+// parameters, losses, norms and checkpoint are the flat route's bits. dist.ranks_per_node counts
+// a node's processes: 2 a node puts the stage's two copies on two nodes (world ranks s and 2 + s),
+// so rows cross nodes; 4 puts them on one, so none do (the flat route's count under the same
+// setting).
+TEST(PipelineSettings, TwoDimensionalAllToAllInStagesEndsWhereTheFlatOneEndsBitwise) {
+  auto world = dist_world("pipeline_2d");
+  const int W = world->size(), r = world->rank();
+  if (W != 4) GTEST_SKIP() << "needs 4 processes for 2 pipelines x 2 stages with dist.ep = 2";
+  SharedDir dir(*world, "pipeline_2d");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const StageRun flat = run_pipe(dir / "data", dir / "flat", "1f1b", 1, {"dist.ep=2"});
+  for (const int64_t node : {2, 4}) {
+    SCOPED_TRACE(node);
+    const std::string name = "two_d_" + std::to_string(node);
+    const StageRun got = run_pipe(
+        dir / "data", dir / name, "1f1b", 1,
+        {"dist.ep=2", "dist.hierarchical=true", "dist.ranks_per_node=" + std::to_string(node)});
+    EXPECT_EQ(differ_held(got.outcome.params, flat.outcome.params, got.outcome.held), 0)
+        << "stage " << got.outcome.stage << ": parameters differ from the flat route's";
+    if (r != 0) continue;
+    EXPECT_EQ(got.outcome.losses, flat.outcome.losses);
+    EXPECT_EQ(got.outcome.grad_norms, flat.outcome.grad_norms);
+    EXPECT_EQ(got.outcome.val_losses, flat.outcome.val_losses);
+    const std::string step = "checkpoints/step_00000006";
+    EXPECT_TRUE(read_all_tensors(dir / name / step) == read_all_tensors(dir / "flat" / step))
+        << "the 2-D route's checkpoint differs from the flat route's";
+    const std::vector<double> crossed = metric(dir / name, "a2a_cross_node_bytes");
+    ASSERT_EQ(crossed.size(), static_cast<std::size_t>(kSteps));
+    if (node == 2) {
+      EXPECT_GT(crossed.front(), 0) << "the stage's copies are on two nodes";
+    } else {
+      EXPECT_EQ(crossed, std::vector<double>(crossed.size(), 0.0))
+          << "the stage's copies are on one node";
+    }
+  }
 }

@@ -259,6 +259,12 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=2"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2",
                        "dist.a2a_chunks=2"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2",
+                       "dist.hierarchical=true", "dist.ranks_per_node=4"});
+  // A node holds whole pipelines or whole parts of one.
+  expect_error(with({"dist.pp=2", "train.grad_accum=2", "dist.ep=2", "dist.hierarchical=true",
+                     "dist.ranks_per_node=3"}),
+               {"dist.ranks_per_node = 3", "dist.pp = 2"});
   // Router-bias balancing, the dynamic capacity controller and expert reweighting run
   // (pipeline_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
@@ -277,7 +283,6 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.sparse_experts=true", "grad.min_accum_fraction=1"});
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
-      {{"dist.ep=2", "dist.hierarchical=true"}, "dist.hierarchical = true"},
       {{"dist.ep=2", "dist.adaptive_route=true"}, "dist.adaptive_route = true"},
       {{"dist.zero=3"}, "dist.zero = 3"},
       {{"dist.sync=params"}, "dist.sync = params"},
