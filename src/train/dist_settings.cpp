@@ -304,7 +304,6 @@ void validate_pipeline(const RunConfig& c) {
   refuse(t.recompute == Recompute::Full && schedule == PipeSchedule::ZeroBubble,
          "dist.pp_schedule = zero_bubble and train.recompute = full (its weight passes read "
          "each block's activations; use train.recompute = moe, or the 1f1b schedule)");
-  refuse(t.precision == Precision::FP16, "train.precision = fp16 (the loss scaler)");
   refuse(c.model.router_controller != RouterControllerKind::None,
          fmt::format("model.router_controller = {}",
                      router_controller_name(c.model.router_controller)));

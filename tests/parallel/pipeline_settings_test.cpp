@@ -10,7 +10,10 @@
 // activation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -192,4 +195,67 @@ TEST(PipelineSettings, TwoDimensionalAllToAllInStagesEndsWhereTheFlatOneEndsBitw
           << "the stage's copies are on one node";
     }
   }
+}
+
+// train.precision = fp16 in a pipeline of every process (dist.pp = 2 or 4, 1f1b) against the
+// one-process fp16 run. Every activation slot rounds the same f32 weights to fp16 and runs the
+// same GEMMs as the one-process model on its blocks, the gradients accumulate in the same
+// micro-batch order, and the overflow check is agreed over every stage (the world), so the
+// loss scaler skips the same steps and the parameters, the scales and the checkpoint are the
+// one-process bits. A first scale of 2^24 overflows the fp16 GEMM operands: steps are skipped.
+// The one-process step-3 checkpoint, loss scale included, resumes in the pipeline bitwise.
+TEST(PipelineSettings, FloatSixteenInStagesFollowsTheOneProcessRunBitwise) {
+  auto world = dist_world("pipeline_fp16");
+  const int W = world->size(), r = world->rank();
+  SharedDir dir(*world, "pipeline_fp16");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const std::vector<std::string> keys = {"train.precision=fp16", "train.loss_scale_init=16777216",
+                                         "train.loss_scale_growth_interval=2"};
+  const fs::path single_run = dir / ("single" + std::to_string(r));
+  Trainer one(pipeline_config(dir / "data", single_run, 1, "1f1b", 1, keys), false,
+              make_local_comm());
+  one.run();
+  const PipeOutcome single = finish_pipeline_run(one, single_run);
+  const fs::path run = dir / "piped";
+  Trainer t(pipeline_config(dir / "data", run, W, "1f1b", 1, keys), false,
+            dist_world("pipeline_fp16_run"));
+  t.run();
+  const PipeOutcome piped = finish_pipeline_run(t, run);
+  EXPECT_EQ(differ_held(piped.params, single.params, piped.held), 0)
+      << "stage " << piped.stage << ": parameters differ from the one-process fp16 run's";
+  // The one-process step-3 checkpoint (its loss scale with it) resumed by the pipeline.
+  if (r == 0) copy_checkpoint(dir.path(), "single0", "resumed", 3);
+  world->barrier();
+  {
+    const fs::path resumed_run = dir / "resumed";
+    Trainer back(pipeline_config(dir / "data", resumed_run, W, "1f1b", 1, keys), true,
+                 dist_world("pipeline_fp16_resumed"));
+    back.run();
+    const PipeOutcome resumed = finish_pipeline_run(back, resumed_run);
+    EXPECT_EQ(differ_held(resumed.params, single.params, resumed.held), 0)
+        << "the pipeline resumed from the one-process fp16 checkpoint differs";
+  }
+  if (r != 0) return;
+  // Each step's skip flag (a JSON boolean).
+  auto skips = [](const fs::path& dir_) {
+    std::vector<bool> out;
+    std::ifstream in(dir_ / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("skipped")) out.push_back(j["skipped"].get<bool>());
+    }
+    return out;
+  };
+  const std::vector<bool> skipped = skips(run);
+  ASSERT_EQ(skipped.size(), static_cast<std::size_t>(kSteps));
+  EXPECT_EQ(skipped, skips(single_run));
+  EXPECT_GT(std::count(skipped.begin(), skipped.end(), true), 0) << "no step overflowed";
+  EXPECT_LT(std::count(skipped.begin(), skipped.end(), true), kSteps) << "every step overflowed";
+  EXPECT_EQ(metric(run, "loss_scale"), metric(single_run, "loss_scale"));
+  EXPECT_LE(max_rel(piped.losses, single.losses), 1e-12);
+  EXPECT_EQ(piped.val_losses, single.val_losses);
+  const std::string step = "checkpoints/step_00000006";
+  EXPECT_TRUE(read_all_tensors(run / step) == read_all_tensors(single_run / step))
+      << "the pipeline's fp16 checkpoint differs from the one-process run's";
 }

@@ -273,12 +273,14 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
                        "model.capacity=dynamic", "model.capacity_factor=1.25"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.expert_reweight=importance"});
-  // Recomputation runs in every activation slot, full but under zero_bubble
-  // (pipeline_settings_test.cpp).
+  // Recomputation runs in every activation slot, full but under zero_bubble; fp16 with its loss
+  // scaler (pipeline_settings_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "train.recompute=full"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "dist.pp_schedule=zero_bubble", "train.recompute=moe"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "train.precision=fp16"});
   // Sparse expert gradients: each stage masks its own layers (pipeline_sparse_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.sparse_experts=true", "grad.min_accum_fraction=1"});
@@ -287,7 +289,6 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
       {{"dist.zero=3"}, "dist.zero = 3"},
       {{"dist.sync=params"}, "dist.sync = params"},
       {{"dist.pp_schedule=zero_bubble", "train.recompute=full"}, "train.recompute = full"},
-      {{"train.precision=fp16"}, "train.precision = fp16"},
       {{"grad.sparse_ratio=0.5"}, "grad.sparse_ratio = 0.5"},
   };
   for (const auto& [keys, named] : refused) {
