@@ -304,9 +304,6 @@ void validate_pipeline(const RunConfig& c) {
   refuse(t.recompute == Recompute::Full && schedule == PipeSchedule::ZeroBubble,
          "dist.pp_schedule = zero_bubble and train.recompute = full (its weight passes read "
          "each block's activations; use train.recompute = moe, or the 1f1b schedule)");
-  refuse(c.model.router_controller != RouterControllerKind::None,
-         fmt::format("model.router_controller = {}",
-                     router_controller_name(c.model.router_controller)));
   refuse(c.placement.enabled(),
          fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
   refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));

@@ -259,3 +259,47 @@ TEST(PipelineSettings, FloatSixteenInStagesFollowsTheOneProcessRunBitwise) {
   EXPECT_TRUE(read_all_tensors(run / step) == read_all_tensors(single_run / step))
       << "the pipeline's fp16 checkpoint differs from the one-process run's";
 }
+
+// model.router_controller = rl in a pipeline of every process (dist.pp = 2 or 4, 1f1b) against
+// the one-process run. Each stage's slots count their layers' routing into the trainer's model,
+// every rank sums the counts over the world (other stages' layers add zeros) and feeds every
+// layer's controller the same figures, drawing the same actions from (seed, step, layer), as the
+// one process does. The controller learns from the step time, which no two runs share, so the
+// policy and the baseline are held (gating.lr = gating.baseline_lr = 0): the actions then depend
+// on the loads and the draws alone, and the biases, the parameters and the checkpointed tensors
+// are the one-process bits.
+TEST(PipelineSettings, RlRouterControllerInStagesFollowsTheOneProcessRunBitwise) {
+  auto world = dist_world("pipeline_rl");
+  const int W = world->size(), r = world->rank();
+  SharedDir dir(*world, "pipeline_rl");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const std::vector<std::string> keys = {"model.router=sigmoid_bias",
+                                         "model.router_controller=rl", "gating.lr=0",
+                                         "gating.baseline_lr=0"};
+  const fs::path single_run = dir / ("single" + std::to_string(r));
+  Trainer one(pipeline_config(dir / "data", single_run, 1, "1f1b", 1, keys), false,
+              make_local_comm());
+  one.run();
+  const PipeOutcome single = finish_pipeline_run(one, single_run);
+  const fs::path run = dir / "piped";
+  Trainer t(pipeline_config(dir / "data", run, W, "1f1b", 1, keys), false,
+            dist_world("pipeline_rl_run"));
+  t.run();
+  const PipeOutcome piped = finish_pipeline_run(t, run);
+  EXPECT_EQ(differ_held(piped.params, single.params, piped.held), 0)
+      << "stage " << piped.stage << ": parameters differ from the one-process run's";
+  if (r != 0) return;
+  EXPECT_LE(max_rel(piped.losses, single.losses), 1e-12);
+  EXPECT_EQ(piped.val_losses, single.val_losses);
+  const std::string step = "checkpoints/step_00000006";
+  const auto mine = read_all_tensors(run / step);
+  const auto ref = read_all_tensors(single_run / step);
+  EXPECT_TRUE(mine == ref) << "the pipeline's checkpoint differs from the one-process run's";
+  // The controller moved the biases (the comparison above covers them).
+  bool moved = false;
+  for (const auto& [tensor, values] : ref)
+    if (tensor.find("bias") != std::string::npos)
+      for (const float v : values) moved |= v != 0.0f;
+  EXPECT_TRUE(moved) << "no router bias moved";
+}

@@ -265,14 +265,16 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   expect_error(with({"dist.pp=2", "train.grad_accum=2", "dist.ep=2", "dist.hierarchical=true",
                      "dist.ranks_per_node=3"}),
                {"dist.ranks_per_node = 3", "dist.pp = 2"});
-  // Router-bias balancing, the dynamic capacity controller and expert reweighting run
-  // (pipeline_test.cpp).
+  // Router-bias balancing (the sign rule and the rl controller), the dynamic capacity controller
+  // and expert reweighting run (pipeline_test.cpp, pipeline_settings_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "model.router=sigmoid_bias"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "model.capacity=dynamic", "model.capacity_factor=1.25"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.expert_reweight=importance"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "model.router=sigmoid_bias", "model.router_controller=rl"});
   // Recomputation runs in every activation slot, full but under zero_bubble; fp16 with its loss
   // scaler (pipeline_settings_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
