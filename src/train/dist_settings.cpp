@@ -296,7 +296,6 @@ void validate_pipeline(const RunConfig& c) {
   refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
   refuse(d.grad_reduce_dtype == "int8",
          "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");
-  refuse(d.offloaded(), "dist.offload = host_file");
   refuse(t.device != "cpu", fmt::format("train.device = {}", t.device));
   // Recomputation runs in every activation slot (each slot is a model of its own), but full
   // keeps one set of block activations a slot, which zero_bubble's deferred weight gradients

@@ -303,3 +303,49 @@ TEST(PipelineSettings, RlRouterControllerInStagesFollowsTheOneProcessRunBitwise)
       for (const float v : values) moved |= v != 0.0f;
   EXPECT_TRUE(moved) << "no router bias moved";
 }
+
+// dist.offload = host_file in a pipeline of every process (dist.pp = 2 or 4, 1f1b; ZeRO-1, as
+// offload runs): each process streams its stage's optimizer state through its own file, which
+// computes what the state in memory computes, so the parameters and the checkpoint are those of
+// the same pipeline without offload, bit for bit; no state file is left after the run; stopped
+// after step 4 and resumed from that checkpoint, the run ends bitwise where the straight one ends.
+TEST(PipelineSettings, OffloadInStagesIsBitwiseTheStateInMemoryAndResumes) {
+  auto world = dist_world("pipeline_offload");
+  const int W = world->size(), r = world->rank();
+  SharedDir dir(*world, "pipeline_offload");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  auto config = [&](const std::string& name, bool offload) {
+    return pipeline_config(dir / "data", dir / name, W, "1f1b", 1,
+                           {"dist.zero=1", std::string("dist.offload=") +
+                                               (offload ? "host_file" : "none")});
+  };
+  auto run = [&](const std::string& name, bool offload, int64_t stop_at = -1,
+                 bool resume = false) {
+    Trainer t(config(name, offload), resume, dist_world("pipeline_offload_run"));
+    if (offload) {
+      EXPECT_NE(t.optimizer().offload_store(), nullptr);
+      EXPECT_TRUE(
+          fs::exists(dir / name / "offload" / ("optim-rank" + std::to_string(t.rank()) + ".bin")));
+    }
+    t.run(stop_at);
+    return finish_pipeline_run(t, dir / name);
+  };
+  const PipeOutcome mem = run("mem", false);
+  const PipeOutcome off = run("off", true);
+  EXPECT_EQ(differ_held(off.params, mem.params, off.held), 0)
+      << "stage " << off.stage << ": offload differs from the state in memory";
+  world->barrier();
+  EXPECT_TRUE(fs::is_empty(dir / "off/offload")) << "state files left after the run";
+  if (r == 0) {
+    const std::string step = "checkpoints/step_00000006";
+    EXPECT_TRUE(read_all_tensors(dir / "off" / step) == read_all_tensors(dir / "mem" / step))
+        << "the offloaded pipeline's checkpoint differs from the one in memory";
+  }
+  run("stopped", true, 4);
+  if (r == 0) copy_checkpoint(dir.path(), "stopped", "resumed", 3);
+  world->barrier();
+  const PipeOutcome resumed = run("resumed", true, -1, true);
+  EXPECT_EQ(differ_held(resumed.params, mem.params, resumed.held), 0)
+      << "the offloaded pipeline resumed at step 3 differs from the straight run";
+}
