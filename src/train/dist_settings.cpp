@@ -294,6 +294,9 @@ void validate_pipeline(const RunConfig& c) {
                  "dist.ranks_per_node that is a multiple or a divisor of {} (or 0 to detect)",
                  d.ranks_per_node, d.pp, d.pp);
   refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
+  // int8 and grad.sparse_ratio carry an error-feedback residual per process, which checkpoints
+  // keep as the rows of one [world, n] tensor (train/run_state.h); a stage's residual covers its
+  // own buckets, so the stages' rows differ in size.
   refuse(d.grad_reduce_dtype == "int8",
          "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");
   refuse(t.device != "cpu", fmt::format("train.device = {}", t.device));
@@ -305,7 +308,8 @@ void validate_pipeline(const RunConfig& c) {
          "each block's activations; use train.recompute = moe, or the 1f1b schedule)");
   refuse(c.placement.enabled(),
          fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
-  refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));
+  refuse(c.grad.sparse_ratio != 0,
+         fmt::format("grad.sparse_ratio = {} (its residual in checkpoints)", c.grad.sparse_ratio));
 }
 
 }  // namespace moetrain
