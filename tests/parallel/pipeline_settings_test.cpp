@@ -58,27 +58,37 @@ StageRun run_pipe(const fs::path& data, const fs::path& run, const std::string& 
 
 // train.recompute = moe and full in the stages of 1f1b, of interleaved (2 chunks a stage) and
 // (moe only: full keeps one set of block activations, which the deferred weight passes would
-// read overwritten) of zero_bubble, against recompute = none under the same schedule.
+// read overwritten) of zero_bubble, against recompute = none under the same schedule; on 4
+// processes also with dist.ep = 2 inside the stages, where full exchanges each MoE layer's rows
+// again in the backward (every copy of a stage recomputes the same blocks in the same order).
 TEST(PipelineSettings, RecomputeInStagesEndsWhereKeepingEveryActivationEndsBitwise) {
   auto world = dist_world("pipeline_recompute");
-  const int r = world->rank();
+  const int W = world->size(), r = world->rank();
   SharedDir dir(*world, "pipeline_recompute");
   if (r == 0) write_corpus(dir / "data", 40000);
   world->barrier();
   struct Case {
-    std::string schedule;
+    std::string name, schedule;
     int64_t vp;
-    std::vector<std::string> modes;
+    std::vector<std::string> modes, keys;
   };
-  for (const Case& c : {Case{"1f1b", 1, {"moe", "full"}}, Case{"interleaved", 2, {"moe", "full"}},
-                        Case{"zero_bubble", 1, {"moe"}}}) {
-    SCOPED_TRACE(c.schedule);
-    const fs::path kept_run = dir / (c.schedule + "_none");
-    const StageRun kept = run_pipe(dir / "data", kept_run, c.schedule, c.vp, {"train.recompute=none"});
+  std::vector<Case> cases = {{"1f1b", "1f1b", 1, {"moe", "full"}, {}},
+                             {"interleaved", "interleaved", 2, {"moe", "full"}, {}},
+                             {"zero_bubble", "zero_bubble", 1, {"moe"}, {}}};
+  if (W == 4) cases.push_back({"1f1b_ep", "1f1b", 1, {"full"}, {"dist.ep=2"}});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto keys = [&](const std::string& mode) {
+      std::vector<std::string> k = c.keys;
+      k.push_back("train.recompute=" + mode);
+      return k;
+    };
+    const fs::path kept_run = dir / (c.name + "_none");
+    const StageRun kept = run_pipe(dir / "data", kept_run, c.schedule, c.vp, keys("none"));
     for (const std::string& mode : c.modes) {
       SCOPED_TRACE(mode);
-      const fs::path run = dir / (c.schedule + "_" + mode);
-      const StageRun got = run_pipe(dir / "data", run, c.schedule, c.vp, {"train.recompute=" + mode});
+      const fs::path run = dir / (c.name + "_" + mode);
+      const StageRun got = run_pipe(dir / "data", run, c.schedule, c.vp, keys(mode));
       EXPECT_EQ(differ_held(got.outcome.params, kept.outcome.params, got.outcome.held), 0)
           << "stage " << got.outcome.stage << ": parameters differ from recompute = none";
       // The setting reached the stage's model (the other slots copy it). Its activation bytes
@@ -162,7 +172,7 @@ TEST(PipelineSettings, ZeroTwoInStagesEndsWhereZeroOneEndsBitwise) {
 // parameters, losses, norms and checkpoint are the flat route's bits. dist.ranks_per_node counts
 // a node's processes: 2 a node puts the stage's two copies on two nodes (world ranks s and 2 + s),
 // so rows cross nodes; 4 puts them on one, so none do (the flat route's count under the same
-// setting).
+// setting); 0 detects this machine's processes, every one on one node.
 TEST(PipelineSettings, TwoDimensionalAllToAllInStagesEndsWhereTheFlatOneEndsBitwise) {
   auto world = dist_world("pipeline_2d");
   const int W = world->size(), r = world->rank();
@@ -171,7 +181,8 @@ TEST(PipelineSettings, TwoDimensionalAllToAllInStagesEndsWhereTheFlatOneEndsBitw
   if (r == 0) write_corpus(dir / "data", 40000);
   world->barrier();
   const StageRun flat = run_pipe(dir / "data", dir / "flat", "1f1b", 1, {"dist.ep=2"});
-  for (const int64_t node : {2, 4}) {
+  // 0: detected, one machine (every copy on one node).
+  for (const int64_t node : {2, 4, 0}) {
     SCOPED_TRACE(node);
     const std::string name = "two_d_" + std::to_string(node);
     const StageRun got = run_pipe(
