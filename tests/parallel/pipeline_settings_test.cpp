@@ -131,19 +131,21 @@ TEST(PipelineSettings, ZeroTwoInStagesEndsWhereZeroOneEndsBitwise) {
     std::vector<std::string> keys;
   };
   // zero_bubble ends where 1f1b ends (pipeline_test.cpp), so 1f1b's ZeRO-1 run is its
-  // reference too; interleaved has one of its own.
+  // reference too; interleaved and the stages with dist.ep = 2 have their own.
   const std::vector<Case> cases = {
       {"1f1b", "1f1b", 1, {"dist.zero=2"}},
       {"1f1b_blocking", "1f1b", 1, {"dist.zero=2", "dist.overlap=false"}},
       {"zero_bubble", "zero_bubble", 1, {"dist.zero=2"}},
-      {"interleaved", "interleaved", 2, {"dist.zero=2"}}};
+      {"interleaved", "interleaved", 2, {"dist.zero=2"}},
+      {"1f1b_ep", "1f1b", 1, {"dist.zero=2", "dist.ep=2"}}};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    const bool own_ref = c.schedule == "interleaved";
+    const bool own_ref = c.name == "interleaved" || c.name == "1f1b_ep";
     const std::string ref_name = own_ref ? c.name + "_zero1" : "zero1";
+    std::vector<std::string> ref_keys = c.keys;
+    ref_keys.front() = "dist.zero=1";
     const StageRun ref =
-        own_ref ? run_pipe(dir / "data", dir / ref_name, c.schedule, c.vp, {"dist.zero=1"})
-                : zero1;
+        own_ref ? run_pipe(dir / "data", dir / ref_name, c.schedule, c.vp, ref_keys) : zero1;
     const StageRun got = run_pipe(dir / "data", dir / c.name, c.schedule, c.vp, c.keys);
     EXPECT_EQ(differ_held(got.outcome.params, ref.outcome.params, got.outcome.held), 0)
         << "stage " << got.outcome.stage << ": parameters differ from ZeRO-1's";
