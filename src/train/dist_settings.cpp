@@ -323,27 +323,38 @@ void validate_pipeline(const RunConfig& c) {
     MOETRAIN_CHECK(!bad, "dist.pp = {} with {}: the pipeline executor does not run it yet; {}", d.pp,
                    what, "leave it at its default or set dist.pp = 1");
   };
-  // ZeRO-1 shards a stage's optimizer state over the stage's copies; ZeRO-2 and 3 reduce and
-  // gather around each micro-batch's backward, which the pipeline's passes do not call.
-  refuse(d.zero > 1, fmt::format("dist.zero = {} (ZeRO-1 runs)", d.zero));
+  // ZeRO-1 shards a stage's optimizer state over the stage's copies; ZeRO-2 reduce-scatters the
+  // stage's buckets once its last backward (or weight pass) made them final. ZeRO-3 gathers each
+  // unit where the model uses it, which the activation slots' models do not ask for.
+  refuse(d.zero > 2, fmt::format("dist.zero = {} (ZeRO-1 and 2 run)", d.zero));
   refuse(d.local_steps(), "dist.sync = params");
   // Expert parallelism runs inside each stage (dist.ep divides the stage's processes, checked
-  // where the process groups are made); its flat all-to-all only, chunked or not.
-  refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
+  // where the process groups are made): the flat all-to-all, chunked or not, and the 2-D one. A
+  // stage's EP group sees a node's copies of the stage, so a node must hold whole pipelines, or
+  // whole parts of one (train/parallel_setup.cpp, make_run_parallel).
+  MOETRAIN_CHECK(d.ranks_per_node == 0 || d.ranks_per_node % d.pp == 0 ||
+                     d.pp % d.ranks_per_node == 0,
+                 "dist.ranks_per_node = {} with dist.pp = {}: a node's processes hold a number of "
+                 "each stage's copies only when they hold whole pipelines or parts of one; use a "
+                 "dist.ranks_per_node that is a multiple or a divisor of {} (or 0 to detect)",
+                 d.ranks_per_node, d.pp, d.pp);
   refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
+  // int8 and grad.sparse_ratio carry an error-feedback residual per process, which checkpoints
+  // keep as the rows of one [world, n] tensor (train/run_state.h); a stage's residual covers its
+  // own buckets, so the stages' rows differ in size.
   refuse(d.grad_reduce_dtype == "int8",
          "dist.grad_reduce_dtype = int8 (its error-feedback residual in checkpoints)");
-  refuse(d.offloaded(), "dist.offload = host_file");
   refuse(t.device != "cpu", fmt::format("train.device = {}", t.device));
-  refuse(t.recompute != Recompute::None,
-         fmt::format("train.recompute = {}", recompute_name(t.recompute)));
-  refuse(t.precision == Precision::FP16, "train.precision = fp16 (the loss scaler)");
-  refuse(c.model.router_controller != RouterControllerKind::None,
-         fmt::format("model.router_controller = {}",
-                     router_controller_name(c.model.router_controller)));
+  // Recomputation runs in every activation slot (each slot is a model of its own), but full
+  // keeps one set of block activations a slot, which zero_bubble's deferred weight gradients
+  // would read after the next block's recompute overwrote them.
+  refuse(t.recompute == Recompute::Full && schedule == PipeSchedule::ZeroBubble,
+         "dist.pp_schedule = zero_bubble and train.recompute = full (its weight passes read "
+         "each block's activations; use train.recompute = moe, or the 1f1b schedule)");
   refuse(c.placement.enabled(),
          fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
-  refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));
+  refuse(c.grad.sparse_ratio != 0,
+         fmt::format("grad.sparse_ratio = {} (its residual in checkpoints)", c.grad.sparse_ratio));
 }
 
 }  // namespace moetrain

@@ -67,8 +67,14 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
   out.experts = {0, n_experts};
   if (pl.world == 1) return out;
   if (has_moe_layers) out.experts = expert_shard(n_experts, pl.ep, pl.ep_index);
+  // dist.ranks_per_node counts a node's processes. Under stages the exchange runs over a stage's
+  // copies (world rank = pipeline · P + stage), of which a node holds R / P when it holds whole
+  // pipelines, and one when a pipeline spans nodes (validate_pipeline refuses the rest).
+  int64_t ranks_per_node = dist.ranks_per_node;
+  if (dist.pp > 1 && ranks_per_node > 0)
+    ranks_per_node = ranks_per_node % dist.pp == 0 ? ranks_per_node / dist.pp : 1;
   ExpertParallelOptions epo{.hierarchical = dist.hierarchical,
-                            .ranks_per_node = static_cast<int>(dist.ranks_per_node),
+                            .ranks_per_node = static_cast<int>(ranks_per_node),
                             .chunks = static_cast<int>(dist.a2a_chunks),
                             .wire = parse_dtype(dist.a2a_dtype, "dist.a2a_dtype"),
                             .overlap = dist.overlap,

@@ -101,6 +101,10 @@ class PipelineRunner {
   // last stage only; each stage its MoE layers' shares of aux and z), as are the MoE figures
   // (other stages' layers stay zero): summed over the pipe they are the whole model's.
   // args.sparse records each forward's routing of this stage's MoE layers under its micro-batch.
+  // Of the reducer's hooks only args.before_last_backward runs (before the pass that makes the
+  // stage's gradients final); before_backward and after_backward do not: a micro-batch's backward
+  // leaves no gradient final while other micro-batches' passes still add to it, so every reducer,
+  // ZeRO-2's too, reduces the stage's accumulated gradients once a step.
   Accumulated accumulate(Transformer& model, const float* params, float* grads, int64_t n,
                          const AccumulateArgs<TokenBatch>& args);
   // Collective over the pipe: the passes of the last accumulate() on every stage as a trace

@@ -252,30 +252,45 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   load_run_config("", {"model.n_layers=4", "dist.pp=4", "train.grad_accum=2",
                        "dist.pp_schedule=gpipe"});  // gpipe runs any number of micro-batches
   // Expert parallelism runs inside the stages (whether dist.ep fits a stage's processes is known
-  // once the processes are: tests/parallel/pipeline_test.cpp), chunked or not, and ZeRO-1; the
-  // expert exchange's other routes and ZeRO-2/3 do not.
+  // once the processes are: tests/parallel/pipeline_test.cpp), chunked or not, and ZeRO-1 and 2;
+  // the expert exchange's adaptive route and ZeRO-3 do not.
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=1"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=2"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2",
                        "dist.a2a_chunks=2"});
-  // Router-bias balancing, the dynamic capacity controller and expert reweighting run
-  // (pipeline_test.cpp).
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.ep=2",
+                       "dist.hierarchical=true", "dist.ranks_per_node=4"});
+  // A node holds whole pipelines or whole parts of one.
+  expect_error(with({"dist.pp=2", "train.grad_accum=2", "dist.ep=2", "dist.hierarchical=true",
+                     "dist.ranks_per_node=3"}),
+               {"dist.ranks_per_node = 3", "dist.pp = 2"});
+  // Router-bias balancing (the sign rule and the rl controller), the dynamic capacity controller
+  // and expert reweighting run (pipeline_test.cpp, pipeline_settings_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "model.router=sigmoid_bias"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "model.capacity=dynamic", "model.capacity_factor=1.25"});
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.expert_reweight=importance"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "model.router=sigmoid_bias", "model.router_controller=rl"});
+  // Recomputation runs in every activation slot, full but under zero_bubble; fp16 with its loss
+  // scaler (pipeline_settings_test.cpp).
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "train.recompute=full"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "dist.pp_schedule=zero_bubble", "train.recompute=moe"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
+                       "train.precision=fp16"});
   // Sparse expert gradients: each stage masks its own layers (pipeline_sparse_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.sparse_experts=true", "grad.min_accum_fraction=1"});
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
-      {{"dist.ep=2", "dist.hierarchical=true"}, "dist.hierarchical = true"},
       {{"dist.ep=2", "dist.adaptive_route=true"}, "dist.adaptive_route = true"},
-      {{"dist.zero=2"}, "dist.zero = 2"},
+      {{"dist.zero=3"}, "dist.zero = 3"},
       {{"dist.sync=params"}, "dist.sync = params"},
-      {{"train.recompute=full"}, "train.recompute = full"},
-      {{"train.precision=fp16"}, "train.precision = fp16"},
+      {{"dist.pp_schedule=zero_bubble", "train.recompute=full"}, "train.recompute = full"},
       {{"grad.sparse_ratio=0.5"}, "grad.sparse_ratio = 0.5"},
   };
   for (const auto& [keys, named] : refused) {
