@@ -112,11 +112,11 @@ void Transformer::set_stage(int64_t first, int64_t end) {
 }
 
 float* Transformer::resid_at(int64_t l) {
-  return resid_.data() + (l - first_) * B_ * T_ * cfg_.dim;
+  return resid_.data() + (l - first_) * stream_rows() * cfg_.dim;
 }
 
 const float* Transformer::stage_output() const {
-  return resid_.data() + (end_ - first_) * B_ * T_ * cfg_.dim;
+  return resid_.data() + (end_ - first_) * stream_rows() * cfg_.dim;
 }
 
 void Transformer::ensure_capacity(int64_t N) {
@@ -124,6 +124,9 @@ void Transformer::ensure_capacity(int64_t N) {
   // Under tensor parallelism this rank's heads, hidden units and vocabulary columns.
   const TpShard sh = tp_shard(N);
   const int64_t C = cfg_.dim, V = sh.V, QD = sh.QD, KD = sh.KD;
+  // The residual stream's rows (sequence parallelism: this rank's tokens); the norms' outputs
+  // entering the attention (and a dense FFN) are gathered whole.
+  const int64_t R = sp_ ? (N + tp_->size() - 1) / tp_->size() : N;
   auto sz = [](int64_t n) { return static_cast<std::size_t>(n); };
   bool any_dense = false;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) any_dense |= cfg_.is_dense_layer(l);
@@ -132,11 +135,12 @@ void Transformer::ensure_capacity(int64_t N) {
   const int64_t sets = recompute_ == Recompute::Full ? std::min<int64_t>(first_ + 1, end_) : end_;
   for (int64_t l = recompute_ == Recompute::Full ? 0 : first_; l < sets; ++l) {
     LayerActs& a = *acts_[l];
-    a.ln1.resize(sz(N * C)), a.rstd1.resize(sz(N));
+    a.ln1.resize(sz(N * C)), a.rstd1.resize(sz(R));
     a.q.resize(sz(N * QD)), a.k.resize(sz(N * KD)), a.v.resize(sz(N * KD));
     a.att.resize(sz(N * QD)), a.lse.resize(sz(N * sh.NH));
-    a.xmid.resize(sz(N * C)), a.ln2.resize(sz(N * C)), a.rstd2.resize(sz(N)),
-        a.ffn.resize(sz(N * C));
+    const bool dense = recompute_ == Recompute::Full ? any_dense : cfg_.is_dense_layer(l);
+    a.xmid.resize(sz(R * C)), a.ln2.resize(sz((dense ? N : R) * C)), a.rstd2.resize(sz(R)),
+        a.ffn.resize(sz(R * C));
     if (recompute_ == Recompute::Full ? any_dense : cfg_.is_dense_layer(l)) {
       a.h1.resize(sz(N * sh.Fd)), a.h3.resize(sz(N * sh.Fd)), a.g.resize(sz(N * sh.Fd));
     }
@@ -145,11 +149,12 @@ void Transformer::ensure_capacity(int64_t N) {
   if (tp_) {
     tp_rows_.resize(sz((N + tp_->size() - 1) / tp_->size() * C));
     xent_max_.resize(sz(N)), xent_sums_.resize(sz(2 * N));
+    if (sp_) tp_full_.resize(sz(N * C));
   }
   inputs_.resize(sz(N)), targets_.resize(sz(N)), pos_.resize(sz(N));
-  resid_.resize(sz((end_ - first_ + 1) * N * C));
+  resid_.resize(sz((end_ - first_ + 1) * R * C));
   if (last_stage()) {
-    lnf_.resize(sz(N * C)), rstdf_.resize(sz(N));
+    lnf_.resize(sz(N * C)), rstdf_.resize(sz(R));
     logits_.resize(sz(N * V)), lse_.resize(sz(N)), losses_.resize(sz(N));
     dlogits_.resize(sz(N * V));
   }
@@ -229,7 +234,9 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   const int64_t L = cfg_.n_layers, head = L + 1;
   if (first_ == 0) {
     acquire(0, 1, params);
-    embedding_forward(resid_at(0), inputs_.data(), params + layout_.embed, N, C, cfg_.vocab_size);
+    // Sequence parallelism: this rank's tokens only.
+    embedding_forward(resid_at(0), inputs_.data() + (sp_ ? sh.n0 : 0), params + layout_.embed,
+                      stream_rows(), C, cfg_.vocab_size);
     release(0);
   } else {
     std::memcpy(resid_at(first_), x, sizeof(float) * static_cast<std::size_t>(N * C));
@@ -247,8 +254,10 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
     return parts;
   }
   acquire(head, -1, params);
-  rmsnorm_forward(lnf_.data(), rstdf_.data(), resid_at(L), params + layout_.final_norm, N, C,
-                  eps);
+  // Sequence parallelism: the norm of this rank's rows, gathered for the head.
+  rmsnorm_forward(sp_ ? tp_rows_.data() : lnf_.data(), rstdf_.data(), resid_at(L),
+                  params + layout_.final_norm, stream_rows(), C, eps);
+  if (sp_) tp_allgather_rows(lnf_.data(), tp_rows_.data(), stream_rows(), C);
   const void* lnf = mixed ? rounded(lnf_lp_, lnf_.data(), N * C) : nullptr;
   linear_fwd(logits_.data(), lnf_.data(), lnf, params, layout_.lm_head + sh.v0 * C, N, C, V);
   // A training forward's backward starts at the head: it stays in place until then.
@@ -350,9 +359,11 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
     release(1 + l);
     grads_ready(layout_.layers[l].ln1);  // the block's first tensor
   }
-  // Under tensor parallelism every rank holds the same dresid_: rank 0 writes the table's gradient.
-  if (first_ == 0 && (!tp_ || tp_->rank() == 0))
-    embedding_backward(grads + layout_.embed, dresid_.data(), inputs_.data(), N, C, V);
+  // Under tensor parallelism every rank holds the same dresid_: rank 0 writes the table's gradient
+  // (sequence parallelism: each rank its tokens').
+  if (first_ == 0 && (!tp_ || sp_ || tp_->rank() == 0))
+    embedding_backward(grads + layout_.embed, dresid_.data(),
+                       inputs_.data() + (sp_ ? tp_shard(N).n0 : 0), stream_rows(), C, V);
   grads_ready(0);  // an earlier stage's gradients stay as they are
 }
 
@@ -375,11 +386,16 @@ void Transformer::head_backward(const float* params, float* grads, float loss_we
   }
   const int64_t L = cfg_.n_layers, head = L + 1;
   acquire(head, L, params);
-  linear_bwd(dln_.data(), false, grads + layout_.lm_head + sh.v0 * C, dlogits_.data(),
-             lnf_.data(), lnf_lp_.data(), params, layout_.lm_head + sh.v0 * C, N, C, V);
-  tp_allreduce(dln_.data(), N * C);  // every rank's vocabulary columns
+  linear_bwd(sp_ ? tp_full_.data() : dln_.data(), false, grads + layout_.lm_head + sh.v0 * C,
+             dlogits_.data(), lnf_.data(), lnf_lp_.data(), params, layout_.lm_head + sh.v0 * C,
+             N, C, V);
+  if (sp_) {
+    tp_reduce_scatter_rows(dln_.data(), tp_full_.data(), C);  // every rank's columns, my rows
+  } else {
+    tp_allreduce(dln_.data(), N * C);  // every rank's vocabulary columns
+  }
   rmsnorm_backward(dresid_.data(), tp_owned(grads, layout_.final_norm, C), dln_.data(),
-                   resid_at(L), params + layout_.final_norm, rstdf_.data(), N, C);
+                   resid_at(L), params + layout_.final_norm, rstdf_.data(), stream_rows(), C);
   release(head);
   grads_ready(layout_.final_norm);
 }

@@ -145,8 +145,15 @@ class Transformer final : public TrainableModel {
   // them) they are the gradients of the whole model on the batch. The MoE layers' balancing
   // losses run over tp times the token holders: their gradient weight is loss_weight / tp. null
   // or a group of one: off. CPU only; no pipeline stage, prefill or decode under it.
-  void set_tensor_parallel(Comm* group);
+  // sequence_parallel (dist.sequence_parallel, Megatron's sequence parallelism): the residual
+  // stream, the norms and the MoE layers run on this rank's tokens [t·N/tp, (t+1)·N/tp) only; an
+  // all-gather of the norm's output enters the attention, a dense FFN and the head, and a
+  // reduce-scatter (in place of the all-reduce) leaves them, so no rank holds the whole stream.
+  // Each rank then writes the embedding's and norms' gradients of its own tokens (their sum over
+  // the group is the batch's).
+  void set_tensor_parallel(Comm* group, bool sequence_parallel = false);
   int64_t tensor_parallel() const { return tp_ ? tp_->size() : 1; }
+  bool sequence_parallel() const { return sp_; }
 
   // Mixed precision. F32 (the default) computes everything in f32. BF16 / F16: every GEMM of
   // the model (projections, experts, dense FFN, LM head) takes its operands rounded to that type
@@ -207,9 +214,13 @@ class Transformer final : public TrainableModel {
   void tp_allreduce(float* x, int64_t n);
   // out (N, C) = every rank's rows (Nl, C), in rank order.
   void tp_allgather_rows(float* out, const float* mine, int64_t Nl, int64_t C);
+  // out (Nl, C) = this rank's rows of Σ over the group of in (N, C).
+  void tp_reduce_scatter_rows(float* out, const float* in, int64_t C);
   // A replicated parameter's gradient: the grads' on rank 0, scratch elsewhere (its sum over the
-  // group is then rank 0's).
+  // group is then rank 0's); under sequence parallelism every rank's (its tokens' part).
   float* tp_owned(float* grads, int64_t offset, int64_t n);
+  // The residual stream's rows on this rank: its tokens under sequence parallelism, else all.
+  int64_t stream_rows() const;
   // The grads-ready hook now, or (split backward) in weight_backward at this point of the list.
   void grads_ready(int64_t from);
   // One weight-gradient GEMM of split backward, grads + w (OC, IC) += doutᵀ · inp, or a
@@ -247,7 +258,9 @@ class Transformer final : public TrainableModel {
   std::size_t n_deferred_ = 0;
   ParamUnits* units_ = nullptr;
   Comm* tp_ = nullptr;  // tensor parallelism's group (null: off)
+  bool sp_ = false;     // sequence parallelism
   std::vector<float> tp_rows_, tp_scratch_;  // (Nl, C) a MoE layer's rows; a replicated grad
+  std::vector<float> tp_full_;               // (N, C) sequence parallelism's gathered / partial
   std::vector<float> xent_max_;              // (N) split cross-entropy's row maxima
   std::vector<double> xent_sums_;            // (2N) its sums
   // With units: the unit's parameters in place (and their low-precision copy made), or let go.

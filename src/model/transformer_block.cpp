@@ -74,7 +74,7 @@ void Transformer::linear_bwd(float* dinp, bool acc, float* dweight, const float*
   if (!later) gemm(lp_, Trans::T, Trans::N, OC, IC, N, d, inp_lp, dweight, true, 0, 0, ld);
 }
 
-void Transformer::set_tensor_parallel(Comm* group) {
+void Transformer::set_tensor_parallel(Comm* group, bool sequence_parallel) {
   MOETRAIN_CHECK(!group || group->size() == 1 || !engine_,
                  "tensor parallelism (dist.tp): CPU only, not under a device engine");
   MOETRAIN_CHECK(!group || group->size() == 1 || (first_ == 0 && end_ == cfg_.n_layers),
@@ -92,6 +92,7 @@ void Transformer::set_tensor_parallel(Comm* group) {
       if (cfg_.is_dense_layer(l)) divides(cfg_.dense_ffn_hidden(), "the dense FFN's hidden size");
   }
   tp_ = tp > 1 ? group : nullptr;
+  sp_ = tp_ && sequence_parallel;
   capacity_ = 0;  // the buffers are sized per rank
   have_targets_ = false;
 }
@@ -121,8 +122,20 @@ void Transformer::tp_allgather_rows(float* out, const float* mine, int64_t Nl, i
   tp_->allgather(out, mine, counts);
 }
 
+void Transformer::tp_reduce_scatter_rows(float* out, const float* in, int64_t C) {
+  const int P = tp_->size();
+  const int64_t N = B_ * T_;
+  std::vector<int64_t> counts(static_cast<std::size_t>(P));
+  for (int q = 0; q < P; ++q) counts[q] = (chunk_begin(N, q + 1, P) - chunk_begin(N, q, P)) * C;
+  tp_->reduce_scatter(out, in, counts);
+}
+
+int64_t Transformer::stream_rows() const {
+  return sp_ ? tp_shard(B_ * T_).Nl : B_ * T_;
+}
+
 float* Transformer::tp_owned(float* grads, int64_t offset, int64_t n) {
-  if (!tp_ || tp_->rank() == 0) return grads + offset;
+  if (!tp_ || sp_ || tp_->rank() == 0) return grads + offset;
   tp_scratch_.assign(static_cast<std::size_t>(n), 0.0f);
   return tp_scratch_.data();
 }
@@ -187,7 +200,12 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   LayerActs& a = acts_at(l);
   const float* x = resid_at(l);
   float* x_out = resid_at(l + 1);
-  rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x, params + o.ln1, N, C, eps);
+  // R: the stream's rows here (this rank's tokens under sequence parallelism, which gathers the
+  // norm's rows of every rank for the attention, and reduce-scatters its output).
+  const int64_t R = sp_ ? sh.Nl : N;
+  rmsnorm_forward(sp_ ? tp_rows_.data() : a.ln1.data(), a.rstd1.data(), x, params + o.ln1, R, C,
+                  eps);
+  if (sp_) tp_allgather_rows(a.ln1.data(), tp_rows_.data(), R, C);
   const void* ln1 = mixed ? rounded(a.ln1_lp, a.ln1.data(), N * C) : nullptr;
   linear_fwd(a.q.data(), a.ln1.data(), ln1, params, o.wq + sh.q0 * C, N, C, QD);
   linear_fwd(a.k.data(), a.ln1.data(), ln1, params, o.wk + sh.k0 * C, N, C, KD);
@@ -201,17 +219,28 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   (bf16_attention(T) ? attention_forward_bf16 : attention_forward)(
       a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HS);
   const void* att = mixed ? rounded(a.att_lp, a.att.data(), N * QD) : nullptr;
-  linear_fwd(a.xmid.data(), a.att.data(), att, params, o.wo + sh.q0, N, QD, C,
-             tp_ ? QDw : 0);
-  tp_allreduce(a.xmid.data(), N * C);  // every rank's heads
-  for (int64_t i = 0; i < N * C; ++i) a.xmid[i] += x[i];
-  rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.xmid.data(), params + o.ln2, N, C, eps);
-  if (moe_index_[l] >= 0) {
+  linear_fwd(sp_ ? tp_full_.data() : a.xmid.data(), a.att.data(), att, params, o.wo + sh.q0, N,
+             QD, C, tp_ ? QDw : 0);
+  if (sp_) {
+    tp_reduce_scatter_rows(a.xmid.data(), tp_full_.data(), C);  // every rank's heads, my rows
+  } else {
+    tp_allreduce(a.xmid.data(), N * C);  // every rank's heads
+  }
+  for (int64_t i = 0; i < R * C; ++i) a.xmid[i] += x[i];
+  const bool moe_block = moe_index_[l] >= 0;
+  // A dense FFN under sequence parallelism reads every rank's rows: gathered into a.ln2.
+  const bool gather2 = sp_ && !moe_block;
+  rmsnorm_forward(gather2 ? tp_rows_.data() : a.ln2.data(), a.rstd2.data(), a.xmid.data(),
+                  params + o.ln2, R, C, eps);
+  if (gather2) tp_allgather_rows(a.ln2.data(), tp_rows_.data(), R, C);
+  if (moe_block) {
     MoeLayer& moe = *moe_[moe_index_[l]];
     const MoeWeights w = moe_weights(P, o, lp_, params_lp_.data());
-    // Under tensor parallelism this rank's tokens only, joined after.
-    float* out = tp_ ? tp_rows_.data() : a.ffn.data();
-    const float* inp = a.ln2.data() + sh.n0 * C;
+    // Under tensor parallelism this rank's tokens only, joined after (sequence parallelism: the
+    // stream holds just those).
+    const bool join = tp_ && !sp_;
+    float* out = join ? tp_rows_.data() : a.ffn.data();
+    const float* inp = a.ln2.data() + (sp_ ? 0 : sh.n0 * C);
     if (replay) {
       moe.recompute_forward(out, inp, w);
     } else {
@@ -222,7 +251,7 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
       parts->aux += moe.aux_loss();
       parts->z += moe.z_loss();
     }
-    if (tp_ && !replay) tp_allgather_rows(a.ffn.data(), out, sh.Nl, C);
+    if (join && !replay) tp_allgather_rows(a.ffn.data(), out, sh.Nl, C);
   } else {
     const int64_t Fd = sh.Fd, Fdw = cfg_.dense_ffn_hidden();
     const void* ln2 = mixed ? rounded(a.ln2_lp, a.ln2.data(), N * C) : nullptr;
@@ -230,11 +259,16 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
     linear_fwd(a.h3.data(), a.ln2.data(), ln2, params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
     swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd);
     const void* g = mixed ? rounded(a.g_lp, a.g.data(), N * Fd) : nullptr;
-    linear_fwd(a.ffn.data(), a.g.data(), g, params, o.mlp_w2 + sh.f0, N, Fd, C, tp_ ? Fdw : 0);
-    tp_allreduce(a.ffn.data(), N * C);
+    linear_fwd(sp_ ? tp_full_.data() : a.ffn.data(), a.g.data(), g, params, o.mlp_w2 + sh.f0, N,
+               Fd, C, tp_ ? Fdw : 0);
+    if (sp_) {
+      tp_reduce_scatter_rows(a.ffn.data(), tp_full_.data(), C);
+    } else {
+      tp_allreduce(a.ffn.data(), N * C);
+    }
   }
   if (replay) return;  // the block's output is kept (the next block's input)
-  for (int64_t i = 0; i < N * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
+  for (int64_t i = 0; i < R * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
 }
 
 void Transformer::block_backward(int64_t l, const float* params, float* grads, float moe_weight) {
@@ -247,46 +281,63 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
   const LayerOffsets& o = layout_.layers[l];
   LayerActs& a = acts_at(l);
   const float* x = resid_at(l);
+  const int64_t R = sp_ ? sh.Nl : N;  // the stream's rows here
   // dresid_ holds ∂L/∂(block output); it flows unchanged into the FFN output and the residual.
   if (moe_index_[l] >= 0) {
-    // Under tensor parallelism: this rank's tokens, their input gradients joined after.
-    float* dinp = tp_ ? tp_rows_.data() : dln_.data();
-    moe_[moe_index_[l]]->backward(dinp, dresid_.data() + sh.n0 * C,
+    // Under tensor parallelism: this rank's tokens, their input gradients joined after (sequence
+    // parallelism: the stream holds just those).
+    const bool join = tp_ && !sp_;
+    float* dinp = join ? tp_rows_.data() : dln_.data();
+    moe_[moe_index_[l]]->backward(dinp, dresid_.data() + (sp_ ? 0 : sh.n0 * C),
                                   moe_weights(P, o, lp_, params_lp_.data()), moe_weights(grads, o),
                                   moe_weight);
-    if (tp_) tp_allgather_rows(dln_.data(), dinp, sh.Nl, C);
+    if (join) tp_allgather_rows(dln_.data(), dinp, sh.Nl, C);
   } else {
     const int64_t Fd = sh.Fd, Fdw = cfg_.dense_ffn_hidden();
-    linear_bwd(dg_.data(), false, grads + o.mlp_w2 + sh.f0, dresid_.data(), a.g.data(),
-               a.g_lp.data(), params, o.mlp_w2 + sh.f0, N, Fd, C, tp_ ? Fdw : 0);
+    // Sequence parallelism: every rank's rows of the output's gradient.
+    if (sp_) tp_allgather_rows(tp_full_.data(), dresid_.data(), R, C);
+    const float* dffn = sp_ ? tp_full_.data() : dresid_.data();
+    linear_bwd(dg_.data(), false, grads + o.mlp_w2 + sh.f0, dffn, a.g.data(), a.g_lp.data(),
+               params, o.mlp_w2 + sh.f0, N, Fd, C, tp_ ? Fdw : 0);
     swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
-    linear_bwd(dln_.data(), false, grads + o.mlp_w1 + sh.f0 * C, dh1_.data(), a.ln2.data(),
+    float* dpart = sp_ ? tp_full_.data() : dln_.data();
+    linear_bwd(dpart, false, grads + o.mlp_w1 + sh.f0 * C, dh1_.data(), a.ln2.data(),
                a.ln2_lp.data(), params, o.mlp_w1 + sh.f0 * C, N, C, Fd);
-    linear_bwd(dln_.data(), true, grads + o.mlp_w3 + sh.f0 * C, dh3_.data(), a.ln2.data(),
+    linear_bwd(dpart, true, grads + o.mlp_w3 + sh.f0 * C, dh3_.data(), a.ln2.data(),
                a.ln2_lp.data(), params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
-    tp_allreduce(dln_.data(), N * C);  // every rank's hidden units
+    if (sp_) {
+      tp_reduce_scatter_rows(dln_.data(), tp_full_.data(), C);  // every rank's units, my rows
+    } else {
+      tp_allreduce(dln_.data(), N * C);  // every rank's hidden units
+    }
   }
   rmsnorm_backward(dxmid_.data(), tp_owned(grads, o.ln2, C), dln_.data(), a.xmid.data(),
-                   params + o.ln2, a.rstd2.data(), N, C);
-  for (int64_t i = 0; i < N * C; ++i) dxmid_[i] += dresid_[i];
+                   params + o.ln2, a.rstd2.data(), R, C);
+  for (int64_t i = 0; i < R * C; ++i) dxmid_[i] += dresid_[i];
 
-  linear_bwd(datt_.data(), false, grads + o.wo + sh.q0, dxmid_.data(), a.att.data(),
-             a.att_lp.data(), params, o.wo + sh.q0, N, QD, C, tp_ ? QDw : 0);
+  if (sp_) tp_allgather_rows(tp_full_.data(), dxmid_.data(), R, C);
+  linear_bwd(datt_.data(), false, grads + o.wo + sh.q0, sp_ ? tp_full_.data() : dxmid_.data(),
+             a.att.data(), a.att_lp.data(), params, o.wo + sh.q0, N, QD, C, tp_ ? QDw : 0);
   (bf16_attention(T) ? attention_backward_bf16 : attention_backward)(
       dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(), a.v.data(),
       a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
   rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
   rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
-  linear_bwd(dln_.data(), false, grads + o.wq + sh.q0 * C, dq_.data(), a.ln1.data(),
+  float* dpart = sp_ ? tp_full_.data() : dln_.data();
+  linear_bwd(dpart, false, grads + o.wq + sh.q0 * C, dq_.data(), a.ln1.data(),
              a.ln1_lp.data(), params, o.wq + sh.q0 * C, N, C, QD);
-  linear_bwd(dln_.data(), true, grads + o.wk + sh.k0 * C, dk_.data(), a.ln1.data(),
+  linear_bwd(dpart, true, grads + o.wk + sh.k0 * C, dk_.data(), a.ln1.data(),
              a.ln1_lp.data(), params, o.wk + sh.k0 * C, N, C, KD);
-  linear_bwd(dln_.data(), true, grads + o.wv + sh.k0 * C, dv_.data(), a.ln1.data(),
+  linear_bwd(dpart, true, grads + o.wv + sh.k0 * C, dv_.data(), a.ln1.data(),
              a.ln1_lp.data(), params, o.wv + sh.k0 * C, N, C, KD);
-  tp_allreduce(dln_.data(), N * C);  // every rank's heads
+  if (sp_) {
+    tp_reduce_scatter_rows(dln_.data(), tp_full_.data(), C);  // every rank's heads, my rows
+  } else {
+    tp_allreduce(dln_.data(), N * C);  // every rank's heads
+  }
   rmsnorm_backward(dresid_.data(), tp_owned(grads, o.ln1, C), dln_.data(), x, params + o.ln1,
-                   a.rstd1.data(), N, C);
-  for (int64_t i = 0; i < N * C; ++i) dresid_[i] += dxmid_[i];
+                   a.rstd1.data(), R, C);
+  for (int64_t i = 0; i < R * C; ++i) dresid_[i] += dxmid_[i];
 }
 
 int64_t Transformer::activation_bytes() const {

@@ -83,6 +83,9 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
        "Tensor parallelism: processes that run one model copy on one batch, its attention "
        "heads, dense FFN hidden units and LM head vocabulary split over them and its MoE layers' "
        "tokens shared out (1 = off)"},
+      {"dist.sequence_parallel", &d.sequence_parallel,
+       "With tp > 1: the residual stream, the norms and the MoE layers run on each rank's share "
+       "of the tokens (all-gather before the attention, dense FFN and head; reduce-scatter after)"},
       {"dist.offload_dir", &d.offload_dir,
        "With offload = host_file: directory of the state files, one per process (empty = "
        "<run_dir>/offload)"},
@@ -252,6 +255,10 @@ void DistSettings::validate() const {
                  "dist.pp > 1 or dist.vp = 1",
                  vp);
   MOETRAIN_CHECK(tp >= 1, "dist.tp = {}: must be ≥ 1 (tensor-parallel ranks; 1 = off)", tp);
+  MOETRAIN_CHECK(!sequence_parallel || tp > 1,
+                 "dist.sequence_parallel = true with dist.tp = {}: it splits the tokens over the "
+                 "tensor-parallel ranks; set dist.tp ≥ 2",
+                 tp);
   MOETRAIN_CHECK(std::isfinite(collective_warn) && collective_warn >= 0,
                  "dist.collective_warn = {}: must be seconds ≥ 0 (0 = no warning)",
                  collective_warn);

@@ -181,6 +181,9 @@ struct DistSettings {
   // neighbouring processes on one batch, attention heads, dense FFN hidden units and the LM
   // head's vocabulary split over them, the MoE layers' tokens split; world = DP × tp.
   int64_t tp = 1;
+  // With tp > 1: Megatron's sequence parallelism (Transformer::set_tensor_parallel): the
+  // residual stream, norms and MoE layers on each rank's share of the tokens.
+  bool sequence_parallel = false;
 
   // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
   // where the process groups are made.

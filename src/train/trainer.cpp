@@ -55,7 +55,8 @@ Trainer::Trainer(RunConfig cfg, bool resume, std::unique_ptr<Comm> world) : cfg_
   RunParallel rp =
       make_run_parallel(*world_, cfg_.dist, cfg_.model.n_experts, cfg_.model.n_moe_layers() > 0);
   model_ = std::make_unique<Transformer>(cfg_.model, rp.moe_context());
-  model_->set_tensor_parallel(rp.tp.get());  // the engine keeps the group
+  // The engine keeps the group.
+  model_->set_tensor_parallel(rp.tp.get(), cfg_.dist.sequence_parallel);
   if (rp.pipe.comm) {
     // The stage's first chunk (chunk s of p·vp; the pipeline runner makes the others).
     const auto [first, end] = pipe_stage_blocks(

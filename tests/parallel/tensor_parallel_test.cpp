@@ -89,7 +89,7 @@ Outcome finish(Trainer& t, const fs::path& run) {
 // The one-process run of the whole global batch (a batch of every copy's rows), on every rank.
 Outcome run_single(const fs::path& data, int copies, std::vector<std::string> extra) {
   TempDir run("tp_single");
-  extra.insert(extra.end(), {"dist.ep=1", "dist.zero=0"});
+  extra.insert(extra.end(), {"dist.ep=1", "dist.zero=0", "dist.sequence_parallel=false"});
   Trainer t(make_config(data, run.path(), kRows * copies, 1, extra), false, make_local_comm());
   t.run();
   return finish(t, run.path());
@@ -151,6 +151,15 @@ TEST(TensorParallel, FollowsTheOneProcessRun) { expect_follows_single("alone", {
 TEST(TensorParallel, WithExpertsShardedOverTheTensorParallelRanks) {
   expect_follows_single("ep", {"dist.ep=2", "model.router=sigmoid_bias",
                                "model.bias_update_rate=0.01"});
+}
+
+// Sequence parallelism: each rank's stream, norms and MoE layers on its half of the tokens, the
+// attention's and dense FFN's inputs gathered and outputs reduce-scattered; also with the
+// experts sharded and the blocks recomputed.
+TEST(TensorParallel, WithSequenceParallelism) {
+  expect_follows_single("sp", {"dist.sequence_parallel=true"});
+  expect_follows_single("sp_ep_full",
+                        {"dist.sequence_parallel=true", "dist.ep=2", "train.recompute=full"});
 }
 
 TEST(TensorParallel, UnderZeroOneAndFullRecomputation) {

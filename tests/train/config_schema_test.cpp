@@ -323,6 +323,9 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
         },
                  {"dist.tp = 2", key.substr(0, key.find('=')), "does not run it yet"});
   }
+  load_run_config("", {"dist.tp=2", "dist.sequence_parallel=true"});
+  expect_error([] { load_run_config("", {"dist.sequence_parallel=true"}); },
+               {"dist.sequence_parallel = true", "dist.tp = 1"});
   // The classifier has no heads to split.
   expect_error([] { load_classifier_config("", {"dist.tp=2"}); }, {"dist.tp = 2", "classifier"});
 }
