@@ -163,9 +163,10 @@ std::string StepEngine::describe_layout() const {
       "{} processes: {}{} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",
       world_,
-      tp_size_ > 1 ? fmt::format("{} tensor-parallel groups of {} (each one model copy), the "
-                                 "MoE layers over ",
-                                 world_ / tp_size_, tp_size_)
+      tp_size_ > 1 ? fmt::format("{} tensor-parallel group{} of {} (each one model copy{}), "
+                                 "the MoE layers over ",
+                                 world_ / tp_size_, world_ / tp_size_ > 1 ? "s" : "", tp_size_,
+                                 cfg_.dist.sequence_parallel ? ", sequence-parallel" : "")
                    : "",
       pl.dp, pl.ep, expert_shard_.count,
       cfg_.dist.zero ? fmt::format(", ZeRO-{}", cfg_.dist.zero) : "",
