@@ -386,14 +386,10 @@ void Transformer::head_backward(const float* params, float* grads, float loss_we
   }
   const int64_t L = cfg_.n_layers, head = L + 1;
   acquire(head, L, params);
-  linear_bwd(sp_ ? tp_full_.data() : dln_.data(), false, grads + layout_.lm_head + sh.v0 * C,
+  linear_bwd(tp_partial(dln_.data()), false, grads + layout_.lm_head + sh.v0 * C,
              dlogits_.data(), lnf_.data(), lnf_lp_.data(), params, layout_.lm_head + sh.v0 * C,
              N, C, V);
-  if (sp_) {
-    tp_reduce_scatter_rows(dln_.data(), tp_full_.data(), C);  // every rank's columns, my rows
-  } else {
-    tp_allreduce(dln_.data(), N * C);  // every rank's vocabulary columns
-  }
+  tp_sum(dln_.data(), C);  // every rank's vocabulary columns
   rmsnorm_backward(dresid_.data(), tp_owned(grads, layout_.final_norm, C), dln_.data(),
                    resid_at(L), params + layout_.final_norm, rstdf_.data(), stream_rows(), C);
   release(head);

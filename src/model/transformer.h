@@ -214,8 +214,13 @@ class Transformer final : public TrainableModel {
   void tp_allreduce(float* x, int64_t n);
   // out (N, C) = every rank's rows (Nl, C), in rank order.
   void tp_allgather_rows(float* out, const float* mine, int64_t Nl, int64_t C);
-  // out (Nl, C) = this rank's rows of Σ over the group of in (N, C).
-  void tp_reduce_scatter_rows(float* out, const float* in, int64_t C);
+  std::vector<int64_t> tp_row_counts(int64_t C) const;
+  // A product split over the group's ranks along its reduction: each writes its partial (N, C)
+  // to tp_partial(out), and tp_sum(out) makes out the group's sum — whole (an all-reduce in
+  // place), or under sequence parallelism this rank's rows of it, (Nl, C) (a reduce-scatter).
+  // Without tensor parallelism both leave out as it is.
+  float* tp_partial(float* out);
+  void tp_sum(float* out, int64_t C);
   // A replicated parameter's gradient: the grads' on rank 0, scratch elsewhere (its sum over the
   // group is then rank 0's); under sequence parallelism every rank's (its tokens' part).
   float* tp_owned(float* grads, int64_t offset, int64_t n);

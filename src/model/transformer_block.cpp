@@ -113,21 +113,31 @@ void Transformer::tp_allreduce(float* x, int64_t n) {
   if (tp_) tp_->allreduce(x, n);
 }
 
-void Transformer::tp_allgather_rows(float* out, const float* mine, int64_t Nl, int64_t C) {
+// Each rank's rows of the batch's N, times C: the counts of the row collectives.
+std::vector<int64_t> Transformer::tp_row_counts(int64_t C) const {
   const int P = tp_->size();
   const int64_t N = B_ * T_;
   std::vector<int64_t> counts(static_cast<std::size_t>(P));
   for (int q = 0; q < P; ++q) counts[q] = (chunk_begin(N, q + 1, P) - chunk_begin(N, q, P)) * C;
-  MOETRAIN_CHECK(counts[tp_->rank()] == Nl * C, "tensor-parallel rows: {} of {}", Nl, N);
+  return counts;
+}
+
+void Transformer::tp_allgather_rows(float* out, const float* mine, int64_t Nl, int64_t C) {
+  const std::vector<int64_t> counts = tp_row_counts(C);
+  MOETRAIN_CHECK(counts[tp_->rank()] == Nl * C, "tensor-parallel rows: {} of {}", Nl, B_ * T_);
   tp_->allgather(out, mine, counts);
 }
 
-void Transformer::tp_reduce_scatter_rows(float* out, const float* in, int64_t C) {
-  const int P = tp_->size();
-  const int64_t N = B_ * T_;
-  std::vector<int64_t> counts(static_cast<std::size_t>(P));
-  for (int q = 0; q < P; ++q) counts[q] = (chunk_begin(N, q + 1, P) - chunk_begin(N, q, P)) * C;
-  tp_->reduce_scatter(out, in, counts);
+float* Transformer::tp_partial(float* out) {
+  return sp_ ? tp_full_.data() : out;
+}
+
+void Transformer::tp_sum(float* out, int64_t C) {
+  if (sp_) {
+    tp_->reduce_scatter(out, tp_full_.data(), tp_row_counts(C));
+  } else {
+    tp_allreduce(out, B_ * T_ * C);
+  }
 }
 
 int64_t Transformer::stream_rows() const {
@@ -219,13 +229,9 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   (bf16_attention(T) ? attention_forward_bf16 : attention_forward)(
       a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HS);
   const void* att = mixed ? rounded(a.att_lp, a.att.data(), N * QD) : nullptr;
-  linear_fwd(sp_ ? tp_full_.data() : a.xmid.data(), a.att.data(), att, params, o.wo + sh.q0, N,
-             QD, C, tp_ ? QDw : 0);
-  if (sp_) {
-    tp_reduce_scatter_rows(a.xmid.data(), tp_full_.data(), C);  // every rank's heads, my rows
-  } else {
-    tp_allreduce(a.xmid.data(), N * C);  // every rank's heads
-  }
+  linear_fwd(tp_partial(a.xmid.data()), a.att.data(), att, params, o.wo + sh.q0, N, QD, C,
+             tp_ ? QDw : 0);
+  tp_sum(a.xmid.data(), C);  // every rank's heads
   for (int64_t i = 0; i < R * C; ++i) a.xmid[i] += x[i];
   const bool moe_block = moe_index_[l] >= 0;
   // A dense FFN under sequence parallelism reads every rank's rows: gathered into a.ln2.
@@ -259,13 +265,9 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
     linear_fwd(a.h3.data(), a.ln2.data(), ln2, params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
     swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd);
     const void* g = mixed ? rounded(a.g_lp, a.g.data(), N * Fd) : nullptr;
-    linear_fwd(sp_ ? tp_full_.data() : a.ffn.data(), a.g.data(), g, params, o.mlp_w2 + sh.f0, N,
-               Fd, C, tp_ ? Fdw : 0);
-    if (sp_) {
-      tp_reduce_scatter_rows(a.ffn.data(), tp_full_.data(), C);
-    } else {
-      tp_allreduce(a.ffn.data(), N * C);
-    }
+    linear_fwd(tp_partial(a.ffn.data()), a.g.data(), g, params, o.mlp_w2 + sh.f0, N, Fd, C,
+               tp_ ? Fdw : 0);
+    tp_sum(a.ffn.data(), C);  // every rank's hidden units
   }
   if (replay) return;  // the block's output is kept (the next block's input)
   for (int64_t i = 0; i < R * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
@@ -300,16 +302,12 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
     linear_bwd(dg_.data(), false, grads + o.mlp_w2 + sh.f0, dffn, a.g.data(), a.g_lp.data(),
                params, o.mlp_w2 + sh.f0, N, Fd, C, tp_ ? Fdw : 0);
     swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
-    float* dpart = sp_ ? tp_full_.data() : dln_.data();
+    float* dpart = tp_partial(dln_.data());
     linear_bwd(dpart, false, grads + o.mlp_w1 + sh.f0 * C, dh1_.data(), a.ln2.data(),
                a.ln2_lp.data(), params, o.mlp_w1 + sh.f0 * C, N, C, Fd);
     linear_bwd(dpart, true, grads + o.mlp_w3 + sh.f0 * C, dh3_.data(), a.ln2.data(),
                a.ln2_lp.data(), params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
-    if (sp_) {
-      tp_reduce_scatter_rows(dln_.data(), tp_full_.data(), C);  // every rank's units, my rows
-    } else {
-      tp_allreduce(dln_.data(), N * C);  // every rank's hidden units
-    }
+    tp_sum(dln_.data(), C);  // every rank's hidden units
   }
   rmsnorm_backward(dxmid_.data(), tp_owned(grads, o.ln2, C), dln_.data(), a.xmid.data(),
                    params + o.ln2, a.rstd2.data(), R, C);
@@ -323,18 +321,14 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
       a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
   rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
   rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
-  float* dpart = sp_ ? tp_full_.data() : dln_.data();
+  float* dpart = tp_partial(dln_.data());
   linear_bwd(dpart, false, grads + o.wq + sh.q0 * C, dq_.data(), a.ln1.data(),
              a.ln1_lp.data(), params, o.wq + sh.q0 * C, N, C, QD);
   linear_bwd(dpart, true, grads + o.wk + sh.k0 * C, dk_.data(), a.ln1.data(),
              a.ln1_lp.data(), params, o.wk + sh.k0 * C, N, C, KD);
   linear_bwd(dpart, true, grads + o.wv + sh.k0 * C, dv_.data(), a.ln1.data(),
              a.ln1_lp.data(), params, o.wv + sh.k0 * C, N, C, KD);
-  if (sp_) {
-    tp_reduce_scatter_rows(dln_.data(), tp_full_.data(), C);  // every rank's heads, my rows
-  } else {
-    tp_allreduce(dln_.data(), N * C);  // every rank's heads
-  }
+  tp_sum(dln_.data(), C);  // every rank's heads
   rmsnorm_backward(dresid_.data(), tp_owned(grads, o.ln1, C), dln_.data(), x, params + o.ln1,
                    a.rstd1.data(), R, C);
   for (int64_t i = 0; i < R * C; ++i) dresid_[i] += dxmid_[i];
