@@ -144,7 +144,10 @@ class Transformer final : public TrainableModel {
   // norms — so that summed over the group (as a data-parallel reduction over every process sums
   // them) they are the gradients of the whole model on the batch. The MoE layers' balancing
   // losses run over tp times the token holders: their gradient weight is loss_weight / tp. null
-  // or a group of one: off. CPU only; no pipeline stage, prefill or decode under it.
+  // or a group of one: off. A pipeline stage (set_stage) runs the same code on its blocks: the
+  // embedding on the first stage, the head and the split cross-entropy on the last; its input's
+  // and output's activations and gradients are whole on every rank. CPU only; no prefill or
+  // decode under it.
   void set_tensor_parallel(Comm* group);
   int64_t tensor_parallel() const { return tp_ ? tp_->size() : 1; }
 

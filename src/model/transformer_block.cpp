@@ -77,8 +77,6 @@ void Transformer::linear_bwd(float* dinp, bool acc, float* dweight, const float*
 void Transformer::set_tensor_parallel(Comm* group) {
   MOETRAIN_CHECK(!group || group->size() == 1 || !engine_,
                  "tensor parallelism (dist.tp): CPU only, not under a device engine");
-  MOETRAIN_CHECK(!group || group->size() == 1 || (first_ == 0 && end_ == cfg_.n_layers),
-                 "tensor parallelism (dist.tp) with a pipeline stage: not run yet");
   const int64_t tp = group ? group->size() : 1;
   if (tp > 1) {
     auto divides = [&](int64_t n, const char* key) {
