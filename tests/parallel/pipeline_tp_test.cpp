@@ -1,7 +1,8 @@
 // Pipeline stages of tensor-parallel groups (dist.pp = 2 × dist.tp = 2 on 4 processes: ranks
 // (stage · 2 + t)) against the one-process run with the same global batch and seed, under 1f1b
-// (with the reduction and the last sends on the communication thread, dist.overlap, and without)
-// and gpipe.
+// (with the reduction and the last sends on the communication thread, dist.overlap, and without),
+// gpipe, zero_bubble (split backward: the deferred weight GEMMs of the ranks' slices) and
+// interleaved (dist.vp = 2: two chunks a stage, each slot's model a tensor-parallel one).
 //
 // Not bitwise, for the reasons the tensor-parallel test gives (tensor_parallel_test.cpp): the
 // attention's output projection, a dense FFN's down projection and the LM head's input gradient
@@ -9,7 +10,7 @@
 // exponentials are summed per vocabulary half, each a reordering of a float sum of ≤ 32 terms
 // (relative error ≤ K·ε = 4e-6 a product). Over 6 AdamW steps (whose updates are ~lr whatever the
 // gradient's last bits) its bounds hold: losses 1e-5, gradient norms 1e-4, parameters 1e-4 of the
-// largest. Bitwise where the code path is the same: the checkpoint holds every rank's values, and
+// largest (measured: about 1e-9, 3e-8 and 7e-6). Bitwise where the code path is the same: the checkpoint holds every rank's values, and
 // one process resuming from it starts from them.
 #include <gtest/gtest.h>
 
@@ -83,7 +84,9 @@ TEST(PipelineTensorParallel, StagesOfTensorParallelGroupsFollowTheOneProcessRun)
   const std::vector<std::pair<std::string, std::vector<std::string>>> variants = {
       {"1f1b", {"dist.overlap=true"}},
       {"1f1b", {"dist.overlap=false"}},
-      {"gpipe", {"dist.overlap=true"}}};
+      {"gpipe", {"dist.overlap=true"}},
+      {"zero_bubble", {"dist.overlap=true"}},
+      {"interleaved", {"dist.overlap=true", "dist.vp=2"}}};
   PipeOutcome overlapped;
   for (const auto& [schedule, keys] : variants) {
     const std::string name = schedule + "_" + keys[0].substr(keys[0].find('=') + 1);
@@ -96,7 +99,8 @@ TEST(PipelineTensorParallel, StagesOfTensorParallelGroupsFollowTheOneProcessRun)
             dist_world("pipeline_tp_run"));
     // Ranks (stage · tp + t): the stage is the rank's pair.
     EXPECT_EQ(got.stage, r / kTp);
-    EXPECT_EQ(got.slots, schedule == "gpipe" ? kPipeAccum : kStages - got.stage);
+    if (schedule == "1f1b") EXPECT_EQ(got.slots, kStages - got.stage);
+    if (schedule == "gpipe") EXPECT_EQ(got.slots, kPipeAccum);
     EXPECT_LE(max_param_diff(got, single.params), 1e-4);
     if (r == 0) {
       ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kPipeSteps));
