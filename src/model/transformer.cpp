@@ -103,6 +103,9 @@ void Transformer::set_stage(int64_t first, int64_t end) {
                  first, end, cfg_.n_layers);
   MOETRAIN_CHECK(!engine_ || (first == 0 && end == cfg_.n_layers),
                  "a pipeline stage runs on the CPU: the device engine runs the whole model");
+  MOETRAIN_CHECK(!sp_ || (first == 0 && end == cfg_.n_layers),
+                 "a pipeline stage under sequence parallelism: a stage's input and output are "
+                 "whole on every rank");
   if (first == first_ && end == end_) return;
   first_ = first, end_ = end;
   for (auto& a : acts_) a = std::make_unique<LayerActs>();

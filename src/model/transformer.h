@@ -144,13 +144,16 @@ class Transformer final : public TrainableModel {
   // norms — so that summed over the group (as a data-parallel reduction over every process sums
   // them) they are the gradients of the whole model on the batch. The MoE layers' balancing
   // losses run over tp times the token holders: their gradient weight is loss_weight / tp. null
-  // or a group of one: off. CPU only; no pipeline stage, prefill or decode under it.
+  // or a group of one: off. A pipeline stage (set_stage) runs the same code on its blocks: the
+  // embedding on the first stage, the head and the split cross-entropy on the last; its input's
+  // and output's activations and gradients are whole on every rank. CPU only; no prefill or
+  // decode under it.
   // sequence_parallel (dist.sequence_parallel, Megatron's sequence parallelism): the residual
   // stream, the norms and the MoE layers run on this rank's tokens [t·N/tp, (t+1)·N/tp) only; an
   // all-gather of the norm's output enters the attention, a dense FFN and the head, and a
   // reduce-scatter (in place of the all-reduce) leaves them, so no rank holds the whole stream.
   // Each rank then writes the embedding's and norms' gradients of its own tokens (their sum over
-  // the group is the batch's).
+  // the group is the batch's). Not in a pipeline stage (its input and output are whole).
   void set_tensor_parallel(Comm* group, bool sequence_parallel = false);
   int64_t tensor_parallel() const { return tp_ ? tp_->size() : 1; }
   bool sequence_parallel() const { return sp_; }

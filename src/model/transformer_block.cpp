@@ -77,8 +77,6 @@ void Transformer::linear_bwd(float* dinp, bool acc, float* dweight, const float*
 void Transformer::set_tensor_parallel(Comm* group, bool sequence_parallel) {
   MOETRAIN_CHECK(!group || group->size() == 1 || !engine_,
                  "tensor parallelism (dist.tp): CPU only, not under a device engine");
-  MOETRAIN_CHECK(!group || group->size() == 1 || (first_ == 0 && end_ == cfg_.n_layers),
-                 "tensor parallelism (dist.tp) with a pipeline stage: not run yet");
   const int64_t tp = group ? group->size() : 1;
   if (tp > 1) {
     auto divides = [&](int64_t n, const char* key) {
@@ -91,6 +89,9 @@ void Transformer::set_tensor_parallel(Comm* group, bool sequence_parallel) {
     for (int64_t l = 0; l < cfg_.n_layers; ++l)
       if (cfg_.is_dense_layer(l)) divides(cfg_.dense_ffn_hidden(), "the dense FFN's hidden size");
   }
+  MOETRAIN_CHECK(!sequence_parallel || tp == 1 || (first_ == 0 && end_ == cfg_.n_layers),
+                 "sequence parallelism with a pipeline stage: a stage's input and output are "
+                 "whole on every rank");
   tp_ = tp > 1 ? group : nullptr;
   sp_ = tp_ && sequence_parallel;
   capacity_ = 0;  // the buffers are sized per rank

@@ -290,8 +290,11 @@ void validate_tensor_parallel(const RunConfig& c) {
     MOETRAIN_CHECK(!bad, "dist.tp = {} with {}: tensor parallelism does not run it yet; {}",
                    d.tp, what, "leave it at its default or set dist.tp = 1");
   };
-  refuse(d.pp > 1, fmt::format("dist.pp = {} (pipeline stages)", d.pp));
   refuse(c.train.device != "cpu", fmt::format("train.device = {}", c.train.device));
+  refuse(d.sequence_parallel && d.pp > 1,
+         fmt::format("dist.sequence_parallel = true and dist.pp = {} (a stage's input and output "
+                     "are whole on every rank)",
+                     d.pp));
   refuse(d.local_steps(), "dist.sync = params");
   refuse(d.zero > 1, fmt::format("dist.zero = {} (ZeRO-1 runs)", d.zero));
   refuse(d.offloaded(), "dist.offload = host_file");

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 #include "core/check.h"
 #include "core/dtype.h"
 #include "parallel/comm_on_thread.h"
@@ -23,49 +25,57 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
   // gradients reduce over its copies, its experts shard over EP groups of its copies and their
   // gradients reduce over the stage's EDP groups. control stays the world, so that losses, norms
   // and stop votes are agreed over every stage.
+  // Ranks in Megatron's order, tensor-parallel rank fastest: r = (replica · pp + stage) · tp + t.
+  // A tensor-parallel group is the neighbours of one (replica, stage); a pipe the ranks of one
+  // (replica, t), ordered by stage (each TP rank sends its own copy of the activation, the same
+  // on every rank of its group, to the peer with its t); a stage's copies are every rank of the
+  // stage, all of which hold MoE tokens.
+  const int W = world.size(), T = static_cast<int>(dist.tp), P = static_cast<int>(dist.pp);
+  MOETRAIN_CHECK(T >= 1 && W % T == 0,
+                 "dist.tp = {} tensor-parallel ranks need a multiple of {} processes, and this "
+                 "run has {}: start it with `moetrain launch -n {} -- train ...`",
+                 T, T, W, T);
+  const int t = world.rank() % T;
   Comm* over = &world;
   std::unique_ptr<Comm> copies;
-  if (dist.pp > 1) {
-    const int W = world.size(), P = static_cast<int>(dist.pp);
-    MOETRAIN_CHECK(W % P == 0,
-                   "dist.pp = {} pipeline stages need a multiple of {} processes, and this run "
+  if (P > 1) {
+    MOETRAIN_CHECK(W % (P * T) == 0,
+                   "dist.pp = {} pipeline stages{} need a multiple of {} processes, and this run "
                    "has {}: start it with `moetrain launch -n {} -- train ...` (or `mpirun -n {} "
                    "moetrain train ...`)",
-                   P, P, W, P, P);
-    // Expert parallelism runs inside a stage: its copies (one per pipeline) form EP groups as
-    // the processes of a run without stages do.
+                   P, T > 1 ? fmt::format(" of dist.tp = {} ranks each", T) : "", P * T, W,
+                   P * T, P * T);
+    // Expert parallelism runs inside a stage: its copies (one per pipeline and tensor-parallel
+    // rank) form EP groups as the processes of a run without stages do.
     MOETRAIN_CHECK((W / P) % dist.ep == 0,
                    "dist.ep = {} does not divide the {} processes of a pipeline stage (dist.pp = "
                    "{} over {} processes): each stage's copies form the expert-parallel groups; "
                    "use a dist.ep that divides {}",
                    dist.ep, W / P, P, W, W / P);
-    const int stage = world.rank() % P, replica = world.rank() / P;
-    copies = world.split(stage, replica, {"stage"});
+    const int stage = (world.rank() / T) % P, replica = world.rank() / (T * P);
+    copies = world.split(stage, replica * T + t, {"stage"});
     over = copies.get();
     out.pipe.stages = P, out.pipe.stage = stage;
     out.pipe.schedule = parse_pipe_schedule(dist.pp_schedule, "dist.pp_schedule");
     out.pipe.chunks_per_stage = dist.vp;
-    out.pipe.comm = world.split(replica, stage, {"pipe"});
-    out.pipe.replica = replica, out.pipe.replicas = W / P;
+    out.pipe.comm = world.split(replica * T + t, stage, {"pipe"});
+    out.pipe.replica = replica, out.pipe.replicas = W / (P * T);
   }
   std::unique_ptr<Comm> tp;
-  if (dist.tp > 1) {
-    // Tensor parallelism: every rank holds tokens for the MoE layers (a tensor-parallel group's
-    // ranks route a share of its batch each), so the process groups are the world's, as for
-    // data-parallel copies; the group's ranks are neighbours.
-    const int W = world.size(), P = static_cast<int>(dist.tp);
-    MOETRAIN_CHECK(W % P == 0,
-                   "dist.tp = {} tensor-parallel ranks need a multiple of {} processes, and this "
-                   "run has {}: start it with `moetrain launch -n {} -- train ...`",
-                   P, P, W, P);
-    tp = world.split(world.rank() / P, world.rank(), {"tensor"});
-  }
+  // Tensor parallelism: every rank holds tokens for the MoE layers (a tensor-parallel group's
+  // ranks route a share of its batch each), so the process groups are the world's (the stage's
+  // copies under dist.pp), as for data-parallel copies.
+  if (T > 1) tp = world.split(world.rank() / T, t, {"tensor"});
   out.groups =
       std::make_unique<ProcessGroups>(make_process_groups(*over, static_cast<int>(dist.ep)));
   if (copies) out.groups->control = world.dup("control");
   const ParallelLayout& pl = out.groups->layout;
   out.experts = {0, n_experts};
-  if (pl.world == 1) return out;
+  if (pl.world == 1) {
+    out.tp = std::move(tp);
+    out.pipe.tp = out.tp.get();
+    return out;
+  }
   if (has_moe_layers) out.experts = expert_shard(n_experts, pl.ep, pl.ep_index);
   // dist.ranks_per_node counts a node's processes. Under stages the exchange runs over a stage's
   // copies (world rank = pipeline · P + stage), of which a node holds R / P when it holds whole
@@ -86,7 +96,9 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
     epo.adaptive = route;
   }
   out.ep = make_expert_parallel(epo, *out.groups);
-  if (tp) out.tp = out.ep.comm_thread ? comm_on_thread(std::move(tp), *out.ep.comm_thread) : std::move(tp);
+  if (tp)
+    out.tp = out.ep.comm_thread ? comm_on_thread(std::move(tp), *out.ep.comm_thread) : std::move(tp);
+  out.pipe.tp = out.tp.get();
   return out;
 }
 

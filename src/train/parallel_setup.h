@@ -49,25 +49,30 @@ struct ReduceSettings {
 };
 
 // Where a process sits in a pipeline (dist.pp > 1; train/pipeline_step.h): world = replicas ×
-// stages, rank r = replica · stages + stage.
+// stages × dist.tp, rank r = (replica · stages + stage) · tp + t (t: the tensor-parallel rank).
 struct PipeSetup {
   int64_t stages = 1, stage = 0;
   PipeSchedule schedule = PipeSchedule::OneFOneB;
   int64_t chunks_per_stage = 1;  // dist.vp: model chunks a stage (the interleaved schedule)
-  std::unique_ptr<Comm> comm;  // the pipe's processes (rank q = stage q); null without stages
+  // The pipe's processes (rank q = stage q, all with this rank's t); null without stages.
+  std::unique_ptr<Comm> comm;
   int64_t replica = 0, replicas = 1;  // the pipe among the data-parallel copies of the model
+  // dist.tp > 1: the stage's tensor-parallel group (RunParallel::tp, which owns it), which every
+  // activation slot's model computes with; null otherwise.
+  Comm* tp = nullptr;
 };
 
 // The processes of a run and its experts over them (world = DP × dist.ep; with dist.pp > 1
-// the groups are the stage's copies and `control` is the world).
+// the groups are the stage's copies, every tensor-parallel rank of every pipeline, and `control`
+// is the world).
 struct RunParallel {
   std::unique_ptr<ProcessGroups> groups;
   ExpertShard experts;     // the experts this rank holds (every one on one process)
   ExpertParallelSetup ep;  // the expert exchange, its route and thread (empty on one process)
   PipeSetup pipe;
-  // dist.tp > 1: this rank's tensor-parallel group (ranks tp·i … tp·i + tp − 1, a model's copy
-  // run by tp processes on one batch; model/transformer.h), on the communication thread when
-  // there is one; null otherwise.
+  // dist.tp > 1: this rank's tensor-parallel group (ranks tp·i … tp·i + tp − 1, a model's copy,
+  // or under dist.pp a stage of it, run by tp processes on one batch; model/transformer.h), on
+  // the communication thread when there is one; null otherwise.
   std::unique_ptr<Comm> tp;
   // What the model's MoE layers run with: the exchange and statistics over every process holding
   // tokens, so balancing losses and capacities are the global batch's; local on one process.
@@ -76,7 +81,8 @@ struct RunParallel {
 };
 
 // Collective over world. has_moe_layers = false keeps every expert on every rank (nothing to
-// shard). dist.pp > 1 must divide the processes: world / dist.pp pipelines of dist.pp stages.
+// shard). dist.pp · dist.tp must divide the processes: world / (dist.pp · dist.tp) pipelines of
+// dist.pp stages of dist.tp ranks.
 RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_experts,
                               bool has_moe_layers);
 

@@ -91,6 +91,11 @@ PipelineRunner::PipelineRunner(PipeSetup setup, Transformer& model, const MoeCon
                  "pipeline stage {}: the model runs blocks [{}, {}), the stage's first chunk is "
                  "[{}, {})",
                  setup_.stage, model.stage_first(), model.stage_end(), first, end);
+  const int64_t tp = setup_.tp ? setup_.tp->size() : 1;
+  MOETRAIN_CHECK(model.tensor_parallel() == tp,
+                 "pipeline stage {}: the model computes with {} tensor-parallel ranks, the stage "
+                 "has {}",
+                 setup_.stage, model.tensor_parallel(), tp);
   slots_.resize(static_cast<std::size_t>(vp));
   model.set_split_backward(splits_backward());
 }
@@ -131,6 +136,7 @@ Transformer& PipelineRunner::slot_model(Transformer& model, int64_t j, int64_t k
     m->set_precision(model.precision());
     m->set_recompute(model.recompute());
     m->set_stage(first, end);
+    m->set_tensor_parallel(setup_.tp);
     m->set_split_backward(splits_backward());
     // The reduction's buckets follow whichever slot runs the step's last backward.
     m->set_grads_ready_hook(model.grads_ready_hook());

@@ -114,16 +114,18 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   writers_ = checkpoint_writers(layout, pg_->layout, cfg_.moe.n_experts);
   if (pipe_) {
     // Each stage writes its own tensors (as sharded files): the writers above are ranks of a
-    // stage's copies (every stage's groups have the same layout), and copy c of stage s is world
-    // rank c · stages + s. So an expert is written by a copy that holds it, as without stages.
+    // stage's copies (every stage's groups have the same layout), and copy c = replica · tp + t
+    // of stage s is world rank (replica · stages + s) · tp + t (train/parallel_setup.h). So an
+    // expert is written by a copy that holds it, as without stages.
     const auto& lm = dynamic_cast<const Transformer&>(model_);
     const std::vector<ParamInfo>& infos = layout.params();
     const auto P = static_cast<int>(pipe_->stages());
+    const int T = tp_size_;
     for (int s = 0; s < P; ++s)
       for (const FlatRange& r : pipe_stage_params(lm, P, pipe_->chunks_per_stage(), s))
         for (std::size_t i = 0; i < infos.size(); ++i)
           if (infos[i].offset >= r.offset && infos[i].offset < r.offset + r.size)
-            writers_[i] = writers_[i] * P + s;
+            writers_[i] = (writers_[i] / T * P + s) * T + writers_[i] % T;
   }
   schedule_ = std::make_unique<LrSchedule>(cfg_.optim.schedule_config(cfg_.total_steps));
   if (zero3_) {
@@ -148,7 +150,7 @@ void StepEngine::gather_params() {
 std::string StepEngine::describe_layout() const {
   const ParallelLayout& pl = pg_->layout;
   if (pipe_)
-    return fmt::format("{} processes: {} pipeline(s) x {} stages ({}{}), {} micro-batches a "
+    return fmt::format("{} processes: {} pipeline(s) x {} stages ({}{}){}, {} micro-batches a "
                        "step, {} activation slots on stage {}; a stage's {} copies: {} "
                        "data-parallel x {} expert-parallel ({} experts each)",
                        world_, pipe_->replicas(), pipe_->stages(),
@@ -156,6 +158,7 @@ std::string StepEngine::describe_layout() const {
                        pipe_->chunks_per_stage() > 1
                            ? fmt::format(", {} chunks a stage", pipe_->chunks_per_stage())
                            : "",
+                       tp_size_ > 1 ? fmt::format(" x {} tensor-parallel ranks", tp_size_) : "",
                        cfg_.micro_batches,
                        pipe_->slots(cfg_.micro_batches), pipe_->stage(), pl.world, pl.dp, pl.ep,
                        expert_shard_.count);
@@ -379,7 +382,9 @@ StepResult StepEngine::end_step(Accumulated& acc, const Timer& step_timer, doubl
                       .fp16 = scaler_ != nullptr,
                       .accuracy_rows = accuracy_rows,
                       .ep = pg_->layout.ep,
-                      .replicas = pipe_ ? replicas() : 0};
+                      // Under stages every tensor-parallel rank of the last stage counts its
+                      // copy's whole loss: the losses are a mean over the pipes.
+                      .replicas = pipe_ ? replicas() * tp_size_ : 0};
   r.metrics = finish_step(moe, cfg_.moe_layer, *pg_->control, acc, figures,
                           capacity_.empty() ? nullptr : &capacity_,
                           {.gating = gating_.empty() ? nullptr : &gating_,

@@ -156,7 +156,8 @@ TrainResult Trainer::run(int64_t stop_at) {
                                      : "",
         cfg_.train.grad_accum,
         engine_->step_count()));
-    if (pipe->replica() == 0 && pipe->stage() == 0 && !trace.spans.empty())
+    // One writer: world rank 0 (replica 0, stage 0, tensor-parallel rank 0).
+    if (rank() == 0 && !trace.spans.empty())
       write_trace(std::filesystem::path(cfg_.train.run_dir) / kPipelineTraceFile, trace);
   }
   if (!out.last_eval.is_null()) out.val_loss = out.last_eval.value("val_loss", -1.0);

@@ -68,10 +68,9 @@ class Trainer : private RunTask {
   const PipelineRunner* pipeline() const { return engine_->pipeline(); }
   int rank() const { return world_->rank(); }
   int world_size() const { return world_->size(); }
-  // The model's data-parallel copies and this rank's among them: the processes, or with dist.pp
-  // > 1 the pipelines (rank = copy · dist.pp + stage), whose stages all read the copy's batch.
-  // The model's copies reading different batches: a pipeline's stages and a tensor-parallel
-  // group's ranks read one.
+  // The model's data-parallel copies and this rank's among them, each reading its own batch:
+  // the processes, or the pipelines and tensor-parallel groups (rank = (copy · dist.pp + stage) ·
+  // dist.tp + t), whose stages and ranks all read the copy's batch.
   int data_replicas() const {
     return world_->size() / static_cast<int>(cfg_.dist.pp * cfg_.dist.tp);
   }

@@ -305,6 +305,14 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
   // The defaults (4 heads, 2 key-value heads, a vocabulary of 256) split over 2.
   load_run_config("", {"dist.tp=2"});
   load_run_config("", {"dist.tp=2", "dist.ep=2", "dist.zero=1", "train.recompute=full"});
+  // Pipeline stages of tensor-parallel groups (dist.pp × dist.tp processes a pipeline).
+  load_run_config("", {"model.n_layers=4", "train.grad_accum=2", "dist.tp=2", "dist.pp=2"});
+  expect_error(
+      [] {
+        load_run_config("", {"model.n_layers=4", "train.grad_accum=2", "dist.tp=2", "dist.pp=2",
+                             "dist.sequence_parallel=true"});
+      },
+      {"dist.tp = 2", "dist.sequence_parallel = true", "dist.pp = 2"});
   expect_error([] { load_run_config("", {"dist.tp=0"}); }, {"dist.tp = 0", "≥ 1"});
   expect_error([] { load_run_config("", {"dist.tp=4"}); },
                {"dist.tp = 4", "model.n_kv_heads = 2"});
@@ -314,7 +322,7 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
   expect_error([] { load_run_config("", {"dist.tp=2", "model.vocab_size=255"}); },
                {"dist.tp = 2", "model.vocab_size = 255"});
   for (const std::string& key :
-       {"dist.pp=2", "dist.zero=2", "dist.sync=params", "train.precision=fp16",
+       {"dist.zero=2", "dist.sync=params", "train.precision=fp16",
         "dist.grad_reduce_dtype=int8", "grad.sparse_ratio=0.5"}) {
     SCOPED_TRACE(key);
     expect_error(
