@@ -42,6 +42,10 @@ struct RowBlock {
 // over the cores.
 constexpr int64_t kRowBlock = 256;
 std::vector<RowBlock> row_blocks(const int64_t* M, int64_t G);
+// The same blocks in the order a dynamic schedule should hand them out: most rows first, so the
+// blocks left when the threads run out of work are the smallest. Blocks write disjoint rows, so
+// the order changes no result.
+void largest_first(std::vector<RowBlock>& blocks);
 
 // C_g (M_g, N) = A_g (M_g, K) · op(B_g) (K, N) [+ C_g], B_g = B + g·b_stride; rows packed group
 // after group, as grouped_gemm.
