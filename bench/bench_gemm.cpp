@@ -119,7 +119,7 @@ BENCHMARK(BM_onednn<float>)->Name("onednn/f32")->Apply(shapes);
 BENCHMARK(BM_ours<float>)->Name("ours/f32")->Apply(shapes);
 BENCHMARK(BM_onednn<bf16>)->Name("onednn/bf16")->Apply(shapes);
 BENCHMARK(BM_ours<bf16>)->Name("ours/bf16")->Apply(shapes);
-// Each group one multi-threaded oneDNN call, vs the experts' scheduler: 256-row tasks over the
+// Each group one multi-threaded oneDNN call, vs the experts' scheduler: 512-row tasks over the
 // threads, each a single-threaded oneDNN call (kernels/det_gemm.h).
 BENCHMARK(BM_grouped8<false>)->Name("ours/grouped8_f32")->Apply(shapes);
 BENCHMARK(BM_grouped8<true>)->Name("ours/grouped8_tasks_f32")->Apply(shapes);

@@ -1,5 +1,6 @@
 #include "kernels/det_gemm.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/buffer.h"
@@ -122,6 +123,11 @@ std::vector<RowBlock> row_blocks(const int64_t* M, int64_t G) {
   return blocks;
 }
 
+void largest_first(std::vector<RowBlock>& blocks) {
+  std::stable_sort(blocks.begin(), blocks.end(),
+                   [](const RowBlock& x, const RowBlock& y) { return x.rows > y.rows; });
+}
+
 void grouped_gemm_det(Trans tb, int64_t G, const int64_t* M, int64_t N, int64_t K, const float* A,
                       const float* B, int64_t b_stride, float* C, bool accumulate) {
   MOETRAIN_CHECK(N >= 0 && K >= 0, "grouped_gemm_det: negative size N={} K={}", N, K);
@@ -178,9 +184,20 @@ void grouped_gemm_reduce_det(int64_t G, const int64_t* M, const ReduceProblem* p
   const int64_t n = static_cast<int64_t>(tasks.size());
   int64_t R = 0;
   for (int64_t g = 0; g < G; ++g) R += M[g];
+  // Largest tasks first: the groups' row counts differ, and a large task handed out last leaves
+  // the other threads idle while it runs. Each task writes its own output, so the order in which
+  // tasks run does not change any result.
+  std::vector<int64_t> order(static_cast<std::size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&tasks, problems](int64_t x, int64_t y) {
+    auto work = [&](int64_t i) {
+      return tasks[i].rows.rows * problems[tasks[i].problem].P * problems[tasks[i].problem].Q;
+    };
+    return work(x) > work(y);
+  });
 #pragma omp parallel for schedule(dynamic, 1) if (!is_small_gemm(R, macs, 1))
   for (int64_t i = 0; i < n; ++i) {
-    const Task& t = tasks[i];
+    const Task& t = tasks[order[i]];
     const ReduceProblem& pr = problems[t.problem];
     float* out = t.partial < 0 ? pr.C + t.rows.group * pr.c_stride : partials + t.partial;
     reduce_task(pr, t.rows, out, t.partial < 0 && accumulate);

@@ -117,8 +117,9 @@ void experts_forward(float* y, const float* xp, const int64_t* counts, const Exp
   PhaseScope phase_scope(Phase::Experts);
   const int64_t G = w.count;
   MOETRAIN_CHECK(G >= 0 && C > 0 && F > 0, "experts_forward: count={} C={} F={}", G, C, F);
-  const std::vector<RowBlock> blocks = row_blocks(counts, G);
+  std::vector<RowBlock> blocks = row_blocks(counts, G);
   const int64_t R = blocks.empty() ? 0 : blocks.back().row0 + blocks.back().rows;
+  largest_first(blocks);
   if (R == 0) return;
   MOETRAIN_CHECK(w.w1 && w.w3 && w.w2 && y && xp,
                  "experts_forward: null weight or buffer for {} rows", R);
@@ -147,8 +148,9 @@ void experts_backward(float* dxp, const ExpertRange& dw, const float* dy, const 
   const int64_t G = w.count;
   MOETRAIN_CHECK(dw.count == G, "experts_backward: gradient range has {} experts, weights {}",
                  dw.count, G);
-  const std::vector<RowBlock> blocks = row_blocks(counts, G);
+  std::vector<RowBlock> blocks = row_blocks(counts, G);
   const int64_t R = blocks.empty() ? 0 : blocks.back().row0 + blocks.back().rows;
+  largest_first(blocks);
   if (R == 0) return;
   MOETRAIN_CHECK(dw.w1 && dw.w3 && dw.w2 && dxp && dy,
                  "experts_backward: null gradient or buffer for {} rows", R);

@@ -171,7 +171,7 @@ TEST_P(ExpertsTest, SameBitsWithOneOrTwoThreads) {
   EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
 }
 
-// Tiny shapes run as plain loops; the others through oneDNN in row blocks of up to 256 rows,
+// Tiny shapes run as plain loops; the others through oneDNN in row blocks of up to 512 rows,
 // and the last one reduces over more than 2048 rows in one expert.
 INSTANTIATE_TEST_SUITE_P(Shapes, ExpertsTest,
                          ::testing::Values(ExpertShape{{}, 6, 5}, ExpertShape{{0, 0}, 6, 5},
