@@ -99,8 +99,12 @@ TEST(PipelineTensorParallel, StagesOfTensorParallelGroupsFollowTheOneProcessRun)
             dist_world("pipeline_tp_run"));
     // Ranks (stage · tp + t): the stage is the rank's pair.
     EXPECT_EQ(got.stage, r / kTp);
-    if (schedule == "1f1b") EXPECT_EQ(got.slots, kStages - got.stage);
-    if (schedule == "gpipe") EXPECT_EQ(got.slots, kPipeAccum);
+    if (schedule == "1f1b") {
+      EXPECT_EQ(got.slots, kStages - got.stage);
+    }
+    if (schedule == "gpipe") {
+      EXPECT_EQ(got.slots, kPipeAccum);
+    }
     EXPECT_LE(max_param_diff(got, single.params), 1e-4);
     if (r == 0) {
       ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kPipeSteps));

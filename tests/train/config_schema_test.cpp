@@ -321,7 +321,7 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
                {"dist.tp = 2", "model.n_kv_heads = 3"});
   expect_error([] { load_run_config("", {"dist.tp=2", "model.vocab_size=255"}); },
                {"dist.tp = 2", "model.vocab_size = 255"});
-  for (const std::string& key :
+  for (const std::string key :
        {"dist.zero=2", "dist.sync=params", "train.precision=fp16",
         "dist.grad_reduce_dtype=int8", "grad.sparse_ratio=0.5"}) {
     SCOPED_TRACE(key);
