@@ -123,9 +123,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   const LoadModel& load = placed.load;
   Prediction p;
   p.layout = layout;
-  // Resolved from the config, so that whether the trainer runs the layout (trainer_runs) sees
-  // the ZeRO stage the run would have.
+  // Resolved from the config: the ZeRO stage the run would have.
   p.layout.zero = zero_stage(cfg, layout);
+  p.planner_only = planner_only(cfg, layout);
   const DType prec = cfg.train.precision_dtype();
   const int64_t B = cfg.train.batch_size, T = cfg.train.seq_len, A = cfg.train.grad_accum;
   const double N = static_cast<double>(B * T), C = m.dim, V = m.vocab_size;

@@ -89,6 +89,10 @@ struct Prediction {
   // got (ClusterSpec::compute_share); 1 elsewhere.
   double compute_share = 1;
   bool fits = true;
+  // Why `moetrain train` does not run the layout with the config (plan/layout.h planner_only);
+  // empty where it does.
+  std::string planner_only;
+  bool trainer_runs() const { return planner_only.empty(); }
   std::string a2a_kind;  // flat | hierarchical | deduplicated | none
   // dist.hierarchical as asked: flat where the EP group fits in one node, or without EP.
   bool hierarchical_asked = false;

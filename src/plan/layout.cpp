@@ -10,31 +10,49 @@
 
 namespace moetrain::plan {
 
-std::string pipeline_lacks(const Layout& l) {
-  if (l.pp <= 1) return {};
-  std::vector<std::string> with;
-  if (l.zero >= 2) with.push_back(fmt::format("with ZeRO-{}", l.zero));
-  std::string out;
-  for (size_t i = 0; i < with.size(); ++i) out += (i == 0 ? "" : ", ") + with[i];
-  return out;
+RunConfig trainer_config(const RunConfig& cfg, const Layout& l) {
+  RunConfig rc = cfg;
+  rc.dist.ep = l.ep, rc.dist.tp = l.tp, rc.dist.pp = l.pp, rc.dist.vp = l.vp;
+  if (l.pp > 1) rc.dist.pp_schedule = std::string(pipe_schedule_name(l.pipe_schedule()));
+  rc.dist.zero = zero_stage(cfg, l);
+  rc.train.recompute = recompute_mode(cfg, l);
+  if (l.offload) rc.dist.offload = *l.offload ? "host_file" : "none";
+  return rc;
 }
 
-std::string planner_only(const Layout& l) {
+std::string planner_only(const RunConfig& cfg, const Layout& l) {
   std::vector<std::string> lacks;
-  if (l.tp > 1) lacks.push_back("tensor parallelism");
   if (l.etp > 1) lacks.push_back("expert tensor parallelism");
-  if (const std::string p = pipeline_lacks(l); !p.empty())
-    lacks.push_back("pipeline parallelism " + p);
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
   if (l.a2a_overlap) lacks.push_back("all-to-all overlapped with another micro-batch");
   if (l.recompute_modules.any())
     lacks.push_back("selective recomputation (" + recompute_modules_name(l.recompute_modules) +
                     ")");
-  if (lacks.empty()) return {};
-  std::string list;
-  for (size_t i = 0; i < lacks.size(); ++i)
-    list += (i == 0 ? "" : i + 1 == lacks.size() ? " or " : ", ") + lacks[i];
-  return "planner only: moetrain train has no " + list + " yet";
+  if (!lacks.empty()) {
+    std::string list;
+    for (size_t i = 0; i < lacks.size(); ++i)
+      list += (i == 0 ? "" : i + 1 == lacks.size() ? " or " : ", ") + lacks[i];
+    return "planner only: moetrain train has no " + list + " yet";
+  }
+  const RunConfig rc = trainer_config(cfg, l);
+  try {
+    rc.model.check_trainable();
+    // Everything load_run_config checks but the offload directory, which validate_offload
+    // creates and probes: the planner writes nothing. What offload refuses of the other keys
+    // (tensor parallelism's, the pipeline's) is checked with it on; its device check comes before
+    // any file is touched.
+    RunConfig in_memory = rc;
+    in_memory.dist.offload = "none";
+    in_memory.validate();
+    if (rc.dist.offloaded()) {
+      validate_pipeline(rc);
+      validate_tensor_parallel(rc);
+      if (rc.train.device != "cpu") rc.dist.validate_offload(rc.train.run_dir, rc.train.device);
+    }
+  } catch (const Error& e) {
+    return fmt::format("planner only: {}", e.what());
+  }
+  return {};
 }
 
 RecomputeModules parse_recompute_modules(const std::string& list, const char* flag) {

@@ -18,7 +18,7 @@ namespace moetrain::plan {
 // chosen apart from the attention's (EP may exceed DP; ETP splits each expert's hidden size, as
 // TP splits the attention's heads). Tensor (tp, etp) and pipeline (pp,
 // with vp virtual stages per rank) parallelism are modelled simply (docs/plan.md), for published
-// runs that use them; the trainer runs tp = etp = 1 and the pipelines of pipeline_lacks.
+// runs that use them; which layouts the trainer runs, its own validation says (planner_only).
 struct Layout {
   int64_t procs = 1;
   int64_t ep = 1;
@@ -59,20 +59,22 @@ struct Layout {
   int64_t dp() const { return procs / pp / (ep * etp); }
 };
 
-// Why `moetrain train` cannot run this layout's pipeline ("with ZeRO-2"), empty where it can: the
-// trainer runs gpipe, 1f1b, interleaved (virtual stages: dist.vp) and zero_bubble pipelines, with
-// expert parallelism and ZeRO-1 inside each stage, not ZeRO-2/3 (dist.pp,
-// train/pipeline_step.h).
-std::string pipeline_lacks(const Layout& l);
-// Whether `moetrain train` runs this layout: tensor parallelism, the pipelines of pipeline_lacks,
-// the deduplicated all-to-all and selective recomputation are the planner's only.
-inline bool trainer_runs(const Layout& l) {
-  return l.tp == 1 && l.etp == 1 && pipeline_lacks(l).empty() && !l.a2a_dedup && !l.a2a_overlap &&
-         !l.recompute_modules.any();
+// The configuration `moetrain train` runs the layout with: cfg with dist.ep, dist.tp, dist.pp,
+// dist.vp and dist.pp_schedule of the layout, its ZeRO stage (dist.zero), recomputation
+// (train.recompute) and offload (dist.offload) where it sets them.
+RunConfig trainer_config(const RunConfig& cfg, const Layout& l);
+// Why `moetrain train` does not run this layout with this configuration, empty where it does:
+// "planner only: moetrain train has no X yet" for what it has no key for (expert tensor
+// parallelism, the deduplicated or overlapped all-to-all, selective recomputation), else the
+// trainer's own refusal of trainer_config (RunConfig::validate, with validate_pipeline and
+// validate_tensor_parallel; ModelConfig::check_trainable): "planner only: dist.tp = 2 with
+// dist.pp = 2 (pipeline stages): tensor parallelism does not run it yet; ...". The same checks
+// the trainer makes when it loads the configuration, so the two cannot disagree; what depends on
+// the process count (train/parallel_setup.cpp) is layout_problem's.
+std::string planner_only(const RunConfig& cfg, const Layout& l);
+inline bool trainer_runs(const RunConfig& cfg, const Layout& l) {
+  return planner_only(cfg, l).empty();
 }
-// "planner only: moetrain train has no tensor parallelism yet", naming what the trainer lacks;
-// empty where it runs the layout.
-std::string planner_only(const Layout& l);
 
 // "layernorm,moe_act" → both modules; "" → none. Any other name is refused, naming the value and
 // the allowed names (`flag` names the option in the message).

@@ -46,6 +46,7 @@ RankLayout rank_layout(const RunConfig& cfg, const Layout& layout, bool accelera
     if (prec != DType::F32) l.state = mixed_precision_state(cfg.optim.name, zero);
     l.whole_buffer = false;
     l.kept_backward_buffers = false;
+    l.whole_params_under_tp = false;  // Megatron's tensor parallelism
   }
   l.state.zero = zero;
   l.recompute = recompute_mode(cfg, layout);

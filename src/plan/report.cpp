@@ -111,7 +111,8 @@ nlohmann::json to_json(const Prediction& p) {
         {"buffers_bytes", m.buffers},
         {"total_bytes", m.total()},
         {"fits", p.fits}}},
-      {"trainer_runs", trainer_runs(p.layout)},
+      {"trainer_runs", p.trainer_runs()},
+      {"planner_only", p.planner_only},
       {"comm", comm_json(p.comm)},
   };
 }
@@ -274,9 +275,9 @@ std::string format_table(const std::vector<Prediction>& ps) {
       const std::string m = recompute_modules_name(p.layout.recompute_modules);
       return m.empty() ? std::string("none") : m;
     });
-  if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return !trainer_runs(p.layout); }))
+  if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return !p.trainer_runs(); }))
     row("trainer runs it", [](const Prediction& p) {
-      return trainer_runs(p.layout) ? "yes" : "no";
+      return p.trainer_runs() ? "yes" : "no";
     });
   row("step time ms", [](const Prediction& p) { return ms(p.step_time_s); });
   row("  attention ms", [](const Prediction& p) { return ms(p.parts.attention); });

@@ -133,7 +133,7 @@ std::string format_lines(const Sweep& sweep, const SweepResult& r) {
         sweep_label(sweep, r.points[i]), width, p.step_time_s * 1e3, p.tokens_per_s,
         p.tokens_per_s / static_cast<double>(p.layout.procs), p.mfu, p.utilisation,
         p.comm_efficiency, p.a2a_kind, p.memory.total() / 1073741824.0, p.fits ? "yes" : "NO",
-        trainer_runs(p.layout) ? "yes" : "no");
+        p.trainer_runs() ? "yes" : "no");
   }
   return out + "(every part of every layout: --json)\n";
 }
@@ -156,9 +156,9 @@ std::string format_sweep(const Sweep& sweep, const SweepResult& r) {
       out += fmt::format("best{}: {} ({:.0f} tokens/s, {:.2f} ms a step){}\n", at,
                          sweep_label(sweep, r.points[*b]), r.predictions[*b].tokens_per_s,
                          r.predictions[*b].step_time_s * 1e3,
-                         trainer_runs(r.predictions[*b].layout)
+                         r.predictions[*b].trainer_runs()
                              ? ""
-                             : "; " + planner_only(r.predictions[*b].layout));
+                             : "; " + r.predictions[*b].planner_only);
     else if (ran)
       out += fmt::format("best{}: none fits the device's memory\n", at);
   }
@@ -187,7 +187,7 @@ nlohmann::json sweep_json(const Sweep& sweep, const SweepResult& r) {
     nlohmann::json b = point_json(r.points[i]);
     b["step_time_s"] = r.predictions[i].step_time_s;
     b["tokens_per_s"] = r.predictions[i].tokens_per_s;
-    b["trainer_runs"] = trainer_runs(r.predictions[i].layout);
+    b["trainer_runs"] = r.predictions[i].trainer_runs();
     best.push_back(b);
   }
   for (size_t i = 0; i < r.skipped.size(); ++i) {

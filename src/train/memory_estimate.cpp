@@ -155,6 +155,50 @@ ParamCounts count_params(const ModelConfig& m) {
 
 namespace {
 
+// The MoE layers' part of activation_parts for N tokens (one process: no received rows): their
+// routing and router scores, routed rows and experts' intermediates as recompute mode r keeps
+// them, and under moe and full the shared working buffers.
+ActivationBytes moe_parts(const ModelConfig& m, int64_t N, Recompute r, DType lp) {
+  const int64_t C = m.dim, E = m.n_experts, K = m.top_k, F = m.expert_hidden;
+  const int64_t Fs = m.shared_expert_hidden, Lm = m.n_moe_layers(), R = N * K;
+  const int64_t f = 4, h = lp == DType::F32 ? 0 : 2;
+  auto inter_of = [&](int64_t rows_in, int64_t hidden) {
+    return h == 0 ? f * 3 * rows_in * hidden : (2 * f + h) * rows_in * hidden + h * rows_in * C;
+  };
+  const int64_t inter = inter_of(R, F) + (Fs > 0 ? inter_of(N, Fs) : 0);
+  const int64_t routing = N * K * (4 + 4 + 4) + f * N * E * 2 + f * N +
+                          (m.router == RouterKind::NoisyTopK ? f * 2 * N * E : 0);
+  const int64_t rows = f * 2 * R * C;
+  ActivationBytes a;
+  a.blocks = Lm * (routing + (r != Recompute::Full ? rows : 0) + (r == Recompute::None ? inter : 0));
+  if (r != Recompute::None && Lm > 0) a.once = inter + (r == Recompute::Full ? rows : 0);
+  return a;
+}
+
+}  // namespace
+
+ActivationBytes tp_activation_parts(const ModelConfig& m, int64_t B, int64_t T, Recompute r,
+                                    DType lp, int64_t tp) {
+  MOETRAIN_CHECK(tp >= 1, "tensor-parallel ranks {}: must be ≥ 1", tp);
+  if (tp == 1) return activation_parts(m, B, T, r, lp);
+  // The split tensors are those of a model with tp times fewer heads (of the same width), dense
+  // FFN hidden units and vocabulary columns (the engine refuses a tp that does not divide them).
+  ModelConfig s = m;
+  s.head_size = m.head_dim();
+  s.n_heads /= tp, s.n_kv_heads /= tp;
+  s.dense_hidden = std::max<int64_t>(m.dense_ffn_hidden() / tp, 1);
+  s.vocab_size /= tp;
+  ActivationBytes a = activation_parts(s, B, T, r, lp);
+  // Its MoE layers hold their part for the first rank's share of the tokens, the largest.
+  const int64_t N = B * T, Nl = (N + tp - 1) / tp;
+  const ActivationBytes all = moe_parts(m, N, r, lp), mine = moe_parts(m, Nl, r, lp);
+  a.blocks += mine.blocks - all.blocks;
+  a.once += mine.once - all.once;
+  return a;
+}
+
+namespace {
+
 // Activation bytes one rank keeps for a micro-batch of N = batch · seq_len tokens: what the model
 // holds after a forward (activation_parts, model/activation_bytes.h: the one formula, which
 // tests/model/recompute_test.cpp checks against the model's own count), and what this trainer's
@@ -172,8 +216,13 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
   // the weights); a GPU trainer keeps every activation at l.activation_bytes instead of f32. The
   // expert exchange's received rows are among the buffers (rank_memory), so the layers count as
   // on one process.
-  const ActivationBytes fwd = activation_parts(m, batch, seq_len, l.recompute,
-                                               l.state.copy > 0 ? DType::BF16 : DType::F32);
+  const DType lp = l.state.copy > 0 ? DType::BF16 : DType::F32;
+  const bool engine_tp = l.whole_params_under_tp && l.tp > 1;
+  const ActivationBytes fwd = engine_tp
+                                  ? tp_activation_parts(m, batch, seq_len, l.recompute, lp, l.tp)
+                                  : activation_parts(m, batch, seq_len, l.recompute, lp);
+  // The engine's tensor parallelism: the MoE layers' tokens and the split tensors' share.
+  const double share = engine_tp ? 1 / static_cast<double>(l.tp) : 1.0;
   const double ab = l.activation_bytes;
   double layers = ab / 4 * static_cast<double>(fwd.blocks);
   double once = ab / 4 * static_cast<double>(fwd.once);
@@ -183,7 +232,8 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
     // the buffers) and the experts' intermediates' gradients (3 K F, the shared expert's 3 Fs),
     // of a dense layer its FFN's (3 Fd); once the logits' gradients and the model's backward
     // rows, the d* buffers every block's backward writes (about 22 C a token, measured).
-    const double rows = 2 * K * C, inter = 3 * K * F + 3 * Fs, dense = 3 * Fd;
+    const double rows = 2 * K * C * share, inter = (3 * K * F + 3 * Fs) * share;
+    const double dense = 3 * Fd * share;
     switch (l.recompute) {
       case Recompute::None:
         layers += ab * N * (Lm * (rows + inter) + Ld * dense);
@@ -196,7 +246,7 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
         once += ab * N * std::max(Lm > 0 ? rows + inter : 0.0, Ld > 0 ? dense : 0.0);
         break;
     }
-    once += ab * N * (V + 22 * C);
+    once += ab * N * (V * share + 22 * C);
   }
   // A pipeline stage holds its L / pp layers' activations for each micro-batch in flight.
   if (l.pp > 1)
@@ -215,8 +265,9 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
     once += static_cast<double>(d.blocks) +
             static_cast<double>(l.pp) * static_cast<double>(d.once);
   }
-  // Tensor parallelism shards them (taken as all of them: sequence parallelism).
-  return (layers + once) / static_cast<double>(l.tp);
+  // Megatron's tensor parallelism shards them (taken as all of them: sequence parallelism); the
+  // engine's split is in fwd and share above.
+  return (layers + once) / (engine_tp ? 1.0 : static_cast<double>(l.tp));
 }
 
 }  // namespace
@@ -233,11 +284,13 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
   const double ep = static_cast<double>(l.ep), etp = static_cast<double>(l.etp);
   // Each rank owns E / ep experts of each MoE layer, 1 / etp of each (and steps them); spare
   // replica slots hold copies of others' experts, which it computes with but does not step.
-  const double dense_local = pc.dense / (tp * pp);
+  const double dense_local = pc.dense / static_cast<double>(l.dense_split());
+  const double dense_tp = l.whole_params_under_tp ? 1.0 : tp;
   const double expert_owned = pc.expert / ep / etp / pp;
   const double slots = l.ep > 1 ? static_cast<double>(l.spare_slots) : 0.0;
   const double expert_held = expert_owned + pc.expert / E * slots / pp;
-  const MemoryEstimate dense = state_memory(l.state, dense_local, static_cast<double>(l.stage()));
+  const MemoryEstimate dense =
+      state_memory(l.state, dense_local, static_cast<double>(l.dense_ranks()));
   const MemoryEstimate expert = state_memory(l.state, expert_owned, static_cast<double>(l.dp()));
   const MemoryEstimate held = state_memory(l.state, expert_held - expert_owned, 1);
   MemoryEstimate e;
@@ -256,9 +309,9 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
       const double held_share = 1 / (ep * etp) + slots / E;
       std::vector<double> unit, outside;
       for (const ParamCounts& u : unit_params(m)) {
-        unit.push_back(u.dense / tp + u.expert * held_share);
+        unit.push_back(u.dense / dense_tp + u.expert * held_share);
         // What a gather adds: the unit's elements outside this rank's shard (its own are resident).
-        outside.push_back(u.dense / tp * (1 - 1 / static_cast<double>(l.stage())) +
+        outside.push_back(u.dense / dense_tp * (1 - 1 / static_cast<double>(l.dense_ranks())) +
                           u.expert * held_share * (1 - 1 / static_cast<double>(l.dp())));
       }
       const double largest = *std::max_element(unit.begin(), unit.end());
@@ -301,7 +354,7 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
     // This trainer's gradient reduction (parallel/grad_sync.h): the reduced shard of every bucket
     // (this rank's share of the dense gradients and of its experts'), one bucket packed for the
     // wire and as much again inside MPI (its nonblocking reduction's temporary; measured).
-    e.buffers += l.state.grad * (dense_local / static_cast<double>(l.stage()) +
+    e.buffers += l.state.grad * (dense_local / static_cast<double>(l.dense_ranks()) +
                                  expert_owned / static_cast<double>(l.dp()));
     double packed = std::min(std::max(l.bucket_first_bytes, l.bucket_bytes),
                              l.state.grad * (dense_local + expert_owned));
@@ -310,9 +363,10 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
   }
   if (l.ep > 1 && l.whole_buffer) {
     // The expert exchange's rows in flight on both sides (parallel/mpi_exchange.h), each way:
-    // about 4 K C floats a token per MoE layer at an even load (measured).
+    // about 4 K C floats a token per MoE layer at an even load (measured); a tensor-parallel rank
+    // routes 1/tp of its batch's tokens.
     e.buffers += 4 * static_cast<double>(m.top_k * m.dim) *
-                 static_cast<double>(batch * seq_len * m.n_moe_layers()) * l.activation_bytes;
+                 static_cast<double>(batch * seq_len * m.n_moe_layers()) * l.activation_bytes / tp;
   }
   e.baseline = l.baseline;
   return e;
@@ -345,6 +399,10 @@ RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) 
       l.pipe_in_flight = static_cast<double>(most) / static_cast<double>(cfg.dist.vp);
     }
   }
+  // Tensor parallelism (a dist.tp that does not divide the processes is refused where the groups
+  // are made): the engine's, whole parameters on every rank.
+  if (world % cfg.dist.tp == 0) l.tp = cfg.dist.tp;
+  l.whole_params_under_tp = true;
   l.spare_slots = cfg.placement.spare_slots;
   const DType prec = cfg.train.precision_dtype();
   l.state = trainer_state(cfg.optim.name, prec == DType::F32 ? 0 : static_cast<int>(dtype_size(prec)),

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "model/classifier.h"
+#include "model/activation_bytes.h"
 #include "model/config.h"
 #include "moe/recompute.h"
 #include "train/run_config.h"
@@ -77,7 +78,14 @@ struct RankLayout {
   int64_t ep = 1;           // expert-parallel group size: E / ep experts owned per rank
   int64_t etp = 1;          // expert tensor parallelism: 1 / etp of each owned expert (planner)
   int64_t spare_slots = 0;  // placement.spare_slots: replica slots per rank (with ep > 1)
-  int64_t tp = 1, pp = 1;   // tensor and pipeline parallelism (the planner's only)
+  int64_t tp = 1, pp = 1;   // tensor and pipeline parallelism
+  // Tensor parallelism as this engine runs it (dist.tp, Transformer::set_tensor_parallel): every
+  // rank keeps the whole parameters, gradients and (ZeRO sharding it over every rank) optimizer
+  // state; of the activations 1/tp of q, k, v, the attention's output, the dense FFNs' hidden
+  // units and the logits, the residual stream and the norms whole, the MoE layers on 1/tp of the
+  // tokens (tp_activation_parts). false: Megatron's with sequence parallelism, 1/tp of the dense
+  // weights and their state and of every activation (the planner's for GPU trainers).
+  bool whole_params_under_tp = false;
   // Micro-batches whose activations of the stage's L / pp layers the first stage holds at
   // once (parallel/pipeline_schedule.h, PipeTimeline::peak_in_flight); 0: pp, as 1F1B.
   double pipe_in_flight = 0;
@@ -100,6 +108,9 @@ struct RankLayout {
   double bucket_first_bytes = 1 << 20, bucket_bytes = 25 << 20;
   double baseline = 0;  // the process's resident bytes before the run's allocations
   int64_t stage() const { return world / (tp * pp); }  // ranks holding the same dense shard
+  // Ranks a dense tensor's ZeRO state is sharded over, and the parts its weights are cut into.
+  int64_t dense_ranks() const { return whole_params_under_tp ? world / pp : stage(); }
+  int64_t dense_split() const { return whole_params_under_tp ? pp : tp * pp; }
   int64_t dp() const { return world / pp / (ep * etp); }  // replicas of each expert shard
 };
 
@@ -112,8 +123,16 @@ struct RankLayout {
 MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                            const RankLayout& l);
 
+// The activations one rank of a tensor-parallel group of tp ranks holds after a training
+// forward, as the engine splits them (Transformer::set_tensor_parallel; activation_parts at
+// tp = 1): attention heads, dense FFN hidden units and vocabulary columns 1/tp, each MoE layer's
+// routing, rows and intermediates for N / tp of the N = B·T tokens (dropless, expert parallelism
+// not counted: its received rows are buffers), the rest whole.
+ActivationBytes tp_activation_parts(const ModelConfig& m, int64_t B, int64_t T, Recompute r,
+                                    DType lp, int64_t tp);
+
 // The layout `moetrain train` runs a config with on `world` processes: dist.ep, dist.zero,
-// dist.pp and its schedule, placement.spare_slots, the precision's copy, dist.bucket_*; `baseline` the process's resident
+// dist.pp and its schedule, dist.tp (whole_params_under_tp), placement.spare_slots, the precision's copy, dist.bucket_*; `baseline` the process's resident
 // bytes before the run's allocations.
 RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline);
 

@@ -83,10 +83,11 @@ TEST(PlanExchange, DeduplicatedExchangeIsWhatTheStepPays) {
   EXPECT_LT(pd.parts.a2a, pf.parts.a2a);
   EXPECT_NEAR(pd.comm.a2a_exchanges * pd.comm.a2a_deduplicated.seconds(), pd.parts.a2a,
               1e-9 * pd.parts.a2a);
-  EXPECT_FALSE(trainer_runs(dedup));
+  EXPECT_FALSE(trainer_runs(cfg, dedup));
+  EXPECT_FALSE(pd.trainer_runs());
   Layout zero3 = flat;  // fully sharded: the trainer runs it (dist.zero = 3)
   zero3.zero = 3;
-  EXPECT_TRUE(trainer_runs(zero3));
+  EXPECT_TRUE(trainer_runs(cfg, zero3)) << planner_only(cfg, zero3);
   // Node-limited routing (8 groups, one a node; a token in at most 2) sends less again.
   cfg.model.route_groups = 8;
   cfg.model.route_group_topk = 2;
@@ -191,8 +192,8 @@ TEST(PlanExchange, OverlapWithAnotherMicroBatchByHand) {
   EXPECT_DOUBLE_EQ(other_microbatch_hidden(on, s, 1, false), 0);  // one micro-batch
   EXPECT_DOUBLE_EQ(other_microbatch_hidden(on, s, 4, true), 0);   // communication takes a core
   EXPECT_DOUBLE_EQ(other_microbatch_hidden(Layout{8, 8}, s, 4, false), 0);  // not asked
-  EXPECT_FALSE(trainer_runs(on));
-  EXPECT_NE(planner_only(on).find("all-to-all overlapped with another micro-batch"),
+  EXPECT_FALSE(trainer_runs(RunConfig{}, on));
+  EXPECT_NE(planner_only(RunConfig{}, on).find("all-to-all overlapped with another micro-batch"),
             std::string::npos);
 }
 

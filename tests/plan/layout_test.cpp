@@ -174,8 +174,8 @@ TEST(PlanLayout, ExpertTensorParallelSplitsEachExpertAndGathersItsRows) {
   const Memory whole = memory_per_device(cfg, {.procs = 8, .ep = 4}, true);
   EXPECT_LT(half.params, whole.params);
   EXPECT_GT(half.activations, whole.activations);
-  EXPECT_FALSE(trainer_runs(etp2));
-  EXPECT_NE(planner_only(etp2).find("expert tensor parallelism"), std::string::npos);
+  EXPECT_FALSE(trainer_runs(cfg, etp2));
+  EXPECT_NE(planner_only(cfg, etp2).find("expert tensor parallelism"), std::string::npos);
   // Refused by name: EP × ETP not dividing the stage's ranks, ETP not dividing the experts'
   // hidden size (1024), ETP without experts.
   EXPECT_NE(layout_problem(cfg, c, {.procs = 8, .ep = 8, .etp = 2}).find("--etp 2"),
@@ -207,42 +207,59 @@ TEST(PlanLayout, PipelineShapeIsPartOfTheLayoutCheck) {
   EXPECT_EQ(layout_problem(cfg, c, interleaved), "");
 }
 
-// The trainer runs gpipe, 1f1b, interleaved (virtual stages) and zero_bubble pipelines, with
-// expert parallelism and ZeRO-1 inside the stages, not ZeRO-2/3; the planner says which of these
-// a layout has.
-TEST(PlanLayout, TheTrainersPipelinesAreNamed) {
+// The trainer runs gpipe, 1f1b, interleaved (virtual stages) and zero_bubble pipelines with
+// expert parallelism and ZeRO-1 or 2 inside the stages, and tensor parallelism without stages
+// with ZeRO ≤ 1; what it refuses, the planner says in the trainer's words (its validation).
+// tests/plan/trainer_runs_test.cpp checks every layout of a grid against load_run_config.
+TEST(PlanLayout, TheTrainersLayoutsAreNamed) {
+  const RunConfig cfg = run(4);
+  auto refused = [&](const Layout& l) {
+    const std::string why = planner_only(cfg, l);
+    EXPECT_EQ(why.rfind("planner only: ", 0), 0u) << why;
+    return why;
+  };
   Layout l{.procs = 4, .ep = 1, .pp = 2};
-  EXPECT_TRUE(trainer_runs(l));
+  EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
   l.schedule = PipeSchedule::GPipe;
-  EXPECT_TRUE(trainer_runs(l));
   l.ep = 2;
-  EXPECT_TRUE(trainer_runs(l));
-  EXPECT_EQ(planner_only(l), "");
-  l.schedule = PipeSchedule::OneFOneB;
-  EXPECT_TRUE(trainer_runs(l));
-  l.zero = 1;
-  EXPECT_TRUE(trainer_runs(l));
+  EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
   l.zero = 2;
-  EXPECT_FALSE(trainer_runs(l));
-  EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism with "
-                             "ZeRO-2 yet");
+  EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
+  l.zero = 3;
+  EXPECT_EQ(refused(l),
+            "planner only: dist.pp = 2 with dist.zero = 3 (ZeRO-1 and 2 run): the pipeline "
+            "executor does not run it yet; leave it at its default or set dist.pp = 1");
   l = {.procs = 4, .ep = 2, .pp = 2, .vp = 2};
-  EXPECT_EQ(l.pipe_schedule(), PipeSchedule::Interleaved);
-  EXPECT_TRUE(trainer_runs(l));
-  EXPECT_EQ(planner_only(l), "");
-  l.zero = 1;
-  EXPECT_TRUE(trainer_runs(l));
   l.zero = 2;
-  EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism with "
-                             "ZeRO-2 yet");
+  EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
   l = {.procs = 4, .ep = 1, .pp = 2};
   l.schedule = PipeSchedule::ZeroBubble;
+  l.recompute = Recompute::Moe;
+  EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
+  l.recompute = Recompute::Full;
+  EXPECT_NE(refused(l).find("dist.pp_schedule = zero_bubble and train.recompute = full"),
+            std::string::npos);
+  // Tensor parallelism: without stages, with expert parallelism folded over TP × DP and ZeRO-1.
+  l = {.procs = 4, .ep = 4, .tp = 2};
   l.zero = 1;
-  EXPECT_TRUE(trainer_runs(l));
-  EXPECT_EQ(planner_only(l), "");
+  EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
+  l.recompute = Recompute::Full;
+  EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
   l.zero = 2;
-  EXPECT_EQ(planner_only(l), "planner only: moetrain train has no pipeline parallelism with "
-                             "ZeRO-2 yet");
+  EXPECT_EQ(refused(l),
+            "planner only: dist.tp = 2 with dist.zero = 2 (ZeRO-1 runs): tensor parallelism does "
+            "not run it yet; leave it at its default or set dist.tp = 1");
+  l.zero = 1;
+  l.offload = true;
+  EXPECT_NE(refused(l).find("dist.tp = 2 with dist.offload = host_file"), std::string::npos);
+  l = {.procs = 4, .ep = 1, .tp = 2, .pp = 2};
+  EXPECT_NE(refused(l).find("dist.tp = 2 with dist.pp = 2 (pipeline stages)"), std::string::npos);
+  // What the trainer refuses of the configuration itself, whatever the layout.
+  RunConfig fp16 = cfg;
+  fp16.train.precision = Precision::FP16;
+  EXPECT_NE(planner_only(fp16, {.procs = 2, .ep = 1, .tp = 2}).find("train.precision = fp16"),
+            std::string::npos);
+  EXPECT_TRUE(trainer_runs(fp16, {.procs = 2, .ep = 2}));
 }
 
 TEST(PlanLayout, OversubscribedProcessesGetTheirShareOfTheCores) {

@@ -144,9 +144,9 @@ TEST(PlanMemory, SelectiveRecomputationDropsNormsAndExpertActivations) {
   const Prediction m = predict(cfg, c, moe, uniform_load(8));
   EXPECT_LT(ng.step_time_s, m.step_time_s);
   // The engine has no such mode: the layout is the planner's only, and says so.
-  EXPECT_TRUE(trainer_runs(a.layout));
-  EXPECT_FALSE(trainer_runs(ng.layout));
-  EXPECT_EQ(planner_only(ng.layout),
+  EXPECT_TRUE(a.trainer_runs()) << a.planner_only;
+  EXPECT_FALSE(ng.trainer_runs());
+  EXPECT_EQ(ng.planner_only,
             "planner only: moetrain train has no selective recomputation (layernorm,moe_act) yet");
 }
 

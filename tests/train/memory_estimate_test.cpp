@@ -161,6 +161,38 @@ TEST(MemoryEstimate, RankStateUnderExpertParallelismByZeroStage) {
   EXPECT_DOUBLE_EQ(offloaded.parameters, resident.parameters);
 }
 
+// dist.tp as the engine runs it: every rank of a tensor-parallel pair keeps the whole parameters,
+// gradients and optimizer state (ZeRO-1 shards the state over all 4 ranks, as for 4 data-parallel
+// ranks) and fewer activations; Megatron's tensor parallelism (the planner's for GPU trainers)
+// keeps half the dense weights' state instead.
+TEST(MemoryEstimate, EngineTensorParallelKeepsWholeParametersAndFewerActivations) {
+  RunConfig cfg;
+  cfg.model = hand_counted_model();
+  cfg.train.batch_size = 2, cfg.train.seq_len = 8;
+  cfg.train.precision = Precision::F32;
+  const ModelConfig& m = cfg.model;
+  for (int zero = 0; zero <= 1; ++zero) {
+    cfg.dist.zero = zero;
+    cfg.dist.tp = 1;
+    const RankLayout dp = trainer_layout(cfg, 4, 0);
+    cfg.dist.tp = 2;
+    const RankLayout tp = trainer_layout(cfg, 4, 0);
+    ASSERT_EQ(tp.tp, 2);
+    ASSERT_TRUE(tp.whole_params_under_tp);
+    const MemoryEstimate a = rank_memory(m, 2, 8, dp), b = rank_memory(m, 2, 8, tp);
+    EXPECT_DOUBLE_EQ(b.parameters, a.parameters) << zero;
+    EXPECT_DOUBLE_EQ(b.gradients, a.gradients) << zero;
+    EXPECT_DOUBLE_EQ(b.optimizer, a.optimizer) << zero;
+    EXPECT_DOUBLE_EQ(b.optimizer, zero == 1 ? 8 * (744 + 1152) / 4.0 : 8 * (744 + 1152.0)) << zero;
+    EXPECT_LT(b.activations, a.activations) << zero;
+    RankLayout megatron = tp;
+    megatron.whole_params_under_tp = false;
+    const MemoryEstimate c = rank_memory(m, 2, 8, megatron);
+    if (zero == 0) EXPECT_DOUBLE_EQ(c.optimizer, 8 * (744 / 2.0 + 1152));
+    EXPECT_LT(c.activations, b.activations) << zero;
+  }
+}
+
 // ZeRO-3's gathered units peak at the larger of the embedding with block 0, two neighbouring
 // blocks, and the last block with the head; each block as this rank holds it (its dense tensors
 // and its E/ep experts), and of each gathered unit only what lies outside the rank's shard (its
