@@ -295,6 +295,10 @@ void validate_tensor_parallel(const RunConfig& c) {
          fmt::format("dist.sequence_parallel = true and dist.pp = {} (a stage's input and output "
                      "are whole on every rank)",
                      d.pp));
+  // Expert parallelism inside the stages of tensor-parallel groups is not tested yet.
+  refuse(d.pp > 1 && d.ep > 1,
+         fmt::format("dist.pp = {} and dist.ep = {} (experts inside tensor-parallel stages)", d.pp,
+                     d.ep));
   refuse(d.local_steps(), "dist.sync = params");
   refuse(d.zero > 1, fmt::format("dist.zero = {} (ZeRO-1 runs)", d.zero));
   refuse(d.offloaded(), "dist.offload = host_file");

@@ -86,7 +86,8 @@ TEST(PipelineTensorParallel, StagesOfTensorParallelGroupsFollowTheOneProcessRun)
       {"1f1b", {"dist.overlap=false"}},
       {"gpipe", {"dist.overlap=true"}},
       {"zero_bubble", {"dist.overlap=true"}},
-      {"interleaved", {"dist.overlap=true", "dist.vp=2"}}};
+      {"interleaved", {"dist.overlap=true", "dist.vp=2"}},
+      {"1f1b", {"dist.zero=1"}}};  // ZeRO-1 over the stage's copies: "1f1b_1"
   PipeOutcome overlapped;
   for (const auto& [schedule, keys] : variants) {
     const std::string name = schedule + "_" + keys[0].substr(keys[0].find('=') + 1);

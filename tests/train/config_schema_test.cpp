@@ -313,6 +313,12 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
                              "dist.sequence_parallel=true"});
       },
       {"dist.tp = 2", "dist.sequence_parallel = true", "dist.pp = 2"});
+  expect_error(
+      [] {
+        load_run_config("", {"model.n_layers=4", "train.grad_accum=2", "dist.tp=2", "dist.pp=2",
+                             "dist.ep=2"});
+      },
+      {"dist.tp = 2", "dist.pp = 2 and dist.ep = 2"});
   expect_error([] { load_run_config("", {"dist.tp=0"}); }, {"dist.tp = 0", "≥ 1"});
   expect_error([] { load_run_config("", {"dist.tp=4"}); },
                {"dist.tp = 4", "model.n_kv_heads = 2"});
