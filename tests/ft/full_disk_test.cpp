@@ -68,7 +68,8 @@ TEST(FullDisk, AFailedEventOrCheckpointWriteStopsTheRunNamingTheFile) {
     std::string names;
   };
   const std::vector<Case> cases = {
-      {3000, {"--set", "train.tensorboard=true"}, "events.out.tfevents."},
+      // run_config.json (about 3 KB) fits under 4500 bytes; the event file reaches it soon.
+      {4500, {"--set", "train.tensorboard=true"}, "events.out.tfevents."},
       {60000,
        {"--set", "train.tensorboard=false", "--set", "train.checkpoint_every=2"},
        "model.safetensors"}};
