@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "train/host_memory.h"
 #include "model/classifier.h"
 #include "model/activation_bytes.h"
 #include "model/config.h"
@@ -144,12 +145,6 @@ MemoryEstimate estimate_memory(const ClassifierConfig& m, int64_t batch);
 // A loaded model that only runs forward (forward, eval, sample): its parameters and one batch's
 // activations; no gradients, moments or copies.
 MemoryEstimate estimate_inference_memory(const ModelConfig& m, int64_t batch, int64_t seq_len);
-
-// What this process may use: /proc/meminfo's MemAvailable, or its memory cgroup's limit less its
-// usage when lower (cgroup v2 memory.max; v1 memory.limit_in_bytes of the group /proc/self/cgroup
-// names and of its parents). `source` says which; `own_group`, whether that limit is a cgroup's
-// holding this process alone (a memory cgroup per rank). < 0 when neither can be read.
-double available_memory(std::string* source = nullptr, bool* own_group = nullptr);
 
 // Throws when `processes` processes of this estimate (the ones on this machine) exceed the
 // available memory, naming both figures per rank and what the estimate counts. `remedy` says what to make

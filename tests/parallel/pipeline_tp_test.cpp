@@ -58,13 +58,7 @@ PipeOutcome run(const RunConfig& cfg, std::unique_ptr<Comm> world, bool resume =
 // The largest difference of a held value from the reference, relative to the largest held
 // reference value.
 double max_param_diff(const PipeOutcome& got, const std::vector<float>& ref) {
-  double worst = 0, scale = 1e-30;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    if (!got.held[i]) continue;
-    worst = std::max(worst, std::abs(double(got.params[i]) - ref[i]));
-    scale = std::max(scale, std::abs(double(ref[i])));
-  }
-  return worst / scale;
+  return max_rel_diff_held(got.params, ref, got.held);
 }
 
 }  // namespace

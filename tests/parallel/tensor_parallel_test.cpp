@@ -103,13 +103,7 @@ Outcome run_tp(const fs::path& data, const fs::path& run, const std::vector<std:
 }
 
 double max_param_diff(const Outcome& got, const std::vector<float>& ref) {
-  double worst = 0, scale = 1e-30;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    if (!got.held[i]) continue;
-    worst = std::max(worst, std::abs(double(got.params[i]) - ref[i]));
-    scale = std::max(scale, std::abs(double(ref[i])));
-  }
-  return worst / scale;
+  return max_rel_diff_held(got.params, ref, got.held);
 }
 
 void expect_follows_single(const std::string& name, const std::vector<std::string>& extra) {

@@ -3,6 +3,7 @@
 // their bits between two runs.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -30,6 +31,18 @@ inline int64_t differ_held(const std::vector<float>& a, const std::vector<float>
   for (std::size_t i = 0; i < held.size(); ++i)
     n += held[i] && std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
   return n;
+}
+
+// The largest difference over the held values of a from b, over b's largest magnitude there.
+inline double max_rel_diff_held(const std::vector<float>& a, const std::vector<float>& b,
+                                const std::vector<char>& held) {
+  double worst = 0, scale = 1e-30;
+  for (std::size_t i = 0; i < held.size(); ++i) {
+    if (!held[i]) continue;
+    worst = std::max(worst, std::abs(double(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(double(b[i])));
+  }
+  return worst / scale;
 }
 
 }  // namespace moetrain::testing
