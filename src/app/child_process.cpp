@@ -32,6 +32,11 @@ pid_t spawn(const std::vector<std::string>& args, int omp_threads, bool on_path)
     // alone (their own process group): the launcher decides how the job stops.
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     setpgid(0, 0);
+    // The mask survives exec: a child forked while the stop signals are blocked here
+    // (StopSignals) would never see them.
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
     if (getenv("OMP_NUM_THREADS") == nullptr) setenv("OMP_NUM_THREADS", threads.c_str(), 1);
     if (on_path) execvp(argv[0], argv.data());
     else execv("/proc/self/exe", argv.data());

@@ -9,7 +9,9 @@
 
 namespace moetrain {
 
-// Installs the handlers for the life of the object and restores the previous ones after it.
+// Installs the handlers for the life of the object and restores the previous ones after it. The
+// installing thread and the OpenMP pool block the signals meanwhile; a thread of their own takes
+// them (stop_signal.cpp says why).
 class StopSignals {
  public:
   StopSignals();
