@@ -75,6 +75,7 @@ struct Outcome {
   std::vector<char> held;
   std::vector<float> biases;  // every MoE layer's router bias, layer after layer
   std::vector<double> losses, val_losses, grad_norms;  // rank 0 only
+  double frozen = 0;  // rank 0: Σ over the steps of the experts the sparse-experts mask froze
 };
 
 Outcome finish(Trainer& t, const fs::path& run) {
@@ -84,6 +85,7 @@ Outcome finish(Trainer& t, const fs::path& run) {
   if (t.rank() == 0) {
     o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
     o.grad_norms = metric(run, "grad_norm");
+    for (double f : metric(run, "experts_frozen")) o.frozen += f;
   }
   return o;
 }
@@ -192,7 +194,24 @@ Outcome expect_follows_single(const std::string& name, const std::vector<std::st
 // lr a step ((1 − β1) < √(1 − β2)): warm-up 1e-3, 2e-3, then ≤ 3e-3, Σ lr < 0.057 over 20
 // steps, so two runs part by < 0.114, 0.11 of the largest parameter (1.03, a norm weight).
 TEST(TensorParallelGrads, Int8ReductionFollowsTheOneProcessRun) {
-  expect_follows_single("int8", {"dist.grad_reduce_dtype=int8"}, {5e-3, 3e-2, 0.11});
+  const Outcome whole =
+      expect_follows_single("int8", {"dist.grad_reduce_dtype=int8"}, {5e-3, 3e-2, 0.11});
+  // Stopped at the step-10 checkpoint, which holds every rank's residual as its row, and resumed:
+  // the uninterrupted run's bits.
+  auto world = dist_world("tp_grads_int8_resume");
+  SharedDir dir(*world, "tp_grads_int8_resume");
+  if (world->rank() == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const RunConfig c = make_config(dir / "data", dir / "run", kRows, kTp,
+                                  {"dist.grad_reduce_dtype=int8"});
+  Trainer(c, false, dist_world("tp_grads_int8_first")).run(10);
+  Trainer resumed(c, true, dist_world("tp_grads_int8_resumed"));
+  resumed.run();
+  EXPECT_EQ(resumed.step(), kSteps);
+  const std::vector<float> params = resumed.params();
+  ASSERT_EQ(params.size(), whole.params.size());
+  EXPECT_EQ(differ_held(params, whole.params, whole.held), 0)
+      << "the resumed int8 run differs from the uninterrupted one";
 }
 
 // grad.sparse_ratio: each expert bucket's top-k values (with error feedback) of every rank's
@@ -203,10 +222,13 @@ TEST(TensorParallelGrads, Int8ReductionFollowsTheOneProcessRun) {
 // buckets send less than their dense bytes and no entry has more contributors than ranks.
 TEST(TensorParallelGrads, SparseExpertGradientsFollowTheOneProcessRun) {
   expect_follows_single("sparse_ratio", {"grad.sparse_ratio=1"}, kReordered);
-  expect_follows_single("sparse_ratio_mask",
-                        {"grad.sparse_ratio=1", "grad.sparse_experts=true"}, kReordered);
+  const Outcome masked = expect_follows_single(
+      "sparse_ratio_mask", {"grad.sparse_ratio=1", "grad.sparse_experts=true"}, kReordered);
   auto world = dist_world("tp_grads_tenth");
   const int W = world->size(), r = world->rank();
+  if (r == 0) {
+    EXPECT_GT(masked.frozen, 0) << "the mask froze no expert: it went untested";
+  }
   SharedDir dir(*world, "tp_grads_tenth");
   if (r == 0) write_corpus(dir / "data", 40000);
   world->barrier();
