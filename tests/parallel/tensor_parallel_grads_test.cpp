@@ -277,26 +277,36 @@ TEST(TensorParallelGrads, RlRouterControllerFollowsTheOneProcessRun) {
 // ranks' shares, checks and clips over them and steps alone; the averaging runs over the ranks
 // holding the same shard in every copy. Against the same copies without tensor parallelism: np 4,
 // two processes (dp 2); np 2, one. After the last step (an averaging one) every rank holds the
-// same bits.
-TEST(TensorParallelGrads, LocalStepsFollowTheDataParallelCopies) {
+// same bits. Also with the moments averaged and sequence parallelism (each rank writes its
+// tokens' norm gradients, summed over the copy).
+void expect_local_steps_follow(const std::string& name, const std::vector<std::string>& extra) {
+  SCOPED_TRACE(name);
   auto world = dist_world("tp_grads_local");
   const int W = world->size(), r = world->rank();
   const int copies = W / static_cast<int>(kTp);
-  SharedDir dir(*world, "tp_grads_local");
+  SharedDir dir(*world, ("tp_grads_" + name).c_str());
   if (r == 0) write_corpus(dir / "data", 40000);
   world->barrier();
-  const std::vector<std::string> extra = {"dist.sync=params", "dist.sync_every=2"};
   // Every group of `copies` neighbours runs the reference (its own directory); rank 0's compares.
   std::unique_ptr<Comm> pair = world->split(r / copies, r % copies, {"reference"});
   const fs::path ref_dir = dir / ("ref" + std::to_string(r / copies));
   const Outcome ref = run_reference(dir / "data", ref_dir, std::move(pair), copies, extra);
   world->barrier();
-  const Outcome got = expect_follows("local", *world, dir / "data", dir / "run", ref, extra,
-                                     kReordered);
+  // The norm line is rank 0's copy's alone (half the batch at np 4, no mean over copies), whose
+  // reordered sums measured up to 1e-4 with sequence parallelism: 3e-4 for it.
+  const Outcome got = expect_follows(name, *world, dir / "data", dir / "run", ref, extra,
+                                     {kReordered.loss, 3e-4, kReordered.param});
   const std::vector<int64_t> h = hashes(*world, got.params);
   for (int q = 0; q < W; ++q) EXPECT_EQ(h[q], h[0]) << "rank " << q;
   // Every averaging writes the drift (a copy alone: 0).
   if (r == 0) {
     EXPECT_EQ(metric(dir / "run", "replica_drift").size(), static_cast<std::size_t>(kSteps / 2));
   }
+}
+
+TEST(TensorParallelGrads, LocalStepsFollowTheDataParallelCopies) {
+  expect_local_steps_follow("local", {"dist.sync=params", "dist.sync_every=2"});
+  expect_local_steps_follow("local_sp", {"dist.sync=params", "dist.sync_every=2",
+                                         "dist.sync_moments=true",
+                                         "dist.sequence_parallel=true"});
 }
