@@ -299,19 +299,17 @@ void validate_tensor_parallel(const RunConfig& c) {
   refuse(d.pp > 1 && d.ep > 1,
          fmt::format("dist.pp = {} and dist.ep = {} (experts inside tensor-parallel stages)", d.pp,
                      d.ep));
-  refuse(d.local_steps(), "dist.sync = params");
+  // Local steps: a copy is a tensor-parallel group, whose experts must be its own.
+  refuse(d.local_steps() && d.ep > 1,
+         fmt::format("dist.sync = params and dist.ep = {} (experts shared by several copies)",
+                     d.ep));
   refuse(d.zero > 1, fmt::format("dist.zero = {} (ZeRO-1 runs)", d.zero));
   refuse(d.offloaded(), "dist.offload = host_file");
   refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
   refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
-  refuse(d.grad_reduce_dtype == "int8",
-         "dist.grad_reduce_dtype = int8 (its error-feedback residual)");
   refuse(c.train.precision == Precision::FP16, "train.precision = fp16 (the loss scaler)");
   refuse(c.placement.enabled(),
          fmt::format("placement.spare_slots = {}", c.placement.spare_slots));
-  refuse(c.grad.sparse_ratio != 0, fmt::format("grad.sparse_ratio = {}", c.grad.sparse_ratio));
-  refuse(m.router_controller != RouterControllerKind::None,
-         fmt::format("model.router_controller = {}", router_controller_name(m.router_controller)));
 }
 
 void validate_pipeline(const RunConfig& c) {

@@ -66,6 +66,11 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
   // ranks route a share of its batch each), so the process groups are the world's (the stage's
   // copies under dist.pp), as for data-parallel copies.
   if (T > 1) tp = world.split(world.rank() / T, t, {"tensor"});
+  if (T > 1 && dist.local_steps()) {
+    out.local.grads = world.split(world.rank() / T, t, {"copy_grads"});
+    out.local.check = world.split(world.rank() / T, t, {"copy_check"});
+    out.local.replicas = world.split(t, world.rank() / T, {"replicas"});
+  }
   out.groups =
       std::make_unique<ProcessGroups>(make_process_groups(*over, static_cast<int>(dist.ep)));
   if (copies) out.groups->control = world.dup("control");
@@ -152,14 +157,6 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
     return out;
   }
   const SyncRanges ranges = within(sync_ranges(layout, held), settings.stage);
-  if (settings.local_steps) {
-    // Each rank steps on its own gradients over what it holds; GradSync's groups average.
-    out.reducer = std::make_unique<LocalGradReducer>(layout.size());
-    for (const FlatRange& r : ranges.dense) out.pieces.push_back({r.offset, r.size});
-    for (const FlatRange& r : ranges.expert) out.pieces.push_back({r.offset, r.size});
-    out.averager = std::make_unique<ParamAverager>(ranges, *groups.grads, *groups.expert_grads);
-    return out;
-  }
   GradSyncConfig gc;
   gc.first_bucket_bytes = static_cast<int64_t>(settings.bucket_first_mb * 1024 * 1024);
   gc.bucket_bytes = static_cast<int64_t>(settings.bucket_mb * 1024 * 1024);
@@ -168,6 +165,31 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
   gc.sparse_ratio = settings.sparse_ratio;
   const bool zero3 = settings.zero == 3;
   if (zero3) gc.unit_starts = settings.unit_starts;
+  if (settings.local_steps) {
+    // Each copy steps on its own gradients over what it holds; GradSync's groups average (with
+    // tensor parallelism a copy is its group: the shares are summed over it, and the averaging
+    // runs over the ranks holding the same shard in the other copies).
+    for (const FlatRange& r : ranges.dense) out.pieces.push_back({r.offset, r.size});
+    for (const FlatRange& r : ranges.expert) out.pieces.push_back({r.offset, r.size});
+    if (!settings.copy) {
+      out.reducer = std::make_unique<LocalGradReducer>(layout.size());
+      out.averager = std::make_unique<ParamAverager>(ranges, *groups.grads, *groups.expert_grads);
+      return out;
+    }
+    MOETRAIN_CHECK(settings.replicas != nullptr, "local steps of tensor-parallel copies need "
+                                                 "the replicas' communicator");
+    auto sync = std::make_unique<GradSync>(ranges, *settings.copy, *settings.copy, gc);
+    out.buckets = static_cast<int64_t>(sync->buckets().size());
+    auto reducer = std::make_unique<MpiGradReducer>(std::move(sync), settings.overlap, false);
+    if (settings.overlap) {
+      MpiGradReducer* r = reducer.get();
+      out.grads_ready = [r](int64_t from) { r->ready(from); };
+    }
+    out.reducer = std::move(reducer);
+    out.averager =
+        std::make_unique<ParamAverager>(ranges, *settings.replicas, *settings.replicas);
+    return out;
+  }
   auto sync = std::make_unique<GradSync>(ranges, *groups.grads, *groups.expert_grads, gc);
   out.buckets = static_cast<int64_t>(sync->buckets().size());
   if (settings.zero >= 2) {

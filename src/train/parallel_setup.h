@@ -46,6 +46,19 @@ struct ReduceSettings {
   // sharded over the stage's copies); the other stages' parts of this process's buffers are
   // never read.
   std::optional<std::vector<FlatRange>> stage;
+  // Local steps of tensor-parallel copies (RunParallel::local): a copy's gradients are summed
+  // over `copy`, its ranks, and its parameters averaged over `replicas`; null otherwise.
+  Comm* copy = nullptr;
+  Comm* replicas = nullptr;
+};
+
+// dist.sync = params with dist.tp > 1: a model copy is a tensor-parallel group, whose ranks each
+// compute a share of its gradient. `grads` sums them (the copy's reduction), `check` agrees the
+// copy's non-finite check and norm over its ranks' shards, and `replicas` averages the
+// parameters over the ranks with this rank's tensor-parallel rank in every copy (the
+// data-parallel replicas of the same shard).
+struct LocalCopies {
+  std::unique_ptr<Comm> grads, check, replicas;
 };
 
 // Where a process sits in a pipeline (dist.pp > 1; train/pipeline_step.h): world = replicas ×
@@ -74,6 +87,7 @@ struct RunParallel {
   // or under dist.pp a stage of it, run by tp processes on one batch; model/transformer.h), on
   // the communication thread when there is one; null otherwise.
   std::unique_ptr<Comm> tp;
+  LocalCopies local;  // dist.sync = params with dist.tp > 1; empty otherwise
   // What the model's MoE layers run with: the exchange and statistics over every process holding
   // tokens, so balancing losses and capacities are the global batch's; local on one process.
   // Its pointers stay valid when the members are moved out.

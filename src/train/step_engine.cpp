@@ -35,6 +35,7 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
     reweight_ = std::make_unique<ExpertReweighter>(cfg_.grad.expert_reweight_config(), layout);
   pg_ = std::move(rp.groups), ep_ = std::move(rp.ep), expert_shard_ = rp.experts;
   tp_ = std::move(rp.tp);
+  local_ = std::move(rp.local);
   tp_size_ = tp_ ? tp_->size() : 1;
   world_ = pg_->control->size();
   if (device_) device_->set_resident(true);
@@ -49,6 +50,8 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   rs.sparse_experts = cfg_.grad.sparse_experts;
   rs.sparse_ratio = cfg_.grad.sparse_ratio;
   rs.grad_buffer = &grads_;
+  rs.copy = local_.grads.get();
+  rs.replicas = local_.replicas.get();
   if (zero3) {
     rs.unit_starts = model_.unit_starts();
     MOETRAIN_CHECK(!rs.unit_starts.empty(),
@@ -93,7 +96,8 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   reducer_ = std::move(dp.reducer);
   buckets_ = dp.buckets;
   averager_ = std::move(dp.averager);
-  if (averager_) local_comm_ = make_local_comm();
+  // A copy's checks and norm: its own (a tensor-parallel copy's: over its ranks' shards).
+  if (averager_) local_comm_ = local_.check ? std::move(local_.check) : make_local_comm();
   if (cfg_.placement.enabled() && !moe.empty()) {
     const int64_t rpn = ep_.hierarchy ? ep_.hierarchy->intra->size() : cfg_.dist.ranks_per_node;
     // A communicator of its own: the exchange may run on the communication thread.

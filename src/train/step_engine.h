@@ -229,6 +229,9 @@ class StepEngine {
   // ep_'s communication thread, so it goes first).
   std::unique_ptr<Comm> tp_;
   int tp_size_ = 1;
+  // dist.sync = params with dist.tp > 1: the copies' communicators (train/parallel_setup.h),
+  // before the reducer and the averager that use them.
+  LocalCopies local_;
   ExpertShard expert_shard_;
   int world_ = 1;
   // (layout size) page-aligned: ZeRO-3 hands the pages outside this rank's shard back.

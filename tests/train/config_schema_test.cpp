@@ -327,9 +327,15 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
                {"dist.tp = 2", "model.n_kv_heads = 3"});
   expect_error([] { load_run_config("", {"dist.tp=2", "model.vocab_size=255"}); },
                {"dist.tp = 2", "model.vocab_size = 255"});
-  for (const std::string key :
-       {"dist.zero=2", "dist.sync=params", "train.precision=fp16",
-        "dist.grad_reduce_dtype=int8", "grad.sparse_ratio=0.5"}) {
+  // The gradient settings that run with it (tests/parallel/tensor_parallel_grads_test.cpp).
+  load_run_config("", {"dist.tp=2", "dist.grad_reduce_dtype=int8"});
+  load_run_config("", {"dist.tp=2", "grad.sparse_ratio=0.5", "grad.sparse_experts=true"});
+  load_run_config("", {"dist.tp=2", "dist.sync=params"});
+  load_run_config("", {"dist.tp=2", "model.router=sigmoid_bias", "model.router_controller=rl"});
+  // Local steps' copies are tensor-parallel groups: experts sharded over several are refused.
+  expect_error([] { load_run_config("", {"dist.tp=2", "dist.sync=params", "dist.ep=2"}); },
+               {"dist.tp = 2", "dist.sync = params and dist.ep = 2", "does not run it yet"});
+  for (const std::string key : {"dist.zero=2", "train.precision=fp16"}) {
     SCOPED_TRACE(key);
     expect_error(
         [&] {
