@@ -192,14 +192,16 @@ std::pair<Outcome, Outcome> expect_follows_single(const std::string& name,
 }  // namespace
 
 // ZeRO-2 reduce-scatters each bucket as it is final and steps the shard; ZeRO-3 also gathers each
-// block's parameters where the model uses them. The shards of the reduced gradient are the
-// one-process gradient's elements, so both follow the one-process run without ZeRO; also with two
-// micro-batches a step, where ZeRO-2 reduces each micro-batch's buckets into the shard. The
+// block's parameters where the model uses them; both with the experts sharded over the ranks
+// (dist.ep = 2). The shards of the reduced gradient are the one-process gradient's elements, so
+// both follow the one-process run without ZeRO; also ZeRO-2 with two micro-batches a step, where
+// it reduces each micro-batch's buckets into the shard. The
 // reduced buckets are released (a gradient left in the flat buffer would mean no ZeRO-2 ran).
 TEST(TensorParallelSettings, ZeroTwoAndThreeFollowTheOneProcessRun) {
   for (const std::string zero : {"2", "3"}) {
-    SCOPED_TRACE("dist.zero = " + zero);
-    const auto [got, ref] = expect_follows_single("zero" + zero, {"dist.zero=" + zero}, {});
+    SCOPED_TRACE("dist.zero = " + zero + ", dist.ep = 2");
+    const auto [got, ref] =
+        expect_follows_single("zero" + zero, {"dist.zero=" + zero, "dist.ep=2"}, {});
     EXPECT_EQ(got.nonzero_grads, 0) << "ZeRO-" << zero << " left gradients in the flat buffer";
   }
   SCOPED_TRACE("dist.zero = 2, train.grad_accum = 2");
@@ -223,9 +225,9 @@ TEST(TensorParallelSettings, OffloadedStateFollowsTheOneProcessRun) {
 
 // fp16 with a first scale of 2^24, which overflows the fp16 GEMM operands: the scaler skips
 // steps. Every rank of every copy skips the same steps as the one-process fp16 run (the same
-// count, the same scale, each step's flag on rank 0), so the parameters follow it; also under
-// ZeRO-2, where each rank checks only its shard of the gradient and the agreement over the world
-// is what makes a rank skip on another's overflow.
+// count, the same scale, each step's flag on rank 0), so the parameters follow it; with the
+// experts sharded (dist.ep = 2), and under ZeRO-2, where each rank checks only its shard of the
+// gradient and the agreement over the world is what makes a rank skip on another's overflow.
 //
 // The bounds are fp16's: both runs round the same f32 weights and activations to 11-bit GEMM
 // operands, but where a reordered f32 sum (≤ 4e-6 relative) lies across an fp16 rounding
@@ -241,9 +243,9 @@ TEST(TensorParallelSettings, FloatSixteenSkipsWithTheOneProcessRun) {
   const std::vector<std::string> fp16 = {"train.precision=fp16", "train.loss_scale_init=16777216",
                                          "train.loss_scale_growth_interval=2"};
   for (const std::string zero : {"0", "2"}) {
-    SCOPED_TRACE("dist.zero = " + zero);
+    SCOPED_TRACE("dist.zero = " + zero + ", dist.ep = 2");
     std::vector<std::string> keys = fp16;
-    keys.push_back("dist.zero=" + zero);
+    keys.insert(keys.end(), {"dist.zero=" + zero, "dist.ep=2"});
     const auto [got, ref] = expect_follows_single("fp16_zero" + zero, keys, fp16, kFp16Bounds);
     EXPECT_GT(ref.skipped_steps, 0) << "no step overflowed";
     EXPECT_LT(ref.skipped_steps, kSteps) << "every step overflowed";
