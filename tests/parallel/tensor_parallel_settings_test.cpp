@@ -13,10 +13,7 @@
 //
 // Not bitwise, for the reasons of tensor_parallel_test.cpp (the shares' sums reorder float
 // additions of ≤ 32 terms: relative error ≤ K·ε = 4e-6 a product), so its bounds hold: losses
-// 1e-5, norms 1e-4, parameters 1e-4 of the largest. fp16 rounds the GEMM operands to 11 bits in
-// both runs alike (the same f32 weights, activations equal to those bounds), so a reordered f32
-// sum flips an operand's last fp16 bit only where it lies within 4e-6 of a rounding boundary;
-// the bounds are the same.
+// 1e-5, norms 1e-4, parameters 1e-4 of the largest. fp16 has bounds of its own (kFp16Bounds).
 #include <gtest/gtest.h>
 
 #include <algorithm>
