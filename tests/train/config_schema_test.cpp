@@ -305,6 +305,10 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
   // The defaults (4 heads, 2 key-value heads, a vocabulary of 256) split over 2.
   load_run_config("", {"dist.tp=2"});
   load_run_config("", {"dist.tp=2", "dist.ep=2", "dist.zero=1", "train.recompute=full"});
+  // ZeRO-2 and 3 and fp16 (tests/parallel/tensor_parallel_settings_test.cpp).
+  load_run_config("", {"dist.tp=2", "dist.zero=2"});
+  load_run_config("", {"dist.tp=2", "dist.zero=3"});
+  load_run_config("", {"dist.tp=2", "train.precision=fp16"});
   // Pipeline stages of tensor-parallel groups (dist.pp × dist.tp processes a pipeline).
   load_run_config("", {"model.n_layers=4", "train.grad_accum=2", "dist.tp=2", "dist.pp=2"});
   expect_error(
@@ -319,6 +323,16 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
                              "dist.ep=2"});
       },
       {"dist.tp = 2", "dist.pp = 2 and dist.ep = 2"});
+  for (const std::string key : {"dist.zero=2", "train.precision=fp16"}) {
+    SCOPED_TRACE(key);
+    expect_error(
+        [&] {
+          load_run_config("", {"model.n_layers=4", "train.grad_accum=2", "dist.tp=2", "dist.pp=2",
+                               key});
+        },
+        {"dist.tp = 2", "dist.pp = 2 and " + key.substr(0, key.find('=')),
+         "inside tensor-parallel stages"});
+  }
   expect_error([] { load_run_config("", {"dist.tp=0"}); }, {"dist.tp = 0", "≥ 1"});
   expect_error([] { load_run_config("", {"dist.tp=4"}); },
                {"dist.tp = 4", "model.n_kv_heads = 2"});
@@ -335,12 +349,10 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
   // Local steps' copies are tensor-parallel groups: experts sharded over several are refused.
   expect_error([] { load_run_config("", {"dist.tp=2", "dist.sync=params", "dist.ep=2"}); },
                {"dist.tp = 2", "dist.sync = params and dist.ep = 2", "does not run it yet"});
-  for (const std::string key : {"dist.zero=2", "train.precision=fp16"}) {
+  // The expert all-to-all's routes (with the experts sharded, which they need).
+  for (const std::string key : {"dist.hierarchical=true", "dist.adaptive_route=true"}) {
     SCOPED_TRACE(key);
-    expect_error(
-        [&] {
-          load_run_config("", {"model.n_layers=4", "train.grad_accum=2", "dist.tp=2", key});
-        },
+    expect_error([&] { load_run_config("", {"dist.tp=2", "dist.ep=2", key}); },
                  {"dist.tp = 2", key.substr(0, key.find('=')), "does not run it yet"});
   }
   load_run_config("", {"dist.tp=2", "dist.sequence_parallel=true"});
