@@ -20,6 +20,7 @@
 #include "core/check.h"
 #include "moe/moe_layer.h"
 #include "parallel/runtime.h"
+#include "parallel/tensor_parallel_runs.h"  // tests/parallel/tensor_parallel_runs.h
 #include "support/corpus.h"
 #include "support/held_values.h"
 #include "support/run_metrics.h"
@@ -33,42 +34,6 @@ using namespace moetrain::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-constexpr int64_t kRows = 2, kSteps = 20, kTp = 2;
-
-// 3 blocks (the last a dense SwiGLU FFN: dense_every 3), 4 heads over 2 key-value heads, 4
-// experts top-2 with a shared expert, a vocabulary of 256 (tensor_parallel_test.cpp's model).
-RunConfig make_config(const fs::path& data, const fs::path& run, int64_t rows, int64_t tp,
-                      std::vector<std::string> extra = {}) {
-  std::vector<std::string> keys = {"model.dim=32",
-                                   "model.n_layers=3",
-                                   "model.n_heads=4",
-                                   "model.n_kv_heads=2",
-                                   "model.expert_hidden=24",
-                                   "model.n_experts=4",
-                                   "model.top_k=2",
-                                   "model.shared_expert_hidden=16",
-                                   "model.dense_every=3",
-                                   "model.max_seq_len=16",
-                                   "train.batch_size=" + std::to_string(rows),
-                                   "train.seq_len=16",
-                                   "train.steps=" + std::to_string(kSteps),
-                                   "train.eval_every=10",
-                                   "train.eval_batches=2",
-                                   "train.checkpoint_every=10",
-                                   "train.keep_checkpoints=3",
-                                   "train.progress=off",
-                                   "train.precision=f32",
-                                   "optim.warmup_steps=3",
-                                   "optim.grad_clip=0.5",
-                                   "dist.bucket_first_mb=0.01",
-                                   "dist.bucket_mb=0.05",
-                                   "data.dir=" + data.string(),
-                                   "train.run_dir=" + run.string(),
-                                   "dist.tp=" + std::to_string(tp)};
-  keys.insert(keys.end(), extra.begin(), extra.end());
-  return load_run_config("", keys);
-}
 
 struct Outcome {
   std::vector<float> params;
@@ -112,8 +77,8 @@ std::vector<int64_t> hashes(Comm& world, const std::vector<float>& v) {
 Outcome run_reference(const fs::path& data, const fs::path& run, std::unique_ptr<Comm> ref_world,
                       int copies, std::vector<std::string> extra) {
   extra.insert(extra.end(), {"dist.ep=1", "dist.zero=0", "dist.sequence_parallel=false"});
-  const int64_t rows = kRows * copies / ref_world->size();
-  Trainer t(make_config(data, run, rows, 1, extra), false, std::move(ref_world));
+  const int64_t rows = kTpRows * copies / ref_world->size();
+  Trainer t(tp_config(data, run, rows, 1, extra), false, std::move(ref_world));
   t.run();
   return finish(t, run);
 }
@@ -125,12 +90,12 @@ Outcome expect_follows(const std::string& name, Comm& world, const fs::path& dat
   SCOPED_TRACE(name);
   Outcome got;
   {
-    Trainer t(make_config(data, run, kRows, kTp, extra), false, dist_world("tp_grads_run"));
+    Trainer t(tp_config(data, run, kTpRows, kTp, extra), false, dist_world("tp_grads_run"));
     t.run();
     got = finish(t, run);
   }
   if (world.rank() == 0) {
-    EXPECT_EQ(got.losses.size(), static_cast<std::size_t>(kSteps));
+    EXPECT_EQ(got.losses.size(), static_cast<std::size_t>(kTpSteps));
     EXPECT_EQ(ref.losses.size(), got.losses.size());
     EXPECT_LE(max_rel(got.losses, ref.losses), b.loss);
     EXPECT_LT(got.losses.back(), got.losses.front());
@@ -202,12 +167,12 @@ TEST(TensorParallelGrads, Int8ReductionFollowsTheOneProcessRun) {
   SharedDir dir(*world, "tp_grads_int8_resume");
   if (world->rank() == 0) write_corpus(dir / "data", 40000);
   world->barrier();
-  const RunConfig c = make_config(dir / "data", dir / "run", kRows, kTp,
+  const RunConfig c = tp_config(dir / "data", dir / "run", kTpRows, kTp,
                                   {"dist.grad_reduce_dtype=int8"});
   Trainer(c, false, dist_world("tp_grads_int8_first")).run(10);
   Trainer resumed(c, true, dist_world("tp_grads_int8_resumed"));
   resumed.run();
-  EXPECT_EQ(resumed.step(), kSteps);
+  EXPECT_EQ(resumed.step(), kTpSteps);
   const std::vector<float> params = resumed.params();
   ASSERT_EQ(params.size(), whole.params.size());
   EXPECT_EQ(differ_held(params, whole.params, whole.held), 0)
@@ -234,7 +199,7 @@ TEST(TensorParallelGrads, SparseExpertGradientsFollowTheOneProcessRun) {
   world->barrier();
   Outcome got;
   {
-    Trainer t(make_config(dir / "data", dir / "run", kRows, kTp, {"grad.sparse_ratio=0.1"}),
+    Trainer t(tp_config(dir / "data", dir / "run", kTpRows, kTp, {"grad.sparse_ratio=0.1"}),
               false, dist_world("tp_grads_tenth_run"));
     t.run();
     got = finish(t, dir / "run");
@@ -242,13 +207,13 @@ TEST(TensorParallelGrads, SparseExpertGradientsFollowTheOneProcessRun) {
   const std::vector<int64_t> h = hashes(*world, got.params);
   for (int q = 0; q < W; ++q) EXPECT_EQ(h[q], h[0]) << "rank " << q;
   if (r != 0) return;
-  ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kSteps));
+  ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kTpSteps));
   EXPECT_TRUE(std::isfinite(got.losses.back()));
   EXPECT_LT(got.losses.back(), got.losses.front());
   const std::vector<double> bytes = metric(dir / "run", "bytes_grad_sparse");
   const std::vector<double> density = metric(dir / "run", "grad_sparse_density");
   const std::vector<double> contributors = metric(dir / "run", "grad_sparse_contributors");
-  ASSERT_EQ(bytes.size(), static_cast<std::size_t>(kSteps));
+  ASSERT_EQ(bytes.size(), static_cast<std::size_t>(kTpSteps));
   for (double b : bytes) EXPECT_GT(b, 0);
   for (double d : density) EXPECT_TRUE(d > 0 && d < 1) << d;
   for (double c : contributors) EXPECT_TRUE(c >= 1 && c <= W) << c;
@@ -300,7 +265,7 @@ void expect_local_steps_follow(const std::string& name, const std::vector<std::s
   for (int q = 0; q < W; ++q) EXPECT_EQ(h[q], h[0]) << "rank " << q;
   // Every averaging writes the drift (a copy alone: 0).
   if (r == 0) {
-    EXPECT_EQ(metric(dir / "run", "replica_drift").size(), static_cast<std::size_t>(kSteps / 2));
+    EXPECT_EQ(metric(dir / "run", "replica_drift").size(), static_cast<std::size_t>(kTpSteps / 2));
   }
 }
 

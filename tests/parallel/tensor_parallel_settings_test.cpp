@@ -30,6 +30,7 @@
 #include "optim/loss_scale.h"
 #include "optim/sharded_optimizer.h"
 #include "parallel/runtime.h"
+#include "parallel/tensor_parallel_runs.h"  // tests/parallel/tensor_parallel_runs.h
 #include "support/corpus.h"
 #include "support/held_values.h"
 #include "support/run_metrics.h"
@@ -43,42 +44,6 @@ using namespace moetrain::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-constexpr int64_t kRows = 2, kSteps = 20, kTp = 2;
-
-// The model of tensor_parallel_test.cpp: 3 blocks (the last a dense SwiGLU FFN), 4 heads over 2
-// key-value heads, 4 experts top-2 with a shared expert, a vocabulary of 256.
-RunConfig make_config(const fs::path& data, const fs::path& run, int64_t rows, int64_t tp,
-                      std::vector<std::string> extra = {}) {
-  std::vector<std::string> keys = {"model.dim=32",
-                                   "model.n_layers=3",
-                                   "model.n_heads=4",
-                                   "model.n_kv_heads=2",
-                                   "model.expert_hidden=24",
-                                   "model.n_experts=4",
-                                   "model.top_k=2",
-                                   "model.shared_expert_hidden=16",
-                                   "model.dense_every=3",
-                                   "model.max_seq_len=16",
-                                   "train.batch_size=" + std::to_string(rows),
-                                   "train.seq_len=16",
-                                   "train.steps=" + std::to_string(kSteps),
-                                   "train.eval_every=10",
-                                   "train.eval_batches=2",
-                                   "train.checkpoint_every=10",
-                                   "train.keep_checkpoints=3",
-                                   "train.progress=off",
-                                   "train.precision=f32",
-                                   "optim.warmup_steps=3",
-                                   "optim.grad_clip=0.5",
-                                   "dist.bucket_first_mb=0.01",
-                                   "dist.bucket_mb=0.05",
-                                   "data.dir=" + data.string(),
-                                   "train.run_dir=" + run.string(),
-                                   "dist.tp=" + std::to_string(tp)};
-  keys.insert(keys.end(), extra.begin(), extra.end());
-  return load_run_config("", keys);
-}
 
 struct Outcome {
   std::vector<float> params;
@@ -125,12 +90,12 @@ Outcome run_trainer(Trainer& t, const fs::path& run) {
 // The one-process run of the whole global batch (a batch of every copy's rows), on every rank.
 Outcome run_single(const fs::path& data, int copies, const std::vector<std::string>& extra) {
   TempDir run("tps_single");
-  Trainer t(make_config(data, run.path(), kRows * copies, 1, extra), false, make_local_comm());
+  Trainer t(tp_config(data, run.path(), kTpRows * copies, 1, extra), false, make_local_comm());
   return run_trainer(t, run.path());
 }
 
 Outcome run_tp(const fs::path& data, const fs::path& run, const std::vector<std::string>& extra) {
-  Trainer t(make_config(data, run, kRows, kTp, extra), false, dist_world("tps_run"));
+  Trainer t(tp_config(data, run, kTpRows, kTp, extra), false, dist_world("tps_run"));
   return run_trainer(t, run);
 }
 
@@ -155,7 +120,7 @@ std::pair<Outcome, Outcome> expect_follows_single(const std::string& name,
   const Outcome ref = run_single(dir / "data", W / kTp, single_extra);
   const Outcome got = run_tp(dir / "data", dir / "run", extra);
   if (r == 0) {
-    EXPECT_EQ(got.losses.size(), static_cast<std::size_t>(kSteps));
+    EXPECT_EQ(got.losses.size(), static_cast<std::size_t>(kTpSteps));
     EXPECT_EQ(ref.losses.size(), got.losses.size());
     if (ref.losses.size() == got.losses.size()) {
       EXPECT_LE(max_rel(got.losses, ref.losses), bounds.loss);
@@ -176,7 +141,7 @@ std::pair<Outcome, Outcome> expect_follows_single(const std::string& name,
     EXPECT_LE(max_rel_diff_held(got.params, ref.params, got.held), bounds.param);
   }
   LoadedModel m = load_model(dir / "run");
-  EXPECT_EQ(m.step, kSteps);
+  EXPECT_EQ(m.step, kTpSteps);
   EXPECT_EQ(m.params.size(), got.params.size());
   int64_t differ = 0;
   for (std::size_t i = 0; i < std::min(m.params.size(), got.params.size()); ++i)
@@ -245,12 +210,12 @@ TEST(TensorParallelSettings, FloatSixteenSkipsWithTheOneProcessRun) {
     keys.insert(keys.end(), {"dist.zero=" + zero, "dist.ep=2"});
     const auto [got, ref] = expect_follows_single("fp16_zero" + zero, keys, fp16, kFp16Bounds);
     EXPECT_GT(ref.skipped_steps, 0) << "no step overflowed";
-    EXPECT_LT(ref.skipped_steps, kSteps) << "every step overflowed";
+    EXPECT_LT(ref.skipped_steps, kTpSteps) << "every step overflowed";
     EXPECT_EQ(got.skipped_steps, ref.skipped_steps);
     EXPECT_EQ(got.loss_scale, ref.loss_scale);
     auto world = dist_world("tps_fp16");
     if (world->rank() != 0) continue;
-    EXPECT_EQ(got.skipped.size(), static_cast<std::size_t>(kSteps));
+    EXPECT_EQ(got.skipped.size(), static_cast<std::size_t>(kTpSteps));
     EXPECT_EQ(got.skipped, ref.skipped);
     EXPECT_EQ(got.scales, ref.scales);
   }

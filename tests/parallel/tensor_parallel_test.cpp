@@ -21,6 +21,7 @@
 
 #include "core/check.h"
 #include "parallel/runtime.h"
+#include "parallel/tensor_parallel_runs.h"  // tests/parallel/tensor_parallel_runs.h
 #include "support/corpus.h"
 #include "support/held_values.h"
 #include "support/run_metrics.h"
@@ -34,42 +35,6 @@ using namespace moetrain::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-constexpr int64_t kRows = 2, kSteps = 20, kTp = 2;
-
-// 3 blocks (the last a dense SwiGLU FFN: dense_every 3), 4 heads over 2 key-value heads, 4
-// experts top-2 with a shared expert, a vocabulary of 256.
-RunConfig make_config(const fs::path& data, const fs::path& run, int64_t rows, int64_t tp,
-                      std::vector<std::string> extra = {}) {
-  std::vector<std::string> keys = {"model.dim=32",
-                                   "model.n_layers=3",
-                                   "model.n_heads=4",
-                                   "model.n_kv_heads=2",
-                                   "model.expert_hidden=24",
-                                   "model.n_experts=4",
-                                   "model.top_k=2",
-                                   "model.shared_expert_hidden=16",
-                                   "model.dense_every=3",
-                                   "model.max_seq_len=16",
-                                   "train.batch_size=" + std::to_string(rows),
-                                   "train.seq_len=16",
-                                   "train.steps=" + std::to_string(kSteps),
-                                   "train.eval_every=10",
-                                   "train.eval_batches=2",
-                                   "train.checkpoint_every=10",
-                                   "train.keep_checkpoints=3",
-                                   "train.progress=off",
-                                   "train.precision=f32",
-                                   "optim.warmup_steps=3",
-                                   "optim.grad_clip=0.5",
-                                   "dist.bucket_first_mb=0.01",
-                                   "dist.bucket_mb=0.05",
-                                   "data.dir=" + data.string(),
-                                   "train.run_dir=" + run.string(),
-                                   "dist.tp=" + std::to_string(tp)};
-  keys.insert(keys.end(), extra.begin(), extra.end());
-  return load_run_config("", keys);
-}
 
 struct Outcome {
   std::vector<float> params;
@@ -90,14 +55,14 @@ Outcome finish(Trainer& t, const fs::path& run) {
 Outcome run_single(const fs::path& data, int copies, std::vector<std::string> extra) {
   TempDir run("tp_single");
   extra.insert(extra.end(), {"dist.ep=1", "dist.zero=0", "dist.sequence_parallel=false"});
-  Trainer t(make_config(data, run.path(), kRows * copies, 1, extra), false, make_local_comm());
+  Trainer t(tp_config(data, run.path(), kTpRows * copies, 1, extra), false, make_local_comm());
   t.run();
   return finish(t, run.path());
 }
 
 Outcome run_tp(const fs::path& data, const fs::path& run, const std::vector<std::string>& extra,
                int64_t stop_at = -1, bool resume = false) {
-  Trainer t(make_config(data, run, kRows, kTp, extra), resume, dist_world("tp_test"));
+  Trainer t(tp_config(data, run, kTpRows, kTp, extra), resume, dist_world("tp_test"));
   t.run(stop_at);
   return finish(t, run);
 }
@@ -116,7 +81,7 @@ void expect_follows_single(const std::string& name, const std::vector<std::strin
   const Outcome ref = run_single(dir / "data", W / kTp, extra);
   const Outcome got = run_tp(dir / "data", dir / "run", extra);
   if (r == 0) {
-    ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kSteps));
+    ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kTpSteps));
     ASSERT_EQ(ref.losses.size(), got.losses.size());
     EXPECT_LE(max_rel(got.losses, ref.losses), 1e-5);
     EXPECT_LT(got.losses.back(), got.losses.front());
@@ -130,7 +95,7 @@ void expect_follows_single(const std::string& name, const std::vector<std::strin
   // The checkpoint holds the whole model (the same safetensors as any layout): every rank finds
   // its values there, bit for bit.
   LoadedModel m = load_model(dir / "run");
-  EXPECT_EQ(m.step, kSteps);
+  EXPECT_EQ(m.step, kTpSteps);
   ASSERT_EQ(m.params.size(), got.params.size());
   int64_t differ = 0;
   for (std::size_t i = 0; i < m.params.size(); ++i)
@@ -183,7 +148,7 @@ TEST(TensorParallel, ResumesBitExactAndItsCheckpointLoadsOnOneProcess) {
   fs::copy_file(dir / "whole/metrics.jsonl", back.path() / "metrics.jsonl");
   // The same global batch: every copy's rows as micro-batches of one process.
   const int copies = world->size() / static_cast<int>(kTp);
-  Trainer one(make_config(dir / "data", back.path(), kRows, 1,
+  Trainer one(tp_config(dir / "data", back.path(), kTpRows, 1,
                           {"train.grad_accum=" + std::to_string(copies)}),
               true, make_local_comm());
   EXPECT_EQ(one.step(), 10);
@@ -192,5 +157,5 @@ TEST(TensorParallel, ResumesBitExactAndItsCheckpointLoadsOnOneProcess) {
   EXPECT_EQ(0, std::memcmp(one.params().data(), at10.params.data(),
                            at10.params.size() * sizeof(float)));
   one.run();
-  EXPECT_EQ(one.step(), kSteps);
+  EXPECT_EQ(one.step(), kTpSteps);
 }
