@@ -24,6 +24,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -189,7 +190,8 @@ TEST(TensorParallelSettings, OffloadedStateFollowsTheOneProcessRun) {
 // steps. Every rank of every copy skips the same steps as the one-process fp16 run (the same
 // count, the same scale, each step's flag on rank 0), so the parameters follow it; with the
 // experts sharded (dist.ep = 2), and under ZeRO-2, where each rank checks only its shard of the
-// gradient and the agreement over the world is what makes a rank skip on another's overflow.
+// gradient and the agreement over the world is what makes a rank skip on another's overflow;
+// and under sequence parallelism.
 //
 // The bounds are fp16's: both runs round the same f32 weights and activations to 11-bit GEMM
 // operands, but where a reordered f32 sum (≤ 4e-6 relative) lies across an fp16 rounding
@@ -204,11 +206,17 @@ constexpr Bounds kFp16Bounds{.loss = 1e-5, .norm = 0x1p-11, .param = 4 * 0x1p-11
 TEST(TensorParallelSettings, FloatSixteenSkipsWithTheOneProcessRun) {
   const std::vector<std::string> fp16 = {"train.precision=fp16", "train.loss_scale_init=16777216",
                                          "train.loss_scale_growth_interval=2"};
-  for (const std::string zero : {"0", "2"}) {
-    SCOPED_TRACE("dist.zero = " + zero + ", dist.ep = 2");
+  // Also under sequence parallelism, where each rank's overflow check sees the gradients of its
+  // own tokens' norms and MoE layers.
+  const std::vector<std::pair<std::string, std::vector<std::string>>> settings = {
+      {"fp16_zero0", {"dist.zero=0", "dist.ep=2"}},
+      {"fp16_zero2", {"dist.zero=2", "dist.ep=2"}},
+      {"fp16_sp", {"dist.sequence_parallel=true"}}};
+  for (const auto& [name, setting] : settings) {
+    SCOPED_TRACE(name);
     std::vector<std::string> keys = fp16;
-    keys.insert(keys.end(), {"dist.zero=" + zero, "dist.ep=2"});
-    const auto [got, ref] = expect_follows_single("fp16_zero" + zero, keys, fp16, kFp16Bounds);
+    keys.insert(keys.end(), setting.begin(), setting.end());
+    const auto [got, ref] = expect_follows_single(name, keys, fp16, kFp16Bounds);
     EXPECT_GT(ref.skipped_steps, 0) << "no step overflowed";
     EXPECT_LT(ref.skipped_steps, kTpSteps) << "every step overflowed";
     EXPECT_EQ(got.skipped_steps, ref.skipped_steps);
