@@ -303,13 +303,10 @@ void validate_tensor_parallel(const RunConfig& c) {
   refuse(d.local_steps() && d.ep > 1,
          fmt::format("dist.sync = params and dist.ep = {} (experts shared by several copies)",
                      d.ep));
-  // ZeRO-2 and 3, offloaded state and fp16 run (the reduction sums every rank's gradients over
-  // the world before a shard is checked or stepped); inside pipeline stages they are not tested.
-  refuse(d.pp > 1 && (d.zero > 1 || d.offloaded() || c.train.precision == Precision::FP16),
-         fmt::format("dist.pp = {} and {} (inside tensor-parallel stages)", d.pp,
-                     d.zero > 1 ? fmt::format("dist.zero = {}", d.zero)
-                     : d.offloaded() ? std::string("dist.offload = host_file")
-                                     : std::string("train.precision = fp16")));
+  // ZeRO-2 and 3, offloaded state and fp16 run, inside pipeline stages too (ZeRO-3 is the
+  // pipeline's to refuse): the reduction sums every rank's gradients over the world, or over the
+  // stage's copies, which are every tensor-parallel rank of the stage, before a shard is checked
+  // or stepped, and the norm and the fp16 overflow flag are summed over the world.
   refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
   refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
   refuse(c.placement.enabled(),
