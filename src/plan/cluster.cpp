@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <toml++/toml.h>
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <optional>
@@ -461,6 +462,18 @@ void validate(const ClusterSpec& c, const std::string& where) {
   MOETRAIN_CHECK(c.intra_node_bandwidth > 0 && c.inter_node_bandwidth > 0,
                  "{}: cluster.intra_node_bandwidth and inter_node_bandwidth must be positive",
                  where);
+}
+
+double compute_share(const ClusterSpec& c, double ratio) {
+  const auto& r = c.compute_share_ratio;
+  const auto& v = c.compute_share;
+  if (v.empty()) return 1;
+  if (!(ratio > r.front())) return v.front();
+  if (ratio >= r.back()) return v.back();
+  const std::size_t i =
+      static_cast<std::size_t>(std::upper_bound(r.begin(), r.end(), ratio) - r.begin());
+  const double w = std::log(ratio / r[i - 1]) / std::log(r[i] / r[i - 1]);
+  return v[i - 1] + w * (v[i] - v[i - 1]);
 }
 
 }  // namespace moetrain::plan

@@ -104,5 +104,9 @@ ClusterSpec load_cluster(const std::string& path, const std::string& profile);
 ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t threads = 0);
 // Throws naming the first missing or non-positive key.
 void validate(const ClusterSpec& c, const std::string& where);
+// The calibrated compute share of oversubscribed processes (ClusterSpec::compute_share) at a
+// ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
+// ends; 1 where the cluster has none.
+double compute_share(const ClusterSpec& c, double ratio);
 
 }  // namespace moetrain::plan

@@ -62,18 +62,6 @@ double other_microbatch_hidden(const Layout& layout, const StepParts& s, int64_t
   return std::clamp(window, 0.0, s.a2a_exposed);
 }
 
-double compute_share(const ClusterSpec& c, double ratio) {
-  const auto& r = c.compute_share_ratio;
-  const auto& v = c.compute_share;
-  if (v.empty()) return 1;
-  if (!(ratio > r.front())) return v.front();
-  if (ratio >= r.back()) return v.back();
-  const std::size_t i =
-      static_cast<std::size_t>(std::upper_bound(r.begin(), r.end(), ratio) - r.begin());
-  const double w = std::log(ratio / r[i - 1]) / std::log(r[i] / r[i - 1]);
-  return v[i - 1] + w * (v[i] - v[i - 1]);
-}
-
 ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
   ForwardFlops f;
   const double N = static_cast<double>(B * T), C = m.dim;

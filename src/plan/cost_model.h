@@ -142,10 +142,6 @@ double overlap_exposed(double reduction, double buckets, double window);
 // or where communication takes its core from compute.
 double other_microbatch_hidden(const Layout& layout, const StepParts& s, int64_t A,
                                bool comm_shares_cores);
-// The calibrated compute share of oversubscribed processes (ClusterSpec::compute_share) at a
-// ratio of compute (alone) to communication: interpolated in log ratio, clamped at the measured
-// ends; 1 where the cluster has none.
-double compute_share(const ClusterSpec& c, double ratio);
 // Floats of every dense tensor and of all experts of all layers: train/memory_estimate.h's.
 // `accelerator` below: a GPU (built-in or [device] table, not a calibrated CPU).
 using moetrain::count_params;
