@@ -165,32 +165,25 @@ DataParallel make_data_parallel(const ParamTable& layout, const ExpertShard& hel
   gc.sparse_ratio = settings.sparse_ratio;
   const bool zero3 = settings.zero == 3;
   if (zero3) gc.unit_starts = settings.unit_starts;
-  if (settings.local_steps) {
-    // Each copy steps on its own gradients over what it holds; GradSync's groups average (with
-    // tensor parallelism a copy is its group: the shares are summed over it, and the averaging
-    // runs over the ranks holding the same shard in the other copies).
+  if (settings.local_steps && !settings.copy) {
+    // Each rank steps on its own gradients over what it holds; GradSync's groups average.
+    out.reducer = std::make_unique<LocalGradReducer>(layout.size());
     for (const FlatRange& r : ranges.dense) out.pieces.push_back({r.offset, r.size});
     for (const FlatRange& r : ranges.expert) out.pieces.push_back({r.offset, r.size});
-    if (!settings.copy) {
-      out.reducer = std::make_unique<LocalGradReducer>(layout.size());
-      out.averager = std::make_unique<ParamAverager>(ranges, *groups.grads, *groups.expert_grads);
-      return out;
-    }
-    MOETRAIN_CHECK(settings.replicas != nullptr, "local steps of tensor-parallel copies need "
-                                                 "the replicas' communicator");
-    auto sync = std::make_unique<GradSync>(ranges, *settings.copy, *settings.copy, gc);
-    out.buckets = static_cast<int64_t>(sync->buckets().size());
-    auto reducer = std::make_unique<MpiGradReducer>(std::move(sync), settings.overlap, false);
-    if (settings.overlap) {
-      MpiGradReducer* r = reducer.get();
-      out.grads_ready = [r](int64_t from) { r->ready(from); };
-    }
-    out.reducer = std::move(reducer);
-    out.averager =
-        std::make_unique<ParamAverager>(ranges, *settings.replicas, *settings.replicas);
+    out.averager = std::make_unique<ParamAverager>(ranges, *groups.grads, *groups.expert_grads);
     return out;
   }
-  auto sync = std::make_unique<GradSync>(ranges, *groups.grads, *groups.expert_grads, gc);
+  if (settings.copy) {
+    // Local steps of tensor-parallel copies: a copy sums its ranks' shares over its group (the
+    // reduction below, without ZeRO, which local steps refuse) and averages over the ranks
+    // holding the same shard in the other copies.
+    MOETRAIN_CHECK(settings.replicas != nullptr, "local steps of tensor-parallel copies need "
+                                                 "the replicas' communicator");
+    out.averager =
+        std::make_unique<ParamAverager>(ranges, *settings.replicas, *settings.replicas);
+  }
+  auto sync = std::make_unique<GradSync>(ranges, settings.copy ? *settings.copy : *groups.grads,
+                                         settings.copy ? *settings.copy : *groups.expert_grads, gc);
   out.buckets = static_cast<int64_t>(sync->buckets().size());
   if (settings.zero >= 2) {
     MOETRAIN_CHECK(settings.grad_buffer != nullptr, "ZeRO-2/3 needs the flat gradient buffer");
