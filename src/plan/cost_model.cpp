@@ -62,26 +62,6 @@ double other_microbatch_hidden(const Layout& layout, const StepParts& s, int64_t
   return std::clamp(window, 0.0, s.a2a_exposed);
 }
 
-ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T) {
-  ForwardFlops f;
-  const double N = static_cast<double>(B * T), C = m.dim;
-  const double Lm = m.n_moe_layers(), Ld = m.n_layers - Lm;
-  // Projections and the causal (windowed) scores and values, block by block
-  // (plan/attention_model.h).
-  for (int64_t l = 0; l < m.n_layers; ++l) {
-    const AttentionFlops a = attention_forward_flops(m, l, B, T);
-    f.attention_proj += a.proj;
-    f.attention_scores += a.scores;
-  }
-  f.router = Lm * 2 * N * C * m.n_experts;
-  // Each token's K experts run the SwiGLU FFN: w1, w3 (C → F) and w2 (F → C).
-  f.experts = Lm * 3 * 2 * N * m.top_k * C * m.expert_hidden;
-  f.shared =
-      Lm * 3 * 2 * N * C * m.shared_expert_hidden + Ld * 3 * 2 * N * C * m.dense_ffn_hidden();
-  f.lm_head = 2 * N * C * m.vocab_size;
-  return f;
-}
-
 namespace {
 
 Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
@@ -126,9 +106,18 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   // Element-wise work streams activations at their stored size: the run's precision on a GPU
   // in bf16/fp16, f32 in this trainer. The router's softmax and top-k stay f32.
   const double ab = activation_bytes(cfg, dev.threads == 0);
-  // Megatron's tensor parallelism: an all-reduce of the (N, C) activations after attention and
-  // after the FFN, forward and backward, on the critical path: four a layer, the same each.
-  p.comm.tensor_parallel = ring_allreduce(cluster, N * C * bytes_of(prec), tp, false);
+  // Tensor parallelism as the run's trainer has it (RankLayout::whole_params_under_tp): Megatron's
+  // on an accelerator, this trainer's on a CPU (whole weights, the residual stream whole unless
+  // dist.sequence_parallel).
+  const RankLayout rl = rank_layout(cfg, layout, dev.threads == 0);
+  const bool trainer_tp = rl.whole_params_under_tp && tp > 1;
+  const bool trainer_sp = trainer_tp && cfg.dist.sequence_parallel;
+  // Each TP collective is an all-reduce of the (N, C) activations (or its reduce-scatter /
+  // all-gather pair, the same traffic), on the critical path: after the attention's output
+  // projection and a dense FFN's (or Megatron's shared expert's) down projection forward, and of
+  // their input gradients backward. This trainer joins them in f32, its activations' type.
+  p.comm.tensor_parallel =
+      ring_allreduce(cluster, N * C * (trainer_tp ? ab : bytes_of(prec)), tp, false);
   const double tp_allreduce_s = p.comm.tensor_parallel.seconds();
 
   // The experts of one MoE layer under the load model: the slowest rank's time and rows, and the
@@ -218,16 +207,23 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.attention += attention_time(dev, prec, m, l, B, T, tp, ab);
     // With sequence parallelism an all-gather before and a reduce-scatter after each TP block
     // (together an all-reduce's traffic), forward and backward: 2 for attention, 2 for a dense
-    // FFN or a shared expert; the routed experts run on the rank's own tokens (no TP split).
+    // FFN or (Megatron) a shared expert; the routed experts run on the rank's own tokens (no TP
+    // split). This trainer's MoE layer, shared expert included, runs on the rank's N / tp tokens
+    // and all-gathers its output forward and its input gradient backward (together an
+    // all-reduce's traffic) where the residual stream is whole (no sequence parallelism).
+    const bool moe_layer = !m.is_dense_layer(l);
     const double tp_blocks =
-        2 + (m.is_dense_layer(l) || m.shared_expert_hidden > 0 ? 2 : 0);
+        2 + (m.is_dense_layer(l) || (!trainer_tp && m.shared_expert_hidden > 0) ? 2 : 0) +
+        (trainer_tp && moe_layer && !trainer_sp ? 1 : 0);
     if (tp > 1) p.comm.tp_count += tp_blocks;
     s.tensor_parallel += tp_blocks * tp_allreduce_s;
-    // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice).
-    s.norms += rmsnorm_time(dev, N, C, 2, ab) + stream_time(dev, 3 * 2 * 3 * ab * N * C);
+    // Two RMSNorms and two residual adds, forward (read + write) and backward (about twice);
+    // on the rank's tokens only under this trainer's sequence parallelism.
+    const double Ns = trainer_sp ? Nm : N;
+    s.norms += rmsnorm_time(dev, Ns, C, 2, ab) + stream_time(dev, 3 * 2 * 3 * ab * Ns * C);
     // Selective layernorm recomputation runs the two norms' forwards again in backward: a third
     // of their forward + backward.
-    if (mods.layernorm) s.norms += rmsnorm_time(dev, N, C, 2, ab) / 3;
+    if (mods.layernorm) s.norms += rmsnorm_time(dev, Ns, C, 2, ab) / 3;
     if (m.is_dense_layer(l)) {
       const double Fd = static_cast<double>(m.dense_ffn_hidden() / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
@@ -335,6 +331,13 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   // The LM head sits on the last stage, which it makes the slowest (no layers are moved off it).
   s.lm_head += linear_fb_time(dev, prec, N, V / static_cast<double>(tp), C) +
                stream_time(dev, 3 * ab * N * V / static_cast<double>(tp));
+  // Its vocabulary columns split over the TP ranks: the input gradient joined backward, one more
+  // TP collective a micro-batch (the cross-entropy's two row-sized sums are counted with the
+  // step's small collectives).
+  if (tp > 1) {
+    s.tensor_parallel += tp_allreduce_s;
+    cm.tp_count += static_cast<double>(A);
+  }
   if (p.a2a_kind.empty()) p.a2a_kind = "none";
   p.hierarchical_asked = cfg.dist.hierarchical;
 
@@ -364,7 +367,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   }
 
   // --- once per step: gradient reduction and the update ---
-  const LocalParams lp = local_params(m, layout);
+  const LocalParams lp = local_params(m, rl);
   const double dense_local = lp.dense, expert_local = lp.expert;
   const int64_t zero = zero_stage(cfg, layout);
   // The experts a step touches (plan/grad_model.h): the design's utilisation (activated experts
@@ -392,10 +395,11 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     const bool multi = layout.procs > cluster.devices_per_node;
     const double lat = multi ? cluster.inter_node_latency : cluster.intra_node_latency;
     const double asked = (cfg.grad.sparse_experts ? 1 : 0) + (placed.replicas_off_owner > 0 ? 1 : 0);
-    s.sync = lat * (per_mb * static_cast<double>(A) + 2 + kMetricCollectives + asked);
+    const double xent = tp > 1 ? 2 : 0;  // the split cross-entropy's row maxima and sums
+    s.sync = lat * ((per_mb + xent) * static_cast<double>(A) + 2 + kMetricCollectives + asked);
   }
   const double local = dense_local + expert_local;
-  const double updated = zero >= 1 ? dense_local / static_cast<double>(layout.stage()) +
+  const double updated = zero >= 1 ? dense_local / static_cast<double>(lp.dense_ranks) +
                                         kept * expert_local / static_cast<double>(layout.dp())
                                   : dense_local + kept * expert_local;
   // As timed where the profile has this optimizer's update (zeroing and the clip's read
@@ -431,8 +435,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   // float of the pieces it updates once, on the I/O thread beside the update, at the node's
   // disk bandwidth shared by the node's processes (not a share of the cores); the slower of the
   // two sets the phase.
-  if (const RankLayout rl = rank_layout(cfg, layout, dev.threads == 0);
-      rl.offload == Offload::HostFile && cluster.disk_bandwidth > 0) {
+  if (rl.offload == Offload::HostFile && cluster.disk_bandwidth > 0) {
     const double per_node = static_cast<double>(std::min(layout.procs, cluster.devices_per_node));
     const double disk_bytes = 2 * 4 * rl.state.slots * updated;
     s.optimizer = std::max(s.optimizer, disk_bytes * per_node / cluster.disk_bandwidth);
@@ -452,10 +455,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                           static_cast<double>(A);
     const PipeSchedule sched = layout.pipe_schedule();
     const PipeShape shape{layout.pp, A, layout.vp};  // valid: layout_problem above
-    // Each TP rank sends its sequence-parallel share of the micro-batch's activations.
+    // Each TP rank sends its sequence-parallel share of the micro-batch's activations; in this
+    // trainer without sequence parallelism, every rank the whole.
     cm.pipe_schedule = pipe_schedule_name(sched);
-    cm.pipeline_send = pipeline_send(cluster, N * C * ab / static_cast<double>(tp),
-                                     layout.procs / layout.pp);
+    const double send_share = trainer_tp && !trainer_sp ? 1.0 : static_cast<double>(tp);
+    cm.pipeline_send =
+        pipeline_send(cluster, N * C * ab / send_share, layout.procs / layout.pp);
     cm.pipe_sends = 2.0 * static_cast<double>(A * (layout.pp * layout.vp - 1)) /
                     static_cast<double>(layout.pp);
     const double third = per_mb / (3.0 * static_cast<double>(layout.vp));

@@ -14,6 +14,7 @@
 
 #include "plan/cluster.h"
 #include "plan/comm_model.h"
+#include "plan/flops.h"
 #include "plan/layout.h"
 #include "train/memory_estimate.h"
 #include "train/run_config.h"
@@ -119,14 +120,6 @@ std::string format_comm(const Prediction& p);
 // --- formulas, exposed for the unit tests
 // ---------------------------------------------------------
 
-// Forward FLOPs of one micro-batch of one process at uniform load, by part (no backward).
-struct ForwardFlops {
-  double attention_proj = 0, attention_scores = 0, router = 0, experts = 0, shared = 0, lm_head = 0;
-  double total() const {
-    return attention_proj + attention_scores + router + experts + shared + lm_head;
-  }
-};
-ForwardFlops forward_flops(const ModelConfig& m, int64_t B, int64_t T);
 // The backward a bucketed gradient reduction can hide behind: two thirds of the slowest rank's
 // compute (forward + backward = 3 forwards), its experts counted once, without the optimizer
 // (it runs after the reduction).

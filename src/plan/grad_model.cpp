@@ -10,10 +10,10 @@
 
 namespace moetrain::plan {
 
-LocalParams local_params(const ModelConfig& m, const Layout& layout) {
+LocalParams local_params(const ModelConfig& m, const RankLayout& l) {
   const ParamCounts pc = count_params(m);
-  return {pc.dense / static_cast<double>(layout.tp * layout.pp),
-          pc.expert / static_cast<double>(layout.ep * layout.etp * layout.pp)};
+  return {pc.dense / static_cast<double>(l.dense_split()),
+          pc.expert / static_cast<double>(l.ep * l.etp * l.pp), l.dense_ranks()};
 }
 
 namespace {
@@ -72,13 +72,14 @@ double add_reductions(const RunConfig& cfg, const ClusterSpec& cluster, const La
   // A stage's data-parallel ranks (tensor shards innermost) span nodes when there are more of
   // them than a node holds.
   const bool multi_node = layout.stage() * layout.tp > cluster.devices_per_node;
+  const int64_t dense_ranks = local.dense_ranks;
   const double expert_sent = local.expert * expert_share;
   auto over = [](int64_t ranks) {
     return fmt::format("over {} rank{}", ranks, ranks == 1 ? "" : "s");
   };
   cm.reductions.emplace_back(
-      "dense gradients " + over(layout.stage()),
-      ring_allreduce(cluster, local.dense * grad_elem, layout.stage(), multi_node));
+      "dense gradients " + over(dense_ranks),
+      ring_allreduce(cluster, local.dense * grad_elem, dense_ranks, multi_node));
   cm.reductions.emplace_back(
       (expert_share < 1 ? fmt::format("expert gradients ({:.0f}% kept) ", 100 * expert_share)
                         : std::string("expert gradients ")) +
@@ -87,7 +88,7 @@ double add_reductions(const RunConfig& cfg, const ClusterSpec& cluster, const La
   // Under EP without DP each rank's experts reduce over a group of one: nothing travels, but
   // the trainer's reduction (parallel/grad_sync.h) still packs, reduce-scatters, all-gathers
   // and unpacks them, at the rate measured for that (one process alone has no reduction).
-  if (layout.dp() == 1 && layout.stage() > 1 && cluster.self_reduce_bandwidth > 0) {
+  if (layout.dp() == 1 && dense_ranks > 1 && cluster.self_reduce_bandwidth > 0) {
     Collective copy;
     copy.kind = "copy";
     copy.phases.push_back({"packed and copied in place", 0, 0, expert_sent * 4,
@@ -100,8 +101,8 @@ double add_reductions(const RunConfig& cfg, const ClusterSpec& cluster, const La
   if (zero >= 3) {
     const double wbytes = static_cast<double>(dtype_size(cfg.train.precision_dtype()));
     cm.reductions.emplace_back(
-        "dense weights all-gathered twice (ZeRO-3) " + over(layout.stage()),
-        ring_allreduce(cluster, local.dense * wbytes, layout.stage(), multi_node));
+        "dense weights all-gathered twice (ZeRO-3) " + over(dense_ranks),
+        ring_allreduce(cluster, local.dense * wbytes, dense_ranks, multi_node));
     cm.reductions.emplace_back(
         "expert weights all-gathered twice (ZeRO-3) " + over(layout.dp()),
         ring_allreduce(cluster, local.expert * wbytes, layout.dp(), multi_node));

@@ -10,11 +10,15 @@
 
 namespace moetrain::plan {
 
-// Parameters one process holds: the dense ones of its tensor shard and stage, its experts.
+// Parameters one process holds: the dense ones of its stage (and tensor shard, where tensor
+// parallelism cuts the weights), its experts; and the ranks that reduce (and ZeRO-shard) the
+// dense gradients: the stage's data-parallel ranks, or every rank of the stage where each keeps
+// the whole weights (RankLayout::whole_params_under_tp, this trainer's tensor parallelism).
 struct LocalParams {
   double dense = 0, expert = 0;
+  int64_t dense_ranks = 1;
 };
-LocalParams local_params(const ModelConfig& m, const Layout& layout);
+LocalParams local_params(const ModelConfig& m, const RankLayout& l);
 
 // Which experts a step touches under a load model. A token picks expert e with probability
 // min(1, K·p_e) (p_e: e's share of the assignments), independently of the other tokens, so a
@@ -29,8 +33,7 @@ struct ExpertActivity {
 ExpertActivity expert_activity(const LoadModel& load, const ModelConfig& m, int64_t ep,
                                double tokens, int64_t microbatches, double min_accum_fraction);
 
-// Appends the step's reductions to cm.reductions: dense gradients over a stage's data-parallel
-// ranks, expert gradients over the expert's replicas (expert_share of them: the busiest rank's
+// Appends the step's reductions to cm.reductions: dense gradients over local.dense_ranks, expert gradients over the expert's replicas (expert_share of them: the busiest rank's
 // kept share under grad.sparse_experts, else 1), the copy of a reduction over a group of one,
 // and ZeRO-3's weight gathers. Returns the bytes the reduction puts on the wire per process (for
 // its buckets).

@@ -118,6 +118,52 @@ TEST(PlanLayout, TensorParallelShardsAttentionAndPaysItsAllReduces) {
   EXPECT_LT(tp2.memory.activations, tp1.memory.activations);
 }
 
+// On a CPU (a device with threads) the planner prices tensor parallelism as this trainer runs it
+// (docs/tensor-parallel.md), not as Megatron does: whole dense weights on each rank, their
+// gradients reduced over every rank of the stage; an f32 all-reduce after the attention and
+// its input gradient's, and the MoE layer's all-gathers of its output and input gradient (one
+// all-reduce's traffic) where the residual stream is whole; the head's input gradient once a
+// micro-batch; every rank sending the whole activations between stages. By hand on 8 MoE layers.
+TEST(PlanLayout, TensorParallelOnACpuIsThisTrainers) {
+  ClusterSpec cpu = moetrain::testing::h100_nodes(1);
+  cpu.device.threads = 1;
+  const ClusterSpec gpu = moetrain::testing::h100_nodes(1);
+  RunConfig cfg = run(1);
+  cfg.train.precision = Precision::F32;
+  const LoadModel load = uniform_load(8);
+  const Layout tp2{.procs = 4, .ep = 2, .tp = 2};
+  const Prediction ours = predict(cfg, cpu, tp2, load);
+  const Prediction megatron = predict(cfg, gpu, tp2, load);
+  const double N = 2 * 512, C = 512;
+  const double dense = count_params(cfg.model).dense;
+  // 3 collectives a MoE layer, 8 layers, and the head's.
+  EXPECT_DOUBLE_EQ(ours.comm.tp_count, 3.0 * 8 + 1);
+  EXPECT_DOUBLE_EQ(megatron.comm.tp_count, 2.0 * 8 + 1);
+  ASSERT_EQ(ours.comm.tensor_parallel.phases.size(), 1u);
+  EXPECT_DOUBLE_EQ(ours.comm.tensor_parallel.seconds(),
+                   ring_allreduce(cpu, N * C * 4, 2, false).seconds());
+  EXPECT_NEAR(ours.parts.tensor_parallel, 25 * ours.comm.tensor_parallel.seconds(), 1e-15);
+  // Whole dense gradients over all 4 ranks (Megatron: half of them over the 2 data-parallel
+  // ranks); each expert's over its 2 replicas either way.
+  ASSERT_EQ(ours.comm.reductions.size(), 2u);
+  EXPECT_EQ(ours.comm.reductions[0].first, "dense gradients over 4 ranks");
+  EXPECT_EQ(megatron.comm.reductions[0].first, "dense gradients over 2 ranks");
+  EXPECT_DOUBLE_EQ(ours.comm.reductions[0].second.seconds(),
+                   ring_allreduce(cpu, dense * 4, 4, false).seconds());
+  EXPECT_EQ(ours.comm.reductions[1].first, megatron.comm.reductions[1].first);
+  // Sequence parallelism: the MoE layers' tokens are the rank's stream, no collective of theirs.
+  cfg.dist.sequence_parallel = true;
+  EXPECT_DOUBLE_EQ(predict(cfg, cpu, tp2, load).comm.tp_count, 2.0 * 8 + 1);
+  EXPECT_LT(predict(cfg, cpu, tp2, load).parts.norms, ours.parts.norms);
+  // Between stages each rank sends the whole micro-batch (Megatron: its sequence share).
+  cfg.dist.sequence_parallel = false;
+  cfg.train.grad_accum = 2;
+  const Layout pp2{.procs = 4, .ep = 1, .tp = 2, .pp = 2};
+  ASSERT_EQ(predict(cfg, cpu, pp2, load).comm.pipeline_send.phases.size(), 1u);
+  EXPECT_DOUBLE_EQ(predict(cfg, cpu, pp2, load).comm.pipeline_send.phases[0].bytes, N * C * 4);
+  EXPECT_DOUBLE_EQ(predict(cfg, gpu, pp2, load).comm.pipeline_send.phases[0].bytes, N * C * 4 / 2);
+}
+
 // The experts fold EP over a stage's TP × DP ranks (Megatron-Core's parallel folding): EP 8 over
 // TP 2 × DP 4 is a layout, and each tensor shard routes, dispatches and sends its own N / tp
 // tokens, so the MoE block is not counted once per shard.
@@ -134,8 +180,8 @@ TEST(PlanLayout, ExpertParallelismFoldsOverTensorAndDataParallelRanks) {
   EXPECT_DOUBLE_EQ(tp2.comm.a2a_send_bytes, tp1.comm.a2a_send_bytes / 2);
   EXPECT_LT(tp2.parts.router, tp1.parts.router);
   EXPECT_LT(tp2.parts.experts, tp1.parts.experts);
-  // MoE layers pay attention's two TP collectives, not four.
-  EXPECT_DOUBLE_EQ(tp2.comm.tp_count, 2.0 * 8);
+  // MoE layers pay attention's two TP collectives, not four; the LM head one.
+  EXPECT_DOUBLE_EQ(tp2.comm.tp_count, 2.0 * 8 + 1);
   // EP must still divide the stage's ranks.
   EXPECT_NE(layout_problem(cfg, c, {.procs = 8, .ep = 8, .tp = 2, .pp = 2}), "");
 }
@@ -155,9 +201,10 @@ TEST(PlanLayout, ExpertTensorParallelSplitsEachExpertAndGathersItsRows) {
   EXPECT_EQ(etp2.dp(), 1);
   const Prediction p = predict(cfg, c, etp2, load);
   // Each rank owns half of each of its 2 experts: an eighth of the experts' parameters, as EP 8.
-  EXPECT_DOUBLE_EQ(local_params(cfg.model, etp2).expert, count_params(cfg.model).expert / 8);
-  EXPECT_DOUBLE_EQ(local_params(cfg.model, etp2).expert,
-                   local_params(cfg.model, {.procs = 8, .ep = 4}).expert / 2);
+  EXPECT_DOUBLE_EQ(local_params(cfg.model, rank_layout(cfg, etp2, true)).expert,
+                   count_params(cfg.model).expert / 8);
+  EXPECT_DOUBLE_EQ(local_params(cfg.model, rank_layout(cfg, etp2, true)).expert,
+                   local_params(cfg.model, rank_layout(cfg, {.procs = 8, .ep = 4}, true)).expert / 2);
   const double rows = 2.0 * 1024 * 2, bytes = rows * 512 * 2;
   EXPECT_DOUBLE_EQ(p.comm.etp_count, 2.0 * 8);
   EXPECT_DOUBLE_EQ(p.comm.expert_tensor_parallel_bytes, bytes);
