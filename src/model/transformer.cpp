@@ -133,10 +133,10 @@ void Transformer::ensure_capacity(int64_t N) {
   auto sz = [](int64_t n) { return static_cast<std::size_t>(n); };
   bool any_dense = false;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) any_dense |= cfg_.is_dense_layer(l);
-  // full: one set of block activations that every block's forward (and recompute) writes.
-  // A pipeline stage: its own blocks' sets only.
-  const int64_t sets = recompute_ == Recompute::Full ? std::min<int64_t>(first_ + 1, end_) : end_;
-  for (int64_t l = recompute_ == Recompute::Full ? 0 : first_; l < sets; ++l) {
+  // full: one set of block activations (acts_[0], block_acts) that every block's forward (and
+  // recompute) writes, in a pipeline stage too. Otherwise the stage's own blocks' sets only.
+  const bool one_set = recompute_ == Recompute::Full;
+  for (int64_t l = one_set ? 0 : first_; l < (one_set ? 1 : end_); ++l) {
     LayerActs& a = *acts_[l];
     a.ln1.resize(sz(N * C)), a.rstd1.resize(sz(R));
     a.q.resize(sz(N * QD)), a.k.resize(sz(N * KD)), a.v.resize(sz(N * KD));
