@@ -35,31 +35,23 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Outcome {
-  std::vector<float> params;
-  std::vector<char> held;
+struct Outcome : TpFigures {
   std::vector<float> biases;  // every MoE layer's router bias, layer after layer
-  std::vector<double> losses, val_losses, grad_norms;  // rank 0 only
   double frozen = 0;  // rank 0: Σ over the steps of the experts the sparse-experts mask froze
 };
 
 Outcome finish(Trainer& t, const fs::path& run) {
-  Outcome o{t.params(), held_values(t), {}, {}, {}, {}};
+  Outcome o;
+  static_cast<TpFigures&>(o) = tp_figures(t, run);
   for (MoeLayer* m : t.model().moe_layers())
     o.biases.insert(o.biases.end(), m->router_bias(), m->router_bias() + m->config().E);
-  if (t.rank() == 0) {
-    o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
-    o.grad_norms = metric(run, "grad_norm");
+  if (t.rank() == 0)
     for (double f : metric(run, "experts_frozen")) o.frozen += f;
-  }
   return o;
 }
 
-struct Bounds {
-  double loss, norm, param;
-};
-// tensor_parallel_test.cpp's: the reordered sums of the shares.
-constexpr Bounds kReordered{1e-5, 1e-4, 1e-4};
+// tensor_parallel_test.cpp's bounds: the reordered sums of the shares.
+constexpr TpBounds kReordered{};
 
 // Fnv-1a of the values' bits, gathered from every rank of world.
 std::vector<int64_t> hashes(Comm& world, const std::vector<float>& v) {
@@ -86,7 +78,7 @@ Outcome run_reference(const fs::path& data, const fs::path& run, std::unique_ptr
 // The tensor-parallel run of `extra` against `ref`; returns it for the callers' own checks.
 Outcome expect_follows(const std::string& name, Comm& world, const fs::path& data,
                        const fs::path& run, const Outcome& ref,
-                       const std::vector<std::string>& extra, const Bounds& b) {
+                       const std::vector<std::string>& extra, const TpBounds& b) {
   SCOPED_TRACE(name);
   Outcome got;
   {
@@ -94,33 +86,7 @@ Outcome expect_follows(const std::string& name, Comm& world, const fs::path& dat
     t.run();
     got = finish(t, run);
   }
-  if (world.rank() == 0) {
-    EXPECT_EQ(got.losses.size(), static_cast<std::size_t>(kTpSteps));
-    EXPECT_EQ(ref.losses.size(), got.losses.size());
-    EXPECT_LE(max_rel(got.losses, ref.losses), b.loss);
-    EXPECT_LT(got.losses.back(), got.losses.front());
-    EXPECT_EQ(ref.grad_norms.size(), got.grad_norms.size());
-    EXPECT_LE(max_rel(got.grad_norms, ref.grad_norms), b.norm);
-    EXPECT_EQ(ref.val_losses.size(), got.val_losses.size());
-    EXPECT_LE(max_rel(got.val_losses, ref.val_losses), b.loss);
-    std::printf("%s: losses within %.3g, gradient norms %.3g, validation losses %.3g\n",
-                name.c_str(), max_rel(got.losses, ref.losses),
-                max_rel(got.grad_norms, ref.grad_norms), max_rel(got.val_losses, ref.val_losses));
-  }
-  EXPECT_EQ(got.params.size(), ref.params.size());
-  if (got.params.size() == ref.params.size()) {
-    const double d = max_rel_diff_held(got.params, ref.params, got.held);
-    EXPECT_LE(d, b.param);
-    double largest = 0, worst = 0;
-    for (std::size_t i = 0; i < ref.params.size(); ++i)
-      if (got.held[i]) {
-        largest = std::max(largest, double(std::fabs(ref.params[i])));
-        worst = std::max(worst, double(std::fabs(got.params[i] - ref.params[i])));
-      }
-    if (world.rank() == 0)
-      std::printf("%s: parameters within %.3g of the largest (%.3g: %.3g)\n", name.c_str(), d,
-                  largest, worst);
-  }
+  expect_tp_follows(name, world.rank(), got, ref, b);
   // The ranks of a tensor-parallel group step the same whole parameters: the same bits.
   const std::vector<int64_t> h = hashes(world, got.params);
   for (int q = 0; q < world.size(); ++q)
@@ -132,7 +98,7 @@ Outcome expect_follows(const std::string& name, Comm& world, const fs::path& dat
 
 // Against the one-process run of the whole global batch with the same setting.
 Outcome expect_follows_single(const std::string& name, const std::vector<std::string>& extra,
-                              const Bounds& b) {
+                              const TpBounds& b) {
   auto world = dist_world("tp_grads");
   const int W = world->size(), r = world->rank();
   SharedDir dir(*world, ("tp_grads_" + name).c_str());

@@ -46,15 +46,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Outcome {
-  std::vector<float> params;
-  std::vector<char> held;
+struct Outcome : TpFigures {
   int64_t nonzero_grads = 0;   // held values' gradients left in the flat buffer after the run
   bool offloaded = false;      // the optimizer state was in a file
   double loss_scale = 1;       // fp16: the scaler's last scale
   int64_t skipped_steps = 0;   // fp16: steps the scaler skipped
-  std::vector<double> losses, val_losses, grad_norms, scales;  // rank 0 only
-  std::vector<bool> skipped;                                    // rank 0 only
+  std::vector<double> scales;  // rank 0 only
+  std::vector<bool> skipped;   // rank 0 only
 };
 
 // Each step's skip flag (a JSON boolean; fp16 runs only).
@@ -72,19 +70,15 @@ Outcome run_trainer(Trainer& t, const fs::path& run) {
   t.run();
   t.gather_params();  // ZeRO-3: the whole model, not only this rank's shard
   Outcome o;
-  o.params = t.params();
-  o.held = held_values(t);
+  static_cast<TpFigures&>(o) = tp_figures(t, run);
   for (std::size_t i = 0; i < o.held.size(); ++i) o.nonzero_grads += o.held[i] && t.grads()[i] != 0;
   o.offloaded = t.optimizer().offload_store() != nullptr;
   if (const LossScaler* s = t.loss_scaler()) {
     o.loss_scale = s->raw_scale();
     o.skipped_steps = s->skipped_steps();
   }
-  if (t.rank() == 0) {
-    o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
-    o.grad_norms = metric(run, "grad_norm");
-    if (t.loss_scaler()) o.scales = metric(run, "loss_scale"), o.skipped = skip_flags(run);
-  }
+  if (t.rank() == 0 && t.loss_scaler())
+    o.scales = metric(run, "loss_scale"), o.skipped = skip_flags(run);
   return o;
 }
 
@@ -100,19 +94,13 @@ Outcome run_tp(const fs::path& data, const fs::path& run, const std::vector<std:
   return run_trainer(t, run);
 }
 
-// Relative bounds on the losses (and validation losses), the gradient norms and the parameters
-// (of the largest): tensor_parallel_test.cpp's unless a test argues others.
-struct Bounds {
-  double loss = 1e-5, norm = 1e-4, param = 1e-4;
-};
-
 // The tensor-parallel run with `extra` against the one-process run with `single_extra`, within
 // `bounds`; its checkpoint holds every rank's values bit for bit. Returns both outcomes for the
 // setting's own checks.
 std::pair<Outcome, Outcome> expect_follows_single(const std::string& name,
                                                   const std::vector<std::string>& extra,
                                                   const std::vector<std::string>& single_extra,
-                                                  Bounds bounds = {}) {
+                                                  TpBounds bounds = {}) {
   auto world = dist_world("tps");
   const int W = world->size(), r = world->rank();
   SharedDir dir(*world, ("tps_" + name).c_str());
@@ -120,34 +108,8 @@ std::pair<Outcome, Outcome> expect_follows_single(const std::string& name,
   world->barrier();
   const Outcome ref = run_single(dir / "data", W / kTp, single_extra);
   const Outcome got = run_tp(dir / "data", dir / "run", extra);
-  if (r == 0) {
-    EXPECT_EQ(got.losses.size(), static_cast<std::size_t>(kTpSteps));
-    EXPECT_EQ(ref.losses.size(), got.losses.size());
-    if (ref.losses.size() == got.losses.size()) {
-      EXPECT_LE(max_rel(got.losses, ref.losses), bounds.loss);
-      EXPECT_LE(max_rel(got.grad_norms, ref.grad_norms), bounds.norm);
-      std::printf("%s: losses %.3g, norms %.3g, parameters %.3g off the one-process run\n",
-                  name.c_str(), max_rel(got.losses, ref.losses),
-                  max_rel(got.grad_norms, ref.grad_norms),
-                  max_rel_diff_held(got.params, ref.params, got.held));
-    }
-    EXPECT_LT(got.losses.back(), got.losses.front());
-    EXPECT_EQ(ref.val_losses.size(), got.val_losses.size());
-    if (ref.val_losses.size() == got.val_losses.size()) {
-      EXPECT_LE(max_rel(got.val_losses, ref.val_losses), bounds.loss);
-    }
-  }
-  EXPECT_EQ(got.params.size(), ref.params.size());
-  if (got.params.size() == ref.params.size()) {
-    EXPECT_LE(max_rel_diff_held(got.params, ref.params, got.held), bounds.param);
-  }
-  LoadedModel m = load_model(dir / "run");
-  EXPECT_EQ(m.step, kTpSteps);
-  EXPECT_EQ(m.params.size(), got.params.size());
-  int64_t differ = 0;
-  for (std::size_t i = 0; i < std::min(m.params.size(), got.params.size()); ++i)
-    differ += got.held[i] && m.params[i] != got.params[i];
-  EXPECT_EQ(differ, 0) << "checkpointed parameters differ from their holder's";
+  expect_tp_follows(name, r, got, ref, bounds);
+  expect_checkpoint_holds(dir / "run", got);
   world->barrier();
   return {got, ref};
 }
@@ -201,7 +163,7 @@ TEST(TensorParallelSettings, OffloadedStateFollowsTheOneProcessRun) {
 // size, so an element whose gradient is within such a perturbation of zero can step either way,
 // over 20 steps of lr); the losses, means over 512 tokens of log-softmaxes taken in f32, within
 // 1e-5 as in f32 (measured ≤ 2e-6).
-constexpr Bounds kFp16Bounds{.loss = 1e-5, .norm = 0x1p-11, .param = 4 * 0x1p-11};
+constexpr TpBounds kFp16Bounds{.loss = 1e-5, .norm = 0x1p-11, .param = 4 * 0x1p-11};
 
 TEST(TensorParallelSettings, FloatSixteenSkipsWithTheOneProcessRun) {
   const std::vector<std::string> fp16 = {"train.precision=fp16", "train.loss_scale_init=16777216",

@@ -36,71 +36,32 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Outcome {
-  std::vector<float> params;
-  std::vector<char> held;
-  std::vector<double> losses, val_losses, grad_norms;  // rank 0 only
-};
-
-Outcome finish(Trainer& t, const fs::path& run) {
-  Outcome o{t.params(), held_values(t), {}, {}, {}};
-  if (t.rank() == 0) {
-    o.losses = metric(run, "loss"), o.val_losses = metric(run, "val_loss");
-    o.grad_norms = metric(run, "grad_norm");
-  }
-  return o;
-}
-
 // The one-process run of the whole global batch (a batch of every copy's rows), on every rank.
-Outcome run_single(const fs::path& data, int copies, std::vector<std::string> extra) {
+TpFigures run_single(const fs::path& data, int copies, std::vector<std::string> extra) {
   TempDir run("tp_single");
   extra.insert(extra.end(), {"dist.ep=1", "dist.zero=0", "dist.sequence_parallel=false"});
   Trainer t(tp_config(data, run.path(), kTpRows * copies, 1, extra), false, make_local_comm());
   t.run();
-  return finish(t, run.path());
+  return tp_figures(t, run.path());
 }
 
-Outcome run_tp(const fs::path& data, const fs::path& run, const std::vector<std::string>& extra,
-               int64_t stop_at = -1, bool resume = false) {
+TpFigures run_tp(const fs::path& data, const fs::path& run, const std::vector<std::string>& extra,
+                 int64_t stop_at = -1, bool resume = false) {
   Trainer t(tp_config(data, run, kTpRows, kTp, extra), resume, dist_world("tp_test"));
   t.run(stop_at);
-  return finish(t, run);
-}
-
-double max_param_diff(const Outcome& got, const std::vector<float>& ref) {
-  return max_rel_diff_held(got.params, ref, got.held);
+  return tp_figures(t, run);
 }
 
 void expect_follows_single(const std::string& name, const std::vector<std::string>& extra) {
-  SCOPED_TRACE(name);
   auto world = dist_world("tp");
   const int W = world->size(), r = world->rank();
   SharedDir dir(*world, ("tp_" + name).c_str());
   if (r == 0) write_corpus(dir / "data", 40000);
   world->barrier();
-  const Outcome ref = run_single(dir / "data", W / kTp, extra);
-  const Outcome got = run_tp(dir / "data", dir / "run", extra);
-  if (r == 0) {
-    ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kTpSteps));
-    ASSERT_EQ(ref.losses.size(), got.losses.size());
-    EXPECT_LE(max_rel(got.losses, ref.losses), 1e-5);
-    EXPECT_LT(got.losses.back(), got.losses.front());
-    ASSERT_EQ(ref.grad_norms.size(), got.grad_norms.size());
-    EXPECT_LE(max_rel(got.grad_norms, ref.grad_norms), 1e-4);
-    ASSERT_EQ(ref.val_losses.size(), got.val_losses.size());
-    EXPECT_LE(max_rel(got.val_losses, ref.val_losses), 1e-5);
-  }
-  ASSERT_EQ(got.params.size(), ref.params.size());
-  EXPECT_LE(max_param_diff(got, ref.params), 1e-4);
-  // The checkpoint holds the whole model (the same safetensors as any layout): every rank finds
-  // its values there, bit for bit.
-  LoadedModel m = load_model(dir / "run");
-  EXPECT_EQ(m.step, kTpSteps);
-  ASSERT_EQ(m.params.size(), got.params.size());
-  int64_t differ = 0;
-  for (std::size_t i = 0; i < m.params.size(); ++i)
-    differ += got.held[i] && m.params[i] != got.params[i];
-  EXPECT_EQ(differ, 0) << "checkpointed parameters differ from their holder's";
+  const TpFigures ref = run_single(dir / "data", W / kTp, extra);
+  const TpFigures got = run_tp(dir / "data", dir / "run", extra);
+  expect_tp_follows(name, r, got, ref);
+  expect_checkpoint_holds(dir / "run", got);
 }
 
 }  // namespace
@@ -134,9 +95,9 @@ TEST(TensorParallel, ResumesBitExactAndItsCheckpointLoadsOnOneProcess) {
   SharedDir dir(*world, "tp_resume");
   if (r == 0) write_corpus(dir / "data", 40000);
   world->barrier();
-  const Outcome whole = run_tp(dir / "data", dir / "whole", {});
+  const TpFigures whole = run_tp(dir / "data", dir / "whole", {});
   run_tp(dir / "data", dir / "split", {}, 10);
-  const Outcome resumed = run_tp(dir / "data", dir / "split", {}, -1, true);
+  const TpFigures resumed = run_tp(dir / "data", dir / "split", {}, -1, true);
   EXPECT_EQ(0, std::memcmp(resumed.params.data(), whole.params.data(),
                            whole.params.size() * sizeof(float)))
       << "the resumed tensor-parallel run differs from the uninterrupted one";
