@@ -247,7 +247,9 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
     layers += ab * N * Lm * static_cast<double>(l.etp - 1) * K * C;
   // zero_bubble: stage s keeps the deferred output gradients of at most s + 1 micro-batches (its
   // weight passes run s micro-batches late) of its L / pp blocks, the last stage the head's too;
-  // the most, the last stage's: pp micro-batches of L / pp blocks and of the head.
+  // the most, the last stage's: pp micro-batches of L / pp blocks and of the head. With vp > 1
+  // stage s runs its weight passes 2s chunk passes late: at most 2pp − 1 chunks of L / (pp·vp)
+  // blocks (within L blocks) and pp of the head's, so the same figure bounds it.
   if (l.pp > 1 && l.pipe_split_backward) {
     const ActivationBytes d = deferred_grad_parts(m, batch, seq_len,
                                                   l.state.copy > 0 ? DType::BF16 : DType::F32);
