@@ -107,7 +107,7 @@ Run add_plan_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--pp", args->pp, "Pipeline stages (modelled simply; the trainer runs gpipe and 1f1b)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  cmd->add_option("--vp", args->vp, "Virtual pipeline stages per rank (interleaved schedule)")
+  cmd->add_option("--vp", args->vp, "Virtual pipeline stages per rank (interleaved and zero_bubble schedules)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--pp-schedule", args->pp_schedule,
                   "Pipeline schedule timed for the bubble: gpipe, 1f1b, interleaved, zero_bubble "

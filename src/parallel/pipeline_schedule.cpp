@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <limits>
 
 #include "core/check.h"
@@ -75,6 +74,13 @@ std::vector<PipeOp> one_f_one_b(const PipeShape& shape, int64_t stage) {
 }
 
 // Megatron's interleaved order: micro-batches go through the stage's chunks in groups of p.
+// Stage s runs `interleaved_warmup` forwards before its first backward.
+int64_t interleaved_warmup(const PipeShape& shape, int64_t stage) {
+  const int64_t p = shape.stages, m = shape.micro_batches, vp = shape.virtual_stages;
+  const int64_t total = m * vp;
+  return m == p ? total : std::min((p - stage - 1) * 2 + (vp - 1) * p, total);
+}
+
 std::vector<PipeOp> interleaved(const PipeShape& shape, int64_t stage) {
   const int64_t p = shape.stages, m = shape.micro_batches, vp = shape.virtual_stages;
   const int64_t total = m * vp, group = p * vp;
@@ -83,8 +89,7 @@ std::vector<PipeOp> interleaved(const PipeShape& shape, int64_t stage) {
     if (kind == PipeOp::Backward) local = vp - 1 - local;
     return PipeOp{kind, (k / group) * p + k % p, local * p + stage};
   };
-  const int64_t warmup =
-      m == p ? total : std::min((p - stage - 1) * 2 + (vp - 1) * p, total);
+  const int64_t warmup = interleaved_warmup(shape, stage);
   std::vector<PipeOp> ops;
   int64_t f = 0, b = 0;
   for (; f < warmup; ++f) ops.push_back(op(PipeOp::Forward, f));
@@ -96,27 +101,40 @@ std::vector<PipeOp> interleaved(const PipeShape& shape, int64_t stage) {
   return ops;
 }
 
+// A list's backwards split into their input-gradient pass B, in place, and their weight pass W:
+// the weight pass of the list's k-th backward right after backward k + delay, the last `delay`
+// after the last backward. The weight passes keep the backwards' order, so each chunk's run in
+// ascending micro-batch order as its backwards do.
+std::vector<PipeOp> defer_weights(const std::vector<PipeOp>& ops, int64_t delay) {
+  std::vector<PipeOp> out, backwards;
+  std::size_t w = 0;
+  for (const PipeOp& op : ops) {
+    out.push_back(op);
+    if (op.kind != PipeOp::Backward) continue;
+    backwards.push_back(op);
+    if (static_cast<int64_t>(backwards.size()) > delay)
+      out.push_back({PipeOp::Weight, backwards[w].micro, backwards[w].chunk}), ++w;
+  }
+  for (; w < backwards.size(); ++w)
+    out.push_back({PipeOp::Weight, backwards[w].micro, backwards[w].chunk});
+  return out;
+}
+
 // ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's order with each backward's
 // input-gradient pass in its place, and stage s's weight passes s micro-batches late — W(j)
 // right after B(j + s), the rest after the last backward. The later stages, which would idle at
 // the start of the drain, hand the input gradients back first and fill the gaps with weight
 // passes; each stage holds at most p micro-batches (the first stage's count under 1F1B).
+//
+// With vp chunks a stage the same on the interleaved order: stage s's weight passes run as many
+// backwards late as it runs fewer warm-up forwards than stage 0 (2s, or none when m = p and
+// every stage runs every forward first), so each stage holds at most the chunks stage 0 holds
+// under interleaved 1F1B, the schedule's activation bound unchanged.
 std::vector<PipeOp> zero_bubble(const PipeShape& shape, int64_t stage) {
-  const int64_t p = shape.stages, m = shape.micro_batches;
-  std::vector<PipeOp> ops;
-  int64_t f = 0, b = 0, w = 0;
-  auto backward = [&] {
-    ops.push_back({PipeOp::Backward, b++, stage});
-    if (b - 1 - stage >= w) ops.push_back({PipeOp::Weight, w++, stage});
-  };
-  for (; f < std::min(p - stage - 1, m); ++f) ops.push_back({PipeOp::Forward, f, stage});
-  while (f < m) {
-    ops.push_back({PipeOp::Forward, f++, stage});
-    backward();
-  }
-  while (b < m) backward();
-  while (w < m) ops.push_back({PipeOp::Weight, w++, stage});
-  return ops;
+  if (shape.virtual_stages > 1)
+    return defer_weights(interleaved(shape, stage),
+                         interleaved_warmup(shape, 0) - interleaved_warmup(shape, stage));
+  return defer_weights(one_f_one_b(shape, stage), stage);
 }
 
 }  // namespace
@@ -144,19 +162,22 @@ std::string pipe_shape_problem(PipeSchedule s, const PipeShape& shape) {
   if (p < 1) return fmt::format("{} pipeline stages: needs at least 1", p);
   if (m < 1) return fmt::format("train.grad_accum = {}: needs at least 1 micro-batch", m);
   if (vp < 1) return fmt::format("{} virtual stages (vp): needs at least 1", vp);
-  if (vp > 1 && s != PipeSchedule::Interleaved)
+  // zero_bubble with vp > 1 runs on the interleaved order, so it takes that order's shapes.
+  const bool interleaves =
+      s == PipeSchedule::Interleaved || (s == PipeSchedule::ZeroBubble && vp > 1);
+  if (vp > 1 && !interleaves)
     return fmt::format("{} virtual stages (vp) with the {} schedule: virtual stages are the "
-                       "interleaved schedule's (use it, or vp = 1)",
+                       "interleaved and zero_bubble schedules' (use one, or vp = 1)",
                        vp, name);
+  if (interleaves && m % p != 0)
+    return fmt::format("train.grad_accum = {} micro-batches for {} pipeline stages under the "
+                       "{} schedule{}: must be a multiple of the stages",
+                       m, p, name, vp > 1 ? fmt::format(" with {} virtual stages", vp) : "");
   if ((s == PipeSchedule::OneFOneB || s == PipeSchedule::ZeroBubble) && m < p)
     return fmt::format("train.grad_accum = {} micro-batches for {} pipeline stages under the {} "
                        "schedule: needs at least one micro-batch a stage; set train.grad_accum "
                        "= {} or more, or use the gpipe schedule",
                        m, p, name, p);
-  if (s == PipeSchedule::Interleaved && m % p != 0)
-    return fmt::format("train.grad_accum = {} micro-batches for {} pipeline stages under the "
-                       "interleaved schedule: must be a multiple of the stages",
-                       m, p);
   return {};
 }
 

@@ -17,7 +17,11 @@
 //                stage s runs its W passes s micro-batches late, so the input gradients travel
 //                back sooner and the W passes fill the drain. With equal passes the bubble is a
 //                third of 1F1B's. In flight: at most p micro-batches on any stage, the first
-//                stage's count under 1F1B (a micro-batch's activations go after its W)
+//                stage's count under 1F1B (a micro-batch's activations go after its W).
+//                With vp > 1 (m a multiple of p) the same on the interleaved order: each
+//                backward split into B and W, stage s's W passes as many backwards late as it
+//                runs fewer warm-up forwards than stage 0 (2s when m > p), so no stage holds
+//                more chunks than stage 0 holds under interleaved; the W passes fill the drain
 //
 // A stage runs its list in order; every list here is deadlock-free (simulate() checks).
 #pragma once
@@ -38,12 +42,13 @@ PipeSchedule parse_pipe_schedule(std::string_view value, std::string_view key);
 struct PipeShape {
   int64_t stages = 1;          // p
   int64_t micro_batches = 1;   // m, per step
-  int64_t virtual_stages = 1;  // vp: model chunks per stage (interleaved only)
+  int64_t virtual_stages = 1;  // vp: model chunks per stage (interleaved and zero_bubble)
   int64_t chunks() const { return stages * virtual_stages; }
 };
 
 // Why the schedule cannot run this shape (too few micro-batches, train.grad_accum, for the
-// stages; virtual stages outside the interleaved schedule); empty when it can.
+// stages, or with virtual stages not a multiple of them; virtual stages under gpipe or 1f1b);
+// empty when it can.
 std::string pipe_shape_problem(PipeSchedule s, const PipeShape& shape);
 
 struct PipeOp {

@@ -77,7 +77,8 @@ void add_dist_fields(std::vector<Field>& fields, DistSettings& d) {
        "With pp > 1: the order of the stages' passes over the micro-batches (train.grad_accum)",
        "gpipe, 1f1b, interleaved, zero_bubble"},
       {"dist.vp", &d.vp,
-       "With pp_schedule = interleaved: model chunks a stage (the blocks cut into pp·vp chunks, "
+       "With pp_schedule = interleaved or zero_bubble: model chunks a stage (the blocks cut "
+       "into pp·vp chunks, "
        "chunk c on stage c mod pp; 1 = one chunk a stage)"},
       {"dist.tp", &d.tp,
        "Tensor parallelism: processes that run one model copy on one batch, its attention "
@@ -246,9 +247,11 @@ void DistSettings::validate() const {
   MOETRAIN_CHECK(pp >= 1, "dist.pp = {}: must be ≥ 1 (pipeline stages; 1 = off)", pp);
   const PipeSchedule schedule = parse_pipe_schedule(pp_schedule, "dist.pp_schedule");
   MOETRAIN_CHECK(vp >= 1, "dist.vp = {}: must be ≥ 1 (model chunks a pipeline stage)", vp);
-  MOETRAIN_CHECK(vp == 1 || schedule == PipeSchedule::Interleaved,
+  MOETRAIN_CHECK(vp == 1 || schedule == PipeSchedule::Interleaved ||
+                     schedule == PipeSchedule::ZeroBubble,
                  "dist.vp = {} with dist.pp_schedule = {}: model chunks a stage are the "
-                 "interleaved schedule's; set dist.pp_schedule = interleaved or dist.vp = 1",
+                 "interleaved and zero_bubble schedules'; set dist.pp_schedule = interleaved "
+                 "(or zero_bubble) or dist.vp = 1",
                  vp, pp_schedule);
   MOETRAIN_CHECK(vp == 1 || pp > 1,
                  "dist.vp = {} with dist.pp = 1: model chunks are cut over pipeline stages; set "

@@ -247,7 +247,9 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
     layers += ab * N * Lm * static_cast<double>(l.etp - 1) * K * C;
   // zero_bubble: stage s keeps the deferred output gradients of at most s + 1 micro-batches (its
   // weight passes run s micro-batches late) of its L / pp blocks, the last stage the head's too;
-  // the most, the last stage's: pp micro-batches of L / pp blocks and of the head.
+  // the most, the last stage's: pp micro-batches of L / pp blocks and of the head. With vp > 1
+  // stage s runs its weight passes 2s chunk passes late: at most 2pp − 1 chunks of L / (pp·vp)
+  // blocks (within L blocks) and pp of the head's, so the same figure bounds it.
   if (l.pp > 1 && l.pipe_split_backward) {
     const ActivationBytes d = deferred_grad_parts(m, batch, seq_len,
                                                   l.state.copy > 0 ? DType::BF16 : DType::F32);
@@ -379,13 +381,12 @@ RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) 
     l.pipe_split_backward = schedule == PipeSchedule::ZeroBubble;
     if (schedule == PipeSchedule::GPipe) {
       l.pipe_in_flight = static_cast<double>(cfg.train.grad_accum);
-    } else if (schedule == PipeSchedule::Interleaved && pipe_shape_problem(schedule, shape).empty()) {
-      // The first stage's chunks in flight at most, in micro-batches' worth of its layers (each
-      // chunk a vp-th of them).
-      int64_t live = 0, most = 0;
-      for (const PipeOp& op : stage_ops(schedule, shape, 0))
-        most = std::max(most, live += op.kind == PipeOp::Forward ? 1 : -1);
-      l.pipe_in_flight = static_cast<double>(most) / static_cast<double>(cfg.dist.vp);
+    } else if ((schedule == PipeSchedule::Interleaved ||
+                (schedule == PipeSchedule::ZeroBubble && cfg.dist.vp > 1)) &&
+               pipe_shape_problem(schedule, shape).empty()) {
+      // The first stage's chunks in flight at most (until their backward, or their weight pass
+      // under zero_bubble), in micro-batches' worth of its layers (each chunk a vp-th of them).
+      l.pipe_in_flight = simulate(schedule, shape, {}).peak_in_flight[0];
     }
   }
   // Tensor parallelism (a dist.tp that does not divide the processes is refused where the groups

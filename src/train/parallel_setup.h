@@ -66,7 +66,7 @@ struct LocalCopies {
 struct PipeSetup {
   int64_t stages = 1, stage = 0;
   PipeSchedule schedule = PipeSchedule::OneFOneB;
-  int64_t chunks_per_stage = 1;  // dist.vp: model chunks a stage (the interleaved schedule)
+  int64_t chunks_per_stage = 1;  // dist.vp: model chunks a stage (interleaved, zero_bubble)
   // The pipe's processes (rank q = stage q, all with this rank's t); null without stages.
   std::unique_ptr<Comm> comm;
   int64_t replica = 0, replicas = 1;  // the pipe among the data-parallel copies of the model

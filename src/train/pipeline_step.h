@@ -1,5 +1,6 @@
 // The pipeline-parallel micro-batch phase of a step (dist.pp > 1). The language model's blocks are
-// cut into p·vp chunks of contiguous blocks (vp = dist.vp, 1 but under the interleaved schedule);
+// cut into p·vp chunks of contiguous blocks (vp = dist.vp, 1 but under the interleaved schedule
+// and zero_bubble on its order);
 // chunk c runs on stage c mod p, so stage s holds chunks s, s + p, …, s + (vp − 1)p. Chunk 0 also
 // embeds the tokens, the last chunk also holds the final norm, the head and the loss. Each process
 // runs its stage's passes in the order parallel/pipeline_schedule.h gives (stage_ops):
@@ -15,8 +16,8 @@
 //
 // A micro-batch keeps each chunk's activations from its forward to its backward in an activation
 // slot of that chunk: a model object of the chunk's blocks of its own (gpipe holds every
-// micro-batch of the step, 1f1b at most p − s on stage s, zero_bubble p, each slot kept until
-// its W). Slot 0 of the stage's first chunk is
+// micro-batch of the step, 1f1b at most p − s on stage s, zero_bubble p — with chunks, at most
+// the chunks interleaved's first stage holds — each slot kept until its W). Slot 0 of the stage's first chunk is
 // the trainer's model, the one the step engine's controllers see (its MoE layer objects exist for
 // every layer); the others take its MoE layers' router biases and capacity factors before each
 // forward and hand it their routing counts after the step. Sends are nonblocking and own a copy

@@ -172,8 +172,8 @@ struct DistSettings {
   // Pipeline parallelism (train/pipeline_step.h): the model's blocks cut into pp stages of
   // contiguous blocks, one per process, running the micro-batches (train.grad_accum) in the
   // order of pp_schedule: gpipe | 1f1b | interleaved | zero_bubble (each backward split into its
-  // input-gradient and weight-gradient passes). With interleaved, vp chunks a stage: the blocks
-  // cut into pp·vp chunks, chunk c on stage c mod pp.
+  // input-gradient and weight-gradient passes). With interleaved, or zero_bubble on its order,
+  // vp chunks a stage: the blocks cut into pp·vp chunks, chunk c on stage c mod pp.
   int64_t pp = 1;
   std::string pp_schedule = "1f1b";
   int64_t vp = 1;

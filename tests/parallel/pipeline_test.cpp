@@ -1,6 +1,6 @@
 // Pipeline parallelism (dist.pp = the number of processes, one stage each) against the
 // one-process run with the same global batch and seed, under the gpipe, 1f1b and zero_bubble
-// schedules.
+// schedules, and zero_bubble with 2 chunks a stage against interleaved.
 //
 // Bitwise where the code path is the same: each stage runs its blocks' forward and backward as
 // the whole model does (Transformer::set_stage), its parameter gradients accumulate over the
@@ -164,6 +164,78 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
   EXPECT_EQ(0, std::memcmp(t.params().data(), single.params.data(),
                            single.params.size() * sizeof(float)))
       << "one process resumed from the pipeline's checkpoint differs";
+}
+
+// zero_bubble with 2 chunks a stage (dist.vp = 2: 2 stages over the 4 blocks, stage 0 blocks 0
+// and 2 with the embedding, stage 1 blocks 1 and 3 with the head) ends where interleaved at
+// vp = 2 ends, bit for bit: both run the same forwards in the same order on each stage (the
+// weight passes are only put between them), every parameter belongs to one chunk, and a chunk's
+// B passes (its MoE layers' and norms' gradients) and W passes (its dense linears' weight
+// gradients: the GEMM calls backward makes, deferred) each run in ascending micro-batch order,
+// as interleaved's backwards do, so each parameter gradient is the same sum in the same order.
+// The training losses and norms are the same forwards' and gradients' parts summed in the same
+// order. Against the one-process run it keeps the bounds of the tests above (expect_same).
+TEST(Pipeline, ZeroBubbleWithChunksEndsWhereInterleavedEnds) {
+  auto world = dist_world("pipeline_zb_vp");
+  const int W = world->size(), r = world->rank();
+  if (W != 2) GTEST_SKIP() << "needs 2 processes for one pipeline of 2 stages x 2 chunks";
+  SharedDir dir(*world, "pipeline_zb_vp");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const std::string single_dir = "single" + std::to_string(r);
+  const Outcome single = run_single(dir / "data", dir / single_dir);
+  auto run_chunks = [&](const std::string& schedule, const fs::path& run, bool resume) {
+    Trainer t(pipeline_config(dir / "data", run, 2, schedule, 2), resume,
+              dist_world("pipeline_zb_vp_run"));
+    t.run();
+    const PipelineRunner* pipe = t.pipeline();
+    EXPECT_TRUE(pipe && pipe->chunks_per_stage() == 2 && pipe->slots_made() == pipe->slots(kAccum));
+    return finish(t, run);
+  };
+  const Outcome inter = run_chunks("interleaved", dir / "interleaved", false);
+  const Outcome zb = run_chunks("zero_bubble", dir / "zero_bubble", false);
+  EXPECT_EQ(zb.params, inter.params) << "zero_bubble at vp = 2 ends elsewhere than interleaved";
+  expect_same(zb, single, r);
+  if (r == 0) {
+    EXPECT_EQ(zb.losses, inter.losses);
+    EXPECT_EQ(zb.grad_norms, inter.grad_norms);
+    // The last step as it ran: each stage's passes in the schedule's order, one at a time, the
+    // weight passes named with their chunk (W3.c2).
+    const TraceFile trace = read_trace(dir / "zero_bubble" / kPipelineTraceFile);
+    int64_t weights = 0;
+    for (int64_t stage = 0; stage < 2; ++stage) {
+      std::vector<TraceSpan> lane;
+      for (const TraceSpan& span : trace.spans)
+        if (span.lane == stage) lane.push_back(span);
+      const std::vector<PipeOp> ops = stage_ops(PipeSchedule::ZeroBubble, {2, kAccum, 2}, stage);
+      ASSERT_EQ(lane.size(), ops.size()) << "stage " << stage;
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        EXPECT_EQ(lane[i].name, std::string(1, "FBW"[ops[i].kind]) +
+                                    std::to_string(ops[i].micro) + ".c" +
+                                    std::to_string(ops[i].chunk))
+            << "stage " << stage << " pass " << i;
+        weights += ops[i].kind == PipeOp::Weight && lane[i].category == "weight";
+        if (i > 0) {
+          EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
+        }
+      }
+    }
+    EXPECT_EQ(weights, 4 * kAccum) << "a weight pass of each micro-batch on each chunk";
+    const std::string step = "checkpoints/step_00000006";
+    const auto mine = read_all_tensors(dir / ("zero_bubble/" + step));
+    EXPECT_GT(mine.size(), 10u);
+    EXPECT_TRUE(mine == read_all_tensors(dir / (single_dir + "/" + step)))
+        << "the zero_bubble vp = 2 checkpoint differs from the one-process run's";
+    // The one-process step-3 checkpoint, to resume from.
+    fs::create_directories(dir / "resumed/checkpoints");
+    fs::copy(dir / "single0/checkpoints/step_00000003", dir / "resumed/checkpoints/step_00000003");
+    std::ofstream(dir / "resumed/checkpoints/latest") << "step_00000003";
+    fs::copy_file(dir / "single0/metrics.jsonl", dir / "resumed/metrics.jsonl");
+  }
+  world->barrier();
+  const Outcome resumed = run_chunks("zero_bubble", dir / "resumed", true);
+  EXPECT_EQ(differ_held(resumed.params, single.params, resumed.held), 0)
+      << "zero_bubble at vp = 2 resumed from a one-process checkpoint differs";
 }
 
 // Router-bias balancing, the dynamic capacity controller and expert reweighting under a pipeline
@@ -366,30 +438,29 @@ TEST(Pipeline, ExpertParallelStagesFollowTheExpertParallelRunBitwise) {
   // communication thread during the last backward, and the exchanges and the pipe's last sends
   // go through that thread: the same sums, so the same bits.
   // zero_bubble with overlap: the grads-ready hook runs from the weight passes, the buckets are
-  // reduced while the stage's last weight pass runs.
-  for (const std::string variant :
-       {"gpipe", "1f1b", "1f1b_zero1", "1f1b_overlap", "zero_bubble_overlap"}) {
+  // reduced while the stage's last weight pass runs; with 2 chunks a stage (dist.vp = 2) the
+  // same on the interleaved order, whose chunks' B and W passes each run in micro-batch order.
+  for (const std::string variant : {"gpipe", "1f1b", "1f1b_zero1", "1f1b_overlap",
+                                    "zero_bubble_overlap", "zero_bubble_vp2_overlap"}) {
     SCOPED_TRACE(variant);
     const bool zero1 = variant == "1f1b_zero1";
-    const bool overlap = variant == "1f1b_overlap" || variant == "zero_bubble_overlap";
-    const std::string schedule = variant == "zero_bubble_overlap" ? "zero_bubble"
-                                 : zero1 || overlap              ? "1f1b"
-                                                                 : variant;
+    const bool zb = variant.starts_with("zero_bubble");
+    const bool overlap = variant == "1f1b_overlap" || zb;
+    const std::string schedule = zb ? "zero_bubble" : zero1 || overlap ? "1f1b" : variant;
     std::vector<std::string> keys = ep;
     if (zero1) keys.push_back("dist.zero=1");
     if (overlap) keys = {"dist.ep=2"};
+    if (variant == "zero_bubble_vp2_overlap") keys.push_back("dist.vp=2");
     const fs::path run = dir / ("pp_ep_" + variant);
     Trainer t(make_config(dir / "data", run, 2, schedule, keys), false, dist_world("pp_ep_run"));
     t.run();
     const PipelineRunner* pipe = t.pipeline();
     ASSERT_NE(pipe, nullptr);
+    EXPECT_EQ(pipe->chunks_per_stage(), variant == "zero_bubble_vp2_overlap" ? 2 : 1);
+    // The values this rank holds: its experts, within its stage's chunks.
     std::vector<char> held = held_values(t);
-    const std::vector<FlatRange> mine =
-        pipe_stage_params(t.model(), pipe->stages(), pipe->chunks_per_stage(), pipe->stage());
-    ASSERT_EQ(mine.size(), 1u);
-    for (std::size_t i = 0; i < held.size(); ++i)
-      held[i] &= static_cast<int64_t>(i) >= mine[0].offset &&
-                 static_cast<int64_t>(i) < mine[0].offset + mine[0].size;
+    const std::vector<char> stage = stage_values(t);
+    for (std::size_t i = 0; i < held.size(); ++i) held[i] &= stage[i];
     std::vector<float> ref(t.params().size());
     std::ifstream(ref_file(static_cast<int>(pipe->replica())), std::ios::binary)
         .read(reinterpret_cast<char*>(ref.data()),

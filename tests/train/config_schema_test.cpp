@@ -222,14 +222,17 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   expect_error(with({"dist.pp=5"}), {"dist.pp = 5", "model.n_layers = 4"});
   expect_error(with({"dist.pp=2", "dist.pp_schedule=2f2b"}),
                {"dist.pp_schedule", "2f2b", "1f1b"});
-  // zero_bubble trains; it needs a micro-batch a stage, and one chunk a stage.
+  // zero_bubble trains; it needs a micro-batch a stage, and with chunks a stage (on the
+  // interleaved order) a multiple of the stages.
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "dist.pp_schedule=zero_bubble"});
   expect_error(with({"dist.pp=2", "dist.pp_schedule=zero_bubble"}),
                {"dist.pp_schedule = zero_bubble", "train.grad_accum = 1"});
-  expect_error(with({"dist.pp=2", "dist.vp=2", "train.grad_accum=4",
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "dist.vp=2", "train.grad_accum=4",
+                       "dist.pp_schedule=zero_bubble"});
+  expect_error(with({"dist.pp=2", "dist.vp=2", "train.grad_accum=3",
                      "dist.pp_schedule=zero_bubble"}),
-               {"dist.vp = 2", "dist.pp_schedule = zero_bubble"});
+               {"dist.vp = 2", "train.grad_accum = 3", "multiple"});
   // Interleaving: chunks a stage under its own schedule only, every chunk a block at least, the
   // micro-batches a multiple of the stages.
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "dist.vp=2", "train.grad_accum=4",

@@ -195,6 +195,28 @@ TEST(MemoryEstimate, EngineTensorParallelKeepsWholeParametersAndFewerActivations
   }
 }
 
+// Interleaved and zero_bubble on its order (dist.vp = 2) hold the same chunks in flight on the
+// first stage (2 stages, 8 micro-batches: 5 chunks, 2.5 micro-batches' worth of its layers, as
+// the schedule's timeline counts them); zero_bubble adds its deferred output gradients.
+TEST(MemoryEstimate, ZeroBubbleWithChunksHoldsInterleavedsActivations) {
+  RunConfig cfg;
+  cfg.model = hand_counted_model();
+  cfg.train.batch_size = 2, cfg.train.seq_len = 8, cfg.train.grad_accum = 8;
+  cfg.train.precision = Precision::F32;
+  cfg.dist.pp = 2, cfg.dist.vp = 2;
+  cfg.dist.pp_schedule = "interleaved";
+  const RankLayout inter = trainer_layout(cfg, 2, 0);
+  cfg.dist.pp_schedule = "zero_bubble";
+  const RankLayout zb = trainer_layout(cfg, 2, 0);
+  EXPECT_DOUBLE_EQ(inter.pipe_in_flight, 2.5);
+  EXPECT_DOUBLE_EQ(zb.pipe_in_flight, 2.5);
+  EXPECT_TRUE(zb.pipe_split_backward);
+  EXPECT_FALSE(inter.pipe_split_backward);
+  const MemoryEstimate a = rank_memory(cfg.model, 2, 8, inter);
+  const MemoryEstimate b = rank_memory(cfg.model, 2, 8, zb);
+  EXPECT_GT(b.activations, a.activations);
+}
+
 // ZeRO-3's gathered units peak at the larger of the embedding with block 0, two neighbouring
 // blocks, and the last block with the head; each block as this rank holds it (its dense tensors
 // and its E/ep experts), and of each gathered unit only what lies outside the rank's shard (its
