@@ -42,7 +42,9 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   set_precision(cfg_.precision);
   params_ = PageBuffer(layout.size());
   grads_ = PageBuffer(layout.size());
-  const bool zero3 = cfg_.dist.zero == 3 && world_ > 1;
+  // ZeRO-3 shards over the copies that sum their gradients (the world; under dist.pp a stage's
+  // copies): a stage of one copy holds its parameters whole, as under ZeRO-1 and 2.
+  const bool zero3 = cfg_.dist.zero == 3 && pg_->layout.world > 1;
   if (!zero3) init_params(params_.data(), 0, layout.size());
   groups_ = param_groups(layout);
 
@@ -140,11 +142,13 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
       zero3_->release(u);
     }
     model_.set_param_units(zero3_.get());
+    if (pipe_) pipe_->set_param_units(zero3_.get());
   }
 }
 
 StepEngine::~StepEngine() {
   if (zero3_) model_.set_param_units(nullptr);
+  if (zero3_ && pipe_) pipe_->set_param_units(nullptr);
 }
 
 void StepEngine::gather_params() {
