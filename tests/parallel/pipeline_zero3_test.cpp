@@ -6,12 +6,13 @@
 // 4 (two pipelines) each stage's copies hold half of it each.
 //
 // Bitwise against ZeRO-2 in the same stages: both reduce-scatter the stage's accumulated
-// gradients once a step over the same copies, and each element of the reduced gradient is a sum
-// of two terms (one per copy), which rounds alike in either order and under any bucketing (ZeRO-3
-// cuts its buckets at the gather units, ZeRO-2 does not); both step the shard with the same
-// elementwise AdamW (the clip is off: the gradient norm sums the shards' squares in another
-// grouping, 1e-12 relative), and the values a gather brings are the bits their owner stepped,
-// which ZeRO-2's all-gather brings too. So every forward and backward reads the same weights,
+// gradients once a step over the same copies (Zero2Reducer, GradSync), and Comm::reduce_scatter
+// adds each element's contributions in rank order whatever bucket holds it (ZeRO-3 cuts its
+// buckets at the gather units, ZeRO-2 does not; here each element is a sum of two terms besides,
+// which rounds alike in either order); both step the shard with the same elementwise AdamW (the
+// clip is off: the gradient norm sums the shards' squares in another grouping, 1e-12 relative),
+// and the values a gather brings are the bits their owner stepped, which ZeRO-2's all-gather
+// brings too. So every forward and backward reads the same weights,
 // and the parameters, the losses, the validation losses and the checkpoint are ZeRO-2's bits.
 // Against the one-process run: bitwise with one pipeline (tests/parallel/pipeline_test.cpp and
 // pipeline_interleaved_test.cpp argue it), within the data-parallel bounds with two
