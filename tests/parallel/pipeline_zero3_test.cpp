@@ -167,8 +167,9 @@ PipeOutcome run_single(const SharedDir& dir, int pipelines, int rank,
 
 // 1f1b, interleaved (2 chunks a stage, each chunk's slots asking for its own units) and
 // zero_bubble (its weight passes read no parameter) under ZeRO-3, each against ZeRO-2 under the
-// same schedule (bitwise) and the one-process run; on 4 processes the gathered units are released
-// after the run, and the start-up estimate counts the stage's parameters sharded.
+// same schedule and keys (bitwise) and the one-process run; on 4 processes also 1f1b without
+// overlap and with dist.ep = 2, the gathered units are released after the run, and the start-up
+// estimate counts the stage's parameters sharded.
 TEST(PipelineZeroThree, StagesEndWhereZeroTwoEndsBitwiseAndFollowTheOneProcessRun) {
   auto world = dist_world("pipeline_zero3");
   const int W = world->size(), r = world->rank();
@@ -178,18 +179,31 @@ TEST(PipelineZeroThree, StagesEndWhereZeroTwoEndsBitwiseAndFollowTheOneProcessRu
   const int pipelines = W / 2;
   const PipeOutcome single = run_single(dir, pipelines, r);
   struct Case {
-    std::string schedule;
+    std::string name, schedule;
     int64_t vp;
+    std::vector<std::string> keys;
   };
-  for (const Case& c : {Case{"1f1b", 1}, Case{"interleaved", 2}, Case{"zero_bubble", 1}}) {
-    SCOPED_TRACE(c.schedule);
+  std::vector<Case> cases = {{"1f1b", "1f1b", 1, {}},
+                             {"interleaved", "interleaved", 2, {}},
+                             {"zero_bubble", "zero_bubble", 1, {}}};
+  // Two pipelines: the gathers inline (no communication thread), and the experts sharded over
+  // each stage's EP group (its 2 copies: each rank's experts are whole on it, nothing of them
+  // gathered).
+  if (pipelines > 1) {
+    cases.push_back({"1f1b_blocking", "1f1b", 1, {"dist.overlap=false"}});
+    cases.push_back({"1f1b_ep", "1f1b", 1, {"dist.ep=2"}});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
     auto config = [&](int zero) {
-      return pipeline_config(dir / "data", dir / (c.schedule + std::to_string(zero)), 2,
-                             c.schedule, c.vp, {"dist.zero=" + std::to_string(zero)});
+      std::vector<std::string> keys = c.keys;
+      keys.push_back("dist.zero=" + std::to_string(zero));
+      return pipeline_config(dir / "data", dir / (c.name + std::to_string(zero)), 2, c.schedule,
+                             c.vp, keys);
     };
     const ZeroRun two = run_stages(config(2), dist_world("pipeline_zero3_two"));
     const ZeroRun three = run_stages(config(3), dist_world("pipeline_zero3_three"));
-    expect_bitwise(three, two, dir / (c.schedule + "3"), dir / (c.schedule + "2"), r);
+    expect_bitwise(three, two, dir / (c.name + "3"), dir / (c.name + "2"), r);
     expect_follows(three, single, pipelines == 1, r);
     if (pipelines == 1) {
       // One copy a stage: the stage's parameters stay whole, stepped by its one process.
