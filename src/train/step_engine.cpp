@@ -160,7 +160,7 @@ std::string StepEngine::describe_layout() const {
   if (pipe_)
     return fmt::format("{} processes: {} pipeline(s) x {} stages ({}{}){}, {} micro-batches a "
                        "step, {} activation slots on stage {}; a stage's {} copies: {} "
-                       "data-parallel x {} expert-parallel ({} experts each)",
+                       "data-parallel x {} expert-parallel ({} experts each){}",
                        world_, pipe_->replicas(), pipe_->stages(),
                        pipe_schedule_name(pipe_->schedule()),
                        pipe_->chunks_per_stage() > 1
@@ -169,7 +169,8 @@ std::string StepEngine::describe_layout() const {
                        tp_size_ > 1 ? fmt::format(" x {} tensor-parallel ranks", tp_size_) : "",
                        cfg_.micro_batches,
                        pipe_->slots(cfg_.micro_batches), pipe_->stage(), pl.world, pl.dp, pl.ep,
-                       expert_shard_.count);
+                       expert_shard_.count,
+                       cfg_.dist.zero ? fmt::format(", ZeRO-{} over them", cfg_.dist.zero) : "");
   return fmt::format(
       "{} processes: {}{} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",
