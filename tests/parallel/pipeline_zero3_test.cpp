@@ -168,8 +168,8 @@ PipeOutcome run_single(const SharedDir& dir, int pipelines, int rank,
 // 1f1b, interleaved (2 chunks a stage, each chunk's slots asking for its own units) and
 // zero_bubble (its weight passes read no parameter) under ZeRO-3, each against ZeRO-2 under the
 // same schedule and keys (bitwise) and the one-process run; on 4 processes also 1f1b without
-// overlap and with dist.ep = 2, the gathered units are released after the run, and the start-up
-// estimate counts the stage's parameters sharded.
+// overlap, with dist.ep = 2 and in bf16, the gathered units are released after the run, and the
+// start-up estimate counts the stage's parameters sharded.
 TEST(PipelineZeroThree, StagesEndWhereZeroTwoEndsBitwiseAndFollowTheOneProcessRun) {
   auto world = dist_world("pipeline_zero3");
   const int W = world->size(), r = world->rank();
@@ -192,6 +192,9 @@ TEST(PipelineZeroThree, StagesEndWhereZeroTwoEndsBitwiseAndFollowTheOneProcessRu
   if (pipelines > 1) {
     cases.push_back({"1f1b_blocking", "1f1b", 1, {"dist.overlap=false"}});
     cases.push_back({"1f1b_ep", "1f1b", 1, {"dist.ep=2"}});
+    // bf16 GEMM operands: each slot's model rounds a unit's weights as it is gathered, the bits
+    // ZeRO-2's slots round from their whole copy (compared with ZeRO-2 only).
+    cases.push_back({"1f1b_bf16", "1f1b", 1, {"train.precision=bf16"}});
   }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -204,7 +207,7 @@ TEST(PipelineZeroThree, StagesEndWhereZeroTwoEndsBitwiseAndFollowTheOneProcessRu
     const ZeroRun two = run_stages(config(2), dist_world("pipeline_zero3_two"));
     const ZeroRun three = run_stages(config(3), dist_world("pipeline_zero3_three"));
     expect_bitwise(three, two, dir / (c.name + "3"), dir / (c.name + "2"), r);
-    expect_follows(three, single, pipelines == 1, r);
+    if (c.name != "1f1b_bf16") expect_follows(three, single, pipelines == 1, r);
     if (pipelines == 1) {
       // One copy a stage: the stage's parameters stay whole, stepped by its one process.
       EXPECT_FALSE(three.sharded);
