@@ -306,10 +306,10 @@ void validate_tensor_parallel(const RunConfig& c) {
   refuse(d.local_steps() && d.ep > 1,
          fmt::format("dist.sync = params and dist.ep = {} (experts shared by several copies)",
                      d.ep));
-  // ZeRO-2 and 3, offloaded state and fp16 run, inside pipeline stages too (ZeRO-3 is the
-  // pipeline's to refuse): the reduction sums every rank's gradients over the world, or over the
-  // stage's copies, which are every tensor-parallel rank of the stage, before a shard is checked
-  // or stepped, and the norm and the fp16 overflow flag are summed over the world.
+  // ZeRO-2 and 3, offloaded state and fp16 run, inside pipeline stages too: the reduction sums
+  // every rank's gradients over the world, or over the stage's copies, which are every
+  // tensor-parallel rank of the stage, before a shard is checked or stepped (ZeRO-3: and
+  // gathered), and the norm and the fp16 overflow flag are summed over the world.
   refuse(d.hierarchical, "dist.hierarchical = true (an expert all-to-all route)");
   refuse(d.adaptive_route, "dist.adaptive_route = true (an expert all-to-all route)");
   refuse(c.placement.enabled(),
@@ -340,9 +340,9 @@ void validate_pipeline(const RunConfig& c) {
                    what, "leave it at its default or set dist.pp = 1");
   };
   // ZeRO-1 shards a stage's optimizer state over the stage's copies; ZeRO-2 reduce-scatters the
-  // stage's buckets once its last backward (or weight pass) made them final. ZeRO-3 gathers each
-  // unit where the model uses it, which the activation slots' models do not ask for.
-  refuse(d.zero > 2, fmt::format("dist.zero = {} (ZeRO-1 and 2 run)", d.zero));
+  // stage's buckets once its last backward (or weight pass) made them final; ZeRO-3 shards the
+  // stage's parameters over them too, and every activation slot's model gathers each unit of its
+  // chunk where its passes use it (train/pipeline_step.h).
   refuse(d.local_steps(), "dist.sync = params");
   // Expert parallelism runs inside each stage (dist.ep divides the stage's processes, checked
   // where the process groups are made): the flat all-to-all, chunked or not, and the 2-D one. A

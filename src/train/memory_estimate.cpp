@@ -294,7 +294,9 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                                             pc.dense + pc.expert, 1);
     e.parameters = all.parameters, e.gradients = all.gradients;
     e.low_precision = all.low_precision;
-    if (l.world > 1 && l.state.zero >= 2) {
+    // A stage's copies (the world without stages) reduce its gradients; a stage of one copy has
+    // nothing to reduce or shard over and keeps the whole buffer, as at ZeRO-1.
+    if (l.world / l.pp > 1 && l.state.zero >= 2) {
       // Floats of each unit (unit_params) this rank writes gradients of and, at ZeRO-3, gathers:
       // its dense tensors and the experts it holds (the others' are never touched).
       const double held_share = 1 / (ep * etp) + slots / E;
@@ -325,6 +327,11 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                                                   l.state.weight * neighbour_peak(outside));
         e.low_precision = dense.low_precision + expert.low_precision;
       }
+      // In pipeline stages every micro-batch's backward adds into the stage's gradients, which
+      // are reduced once a step, after its last backward (train/pipeline_step.h): the stage's
+      // gradients (its dense tensors and its experts) stay resident until then.
+      if (l.pp > 1)
+        e.gradients = std::min(all.gradients, l.state.grad * (dense_local + expert_held));
     }
   } else {
     e.parameters = dense.parameters + expert.parameters + held.parameters;
@@ -341,7 +348,7 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
   // This trainer's kernels' and allocator's workspace from the first step on, whatever the
   // batch (measured: 6 MiB on two configs of dim 128 and 256).
   if (l.kept_backward_buffers) e.activations += kStepWorkspaceBytes;
-  if (l.world > 1 && l.whole_buffer) {
+  if (l.world / l.pp > 1 && l.whole_buffer) {
     // This trainer's gradient reduction (parallel/grad_sync.h): the reduced shard of every bucket
     // (this rank's share of the dense gradients and of its experts'), one bucket packed for the
     // wire and as much again inside MPI (its nonblocking reduction's temporary; measured).

@@ -117,10 +117,11 @@ struct RankLayout {
 
 // The bytes one rank of an LM run holds: the one formula of the trainer's start-up check, of
 // `moetrain train --dry-run` and of the planner (plan/memory_model.cpp). With whole_buffer and
-// more than one process, by unit (unit_params; a block as the rank holds it: its dense tensors
-// and its experts): ZeRO-2 gradients max(2 buckets, largest unit + a bucket); ZeRO-3 weights the
-// rank's shard (state_memory) and the largest two neighbouring units gathered, gradients those two
-// units; each at most the whole buffer.
+// more than one copy of a stage (of the model without stages), by unit (unit_params; a block as
+// the rank holds it: its dense tensors and its experts): ZeRO-2 gradients max(2 buckets, largest
+// unit + a bucket); ZeRO-3 weights the rank's shard (state_memory) and the largest two
+// neighbouring units gathered, gradients those two units; in stages the gradients are the
+// stage's, reduced once a step; each at most the whole buffer.
 MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
                            const RankLayout& l);
 

@@ -140,9 +140,15 @@ Transformer& PipelineRunner::slot_model(Transformer& model, int64_t j, int64_t k
     m->set_split_backward(splits_backward());
     // The reduction's buckets follow whichever slot runs the step's last backward.
     m->set_grads_ready_hook(model.grads_ready_hook());
+    m->set_param_units(units_);
     chunk.push_back(std::move(m));
   }
   return *chunk[static_cast<std::size_t>(index)];
+}
+
+void PipelineRunner::set_param_units(ParamUnits* units) {
+  units_ = units;
+  for (Transformer* m : made()) m->set_param_units(units);
 }
 
 std::vector<Transformer*> PipelineRunner::made() {

@@ -29,6 +29,12 @@
 // runs a chunk's backwards, and zero_bubble its weight passes, in ascending order), as the
 // one-process accumulation does, so each parameter gradient has the same bits as there.
 //
+// Under ZeRO-3 (dist.zero = 3, parallel/zero3_params.h) the stage's parameters are sharded over
+// its copies, and every slot's model gathers each unit of its chunk where its forward and its
+// backward use it and releases it after (a training forward's head stays until its backward);
+// the weight pass reads activations and output gradients only, so it gathers nothing. The
+// gathers are collective over the stage's copies, which run the same passes in the same order.
+//
 // With several pipelines, a stage's copies are its data-parallel ranks and, under dist.ep > 1,
 // its expert-parallel groups (train/parallel_setup.h): the MoE layers of every slot run with the
 // exchange over the stage's EP group, whose ranks all run this stage's schedule. Under
@@ -96,6 +102,10 @@ class PipelineRunner {
   // The communication thread the stage copies' reduction overlaps the last backward on (null:
   // it runs after accumulate(), and the pipe's calls stay on the calling thread).
   void set_overlap(CommThread* thread) { overlap_ = thread; }
+  // ZeRO-3 (parallel/zero3_params.h): every activation slot's model, made or still to be made,
+  // asks `units` for each unit it computes with (the trainer's model is the step engine's to
+  // set); null: the parameters are whole.
+  void set_param_units(ParamUnits* units);
 
   // The micro-batch phase: grads (n) = Σ over micro-batches of this stage's parameter gradients
   // of loss_weight · total. The loss parts are this stage's (cross-entropy and targets on the
@@ -140,6 +150,7 @@ class PipelineRunner {
   std::vector<float> act_in_, grad_in_;               // (B·T, C) receive buffers
   std::vector<PipeEvent> events_;                     // the last accumulate()'s passes
   CommThread* overlap_ = nullptr;
+  ParamUnits* units_ = nullptr;  // ZeRO-3's gathers, which every slot's model asks (null: none)
 };
 
 }  // namespace moetrain

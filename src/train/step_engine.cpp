@@ -42,7 +42,9 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
   set_precision(cfg_.precision);
   params_ = PageBuffer(layout.size());
   grads_ = PageBuffer(layout.size());
-  const bool zero3 = cfg_.dist.zero == 3 && world_ > 1;
+  // ZeRO-3 shards over the copies that sum their gradients (the world; under dist.pp a stage's
+  // copies): a stage of one copy holds its parameters whole, as under ZeRO-1 and 2.
+  const bool zero3 = cfg_.dist.zero == 3 && pg_->layout.world > 1;
   if (!zero3) init_params(params_.data(), 0, layout.size());
   groups_ = param_groups(layout);
 
@@ -140,11 +142,13 @@ StepEngine::StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& 
       zero3_->release(u);
     }
     model_.set_param_units(zero3_.get());
+    if (pipe_) pipe_->set_param_units(zero3_.get());
   }
 }
 
 StepEngine::~StepEngine() {
   if (zero3_) model_.set_param_units(nullptr);
+  if (zero3_ && pipe_) pipe_->set_param_units(nullptr);
 }
 
 void StepEngine::gather_params() {
@@ -156,7 +160,7 @@ std::string StepEngine::describe_layout() const {
   if (pipe_)
     return fmt::format("{} processes: {} pipeline(s) x {} stages ({}{}){}, {} micro-batches a "
                        "step, {} activation slots on stage {}; a stage's {} copies: {} "
-                       "data-parallel x {} expert-parallel ({} experts each)",
+                       "data-parallel x {} expert-parallel ({} experts each){}",
                        world_, pipe_->replicas(), pipe_->stages(),
                        pipe_schedule_name(pipe_->schedule()),
                        pipe_->chunks_per_stage() > 1
@@ -165,7 +169,8 @@ std::string StepEngine::describe_layout() const {
                        tp_size_ > 1 ? fmt::format(" x {} tensor-parallel ranks", tp_size_) : "",
                        cfg_.micro_batches,
                        pipe_->slots(cfg_.micro_batches), pipe_->stage(), pl.world, pl.dp, pl.ep,
-                       expert_shard_.count);
+                       expert_shard_.count,
+                       cfg_.dist.zero ? fmt::format(", ZeRO-{} over them", cfg_.dist.zero) : "");
   return fmt::format(
       "{} processes: {}{} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
       "buckets",

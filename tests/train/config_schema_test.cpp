@@ -289,9 +289,14 @@ TEST(PipelineKeys, BadStagesAndWhatThePipelineDoesNotRunAreRefusedByName) {
   // Sparse expert gradients: each stage masks its own layers (pipeline_sparse_test.cpp).
   load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2",
                        "grad.sparse_experts=true", "grad.min_accum_fraction=1"});
+  // ZeRO-3: each stage's parameters sharded over its copies (pipeline_zero3_test.cpp).
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=3"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=4", "dist.zero=3",
+                       "dist.pp_schedule=interleaved", "dist.vp=2"});
+  load_run_config("", {"model.n_layers=4", "dist.pp=2", "train.grad_accum=2", "dist.zero=3",
+                       "dist.pp_schedule=zero_bubble"});
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
       {{"dist.ep=2", "dist.adaptive_route=true"}, "dist.adaptive_route = true"},
-      {{"dist.zero=3"}, "dist.zero = 3"},
       {{"dist.sync=params"}, "dist.sync = params"},
       {{"dist.pp_schedule=zero_bubble", "train.recompute=full"}, "train.recompute = full"},
       {{"grad.sparse_ratio=0.5"}, "grad.sparse_ratio = 0.5"},
@@ -326,19 +331,14 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
                              "dist.ep=2"});
       },
       {"dist.tp = 2", "dist.pp = 2 and dist.ep = 2"});
-  // ZeRO-2, host-file offload and fp16 inside its stages (tests/parallel/pipeline_tp_test.cpp);
-  // ZeRO-3 is refused by the pipeline, which does not run it.
+  // ZeRO-2 and 3, host-file offload and fp16 inside its stages (tests/parallel/pipeline_tp_test.cpp,
+  // pipeline_zero3_test.cpp).
   // (Offload checks that it can write its directory: the run's, here a temporary one.)
   moetrain::testing::TempDir run_dir("tp_stages_keys");
-  for (const std::string key : {"dist.zero=2", "dist.offload=host_file", "train.precision=fp16"})
+  for (const std::string key :
+       {"dist.zero=2", "dist.zero=3", "dist.offload=host_file", "train.precision=fp16"})
     load_run_config("", {"model.n_layers=4", "train.grad_accum=2", "dist.tp=2", "dist.pp=2", key,
                          "train.run_dir=" + run_dir.path().string()});
-  expect_error(
-      [] {
-        load_run_config("", {"model.n_layers=4", "train.grad_accum=2", "dist.tp=2", "dist.pp=2",
-                             "dist.zero=3"});
-      },
-      {"dist.pp = 2", "dist.zero = 3", "the pipeline executor does not run it"});
   expect_error([] { load_run_config("", {"dist.tp=0"}); }, {"dist.tp = 0", "≥ 1"});
   expect_error([] { load_run_config("", {"dist.tp=4"}); },
                {"dist.tp = 4", "model.n_kv_heads = 2"});

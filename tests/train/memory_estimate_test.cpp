@@ -90,6 +90,40 @@ TEST(MemoryEstimate, ParameterCountsByHand) {
 // norm 8 and the head 16·8.
 constexpr double kEmbedding = 128, kBlockDense = 240, kBlockExperts = 576, kHead = 136;
 
+// Pipeline stages (dist.pp = 2 on 4 ranks: a stage's 2 copies, one per pipeline). ZeRO-2 and 3
+// shard over a stage's copies; ZeRO-3 keeps the stage's half of the dense tensors (its block, the
+// embedding or the head) and its block's experts sharded over the 2 copies, and the rest of two
+// neighbouring units it gathers (half of each: the other copy's shard); a stage reduces its
+// gradients once a step, after its last backward, so at ZeRO-2 and 3 the stage's gradients stay
+// resident through the step. A stage of one copy (2 ranks, one pipeline) has nothing to shard
+// over or reduce: the whole buffer, as at ZeRO-1, and no reduction buffers.
+TEST(MemoryEstimate, PipelineStagesShardOverTheStagesCopies) {
+  const ModelConfig m = hand_counted_model();
+  const double dense = 744, experts = 1152;
+  for (int zero = 1; zero <= 3; ++zero) {
+    RankLayout l;
+    l.world = 4, l.pp = 2;
+    l.whole_params_under_tp = true;  // as the trainer's layout (trainer_layout)
+    l.state = trainer_state("adamw", 0, zero);
+    const MemoryEstimate e = rank_memory(m, 2, 8, l);
+    EXPECT_DOUBLE_EQ(e.parameters,
+                     zero == 3 ? 4 * (dense / 2 / 2 + experts / 2 / 2 +
+                                      2 * (kBlockDense + kBlockExperts) / 2)
+                               : 4 * (dense + experts))
+        << zero;
+    EXPECT_DOUBLE_EQ(e.gradients,
+                     zero >= 2 ? 4 * (dense / 2 + experts / 2) : 4 * (dense + experts))
+        << zero;
+    EXPECT_DOUBLE_EQ(e.optimizer, 8 * (dense / 2 / 2 + experts / 2 / 2)) << zero;
+    RankLayout one = l;
+    one.world = 2;
+    const MemoryEstimate o = rank_memory(m, 2, 8, one);
+    EXPECT_DOUBLE_EQ(o.parameters, 4 * (dense + experts)) << zero;
+    EXPECT_DOUBLE_EQ(o.gradients, 4 * (dense + experts)) << zero;
+    EXPECT_DOUBLE_EQ(o.buffers, 0) << zero;
+  }
+}
+
 // 4 ranks with dist.ep = 2 (each owns 2 of the 4 experts, held by 2 replicas), AdamW in f32:
 // this trainer keeps every parameter's weight and gradient in its flat buffer and steps its own
 // experts, ZeRO-1 sharding their moments (dense over the 4 ranks, experts over their 2
