@@ -37,9 +37,12 @@ void print_memory_table(const RunConfig& cfg, int np) {
   const MemoryEstimate e = rank_memory(cfg.model, cfg.train.batch_size, cfg.train.seq_len,
                                        trainer_layout(cfg, world, resident_memory().rss));
   if (mpi && dist_world("dry-run rank")->rank() != 0) return;
-  fmt::print("memory per rank ({} process{}{}, dist.ep = {}, dist.zero = {}, train.precision = "
+  fmt::print("memory per rank ({} process{}{}{}, dist.ep = {}, dist.zero = {}, train.precision = "
              "{}):\n{}",
              world, world > 1 ? "es" : "",
+             cfg.dist.tp > 1 ? fmt::format(", dist.tp = {}{}", cfg.dist.tp,
+                                           cfg.dist.sequence_parallel ? " (sequence-parallel)" : "")
+                             : std::string(),
              cfg.dist.pp > 1 ? fmt::format(", dist.pp = {} ({}{})", cfg.dist.pp,
                                            cfg.dist.pp_schedule,
                                            cfg.dist.vp > 1

@@ -103,9 +103,6 @@ void Transformer::set_stage(int64_t first, int64_t end) {
                  first, end, cfg_.n_layers);
   MOETRAIN_CHECK(!engine_ || (first == 0 && end == cfg_.n_layers),
                  "a pipeline stage runs on the CPU: the device engine runs the whole model");
-  MOETRAIN_CHECK(!sp_ || (first == 0 && end == cfg_.n_layers),
-                 "a pipeline stage under sequence parallelism: a stage's input and output are "
-                 "whole on every rank");
   if (first == first_ && end == end_) return;
   first_ = first, end_ = end;
   for (auto& a : acts_) a = std::make_unique<LayerActs>();
@@ -242,7 +239,7 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
                       stream_rows(), C, cfg_.vocab_size);
     release(0);
   } else {
-    std::memcpy(resid_at(first_), x, sizeof(float) * static_cast<std::size_t>(N * C));
+    std::memcpy(resid_at(first_), x, sizeof(float) * static_cast<std::size_t>(stage_rows(N) * C));
   }
   LossParts parts;
   for (int64_t l = first_; l < end_; ++l) {
@@ -349,7 +346,7 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
   const float moe_weight =
       n_moe > 0 ? loss_weight / static_cast<float>(n_moe * tensor_parallel()) : 0.f;
   if (!last) {
-    std::memcpy(dresid_.data(), dout, sizeof(float) * static_cast<std::size_t>(N * C));
+    std::memcpy(dresid_.data(), dout, sizeof(float) * static_cast<std::size_t>(stage_rows(N) * C));
     grads_ready(layout_.layers[end_].ln1);  // later stages' gradients
   } else {
     head_backward(params, grads, loss_weight);

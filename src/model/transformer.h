@@ -66,13 +66,17 @@ class Transformer final : public TrainableModel {
   int64_t stage_first() const { return first_; }
   int64_t stage_end() const { return end_; }
   bool last_stage() const { return end_ == cfg_.n_layers; }
-  // A stage's forward: a later stage takes x (B·T, C), the previous stage's output, in place of
-  // the embedding of `inputs` (not read then); only the last reads `targets`. A stage before
-  // the last computes no cross-entropy (its loss parts are its MoE layers' shares of aux and z)
-  // and leaves its output in stage_output().
+  // A stage's forward: a later stage takes x (stage_rows(B·T), C), the previous stage's output,
+  // in place of the embedding of `inputs` (not read then); only the last reads `targets`. A
+  // stage before the last computes no cross-entropy (its loss parts are its MoE layers' shares
+  // of aux and z) and leaves its output in stage_output().
   LossParts forward(const float* params, const int32_t* inputs, const float* x,
                     const int32_t* targets, int64_t B, int64_t T, const MoeStep& step);
-  const float* stage_output() const;  // (B·T, C)
+  const float* stage_output() const;  // (stage_rows(B·T), C)
+  // The rows of a stage's input and output (and of their gradients) on this rank for N tokens:
+  // its tokens [t·N/tp, (t+1)·N/tp) under sequence parallelism (the residual stream's rows),
+  // else all N.
+  int64_t stage_rows(int64_t N) const;
   // A stage's backward: one before the last takes dout = ∂(loss_weight · loss)/∂stage_output();
   // a later one leaves ∂(loss_weight · loss)/∂x in stage_input_grad().
   void backward(const float* params, float* grads, float loss_weight, const float* dout);
@@ -146,14 +150,15 @@ class Transformer final : public TrainableModel {
   // losses run over tp times the token holders: their gradient weight is loss_weight / tp. null
   // or a group of one: off. A pipeline stage (set_stage) runs the same code on its blocks: the
   // embedding on the first stage, the head and the split cross-entropy on the last; its input's
-  // and output's activations and gradients are whole on every rank. CPU only; no prefill or
-  // decode under it.
+  // and output's activations and gradients are whole on every rank (sequence parallelism: the
+  // rank's tokens, stage_rows). CPU only; no prefill or decode under it.
   // sequence_parallel (dist.sequence_parallel, Megatron's sequence parallelism): the residual
   // stream, the norms and the MoE layers run on this rank's tokens [t·N/tp, (t+1)·N/tp) only; an
   // all-gather of the norm's output enters the attention, a dense FFN and the head, and a
   // reduce-scatter (in place of the all-reduce) leaves them, so no rank holds the whole stream.
   // Each rank then writes the embedding's and norms' gradients of its own tokens (their sum over
-  // the group is the batch's). Not in a pipeline stage (its input and output are whole).
+  // the group is the batch's). In a pipeline stage its input and output are the rank's rows of
+  // the stream, which the pipe carries from rank t of one stage to rank t of the next.
   void set_tensor_parallel(Comm* group, bool sequence_parallel = false);
   int64_t tensor_parallel() const { return tp_ ? tp_->size() : 1; }
   bool sequence_parallel() const { return sp_; }

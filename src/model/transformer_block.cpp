@@ -89,9 +89,6 @@ void Transformer::set_tensor_parallel(Comm* group, bool sequence_parallel) {
     for (int64_t l = 0; l < cfg_.n_layers; ++l)
       if (cfg_.is_dense_layer(l)) divides(cfg_.dense_ffn_hidden(), "the dense FFN's hidden size");
   }
-  MOETRAIN_CHECK(!sequence_parallel || tp == 1 || (first_ == 0 && end_ == cfg_.n_layers),
-                 "sequence parallelism with a pipeline stage: a stage's input and output are "
-                 "whole on every rank");
   tp_ = tp > 1 ? group : nullptr;
   sp_ = tp_ && sequence_parallel;
   capacity_ = 0;  // the buffers are sized per rank
@@ -141,9 +138,9 @@ void Transformer::tp_sum(float* out, int64_t C) {
   }
 }
 
-int64_t Transformer::stream_rows() const {
-  return sp_ ? tp_shard(B_ * T_).Nl : B_ * T_;
-}
+int64_t Transformer::stage_rows(int64_t N) const { return sp_ ? tp_shard(N).Nl : N; }
+
+int64_t Transformer::stream_rows() const { return stage_rows(B_ * T_); }
 
 float* Transformer::tp_owned(float* grads, int64_t offset, int64_t n) {
   if (!tp_ || sp_ || tp_->rank() == 0) return grads + offset;

@@ -294,14 +294,11 @@ void validate_tensor_parallel(const RunConfig& c) {
                    d.tp, what, "leave it at its default or set dist.tp = 1");
   };
   refuse(c.train.device != "cpu", fmt::format("train.device = {}", c.train.device));
-  refuse(d.sequence_parallel && d.pp > 1,
-         fmt::format("dist.sequence_parallel = true and dist.pp = {} (a stage's input and output "
-                     "are whole on every rank)",
-                     d.pp));
-  // Expert parallelism inside the stages of tensor-parallel groups is not tested yet.
-  refuse(d.pp > 1 && d.ep > 1,
-         fmt::format("dist.pp = {} and dist.ep = {} (experts inside tensor-parallel stages)", d.pp,
-                     d.ep));
+  // Sequence parallelism runs in pipeline stages: a stage's input and output are each rank's
+  // tokens of the residual stream, sent from rank t of a stage to rank t of the next.
+  // Expert parallelism runs inside the stages of tensor-parallel groups: a stage's copies are
+  // every tensor-parallel rank of the stage in every pipeline, all holding MoE tokens, and form
+  // its expert groups (dist.ep dividing them: train/parallel_setup.cpp, make_run_parallel).
   // Local steps: a copy is a tensor-parallel group, whose experts must be its own.
   refuse(d.local_steps() && d.ep > 1,
          fmt::format("dist.sync = params and dist.ep = {} (experts shared by several copies)",

@@ -167,7 +167,7 @@ ActivationBytes moe_parts(const ModelConfig& m, int64_t N, Recompute r, DType lp
 }  // namespace
 
 ActivationBytes tp_activation_parts(const ModelConfig& m, int64_t B, int64_t T, Recompute r,
-                                    DType lp, int64_t tp) {
+                                    DType lp, int64_t tp, bool sequence_parallel) {
   MOETRAIN_CHECK(tp >= 1, "tensor-parallel ranks {}: must be ≥ 1", tp);
   if (tp == 1) return activation_parts(m, B, T, r, lp);
   // The split tensors are those of a model with tp times fewer heads (of the same width), dense
@@ -183,6 +183,21 @@ ActivationBytes tp_activation_parts(const ModelConfig& m, int64_t B, int64_t T, 
   const ActivationBytes all = moe_parts(m, N, r, lp), mine = moe_parts(m, Nl, r, lp);
   a.blocks += mine.blocks - all.blocks;
   a.once += mine.once - all.once;
+  if (!sequence_parallel) return a;
+  // Sequence parallelism (Transformer::ensure_capacity): of the N rows, N − Nl fewer f32 rows of
+  // each block's input (C), its attention's and FFN's outputs (2 C), its two rstd (2) and an MoE
+  // layer's second norm output (C; a dense FFN's is gathered), and once of the stream leaving
+  // the last block (C) and the final norm's rstd (1).
+  const int64_t C = m.dim, gone = 4 * (N - Nl), L = m.n_layers;
+  bool any_dense = false;
+  for (int64_t l = 0; l < L; ++l) {
+    const bool dense = m.is_dense_layer(l);
+    any_dense |= dense;
+    a.blocks -= gone * C;
+    if (r != Recompute::Full) a.blocks -= gone * (2 * C + 2 + (dense ? 0 : C));
+  }
+  a.once -= gone * (C + 1);
+  if (r == Recompute::Full && L > 0) a.once -= gone * (2 * C + 2 + (any_dense ? 0 : C));
   return a;
 }
 
@@ -208,7 +223,8 @@ double rank_activation_bytes(const ModelConfig& m, int64_t batch, int64_t seq_le
   const DType lp = l.state.copy > 0 ? DType::BF16 : DType::F32;
   const bool engine_tp = l.whole_params_under_tp && l.tp > 1;
   const ActivationBytes fwd = engine_tp
-                                  ? tp_activation_parts(m, batch, seq_len, l.recompute, lp, l.tp)
+                                  ? tp_activation_parts(m, batch, seq_len, l.recompute, lp, l.tp,
+                                                        l.sequence_parallel)
                                   : activation_parts(m, batch, seq_len, l.recompute, lp);
   // The engine's tensor parallelism: the MoE layers' tokens and the split tensors' share.
   const double share = engine_tp ? 1 / static_cast<double>(l.tp) : 1.0;
@@ -400,6 +416,7 @@ RankLayout trainer_layout(const RunConfig& cfg, int64_t world, double baseline) 
   // are made): the engine's, whole parameters on every rank.
   if (world % cfg.dist.tp == 0) l.tp = cfg.dist.tp;
   l.whole_params_under_tp = true;
+  l.sequence_parallel = cfg.dist.sequence_parallel && l.tp > 1;
   l.spare_slots = cfg.placement.spare_slots;
   const DType prec = cfg.train.precision_dtype();
   l.state = trainer_state(cfg.optim.name, prec == DType::F32 ? 0 : static_cast<int>(dtype_size(prec)),

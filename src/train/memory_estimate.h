@@ -87,6 +87,10 @@ struct RankLayout {
   // tokens (tp_activation_parts). false: Megatron's with sequence parallelism, 1/tp of the dense
   // weights and their state and of every activation (the planner's for GPU trainers).
   bool whole_params_under_tp = false;
+  // The engine's sequence parallelism (dist.sequence_parallel, with whole_params_under_tp): the
+  // residual stream, its norms' rstd and the MoE layers' norm outputs hold the rank's 1/tp of the
+  // tokens (tp_activation_parts).
+  bool sequence_parallel = false;
   // Micro-batches whose activations of the stage's L / pp layers the first stage holds at
   // once (parallel/pipeline_schedule.h, PipeTimeline::peak_in_flight); 0: pp, as 1F1B.
   double pipe_in_flight = 0;
@@ -129,9 +133,12 @@ MemoryEstimate rank_memory(const ModelConfig& m, int64_t batch, int64_t seq_len,
 // forward, as the engine splits them (Transformer::set_tensor_parallel; activation_parts at
 // tp = 1): attention heads, dense FFN hidden units and vocabulary columns 1/tp, each MoE layer's
 // routing, rows and intermediates for N / tp of the N = B·T tokens (dropless, expert parallelism
-// not counted: its received rows are buffers), the rest whole.
+// not counted: its received rows are buffers), the rest whole. sequence_parallel: also the
+// residual stream (each block's input and the stream leaving the last), the attention's and the
+// FFN's outputs, the norms' rstd and an MoE layer's norm output for N / tp tokens; what enters
+// the attention, a dense FFN and the head stays gathered whole.
 ActivationBytes tp_activation_parts(const ModelConfig& m, int64_t B, int64_t T, Recompute r,
-                                    DType lp, int64_t tp);
+                                    DType lp, int64_t tp, bool sequence_parallel = false);
 
 // The layout `moetrain train` runs a config with on `world` processes: dist.ep, dist.zero,
 // dist.pp and its schedule, dist.tp (whole_params_under_tp), placement.spare_slots, the precision's copy, dist.bucket_*; `baseline` the process's resident

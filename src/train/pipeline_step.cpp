@@ -136,7 +136,7 @@ Transformer& PipelineRunner::slot_model(Transformer& model, int64_t j, int64_t k
     m->set_precision(model.precision());
     m->set_recompute(model.recompute());
     m->set_stage(first, end);
-    m->set_tensor_parallel(setup_.tp);
+    m->set_tensor_parallel(setup_.tp, model.sequence_parallel());
     m->set_split_backward(splits_backward());
     // The reduction's buckets follow whichever slot runs the step's last backward.
     m->set_grads_ready_hook(model.grads_ready_hook());
@@ -245,6 +245,8 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
       const TokenBatch batch = args.fill(op.micro);
       B = batch.B, T = batch.T;
       const int64_t N = B * T, C = model.config().dim;
+      // The boundary's rows on this rank: the same on the rank of the same t in every stage.
+      const int64_t R = model.stage_rows(N);
       std::vector<int64_t>& mine_free = free[static_cast<std::size_t>(j)];
       int64_t k = -1;
       if (!mine_free.empty()) {
@@ -259,7 +261,7 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
       if (c > 0) {
         ensure_buffers(N);
         PhaseScope wait(Phase::Collective);
-        pipe.recv(act_in_.data(), N * C * 4, stage_of(c - 1), {.tag = activation_tag(c - 1)});
+        pipe.recv(act_in_.data(), R * C * 4, stage_of(c - 1), {.tag = activation_tag(c - 1)});
         x = act_in_.data();
       }
       const double start = now();
@@ -267,7 +269,7 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
           m.forward(params, batch.inputs, x, batch.targets, B, T, args.moe_step(op.micro));
       events_.push_back({op, start, now()});
       MOETRAIN_CHECK(std::isfinite(parts.total), "{}", args.bad_loss(parts));
-      if (c + 1 < chunks) send(m.stage_output(), N * C, stage_of(c + 1), activation_tag(c));
+      if (c + 1 < chunks) send(m.stage_output(), R * C, stage_of(c + 1), activation_tag(c));
       LossParts& sum = acc.loss;
       sum.ce += parts.ce / A, sum.aux += parts.aux / A, sum.z += parts.z / A;
       sum.total += parts.total / A;
@@ -301,12 +303,12 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
       MOETRAIN_CHECK(k >= 0, "pipeline: backward of micro-batch {} on chunk {} before its forward",
                      op.micro, c);
       Transformer& m = slot_model(model, j, k);
-      const int64_t N = B * T, C = model.config().dim;
+      const int64_t N = B * T, C = model.config().dim, R = model.stage_rows(N);
       const float* dout = nullptr;
       if (c + 1 < chunks) {
         ensure_buffers(N);
         PhaseScope wait(Phase::Collective);
-        pipe.recv(grad_in_.data(), N * C * 4, stage_of(c + 1), {.tag = gradient_tag(c)});
+        pipe.recv(grad_in_.data(), R * C * 4, stage_of(c + 1), {.tag = gradient_tag(c)});
         dout = grad_in_.data();
       }
       const double start = now();
@@ -315,7 +317,7 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
       m.backward(params, grads, args.loss_weight, dout);
       events_.push_back({op, start, now()});
       if (c > 0 && !(overlap_ && final))
-        send(m.stage_input_grad(), N * C, stage_of(c - 1), gradient_tag(c - 1));
+        send(m.stage_input_grad(), R * C, stage_of(c - 1), gradient_tag(c - 1));
       if (c > 0 && overlap_ && final) last_send = &m, last_boundary = c - 1;
       if (!splits_backward()) {
         slot_of[at] = -1;
@@ -342,7 +344,7 @@ Accumulated PipelineRunner::accumulate(Transformer& model, const float* params, 
   }
   auto finish_sends = [&] {
     if (last_send)
-      pipe.send(last_send->stage_input_grad(), B * T * model.config().dim * 4,
+      pipe.send(last_send->stage_input_grad(), model.stage_rows(B * T) * model.config().dim * 4,
                 stage_of(last_boundary), {.tag = gradient_tag(last_boundary)});
     for (auto& t : sending_) t->wait();
     sending_.clear();
@@ -390,7 +392,7 @@ LossParts PipelineRunner::forward_only(Transformer& model, const float* params,
                                        const int32_t* inputs, const int32_t* targets, int64_t B,
                                        int64_t T, const MoeStep& step) {
   const int64_t p = setup_.stages, vp = setup_.chunks_per_stage, chunks = p * vp;
-  const int64_t N = B * T, C = model.config().dim;
+  const int64_t N = B * T, C = model.config().dim, R = model.stage_rows(N);
   Comm& pipe = *setup_.comm;
   const PoliteWaits polite;
   if (act_in_.size() < static_cast<std::size_t>(N * C))
@@ -405,7 +407,7 @@ LossParts PipelineRunner::forward_only(Transformer& model, const float* params,
     sync_slot(model, m);
     const float* x = nullptr;
     if (c > 0) {
-      pipe.recv(act_in_.data(), N * C * 4, static_cast<int>((c - 1) % p),
+      pipe.recv(act_in_.data(), R * C * 4, static_cast<int>((c - 1) % p),
                 {.tag = activation_tag(c - 1)});
       x = act_in_.data();
     }
@@ -413,7 +415,7 @@ LossParts PipelineRunner::forward_only(Transformer& model, const float* params,
     sum.ce += parts.ce, sum.aux += parts.aux, sum.z += parts.z, sum.total += parts.total;
     sum.targets += parts.targets;
     if (c + 1 < chunks)
-      pipe.send(m.stage_output(), N * C * 4, static_cast<int>((c + 1) % p),
+      pipe.send(m.stage_output(), R * C * 4, static_cast<int>((c + 1) % p),
                 {.tag = activation_tag(c)});
   }
   return sum;

@@ -166,7 +166,11 @@ std::string StepEngine::describe_layout() const {
                        pipe_->chunks_per_stage() > 1
                            ? fmt::format(", {} chunks a stage", pipe_->chunks_per_stage())
                            : "",
-                       tp_size_ > 1 ? fmt::format(" x {} tensor-parallel ranks", tp_size_) : "",
+                       tp_size_ > 1 ? fmt::format(" x {} tensor-parallel ranks{}", tp_size_,
+                                                  cfg_.dist.sequence_parallel
+                                                      ? " (sequence-parallel)"
+                                                      : "")
+                                    : "",
                        cfg_.micro_batches,
                        pipe_->slots(cfg_.micro_batches), pipe_->stage(), pl.world, pl.dp, pl.ep,
                        expert_shard_.count,

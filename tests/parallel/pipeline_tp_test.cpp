@@ -3,8 +3,11 @@
 // (with the reduction and the last sends on the communication thread, dist.overlap, and without),
 // gpipe, zero_bubble (split backward: the deferred weight GEMMs of the ranks' slices) and
 // interleaved (dist.vp = 2: two chunks a stage, each slot's model a tensor-parallel one), and
-// under 1f1b with ZeRO-1, ZeRO-2 and dist.offload = host_file; fp16 against the one-process fp16
-// run.
+// under 1f1b with ZeRO-1, ZeRO-2 and dist.offload = host_file; with the experts sharded over a
+// stage's two TP ranks (dist.ep = 2, 1f1b and interleaved: each rank routes its half of the
+// stage's tokens to the rank holding their experts); with sequence parallelism (1f1b,
+// interleaved, and 1f1b with dist.ep = 2: a stage boundary carries each rank's half of the
+// stream's rows); fp16 against the one-process fp16 run.
 //
 // Not bitwise, for the reasons the tensor-parallel test gives (tensor_parallel_test.cpp): the
 // attention's output projection, a dense FFN's down projection and the LM head's input gradient
@@ -12,8 +15,13 @@
 // exponentials are summed per vocabulary half, each a reordering of a float sum of ≤ 32 terms
 // (relative error ≤ K·ε = 4e-6 a product). Over 6 AdamW steps (whose updates are ~lr whatever the
 // gradient's last bits) its bounds hold: losses 1e-5, gradient norms 1e-4, parameters 1e-4 of the
-// largest (measured: about 1e-9, 3e-8 and 7e-6). Bitwise where the code path is the same: the checkpoint holds every rank's values, and
-// one process resuming from it starts from them.
+// largest (measured: about 1e-9, 3e-8 and 7e-6). With dist.ep = 2 an expert's weight gradient
+// sums the rows of both ranks' tokens in the exchange's order, one more reordered float sum, so
+// the same bounds hold (tensor_parallel_test.cpp's EP case argues them); so do they under
+// sequence parallelism, whose reduce-scatter sums the all-reduce's terms and whose norm and
+// embedding gradients are sums of the two ranks' token halves. Bitwise where the code
+// path is the same: the checkpoint holds every rank's values, one process resuming from it starts
+// from them, and a run resumed in its own layout ends on the uninterrupted run's bits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,7 +51,7 @@ namespace {
 
 constexpr int64_t kStages = 2, kTp = 2;
 
-// The run's values this rank holds: its stage's, all of them (dist.ep = 1).
+// The run's values this rank holds: its stage's, less the experts other ranks hold (dist.ep).
 std::vector<char> held(Trainer& t) {
   std::vector<char> h = stage_values(t), owned = held_values(t);
   for (std::size_t i = 0; i < h.size(); ++i) h[i] = h[i] && owned[i];
@@ -89,21 +97,35 @@ TEST(PipelineTensorParallel, StagesOfTensorParallelGroupsFollowTheOneProcessRun)
   const fs::path single_dir = dir / ("single" + std::to_string(r));
   const PipeOutcome single =
       run(pipeline_config(dir / "data", single_dir, 1, "1f1b"), make_local_comm());
-  const std::vector<std::pair<std::string, std::vector<std::string>>> variants = {
-      {"1f1b", {"dist.overlap=true"}},
-      {"1f1b", {"dist.overlap=false"}},
-      {"gpipe", {"dist.overlap=true"}},
-      {"zero_bubble", {"dist.overlap=true"}},
-      {"interleaved", {"dist.overlap=true", "dist.vp=2"}},
-      {"1f1b", {"dist.zero=1"}},   // ZeRO-1 over the stage's copies: "1f1b_1"
+  struct Variant {
+    std::string name, schedule;
+    std::vector<std::string> keys;
+  };
+  const std::vector<Variant> variants = {
+      {"1f1b_true", "1f1b", {"dist.overlap=true"}},
+      {"1f1b_false", "1f1b", {"dist.overlap=false"}},
+      {"gpipe", "gpipe", {"dist.overlap=true"}},
+      {"zero_bubble", "zero_bubble", {"dist.overlap=true"}},
+      {"interleaved", "interleaved", {"dist.overlap=true", "dist.vp=2"}},
+      {"1f1b_zero1", "1f1b", {"dist.zero=1"}},  // ZeRO-1 over the stage's copies
       // ZeRO-2: each rank reduce-scatters the gradients its tensor-parallel slices wrote over
       // the stage's copies (every TP rank of the stage), and the shards' norms sum over the world.
-      {"1f1b", {"dist.zero=2"}},   // "1f1b_2"
+      {"1f1b_zero2", "1f1b", {"dist.zero=2"}},
       // Each rank streams its shard of the stage's optimizer state through its own file.
-      {"1f1b", {"dist.offload=host_file", "dist.zero=1"}}};  // "1f1b_host_file"
-  PipeOutcome overlapped;
-  for (const auto& [schedule, keys] : variants) {
-    const std::string name = schedule + "_" + keys[0].substr(keys[0].find('=') + 1);
+      {"1f1b_host_file", "1f1b", {"dist.offload=host_file", "dist.zero=1"}},
+      // Experts sharded over the stage's copies (both TP ranks of the stage: one EP group of
+      // two, no EDP reduction of expert gradients), each rank routing its half of the tokens.
+      {"1f1b_ep2", "1f1b", {"dist.ep=2"}},
+      {"interleaved_ep2", "interleaved", {"dist.ep=2", "dist.vp=2"}},
+      // Sequence parallelism: each boundary carries rank t's half of the stream's rows to rank
+      // t of the next stage (interleaved: three boundaries a micro-batch), the first stage embeds
+      // its tokens, the last gathers the final norm's rows for the head; with the experts
+      // sharded, each rank's MoE tokens are its rows.
+      {"1f1b_sp", "1f1b", {"dist.sequence_parallel=true"}},
+      {"interleaved_sp", "interleaved", {"dist.sequence_parallel=true", "dist.vp=2"}},
+      {"1f1b_sp_ep2", "1f1b", {"dist.sequence_parallel=true", "dist.ep=2"}}};
+  PipeOutcome overlapped, experts;
+  for (const auto& [name, schedule, keys] : variants) {
     SCOPED_TRACE(name);
     std::vector<std::string> extra = keys;
     extra.push_back("dist.tp=" + std::to_string(kTp));
@@ -133,6 +155,7 @@ TEST(PipelineTensorParallel, StagesOfTensorParallelGroupsFollowTheOneProcessRun)
     }
     // The overlap only moves the same sums of two ranks' values onto the communication thread.
     if (name == "1f1b_true") overlapped = got;
+    if (name == "1f1b_ep2") experts = got;
     if (name == "1f1b_false") {
       EXPECT_EQ(differ_held(got.params, overlapped.params, got.held), 0)
           << "1f1b with overlap differs from 1f1b without it";
@@ -145,21 +168,45 @@ TEST(PipelineTensorParallel, StagesOfTensorParallelGroupsFollowTheOneProcessRun)
     EXPECT_EQ(differ_held(m.params, got.params, got.held), 0)
         << "checkpointed parameters differ from their holder's";
   }
-  // The pipeline's step-3 checkpoint resumed by one process (the same global batch): it starts
-  // from the checkpoint's parameters, bit for bit, and runs on.
-  TempDir back("pipeline_tp_back");
-  fs::create_directories(back.path() / "checkpoints");
-  fs::copy(dir / "1f1b_true/checkpoints/step_00000003", back.path() / "checkpoints/step_00000003");
-  std::ofstream(back.path() / "checkpoints/latest") << "step_00000003";
-  fs::copy_file(dir / "1f1b_true/metrics.jsonl", back.path() / "metrics.jsonl");
-  Trainer one(pipeline_config(dir / "data", back.path(), 1, "1f1b"), true, make_local_comm());
-  EXPECT_EQ(one.step(), 3);
-  const LoadedModel at3 = load_model(dir / "1f1b_true/checkpoints/step_00000003");
-  ASSERT_EQ(at3.params.size(), one.params().size());
-  EXPECT_EQ(0, std::memcmp(one.params().data(), at3.params.data(),
-                           at3.params.size() * sizeof(float)));
-  one.run();
-  EXPECT_EQ(one.step(), kPipeSteps);
+  // The experts' run resumed from its step-3 checkpoint in its own layout: each rank reloads its
+  // stage's tensors, its experts' optimizer moments and the data position, and ends on the
+  // uninterrupted run's bits (the same passes in the same order from the same values).
+  if (r == 0) {
+    fs::create_directories(dir / "resumed_ep2/checkpoints");
+    fs::copy(dir / "1f1b_ep2/checkpoints/step_00000003",
+             dir / "resumed_ep2/checkpoints/step_00000003");
+    std::ofstream(dir / "resumed_ep2/checkpoints/latest") << "step_00000003";
+    fs::copy_file(dir / "1f1b_ep2/metrics.jsonl", dir / "resumed_ep2/metrics.jsonl");
+  }
+  world->barrier();
+  {
+    const PipeOutcome resumed =
+        run(pipeline_config(dir / "data", dir / "resumed_ep2", kStages, "1f1b", 1,
+                            {"dist.ep=2", "dist.tp=" + std::to_string(kTp)}),
+            dist_world("pipeline_tp_resume"), true);
+    EXPECT_EQ(differ_held(resumed.params, experts.params, resumed.held), 0)
+        << "pp × tp × ep resumed at step 3 differs from the uninterrupted run";
+  }
+  // The pipelines' step-3 checkpoints (plain, experts sharded, and with sequence parallelism
+  // too) resumed by one process
+  // (the same global batch): it starts from the checkpoint's parameters, bit for bit, and runs on.
+  for (const std::string from : {"1f1b_true", "1f1b_ep2", "1f1b_sp_ep2"}) {
+    SCOPED_TRACE(from);
+    TempDir back("pipeline_tp_back");
+    fs::create_directories(back.path() / "checkpoints");
+    fs::copy(dir / (from + "/checkpoints/step_00000003"),
+             back.path() / "checkpoints/step_00000003");
+    std::ofstream(back.path() / "checkpoints/latest") << "step_00000003";
+    fs::copy_file(dir / (from + "/metrics.jsonl"), back.path() / "metrics.jsonl");
+    Trainer one(pipeline_config(dir / "data", back.path(), 1, "1f1b"), true, make_local_comm());
+    EXPECT_EQ(one.step(), 3);
+    const LoadedModel at3 = load_model(dir / (from + "/checkpoints/step_00000003"));
+    ASSERT_EQ(at3.params.size(), one.params().size());
+    EXPECT_EQ(0, std::memcmp(one.params().data(), at3.params.data(),
+                             at3.params.size() * sizeof(float)));
+    one.run();
+    EXPECT_EQ(one.step(), kPipeSteps);
+  }
 }
 
 // train.precision = fp16 in stages of tensor-parallel groups (1f1b, and ZeRO-2, where each rank
