@@ -99,13 +99,13 @@ Run add_plan_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--ep", args->ep, "Expert-parallel size (default: the config's dist.ep)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
-  cmd->add_option("--tp", args->tp, "Tensor-parallel size (planner only, modelled simply)")
+  cmd->add_option("--tp", args->tp, "Tensor-parallel size (dist.tp: this trainer's on a CPU profile, Megatron's on an accelerator)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--etp", args->etp,
                   "Expert tensor-parallel size: each expert's hidden size split over this many "
-                  "ranks, EP × ETP folded over TP × DP (planner only)")
+                  "ranks, EP × ETP folded over TP × DP (dist.etp)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  cmd->add_option("--pp", args->pp, "Pipeline stages (modelled simply; the trainer runs gpipe and 1f1b)")
+  cmd->add_option("--pp", args->pp, "Pipeline stages (dist.pp), timed pass by pass under --pp-schedule")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--vp", args->vp, "Virtual pipeline stages per rank (interleaved and zero_bubble schedules)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));

@@ -1,5 +1,7 @@
 #include "moe/expert_pipeline.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 #include "core/timer.h"
 #include "moe/slot_routing.h"
@@ -17,8 +19,14 @@ void slice_routing(Routing& out, const Routing& r, int64_t t0, int64_t n) {
 }
 }  // namespace
 
-ExpertPipeline::ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange)
+ExpertPipeline::ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange, Comm* etp)
     : cfg_(cfg), ex_(exchange) {
+  if (etp && etp->size() > 1) {
+    MOETRAIN_CHECK(cfg_.F % etp->size() == 0,
+                   "dist.etp = {} does not divide the expert hidden size {}", etp->size(), cfg_.F);
+    etp_ = etp, T_ = etp->size(), s_ = etp->rank();
+  }
+  Fs_ = cfg_.F / T_;
   const ExpertOwnership own = ex_.ownership();
   MOETRAIN_CHECK(own.P >= 1 && own.q >= 0 && own.q < own.P,
                  "expert exchange: process {} of a group of {}", own.q, own.P);
@@ -37,6 +45,8 @@ ExpertPipeline::ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange)
 }
 
 void ExpertPipeline::set_placement(const Placement* p) {
+  MOETRAIN_CHECK(!p || !etp_, "expert placement under expert tensor parallelism (dist.etp = {})",
+                 T_);
   MOETRAIN_CHECK(!p || (p->E == cfg_.E && p->P == P_),
                  "expert placement over {} experts and {} ranks for a layer of {} experts on {}",
                  p ? p->E : 0, p ? p->P : 0, cfg_.E, P_);
@@ -52,7 +62,7 @@ void ExpertPipeline::set_placement(const Placement* p) {
 }
 
 void ExpertPipeline::size_acts() {
-  const auto n = static_cast<std::size_t>(placement_ ? P_ * E_local_ : P_);
+  const auto n = static_cast<std::size_t>(placement_ ? P_ * E_local_ : P_ * T_);
   if (scratch_) {
     if (scratch_->acts.size() < chunks_.size()) scratch_->acts.resize(chunks_.size());
     if (recompute_ == Recompute::Full && scratch_->rows.size() < chunks_.size())
@@ -106,6 +116,11 @@ void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g,
   ScopedTimer timer(t.experts);
   const int64_t C = cfg_.C;
   const ExchangeLayout& plan = k.plan;
+  if (etp_) {
+    float* out = g ? rows(k).dxr.ensure(plan.R_recv * C)
+                   : y_out ? y_out : rows(k).yr.ensure(plan.R_recv * C);
+    return etp_experts(k, w, g, out);
+  }
   if (placement_) {
     // Slot by slot: a slot's rows run through its logical expert's weights (and gradients).
     float* out = g ? rows(k).dxr.ensure(plan.R_recv * C) : y_out ? y_out : rows(k).yr.ensure(plan.R_recv * C);
@@ -144,6 +159,87 @@ void ExpertPipeline::experts(Chunk& k, const MoeWeights& w, const MoeWeights* g,
     const int64_t at = plan.recv_offset[q] * C;
     experts_backward(dxr + at, grad, k.dyr_rows + at, k.xr_rows + at,
                      plan.recv_counts.data() + q * E_local_, range, C, cfg_.F, acts(k)[q]);
+  }
+}
+
+ExpertRange ExpertPipeline::etp_shard(const MoeWeights& w, FloatBuffer (&into)[3]) const {
+  const int64_t C = cfg_.C, F = cfg_.F, Fs = Fs_, f0 = s_ * Fs_, El = E_local_;
+  const ExpertRange whole = expert_range(w, cfg_, first_, El);
+  ExpertRange r;
+  r.first = first_, r.count = El;
+  r.w1 = into[0].ensure(El * Fs * C);
+  r.w3 = into[1].ensure(El * Fs * C);
+  r.w2 = into[2].ensure(El * C * Fs);
+  for (int64_t j = 0; j < El; ++j) {
+    // w1, w3: the shard's hidden rows are one run; w2: Fs columns of each of its C rows.
+    std::copy_n(whole.w1 + j * F * C + f0 * C, Fs * C, r.w1 + j * Fs * C);
+    std::copy_n(whole.w3 + j * F * C + f0 * C, Fs * C, r.w3 + j * Fs * C);
+    for (int64_t c = 0; c < C; ++c)
+      std::copy_n(whole.w2 + j * C * F + c * F + f0, Fs, r.w2 + j * C * Fs + c * Fs);
+  }
+  return r;
+}
+
+void ExpertPipeline::etp_experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, float* out) {
+  const int64_t C = cfg_.C, F = cfg_.F, Fs = Fs_, f0 = s_ * Fs_, El = E_local_;
+  const ExchangeLayout& plan = k.plan;
+  const int64_t PE = plan.P * El;
+  const auto T = static_cast<std::size_t>(T_);
+  std::vector<int64_t> counts(T), row_counts(T);
+  if (!g) {
+    // The forward learns the peers' layouts once; the backward reuses them.
+    k.peer_counts.resize(T * PE);
+    counts.assign(T, PE);
+    etp_->allgather(k.peer_counts.data(), plan.recv_counts.data(), counts);
+    k.peer_rows.assign(T, 0);
+    for (std::size_t i = 0; i < T; ++i)
+      for (int64_t x = 0; x < PE; ++x) k.peer_rows[i] += k.peer_counts[i * PE + x];
+  }
+  int64_t Rg = 0;
+  for (std::size_t i = 0; i < T; ++i) row_counts[i] = k.peer_rows[i] * C, Rg += k.peer_rows[i];
+  MOETRAIN_CHECK(k.peer_rows[s_] == plan.R_recv,
+                 "expert tensor parallelism: {} rows received, {} in the gathered layout",
+                 plan.R_recv, k.peer_rows[s_]);
+  if (!g) etp_->allgather(k.xg.ensure(Rg * C), k.xr_rows, row_counts);
+  else etp_->allgather(k.dyg.ensure(Rg * C), k.dyr_rows, row_counts);
+  const ExpertRange shard = etp_shard(w, wshard_);
+  ExpertRange gshard;
+  if (g) {
+    gshard.first = first_, gshard.count = El;
+    gshard.w1 = gshard_[0].ensure(El * Fs * C);
+    gshard.w3 = gshard_[1].ensure(El * Fs * C);
+    gshard.w2 = gshard_[2].ensure(El * C * Fs);
+    for (FloatBuffer& b : gshard_) std::fill_n(b.data(), El * Fs * C, 0.0f);
+  }
+  // One grouped pass per (peer, source) block, as the rows arrived at that peer.
+  float* part = g ? k.dxg.ensure(Rg * C) : k.yg.ensure(Rg * C);
+  int64_t at = 0;
+  for (std::size_t i = 0; i < T; ++i)
+    for (int q = 0; q < plan.P; ++q) {
+      const int64_t* cnt = k.peer_counts.data() + i * PE + q * El;
+      ExpertActs& ea = acts(k)[i * static_cast<std::size_t>(plan.P) + q];
+      if (!g)
+        experts_forward(part + at * C, k.xg.data() + at * C, cnt, shard, C, Fs, ea);
+      else
+        experts_backward(part + at * C, gshard, k.dyg.data() + at * C, k.xg.data() + at * C, cnt,
+                         shard, C, Fs, ea);
+      for (int64_t j = 0; j < El; ++j) at += cnt[j];
+    }
+  // Every peer's partial sums over its hidden units, back to the rows each peer brought.
+  etp_->reduce_scatter(out, part, row_counts);
+  if (!g) return;
+  const ExpertRange whole = expert_range(*g, cfg_, first_, El);
+  for (int64_t j = 0; j < El; ++j) {
+    float* d1 = whole.w1 + j * F * C + f0 * C;
+    float* d3 = whole.w3 + j * F * C + f0 * C;
+    const float* s1 = gshard.w1 + j * Fs * C;
+    const float* s3 = gshard.w3 + j * Fs * C;
+    for (int64_t x = 0; x < Fs * C; ++x) d1[x] += s1[x], d3[x] += s3[x];
+    for (int64_t c = 0; c < C; ++c) {
+      float* d2 = whole.w2 + j * C * F + c * F + f0;
+      const float* s2 = gshard.w2 + j * C * Fs + c * Fs;
+      for (int64_t x = 0; x < Fs; ++x) d2[x] += s2[x];
+    }
   }
 }
 
@@ -188,8 +284,11 @@ void ExpertPipeline::replay_send(const float* inp, MoeTimings& t) {
 }
 
 void ExpertPipeline::release() {
+  for (FloatBuffer& b : wshard_) b.release();
+  for (FloatBuffer& b : gshard_) b.release();
   for (Chunk& k : chunks_) {
     k.xr_rows = k.y_rows = k.dyr_rows = k.dxp_rows = nullptr;
+    for (FloatBuffer* b : {&k.xg, &k.yg, &k.dyg, &k.dxg}) b->release();
     if (!scratch_ || recompute_ != Recompute::Full)
       for (FloatBuffer* b : {&rows(k).xp, &rows(k).y, &rows(k).dy, &rows(k).dxp, &rows(k).xr,
                              &rows(k).yr, &rows(k).dyr, &rows(k).dxr})
@@ -203,7 +302,10 @@ void ExpertPipeline::release() {
 int64_t ExpertPipeline::held_bytes() const {
   // What this pipeline owns; shared scratch is counted by its owner.
   int64_t n = recompute_y_.bytes();
+  for (const FloatBuffer& b : wshard_) n += b.bytes();
+  for (const FloatBuffer& b : gshard_) n += b.bytes();
   for (const Chunk& k : chunks_) {
+    for (const FloatBuffer* b : {&k.xg, &k.yg, &k.dyg, &k.dxg}) n += b->bytes();
     const PipelineRows& r = k.own_rows;
     for (const FloatBuffer* b : {&r.xp, &r.y, &r.dy, &r.dxp, &r.xr, &r.yr, &r.dyr, &r.dxr})
       n += b->bytes();

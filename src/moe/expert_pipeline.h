@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/comm.h"
 #include "moe/config.h"
 #include "moe/dispatch.h"
 #include "moe/exchange.h"
@@ -62,10 +63,18 @@ struct MoeTimings {
   double total() const { return router + permute + experts + shared + combine + losses + a2a; }
 };
 
+// Expert tensor parallelism (etp, a group of T ranks, null or one rank: off): the ranks of an ETP
+// group hold the same experts (each in its own EP group). After the exchange every rank
+// all-gathers the rows its ETP peers received, runs each of its experts over all of them on its
+// shard of the hidden units (rows [s·F/T, (s+1)·F/T) of w1 and w3, those columns of w2; s its
+// rank in the group), and reduce-scatters the partial outputs back to the rows each peer
+// brought. The backward mirrors it: the output gradients all-gathered, the partial input
+// gradients reduce-scattered, and each rank adds the gradients of its shard only.
 class ExpertPipeline {
  public:
-  // Throws unless the exchange's group size divides cfg.E and it asks for at least one chunk.
-  ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange);
+  // Throws unless the exchange's group size divides cfg.E, it asks for at least one chunk, and
+  // the ETP group's size divides cfg.F.
+  ExpertPipeline(const MoeConfig& cfg, ExpertExchange& exchange, Comm* etp = nullptr);
 
   // This process's experts (its slots under a placement).
   int64_t first_expert() const { return first_; }
@@ -124,6 +133,10 @@ class ExpertPipeline {
     const float* dyr_rows = nullptr;  // (R_recv, C)
     const float* dxp_rows = nullptr;  // (R_send, C)
     std::vector<ExpertActs> own_acts;  // acts() unless shared
+    // Expert tensor parallelism: the rows of every ETP peer, peer-major (Rg = Σ peer_rows).
+    FloatBuffer xg, yg, dyg, dxg;       // (Rg, C): rows, partial outputs, output and input grads
+    std::vector<int64_t> peer_counts;   // (T, P, El) each peer's recv_counts
+    std::vector<int64_t> peer_rows;     // (T) each peer's R_recv
   };
   PipelineRows& rows(Chunk& k) {
     return scratch_ && recompute_ == Recompute::Full ? scratch_->rows[k.index] : k.own_rows;
@@ -136,6 +149,10 @@ class ExpertPipeline {
   void experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, MoeTimings& t,
                float* y_out = nullptr);
   void add_times(MoeTimings& t);
+  // experts() under expert tensor parallelism.
+  void etp_experts(Chunk& k, const MoeWeights& w, const MoeWeights* g, float* out);
+  // This rank's shard of experts [first_, first_ + E_local_) of w, copied into `into`.
+  ExpertRange etp_shard(const MoeWeights& w, FloatBuffer (&into)[3]) const;
 
   MoeConfig cfg_;
   ExpertExchange& ex_;
@@ -149,6 +166,10 @@ class ExpertPipeline {
   Recompute recompute_ = Recompute::None;
   RecomputeScratch* scratch_ = nullptr;
   FloatBuffer recompute_y_;  // moe without scratch: the recomputed expert outputs, not used
+  Comm* etp_ = nullptr;      // the ETP group; null when off
+  int T_ = 1, s_ = 0;        // its size and this rank's place
+  int64_t Fs_ = 0;           // hidden units of an expert's shard: F / T
+  FloatBuffer wshard_[3], gshard_[3];  // w1, w3 (El, Fs, C), w2 (El, C, Fs) and their gradients
 };
 
 }  // namespace moetrain

@@ -31,7 +31,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeContext& ctx)
       own_exchange_(ctx.exchange ? nullptr : std::make_unique<LocalExchange>()),
       own_stats_(ctx.stats ? nullptr : make_local_comm("moe_stats")),
       stats_comm_(ctx.stats ? *ctx.stats : *own_stats_),
-      pipeline_(cfg_, ctx.exchange ? *ctx.exchange : *own_exchange_) {
+      pipeline_(cfg_, ctx.exchange ? *ctx.exchange : *own_exchange_, ctx.etp) {
   bias_.assign(cfg_.E, 0.0f);
   pending_load_.assign(cfg_.E, 0);
   frac_.assign(cfg_.E, 0.0f);

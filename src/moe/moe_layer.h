@@ -54,6 +54,9 @@ struct MoeStats {
 struct MoeContext {
   ExpertExchange* exchange = nullptr;  // must outlive the layers
   Comm* stats = nullptr;               // every process that holds tokens; must outlive the layers
+  // Expert tensor parallelism: the ranks sharing this rank's experts' hidden units
+  // (moe/expert_pipeline.h); null: each expert whole here. Must outlive the layers.
+  Comm* etp = nullptr;
 };
 
 class MoeLayer {

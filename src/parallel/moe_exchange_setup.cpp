@@ -1,6 +1,7 @@
 #include "parallel/moe_exchange_setup.h"
 
 #include "core/check.h"
+#include "parallel/comm_on_thread.h"
 
 namespace moetrain {
 
@@ -27,6 +28,10 @@ ExpertParallelSetup make_expert_parallel(const ExpertParallelOptions& opts, Proc
     ex.thread = s.comm_thread.get();
   }
   s.exchange = std::make_unique<MpiExchange>(route, ex);
+  if (groups.etp) {
+    std::unique_ptr<Comm> etp = groups.etp->dup("etp_rows");
+    s.etp = s.comm_thread ? comm_on_thread(std::move(etp), *s.comm_thread) : std::move(etp);
+  }
   return s;
 }
 

@@ -34,8 +34,13 @@ struct ExpertParallelSetup {
   std::unique_ptr<A2aHierarchy> hierarchy;  // hierarchical or adaptive only
   std::unique_ptr<CommThread> comm_thread;  // chunks > 1 or overlap
   std::unique_ptr<MpiExchange> exchange;    // over the groups' EP group
+  // The groups' ETP group (null when etp = 1), its collectives on the communication thread when
+  // there is one (MPI runs SERIALIZED).
+  std::unique_ptr<Comm> etp;
   // What the model's MoE layers run with: this exchange, statistics over groups.moe_stats.
-  MoeContext context(ProcessGroups& groups) const { return {exchange.get(), groups.moe_stats.get()}; }
+  MoeContext context(ProcessGroups& groups) const {
+    return {exchange.get(), groups.moe_stats.get(), etp.get()};
+  }
 };
 
 // Collective over the groups (the 2-D route splits communicators). The groups must outlive the

@@ -12,7 +12,7 @@ namespace moetrain::plan {
 
 RunConfig trainer_config(const RunConfig& cfg, const Layout& l) {
   RunConfig rc = cfg;
-  rc.dist.ep = l.ep, rc.dist.tp = l.tp, rc.dist.pp = l.pp, rc.dist.vp = l.vp;
+  rc.dist.ep = l.ep, rc.dist.etp = l.etp, rc.dist.tp = l.tp, rc.dist.pp = l.pp, rc.dist.vp = l.vp;
   if (l.pp > 1) rc.dist.pp_schedule = std::string(pipe_schedule_name(l.pipe_schedule()));
   rc.dist.zero = zero_stage(cfg, l);
   rc.train.recompute = recompute_mode(cfg, l);
@@ -22,7 +22,6 @@ RunConfig trainer_config(const RunConfig& cfg, const Layout& l) {
 
 std::string planner_only(const RunConfig& cfg, const Layout& l) {
   std::vector<std::string> lacks;
-  if (l.etp > 1) lacks.push_back("expert tensor parallelism");
   if (l.a2a_dedup) lacks.push_back("deduplicated (DeepEP) all-to-all");
   if (l.a2a_overlap) lacks.push_back("all-to-all overlapped with another micro-batch");
   if (l.recompute_modules.any())
@@ -47,6 +46,7 @@ std::string planner_only(const RunConfig& cfg, const Layout& l) {
     if (rc.dist.offloaded()) {
       validate_pipeline(rc);
       validate_tensor_parallel(rc);
+      validate_expert_tensor_parallel(rc);
       if (rc.train.device != "cpu") rc.dist.validate_offload(rc.train.run_dir, rc.train.device);
     }
   } catch (const Error& e) {

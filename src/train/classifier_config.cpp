@@ -85,6 +85,10 @@ void ClassifierRunConfig::validate() const {
                  "dist.tp = {}: the classifier runs no tensor parallelism (the language model "
                  "does); set dist.tp = 1",
                  dist.tp);
+  MOETRAIN_CHECK(dist.etp == 1,
+                 "dist.etp = {}: the classifier runs no expert tensor parallelism (the language "
+                 "model does); set dist.etp = 1",
+                 dist.etp);
   MOETRAIN_CHECK(dist.pp == 1,
                  "dist.pp = {}: the classifier runs no pipeline stages (the language model "
                  "does); set dist.pp = 1",

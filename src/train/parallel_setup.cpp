@@ -71,8 +71,9 @@ RunParallel make_run_parallel(Comm& world, const DistSettings& dist, int64_t n_e
     out.local.check = world.split(world.rank() / T, t, {"copy_check"});
     out.local.replicas = world.split(t, world.rank() / T, {"replicas"});
   }
-  out.groups =
-      std::make_unique<ProcessGroups>(make_process_groups(*over, static_cast<int>(dist.ep)));
+  // Expert tensor parallelism folds EP × ETP over the same ranks (groups.h).
+  out.groups = std::make_unique<ProcessGroups>(
+      make_process_groups(*over, static_cast<int>(dist.ep), static_cast<int>(dist.etp)));
   if (copies) out.groups->control = world.dup("control");
   const ParallelLayout& pl = out.groups->layout;
   out.experts = {0, n_experts};
@@ -234,7 +235,7 @@ std::vector<int> checkpoint_writers(const ParamTable& layout, const ParallelLayo
     }
     const int ep_index = static_cast<int>(p.expert / (E / pl.ep));
     const int dp_index = static_cast<int>(p.expert % pl.dp);
-    writer[i] = dp_index * pl.ep + ep_index;
+    writer[i] = pl.rank_of(ep_index, dp_index);
     bytes[writer[i]] += p.numel;
   }
   std::stable_sort(replicated.begin(), replicated.end(),

@@ -365,6 +365,7 @@ void RunConfig::validate() const {
                  "grad.expert_reweight = '{}' needs a model with MoE layers", grad.expert_reweight);
   validate_pipeline(*this);
   validate_tensor_parallel(*this);
+  validate_expert_tensor_parallel(*this);
 }
 
 void TrainConfig::resolve_precision() {

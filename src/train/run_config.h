@@ -184,6 +184,10 @@ struct DistSettings {
   // With tp > 1: Megatron's sequence parallelism (Transformer::set_tensor_parallel): the
   // residual stream, norms and MoE layers on each rank's share of the tokens.
   bool sequence_parallel = false;
+  // Expert tensor parallelism (docs/tensor-parallel.md "Expert tensor parallelism"): each
+  // expert's hidden size (model.expert_hidden) split over etp neighbouring ranks; the EP groups
+  // are the ranks of one ETP position; world = EDP × ep × etp (1 = off).
+  int64_t etp = 1;
 
   // Throws naming the key ("dist.ep = 0: must be ≥ 1"); what depends on the world size is checked
   // where the process groups are made.
@@ -260,6 +264,9 @@ void validate_pipeline(const RunConfig& c);
 // dist.tp > 1 against the model and the other keys: what the split needs and what does not run
 // with it yet, each refused by name.
 void validate_tensor_parallel(const RunConfig& c);
+// dist.etp > 1 against the model and the other keys: what the split needs and what does not run
+// with it yet, each refused by name.
+void validate_expert_tensor_parallel(const RunConfig& c);
 
 // Loads `path` (may be empty: defaults only), then applies `overrides` ("model.dim=256").
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});

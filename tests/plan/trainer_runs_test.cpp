@@ -88,9 +88,16 @@ TEST(PlanTrainerRuns, WhatTheTrainerHasNoKeyForIsNamed) {
   const RunConfig cfg;
   Layout l{.procs = 4, .ep = 1};
   EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
+  // Expert tensor parallelism runs where the trainer's validation lets it
+  // (validate_expert_tensor_parallel); in stages it is refused by that validation's name.
   l.etp = 2;
+  EXPECT_TRUE(trainer_runs(cfg, l)) << planner_only(cfg, l);
+  RunConfig accum = cfg;
+  accum.train.grad_accum = 2;  // a micro-batch for each stage
+  Layout staged{.procs = 8, .ep = 1, .pp = 2, .etp = 2};
+  EXPECT_NE(planner_only(accum, staged).find("dist.etp = 2 with dist.pp = 2"), std::string::npos)
+      << planner_only(accum, staged);
   l.a2a_dedup = true;
   EXPECT_EQ(planner_only(cfg, l),
-            "planner only: moetrain train has no expert tensor parallelism or deduplicated "
-            "(DeepEP) all-to-all yet");
+            "planner only: moetrain train has no deduplicated (DeepEP) all-to-all yet");
 }

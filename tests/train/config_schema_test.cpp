@@ -361,3 +361,37 @@ TEST(TensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName)
   // The classifier has no heads to split.
   expect_error([] { load_classifier_config("", {"dist.tp=2"}); }, {"dist.tp = 2", "classifier"});
 }
+
+TEST(ExpertTensorParallelKeys, ShapesItCannotSplitAndWhatItDoesNotRunAreRefusedByName) {
+  const std::vector<std::string> base = {"train.precision=f32", "model.expert_hidden=24"};
+  auto with = [&](std::vector<std::string> keys) {
+    keys.insert(keys.begin(), base.begin(), base.end());
+    return keys;
+  };
+  // What runs (tests/parallel/expert_tensor_parallel_test.cpp).
+  load_run_config("", with({"dist.etp=2"}));
+  load_run_config("", with({"dist.etp=2", "dist.ep=2"}));
+  load_run_config("", with({"dist.etp=2", "dist.tp=2"}));
+  expect_error([] { load_run_config("", {"dist.etp=0"}); }, {"dist.etp = 0", "≥ 1"});
+  expect_error([&] { load_run_config("", with({"dist.etp=5"})); },
+               {"dist.etp = 5", "model.expert_hidden = 24"});
+  expect_error([&] { load_run_config("", with({"dist.etp=2", "train.precision=bf16"})); },
+               {"dist.etp = 2", "train.precision = bf16", "does not run it yet"});
+  for (const std::string key :
+       {"dist.hierarchical=true", "dist.adaptive_route=true", "dist.a2a_chunks=2",
+        "placement.spare_slots=1", "dist.zero=1", "dist.sync=params",
+        "dist.grad_reduce_dtype=int8", "grad.sparse_ratio=0.5", "grad.sparse_experts=true",
+        "train.recompute=moe"}) {
+    SCOPED_TRACE(key);
+    expect_error([&] { load_run_config("", with({"dist.etp=2", "dist.ep=2", key})); },
+                 {"dist.etp = 2", key.substr(0, key.find('=')), "does not run it yet"});
+  }
+  expect_error(
+      [&] {
+        load_run_config("", with({"model.n_layers=4", "train.grad_accum=2", "dist.etp=2",
+                                  "dist.pp=2"}));
+      },
+      {"dist.etp = 2", "dist.pp = 2", "does not run it yet"});
+  expect_error([] { load_classifier_config("", {"dist.etp=2"}); },
+               {"dist.etp = 2", "classifier"});
+}
