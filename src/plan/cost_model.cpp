@@ -400,7 +400,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   }
   const double local = dense_local + expert_local;
   const double updated = zero >= 1 ? dense_local / static_cast<double>(lp.dense_ranks) +
-                                        kept * expert_local / static_cast<double>(layout.dp())
+                                        kept * expert_local / static_cast<double>(lp.expert_ranks)
                                   : dense_local + kept * expert_local;
   // As timed where the profile has this optimizer's update (zeroing and the clip's read
   // included, 8 of its bytes per parameter), else at the bytes it moves.

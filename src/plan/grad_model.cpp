@@ -12,8 +12,10 @@ namespace moetrain::plan {
 
 LocalParams local_params(const ModelConfig& m, const RankLayout& l) {
   const ParamCounts pc = count_params(m);
+  const int64_t etp = l.whole_params_under_tp ? 1 : l.etp;
   return {pc.dense / static_cast<double>(l.dense_split()),
-          pc.expert / static_cast<double>(l.ep * l.etp * l.pp), l.dense_ranks()};
+          pc.expert / static_cast<double>(l.ep * etp * l.pp), l.dense_ranks(),
+          l.world / (l.pp * l.ep * etp)};
 }
 
 namespace {
@@ -83,12 +85,12 @@ double add_reductions(const RunConfig& cfg, const ClusterSpec& cluster, const La
   cm.reductions.emplace_back(
       (expert_share < 1 ? fmt::format("expert gradients ({:.0f}% kept) ", 100 * expert_share)
                         : std::string("expert gradients ")) +
-          over(layout.dp()),
-      ring_allreduce(cluster, expert_sent * grad_elem, layout.dp(), multi_node));
+          over(local.expert_ranks),
+      ring_allreduce(cluster, expert_sent * grad_elem, local.expert_ranks, multi_node));
   // Under EP without DP each rank's experts reduce over a group of one: nothing travels, but
   // the trainer's reduction (parallel/grad_sync.h) still packs, reduce-scatters, all-gathers
   // and unpacks them, at the rate measured for that (one process alone has no reduction).
-  if (layout.dp() == 1 && dense_ranks > 1 && cluster.self_reduce_bandwidth > 0) {
+  if (local.expert_ranks == 1 && dense_ranks > 1 && cluster.self_reduce_bandwidth > 0) {
     Collective copy;
     copy.kind = "copy";
     copy.phases.push_back({"packed and copied in place", 0, 0, expert_sent * 4,
@@ -104,8 +106,8 @@ double add_reductions(const RunConfig& cfg, const ClusterSpec& cluster, const La
         "dense weights all-gathered twice (ZeRO-3) " + over(dense_ranks),
         ring_allreduce(cluster, local.dense * wbytes, dense_ranks, multi_node));
     cm.reductions.emplace_back(
-        "expert weights all-gathered twice (ZeRO-3) " + over(layout.dp()),
-        ring_allreduce(cluster, local.expert * wbytes, layout.dp(), multi_node));
+        "expert weights all-gathered twice (ZeRO-3) " + over(local.expert_ranks),
+        ring_allreduce(cluster, local.expert * wbytes, local.expert_ranks, multi_node));
   }
   return (local.dense + expert_sent) * grad_elem;
 }

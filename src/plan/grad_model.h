@@ -11,12 +11,13 @@
 namespace moetrain::plan {
 
 // Parameters one process holds: the dense ones of its stage (and tensor shard, where tensor
-// parallelism cuts the weights), its experts; and the ranks that reduce (and ZeRO-shard) the
-// dense gradients: the stage's data-parallel ranks, or every rank of the stage where each keeps
-// the whole weights (RankLayout::whole_params_under_tp, this trainer's tensor parallelism).
+// parallelism cuts the weights), its experts (and expert shard); and the ranks that reduce (and
+// ZeRO-shard) each: the stage's data-parallel ranks and an expert shard's replicas, or, where
+// every rank keeps whole weights (RankLayout::whole_params_under_tp, this trainer's tensor and
+// expert tensor parallelism), every rank of the stage and every holder of the rank's experts.
 struct LocalParams {
   double dense = 0, expert = 0;
-  int64_t dense_ranks = 1;
+  int64_t dense_ranks = 1, expert_ranks = 1;
 };
 LocalParams local_params(const ModelConfig& m, const RankLayout& l);
 

@@ -280,3 +280,73 @@ TEST(PipelineInterleaved, RefusesChunksItCannotRun) {
     EXPECT_FALSE(fs::exists(run_dir)) << "a refused run wrote " << run_dir;
   }
 }
+
+// zero_bubble with 2 chunks a stage (dist.vp = 2: 2 stages over the 4 blocks, stage 0 blocks 0
+// and 2 with the embedding, stage 1 blocks 1 and 3 with the head) ends where interleaved at
+// vp = 2 ends, bit for bit: both run the same forwards in the same order on each stage (the
+// weight passes are only put between them), every parameter belongs to one chunk, and a chunk's
+// B passes (its MoE layers' and norms' gradients) and W passes (its dense linears' weight
+// gradients: the GEMM calls backward makes, deferred) each run in ascending micro-batch order,
+// as interleaved's backwards do, so each parameter gradient is the same sum in the same order.
+// The training losses and norms are the same forwards' and gradients' parts summed in the same
+// order. Against the one-process run it is bitwise as interleaved is
+// (expect_pipe_follows_single).
+TEST(PipelineInterleaved, ZeroBubbleWithChunksEndsWhereInterleavedEnds) {
+  auto world = dist_world("pipeline_zb_vp");
+  const int W = world->size(), r = world->rank();
+  if (W != 2) GTEST_SKIP() << "needs 2 processes for one pipeline of 2 stages x 2 chunks";
+  SharedDir dir(*world, "pipeline_zb_vp");
+  if (r == 0) write_corpus(dir / "data", 40000);
+  world->barrier();
+  const std::string single_dir = "single" + std::to_string(r);
+  const Outcome single = run(make_config(dir / "data", dir / single_dir, 1, 1), make_local_comm());
+  auto run_chunks = [&](const std::string& schedule, const fs::path& run, bool resume) {
+    Trainer t(pipeline_config(dir / "data", run, 2, schedule, 2), resume,
+              dist_world("pipeline_zb_vp_run"));
+    t.run();
+    const PipelineRunner* pipe = t.pipeline();
+    EXPECT_TRUE(pipe && pipe->chunks_per_stage() == 2 && pipe->slots_made() == pipe->slots(kAccum));
+    return finish(t, run);
+  };
+  const Outcome inter = run_chunks("interleaved", dir / "interleaved", false);
+  const Outcome zb = run_chunks("zero_bubble", dir / "zero_bubble", false);
+  EXPECT_EQ(zb.params, inter.params) << "zero_bubble at vp = 2 ends elsewhere than interleaved";
+  expect_pipe_follows_single(zb, single, r);
+  if (r == 0) {
+    EXPECT_EQ(zb.losses, inter.losses);
+    EXPECT_EQ(zb.grad_norms, inter.grad_norms);
+    // The last step as it ran: each stage's passes in the schedule's order, one at a time, the
+    // weight passes named with their chunk (W3.c2).
+    const TraceFile trace = read_trace(dir / "zero_bubble" / kPipelineTraceFile);
+    int64_t weights = 0;
+    for (int64_t stage = 0; stage < 2; ++stage) {
+      std::vector<TraceSpan> lane;
+      for (const TraceSpan& span : trace.spans)
+        if (span.lane == stage) lane.push_back(span);
+      const std::vector<PipeOp> ops = stage_ops(PipeSchedule::ZeroBubble, {2, kAccum, 2}, stage);
+      ASSERT_EQ(lane.size(), ops.size()) << "stage " << stage;
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        EXPECT_EQ(lane[i].name, std::string(1, "FBW"[ops[i].kind]) +
+                                    std::to_string(ops[i].micro) + ".c" +
+                                    std::to_string(ops[i].chunk))
+            << "stage " << stage << " pass " << i;
+        weights += ops[i].kind == PipeOp::Weight && lane[i].category == "weight";
+        if (i > 0) {
+          EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
+        }
+      }
+    }
+    EXPECT_EQ(weights, 4 * kAccum) << "a weight pass of each micro-batch on each chunk";
+    const std::string step = "checkpoints/step_00000006";
+    const auto mine = read_all_tensors(dir / ("zero_bubble/" + step));
+    EXPECT_GT(mine.size(), 10u);
+    EXPECT_TRUE(mine == read_all_tensors(dir / (single_dir + "/" + step)))
+        << "the zero_bubble vp = 2 checkpoint differs from the one-process run's";
+    // The one-process step-3 checkpoint, to resume from.
+    start_from_step3(dir / "single0", dir / "resumed");
+  }
+  world->barrier();
+  const Outcome resumed = run_chunks("zero_bubble", dir / "resumed", true);
+  EXPECT_EQ(differ_held(resumed.params, single.params, resumed.held), 0)
+      << "zero_bubble at vp = 2 resumed from a one-process checkpoint differs";
+}

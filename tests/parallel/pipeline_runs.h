@@ -1,12 +1,15 @@
 // Test support for the pipeline tests (tests/parallel/pipeline_*_test.cpp): the small MoE LM they
 // train with and without stages, which values a stage holds, and what a run leaves to compare.
 #pragma once
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "support/held_values.h"
 #include "support/run_metrics.h"
 #include "train/pipeline_step.h"
 #include "train/run_config.h"
@@ -84,6 +87,23 @@ inline PipeOutcome finish_pipeline_run(Trainer& t, const std::filesystem::path& 
     o.grad_norms = metric(run, "grad_norm");
   }
   return o;
+}
+
+// A pipeline run against the one-process run, where the code path makes them the same bits: the
+// values the rank's stage holds exactly; on rank 0 the losses and gradient norms within 1e-12
+// (their parts are summed per stage, then over the stages), the validation losses exactly.
+inline void expect_pipe_follows_single(const PipeOutcome& got, const PipeOutcome& ref, int rank) {
+  EXPECT_EQ(differ_held(got.params, ref.params, got.held), 0)
+      << "stage parameters differ from the one-process run's";
+  if (rank != 0) return;
+  ASSERT_EQ(got.losses.size(), static_cast<std::size_t>(kPipeSteps));
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  EXPECT_LE(max_rel(got.losses, ref.losses), 1e-12);
+  EXPECT_LT(got.losses.back(), got.losses.front());
+  ASSERT_EQ(ref.grad_norms.size(), got.grad_norms.size());
+  EXPECT_LE(max_rel(got.grad_norms, ref.grad_norms), 1e-12);
+  ASSERT_EQ(got.val_losses.size(), 2u);
+  EXPECT_EQ(got.val_losses, ref.val_losses);
 }
 
 }  // namespace moetrain::testing

@@ -151,6 +151,16 @@ TEST(PlanLayout, TensorParallelOnACpuIsThisTrainers) {
   EXPECT_DOUBLE_EQ(ours.comm.reductions[0].second.seconds(),
                    ring_allreduce(cpu, dense * 4, 4, false).seconds());
   EXPECT_EQ(ours.comm.reductions[1].first, megatron.comm.reductions[1].first);
+  // Expert tensor parallelism keeps whole experts too: each rank's experts' gradients over all
+  // their holders, both ETP positions (Megatron: a shard over its one replica here).
+  const Layout etp2{.procs = 4, .ep = 2, .etp = 2};
+  const Prediction e = predict(cfg, cpu, etp2, load);
+  ASSERT_EQ(e.comm.reductions.size(), 2u);
+  EXPECT_EQ(e.comm.reductions[1].first, "expert gradients over 2 ranks");
+  EXPECT_DOUBLE_EQ(e.comm.reductions[1].second.seconds(),
+                   ring_allreduce(cpu, count_params(cfg.model).expert / 2 * 4, 2, false).seconds());
+  EXPECT_EQ(predict(cfg, gpu, etp2, load).comm.reductions[1].first,
+            "expert gradients over 1 rank");
   // Sequence parallelism: the MoE layers' tokens are the rank's stream, no collective of theirs.
   cfg.dist.sequence_parallel = true;
   EXPECT_DOUBLE_EQ(predict(cfg, cpu, tp2, load).comm.tp_count, 2.0 * 8 + 1);
