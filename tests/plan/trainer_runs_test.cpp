@@ -6,6 +6,9 @@
 
 #include <fmt/format.h>
 
+#include <utility>
+#include <vector>
+
 #include "parallel/pipeline_schedule.h"
 #include "plan/cost_model.h"
 #include "plan/layout.h"
@@ -31,7 +34,8 @@ std::vector<std::string> base_keys(const std::string& run_dir) {
 // The layout's keys as a user would set them for `moetrain train`, written from the layout's
 // fields (not through trainer_config, which this checks).
 std::vector<std::string> layout_keys(const Layout& l) {
-  std::vector<std::string> k = {fmt::format("dist.ep={}", l.ep), fmt::format("dist.tp={}", l.tp),
+  std::vector<std::string> k = {fmt::format("dist.ep={}", l.ep), fmt::format("dist.etp={}", l.etp),
+                                fmt::format("dist.tp={}", l.tp),
                                 fmt::format("dist.pp={}", l.pp), fmt::format("dist.vp={}", l.vp)};
   if (l.pp > 1) k.push_back(fmt::format("dist.pp_schedule={}", pipe_schedule_name(l.pipe_schedule())));
   if (l.zero >= 0) k.push_back(fmt::format("dist.zero={}", l.zero));
@@ -51,16 +55,20 @@ TEST(PlanTrainerRuns, AgreesWithTheTrainersLoaderOnEveryLayout) {
   for (const int64_t tp : {1, 2})
     for (const int64_t pp : {1, 2})
       for (const int64_t vp : {1, 2})
-        for (const int64_t ep : {1, 2})
+        for (const auto& [ep, etp] : std::vector<std::pair<int64_t, int64_t>>{
+                 {1, 1}, {2, 1}, {1, 2}, {2, 2}})
           for (const int64_t zero : {0, 1, 2, 3})
             for (const Recompute r : {Recompute::None, Recompute::Moe, Recompute::Full})
               for (const bool offload : {false, true})
                 for (const PipeSchedule s : {PipeSchedule::GPipe, PipeSchedule::OneFOneB,
                                              PipeSchedule::ZeroBubble}) {
-                  if (vp > 1 && (pp == 1 || s != PipeSchedule::OneFOneB)) continue;
+                  // Chunks a stage: interleaved (from 1f1b) or zero_bubble's chunked order.
+                  if (vp > 1 && (pp == 1 || s == PipeSchedule::GPipe)) continue;
                   if (pp == 1 && s != PipeSchedule::OneFOneB) continue;
-                  Layout l{.procs = 4, .ep = ep, .tp = tp, .pp = pp, .vp = vp};
-                  if (pp > 1) l.schedule = vp > 1 ? PipeSchedule::Interleaved : s;
+                  if (ep * etp > 4 / pp) continue;  // EP × ETP folds over a stage's ranks
+                  Layout l{.procs = 4, .ep = ep, .tp = tp, .pp = pp, .vp = vp, .etp = etp};
+                  if (pp > 1)
+                    l.schedule = vp > 1 && s == PipeSchedule::OneFOneB ? PipeSchedule::Interleaved : s;
                   l.zero = zero, l.recompute = r, l.offload = offload;
                   ASSERT_EQ(layout_problem(cfg, cluster, l), "") << fmt::format(
                       "tp {} pp {} vp {} ep {}", tp, pp, vp, ep);
