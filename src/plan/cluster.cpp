@@ -448,6 +448,7 @@ ClusterSpec local_cluster(const std::string& profile, int64_t procs, int64_t thr
   c.inter_node_latency = c.intra_node_latency;
   // Processes whose threads fill the cores leave no core to a communication thread.
   c.comm_shares_cores = procs > 1 && static_cast<double>(procs) * mine >= static_cast<double>(cores);
+  c.shared_cores = cores;
   validate(c, where);
   return c;
 }

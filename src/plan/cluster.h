@@ -65,6 +65,8 @@ struct ClusterSpec {
   // The processes share the cores that compute (a calibrated CPU whose processes fill its
   // cores): a communication thread takes a core from compute, so nothing overlaps.
   bool comm_shares_cores = false;
+  // The cores the processes share on a calibrated CPU (local_cluster); 0: a device per process.
+  int64_t shared_cores = 0;
   // Seconds each expert exchange costs beyond its on-time figure when the ranks arrive unevenly
   // (measured on this machine: a waiting rank polls with sleeps); 0 elsewhere.
   double late_penalty = 0;

@@ -107,8 +107,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   // in bf16/fp16, f32 in this trainer. The router's softmax and top-k stay f32.
   const double ab = activation_bytes(cfg, dev.threads == 0);
   // Tensor parallelism as the run's trainer has it (RankLayout::whole_params_under_tp): Megatron's
-  // on an accelerator, this trainer's on a CPU (whole weights, the residual stream whole unless
-  // dist.sequence_parallel).
+  // on an accelerator, this trainer's on a CPU (whole weights; whole stream unless SP).
   const RankLayout rl = rank_layout(cfg, layout, dev.threads == 0);
   const bool trainer_tp = rl.whole_params_under_tp && tp > 1;
   const bool trainer_sp = trainer_tp && cfg.dist.sequence_parallel;
@@ -206,11 +205,9 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     // Tensor parallelism splits heads (plan/attention_model.h) and FFN hidden sizes.
     s.attention += attention_time(dev, prec, m, l, B, T, tp, ab);
     // With sequence parallelism an all-gather before and a reduce-scatter after each TP block
-    // (together an all-reduce's traffic), forward and backward: 2 for attention, 2 for a dense
-    // FFN or (Megatron) a shared expert; the routed experts run on the rank's own tokens (no TP
-    // split). This trainer's MoE layer, shared expert included, runs on the rank's N / tp tokens
-    // and all-gathers its output forward and its input gradient backward (together an
-    // all-reduce's traffic) where the residual stream is whole (no sequence parallelism).
+    // (an all-reduce's traffic), forward and backward: 2 for attention, 2 for a dense FFN or
+    // (Megatron) a shared expert; the routed experts run on the rank's own tokens. This trainer's
+    // MoE layer (shared expert too) all-gathers its output and input gradient without SP: 1.
     const bool moe_layer = !m.is_dense_layer(l);
     const double tp_blocks =
         2 + (m.is_dense_layer(l) || (!trainer_tp && m.shared_expert_hidden > 0) ? 2 : 0) +
@@ -331,9 +328,8 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   // The LM head sits on the last stage, which it makes the slowest (no layers are moved off it).
   s.lm_head += linear_fb_time(dev, prec, N, V / static_cast<double>(tp), C) +
                stream_time(dev, 3 * ab * N * V / static_cast<double>(tp));
-  // Its vocabulary columns split over the TP ranks: the input gradient joined backward, one more
-  // TP collective a micro-batch (the cross-entropy's two row-sized sums are counted with the
-  // step's small collectives).
+  // Its vocabulary split over the TP ranks: the input gradient joined backward (the split
+  // cross-entropy's two row-sized sums are among the step's small collectives).
   if (tp > 1) {
     s.tensor_parallel += tp_allreduce_s;
     cm.tp_count += static_cast<double>(A);
@@ -465,8 +461,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                     static_cast<double>(layout.pp);
     const double third = per_mb / (3.0 * static_cast<double>(layout.vp));
     p.pipe_timeline = simulate(sched, shape, {third, third, third, cm.pipeline_send.seconds()});
-    s.pipeline_bubble =
-        std::max(0.0, p.pipe_timeline.makespan - static_cast<double>(A) * per_mb);
+    // Processes outnumbering a CPU's cores run the parts above at the all-busy share; a waiting
+    // stage lends its cores, so where one stage's processes fill them no core idles: no bubble.
+    const bool cores_lent = cluster.shared_cores > 0 && layout.procs > cluster.shared_cores &&
+                            layout.procs / layout.pp >= cluster.shared_cores;
+    const double idle = p.pipe_timeline.makespan - static_cast<double>(A) * per_mb;
+    s.pipeline_bubble = cores_lent ? 0.0 : std::max(0.0, idle);
   }
 
   p.step_time_s = s.compute() + s.a2a_exposed + s.grad_sync_exposed + s.tensor_parallel +

@@ -355,4 +355,16 @@ TEST(PlanLayout, OversubscribedProcessesGetTheirShareOfTheCores) {
   EXPECT_DOUBLE_EQ(four.device.peak_flops_f32, 9e9);
   EXPECT_DOUBLE_EQ(four.device.gemm_f32_flops.back(), 9e9);
   EXPECT_DOUBLE_EQ(four.device.memory_bandwidth, 4.5e9);
+  // Pipeline stages on shared cores: four processes of two stages on two cores, every part timed
+  // at the all-busy share; a waiting stage's cores go to the other stage's two processes, which
+  // fill them, so no bubble is added. Two processes (one a stage) on two cores do not share:
+  // a waiting stage's core idles, the bubble counts.
+  RunConfig cfg = run(2);
+  cfg.train.precision = Precision::F32;
+  const LoadModel load = uniform_load(8);
+  EXPECT_EQ(four.shared_cores, 2);
+  EXPECT_EQ(predict(cfg, four, {.procs = 4, .ep = 1, .pp = 2}, load).parts.pipeline_bubble, 0);
+  EXPECT_GT(predict(cfg, local_cluster(profile, 2, 1), {.procs = 2, .ep = 1, .pp = 2}, load)
+                .parts.pipeline_bubble,
+            0);
 }
