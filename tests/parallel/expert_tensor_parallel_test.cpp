@@ -91,19 +91,6 @@ TEST(ExpertTensorParallel, ResumesBitExactAndItsCheckpointLoadsOnOneProcess) {
   EXPECT_EQ(0, std::memcmp(resumed.params.data(), whole.params.data(),
                            whole.params.size() * sizeof(float)))
       << "the resumed expert tensor-parallel run differs from the uninterrupted one";
-  TempDir back("etp_back");
-  fs::create_directories(back.path() / "checkpoints");
-  fs::copy(dir / "whole/checkpoints/step_00000010", back.path() / "checkpoints/step_00000010");
-  std::ofstream(back.path() / "checkpoints/latest") << "step_00000010";
-  fs::copy_file(dir / "whole/metrics.jsonl", back.path() / "metrics.jsonl");
-  Trainer one(tp_config(dir / "data", back.path(), kTpRows, 1,
-                        {"train.grad_accum=" + std::to_string(W)}),
-              true, make_local_comm());
-  EXPECT_EQ(one.step(), 10);
-  LoadedModel at10 = load_model(dir / "whole/checkpoints/step_00000010");
-  ASSERT_EQ(at10.params.size(), one.params().size());
-  EXPECT_EQ(0, std::memcmp(one.params().data(), at10.params.data(),
-                           at10.params.size() * sizeof(float)));
-  one.run();
-  EXPECT_EQ(one.step(), kTpSteps);
+  // One process loads the step-10 checkpoint: the parameters it starts from are the run's.
+  expect_one_process_resumes_step10(dir / "data", dir / "whole", W);
 }

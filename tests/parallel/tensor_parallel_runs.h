@@ -7,12 +7,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include "core/comm.h"
 #include "support/held_values.h"
 #include "support/run_metrics.h"
+#include "support/temp_dir.h"
 #include "train/lm_checkpoint.h"
 #include "train/run_config.h"
 #include "train/trainer.h"
@@ -117,6 +121,30 @@ inline void expect_checkpoint_holds(const std::filesystem::path& run, const TpFi
   for (std::size_t i = 0; i < std::min(m.params.size(), got.params.size()); ++i)
     differ += got.held[i] && m.params[i] != got.params[i];
   EXPECT_EQ(differ, 0) << "checkpointed parameters differ from their holder's";
+}
+
+// The step-10 checkpoint of the run in `whole` resumed by one process, the same global batch as
+// `micro_batches` micro-batches of kTpRows: it starts from the checkpoint's parameters, bit for
+// bit, and trains on to the last step.
+inline void expect_one_process_resumes_step10(const std::filesystem::path& data,
+                                              const std::filesystem::path& whole,
+                                              int64_t micro_batches) {
+  namespace fs = std::filesystem;
+  TempDir back("tp_back");
+  fs::create_directories(back.path() / "checkpoints");
+  fs::copy(whole / "checkpoints/step_00000010", back.path() / "checkpoints/step_00000010");
+  std::ofstream(back.path() / "checkpoints/latest") << "step_00000010";
+  fs::copy_file(whole / "metrics.jsonl", back.path() / "metrics.jsonl");
+  Trainer one(tp_config(data, back.path(), kTpRows, 1,
+                        {"train.grad_accum=" + std::to_string(micro_batches)}),
+              true, make_local_comm());
+  EXPECT_EQ(one.step(), 10);
+  LoadedModel at10 = load_model(whole / "checkpoints/step_00000010");
+  ASSERT_EQ(at10.params.size(), one.params().size());
+  EXPECT_EQ(0, std::memcmp(one.params().data(), at10.params.data(),
+                           at10.params.size() * sizeof(float)));
+  one.run();
+  EXPECT_EQ(one.step(), kTpSteps);
 }
 
 }  // namespace moetrain::testing

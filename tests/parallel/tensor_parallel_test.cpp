@@ -102,21 +102,5 @@ TEST(TensorParallel, ResumesBitExactAndItsCheckpointLoadsOnOneProcess) {
                            whole.params.size() * sizeof(float)))
       << "the resumed tensor-parallel run differs from the uninterrupted one";
   // One process loads the step-10 checkpoint: the parameters it starts from are the run's.
-  TempDir back("tp_back");
-  fs::create_directories(back.path() / "checkpoints");
-  fs::copy(dir / "whole/checkpoints/step_00000010", back.path() / "checkpoints/step_00000010");
-  std::ofstream(back.path() / "checkpoints/latest") << "step_00000010";
-  fs::copy_file(dir / "whole/metrics.jsonl", back.path() / "metrics.jsonl");
-  // The same global batch: every copy's rows as micro-batches of one process.
-  const int copies = world->size() / static_cast<int>(kTp);
-  Trainer one(tp_config(dir / "data", back.path(), kTpRows, 1,
-                          {"train.grad_accum=" + std::to_string(copies)}),
-              true, make_local_comm());
-  EXPECT_EQ(one.step(), 10);
-  LoadedModel at10 = load_model(dir / "whole/checkpoints/step_00000010");
-  ASSERT_EQ(at10.params.size(), one.params().size());
-  EXPECT_EQ(0, std::memcmp(one.params().data(), at10.params.data(),
-                           at10.params.size() * sizeof(float)));
-  one.run();
-  EXPECT_EQ(one.step(), kTpSteps);
+  expect_one_process_resumes_step10(dir / "data", dir / "whole", world->size() / kTp);
 }
