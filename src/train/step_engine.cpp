@@ -160,7 +160,7 @@ std::string StepEngine::describe_layout() const {
   if (pipe_)
     return fmt::format("{} processes: {} pipeline(s) x {} stages ({}{}){}, {} micro-batches a "
                        "step, {} activation slots on stage {}; a stage's {} copies: {} "
-                       "data-parallel x {} expert-parallel ({} experts each){}",
+                       "data-parallel x {} expert-parallel ({} expert{} each){}",
                        world_, pipe_->replicas(), pipe_->stages(),
                        pipe_schedule_name(pipe_->schedule()),
                        pipe_->chunks_per_stage() > 1
@@ -173,10 +173,10 @@ std::string StepEngine::describe_layout() const {
                                     : "",
                        cfg_.micro_batches,
                        pipe_->slots(cfg_.micro_batches), pipe_->stage(), pl.world, pl.dp, pl.ep,
-                       expert_shard_.count,
+                       expert_shard_.count, expert_shard_.count == 1 ? "" : "s",
                        cfg_.dist.zero ? fmt::format(", ZeRO-{} over them", cfg_.dist.zero) : "");
   return fmt::format(
-      "{} processes: {}{} data-parallel x {} expert-parallel ({} experts each){}{}; {} gradient "
+      "{} processes: {}{} data-parallel x {} expert-parallel ({} expert{} each){}{}; {} gradient "
       "buckets",
       world_,
       tp_size_ > 1 ? fmt::format("{} tensor-parallel group{} of {} (each one model copy{}), "
@@ -184,7 +184,7 @@ std::string StepEngine::describe_layout() const {
                                  world_ / tp_size_, world_ / tp_size_ > 1 ? "s" : "", tp_size_,
                                  cfg_.dist.sequence_parallel ? ", sequence-parallel" : "")
                    : "",
-      pl.dp, pl.ep, expert_shard_.count,
+      pl.dp, pl.ep, expert_shard_.count, expert_shard_.count == 1 ? "" : "s",
       cfg_.dist.zero ? fmt::format(", ZeRO-{}", cfg_.dist.zero) : "",
       ep_.hierarchy ? fmt::format(", {} all-to-all ({} ranks per node)",
                                   ep_.exchange->adaptive() ? "adaptive" : "2-D",
