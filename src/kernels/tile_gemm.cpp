@@ -25,15 +25,15 @@ constexpr int64_t kKC = 128;  // reduction chunk: a (kKC, kNR) panel of B is 8 K
 typedef float V8 __attribute__((vector_size(32)));
 
 // One tile of C: rows [i, i + R) (those past M repeat A's last row and land in C's padding) by
-// columns [j, j + kNR), summed over k in [k0, k1), with kNR / lanes vectors of VF per tile row.
+// columns [j, j + kV · lanes), summed over k in [k0, k1), with kV vectors of VF per tile row.
 // kTA: A is stored transposed, (K, M) with leading dimension lda.
-template <class VF, int64_t R, bool kTA>
+template <class VF, int64_t R, int64_t kV, bool kTA>
 [[gnu::always_inline]] inline void block_tile(float* __restrict C, int64_t ldc,
                                               const float* __restrict A, int64_t lda,
                                               const float* __restrict B, int64_t ldb, int64_t M,
                                               int64_t i, int64_t j, int64_t k0, int64_t k1,
                                               bool load_c) {
-  constexpr int64_t kLanes = sizeof(VF) / sizeof(float), kV = kNR / kLanes;
+  constexpr int64_t kLanes = sizeof(VF) / sizeof(float);
   const float* a[R];
   for (int64_t r = 0; r < R; ++r) a[r] = A + std::min(i + r, M - 1) * (kTA ? 1 : lda);
   const int64_t a_step = kTA ? lda : 1;
@@ -64,34 +64,48 @@ template <class VF, int64_t R, bool kTA>
   }
 }
 
+// The row tiles of columns [j, j + kV · lanes): R rows while R remain, then kMR.
+template <class VF, int64_t R, int64_t kV, bool kTA>
+[[gnu::always_inline]] inline void column_tiles(float* __restrict C, int64_t ldc,
+                                                const float* __restrict A, int64_t lda,
+                                                const float* __restrict B, int64_t ldb, int64_t M,
+                                                int64_t j, int64_t k0, int64_t k1, bool load_c) {
+  static_assert(R % kMR == 0);
+  int64_t i = 0;
+  if constexpr (R > kMR) {
+    for (; i + R <= M; i += R)
+      block_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+  }
+  for (; i < M; i += kMR)
+    block_tile<VF, kMR, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+}
+
 // C (M, N) = A (M, K) · B (K, N)  [+ C], row-major with leading dimensions.
 // N is a multiple of kNR and B is readable over all N columns. C needs round_up(M, kMR) rows: the
 // last tile's surplus rows repeat A's last row and land in C's padding. Each C element is one
 // sequential sum over k (C is stored and reloaded between k chunks, which rounds nothing), so the
 // result does not depend on tiling or threads.
-// Loop order keeps a (kKC, kNR) panel of B in L1 while every row tile of the block passes over it.
-// Tiles have R rows while R remain, then kMR: R·kNR / lanes accumulators are the independent
-// addition chains that hide the adds' latency (8 either way: the 8-lane path has two vectors a
-// row, the 16-lane path one, so it takes R = 8 rows).
-template <class VF, int64_t R, bool kTA>
+// Loop order keeps a (kKC, kNR · kW) panel of B in L1 while every row tile of the block passes
+// over it. A tile is R rows by kW · kNR columns (kW = 2 where two column blocks remain, else 1):
+// its R · kW · kNR / lanes accumulators are the independent addition chains that hide the adds'
+// latency, and each broadcast element of A serves kW · kNR / lanes of them.
+template <class VF, int64_t R, int64_t kW, bool kTA>
 [[gnu::always_inline]] inline void block_gemm_impl(float* __restrict C, int64_t ldc,
                                                    const float* __restrict A, int64_t lda,
                                                    const float* __restrict B, int64_t ldb,
                                                    int64_t M, int64_t N, int64_t K,
                                                    bool accumulate) {
-  static_assert(R % kMR == 0);
+  constexpr int64_t kV = kNR / (sizeof(VF) / sizeof(float));
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kKC) {
     const int64_t k1 = std::min(K, k0 + kKC);
     const bool load_c = accumulate || k0 > 0;
-    for (int64_t j = 0; j < N; j += kNR) {
-      int64_t i = 0;
-      if constexpr (R > kMR) {
-        for (; i + R <= M; i += R)
-          block_tile<VF, R, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
-      }
-      for (; i < M; i += kMR)
-        block_tile<VF, kMR, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+    int64_t j = 0;
+    if constexpr (kW > 1) {
+      for (; j + kW * kNR <= N; j += kW * kNR)
+        column_tiles<VF, R, kW * kV, kTA>(C, ldc, A, lda, B, ldb, M, j, k0, k1, load_c);
     }
+    for (; j < N; j += kNR)
+      column_tiles<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, j, k0, k1, load_c);
   }
 }
 
@@ -100,14 +114,19 @@ MOETRAIN_TILE_HOT void block_gemm_v8(float* __restrict C, int64_t ldc, const flo
                                      int64_t lda, const float* __restrict B, int64_t ldb,
                                      int64_t M, int64_t N, int64_t K, bool accumulate,
                                      bool trans_a) {
-  if (trans_a) return block_gemm_impl<V8, kMR, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
-  block_gemm_impl<V8, kMR, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  if (trans_a)
+    return block_gemm_impl<V8, kMR, 1, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_impl<V8, kMR, 1, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOETRAIN_TILE_WIDE 1
-// Where the CPU has AVX-512, a tile row is one 16-float vector (half the instructions of two
-// 8-float ones); every C element is still the same sequential sum, so the bits are the same.
+// Where the CPU has AVX-512, a tile is 8 rows of 16-float vectors (half the instructions of
+// 8-float ones), two vectors a row where two column blocks remain: 16 accumulators, each element
+// of A broadcast once for two vectors of B (0.82 of the one-vector tile's attention time at
+// T = 1024, 0.92-0.95 at T = 64-256 on a Zen 5). Every C element is still the same sequential
+// sum, so the bits are the same.
+constexpr int64_t kWide = 2;  // column blocks of kNR a tile spans on this path
 __attribute__((target("avx512f"))) void block_gemm_v16(float* __restrict C, int64_t ldc,
                                                        const float* __restrict A, int64_t lda,
                                                        const float* __restrict B, int64_t ldb,
@@ -115,8 +134,8 @@ __attribute__((target("avx512f"))) void block_gemm_v16(float* __restrict C, int6
                                                        bool accumulate, bool trans_a) {
   typedef float V16 __attribute__((vector_size(64)));
   if (trans_a)
-    return block_gemm_impl<V16, 2 * kMR, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
-  block_gemm_impl<V16, 2 * kMR, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+    return block_gemm_impl<V16, 2 * kMR, kWide, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+  block_gemm_impl<V16, 2 * kMR, kWide, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
 }
 #endif
 
@@ -133,15 +152,15 @@ void tile_gemm(float* C, int64_t ldc, const float* A, int64_t lda, const float* 
 
 void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
                          const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                         bool accumulate) {
+                         bool accumulate, bool trans_a) {
   MOETRAIN_CHECK(M > 0 && N > 0 && N % kTileCols == 0 && K >= 0,
                  "attention_tile_gemm: M={} N={} K={}: need M > 0, N a positive multiple of {}", M,
                  N, K, kTileCols);
 #ifdef MOETRAIN_TILE_WIDE
   if (wide && __builtin_cpu_supports("avx512f"))
-    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, false);
+    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
 #endif
-  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, false);
+  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
 }
 
 }  // namespace moetrain

@@ -17,10 +17,10 @@ constexpr int64_t kTileCols = 16;  // N is a multiple of this
 void tile_gemm(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
                int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a = false);
 
-// The same (A not transposed), the path chosen by the caller, for tests: wide takes the 16-float
-// AVX-512 path where the CPU has it, else the 8-float one; both give the same bits.
+// The same, the path chosen by the caller, for tests: wide takes the 16-float AVX-512 path where
+// the CPU has it, else the 8-float one; both give the same bits.
 void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
                          const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                         bool accumulate);
+                         bool accumulate, bool trans_a = false);
 
 }  // namespace moetrain

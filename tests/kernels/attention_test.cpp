@@ -255,24 +255,29 @@ TEST(Attention, CausalMaskHidesLaterPositions) {
 }
 
 // The AVX-512 tile path gives the 8-float path's bits (every C element the same sequential sum),
-// over shapes with partial row tiles, several reduction chunks, padded leading dimensions, with
-// and without accumulation.
+// over shapes with partial row tiles, tiles of one and two column blocks (N = 16, 32, 48, 64, 80),
+// several reduction chunks, padded leading dimensions, A plain and transposed, with and without
+// accumulation.
 TEST(Attention, TileGemmSameBitsOnEveryPath) {
   if (!__builtin_cpu_supports("avx512f")) GTEST_SKIP() << "this CPU has no AVX-512";
   uint64_t seed = 100;
-  for (int64_t M : {1, 3, 4, 5, 32})
-    for (int64_t N : {16, 48, 64})
+  for (int64_t M : {1, 3, 4, 5, 9, 32})
+    for (int64_t N : {16, 32, 48, 64, 80})
       for (int64_t K : {1, 31, 129, 300})
-        for (bool acc : {false, true}) {
-          const int64_t lda = K + 3, ldb = N + 16, ldc = N + 16, rows = (M + 3) / 4 * 4;
-          const auto A = random_vector(rows * lda, ++seed), B = random_vector(K * ldb, ++seed);
-          const auto C0 = random_vector(rows * ldc, ++seed);
-          std::vector<float> narrow = C0, wide = C0;
-          attention_tile_gemm(false, narrow.data(), ldc, A.data(), lda, B.data(), ldb, M, N, K, acc);
-          attention_tile_gemm(true, wide.data(), ldc, A.data(), lda, B.data(), ldb, M, N, K, acc);
-          ASSERT_TRUE(same_bits(narrow, wide)) << "M=" << M << " N=" << N << " K=" << K
-                                               << " accumulate=" << acc;
-        }
+        for (bool acc : {false, true})
+          for (bool ta : {false, true}) {
+            const int64_t rows = (M + 3) / 4 * 4, lda = ta ? M + 5 : K + 3, ldb = N + 16,
+                          ldc = N + 16;
+            const auto A = random_vector((ta ? K : rows) * lda, ++seed);
+            const auto B = random_vector(K * ldb, ++seed), C0 = random_vector(rows * ldc, ++seed);
+            std::vector<float> narrow = C0, wide = C0;
+            attention_tile_gemm(false, narrow.data(), ldc, A.data(), lda, B.data(), ldb, M, N, K,
+                                acc, ta);
+            attention_tile_gemm(true, wide.data(), ldc, A.data(), lda, B.data(), ldb, M, N, K, acc,
+                                ta);
+            ASSERT_TRUE(same_bits(narrow, wide)) << "M=" << M << " N=" << N << " K=" << K
+                                                 << " accumulate=" << acc << " trans_a=" << ta;
+          }
 }
 
 TEST(Attention, RejectsBadArguments) {
