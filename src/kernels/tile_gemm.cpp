@@ -11,7 +11,7 @@ namespace {
 
 constexpr int64_t kMR = kTileRows;
 constexpr int64_t kNR = kTileCols;
-constexpr int64_t kKC = 128;  // reduction chunk: a (kKC, kNR) panel of B is 8 KiB
+constexpr int64_t kKC = 128;  // reduction chunk: a (kKC, kNR) panel of B is 8 KiB (16 KiB two wide)
 
 // The build targets baseline x86-64; the AVX2 clone is picked at load time where the CPU has it.
 // Both clones do the same float operations in the same order ("avx2" does not enable FMA, so

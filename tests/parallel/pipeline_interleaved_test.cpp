@@ -97,23 +97,8 @@ TEST(PipelineInterleaved, TwoStagesOfTwoChunksFollowTheOneProcessRunBitwise) {
   if (r == 0) {
     // The last step as it ran: each stage's passes in the interleaved order, named with their
     // chunk, one at a time.
-    const TraceFile trace = read_trace(piped_run / kPipelineTraceFile);
-    for (int64_t stage = 0; stage < 2; ++stage) {
-      std::vector<TraceSpan> lane;
-      for (const TraceSpan& span : trace.spans)
-        if (span.lane == stage) lane.push_back(span);
-      const std::vector<PipeOp> ops = stage_ops(PipeSchedule::Interleaved, {2, kAccum, 2}, stage);
-      ASSERT_EQ(lane.size(), ops.size()) << "stage " << stage;
-      for (std::size_t i = 0; i < ops.size(); ++i) {
-        EXPECT_EQ(lane[i].name, (ops[i].kind == PipeOp::Forward ? "F" : "B") +
-                                    std::to_string(ops[i].micro) + ".c" +
-                                    std::to_string(ops[i].chunk))
-            << "stage " << stage << " pass " << i;
-        if (i > 0) {
-          EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
-        }
-      }
-    }
+    expect_trace_follows_schedule(piped_run / kPipelineTraceFile, PipeSchedule::Interleaved,
+                                  {2, kAccum, 2});
     // The checkpoint holds the one-process checkpoint's tensors, bit for bit, each written by
     // the stage holding it.
     const std::string step = "checkpoints/step_00000006";
@@ -310,25 +295,9 @@ TEST(PipelineInterleaved, ZeroBubbleWithChunksEndsWhereInterleavedEnds) {
     EXPECT_EQ(zb.grad_norms, inter.grad_norms);
     // The last step as it ran: each stage's passes in the schedule's order, one at a time, the
     // weight passes named with their chunk (W3.c2).
-    const TraceFile trace = read_trace(dir / "zero_bubble" / kPipelineTraceFile);
     int64_t weights = 0;
-    for (int64_t stage = 0; stage < 2; ++stage) {
-      std::vector<TraceSpan> lane;
-      for (const TraceSpan& span : trace.spans)
-        if (span.lane == stage) lane.push_back(span);
-      const std::vector<PipeOp> ops = stage_ops(PipeSchedule::ZeroBubble, {2, kAccum, 2}, stage);
-      ASSERT_EQ(lane.size(), ops.size()) << "stage " << stage;
-      for (std::size_t i = 0; i < ops.size(); ++i) {
-        EXPECT_EQ(lane[i].name, std::string(1, "FBW"[ops[i].kind]) +
-                                    std::to_string(ops[i].micro) + ".c" +
-                                    std::to_string(ops[i].chunk))
-            << "stage " << stage << " pass " << i;
-        weights += ops[i].kind == PipeOp::Weight && lane[i].category == "weight";
-        if (i > 0) {
-          EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
-        }
-      }
-    }
+    expect_trace_follows_schedule(dir / "zero_bubble" / kPipelineTraceFile,
+                                  PipeSchedule::ZeroBubble, {2, kAccum, 2}, &weights);
     EXPECT_EQ(weights, 4 * kAccum) << "a weight pass of each micro-batch on each chunk";
     const std::string step = "checkpoints/step_00000006";
     const auto mine = read_all_tensors(dir / ("zero_bubble/" + step));

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "io/trace_events.h"
+#include "parallel/pipeline_schedule.h"
 #include "support/held_values.h"
 #include "support/run_metrics.h"
 #include "train/pipeline_step.h"
@@ -104,6 +106,33 @@ inline void expect_pipe_follows_single(const PipeOutcome& got, const PipeOutcome
   EXPECT_LE(max_rel(got.grad_norms, ref.grad_norms), 1e-12);
   ASSERT_EQ(got.val_losses.size(), 2u);
   EXPECT_EQ(got.val_losses, ref.val_losses);
+}
+
+// The last step as it ran (RUN_DIR/pipeline_trace.json) against the schedule: each stage's passes
+// on a lane of its own, in stage_ops' order, one at a time, named F/B/W and the micro-batch (and
+// ".c" and the chunk where a stage holds several). *weight_passes (if given): the weight passes
+// the trace files under the "weight" category.
+inline void expect_trace_follows_schedule(const std::filesystem::path& trace_file,
+                                          PipeSchedule schedule, const PipeShape& shape,
+                                          int64_t* weight_passes = nullptr) {
+  const TraceFile trace = read_trace(trace_file);
+  for (int64_t stage = 0; stage < shape.stages; ++stage) {
+    std::vector<TraceSpan> lane;
+    for (const TraceSpan& span : trace.spans)
+      if (span.lane == stage) lane.push_back(span);
+    const std::vector<PipeOp> ops = stage_ops(schedule, shape, stage);
+    ASSERT_EQ(lane.size(), ops.size()) << "stage " << stage;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      std::string name = std::string(1, "FBW"[ops[i].kind]) + std::to_string(ops[i].micro);
+      if (shape.virtual_stages > 1) name += ".c" + std::to_string(ops[i].chunk);
+      EXPECT_EQ(lane[i].name, name) << "stage " << stage << " pass " << i;
+      if (weight_passes)
+        *weight_passes += ops[i].kind == PipeOp::Weight && lane[i].category == "weight";
+      if (i > 0) {
+        EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
+      }
+    }
+  }
 }
 
 }  // namespace moetrain::testing

@@ -94,23 +94,9 @@ TEST(Pipeline, GPipeAndOneFOneBFollowTheOneProcessRunBitwise) {
     // The last step as it ran (RUN_DIR/pipeline_trace.json): each stage's passes in its
     // schedule's order, one at a time, on a lane of its own.
     if (r == 0) {
-      const TraceFile trace = read_trace(dir / schedule / kPipelineTraceFile);
-      const PipeSchedule sched = parse_pipe_schedule(schedule, "schedule");
-      for (int64_t stage = 0; stage < piped.stages; ++stage) {
-        std::vector<TraceSpan> lane;
-        for (const TraceSpan& span : trace.spans)
-          if (span.lane == stage) lane.push_back(span);
-        const std::vector<PipeOp> ops = stage_ops(sched, {piped.stages, kAccum, 1}, stage);
-        ASSERT_EQ(lane.size(), ops.size()) << "stage " << stage;
-        for (std::size_t i = 0; i < ops.size(); ++i) {
-          EXPECT_EQ(lane[i].name, std::string(1, "FBW"[ops[i].kind]) +
-                                      std::to_string(ops[i].micro))
-              << "stage " << stage << " pass " << i;
-          if (i > 0) {
-            EXPECT_GE(lane[i].start_s, lane[i - 1].start_s + lane[i - 1].duration_s);
-          }
-        }
-      }
+      expect_trace_follows_schedule(dir / schedule / kPipelineTraceFile,
+                                    parse_pipe_schedule(schedule, "schedule"),
+                                    {piped.stages, kAccum, 1});
     }
     // The stages' checkpoint holds the one-process checkpoint's tensors, bit for bit: the
     // parameters and the optimizer moments, each written by the stage that holds it.
