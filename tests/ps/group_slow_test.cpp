@@ -75,7 +75,7 @@ std::vector<pid_t> children_of(pid_t parent) {
 // one's, as PsFault.KilledWorkerIsReplacedAndTheRunCompletes holds a replica worker's.
 TEST(PsGroupFault, AKilledRankTakesItsGroupDownAndARestartedGroupFinishesTheJob) {
   TempDir tmp("ps_group_kill");
-  const int steps = 60, batch = 2;
+  const int steps = 200, batch = 2;
   GroupJob ref(tmp.path(), "ref", 2, 2, steps, batch, {}, 1, {}, "1", 3.0);
   ASSERT_EQ(ref.wait(150), 0) << ref.logs();
   GroupJob c(tmp.path(), "run", 2, 2, steps, batch, {}, 1, {}, "1", 3.0);
