@@ -318,7 +318,7 @@ void check_worker_group(const RunConfig& cfg, const PsOptions& options, int64_t 
   // the server stepped come back to every rank with the dense values. Under model.capacity =
   // dynamic each rank is a worker of the scheduler's capacity round, which sums the ranks'
   // figures as `train` sums its processes'. --assign capability weighs a group as one (its
-  // ranks answer a re-split together between two clocks: ps/worker.cpp).
+  // ranks answer a re-split together between two clocks: ps/worker_control.cpp).
 }
 
 int64_t router_bias_keys(const RunConfig& cfg) {

@@ -94,7 +94,7 @@ class Scheduler {
   // the epoch it was asked in (a stop's pause in the same epoch asks 2 × epoch + 1); a worker's
   // answer names it, and every setup names the newest query settled (applied, or dropped by a
   // re-plan or a takeover: rows_settled_), so that a worker group's ranks answer a query once,
-  // together, at one clock (ps/worker.cpp), and answers of an older one count for nothing.
+  // together, at one clock (ps/worker_control.cpp), and answers of an older one count for nothing.
   struct RowsQuery {
     int64_t id = 0;
     RowSplit split;
