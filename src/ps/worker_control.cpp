@@ -135,8 +135,8 @@ void WorkerControl::answer_rows(int64_t clock, int64_t query) {
        json_frame(Kind::RowsReady, link_->node_id(), {{"clock", clock}, {"query", query}}));
 }
 
-void WorkerControl::report(int64_t clock, nlohmann::json figures) {
-  if (round_) send_report({{"clock", clock}, {"figures", std::move(figures)}}, clock + 1);
+void WorkerControl::report(int64_t clock, const nlohmann::json& figures) {
+  if (round_) send_report({{"clock", clock}, {"figures", figures}}, clock + 1);
 }
 
 // The scheduler's report of this worker's figures of a clock, or its request for a clock's

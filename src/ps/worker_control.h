@@ -56,7 +56,7 @@ class WorkerControl {
   const RowAssignment& rows_of(int64_t clock);
   const RowAssignment& rows() const { return assign_; }
   // This worker's figures of `clock` for the clock's round (sent before the push).
-  void report(int64_t clock, nlohmann::json figures);
+  void report(int64_t clock, const nlohmann::json& figures);
   // The last round's answer: the capacity controllers' state and the job's loads.
   const nlohmann::json& capacity_state() const { return round_state_; }
   const nlohmann::json& capacity_loads() const { return round_loads_; }
