@@ -110,8 +110,10 @@ def run_ours(args, s):
         time.sleep(0.05)
         if stopped or not os.path.exists(metrics):
             continue
+        # A line the trainer is still writing has no newline yet: read it next time.
         with open(metrics) as f:
-            times = [json.loads(line)["step_time_s"] for line in f if '"step_time_s"' in line]
+            times = [json.loads(line)["step_time_s"] for line in f
+                     if line.endswith("\n") and '"step_time_s"' in line]
         if sum(times) >= args.seconds:
             proc.send_signal(signal.SIGTERM)
             stopped = True
