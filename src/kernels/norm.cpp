@@ -35,13 +35,25 @@ MOETRAIN_NORM_HOT float forward_row(float* y, const float* x, const float* weigh
   return r;
 }
 
+// The row's sum and its norm: x += add, then forward_row.
+MOETRAIN_NORM_HOT float add_forward_row(float* y, float* x, const float* add, const float* weight,
+                                        int64_t C, float eps) {
+  for (int64_t c = 0; c < C; ++c) x[c] += add[c];
+  return forward_row(y, x, weight, C, eps);
+}
+
+// res: null, or the residual branch's gradient added to the row's.
 MOETRAIN_NORM_HOT void backward_row(float* dx, const float* dy, const float* x, const float* weight,
-                                    double r, int64_t C) {
+                                    double r, int64_t C, const float* res) {
   const double dot =
       lane_sum8(C, [dy, weight, x](int64_t c) { return double(dy[c]) * weight[c] * x[c]; });
   const float k = static_cast<float>(r * r * r * dot / double(C));
   const float rf = static_cast<float>(r);
-  for (int64_t c = 0; c < C; ++c) dx[c] = rf * weight[c] * dy[c] - k * x[c];
+  if (res == nullptr) {
+    for (int64_t c = 0; c < C; ++c) dx[c] = rf * weight[c] * dy[c] - k * x[c];
+  } else {
+    for (int64_t c = 0; c < C; ++c) dx[c] = (rf * weight[c] * dy[c] - k * x[c]) + res[c];
+  }
 }
 
 // dweight[c0, c1) += Σ_n dy_nc x_nc r_n, rows in order.
@@ -68,15 +80,28 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
   for (int64_t n = 0; n < N; ++n) rstd[n] = forward_row(out + n * C, inp + n * C, weight, C, eps);
 }
 
+void add_rmsnorm_forward(float* out, float* rstd, float* sum, const float* add,
+                         const float* weight, int64_t N, int64_t C, float eps) {
+  PhaseScope phase_scope(Phase::Norm);
+  MOETRAIN_CHECK(N >= 0 && C > 0, "add_rmsnorm_forward: need N >= 0 and C > 0, got N={} C={}", N,
+                 C);
+  MOETRAIN_CHECK(eps >= 0.0f, "add_rmsnorm_forward: eps must be >= 0, got {}", eps);
+#pragma omp parallel for schedule(static) if (N * C > kParallelMin)
+  for (int64_t n = 0; n < N; ++n)
+    rstd[n] = add_forward_row(out + n * C, sum + n * C, add + n * C, weight, C, eps);
+}
+
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                      const float* weight, const float* rstd, int64_t N, int64_t C) {
+                      const float* weight, const float* rstd, int64_t N, int64_t C,
+                      const float* residual) {
   PhaseScope phase_scope(Phase::Norm);
   MOETRAIN_CHECK(N >= 0 && C > 0, "rmsnorm_backward: need N >= 0 and C > 0, got N={} C={}", N, C);
   // y_c = w_c x_c r with r = (mean(x²) + eps)^(-1/2) and dr/dx_j = −r³ x_j / C, so
   // dx_j = r w_j dy_j − r³ x_j / C · Σ_c dy_c w_c x_c.
 #pragma omp parallel for schedule(static) if (N * C > kParallelMin)
   for (int64_t n = 0; n < N; ++n)
-    backward_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C);
+    backward_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C,
+                 residual ? residual + n * C : nullptr);
   // dweight_c += Σ_n dy_nc x_nc r_n. Threads own disjoint column blocks and walk rows in order, so
   // the sum order never depends on the thread count.
   const int64_t blocks = (C + kColBlock - 1) / kColBlock;

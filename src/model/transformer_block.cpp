@@ -230,12 +230,12 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   linear_fwd(tp_partial(a.xmid.data()), a.att.data(), att, params, o.wo + sh.q0, N, QD, C,
              tp_ ? QDw : 0);
   tp_sum(a.xmid.data(), C);  // every rank's heads
-  for (int64_t i = 0; i < R * C; ++i) a.xmid[i] += x[i];
   const bool moe_block = moe_index_[l] >= 0;
   // A dense FFN under sequence parallelism reads every rank's rows: gathered into a.ln2.
   const bool gather2 = sp_ && !moe_block;
-  rmsnorm_forward(gather2 ? tp_rows_.data() : a.ln2.data(), a.rstd2.data(), a.xmid.data(),
-                  params + o.ln2, R, C, eps);
+  // xmid = the attention's output + the block's input, then its norm.
+  add_rmsnorm_forward(gather2 ? tp_rows_.data() : a.ln2.data(), a.rstd2.data(), a.xmid.data(), x,
+                      params + o.ln2, R, C, eps);
   if (gather2) tp_allgather_rows(a.ln2.data(), tp_rows_.data(), R, C);
   if (moe_block) {
     MoeLayer& moe = *moe_[moe_index_[l]];
@@ -268,7 +268,10 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
     tp_sum(a.ffn.data(), C);  // every rank's hidden units
   }
   if (replay) return;  // the block's output is kept (the next block's input)
-  for (int64_t i = 0; i < R * C; ++i) x_out[i] = a.xmid[i] + a.ffn[i];
+  const float* xmid = a.xmid.data();
+  const float* ffn = a.ffn.data();
+#pragma omp parallel for simd schedule(static) if (R * C >= (1 << 16))
+  for (int64_t i = 0; i < R * C; ++i) x_out[i] = xmid[i] + ffn[i];
 }
 
 void Transformer::block_backward(int64_t l, const float* params, float* grads, float moe_weight) {
@@ -307,9 +310,9 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
                a.ln2_lp.data(), params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
     tp_sum(dln_.data(), C);  // every rank's hidden units
   }
+  // ∂L/∂xmid: through the FFN's norm and through the residual.
   rmsnorm_backward(dxmid_.data(), tp_owned(grads, o.ln2, C), dln_.data(), a.xmid.data(),
-                   params + o.ln2, a.rstd2.data(), R, C);
-  for (int64_t i = 0; i < R * C; ++i) dxmid_[i] += dresid_[i];
+                   params + o.ln2, a.rstd2.data(), R, C, dresid_.data());
 
   if (sp_) tp_allgather_rows(tp_full_.data(), dxmid_.data(), R, C);
   linear_bwd(datt_.data(), false, grads + o.wo + sh.q0, sp_ ? tp_full_.data() : dxmid_.data(),
@@ -327,9 +330,9 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
   linear_bwd(dpart, true, grads + o.wv + sh.k0 * C, dv_.data(), a.ln1.data(),
              a.ln1_lp.data(), params, o.wv + sh.k0 * C, N, C, KD);
   tp_sum(dln_.data(), C);  // every rank's heads
+  // ∂L/∂(block input): through the attention's norm and through the residual.
   rmsnorm_backward(dresid_.data(), tp_owned(grads, o.ln1, C), dln_.data(), x, params + o.ln1,
-                   a.rstd1.data(), R, C);
-  for (int64_t i = 0; i < R * C; ++i) dresid_[i] += dxmid_[i];
+                   a.rstd1.data(), R, C, dxmid_.data());
 }
 
 int64_t Transformer::activation_bytes() const {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <utility>
 
 #include "core/check.h"
 #include "kernels/norm.h"
@@ -118,6 +119,36 @@ TEST(RmsNorm, DeterministicAcrossThreadCounts) {
   auto ref = rmsnorm_ref(x, w, dy, N, C, kEps);
   for (auto& v : ref.dweight) v += 0.25;
   expect_close(dw2.data(), ref.dweight.data(), C, 1e-4, 1e-4, "rmsnorm dweight (2 threads)");
+}
+
+// The residual stream's adds fused into the norm (the transformer block's two joins) give the
+// bits of the add and the norm in separate passes, on one thread and on two.
+TEST(RmsNorm, FusedResidualAddsGiveTheSeparatePassesBits) {
+  const int saved = omp_get_max_threads();
+  for (const auto& [N, C] : {std::pair<int64_t, int64_t>{7, 33}, {300, 128}, {64, 257}}) {
+    auto x = random_vector(N * C, 11), add = random_vector(N * C, 12), w = random_vector(C, 13),
+         dy = random_vector(N * C, 14), res = random_vector(N * C, 15);
+    // Separate: sum = x + add, out = rmsnorm(sum); dinp = backward, then += res.
+    std::vector<float> sum(x), out(N * C), rstd(N), dinp(N * C), dw(C, 0.5f);
+    for (int64_t i = 0; i < N * C; ++i) sum[i] += add[i];
+    rmsnorm_forward(out.data(), rstd.data(), sum.data(), w.data(), N, C, kEps);
+    rmsnorm_backward(dinp.data(), dw.data(), dy.data(), sum.data(), w.data(), rstd.data(), N, C);
+    for (int64_t i = 0; i < N * C; ++i) dinp[i] += res[i];
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      std::vector<float> fsum(x), fout(N * C), frstd(N), fdinp(N * C), fdw(C, 0.5f);
+      add_rmsnorm_forward(fout.data(), frstd.data(), fsum.data(), add.data(), w.data(), N, C,
+                          kEps);
+      rmsnorm_backward(fdinp.data(), fdw.data(), dy.data(), fsum.data(), w.data(), frstd.data(),
+                       N, C, res.data());
+      EXPECT_TRUE(same_bits(fsum.data(), sum.data(), N * C)) << N << "x" << C << ", " << threads;
+      EXPECT_TRUE(same_bits(fout.data(), out.data(), N * C)) << N << "x" << C << ", " << threads;
+      EXPECT_TRUE(same_bits(frstd.data(), rstd.data(), N)) << N << "x" << C << ", " << threads;
+      EXPECT_TRUE(same_bits(fdinp.data(), dinp.data(), N * C)) << N << "x" << C << ", " << threads;
+      EXPECT_TRUE(same_bits(fdw.data(), dw.data(), C)) << N << "x" << C << ", " << threads;
+    }
+  }
+  omp_set_num_threads(saved);
 }
 
 TEST(RmsNorm, RejectsBadShapes) {
