@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "core/cpu.h"  // cpu_has_avx512_bf16
 #include "core/dtype.h"
 
 namespace moetrain {
@@ -20,14 +21,6 @@ namespace moetrain {
 #define MOETRAIN_BF16_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-inline bool cpu_has_avx512_bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
-}
 
 // p[0..16) = bf16(v[k]) for each lane k.
 MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16(bf16* p, __m512 v) {

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <limits>
 
+#include "core/cpu.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define MOETRAIN_QUANT_X86 1
@@ -83,7 +85,6 @@ __attribute__((target("avx2"))) void codes_avx2(const float* v, int64_t len, flo
   codes_scalar(v + i, len - i, scale, q + i, residual ? residual + i : nullptr);
 }
 
-const bool kAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
 // Quantises x[0, n) into wire; with a residual, x + residual and the residual becomes what
@@ -110,7 +111,7 @@ void quantise(uint8_t* wire, const float* x, float* residual, int64_t n) {
 
 bool quant_vector_path_available() {
 #ifdef MOETRAIN_QUANT_X86
-  return kAvx2;
+  return cpu_has_avx2();
 #else
   return false;
 #endif
@@ -118,7 +119,7 @@ bool quant_vector_path_available() {
 
 float quant_block_scale(const float* v, int64_t len, bool vector_path) {
 #ifdef MOETRAIN_QUANT_X86
-  if (vector_path && kAvx2) return scale_avx2(v, len);
+  if (vector_path && cpu_has_avx2()) return scale_avx2(v, len);
 #endif
   (void)vector_path;
   return scale_scalar(v, len);
@@ -127,7 +128,7 @@ float quant_block_scale(const float* v, int64_t len, bool vector_path) {
 void quant_block_codes(const float* v, int64_t len, float scale, int8_t* q, float* residual,
                        bool vector_path) {
 #ifdef MOETRAIN_QUANT_X86
-  if (vector_path && kAvx2) return codes_avx2(v, len, scale, q, residual);
+  if (vector_path && cpu_has_avx2()) return codes_avx2(v, len, scale, q, residual);
 #endif
   (void)vector_path;
   codes_scalar(v, len, scale, q, residual);

@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "core/bf16_round.h"
+#include "core/cpu.h"
 #include "core/profile.h"
 #include "kernels/vec_math.h"
 
@@ -242,8 +243,7 @@ MOETRAIN_SWIGLU_WIDE(bf16, MOETRAIN_BF16_TARGET, bf16, store_bf16_hw)
 
 bool use_wide() {
 #ifdef MOETRAIN_ACT_WIDE
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  return wide;
+  return cpu_has_avx512f();
 #else
   return false;
 #endif

@@ -56,7 +56,7 @@ uint32_t* row_pairs(int slot, const float* src, int64_t n) {
 MOETRAIN_BF16_TARGET void pairs_along_features(uint32_t* dst, const float* src, int64_t B,
                                                int64_t T, int64_t H, int64_t HS, int64_t Tp) {
   const int64_t HP = HS / 2;
-#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= (1 << 16))
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= kParallelMinCopy)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       uint32_t* d = dst + (b * H + h) * HP * Tp;
@@ -74,7 +74,7 @@ MOETRAIN_BF16_TARGET void pairs_along_features(uint32_t* dst, const float* src, 
 MOETRAIN_BF16_TARGET void pairs_along_sequence(uint32_t* dst, const float* src, int64_t B,
                                                int64_t T, int64_t H, int64_t HS, int64_t Tp,
                                                int64_t HSp) {
-#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= (1 << 16))
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * HS >= kParallelMinCopy)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       uint32_t* d = dst + (b * H + h) * (Tp / 2) * HSp;

@@ -1,7 +1,8 @@
 // The work both attention implementations on the CPU share (kernels/attention.cpp in f32,
-// kernels/attention_bf16.cpp with bf16 products): their thread-kept scratch, the causal softmax
-// of a row of scores, the backward's probabilities and score gradients of a row, the backward's
-// row terms D, and the one-pass backward's write of a task's key and value gradients.
+// kernels/attention_bf16.cpp with bf16 products): their thread-kept scratch, the f32 kernel's
+// head transposes (kernels/attention_pack.cpp), the causal softmax of a row of scores, the
+// backward's probabilities and score gradients of a row, the backward's row terms D, and the
+// one-pass backward's write of a task's key and value gradients.
 #pragma once
 #include <cstdint>
 
@@ -22,6 +23,15 @@ T* attention_scratch_as(int slot, int64_t n) {
   static_assert(sizeof(T) == 4);
   return static_cast<T*>(attention_scratch(slot, n));
 }
+
+// Copies below this many floats run on one thread: a parallel region would cost more.
+constexpr int64_t kParallelMinCopy = 1 << 16;
+
+// dst (B, H, HS, Tp) = src (B, T, H, HS) with each head's (T, HS) matrix transposed; columns t >= T
+// are zero. Scores then come out of the f32 kernel's tile_gemm as rows of contiguous keys (or
+// queries). kernels/attention_pack.cpp.
+void pack_transposed(float* dst, const float* src, int64_t B, int64_t T, int64_t H, int64_t HS,
+                     int64_t Tp);
 
 struct RowSoftmax {
   float m;   // the row's largest scaled score

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/cpu.h"
 
 namespace moetrain {
 
@@ -144,8 +145,7 @@ __attribute__((target("avx512f"))) void block_gemm_v16(float* __restrict C, int6
 void tile_gemm(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
                int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a) {
 #ifdef MOETRAIN_TILE_WIDE
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  if (wide) return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
+  if (cpu_has_avx512f()) return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
 #endif
   block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
 }
@@ -157,7 +157,7 @@ void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64
                  "attention_tile_gemm: M={} N={} K={}: need M > 0, N a positive multiple of {}", M,
                  N, K, kTileCols);
 #ifdef MOETRAIN_TILE_WIDE
-  if (wide && __builtin_cpu_supports("avx512f"))
+  if (wide && cpu_has_avx512f())
     return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
 #endif
   block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
