@@ -229,6 +229,8 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   if (first_ == 0) std::memcpy(inputs_.data(), inputs, sizeof(int32_t) * N);
   if (targets && last) std::memcpy(targets_.data(), targets, sizeof(int32_t) * N);
   for (int64_t i = 0; i < N; ++i) pos_[i] = static_cast<int32_t>(i % T);
+  if (!rope_ || rope_->max_pos() < T)
+    rope_ = std::make_unique<RopeTable>(T, cfg_.head_dim(), static_cast<float>(cfg_.rope_theta));
   const bool mixed = lp_ != DType::F32;
   refresh_lp_weights(params);
   const int64_t L = cfg_.n_layers, head = L + 1;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "kernels/rope.h"
 #include "model/config.h"
 #include "model/params.h"
 #include "model/trainable.h"
@@ -287,6 +288,8 @@ class Transformer final : public TrainableModel {
   HalfBuffer lnf_lp_, dout_lp_;  // (N, C), backward scratch (N, max output width)
 
   std::vector<int32_t> inputs_, targets_, pos_;
+  // cos/sin of positions [0, T) for the blocks' RoPE, built when T first exceeds what it holds.
+  std::unique_ptr<RopeTable> rope_;
   // (end − first + 1, N, C): the residual stream entering each of the stage's blocks, then its
   // output
   std::vector<float> resid_;

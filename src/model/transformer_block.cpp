@@ -201,7 +201,7 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   const TpShard sh = tp_shard(N);  // the whole model without tensor parallelism
   const int64_t NH = sh.NH, NKV = sh.NKV, QD = sh.QD, KD = sh.KD;
   const int64_t QDw = cfg_.n_heads * HS;  // o's row: every head's output
-  const float eps = static_cast<float>(cfg_.norm_eps), theta = static_cast<float>(cfg_.rope_theta);
+  const float eps = static_cast<float>(cfg_.norm_eps);
   float* P = const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads
   const bool mixed = lp_ != DType::F32;
   const LayerOffsets& o = layout_.layers[l];
@@ -218,8 +218,8 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   linear_fwd(a.q.data(), a.ln1.data(), ln1, params, o.wq + sh.q0 * C, N, C, QD);
   linear_fwd(a.k.data(), a.ln1.data(), ln1, params, o.wk + sh.k0 * C, N, C, KD);
   linear_fwd(a.v.data(), a.ln1.data(), ln1, params, o.wv + sh.k0 * C, N, C, KD);
-  rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, theta);
-  rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, theta);
+  rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, *rope_);
+  rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, *rope_);
   if (fill_cache_) {
     std::copy_n(a.k.data(), N * KD, fill_cache_->k[l].data());
     std::copy_n(a.v.data(), N * KD, fill_cache_->v[l].data());
@@ -279,7 +279,6 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
   const TpShard sh = tp_shard(N);
   const int64_t NH = sh.NH, NKV = sh.NKV, QD = sh.QD, KD = sh.KD;
   const int64_t QDw = cfg_.n_heads * HS;
-  const float theta = static_cast<float>(cfg_.rope_theta);
   float* P = const_cast<float*>(params);
   const LayerOffsets& o = layout_.layers[l];
   LayerActs& a = acts_at(l);
@@ -320,8 +319,8 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
   (bf16_attention(T) ? attention_backward_bf16 : attention_backward)(
       dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(), a.v.data(),
       a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
-  rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, theta);
-  rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, theta);
+  rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, *rope_);
+  rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, *rope_);
   float* dpart = tp_partial(dln_.data());
   linear_bwd(dpart, false, grads + o.wq + sh.q0 * C, dq_.data(), a.ln1.data(),
              a.ln1_lp.data(), params, o.wq + sh.q0 * C, N, C, QD);
