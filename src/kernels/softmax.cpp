@@ -15,12 +15,6 @@ namespace moetrain {
 namespace {
 constexpr int64_t kParallelMin = 1 << 14;
 
-float row_max(const float* x, int64_t V) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t v = 0; v < V; ++v) m = std::max(m, x[v]);
-  return m;
-}
-
 // The AVX2 clone is picked at load time where the CPU has it; both do the same float operations
 // (no FMA contraction: cmake/warnings.cmake), so they agree bitwise (as kernels/attention.cpp).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -28,6 +22,29 @@ float row_max(const float* x, int64_t V) {
 #else
 #define MOETRAIN_SOFTMAX_HOT
 #endif
+
+float row_max_in_order(const float* x, int64_t V) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < V; ++v) m = std::max(m, x[v]);
+  return m;
+}
+
+// max over x[0, V), NaNs passed over, as std::max in index order finds it: eight lanes, then the
+// lanes folded. A maximum is exact whichever way it is taken; only the sign of a zero maximum can
+// depend on the order, so that one case is taken again in order.
+MOETRAIN_SOFTMAX_HOT float row_max(const float* x, int64_t V) {
+  const int64_t vv = V / 8 * 8;
+  VF8 mv = VF8{} - std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < vv; v += 8) {
+    VF8 y;
+    load_vf8(y, x + v);
+    mv = mv < y ? y : mv;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < 8; ++j) m = std::max(m, mv[j]);
+  for (int64_t v = vv; v < V; ++v) m = std::max(m, x[v]);
+  return m == 0.0f ? row_max_in_order(x, V) : m;
+}
 
 // e[0, n) = exp(x[0, n) − m) · g, eight at a time through exp_vf8 (within an ulp of exp); the
 // last partial vector on a padded copy. e may be x. Returns Σ e in double when sum is set: four
