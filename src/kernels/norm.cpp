@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/check.h"
 #include "core/profile.h"
@@ -12,9 +13,9 @@ namespace moetrain {
 namespace {
 // Rows (or column blocks) below this much work are cheaper on one thread than a fork/join.
 constexpr int64_t kParallelMin = 1 << 14;
-// Columns per dweight task: small enough to give each thread work at C = 1024, large enough that
-// each row visit reads a full run of cache lines.
-constexpr int64_t kColBlock = 128;
+// Rows per partial sum of the weight gradient: fixed, so that the order of its sums never depends
+// on the thread count.
+constexpr int64_t kRowChunk = 256;
 
 // The row loops, cloned for the instruction sets (picked at load time) instead of the baseline
 // SSE2 build (two doubles a vector): the same operations in the same order in each clone
@@ -42,9 +43,10 @@ MOETRAIN_NORM_HOT float add_forward_row(float* y, float* x, const float* add, co
   return forward_row(y, x, weight, C, eps);
 }
 
-// res: null, or the residual branch's gradient added to the row's.
+// res: null, or the residual branch's gradient added to the row's. dw: null, or the row's terms
+// of the weight gradient added to it, dw[c] += dy_c x_c r.
 MOETRAIN_NORM_HOT void backward_row(float* dx, const float* dy, const float* x, const float* weight,
-                                    double r, int64_t C, const float* res) {
+                                    double r, int64_t C, const float* res, double* dw) {
   const double dot =
       lane_sum8(C, [dy, weight, x](int64_t c) { return double(dy[c]) * weight[c] * x[c]; });
   const float k = static_cast<float>(r * r * r * dot / double(C));
@@ -54,20 +56,18 @@ MOETRAIN_NORM_HOT void backward_row(float* dx, const float* dy, const float* x, 
   } else {
     for (int64_t c = 0; c < C; ++c) dx[c] = (rf * weight[c] * dy[c] - k * x[c]) + res[c];
   }
+  if (dw != nullptr)
+    for (int64_t c = 0; c < C; ++c) dw[c] += double(dy[c]) * x[c] * r;
 }
 
-// dweight[c0, c1) += Σ_n dy_nc x_nc r_n, rows in order.
-MOETRAIN_NORM_HOT void dweight_block(float* dweight, const float* dout, const float* inp,
-                                     const float* rstd, int64_t N, int64_t C, int64_t c0,
-                                     int64_t c1) {
-  double acc[kColBlock] = {};
-  for (int64_t n = 0; n < N; ++n) {
-    const float* x = inp + n * C;
-    const float* dy = dout + n * C;
-    const double r = rstd[n];
-    for (int64_t c = c0; c < c1; ++c) acc[c - c0] += double(dy[c]) * x[c] * r;
+// dweight[c] += Σ over the chunks, in order, of their partial sums.
+MOETRAIN_NORM_HOT void add_partials(float* dweight, const double* partial, int64_t chunks,
+                                    int64_t C, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c) {
+    double sum = partial[c];
+    for (int64_t k = 1; k < chunks; ++k) sum += partial[k * C + c];
+    dweight[c] += static_cast<float>(sum);
   }
-  for (int64_t c = c0; c < c1; ++c) dweight[c] += static_cast<float>(acc[c - c0]);
 }
 }  // namespace
 
@@ -97,17 +97,24 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
   PhaseScope phase_scope(Phase::Norm);
   MOETRAIN_CHECK(N >= 0 && C > 0, "rmsnorm_backward: need N >= 0 and C > 0, got N={} C={}", N, C);
   // y_c = w_c x_c r with r = (mean(x²) + eps)^(-1/2) and dr/dx_j = −r³ x_j / C, so
-  // dx_j = r w_j dy_j − r³ x_j / C · Σ_c dy_c w_c x_c.
+  // dx_j = r w_j dy_j − r³ x_j / C · Σ_c dy_c w_c x_c, and dweight_c += Σ_n dy_nc x_nc r_n, in
+  // the same pass over the rows: each chunk of kRowChunk rows sums its rows in order (in double),
+  // and the chunks' sums are added in chunk order.
+  const int64_t chunks = (N + kRowChunk - 1) / kRowChunk;
+  thread_local std::vector<double> partials;
+  if (dweight != nullptr) partials.assign(static_cast<std::size_t>(chunks * C), 0.0);
+  double* partial = dweight != nullptr ? partials.data() : nullptr;
 #pragma omp parallel for schedule(static) if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; ++n)
-    backward_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C,
-                 residual ? residual + n * C : nullptr);
-  // dweight_c += Σ_n dy_nc x_nc r_n. Threads own disjoint column blocks and walk rows in order, so
-  // the sum order never depends on the thread count.
-  const int64_t blocks = (C + kColBlock - 1) / kColBlock;
-#pragma omp parallel for schedule(static) if (N * C > kParallelMin && blocks > 1)
+  for (int64_t k = 0; k < chunks; ++k) {
+    for (int64_t n = k * kRowChunk; n < std::min(N, (k + 1) * kRowChunk); ++n)
+      backward_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C,
+                   residual ? residual + n * C : nullptr, partial ? partial + k * C : nullptr);
+  }
+  if (dweight == nullptr || N == 0) return;
+  const int64_t blocks = (C + 255) / 256;
+#pragma omp parallel for schedule(static) if (chunks * C > kParallelMin && blocks > 1)
   for (int64_t b = 0; b < blocks; ++b)
-    dweight_block(dweight, dout, inp, rstd, N, C, b * kColBlock, std::min(C, (b + 1) * kColBlock));
+    add_partials(dweight, partial, chunks, C, b * 256, std::min(C, (b + 1) * 256));
 }
 
 }  // namespace moetrain

@@ -13,7 +13,8 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
 void add_rmsnorm_forward(float* out, float* rstd, float* sum, const float* add,
                          const float* weight, int64_t N, int64_t C, float eps);
 // dinp (N, C) =  ;  dweight (C) +=  ;  dout, inp (N, C);  weight (C);  rstd (N) from the forward.
-// dweight is bitwise identical for any thread count: each column sums its rows in row order.
+// dweight is bitwise identical for any thread count: each column sums its rows in fixed chunks of
+// rows, each in row order (in double), then the chunks' sums in chunk order.
 // residual (N, C), where given: dinp = the norm's input gradient + residual (a residual stream's
 // two branches joined in the same pass; the same bits as adding after). dinp must not alias dout,
 // inp or residual.
