@@ -39,15 +39,27 @@ void embedding_backward(float* dtable, const float* dout, const int32_t* ids, in
   check_args("embedding_backward", ids, N, C, V);
   if (N == 0 || C == 0) return;
   // Group token positions by id, keeping token order inside a group; each group then owns its
-  // table row, so groups run in parallel without races and each sums in token order.
+  // table row, so groups run in parallel without races and each sums in token order. Where the
+  // vocabulary is not much larger than the batch, by counting (one pass over the ids, one over
+  // the vocabulary), else by a stable sort: the same groups in the same order either way.
   std::vector<int64_t> order(N);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
   std::vector<int64_t> starts;
   starts.reserve(N + 1);
-  for (int64_t i = 0; i < N; ++i) {
-    if (i == 0 || ids[order[i]] != ids[order[i - 1]]) starts.push_back(i);
+  if (V <= 4 * N) {
+    std::vector<int64_t> next(static_cast<std::size_t>(V) + 1, 0);
+    for (int64_t i = 0; i < N; ++i) ++next[ids[i] + 1];
+    for (int64_t v = 0; v < V; ++v) {
+      if (next[v + 1] > 0) starts.push_back(next[v]);
+      next[v + 1] += next[v];
+    }
+    for (int64_t i = 0; i < N; ++i) order[next[ids[i]]++] = i;
+  } else {
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+    for (int64_t i = 0; i < N; ++i) {
+      if (i == 0 || ids[order[i]] != ids[order[i - 1]]) starts.push_back(i);
+    }
   }
   starts.push_back(N);
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
