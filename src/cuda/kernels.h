@@ -32,7 +32,8 @@ void embedding_backward(float* dtable, const float* dout, const int32_t* ids, in
 // out (N, C) = weight ⊙ (inp · rstd);  rstd (N) = 1 / sqrt(mean(inp²) + eps). out may alias inp.
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
                      int64_t C, float eps, cudaStream_t s);
-// dinp (N, C) = ∂/∂inp;  dweight (C) += Σ_rows dout·inp·rstd (each column's rows in row order).
+// dinp (N, C) = ∂/∂inp;  dweight (C) += Σ_rows dout·inp·rstd (each column's rows in
+// kernels/norm.cpp's chunks of 256 rows, in order).
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
                       const float* weight, const float* rstd, int64_t N, int64_t C, cudaStream_t s);
 

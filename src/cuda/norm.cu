@@ -1,7 +1,8 @@
 // Device RMSNorm (kernels.h, "norm.cu"), Hugging Face's y = weight ⊙ x / sqrt(mean(x²) + eps),
 // with the float operations of kernels/norm.cpp: row sums in double (a block reduction here, so
 // only their order differs from the CPU's), everything after them in the CPU's order, uncontracted.
-// dweight is summed by one thread per column in row order: bitwise the CPU's for the same rstd.
+// dweight is summed by one thread per column, in the CPU's chunks of 256 rows (each in row order,
+// then the chunks in order): bitwise the CPU's for the same rstd.
 
 #include <cstdint>
 
@@ -17,7 +18,7 @@ constexpr int kRowThreads = 256;  // a block per row
 // dweight: a block per kDwCols columns, loading tiles of kDwRows rows.
 constexpr int kDwThreads = 256;
 constexpr int kDwCols = 8;
-constexpr int kDwRows = 256;
+constexpr int kDwRows = 256;  // kernels/norm.cpp's kRowChunk: the tiles are its chunks
 static_assert(kRowThreads % 32 == 0 && kRowThreads <= 1024);
 static_assert(kDwRows * kDwCols % kDwThreads == 0 && kDwCols <= kDwThreads);
 
@@ -73,7 +74,8 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // dweight (C) += Σ_n dy_nc x_nc r_n, bitwise the CPU's: per column, the CPU's double terms
-// (dy·x)·r added in row order. A block owns kDwCols adjacent columns (one 32-byte sector per row)
+// (dy·x)·r added in row order within each tile of kDwRows rows (the CPU's chunks), the tiles'
+// sums in order. A block owns kDwCols adjacent columns (one 32-byte sector per row)
 // and walks the rows in tiles: all its threads load a tile and compute its terms into shared
 // memory (many loads in flight), then one thread per column adds them in row order. Only the
 // loading is parallel; every sum is serial, so the order is the CPU's.
@@ -100,8 +102,12 @@ __global__ void __launch_bounds__(kDwThreads)
     }
     __syncthreads();
     if (threadIdx.x < kDwCols) {
+      // The CPU's chunks of kRowChunk = kDwRows rows: each summed from zero in row order, then
+      // added to the running sum in chunk order.
       const int64_t rows = N - n0 < kDwRows ? N - n0 : kDwRows;
-      for (int64_t r = 0; r < rows; ++r) acc = __dadd_rn(acc, terms[r][threadIdx.x]);
+      double chunk = 0.0;
+      for (int64_t r = 0; r < rows; ++r) chunk = __dadd_rn(chunk, terms[r][threadIdx.x]);
+      acc = __dadd_rn(acc, chunk);
     }
     // The next tile overwrites terms.
     __syncthreads();

@@ -14,7 +14,7 @@ namespace {
 // Rows (or column blocks) below this much work are cheaper on one thread than a fork/join.
 constexpr int64_t kParallelMin = 1 << 14;
 // Rows per partial sum of the weight gradient: fixed, so that the order of its sums never depends
-// on the thread count.
+// on the thread count (cuda/norm.cu's tiles are these chunks, for the same bits on the GPU).
 constexpr int64_t kRowChunk = 256;
 
 // The row loops, cloned for the instruction sets (picked at load time) instead of the baseline
@@ -110,7 +110,11 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
       backward_row(dinp + n * C, dout + n * C, inp + n * C, weight, rstd[n], C,
                    residual ? residual + n * C : nullptr, partial ? partial + k * C : nullptr);
   }
-  if (dweight == nullptr || N == 0) return;
+  if (dweight == nullptr) return;
+  if (N == 0) {  // no rows: a zero sum, still added (−0 becomes +0, as the device kernel does)
+    for (int64_t c = 0; c < C; ++c) dweight[c] += 0.0f;
+    return;
+  }
   const int64_t blocks = (C + 255) / 256;
 #pragma omp parallel for schedule(static) if (chunks * C > kParallelMin && blocks > 1)
   for (int64_t b = 0; b < blocks; ++b)
