@@ -147,6 +147,48 @@ TEST(PlanPublished, DISABLED_MegatronBridgeGptOss120bOn64H100Within25Percent) {
   EXPECT_NEAR(tflops / published, 1.0, 0.25);
 }
 
+namespace {
+
+// Megatron-LM's model FLOPs per token (num_floating_point_operations in
+// megatron/training/training.py, dev branch at e5ad09802d; forward + backward = 3 × forward) of a
+// GQA MoE GPT with SwiGLU experts: the projections, the causal half of the attention scores
+// (T/2 keys a query), every expert's three matrices, the LM head over the padded vocabulary; not
+// the router, the norms or the softmax.
+double megatron_lm_flops_per_token(const ModelConfig& m, int64_t T) {
+  const double h = static_cast<double>(m.dim), L = static_cast<double>(m.n_layers);
+  const double q = static_cast<double>(m.n_heads * m.head_dim());
+  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
+  const double attention = 3 * 2 * L * (h * (q + 2 * kv) + q * h + q * static_cast<double>(T));
+  const double experts = 3 * 2 * 3 * L * h * static_cast<double>(m.expert_hidden * m.top_k);
+  const double logits = 3 * 2 * h * static_cast<double>(m.vocab_size);
+  return attention + experts + logits;
+}
+
+}  // namespace
+
+// Megatron-LM's MoE recipe index (examples/moe_recipes, dev branch, README at e5ad09802d):
+// Qwen3-30B-A3B on 32 H100, BF16, TP 1, PP 1, EP 8, micro-batch 1, global batch 256, sequence
+// 4096, no recomputation, expert load forced to balance: 234.1 TFLOP/s per GPU in Megatron-LM's
+// count, 23.006 GFLOP a token (by hand: 6 · 48 · (2048 · (4096 + 2 · 512) + 4096 · 2048 + 4096 ·
+// 4096) attention + 18 · 48 · 2048 · 768 · 8 experts + 6 · 2048 · 151936 logits), so 10,176
+// tokens/s per GPU. The comparison is in tokens/s: the two counts differ (the planner adds the
+// router and the causal diagonal).
+TEST(PlanPublished, MegatronLmQwen3_30bA3bOn32H100Within25Percent) {
+  const RunConfig cfg = load_run_config(plan_file("qwen3_30b_a3b_megatron.toml"), {});
+  const double theirs = megatron_lm_flops_per_token(cfg.model, cfg.train.seq_len);
+  EXPECT_DOUBLE_EQ(theirs, 6.0 * 48 * (2048.0 * (4096 + 2 * 512) + 4096.0 * 2048 + 4096.0 * 4096) +
+                               18.0 * 48 * 2048 * 768 * 8 + 6.0 * 2048 * 151936);
+  const Prediction p = predict_published("qwen3_30b_a3b_megatron.toml", "dgx_h100_8nodes.toml",
+                                         {.procs = 32, .ep = 8});
+  const double tokens = p.tokens_per_s / 32, published = 234.1e12 / theirs;
+  std::cout << fmt::format(
+      "predicted {:.0f} tokens/s per GPU ({:.0f} TFLOP/s in Megatron-LM's count); published "
+      "234.1 TFLOP/s = {:.0f} tokens/s ({:+.0f}%)\n",
+      tokens, tokens * theirs * 1e-12, published, (tokens / published - 1) * 100);
+  EXPECT_TRUE(p.fits);
+  EXPECT_NEAR(tokens / published, 1.0, 0.25);
+}
+
 // DeepSpeed-MoE, 128 A100: the 1.3B-base MoE (128 experts, top-1, every other layer) at 372
 // samples/s against 70 for a dense 6.7B model: the ratio, 5.3×. Not met: the planner predicts
 // 3.1× (docs/plan-published.md says why), so the assertion is registered disabled
