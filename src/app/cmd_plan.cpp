@@ -56,7 +56,7 @@ Run add_plan_command(CLI::App& app) {
     std::string out, config, cluster, profile, load = "uniform";
     std::vector<std::string> overrides, sweep, mpi_args;
     int64_t procs = 0, ep = 0, tp = 1, etp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
-    std::string recompute, recompute_modules, offload;
+    std::string recompute, recompute_modules, offload, pp_account;
     bool a2a_dedup = false, a2a_overlap = false;
     std::string pp_schedule, pp_trace;
     bool no_bf16 = false, calibrate_comm = false;
@@ -112,6 +112,11 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--pp-schedule", args->pp_schedule,
                   "Pipeline schedule timed for the bubble: gpipe, 1f1b, interleaved, zero_bubble "
                   "(default: interleaved with --vp > 1, else 1f1b)");
+  cmd->add_option("--pp-account", args->pp_account,
+                  "Units that take a block's place in the pipeline's split, as Megatron-Core's "
+                  "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split: "
+                  "embedding, loss, comma-separated; model.n_layers plus them must divide by "
+                  "--pp × --vp (planner only)");
   cmd->add_option("--zero", args->zero,
                   "ZeRO stage 0-3 for memory and time (default: the config's dist.zero)")
       ->check(CLI::Range(int64_t{0}, int64_t{3}));
@@ -243,6 +248,7 @@ Run add_plan_command(CLI::App& app) {
     layout.zero = args->zero;
     if (!args->recompute.empty()) layout.recompute = parse_recompute(args->recompute);
     layout.recompute_modules = plan::parse_recompute_modules(args->recompute_modules);
+    plan::parse_pp_account(layout, args->pp_account);
     if (!args->offload.empty()) {
       MOETRAIN_CHECK(args->offload == "none" || args->offload == "host_file",
                      "--offload={}: allowed are none and host_file", args->offload);

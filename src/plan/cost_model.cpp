@@ -300,13 +300,10 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     cm.expert_tensor_parallel = ring_allreduce(cluster, cm.expert_tensor_parallel_bytes, etp,
                                                etp > cluster.devices_per_node);
   }
-  // Pipelining: a stage runs L / pp layers (their mean: dense and MoE layers are taken as spread
-  // evenly over the stages).
-  for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
-                    &s.norms, &s.a2a, &s.tensor_parallel})
-    *v /= static_cast<double>(layout.pp);
-  for (double* v : {&cm.a2a_exchanges, &cm.tp_count, &cm.etp_count})
-    *v *= static_cast<double>(A) / layout.pp;
+  // The LM head and the cross-entropy (read logits forward, read and write them backward), on
+  // the last stage.
+  const double head = linear_fb_time(dev, prec, N, V / static_cast<double>(tp), C) +
+                      stream_time(dev, 3 * ab * N * V / static_cast<double>(tp));
   // Full recomputation runs every layer's forward again in backward: a third more of the
   // layers' compute (forward + backward = 3 forwards), and the forward's two all-to-alls and
   // two TP all-reduces again (6 of each a layer instead of 4). MoE recomputation runs the
@@ -322,12 +319,37 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   } else if (recompute == Recompute::Moe) {
     for (double* v : {&s.experts, &s.experts_mean, &s.shared_expert}) *v *= 11.0 / 9.0;
   }
-  // Final norm, embedding gather and scatter-add, LM head, cross-entropy (read logits forward,
-  // read and write them backward).
+  // Pipelining: the stage that paces the pipeline runs its share of the L layers (dense and MoE
+  // layers taken as spread evenly over the stages): L / pp, and the LM head on the last stage,
+  // which it makes the slowest (no layers are moved off it). Where the embedding and the loss
+  // take a block's place in the split (--pp-account, Megatron-Core's account_for_*), the stages
+  // hold U = (L + units) / pp: the first U − 1 blocks beside the embedding, the last U − 1 beside
+  // the LM head, the others U; the slowest of them paces the pipeline (a middle stage where the
+  // head costs less than the block it displaces).
+  const double L = static_cast<double>(m.n_layers);
+  double share = 1.0 / static_cast<double>(layout.pp);
+  bool head_paces = true;
+  if (layout.pp_embedding_unit || layout.pp_loss_unit) {
+    const double U = static_cast<double>(layout.pp_units(m.n_layers)) / layout.pp;
+    // A block's time as priced, its exchanges included unless another micro-batch's compute
+    // hides them (--a2a-overlap); the head has none.
+    const double block = (s.attention + s.router + s.experts + s.shared_expert + s.norms +
+                          (layout.a2a_overlap ? 0.0 : s.a2a) + s.tensor_parallel) /
+                         L;
+    const double first = U - (layout.pp_embedding_unit ? 1 : 0);
+    const double last = U - (layout.pp_loss_unit ? 1 : 0);
+    const double other = std::max(first, layout.pp > 2 ? U : 0.0);
+    head_paces = last * block + head >= other * block;
+    share = (head_paces ? last : other) / L;
+  }
+  for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
+                    &s.norms, &s.a2a, &s.tensor_parallel})
+    *v *= share;
+  for (double* v : {&cm.a2a_exchanges, &cm.tp_count, &cm.etp_count})
+    *v = std::round(*v * static_cast<double>(A) * share);  // counts
+  // Final norm, embedding gather and scatter-add.
   s.norms += rmsnorm_time(dev, N, C, 1, ab) + stream_time(dev, 3 * ab * N * C);
-  // The LM head sits on the last stage, which it makes the slowest (no layers are moved off it).
-  s.lm_head += linear_fb_time(dev, prec, N, V / static_cast<double>(tp), C) +
-               stream_time(dev, 3 * ab * N * V / static_cast<double>(tp));
+  if (head_paces) s.lm_head += head;
   // Its vocabulary split over the TP ranks: the input gradient joined backward (the split
   // cross-entropy's two row-sized sums are among the step's small collectives).
   if (tp > 1) {

@@ -70,6 +70,24 @@ RecomputeModules parse_recompute_modules(const std::string& list, const char* fl
   return m;
 }
 
+void parse_pp_account(Layout& layout, const std::string& list, const char* flag) {
+  layout.pp_embedding_unit = layout.pp_loss_unit = false;
+  for (const std::string& item : split_list(list)) {
+    if (item == "embedding") {
+      layout.pp_embedding_unit = true;
+    } else if (item == "loss") {
+      layout.pp_loss_unit = true;
+    } else {
+      MOETRAIN_FAIL("{} {}: '{}' is not a unit; allowed are embedding, loss", flag, list, item);
+    }
+  }
+}
+
+std::string pp_account_name(const Layout& layout) {
+  if (layout.pp_embedding_unit && layout.pp_loss_unit) return "embedding,loss";
+  return layout.pp_embedding_unit ? "embedding" : layout.pp_loss_unit ? "loss" : "";
+}
+
 std::string recompute_modules_name(const RecomputeModules& m) {
   if (m.layernorm && m.moe_act) return "layernorm,moe_act";
   return m.layernorm ? "layernorm" : m.moe_act ? "moe_act" : "";
@@ -95,9 +113,22 @@ std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, con
         layout.etp > 1 ? fmt::format(" × --etp {}", layout.etp) : std::string(),
         layout.pp == 1 ? fmt::format("{}", layout.procs)
                        : fmt::format("{} per pipeline stage", layout.procs / layout.pp));
-  if (m.n_layers % (layout.pp * layout.vp) != 0)
-    return fmt::format("model.n_layers = {} must be divisible by --pp {} × --vp {}", m.n_layers,
-                       layout.pp, layout.vp);
+  const bool units = layout.pp_embedding_unit || layout.pp_loss_unit;
+  if (units && layout.pp == 1)
+    return "--pp-account: the embedding and the loss take a block's place in a pipeline's split "
+           "only with --pp > 1";
+  if (layout.pp_units(m.n_layers) % (layout.pp * layout.vp) != 0)
+    return units ? fmt::format("model.n_layers = {} and the {} unit{} of --pp-account ({}) must "
+                               "be divisible by --pp {} × --vp {}",
+                               m.n_layers, layout.pp_units(m.n_layers) - m.n_layers,
+                               layout.pp_units(m.n_layers) - m.n_layers > 1 ? "s" : "",
+                               layout.pp_units(m.n_layers), layout.pp, layout.vp)
+                 : fmt::format("model.n_layers = {} must be divisible by --pp {} × --vp {}",
+                               m.n_layers, layout.pp, layout.vp);
+  if (units && layout.pp_units(m.n_layers) / layout.pp < 2)
+    return fmt::format("--pp-account with --pp {}: a stage of the embedding or the loss alone "
+                       "(model.n_layers = {} leaves it no block)",
+                       layout.pp, m.n_layers);
   // Multi-head latent attention has a key and a value per head: model.n_kv_heads is not used.
   if (m.n_heads % layout.tp != 0 || (!m.mla() && m.n_kv_heads % layout.tp != 0))
     return fmt::format("--tp {} must divide model.n_heads = {} and model.n_kv_heads = {}",

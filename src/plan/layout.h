@@ -46,6 +46,15 @@ struct Layout {
   // Each micro-batch's exchanges run while another micro-batch computes (1F1B with all-to-all
   // overlap: Megatron-Core's overlap_moe_expert_parallel_comm, DeepSeek's DualPipe; planner only).
   bool a2a_overlap = false;
+  // Megatron-Core's account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split
+  // (--pp-account embedding,loss; planner only): the embedding (first stage) and the LM head with
+  // its loss (last stage) each take a block's place where the blocks are cut into pp × vp
+  // chunks, so model.n_layers plus the units set must divide by pp × vp (Qwen3-235B's 94 blocks
+  // and both units: 8 stages × 4 chunks of 3).
+  bool pp_embedding_unit = false, pp_loss_unit = false;
+  int64_t pp_units(int64_t n_layers) const {
+    return n_layers + (pp_embedding_unit ? 1 : 0) + (pp_loss_unit ? 1 : 0);
+  }
   // The pipeline schedule (parallel/pipeline_schedule.h); unset: interleaved with vp > 1, else
   // 1f1b.
   std::optional<PipeSchedule> schedule{};
@@ -80,6 +89,11 @@ inline bool trainer_runs(const RunConfig& cfg, const Layout& l) {
 // the allowed names (`flag` names the option in the message).
 RecomputeModules parse_recompute_modules(const std::string& list,
                                          const char* flag = "--recompute-modules");
+// "embedding,loss" → both of Layout's pipeline units; "" → none. Any other name is refused, naming
+// the value and the allowed names.
+void parse_pp_account(Layout& layout, const std::string& list, const char* flag = "--pp-account");
+// The units as --pp-account takes them ("embedding,loss"; "" for none).
+std::string pp_account_name(const Layout& layout);
 // The modules as --recompute-modules takes them ("layernorm,moe_act"; "" for none).
 std::string recompute_modules_name(const RecomputeModules& m);
 

@@ -83,6 +83,7 @@ nlohmann::json to_json(const Prediction& p) {
       {"a2a_kind", p.a2a_kind},
       {"a2a_overlap", p.layout.a2a_overlap},
       {"recompute_modules", recompute_modules_name(p.layout.recompute_modules)},
+      {"pp_account", pp_account_name(p.layout)},
       {"a2a_hierarchical_asked", p.hierarchical_asked},
       {"parts",
        {{"attention_s", s.attention},
@@ -268,6 +269,13 @@ std::string format_table(const std::vector<Prediction>& ps) {
                   [](const Prediction& p) { return p.layout.tp * p.layout.pp > 1; }))
     row("tp/pp/vp", [](const Prediction& p) {
       return fmt::format("{}/{}/{}", p.layout.tp, p.layout.pp, p.layout.vp);
+    });
+  if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) {
+        return p.layout.pp_embedding_unit || p.layout.pp_loss_unit;
+      }))
+    row("pipeline split units", [](const Prediction& p) {
+      const std::string u = pp_account_name(p.layout);
+      return u.empty() ? std::string("blocks only") : u;
     });
   if (std::any_of(ps.begin(), ps.end(),
                   [](const Prediction& p) { return p.layout.recompute_modules.any(); }))

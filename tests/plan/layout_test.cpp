@@ -267,6 +267,47 @@ TEST(PlanLayout, PipelineShapeIsPartOfTheLayoutCheck) {
   EXPECT_EQ(layout_problem(cfg, c, interleaved), "");
 }
 
+// Megatron-Core's account_for_embedding/loss_in_pipeline_split (--pp-account): the embedding
+// and the loss each take a block's place, so 6 blocks + 2 units cut into 4 stages of 2 units (the
+// first and last stages one block each beside the embedding and the head, the middle two); the
+// stage that paces the pipeline is the last where the head costs more than a block (a large
+// vocabulary), a middle one where it costs less.
+TEST(PlanLayout, PipelineUnitsTakeABlocksPlaceInTheSplit) {
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
+  RunConfig cfg = run(8);
+  cfg.model.n_layers = 6;
+  const LoadModel load = uniform_load(8);
+  Layout pp4{.procs = 4, .ep = 1, .pp = 4};
+  EXPECT_NE(layout_problem(cfg, c, pp4).find("model.n_layers = 6 must be divisible"),
+            std::string::npos)
+      << layout_problem(cfg, c, pp4);
+  parse_pp_account(pp4, "loss");
+  EXPECT_NE(layout_problem(cfg, c, pp4).find("the 1 unit of --pp-account (7)"), std::string::npos)
+      << layout_problem(cfg, c, pp4);
+  parse_pp_account(pp4, "embedding,loss");
+  EXPECT_EQ(pp_account_name(pp4), "embedding,loss");
+  EXPECT_EQ(layout_problem(cfg, c, pp4), "");
+  Layout flat{.procs = 4, .ep = 1};
+  parse_pp_account(flat, "embedding");
+  EXPECT_NE(layout_problem(cfg, c, flat).find("only with --pp > 1"), std::string::npos);
+  moetrain::testing::expect_error([&] { parse_pp_account(flat, "embedding,head"); },
+                                  "'head' is not a unit; allowed are embedding, loss");
+  flat = {.procs = 1, .ep = 1};
+  // Small vocabulary (256): a block outweighs the head, so a middle stage of 2 blocks paces and
+  // the head is off the critical path.
+  const Prediction one = predict(cfg, c, flat, load);
+  const Prediction small = predict(cfg, c, pp4, load);
+  EXPECT_NEAR(small.parts.attention, one.parts.attention * 2 / 6, one.parts.attention * 1e-12);
+  EXPECT_EQ(small.parts.lm_head, 0);
+  // A vocabulary of 256k: the last stage's block and the head pace.
+  cfg.model.vocab_size = 262144;
+  const Prediction one_v = predict(cfg, c, flat, load);
+  const Prediction large = predict(cfg, c, pp4, load);
+  EXPECT_NEAR(large.parts.attention, one_v.parts.attention * 1 / 6, one_v.parts.attention * 1e-12);
+  EXPECT_NEAR(large.parts.lm_head, one_v.parts.lm_head, one_v.parts.lm_head * 1e-12);
+  EXPECT_GT(large.parts.lm_head, large.parts.attention + large.parts.experts);
+}
+
 // The trainer runs gpipe, 1f1b, interleaved (virtual stages) and zero_bubble pipelines with
 // expert parallelism and ZeRO-1 or 2 inside the stages, and tensor parallelism with any ZeRO
 // stage and offload (in stages: ZeRO ≤ 1, the state in memory); what it refuses, the planner

@@ -189,6 +189,32 @@ TEST(PlanPublished, MegatronLmQwen3_30bA3bOn32H100Within25Percent) {
   EXPECT_NEAR(tokens / published, 1.0, 0.25);
 }
 
+// Megatron-LM's Qwen3-235B-A22B recipe on 256 H100 (the same index; TP 2, PP 8 with 4 virtual
+// stages, 94 blocks with the embedding and the loss each taking a block's place, EP 32, the
+// exchange overlapped with another micro-batch, HybridEP's node-deduplicated dispatch): the
+// planner runs the published layout exactly and finds it fitting. Its two published figures,
+// 214.3 TFLOP/s per GPU (the merged README) and 302.0 (an unmerged re-measurement), are 41%
+// apart, so neither is asserted; docs/plan-published.md compares both.
+TEST(PlanPublished, MegatronLmQwen3_235bA22bRunsItsPublishedLayoutAndFits) {
+  const RunConfig cfg = load_run_config(plan_file("qwen3_235b_a22b_megatron.toml"), {});
+  const double theirs = megatron_lm_flops_per_token(cfg.model, cfg.train.seq_len);
+  EXPECT_NEAR(theirs * 1e-9, 148.03, 0.01);
+  Layout l{.procs = 256, .ep = 32, .tp = 2, .pp = 8, .vp = 4};
+  l.pp_embedding_unit = l.pp_loss_unit = true;
+  l.recompute_modules = {.layernorm = true, .moe_act = true};
+  l.a2a_overlap = l.a2a_dedup = true;
+  const Prediction p = predict_published("qwen3_235b_a22b_megatron.toml", "dgx_h100_32nodes.toml", l);
+  const double tokens = p.tokens_per_s / 256;
+  std::cout << fmt::format(
+      "predicted {:.0f} tokens/s per GPU ({:.0f} TFLOP/s in Megatron-LM's count); published "
+      "214.3 and 302.0 TFLOP/s = {:.0f} and {:.0f} tokens/s ({:+.0f}%, {:+.0f}%)\n",
+      tokens, tokens * theirs * 1e-12, 214.3e12 / theirs, 302.0e12 / theirs,
+      (tokens * theirs / 214.3e12 - 1) * 100, (tokens * theirs / 302.0e12 - 1) * 100);
+  EXPECT_TRUE(p.fits);
+  // The last stage (11 blocks beside the 151,936-word head) paces the pipeline.
+  EXPECT_GT(p.parts.lm_head, 0);
+}
+
 // DeepSpeed-MoE, 128 A100: the 1.3B-base MoE (128 experts, top-1, every other layer) at 372
 // samples/s against 70 for a dense 6.7B model: the ratio, 5.3×. Not met: the planner predicts
 // 3.1× (docs/plan-published.md says why), so the assertion is registered disabled
