@@ -163,6 +163,10 @@ DeviceModel device_from_table(const toml::table& t, const std::string& where,
   d.norm_bandwidth = optional(t, sec, "norm_bandwidth", 0, where);
   d.gemm_small_dim = optional(t, sec, "gemm_small_dim", 0, where);
   d.gemm_call_s = optional(t, sec, "gemm_call_s", 0, where);
+  d.comm_compute_share = optional(t, sec, "comm_compute_share", 0, where);
+  MOETRAIN_CHECK(d.comm_compute_share >= 0 && d.comm_compute_share < 1,
+                 "{}: {}.comm_compute_share = {}: must be in [0, 1)", where, sec,
+                 d.comm_compute_share);
   d.attention_flops = optional(t, sec, "attention_flops", 0, where);
   const double threads = optional(t, sec, "threads", 0, where);
   MOETRAIN_CHECK(threads <= kMaxThreads && threads == std::floor(threads),
@@ -186,6 +190,9 @@ DeviceModel device_from_table(const toml::table& t, const std::string& where,
 //    GEMM whose smallest side is d does about d FLOPs per byte of the larger operand it streams,
 //    so at d below the ridge it is memory bound; d / (d + ridge) joins the two regimes.
 //  - gemm_call_s 5 µs: one kernel launch.
+//  - comm_compute_share: 20 streaming multiprocessors of the part's (132 on an H100 SXM, 108 on
+//    an A100) for an exchange or reduction that runs beside compute, the number DeepSeek-V3's
+//    report gives for its all-to-all kernels to fill both NVLink and InfiniBand.
 DeviceModel builtin_device(const std::string& name) {
   DeviceModel d;
   d.name = name;
@@ -198,11 +205,13 @@ DeviceModel builtin_device(const std::string& name) {
     d.peak_flops_bf16 = 312e12;
     d.memory_bytes = 81920.0 * 1048576;
     d.memory_bandwidth = 2.039e12;
+    d.comm_compute_share = 20.0 / 108;
   } else if (name == "h100") {  // H100 SXM 80 GB
     d.peak_flops_f32 = 67e12;
     d.peak_flops_bf16 = 989e12;
     d.memory_bytes = 81559.0 * 1048576;
     d.memory_bandwidth = 3.35e12;
+    d.comm_compute_share = 20.0 / 132;
   } else {
     MOETRAIN_CHECK(name != "cpu",
                    "device 'cpu' has no built-in figures: measure this machine with `moetrain "
@@ -231,6 +240,7 @@ std::string device_section(const DeviceModel& d, const char* sec) {
   s += fmt::format("norm_bandwidth = {:.6e}\n", d.norm_bandwidth);
   s += fmt::format("gemm_small_dim = {:.6g}\n", d.gemm_small_dim);
   s += fmt::format("gemm_call_s = {:.6e}\n", d.gemm_call_s);
+  s += fmt::format("comm_compute_share = {:.6g}\n", d.comm_compute_share);
   s += fmt::format("attention_flops = {:.6e}\n", d.attention_flops);
   s += fmt::format("threads = {}\n", d.threads);
   s += "# GEMM FLOP/s measured by the smallest side of the shape\n";

@@ -28,6 +28,10 @@ struct DeviceModel {
   // a fixed cost per call (kernel launch, primitive dispatch).
   double gemm_small_dim = 0;
   double gemm_call_s = 0;
+  // The share of the device's compute an exchange or reduction takes while it runs hidden behind
+  // compute (a GPU's collectives run on its streaming multiprocessors): the compute beside it
+  // runs at 1 − this. 0: none (a CPU's communication thread: ClusterSpec::comm_shares_cores).
+  double comm_compute_share = 0;
   // Measured GEMM rates (CPU profiles): FLOP/s by the smallest side d of the shape, d ascending.
   // When present they replace the curve: a shape's rate is interpolated in log d (clamped at
   // the ends), call costs included.

@@ -491,8 +491,12 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     s.pipeline_bubble = cores_lent ? 0.0 : std::max(0.0, idle);
   }
 
+  // What the exchanges and the reduction take from the compute they hide behind: their kernels
+  // run on the device's multiprocessors too.
+  s.comm_contention = dev.comm_compute_share *
+                      ((s.a2a - s.a2a_exposed) + (s.grad_sync - s.grad_sync_exposed));
   p.step_time_s = s.compute() + s.a2a_exposed + s.grad_sync_exposed + s.tensor_parallel +
-                  s.pipeline_bubble + s.sync;
+                  s.pipeline_bubble + s.sync + s.comm_contention;
   // Model FLOPs: every stage replica (stage() of them) runs the whole model on its samples.
   const double procs = static_cast<double>(layout.procs);
   p.flops_per_step = 3 * forward_flops(m, B, T).total() * static_cast<double>(A * layout.stage());

@@ -54,6 +54,9 @@ struct StepParts {
   double tensor_parallel = 0;
   double pipeline_bubble = 0;  // a stage's idle time in the pipeline schedule, sends included
   double sync = 0;  // small latency-bound collectives (balance statistics, norm, metrics)
+  // The compute slowed beside the hidden exchanges and reductions (DeviceModel::
+  // comm_compute_share of the time they run hidden).
+  double comm_contention = 0;
   double compute() const {
     return attention + router + experts + shared_expert + norms + lm_head + optimizer;
   }

@@ -101,7 +101,8 @@ nlohmann::json to_json(const Prediction& p) {
         {"grad_sync_exposed_s", s.grad_sync_exposed},
         {"tensor_parallel_s", s.tensor_parallel},
         {"pipeline_bubble_s", s.pipeline_bubble},
-        {"sync_s", s.sync}}},
+        {"sync_s", s.sync},
+        {"comm_contention_s", s.comm_contention}}},
       {"memory",
        {{"params_bytes", m.params},
         {"grads_bytes", m.grads},
@@ -307,6 +308,9 @@ std::string format_table(const std::vector<Prediction>& ps) {
   row("  tensor-parallel ms", [](const Prediction& p) { return ms(p.parts.tensor_parallel); });
   row("  pipeline bubble ms", [](const Prediction& p) { return ms(p.parts.pipeline_bubble); });
   row("  small collectives ms", [](const Prediction& p) { return ms(p.parts.sync); });
+  row("  compute beside hidden comm ms", [](const Prediction& p) {
+    return ms(p.parts.comm_contention);
+  });
   row("imbalance (max/mean)",
       [](const Prediction& p) { return fmt::format("{:.2f}", p.imbalance); });
   row("tokens/s", [](const Prediction& p) { return fmt::format("{:.0f}", p.tokens_per_s); });
