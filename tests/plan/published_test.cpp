@@ -47,18 +47,28 @@ TEST(PlanPublished, MegatronMixtral8x7bOn64H100Within25Percent) {
 
 namespace {
 
-// Megatron-Bridge 25.11's model FLOPs per token of a gated-MoE GPT (its flop_utils.py of that
-// release, forward + backward = 3 × forward): every block's attention at full causal length
-// (T/2 keys a query: no window), and the experts' GLU counted as 1.5× a two-matrix FFN only
-// for a SiLU activation — GPT-OSS's is quick-GELU, so its experts count two matrices, not three.
-double megatron_bridge_2511_flops_per_token(const ModelConfig& m, int64_t T) {
+// Megatron's model FLOPs per token of a gated-MoE GPT (forward + backward = 3 × forward): the
+// projections, every block's attention at full causal length (T/2 keys a query: no window), the
+// experts' `expert_matrices` matrices each, the LM head over the (padded) vocabulary; not the
+// router, the norms or the softmax. Megatron-LM's num_floating_point_operations (training.py,
+// dev branch at e5ad09802d) counts a SwiGLU expert's three matrices; Megatron-Bridge 25.11's
+// flop_utils.py counts three only for a SiLU activation, so GPT-OSS's quick-GELU experts count
+// two.
+double megatron_flops_per_token(const ModelConfig& m, int64_t T, double expert_matrices) {
   const double h = static_cast<double>(m.dim), L = static_cast<double>(m.n_layers);
   const double q = static_cast<double>(m.n_heads * m.head_dim());
   const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
   const double attention = 3 * 2 * L * (h * (q + 2 * kv) + q * h + q * static_cast<double>(T));
-  const double experts = 3 * 2 * 2 * L * h * static_cast<double>(m.expert_hidden * m.top_k);
+  const double experts =
+      3 * 2 * expert_matrices * L * h * static_cast<double>(m.expert_hidden * m.top_k);
   const double logits = 3 * 2 * h * static_cast<double>(m.vocab_size);
   return attention + experts + logits;
+}
+double megatron_bridge_2511_flops_per_token(const ModelConfig& m, int64_t T) {
+  return megatron_flops_per_token(m, T, 2);
+}
+double megatron_lm_flops_per_token(const ModelConfig& m, int64_t T) {
+  return megatron_flops_per_token(m, T, 3);
 }
 
 }  // namespace
@@ -146,25 +156,6 @@ TEST(PlanPublished, DISABLED_MegatronBridgeGptOss120bOn64H100Within25Percent) {
       tokens, tflops, tokens * theirs * 1e-12, published, (tflops / published - 1) * 100);
   EXPECT_NEAR(tflops / published, 1.0, 0.25);
 }
-
-namespace {
-
-// Megatron-LM's model FLOPs per token (num_floating_point_operations in
-// megatron/training/training.py, dev branch at e5ad09802d; forward + backward = 3 × forward) of a
-// GQA MoE GPT with SwiGLU experts: the projections, the causal half of the attention scores
-// (T/2 keys a query), every expert's three matrices, the LM head over the padded vocabulary; not
-// the router, the norms or the softmax.
-double megatron_lm_flops_per_token(const ModelConfig& m, int64_t T) {
-  const double h = static_cast<double>(m.dim), L = static_cast<double>(m.n_layers);
-  const double q = static_cast<double>(m.n_heads * m.head_dim());
-  const double kv = static_cast<double>(m.n_kv_heads * m.head_dim());
-  const double attention = 3 * 2 * L * (h * (q + 2 * kv) + q * h + q * static_cast<double>(T));
-  const double experts = 3 * 2 * 3 * L * h * static_cast<double>(m.expert_hidden * m.top_k);
-  const double logits = 3 * 2 * h * static_cast<double>(m.vocab_size);
-  return attention + experts + logits;
-}
-
-}  // namespace
 
 // Megatron-LM's MoE recipe index (examples/moe_recipes, dev branch, README at e5ad09802d):
 // Qwen3-30B-A3B on 32 H100, BF16, TP 1, PP 1, EP 8, micro-batch 1, global batch 256, sequence
