@@ -346,7 +346,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
                     &s.norms, &s.a2a, &s.tensor_parallel})
     *v *= share;
   for (double* v : {&cm.a2a_exchanges, &cm.tp_count, &cm.etp_count})
-    *v = std::round(*v * static_cast<double>(A) * share);  // counts
+    *v *= static_cast<double>(A) * share;
   // Final norm, embedding gather and scatter-add.
   s.norms += rmsnorm_time(dev, N, C, 1, ab) + stream_time(dev, 3 * ab * N * C);
   if (head_paces) s.lm_head += head;

@@ -148,8 +148,11 @@ std::string rate(double bps) {
   return fmt::format("{:.4g} MB/s", bps * 1e-6);
 }
 
+// A whole count as one (what a stage's share of the layers leaves within rounding of it), a
+// stage's mean share of a count that does not divide as it is.
 std::string count(double n) {
-  return n == std::floor(n) ? fmt::format("{:.0f}", n) : fmt::format("{:.2f}", n);
+  const bool whole = std::abs(n - std::round(n)) <= 1e-9 * std::max(1.0, std::abs(n));
+  return whole ? fmt::format("{:.0f}", n) : fmt::format("{:.2f}", n);
 }
 
 std::string latency_term(const LinkPhase& ph) {
