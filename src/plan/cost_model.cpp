@@ -29,14 +29,6 @@ double bytes_of(DType t) {
 // drops, use; train/rank_timing.cpp: the ranks' times).
 constexpr double kMetricCollectives = 6;
 
-// Optimizer bytes per parameter per step: read parameter, gradient and the state slots, write
-// parameter and slots; plus the clip's read of the gradient and the zeroing write, and the
-// low-precision copy written after the update.
-double optimizer_bytes_per_param(const std::string& name, DType precision) {
-  const double slots = name == "adamw" ? 2 : (name == "sgd" ? 1 : 1);
-  return 4 * (2 + slots) + 4 * (1 + slots) + 4 + 4 + (precision == DType::F32 ? 0 : 2);
-}
-
 }  // namespace
 
 double backward_window(const StepParts& s) {
@@ -319,37 +311,21 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   } else if (recompute == Recompute::Moe) {
     for (double* v : {&s.experts, &s.experts_mean, &s.shared_expert}) *v *= 11.0 / 9.0;
   }
-  // Pipelining: the stage that paces the pipeline runs its share of the L layers (dense and MoE
-  // layers taken as spread evenly over the stages): L / pp, and the LM head on the last stage,
-  // which it makes the slowest (no layers are moved off it). Where the embedding and the loss
-  // take a block's place in the split (--pp-account, Megatron-Core's account_for_*), the stages
-  // hold U = (L + units) / pp: the first U − 1 blocks beside the embedding, the last U − 1 beside
-  // the LM head, the others U; the slowest of them paces the pipeline (a middle stage where the
-  // head costs less than the block it displaces).
-  const double L = static_cast<double>(m.n_layers);
-  double share = 1.0 / static_cast<double>(layout.pp);
-  bool head_paces = true;
-  if (layout.pp_embedding_unit || layout.pp_loss_unit) {
-    const double U = static_cast<double>(layout.pp_units(m.n_layers)) / layout.pp;
-    // A block's time as priced, its exchanges included unless another micro-batch's compute
-    // hides them (--a2a-overlap); the head has none.
-    const double block = (s.attention + s.router + s.experts + s.shared_expert + s.norms +
-                          (layout.a2a_overlap ? 0.0 : s.a2a) + s.tensor_parallel) /
-                         L;
-    const double first = U - (layout.pp_embedding_unit ? 1 : 0);
-    const double last = U - (layout.pp_loss_unit ? 1 : 0);
-    const double other = std::max(first, layout.pp > 2 ? U : 0.0);
-    head_paces = last * block + head >= other * block;
-    share = (head_paces ? last : other) / L;
-  }
+  // Pipelining: the stage that paces the pipeline (pacing_stage, plan/layout.h) runs its share of
+  // the L layers, dense and MoE layers taken as spread evenly over the stages. A block's time as
+  // priced counts its exchanges unless another micro-batch's compute hides them (--a2a-overlap).
+  const double block = (s.attention + s.router + s.experts + s.shared_expert + s.norms +
+                        (layout.a2a_overlap ? 0.0 : s.a2a) + s.tensor_parallel) /
+                       static_cast<double>(m.n_layers);
+  const PacingStage pace = pacing_stage(layout, m.n_layers, block, head);
   for (double* v : {&s.attention, &s.router, &s.experts, &s.experts_mean, &s.shared_expert,
                     &s.norms, &s.a2a, &s.tensor_parallel})
-    *v *= share;
+    *v *= pace.share;
   for (double* v : {&cm.a2a_exchanges, &cm.tp_count, &cm.etp_count})
-    *v *= static_cast<double>(A) * share;
+    *v *= static_cast<double>(A) * pace.share;
   // Final norm, embedding gather and scatter-add.
   s.norms += rmsnorm_time(dev, N, C, 1, ab) + stream_time(dev, 3 * ab * N * C);
-  if (head_paces) s.lm_head += head;
+  if (pace.head) s.lm_head += head;
   // Its vocabulary split over the TP ranks: the input gradient joined backward (the split
   // cross-entropy's two row-sized sums are among the step's small collectives).
   if (tp > 1) {
@@ -386,7 +362,6 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
 
   // --- once per step: gradient reduction and the update ---
   const LocalParams lp = local_params(m, rl);
-  const double dense_local = lp.dense, expert_local = lp.expert;
   const int64_t zero = zero_stage(cfg, layout);
   // The experts a step touches (plan/grad_model.h): the design's utilisation (activated experts
   // over all), and under grad.sparse_experts the share of its experts the busiest rank reduces
@@ -416,20 +391,8 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     const double xent = tp > 1 ? 2 : 0;  // the split cross-entropy's row maxima and sums
     s.sync = lat * ((per_mb + xent) * static_cast<double>(A) + 2 + kMetricCollectives + asked);
   }
-  const double local = dense_local + expert_local;
-  const double updated = zero >= 1 ? dense_local / static_cast<double>(lp.dense_ranks) +
-                                        kept * expert_local / static_cast<double>(lp.expert_ranks)
-                                  : dense_local + kept * expert_local;
-  // As timed where the profile has this optimizer's update (zeroing and the clip's read
-  // included, 8 of its bytes per parameter), else at the bytes it moves.
-  const double opt_bytes = optimizer_bytes_per_param(cfg.optim.name, prec);
-  if (const auto per = dev.kernels.update_per_param(optimizer_code(cfg.optim.name)))
-    s.optimizer = *per * (updated + (local - updated) * 8 / opt_bytes) +
-                  (prec == DType::F32 ? 0 : stream_time(dev, 6 * local));  // the lp copy
-  else
-    s.optimizer = stream_time(dev, updated * opt_bytes) +
-                  stream_time(dev, 8 * (local - updated));  // grads zeroed, clip read: everywhere
-  s.optimizer += stream_time(dev, reweight_bytes(cfg.grad.expert_reweight, expert_local));
+  const UpdateCost update = update_cost(cfg, dev, lp, zero, kept);
+  s.optimizer = update.seconds;
 
   // Processes that outnumber this machine's cores (as calibrated): the parts above are one
   // process computing alone. Over a fast transport the processes leave each exchange together
@@ -455,7 +418,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
   // two sets the phase.
   if (rl.offload == Offload::HostFile && cluster.disk_bandwidth > 0) {
     const double per_node = static_cast<double>(std::min(layout.procs, cluster.devices_per_node));
-    const double disk_bytes = 2 * 4 * rl.state.slots * updated;
+    const double disk_bytes = 2 * 4 * rl.state.slots * update.updated;
     s.optimizer = std::max(s.optimizer, disk_bytes * per_node / cluster.disk_bandwidth);
   }
 

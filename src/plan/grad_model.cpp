@@ -7,6 +7,8 @@
 
 #include "core/dtype.h"
 #include "parallel/grad_wire.h"
+#include "plan/kernel_table.h"
+#include "plan/kernel_time.h"
 
 namespace moetrain::plan {
 
@@ -110,6 +112,37 @@ double add_reductions(const RunConfig& cfg, const ClusterSpec& cluster, const La
         ring_allreduce(cluster, local.expert * wbytes, local.expert_ranks, multi_node));
   }
   return (local.dense + expert_sent) * grad_elem;
+}
+
+namespace {
+
+// Optimizer bytes per parameter per step: read parameter, gradient and the state slots, write
+// parameter and slots; plus the clip's read of the gradient and the zeroing write, and the
+// low-precision copy written after the update.
+double optimizer_bytes_per_param(const std::string& name, DType precision) {
+  const double slots = name == "adamw" ? 2 : (name == "sgd" ? 1 : 1);
+  return 4 * (2 + slots) + 4 * (1 + slots) + 4 + 4 + (precision == DType::F32 ? 0 : 2);
+}
+
+}  // namespace
+
+UpdateCost update_cost(const RunConfig& cfg, const DeviceModel& dev, const LocalParams& local,
+                       int64_t zero, double kept) {
+  const DType prec = cfg.train.precision_dtype();
+  const double all = local.dense + local.expert;
+  UpdateCost u;
+  u.updated = zero >= 1 ? local.dense / static_cast<double>(local.dense_ranks) +
+                              kept * local.expert / static_cast<double>(local.expert_ranks)
+                        : local.dense + kept * local.expert;
+  const double opt_bytes = optimizer_bytes_per_param(cfg.optim.name, prec);
+  if (const auto per = dev.kernels.update_per_param(optimizer_code(cfg.optim.name)))
+    u.seconds = *per * (u.updated + (all - u.updated) * 8 / opt_bytes) +
+                (prec == DType::F32 ? 0 : stream_time(dev, 6 * all));  // the lp copy
+  else
+    u.seconds = stream_time(dev, u.updated * opt_bytes) +
+                stream_time(dev, 8 * (all - u.updated));  // grads zeroed, clip read: everywhere
+  u.seconds += stream_time(dev, reweight_bytes(cfg.grad.expert_reweight, local.expert));
+  return u;
 }
 
 double reweight_bytes(const std::string& mode, double expert_params) {

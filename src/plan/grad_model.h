@@ -41,6 +41,17 @@ ExpertActivity expert_activity(const LoadModel& load, const ModelConfig& m, int6
 double add_reductions(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout,
                       const LocalParams& local, double expert_share, CommBreakdown& cm);
 
+// The step's update on one process: the parameters it steps (under ZeRO ≥ 1 its shards; under
+// grad.sparse_experts only `kept`, the busiest rank's share, of its experts) and its seconds: as
+// timed where the device's kernel table has this optimizer's update (zeroing and the clip's
+// read included, 8 of its bytes per parameter), else at the bytes it moves; with
+// grad.expert_reweight's pass.
+struct UpdateCost {
+  double updated = 0, seconds = 0;
+};
+UpdateCost update_cost(const RunConfig& cfg, const DeviceModel& dev, const LocalParams& local,
+                       int64_t zero, double kept);
+
 // Bytes grad.expert_reweight streams per step over `expert_params` gradients: importance and
 // grad_norm read each gradient for their statistic, and every mode scales it (read and write);
 // 0 for none.

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "core/check.h"
@@ -68,6 +69,18 @@ RecomputeModules parse_recompute_modules(const std::string& list, const char* fl
     }
   }
   return m;
+}
+
+PacingStage pacing_stage(const Layout& layout, int64_t n_layers, double block, double head) {
+  const double L = static_cast<double>(n_layers);
+  if (!layout.pp_embedding_unit && !layout.pp_loss_unit)
+    return {1.0 / static_cast<double>(layout.pp), true};
+  const double U = static_cast<double>(layout.pp_units(n_layers)) / layout.pp;
+  const double first = U - (layout.pp_embedding_unit ? 1 : 0);
+  const double last = U - (layout.pp_loss_unit ? 1 : 0);
+  const double other = std::max(first, layout.pp > 2 ? U : 0.0);
+  if (last * block + head >= other * block) return {last / L, true};
+  return {other / L, false};
 }
 
 void parse_pp_account(Layout& layout, const std::string& list, const char* flag) {

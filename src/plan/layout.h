@@ -89,6 +89,19 @@ inline bool trainer_runs(const RunConfig& cfg, const Layout& l) {
 // the allowed names (`flag` names the option in the message).
 RecomputeModules parse_recompute_modules(const std::string& list,
                                          const char* flag = "--recompute-modules");
+// The pipeline stage that paces a step: its share of the model's layers and whether the LM head
+// runs on it. Without --pp-account every stage runs L / pp layers and the last one the head too,
+// which makes it the slowest (no layers are moved off it). Where the embedding and the loss take
+// a block's place (Layout::pp_embedding_unit, pp_loss_unit), the stages hold U = (L + units) /
+// pp: the first U − 1 blocks beside the embedding, the last U − 1 beside the LM head, the others
+// U; the slowest of them paces (a middle stage where the head costs less than the block it
+// displaces). `block` and `head`: one layer's and the head's time for a micro-batch.
+struct PacingStage {
+  double share = 1;  // of the n_layers
+  bool head = true;
+};
+PacingStage pacing_stage(const Layout& layout, int64_t n_layers, double block, double head);
+
 // "embedding,loss" → both of Layout's pipeline units; "" → none. Any other name is refused, naming
 // the value and the allowed names.
 void parse_pp_account(Layout& layout, const std::string& list, const char* flag = "--pp-account");
