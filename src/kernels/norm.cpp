@@ -16,6 +16,8 @@ constexpr int64_t kParallelMin = 1 << 14;
 // Rows per partial sum of the weight gradient: fixed, so that the order of its sums never depends
 // on the thread count (cuda/norm.cu's tiles are these chunks, for the same bits on the GPU).
 constexpr int64_t kRowChunk = 256;
+// Columns per task of adding the chunks' sums into the weight gradient.
+constexpr int64_t kAddCols = 256;
 
 // The row loops, cloned for the instruction sets (picked at load time) instead of the baseline
 // SSE2 build (two doubles a vector): the same operations in the same order in each clone
@@ -115,10 +117,10 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
     for (int64_t c = 0; c < C; ++c) dweight[c] += 0.0f;
     return;
   }
-  const int64_t blocks = (C + 255) / 256;
+  const int64_t blocks = (C + kAddCols - 1) / kAddCols;
 #pragma omp parallel for schedule(static) if (chunks * C > kParallelMin && blocks > 1)
   for (int64_t b = 0; b < blocks; ++b)
-    add_partials(dweight, partial, chunks, C, b * 256, std::min(C, (b + 1) * 256));
+    add_partials(dweight, partial, chunks, C, b * kAddCols, std::min(C, (b + 1) * kAddCols));
 }
 
 }  // namespace moetrain
