@@ -1,8 +1,8 @@
-// The CUDA engine's train step as the trainer runs it (resident: zero the gradients, forward,
-// backward, the global norm and clip, AdamW, all on the device) in each GEMM operand mode (f32,
-// TF32, bf16) against references measured in the same run: cuBLAS's own GEMM rate in that mode on
-// a large square product and on the experts' shape, and the same step on this machine's CPU
-// (forward, backward, norm, clip, AdamW on the host).
+// The train step on the CUDA operations as the trainer runs it (resident: zero the gradients,
+// forward, backward, the global norm and clip, AdamW, all on the device) in each GEMM operand mode
+// (f32, TF32, bf16) against references measured in the same run: cuBLAS's own GEMM rate in that
+// mode on a large square product and on the experts' shape, and the same step on this machine's
+// CPU (forward, backward, norm, clip, AdamW on the host).
 //
 //   bench_cuda_step [--iters N] [--cpu-iters N] [--preset tiny|large|xl]... [--profile]
 //
@@ -29,7 +29,7 @@
 #include "cuda/device.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
-#include "model/device_engine.h"
+#include "model/device_ops.h"
 #include "model/params.h"
 #include "model/transformer.h"
 #include "optim/device_state.h"
@@ -204,8 +204,8 @@ class StepRig {
     oc_.weight_decay = 0.1;
     if (device != "cpu") {
       model_.set_device(device);
-      model_.device_engine()->set_gemm(mode);
-      engine_ = &model_.device_engine()->training_state();
+      model_.device_ops()->set_gemm(mode);
+      engine_ = &model_.device_ops()->training_state();
       engine_->set_resident(true);
       engine_->upload_state(params_.data(), zeros.data(), zeros.data(), 0, n);
     } else {
@@ -230,7 +230,7 @@ class StepRig {
       model_.backward(params_.data(), grads_.data(), 1.0f);
       if (!check_and_clip(engine_->gradient(), *comm_, uo_).skipped)
         engine_->adamw_step(oc_, groups_, 1e-4f, steps_);
-      model_.device_engine()->synchronize();
+      model_.device_ops()->synchronize();
     } else {
       std::fill(grads_.begin(), grads_.end(), 0.0f);
       model_.forward(params_.data(), inputs_.data(), targets_.data(), p_.B, p_.T, step_);

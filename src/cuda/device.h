@@ -1,5 +1,6 @@
 // The CUDA runtime seen from the rest of src/cuda: checked calls, device buffers and the one
-// stream + cuBLAS handle an engine runs on. Only src/cuda (and tests/cuda) include this file.
+// stream + cuBLAS handle the device operations run on. Only src/cuda (and tests/cuda) include this
+// file.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -85,7 +86,7 @@ class DeviceBuffer {
   int64_t n_ = 0, cap_ = 0;
 };
 
-// The stream an engine runs on, a cuBLAS handle bound to it, and what its GEMMs take as
+// The stream the device operations run on, a cuBLAS handle bound to it, and what its GEMMs take as
 // operands (cuda/gemm.h). Kernels of src/cuda take the stream; GEMMs take the context.
 class Context {
  public:

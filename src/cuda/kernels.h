@@ -4,7 +4,7 @@
 // Every pointer is device memory; every call is asynchronous on `s`; a bad shape throws from the
 // host launcher before anything is queued. Device code cannot throw: an id or target out of range
 // gives a NaN row (forward) or is skipped (backward) instead of an out-of-bounds access; the
-// engine checks the tokens on the host first. No kernel uses floating-point atomics: each output
+// model checks the tokens on the host first. No kernel uses floating-point atomics: each output
 // element is summed by one thread (or one warp) in a fixed order, so a run is bitwise repeatable
 // on one GPU (bit-exact resume); against the CPU, kernels agree bitwise where they perform the
 // same uncontracted operations (embedding, add, permute/combine, AdamW) and otherwise within the
@@ -18,7 +18,7 @@
 
 namespace moetrain::cuda {
 
-class Context;  // cuda/device.h: the stream, cuBLAS handle and GEMM mode of an engine
+class Context;  // cuda/device.h: the stream, cuBLAS handle and GEMM mode of the device operations
 
 // --- embedding.cu ---
 // out (N, C) = table[ids];  ids (N) in [0, V);  table (V, C).

@@ -6,20 +6,18 @@
 
 #include "core/check.h"
 #include "core/page_buffer.h"
-#include "kernels/activation.h"
-#include "kernels/attention.h"
-#include "kernels/embedding.h"
-#include "kernels/gemm.h"
-#include "kernels/norm.h"
-#include "kernels/rope.h"
 #include "kernels/softmax.h"
-#include "model/device_engine.h"
+#include "model/device_ops.h"
 #include "model/transformer_acts.h"
 
 namespace moetrain {
 
 Transformer::Transformer(const ModelConfig& cfg, const MoeContext& ctx)
-    : cfg_(cfg), layout_(cfg), end_(cfg.n_layers) {
+    : cfg_(cfg),
+      layout_(cfg),
+      cpu_(std::make_unique<CpuOps>(static_cast<float>(cfg.rope_theta))),
+      ops_(cpu_.get()),
+      end_(cfg.n_layers) {
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     if (cfg_.is_dense_layer(l)) {
       moe_index_.push_back(-1);
@@ -43,44 +41,37 @@ void Transformer::set_device(const std::string& device) {
                  "device '{}' with train.recompute = {}: the device engine keeps every activation "
                  "(none only)",
                  device, recompute_name(recompute_));
-  engine_ = device == "cuda" ? make_cuda_engine(*this) : nullptr;
+  // One device's operations for the model's life: its buffers live in their memory.
+  if (device == "cuda" && !device_) device_ = make_cuda_ops(*this);
+  ModelOps* ops = device == "cuda" ? static_cast<ModelOps*>(device_.get()) : cpu_.get();
+  if (ops == ops_) return;
+  ops_ = ops;
+  capacity_ = 0;  // the buffers move to the new memory at the next forward
+  have_targets_ = false;
 }
 
 const float* Transformer::logits() {
-  return engine_ ? engine_->logits() : logits_.data();
+  const int64_t N = B_ * T_;
+  return ops_->to_host(logits_host_, logits_.data(), N * tp_shard(N).V);
 }
 
 void Transformer::weights_changed() {
   lp_stale_ = true;
-  if (engine_) engine_->weights_changed();
+  if (device_) device_->weights_changed();
 }
 
 LowPrecisionCopy Transformer::lp_copy_of(const float* params) {
-  if (lp_ == DType::F32 || lp_stale_ || params != lp_source_) return {};
-  return {lp_, params_lp_.data()};
+  if (cpu_->precision() == DType::F32 || lp_stale_ || params != lp_source_) return {};
+  return {cpu_->precision(), cpu_->weight_copy().data()};
 }
 
 void Transformer::weights_changed_copy_kept() {
-  if (engine_) engine_->weights_changed();
-}
-
-bool Transformer::bf16_attention(int64_t T) const {
-  return lp_ == DType::BF16 && attention_bf16_pays(T, cfg_.head_dim());
+  if (device_) device_->weights_changed();
 }
 
 void Transformer::set_precision(DType t) {
-  lp_ = t;
+  cpu_->set_precision(t);
   lp_stale_ = true;
-}
-
-const void* Transformer::lp_weight(int64_t offset) const {
-  return static_cast<const char*>(params_lp_.data()) + offset * 2;
-}
-
-const void* Transformer::rounded(HalfBuffer& buf, const float* x, int64_t n) {
-  void* p = buf.ensure(n);
-  f32_to_dtype(lp_, p, x, static_cast<std::size_t>(n));
-  return p;
 }
 
 std::vector<MoeLayer*> Transformer::moe_layers() {
@@ -101,12 +92,12 @@ void Transformer::set_stage(int64_t first, int64_t end) {
   MOETRAIN_CHECK(0 <= first && first < end && end <= cfg_.n_layers,
                  "pipeline stage of blocks [{}, {}): needs 0 ≤ first < end ≤ model.n_layers = {}",
                  first, end, cfg_.n_layers);
-  MOETRAIN_CHECK(!engine_ || (first == 0 && end == cfg_.n_layers),
+  MOETRAIN_CHECK(!on_device() || (first == 0 && end == cfg_.n_layers),
                  "a pipeline stage runs on the CPU: the device engine runs the whole model");
   if (first == first_ && end == end_) return;
   first_ = first, end_ = end;
   for (auto& a : acts_) a = std::make_unique<LayerActs>();
-  resid_ = {}, lnf_ = {}, rstdf_ = {}, logits_ = {}, lse_ = {}, losses_ = {}, dlogits_ = {};
+  for (Floats* f : {&resid_, &lnf_, &rstdf_, &logits_, &lse_, &losses_, &dlogits_}) f->reset();
   capacity_ = 0;
   have_targets_ = false;
 }
@@ -128,6 +119,7 @@ void Transformer::ensure_capacity(int64_t N) {
   // entering the attention (and a dense FFN) are gathered whole.
   const int64_t R = sp_ ? (N + tp_->size() - 1) / tp_->size() : N;
   auto sz = [](int64_t n) { return static_cast<std::size_t>(n); };
+  ModelOps& m = *ops_;
   bool any_dense = false;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) any_dense |= cfg_.is_dense_layer(l);
   // full: one set of block activations (acts_[0], block_acts) that every block's forward (and
@@ -135,14 +127,14 @@ void Transformer::ensure_capacity(int64_t N) {
   const bool one_set = recompute_ == Recompute::Full;
   for (int64_t l = one_set ? 0 : first_; l < (one_set ? 1 : end_); ++l) {
     LayerActs& a = *acts_[l];
-    a.ln1.resize(sz(N * C)), a.rstd1.resize(sz(R));
-    a.q.resize(sz(N * QD)), a.k.resize(sz(N * KD)), a.v.resize(sz(N * KD));
-    a.att.resize(sz(N * QD)), a.lse.resize(sz(N * sh.NH));
+    a.ln1.resize(m, N * C), a.rstd1.resize(m, R);
+    a.q.resize(m, N * QD), a.k.resize(m, N * KD), a.v.resize(m, N * KD);
+    a.att.resize(m, N * QD), a.lse.resize(m, N * sh.NH);
     const bool dense = recompute_ == Recompute::Full ? any_dense : cfg_.is_dense_layer(l);
-    a.xmid.resize(sz(R * C)), a.ln2.resize(sz((dense ? N : R) * C)), a.rstd2.resize(sz(R)),
-        a.ffn.resize(sz(R * C));
+    a.xmid.resize(m, R * C), a.ln2.resize(m, (dense ? N : R) * C), a.rstd2.resize(m, R),
+        a.ffn.resize(m, R * C);
     if (recompute_ == Recompute::Full ? any_dense : cfg_.is_dense_layer(l)) {
-      a.h1.resize(sz(N * sh.Fd)), a.h3.resize(sz(N * sh.Fd)), a.g.resize(sz(N * sh.Fd));
+      a.h1.resize(m, N * sh.Fd), a.h3.resize(m, N * sh.Fd), a.g.resize(m, N * sh.Fd);
     }
   }
   const int64_t Fd = any_dense ? sh.Fd : 0;
@@ -152,15 +144,15 @@ void Transformer::ensure_capacity(int64_t N) {
     if (sp_) tp_full_.resize(sz(N * C));
   }
   inputs_.resize(sz(N)), targets_.resize(sz(N)), pos_.resize(sz(N));
-  resid_.resize(sz((end_ - first_ + 1) * R * C));
+  resid_.resize(m, (end_ - first_ + 1) * R * C);
   if (last_stage()) {
-    lnf_.resize(sz(N * C)), rstdf_.resize(sz(R));
-    logits_.resize(sz(N * V)), lse_.resize(sz(N)), losses_.resize(sz(N));
-    dlogits_.resize(sz(N * V));
+    lnf_.resize(m, N * C), rstdf_.resize(m, R);
+    logits_.resize(m, N * V), lse_.resize(m, N), losses_.resize(m, N);
+    dlogits_.resize(m, N * V);
   }
-  dresid_.resize(sz(N * C)), dxmid_.resize(sz(N * C)), dln_.resize(sz(N * C));
-  dq_.resize(sz(N * QD)), dk_.resize(sz(N * KD)), dv_.resize(sz(N * KD)), datt_.resize(sz(N * QD));
-  dh1_.resize(sz(N * Fd)), dh3_.resize(sz(N * Fd)), dg_.resize(sz(N * Fd));
+  dresid_.resize(m, N * C), dxmid_.resize(m, N * C), dln_.resize(m, N * C);
+  dq_.resize(m, N * QD), dk_.resize(m, N * KD), dv_.resize(m, N * KD), datt_.resize(m, N * QD);
+  dh1_.resize(m, N * Fd), dh3_.resize(m, N * Fd), dg_.resize(m, N * Fd);
   capacity_ = N;
 }
 
@@ -175,29 +167,32 @@ std::pair<int64_t, int64_t> Transformer::unit_range(int64_t unit) const {
 void Transformer::acquire(int64_t unit, int64_t next, const float* params) {
   if (!units_) return;
   units_->acquire(unit, next);
-  if (lp_ == DType::F32) return;
+  const DType lp = cpu_->precision();
+  if (lp == DType::F32) return;
   // The unit's low-precision copy, made from what was gathered.
   const auto [lo, hi] = unit_range(unit);
-  f32_to_dtype(lp_, static_cast<char*>(params_lp_.ensure(layout_.size())) + lo * 2, params + lo,
-               static_cast<std::size_t>(hi - lo));
+  f32_to_dtype(lp, static_cast<char*>(cpu_->weight_copy().ensure(layout_.size())) + lo * 2,
+               params + lo, static_cast<std::size_t>(hi - lo));
 }
 
 void Transformer::release(int64_t unit) {
   if (!units_) return;
   units_->release(unit);
-  if (lp_ == DType::F32 || !params_lp_.data()) return;
+  HalfBuffer& copy = cpu_->weight_copy();
+  if (cpu_->precision() == DType::F32 || !copy.data()) return;
   const auto [lo, hi] = unit_range(unit);
-  release_whole_pages(static_cast<char*>(params_lp_.data()) + lo * 2, (hi - lo) * 2);
+  release_whole_pages(static_cast<char*>(copy.data()) + lo * 2, (hi - lo) * 2);
 }
 
 void Transformer::refresh_lp_weights(const float* params) {
   // Sharded parameters: each unit's copy is made where it is gathered (acquire).
-  if (lp_ == DType::F32 || units_ || (!lp_stale_ && params == lp_source_)) return;
+  const DType lp = cpu_->precision();
+  if (lp == DType::F32 || units_ || (!lp_stale_ && params == lp_source_)) return;
   // A pipeline stage: its own units' weights.
   const int64_t lo = unit_range(first_ == 0 ? 0 : 1 + first_).first;
   const int64_t hi = unit_range(last_stage() ? cfg_.n_layers + 1 : end_).second;
-  f32_to_dtype(lp_, static_cast<char*>(params_lp_.ensure(layout_.size())) + lo * 2, params + lo,
-               static_cast<std::size_t>(hi - lo));
+  f32_to_dtype(lp, static_cast<char*>(cpu_->weight_copy().ensure(layout_.size())) + lo * 2,
+               params + lo, static_cast<std::size_t>(hi - lo));
   lp_source_ = params;
   lp_stale_ = false;
 }
@@ -215,7 +210,6 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   MOETRAIN_CHECK((first_ == 0) == (x == nullptr),
                  "forward: the stage beginning at block {} {} the previous stage's output", first_,
                  first_ == 0 ? "embeds its tokens, not" : "takes");
-  if (engine_) return engine_->forward(params, inputs, targets, B, T, step);
   MOETRAIN_CHECK(n_deferred_ == 0,
                  "forward: the last backward's weight gradients are still deferred (split "
                  "backward): weight_backward reads this model's activations first");
@@ -226,19 +220,31 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   const int64_t V = sh.V;  // under tensor parallelism this rank's vocabulary columns
   const bool last = last_stage();
   B_ = B, T_ = T, have_targets_ = last ? targets != nullptr : step.training;
-  if (first_ == 0) std::memcpy(inputs_.data(), inputs, sizeof(int32_t) * N);
-  if (targets && last) std::memcpy(targets_.data(), targets, sizeof(int32_t) * N);
+  if (first_ == 0) {
+    // A device's embedding cannot check its ids: they are checked here first.
+    if (on_device())
+      for (int64_t i = 0; i < N; ++i)
+        MOETRAIN_CHECK(inputs[i] >= 0 && inputs[i] < cfg_.vocab_size,
+                       "forward: token {} at position {} is not in [0, vocab_size = {})", inputs[i],
+                       i, cfg_.vocab_size);
+    std::memcpy(inputs_.data(), inputs, sizeof(int32_t) * N);
+    inputs_at_ = ops_->ids(inputs_dev_, inputs_.data(), N);
+  }
+  if (targets && last) {
+    std::memcpy(targets_.data(), targets, sizeof(int32_t) * N);
+    targets_at_ = ops_->ids(targets_dev_, targets_.data(), N);
+  }
   for (int64_t i = 0; i < N; ++i) pos_[i] = static_cast<int32_t>(i % T);
-  if (!rope_ || rope_->max_pos() < T)
-    rope_ = std::make_unique<RopeTable>(T, cfg_.head_dim(), static_cast<float>(cfg_.rope_theta));
-  const bool mixed = lp_ != DType::F32;
+  pos_at_ = ops_->ids(pos_dev_, pos_.data(), N);
   refresh_lp_weights(params);
+  ops_->bind_params(params);
+  const float* P = ops_->params();
   const int64_t L = cfg_.n_layers, head = L + 1;
   if (first_ == 0) {
     acquire(0, 1, params);
     // Sequence parallelism: this rank's tokens only.
-    embedding_forward(resid_at(0), inputs_.data() + (sp_ ? sh.n0 : 0), params + layout_.embed,
-                      stream_rows(), C, cfg_.vocab_size);
+    ops_->embedding_forward(resid_at(0), inputs_at_ + (sp_ ? sh.n0 : 0), P + layout_.embed,
+                            stream_rows(), C, cfg_.vocab_size);
     release(0);
   } else {
     std::memcpy(resid_at(first_), x, sizeof(float) * static_cast<std::size_t>(stage_rows(N) * C));
@@ -246,7 +252,7 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   LossParts parts;
   for (int64_t l = first_; l < end_; ++l) {
     acquire(1 + l, last || l + 1 < end_ ? 2 + l : -1, params);
-    block_forward(l, params, step, false, &parts);
+    block_forward(l, step, false, &parts);
     release(1 + l);
   }
   const int64_t n_moe = cfg_.n_moe_layers();
@@ -257,11 +263,11 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
   }
   acquire(head, -1, params);
   // Sequence parallelism: the norm of this rank's rows, gathered for the head.
-  rmsnorm_forward(sp_ ? tp_rows_.data() : lnf_.data(), rstdf_.data(), resid_at(L),
-                  params + layout_.final_norm, stream_rows(), C, eps);
+  ops_->rmsnorm_forward(sp_ ? tp_rows_.data() : lnf_.data(), rstdf_.data(), resid_at(L),
+                        P + layout_.final_norm, stream_rows(), C, eps);
   if (sp_) tp_allgather_rows(lnf_.data(), tp_rows_.data(), stream_rows(), C);
-  const void* lnf = mixed ? rounded(lnf_lp_, lnf_.data(), N * C) : nullptr;
-  linear_fwd(logits_.data(), lnf_.data(), lnf, params, layout_.lm_head + sh.v0 * C, N, C, V);
+  const void* lnf = ops_->round(lnf_lp_, lnf_.data(), N * C);
+  ops_->linear_forward(logits_.data(), lnf_.data(), lnf, layout_.lm_head + sh.v0 * C, N, C, V);
   // A training forward's backward starts at the head: it stays in place until then.
   if (!targets || !step.training) release(head);
   if (n_moe > 0) parts.aux /= n_moe, parts.z /= n_moe;
@@ -278,11 +284,13 @@ LossParts Transformer::forward(const float* params, const int32_t* inputs, const
     xent_shard_finish(losses_.data(), lse_.data(), xent_max_.data(), xent_sums_.data(),
                       targets_.data(), N);
   } else {
-    softmax_xent_forward(losses_.data(), lse_.data(), logits_.data(), targets_.data(), N, V);
+    ops_->softmax_xent_forward(losses_.data(), lse_.data(), logits_.data(), targets_at_, N, V);
   }
+  // In token order, in double, on the host.
+  const float* losses = ops_->to_host(losses_host_, losses_.data(), N);
   double sum = 0;
   for (int64_t i = 0; i < N; ++i) {
-    if (targets_[i] >= 0) sum += losses_[i], ++parts.targets;
+    if (targets_[i] >= 0) sum += losses[i], ++parts.targets;
   }
   parts.ce = parts.targets ? sum / parts.targets : 0.0;
   parts.total = parts.ce + cfg_.aux_loss_coef * parts.aux + cfg_.z_loss_coef * parts.z;
@@ -308,7 +316,7 @@ const float* Transformer::prefill(const float* params, const int32_t* tokens, in
   MOETRAIN_CHECK(static_cast<int64_t>(cache.k.size()) == cfg_.n_layers,
                  "prefill: the KV cache has {} layers, the model {}", cache.k.size(),
                  cfg_.n_layers);
-  MOETRAIN_CHECK(!engine_, "prefill: decoding runs on the CPU (set_device(\"cpu\") first)");
+  MOETRAIN_CHECK(!on_device(), "prefill: decoding runs on the CPU (set_device(\"cpu\") first)");
   MOETRAIN_CHECK(first_ == 0 && last_stage(), "prefill: decoding runs the whole model, not a "
                                               "pipeline stage");
   MOETRAIN_CHECK(!tp_, "prefill: decoding runs on one process, not under tensor parallelism");
@@ -332,7 +340,6 @@ void Transformer::backward(const float* params, float* grads, float loss_weight)
 
 void Transformer::backward(const float* params, float* grads, float loss_weight,
                            const float* dout) {
-  if (engine_) return engine_->backward(params, grads, loss_weight);
   MOETRAIN_CHECK(have_targets_, "backward needs a forward with targets first");
   MOETRAIN_CHECK(n_deferred_ == 0,
                  "backward: the last backward's weight gradients are still deferred (split "
@@ -342,6 +349,8 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
                  "backward: the stage ending at block {} {} the gradient of its output", end_,
                  last ? "starts from its loss, not" : "takes");
   const int64_t N = B_ * T_, C = cfg_.dim, V = cfg_.vocab_size;
+  ops_->begin_grads(params, grads);
+  float* G = ops_->grads();
   // The balancing losses are means over MoE layers: each layer's share of their gradient (under
   // tensor parallelism, over tp times the processes whose tokens the layers see).
   const int64_t n_moe = cfg_.n_moe_layers();
@@ -351,49 +360,51 @@ void Transformer::backward(const float* params, float* grads, float loss_weight,
     std::memcpy(dresid_.data(), dout, sizeof(float) * static_cast<std::size_t>(stage_rows(N) * C));
     grads_ready(layout_.layers[end_].ln1);  // later stages' gradients
   } else {
-    head_backward(params, grads, loss_weight);
+    head_backward(params, loss_weight);
   }
   for (int64_t l = end_ - 1; l >= first_; --l) {
     acquire(1 + l, l > first_ ? l : -1, params);  // the embedding's backward reads no weight
     // full: the block's activations again, from its input, right before its backward.
-    if (recompute_ == Recompute::Full) block_forward(l, params, MoeStep{}, true, nullptr);
-    block_backward(l, params, grads, moe_weight);
+    if (recompute_ == Recompute::Full) block_forward(l, MoeStep{}, true, nullptr);
+    block_backward(l, moe_weight);
     release(1 + l);
     grads_ready(layout_.layers[l].ln1);  // the block's first tensor
   }
   // Under tensor parallelism every rank holds the same dresid_: rank 0 writes the table's gradient
   // (sequence parallelism: each rank its tokens').
   if (first_ == 0 && (!tp_ || sp_ || tp_->rank() == 0))
-    embedding_backward(grads + layout_.embed, dresid_.data(),
-                       inputs_.data() + (sp_ ? tp_shard(N).n0 : 0), stream_rows(), C, V);
+    ops_->embedding_backward(G + layout_.embed, dresid_.data(),
+                             inputs_at_ + (sp_ ? tp_shard(N).n0 : 0), stream_rows(), C, V);
+  ops_->end_grads(grads);
   grads_ready(0);  // an earlier stage's gradients stay as they are
 }
 
 // The loss's gradient through the head and the final norm into dresid_.
-void Transformer::head_backward(const float* params, float* grads, float loss_weight) {
+void Transformer::head_backward(const float* params, float loss_weight) {
   const int64_t N = B_ * T_, C = cfg_.dim;
   const TpShard sh = tp_shard(N);
   const int64_t V = sh.V;
+  const float* P = ops_->params();
+  float* G = ops_->grads();
   int64_t counted = 0;
   for (int64_t i = 0; i < N; ++i) counted += targets_[i] >= 0;
   // d(mean CE)/d loss_i = 1 / counted; positions with target −1 get no gradient.
-  std::vector<float> dlosses(static_cast<std::size_t>(N),
-                             counted ? loss_weight / static_cast<float>(counted) : 0.f);
+  const float dloss = counted ? loss_weight / static_cast<float>(counted) : 0.f;
   if (tp_) {
+    const std::vector<float> dlosses(static_cast<std::size_t>(N), dloss);
     softmax_xent_shard_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(),
                                 targets_.data(), sh.v0, N, V, cfg_.vocab_size);
   } else {
-    softmax_xent_backward(dlogits_.data(), dlosses.data(), logits_.data(), lse_.data(),
-                          targets_.data(), N, V);
+    ops_->softmax_xent_backward(dlogits_.data(), dloss, logits_.data(), lse_.data(), targets_at_, N,
+                                V);
   }
   const int64_t L = cfg_.n_layers, head = L + 1;
   acquire(head, L, params);
-  linear_bwd(tp_partial(dln_.data()), false, grads + layout_.lm_head + sh.v0 * C,
-             dlogits_.data(), lnf_.data(), lnf_lp_.data(), params, layout_.lm_head + sh.v0 * C,
-             N, C, V);
+  linear_bwd(tp_partial(dln_.data()), false, G + layout_.lm_head + sh.v0 * C, dlogits_.data(),
+             lnf_.data(), lnf_lp_.data(), layout_.lm_head + sh.v0 * C, N, C, V);
   tp_sum(dln_.data(), C);  // every rank's vocabulary columns
-  rmsnorm_backward(dresid_.data(), tp_owned(grads, layout_.final_norm, C), dln_.data(),
-                   resid_at(L), params + layout_.final_norm, rstdf_.data(), stream_rows(), C);
+  ops_->rmsnorm_backward(dresid_.data(), tp_owned(G, layout_.final_norm, C), dln_.data(),
+                         resid_at(L), P + layout_.final_norm, rstdf_.data(), stream_rows(), C);
   release(head);
   grads_ready(layout_.final_norm);
 }

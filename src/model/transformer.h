@@ -10,8 +10,9 @@
 #include <vector>
 
 #include "core/buffer.h"
-#include "kernels/rope.h"
 #include "model/config.h"
+#include "model/cpu_ops.h"
+#include "model/model_ops.h"
 #include "model/params.h"
 #include "model/trainable.h"
 #include "moe/moe_layer.h"
@@ -38,7 +39,7 @@ struct KvCache {
   int64_t max_keys = 0;
 };
 
-class DeviceEngine;
+class DeviceOps;
 
 class Transformer final : public TrainableModel {
  public:
@@ -113,12 +114,13 @@ class Transformer final : public TrainableModel {
   // tensor parallelism (B·T, V / tp), this rank's vocabulary columns.
   const float* logits();
 
-  // Runs forward and backward on a device ("cuda"; "cpu" goes back to this CPU). Training and
-  // evaluation only: prefill and decode run on the CPU. The engine sees this model's config,
-  // layout and MoE layers; set_precision and hooks do not apply to it (it computes in f32).
+  // Runs forward and backward on a device ("cuda"; "cpu" goes back to this CPU): the same
+  // description of the model over that device's operations (model/model_ops.h). Training and
+  // evaluation only: prefill and decode run on the CPU. set_precision and hooks do not apply to
+  // it (its GEMM mode is DeviceOps::set_gemm).
   void set_device(const std::string& device);
-  const DeviceEngine* device_engine() const { return engine_.get(); }
-  DeviceEngine* device_engine() { return engine_.get(); }
+  const DeviceOps* device_ops() const { return on_device() ? device_.get() : nullptr; }
+  DeviceOps* device_ops() { return on_device() ? device_.get() : nullptr; }
 
   // Inference with a KV cache (no targets, MoE layers in inference mode). The cache's positions
   // are absolute from its first token: RoPE position i is the cache's i-th token.
@@ -173,7 +175,7 @@ class Transformer final : public TrainableModel {
   // 128 ≤ T ≤ 512). The router computes in f32 even then: its top-k decisions are
   // discontinuous, and rounding its inputs would flip near-tied choices.
   void set_precision(DType t);
-  DType precision() const { return lp_; }
+  DType precision() const { return cpu_->precision(); }
   // The weight copy is rebuilt at the next forward: call after changing the parameters in place
   // (an optimizer step, a load). A forward with a different params pointer rebuilds it anyway.
   void weights_changed() override;
@@ -203,16 +205,14 @@ class Transformer final : public TrainableModel {
   void ensure_capacity(int64_t N);
   float* resid_at(int64_t l);  // the residual stream entering block l (l = end_: leaving)
   LayerActs& acts_at(int64_t l);  // block l's activations (the shared set under full)
-  void block_forward(int64_t l, const float* params, const MoeStep& step, bool replay,
-                     LossParts* parts);
-  void block_backward(int64_t l, const float* params, float* grads, float moe_weight);
-  void head_backward(const float* params, float* grads, float loss_weight);
-  // ld: the weight's row stride when it is a column slice of a wider matrix (0: IC).
-  void linear_fwd(float* out, const float* inp, const void* inp_lp, const float* params, int64_t w,
-                  int64_t N, int64_t IC, int64_t OC, int64_t ld = 0);
+  void block_forward(int64_t l, const MoeStep& step, bool replay, LossParts* parts);
+  void block_backward(int64_t l, float moe_weight);
+  void head_backward(const float* params, float loss_weight);
+  // A linear layer's backward through the operations (ModelOps::linear_backward_*), its weight
+  // gradient deferred under split backward. ld: the weight's row stride when it is a column slice
+  // of a wider matrix (0: IC).
   void linear_bwd(float* dinp, bool acc, float* dweight, const float* dout, const float* inp,
-                  const void* inp_lp, const float* params, int64_t w, int64_t N, int64_t IC,
-                  int64_t OC, int64_t ld = 0);
+                  const void* inp_lp, int64_t w, int64_t N, int64_t IC, int64_t OC, int64_t ld = 0);
   // This rank's share under tensor parallelism (all of it without): heads, key-value heads, their
   // widths and first rows in q / k, v; a dense FFN's hidden units and first; vocabulary columns
   // and first; the MoE layers' tokens of N and first.
@@ -249,13 +249,15 @@ class Transformer final : public TrainableModel {
   };
   DeferredGemm& defer();
   void refresh_lp_weights(const float* params);
-  bool bf16_attention(int64_t T) const;  // the attention core's products in bf16
-  const void* lp_weight(int64_t offset) const;                      // into params_lp_
-  const void* rounded(HalfBuffer& buf, const float* x, int64_t n);  // x rounded to lp_
+  bool on_device() const { return ops_ != cpu_.get(); }
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  std::unique_ptr<DeviceEngine> engine_;
+  // What runs the model: this CPU's operations, or a device's (set_device). Declared before every
+  // buffer in their memory.
+  std::unique_ptr<CpuOps> cpu_;
+  std::unique_ptr<DeviceOps> device_;
+  ModelOps* ops_ = nullptr;
   std::vector<std::unique_ptr<MoeLayer>> moe_;
   std::vector<int64_t> moe_index_;
   std::vector<std::unique_ptr<LayerActs>> acts_;  // (L); under full only the first is used
@@ -281,26 +283,27 @@ class Transformer final : public TrainableModel {
   void acquire(int64_t unit, int64_t next, const float* params);
   void release(int64_t unit);
   std::pair<int64_t, int64_t> unit_range(int64_t unit) const;  // [begin, end) in floats
-  DType lp_ = DType::F32;
-  HalfBuffer params_lp_;  // (layout size) the parameters rounded to lp_
+  // The CPU's low-precision weight copy (cpu_->weight_copy()): made from these parameters.
   const float* lp_source_ = nullptr;
   bool lp_stale_ = true;
   HalfBuffer lnf_lp_, dout_lp_;  // (N, C), backward scratch (N, max output width)
 
+  // The batch's tokens on the host, and where the operations read them (ids()).
   std::vector<int32_t> inputs_, targets_, pos_;
-  // cos/sin of positions [0, T) for the blocks' RoPE, built when T first exceeds what it holds.
-  std::unique_ptr<RopeTable> rope_;
+  Ints inputs_dev_, targets_dev_, pos_dev_;
+  const int32_t *inputs_at_ = nullptr, *targets_at_ = nullptr, *pos_at_ = nullptr;
+  std::vector<float> logits_host_, losses_host_;  // host copies of logits_, losses_ (to_host)
   // (end − first + 1, N, C): the residual stream entering each of the stage's blocks, then its
   // output
-  std::vector<float> resid_;
-  std::vector<float> lnf_, rstdf_;            // (N, C), (N)
-  std::vector<float> logits_, lse_, losses_;  // (N, V), (N), (N)
+  Floats resid_;
+  Floats lnf_, rstdf_;            // (N, C), (N)
+  Floats logits_, lse_, losses_;  // (N, V), (N), (N)
   // backward scratch
   // decode scratch, one token: (C), (C), (C), (NH·HS), (KD), (KD), (NH·HS), (C), (Fd) ×3, (V)
   std::vector<float> dx_, dln_tok_, dmid_, dq_tok_, dk_tok_, dv_tok_, datt_tok_, dffn_, dh1_tok_,
       dh3_tok_, dg_tok_, dlogits_tok_;
   HalfBuffer dlp_;
-  std::vector<float> dresid_, dxmid_, dln_, dq_, dk_, dv_, datt_, dh1_, dh3_, dg_, dlogits_;
+  Floats dresid_, dxmid_, dln_, dq_, dk_, dv_, datt_, dh1_, dh3_, dg_, dlogits_;
 };
 
 // The activation bytes one process holds after a training forward of B sequences of T tokens

@@ -6,11 +6,6 @@
 #include <cstring>
 
 #include "core/check.h"
-#include "kernels/activation.h"
-#include "kernels/attention.h"
-#include "kernels/gemm.h"
-#include "kernels/norm.h"
-#include "kernels/rope.h"
 #include "model/activation_bytes.h"
 #include "model/transformer.h"
 #include "model/transformer_acts.h"
@@ -22,7 +17,7 @@ Transformer::LayerActs& Transformer::acts_at(int64_t l) {
 }
 
 void Transformer::set_recompute(Recompute r) {
-  MOETRAIN_CHECK(!engine_ || r == Recompute::None,
+  MOETRAIN_CHECK(!on_device() || r == Recompute::None,
                  "train.recompute = {}: the device engine keeps every activation (none only)",
                  recompute_name(r));
   MOETRAIN_CHECK(!split_ || r != Recompute::Full,
@@ -37,45 +32,27 @@ void Transformer::set_recompute(Recompute r) {
   for (auto& m : moe_) m->set_recompute(r, scratch_.get());
 }
 
-// out (N, OC) = inp (N, IC) · Wᵀ; in mixed precision from inp_lp, inp rounded.
-void Transformer::linear_fwd(float* out, const float* inp, const void* inp_lp, const float* params,
-                             int64_t w, int64_t N, int64_t IC, int64_t OC, int64_t ld) {
-  if (lp_ != DType::F32) {
-    gemm(lp_, Trans::N, Trans::T, N, OC, IC, inp_lp, lp_weight(w), out, false, 0, ld);
-  } else if (ld != 0) {
-    gemm(Trans::N, Trans::T, N, OC, IC, inp, params + w, out, false, 0, ld);
-  } else {
-    linear_forward(out, inp, params + w, N, IC, OC);
-  }
-}
-
-// dinp (N, IC) = (or += with acc) dout (N, OC) · W (may be null); dweight (OC, IC) += doutᵀ · inp.
-// In mixed precision dout is rounded here and inp_lp is the forward's rounded inp.
+// dinp (N, IC) = (or += with acc) dout (N, OC) · W (may be null); dweight (OC, IC) += doutᵀ · inp,
+// or under split backward later (weight_backward), from a copy of dout. inp_lp: the forward's
+// rounded inp (mixed precision).
 void Transformer::linear_bwd(float* dinp, bool acc, float* dweight, const float* dout,
-                             const float* inp, const void* inp_lp, const float* params, int64_t w,
-                             int64_t N, int64_t IC, int64_t OC, int64_t ld) {
+                             const float* inp, const void* inp_lp, int64_t w, int64_t N, int64_t IC,
+                             int64_t OC, int64_t ld) {
   DeferredGemm* later = nullptr;
   if (split_) {
     later = &defer();
     later->w = w, later->N = N, later->IC = IC, later->OC = OC, later->ld = ld;
     later->inp = inp, later->inp_lp = inp_lp;
+    // f32 keeps dout; mixed precision its rounded copy (round, below).
+    if (cpu_->precision() == DType::F32) later->dout.assign(dout, dout + N * OC);
   }
-  if (lp_ == DType::F32) {
-    if (dinp) gemm(Trans::N, Trans::N, N, IC, OC, dout, params + w, dinp, acc, 0, ld);
-    if (later) {
-      later->dout.assign(dout, dout + N * OC);
-    } else {
-      gemm(Trans::T, Trans::N, OC, IC, N, dout, inp, dweight, true, 0, 0, ld);
-    }
-    return;
-  }
-  const void* d = rounded(later ? later->dout_lp : dout_lp_, dout, N * OC);
-  if (dinp) gemm(lp_, Trans::N, Trans::N, N, IC, OC, d, lp_weight(w), dinp, acc, 0, ld);
-  if (!later) gemm(lp_, Trans::T, Trans::N, OC, IC, N, d, inp_lp, dweight, true, 0, 0, ld);
+  const void* d = ops_->round(later ? later->dout_lp : dout_lp_, dout, N * OC);
+  if (dinp) ops_->linear_backward_input(dinp, acc, dout, d, w, N, IC, OC, ld);
+  if (!later) ops_->linear_backward_weight(dweight, dout, d, inp, inp_lp, N, IC, OC, ld);
 }
 
 void Transformer::set_tensor_parallel(Comm* group, bool sequence_parallel) {
-  MOETRAIN_CHECK(!group || group->size() == 1 || !engine_,
+  MOETRAIN_CHECK(!group || group->size() == 1 || !on_device(),
                  "tensor parallelism (dist.tp): CPU only, not under a device engine");
   const int64_t tp = group ? group->size() : 1;
   if (tp > 1) {
@@ -149,7 +126,7 @@ float* Transformer::tp_owned(float* grads, int64_t offset, int64_t n) {
 }
 
 void Transformer::set_split_backward(bool on) {
-  MOETRAIN_CHECK(!on || !engine_, "split backward (zero_bubble): CPU only, not under a device");
+  MOETRAIN_CHECK(!on || !on_device(), "split backward (zero_bubble): CPU only, not under a device");
   MOETRAIN_CHECK(!on || recompute_ != Recompute::Full,
                  "split backward (zero_bubble) with train.recompute = full: the deferred weight "
                  "gradients read each block's activations, which full keeps one set of");
@@ -177,12 +154,9 @@ void Transformer::weight_backward(float* grads) {
     const DeferredGemm& d = *deferred_[i];
     if (d.ready_from >= 0) {
       if (grads_ready_) grads_ready_(d.ready_from);
-    } else if (lp_ == DType::F32) {
-      gemm(Trans::T, Trans::N, d.OC, d.IC, d.N, d.dout.data(), d.inp, grads + d.w, true, 0, 0,
-           d.ld);
     } else {
-      gemm(lp_, Trans::T, Trans::N, d.OC, d.IC, d.N, d.dout_lp.data(), d.inp_lp, grads + d.w,
-           true, 0, 0, d.ld);
+      ops_->linear_backward_weight(grads + d.w, d.dout.data(), d.dout_lp.data(), d.inp, d.inp_lp,
+                                   d.N, d.IC, d.OC, d.ld);
     }
   }
   n_deferred_ = 0;
@@ -195,15 +169,14 @@ int64_t Transformer::deferred_bytes() const {
   return n;
 }
 
-void Transformer::block_forward(int64_t l, const float* params, const MoeStep& step, bool replay,
-                                LossParts* parts) {
+void Transformer::block_forward(int64_t l, const MoeStep& step, bool replay, LossParts* parts) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.dim, HS = cfg_.head_dim();
   const TpShard sh = tp_shard(N);  // the whole model without tensor parallelism
   const int64_t NH = sh.NH, NKV = sh.NKV, QD = sh.QD, KD = sh.KD;
   const int64_t QDw = cfg_.n_heads * HS;  // o's row: every head's output
   const float eps = static_cast<float>(cfg_.norm_eps);
-  float* P = const_cast<float*>(params);  // MoeWeights carries mutable views; forward only reads
-  const bool mixed = lp_ != DType::F32;
+  ModelOps& op = *ops_;
+  const float* P = op.params();
   const LayerOffsets& o = layout_.layers[l];
   LayerActs& a = acts_at(l);
   const float* x = resid_at(l);
@@ -211,75 +184,70 @@ void Transformer::block_forward(int64_t l, const float* params, const MoeStep& s
   // R: the stream's rows here (this rank's tokens under sequence parallelism, which gathers the
   // norm's rows of every rank for the attention, and reduce-scatters its output).
   const int64_t R = sp_ ? sh.Nl : N;
-  rmsnorm_forward(sp_ ? tp_rows_.data() : a.ln1.data(), a.rstd1.data(), x, params + o.ln1, R, C,
-                  eps);
+  op.rmsnorm_forward(sp_ ? tp_rows_.data() : a.ln1.data(), a.rstd1.data(), x, P + o.ln1, R, C, eps);
   if (sp_) tp_allgather_rows(a.ln1.data(), tp_rows_.data(), R, C);
-  const void* ln1 = mixed ? rounded(a.ln1_lp, a.ln1.data(), N * C) : nullptr;
-  linear_fwd(a.q.data(), a.ln1.data(), ln1, params, o.wq + sh.q0 * C, N, C, QD);
-  linear_fwd(a.k.data(), a.ln1.data(), ln1, params, o.wk + sh.k0 * C, N, C, KD);
-  linear_fwd(a.v.data(), a.ln1.data(), ln1, params, o.wv + sh.k0 * C, N, C, KD);
-  rope_forward(a.q.data(), a.q.data(), pos_.data(), N, NH, HS, *rope_);
-  rope_forward(a.k.data(), a.k.data(), pos_.data(), N, NKV, HS, *rope_);
+  const void* ln1 = op.round(a.ln1_lp, a.ln1.data(), N * C);
+  op.linear_forward(a.q.data(), a.ln1.data(), ln1, o.wq + sh.q0 * C, N, C, QD);
+  op.linear_forward(a.k.data(), a.ln1.data(), ln1, o.wk + sh.k0 * C, N, C, KD);
+  op.linear_forward(a.v.data(), a.ln1.data(), ln1, o.wv + sh.k0 * C, N, C, KD);
+  op.rope_forward(a.q.data(), a.q.data(), pos_at_, N, NH, HS, T);
+  op.rope_forward(a.k.data(), a.k.data(), pos_at_, N, NKV, HS, T);
   if (fill_cache_) {
     std::copy_n(a.k.data(), N * KD, fill_cache_->k[l].data());
     std::copy_n(a.v.data(), N * KD, fill_cache_->v[l].data());
   }
-  (bf16_attention(T) ? attention_forward_bf16 : attention_forward)(
-      a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HS);
-  const void* att = mixed ? rounded(a.att_lp, a.att.data(), N * QD) : nullptr;
-  linear_fwd(tp_partial(a.xmid.data()), a.att.data(), att, params, o.wo + sh.q0, N, QD, C,
-             tp_ ? QDw : 0);
+  op.attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH,
+                       NKV, HS);
+  const void* att = op.round(a.att_lp, a.att.data(), N * QD);
+  op.linear_forward(tp_partial(a.xmid.data()), a.att.data(), att, o.wo + sh.q0, N, QD, C,
+                    tp_ ? QDw : 0);
   tp_sum(a.xmid.data(), C);  // every rank's heads
   const bool moe_block = moe_index_[l] >= 0;
   // A dense FFN under sequence parallelism reads every rank's rows: gathered into a.ln2.
   const bool gather2 = sp_ && !moe_block;
   // xmid = the attention's output + the block's input, then its norm.
-  add_rmsnorm_forward(gather2 ? tp_rows_.data() : a.ln2.data(), a.rstd2.data(), a.xmid.data(), x,
-                      params + o.ln2, R, C, eps);
+  op.add_rmsnorm_forward(gather2 ? tp_rows_.data() : a.ln2.data(), a.rstd2.data(), a.xmid.data(), x,
+                         P + o.ln2, R, C, eps);
   if (gather2) tp_allgather_rows(a.ln2.data(), tp_rows_.data(), R, C);
   if (moe_block) {
     MoeLayer& moe = *moe_[moe_index_[l]];
-    const MoeWeights w = moe_weights(P, o, lp_, params_lp_.data());
     // Under tensor parallelism this rank's tokens only, joined after (sequence parallelism: the
     // stream holds just those).
     const bool join = tp_ && !sp_;
     float* out = join ? tp_rows_.data() : a.ffn.data();
     const float* inp = a.ln2.data() + (sp_ ? 0 : sh.n0 * C);
-    if (replay) {
-      moe.recompute_forward(out, inp, w);
-    } else {
-      MoeStep s = step;
-      s.layer = static_cast<uint64_t>(l);
-      s.token_offset += static_cast<uint64_t>(sh.n0);
-      moe.forward(out, inp, sh.Nl, w, s);
+    MoeStep s = step;
+    s.layer = static_cast<uint64_t>(l);
+    s.token_offset += static_cast<uint64_t>(sh.n0);
+    op.moe_forward(moe, l, out, inp, sh.Nl, o, s, replay);
+    if (!replay) {
       parts->aux += moe.aux_loss();
       parts->z += moe.z_loss();
     }
     if (join && !replay) tp_allgather_rows(a.ffn.data(), out, sh.Nl, C);
   } else {
     const int64_t Fd = sh.Fd, Fdw = cfg_.dense_ffn_hidden();
-    const void* ln2 = mixed ? rounded(a.ln2_lp, a.ln2.data(), N * C) : nullptr;
-    linear_fwd(a.h1.data(), a.ln2.data(), ln2, params, o.mlp_w1 + sh.f0 * C, N, C, Fd);
-    linear_fwd(a.h3.data(), a.ln2.data(), ln2, params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
-    swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd);
-    const void* g = mixed ? rounded(a.g_lp, a.g.data(), N * Fd) : nullptr;
-    linear_fwd(tp_partial(a.ffn.data()), a.g.data(), g, params, o.mlp_w2 + sh.f0, N, Fd, C,
-               tp_ ? Fdw : 0);
+    const void* ln2 = op.round(a.ln2_lp, a.ln2.data(), N * C);
+    op.linear_forward(a.h1.data(), a.ln2.data(), ln2, o.mlp_w1 + sh.f0 * C, N, C, Fd);
+    op.linear_forward(a.h3.data(), a.ln2.data(), ln2, o.mlp_w3 + sh.f0 * C, N, C, Fd);
+    op.swiglu_forward(a.g.data(), a.h1.data(), a.h3.data(), N * Fd);
+    const void* g = op.round(a.g_lp, a.g.data(), N * Fd);
+    op.linear_forward(tp_partial(a.ffn.data()), a.g.data(), g, o.mlp_w2 + sh.f0, N, Fd, C,
+                      tp_ ? Fdw : 0);
     tp_sum(a.ffn.data(), C);  // every rank's hidden units
   }
   if (replay) return;  // the block's output is kept (the next block's input)
-  const float* xmid = a.xmid.data();
-  const float* ffn = a.ffn.data();
-#pragma omp parallel for simd schedule(static) if (R * C >= (1 << 16))
-  for (int64_t i = 0; i < R * C; ++i) x_out[i] = xmid[i] + ffn[i];
+  op.add(x_out, a.xmid.data(), a.ffn.data(), R * C);
 }
 
-void Transformer::block_backward(int64_t l, const float* params, float* grads, float moe_weight) {
+void Transformer::block_backward(int64_t l, float moe_weight) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.dim, HS = cfg_.head_dim();
   const TpShard sh = tp_shard(N);
   const int64_t NH = sh.NH, NKV = sh.NKV, QD = sh.QD, KD = sh.KD;
   const int64_t QDw = cfg_.n_heads * HS;
-  float* P = const_cast<float*>(params);
+  ModelOps& op = *ops_;
+  const float* P = op.params();
+  float* G = op.grads();
   const LayerOffsets& o = layout_.layers[l];
   LayerActs& a = acts_at(l);
   const float* x = resid_at(l);
@@ -290,56 +258,54 @@ void Transformer::block_backward(int64_t l, const float* params, float* grads, f
     // parallelism: the stream holds just those).
     const bool join = tp_ && !sp_;
     float* dinp = join ? tp_rows_.data() : dln_.data();
-    moe_[moe_index_[l]]->backward(dinp, dresid_.data() + (sp_ ? 0 : sh.n0 * C),
-                                  moe_weights(P, o, lp_, params_lp_.data()), moe_weights(grads, o),
-                                  moe_weight);
+    op.moe_backward(*moe_[moe_index_[l]], l, dinp, dresid_.data() + (sp_ ? 0 : sh.n0 * C), o,
+                    moe_weight);
     if (join) tp_allgather_rows(dln_.data(), dinp, sh.Nl, C);
   } else {
     const int64_t Fd = sh.Fd, Fdw = cfg_.dense_ffn_hidden();
     // Sequence parallelism: every rank's rows of the output's gradient.
     if (sp_) tp_allgather_rows(tp_full_.data(), dresid_.data(), R, C);
     const float* dffn = sp_ ? tp_full_.data() : dresid_.data();
-    linear_bwd(dg_.data(), false, grads + o.mlp_w2 + sh.f0, dffn, a.g.data(), a.g_lp.data(),
-               params, o.mlp_w2 + sh.f0, N, Fd, C, tp_ ? Fdw : 0);
-    swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
+    linear_bwd(dg_.data(), false, G + o.mlp_w2 + sh.f0, dffn, a.g.data(), a.g_lp.data(),
+               o.mlp_w2 + sh.f0, N, Fd, C, tp_ ? Fdw : 0);
+    op.swiglu_backward(dh1_.data(), dh3_.data(), dg_.data(), a.h1.data(), a.h3.data(), N * Fd);
     float* dpart = tp_partial(dln_.data());
-    linear_bwd(dpart, false, grads + o.mlp_w1 + sh.f0 * C, dh1_.data(), a.ln2.data(),
-               a.ln2_lp.data(), params, o.mlp_w1 + sh.f0 * C, N, C, Fd);
-    linear_bwd(dpart, true, grads + o.mlp_w3 + sh.f0 * C, dh3_.data(), a.ln2.data(),
-               a.ln2_lp.data(), params, o.mlp_w3 + sh.f0 * C, N, C, Fd);
+    linear_bwd(dpart, false, G + o.mlp_w1 + sh.f0 * C, dh1_.data(), a.ln2.data(), a.ln2_lp.data(),
+               o.mlp_w1 + sh.f0 * C, N, C, Fd);
+    linear_bwd(dpart, true, G + o.mlp_w3 + sh.f0 * C, dh3_.data(), a.ln2.data(), a.ln2_lp.data(),
+               o.mlp_w3 + sh.f0 * C, N, C, Fd);
     tp_sum(dln_.data(), C);  // every rank's hidden units
   }
   // ∂L/∂xmid: through the FFN's norm and through the residual.
-  rmsnorm_backward(dxmid_.data(), tp_owned(grads, o.ln2, C), dln_.data(), a.xmid.data(),
-                   params + o.ln2, a.rstd2.data(), R, C, dresid_.data());
+  op.rmsnorm_backward(dxmid_.data(), tp_owned(G, o.ln2, C), dln_.data(), a.xmid.data(), P + o.ln2,
+                      a.rstd2.data(), R, C, dresid_.data());
 
   if (sp_) tp_allgather_rows(tp_full_.data(), dxmid_.data(), R, C);
-  linear_bwd(datt_.data(), false, grads + o.wo + sh.q0, sp_ ? tp_full_.data() : dxmid_.data(),
-             a.att.data(), a.att_lp.data(), params, o.wo + sh.q0, N, QD, C, tp_ ? QDw : 0);
-  (bf16_attention(T) ? attention_backward_bf16 : attention_backward)(
-      dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(), a.v.data(),
-      a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
-  rope_backward(dq_.data(), dq_.data(), pos_.data(), N, NH, HS, *rope_);
-  rope_backward(dk_.data(), dk_.data(), pos_.data(), N, NKV, HS, *rope_);
+  linear_bwd(datt_.data(), false, G + o.wo + sh.q0, sp_ ? tp_full_.data() : dxmid_.data(),
+             a.att.data(), a.att_lp.data(), o.wo + sh.q0, N, QD, C, tp_ ? QDw : 0);
+  op.attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(),
+                        a.v.data(), a.att.data(), a.lse.data(), B, T, NH, NKV, HS);
+  op.rope_backward(dq_.data(), dq_.data(), pos_at_, N, NH, HS, T);
+  op.rope_backward(dk_.data(), dk_.data(), pos_at_, N, NKV, HS, T);
   float* dpart = tp_partial(dln_.data());
-  linear_bwd(dpart, false, grads + o.wq + sh.q0 * C, dq_.data(), a.ln1.data(),
-             a.ln1_lp.data(), params, o.wq + sh.q0 * C, N, C, QD);
-  linear_bwd(dpart, true, grads + o.wk + sh.k0 * C, dk_.data(), a.ln1.data(),
-             a.ln1_lp.data(), params, o.wk + sh.k0 * C, N, C, KD);
-  linear_bwd(dpart, true, grads + o.wv + sh.k0 * C, dv_.data(), a.ln1.data(),
-             a.ln1_lp.data(), params, o.wv + sh.k0 * C, N, C, KD);
+  linear_bwd(dpart, false, G + o.wq + sh.q0 * C, dq_.data(), a.ln1.data(), a.ln1_lp.data(),
+             o.wq + sh.q0 * C, N, C, QD);
+  linear_bwd(dpart, true, G + o.wk + sh.k0 * C, dk_.data(), a.ln1.data(), a.ln1_lp.data(),
+             o.wk + sh.k0 * C, N, C, KD);
+  linear_bwd(dpart, true, G + o.wv + sh.k0 * C, dv_.data(), a.ln1.data(), a.ln1_lp.data(),
+             o.wv + sh.k0 * C, N, C, KD);
   tp_sum(dln_.data(), C);  // every rank's heads
   // ∂L/∂(block input): through the attention's norm and through the residual.
-  rmsnorm_backward(dresid_.data(), tp_owned(grads, o.ln1, C), dln_.data(), x, params + o.ln1,
-                   a.rstd1.data(), R, C, dxmid_.data());
+  op.rmsnorm_backward(dresid_.data(), tp_owned(G, o.ln1, C), dln_.data(), x, P + o.ln1,
+                      a.rstd1.data(), R, C, dxmid_.data());
 }
 
 int64_t Transformer::activation_bytes() const {
   auto vec = [](const auto& v) { return static_cast<int64_t>(v.capacity() * sizeof(v[0])); };
   int64_t n = 0;
   for (const auto& a : acts_) n += a->bytes();
-  n += vec(resid_) + vec(lnf_) + vec(rstdf_) + lnf_lp_.bytes() + vec(logits_) + vec(lse_) +
-       vec(losses_) + vec(inputs_) + vec(targets_) + vec(pos_);
+  n += resid_.bytes() + lnf_.bytes() + rstdf_.bytes() + lnf_lp_.bytes() + logits_.bytes() +
+       lse_.bytes() + losses_.bytes() + vec(inputs_) + vec(targets_) + vec(pos_);
   for (const auto& m : moe_) n += m->held_bytes();
   if (scratch_) n += scratch_->bytes();
   return n + deferred_bytes();

@@ -3,18 +3,14 @@
 #include <algorithm>
 
 #include "core/check.h"
-#include "kernels/activation.h"
 #include "kernels/attention.h"
-#include "kernels/embedding.h"
-#include "kernels/gemm.h"
-#include "kernels/norm.h"
 #include "kernels/rope.h"
 #include "model/transformer.h"
 
 namespace moetrain {
 
 const float* Transformer::decode(const float* params, int32_t token, KvCache& cache) {
-  MOETRAIN_CHECK(!engine_, "decode: decoding runs on the CPU (set_device(\"cpu\") first)");
+  MOETRAIN_CHECK(!on_device(), "decode: decoding runs on the CPU (set_device(\"cpu\") first)");
   MOETRAIN_CHECK(!units_, "decode: decoding reads whole parameters, not sharded ones (dist.zero = 3)");
   MOETRAIN_CHECK(first_ == 0 && last_stage(),
                  "decode: decoding runs the whole model, not a pipeline stage");
@@ -36,29 +32,23 @@ const float* Transformer::decode(const float* params, int32_t token, KvCache& ca
   dq_tok_.resize(sz(QD)), datt_tok_.resize(sz(QD)), dk_tok_.resize(sz(KD)), dv_tok_.resize(sz(KD));
   dh1_tok_.resize(sz(Fd)), dh3_tok_.resize(sz(Fd)), dg_tok_.resize(sz(Fd));
   dlogits_tok_.resize(sz(V));
-  float* P = const_cast<float*>(params);  // MoeWeights carries mutable views; decode only reads
-  const bool mixed = lp_ != DType::F32;
+  // The CPU's operations, as forward's: the GEMMs from inp rounded in mixed precision.
+  CpuOps& op = *cpu_;
   refresh_lp_weights(params);
-  // out (OC) = inp (IC) · Wᵀ, in mixed precision from inp rounded (as forward's GEMMs do).
+  op.bind_params(params);
   auto linear = [&](float* out, const float* inp, int64_t w, int64_t IC, int64_t OC) {
-    if (mixed) {
-      void* x = dlp_.ensure(IC);
-      f32_to_dtype(lp_, x, inp, sz(IC));
-      gemm(lp_, Trans::N, Trans::T, 1, OC, IC, x, lp_weight(w), out, false);
-    } else {
-      linear_forward(out, inp, params + w, 1, IC, OC);
-    }
+    op.linear_forward(out, inp, op.round(dlp_, inp, IC), w, 1, IC, OC, 0);
   };
 
   const int64_t t = cache.length;
   const int32_t pos = static_cast<int32_t>(t);
-  embedding_forward(dx_.data(), &token, params + layout_.embed, 1, C, V);
+  op.embedding_forward(dx_.data(), &token, params + layout_.embed, 1, C, V);
   float rstd = 0;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     const LayerOffsets& o = layout_.layers[l];
     float* kc = cache.k[l].data();
     float* vc = cache.v[l].data();
-    rmsnorm_forward(dln_tok_.data(), &rstd, dx_.data(), params + o.ln1, 1, C, eps);
+    op.rmsnorm_forward(dln_tok_.data(), &rstd, dx_.data(), params + o.ln1, 1, C, eps);
     linear(dq_tok_.data(), dln_tok_.data(), o.wq, C, QD);
     linear(kc + t * KD, dln_tok_.data(), o.wk, C, KD);
     linear(vc + t * KD, dln_tok_.data(), o.wv, C, KD);
@@ -69,22 +59,21 @@ const float* Transformer::decode(const float* params, int32_t token, KvCache& ca
     cache.max_keys = std::max(cache.max_keys, t + 1);
     linear(dmid_.data(), datt_tok_.data(), o.wo, QD, C);
     for (int64_t i = 0; i < C; ++i) dmid_[i] += dx_[i];
-    rmsnorm_forward(dln_tok_.data(), &rstd, dmid_.data(), params + o.ln2, 1, C, eps);
+    op.rmsnorm_forward(dln_tok_.data(), &rstd, dmid_.data(), params + o.ln2, 1, C, eps);
     if (moe_index_[l] >= 0) {
       MoeStep s;
       s.training = false;
       s.layer = static_cast<uint64_t>(l);
-      moe_[moe_index_[l]]->forward(dffn_.data(), dln_tok_.data(), 1,
-                                   moe_weights(P, o, lp_, params_lp_.data()), s);
+      op.moe_forward(*moe_[moe_index_[l]], l, dffn_.data(), dln_tok_.data(), 1, o, s, false);
     } else {
       linear(dh1_tok_.data(), dln_tok_.data(), o.mlp_w1, C, Fd);
       linear(dh3_tok_.data(), dln_tok_.data(), o.mlp_w3, C, Fd);
-      swiglu_forward(dg_tok_.data(), dh1_tok_.data(), dh3_tok_.data(), Fd);
+      op.swiglu_forward(dg_tok_.data(), dh1_tok_.data(), dh3_tok_.data(), Fd);
       linear(dffn_.data(), dg_tok_.data(), o.mlp_w2, Fd, C);
     }
     for (int64_t i = 0; i < C; ++i) dx_[i] = dmid_[i] + dffn_[i];
   }
-  rmsnorm_forward(dln_tok_.data(), &rstd, dx_.data(), params + layout_.final_norm, 1, C, eps);
+  op.rmsnorm_forward(dln_tok_.data(), &rstd, dx_.data(), params + layout_.final_norm, 1, C, eps);
   linear(dlogits_tok_.data(), dln_tok_.data(), layout_.lm_head, C, V);
   cache.length = t + 1;
   return dlogits_tok_.data();

@@ -10,7 +10,7 @@
 #include "data/shard.h"
 #include "io/file.h"
 #include "io/trace_events.h"
-#include "model/device_engine.h"
+#include "model/device_ops.h"
 #include "parallel/runtime.h"
 #include "train/evaluate.h"
 #include "train/memory_estimate.h"
@@ -30,10 +30,10 @@ DeviceTrainingState* start_device(Transformer& model, const TrainConfig& t, int 
                  "train.device = {} runs on one process; this run has {} (no NCCL backend yet)",
                  t.device, processes);
   model.set_device(t.device);
-  model.device_engine()->set_gemm(device_gemm(t.precision));
+  model.device_ops()->set_gemm(device_gemm(t.precision));
   log_info("train.device = {}: forward, backward and update on {}", t.device,
-           model.device_engine()->describe());
-  return &model.device_engine()->training_state();
+           model.device_ops()->describe());
+  return &model.device_ops()->training_state();
 }
 
 }  // namespace

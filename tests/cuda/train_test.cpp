@@ -1,4 +1,4 @@
-// The CUDA engine end to end: the trainer on the GPU against the same run on the CPU, bit-exact
+// The CUDA operations end to end: the trainer on the GPU against the same run on the CPU, bit-exact
 // resume on the GPU, and the refusals. Skipped, saying why, where no GPU is usable — except the
 // refusals, which are what such a machine shows.
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 
 #include "core/rng.h"
 #include "cuda/device.h"
-#include "model/device_engine.h"
+#include "model/device_ops.h"
 #include "model/params.h"
 #include "model/transformer.h"
 #include "support/corpus.h"
@@ -122,11 +122,11 @@ void expect_one_step_matches(std::initializer_list<const char*> routers, bool bf
     model.backward(params.data(), gc.data(), 0.7f);
     model.set_device("cuda");
     if (bf16) {
-      model.device_engine()->set_gemm(DeviceGemm::BF16);
+      model.device_ops()->set_gemm(DeviceGemm::BF16);
       // The CPU's bf16 precision keeps attention f32; the GPU's would round its operands too, and
       // a hidden state moved by that flips near-tied top-k choices (whole rows of expert
       // gradients). Attention's tensor-core path is held to its own bounds in attention_test.
-      model.device_engine()->keep_attention_f32(true);
+      model.device_ops()->keep_attention_f32(true);
     }
     const LossParts pg = model.forward(params.data(), inputs.data(), targets.data(), B, T, step);
     model.backward(params.data(), gg.data(), 0.7f);

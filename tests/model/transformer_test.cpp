@@ -165,7 +165,7 @@ TEST(Transformer, DeviceCudaWithoutABackendOrAGpuSaysWhy) {
     EXPECT_TRUE(msg.find("no CUDA backend") != std::string::npos ||
                 msg.find("CUDA device") != std::string::npos)
         << msg;
-    EXPECT_EQ(model.device_engine(), nullptr);
+    EXPECT_EQ(model.device_ops(), nullptr);
     return;
   }
   GTEST_SKIP() << "a GPU is usable here";

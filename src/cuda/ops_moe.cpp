@@ -1,7 +1,7 @@
-// The CUDA engine's MoE blocks (engine.h): the router's GEMMs on the device, its decisions by the
+// The MoE block on the device (cuda/ops.h): the router's GEMMs on the device, its decisions by the
 // model's own MoeLayer on the host, the layout copied over, the experts' SwiGLU as one GEMM per
 // expert and matrix over its rows, and combine; the backward in reverse.
-#include "cuda/engine.h"
+#include "cuda/ops.h"
 
 #include <algorithm>
 #include <optional>
@@ -10,10 +10,16 @@
 
 namespace moetrain::cuda {
 
-void CudaEngine::expert_forward(const float* xp, float* y, int64_t r0, int64_t rows,
-                                const float* w1, const float* w3, const float* w2, int64_t F,
-                                float* A, float* Bv, float* G) {
-  const int64_t C = cfg_.dim;
+DeviceMoeActs& CudaOps::moe_acts(int64_t l) {
+  auto& a = moe_acts_[static_cast<std::size_t>(l)];
+  if (!a) a = std::make_unique<DeviceMoeActs>();
+  return *a;
+}
+
+void CudaOps::expert_forward(const float* xp, float* y, int64_t r0, int64_t rows, const float* w1,
+                             const float* w3, const float* w2, int64_t F, float* A, float* Bv,
+                             float* G) {
+  const int64_t C = C_;
   cuda::linear_forward(ctx_, A + r0 * F, xp + r0 * C, w1, rows, C, F);
   cuda::linear_forward(ctx_, Bv + r0 * F, xp + r0 * C, w3, rows, C, F);
   // With bf16 GEMMs the SwiGLU writes g's bf16 copy for w2's GEMM as well.
@@ -22,23 +28,24 @@ void CudaEngine::expert_forward(const float* xp, float* y, int64_t r0, int64_t r
   cuda::linear_forward(ctx_, y + r0 * C, G + r0 * F, w2, rows, F, C);
 }
 
-void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
-  DeviceLayer& a = *layers_[l];
-  MoeLayer& moe = *moe_[m];
+void CudaOps::moe_forward(MoeLayer& moe, int64_t l, float* out, const float* inp, int64_t N,
+                          const MoeBlockOffsets& o, const MoeStep& step, bool replay) {
+  MOETRAIN_CHECK(!replay, "cuda: the MoE block keeps every activation (train.recompute = none)");
+  DeviceMoeActs& a = moe_acts(l);
+  a.inp = inp, a.N = N;
   const MoeConfig& mc = moe.config();
-  const LayerOffsets& o = layout_.layers[l];
-  const int64_t N = N_, C = cfg_.dim, E = mc.E, F = mc.F;
+  const int64_t C = C_, E = mc.E, F = mc.F;
   const float* P = params_.data();
   // Router logits on the device (f32 operands in every mode, as on the CPU), decisions on the host
   // (the model's own MoE layer).
   std::optional<DevicePhase> routing(std::in_place, ctx_, Phase::Router);
   router_logits_.resize(N * E);
-  cuda::linear_forward(ctx_, router_logits_.data(), a.ln2.data(), P + o.gate, N, C, E, true);
+  cuda::linear_forward(ctx_, router_logits_.data(), inp, P + o.gate, N, C, E, true);
   float* logits_host = moe.logits_for(N);
   ctx_.sync();
   router_logits_.download(logits_host, N * E);
   if (mc.router == RouterKind::NoisyTopK) {
-    cuda::linear_forward(ctx_, router_logits_.data(), a.ln2.data(), P + o.noise, N, C, E, true);
+    cuda::linear_forward(ctx_, router_logits_.data(), inp, P + o.noise, N, C, E, true);
     ctx_.sync();
     router_logits_.download(moe.noise_logits(), N * E);
   }
@@ -55,7 +62,7 @@ void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
   a.a.resize(R * F), a.b.resize(R * F), a.ge.resize(R * F);
   {
     DevicePhase ph(ctx_, Phase::Dispatch);
-    cuda::permute_forward(a.xp.data(), a.ln2.data(), a.row_token.data(), R, C, ctx_.stream());
+    cuda::permute_forward(a.xp.data(), inp, a.row_token.data(), R, C, ctx_.stream());
   }
   std::optional<DevicePhase> experts(std::in_place, ctx_, Phase::Experts);
   // With bf16 GEMMs each expert's rows feed two GEMMs (w1, w3): rounded once for both.
@@ -72,31 +79,31 @@ void CudaEngine::moe_forward(int64_t l, int64_t m, const MoeStep& step) {
   if (shared) {
     const int64_t Fs = mc.shared_F;
     a.sa.resize(N * Fs), a.sb.resize(N * Fs), a.sg.resize(N * Fs);
-    const Bf16Operand ln16(ctx_, a.ln2.data(), N * C);
-    expert_forward(a.ln2.data(), a.ffn.data(), 0, N, P + o.shared_w1, P + o.shared_w3,
-                   P + o.shared_w2, Fs, a.sa.data(), a.sb.data(), a.sg.data());
+    const Bf16Operand ln16(ctx_, inp, N * C);
+    expert_forward(inp, out, 0, N, P + o.shared_w1, P + o.shared_w3, P + o.shared_w2, Fs,
+                   a.sa.data(), a.sb.data(), a.sg.data());
   }
   experts.reset();
   {
     DevicePhase ph(ctx_, Phase::Dispatch);
-    cuda::combine_forward(a.ffn.data(), a.y.data(), a.slot_row.data(), a.row_weight.data(), N, S, C,
-                          shared, ctx_.stream());
+    cuda::combine_forward(out, a.y.data(), a.slot_row.data(), a.row_weight.data(), N, S, C, shared,
+                          ctx_.stream());
   }
   DevicePhase ph(ctx_, Phase::Router);
   moe.finish_route(lay.counts.data());
 }
 
-void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
-  DeviceLayer& a = *layers_[l];
-  MoeLayer& moe = *moe_[m];
+void CudaOps::moe_backward(MoeLayer& moe, int64_t l, float* dinp, const float* dout,
+                           const MoeBlockOffsets& o, float moe_weight) {
+  DeviceMoeActs& a = moe_acts(l);
   const MoeConfig& mc = moe.config();
-  const LayerOffsets& o = layout_.layers[l];
   const DispatchLayout& lay = a.layout;
-  const int64_t N = N_, C = cfg_.dim, E = mc.E, F = mc.F, R = lay.R, S = lay.S;
+  const float* inp = a.inp;
+  const int64_t N = a.N, C = C_, E = mc.E, F = mc.F, R = lay.R, S = lay.S;
   const float* P = params_.data();
   float* G = grads_.data();
   const cudaStream_t s = ctx_.stream();
-  // dresid_ is ∂L/∂ffn. Combine's backward gives the rows' gradients and the router weights'.
+  // dout is ∂L/∂out. Combine's backward gives the rows' gradients and the router weights'.
   const bool shared = mc.shared_F > 0;
   const int64_t Fs = mc.shared_F;
   // Sized once before any kernel reads them: the shared expert reuses them after the routed ones.
@@ -105,8 +112,8 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
   da_.resize(scratch), db_.resize(scratch), dge_.resize(scratch);
   {
     DevicePhase ph(ctx_, Phase::Dispatch);
-    cuda::combine_backward(dy_.data(), dweight_.data(), dresid_.data(), a.y.data(),
-                           a.slot_row.data(), a.row_weight.data(), N, S, C, s);
+    cuda::combine_backward(dy_.data(), dweight_.data(), dout, a.y.data(), a.slot_row.data(),
+                           a.row_weight.data(), N, S, C, s);
     dweight_host_.resize(static_cast<std::size_t>(N * S));
     ctx_.sync();
     dweight_.download(dweight_host_.data(), N * S);
@@ -143,16 +150,15 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
   }
   dy16.reset(), xp16.reset();
   if (shared) {
-    // The shared expert sees every token: its input gradient starts dln, the routed rows add.
-    const Bf16Operand dr16(ctx_, dresid_.data(), N * C), ln16(ctx_, a.ln2.data(), N * C);
-    expert_backward(dresid_.data(), a.ln2.data(), dln_.data(), 0, N, Fs, a.sa.data(), a.sb.data(),
-                    a.sg.data(), da_.data(), db_.data(), dge_.data(), o.shared_w1, o.shared_w3,
-                    o.shared_w2, false);
+    // The shared expert sees every token: its input gradient starts dinp, the routed rows add.
+    const Bf16Operand dr16(ctx_, dout, N * C), ln16(ctx_, inp, N * C);
+    expert_backward(dout, inp, dinp, 0, N, Fs, a.sa.data(), a.sb.data(), a.sg.data(), da_.data(),
+                    db_.data(), dge_.data(), o.shared_w1, o.shared_w3, o.shared_w2, false);
   }
   experts.reset();
   {
     DevicePhase ph(ctx_, Phase::Dispatch);
-    cuda::permute_backward(dln_.data(), dxp_.data(), a.slot_row.data(), N, S, C, shared, s);
+    cuda::permute_backward(dinp, dxp_.data(), a.slot_row.data(), N, S, C, shared, s);
   }
   // The router: ∂/∂logits on the host (the MoE layer's own rules, with the balancing losses),
   // then its GEMMs here, in f32.
@@ -161,13 +167,13 @@ void CudaEngine::moe_backward(int64_t l, int64_t m, float moe_weight) {
   if (dl == nullptr) return;
   drouter_.resize(N * E);
   drouter_.upload(dl, N * E);
-  cuda::linear_backward(ctx_, dln_.data(), true, G + o.gate, drouter_.data(), a.ln2.data(),
-                        P + o.gate, N, C, E, true);
+  cuda::linear_backward(ctx_, dinp, true, G + o.gate, drouter_.data(), inp, P + o.gate, N, C, E,
+                        true);
   if (const float* dnl = moe.noise_logit_grads()) {
     ctx_.sync();  // drouter_ is read by the GEMMs above before it is overwritten
     drouter_.upload(dnl, N * E);
-    cuda::linear_backward(ctx_, dln_.data(), true, G + o.noise, drouter_.data(), a.ln2.data(),
-                          P + o.noise, N, C, E, true);
+    cuda::linear_backward(ctx_, dinp, true, G + o.noise, drouter_.data(), inp, P + o.noise, N, C, E,
+                          true);
   }
 }
 
