@@ -43,8 +43,26 @@ void Transformer::set_device(const std::string& device) {
                  device, recompute_name(recompute_));
   // One device's operations for the model's life: its buffers live in their memory.
   if (device == "cuda" && !device_) device_ = make_cuda_ops(*this);
-  ModelOps* ops = device == "cuda" ? static_cast<ModelOps*>(device_.get()) : cpu_.get();
+  switch_ops(device == "cuda" ? static_cast<ModelOps*>(device_.get()) : cpu_.get());
+}
+
+void Transformer::set_device(std::unique_ptr<DeviceOps> ops) {
+  MOETRAIN_CHECK(ops && first_ == 0 && end_ == cfg_.n_layers && recompute_ == Recompute::None,
+                 "set_device: a device runs the whole model with train.recompute = none");
+  // Every buffer leaves the memory of the operations replaced.
+  for (auto& a : acts_) a = std::make_unique<LayerActs>();
+  for (Floats* f : {&resid_, &lnf_, &rstdf_, &logits_, &lse_, &losses_, &dlogits_, &dresid_,
+                    &dxmid_, &dln_, &dq_, &dk_, &dv_, &datt_, &dh1_, &dh3_, &dg_})
+    f->reset();
+  for (Ints* i : {&inputs_dev_, &targets_dev_, &pos_dev_}) i->reset();
+  device_ = std::move(ops);
+  switch_ops(device_.get());
+}
+
+void Transformer::switch_ops(ModelOps* ops) {
   if (ops == ops_) return;
+  // The tokens' copies in the memory left (the activations move at the next forward).
+  for (Ints* i : {&inputs_dev_, &targets_dev_, &pos_dev_}) i->reset();
   ops_ = ops;
   capacity_ = 0;  // the buffers move to the new memory at the next forward
   have_targets_ = false;

@@ -119,6 +119,9 @@ class Transformer final : public TrainableModel {
   // evaluation only: prefill and decode run on the CPU. set_precision and hooks do not apply to
   // it (its GEMM mode is DeviceOps::set_gemm).
   void set_device(const std::string& device);
+  // Runs forward and backward on these operations instead (another backend's; tests run a CPU
+  // stand-in that holds the model to a device's rules: every buffer in its own memory).
+  void set_device(std::unique_ptr<DeviceOps> ops);
   const DeviceOps* device_ops() const { return on_device() ? device_.get() : nullptr; }
   DeviceOps* device_ops() { return on_device() ? device_.get() : nullptr; }
 
@@ -250,6 +253,7 @@ class Transformer final : public TrainableModel {
   DeferredGemm& defer();
   void refresh_lp_weights(const float* params);
   bool on_device() const { return ops_ != cpu_.get(); }
+  void switch_ops(ModelOps* ops);
 
   ModelConfig cfg_;
   ParamLayout layout_;
