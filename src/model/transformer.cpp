@@ -35,10 +35,9 @@ void Transformer::set_device(const std::string& device) {
   MOETRAIN_CHECK(device == "cpu" || device == "cuda", "device '{}': allowed are cpu, cuda",
                  device);
   MOETRAIN_CHECK(device == "cpu" || (first_ == 0 && end_ == cfg_.n_layers),
-                 "device '{}': the device engine runs the whole model, not a pipeline stage",
-                 device);
+                 "device '{}': a device runs the whole model, not a pipeline stage", device);
   MOETRAIN_CHECK(device == "cpu" || recompute_ == Recompute::None,
-                 "device '{}' with train.recompute = {}: the device engine keeps every activation "
+                 "device '{}' with train.recompute = {}: a device keeps every activation "
                  "(none only)",
                  device, recompute_name(recompute_));
   // One device's operations for the model's life: its buffers live in their memory.
@@ -111,7 +110,7 @@ void Transformer::set_stage(int64_t first, int64_t end) {
                  "pipeline stage of blocks [{}, {}): needs 0 ≤ first < end ≤ model.n_layers = {}",
                  first, end, cfg_.n_layers);
   MOETRAIN_CHECK(!on_device() || (first == 0 && end == cfg_.n_layers),
-                 "a pipeline stage runs on the CPU: the device engine runs the whole model");
+                 "a pipeline stage runs on the CPU: a device runs the whole model");
   if (first == first_ && end == end_) return;
   first_ = first, end_ = end;
   for (auto& a : acts_) a = std::make_unique<LayerActs>();

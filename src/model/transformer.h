@@ -195,7 +195,7 @@ class Transformer final : public TrainableModel {
   // activations; moe drops the MoE layers' expert intermediates and computes them again in
   // backward; full keeps each block's input only (the residual stream) and one set of block
   // activations, running each block's forward again right before its backward. The gradients
-  // are the same bits in every mode. CPU only (the device engine refuses anything but none).
+  // are the same bits in every mode. CPU only (a device refuses anything but none).
   void set_recompute(Recompute r);
   Recompute recompute() const { return recompute_; }
   // Bytes of activations the model holds now for its backward: the blocks' activations, the

@@ -18,7 +18,7 @@ Transformer::LayerActs& Transformer::acts_at(int64_t l) {
 
 void Transformer::set_recompute(Recompute r) {
   MOETRAIN_CHECK(!on_device() || r == Recompute::None,
-                 "train.recompute = {}: the device engine keeps every activation (none only)",
+                 "train.recompute = {}: a device keeps every activation (none only)",
                  recompute_name(r));
   MOETRAIN_CHECK(!split_ || r != Recompute::Full,
                  "train.recompute = full with split backward (zero_bubble): the deferred weight "
@@ -53,7 +53,7 @@ void Transformer::linear_bwd(float* dinp, bool acc, float* dweight, const float*
 
 void Transformer::set_tensor_parallel(Comm* group, bool sequence_parallel) {
   MOETRAIN_CHECK(!group || group->size() == 1 || !on_device(),
-                 "tensor parallelism (dist.tp): CPU only, not under a device engine");
+                 "tensor parallelism (dist.tp): CPU only, not on a device");
   const int64_t tp = group ? group->size() : 1;
   if (tp > 1) {
     auto divides = [&](int64_t n, const char* key) {

@@ -1,4 +1,4 @@
-// The training state a device engine keeps resident (model/device_ops.h, the CUDA backend):
+// The training state a device keeps resident (model/device_ops.h, the CUDA backend):
 // the gradients, summed on the device over a step's micro-batches from zero_grads() on; the one
 // update step (optim/update.h) runs on gradient(); AdamW steps the device parameters and moments,
 // which the host sees only through download_state / upload_state (checkpoints, resume).

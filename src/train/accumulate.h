@@ -71,7 +71,7 @@ struct AccumulateHooks {
   // every micro-batch's gradients). May be empty.
   std::function<void(int64_t micro)> before_backward, after_backward;
   // Zeroes the gradients in place of filling the host buffer with zeros: where they live elsewhere
-  // (a resident device engine, which leaves the host buffer alone), or where the buffer skips
+  // (a resident device, which leaves the host buffer alone), or where the buffer skips
   // pages it handed back (ZeRO-2). May be empty.
   std::function<void()> zero_grads;
   // Sparse expert gradients: each micro-batch's routing is recorded here right after its forward

@@ -193,7 +193,7 @@ void DistSettings::validate_offload(const std::string& run_dir, const std::strin
   if (!offloaded()) return;
   MOETRAIN_CHECK(device == "cpu",
                  "dist.offload = host_file with train.device = {}: the state file is streamed by "
-                 "the CPU optimizer; the device engine keeps its state on the device (use "
+                 "the CPU optimizer; the device keeps its state there (use "
                  "dist.offload = none)",
                  device);
   const fs::path dir = offload_path(run_dir);

@@ -310,13 +310,13 @@ void RunConfig::validate() const {
                  "train.precision = tf32 rounds GEMM operands on a GPU's tensor cores: it needs "
                  "train.device = cuda");
   if (t.device == "cuda") {
-    // What the CUDA engine does not run yet: each is refused by name rather than run elsewhere.
+    // What the CUDA backend does not run yet: each is refused by name rather than run elsewhere.
     MOETRAIN_CHECK(t.recompute == Recompute::None,
-                   "train.device = cuda with train.recompute = {}: the CUDA engine keeps every "
+                   "train.device = cuda with train.recompute = {}: the CUDA backend keeps every "
                    "activation; allowed there is none (recompute runs on the CPU)",
                    recompute_name(t.recompute));
     MOETRAIN_CHECK(t.precision != Precision::FP16,
-                   "train.device = cuda with train.precision = fp16: the CUDA engine computes in "
+                   "train.device = cuda with train.precision = fp16: the CUDA backend computes in "
                    "f32, tf32 or bf16 (auto picks bf16)");
     MOETRAIN_CHECK(dist.ep <= 1 && !dist.zero && !dist.local_steps(),
                    "train.device = cuda runs on one process (no NCCL backend yet): leave dist.ep, "

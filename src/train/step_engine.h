@@ -130,7 +130,7 @@ class StepEngine {
  public:
   // Collective over rp's groups. init_params(params, from, to) fills the fresh parameters of the
   // tensors whose offsets lie in [from, to) (ZeRO-3 fills one unit at a time). device: a resident
-  // device engine holding the parameters, gradients and moments between checkpoints
+  // device holding the parameters, gradients and moments between checkpoints
   // (train.device = cuda; null on the CPU).
   StepEngine(const EngineConfig& cfg, RunParallel rp, TrainableModel& model,
              const std::function<void(float* params, int64_t from, int64_t to)>& init_params,

@@ -42,7 +42,7 @@ namespace {
 template <class Fn>
 void for_each_moment_piece(ShardedOptimizer& optimizer, Fn&& fn) {
   MOETRAIN_CHECK(optimizer.state_names().size() == 2 && optimizer.state_names()[0] == "exp_avg",
-                 "a device engine keeps AdamW's two moments; this optimizer has {} state buffers",
+                 "a device keeps AdamW's two moments; this optimizer has {} state buffers",
                  optimizer.state_names().size());
   for (std::size_t p = 0; p < optimizer.pieces().size(); ++p) {
     const OptimPiece& piece = optimizer.pieces()[p];

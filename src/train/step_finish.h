@@ -1,7 +1,7 @@
 // The end of the step engine's step (train/step_engine.h), after the update: the aux-loss-free
 // router's bias update and the controllers (dynamic capacity, RL gating), the step's figures
 // reduced over the processes and its metrics line, the step's communication; and moving a
-// resident device engine's state to and from the host.
+// resident device's state to and from the host.
 #pragma once
 #include <cstdint>
 #include <vector>
