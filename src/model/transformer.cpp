@@ -40,9 +40,12 @@ void Transformer::set_device(const std::string& device) {
                  "device '{}' with train.recompute = {}: a device keeps every activation "
                  "(none only)",
                  device, recompute_name(recompute_));
-  // One device's operations for the model's life: its buffers live in their memory.
-  if (device == "cuda" && !device_) device_ = make_cuda_ops(*this);
-  switch_ops(device == "cuda" ? static_cast<ModelOps*>(device_.get()) : cpu_.get());
+  if (device == "cpu") return switch_ops(cpu_.get());
+  // One CUDA device's operations for the model's life (kept while the model runs on the CPU in
+  // between): its buffers live in their memory.
+  if (!device_is_cuda_) set_device(make_cuda_ops(*this));
+  device_is_cuda_ = true;
+  switch_ops(device_.get());
 }
 
 void Transformer::set_device(std::unique_ptr<DeviceOps> ops) {
@@ -55,6 +58,7 @@ void Transformer::set_device(std::unique_ptr<DeviceOps> ops) {
     f->reset();
   for (Ints* i : {&inputs_dev_, &targets_dev_, &pos_dev_}) i->reset();
   device_ = std::move(ops);
+  device_is_cuda_ = false;
   switch_ops(device_.get());
 }
 

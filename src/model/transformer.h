@@ -100,7 +100,8 @@ class Transformer final : public TrainableModel {
   int64_t deferred_bytes() const;
   // Called during backward whenever the gradients at flat offsets ≥ `ready_from` are final (the
   // layout runs embedding, blocks, final norm, head, and backward visits them in reverse), so a
-  // distributed trainer can start reducing them while backward goes on. Empty: no calls.
+  // distributed trainer can start reducing them while backward goes on. Empty, or on a device
+  // (whose gradients reach the buffer when backward ends): no calls.
   void set_grads_ready_hook(std::function<void(int64_t ready_from)> hook) override {
     grads_ready_ = std::move(hook);
   }
@@ -261,6 +262,7 @@ class Transformer final : public TrainableModel {
   // buffer in their memory.
   std::unique_ptr<CpuOps> cpu_;
   std::unique_ptr<DeviceOps> device_;
+  bool device_is_cuda_ = false;  // device_ is make_cuda_ops'
   ModelOps* ops_ = nullptr;
   std::vector<std::unique_ptr<MoeLayer>> moe_;
   std::vector<int64_t> moe_index_;

@@ -135,6 +135,8 @@ void Transformer::set_split_backward(bool on) {
 }
 
 void Transformer::grads_ready(int64_t from) {
+  // A device's gradients reach the caller's buffer only at the end (end_grads): no hook on it.
+  if (on_device()) return;
   if (split_) {
     defer().ready_from = from;
   } else if (grads_ready_) {

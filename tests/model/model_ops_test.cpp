@@ -293,6 +293,9 @@ TEST(ModelOps, TheDescriptionOnADevicesMemoryGivesTheCpuBits) {
   CheckedOps* checked = ops.get();
   dev.set_device(std::move(ops));
   ASSERT_NE(dev.device_ops(), nullptr);
+  // The gradients reach the caller's buffer when backward ends: no hook says so earlier.
+  int hooks = 0;
+  dev.set_grads_ready_hook([&](int64_t) { ++hooks; });
 
   const Steps a = run(cpu, params), b = run(dev, params);
   EXPECT_GT(checked->calls(), 100);  // every operation went through the stand-in
@@ -306,6 +309,7 @@ TEST(ModelOps, TheDescriptionOnADevicesMemoryGivesTheCpuBits) {
   EXPECT_GT(a.parts[1].aux, 0.0);
   EXPECT_EQ(std::memcmp(a.grads.data(), b.grads.data(), a.grads.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)), 0);
+  EXPECT_EQ(hooks, 0);
 
   // Back on the CPU: the buffers leave the device's memory, and the bits stay.
   EXPECT_GT(live, 0);
@@ -313,6 +317,7 @@ TEST(ModelOps, TheDescriptionOnADevicesMemoryGivesTheCpuBits) {
   const Steps c = run(dev, params);
   EXPECT_EQ(std::memcmp(a.grads.data(), c.grads.data(), a.grads.size() * sizeof(float)), 0);
   EXPECT_EQ(live, 2);  // its own parameters and gradient: every activation moved
+  EXPECT_GT(hooks, 0);  // on the CPU, as backward goes
 }
 
 TEST(ModelOps, ADeviceRefusesWhatOnlyTheCpuRuns) {
