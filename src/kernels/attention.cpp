@@ -95,22 +95,13 @@ class RowsPack {
 // row over round_up(nk, kNR) >= round_up(n, 8) columns, so whole vectors read only scores (those
 // past n are overwritten with zeros before anything sums them).
 MOETRAIN_ATTN_HOT RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
-  const int64_t nv = n / 8 * 8, nr = round_up(n, 8);
+  const int64_t nr = round_up(n, 8);
   for (int64_t j = 0; j < nr; j += 8) {
     V8 x;
     load8(x, row + j);
     store8(row + j, x * scale);
   }
-  // max is exact, so lanes then a fold give the sequential loop's value.
-  V8 mv = V8{} - INFINITY;
-  for (int64_t j = 0; j < nv; j += 8) {
-    V8 x;
-    load8(x, row + j);
-    mv = mv < x ? x : mv;
-  }
-  float m = -INFINITY;
-  for (int j = 0; j < 8; ++j) m = std::max(m, mv[j]);
-  for (int64_t j = nv; j < n; ++j) m = std::max(m, row[j]);
+  const float m = row_max(row, n);
   for (int64_t j = 0; j < nr; j += 8) {
     V8 x;
     load8(x, row + j);

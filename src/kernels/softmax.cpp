@@ -23,27 +23,9 @@ constexpr int64_t kParallelMin = 1 << 14;
 #define MOETRAIN_SOFTMAX_HOT
 #endif
 
-float row_max_in_order(const float* x, int64_t V) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t v = 0; v < V; ++v) m = std::max(m, x[v]);
-  return m;
-}
-
-// max over x[0, V), NaNs passed over, as std::max in index order finds it: eight lanes, then the
-// lanes folded. A maximum is exact whichever way it is taken; only the sign of a zero maximum can
-// depend on the order, so that one case is taken again in order.
-MOETRAIN_SOFTMAX_HOT float row_max(const float* x, int64_t V) {
-  const int64_t vv = V / 8 * 8;
-  VF8 mv = VF8{} - std::numeric_limits<float>::infinity();
-  for (int64_t v = 0; v < vv; v += 8) {
-    VF8 y;
-    load_vf8(y, x + v);
-    mv = mv < y ? y : mv;
-  }
-  float m = -std::numeric_limits<float>::infinity();
-  for (int j = 0; j < 8; ++j) m = std::max(m, mv[j]);
-  for (int64_t v = vv; v < V; ++v) m = std::max(m, x[v]);
-  return m == 0.0f ? row_max_in_order(x, V) : m;
+// A row's maximum (kernels/vec_math.h), compiled for AVX2 where the CPU has it.
+MOETRAIN_SOFTMAX_HOT float max_of_row(const float* x, int64_t V) {
+  return row_max(x, V);
 }
 
 // e[0, n) = exp(x[0, n) − m) · g, eight at a time through exp_vf8 (within an ulp of exp); the
@@ -88,7 +70,7 @@ MOETRAIN_SOFTMAX_HOT double exp_row(float* e, const float* x, int64_t n, float m
 // log Σ_v exp(x_v). Terms are float (each within an ulp) but summed in double, so a row of 10^5
 // terms does not lose the small ones. scratch (V) takes the terms.
 double row_logsumexp(const float* x, int64_t V, float* scratch) {
-  const float m = row_max(x, V);
+  const float m = max_of_row(x, V);
   return double(m) + std::log(exp_row(scratch, x, V, m, 1.0f, true));
 }
 
@@ -107,7 +89,7 @@ void softmax_forward(float* out, const float* inp, int64_t N, int64_t V) {
   for (int64_t n = 0; n < N; ++n) {
     const float* x = inp + n * V;
     float* y = out + n * V;
-    const float m = row_max(x, V);
+    const float m = max_of_row(x, V);
     double sum = 0.0;
     for (int64_t v = 0; v < V; ++v) {
       const float e = std::exp(x[v] - m);
@@ -182,7 +164,7 @@ void xent_shard_max(float* out, const float* logits, int64_t N, int64_t V) {
   PhaseScope phase_scope(Phase::Loss);
   MOETRAIN_CHECK(N >= 0 && V > 0, "xent_shard_max: need N >= 0 and V > 0, got N={} V={}", N, V);
 #pragma omp parallel for schedule(static) if (N * V > kParallelMin)
-  for (int64_t n = 0; n < N; ++n) out[n] = row_max(logits + n * V, V);
+  for (int64_t n = 0; n < N; ++n) out[n] = max_of_row(logits + n * V, V);
 }
 
 void xent_shard_sums(double* sums, const float* logits, const float* rmax, const int32_t* targets,

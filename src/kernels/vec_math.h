@@ -1,5 +1,5 @@
 // exp over 8 floats at a time, with GCC vector extensions, for the softmaxes of attention and of
-// the cross-entropy and for the SiLU/SwiGLU activations.
+// the cross-entropy and for the SiLU/SwiGLU activations; and a row's maximum, for both softmaxes.
 //
 // Only IEEE additions, multiplications, comparisons and integer operations on the bits, in a fixed
 // order, so that a function that inlines it gives the same bits whatever instruction set it is
@@ -15,8 +15,10 @@
 // e^x > FLT_MAX (x > 88.7228) and for x = +inf; NaN stays NaN.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace moetrain {
 
@@ -112,6 +114,26 @@ template <class VF>
   float y;
   exp_tail(&y, &x, 1);
   return y;
+}
+
+// max over x[0, n), NaNs passed over, as std::max in index order finds it: eight lanes, then the
+// lanes folded. A maximum is exact whichever way it is taken; only the sign of a zero maximum can
+// depend on the order, so that one case is taken again in order.
+[[gnu::always_inline]] inline float row_max(const float* x, int64_t n) {
+  const int64_t nv = n / 8 * 8;
+  VF8 mv = VF8{} - std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < nv; j += 8) {
+    VF8 y;
+    load_vf8(y, x + j);
+    mv = mv < y ? y : mv;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < 8; ++j) m = std::max(m, mv[j]);
+  for (int64_t j = nv; j < n; ++j) m = std::max(m, x[j]);
+  if (m != 0.0f) return m;
+  m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  return m;
 }
 
 }  // namespace moetrain
