@@ -32,15 +32,9 @@ Transformer::Transformer(const ModelConfig& cfg, const MoeContext& ctx)
 Transformer::~Transformer() = default;
 
 void Transformer::set_device(const std::string& device) {
-  MOETRAIN_CHECK(device == "cpu" || device == "cuda", "device '{}': allowed are cpu, cuda",
-                 device);
-  MOETRAIN_CHECK(device == "cpu" || (first_ == 0 && end_ == cfg_.n_layers),
-                 "device '{}': a device runs the whole model, not a pipeline stage", device);
-  MOETRAIN_CHECK(device == "cpu" || recompute_ == Recompute::None,
-                 "device '{}' with train.recompute = {}: a device keeps every activation "
-                 "(none only)",
-                 device, recompute_name(recompute_));
+  MOETRAIN_CHECK(device == "cpu" || device == "cuda", "device '{}': allowed are cpu, cuda", device);
   if (device == "cpu") return switch_ops(cpu_.get());
+  check_device_runs_it(device);
   // One CUDA device's operations for the model's life (kept while the model runs on the CPU in
   // between): its buffers live in their memory.
   if (!device_is_cuda_) set_device(make_cuda_ops(*this));
@@ -48,9 +42,21 @@ void Transformer::set_device(const std::string& device) {
   switch_ops(device_.get());
 }
 
+void Transformer::check_device_runs_it(const std::string& device) const {
+  MOETRAIN_CHECK(first_ == 0 && end_ == cfg_.n_layers,
+                 "device '{}': a device runs the whole model, not a pipeline stage", device);
+  MOETRAIN_CHECK(recompute_ == Recompute::None,
+                 "device '{}' with train.recompute = {}: a device keeps every activation "
+                 "(none only)",
+                 device, recompute_name(recompute_));
+  MOETRAIN_CHECK(!tp_, "device '{}': tensor parallelism (dist.tp) runs on the CPU", device);
+  MOETRAIN_CHECK(!split_, "device '{}': split backward (zero_bubble) runs on the CPU", device);
+  MOETRAIN_CHECK(!units_, "device '{}': sharded parameters (dist.zero = 3) run on the CPU", device);
+}
+
 void Transformer::set_device(std::unique_ptr<DeviceOps> ops) {
-  MOETRAIN_CHECK(ops && first_ == 0 && end_ == cfg_.n_layers && recompute_ == Recompute::None,
-                 "set_device: a device runs the whole model with train.recompute = none");
+  MOETRAIN_CHECK(ops, "set_device: no operations");
+  check_device_runs_it(ops->describe());
   // Every buffer leaves the memory of the operations replaced.
   for (auto& a : acts_) a = std::make_unique<LayerActs>();
   for (Floats* f : {&resid_, &lnf_, &rstdf_, &logits_, &lse_, &losses_, &dlogits_, &dresid_,

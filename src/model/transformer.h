@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/check.h"
 #include "model/config.h"
 #include "model/cpu_ops.h"
 #include "model/model_ops.h"
@@ -109,7 +110,10 @@ class Transformer final : public TrainableModel {
 
   // Units (ParamUnits): 0 the embedding, 1 + l block l, n_layers + 1 the final norm and the head.
   std::vector<int64_t> unit_starts() const override;
-  void set_param_units(ParamUnits* units) override { units_ = units; }
+  void set_param_units(ParamUnits* units) override {
+    MOETRAIN_CHECK(!units || !on_device(), "sharded parameters (dist.zero = 3) run on the CPU");
+    units_ = units;
+  }
 
   // (B·T, V) of the last forward (copied from the device when an engine runs the model); under
   // tensor parallelism (B·T, V / tp), this rank's vocabulary columns.
@@ -254,6 +258,8 @@ class Transformer final : public TrainableModel {
   DeferredGemm& defer();
   void refresh_lp_weights(const float* params);
   bool on_device() const { return ops_ != cpu_.get(); }
+  // Refuses, naming the setting, what only the CPU runs.
+  void check_device_runs_it(const std::string& device) const;
   void switch_ops(ModelOps* ops);
 
   ModelConfig cfg_;

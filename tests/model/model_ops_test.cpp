@@ -333,4 +333,11 @@ TEST(ModelOps, ADeviceRefusesWhatOnlyTheCpuRuns) {
   KvCache cache = model.make_kv_cache(4);
   const int32_t tokens[2] = {1, 2};
   EXPECT_THROW(model.prefill(params.data(), tokens, 2, cache), Error);
+
+  // The other way round: a model split for zero_bubble is not handed to a device.
+  Transformer split(cfg);
+  split.set_split_backward(true);
+  EXPECT_THROW(split.set_device(std::make_unique<CheckedOps>(cfg, split.layout().size(), &live)),
+               Error);
+  EXPECT_EQ(split.device_ops(), nullptr);
 }
