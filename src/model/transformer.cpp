@@ -212,9 +212,10 @@ void Transformer::release(int64_t unit) {
 }
 
 void Transformer::refresh_lp_weights(const float* params) {
-  // Sharded parameters: each unit's copy is made where it is gathered (acquire).
+  // Sharded parameters: each unit's copy is made where it is gathered (acquire). A device keeps
+  // its own (DeviceOps::set_gemm).
   const DType lp = cpu_->precision();
-  if (lp == DType::F32 || units_ || (!lp_stale_ && params == lp_source_)) return;
+  if (lp == DType::F32 || units_ || on_device() || (!lp_stale_ && params == lp_source_)) return;
   // A pipeline stage: its own units' weights.
   const int64_t lo = unit_range(first_ == 0 ? 0 : 1 + first_).first;
   const int64_t hi = unit_range(last_stage() ? cfg_.n_layers + 1 : end_).second;

@@ -286,6 +286,9 @@ Steps run(Transformer& model, std::vector<float> params) {
 TEST(ModelOps, TheDescriptionOnADevicesMemoryGivesTheCpuBits) {
   const ModelConfig cfg = mixed_config();
   Transformer cpu(cfg), dev(cfg);
+  // The CPU's bf16 operands set as a trainer sets them before handing the model to a device: the
+  // device keeps its own operands, so the CPU's weight copy is never made.
+  dev.set_precision(DType::BF16);
   std::vector<float> params(static_cast<std::size_t>(cpu.layout().size()));
   init_params(params.data(), cpu.layout(), cfg, 11);
   int live = 0;
@@ -310,10 +313,18 @@ TEST(ModelOps, TheDescriptionOnADevicesMemoryGivesTheCpuBits) {
   EXPECT_EQ(std::memcmp(a.grads.data(), b.grads.data(), a.grads.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)), 0);
   EXPECT_EQ(hooks, 0);
+  {
+    const std::vector<int32_t> tokens(8, 1);
+    MoeStep step;
+    step.training = false;
+    dev.forward(params.data(), tokens.data(), tokens.data(), 1, 8, step);
+    EXPECT_EQ(dev.lp_copy_of(params.data()).data, nullptr);
+  }
 
   // Back on the CPU: the buffers leave the device's memory, and the bits stay.
   EXPECT_GT(live, 0);
   dev.set_device("cpu");
+  dev.set_precision(DType::F32);  // as the CPU model computes
   const Steps c = run(dev, params);
   EXPECT_EQ(std::memcmp(a.grads.data(), c.grads.data(), a.grads.size() * sizeof(float)), 0);
   EXPECT_EQ(live, 2);  // its own parameters and gradient: every activation moved
