@@ -57,12 +57,7 @@ void Transformer::check_device_runs_it(const std::string& device) const {
 void Transformer::set_device(std::unique_ptr<DeviceOps> ops) {
   MOETRAIN_CHECK(ops, "set_device: no operations");
   check_device_runs_it(ops->describe());
-  // Every buffer leaves the memory of the operations replaced.
-  for (auto& a : acts_) a = std::make_unique<LayerActs>();
-  for (Floats* f : {&resid_, &lnf_, &rstdf_, &logits_, &lse_, &losses_, &dlogits_, &dresid_,
-                    &dxmid_, &dln_, &dq_, &dk_, &dv_, &datt_, &dh1_, &dh3_, &dg_})
-    f->reset();
-  for (Ints* i : {&inputs_dev_, &targets_dev_, &pos_dev_}) i->reset();
+  release_buffers();  // out of the memory of the operations replaced
   device_ = std::move(ops);
   device_is_cuda_ = false;
   switch_ops(device_.get());
@@ -70,10 +65,17 @@ void Transformer::set_device(std::unique_ptr<DeviceOps> ops) {
 
 void Transformer::switch_ops(ModelOps* ops) {
   if (ops == ops_) return;
-  // The tokens' copies in the memory left (the activations move at the next forward).
-  for (Ints* i : {&inputs_dev_, &targets_dev_, &pos_dev_}) i->reset();
+  release_buffers();  // the next forward allocates them in the new memory
   ops_ = ops;
-  capacity_ = 0;  // the buffers move to the new memory at the next forward
+}
+
+void Transformer::release_buffers() {
+  for (auto& a : acts_) a = std::make_unique<LayerActs>();
+  for (Floats* f : {&resid_, &lnf_, &rstdf_, &logits_, &lse_, &losses_, &dlogits_, &dresid_,
+                    &dxmid_, &dln_, &dq_, &dk_, &dv_, &datt_, &dh1_, &dh3_, &dg_})
+    f->reset();
+  for (Ints* i : {&inputs_dev_, &targets_dev_, &pos_dev_}) i->reset();
+  capacity_ = 0;
   have_targets_ = false;
 }
 
@@ -123,10 +125,7 @@ void Transformer::set_stage(int64_t first, int64_t end) {
                  "a pipeline stage runs on the CPU: a device runs the whole model");
   if (first == first_ && end == end_) return;
   first_ = first, end_ = end;
-  for (auto& a : acts_) a = std::make_unique<LayerActs>();
-  for (Floats* f : {&resid_, &lnf_, &rstdf_, &logits_, &lse_, &losses_, &dlogits_}) f->reset();
-  capacity_ = 0;
-  have_targets_ = false;
+  release_buffers();
 }
 
 float* Transformer::resid_at(int64_t l) {

@@ -261,6 +261,8 @@ class Transformer final : public TrainableModel {
   // Refuses, naming the setting, what only the CPU runs.
   void check_device_runs_it(const std::string& device) const;
   void switch_ops(ModelOps* ops);
+  // Frees every activation buffer and the tokens' copies; the next forward allocates them again.
+  void release_buffers();
 
   ModelConfig cfg_;
   ParamLayout layout_;

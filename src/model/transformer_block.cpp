@@ -25,9 +25,7 @@ void Transformer::set_recompute(Recompute r) {
                  "gradients read each block's activations, which full keeps one set of");
   if (r == recompute_) return;
   recompute_ = r;
-  for (auto& a : acts_) a = std::make_unique<LayerActs>();
-  capacity_ = 0;
-  have_targets_ = false;
+  release_buffers();  // sized for the mode at the next forward
   scratch_ = r == Recompute::None ? nullptr : std::make_unique<RecomputeScratch>();
   for (auto& m : moe_) m->set_recompute(r, scratch_.get());
 }

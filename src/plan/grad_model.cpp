@@ -120,7 +120,7 @@ namespace {
 // parameter and slots; plus the clip's read of the gradient and the zeroing write, and the
 // low-precision copy written after the update.
 double optimizer_bytes_per_param(const std::string& name, DType precision) {
-  const double slots = name == "adamw" ? 2 : (name == "sgd" ? 1 : 1);
+  const double slots = name == "adamw" ? 2 : 1;
   return 4 * (2 + slots) + 4 * (1 + slots) + 4 + 4 + (precision == DType::F32 ? 0 : 2);
 }
 

@@ -1,8 +1,12 @@
 #include "plan/layout.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <initializer_list>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -10,6 +14,41 @@
 #include "plan/cost_model.h"
 
 namespace moetrain::plan {
+
+namespace {
+
+// A flag's comma list of names, each turning one option on (the option lists of
+// --recompute-modules and --pp-account): an unknown name is refused naming the list's `kind` and
+// the names allowed; flags_name writes the options that are on back as such a list.
+struct NamedFlag {
+  const char* name;
+  bool* on;
+};
+
+void parse_flags(const std::string& list, const char* flag, const char* kind,
+                 std::initializer_list<NamedFlag> flags) {
+  for (const NamedFlag& f : flags) *f.on = false;
+  for (const std::string& item : split_list(list)) {
+    const auto it = std::find_if(flags.begin(), flags.end(),
+                                 [&](const NamedFlag& f) { return item == f.name; });
+    if (it == flags.end()) {
+      std::vector<std::string> allowed;
+      for (const NamedFlag& f : flags) allowed.emplace_back(f.name);
+      MOETRAIN_FAIL("{} {}: '{}' is not a {}; allowed are {}", flag, list, item, kind,
+                    fmt::join(allowed, ", "));
+    }
+    *it->on = true;
+  }
+}
+
+std::string flags_name(std::initializer_list<std::pair<const char*, bool>> flags) {
+  std::vector<std::string> on;
+  for (const auto& [name, set] : flags)
+    if (set) on.emplace_back(name);
+  return fmt::format("{}", fmt::join(on, ","));
+}
+
+}  // namespace
 
 RunConfig trainer_config(const RunConfig& cfg, const Layout& l) {
   RunConfig rc = cfg;
@@ -58,16 +97,7 @@ std::string planner_only(const RunConfig& cfg, const Layout& l) {
 
 RecomputeModules parse_recompute_modules(const std::string& list, const char* flag) {
   RecomputeModules m;
-  for (const std::string& item : split_list(list)) {
-    if (item == "layernorm") {
-      m.layernorm = true;
-    } else if (item == "moe_act") {
-      m.moe_act = true;
-    } else {
-      MOETRAIN_FAIL("{} {}: '{}' is not a module; allowed are layernorm, moe_act", flag, list,
-                    item);
-    }
-  }
+  parse_flags(list, flag, "module", {{"layernorm", &m.layernorm}, {"moe_act", &m.moe_act}});
   return m;
 }
 
@@ -84,26 +114,16 @@ PacingStage pacing_stage(const Layout& layout, int64_t n_layers, double block, d
 }
 
 void parse_pp_account(Layout& layout, const std::string& list, const char* flag) {
-  layout.pp_embedding_unit = layout.pp_loss_unit = false;
-  for (const std::string& item : split_list(list)) {
-    if (item == "embedding") {
-      layout.pp_embedding_unit = true;
-    } else if (item == "loss") {
-      layout.pp_loss_unit = true;
-    } else {
-      MOETRAIN_FAIL("{} {}: '{}' is not a unit; allowed are embedding, loss", flag, list, item);
-    }
-  }
+  parse_flags(list, flag, "unit",
+              {{"embedding", &layout.pp_embedding_unit}, {"loss", &layout.pp_loss_unit}});
 }
 
 std::string pp_account_name(const Layout& layout) {
-  if (layout.pp_embedding_unit && layout.pp_loss_unit) return "embedding,loss";
-  return layout.pp_embedding_unit ? "embedding" : layout.pp_loss_unit ? "loss" : "";
+  return flags_name({{"embedding", layout.pp_embedding_unit}, {"loss", layout.pp_loss_unit}});
 }
 
 std::string recompute_modules_name(const RecomputeModules& m) {
-  if (m.layernorm && m.moe_act) return "layernorm,moe_act";
-  return m.layernorm ? "layernorm" : m.moe_act ? "moe_act" : "";
+  return flags_name({{"layernorm", m.layernorm}, {"moe_act", m.moe_act}});
 }
 
 std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout) {
