@@ -206,6 +206,69 @@ TEST(PlanPublished, MegatronLmQwen3_235bA22bRunsItsPublishedLayoutAndFits) {
   EXPECT_GT(p.parts.lm_head, 0);
 }
 
+// Megatron-MoE-ModelZoo's Qwen3 table (best_practice/Qwen3/readme.md) times the same model, the
+// same global batch (2048 × 4096 tokens) and the same 256 H100 at three more layouts, measured
+// at one commit (main 1e057005): TP 2, EP 8, no pipeline, the state sharded over data parallelism
+// (FSDP: ZeRO-3 here), micro-batch 4, full recomputation, DeepEP: 17.6 s a step; TP 2, EP 8,
+// PP 32 with 3 virtual stages, the flat all-to-all, the norms and the experts' activation
+// recomputed: 24.2 s; TP 4, EP 8 (over TP × DP), PP 8 with 4 virtual stages, DeepEP, no
+// recomputation: 29.0 s. The planner runs each layout exactly and finds each fitting, as each ran.
+namespace {
+
+Prediction predict_qwen3_235b_layout(int64_t tp, int64_t pp, int64_t vp, int64_t micro_batch,
+                                     int64_t zero, Recompute recompute, bool selective, bool dedup) {
+  Layout l{.procs = 256, .ep = 8, .tp = tp, .pp = pp, .vp = vp, .zero = zero};
+  l.recompute = recompute;
+  l.pp_embedding_unit = l.pp_loss_unit = pp > 1;
+  if (selective) l.recompute_modules = {.layernorm = true, .moe_act = true};
+  l.a2a_dedup = dedup;
+  const int64_t dp = 256 / (tp * pp);
+  return predict_published(
+      "qwen3_235b_a22b_megatron.toml", "dgx_h100_32nodes.toml", l,
+      {fmt::format("train.batch_size={}", micro_batch),
+       fmt::format("train.grad_accum={}", 2048 / (dp * micro_batch))});
+}
+
+struct ZooLayout {
+  const char* name;
+  Prediction p;
+  double published_s;
+};
+
+std::vector<ZooLayout> qwen3_235b_zoo_layouts() {
+  return {
+      {"TP2 EP8 FSDP mb4 full recompute", predict_qwen3_235b_layout(2, 1, 1, 4, 3, Recompute::Full,
+                                                                    false, true),
+       17.6},
+      {"TP2 EP8 PP32 VP3 flat a2a", predict_qwen3_235b_layout(2, 32, 3, 1, 1, Recompute::None, true,
+                                                              false),
+       24.2},
+      {"TP4 EP8 PP8 VP4", predict_qwen3_235b_layout(4, 8, 4, 1, 1, Recompute::None, false, true),
+       29.0},
+  };
+}
+
+}  // namespace
+
+TEST(PlanPublished, ModelZooQwen3_235bOtherLayoutsRunAndFit) {
+  for (const ZooLayout& z : qwen3_235b_zoo_layouts()) {
+    std::cout << fmt::format("{}: predicted {:.1f} s a step, published {:.1f} s ({:+.0f}% in "
+                             "tokens/s)\n",
+                             z.name, z.p.step_time_s, z.published_s,
+                             (z.published_s / z.p.step_time_s - 1) * 100);
+    EXPECT_TRUE(z.p.fits) << z.name;
+    EXPECT_GT(z.p.step_time_s, 0) << z.name;
+  }
+}
+
+// Not met: the planner is within 25% of the first (-7%) but 52% and 55% optimistic on the other
+// two (docs/plan-published.md), so it ranks the pipeline-heavy layout first where it ran second
+// slowest. Registered disabled rather than loosened.
+TEST(PlanPublished, DISABLED_ModelZooQwen3_235bOtherLayoutsWithin25Percent) {
+  for (const ZooLayout& z : qwen3_235b_zoo_layouts())
+    EXPECT_NEAR(z.published_s / z.p.step_time_s, 1.0, 0.25) << z.name;
+}
+
 // DeepSpeed-MoE, 128 A100: the 1.3B-base MoE (128 experts, top-1, every other layer) at 372
 // samples/s against 70 for a dense 6.7B model: the ratio, 5.3×. Not met: the planner predicts
 // 3.1× (docs/plan-published.md says why), so the assertion is registered disabled
