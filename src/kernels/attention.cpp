@@ -10,7 +10,6 @@
 #include "core/check.h"
 #include "core/profile.h"
 #include "core/threads.h"
-#include "kernels/lane_sum.h"
 #include "kernels/tile_gemm.h"
 #include "kernels/vec_math.h"
 
@@ -84,63 +83,9 @@ class RowsPack {
   std::vector<float> pack_;
 };
 
-}  // namespace
-
-// The softmax's exponentials go through exp_vf8 (kernels/vec_math.h, within 1 ulp of exp), eight
-// lanes at a time. Lanes are independent, so a score's result does not depend on where its row
-// ends: a row's last partial vector reads scores tile_gemm has written past the row's end (and
-// its results there are overwritten), or padded copies where the data itself ends.
-
-// row[0, n) *= scale, then exp(row[j] - m) in place, zeros on [n, nk). tile_gemm has written the
-// row over round_up(nk, kNR) >= round_up(n, 8) columns, so whole vectors read only scores (those
-// past n are overwritten with zeros before anything sums them).
-MOETRAIN_ATTN_HOT RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
-  const int64_t nr = round_up(n, 8);
-  for (int64_t j = 0; j < nr; j += 8) {
-    V8 x;
-    load8(x, row + j);
-    store8(row + j, x * scale);
-  }
-  const float m = row_max(row, n);
-  for (int64_t j = 0; j < nr; j += 8) {
-    V8 x;
-    load8(x, row + j);
-    x -= m;
-    exp_vf8(x, x);
-    store8(row + j, x);
-  }
-  std::fill(row + n, row + std::max(nk, nr), 0.0f);
-  // Sum in double: four lanes of two halves, then the lanes in order.
-  typedef double V4D __attribute__((vector_size(32)));
-  typedef float V4 __attribute__((vector_size(16)));
-  V4D acc = V4D{};
-  for (int64_t j = 0; j < nr; j += 4) {
-    V4 x;
-    std::memcpy(&x, row + j, sizeof x);
-    acc += __builtin_convertvector(x, V4D);
-  }
-  return {m, (acc[0] + acc[1]) + (acc[2] + acc[3])};
-}
-
-// p[j] = exp(s[j]·scale − L), ds[j] = p[j] · (dp[j] − D) for j in [0, n): p in place of s, ds in
-// place of dp; the operations of p_ds_cols, so the same bits. Both rows are written over
-// round_up(n, 8) columns; what lands past n is overwritten by the caller.
-MOETRAIN_ATTN_HOT void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D) {
-  for (int64_t j = 0; j < n; j += 8) {
-    V8 x, d;
-    load8(x, s + j);
-    load8(d, dp + j);
-    x = x * scale - L;
-    exp_vf8(x, x);
-    store8(s + j, x);
-    store8(dp + j, x * (d - D));
-  }
-}
-
-namespace {
-
-// p[c] = exp(p[c]·scale − L[c]), ds[c] = p[c] · (ds[c] − D[c]) for c in [0, n); L and D are
-// readable over n only, so the last partial vector runs on padded copies.
+// p[c] = exp(p[c]·scale − L[c]), ds[c] = p[c] · (ds[c] − D[c]) for c in [0, n): the operations of
+// p_ds_row (kernels/attention_rows.cpp), so the same bits. L and D are readable over n only, so
+// the last partial vector runs on padded copies.
 MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n,
                                  float scale) {
   const auto step = [scale](float* pp, float* dd, const float* LL, const float* DD) {
@@ -169,40 +114,6 @@ MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const floa
 }
 
 }  // namespace
-
-void attention_row_terms(float* D, const float* dout, const float* out, int64_t B, int64_t T,
-                         int64_t NH, int64_t HS) {
-  // dP·P summed over a row equals dout·out, which spares recomputing the whole row first.
-#pragma omp parallel for collapse(2) schedule(static) if (B * T * NH * HS >= kParallelMinCopy)
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t h = 0; h < NH; ++h) {
-        const float* x = dout + ((b * T + t) * NH + h) * HS;
-        const float* y = out + ((b * T + t) * NH + h) * HS;
-        const double sum = lane_sum8(HS, [x, y](int64_t i) { return double(x[i]) * y[i]; });
-        D[(b * NH + h) * T + t] = static_cast<float>(sum);
-      }
-    }
-  }
-}
-
-void* attention_scratch(int slot, int64_t n) {
-  MOETRAIN_CHECK(slot >= 0 && slot < 16, "attention_scratch: slot {} of 16", slot);
-  thread_local GrowBuffer<4> buffers[16];
-  return buffers[slot].grow(n);
-}
-
-void write_kv_gradients(float* dk, float* dv, const float* dk_acc, const float* dv_acc, int64_t b,
-                        int64_t g, int64_t T, int64_t NKV, int64_t HS, int64_t HSp, float scale) {
-  for (int64_t t = 0; t < T; ++t) {
-    float* dkd = dk + ((b * T + t) * NKV + g) * HS;
-    float* dvd = dv + ((b * T + t) * NKV + g) * HS;
-    for (int64_t x = 0; x < HS; ++x) {
-      dkd[x] = dk_acc[t * HSp + x] * scale;
-      dvd[x] = dv_acc[t * HSp + x];
-    }
-  }
-}
 
 void attention_check_args(const char* fn, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HS) {

@@ -1,8 +1,8 @@
 // The work both attention implementations on the CPU share (kernels/attention.cpp in f32,
-// kernels/attention_bf16.cpp with bf16 products): their thread-kept scratch, the f32 kernel's
-// head transposes (kernels/attention_pack.cpp), the causal softmax of a row of scores, the
-// backward's probabilities and score gradients of a row, the backward's row terms D, and the
-// one-pass backward's write of a task's key and value gradients.
+// kernels/attention_bf16.cpp with bf16 products), in kernels/attention_rows.cpp: their
+// thread-kept scratch, the f32 kernel's head transposes (kernels/attention_pack.cpp), the causal
+// softmax of a row of scores, the backward's probabilities and score gradients of a row, the
+// backward's row terms D, and the one-pass backward's write of a task's key and value gradients.
 #pragma once
 #include <cstdint>
 
@@ -46,6 +46,11 @@ RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale);
 // place of dp. Both rows are written over round_up(n, 8) columns; what lands past n is the
 // caller's to overwrite.
 void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D);
+
+// The same two, the path chosen by the caller, for tests: wide takes the 16-lane AVX-512 path
+// where the CPU has it, else the 8-lane one; both give the same bits.
+RowSoftmax attention_softmax_row(bool wide, float* row, int64_t n, int64_t nk, float scale);
+void attention_p_ds_row(bool wide, float* s, float* dp, int64_t n, float scale, float L, float D);
 
 // D (B, NH, T) = Σ over the head's HS values of dout ⊙ out (B, T, NH, HS): the softmax Jacobian's
 // row term, which equals Σ dP·P over the row.

@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "kernels/attention.h"
+#include "kernels/attention_rows.h"
 #include "kernels/tile_gemm.h"
 #include "support/gradcheck.h"
 
@@ -278,6 +279,34 @@ TEST(Attention, TileGemmSameBitsOnEveryPath) {
             ASSERT_TRUE(same_bits(narrow, wide)) << "M=" << M << " N=" << N << " K=" << K
                                                  << " accumulate=" << acc << " trans_a=" << ta;
           }
+}
+
+// The 16-lane AVX-512 rows give the 8-lane rows' bits: the softmax (its probabilities, maximum
+// and sum) and the backward's probabilities and score gradients, over row lengths with and
+// without a partial vector of either width, scores that underflow, and a row of equal scores.
+TEST(Attention, RowsSameBitsOnEveryPath) {
+  if (!__builtin_cpu_supports("avx512f")) GTEST_SKIP() << "this CPU has no AVX-512";
+  uint64_t seed = 300;
+  for (int64_t n : {1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 64, 100, 129, 512}) {
+    for (float spread : {1.0f, 40.0f, 0.0f}) {
+      const int64_t nk = n + 5, cols = (std::max(n, nk) + 15) / 16 * 16;
+      auto row = random_vector(cols, ++seed);
+      for (float& x : row) x *= spread;
+      std::vector<float> narrow = row, wide = row;
+      const RowSoftmax a = attention_softmax_row(false, narrow.data(), n, nk, 0.17f);
+      const RowSoftmax b = attention_softmax_row(true, wide.data(), n, nk, 0.17f);
+      ASSERT_TRUE(same_bits(narrow, wide)) << "softmax n=" << n << " spread=" << spread;
+      ASSERT_EQ(std::memcmp(&a.m, &b.m, sizeof a.m), 0) << "n=" << n;
+      ASSERT_EQ(std::memcmp(&a.l, &b.l, sizeof a.l), 0) << "n=" << n;
+
+      const auto dp = random_vector(cols, ++seed);
+      std::vector<float> s_narrow = row, s_wide = row, dp_narrow = dp, dp_wide = dp;
+      attention_p_ds_row(false, s_narrow.data(), dp_narrow.data(), n, 0.17f, 0.3f, -0.2f);
+      attention_p_ds_row(true, s_wide.data(), dp_wide.data(), n, 0.17f, 0.3f, -0.2f);
+      ASSERT_TRUE(same_bits(s_narrow, s_wide)) << "p n=" << n << " spread=" << spread;
+      ASSERT_TRUE(same_bits(dp_narrow, dp_wide)) << "ds n=" << n << " spread=" << spread;
+    }
+  }
 }
 
 TEST(Attention, RejectsBadArguments) {

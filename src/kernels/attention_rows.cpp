@@ -1,0 +1,185 @@
+#include "kernels/attention_rows.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/buffer.h"
+#include "core/check.h"
+#include "core/cpu.h"
+#include "kernels/lane_sum.h"
+#include "kernels/vec_math.h"
+
+namespace moetrain {
+
+namespace {
+
+// The build targets baseline x86-64; the AVX2 clone is picked at load time where the CPU has it.
+// Both clones do the same float operations in the same order ("avx2" does not enable FMA, so
+// nothing gets contracted), so they agree bitwise.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOETRAIN_ROWS_HOT __attribute__((target_clones("avx2", "default")))
+// Where the CPU has AVX-512 the rows run 16 lanes at a time: each lane through the same
+// operations as the 8-lane code, so the same bits (Attention.RowsSameBitsOnEveryPath).
+#define MOETRAIN_ROWS_WIDE 1
+#define MOETRAIN_ROWS_AVX512 __attribute__((target("avx512f")))
+#else
+#define MOETRAIN_ROWS_HOT
+#endif
+
+// The softmax's exponentials go through exp_v (kernels/vec_math.h, within 1 ulp of exp), VF's
+// lanes at a time, then eight for the last columns of a row whose length is not a multiple of
+// the width. Lanes are independent, so a score's result does not depend on where its row ends or
+// on the width: a row's last partial vector reads scores tile_gemm has written past the row's end
+// (and its results there are overwritten), or padded copies where the data itself ends.
+
+// row[0, nr) = f(row[0, nr)) for nr a multiple of 8: VF vectors, then VF8 ones.
+template <class VF, class F>
+[[gnu::always_inline]] inline void map_cols(float* row, int64_t nr, F f) {
+  constexpr int64_t kW = sizeof(VF) / sizeof(float);
+  int64_t j = 0;
+  for (; j + kW <= nr; j += kW) {
+    VF x;
+    load_v(x, row + j);
+    f(x);
+    store_v(row + j, x);
+  }
+  for (; j < nr; j += 8) {
+    VF8 x;
+    load_v(x, row + j);
+    f(x);
+    store_v(row + j, x);
+  }
+}
+
+template <class VF>
+[[gnu::always_inline]] inline RowSoftmax softmax_row_impl(float* row, int64_t n, int64_t nk,
+                                                          float scale) {
+  const int64_t nr = round_up(n, 8);
+  map_cols<VF>(row, nr, [scale](auto& x) { x = x * scale; });
+  const float m = row_max(row, n);
+  map_cols<VF>(row, nr, [m](auto& x) {
+    x -= m;
+    exp_v(x, x);
+  });
+  std::fill(row + n, row + std::max(nk, nr), 0.0f);
+  // Sum in double: four lanes of two halves, then the lanes in order.
+  typedef double V4D __attribute__((vector_size(32)));
+  typedef float V4 __attribute__((vector_size(16)));
+  V4D acc = V4D{};
+  for (int64_t j = 0; j < nr; j += 4) {
+    V4 x;
+    std::memcpy(&x, row + j, sizeof x);
+    acc += __builtin_convertvector(x, V4D);
+  }
+  return {m, (acc[0] + acc[1]) + (acc[2] + acc[3])};
+}
+
+// p = exp(s·scale − L), ds = p · (dp − D) over one vector.
+template <class VF>
+[[gnu::always_inline]] inline void p_ds_vector(float* s, float* dp, float scale, float L,
+                                               float D) {
+  VF x, d;
+  load_v(x, s);
+  load_v(d, dp);
+  x = x * scale - L;
+  exp_v(x, x);
+  store_v(s, x);
+  store_v(dp, x * (d - D));
+}
+
+template <class VF>
+[[gnu::always_inline]] inline void p_ds_row_impl(float* s, float* dp, int64_t n, float scale,
+                                                 float L, float D) {
+  constexpr int64_t kW = sizeof(VF) / sizeof(float);
+  const int64_t nr = round_up(n, 8);
+  int64_t j = 0;
+  for (; j + kW <= nr; j += kW) p_ds_vector<VF>(s + j, dp + j, scale, L, D);
+  for (; j < nr; j += 8) p_ds_vector<VF8>(s + j, dp + j, scale, L, D);
+}
+
+MOETRAIN_ROWS_HOT RowSoftmax softmax_row_narrow(float* row, int64_t n, int64_t nk, float scale) {
+  return softmax_row_impl<VF8>(row, n, nk, scale);
+}
+MOETRAIN_ROWS_HOT void p_ds_row_narrow(float* s, float* dp, int64_t n, float scale, float L,
+                                       float D) {
+  p_ds_row_impl<VF8>(s, dp, n, scale, L, D);
+}
+#ifdef MOETRAIN_ROWS_WIDE
+MOETRAIN_ROWS_AVX512 RowSoftmax softmax_row_wide(float* row, int64_t n, int64_t nk, float scale) {
+  return softmax_row_impl<VF16>(row, n, nk, scale);
+}
+MOETRAIN_ROWS_AVX512 void p_ds_row_wide(float* s, float* dp, int64_t n, float scale, float L,
+                                        float D) {
+  p_ds_row_impl<VF16>(s, dp, n, scale, L, D);
+}
+#endif
+
+bool rows_wide(bool wide) {
+#ifdef MOETRAIN_ROWS_WIDE
+  return wide && cpu_has_avx512f();
+#else
+  (void)wide;
+  return false;
+#endif
+}
+
+}  // namespace
+
+RowSoftmax attention_softmax_row(bool wide, float* row, int64_t n, int64_t nk, float scale) {
+#ifdef MOETRAIN_ROWS_WIDE
+  if (rows_wide(wide)) return softmax_row_wide(row, n, nk, scale);
+#endif
+  return softmax_row_narrow(row, n, nk, scale);
+}
+
+void attention_p_ds_row(bool wide, float* s, float* dp, int64_t n, float scale, float L,
+                        float D) {
+#ifdef MOETRAIN_ROWS_WIDE
+  if (rows_wide(wide)) return p_ds_row_wide(s, dp, n, scale, L, D);
+#endif
+  p_ds_row_narrow(s, dp, n, scale, L, D);
+}
+
+RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
+  return attention_softmax_row(true, row, n, nk, scale);
+}
+
+void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D) {
+  attention_p_ds_row(true, s, dp, n, scale, L, D);
+}
+
+void attention_row_terms(float* D, const float* dout, const float* out, int64_t B, int64_t T,
+                         int64_t NH, int64_t HS) {
+  // dP·P summed over a row equals dout·out, which spares recomputing the whole row first.
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * NH * HS >= kParallelMinCopy)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < NH; ++h) {
+        const float* x = dout + ((b * T + t) * NH + h) * HS;
+        const float* y = out + ((b * T + t) * NH + h) * HS;
+        const double sum = lane_sum8(HS, [x, y](int64_t i) { return double(x[i]) * y[i]; });
+        D[(b * NH + h) * T + t] = static_cast<float>(sum);
+      }
+    }
+  }
+}
+
+void* attention_scratch(int slot, int64_t n) {
+  MOETRAIN_CHECK(slot >= 0 && slot < 16, "attention_scratch: slot {} of 16", slot);
+  thread_local GrowBuffer<4> buffers[16];
+  return buffers[slot].grow(n);
+}
+
+void write_kv_gradients(float* dk, float* dv, const float* dk_acc, const float* dv_acc, int64_t b,
+                        int64_t g, int64_t T, int64_t NKV, int64_t HS, int64_t HSp, float scale) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* dkd = dk + ((b * T + t) * NKV + g) * HS;
+    float* dvd = dv + ((b * T + t) * NKV + g) * HS;
+    for (int64_t x = 0; x < HS; ++x) {
+      dkd[x] = dk_acc[t * HSp + x] * scale;
+      dvd[x] = dv_acc[t * HSp + x];
+    }
+  }
+}
+
+}  // namespace moetrain
