@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "core/buffer.h"
@@ -11,7 +10,6 @@
 #include "core/profile.h"
 #include "core/threads.h"
 #include "kernels/tile_gemm.h"
-#include "kernels/vec_math.h"
 
 namespace moetrain {
 
@@ -28,24 +26,6 @@ constexpr int64_t kOnePassMaxT = 512;
 // Below this size a parallel region costs more than it saves (copies: kParallelMinCopy,
 // attention_rows.h); thread count never changes results, so the cut-off is free to move.
 constexpr int64_t kParallelMinWork = 1 << 20;  // multiply-adds, roughly
-
-// The build targets baseline x86-64; the AVX2 clone is picked at load time where the CPU has it.
-// Both clones do the same float operations in the same order ("avx2" does not enable FMA, so
-// nothing gets contracted), so they agree bitwise.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MOETRAIN_ATTN_HOT __attribute__((target_clones("avx2", "default")))
-#else
-#define MOETRAIN_ATTN_HOT
-#endif
-
-typedef float V8 __attribute__((vector_size(32)));
-
-[[gnu::always_inline]] inline void load8(V8& v, const float* p) {
-  std::memcpy(&v, p, sizeof v);
-}
-[[gnu::always_inline]] inline void store8(float* p, const V8& v) {
-  std::memcpy(p, &v, sizeof v);
-}
 
 // One head's (T, HS) rows as tile_gemm's B operand: readable over HSp = round_up(HS, kNR) columns.
 struct Rows {
@@ -82,36 +62,6 @@ class RowsPack {
   int64_t T_, H_, HS_, HSp_;
   std::vector<float> pack_;
 };
-
-// p[c] = exp(p[c]·scale − L[c]), ds[c] = p[c] · (ds[c] − D[c]) for c in [0, n): the operations of
-// p_ds_row (kernels/attention_rows.cpp), so the same bits. L and D are readable over n only, so
-// the last partial vector runs on padded copies.
-MOETRAIN_ATTN_HOT void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n,
-                                 float scale) {
-  const auto step = [scale](float* pp, float* dd, const float* LL, const float* DD) {
-    V8 x, y, l, d;
-    load8(x, pp);
-    load8(y, dd);
-    load8(l, LL);
-    load8(d, DD);
-    x = x * scale - l;
-    exp_vf8(x, x);
-    store8(pp, x);
-    store8(dd, x * (y - d));
-  };
-  int64_t c = 0;
-  for (; c + 8 <= n; c += 8) step(p + c, ds + c, L + c, D + c);
-  if (c == n) return;
-  const std::size_t tail = static_cast<std::size_t>(n - c) * sizeof(float);
-  float pb[8] = {}, db[8] = {}, lb[8] = {}, dd[8] = {};
-  std::memcpy(pb, p + c, tail);
-  std::memcpy(db, ds + c, tail);
-  std::memcpy(lb, L + c, tail);
-  std::memcpy(dd, D + c, tail);
-  step(pb, db, lb, dd);
-  std::memcpy(p + c, pb, tail);
-  std::memcpy(ds + c, db, tail);
-}
 
 }  // namespace
 

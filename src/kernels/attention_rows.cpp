@@ -74,10 +74,11 @@ template <class VF>
   return {m, (acc[0] + acc[1]) + (acc[2] + acc[3])};
 }
 
-// p = exp(s·scale − L), ds = p · (dp − D) over one vector.
-template <class VF>
-[[gnu::always_inline]] inline void p_ds_vector(float* s, float* dp, float scale, float L,
-                                               float D) {
+// p = exp(s·scale − L), ds = p · (dp − D) over one vector; L and D one float for the vector (a
+// query row's) or a vector of their own (a key row's columns, one query each).
+template <class VF, class LD>
+[[gnu::always_inline]] inline void p_ds_vector(float* s, float* dp, float scale, const LD& L,
+                                               const LD& D) {
   VF x, d;
   load_v(x, s);
   load_v(d, dp);
@@ -95,6 +96,30 @@ template <class VF>
   int64_t j = 0;
   for (; j + kW <= nr; j += kW) p_ds_vector<VF>(s + j, dp + j, scale, L, D);
   for (; j < nr; j += 8) p_ds_vector<VF8>(s + j, dp + j, scale, L, D);
+}
+
+// p_ds_cols: eight columns at a time, L and D read with them; the last partial vector on padded
+// copies (L and D are readable over n only).
+MOETRAIN_ROWS_HOT void p_ds_cols_narrow(float* p, float* ds, const float* L, const float* D,
+                                        int64_t n, float scale) {
+  const auto step = [scale](float* pp, float* dd, const float* LL, const float* DD) {
+    VF8 l, d;
+    load_v(l, LL);
+    load_v(d, DD);
+    p_ds_vector<VF8>(pp, dd, scale, l, d);
+  };
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) step(p + c, ds + c, L + c, D + c);
+  if (c == n) return;
+  const std::size_t tail = static_cast<std::size_t>(n - c) * sizeof(float);
+  float pb[8] = {}, db[8] = {}, lb[8] = {}, dd[8] = {};
+  std::memcpy(pb, p + c, tail);
+  std::memcpy(db, ds + c, tail);
+  std::memcpy(lb, L + c, tail);
+  std::memcpy(dd, D + c, tail);
+  step(pb, db, lb, dd);
+  std::memcpy(p + c, pb, tail);
+  std::memcpy(ds + c, db, tail);
 }
 
 MOETRAIN_ROWS_HOT RowSoftmax softmax_row_narrow(float* row, int64_t n, int64_t nk, float scale) {
@@ -146,6 +171,10 @@ RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
 
 void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D) {
   attention_p_ds_row(true, s, dp, n, scale, L, D);
+}
+
+void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n, float scale) {
+  p_ds_cols_narrow(p, ds, L, D, n, scale);
 }
 
 void attention_row_terms(float* D, const float* dout, const float* out, int64_t B, int64_t T,

@@ -47,7 +47,12 @@ RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale);
 // caller's to overwrite.
 void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D);
 
-// The same two, the path chosen by the caller, for tests: wide takes the 16-lane AVX-512 path
+// p[c] = exp(p[c]·scale − L[c]), ds[c] = p[c] · (ds[c] − D[c]) for c in [0, n): a key's row of the
+// two-pass backward, one query a column; the operations of p_ds_row, so the same bits. L and D are
+// read over n only; p and ds are written over n only.
+void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n, float scale);
+
+// softmax_row and p_ds_row, the path chosen by the caller, for tests: wide takes the 16-lane AVX-512 path
 // where the CPU has it, else the 8-lane one; both give the same bits.
 RowSoftmax attention_softmax_row(bool wide, float* row, int64_t n, int64_t nk, float scale);
 void attention_p_ds_row(bool wide, float* s, float* dp, int64_t n, float scale, float L, float D);
