@@ -8,9 +8,9 @@ to --seconds it is stopped with SIGTERM (it finishes the step and writes a check
 torch.compile'd, stopped after the step at which its step times add up to --seconds
 (compilation included: it is part of a compiled run's wall time), then evaluated on the same
 windows (the first eval_batches x batch_size windows of val.bin). tokens/s is the median step's,
-after two warm-up steps. Each round runs ours, then every PyTorch variant in turn; a round's ratio
-is ours over its fastest PyTorch variant, and the ratios' median is the figure. Every run, ours
-and each of theirs, starts in a process of its own.
+after two warm-up steps. Each round runs ours and every PyTorch variant in turn, ours first in odd
+rounds and last in even ones; a round's ratio is ours over its fastest PyTorch variant, and the
+ratios' median is the figure. Every run, ours and each of theirs, starts in a process of its own.
 
 --precision auto (the default, the demo's setting) runs ours at train.precision = auto and PyTorch
 in both precisions (f32, and bf16 autocast), eager and compiled, so that the fastest thing a
@@ -201,7 +201,10 @@ def main():
     res = {k: [] for k in ["ours"] + [name(m, p) for m, p in variants]}
     ratios = []
     for r in range(args.rounds):
-        res["ours"].append(run_ours(args, s))
+        # Ours first in odd rounds and last in even ones: the machine's drift over a round's
+        # minutes then favours neither side across a pair of rounds.
+        if r % 2 == 0:
+            res["ours"].append(run_ours(args, s))
         for m, p in list(variants):
             try:
                 res[name(m, p)].append(run_theirs_fresh(args, s, m == "compile", p == "bf16"))
@@ -210,6 +213,8 @@ def main():
                       f"{str(e).splitlines()[0] if str(e) else ''}")
                 variants.remove((m, p))
                 del res[name(m, p)]
+        if r % 2 == 1:
+            res["ours"].append(run_ours(args, s))
         for k in res:
             v = res[k][-1]
             print(f"round {r + 1} {k}: {v['steps']} steps in {v['train_s']:.1f} s, "
