@@ -98,10 +98,53 @@ template <class VF>
   for (; j < nr; j += 8) p_ds_vector<VF8>(s + j, dp + j, scale, L, D);
 }
 
+MOETRAIN_ROWS_HOT RowSoftmax softmax_row_narrow(float* row, int64_t n, int64_t nk, float scale) {
+  return softmax_row_impl<VF8>(row, n, nk, scale);
+}
+MOETRAIN_ROWS_HOT void p_ds_row_narrow(float* s, float* dp, int64_t n, float scale, float L,
+                                       float D) {
+  p_ds_row_impl<VF8>(s, dp, n, scale, L, D);
+}
+#ifdef MOETRAIN_ROWS_WIDE
+MOETRAIN_ROWS_AVX512 RowSoftmax softmax_row_wide(float* row, int64_t n, int64_t nk, float scale) {
+  return softmax_row_impl<VF16>(row, n, nk, scale);
+}
+MOETRAIN_ROWS_AVX512 void p_ds_row_wide(float* s, float* dp, int64_t n, float scale, float L,
+                                        float D) {
+  p_ds_row_impl<VF16>(s, dp, n, scale, L, D);
+}
+#endif
+
+}  // namespace
+
+RowSoftmax attention_softmax_row([[maybe_unused]] bool wide, float* row, int64_t n, int64_t nk,
+                                 float scale) {
+#ifdef MOETRAIN_ROWS_WIDE
+  if (wide && cpu_has_avx512f()) return softmax_row_wide(row, n, nk, scale);
+#endif
+  return softmax_row_narrow(row, n, nk, scale);
+}
+
+void attention_p_ds_row([[maybe_unused]] bool wide, float* s, float* dp, int64_t n, float scale,
+                        float L, float D) {
+#ifdef MOETRAIN_ROWS_WIDE
+  if (wide && cpu_has_avx512f()) return p_ds_row_wide(s, dp, n, scale, L, D);
+#endif
+  p_ds_row_narrow(s, dp, n, scale, L, D);
+}
+
+RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
+  return attention_softmax_row(true, row, n, nk, scale);
+}
+
+void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D) {
+  attention_p_ds_row(true, s, dp, n, scale, L, D);
+}
+
 // p_ds_cols: eight columns at a time, L and D read with them; the last partial vector on padded
 // copies (L and D are readable over n only).
-MOETRAIN_ROWS_HOT void p_ds_cols_narrow(float* p, float* ds, const float* L, const float* D,
-                                        int64_t n, float scale) {
+MOETRAIN_ROWS_HOT void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n,
+                                 float scale) {
   const auto step = [scale](float* pp, float* dd, const float* LL, const float* DD) {
     VF8 l, d;
     load_v(l, LL);
@@ -120,61 +163,6 @@ MOETRAIN_ROWS_HOT void p_ds_cols_narrow(float* p, float* ds, const float* L, con
   step(pb, db, lb, dd);
   std::memcpy(p + c, pb, tail);
   std::memcpy(ds + c, db, tail);
-}
-
-MOETRAIN_ROWS_HOT RowSoftmax softmax_row_narrow(float* row, int64_t n, int64_t nk, float scale) {
-  return softmax_row_impl<VF8>(row, n, nk, scale);
-}
-MOETRAIN_ROWS_HOT void p_ds_row_narrow(float* s, float* dp, int64_t n, float scale, float L,
-                                       float D) {
-  p_ds_row_impl<VF8>(s, dp, n, scale, L, D);
-}
-#ifdef MOETRAIN_ROWS_WIDE
-MOETRAIN_ROWS_AVX512 RowSoftmax softmax_row_wide(float* row, int64_t n, int64_t nk, float scale) {
-  return softmax_row_impl<VF16>(row, n, nk, scale);
-}
-MOETRAIN_ROWS_AVX512 void p_ds_row_wide(float* s, float* dp, int64_t n, float scale, float L,
-                                        float D) {
-  p_ds_row_impl<VF16>(s, dp, n, scale, L, D);
-}
-#endif
-
-bool rows_wide(bool wide) {
-#ifdef MOETRAIN_ROWS_WIDE
-  return wide && cpu_has_avx512f();
-#else
-  (void)wide;
-  return false;
-#endif
-}
-
-}  // namespace
-
-RowSoftmax attention_softmax_row(bool wide, float* row, int64_t n, int64_t nk, float scale) {
-#ifdef MOETRAIN_ROWS_WIDE
-  if (rows_wide(wide)) return softmax_row_wide(row, n, nk, scale);
-#endif
-  return softmax_row_narrow(row, n, nk, scale);
-}
-
-void attention_p_ds_row(bool wide, float* s, float* dp, int64_t n, float scale, float L,
-                        float D) {
-#ifdef MOETRAIN_ROWS_WIDE
-  if (rows_wide(wide)) return p_ds_row_wide(s, dp, n, scale, L, D);
-#endif
-  p_ds_row_narrow(s, dp, n, scale, L, D);
-}
-
-RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
-  return attention_softmax_row(true, row, n, nk, scale);
-}
-
-void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D) {
-  attention_p_ds_row(true, s, dp, n, scale, L, D);
-}
-
-void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n, float scale) {
-  p_ds_cols_narrow(p, ds, L, D, n, scale);
 }
 
 void attention_row_terms(float* D, const float* dout, const float* out, int64_t B, int64_t T,
