@@ -103,12 +103,12 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       tile_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M,
                 round_up(nk, kNR), HS, false);
       float inv_l[kBlock];
+      RowSoftmax sm[kBlock];
       for (int64_t r = 0; r < M; ++r) {
         const int64_t last = i0 + r;  // the last key this query sees
-        const RowSoftmax sm = softmax_row(s.data() + r * Tp, last + 1, nk, scale);
-        lse[(b * NH + h) * T + last] = sm.m + static_cast<float>(std::log(sm.l));
-        inv_l[r] = static_cast<float>(1.0 / sm.l);
+        sm[r] = softmax_row(s.data() + r * Tp, last + 1, nk, scale);
       }
+      block_lse(lse + (b * NH + h) * T + i0, inv_l, sm, M);
       const Rows vb = vrows.at(b, g, 0);
       tile_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false);
       for (int64_t r = 0; r < M; ++r) {

@@ -165,13 +165,13 @@ MOETRAIN_BF16_TARGET void forward_blocks(float* out, float* lse, const float* q,
       pair_gemm(s, Tp, qr + qrow * HP, NH * HP, 1, kx + (b * NKV + g) * HP * Tp, Tp, M,
                 round_up(nk, kCols), HP, false);
       float inv_l[kBlock];
+      RowSoftmax sm[kBlock];
       for (int64_t r = 0; r < M; ++r) {
         const int64_t last = i0 + r;
-        const RowSoftmax sm = softmax_row(s + r * Tp, last + 1, nk, scale);
-        lse[(b * NH + h) * T + last] = sm.m + static_cast<float>(std::log(sm.l));
-        inv_l[r] = static_cast<float>(1.0 / sm.l);
+        sm[r] = softmax_row(s + r * Tp, last + 1, nk, scale);
         row_to_pairs(pr + r * (Tp / 2), s + r * Tp, nk);
       }
+      block_lse(lse + (b * NH + h) * T + i0, inv_l, sm, M);
       pair_gemm(o, HSp, pr, Tp / 2, 1, vt + (b * NKV + g) * (Tp / 2) * HSp, HSp, M, HSp, nk / 2,
                 false);
       for (int64_t r = 0; r < M; ++r) {

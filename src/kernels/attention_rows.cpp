@@ -1,7 +1,9 @@
 #include "kernels/attention_rows.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "core/buffer.h"
 #include "core/check.h"
@@ -26,51 +28,97 @@ namespace {
 #define MOETRAIN_ROWS_HOT
 #endif
 
+typedef double V4D __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
 // The softmax's exponentials go through exp_v (kernels/vec_math.h, within 1 ulp of exp), VF's
 // lanes at a time, then eight for the last columns of a row whose length is not a multiple of
 // the width. Lanes are independent, so a score's result does not depend on where its row ends or
 // on the width: a row's last partial vector reads scores tile_gemm has written past the row's end
 // (and its results there are overwritten), or padded copies where the data itself ends.
 
-// row[0, nr) = f(row[0, nr)) for nr a multiple of 8: VF vectors, then VF8 ones.
-template <class VF, class F>
-[[gnu::always_inline]] inline void map_cols(float* row, int64_t nr, F f) {
+// Lanes of v at or past `valid` set to `fill` (valid may exceed the width: then none), in place.
+template <class VF>
+[[gnu::always_inline]] inline void keep_lanes(VF& v, int64_t valid, float fill) {
+  using VI = typename IntVec<VF>::type;
+  constexpr int kLanes = sizeof(VF) / sizeof(float);
+  VI lane;
+  for (int k = 0; k < kLanes; ++k) lane[k] = k;
+  const VI room = VI{} + static_cast<int32_t>(std::min<int64_t>(valid, kLanes));
+  v = lane < room ? v : VF{} + fill;
+}
+
+// acc[k] += x[4q + k] for the quarters q of x in order: the sum's order of four lanes of
+// two halves whatever the vector's width.
+template <class VF>
+[[gnu::always_inline]] inline void add_quarters(V4D& acc, const VF& x) {
+  typedef double V8D __attribute__((vector_size(64)));
+  constexpr int kHalves = sizeof(VF) / sizeof(VF8);
+  VF8 h[kHalves];
+  std::memcpy(h, &x, sizeof x);
+  for (int k = 0; k < kHalves; ++k) {
+    const V8D d = __builtin_convertvector(h[k], V8D);
+    acc += __builtin_shufflevector(d, d, 0, 1, 2, 3);
+    acc += __builtin_shufflevector(d, d, 4, 5, 6, 7);
+  }
+}
+
+// The row in two passes, VF vectors and then VF8 ones over round_up(n, 8) columns: scaled, with
+// the largest scaled score over [0, n) taken as they go (a maximum is the same whatever the
+// order: row_max's, NaNs passed over, and a zero maximum taken again in order for its sign); then
+// exp(x − m), lanes past n zeroed, stored and summed in double in the order of four lanes of two
+// halves, then the lanes in order.
+template <class VF>
+[[gnu::always_inline]] inline RowSoftmax softmax_row_impl(float* row, int64_t n, int64_t nk,
+                                                          float scale) {
   constexpr int64_t kW = sizeof(VF) / sizeof(float);
+  const int64_t nr = round_up(n, 8);
+  VF mw = VF{} - std::numeric_limits<float>::infinity();
+  VF8 m8 = VF8{} - std::numeric_limits<float>::infinity();
   int64_t j = 0;
   for (; j + kW <= nr; j += kW) {
     VF x;
     load_v(x, row + j);
-    f(x);
+    x = x * scale;
     store_v(row + j, x);
+    VF y = x;
+    keep_lanes(y, n - j, -std::numeric_limits<float>::infinity());
+    mw = mw < y ? y : mw;
   }
   for (; j < nr; j += 8) {
     VF8 x;
     load_v(x, row + j);
-    f(x);
+    x = x * scale;
     store_v(row + j, x);
+    VF8 y = x;
+    keep_lanes(y, n - j, -std::numeric_limits<float>::infinity());
+    m8 = m8 < y ? y : m8;
   }
-}
-
-template <class VF>
-[[gnu::always_inline]] inline RowSoftmax softmax_row_impl(float* row, int64_t n, int64_t nk,
-                                                          float scale) {
-  const int64_t nr = round_up(n, 8);
-  map_cols<VF>(row, nr, [scale](auto& x) { x = x * scale; });
-  const float m = row_max(row, n);
-  map_cols<VF>(row, nr, [m](auto& x) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int k = 0; k < kW; ++k) m = std::max(m, mw[k]);
+  for (int k = 0; k < 8; ++k) m = std::max(m, m8[k]);
+  if (m == 0.0f) m = row_max(row, n);
+  V4D acc = V4D{};
+  j = 0;
+  for (; j + kW <= nr; j += kW) {
+    VF x;
+    load_v(x, row + j);
     x -= m;
     exp_v(x, x);
-  });
-  std::fill(row + n, row + std::max(nk, nr), 0.0f);
-  // Sum in double: four lanes of two halves, then the lanes in order.
-  typedef double V4D __attribute__((vector_size(32)));
-  typedef float V4 __attribute__((vector_size(16)));
-  V4D acc = V4D{};
-  for (int64_t j = 0; j < nr; j += 4) {
-    V4 x;
-    std::memcpy(&x, row + j, sizeof x);
-    acc += __builtin_convertvector(x, V4D);
+    keep_lanes(x, n - j, 0.0f);
+    store_v(row + j, x);
+    add_quarters(acc, x);
   }
+  for (; j < nr; j += 8) {
+    VF8 x;
+    load_v(x, row + j);
+    x -= m;
+    exp_v(x, x);
+    keep_lanes(x, n - j, 0.0f);
+    store_v(row + j, x);
+    add_quarters(acc, x);
+  }
+  if (nk > nr) std::fill(row + nr, row + nk, 0.0f);
   return {m, (acc[0] + acc[1]) + (acc[2] + acc[3])};
 }
 
@@ -163,6 +211,20 @@ MOETRAIN_ROWS_HOT void p_ds_cols(float* p, float* ds, const float* L, const floa
   step(pb, db, lb, dd);
   std::memcpy(p + c, pb, tail);
   std::memcpy(ds + c, db, tail);
+}
+
+MOETRAIN_ROWS_HOT void block_lse(float* lse, float* inv_l, const RowSoftmax* sm, int64_t M) {
+  for (int64_t r = 0; r < M; r += 4) {
+    const int64_t n = std::min<int64_t>(4, M - r);
+    VD4 l = VD4{} + 1.0, y;
+    for (int64_t k = 0; k < n; ++k) l[k] = sm[r + k].l;
+    log_vd4(y, l);
+    for (int64_t k = 0; k < n; ++k) {
+      const double lg = std::isnan(y[k]) ? std::log(l[k]) : y[k];  // l not a normal positive
+      lse[r + k] = sm[r + k].m + static_cast<float>(lg);
+      inv_l[r + k] = static_cast<float>(1.0 / l[k]);
+    }
+  }
 }
 
 void attention_row_terms(float* D, const float* dout, const float* out, int64_t B, int64_t T,

@@ -42,6 +42,11 @@ struct RowSoftmax {
 // and writable over round_up(max(n, nk), 8) columns.
 RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale);
 
+// A block of forward rows' results from their softmaxes, r in [0, M): lse[r] = sm[r].m +
+// log(sm[r].l) and inv_l[r] = 1 / sm[r].l, each rounded to float; the log through log_vd4
+// (kernels/vec_math.h), four rows at a time.
+void block_lse(float* lse, float* inv_l, const RowSoftmax* sm, int64_t M);
+
 // p[j] = exp(s[j]·scale − L), ds[j] = p[j] · (dp[j] − D) for j in [0, n): p in place of s, ds in
 // place of dp. Both rows are written over round_up(n, 8) columns; what lands past n is the
 // caller's to overwrite.
