@@ -101,7 +101,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M;
       const int64_t qrow = (b * T + i0) * NH + h;
       tile_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M,
-                round_up(nk, kNR), HS, false);
+                round_up(nk, kNR), HS, false, false, {TileCausal::Columns, i0});
       float inv_l[kBlock];
       RowSoftmax sm[kBlock];
       for (int64_t r = 0; r < M; ++r) {
@@ -110,7 +110,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       }
       block_lse(lse + (b * NH + h) * T + i0, inv_l, sm, M);
       const Rows vb = vrows.at(b, g, 0);
-      tile_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false);
+      tile_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false, false,
+                {TileCausal::Terms, i0});
       for (int64_t r = 0; r < M; ++r) {
         float* dst = out + (qrow + r * NH) * HS;
         for (int64_t x = 0; x < HS; ++x) dst[x] = o[r * HSp + x] * inv_l[r];
@@ -169,9 +170,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             float* s = pm + i0 * Tp;
             float* ds = dsm + i0 * Tp;
             tile_gemm(s, Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
-                      false);
+                      false, false, {TileCausal::Columns, i0});
             tile_gemm(ds, Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
-                      false);
+                      false, false, {TileCausal::Columns, i0});
             for (int64_t r = 0; r < M; ++r) {
               const int64_t i = i0 + r;
               p_ds_row(s + r * Tp, ds + r * Tp, i + 1, scale, lse[(b * NH + h) * T + i],
@@ -179,7 +180,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
               std::fill(s + r * Tp + i + 1, s + r * Tp + nk, 0.0f);
               std::fill(ds + r * Tp + i + 1, ds + r * Tp + nk, 0.0f);
             }
-            tile_gemm(acc, HSp, ds, Tp, kb.p, kb.ld, M, HSp, nk, false);
+            tile_gemm(acc, HSp, ds, Tp, kb.p, kb.ld, M, HSp, nk, false, false,
+                      {TileCausal::Terms, i0});
             for (int64_t r = 0; r < M; ++r) {
               float* dst = dq + (qrow + r * NH) * HS;
               for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;
@@ -220,9 +222,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                     N = round_up(nk, kNR);
       const int64_t qrow = (b * T + i0) * NH + h;
       tile_gemm(s.data(), Tp, q + qrow * HS, NH * HS, kt + (b * NKV + g) * HS * Tp, Tp, M, N, HS,
-                false);
+                false, false, {TileCausal::Columns, i0});
       tile_gemm(dp.data(), Tp, dout + qrow * HS, NH * HS, vt + (b * NKV + g) * HS * Tp, Tp, M, N,
-                HS, false);
+                HS, false, false, {TileCausal::Columns, i0});
       for (int64_t r = 0; r < M; ++r) {
         float* srow = s.data() + r * Tp;
         float* dprow = dp.data() + r * Tp;
@@ -232,7 +234,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
         std::fill(dprow + i + 1, dprow + nk, 0.0f);
       }
       const Rows kb = krows.at(b, g, 0);
-      tile_gemm(acc.data(), HSp, dp.data(), Tp, kb.p, kb.ld, M, HSp, nk, false);
+      tile_gemm(acc.data(), HSp, dp.data(), Tp, kb.p, kb.ld, M, HSp, nk, false, false,
+                {TileCausal::Terms, i0});
       for (int64_t r = 0; r < M; ++r) {
         float* dst = dq + (qrow + r * NH) * HS;
         for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;

@@ -66,19 +66,36 @@ template <class VF, int64_t R, int64_t kV, bool kTA>
 }
 
 // The row tiles of columns [j, j + kV · lanes): R rows while R remain, then kMR.
+// A tile of rows [i, i + rows) under `causal`: false where its column block at j lies wholly past
+// its last row's limit; else true, with the tile's sum cut at that limit for Terms.
+[[gnu::always_inline]] inline bool causal_tile(const TileCausal& causal, int64_t i, int64_t rows,
+                                               int64_t j, int64_t& k1) {
+  const int64_t limit = i + rows + causal.offset;  // the last row's indices stop before this
+  if (causal.kind == TileCausal::Columns) return j < limit;
+  if (causal.kind == TileCausal::Terms) k1 = std::min(k1, limit);
+  return true;
+}
+
 template <class VF, int64_t R, int64_t kV, bool kTA>
 [[gnu::always_inline]] inline void column_tiles(float* __restrict C, int64_t ldc,
                                                 const float* __restrict A, int64_t lda,
                                                 const float* __restrict B, int64_t ldb, int64_t M,
-                                                int64_t j, int64_t k0, int64_t k1, bool load_c) {
+                                                int64_t j, int64_t k0, int64_t k1, bool load_c,
+                                                const TileCausal& causal) {
   static_assert(R % kMR == 0);
   int64_t i = 0;
   if constexpr (R > kMR) {
-    for (; i + R <= M; i += R)
-      block_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+    for (; i + R <= M; i += R) {
+      int64_t kt = k1;
+      if (!causal_tile(causal, i, R, j, kt)) continue;
+      block_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, std::max(k0, kt), load_c);
+    }
   }
-  for (; i < M; i += kMR)
-    block_tile<VF, kMR, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c);
+  for (; i < M; i += kMR) {
+    int64_t kt = k1;
+    if (!causal_tile(causal, i, kMR, j, kt)) continue;
+    block_tile<VF, kMR, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, std::max(k0, kt), load_c);
+  }
 }
 
 // C (M, N) = A (M, K) · B (K, N)  [+ C], row-major with leading dimensions.
@@ -95,7 +112,7 @@ template <class VF, int64_t R, int64_t kW, bool kTA>
                                                    const float* __restrict A, int64_t lda,
                                                    const float* __restrict B, int64_t ldb,
                                                    int64_t M, int64_t N, int64_t K,
-                                                   bool accumulate) {
+                                                   bool accumulate, const TileCausal& causal) {
   constexpr int64_t kV = kNR / (sizeof(VF) / sizeof(float));
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kKC) {
     const int64_t k1 = std::min(K, k0 + kKC);
@@ -103,10 +120,10 @@ template <class VF, int64_t R, int64_t kW, bool kTA>
     int64_t j = 0;
     if constexpr (kW > 1) {
       for (; j + kW * kNR <= N; j += kW * kNR)
-        column_tiles<VF, R, kW * kV, kTA>(C, ldc, A, lda, B, ldb, M, j, k0, k1, load_c);
+        column_tiles<VF, R, kW * kV, kTA>(C, ldc, A, lda, B, ldb, M, j, k0, k1, load_c, causal);
     }
     for (; j < N; j += kNR)
-      column_tiles<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, j, k0, k1, load_c);
+      column_tiles<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, j, k0, k1, load_c, causal);
   }
 }
 
@@ -114,10 +131,10 @@ template <class VF, int64_t R, int64_t kW, bool kTA>
 MOETRAIN_TILE_HOT void block_gemm_v8(float* __restrict C, int64_t ldc, const float* __restrict A,
                                      int64_t lda, const float* __restrict B, int64_t ldb,
                                      int64_t M, int64_t N, int64_t K, bool accumulate,
-                                     bool trans_a) {
+                                     bool trans_a, const TileCausal& causal) {
   if (trans_a)
-    return block_gemm_impl<V8, kMR, 1, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
-  block_gemm_impl<V8, kMR, 1, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+    return block_gemm_impl<V8, kMR, 1, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate, causal);
+  block_gemm_impl<V8, kMR, 1, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate, causal);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -132,35 +149,38 @@ __attribute__((target("avx512f"))) void block_gemm_v16(float* __restrict C, int6
                                                        const float* __restrict A, int64_t lda,
                                                        const float* __restrict B, int64_t ldb,
                                                        int64_t M, int64_t N, int64_t K,
-                                                       bool accumulate, bool trans_a) {
+                                                       bool accumulate, bool trans_a,
+                                                       const TileCausal& causal) {
   typedef float V16 __attribute__((vector_size(64)));
   if (trans_a)
-    return block_gemm_impl<V16, 2 * kMR, kWide, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
-  block_gemm_impl<V16, 2 * kMR, kWide, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+    return block_gemm_impl<V16, 2 * kMR, kWide, true>(C, ldc, A, lda, B, ldb, M, N, K, accumulate,
+                                                      causal);
+  block_gemm_impl<V16, 2 * kMR, kWide, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate, causal);
 }
 #endif
 
 }  // namespace
 
 void tile_gemm(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
-               int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a) {
+               int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a, TileCausal causal) {
 #ifdef MOETRAIN_TILE_WIDE
-  if (cpu_has_avx512f()) return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
+  if (cpu_has_avx512f())
+    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a, causal);
 #endif
-  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
+  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a, causal);
 }
 
 void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
                          const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                         bool accumulate, bool trans_a) {
+                         bool accumulate, bool trans_a, TileCausal causal) {
   MOETRAIN_CHECK(M > 0 && N > 0 && N % kTileCols == 0 && K >= 0,
                  "attention_tile_gemm: M={} N={} K={}: need M > 0, N a positive multiple of {}", M,
                  N, K, kTileCols);
 #ifdef MOETRAIN_TILE_WIDE
   if (wide && cpu_has_avx512f())
-    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
+    return block_gemm_v16(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a, causal);
 #endif
-  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a);
+  block_gemm_v8(C, ldc, A, lda, B, ldb, M, N, K, accumulate, trans_a, causal);
 }
 
 }  // namespace moetrain

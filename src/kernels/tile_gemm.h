@@ -10,17 +10,29 @@ namespace moetrain {
 constexpr int64_t kTileRows = 4;   // C needs round_up(M, kTileRows) rows
 constexpr int64_t kTileCols = 16;  // N is a multiple of this
 
+// A causal product: row i of C needs only index i + offset and those below it, along its columns
+// (a block of scores: query i0 + i sees keys up to i0 + i) or along the sum (probabilities times
+// values: the terms past that index are zeros the caller wrote). A tile of rows then stops at its
+// last row's limit: Columns leaves the column blocks wholly past it unwritten (the caller reads
+// none of them), Terms drops the trailing zero terms (adding a zero product leaves a sum's bits as
+// they are, for finite operands).
+struct TileCausal {
+  enum Kind { None, Columns, Terms } kind = None;
+  int64_t offset = 0;
+};
+
 // C (M, N) = A (M, K) · B (K, N) [+ C], row-major with leading dimensions; trans_a: A is stored
 // transposed, (K, M) with leading dimension lda. B is readable over all N columns. C needs
 // round_up(M, kTileRows) rows: the last tile's surplus rows repeat A's last row and land in C's
 // padding. The 16-float AVX-512 path where the CPU has it, else 8 floats.
 void tile_gemm(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
-               int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a = false);
+               int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a = false,
+               TileCausal causal = {});
 
 // The same, the path chosen by the caller, for tests: wide takes the 16-float AVX-512 path where
 // the CPU has it, else the 8-float one; both give the same bits.
 void attention_tile_gemm(bool wide, float* C, int64_t ldc, const float* A, int64_t lda,
                          const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                         bool accumulate, bool trans_a = false);
+                         bool accumulate, bool trans_a = false, TileCausal causal = {});
 
 }  // namespace moetrain

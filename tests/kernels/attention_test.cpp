@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <bit>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <sstream>
 #include <vector>
@@ -279,6 +281,47 @@ TEST(Attention, TileGemmSameBitsOnEveryPath) {
             ASSERT_TRUE(same_bits(narrow, wide)) << "M=" << M << " N=" << N << " K=" << K
                                                  << " accumulate=" << acc << " trans_a=" << ta;
           }
+}
+
+// A causal product gives the full product's bits where its rows read them, on both paths: the
+// columns up to each row's limit (Columns; those past a tile's last row's limit stay unwritten),
+// and the whole row where the terms past each row's limit are zeros (Terms).
+TEST(Attention, TileGemmCausalGivesTheFullProductsBits) {
+  uint64_t seed = 200;
+  for (int64_t M : {1, 5, 12, 32})
+    for (int64_t offset : {0, 3, 32})
+      for (bool wide : {false, true}) {
+        const int64_t rows = (M + 3) / 4 * 4, N = (M + offset + 15) / 16 * 16, K = 40, ld = N + 16;
+        const auto A = random_vector(rows * K, ++seed), B = random_vector(K * ld, ++seed);
+        const float poison = std::numeric_limits<float>::quiet_NaN();
+        std::vector<float> full(rows * ld, poison), causal(rows * ld, poison);
+        attention_tile_gemm(wide, full.data(), ld, A.data(), K, B.data(), ld, M, N, K, false);
+        attention_tile_gemm(wide, causal.data(), ld, A.data(), K, B.data(), ld, M, N, K, false,
+                            false, {TileCausal::Columns, offset});
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t c = 0; c <= std::min(N - 1, i + offset); ++c)
+            ASSERT_EQ(std::bit_cast<uint32_t>(full[i * ld + c]),
+                      std::bit_cast<uint32_t>(causal[i * ld + c]))
+                << "Columns M=" << M << " offset=" << offset << " wide=" << wide << " (" << i
+                << ", " << c << ")";
+
+        // Terms: row i of A (M, Kt) is zero past index i + offset.
+        const int64_t Kt = M + offset;
+        auto P = random_vector(rows * Kt, ++seed);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t k = std::min(i, M - 1) + offset + 1; k < Kt; ++k) P[i * Kt + k] = 0.0f;
+        const auto V = random_vector(Kt * 32, ++seed);
+        std::vector<float> whole(rows * 32), cut(rows * 32, poison);
+        attention_tile_gemm(wide, whole.data(), 32, P.data(), Kt, V.data(), 32, M, 32, Kt, false);
+        attention_tile_gemm(wide, cut.data(), 32, P.data(), Kt, V.data(), 32, M, 32, Kt, false,
+                            false, {TileCausal::Terms, offset});
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t c = 0; c < 32; ++c)
+            ASSERT_EQ(std::bit_cast<uint32_t>(whole[i * 32 + c]),
+                      std::bit_cast<uint32_t>(cut[i * 32 + c]))
+                << "Terms M=" << M << " offset=" << offset << " wide=" << wide << " (" << i << ", "
+                << c << ")";
+      }
 }
 
 // The 16-lane AVX-512 rows give the 8-lane rows' bits: the softmax (its probabilities, maximum
