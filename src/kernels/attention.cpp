@@ -111,7 +111,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       block_lse(lse + (b * NH + h) * T + i0, inv_l, sm, M);
       const Rows vb = vrows.at(b, g, 0);
       tile_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false, false,
-                {TileCausal::Terms, i0});
+                {TileCausal::TermsTo, i0});
       for (int64_t r = 0; r < M; ++r) {
         float* dst = out + (qrow + r * NH) * HS;
         for (int64_t x = 0; x < HS; ++x) dst[x] = o[r * HSp + x] * inv_l[r];
@@ -181,7 +181,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
               std::fill(ds + r * Tp + i + 1, ds + r * Tp + nk, 0.0f);
             }
             tile_gemm(acc, HSp, ds, Tp, kb.p, kb.ld, M, HSp, nk, false, false,
-                      {TileCausal::Terms, i0});
+                      {TileCausal::TermsTo, i0});
             for (int64_t r = 0; r < M; ++r) {
               float* dst = dq + (qrow + r * NH) * HS;
               for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;
@@ -194,9 +194,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             const int64_t M = std::min(kBlock, T - j0), nq = T - j0;
             const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
             tile_gemm(dv_acc + j0 * HSp, HSp, pm + j0 * Tp + j0, Tp, dor.p, dor.ld, M, HSp, nq,
-                      true, true);
+                      true, true, {TileCausal::TermsFrom, 0});
             tile_gemm(dk_acc + j0 * HSp, HSp, dsm + j0 * Tp + j0, Tp, qr.p, qr.ld, M, HSp, nq, true,
-                      true);
+                      true, {TileCausal::TermsFrom, 0});
           }
         }
         write_kv_gradients(dk, dv, dk_acc, dv_acc, b, g, T, NKV, HS, HSp, scale);
@@ -235,7 +235,7 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       }
       const Rows kb = krows.at(b, g, 0);
       tile_gemm(acc.data(), HSp, dp.data(), Tp, kb.p, kb.ld, M, HSp, nk, false, false,
-                {TileCausal::Terms, i0});
+                {TileCausal::TermsTo, i0});
       for (int64_t r = 0; r < M; ++r) {
         float* dst = dq + (qrow + r * NH) * HS;
         for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;
@@ -274,8 +274,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
           p_ds_cols(prow + r, dsrow + r, L + r, Dh + r, nq - r, scale);
         }
         const Rows dor = dorows.at(b, h, j0), qr = qrows.at(b, h, j0);
-        tile_gemm(dv_acc.data(), HSp, p.data(), Tp, dor.p, dor.ld, M, HSp, nq, true);
-        tile_gemm(dk_acc.data(), HSp, ds.data(), Tp, qr.p, qr.ld, M, HSp, nq, true);
+        tile_gemm(dv_acc.data(), HSp, p.data(), Tp, dor.p, dor.ld, M, HSp, nq, true, false,
+                  {TileCausal::TermsFrom, 0});
+        tile_gemm(dk_acc.data(), HSp, ds.data(), Tp, qr.p, qr.ld, M, HSp, nq, true, false,
+                  {TileCausal::TermsFrom, 0});
       }
       for (int64_t r = 0; r < M; ++r) {
         float* dkd = dk + (krow + r * NKV) * HS;

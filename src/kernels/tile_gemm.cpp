@@ -67,12 +67,22 @@ template <class VF, int64_t R, int64_t kV, bool kTA>
 
 // The row tiles of columns [j, j + kV · lanes): R rows while R remain, then kMR.
 // A tile of rows [i, i + rows) under `causal`: false where its column block at j lies wholly past
-// its last row's limit; else true, with the tile's sum cut at that limit for Terms.
+// its last row's limit; else true, with the tile's sum range [k0, k1) narrowed for the Terms kinds.
 [[gnu::always_inline]] inline bool causal_tile(const TileCausal& causal, int64_t i, int64_t rows,
-                                               int64_t j, int64_t& k1) {
+                                               int64_t j, int64_t& k0, int64_t& k1) {
   const int64_t limit = i + rows + causal.offset;  // the last row's indices stop before this
-  if (causal.kind == TileCausal::Columns) return j < limit;
-  if (causal.kind == TileCausal::Terms) k1 = std::min(k1, limit);
+  switch (causal.kind) {
+    case TileCausal::Columns:
+      return j < limit;
+    case TileCausal::TermsTo:
+      k1 = std::max(k0, std::min(k1, limit));
+      return true;
+    case TileCausal::TermsFrom:
+      k0 = std::min(k1, std::max(k0, i + causal.offset));
+      return true;
+    case TileCausal::None:
+      break;
+  }
   return true;
 }
 
@@ -86,15 +96,15 @@ template <class VF, int64_t R, int64_t kV, bool kTA>
   int64_t i = 0;
   if constexpr (R > kMR) {
     for (; i + R <= M; i += R) {
-      int64_t kt = k1;
-      if (!causal_tile(causal, i, R, j, kt)) continue;
-      block_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, std::max(k0, kt), load_c);
+      int64_t ka = k0, kb = k1;
+      if (!causal_tile(causal, i, R, j, ka, kb)) continue;
+      block_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, ka, kb, load_c);
     }
   }
   for (; i < M; i += kMR) {
-    int64_t kt = k1;
-    if (!causal_tile(causal, i, kMR, j, kt)) continue;
-    block_tile<VF, kMR, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, std::max(k0, kt), load_c);
+    int64_t ka = k0, kb = k1;
+    if (!causal_tile(causal, i, kMR, j, ka, kb)) continue;
+    block_tile<VF, kMR, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, ka, kb, load_c);
   }
 }
 

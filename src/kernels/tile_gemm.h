@@ -12,12 +12,15 @@ constexpr int64_t kTileCols = 16;  // N is a multiple of this
 
 // A causal product: row i of C needs only index i + offset and those below it, along its columns
 // (a block of scores: query i0 + i sees keys up to i0 + i) or along the sum (probabilities times
-// values: the terms past that index are zeros the caller wrote). A tile of rows then stops at its
-// last row's limit: Columns leaves the column blocks wholly past it unwritten (the caller reads
-// none of them), Terms drops the trailing zero terms (adding a zero product leaves a sum's bits as
+// values: the terms past that index are zeros the caller wrote); or, along the sum, only index
+// i + offset and those above it (a key's gradient sums over the queries at or after it, the
+// terms before are zeros). A tile of rows then keeps to its rows' widest range: Columns leaves the
+// column blocks wholly past its last row's limit unwritten (the caller reads none of them),
+// TermsTo drops the terms past that limit and TermsFrom those before its first row's start
+// (adding a zero product to a sum that is not −0, which none of these is, leaves its bits as
 // they are, for finite operands).
 struct TileCausal {
-  enum Kind { None, Columns, Terms } kind = None;
+  enum Kind { None, Columns, TermsTo, TermsFrom } kind = None;
   int64_t offset = 0;
 };
 

@@ -285,7 +285,8 @@ TEST(Attention, TileGemmSameBitsOnEveryPath) {
 
 // A causal product gives the full product's bits where its rows read them, on both paths: the
 // columns up to each row's limit (Columns; those past a tile's last row's limit stay unwritten),
-// and the whole row where the terms past each row's limit are zeros (Terms).
+// and the whole row where the terms past each row's limit (TermsTo) or before its start
+// (TermsFrom, accumulating, A transposed) are zeros.
 TEST(Attention, TileGemmCausalGivesTheFullProductsBits) {
   uint64_t seed = 200;
   for (int64_t M : {1, 5, 12, 32})
@@ -305,7 +306,7 @@ TEST(Attention, TileGemmCausalGivesTheFullProductsBits) {
                 << "Columns M=" << M << " offset=" << offset << " wide=" << wide << " (" << i
                 << ", " << c << ")";
 
-        // Terms: row i of A (M, Kt) is zero past index i + offset.
+        // TermsTo: row i of A (M, Kt) is zero past index i + offset.
         const int64_t Kt = M + offset;
         auto P = random_vector(rows * Kt, ++seed);
         for (int64_t i = 0; i < rows; ++i)
@@ -314,13 +315,32 @@ TEST(Attention, TileGemmCausalGivesTheFullProductsBits) {
         std::vector<float> whole(rows * 32), cut(rows * 32, poison);
         attention_tile_gemm(wide, whole.data(), 32, P.data(), Kt, V.data(), 32, M, 32, Kt, false);
         attention_tile_gemm(wide, cut.data(), 32, P.data(), Kt, V.data(), 32, M, 32, Kt, false,
-                            false, {TileCausal::Terms, offset});
+                            false, {TileCausal::TermsTo, offset});
         for (int64_t i = 0; i < M; ++i)
           for (int64_t c = 0; c < 32; ++c)
             ASSERT_EQ(std::bit_cast<uint32_t>(whole[i * 32 + c]),
                       std::bit_cast<uint32_t>(cut[i * 32 + c]))
-                << "Terms M=" << M << " offset=" << offset << " wide=" << wide << " (" << i << ", "
+                << "TermsTo M=" << M << " offset=" << offset << " wide=" << wide << " (" << i << ", "
                 << c << ")";
+
+        // TermsFrom, accumulating into C, A stored transposed (Kt, M): row i's terms before index
+        // i + offset are zeros.
+        auto Pt = random_vector(Kt * rows, ++seed);
+        for (int64_t k = 0; k < Kt; ++k)
+          for (int64_t i = 0; i < rows; ++i)
+            if (k < i + offset) Pt[k * rows + i] = 0.0f;
+        const auto C0 = random_vector(rows * 32, ++seed);
+        std::vector<float> all = C0, from = C0;
+        attention_tile_gemm(wide, all.data(), 32, Pt.data(), rows, V.data(), 32, M, 32, Kt, true,
+                            true);
+        attention_tile_gemm(wide, from.data(), 32, Pt.data(), rows, V.data(), 32, M, 32, Kt, true,
+                            true, {TileCausal::TermsFrom, offset});
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t c = 0; c < 32; ++c)
+            ASSERT_EQ(std::bit_cast<uint32_t>(all[i * 32 + c]),
+                      std::bit_cast<uint32_t>(from[i * 32 + c]))
+                << "TermsFrom M=" << M << " offset=" << offset << " wide=" << wide << " (" << i
+                << ", " << c << ")";
       }
 }
 
