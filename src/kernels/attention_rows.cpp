@@ -28,8 +28,6 @@ namespace {
 #define MOETRAIN_ROWS_HOT
 #endif
 
-typedef double V4D __attribute__((vector_size(32)));
-typedef float V4 __attribute__((vector_size(16)));
 
 // The softmax's exponentials go through exp_v (kernels/vec_math.h, within 1 ulp of exp), VF's
 // lanes at a time, then eight for the last columns of a row whose length is not a multiple of
@@ -46,21 +44,6 @@ template <class VF>
   for (int k = 0; k < kLanes; ++k) lane[k] = k;
   const VI room = VI{} + static_cast<int32_t>(std::min<int64_t>(valid, kLanes));
   v = lane < room ? v : VF{} + fill;
-}
-
-// acc[k] += x[4q + k] for the quarters q of x in order: the sum's order of four lanes of
-// two halves whatever the vector's width.
-template <class VF>
-[[gnu::always_inline]] inline void add_quarters(V4D& acc, const VF& x) {
-  typedef double V8D __attribute__((vector_size(64)));
-  constexpr int kHalves = sizeof(VF) / sizeof(VF8);
-  VF8 h[kHalves];
-  std::memcpy(h, &x, sizeof x);
-  for (int k = 0; k < kHalves; ++k) {
-    const V8D d = __builtin_convertvector(h[k], V8D);
-    acc += __builtin_shufflevector(d, d, 0, 1, 2, 3);
-    acc += __builtin_shufflevector(d, d, 4, 5, 6, 7);
-  }
 }
 
 // The row in two passes, VF vectors and then VF8 ones over round_up(n, 8) columns: scaled, with
@@ -98,7 +81,7 @@ template <class VF>
   for (int k = 0; k < kW; ++k) m = std::max(m, mw[k]);
   for (int k = 0; k < 8; ++k) m = std::max(m, m8[k]);
   if (m == 0.0f) m = row_max(row, n);
-  V4D acc = V4D{};
+  VD4 acc = VD4{};
   j = 0;
   for (; j + kW <= nr; j += kW) {
     VF x;

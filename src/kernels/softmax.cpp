@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/cpu.h"
 #include "core/profile.h"
 #include "kernels/vec_math.h"
 
@@ -19,6 +20,7 @@ constexpr int64_t kParallelMin = 1 << 14;
 // (no FMA contraction: cmake/warnings.cmake), so they agree bitwise (as kernels/attention.cpp).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOETRAIN_SOFTMAX_HOT __attribute__((target_clones("avx2", "default")))
+#define MOETRAIN_SOFTMAX_WIDE 1
 #else
 #define MOETRAIN_SOFTMAX_HOT
 #endif
@@ -28,25 +30,27 @@ MOETRAIN_SOFTMAX_HOT float max_of_row(const float* x, int64_t V) {
   return row_max(x, V);
 }
 
-// e[0, n) = exp(x[0, n) − m) · g, eight at a time through exp_vf8 (within an ulp of exp); the
-// last partial vector on a padded copy. e may be x. Returns Σ e in double when sum is set: four
-// double lanes, then the lanes in order.
-MOETRAIN_SOFTMAX_HOT double exp_row(float* e, const float* x, int64_t n, float m, float g,
-                                    bool sum) {
-  typedef double V4D __attribute__((vector_size(32)));
-  typedef float V4 __attribute__((vector_size(16)));
-  V4D acc = V4D{};
-  const auto step = [&](VF8& y) {
+// e[0, n) = exp(x[0, n) − m) · g through exp_v (within an ulp of exp), VF's lanes at a time, then
+// eight; the last partial vector on a padded copy. e may be x. Returns Σ e in double when sum is
+// set: four double lanes (add_quarters), then the lanes in order, the same bits at either width.
+template <class VF>
+[[gnu::always_inline]] inline double exp_row_impl(float* e, const float* x, int64_t n, float m,
+                                                  float g, bool sum) {
+  constexpr int64_t kW = sizeof(VF) / sizeof(float);
+  VD4 acc = VD4{};
+  const auto step = [&](auto& y) {
     y -= m;
-    exp_vf8(y, y);
+    exp_v(y, y);
     y *= g;
-    if (sum) {
-      V4 lo = {y[0], y[1], y[2], y[3]}, hi = {y[4], y[5], y[6], y[7]};
-      acc += __builtin_convertvector(lo, V4D);
-      acc += __builtin_convertvector(hi, V4D);
-    }
+    if (sum) add_quarters(acc, y);
   };
   int64_t v = 0;
+  for (; v + kW <= n; v += kW) {
+    VF y;
+    load_v(y, x + v);
+    step(y);
+    store_v(e + v, y);
+  }
   VF8 y;
   for (; v + 8 <= n; v += 8) {
     load_vf8(y, x + v);
@@ -65,6 +69,22 @@ MOETRAIN_SOFTMAX_HOT double exp_row(float* e, const float* x, int64_t n, float m
     std::memcpy(e + v, buf, tail);
   }
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+MOETRAIN_SOFTMAX_HOT double exp_row_narrow(float* e, const float* x, int64_t n, float m, float g,
+                                           bool sum) {
+  return exp_row_impl<VF8>(e, x, n, m, g, sum);
+}
+#ifdef MOETRAIN_SOFTMAX_WIDE
+// 16 lanes where the CPU has AVX-512: each lane through the same operations, so the same bits.
+__attribute__((target("avx512f"))) double exp_row_wide(float* e, const float* x, int64_t n,
+                                                       float m, float g, bool sum) {
+  return exp_row_impl<VF16>(e, x, n, m, g, sum);
+}
+#endif
+
+double exp_row(float* e, const float* x, int64_t n, float m, float g, bool sum) {
+  return softmax_exp_row(true, e, x, n, m, g, sum);
 }
 
 // log Σ_v exp(x_v). Terms are float (each within an ulp) but summed in double, so a row of 10^5
@@ -216,6 +236,14 @@ void softmax_xent_shard_backward(float* dlogits, const float* dlosses, const flo
     const int64_t t = targets[n] - v0;
     if (t >= 0 && t < V) dx[t] -= g;
   }
+}
+
+double softmax_exp_row([[maybe_unused]] bool wide, float* e, const float* x, int64_t n, float m,
+                       float g, bool sum) {
+#ifdef MOETRAIN_SOFTMAX_WIDE
+  if (wide && cpu_has_avx512f()) return exp_row_wide(e, x, n, m, g, sum);
+#endif
+  return exp_row_narrow(e, x, n, m, g, sum);
 }
 
 }  // namespace moetrain

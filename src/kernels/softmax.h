@@ -44,4 +44,9 @@ void softmax_xent_shard_backward(float* dlogits, const float* dlosses, const flo
                                  const float* lse, const int32_t* targets, int64_t v0, int64_t N,
                                  int64_t V, int64_t V_total);
 
+// The exponentials of a row as every function above forms them: e[0, n) = exp(x[0, n) − m) · g,
+// returning Σ e in double when sum is set; the path chosen by the caller, for tests: wide takes
+// the 16-lane AVX-512 path where the CPU has it, else the 8-lane one; both give the same bits.
+double softmax_exp_row(bool wide, float* e, const float* x, int64_t n, float m, float g, bool sum);
+
 }  // namespace moetrain

@@ -191,6 +191,22 @@ typedef int64_t VL4 __attribute__((vector_size(32)));
   y = normal ? y : VD4{} + std::numeric_limits<double>::quiet_NaN();
 }
 
+// acc[k] += x[4q + k] in double for the quarters q of x in order: a sum of a row's floats in four
+// double lanes (each lane's terms in order, then the lanes folded by the caller) that gives the
+// same bits whatever the width of the vectors the row is read in.
+template <class VF>
+[[gnu::always_inline]] inline void add_quarters(VD4& acc, const VF& x) {
+  typedef double VD8 __attribute__((vector_size(64)));
+  constexpr int kHalves = sizeof(VF) / sizeof(VF8);
+  VF8 h[kHalves];
+  std::memcpy(h, &x, sizeof x);
+  for (int k = 0; k < kHalves; ++k) {
+    const VD8 d = __builtin_convertvector(h[k], VD8);
+    acc += __builtin_shufflevector(d, d, 0, 1, 2, 3);
+    acc += __builtin_shufflevector(d, d, 4, 5, 6, 7);
+  }
+}
+
 // max over x[0, n), NaNs passed over, as std::max in index order finds it: eight lanes, then the
 // lanes folded. A maximum is exact whichever way it is taken; only the sign of a zero maximum can
 // depend on the order, so that one case is taken again in order.
