@@ -20,6 +20,7 @@
 #include "core/profile.h"
 #include "kernels/attention.h"
 #include "kernels/attention_rows.h"
+#include "kernels/tile_gemm.h"
 
 namespace moetrain {
 
@@ -97,20 +98,27 @@ MOETRAIN_BF16_TARGET void pairs_along_sequence(uint32_t* dst, const float* src, 
 // C (M, N) = Σ over kp < KP of A(r, kp) · B(kp, ·) [+ C], f32 from bf16 pairs: A(r, kp) is the
 // word at A + r·sa_r + kp·sa_k, B(kp, n) the word at B + kp·ldb + n; N is a multiple of kCols.
 // Each C element is one chain of pair products in kp order, whatever the tiling or the thread.
+// causal as tile_gemm takes it (kernels/tile_gemm.h), its sum indices counted in values, not
+// pairs: a tile's pairs are those holding any value its rows read.
 MOETRAIN_BF16_TARGET void pair_gemm(float* C, int64_t ldc, const uint32_t* A, int64_t sa_r,
                                     int64_t sa_k, const uint32_t* B, int64_t ldb, int64_t M,
-                                    int64_t N, int64_t KP, bool accumulate) {
+                                    int64_t N, int64_t KP, bool accumulate,
+                                    TileCausal causal = {}) {
   for (int64_t j = 0; j < N; j += kCols) {
     for (int64_t i = 0; i < M; i += kRows) {
-      const int64_t R = std::min(kRows, M - i);
+      const int64_t R = std::min(kRows, M - i), limit = i + R + causal.offset;
+      if (causal.kind == TileCausal::Columns && j >= limit) continue;
+      int64_t kp0 = 0, kp1 = KP;
+      if (causal.kind == TileCausal::TermsTo) kp1 = std::min(KP, (limit + 1) / 2);
+      if (causal.kind == TileCausal::TermsFrom) kp0 = std::min(KP, (i + causal.offset) / 2);
       const uint32_t* a[kRows];
       __m512 acc[kRows];
       for (int64_t r = 0; r < kRows; ++r) {
         a[r] = A + std::min(i + r, M - 1) * sa_r;  // rows past M repeat the last; not stored
         acc[r] = accumulate && r < R ? _mm512_loadu_ps(C + (i + r) * ldc + j) : _mm512_setzero_ps();
       }
-      const uint32_t* b = B + j;
-      for (int64_t kp = 0; kp < KP; ++kp, b += ldb) {
+      const uint32_t* b = B + kp0 * ldb + j;
+      for (int64_t kp = kp0; kp < kp1; ++kp, b += ldb) {
         const __m512bh bv = (__m512bh)_mm512_loadu_si512(b);
         const int64_t ak = kp * sa_k;
 #pragma GCC unroll 8
@@ -163,7 +171,7 @@ MOETRAIN_BF16_TARGET void forward_blocks(float* out, float* lse, const float* q,
       const int64_t i0 = qb * kBlock, M = std::min(kBlock, T - i0), nk = i0 + M;
       const int64_t qrow = (b * T + i0) * NH + h;
       pair_gemm(s, Tp, qr + qrow * HP, NH * HP, 1, kx + (b * NKV + g) * HP * Tp, Tp, M,
-                round_up(nk, kCols), HP, false);
+                round_up(nk, kCols), HP, false, {TileCausal::Columns, i0});
       float inv_l[kBlock];
       RowSoftmax sm[kBlock];
       for (int64_t r = 0; r < M; ++r) {
@@ -173,7 +181,7 @@ MOETRAIN_BF16_TARGET void forward_blocks(float* out, float* lse, const float* q,
       }
       block_lse(lse + (b * NH + h) * T + i0, inv_l, sm, M);
       pair_gemm(o, HSp, pr, Tp / 2, 1, vt + (b * NKV + g) * (Tp / 2) * HSp, HSp, M, HSp, nk / 2,
-                false);
+                false, {TileCausal::TermsTo, i0});
       for (int64_t r = 0; r < M; ++r) {
         float* dst = out + (qrow + r * NH) * HS;
         for (int64_t x = 0; x < HS; ++x) dst[x] = o[r * HSp + x] * inv_l[r];
@@ -228,9 +236,9 @@ MOETRAIN_BF16_TARGET void backward_heads(float* dq, float* dk, float* dv, const 
                         N = round_up(nk, kCols);
           const int64_t qrow = (b * T + i0) * NH + h;
           pair_gemm(pm, Tp, qr + qrow * HP, NH * HP, 1, kx + (b * NKV + g) * HP * Tp, Tp, M, N, HP,
-                    false);
+                    false, {TileCausal::Columns, i0});
           pair_gemm(dsm, Tp, dor + qrow * HP, NH * HP, 1, vx + (b * NKV + g) * HP * Tp, Tp, M, N,
-                    HP, false);
+                    HP, false, {TileCausal::Columns, i0});
           for (int64_t r = 0; r < M; ++r) {
             const int64_t i = i0 + r;
             float* p = pm + r * Tp;
@@ -245,7 +253,7 @@ MOETRAIN_BF16_TARGET void backward_heads(float* dq, float* dk, float* dv, const 
             }
           }
           pair_gemm(acc, HSp, dsr, TP2, 1, kt + (b * NKV + g) * TP2 * HSp, HSp, M, HSp, nk / 2,
-                    false);
+                    false, {TileCausal::TermsTo, i0});
           for (int64_t r = 0; r < M; ++r) {
             float* dst = dq + (qrow + r * NH) * HS;
             for (int64_t x = 0; x < HS; ++x) dst[x] = acc[r * HSp + x] * scale;
@@ -258,9 +266,9 @@ MOETRAIN_BF16_TARGET void backward_heads(float* dq, float* dk, float* dv, const 
           const uint32_t* dob = dot + ((b * NH + h) * TP2 + j0 / 2) * HSp;
           const uint32_t* qb = qt + ((b * NH + h) * TP2 + j0 / 2) * HSp;
           pair_gemm(dv_acc + j0 * HSp, HSp, pc + (j0 / 2) * Tp + j0, 1, Tp, dob, HSp, M, HSp, KP,
-                    true);
+                    true, {TileCausal::TermsFrom, 0});
           pair_gemm(dk_acc + j0 * HSp, HSp, dsc + (j0 / 2) * Tp + j0, 1, Tp, qb, HSp, M, HSp, KP,
-                    true);
+                    true, {TileCausal::TermsFrom, 0});
         }
       }
       write_kv_gradients(dk, dv, dk_acc, dv_acc, b, g, T, NKV, HS, HSp, scale);
