@@ -56,6 +56,7 @@ Run add_plan_command(CLI::App& app) {
     std::string out, config, cluster, profile, load = "uniform";
     std::vector<std::string> overrides, sweep, mpi_args;
     int64_t procs = 0, ep = 0, tp = 1, etp = 1, pp = 1, vp = 1, threads = 0, zero = -1;
+    int64_t pp_first_layers = 0, pp_last_layers = 0;
     std::string recompute, recompute_modules, offload, pp_account;
     bool a2a_dedup = false, a2a_overlap = false;
     std::string pp_schedule, pp_trace;
@@ -117,6 +118,15 @@ Run add_plan_command(CLI::App& app) {
                   "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split: "
                   "embedding, loss, comma-separated; model.n_layers plus them must divide by "
                   "--pp × --vp (planner only)");
+  cmd->add_option("--pp-first-layers", args->pp_first_layers,
+                  "Blocks on the first pipeline stage, as Megatron-Core's "
+                  "decoder_first_pipeline_num_layers; the stages without a count share the rest "
+                  "evenly (with --vp 1, without --pp-account; planner only)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  cmd->add_option("--pp-last-layers", args->pp_last_layers,
+                  "Blocks on the last pipeline stage, as Megatron-Core's "
+                  "decoder_last_pipeline_num_layers (planner only)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   cmd->add_option("--zero", args->zero,
                   "ZeRO stage 0-3 for memory and time (default: the config's dist.zero)")
       ->check(CLI::Range(int64_t{0}, int64_t{3}));
@@ -127,8 +137,8 @@ Run add_plan_command(CLI::App& app) {
   cmd->add_option("--recompute-modules", args->recompute_modules,
                   "Selective recomputation on top of --recompute none or moe, as Megatron-Core's "
                   "recompute_modules: layernorm (the norms' outputs), moe_act (the experts' "
-                  "activation outputs), comma-separated; recomputed element-wise in backward "
-                  "(planner only)");
+                  "activation outputs), mla_up_proj (latent attention's per-head q, k, v: the "
+                  "up-projections rerun in backward), comma-separated (planner only)");
   cmd->add_flag("--offload{host_file}", args->offload,
                 "Optimizer state offload for memory: --offload (host_file: moments and master "
                 "weights in a host file, its disk time not timed) or --offload=none|host_file "
@@ -249,6 +259,8 @@ Run add_plan_command(CLI::App& app) {
     if (!args->recompute.empty()) layout.recompute = parse_recompute(args->recompute);
     layout.recompute_modules = plan::parse_recompute_modules(args->recompute_modules);
     plan::parse_pp_account(layout, args->pp_account);
+    layout.pp_first_layers = args->pp_first_layers;
+    layout.pp_last_layers = args->pp_last_layers;
     if (!args->offload.empty()) {
       MOETRAIN_CHECK(args->offload == "none" || args->offload == "host_file",
                      "--offload={}: allowed are none and host_file", args->offload);

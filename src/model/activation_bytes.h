@@ -23,11 +23,13 @@ struct ActivationBytes {
 // block does not keep, recomputed element-wise in backward from what it keeps.
 //   layernorm: each block's two RMSNorm outputs (and their rounded copies), recomputed from the
 //              norm's input and rstd, which stay;
-//   moe_act:   the routed experts' activation outputs g = act(a) · b, recomputed from a and b.
+//   moe_act:   the routed experts' activation outputs g = act(a) · b, recomputed from a and b;
+//   mla_up_proj: multi-head latent attention's per-head queries, keys and values, recomputed
+//              from the latents (the up-projections run again in backward).
 // Under recompute = full a block keeps only its input, so the modules drop nothing more.
 struct RecomputeModules {
-  bool layernorm = false, moe_act = false;
-  bool any() const { return layernorm || moe_act; }
+  bool layernorm = false, moe_act = false, mla_up_proj = false;
+  bool any() const { return layernorm || moe_act || mla_up_proj; }
 };
 ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, Recompute r,
                                  DType lp, int64_t ep = 1, RecomputeModules drop = {});

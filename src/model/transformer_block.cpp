@@ -333,12 +333,13 @@ ActivationBytes activation_parts(const ModelConfig& cfg, int64_t B, int64_t T, R
   // One block's activations (Transformer::LayerActs), dense FFN or not: ln1, xmid, ln2 and the
   // FFN's output (4 C), q, k, v, the attention's output, lse and the two rstd; rounded ln1 and
   // attention output; a dense FFN's h1, h3, g and rounded ln2 and g. Selective layernorm drops
-  // the two norms' outputs and their rounded copies.
+  // the two norms' outputs and their rounded copies, mla_up_proj the per-head q, k and v.
   auto block = [&](bool dense) {
     int64_t b = f * (N * (4 * C + NH * qk + NKV * qk + NKV * v + QD + latents + 2) + N * NH) +
                 h * N * (C + QD);
     if (dense) b += f * 3 * N * Fd + h * N * (C + Fd);
     if (drop.layernorm) b -= f * 2 * N * C + h * N * (dense ? 2 * C : C);
+    if (drop.mla_up_proj && cfg.mla()) b -= f * N * (NH * qk + NKV * qk + NKV * v);
     return b;
   };
   // One MoE layer: routing and router scores (kept in every mode), then the routed rows (sent

@@ -73,6 +73,8 @@ struct Memory {  // bytes per device
 
 struct Prediction {
   Layout layout;
+  // The blocks a pipeline stage holds where they are uneven, first/middle/last (pp_split_name).
+  std::string pp_split;
   StepParts parts;
   Memory memory;
   double step_time_s = 0;

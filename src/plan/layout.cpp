@@ -67,6 +67,7 @@ std::string planner_only(const RunConfig& cfg, const Layout& l) {
   if (l.recompute_modules.any())
     lacks.push_back("selective recomputation (" + recompute_modules_name(l.recompute_modules) +
                     ")");
+  if (l.pp_uneven()) lacks.push_back("uneven pipeline split (--pp-first-layers, --pp-last-layers)");
   if (!lacks.empty()) {
     std::string list;
     for (size_t i = 0; i < lacks.size(); ++i)
@@ -97,12 +98,42 @@ std::string planner_only(const RunConfig& cfg, const Layout& l) {
 
 RecomputeModules parse_recompute_modules(const std::string& list, const char* flag) {
   RecomputeModules m;
-  parse_flags(list, flag, "module", {{"layernorm", &m.layernorm}, {"moe_act", &m.moe_act}});
+  parse_flags(list, flag, "module",
+              {{"layernorm", &m.layernorm}, {"moe_act", &m.moe_act}, {"mla_up_proj", &m.mla_up_proj}});
   return m;
+}
+
+namespace {
+// Blocks of the first, a middle and the last stage under pp_first_layers / pp_last_layers.
+struct UnevenSplit {
+  int64_t first, middle, last;
+};
+UnevenSplit uneven_split(const Layout& layout, int64_t n_layers) {
+  const int64_t set = (layout.pp_first_layers > 0 ? 1 : 0) + (layout.pp_last_layers > 0 ? 1 : 0);
+  const int64_t rest_stages = layout.pp - set;
+  const int64_t rest = n_layers - layout.pp_first_layers - layout.pp_last_layers;
+  const int64_t middle = rest_stages > 0 ? rest / rest_stages : 0;
+  return {layout.pp_first_layers > 0 ? layout.pp_first_layers : middle, middle,
+          layout.pp_last_layers > 0 ? layout.pp_last_layers : middle};
+}
+}  // namespace
+
+std::string pp_split_name(const Layout& layout, int64_t n_layers) {
+  if (!layout.pp_uneven()) return {};
+  const UnevenSplit u = uneven_split(layout, n_layers);
+  return layout.pp > 2 ? fmt::format("{}/{}/{}", u.first, u.middle, u.last)
+                       : fmt::format("{}/{}", u.first, u.last);
 }
 
 PacingStage pacing_stage(const Layout& layout, int64_t n_layers, double block, double head) {
   const double L = static_cast<double>(n_layers);
+  if (layout.pp_uneven()) {
+    const UnevenSplit u = uneven_split(layout, n_layers);
+    const double first = static_cast<double>(u.first), last = static_cast<double>(u.last);
+    const double other = std::max(first, layout.pp > 2 ? static_cast<double>(u.middle) : 0.0);
+    if (last * block + head >= other * block) return {last / L, true};
+    return {other / L, false};
+  }
   if (!layout.pp_embedding_unit && !layout.pp_loss_unit)
     return {1.0 / static_cast<double>(layout.pp), true};
   const double U = static_cast<double>(layout.pp_units(n_layers)) / layout.pp;
@@ -123,7 +154,8 @@ std::string pp_account_name(const Layout& layout) {
 }
 
 std::string recompute_modules_name(const RecomputeModules& m) {
-  return flags_name({{"layernorm", m.layernorm}, {"moe_act", m.moe_act}});
+  return flags_name(
+      {{"layernorm", m.layernorm}, {"moe_act", m.moe_act}, {"mla_up_proj", m.mla_up_proj}});
 }
 
 std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, const Layout& layout) {
@@ -147,10 +179,29 @@ std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, con
         layout.pp == 1 ? fmt::format("{}", layout.procs)
                        : fmt::format("{} per pipeline stage", layout.procs / layout.pp));
   const bool units = layout.pp_embedding_unit || layout.pp_loss_unit;
+  if (layout.pp_first_layers < 0 || layout.pp_last_layers < 0)
+    return fmt::format("--pp-first-layers {} --pp-last-layers {}: each must be ≥ 0 (0: not set)",
+                       layout.pp_first_layers, layout.pp_last_layers);
+  if (layout.pp_uneven()) {
+    if (layout.pp == 1 || layout.vp > 1 || units)
+      return fmt::format("--pp-first-layers / --pp-last-layers need --pp > 1, --vp 1 and no "
+                         "--pp-account (got --pp {} --vp {}{})",
+                         layout.pp, layout.vp, units ? " --pp-account " + pp_account_name(layout)
+                                                     : std::string());
+    const int64_t set = (layout.pp_first_layers > 0 ? 1 : 0) + (layout.pp_last_layers > 0 ? 1 : 0);
+    const int64_t rest = m.n_layers - layout.pp_first_layers - layout.pp_last_layers;
+    const int64_t rest_stages = layout.pp - set;
+    if (rest_stages == 0 ? rest != 0 : rest < rest_stages || rest % rest_stages != 0)
+      return fmt::format(
+          "--pp-first-layers {} --pp-last-layers {}: the other {} of model.n_layers = {} must be "
+          "shared evenly by the other {} stage{} of --pp {}, at least one block each",
+          layout.pp_first_layers, layout.pp_last_layers, rest, m.n_layers, rest_stages,
+          rest_stages == 1 ? "" : "s", layout.pp);
+  }
   if (units && layout.pp == 1)
     return "--pp-account: the embedding and the loss take a block's place in a pipeline's split "
            "only with --pp > 1";
-  if (layout.pp_units(m.n_layers) % (layout.pp * layout.vp) != 0)
+  if (!layout.pp_uneven() && layout.pp_units(m.n_layers) % (layout.pp * layout.vp) != 0)
     return units ? fmt::format("model.n_layers = {} and the {} unit{} of --pp-account ({}) must "
                                "be divisible by --pp {} × --vp {}",
                                m.n_layers, layout.pp_units(m.n_layers) - m.n_layers,
@@ -174,6 +225,9 @@ std::string layout_problem(const RunConfig& cfg, const ClusterSpec& cluster, con
                              m.expert_hidden);
   if (m.n_experts % layout.ep != 0)
     return fmt::format("dist.ep = {} must divide model.n_experts = {}", layout.ep, m.n_experts);
+  if (layout.recompute_modules.mla_up_proj && !m.mla())
+    return "--recompute-modules mla_up_proj: the model has no multi-head latent attention "
+           "(model.kv_lora_rank = 0)";
   if (layout.recompute_modules.any()) {
     // Full keeps only each block's input: nothing is left to select. MoE recomputation already
     // drops the experts' intermediates, their activation outputs among them.

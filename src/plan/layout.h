@@ -55,6 +55,12 @@ struct Layout {
   int64_t pp_units(int64_t n_layers) const {
     return n_layers + (pp_embedding_unit ? 1 : 0) + (pp_loss_unit ? 1 : 0);
   }
+  // Megatron-Core's decoder_first_pipeline_num_layers and decoder_last_pipeline_num_layers
+  // (--pp-first-layers, --pp-last-layers; planner only): the first and the last stage hold this
+  // many blocks (0: not set), the other stages share the remaining blocks evenly (DeepSeek-V3's
+  // 61 blocks over 16 stages as 3, 14 × 4, 2). With --vp 1 and without --pp-account.
+  int64_t pp_first_layers = 0, pp_last_layers = 0;
+  bool pp_uneven() const { return pp_first_layers > 0 || pp_last_layers > 0; }
   // The pipeline schedule (parallel/pipeline_schedule.h); unset: interleaved with vp > 1, else
   // 1f1b.
   std::optional<PipeSchedule> schedule{};
@@ -95,7 +101,9 @@ RecomputeModules parse_recompute_modules(const std::string& list,
 // a block's place (Layout::pp_embedding_unit, pp_loss_unit), the stages hold U = (L + units) /
 // pp: the first U − 1 blocks beside the embedding, the last U − 1 beside the LM head, the others
 // U; the slowest of them paces (a middle stage where the head costs less than the block it
-// displaces). `block` and `head`: one layer's and the head's time for a micro-batch.
+// displaces). Where the first or the last stage's blocks are set (Layout::pp_first_layers,
+// pp_last_layers), those and the even share of the others, the slowest pacing likewise.
+// `block` and `head`: one layer's and the head's time for a micro-batch.
 struct PacingStage {
   double share = 1;  // of the n_layers
   bool head = true;
@@ -107,6 +115,9 @@ PacingStage pacing_stage(const Layout& layout, int64_t n_layers, double block, d
 void parse_pp_account(Layout& layout, const std::string& list, const char* flag = "--pp-account");
 // The units as --pp-account takes them ("embedding,loss"; "" for none).
 std::string pp_account_name(const Layout& layout);
+// The pipeline's blocks a stage, first / middle / last ("3/4/2"), where they are uneven
+// (Layout::pp_first_layers, pp_last_layers); "" otherwise. n_layers must pass layout_problem.
+std::string pp_split_name(const Layout& layout, int64_t n_layers);
 // The modules as --recompute-modules takes them ("layernorm,moe_act"; "" for none).
 std::string recompute_modules_name(const RecomputeModules& m);
 

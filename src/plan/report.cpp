@@ -84,6 +84,8 @@ nlohmann::json to_json(const Prediction& p) {
       {"a2a_overlap", p.layout.a2a_overlap},
       {"recompute_modules", recompute_modules_name(p.layout.recompute_modules)},
       {"pp_account", pp_account_name(p.layout)},
+      {"pp_first_layers", p.layout.pp_first_layers},
+      {"pp_last_layers", p.layout.pp_last_layers},
       {"a2a_hierarchical_asked", p.hierarchical_asked},
       {"parts",
        {{"attention_s", s.attention},
@@ -280,6 +282,10 @@ std::string format_table(const std::vector<Prediction>& ps) {
     row("pipeline split units", [](const Prediction& p) {
       const std::string u = pp_account_name(p.layout);
       return u.empty() ? std::string("blocks only") : u;
+    });
+  if (std::any_of(ps.begin(), ps.end(), [](const Prediction& p) { return p.layout.pp_uneven(); }))
+    row("blocks a stage (first/middle/last)", [](const Prediction& p) {
+      return p.pp_split.empty() ? std::string("even") : p.pp_split;
     });
   if (std::any_of(ps.begin(), ps.end(),
                   [](const Prediction& p) { return p.layout.recompute_modules.any(); }))

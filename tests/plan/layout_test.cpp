@@ -4,6 +4,7 @@
 
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "model/activation_bytes.h"
 #include "plan/grad_model.h"
 #include "train/memory_estimate.h"
 #include "support/expect_error.h"
@@ -306,6 +307,84 @@ TEST(PlanLayout, PipelineUnitsTakeABlocksPlaceInTheSplit) {
   EXPECT_NEAR(large.parts.attention, one_v.parts.attention * 1 / 6, one_v.parts.attention * 1e-12);
   EXPECT_NEAR(large.parts.lm_head, one_v.parts.lm_head, one_v.parts.lm_head * 1e-12);
   EXPECT_GT(large.parts.lm_head, large.parts.attention + large.parts.experts);
+}
+
+// Megatron-Core's first and last stage block counts: the other stages share the rest evenly; the
+// slowest stage paces (a middle one where the first and last hold fewer blocks and the head is
+// small, the last where the head is large).
+TEST(PlanLayout, UnevenPipelineSplitSetsTheFirstAndLastStagesBlocks) {
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
+  RunConfig cfg = run(8);
+  cfg.model.n_layers = 7;
+  const LoadModel load = uniform_load(8);
+  Layout pp3{.procs = 3, .ep = 1, .pp = 3};
+  EXPECT_NE(layout_problem(cfg, c, pp3).find("model.n_layers = 7 must be divisible"),
+            std::string::npos);
+  pp3.pp_first_layers = 2;
+  pp3.pp_last_layers = 2;
+  EXPECT_EQ(layout_problem(cfg, c, pp3), "");
+  EXPECT_EQ(pp_split_name(pp3, 7), "2/3/2");
+  EXPECT_NE(planner_only(cfg, pp3).find("uneven pipeline split"), std::string::npos);
+  pp3.pp_last_layers = 0;  // the last shares the rest with the middle: 5 over 2 stages
+  EXPECT_NE(layout_problem(cfg, c, pp3).find("the other 5 of model.n_layers = 7 must be shared "
+                                             "evenly by the other 2 stages of --pp 3"),
+            std::string::npos)
+      << layout_problem(cfg, c, pp3);
+  pp3.pp_first_layers = 1;  // 6 over 2: 1/3/3
+  EXPECT_EQ(layout_problem(cfg, c, pp3), "");
+  EXPECT_EQ(pp_split_name(pp3, 7), "1/3/3");
+  Layout with_vp = pp3;
+  with_vp.vp = 2;
+  EXPECT_NE(layout_problem(cfg, c, with_vp).find("need --pp > 1, --vp 1 and no --pp-account"),
+            std::string::npos);
+  Layout with_units = pp3;
+  parse_pp_account(with_units, "loss");
+  EXPECT_NE(layout_problem(cfg, c, with_units).find("--pp-account loss"), std::string::npos);
+
+  pp3.pp_first_layers = pp3.pp_last_layers = 2;
+  const Layout flat{.procs = 1, .ep = 1};
+  // Small vocabulary: a middle stage of 3 blocks paces, the head off the critical path.
+  const Prediction one = predict(cfg, c, flat, load);
+  const Prediction split = predict(cfg, c, pp3, load);
+  EXPECT_EQ(split.pp_split, "2/3/2");
+  EXPECT_NEAR(split.parts.attention, one.parts.attention * 3 / 7, one.parts.attention * 1e-12);
+  EXPECT_EQ(split.parts.lm_head, 0);
+  // A vocabulary of 256k: the last stage's 2 blocks and the head.
+  cfg.model.vocab_size = 262144;
+  const Prediction one_v = predict(cfg, c, flat, load);
+  const Prediction large = predict(cfg, c, pp3, load);
+  EXPECT_NEAR(large.parts.attention, one_v.parts.attention * 2 / 7, one_v.parts.attention * 1e-12);
+  EXPECT_NEAR(large.parts.lm_head, one_v.parts.lm_head, one_v.parts.lm_head * 1e-12);
+}
+
+// Selective mla_up_proj recomputation: latent attention's per-head q, k and v are not kept (their
+// bytes by hand), the up-projections' forwards run again; refused for a model without latent
+// attention.
+TEST(PlanLayout, MlaUpProjRecomputationDropsThePerHeadTensors) {
+  const ClusterSpec c = moetrain::testing::h100_nodes(1);
+  RunConfig cfg = run(8);
+  Layout l{.procs = 1, .ep = 1};
+  l.recompute_modules = parse_recompute_modules("mla_up_proj");
+  EXPECT_EQ(recompute_modules_name(l.recompute_modules), "mla_up_proj");
+  EXPECT_NE(layout_problem(cfg, c, l).find("no multi-head latent attention"), std::string::npos);
+  cfg.model.q_lora_rank = 192;
+  cfg.model.kv_lora_rank = 128;
+  cfg.model.qk_rope_head_dim = 32;
+  cfg.model.qk_nope_head_dim = 64;
+  cfg.model.v_head_dim = 64;
+  EXPECT_EQ(layout_problem(cfg, c, l), "");
+  const int64_t N = cfg.train.batch_size * cfg.train.seq_len, L = cfg.model.n_layers;
+  const ActivationBytes all = activation_parts(cfg.model, 2, 512, Recompute::None, DType::BF16);
+  const ActivationBytes kept = activation_parts(cfg.model, 2, 512, Recompute::None, DType::BF16,
+                                                1, l.recompute_modules);
+  // q and k of 96, v of 64 a head, 8 heads, f32 in the count.
+  EXPECT_EQ(all.blocks - kept.blocks, L * 4 * N * 8 * (96 + 96 + 64));
+  EXPECT_EQ(all.once, kept.once);
+  const Layout plain{.procs = 1, .ep = 1};
+  const Prediction keep = predict(cfg, c, plain, uniform_load(8));
+  const Prediction recompute = predict(cfg, c, l, uniform_load(8));
+  EXPECT_GT(recompute.parts.attention, keep.parts.attention);
+  EXPECT_LT(recompute.memory.activations, keep.memory.activations);
 }
 
 // The trainer runs gpipe, 1f1b, interleaved (virtual stages) and zero_bubble pipelines with

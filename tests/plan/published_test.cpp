@@ -9,6 +9,7 @@
 
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "plan/layout.h"
 #include "train/run_config.h"
 
 using namespace moetrain;
@@ -267,6 +268,55 @@ TEST(PlanPublished, ModelZooQwen3_235bOtherLayoutsRunAndFit) {
 TEST(PlanPublished, DISABLED_ModelZooQwen3_235bOtherLayoutsWithin25Percent) {
   for (const ZooLayout& z : qwen3_235b_zoo_layouts())
     EXPECT_NEAR(z.published_s / z.p.step_time_s, 1.0, 0.25) << z.name;
+}
+
+// NVIDIA's DGX Cloud benchmarking recipe for DeepSeek-V3 (dgxc-benchmarking,
+// deepseek_v3/pretraining, NeMo 25.04.01 container): 671B, BF16, sequence 4096, micro-batch 1,
+// TP 2, EP 64, ETP 1, no virtual stages, MLA up-projections recomputed; on 512 H100 PP 8 and a
+// global batch of 4096: 48.948 s a step (342,755.9 tokens/s, 669.4 a GPU); on 1024 H100 PP 16 and
+// 8192: 52.04 s (644,781.55 tokens/s, 629.7 a GPU). NeMo's performance script splits the 61
+// blocks 64 / pp − 1 on the first stage and 64 / pp − 2 on the last (7, six of 8, 6 at PP 8; 3,
+// fourteen of 4, 2 at PP 16). Its dispatcher is not stated: the planner's flat all-to-all.
+namespace {
+
+Prediction predict_deepseek_v3_dgxc(int64_t procs, int64_t pp, int64_t global_batch) {
+  Layout l{.procs = procs, .ep = 64, .tp = 2, .pp = pp};
+  l.pp_first_layers = 64 / pp - 1;
+  l.pp_last_layers = 64 / pp - 2;
+  l.recompute_modules = parse_recompute_modules("mla_up_proj");
+  const int64_t dp = procs / (2 * pp);
+  return predict_published("deepseek_v3_671b.toml", "dgx_h100_128nodes.toml", l,
+                           {"train.batch_size=1", "dist.zero=1",
+                            fmt::format("train.grad_accum={}", global_batch / dp)});
+}
+
+double deepseek_v3_error(const Prediction& p, int64_t procs, double published_tokens_per_s) {
+  const double ratio = p.tokens_per_s / published_tokens_per_s;
+  std::cout << fmt::format(
+      "{} H100: predicted {:.1f} s a step, {:.0f} tokens/s a GPU; published {:.0f} ({:+.0f}%)\n",
+      procs, p.step_time_s, p.tokens_per_s / static_cast<double>(procs),
+      published_tokens_per_s / static_cast<double>(procs), (ratio - 1) * 100);
+  return ratio;
+}
+
+}  // namespace
+
+TEST(PlanPublished, DgxcDeepSeekV3On512H100Within25PercentAndBothRunsFit) {
+  const Prediction p512 = predict_deepseek_v3_dgxc(512, 8, 4096);
+  EXPECT_EQ(p512.pp_split, "7/8/6");
+  EXPECT_TRUE(p512.fits);
+  EXPECT_NEAR(deepseek_v3_error(p512, 512, 342755.90), 1.0, 0.25);
+  const Prediction p1024 = predict_deepseek_v3_dgxc(1024, 16, 8192);
+  EXPECT_EQ(p1024.pp_split, "3/4/2");
+  EXPECT_TRUE(p1024.fits);
+  EXPECT_GT(deepseek_v3_error(p1024, 1024, 644781.55), 0);
+}
+
+// Not met: the planner is 31% optimistic at 1024 GPUs (docs/plan-published.md). Registered
+// disabled rather than loosened.
+TEST(PlanPublished, DISABLED_DgxcDeepSeekV3On1024H100Within25Percent) {
+  EXPECT_NEAR(deepseek_v3_error(predict_deepseek_v3_dgxc(1024, 16, 8192), 1024, 644781.55), 1.0,
+              0.25);
 }
 
 // DeepSpeed-MoE, 128 A100: the 1.3B-base MoE (128 experts, top-1, every other layer) at 372
