@@ -76,4 +76,19 @@ double attention_time(const DeviceModel& dev, DType prec, const ModelConfig& m, 
   return t;
 }
 
+double mla_up_proj_recompute_time(const DeviceModel& dev, DType prec, const ModelConfig& m,
+                                  int64_t B, int64_t T, int64_t tp) {
+  if (!m.mla()) return 0;
+  const double N = static_cast<double>(B * T), nh = static_cast<double>(m.n_heads / tp);
+  // With q_lora_rank = 0 the queries come from x directly: no up-projection to rerun.
+  const double up_q = m.q_lora_rank > 0
+                          ? linear_fb_time(dev, prec, N, nh * static_cast<double>(m.qk_head_dim()),
+                                           static_cast<double>(m.q_lora_rank))
+                          : 0.0;
+  const double up_kv = linear_fb_time(
+      dev, prec, N, nh * static_cast<double>(m.qk_nope_head_dim + m.value_head_dim()),
+      static_cast<double>(m.kv_lora_rank));
+  return (up_q + up_kv) / 3;
+}
+
 }  // namespace moetrain::plan

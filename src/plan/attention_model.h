@@ -24,4 +24,11 @@ AttentionFlops attention_forward_flops(const ModelConfig& m, int64_t layer, int6
 double attention_time(const DeviceModel& dev, DType prec, const ModelConfig& m, int64_t layer,
                       int64_t B, int64_t T, int64_t tp, double ab);
 
+// Seconds selective mla_up_proj recomputation adds to a block (Megatron-Core's recompute module):
+// latent attention's up-projections (q from its latent, and the keys' no-rope part and the values
+// from theirs) run their forwards again in backward, a third of their forward + backward, the
+// heads split over tp; 0 for a model without latent attention.
+double mla_up_proj_recompute_time(const DeviceModel& dev, DType prec, const ModelConfig& m,
+                                  int64_t B, int64_t T, int64_t tp);
+
 }  // namespace moetrain::plan

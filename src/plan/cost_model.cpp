@@ -214,20 +214,7 @@ Prediction predict_impl(const RunConfig& cfg, const ClusterSpec& cluster, const 
     // Selective layernorm recomputation runs the two norms' forwards again in backward: a third
     // of their forward + backward.
     if (mods.layernorm) s.norms += rmsnorm_time(dev, Ns, C, 2, ab) / 3;
-    // Selective mla_up_proj recomputation runs the up-projections' forwards again in backward
-    // (a third of their forward + backward; the split q·W_q when q_lora_rank = 0 is not one).
-    if (mods.mla_up_proj && m.mla()) {
-      const double nh = static_cast<double>(m.n_heads / tp);
-      const double up_q =
-          m.q_lora_rank > 0
-              ? linear_fb_time(dev, prec, N, nh * static_cast<double>(m.qk_head_dim()),
-                               static_cast<double>(m.q_lora_rank))
-              : 0.0;
-      const double up_kv = linear_fb_time(
-          dev, prec, N, nh * static_cast<double>(m.qk_nope_head_dim + m.value_head_dim()),
-          static_cast<double>(m.kv_lora_rank));
-      s.attention += (up_q + up_kv) / 3;
-    }
+    if (mods.mla_up_proj) s.attention += mla_up_proj_recompute_time(dev, prec, m, B, T, tp);
     if (m.is_dense_layer(l)) {
       const double Fd = static_cast<double>(m.dense_ffn_hidden() / tp);
       s.shared_expert += 2 * linear_fb_time(dev, prec, N, Fd, C) +
