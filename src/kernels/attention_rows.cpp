@@ -54,53 +54,47 @@ template <class VF>
 template <class VF>
 [[gnu::always_inline]] inline RowSoftmax softmax_row_impl(float* row, int64_t n, int64_t nk,
                                                           float scale) {
-  constexpr int64_t kW = sizeof(VF) / sizeof(float);
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t nr = round_up(n, 8);
-  VF mw = VF{} - std::numeric_limits<float>::infinity();
-  VF8 m8 = VF8{} - std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-  for (; j + kW <= nr; j += kW) {
-    VF x;
-    load_v(x, row + j);
+  // f(x, j) on the vector at column j: VF's width while it fits, then 8 lanes.
+  const auto each_vector = [row, nr](auto f) {
+    constexpr int64_t kW = sizeof(VF) / sizeof(float);
+    int64_t j = 0;
+    for (; j + kW <= nr; j += kW) {
+      VF x;
+      load_v(x, row + j);
+      f(x, j);
+      store_v(row + j, x);
+    }
+    for (; j < nr; j += 8) {
+      VF8 x;
+      load_v(x, row + j);
+      f(x, j);
+      store_v(row + j, x);
+    }
+  };
+  VF mw = VF{} - kInf;
+  VF8 m8 = VF8{} - kInf;
+  each_vector([n, scale, &mw, &m8](auto& x, int64_t j) {
     x = x * scale;
-    store_v(row + j, x);
-    VF y = x;
-    keep_lanes(y, n - j, -std::numeric_limits<float>::infinity());
-    mw = mw < y ? y : mw;
-  }
-  for (; j < nr; j += 8) {
-    VF8 x;
-    load_v(x, row + j);
-    x = x * scale;
-    store_v(row + j, x);
-    VF8 y = x;
-    keep_lanes(y, n - j, -std::numeric_limits<float>::infinity());
-    m8 = m8 < y ? y : m8;
-  }
-  float m = -std::numeric_limits<float>::infinity();
-  for (int k = 0; k < kW; ++k) m = std::max(m, mw[k]);
+    auto y = x;
+    keep_lanes(y, n - j, -kInf);
+    if constexpr (sizeof(y) == sizeof(VF8) && sizeof(VF) != sizeof(VF8))
+      m8 = m8 < y ? y : m8;
+    else
+      mw = mw < y ? y : mw;
+  });
+  float m = -kInf;
+  for (std::size_t k = 0; k < sizeof(VF) / sizeof(float); ++k) m = std::max(m, mw[k]);
   for (int k = 0; k < 8; ++k) m = std::max(m, m8[k]);
   if (m == 0.0f) m = row_max(row, n);
   VD4 acc = VD4{};
-  j = 0;
-  for (; j + kW <= nr; j += kW) {
-    VF x;
-    load_v(x, row + j);
+  each_vector([n, m, &acc](auto& x, int64_t j) {
     x -= m;
     exp_v(x, x);
     keep_lanes(x, n - j, 0.0f);
-    store_v(row + j, x);
     add_quarters(acc, x);
-  }
-  for (; j < nr; j += 8) {
-    VF8 x;
-    load_v(x, row + j);
-    x -= m;
-    exp_v(x, x);
-    keep_lanes(x, n - j, 0.0f);
-    store_v(row + j, x);
-    add_quarters(acc, x);
-  }
+  });
   if (nk > nr) std::fill(row + nr, row + nk, 0.0f);
   return {m, (acc[0] + acc[1]) + (acc[2] + acc[3])};
 }

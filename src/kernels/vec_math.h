@@ -68,6 +68,19 @@ template <class VF>
 // e^r from Cephes' expf polynomial (1 + r + r²·P(r), P of degree 5); 2^n applied as two powers
 // of two, each a normal float, so that results that overflow or fall into the subnormals are
 // rounded once, by the last multiplication.
+// e^r for r = x − n·ln 2 (both forms of exp_v below): the range reduction and the polynomial.
+template <class VF>
+[[gnu::always_inline]] inline void exp_reduced(VF& y, const VF& x, const VF& n) {
+  const VF r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  VF p = VF{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  y = (p * (r * r) + r) + 1.0f;
+}
+
 template <class VF>
 [[gnu::always_inline]] inline void exp_v(VF& y, const VF& in) {
   using VI = typename IntVec<VF>::type;
@@ -84,14 +97,7 @@ template <class VF>
   std::memcpy(&ni, &t, sizeof ni);
   std::memcpy(&mb, &magic, sizeof mb);
   ni -= mb;
-  const VF r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  VF p = VF{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  y = (p * (r * r) + r) + 1.0f;
+  exp_reduced(y, x, n);
   const VI n1 = ni >> 1, n2 = ni - n1;
   const VI b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
   VF s1, s2;
@@ -121,14 +127,7 @@ template <class VF>
   x = __builtin_ia32_maxps512_mask(VF16{} - 104.0f, x, x, kAll, kCurrent);
   const VF16 t = x * 1.44269504088896341f;
   const VF16 n = __builtin_ia32_rndscaleps_mask(t, kNearest, t, kAll, kCurrent);
-  const VF16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  VF16 p = VF16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  y = (p * (r * r) + r) + 1.0f;
+  exp_reduced(y, x, n);
   y = __builtin_ia32_scalefps512_mask(y, n, y, kAll, kCurrent);
 }
 #pragma GCC diagnostic pop
