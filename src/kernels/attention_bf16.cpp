@@ -106,11 +106,10 @@ MOETRAIN_BF16_TARGET void pair_gemm(float* C, int64_t ldc, const uint32_t* A, in
                                     TileCausal causal = {}) {
   for (int64_t j = 0; j < N; j += kCols) {
     for (int64_t i = 0; i < M; i += kRows) {
-      const int64_t R = std::min(kRows, M - i), limit = i + R + causal.offset;
-      if (causal.kind == TileCausal::Columns && j >= limit) continue;
-      int64_t kp0 = 0, kp1 = KP;
-      if (causal.kind == TileCausal::TermsTo) kp1 = std::min(KP, (limit + 1) / 2);
-      if (causal.kind == TileCausal::TermsFrom) kp0 = std::min(KP, (i + causal.offset) / 2);
+      const int64_t R = std::min(kRows, M - i);
+      int64_t k0 = 0, k1 = 2 * KP;  // in values; the pairs holding any of them
+      if (!causal.clip(i, R, j, k0, k1)) continue;
+      const int64_t kp0 = k0 / 2, kp1 = (k1 + 1) / 2;
       const uint32_t* a[kRows];
       __m512 acc[kRows];
       for (int64_t r = 0; r < kRows; ++r) {

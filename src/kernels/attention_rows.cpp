@@ -28,7 +28,6 @@ namespace {
 #define MOETRAIN_ROWS_HOT
 #endif
 
-
 // The softmax's exponentials go through exp_v (kernels/vec_math.h, within 1 ulp of exp), VF's
 // lanes at a time, then eight for the last columns of a row whose length is not a multiple of
 // the width. Lanes are independent, so a score's result does not depend on where its row ends or

@@ -65,27 +65,8 @@ template <class VF, int64_t R, int64_t kV, bool kTA>
   }
 }
 
-// The row tiles of columns [j, j + kV · lanes): R rows while R remain, then kMR.
-// A tile of rows [i, i + rows) under `causal`: false where its column block at j lies wholly past
-// its last row's limit; else true, with the tile's sum range [k0, k1) narrowed for the Terms kinds.
-[[gnu::always_inline]] inline bool causal_tile(const TileCausal& causal, int64_t i, int64_t rows,
-                                               int64_t j, int64_t& k0, int64_t& k1) {
-  const int64_t limit = i + rows + causal.offset;  // the last row's indices stop before this
-  switch (causal.kind) {
-    case TileCausal::Columns:
-      return j < limit;
-    case TileCausal::TermsTo:
-      k1 = std::max(k0, std::min(k1, limit));
-      return true;
-    case TileCausal::TermsFrom:
-      k0 = std::min(k1, std::max(k0, i + causal.offset));
-      return true;
-    case TileCausal::None:
-      break;
-  }
-  return true;
-}
-
+// The row tiles of columns [j, j + kV · lanes): R rows while R remain, then kMR; each tile's
+// columns and sum range as `causal` clips them.
 template <class VF, int64_t R, int64_t kV, bool kTA>
 [[gnu::always_inline]] inline void column_tiles(float* __restrict C, int64_t ldc,
                                                 const float* __restrict A, int64_t lda,
@@ -97,13 +78,13 @@ template <class VF, int64_t R, int64_t kV, bool kTA>
   if constexpr (R > kMR) {
     for (; i + R <= M; i += R) {
       int64_t ka = k0, kb = k1;
-      if (!causal_tile(causal, i, R, j, ka, kb)) continue;
+      if (!causal.clip(i, R, j, ka, kb)) continue;
       block_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, ka, kb, load_c);
     }
   }
   for (; i < M; i += kMR) {
     int64_t ka = k0, kb = k1;
-    if (!causal_tile(causal, i, kMR, j, ka, kb)) continue;
+    if (!causal.clip(i, kMR, j, ka, kb)) continue;
     block_tile<VF, kMR, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, ka, kb, load_c);
   }
 }

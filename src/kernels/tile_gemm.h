@@ -3,6 +3,7 @@
 // more than the product. Each output element is one sequential sum over k, whatever the tiling,
 // the vector width or the thread, so every path gives the same bits.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 namespace moetrain {
@@ -22,6 +23,26 @@ constexpr int64_t kTileCols = 16;  // N is a multiple of this
 struct TileCausal {
   enum Kind { None, Columns, TermsTo, TermsFrom } kind = None;
   int64_t offset = 0;
+
+  // A tile of rows [i, i + rows): false where its column block at j lies wholly past its last
+  // row's limit (Columns); else true, with the tile's sum range [k0, k1) narrowed (the Terms
+  // kinds). tile_gemm's tiles and the bf16 attention's pair tiles both cut here.
+  bool clip(int64_t i, int64_t rows, int64_t j, int64_t& k0, int64_t& k1) const {
+    const int64_t limit = i + rows + offset;  // the last row's indices stop before this
+    switch (kind) {
+      case Columns:
+        return j < limit;
+      case TermsTo:
+        k1 = std::max(k0, std::min(k1, limit));
+        return true;
+      case TermsFrom:
+        k0 = std::min(k1, std::max(k0, i + offset));
+        return true;
+      case None:
+        break;
+    }
+    return true;
+  }
 };
 
 // C (M, N) = A (M, K) · B (K, N) [+ C], row-major with leading dimensions; trans_a: A is stored
