@@ -104,10 +104,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
                 round_up(nk, kNR), HS, false, false, {TileCausal::Columns, i0});
       float inv_l[kBlock];
       RowSoftmax sm[kBlock];
-      for (int64_t r = 0; r < M; ++r) {
-        const int64_t last = i0 + r;  // the last key this query sees
-        sm[r] = softmax_row(s.data() + r * Tp, last + 1, nk, scale);
-      }
+      softmax_rows(sm, s.data(), Tp, M, i0 + 1, nk, scale);  // query i0 + r sees i0 + r + 1 keys
       block_lse(lse + (b * NH + h) * T + i0, inv_l, sm, M);
       const Rows vb = vrows.at(b, g, 0);
       tile_gemm(o.data(), HSp, s.data(), Tp, vb.p, vb.ld, M, HSp, nk, false, false,

@@ -173,11 +173,8 @@ MOETRAIN_BF16_TARGET void forward_blocks(float* out, float* lse, const float* q,
                 round_up(nk, kCols), HP, false, {TileCausal::Columns, i0});
       float inv_l[kBlock];
       RowSoftmax sm[kBlock];
-      for (int64_t r = 0; r < M; ++r) {
-        const int64_t last = i0 + r;
-        sm[r] = softmax_row(s + r * Tp, last + 1, nk, scale);
-        row_to_pairs(pr + r * (Tp / 2), s + r * Tp, nk);
-      }
+      softmax_rows(sm, s, Tp, M, i0 + 1, nk, scale);  // query i0 + r sees i0 + r + 1 keys
+      for (int64_t r = 0; r < M; ++r) row_to_pairs(pr + r * (Tp / 2), s + r * Tp, nk);
       block_lse(lse + (b * NH + h) * T + i0, inv_l, sm, M);
       pair_gemm(o, HSp, pr, Tp / 2, 1, vt + (b * NKV + g) * (Tp / 2) * HSp, HSp, M, HSp, nk / 2,
                 false, {TileCausal::TermsTo, i0});

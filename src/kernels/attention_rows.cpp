@@ -45,57 +45,90 @@ template <class VF>
   v = lane < room ? v : VF{} + fill;
 }
 
-// The row in two passes, VF vectors and then VF8 ones over round_up(n, 8) columns: scaled, with
-// the largest scaled score over [0, n) taken as they go (a maximum is the same whatever the
-// order: row_max's, NaNs passed over, and a zero maximum taken again in order for its sign); then
-// exp(x − m), lanes past n zeroed, stored and summed in double in the order of four lanes of two
-// halves, then the lanes in order.
+// The largest lane of v (no lane is NaN), halving the vector: the lanes' maximum is the same
+// whatever order it is taken in, bar the sign of a zero, which the caller takes again in order.
 template <class VF>
-[[gnu::always_inline]] inline RowSoftmax softmax_row_impl(float* row, int64_t n, int64_t nk,
-                                                          float scale) {
+[[gnu::always_inline]] inline float lanes_max(const VF& v) {
+  typedef float VF4 __attribute__((vector_size(16)));
+  VF8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  if constexpr (sizeof(VF) == sizeof(VF16)) {
+    const VF8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    h = h < hi ? hi : h;
+  }
+  VF4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3);
+  const VF4 q_hi = __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  q = q < q_hi ? q_hi : q;
+  const float x = std::max(q[0], q[2]), y = std::max(q[1], q[3]);
+  return std::max(x, y);
+}
+
+// kR rows of a block at once, row r of them from `row` + r · ld, seeing n[r] columns: each row
+// in two passes over its VF vectors up to the group's widest, round_up(max n, lanes): scaled,
+// with the largest scaled score over [0, n) taken as they go (a maximum is the same whatever the
+// order: NaNs passed over, a zero maximum taken again in order for its sign); then
+// exp(x − m), lanes at or past n zeroed, stored and summed in double in the order of four lanes
+// of two halves (add_quarters, the same order at either width: a vector wholly past n adds
+// zeros, which leave a sum of exponentials as it is), then the lanes in order. The rows' passes
+// interleave: their sums are separate chains of additions, which one row alone leaves waiting on
+// each other's latency.
+template <class VF, int kR>
+[[gnu::always_inline]] inline void softmax_group(RowSoftmax* sm, float* row, int64_t ld,
+                                                 const int64_t* n, int64_t nk, float scale) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  const int64_t nr = round_up(n, 8);
-  // f(x, j) on the vector at column j: VF's width while it fits, then 8 lanes.
-  const auto each_vector = [row, nr](auto f) {
-    constexpr int64_t kW = sizeof(VF) / sizeof(float);
-    int64_t j = 0;
-    for (; j + kW <= nr; j += kW) {
+  constexpr int64_t kW = sizeof(VF) / sizeof(float);
+  int64_t widest = 0;
+  for (int r = 0; r < kR; ++r) widest = std::max(widest, n[r]);
+  const int64_t nr = round_up(widest, kW);
+  VF mw[kR];
+  for (int r = 0; r < kR; ++r) mw[r] = VF{} - kInf;
+  for (int64_t j = 0; j < nr; j += kW) {
+    for (int r = 0; r < kR; ++r) {
       VF x;
-      load_v(x, row + j);
-      f(x, j);
-      store_v(row + j, x);
+      load_v(x, row + r * ld + j);
+      x = x * scale;
+      store_v(row + r * ld + j, x);
+      keep_lanes(x, n[r] - j, -kInf);
+      mw[r] = mw[r] < x ? x : mw[r];
     }
-    for (; j < nr; j += 8) {
-      VF8 x;
-      load_v(x, row + j);
-      f(x, j);
-      store_v(row + j, x);
+  }
+  float m[kR];
+  for (int r = 0; r < kR; ++r) {
+    m[r] = lanes_max(mw[r]);
+    if (m[r] == 0.0f) m[r] = row_max(row + r * ld, n[r]);
+  }
+  VD4 acc[kR];
+  for (int r = 0; r < kR; ++r) acc[r] = VD4{};
+  for (int64_t j = 0; j < nr; j += kW) {
+    for (int r = 0; r < kR; ++r) {
+      VF x;
+      load_v(x, row + r * ld + j);
+      x -= m[r];
+      exp_v(x, x);
+      keep_lanes(x, n[r] - j, 0.0f);
+      store_v(row + r * ld + j, x);
+      add_quarters(acc[r], x);
     }
-  };
-  VF mw = VF{} - kInf;
-  VF8 m8 = VF8{} - kInf;
-  each_vector([n, scale, &mw, &m8](auto& x, int64_t j) {
-    x = x * scale;
-    auto y = x;
-    keep_lanes(y, n - j, -kInf);
-    if constexpr (sizeof(y) == sizeof(VF8) && sizeof(VF) != sizeof(VF8))
-      m8 = m8 < y ? y : m8;
-    else
-      mw = mw < y ? y : mw;
-  });
-  float m = -kInf;
-  for (std::size_t k = 0; k < sizeof(VF) / sizeof(float); ++k) m = std::max(m, mw[k]);
-  for (int k = 0; k < 8; ++k) m = std::max(m, m8[k]);
-  if (m == 0.0f) m = row_max(row, n);
-  VD4 acc = VD4{};
-  each_vector([n, m, &acc](auto& x, int64_t j) {
-    x -= m;
-    exp_v(x, x);
-    keep_lanes(x, n - j, 0.0f);
-    add_quarters(acc, x);
-  });
-  if (nk > nr) std::fill(row + nr, row + nk, 0.0f);
-  return {m, (acc[0] + acc[1]) + (acc[2] + acc[3])};
+  }
+  for (int r = 0; r < kR; ++r) {
+    if (nk > nr) std::fill(row + r * ld + nr, row + r * ld + nk, 0.0f);
+    sm[r] = {m[r], (acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])};
+  }
+}
+
+// A block's rows, four at a time, then one at a time.
+template <class VF>
+[[gnu::always_inline]] inline void softmax_rows_impl(RowSoftmax* sm, float* s, int64_t ld,
+                                                     int64_t M, int64_t n0, int64_t nk,
+                                                     float scale) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) {
+    const int64_t n[4] = {n0 + r, n0 + r + 1, n0 + r + 2, n0 + r + 3};
+    softmax_group<VF, 4>(sm + r, s + r * ld, ld, n, nk, scale);
+  }
+  for (; r < M; ++r) {
+    const int64_t n[1] = {n0 + r};
+    softmax_group<VF, 1>(sm + r, s + r * ld, ld, n, nk, scale);
+  }
 }
 
 // p = exp(s·scale − L), ds = p · (dp − D) over one vector; L and D one float for the vector (a
@@ -122,16 +155,18 @@ template <class VF>
   for (; j < nr; j += 8) p_ds_vector<VF8>(s + j, dp + j, scale, L, D);
 }
 
-MOETRAIN_ROWS_HOT RowSoftmax softmax_row_narrow(float* row, int64_t n, int64_t nk, float scale) {
-  return softmax_row_impl<VF8>(row, n, nk, scale);
+MOETRAIN_ROWS_HOT void softmax_rows_narrow(RowSoftmax* sm, float* s, int64_t ld, int64_t M,
+                                           int64_t n0, int64_t nk, float scale) {
+  softmax_rows_impl<VF8>(sm, s, ld, M, n0, nk, scale);
 }
 MOETRAIN_ROWS_HOT void p_ds_row_narrow(float* s, float* dp, int64_t n, float scale, float L,
                                        float D) {
   p_ds_row_impl<VF8>(s, dp, n, scale, L, D);
 }
 #ifdef MOETRAIN_ROWS_WIDE
-MOETRAIN_ROWS_AVX512 RowSoftmax softmax_row_wide(float* row, int64_t n, int64_t nk, float scale) {
-  return softmax_row_impl<VF16>(row, n, nk, scale);
+MOETRAIN_ROWS_AVX512 void softmax_rows_wide(RowSoftmax* sm, float* s, int64_t ld, int64_t M,
+                                            int64_t n0, int64_t nk, float scale) {
+  softmax_rows_impl<VF16>(sm, s, ld, M, n0, nk, scale);
 }
 MOETRAIN_ROWS_AVX512 void p_ds_row_wide(float* s, float* dp, int64_t n, float scale, float L,
                                         float D) {
@@ -141,12 +176,12 @@ MOETRAIN_ROWS_AVX512 void p_ds_row_wide(float* s, float* dp, int64_t n, float sc
 
 }  // namespace
 
-RowSoftmax attention_softmax_row([[maybe_unused]] bool wide, float* row, int64_t n, int64_t nk,
-                                 float scale) {
+void attention_softmax_rows([[maybe_unused]] bool wide, RowSoftmax* sm, float* s, int64_t ld,
+                            int64_t M, int64_t n0, int64_t nk, float scale) {
 #ifdef MOETRAIN_ROWS_WIDE
-  if (wide && cpu_has_avx512f()) return softmax_row_wide(row, n, nk, scale);
+  if (wide && cpu_has_avx512f()) return softmax_rows_wide(sm, s, ld, M, n0, nk, scale);
 #endif
-  return softmax_row_narrow(row, n, nk, scale);
+  softmax_rows_narrow(sm, s, ld, M, n0, nk, scale);
 }
 
 void attention_p_ds_row([[maybe_unused]] bool wide, float* s, float* dp, int64_t n, float scale,
@@ -157,8 +192,9 @@ void attention_p_ds_row([[maybe_unused]] bool wide, float* s, float* dp, int64_t
   p_ds_row_narrow(s, dp, n, scale, L, D);
 }
 
-RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale) {
-  return attention_softmax_row(true, row, n, nk, scale);
+void softmax_rows(RowSoftmax* sm, float* s, int64_t ld, int64_t M, int64_t n0, int64_t nk,
+                  float scale) {
+  attention_softmax_rows(true, sm, s, ld, M, n0, nk, scale);
 }
 
 void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D) {

@@ -38,9 +38,12 @@ struct RowSoftmax {
   double l;  // sum of exp(score - m)
 };
 
-// row[0, n) *= scale, then exp(row[j] - m) in place, zeros on [n, nk). The row must be readable
-// and writable over round_up(max(n, nk), 8) columns.
-RowSoftmax softmax_row(float* row, int64_t n, int64_t nk, float scale);
+// The causal softmax of a block of M rows of scores, row r at s + r · ld seeing n0 + r columns:
+// row[0, n) *= scale, then exp(row[j] - m) in place, zeros on [n, nk), the row's maximum and sum
+// in sm[r]. Each row's bits are its own: the same whichever block or position it is taken in.
+// Rows must be readable and writable over round_up(max(n0 + M - 1, nk), 16) columns.
+void softmax_rows(RowSoftmax* sm, float* s, int64_t ld, int64_t M, int64_t n0, int64_t nk,
+                  float scale);
 
 // A block of forward rows' results from their softmaxes, r in [0, M): lse[r] = sm[r].m +
 // log(sm[r].l) and inv_l[r] = 1 / sm[r].l, each rounded to float; the log through log_vd4
@@ -57,9 +60,10 @@ void p_ds_row(float* s, float* dp, int64_t n, float scale, float L, float D);
 // read over n only; p and ds are written over n only.
 void p_ds_cols(float* p, float* ds, const float* L, const float* D, int64_t n, float scale);
 
-// softmax_row and p_ds_row, the path chosen by the caller, for tests: wide takes the 16-lane AVX-512 path
-// where the CPU has it, else the 8-lane one; both give the same bits.
-RowSoftmax attention_softmax_row(bool wide, float* row, int64_t n, int64_t nk, float scale);
+// softmax_rows and p_ds_row, the path chosen by the caller, for tests: wide takes the 16-lane
+// AVX-512 path where the CPU has it, else the 8-lane one; both give the same bits.
+void attention_softmax_rows(bool wide, RowSoftmax* sm, float* s, int64_t ld, int64_t M,
+                            int64_t n0, int64_t nk, float scale);
 void attention_p_ds_row(bool wide, float* s, float* dp, int64_t n, float scale, float L, float D);
 
 // D (B, NH, T) = Σ over the head's HS values of dout ⊙ out (B, T, NH, HS): the softmax Jacobian's
