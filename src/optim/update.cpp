@@ -49,7 +49,12 @@ void FlatGradient::scale_ranges(const std::vector<WeightedRange>& ranges) {
 UpdateOutcome check_and_clip(GradientShard& grads, Comm& comm, const UpdateOptions& opts) {
   UpdateOutcome out;
   out.loss_scale = opts.scaler ? static_cast<double>(opts.scaler->scale()) : 1.0;
-  int64_t bad = grads.has_non_finite() ? 1 : 0;
+  // Without a loss scale or reweighting, which change the gradients between the check and the
+  // norm, the sum of squares comes first: a finite sum has no non-finite term, so only a
+  // non-finite sum (or one that overflowed) needs the elements looked at.
+  const bool sum_first = !opts.scaler && !opts.reweight;
+  double sq = sum_first ? grads.sum_squares() : 0.0;
+  int64_t bad = sum_first && std::isfinite(sq) ? 0 : grads.has_non_finite() ? 1 : 0;
   comm.allreduce(&bad, 1);
   if (opts.scaler) {
     // The summed flag: every process takes the same decision and keeps the same scale.
@@ -61,7 +66,7 @@ UpdateOutcome check_and_clip(GradientShard& grads, Comm& comm, const UpdateOptio
                  comm.size() > 1 ? fmt::format(" on {} process(es)", bad) : std::string(),
                  opts.advice.empty() ? "" : " ", opts.advice);
   if (opts.reweight) opts.reweight->apply(grads, comm);
-  double sq = grads.sum_squares();
+  if (!sum_first) sq = grads.sum_squares();
   comm.allreduce(&sq, 1);
   out.grad_norm = std::sqrt(sq);
   if (opts.grad_clip > 0) {
