@@ -34,4 +34,15 @@ MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16(bf16* p, _
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// The same store for a loop that stores a whole range before it looks: the instruction alone
+// rounds, and the lanes' subnormal flags are or-ed into `seen`; where `seen` ends non-zero the
+// caller stores the range again by the scalar rule. A subnormal is rare in the ranges this
+// serves, and one test a range costs less than a test and branch a vector.
+MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16_flagged(bf16* p, __m512 v,
+                                                                             __mmask16& seen) {
+  constexpr int kSubnormal = 0x20;
+  seen |= _mm512_fpclass_ps_mask(v, kSubnormal);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 }  // namespace moetrain

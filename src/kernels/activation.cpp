@@ -231,14 +231,42 @@ MOETRAIN_SWIGLU_WIDE(bf16, MOETRAIN_AVX512F, wide, store_out)
 MOETRAIN_SWIGLU_WIDE(fp16, MOETRAIN_AVX512F, wide, store_out)
 #undef MOETRAIN_AVX512F
 
+#undef MOETRAIN_SWIGLU_WIDE
+
 // bf16 outputs on CPUs with AVX512_BF16: the same loops with each result rounded by
 // vcvtneps2bf16 (core/bf16_round.h: the same bits as the integer rounding, in one instruction
-// instead of ten).
-MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16_hw(bf16* p, const VF16& v) {
-  store_bf16x16(p, (__m512)v);
+// instead of ten), subnormal results looked for once a range (store_bf16x16_flagged): a range
+// that had one is stored again by the 16-lane loop of the integer rounding, the same bits.
+MOETRAIN_BF16_TARGET void swiglu_forward_bf16(bf16* out, const float* a, const float* b,
+                                              int64_t n) {
+  int64_t i = 0;
+  __mmask16 seen = 0;
+  VF16 av, bv, y;
+  for (; i + 16 <= n; i += 16) {
+    load_v(av, a + i);
+    load_v(bv, b + i);
+    swiglu_forward_v(y, av, bv);
+    store_bf16x16_flagged(out + i, (__m512)y, seen);
+  }
+  if (seen) swiglu_forward_wide(out, a, b, i);
+  if (i < n) swiglu_forward_range(out + i, a + i, b + i, n - i);
 }
-MOETRAIN_SWIGLU_WIDE(bf16, MOETRAIN_BF16_TARGET, bf16, store_bf16_hw)
-#undef MOETRAIN_SWIGLU_WIDE
+MOETRAIN_BF16_TARGET void swiglu_backward_bf16(bf16* da, bf16* db, const float* dout,
+                                               const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  __mmask16 seen = 0;
+  VF16 d, av, bv, ya, yb;
+  for (; i + 16 <= n; i += 16) {
+    load_v(d, dout + i);
+    load_v(av, a + i);
+    load_v(bv, b + i);
+    swiglu_backward_v(ya, yb, d, av, bv);
+    store_bf16x16_flagged(da + i, (__m512)ya, seen);
+    store_bf16x16_flagged(db + i, (__m512)yb, seen);
+  }
+  if (seen) swiglu_backward_wide(da, db, dout, a, b, i);
+  if (i < n) swiglu_backward_range(da + i, db + i, dout + i, a + i, b + i, n - i);
+}
 #endif
 
 bool use_wide() {
