@@ -65,8 +65,27 @@ template <class VF, int64_t R, int64_t kV, bool kTA>
   }
 }
 
-// The row tiles of columns [j, j + kV · lanes): R rows while R remain, then kMR; each tile's
-// columns and sum range as `causal` clips them.
+// One tile of rows [i, i + R) over columns [j, j + kV · lanes), as `causal` clips it: none where
+// its columns lie wholly past its rows' limit, the first column block alone where only the second
+// of two does (a causal block's diagonal: half the tile's products go unformed).
+template <class VF, int64_t R, int64_t kV, bool kTA>
+[[gnu::always_inline]] inline void clipped_tile(float* __restrict C, int64_t ldc,
+                                                const float* __restrict A, int64_t lda,
+                                                const float* __restrict B, int64_t ldb, int64_t M,
+                                                int64_t i, int64_t j, int64_t k0, int64_t k1,
+                                                bool load_c, const TileCausal& causal) {
+  constexpr int64_t kVb = kNR / static_cast<int64_t>(sizeof(VF) / sizeof(float));  // a block's
+  int64_t ka = k0, kb = k1;
+  if (!causal.clip(i, R, j, ka, kb)) return;
+  if constexpr (kV == 2 * kVb) {
+    int64_t ka2 = ka, kb2 = kb;
+    if (!causal.clip(i, R, j + kNR, ka2, kb2))
+      return block_tile<VF, R, kVb, kTA>(C, ldc, A, lda, B, ldb, M, i, j, ka, kb, load_c);
+  }
+  block_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, ka, kb, load_c);
+}
+
+// The row tiles of columns [j, j + kV · lanes): R rows while R remain, then kMR.
 template <class VF, int64_t R, int64_t kV, bool kTA>
 [[gnu::always_inline]] inline void column_tiles(float* __restrict C, int64_t ldc,
                                                 const float* __restrict A, int64_t lda,
@@ -76,17 +95,11 @@ template <class VF, int64_t R, int64_t kV, bool kTA>
   static_assert(R % kMR == 0);
   int64_t i = 0;
   if constexpr (R > kMR) {
-    for (; i + R <= M; i += R) {
-      int64_t ka = k0, kb = k1;
-      if (!causal.clip(i, R, j, ka, kb)) continue;
-      block_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, ka, kb, load_c);
-    }
+    for (; i + R <= M; i += R)
+      clipped_tile<VF, R, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c, causal);
   }
-  for (; i < M; i += kMR) {
-    int64_t ka = k0, kb = k1;
-    if (!causal.clip(i, kMR, j, ka, kb)) continue;
-    block_tile<VF, kMR, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, ka, kb, load_c);
-  }
+  for (; i < M; i += kMR)
+    clipped_tile<VF, kMR, kV, kTA>(C, ldc, A, lda, B, ldb, M, i, j, k0, k1, load_c, causal);
 }
 
 // C (M, N) = A (M, K) · B (K, N)  [+ C], row-major with leading dimensions.

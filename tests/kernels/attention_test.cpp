@@ -290,7 +290,7 @@ TEST(Attention, TileGemmSameBitsOnEveryPath) {
 TEST(Attention, TileGemmCausalGivesTheFullProductsBits) {
   uint64_t seed = 200;
   for (int64_t M : {1, 5, 12, 32})
-    for (int64_t offset : {0, 3, 32})
+    for (int64_t offset : {0, 1, 3, 9, 32})
       for (bool wide : {false, true}) {
         const int64_t rows = (M + 3) / 4 * 4, N = (M + offset + 15) / 16 * 16, K = 40, ld = N + 16;
         const auto A = random_vector(rows * K, ++seed), B = random_vector(K * ld, ++seed);
