@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <sys/mman.h>
+
 namespace moetrain {
 
 std::string shape_str(const Shape& s) {
@@ -23,8 +25,17 @@ int64_t shape_numel(const Shape& s) {
 void* aligned_alloc64(std::size_t bytes) {
   std::size_t rounded = (bytes + 63) / 64 * 64;
   if (rounded == 0) rounded = 64;
-  void* p = std::aligned_alloc(64, rounded);
+  // Blocks of a huge page or more start on one and ask for transparent huge pages (Linux's
+  // default leaves them to madvise): the optimizer's streams and the layers' activations then
+  // miss the TLB a 512th as often.
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  const bool huge = rounded >= kHuge;
+  if (huge) rounded = (rounded + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(huge ? kHuge : 64, rounded);
   MOETRAIN_CHECK(p != nullptr, "out of memory allocating {} bytes", bytes);
+#ifdef MADV_HUGEPAGE
+  if (huge) ::madvise(p, rounded, MADV_HUGEPAGE);  // advice only: no huge pages is no error
+#endif
   return p;
 }
 
