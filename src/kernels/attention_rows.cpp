@@ -28,11 +28,12 @@ namespace {
 #define MOETRAIN_ROWS_HOT
 #endif
 
-// The softmax's exponentials go through exp_v (kernels/vec_math.h, within 1 ulp of exp), VF's
-// lanes at a time, then eight for the last columns of a row whose length is not a multiple of
+// The exponentials go through exp_v (kernels/vec_math.h, within 1 ulp of exp), VF's lanes at a
+// time: the softmax's over whole vectors up to its rows' widest, lanes past a row's end masked;
+// the backward's rows then eight for the last columns of a row whose length is not a multiple of
 // the width. Lanes are independent, so a score's result does not depend on where its row ends or
-// on the width: a row's last partial vector reads scores tile_gemm has written past the row's end
-// (and its results there are overwritten), or padded copies where the data itself ends.
+// on the width: a row's last partial vector reads whatever lies past the row's end (masked, or
+// overwritten by its caller), or padded copies where the data itself ends.
 
 // Lanes of v at or past `valid` set to `fill` (valid may exceed the width: then none), in place.
 template <class VF>
