@@ -22,16 +22,23 @@ namespace moetrain {
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 
+// vfpclassps's category of a denormal (subnormal) lane.
+constexpr int kFpclassSubnormal = 0x20;
+
+// p[0..16) = the instruction's rounding of v: bf16(v[k]) for every lane that is not subnormal.
+MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16_cvt(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // p[0..16) = bf16(v[k]) for each lane k.
 MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16(bf16* p, __m512 v) {
-  constexpr int kSubnormal = 0x20;  // vfpclassps category: denormal
-  if (_mm512_fpclass_ps_mask(v, kSubnormal)) [[unlikely]] {
+  if (_mm512_fpclass_ps_mask(v, kFpclassSubnormal)) [[unlikely]] {
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, v);
     for (int k = 0; k < 16; ++k) p[k] = bf16(lanes[k]);
     return;
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+  store_bf16x16_cvt(p, v);
 }
 
 // The same store for a loop that stores a whole range before it looks: the instruction alone
@@ -39,10 +46,9 @@ MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16(bf16* p, _
 // caller stores the range again by the scalar rule. A subnormal is rare in the ranges this
 // serves, and one test a range costs less than a test and branch a vector.
 MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16x16_flagged(bf16* p, __m512 v,
-                                                                             __mmask16& seen) {
-  constexpr int kSubnormal = 0x20;
-  seen |= _mm512_fpclass_ps_mask(v, kSubnormal);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+                                                                             unsigned& seen) {
+  seen |= _mm512_fpclass_ps_mask(v, kFpclassSubnormal);
+  store_bf16x16_cvt(p, v);
 }
 
 }  // namespace moetrain

@@ -198,75 +198,60 @@ MOETRAIN_SWIGLU_RANGES(fp16)
 // takes the last n % 16 elements: the results are the same bits either way.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOETRAIN_ACT_WIDE 1
-// The 16-lane loops, built for `target` and storing with `store` (name: the functions' suffix).
+// The 16-lane loops, built for `target` and storing with `store(p, v, flags)` (name: the
+// functions' suffix). A store may leave a vector's rounding to be done again (flags set: the
+// AVX512_BF16 store below, for subnormal results); a range that set any is stored again by the
+// AVX-512 loops, which round by the integer rule: the same bits.
 #define MOETRAIN_SWIGLU_WIDE(Out, target, name, store)                                      \
   target void swiglu_forward_##name(Out* out, const float* a, const float* b, int64_t n) {  \
     int64_t i = 0;                                                                          \
+    unsigned flags = 0;                                                                     \
     VF16 av, bv, y;                                                                         \
     for (; i + 16 <= n; i += 16) {                                                          \
       load_v(av, a + i);                                                                    \
       load_v(bv, b + i);                                                                    \
       swiglu_forward_v(y, av, bv);                                                          \
-      store(out + i, y);                                                                    \
+      store(out + i, y, flags);                                                             \
     }                                                                                       \
+    if (flags) swiglu_forward_wide(out, a, b, i);                                           \
     if (i < n) swiglu_forward_range(out + i, a + i, b + i, n - i);                          \
   }                                                                                         \
   target void swiglu_backward_##name(Out* da, Out* db, const float* dout, const float* a,   \
                                      const float* b, int64_t n) {                           \
     int64_t i = 0;                                                                          \
+    unsigned flags = 0;                                                                     \
     VF16 d, av, bv, ya, yb;                                                                 \
     for (; i + 16 <= n; i += 16) {                                                          \
       load_v(d, dout + i);                                                                  \
       load_v(av, a + i);                                                                    \
       load_v(bv, b + i);                                                                    \
       swiglu_backward_v(ya, yb, d, av, bv);                                                 \
-      store(da + i, ya);                                                                    \
-      store(db + i, yb);                                                                    \
+      store(da + i, ya, flags);                                                             \
+      store(db + i, yb, flags);                                                             \
     }                                                                                       \
+    if (flags) swiglu_backward_wide(da, db, dout, a, b, i);                                 \
     if (i < n) swiglu_backward_range(da + i, db + i, dout + i, a + i, b + i, n - i);        \
   }
+// The AVX-512 loops round by store_out's integer rule, exact for every lane (no flags).
+template <class T>
+[[gnu::always_inline]] inline void store_exact(T* p, const VF16& v, unsigned&) {
+  store_out(p, v);
+}
 #define MOETRAIN_AVX512F __attribute__((target("avx512f")))
-MOETRAIN_SWIGLU_WIDE(float, MOETRAIN_AVX512F, wide, store_out)
-MOETRAIN_SWIGLU_WIDE(bf16, MOETRAIN_AVX512F, wide, store_out)
-MOETRAIN_SWIGLU_WIDE(fp16, MOETRAIN_AVX512F, wide, store_out)
+MOETRAIN_SWIGLU_WIDE(float, MOETRAIN_AVX512F, wide, store_exact)
+MOETRAIN_SWIGLU_WIDE(bf16, MOETRAIN_AVX512F, wide, store_exact)
+MOETRAIN_SWIGLU_WIDE(fp16, MOETRAIN_AVX512F, wide, store_exact)
 #undef MOETRAIN_AVX512F
-
-#undef MOETRAIN_SWIGLU_WIDE
 
 // bf16 outputs on CPUs with AVX512_BF16: the same loops with each result rounded by
 // vcvtneps2bf16 (core/bf16_round.h: the same bits as the integer rounding, in one instruction
-// instead of ten), subnormal results looked for once a range (store_bf16x16_flagged): a range
-// that had one is stored again by the 16-lane loop of the integer rounding, the same bits.
-MOETRAIN_BF16_TARGET void swiglu_forward_bf16(bf16* out, const float* a, const float* b,
-                                              int64_t n) {
-  int64_t i = 0;
-  __mmask16 seen = 0;
-  VF16 av, bv, y;
-  for (; i + 16 <= n; i += 16) {
-    load_v(av, a + i);
-    load_v(bv, b + i);
-    swiglu_forward_v(y, av, bv);
-    store_bf16x16_flagged(out + i, (__m512)y, seen);
-  }
-  if (seen) swiglu_forward_wide(out, a, b, i);
-  if (i < n) swiglu_forward_range(out + i, a + i, b + i, n - i);
+// instead of ten), subnormal results looked for once a range (store_bf16x16_flagged).
+MOETRAIN_BF16_TARGET [[gnu::always_inline]] inline void store_bf16_hw(bf16* p, const VF16& v,
+                                                                     unsigned& flags) {
+  store_bf16x16_flagged(p, (__m512)v, flags);
 }
-MOETRAIN_BF16_TARGET void swiglu_backward_bf16(bf16* da, bf16* db, const float* dout,
-                                               const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  __mmask16 seen = 0;
-  VF16 d, av, bv, ya, yb;
-  for (; i + 16 <= n; i += 16) {
-    load_v(d, dout + i);
-    load_v(av, a + i);
-    load_v(bv, b + i);
-    swiglu_backward_v(ya, yb, d, av, bv);
-    store_bf16x16_flagged(da + i, (__m512)ya, seen);
-    store_bf16x16_flagged(db + i, (__m512)yb, seen);
-  }
-  if (seen) swiglu_backward_wide(da, db, dout, a, b, i);
-  if (i < n) swiglu_backward_range(da + i, db + i, dout + i, a + i, b + i, n - i);
-}
+MOETRAIN_SWIGLU_WIDE(bf16, MOETRAIN_BF16_TARGET, bf16, store_bf16_hw)
+#undef MOETRAIN_SWIGLU_WIDE
 #endif
 
 bool use_wide() {
