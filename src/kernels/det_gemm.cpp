@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "core/buffer.h"
 #include "core/check.h"
 #include "core/profile.h"
+#include "kernels/tile_gemm.h"
 
 namespace moetrain {
 
@@ -40,11 +42,57 @@ inline float to_f(fp16 x) {
   return x.to_float();
 }
 
+// f32 products with a side narrower than one tile of columns (a router's E logits a token, their
+// gradient's E terms, the gate's E rows of weight gradient): oneDNN runs these at a tenth of its
+// rate or less, so the attention's tile kernel takes them. Each element is then one sequential
+// sum over k, on every CPU path and for every row count (tile_gemm.h).
+bool narrow(int64_t n) {
+  return n < kTileCols;
+}
+
+// tile_gemm writes round_up(M, kTileRows) rows of C: the rows past M go through a scratch tile.
+void tile_rows(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+               int64_t M, int64_t N, int64_t K, bool accumulate, bool trans_a) {
+  const int64_t whole = M / kTileRows * kTileRows, rest = M - whole;
+  if (whole > 0) tile_gemm(C, ldc, A, lda, B, ldb, whole, N, K, accumulate, trans_a);
+  if (rest == 0) return;
+  thread_local std::vector<float> tail;
+  tail.resize(static_cast<std::size_t>(kTileRows * N));
+  for (int64_t m = 0; m < rest; ++m)
+    if (accumulate) std::copy_n(C + (whole + m) * ldc, N, tail.data() + m * N);
+  const float* a = trans_a ? A + whole : A + whole * lda;
+  tile_gemm(tail.data(), N, a, lda, B, ldb, rest, N, K, accumulate, trans_a);
+  for (int64_t m = 0; m < rest; ++m) std::copy_n(tail.data() + m * N, N, C + (whole + m) * ldc);
+}
+
+// C (M, N) = A (M, K) · op(B) [+ C] with N or K narrow: B as (K, N) rows padded with zero
+// columns to a multiple of kTileCols, C through a scratch of that width where N is not one.
+void narrow_task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B,
+                      float* C, bool accumulate) {
+  const int64_t W = (N + kTileCols - 1) / kTileCols * kTileCols;
+  if (tb == Trans::N && W == N) return tile_rows(C, N, A, K, B, N, M, N, K, accumulate, false);
+  thread_local std::vector<float> bp, cp;
+  bp.assign(static_cast<std::size_t>(K * W), 0.0f);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) bp[k * W + n] = tb == Trans::T ? B[n * K + k] : B[k * N + n];
+  if (W == N) return tile_rows(C, N, A, K, bp.data(), W, M, N, K, accumulate, false);
+  cp.resize(static_cast<std::size_t>(M * W));
+  if (accumulate) {
+    for (int64_t m = 0; m < M; ++m) std::copy_n(C + m * N, N, cp.data() + m * W);
+  }
+  tile_rows(cp.data(), W, A, K, bp.data(), W, M, W, K, accumulate, false);
+  for (int64_t m = 0; m < M; ++m) std::copy_n(cp.data() + m * W, N, C + m * N);
+}
+
 }  // namespace
 
 template <class T>
 void task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B, float* C,
                bool accumulate) {
+  if constexpr (std::is_same_v<T, float>) {
+    if ((narrow(N) || narrow(K)) && !is_small_gemm(M, N, K))
+      return narrow_task_gemm(tb, M, N, K, A, B, C, accumulate);
+  }
   if (!is_small_gemm(M, N, K)) {
     grouped_gemm(tb, 1, &M, N, K, A, B, 0, C, accumulate);
     return;
@@ -72,6 +120,11 @@ void task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const T* A, const T* B
 template <class T>
 void task_gemm_reduce(int64_t M, int64_t P, int64_t Q, const T* A, const T* B, float* C,
                       bool accumulate) {
+  if constexpr (std::is_same_v<T, float>) {
+    // Aᵀ is the tile kernel's transposed A; Q a whole number of its column tiles.
+    if (narrow(P) && Q % kTileCols == 0 && !is_small_gemm(M, P, Q))
+      return tile_rows(C, Q, A, P, B, Q, P, Q, M, accumulate, true);
+  }
   if (!is_small_gemm(M, P, Q)) {
     grouped_gemm_reduce(1, &M, P, Q, A, B, C, 0, accumulate);
     return;

@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels/det_gemm.h"
@@ -121,10 +122,32 @@ TEST_P(DetGemmTest, ReduceMatchesReference) {
   });
 }
 
+// A narrow product's rows (kernels/tile_gemm) come out the same bits whatever block of rows
+// they are computed in: a router's logits do not depend on how its tokens are cut into tasks.
+TEST(DetGemm, NarrowRowsSameBitsInAnyBlock) {
+  for (auto [N, K] : {std::pair<int64_t, int64_t>{8, 128}, {128, 8}, {5, 64}}) {
+    for (Trans tb : {Trans::N, Trans::T}) {
+      const int64_t M = 301, cut = 150;
+      auto A = random_vector(M * K, 8), B = random_vector(N * K, 9);
+      std::vector<float> whole = random_vector(M * N, 10), parts = whole;
+      task_gemm(tb, M, N, K, A.data(), B.data(), whole.data(), true);
+      task_gemm(tb, cut, N, K, A.data(), B.data(), parts.data(), true);
+      task_gemm(tb, M - cut, N, K, A.data() + cut * K, B.data(), parts.data() + cut * N, true);
+      EXPECT_EQ(0, std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float)))
+          << "N=" << N << " K=" << K << " tb=" << (tb == Trans::T ? "T" : "N");
+    }
+  }
+}
+
 // Small shapes run as plain loops; larger ones through oneDNN in row blocks, and a group of
-// more than 2048 rows splits its reduction into summed chunks.
+// more than 2048 rows splits its reduction into summed chunks. Products with a side under 16
+// (a router's: N or K of 8, a reduction's P of 8 with Q a multiple of 16) take the tile kernel,
+// rows past the last whole tile of 4 through a scratch tile.
 INSTANTIATE_TEST_SUITE_P(Shapes, DetGemmTest,
                          ::testing::Values(GemmShape{{}, 4, 3}, GemmShape{{0}, 4, 3},
                                            GemmShape{{1}, 1, 1}, GemmShape{{3, 0, 5}, 6, 7},
                                            GemmShape{{0, 300, 1, 0, 557}, 33, 20},
-                                           GemmShape{{4500, 7}, 9, 12}));
+                                           GemmShape{{4500, 7}, 9, 12},
+                                           GemmShape{{1027, 0, 513}, 8, 128},
+                                           GemmShape{{2049, 66}, 8, 32},
+                                           GemmShape{{515, 301}, 128, 8}));
