@@ -58,8 +58,9 @@ void tile_rows(float* C, int64_t ldc, const float* A, int64_t lda, const float* 
   if (rest == 0) return;
   thread_local std::vector<float> tail;
   tail.resize(static_cast<std::size_t>(kTileRows * N));
-  for (int64_t m = 0; m < rest; ++m)
-    if (accumulate) std::copy_n(C + (whole + m) * ldc, N, tail.data() + m * N);
+  if (accumulate) {
+    for (int64_t m = 0; m < rest; ++m) std::copy_n(C + (whole + m) * ldc, N, tail.data() + m * N);
+  }
   const float* a = trans_a ? A + whole : A + whole * lda;
   tile_gemm(tail.data(), N, a, lda, B, ldb, rest, N, K, accumulate, trans_a);
   for (int64_t m = 0; m < rest; ++m) std::copy_n(tail.data() + m * N, N, C + (whole + m) * ldc);

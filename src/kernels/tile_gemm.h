@@ -1,8 +1,9 @@
 // The register-tiled f32 GEMM of the attention kernels (kernels/attention.cpp): scores, weighted
 // sums and their gradients over blocks of a sequence, small enough that a oneDNN call would cost
-// more than the product; and of the task products with a side under 16 (kernels/det_gemm.cpp:
-// a router's E logits a token), which oneDNN runs at a fraction of its rate. Each output element is one sequential sum over k, whatever the tiling,
-// the vector width or the thread, so every path gives the same bits.
+// more than the product; and of the task products with a side under 16 (kernels/det_gemm.cpp: a
+// router's E logits a token), which oneDNN runs at a fraction of its rate. Each output element is
+// one sequential sum over k, whatever the tiling, the vector width or the thread, so every path
+// gives the same bits.
 #pragma once
 #include <algorithm>
 #include <cstdint>
