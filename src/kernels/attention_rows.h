@@ -1,8 +1,9 @@
 // The work both attention implementations on the CPU share (kernels/attention.cpp in f32,
 // kernels/attention_bf16.cpp with bf16 products), in kernels/attention_rows.cpp: their
 // thread-kept scratch, the f32 kernel's head transposes (kernels/attention_pack.cpp), the causal
-// softmax of a block's rows of scores, the backward's probabilities and score gradients of a row, the
-// backward's row terms D, and the one-pass backward's write of a task's key and value gradients.
+// softmax of a block's rows of scores, the backward's probabilities and score gradients of a row,
+// the backward's row terms D, and the one-pass backward's write of a task's key and value
+// gradients.
 #pragma once
 #include <cstdint>
 

@@ -71,17 +71,20 @@ void tile_rows(float* C, int64_t ldc, const float* A, int64_t lda, const float* 
 void narrow_task_gemm(Trans tb, int64_t M, int64_t N, int64_t K, const float* A, const float* B,
                       float* C, bool accumulate) {
   const int64_t W = (N + kTileCols - 1) / kTileCols * kTileCols;
-  if (tb == Trans::N && W == N) return tile_rows(C, N, A, K, B, N, M, N, K, accumulate, false);
   thread_local std::vector<float> bp, cp;
-  bp.assign(static_cast<std::size_t>(K * W), 0.0f);
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t n = 0; n < N; ++n) bp[k * W + n] = tb == Trans::T ? B[n * K + k] : B[k * N + n];
-  if (W == N) return tile_rows(C, N, A, K, bp.data(), W, M, N, K, accumulate, false);
+  const float* bw = B;  // B as (K, W) rows
+  if (tb == Trans::T || W != N) {
+    bp.assign(static_cast<std::size_t>(K * W), 0.0f);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) bp[k * W + n] = tb == Trans::T ? B[n * K + k] : B[k * N + n];
+    bw = bp.data();
+  }
+  if (W == N) return tile_rows(C, N, A, K, bw, W, M, N, K, accumulate, false);
   cp.resize(static_cast<std::size_t>(M * W));
   if (accumulate) {
     for (int64_t m = 0; m < M; ++m) std::copy_n(C + m * N, N, cp.data() + m * W);
   }
-  tile_rows(cp.data(), W, A, K, bp.data(), W, M, W, K, accumulate, false);
+  tile_rows(cp.data(), W, A, K, bw, W, M, W, K, accumulate, false);
   for (int64_t m = 0; m < M; ++m) std::copy_n(cp.data() + m * W, N, C + m * N);
 }
 

@@ -368,7 +368,8 @@ TEST(Attention, RowsSameBitsOnEveryPath) {
           for (int64_t c = 0; c < nk; ++c) {
             const float x = whole[r * ld + c];
             ASSERT_EQ(std::bit_cast<uint32_t>(x), std::bit_cast<uint32_t>(alone[r * ld + c]))
-                << "block against row alone: n=" << n << " M=" << M << " (" << r << ", " << c << ")";
+                << "block against row alone: n=" << n << " M=" << M << " (" << r << ", " << c
+                << ")";
             ASSERT_EQ(std::bit_cast<uint32_t>(x), std::bit_cast<uint32_t>(narrow[r * ld + c]))
                 << "wide against narrow: n=" << n << " M=" << M << " (" << r << ", " << c << ")";
             if (c >= n + r) {
